@@ -1,0 +1,31 @@
+"""axkern: fast JAX kernels for LLM and SSM training, as named-axis functions over haliax arrays.
+
+```python
+import axkern
+loss = axkern.fused_cross_entropy(x, lm_head, labels, Embed="embed", Vocab="vocab")
+print(axkern.explain(axkern.fused_cross_entropy, x, lm_head, labels))
+```
+"""
+
+from . import positional
+from .core.config import use
+from .core.op import Decision, FallbackWarning, Unsupported, explain, get_op, registered_ops
+from .ops.fused_cross_entropy import CrossEntropyBlockSizes, fused_cross_entropy
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "fused_cross_entropy", "CrossEntropyBlockSizes",
+    "explain", "use", "implementations", "ops",
+    "Decision", "FallbackWarning", "Unsupported", "positional",
+]
+
+
+def ops() -> list[str]:
+    """Names of the registered ops."""
+    return sorted(registered_ops())
+
+
+def implementations(op: str) -> dict[str, tuple[str, ...]]:
+    """An op's implementations and the platforms each runs on, in registration order."""
+    return {name: impl.platforms for name, impl in get_op(op).implementations.items()}

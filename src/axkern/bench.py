@@ -1,0 +1,166 @@
+"""The harness behind `axkern bench`: time every implementation of an op on a set of shapes.
+
+Each op supplies `Case`s (in `ops/<op>/arg_specs.py`): how to make inputs, the forward and
+the scalar loss whose gradient is the backward, and the FLOPs each pass must do. For each
+case and implementation we compile once, report peak temporary memory from
+`compiled.memory_analysis()`, check the outputs against the `reference` implementation on
+the same inputs, then time device-synchronised calls (warm-up, median of repeats).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from .core import backend
+from .core.op import Unsupported, get_op
+
+__all__ = ["Case", "Row", "measure", "matmul_ceiling", "cases_for"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    op: str
+    label: str
+    dims: dict[str, int]
+    dtype: str
+    make: Callable[[jax.Array], tuple]  # PRNG key -> inputs
+    forward: Callable[..., Any]  # (implementation, *inputs) -> outputs
+    loss: Callable[..., jax.Array]  # (implementation, *inputs) -> scalar
+    grad_argnums: tuple[int, ...]
+    flops_forward: float
+    flops_backward: float  # model FLOPs of the backward alone (not counting recomputation)
+
+
+@dataclasses.dataclass
+class Row:
+    op: str
+    case: str
+    implementation: str
+    pass_: str  # "fwd" | "fwd+bwd"
+    ms: float | None = None
+    tflops: float | None = None
+    ceiling_fraction: float | None = None
+    temp_gib: float | None = None
+    max_rel_error: float | None = None
+    note: str = ""
+
+    def as_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["pass"] = d.pop("pass_")
+        return d
+
+
+def _sync(tree):
+    return jax.block_until_ready(tree)
+
+
+def time_ms(fn: Callable, args: Sequence, *, warmup: int = 2, repeats: int = 10) -> float:
+    """Median wall time of `fn(*args)` in ms, each call synchronised on the device."""
+    for _ in range(warmup):
+        _sync(fn(*args))
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        _sync(fn(*args))
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def matmul_ceiling(*, size: int | None = None, dtype=None, repeats: int = 10) -> float:
+    """TFLOP/s of a square matmul on random data here: the ceiling compute-bound kernels are held to."""
+    on_gpu = backend.platform() != "cpu"
+    size = size or (8192 if on_gpu else 1024)
+    dtype = dtype or (jnp.bfloat16 if on_gpu else jnp.float32)
+    ka, kb = jax.random.split(jax.random.PRNGKey(1))
+    a = jax.random.normal(ka, (size, size), dtype)
+    b = jax.random.normal(kb, (size, size), dtype)
+    f = jax.jit(lambda a, b: a @ b)
+    ms = time_ms(f, (a, b), repeats=repeats)
+    return 2 * size**3 / (ms * 1e-3) / 1e12
+
+
+def _temp_gib(jitted, args) -> float | None:
+    try:
+        stats = jitted.lower(*args).compile().memory_analysis()
+    except Exception:  # noqa: BLE001 - not every backend reports it
+        return None
+    if stats is None:
+        return None
+    return stats.temp_size_in_bytes / 2**30
+
+
+def _max_rel_error(got, want) -> float:
+    errs = []
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        g, w = jnp.asarray(g, jnp.float32), jnp.asarray(w, jnp.float32)
+        scale = jnp.maximum(jnp.max(jnp.abs(w)), 1e-30)
+        errs.append(float(jnp.max(jnp.abs(g - w)) / scale))
+    return max(errs) if errs else 0.0
+
+
+def measure(
+    case: Case,
+    implementations: Sequence[str],
+    *,
+    passes: Sequence[str] = ("fwd", "fwd+bwd"),
+    repeats: int = 10,
+    ceiling: float | None = None,
+    on_row: Callable[[Row], None] | None = None,
+) -> list[Row]:
+    """Rows for every (implementation, pass) of `case`. An implementation that cannot serve
+    the case (or fails) gets a row with its reason in `note` and no numbers."""
+    args = case.make(jax.random.PRNGKey(0))
+    fns = {
+        "fwd": lambda impl: jax.jit(lambda *a: case.forward(impl, *a)),
+        "fwd+bwd": lambda impl: jax.jit(jax.value_and_grad(lambda *a: case.loss(impl, *a), argnums=case.grad_argnums)),
+    }
+    flops = {"fwd": case.flops_forward, "fwd+bwd": case.flops_forward + case.flops_backward}
+    rows = []
+    for pass_ in passes:
+        want = None
+        try:
+            want = _sync(fns[pass_]("reference")(*args))
+        except Exception as e:  # noqa: BLE001 - the reference may not fit in memory
+            want_note = f"no reference ({type(e).__name__})"
+        else:
+            want_note = ""
+        for impl in implementations:
+            row = Row(case.op, case.label, impl, pass_)
+            try:
+                fn = fns[pass_](impl)
+                row.temp_gib = _temp_gib(fn, args)
+                got = _sync(fn(*args))
+                if want is not None:
+                    row.max_rel_error = _max_rel_error(got, want)
+                else:
+                    row.note = want_note
+                del got
+                row.ms = time_ms(fn, args, repeats=repeats)
+                row.tflops = flops[pass_] / (row.ms * 1e-3) / 1e12
+                if ceiling:
+                    row.ceiling_fraction = row.tflops / ceiling
+            except Unsupported as e:
+                row.note = f"unsupported: {e}"
+            except Exception as e:  # noqa: BLE001 - report, keep going
+                row.note = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+            rows.append(row)
+            if on_row is not None:
+                on_row(row)
+        del want
+    return rows
+
+
+def cases_for(op: str, *, preset: str | None = None, tokens: int | None = None, dtype: str | None = None) -> list[Case]:
+    """The benchmark cases an op ships (`ops/<op>/arg_specs.py`), for a preset or the quick set."""
+    get_op(op)  # a clear error for an unknown op
+    import importlib
+
+    mod = importlib.import_module(f"axkern.ops.{op}.arg_specs")
+    return mod.cases(preset=preset, tokens=tokens, dtype=dtype)

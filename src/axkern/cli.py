@@ -1,0 +1,158 @@
+"""`axkern info | bench`: what runs here, and how fast."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import shutil
+import subprocess
+import sys
+
+from rich.console import Console
+from rich.progress import Progress
+from rich.table import Table
+
+console = Console()
+
+
+def _nvcc() -> str:
+    path = shutil.which("nvcc")
+    if path is None:
+        return "not found"
+    try:
+        out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=30).stdout
+        release = [line for line in out.splitlines() if "release" in line]
+        return f"{path} ({release[-1].strip() if release else 'version unknown'})"
+    except (OSError, subprocess.SubprocessError) as e:
+        return f"{path} (failed to run: {e})"
+
+
+def _versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    def v(name):
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return "not installed"
+
+    return {name: v(name) for name in ("axkern", "jax", "jaxlib", "haliax", "equinox")} | {
+        "python": sys.version.split()[0]}
+
+
+def _typical_decision(op: str):
+    """The dispatcher's choice for the op's quick benchmark shape, from `explain`."""
+    import axkern
+    from axkern.bench import cases_for
+
+    import jax
+
+    c = cases_for(op)[0]
+    shapes = jax.eval_shape(c.make, jax.random.PRNGKey(0))
+    return c.label, axkern.explain(lambda *a: c.forward(None, *a), *shapes)
+
+
+def info(_args) -> int:
+    import jax
+
+    import axkern
+    from axkern.core import backend
+
+    t = Table(title="axkern info", show_header=False)
+    t.add_column("what")
+    t.add_column("value")
+    for k, v in _versions().items():
+        t.add_row(k, v)
+    t.add_row("platform", backend.platform())
+    t.add_row("device", f"{backend.device_kind()} x{len(jax.devices())}")
+    cc = backend.compute_capability()
+    t.add_row("compute capability", "n/a" if cc is None else f"{cc[0]}.{cc[1]}")
+    t.add_row("tuned-table key", backend.device_key())
+    t.add_row("nvcc", _nvcc())
+    console.print(t)
+    for op in axkern.ops():
+        ops_t = Table(title=f"{op}")
+        ops_t.add_column("implementation")
+        ops_t.add_column("platforms")
+        for name, plats in axkern.implementations(op).items():
+            ops_t.add_row(name, "/".join(plats))
+        console.print(ops_t)
+        label, decision = _typical_decision(op)
+        console.print(f"{label} gets:\n{decision}\n", markup=False, highlight=False)
+    return 0
+
+
+def bench(args) -> int:
+    import jax
+
+    import axkern
+    from axkern.bench import cases_for, matmul_ceiling, measure
+
+    ops = [args.op] if args.op else axkern.ops()
+    if args.preset and not args.op:
+        console.print("[red]--preset needs an OP (presets belong to one op)[/red]")
+        return 2
+    repeats = args.repeats or (3 if args.quick else 20)
+    passes = ("fwd", "fwd+bwd") if args.passes == "both" else (args.passes,)
+    console.print(f"measuring the matmul ceiling on {jax.devices()[0].device_kind} ...")
+    ceiling = matmul_ceiling(repeats=repeats)
+    work = []
+    for op in ops:
+        impls = args.impl.split(",") if args.impl else list(axkern.implementations(op))
+        for c in cases_for(op, preset=None if args.quick else args.preset, tokens=args.tokens, dtype=args.dtype):
+            work.append((c, impls))
+    rows = []
+    with Progress(console=console, transient=True) as progress:
+        task = progress.add_task("benchmarking", total=sum(len(i) * len(passes) for _, i in work))
+        for c, impls in work:
+            progress.update(task, description=f"{c.op}: {c.label}")
+            rows += measure(c, impls, passes=passes, repeats=repeats, ceiling=ceiling,
+                            on_row=lambda _: progress.advance(task))
+
+    t = Table(title=f"axkern bench on {jax.devices()[0].device_kind} (matmul ceiling {ceiling:.1f} TFLOP/s)")
+    for col in ("op", "case", "impl", "pass", "ms", "TFLOP/s", "of ceiling", "temp GiB", "max rel err", "note"):
+        t.add_column(col, overflow="fold")
+    fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
+    for r in rows:
+        t.add_row(r.op, r.case, r.implementation, r.pass_, fmt(r.ms, ".3f"), fmt(r.tflops, ".2f"),
+                  fmt(r.ceiling_fraction, ".1%"), fmt(r.temp_gib, ".3f"), fmt(r.max_rel_error, ".2e"), r.note)
+    console.print(t)
+    if args.json:
+        out = {
+            "command": " ".join(["axkern"] + sys.argv[1:]),
+            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            "device": jax.devices()[0].device_kind,
+            "versions": _versions(),
+            "matmul_ceiling_tflops": ceiling,
+            "flops_note": "model FLOPs: forward 2NDV, backward 4NDV (recomputation not counted)",
+            "rows": [r.as_dict() for r in rows],
+        }
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=2)
+        console.print(f"wrote {args.json}")
+    failed = [r for r in rows if r.ms is None and not r.note.startswith("unsupported")]
+    return 1 if failed else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="axkern", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("info", help="platform, versions, nvcc, and what each op picks here").set_defaults(fn=info)
+    b = sub.add_parser("bench", help="time every implementation of every op (or one op)")
+    b.add_argument("op", nargs="?", help="one op (default: all)")
+    b.add_argument("--quick", action="store_true", help="small default shapes (seconds on a CPU)")
+    b.add_argument("--preset", help="a named shape set of the op (e.g. llama3)")
+    b.add_argument("--tokens", type=int, help="override the preset's token count")
+    b.add_argument("--dtype", help="override the preset's dtype (e.g. bfloat16, float32)")
+    b.add_argument("--impl", help="comma-separated implementations (default: all)")
+    b.add_argument("--passes", choices=("fwd", "fwd+bwd", "both"), default="both")
+    b.add_argument("--repeats", type=int, help="timed repeats (median reported)")
+    b.add_argument("--json", help="also write the rows as JSON here")
+    b.set_defaults(fn=bench)
+    args = parser.parse_args(argv)
+    return args.fn(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,108 @@
+"""Block sizes: a frozen-dataclass base, shipped tuned tables, and a blocked loop helper.
+
+Choice order for an implementation's block sizes (done by `Op`): an explicit argument,
+then an entry of `ops/<op>/tuned/<device_key>.json` for the call's shape bucket, then the
+op's heuristic (in `ops/<op>/blocks.py`). Whatever the source, `validate` runs before use.
+
+A tuned table is JSON:
+
+```json
+{"op": "fused_cross_entropy", "device_key": "nvidia_h200",
+ "command": "...", "date": "...", "jax": "...",
+ "entries": [{"implementation": "xla",
+              "bucket": {"tokens": 16384, "embed": 4096, "vocab": 131072, "dtype": "bfloat16"},
+              "block_sizes": {"block_tokens": 16384, "block_vocab": 4096}}]}
+```
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib.resources
+import json
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
+
+from jax import lax
+
+__all__ = ["BlockSizes", "next_power_of_2", "load_table", "lookup", "for_each_block"]
+
+Carry = TypeVar("Carry")
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+    """Base of every op's block sizes: frozen, hashable, all fields positive ints.
+
+    Subclasses add fields and may override `check(spec)` for op-specific limits.
+    """
+
+    def validate(self, spec: Any = None) -> str | None:
+        """`None` if these block sizes can serve `spec`, else the reason they cannot."""
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if v is None:
+                continue
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                return f"{type(self).__name__}.{f.name} must be a positive int, got {v!r}"
+        return self.check(spec)
+
+    def check(self, spec: Any) -> str | None:
+        return None
+
+    def as_dict(self) -> dict[str, int]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]):
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - names
+        if unknown:
+            raise ValueError(f"{cls.__name__}: unknown fields {sorted(unknown)}; fields are {sorted(names)}")
+        return cls(**d)
+
+    def __str__(self) -> str:
+        inner = ", ".join(f"{k}={v}" for k, v in self.as_dict().items() if v is not None)
+        return f"{type(self).__name__}({inner})"
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
+
+
+@functools.cache
+def load_table(package: str, device_key: str) -> tuple[dict, ...]:
+    """Entries of `<package>/tuned/<device_key>.json`, or `()` if none ships."""
+    try:
+        res = importlib.resources.files(package).joinpath("tuned", f"{device_key}.json")
+        if not res.is_file():
+            return ()
+        data = json.loads(res.read_text())
+    except (ModuleNotFoundError, FileNotFoundError):
+        return ()
+    return tuple(data.get("entries", ()))
+
+
+def lookup(package: str, device_key: str, implementation: str, bucket: Mapping[str, Any]) -> dict | None:
+    """Block sizes tuned for `implementation` at exactly this shape bucket, if the table has them."""
+    for entry in load_table(package, device_key):
+        if entry.get("implementation") == implementation and entry.get("bucket") == dict(bucket):
+            return dict(entry["block_sizes"])
+    return None
+
+
+def for_each_block(total: int, block: int, fn: Callable[[Any, int, Carry], Carry], carry: Carry) -> Carry:
+    """Run `carry = fn(start, size, carry)` over `[0, total)` in blocks of `block`.
+
+    Full blocks go through one `lax.fori_loop` (`start` traced, `size == block` static); a
+    ragged tail is one more static call, so nothing is padded and no input is copied.
+    """
+    n_full, tail = divmod(total, block)
+    if n_full == 1:
+        carry = fn(0, block, carry)
+    elif n_full > 1:
+        carry = lax.fori_loop(0, n_full, lambda i, c: fn(i * block, block, c), carry)
+    if tail:
+        carry = fn(n_full * block, tail, carry)
+    return carry

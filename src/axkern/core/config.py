@@ -1,0 +1,100 @@
+"""`axkern.use(...)`: scoped settings (strict mode, interpret mode, per-op implementation choice).
+
+Precedence for every setting: an argument of the call > the innermost `use(...)` > the
+environment (`AXKERN_STRICT`, `AXKERN_INTERPRET`, `AXKERN_IMPL_<OP>`) > the default.
+Settings are read when a function is *traced*: a function already compiled by `jax.jit`
+keeps the choice it was traced with.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import os
+from collections.abc import Iterator
+
+__all__ = ["Settings", "use", "current", "implementation_override"]
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"", "0", "false", "no", "off"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    strict: bool | None = None
+    interpret: bool | None = None
+    implementations: tuple[tuple[str, str | tuple[str, ...]], ...] = ()
+
+
+_settings: contextvars.ContextVar[Settings] = contextvars.ContextVar("axkern_settings", default=Settings())
+
+
+def _env_flag(name: str) -> bool:
+    raw = os.environ.get(name, "").strip().lower()
+    if raw in _TRUE:
+        return True
+    if raw in _FALSE:
+        return False
+    raise ValueError(f"{name}={os.environ[name]!r}: expected one of 1/0, true/false, yes/no, on/off")
+
+
+def current() -> Settings:
+    """The settings in force here, with the environment filled in."""
+    s = _settings.get()
+    strict = s.strict if s.strict is not None else _env_flag("AXKERN_STRICT")
+    interpret = s.interpret if s.interpret is not None else _env_flag("AXKERN_INTERPRET")
+    return dataclasses.replace(s, strict=strict, interpret=interpret)
+
+
+def _parse_names(value: str | tuple[str, ...] | list[str]) -> str | tuple[str, ...]:
+    if isinstance(value, str):
+        names = tuple(v.strip() for v in value.split(",") if v.strip())
+        return names[0] if len(names) == 1 else names
+    return tuple(value)
+
+
+def implementation_override(op: str) -> str | tuple[str, ...] | None:
+    """The implementation(s) requested for `op` by `use(...)` or `AXKERN_IMPL_<OP>`, if any."""
+    for name, value in reversed(_settings.get().implementations):
+        if name == op:
+            return value
+    raw = os.environ.get(f"AXKERN_IMPL_{op.upper()}")
+    return _parse_names(raw) if raw and raw.strip() else None
+
+
+@contextlib.contextmanager
+def use(*, strict: bool | None = None, interpret: bool | None = None, **implementations) -> Iterator[None]:
+    """Scope settings for the axkern calls traced inside the `with` block.
+
+    **Arguments:**
+
+    - `strict`: raise instead of falling back when an implementation cannot serve a call.
+    - `interpret`: run Pallas kernels in interpret mode (`interpret=True` on GPU kernels,
+      `pltpu.InterpretParams()` on TPU kernels), so they run on CPU.
+    - `<op>=name` (e.g. `fused_cross_entropy="xla"`): pick that implementation for the op, as
+      if passed as `implementation=`; a tuple or a comma-separated string is an ordered list.
+
+    ```python
+    with axkern.use(strict=True, fused_cross_entropy="xla"):
+        loss = axkern.fused_cross_entropy(x, lm_head, labels)
+    ```
+    """
+    from .op import registered_ops  # local: op.py imports this module
+
+    known = registered_ops()
+    for op in implementations:
+        if known and op not in known:
+            raise ValueError(f"use(): unknown op {op!r}; known ops are {sorted(known)}")
+    old = _settings.get()
+    new = Settings(
+        strict=old.strict if strict is None else bool(strict),
+        interpret=old.interpret if interpret is None else bool(interpret),
+        implementations=old.implementations
+        + tuple((op, _parse_names(v)) for op, v in implementations.items()),
+    )
+    token = _settings.set(new)
+    try:
+        yield
+    finally:
+        _settings.reset(token)

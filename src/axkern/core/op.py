@@ -1,0 +1,302 @@
+"""The dispatcher: an `Op` knows its implementations and picks one per call.
+
+For a call the op builds a `Spec` (shapes, dtype, platform, device kind, flags), walks the
+candidates in order (an explicit `implementation=` argument, else `axkern.use(op=...)` /
+`AXKERN_IMPL_<OP>`, else the platform's default order), asks each `supports(spec)`, picks
+and validates block sizes, and runs the first that can serve. A candidate that cannot
+(an unsupported shape, a platform it does not run on, an `Unsupported` raised while
+tracing) is skipped with its reason, warned once per (op, implementation, reason), and the
+next one runs. Strict mode raises instead, and so does a single explicitly requested
+implementation. `explain` returns the `Decision` without running anything.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import warnings
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import jax
+
+from . import backend, blocks, config
+
+__all__ = [
+    "Unsupported", "FallbackWarning", "Spec", "Rejection", "Decision", "Implementation", "Op",
+    "explain", "registered_ops", "get_op",
+]
+
+
+class Unsupported(NotImplementedError):
+    """An implementation cannot serve a call; the message says why."""
+
+
+class FallbackWarning(UserWarning):
+    """An implementation was skipped and the next candidate ran instead."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Spec:
+    """What the dispatcher knows about a call: sizes by name, dtype, where it runs, static flags."""
+
+    op: str
+    dims: tuple[tuple[str, int], ...]
+    dtype: str
+    platform: str
+    device_kind: str
+    device_key: str
+    flags: tuple[tuple[str, Any], ...] = ()
+
+    def dim(self, name: str) -> int:
+        return dict(self.dims)[name]
+
+    def flag(self, name: str, default: Any = None) -> Any:
+        return dict(self.flags).get(name, default)
+
+    def __str__(self) -> str:
+        dims = ", ".join(f"{k}={v}" for k, v in self.dims)
+        flags = "".join(f", {k}={v!r}" for k, v in self.flags)
+        return f"{self.op}({dims}, dtype={self.dtype}{flags}) on {self.platform} [{self.device_kind}]"
+
+
+@dataclasses.dataclass(frozen=True)
+class Rejection:
+    implementation: str
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    """Which implementation serves a call, with which block sizes, and what was passed over."""
+
+    op: str
+    implementation: str
+    block_sizes: blocks.BlockSizes | None
+    block_source: str  # "argument" | "table" | "heuristic" | "none"
+    rejected: tuple[Rejection, ...]
+    spec: Spec
+    interpret: bool = False
+    backward: str = ""
+
+    def __str__(self) -> str:
+        lines = [f"{self.op}: {self.implementation}" + (" (interpret mode)" if self.interpret else "")]
+        lines.append(f"  call:        {self.spec}")
+        if self.block_sizes is not None:
+            lines.append(f"  block sizes: {self.block_sizes} (from {self.block_source})")
+        else:
+            lines.append("  block sizes: none (this implementation is not blocked)")
+        if self.backward:
+            lines.append(f"  backward:    {self.backward}")
+        for r in self.rejected:
+            lines.append(f"  skipped {r.implementation}: {r.reason}")
+        return "\n".join(lines)
+
+
+@dataclasses.dataclass(frozen=True)
+class Implementation:
+    """One way to compute an op.
+
+    `fn(*arrays, block_sizes=..., interpret=..., **options)` is a positional function with its
+    own `jax.custom_vjp`. `platforms` are where it runs compiled; an `interpretable` (Pallas)
+    implementation also runs elsewhere in interpret mode when asked to.
+    """
+
+    name: str
+    fn: Callable[..., Any]
+    platforms: tuple[str, ...] = ("cpu", "gpu", "tpu")
+    supports: Callable[[Spec], str | None] = lambda spec: None
+    block_sizes: type[blocks.BlockSizes] | None = None
+    heuristic: Callable[[Spec], blocks.BlockSizes] | None = None
+    interpretable: bool = False
+    backward: str = "custom_vjp"
+
+
+_OPS: dict[str, Op] = {}
+_warned: set[tuple[str, str, str]] = set()
+_explaining: contextvars.ContextVar[list | None] = contextvars.ContextVar("axkern_explaining", default=None)
+
+
+def registered_ops() -> dict[str, Op]:
+    return dict(_OPS)
+
+
+def get_op(name: str) -> Op:
+    try:
+        return _OPS[name]
+    except KeyError:
+        raise ValueError(f"unknown op {name!r}; known ops are {sorted(_OPS)}") from None
+
+
+def reset_warnings() -> None:
+    """Forget which fallbacks were warned about (each warns once per process otherwise)."""
+    _warned.clear()
+
+
+class Op:
+    """An op: its implementations, default order per platform, and tuned block tables."""
+
+    def __init__(
+        self,
+        name: str,
+        implementations: list[Implementation],
+        default_order: Mapping[str, tuple[str, ...]],
+        *,
+        package: str,
+        bucket: Callable[[Spec], Mapping[str, Any]],
+    ):
+        self.name = name
+        self.implementations = {impl.name: impl for impl in implementations}
+        self.default_order = dict(default_order)
+        self.package = package
+        self.bucket = bucket
+        _OPS[name] = self
+
+    def spec(self, dims: Mapping[str, int], dtype: Any, **flags: Any) -> Spec:
+        return Spec(
+            op=self.name,
+            dims=tuple((k, int(v)) for k, v in dims.items()),
+            dtype=jax.numpy.dtype(dtype).name,
+            platform=backend.platform(),
+            device_kind=backend.device_kind(),
+            device_key=backend.device_key(),
+            flags=tuple(sorted(flags.items())),
+        )
+
+    # -- choosing -----------------------------------------------------------------------------
+
+    def _requested(self, implementation) -> tuple[tuple[str, ...], bool]:
+        """Candidate names in order, and whether a failure must raise (a single explicit name)."""
+        requested = implementation if implementation is not None else config.implementation_override(self.name)
+        if requested is None:
+            return self.default_order.get(backend.platform(), ("xla",)), False
+        names = (requested,) if isinstance(requested, str) else tuple(requested)
+        if not names:
+            raise ValueError(f"{self.name}: implementation=() names no implementation")
+        for n in names:
+            if n not in self.implementations:
+                raise ValueError(
+                    f"{self.name}: unknown implementation {n!r}; known: {sorted(self.implementations)}"
+                )
+        return names, isinstance(requested, str)
+
+    def _platform_reason(self, impl: Implementation, spec: Spec, explicit: bool, interpret: bool) -> str | None:
+        if spec.platform in impl.platforms:
+            return None
+        if impl.interpretable and (interpret or explicit):
+            return None
+        hint = " (axkern.use(interpret=True) runs it in interpret mode)" if impl.interpretable else ""
+        return f"runs on {'/'.join(impl.platforms)}, not {spec.platform}{hint}"
+
+    def choose_blocks(
+        self, impl: Implementation, spec: Spec, block_sizes: blocks.BlockSizes | Mapping | None
+    ) -> tuple[blocks.BlockSizes | None, str, str | None]:
+        """(block sizes, their source, reason they cannot serve or None)."""
+        cls = impl.block_sizes
+        if cls is None:
+            return None, "none", None
+        if block_sizes is not None:
+            bs = block_sizes if isinstance(block_sizes, cls) else cls.from_dict(dict(block_sizes))
+            reason = bs.validate(spec)
+            if reason is not None:
+                raise ValueError(f"{self.name}: block_sizes={bs} cannot serve {spec}: {reason}")
+            return bs, "argument", None
+        tuned = blocks.lookup(self.package, spec.device_key, impl.name, self.bucket(spec))
+        if tuned is not None:
+            bs, source = cls.from_dict(tuned), "table"
+        elif impl.heuristic is not None:
+            bs, source = impl.heuristic(spec), "heuristic"
+        else:
+            bs, source = cls(), "default"
+        return bs, source, bs.validate(spec)
+
+    def _reject(self, impl: str, reason: str, fatal: bool, rejected: list[Rejection]) -> None:
+        if fatal:
+            raise Unsupported(f"{self.name}: implementation {impl!r} cannot serve this call: {reason}")
+        rejected.append(Rejection(impl, reason))
+        key = (self.name, impl, reason)
+        if _explaining.get() is None and key not in _warned:
+            _warned.add(key)
+            warnings.warn(
+                f"axkern {self.name}: skipping {impl!r}: {reason}; trying the next implementation",
+                FallbackWarning,
+                stacklevel=4,
+            )
+
+    # -- running ------------------------------------------------------------------------------
+
+    def __call__(self, spec: Spec, *arrays, implementation=None, block_sizes=None, **options):
+        """Pick an implementation for `spec` and run it on `arrays` (traced: nothing is blocked on)."""
+        settings = config.current()
+        names, single = self._requested(implementation)
+        fatal = single or bool(settings.strict)
+        rejected: list[Rejection] = []
+        for name in names:
+            impl = self.implementations[name]
+            reason = self._platform_reason(impl, spec, single or implementation is not None, settings.interpret)
+            if reason is None:
+                reason = impl.supports(spec)
+            bs, source = None, "none"
+            if reason is None:
+                bs, source, reason = self.choose_blocks(impl, spec, block_sizes)
+            if reason is not None:
+                self._reject(name, reason, fatal, rejected)
+                continue
+            interpret = impl.interpretable and (bool(settings.interpret) or spec.platform not in impl.platforms)
+            kwargs = dict(options)
+            if impl.block_sizes is not None:
+                kwargs["block_sizes"] = bs
+            if impl.interpretable:
+                kwargs["interpret"] = interpret
+            try:
+                out = impl.fn(*arrays, **kwargs)
+            except Unsupported as e:
+                self._reject(name, str(e) or type(e).__name__, fatal, rejected)
+                continue
+            collector = _explaining.get()
+            if collector is not None:
+                collector.append(
+                    Decision(self.name, name, bs, source, tuple(rejected), spec, interpret, impl.backward)
+                )
+            return out
+        detail = "; ".join(f"{r.implementation}: {r.reason}" for r in rejected)
+        raise Unsupported(f"{self.name}: no implementation can serve {spec} ({detail})")
+
+
+@contextlib.contextmanager
+def _collecting() -> Iterator[list[Decision]]:
+    decisions: list[Decision] = []
+    token = _explaining.set(decisions)
+    try:
+        yield decisions
+    finally:
+        _explaining.reset(token)
+
+
+def explain(fn: Callable[..., Any], *args, **kwargs) -> Decision | tuple[Decision, ...]:
+    """What `fn(*args, **kwargs)` would run, without running it.
+
+    `fn` is any function that calls axkern ops (`axkern.fused_cross_entropy`, its positional
+    form, or your own model code). It is traced abstractly (`jax.eval_shape`): nothing is
+    computed and `args` may be `jax.ShapeDtypeStruct`s. Returns the `Decision` of the one op
+    call, or a tuple of them in call order when `fn` calls several.
+    """
+    leaves, treedef = jax.tree.flatten((args, kwargs))
+    is_dyn = [isinstance(x, (jax.Array, jax.ShapeDtypeStruct)) or hasattr(x, "__array__") for x in leaves]
+    dynamic = [x for x, d in zip(leaves, is_dyn, strict=True) if d]
+
+    def run(dyn):
+        it = iter(dyn)
+        full = [next(it) if d else x for x, d in zip(leaves, is_dyn, strict=True)]
+        a, k = jax.tree.unflatten(treedef, full)
+        return fn(*a, **k)
+
+    with _collecting() as decisions:
+        jax.eval_shape(run, dynamic)
+    if not decisions:
+        raise ValueError(
+            "explain: no axkern op was traced. Pass the function itself, not one already traced "
+            "by jax.jit (a cached trace runs no Python)."
+        )
+    return decisions[0] if len(decisions) == 1 else tuple(decisions)

@@ -1,0 +1,63 @@
+"""Shapes that `axkern bench fused_cross_entropy` and tuning use.
+
+Presets are real models' (embed, vocab); `quick` is small enough for a CPU in seconds.
+FLOPs count the model's work: `2·N·D·V` forward, `4·N·D·V` backward (the streaming `xla`
+implementation does a further `2·N·D·V` recomputing logits, which is not counted).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from axkern.bench import Case
+
+from .api import fused_cross_entropy_positional
+
+PRESETS = {
+    "quick": (512, 256, 4096),
+    "llama3": (16384, 4096, 128256),
+    "llama2": (16384, 4096, 32000),
+    "qwen2": (16384, 3584, 151936),
+    "gemma": (16384, 2304, 262144),
+}
+
+
+def case(tokens: int, embed: int, vocab: int, dtype: str = "bfloat16", label: str | None = None) -> Case:
+    dt = jnp.dtype(dtype)
+
+    def make(key):
+        kx, kw, kl = jax.random.split(key, 3)
+        x = jax.random.normal(kx, (tokens, embed), jnp.float32).astype(dt)
+        w = (jax.random.normal(kw, (embed, vocab), jnp.float32) * embed**-0.5).astype(dt)
+        labels = jax.random.randint(kl, (tokens,), 0, vocab)
+        return x, w, labels
+
+    def forward(impl, x, w, labels):
+        return fused_cross_entropy_positional(x, w, labels, implementation=impl)[0]
+
+    def loss(impl, x, w, labels):
+        return jnp.mean(fused_cross_entropy_positional(x, w, labels, implementation=impl)[0])
+
+    nvd = float(tokens) * embed * vocab
+    return Case(
+        op="fused_cross_entropy",
+        label=label or f"N={tokens} D={embed} V={vocab} {dt.name}",
+        dims={"tokens": tokens, "embed": embed, "vocab": vocab},
+        dtype=dt.name,
+        make=make,
+        forward=forward,
+        loss=loss,
+        grad_argnums=(0, 1),
+        flops_forward=2 * nvd,
+        flops_backward=4 * nvd,
+    )
+
+
+def cases(*, preset: str | None = None, tokens: int | None = None, dtype: str | None = None) -> list[Case]:
+    name = preset or "quick"
+    if name not in PRESETS:
+        raise ValueError(f"fused_cross_entropy: unknown preset {name!r}; presets are {sorted(PRESETS)}")
+    n, d, v = PRESETS[name]
+    dtype = dtype or ("float32" if name == "quick" else "bfloat16")
+    return [case(tokens or n, d, v, dtype, label=f"{name}: N={tokens or n} D={d} V={v} {dtype}")]

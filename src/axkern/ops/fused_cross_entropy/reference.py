@@ -1,0 +1,24 @@
+"""The plainest correct form: materialise `[tokens, vocab]` logits. The test oracle, never a default."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def stats(x, w, labels, *, logit_soft_cap=None, with_sum=False):
+    """Per-token `(lse, label_logit, sum_logits)` of `z = softcap(x @ w)`.
+
+    `labels` index this `w`'s columns; a label outside `[0, vocab)` contributes a label
+    logit of 0 (the caller decides what such a token means). Computes in float32, or in
+    float64 when given float64. Gradients by autodiff through the materialised logits.
+    """
+    acc = jnp.promote_types(jnp.result_type(x, w), jnp.float32)
+    z = jnp.dot(x, w, preferred_element_type=acc)
+    if logit_soft_cap is not None:
+        z = logit_soft_cap * jnp.tanh(z / logit_soft_cap)
+    lse = jax.nn.logsumexp(z, axis=-1)
+    hit = labels[:, None] == jnp.arange(w.shape[1])[None, :]
+    label_logit = jnp.sum(jnp.where(hit, z, 0), axis=-1)
+    sum_logits = jnp.sum(z, axis=-1) if with_sum else jnp.zeros_like(lse)
+    return lse, label_logit, sum_logits
