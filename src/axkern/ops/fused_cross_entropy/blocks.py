@@ -11,9 +11,12 @@ __all__ = ["CrossEntropyBlockSizes", "bucket", "heuristic"]
 
 # Bytes of one float32 [block_tokens, block_vocab] logits tile, per platform. On GPU a tile
 # this size keeps each matmul large enough to run near the tensor-core ceiling while the
-# whole forward+backward stays far below the materialised [tokens, vocab] logits.
-_TILE_BYTES = {"gpu": 128 << 20, "tpu": 64 << 20, "cpu": 8 << 20}
-_BLOCK_VOCAB = {"gpu": 2048, "tpu": 2048, "cpu": 1024}
+# whole forward+backward stays far below the materialised [tokens, vocab] logits. The H200
+# sweep (benchmarks/results/h200/fused_cross_entropy_xla_sweep_2026-11-29.json) ran fastest
+# with the largest tiles: 16384x4096 took 116 ms and 0.58 GiB, 4096x1024 170 ms; 16384x8192
+# was 2% faster again but needed 1.6 GiB.
+_TILE_BYTES = {"gpu": 256 << 20, "tpu": 64 << 20, "cpu": 8 << 20}
+_BLOCK_VOCAB = {"gpu": 4096, "tpu": 2048, "cpu": 1024}
 
 
 @dataclasses.dataclass(frozen=True)
