@@ -5,12 +5,20 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TypeVar
 
-from beartype import beartype
-from jaxtyping import Array, Bool, Float, Int, jaxtyped
+import jax
+import numpy as np
+from beartype import BeartypeConf, beartype
+from jaxtyping import Bool, Float, Int, jaxtyped
 
 __all__ = ["checked", "Array", "Bool", "Float", "Int"]
 
 F = TypeVar("F", bound=Callable)
+
+#: What a positional function takes as an array: a JAX array (or tracer) or a NumPy array.
+Array = jax.Array | np.ndarray
+
+# PEP 484's numeric tower: an `int` is accepted where a `float` is annotated.
+_typechecker = beartype(conf=BeartypeConf(is_pep484_tower=True))
 
 
 def checked(fn: F) -> F:
@@ -19,4 +27,4 @@ def checked(fn: F) -> F:
     A wrong rank, inconsistent named dimension or wrong dtype kind raises jaxtyping's
     `TypeCheckError` naming the argument, before any kernel is traced.
     """
-    return jaxtyped(typechecker=beartype)(fn)
+    return jaxtyped(typechecker=_typechecker)(fn)

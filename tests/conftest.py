@@ -1,0 +1,33 @@
+"""Test setup: 8 host devices for the sharded tests (set before JAX starts), fresh warn-once state."""
+
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "" if os.environ.get("AXKERN_TEST_GPU") else "cpu")
+for _var in ("AXKERN_STRICT", "AXKERN_INTERPRET", "AXKERN_IMPL_FUSED_CROSS_ENTROPY"):
+    os.environ.pop(_var, None)
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+from hypothesis import settings  # noqa: E402
+
+settings.register_profile("ci", max_examples=6, deadline=None, derandomize=True)
+settings.register_profile("thorough", max_examples=60, deadline=None)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+@pytest.fixture(autouse=True)
+def _fresh_warnings():
+    from axkern.core import op
+
+    op.reset_warnings()
+    yield
+    op.reset_warnings()
+
+
+def pytest_collection_modifyitems(config, items):
+    has_gpu = any(d.platform == "gpu" for d in jax.devices()) if os.environ.get("AXKERN_TEST_GPU") else False
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (set AXKERN_TEST_GPU=1 on a GPU machine)")
+    for item in items:
+        if "gpu" in item.keywords and not has_gpu:
+            item.add_marker(skip)

@@ -1,0 +1,73 @@
+"""Block helpers (blocked loop, tables, validation) and backend facts."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from axkern.core import backend, blocks
+from axkern.ops.fused_cross_entropy import CrossEntropyBlockSizes
+from axkern.ops.fused_cross_entropy.blocks import bucket, heuristic
+from axkern.ops.fused_cross_entropy.api import OP
+
+
+@given(total=st.integers(0, 40), block=st.integers(1, 17))
+def test_for_each_block_visits_every_index_once(total, block):
+    sizes = []
+
+    def fn(start, size, carry):
+        sizes.append(size)
+        assert size == block or size == total % block
+        return carry.at[start + jnp.arange(size)].add(1)
+
+    out = blocks.for_each_block(total, block, fn, jnp.zeros(total, jnp.int32))
+    assert out.tolist() == [1] * total
+    assert all(s <= block for s in sizes)
+
+
+def test_next_power_of_2():
+    assert [blocks.next_power_of_2(n) for n in (0, 1, 2, 3, 4, 5, 128256, 16384)] == [1, 1, 2, 4, 4, 8, 131072, 16384]
+
+
+def test_shipped_h200_table_is_found_by_bucket():
+    spec = OP.spec({"tokens": 16384, "embed": 4096, "vocab": 128256}, jnp.bfloat16)
+    spec = spec.__class__(**{**spec.__dict__, "device_key": "nvidia_h200", "platform": "gpu"})
+    entry = blocks.lookup(OP.package, "nvidia_h200", "xla", bucket(spec))
+    assert entry == {"block_tokens": 16384, "block_vocab": 4096}
+    assert blocks.lookup(OP.package, "nvidia_h200", "reference", bucket(spec)) is None
+    assert blocks.lookup(OP.package, "no_such_device", "xla", bucket(spec)) is None
+
+
+@pytest.mark.parametrize("platform", ["cpu", "gpu", "tpu"])
+@pytest.mark.parametrize("n,v", [(1, 1), (7, 3), (300, 1000), (16384, 128256), (65536, 262144)])
+def test_heuristic_is_valid_and_bounded(platform, n, v):
+    spec = OP.spec({"tokens": n, "embed": 64, "vocab": v}, jnp.float32)
+    spec = spec.__class__(**{**spec.__dict__, "platform": platform})
+    bs = heuristic(spec)
+    assert bs.validate(spec) is None
+    assert 1 <= bs.block_tokens <= n and 1 <= bs.block_vocab <= v
+    assert bs.block_tokens * bs.block_vocab * 4 <= 256 << 20
+
+
+def test_block_sizes_validation_messages():
+    assert CrossEntropyBlockSizes(block_tokens=8, block_vocab=16).validate() is None
+    assert "positive int" in CrossEntropyBlockSizes(block_tokens=0).validate()
+    assert "positive int" in CrossEntropyBlockSizes(block_vocab=2.5).validate()
+    assert str(CrossEntropyBlockSizes(8, 16)) == "CrossEntropyBlockSizes(block_tokens=8, block_vocab=16)"
+
+
+@pytest.mark.parametrize(
+    "kind,key",
+    [("NVIDIA H200", "nvidia_h200"), ("NVIDIA H100 80GB HBM3", "nvidia_h100"), ("NVIDIA A100-SXM4-80GB", "nvidia_a100"),
+     ("TPU v5 lite", "tpu_v5e"), ("TPU v5p", "tpu_v5p"), ("TPU v4", "tpu_v4"), ("cpu", "cpu")],
+)
+def test_device_keys(kind, key):
+    assert backend.key_for(kind) == key
+
+
+def test_backend_here():
+    assert backend.platform() == "cpu"
+    assert backend.device_key() == "cpu"
+    assert backend.compute_capability() is None

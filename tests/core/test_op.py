@@ -1,0 +1,231 @@
+"""The dispatcher: order, fallback, warn-once, strict and explicit modes, env vars, explain."""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import axkern
+from axkern.core import blocks, op
+from axkern.core.blocks import BlockSizes
+from axkern.core.op import Implementation, Op, Unsupported
+
+
+@dataclasses.dataclass(frozen=True)
+class ToyBlocks(BlockSizes):
+    block: int = 4
+
+    def check(self, spec):
+        if spec.dim("n") % self.block:
+            return f"block={self.block} does not divide n={spec.dim('n')}"
+        return None
+
+
+calls: list[tuple[str, object]] = []
+
+
+def _impl(name, *, supports=lambda spec: None, raises=None, blocked=False, platforms=("cpu", "gpu", "tpu"),
+          interpretable=False):
+    def fn(x, *, block_sizes=None, interpret=None, scale=1.0):
+        if raises is not None:
+            raise Unsupported(raises)
+        calls.append((name, block_sizes, interpret))
+        return x * scale + {"fast": 1.0, "slow": 2.0, "last": 3.0, "kernel": 4.0}.get(name, 0.0)
+
+    return Implementation(
+        name, fn, platforms=platforms, supports=supports,
+        block_sizes=ToyBlocks if blocked else None,
+        heuristic=(lambda spec: ToyBlocks(block=2)) if blocked else None,
+        interpretable=interpretable,
+    )
+
+
+@pytest.fixture
+def toy():
+    """A throwaway op: `fast` serves only even n, `slow` always, `kernel` is a gpu-only interpretable one."""
+    calls.clear()
+    o = Op(
+        "toy_op",
+        [
+            _impl("fast", supports=lambda s: None if s.dim("n") % 2 == 0 else f"n={s.dim('n')} is odd", blocked=True),
+            _impl("slow"),
+            _impl("broken", raises="lowering failed: no such intrinsic"),
+            _impl("kernel", platforms=("gpu",), interpretable=True),
+        ],
+        default_order={"cpu": ("fast", "slow"), "gpu": ("kernel", "fast", "slow")},
+        package="tests.core",
+        bucket=lambda spec: {"n": spec.dim("n")},
+    )
+
+    def call(x, **kw):
+        spec = o.spec({"n": x.shape[0]}, x.dtype)
+        return o(spec, x, **kw)
+
+    yield o, call
+    op._OPS.pop("toy_op", None)
+
+
+def test_default_order_picks_first_that_serves(toy):
+    _, call = toy
+    assert float(call(jnp.zeros(4))[0]) == 1.0  # fast
+    assert calls[-1][0] == "fast"
+    assert calls[-1][1] == ToyBlocks(block=2)  # heuristic
+
+
+def test_fallback_warns_once_per_reason(toy):
+    _, call = toy
+    with pytest.warns(axkern.FallbackWarning, match="skipping 'fast': n=3 is odd"):
+        assert float(call(jnp.zeros(3))[0]) == 2.0  # slow
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        call(jnp.zeros(3))  # same (op, impl, reason): silent
+    with pytest.warns(axkern.FallbackWarning, match="n=5 is odd"):
+        call(jnp.zeros(5))  # a new reason warns again
+
+
+def test_strict_mode_raises_instead(toy, monkeypatch):
+    _, call = toy
+    with axkern.use(strict=True), pytest.raises(Unsupported, match="'fast' cannot serve.*n=3 is odd"):
+        call(jnp.zeros(3))
+    monkeypatch.setenv("AXKERN_STRICT", "1")
+    with pytest.raises(Unsupported, match="n=3 is odd"):
+        call(jnp.zeros(3))
+    with axkern.use(strict=False):  # use() beats the environment
+        call(jnp.zeros(3))
+
+
+def test_explicit_implementation_raises_instead_of_falling_back(toy):
+    _, call = toy
+    with pytest.raises(Unsupported, match="'fast' cannot serve this call: n=3 is odd"):
+        call(jnp.zeros(3), implementation="fast")
+    with pytest.raises(Unsupported, match="lowering failed"):
+        call(jnp.zeros(4), implementation="broken")
+    # an ordered tuple falls back within itself
+    with pytest.warns(axkern.FallbackWarning, match="lowering failed"):
+        assert float(call(jnp.zeros(4), implementation=("broken", "slow"))[0]) == 2.0
+    with pytest.raises(ValueError, match="unknown implementation 'nope'; known: \\['broken', 'fast', 'kernel', 'slow'\\]"):
+        call(jnp.zeros(4), implementation="nope")
+
+
+def test_unsupported_while_tracing_falls_back(toy):
+    o, call = toy
+    o.default_order["cpu"] = ("broken", "slow")
+    with pytest.warns(axkern.FallbackWarning, match="skipping 'broken': lowering failed"):
+        assert float(call(jnp.zeros(4))[0]) == 2.0
+
+
+def test_all_fail_raises_with_every_reason(toy):
+    o, call = toy
+    o.default_order["cpu"] = ("broken", "fast")
+    with pytest.warns(axkern.FallbackWarning), pytest.raises(Unsupported, match="broken: lowering failed.*fast: n=3 is odd"):
+        call(jnp.zeros(3))
+
+
+def test_use_and_env_override_the_order(toy, monkeypatch):
+    _, call = toy
+    with axkern.use(toy_op="slow"):
+        assert float(call(jnp.zeros(4))[0]) == 2.0
+        with axkern.use(toy_op="fast"):  # innermost wins
+            assert float(call(jnp.zeros(4))[0]) == 1.0
+    monkeypatch.setenv("AXKERN_IMPL_TOY_OP", "slow")
+    assert float(call(jnp.zeros(4))[0]) == 2.0
+    assert float(call(jnp.zeros(4), implementation="fast")[0]) == 1.0  # the argument beats the env
+    monkeypatch.setenv("AXKERN_IMPL_TOY_OP", "broken,slow")  # a list falls back
+    with pytest.warns(axkern.FallbackWarning):
+        assert float(call(jnp.zeros(4))[0]) == 2.0
+    with pytest.raises(ValueError, match="unknown op 'no_such_op'"):
+        with axkern.use(no_such_op="x"):
+            pass
+
+
+def test_bad_env_flag_is_an_error(toy, monkeypatch):
+    _, call = toy
+    monkeypatch.setenv("AXKERN_STRICT", "maybe")
+    with pytest.raises(ValueError, match="AXKERN_STRICT='maybe'"):
+        call(jnp.zeros(4))
+
+
+def test_block_sizes_argument_table_heuristic(toy, monkeypatch):
+    o, call = toy
+    call(jnp.zeros(8), block_sizes=ToyBlocks(block=4))
+    assert calls[-1][1] == ToyBlocks(block=4)
+    call(jnp.zeros(8), block_sizes={"block": 8})  # a dict is accepted
+    assert calls[-1][1] == ToyBlocks(block=8)
+    with pytest.raises(ValueError, match="block=3 does not divide n=8"):
+        call(jnp.zeros(8), block_sizes=ToyBlocks(block=3))
+    with pytest.raises(ValueError, match="must be a positive int"):
+        call(jnp.zeros(8), block_sizes=ToyBlocks(block=0))
+    with pytest.raises(ValueError, match="unknown fields \\['blok'\\]"):
+        call(jnp.zeros(8), block_sizes={"blok": 8})
+
+    table = ({"implementation": "fast", "bucket": {"n": 8}, "block_sizes": {"block": 8}},)
+    monkeypatch.setattr(blocks, "load_table", lambda package, key: table)
+    d = axkern.explain(call, jnp.zeros(8))
+    assert (d.block_sizes, d.block_source) == (ToyBlocks(block=8), "table")
+    d = axkern.explain(call, jnp.zeros(6))
+    assert (d.block_sizes, d.block_source) == (ToyBlocks(block=2), "heuristic")
+    d = axkern.explain(lambda x: call(x, block_sizes=ToyBlocks(block=4)), jnp.zeros(8))
+    assert d.block_source == "argument"
+
+
+def test_invalid_tuned_entry_is_a_reason_not_a_crash(toy, monkeypatch):
+    _, call = toy
+    table = ({"implementation": "fast", "bucket": {"n": 6}, "block_sizes": {"block": 4}},)
+    monkeypatch.setattr(blocks, "load_table", lambda package, key: table)
+    d = axkern.explain(call, jnp.zeros(6))
+    assert d.implementation == "slow"
+    assert d.rejected[0].implementation == "fast"
+    assert "block=4 does not divide n=6" in d.rejected[0].reason
+
+
+def test_platform_and_interpret_mode(toy):
+    o, call = toy
+    # a gpu-only Pallas-style kernel on cpu: refused in the default order ...
+    o.default_order["cpu"] = ("kernel", "slow")
+    with pytest.warns(axkern.FallbackWarning, match="runs on gpu, not cpu .*interpret=True"):
+        assert float(call(jnp.zeros(4))[0]) == 2.0
+    # ... runs interpreted under use(interpret=True) ...
+    with axkern.use(interpret=True):
+        assert float(call(jnp.zeros(4))[0]) == 4.0
+    assert calls[-1] == ("kernel", None, True)
+    # ... and when requested explicitly
+    d = axkern.explain(lambda x: call(x, implementation="kernel"), jnp.zeros(4))
+    assert d.interpret and d.implementation == "kernel"
+    assert "(interpret mode)" in str(d)
+
+
+def test_explain_runs_nothing_and_reports(toy):
+    _, call = toy
+    calls.clear()
+    d = axkern.explain(call, jax.ShapeDtypeStruct((3,), jnp.float32))
+    assert d.implementation == "slow"
+    assert [r.implementation for r in d.rejected] == ["fast"]
+    text = str(d)
+    assert "toy_op: slow" in text and "skipped fast: n=3 is odd" in text and "n=3" in text
+    # explain traces abstractly: the implementation saw tracers only, and nothing warned
+    assert all(isinstance(c[1], (type(None), BlockSizes)) for c in calls)
+
+    both = axkern.explain(lambda x: call(call(x)), jnp.zeros(4))
+    assert isinstance(both, tuple) and len(both) == 2
+    with pytest.raises(ValueError, match="no axkern op was traced"):
+        axkern.explain(lambda x: x + 1, jnp.zeros(4))
+
+
+def test_jit_reads_settings_at_trace_time(toy):
+    _, call = toy
+    f = jax.jit(lambda x: call(x))
+    assert float(f(jnp.zeros(4))[0]) == 1.0
+    with axkern.use(toy_op="slow"):
+        assert float(f(jnp.zeros(4))[0]) == 1.0  # cached trace keeps its choice
+        assert float(jax.jit(lambda x: call(x))(jnp.zeros(4))[0]) == 2.0
+
+
+def test_registry():
+    assert "fused_cross_entropy" in axkern.ops()
+    assert set(axkern.implementations("fused_cross_entropy")) >= {"xla", "reference"}
+    with pytest.raises(ValueError, match="unknown op 'nope'"):
+        axkern.implementations("nope")

@@ -1,0 +1,52 @@
+"""The oracle rule of DESIGN.md and small input makers shared by the op tests."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# atol of the oracle rule, relative to the oracle's largest magnitude, per dtype.
+ATOL = {"float32": 1e-5, "bfloat16": 2e-3, "float64": 1e-12}
+
+
+def x64():
+    """Context manager enabling float64 (the name moved between JAX releases)."""
+    if hasattr(jax, "enable_x64"):
+        return jax.enable_x64(True)
+    from jax.experimental import enable_x64  # pragma: no cover - older jax
+
+    return enable_x64()
+
+
+def to64(tree):
+    return jax.tree.map(
+        lambda a: np.asarray(a, np.float64) if jnp.issubdtype(jnp.asarray(a).dtype, jnp.floating) else np.asarray(a),
+        tree,
+    )
+
+
+def assert_oracle_rule(got, same_dtype_ref, oracle, dtype: str, what: str = "") -> None:
+    """`max|impl - oracle| <= 2 * max|reference_in_same_dtype - oracle| + atol`, per leaf. NaN never passes."""
+    leaves = zip(jax.tree.leaves(got), jax.tree.leaves(same_dtype_ref), jax.tree.leaves(oracle), strict=True)
+    for i, (g, r, o) in enumerate(leaves):
+        g, r, o = (np.asarray(v, np.float64) for v in (g, r, o))
+        assert g.shape == o.shape, f"{what}[{i}]: shape {g.shape} != oracle {o.shape}"
+        assert not np.isnan(g).any(), f"{what}[{i}]: NaN in output"
+        scale = max(np.abs(o).max(initial=0.0), 1e-30)
+        err = np.abs(g - o).max(initial=0.0)
+        ref_err = np.abs(r - o).max(initial=0.0)
+        bound = 2 * ref_err + ATOL[dtype] * scale
+        assert err <= bound, (
+            f"{what}[{i}]: max|impl - oracle| = {err:.3e} > 2 * {ref_err:.3e} + atol = {bound:.3e} "
+            f"(scale {scale:.3e}, dtype {dtype})"
+        )
+
+
+def ce_inputs(key, n, d, v, dtype, *, logit_scale=2.0):
+    """Random `x [n, d]`, `w [d, v]`, `labels [n]`, with logits of order `logit_scale`."""
+    kx, kw, kl = jax.random.split(key, 3)
+    x = jax.random.normal(kx, (n, d), jnp.float32).astype(dtype)
+    w = (jax.random.normal(kw, (d, v), jnp.float32) * (logit_scale / np.sqrt(d))).astype(dtype)
+    labels = jax.random.randint(kl, (n,), 0, v)
+    return x, w, labels
