@@ -6,7 +6,7 @@ from typing import Any
 
 import jax
 
-__all__ = ["shard_map", "current_mesh", "axis_size", "axis_index"]
+__all__ = ["shard_map", "current_mesh", "axis_size", "axis_index", "match_vma"]
 
 
 def shard_map(f, *, mesh, in_specs, out_specs, check: bool = True):
@@ -48,3 +48,38 @@ def axis_index(names: str | tuple[str, ...]):
     for n in names[1:]:
         idx = idx * jax.lax.psum(1, n) + jax.lax.axis_index(n)
     return idx
+
+
+def _vma(x) -> frozenset:
+    typeof = getattr(jax, "typeof", None) or jax.core.get_aval
+    try:
+        aval = typeof(x)
+    except TypeError:  # not an array
+        return frozenset()
+    if hasattr(aval, "vma"):  # jax 0.7 - 0.9
+        return frozenset(aval.vma)
+    mat = getattr(aval, "mat", None)  # jax >= 0.10: manual axis type
+    return frozenset(getattr(mat, "varying", ()))
+
+
+def _to_varying(x, axes: tuple[str, ...]):
+    if hasattr(jax.lax, "pcast"):
+        return jax.lax.pcast(x, axes, to="varying")
+    return jax.lax.pvary(x, axes)  # pragma: no cover - jax before pcast
+
+
+def match_vma(*arrays):
+    """Make every array vary over the same manual mesh axes (inside `shard_map`), else no-op.
+
+    A `jax.custom_vjp` must return cotangents of its inputs' exact types. Inside `shard_map`
+    a replicated weight (varying over no axis) meeting data-parallel activations (varying
+    over `data`) would get a varying cotangent: casting the inputs up front makes the types
+    agree, and the cast's transpose is the `psum` the weight's gradient needs.
+    """
+    vmas = [_vma(a) for a in arrays]
+    union = frozenset().union(*vmas)
+    if not union:
+        return arrays
+    return tuple(
+        a if v == union else _to_varying(a, tuple(sorted(union - v))) for a, v in zip(arrays, vmas, strict=True)
+    )

@@ -21,7 +21,7 @@ from typing import Any
 
 import jax
 
-from . import backend, blocks, config
+from . import backend, blocks, compat, config
 
 __all__ = [
     "Unsupported", "FallbackWarning", "Spec", "Rejection", "Decision", "Implementation", "Op",
@@ -229,6 +229,7 @@ class Op:
     def __call__(self, spec: Spec, *arrays, implementation=None, block_sizes=None, **options):
         """Pick an implementation for `spec` and run it on `arrays` (traced: nothing is blocked on)."""
         settings = config.current()
+        arrays = compat.match_vma(*arrays)
         names, single = self._requested(implementation)
         fatal = single or bool(settings.strict)
         rejected: list[Rejection] = []
