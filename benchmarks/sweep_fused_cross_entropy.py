@@ -17,8 +17,8 @@ import jax.numpy as jnp
 
 from axkern import CrossEntropyBlockSizes
 from axkern.bench import _max_rel_error, _temp_gib, time_ms
-from axkern.ops.fused_cross_entropy.arg_specs import case
 from axkern.ops.fused_cross_entropy.api import fused_cross_entropy_positional
+from axkern.ops.fused_cross_entropy.arg_specs import case
 
 
 def main():
@@ -37,11 +37,15 @@ def main():
 
     def grad_fn(bs):
         def loss(x, w, labels):
-            return jnp.mean(fused_cross_entropy_positional(x, w, labels, implementation="xla", block_sizes=bs)[0])
+            return jnp.mean(
+                fused_cross_entropy_positional(x, w, labels, implementation="xla", block_sizes=bs)[0]
+            )
 
         return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
 
-    want = jax.block_until_ready(jax.jit(jax.value_and_grad(lambda *z: c.loss("reference", *z), argnums=(0, 1)))(*args))
+    want = jax.block_until_ready(
+        jax.jit(jax.value_and_grad(lambda *z: c.loss("reference", *z), argnums=(0, 1)))(*args)
+    )
     rows = []
     for bt in [int(v) for v in a.block_tokens.split(",")]:
         for bv in [int(v) for v in a.block_vocab.split(",")]:
@@ -52,17 +56,32 @@ def main():
             temp = _temp_gib(fn, args)
             err = _max_rel_error(fn(*args), want)
             ms = time_ms(fn, args, repeats=a.repeats)
-            row = {"block_tokens": bt, "block_vocab": bv, "ms": ms, "temp_gib": temp, "max_rel_error": err,
-                   "tflops_model": 6 * a.tokens * a.embed * a.vocab / (ms * 1e-3) / 1e12}
+            row = {
+                "block_tokens": bt,
+                "block_vocab": bv,
+                "ms": ms,
+                "temp_gib": temp,
+                "max_rel_error": err,
+                "tflops_model": 6 * a.tokens * a.embed * a.vocab / (ms * 1e-3) / 1e12,
+            }
             print(json.dumps(row), flush=True)
             rows.append(row)
     best = min(rows, key=lambda r: r["ms"])
     print("best", json.dumps(best))
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-                       "jax": jax.__version__, "device": jax.devices()[0].device_kind,
-                       "shape": vars(a), "rows": rows, "best": best}, f, indent=2)
+            json.dump(
+                {
+                    "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+                    "jax": jax.__version__,
+                    "device": jax.devices()[0].device_kind,
+                    "shape": vars(a),
+                    "rows": rows,
+                    "best": best,
+                },
+                f,
+                indent=2,
+            )
 
 
 if __name__ == "__main__":

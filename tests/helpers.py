@@ -21,7 +21,9 @@ def x64():
 
 def to64(tree):
     return jax.tree.map(
-        lambda a: np.asarray(a, np.float64) if jnp.issubdtype(jnp.asarray(a).dtype, jnp.floating) else np.asarray(a),
+        lambda a: (
+            np.asarray(a, np.float64) if jnp.issubdtype(jnp.asarray(a).dtype, jnp.floating) else np.asarray(a)
+        ),
         tree,
     )
 

@@ -15,9 +15,16 @@ from .ops.fused_cross_entropy import CrossEntropyBlockSizes, fused_cross_entropy
 __version__ = "0.1.0"
 
 __all__ = [
-    "fused_cross_entropy", "CrossEntropyBlockSizes",
-    "explain", "use", "implementations", "ops",
-    "Decision", "FallbackWarning", "Unsupported", "positional",
+    "fused_cross_entropy",
+    "CrossEntropyBlockSizes",
+    "explain",
+    "use",
+    "implementations",
+    "ops",
+    "Decision",
+    "FallbackWarning",
+    "Unsupported",
+    "positional",
 ]
 
 

@@ -119,7 +119,9 @@ def measure(
     args = case.make(jax.random.PRNGKey(0))
     fns = {
         "fwd": lambda impl: jax.jit(lambda *a: case.forward(impl, *a)),
-        "fwd+bwd": lambda impl: jax.jit(jax.value_and_grad(lambda *a: case.loss(impl, *a), argnums=case.grad_argnums)),
+        "fwd+bwd": lambda impl: jax.jit(
+            jax.value_and_grad(lambda *a: case.loss(impl, *a), argnums=case.grad_argnums)
+        ),
     }
     flops = {"fwd": case.flops_forward, "fwd+bwd": case.flops_forward + case.flops_backward}
     rows = []
@@ -157,7 +159,9 @@ def measure(
     return rows
 
 
-def cases_for(op: str, *, preset: str | None = None, tokens: int | None = None, dtype: str | None = None) -> list[Case]:
+def cases_for(
+    op: str, *, preset: str | None = None, tokens: int | None = None, dtype: str | None = None
+) -> list[Case]:
     """The benchmark cases an op ships (`ops/<op>/arg_specs.py`), for a preset or the quick set."""
     get_op(op)  # a clear error for an unknown op
     import importlib

@@ -38,15 +38,16 @@ def _versions() -> dict[str, str]:
             return "not installed"
 
     return {name: v(name) for name in ("axkern", "jax", "jaxlib", "haliax", "equinox")} | {
-        "python": sys.version.split()[0]}
+        "python": sys.version.split()[0]
+    }
 
 
 def _typical_decision(op: str):
     """The dispatcher's choice for the op's quick benchmark shape, from `explain`."""
+    import jax
+
     import axkern
     from axkern.bench import cases_for
-
-    import jax
 
     c = cases_for(op)[0]
     shapes = jax.eval_shape(c.make, jax.random.PRNGKey(0))
@@ -100,23 +101,52 @@ def bench(args) -> int:
     work = []
     for op in ops:
         impls = args.impl.split(",") if args.impl else list(axkern.implementations(op))
-        for c in cases_for(op, preset=None if args.quick else args.preset, tokens=args.tokens, dtype=args.dtype):
+        for c in cases_for(
+            op, preset=None if args.quick else args.preset, tokens=args.tokens, dtype=args.dtype
+        ):
             work.append((c, impls))
     rows = []
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task("benchmarking", total=sum(len(i) * len(passes) for _, i in work))
         for c, impls in work:
             progress.update(task, description=f"{c.op}: {c.label}")
-            rows += measure(c, impls, passes=passes, repeats=repeats, ceiling=ceiling,
-                            on_row=lambda _: progress.advance(task))
+            rows += measure(
+                c,
+                impls,
+                passes=passes,
+                repeats=repeats,
+                ceiling=ceiling,
+                on_row=lambda _: progress.advance(task),
+            )
 
     t = Table(title=f"axkern bench on {jax.devices()[0].device_kind} (matmul ceiling {ceiling:.1f} TFLOP/s)")
-    for col in ("op", "case", "impl", "pass", "ms", "TFLOP/s", "of ceiling", "temp GiB", "max rel err", "note"):
+    for col in (
+        "op",
+        "case",
+        "impl",
+        "pass",
+        "ms",
+        "TFLOP/s",
+        "of ceiling",
+        "temp GiB",
+        "max rel err",
+        "note",
+    ):
         t.add_column(col, overflow="fold")
     fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
     for r in rows:
-        t.add_row(r.op, r.case, r.implementation, r.pass_, fmt(r.ms, ".3f"), fmt(r.tflops, ".2f"),
-                  fmt(r.ceiling_fraction, ".1%"), fmt(r.temp_gib, ".3f"), fmt(r.max_rel_error, ".2e"), r.note)
+        t.add_row(
+            r.op,
+            r.case,
+            r.implementation,
+            r.pass_,
+            fmt(r.ms, ".3f"),
+            fmt(r.tflops, ".2f"),
+            fmt(r.ceiling_fraction, ".1%"),
+            fmt(r.temp_gib, ".3f"),
+            fmt(r.max_rel_error, ".2e"),
+            r.note,
+        )
     console.print(t)
     if args.json:
         out = {
@@ -151,7 +181,11 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--json", help="also write the rows as JSON here")
     b.set_defaults(fn=bench)
     args = parser.parse_args(argv)
-    return args.fn(args)
+    try:
+        return args.fn(args)
+    except ValueError as e:  # a bad op, preset or option: say so, no traceback
+        print(f"axkern {args.command}: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 
 from axkern.core import backend, blocks
 from axkern.ops.fused_cross_entropy import CrossEntropyBlockSizes
-from axkern.ops.fused_cross_entropy.blocks import bucket, heuristic
 from axkern.ops.fused_cross_entropy.api import OP
+from axkern.ops.fused_cross_entropy.blocks import bucket, heuristic
 
 
 @given(total=st.integers(0, 40), block=st.integers(1, 17))
@@ -28,7 +28,16 @@ def test_for_each_block_visits_every_index_once(total, block):
 
 
 def test_next_power_of_2():
-    assert [blocks.next_power_of_2(n) for n in (0, 1, 2, 3, 4, 5, 128256, 16384)] == [1, 1, 2, 4, 4, 8, 131072, 16384]
+    assert [blocks.next_power_of_2(n) for n in (0, 1, 2, 3, 4, 5, 128256, 16384)] == [
+        1,
+        1,
+        2,
+        4,
+        4,
+        8,
+        131072,
+        16384,
+    ]
 
 
 def test_shipped_h200_table_is_found_by_bucket():
@@ -60,8 +69,15 @@ def test_block_sizes_validation_messages():
 
 @pytest.mark.parametrize(
     "kind,key",
-    [("NVIDIA H200", "nvidia_h200"), ("NVIDIA H100 80GB HBM3", "nvidia_h100"), ("NVIDIA A100-SXM4-80GB", "nvidia_a100"),
-     ("TPU v5 lite", "tpu_v5e"), ("TPU v5p", "tpu_v5p"), ("TPU v4", "tpu_v4"), ("cpu", "cpu")],
+    [
+        ("NVIDIA H200", "nvidia_h200"),
+        ("NVIDIA H100 80GB HBM3", "nvidia_h100"),
+        ("NVIDIA A100-SXM4-80GB", "nvidia_a100"),
+        ("TPU v5 lite", "tpu_v5e"),
+        ("TPU v5p", "tpu_v5p"),
+        ("TPU v4", "tpu_v4"),
+        ("cpu", "cpu"),
+    ],
 )
 def test_device_keys(kind, key):
     assert backend.key_for(kind) == key

@@ -13,7 +13,9 @@ B, P, E = hax.Axis("batch", 2), hax.Axis("position", 3), hax.Axis("embed", 4)
 
 
 def arr(*axes):
-    return hax.named(jnp.arange(np.prod([a.size for a in axes]), dtype=jnp.float32).reshape([a.size for a in axes]), axes)
+    return hax.named(
+        jnp.arange(np.prod([a.size for a in axes]), dtype=jnp.float32).reshape([a.size for a in axes]), axes
+    )
 
 
 def test_resolve_by_name_or_axis():
@@ -24,7 +26,9 @@ def test_resolve_by_name_or_axis():
 
 def test_resolve_errors_name_the_axis_and_list_the_present_ones():
     x = arr(B, P, E)
-    with pytest.raises(ValueError, match=r"op: x has no axis 'embd' \(Embed\); its axes are \(batch=2, position=3, embed=4\)"):
+    with pytest.raises(
+        ValueError, match=r"op: x has no axis 'embd' \(Embed\); its axes are \(batch=2, position=3, embed=4\)"
+    ):
         named.resolve("op", "x", x, "embd", "Embed")
     with pytest.raises(ValueError, match="Embed=.*embed.*has size 4"):
         named.resolve("op", "x", x, hax.Axis("embed", 5), "Embed")
@@ -42,7 +46,9 @@ def test_ordered_and_match_axes():
     x = arr(P, B)
     out = named.match_axes("op", "labels", x, (B, P), "x's batch axes")
     np.testing.assert_array_equal(out, x.array.T)
-    with pytest.raises(ValueError, match=r"labels's axes \(position=3, batch=2\) must be x's batch axes \(batch=2\)"):
+    with pytest.raises(
+        ValueError, match=r"labels's axes \(position=3, batch=2\) must be x's batch axes \(batch=2\)"
+    ):
         named.match_axes("op", "labels", x, (B,), "x's batch axes")
 
 

@@ -28,8 +28,15 @@ class ToyBlocks(BlockSizes):
 calls: list[tuple[str, object]] = []
 
 
-def _impl(name, *, supports=lambda spec: None, raises=None, blocked=False, platforms=("cpu", "gpu", "tpu"),
-          interpretable=False):
+def _impl(
+    name,
+    *,
+    supports=lambda spec: None,
+    raises=None,
+    blocked=False,
+    platforms=("cpu", "gpu", "tpu"),
+    interpretable=False,
+):
     def fn(x, *, block_sizes=None, interpret=None, scale=1.0):
         if raises is not None:
             raise Unsupported(raises)
@@ -37,7 +44,10 @@ def _impl(name, *, supports=lambda spec: None, raises=None, blocked=False, platf
         return x * scale + {"fast": 1.0, "slow": 2.0, "last": 3.0, "kernel": 4.0}.get(name, 0.0)
 
     return Implementation(
-        name, fn, platforms=platforms, supports=supports,
+        name,
+        fn,
+        platforms=platforms,
+        supports=supports,
         block_sizes=ToyBlocks if blocked else None,
         heuristic=(lambda spec: ToyBlocks(block=2)) if blocked else None,
         interpretable=interpretable,
@@ -51,7 +61,11 @@ def toy():
     o = Op(
         "toy_op",
         [
-            _impl("fast", supports=lambda s: None if s.dim("n") % 2 == 0 else f"n={s.dim('n')} is odd", blocked=True),
+            _impl(
+                "fast",
+                supports=lambda s: None if s.dim("n") % 2 == 0 else f"n={s.dim('n')} is odd",
+                blocked=True,
+            ),
             _impl("slow"),
             _impl("broken", raises="lowering failed: no such intrinsic"),
             _impl("kernel", platforms=("gpu",), interpretable=True),
@@ -94,7 +108,7 @@ def test_strict_mode_raises_instead(toy, monkeypatch):
     monkeypatch.setenv("AXKERN_STRICT", "1")
     with pytest.raises(Unsupported, match="n=3 is odd"):
         call(jnp.zeros(3))
-    with axkern.use(strict=False):  # use() beats the environment
+    with axkern.use(strict=False), pytest.warns(axkern.FallbackWarning):  # use() beats the environment
         call(jnp.zeros(3))
 
 
@@ -107,7 +121,9 @@ def test_explicit_implementation_raises_instead_of_falling_back(toy):
     # an ordered tuple falls back within itself
     with pytest.warns(axkern.FallbackWarning, match="lowering failed"):
         assert float(call(jnp.zeros(4), implementation=("broken", "slow"))[0]) == 2.0
-    with pytest.raises(ValueError, match="unknown implementation 'nope'; known: \\['broken', 'fast', 'kernel', 'slow'\\]"):
+    with pytest.raises(
+        ValueError, match="unknown implementation 'nope'; known: \\['broken', 'fast', 'kernel', 'slow'\\]"
+    ):
         call(jnp.zeros(4), implementation="nope")
 
 
@@ -121,7 +137,10 @@ def test_unsupported_while_tracing_falls_back(toy):
 def test_all_fail_raises_with_every_reason(toy):
     o, call = toy
     o.default_order["cpu"] = ("broken", "fast")
-    with pytest.warns(axkern.FallbackWarning), pytest.raises(Unsupported, match="broken: lowering failed.*fast: n=3 is odd"):
+    with (
+        pytest.warns(axkern.FallbackWarning),
+        pytest.raises(Unsupported, match="broken: lowering failed.*fast: n=3 is odd"),
+    ):
         call(jnp.zeros(3))
 
 

@@ -29,7 +29,13 @@ OPTIONS = {
     "z_loss": {"logsumexp_weight": 1e-2},
     "ignore": {"ignore_index": -100},
     "where": {"where": True},
-    "all": {"logit_soft_cap": 4.0, "label_smoothing": 0.2, "logsumexp_weight": 1e-3, "ignore_index": -1, "where": True},
+    "all": {
+        "logit_soft_cap": 4.0,
+        "label_smoothing": 0.2,
+        "logsumexp_weight": 1e-3,
+        "ignore_index": -1,
+        "where": True,
+    },
 }
 
 
@@ -85,9 +91,14 @@ def test_against_oracle_odd_shape(impl, dtype, option):
 
 
 @given(
-    n=st.integers(1, 70), d=st.integers(1, 40), v=st.integers(1, 300),
-    block_tokens=st.integers(1, 80), block_vocab=st.integers(1, 350),
-    dtype=st.sampled_from(DTYPES), option=st.sampled_from(sorted(OPTIONS)), seed=st.integers(0, 2**16),
+    n=st.integers(1, 70),
+    d=st.integers(1, 40),
+    v=st.integers(1, 300),
+    block_tokens=st.integers(1, 80),
+    block_vocab=st.integers(1, 350),
+    dtype=st.sampled_from(DTYPES),
+    option=st.sampled_from(sorted(OPTIONS)),
+    seed=st.integers(0, 2**16),
 )
 def test_xla_against_oracle_random_shapes(n, d, v, block_tokens, block_vocab, dtype, option, seed):
     bs = CrossEntropyBlockSizes(block_tokens=block_tokens, block_vocab=block_vocab)
@@ -113,7 +124,9 @@ def numpy_loss_and_grads(x, w, labels, cot, *, cap=None, eps=0.0, zw=0.0, ignore
     z_label = z[np.arange(n), safe]
     loss = np.where(keep, lse - (1 - eps) * z_label - eps * z.mean(1) + zw * lse**2, 0.0)
     g_loss = cot[0] * keep
-    dz = (g_loss * (1 + 2 * zw * lse) + cot[1])[:, None] * p - g_loss[:, None] * ((1 - eps) * onehot + eps / v)
+    dz = (g_loss * (1 + 2 * zw * lse) + cot[1])[:, None] * p - g_loss[:, None] * (
+        (1 - eps) * onehot + eps / v
+    )
     if cap:
         dz = dz * (1 - np.tanh(raw / cap) ** 2)
     return loss, lse, dz @ w.T, x.T @ dz
@@ -123,8 +136,13 @@ def numpy_loss_and_grads(x, w, labels, cot, *, cap=None, eps=0.0, zw=0.0, ignore
 def test_reference_against_numpy(option):
     x, w, labels, opts, cot = make_case(3, 37, 16, 53, "float32", OPTIONS[option])
     (loss, lse), (dx, dw) = oracle(x, w, labels, opts, cot)
-    kw = {"cap": opts.get("logit_soft_cap"), "eps": opts.get("label_smoothing", 0.0),
-          "zw": opts.get("logsumexp_weight", 0.0), "ignore": opts.get("ignore_index"), "where": opts.get("where")}
+    kw = {
+        "cap": opts.get("logit_soft_cap"),
+        "eps": opts.get("label_smoothing", 0.0),
+        "zw": opts.get("logsumexp_weight", 0.0),
+        "ignore": opts.get("ignore_index"),
+        "where": opts.get("where"),
+    }
     want = numpy_loss_and_grads(x, w, labels, cot, **kw)
     for got, ref, name in zip((loss, lse, dx, dw), want, ("loss", "lse", "dx", "dw"), strict=True):
         np.testing.assert_allclose(got, ref, rtol=1e-10, atol=1e-12, err_msg=name)
@@ -155,8 +173,13 @@ def test_check_labels_raises_at_run_time():
 @pytest.mark.parametrize("bad", [np.nan, np.inf])
 def test_nan_and_inf_in_x_propagate(impl, bad):
     x, w, labels = ce_inputs(jax.random.PRNGKey(1), 6, 8, 30, jnp.float32)
-    loss, lse = ce(x.at[1, 3].set(bad), w, labels, implementation=impl,
-                   block_sizes=CrossEntropyBlockSizes(4, 7) if impl == "xla" else None)
+    loss, lse = ce(
+        x.at[1, 3].set(bad),
+        w,
+        labels,
+        implementation=impl,
+        block_sizes=CrossEntropyBlockSizes(4, 7) if impl == "xla" else None,
+    )
     assert not np.isfinite(loss[1]) and not np.isfinite(lse[1])
     assert np.isfinite(np.delete(np.asarray(loss), 1)).all()
 
@@ -186,7 +209,9 @@ def test_jit_vmap_grad_and_filter_jit():
     np.testing.assert_allclose(jax.jit(jax.vmap(f))(xb, lb), looped, rtol=1e-6)
     np.testing.assert_allclose(eqx.filter_jit(f)(x, labels), f(x, labels), rtol=1e-6)
     g = jax.jit(jax.grad(lambda x, w: jnp.mean(ce(x, w, labels)[0]), argnums=(0, 1)))(x, w)
-    g_ref = jax.grad(lambda x, w: jnp.mean(ce(x, w, labels, implementation="reference")[0]), argnums=(0, 1))(x, w)
+    g_ref = jax.grad(lambda x, w: jnp.mean(ce(x, w, labels, implementation="reference")[0]), argnums=(0, 1))(
+        x, w
+    )
     for a, b in zip(g, g_ref, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
     # per-example gradients: grad inside vmap
@@ -201,7 +226,12 @@ def test_xla_never_materialises_the_logits():
     bs = CrossEntropyBlockSizes(block_tokens=512, block_vocab=1024)
 
     def temp(impl):
-        f = jax.jit(jax.grad(lambda x, w: jnp.mean(ce(x, w, labels, implementation=impl, block_sizes=bs)[0]), argnums=(0, 1)))
+        f = jax.jit(
+            jax.grad(
+                lambda x, w: jnp.mean(ce(x, w, labels, implementation=impl, block_sizes=bs)[0]),
+                argnums=(0, 1),
+            )
+        )
         stats = f.lower(x, w).compile().memory_analysis()
         return stats.temp_size_in_bytes
 

@@ -16,7 +16,12 @@ import axkern
 from axkern.positional import fused_cross_entropy as ce_positional
 from tests.helpers import ce_inputs
 
-Batch, Pos, Embed, Vocab = hax.Axis("batch", 2), hax.Axis("position", 12), hax.Axis("embed", 16), hax.Axis("vocab", 64)
+Batch, Pos, Embed, Vocab = (
+    hax.Axis("batch", 2),
+    hax.Axis("position", 12),
+    hax.Axis("embed", 16),
+    hax.Axis("vocab", 64),
+)
 
 
 def inputs(seed=0, dtype=jnp.float32):
@@ -36,7 +41,9 @@ def test_matches_positional_with_every_reduction():
     x, w, labels = inputs()
     loss, lse = ce_positional(*flat(x, w, labels))
     np.testing.assert_allclose(axkern.fused_cross_entropy(x, w, labels), loss.mean(), rtol=1e-6)
-    np.testing.assert_allclose(axkern.fused_cross_entropy(x, w, labels, reduction="sum"), loss.sum(), rtol=1e-6)
+    np.testing.assert_allclose(
+        axkern.fused_cross_entropy(x, w, labels, reduction="sum"), loss.sum(), rtol=1e-6
+    )
     per, lse_named = axkern.fused_cross_entropy(x, w, labels, reduction=None, return_lse=True)
     assert per.axes == (Batch, Pos) and lse_named.axes == (Batch, Pos)
     np.testing.assert_allclose(per.array.reshape(-1), loss, rtol=1e-6)
@@ -47,7 +54,10 @@ def test_axis_order_does_not_matter():
     x, w, labels = inputs()
     want = axkern.fused_cross_entropy(x, w, labels, reduction=None)
     got = axkern.fused_cross_entropy(
-        x.rearrange((Embed, Pos, Batch)), w.rearrange((Vocab, Embed)), labels.rearrange((Pos, Batch)), reduction=None
+        x.rearrange((Embed, Pos, Batch)),
+        w.rearrange((Vocab, Embed)),
+        labels.rearrange((Pos, Batch)),
+        reduction=None,
     )
     assert got.axes == (Pos, Batch)  # x's batch axes, in x's order
     np.testing.assert_allclose(got.rearrange((Batch, Pos)).array, want.array, rtol=1e-6)
@@ -68,8 +78,13 @@ def test_extra_batch_axes_and_axis_objects():
 def test_other_axis_names():
     x, w, labels = inputs()
     H, V = hax.Axis("hidden", 16), hax.Axis("tokens_vocab", 64)
-    got = axkern.fused_cross_entropy(x.rename({"embed": "hidden"}), w.rename({"embed": "hidden", "vocab": "tokens_vocab"}),
-                                     labels, Embed="hidden", Vocab=V)
+    got = axkern.fused_cross_entropy(
+        x.rename({"embed": "hidden"}),
+        w.rename({"embed": "hidden", "vocab": "tokens_vocab"}),
+        labels,
+        Embed="hidden",
+        Vocab=V,
+    )
     np.testing.assert_allclose(got, axkern.fused_cross_entropy(x, w, labels), rtol=1e-6)
     assert H.size == Embed.size
 
@@ -90,11 +105,17 @@ def test_where_over_a_subset_of_batch_axes_and_ignore_index():
 
 def test_errors_name_the_axis_and_list_what_is_there():
     x, w, labels = inputs()
-    with pytest.raises(ValueError, match=r"x has no axis 'embd' \(Embed\); its axes are \(batch=2, position=12, embed=16\)"):
+    with pytest.raises(
+        ValueError, match=r"x has no axis 'embd' \(Embed\); its axes are \(batch=2, position=12, embed=16\)"
+    ):
         axkern.fused_cross_entropy(x, w, labels, Embed="embd")
-    with pytest.raises(ValueError, match=r"lm_head has no axis 'vocabulary' \(Vocab\); its axes are \(embed=16, vocab=64\)"):
+    with pytest.raises(
+        ValueError, match=r"lm_head has no axis 'vocabulary' \(Vocab\); its axes are \(embed=16, vocab=64\)"
+    ):
         axkern.fused_cross_entropy(x, w, labels, Vocab="vocabulary")
-    with pytest.raises(ValueError, match=r"labels's axes \(batch=2\) must be x's batch axes \(batch=2, position=12\)"):
+    with pytest.raises(
+        ValueError, match=r"labels's axes \(batch=2\) must be x's batch axes \(batch=2, position=12\)"
+    ):
         axkern.fused_cross_entropy(x, w, labels["position", 0])
     with pytest.raises(ValueError, match="lm_head must have only axes 'embed' and 'vocab'"):
         axkern.fused_cross_entropy(x, hax.named(jnp.zeros((2, 16, 64)), (Batch, Embed, Vocab)), labels)
@@ -118,14 +139,20 @@ def test_jit_grad_filter_jit_and_vmap():
 
     g = jax.jit(jax.grad(loss, argnums=(0, 1)))(x, w)
     assert isinstance(g[0], hax.NamedArray) and g[0].axes == x.axes and g[1].axes == w.axes
-    gp = jax.grad(lambda a, b: jnp.mean(ce_positional(a, b, flat(x, w, labels)[2])[0]), argnums=(0, 1))(*flat(x, w, labels)[:2])
+    gp = jax.grad(lambda a, b: jnp.mean(ce_positional(a, b, flat(x, w, labels)[2])[0]), argnums=(0, 1))(
+        *flat(x, w, labels)[:2]
+    )
     np.testing.assert_allclose(g[0].array.reshape(-1, 16), gp[0], rtol=1e-5, atol=1e-8)
     np.testing.assert_allclose(g[1].array, gp[1], rtol=1e-5, atol=1e-8)
     np.testing.assert_allclose(eqx.filter_jit(loss)(x, w), loss(x, w), rtol=1e-6)
     value, grads = eqx.filter_value_and_grad(lambda x: loss(x, w))(x)
     assert grads.axes == x.axes
-    per_batch = hax.vmap(lambda xb, lb: axkern.fused_cross_entropy(xb, w, lb, reduction="sum"), Batch)(x, labels)
-    np.testing.assert_allclose(jnp.asarray(per_batch).sum(), axkern.fused_cross_entropy(x, w, labels, reduction="sum"), rtol=1e-6)
+    per_batch = hax.vmap(lambda xb, lb: axkern.fused_cross_entropy(xb, w, lb, reduction="sum"), Batch)(
+        x, labels
+    )
+    np.testing.assert_allclose(
+        jnp.asarray(per_batch).sum(), axkern.fused_cross_entropy(x, w, labels, reduction="sum"), rtol=1e-6
+    )
 
 
 def _hlo(lowered) -> str:
@@ -133,16 +160,14 @@ def _hlo(lowered) -> str:
     text = re.sub(r"loc\([^)]*\)", "", text)
     text = re.sub(r"#loc\d*( = .*)?", "", text)
     text = re.sub(r"@\w+", "@f", text)
-    text = re.sub(r'mhlo\.frontend_attributes = \{[^}]*\}', "", text)
+    text = re.sub(r"mhlo\.frontend_attributes = \{[^}]*\}", "", text)
     return "\n".join(line.rstrip() for line in text.splitlines() if line.strip())
 
 
 def test_named_call_lowers_to_the_same_hlo_as_the_positional_call():
     x, w, labels = inputs()
     named = jax.jit(lambda x, w, l: axkern.fused_cross_entropy(x, w, l, reduction=None).array)
-    positional = jax.jit(
-        lambda x, w, l: ce_positional(x.reshape(-1, 16), w, l.reshape(-1))[0].reshape(2, 12)
-    )
+    positional = jax.jit(lambda x, w, l: ce_positional(x.reshape(-1, 16), w, l.reshape(-1))[0].reshape(2, 12))
     a = _hlo(named.lower(x, w, labels))
     b = _hlo(positional.lower(x.array, w.array, labels.array))
     assert a == b
@@ -158,8 +183,10 @@ def test_named_call_lowers_to_the_same_hlo_as_the_positional_call():
         ((2, 4), {"batch": "data", "vocab": "model", "embed": "model"}),  # a mapped embed is gathered
     ],
 )
-@pytest.mark.parametrize("options", [{}, {"label_smoothing": 0.1, "logsumexp_weight": 1e-2, "logit_soft_cap": 3.0,
-                                          "ignore_index": -100}])
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"label_smoothing": 0.1, "logsumexp_weight": 1e-2, "logit_soft_cap": 3.0, "ignore_index": -100}],
+)
 def test_sharded_equals_unsharded(mesh_shape, mapping, options):
     assert len(jax.devices()) >= 8, "conftest asks XLA for 8 host devices"
     x, w, labels = inputs(seed=4)
@@ -180,7 +207,9 @@ def test_sharded_equals_unsharded(mesh_shape, mapping, options):
         got_val, got_grad = fn(x, w)
         hlo = fn.lower(x, w).as_text()
     assert "shard_map" in hlo or "sdy.manual_computation" in hlo or "custom_call @Sharding" in hlo
-    for a, b in zip(jax.tree.leaves((got_val, got_grad)), jax.tree.leaves((want_val, want_grad)), strict=True):
+    for a, b in zip(
+        jax.tree.leaves((got_val, got_grad)), jax.tree.leaves((want_val, want_grad)), strict=True
+    ):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=1e-6)
 
 

@@ -9,7 +9,21 @@ from .config import use
 from .op import Decision, FallbackWarning, Implementation, Op, Rejection, Spec, Unsupported, explain
 
 __all__ = [
-    "backend", "blocks", "compat", "config", "named", "op", "typing",
-    "BlockSizes", "Decision", "FallbackWarning", "Implementation", "Op", "Rejection", "Spec", "Unsupported",
-    "explain", "use",
+    "backend",
+    "blocks",
+    "compat",
+    "config",
+    "named",
+    "op",
+    "typing",
+    "BlockSizes",
+    "Decision",
+    "FallbackWarning",
+    "Implementation",
+    "Op",
+    "Rejection",
+    "Spec",
+    "Unsupported",
+    "explain",
+    "use",
 ]

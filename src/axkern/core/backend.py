@@ -35,8 +35,16 @@ def compute_capability() -> tuple[int, int] | None:
     return int(major), int(minor or 0)
 
 
-_TPU_KINDS = {"tpu v5 lite": "tpu_v5e", "tpu v5e": "tpu_v5e", "tpu v5p": "tpu_v5p", "tpu v5": "tpu_v5p",
-              "tpu v6 lite": "tpu_v6e", "tpu v6e": "tpu_v6e", "tpu v4": "tpu_v4", "tpu7x": "tpu_v7x"}
+_TPU_KINDS = {
+    "tpu v5 lite": "tpu_v5e",
+    "tpu v5e": "tpu_v5e",
+    "tpu v5p": "tpu_v5p",
+    "tpu v5": "tpu_v5p",
+    "tpu v6 lite": "tpu_v6e",
+    "tpu v6e": "tpu_v6e",
+    "tpu v4": "tpu_v4",
+    "tpu7x": "tpu_v7x",
+}
 
 
 @functools.cache

@@ -27,7 +27,7 @@ class Settings:
     implementations: tuple[tuple[str, str | tuple[str, ...]], ...] = ()
 
 
-_settings: contextvars.ContextVar[Settings] = contextvars.ContextVar("axkern_settings", default=Settings())
+_settings: contextvars.ContextVar[Settings] = contextvars.ContextVar("axkern_settings", default=Settings())  # noqa: B039 - frozen
 
 
 def _env_flag(name: str) -> bool:

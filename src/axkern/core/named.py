@@ -19,8 +19,16 @@ from jax.sharding import PartitionSpec
 from . import compat
 
 __all__ = [
-    "require_named", "resolve", "axes_str", "without", "ordered", "match_axes", "flatten", "unflatten",
-    "mesh_axes_for", "shard_by_mapping",
+    "require_named",
+    "resolve",
+    "axes_str",
+    "without",
+    "ordered",
+    "match_axes",
+    "flatten",
+    "unflatten",
+    "mesh_axes_for",
+    "shard_by_mapping",
 ]
 
 AxisSelector = str | hax.Axis
@@ -49,9 +57,7 @@ def resolve(op: str, arg: str, array: NamedArray, selector: AxisSelector, role: 
     for a in array.axes:
         if a.name == name:
             if isinstance(selector, hax.Axis) and selector.size != a.size:
-                raise ValueError(
-                    f"{op}: {role}={selector} but {arg}'s axis {name!r} has size {a.size}"
-                )
+                raise ValueError(f"{op}: {role}={selector} but {arg}'s axis {name!r} has size {a.size}")
             return a
     raise ValueError(f"{op}: {arg} has no axis {name!r} ({role}); its axes are {axes_str(array.axes)}")
 

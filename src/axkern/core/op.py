@@ -24,8 +24,16 @@ import jax
 from . import backend, blocks, compat, config
 
 __all__ = [
-    "Unsupported", "FallbackWarning", "Spec", "Rejection", "Decision", "Implementation", "Op",
-    "explain", "registered_ops", "get_op",
+    "Unsupported",
+    "FallbackWarning",
+    "Spec",
+    "Rejection",
+    "Decision",
+    "Implementation",
+    "Op",
+    "explain",
+    "registered_ops",
+    "get_op",
 ]
 
 
@@ -110,7 +118,7 @@ class Implementation:
     block_sizes: type[blocks.BlockSizes] | None = None
     heuristic: Callable[[Spec], blocks.BlockSizes] | None = None
     interpretable: bool = False
-    backward: str = "custom_vjp"
+    backward: str = "autodiff"
 
 
 _OPS: dict[str, Op] = {}
@@ -168,7 +176,9 @@ class Op:
 
     def _requested(self, implementation) -> tuple[tuple[str, ...], bool]:
         """Candidate names in order, and whether a failure must raise (a single explicit name)."""
-        requested = implementation if implementation is not None else config.implementation_override(self.name)
+        requested = (
+            implementation if implementation is not None else config.implementation_override(self.name)
+        )
         if requested is None:
             return self.default_order.get(backend.platform(), ("xla",)), False
         names = (requested,) if isinstance(requested, str) else tuple(requested)
@@ -181,7 +191,9 @@ class Op:
                 )
         return names, isinstance(requested, str)
 
-    def _platform_reason(self, impl: Implementation, spec: Spec, explicit: bool, interpret: bool) -> str | None:
+    def _platform_reason(
+        self, impl: Implementation, spec: Spec, explicit: bool, interpret: bool
+    ) -> str | None:
         if spec.platform in impl.platforms:
             return None
         if impl.interpretable and (interpret or explicit):
@@ -235,7 +247,9 @@ class Op:
         rejected: list[Rejection] = []
         for name in names:
             impl = self.implementations[name]
-            reason = self._platform_reason(impl, spec, single or implementation is not None, settings.interpret)
+            reason = self._platform_reason(
+                impl, spec, single or implementation is not None, settings.interpret
+            )
             if reason is None:
                 reason = impl.supports(spec)
             bs, source = None, "none"
@@ -244,7 +258,9 @@ class Op:
             if reason is not None:
                 self._reject(name, reason, fatal, rejected)
                 continue
-            interpret = impl.interpretable and (bool(settings.interpret) or spec.platform not in impl.platforms)
+            interpret = impl.interpretable and (
+                bool(settings.interpret) or spec.platform not in impl.platforms
+            )
             kwargs = dict(options)
             if impl.block_sizes is not None:
                 kwargs["block_sizes"] = bs

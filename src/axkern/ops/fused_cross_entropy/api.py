@@ -74,9 +74,14 @@ def _stats(x, w, local_labels, *, logit_soft_cap, with_sum, implementation, bloc
         with_sum=with_sum,
     )
     return OP(
-        spec, x, w, local_labels,
-        implementation=implementation, block_sizes=block_sizes,
-        logit_soft_cap=logit_soft_cap, with_sum=with_sum,
+        spec,
+        x,
+        w,
+        local_labels,
+        implementation=implementation,
+        block_sizes=block_sizes,
+        logit_soft_cap=logit_soft_cap,
+        with_sum=with_sum,
     )
 
 
@@ -101,16 +106,18 @@ def _assemble(lse, label_logit, sum_logits, labels, keep, vocab, *, logsumexp_we
 
 def _check_labels(labels, keep, vocab):
     bad = keep & ((labels < 0) | (labels >= vocab))
-    return eqx.error_if(labels, jnp.any(bad), f"{NAME}: a label outside [0, {vocab}) that is not ignore_index")
+    return eqx.error_if(
+        labels, jnp.any(bad), f"{NAME}: a label outside [0, {vocab}) that is not ignore_index"
+    )
 
 
 @checked
 def fused_cross_entropy_positional(
     x: Float[Array, "tokens embed"],
     w: Float[Array, "embed vocab"],
-    labels: Int[Array, "tokens"],
+    labels: Int[Array, " tokens"],
     *,
-    where: Bool[Array, "tokens"] | None = None,
+    where: Bool[Array, " tokens"] | None = None,
     ignore_index: int | None = None,
     logit_soft_cap: float | None = None,
     logsumexp_weight: float = 0.0,
@@ -118,7 +125,7 @@ def fused_cross_entropy_positional(
     check_labels: bool = False,
     implementation: str | tuple[str, ...] | None = None,
     block_sizes: CrossEntropyBlockSizes | dict | None = None,
-) -> tuple[Float[Array, "tokens"], Float[Array, "tokens"]]:
+) -> tuple[Float[Array, " tokens"], Float[Array, " tokens"]]:
     """Per-token fused linear cross-entropy on plain arrays.
 
     **Arguments:**
@@ -143,13 +150,23 @@ def fused_cross_entropy_positional(
     if check_labels:
         labels = _check_labels(labels, keep, vocab)
     lse, label_logit, sum_logits = _stats(
-        x, w, labels,
-        logit_soft_cap=logit_soft_cap, with_sum=bool(label_smoothing),
-        implementation=implementation, block_sizes=block_sizes,
+        x,
+        w,
+        labels,
+        logit_soft_cap=logit_soft_cap,
+        with_sum=bool(label_smoothing),
+        implementation=implementation,
+        block_sizes=block_sizes,
     )
     loss = _assemble(
-        lse, label_logit, sum_logits, labels, keep, vocab,
-        logsumexp_weight=logsumexp_weight, label_smoothing=label_smoothing,
+        lse,
+        label_logit,
+        sum_logits,
+        labels,
+        keep,
+        vocab,
+        logsumexp_weight=logsumexp_weight,
+        label_smoothing=label_smoothing,
     )
     return loss, lse
 
@@ -229,8 +246,12 @@ def fused_cross_entropy(
     ld = named.match_axes(NAME, "labels", labels, batch, "x's batch axes")
     wh = None if where is None else named.broadcast_subset(NAME, "where", where, batch, "x's batch axes")
     options = dict(
-        ignore_index=ignore_index, logit_soft_cap=logit_soft_cap, logsumexp_weight=logsumexp_weight,
-        label_smoothing=label_smoothing, implementation=implementation, block_sizes=block_sizes,
+        ignore_index=ignore_index,
+        logit_soft_cap=logit_soft_cap,
+        logsumexp_weight=logsumexp_weight,
+        label_smoothing=label_smoothing,
+        implementation=implementation,
+        block_sizes=block_sizes,
     )
     if check_labels:
         ld = _check_labels(ld, _keep(ld, wh, ignore_index), vocab.size)
@@ -247,22 +268,36 @@ def fused_cross_entropy(
             v_local = ws.shape[1]
             offset = compat.axis_index(vocab_mesh) * v_local
             stats = _stats(
-                xf, ws, lf - offset,
-                logit_soft_cap=logit_soft_cap, with_sum=bool(label_smoothing),
-                implementation=implementation, block_sizes=block_sizes,
+                xf,
+                ws,
+                lf - offset,
+                logit_soft_cap=logit_soft_cap,
+                with_sum=bool(label_smoothing),
+                implementation=implementation,
+                block_sizes=block_sizes,
             )
             lse, label_logit, sum_logits = _combine_over(vocab_mesh, *stats)
             loss = _assemble(
-                lse, label_logit, sum_logits, lf, _keep(lf, wf, ignore_index), vocab.size,
-                logsumexp_weight=logsumexp_weight, label_smoothing=label_smoothing,
+                lse,
+                label_logit,
+                sum_logits,
+                lf,
+                _keep(lf, wf, ignore_index),
+                vocab.size,
+                logsumexp_weight=logsumexp_weight,
+                label_smoothing=label_smoothing,
             )
         return named.unflatten(loss, lead_local), named.unflatten(lse, lead_local)
 
     out = named.shard_by_mapping(
         NAME,
         local,
-        [("x", xd, batch + (embed,)), ("lm_head", wd, (embed, vocab)), ("labels", ld, batch),
-         None if wh is None else ("where", wh, batch)],
+        [
+            ("x", xd, batch + (embed,)),
+            ("lm_head", wd, (embed, vocab)),
+            ("labels", ld, batch),
+            None if wh is None else ("where", wh, batch),
+        ],
         (batch, batch),
         replicated=(embed.name,),
     )
@@ -277,4 +312,3 @@ def fused_cross_entropy(
     if return_lse:
         return result, hax.named(lse, batch)
     return result
-

@@ -1,0 +1,66 @@
+"""fused_cross_entropy compiled on a real GPU, at real sizes, against the oracle rule.
+
+Run on a GPU machine with `AXKERN_TEST_GPU=1 python -m pytest tests/gpu -m gpu`. The oracle
+is the `reference` implementation in float32 at `precision=HIGHEST` (true float32 products,
+no TF32), as DESIGN.md allows where float64 would not fit the device.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import axkern
+from axkern.positional import fused_cross_entropy as ce
+from tests.helpers import assert_oracle_rule, ce_inputs
+
+pytestmark = pytest.mark.gpu
+
+
+def _run(impl, x, w, labels, cot, opts):
+    def f(x, w):
+        loss, lse = ce(x, w, labels, implementation=impl, **opts)
+        return jnp.sum(loss * cot[0]) + jnp.sum(lse * cot[1]), (loss, lse)
+
+    (_, out), grads = jax.jit(jax.value_and_grad(f, argnums=(0, 1), has_aux=True))(x, w)
+    return out, grads
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize(
+    "n,d,v,opts",
+    [
+        (4096, 2048, 32000, {}),
+        (3001, 1536, 50257, {"logit_soft_cap": 30.0, "label_smoothing": 0.1, "logsumexp_weight": 1e-4}),
+        (8192, 4096, 128256, {"ignore_index": -100}),
+    ],
+)
+def test_xla_on_gpu_against_oracle(n, d, v, opts, dtype):
+    assert jax.devices()[0].platform == "gpu"
+    x, w, labels = ce_inputs(jax.random.PRNGKey(n), n, d, v, jnp.dtype(dtype), logit_scale=4.0)
+    if "ignore_index" in opts:
+        labels = labels.at[::7].set(-100)
+    cot = jax.random.normal(jax.random.PRNGKey(1), (2, n), jnp.float32)
+    with jax.default_matmul_precision("highest"):
+        oracle = _run("reference", x.astype(jnp.float32), w.astype(jnp.float32), labels, cot, opts)
+    same = _run("reference", x, w, labels, cot, opts)
+    got = _run("xla", x, w, labels, cot, opts)
+    assert_oracle_rule(got[0], same[0], oracle[0], dtype, f"xla {dtype} N={n} forward")
+    assert_oracle_rule(got[1], same[1], oracle[1], dtype, f"xla {dtype} N={n} grads")
+
+
+def test_h200_table_and_memory_at_llama3_size():
+    n, d, v = 16384, 4096, 128256
+    shapes = (
+        jax.ShapeDtypeStruct((n, d), jnp.bfloat16),
+        jax.ShapeDtypeStruct((d, v), jnp.bfloat16),
+        jax.ShapeDtypeStruct((n,), jnp.int32),
+    )
+    decision = axkern.explain(ce, *shapes)
+    assert decision.implementation == "xla"
+    if decision.spec.device_key == "nvidia_h200":
+        assert decision.block_source == "table"
+    grad = jax.jit(jax.grad(lambda x, w, l: jnp.mean(ce(x, w, l)[0]), argnums=(0, 1)))
+    temp = grad.lower(*shapes).compile().memory_analysis().temp_size_in_bytes
+    assert temp <= 1.5 * 2**30, f"temporary memory {temp / 2**30:.2f} GiB"
