@@ -234,3 +234,13 @@ def test_explain_named():
     assert d.implementation == "reference" and d.spec.dim("tokens") == 24
     d = axkern.explain(axkern.fused_cross_entropy, x, w, labels)
     assert d.implementation == "xla" and "fused_cross_entropy: xla" in str(d)
+
+
+def test_vocab_and_batch_on_the_same_mesh_axis_is_an_error():
+    x, w, labels = inputs()
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "model"))
+    with hax.partitioning.set_mesh(mesh), hax.axis_mapping({"batch": "data", "vocab": "data"}):
+        with pytest.raises(
+            ValueError, match=r"'vocab' and a batch axis are mapped to the same mesh axes \['data'\]"
+        ):
+            jax.jit(lambda x, w: axkern.fused_cross_entropy(x, w, labels))(x, w)

@@ -14,6 +14,8 @@ collectives (`lse` by a stable log-sum-exp across shards, the other two by `psum
 
 from __future__ import annotations
 
+import functools
+
 import equinox as eqx
 import haliax as hax
 import jax.numpy as jnp
@@ -171,6 +173,12 @@ def fused_cross_entropy_positional(
     return loss, lse
 
 
+def _as_tuple(mesh_axes) -> tuple[str, ...]:
+    if mesh_axes is None:
+        return ()
+    return (mesh_axes,) if isinstance(mesh_axes, str) else tuple(mesh_axes)
+
+
 def _combine_over(mesh_axes, lse, label_logit, sum_logits):
     """Statistics of the whole vocabulary from each shard's statistics of its slice."""
     m = lax.pmax(lax.stop_gradient(lse), mesh_axes)
@@ -256,17 +264,25 @@ def fused_cross_entropy(
     if check_labels:
         ld = _check_labels(ld, _keep(ld, wh, ignore_index), vocab.size)
 
-    def local(xs, ws, ls, whs):
+    # Vocab parallel when the mapping puts Vocab on mesh axes (only inside shard_map, below).
+    vocab_mesh = named.mesh_axes_for(vocab) if compat.current_mesh() is not None else None
+    if vocab_mesh is not None:
+        batch_mesh = {m for a in batch for m in _as_tuple(named.mesh_axes_for(a))}
+        if batch_mesh & set(_as_tuple(vocab_mesh)):
+            raise ValueError(
+                f"{NAME}: {vocab.name!r} and a batch axis are mapped to the same mesh axes "
+                f"{sorted(batch_mesh & set(_as_tuple(vocab_mesh)))}"
+            )
+
+    def local(xs, ws, ls, whs, vocab_mesh=None):
         n = len(batch)
         lead_local = xs.shape[:n]
         xf, lf = named.flatten(xs, n), named.flatten(ls, n)
         wf = None if whs is None else named.flatten(whs, n)
-        vocab_mesh = named.mesh_axes_for(vocab)
-        if vocab_mesh is None or compat.current_mesh() is None:
+        if vocab_mesh is None:
             loss, lse = fused_cross_entropy_positional(xf, ws, lf, where=wf, **options)
         else:
-            v_local = ws.shape[1]
-            offset = compat.axis_index(vocab_mesh) * v_local
+            offset = compat.axis_index(vocab_mesh) * ws.shape[1]
             stats = _stats(
                 xf,
                 ws,
@@ -291,7 +307,7 @@ def fused_cross_entropy(
 
     out = named.shard_by_mapping(
         NAME,
-        local,
+        functools.partial(local, vocab_mesh=vocab_mesh),
         [
             ("x", xd, batch + (embed,)),
             ("lm_head", wd, (embed, vocab)),
