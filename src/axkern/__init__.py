@@ -11,12 +11,16 @@ from . import positional
 from .core.config import use
 from .core.op import Decision, FallbackWarning, Unsupported, explain, get_op, registered_ops
 from .ops.fused_cross_entropy import CrossEntropyBlockSizes, fused_cross_entropy
+from .ops.short_conv import ConvBlockSizes, short_conv, short_conv_step
 
 __version__ = "0.1.0"
 
 __all__ = [
     "fused_cross_entropy",
     "CrossEntropyBlockSizes",
+    "short_conv",
+    "short_conv_step",
+    "ConvBlockSizes",
     "explain",
     "use",
     "implementations",

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from .core import backend
 from .core.op import Unsupported, get_op
 
-__all__ = ["Case", "Row", "measure", "matmul_ceiling", "cases_for"]
+__all__ = ["Case", "Row", "measure", "matmul_ceiling", "copy_bandwidth", "cases_for"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,6 +36,9 @@ class Case:
     grad_argnums: tuple[int, ...]
     flops_forward: float
     flops_backward: float  # model FLOPs of the backward alone (not counting recomputation)
+    bytes_forward: float = 0.0  # the fewest bytes the forward must move (memory-bound ops)
+    bytes_backward: float = 0.0
+    bound: str = "compute"  # "compute": held to the matmul ceiling; "memory": to the copy bandwidth
 
 
 @dataclasses.dataclass
@@ -46,6 +49,7 @@ class Row:
     pass_: str  # "fwd" | "fwd+bwd"
     ms: float | None = None
     tflops: float | None = None
+    gbps: float | None = None
     ceiling_fraction: float | None = None
     temp_gib: float | None = None
     max_rel_error: float | None = None
@@ -86,6 +90,16 @@ def matmul_ceiling(*, size: int | None = None, dtype=None, repeats: int = 10, wa
     return 2 * size**3 / (ms * 1e-3) / 1e12
 
 
+def copy_bandwidth(*, gib: float | None = None, repeats: int = 10, warmup: int = 5) -> float:
+    """GB/s of a large device copy here (bytes read plus bytes written): the memory-bound ceiling."""
+    gib = gib or (1.0 if backend.platform() != "cpu" else 0.0625)
+    n = int(gib * 2**30) // 4
+    x = jax.random.normal(jax.random.PRNGKey(2), (n,), jnp.float32)
+    f = jax.jit(lambda x: x + 1)
+    ms = time_ms(f, (x,), warmup=warmup, repeats=repeats)
+    return 2 * n * 4 / (ms * 1e-3) / 1e9
+
+
 def _temp_gib(jitted, args) -> float | None:
     try:
         stats = jitted.lower(*args).compile().memory_analysis()
@@ -112,6 +126,7 @@ def measure(
     passes: Sequence[str] = ("fwd", "fwd+bwd"),
     repeats: int = 10,
     ceiling: float | None = None,
+    bandwidth: float | None = None,
     on_row: Callable[[Row], None] | None = None,
 ) -> list[Row]:
     """Rows for every (implementation, pass) of `case`. An implementation that cannot serve
@@ -124,6 +139,7 @@ def measure(
         ),
     }
     flops = {"fwd": case.flops_forward, "fwd+bwd": case.flops_forward + case.flops_backward}
+    nbytes = {"fwd": case.bytes_forward, "fwd+bwd": case.bytes_forward + case.bytes_backward}
     rows = []
     for pass_ in passes:
         want = None
@@ -146,7 +162,11 @@ def measure(
                 del got
                 row.ms = time_ms(fn, args, repeats=repeats)
                 row.tflops = flops[pass_] / (row.ms * 1e-3) / 1e12
-                if ceiling:
+                if nbytes[pass_]:
+                    row.gbps = nbytes[pass_] / (row.ms * 1e-3) / 1e9
+                if case.bound == "memory" and bandwidth and row.gbps:
+                    row.ceiling_fraction = row.gbps / bandwidth
+                elif case.bound == "compute" and ceiling:
                     row.ceiling_fraction = row.tflops / ceiling
             except Unsupported as e:
                 row.note = f"unsupported: {e}"

@@ -88,7 +88,7 @@ def bench(args) -> int:
     import jax
 
     import axkern
-    from axkern.bench import cases_for, matmul_ceiling, measure
+    from axkern.bench import cases_for, copy_bandwidth, matmul_ceiling, measure
 
     ops = [args.op] if args.op else axkern.ops()
     if args.preset and not args.op:
@@ -98,6 +98,7 @@ def bench(args) -> int:
     passes = ("fwd", "fwd+bwd") if args.passes == "both" else (args.passes,)
     console.print(f"measuring the matmul ceiling on {jax.devices()[0].device_kind} ...")
     ceiling = matmul_ceiling(repeats=repeats)
+    bandwidth = copy_bandwidth(repeats=repeats)
     work = []
     for op in ops:
         impls = args.impl.split(",") if args.impl else list(axkern.implementations(op))
@@ -116,10 +117,14 @@ def bench(args) -> int:
                 passes=passes,
                 repeats=repeats,
                 ceiling=ceiling,
+                bandwidth=bandwidth,
                 on_row=lambda _: progress.advance(task),
             )
 
-    t = Table(title=f"axkern bench on {jax.devices()[0].device_kind} (matmul ceiling {ceiling:.1f} TFLOP/s)")
+    t = Table(
+        title=f"axkern bench on {jax.devices()[0].device_kind} "
+        f"(matmul ceiling {ceiling:.1f} TFLOP/s, copy {bandwidth:.0f} GB/s)"
+    )
     for col in (
         "op",
         "case",
@@ -127,6 +132,7 @@ def bench(args) -> int:
         "pass",
         "ms",
         "TFLOP/s",
+        "GB/s",
         "of ceiling",
         "temp GiB",
         "max rel err",
@@ -142,6 +148,7 @@ def bench(args) -> int:
             r.pass_,
             fmt(r.ms, ".3f"),
             fmt(r.tflops, ".2f"),
+            fmt(r.gbps, ".0f"),
             fmt(r.ceiling_fraction, ".1%"),
             fmt(r.temp_gib, ".3f"),
             fmt(r.max_rel_error, ".2e"),
@@ -155,7 +162,10 @@ def bench(args) -> int:
             "device": jax.devices()[0].device_kind,
             "versions": _versions(),
             "matmul_ceiling_tflops": ceiling,
-            "flops_note": "model FLOPs: forward 2NDV, backward 4NDV (recomputation not counted)",
+            "copy_bandwidth_gbps": bandwidth,
+            "note": "TFLOP/s count model FLOPs (recomputation not counted); GB/s count the fewest bytes each "
+            "pass must move; 'of ceiling' is against the matmul rate (compute-bound ops) or the copy "
+            "bandwidth (memory-bound ops) measured at the start of this run",
             "rows": [r.as_dict() for r in rows],
         }
         with open(args.json, "w") as f:

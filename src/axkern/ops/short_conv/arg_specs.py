@@ -1,0 +1,72 @@
+"""Shapes that `axkern bench short_conv` uses. Memory bound: GB/s count the fewest bytes.
+
+Forward: read `x`, write `y` (`2·B·S·C` elements). Backward: read `x` and `dy`, write `dx`
+(`3·B·S·C`); weights, bias and states are negligible.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from axkern.bench import Case
+
+from .api import short_conv_positional
+
+# name: (batch, seq, channels, width, segments)
+PRESETS = {
+    "quick": [(2, 256, 256, 4, False)],
+    "mamba": [
+        (8, 4096, 4096, 4, False),
+        (8, 4096, 4096, 2, False),
+        (8, 4096, 4096, 8, False),
+        (1, 32768, 4096, 4, False),
+        (8, 4096, 4096, 4, True),
+    ],
+}
+
+
+def case(batch, seq, channels, width, segments=False, dtype="bfloat16", label=None) -> Case:
+    dt = jnp.dtype(dtype)
+
+    def make(key):
+        kx, kw, kb, ks = jax.random.split(key, 4)
+        x = jax.random.normal(kx, (batch, seq, channels), jnp.float32).astype(dt)
+        w = (jax.random.normal(kw, (width, channels), jnp.float32) / width**0.5).astype(dt)
+        b = jax.random.normal(kb, (channels,), jnp.float32).astype(dt)
+        seg = None
+        if segments:  # packed documents of about 1k tokens
+            seg = jnp.cumsum(jax.random.bernoulli(ks, 1 / 1024, (batch, seq)), axis=1).astype(jnp.int32)
+        return x, w, b, seg
+
+    def forward(impl, x, w, b, seg):
+        return short_conv_positional(x, w, bias=b, segment_ids=seg, activation="silu", implementation=impl)
+
+    def loss(impl, x, w, b, seg):
+        y = forward(impl, x, w, b, seg)
+        return jnp.sum(y.astype(jnp.float32))
+
+    elems = float(batch) * seq * channels
+    return Case(
+        op="short_conv",
+        label=label or f"B={batch} S={seq} C={channels} W={width}{' segments' if segments else ''} {dt.name}",
+        dims={"batch": batch, "seq": seq, "channels": channels, "width": width},
+        dtype=dt.name,
+        make=make,
+        forward=forward,
+        loss=loss,
+        grad_argnums=(0, 1, 2),
+        flops_forward=2 * elems * width,
+        flops_backward=4 * elems * width,
+        bytes_forward=2 * elems * dt.itemsize,
+        bytes_backward=3 * elems * dt.itemsize,
+        bound="memory",
+    )
+
+
+def cases(*, preset=None, tokens=None, dtype=None):
+    name = preset or "quick"
+    if name not in PRESETS:
+        raise ValueError(f"short_conv: unknown preset {name!r}; presets are {sorted(PRESETS)}")
+    dtype = dtype or ("float32" if name == "quick" else "bfloat16")
+    return [case(b, tokens or s, c, w, seg, dtype) for b, s, c, w, seg in PRESETS[name]]

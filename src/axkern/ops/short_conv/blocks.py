@@ -1,0 +1,50 @@
+"""Block sizes of the short causal convolution and the heuristic used when no tuned entry matches."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from axkern.core.blocks import BlockSizes, next_power_of_2
+from axkern.core.op import Spec
+
+__all__ = ["ConvBlockSizes", "bucket", "heuristic"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ConvBlockSizes(BlockSizes):
+    """A program's tile: `block_seq` positions by `block_channels` channels (powers of two).
+
+    Neither needs to divide the problem: edge tiles are masked.
+    """
+
+    block_seq: int = 64
+    block_channels: int = 256
+
+    def check(self, spec):
+        for name in ("block_seq", "block_channels"):
+            v = getattr(self, name)
+            if v & (v - 1):
+                return f"{name}={v} is not a power of two (Pallas tiles need power-of-two sizes)"
+        if spec is not None and self.block_seq < spec.dim("width") - 1:
+            return f"block_seq={self.block_seq} is shorter than the width - 1 = {spec.dim('width') - 1} halo"
+        return None
+
+
+def bucket(spec: Spec) -> dict:
+    return {
+        "seq": next_power_of_2(spec.dim("seq")),
+        "channels": next_power_of_2(spec.dim("channels")),
+        "width": spec.dim("width"),
+        "dtype": spec.dtype,
+    }
+
+
+def heuristic(spec: Spec) -> ConvBlockSizes:
+    seq, channels, width = spec.dim("seq"), spec.dim("channels"), spec.dim("width")
+    if spec.platform == "tpu":  # (8, 128) layout tiles; the halo comes from the previous block
+        return ConvBlockSizes(
+            block_seq=max(8, min(256, next_power_of_2(seq))), block_channels=128 if channels <= 128 else 256
+        )
+    block_seq = max(next_power_of_2(max(width - 1, 1)), min(64, next_power_of_2(seq)))
+    block_channels = min(256, next_power_of_2(channels))
+    return ConvBlockSizes(block_seq=block_seq, block_channels=block_channels)

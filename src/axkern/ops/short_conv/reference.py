@@ -1,0 +1,40 @@
+"""The plainest correct form of the short causal convolution: the test oracle, never a default."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def extended(x, segment_ids, initial_state):
+    """`x` with its `W-1` previous inputs prepended, and the segment id of each extended row.
+
+    The state's rows belong to the first segment of the sequence (a packed batch continues
+    only its first document from the state).
+    """
+    xe = jnp.concatenate([initial_state.astype(x.dtype), x], axis=1)
+    if segment_ids is None:
+        return xe, None
+    lead = jnp.broadcast_to(segment_ids[:, :1], (x.shape[0], initial_state.shape[1]))
+    return xe, jnp.concatenate([lead, segment_ids], axis=1)
+
+
+def conv(x, weight, bias, segment_ids, initial_state, *, activation=None):
+    """`y[b, t] = act(bias + sum_k weight[k] * x[b, t - k])`, taps never crossing a segment boundary.
+
+    `x: [B, S, C]`, `weight: [W, C]`, `bias: [C]`, `segment_ids: [B, S] | None`,
+    `initial_state: [B, W-1, C]` (the inputs before position 0, oldest first). Computes in
+    float32 (float64 for float64 inputs); autodiff for gradients.
+    """
+    seq, width = x.shape[1], weight.shape[0]
+    acc = jnp.promote_types(x.dtype, jnp.float32)
+    xe, se = extended(x, segment_ids, initial_state)
+    out = jnp.broadcast_to(bias.astype(acc), x.shape)
+    for k in range(width):
+        tap = xe[:, width - 1 - k : width - 1 - k + seq].astype(acc)
+        if se is not None:
+            tap = jnp.where((se[:, width - 1 - k : width - 1 - k + seq] == segment_ids)[..., None], tap, 0)
+        out = out + weight[k].astype(acc) * tap
+    if activation == "silu":
+        out = jax.nn.silu(out)
+    return out.astype(x.dtype)
