@@ -93,8 +93,10 @@ def check(impl, seed, batch, seq, channels, width, dtype, activation=None, block
 @pytest.mark.parametrize("width", range(1, 9))
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_every_width_against_oracle(impl, width, dtype):
-    # S and C not multiples of any block; segments, state, bias and silu all on.
-    check(impl, width, 2, 37, 19, width, dtype, activation="silu")
+    # S and C not multiples of any block; segments, state, bias and silu all on; several
+    # sequence blocks, so every tap crosses a block edge somewhere.
+    bs = axkern.ConvBlockSizes(block_seq=8, block_channels=8) if impl.startswith("pallas") else None
+    check(impl, width, 2, 37, 19, width, dtype, activation="silu", block_sizes=bs)
 
 
 @pytest.mark.parametrize("impl", IMPLS)

@@ -21,8 +21,9 @@ from axkern.core import compat, named
 from axkern.core.op import Implementation, Op
 from axkern.core.typing import Array, Float, Int, checked
 
-from . import reference, xla
-from .blocks import ConvBlockSizes, bucket
+from . import pallas_gpu, reference, xla
+from .blocks import ConvBlockSizes, bucket, heuristic
+from .shifts import extended
 
 __all__ = ["short_conv", "short_conv_positional", "short_conv_step", "short_conv_step_positional", "OP"]
 
@@ -34,10 +35,19 @@ STATE_AXIS = "conv_state"
 OP = Op(
     NAME,
     [
+        Implementation(
+            "pallas_gpu",
+            pallas_gpu.conv,
+            platforms=("gpu",),
+            block_sizes=ConvBlockSizes,
+            heuristic=heuristic,
+            interpretable=True,
+            backward="custom_vjp: one Pallas kernel (dx, partial dw/dbias), state grad in JAX",
+        ),
         Implementation("xla", xla.conv, backward="custom_vjp: shifted sums (fused by XLA)"),
         Implementation("reference", reference.conv, backward="autodiff through the shifted sum"),
     ],
-    default_order={"cpu": ("xla",), "gpu": ("xla",), "tpu": ("xla",)},
+    default_order={"cpu": ("xla",), "gpu": ("pallas_gpu", "xla"), "tpu": ("xla",)},
     package=__package__,
     bucket=bucket,
 )
@@ -59,7 +69,7 @@ def final_state(x, segment_ids, initial_state):
     Rows that belong to an earlier segment than the last token's are zero.
     """
     width_1 = initial_state.shape[1]
-    xe, se = reference.extended(x, segment_ids, initial_state)
+    xe, se = extended(x, segment_ids, initial_state)
     tail = xe[:, xe.shape[1] - width_1 :]
     if se is not None:
         tail = jnp.where((se[:, se.shape[1] - width_1 :] == segment_ids[:, -1:])[..., None], tail, 0)

@@ -5,18 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-
-def extended(x, segment_ids, initial_state):
-    """`x` with its `W-1` previous inputs prepended, and the segment id of each extended row.
-
-    The state's rows belong to the first segment of the sequence (a packed batch continues
-    only its first document from the state).
-    """
-    xe = jnp.concatenate([initial_state.astype(x.dtype), x], axis=1)
-    if segment_ids is None:
-        return xe, None
-    lead = jnp.broadcast_to(segment_ids[:, :1], (x.shape[0], initial_state.shape[1]))
-    return xe, jnp.concatenate([lead, segment_ids], axis=1)
+from .shifts import extended
 
 
 def conv(x, weight, bias, segment_ids, initial_state, *, activation=None):

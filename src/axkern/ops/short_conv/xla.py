@@ -19,43 +19,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from .reference import extended
-
-
-def _acc(x):
-    return jnp.promote_types(x.dtype, jnp.float32)
-
-
-def _taps(x, segment_ids, initial_state, width):
-    """The `W` shifted (and segment-masked) inputs, tap `k` holding `x~[t - k]`, in float32."""
-    seq = x.shape[1]
-    xe, se = extended(x, segment_ids, initial_state)
-    taps = []
-    for k in range(width):
-        tap = xe[:, width - 1 - k : width - 1 - k + seq].astype(_acc(x))
-        if se is not None:
-            tap = jnp.where((se[:, width - 1 - k : width - 1 - k + seq] == segment_ids)[..., None], tap, 0)
-        taps.append(tap)
-    return taps
-
-
-def _pre(x, weight, bias, segment_ids, initial_state):
-    taps = _taps(x, segment_ids, initial_state, weight.shape[0])
-    out = bias.astype(_acc(x))
-    for k, tap in enumerate(taps):
-        out = out + weight[k].astype(_acc(x)) * tap
-    return out, taps
-
-
-def _act(pre, activation):
-    return jax.nn.silu(pre) if activation == "silu" else pre
-
-
-def _act_grad(pre, activation):
-    if activation == "silu":
-        s = jax.nn.sigmoid(pre)
-        return s * (1 + pre * (1 - s))
-    return 1.0
+from .shifts import activate, activation_grad, extended, pre_activation
 
 
 def conv(x, weight, bias, segment_ids, initial_state, *, activation=None):
@@ -64,8 +28,8 @@ def conv(x, weight, bias, segment_ids, initial_state, *, activation=None):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _conv(activation, x, weight, bias, segment_ids, initial_state):
-    pre, _ = _pre(x, weight, bias, segment_ids, initial_state)
-    return _act(pre, activation).astype(x.dtype)
+    pre, _ = pre_activation(x, weight, bias, segment_ids, initial_state)
+    return activate(pre, activation).astype(x.dtype)
 
 
 def _fwd(activation, x, weight, bias, segment_ids, initial_state):
@@ -81,8 +45,8 @@ def _fwd(activation, x, weight, bias, segment_ids, initial_state):
 def _bwd(activation, residuals, dy):
     x, weight, bias, segment_ids, initial_state = residuals
     width, seq = weight.shape[0], x.shape[1]
-    pre, taps = _pre(x, weight, bias, segment_ids, initial_state)
-    g = dy.astype(pre.dtype) * _act_grad(pre, activation)
+    pre, taps = pre_activation(x, weight, bias, segment_ids, initial_state)
+    g = dy.astype(pre.dtype) * activation_grad(pre, activation)
     dweight = jnp.stack([jnp.sum(g * tap, axis=(0, 1)) for tap in taps])
     dbias = jnp.sum(g, axis=(0, 1))
     _, se = extended(x, segment_ids, initial_state)

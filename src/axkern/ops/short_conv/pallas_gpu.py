@@ -1,0 +1,250 @@
+"""Short causal convolution as Pallas GPU (Triton) kernels, forward and backward.
+
+**Layout.** `x`, `y`, `dy`, `dx`: `[B·S, C]` (rows are positions of one batch element after
+another), `weight: [W·C]`, `bias: [C]`, `state: [B·(W-1), C]`, `segment_ids: [B·S]`.
+
+**Grid.** `(B, cdiv(S, block_seq), cdiv(C, block_channels))`: one program per tile of
+`block_seq` positions by `block_channels` channels. A program reads its tile at `W` row
+offsets (tap `k` reads rows `t - k`); the overlap of neighbouring offsets is served by L1/L2,
+so each input byte comes from HBM about once. Rows before 0 read the state, rows of another
+segment read zero. Edge tiles are masked; row indices are clipped so no address is ever out
+of bounds (Triton's and interpret mode's loads then agree).
+
+**Backward.** One program computes, for its tile, `g(t + k) = dy(t + k) · act'(pre(t + k))`
+for `k < W` (recomputing `pre` from `x` at offsets `-(W-1) .. W-1`), then
+`dx(t) = sum_k w[k] · g(t + k)` over taps that stay in `t`'s segment, and its tile's partial
+sums of `dw[k] = sum_t g(t) · x~(t - k)` and `dbias = sum_t g(t)` (reduced over tiles by
+XLA). The state's gradient needs only the first `W-1` positions and is computed in plain JAX.
+
+**Bound.** Memory: forward `2·B·S·C` elements (read `x`, write `y`), backward `3·B·S·C`
+(read `x`, `dy`; write `dx`). FLOPs are `O(W)` (forward) and `O(W²)` (backward) per element.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from .blocks import ConvBlockSizes
+from .shifts import state_grad
+
+
+class _Tile:
+    """Index helpers for one program's tile."""
+
+    def __init__(self, *, seq, channels, width, block_seq, block_channels):
+        self.seq, self.channels, self.width = seq, channels, width
+        self.b = pl.program_id(0)
+        self.t = pl.program_id(1) * block_seq + jnp.arange(block_seq)
+        c = pl.program_id(2) * block_channels + jnp.arange(block_channels)
+        self.cmask = c < channels
+        self.c = jnp.minimum(c, channels - 1)  # for loads: always in bounds
+        self.c_out = c  # for masked stores: never clipped, so no two lanes share an address
+
+    def rows(self, offset):
+        """Source positions `t + offset`, clipped into `[0, S)`, and whether each is in range."""
+        src = self.t + offset
+        return src, jnp.clip(src, 0, self.seq - 1)
+
+    def load_x(self, x_ref, state_ref, offset):
+        """`x~` at rows `t + offset` (state rows below 0, zero at or past S), float32 `[bs, bc]`."""
+        src, clipped = self.rows(offset)
+        flat = self.b * self.seq + clipped
+        ok = ((src >= 0) & (src < self.seq))[:, None] & self.cmask[None, :]
+        val = plgpu.load(x_ref.at[flat[:, None], self.c[None, :]], mask=ok, other=0).astype(jnp.float32)
+        if self.width > 1 and offset < 0:
+            srow = self.b * (self.width - 1) + jnp.clip(self.width - 1 + src, 0, self.width - 2)
+            sok = (src < 0)[:, None] & self.cmask[None, :]
+            val = val + plgpu.load(state_ref.at[srow[:, None], self.c[None, :]], mask=sok, other=0).astype(
+                jnp.float32
+            )
+        return val
+
+    def load_rows(self, ref, offset, *, other=0):
+        src, clipped = self.rows(offset)
+        ok = ((src >= 0) & (src < self.seq))[:, None] & self.cmask[None, :]
+        return plgpu.load(
+            ref.at[(self.b * self.seq + clipped)[:, None], self.c[None, :]], mask=ok, other=other
+        )
+
+    def segment(self, seg_ref, offset):
+        """Segment ids at rows `t + offset`; rows below 0 (the state) take position 0's id."""
+        _, clipped = self.rows(offset)
+        src = self.t + offset
+        return plgpu.load(seg_ref.at[self.b * self.seq + jnp.where(src < 0, 0, clipped)])
+
+    def weight(self, w_ref, k):
+        return plgpu.load(w_ref.at[k * self.channels + self.c]).astype(jnp.float32)
+
+
+def _pre(tile, x_ref, w_ref, b_ref, state_ref, seg_ref, at, *, segments):
+    """Pre-activation at rows `t + at` (float32 `[bs, bc]`)."""
+    acc = jnp.broadcast_to(
+        plgpu.load(b_ref.at[tile.c]).astype(jnp.float32)[None, :], (tile.t.shape[0], tile.c.shape[0])
+    )
+    seg_here = tile.segment(seg_ref, at) if segments else None
+    for k in range(tile.width):
+        val = tile.load_x(x_ref, state_ref, at - k)
+        if segments:
+            val = jnp.where((tile.segment(seg_ref, at - k) == seg_here)[:, None], val, 0)
+        acc = acc + tile.weight(w_ref, k)[None, :] * val
+    return acc
+
+
+def _act(pre, activation):
+    return pre * jax.nn.sigmoid(pre) if activation == "silu" else pre
+
+
+def _act_grad(pre, activation):
+    if activation == "silu":
+        s = jax.nn.sigmoid(pre)
+        return s * (1 + pre * (1 - s))
+    return jnp.ones_like(pre)
+
+
+def _store_tile(tile, ref, value):
+    """Store a `[bs, bc]` tile at rows `t`; lanes past S or C are masked (their addresses are
+    distinct, unclipped ones, so a masked lane never overwrites a real one)."""
+    ok = (tile.t < tile.seq)[:, None] & tile.cmask[None, :]
+    flat = tile.b * tile.seq + tile.t
+    plgpu.store(ref.at[flat[:, None], tile.c_out[None, :]], value.astype(ref.dtype), mask=ok)
+
+
+def _fwd_kernel(x_ref, w_ref, b_ref, state_ref, seg_ref, y_ref, *, activation, segments, **dims):
+    tile = _Tile(**dims)
+    y = _act(_pre(tile, x_ref, w_ref, b_ref, state_ref, seg_ref, 0, segments=segments), activation)
+    _store_tile(tile, y_ref, y)
+
+
+def _bwd_kernel(
+    x_ref, w_ref, b_ref, state_ref, seg_ref, dy_ref, dx_ref, dw_ref, db_ref, *, activation, segments, **dims
+):
+    tile = _Tile(**dims)
+    width = tile.width
+    seg_t = tile.segment(seg_ref, 0) if segments else None
+    dx = jnp.zeros((tile.t.shape[0], tile.c.shape[0]), jnp.float32)
+    g0 = None
+    for k in range(width):
+        g = tile.load_rows(dy_ref, k).astype(jnp.float32)  # zero past S
+        if activation is not None:
+            g = g * _act_grad(
+                _pre(tile, x_ref, w_ref, b_ref, state_ref, seg_ref, k, segments=segments), activation
+            )
+        if k == 0:
+            g0 = g
+        tap = tile.weight(w_ref, k)[None, :] * g
+        if segments:
+            tap = jnp.where((tile.segment(seg_ref, k) == seg_t)[:, None], tap, 0)
+        dx = dx + tap
+    _store_tile(tile, dx_ref, dx)
+    # this tile's partial dw / dbias, one row per (batch, seq block)
+    part = tile.b * pl.num_programs(1) + pl.program_id(1)
+    for k in range(width):
+        val = tile.load_x(x_ref, state_ref, -k)
+        if segments:
+            val = jnp.where((tile.segment(seg_ref, -k) == seg_t)[:, None], val, 0)
+        plgpu.store(dw_ref.at[part * width + k, tile.c_out], jnp.sum(g0 * val, axis=0), mask=tile.cmask)
+    plgpu.store(db_ref.at[part, tile.c_out], jnp.sum(g0, axis=0), mask=tile.cmask)
+
+
+def _prepare(x, weight, bias, segment_ids, initial_state):
+    batch, seq, channels = x.shape
+    width = weight.shape[0]
+    seg = (
+        jnp.zeros((batch * seq,), jnp.int32)
+        if segment_ids is None
+        else segment_ids.reshape(-1).astype(jnp.int32)
+    )
+    state = initial_state.reshape(batch * (width - 1), channels)
+    if width == 1:  # a one-row placeholder: the kernel never reads it
+        state = jnp.zeros((1, channels), x.dtype)
+    return x.reshape(batch * seq, channels), weight.reshape(-1), bias, state, seg
+
+
+def _call(kernel, out_shape, grid, *, interpret, num_warps, **static):
+    return pl.pallas_call(
+        functools.partial(kernel, **static),
+        grid=grid,
+        out_shape=out_shape,
+        interpret=interpret,
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=2),
+    )
+
+
+def conv(
+    x,
+    weight,
+    bias,
+    segment_ids,
+    initial_state,
+    *,
+    activation=None,
+    block_sizes: ConvBlockSizes,
+    interpret=False,
+):
+    cfg = (
+        activation,
+        segment_ids is not None,
+        block_sizes.block_seq,
+        block_sizes.block_channels,
+        bool(interpret),
+    )
+    return _conv(cfg, x, weight, bias, segment_ids, initial_state)
+
+
+def _static(cfg, x, weight):
+    activation, segments, block_seq, block_channels, interpret = cfg
+    batch, seq, channels = x.shape
+    dims = dict(
+        seq=seq, channels=channels, width=weight.shape[0], block_seq=block_seq, block_channels=block_channels
+    )
+    grid = (batch, pl.cdiv(seq, block_seq), pl.cdiv(channels, block_channels))
+    num_warps = max(1, min(8, block_seq * block_channels // 1024))
+    return dict(activation=activation, segments=segments, **dims), grid, num_warps, interpret
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _conv(cfg, x, weight, bias, segment_ids, initial_state):
+    static, grid, num_warps, interpret = _static(cfg, x, weight)
+    args = _prepare(x, weight, bias, segment_ids, initial_state)
+    out = jax.ShapeDtypeStruct(args[0].shape, x.dtype)
+    y = _call(_fwd_kernel, out, grid, interpret=interpret, num_warps=num_warps, **static)(*args)
+    return y.reshape(x.shape)
+
+
+def _fwd(cfg, x, weight, bias, segment_ids, initial_state):
+    return _conv(cfg, x, weight, bias, segment_ids, initial_state), (
+        x,
+        weight,
+        bias,
+        segment_ids,
+        initial_state,
+    )
+
+
+def _bwd(cfg, residuals, dy):
+    x, weight, bias, segment_ids, initial_state = residuals
+    static, grid, num_warps, interpret = _static(cfg, x, weight)
+    batch, seq, channels = x.shape
+    width = weight.shape[0]
+    parts = batch * grid[1]
+    args = _prepare(x, weight, bias, segment_ids, initial_state)
+    out = (
+        jax.ShapeDtypeStruct(args[0].shape, x.dtype),
+        jax.ShapeDtypeStruct((parts * width, channels), jnp.float32),
+        jax.ShapeDtypeStruct((parts, channels), jnp.float32),
+    )
+    dx, dw, db = _call(_bwd_kernel, out, grid, interpret=interpret, num_warps=num_warps, **static)(
+        *args, dy.reshape(batch * seq, channels)
+    )
+    dw = dw.reshape(parts, width, channels).sum(0).astype(weight.dtype)
+    db = db.sum(0).astype(bias.dtype)
+    dstate = state_grad(x, weight, bias, segment_ids, initial_state, dy, cfg[0])
+    return dx.reshape(x.shape), dw, db, None, dstate
+
+
+_conv.defvjp(_fwd, _bwd)

@@ -1,0 +1,73 @@
+"""Plain-JAX shifted-sum math shared by the short_conv implementations (not an implementation)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def acc_dtype(x):
+    return jnp.promote_types(x.dtype, jnp.float32)
+
+
+def extended(x, segment_ids, initial_state):
+    """`x` with its `W-1` previous inputs prepended, and the segment id of each extended row.
+
+    The state's rows belong to the first segment of the sequence (a packed batch continues
+    only its first document from the state).
+    """
+    xe = jnp.concatenate([initial_state.astype(x.dtype), x], axis=1)
+    if segment_ids is None:
+        return xe, None
+    lead = jnp.broadcast_to(segment_ids[:, :1], (x.shape[0], initial_state.shape[1]))
+    return xe, jnp.concatenate([lead, segment_ids], axis=1)
+
+
+def taps(x, segment_ids, initial_state, width):
+    """The `W` shifted (and segment-masked) inputs, tap `k` holding `x~[t - k]`, in float32."""
+    seq = x.shape[1]
+    xe, se = extended(x, segment_ids, initial_state)
+    out = []
+    for k in range(width):
+        tap = xe[:, width - 1 - k : width - 1 - k + seq].astype(acc_dtype(x))
+        if se is not None:
+            tap = jnp.where((se[:, width - 1 - k : width - 1 - k + seq] == segment_ids)[..., None], tap, 0)
+        out.append(tap)
+    return out
+
+
+def pre_activation(x, weight, bias, segment_ids, initial_state):
+    """`bias + sum_k w[k] * x~[t - k]` in float32, and the taps it used."""
+    ts = taps(x, segment_ids, initial_state, weight.shape[0])
+    out = bias.astype(acc_dtype(x))
+    for k, tap in enumerate(ts):
+        out = out + weight[k].astype(acc_dtype(x)) * tap
+    return out, ts
+
+
+def activate(pre, activation):
+    return jax.nn.silu(pre) if activation == "silu" else pre
+
+
+def activation_grad(pre, activation):
+    if activation == "silu":
+        s = jax.nn.sigmoid(pre)
+        return s * (1 + pre * (1 - s))
+    return 1.0
+
+
+def state_grad(x, weight, bias, segment_ids, initial_state, dy, activation):
+    """Gradient of the initial state: only outputs at positions `< W-1` read it, so the
+    convolution of the first `W-1` positions alone gives it (a few rows of work)."""
+    width_1 = initial_state.shape[1]
+    if width_1 == 0:
+        return jnp.zeros_like(initial_state)
+    head = slice(0, min(width_1, x.shape[1]))
+    seg = None if segment_ids is None else segment_ids[:, head]
+
+    def f(state):
+        pre, _ = pre_activation(x[:, head], weight, bias, seg, state)
+        return activate(pre, activation)
+
+    _, vjp = jax.vjp(f, initial_state.astype(acc_dtype(x)))
+    return vjp(dy[:, head].astype(acc_dtype(x)))[0].astype(initial_state.dtype)
