@@ -38,7 +38,12 @@ def main():
             bs = ConvBlockSizes(block_seq=bs_, block_channels=bc)
             fwd = jax.jit(
                 lambda x, w, b: short_conv(
-                    x, w, bias=b, activation=act, implementation="pallas_gpu", block_sizes=bs  # noqa: B023 - used at once
+                    x,
+                    w,
+                    bias=b,
+                    activation=act,
+                    implementation="pallas_gpu",
+                    block_sizes=bs,  # noqa: B023 - used at once
                 )
             )
             grad = jax.jit(
