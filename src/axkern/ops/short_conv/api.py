@@ -21,7 +21,7 @@ from axkern.core import compat, named
 from axkern.core.op import Implementation, Op
 from axkern.core.typing import Array, Float, Int, checked
 
-from . import pallas_gpu, reference, xla
+from . import pallas_gpu, pallas_tpu, reference, xla
 from .blocks import ConvBlockSizes, bucket, heuristic
 from .shifts import extended
 
@@ -44,12 +44,21 @@ OP = Op(
             interpretable=True,
             backward="custom_vjp: one Pallas kernel (dx, partial dw/dbias), state grad in JAX",
         ),
+        Implementation(
+            "pallas_tpu",
+            pallas_tpu.conv,
+            platforms=("tpu",),
+            block_sizes=ConvBlockSizes,
+            heuristic=heuristic,
+            interpretable=True,
+            backward="custom_vjp: Pallas TPU kernels (verified in interpret mode only)",
+        ),
         Implementation("xla", xla.conv, backward="custom_vjp: shifted sums (fused by XLA)"),
         Implementation("reference", reference.conv, backward="autodiff through the shifted sum"),
     ],
     # pallas_gpu is not first on GPU: on the H200 it is still slower than XLA's fused shifted
     # sum (pallas_gpu.py's docstring has the figures), and the default is the faster one.
-    default_order={"cpu": ("xla",), "gpu": ("xla", "pallas_gpu"), "tpu": ("xla",)},
+    default_order={"cpu": ("xla",), "gpu": ("xla", "pallas_gpu"), "tpu": ("pallas_tpu", "xla")},
     package=__package__,
     bucket=bucket,
 )
