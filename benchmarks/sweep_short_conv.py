@@ -1,6 +1,10 @@
-"""Sweep the `pallas_gpu` short_conv block sizes on this device; print and save the table.
+"""Sweep the `pallas_gpu` short_conv tiles and warps on this device, beside `xla`; print and save.
 
-python benchmarks/sweep_short_conv.py --json out.json
+    python benchmarks/sweep_short_conv.py --json out.json
+
+For each activation: `xla`'s forward and forward+backward, then every (block_seq,
+block_channels, num_warps) of `pallas_gpu`, each as a fraction of the copy bandwidth
+measured in the same run (forward moves 2·B·S·C elements, forward+backward 5·B·S·C).
 """
 
 from __future__ import annotations
@@ -10,11 +14,26 @@ import datetime
 import json
 
 import jax
+import jax.numpy as jnp
 
 from axkern import ConvBlockSizes
 from axkern.bench import copy_bandwidth, time_ms
 from axkern.ops.short_conv.arg_specs import case
 from axkern.positional import short_conv
+
+
+def _ints(text):
+    return [int(v) for v in text.split(",")]
+
+
+def _timings(x, w, b, act, impl, bs):
+    def f(x, w, b):
+        return short_conv(x, w, bias=b, activation=act, implementation=impl, block_sizes=bs)
+
+    def loss(x, w, b):
+        return jnp.sum(f(x, w, b).astype(jnp.float32))
+
+    return time_ms(jax.jit(f), (x, w, b)), time_ms(jax.jit(jax.grad(loss, argnums=(0, 1, 2))), (x, w, b))
 
 
 def main():
@@ -23,55 +42,56 @@ def main():
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--channels", type=int, default=4096)
     p.add_argument("--width", type=int, default=4)
-    p.add_argument("--block-seq", default="16,32,64")
-    p.add_argument("--block-channels", default="64,128,256")
-    p.add_argument("--activation", default="none")
+    p.add_argument("--tiles", default="8x128,8x256,16x64,16x128,16x256,32x64,32x128")
+    p.add_argument("--num-warps", default="1,2,4")
+    p.add_argument("--activations", default="none,silu")
     p.add_argument("--json")
     a = p.parse_args()
-    act = None if a.activation == "none" else a.activation
     c = case(a.batch, a.seq, a.channels, a.width)
-    x, w, b, seg = c.make(jax.random.PRNGKey(0))
+    x, w, b, _ = c.make(jax.random.PRNGKey(0))
     bw = copy_bandwidth()
+    frac = lambda nbytes, ms: nbytes / (ms * 1e-3) / 1e9 / bw  # noqa: E731
+    total = c.bytes_forward + c.bytes_backward
     rows = []
-    for bs_ in [int(v) for v in a.block_seq.split(",")]:
-        for bc in [int(v) for v in a.block_channels.split(",")]:
-            bs = ConvBlockSizes(block_seq=bs_, block_channels=bc)
-            fwd = jax.jit(
-                lambda x, w, b: short_conv(
-                    x,
-                    w,
-                    bias=b,
-                    activation=act,
-                    implementation="pallas_gpu",
-                    block_sizes=bs,  # noqa: B023 - used at once
-                )
-            )
-            grad = jax.jit(
-                jax.grad(
-                    lambda x, w, b: (
-                        short_conv(x, w, bias=b, activation=act, implementation="pallas_gpu", block_sizes=bs)  # noqa: B023
-                        .astype("float32")
-                        .sum()
-                    ),
-                    argnums=(0, 1, 2),
-                )
-            )
-            try:
-                f_ms = time_ms(fwd, (x, w, b))
-                g_ms = time_ms(grad, (x, w, b))
-            except Exception as e:  # noqa: BLE001
-                print(bs, "failed", type(e).__name__, str(e)[:200])
-                continue
-            row = {
-                "block_seq": bs_,
-                "block_channels": bc,
-                "fwd_ms": f_ms,
-                "fwd_bwd_ms": g_ms,
-                "fwd_of_copy": c.bytes_forward / (f_ms * 1e-3) / 1e9 / bw,
-                "fwd_bwd_of_copy": (c.bytes_forward + c.bytes_backward) / (g_ms * 1e-3) / 1e9 / bw,
-            }
-            print(json.dumps(row), flush=True)
-            rows.append(row)
+    for act_name in a.activations.split(","):
+        act = None if act_name == "none" else act_name
+        f_ms, g_ms = _timings(x, w, b, act, "xla", None)
+        row = {
+            "impl": "xla",
+            "activation": act_name,
+            "fwd_ms": f_ms,
+            "fwd_bwd_ms": g_ms,
+            "fwd_of_copy": frac(c.bytes_forward, f_ms),
+            "fwd_bwd_of_copy": frac(total, g_ms),
+        }
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+        for tile in a.tiles.split(","):
+            bs_, bc = (int(v) for v in tile.split("x"))
+            for nw in _ints(a.num_warps):
+                bs = ConvBlockSizes(block_seq=bs_, block_channels=bc, num_warps=nw)
+                try:
+                    f_ms, g_ms = _timings(x, w, b, act, "pallas_gpu", bs)
+                except Exception as e:  # noqa: BLE001 - report and go on
+                    print(tile, nw, "failed", type(e).__name__, str(e)[:160], flush=True)
+                    continue
+                row = {
+                    "impl": "pallas_gpu",
+                    "activation": act_name,
+                    "block_seq": bs_,
+                    "block_channels": bc,
+                    "num_warps": nw,
+                    "fwd_ms": f_ms,
+                    "fwd_bwd_ms": g_ms,
+                    "fwd_of_copy": frac(c.bytes_forward, f_ms),
+                    "fwd_bwd_of_copy": frac(total, g_ms),
+                }
+                print(json.dumps(row), flush=True)
+                rows.append(row)
+    for act_name in a.activations.split(","):
+        cand = [r for r in rows if r["impl"] == "pallas_gpu" and r["activation"] == act_name]
+        if cand:
+            print("best", act_name, json.dumps(min(cand, key=lambda r: r["fwd_bwd_ms"])))
     if a.json:
         with open(a.json, "w") as f:
             json.dump(

@@ -19,6 +19,7 @@ class ConvBlockSizes(BlockSizes):
 
     block_seq: int = 64
     block_channels: int = 256
+    num_warps: int | None = None  # Triton warps per program (pallas_gpu); None: from the tile size
 
     def check(self, spec):
         for name in ("block_seq", "block_channels"):

@@ -211,13 +211,13 @@ def conv(
 
 
 def _static(cfg, x, weight):
-    activation, segments, block_seq, block_channels, interpret = cfg
+    activation, segments, block_seq, block_channels, interpret, num_warps = cfg
     batch, seq, channels = x.shape
     dims = dict(
         seq=seq, channels=channels, width=weight.shape[0], block_seq=block_seq, block_channels=block_channels
     )
     grid = (batch, pl.cdiv(seq, block_seq), pl.cdiv(channels, block_channels))
-    num_warps = max(1, min(8, block_seq * block_channels // 1024))
+    num_warps = num_warps or max(1, min(8, block_seq * block_channels // 1024))
     return dict(activation=activation, segments=segments, **dims), grid, num_warps, interpret
 
 
