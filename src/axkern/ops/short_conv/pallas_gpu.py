@@ -206,6 +206,7 @@ def conv(
         block_sizes.block_seq,
         block_sizes.block_channels,
         bool(interpret),
+        block_sizes.num_warps,
     )
     return _conv(cfg, x, weight, bias, segment_ids, initial_state)
 
