@@ -20,15 +20,16 @@ tiles by XLA). The state's gradient needs only the first `W-1` positions: plain 
 (read `x`, `dy`; write `dx`), plus a float32 `g` written and read once with an activation.
 FLOPs are `O(W)` per element.
 
-**Measured** (H200, jax 0.11.2, 2026-11-29, B=8 S=4096 C=4096 W=4 bf16; copy 4.1 TB/s):
-no activation, 16x128 tiles: forward 0.193 ms (68% of copy), forward+backward 0.611 ms
-(53%). With SiLU and 64x256 tiles (`axkern bench short_conv --preset mamba`): forward
-0.404 ms against XLA's 0.331 ms, forward+backward 1.87 ms against 1.39 ms; at W=8 it beats
-XLA (0.51 against 0.60 ms forward). The first version, which clipped column indices (hiding
-their contiguity) and recomputed `pre` W times per position in the backward, ran the SiLU
-forward+backward in 19.5 ms. XLA stays first in the GPU order until this kernel beats it
-across the presets; it is selectable explicitly. jax 0.11.2 warns that the Pallas Triton
-backend is deprecated in favour of Mosaic GPU.
+**Measured** (H200, jax 0.11.2, 2026-11-29, B=8 S=4096 C=4096 W=4 bf16, copy 4.1 TB/s;
+`benchmarks/results/h200/short_conv_pallas_gpu_vs_xla_sweep_2026-11-29.json`): with 16x128
+tiles and one warp, no activation: forward 0.182 ms (72% of copy; 8x256 tiles 0.169 ms, 77%)
+against XLA's 0.260 ms, forward+backward 0.592 ms (55%) against XLA's 0.449 ms (73%); with
+SiLU: forward 0.282 ms against 0.336 ms, forward+backward 1.004 ms against 1.126 ms. XLA's
+backward is the faster one without activation, so XLA stays first in the GPU order; this
+kernel is selectable explicitly (and faster with SiLU). The first version, which clipped
+column indices (hiding their contiguity from Triton) and recomputed `pre` W times per
+position in the backward, took 19.5 ms for the SiLU forward+backward. jax 0.11.2 warns that
+the Pallas Triton backend is deprecated in favour of Mosaic GPU.
 """
 
 from __future__ import annotations
