@@ -106,6 +106,14 @@ def test_segments_and_state(impl, segments, state):
     check(impl, 7, 3, 45, 33, 4, "float32", segments=segments, state=state, bias=not state)
 
 
+@pytest.mark.parametrize("impl", IMPLS)
+def test_long_sequence_several_programs(impl):
+    # 300 positions in 8-row tiles: pallas_gpu's backward walks 32 tiles per program, so two
+    # programs, the second ragged; pallas_tpu gets 38 blocks.
+    bs = axkern.ConvBlockSizes(block_seq=8, block_channels=8) if impl.startswith("pallas") else None
+    check(impl, 11, 1, 300, 10, 4, "float32", activation="silu", block_sizes=bs)
+
+
 @given(
     batch=st.integers(1, 3),
     seq=st.integers(1, 70),

@@ -11,10 +11,11 @@ segment read zero. Edge tiles are masked; row indices are clipped so no address 
 of bounds (Triton's and interpret mode's loads then agree).
 
 **Backward.** With an activation, a first kernel writes `g = dy · act'(pre)` (float32; `pre`
-recomputed from `x`); without one `g = dy`. The second kernel reads `g` at offsets `0..W-1`
-and computes `dx(t) = sum_k w[k] · g(t + k)` over taps that stay in `t`'s segment, and its
-tile's partial sums of `dw[k] = sum_t g(t) · x~(t - k)` and `dbias = sum_t g(t)` (reduced over
-tiles by XLA). The state's gradient needs only the first `W-1` positions: plain JAX.
+recomputed from `x`); without one `g = dy`. The second kernel walks up to 256 positions per
+program, tile by tile: it reads `g` at offsets `0..W-1`, writes `dx(t) = sum_k w[k] · g(t + k)`
+over taps that stay in `t`'s segment, and accumulates in registers the partial sums of
+`dw[k] = sum_t g(t) · x~(t - k)` and `dbias = sum_t g(t)`, one row per program (summed by
+XLA). The state's gradient needs only the first `W-1` positions: plain JAX.
 
 **Bound.** Memory: forward `2·B·S·C` elements (read `x`, write `y`), backward `3·B·S·C`
 (read `x`, `dy`; write `dx`), plus a float32 `g` written and read once with an activation.
@@ -45,16 +46,23 @@ from .blocks import ConvBlockSizes
 from .shifts import state_grad
 
 
+def program_ids():
+    return pl.program_id(0), pl.program_id(1), pl.program_id(2)
+
+
 class _Tile:
     """Index helpers for one program's tile."""
 
-    def __init__(self, *, seq, channels, width, block_seq, block_channels):
+    def __init__(self, *, seq, channels, width, block_seq, block_channels, ids=None, sub=0, subs=1):
         self.seq, self.channels, self.width = seq, channels, width
-        self.b = pl.program_id(0)
-        self.t = pl.program_id(1) * block_seq + jnp.arange(block_seq)
+        # program ids are read at the kernel's top level (interpret mode cannot read them in a loop)
+        self.ids = ids if ids is not None else program_ids()
+        self.b = self.ids[0]
+        # a program covers `subs` consecutive tiles along the sequence; this is tile `sub`
+        self.t = (self.ids[1] * subs + sub) * block_seq + jnp.arange(block_seq)
         # Columns are never clipped: masked lanes past C are never dereferenced, and an
         # unclipped `c0 + arange` keeps the contiguity Triton needs for 16-byte accesses.
-        self.c = pl.program_id(2) * block_channels + jnp.arange(block_channels)
+        self.c = self.ids[2] * block_channels + jnp.arange(block_channels)
         self.cmask = self.c < channels
 
     def rows(self, offset):
@@ -139,31 +147,60 @@ def _grad_kernel(x_ref, w_ref, b_ref, state_ref, seg_ref, dy_ref, g_ref, *, acti
 
 
 def _bwd_kernel(
-    x_ref, w_ref, b_ref, state_ref, seg_ref, g_ref, dx_ref, dw_ref, db_ref, *, activation, segments, **dims
+    x_ref,
+    w_ref,
+    b_ref,
+    state_ref,
+    seg_ref,
+    g_ref,
+    dx_ref,
+    dw_ref,
+    db_ref,
+    *,
+    activation,
+    segments,
+    subs,
+    **dims,
 ):
+    """`dx` for `subs` consecutive tiles, and their summed partial `dw` / `dbias` (one row per program).
+
+    Walking several tiles per program keeps the partial sums in registers: one partial per
+    `subs` tiles, not per tile (with 16-row tiles a partial per tile was as large as `x`).
+    """
     del b_ref, activation  # g already holds dy * act'(pre)
-    tile = _Tile(**dims)
-    width = tile.width
-    seg_t = tile.segment(seg_ref, 0) if segments else None
-    dx = jnp.zeros((tile.t.shape[0], tile.c.shape[0]), jnp.float32)
-    g0 = None
+    width = dims["width"]
+    ids = program_ids()
+    parts_per_batch = pl.num_programs(1)
+
+    def tile_step(sub, acc):
+        tile = _Tile(**dims, ids=ids, sub=sub, subs=subs)
+        seg_t = tile.segment(seg_ref, 0) if segments else None
+        dx = jnp.zeros((tile.t.shape[0], tile.c.shape[0]), jnp.float32)
+        g0 = None
+        for k in range(width):
+            g = tile.load_rows(g_ref, k).astype(jnp.float32)  # zero past S
+            if k == 0:
+                g0 = g
+            tap = tile.weight(w_ref, k)[None, :] * g
+            if segments:
+                tap = jnp.where((tile.segment(seg_ref, k) == seg_t)[:, None], tap, 0)
+            dx = dx + tap
+        _store_tile(tile, dx_ref, dx)
+        out = []
+        for k in range(width):
+            val = tile.load_x(x_ref, state_ref, -k)
+            if segments:
+                val = jnp.where((tile.segment(seg_ref, -k) == seg_t)[:, None], val, 0)
+            out.append(acc[k] + jnp.sum(g0 * val, axis=0))
+        return (*out, acc[width] + jnp.sum(g0, axis=0))
+
+    zeros = jnp.zeros((dims["block_channels"],), jnp.float32)
+    acc = jax.lax.fori_loop(0, subs, tile_step, (zeros,) * (width + 1))
+    tile = _Tile(**dims, ids=ids, subs=subs)
+    part = ids[0] * parts_per_batch + ids[1]
     for k in range(width):
-        g = tile.load_rows(g_ref, k).astype(jnp.float32)  # zero past S
-        if k == 0:
-            g0 = g
-        tap = tile.weight(w_ref, k)[None, :] * g
-        if segments:
-            tap = jnp.where((tile.segment(seg_ref, k) == seg_t)[:, None], tap, 0)
-        dx = dx + tap
-    _store_tile(tile, dx_ref, dx)
-    # this tile's partial dw / dbias, one row per (batch, seq block)
-    part = tile.b * pl.num_programs(1) + pl.program_id(1)
-    for k in range(width):
-        val = tile.load_x(x_ref, state_ref, -k)
-        if segments:
-            val = jnp.where((tile.segment(seg_ref, -k) == seg_t)[:, None], val, 0)
-        plgpu.store(dw_ref.at[part * width + k, tile.c], jnp.sum(g0 * val, axis=0), mask=tile.cmask)
-    plgpu.store(db_ref.at[part, tile.c], jnp.sum(g0, axis=0), mask=tile.cmask)
+        plgpu.store(dw_ref.at[part * width + k, tile.c], acc[k], mask=tile.cmask)
+    plgpu.store(db_ref.at[part, tile.c], acc[width], mask=tile.cmask)
 
 
 def _prepare(x, weight, bias, segment_ids, initial_state):
@@ -247,7 +284,10 @@ def _bwd(cfg, residuals, dy):
     static, grid, num_warps, interpret = _static(cfg, x, weight)
     batch, seq, channels = x.shape
     width = weight.shape[0]
-    parts = batch * grid[1]
+    block_seq = static["block_seq"]
+    subs = max(1, min(256 // block_seq, pl.cdiv(seq, block_seq)))  # tiles per backward program
+    bwd_grid = (batch, pl.cdiv(seq, block_seq * subs), grid[2])
+    parts = batch * bwd_grid[1]
     args = _prepare(x, weight, bias, segment_ids, initial_state)
     out = (
         jax.ShapeDtypeStruct(args[0].shape, x.dtype),
@@ -258,7 +298,9 @@ def _bwd(cfg, residuals, dy):
     if static["activation"] is not None:
         g_shape = jax.ShapeDtypeStruct(args[0].shape, jnp.float32)
         g = _call(_grad_kernel, g_shape, grid, interpret=interpret, num_warps=num_warps, **static)(*args, g)
-    dx, dw, db = _call(_bwd_kernel, out, grid, interpret=interpret, num_warps=num_warps, **static)(*args, g)
+    dx, dw, db = _call(
+        _bwd_kernel, out, bwd_grid, interpret=interpret, num_warps=num_warps, subs=subs, **static
+    )(*args, g)
     dw = dw.reshape(parts, width, channels).sum(0).astype(weight.dtype)
     db = db.sum(0).astype(bias.dtype)
     dstate = state_grad(x, weight, bias, segment_ids, initial_state, dy, cfg[0])
