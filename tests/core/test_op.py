@@ -248,3 +248,10 @@ def test_registry():
     assert set(axkern.implementations("fused_cross_entropy")) >= {"xla", "reference"}
     with pytest.raises(ValueError, match="unknown op 'nope'"):
         axkern.implementations("nope")
+
+
+def test_default_order_may_depend_on_the_call(toy):
+    o, call = toy
+    o.default_order["cpu"] = lambda spec: ("slow", "fast") if spec.dim("n") > 4 else ("fast", "slow")
+    assert axkern.explain(call, jnp.zeros(4)).implementation == "fast"
+    assert axkern.explain(call, jnp.zeros(6)).implementation == "slow"

@@ -231,3 +231,17 @@ def test_jit_vmap_and_explain():
     np.testing.assert_allclose(g, conv(x, w, segment_ids=seg, initial_state=s0), rtol=1e-5, atol=1e-6)
     d = axkern.explain(f, x)
     assert d.op == "short_conv" and d.spec.dim("width") == 4 and d.spec.flag("segments") is True
+
+
+def test_gpu_order_follows_the_activation():
+    spec = OP.spec(
+        {"batch": 8, "seq": 4096, "channels": 4096, "width": 4},
+        jnp.bfloat16,
+        activation="silu",
+        segments=False,
+    )
+    assert OP.default_order["gpu"](spec) == ("pallas_gpu", "xla")
+    spec = OP.spec(
+        {"batch": 8, "seq": 4096, "channels": 4096, "width": 4}, jnp.bfloat16, activation=None, segments=False
+    )
+    assert OP.default_order["gpu"](spec) == ("xla", "pallas_gpu")

@@ -149,7 +149,7 @@ class Op:
         self,
         name: str,
         implementations: list[Implementation],
-        default_order: Mapping[str, tuple[str, ...]],
+        default_order: Mapping[str, tuple[str, ...] | Callable[[Spec], tuple[str, ...]]],
         *,
         package: str,
         bucket: Callable[[Spec], Mapping[str, Any]],
@@ -174,13 +174,14 @@ class Op:
 
     # -- choosing -----------------------------------------------------------------------------
 
-    def _requested(self, implementation) -> tuple[tuple[str, ...], bool]:
+    def _requested(self, implementation, spec: Spec) -> tuple[tuple[str, ...], bool]:
         """Candidate names in order, and whether a failure must raise (a single explicit name)."""
         requested = (
             implementation if implementation is not None else config.implementation_override(self.name)
         )
         if requested is None:
-            return self.default_order.get(backend.platform(), ("xla",)), False
+            order = self.default_order.get(spec.platform, ("xla",))
+            return (order(spec) if callable(order) else order), False
         names = (requested,) if isinstance(requested, str) else tuple(requested)
         if not names:
             raise ValueError(f"{self.name}: implementation=() names no implementation")
@@ -242,7 +243,7 @@ class Op:
         """Pick an implementation for `spec` and run it on `arrays` (traced: nothing is blocked on)."""
         settings = config.current()
         arrays = compat.match_vma(*arrays)
-        names, single = self._requested(implementation)
+        names, single = self._requested(implementation, spec)
         fatal = single or bool(settings.strict)
         rejected: list[Rejection] = []
         for name in names:

@@ -22,15 +22,15 @@ XLA). The state's gradient needs only the first `W-1` positions: plain JAX.
 FLOPs are `O(W)` per element.
 
 **Measured** (H200, jax 0.11.2, 2026-11-29, B=8 S=4096 C=4096 W=4 bf16, copy 4.1 TB/s;
-`benchmarks/results/h200/short_conv_pallas_gpu_vs_xla_sweep_2026-11-29.json`): with 16x128
-tiles and one warp, no activation: forward 0.182 ms (72% of copy; 8x256 tiles 0.169 ms, 77%)
-against XLA's 0.260 ms, forward+backward 0.592 ms (55%) against XLA's 0.449 ms (73%); with
-SiLU: forward 0.282 ms against 0.336 ms, forward+backward 1.004 ms against 1.126 ms. XLA's
-backward is the faster one without activation, so XLA stays first in the GPU order; this
-kernel is selectable explicitly (and faster with SiLU). The first version, which clipped
-column indices (hiding their contiguity from Triton) and recomputed `pre` W times per
-position in the backward, took 19.5 ms for the SiLU forward+backward. jax 0.11.2 warns that
-the Pallas Triton backend is deprecated in favour of Mosaic GPU.
+`benchmarks/results/h200/short_conv_pallas_gpu_vs_xla_sweep2_2026-11-29.json`), 8x256 tiles,
+one warp. No activation: forward 0.169 ms (77% of copy) against XLA's 0.256 ms (51%);
+forward+backward 0.517 ms (63%) against XLA's 0.440 ms (74%). SiLU: forward 0.250 ms against
+0.335 ms, forward+backward 0.901 ms against 1.121 ms. Hence the GPU order puts this kernel
+first with SiLU and XLA first without an activation. Earlier versions: clipped column
+indices (hiding their contiguity from Triton) plus `pre` recomputed W times per position in
+the backward took 19.5 ms for the SiLU forward+backward; one dw/dbias partial per 16-row
+tile (as large as `x`) took 0.59 ms without activation. jax 0.11.2 warns that the Pallas
+Triton backend is deprecated in favour of Mosaic GPU.
 """
 
 from __future__ import annotations
