@@ -43,6 +43,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from .blocks import ConvBlockSizes
+from .shifts import activate as _act
+from .shifts import activation_grad as _act_grad
 from .shifts import state_grad
 
 
@@ -112,17 +114,6 @@ def _pre(tile, x_ref, w_ref, b_ref, state_ref, seg_ref, at, *, segments):
             val = jnp.where((tile.segment(seg_ref, at - k) == seg_here)[:, None], val, 0)
         acc = acc + tile.weight(w_ref, k)[None, :] * val
     return acc
-
-
-def _act(pre, activation):
-    return pre * jax.nn.sigmoid(pre) if activation == "silu" else pre
-
-
-def _act_grad(pre, activation):
-    if activation == "silu":
-        s = jax.nn.sigmoid(pre)
-        return s * (1 + pre * (1 - s))
-    return jnp.ones_like(pre)
 
 
 def _store_tile(tile, ref, value):

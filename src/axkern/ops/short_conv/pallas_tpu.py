@@ -32,6 +32,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from .blocks import ConvBlockSizes
+from .shifts import activate as _act
+from .shifts import activation_grad as _act_grad
 from .shifts import state_grad
 
 
@@ -39,15 +41,6 @@ def _interpret_params(interpret: bool):
     if not interpret:
         return False
     return pltpu.InterpretParams(out_of_bounds_reads="uninitialized")
-
-
-def _act(pre, activation):
-    return pre * jax.nn.sigmoid(pre) if activation == "silu" else pre
-
-
-def _act_grad(pre, activation):
-    s = jax.nn.sigmoid(pre)
-    return s * (1 + pre * (1 - s))
 
 
 def _extended(cur, neighbour, first_rows, use_first, width_1, *, before: bool):
