@@ -11,6 +11,7 @@ from . import positional
 from .core.config import use
 from .core.op import Decision, FallbackWarning, Unsupported, explain, get_op, registered_ops
 from .ops.fused_cross_entropy import CrossEntropyBlockSizes, fused_cross_entropy
+from .ops.moe import MoeLayout, MoeRouting, moe_combine, moe_dispatch, moe_layout
 from .ops.short_conv import ConvBlockSizes, short_conv, short_conv_step
 
 __version__ = "0.1.0"
@@ -21,6 +22,11 @@ __all__ = [
     "short_conv",
     "short_conv_step",
     "ConvBlockSizes",
+    "moe_layout",
+    "moe_dispatch",
+    "moe_combine",
+    "MoeLayout",
+    "MoeRouting",
     "explain",
     "use",
     "implementations",

@@ -89,6 +89,7 @@ def bench(args) -> int:
 
     import axkern
     from axkern.bench import cases_for, copy_bandwidth, matmul_ceiling, measure
+    from axkern.core import backend
 
     ops = [args.op] if args.op else axkern.ops()
     if args.preset and not args.op:
@@ -101,14 +102,18 @@ def bench(args) -> int:
     bandwidth = copy_bandwidth(repeats=repeats)
     work = []
     for op in ops:
-        impls = args.impl.split(",") if args.impl else list(axkern.implementations(op))
+        # by default, the implementations that run compiled here (Pallas in interpret mode times nothing useful)
+        here = backend.platform()
+        impls = args.impl.split(",") if args.impl else [n for n, p in axkern.implementations(op).items() if here in p]
         for c in cases_for(
             op, preset=None if args.quick else args.preset, tokens=args.tokens, dtype=args.dtype
         ):
             work.append((c, impls))
     rows = []
     with Progress(console=console, transient=True) as progress:
-        task = progress.add_task("benchmarking", total=sum(len(i) * len(passes) for _, i in work))
+        task = progress.add_task(
+            "benchmarking", total=sum(len(i) * len([p for p in passes if p in c.passes]) for c, i in work)
+        )
         for c, impls in work:
             progress.update(task, description=f"{c.op}: {c.label}")
             rows += measure(

@@ -8,9 +8,9 @@ from typing import TypeVar
 import jax
 import numpy as np
 from beartype import BeartypeConf, beartype
-from jaxtyping import Bool, Float, Int, jaxtyped
+from jaxtyping import Bool, Float, Int, Shaped, jaxtyped
 
-__all__ = ["checked", "Array", "Bool", "Float", "Int"]
+__all__ = ["checked", "Array", "Bool", "Float", "Int", "Shaped"]
 
 F = TypeVar("F", bound=Callable)
 

@@ -1,0 +1,29 @@
+"""DeepEP-style MoE routing: layout counts, dispatch to expert-major order, weighted combine."""
+
+from .api import (
+    COMBINE,
+    DISPATCH,
+    LAYOUT,
+    MoeLayout,
+    MoeRouting,
+    moe_combine,
+    moe_combine_positional,
+    moe_dispatch,
+    moe_dispatch_positional,
+    moe_layout,
+    moe_layout_positional,
+)
+
+__all__ = [
+    "COMBINE",
+    "DISPATCH",
+    "LAYOUT",
+    "MoeLayout",
+    "MoeRouting",
+    "moe_combine",
+    "moe_combine_positional",
+    "moe_dispatch",
+    "moe_dispatch_positional",
+    "moe_layout",
+    "moe_layout_positional",
+]

@@ -1,0 +1,102 @@
+"""MoE routing in plain JAX: a stable argsort by expert, gathers both ways, no scatter.
+
+**Math.** Pairs `p = t * K + k` are sorted by expert id (invalid ids, outside `[0, E)`, sort
+last and are dropped): `order[j]` is the pair at output row `j`, `rows = order^-1` the row of
+each pair. Dispatch gathers `expert_x[j] = x[order[j] // K]` (zero for dropped pairs); its
+backward gathers back and sums over `k`: `dx[t] = sum_k d_expert_x[rows[t, k]]`. Combine
+gathers `y[t] = sum_k w[t, k] · expert_y[rows[t, k]]`; its backward is a dispatch-like gather
+`d_expert_y[j] = w[order[j]] · dy[order[j] // K]` and `dw[t, k] = <dy[t], expert_y[rows[t, k]]>`.
+
+**Cost.** Memory bound: dispatch reads `x` K times over and writes `T·K·D`; the sort is over
+`T·K` keys.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+
+def _sort(topk_idx, num_experts):
+    flat = topk_idx.reshape(-1)
+    valid = (flat >= 0) & (flat < num_experts)
+    order = jnp.argsort(jnp.where(valid, flat, num_experts), stable=True).astype(jnp.int32)
+    rows = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=jnp.int32))
+    counts = jnp.zeros((num_experts,), jnp.int32).at[jnp.where(valid, flat, 0)].add(valid.astype(jnp.int32))
+    return order, rows, counts, valid
+
+
+def layout(topk_idx, *, num_experts, num_ranks):
+    per_rank = num_experts // num_ranks
+    valid = (topk_idx >= 0) & (topk_idx < num_experts)
+    safe = jnp.where(valid, topk_idx, 0)
+    per_expert = (
+        jnp.zeros((num_experts,), jnp.int32).at[safe.reshape(-1)].add(valid.reshape(-1).astype(jnp.int32))
+    )
+    rank = jnp.where(valid, safe // per_rank, num_ranks)  # num_ranks: a dropped pair's non-rank
+    in_rank = (
+        jnp.zeros((topk_idx.shape[0], num_ranks + 1), bool)
+        .at[jnp.arange(topk_idx.shape[0])[:, None], rank]
+        .set(True)
+    )
+    in_rank = in_rank[:, :num_ranks]
+    return per_expert, in_rank.sum(0).astype(jnp.int32), in_rank, (~valid).sum().astype(jnp.int32)
+
+
+def dispatch(x, topk_idx, *, num_experts):
+    order, rows, counts, valid = _sort(topk_idx, num_experts)
+    return _dispatch(topk_idx.shape[1], x, order, valid), counts, rows
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _dispatch(topk, x, order, valid):
+    return x[order // topk] * valid[order][:, None].astype(x.dtype)
+
+
+def _dispatch_fwd(topk, x, order, valid):
+    return _dispatch(topk, x, order, valid), (order, valid, x.shape[0])
+
+
+def _dispatch_bwd(topk, res, g):
+    order, valid, tokens = res
+    rows = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=jnp.int32))
+    acc = jnp.promote_types(g.dtype, jnp.float32)
+    back = (g[rows].astype(acc) * valid[:, None]).reshape(tokens, topk, -1).sum(1)
+    return back.astype(g.dtype), None, None
+
+
+_dispatch.defvjp(_dispatch_fwd, _dispatch_bwd)
+
+
+def combine(expert_y, topk_weights, topk_idx, rows, *, num_experts):
+    valid = ((topk_idx >= 0) & (topk_idx < num_experts)).reshape(-1)
+    return _combine(expert_y, topk_weights, rows, valid)
+
+
+@jax.custom_vjp
+def _combine(expert_y, topk_weights, rows, valid):
+    tokens, topk = topk_weights.shape
+    acc = jnp.promote_types(expert_y.dtype, jnp.float32)
+    w = topk_weights.reshape(-1).astype(acc) * valid
+    return (expert_y[rows].astype(acc) * w[:, None]).reshape(tokens, topk, -1).sum(1).astype(expert_y.dtype)
+
+
+def _combine_fwd(expert_y, topk_weights, rows, valid):
+    return _combine(expert_y, topk_weights, rows, valid), (expert_y, topk_weights, rows, valid)
+
+
+def _combine_bwd(res, dy):
+    expert_y, topk_weights, rows, valid = res
+    tokens, topk = topk_weights.shape
+    acc = jnp.promote_types(expert_y.dtype, jnp.float32)
+    order = jnp.zeros_like(rows).at[rows].set(jnp.arange(rows.shape[0], dtype=jnp.int32))
+    w = topk_weights.reshape(-1).astype(acc) * valid
+    d_expert_y = (dy[order // topk].astype(acc) * w[order][:, None]).astype(expert_y.dtype)
+    picked = expert_y[rows].astype(acc).reshape(tokens, topk, -1)
+    dw = jnp.einsum("tkd,td->tk", picked, dy.astype(acc)) * valid.reshape(tokens, topk)
+    return d_expert_y, dw.astype(topk_weights.dtype), None, None
+
+
+_combine.defvjp(_combine_fwd, _combine_bwd)

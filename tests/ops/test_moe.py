@@ -1,0 +1,163 @@
+"""MoE routing: xla and reference against NumPy and each other, forward and gradients; edge cases; a MoE layer."""
+
+from __future__ import annotations
+
+import haliax as hax
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import axkern
+from axkern.positional import moe_combine, moe_dispatch, moe_layout
+from tests.helpers import assert_oracle_rule, to64, x64
+
+IMPLS = ["xla", "reference"]
+
+
+def routing_case(seed, tokens, topk, experts, dtype="float32", *, kind="random"):
+    kx, ki, kw = jax.random.split(jax.random.PRNGKey(seed), 3)
+    if kind == "duplicates":  # a token may send several slots to one expert
+        idx = jax.random.randint(ki, (tokens, topk), 0, max(1, experts // 4))
+    elif kind == "sparse":  # most experts get no token
+        idx = jax.random.randint(ki, (tokens, topk), 0, 2) * (experts - 1)
+    else:
+        idx = jax.random.randint(ki, (tokens, topk), 0, experts)
+    x = jax.random.normal(kx, (tokens, 6), jnp.float32).astype(dtype)
+    w = jax.random.uniform(kw, (tokens, topk), jnp.float32).astype(dtype)
+    return x, idx.astype(jnp.int32), w
+
+
+def numpy_dispatch(x, idx, experts):
+    x, idx = np.asarray(x), np.asarray(idx)
+    pairs = [(int(idx[t, k]), t, k) for t in range(idx.shape[0]) for k in range(idx.shape[1])]
+    order = sorted(range(len(pairs)), key=lambda p: (pairs[p][0], p))  # expert-major, stable by pair
+    out = np.stack([x[pairs[p][1]] for p in order])
+    return out, np.bincount(idx.reshape(-1), minlength=experts), order
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize(
+    "kind,tokens,topk,experts",
+    [
+        ("random", 37, 4, 8),
+        ("duplicates", 20, 3, 8),
+        ("sparse", 16, 2, 9),
+        ("random", 25, 1, 5),
+    ],
+)
+def test_dispatch_layout_and_combine_against_numpy(impl, kind, tokens, topk, experts):
+    x, idx, w = routing_case(1, tokens, topk, experts, kind=kind)
+    ex, gs, routing = moe_dispatch(x, idx, num_experts=experts, implementation=impl)
+    want_x, want_gs, order = numpy_dispatch(x, idx, experts)
+    np.testing.assert_array_equal(ex, want_x)
+    np.testing.assert_array_equal(gs, want_gs)
+    lay = moe_layout(idx, num_experts=experts, num_ranks=1, implementation=impl)
+    np.testing.assert_array_equal(lay.tokens_per_expert, want_gs)
+    assert int(lay.dropped) == 0
+    y = moe_combine(ex * 3.0, w, routing, implementation=impl)
+    np.testing.assert_allclose(y, 3.0 * np.asarray(w).sum(1)[:, None] * np.asarray(x), rtol=1e-5)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("ranks", [1, 2, 4])
+def test_layout_per_rank(impl, ranks):
+    x, idx, _ = routing_case(2, 30, 3, 8, kind="duplicates")
+    lay = moe_layout(idx, num_experts=8, num_ranks=ranks, implementation=impl)
+    ids = np.asarray(idx)
+    in_rank = np.zeros((30, ranks), bool)
+    for t in range(30):
+        for e in ids[t]:
+            in_rank[t, e // (8 // ranks)] = True
+    np.testing.assert_array_equal(lay.is_token_in_rank, in_rank)
+    np.testing.assert_array_equal(lay.tokens_per_rank, in_rank.sum(0))
+
+
+def _layer(impl, x, idx, w, experts):
+    def f(x, w):
+        ex, _, routing = moe_dispatch(x, idx, num_experts=experts, implementation=impl)
+        return jnp.sum(moe_combine(jnp.sin(ex), w, routing, implementation=impl) ** 2)
+
+    return jax.value_and_grad(f, argnums=(0, 1))(x, w)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("kind", ["random", "duplicates", "sparse"])
+def test_xla_gradients_against_oracle(dtype, kind):
+    x, idx, w = routing_case(3, 33, 3, 6, dtype, kind=kind)
+    with x64():
+        oracle = jax.tree.map(np.asarray, _layer("reference", *to64((x,)), idx, to64(w), 6))
+    same = _layer("reference", x, idx, w, 6)
+    got = _layer("xla", x, idx, w, 6)
+    assert_oracle_rule(got, same, oracle, dtype, f"moe xla {dtype} {kind}")
+
+
+def test_traced_out_of_range_ids_are_dropped_and_counted():
+    x, idx, w = routing_case(4, 12, 2, 4)
+    bad = idx.at[3, 1].set(7).at[5, 0].set(-1)
+
+    @jax.jit
+    def run(x, bad, w):
+        ex, gs, routing = moe_dispatch(x, bad, num_experts=4)
+        return ex, gs, moe_combine(ex, w, routing), moe_layout(bad, num_experts=4).dropped
+
+    ex, gs, y, dropped = run(x, bad, w)
+    assert int(dropped) == 2 and int(gs.sum()) == 12 * 2 - 2
+    np.testing.assert_array_equal(ex[-2:], 0)  # dropped rows last, zero
+    valid = (np.asarray(bad) >= 0) & (np.asarray(bad) < 4)
+    np.testing.assert_allclose(y, (np.asarray(w) * valid).sum(1)[:, None] * np.asarray(x), rtol=1e-5)
+    assert np.isfinite(y).all()
+
+
+def test_bad_input():
+    x, idx, w = routing_case(5, 8, 2, 4)
+    with pytest.raises(ValueError, match=r"topk_idx\[2, 1\] = 9 is outside \[0, 4\)"):
+        moe_dispatch(x, idx.at[2, 1].set(9), num_experts=4)
+    with pytest.raises(ValueError, match="integer dtype, got float32"):
+        moe_dispatch(x, idx.astype(jnp.float32), num_experts=4)
+    with pytest.raises(ValueError, match="num_experts=6 is not divisible by num_ranks=4"):
+        moe_layout(idx, num_experts=6, num_ranks=4)
+    _, _, routing = moe_dispatch(x, idx, num_experts=4)
+    with pytest.raises(ValueError, match="needs 8"):
+        moe_combine(jnp.zeros((16, 6)), w[:4], routing)
+
+
+def test_moe_layer_with_ragged_dot_matches_dense():
+    tokens, hidden, out, experts, topk = 24, 8, 5, 4, 2
+    x, idx, w = routing_case(6, tokens, topk, experts)
+    x = jax.random.normal(jax.random.PRNGKey(7), (tokens, hidden))
+    weights = jax.random.normal(jax.random.PRNGKey(8), (experts, hidden, out))
+
+    @jax.jit
+    def layer(x, weights, w):
+        ex, gs, routing = moe_dispatch(x, idx, num_experts=experts)
+        return moe_combine(jax.lax.ragged_dot(ex, weights, gs), w, routing)
+
+    def dense(x, weights, w):
+        per = jnp.einsum("td,tkdo->tko", x, weights[idx])
+        return jnp.einsum("tk,tko->to", w, per)
+
+    np.testing.assert_allclose(layer(x, weights, w), dense(x, weights, w), rtol=1e-5, atol=1e-5)
+    g = jax.grad(lambda *a: jnp.sum(layer(*a) ** 2), argnums=(0, 1, 2))(x, weights, w)
+    g_ref = jax.grad(lambda *a: jnp.sum(dense(*a) ** 2), argnums=(0, 1, 2))(x, weights, w)
+    for a, b in zip(g, g_ref, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_named_round_trip_and_errors():
+    Token, TopK, Embed = hax.Axis("token", 10), hax.Axis("topk", 2), hax.Axis("embed", 6)
+    x, idx, w = routing_case(9, 10, 2, 4)
+    xn, idxn, wn = hax.named(x, (Token, Embed)), hax.named(idx, (Token, TopK)), hax.named(w.T, (TopK, Token))
+    ex, gs, routing = axkern.moe_dispatch(xn, idxn, num_experts=4)
+    assert ex.axes == (hax.Axis("dispatched", 20), Embed) and gs.axes == (hax.Axis("experts", 4),)
+    y = axkern.moe_combine(ex.rename({"embed": "out"}), wn, routing)
+    assert y.axes == (Token, hax.Axis("out", 6))
+    np.testing.assert_allclose(y.array, np.asarray(w).sum(1)[:, None] * np.asarray(x), rtol=1e-5)
+    lay = axkern.moe_layout(idxn, num_experts=4, num_ranks=2)
+    assert lay.is_token_in_rank.axes == (Token, hax.Axis("ranks", 2))
+    with pytest.raises(ValueError, match=r"topk_idx has no axis 'k' \(TopK\)"):
+        axkern.moe_dispatch(xn, idxn, TopK="k", num_experts=4)
+    with pytest.raises(ValueError, match="topk_weights's axes"):
+        axkern.moe_combine(ex, wn["topk", 0], routing)
+    d = axkern.explain(lambda a, b: axkern.moe_dispatch(a, b, num_experts=4), xn, idxn)
+    assert d.op == "moe_dispatch" and d.implementation == "xla"
