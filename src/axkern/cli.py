@@ -71,6 +71,10 @@ def info(_args) -> int:
     t.add_row("compute capability", "n/a" if cc is None else f"{cc[0]}.{cc[1]}")
     t.add_row("tuned-table key", backend.device_key())
     t.add_row("nvcc", _nvcc())
+    from axkern.core import native
+
+    for name, line in native.status().items():
+        t.add_row(f"native: {name}", line)
     console.print(t)
     for op in axkern.ops():
         ops_t = Table(title=f"{op}")
@@ -104,7 +108,11 @@ def bench(args) -> int:
     for op in ops:
         # by default, the implementations that run compiled here (Pallas in interpret mode times nothing useful)
         here = backend.platform()
-        impls = args.impl.split(",") if args.impl else [n for n, p in axkern.implementations(op).items() if here in p]
+        impls = (
+            args.impl.split(",")
+            if args.impl
+            else [n for n, p in axkern.implementations(op).items() if here in p]
+        )
         for c in cases_for(
             op, preset=None if args.quick else args.preset, tokens=args.tokens, dtype=args.dtype
         ):
@@ -180,6 +188,28 @@ def bench(args) -> int:
     return 1 if failed else 0
 
 
+def build_native(args) -> int:
+    """Prebuild every native library (for the visible GPU, or `--arch 9.0` with no GPU)."""
+    from axkern.core import backend, native
+
+    if args.arch:
+        major, _, minor = args.arch.partition(".")
+        cc = (int(major), int(minor or 0))
+    else:
+        cc = backend.compute_capability()
+        if cc is None:
+            print("axkern build-native: no CUDA GPU visible; pass --arch (e.g. --arch 9.0)", file=sys.stderr)
+            return 2
+    for name, lib in native.LIBRARIES.items():
+        try:
+            path = native.build(lib, cc)
+        except native.Unsupported as e:
+            print(f"{name}: {e}", file=sys.stderr)
+            return 1
+        console.print(f"{name}: {path}", markup=False, highlight=False)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="axkern", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -195,6 +225,9 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--repeats", type=int, help="timed repeats (median reported)")
     b.add_argument("--json", help="also write the rows as JSON here")
     b.set_defaults(fn=bench)
+    n = sub.add_parser("build-native", help="compile the CUDA libraries into the cache and print where")
+    n.add_argument("--arch", help="compute capability to build for (default: the visible GPU's), e.g. 9.0")
+    n.set_defaults(fn=build_native)
     args = parser.parse_args(argv)
     try:
         return args.fn(args)

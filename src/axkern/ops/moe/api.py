@@ -21,7 +21,7 @@ from axkern.core import named
 from axkern.core.op import Implementation, Op
 from axkern.core.typing import Array, Float, Shaped, checked
 
-from . import reference, xla
+from . import cuda, reference, xla
 
 __all__ = [
     "MoeLayout",
@@ -34,6 +34,7 @@ __all__ = [
     "moe_combine_positional",
 ]
 
+# "cuda" is not in the GPU order yet: it compiles and loads, but has not run on a GPU (cuda.py).
 _ORDER = {"cpu": ("xla",), "gpu": ("xla",), "tpu": ("xla",)}
 _BUCKET = lambda spec: dict(spec.dims)  # noqa: E731 - no tuned tables yet
 
@@ -51,6 +52,13 @@ DISPATCH = Op(
     "moe_dispatch",
     [
         Implementation("xla", xla.dispatch, backward="custom_vjp: gather back and sum over top-k"),
+        Implementation(
+            "cuda",
+            cuda.dispatch,
+            platforms=("gpu",),
+            supports=cuda.supports,
+            backward="custom_vjp: the CUDA gather-sum kernel",
+        ),
         Implementation("reference", reference.dispatch, backward="autodiff (scatter)"),
     ],
     _ORDER,
@@ -61,6 +69,13 @@ COMBINE = Op(
     "moe_combine",
     [
         Implementation("xla", xla.combine, backward="custom_vjp: dispatch-like gather + weight grads"),
+        Implementation(
+            "cuda",
+            cuda.combine,
+            platforms=("gpu",),
+            supports=cuda.supports,
+            backward="custom_vjp: the CUDA row-gather kernel, weight grads in XLA",
+        ),
         Implementation("reference", reference.combine, backward="autodiff (scatter)"),
     ],
     _ORDER,

@@ -18,14 +18,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-
-def _sort(topk_idx, num_experts):
-    flat = topk_idx.reshape(-1)
-    valid = (flat >= 0) & (flat < num_experts)
-    order = jnp.argsort(jnp.where(valid, flat, num_experts), stable=True).astype(jnp.int32)
-    rows = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=jnp.int32))
-    counts = jnp.zeros((num_experts,), jnp.int32).at[jnp.where(valid, flat, 0)].add(valid.astype(jnp.int32))
-    return order, rows, counts, valid
+from .routing import inverse, sort_pairs
 
 
 def layout(topk_idx, *, num_experts, num_ranks):
@@ -46,7 +39,7 @@ def layout(topk_idx, *, num_experts, num_ranks):
 
 
 def dispatch(x, topk_idx, *, num_experts):
-    order, rows, counts, valid = _sort(topk_idx, num_experts)
+    order, rows, counts, valid = sort_pairs(topk_idx, num_experts)
     return _dispatch(topk_idx.shape[1], x, order, valid), counts, rows
 
 
@@ -61,7 +54,7 @@ def _dispatch_fwd(topk, x, order, valid):
 
 def _dispatch_bwd(topk, res, g):
     order, valid, tokens = res
-    rows = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=jnp.int32))
+    rows = inverse(order)
     acc = jnp.promote_types(g.dtype, jnp.float32)
     back = (g[rows].astype(acc) * valid[:, None]).reshape(tokens, topk, -1).sum(1)
     return back.astype(g.dtype), None, None
@@ -91,7 +84,7 @@ def _combine_bwd(res, dy):
     expert_y, topk_weights, rows, valid = res
     tokens, topk = topk_weights.shape
     acc = jnp.promote_types(expert_y.dtype, jnp.float32)
-    order = jnp.zeros_like(rows).at[rows].set(jnp.arange(rows.shape[0], dtype=jnp.int32))
+    order = inverse(rows)
     w = topk_weights.reshape(-1).astype(acc) * valid
     d_expert_y = (dy[order // topk].astype(acc) * w[order][:, None]).astype(expert_y.dtype)
     picked = expert_y[rows].astype(acc).reshape(tokens, topk, -1)

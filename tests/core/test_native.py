@@ -1,0 +1,107 @@
+"""The native path without a GPU: every .cu compiles, the cache and lock work, failures are reasons.
+
+Needs nvcc (CI has CUDA 13's); without it the compile tests are skipped with that reason and
+only the no-nvcc failure path runs.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from axkern import cli
+from axkern.core import native
+from axkern.core.op import Unsupported
+
+NVCC = native.nvcc()
+needs_nvcc = pytest.mark.skipif(NVCC is None, reason="nvcc is not installed on this machine")
+CU_FILES = sorted(native.source_dir().rglob("*.cu"))
+
+
+def test_there_are_sources():
+    assert CU_FILES and all(p.is_file() for p in CU_FILES)
+
+
+@needs_nvcc
+@pytest.mark.parametrize("path", CU_FILES, ids=[p.name for p in CU_FILES])
+def test_every_cu_compiles_for_hopper(path, tmp_path):
+    cmd = [
+        NVCC,
+        "-std=c++17",
+        "-c",
+        *native.arch_flags((9, 0)),
+        "-isystem",
+        native._jax_include(),
+        "-I",
+        str(native.source_dir() / "common"),
+        str(path),
+        "-o",
+        str(tmp_path / "out.o"),
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+
+
+def _builds(cache: Path) -> int:
+    return sum(len(p.read_text().splitlines()) for p in cache.rglob("build.log"))
+
+
+@needs_nvcc
+def test_build_caches_and_rebuilds_a_corrupt_entry(tmp_path, monkeypatch):
+    monkeypatch.setenv("AXKERN_CACHE_DIR", str(tmp_path))
+    lib = native.LIBRARIES["moe"]
+    path = native.build(lib, (9, 0))
+    assert path.is_file() and path.parent.parent == tmp_path and native._intact(path)
+    native._open(path, lib)  # dlopen works without a GPU
+    assert native.build(lib, (9, 0)) == path and _builds(tmp_path) == 1  # cached: not rebuilt
+    path.write_bytes(b"not a shared library")
+    assert native.build(lib, (9, 0)) == path and _builds(tmp_path) == 2  # corrupt: rebuilt
+    assert native._intact(path)
+    assert native.build(lib, (8, 0)) != path  # another arch, another entry
+
+
+@needs_nvcc
+def test_concurrent_builders_build_once(tmp_path):
+    code = "from axkern.core import native; print(native.build(native.LIBRARIES['moe'], (9, 0)))"
+    env = {**__import__("os").environ, "AXKERN_CACHE_DIR": str(tmp_path)}
+    procs = [
+        subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)
+        for _ in range(3)
+    ]
+    outs = [p.communicate(timeout=600)[0].strip() for p in procs]
+    assert all(p.returncode == 0 for p in procs)
+    assert len(set(outs)) == 1 and _builds(tmp_path) == 1
+
+
+def test_failures_are_unsupported_reasons(tmp_path, monkeypatch):
+    monkeypatch.setenv("AXKERN_CACHE_DIR", str(tmp_path))
+    with pytest.raises(Unsupported, match="no CUDA GPU visible"):
+        native.load("moe")  # this machine has no GPU
+    with pytest.raises(Unsupported, match="older than 7.0"):
+        native.arch_flags((6, 1))
+    monkeypatch.setattr(native, "nvcc", lambda: None)
+    with pytest.raises(Unsupported, match="nvcc not found"):
+        native.build(native.LIBRARIES["moe"], (9, 0))
+    assert native.status()["moe"].startswith("unavailable:")
+
+
+@needs_nvcc
+def test_a_failed_build_is_a_reason(tmp_path, monkeypatch):
+    monkeypatch.setenv("AXKERN_CACHE_DIR", str(tmp_path / "cache"))
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "common").mkdir()
+    (tmp_path / "broken" / "broken.cu").write_text("this is not C++;\n")
+    monkeypatch.setattr(native, "source_dir", lambda: tmp_path)
+    with pytest.raises(Unsupported, match="nvcc failed building broken"):
+        native.build(native.Library("broken", ("Nothing",)), (9, 0))
+
+
+@needs_nvcc
+def test_cli_build_native(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("AXKERN_CACHE_DIR", str(tmp_path))
+    assert cli.main(["build-native", "--arch", "9.0"]) == 0
+    assert str(tmp_path) in capsys.readouterr().out
+    assert cli.main(["build-native"]) == 2  # no GPU and no --arch
