@@ -55,9 +55,13 @@ def test_build_caches_and_rebuilds_a_corrupt_entry(tmp_path, monkeypatch):
     lib = native.LIBRARIES["moe"]
     path = native.build(lib, (9, 0))
     assert path.is_file() and path.parent.parent == tmp_path and native._intact(path)
-    native._open(path, lib)  # dlopen works without a GPU
+    # dlopen works without a GPU (in a child: this process must not map a file it then corrupts)
+    probe = f"from axkern.core import native; native._open(__import__('pathlib').Path({str(path)!r}), native.LIBRARIES['moe'])"
+    assert subprocess.run([sys.executable, "-c", probe], capture_output=True).returncode == 0
     assert native.build(lib, (9, 0)) == path and _builds(tmp_path) == 1  # cached: not rebuilt
-    path.write_bytes(b"not a shared library")
+    garbage = path.with_name("garbage")
+    garbage.write_bytes(b"not a shared library")
+    garbage.replace(path)  # a crashed writer's leftovers
     assert native.build(lib, (9, 0)) == path and _builds(tmp_path) == 2  # corrupt: rebuilt
     assert native._intact(path)
     assert native.build(lib, (8, 0)) != path  # another arch, another entry

@@ -40,7 +40,7 @@ class Library:
     handlers: tuple[str, ...]
 
 
-LIBRARIES = {"moe": Library("moe", ("AxkernMoeGatherRows", "AxkernMoeGatherSum"))}
+LIBRARIES = {"moe": Library("moe", ("AxkernMoeGatherRows", "AxkernMoeGatherSum", "AxkernMoeLayout"))}
 
 
 def source_dir() -> Path:

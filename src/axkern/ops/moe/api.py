@@ -42,6 +42,9 @@ LAYOUT = Op(
     "moe_layout",
     [
         Implementation("xla", xla.layout, backward="none (integer outputs)"),
+        Implementation(
+            "cuda", cuda.layout, platforms=("gpu",), supports=cuda.layout_supports, backward="none"
+        ),
         Implementation("reference", reference.layout, backward="none (integer outputs)"),
     ],
     _ORDER,

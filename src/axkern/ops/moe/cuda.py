@@ -1,4 +1,6 @@
-"""MoE row movement in CUDA (`axkern/native/moe/moe.cu`) through XLA FFI; the pair order is XLA's.
+"""MoE routing in CUDA (`axkern/native/moe/*.cu`) through XLA FFI; the pair order is XLA's.
+
+Layout: `AxkernMoeLayout`, one thread per token, a shared-memory histogram per block.
 
 Dispatch: `AxkernMoeGatherRows` copies `x[order[j] // K]` into row `j` (16-byte vectors; a
 zero scale drops a row). Its backward is `AxkernMoeGatherSum` with weights `valid`. Combine:
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from axkern.core import native
 from axkern.core.op import Unsupported
@@ -28,6 +31,26 @@ def supports(spec) -> str | None:
     except Unsupported as e:
         return str(e)
     return None
+
+
+def layout(topk_idx, *, num_experts, num_ranks):
+    tokens = topk_idx.shape[0]
+    out = (
+        jax.ShapeDtypeStruct((num_experts,), jnp.int32),
+        jax.ShapeDtypeStruct((num_ranks,), jnp.int32),
+        jax.ShapeDtypeStruct((tokens, num_ranks), jnp.bool_),
+        jax.ShapeDtypeStruct((), jnp.int32),
+    )
+    call = jax.ffi.ffi_call("AxkernMoeLayout", out)
+    return tuple(
+        call(topk_idx.astype(jnp.int32), num_experts=np.int64(num_experts), num_ranks=np.int64(num_ranks))
+    )
+
+
+def layout_supports(spec) -> str | None:
+    if spec.dim("ranks") > 64:
+        return f"the CUDA layout kernel tracks at most 64 ranks, not {spec.dim('ranks')}"
+    return supports(spec)
 
 
 def _gather_rows(x, src, scale):
