@@ -8,6 +8,10 @@ zero scale drops a row). Its backward is `AxkernMoeGatherSum` with weights `vali
 its backward is `AxkernMoeGatherRows` with scales `w[order[j]]` plus the weights' gradient in
 XLA. The library is built by `axkern.core.native` on first use.
 
+**Grid.** Row kernels: one block of 128 threads per row (grid-stride, at most 8 blocks per
+SM), threads across the row. **Bound.** Memory: dispatch reads `T·K` rows of `x` and writes
+`T·K·D` elements; combine reads `T·K·D` and writes `T·D`.
+
 !!! warning
     Compiled in CI and loaded by the native loader, but not yet executed on a GPU: not in
     any default order until a GPU run checks it against the reference.
