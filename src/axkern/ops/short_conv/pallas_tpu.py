@@ -147,7 +147,7 @@ def _bwd_kernel(*refs, width, block_seq, seq, segments):
     db_ref[0] = jnp.sum(g0, axis=0, keepdims=True)
 
 
-def _specs(batch, seq, channels, width, bs, bc, *, segments, grad_input: bool, ahead: bool):
+def _specs(seq, width, bs, bc):
     ns = pl.cdiv(seq, bs)
     block = (1, bs, bc)
     cur = pl.BlockSpec(block, lambda b, i, j: (b, i, j))
@@ -215,7 +215,7 @@ def _conv(cfg, x, weight, bias, segment_ids, initial_state):
     batch, seq, channels = x.shape
     width = weight.shape[0]
     bs, bc = _tiles(cfg, x)
-    sp = _specs(batch, seq, channels, width, bs, bc, segments=segments, grad_input=False, ahead=False)
+    sp = _specs(seq, width, bs, bc)
     b2, state, seg = _inputs(x, weight, bias, segment_ids, initial_state)
     in_specs = [sp["cur"], sp["prev"], sp["weight"], sp["bias"], sp["state"]]
     args = [x, x, weight, b2, state]
@@ -248,7 +248,7 @@ def _bwd(cfg, residuals, dy):
     batch, seq, channels = x.shape
     width = weight.shape[0]
     bs, bc = _tiles(cfg, x)
-    sp = _specs(batch, seq, channels, width, bs, bc, segments=segments, grad_input=True, ahead=True)
+    sp = _specs(seq, width, bs, bc)
     ns, nc = sp["ns"], pl.cdiv(channels, bc)
     grid = (batch, ns, nc)
     b2, state, seg = _inputs(x, weight, bias, segment_ids, initial_state)
