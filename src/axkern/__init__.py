@@ -13,6 +13,7 @@ from .core.op import Decision, FallbackWarning, Unsupported, explain, get_op, re
 from .ops.fused_cross_entropy import CrossEntropyBlockSizes, fused_cross_entropy
 from .ops.moe import MoeLayout, MoeRouting, moe_combine, moe_dispatch, moe_layout
 from .ops.short_conv import ConvBlockSizes, short_conv, short_conv_step
+from .ops.ssd import SSDBlockSizes, ssd
 
 __version__ = "0.1.0"
 
@@ -22,6 +23,8 @@ __all__ = [
     "short_conv",
     "short_conv_step",
     "ConvBlockSizes",
+    "ssd",
+    "SSDBlockSizes",
     "moe_layout",
     "moe_dispatch",
     "moe_combine",

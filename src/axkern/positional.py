@@ -6,6 +6,8 @@ from .ops.moe.api import moe_dispatch_positional as moe_dispatch
 from .ops.moe.api import moe_layout_positional as moe_layout
 from .ops.short_conv.api import short_conv_positional as short_conv
 from .ops.short_conv.api import short_conv_step_positional as short_conv_step
+from .ops.ssd.api import ssd_positional as ssd
+from .ops.ssd.api import ssd_step_positional as ssd_step
 
 __all__ = [
     "fused_cross_entropy",
@@ -14,4 +16,6 @@ __all__ = [
     "moe_layout",
     "short_conv",
     "short_conv_step",
+    "ssd",
+    "ssd_step",
 ]

@@ -1,0 +1,80 @@
+"""Mamba-2 SSD by chunks in plain JAX: quadratic (attention-like) inside a chunk, a recurrence
+over chunk states between chunks. Memory is linear in the length; gradients by autodiff.
+
+**Math.** With `a_t = dt_t A` and `cum` its running sum inside a chunk of `Q` positions,
+`y_t = sum_{s <= t, same segment} (C_t · B_s) exp(cum_t - cum_s) dt_s x_s`
+`    + [seg_t == seg before the chunk] exp(cum_t) C_t · state_in`,
+`state_out = [no reset in the chunk] exp(cum_{Q-1}) state_in
+           + sum_{s in the chunk's last segment} exp(cum_{Q-1} - cum_s) dt_s x_s ⊗ B_s`.
+The length is padded to a multiple of `Q` with `dt = 0` rows, which leave the state unchanged.
+
+**Cost.** `O(L·Q·(N + P)·H)` inside chunks and `O(L/Q · H·P·N)` between them.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+
+def _chunks(a, q):
+    return a.reshape(a.shape[0], a.shape[1] // q, q, *a.shape[2:])
+
+
+def ssd(x, dt, A, B, C, D, z, segment_ids, initial_state, *, block_sizes):
+    chunk_size = block_sizes.chunk_size
+    acc = jnp.promote_types(x.dtype, jnp.float32)
+    batch, length, heads, _ = x.shape
+    rep = heads // B.shape[2]
+    q = chunk_size
+    pad = (-length) % q
+    seg = jnp.zeros((batch, length), jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
+    if pad:
+        zeros = lambda a: jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2))  # noqa: E731
+        x_p, dt_p, B_p, C_p = zeros(x), zeros(dt), zeros(B), zeros(C)
+        seg = jnp.concatenate([seg, jnp.broadcast_to(seg[:, -1:], (batch, pad))], axis=1)
+    else:
+        x_p, dt_p, B_p, C_p = x, dt, B, C
+    xc = _chunks(x_p.astype(acc), q)  # [b, c, q, h, p]
+    dtc = _chunks(dt_p.astype(acc), q)  # [b, c, q, h]
+    Bc = jnp.repeat(_chunks(B_p.astype(acc), q), rep, axis=3)  # [b, c, q, h, n]
+    Cc = jnp.repeat(_chunks(C_p.astype(acc), q), rep, axis=3)
+    sc = _chunks(seg, q)  # [b, c, q]
+    cum = jnp.cumsum(dtc * A.astype(acc), axis=2)  # [b, c, q, h]
+
+    # inside each chunk
+    t_idx = jnp.arange(q)
+    causal = t_idx[:, None] >= t_idx[None, :]
+    same = (sc[:, :, :, None] == sc[:, :, None, :]) & causal  # [b, c, t, s]
+    diff = cum[:, :, :, None, :] - cum[:, :, None, :, :]  # [b, c, t, s, h]
+    decay = jnp.exp(jnp.where(same[..., None], diff, -jnp.inf))
+    cb = jnp.einsum("bcthn,bcshn->bctsh", Cc, Bc)
+    y = jnp.einsum("bctsh,bcsh,bcshp->bcthp", cb * decay, dtc, xc)
+
+    # each chunk's own contribution to the state at its end
+    last = sc[:, :, -1:]
+    to_end = jnp.exp(cum[:, :, -1:, :] - cum) * (sc == last)[..., None]  # [b, c, q, h]
+    chunk_states = jnp.einsum("bcsh,bcshp,bcshn->bchpn", to_end * dtc, xc, Bc)
+
+    # between chunks: the state entering chunk c belongs to the segment just before it
+    seg_before = jnp.concatenate([sc[:, :1, :1], sc[:, :-1, -1:]], axis=1)[..., 0]  # [b, c]
+    carries = (sc[:, :, -1] == seg_before).astype(acc)[..., None] * jnp.exp(cum[:, :, -1, :])  # [b, c, h]
+
+    def step(state, inputs):
+        keep, chunk_state = inputs
+        return keep[:, :, None, None] * state + chunk_state, state
+
+    final, states_in = lax.scan(
+        step, initial_state.astype(acc), (jnp.moveaxis(carries, 1, 0), jnp.moveaxis(chunk_states, 1, 0))
+    )
+    states_in = jnp.moveaxis(states_in, 0, 1)  # [b, c, h, p, n]
+    from_state = jnp.exp(cum) * (sc == seg_before[:, :, None])[..., None]  # [b, c, q, h]
+    y = y + jnp.einsum("bcthn,bchpn->bcthp", Cc, states_in) * from_state[..., None]
+
+    y = y.reshape(batch, length + pad, heads, -1)[:, :length]
+    if D is not None:
+        y = y + x.astype(acc) * (D.astype(acc) if D.ndim == 2 else D.astype(acc)[:, None])
+    if z is not None:
+        y = y * jax.nn.silu(z.astype(acc))
+    return y.astype(x.dtype), final.astype(initial_state.dtype)

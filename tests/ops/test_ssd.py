@@ -1,0 +1,181 @@
+"""ssd: the chunked xla implementation against the sequential float64 oracle, forward and all gradients."""
+
+from __future__ import annotations
+
+import haliax as hax
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import axkern
+from axkern.positional import ssd, ssd_step
+from tests.helpers import assert_oracle_rule, to64, x64
+
+
+def make(seed, b, l, h, p, g, n, dtype, *, segments=True, extras=True):
+    k = jax.random.split(jax.random.PRNGKey(seed), 10)
+    dt_ = jnp.dtype(dtype)
+    arrays = dict(
+        x=jax.random.normal(k[0], (b, l, h, p)).astype(dt_),
+        dt=jax.random.normal(k[1], (b, l, h)).astype(dt_),
+        A=-jnp.exp(jax.random.normal(k[2], (h,))),
+        B=jax.random.normal(k[3], (b, l, g, n)).astype(dt_),
+        C=jax.random.normal(k[4], (b, l, g, n)).astype(dt_),
+    )
+    if extras:
+        arrays |= dict(
+            D=jax.random.normal(k[5], (h,)),
+            z=jax.random.normal(k[6], (b, l, h, p)).astype(dt_),
+            dt_bias=jax.random.normal(k[7], (h,)) * 0.1,
+            initial_state=jax.random.normal(k[8], (b, h, p, n)),
+        )
+    seg = jnp.cumsum(jax.random.bernoulli(k[9], 0.1, (b, l)), axis=1).astype(jnp.int32) if segments else None
+    return arrays, seg
+
+
+def run(impl, arrays, seg, chunk_size=None):
+    names = sorted(arrays)
+
+    def f(*vals):
+        kw = dict(zip(names, vals, strict=True))
+        y, final = ssd(
+            kw.pop("x"),
+            kw.pop("dt"),
+            kw.pop("A"),
+            kw.pop("B"),
+            kw.pop("C"),
+            dt_softplus=True,
+            segment_ids=seg,
+            return_final_state=True,
+            implementation=impl,
+            chunk_size=chunk_size,
+            **kw,
+        )
+        cot = jnp.cos(jnp.arange(y.size, dtype=jnp.float32).reshape(y.shape))
+        return jnp.sum(y.astype(jnp.float32) * cot) + jnp.sum(jnp.sin(final.astype(jnp.float32))), (y, final)
+
+    (_, out), grads = jax.value_and_grad(f, argnums=tuple(range(len(names))), has_aux=True)(
+        *[arrays[k] for k in names]
+    )
+    return out, grads
+
+
+def check(seed, dims, dtype, chunk, **kw):
+    arrays, seg = make(seed, *dims, dtype, **kw)
+    with x64():
+        want = jax.tree.map(np.asarray, run("reference", {k: to64(v) for k, v in arrays.items()}, seg))
+    same = run("reference", arrays, seg)
+    got = run("xla", arrays, seg, chunk)
+    assert_oracle_rule(got[0], same[0], want[0], dtype, f"ssd xla {dtype} y/final")
+    assert_oracle_rule(got[1], same[1], want[1], dtype, f"ssd xla {dtype} grads")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("groups", [1, 2])
+@pytest.mark.parametrize("segments", [False, True])
+def test_against_sequential_oracle(dtype, groups, segments):
+    # length 45 is not a multiple of the chunk (16): a padded last chunk
+    check(0, (2, 45, 4, 3, groups, 5), dtype, 16, segments=segments)
+
+
+@given(
+    l=st.integers(1, 40),
+    chunk=st.sampled_from([1, 2, 8, 32]),
+    seed=st.integers(0, 2**16),
+    extras=st.booleans(),
+    segments=st.booleans(),
+)
+def test_random_lengths_and_chunks(l, chunk, seed, extras, segments):
+    check(seed, (1, l, 2, 3, 1, 4), "float32", chunk, segments=segments, extras=extras)
+
+
+def test_decode_steps_chained_equal_the_scan():
+    arrays, _ = make(1, 2, 9, 4, 3, 2, 5, "float32", segments=False)
+    full, final = ssd(
+        arrays["x"],
+        arrays["dt"],
+        arrays["A"],
+        arrays["B"],
+        arrays["C"],
+        D=arrays["D"],
+        z=arrays["z"],
+        dt_bias=arrays["dt_bias"],
+        dt_softplus=True,
+        initial_state=arrays["initial_state"],
+        return_final_state=True,
+        chunk_size=4,
+    )
+    state = arrays["initial_state"]
+    for t in range(9):
+        y_t, state = ssd_step(
+            arrays["x"][:, t],
+            arrays["dt"][:, t],
+            arrays["A"],
+            arrays["B"][:, t],
+            arrays["C"][:, t],
+            state,
+            D=arrays["D"],
+            z_t=arrays["z"][:, t],
+            dt_bias=arrays["dt_bias"],
+            dt_softplus=True,
+        )
+        np.testing.assert_allclose(y_t, full[:, t], rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(state, final, rtol=1e-4, atol=1e-5)
+
+
+def test_bad_input():
+    arrays, _ = make(2, 1, 8, 3, 2, 2, 4, "float32", extras=False)
+    with pytest.raises(ValueError, match="heads=3 is not divisible by groups=2"):
+        ssd(arrays["x"], arrays["dt"], arrays["A"], arrays["B"], arrays["C"])
+    arrays, _ = make(2, 1, 8, 4, 2, 2, 4, "float32", extras=False)
+    with pytest.raises(ValueError, match="chunk_size must be a power of two, got 12"):
+        ssd(arrays["x"], arrays["dt"], arrays["A"], arrays["B"], arrays["C"], chunk_size=12)
+
+
+def test_named_layer():
+    arrays, seg = make(3, 2, 16, 4, 3, 2, 5, "float32")
+    Batch, Pos, Heads, HeadDim = (
+        hax.Axis("batch", 2),
+        hax.Axis("position", 16),
+        hax.Axis("heads", 4),
+        hax.Axis("head_dim", 3),
+    )
+    Groups, State = hax.Axis("groups", 2), hax.Axis("state", 5)
+    x = hax.named(arrays["x"], (Batch, Pos, Heads, HeadDim)).rearrange((Heads, Batch, HeadDim, Pos))
+    dt = hax.named(arrays["dt"], (Batch, Pos, Heads))
+    A = hax.named(arrays["A"], (Heads,))
+    B = hax.named(arrays["B"], (Batch, Pos, Groups, State))
+    C = hax.named(arrays["C"], (Batch, Pos, Groups, State))
+    s0 = hax.named(arrays["initial_state"], (Batch, Heads, HeadDim, State))
+    y, final = axkern.ssd(
+        x,
+        dt,
+        A,
+        B,
+        C,
+        initial_state=s0,
+        segment_ids=hax.named(seg, (Batch, Pos)),
+        dt_softplus=True,
+        return_final_state=True,
+        chunk_size=8,
+    )
+    assert y.axes == x.axes and final.axes == (Batch, Heads, HeadDim, State)
+    want, want_final = ssd(
+        arrays["x"],
+        arrays["dt"],
+        arrays["A"],
+        arrays["B"],
+        arrays["C"],
+        initial_state=arrays["initial_state"],
+        segment_ids=seg,
+        dt_softplus=True,
+        return_final_state=True,
+        implementation="reference",
+    )
+    np.testing.assert_allclose(y.rearrange((Batch, Pos, Heads, HeadDim)).array, want, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(final.array, want_final, rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match=r"B has no axis 'grp' \(Groups\)"):
+        axkern.ssd(x, dt, A, B, C, Groups="grp")
