@@ -179,3 +179,63 @@ def test_named_layer():
     np.testing.assert_allclose(final.array, want_final, rtol=1e-4, atol=1e-5)
     with pytest.raises(ValueError, match=r"B has no axis 'grp' \(Groups\)"):
         axkern.ssd(x, dt, A, B, C, Groups="grp")
+
+
+@pytest.mark.parametrize(
+    "mesh_shape,mapping",
+    [
+        ((2, 4), {"batch": "data"}),
+        ((1, 8), {"position": "model"}),
+        ((2, 4), {"batch": "data", "position": "model"}),
+    ],
+)
+@pytest.mark.parametrize("segments", [False, True])
+def test_sharded_equals_unsharded(mesh_shape, mapping, segments):
+    from jax.sharding import Mesh
+
+    arrays, seg = make(5, 2, 32, 4, 3, 2, 5, "float32", segments=segments)
+    Batch, Pos, Heads, HeadDim = (
+        hax.Axis("batch", 2),
+        hax.Axis("position", 32),
+        hax.Axis("heads", 4),
+        hax.Axis("head_dim", 3),
+    )
+    Groups, State = hax.Axis("groups", 2), hax.Axis("state", 5)
+    named_in = dict(
+        x=hax.named(arrays["x"], (Batch, Pos, Heads, HeadDim)),
+        dt=hax.named(arrays["dt"], (Batch, Pos, Heads)),
+        A=hax.named(arrays["A"], (Heads,)),
+        B=hax.named(arrays["B"], (Batch, Pos, Groups, State)),
+        C=hax.named(arrays["C"], (Batch, Pos, Groups, State)),
+        D=hax.named(arrays["D"], (Heads,)),
+        z=hax.named(arrays["z"], (Batch, Pos, Heads, HeadDim)),
+        initial_state=hax.named(arrays["initial_state"], (Batch, Heads, HeadDim, State)),
+    )
+    segn = None if seg is None else hax.named(seg, (Batch, Pos))
+
+    def f(x, dt, B, C, s0):
+        y, final = axkern.ssd(
+            x,
+            dt,
+            named_in["A"],
+            B,
+            C,
+            D=named_in["D"],
+            z=named_in["z"],
+            initial_state=s0,
+            segment_ids=segn,
+            dt_softplus=True,
+            return_final_state=True,
+            chunk_size=4,
+        )
+        return hax.sum(y * y).array + hax.sum(final).array, (y, final)
+
+    args = (named_in["x"], named_in["dt"], named_in["B"], named_in["C"], named_in["initial_state"])
+    want = jax.value_and_grad(f, argnums=(0, 1, 2, 3, 4), has_aux=True)(*args)
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(mesh_shape), ("data", "model"))
+    with hax.partitioning.set_mesh(mesh), hax.axis_mapping(mapping):
+        fn = jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2, 3, 4), has_aux=True))
+        got = fn(*args)
+        assert "manual_computation" in fn.lower(*args).as_text() or "shard_map" in fn.lower(*args).as_text()
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-4, atol=2e-4)

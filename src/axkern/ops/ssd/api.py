@@ -9,12 +9,14 @@ A positive `A` makes the state grow without bound: allowed, and on the caller.
 
 from __future__ import annotations
 
+import functools
+
 import haliax as hax
 import jax
 import jax.numpy as jnp
 from haliax import NamedArray
 
-from axkern.core import named
+from axkern.core import compat, named
 from axkern.core.op import Implementation, Op
 from axkern.core.typing import Array, Float, Int, checked
 
@@ -184,6 +186,10 @@ def ssd(
     `initial_state` (batch + `Heads` + `HeadDim` + `State`).
 
     **Returns:** `y` with `x`'s axes, or `(y, final_state)`.
+
+    !!! info "Sharding"
+        Batch axes mapped to mesh axes run data parallel; a mapped `Pos` runs sequence
+        parallel, passing states between shards (see `_sequence_parallel`).
     """
     for arg, value in (("x", x), ("dt", dt), ("A", A), ("B", B), ("C", C)):
         named.require_named(NAME, arg, value)
@@ -196,61 +202,119 @@ def ssd(
         raise ValueError(f"{NAME}: {heads.name}={heads.size} is not divisible by {groups.name}={groups.size}")
     batch = named.without(x, pos.name, heads.name, head_dim.name)
     n = len(batch)
-
-    def flat(arr, axes, arg, ref):
-        data = named.match_axes(NAME, arg, arr, axes, ref)
-        return named.flatten(data, n) if n else data[None]
-
-    xs = flat(x, batch + (pos, heads, head_dim), "x", "batch + Pos + Heads + HeadDim")
-    dts = flat(dt, batch + (pos, heads), "dt", "x's batch axes + Pos + Heads")
-    As = named.match_axes(NAME, "A", A, (heads,), "Heads")
-    Bs = flat(B, batch + (pos, groups, state), "B", "x's batch axes + Pos + Groups + State")
-    Cs = flat(C, batch + (pos, groups, state), "C", "x's batch axes + Pos + Groups + State")
-    Ds = None
-    if D is not None:
-        Ds = named.match_axes(
-            NAME, "D", D, (heads,) if len(D.axes) == 1 else (heads, head_dim), "Heads [+ HeadDim]"
-        )
-    zs = None if z is None else flat(z, batch + (pos, heads, head_dim), "z", "x's axes")
-    bias = None if dt_bias is None else named.match_axes(NAME, "dt_bias", dt_bias, (heads,), "Heads")
-    segs = (
+    x_axes, dt_axes, bc_axes = (
+        batch + (pos, heads, head_dim),
+        batch + (pos, heads),
+        batch + (pos, groups, state),
+    )
+    state_axes = batch + (heads, head_dim, state)
+    inputs = [
+        ("x", named.match_axes(NAME, "x", x, x_axes, "batch + Pos + Heads + HeadDim"), x_axes),
+        ("dt", named.match_axes(NAME, "dt", dt, dt_axes, "x's batch axes + Pos + Heads"), dt_axes),
+        ("A", named.match_axes(NAME, "A", A, (heads,), "Heads"), (heads,)),
+        ("B", named.match_axes(NAME, "B", B, bc_axes, "x's batch axes + Pos + Groups + State"), bc_axes),
+        ("C", named.match_axes(NAME, "C", C, bc_axes, "x's batch axes + Pos + Groups + State"), bc_axes),
+        None,
+        None if z is None else ("z", named.match_axes(NAME, "z", z, x_axes, "x's axes"), x_axes),
+        None
+        if dt_bias is None
+        else ("dt_bias", named.match_axes(NAME, "dt_bias", dt_bias, (heads,), "Heads"), (heads,)),
         None
         if segment_ids is None
-        else flat(segment_ids, batch + (pos,), "segment_ids", "x's batch axes + Pos")
-    )
-    s0 = None
-    if initial_state is not None:
-        s0 = flat(
-            initial_state,
-            batch + (heads, head_dim, state),
+        else (
+            "segment_ids",
+            named.match_axes(NAME, "segment_ids", segment_ids, batch + (pos,), "x's batch axes + Pos"),
+            batch + (pos,),
+        ),
+        None
+        if initial_state is None
+        else (
             "initial_state",
-            "batch + Heads + HeadDim + State",
-        )
-    y, final = ssd_positional(
-        xs,
-        dts,
-        As,
-        Bs,
-        Cs,
-        D=Ds,
-        z=zs,
-        dt_bias=bias,
+            named.match_axes(
+                NAME, "initial_state", initial_state, state_axes, "batch + Heads + HeadDim + State"
+            ),
+            state_axes,
+        ),
+    ]
+    if D is not None:
+        d_axes = (heads,) if len(D.axes) == 1 else (heads, head_dim)
+        inputs[5] = ("D", named.match_axes(NAME, "D", D, d_axes, "Heads [+ HeadDim]"), d_axes)
+    options = dict(
         dt_softplus=dt_softplus,
         dt_limit=dt_limit,
-        segment_ids=segs,
-        initial_state=s0,
-        return_final_state=True,
         chunk_size=chunk_size,
         implementation=implementation,
         block_sizes=block_sizes,
     )
-    lead = tuple(a.size for a in batch)
-    y = hax.named(y.reshape(lead + y.shape[1:]) if n else y[0], batch + (pos, heads, head_dim))
+    seq_mesh = named.mesh_axes_for(pos) if compat.current_mesh() is not None else None
+
+    def local(xs, dts, As, Bs, Cs, Ds, zs, bias, segs, s0, seq_mesh=None):
+        lead = xs.shape[:n]
+        fl = lambda a: None if a is None else (named.flatten(a, n) if n else a[None])  # noqa: E731
+        args = (fl(xs), fl(dts), As, fl(Bs), fl(Cs))
+        kw = dict(D=Ds, z=fl(zs), dt_bias=bias, segment_ids=fl(segs), initial_state=fl(s0), **options)
+        if seq_mesh is None:
+            y, final = ssd_positional(*args, return_final_state=True, **kw)
+        else:
+            y, final = _sequence_parallel(args, kw, seq_mesh)
+        unfl = lambda a: a.reshape(lead + a.shape[1:]) if n else a[0]  # noqa: E731
+        return unfl(y), unfl(final)
+
+    out = named.shard_by_mapping(
+        NAME,
+        functools.partial(local, seq_mesh=seq_mesh),
+        inputs,
+        (x_axes, state_axes),
+        replicated=(heads.name, head_dim.name, groups.name, state.name),
+    )
+    y, final = out if out is not None else local(*[None if i is None else i[1] for i in inputs])
+    y = hax.named(y, x_axes)
     if tuple(a.name for a in x.axes) != tuple(a.name for a in y.axes):
         y = y.rearrange(x.axes)
     if not return_final_state:
         return y
-    final = hax.named(
-        final.reshape(lead + final.shape[1:]) if n else final[0], batch + (heads, head_dim, state)
-    )
-    return y, final
+    return y, hax.named(final, state_axes)
+
+
+def _sequence_parallel(args, kw, seq_mesh):
+    """SSD on a sequence shard: each shard's incoming state from every earlier shard's.
+
+    Pass 1 runs the shard from a zero state, giving its final state `S_i`; with `keep_i`
+    (the shard's total decay `exp(sum dt A)`, zero if a segment starts inside it) the state
+    entering shard `i` is the fold `h <- keep_j h + S_j` over earlier shards (all-gathered,
+    one `[b, h, p, n]` per shard), started from the caller's state on shard 0 and dropped
+    where the shard's first token starts a new segment. Pass 2 reruns the shard from that
+    state: twice the local work, in exchange for exactness with any segment layout.
+    """
+    x, dt, A, B, C = args
+    names = (seq_mesh,) if isinstance(seq_mesh, str) else tuple(seq_mesh)
+    s0 = kw.pop("initial_state")
+    batch, _, heads, head_dim = x.shape
+    zero = jnp.zeros((batch, heads, head_dim, B.shape[3]), jnp.float32)
+    _, S = ssd_positional(*args, initial_state=zero, return_final_state=True, **kw)
+    dts = _dt(dt, kw.get("dt_bias"), kw["dt_softplus"], kw["dt_limit"])
+    keep = jnp.exp(jnp.sum(dts * A.astype(dts.dtype), axis=1))  # [b, h]
+    seg = kw.get("segment_ids")
+    first_seg = last_seg = None
+    if seg is not None:
+        keep = keep * jnp.all(seg == seg[:, :1], axis=1)[:, None]
+        first_seg, last_seg = seg[:, 0], seg[:, -1]
+    idx = compat.axis_index(seq_mesh)
+    shards = compat.axis_size(compat.current_mesh(), seq_mesh)
+
+    def gather(a):  # every shard's `a`, stacked; a psum so the result is typed as replicated
+        return jax.lax.psum(jnp.zeros((shards, *a.shape), a.dtype).at[idx].set(a), names)
+
+    all_S, all_keep = gather(S), gather(keep)
+    h = zero if s0 is None else s0.astype(jnp.float32)
+    if seg is not None:
+        all_first, all_last = gather(first_seg), gather(last_seg)
+    h_in = h
+    for j in range(shards):
+        h_in = jnp.where(idx == j, h, h_in)  # the state entering shard j
+        if seg is not None and j + 1 < shards:
+            cont = (all_first[j + 1] == all_last[j])[:, None, None, None]
+        else:
+            cont = 1.0
+        h = (all_keep[j][:, :, None, None] * h + all_S[j]) * cont
+    return ssd_positional(*args, initial_state=h_in, return_final_state=True, **kw)[0], h
