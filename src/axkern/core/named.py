@@ -97,14 +97,16 @@ def broadcast_subset(op: str, arg: str, array: NamedArray, axes: Sequence[hax.Ax
     return hax.broadcast_to(array, tuple(axes)).array
 
 
-def flatten(data: jax.Array, n_lead: int) -> jax.Array:
-    """Merge the first `n_lead` dims into one (no reshape when there is exactly one)."""
-    if n_lead == 1:
+def flatten(data: jax.Array | None, n_lead: int) -> jax.Array | None:
+    """Merge the first `n_lead` dims into one: no reshape when there is exactly one, a new
+    leading dim of 1 when there are none. `None` passes through (an absent optional input)."""
+    if data is None or n_lead == 1:
         return data
     return data.reshape((math.prod(data.shape[:n_lead]),) + data.shape[n_lead:])
 
 
 def unflatten(data: jax.Array, lead_shape: tuple[int, ...]) -> jax.Array:
+    """Undo `flatten`: split the leading dim into `lead_shape` (drop it when `lead_shape == ()`)."""
     if len(lead_shape) == 1:
         return data
     return data.reshape(lead_shape + data.shape[1:])

@@ -267,9 +267,9 @@ def short_conv(
     def local(xs, ws, bs, ss, sts, seq_mesh=None):
         n = len(batch)
         lead = xs.shape[:n]
-        xf = named.flatten(xs, n) if n else xs[None]
-        sf = None if ss is None else (named.flatten(ss, n) if n else ss[None])
-        stf = None if sts is None else (named.flatten(sts, n) if n else sts[None])
+        xf = named.flatten(xs, n)
+        sf = named.flatten(ss, n)
+        stf = named.flatten(sts, n)
         if seq_mesh is not None:
             stf = _halo(xf, sf, stf, ws.shape[0] - 1, seq_mesh)
         y = short_conv_positional(
@@ -282,7 +282,7 @@ def short_conv(
             implementation=implementation,
             block_sizes=block_sizes,
         )
-        return y.reshape(lead + y.shape[1:]) if n else y[0]
+        return named.unflatten(y, lead)
 
     inputs = [
         ("x", xd, batch + (pos, chan)),
@@ -312,15 +312,15 @@ def short_conv(
     if not return_final_state:
         return y
     n = len(batch)
-    flat_x = named.flatten(xd, n) if n else xd[None]
-    flat_s = None if sd is None else (named.flatten(sd, n) if n else sd[None])
+    flat_x = named.flatten(xd, n)
+    flat_s = named.flatten(sd, n)
     flat_st = (
         jnp.zeros((flat_x.shape[0], width.size - 1, chan.size), xd.dtype)
         if st is None
-        else (named.flatten(st, n) if n else st[None])
+        else named.flatten(st, n)
     )
     fs = final_state(flat_x, flat_s, flat_st)
-    fs = fs.reshape(tuple(a.size for a in batch) + fs.shape[1:]) if n else fs[0]
+    fs = named.unflatten(fs, tuple(a.size for a in batch))
     return y, hax.named(fs, batch + (state_ax, chan))
 
 
@@ -373,10 +373,10 @@ def short_conv_step(
     wd = named.match_axes(NAME, "weight", weight, (width, chan), "Width + Channel")
     bd = None if bias is None else named.match_axes(NAME, "bias", bias, (chan,), "the Channel axis")
     n = len(batch)
-    xf = named.flatten(named.ordered(x_t, batch + (chan,)), n) if n else named.ordered(x_t, (chan,))[None]
-    sf = named.flatten(sd, n) if n else sd[None]
+    xf = named.flatten(named.ordered(x_t, batch + (chan,)), n)
+    sf = named.flatten(sd, n)
     y, new = short_conv_step_positional(xf, sf, wd, bias=bd, activation=activation)
     lead = tuple(a.size for a in batch)
-    y = hax.named(y.reshape(lead + y.shape[1:]), batch + (chan,))
-    new = hax.named(new.reshape(lead + new.shape[1:]), batch + (state_ax, chan))
+    y = hax.named(named.unflatten(y, lead), batch + (chan,))
+    new = hax.named(named.unflatten(new, lead), batch + (state_ax, chan))
     return y, new

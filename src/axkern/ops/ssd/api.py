@@ -250,14 +250,14 @@ def ssd(
 
     def local(xs, dts, As, Bs, Cs, Ds, zs, bias, segs, s0, seq_mesh=None):
         lead = xs.shape[:n]
-        fl = lambda a: None if a is None else (named.flatten(a, n) if n else a[None])  # noqa: E731
+        fl = lambda a: named.flatten(a, n)  # noqa: E731
         args = (fl(xs), fl(dts), As, fl(Bs), fl(Cs))
         kw = dict(D=Ds, z=fl(zs), dt_bias=bias, segment_ids=fl(segs), initial_state=fl(s0), **options)
         if seq_mesh is None:
             y, final = ssd_positional(*args, return_final_state=True, **kw)
         else:
             y, final = _sequence_parallel(args, kw, seq_mesh)
-        unfl = lambda a: a.reshape(lead + a.shape[1:]) if n else a[0]  # noqa: E731
+        unfl = lambda a: named.unflatten(a, lead)  # noqa: E731
         return unfl(y), unfl(final)
 
     out = named.shard_by_mapping(
