@@ -4,7 +4,9 @@
 
 For each activation: `xla`'s forward and forward+backward, then every (block_seq,
 block_channels, num_warps) of `pallas_gpu`, each as a fraction of the copy bandwidth
-measured in the same run (forward moves 2·B·S·C elements, forward+backward 5·B·S·C).
+measured in the same run (forward moves 2·B·S·C elements, forward+backward 5·B·S·C). The
+forward+backward returns `y` and pulls a fixed random `dy` back (since 2026-11-30; earlier
+runs took the gradient of `sum(y)`, whose constant cotangent XLA could fold away).
 """
 
 from __future__ import annotations
@@ -26,14 +28,15 @@ def _ints(text):
     return [int(v) for v in text.split(",")]
 
 
-def _timings(x, w, b, act, impl, bs):
+def _timings(x, w, b, dy, act, impl, bs):
     def f(x, w, b):
         return short_conv(x, w, bias=b, activation=act, implementation=impl, block_sizes=bs)
 
-    def loss(x, w, b):
-        return jnp.sum(f(x, w, b).astype(jnp.float32))
+    def f_and_back(dy, x, w, b):  # the output and the pull-back of a given dy, as `axkern bench` does
+        y, pull = jax.vjp(f, x, w, b)
+        return y, pull(dy)
 
-    return time_ms(jax.jit(f), (x, w, b)), time_ms(jax.jit(jax.grad(loss, argnums=(0, 1, 2))), (x, w, b))
+    return time_ms(jax.jit(f), (x, w, b)), time_ms(jax.jit(f_and_back), (dy, x, w, b))
 
 
 def main():
@@ -49,13 +52,14 @@ def main():
     a = p.parse_args()
     c = case(a.batch, a.seq, a.channels, a.width)
     x, w, b, _ = c.make(jax.random.PRNGKey(0))
+    dy = jax.random.normal(jax.random.PRNGKey(7), x.shape, jnp.float32).astype(x.dtype)
     bw = copy_bandwidth()
     frac = lambda nbytes, ms: nbytes / (ms * 1e-3) / 1e9 / bw  # noqa: E731
     total = c.bytes_forward + c.bytes_backward
     rows = []
     for act_name in a.activations.split(","):
         act = None if act_name == "none" else act_name
-        f_ms, g_ms = _timings(x, w, b, act, "xla", None)
+        f_ms, g_ms = _timings(x, w, b, dy, act, "xla", None)
         row = {
             "impl": "xla",
             "activation": act_name,
@@ -71,7 +75,7 @@ def main():
             for nw in _ints(a.num_warps):
                 bs = ConvBlockSizes(block_seq=bs_, block_channels=bc, num_warps=nw)
                 try:
-                    f_ms, g_ms = _timings(x, w, b, act, "pallas_gpu", bs)
+                    f_ms, g_ms = _timings(x, w, b, dy, act, "pallas_gpu", bs)
                 except Exception as e:  # noqa: BLE001 - report and go on
                     print(tile, nw, "failed", type(e).__name__, str(e)[:160], flush=True)
                     continue

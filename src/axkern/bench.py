@@ -1,7 +1,8 @@
 """The harness behind `axkern bench`: time every implementation of an op on a set of shapes.
 
 Each op supplies `Case`s (in `ops/<op>/arg_specs.py`): how to make inputs, the forward and
-the scalar loss whose gradient is the backward, and the FLOPs each pass must do. For each
+the scalar loss whose gradient is the backward (or none: then a random cotangent of the
+output is pulled back), and the FLOPs and bytes each pass must do. For each
 case and implementation we compile once, report peak temporary memory from
 `compiled.memory_analysis()`, check the outputs against the `reference` implementation on
 the same inputs, then time device-synchronised calls (warm-up, median of repeats).
@@ -32,7 +33,10 @@ class Case:
     dtype: str
     make: Callable[[jax.Array], tuple]  # PRNG key -> inputs
     forward: Callable[..., Any]  # (implementation, *inputs) -> outputs
-    loss: Callable[..., jax.Array]  # (implementation, *inputs) -> scalar
+    # (implementation, *inputs) -> scalar whose gradient is the backward; None: the backward
+    # pulls a fixed random cotangent of the forward's output back (`jax.vjp`), and the pass
+    # returns the output too, so "fwd+bwd" moves exactly the forward's and backward's bytes
+    loss: Callable[..., jax.Array] | None
     grad_argnums: tuple[int, ...]
     flops_forward: float
     flops_backward: float  # model FLOPs of the backward alone (not counting recomputation)
@@ -40,6 +44,7 @@ class Case:
     bytes_backward: float = 0.0
     bound: str = "compute"  # "compute": held to the matmul ceiling; "memory": to the copy bandwidth
     passes: tuple[str, ...] = ("fwd", "fwd+bwd")  # e.g. ("fwd",) for ops with integer outputs
+    calls: int = 1  # op calls per forward (a loop inside jit, for ops faster than host dispatch)
 
 
 @dataclasses.dataclass
@@ -125,6 +130,35 @@ def _temp_gib(jitted, args) -> float | None:
     return stats.temp_size_in_bytes / 2**30
 
 
+def _cotangent(case: Case, args):
+    """A random cotangent shaped like the forward's output (the same for every implementation)."""
+    shapes = jax.eval_shape(lambda *a: case.forward("reference", *a), *args)
+    leaves, tree = jax.tree.flatten(shapes)
+    keys = jax.random.split(jax.random.PRNGKey(7), len(leaves))
+    return tree.unflatten(
+        [
+            jax.random.normal(k, s.shape, jnp.float32).astype(s.dtype)
+            for k, s in zip(keys, leaves, strict=True)
+        ]
+    )
+
+
+def _forward_backward(case: Case, impl: str):
+    """`(ct, *inputs) -> (output, gradients of <output, ct> for case.grad_argnums)`."""
+
+    def run(ct, *args):
+        def f(*diff):
+            full = list(args)
+            for i, d in zip(case.grad_argnums, diff, strict=True):
+                full[i] = d
+            return case.forward(impl, *full)
+
+        out, pull = jax.vjp(f, *[args[i] for i in case.grad_argnums])
+        return out, pull(ct)
+
+    return run
+
+
 def _max_rel_error(got, want) -> float:
     errs = []
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
@@ -147,16 +181,20 @@ def measure(
     """Rows for every (implementation, pass) of `case`. An implementation that cannot serve
     the case (or fails) gets a row with its reason in `note` and no numbers."""
     args = case.make(jax.random.PRNGKey(0))
-    fns = {
-        "fwd": lambda impl: jax.jit(lambda *a: case.forward(impl, *a)),
-        "fwd+bwd": lambda impl: jax.jit(
+    fns = {"fwd": lambda impl: jax.jit(lambda *a: case.forward(impl, *a))}
+    pass_args = {"fwd": args, "fwd+bwd": args}
+    if case.loss is not None:
+        fns["fwd+bwd"] = lambda impl: jax.jit(
             jax.value_and_grad(lambda *a: case.loss(impl, *a), argnums=case.grad_argnums)
-        ),
-    }
+        )
+    elif "fwd+bwd" in case.passes and "fwd+bwd" in passes:
+        fns["fwd+bwd"] = lambda impl: jax.jit(_forward_backward(case, impl))
+        pass_args["fwd+bwd"] = (_cotangent(case, args), *args)
     flops = {"fwd": case.flops_forward, "fwd+bwd": case.flops_forward + case.flops_backward}
     nbytes = {"fwd": case.bytes_forward, "fwd+bwd": case.bytes_forward + case.bytes_backward}
     rows = []
     for pass_ in [p for p in passes if p in case.passes]:
+        args = pass_args[pass_]
         want = None
         try:
             want = _sync(fns[pass_]("reference")(*args))
@@ -175,7 +213,7 @@ def measure(
                 else:
                     row.note = want_note
                 del got
-                row.ms = time_ms(fn, args, repeats=repeats)
+                row.ms = time_ms(fn, args, repeats=repeats) / case.calls
                 row.tflops = flops[pass_] / (row.ms * 1e-3) / 1e12
                 if nbytes[pass_]:
                     row.gbps = nbytes[pass_] / (row.ms * 1e-3) / 1e9

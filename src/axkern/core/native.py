@@ -40,7 +40,18 @@ class Library:
     handlers: tuple[str, ...]
 
 
-LIBRARIES = {"moe": Library("moe", ("AxkernMoeGatherRows", "AxkernMoeGatherSum", "AxkernMoeLayout"))}
+LIBRARIES = {
+    "moe": Library(
+        "moe",
+        (
+            "AxkernMoeRoute",
+            "AxkernMoeScatterRows",
+            "AxkernMoeGatherSum",
+            "AxkernMoeCombineBwd",
+            "AxkernMoeLayout",
+        ),
+    )
+}
 
 
 def source_dir() -> Path:

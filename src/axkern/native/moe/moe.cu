@@ -1,17 +1,27 @@
-// MoE row movement as XLA FFI handlers: dispatch (gather rows into expert order) and
-// combine (weighted gather-sum back into token order). The routing itself (which row goes
-// where) is computed by XLA and passed in as `src` indices.
+// MoE row movement as XLA FFI handlers. The routing (each pair's row in the dispatched
+// array, `rows[t*K + k]`) comes from AxkernMoeRoute (route.cu).
 //
-// AxkernMoeGatherRows: out[j, :] = scale[j] * x[src[j], :]          (scale 0 drops a row)
-// AxkernMoeGatherSum:  out[t, :] = sum_k w[t*K+k] * y[rows[t*K+k], :]  (f32 accumulation)
+// AxkernMoeScatterRows: out[rows[t*K+k], :] = scale[t*K+k] * x[t, :]   (dispatch; combine's dy)
+//                       x[t] is read once and written K times; a scale of exactly 1 copies
+//                       bits, 0 writes zeros (a dropped pair's row). `rows` is a permutation,
+//                       so every output row is written exactly once.
+// AxkernMoeGatherSum:   out[t, :] = sum_k w[t*K+k] * y[rows[t*K+k], :]  (combine; dispatch's dx)
+//                       f32 accumulation; w == 0 skips the load.
+// AxkernMoeCombineBwd:  d_y[rows[p], :] = w[p] * dy[t, :] and dw[p] = <dy[t, :], y[rows[p], :]>
+//                       for p = t*K+k: combine's backward in one pass over y.
 //
-// Rows are moved with 16-byte vectors when the row size and pointers allow it; one block
-// per row (grid-stride), threads across the row.
+// One block of 128 threads per token (grid-stride), threads across the row, 16-byte vectors
+// when the row size allows it (`V = uint4`), element by element otherwise (`V = T`). A
+// token's K rows and weights are read into registers once (K <= 16) and the K row loads of
+// a vector are issued together, so a thread has K loads in flight rather than one.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cub/block/block_reduce.cuh>
+#include <initializer_list>
+#include <string>
 
 #include "xla/ffi/api/ffi.h"
 #include "launch.cuh"
@@ -19,6 +29,9 @@
 namespace ffi = xla::ffi;
 
 namespace {
+
+constexpr int kThreads = 128;
+constexpr int kMaxTopK = 16;  // a token's rows live in registers (supports() refuses more)
 
 template <typename T>
 __device__ inline float to_f32(T v) { return static_cast<float>(v); }
@@ -34,40 +47,131 @@ __device__ inline __nv_bfloat16 from_f32<__nv_bfloat16>(float v) { return __floa
 template <>
 __device__ inline __half from_f32<__half>(float v) { return __float2half(v); }
 
-// out[j] = scale[j] * x[src[j]]; a scale of exactly 1 copies bits (16-byte vectors).
-template <typename T>
-__global__ void gather_rows(const T* __restrict__ x, const int32_t* __restrict__ src,
-                            const float* __restrict__ scale, T* __restrict__ out, int64_t rows,
-                            int64_t cols, bool vectorised) {
-  for (int64_t j = blockIdx.x; j < rows; j += gridDim.x) {
-    const float s = scale[j];
-    const T* in_row = x + static_cast<int64_t>(src[j]) * cols;
-    T* out_row = out + j * cols;
-    if (vectorised && s == 1.0f) {
-      const int64_t vecs = cols * sizeof(T) / 16;
-      const uint4* a = reinterpret_cast<const uint4*>(in_row);
-      uint4* b = reinterpret_cast<uint4*>(out_row);
-      for (int64_t i = threadIdx.x; i < vecs; i += blockDim.x) b[i] = a[i];
-    } else {
-      for (int64_t i = threadIdx.x; i < cols; i += blockDim.x)
-        out_row[i] = from_f32<T>(s == 0.0f ? 0.0f : s * to_f32(in_row[i]));
+// N elements of T moved as one V (uint4: 16 bytes; or T itself).
+template <typename T, typename V>
+struct Pack {
+  static constexpr int N = sizeof(V) / sizeof(T);
+  __device__ static void unpack(const V& v, float* f) {
+    const T* e = reinterpret_cast<const T*>(&v);
+#pragma unroll
+    for (int n = 0; n < N; ++n) f[n] = to_f32(e[n]);
+  }
+  __device__ static V pack(const float* f) {
+    V v;
+    T* e = reinterpret_cast<T*>(&v);
+#pragma unroll
+    for (int n = 0; n < N; ++n) e[n] = from_f32<T>(f[n]);
+    return v;
+  }
+};
+
+// A token's K rows and scales, read once per token into registers (uniform across the block).
+template <int kK>
+struct Slots {
+  int64_t row[kK];
+  float scale[kK];
+  __device__ Slots(const int32_t* __restrict__ rows, const float* __restrict__ scales, int64_t t, int64_t topk) {
+#pragma unroll
+    for (int k = 0; k < kK; ++k) {
+      row[k] = k < topk ? static_cast<int64_t>(rows[t * topk + k]) : 0;
+      scale[k] = k < topk ? scales[t * topk + k] : 0.0f;
+    }
+  }
+};
+
+template <typename T, typename V, int kK>
+__global__ void scatter_rows(const V* __restrict__ x, const int32_t* __restrict__ rows,
+                             const float* __restrict__ scale, V* __restrict__ out, int64_t tokens, int64_t topk,
+                             int64_t vecs) {
+  using P = Pack<T, V>;
+  for (int64_t t = blockIdx.x; t < tokens; t += gridDim.x) {
+    const Slots<kK> slot(rows, scale, t, topk);
+    const V* in = x + t * vecs;
+    for (int64_t i = threadIdx.x; i < vecs; i += blockDim.x) {
+      const V v = in[i];
+      float f[P::N];
+      P::unpack(v, f);
+#pragma unroll
+      for (int k = 0; k < kK; ++k) {
+        if (k >= topk) break;
+        const float s = slot.scale[k];
+        if (s == 1.0f) {
+          out[slot.row[k] * vecs + i] = v;
+        } else {
+          float g[P::N];
+#pragma unroll
+          for (int n = 0; n < P::N; ++n) g[n] = s == 0.0f ? 0.0f : s * f[n];
+          out[slot.row[k] * vecs + i] = P::pack(g);
+        }
+      }
     }
   }
 }
 
-// out[t] = sum_k w[t*K + k] * y[rows[t*K + k]], accumulated in f32.
-template <typename T>
-__global__ void gather_sum(const T* __restrict__ y, const int32_t* __restrict__ rows,
-                           const float* __restrict__ w, T* __restrict__ out, int64_t tokens, int64_t topk,
-                           int64_t cols) {
+// All K loads of a vector are issued before any is used, so they are in flight together.
+template <typename T, typename V, int kK>
+__global__ void gather_sum(const V* __restrict__ y, const int32_t* __restrict__ rows, const float* __restrict__ w,
+                           V* __restrict__ out, int64_t tokens, int64_t topk, int64_t vecs) {
+  using P = Pack<T, V>;
   for (int64_t t = blockIdx.x; t < tokens; t += gridDim.x) {
-    for (int64_t i = threadIdx.x; i < cols; i += blockDim.x) {
-      float acc = 0.0f;
-      for (int64_t k = 0; k < topk; ++k) {
-        const float wk = w[t * topk + k];
-        if (wk != 0.0f) acc += wk * to_f32(y[static_cast<int64_t>(rows[t * topk + k]) * cols + i]);
+    const Slots<kK> slot(rows, w, t, topk);
+    for (int64_t i = threadIdx.x; i < vecs; i += blockDim.x) {
+      V v[kK];
+#pragma unroll
+      for (int k = 0; k < kK; ++k)
+        if (k < topk && slot.scale[k] != 0.0f) v[k] = y[slot.row[k] * vecs + i];
+      float acc[P::N] = {};
+#pragma unroll
+      for (int k = 0; k < kK; ++k) {
+        if (k < topk && slot.scale[k] != 0.0f) {
+          float f[P::N];
+          P::unpack(v[k], f);
+#pragma unroll
+          for (int n = 0; n < P::N; ++n) acc[n] += slot.scale[k] * f[n];
+        }
       }
-      out[t * cols + i] = from_f32<T>(acc);
+      out[t * vecs + i] = P::pack(acc);
+    }
+  }
+}
+
+template <typename T, typename V, int kK>
+__global__ void combine_bwd(const V* __restrict__ dy, const V* __restrict__ y, const int32_t* __restrict__ rows,
+                            const float* __restrict__ w, V* __restrict__ dy_rows, float* __restrict__ dw,
+                            int64_t tokens, int64_t topk, int64_t vecs) {
+  using P = Pack<T, V>;
+  using Reduce = cub::BlockReduce<float, kThreads>;
+  __shared__ typename Reduce::TempStorage temp;
+  for (int64_t t = blockIdx.x; t < tokens; t += gridDim.x) {
+    const Slots<kK> slot(rows, w, t, topk);
+    float dot[kK] = {};
+    for (int64_t i = threadIdx.x; i < vecs; i += blockDim.x) {
+      V v[kK];
+#pragma unroll
+      for (int k = 0; k < kK; ++k)
+        if (k < topk) v[k] = y[slot.row[k] * vecs + i];
+      float d[P::N];
+      P::unpack(dy[t * vecs + i], d);
+#pragma unroll
+      for (int k = 0; k < kK; ++k) {
+        if (k >= topk) break;
+        float e[P::N], g[P::N];
+        P::unpack(v[k], e);
+        const float wk = slot.scale[k];
+#pragma unroll
+        for (int n = 0; n < P::N; ++n) {
+          dot[k] += d[n] * e[n];
+          g[n] = wk == 0.0f ? 0.0f : wk * d[n];
+        }
+        dy_rows[slot.row[k] * vecs + i] = P::pack(g);
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < kK; ++k) {
+      if (k >= topk) break;
+      const float total = Reduce(temp).Sum(dot[k]);
+      if (threadIdx.x == 0) dw[t * topk + k] = total;
+      __syncthreads();  // temp is reused by the next reduction
     }
   }
 }
@@ -79,53 +183,96 @@ ffi::Error check_launch(const char* what) {
 }
 
 template <typename T>
-ffi::Error launch_gather_rows(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> src,
-                              ffi::Buffer<ffi::F32> scale, ffi::Result<ffi::AnyBuffer> out) {
-  const auto dims = out->dimensions();
-  const int64_t rows = dims[0], cols = dims[1];
-  const bool vec = (cols * sizeof(T)) % 16 == 0 && axkern::aligned16(x.untyped_data()) &&
-                   axkern::aligned16(out->untyped_data());
-  gather_rows<T><<<axkern::grid_for(rows, 1), 128, 0, stream>>>(
-      static_cast<const T*>(x.untyped_data()), src.typed_data(), scale.typed_data(),
-      static_cast<T*>(out->untyped_data()), rows, cols, vec);
-  return check_launch("AxkernMoeGatherRows");
-}
+struct Tag {
+  using type = T;
+};
 
-template <typename T>
-ffi::Error launch_gather_sum(cudaStream_t stream, ffi::AnyBuffer y, ffi::Buffer<ffi::S32> rows,
-                             ffi::Buffer<ffi::F32> w, ffi::Result<ffi::AnyBuffer> out) {
-  const auto dims = out->dimensions();
-  const int64_t tokens = dims[0], cols = dims[1];
-  const int64_t topk = static_cast<int64_t>(rows.element_count()) / (tokens > 0 ? tokens : 1);
-  gather_sum<T><<<axkern::grid_for(tokens, 1), 128, 0, stream>>>(
-      static_cast<const T*>(y.untyped_data()), rows.typed_data(), w.typed_data(),
-      static_cast<T*>(out->untyped_data()), tokens, topk, cols);
-  return check_launch("AxkernMoeGatherSum");
-}
-
-ffi::Error GatherRowsImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> src,
-                          ffi::Buffer<ffi::F32> scale, ffi::Result<ffi::AnyBuffer> out) {
-  switch (x.element_type()) {
-    case ffi::F32: return launch_gather_rows<float>(stream, x, src, scale, out);
-    case ffi::BF16: return launch_gather_rows<__nv_bfloat16>(stream, x, src, scale, out);
-    case ffi::F16: return launch_gather_rows<__half>(stream, x, src, scale, out);
-    default: return ffi::Error::InvalidArgument("AxkernMoeGatherRows: x must be f32, bf16 or f16");
+// f(Tag<T>{}) for the element type.
+template <typename F>
+ffi::Error by_dtype(ffi::DataType dtype, const char* what, F&& f) {
+  switch (dtype) {
+    case ffi::F32: return f(Tag<float>{});
+    case ffi::BF16: return f(Tag<__nv_bfloat16>{});
+    case ffi::F16: return f(Tag<__half>{});
+    default: return ffi::Error::InvalidArgument(std::string(what) + ": rows must be f32, bf16 or f16");
   }
+}
+
+// f(Tag<V>{}, vectors per row) with V = uint4 when every row is a whole number of 16-byte
+// vectors at 16-byte-aligned pointers, else V = T (element by element).
+template <typename T, typename F>
+ffi::Error with_vector(int64_t cols, std::initializer_list<const void*> ptrs, F&& f) {
+  bool vec = (cols * static_cast<int64_t>(sizeof(T))) % axkern::kVectorBytes == 0;
+  for (const void* p : ptrs) vec = vec && axkern::aligned16(p);
+  if (vec) return f(Tag<uint4>{}, cols * static_cast<int64_t>(sizeof(T)) / axkern::kVectorBytes);
+  return f(Tag<T>{}, cols);
+}
+
+ffi::Error ScatterRowsImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> rows,
+                           ffi::Buffer<ffi::F32> scale, ffi::Result<ffi::AnyBuffer> out) {
+  const int64_t tokens = x.dimensions()[0], cols = x.dimensions()[1];
+  const int64_t topk = tokens ? static_cast<int64_t>(rows.element_count()) / tokens : 0;
+  if (tokens == 0 || cols == 0) return ffi::Error::Success();
+  if (topk > kMaxTopK) return ffi::Error::InvalidArgument("AxkernMoeScatterRows: top-k above 16");
+  return by_dtype(x.element_type(), "AxkernMoeScatterRows", [&](auto tt) {
+    using T = typename decltype(tt)::type;
+    return with_vector<T>(cols, {x.untyped_data(), out->untyped_data()}, [&](auto vt, int64_t vecs) {
+      using V = typename decltype(vt)::type;
+      auto kernel = topk <= 8 ? scatter_rows<T, V, 8> : scatter_rows<T, V, kMaxTopK>;
+      kernel<<<axkern::grid_for(tokens, 1, 16), kThreads, 0, stream>>>(
+          static_cast<const V*>(x.untyped_data()), rows.typed_data(), scale.typed_data(),
+          static_cast<V*>(out->untyped_data()), tokens, topk, vecs);
+      return check_launch("AxkernMoeScatterRows");
+    });
+  });
 }
 
 ffi::Error GatherSumImpl(cudaStream_t stream, ffi::AnyBuffer y, ffi::Buffer<ffi::S32> rows,
                          ffi::Buffer<ffi::F32> w, ffi::Result<ffi::AnyBuffer> out) {
-  switch (y.element_type()) {
-    case ffi::F32: return launch_gather_sum<float>(stream, y, rows, w, out);
-    case ffi::BF16: return launch_gather_sum<__nv_bfloat16>(stream, y, rows, w, out);
-    case ffi::F16: return launch_gather_sum<__half>(stream, y, rows, w, out);
-    default: return ffi::Error::InvalidArgument("AxkernMoeGatherSum: y must be f32, bf16 or f16");
-  }
+  const int64_t tokens = out->dimensions()[0], cols = out->dimensions()[1];
+  const int64_t topk = tokens ? static_cast<int64_t>(rows.element_count()) / tokens : 0;
+  if (tokens == 0 || cols == 0) return ffi::Error::Success();
+  if (topk > kMaxTopK) return ffi::Error::InvalidArgument("AxkernMoeGatherSum: top-k above 16");
+  return by_dtype(y.element_type(), "AxkernMoeGatherSum", [&](auto tt) {
+    using T = typename decltype(tt)::type;
+    return with_vector<T>(cols, {y.untyped_data(), out->untyped_data()}, [&](auto vt, int64_t vecs) {
+      using V = typename decltype(vt)::type;
+      auto kernel = topk <= 8 ? gather_sum<T, V, 8> : gather_sum<T, V, kMaxTopK>;
+      kernel<<<axkern::grid_for(tokens, 1, 16), kThreads, 0, stream>>>(
+          static_cast<const V*>(y.untyped_data()), rows.typed_data(), w.typed_data(),
+          static_cast<V*>(out->untyped_data()), tokens, topk, vecs);
+      return check_launch("AxkernMoeGatherSum");
+    });
+  });
+}
+
+ffi::Error CombineBwdImpl(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer y, ffi::Buffer<ffi::S32> rows,
+                          ffi::Buffer<ffi::F32> w, ffi::Result<ffi::AnyBuffer> dy_rows,
+                          ffi::Result<ffi::Buffer<ffi::F32>> dw) {
+  const int64_t tokens = dy.dimensions()[0], cols = dy.dimensions()[1];
+  const int64_t topk = tokens ? static_cast<int64_t>(rows.element_count()) / tokens : 0;
+  if (tokens == 0) return ffi::Error::Success();
+  if (topk > kMaxTopK) return ffi::Error::InvalidArgument("AxkernMoeCombineBwd: top-k above 16");
+  if (dy.element_type() != y.element_type())
+    return ffi::Error::InvalidArgument("AxkernMoeCombineBwd: dy and y must share a dtype");
+  return by_dtype(y.element_type(), "AxkernMoeCombineBwd", [&](auto tt) {
+    using T = typename decltype(tt)::type;
+    return with_vector<T>(
+        cols, {dy.untyped_data(), y.untyped_data(), dy_rows->untyped_data()}, [&](auto vt, int64_t vecs) {
+      using V = typename decltype(vt)::type;
+          auto kernel = topk <= 8 ? combine_bwd<T, V, 8> : combine_bwd<T, V, kMaxTopK>;
+          kernel<<<axkern::grid_for(tokens, 1, 16), kThreads, 0, stream>>>(
+              static_cast<const V*>(dy.untyped_data()), static_cast<const V*>(y.untyped_data()),
+              rows.typed_data(), w.typed_data(), static_cast<V*>(dy_rows->untyped_data()), dw->typed_data(),
+              tokens, topk, vecs);
+          return check_launch("AxkernMoeCombineBwd");
+        });
+  });
 }
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(AxkernMoeGatherRows, GatherRowsImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(AxkernMoeScatterRows, ScatterRowsImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Arg<ffi::AnyBuffer>()
@@ -140,3 +287,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(AxkernMoeGatherSum, GatherSumImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::AnyBuffer>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(AxkernMoeCombineBwd, CombineBwdImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());

@@ -34,7 +34,7 @@ __all__ = [
     "moe_combine_positional",
 ]
 
-# "cuda" is not in the GPU order yet: it compiles and loads, but has not run on a GPU (cuda.py).
+# "cuda" joins the GPU order only after a run on the device checks it (cuda.py).
 _ORDER = {"cpu": ("xla",), "gpu": ("xla",), "tpu": ("xla",)}
 _BUCKET = lambda spec: dict(spec.dims)  # noqa: E731 - no tuned tables yet
 

@@ -1,7 +1,9 @@
 """Shapes that `axkern bench short_conv` uses. Memory bound: GB/s count the fewest bytes.
 
 Forward: read `x`, write `y` (`2·B·S·C` elements). Backward: read `x` and `dy`, write `dx`
-(`3·B·S·C`); weights, bias and states are negligible.
+(`3·B·S·C`); weights, bias and states are negligible. The fwd+bwd pass returns `y` and pulls
+a fixed random `dy` back (a loss like `sum(y)` would hand XLA a constant cotangent to fold).
+The mamba preset runs SiLU (as Mamba does) and, for the main shape, no activation too.
 """
 
 from __future__ import annotations
@@ -13,20 +15,23 @@ from axkern.bench import Case
 
 from .api import short_conv_positional
 
-# name: (batch, seq, channels, width, segments)
+# name: (batch, seq, channels, width, segments, activation)
 PRESETS = {
-    "quick": [(2, 256, 256, 4, False)],
+    "quick": [(2, 256, 256, 4, False, "silu")],
     "mamba": [
-        (8, 4096, 4096, 4, False),
-        (8, 4096, 4096, 2, False),
-        (8, 4096, 4096, 8, False),
-        (1, 32768, 4096, 4, False),
-        (8, 4096, 4096, 4, True),
+        (8, 4096, 4096, 4, False, "silu"),
+        (8, 4096, 4096, 4, False, None),
+        (8, 4096, 4096, 2, False, "silu"),
+        (8, 4096, 4096, 8, False, "silu"),
+        (1, 32768, 4096, 4, False, "silu"),
+        (8, 4096, 4096, 4, True, "silu"),
     ],
 }
 
 
-def case(batch, seq, channels, width, segments=False, dtype="bfloat16", label=None) -> Case:
+def case(
+    batch, seq, channels, width, segments=False, activation="silu", dtype="bfloat16", label=None
+) -> Case:
     dt = jnp.dtype(dtype)
 
     def make(key):
@@ -40,21 +45,20 @@ def case(batch, seq, channels, width, segments=False, dtype="bfloat16", label=No
         return x, w, b, seg
 
     def forward(impl, x, w, b, seg):
-        return short_conv_positional(x, w, bias=b, segment_ids=seg, activation="silu", implementation=impl)
-
-    def loss(impl, x, w, b, seg):
-        y = forward(impl, x, w, b, seg)
-        return jnp.sum(y.astype(jnp.float32))
+        return short_conv_positional(
+            x, w, bias=b, segment_ids=seg, activation=activation, implementation=impl
+        )
 
     elems = float(batch) * seq * channels
     return Case(
         op="short_conv",
-        label=label or f"B={batch} S={seq} C={channels} W={width}{' segments' if segments else ''} {dt.name}",
+        label=label
+        or f"B={batch} S={seq} C={channels} W={width}{' segments' if segments else ''} {activation or 'no act'} {dt.name}",
         dims={"batch": batch, "seq": seq, "channels": channels, "width": width},
         dtype=dt.name,
         make=make,
         forward=forward,
-        loss=loss,
+        loss=None,  # the backward pulls a random cotangent back
         grad_argnums=(0, 1, 2),
         flops_forward=2 * elems * width,
         flops_backward=4 * elems * width,
@@ -69,4 +73,4 @@ def cases(*, preset=None, tokens=None, dtype=None):
     if name not in PRESETS:
         raise ValueError(f"short_conv: unknown preset {name!r}; presets are {sorted(PRESETS)}")
     dtype = dtype or ("float32" if name == "quick" else "bfloat16")
-    return [case(b, tokens or s, c, w, seg, dtype) for b, s, c, w, seg in PRESETS[name]]
+    return [case(b, tokens or s, c, w, seg, act, dtype) for b, s, c, w, seg, act in PRESETS[name]]
