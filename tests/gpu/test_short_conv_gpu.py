@@ -57,6 +57,6 @@ def test_pallas_gpu_against_oracle(dtype, width, segments):
 def test_gpu_order_and_explicit_pallas():
     x = jax.ShapeDtypeStruct((8, 4096, 4096), jnp.bfloat16)
     w = jax.ShapeDtypeStruct((4, 4096), jnp.bfloat16)
-    assert axkern.explain(conv, x, w).implementation == "xla"  # measured faster without activation
+    assert axkern.explain(conv, x, w).implementation == "pallas_gpu"  # measured faster in every case
     d = axkern.explain(lambda x, w: conv(x, w, activation="silu"), x, w)
     assert d.implementation == "pallas_gpu" and not d.interpret  # and with SiLU

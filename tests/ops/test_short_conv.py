@@ -233,15 +233,7 @@ def test_jit_vmap_and_explain():
     assert d.op == "short_conv" and d.spec.dim("width") == 4 and d.spec.flag("segments") is True
 
 
-def test_gpu_order_follows_the_activation():
-    spec = OP.spec(
-        {"batch": 8, "seq": 4096, "channels": 4096, "width": 4},
-        jnp.bfloat16,
-        activation="silu",
-        segments=False,
-    )
-    assert OP.default_order["gpu"](spec) == ("pallas_gpu", "xla")
-    spec = OP.spec(
-        {"batch": 8, "seq": 4096, "channels": 4096, "width": 4}, jnp.bfloat16, activation=None, segments=False
-    )
-    assert OP.default_order["gpu"](spec) == ("xla", "pallas_gpu")
+def test_gpu_order_puts_pallas_first():
+    # measured faster than xla on the H200 with and without SiLU (pallas_gpu.py)
+    assert OP.default_order["gpu"] == ("pallas_gpu", "xla")
+    assert OP.default_order["tpu"] == ("pallas_tpu", "xla")

@@ -22,6 +22,7 @@
 #include <cub/block/block_reduce.cuh>
 #include <initializer_list>
 #include <string>
+#include <type_traits>
 
 #include "xla/ffi/api/ffi.h"
 #include "launch.cuh"
@@ -65,6 +66,14 @@ struct Pack {
   }
 };
 
+// Output rows are written once and not read again by this kernel: streaming stores
+// (`st.global.cs`) keep them from evicting the rows still being read out of L2.
+template <typename V>
+__device__ inline void store_stream(V* p, const V& v) {
+  if constexpr (std::is_same_v<V, uint4>) __stcs(p, v);
+  else *p = v;
+}
+
 // A token's K rows and scales, read once per token into registers (uniform across the block).
 template <int kK>
 struct Slots {
@@ -96,12 +105,12 @@ __global__ void scatter_rows(const V* __restrict__ x, const int32_t* __restrict_
         if (k >= topk) break;
         const float s = slot.scale[k];
         if (s == 1.0f) {
-          out[slot.row[k] * vecs + i] = v;
+          store_stream(out + slot.row[k] * vecs + i, v);
         } else {
           float g[P::N];
 #pragma unroll
           for (int n = 0; n < P::N; ++n) g[n] = s == 0.0f ? 0.0f : s * f[n];
-          out[slot.row[k] * vecs + i] = P::pack(g);
+          store_stream(out + slot.row[k] * vecs + i, P::pack(g));
         }
       }
     }
@@ -130,7 +139,7 @@ __global__ void gather_sum(const V* __restrict__ y, const int32_t* __restrict__ 
           for (int n = 0; n < P::N; ++n) acc[n] += slot.scale[k] * f[n];
         }
       }
-      out[t * vecs + i] = P::pack(acc);
+      store_stream(out + t * vecs + i, P::pack(acc));
     }
   }
 }
@@ -163,7 +172,7 @@ __global__ void combine_bwd(const V* __restrict__ dy, const V* __restrict__ y, c
           dot[k] += d[n] * e[n];
           g[n] = wk == 0.0f ? 0.0f : wk * d[n];
         }
-        dy_rows[slot.row[k] * vecs + i] = P::pack(g);
+        store_stream(dy_rows + slot.row[k] * vecs + i, P::pack(g));
       }
     }
 #pragma unroll

@@ -21,16 +21,23 @@ XLA). The state's gradient needs only the first `W-1` positions: plain JAX.
 (read `x`, `dy`; write `dx`), plus a float32 `g` written and read once with an activation.
 FLOPs are `O(W)` per element.
 
-**Measured** (H200, jax 0.11.2, 2026-11-29, B=8 S=4096 C=4096 W=4 bf16, copy 4.1 TB/s;
-`benchmarks/results/h200/short_conv_pallas_gpu_vs_xla_sweep2_2026-11-29.json`), 8x256 tiles,
-one warp. No activation: forward 0.169 ms (77% of copy) against XLA's 0.256 ms (51%);
-forward+backward 0.517 ms (63%) against XLA's 0.440 ms (74%). SiLU: forward 0.250 ms against
-0.335 ms, forward+backward 0.901 ms against 1.121 ms. Hence the GPU order puts this kernel
-first with SiLU and XLA first without an activation. Earlier versions: clipped column
-indices (hiding their contiguity from Triton) plus `pre` recomputed W times per position in
-the backward took 19.5 ms for the SiLU forward+backward; one dw/dbias partial per 16-row
-tile (as large as `x`) took 0.59 ms without activation. jax 0.11.2 warns that the Pallas
-Triton backend is deprecated in favour of Mosaic GPU.
+**SiLU.** For 16-bit inputs the sigmoid is `(1 + tanh(p/2)) / 2` with PTX `tanh.approx.f32`
+(one MUFU op); the exact `exp` and IEEE division made the SiLU kernels compute-bound. Not in
+interpret mode (no PTX there) and not for float32.
+
+**Measured** (H200, jax 0.11.2, 2026-11-30, B=8 S=4096 C=4096 W=4 bf16, copy 4.11 TB/s,
+8x256 tiles, one warp; `benchmarks/results/h200/short_conv_mamba_2026-11-30.json`, where the
+backward pulls a random `dy` back). SiLU: forward 0.180 ms (73% of copy) against XLA's
+0.333 ms, forward+backward 0.851 ms (38%) against 1.152 ms. No activation: forward 0.169 ms
+(77%) against 0.265 ms, forward+backward 0.514 ms (64%) against 1.108 ms. Faster than XLA
+in every case of the preset (W=2, W=8, S=32768, segments too), so first on the GPU. With the
+exact sigmoid the SiLU forward took 0.250 ms (52%). Tried and dropped: recomputing `g` inside
+the `dx` kernel (`W` pre-activations live at once spill registers: 2.76 ms at W=4, 29 ms at
+W=8); clipped column indices (hiding their contiguity from Triton) with `pre` recomputed W
+times per position (19.5 ms); one dw/dbias partial per 16-row tile (0.59 ms without
+activation). Before 2026-11-30 the benchmarks took the gradient of `sum(y)`, a constant
+cotangent XLA folded into its backward, which flattered `xla` (0.44 ms then). jax 0.11.2
+warns that the Pallas Triton backend is deprecated in favour of Mosaic GPU.
 """
 
 from __future__ import annotations
@@ -66,6 +73,12 @@ class _Tile:
         # unclipped `c0 + arange` keeps the contiguity Triton needs for 16-byte accesses.
         self.c = self.ids[2] * block_channels + jnp.arange(block_channels)
         self.cmask = self.c < channels
+        self._memo = {}  # one load per (what, offset) per tile, however often the math asks
+
+    def once(self, key, make):
+        if key not in self._memo:
+            self._memo[key] = make()
+        return self._memo[key]
 
     def rows(self, offset):
         """Source positions `t + offset`, clipped into `[0, S)`, and whether each is in range."""
@@ -74,6 +87,9 @@ class _Tile:
 
     def load_x(self, x_ref, state_ref, offset):
         """`x~` at rows `t + offset` (state rows below 0, zero at or past S), float32 `[bs, bc]`."""
+        return self.once(("x", offset), lambda: self._load_x(x_ref, state_ref, offset))
+
+    def _load_x(self, x_ref, state_ref, offset):
         src, clipped = self.rows(offset)
         flat = self.b * self.seq + clipped
         ok = ((src >= 0) & (src < self.seq))[:, None] & self.cmask[None, :]
@@ -95,17 +111,36 @@ class _Tile:
 
     def segment(self, seg_ref, offset):
         """Segment ids at rows `t + offset`; rows below 0 (the state) take position 0's id."""
+        return self.once(("segment", offset), lambda: self._segment(seg_ref, offset))
+
+    def _segment(self, seg_ref, offset):
         _, clipped = self.rows(offset)
         src = self.t + offset
         return plgpu.load(seg_ref.at[self.b * self.seq + jnp.where(src < 0, 0, clipped)])
 
     def weight(self, w_ref, k):
-        return plgpu.load(w_ref.at[k * self.channels + self.c], mask=self.cmask, other=0).astype(jnp.float32)
+        return self.once(
+            ("weight", k),
+            lambda: plgpu.load(w_ref.at[k * self.channels + self.c], mask=self.cmask, other=0).astype(
+                jnp.float32
+            ),
+        )
+
+
+def _sigmoid(approx):
+    """`jax.nn.sigmoid`, or `(1 + tanh(p/2)) / 2` with PTX `tanh.approx.f32` (one MUFU op, relative
+    error about 2^-11) for 16-bit outputs, whose rounding (2^-9) dwarfs it. The exact form's
+    `exp` and IEEE division made the SiLU kernels compute-bound on the H200."""
+    if approx:
+        return lambda p: 0.5 + 0.5 * plgpu.approx_tanh(0.5 * p)
+    return jax.nn.sigmoid
 
 
 def _pre(tile, x_ref, w_ref, b_ref, state_ref, seg_ref, at, *, segments):
     """Pre-activation at rows `t + at` (float32 `[bs, bc]`)."""
-    bias = plgpu.load(b_ref.at[tile.c], mask=tile.cmask, other=0).astype(jnp.float32)
+    bias = tile.once(
+        ("bias", 0), lambda: plgpu.load(b_ref.at[tile.c], mask=tile.cmask, other=0).astype(jnp.float32)
+    )
     acc = jnp.broadcast_to(bias[None, :], (tile.t.shape[0], tile.c.shape[0]))
     seg_here = tile.segment(seg_ref, at) if segments else None
     for k in range(tile.width):
@@ -124,17 +159,20 @@ def _store_tile(tile, ref, value):
     plgpu.store(ref.at[flat[:, None], tile.c[None, :]], value.astype(ref.dtype), mask=ok)
 
 
-def _fwd_kernel(x_ref, w_ref, b_ref, state_ref, seg_ref, y_ref, *, activation, segments, **dims):
+def _fwd_kernel(x_ref, w_ref, b_ref, state_ref, seg_ref, y_ref, *, activation, approx, segments, **dims):
     tile = _Tile(**dims)
-    y = _act(_pre(tile, x_ref, w_ref, b_ref, state_ref, seg_ref, 0, segments=segments), activation)
-    _store_tile(tile, y_ref, y)
+    pre = _pre(tile, x_ref, w_ref, b_ref, state_ref, seg_ref, 0, segments=segments)
+    _store_tile(tile, y_ref, _act(pre, activation, _sigmoid(approx)))
 
 
-def _grad_kernel(x_ref, w_ref, b_ref, state_ref, seg_ref, dy_ref, g_ref, *, activation, segments, **dims):
+def _grad_kernel(
+    x_ref, w_ref, b_ref, state_ref, seg_ref, dy_ref, g_ref, *, activation, approx, segments, **dims
+):
     """`g = dy * act'(pre)` at every position (only when there is an activation)."""
     tile = _Tile(**dims)
     pre = _pre(tile, x_ref, w_ref, b_ref, state_ref, seg_ref, 0, segments=segments)
-    _store_tile(tile, g_ref, tile.load_rows(dy_ref, 0).astype(jnp.float32) * _act_grad(pre, activation))
+    grad = _act_grad(pre, activation, _sigmoid(approx))
+    _store_tile(tile, g_ref, tile.load_rows(dy_ref, 0).astype(jnp.float32) * grad)
 
 
 def _bwd_kernel(
@@ -149,6 +187,7 @@ def _bwd_kernel(
     db_ref,
     *,
     activation,
+    approx,
     segments,
     subs,
     **dims,
@@ -158,7 +197,7 @@ def _bwd_kernel(
     Walking several tiles per program keeps the partial sums in registers: one partial per
     `subs` tiles, not per tile (with 16-row tiles a partial per tile was as large as `x`).
     """
-    del b_ref, activation  # g already holds dy * act'(pre)
+    del b_ref, activation, approx  # g already holds dy * act'(pre)
     width = dims["width"]
     ids = program_ids()
     parts_per_batch = pl.num_programs(1)
@@ -248,7 +287,10 @@ def _static(cfg, x, weight):
     )
     grid = (batch, pl.cdiv(seq, block_seq), pl.cdiv(channels, block_channels))
     num_warps = num_warps or max(1, min(8, block_seq * block_channels // 1024))
-    return dict(activation=activation, segments=segments, **dims), grid, num_warps, interpret
+    # the PTX approximation cannot run in interpret mode, and float32 outputs need the exact form
+    approx = activation is not None and not interpret and jnp.dtype(x.dtype).itemsize == 2
+    static = dict(activation=activation, approx=approx, segments=segments, **dims)
+    return static, grid, num_warps, interpret
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
