@@ -1,4 +1,5 @@
-"""ssd: the chunked xla implementation against the sequential float64 oracle, forward and all gradients."""
+"""ssd: the chunked xla and pallas_gpu (interpret mode) implementations against the sequential
+float64 oracle, forward and all gradients."""
 
 from __future__ import annotations
 
@@ -63,14 +64,14 @@ def run(impl, arrays, seg, chunk_size=None):
     return out, grads
 
 
-def check(seed, dims, dtype, chunk, **kw):
+def check(seed, dims, dtype, chunk, impl="xla", **kw):
     arrays, seg = make(seed, *dims, dtype, **kw)
     with x64():
         want = jax.tree.map(np.asarray, run("reference", {k: to64(v) for k, v in arrays.items()}, seg))
     same = run("reference", arrays, seg)
-    got = run("xla", arrays, seg, chunk)
-    assert_oracle_rule(got[0], same[0], want[0], dtype, f"ssd xla {dtype} y/final")
-    assert_oracle_rule(got[1], same[1], want[1], dtype, f"ssd xla {dtype} grads")
+    got = run(impl, arrays, seg, chunk)
+    assert_oracle_rule(got[0], same[0], want[0], dtype, f"ssd {impl} {dtype} y/final")
+    assert_oracle_rule(got[1], same[1], want[1], dtype, f"ssd {impl} {dtype} grads")
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -79,6 +80,29 @@ def check(seed, dims, dtype, chunk, **kw):
 def test_against_sequential_oracle(dtype, groups, segments):
     # length 45 is not a multiple of the chunk (16): a padded last chunk
     check(0, (2, 45, 4, 3, groups, 5), dtype, 16, segments=segments)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("groups", [1, 2])
+@pytest.mark.parametrize("segments", [False, True])
+def test_pallas_gpu_against_sequential_oracle(dtype, groups, segments):
+    # interpret mode; P = N = 16 (the kernels' smallest tiles), length 45 over chunks of 16
+    check(1, (2, 45, 4, 16, groups, 16), dtype, 16, impl="pallas_gpu", segments=segments)
+
+
+def test_pallas_gpu_without_extras_and_one_chunk():
+    check(2, (1, 16, 2, 16, 1, 32), "float32", 16, impl="pallas_gpu", segments=False, extras=False)
+
+
+def test_pallas_gpu_refuses_small_tiles_with_the_reason():
+    arrays, _ = make(0, 1, 32, 2, 8, 1, 16, "float32", extras=False)
+    with pytest.raises(axkern.Unsupported, match="head_dim=8"):
+        ssd(**arrays, implementation="pallas_gpu", chunk_size=16)
+    arrays, _ = make(0, 1, 32, 2, 16, 1, 16, "float32", extras=False)
+    with pytest.raises(axkern.Unsupported, match="chunk_size=8"):
+        ssd(**arrays, implementation="pallas_gpu", chunk_size=8)
+    # by default (xla first) the call is served
+    assert ssd(**arrays, chunk_size=8).shape == arrays["x"].shape
 
 
 @given(

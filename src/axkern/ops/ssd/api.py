@@ -20,7 +20,7 @@ from axkern.core import compat, named
 from axkern.core.op import Implementation, Op
 from axkern.core.typing import Array, Float, Int, checked
 
-from . import reference, xla
+from . import pallas_gpu, reference, xla
 from .blocks import SSDBlockSizes, bucket, heuristic
 
 __all__ = ["ssd", "ssd_positional", "ssd_step_positional", "OP", "SSDBlockSizes"]
@@ -37,8 +37,19 @@ OP = Op(
             heuristic=heuristic,
             backward="autodiff through the chunked scan (states saved per chunk)",
         ),
+        Implementation(
+            "pallas_gpu",
+            pallas_gpu.ssd,
+            platforms=("gpu",),
+            supports=pallas_gpu.supports,
+            block_sizes=SSDBlockSizes,
+            heuristic=heuristic,
+            interpretable=True,
+            backward="custom_vjp: the VJP of xla, recomputed (no backward kernels yet)",
+        ),
         Implementation("reference", reference.ssd, backward="autodiff through the sequential scan"),
     ],
+    # pallas_gpu is verified in interpret mode only: in no default order until timed on a GPU
     default_order={"cpu": ("xla",), "gpu": ("xla",), "tpu": ("xla",)},
     package=__package__,
     bucket=bucket,
