@@ -94,6 +94,11 @@ def test_pallas_gpu_without_extras_and_one_chunk():
     check(2, (1, 16, 2, 16, 1, 32), "float32", 16, impl="pallas_gpu", segments=False, extras=False)
 
 
+@pytest.mark.parametrize("length, chunk", [(1, 16), (33, 32), (70, 16)])
+def test_pallas_gpu_lengths(length, chunk):
+    check(length, (1, length, 4, 16, 4, 16), "float32", chunk, impl="pallas_gpu", segments=True)
+
+
 def test_pallas_gpu_refuses_small_tiles_with_the_reason():
     arrays, _ = make(0, 1, 32, 2, 8, 1, 16, "float32", extras=False)
     with pytest.raises(axkern.Unsupported, match="head_dim=8"):
