@@ -94,6 +94,13 @@ def test_pallas_gpu_without_extras_and_one_chunk():
     check(2, (1, 16, 2, 16, 1, 32), "float32", 16, impl="pallas_gpu", segments=False, extras=False)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("groups", [1, 2])
+def test_pallas_tpu_against_sequential_oracle(dtype, groups):
+    # TPU interpret mode; odd head dim and state (blocks take them whole), chunks of 8
+    check(3, (2, 37, 4, 5, groups, 6), dtype, 8, impl="pallas_tpu", segments=True)
+
+
 @pytest.mark.parametrize("length, chunk", [(1, 16), (33, 32), (70, 16)])
 def test_pallas_gpu_lengths(length, chunk):
     check(length, (1, length, 4, 16, 4, 16), "float32", chunk, impl="pallas_gpu", segments=True)

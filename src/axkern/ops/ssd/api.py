@@ -20,7 +20,7 @@ from axkern.core import compat, named
 from axkern.core.op import Implementation, Op
 from axkern.core.typing import Array, Float, Int, checked
 
-from . import pallas_gpu, reference, xla
+from . import pallas_gpu, pallas_tpu, reference, xla
 from .blocks import SSDBlockSizes, bucket, heuristic
 
 __all__ = ["ssd", "ssd_positional", "ssd_step_positional", "OP", "SSDBlockSizes"]
@@ -47,9 +47,18 @@ OP = Op(
             interpretable=True,
             backward="custom_vjp: chunk-scan and chunk-state backward kernels, reverse recurrence in XLA",
         ),
+        Implementation(
+            "pallas_tpu",
+            pallas_tpu.ssd,
+            platforms=("tpu",),
+            block_sizes=SSDBlockSizes,
+            heuristic=pallas_tpu.heuristic,
+            interpretable=True,
+            backward="custom_vjp: the same backward kernels (TPU interpret mode only)",
+        ),
         Implementation("reference", reference.ssd, backward="autodiff through the sequential scan"),
     ],
-    # pallas_gpu is verified in interpret mode only: in no default order until timed on a GPU
+    # the Pallas kernels are verified in interpret mode only: in no default order until timed
     default_order={"cpu": ("xla",), "gpu": ("xla",), "tpu": ("xla",)},
     package=__package__,
     bucket=bucket,

@@ -1,0 +1,393 @@
+"""The Pallas SSD kernels shared by `pallas_gpu` and `pallas_tpu`: kernel bodies, the XLA
+stages between them, and the `custom_vjp` that ties them together (not an implementation;
+each backend supplies a `Layout` and its call parameters).
+
+**Stages** (chunks of `Q` positions; `cum` the running sum of `dt·A` inside a chunk):
+
+1. XLA, `O(B·L·H)`: pad the length to a multiple of `Q` (`dt = 0` rows leave the state
+   alone), `cum`, each position's weight into its chunk's end state
+   `w_t = exp(cum_{Q-1} - cum_t) dt_t [t in the chunk's last segment]`, and its weight from the
+   incoming state `f_t = exp(cum_t) [t in the segment before the chunk]`.
+2. Kernel `chunk_state`, one program per (batch, head, chunk): `S_c = (w ∘ x)^T B`, `[P, N]`.
+3. XLA, `O(L/Q · H·P·N)`: the recurrence over chunk states (`lax.scan`), giving the state
+   entering every chunk and the final state.
+4. Kernel `chunk_scan`, one program per (batch, head, chunk):
+   `y = ((C B^T) ∘ Λ)(dt ∘ x) + f ∘ (C S_in^T)` with `Λ[t, s] = exp(cum_t - cum_s)` for
+   `s <= t` in the same segment, else 0. `D` and the `silu(z)` gate in XLA.
+
+All products take float32 operands with float32 accumulation for now (with bf16 operands
+the final state and the gate's gradient missed the oracle rule in bf16); decays and weights
+are float32. `x`, `B`, `C` are moved to `[batch, heads|groups, length, P|N]` so a program's
+tiles are contiguous rows.
+
+**Backward** (`custom_vjp` around stages 1-4; `D`, `z`, padding and layout by autodiff):
+kernel `chunk_scan_bwd` per (batch, head, chunk) pulls `dy` back through
+`y = M (dt ∘ x) + f ∘ (C S_in^T)`, `M = (C B^T) ∘ Λ`: `d(dt∘x) = M^T dy`, `dM = dy (dt∘x)^T`,
+`d(C B^T) = dM ∘ Λ` (giving `dC`, `dB`), `dcum = rowsum(dM ∘ M) - colsum(dM ∘ M)`,
+`df = rowsum(dy ∘ C S_in^T)`, `dS_in = (f ∘ dy)^T C`. The recurrence runs backwards in XLA
+(`lax.scan(reverse=True)`: the gradients of each chunk's own state, of the carries and of
+the initial state); kernel `chunk_state_bwd` pulls those through `S = (w ∘ x)^T B`; stage
+1's VJP turns `dcum`, `dw`, `df` and the carries' gradients into `d dt` and `dA`. `dB` and
+`dC` are per head (`[b, h, L, N]`, float32) and summed over each group's heads in XLA.
+The forward saves the state entering every chunk (`[b, c, h, P, N]`, float32).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+
+def _dot(a, b, dtype, *, trans_a=False, trans_b=False):
+    """`a @ b` with operands in `dtype` and float32 accumulation (full precision for float32)."""
+    dims = (((0,) if trans_a else (1,), (1,) if trans_b else (0,)), ((), ()))
+    precision = lax.Precision.HIGHEST if dtype == jnp.float32 else None
+    return lax.dot_general(
+        a.astype(dtype), b.astype(dtype), dims, precision=precision, preferred_element_type=jnp.float32
+    )
+
+
+def _state_kernel(x_ref, w_ref, b_ref, out_ref, *, lay, dtype):
+    x = x_ref[0, 0].astype(jnp.float32)  # [Q, P]
+    out_ref[0, 0, 0] = _dot(x * lay.col(w_ref), b_ref[0, 0], dtype, trans_a=True)  # [P, N]
+
+
+def _decay(cum_col, cum_row, seg_col, seg_row):
+    """`Λ[t, s] = exp(cum_t - cum_s)` for `s <= t` in the same segment, else 0 (`[Q, Q]`)."""
+    q = cum_col.shape[0]
+    t = lax.broadcasted_iota(jnp.int32, (q, q), 0)
+    s = lax.broadcasted_iota(jnp.int32, (q, q), 1)
+    visible = (s <= t) & (seg_col == seg_row)
+    return jnp.exp(jnp.where(visible, cum_col - cum_row, -jnp.inf))
+
+
+def _scan_kernel(
+    x_ref,
+    dt_ref,
+    cum_ref,
+    cum_row_ref,
+    f_ref,
+    seg_ref,
+    seg_row_ref,
+    b_ref,
+    c_ref,
+    s_ref,
+    y_ref,
+    *,
+    lay,
+    dtype,
+):
+    x = x_ref[0, 0].astype(jnp.float32)  # [Q, P]
+    dt, f = lay.col(dt_ref), lay.col(f_ref)  # [Q, 1]
+    decay = _decay(lay.col(cum_ref), lay.row(cum_row_ref), lay.seg_col(seg_ref), lay.seg_row(seg_row_ref))
+    cm = c_ref[0, 0]  # [Q, N]
+    scores = _dot(cm, b_ref[0, 0], dtype, trans_b=True) * decay  # [Q, Q]
+    y = _dot(scores, x * dt, dtype)
+    y_ref[0, 0] = y + f * _dot(cm, s_ref[0, 0, 0], dtype, trans_b=True)  # + f ∘ C S_in^T: [Q, P]
+
+
+def _scan_bwd_kernel(
+    dy_ref,
+    x_ref,
+    dt_ref,
+    cum_ref,
+    cum_row_ref,
+    f_ref,
+    seg_ref,
+    seg_row_ref,
+    b_ref,
+    c_ref,
+    s_ref,
+    dx_ref,
+    ddt_ref,
+    dcum_ref,
+    dcum_row_ref,
+    df_ref,
+    db_ref,
+    dc_ref,
+    ds_ref,
+    *,
+    lay,
+):
+    """Pull `dy` back through `y = M (dt ∘ x) + f ∘ (C S^T)` with `M = (C B^T) ∘ Λ`."""
+    f32 = jnp.float32
+    dy = dy_ref[0, 0]  # [Q, P], float32
+    x = x_ref[0, 0].astype(f32)
+    dt, f = lay.col(dt_ref), lay.col(f_ref)  # [Q, 1]
+    bm, cm = b_ref[0, 0].astype(f32), c_ref[0, 0].astype(f32)  # [Q, N]
+    state = s_ref[0, 0, 0]  # [P, N]
+    decay = _decay(lay.col(cum_ref), lay.row(cum_row_ref), lay.seg_col(seg_ref), lay.seg_row(seg_row_ref))
+    m = _dot(cm, bm, f32, trans_b=True) * decay  # [Q, Q]
+    dxd = _dot(m, dy, f32, trans_a=True)  # d(dt ∘ x): [Q, P]
+    dx_ref[0, 0] = dxd * dt
+    lay.put_col(ddt_ref, jnp.sum(dxd * x, axis=1, keepdims=True))
+    dm = _dot(dy, x * dt, f32, trans_b=True)  # [Q, Q]
+    e = dm * m  # d cum through Λ: rows gain (here), columns lose (summed in XLA)
+    lay.put_col(dcum_ref, jnp.sum(e, axis=1, keepdims=True))
+    lay.put_row(dcum_row_ref, jnp.sum(e, axis=0, keepdims=True))
+    dg = dm * decay  # d(C B^T)
+    lay.put_col(df_ref, jnp.sum(dy * _dot(cm, state, f32, trans_b=True), axis=1, keepdims=True))
+    dyf = dy * f
+    dc_ref[0, 0] = _dot(dg, bm, f32) + _dot(dyf, state, f32)
+    db_ref[0, 0] = _dot(dg, cm, f32, trans_a=True)
+    ds_ref[0, 0, 0] = _dot(dyf, cm, f32, trans_a=True)  # [P, N]
+
+
+def _state_bwd_kernel(x_ref, w_ref, b_ref, ds_ref, dx_ref, dw_ref, db_ref, *, lay):
+    """Pull `dS` back through `S = (w ∘ x)^T B`."""
+    f32 = jnp.float32
+    x = x_ref[0, 0].astype(f32)
+    w = lay.col(w_ref)  # [Q, 1]
+    bm = b_ref[0, 0].astype(f32)
+    ds = ds_ref[0, 0, 0]  # [P, N]
+    dxw = _dot(bm, ds, f32, trans_b=True)  # [Q, P]
+    dx_ref[0, 0] = dxw * w
+    lay.put_col(dw_ref, jnp.sum(dxw * x, axis=1, keepdims=True))
+    db_ref[0, 0] = _dot(x * w, ds, f32)  # [Q, N]
+
+
+def _weights(dtc, A, sc):
+    """Stage 1 (XLA): `cum`, the end-state weights `w`, the incoming-state weights `f` (all
+    `[b, h, c, Q]`) and each chunk's carry of the incoming state `keep` (`[b, h, c]`)."""
+    cum = jnp.cumsum(dtc * A[None, :, None, None], axis=-1)
+    seg_before = jnp.concatenate([sc[:, :1, :1], sc[:, :-1, -1:]], axis=1)  # [b, c, 1]
+    w = jnp.exp(cum[..., -1:] - cum) * dtc * (sc == sc[:, :, -1:])[:, None]
+    f = jnp.exp(cum) * (sc == seg_before)[:, None]
+    keep = (sc[:, :, -1] == seg_before[..., 0])[:, None] * jnp.exp(cum[..., -1])
+    return cum, w, f, keep
+
+
+def _recurrence(keep, chunk_states, initial_state):
+    """Stage 3 (XLA): the state entering every chunk (`[b, c, h, P, N]`) and the final state."""
+
+    def step(s, inputs):
+        k, own = inputs
+        return k[:, :, None, None] * s + own, s
+
+    final, states_in = lax.scan(
+        step, initial_state, (jnp.moveaxis(keep, 2, 0), jnp.moveaxis(chunk_states, 1, 0))
+    )
+    return jnp.moveaxis(states_in, 0, 1), final
+
+
+def _recurrence_bwd(keep, states_in, d_states_in, d_final):
+    """Reverse of `_recurrence`: gradients of the chunk states, the carries and the initial state."""
+
+    def step(g, inputs):
+        k, s_in, ds_in = inputs  # [b, h], [b, h, P, N], [b, h, P, N]
+        d_keep = jnp.sum(g * s_in, axis=(2, 3))
+        return k[:, :, None, None] * g + ds_in, (g, d_keep)
+
+    xs = (jnp.moveaxis(keep, 2, 0), jnp.moveaxis(states_in, 1, 0), jnp.moveaxis(d_states_in, 1, 0))
+    d_init, (d_own, d_keep) = lax.scan(step, d_final, xs, reverse=True)
+    return jnp.moveaxis(d_own, 0, 1), jnp.moveaxis(d_keep, 0, 2), d_init
+
+
+class Layout:
+    """How a backend lays out the per-position vectors. Shared: grid (batch, head, chunk); `x`,
+    `y` as `[b, h, L, P]`, `B`, `C` as `[b, g, L, N]`, states `[b, c, h, P, N]`. A vector
+    (`dt`, `cum`, weights, segment ids, their gradients) is read as a column `[Q, 1]` or a
+    row `[1, Q]`; `to_col`/`to_row` lay out a `[b, h, L]` (or `[b, L]` for segment ids) array
+    for that, `from_col`/`from_row` undo it for outputs. Subclasses fill in the specs."""
+
+    def __init__(self, xt, bt, *, q, interpret):
+        self.batch, self.heads, self.lp, self.p = xt.shape
+        self.n = bt.shape[-1]
+        self.rep = self.heads // bt.shape[1]
+        self.q, self.chunks, self.interpret = q, self.lp // q, interpret
+        self.grid = (self.batch, self.heads, self.chunks)
+        rep = self.rep
+        self.rows = lambda d: pl.BlockSpec((1, 1, q, d), lambda b, h, c: (b, h, c, 0))
+        self.grouped = lambda d: pl.BlockSpec((1, 1, q, d), lambda b, h, c: (b, h // rep, c, 0))
+        self.state = pl.BlockSpec((1, 1, 1, self.p, self.n), lambda b, h, c: (b, c, h, 0, 0))
+
+    def out(self, kind, d=None):
+        f32 = jnp.float32
+        b, h, lp = self.batch, self.heads, self.lp
+        if kind == "rows":
+            return self.rows(d), jax.ShapeDtypeStruct((b, h, lp, d), f32)
+        if kind == "col":
+            return self.col_spec, jax.ShapeDtypeStruct(self.col_shape, f32)
+        if kind == "row":
+            return self.row_spec, jax.ShapeDtypeStruct(self.row_shape, f32)
+        return self.state, jax.ShapeDtypeStruct((b, self.chunks, h, self.p, self.n), f32)
+
+    def call_params(self) -> dict:
+        return {"interpret": self.interpret}
+
+    def __call__(self, kernel, in_specs, outs, *args):
+        specs, shapes = zip(*outs, strict=True)
+        single = len(outs) == 1
+        return pl.pallas_call(
+            functools.partial(kernel, lay=self),
+            grid=self.grid,
+            in_specs=in_specs,
+            out_specs=specs[0] if single else list(specs),
+            out_shape=shapes[0] if single else list(shapes),
+            **self.call_params(),
+        )(*args)
+
+
+def _core_forward(cfg, xt, dtc, A, bt, ct, sc, initial_state):
+    layout, q, interpret = cfg
+    # float32 operands throughout for now: with bf16 operands in the output's products the
+    # gate's gradient (dz, through the pre-gate output) missed the oracle rule in bf16
+    mm = jnp.float32
+    k = layout(xt, bt, q=q, interpret=interpret)
+    p, n = k.p, k.n
+    cum, w, f, keep = _weights(dtc, A, sc)
+    own = k(
+        functools.partial(_state_kernel, dtype=mm),
+        [k.rows(p), k.col_spec, k.grouped(n)],
+        [k.out("state")],
+        xt,
+        k.to_col(w),
+        bt,
+    )
+    states_in, final = _recurrence(keep, own, initial_state)
+    y = k(
+        functools.partial(_scan_kernel, dtype=mm),
+        [
+            k.rows(p),
+            k.col_spec,
+            k.col_spec,
+            k.row_spec,
+            k.col_spec,
+            k.seg_col_spec,
+            k.seg_row_spec,
+            k.grouped(n),
+            k.grouped(n),
+            k.state,
+        ],
+        [k.out("rows", p)],
+        xt,
+        k.to_col(dtc),
+        k.to_col(cum),
+        k.to_row(cum),
+        k.to_col(f),
+        k.to_col(sc),
+        k.to_row(sc),
+        bt,
+        ct,
+        states_in,
+    )
+    return (y, final), states_in
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _core(cfg, xt, dtc, A, bt, ct, sc, initial_state):
+    return _core_forward(cfg, xt, dtc, A, bt, ct, sc, initial_state)[0]
+
+
+def _core_fwd(cfg, xt, dtc, A, bt, ct, sc, initial_state):
+    out, states_in = _core_forward(cfg, xt, dtc, A, bt, ct, sc, initial_state)
+    return out, (xt, dtc, A, bt, ct, sc, states_in)
+
+
+def _core_bwd(cfg, res, cotangents):
+    layout, q, interpret = cfg
+    xt, dtc, A, bt, ct, sc, states_in = res
+    dy, d_final = cotangents
+    k = layout(xt, bt, q=q, interpret=interpret)
+    p, n = k.p, k.n
+    col, row = k.from_col, k.from_row  # back to [b, h, c, Q]
+    (cum, w, f, keep), pull_weights = jax.vjp(lambda dtc, A: _weights(dtc, A, sc), dtc, A)
+    dx_scan, ddt, dcum, dcum_row, df, db_scan, dc, d_states_in = k(
+        _scan_bwd_kernel,
+        [
+            k.rows(p),
+            k.rows(p),
+            k.col_spec,
+            k.col_spec,
+            k.row_spec,
+            k.col_spec,
+            k.seg_col_spec,
+            k.seg_row_spec,
+            k.grouped(n),
+            k.grouped(n),
+            k.state,
+        ],
+        [
+            k.out("rows", p),
+            k.out("col"),
+            k.out("col"),
+            k.out("row"),
+            k.out("col"),
+            k.out("rows", n),
+            k.out("rows", n),
+            k.out("state"),
+        ],
+        dy.astype(jnp.float32),
+        xt,
+        k.to_col(dtc),
+        k.to_col(cum),
+        k.to_row(cum),
+        k.to_col(f),
+        k.to_col(sc),
+        k.to_row(sc),
+        bt,
+        ct,
+        states_in,
+    )
+    d_own, d_keep, d_init = _recurrence_bwd(keep, states_in, d_states_in, d_final.astype(jnp.float32))
+    dx_state, dw, db_state = k(
+        _state_bwd_kernel,
+        [k.rows(p), k.col_spec, k.grouped(n), k.state],
+        [k.out("rows", p), k.out("col"), k.out("rows", n)],
+        xt,
+        k.to_col(w),
+        bt,
+        d_own,
+    )
+    d_dtc, dA = pull_weights((col(dcum) - row(dcum_row), col(dw), col(df), d_keep))
+    d_dtc = d_dtc + col(ddt)
+    per_group = lambda a: a.reshape(k.batch, -1, k.rep, k.lp, n).sum(2)  # noqa: E731 - heads -> groups
+    return (
+        (dx_scan + dx_state).astype(xt.dtype),
+        d_dtc.astype(dtc.dtype),
+        dA.astype(A.dtype),
+        per_group(db_scan + db_state).astype(bt.dtype),
+        per_group(dc).astype(ct.dtype),
+        None,
+        d_init.astype(jnp.float32),
+    )
+
+
+_core.defvjp(_core_fwd, _core_bwd)
+
+
+def ssd(layout, x, dt, A, B, C, D, z, segment_ids, initial_state, *, chunk_size, interpret):
+    """The SSD layer through the kernels above, with `layout` a `Layout` subclass."""
+    q = chunk_size
+    acc = jnp.promote_types(x.dtype, jnp.float32)
+    batch, length, heads, _ = x.shape
+    pad = (-length) % q
+    seg = jnp.zeros((batch, length), jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
+    if pad:
+        zeros = lambda a: jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2))  # noqa: E731
+        x_p, dt_p, B_p, C_p = zeros(x), zeros(dt), zeros(B), zeros(C)
+        seg = jnp.concatenate([seg, jnp.broadcast_to(seg[:, -1:], (batch, pad))], axis=1)
+    else:
+        x_p, dt_p, B_p, C_p = x, dt, B, C
+    chunks = (length + pad) // q
+    dtc = jnp.moveaxis(dt_p.astype(acc), 2, 1).reshape(batch, heads, chunks, q)
+    y, final = _core(
+        (layout, q, interpret),
+        jnp.moveaxis(x_p, 2, 1),  # [b, h, L, P]
+        dtc,
+        A.astype(acc),
+        jnp.moveaxis(B_p, 2, 1),  # [b, g, L, N]
+        jnp.moveaxis(C_p, 2, 1),
+        seg.reshape(batch, chunks, q),
+        initial_state.astype(jnp.float32),
+    )
+    y = jnp.moveaxis(y, 1, 2)[:, :length]
+    if D is not None:
+        y = y + x.astype(acc) * (D.astype(acc) if D.ndim == 2 else D.astype(acc)[:, None])
+    if z is not None:
+        y = y * jax.nn.silu(z.astype(acc))
+    return y.astype(x.dtype), final.astype(initial_state.dtype)
