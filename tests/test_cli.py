@@ -55,3 +55,24 @@ def test_console_script_is_installed():
     exe = shutil.which("axkern") or str(__import__("pathlib").Path(sys.executable).with_name("axkern"))
     proc = subprocess.run([exe, "--help"], capture_output=True, text=True)
     assert proc.returncode == 0 and "bench" in proc.stdout
+
+
+def test_bench_peers_report_why_they_did_not_run(tmp_path):
+    # no CUDA torch here: every peer gets a row that says why, and the bench still succeeds
+    out = tmp_path / "peers.json"
+    assert cli.main(["bench", "fused_cross_entropy", "--peers", "--repeats", "1", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    peers = [r for r in rows if r["implementation"].startswith("peer:")]
+    assert {r["implementation"] for r in peers} == {"peer:liger", "peer:cut_cross_entropy", "peer:torch"}
+    assert all(r["ms"] is None and ("not importable" in r["note"] or "no CUDA" in r["note"]) for r in peers)
+
+
+def test_peer_ratios_land_in_the_notes():
+    from axkern.bench import Row, cases_for
+
+    c = cases_for("fused_cross_entropy")[0]
+    ours = Row(c.op, c.label, "xla", "fwd+bwd", ms=90.0)
+    peer = (c, {"peer": "liger", "pass": "fwd+bwd", "ms": 100.0, "temp_gib": 0.1, "note": ""})
+    rows = cli._peer_rows([peer], [], [ours], ceiling=500.0)
+    assert rows[0].implementation == "peer:liger" and rows[0].tflops > 0
+    assert ours.note == "time 0.90x liger"

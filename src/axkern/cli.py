@@ -101,6 +101,8 @@ def bench(args) -> int:
         return 2
     repeats = args.repeats or (3 if args.quick else 20)
     passes = ("fwd", "fwd+bwd") if args.passes == "both" else (args.passes,)
+    preset = None if args.quick else args.preset
+    peer_rows = _peers(args, ops, preset, repeats) if args.peers else []  # before JAX takes the GPU
     console.print(f"measuring the matmul ceiling on {jax.devices()[0].device_kind} ...")
     ceiling = matmul_ceiling(repeats=repeats)
     bandwidth = copy_bandwidth(repeats=repeats)
@@ -113,9 +115,7 @@ def bench(args) -> int:
             if args.impl
             else [n for n, p in axkern.implementations(op).items() if here in p]
         )
-        for c in cases_for(
-            op, preset=None if args.quick else args.preset, tokens=args.tokens, dtype=args.dtype
-        ):
+        for c in cases_for(op, preset=preset, tokens=args.tokens, dtype=args.dtype):
             work.append((c, impls))
     rows = []
     with Progress(console=console, transient=True) as progress:
@@ -133,6 +133,7 @@ def bench(args) -> int:
                 bandwidth=bandwidth,
                 on_row=lambda _: progress.advance(task),
             )
+    rows += _peer_rows(peer_rows, work, rows, ceiling)
 
     t = Table(
         title=f"axkern bench on {jax.devices()[0].device_kind} "
@@ -184,8 +185,51 @@ def bench(args) -> int:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=2)
         console.print(f"wrote {args.json}")
-    failed = [r for r in rows if r.ms is None and not r.note.startswith("unsupported")]
+    failed = [  # a peer that could not run is reported, not a failure of ours
+        r
+        for r in rows
+        if r.ms is None and not r.note.startswith("unsupported") and not r.implementation.startswith("peer:")
+    ]
     return 1 if failed else 0
+
+
+def _peers(args, ops, preset, repeats) -> list[tuple]:
+    """`(case, peer result)` for every case of the ops that have peers (`axkern.peers`)."""
+    from axkern import peers
+    from axkern.bench import cases_for
+
+    out = []
+    for op in ops:
+        if op not in peers.PEERS:
+            continue
+        for c in cases_for(op, preset=preset, tokens=args.tokens, dtype=args.dtype):
+            console.print(f"timing the torch peers of {op} on {c.label} (subprocess) ...")
+            out += [(c, r) for r in peers.run(op, c.dims, c.dtype, repeats=repeats)]
+    return out
+
+
+def _peer_rows(peer_rows, work, rows, ceiling):
+    """Rows for the peers, and each axkern row's time as a multiple of each peer's (in its note)."""
+    from axkern.bench import Row
+
+    out = []
+    for c, r in peer_rows:
+        row = Row(c.op, c.label, f"peer:{r['peer']}", r.get("pass", "-"), note=r.get("note", ""))
+        if r.get("ms"):
+            row.ms, row.temp_gib = r["ms"], r.get("temp_gib")
+            flops = c.flops_forward + (c.flops_backward if row.pass_ == "fwd+bwd" else 0)
+            row.tflops = flops / (row.ms * 1e-3) / 1e12
+            row.ceiling_fraction = row.tflops / ceiling if ceiling else None
+        out.append(row)
+    for r in rows:
+        ratios = [
+            f"{r.ms / p.ms:.2f}x {p.implementation[5:]}"
+            for p in out
+            if p.ms and r.ms and (p.case, p.pass_) == (r.case, r.pass_)
+        ]
+        if ratios:
+            r.note = "; ".join(filter(None, [r.note, "time " + ", ".join(ratios)]))
+    return out
 
 
 def build_native(args) -> int:
@@ -221,6 +265,12 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--tokens", type=int, help="override the preset's token count")
     b.add_argument("--dtype", help="override the preset's dtype (e.g. bfloat16, float32)")
     b.add_argument("--impl", help="comma-separated implementations (default: all)")
+    b.add_argument(
+        "--peers",
+        action="store_true",
+        help="also time the PyTorch kernels users pick instead (Liger, cut-cross-entropy, plain torch) "
+        "in a subprocess, when importable; notes give each time as a multiple of theirs",
+    )
     b.add_argument("--passes", choices=("fwd", "fwd+bwd", "both"), default="both")
     b.add_argument("--repeats", type=int, help="timed repeats (median reported)")
     b.add_argument("--json", help="also write the rows as JSON here")

@@ -1,0 +1,152 @@
+"""PyTorch peers for `axkern bench --peers`: the kernels users would pick instead, timed on the
+same shapes in the same command, so ratios come from one run.
+
+The peers run in a subprocess started before JAX takes the GPU (JAX preallocates most of its
+memory), one JSON object per line on stdout:
+
+    python -m axkern.peers fused_cross_entropy --dims '{"tokens": 16384, ...}' --dtype bfloat16
+
+`fused_cross_entropy` peers: Liger-Kernel's `LigerFusedLinearCrossEntropyLoss`,
+cut-cross-entropy's `linear_cross_entropy`, and plain PyTorch (`F.cross_entropy` on
+materialised float32 logits); mean reduction, random inputs of the case's shapes. Timing:
+CUDA events around each call after warm-up, median of repeats. Memory: the peak allocated
+during a call beyond what was allocated before it, less the gradients it returns.
+A peer that is not importable (or no CUDA) is reported with the reason, not timed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+
+__all__ = ["PEERS", "run"]
+
+PEERS = {"fused_cross_entropy": ("liger", "cut_cross_entropy", "torch")}
+
+
+def _ce_functions():
+    import torch.nn.functional as F
+
+    fns, missing = {}, {}
+    try:
+        from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
+
+        liger = LigerFusedLinearCrossEntropyLoss()
+        fns["liger"] = lambda x, w, y: liger(w, x, y)
+    except Exception as e:  # noqa: BLE001 - any import failure is a reason to report
+        missing["liger"] = f"{type(e).__name__}: {e}"
+    try:
+        from cut_cross_entropy import linear_cross_entropy
+
+        fns["cut_cross_entropy"] = lambda x, w, y: linear_cross_entropy(x, w, y)
+    except Exception as e:  # noqa: BLE001
+        missing["cut_cross_entropy"] = f"{type(e).__name__}: {e}"
+    fns["torch"] = lambda x, w, y: F.cross_entropy((x @ w.T).float(), y)
+    return fns, missing
+
+
+def _measure(fn, x, w, y, pass_, repeats):
+    import torch
+
+    backward = pass_ == "fwd+bwd"
+    xs, ws = x.detach().requires_grad_(backward), w.detach().requires_grad_(backward)
+
+    def call():
+        xs.grad = ws.grad = None
+        if backward:
+            fn(xs, ws, y).backward()
+        else:
+            with torch.no_grad():
+                fn(xs, ws, y)
+
+    for _ in range(3):
+        call()
+    torch.cuda.synchronize()
+    xs.grad = ws.grad = None
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    call()
+    torch.cuda.synchronize()
+    grads = (xs.numel() * xs.element_size() + ws.numel() * ws.element_size()) if backward else 0
+    temp = (torch.cuda.max_memory_allocated() - base - grads) / 2**30
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        call()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times), temp
+
+
+def _fused_cross_entropy(dims, dtype, repeats):
+    import torch
+
+    if not torch.cuda.is_available():
+        return [{"peer": p, "note": "no CUDA device for torch"} for p in PEERS["fused_cross_entropy"]]
+    n, d, v = dims["tokens"], dims["embed"], dims["vocab"]
+    dt = getattr(torch, dtype)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(n, d, device="cuda", dtype=dt, generator=gen)
+    w = torch.randn(v, d, device="cuda", dtype=dt, generator=gen) * d**-0.5
+    y = torch.randint(0, v, (n,), device="cuda", generator=gen)
+    fns, missing = _ce_functions()
+    out = [{"peer": p, "note": f"not importable: {why}"} for p, why in missing.items()]
+    for name, fn in fns.items():
+        for pass_ in ("fwd", "fwd+bwd"):
+            try:
+                ms, temp = _measure(fn, x, w, y, pass_, repeats)
+                out.append({"peer": name, "pass": pass_, "ms": ms, "temp_gib": temp, "note": ""})
+            except Exception as e:  # noqa: BLE001 - e.g. out of memory: report, go on
+                out.append({"peer": name, "pass": pass_, "note": f"{type(e).__name__}: {str(e)[:160]}"})
+                torch.cuda.empty_cache()
+    return out
+
+
+def _main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m axkern.peers")
+    p.add_argument("op", choices=sorted(PEERS))
+    p.add_argument("--dims", required=True, help="the case's dims as JSON")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--repeats", type=int, default=10)
+    a = p.parse_args(argv)
+    try:
+        import torch  # noqa: F401
+    except ImportError as e:
+        rows = [{"peer": peer, "note": f"torch not importable: {e}"} for peer in PEERS[a.op]]
+    else:
+        rows = _fused_cross_entropy(json.loads(a.dims), a.dtype, a.repeats)
+    for row in rows:
+        print(json.dumps(row), flush=True)
+    return 0
+
+
+def run(op: str, dims: dict, dtype: str, *, repeats: int = 10, timeout: float = 1800) -> list[dict]:
+    """Time `op`'s peers on `dims` in a subprocess; `[]` when the op has none."""
+    if op not in PEERS:
+        return []
+    cmd = [sys.executable, "-m", "axkern.peers", op, "--dims", json.dumps(dims), "--dtype", dtype]
+    cmd += ["--repeats", str(repeats)]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return [{"peer": p, "note": f"timed out after {timeout:.0f} s"} for p in PEERS[op]]
+    rows = []
+    for line in proc.stdout.splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    if not rows:
+        why = (proc.stderr.strip().splitlines() or ["no output"])[-1][:200]
+        rows = [{"peer": p, "note": f"peer run failed (exit {proc.returncode}): {why}"} for p in PEERS[op]]
+    return rows
+
+
+if __name__ == "__main__":
+    raise SystemExit(_main())
