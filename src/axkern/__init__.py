@@ -7,9 +7,10 @@ print(axkern.explain(axkern.fused_cross_entropy, x, lm_head, labels))
 ```
 """
 
-from . import positional
+from . import masks, positional
 from .core.config import use
 from .core.op import Decision, FallbackWarning, Unsupported, explain, get_op, registered_ops
+from .ops.attention import AttentionBlockSizes, attention
 from .ops.fused_cross_entropy import CrossEntropyBlockSizes, fused_cross_entropy
 from .ops.moe import MoeLayout, MoeRouting, moe_combine, moe_dispatch, moe_layout
 from .ops.short_conv import ConvBlockSizes, short_conv, short_conv_step
@@ -18,6 +19,9 @@ from .ops.ssd import SSDBlockSizes, ssd
 __version__ = "0.1.0"
 
 __all__ = [
+    "attention",
+    "AttentionBlockSizes",
+    "masks",
     "fused_cross_entropy",
     "CrossEntropyBlockSizes",
     "short_conv",

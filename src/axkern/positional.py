@@ -1,5 +1,6 @@
 """The positional layer: each op on plain `jax.Array`s, shapes and dtypes checked by jaxtyping + beartype."""
 
+from .ops.attention.api import attention_positional as attention
 from .ops.fused_cross_entropy.api import fused_cross_entropy_positional as fused_cross_entropy
 from .ops.moe.api import moe_combine_positional as moe_combine
 from .ops.moe.api import moe_dispatch_positional as moe_dispatch
@@ -10,6 +11,7 @@ from .ops.ssd.api import ssd_positional as ssd
 from .ops.ssd.api import ssd_step_positional as ssd_step
 
 __all__ = [
+    "attention",
     "fused_cross_entropy",
     "moe_combine",
     "moe_dispatch",

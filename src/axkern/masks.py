@@ -1,0 +1,264 @@
+"""Attention masks as small composable objects: which keys each query may attend to.
+
+```python
+from axkern import masks
+mask = masks.Causal() & masks.Segments(doc_ids, doc_ids)    # packed documents, causal
+mask = masks.SlidingWindow(1024) | masks.PrefixLM(prefix_lengths)
+```
+
+A mask answers two questions:
+
+- `visible(q_idx, k_idx)`: for query positions `q_idx [Q]` and key positions `k_idx [K]`
+  (integer arrays, traced or not), a boolean `[B or 1, Q, K]`: may query `i` see key `j`.
+  Positions count from 0 in the query and in the key sequence; a batch-free mask returns a
+  leading axis of 1.
+- `block_kinds(q_len, kv_len, block_q, block_kv)`: for each `(q block, kv block)` tile,
+  `EMPTY` (nothing visible: a kernel skips it), `FULL` (everything visible: no masking work)
+  or `PARTIAL`, as an int `[B or 1, q blocks, kv blocks]` array. Positions past the end of
+  a sequence count as not visible.
+
+Masks combine with `&` (both allow) and `|` (either allows). `Segments` and `PrefixLM` hold
+per-batch arrays (they may be traced); the others are static.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = [
+    "Mask",
+    "Full",
+    "Causal",
+    "SlidingWindow",
+    "Segments",
+    "PrefixLM",
+    "And",
+    "Or",
+    "EMPTY",
+    "PARTIAL",
+    "FULL",
+]
+
+EMPTY, PARTIAL, FULL = 0, 1, 2
+
+
+class Mask:
+    """Base class: subclasses define `visible(q_idx, k_idx) -> bool [B or 1, Q, K]`."""
+
+    def visible(self, q_idx, k_idx):
+        raise NotImplementedError
+
+    def batch_size(self) -> int | None:
+        """The batch size the mask's arrays fix, or None for a batch-free mask."""
+        return None
+
+    def check(self, q_len: int, kv_len: int, batch: int) -> None:
+        """Raise `ValueError` naming the problem when the mask does not fit these shapes."""
+        b = self.batch_size()
+        if b is not None and b != batch:
+            raise ValueError(f"{self!r}: the mask's batch size {b} differs from the inputs' {batch}")
+
+    def dense(self, q_len: int, kv_len: int):
+        """The whole `[B or 1, q_len, kv_len]` boolean mask (tests, the reference)."""
+        return self.visible(jnp.arange(q_len), jnp.arange(kv_len))
+
+    def block_kinds(self, q_len: int, kv_len: int, block_q: int, block_kv: int):
+        """`EMPTY` / `PARTIAL` / `FULL` per tile, `[B or 1, cdiv(q_len, block_q), cdiv(kv_len, block_kv)]`."""
+        nq, nk = -(-q_len // block_q), -(-kv_len // block_kv)
+        qi, kj = jnp.arange(nq * block_q), jnp.arange(nk * block_kv)
+        vis = self.visible(qi, kj) & (qi < q_len)[:, None] & (kj < kv_len)[None, :]
+        tiles = vis.reshape(vis.shape[0], nq, block_q, nk, block_kv)
+        any_, all_ = tiles.any((2, 4)), tiles.all((2, 4))
+        return jnp.where(all_, FULL, jnp.where(any_, PARTIAL, EMPTY)).astype(jnp.int32)
+
+    def __and__(self, other: Mask) -> Mask:
+        return And(self, other)
+
+    def __or__(self, other: Mask) -> Mask:
+        return Or(self, other)
+
+
+def _grid(q_idx, k_idx):
+    return jnp.asarray(q_idx)[None, :, None], jnp.asarray(k_idx)[None, None, :]
+
+
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True)
+class Full(Mask):
+    """Every key visible to every query."""
+
+    def visible(self, q_idx, k_idx):
+        q, k = _grid(q_idx, k_idx)
+        return jnp.ones(jnp.broadcast_shapes(q.shape, k.shape), bool)
+
+
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True)
+class Causal(Mask):
+    """Key `j` visible to query `i` when `j <= i + offset`. `offset=0` aligns the first query
+    with the first key (as `jax.nn.dot_product_attention(is_causal=True)`); with a cache of
+    `kv_len - q_len` earlier keys, `offset = kv_len - q_len` aligns the last ones."""
+
+    offset: int = 0
+
+    def visible(self, q_idx, k_idx):
+        q, k = _grid(q_idx, k_idx)
+        return k <= q + self.offset
+
+
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True)
+class SlidingWindow(Mask):
+    """Causal within a window: key `j` visible to query `i` when `i - size < j <= i` (with
+    `offset` as in `Causal`)."""
+
+    size: int
+    offset: int = 0
+
+    def __post_init__(self):
+        if not isinstance(self.size, int) or self.size < 1:
+            raise ValueError(f"SlidingWindow: size must be a positive int, got {self.size!r}")
+
+    def visible(self, q_idx, k_idx):
+        q, k = _grid(q_idx, k_idx)
+        q = q + self.offset
+        return (k <= q) & (k > q - self.size)
+
+
+def _ids(name, ids):
+    ids = jnp.asarray(ids)
+    if ids.ndim != 2 or not jnp.issubdtype(ids.dtype, jnp.integer):
+        raise ValueError(
+            f"{name}: ids must be an integer [batch, length] array, got {ids.dtype}{list(ids.shape)}"
+        )
+    return ids
+
+
+@jax.tree_util.register_pytree_node_class
+class Segments(Mask):
+    """Packed documents: key `j` visible to query `i` of batch row `b` when
+    `q_ids[b, i] == kv_ids[b, j]`. `q_ids [B, Q]`, `kv_ids [B, K]` (integers; may be traced)."""
+
+    def __init__(self, q_ids, kv_ids):
+        self.q_ids, self.kv_ids = _ids("Segments", q_ids), _ids("Segments", kv_ids)
+        if self.q_ids.shape[0] != self.kv_ids.shape[0]:
+            raise ValueError(
+                f"Segments: q_ids has batch {self.q_ids.shape[0]} and kv_ids {self.kv_ids.shape[0]}"
+            )
+
+    def __repr__(self):
+        return f"Segments(q_ids{list(self.q_ids.shape)}, kv_ids{list(self.kv_ids.shape)})"
+
+    def tree_flatten(self):
+        return (self.q_ids, self.kv_ids), None
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        obj = object.__new__(cls)
+        obj.q_ids, obj.kv_ids = children
+        return obj
+
+    def batch_size(self):
+        return self.q_ids.shape[0]
+
+    def check(self, q_len, kv_len, batch):
+        super().check(q_len, kv_len, batch)
+        if self.q_ids.shape[1] != q_len or self.kv_ids.shape[1] != kv_len:
+            raise ValueError(
+                f"Segments: q_ids is {list(self.q_ids.shape)} and kv_ids {list(self.kv_ids.shape)}, "
+                f"but the queries have length {q_len} and the keys {kv_len}"
+            )
+
+    def visible(self, q_idx, k_idx):
+        qi = jnp.clip(jnp.asarray(q_idx), 0, self.q_ids.shape[1] - 1)
+        kj = jnp.clip(jnp.asarray(k_idx), 0, self.kv_ids.shape[1] - 1)
+        return self.q_ids[:, qi][:, :, None] == self.kv_ids[:, kj][:, None, :]
+
+
+@jax.tree_util.register_pytree_node_class
+class PrefixLM(Mask):
+    """Causal, except that the first `prefix_lengths[b]` keys of batch row `b` are visible to
+    every query (bidirectional prefix). `prefix_lengths [B]` (integers; may be traced)."""
+
+    def __init__(self, prefix_lengths):
+        p = jnp.asarray(prefix_lengths)
+        if p.ndim != 1 or not jnp.issubdtype(p.dtype, jnp.integer):
+            raise ValueError(
+                f"PrefixLM: prefix_lengths must be an integer [batch] array, got {p.dtype}{list(p.shape)}"
+            )
+        self.prefix_lengths = p
+
+    def __repr__(self):
+        return f"PrefixLM(prefix_lengths{list(self.prefix_lengths.shape)})"
+
+    def tree_flatten(self):
+        return (self.prefix_lengths,), None
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        obj = object.__new__(cls)
+        (obj.prefix_lengths,) = children
+        return obj
+
+    def batch_size(self):
+        return self.prefix_lengths.shape[0]
+
+    def visible(self, q_idx, k_idx):
+        q, k = _grid(q_idx, k_idx)
+        return (k <= q) | (k < self.prefix_lengths[:, None, None])
+
+
+@jax.tree_util.register_pytree_node_class
+class And(Mask):
+    """Visible where both masks allow."""
+
+    def __init__(self, a: Mask, b: Mask):
+        self.a, self.b = a, b
+
+    def __repr__(self):
+        return f"({self.a!r} & {self.b!r})"
+
+    def tree_flatten(self):
+        return (self.a, self.b), None
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        return cls(*children)
+
+    def batch_size(self):
+        return self.a.batch_size() or self.b.batch_size()
+
+    def check(self, q_len, kv_len, batch):
+        self.a.check(q_len, kv_len, batch)
+        self.b.check(q_len, kv_len, batch)
+
+    def visible(self, q_idx, k_idx):
+        return self.a.visible(q_idx, k_idx) & self.b.visible(q_idx, k_idx)
+
+
+@jax.tree_util.register_pytree_node_class
+class Or(And):
+    """Visible where either mask allows."""
+
+    def __repr__(self):
+        return f"({self.a!r} | {self.b!r})"
+
+    def visible(self, q_idx, k_idx):
+        return self.a.visible(q_idx, k_idx) | self.b.visible(q_idx, k_idx)
+
+
+def is_static(mask: Mask) -> bool:
+    """Whether the mask holds no arrays (its block kinds can be computed before tracing)."""
+    return not jax.tree_util.tree_leaves(mask)
+
+
+def static_block_kinds(mask: Mask, q_len: int, kv_len: int, block_q: int, block_kv: int) -> np.ndarray | None:
+    """`block_kinds` as a numpy array when the mask is static, else None."""
+    if not is_static(mask):
+        return None
+    with jax.ensure_compile_time_eval():  # constants, even while tracing a jitted function
+        return np.asarray(mask.block_kinds(q_len, kv_len, block_q, block_kv))

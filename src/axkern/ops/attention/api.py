@@ -1,0 +1,180 @@
+"""`attention`: scaled dot-product attention with composable masks, named and positional.
+
+`out[b, i, h] = sum_j softmax_j(s[b, h, i, j]) v[b, j, h // G]` with
+`s = softcap(q[b, i, h] · k[b, j, h // G] · scale)` over the keys the mask makes visible
+(`axkern.masks`), `G = heads // kv_heads` (grouped-query attention; `G = heads` is
+multi-query), `softcap(s) = c · tanh(s / c)`. A sink adds `exp(sink[h])` to the softmax's
+denominator (a learnable "attend to nothing"). A query that sees no key gets zeros.
+"""
+
+from __future__ import annotations
+
+import haliax as hax
+from haliax import NamedArray
+
+from axkern import masks as masks_
+from axkern.core import named
+from axkern.core.op import Implementation, Op
+from axkern.core.typing import Array, Float, checked
+
+from . import reference, xla
+from .blocks import AttentionBlockSizes, bucket, heuristic
+
+__all__ = ["attention", "attention_positional", "OP", "AttentionBlockSizes"]
+
+NAME = "attention"
+
+OP = Op(
+    NAME,
+    [
+        Implementation(
+            "xla",
+            xla.attention,
+            block_sizes=AttentionBlockSizes,
+            heuristic=heuristic,
+            backward="custom_vjp: flash-style recomputation per tile (float32 dk/dv accumulators)",
+        ),
+        Implementation("reference", reference.attention, backward="autodiff through materialised scores"),
+    ],
+    default_order={"cpu": ("xla",), "gpu": ("xla",), "tpu": ("xla",)},
+    package=__package__,
+    bucket=bucket,
+)
+
+
+@checked
+def attention_positional(
+    q: Float[Array, "batch q_len heads head_dim"],
+    k: Float[Array, "batch kv_len kv_heads k_dim"],
+    v: Float[Array, "batch kv_len kv_heads v_dim"],
+    *,
+    mask: masks_.Mask | None = None,
+    scale: float | None = None,
+    logits_soft_cap: float | None = None,
+    sinks: Float[Array, " heads"] | None = None,
+    implementation: str | tuple[str, ...] | None = None,
+    block_sizes: AttentionBlockSizes | dict | None = None,
+) -> Float[Array, "batch q_len heads v_dim"]:
+    """Attention on plain arrays, laid out as `jax.nn.dot_product_attention`'s (`BTNH`).
+
+    **Arguments:**
+
+    - `q`: `[batch, q_len, heads, head_dim]`; `k`: `[batch, kv_len, kv_heads, head_dim]`;
+      `v`: `[batch, kv_len, kv_heads, v_dim]`. `heads` must be a multiple of `kv_heads`.
+    - `mask`: an `axkern.masks.Mask`; default `masks.Causal()`. `masks.Full()` for none.
+    - `scale`: default `head_dim ** -0.5`.
+    - `logits_soft_cap`: `c` in `c · tanh(s / c)`, or None.
+    - `sinks`: `[heads]` sink logits, or None.
+
+    **Returns:** `[batch, q_len, heads, v_dim]` in `q`'s dtype.
+    """
+    b, sq, h, d = q.shape
+    sk, kvh = k.shape[1], k.shape[2]
+    if k.shape[3] != d:
+        raise ValueError(f"{NAME}: q's head dim is {d} but k's is {k.shape[3]}; they must match")
+    if kvh < 1 or h % kvh:
+        raise ValueError(f"{NAME}: heads={h} is not a multiple of kv_heads={kvh}")
+    if logits_soft_cap is not None and not float(logits_soft_cap) > 0:
+        raise ValueError(f"{NAME}: logits_soft_cap must be > 0 or None, got {logits_soft_cap!r}")
+    mask = masks_.Causal() if mask is None else mask
+    mask.check(sq, sk, b)
+    scale = d**-0.5 if scale is None else float(scale)
+    spec = OP.spec(
+        {
+            "batch": b,
+            "q_len": sq,
+            "kv_len": sk,
+            "heads": h,
+            "kv_heads": kvh,
+            "head_dim": d,
+            "v_dim": v.shape[3],
+        },
+        q.dtype,
+        soft_cap=logits_soft_cap is not None,
+        sinks=sinks is not None,
+        mask=type(mask).__name__,
+    )
+    return OP(
+        spec,
+        q,
+        k,
+        v,
+        sinks,
+        mask,
+        implementation=implementation,
+        block_sizes=block_sizes,
+        scale=scale,
+        logits_soft_cap=logits_soft_cap,
+    )
+
+
+def attention(
+    q: NamedArray,
+    k: NamedArray,
+    v: NamedArray,
+    *,
+    QPos="position",
+    KPos="key_position",
+    Heads="heads",
+    KVHeads="kv_heads",
+    HeadDim="head_size",
+    mask: masks_.Mask | None = None,
+    scale: float | None = None,
+    logits_soft_cap: float | None = None,
+    sinks: NamedArray | Array | None = None,
+    implementation: str | tuple[str, ...] | None = None,
+    block_sizes: AttentionBlockSizes | dict | None = None,
+) -> NamedArray:
+    """Attention over named axes.
+
+    `q` has batch axes, `QPos`, `Heads` and `HeadDim`; `k` and `v` the same batch axes,
+    `KPos` (or `QPos`'s name when `KPos` is absent: self-attention), `KVHeads` (or `Heads`
+    when absent) and `HeadDim` (`v`'s may differ in size). Batch axes are every other axis
+    of `q`, in any order. `sinks`: over `Heads`. Masks index positions along `QPos` and
+    `KPos`, and their batch dimension is the batch axes flattened in `q`'s order.
+
+    **Returns:** the batch axes, `QPos`, `Heads` and `v`'s `HeadDim`, in `q`'s axis order.
+    """
+    for arg, value in (("q", q), ("k", k), ("v", v)):
+        named.require_named(NAME, arg, value)
+    qpos = named.resolve(NAME, "q", q, QPos, "QPos")
+    heads = named.resolve(NAME, "q", q, Heads, "Heads")
+    head_dim = named.resolve(NAME, "q", q, HeadDim, "HeadDim")
+    k_names = {a.name for a in k.axes}
+    kpos_name = KPos.name if isinstance(KPos, hax.Axis) else KPos
+    if kpos_name not in k_names and qpos.name in k_names:
+        kpos_name = qpos.name
+    kvh_name = KVHeads.name if isinstance(KVHeads, hax.Axis) else KVHeads
+    if kvh_name not in k_names:
+        kvh_name = heads.name
+    kpos = named.resolve(NAME, "k", k, kpos_name, "KPos")
+    kvheads = named.resolve(NAME, "k", k, kvh_name, "KVHeads")
+    k_dim = named.resolve(NAME, "k", k, head_dim.name, "HeadDim")
+    v_dim = named.resolve(NAME, "v", v, head_dim.name, "HeadDim")
+    batch = named.without(q, qpos.name, heads.name, head_dim.name)
+    k_batch = named.without(k, kpos.name, kvheads.name, k_dim.name)
+    for arg, arr, got in (("k", k, k_batch), ("v", v, named.without(v, kpos.name, kvheads.name, v_dim.name))):
+        if {a.name: a.size for a in got} != {a.name: a.size for a in batch}:
+            raise ValueError(
+                f"{NAME}: {arg} must carry q's batch axes {named.axes_str(batch)} besides its position, "
+                f"heads and head dim; its axes are {named.axes_str(arr.axes)}"
+            )
+    qd = named.flatten(named.ordered(q, (*batch, qpos, heads, head_dim)), len(batch))
+    kd = named.flatten(named.ordered(k, (*batch, kpos, kvheads, k_dim)), len(batch))
+    vd = named.flatten(named.ordered(v, (*batch, kpos, kvheads, v_dim)), len(batch))
+    if isinstance(sinks, NamedArray):
+        sinks = named.match_axes(NAME, "sinks", sinks, (heads,), "Heads")
+    out = attention_positional(
+        qd,
+        kd,
+        vd,
+        mask=mask,
+        scale=scale,
+        logits_soft_cap=logits_soft_cap,
+        sinks=sinks,
+        implementation=implementation,
+        block_sizes=block_sizes,
+    )
+    out = named.unflatten(out, tuple(a.size for a in batch))
+    result = hax.named(out, (*batch, qpos, heads, v_dim))
+    return result.rearrange(tuple(a.name if a.name != head_dim.name else v_dim.name for a in q.axes))

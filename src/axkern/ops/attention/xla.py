@@ -1,0 +1,220 @@
+"""Flash attention in plain JAX: tiles of queries by keys, online softmax, memory linear in length.
+
+**Loop.** Queries are cut into `block_q` rows (a Python loop: each block is its own
+computation) and keys into `block_kv` columns (a `lax.scan` per query block over the key
+blocks it needs). For a static mask (`Causal`, `SlidingWindow`, `Full` and their
+combinations) the key blocks a query block sees are known before tracing, and empty tiles
+are never computed; a mask holding arrays (`Segments`, `PrefixLM`) visits every tile. Lengths
+are padded to whole blocks; padded keys are invisible, padded queries are dropped.
+
+**Forward.** Per tile `s = softcap(q k^T · scale)`, masked to `-inf`; running max `m`, sum `l`
+and output accumulator (float32) as in FlashAttention; sinks join the normaliser at the end.
+Products take the inputs' dtype (probabilities are cast to `v`'s dtype) with float32
+accumulation. A query that sees nothing gets 0 and `lse = -inf`.
+
+**Backward** (`jax.custom_vjp`, residuals `q, k, v, out (float32), lse`): recompute each tile,
+`p = exp(s - lse)`, `dv += p^T dO`, `ds = p (dO v^T - delta)` with `delta = rowsum(dO ∘ out)`,
+times `1 - (s / cap)^2` under the soft cap, `dq += ds k · scale`, `dk += ds^T q · scale`;
+`dsink = -sum p_sink · delta`. Heads sharing a kv head (GQA) sum into its `dk`, `dv`.
+
+**Cost.** `4·B·H·Sq·Sk·D` FLOPs forward over visible tiles, about 2.5 times that backward;
+memory `O(B·H·block_q·block_kv)` per tile plus the float32 `dk`, `dv` accumulators.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from axkern import masks as masks_
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+    block_q: int
+    block_kv: int
+    scale: float
+    soft_cap: float | None
+
+
+def attention(q, k, v, sinks, mask, *, scale, logits_soft_cap, block_sizes):
+    cfg = _Static(
+        block_q=min(block_sizes.block_q, q.shape[1]),
+        block_kv=min(block_sizes.block_kv, k.shape[1]),
+        scale=float(scale),
+        soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
+    )
+    return _attention(cfg, q, k, v, sinks, mask)
+
+
+def _cdiv(a, b):
+    return -(-a // b)
+
+
+def _pad(a, axis, to):
+    if a.shape[axis] == to:
+        return a
+    pad = [(0, 0)] * a.ndim
+    pad[axis] = (0, to - a.shape[axis])
+    return jnp.pad(a, pad)
+
+
+def _kv_blocks(cfg: _Static, mask, sq, sk):
+    """For each query block, the key blocks to visit (a numpy int array each)."""
+    nq, nk = _cdiv(sq, cfg.block_q), _cdiv(sk, cfg.block_kv)
+    kinds = masks_.static_block_kinds(mask, sq, sk, cfg.block_q, cfg.block_kv)
+    if kinds is None:
+        return [np.arange(nk) for _ in range(nq)]
+    return [np.flatnonzero(kinds[0, i] != masks_.EMPTY) for i in range(nq)]
+
+
+def _grouped(a, kvh):
+    """`[B, S, H, D]` -> `[B, KVH, G, S, D]` (query head h = kv head h // G, member h % G)."""
+    b, s, h, d = a.shape
+    return a.reshape(b, s, kvh, h // kvh, d).transpose(0, 2, 3, 1, 4)
+
+
+def _ungrouped(a):
+    b, kvh, g, s, d = a.shape
+    return a.transpose(0, 3, 1, 2, 4).reshape(b, s, kvh * g, d)
+
+
+def _scores(cfg: _Static, qb, kb, mask, qi, kj, sk):
+    """Capped scores `[B, KVH, G, bq, bk]` (float32), the pre-cap ratio, and visibility."""
+    s = jnp.einsum("bhgqd,bkhd->bhgqk", qb, kb, preferred_element_type=jnp.float32) * cfg.scale
+    capped = s
+    if cfg.soft_cap is not None:
+        capped = cfg.soft_cap * jnp.tanh(s / cfg.soft_cap)
+    vis = (mask.visible(qi, kj) & (kj < sk)[None, None, :])[:, None, None]
+    return capped, vis
+
+
+def _forward(cfg: _Static, q, k, v, sinks, mask):
+    b, sq, h, _ = q.shape
+    sk, kvh = k.shape[1], k.shape[2]
+    g = h // kvh
+    bq, bk = cfg.block_q, cfg.block_kv
+    nq, nk = _cdiv(sq, bq), _cdiv(sk, bk)
+    qg = _pad(_grouped(q, kvh), 3, nq * bq)
+    kp, vp = _pad(k, 1, nk * bk), _pad(v, 1, nk * bk)
+    dv = v.shape[-1]
+    outs, lses = [], []
+    for i, js in enumerate(_kv_blocks(cfg, mask, sq, sk)):
+        qb = lax.slice_in_dim(qg, i * bq, (i + 1) * bq, axis=3)
+        qi = i * bq + jnp.arange(bq)
+
+        def step(carry, j, qb=qb, qi=qi):
+            m, l, acc = carry
+            kb = lax.dynamic_slice_in_dim(kp, j * bk, bk, axis=1)
+            vb = lax.dynamic_slice_in_dim(vp, j * bk, bk, axis=1)
+            s, vis = _scores(cfg, qb, kb, mask, qi, j * bk + jnp.arange(bk), sk)
+            s = jnp.where(vis, s, -jnp.inf)
+            m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+            m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+            alpha = jnp.exp(m - m_safe)
+            p = jnp.exp(s - m_safe[..., None])
+            pv = jnp.einsum("bhgqk,bkhd->bhgqd", p.astype(v.dtype), vb, preferred_element_type=jnp.float32)
+            return (m_new, l * alpha + jnp.sum(p, axis=-1), acc * alpha[..., None] + pv), None
+
+        init = (
+            jnp.full((b, kvh, g, bq), -jnp.inf, jnp.float32),
+            jnp.zeros((b, kvh, g, bq), jnp.float32),
+            jnp.zeros((b, kvh, g, bq, dv), jnp.float32),
+        )
+        (m, l, acc), _ = lax.scan(step, init, jnp.asarray(js, jnp.int32)) if len(js) else (init, None)
+        if sinks is not None:
+            sink = sinks.astype(jnp.float32).reshape(kvh, g)[None, :, :, None]
+            m_f = jnp.maximum(m, sink)
+            alpha = jnp.exp(m - m_f)
+            l = l * alpha + jnp.exp(sink - m_f)
+            acc = acc * alpha[..., None]
+            m = m_f
+        m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
+        seen = l > 0
+        outs.append(jnp.where(seen[..., None], acc / jnp.where(seen, l, 1.0)[..., None], 0.0))
+        lses.append(jnp.where(seen, m_safe + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf))
+    out = jnp.concatenate(outs, axis=3)[:, :, :, :sq]
+    lse = jnp.concatenate(lses, axis=3)[:, :, :, :sq]
+    return out, lse  # [B, KVH, G, Sq, Dv] float32, [B, KVH, G, Sq]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _attention(cfg: _Static, q, k, v, sinks, mask):
+    out, _ = _forward(cfg, q, k, v, sinks, mask)
+    return _ungrouped(out).astype(q.dtype)
+
+
+def _attention_fwd(cfg, q, k, v, sinks, mask):
+    out, lse = _forward(cfg, q, k, v, sinks, mask)
+    return _ungrouped(out).astype(q.dtype), (q, k, v, sinks, mask, out, lse)
+
+
+def _attention_bwd(cfg: _Static, res, d_out):
+    q, k, v, sinks, mask, out, lse = res
+    b, sq, h, d = q.shape
+    sk, kvh = k.shape[1], k.shape[2]
+    g = h // kvh
+    bq, bk = cfg.block_q, cfg.block_kv
+    nq, nk = _cdiv(sq, bq), _cdiv(sk, bk)
+    do = _grouped(d_out, kvh)  # [B, KVH, G, Sq, Dv]
+    delta = jnp.sum(do.astype(jnp.float32) * out, axis=-1)  # [B, KVH, G, Sq]
+    qg, do_p = _pad(_grouped(q, kvh), 3, nq * bq), _pad(do, 3, nq * bq)
+    delta_p = _pad(delta, 3, nq * bq)
+    lse_p = _pad(lse, 3, nq * bq)
+    kp, vp = _pad(k, 1, nk * bk), _pad(v, 1, nk * bk)
+    dk = jnp.zeros(kp.shape, jnp.float32)
+    dv = jnp.zeros(vp.shape, jnp.float32)
+    dqs = []
+    for i, js in enumerate(_kv_blocks(cfg, mask, sq, sk)):
+        rows = lambda a, i=i: lax.slice_in_dim(a, i * bq, (i + 1) * bq, axis=3)  # noqa: E731
+        qb, dob, delta_b, lse_b = rows(qg), rows(do_p), rows(delta_p), rows(lse_p)
+        finite = jnp.isfinite(lse_b)
+        lse_b = jnp.where(finite, lse_b, 0.0)
+        qi = i * bq + jnp.arange(bq)
+
+        def step(carry, j, qb=qb, dob=dob, delta_b=delta_b, lse_b=lse_b, finite=finite, qi=qi):
+            dq, dk, dv = carry
+            kb = lax.dynamic_slice_in_dim(kp, j * bk, bk, axis=1)
+            vb = lax.dynamic_slice_in_dim(vp, j * bk, bk, axis=1)
+            s, vis = _scores(cfg, qb, kb, mask, qi, j * bk + jnp.arange(bk), sk)
+            p = jnp.where(vis & finite[..., None], jnp.exp(s - lse_b[..., None]), 0.0)
+            dv_b = jnp.einsum("bhgqk,bhgqd->bkhd", p.astype(v.dtype), dob, preferred_element_type=jnp.float32)
+            dp = jnp.einsum("bhgqd,bkhd->bhgqk", dob, vb, preferred_element_type=jnp.float32)
+            ds = p * (dp - delta_b[..., None])
+            if cfg.soft_cap is not None:
+                ds = ds * (1.0 - jnp.square(s / cfg.soft_cap))
+            ds = (ds * cfg.scale).astype(q.dtype)
+            dq = dq + jnp.einsum("bhgqk,bkhd->bhgqd", ds, kb, preferred_element_type=jnp.float32)
+            dk_b = jnp.einsum("bhgqk,bhgqd->bkhd", ds, qb, preferred_element_type=jnp.float32)
+            add = lambda acc, blk: lax.dynamic_update_slice_in_dim(  # noqa: E731
+                acc, lax.dynamic_slice_in_dim(acc, j * bk, bk, axis=1) + blk, j * bk, axis=1
+            )
+            return (dq, add(dk, dk_b), add(dv, dv_b)), None
+
+        dq0 = jnp.zeros((b, kvh, g, bq, d), jnp.float32)
+        if len(js):
+            (dq_i, dk, dv), _ = lax.scan(step, (dq0, dk, dv), jnp.asarray(js, jnp.int32))
+        else:
+            dq_i = dq0
+        dqs.append(dq_i)
+    dq = _ungrouped(jnp.concatenate(dqs, axis=3)[:, :, :, :sq])
+    d_sinks = None
+    if sinks is not None:
+        sink = sinks.astype(jnp.float32).reshape(kvh, g)[None, :, :, None]
+        p_sink = jnp.exp(sink - jnp.where(jnp.isfinite(lse), lse, 0.0))
+        d_sinks = (-jnp.sum(p_sink * delta, axis=(0, 3))).reshape(h).astype(sinks.dtype)
+    return (
+        dq.astype(q.dtype),
+        dk[:, :sk].astype(k.dtype),
+        dv[:, :sk].astype(v.dtype),
+        d_sinks,
+        None,
+    )
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)

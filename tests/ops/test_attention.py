@@ -1,0 +1,196 @@
+"""attention: masks, the xla implementation against the float64 oracle (values and dq, dk, dv,
+dsinks), GQA, soft-capping, ragged lengths, fully masked rows, the named layer and bad input."""
+
+from __future__ import annotations
+
+import haliax as hax
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import axkern
+from axkern import masks
+from axkern.positional import attention
+from tests.helpers import assert_oracle_rule, to64, x64
+
+
+def _seg(key, b, n, p=0.15):
+    return jnp.cumsum(jax.random.bernoulli(key, p, (b, n)), axis=1).astype(jnp.int32)
+
+
+def _mask(kind, b, sq, sk):
+    seg_q = _seg(jax.random.PRNGKey(11), b, sq)
+    seg_k = seg_q if sq == sk else _seg(jax.random.PRNGKey(12), b, sk)
+    return {
+        "causal": masks.Causal(offset=sk - sq),
+        "full": masks.Full(),
+        "window": masks.SlidingWindow(7, offset=sk - sq),
+        "segments": masks.Segments(seg_q, seg_k),
+        "prefix": masks.PrefixLM(jnp.array([3, 20][:b])),
+        "causal&segments": masks.Causal(offset=sk - sq) & masks.Segments(seg_q, seg_k),
+        "window|prefix": masks.SlidingWindow(4) | masks.PrefixLM(jnp.array([5, 0][:b])),
+    }[kind]
+
+
+def _inputs(seed, b, sq, sk, h, kvh, d, dtype):
+    k = jax.random.split(jax.random.PRNGKey(seed), 4)
+    dt = jnp.dtype(dtype)
+    return dict(
+        q=jax.random.normal(k[0], (b, sq, h, d)).astype(dt),
+        k=jax.random.normal(k[1], (b, sk, kvh, d)).astype(dt),
+        v=jax.random.normal(k[2], (b, sk, kvh, d)).astype(dt),
+        sinks=jax.random.normal(k[3], (h,)),
+    )
+
+
+def _run(impl, arrays, mask, *, sinks=True, cap=None, blocks=(16, 16)):
+    def f(q, k, v, s):
+        o = attention(
+            q,
+            k,
+            v,
+            mask=mask,
+            sinks=s if sinks else None,
+            logits_soft_cap=cap,
+            implementation=impl,
+            block_sizes=dict(block_q=blocks[0], block_kv=blocks[1]) if impl == "xla" else None,
+        )
+        cot = jnp.cos(jnp.arange(o.size, dtype=jnp.float32).reshape(o.shape))
+        return jnp.sum(o.astype(jnp.float32) * cot), o
+
+    (_, out), grads = jax.value_and_grad(f, argnums=(0, 1, 2, 3), has_aux=True)(
+        arrays["q"], arrays["k"], arrays["v"], arrays["sinks"]
+    )
+    return out, grads if sinks else grads[:3]
+
+
+def check(arrays, mask, dtype, **kw):
+    with x64():
+        want = jax.tree.map(
+            np.asarray, _run("reference", {n: to64(a) for n, a in arrays.items()}, mask, **kw)
+        )
+    same = _run("reference", arrays, mask, **kw)
+    got = _run("xla", arrays, mask, **kw)
+    assert_oracle_rule(got[0], same[0], want[0], dtype, f"attention xla {dtype} out")
+    assert_oracle_rule(got[1], same[1], want[1], dtype, f"attention xla {dtype} grads")
+    return got
+
+
+MASKS = ["causal", "full", "window", "segments", "prefix", "causal&segments", "window|prefix"]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("kind", MASKS)
+def test_against_float64_oracle(kind, dtype):
+    # lengths not multiples of the 16x16 tiles; GQA 2; q length != kv length
+    b, sq, sk = 2, 37, 53
+    arrays = _inputs(MASKS.index(kind), b, sq, sk, 4, 2, 16, dtype)
+    check(arrays, _mask(kind, b, sq, sk), dtype, sinks=kind != "full", cap=5.0 if "s" in kind else None)
+
+
+@pytest.mark.parametrize("kv_heads", [8, 2, 1])  # GQA ratios 1, 4, 8
+@pytest.mark.parametrize("cap", [None, 3.0])
+def test_gqa_and_soft_cap(kv_heads, cap):
+    arrays = _inputs(5, 1, 40, 40, 8, kv_heads, 8, "float32")
+    check(arrays, masks.Causal(), "float32", sinks=kv_heads != 2, cap=cap, blocks=(8, 16))
+
+
+def test_fully_masked_rows_are_zero_not_nan():
+    b, s = 1, 24
+    arrays = _inputs(6, b, s, s, 2, 2, 8, "float32")
+    q_ids = jnp.zeros((b, s), jnp.int32).at[:, :5].set(7)  # queries 0-4 match no key
+    mask = masks.Segments(q_ids, jnp.zeros((b, s), jnp.int32))
+    for impl in ("xla", "reference"):
+        out, grads = _run(impl, arrays, mask, sinks=False)
+        assert not any(np.isnan(np.asarray(g)).any() for g in jax.tree.leaves((out, grads)))
+        np.testing.assert_array_equal(np.asarray(out[:, :5]), 0.0)
+    check(arrays, mask, "float32", sinks=False)
+
+
+def test_masks_dense_and_block_kinds():
+    sq, sk = 10, 13
+    i, j = np.arange(sq)[:, None], np.arange(sk)[None, :]
+    ids = np.array([[0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2]])
+    cases = {
+        "causal": (masks.Causal(offset=3), j <= i + 3),
+        "window": (masks.SlidingWindow(3), (j <= i) & (j > i - 3)),
+        "full": (masks.Full(), np.ones((sq, sk), bool)),
+        "prefix": (masks.PrefixLM(jnp.array([4])), (j <= i) | (j < 4)),
+        "segments": (masks.Segments(ids[:, :sq], ids), ids[0, :sq][:, None] == ids[0][None, :]),
+    }
+    for name, (mask, want) in cases.items():
+        np.testing.assert_array_equal(np.asarray(mask.dense(sq, sk))[0], want, err_msg=name)
+        combo = mask & masks.Causal()
+        np.testing.assert_array_equal(np.asarray(combo.dense(sq, sk))[0], want & (j <= i), err_msg=name)
+        kinds = np.asarray(mask.block_kinds(sq, sk, 4, 4))[0]
+        padded = np.zeros((12, 16), bool)
+        padded[:sq, :sk] = want
+        tiles = padded.reshape(3, 4, 4, 4)
+        expect = np.where(
+            tiles.all((1, 3)), masks.FULL, np.where(tiles.any((1, 3)), masks.PARTIAL, masks.EMPTY)
+        )
+        np.testing.assert_array_equal(kinds, expect, err_msg=name)
+    assert masks.is_static(masks.Causal() & masks.SlidingWindow(2))
+    assert not masks.is_static(masks.Causal() & masks.PrefixLM(jnp.array([1])))
+
+
+def test_static_masks_skip_empty_tiles():
+    # causal with 8x8 tiles over 32 positions: 10 of 16 tiles are visited
+    from axkern.ops.attention import xla
+
+    cfg = xla._Static(8, 8, 1.0, None)
+    assert sum(len(js) for js in xla._kv_blocks(cfg, masks.Causal(), 32, 32)) == 10
+    assert sum(len(js) for js in xla._kv_blocks(cfg, masks.SlidingWindow(8), 32, 32)) == 7
+
+
+def test_bad_input_names_the_problem():
+    a = _inputs(0, 1, 8, 8, 6, 4, 8, "float32")
+    with pytest.raises(ValueError, match="heads=6 is not a multiple of kv_heads=4"):
+        attention(a["q"], a["k"], a["v"])
+    a = _inputs(0, 1, 8, 8, 4, 2, 8, "float32")
+    with pytest.raises(ValueError, match="head dim is 8 but k's is 4"):
+        attention(a["q"], a["k"][..., :4], a["v"])
+    with pytest.raises(ValueError, match="Segments: q_ids is"):
+        attention(a["q"], a["k"], a["v"], mask=masks.Segments(jnp.zeros((1, 5), int), jnp.zeros((1, 8), int)))
+    with pytest.raises(ValueError, match="batch size 2 differs"):
+        attention(a["q"], a["k"], a["v"], mask=masks.PrefixLM(jnp.array([1, 2])))
+    with pytest.raises(ValueError, match="size must be a positive int"):
+        masks.SlidingWindow(0)
+
+
+def test_named_layer_matches_positional_and_keeps_axis_order():
+    Batch, Pos, KPos = hax.Axis("batch", 2), hax.Axis("position", 24), hax.Axis("key_position", 24)
+    Heads, KVHeads, HeadDim = hax.Axis("heads", 4), hax.Axis("kv_heads", 2), hax.Axis("head_size", 8)
+    a = _inputs(3, 2, 24, 24, 4, 2, 8, "float32")
+    q = hax.named(a["q"], (Batch, Pos, Heads, HeadDim)).rearrange((Heads, Batch, HeadDim, Pos))
+    k = hax.named(a["k"], (Batch, KPos, KVHeads, HeadDim))
+    v = hax.named(a["v"], (Batch, KPos, KVHeads, HeadDim))
+    out = axkern.attention(q, k, v, sinks=hax.named(a["sinks"], (Heads,)))
+    assert [ax.name for ax in out.axes] == ["heads", "batch", "head_size", "position"]
+    want = attention(a["q"], a["k"], a["v"], sinks=a["sinks"])
+    np.testing.assert_allclose(np.asarray(out.rearrange((Batch, Pos, Heads, HeadDim)).array), want, rtol=1e-6)
+    # self-attention: k and v on the query position axis, MHA without a KVHeads axis
+    kk = hax.named(jnp.repeat(a["k"], 2, axis=2), (Batch, Pos, Heads, HeadDim))
+    vv = hax.named(jnp.repeat(a["v"], 2, axis=2), (Batch, Pos, Heads, HeadDim))
+    out2 = axkern.attention(q, kk, vv, sinks=hax.named(a["sinks"], (Heads,)))
+    np.testing.assert_allclose(
+        np.asarray(out2.rearrange((Batch, Pos, Heads, HeadDim)).array), want, rtol=1e-5
+    )
+    with pytest.raises(ValueError, match="Heads"):
+        axkern.attention(q, k, v, Heads="nope")
+    with pytest.raises(ValueError, match="batch axes"):
+        axkern.attention(q, k.rename({"batch": "other"}), v)
+
+
+def test_explain_and_jit():
+    a = _inputs(1, 1, 64, 64, 4, 4, 16, "bfloat16")
+    d = axkern.explain(lambda q, k, v: attention(q, k, v), a["q"], a["k"], a["v"])
+    assert d.op == "attention" and d.implementation == "xla" and d.spec.dim("kv_heads") == 4
+    mask = masks.Segments(jnp.zeros((1, 64), int), jnp.zeros((1, 64), int)) & masks.Causal()
+    f = jax.jit(lambda q, k, v, m: attention(q, k, v, mask=m))
+    np.testing.assert_allclose(
+        np.asarray(f(a["q"], a["k"], a["v"], mask), np.float32),
+        np.asarray(attention(a["q"], a["k"], a["v"]), np.float32),
+        atol=1e-2,
+    )
