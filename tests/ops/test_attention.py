@@ -3,6 +3,8 @@ dsinks), GQA, soft-capping, ragged lengths, fully masked rows, the named layer a
 
 from __future__ import annotations
 
+import dataclasses
+
 import haliax as hax
 import jax
 import jax.numpy as jnp
@@ -194,3 +196,22 @@ def test_explain_and_jit():
         np.asarray(attention(a["q"], a["k"], a["v"]), np.float32),
         atol=1e-2,
     )
+
+
+def test_cudnn_says_why_it_cannot_serve():
+    a = _inputs(0, 1, 16, 16, 2, 2, 8, "bfloat16")
+    with pytest.raises(axkern.Unsupported, match="runs on gpu, not cpu"):
+        attention(a["q"], a["k"], a["v"], implementation="cudnn")
+    from axkern.ops.attention import OP, cudnn
+
+    def spec(**flags):
+        dims = {"batch": 1, "q_len": 16, "kv_len": 16, "heads": 2, "kv_heads": 2, "head_dim": 64, "v_dim": 64}
+        base = dict(soft_cap=False, sinks=False, mask="Causal")
+        return dataclasses.replace(OP.spec(dims, jnp.bfloat16, **(base | flags)), platform="gpu")
+
+    assert cudnn.supports(spec()) is None
+    assert "soft cap" in cudnn.supports(spec(soft_cap=True))
+    assert "sinks" in cudnn.supports(spec(sinks=True))
+    assert "Segments" in cudnn.supports(spec(mask="Segments"))
+    assert cudnn._mask_args(masks.SlidingWindow(128)) == {"local_window_size": (127, 0)}
+    assert cudnn._mask_args(masks.Causal(offset=3)) is None

@@ -17,7 +17,7 @@ from axkern.core import named
 from axkern.core.op import Implementation, Op
 from axkern.core.typing import Array, Float, checked
 
-from . import reference, xla
+from . import cudnn, reference, xla
 from .blocks import AttentionBlockSizes, bucket, heuristic
 
 __all__ = ["attention", "attention_positional", "OP", "AttentionBlockSizes"]
@@ -34,8 +34,16 @@ OP = Op(
             heuristic=heuristic,
             backward="custom_vjp: flash-style recomputation per tile (float32 dk/dv accumulators)",
         ),
+        Implementation(
+            "cudnn",
+            cudnn.attention,
+            platforms=("gpu",),
+            supports=cudnn.supports,
+            backward="cuDNN's (jax.nn.dot_product_attention's custom_vjp)",
+        ),
         Implementation("reference", reference.attention, backward="autodiff through materialised scores"),
     ],
+    # cudnn is not yet in the GPU order: not yet run on the device through this wrapper
     default_order={"cpu": ("xla",), "gpu": ("xla",), "tpu": ("xla",)},
     package=__package__,
     bucket=bucket,

@@ -1,0 +1,54 @@
+"""cuDNN's fused attention through `jax.nn.dot_product_attention(implementation="cudnn")`.
+
+Offered only where that call can serve (`supports`): a CUDA GPU, bf16 or f16, a causal
+(`Causal()`), sliding-window (`SlidingWindow(size)`, as `local_window_size=(size - 1, 0)`)
+or full mask, no soft cap, no sinks, head dims equal and a multiple of 8 up to 256 (cuDNN's
+limits as JAX checks them). Masks holding arrays (`Segments`, `PrefixLM`) are not
+expressible through JAX's public API (it has no segment ids), hence refused. Forward and
+backward are cuDNN's (JAX's own `custom_vjp`).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from axkern import masks as masks_
+
+
+def _mask_args(mask):
+    if isinstance(mask, masks_.Full):
+        return {}
+    if isinstance(mask, masks_.Causal) and mask.offset == 0:
+        return {"is_causal": True}
+    if isinstance(mask, masks_.SlidingWindow) and mask.offset == 0:
+        return {"local_window_size": (mask.size - 1, 0)}
+    return None
+
+
+def supports(spec) -> str | None:
+    if spec.platform != "gpu":
+        return "cuDNN attention needs a CUDA GPU"
+    if spec.dtype not in ("bfloat16", "float16"):
+        return f"cuDNN attention takes bf16 or f16, not {spec.dtype}"
+    if spec.flag("soft_cap"):
+        return "cuDNN attention through jax.nn.dot_product_attention has no logit soft cap"
+    if spec.flag("sinks"):
+        return "cuDNN attention through jax.nn.dot_product_attention has no sinks"
+    if spec.flag("mask") not in ("Causal", "SlidingWindow", "Full"):
+        return f"mask {spec.flag('mask')} is not expressible through jax.nn.dot_product_attention"
+    d = spec.dim("head_dim")
+    if d != spec.dim("v_dim") or d % 8 or d > 256:
+        return f"head dims {d} and {spec.dim('v_dim')}: cuDNN needs them equal, a multiple of 8, at most 256"
+    return None
+
+
+def attention(q, k, v, sinks, mask, *, scale, logits_soft_cap):
+    del sinks, logits_soft_cap  # refused by supports()
+    args = _mask_args(mask)
+    if args is None:
+        from axkern.core.op import Unsupported
+
+        raise Unsupported(f"{mask!r} is not expressible through jax.nn.dot_product_attention")
+    out = jax.nn.dot_product_attention(q, k, v, scale=scale, implementation="cudnn", **args)
+    return out.astype(jnp.result_type(q))

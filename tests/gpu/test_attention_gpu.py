@@ -1,0 +1,39 @@
+"""attention on a real GPU: the xla implementation and the cuDNN wrapper against the oracle rule.
+
+Run with `AXKERN_TEST_GPU=1 python -m pytest tests/gpu -m gpu`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import axkern
+from axkern import masks
+from tests.helpers import assert_oracle_rule
+from tests.ops.test_attention import _inputs, _run
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("mask", [masks.Causal(), masks.SlidingWindow(128), masks.Full()])
+@pytest.mark.parametrize("impl", ["xla", "cudnn"])
+def test_against_oracle(impl, mask):
+    a = _inputs(0, 2, 1024, 1024, 8, 2, 64, "bfloat16")
+    up = {n: x.astype(jnp.float32) for n, x in a.items()}
+    oracle = _run("reference", up, mask, sinks=False, blocks=(256, 256))
+    same = _run("reference", a, mask, sinks=False, blocks=(256, 256))
+    got = _run(impl, a, mask, sinks=False, blocks=(256, 256))
+    assert_oracle_rule(got[0], same[0], oracle[0], "bfloat16", f"attention {impl} out")
+    assert_oracle_rule(got[1], same[1], oracle[1], "bfloat16", f"attention {impl} grads")
+
+
+def test_cudnn_is_chosen_explicitly_and_compiles():
+    a = _inputs(0, 1, 256, 256, 4, 4, 64, "bfloat16")
+    d = axkern.explain(
+        lambda q, k, v: axkern.positional.attention(q, k, v, implementation="cudnn"), a["q"], a["k"], a["v"]
+    )
+    assert d.implementation == "cudnn"
+    f = jax.jit(lambda q, k, v: axkern.positional.attention(q, k, v, implementation="cudnn"))
+    assert f(a["q"], a["k"], a["v"]).shape == (1, 256, 4, 64)
