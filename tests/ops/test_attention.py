@@ -215,3 +215,54 @@ def test_cudnn_says_why_it_cannot_serve():
     assert "Segments" in cudnn.supports(spec(mask="Segments"))
     assert cudnn._mask_args(masks.SlidingWindow(128)) == {"local_window_size": (127, 0)}
     assert cudnn._mask_args(masks.Causal(offset=3)) is None
+
+
+@pytest.mark.parametrize(
+    "mesh_shape, mapping, kv_heads",
+    [
+        ((8, 1), {"batch": "data"}, 2),
+        ((2, 4), {"batch": "data", "heads": "model", "kv_heads": "model"}, 4),
+        ((2, 4), {"batch": "data", "heads": "model"}, 1),  # MQA: the one kv head on every shard
+    ],
+)
+def test_sharded_equals_unsharded(mesh_shape, mapping, kv_heads):
+    from jax.sharding import Mesh
+
+    Batch, Pos, KPos = hax.Axis("batch", 8), hax.Axis("position", 24), hax.Axis("key_position", 24)
+    Heads, KVHeads, HeadDim = hax.Axis("heads", 8), hax.Axis("kv_heads", kv_heads), hax.Axis("head_size", 8)
+    a = _inputs(4, 8, 24, 24, 8, kv_heads, 8, "float32")
+    q = hax.named(a["q"], (Batch, Pos, Heads, HeadDim))
+    k = hax.named(a["k"], (Batch, KPos, KVHeads, HeadDim))
+    v = hax.named(a["v"], (Batch, KPos, KVHeads, HeadDim))
+    sinks = hax.named(a["sinks"], (Heads,))
+    seg = _seg(jax.random.PRNGKey(3), 8, 24)
+    mask = masks.Causal() & masks.Segments(seg, seg)
+
+    def f(q, k, v, sinks):
+        out = axkern.attention(
+            q, k, v, mask=mask, sinks=sinks, logits_soft_cap=4.0, block_sizes={"block_q": 8, "block_kv": 8}
+        )
+        return hax.sum(out * out).array, out
+
+    want = jax.value_and_grad(f, argnums=(0, 1, 2, 3), has_aux=True)(q, k, v, sinks)
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(mesh_shape), ("data", "model"))
+    with hax.partitioning.set_mesh(mesh), hax.axis_mapping(mapping):
+        fn = jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2, 3), has_aux=True))
+        got = fn(q, k, v, sinks)
+        text = fn.lower(q, k, v, sinks).as_text()
+        assert "manual_computation" in text or "shard_map" in text
+    for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-5)
+
+
+def test_sharding_refuses_kv_heads_mapped_apart_from_heads():
+    from jax.sharding import Mesh
+
+    a = _inputs(4, 2, 8, 8, 4, 2, 8, "float32")
+    axes = lambda kvh: (hax.Axis("batch", 2), hax.Axis("position", 8), kvh, hax.Axis("head_size", 8))  # noqa: E731
+    q = hax.named(a["q"], axes(hax.Axis("heads", 4)))
+    k = hax.named(a["k"], axes(hax.Axis("kv_heads", 2)))
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "model"))
+    with hax.partitioning.set_mesh(mesh), hax.axis_mapping({"heads": "model"}):
+        with pytest.raises(ValueError, match="map both to the same mesh axes"):
+            axkern.attention(q, k, k)

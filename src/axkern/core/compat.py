@@ -68,6 +68,20 @@ def _to_varying(x, axes: tuple[str, ...]):
     return jax.lax.pvary(x, axes)  # pragma: no cover - jax before pcast
 
 
+def vary_like(value, *refs):
+    """`value` (a pytree) cast to vary over every manual mesh axis the `refs` vary over: a
+    `lax.scan` carry started from a constant must match the carry its body returns."""
+    union = frozenset().union(*(_vma(leaf) for r in refs for leaf in jax.tree.leaves(r)))
+    if not union:
+        return value
+
+    def cast(leaf):
+        v = _vma(leaf)
+        return leaf if v == union else _to_varying(leaf, tuple(sorted(union - v)))
+
+    return jax.tree.map(cast, value)
+
+
 def match_vma(*arrays):
     """Make every array vary over the same manual mesh axes (inside `shard_map`), else no-op.
 
@@ -76,11 +90,13 @@ def match_vma(*arrays):
     over `data`) would get a varying cotangent: casting the inputs up front makes the types
     agree, and the cast's transpose is the `psum` the weight's gradient needs.
     """
-    vmas = [_vma(a) for a in arrays]
-    union = frozenset().union(*vmas)
+    leaves = [leaf for a in arrays for leaf in jax.tree.leaves(a)]  # arguments may be pytrees (masks)
+    union = frozenset().union(*(_vma(leaf) for leaf in leaves))
     if not union:
         return arrays
-    return tuple(
-        a if v == union else _to_varying(a, tuple(sorted(union - v)))
-        for a, v in zip(arrays, vmas, strict=True)
-    )
+
+    def cast(leaf):
+        v = _vma(leaf)
+        return leaf if v == union else _to_varying(leaf, tuple(sorted(union - v)))
+
+    return tuple(jax.tree.map(cast, a) for a in arrays)

@@ -10,10 +10,12 @@ denominator (a learnable "attend to nothing"). A query that sees no key gets zer
 from __future__ import annotations
 
 import haliax as hax
+import jax
+import jax.numpy as jnp
 from haliax import NamedArray
 
 from axkern import masks as masks_
-from axkern.core import named
+from axkern.core import compat, named
 from axkern.core.op import Implementation, Op
 from axkern.core.typing import Array, Float, checked
 
@@ -141,6 +143,9 @@ def attention(
     of `q`, in any order. `sinks`: over `Heads`. Masks index positions along `QPos` and
     `KPos`, and their batch dimension is the batch axes flattened in `q`'s order.
 
+    Under a haliax axis mapping with a mesh, batch axes and heads run in parallel (`KVHeads`
+    mapped like `Heads`, or a single kv head); positions and head dims are gathered.
+
     **Returns:** the batch axes, `QPos`, `Heads` and `v`'s `HeadDim`, in `q`'s axis order.
     """
     for arg, value in (("q", q), ("k", k), ("v", v)):
@@ -167,22 +172,55 @@ def attention(
                 f"{NAME}: {arg} must carry q's batch axes {named.axes_str(batch)} besides its position, "
                 f"heads and head dim; its axes are {named.axes_str(arr.axes)}"
             )
-    qd = named.flatten(named.ordered(q, (*batch, qpos, heads, head_dim)), len(batch))
-    kd = named.flatten(named.ordered(k, (*batch, kpos, kvheads, k_dim)), len(batch))
-    vd = named.flatten(named.ordered(v, (*batch, kpos, kvheads, v_dim)), len(batch))
+    n = len(batch)
+    q_axes, k_axes, v_axes = (
+        (*batch, qpos, heads, head_dim),
+        (*batch, kpos, kvheads, k_dim),
+        (*batch, kpos, kvheads, v_dim),
+    )
     if isinstance(sinks, NamedArray):
         sinks = named.match_axes(NAME, "sinks", sinks, (heads,), "Heads")
-    out = attention_positional(
-        qd,
-        kd,
-        vd,
-        mask=mask,
+    # a mask's arrays lead with the flattened batch: split it back into the batch axes to shard them
+    leaves, treedef = jax.tree_util.tree_flatten(masks_.Causal() if mask is None else mask)
+    lead = tuple(a.size for a in batch)
+    mask_inputs, mask_axes = [], []
+    for i, leaf in enumerate(leaves):
+        rest = tuple(hax.Axis(f"__mask{i}_{j}", size) for j, size in enumerate(leaf.shape[1:]))
+        mask_axes += [a.name for a in rest]
+        mask_inputs.append((f"mask leaf {i}", jnp.reshape(leaf, lead + leaf.shape[1:]), batch + rest))
+    replicated = (qpos.name, kpos.name, head_dim.name, v_dim.name, *mask_axes)
+    if kvheads.name != heads.name and kvheads.size == 1:
+        replicated += (kvheads.name,)  # MQA: every shard of heads reads the one kv head
+    elif kvheads.name != heads.name and compat.current_mesh() is not None:
+        if named.mesh_axes_for(heads) != named.mesh_axes_for(kvheads):
+            raise ValueError(
+                f"{NAME}: {heads.name} is mapped to mesh axes {named.mesh_axes_for(heads)!r} but "
+                f"{kvheads.name} to {named.mesh_axes_for(kvheads)!r}; map both to the same mesh axes "
+                "(each shard's query heads must find their kv heads on it)"
+            )
+    options = dict(
         scale=scale,
         logits_soft_cap=logits_soft_cap,
-        sinks=sinks,
         implementation=implementation,
         block_sizes=block_sizes,
     )
-    out = named.unflatten(out, tuple(a.size for a in batch))
-    result = hax.named(out, (*batch, qpos, heads, v_dim))
+
+    def local(qs, ks, vs, ss, *leaves_local):
+        fl = lambda a: named.flatten(a, n)  # noqa: E731
+        m = treedef.unflatten([jnp.reshape(x, (-1, *x.shape[n:])) for x in leaves_local])
+        out = attention_positional(fl(qs), fl(ks), fl(vs), mask=m, sinks=ss, **options)
+        return named.unflatten(out, qs.shape[:n])
+
+    inputs = [
+        ("q", named.ordered(q, q_axes), q_axes),
+        ("k", named.ordered(k, k_axes), k_axes),
+        ("v", named.ordered(v, v_axes), v_axes),
+        None if sinks is None else ("sinks", sinks, (heads,)),
+        *mask_inputs,
+    ]
+    out_axes = (*batch, qpos, heads, v_dim)
+    out = named.shard_by_mapping(NAME, local, inputs, out_axes, replicated=replicated)
+    if out is None:
+        out = local(*[None if i is None else i[1] for i in inputs])
+    result = hax.named(out, out_axes)
     return result.rearrange(tuple(a.name if a.name != head_dim.name else v_dim.name for a in q.axes))

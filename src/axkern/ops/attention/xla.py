@@ -32,6 +32,7 @@ import numpy as np
 from jax import lax
 
 from axkern import masks as masks_
+from axkern.core import compat
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,10 +122,16 @@ def _forward(cfg: _Static, q, k, v, sinks, mask):
             pv = jnp.einsum("bhgqk,bkhd->bhgqd", p.astype(v.dtype), vb, preferred_element_type=jnp.float32)
             return (m_new, l * alpha + jnp.sum(p, axis=-1), acc * alpha[..., None] + pv), None
 
-        init = (
-            jnp.full((b, kvh, g, bq), -jnp.inf, jnp.float32),
-            jnp.zeros((b, kvh, g, bq), jnp.float32),
-            jnp.zeros((b, kvh, g, bq, dv), jnp.float32),
+        init = compat.vary_like(
+            (
+                jnp.full((b, kvh, g, bq), -jnp.inf, jnp.float32),
+                jnp.zeros((b, kvh, g, bq), jnp.float32),
+                jnp.zeros((b, kvh, g, bq, dv), jnp.float32),
+            ),
+            q,
+            k,
+            v,
+            mask,
         )
         (m, l, acc), _ = lax.scan(step, init, jnp.asarray(js, jnp.int32)) if len(js) else (init, None)
         if sinks is not None:
@@ -167,8 +174,9 @@ def _attention_bwd(cfg: _Static, res, d_out):
     delta_p = _pad(delta, 3, nq * bq)
     lse_p = _pad(lse, 3, nq * bq)
     kp, vp = _pad(k, 1, nk * bk), _pad(v, 1, nk * bk)
-    dk = jnp.zeros(kp.shape, jnp.float32)
-    dv = jnp.zeros(vp.shape, jnp.float32)
+    dk, dv = compat.vary_like(
+        (jnp.zeros(kp.shape, jnp.float32), jnp.zeros(vp.shape, jnp.float32)), q, k, v, mask, d_out
+    )
     dqs = []
     for i, js in enumerate(_kv_blocks(cfg, mask, sq, sk)):
         rows = lambda a, i=i: lax.slice_in_dim(a, i * bq, (i + 1) * bq, axis=3)  # noqa: E731
@@ -196,7 +204,7 @@ def _attention_bwd(cfg: _Static, res, d_out):
             )
             return (dq, add(dk, dk_b), add(dv, dv_b)), None
 
-        dq0 = jnp.zeros((b, kvh, g, bq, d), jnp.float32)
+        dq0 = compat.vary_like(jnp.zeros((b, kvh, g, bq, d), jnp.float32), q, k, v, mask, d_out)
         if len(js):
             (dq_i, dk, dv), _ = lax.scan(step, (dq0, dk, dv), jnp.asarray(js, jnp.int32))
         else:
