@@ -41,6 +41,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from .chunks import pad_to_chunks, skip_and_gate
+
 
 def _dot(a, b, dtype, *, trans_a=False, trans_b=False):
     """`a @ b` with operands in `dtype` and float32 accumulation (full precision for float32)."""
@@ -365,14 +367,8 @@ def ssd(layout, x, dt, A, B, C, D, z, segment_ids, initial_state, *, chunk_size,
     q = chunk_size
     acc = jnp.promote_types(x.dtype, jnp.float32)
     batch, length, heads, _ = x.shape
-    pad = (-length) % q
-    seg = jnp.zeros((batch, length), jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
-    if pad:
-        zeros = lambda a: jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2))  # noqa: E731
-        x_p, dt_p, B_p, C_p = zeros(x), zeros(dt), zeros(B), zeros(C)
-        seg = jnp.concatenate([seg, jnp.broadcast_to(seg[:, -1:], (batch, pad))], axis=1)
-    else:
-        x_p, dt_p, B_p, C_p = x, dt, B, C
+    x_p, dt_p, B_p, C_p, seg = pad_to_chunks(x, dt, B, C, segment_ids, q)
+    pad = x_p.shape[1] - length
     chunks = (length + pad) // q
     dtc = jnp.moveaxis(dt_p.astype(acc), 2, 1).reshape(batch, heads, chunks, q)
     y, final = _core(
@@ -386,8 +382,4 @@ def ssd(layout, x, dt, A, B, C, D, z, segment_ids, initial_state, *, chunk_size,
         initial_state.astype(jnp.float32),
     )
     y = jnp.moveaxis(y, 1, 2)[:, :length]
-    if D is not None:
-        y = y + x.astype(acc) * (D.astype(acc) if D.ndim == 2 else D.astype(acc)[:, None])
-    if z is not None:
-        y = y * jax.nn.silu(z.astype(acc))
-    return y.astype(x.dtype), final.astype(initial_state.dtype)
+    return skip_and_gate(y.astype(acc), x, D, z).astype(x.dtype), final.astype(initial_state.dtype)

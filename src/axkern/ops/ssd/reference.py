@@ -12,6 +12,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from .chunks import skip_and_gate
+
 
 def ssd(x, dt, A, B, C, D, z, segment_ids, initial_state):
     """`(y [b, l, h, p], final_state [b, h, p, n])`; `dt` already biased, soft-plussed and clipped."""
@@ -40,9 +42,4 @@ def ssd(x, dt, A, B, C, D, z, segment_ids, initial_state):
     state0 = initial_state.astype(acc)
     final, y = lax.scan(step, state0, xs)
     y = jnp.moveaxis(y, 0, 1)
-    if D is not None:
-        Dh = D.astype(acc) if D.ndim == 2 else D.astype(acc)[:, None]
-        y = y + x.astype(acc) * Dh
-    if z is not None:
-        y = y * jax.nn.silu(z.astype(acc))
-    return y.astype(x.dtype), final.astype(initial_state.dtype)
+    return skip_and_gate(y.astype(acc), x, D, z).astype(x.dtype), final.astype(initial_state.dtype)

@@ -13,9 +13,10 @@ The length is padded to a multiple of `Q` with `dt = 0` rows, which leave the st
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from jax import lax
+
+from .chunks import pad_to_chunks, skip_and_gate
 
 
 def _chunks(a, q):
@@ -28,14 +29,8 @@ def ssd(x, dt, A, B, C, D, z, segment_ids, initial_state, *, block_sizes):
     batch, length, heads, _ = x.shape
     rep = heads // B.shape[2]
     q = chunk_size
-    pad = (-length) % q
-    seg = jnp.zeros((batch, length), jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
-    if pad:
-        zeros = lambda a: jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2))  # noqa: E731
-        x_p, dt_p, B_p, C_p = zeros(x), zeros(dt), zeros(B), zeros(C)
-        seg = jnp.concatenate([seg, jnp.broadcast_to(seg[:, -1:], (batch, pad))], axis=1)
-    else:
-        x_p, dt_p, B_p, C_p = x, dt, B, C
+    x_p, dt_p, B_p, C_p, seg = pad_to_chunks(x, dt, B, C, segment_ids, q)
+    pad = x_p.shape[1] - length
     xc = _chunks(x_p.astype(acc), q)  # [b, c, q, h, p]
     dtc = _chunks(dt_p.astype(acc), q)  # [b, c, q, h]
     Bc = jnp.repeat(_chunks(B_p.astype(acc), q), rep, axis=3)  # [b, c, q, h, n]
@@ -73,8 +68,4 @@ def ssd(x, dt, A, B, C, D, z, segment_ids, initial_state, *, block_sizes):
     y = y + jnp.einsum("bcthn,bchpn->bcthp", Cc, states_in) * from_state[..., None]
 
     y = y.reshape(batch, length + pad, heads, -1)[:, :length]
-    if D is not None:
-        y = y + x.astype(acc) * (D.astype(acc) if D.ndim == 2 else D.astype(acc)[:, None])
-    if z is not None:
-        y = y * jax.nn.silu(z.astype(acc))
-    return y.astype(x.dtype), final.astype(initial_state.dtype)
+    return skip_and_gate(y.astype(acc), x, D, z).astype(x.dtype), final.astype(initial_state.dtype)
