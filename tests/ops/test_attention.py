@@ -183,6 +183,8 @@ def test_named_layer_matches_positional_and_keeps_axis_order():
         axkern.attention(q, k, v, Heads="nope")
     with pytest.raises(ValueError, match="batch axes"):
         axkern.attention(q, k.rename({"batch": "other"}), v)
+    with pytest.raises(ValueError, match="mask's arrays must lead with q's batch axes"):
+        axkern.attention(q, k, v, mask=masks.PrefixLM(jnp.array([1, 2, 3])))
 
 
 def test_explain_and_jit():

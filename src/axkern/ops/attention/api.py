@@ -9,6 +9,8 @@ denominator (a learnable "attend to nothing"). A query that sees no key gets zer
 
 from __future__ import annotations
 
+import math
+
 import haliax as hax
 import jax
 import jax.numpy as jnp
@@ -185,6 +187,11 @@ def attention(
     lead = tuple(a.size for a in batch)
     mask_inputs, mask_axes = [], []
     for i, leaf in enumerate(leaves):
+        if jnp.ndim(leaf) == 0 or leaf.shape[0] != math.prod(lead):
+            raise ValueError(
+                f"{NAME}: the mask's arrays must lead with q's batch axes {named.axes_str(batch)} flattened "
+                f"({math.prod(lead)} rows); {mask!r} has an array of shape {list(jnp.shape(leaf))}"
+            )
         rest = tuple(hax.Axis(f"__mask{i}_{j}", size) for j, size in enumerate(leaf.shape[1:]))
         mask_axes += [a.name for a in rest]
         mask_inputs.append((f"mask leaf {i}", jnp.reshape(leaf, lead + leaf.shape[1:]), batch + rest))
