@@ -17,8 +17,8 @@ A mask answers two questions:
   or `PARTIAL`, as an int `[B or 1, q blocks, kv blocks]` array. Positions past the end of
   a sequence count as not visible.
 
-Masks combine with `&` (both allow) and `|` (either allows). `Segments` and `PrefixLM` hold
-per-batch arrays (they may be traced); the others are static.
+Masks combine with `&` (both allow) and `|` (either allows). `Segments`, `PrefixLM` and `Dense`
+hold arrays (they may be traced); the others are static.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ __all__ = [
     "SlidingWindow",
     "Segments",
     "PrefixLM",
+    "Dense",
     "And",
     "Or",
     "EMPTY",
@@ -210,6 +211,45 @@ class PrefixLM(Mask):
     def visible(self, q_idx, k_idx):
         q, k = _grid(q_idx, k_idx)
         return (k <= q) | (k < self.prefix_lengths[:, None, None])
+
+
+@jax.tree_util.register_pytree_node_class
+class Dense(Mask):
+    """An explicit boolean `[B or 1, Q, K]` mask (`True`: visible), e.g. one built elsewhere. It
+    holds the whole array, so no tile is ever skipped: prefer the structured masks."""
+
+    def __init__(self, visible):
+        v = jnp.asarray(visible)
+        if v.ndim != 3 or v.dtype != jnp.bool_:
+            raise ValueError(
+                f"Dense: visible must be a bool [batch or 1, q_len, kv_len] array, got {v.dtype}{list(v.shape)}"
+            )
+        self.array = v
+
+    def __repr__(self):
+        return f"Dense(visible{list(self.array.shape)})"
+
+    def tree_flatten(self):
+        return (self.array,), None
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        obj = object.__new__(cls)
+        (obj.array,) = children
+        return obj
+
+    def batch_size(self):
+        return None if self.array.shape[0] == 1 else self.array.shape[0]
+
+    def check(self, q_len, kv_len, batch):
+        super().check(q_len, kv_len, batch)
+        if self.array.shape[1:] != (q_len, kv_len):
+            raise ValueError(f"{self!r}: the queries have length {q_len} and the keys {kv_len}")
+
+    def visible(self, q_idx, k_idx):
+        qi = jnp.clip(jnp.asarray(q_idx), 0, self.array.shape[1] - 1)
+        kj = jnp.clip(jnp.asarray(k_idx), 0, self.array.shape[2] - 1)
+        return self.array[:, qi][:, :, kj]
 
 
 @jax.tree_util.register_pytree_node_class

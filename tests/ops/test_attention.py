@@ -268,3 +268,28 @@ def test_sharding_refuses_kv_heads_mapped_apart_from_heads():
     with hax.partitioning.set_mesh(mesh), hax.axis_mapping({"heads": "model"}):
         with pytest.raises(ValueError, match="map both to the same mesh axes"):
             axkern.attention(q, k, k)
+
+
+def test_haliax_compat_matches_haliax():
+    import haliax.nn.attention as hattn
+
+    from axkern.haliax_compat import dot_product_attention
+
+    Batch, Pos, KPos = hax.Axis("batch", 2), hax.Axis("position", 20), hax.Axis("key_position", 20)
+    Heads, Key = hax.Axis("heads", 3), hax.Axis("head_size", 8)
+    ks = jax.random.split(jax.random.PRNGKey(9), 4)
+    q = hax.random.normal(ks[0], (Batch, Pos, Heads, Key))
+    k = hax.random.normal(ks[1], (Batch, KPos, Heads, Key))
+    v = hax.random.normal(ks[2], (Heads, Batch, KPos, Key))
+    causal = hattn.causal_mask(Pos, KPos)
+    padding = hax.named(jnp.arange(20)[None, :] < jnp.array([[20], [13]]), (Batch, KPos))  # per-row lengths
+    for mask in (None, causal, hax.broadcast_axis(causal, Batch) & padding):
+        want = hattn.dot_product_attention(KPos, Key, q, k, v, mask=mask)
+        got = dot_product_attention(KPos, Key, q, k, v, mask=mask)
+        assert [a.name for a in got.axes] == [a.name for a in want.axes]
+        np.testing.assert_allclose(np.asarray(got.array), np.asarray(want.array), rtol=1e-5, atol=1e-5)
+    bias = hax.random.normal(ks[3], (Pos, KPos))  # served by haliax itself
+    np.testing.assert_array_equal(
+        np.asarray(dot_product_attention(KPos, Key, q, k, v, bias=bias).array),
+        np.asarray(hattn.dot_product_attention(KPos, Key, q, k, v, bias=bias).array),
+    )

@@ -185,16 +185,23 @@ def attention(
     # a mask's arrays lead with the flattened batch: split it back into the batch axes to shard them
     leaves, treedef = jax.tree_util.tree_flatten(masks_.Causal() if mask is None else mask)
     lead = tuple(a.size for a in batch)
-    mask_inputs, mask_axes = [], []
+    mask_inputs, mask_axes, shared = [], [], []
     for i, leaf in enumerate(leaves):
+        rest = tuple(hax.Axis(f"__mask{i}_{j}", size) for j, size in enumerate(jnp.shape(leaf)[1:]))
+        if jnp.ndim(leaf) and leaf.shape[0] == 1 and math.prod(lead) != 1:  # shared by every batch row
+            rest = (hax.Axis(f"__mask{i}_b", 1), *rest)
+            mask_axes += [a.name for a in rest]
+            mask_inputs.append((f"mask leaf {i}", leaf, rest))
+            shared.append(True)
+            continue
         if jnp.ndim(leaf) == 0 or leaf.shape[0] != math.prod(lead):
             raise ValueError(
                 f"{NAME}: the mask's arrays must lead with q's batch axes {named.axes_str(batch)} flattened "
-                f"({math.prod(lead)} rows); {mask!r} has an array of shape {list(jnp.shape(leaf))}"
+                f"({math.prod(lead)} rows) or with 1; {mask!r} has an array of shape {list(jnp.shape(leaf))}"
             )
-        rest = tuple(hax.Axis(f"__mask{i}_{j}", size) for j, size in enumerate(leaf.shape[1:]))
         mask_axes += [a.name for a in rest]
         mask_inputs.append((f"mask leaf {i}", jnp.reshape(leaf, lead + leaf.shape[1:]), batch + rest))
+        shared.append(False)
     replicated = (qpos.name, kpos.name, head_dim.name, v_dim.name, *mask_axes)
     if kvheads.name != heads.name and kvheads.size == 1:
         replicated += (kvheads.name,)  # MQA: every shard of heads reads the one kv head
@@ -214,7 +221,12 @@ def attention(
 
     def local(qs, ks, vs, ss, *leaves_local):
         fl = lambda a: named.flatten(a, n)  # noqa: E731
-        m = treedef.unflatten([jnp.reshape(x, (-1, *x.shape[n:])) for x in leaves_local])
+        m = treedef.unflatten(
+            [
+                x if one else jnp.reshape(x, (-1, *x.shape[n:]))
+                for x, one in zip(leaves_local, shared, strict=True)
+            ]
+        )
         out = attention_positional(fl(qs), fl(ks), fl(vs), mask=m, sinks=ss, **options)
         return named.unflatten(out, qs.shape[:n])
 

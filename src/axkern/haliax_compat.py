@@ -1,0 +1,96 @@
+"""Drop-in replacements for haliax functions, backed by axkern's kernels.
+
+```python
+# from haliax.nn.attention import dot_product_attention
+from axkern.haliax_compat import dot_product_attention
+```
+"""
+
+from __future__ import annotations
+
+import haliax as hax
+import haliax.nn.attention as hattn
+import jax
+import jax.numpy as jnp
+from haliax import NamedArray
+
+from . import masks
+from .ops.attention.api import attention
+
+__all__ = ["dot_product_attention"]
+
+_HEAD = "__axkern_head"  # a size-1 heads axis: haliax's heads are batch-like axes here
+
+
+def dot_product_attention(
+    KPos,
+    Key,
+    query: NamedArray,
+    key: NamedArray,
+    value: NamedArray,
+    mask: NamedArray | None = None,
+    bias: NamedArray | None = None,
+    attention_dtype=None,
+    precision=None,
+    *,
+    implementation=None,
+    block_sizes=None,
+) -> NamedArray:
+    """`haliax.nn.attention.dot_product_attention`'s signature and result (same axes, same order),
+    computed by `axkern.attention`.
+
+    The query's one axis that `key` lacks is its position axis; every axis shared by `query`
+    and `key` other than `Key` (batch, heads) runs in parallel. `mask` (bool, broadcastable to
+    those axes, the query position and `KPos`) becomes an `axkern.masks.Dense` mask.
+
+    Differences: a query whose keys are all masked gets zeros here, where haliax spreads its
+    attention evenly over the masked keys. Calls this cannot serve as haliax defines them — a
+    `bias`, an `attention_dtype` or `precision`, several `KPos` axes, or a query with more than
+    one axis missing from `key` — run haliax's own function.
+    """
+
+    def haliax_call():
+        return hattn.dot_product_attention(
+            KPos, Key, query, key, value, mask, bias, attention_dtype, precision
+        )
+
+    kpos_spec = KPos if isinstance(KPos, (str, hax.Axis)) else None
+    if bias is not None or attention_dtype is not None or precision is not None or kpos_spec is None:
+        return haliax_call()
+    kpos = key.resolve_axis(kpos_spec.name if isinstance(kpos_spec, hax.Axis) else kpos_spec)
+    key_name = Key.name if isinstance(Key, hax.Axis) else Key
+    if query.has_axis(kpos.name):
+        raise ValueError(
+            f"Axis {kpos.name} in KPos is also in query. Attended-to axes must be distinct from query axis"
+        )
+    k_names = {a.name for a in key.axes}
+    q_only = [a for a in query.axes if a.name not in k_names]
+    if len(q_only) != 1:
+        return haliax_call()
+    (qpos,) = q_only
+    shape = jax.eval_shape(haliax_call)  # the axes (and order) haliax would return
+    one = hax.Axis(_HEAD, 1)
+    add_head = lambda a: hax.broadcast_axis(a, one)  # noqa: E731
+    axk_mask = None
+    if mask is not None:
+        batch = [a for a in query.axes if a.name not in (qpos.name, key_name)]
+        mask_batch = [a for a in batch if mask.has_axis(a.name)]
+        lead = batch if mask_batch else []
+        arr = hax.broadcast_to(mask, (*lead, qpos, kpos)).rearrange((*lead, qpos, kpos)).array
+        arr = arr.reshape(-1, qpos.size, kpos.size) if lead else arr[None]
+        axk_mask = masks.Dense(arr.astype(jnp.bool_))
+    out = attention(
+        add_head(query),
+        add_head(key),
+        add_head(value),
+        QPos=qpos,
+        KPos=kpos,
+        Heads=_HEAD,
+        KVHeads=_HEAD,
+        HeadDim=key_name,
+        mask=axk_mask if axk_mask is not None else masks.Full(),
+        implementation=implementation,
+        block_sizes=block_sizes,
+    )
+    out = out[_HEAD, 0]
+    return out.rearrange(tuple(a.name for a in shape.axes))
