@@ -63,6 +63,11 @@ class Mask:
         if b is not None and b != batch:
             raise ValueError(f"{self!r}: the mask's batch size {b} differs from the inputs' {batch}")
 
+    def visible_2d(self, q_idx, k_idx):
+        """`visible` without the batch axis, `[Q, K]`, in 2-D operations only (inside kernels).
+        Static masks only."""
+        raise NotImplementedError(f"{type(self).__name__} holds arrays: it has no batch-free form")
+
     def dense(self, q_len: int, kv_len: int):
         """The whole `[B or 1, q_len, kv_len]` boolean mask (tests, the reference)."""
         return self.visible(jnp.arange(q_len), jnp.arange(kv_len))
@@ -93,8 +98,10 @@ class Full(Mask):
     """Every key visible to every query."""
 
     def visible(self, q_idx, k_idx):
-        q, k = _grid(q_idx, k_idx)
-        return jnp.ones(jnp.broadcast_shapes(q.shape, k.shape), bool)
+        return self.visible_2d(q_idx, k_idx)[None]
+
+    def visible_2d(self, q_idx, k_idx):
+        return jnp.full((jnp.shape(q_idx)[0], jnp.shape(k_idx)[0]), True)
 
 
 @jax.tree_util.register_static
@@ -107,7 +114,10 @@ class Causal(Mask):
     offset: int = 0
 
     def visible(self, q_idx, k_idx):
-        q, k = _grid(q_idx, k_idx)
+        return self.visible_2d(q_idx, k_idx)[None]
+
+    def visible_2d(self, q_idx, k_idx):
+        q, k = jnp.asarray(q_idx)[:, None], jnp.asarray(k_idx)[None, :]
         return k <= q + self.offset
 
 
@@ -125,8 +135,10 @@ class SlidingWindow(Mask):
             raise ValueError(f"SlidingWindow: size must be a positive int, got {self.size!r}")
 
     def visible(self, q_idx, k_idx):
-        q, k = _grid(q_idx, k_idx)
-        q = q + self.offset
+        return self.visible_2d(q_idx, k_idx)[None]
+
+    def visible_2d(self, q_idx, k_idx):
+        q, k = jnp.asarray(q_idx)[:, None] + self.offset, jnp.asarray(k_idx)[None, :]
         return (k <= q) & (k > q - self.size)
 
 
@@ -279,6 +291,9 @@ class And(Mask):
     def visible(self, q_idx, k_idx):
         return self.a.visible(q_idx, k_idx) & self.b.visible(q_idx, k_idx)
 
+    def visible_2d(self, q_idx, k_idx):
+        return self.a.visible_2d(q_idx, k_idx) & self.b.visible_2d(q_idx, k_idx)
+
 
 @jax.tree_util.register_pytree_node_class
 class Or(And):
@@ -289,6 +304,9 @@ class Or(And):
 
     def visible(self, q_idx, k_idx):
         return self.a.visible(q_idx, k_idx) | self.b.visible(q_idx, k_idx)
+
+    def visible_2d(self, q_idx, k_idx):
+        return self.a.visible_2d(q_idx, k_idx) | self.b.visible_2d(q_idx, k_idx)
 
 
 def is_static(mask: Mask) -> bool:

@@ -56,7 +56,9 @@ def _run(impl, arrays, mask, *, sinks=True, cap=None, blocks=(16, 16)):
             sinks=s if sinks else None,
             logits_soft_cap=cap,
             implementation=impl,
-            block_sizes=dict(block_q=blocks[0], block_kv=blocks[1]) if impl == "xla" else None,
+            block_sizes=dict(block_q=blocks[0], block_kv=blocks[1])
+            if impl in ("xla", "pallas_gpu")
+            else None,
         )
         cot = jnp.cos(jnp.arange(o.size, dtype=jnp.float32).reshape(o.shape))
         return jnp.sum(o.astype(jnp.float32) * cot), o
@@ -67,15 +69,16 @@ def _run(impl, arrays, mask, *, sinks=True, cap=None, blocks=(16, 16)):
     return out, grads if sinks else grads[:3]
 
 
-def check(arrays, mask, dtype, **kw):
+def check(arrays, mask, dtype, impl="xla", **kw):
     with x64():
         want = jax.tree.map(
             np.asarray, _run("reference", {n: to64(a) for n, a in arrays.items()}, mask, **kw)
         )
     same = _run("reference", arrays, mask, **kw)
-    got = _run("xla", arrays, mask, **kw)
-    assert_oracle_rule(got[0], same[0], want[0], dtype, f"attention xla {dtype} out")
-    assert_oracle_rule(got[1], same[1], want[1], dtype, f"attention xla {dtype} grads")
+    with axkern.use(interpret=True):
+        got = _run(impl, arrays, mask, **kw)
+    assert_oracle_rule(got[0], same[0], want[0], dtype, f"attention {impl} {dtype} out")
+    assert_oracle_rule(got[1], same[1], want[1], dtype, f"attention {impl} {dtype} grads")
     return got
 
 
@@ -89,6 +92,41 @@ def test_against_float64_oracle(kind, dtype):
     b, sq, sk = 2, 37, 53
     arrays = _inputs(MASKS.index(kind), b, sq, sk, 4, 2, 16, dtype)
     check(arrays, _mask(kind, b, sq, sk), dtype, sinks=kind != "full", cap=5.0 if "s" in kind else None)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("kind", ["causal", "full", "window"])
+def test_pallas_gpu_against_float64_oracle(kind, dtype):
+    # interpret mode; 16x16 tiles over lengths 37 and 53; GQA 2; sinks and soft cap
+    b, sq, sk = 2, 37, 53
+    arrays = _inputs(20 + MASKS.index(kind), b, sq, sk, 4, 2, 16, dtype)
+    check(arrays, _mask(kind, b, sq, sk), dtype, impl="pallas_gpu", sinks=kind != "full", cap=3.0)
+
+
+def test_pallas_gpu_rows_that_see_nothing_and_combined_masks():
+    arrays = _inputs(7, 1, 40, 40, 8, 1, 16, "float32")  # MQA
+    mask = masks.SlidingWindow(9) | masks.Causal(offset=-20)  # the first rows see only their window
+    check(arrays, mask, "float32", impl="pallas_gpu", sinks=False)
+    check(arrays, masks.Causal(offset=-8), "float32", impl="pallas_gpu", sinks=False)  # rows 0-7 see nothing
+
+
+def test_pallas_gpu_falls_back_with_the_reason():
+    a = _inputs(0, 1, 32, 32, 2, 2, 16, "float32")
+    seg = jnp.zeros((1, 32), jnp.int32)
+    with axkern.use(interpret=True):
+        with pytest.raises(axkern.Unsupported, match="static masks only"):
+            attention(a["q"], a["k"], a["v"], mask=masks.Segments(seg, seg), implementation="pallas_gpu")
+        with pytest.raises(axkern.Unsupported, match="block_q=8"):
+            attention(
+                a["q"],
+                a["k"],
+                a["v"],
+                implementation="pallas_gpu",
+                block_sizes={"block_q": 8, "block_kv": 16},
+            )
+    b = _inputs(0, 1, 32, 32, 2, 2, 8, "float32")
+    with axkern.use(interpret=True), pytest.raises(axkern.Unsupported, match="head_dim=8"):
+        attention(b["q"], b["k"], b["v"], implementation="pallas_gpu")
 
 
 @pytest.mark.parametrize("kv_heads", [8, 2, 1])  # GQA ratios 1, 4, 8

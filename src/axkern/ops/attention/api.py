@@ -21,7 +21,7 @@ from axkern.core import compat, named
 from axkern.core.op import Implementation, Op
 from axkern.core.typing import Array, Float, checked
 
-from . import cudnn, reference, xla
+from . import cudnn, pallas_gpu, reference, xla
 from .blocks import AttentionBlockSizes, bucket, heuristic
 
 __all__ = ["attention", "attention_positional", "OP", "AttentionBlockSizes"]
@@ -39,6 +39,16 @@ OP = Op(
             backward="custom_vjp: flash-style recomputation per tile (float32 dk/dv accumulators)",
         ),
         Implementation(
+            "pallas_gpu",
+            pallas_gpu.attention,
+            platforms=("gpu",),
+            supports=pallas_gpu.supports,
+            block_sizes=AttentionBlockSizes,
+            heuristic=pallas_gpu.heuristic,
+            interpretable=True,
+            backward="custom_vjp: Pallas dq and dk/dv kernels (interpret-verified only)",
+        ),
+        Implementation(
             "cudnn",
             cudnn.attention,
             platforms=("gpu",),
@@ -47,7 +57,7 @@ OP = Op(
         ),
         Implementation("reference", reference.attention, backward="autodiff through materialised scores"),
     ],
-    # cudnn is not yet in the GPU order: not yet run on the device through this wrapper
+    # pallas_gpu and cudnn are not yet in the GPU order: neither has run on the device yet
     default_order={"cpu": ("xla",), "gpu": ("xla",), "tpu": ("xla",)},
     package=__package__,
     bucket=bucket,

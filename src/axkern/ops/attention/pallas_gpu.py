@@ -1,0 +1,361 @@
+"""Flash attention as Pallas GPU (Triton) kernels, forward and backward, with static masks.
+
+**Layout.** `q` to `[B, H, Sq, D]`, `k`, `v` to `[B, KVH, Sk, D]`, each length padded to whole
+blocks (padded keys invisible, padded queries dropped). Grid `(B, H, q blocks)` forward and
+for `dq`, `(B, H, kv blocks)` for `dk`, `dv`.
+
+**Tiles.** A program loops only over the tiles its mask leaves non-empty: the bounds come from
+the mask's `block_kinds`, computed before tracing (static masks: `Causal`, `SlidingWindow`,
+`Full` and their `&`/`|`), so causal programs stop at the diagonal and sliding-window ones
+start at the band. Inside a tile the mask is `visible_2d` on the tile's indices.
+
+**Forward.** Online softmax (running max and sum in float32); products in the inputs' dtype
+with float32 accumulation (full precision for float32); sinks join the normaliser at the end;
+`lse` saved. **Backward.** `delta = rowsum(dO ∘ O)` in XLA; kernel `dq` (per q block, over its
+kv tiles) and kernel `dk, dv` (per kv block, over the q tiles that see it) recompute
+`p = exp(s - lse)`; `ds = p (dO v^T - delta)`, times `1 - (s/c)^2` under the soft cap. With
+GQA the `dk`, `dv` kernel writes one slice per query head, summed over each group in XLA.
+`dsink = -sum exp(sink - lse) delta` in XLA.
+
+**Constraints** (`supports` or an `Unsupported` at the call): head dims powers of two >= 16,
+blocks powers of two >= 16 (Triton tiles), static masks (`Segments`, `PrefixLM`, `Dense` fall
+back to `xla`). **Verified in interpret mode only**: not yet compiled for or timed on a GPU,
+so it is in no default order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+
+from axkern import masks as masks_
+from axkern.core.op import Unsupported
+
+MIN = 16
+
+
+def supports(spec) -> str | None:
+    for name in ("head_dim", "v_dim"):
+        n = spec.dim(name)
+        if n < MIN or n & (n - 1):
+            return f"{name}={n}: the Pallas GPU kernels need a power of two >= {MIN} (Triton tiles)"
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+    block_q: int
+    block_kv: int
+    scale: float
+    soft_cap: float | None
+    interpret: bool
+
+
+def heuristic(spec):
+    """64x64 tiles (untuned: no GPU run yet), smaller for short sequences, at least 16."""
+    from .blocks import AttentionBlockSizes
+
+    pick = lambda n: max(MIN, min(64, 1 << max(0, (n - 1).bit_length())))  # noqa: E731
+    return AttentionBlockSizes(block_q=pick(spec.dim("q_len")), block_kv=pick(spec.dim("kv_len")))
+
+
+def _cdiv(a, b):
+    return -(-a // b)
+
+
+def _dot(a, b, *, trans_b=False, trans_a=False):
+    """`a @ b` (optionally transposed) with float32 accumulation; float32 at full precision."""
+    dims = (((0,) if trans_a else (1,), (1,) if trans_b else (0,)), ((), ()))
+    precision = lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
+    return lax.dot_general(
+        a, b.astype(a.dtype), dims, precision=precision, preferred_element_type=jnp.float32
+    )
+
+
+def _bounds(kinds, axis):
+    """For each block along `axis` of the `[nq, nk]` kinds, the first and one-past-last
+    non-empty block of the other axis (both 0 when none), padded to a power-of-two length."""
+    nonempty = kinds != masks_.EMPTY
+    if axis == 1:
+        nonempty = nonempty.T
+    n, m = nonempty.shape
+    lo = np.where(nonempty.any(1), nonempty.argmax(1), 0)
+    hi = np.where(nonempty.any(1), m - nonempty[:, ::-1].argmax(1), 0)
+    size = 1 << max(0, (n - 1).bit_length())
+    pad = lambda a: jnp.asarray(np.pad(a, (0, size - n)), jnp.int32)  # noqa: E731
+    return pad(lo), pad(hi)
+
+
+def _tile_scores(cfg, q, k, mask, qi, kj, sk):
+    s = _dot(q, k, trans_b=True) * cfg.scale
+    if cfg.soft_cap is not None:
+        s = cfg.soft_cap * jnp.tanh(s / cfg.soft_cap)
+    return s, mask.visible_2d(qi, kj) & (kj < sk)[None, :]
+
+
+def _fwd_kernel(q_ref, k_ref, v_ref, sinks_ref, lo_ref, hi_ref, o_ref, lse_ref, *, cfg, mask, sk, has_sinks):
+    i = pl.program_id(2)
+    bq, bk = cfg.block_q, cfg.block_kv
+    q = q_ref[...]
+    qi = i * bq + jnp.arange(bq)
+
+    def body(j, carry):
+        m, l, acc = carry
+        k = k_ref[pl.ds(j * bk, bk), :]
+        v = v_ref[pl.ds(j * bk, bk), :]
+        s, vis = _tile_scores(cfg, q, k, mask, qi, j * bk + jnp.arange(bk), sk)
+        s = jnp.where(vis, s, -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+        alpha = jnp.exp(m - m_safe)
+        p = jnp.exp(s - m_safe[:, None])
+        acc = acc * alpha[:, None] + _dot(p.astype(v.dtype), v)
+        return m_new, l * alpha + jnp.sum(p, axis=1), acc
+
+    init = (
+        jnp.full((bq,), -jnp.inf, jnp.float32),
+        jnp.zeros((bq,), jnp.float32),
+        jnp.zeros((bq, o_ref.shape[-1]), jnp.float32),
+    )
+    m, l, acc = lax.fori_loop(lo_ref[i], hi_ref[i], body, init)
+    if has_sinks:
+        sink = sinks_ref[pl.program_id(1)]
+        m_f = jnp.maximum(m, sink)
+        alpha = jnp.exp(m - m_f)
+        l = l * alpha + jnp.exp(sink - m_f)
+        acc = acc * alpha[:, None]
+        m = m_f
+    seen = l > 0
+    o_ref[...] = jnp.where(seen[:, None], acc / jnp.where(seen, l, 1.0)[:, None], 0.0).astype(o_ref.dtype)
+    m_safe = jnp.where(m == -jnp.inf, 0.0, m)
+    lse_ref[...] = jnp.where(seen, m_safe + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
+
+
+def _probs(cfg, q, k, mask, qi, kj, sk, lse):
+    s, vis = _tile_scores(cfg, q, k, mask, qi, kj, sk)
+    finite = lse != -jnp.inf
+    p = jnp.where(vis & finite[:, None], jnp.exp(s - jnp.where(finite, lse, 0.0)[:, None]), 0.0)
+    return s, p
+
+
+def _ds(cfg, s, p, dp, delta):
+    ds = p * (dp - delta[:, None])
+    if cfg.soft_cap is not None:
+        ds = ds * (1.0 - jnp.square(s / cfg.soft_cap))
+    return ds * cfg.scale
+
+
+def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lo_ref, hi_ref, dq_ref, *, cfg, mask, sk):
+    i = pl.program_id(2)
+    bq, bk = cfg.block_q, cfg.block_kv
+    q, do, lse, delta = q_ref[...], do_ref[...], lse_ref[...], delta_ref[...]
+    qi = i * bq + jnp.arange(bq)
+
+    def body(j, dq):
+        k = k_ref[pl.ds(j * bk, bk), :]
+        v = v_ref[pl.ds(j * bk, bk), :]
+        s, p = _probs(cfg, q, k, mask, qi, j * bk + jnp.arange(bk), sk, lse)
+        ds = _ds(cfg, s, p, _dot(do, v, trans_b=True), delta)
+        return dq + _dot(ds.astype(k.dtype), k)
+
+    dq_ref[...] = lax.fori_loop(lo_ref[i], hi_ref[i], body, jnp.zeros(dq_ref.shape, jnp.float32))
+
+
+def _dkv_kernel(
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lo_ref, hi_ref, dk_ref, dv_ref, *, cfg, mask, sk
+):
+    j = pl.program_id(2)
+    bq, bk = cfg.block_q, cfg.block_kv
+    k, v = k_ref[...], v_ref[...]
+    kj = j * bk + jnp.arange(bk)
+
+    def body(i, carry):
+        dk, dv = carry
+        rows = pl.ds(i * bq, bq)
+        q, do, lse, delta = q_ref[rows, :], do_ref[rows, :], lse_ref[rows], delta_ref[rows]
+        s, p = _probs(cfg, q, k, mask, i * bq + jnp.arange(bq), kj, sk, lse)
+        dv = dv + _dot(p.astype(do.dtype), do, trans_a=True)
+        ds = _ds(cfg, s, p, _dot(do, v, trans_b=True), delta)
+        return dk + _dot(ds.astype(q.dtype), q, trans_a=True), dv
+
+    init = (jnp.zeros(dk_ref.shape, jnp.float32), jnp.zeros(dv_ref.shape, jnp.float32))
+    dk, dv = lax.fori_loop(lo_ref[j], hi_ref[j], body, init)
+    dk_ref[...], dv_ref[...] = dk, dv
+
+
+def _layout(q, k, v, cfg):
+    b, sq, h, d = q.shape
+    sk, kvh = k.shape[1], k.shape[2]
+    sqp, skp = _cdiv(sq, cfg.block_q) * cfg.block_q, _cdiv(sk, cfg.block_kv) * cfg.block_kv
+    tr = lambda a, n: jnp.pad(jnp.swapaxes(a, 1, 2), [(0, 0), (0, 0), (0, n - a.shape[1]), (0, 0)])  # noqa: E731
+    return tr(q, sqp), tr(k, skp), tr(v, skp), (b, sq, sk, h, kvh, sqp, skp)
+
+
+def _call(cfg, kernel, grid, in_specs, out_specs, out_shape, *args):
+    return pl.pallas_call(
+        kernel,
+        grid=grid,
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        interpret=cfg.interpret,
+    )(*args)
+
+
+def _block(shape, index):
+    return pl.BlockSpec(shape, index)
+
+
+def _forward(cfg, q, k, v, sinks, mask):
+    qt, kt, vt, (b, sq, sk, h, kvh, sqp, skp) = _layout(q, k, v, cfg)
+    g = h // kvh
+    bq, bk, d, dv = cfg.block_q, cfg.block_kv, q.shape[3], v.shape[3]
+    lo, hi = _bounds(masks_.static_block_kinds(mask, sq, sk, bq, bk)[0], 0)
+    nb = lo.shape[0]
+    has_sinks = sinks is not None
+    sink_arr = (sinks if has_sinks else jnp.zeros((h,))).astype(jnp.float32)
+    sink_arr = jnp.pad(sink_arr, (0, (1 << max(0, (h - 1).bit_length())) - h))
+    o, lse = _call(
+        cfg,
+        functools.partial(_fwd_kernel, cfg=cfg, mask=mask, sk=sk, has_sinks=has_sinks),
+        (b, h, sqp // bq),
+        [
+            _block((None, None, bq, d), lambda b_, h_, i: (b_, h_, i, 0)),
+            _block((None, None, skp, d), lambda b_, h_, i: (b_, h_ // g, 0, 0)),
+            _block((None, None, skp, dv), lambda b_, h_, i: (b_, h_ // g, 0, 0)),
+            _block((sink_arr.shape[0],), lambda b_, h_, i: (0,)),
+            _block((nb,), lambda b_, h_, i: (0,)),
+            _block((nb,), lambda b_, h_, i: (0,)),
+        ],
+        [
+            _block((None, None, bq, dv), lambda b_, h_, i: (b_, h_, i, 0)),
+            _block((None, None, bq), lambda b_, h_, i: (b_, h_, i)),
+        ],
+        [jax.ShapeDtypeStruct((b, h, sqp, dv), q.dtype), jax.ShapeDtypeStruct((b, h, sqp), jnp.float32)],
+        qt,
+        kt,
+        vt,
+        sink_arr,
+        lo,
+        hi,
+    )
+    return o, lse
+
+
+def attention(q, k, v, sinks, mask, *, scale, logits_soft_cap, block_sizes, interpret=False):
+    bq, bk = block_sizes.block_q, block_sizes.block_kv
+    for name, n in (("block_q", bq), ("block_kv", bk)):
+        if n < MIN or n & (n - 1):
+            raise Unsupported(f"{name}={n}: Triton tiles need a power of two >= {MIN}")
+    if not masks_.is_static(mask):
+        raise Unsupported(f"{mask!r} holds arrays; the Pallas GPU kernels take static masks only")
+    cfg = _Static(
+        bq, bk, float(scale), None if logits_soft_cap is None else float(logits_soft_cap), bool(interpret)
+    )
+    return _attention(cfg, q, k, v, sinks, mask)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 5))
+def _attention(cfg, q, k, v, sinks, mask):
+    o, _ = _forward(cfg, q, k, v, sinks, mask)
+    return jnp.swapaxes(o, 1, 2)[:, : q.shape[1]]
+
+
+def _attention_fwd(cfg, q, k, v, sinks, mask):
+    o, lse = _forward(cfg, q, k, v, sinks, mask)
+    return jnp.swapaxes(o, 1, 2)[:, : q.shape[1]], (q, k, v, sinks, o, lse)
+
+
+def _attention_bwd(cfg, mask, res, d_out):
+    q, k, v, sinks, o, lse = res
+    qt, kt, vt, (b, sq, sk, h, kvh, sqp, skp) = _layout(q, k, v, cfg)
+    g = h // kvh
+    bq, bk, d, dv = cfg.block_q, cfg.block_kv, q.shape[3], v.shape[3]
+    do = jnp.pad(jnp.swapaxes(d_out, 1, 2), [(0, 0), (0, 0), (0, sqp - sq), (0, 0)]).astype(q.dtype)
+    delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1)  # [B, H, Sqp]
+    kinds = masks_.static_block_kinds(mask, sq, sk, bq, bk)[0]
+    q_lo, q_hi = _bounds(kinds, 0)
+    k_lo, k_hi = _bounds(kinds, 1)
+    row = lambda n, w: _block((None, None, n, w), lambda b_, h_, x: (b_, h_, x, 0))  # noqa: E731
+    whole = lambda n, w, div=1: _block((None, None, n, w), lambda b_, h_, x: (b_, h_ // div, 0, 0))  # noqa: E731
+    vec_row = _block((None, None, bq), lambda b_, h_, x: (b_, h_, x))
+    vec_whole = _block((None, None, sqp), lambda b_, h_, x: (b_, h_, 0))
+    table = lambda a: _block((a.shape[0],), lambda b_, h_, x: (0,))  # noqa: E731
+    dq = _call(
+        cfg,
+        functools.partial(_dq_kernel, cfg=cfg, mask=mask, sk=sk),
+        (b, h, sqp // bq),
+        [
+            row(bq, d),
+            whole(skp, d, g),
+            whole(skp, dv, g),
+            row(bq, dv),
+            vec_row,
+            vec_row,
+            table(q_lo),
+            table(q_hi),
+        ],
+        row(bq, d),
+        jax.ShapeDtypeStruct((b, h, sqp, d), jnp.float32),
+        qt,
+        kt,
+        vt,
+        do,
+        lse,
+        delta,
+        q_lo,
+        q_hi,
+    )
+    kv_row = lambda w: _block((None, None, bk, w), lambda b_, h_, x: (b_, h_ // g, x, 0))  # noqa: E731
+    out_row = lambda w: _block((None, None, bk, w), lambda b_, h_, x: (b_, h_, x, 0))  # noqa: E731
+    dk, dvv = _call(
+        cfg,
+        functools.partial(_dkv_kernel, cfg=cfg, mask=mask, sk=sk),
+        (b, h, skp // bk),
+        [
+            whole(sqp, d),
+            kv_row(d),
+            kv_row(dv),
+            whole(sqp, dv),
+            vec_whole,
+            vec_whole,
+            table(k_lo),
+            table(k_hi),
+        ],
+        [out_row(d), out_row(dv)],
+        [
+            jax.ShapeDtypeStruct((b, h, skp, d), jnp.float32),
+            jax.ShapeDtypeStruct((b, h, skp, dv), jnp.float32),
+        ],
+        qt,
+        kt,
+        vt,
+        do,
+        lse,
+        delta,
+        k_lo,
+        k_hi,
+    )
+    per_kv = lambda a: jnp.swapaxes(a.reshape(b, kvh, g, skp, -1).sum(2), 1, 2)[:, :sk]  # noqa: E731
+    d_sinks = None
+    if sinks is not None:
+        finite = lse != -jnp.inf
+        p_sink = jnp.where(
+            finite, jnp.exp(sinks.astype(jnp.float32)[None, :, None] - jnp.where(finite, lse, 0.0)), 0.0
+        )
+        d_sinks = (-jnp.sum(p_sink * delta, axis=(0, 2))).astype(sinks.dtype)
+    return (
+        jnp.swapaxes(dq, 1, 2)[:, :sq].astype(q.dtype),
+        per_kv(dk).astype(k.dtype),
+        per_kv(dvv).astype(v.dtype),
+        d_sinks,
+    )
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
