@@ -109,3 +109,22 @@ def test_cli_build_native(tmp_path, monkeypatch, capsys):
     assert cli.main(["build-native", "--arch", "9.0"]) == 0
     assert str(tmp_path) in capsys.readouterr().out
     assert cli.main(["build-native"]) == 2  # no GPU and no --arch
+
+
+def test_a_failed_load_is_not_retried(monkeypatch):
+    # as if on a GPU: the first failure runs the build, later calls fall back at once
+    calls = []
+
+    def failing(name, cc):
+        calls.append(name)
+        raise Unsupported("nvcc failed building moe: boom")
+
+    monkeypatch.setattr(native.backend, "platform", lambda: "gpu")
+    monkeypatch.setattr(native.backend, "compute_capability", lambda: (9, 0))
+    monkeypatch.setattr(native, "_registered", failing)
+    monkeypatch.setattr(native, "_failed", {})
+    with pytest.raises(Unsupported, match="boom"):
+        native.load("moe")
+    with pytest.raises(Unsupported, match="not retried"):
+        native.load("moe")
+    assert calls == ["moe"]

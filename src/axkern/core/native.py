@@ -205,16 +205,26 @@ def _registered(name: str, cc: tuple[int, int]) -> tuple[str, ...]:
 
 
 _handles: list = []
+_failed: dict[tuple[str, tuple[int, int]], str] = {}  # a failed build is not retried in this process
 
 
 def load(name: str) -> tuple[str, ...]:
-    """Build (if needed), load and register library `name` for the visible GPU; its FFI target names."""
+    """Build (if needed), load and register library `name` for the visible GPU; its FFI target names.
+
+    A build or load that fails is an `Unsupported` with the reason, remembered for the rest of
+    the process so that every later call falls back at once instead of running nvcc again."""
     if backend.platform() != "gpu":
         raise Unsupported(f"no CUDA GPU visible (platform {backend.platform()})")
     cc = backend.compute_capability()
     if cc is None:
         raise Unsupported("the GPU reports no CUDA compute capability (not an NVIDIA GPU?)")
-    return _registered(name, cc)
+    if (name, cc) in _failed:
+        raise Unsupported(_failed[(name, cc)])
+    try:
+        return _registered(name, cc)
+    except Unsupported as e:
+        _failed[(name, cc)] = f"{e} (failed earlier in this process; not retried)"
+        raise
 
 
 def status() -> dict[str, str]:
