@@ -67,6 +67,11 @@ class BlockSizes:
         return f"{type(self).__name__}({inner})"
 
 
+def cdiv(a: int, b: int) -> int:
+    """Blocks of `b` needed to cover `a`."""
+    return -(-a // b)
+
+
 def next_power_of_2(n: int) -> int:
     return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
 

@@ -17,6 +17,11 @@ kv tiles) and kernel `dk, dv` (per kv block, over the q tiles that see it) recom
 GQA the `dk`, `dv` kernel writes one slice per query head, summed over each group in XLA.
 `dsink = -sum exp(sink - lse) delta` in XLA.
 
+**Cost.** Compute bound: `4·B·H·D` FLOPs per visible (query, key) pair forward, about 2.5
+times that backward (the scores are recomputed in both backward kernels); bytes: `q`, `o` once,
+`k`, `v` once per q block that sees them (L2 serves the rest), float32 `dk`, `dv` per query
+head before the group sum.
+
 **Constraints** (`supports` or an `Unsupported` at the call): head dims powers of two >= 16,
 blocks powers of two >= 16 (Triton tiles), static masks (`Segments`, `PrefixLM`, `Dense` fall
 back to `xla`). **Verified in interpret mode only**: not yet compiled for or timed on a GPU,
@@ -35,7 +40,11 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from axkern import masks as masks_
+from axkern.core.blocks import cdiv, next_power_of_2
+from axkern.core.kernels import dot as _dot
 from axkern.core.op import Unsupported
+
+from .blocks import AttentionBlockSizes
 
 MIN = 16
 
@@ -59,23 +68,8 @@ class _Static:
 
 def heuristic(spec):
     """64x64 tiles (untuned: no GPU run yet), smaller for short sequences, at least 16."""
-    from .blocks import AttentionBlockSizes
-
-    pick = lambda n: max(MIN, min(64, 1 << max(0, (n - 1).bit_length())))  # noqa: E731
+    pick = lambda n: max(MIN, min(64, next_power_of_2(n)))  # noqa: E731
     return AttentionBlockSizes(block_q=pick(spec.dim("q_len")), block_kv=pick(spec.dim("kv_len")))
-
-
-def _cdiv(a, b):
-    return -(-a // b)
-
-
-def _dot(a, b, *, trans_b=False, trans_a=False):
-    """`a @ b` (optionally transposed) with float32 accumulation; float32 at full precision."""
-    dims = (((0,) if trans_a else (1,), (1,) if trans_b else (0,)), ((), ()))
-    precision = lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
-    return lax.dot_general(
-        a, b.astype(a.dtype), dims, precision=precision, preferred_element_type=jnp.float32
-    )
 
 
 def _bounds(kinds, axis):
@@ -87,7 +81,7 @@ def _bounds(kinds, axis):
     n, m = nonempty.shape
     lo = np.where(nonempty.any(1), nonempty.argmax(1), 0)
     hi = np.where(nonempty.any(1), m - nonempty[:, ::-1].argmax(1), 0)
-    size = 1 << max(0, (n - 1).bit_length())
+    size = next_power_of_2(n)
     pad = lambda a: jnp.asarray(np.pad(a, (0, size - n)), jnp.int32)  # noqa: E731
     return pad(lo), pad(hi)
 
@@ -192,7 +186,7 @@ def _dkv_kernel(
 def _layout(q, k, v, cfg):
     b, sq, h, d = q.shape
     sk, kvh = k.shape[1], k.shape[2]
-    sqp, skp = _cdiv(sq, cfg.block_q) * cfg.block_q, _cdiv(sk, cfg.block_kv) * cfg.block_kv
+    sqp, skp = cdiv(sq, cfg.block_q) * cfg.block_q, cdiv(sk, cfg.block_kv) * cfg.block_kv
     tr = lambda a, n: jnp.pad(jnp.swapaxes(a, 1, 2), [(0, 0), (0, 0), (0, n - a.shape[1]), (0, 0)])  # noqa: E731
     return tr(q, sqp), tr(k, skp), tr(v, skp), (b, sq, sk, h, kvh, sqp, skp)
 
@@ -220,7 +214,7 @@ def _forward(cfg, q, k, v, sinks, mask):
     nb = lo.shape[0]
     has_sinks = sinks is not None
     sink_arr = (sinks if has_sinks else jnp.zeros((h,))).astype(jnp.float32)
-    sink_arr = jnp.pad(sink_arr, (0, (1 << max(0, (h - 1).bit_length())) - h))
+    sink_arr = jnp.pad(sink_arr, (0, next_power_of_2(h) - h))
     o, lse = _call(
         cfg,
         functools.partial(_fwd_kernel, cfg=cfg, mask=mask, sk=sk, has_sinks=has_sinks),

@@ -33,6 +33,7 @@ from jax import lax
 
 from axkern import masks as masks_
 from axkern.core import compat
+from axkern.core.blocks import cdiv
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,10 +54,6 @@ def attention(q, k, v, sinks, mask, *, scale, logits_soft_cap, block_sizes):
     return _attention(cfg, q, k, v, sinks, mask)
 
 
-def _cdiv(a, b):
-    return -(-a // b)
-
-
 def _pad(a, axis, to):
     if a.shape[axis] == to:
         return a
@@ -67,7 +64,7 @@ def _pad(a, axis, to):
 
 def _kv_blocks(cfg: _Static, mask, sq, sk):
     """For each query block, the key blocks to visit (a numpy int array each)."""
-    nq, nk = _cdiv(sq, cfg.block_q), _cdiv(sk, cfg.block_kv)
+    nq, nk = cdiv(sq, cfg.block_q), cdiv(sk, cfg.block_kv)
     kinds = masks_.static_block_kinds(mask, sq, sk, cfg.block_q, cfg.block_kv)
     if kinds is None:
         return [np.arange(nk) for _ in range(nq)]
@@ -100,7 +97,7 @@ def _forward(cfg: _Static, q, k, v, sinks, mask):
     sk, kvh = k.shape[1], k.shape[2]
     g = h // kvh
     bq, bk = cfg.block_q, cfg.block_kv
-    nq, nk = _cdiv(sq, bq), _cdiv(sk, bk)
+    nq, nk = cdiv(sq, bq), cdiv(sk, bk)
     qg = _pad(_grouped(q, kvh), 3, nq * bq)
     kp, vp = _pad(k, 1, nk * bk), _pad(v, 1, nk * bk)
     dv = v.shape[-1]
@@ -167,7 +164,7 @@ def _attention_bwd(cfg: _Static, res, d_out):
     sk, kvh = k.shape[1], k.shape[2]
     g = h // kvh
     bq, bk = cfg.block_q, cfg.block_kv
-    nq, nk = _cdiv(sq, bq), _cdiv(sk, bk)
+    nq, nk = cdiv(sq, bq), cdiv(sk, bk)
     do = _grouped(d_out, kvh)  # [B, KVH, G, Sq, Dv]
     delta = jnp.sum(do.astype(jnp.float32) * out, axis=-1)  # [B, KVH, G, Sq]
     qg, do_p = _pad(_grouped(q, kvh), 3, nq * bq), _pad(do, 3, nq * bq)

@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from axkern.core import native
+from axkern.core.blocks import cdiv
 from axkern.core.op import Unsupported
 
 CHUNK = 1024  # pairs per routing chunk (one warp places them)
@@ -48,6 +49,11 @@ def supports(spec) -> str | None:
         return f"the CUDA row kernels hold a token's rows in registers: top-k at most {MAX_TOPK}, not {spec.dim('topk')}"
     if spec.dim("experts") > MAX_EXPERTS:
         return f"the CUDA routing kernels keep per-expert counters in shared memory: at most {MAX_EXPERTS} experts, not {spec.dim('experts')}"
+    return _native_reason()
+
+
+def _native_reason() -> str | None:
+    """Why the native library cannot be used here (built on first use), or None."""
     try:
         native.load("moe")
     except Unsupported as e:
@@ -79,18 +85,14 @@ def layout(topk_idx, *, num_experts, num_ranks):
 def layout_supports(spec) -> str | None:
     if spec.dim("ranks") > 64:
         return f"the CUDA layout kernel tracks at most 64 ranks, not {spec.dim('ranks')}"
-    try:
-        native.load("moe")
-    except Unsupported as e:
-        return str(e)
-    return None
+    return _native_reason()
 
 
 def route(topk_idx, num_experts):
     """`(rows [T·K], group_sizes [E], valid [T·K])` from the CUDA counting sort."""
     idx = _ids(topk_idx, num_experts).reshape(-1)
     pairs, buckets = idx.shape[0], num_experts + 1
-    chunks = -(-pairs // CHUNK)
+    chunks = cdiv(pairs, CHUNK)
     out = (
         jax.ShapeDtypeStruct((pairs,), jnp.int32),
         jax.ShapeDtypeStruct((num_experts,), jnp.int32),

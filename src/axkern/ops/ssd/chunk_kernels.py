@@ -15,6 +15,12 @@ each backend supplies a `Layout` and its call parameters).
    `y = ((C B^T) ∘ Λ)(dt ∘ x) + f ∘ (C S_in^T)` with `Λ[t, s] = exp(cum_t - cum_s)` for
    `s <= t` in the same segment, else 0. `D` and the `silu(z)` gate in XLA.
 
+**Grid** `(batch, heads, chunks)` for all four kernels; each program holds `[Q, P]`, `[Q, N]`,
+`[Q, Q]` and `[P, N]` tiles. **Cost.** Per chunk and head `2·Q²·N` (`C B^T`) + `2·Q²·P` (scores
+times `x`) + `2·Q·N·P` (incoming state) + `2·Q·P·N` (own state) FLOPs forward, about twice
+that backward; bytes: `x`, `B`, `C` once per pass, the `[b, c, h, P, N]` float32 states twice
+(written, read). Compute bound for Mamba-2 sizes (`Q = 64..256`, `N = 128`).
+
 All products take float32 operands with float32 accumulation for now (with bf16 operands
 the final state and the gate's gradient missed the oracle rule in bf16); decays and weights
 are float32. `x`, `B`, `C` are moved to `[batch, heads|groups, length, P|N]` so a program's
@@ -41,16 +47,9 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from axkern.core.kernels import dot as _dot
+
 from .chunks import pad_to_chunks, skip_and_gate
-
-
-def _dot(a, b, dtype, *, trans_a=False, trans_b=False):
-    """`a @ b` with operands in `dtype` and float32 accumulation (full precision for float32)."""
-    dims = (((0,) if trans_a else (1,), (1,) if trans_b else (0,)), ((), ()))
-    precision = lax.Precision.HIGHEST if dtype == jnp.float32 else None
-    return lax.dot_general(
-        a.astype(dtype), b.astype(dtype), dims, precision=precision, preferred_element_type=jnp.float32
-    )
 
 
 def _state_kernel(x_ref, w_ref, b_ref, out_ref, *, lay, dtype):

@@ -1,0 +1,19 @@
+"""Helpers shared by Pallas kernel bodies (GPU and TPU)."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+
+__all__ = ["dot"]
+
+
+def dot(a, b, dtype=None, *, trans_a=False, trans_b=False):
+    """`a @ b` (either side transposed) with operands cast to `dtype` (default `a`'s) and float32
+    accumulation; float32 operands at full precision (no TF32)."""
+    dtype = jnp.dtype(dtype or a.dtype)
+    dims = (((0,) if trans_a else (1,), (1,) if trans_b else (0,)), ((), ()))
+    precision = lax.Precision.HIGHEST if dtype == jnp.float32 else None
+    return lax.dot_general(
+        a.astype(dtype), b.astype(dtype), dims, precision=precision, preferred_element_type=jnp.float32
+    )
