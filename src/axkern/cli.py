@@ -131,7 +131,10 @@ def bench(args) -> int:
                 repeats=repeats,
                 ceiling=ceiling,
                 bandwidth=bandwidth,
-                on_row=lambda _: progress.advance(task),
+                on_row=lambda r: (
+                    progress.advance(task),
+                    console.print(_row_line(r), markup=False, highlight=False),
+                ),
             )
     rows += _peer_rows(peer_rows, work, rows, ceiling)
 
@@ -193,18 +196,30 @@ def bench(args) -> int:
     return 1 if failed else 0
 
 
+def _row_line(r) -> str:
+    """One row as a line, printed as it is measured (a run cut short keeps what it measured)."""
+    ms = "-" if r.ms is None else f"{r.ms:.3f} ms"
+    tf = "" if r.tflops is None else f" {r.tflops:.1f} TFLOP/s"
+    gb = "" if r.gbps is None else f" {r.gbps:.0f} GB/s"
+    err = "" if r.max_rel_error is None else f" err {r.max_rel_error:.1e}"
+    return f"{r.op} | {r.case} | {r.implementation} | {r.pass_} | {ms}{tf}{gb}{err} {r.note}".rstrip()
+
+
 def _peers(args, ops, preset, repeats) -> list[tuple]:
     """`(case, peer result)` for every case of the ops that have peers (`axkern.peers`)."""
     from axkern import peers
     from axkern.bench import cases_for
 
-    out = []
+    out, timed = [], {}
     for op in ops:
         if op not in peers.PEERS:
             continue
         for c in cases_for(op, preset=preset, tokens=args.tokens, dtype=args.dtype):
-            console.print(f"timing the torch peers of {op} on {c.label} (subprocess) ...")
-            out += [(c, r) for r in peers.run(op, c.dims, c.dtype, repeats=repeats)]
+            key = (peers.PEERS[op], tuple(sorted(c.dims.items())), c.dtype)  # one peers' run per shape
+            if key not in timed:
+                console.print(f"timing the torch peers of {op} on {c.label} (subprocess) ...")
+                timed[key] = peers.run(op, c.dims, c.dtype, repeats=repeats)
+            out += [(c, r) for r in timed[key]]
     return out
 
 

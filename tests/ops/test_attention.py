@@ -253,7 +253,7 @@ def test_cudnn_says_why_it_cannot_serve():
     assert "soft cap" in cudnn.supports(spec(soft_cap=True))
     assert "sinks" in cudnn.supports(spec(sinks=True))
     assert "Segments" in cudnn.supports(spec(mask="Segments"))
-    assert cudnn._mask_args(masks.SlidingWindow(128)) == {"local_window_size": (127, 0)}
+    assert cudnn._mask_args(masks.SlidingWindow(128)) == {"is_causal": True, "local_window_size": (127, 0)}
     assert cudnn._mask_args(masks.Causal(offset=3)) is None
 
 

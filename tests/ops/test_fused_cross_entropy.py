@@ -17,7 +17,9 @@ from hypothesis import strategies as st
 
 import axkern
 from axkern import CrossEntropyBlockSizes
+from axkern.ops.fused_cross_entropy import xla as ce_xla
 from axkern.positional import fused_cross_entropy as ce
+from axkern.positional import fused_cross_entropy_loss as ce_loss
 from tests.helpers import assert_oracle_rule, ce_inputs, to64, x64
 
 IMPLS = ["xla", "reference"]
@@ -88,6 +90,122 @@ def test_against_oracle_odd_shape(impl, dtype, option):
     # N=300, D=96, V=1000 with blocks that divide none of them: ragged tails everywhere.
     bs = CrossEntropyBlockSizes(block_tokens=128, block_vocab=384) if impl == "xla" else None
     check(impl, 0, 300, 96, 1000, dtype, OPTIONS[option], bs)
+
+
+# Pallas kernels in interpret mode, with blocks that leave every edge ragged (N=300 over 32 or
+# 64 rows, V=1000 over 128/256 columns, D=96 over 64 on GPU); "all" covers the soft cap and
+# the logit sum that the kernels compute, the rest of the options are applied outside them.
+PALLAS_BLOCKS = {
+    "pallas_gpu": CrossEntropyBlockSizes(block_tokens=32, block_vocab=128, block_embed=64, vocab_splits=3),
+    "pallas_tpu": CrossEntropyBlockSizes(block_tokens=64, block_vocab=256, block_embed=128),
+}
+
+
+@pytest.mark.parametrize("impl", sorted(PALLAS_BLOCKS))
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("option", ["plain", "soft_cap", "all"])
+def test_pallas_against_oracle_odd_shape(impl, dtype, option):
+    check(impl, 1, 300, 96, 1000, dtype, OPTIONS[option], PALLAS_BLOCKS[impl])
+
+
+def test_pallas_tpu_ragged_embed_blocks():
+    # D=200 over 128-wide blocks: the kernel must zero the columns past D in both operands
+    bs = CrossEntropyBlockSizes(block_tokens=64, block_vocab=256, block_embed=128)
+    check("pallas_tpu", 2, 300, 200, 1000, "float32", OPTIONS["all"], bs)
+
+
+def test_pallas_refusals_name_the_problem():
+    x, w, labels = ce_inputs(jax.random.PRNGKey(0), 64, 32, 300, jnp.float32)
+    with pytest.raises(axkern.Unsupported, match="block_vocab=100: Triton tiles need a power of two"):
+        ce(x, w, labels, implementation="pallas_gpu", block_sizes=dict(block_tokens=32, block_vocab=100))
+    with pytest.raises(axkern.Unsupported, match="block_vocab=200: TPU blocks must be a multiple of 128"):
+        ce(x, w, labels, implementation="pallas_tpu", block_sizes=dict(block_tokens=32, block_vocab=200))
+    big = dict(block_tokens=4096, block_vocab=4096, block_embed=32)
+    with pytest.raises(axkern.Unsupported, match=r"need 66\.1 MiB of VMEM .* budget is 16 MiB"):
+        ce(
+            jnp.zeros((4096, 32)),
+            jnp.zeros((32, 4096)),
+            labels[:1].repeat(4096),
+            implementation="pallas_tpu",
+            block_sizes=big,
+        )
+    with x64():
+        d = axkern.explain(lambda *a: ce(*a, implementation=("pallas_gpu", "xla")), *to64((x, w)), labels)
+    assert d.implementation == "xla" and "float64" in d.rejected[0].reason
+
+
+def run_loss(impl, x, w, labels, opts, reduction, block_sizes=None):
+    """The reduced loss and its gradients w.r.t. x and w."""
+
+    def f(x, w):
+        return ce_loss(
+            x, w, labels, reduction=reduction, implementation=impl, block_sizes=block_sizes, **opts
+        )
+
+    return jax.value_and_grad(f, argnums=(0, 1))(x, w)
+
+
+def check_loss(seed, n, d, v, dtype, option, reduction, block_sizes):
+    x, w, labels, opts, _ = make_case(seed, n, d, v, dtype, OPTIONS[option])
+    with x64():
+        o = {k: (np.asarray(a) if k == "where" else a) for k, a in opts.items()}
+        want = jax.tree.map(np.asarray, run_loss("reference", *to64((x, w)), labels, o, reduction))
+    same = run_loss("reference", x, w, labels, opts, reduction)
+    got = run_loss("xla", x, w, labels, opts, reduction, block_sizes)
+    assert got[0].dtype == jnp.float32 and got[1][0].dtype == x.dtype and got[1][1].dtype == w.dtype
+    assert_oracle_rule(got[0], same[0], want[0], dtype, f"loss {dtype} {option} {reduction} value")
+    assert_oracle_rule(got[1], same[1], want[1], dtype, f"loss {dtype} {option} {reduction} grads (dx, dw)")
+    # undifferentiated, the same value comes from the streaming forward
+    primal = ce_loss(x, w, labels, reduction=reduction, implementation="xla", block_sizes=block_sizes, **opts)
+    np.testing.assert_allclose(primal, got[0], rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("option", list(OPTIONS))
+def test_loss_gradients_in_forward_against_oracle(dtype, reduction, option):
+    # 300 tokens in blocks of 64: four full blocks and a ragged one
+    check_loss(
+        5, 300, 96, 1000, dtype, option, reduction, CrossEntropyBlockSizes(block_tokens=64, block_vocab=1000)
+    )
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_loss_dw_accumulated_in_w_dtype(monkeypatch, dtype):
+    # above the float32 accumulator limit dw accumulates across token blocks in w's dtype
+    monkeypatch.setattr(ce_xla, "DW_FLOAT32_LIMIT", 0)
+    check_loss(
+        6, 256, 64, 700, dtype, "all", "mean", CrossEntropyBlockSizes(block_tokens=64, block_vocab=700)
+    )
+
+
+def test_loss_edge_cases():
+    x, w, labels = ce_inputs(jax.random.PRNGKey(0), 8, 16, 40, jnp.float32)
+    nothing = jnp.zeros((8,), bool)
+    value, (dx, dw) = jax.value_and_grad(lambda x, w: ce_loss(x, w, labels, where=nothing), argnums=(0, 1))(
+        x, w
+    )
+    assert value == 0 and not dx.any() and not dw.any()  # mean over no kept token: 0, not NaN
+    bad = labels.at[2].set(40)
+    assert np.isnan(ce_loss(x, w, bad)) and np.isnan(jax.grad(lambda x: ce_loss(x, w, bad))(x)).sum() == 0
+    assert np.isfinite(ce_loss(x, w, bad, where=jnp.arange(8) != 2))
+    with pytest.raises(ValueError, match="reduction must be 'mean' or 'sum'"):
+        ce_loss(x, w, labels, reduction=None)
+    d = axkern.explain(ce_loss, x, w, labels)
+    assert d.op == "fused_cross_entropy_loss" and d.implementation == "xla" and "forward" in d.backward
+
+
+def test_loss_temporary_memory_is_one_logits_block():
+    n, d, v = 2048, 64, 8192
+    x, w, labels = ce_inputs(jax.random.PRNGKey(0), n, d, v, jnp.bfloat16)
+    bs = CrossEntropyBlockSizes(block_tokens=256, block_vocab=v)
+    grad = jax.jit(
+        jax.grad(lambda x, w: ce_loss(x, w, labels, implementation="xla", block_sizes=bs), argnums=(0, 1))
+    )
+    temp = grad.lower(x, w).compile().memory_analysis().temp_size_in_bytes
+    block = 256 * v * (4 + 2)  # float32 logits block and its bf16 dz
+    assert temp <= 2 * block + d * v * 4, f"{temp / 2**20:.1f} MiB"
+    assert temp < n * v * 4 / 4
 
 
 @given(

@@ -232,8 +232,22 @@ def test_explain_named():
     x, w, labels = inputs()
     d = axkern.explain(axkern.fused_cross_entropy, x, w, labels, implementation="reference")
     assert d.implementation == "reference" and d.spec.dim("tokens") == 24
-    d = axkern.explain(axkern.fused_cross_entropy, x, w, labels)
+    d = axkern.explain(axkern.fused_cross_entropy, x, w, labels, reduction=None)
     assert d.implementation == "xla" and "fused_cross_entropy: xla" in str(d)
+    # a reduced loss runs the op that forms its gradients in the forward ...
+    d = axkern.explain(axkern.fused_cross_entropy, x, w, labels)
+    assert d.op == "fused_cross_entropy_loss" and d.implementation == "xla"
+    with axkern.use(fused_cross_entropy="reference"):
+        d = axkern.explain(axkern.fused_cross_entropy, x, w, labels)
+    assert d.op == "fused_cross_entropy_loss" and d.implementation == "reference"
+    # ... unless the request names an implementation only the per-token op has
+    d = axkern.explain(axkern.fused_cross_entropy, x, w, labels, implementation=("pallas_gpu", "xla"))
+    assert (
+        d.op == "fused_cross_entropy" and d.implementation == "pallas_gpu" and d.interpret
+    )  # named: interpreted
+    with axkern.use(fused_cross_entropy="pallas_tpu"), axkern.use(interpret=True):
+        d = axkern.explain(axkern.fused_cross_entropy, x, w, labels)
+    assert d.op == "fused_cross_entropy" and d.implementation == "pallas_tpu" and d.interpret
 
 
 def test_vocab_and_batch_on_the_same_mesh_axis_is_an_error():

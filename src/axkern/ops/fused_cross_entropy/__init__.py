@@ -1,6 +1,19 @@
 """Fused linear cross-entropy: `loss = lse(z) - z[label]`, `z = softcap(x @ W)`, never materialised."""
 
-from .api import OP, fused_cross_entropy, fused_cross_entropy_positional
+from .api import (
+    LOSS_OP,
+    OP,
+    fused_cross_entropy,
+    fused_cross_entropy_loss_positional,
+    fused_cross_entropy_positional,
+)
 from .blocks import CrossEntropyBlockSizes
 
-__all__ = ["OP", "fused_cross_entropy", "fused_cross_entropy_positional", "CrossEntropyBlockSizes"]
+__all__ = [
+    "OP",
+    "LOSS_OP",
+    "fused_cross_entropy",
+    "fused_cross_entropy_positional",
+    "fused_cross_entropy_loss_positional",
+    "CrossEntropyBlockSizes",
+]

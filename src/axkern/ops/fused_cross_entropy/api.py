@@ -22,14 +22,29 @@ import jax.numpy as jnp
 from haliax import NamedArray
 from jax import lax
 
-from axkern.core import compat, named
+from axkern.core import compat, config, named
 from axkern.core.op import Implementation, Op
 from axkern.core.typing import Array, Bool, Float, Int, checked
 
-from . import reference, xla
-from .blocks import CrossEntropyBlockSizes, bucket, heuristic
+from . import pallas_gpu, pallas_tpu, reference, xla
+from .blocks import (
+    CrossEntropyBlockSizes,
+    bucket,
+    heuristic,
+    loss_heuristic,
+    pallas_gpu_heuristic,
+    pallas_tpu_heuristic,
+)
+from .terms import token_losses
 
-__all__ = ["fused_cross_entropy", "fused_cross_entropy_positional", "OP", "CrossEntropyBlockSizes"]
+__all__ = [
+    "fused_cross_entropy",
+    "fused_cross_entropy_positional",
+    "fused_cross_entropy_loss_positional",
+    "OP",
+    "LOSS_OP",
+    "CrossEntropyBlockSizes",
+]
 
 NAME = "fused_cross_entropy"
 
@@ -44,8 +59,52 @@ OP = Op(
             backward="custom_vjp: recomputes each logits tile (streamed, no [tokens, vocab] buffer)",
         ),
         Implementation(
+            "pallas_gpu",
+            pallas_gpu.stats,
+            platforms=("gpu",),
+            supports=pallas_gpu.supports,
+            block_sizes=CrossEntropyBlockSizes,
+            heuristic=pallas_gpu_heuristic,
+            interpretable=True,
+            backward="custom_vjp: recomputes the logits in XLA (streamed tiles, as xla)",
+        ),
+        Implementation(
+            "pallas_tpu",
+            pallas_tpu.stats,
+            platforms=("tpu",),
+            supports=pallas_tpu.supports,
+            block_sizes=CrossEntropyBlockSizes,
+            heuristic=pallas_tpu_heuristic,
+            interpretable=True,
+            backward="custom_vjp: recomputes the logits in XLA (streamed tiles, as xla)",
+        ),
+        Implementation(
             "reference",
             reference.stats,
+            backward="autodiff through materialised [tokens, vocab] logits",
+        ),
+    ],
+    default_order={"cpu": ("xla",), "gpu": ("xla",), "tpu": ("xla",)},
+    package=__package__,
+    bucket=bucket,
+)
+
+LOSS_NAME = "fused_cross_entropy_loss"
+
+LOSS_OP = Op(
+    LOSS_NAME,
+    [
+        Implementation(
+            "xla",
+            xla.loss,
+            block_sizes=CrossEntropyBlockSizes,
+            heuristic=loss_heuristic,
+            backward="gradients formed in the forward, one [block_tokens, vocab] logits block at a time "
+            "(6·N·D·V FLOPs; the backward scales them)",
+        ),
+        Implementation(
+            "reference",
+            reference.loss,
             backward="autodiff through materialised [tokens, vocab] logits",
         ),
     ],
@@ -92,18 +151,6 @@ def _keep(labels, where, ignore_index):
     if ignore_index is not None:
         keep = keep & (labels != ignore_index)
     return keep
-
-
-def _assemble(lse, label_logit, sum_logits, labels, keep, vocab, *, logsumexp_weight, label_smoothing):
-    eps = float(label_smoothing)
-    loss = lse - (1.0 - eps) * label_logit
-    if eps:
-        loss = loss - (eps / vocab) * sum_logits
-    if logsumexp_weight:
-        loss = loss + float(logsumexp_weight) * jnp.square(lse)
-    valid = (labels >= 0) & (labels < vocab)
-    loss = jnp.where(valid, loss, jnp.nan)
-    return jnp.where(keep, loss, 0.0)
 
 
 def _check_labels(labels, keep, vocab):
@@ -160,7 +207,7 @@ def fused_cross_entropy_positional(
         implementation=implementation,
         block_sizes=block_sizes,
     )
-    loss = _assemble(
+    loss = token_losses(
         lse,
         label_logit,
         sum_logits,
@@ -171,6 +218,74 @@ def fused_cross_entropy_positional(
         label_smoothing=label_smoothing,
     )
     return loss, lse
+
+
+@checked
+def fused_cross_entropy_loss_positional(
+    x: Float[Array, "tokens embed"],
+    w: Float[Array, "embed vocab"],
+    labels: Int[Array, " tokens"],
+    *,
+    reduction: str | None = "mean",
+    where: Bool[Array, " tokens"] | None = None,
+    ignore_index: int | None = None,
+    logit_soft_cap: float | None = None,
+    logsumexp_weight: float = 0.0,
+    label_smoothing: float = 0.0,
+    check_labels: bool = False,
+    implementation: str | tuple[str, ...] | None = None,
+    block_sizes: CrossEntropyBlockSizes | dict | None = None,
+) -> Float[Array, ""]:
+    """The reduced fused linear cross-entropy (a float32 scalar) on plain arrays.
+
+    Same arguments as `fused_cross_entropy_positional`, plus `reduction` (`"mean"` over kept
+    tokens, 0 when none is kept, or `"sum"`). Under `jax.grad` the implementations of
+    `fused_cross_entropy_loss` form the gradients in the forward pass (the per-token
+    cotangents of a reduced loss are known once each token's logsumexp is), which saves the
+    recomputation of the logits that per-token outputs need.
+    """
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"{LOSS_NAME}: reduction must be 'mean' or 'sum', got {reduction!r}")
+    _check_options(logit_soft_cap, logsumexp_weight, label_smoothing)
+    tokens, embed = x.shape
+    vocab = w.shape[1]
+    keep = _keep(labels, where, ignore_index)
+    if check_labels:
+        labels = _check_labels(labels, keep, vocab)
+    if reduction == "mean":
+        scale = 1.0 / jnp.maximum(jnp.sum(keep), 1).astype(jnp.float32)
+    else:
+        scale = jnp.ones((), jnp.float32)
+    spec = LOSS_OP.spec(
+        {"tokens": tokens, "embed": embed, "vocab": vocab},
+        jnp.result_type(x, w),
+        logit_soft_cap=logit_soft_cap,
+        with_sum=bool(label_smoothing),
+    )
+    return LOSS_OP(
+        spec,
+        x,
+        w,
+        labels,
+        keep,
+        scale,
+        implementation=implementation,
+        block_sizes=block_sizes,
+        logit_soft_cap=logit_soft_cap,
+        logsumexp_weight=logsumexp_weight,
+        label_smoothing=label_smoothing,
+    )
+
+
+def _loss_op_request(implementation):
+    """What to ask `fused_cross_entropy_loss` for on behalf of a `fused_cross_entropy` call, or
+    False when the request (argument, `axkern.use`, `AXKERN_IMPL_FUSED_CROSS_ENTROPY`) names an
+    implementation that only the per-token op has (e.g. `pallas_gpu`): that call keeps it."""
+    requested = implementation if implementation is not None else config.implementation_override(NAME)
+    if requested is None:
+        return None
+    names = (requested,) if isinstance(requested, str) else tuple(requested)
+    return requested if all(n in LOSS_OP.implementations for n in names) else False
 
 
 def _as_tuple(mesh_axes) -> tuple[str, ...]:
@@ -293,7 +408,7 @@ def fused_cross_entropy(
                 block_sizes=block_sizes,
             )
             lse, label_logit, sum_logits = _combine_over(vocab_mesh, *stats)
-            loss = _assemble(
+            loss = token_losses(
                 lse,
                 label_logit,
                 sum_logits,
@@ -317,6 +432,19 @@ def fused_cross_entropy(
         (batch, batch),
         replicated=(embed.name,),
     )
+    loss_impl = _loss_op_request(implementation)
+    if out is None and reduction is not None and not return_lse and loss_impl is not False:
+        # unsharded reduced loss: the op whose gradients come from the forward pass
+        n = len(batch)
+        options["implementation"] = loss_impl
+        return fused_cross_entropy_loss_positional(
+            named.flatten(xd, n),
+            wd,
+            named.flatten(ld, n),
+            reduction=reduction,
+            where=None if wh is None else named.flatten(wh, n),
+            **options,
+        )
     loss, lse = out if out is not None else local(xd, wd, ld, wh)
     if reduction == "sum":
         result = jnp.sum(loss)

@@ -1,8 +1,13 @@
 """Shapes that `axkern bench fused_cross_entropy` and tuning use.
 
 Presets are real models' (embed, vocab); `quick` is small enough for a CPU in seconds.
-FLOPs count the model's work: `2·N·D·V` forward, `4·N·D·V` backward (the streaming `xla`
-implementation does a further `2·N·D·V` recomputing logits, which is not counted).
+FLOPs count the model's work: `2·N·D·V` forward, `4·N·D·V` backward (a recomputing backward
+does a further `2·N·D·V`, which is not counted).
+
+`fused_cross_entropy` cases differentiate the mean of the per-token losses (the statistics'
+recomputing backward); `fused_cross_entropy_loss` cases differentiate the reduced loss, as a
+training step does (gradients formed in the forward), which is what Liger-Kernel and
+cut-cross-entropy compute.
 """
 
 from __future__ import annotations
@@ -12,7 +17,7 @@ import jax.numpy as jnp
 
 from axkern.bench import Case
 
-from .api import fused_cross_entropy_positional
+from .api import LOSS_NAME, NAME, fused_cross_entropy_loss_positional, fused_cross_entropy_positional
 
 PRESETS = {
     "quick": (512, 256, 4096),
@@ -23,7 +28,9 @@ PRESETS = {
 }
 
 
-def case(tokens: int, embed: int, vocab: int, dtype: str = "bfloat16", label: str | None = None) -> Case:
+def case(
+    tokens: int, embed: int, vocab: int, dtype: str = "bfloat16", label: str | None = None, op: str = NAME
+) -> Case:
     dt = jnp.dtype(dtype)
 
     def make(key):
@@ -37,11 +44,16 @@ def case(tokens: int, embed: int, vocab: int, dtype: str = "bfloat16", label: st
         return fused_cross_entropy_positional(x, w, labels, implementation=impl)[0]
 
     def loss(impl, x, w, labels):
+        if op == LOSS_NAME:
+            return fused_cross_entropy_loss_positional(x, w, labels, implementation=impl)
         return jnp.mean(fused_cross_entropy_positional(x, w, labels, implementation=impl)[0])
+
+    if op == LOSS_NAME:
+        forward = loss
 
     nvd = float(tokens) * embed * vocab
     return Case(
-        op="fused_cross_entropy",
+        op=op,
         label=label or f"N={tokens} D={embed} V={vocab} {dt.name}",
         dims={"tokens": tokens, "embed": embed, "vocab": vocab},
         dtype=dt.name,
@@ -54,10 +66,14 @@ def case(tokens: int, embed: int, vocab: int, dtype: str = "bfloat16", label: st
     )
 
 
-def cases(*, preset: str | None = None, tokens: int | None = None, dtype: str | None = None) -> list[Case]:
+def cases_fused_cross_entropy(*, preset=None, tokens=None, dtype=None, op: str = NAME) -> list[Case]:
     name = preset or "quick"
     if name not in PRESETS:
         raise ValueError(f"fused_cross_entropy: unknown preset {name!r}; presets are {sorted(PRESETS)}")
     n, d, v = PRESETS[name]
     dtype = dtype or ("float32" if name == "quick" else "bfloat16")
-    return [case(tokens or n, d, v, dtype, label=f"{name}: N={tokens or n} D={d} V={v} {dtype}")]
+    return [case(tokens or n, d, v, dtype, label=f"{name}: N={tokens or n} D={d} V={v} {dtype}", op=op)]
+
+
+def cases_fused_cross_entropy_loss(*, preset=None, tokens=None, dtype=None) -> list[Case]:
+    return cases_fused_cross_entropy(preset=preset, tokens=tokens, dtype=dtype, op=LOSS_NAME)

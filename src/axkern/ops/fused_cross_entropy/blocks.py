@@ -7,7 +7,14 @@ import dataclasses
 from axkern.core.blocks import BlockSizes, next_power_of_2
 from axkern.core.op import Spec
 
-__all__ = ["CrossEntropyBlockSizes", "bucket", "heuristic"]
+__all__ = [
+    "CrossEntropyBlockSizes",
+    "bucket",
+    "heuristic",
+    "loss_heuristic",
+    "pallas_gpu_heuristic",
+    "pallas_tpu_heuristic",
+]
 
 # Bytes of one float32 [block_tokens, block_vocab] logits tile, per platform. On GPU a tile
 # this size keeps each matmul large enough to run near the tensor-core ceiling while the
@@ -24,10 +31,18 @@ class CrossEntropyBlockSizes(BlockSizes):
     """Tile of the streamed logits: `block_tokens` rows by `block_vocab` columns.
 
     Neither needs to divide the problem: a ragged last block is handled without padding.
+    The Pallas kernels also read `block_embed` (the reduction step over the embedding),
+    `vocab_splits` (programs sharing one token block's vocabulary, their statistics merged
+    afterwards; more programs for small token counts), and on GPU `num_warps` and
+    `num_stages` (Triton's software pipelining depth). `None` lets the kernel choose.
     """
 
     block_tokens: int = 1024
     block_vocab: int = 2048
+    block_embed: int | None = None
+    vocab_splits: int | None = None
+    num_warps: int | None = None
+    num_stages: int | None = None
 
 
 def bucket(spec: Spec) -> dict:
@@ -46,3 +61,28 @@ def heuristic(spec: Spec) -> CrossEntropyBlockSizes:
     budget = _TILE_BYTES.get(spec.platform, 8 << 20) // (4 * block_vocab)
     block_tokens = max(1, min(tokens, max(8, budget)))
     return CrossEntropyBlockSizes(block_tokens=block_tokens, block_vocab=block_vocab)
+
+
+# Bytes of the float32 [block_tokens, vocab] logits block of the reduced loss (whose gradients
+# are formed in the forward: the block spans the whole vocabulary). Liger-Kernel keeps its
+# 16-bit block near 128 MiB; a float32 block twice that keeps the same token count.
+_LOSS_BLOCK_BYTES = {"gpu": 256 << 20, "tpu": 128 << 20, "cpu": 16 << 20}
+
+
+def loss_heuristic(spec: Spec) -> CrossEntropyBlockSizes:
+    tokens, vocab = spec.dim("tokens"), spec.dim("vocab")
+    rows = _LOSS_BLOCK_BYTES.get(spec.platform, 16 << 20) // (4 * vocab)
+    rows = max(8, 1 << max(0, rows.bit_length() - 1))  # a power of two, at least 8
+    return CrossEntropyBlockSizes(block_tokens=max(1, min(tokens, rows)), block_vocab=vocab)
+
+
+def pallas_gpu_heuristic(spec: Spec) -> CrossEntropyBlockSizes:
+    """Triton GEMM tiles for Hopper: 128 x 256 outputs, 64-deep steps, 8 warps, 3 stages."""
+    return CrossEntropyBlockSizes(
+        block_tokens=128, block_vocab=256, block_embed=64, num_warps=8, num_stages=3
+    )
+
+
+def pallas_tpu_heuristic(spec: Spec) -> CrossEntropyBlockSizes:
+    """MXU-sized tiles whose VMEM footprint (about 6 MiB in bf16) fits every chip's budget."""
+    return CrossEntropyBlockSizes(block_tokens=512, block_vocab=1024, block_embed=512)

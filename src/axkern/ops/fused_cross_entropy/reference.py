@@ -5,6 +5,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from .terms import token_losses
+
 
 def stats(x, w, labels, *, logit_soft_cap=None, with_sum=False):
     """Per-token `(lse, label_logit, sum_logits)` of `z = softcap(x @ w)`.
@@ -22,3 +24,19 @@ def stats(x, w, labels, *, logit_soft_cap=None, with_sum=False):
     label_logit = jnp.sum(jnp.where(hit, z, 0), axis=-1)
     sum_logits = jnp.sum(z, axis=-1) if with_sum else jnp.zeros_like(lse)
     return lse, label_logit, sum_logits
+
+
+def loss(x, w, labels, keep, scale, *, logit_soft_cap=None, logsumexp_weight=0.0, label_smoothing=0.0):
+    """`scale * sum_{keep} loss_i` from the materialised logits; gradients by autodiff."""
+    lse, label_logit, sum_logits = stats(x, w, labels, logit_soft_cap=logit_soft_cap, with_sum=True)
+    per = token_losses(
+        lse,
+        label_logit,
+        sum_logits,
+        labels,
+        keep,
+        w.shape[1],
+        logsumexp_weight=logsumexp_weight,
+        label_smoothing=label_smoothing,
+    )
+    return scale * jnp.sum(per)

@@ -35,6 +35,7 @@ from jax import lax
 from axkern.core.blocks import for_each_block
 
 from .blocks import CrossEntropyBlockSizes
+from .terms import token_losses
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,3 +143,148 @@ def _backward(cfg: _Static, residuals, cotangents):
 
 
 _stats.defvjp(lambda cfg, x, w, labels: _forward(cfg, x, w, labels), _backward)
+
+
+def recompute_backward(soft_cap, with_sum, residuals, cotangents):
+    """This module's backward for the Pallas kernels' forward (residuals `x, w, labels, lse`).
+
+    Tiles of float32 `[16384, 4096]` (256 MiB) at most: the GPU heuristic's and the H200 sweep's
+    best (`tuned/nvidia_h200.json`).
+    """
+    x, w = residuals[0], residuals[1]
+    cfg = _Static(
+        block_tokens=min(16384, max(1, x.shape[0])),
+        block_vocab=min(4096, w.shape[1]),
+        soft_cap=soft_cap,
+        with_sum=with_sum,
+    )
+    return _backward(cfg, residuals, cotangents)
+
+
+# -- the reduced loss with its gradients formed in the forward ("grad in forward") -------------
+#
+# For a scalar `L = scale * sum_{kept i} loss_i` every token's cotangents are known once its
+# `lse` is: `dL/dz_iv = scale * (p_iv * (1 + 2 w_z lse_i) - (1 - eps) [v == label_i] - eps / V)`
+# (times `1 - (z/c)^2` under the soft cap). So the forward of the differentiated loss computes
+# each token block's full `[block_tokens, V]` logits once, its lse, and at once `dz`, `dx` rows
+# and the block's share of `dw`; the backward only scales `dx, dw` by the incoming cotangent.
+# Cost: `6·N·D·V` FLOPs in all (no recomputation), temporary memory one float32 logits block
+# plus its 16-bit `dz`. Called without differentiation it is the streaming forward above.
+
+
+DW_FLOAT32_LIMIT = 512 << 20  # bytes of a float32 dw accumulator above which dw accumulates in w's dtype
+
+
+@dataclasses.dataclass(frozen=True)
+class _LossStatic:
+    block_tokens: int
+    soft_cap: float | None
+    logsumexp_weight: float
+    label_smoothing: float
+    dw_dtype: str
+    w_dtype: str
+
+
+def loss(
+    x,
+    w,
+    labels,
+    keep,
+    scale,
+    *,
+    block_sizes,
+    logit_soft_cap=None,
+    logsumexp_weight=0.0,
+    label_smoothing=0.0,
+):
+    """`scale * sum_{keep} loss_i` (float32), gradients for `x` and `w` formed in the forward.
+
+    `dw` accumulates over token blocks in float32 while that accumulator stays small
+    (`D·V·4 <= DW_FLOAT32_LIMIT`, 512 MiB), else in `w`'s dtype (Liger-Kernel's choice; it keeps the temporary
+    memory to one logits block).
+    """
+    n, d, v = x.shape[0], x.shape[1], w.shape[1]
+    acc = _acc_dtype(x, w)
+    small = d * v * jnp.dtype(acc).itemsize <= DW_FLOAT32_LIMIT
+    cfg = _LossStatic(
+        block_tokens=min(block_sizes.block_tokens, max(1, n)),
+        soft_cap=None if logit_soft_cap is None else float(logit_soft_cap),
+        logsumexp_weight=float(logsumexp_weight),
+        label_smoothing=float(label_smoothing),
+        dw_dtype=jnp.dtype(acc if small else w.dtype).name,
+        w_dtype=jnp.dtype(w.dtype).name,
+    )
+    return _loss(cfg, x, w, labels, keep, jnp.asarray(scale, acc))
+
+
+def _loss_value(cfg: _LossStatic, x, w, labels, keep):
+    stat_cfg = _Static(
+        block_tokens=cfg.block_tokens,
+        block_vocab=min(4096, w.shape[1]),
+        soft_cap=cfg.soft_cap,
+        with_sum=bool(cfg.label_smoothing),
+    )
+    lse, label_logit, sum_logits = _forward(stat_cfg, x, w, labels)[0]
+    per = token_losses(
+        lse,
+        label_logit,
+        sum_logits,
+        labels,
+        keep,
+        w.shape[1],
+        logsumexp_weight=cfg.logsumexp_weight,
+        label_smoothing=cfg.label_smoothing,
+    )
+    return jnp.sum(per)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _loss(cfg: _LossStatic, x, w, labels, keep, scale):
+    return scale * _loss_value(cfg, x, w, labels, keep)
+
+
+def _loss_fwd(cfg: _LossStatic, x, w, labels, keep, scale):
+    n, d, v = x.shape[0], x.shape[1], w.shape[1]
+    acc = _acc_dtype(x, w)
+    operand = jnp.result_type(x, w)
+    eps, wz = cfg.label_smoothing, cfg.logsumexp_weight
+
+    def block(t0, ts, carry):
+        dx, dw, total = carry
+        xt = lax.dynamic_slice_in_dim(x, t0, ts, axis=0)
+        lt = lax.dynamic_slice_in_dim(labels, t0, ts)
+        kt = lax.dynamic_slice_in_dim(keep, t0, ts)
+        z = jnp.dot(xt, w, preferred_element_type=acc)
+        if cfg.soft_cap is not None:
+            z = cfg.soft_cap * jnp.tanh(z / cfg.soft_cap)
+        m = lax.stop_gradient(jnp.max(z, axis=1))
+        lse = m + jnp.log(jnp.sum(jnp.exp(z - m[:, None]), axis=1))
+        hit = lt[:, None] == lax.broadcasted_iota(lt.dtype, (ts, v), 1)
+        label_logit = jnp.sum(jnp.where(hit, z, 0), axis=1)
+        sum_logits = jnp.sum(z, axis=1) if eps else jnp.zeros_like(lse)
+        per = token_losses(lse, label_logit, sum_logits, lt, kt, v, logsumexp_weight=wz, label_smoothing=eps)
+        coef = jnp.where(kt, scale, 0).astype(acc)
+        g_lse = coef * (1 + 2 * wz * lse) if wz else coef
+        dz = g_lse[:, None] * jnp.exp(z - lse[:, None]) - jnp.where(hit, ((1 - eps) * coef)[:, None], 0)
+        if eps:
+            dz = dz - (eps / v) * coef[:, None]
+        if cfg.soft_cap is not None:
+            dz = dz * (1 - jnp.square(z / cfg.soft_cap))
+        dz = dz.astype(operand)
+        dx_rows = jnp.dot(dz, w.T, preferred_element_type=acc).astype(x.dtype)
+        dx = lax.dynamic_update_slice_in_dim(dx, dx_rows, t0, axis=0)
+        dw = (dw + jnp.dot(xt.T, dz, preferred_element_type=acc)).astype(dw.dtype)
+        return dx, dw, total + jnp.sum(per)
+
+    init = (jnp.zeros_like(x), jnp.zeros((d, v), cfg.dw_dtype), jnp.zeros((), acc))
+    dx, dw, total = for_each_block(n, cfg.block_tokens, block, init)
+    return scale * total, (dx, dw, total)
+
+
+def _loss_bwd(cfg: _LossStatic, residuals, g):
+    dx, dw, total = residuals
+    scaled = lambda a, dtype: (g * a.astype(g.dtype)).astype(dtype)  # noqa: E731
+    return scaled(dx, dx.dtype), scaled(dw, cfg.w_dtype), None, None, g * total
+
+
+_loss.defvjp(_loss_fwd, _loss_bwd)
