@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# One device call (at most 9.8 minutes): GPU tests of the fused cross-entropy's new paths
-# (pallas_gpu, the reduced loss with gradients formed in the forward) and of the cuDNN
-# sliding-window fix, sweeps of the loss's token block and the Pallas kernel's tiles,
-# a probe of where the pallas_gpu SSD forward spends its time, and the llama3 CE benchmark
-# beside Liger/cut-cross-entropy. Each step has its own timeout; all lands in $OUT/next.tgz.
+# One device call (at most 9.5 minutes): the SSD kernels with TF32 products (GPU tests, the
+# Mamba-2 layer forward+backward against xla), the reduced CE loss after the dw fix (sweep of
+# its token block -> the shipped H200 table, GPU tests, llama3 beside Liger and
+# cut-cross-entropy, the other presets). Each step has its own timeout; all lands in
+# $OUT/next.tgz (the table the sweep chose in $OUT/next/tuned_nvidia_h200.json).
 #
 #   mkdir -p .whl/peers && cp ../shared/wheels/*.whl .whl/ && cp ../shared/wheels/peers/*.whl .whl/peers/
 #   run(command="bash benchmarks/h200_next.sh", carry=[".whl"])
@@ -14,10 +14,13 @@ R=$OUT/next
 mkdir -p "$R"
 step() { local t=$1 name=$2; shift 2; echo "== $name"; timeout "$t" "$@" > "$R/$name.log" 2>&1; echo "$name rc=$?" | tee -a "$R/steps.txt"; }
 trap 'tar czf "$OUT/next.tgz" -C "$OUT" next' EXIT
-step 130 gpu_tests_ce env AXKERN_TEST_GPU=1 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_fused_cross_entropy_gpu.py -rs -s
-step 45 gpu_tests_attention_cudnn env AXKERN_TEST_GPU=1 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_attention_gpu.py -k cudnn -rs
-step 70 sweep_ce_loss python3 benchmarks/sweep_fused_cross_entropy.py --target loss --block-tokens 512,1024,2048,4096 --repeats 5 --json "$R/ce_loss_sweep.json"
-step 100 sweep_ce_pallas python3 benchmarks/sweep_fused_cross_entropy.py --target pallas_gpu --block-tokens 64,128 --block-vocab 128,256 --block-embed 64 --num-warps 4,8 --num-stages 3 --repeats 5 --json "$R/ce_pallas_sweep.json"
-step 70 ssd_probe python3 benchmarks/ssd_gpu_probe.py --json "$R/ssd_probe.json"
-step 90 bench_ce_loss python3 -m axkern.cli bench fused_cross_entropy_loss --preset llama3 --impl xla --peers --repeats 5 --json "$R/fused_cross_entropy_loss_llama3.json"
-step 80 bench_ce_stats python3 -m axkern.cli bench fused_cross_entropy --preset llama3 --impl xla,pallas_gpu --repeats 5 --json "$R/fused_cross_entropy_llama3.json"
+step 120 gpu_tests_ssd env AXKERN_TEST_GPU=1 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_ssd_gpu.py -rs
+step 90 bench_ssd python3 -m axkern.cli bench ssd --preset mamba2_2.7b --impl xla,pallas_gpu --repeats 5 --json "$R/ssd_mamba2_2.7b.json"
+step 80 sweep_ce_loss python3 benchmarks/sweep_fused_cross_entropy.py --target loss --block-tokens 256,512,1024,2048 --repeats 5 --json "$R/ce_loss_sweep.json"
+step 20 tune_ce_loss python3 benchmarks/tune_table.py --sweep "$R/ce_loss_sweep.json" --op fused_cross_entropy_loss --impl xla --package axkern.ops.fused_cross_entropy --max-temp-gib 1.0 --source benchmarks/results/h200/fused_cross_entropy_loss_sweep_2026-11-30.json
+cp src/axkern/ops/fused_cross_entropy/tuned/nvidia_h200.json "$R/tuned_nvidia_h200.json"
+step 100 gpu_tests_ce env AXKERN_TEST_GPU=1 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_fused_cross_entropy_gpu.py -rs -s -k "loss_gradients or h200_table or (8192 and bfloat16 and pallas)"
+step 80 bench_ce_loss_llama3 python3 -m axkern.cli bench fused_cross_entropy_loss --preset llama3 --impl xla --peers --repeats 5 --json "$R/fused_cross_entropy_loss_llama3.json"
+for p in llama2 qwen2 gemma; do
+  step 35 bench_ce_loss_$p python3 -m axkern.cli bench fused_cross_entropy_loss --preset $p --impl xla --repeats 3 --json "$R/fused_cross_entropy_loss_$p.json"
+done

@@ -78,7 +78,10 @@ def next_power_of_2(n: int) -> int:
 
 @functools.cache
 def load_table(package: str, device_key: str) -> tuple[dict, ...]:
-    """Entries of `<package>/tuned/<device_key>.json`, or `()` if none ships."""
+    """Entries of `<package>/tuned/<device_key>.json`, or `()` if none ships.
+
+    Each entry gets the table's `op` unless it names its own (a folder may hold several ops).
+    """
     try:
         res = importlib.resources.files(package).joinpath("tuned", f"{device_key}.json")
         if not res.is_file():
@@ -86,12 +89,16 @@ def load_table(package: str, device_key: str) -> tuple[dict, ...]:
         data = json.loads(res.read_text())
     except (ModuleNotFoundError, FileNotFoundError):
         return ()
-    return tuple(data.get("entries", ()))
+    return tuple({"op": data.get("op"), **e} for e in data.get("entries", ()))
 
 
-def lookup(package: str, device_key: str, implementation: str, bucket: Mapping[str, Any]) -> dict | None:
-    """Block sizes tuned for `implementation` at exactly this shape bucket, if the table has them."""
+def lookup(
+    package: str, device_key: str, implementation: str, bucket: Mapping[str, Any], op: str | None = None
+) -> dict | None:
+    """Block sizes tuned for `op`'s `implementation` at exactly this shape bucket, if the table has them."""
     for entry in load_table(package, device_key):
+        if op is not None and entry.get("op") not in (None, op):
+            continue
         if entry.get("implementation") == implementation and entry.get("bucket") == dict(bucket):
             return dict(entry["block_sizes"])
     return None

@@ -215,7 +215,7 @@ class Op:
             if reason is not None:
                 raise ValueError(f"{self.name}: block_sizes={bs} cannot serve {spec}: {reason}")
             return bs, "argument", None
-        tuned = blocks.lookup(self.package, spec.device_key, impl.name, self.bucket(spec))
+        tuned = blocks.lookup(self.package, spec.device_key, impl.name, self.bucket(spec), op=self.name)
         if tuned is not None:
             bs, source = cls.from_dict(tuned), "table"
         elif impl.heuristic is not None:

@@ -21,7 +21,8 @@ times `x`) + `2·Q·N·P` (incoming state) + `2·Q·P·N` (own state) FLOPs forw
 that backward; bytes: `x`, `B`, `C` once per pass, the `[b, c, h, P, N]` float32 states twice
 (written, read). Compute bound for Mamba-2 sizes (`Q = 64..256`, `N = 128`).
 
-All products take float32 operands with float32 accumulation for now (with bf16 operands
+All products take float32 operands with float32 accumulation (the GPU layout lets them run as
+TF32 for 16-bit inputs: `Layout.precision_16bit`) for now (with bf16 operands
 the final state and the gate's gradient missed the oracle rule in bf16); decays and weights
 are float32. `x`, `B`, `C` are moved to `[batch, heads|groups, length, P|N]` so a program's
 tiles are contiguous rows.
@@ -47,14 +48,14 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from axkern.core.kernels import dot as _dot
+from axkern.core import kernels
 
 from .chunks import pad_to_chunks, skip_and_gate
 
 
 def _state_kernel(x_ref, w_ref, b_ref, out_ref, *, lay, dtype):
     x = x_ref[0, 0].astype(jnp.float32)  # [Q, P]
-    out_ref[0, 0, 0] = _dot(x * lay.col(w_ref), b_ref[0, 0], dtype, trans_a=True)  # [P, N]
+    out_ref[0, 0, 0] = lay.dot(x * lay.col(w_ref), b_ref[0, 0], dtype, trans_a=True)  # [P, N]
 
 
 def _decay(cum_col, cum_row, seg_col, seg_row):
@@ -86,9 +87,9 @@ def _scan_kernel(
     dt, f = lay.col(dt_ref), lay.col(f_ref)  # [Q, 1]
     decay = _decay(lay.col(cum_ref), lay.row(cum_row_ref), lay.seg_col(seg_ref), lay.seg_row(seg_row_ref))
     cm = c_ref[0, 0]  # [Q, N]
-    scores = _dot(cm, b_ref[0, 0], dtype, trans_b=True) * decay  # [Q, Q]
-    y = _dot(scores, x * dt, dtype)
-    y_ref[0, 0] = y + f * _dot(cm, s_ref[0, 0, 0], dtype, trans_b=True)  # + f ∘ C S_in^T: [Q, P]
+    scores = lay.dot(cm, b_ref[0, 0], dtype, trans_b=True) * decay  # [Q, Q]
+    y = lay.dot(scores, x * dt, dtype)
+    y_ref[0, 0] = y + f * lay.dot(cm, s_ref[0, 0, 0], dtype, trans_b=True)  # + f ∘ C S_in^T: [Q, P]
 
 
 def _scan_bwd_kernel(
@@ -122,20 +123,20 @@ def _scan_bwd_kernel(
     bm, cm = b_ref[0, 0].astype(f32), c_ref[0, 0].astype(f32)  # [Q, N]
     state = s_ref[0, 0, 0]  # [P, N]
     decay = _decay(lay.col(cum_ref), lay.row(cum_row_ref), lay.seg_col(seg_ref), lay.seg_row(seg_row_ref))
-    m = _dot(cm, bm, f32, trans_b=True) * decay  # [Q, Q]
-    dxd = _dot(m, dy, f32, trans_a=True)  # d(dt ∘ x): [Q, P]
+    m = lay.dot(cm, bm, f32, trans_b=True) * decay  # [Q, Q]
+    dxd = lay.dot(m, dy, f32, trans_a=True)  # d(dt ∘ x): [Q, P]
     dx_ref[0, 0] = dxd * dt
     lay.put_col(ddt_ref, jnp.sum(dxd * x, axis=1, keepdims=True))
-    dm = _dot(dy, x * dt, f32, trans_b=True)  # [Q, Q]
+    dm = lay.dot(dy, x * dt, f32, trans_b=True)  # [Q, Q]
     e = dm * m  # d cum through Λ: rows gain (here), columns lose (summed in XLA)
     lay.put_col(dcum_ref, jnp.sum(e, axis=1, keepdims=True))
     lay.put_row(dcum_row_ref, jnp.sum(e, axis=0, keepdims=True))
     dg = dm * decay  # d(C B^T)
-    lay.put_col(df_ref, jnp.sum(dy * _dot(cm, state, f32, trans_b=True), axis=1, keepdims=True))
+    lay.put_col(df_ref, jnp.sum(dy * lay.dot(cm, state, f32, trans_b=True), axis=1, keepdims=True))
     dyf = dy * f
-    dc_ref[0, 0] = _dot(dg, bm, f32) + _dot(dyf, state, f32)
-    db_ref[0, 0] = _dot(dg, cm, f32, trans_a=True)
-    ds_ref[0, 0, 0] = _dot(dyf, cm, f32, trans_a=True)  # [P, N]
+    dc_ref[0, 0] = lay.dot(dg, bm, f32) + lay.dot(dyf, state, f32)
+    db_ref[0, 0] = lay.dot(dg, cm, f32, trans_a=True)
+    ds_ref[0, 0, 0] = lay.dot(dyf, cm, f32, trans_a=True)  # [P, N]
 
 
 def _state_bwd_kernel(x_ref, w_ref, b_ref, ds_ref, dx_ref, dw_ref, db_ref, *, lay):
@@ -145,10 +146,10 @@ def _state_bwd_kernel(x_ref, w_ref, b_ref, ds_ref, dx_ref, dw_ref, db_ref, *, la
     w = lay.col(w_ref)  # [Q, 1]
     bm = b_ref[0, 0].astype(f32)
     ds = ds_ref[0, 0, 0]  # [P, N]
-    dxw = _dot(bm, ds, f32, trans_b=True)  # [Q, P]
+    dxw = lay.dot(bm, ds, f32, trans_b=True)  # [Q, P]
     dx_ref[0, 0] = dxw * w
     lay.put_col(dw_ref, jnp.sum(dxw * x, axis=1, keepdims=True))
-    db_ref[0, 0] = _dot(x * w, ds, f32)  # [Q, N]
+    db_ref[0, 0] = lay.dot(x * w, ds, f32)  # [Q, N]
 
 
 def _weights(dtc, A, sc):
@@ -195,7 +196,12 @@ class Layout:
     row `[1, Q]`; `to_col`/`to_row` lay out a `[b, h, L]` (or `[b, L]` for segment ids) array
     for that, `from_col`/`from_row` undo it for outputs. Subclasses fill in the specs."""
 
+    # precision of float32 products for 16-bit inputs (None: exact float32); float32 inputs
+    # always get exact products
+    precision_16bit = None
+
     def __init__(self, xt, bt, *, q, interpret):
+        self.precision = self.precision_16bit if jnp.dtype(xt.dtype).itemsize == 2 else None
         self.batch, self.heads, self.lp, self.p = xt.shape
         self.n = bt.shape[-1]
         self.rep = self.heads // bt.shape[1]
@@ -219,6 +225,9 @@ class Layout:
 
     def call_params(self) -> dict:
         return {"interpret": self.interpret}
+
+    def dot(self, a, b, dtype=None, *, trans_a=False, trans_b=False):
+        return kernels.dot(a, b, dtype, trans_a=trans_a, trans_b=trans_b, precision=self.precision)
 
     def __call__(self, kernel, in_specs, outs, *args):
         specs, shapes = zip(*outs, strict=True)

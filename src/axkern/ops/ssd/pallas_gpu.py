@@ -3,13 +3,14 @@
 Vectors (`dt`, `cum`, weights, segment ids) stay `[b, h, L]` (`[b, L]`) and are read as
 `[Q]` blocks, broadcast into columns or rows in registers.
 
-**Constraints**: `P`, `N` and the chunk powers of two and at least 16 (Triton's `dot`
-tiles); otherwise the call falls back with the reason. **Verified in interpret mode only**:
-not yet compiled for or timed on a GPU, so it is in no default order.
+**Products**: float32 operands, TF32 tensor cores for 16-bit inputs, exact float32 for
+float32 inputs. **Constraints**: `P`, `N` and the chunk powers of two and at least 16
+(Triton's `dot` tiles); otherwise the call falls back with the reason.
 """
 
 from __future__ import annotations
 
+from jax import lax
 from jax.experimental import pallas as pl
 
 from axkern.core.blocks import next_power_of_2
@@ -36,6 +37,11 @@ def heuristic(spec) -> SSDBlockSizes:
 
 
 class GpuLayout(chunk_kernels.Layout):
+    # TF32 tensor cores for the float32 products of 16-bit inputs (10 mantissa bits, more than
+    # bf16's 7): Triton's exact float32 product made the forward 15x slower on the H200
+    # (51.3 ms against 3.4 ms, benchmarks/results/h200/ssd_probe_2026-11-30.json)
+    precision_16bit = lax.Precision.DEFAULT
+
     def __init__(self, xt, bt, *, q, interpret):
         super().__init__(xt, bt, q=q, interpret=interpret)
         self.col_spec = self.row_spec = pl.BlockSpec((1, 1, q), lambda b, h, c: (b, h, c))
