@@ -47,6 +47,10 @@ def test_shipped_h200_table_is_found_by_bucket():
     assert entry == {"block_tokens": 16384, "block_vocab": 4096}
     assert blocks.lookup(OP.package, "nvidia_h200", "reference", bucket(spec)) is None
     assert blocks.lookup(OP.package, "no_such_device", "xla", bucket(spec)) is None
+    # one table holds both cross-entropy ops: each finds its own entry
+    assert blocks.lookup(OP.package, "nvidia_h200", "xla", bucket(spec), op=OP.name) == entry
+    loss = blocks.lookup(OP.package, "nvidia_h200", "xla", bucket(spec), op="fused_cross_entropy_loss")
+    assert loss is not None and loss["block_tokens"] == 1024
 
 
 @pytest.mark.parametrize("platform", ["cpu", "gpu", "tpu"])

@@ -145,20 +145,22 @@ def _backward(cfg: _Static, residuals, cotangents):
 _stats.defvjp(lambda cfg, x, w, labels: _forward(cfg, x, w, labels), _backward)
 
 
-def recompute_backward(soft_cap, with_sum, residuals, cotangents):
-    """This module's backward for the Pallas kernels' forward (residuals `x, w, labels, lse`).
-
-    Tiles of float32 `[16384, 4096]` (256 MiB) at most: the GPU heuristic's and the H200 sweep's
-    best (`tuned/nvidia_h200.json`).
-    """
-    x, w = residuals[0], residuals[1]
-    cfg = _Static(
-        block_tokens=min(16384, max(1, x.shape[0])),
-        block_vocab=min(4096, w.shape[1]),
+def streaming_config(n: int, v: int, soft_cap, with_sum) -> _Static:
+    """Tiles for this module's forward or backward when another path calls them (the Pallas
+    kernels' backward, the reduced loss's undifferentiated value): float32 `[16384, 4096]`
+    (256 MiB) at most, the GPU heuristic's and the H200 sweep's best (`tuned/nvidia_h200.json`)."""
+    return _Static(
+        block_tokens=min(16384, max(1, n)),
+        block_vocab=min(4096, v),
         soft_cap=soft_cap,
         with_sum=with_sum,
     )
-    return _backward(cfg, residuals, cotangents)
+
+
+def recompute_backward(soft_cap, with_sum, residuals, cotangents):
+    """This module's backward for the Pallas kernels' forward (residuals `x, w, labels, lse`)."""
+    x, w = residuals[0], residuals[1]
+    return _backward(streaming_config(x.shape[0], w.shape[1], soft_cap, with_sum), residuals, cotangents)
 
 
 # -- the reduced loss with its gradients formed in the forward ("grad in forward") -------------
@@ -218,12 +220,8 @@ def loss(
 
 
 def _loss_value(cfg: _LossStatic, x, w, labels, keep):
-    stat_cfg = _Static(
-        block_tokens=cfg.block_tokens,
-        block_vocab=min(4096, w.shape[1]),
-        soft_cap=cfg.soft_cap,
-        with_sum=bool(cfg.label_smoothing),
-    )
+    # undifferentiated: the streaming forward with its own (larger) tiles, not the loss's block
+    stat_cfg = streaming_config(x.shape[0], w.shape[1], cfg.soft_cap, bool(cfg.label_smoothing))
     lse, label_logit, sum_logits = _forward(stat_cfg, x, w, labels)[0]
     per = token_losses(
         lse,
