@@ -57,7 +57,7 @@ def test_on_gpu_against_oracle(impl, n, d, v, opts, dtype):
     "n,d,v,opts",
     [
         (3001, 1536, 50257, {"logit_soft_cap": 30.0, "label_smoothing": 0.1, "logsumexp_weight": 1e-4}),
-        (8192, 4096, 128256, {"ignore_index": -100}),  # dw (2 GiB in float32) accumulates in w's dtype
+        (8192, 4096, 128256, {"ignore_index": -100}),  # dw accumulated over 8 token blocks
     ],
 )
 def test_loss_gradients_in_forward_on_gpu_against_oracle(n, d, v, opts, dtype):
@@ -91,10 +91,13 @@ def test_h200_table_and_memory_at_llama3_size():
     grad = jax.jit(jax.grad(lambda x, w, l: jnp.mean(ce(x, w, l)[0]), argnums=(0, 1)))
     temp = grad.lower(*shapes).compile().memory_analysis().temp_size_in_bytes
     assert temp <= 1.5 * 2**30, f"temporary memory {temp / 2**30:.2f} GiB"
-    # the reduced loss: one float32 [block_tokens, V] logits block and its 16-bit dz, and slack
+    # the reduced loss: one float32 [block_tokens, V] logits block and its 16-bit dz, the float32
+    # [D, V] dw accumulator, and slack
     decision = axkern.explain(ce_loss, *shapes)
     bt = decision.block_sizes.block_tokens
     grad = jax.jit(jax.grad(lambda x, w, l: ce_loss(x, w, l), argnums=(0, 1)))
     temp = grad.lower(*shapes).compile().memory_analysis().temp_size_in_bytes
     print(f"loss block_tokens={bt}: temporary memory {temp / 2**30:.3f} GiB")
-    assert temp <= 1.25 * bt * v * 6, f"temporary memory {temp / 2**30:.2f} GiB at block_tokens={bt}"
+    assert temp <= 1.25 * (bt * v * 6 + d * v * 4), (
+        f"temporary memory {temp / 2**30:.2f} GiB at block_tokens={bt}"
+    )

@@ -17,7 +17,6 @@ from hypothesis import strategies as st
 
 import axkern
 from axkern import CrossEntropyBlockSizes
-from axkern.ops.fused_cross_entropy import xla as ce_xla
 from axkern.positional import fused_cross_entropy as ce
 from axkern.positional import fused_cross_entropy_loss as ce_loss
 from tests.helpers import assert_oracle_rule, ce_inputs, to64, x64
@@ -170,15 +169,6 @@ def test_loss_gradients_in_forward_against_oracle(dtype, reduction, option):
     )
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_loss_dw_accumulated_in_w_dtype(monkeypatch, dtype):
-    # above the float32 accumulator limit dw accumulates across token blocks in w's dtype
-    monkeypatch.setattr(ce_xla, "DW_FLOAT32_LIMIT", 0)
-    check_loss(
-        6, 256, 64, 700, dtype, "all", "mean", CrossEntropyBlockSizes(block_tokens=64, block_vocab=700)
-    )
-
-
 def test_loss_edge_cases():
     x, w, labels = ce_inputs(jax.random.PRNGKey(0), 8, 16, 40, jnp.float32)
     nothing = jnp.zeros((8,), bool)
@@ -204,7 +194,7 @@ def test_loss_temporary_memory_is_one_logits_block():
     )
     temp = grad.lower(x, w).compile().memory_analysis().temp_size_in_bytes
     block = 256 * v * (4 + 2)  # float32 logits block and its bf16 dz
-    assert temp <= 2 * block + d * v * 4, f"{temp / 2**20:.1f} MiB"
+    assert temp <= 2 * block + 2 * d * v * 4, f"{temp / 2**20:.1f} MiB"  # and the float32 dw accumulator
     assert temp < n * v * 4 / 4
 
 
