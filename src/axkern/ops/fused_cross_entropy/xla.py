@@ -202,7 +202,7 @@ def loss(
 ):
     """`scale * sum_{keep} loss_i` (float32), gradients for `x` and `w` formed in the forward
     (`dw` accumulated over token blocks in float32)."""
-    n, d, v = x.shape[0], x.shape[1], w.shape[1]
+    n = x.shape[0]
     acc = _acc_dtype(x, w)
     cfg = _LossStatic(
         block_tokens=min(block_sizes.block_tokens, max(1, n)),
