@@ -37,3 +37,12 @@ def test_cudnn_is_chosen_explicitly_and_compiles():
     assert d.implementation == "cudnn"
     f = jax.jit(lambda q, k, v: axkern.positional.attention(q, k, v, implementation="cudnn"))
     assert f(a["q"], a["k"], a["v"]).shape == (1, 256, 4, 64)
+
+
+def test_default_order_on_gpu_is_cudnn_then_xla():
+    a = _inputs(0, 1, 256, 256, 4, 4, 64, "bfloat16")
+    att = axkern.positional.attention
+    assert axkern.explain(att, a["q"], a["k"], a["v"]).implementation == "cudnn"
+    # what cuDNN cannot express through JAX goes to xla, with the reason
+    d = axkern.explain(lambda q, k, v: att(q, k, v, logits_soft_cap=30.0), a["q"], a["k"], a["v"])
+    assert d.implementation == "xla" and "soft cap" in d.rejected[0].reason

@@ -57,7 +57,7 @@ def _run(impl, arrays, mask, *, sinks=True, cap=None, blocks=(16, 16)):
             logits_soft_cap=cap,
             implementation=impl,
             block_sizes=dict(block_q=blocks[0], block_kv=blocks[1])
-            if impl in ("xla", "pallas_gpu")
+            if impl in ("xla", "pallas_gpu", "pallas_tpu")
             else None,
         )
         cot = jnp.cos(jnp.arange(o.size, dtype=jnp.float32).reshape(o.shape))
@@ -127,6 +127,46 @@ def test_pallas_gpu_falls_back_with_the_reason():
     b = _inputs(0, 1, 32, 32, 2, 2, 8, "float32")
     with axkern.use(interpret=True), pytest.raises(axkern.Unsupported, match="head_dim=8"):
         attention(b["q"], b["k"], b["v"], implementation="pallas_gpu")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("kind", ["causal", "window", "full"])
+def test_pallas_tpu_against_float64_oracle(kind, dtype):
+    # TPU interpret mode; 16x16 tiles over lengths 37 and 53 (block-sparse schedule: causal and
+    # window rows have different tile counts); GQA 2; sinks and soft cap
+    b, sq, sk = 2, 37, 53
+    arrays = _inputs(30 + MASKS.index(kind), b, sq, sk, 4, 2, 16, dtype)
+    check(arrays, _mask(kind, b, sq, sk), dtype, impl="pallas_tpu", sinks=kind != "full", cap=3.0)
+
+
+def test_pallas_tpu_rows_that_see_nothing_mqa_and_its_schedule():
+    from axkern.ops.attention import pallas_tpu
+
+    arrays = _inputs(8, 1, 40, 40, 8, 1, 16, "float32")  # MQA
+    check(
+        arrays, masks.SlidingWindow(9) | masks.Causal(offset=-20), "float32", impl="pallas_tpu", sinks=False
+    )
+    check(
+        arrays, masks.Causal(offset=-8), "float32", impl="pallas_tpu", sinks=True
+    )  # rows 0-7: only the sink
+    # the schedule lists each row's non-empty tiles, padded by repeating the last
+    kinds = masks.static_block_kinds(masks.SlidingWindow(20), 64, 64, 16, 16)[0]
+    table, counts, steps = pallas_tpu._schedule(kinds, 0)
+    assert steps == 3 and counts.tolist() == [1, 2, 3, 3]  # row 32 sees keys 13..32: blocks 0-2
+    assert table.reshape(4, 3).tolist() == [[0, 0, 0], [0, 1, 1], [0, 1, 2], [1, 2, 3]]
+    a = _inputs(0, 1, 32, 32, 2, 2, 16, "float32")
+    seg = jnp.zeros((1, 32), jnp.int32)
+    with axkern.use(interpret=True):
+        with pytest.raises(axkern.Unsupported, match="static masks only"):
+            attention(a["q"], a["k"], a["v"], mask=masks.Segments(seg, seg), implementation="pallas_tpu")
+        with pytest.raises(axkern.Unsupported, match="block_q=12: TPU blocks need a multiple of 8"):
+            attention(
+                a["q"],
+                a["k"],
+                a["v"],
+                implementation="pallas_tpu",
+                block_sizes={"block_q": 12, "block_kv": 16},
+            )
 
 
 @pytest.mark.parametrize("kv_heads", [8, 2, 1])  # GQA ratios 1, 4, 8
