@@ -130,10 +130,11 @@ def test_pallas_gpu_falls_back_with_the_reason():
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("kind", ["causal", "window", "full"])
+@pytest.mark.parametrize("kind", ["causal", "window", "full", "segments", "causal&segments"])
 def test_pallas_tpu_against_float64_oracle(kind, dtype):
     # TPU interpret mode; 16x16 tiles over lengths 37 and 53 (block-sparse schedule: causal and
-    # window rows have different tile counts); GQA 2; sinks and soft cap
+    # window rows have different tile counts; segments' schedule is built at run time per batch
+    # row); GQA 2; sinks and soft cap
     b, sq, sk = 2, 37, 53
     arrays = _inputs(30 + MASKS.index(kind), b, sq, sk, 4, 2, 16, dtype)
     check(arrays, _mask(kind, b, sq, sk), dtype, impl="pallas_tpu", sinks=kind != "full", cap=3.0)
@@ -151,14 +152,23 @@ def test_pallas_tpu_rows_that_see_nothing_mqa_and_its_schedule():
     )  # rows 0-7: only the sink
     # the schedule lists each row's non-empty tiles, padded by repeating the last
     kinds = masks.static_block_kinds(masks.SlidingWindow(20), 64, 64, 16, 16)[0]
-    table, counts, steps = pallas_tpu._schedule(kinds, 0)
+    table, counts, steps = pallas_tpu._schedule(kinds, 0, 1)
     assert steps == 3 and counts.tolist() == [1, 2, 3, 3]  # row 32 sees keys 13..32: blocks 0-2
     assert table.reshape(4, 3).tolist() == [[0, 0, 0], [0, 1, 1], [0, 1, 2], [1, 2, 3]]
+    # packed documents: tiles between different documents leave each row's list at run time
+    ids = jnp.asarray([[0] * 16 + [1] * 32 + [2] * 16, [0] * 64])
+    q_lo, q_hi = pallas_tpu._block_ranges(ids, 64, 16)
+    overlap = (q_lo[:, :, None] <= q_hi[:, None, :]) & (q_lo[:, None, :] <= q_hi[:, :, None])
+    kinds = masks.static_block_kinds(masks.Causal(), 64, 64, 16, 16)[0]
+    table, counts, steps = pallas_tpu._schedule(kinds, 0, 2, overlap)
+    assert steps == 4 and counts.tolist() == [1, 1, 2, 1, 1, 2, 3, 4]
+    assert table.reshape(2, 4, 4)[0].tolist() == [[0, 0, 0, 0], [1, 1, 1, 1], [1, 2, 2, 2], [3, 3, 3, 3]]
     a = _inputs(0, 1, 32, 32, 2, 2, 16, "float32")
-    seg = jnp.zeros((1, 32), jnp.int32)
     with axkern.use(interpret=True):
-        with pytest.raises(axkern.Unsupported, match="static masks only"):
-            attention(a["q"], a["k"], a["v"], mask=masks.Segments(seg, seg), implementation="pallas_tpu")
+        with pytest.raises(axkern.Unsupported, match="static masks and Segments & a static mask"):
+            attention(
+                a["q"], a["k"], a["v"], mask=masks.PrefixLM(jnp.asarray([3])), implementation="pallas_tpu"
+            )
         with pytest.raises(axkern.Unsupported, match="block_q=12: TPU blocks need a multiple of 8"):
             attention(
                 a["q"],
