@@ -25,3 +25,6 @@ for p in llama2 qwen2 gemma; do
   step 35 bench_ce_loss_$p python3 -m axkern.cli bench fused_cross_entropy_loss --preset $p --impl xla --repeats 3 --json "$R/fused_cross_entropy_loss_$p.json"
 done
 step 140 gpu_tests_ssd env AXKERN_TEST_GPU=1 python3 -m pytest -v -p no:cacheprovider tests/gpu/test_ssd_gpu.py -rs
+# a second call: attention with packed documents (pallas_gpu's run-time schedule) and the new GPU order
+#   step 120 gpu_tests_attention env AXKERN_TEST_GPU=1 python3 -m pytest -v -p no:cacheprovider tests/gpu/test_attention_gpu.py -rs
+#   step 200 bench_attention python3 -m axkern.cli bench attention --preset h200 --impl xla,pallas_gpu,cudnn --repeats 5 --json "$R/attention_h200.json"

@@ -95,7 +95,7 @@ def test_against_float64_oracle(kind, dtype):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("kind", ["causal", "full", "window"])
+@pytest.mark.parametrize("kind", ["causal", "full", "window", "segments", "causal&segments"])
 def test_pallas_gpu_against_float64_oracle(kind, dtype):
     # interpret mode; 16x16 tiles over lengths 37 and 53; GQA 2; sinks and soft cap
     b, sq, sk = 2, 37, 53
@@ -112,10 +112,11 @@ def test_pallas_gpu_rows_that_see_nothing_and_combined_masks():
 
 def test_pallas_gpu_falls_back_with_the_reason():
     a = _inputs(0, 1, 32, 32, 2, 2, 16, "float32")
-    seg = jnp.zeros((1, 32), jnp.int32)
     with axkern.use(interpret=True):
-        with pytest.raises(axkern.Unsupported, match="static masks only"):
-            attention(a["q"], a["k"], a["v"], mask=masks.Segments(seg, seg), implementation="pallas_gpu")
+        with pytest.raises(axkern.Unsupported, match="static masks and Segments"):
+            attention(
+                a["q"], a["k"], a["v"], mask=masks.PrefixLM(jnp.asarray([3])), implementation="pallas_gpu"
+            )
         with pytest.raises(axkern.Unsupported, match="block_q=8"):
             attention(
                 a["q"],
@@ -141,7 +142,7 @@ def test_pallas_tpu_against_float64_oracle(kind, dtype):
 
 
 def test_pallas_tpu_rows_that_see_nothing_mqa_and_its_schedule():
-    from axkern.ops.attention import pallas_tpu
+    from axkern.ops.attention import pallas_gpu, pallas_tpu
 
     arrays = _inputs(8, 1, 40, 40, 8, 1, 16, "float32")  # MQA
     check(
@@ -157,8 +158,7 @@ def test_pallas_tpu_rows_that_see_nothing_mqa_and_its_schedule():
     assert table.reshape(4, 3).tolist() == [[0, 0, 0], [0, 1, 1], [0, 1, 2], [1, 2, 3]]
     # packed documents: tiles between different documents leave each row's list at run time
     ids = jnp.asarray([[0] * 16 + [1] * 32 + [2] * 16, [0] * 64])
-    q_lo, q_hi = pallas_tpu._block_ranges(ids, 64, 16)
-    overlap = (q_lo[:, :, None] <= q_hi[:, None, :]) & (q_lo[:, None, :] <= q_hi[:, :, None])
+    overlap = pallas_gpu.segment_overlap((ids, ids), 64, 64, 16, 16)
     kinds = masks.static_block_kinds(masks.Causal(), 64, 64, 16, 16)[0]
     table, counts, steps = pallas_tpu._schedule(kinds, 0, 2, overlap)
     assert steps == 4 and counts.tolist() == [1, 1, 2, 1, 1, 2, 3, 4]

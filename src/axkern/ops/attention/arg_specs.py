@@ -20,17 +20,23 @@ PRESETS = {
         (2, 8192, 32, 8, 128, "causal"),
         (2, 8192, 32, 32, 64, "causal"),
         (2, 8192, 32, 32, 128, "window1024"),
+        (2, 8192, 32, 32, 128, "docs1024"),
     ],
 }
 
 
-def _mask(name):
-    return masks.SlidingWindow(1024) if name == "window1024" else masks.Causal()
+def _mask(name, batch, length):
+    if name == "window1024":
+        return masks.SlidingWindow(1024)
+    if name == "docs1024":  # packed documents of 1024 tokens, causal within each
+        ids = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32) // 1024, (batch, length))
+        return masks.Causal() & masks.Segments(ids, ids)
+    return masks.Causal()
 
 
 def case(batch, length, heads, kv_heads, head_dim, mask_name="causal", dtype="bfloat16") -> Case:
     dt = jnp.dtype(dtype)
-    mask = _mask(mask_name)
+    mask = _mask(mask_name, batch, length)
 
     def make(key):
         k = jax.random.split(key, 3)
@@ -42,7 +48,8 @@ def case(batch, length, heads, kv_heads, head_dim, mask_name="causal", dtype="bf
     def forward(impl, q, k, v):
         return attention_positional(q, k, v, mask=mask, implementation=impl)
 
-    visible = float(np.asarray(mask.dense(length, length)).sum()) if length <= 8192 else length * length / 2
+    visible = float(np.asarray(mask.dense(length, length)).sum()) / (batch if mask.batch_size() else 1)
+
     flops = 4.0 * batch * heads * head_dim * visible
     return Case(
         op="attention",

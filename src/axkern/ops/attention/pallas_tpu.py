@@ -55,27 +55,6 @@ def heuristic(spec) -> AttentionBlockSizes:
     return AttentionBlockSizes(block_q=pick(spec.dim("q_len")), block_kv=pick(spec.dim("kv_len")))
 
 
-def _split(mask):
-    """`(segments or None, static part)` for a static mask, `Segments`, or `Segments & static`."""
-    if masks_.is_static(mask):
-        return None, mask
-    if isinstance(mask, masks_.Segments):
-        return mask, masks_.Full()
-    if type(mask) is masks_.And:
-        for seg, rest in ((mask.a, mask.b), (mask.b, mask.a)):
-            if isinstance(seg, masks_.Segments) and masks_.is_static(rest):
-                return seg, rest
-    raise Unsupported(
-        f"{mask!r} holds arrays; the Pallas TPU kernels take static masks and Segments & a static mask"
-    )
-
-
-def _block_ranges(ids, padded, block):
-    """Per block of `block` positions, the min and max id (`ids [B, L]` edge-padded to `padded`)."""
-    ids = jnp.pad(ids, [(0, 0), (0, padded - ids.shape[1])], mode="edge").reshape(ids.shape[0], -1, block)
-    return ids.min(-1), ids.max(-1)
-
-
 def _schedule(kinds, axis, batch, overlap=None):
     """Flattened `[batch, n, steps]` table of each row's non-empty blocks (padded by repeating
     the last), flattened `[batch, n]` counts, and `steps` (the static mask's longest list, at
@@ -263,11 +242,7 @@ def _plan(cfg, mask, seg_ids, b, sq, sk, sqp, skp, axis):
     """The schedule for grid rows over q blocks (`axis` 0) or kv blocks (1)."""
     bq, bk = cfg.block_q, cfg.block_kv
     kinds = masks_.static_block_kinds(mask, sq, sk, bq, bk)[0]
-    overlap = None
-    if seg_ids is not None:
-        q_lo, q_hi = _block_ranges(seg_ids[0], sqp, bq)
-        k_lo, k_hi = _block_ranges(seg_ids[1], skp, bk)
-        overlap = (q_lo[:, :, None] <= k_hi[:, None, :]) & (k_lo[:, None, :] <= q_hi[:, :, None])
+    overlap = None if seg_ids is None else tiles.segment_overlap(seg_ids, sqp, skp, bq, bk)
     return _schedule(kinds, axis, b, overlap)
 
 
@@ -276,13 +251,13 @@ def _id_inputs(seg_ids, sqp, skp, q_index, k_index, bq, bk):
     `[B, 1, Skp]` rows), or nothing without segments."""
     if seg_ids is None:
         return [], []
-    q_ids = jnp.pad(seg_ids[0], [(0, 0), (0, sqp - seg_ids[0].shape[1])], mode="edge")[:, :, None]
-    kv_ids = jnp.pad(seg_ids[1], [(0, 0), (0, skp - seg_ids[1].shape[1])], mode="edge")[:, None, :]
+    q_ids, kv_ids = (a[:, :, None] for a in tiles.padded_ids(seg_ids, sqp, skp))
+    kv_ids = jnp.swapaxes(kv_ids, 1, 2)
     specs = [
         pl.BlockSpec((None, bq, 1), lambda b_, h_, x, s, t, c: (b_, q_index(b_, x, s, t), 0)),
         pl.BlockSpec((None, 1, bk), lambda b_, h_, x, s, t, c: (b_, 0, k_index(b_, x, s, t))),
     ]
-    return [q_ids.astype(jnp.int32), kv_ids.astype(jnp.int32)], specs
+    return [q_ids, kv_ids], specs
 
 
 def _forward(cfg, q, k, v, sinks, seg_ids, mask):
@@ -346,7 +321,7 @@ def attention(q, k, v, sinks, mask, *, scale, logits_soft_cap, block_sizes, inte
     for name, n in (("block_q", bq), ("block_kv", bk)):
         if n % SUBLANES:
             raise Unsupported(f"{name}={n}: TPU blocks need a multiple of {SUBLANES} (sublanes)")
-    segments, static = _split(mask)
+    segments, static = tiles.split_segments(mask)
     seg_ids = None if segments is None else (segments.q_ids, segments.kv_ids)
     cfg = tiles._Static(
         bq, bk, float(scale), None if logits_soft_cap is None else float(logits_soft_cap), bool(interpret)
