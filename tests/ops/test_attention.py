@@ -305,6 +305,10 @@ def test_cudnn_says_why_it_cannot_serve():
     assert "Segments" in cudnn.supports(spec(mask="Segments"))
     assert cudnn._mask_args(masks.SlidingWindow(128)) == {"is_causal": True, "local_window_size": (127, 0)}
     assert cudnn._mask_args(masks.Causal(offset=3)) is None
+    # JAX's own refusal while tracing (here: no cuDNN on this CPU) becomes a reason to move on
+    q = jnp.zeros((1, 16, 2, 8), jnp.bfloat16)
+    with pytest.raises(axkern.Unsupported, match="cudnn'\\) refused: cuDNN is not detected"):
+        cudnn.attention(q, q, q, None, masks.Causal(), scale=1.0, logits_soft_cap=None)
 
 
 @pytest.mark.parametrize(

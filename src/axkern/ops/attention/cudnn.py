@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from axkern import masks as masks_
+from axkern.core.op import Unsupported
 
 
 def _mask_args(mask):
@@ -49,8 +50,11 @@ def attention(q, k, v, sinks, mask, *, scale, logits_soft_cap):
     del sinks, logits_soft_cap  # refused by supports()
     args = _mask_args(mask)
     if args is None:
-        from axkern.core.op import Unsupported
-
         raise Unsupported(f"{mask!r} is not expressible through jax.nn.dot_product_attention")
-    out = jax.nn.dot_product_attention(q, k, v, scale=scale, implementation="cudnn", **args)
+    try:
+        out = jax.nn.dot_product_attention(q, k, v, scale=scale, implementation="cudnn", **args)
+    except (RuntimeError, ValueError, NotImplementedError) as e:
+        # JAX checks cuDNN's presence, version and limits while tracing: a refusal there lets
+        # the dispatcher move on (first in the GPU order, this must never break a call)
+        raise Unsupported(f"jax.nn.dot_product_attention(implementation='cudnn') refused: {e}") from e
     return out.astype(jnp.result_type(q))
