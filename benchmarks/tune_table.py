@@ -29,6 +29,7 @@ def main():
     p.add_argument("--package", required=True)
     p.add_argument("--max-temp-gib", type=float, default=float("inf"))
     p.add_argument("--source", help="where the sweep's JSON is committed")
+    p.add_argument("--device-key", help="the table's device (default: this machine's), e.g. nvidia_h200")
     a = p.parse_args()
     sweep = json.loads(pathlib.Path(a.sweep).read_text())
     rows = [r for r in sweep["rows"] if "ms" in r and r["temp_gib"] <= a.max_temp_gib]
@@ -58,15 +59,10 @@ def main():
         "source": a.source,
         "note": f"fastest candidate with temporary memory <= {a.max_temp_gib} GiB",
     }
-    path = (
-        pathlib.Path(importlib.import_module(a.package).__file__).parent
-        / "tuned"
-        / f"{backend.device_key()}.json"
-    )
+    device = a.device_key or backend.device_key()
+    path = pathlib.Path(importlib.import_module(a.package).__file__).parent / "tuned" / f"{device}.json"
     table = (
-        json.loads(path.read_text())
-        if path.exists()
-        else {"op": a.op, "device_key": backend.device_key(), "entries": []}
+        json.loads(path.read_text()) if path.exists() else {"op": a.op, "device_key": device, "entries": []}
     )
     table["entries"] = [
         e
