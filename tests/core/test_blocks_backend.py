@@ -52,7 +52,13 @@ def test_shipped_h200_table_is_found_by_bucket():
     loss = blocks.lookup(OP.package, "nvidia_h200", "xla", bucket(spec), op="fused_cross_entropy_loss")
     assert loss is not None and loss["block_tokens"] == 1024
     tiles = blocks.lookup(OP.package, "nvidia_h200", "pallas_gpu", bucket(spec), op=OP.name)
-    assert tiles == {"block_tokens": 128, "block_vocab": 256, "block_embed": 64, "num_warps": 8, "num_stages": 3}
+    assert tiles == {
+        "block_tokens": 128,
+        "block_vocab": 256,
+        "block_embed": 64,
+        "num_warps": 8,
+        "num_stages": 3,
+    }
 
 
 @pytest.mark.parametrize("platform", ["cpu", "gpu", "tpu"])
