@@ -268,6 +268,55 @@ def _block(shape, index):
     return pl.BlockSpec(shape, index)
 
 
+def prepare(mask, block_sizes, scale, logits_soft_cap, interpret):
+    """`(cfg, segment ids or None, static mask)` for a call (both backends)."""
+    segments, static = split_segments(mask)
+    seg_ids = None if segments is None else (segments.q_ids, segments.kv_ids)
+    cap = None if logits_soft_cap is None else float(logits_soft_cap)
+    cfg = _Static(block_sizes.block_q, block_sizes.block_kv, float(scale), cap, bool(interpret))
+    return cfg, seg_ids, static
+
+
+def flash_vjp(forward, backward):
+    """The `custom_vjp` both backends wrap their kernels in: `forward(cfg, q, k, v, sinks,
+    seg_ids, mask) -> (o [B, H, Sqp, Dv], lse)` and `backward(cfg, mask, residuals, d_out)`."""
+
+    @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 6))
+    def fn(cfg, q, k, v, sinks, seg_ids, mask):
+        o, _ = forward(cfg, q, k, v, sinks, seg_ids, mask)
+        return jnp.swapaxes(o, 1, 2)[:, : q.shape[1]]
+
+    def fwd(cfg, q, k, v, sinks, seg_ids, mask):
+        o, lse = forward(cfg, q, k, v, sinks, seg_ids, mask)
+        return jnp.swapaxes(o, 1, 2)[:, : q.shape[1]], (q, k, v, sinks, seg_ids, o, lse)
+
+    fn.defvjp(fwd, backward)
+    return fn
+
+
+def finish_grads(q, k, v, sinks, dq, dk, dv, lse, delta):
+    """The cotangents from the kernels' outputs: `dq [B, H, Sqp, D]` cut and laid out as `q`;
+    the per-query-head `dk, dv [B, H, Skp, D]` summed over each group; `dsink = -sum exp(sink -
+    lse) delta` (`lse, delta [B, H, Sqp]`); none for the segment ids."""
+    b, sq, h, _ = q.shape
+    sk, kvh = k.shape[1], k.shape[2]
+    per_kv = lambda a: jnp.swapaxes(a.reshape(b, kvh, h // kvh, a.shape[2], -1).sum(2), 1, 2)[:, :sk]  # noqa: E731
+    d_sinks = None
+    if sinks is not None:
+        finite = lse != -jnp.inf
+        p_sink = jnp.where(
+            finite, jnp.exp(sinks.astype(jnp.float32)[None, :, None] - jnp.where(finite, lse, 0.0)), 0.0
+        )
+        d_sinks = (-jnp.sum(p_sink * delta, axis=(0, 2))).astype(sinks.dtype)
+    return (
+        jnp.swapaxes(dq, 1, 2)[:, :sq].astype(q.dtype),
+        per_kv(dk).astype(k.dtype),
+        per_kv(dv).astype(v.dtype),
+        d_sinks,
+        None,
+    )
+
+
 def _segment_inputs(seg_ids, sqp, skp, q_block, k_block):
     """Segment-id operands and their block specs (`q_block`, `k_block`: (shape, index map)),
     or nothing without segments."""
@@ -325,27 +374,11 @@ def _forward(cfg, q, k, v, sinks, seg_ids, mask):
 
 
 def attention(q, k, v, sinks, mask, *, scale, logits_soft_cap, block_sizes, interpret=False):
-    bq, bk = block_sizes.block_q, block_sizes.block_kv
-    for name, n in (("block_q", bq), ("block_kv", bk)):
+    for name, n in (("block_q", block_sizes.block_q), ("block_kv", block_sizes.block_kv)):
         if n < MIN or n & (n - 1):
             raise Unsupported(f"{name}={n}: Triton tiles need a power of two >= {MIN}")
-    segments, static = split_segments(mask)
-    seg_ids = None if segments is None else (segments.q_ids, segments.kv_ids)
-    cfg = _Static(
-        bq, bk, float(scale), None if logits_soft_cap is None else float(logits_soft_cap), bool(interpret)
-    )
+    cfg, seg_ids, static = prepare(mask, block_sizes, scale, logits_soft_cap, interpret)
     return _attention(cfg, q, k, v, sinks, seg_ids, static)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 6))
-def _attention(cfg, q, k, v, sinks, seg_ids, mask):
-    o, _ = _forward(cfg, q, k, v, sinks, seg_ids, mask)
-    return jnp.swapaxes(o, 1, 2)[:, : q.shape[1]]
-
-
-def _attention_fwd(cfg, q, k, v, sinks, seg_ids, mask):
-    o, lse = _forward(cfg, q, k, v, sinks, seg_ids, mask)
-    return jnp.swapaxes(o, 1, 2)[:, : q.shape[1]], (q, k, v, sinks, seg_ids, o, lse)
 
 
 def _attention_bwd(cfg, mask, res, d_out):
@@ -438,21 +471,7 @@ def _attention_bwd(cfg, mask, res, d_out):
         k_hi,
         *ids,
     )
-    per_kv = lambda a: jnp.swapaxes(a.reshape(b, kvh, g, skp, -1).sum(2), 1, 2)[:, :sk]  # noqa: E731
-    d_sinks = None
-    if sinks is not None:
-        finite = lse != -jnp.inf
-        p_sink = jnp.where(
-            finite, jnp.exp(sinks.astype(jnp.float32)[None, :, None] - jnp.where(finite, lse, 0.0)), 0.0
-        )
-        d_sinks = (-jnp.sum(p_sink * delta, axis=(0, 2))).astype(sinks.dtype)
-    return (
-        jnp.swapaxes(dq, 1, 2)[:, :sq].astype(q.dtype),
-        per_kv(dk).astype(k.dtype),
-        per_kv(dvv).astype(v.dtype),
-        d_sinks,
-        None,
-    )
+    return finish_grads(q, k, v, sinks, dq, dk, dvv, lse, delta)
 
 
-_attention.defvjp(_attention_fwd, _attention_bwd)
+_attention = flash_vjp(_forward, _attention_bwd)

@@ -18,6 +18,12 @@ max, sum, float32 accumulator); sinks join the normaliser at the last step; `lse
 both recomputing `p = exp(s - lse)` per tile (`pallas_gpu`'s tile math, shared). With GQA the
 `dk, dv` kernel writes one slice per query head, summed over each group in XLA; `dsink` in XLA.
 
+**Cost.** Compute bound: `4·B·H·D` FLOPs per visible (query, key) pair forward, about 2.5
+times that backward (both backward kernels recompute the scores); bytes: `q`, `o` once per
+head, a `k`, `v` block per non-empty tile (double-buffered DMA; a repeated index fetches
+nothing), float32 `dk`, `dv` per query head before the group sum. The schedule tables live in
+SMEM: `B·n·steps` int32 each.
+
 **Packed documents.** `Segments(q_ids, kv_ids)`, alone or `&` a static mask, is served too:
 the schedule is then computed at run time per batch row (a tile stays in a row's list when
 the static mask leaves it non-empty and the id ranges of its query and key blocks overlap),
@@ -95,21 +101,11 @@ def _call(cfg, kernel, grid, in_specs, out_specs, out_shape, scratch, *args):
     )(*args)
 
 
-def _scores(cfg, q, k, mask, i, j, sk, qid_ref, kid_ref):
-    """Scores of tile `(i, j)` and where they are visible (the static mask, the key length and,
-    with segments, equal ids)."""
+def _tile(i, j, cfg, qid_ref, kid_ref):
+    """Query and key indices of tile `(i, j)`, and its segment ids (`[bq]`, `[bk]`) or None."""
     bq, bk = cfg.block_q, cfg.block_kv
-    s, vis = tiles._tile_scores(cfg, q, k, mask, i * bq + jnp.arange(bq), j * bk + jnp.arange(bk), sk)
-    if qid_ref is not None:
-        vis = vis & (qid_ref[...] == kid_ref[...])  # [bq, 1] == [1, bk]
-    return s, vis
-
-
-def _probs(cfg, q, k, mask, i, j, sk, lse, qid_ref, kid_ref):
-    s, vis = _scores(cfg, q, k, mask, i, j, sk, qid_ref, kid_ref)
-    finite = lse != -jnp.inf
-    p = jnp.where(vis & finite[:, None], jnp.exp(s - jnp.where(finite, lse, 0.0)[:, None]), 0.0)
-    return s, p
+    ids = None if qid_ref is None else (qid_ref[...][:, 0], kid_ref[...][0])
+    return i * bq + jnp.arange(bq), j * bk + jnp.arange(bk), ids
 
 
 def _fwd_kernel(
@@ -129,7 +125,8 @@ def _fwd_kernel(
     @pl.when(s < count_ref[row])
     def _():
         j = table_ref[row * steps + s]
-        sc, vis = _scores(cfg, q_ref[...], k_ref[...], mask, i, j, sk, qid_ref, kid_ref)
+        qi, kj, ids = _tile(i, j, cfg, qid_ref, kid_ref)
+        sc, vis = tiles._tile_scores(cfg, q_ref[...], k_ref[...], mask, qi, kj, sk, ids)
         sc = jnp.where(vis, sc, -jnp.inf)
         m = m_sc[...]
         m_new = jnp.maximum(m, jnp.max(sc, axis=1, keepdims=True))
@@ -187,7 +184,8 @@ def _dq_kernel(
     def _():
         j = table_ref[row * steps + s]
         q, k, v, do = q_ref[...], k_ref[...], v_ref[...], do_ref[...]
-        sc, p = _probs(cfg, q, k, mask, i, j, sk, lse_ref[...][:, 0], qid_ref, kid_ref)
+        qi, kj, ids = _tile(i, j, cfg, qid_ref, kid_ref)
+        sc, p = tiles._probs(cfg, q, k, mask, qi, kj, sk, lse_ref[...][:, 0], ids)
         ds = tiles._ds(cfg, sc, p, _dot(do, v, trans_b=True), delta_ref[...][:, 0])
         dq_sc[...] += _dot(ds.astype(k.dtype), k)
 
@@ -227,7 +225,8 @@ def _dkv_kernel(
     def _():
         i = table_ref[row * steps + s]
         q, k, v, do = q_ref[...], k_ref[...], v_ref[...], do_ref[...]
-        sc, p = _probs(cfg, q, k, mask, i, j, sk, lse_ref[...][:, 0], qid_ref, kid_ref)
+        qi, kj, ids = _tile(i, j, cfg, qid_ref, kid_ref)
+        sc, p = tiles._probs(cfg, q, k, mask, qi, kj, sk, lse_ref[...][:, 0], ids)
         dv_sc[...] += _dot(p.astype(do.dtype), do, trans_a=True)
         ds = tiles._ds(cfg, sc, p, _dot(do, v, trans_b=True), delta_ref[...][:, 0])
         dk_sc[...] += _dot(ds.astype(q.dtype), q, trans_a=True)
@@ -317,27 +316,11 @@ def _forward(cfg, q, k, v, sinks, seg_ids, mask):
 
 
 def attention(q, k, v, sinks, mask, *, scale, logits_soft_cap, block_sizes, interpret=False):
-    bq, bk = block_sizes.block_q, block_sizes.block_kv
-    for name, n in (("block_q", bq), ("block_kv", bk)):
+    for name, n in (("block_q", block_sizes.block_q), ("block_kv", block_sizes.block_kv)):
         if n % SUBLANES:
             raise Unsupported(f"{name}={n}: TPU blocks need a multiple of {SUBLANES} (sublanes)")
-    segments, static = tiles.split_segments(mask)
-    seg_ids = None if segments is None else (segments.q_ids, segments.kv_ids)
-    cfg = tiles._Static(
-        bq, bk, float(scale), None if logits_soft_cap is None else float(logits_soft_cap), bool(interpret)
-    )
+    cfg, seg_ids, static = tiles.prepare(mask, block_sizes, scale, logits_soft_cap, interpret)
     return _attention(cfg, q, k, v, sinks, seg_ids, static)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 6))
-def _attention(cfg, q, k, v, sinks, seg_ids, mask):
-    o, _ = _forward(cfg, q, k, v, sinks, seg_ids, mask)
-    return jnp.swapaxes(o, 1, 2)[:, : q.shape[1]]
-
-
-def _attention_fwd(cfg, q, k, v, sinks, seg_ids, mask):
-    o, lse = _forward(cfg, q, k, v, sinks, seg_ids, mask)
-    return jnp.swapaxes(o, 1, 2)[:, : q.shape[1]], (q, k, v, sinks, seg_ids, o, lse)
 
 
 def _attention_bwd(cfg, mask, res, d_out):
@@ -404,22 +387,7 @@ def _attention_bwd(cfg, mask, res, d_out):
         delta,
         *ids,
     )
-    per_kv = lambda a: jnp.swapaxes(a.reshape(b, kvh, g, skp, -1).sum(2), 1, 2)[:, :sk]  # noqa: E731
-    d_sinks = None
-    if sinks is not None:
-        lse_ = lse[..., 0]
-        finite = lse_ != -jnp.inf
-        p_sink = jnp.where(
-            finite, jnp.exp(sinks.astype(jnp.float32)[None, :, None] - jnp.where(finite, lse_, 0.0)), 0.0
-        )
-        d_sinks = (-jnp.sum(p_sink * delta[..., 0], axis=(0, 2))).astype(sinks.dtype)
-    return (
-        jnp.swapaxes(dq, 1, 2)[:, :sq].astype(q.dtype),
-        per_kv(dk).astype(k.dtype),
-        per_kv(dvv).astype(v.dtype),
-        d_sinks,
-        None,
-    )
+    return tiles.finish_grads(q, k, v, sinks, dq, dk, dvv, lse[..., 0], delta[..., 0])
 
 
-_attention.defvjp(_attention_fwd, _attention_bwd)
+_attention = tiles.flash_vjp(_forward, _attention_bwd)

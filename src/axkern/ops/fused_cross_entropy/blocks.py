@@ -55,12 +55,17 @@ def bucket(spec: Spec) -> dict:
     }
 
 
-def heuristic(spec: Spec) -> CrossEntropyBlockSizes:
-    tokens, vocab = spec.dim("tokens"), spec.dim("vocab")
-    block_vocab = max(1, min(vocab, _BLOCK_VOCAB.get(spec.platform, 1024)))
-    budget = _TILE_BYTES.get(spec.platform, 8 << 20) // (4 * block_vocab)
+def stream_tiles(platform: str, tokens: int, vocab: int) -> CrossEntropyBlockSizes:
+    """The streamed logits tile for `platform`: `block_vocab` columns and as many rows as fit
+    the platform's float32 tile budget (GPU: `[16384, 4096]`, 256 MiB)."""
+    block_vocab = max(1, min(vocab, _BLOCK_VOCAB.get(platform, 1024)))
+    budget = _TILE_BYTES.get(platform, 8 << 20) // (4 * block_vocab)
     block_tokens = max(1, min(tokens, max(8, budget)))
     return CrossEntropyBlockSizes(block_tokens=block_tokens, block_vocab=block_vocab)
+
+
+def heuristic(spec: Spec) -> CrossEntropyBlockSizes:
+    return stream_tiles(spec.platform, spec.dim("tokens"), spec.dim("vocab"))
 
 
 # Bytes of the float32 [block_tokens, vocab] logits block of the reduced loss (whose gradients

@@ -9,7 +9,7 @@ smoothing) the sum of the logits. Each split writes its four rows; XLA merges th
 (`lse = logsumexp_splits(m + log s)`). Ragged edges (tokens, vocabulary, embedding) are
 masked loads: nothing is padded or copied.
 
-**Backward: recomputation in XLA** (`xla._backward`, cuBLAS products over streamed tiles).
+**Backward: recomputation in XLA** (`xla.recomputing`: cuBLAS products over streamed tiles).
 Why not a Pallas backward: `dx[t] = sum_v dz_tv w_v^T` needs a `[block_tokens, D]` float32
 accumulator per program (2 MiB at D = 4096, 128 rows), far beyond registers and shared
 memory, and splitting it over D multiplies the recomputation of `z`. The reduced loss does
@@ -169,18 +169,4 @@ def stats(
     return _stats(cfg, x, w, labels)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _stats(cfg: _Static, x, w, labels):
-    return _forward(cfg, x, w, labels)
-
-
-def _stats_fwd(cfg: _Static, x, w, labels):
-    out = _forward(cfg, x, w, labels)
-    return out, (x, w, labels, out[0])
-
-
-def _stats_bwd(cfg: _Static, residuals, cotangents):
-    return xla.recompute_backward(cfg.soft_cap, cfg.with_sum, residuals, cotangents)
-
-
-_stats.defvjp(_stats_fwd, _stats_bwd)
+_stats = xla.recomputing(_forward)

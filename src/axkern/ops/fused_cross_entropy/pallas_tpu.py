@@ -13,9 +13,12 @@ logits); at the last vocab block the row block's `lse`, label logit and logit su
 written. Ragged edges are masked in the kernel (columns past the vocabulary do not count;
 embedding columns past `D` are zeroed in both operands), so nothing is padded or copied.
 
-**Backward: recomputation in XLA** (`xla._backward`), as `pallas_gpu`: a Pallas `dx` would
+**Backward: recomputation in XLA** (`xla.recomputing`), as `pallas_gpu`: a Pallas `dx` would
 need a `[block_tokens, D]` float32 accumulator per row block. The reduced loss under
 `jax.grad` forms its gradients in the forward (`fused_cross_entropy_loss`).
+
+**Cost.** `2·N·D·V` FLOPs (compute bound at real sizes); bytes: `x` once per vocab block, `w`
+once per token block, three float32 values per token out.
 
 **VMEM.** Two buffers of each input block plus the accumulator and the statistics:
 `2·(bt·bd + bd·bv)·itemsize + 4·bt·bv + 4·4·bt` bytes; `supports()` refuses sizes over
@@ -173,18 +176,4 @@ def stats(
     return _stats(cfg, x, w, labels)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _stats(cfg: _Static, x, w, labels):
-    return _forward(cfg, x, w, labels)
-
-
-def _stats_fwd(cfg: _Static, x, w, labels):
-    out = _forward(cfg, x, w, labels)
-    return out, (x, w, labels, out[0])
-
-
-def _stats_bwd(cfg: _Static, residuals, cotangents):
-    return xla.recompute_backward(cfg.soft_cap, cfg.with_sum, residuals, cotangents)
-
-
-_stats.defvjp(_stats_fwd, _stats_bwd)
+_stats = xla.recomputing(_forward)

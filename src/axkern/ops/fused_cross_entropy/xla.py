@@ -32,9 +32,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from axkern.core import backend
 from axkern.core.blocks import for_each_block
 
-from .blocks import CrossEntropyBlockSizes
+from .blocks import CrossEntropyBlockSizes, stream_tiles
 from .terms import token_losses
 
 
@@ -147,20 +148,31 @@ _stats.defvjp(lambda cfg, x, w, labels: _forward(cfg, x, w, labels), _backward)
 
 def streaming_config(n: int, v: int, soft_cap, with_sum) -> _Static:
     """Tiles for this module's forward or backward when another path calls them (the Pallas
-    kernels' backward, the reduced loss's undifferentiated value): float32 `[16384, 4096]`
-    (256 MiB) at most, the GPU heuristic's and the H200 sweep's best (`tuned/nvidia_h200.json`)."""
-    return _Static(
-        block_tokens=min(16384, max(1, n)),
-        block_vocab=min(4096, v),
-        soft_cap=soft_cap,
-        with_sum=with_sum,
-    )
+    kernels' backward, the reduced loss's undifferentiated value): the platform heuristic's."""
+    tiles = stream_tiles(backend.platform(), max(1, n), v)
+    return _Static(tiles.block_tokens, tiles.block_vocab, soft_cap, with_sum)
 
 
-def recompute_backward(soft_cap, with_sum, residuals, cotangents):
-    """This module's backward for the Pallas kernels' forward (residuals `x, w, labels, lse`)."""
-    x, w = residuals[0], residuals[1]
-    return _backward(streaming_config(x.shape[0], w.shape[1], soft_cap, with_sum), residuals, cotangents)
+def recomputing(forward):
+    """`forward(cfg, x, w, labels) -> (lse, label_logit, sum_logits)` (a Pallas kernel; `cfg`
+    has `soft_cap` and `with_sum`) wrapped in a `custom_vjp` whose backward is this module's
+    recomputation (residuals `x, w, labels, lse`)."""
+
+    @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+    def fn(cfg, x, w, labels):
+        return forward(cfg, x, w, labels)
+
+    def fwd(cfg, x, w, labels):
+        out = forward(cfg, x, w, labels)
+        return out, (x, w, labels, out[0])
+
+    def bwd(cfg, residuals, cotangents):
+        x, w = residuals[0], residuals[1]
+        tiles = streaming_config(x.shape[0], w.shape[1], cfg.soft_cap, cfg.with_sum)
+        return _backward(tiles, residuals, cotangents)
+
+    fn.defvjp(fwd, bwd)
+    return fn
 
 
 # -- the reduced loss with its gradients formed in the forward ("grad in forward") -------------
