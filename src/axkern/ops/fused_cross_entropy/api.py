@@ -84,7 +84,10 @@ OP = Op(
             backward="autodiff through materialised [tokens, vocab] logits",
         ),
     ],
-    default_order={"cpu": ("xla",), "gpu": ("xla",), "tpu": ("xla",)},
+    # GPU: the Triton forward is at parity with xla's (32.5 against 31.9 ms at llama3's size,
+    # the same recomputing backward) without a logits tile in HBM; TPU: Mosaic, verified in
+    # interpret mode only (no TPU here). Either falls back to xla when `supports()` refuses.
+    default_order={"cpu": ("xla",), "gpu": ("pallas_gpu", "xla"), "tpu": ("pallas_tpu", "xla")},
     package=__package__,
     bucket=bucket,
 )

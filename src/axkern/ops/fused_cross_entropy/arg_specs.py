@@ -1,6 +1,7 @@
 """Shapes that `axkern bench fused_cross_entropy` and tuning use.
 
-Presets are real models' (embed, vocab); `quick` is small enough for a CPU in seconds.
+Presets are real models' (embed, vocab), each run at N = 8192, 16384 and 32768 tokens (or
+`--tokens`); `quick` is small enough for a CPU in seconds.
 FLOPs count the model's work: `2·N·D·V` forward, `4·N·D·V` backward (a recomputing backward
 does a further `2·N·D·V`, which is not counted).
 
@@ -66,13 +67,18 @@ def case(
     )
 
 
+# a model preset runs at each of these token counts unless `--tokens` names one
+MODEL_TOKENS = (8192, 16384, 32768)
+
+
 def cases_fused_cross_entropy(*, preset=None, tokens=None, dtype=None, op: str = NAME) -> list[Case]:
     name = preset or "quick"
     if name not in PRESETS:
         raise ValueError(f"fused_cross_entropy: unknown preset {name!r}; presets are {sorted(PRESETS)}")
     n, d, v = PRESETS[name]
     dtype = dtype or ("float32" if name == "quick" else "bfloat16")
-    return [case(tokens or n, d, v, dtype, label=f"{name}: N={tokens or n} D={d} V={v} {dtype}", op=op)]
+    counts = (tokens,) if tokens else (n,) if name == "quick" else MODEL_TOKENS
+    return [case(t, d, v, dtype, label=f"{name}: N={t} D={d} V={v} {dtype}", op=op) for t in counts]
 
 
 def cases_fused_cross_entropy_loss(*, preset=None, tokens=None, dtype=None) -> list[Case]:

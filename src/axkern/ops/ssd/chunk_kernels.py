@@ -196,12 +196,14 @@ class Layout:
     row `[1, Q]`; `to_col`/`to_row` lay out a `[b, h, L]` (or `[b, L]` for segment ids) array
     for that, `from_col`/`from_row` undo it for outputs. Subclasses fill in the specs."""
 
-    # precision of float32 products for 16-bit inputs (None: exact float32); float32 inputs
-    # always get exact products
+    # precision of the float32 products for 16-bit and for float32 inputs when compiled (None:
+    # exact float32); interpret mode always computes exact products (XLA on CPU has no TF32)
     precision_16bit = None
+    precision_32bit = None
 
     def __init__(self, xt, bt, *, q, interpret):
-        self.precision = self.precision_16bit if jnp.dtype(xt.dtype).itemsize == 2 else None
+        wide = self.precision_32bit if not interpret else None
+        self.precision = self.precision_16bit if jnp.dtype(xt.dtype).itemsize == 2 else wide
         self.batch, self.heads, self.lp, self.p = xt.shape
         self.n = bt.shape[-1]
         self.rep = self.heads // bt.shape[1]

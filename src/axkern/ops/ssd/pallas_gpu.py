@@ -41,6 +41,9 @@ class GpuLayout(chunk_kernels.Layout):
     # bf16's 7): Triton's exact float32 product made the forward 15x slower on the H200
     # (51.3 ms against 3.4 ms, benchmarks/results/h200/ssd_probe_2026-11-30.json)
     precision_16bit = lax.Precision.DEFAULT
+    # three TF32 products per float32 product (Triton's tf32x3: about float32's accuracy on
+    # tensor cores) for float32 inputs, instead of Triton's exact product (FMA loops)
+    precision_32bit = lax.DotAlgorithmPreset.TF32_TF32_F32_X3
 
     def __init__(self, xt, bt, *, q, interpret):
         super().__init__(xt, bt, q=q, interpret=interpret)
