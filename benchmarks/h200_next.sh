@@ -5,7 +5,9 @@
 #                                       plain JAX), the per-token op with pallas_gpu now first on GPU, the
 #                                       GPU tests that have not run (float32 loss at 128256, the table)
 #   bash benchmarks/h200_next.sh rest   the SSD GPU tests (float32 now tf32x3), the attention GPU tests
-#                                       (packed documents) and the attention bench (docs1024 case)
+#                                       (packed documents), qwen2/gemma/llama3@32768 with the reduced loss's
+#                                       new block heuristic, and the attention bench (docs1024 case)
+#   bash benchmarks/h200_next.sh last   (4.5 minutes) the float32 SSD tests at chunk 64, llama3 at N=32768
 # Each step has its own timeout; everything lands in $OUT/next.tgz.
 #
 #   mkdir -p .whl/peers && cp ../shared/wheels/*.whl .whl/ && cp ../shared/wheels/peers/*.whl .whl/peers/
@@ -30,9 +32,17 @@ ce)
   step 100 gpu_tests_ce $gpu_tests 90 tests/gpu/test_fused_cross_entropy_gpu.py -k "(loss_gradients and float32 and 128256) or h200_table"
   ;;
 rest)
-  step 170 gpu_tests_ssd $gpu_tests 60 tests/gpu/test_ssd_gpu.py
-  step 130 gpu_tests_attention $gpu_tests 60 tests/gpu/test_attention_gpu.py
-  step 220 bench_attention $bench attention --preset h200 --impl xla,pallas_gpu,cudnn --repeats 5 --json "$R/attention_h200.json"
+  step 150 gpu_tests_ssd $gpu_tests 60 tests/gpu/test_ssd_gpu.py
+  step 110 gpu_tests_attention $gpu_tests 60 tests/gpu/test_attention_gpu.py
+  for p in qwen2 gemma; do  # the reduced loss's new heuristic (D / 2 rows)
+    step 45 bench_ce_loss_$p $bench fused_cross_entropy_loss --preset $p --tokens 16384 --impl xla --repeats 3 --json "$R/fused_cross_entropy_loss_$p.json"
+  done
+  step 40 bench_ce_loss_llama3_32768 $bench fused_cross_entropy_loss --preset llama3 --tokens 32768 --impl xla --repeats 3 --json "$R/fused_cross_entropy_loss_llama3_32768.json"
+  step 175 bench_attention $bench attention --preset h200 --impl xla,pallas_gpu,cudnn --repeats 5 --json "$R/attention_h200.json"
   ;;
-*) echo "usage: h200_next.sh ce|rest"; exit 2 ;;
+last)  # after `rest`: float32 SSD at chunk 64 (128 is refused now), llama3 at N=32768 given time
+  step 150 gpu_tests_ssd_f32 $gpu_tests 60 tests/gpu/test_ssd_gpu.py -k float32
+  step 85 bench_ce_loss_llama3_32768 $bench fused_cross_entropy_loss --preset llama3 --tokens 32768 --impl xla --repeats 3 --json "$R/fused_cross_entropy_loss_llama3_32768.json"
+  ;;
+*) echo "usage: h200_next.sh ce|rest|last"; exit 2 ;;
 esac

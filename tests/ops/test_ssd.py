@@ -113,6 +113,8 @@ def test_pallas_gpu_refuses_small_tiles_with_the_reason():
     arrays, _ = make(0, 1, 32, 2, 16, 1, 16, "float32", extras=False)
     with pytest.raises(axkern.Unsupported, match="chunk_size=8"):
         ssd(**arrays, implementation="pallas_gpu", chunk_size=8)
+    with pytest.raises(axkern.Unsupported, match="chunk_size=128 with float32 inputs: .* above chunks of 64"):
+        ssd(**arrays, implementation="pallas_gpu", chunk_size=128)
     # by default (xla first) the call is served
     assert ssd(**arrays, chunk_size=8).shape == arrays["x"].shape
 

@@ -69,16 +69,19 @@ def heuristic(spec: Spec) -> CrossEntropyBlockSizes:
 
 
 # Bytes of the float32 [block_tokens, vocab] logits block of the reduced loss (whose gradients
-# are formed in the forward: the block spans the whole vocabulary). Larger blocks mean fewer
-# read-modify-write passes over dw (each pass moves 2·D·V·itemsize bytes) but more temporary
-# memory (about 6 bytes per logit: the float32 block and its 16-bit dz). The H200 table holds
-# the measured choice for llama3's shape.
+# are formed in the forward: the block spans the whole vocabulary), at least. Each block adds
+# its share to the float32 [D, V] dw accumulator, a read-modify-write of 8·D·V bytes, so the
+# block also grows to D / 2 rows (rounded down to a power of two): the dw traffic stays below
+# twice the logits' own, for at most 3·D·V bytes of block (6 bytes a logit: the float32 block
+# and its 16-bit dz) beside the 4·D·V-byte accumulator that any such block size needs. On the
+# H200 at llama3's size: 512 rows 109.8 ms, 1024 88.5 ms, 2048 (= D / 2) 84.4 ms
+# (benchmarks/results/h200/fused_cross_entropy_loss_sweep_f32-dw_2026-11-30.json).
 _LOSS_BLOCK_BYTES = {"gpu": 512 << 20, "tpu": 128 << 20, "cpu": 16 << 20}
 
 
 def loss_heuristic(spec: Spec) -> CrossEntropyBlockSizes:
-    tokens, vocab = spec.dim("tokens"), spec.dim("vocab")
-    rows = _LOSS_BLOCK_BYTES.get(spec.platform, 16 << 20) // (4 * vocab)
+    tokens, embed, vocab = spec.dim("tokens"), spec.dim("embed"), spec.dim("vocab")
+    rows = max(_LOSS_BLOCK_BYTES.get(spec.platform, 16 << 20) // (4 * vocab), embed // 2)
     rows = max(8, 1 << max(0, rows.bit_length() - 1))  # a power of two, at least 8
     return CrossEntropyBlockSizes(block_tokens=max(1, min(tokens, rows)), block_vocab=vocab)
 

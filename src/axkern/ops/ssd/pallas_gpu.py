@@ -10,6 +10,7 @@ float32 inputs. **Constraints**: `P`, `N` and the chunk powers of two and at lea
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
@@ -20,6 +21,10 @@ from . import chunk_kernels
 from .blocks import SSDBlockSizes
 
 MIN_DIM = 16
+# Largest chunks whose backward kernel fits in shared memory (measured on the H200: float32
+# inputs at chunk 128 asked for 352 KiB with P=64, N=128 and 240 KiB with P=32, N=64; 16-bit
+# inputs at 128 compile; one [Q, Q] float32 tile alone is 256 KiB at Q=256)
+MAX_CHUNK, MAX_CHUNK_32BIT = 128, 64
 
 
 def supports(spec) -> str | None:
@@ -88,6 +93,13 @@ def ssd(x, dt, A, B, C, D, z, segment_ids, initial_state, *, block_sizes, interp
     q = block_sizes.chunk_size
     if q < MIN_DIM:
         raise Unsupported(f"chunk_size={q} is below {MIN_DIM} (Triton dot tiles)")
+    wide = jnp.dtype(x.dtype).itemsize > 2
+    if q > (MAX_CHUNK_32BIT if wide else MAX_CHUNK):
+        raise Unsupported(
+            f"chunk_size={q} with {jnp.dtype(x.dtype).name} inputs: the backward kernel's tiles exceed the "
+            f"H200's 227 KiB of shared memory above chunks of {MAX_CHUNK_32BIT if wide else MAX_CHUNK} "
+            f"(float32 products run as three TF32 products, doubling the operand tiles)"
+        )
     return chunk_kernels.ssd(
         GpuLayout, x, dt, A, B, C, D, z, segment_ids, initial_state, chunk_size=q, interpret=bool(interpret)
     )
