@@ -1,4 +1,4 @@
-"""attention on a real GPU: the xla implementation and the cuDNN wrapper against the oracle rule.
+"""attention on a real GPU: xla, pallas_gpu and the cuDNN wrapper against the oracle rule; the GPU order.
 
 Run with `AXKERN_TEST_GPU=1 python -m pytest tests/gpu -m gpu`.
 """
@@ -39,13 +39,32 @@ def test_cudnn_is_chosen_explicitly_and_compiles():
     assert f(a["q"], a["k"], a["v"]).shape == (1, 256, 4, 64)
 
 
-def test_default_order_on_gpu_is_cudnn_then_xla():
+def test_default_order_on_gpu_is_cudnn_then_pallas_gpu_then_xla():
     a = _inputs(0, 1, 256, 256, 4, 4, 64, "bfloat16")
     att = axkern.positional.attention
     assert axkern.explain(att, a["q"], a["k"], a["v"]).implementation == "cudnn"
-    # what cuDNN cannot express through JAX goes to xla, with the reason
+    # what cuDNN cannot express through JAX goes to pallas_gpu, with the reason
     d = axkern.explain(lambda q, k, v: att(q, k, v, logits_soft_cap=30.0), a["q"], a["k"], a["v"])
-    assert d.implementation == "xla" and "soft cap" in d.rejected[0].reason
+    assert d.implementation == "pallas_gpu" and "soft cap" in d.rejected[0].reason
+    ids = jnp.zeros((1, 256), jnp.int32).at[:, 100:].set(1)
+    d = axkern.explain(lambda q, k, v: att(q, k, v, mask=masks.Segments(ids, ids)), a["q"], a["k"], a["v"])
+    assert d.implementation == "pallas_gpu"
+    # and what pallas_gpu cannot serve (a head dim that is not a power of two) goes to xla
+    b = _inputs(0, 1, 256, 256, 4, 4, 80, "bfloat16")
+    d = axkern.explain(lambda q, k, v: att(q, k, v, logits_soft_cap=30.0), b["q"], b["k"], b["v"])
+    assert d.implementation == "xla", d
+
+
+@pytest.mark.parametrize("opts", [dict(cap=30.0), dict(sinks=True), dict(cap=20.0, sinks=True)])
+def test_pallas_gpu_soft_cap_and_sinks_against_oracle(opts):
+    a = _inputs(1, 2, 1024, 1024, 8, 2, 64, "bfloat16")
+    up = {n: x.astype(jnp.float32) for n, x in a.items()}
+    kw = dict(sinks=False, blocks=(64, 64)) | opts
+    oracle = _run("reference", up, masks.Causal(), **kw)
+    same = _run("reference", a, masks.Causal(), **kw)
+    got = _run("pallas_gpu", a, masks.Causal(), **kw)
+    assert_oracle_rule(got[0], same[0], oracle[0], "bfloat16", f"attention pallas_gpu {opts} out")
+    assert_oracle_rule(got[1], same[1], oracle[1], "bfloat16", f"attention pallas_gpu {opts} grads")
 
 
 @pytest.mark.parametrize("mask_kind", ["segments", "causal&segments"])

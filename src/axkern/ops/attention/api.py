@@ -66,11 +66,12 @@ OP = Op(
         ),
         Implementation("reference", reference.attention, backward="autodiff through materialised scores"),
     ],
-    # GPU: cuDNN where its supports() holds (on the H200, 2026-11-30: 601 TFLOP/s forward
-    # against pallas_gpu's 247 and xla's 79 at B2 L8192 H32 D128 causal bf16), else xla;
-    # pallas_gpu (faster than xla, but its soft cap and sinks have not run on a GPU) and
-    # pallas_tpu (interpret-verified only) are explicit only
-    default_order={"cpu": ("xla",), "gpu": ("cudnn", "xla"), "tpu": ("xla",)},
+    # GPU: cuDNN where its supports() holds (on the H200, 2026-11-30: 608 TFLOP/s forward
+    # against pallas_gpu's 253 and xla's 80 at B2 L8192 H32 D128 causal bf16), then
+    # pallas_gpu for what cuDNN cannot express through JAX (packed documents: 0.89 ms against
+    # xla's 24.5 ms forward; 2.5-4x xla on every measured mask), then xla; pallas_tpu
+    # (interpret-verified only) is explicit only
+    default_order={"cpu": ("xla",), "gpu": ("cudnn", "pallas_gpu", "xla"), "tpu": ("xla",)},
     package=__package__,
     bucket=bucket,
 )
