@@ -8,6 +8,9 @@
 #                                       (packed documents), qwen2/gemma/llama3@32768 with the reduced loss's
 #                                       new block heuristic, and the attention bench (docs1024 case)
 #   bash benchmarks/h200_next.sh last   (4.5 minutes) the float32 SSD tests at chunk 64, llama3 at N=32768
+#   bash benchmarks/h200_next.sh next   for the next session: the attention GPU order (cudnn, pallas_gpu,
+#                                       xla) and pallas_gpu's soft cap and sinks; the SSD bench with the
+#                                       issue's other shapes and a random cotangent; the SSD GPU tests
 # Each step has its own timeout; everything lands in $OUT/next.tgz.
 #
 #   mkdir -p .whl/peers && cp ../shared/wheels/*.whl .whl/ && cp ../shared/wheels/peers/*.whl .whl/peers/
@@ -44,5 +47,10 @@ last)  # after `rest`: float32 SSD at chunk 64 (128 is refused now), llama3 at N
   step 150 gpu_tests_ssd_f32 $gpu_tests 60 tests/gpu/test_ssd_gpu.py -k float32
   step 85 bench_ce_loss_llama3_32768 $bench fused_cross_entropy_loss --preset llama3 --tokens 32768 --impl xla --repeats 3 --json "$R/fused_cross_entropy_loss_llama3_32768.json"
   ;;
-*) echo "usage: h200_next.sh ce|rest|last"; exit 2 ;;
+next)  # the next session's first call: what changed after this session's device time ran out
+  step 120 gpu_tests_attention $gpu_tests 60 tests/gpu/test_attention_gpu.py -k "order or soft_cap"
+  step 240 bench_ssd $bench ssd --preset mamba2_2.7b --impl xla,pallas_gpu --repeats 5 --json "$R/ssd_mamba2_2.7b.json"
+  step 150 gpu_tests_ssd $gpu_tests 60 tests/gpu/test_ssd_gpu.py
+  ;;
+*) echo "usage: h200_next.sh ce|rest|last|next"; exit 2 ;;
 esac
