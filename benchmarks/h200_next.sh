@@ -8,9 +8,12 @@
 #                                       (packed documents), qwen2/gemma/llama3@32768 with the reduced loss's
 #                                       new block heuristic, and the attention bench (docs1024 case)
 #   bash benchmarks/h200_next.sh last   (4.5 minutes) the float32 SSD tests at chunk 64, llama3 at N=32768
-#   bash benchmarks/h200_next.sh next   for the next session: the attention GPU order (cudnn, pallas_gpu,
-#                                       xla) and pallas_gpu's soft cap and sinks; the SSD bench with the
-#                                       issue's other shapes and a random cotangent; the SSD GPU tests
+#   bash benchmarks/h200_next.sh next   for the next session: a sweep of attention's pallas_gpu tiles, warps
+#                                       and stages (-> the H200 table: copy $OUT/next/attention_tuned/ into
+#                                       src/axkern/ops/attention/tuned/ and fix the DATE in its source), the
+#                                       GPU order (cudnn, pallas_gpu, xla) and pallas_gpu's soft cap and
+#                                       sinks on the GPU, the attention bench with the tuned tiles
+#   bash benchmarks/h200_next.sh next2  the SSD bench with the other shapes, the SSD GPU tests
 # Each step has its own timeout; everything lands in $OUT/next.tgz.
 #
 #   mkdir -p .whl/peers && cp ../shared/wheels/*.whl .whl/ && cp ../shared/wheels/peers/*.whl .whl/peers/
@@ -47,10 +50,16 @@ last)  # after `rest`: float32 SSD at chunk 64 (128 is refused now), llama3 at N
   step 150 gpu_tests_ssd_f32 $gpu_tests 60 tests/gpu/test_ssd_gpu.py -k float32
   step 85 bench_ce_loss_llama3_32768 $bench fused_cross_entropy_loss --preset llama3 --tokens 32768 --impl xla --repeats 3 --json "$R/fused_cross_entropy_loss_llama3_32768.json"
   ;;
-next)  # the next session's first call: what changed after this session's device time ran out
+next)  # the next session's first call: attention's Triton tiles, warps and stages, then the order tests
+  step 260 sweep_attention python3 benchmarks/sweep_attention.py --block-q 64,128 --block-kv 64,128 --num-warps 4,8 --num-stages 2,3 --json "$R/attention_sweep.json"
+  step 20 tune_attention python3 benchmarks/tune_table.py --sweep "$R/attention_sweep.json" --op attention --impl pallas_gpu --package axkern.ops.attention --device-key nvidia_h200 --source benchmarks/results/h200/attention_sweep_DATE.json
+  cp -r src/axkern/ops/attention/tuned "$R/attention_tuned" 2>/dev/null
   step 120 gpu_tests_attention $gpu_tests 60 tests/gpu/test_attention_gpu.py -k "order or soft_cap"
-  step 240 bench_ssd $bench ssd --preset mamba2_2.7b --impl xla,pallas_gpu --repeats 5 --json "$R/ssd_mamba2_2.7b.json"
-  step 150 gpu_tests_ssd $gpu_tests 60 tests/gpu/test_ssd_gpu.py
+  step 170 bench_attention $bench attention --preset h200 --impl pallas_gpu,cudnn --repeats 5 --json "$R/attention_h200.json"
   ;;
-*) echo "usage: h200_next.sh ce|rest|last|next"; exit 2 ;;
+next2)  # the second: the SSD bench with the other shapes and a random cotangent; SSD GPU tests
+  step 300 bench_ssd $bench ssd --preset mamba2_2.7b --impl xla,pallas_gpu --repeats 5 --json "$R/ssd_mamba2_2.7b.json"
+  step 200 gpu_tests_ssd $gpu_tests 60 tests/gpu/test_ssd_gpu.py
+  ;;
+*) echo "usage: h200_next.sh ce|rest|last|next|next2"; exit 2 ;;
 esac

@@ -12,6 +12,7 @@ and jax version beside it.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import json
 import pathlib
@@ -32,21 +33,21 @@ def main():
     p.add_argument("--device-key", help="the table's device (default: this machine's), e.g. nvidia_h200")
     a = p.parse_args()
     sweep = json.loads(pathlib.Path(a.sweep).read_text())
-    rows = [r for r in sweep["rows"] if "ms" in r and r["temp_gib"] <= a.max_temp_gib]
+    rows = [
+        r
+        for r in sweep["rows"]
+        if "ms" in r and r["temp_gib"] <= a.max_temp_gib and r.get("impl", a.impl) == a.impl
+    ]
     if not rows:
         raise SystemExit(f"no row of {a.sweep} ran under {a.max_temp_gib} GiB")
     best = min(rows, key=lambda r: r["ms"])
     api = importlib.import_module(f"{a.package}.api")
     op = next(o for o in vars(api).values() if getattr(o, "name", None) == a.op and hasattr(o, "bucket"))
     shape = sweep["shape"]
-    spec = op.spec(
-        {"tokens": shape["tokens"], "embed": shape["embed"], "vocab": shape["vocab"]},
-        jnp.dtype(shape["dtype"]),
-    )
-    fields = {
-        f: best[f]
-        for f in ("block_tokens", "block_vocab", "block_embed", "vocab_splits", "num_warps", "num_stages")
-    }
+    # the op's dims: a sweep names them under "dims" (cross-entropy sweeps give tokens/embed/vocab)
+    dims = shape.get("dims") or {k: shape[k] for k in ("tokens", "embed", "vocab")}
+    spec = op.spec(dims, jnp.dtype(shape["dtype"]))
+    fields = {f.name: best.get(f.name) for f in dataclasses.fields(op.implementations[a.impl].block_sizes)}
     entry = {
         "op": a.op,
         "implementation": a.impl,
@@ -73,6 +74,7 @@ def main():
             and e["bucket"] == entry["bucket"]
         )
     ] + [entry]
+    path.parent.mkdir(exist_ok=True)
     path.write_text(json.dumps(table, indent=2) + "\n")
     print(f"{path}: {json.dumps(entry)}")
 

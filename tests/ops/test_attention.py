@@ -130,6 +130,18 @@ def test_pallas_gpu_falls_back_with_the_reason():
         attention(b["q"], b["k"], b["v"], implementation="pallas_gpu")
 
 
+def test_pallas_gpu_takes_warps_and_stages_and_explain_shows_them():
+    a = _inputs(4, 1, 48, 48, 2, 2, 16, "float32")
+    bs = axkern.AttentionBlockSizes(block_q=16, block_kv=32, num_warps=8, num_stages=2)
+    f = lambda q, k, v, bs: attention(q, k, v, implementation="pallas_gpu", block_sizes=bs)  # noqa: E731
+    with axkern.use(interpret=True):
+        d = axkern.explain(lambda q, k, v: f(q, k, v, bs), a["q"], a["k"], a["v"])
+        got = f(a["q"], a["k"], a["v"], bs)
+    assert d.block_sizes == bs and "num_warps=8" in str(d)
+    want = attention(a["q"], a["k"], a["v"], implementation="reference")
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("kind", ["causal", "window", "full", "segments", "causal&segments"])
 def test_pallas_tpu_against_float64_oracle(kind, dtype):

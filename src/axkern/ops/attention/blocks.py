@@ -13,10 +13,14 @@ __all__ = ["AttentionBlockSizes", "bucket", "heuristic"]
 @dataclasses.dataclass(frozen=True)
 class AttentionBlockSizes(BlockSizes):
     """`block_q` query positions by `block_kv` key positions per tile; neither needs to divide
-    the lengths (the last blocks are padded and masked)."""
+    the lengths (the last blocks are padded and masked). `pallas_gpu` also reads `num_warps`
+    and `num_stages` (Triton's warps per program and software-pipelining depth; `None`:
+    Triton's defaults)."""
 
     block_q: int = 128
     block_kv: int = 128
+    num_warps: int | None = None
+    num_stages: int | None = None
 
 
 def bucket(spec: Spec) -> dict:

