@@ -115,6 +115,11 @@ def test_pallas_gpu_refuses_small_tiles_with_the_reason():
         ssd(**arrays, implementation="pallas_gpu", chunk_size=8)
     with pytest.raises(axkern.Unsupported, match="chunk_size=128 with float32 inputs: .* above chunks of 64"):
         ssd(**arrays, implementation="pallas_gpu", chunk_size=128)
+    half, _ = make(0, 1, 512, 2, 16, 1, 16, "bfloat16", extras=False)
+    with pytest.raises(
+        axkern.Unsupported, match=r"chunk_size=256 with bfloat16 inputs: .* above chunks of 128$"
+    ):
+        ssd(**half, implementation="pallas_gpu", chunk_size=256)
     # by default (xla first) the call is served
     assert ssd(**arrays, chunk_size=8).shape == arrays["x"].shape
 

@@ -3,9 +3,13 @@
 Vectors (`dt`, `cum`, weights, segment ids) stay `[b, h, L]` (`[b, L]`) and are read as
 `[Q]` blocks, broadcast into columns or rows in registers.
 
-**Products**: float32 operands, TF32 tensor cores for 16-bit inputs, exact float32 for
-float32 inputs. **Constraints**: `P`, `N` and the chunk powers of two and at least 16
-(Triton's `dot` tiles); otherwise the call falls back with the reason.
+**Products**: float32 operands, TF32 tensor cores for 16-bit inputs, three TF32 products
+(tf32x3) for float32 inputs when compiled, exact float32 in interpret mode. On the H200 the
+float32 results missed the oracle rule at one of two test shapes (the `A` and `dt_bias`
+gradients at 1.03x and 1.47x of the bound; `tests/gpu/test_ssd_gpu.py`). **Constraints**:
+`P`, `N` and the chunk powers of two and at least 16 (Triton's `dot` tiles), chunks at most
+128 (16-bit inputs) or 64 (float32 inputs: shared memory); otherwise the call falls back
+with the reason.
 """
 
 from __future__ import annotations
@@ -97,8 +101,8 @@ def ssd(x, dt, A, B, C, D, z, segment_ids, initial_state, *, block_sizes, interp
     if q > (MAX_CHUNK_32BIT if wide else MAX_CHUNK):
         raise Unsupported(
             f"chunk_size={q} with {jnp.dtype(x.dtype).name} inputs: the backward kernel's tiles exceed the "
-            f"H200's 227 KiB of shared memory above chunks of {MAX_CHUNK_32BIT if wide else MAX_CHUNK} "
-            f"(float32 products run as three TF32 products, doubling the operand tiles)"
+            f"H200's 227 KiB of shared memory above chunks of {MAX_CHUNK_32BIT if wide else MAX_CHUNK}"
+            + (" (float32 products run as three TF32 products, doubling the operand tiles)" if wide else "")
         )
     return chunk_kernels.ssd(
         GpuLayout, x, dt, A, B, C, D, z, segment_ids, initial_state, chunk_size=q, interpret=bool(interpret)
