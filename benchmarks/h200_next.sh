@@ -14,6 +14,7 @@
 #                                       GPU order (cudnn, pallas_gpu, xla) and pallas_gpu's soft cap and
 #                                       sinks on the GPU, the attention bench with the tuned tiles
 #   bash benchmarks/h200_next.sh next2  the SSD bench with the other shapes, the SSD GPU tests
+#   bash benchmarks/h200_next.sh ce_tests  all 12 per-token cross-entropy GPU tests, verbose
 # Each step has its own timeout; everything lands in $OUT/next.tgz.
 #
 #   mkdir -p .whl/peers && cp ../shared/wheels/*.whl .whl/ && cp ../shared/wheels/peers/*.whl .whl/peers/
@@ -57,9 +58,12 @@ next)  # the next session's first call: attention's Triton tiles, warps and stag
   step 120 gpu_tests_attention $gpu_tests 60 tests/gpu/test_attention_gpu.py -k "order or soft_cap"
   step 170 bench_attention $bench attention --preset h200 --impl pallas_gpu,cudnn --repeats 5 --json "$R/attention_h200.json"
   ;;
+ce_tests)  # the cross-entropy GPU tests in full and verbose (some per-token cases never ran: quiet, cut-short runs)
+  step 560 gpu_tests_ce $gpu_tests 150 tests/gpu/test_fused_cross_entropy_gpu.py -k "test_on_gpu_against_oracle"
+  ;;
 next2)  # the second: the SSD bench with the other shapes and a random cotangent; SSD GPU tests
   step 300 bench_ssd $bench ssd --preset mamba2_2.7b --impl xla,pallas_gpu --repeats 5 --json "$R/ssd_mamba2_2.7b.json"
   step 200 gpu_tests_ssd $gpu_tests 60 tests/gpu/test_ssd_gpu.py
   ;;
-*) echo "usage: h200_next.sh ce|rest|last|next|next2"; exit 2 ;;
+*) echo "usage: h200_next.sh ce|rest|last|next|next2|ce_tests"; exit 2 ;;
 esac
