@@ -15,6 +15,11 @@
 #                                       sinks on the GPU, the attention bench with the tuned tiles
 #   bash benchmarks/h200_next.sh next2  the SSD bench with the other shapes, the SSD GPU tests
 #   bash benchmarks/h200_next.sh ce_tests  all 12 per-token cross-entropy GPU tests, verbose
+#   bash benchmarks/h200_next.sh f32    (fourth session) the float32 GPU tests after the precision
+#                                       changes (cross-entropy `xla` products at HIGHEST, SSD
+#                                       `pallas_gpu` exact float32), the float32 SSD timing
+#   bash benchmarks/h200_next.sh f32b   the float32 reduced-loss test at 128256 (cut short in `f32`),
+#                                       the float32 SSD GPU tests against the float64 oracle, xla too
 # Each step has its own timeout; everything lands in $OUT/next.tgz.
 #
 #   mkdir -p .whl/peers && cp ../shared/wheels/*.whl .whl/ && cp ../shared/wheels/peers/*.whl .whl/peers/
@@ -65,5 +70,14 @@ next2)  # the second: the SSD bench with the issue's other shapes and a random c
   step 300 bench_ssd $bench ssd --preset mamba2_2.7b --impl xla,pallas_gpu --repeats 5 --json "$R/ssd_mamba2_2.7b.json"
   step 200 gpu_tests_ssd $gpu_tests 60 tests/gpu/test_ssd_gpu.py
   ;;
-*) echo "usage: h200_next.sh ce|rest|last|next|next2|ce_tests"; exit 2 ;;
+f32)  # float32 at full precision: the cross-entropy xla products, the SSD pallas_gpu products
+  step 270 gpu_tests_ce_f32 $gpu_tests 150 tests/gpu/test_fused_cross_entropy_gpu.py -k "float32 and not h200_table"
+  step 170 gpu_tests_ssd_f32 $gpu_tests 80 tests/gpu/test_ssd_gpu.py -k float32
+  step 100 bench_ssd_f32 $bench ssd --preset mamba2_2.7b --tokens 4096 --dtype float32 --impl xla,pallas_gpu --repeats 3 --json "$R/ssd_mamba2_2.7b_float32.json"
+  ;;
+f32b)
+  step 200 gpu_tests_ce_loss_f32 $gpu_tests 190 tests/gpu/test_fused_cross_entropy_gpu.py -k "loss_gradients and float32 and 128256"
+  step 300 gpu_tests_ssd_f32 $gpu_tests 80 -rxX tests/gpu/test_ssd_gpu.py -k float32
+  ;;
+*) echo "usage: h200_next.sh ce|rest|last|next|next2|ce_tests|f32|f32b"; exit 2 ;;
 esac

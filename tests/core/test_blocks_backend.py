@@ -72,6 +72,20 @@ def test_heuristic_is_valid_and_bounded(platform, n, v):
     assert bs.block_tokens * bs.block_vocab * 4 <= 256 << 20
 
 
+def test_shipped_h200_attention_table_is_found_and_becomes_block_sizes():
+    from axkern.ops.attention.api import OP as ATTN
+    from axkern.ops.attention.blocks import AttentionBlockSizes
+    from axkern.ops.attention.blocks import bucket as attn_bucket
+
+    dims = {"batch": 2, "q_len": 8192, "kv_len": 8192, "heads": 32, "kv_heads": 32, "head_dim": 128}
+    spec = ATTN.spec({**dims, "v_dim": 128}, jnp.bfloat16)
+    entry = blocks.lookup(ATTN.package, "nvidia_h200", "pallas_gpu", attn_bucket(spec), op=ATTN.name)
+    # the sweep's fastest forward+backward (benchmarks/results/h200/attention_sweep_2026-11-30f.json)
+    assert entry == {"block_q": 64, "block_kv": 64, "num_warps": 4, "num_stages": 2}
+    assert AttentionBlockSizes(**entry).num_stages == 2
+    assert blocks.lookup(ATTN.package, "nvidia_h200", "xla", attn_bucket(spec), op=ATTN.name) is None
+
+
 def test_block_sizes_validation_messages():
     assert CrossEntropyBlockSizes(block_tokens=8, block_vocab=16).validate() is None
     assert "positive int" in CrossEntropyBlockSizes(block_tokens=0).validate()

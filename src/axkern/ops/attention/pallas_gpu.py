@@ -33,9 +33,9 @@ blocks powers of two >= 16 (Triton tiles), static masks or `Segments` `&` a stat
 (`PrefixLM`, `Dense` fall back to `xla`). Block sizes: `block_q`, `block_kv`, and Triton's
 `num_warps`, `num_stages` (`None`: Triton's defaults). On the H200 (2026-11-30) the causal,
 window, full and packed-document cases passed the oracle rule in bf16; causal ran at 0.42x
-cuDNN's forward TFLOP/s (0.47x forward+backward) with untuned 64x64 tiles, and packed
-documents 27x faster than `xla`'s forward: second in the GPU order, after `cudnn`. Soft cap
-and sinks are verified in interpret mode only (their GPU test has not run yet).
+cuDNN's forward TFLOP/s (0.47x forward+backward) with untuned 64x64 tiles, 0.40x / 0.49x
+with the swept table's (4 warps, 2 stages), and packed documents 27x faster than `xla`'s
+forward: second in the GPU order, after `cudnn`. Soft cap and sinks passed on the H200 too.
 """
 
 from __future__ import annotations
@@ -80,8 +80,11 @@ class _Static:
 
 def heuristic(spec):
     """64x64 tiles with Triton's default warps and stages, smaller for short sequences, at
-    least 16. Not yet swept: on the H200 these ran causal B2 L8192 H32 D128 bf16 at 253 / 230
-    TFLOP/s forward / forward+backward (`benchmarks/sweep_attention.py` is the sweep)."""
+    least 16. On the H200 the sweep (`benchmarks/sweep_attention.py`, 14 candidates of 64/128
+    tiles, 4/8 warps, 2/3 stages; `benchmarks/results/h200/attention_sweep_2026-11-30f.json`)
+    found 64x64 fastest forward+backward too, with 4 warps and 2 stages (16.17 ms against
+    16.87 with 3 stages): the shipped table's entry for causal B2 L8192 H32 D128 bf16. The
+    forward alone was fastest at 128x64 (4.08 against 5.07 ms); one block size serves both."""
     pick = lambda n: max(MIN, min(64, next_power_of_2(n)))  # noqa: E731
     return AttentionBlockSizes(block_q=pick(spec.dim("q_len")), block_kv=pick(spec.dim("kv_len")))
 

@@ -27,6 +27,17 @@ __all__ = ["ssd", "ssd_positional", "ssd_step_positional", "OP", "SSDBlockSizes"
 
 NAME = "ssd"
 
+
+def _gpu_order(spec) -> tuple[str, ...]:
+    """On the H200 (benchmarks/results/h200/ssd_mamba2_2.7b*_2026-11-30f.json, forward+backward,
+    bf16): `pallas_gpu` 12.05 / 6.00 / 45.7 ms against `xla` 12.42 / 6.37 / 48.0 at lengths
+    4096 / 2048 / 16384 (P 64, N 128) with 45-55% of its temporary memory, 6.52 against 6.23
+    ms at P 128, N 64. float32: Triton's exact float32 products made `pallas_gpu` 22x slower
+    (264 ms, against 12.1 for `xla` with TF32 products, exact since and not yet timed), so
+    `xla` serves float32."""
+    return ("pallas_gpu", "xla") if jnp.dtype(spec.dtype).itemsize <= 2 else ("xla",)
+
+
 OP = Op(
     NAME,
     [
@@ -58,8 +69,9 @@ OP = Op(
         ),
         Implementation("reference", reference.ssd, backward="autodiff through the sequential scan"),
     ],
-    # the Pallas kernels are verified in interpret mode only: in no default order until timed
-    default_order={"cpu": ("xla",), "gpu": ("xla",), "tpu": ("xla",)},
+    # GPU: pallas_gpu first for 16-bit inputs, xla for float32 (`_gpu_order`); TPU: pallas_tpu
+    # is verified in interpret mode only, in no default order until timed on a TPU
+    default_order={"cpu": ("xla",), "gpu": _gpu_order, "tpu": ("xla",)},
     package=__package__,
     bucket=bucket,
 )

@@ -3,10 +3,11 @@
 Vectors (`dt`, `cum`, weights, segment ids) stay `[b, h, L]` (`[b, L]`) and are read as
 `[Q]` blocks, broadcast into columns or rows in registers.
 
-**Products**: float32 operands, TF32 tensor cores for 16-bit inputs, three TF32 products
-(tf32x3) for float32 inputs when compiled, exact float32 in interpret mode. On the H200 the
-float32 results missed the oracle rule at one of two test shapes (the `A` and `dt_bias`
-gradients at 1.03x and 1.47x of the bound; `tests/gpu/test_ssd_gpu.py`). **Constraints**:
+**Products**: float32 operands, TF32 tensor cores for 16-bit inputs, Triton's exact float32
+product for float32 inputs (the library's rule for float32; 22x slower than `xla` on the H200,
+so the GPU order sends float32 to `xla`). In float32 the `A` and `dt_bias` gradients miss the
+oracle rule at one test shape with tf32x3 and with exact products alike, as `xla` does there
+on the GPU: the chunked form's rounding (docs/ops/ssd.md, Accuracy). **Constraints**:
 `P`, `N` and the chunk powers of two and at least 16 (Triton's `dot` tiles), chunks at most
 128 (16-bit inputs) or 64 (float32 inputs: shared memory); otherwise the call falls back
 with the reason.
@@ -41,7 +42,8 @@ def supports(spec) -> str | None:
 
 def heuristic(spec) -> SSDBlockSizes:
     """Chunks of 64: a program holds `[Q, Q]` float32 score and decay tiles in registers, which
-    at mamba_ssm's 256 would need sub-tiling (not yet written). Untuned: no GPU run yet."""
+    at mamba_ssm's 256 would need sub-tiling (not yet written). Not swept; on the H200 chunks
+    of 64 ran the Mamba-2 2.7B layer (bf16, L 4096) at 12.05 ms forward+backward."""
     return SSDBlockSizes(chunk_size=max(MIN_DIM, min(64, next_power_of_2(spec.dim("length")))))
 
 
@@ -50,9 +52,9 @@ class GpuLayout(chunk_kernels.Layout):
     # bf16's 7): Triton's exact float32 product made the forward 15x slower on the H200
     # (51.3 ms against 3.4 ms, benchmarks/results/h200/ssd_probe_2026-11-30.json)
     precision_16bit = lax.Precision.DEFAULT
-    # three TF32 products per float32 product (Triton's tf32x3: about float32's accuracy on
-    # tensor cores) for float32 inputs, instead of Triton's exact product (FMA loops)
-    precision_32bit = lax.DotAlgorithmPreset.TF32_TF32_F32_X3
+    # float32 inputs: Triton's exact float32 product (`None`: `kernels.dot`'s HIGHEST), not
+    # tf32x3: float32 is the accuracy path here (the GPU order gives float32 to `xla`)
+    precision_32bit = None
 
     def __init__(self, xt, bt, *, q, interpret):
         super().__init__(xt, bt, q=q, interpret=interpret)

@@ -13,6 +13,8 @@ The length is padded to a multiple of `Q` with `dt = 0` rows, which leave the st
 
 from __future__ import annotations
 
+import functools
+
 import jax.numpy as jnp
 from jax import lax
 
@@ -26,6 +28,10 @@ def _chunks(a, q):
 def ssd(x, dt, A, B, C, D, z, segment_ids, initial_state, *, block_sizes):
     chunk_size = block_sizes.chunk_size
     acc = jnp.promote_types(x.dtype, jnp.float32)
+    # float32 inputs at full precision (XLA's GPU default is TF32); 16-bit inputs' float32
+    # products may run as TF32 (more mantissa than the inputs have)
+    prec = lax.Precision.HIGHEST if jnp.dtype(x.dtype).itemsize >= 4 else None
+    einsum = functools.partial(jnp.einsum, precision=prec)
     batch, length, heads, _ = x.shape
     rep = heads // B.shape[2]
     q = chunk_size
@@ -44,13 +50,13 @@ def ssd(x, dt, A, B, C, D, z, segment_ids, initial_state, *, block_sizes):
     same = (sc[:, :, :, None] == sc[:, :, None, :]) & causal  # [b, c, t, s]
     diff = cum[:, :, :, None, :] - cum[:, :, None, :, :]  # [b, c, t, s, h]
     decay = jnp.exp(jnp.where(same[..., None], diff, -jnp.inf))
-    cb = jnp.einsum("bcthn,bcshn->bctsh", Cc, Bc)
-    y = jnp.einsum("bctsh,bcsh,bcshp->bcthp", cb * decay, dtc, xc)
+    cb = einsum("bcthn,bcshn->bctsh", Cc, Bc)
+    y = einsum("bctsh,bcsh,bcshp->bcthp", cb * decay, dtc, xc)
 
     # each chunk's own contribution to the state at its end
     last = sc[:, :, -1:]
     to_end = jnp.exp(cum[:, :, -1:, :] - cum) * (sc == last)[..., None]  # [b, c, q, h]
-    chunk_states = jnp.einsum("bcsh,bcshp,bcshn->bchpn", to_end * dtc, xc, Bc)
+    chunk_states = einsum("bcsh,bcshp,bcshn->bchpn", to_end * dtc, xc, Bc)
 
     # between chunks: the state entering chunk c belongs to the segment just before it
     seg_before = jnp.concatenate([sc[:, :1, :1], sc[:, :-1, -1:]], axis=1)[..., 0]  # [b, c]
@@ -65,7 +71,7 @@ def ssd(x, dt, A, B, C, D, z, segment_ids, initial_state, *, block_sizes):
     )
     states_in = jnp.moveaxis(states_in, 0, 1)  # [b, c, h, p, n]
     from_state = jnp.exp(cum) * (sc == seg_before[:, :, None])[..., None]  # [b, c, q, h]
-    y = y + jnp.einsum("bcthn,bchpn->bcthp", Cc, states_in) * from_state[..., None]
+    y = y + einsum("bcthn,bchpn->bcthp", Cc, states_in) * from_state[..., None]
 
     y = y.reshape(batch, length + pad, heads, -1)[:, :length]
     return skip_and_gate(y.astype(acc), x, D, z).astype(x.dtype), final.astype(initial_state.dtype)
