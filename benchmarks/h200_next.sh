@@ -20,6 +20,8 @@
 #                                       `pallas_gpu` exact float32), the float32 SSD timing
 #   bash benchmarks/h200_next.sh f32b   the float32 reduced-loss test at 128256 (cut short in `f32`),
 #                                       the float32 SSD GPU tests against the float64 oracle, xla too
+#   bash benchmarks/h200_next.sh final  (4 minutes) the bf16 cross-entropy cases at 128256 after the
+#                                       xla change, SSD xla bf16 on the GPU, float32 SSD xla timing
 # Each step has its own timeout; everything lands in $OUT/next.tgz.
 #
 #   mkdir -p .whl/peers && cp ../shared/wheels/*.whl .whl/ && cp ../shared/wheels/peers/*.whl .whl/peers/
@@ -79,5 +81,10 @@ f32b)
   step 200 gpu_tests_ce_loss_f32 $gpu_tests 190 tests/gpu/test_fused_cross_entropy_gpu.py -k "loss_gradients and float32 and 128256"
   step 300 gpu_tests_ssd_f32 $gpu_tests 80 -rxX tests/gpu/test_ssd_gpu.py -k float32
   ;;
-*) echo "usage: h200_next.sh ce|rest|last|next|next2|ce_tests|f32|f32b"; exit 2 ;;
+final)
+  step 90 gpu_tests_ce_bf16 $gpu_tests 85 tests/gpu/test_fused_cross_entropy_gpu.py -k "test_on_gpu_against_oracle and bfloat16 and 128256"
+  step 70 gpu_tests_ssd_xla_bf16 $gpu_tests 60 tests/gpu/test_ssd_gpu.py -k "xla and bfloat16"
+  step 45 bench_ssd_f32_xla $bench ssd --preset mamba2_2.7b --tokens 4096 --dtype float32 --impl xla --repeats 3 --json "$R/ssd_mamba2_2.7b_float32_xla.json"
+  ;;
+*) echo "usage: h200_next.sh ce|rest|last|next|next2|ce_tests|f32|f32b|final"; exit 2 ;;
 esac
