@@ -34,7 +34,8 @@ def _gpu_order(spec) -> tuple[str, ...]:
     4096 / 2048 / 16384 (P 64, N 128) with 45-55% of its temporary memory, 6.52 against 6.23
     ms at P 128, N 64. float32: Triton's exact float32 products made `pallas_gpu` 22x slower
     (264 ms, against 12.1 for `xla` with TF32 products); with exact products too `xla`'s forward
-    took 6.25 ms against `pallas_gpu`'s 55.6, so `xla` serves float32."""
+    took 6.25 ms against `pallas_gpu`'s 55.6 (before `xla`'s float32 segment sums, untimed), so
+    `xla` serves float32."""
     return ("pallas_gpu", "xla") if jnp.dtype(spec.dtype).itemsize <= 2 else ("xla",)
 
 
