@@ -110,6 +110,35 @@ def test_pallas_gpu_rows_that_see_nothing_and_combined_masks():
     check(arrays, masks.Causal(offset=-8), "float32", impl="pallas_gpu", sinks=False)  # rows 0-7 see nothing
 
 
+def test_full_tiles_skip_masking_and_stay_exact():
+    from axkern.ops.attention import pallas_gpu as pg
+
+    kinds = masks.Causal().block_kinds(64, 64, 16, 16)[0]  # 4x4: FULL below the diagonal
+    lo, flo, fhi, hi = (np.asarray(a)[0, :4] for a in pg._bounds(kinds, 0, 1))
+    assert lo.tolist() == [0, 0, 0, 0] and hi.tolist() == [1, 2, 3, 4]
+    # row 0 has no FULL tile (the run is empty at hi), the others run [0, i) unmasked
+    assert flo.tolist() == [1, 0, 0, 0] and fhi.tolist() == [1, 1, 2, 3]
+    lo, flo, fhi, hi = (np.asarray(a)[0, :4] for a in pg._bounds(kinds, 1, 1))  # per kv block
+    assert lo.tolist() == [0, 1, 2, 3] and hi.tolist() == [4, 4, 4, 4]
+    assert flo.tolist() == [1, 2, 3, 4] and fhi.tolist() == [4, 4, 4, 4]
+    overlap = jnp.ones((2, 4, 4), bool)  # packed documents: every tile compares ids
+    _, flo, fhi, hi = pg._bounds(kinds, 0, 2, overlap)
+    assert (np.asarray(flo) == np.asarray(hi)).all() and (np.asarray(fhi) == np.asarray(hi)).all()
+    assert pg._longest_run(np.array([1, 1, 0, 1, 1, 1, 0], bool)) == (3, 6)
+    assert pg._longest_run(np.zeros(3, bool)) == (0, 0)
+    # a window whose band holds FULL tiles between partial ones (and causal rows of FULL
+    # tiles), in float32 and bf16, for every tiled implementation
+    for impl, dtypes in (
+        ("pallas_gpu", ("float32", "bfloat16")),
+        ("pallas_tpu", ("bfloat16",)),
+        ("xla", ("float32",)),
+    ):
+        for dtype in dtypes:
+            arrays = _inputs(8, 1, 80, 80, 4, 2, 16, dtype)
+            check(arrays, masks.SlidingWindow(40), dtype, impl=impl, sinks=True, cap=None)
+        check(_inputs(9, 1, 64, 64, 2, 1, 16, "float32"), masks.Causal(), "float32", impl=impl, cap=2.0)
+
+
 def test_pallas_gpu_falls_back_with_the_reason():
     a = _inputs(0, 1, 32, 32, 2, 2, 16, "float32")
     with axkern.use(interpret=True):
@@ -163,17 +192,26 @@ def test_pallas_tpu_rows_that_see_nothing_mqa_and_its_schedule():
     check(
         arrays, masks.Causal(offset=-8), "float32", impl="pallas_tpu", sinks=True
     )  # rows 0-7: only the sink
-    # the schedule lists each row's non-empty tiles, padded by repeating the last
+    # the schedule lists each row's non-empty tiles, padded by repeating the last; the counts
+    # are followed by the partial counts (a window of 20 over 16-tiles has no FULL tile)
     kinds = masks.static_block_kinds(masks.SlidingWindow(20), 64, 64, 16, 16)[0]
     table, counts, steps = pallas_tpu._schedule(kinds, 0, 1)
-    assert steps == 3 and counts.tolist() == [1, 2, 3, 3]  # row 32 sees keys 13..32: blocks 0-2
+    assert steps == 3 and counts.tolist() == [1, 2, 3, 3] * 2  # row 32 sees keys 13..32: blocks 0-2
     assert table.reshape(4, 3).tolist() == [[0, 0, 0], [0, 1, 1], [0, 1, 2], [1, 2, 3]]
+    # causal: the partial diagonal tile first, then the FULL ones (no masking work)
+    kinds = masks.static_block_kinds(masks.Causal(), 64, 64, 16, 16)[0]
+    table, counts, steps = pallas_tpu._schedule(kinds, 0, 1)
+    assert counts.tolist() == [1, 2, 3, 4] + [1, 1, 1, 1]
+    assert table.reshape(4, 4).tolist() == [[0, 0, 0, 0], [1, 0, 0, 0], [2, 0, 1, 1], [3, 0, 1, 2]]
+    table, counts, steps = pallas_tpu._schedule(kinds, 1, 1)  # per kv block: its query blocks
+    assert counts.tolist() == [4, 3, 2, 1] + [1, 1, 1, 1]
+    assert table.reshape(4, 4).tolist() == [[0, 1, 2, 3], [1, 2, 3, 3], [2, 3, 3, 3], [3, 3, 3, 3]]
     # packed documents: tiles between different documents leave each row's list at run time
     ids = jnp.asarray([[0] * 16 + [1] * 32 + [2] * 16, [0] * 64])
     overlap = pallas_gpu.segment_overlap((ids, ids), 64, 64, 16, 16)
     kinds = masks.static_block_kinds(masks.Causal(), 64, 64, 16, 16)[0]
     table, counts, steps = pallas_tpu._schedule(kinds, 0, 2, overlap)
-    assert steps == 4 and counts.tolist() == [1, 1, 2, 1, 1, 2, 3, 4]
+    assert steps == 4 and counts.tolist() == [1, 1, 2, 1, 1, 2, 3, 4] * 2  # all partial: ids compared
     assert table.reshape(2, 4, 4)[0].tolist() == [[0, 0, 0, 0], [1, 1, 1, 1], [1, 2, 2, 2], [3, 3, 3, 3]]
     a = _inputs(0, 1, 32, 32, 2, 2, 16, "float32")
     with axkern.use(interpret=True):
@@ -238,12 +276,18 @@ def test_masks_dense_and_block_kinds():
 
 
 def test_static_masks_skip_empty_tiles():
-    # causal with 8x8 tiles over 32 positions: 10 of 16 tiles are visited
+    # causal with 8x8 tiles over 32 positions: 10 of 16 tiles are visited, the 4 diagonal
+    # ones with masking work and the 6 below it (FULL) without
     from axkern.ops.attention import xla
 
     cfg = xla._Static(8, 8, 1.0, None)
-    assert sum(len(js) for js in xla._kv_blocks(cfg, masks.Causal(), 32, 32)) == 10
-    assert sum(len(js) for js in xla._kv_blocks(cfg, masks.SlidingWindow(8), 32, 32)) == 7
+    causal = xla._kv_blocks(cfg, masks.Causal(), 32, 32)
+    assert [p.tolist() for p, _ in causal] == [[0], [1], [2], [3]]
+    assert [f.tolist() for _, f in causal] == [[], [0], [0, 1], [0, 1, 2]]
+    window = xla._kv_blocks(cfg, masks.SlidingWindow(8), 32, 32)
+    assert sum(len(p) + len(f) for p, f in window) == 7 and not any(len(f) for _, f in window)
+    segments = masks.Segments(jnp.zeros((1, 32), jnp.int32), jnp.zeros((1, 32), jnp.int32))
+    assert all(len(p) == 4 and not len(f) for p, f in xla._kv_blocks(cfg, segments, 32, 32))
 
 
 def test_bad_input_names_the_problem():

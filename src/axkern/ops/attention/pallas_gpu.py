@@ -7,7 +7,10 @@ for `dq`, `(B, H, kv blocks)` for `dk`, `dv`.
 **Tiles.** A program loops only over the tiles its mask leaves non-empty: the bounds come from
 the mask's `block_kinds`, computed before tracing (static masks: `Causal`, `SlidingWindow`,
 `Full` and their `&`/`|`), so causal programs stop at the diagonal and sliding-window ones
-start at the band. Inside a tile the mask is `visible_2d` on the tile's indices.
+start at the band. Masking work only where a tile is partial: each program's longest run of
+`FULL` tiles (all of a causal row but the diagonal, the inside of a window's band) loops
+without it, the tiles before and after that run apply `visible_2d` on the tile's indices
+(with packed documents every tile compares ids).
 
 **Forward.** Online softmax (running max and sum in float32); products in the inputs' dtype
 with float32 accumulation (full precision for float32); sinks join the normaliser at the end;
@@ -45,6 +48,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
@@ -126,36 +130,85 @@ def padded_ids(seg_ids, sqp, skp):
 
 def _bounds(kinds, axis, batch, overlap=None):
     """For each batch row and each block along `axis` of the `[nq, nk]` kinds, the first and
-    one-past-last non-empty block of the other axis (both 0 when none), `[B, n]` padded to a
+    one-past-last non-empty block of the other axis (both 0 when none), and inside them the
+    longest run of `FULL` blocks, `[flo, fhi)` (`flo == fhi == hi` when none, or with
+    segments: their ids are compared in every tile): four `[B, n]` tables padded to a
     power-of-two length. `overlap [B, nq, nk]` (traced; segments) empties more tiles."""
+    kinds = np.asarray(kinds)
+    if axis == 1:
+        kinds = kinds.T
     nonempty = jnp.asarray(kinds != masks_.EMPTY)[None]
     if overlap is not None:
-        nonempty = nonempty & overlap
-    if axis == 1:
-        nonempty = jnp.swapaxes(nonempty, 1, 2)
+        nonempty = nonempty & (jnp.swapaxes(overlap, 1, 2) if axis == 1 else overlap)
     nonempty = jnp.broadcast_to(nonempty, (batch,) + nonempty.shape[1:])
     n, m = nonempty.shape[1:]
     any_ = nonempty.any(2)
     lo = jnp.where(any_, jnp.argmax(nonempty, 2), 0)
     hi = jnp.where(any_, m - jnp.argmax(nonempty[:, :, ::-1], 2), 0)
+    if overlap is None:
+        runs = np.array([_longest_run(row == masks_.FULL) for row in kinds])  # [n, 2], static
+        flo = jnp.broadcast_to(jnp.asarray(runs[:, 0])[None], (batch, n))
+        fhi = jnp.broadcast_to(jnp.asarray(runs[:, 1])[None], (batch, n))
+        flo, fhi = jnp.where(fhi > flo, flo, hi), jnp.where(fhi > flo, fhi, hi)
+    else:
+        flo = fhi = hi
     size = next_power_of_2(n)
     pad = lambda a: jnp.pad(a, [(0, 0), (0, size - n)]).astype(jnp.int32)  # noqa: E731
-    return pad(lo), pad(hi)
+    return pad(lo), pad(flo), pad(fhi), pad(hi)
 
 
-def _tile_scores(cfg, q, k, mask, qi, kj, sk, ids=None):
-    """Scores of a tile and where they are visible: the static mask, the key length and, with
-    segments, equal ids (`ids = (q ids [bq], k ids [bk])`)."""
+def _longest_run(flags):
+    """`(start, stop)` of the longest run of True in a 1-D bool array (`(0, 0)` when none)."""
+    best, start = (0, 0), None
+    for i, f in enumerate(list(flags) + [False]):
+        if f and start is None:
+            start = i
+        elif not f and start is not None:
+            best = max(best, (start, i), key=lambda r: r[1] - r[0])
+            start = None
+    return best
+
+
+def _three_loops(lo, flo, fhi, hi, body, init):
+    """`body(j, carry, masked)` over `[lo, hi)`: masked tiles before and after the `FULL` run
+    `[flo, fhi)`, which runs without masking work."""
+    carry = lax.fori_loop(lo, flo, functools.partial(body, masked=True), init)
+    carry = lax.fori_loop(flo, fhi, functools.partial(body, masked=False), carry)
+    return lax.fori_loop(fhi, hi, functools.partial(body, masked=True), carry)
+
+
+def _tile_scores(cfg, q, k):
     s = _dot(q, k, trans_b=True) * cfg.scale
     if cfg.soft_cap is not None:
         s = cfg.soft_cap * jnp.tanh(s / cfg.soft_cap)
+    return s
+
+
+def _visible(mask, qi, kj, sk, ids=None):
+    """Where a partial tile is visible: the static mask, the key length and, with segments,
+    equal ids (`ids = (q ids [bq], k ids [bk])`)."""
     vis = mask.visible_2d(qi, kj) & (kj < sk)[None, :]
     if ids is not None:
         vis = vis & (ids[0][:, None] == ids[1][None, :])
-    return s, vis
+    return vis
 
 
-def _fwd_kernel(q_ref, k_ref, v_ref, sinks_ref, lo_ref, hi_ref, *rest, cfg, mask, sk, has_sinks, segments):
+def _fwd_kernel(
+    q_ref,
+    k_ref,
+    v_ref,
+    sinks_ref,
+    lo_ref,
+    flo_ref,
+    fhi_ref,
+    hi_ref,
+    *rest,
+    cfg,
+    mask,
+    sk,
+    has_sinks,
+    segments,
+):
     qid_ref, kid_ref = rest[:2] if segments else (None, None)
     o_ref, lse_ref = rest[2:] if segments else rest
     i = pl.program_id(2)
@@ -163,13 +216,14 @@ def _fwd_kernel(q_ref, k_ref, v_ref, sinks_ref, lo_ref, hi_ref, *rest, cfg, mask
     q = q_ref[...]
     qi = i * bq + jnp.arange(bq)
 
-    def body(j, carry):
+    def body(j, carry, masked):
         m, l, acc = carry
         k = k_ref[pl.ds(j * bk, bk), :]
         v = v_ref[pl.ds(j * bk, bk), :]
-        ids = (qid_ref[...], kid_ref[pl.ds(j * bk, bk)]) if segments else None
-        s, vis = _tile_scores(cfg, q, k, mask, qi, j * bk + jnp.arange(bk), sk, ids)
-        s = jnp.where(vis, s, -jnp.inf)
+        s = _tile_scores(cfg, q, k)
+        if masked:
+            ids = (qid_ref[...], kid_ref[pl.ds(j * bk, bk)]) if segments else None
+            s = jnp.where(_visible(mask, qi, j * bk + jnp.arange(bk), sk, ids), s, -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
         alpha = jnp.exp(m - m_safe)
@@ -182,7 +236,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, sinks_ref, lo_ref, hi_ref, *rest, cfg, mask
         jnp.zeros((bq,), jnp.float32),
         jnp.zeros((bq, o_ref.shape[-1]), jnp.float32),
     )
-    m, l, acc = lax.fori_loop(lo_ref[i], hi_ref[i], body, init)
+    m, l, acc = _three_loops(lo_ref[i], flo_ref[i], fhi_ref[i], hi_ref[i], body, init)
     if has_sinks:
         sink = sinks_ref[pl.program_id(1)]
         m_f = jnp.maximum(m, sink)
@@ -196,8 +250,12 @@ def _fwd_kernel(q_ref, k_ref, v_ref, sinks_ref, lo_ref, hi_ref, *rest, cfg, mask
     lse_ref[...] = jnp.where(seen, m_safe + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
 
 
-def _probs(cfg, q, k, mask, qi, kj, sk, lse, ids=None):
-    s, vis = _tile_scores(cfg, q, k, mask, qi, kj, sk, ids)
+def _probs(cfg, q, k, lse, vis=None):
+    """Scores and probabilities of a tile; `vis` (partial tiles) masks them. A row of a full
+    tile sees keys, so its `lse` is finite."""
+    s = _tile_scores(cfg, q, k)
+    if vis is None:
+        return s, jnp.exp(s - lse[:, None])
     finite = lse != -jnp.inf
     p = jnp.where(vis & finite[:, None], jnp.exp(s - jnp.where(finite, lse, 0.0)[:, None]), 0.0)
     return s, p
@@ -211,7 +269,21 @@ def _ds(cfg, s, p, dp, delta):
 
 
 def _dq_kernel(
-    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lo_ref, hi_ref, *rest, cfg, mask, sk, segments
+    q_ref,
+    k_ref,
+    v_ref,
+    do_ref,
+    lse_ref,
+    delta_ref,
+    lo_ref,
+    flo_ref,
+    fhi_ref,
+    hi_ref,
+    *rest,
+    cfg,
+    mask,
+    sk,
+    segments,
 ):
     qid_ref, kid_ref = rest[:2] if segments else (None, None)
     (dq_ref,) = rest[2:] if segments else rest
@@ -220,19 +292,37 @@ def _dq_kernel(
     q, do, lse, delta = q_ref[...], do_ref[...], lse_ref[...], delta_ref[...]
     qi = i * bq + jnp.arange(bq)
 
-    def body(j, dq):
+    def body(j, dq, masked):
         k = k_ref[pl.ds(j * bk, bk), :]
         v = v_ref[pl.ds(j * bk, bk), :]
-        ids = (qid_ref[...], kid_ref[pl.ds(j * bk, bk)]) if segments else None
-        s, p = _probs(cfg, q, k, mask, qi, j * bk + jnp.arange(bk), sk, lse, ids)
+        vis = None
+        if masked:
+            ids = (qid_ref[...], kid_ref[pl.ds(j * bk, bk)]) if segments else None
+            vis = _visible(mask, qi, j * bk + jnp.arange(bk), sk, ids)
+        s, p = _probs(cfg, q, k, lse, vis)
         ds = _ds(cfg, s, p, _dot(do, v, trans_b=True), delta)
         return dq + _dot(ds.astype(k.dtype), k)
 
-    dq_ref[...] = lax.fori_loop(lo_ref[i], hi_ref[i], body, jnp.zeros(dq_ref.shape, jnp.float32))
+    zero = jnp.zeros(dq_ref.shape, jnp.float32)
+    dq_ref[...] = _three_loops(lo_ref[i], flo_ref[i], fhi_ref[i], hi_ref[i], body, zero)
 
 
 def _dkv_kernel(
-    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lo_ref, hi_ref, *rest, cfg, mask, sk, segments
+    q_ref,
+    k_ref,
+    v_ref,
+    do_ref,
+    lse_ref,
+    delta_ref,
+    lo_ref,
+    flo_ref,
+    fhi_ref,
+    hi_ref,
+    *rest,
+    cfg,
+    mask,
+    sk,
+    segments,
 ):
     qid_ref, kid_ref = rest[:2] if segments else (None, None)
     dk_ref, dv_ref = rest[2:] if segments else rest
@@ -241,18 +331,21 @@ def _dkv_kernel(
     k, v = k_ref[...], v_ref[...]
     kj = j * bk + jnp.arange(bk)
 
-    def body(i, carry):
+    def body(i, carry, masked):
         dk, dv = carry
         rows = pl.ds(i * bq, bq)
         q, do, lse, delta = q_ref[rows, :], do_ref[rows, :], lse_ref[rows], delta_ref[rows]
-        ids = (qid_ref[rows], kid_ref[...]) if segments else None
-        s, p = _probs(cfg, q, k, mask, i * bq + jnp.arange(bq), kj, sk, lse, ids)
+        vis = None
+        if masked:
+            ids = (qid_ref[rows], kid_ref[...]) if segments else None
+            vis = _visible(mask, i * bq + jnp.arange(bq), kj, sk, ids)
+        s, p = _probs(cfg, q, k, lse, vis)
         dv = dv + _dot(p.astype(do.dtype), do, trans_a=True)
         ds = _ds(cfg, s, p, _dot(do, v, trans_b=True), delta)
         return dk + _dot(ds.astype(q.dtype), q, trans_a=True), dv
 
     init = (jnp.zeros(dk_ref.shape, jnp.float32), jnp.zeros(dv_ref.shape, jnp.float32))
-    dk, dv = lax.fori_loop(lo_ref[j], hi_ref[j], body, init)
+    dk, dv = _three_loops(lo_ref[j], flo_ref[j], fhi_ref[j], hi_ref[j], body, init)
     dk_ref[...], dv_ref[...] = dk, dv
 
 
@@ -346,8 +439,8 @@ def _forward(cfg, q, k, v, sinks, seg_ids, mask):
     bq, bk, d, dv = cfg.block_q, cfg.block_kv, q.shape[3], v.shape[3]
     segments = seg_ids is not None
     overlap = segment_overlap(seg_ids, sqp, skp, bq, bk) if segments else None
-    lo, hi = _bounds(masks_.static_block_kinds(mask, sq, sk, bq, bk)[0], 0, b, overlap)
-    nb = lo.shape[1]
+    bounds = _bounds(masks_.static_block_kinds(mask, sq, sk, bq, bk)[0], 0, b, overlap)
+    nb = bounds[0].shape[1]
     has_sinks = sinks is not None
     sink_arr = (sinks if has_sinks else jnp.zeros((h,))).astype(jnp.float32)
     sink_arr = jnp.pad(sink_arr, (0, next_power_of_2(h) - h))
@@ -367,8 +460,7 @@ def _forward(cfg, q, k, v, sinks, seg_ids, mask):
             _block((None, None, skp, d), lambda b_, h_, i: (b_, h_ // g, 0, 0)),
             _block((None, None, skp, dv), lambda b_, h_, i: (b_, h_ // g, 0, 0)),
             _block((sink_arr.shape[0],), lambda b_, h_, i: (0,)),
-            _block((None, nb), lambda b_, h_, i: (b_, 0)),
-            _block((None, nb), lambda b_, h_, i: (b_, 0)),
+            *[_block((None, nb), lambda b_, h_, i: (b_, 0))] * 4,
             *id_specs,
         ],
         [
@@ -380,8 +472,7 @@ def _forward(cfg, q, k, v, sinks, seg_ids, mask):
         kt,
         vt,
         sink_arr,
-        lo,
-        hi,
+        *bounds,
         *ids,
     )
     return o, lse
@@ -405,8 +496,8 @@ def _attention_bwd(cfg, mask, res, d_out):
     delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1)  # [B, H, Sqp]
     kinds = masks_.static_block_kinds(mask, sq, sk, bq, bk)[0]
     overlap = segment_overlap(seg_ids, sqp, skp, bq, bk) if segments else None
-    q_lo, q_hi = _bounds(kinds, 0, b, overlap)
-    k_lo, k_hi = _bounds(kinds, 1, b, overlap)
+    q_bounds = _bounds(kinds, 0, b, overlap)
+    k_bounds = _bounds(kinds, 1, b, overlap)
     row = lambda n, w: _block((None, None, n, w), lambda b_, h_, x: (b_, h_, x, 0))  # noqa: E731
     whole = lambda n, w, div=1: _block((None, None, n, w), lambda b_, h_, x: (b_, h_ // div, 0, 0))  # noqa: E731
     vec_row = _block((None, None, bq), lambda b_, h_, x: (b_, h_, x))
@@ -430,8 +521,7 @@ def _attention_bwd(cfg, mask, res, d_out):
             row(bq, dv),
             vec_row,
             vec_row,
-            table(q_lo),
-            table(q_hi),
+            *map(table, q_bounds),
             *id_specs,
         ],
         row(bq, d),
@@ -442,8 +532,7 @@ def _attention_bwd(cfg, mask, res, d_out):
         do,
         lse,
         delta,
-        q_lo,
-        q_hi,
+        *q_bounds,
         *ids,
     )
     kv_row = lambda w: _block((None, None, bk, w), lambda b_, h_, x: (b_, h_ // g, x, 0))  # noqa: E731
@@ -466,8 +555,7 @@ def _attention_bwd(cfg, mask, res, d_out):
             whole(sqp, dv),
             vec_whole,
             vec_whole,
-            table(k_lo),
-            table(k_hi),
+            *map(table, k_bounds),
             *id_specs,
         ],
         [out_row(d), out_row(dv)],
@@ -481,8 +569,7 @@ def _attention_bwd(cfg, mask, res, d_out):
         do,
         lse,
         delta,
-        k_lo,
-        k_hi,
+        *k_bounds,
         *ids,
     )
     return finish_grads(q, k, v, sinks, dq, dk, dvv, lse, delta)

@@ -9,7 +9,9 @@ lists are padded to the longest by repeating their last entry and handed to the 
 scalar-prefetch tables (`PrefetchScalarGridSpec`): a block spec's index map reads the table,
 so grid step `s` of query block `i` fetches key block `table[i, s]`, a repeated index fetches
 nothing new, and steps past the list's length compute nothing. Empty tiles therefore cost
-neither DMA nor compute; only the longest row's length is paid in (idle) grid steps.
+neither DMA nor compute; only the longest row's length is paid in (idle) grid steps. Each list
+holds its partial tiles first, then its `FULL` ones, and a second count table says where
+masking work stops (with packed documents every tile is partial: ids are compared).
 
 **Forward.** Grid `(batch, heads, q blocks, steps)`; online softmax in VMEM scratch (running
 max, sum, float32 accumulator); sinks join the normaliser at the last step; `lse` saved.
@@ -62,29 +64,48 @@ def heuristic(spec) -> AttentionBlockSizes:
 
 
 def _schedule(kinds, axis, batch, overlap=None):
-    """Flattened `[batch, n, steps]` table of each row's non-empty blocks (padded by repeating
-    the last), flattened `[batch, n]` counts, and `steps` (the static mask's longest list, at
-    least 1). `overlap [batch, nq, nk]` (traced) further empties tiles whose segments differ."""
-    nonempty = np.asarray(kinds != masks_.EMPTY)
+    """Flattened `[batch, n, steps]` table of each row's non-empty blocks, partial ones first,
+    then `FULL` ones (padded by repeating the last), the flattened `[batch, n]` counts followed
+    by the counts of partial blocks (`2·batch·n` int32: a row's steps past its partial count
+    run without masking work), and `steps` (the static mask's longest list, at least 1).
+    `overlap [batch, nq, nk]` (traced) further empties tiles whose segments differ; then
+    every tile is partial (their ids are compared)."""
+    kinds = np.asarray(kinds)
     if axis == 1:
-        nonempty = nonempty.T
+        kinds = kinds.T
+    nonempty = kinds != masks_.EMPTY
     counts = nonempty.sum(1).astype(np.int32)
     steps = max(1, int(counts.max(initial=0)))
     if overlap is None:
         table = np.zeros((nonempty.shape[0], steps), np.int32)
-        for r, row in enumerate(nonempty):
-            cols = np.flatnonzero(row)
+        for r, row in enumerate(kinds):
+            cols = np.concatenate([np.flatnonzero(row == masks_.PARTIAL), np.flatnonzero(row == masks_.FULL)])
             if cols.size:
                 table[r, : cols.size] = cols
                 table[r, cols.size :] = cols[-1]
-        tile = lambda a: jnp.asarray(np.tile(a.reshape(-1), batch))  # noqa: E731
-        return tile(table), tile(counts), steps
+        partial = (kinds == masks_.PARTIAL).sum(1).astype(np.int32)
+        tile = lambda a: np.tile(a.reshape(-1), batch)  # noqa: E731
+        return jnp.asarray(tile(table)), jnp.asarray(np.concatenate([tile(counts), tile(partial)])), steps
     ne = jnp.asarray(nonempty)[None] & (overlap if axis == 0 else jnp.swapaxes(overlap, 1, 2))
     counts = ne.sum(-1).astype(jnp.int32)
     order = jnp.argsort(~ne, axis=-1, stable=True)[..., :steps].astype(jnp.int32)  # non-empty first
     last = jnp.take_along_axis(order, jnp.maximum(counts - 1, 0)[..., None], axis=-1)
     table = jnp.where(jnp.arange(steps) < counts[..., None], order, last)
-    return table.reshape(-1), counts.reshape(-1), steps
+    return table.reshape(-1), jnp.concatenate([counts.reshape(-1)] * 2), steps
+
+
+def _tile_steps(count_ref, row, rows, s, update):
+    """Run `update(masked)` at grid step `s` of `row`: masked while `s` is below the row's
+    partial count, unmasked after it, nothing past the row's count."""
+    count, partial = count_ref[row], count_ref[rows + row]
+
+    @pl.when(s < partial)
+    def _():
+        update(True)
+
+    @pl.when((s >= partial) & (s < count))
+    def _():
+        update(False)
 
 
 def _call(cfg, kernel, grid, in_specs, out_specs, out_shape, scratch, *args):
@@ -109,7 +130,21 @@ def _tile(i, j, cfg, qid_ref, kid_ref):
 
 
 def _fwd_kernel(
-    table_ref, count_ref, q_ref, k_ref, v_ref, sink_ref, *rest, cfg, mask, sk, steps, has_sinks, segments, nq
+    table_ref,
+    count_ref,
+    q_ref,
+    k_ref,
+    v_ref,
+    sink_ref,
+    *rest,
+    cfg,
+    mask,
+    sk,
+    steps,
+    has_sinks,
+    segments,
+    nq,
+    rows,
 ):
     qid_ref, kid_ref = rest[:2] if segments else (None, None)
     o_ref, lse_ref, m_sc, l_sc, acc_sc = rest[2:] if segments else rest
@@ -122,12 +157,12 @@ def _fwd_kernel(
         l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
         acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
 
-    @pl.when(s < count_ref[row])
-    def _():
+    def update(masked):
         j = table_ref[row * steps + s]
-        qi, kj, ids = _tile(i, j, cfg, qid_ref, kid_ref)
-        sc, vis = tiles._tile_scores(cfg, q_ref[...], k_ref[...], mask, qi, kj, sk, ids)
-        sc = jnp.where(vis, sc, -jnp.inf)
+        sc = tiles._tile_scores(cfg, q_ref[...], k_ref[...])
+        if masked:
+            qi, kj, ids = _tile(i, j, cfg, qid_ref, kid_ref)
+            sc = jnp.where(tiles._visible(mask, qi, kj, sk, ids), sc, -jnp.inf)
         m = m_sc[...]
         m_new = jnp.maximum(m, jnp.max(sc, axis=1, keepdims=True))
         m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
@@ -137,6 +172,8 @@ def _fwd_kernel(
         acc_sc[...] = acc_sc[...] * alpha + _dot(p.astype(v.dtype), v)
         l_sc[...] = l_sc[...] * alpha + jnp.sum(p, axis=1, keepdims=True)
         m_sc[...] = m_new
+
+    _tile_steps(count_ref, row, rows, s, update)
 
     @pl.when(s == steps - 1)
     def _():
@@ -170,6 +207,7 @@ def _dq_kernel(
     steps,
     segments,
     nq,
+    rows,
 ):
     qid_ref, kid_ref = rest[:2] if segments else (None, None)
     dq_ref, dq_sc = rest[2:] if segments else rest
@@ -180,14 +218,18 @@ def _dq_kernel(
     def _():
         dq_sc[...] = jnp.zeros(dq_sc.shape, jnp.float32)
 
-    @pl.when(s < count_ref[row])
-    def _():
+    def update(masked):
         j = table_ref[row * steps + s]
         q, k, v, do = q_ref[...], k_ref[...], v_ref[...], do_ref[...]
-        qi, kj, ids = _tile(i, j, cfg, qid_ref, kid_ref)
-        sc, p = tiles._probs(cfg, q, k, mask, qi, kj, sk, lse_ref[...][:, 0], ids)
+        vis = None
+        if masked:
+            qi, kj, ids = _tile(i, j, cfg, qid_ref, kid_ref)
+            vis = tiles._visible(mask, qi, kj, sk, ids)
+        sc, p = tiles._probs(cfg, q, k, lse_ref[...][:, 0], vis)
         ds = tiles._ds(cfg, sc, p, _dot(do, v, trans_b=True), delta_ref[...][:, 0])
         dq_sc[...] += _dot(ds.astype(k.dtype), k)
+
+    _tile_steps(count_ref, row, rows, s, update)
 
     @pl.when(s == steps - 1)
     def _():
@@ -210,6 +252,7 @@ def _dkv_kernel(
     steps,
     segments,
     nk,
+    rows,
 ):
     qid_ref, kid_ref = rest[:2] if segments else (None, None)
     dk_ref, dv_ref, dk_sc, dv_sc = rest[2:] if segments else rest
@@ -221,15 +264,19 @@ def _dkv_kernel(
         dk_sc[...] = jnp.zeros(dk_sc.shape, jnp.float32)
         dv_sc[...] = jnp.zeros(dv_sc.shape, jnp.float32)
 
-    @pl.when(s < count_ref[row])
-    def _():
+    def update(masked):
         i = table_ref[row * steps + s]
         q, k, v, do = q_ref[...], k_ref[...], v_ref[...], do_ref[...]
-        qi, kj, ids = _tile(i, j, cfg, qid_ref, kid_ref)
-        sc, p = tiles._probs(cfg, q, k, mask, qi, kj, sk, lse_ref[...][:, 0], ids)
+        vis = None
+        if masked:
+            qi, kj, ids = _tile(i, j, cfg, qid_ref, kid_ref)
+            vis = tiles._visible(mask, qi, kj, sk, ids)
+        sc, p = tiles._probs(cfg, q, k, lse_ref[...][:, 0], vis)
         dv_sc[...] += _dot(p.astype(do.dtype), do, trans_a=True)
         ds = tiles._ds(cfg, sc, p, _dot(do, v, trans_b=True), delta_ref[...][:, 0])
         dk_sc[...] += _dot(ds.astype(q.dtype), q, trans_a=True)
+
+    _tile_steps(count_ref, row, rows, s, update)
 
     @pl.when(s == steps - 1)
     def _():
@@ -285,6 +332,7 @@ def _forward(cfg, q, k, v, sinks, seg_ids, mask):
             has_sinks=has_sinks,
             segments=seg_ids is not None,
             nq=nq,
+            rows=b * nq,
         ),
         (b, h, nq, steps),
         [
@@ -342,7 +390,9 @@ def _attention_bwd(cfg, mask, res, d_out):
     ids, id_specs = _id_inputs(seg_ids, sqp, skp, lambda b_, i, s, t: i, kv_block, bq, bk)
     dq = _call(
         cfg,
-        functools.partial(_dq_kernel, cfg=cfg, mask=mask, sk=sk, steps=q_steps, segments=segments, nq=nq),
+        functools.partial(
+            _dq_kernel, cfg=cfg, mask=mask, sk=sk, steps=q_steps, segments=segments, nq=nq, rows=b * nq
+        ),
         (b, h, nq, q_steps),
         [own(bq, d), kv_of_q(d), kv_of_q(dv), own(bq, dv), own(bq, 1), own(bq, 1), *id_specs],
         own(bq, d),
@@ -368,7 +418,9 @@ def _attention_bwd(cfg, mask, res, d_out):
     ids, id_specs = _id_inputs(seg_ids, sqp, skp, q_block, lambda b_, j, s, t: j, bq, bk)
     dk, dvv = _call(
         cfg,
-        functools.partial(_dkv_kernel, cfg=cfg, mask=mask, sk=sk, steps=k_steps, segments=segments, nk=nk),
+        functools.partial(
+            _dkv_kernel, cfg=cfg, mask=mask, sk=sk, steps=k_steps, segments=segments, nk=nk, rows=b * nk
+        ),
         (b, h, nk, k_steps),
         [q_of_kv(d), kv_own(d), kv_own(dv), q_of_kv(dv), q_of_kv(1), q_of_kv(1), *id_specs],
         [own(bk, d), own(bk, dv)],

@@ -7,7 +7,8 @@ combinations) the key blocks a query block sees are known before tracing, and em
 are never computed; a mask holding arrays (`Segments`, `PrefixLM`) visits every tile. Lengths
 are padded to whole blocks; padded keys are invisible, padded queries are dropped.
 
-**Forward.** Per tile `s = softcap(q k^T · scale)`, masked to `-inf`; running max `m`, sum `l`
+**Forward.** Per tile `s = softcap(q k^T · scale)`, masked to `-inf` where the tile is
+partial (a static mask's `FULL` tiles run a second scan without masking work); running max `m`, sum `l`
 and output accumulator (float32) as in FlashAttention; sinks join the normaliser at the end.
 Products take the inputs' dtype (probabilities are cast to `v`'s dtype) with float32
 accumulation. A query that sees nothing gets 0 and `lse = -inf`.
@@ -63,12 +64,24 @@ def _pad(a, axis, to):
 
 
 def _kv_blocks(cfg: _Static, mask, sq, sk):
-    """For each query block, the key blocks to visit (a numpy int array each)."""
+    """For each query block, `(partial, full)`: the key blocks to visit with masking work and
+    the `FULL` ones to visit without (numpy int arrays; a mask holding arrays: all partial)."""
     nq, nk = cdiv(sq, cfg.block_q), cdiv(sk, cfg.block_kv)
     kinds = masks_.static_block_kinds(mask, sq, sk, cfg.block_q, cfg.block_kv)
     if kinds is None:
-        return [np.arange(nk) for _ in range(nq)]
-    return [np.flatnonzero(kinds[0, i] != masks_.EMPTY) for i in range(nq)]
+        return [(np.arange(nk), np.arange(0)) for _ in range(nq)]
+    return [
+        (np.flatnonzero(kinds[0, i] == masks_.PARTIAL), np.flatnonzero(kinds[0, i] == masks_.FULL))
+        for i in range(nq)
+    ]
+
+
+def _scan_tiles(step, carry, blocks):
+    """`step(carry, j, masked)` over the partial key blocks, then over the full ones."""
+    for js, masked in zip(blocks, (True, False), strict=True):
+        if len(js):
+            carry, _ = lax.scan(functools.partial(step, masked=masked), carry, jnp.asarray(js, jnp.int32))
+    return carry
 
 
 def _grouped(a, kvh):
@@ -82,14 +95,16 @@ def _ungrouped(a):
     return a.transpose(0, 3, 1, 2, 4).reshape(b, s, kvh * g, d)
 
 
-def _scores(cfg: _Static, qb, kb, mask, qi, kj, sk):
-    """Capped scores `[B, KVH, G, bq, bk]` (float32), the pre-cap ratio, and visibility."""
+def _scores(cfg: _Static, qb, kb):
+    """Capped scores `[B, KVH, G, bq, bk]` (float32)."""
     s = jnp.einsum("bhgqd,bkhd->bhgqk", qb, kb, preferred_element_type=jnp.float32) * cfg.scale
-    capped = s
     if cfg.soft_cap is not None:
-        capped = cfg.soft_cap * jnp.tanh(s / cfg.soft_cap)
-    vis = (mask.visible(qi, kj) & (kj < sk)[None, None, :])[:, None, None]
-    return capped, vis
+        s = cfg.soft_cap * jnp.tanh(s / cfg.soft_cap)
+    return s
+
+
+def _visible(mask, qi, kj, sk):
+    return (mask.visible(qi, kj) & (kj < sk)[None, None, :])[:, None, None]
 
 
 def _forward(cfg: _Static, q, k, v, sinks, mask):
@@ -102,16 +117,17 @@ def _forward(cfg: _Static, q, k, v, sinks, mask):
     kp, vp = _pad(k, 1, nk * bk), _pad(v, 1, nk * bk)
     dv = v.shape[-1]
     outs, lses = [], []
-    for i, js in enumerate(_kv_blocks(cfg, mask, sq, sk)):
+    for i, blocks in enumerate(_kv_blocks(cfg, mask, sq, sk)):
         qb = lax.slice_in_dim(qg, i * bq, (i + 1) * bq, axis=3)
         qi = i * bq + jnp.arange(bq)
 
-        def step(carry, j, qb=qb, qi=qi):
+        def step(carry, j, qb=qb, qi=qi, *, masked):
             m, l, acc = carry
             kb = lax.dynamic_slice_in_dim(kp, j * bk, bk, axis=1)
             vb = lax.dynamic_slice_in_dim(vp, j * bk, bk, axis=1)
-            s, vis = _scores(cfg, qb, kb, mask, qi, j * bk + jnp.arange(bk), sk)
-            s = jnp.where(vis, s, -jnp.inf)
+            s = _scores(cfg, qb, kb)
+            if masked:
+                s = jnp.where(_visible(mask, qi, j * bk + jnp.arange(bk), sk), s, -jnp.inf)
             m_new = jnp.maximum(m, jnp.max(s, axis=-1))
             m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
             alpha = jnp.exp(m - m_safe)
@@ -130,7 +146,7 @@ def _forward(cfg: _Static, q, k, v, sinks, mask):
             v,
             mask,
         )
-        (m, l, acc), _ = lax.scan(step, init, jnp.asarray(js, jnp.int32)) if len(js) else (init, None)
+        m, l, acc = _scan_tiles(step, init, blocks)
         if sinks is not None:
             sink = sinks.astype(jnp.float32).reshape(kvh, g)[None, :, :, None]
             m_f = jnp.maximum(m, sink)
@@ -175,19 +191,22 @@ def _attention_bwd(cfg: _Static, res, d_out):
         (jnp.zeros(kp.shape, jnp.float32), jnp.zeros(vp.shape, jnp.float32)), q, k, v, mask, d_out
     )
     dqs = []
-    for i, js in enumerate(_kv_blocks(cfg, mask, sq, sk)):
+    for i, blocks in enumerate(_kv_blocks(cfg, mask, sq, sk)):
         rows = lambda a, i=i: lax.slice_in_dim(a, i * bq, (i + 1) * bq, axis=3)  # noqa: E731
         qb, dob, delta_b, lse_b = rows(qg), rows(do_p), rows(delta_p), rows(lse_p)
         finite = jnp.isfinite(lse_b)
         lse_b = jnp.where(finite, lse_b, 0.0)
         qi = i * bq + jnp.arange(bq)
 
-        def step(carry, j, qb=qb, dob=dob, delta_b=delta_b, lse_b=lse_b, finite=finite, qi=qi):
+        def step(carry, j, qb=qb, dob=dob, delta_b=delta_b, lse_b=lse_b, finite=finite, qi=qi, *, masked):
             dq, dk, dv = carry
             kb = lax.dynamic_slice_in_dim(kp, j * bk, bk, axis=1)
             vb = lax.dynamic_slice_in_dim(vp, j * bk, bk, axis=1)
-            s, vis = _scores(cfg, qb, kb, mask, qi, j * bk + jnp.arange(bk), sk)
-            p = jnp.where(vis & finite[..., None], jnp.exp(s - lse_b[..., None]), 0.0)
+            s = _scores(cfg, qb, kb)
+            p = jnp.exp(s - lse_b[..., None])  # a full tile's rows see keys: finite lse
+            if masked:
+                vis = _visible(mask, qi, j * bk + jnp.arange(bk), sk)
+                p = jnp.where(vis & finite[..., None], p, 0.0)
             dv_b = jnp.einsum("bhgqk,bhgqd->bkhd", p.astype(v.dtype), dob, preferred_element_type=jnp.float32)
             dp = jnp.einsum("bhgqd,bkhd->bhgqk", dob, vb, preferred_element_type=jnp.float32)
             ds = p * (dp - delta_b[..., None])
@@ -202,10 +221,7 @@ def _attention_bwd(cfg: _Static, res, d_out):
             return (dq, add(dk, dk_b), add(dv, dv_b)), None
 
         dq0 = compat.vary_like(jnp.zeros((b, kvh, g, bq, d), jnp.float32), q, k, v, mask, d_out)
-        if len(js):
-            (dq_i, dk, dv), _ = lax.scan(step, (dq0, dk, dv), jnp.asarray(js, jnp.int32))
-        else:
-            dq_i = dq0
+        dq_i, dk, dv = _scan_tiles(step, (dq0, dk, dv), blocks)
         dqs.append(dq_i)
     dq = _ungrouped(jnp.concatenate(dqs, axis=3)[:, :, :, :sq])
     d_sinks = None
