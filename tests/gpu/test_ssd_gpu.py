@@ -23,25 +23,15 @@ pytestmark = pytest.mark.gpu
 # float32 at (2, 512, 4, 32, 2, 64), 8 chunks of 64: the `A` and `dt_bias` gradients (sums of
 # `d dt` over all positions) missed the bound on the H200 by up to 1.6x, `pallas_gpu` and `xla`
 # alike (benchmarks/results/h200/gpu_tests_ssd_f32_f64-oracle_2026-11-30f.log): the rounding of
-# `cum_t - cum_s`. `xla` now sums each segment on its own for float32 (0.55x -> 0.11x of the
-# bound on the CPU; not yet re-run on the GPU, so expected to pass); the kernels still take the
-# difference. Known, issue 5.
-KNOWN_MISS = pytest.mark.xfail(
-    reason="float32 dA / d dt_bias up to 1.6x the oracle bound (issue 5)", strict=False
-)
+# `cum_t - cum_s`. Both now sum each segment on its own for float32 (0.11x of the bound on the
+# CPU); not yet re-run on the GPU.
 DIMS = [(1, 1000, 8, 64, 1, 128), (2, 512, 4, 32, 2, 64)]  # b, l, h, p, g, n
-
-
-def _case(impl, dtype, segments, dims):
-    # as measured: pallas_gpu without segments missed (with segments it passed)
-    miss = impl == "pallas_gpu" and dtype == "float32" and dims == DIMS[1] and not segments
-    return pytest.param(impl, dtype, segments, dims, marks=[KNOWN_MISS] if miss else [])
 
 
 @pytest.mark.parametrize(
     "impl,dtype,segments,dims",
     [
-        _case(i, d, s, dims)
+        (i, d, s, dims)
         for i in ("pallas_gpu", "xla")
         for d in ("bfloat16", "float32")
         for s in (False, True)

@@ -30,7 +30,9 @@ tiles are contiguous rows.
 **Backward** (`custom_vjp` around stages 1-4; `D`, `z`, padding and layout by autodiff):
 kernel `chunk_scan_bwd` per (batch, head, chunk) pulls `dy` back through
 `y = M (dt ∘ x) + f ∘ (C S_in^T)`, `M = (C B^T) ∘ Λ`: `d(dt∘x) = M^T dy`, `dM = dy (dt∘x)^T`,
-`d(C B^T) = dM ∘ Λ` (giving `dC`, `dB`), `dcum = rowsum(dM ∘ M) - colsum(dM ∘ M)`,
+`d(C B^T) = dM ∘ Λ` (giving `dC`, `dB`), `dcum = rowsum(dM ∘ M) - colsum(dM ∘ M)`
+(float32 inputs: `Λ` from `_segment_sums` instead of `cum_t - cum_s`, and `d a` from
+`_segment_sums_bwd`, without the cancelling difference),
 `df = rowsum(dy ∘ C S_in^T)`, `dS_in = (f ∘ dy)^T C`. The recurrence runs backwards in XLA
 (`lax.scan(reverse=True)`: the gradients of each chunk's own state, of the carries and of
 the initial state); kernel `chunk_state_bwd` pulls those through `S = (w ∘ x)^T B`; stage
@@ -58,13 +60,36 @@ def _state_kernel(x_ref, w_ref, b_ref, out_ref, *, lay, dtype):
     out_ref[0, 0, 0] = lay.dot(x * lay.col(w_ref), b_ref[0, 0], dtype, trans_a=True)  # [P, N]
 
 
-def _decay(cum_col, cum_row, seg_col, seg_row):
-    """`Λ[t, s] = exp(cum_t - cum_s)` for `s <= t` in the same segment, else 0 (`[Q, Q]`)."""
+def _decay(cum_col, cum_row, seg_col, seg_row, sums=None):
+    """`Λ[t, s] = exp(cum_t - cum_s)` for `s <= t` in the same segment, else 0 (`[Q, Q]`);
+    `sums` (float32 inputs) replaces the difference by `_segment_sums`."""
     q = cum_col.shape[0]
     t = lax.broadcasted_iota(jnp.int32, (q, q), 0)
     s = lax.broadcasted_iota(jnp.int32, (q, q), 1)
     visible = (s <= t) & (seg_col == seg_row)
-    return jnp.exp(jnp.where(visible, cum_col - cum_row, -jnp.inf))
+    return jnp.exp(jnp.where(visible, cum_col - cum_row if sums is None else sums, -jnp.inf))
+
+
+def _triangles(q):
+    """`[r <= t]` (rows t, columns r) and `[r > s]` (rows r, columns s), float32 `[Q, Q]`."""
+    i = lax.broadcasted_iota(jnp.int32, (q, q), 0)
+    j = lax.broadcasted_iota(jnp.int32, (q, q), 1)
+    return (j <= i).astype(jnp.float32), (i > j).astype(jnp.float32)
+
+
+def _segment_sums(a_row, q):
+    """`sum_{s < r <= t} a_r` for every `(t, s)`, each summed on its own: `([r <= t] ∘ a) [r > s]`,
+    an exact float32 product. `cum_t - cum_s` cancels, and the rounding of its gradient, a
+    difference of large sums, put float32 `A` / `dt_bias` gradients outside the oracle rule."""
+    upto, after = _triangles(q)
+    return kernels.dot(upto * a_row.reshape(1, q), after, jnp.float32, precision=lax.Precision.HIGHEST)
+
+
+def _segment_sums_bwd(e, q):
+    """`d a_r = sum_{t >= r > s} e[t, s]` from `e = d sums` (`[Q, Q]`), as a row `[1, Q]`."""
+    upto, after = _triangles(q)
+    g = kernels.dot(e, after, jnp.float32, trans_b=True, precision=lax.Precision.HIGHEST)  # [t, r]
+    return jnp.sum(g * upto, axis=0, keepdims=True)
 
 
 def _scan_kernel(
@@ -82,10 +107,16 @@ def _scan_kernel(
     *,
     lay,
     dtype,
+    sums,
 ):
+    """`sums`: `cum_row_ref` holds `a = dt A` (float32 inputs: `_segment_sums`), not `cum`."""
     x = x_ref[0, 0].astype(jnp.float32)  # [Q, P]
     dt, f = lay.col(dt_ref), lay.col(f_ref)  # [Q, 1]
-    decay = _decay(lay.col(cum_ref), lay.row(cum_row_ref), lay.seg_col(seg_ref), lay.seg_row(seg_row_ref))
+    seg = (lay.seg_col(seg_ref), lay.seg_row(seg_row_ref))
+    if sums:
+        decay = _decay(lay.col(cum_ref), 0.0, *seg, _segment_sums(lay.row(cum_row_ref), lay.q))
+    else:
+        decay = _decay(lay.col(cum_ref), lay.row(cum_row_ref), *seg)
     cm = c_ref[0, 0]  # [Q, N]
     scores = lay.dot(cm, b_ref[0, 0], dtype, trans_b=True) * decay  # [Q, Q]
     y = lay.dot(scores, x * dt, dtype)
@@ -114,23 +145,33 @@ def _scan_bwd_kernel(
     ds_ref,
     *,
     lay,
+    sums,
 ):
-    """Pull `dy` back through `y = M (dt ∘ x) + f ∘ (C S^T)` with `M = (C B^T) ∘ Λ`."""
+    """Pull `dy` back through `y = M (dt ∘ x) + f ∘ (C S^T)` with `M = (C B^T) ∘ Λ`. With
+    `sums` (`cum_row_ref` holds `a`), `dcum_row_ref` gets `d a` and `dcum_ref` zeros."""
     f32 = jnp.float32
     dy = dy_ref[0, 0]  # [Q, P], float32
     x = x_ref[0, 0].astype(f32)
     dt, f = lay.col(dt_ref), lay.col(f_ref)  # [Q, 1]
     bm, cm = b_ref[0, 0].astype(f32), c_ref[0, 0].astype(f32)  # [Q, N]
     state = s_ref[0, 0, 0]  # [P, N]
-    decay = _decay(lay.col(cum_ref), lay.row(cum_row_ref), lay.seg_col(seg_ref), lay.seg_row(seg_row_ref))
+    seg = (lay.seg_col(seg_ref), lay.seg_row(seg_row_ref))
+    if sums:
+        decay = _decay(lay.col(cum_ref), 0.0, *seg, _segment_sums(lay.row(cum_row_ref), lay.q))
+    else:
+        decay = _decay(lay.col(cum_ref), lay.row(cum_row_ref), *seg)
     m = lay.dot(cm, bm, f32, trans_b=True) * decay  # [Q, Q]
     dxd = lay.dot(m, dy, f32, trans_a=True)  # d(dt ∘ x): [Q, P]
     dx_ref[0, 0] = dxd * dt
     lay.put_col(ddt_ref, jnp.sum(dxd * x, axis=1, keepdims=True))
     dm = lay.dot(dy, x * dt, f32, trans_b=True)  # [Q, Q]
-    e = dm * m  # d cum through Λ: rows gain (here), columns lose (summed in XLA)
-    lay.put_col(dcum_ref, jnp.sum(e, axis=1, keepdims=True))
-    lay.put_row(dcum_row_ref, jnp.sum(e, axis=0, keepdims=True))
+    e = dm * m  # d log Λ
+    if sums:
+        lay.put_col(dcum_ref, jnp.zeros((lay.q, 1), f32))
+        lay.put_row(dcum_row_ref, _segment_sums_bwd(e, lay.q))
+    else:  # d cum through Λ: rows gain (here), columns lose (summed in XLA)
+        lay.put_col(dcum_ref, jnp.sum(e, axis=1, keepdims=True))
+        lay.put_row(dcum_row_ref, jnp.sum(e, axis=0, keepdims=True))
     dg = dm * decay  # d(C B^T)
     lay.put_col(df_ref, jnp.sum(dy * lay.dot(cm, state, f32, trans_b=True), axis=1, keepdims=True))
     dyf = dy * f
@@ -261,8 +302,9 @@ def _core_forward(cfg, xt, dtc, A, bt, ct, sc, initial_state):
         bt,
     )
     states_in, final = _recurrence(keep, own, initial_state)
+    sums = _uses_segment_sums(xt)
     y = k(
-        functools.partial(_scan_kernel, dtype=mm),
+        functools.partial(_scan_kernel, dtype=mm, sums=sums),
         [
             k.rows(p),
             k.col_spec,
@@ -279,7 +321,7 @@ def _core_forward(cfg, xt, dtc, A, bt, ct, sc, initial_state):
         xt,
         k.to_col(dtc),
         k.to_col(cum),
-        k.to_row(cum),
+        k.to_row(_a(dtc, A) if sums else cum),
         k.to_col(f),
         k.to_col(sc),
         k.to_row(sc),
@@ -288,6 +330,15 @@ def _core_forward(cfg, xt, dtc, A, bt, ct, sc, initial_state):
         states_in,
     )
     return (y, final), states_in
+
+
+def _uses_segment_sums(xt) -> bool:
+    """float32 (and wider) inputs sum each segment on its own (`_segment_sums`)."""
+    return jnp.dtype(xt.dtype).itemsize >= 4
+
+
+def _a(dtc, A):
+    return dtc * A[None, :, None, None]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -308,8 +359,9 @@ def _core_bwd(cfg, res, cotangents):
     p, n = k.p, k.n
     col, row = k.from_col, k.from_row  # back to [b, h, c, Q]
     (cum, w, f, keep), pull_weights = jax.vjp(lambda dtc, A: _weights(dtc, A, sc), dtc, A)
+    sums = _uses_segment_sums(xt)
     dx_scan, ddt, dcum, dcum_row, df, db_scan, dc, d_states_in = k(
-        _scan_bwd_kernel,
+        functools.partial(_scan_bwd_kernel, sums=sums),
         [
             k.rows(p),
             k.rows(p),
@@ -337,7 +389,7 @@ def _core_bwd(cfg, res, cotangents):
         xt,
         k.to_col(dtc),
         k.to_col(cum),
-        k.to_row(cum),
+        k.to_row(_a(dtc, A) if sums else cum),
         k.to_col(f),
         k.to_col(sc),
         k.to_row(sc),
@@ -355,7 +407,12 @@ def _core_bwd(cfg, res, cotangents):
         bt,
         d_own,
     )
-    d_dtc, dA = pull_weights((col(dcum) - row(dcum_row), col(dw), col(df), d_keep))
+    if sums:  # the decay's `d a` straight from the kernel; the weights' `d cum` by autodiff
+        da = row(dcum_row)
+        d_dtc, dA = pull_weights((jnp.zeros_like(cum), col(dw), col(df), d_keep))
+        d_dtc, dA = d_dtc + da * A[None, :, None, None], dA + jnp.sum(da * dtc, axis=(0, 2, 3))
+    else:
+        d_dtc, dA = pull_weights((col(dcum) - row(dcum_row), col(dw), col(df), d_keep))
     d_dtc = d_dtc + col(ddt)
     per_group = lambda a: a.reshape(k.batch, -1, k.rep, k.lp, n).sum(2)  # noqa: E731 - heads -> groups
     return (

@@ -7,7 +7,8 @@ Vectors (`dt`, `cum`, weights, segment ids) stay `[b, h, L]` (`[b, L]`) and are 
 product for float32 inputs (the library's rule for float32; on the H200 its forward took
 55.6 ms against 6.25 for `xla`'s exact products, so the GPU order sends float32 to `xla`). In float32 the `A` and `dt_bias` gradients miss the
 oracle rule at one test shape with tf32x3 and with exact products alike: the rounding of
-`cum_t - cum_s` (docs/ops/ssd.md, Accuracy; `xla` sums each segment on its own since). **Constraints**:
+`cum_t - cum_s`; float32 inputs now sum each segment on its own (`chunk_kernels`; 0.11x of
+the bound on the CPU, not yet run on the GPU; docs/ops/ssd.md, Accuracy). **Constraints**:
 `P`, `N` and the chunk powers of two and at least 16 (Triton's `dot` tiles), chunks at most
 128 (16-bit inputs) or 64 (float32 inputs: shared memory); otherwise the call falls back
 with the reason.
