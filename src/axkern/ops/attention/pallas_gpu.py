@@ -84,8 +84,8 @@ class _Static:
 
 def heuristic(spec):
     """64x64 tiles with Triton's default warps and stages, smaller for short sequences, at
-    least 16. On the H200 the sweep (`benchmarks/sweep_attention.py`, 14 candidates of 64/128
-    tiles, 4/8 warps, 2/3 stages; `benchmarks/results/h200/attention_sweep_2026-11-30f.json`)
+    least 16. On the H200 the sweep (`benchmarks/sweep_attention.py`: 64/128 tiles, 4/8 warps,
+    2/3 stages, 12 of 16 compiled; `benchmarks/results/h200/attention_sweep_2026-11-30f.json`)
     found 64x64 fastest forward+backward too, with 4 warps and 2 stages (16.17 ms against
     16.87 with 3 stages): the shipped table's entry for causal B2 L8192 H32 D128 bf16. The
     forward alone was fastest at 128x64 (4.08 against 5.07 ms); one block size serves both."""
