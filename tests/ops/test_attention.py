@@ -121,9 +121,16 @@ def test_full_tiles_skip_masking_and_stay_exact():
     lo, flo, fhi, hi = (np.asarray(a)[0, :4] for a in pg._bounds(kinds, 1, 1))  # per kv block
     assert lo.tolist() == [0, 1, 2, 3] and hi.tolist() == [4, 4, 4, 4]
     assert flo.tolist() == [1, 2, 3, 4] and fhi.tolist() == [4, 4, 4, 4]
-    overlap = jnp.ones((2, 4, 4), bool)  # packed documents: every tile compares ids
-    _, flo, fhi, hi = pg._bounds(kinds, 0, 2, overlap)
-    assert (np.asarray(flo) == np.asarray(hi)).all() and (np.asarray(fhi) == np.asarray(hi)).all()
+    # packed documents (two of 32 positions) & causal: a tile is full when it is statically
+    # FULL and both blocks hold one and the same document; tiles across documents are skipped
+    ids = jnp.asarray([[0] * 32 + [1] * 32, [0] * 8 + [1] * 56])
+    overlap, uniform = pg._segment_tiles((ids, ids), 64, 64, 16, 16)
+    lo, flo, fhi, hi = (np.asarray(a)[:, :4] for a in pg._bounds(kinds, 0, 2, overlap, uniform))
+    assert lo[0].tolist() == [0, 0, 2, 2] and hi[0].tolist() == [1, 2, 3, 4]
+    assert flo[0].tolist() == [1, 0, 3, 2] and fhi[0].tolist() == [1, 1, 3, 3]
+    # the second row's first block holds both documents: never full, always compared
+    assert flo[1].tolist() == [1, 2, 1, 1] and fhi[1].tolist() == [1, 2, 2, 3]
+    assert pg._first_run(jnp.asarray([[0, 1, 1, 0, 1], [0, 0, 0, 0, 0]], bool))[1].tolist() == [3, 0]
     assert pg._longest_run(np.array([1, 1, 0, 1, 1, 1, 0], bool)) == (3, 6)
     assert pg._longest_run(np.zeros(3, bool)) == (0, 0)
     # a window whose band holds FULL tiles between partial ones (and causal rows of FULL
@@ -137,6 +144,10 @@ def test_full_tiles_skip_masking_and_stay_exact():
             arrays = _inputs(8, 1, 80, 80, 4, 2, 16, dtype)
             check(arrays, masks.SlidingWindow(40), dtype, impl=impl, sinks=True, cap=None)
         check(_inputs(9, 1, 64, 64, 2, 1, 16, "float32"), masks.Causal(), "float32", impl=impl, cap=2.0)
+    # long packed documents: tiles inside one document run without masking in pallas_gpu
+    ids = jnp.asarray([[0] * 40 + [1] * 56, [0] * 16 + [1] * 64 + [2] * 16])
+    for mask in (masks.Causal() & masks.Segments(ids, ids), masks.Segments(ids, ids)):
+        check(_inputs(10, 2, 96, 96, 2, 2, 16, "float32"), mask, "float32", impl="pallas_gpu", cap=2.0)
 
 
 def test_pallas_gpu_falls_back_with_the_reason():

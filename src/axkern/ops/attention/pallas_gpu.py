@@ -9,8 +9,10 @@ the mask's `block_kinds`, computed before tracing (static masks: `Causal`, `Slid
 `Full` and their `&`/`|`), so causal programs stop at the diagonal and sliding-window ones
 start at the band. Masking work only where a tile is partial: each program's longest run of
 `FULL` tiles (all of a causal row but the diagonal, the inside of a window's band) loops
-without it, the tiles before and after that run apply `visible_2d` on the tile's indices
-(with packed documents every tile compares ids).
+without it, the tiles before and after that run apply `visible_2d` on the tile's indices.
+With packed documents a statically `FULL` tile stays full when its query and key blocks lie
+in one and the same document (the first such run of each program; ids computed per batch row
+at run time); other tiles compare the ids.
 
 **Forward.** Online softmax (running max and sum in float32); products in the inputs' dtype
 with float32 accumulation (full precision for float32); sinks join the normaliser at the end;
@@ -113,13 +115,15 @@ def segment_overlap(seg_ids, sqp, skp, bq, bk):
     """`[B, nq, nk]`: whether the id ranges of query block i and key block j overlap (a tile
     whose ranges do not overlap is empty; one whose do is checked inside the tile)."""
 
-    def ranges(ids, padded, block):
-        ids = jnp.pad(ids, [(0, 0), (0, padded - ids.shape[1])], mode="edge").reshape(ids.shape[0], -1, block)
-        return ids.min(-1), ids.max(-1)
-
-    q_lo, q_hi = ranges(seg_ids[0], sqp, bq)
-    k_lo, k_hi = ranges(seg_ids[1], skp, bk)
+    q_lo, q_hi = _id_ranges(seg_ids[0], sqp, bq)
+    k_lo, k_hi = _id_ranges(seg_ids[1], skp, bk)
     return (q_lo[:, :, None] <= k_hi[:, None, :]) & (k_lo[:, None, :] <= q_hi[:, :, None])
+
+
+def _id_ranges(ids, padded, block):
+    """Each block's smallest and largest id (edge-padded to `padded`), `[B, n]` each."""
+    ids = jnp.pad(ids, [(0, 0), (0, padded - ids.shape[1])], mode="edge").reshape(ids.shape[0], -1, block)
+    return ids.min(-1), ids.max(-1)
 
 
 def padded_ids(seg_ids, sqp, skp):
@@ -128,12 +132,13 @@ def padded_ids(seg_ids, sqp, skp):
     return pad(seg_ids[0], sqp), pad(seg_ids[1], skp)
 
 
-def _bounds(kinds, axis, batch, overlap=None):
+def _bounds(kinds, axis, batch, overlap=None, uniform=None):
     """For each batch row and each block along `axis` of the `[nq, nk]` kinds, the first and
     one-past-last non-empty block of the other axis (both 0 when none), and inside them the
-    longest run of `FULL` blocks, `[flo, fhi)` (`flo == fhi == hi` when none, or with
-    segments: their ids are compared in every tile): four `[B, n]` tables padded to a
-    power-of-two length. `overlap [B, nq, nk]` (traced; segments) empties more tiles."""
+    longest run of `FULL` blocks, `[flo, fhi)` (`flo == fhi == hi` when none): four `[B, n]`
+    tables padded to a power-of-two length. With segments (traced `[B, nq, nk]` masks)
+    `overlap` empties more tiles and `uniform` (both blocks in one document) leaves a static
+    `FULL` tile full; the run is then the first one."""
     kinds = np.asarray(kinds)
     if axis == 1:
         kinds = kinds.T
@@ -149,12 +154,33 @@ def _bounds(kinds, axis, batch, overlap=None):
         runs = np.array([_longest_run(row == masks_.FULL) for row in kinds])  # [n, 2], static
         flo = jnp.broadcast_to(jnp.asarray(runs[:, 0])[None], (batch, n))
         fhi = jnp.broadcast_to(jnp.asarray(runs[:, 1])[None], (batch, n))
-        flo, fhi = jnp.where(fhi > flo, flo, hi), jnp.where(fhi > flo, fhi, hi)
-    else:
-        flo = fhi = hi
+    else:  # packed documents: FULL where both blocks lie in one and the same document
+        full = jnp.asarray(kinds == masks_.FULL)[None] & (
+            jnp.swapaxes(uniform, 1, 2) if axis == 1 else uniform
+        )
+        flo, fhi = _first_run(full)
+    flo, fhi = jnp.where(fhi > flo, flo, hi), jnp.where(fhi > flo, fhi, hi)
     size = next_power_of_2(n)
     pad = lambda a: jnp.pad(a, [(0, 0), (0, size - n)]).astype(jnp.int32)  # noqa: E731
     return pad(lo), pad(flo), pad(fhi), pad(hi)
+
+
+def _first_run(flags):
+    """`(start, stop)` of the first run of True along the last axis of a traced bool array
+    (`start == stop` when none)."""
+    m = flags.shape[-1]
+    start = jnp.argmax(flags, -1)
+    after = jnp.arange(m) >= start[..., None]
+    run = jnp.cumprod(jnp.where(after, flags, True), axis=-1).astype(bool) & after
+    return start, start + run.sum(-1)
+
+
+def segment_uniform(seg_ids, sqp, skp, bq, bk):
+    """`[B, nq, nk]`: whether query block i and key block j hold one and the same id."""
+    q_lo, q_hi = _id_ranges(seg_ids[0], sqp, bq)
+    k_lo, k_hi = _id_ranges(seg_ids[1], skp, bk)
+    same_q, same_k = q_lo == q_hi, k_lo == k_hi
+    return same_q[:, :, None] & same_k[:, None, :] & (q_lo[:, :, None] == k_lo[:, None, :])
 
 
 def _longest_run(flags):
@@ -424,6 +450,13 @@ def finish_grads(q, k, v, sinks, dq, dk, dv, lse, delta):
     )
 
 
+def _segment_tiles(seg_ids, sqp, skp, bq, bk):
+    """`(overlap, uniform)` of the segment ids' blocks, or `(None, None)` without segments."""
+    if seg_ids is None:
+        return None, None
+    return segment_overlap(seg_ids, sqp, skp, bq, bk), segment_uniform(seg_ids, sqp, skp, bq, bk)
+
+
 def _segment_inputs(seg_ids, sqp, skp, q_block, k_block):
     """Segment-id operands and their block specs (`q_block`, `k_block`: (shape, index map)),
     or nothing without segments."""
@@ -438,8 +471,8 @@ def _forward(cfg, q, k, v, sinks, seg_ids, mask):
     g = h // kvh
     bq, bk, d, dv = cfg.block_q, cfg.block_kv, q.shape[3], v.shape[3]
     segments = seg_ids is not None
-    overlap = segment_overlap(seg_ids, sqp, skp, bq, bk) if segments else None
-    bounds = _bounds(masks_.static_block_kinds(mask, sq, sk, bq, bk)[0], 0, b, overlap)
+    overlap, uniform = _segment_tiles(seg_ids, sqp, skp, bq, bk)
+    bounds = _bounds(masks_.static_block_kinds(mask, sq, sk, bq, bk)[0], 0, b, overlap, uniform)
     nb = bounds[0].shape[1]
     has_sinks = sinks is not None
     sink_arr = (sinks if has_sinks else jnp.zeros((h,))).astype(jnp.float32)
@@ -495,9 +528,9 @@ def _attention_bwd(cfg, mask, res, d_out):
     do = jnp.pad(jnp.swapaxes(d_out, 1, 2), [(0, 0), (0, 0), (0, sqp - sq), (0, 0)]).astype(q.dtype)
     delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1)  # [B, H, Sqp]
     kinds = masks_.static_block_kinds(mask, sq, sk, bq, bk)[0]
-    overlap = segment_overlap(seg_ids, sqp, skp, bq, bk) if segments else None
-    q_bounds = _bounds(kinds, 0, b, overlap)
-    k_bounds = _bounds(kinds, 1, b, overlap)
+    overlap, uniform = _segment_tiles(seg_ids, sqp, skp, bq, bk)
+    q_bounds = _bounds(kinds, 0, b, overlap, uniform)
+    k_bounds = _bounds(kinds, 1, b, overlap, uniform)
     row = lambda n, w: _block((None, None, n, w), lambda b_, h_, x: (b_, h_, x, 0))  # noqa: E731
     whole = lambda n, w, div=1: _block((None, None, n, w), lambda b_, h_, x: (b_, h_ // div, 0, 0))  # noqa: E731
     vec_row = _block((None, None, bq), lambda b_, h_, x: (b_, h_, x))
