@@ -22,9 +22,11 @@
 #                                       the float32 SSD GPU tests against the float64 oracle, xla too
 #   bash benchmarks/h200_next.sh final  (4 minutes) the bf16 cross-entropy cases at 128256 after the
 #                                       xla change, SSD xla bf16 on the GPU, float32 SSD xla timing
-#   bash benchmarks/h200_next.sh s5     (next session, first) what the fourth session changed without a
-#                                       GPU: attention's masking-free FULL tiles (all GPU tests, the bench),
-#                                       the float32 SSD segment sums (all SSD GPU tests, float32 timing)
+#   bash benchmarks/h200_next.sh s5     (next session, first; ~5 min) attention's masking-free FULL tiles,
+#                                       changed in the fourth session without a GPU: all attention GPU
+#                                       tests and the bench (packed documents: >= 0.8x of causal now?)
+#   bash benchmarks/h200_next.sh s5b    (~8 min) the float32 SSD segment sums, also untested on a GPU:
+#                                       all SSD GPU tests (xla and pallas_gpu), the float32 timing
 # Each step has its own timeout; everything lands in $OUT/next.tgz.
 #
 #   mkdir -p .whl/peers && cp ../shared/wheels/*.whl .whl/ && cp ../shared/wheels/peers/*.whl .whl/peers/
@@ -90,10 +92,12 @@ final)
   step 45 bench_ssd_f32_xla $bench ssd --preset mamba2_2.7b --tokens 4096 --dtype float32 --impl xla --repeats 3 --json "$R/ssd_mamba2_2.7b_float32_xla.json"
   ;;
 s5)
-  step 150 gpu_tests_attention $gpu_tests 60 tests/gpu/test_attention_gpu.py
-  step 120 bench_attention $bench attention --preset h200 --impl pallas_gpu,cudnn --repeats 5 --json "$R/attention_h200.json"
-  step 200 gpu_tests_ssd $gpu_tests 80 tests/gpu/test_ssd_gpu.py
-  step 90 bench_ssd_f32 $bench ssd --preset mamba2_2.7b --tokens 4096 --dtype float32 --impl xla,pallas_gpu --repeats 3 --json "$R/ssd_mamba2_2.7b_float32.json"
+  step 180 gpu_tests_attention $gpu_tests 60 tests/gpu/test_attention_gpu.py
+  step 150 bench_attention $bench attention --preset h200 --impl pallas_gpu,cudnn --repeats 5 --json "$R/attention_h200.json"
   ;;
-*) echo "usage: h200_next.sh ce|rest|last|next|next2|ce_tests|f32|f32b|final|s5"; exit 2 ;;
+s5b)
+  step 330 gpu_tests_ssd $gpu_tests 80 tests/gpu/test_ssd_gpu.py
+  step 120 bench_ssd_f32 $bench ssd --preset mamba2_2.7b --tokens 4096 --dtype float32 --impl xla,pallas_gpu --repeats 3 --json "$R/ssd_mamba2_2.7b_float32.json"
+  ;;
+*) echo "usage: h200_next.sh ce|rest|last|next|next2|ce_tests|f32|f32b|final|s5|s5b"; exit 2 ;;
 esac
