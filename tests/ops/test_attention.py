@@ -194,7 +194,7 @@ def test_pallas_tpu_against_float64_oracle(kind, dtype):
 
 
 def test_pallas_tpu_rows_that_see_nothing_mqa_and_its_schedule():
-    from axkern.ops.attention import pallas_gpu, pallas_tpu
+    from axkern.ops.attention import pallas_tpu, tiles
 
     arrays = _inputs(8, 1, 40, 40, 8, 1, 16, "float32")  # MQA
     check(
@@ -219,7 +219,7 @@ def test_pallas_tpu_rows_that_see_nothing_mqa_and_its_schedule():
     assert table.reshape(4, 4).tolist() == [[0, 1, 2, 3], [1, 2, 3, 3], [2, 3, 3, 3], [3, 3, 3, 3]]
     # packed documents: tiles between different documents leave each row's list at run time
     ids = jnp.asarray([[0] * 16 + [1] * 32 + [2] * 16, [0] * 64])
-    overlap = pallas_gpu.segment_overlap((ids, ids), 64, 64, 16, 16)
+    overlap = tiles.segment_overlap((ids, ids), 64, 64, 16, 16)
     kinds = masks.static_block_kinds(masks.Causal(), 64, 64, 16, 16)[0]
     table, counts, steps = pallas_tpu._schedule(kinds, 0, 2, overlap)
     assert steps == 4 and counts.tolist() == [1, 1, 2, 1, 1, 2, 3, 4] * 2  # all partial: ids compared

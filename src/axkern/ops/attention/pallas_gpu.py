@@ -45,7 +45,6 @@ forward: second in the GPU order, after `cudnn`. Soft cap and sinks passed on th
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -56,10 +55,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from axkern import masks as masks_
-from axkern.core.blocks import cdiv, next_power_of_2
+from axkern.core.blocks import next_power_of_2
 from axkern.core.kernels import dot as _dot
 from axkern.core.op import Unsupported
 
+from . import tiles
 from .blocks import AttentionBlockSizes
 
 MIN = 16
@@ -73,17 +73,6 @@ def supports(spec) -> str | None:
     return None
 
 
-@dataclasses.dataclass(frozen=True)
-class _Static:
-    block_q: int
-    block_kv: int
-    scale: float
-    soft_cap: float | None
-    interpret: bool
-    num_warps: int | None = None  # Triton's (pallas_gpu only; None: its defaults)
-    num_stages: int | None = None
-
-
 def heuristic(spec):
     """64x64 tiles with Triton's default warps and stages, smaller for short sequences, at
     least 16. On the H200 the sweep (`benchmarks/sweep_attention.py`: 64/128 tiles, 4/8 warps,
@@ -93,43 +82,6 @@ def heuristic(spec):
     forward alone was fastest at 128x64 (4.08 against 5.07 ms); one block size serves both."""
     pick = lambda n: max(MIN, min(64, next_power_of_2(n)))  # noqa: E731
     return AttentionBlockSizes(block_q=pick(spec.dim("q_len")), block_kv=pick(spec.dim("kv_len")))
-
-
-def split_segments(mask):
-    """`(segments or None, static part)` for a static mask, `Segments`, or `Segments & static`
-    (the masks the Pallas kernels serve); otherwise `Unsupported`."""
-    if masks_.is_static(mask):
-        return None, mask
-    if isinstance(mask, masks_.Segments):
-        return mask, masks_.Full()
-    if type(mask) is masks_.And:
-        for seg, rest in ((mask.a, mask.b), (mask.b, mask.a)):
-            if isinstance(seg, masks_.Segments) and masks_.is_static(rest):
-                return seg, rest
-    raise Unsupported(
-        f"{mask!r} holds arrays; the Pallas kernels take static masks and Segments & a static mask"
-    )
-
-
-def segment_overlap(seg_ids, sqp, skp, bq, bk):
-    """`[B, nq, nk]`: whether the id ranges of query block i and key block j overlap (a tile
-    whose ranges do not overlap is empty; one whose do is checked inside the tile)."""
-
-    q_lo, q_hi = _id_ranges(seg_ids[0], sqp, bq)
-    k_lo, k_hi = _id_ranges(seg_ids[1], skp, bk)
-    return (q_lo[:, :, None] <= k_hi[:, None, :]) & (k_lo[:, None, :] <= q_hi[:, :, None])
-
-
-def _id_ranges(ids, padded, block):
-    """Each block's smallest and largest id (edge-padded to `padded`), `[B, n]` each."""
-    ids = jnp.pad(ids, [(0, 0), (0, padded - ids.shape[1])], mode="edge").reshape(ids.shape[0], -1, block)
-    return ids.min(-1), ids.max(-1)
-
-
-def padded_ids(seg_ids, sqp, skp):
-    """Segment ids edge-padded to the padded lengths, int32 `[B, Sqp]` and `[B, Skp]`."""
-    pad = lambda a, n: jnp.pad(a, [(0, 0), (0, n - a.shape[1])], mode="edge").astype(jnp.int32)  # noqa: E731
-    return pad(seg_ids[0], sqp), pad(seg_ids[1], skp)
 
 
 def _bounds(kinds, axis, batch, overlap=None, uniform=None):
@@ -175,14 +127,6 @@ def _first_run(flags):
     return start, start + run.sum(-1)
 
 
-def segment_uniform(seg_ids, sqp, skp, bq, bk):
-    """`[B, nq, nk]`: whether query block i and key block j hold one and the same id."""
-    q_lo, q_hi = _id_ranges(seg_ids[0], sqp, bq)
-    k_lo, k_hi = _id_ranges(seg_ids[1], skp, bk)
-    same_q, same_k = q_lo == q_hi, k_lo == k_hi
-    return same_q[:, :, None] & same_k[:, None, :] & (q_lo[:, :, None] == k_lo[:, None, :])
-
-
 def _longest_run(flags):
     """`(start, stop)` of the longest run of True in a 1-D bool array (`(0, 0)` when none)."""
     best, start = (0, 0), None
@@ -195,28 +139,14 @@ def _longest_run(flags):
     return best
 
 
-def _three_loops(lo, flo, fhi, hi, body, init):
-    """`body(j, carry, masked)` over `[lo, hi)`: masked tiles before and after the `FULL` run
-    `[flo, fhi)`, which runs without masking work."""
+def _three_loops(bounds, row, body, init):
+    """`body(j, carry, masked)` over `[lo, hi)` of `row` (`bounds`: the refs of `_bounds`' four
+    tables): masked tiles before and after the `FULL` run `[flo, fhi)`, which runs without
+    masking work."""
+    lo, flo, fhi, hi = (ref[row] for ref in bounds)
     carry = lax.fori_loop(lo, flo, functools.partial(body, masked=True), init)
     carry = lax.fori_loop(flo, fhi, functools.partial(body, masked=False), carry)
     return lax.fori_loop(fhi, hi, functools.partial(body, masked=True), carry)
-
-
-def _tile_scores(cfg, q, k):
-    s = _dot(q, k, trans_b=True) * cfg.scale
-    if cfg.soft_cap is not None:
-        s = cfg.soft_cap * jnp.tanh(s / cfg.soft_cap)
-    return s
-
-
-def _visible(mask, qi, kj, sk, ids=None):
-    """Where a partial tile is visible: the static mask, the key length and, with segments,
-    equal ids (`ids = (q ids [bq], k ids [bk])`)."""
-    vis = mask.visible_2d(qi, kj) & (kj < sk)[None, :]
-    if ids is not None:
-        vis = vis & (ids[0][:, None] == ids[1][None, :])
-    return vis
 
 
 def _fwd_kernel(
@@ -224,10 +154,6 @@ def _fwd_kernel(
     k_ref,
     v_ref,
     sinks_ref,
-    lo_ref,
-    flo_ref,
-    fhi_ref,
-    hi_ref,
     *rest,
     cfg,
     mask,
@@ -235,6 +161,7 @@ def _fwd_kernel(
     has_sinks,
     segments,
 ):
+    bounds, rest = rest[:4], rest[4:]  # lo, flo, fhi, hi
     qid_ref, kid_ref = rest[:2] if segments else (None, None)
     o_ref, lse_ref = rest[2:] if segments else rest
     i = pl.program_id(2)
@@ -246,10 +173,10 @@ def _fwd_kernel(
         m, l, acc = carry
         k = k_ref[pl.ds(j * bk, bk), :]
         v = v_ref[pl.ds(j * bk, bk), :]
-        s = _tile_scores(cfg, q, k)
+        s = tiles.tile_scores(cfg, q, k)
         if masked:
             ids = (qid_ref[...], kid_ref[pl.ds(j * bk, bk)]) if segments else None
-            s = jnp.where(_visible(mask, qi, j * bk + jnp.arange(bk), sk, ids), s, -jnp.inf)
+            s = jnp.where(tiles.visible(mask, qi, j * bk + jnp.arange(bk), sk, ids), s, -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
         alpha = jnp.exp(m - m_safe)
@@ -262,7 +189,7 @@ def _fwd_kernel(
         jnp.zeros((bq,), jnp.float32),
         jnp.zeros((bq, o_ref.shape[-1]), jnp.float32),
     )
-    m, l, acc = _three_loops(lo_ref[i], flo_ref[i], fhi_ref[i], hi_ref[i], body, init)
+    m, l, acc = _three_loops(bounds, i, body, init)
     if has_sinks:
         sink = sinks_ref[pl.program_id(1)]
         m_f = jnp.maximum(m, sink)
@@ -276,24 +203,6 @@ def _fwd_kernel(
     lse_ref[...] = jnp.where(seen, m_safe + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
 
 
-def _probs(cfg, q, k, lse, vis=None):
-    """Scores and probabilities of a tile; `vis` (partial tiles) masks them. A row of a full
-    tile sees keys, so its `lse` is finite."""
-    s = _tile_scores(cfg, q, k)
-    if vis is None:
-        return s, jnp.exp(s - lse[:, None])
-    finite = lse != -jnp.inf
-    p = jnp.where(vis & finite[:, None], jnp.exp(s - jnp.where(finite, lse, 0.0)[:, None]), 0.0)
-    return s, p
-
-
-def _ds(cfg, s, p, dp, delta):
-    ds = p * (dp - delta[:, None])
-    if cfg.soft_cap is not None:
-        ds = ds * (1.0 - jnp.square(s / cfg.soft_cap))
-    return ds * cfg.scale
-
-
 def _dq_kernel(
     q_ref,
     k_ref,
@@ -301,16 +210,13 @@ def _dq_kernel(
     do_ref,
     lse_ref,
     delta_ref,
-    lo_ref,
-    flo_ref,
-    fhi_ref,
-    hi_ref,
     *rest,
     cfg,
     mask,
     sk,
     segments,
 ):
+    bounds, rest = rest[:4], rest[4:]
     qid_ref, kid_ref = rest[:2] if segments else (None, None)
     (dq_ref,) = rest[2:] if segments else rest
     i = pl.program_id(2)
@@ -324,13 +230,13 @@ def _dq_kernel(
         vis = None
         if masked:
             ids = (qid_ref[...], kid_ref[pl.ds(j * bk, bk)]) if segments else None
-            vis = _visible(mask, qi, j * bk + jnp.arange(bk), sk, ids)
-        s, p = _probs(cfg, q, k, lse, vis)
-        ds = _ds(cfg, s, p, _dot(do, v, trans_b=True), delta)
+            vis = tiles.visible(mask, qi, j * bk + jnp.arange(bk), sk, ids)
+        s, p = tiles.probs(cfg, q, k, lse, vis)
+        ds = tiles.ds(cfg, s, p, _dot(do, v, trans_b=True), delta)
         return dq + _dot(ds.astype(k.dtype), k)
 
     zero = jnp.zeros(dq_ref.shape, jnp.float32)
-    dq_ref[...] = _three_loops(lo_ref[i], flo_ref[i], fhi_ref[i], hi_ref[i], body, zero)
+    dq_ref[...] = _three_loops(bounds, i, body, zero)
 
 
 def _dkv_kernel(
@@ -340,16 +246,13 @@ def _dkv_kernel(
     do_ref,
     lse_ref,
     delta_ref,
-    lo_ref,
-    flo_ref,
-    fhi_ref,
-    hi_ref,
     *rest,
     cfg,
     mask,
     sk,
     segments,
 ):
+    bounds, rest = rest[:4], rest[4:]
     qid_ref, kid_ref = rest[:2] if segments else (None, None)
     dk_ref, dv_ref = rest[2:] if segments else rest
     j = pl.program_id(2)
@@ -364,23 +267,15 @@ def _dkv_kernel(
         vis = None
         if masked:
             ids = (qid_ref[rows], kid_ref[...]) if segments else None
-            vis = _visible(mask, i * bq + jnp.arange(bq), kj, sk, ids)
-        s, p = _probs(cfg, q, k, lse, vis)
+            vis = tiles.visible(mask, i * bq + jnp.arange(bq), kj, sk, ids)
+        s, p = tiles.probs(cfg, q, k, lse, vis)
         dv = dv + _dot(p.astype(do.dtype), do, trans_a=True)
-        ds = _ds(cfg, s, p, _dot(do, v, trans_b=True), delta)
+        ds = tiles.ds(cfg, s, p, _dot(do, v, trans_b=True), delta)
         return dk + _dot(ds.astype(q.dtype), q, trans_a=True), dv
 
     init = (jnp.zeros(dk_ref.shape, jnp.float32), jnp.zeros(dv_ref.shape, jnp.float32))
-    dk, dv = _three_loops(lo_ref[j], flo_ref[j], fhi_ref[j], hi_ref[j], body, init)
+    dk, dv = _three_loops(bounds, j, body, init)
     dk_ref[...], dv_ref[...] = dk, dv
-
-
-def _layout(q, k, v, cfg):
-    b, sq, h, d = q.shape
-    sk, kvh = k.shape[1], k.shape[2]
-    sqp, skp = cdiv(sq, cfg.block_q) * cfg.block_q, cdiv(sk, cfg.block_kv) * cfg.block_kv
-    tr = lambda a, n: jnp.pad(jnp.swapaxes(a, 1, 2), [(0, 0), (0, 0), (0, n - a.shape[1]), (0, 0)])  # noqa: E731
-    return tr(q, sqp), tr(k, skp), tr(v, skp), (b, sq, sk, h, kvh, sqp, skp)
 
 
 def _call(cfg, kernel, grid, in_specs, out_specs, out_shape, *args):
@@ -400,61 +295,11 @@ def _block(shape, index):
     return pl.BlockSpec(shape, index)
 
 
-def prepare(mask, block_sizes, scale, logits_soft_cap, interpret):
-    """`(cfg, segment ids or None, static mask)` for a call (both backends)."""
-    segments, static = split_segments(mask)
-    seg_ids = None if segments is None else (segments.q_ids, segments.kv_ids)
-    cap = None if logits_soft_cap is None else float(logits_soft_cap)
-    bs = block_sizes
-    cfg = _Static(bs.block_q, bs.block_kv, float(scale), cap, bool(interpret), bs.num_warps, bs.num_stages)
-    return cfg, seg_ids, static
-
-
-def flash_vjp(forward, backward):
-    """The `custom_vjp` both backends wrap their kernels in: `forward(cfg, q, k, v, sinks,
-    seg_ids, mask) -> (o [B, H, Sqp, Dv], lse)` and `backward(cfg, mask, residuals, d_out)`."""
-
-    @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 6))
-    def fn(cfg, q, k, v, sinks, seg_ids, mask):
-        o, _ = forward(cfg, q, k, v, sinks, seg_ids, mask)
-        return jnp.swapaxes(o, 1, 2)[:, : q.shape[1]]
-
-    def fwd(cfg, q, k, v, sinks, seg_ids, mask):
-        o, lse = forward(cfg, q, k, v, sinks, seg_ids, mask)
-        return jnp.swapaxes(o, 1, 2)[:, : q.shape[1]], (q, k, v, sinks, seg_ids, o, lse)
-
-    fn.defvjp(fwd, backward)
-    return fn
-
-
-def finish_grads(q, k, v, sinks, dq, dk, dv, lse, delta):
-    """The cotangents from the kernels' outputs: `dq [B, H, Sqp, D]` cut and laid out as `q`;
-    the per-query-head `dk, dv [B, H, Skp, D]` summed over each group; `dsink = -sum exp(sink -
-    lse) delta` (`lse, delta [B, H, Sqp]`); none for the segment ids."""
-    b, sq, h, _ = q.shape
-    sk, kvh = k.shape[1], k.shape[2]
-    per_kv = lambda a: jnp.swapaxes(a.reshape(b, kvh, h // kvh, a.shape[2], -1).sum(2), 1, 2)[:, :sk]  # noqa: E731
-    d_sinks = None
-    if sinks is not None:
-        finite = lse != -jnp.inf
-        p_sink = jnp.where(
-            finite, jnp.exp(sinks.astype(jnp.float32)[None, :, None] - jnp.where(finite, lse, 0.0)), 0.0
-        )
-        d_sinks = (-jnp.sum(p_sink * delta, axis=(0, 2))).astype(sinks.dtype)
-    return (
-        jnp.swapaxes(dq, 1, 2)[:, :sq].astype(q.dtype),
-        per_kv(dk).astype(k.dtype),
-        per_kv(dv).astype(v.dtype),
-        d_sinks,
-        None,
-    )
-
-
 def _segment_tiles(seg_ids, sqp, skp, bq, bk):
     """`(overlap, uniform)` of the segment ids' blocks, or `(None, None)` without segments."""
     if seg_ids is None:
         return None, None
-    return segment_overlap(seg_ids, sqp, skp, bq, bk), segment_uniform(seg_ids, sqp, skp, bq, bk)
+    return tiles.segment_overlap(seg_ids, sqp, skp, bq, bk), tiles.segment_uniform(seg_ids, sqp, skp, bq, bk)
 
 
 def _segment_inputs(seg_ids, sqp, skp, q_block, k_block):
@@ -462,12 +307,12 @@ def _segment_inputs(seg_ids, sqp, skp, q_block, k_block):
     or nothing without segments."""
     if seg_ids is None:
         return [], []
-    q_ids, kv_ids = padded_ids(seg_ids, sqp, skp)
+    q_ids, kv_ids = tiles.padded_ids(seg_ids, sqp, skp)
     return [q_ids, kv_ids], [_block(*q_block), _block(*k_block)]
 
 
 def _forward(cfg, q, k, v, sinks, seg_ids, mask):
-    qt, kt, vt, (b, sq, sk, h, kvh, sqp, skp) = _layout(q, k, v, cfg)
+    qt, kt, vt, (b, sq, sk, h, kvh, sqp, skp) = tiles.layout(q, k, v, cfg)
     g = h // kvh
     bq, bk, d, dv = cfg.block_q, cfg.block_kv, q.shape[3], v.shape[3]
     segments = seg_ids is not None
@@ -515,13 +360,13 @@ def attention(q, k, v, sinks, mask, *, scale, logits_soft_cap, block_sizes, inte
     for name, n in (("block_q", block_sizes.block_q), ("block_kv", block_sizes.block_kv)):
         if n < MIN or n & (n - 1):
             raise Unsupported(f"{name}={n}: Triton tiles need a power of two >= {MIN}")
-    cfg, seg_ids, static = prepare(mask, block_sizes, scale, logits_soft_cap, interpret)
+    cfg, seg_ids, static = tiles.prepare(mask, block_sizes, scale, logits_soft_cap, interpret)
     return _attention(cfg, q, k, v, sinks, seg_ids, static)
 
 
 def _attention_bwd(cfg, mask, res, d_out):
     q, k, v, sinks, seg_ids, o, lse = res
-    qt, kt, vt, (b, sq, sk, h, kvh, sqp, skp) = _layout(q, k, v, cfg)
+    qt, kt, vt, (b, sq, sk, h, kvh, sqp, skp) = tiles.layout(q, k, v, cfg)
     g = h // kvh
     bq, bk, d, dv = cfg.block_q, cfg.block_kv, q.shape[3], v.shape[3]
     segments = seg_ids is not None
@@ -605,7 +450,7 @@ def _attention_bwd(cfg, mask, res, d_out):
         *k_bounds,
         *ids,
     )
-    return finish_grads(q, k, v, sinks, dq, dk, dvv, lse, delta)
+    return tiles.finish_grads(q, k, v, sinks, dq, dk, dvv, lse, delta)
 
 
-_attention = flash_vjp(_forward, _attention_bwd)
+_attention = tiles.flash_vjp(_forward, _attention_bwd)

@@ -51,7 +51,7 @@ from axkern.core.blocks import next_power_of_2
 from axkern.core.kernels import dot as _dot
 from axkern.core.op import Unsupported
 
-from . import pallas_gpu as tiles
+from . import tiles
 from .blocks import AttentionBlockSizes
 
 SUBLANES = 8
@@ -159,10 +159,10 @@ def _fwd_kernel(
 
     def update(masked):
         j = table_ref[row * steps + s]
-        sc = tiles._tile_scores(cfg, q_ref[...], k_ref[...])
+        sc = tiles.tile_scores(cfg, q_ref[...], k_ref[...])
         if masked:
             qi, kj, ids = _tile(i, j, cfg, qid_ref, kid_ref)
-            sc = jnp.where(tiles._visible(mask, qi, kj, sk, ids), sc, -jnp.inf)
+            sc = jnp.where(tiles.visible(mask, qi, kj, sk, ids), sc, -jnp.inf)
         m = m_sc[...]
         m_new = jnp.maximum(m, jnp.max(sc, axis=1, keepdims=True))
         m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
@@ -224,9 +224,9 @@ def _dq_kernel(
         vis = None
         if masked:
             qi, kj, ids = _tile(i, j, cfg, qid_ref, kid_ref)
-            vis = tiles._visible(mask, qi, kj, sk, ids)
-        sc, p = tiles._probs(cfg, q, k, lse_ref[...][:, 0], vis)
-        ds = tiles._ds(cfg, sc, p, _dot(do, v, trans_b=True), delta_ref[...][:, 0])
+            vis = tiles.visible(mask, qi, kj, sk, ids)
+        sc, p = tiles.probs(cfg, q, k, lse_ref[...][:, 0], vis)
+        ds = tiles.ds(cfg, sc, p, _dot(do, v, trans_b=True), delta_ref[...][:, 0])
         dq_sc[...] += _dot(ds.astype(k.dtype), k)
 
     _tile_steps(count_ref, row, rows, s, update)
@@ -270,10 +270,10 @@ def _dkv_kernel(
         vis = None
         if masked:
             qi, kj, ids = _tile(i, j, cfg, qid_ref, kid_ref)
-            vis = tiles._visible(mask, qi, kj, sk, ids)
-        sc, p = tiles._probs(cfg, q, k, lse_ref[...][:, 0], vis)
+            vis = tiles.visible(mask, qi, kj, sk, ids)
+        sc, p = tiles.probs(cfg, q, k, lse_ref[...][:, 0], vis)
         dv_sc[...] += _dot(p.astype(do.dtype), do, trans_a=True)
-        ds = tiles._ds(cfg, sc, p, _dot(do, v, trans_b=True), delta_ref[...][:, 0])
+        ds = tiles.ds(cfg, sc, p, _dot(do, v, trans_b=True), delta_ref[...][:, 0])
         dk_sc[...] += _dot(ds.astype(q.dtype), q, trans_a=True)
 
     _tile_steps(count_ref, row, rows, s, update)
@@ -307,7 +307,7 @@ def _id_inputs(seg_ids, sqp, skp, q_index, k_index, bq, bk):
 
 
 def _forward(cfg, q, k, v, sinks, seg_ids, mask):
-    qt, kt, vt, (b, sq, sk, h, kvh, sqp, skp) = tiles._layout(q, k, v, cfg)
+    qt, kt, vt, (b, sq, sk, h, kvh, sqp, skp) = tiles.layout(q, k, v, cfg)
     g = h // kvh
     bq, bk, d, dv = cfg.block_q, cfg.block_kv, q.shape[3], v.shape[3]
     nq = sqp // bq
@@ -373,7 +373,7 @@ def attention(q, k, v, sinks, mask, *, scale, logits_soft_cap, block_sizes, inte
 
 def _attention_bwd(cfg, mask, res, d_out):
     q, k, v, sinks, seg_ids, o, lse = res
-    qt, kt, vt, (b, sq, sk, h, kvh, sqp, skp) = tiles._layout(q, k, v, cfg)
+    qt, kt, vt, (b, sq, sk, h, kvh, sqp, skp) = tiles.layout(q, k, v, cfg)
     g = h // kvh
     bq, bk, d, dv = cfg.block_q, cfg.block_kv, q.shape[3], v.shape[3]
     nq, nk = sqp // bq, skp // bk

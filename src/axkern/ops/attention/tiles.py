@@ -1,0 +1,173 @@
+"""The tile math and plumbing both Pallas attention backends share (`pallas_gpu`, `pallas_tpu`).
+
+Per tile of `block_q` queries by `block_kv` keys: scores `s = softcap(q k^T · scale)`
+(`tile_scores`), where a partial tile is visible (`visible`: the static mask, the key length,
+equal segment ids), `p = exp(s - lse)` (`probs`) and `ds = p (dO v^T - delta)` times
+`1 - (s/c)^2` under the soft cap (`ds`). Around the kernels: the layout (`q` to
+`[B, H, Sq, D]`, `k`, `v` to `[B, KVH, Sk, D]`, lengths padded to whole blocks), the packed-
+documents block summaries (`segment_overlap`: id ranges meet; `segment_uniform`: both blocks
+hold one id), the `custom_vjp` (`flash_vjp`) and the cotangents from the kernels' outputs
+(`finish_grads`: `dq` cut, `dk`, `dv` summed over each GQA group, `dsink`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from axkern import masks as masks_
+from axkern.core.blocks import cdiv
+from axkern.core.kernels import dot as _dot
+from axkern.core.op import Unsupported
+
+
+@dataclasses.dataclass(frozen=True)
+class Static:
+    """A call's static configuration, the kernels' closure (block sizes from `AttentionBlockSizes`)."""
+
+    block_q: int
+    block_kv: int
+    scale: float
+    soft_cap: float | None
+    interpret: bool
+    num_warps: int | None = None  # Triton's (pallas_gpu only; None: its defaults)
+    num_stages: int | None = None
+
+
+def split_segments(mask):
+    """`(segments or None, static part)` for a static mask, `Segments`, or `Segments & static`
+    (the masks the Pallas kernels serve); otherwise `Unsupported`."""
+    if masks_.is_static(mask):
+        return None, mask
+    if isinstance(mask, masks_.Segments):
+        return mask, masks_.Full()
+    if type(mask) is masks_.And:
+        for seg, rest in ((mask.a, mask.b), (mask.b, mask.a)):
+            if isinstance(seg, masks_.Segments) and masks_.is_static(rest):
+                return seg, rest
+    raise Unsupported(
+        f"{mask!r} holds arrays; the Pallas kernels take static masks and Segments & a static mask"
+    )
+
+
+def segment_overlap(seg_ids, sqp, skp, bq, bk):
+    """`[B, nq, nk]`: whether the id ranges of query block i and key block j overlap (a tile
+    whose ranges do not overlap is empty; one whose do is checked inside the tile)."""
+    q_lo, q_hi = _id_ranges(seg_ids[0], sqp, bq)
+    k_lo, k_hi = _id_ranges(seg_ids[1], skp, bk)
+    return (q_lo[:, :, None] <= k_hi[:, None, :]) & (k_lo[:, None, :] <= q_hi[:, :, None])
+
+
+def _id_ranges(ids, padded, block):
+    """Each block's smallest and largest id (edge-padded to `padded`), `[B, n]` each."""
+    ids = jnp.pad(ids, [(0, 0), (0, padded - ids.shape[1])], mode="edge").reshape(ids.shape[0], -1, block)
+    return ids.min(-1), ids.max(-1)
+
+
+def padded_ids(seg_ids, sqp, skp):
+    """Segment ids edge-padded to the padded lengths, int32 `[B, Sqp]` and `[B, Skp]`."""
+    pad = lambda a, n: jnp.pad(a, [(0, 0), (0, n - a.shape[1])], mode="edge").astype(jnp.int32)  # noqa: E731
+    return pad(seg_ids[0], sqp), pad(seg_ids[1], skp)
+
+
+def segment_uniform(seg_ids, sqp, skp, bq, bk):
+    """`[B, nq, nk]`: whether query block i and key block j hold one and the same id."""
+    q_lo, q_hi = _id_ranges(seg_ids[0], sqp, bq)
+    k_lo, k_hi = _id_ranges(seg_ids[1], skp, bk)
+    same_q, same_k = q_lo == q_hi, k_lo == k_hi
+    return same_q[:, :, None] & same_k[:, None, :] & (q_lo[:, :, None] == k_lo[:, None, :])
+
+
+def tile_scores(cfg, q, k):
+    s = _dot(q, k, trans_b=True) * cfg.scale
+    if cfg.soft_cap is not None:
+        s = cfg.soft_cap * jnp.tanh(s / cfg.soft_cap)
+    return s
+
+
+def visible(mask, qi, kj, sk, ids=None):
+    """Where a partial tile is visible: the static mask, the key length and, with segments,
+    equal ids (`ids = (q ids [bq], k ids [bk])`)."""
+    vis = mask.visible_2d(qi, kj) & (kj < sk)[None, :]
+    if ids is not None:
+        vis = vis & (ids[0][:, None] == ids[1][None, :])
+    return vis
+
+
+def probs(cfg, q, k, lse, vis=None):
+    """Scores and probabilities of a tile; `vis` (partial tiles) masks them. A row of a full
+    tile sees keys, so its `lse` is finite."""
+    s = tile_scores(cfg, q, k)
+    if vis is None:
+        return s, jnp.exp(s - lse[:, None])
+    finite = lse != -jnp.inf
+    p = jnp.where(vis & finite[:, None], jnp.exp(s - jnp.where(finite, lse, 0.0)[:, None]), 0.0)
+    return s, p
+
+
+def ds(cfg, s, p, dp, delta):
+    ds = p * (dp - delta[:, None])
+    if cfg.soft_cap is not None:
+        ds = ds * (1.0 - jnp.square(s / cfg.soft_cap))
+    return ds * cfg.scale
+
+
+def layout(q, k, v, cfg):
+    b, sq, h, d = q.shape
+    sk, kvh = k.shape[1], k.shape[2]
+    sqp, skp = cdiv(sq, cfg.block_q) * cfg.block_q, cdiv(sk, cfg.block_kv) * cfg.block_kv
+    tr = lambda a, n: jnp.pad(jnp.swapaxes(a, 1, 2), [(0, 0), (0, 0), (0, n - a.shape[1]), (0, 0)])  # noqa: E731
+    return tr(q, sqp), tr(k, skp), tr(v, skp), (b, sq, sk, h, kvh, sqp, skp)
+
+
+def prepare(mask, block_sizes, scale, logits_soft_cap, interpret):
+    """`(cfg, segment ids or None, static mask)` for a call (both backends)."""
+    segments, static = split_segments(mask)
+    seg_ids = None if segments is None else (segments.q_ids, segments.kv_ids)
+    cap = None if logits_soft_cap is None else float(logits_soft_cap)
+    bs = block_sizes
+    cfg = Static(bs.block_q, bs.block_kv, float(scale), cap, bool(interpret), bs.num_warps, bs.num_stages)
+    return cfg, seg_ids, static
+
+
+def flash_vjp(forward, backward):
+    """The `custom_vjp` both backends wrap their kernels in: `forward(cfg, q, k, v, sinks,
+    seg_ids, mask) -> (o [B, H, Sqp, Dv], lse)` and `backward(cfg, mask, residuals, d_out)`."""
+
+    @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 6))
+    def fn(cfg, q, k, v, sinks, seg_ids, mask):
+        o, _ = forward(cfg, q, k, v, sinks, seg_ids, mask)
+        return jnp.swapaxes(o, 1, 2)[:, : q.shape[1]]
+
+    def fwd(cfg, q, k, v, sinks, seg_ids, mask):
+        o, lse = forward(cfg, q, k, v, sinks, seg_ids, mask)
+        return jnp.swapaxes(o, 1, 2)[:, : q.shape[1]], (q, k, v, sinks, seg_ids, o, lse)
+
+    fn.defvjp(fwd, backward)
+    return fn
+
+
+def finish_grads(q, k, v, sinks, dq, dk, dv, lse, delta):
+    """The cotangents from the kernels' outputs: `dq [B, H, Sqp, D]` cut and laid out as `q`;
+    the per-query-head `dk, dv [B, H, Skp, D]` summed over each group; `dsink = -sum exp(sink -
+    lse) delta` (`lse, delta [B, H, Sqp]`); none for the segment ids."""
+    b, sq, h, _ = q.shape
+    sk, kvh = k.shape[1], k.shape[2]
+    per_kv = lambda a: jnp.swapaxes(a.reshape(b, kvh, h // kvh, a.shape[2], -1).sum(2), 1, 2)[:, :sk]  # noqa: E731
+    d_sinks = None
+    if sinks is not None:
+        finite = lse != -jnp.inf
+        p_sink = jnp.where(
+            finite, jnp.exp(sinks.astype(jnp.float32)[None, :, None] - jnp.where(finite, lse, 0.0)), 0.0
+        )
+        d_sinks = (-jnp.sum(p_sink * delta, axis=(0, 2))).astype(sinks.dtype)
+    return (
+        jnp.swapaxes(dq, 1, 2)[:, :sq].astype(q.dtype),
+        per_kv(dk).astype(k.dtype),
+        per_kv(dv).astype(v.dtype),
+        d_sinks,
+        None,
+    )
