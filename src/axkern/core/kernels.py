@@ -5,7 +5,13 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
-__all__ = ["dot"]
+__all__ = ["dot", "full_precision"]
+
+
+def full_precision(dtype):
+    """The library's rule for products: `HIGHEST` for 32-bit (and wider) float operands (XLA's
+    and Triton's GPU default would be TF32), `None` (the default) for 16-bit ones."""
+    return lax.Precision.HIGHEST if jnp.dtype(dtype).itemsize >= 4 else None
 
 
 def dot(a, b, dtype=None, *, trans_a=False, trans_b=False, precision=None):
@@ -16,7 +22,7 @@ def dot(a, b, dtype=None, *, trans_a=False, trans_b=False, precision=None):
     dtype = jnp.dtype(dtype or a.dtype)
     dims = (((0,) if trans_a else (1,), (1,) if trans_b else (0,)), ((), ()))
     if precision is None:
-        precision = lax.Precision.HIGHEST if dtype == jnp.float32 else None
+        precision = full_precision(dtype)
     return lax.dot_general(
         a.astype(dtype), b.astype(dtype), dims, precision=precision, preferred_element_type=jnp.float32
     )

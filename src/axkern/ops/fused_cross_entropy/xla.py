@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from axkern.core import backend
+from axkern.core import backend, kernels
 from axkern.core.blocks import for_each_block
 
 from .blocks import CrossEntropyBlockSizes, stream_tiles
@@ -66,8 +66,8 @@ def _mm(a, b, acc):
     """`a @ b` accumulated in `acc`; float32 operands at full precision: XLA's default on GPU
     is TF32, and a TF32 recomputation of the logits does not match an exact forward's `lse`
     (`pallas_gpu`), which put its float32 `dx` 2.3x the plain-JAX error on the H200."""
-    wide = jnp.dtype(jnp.result_type(a, b)).itemsize >= 4
-    return jnp.matmul(a, b, precision=lax.Precision.HIGHEST if wide else None, preferred_element_type=acc)
+    precision = kernels.full_precision(jnp.result_type(a, b))
+    return jnp.matmul(a, b, precision=precision, preferred_element_type=acc)
 
 
 def _tile(cfg: _Static, x, w, t0, ts, v0, vs):

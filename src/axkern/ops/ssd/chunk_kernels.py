@@ -19,7 +19,8 @@ each backend supplies a `Layout` and its call parameters).
 `[Q, Q]` and `[P, N]` tiles. **Cost.** Per chunk and head `2·Q²·N` (`C B^T`) + `2·Q²·P` (scores
 times `x`) + `2·Q·N·P` (incoming state) + `2·Q·P·N` (own state) FLOPs forward, about twice
 that backward; bytes: `x`, `B`, `C` once per pass, the `[b, c, h, P, N]` float32 states twice
-(written, read). Compute bound for Mamba-2 sizes (`Q = 64..256`, `N = 128`).
+(written, read). Compute bound for Mamba-2 sizes (`Q = 64..256`, `N = 128`). float32 inputs
+add `2·Q³` FLOPs forward and `4·Q³` backward per chunk and head (`_segment_sums`).
 
 All products take float32 operands with float32 accumulation (the GPU layout lets them run as
 TF32 for 16-bit inputs: `Layout.precision_16bit`) for now (with bf16 operands

@@ -26,6 +26,8 @@ import functools
 import jax.numpy as jnp
 from jax import lax
 
+from axkern.core import kernels
+
 from .chunks import pad_to_chunks, skip_and_gate
 
 
@@ -38,7 +40,7 @@ def ssd(x, dt, A, B, C, D, z, segment_ids, initial_state, *, block_sizes):
     acc = jnp.promote_types(x.dtype, jnp.float32)
     # float32 inputs at full precision (XLA's GPU default is TF32); 16-bit inputs' float32
     # products may run as TF32 (more mantissa than the inputs have)
-    prec = lax.Precision.HIGHEST if jnp.dtype(x.dtype).itemsize >= 4 else None
+    prec = kernels.full_precision(x.dtype)
     einsum = functools.partial(jnp.einsum, precision=prec)
     batch, length, heads, _ = x.shape
     rep = heads // B.shape[2]
