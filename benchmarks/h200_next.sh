@@ -27,6 +27,8 @@
 #                                       tests and the bench (packed documents: >= 0.8x of causal now?)
 #   bash benchmarks/h200_next.sh s5b    (~8 min) the float32 SSD segment sums, also untested on a GPU:
 #                                       all SSD GPU tests (xla and pallas_gpu), the float32 timing
+#   bash benchmarks/h200_next.sh s6     (fifth session) SSD's per-kernel profile; attention's three
+#                                       kernels swept each on its own -> the H200 table
 # Each step has its own timeout; everything lands in $OUT/next.tgz.
 #
 #   mkdir -p .whl/peers && cp ../shared/wheels/*.whl .whl/ && cp ../shared/wheels/peers/*.whl .whl/peers/
@@ -99,5 +101,16 @@ s5b)
   step 330 gpu_tests_ssd $gpu_tests 80 tests/gpu/test_ssd_gpu.py
   step 120 bench_ssd_f32 $bench ssd --preset mamba2_2.7b --tokens 4096 --dtype float32 --impl xla,pallas_gpu --repeats 3 --json "$R/ssd_mamba2_2.7b_float32.json"
   ;;
-*) echo "usage: h200_next.sh ce|rest|last|next|next2|ce_tests|f32|f32b|final|s5|s5b"; exit 2 ;;
+s6)  # fifth session: where SSD's time goes (per-kernel profile, chunks 64 and 128); attention's
+     # kernels swept each on its own (forward, then dk/dv, then dq) -> the H200 table
+  step 150 ssd_profile python3 benchmarks/ssd_profile.py --chunk 64,128 --json "$R/ssd_profile.json"
+  step 380 sweep_attention python3 benchmarks/sweep_attention.py --per-kernel --peers cudnn --repeats 3 \
+    --fwd 128x64x4x2,128x64x4x3,128x64x8x2,128x64x8x3,128x128x8x2,128x128x8x3,128x32x4x3,64x64x4x3,64x128x4x3 \
+    --dkv 32x128x4x2,32x128x4x3,32x128x8x2,64x128x4x2,64x128x8x2,16x128x4x2,32x64x4x2,32x64x4x3,64x64x4x2 \
+    --dq 64x64x4x2,128x32x4x2,128x32x4x3,128x32x8x2,128x64x4x2,128x64x8x2,64x32x4x2,64x32x4x3 \
+    --json "$R/attention_sweep.json"
+  step 20 tune_attention python3 benchmarks/tune_table.py --sweep "$R/attention_sweep.json" --op attention --impl pallas_gpu --package axkern.ops.attention --device-key nvidia_h200 --source benchmarks/results/h200/attention_sweep_per-kernel_DATE.json
+  cp -r src/axkern/ops/attention/tuned "$R/attention_tuned" 2>/dev/null
+  ;;
+*) echo "usage: h200_next.sh ce|rest|last|next|next2|ce_tests|f32|f32b|final|s5|s5b|s6"; exit 2 ;;
 esac

@@ -56,7 +56,7 @@ def _run(impl, arrays, mask, *, sinks=True, cap=None, blocks=(16, 16)):
             sinks=s if sinks else None,
             logits_soft_cap=cap,
             implementation=impl,
-            block_sizes=dict(block_q=blocks[0], block_kv=blocks[1])
+            block_sizes=(blocks if isinstance(blocks, dict) else dict(block_q=blocks[0], block_kv=blocks[1]))
             if impl in ("xla", "pallas_gpu", "pallas_tpu")
             else None,
         )
@@ -148,6 +148,31 @@ def test_full_tiles_skip_masking_and_stay_exact():
     ids = jnp.asarray([[0] * 40 + [1] * 56, [0] * 16 + [1] * 64 + [2] * 16])
     for mask in (masks.Causal() & masks.Segments(ids, ids), masks.Segments(ids, ids)):
         check(_inputs(10, 2, 96, 96, 2, 2, 16, "float32"), mask, "float32", impl="pallas_gpu", cap=2.0)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("kind", ["causal&segments", "window"])
+def test_pallas_gpu_backward_kernels_take_their_own_blocks(kind, dtype):
+    # each kernel its own tiles: the lengths (37, 53) pad to the largest block (32, 64) and
+    # every kernel's bounds cover the padded blocks; GQA 2, sinks, soft cap
+    blocks = dict(block_q=32, block_kv=16, block_q_dq=16, block_kv_dq=32, block_q_dkv=16, block_kv_dkv=64)
+    b, sq, sk = 2, 37, 53
+    arrays = _inputs(30 + MASKS.index(kind), b, sq, sk, 4, 2, 16, dtype)
+    check(arrays, _mask(kind, b, sq, sk), dtype, impl="pallas_gpu", cap=3.0, blocks=blocks)
+
+
+def test_attention_block_sizes_per_kernel():
+    bs = axkern.AttentionBlockSizes(block_q=64, block_kv=32, num_warps=4, block_kv_dkv=128, num_stages_dq=3)
+    assert bs.kernel("fwd") == axkern.AttentionBlockSizes(64, 32, 4, None)
+    assert bs.kernel("dq") == axkern.AttentionBlockSizes(64, 32, 4, 3)
+    assert bs.kernel("dkv") == axkern.AttentionBlockSizes(64, 128, 4, None)
+    with pytest.raises(ValueError, match="'fwd', 'dq' or 'dkv'"):
+        bs.kernel("bwd")
+    a = _inputs(0, 1, 32, 32, 2, 2, 16, "float32")
+    with axkern.use(interpret=True), pytest.raises(axkern.Unsupported, match="block_kv_dq=8"):
+        attention(
+            a["q"], a["k"], a["v"], implementation="pallas_gpu", block_sizes={"block_q": 16, "block_kv_dq": 8}
+        )
 
 
 def test_pallas_gpu_falls_back_with_the_reason():

@@ -15,12 +15,37 @@ class AttentionBlockSizes(BlockSizes):
     """`block_q` query positions by `block_kv` key positions per tile; neither needs to divide
     the lengths (the last blocks are padded and masked). `pallas_gpu` also reads `num_warps`
     and `num_stages` (Triton's warps per program and software-pipelining depth; `None`:
-    Triton's defaults)."""
+    Triton's defaults), and gives each backward kernel its own four: `*_dq` for the kernel
+    that walks key tiles per query block (`dq`), `*_dkv` for the one that walks query tiles
+    per key block (`dk`, `dv`); a `None` there takes the forward's value. `pallas_tpu`, `xla`
+    use `block_q`, `block_kv` for every pass."""
 
     block_q: int = 128
     block_kv: int = 128
     num_warps: int | None = None
     num_stages: int | None = None
+    block_q_dq: int | None = None
+    block_kv_dq: int | None = None
+    num_warps_dq: int | None = None
+    num_stages_dq: int | None = None
+    block_q_dkv: int | None = None
+    block_kv_dkv: int | None = None
+    num_warps_dkv: int | None = None
+    num_stages_dkv: int | None = None
+
+    def kernel(self, name: str) -> AttentionBlockSizes:
+        """The forward's four fields for kernel `name` (`"fwd"`, `"dq"` or `"dkv"`), a `None`
+        of a backward kernel filled from the forward's."""
+        if name == "fwd":
+            return AttentionBlockSizes(self.block_q, self.block_kv, self.num_warps, self.num_stages)
+        if name not in ("dq", "dkv"):
+            raise ValueError(f"kernel must be 'fwd', 'dq' or 'dkv', got {name!r}")
+        own = [getattr(self, f"{f}_{name}") for f in _PER_KERNEL]
+        base = [self.block_q, self.block_kv, self.num_warps, self.num_stages]
+        return AttentionBlockSizes(*(b if o is None else o for o, b in zip(own, base, strict=True)))
+
+
+_PER_KERNEL = ("block_q", "block_kv", "num_warps", "num_stages")
 
 
 def bucket(spec: Spec) -> dict:

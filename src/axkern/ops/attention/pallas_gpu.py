@@ -84,6 +84,16 @@ def heuristic(spec):
     return AttentionBlockSizes(block_q=pick(spec.dim("q_len")), block_kv=pick(spec.dim("kv_len")))
 
 
+def _kinds(mask, sq, sk, sqp, skp, bq, bk):
+    """The static mask's block kinds `[sqp / bq, skp / bk]`: the blocks past the lengths'
+    own (the lengths are padded to the largest block of the three kernels) are `EMPTY`."""
+    kinds = np.asarray(masks_.static_block_kinds(mask, sq, sk, bq, bk)[0])
+    shape = (sqp // bq, skp // bk)
+    return np.pad(
+        kinds, [(0, shape[0] - kinds.shape[0]), (0, shape[1] - kinds.shape[1])], constant_values=masks_.EMPTY
+    )
+
+
 def _bounds(kinds, axis, batch, overlap=None, uniform=None):
     """For each batch row and each block along `axis` of the `[nq, nk]` kinds, the first and
     one-past-last non-empty block of the other axis (both 0 when none), and inside them the
@@ -317,7 +327,7 @@ def _forward(cfg, q, k, v, sinks, seg_ids, mask):
     bq, bk, d, dv = cfg.block_q, cfg.block_kv, q.shape[3], v.shape[3]
     segments = seg_ids is not None
     overlap, uniform = _segment_tiles(seg_ids, sqp, skp, bq, bk)
-    bounds = _bounds(masks_.static_block_kinds(mask, sq, sk, bq, bk)[0], 0, b, overlap, uniform)
+    bounds = _bounds(_kinds(mask, sq, sk, sqp, skp, bq, bk), 0, b, overlap, uniform)
     nb = bounds[0].shape[1]
     has_sinks = sinks is not None
     sink_arr = (sinks if has_sinks else jnp.zeros((h,))).astype(jnp.float32)
@@ -357,10 +367,14 @@ def _forward(cfg, q, k, v, sinks, seg_ids, mask):
 
 
 def attention(q, k, v, sinks, mask, *, scale, logits_soft_cap, block_sizes, interpret=False):
-    for name, n in (("block_q", block_sizes.block_q), ("block_kv", block_sizes.block_kv)):
-        if n < MIN or n & (n - 1):
-            raise Unsupported(f"{name}={n}: Triton tiles need a power of two >= {MIN}")
-    cfg, seg_ids, static = tiles.prepare(mask, block_sizes, scale, logits_soft_cap, interpret)
+    for kernel, suffix in (("fwd", ""), ("dq", "_dq"), ("dkv", "_dkv")):
+        bs = block_sizes.kernel(kernel)
+        for name, n in (("block_q", bs.block_q), ("block_kv", bs.block_kv)):
+            if n < MIN or n & (n - 1):
+                raise Unsupported(f"{name}{suffix}={n}: Triton tiles need a power of two >= {MIN}")
+    cfg, seg_ids, static = tiles.prepare(
+        mask, block_sizes, scale, logits_soft_cap, interpret, per_kernel=True
+    )
     return _attention(cfg, q, k, v, sinks, seg_ids, static)
 
 
@@ -368,14 +382,14 @@ def _attention_bwd(cfg, mask, res, d_out):
     q, k, v, sinks, seg_ids, o, lse = res
     qt, kt, vt, (b, sq, sk, h, kvh, sqp, skp) = tiles.layout(q, k, v, cfg)
     g = h // kvh
-    bq, bk, d, dv = cfg.block_q, cfg.block_kv, q.shape[3], v.shape[3]
+    d, dv = q.shape[3], v.shape[3]
     segments = seg_ids is not None
     do = jnp.pad(jnp.swapaxes(d_out, 1, 2), [(0, 0), (0, 0), (0, sqp - sq), (0, 0)]).astype(q.dtype)
     delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1)  # [B, H, Sqp]
-    kinds = masks_.static_block_kinds(mask, sq, sk, bq, bk)[0]
+    _, cq, ckv = cfg.kernels()  # the dq kernel's and the dk, dv kernel's own blocks
+    bq, bk = cq.block_q, cq.block_kv
     overlap, uniform = _segment_tiles(seg_ids, sqp, skp, bq, bk)
-    q_bounds = _bounds(kinds, 0, b, overlap, uniform)
-    k_bounds = _bounds(kinds, 1, b, overlap, uniform)
+    q_bounds = _bounds(_kinds(mask, sq, sk, sqp, skp, bq, bk), 0, b, overlap, uniform)
     row = lambda n, w: _block((None, None, n, w), lambda b_, h_, x: (b_, h_, x, 0))  # noqa: E731
     whole = lambda n, w, div=1: _block((None, None, n, w), lambda b_, h_, x: (b_, h_ // div, 0, 0))  # noqa: E731
     vec_row = _block((None, None, bq), lambda b_, h_, x: (b_, h_, x))
@@ -389,8 +403,8 @@ def _attention_bwd(cfg, mask, res, d_out):
         ((None, skp), lambda b_, h_, i: (b_, 0)),
     )
     dq = _call(
-        cfg,
-        functools.partial(_dq_kernel, cfg=cfg, mask=mask, sk=sk, segments=segments),
+        cq,
+        functools.partial(_dq_kernel, cfg=cq, mask=mask, sk=sk, segments=segments),
         (b, h, sqp // bq),
         [
             row(bq, d),
@@ -413,6 +427,9 @@ def _attention_bwd(cfg, mask, res, d_out):
         *q_bounds,
         *ids,
     )
+    bq, bk = ckv.block_q, ckv.block_kv
+    overlap, uniform = _segment_tiles(seg_ids, sqp, skp, bq, bk)
+    k_bounds = _bounds(_kinds(mask, sq, sk, sqp, skp, bq, bk), 1, b, overlap, uniform)
     kv_row = lambda w: _block((None, None, bk, w), lambda b_, h_, x: (b_, h_ // g, x, 0))  # noqa: E731
     out_row = lambda w: _block((None, None, bk, w), lambda b_, h_, x: (b_, h_, x, 0))  # noqa: E731
     ids, id_specs = _segment_inputs(
@@ -423,8 +440,8 @@ def _attention_bwd(cfg, mask, res, d_out):
         ((None, bk), lambda b_, h_, j: (b_, j)),
     )
     dk, dvv = _call(
-        cfg,
-        functools.partial(_dkv_kernel, cfg=cfg, mask=mask, sk=sk, segments=segments),
+        ckv,
+        functools.partial(_dkv_kernel, cfg=ckv, mask=mask, sk=sk, segments=segments),
         (b, h, skp // bk),
         [
             whole(sqp, d),

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -35,6 +36,16 @@ class Static:
     interpret: bool
     num_warps: int | None = None  # Triton's (pallas_gpu only; None: its defaults)
     num_stages: int | None = None
+    # lengths are padded to multiples of these (0: of block_q, block_kv); pallas_gpu pads to
+    # the largest block of its three kernels, so all of them tile the same padded arrays
+    pad_q: int = 0
+    pad_kv: int = 0
+    # pallas_gpu: the `dq` and `dk, dv` kernels' own configurations (None: this one)
+    backward: tuple[Static, Static] | None = None
+
+    def kernels(self) -> tuple[Static, Static, Static]:
+        """The forward's, the `dq` kernel's and the `dk, dv` kernel's configurations."""
+        return (self, *(self.backward or (self, self)))
 
 
 def split_segments(mask):
@@ -118,19 +129,34 @@ def ds(cfg, s, p, dp, delta):
 def layout(q, k, v, cfg):
     b, sq, h, d = q.shape
     sk, kvh = k.shape[1], k.shape[2]
-    sqp, skp = cdiv(sq, cfg.block_q) * cfg.block_q, cdiv(sk, cfg.block_kv) * cfg.block_kv
+    mq, mk = cfg.pad_q or cfg.block_q, cfg.pad_kv or cfg.block_kv
+    sqp, skp = cdiv(sq, mq) * mq, cdiv(sk, mk) * mk
     tr = lambda a, n: jnp.pad(jnp.swapaxes(a, 1, 2), [(0, 0), (0, 0), (0, n - a.shape[1]), (0, 0)])  # noqa: E731
     return tr(q, sqp), tr(k, skp), tr(v, skp), (b, sq, sk, h, kvh, sqp, skp)
 
 
-def prepare(mask, block_sizes, scale, logits_soft_cap, interpret):
-    """`(cfg, segment ids or None, static mask)` for a call (both backends)."""
+def prepare(mask, block_sizes, scale, logits_soft_cap, interpret, per_kernel=False):
+    """`(cfg, segment ids or None, static mask)` for a call (both backends); `per_kernel`
+    (pallas_gpu): the backward kernels get their own block sizes (`cfg.backward`) and the
+    lengths are padded to the largest block of the three kernels (`math.lcm` of powers of two)."""
     segments, static = split_segments(mask)
     seg_ids = None if segments is None else (segments.q_ids, segments.kv_ids)
     cap = None if logits_soft_cap is None else float(logits_soft_cap)
-    bs = block_sizes
-    cfg = Static(bs.block_q, bs.block_kv, float(scale), cap, bool(interpret), bs.num_warps, bs.num_stages)
-    return cfg, seg_ids, static
+
+    def one(bs, **extra):
+        return Static(
+            bs.block_q, bs.block_kv, float(scale), cap, bool(interpret), bs.num_warps, bs.num_stages, **extra
+        )
+
+    if not per_kernel:
+        return one(block_sizes), seg_ids, static
+    per = [block_sizes.kernel(n) for n in ("fwd", "dq", "dkv")]
+    pads = {
+        "pad_q": math.lcm(*(b.block_q for b in per)),
+        "pad_kv": math.lcm(*(b.block_kv for b in per)),
+    }
+    backward = tuple(one(b, **pads) for b in per[1:])
+    return one(per[0], **pads, backward=backward), seg_ids, static
 
 
 def flash_vjp(forward, backward):
