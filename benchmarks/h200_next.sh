@@ -29,6 +29,8 @@
 #                                       all SSD GPU tests (xla and pallas_gpu), the float32 timing
 #   bash benchmarks/h200_next.sh s6     (fifth session) SSD's per-kernel profile; attention's three
 #                                       kernels swept each on its own -> the H200 table
+#   bash benchmarks/h200_next.sh s7a    the per-kernel attention tiles (GPU tests, bench), the SSD
+#                                       recurrence kernel (profile)
 # Each step has its own timeout; everything lands in $OUT/next.tgz.
 #
 #   mkdir -p .whl/peers && cp ../shared/wheels/*.whl .whl/ && cp ../shared/wheels/peers/*.whl .whl/peers/
@@ -112,5 +114,10 @@ s6)  # fifth session: where SSD's time goes (per-kernel profile, chunks 64 and 1
   step 20 tune_attention python3 benchmarks/tune_table.py --sweep "$R/attention_sweep.json" --op attention --impl pallas_gpu --package axkern.ops.attention --device-key nvidia_h200 --source benchmarks/results/h200/attention_sweep_per-kernel_DATE.json
   cp -r src/axkern/ops/attention/tuned "$R/attention_tuned" 2>/dev/null
   ;;
-*) echo "usage: h200_next.sh ce|rest|last|next|next2|ce_tests|f32|f32b|final|s5|s5b|s6"; exit 2 ;;
+s7a)  # the per-kernel attention tiles on the GPU (tests, bench); the SSD recurrence kernel's profile
+  step 180 gpu_tests_attention $gpu_tests 60 tests/gpu/test_attention_gpu.py
+  step 150 bench_attention $bench attention --preset h200 --impl pallas_gpu,cudnn --repeats 5 --json "$R/attention_h200.json"
+  step 70 ssd_profile python3 benchmarks/ssd_profile.py --chunk 64 --json "$R/ssd_profile.json"
+  ;;
+*) echo "usage: h200_next.sh ce|rest|last|next|next2|ce_tests|f32|f32b|final|s5|s5b|s6|s7a"; exit 2 ;;
 esac

@@ -36,11 +36,14 @@ when their ids increase along the sequence.
 **Constraints** (`supports` or an `Unsupported` at the call): head dims powers of two >= 16,
 blocks powers of two >= 16 (Triton tiles), static masks or `Segments` `&` a static mask
 (`PrefixLM`, `Dense` fall back to `xla`). Block sizes: `block_q`, `block_kv`, and Triton's
-`num_warps`, `num_stages` (`None`: Triton's defaults). On the H200 (2026-11-30) the causal,
-window, full and packed-document cases passed the oracle rule in bf16; causal ran at 0.42x
-cuDNN's forward TFLOP/s (0.47x forward+backward) with untuned 64x64 tiles, 0.40x / 0.49x
-with the swept table's (4 warps, 2 stages), and packed documents 27x faster than `xla`'s
-forward: second in the GPU order, after `cudnn`. Soft cap and sinks passed on the H200 too.
+`num_warps`, `num_stages` (`None`: Triton's defaults) for the forward, and the same four of
+each backward kernel (`*_dq`, `*_dkv`; `None`: the forward's); the lengths are padded to the
+largest block of the three. On the H200 (2026-11-30) the causal, window, full and packed-
+document cases passed the oracle rule in bf16; causal ran at 0.40x / 0.49x cuDNN's forward /
+forward+backward TFLOP/s with one swept 64x64 tile for all kernels, and 3.59 / 13.49 ms
+(306 / 285 TFLOP/s; cuDNN 2.07 / 7.90 ms in the same run) with each kernel's own tiles from
+the per-kernel sweep; packed documents run 27x faster than `xla`'s forward: second in the
+GPU order, after `cudnn`. Soft cap and sinks passed on the H200 too.
 """
 
 from __future__ import annotations
@@ -74,14 +77,31 @@ def supports(spec) -> str | None:
 
 
 def heuristic(spec):
-    """64x64 tiles with Triton's default warps and stages, smaller for short sequences, at
-    least 16. On the H200 the sweep (`benchmarks/sweep_attention.py`: 64/128 tiles, 4/8 warps,
-    2/3 stages, 12 of 16 compiled; `benchmarks/results/h200/attention_sweep_2026-11-30f.json`)
-    found 64x64 fastest forward+backward too, with 4 warps and 2 stages (16.17 ms against
-    16.87 with 3 stages): the shipped table's entry for causal B2 L8192 H32 D128 bf16. The
-    forward alone was fastest at 128x64 (4.08 against 5.07 ms); one block size serves both."""
-    pick = lambda n: max(MIN, min(64, next_power_of_2(n)))  # noqa: E731
-    return AttentionBlockSizes(block_q=pick(spec.dim("q_len")), block_kv=pick(spec.dim("kv_len")))
+    """Each kernel its own tiles, from the H200's per-kernel sweep (causal B2 L8192 H32 D128
+    bf16, `benchmarks/results/h200/attention_sweep_per-kernel_2026-11-30g.json`): forward
+    128x64 with 8 warps and 3 stages (3.54 ms against 4.36 at 64x64), `dk, dv` 64x64 with 4 and
+    2 (its 32x128 and 16x128 tiles ran 1.4-5x slower), `dq` 128x32 with 4 and 3; 13.49 ms
+    forward+backward against 16.17 with one 64x64 for all three. Head dims above 128 keep
+    64x64 tiles and Triton's defaults (the larger tiles' pipelined operands outgrow the 227 KiB
+    of shared memory); short sequences get tiles no longer than the padded length, at least 16."""
+    q_len, kv_len = (next_power_of_2(spec.dim(n)) for n in ("q_len", "kv_len"))
+    fit = lambda n, length: max(MIN, min(n, length))  # noqa: E731
+    if max(spec.dim("head_dim"), spec.dim("v_dim")) > 128:
+        return AttentionBlockSizes(block_q=fit(64, q_len), block_kv=fit(64, kv_len))
+    return AttentionBlockSizes(
+        block_q=fit(128, q_len),
+        block_kv=fit(64, kv_len),
+        num_warps=8,
+        num_stages=3,
+        block_q_dq=fit(128, q_len),
+        block_kv_dq=fit(32, kv_len),
+        num_warps_dq=4,
+        num_stages_dq=3,
+        block_q_dkv=fit(64, q_len),
+        block_kv_dkv=fit(64, kv_len),
+        num_warps_dkv=4,
+        num_stages_dkv=2,
+    )
 
 
 def _kinds(mask, sq, sk, sqp, skp, bq, bk):

@@ -9,8 +9,8 @@ each backend supplies a `Layout` and its call parameters).
    `w_t = exp(cum_{Q-1} - cum_t) dt_t [t in the chunk's last segment]`, and its weight from the
    incoming state `f_t = exp(cum_t) [t in the segment before the chunk]`.
 2. Kernel `chunk_state`, one program per (batch, head, chunk): `S_c = (w ∘ x)^T B`, `[P, N]`.
-3. XLA, `O(L/Q · H·P·N)`: the recurrence over chunk states (`lax.scan`), giving the state
-   entering every chunk and the final state.
+3. `O(L/Q · H·P·N)`: the recurrence over chunk states, giving the state entering every chunk
+   and the final state (`Layout.recurrence`: `lax.scan` in XLA; `pallas_gpu` has a kernel).
 4. Kernel `chunk_scan`, one program per (batch, head, chunk):
    `y = ((C B^T) ∘ Λ)(dt ∘ x) + f ∘ (C S_in^T)` with `Λ[t, s] = exp(cum_t - cum_s)` for
    `s <= t` in the same segment, else 0. `D` and the `silu(z)` gate in XLA.
@@ -34,7 +34,7 @@ kernel `chunk_scan_bwd` per (batch, head, chunk) pulls `dy` back through
 `d(C B^T) = dM ∘ Λ` (giving `dC`, `dB`), `dcum = rowsum(dM ∘ M) - colsum(dM ∘ M)`
 (float32 inputs: `Λ` from `_segment_sums` instead of `cum_t - cum_s`, and `d a` from
 `_segment_sums_bwd`, without the cancelling difference),
-`df = rowsum(dy ∘ C S_in^T)`, `dS_in = (f ∘ dy)^T C`. The recurrence runs backwards in XLA
+`df = rowsum(dy ∘ C S_in^T)`, `dS_in = (f ∘ dy)^T C`. The recurrence runs backwards (XLA or a kernel)
 (`lax.scan(reverse=True)`: the gradients of each chunk's own state, of the carries and of
 the initial state); kernel `chunk_state_bwd` pulls those through `S = (w ∘ x)^T B`; stage
 1's VJP turns `dcum`, `dw`, `df` and the carries' gradients into `d dt` and `dA`. `dB` and
@@ -270,6 +270,15 @@ class Layout:
     def call_params(self) -> dict:
         return {"interpret": self.interpret}
 
+    # stage 3 and its reverse: `lax.scan` in XLA unless a backend has a kernel for them
+    @staticmethod
+    def recurrence(keep, chunk_states, initial_state):
+        return _recurrence(keep, chunk_states, initial_state)
+
+    @staticmethod
+    def recurrence_bwd(keep, states_in, d_states_in, d_final):
+        return _recurrence_bwd(keep, states_in, d_states_in, d_final)
+
     def dot(self, a, b, dtype=None, *, trans_a=False, trans_b=False):
         return kernels.dot(a, b, dtype, trans_a=trans_a, trans_b=trans_b, precision=self.precision)
 
@@ -302,7 +311,7 @@ def _core_forward(cfg, xt, dtc, A, bt, ct, sc, initial_state):
         k.to_col(w),
         bt,
     )
-    states_in, final = _recurrence(keep, own, initial_state)
+    states_in, final = k.recurrence(keep, own, initial_state)
     sums = _uses_segment_sums(xt)
     y = k(
         functools.partial(_scan_kernel, dtype=mm, sums=sums),
@@ -398,7 +407,7 @@ def _core_bwd(cfg, res, cotangents):
         ct,
         states_in,
     )
-    d_own, d_keep, d_init = _recurrence_bwd(keep, states_in, d_states_in, d_final.astype(jnp.float32))
+    d_own, d_keep, d_init = k.recurrence_bwd(keep, states_in, d_states_in, d_final.astype(jnp.float32))
     dx_state, dw, db_state = k(
         _state_bwd_kernel,
         [k.rows(p), k.col_spec, k.grouped(n), k.state],

@@ -16,6 +16,9 @@ with the reason.
 
 from __future__ import annotations
 
+import functools
+
+import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -46,6 +49,50 @@ def heuristic(spec) -> SSDBlockSizes:
     at mamba_ssm's 256 would need sub-tiling (not yet written). Not swept; on the H200 chunks
     of 64 ran the Mamba-2 2.7B layer (bf16, L 4096) at 12.05 ms forward+backward."""
     return SSDBlockSizes(chunk_size=max(MIN_DIM, min(64, next_power_of_2(spec.dim("length")))))
+
+
+def _state_tile(p, n):
+    """Rows of the `[P, N]` state per recurrence program: about 4096 float32 values a program."""
+    return max(1, min(p, 4096 // n))
+
+
+def _pick(vec, c):
+    """Element `c` of a register vector (a gather-free read of a traced index)."""
+    return jnp.sum(jnp.where(jnp.arange(vec.shape[0]) == c, vec, 0.0))
+
+
+def _recurrence_kernel(keep_ref, own_ref, init_ref, states_ref, final_ref, *, chunks):
+    """`S_{c+1} = keep_c S_c + own_c` over the chunks for one `[bp, N]` rows of one (batch,
+    head) state; `states_ref[c]` gets the state entering chunk c."""
+    keep = keep_ref[...]
+    shape = init_ref.shape
+
+    def body(c, s):
+        states_ref[pl.ds(c, 1)] = s.reshape((1,) + shape)
+        return _pick(keep, c) * s + own_ref[pl.ds(c, 1)].reshape(shape)
+
+    final_ref[...] = lax.fori_loop(0, chunks, body, init_ref[...])
+
+
+def _recurrence_bwd_kernel(
+    keep_ref, states_ref, d_states_ref, d_final_ref, d_own_ref, d_keep_ref, d_init_ref, *, chunks
+):
+    """The recurrence backwards: `g` (the gradient of the state leaving chunk c) is `d own_c`,
+    `sum(g ∘ S_c)` is this tile's part of `d keep_c`, `keep_c g + d S_c` flows to chunk c-1."""
+    keep = keep_ref[...]
+    shape = d_final_ref.shape
+    lanes = jnp.arange(keep.shape[0])
+
+    def body(i, carry):
+        g, d_keep = carry
+        c = chunks - 1 - i
+        d_own_ref[pl.ds(c, 1)] = g.reshape((1,) + shape)
+        d_keep = d_keep + jnp.where(lanes == c, jnp.sum(g * states_ref[pl.ds(c, 1)].reshape(shape)), 0.0)
+        return _pick(keep, c) * g + d_states_ref[pl.ds(c, 1)].reshape(shape), d_keep
+
+    g, d_keep = lax.fori_loop(0, chunks, body, (d_final_ref[...], jnp.zeros_like(keep)))
+    d_init_ref[...] = g
+    d_keep_ref[...] = d_keep
 
 
 class GpuLayout(chunk_kernels.Layout):
@@ -94,6 +141,57 @@ class GpuLayout(chunk_kernels.Layout):
 
     def put_row(self, ref, value):
         ref[0, 0] = value.reshape(self.q)
+
+    def _recurrence_specs(self, keep):
+        """`(keep padded to a power of two, grid, keep spec, all-chunks state spec, one-state
+        spec)`: one program per (batch, head, `bp` rows of the state)."""
+        bp = _state_tile(self.p, self.n)
+        cp = next_power_of_2(self.chunks)
+        keep = jnp.pad(keep, [(0, 0), (0, 0), (0, cp - self.chunks)])
+        grid = (self.batch, self.heads, self.p // bp)
+        keep_spec = pl.BlockSpec((None, None, cp), lambda b, h, r: (b, h, 0))
+        states = pl.BlockSpec((None, self.chunks, None, bp, self.n), lambda b, h, r: (b, 0, h, r, 0))
+        one = pl.BlockSpec((None, None, bp, self.n), lambda b, h, r: (b, h, r, 0))
+        return keep, grid, keep_spec, states, one
+
+    def recurrence(self, keep, chunk_states, initial_state):
+        """Stage 3 as a kernel: on the H200 `lax.scan`'s 64 steps cost about 1 ms in small
+        kernels and copies forward (`benchmarks/results/h200/ssd_profile_2026-11-30g.json`)."""
+        keep, grid, keep_spec, states, one = self._recurrence_specs(keep)
+        f32 = jnp.float32
+        return pl.pallas_call(
+            functools.partial(_recurrence_kernel, chunks=self.chunks),
+            grid=grid,
+            in_specs=[keep_spec, states, one],
+            out_specs=[states, one],
+            out_shape=[
+                jax.ShapeDtypeStruct(chunk_states.shape, f32),
+                jax.ShapeDtypeStruct(initial_state.shape, f32),
+            ],
+            interpret=self.interpret,
+        )(keep, chunk_states, initial_state)
+
+    def recurrence_bwd(self, keep, states_in, d_states_in, d_final):
+        keep, grid, keep_spec, states, one = self._recurrence_specs(keep)
+        f32 = jnp.float32
+        rows = grid[2]
+        d_own, d_keep, d_init = pl.pallas_call(
+            functools.partial(_recurrence_bwd_kernel, chunks=self.chunks),
+            grid=grid,
+            in_specs=[keep_spec, states, states, one],
+            out_specs=[
+                states,
+                pl.BlockSpec((None, None, None, keep.shape[-1]), lambda b, h, r: (b, h, r, 0)),
+                one,
+            ],
+            out_shape=[
+                jax.ShapeDtypeStruct(states_in.shape, f32),
+                jax.ShapeDtypeStruct((self.batch, self.heads, rows, keep.shape[-1]), f32),
+                jax.ShapeDtypeStruct(d_final.shape, f32),
+            ],
+            interpret=self.interpret,
+        )(keep, states_in, d_states_in, d_final)
+        return d_own, d_keep.sum(2)[..., : self.chunks], d_init
 
 
 def ssd(x, dt, A, B, C, D, z, segment_ids, initial_state, *, block_sizes, interpret=False):
