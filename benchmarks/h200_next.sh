@@ -31,6 +31,7 @@
 #                                       kernels swept each on its own -> the H200 table
 #   bash benchmarks/h200_next.sh s7a    the per-kernel attention tiles (GPU tests, bench), the SSD
 #                                       recurrence kernel (profile)
+#   bash benchmarks/h200_next.sh s7b    the SSD kernels' warps, per kernel
 # Each step has its own timeout; everything lands in $OUT/next.tgz.
 #
 #   mkdir -p .whl/peers && cp ../shared/wheels/*.whl .whl/ && cp ../shared/wheels/peers/*.whl .whl/peers/
@@ -119,5 +120,8 @@ s7a)  # the per-kernel attention tiles on the GPU (tests, bench); the SSD recurr
   step 150 bench_attention $bench attention --preset h200 --impl pallas_gpu,cudnn --repeats 5 --json "$R/attention_h200.json"
   step 70 ssd_profile python3 benchmarks/ssd_profile.py --chunk 64 --json "$R/ssd_profile.json"
   ;;
-*) echo "usage: h200_next.sh ce|rest|last|next|next2|ce_tests|f32|f32b|final|s5|s5b|s6|s7a"; exit 2 ;;
+s7b)  # the SSD kernels' Triton warps (4, 8) per kernel, chunks of 64 and 128
+  step 150 ssd_profile_warps python3 benchmarks/ssd_profile.py --chunk 64,128 --num-warps 4,8 --json "$R/ssd_profile_warps.json"
+  ;;
+*) echo "usage: h200_next.sh ce|rest|last|next|next2|ce_tests|f32|f32b|final|s5|s5b|s6|s7a|s7b"; exit 2 ;;
 esac

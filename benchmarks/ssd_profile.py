@@ -1,7 +1,7 @@
 """Where does the `pallas_gpu` SSD forward+backward spend its time, kernel by kernel? (a
 diagnostic, not a benchmark table)
 
-    python benchmarks/ssd_profile.py --json out.json [--chunk 64,128]
+    python benchmarks/ssd_profile.py --json out.json [--chunk 64,128] [--num-warps 4,8]
 
 The Mamba-2 2.7B layer (B=4 L=4096 H=80 P=64 N=128, bf16): the output and the pull-back of a
 random cotangent, as `axkern bench` times it, once per chunk size. Each is timed whole
@@ -20,8 +20,10 @@ import re
 
 import jax
 import jax.numpy as jnp
+from jax.experimental.pallas import triton as plgpu
 
 from axkern.bench import time_ms
+from axkern.ops.ssd import pallas_gpu
 from axkern.ops.ssd.arg_specs import cases
 from axkern.ops.ssd.blocks import SSDBlockSizes
 from axkern.positional import ssd
@@ -50,13 +52,29 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--chunk", default="64,128")
     p.add_argument("--calls", type=int, default=3)
+    p.add_argument(
+        "--num-warps", default="", help="Triton warps for every kernel, e.g. 4,8 (default: the shipped)"
+    )
     p.add_argument("--json")
     a = p.parse_args()
     c = cases(preset="mamba2_2.7b")[0]
     x, dt, A, B, C = c.make(jax.random.PRNGKey(0))
     dy = jax.random.normal(jax.random.PRNGKey(9), x.shape, jnp.float32).astype(x.dtype)
     out = {"jax": jax.__version__, "device": jax.devices()[0].device_kind, "case": c.label, "runs": []}
-    for q in (int(s) for s in a.chunk.split(",")):
+    shipped = pallas_gpu.GpuLayout.call_params
+    variants = [
+        (q, w)
+        for q in (int(s) for s in a.chunk.split(","))
+        for w in (a.num_warps.split(",") if a.num_warps else [""])
+    ]
+    for q, warps in variants:
+        if warps:
+            pallas_gpu.GpuLayout.call_params = lambda self, w=int(warps): {
+                "interpret": self.interpret,
+                "compiler_params": plgpu.CompilerParams(num_warps=w),
+            }
+        else:
+            pallas_gpu.GpuLayout.call_params = shipped
 
         def f(x, dt, A, B, C, q=q):
             return ssd(
@@ -68,7 +86,7 @@ def main():
             return y, pull(dy)
 
         fwd, both = jax.jit(f), jax.jit(f_and_back)
-        run = {"chunk": q}
+        run = {"chunk": q, "num_warps": warps or "shipped"}
         try:
             run["fwd_ms"] = time_ms(fwd, (x, dt, A, B, C), repeats=5)
             run["ms"] = time_ms(both, (dy, x, dt, A, B, C), repeats=5)
