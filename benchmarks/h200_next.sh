@@ -32,6 +32,7 @@
 #   bash benchmarks/h200_next.sh s7a    the per-kernel attention tiles (GPU tests, bench), the SSD
 #                                       recurrence kernel (profile)
 #   bash benchmarks/h200_next.sh s7b    the SSD kernels' warps, per kernel
+#   bash benchmarks/h200_next.sh s7c    the SSD recurrence kernel: bench and GPU tests
 # Each step has its own timeout; everything lands in $OUT/next.tgz.
 #
 #   mkdir -p .whl/peers && cp ../shared/wheels/*.whl .whl/ && cp ../shared/wheels/peers/*.whl .whl/peers/
@@ -123,5 +124,10 @@ s7a)  # the per-kernel attention tiles on the GPU (tests, bench); the SSD recurr
 s7b)  # the SSD kernels' Triton warps (4, 8) per kernel, chunks of 64 and 128
   step 150 ssd_profile_warps python3 benchmarks/ssd_profile.py --chunk 64,128 --num-warps 4,8 --json "$R/ssd_profile_warps.json"
   ;;
-*) echo "usage: h200_next.sh ce|rest|last|next|next2|ce_tests|f32|f32b|final|s5|s5b|s6|s7a|s7b"; exit 2 ;;
+s7c)  # the SSD recurrence kernel: the bench (main shape, then the others) and all SSD GPU tests
+  step 100 bench_ssd $bench ssd --preset mamba2_2.7b --tokens 4096 --impl xla,pallas_gpu --repeats 5 --json "$R/ssd_mamba2_2.7b.json"
+  step 320 gpu_tests_ssd $gpu_tests 80 tests/gpu/test_ssd_gpu.py
+  step 120 bench_ssd_shapes $bench ssd --preset mamba2_2.7b --impl pallas_gpu --repeats 3 --json "$R/ssd_mamba2_2.7b_shapes.json"
+  ;;
+*) echo "usage: h200_next.sh ce|rest|last|next|next2|ce_tests|f32|f32b|final|s5|s5b|s6|s7a|s7b|s7c"; exit 2 ;;
 esac
