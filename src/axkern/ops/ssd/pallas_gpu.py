@@ -8,7 +8,8 @@ product for float32 inputs (the library's rule for float32; on the H200 its forw
 55.6 ms against 6.25 for `xla`'s exact products, so the GPU order sends float32 to `xla`). In float32 the `A` and `dt_bias` gradients miss the
 oracle rule at one test shape with tf32x3 and with exact products alike: the rounding of
 `cum_t - cum_s`; float32 inputs now sum each segment on its own (`chunk_kernels`; 0.11x of
-the bound on the CPU, not yet run on the GPU; docs/ops/ssd.md, Accuracy). **Constraints**:
+the bound on the CPU, and all float32 GPU tests pass on the H200; docs/ops/ssd.md, Accuracy).
+The recurrence between chunks and its reverse are kernels here (`GpuLayout.recurrence`). **Constraints**:
 `P`, `N` and the chunk powers of two and at least 16 (Triton's `dot` tiles), chunks at most
 128 (16-bit inputs) or 64 (float32 inputs: shared memory); otherwise the call falls back
 with the reason.
@@ -47,7 +48,9 @@ def supports(spec) -> str | None:
 def heuristic(spec) -> SSDBlockSizes:
     """Chunks of 64: a program holds `[Q, Q]` float32 score and decay tiles in registers, which
     at mamba_ssm's 256 would need sub-tiling (not yet written). Not swept; on the H200 chunks
-    of 64 ran the Mamba-2 2.7B layer (bf16, L 4096) at 12.05 ms forward+backward."""
+    of 64 run the Mamba-2 2.7B layer (bf16, L 4096) at 8.62 ms forward+backward with 4 Triton
+    warps (chunks of 128: 19.8 ms with 4 warps, 9.65 with 8; 64 with 8 warps: 10.4;
+    `benchmarks/results/h200/ssd_profile_warps_2026-11-30g.json`)."""
     return SSDBlockSizes(chunk_size=max(MIN_DIM, min(64, next_power_of_2(spec.dim("length")))))
 
 
@@ -155,8 +158,9 @@ class GpuLayout(chunk_kernels.Layout):
         return keep, grid, keep_spec, states, one
 
     def recurrence(self, keep, chunk_states, initial_state):
-        """Stage 3 as a kernel: on the H200 `lax.scan`'s 64 steps cost about 1 ms in small
-        kernels and copies forward (`benchmarks/results/h200/ssd_profile_2026-11-30g.json`)."""
+        """Stage 3 as a kernel: on the H200 the two `lax.scan`s (forward and reverse) cost about
+        3 ms in ~450 small kernels, copies and transposes in the Mamba-2 2.7B layer; the two
+        kernels 0.89 ms (`benchmarks/results/h200/ssd_profile*_2026-11-30g.json`)."""
         keep, grid, keep_spec, states, one = self._recurrence_specs(keep)
         f32 = jnp.float32
         return pl.pallas_call(
