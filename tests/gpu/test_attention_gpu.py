@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import axkern
 from axkern import masks
-from tests.helpers import assert_oracle_rule
+from tests.helpers import assert_oracle_rule, to64, x64
 from tests.ops.test_attention import _inputs, _run
 
 pytestmark = pytest.mark.gpu
@@ -81,3 +82,27 @@ def test_pallas_gpu_packed_documents_against_oracle(mask_kind):
     got = _run("pallas_gpu", a, mask, sinks=False, blocks=(64, 64))
     assert_oracle_rule(got[0], same[0], oracle[0], "bfloat16", f"attention pallas_gpu {mask_kind} out")
     assert_oracle_rule(got[1], same[1], oracle[1], "bfloat16", f"attention pallas_gpu {mask_kind} grads")
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("mask_kind", ["causal", "window", "causal&segments"])
+def test_pallas_gpu_default_tiles_against_oracle(mask_kind, dtype):
+    # no block sizes given: the heuristic's per-kernel tiles (bf16: forward 128x64, dq 128x32,
+    # dk/dv 64x64 with their warps and stages; float32: 64x64) at head dim 128, lengths that are
+    # not multiples of 128, GQA 4
+    b, n = 2, 1000
+    a = _inputs(4, b, n, n, 8, 2, 128, dtype)
+    ids = jnp.cumsum(jax.random.randint(jax.random.PRNGKey(6), (b, n), 0, 300) == 0, axis=1).astype(jnp.int32)
+    mask = {
+        "causal": masks.Causal(),
+        "window": masks.SlidingWindow(200),
+        "causal&segments": masks.Causal() & masks.Segments(ids, ids),
+    }[mask_kind]
+    with x64():  # the float64 oracle
+        oracle = jax.tree.map(
+            np.asarray, _run("reference", {k: to64(x) for k, x in a.items()}, mask, sinks=False, blocks=None)
+        )
+    same = _run("reference", a, mask, sinks=False, blocks=None)
+    got = _run("pallas_gpu", a, mask, sinks=False, blocks=None)
+    assert_oracle_rule(got[0], same[0], oracle[0], dtype, f"attention pallas_gpu {mask_kind} {dtype} out")
+    assert_oracle_rule(got[1], same[1], oracle[1], dtype, f"attention pallas_gpu {mask_kind} {dtype} grads")

@@ -57,7 +57,7 @@ def _run(impl, arrays, mask, *, sinks=True, cap=None, blocks=(16, 16)):
             logits_soft_cap=cap,
             implementation=impl,
             block_sizes=(blocks if isinstance(blocks, dict) else dict(block_q=blocks[0], block_kv=blocks[1]))
-            if impl in ("xla", "pallas_gpu", "pallas_tpu")
+            if impl in ("xla", "pallas_gpu", "pallas_tpu") and blocks is not None
             else None,
         )
         cot = jnp.cos(jnp.arange(o.size, dtype=jnp.float32).reshape(o.shape))

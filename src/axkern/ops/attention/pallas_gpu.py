@@ -81,12 +81,14 @@ def heuristic(spec):
     bf16, `benchmarks/results/h200/attention_sweep_per-kernel_2026-11-30g.json`): forward
     128x64 with 8 warps and 3 stages (3.54 ms against 4.36 at 64x64), `dk, dv` 64x64 with 4 and
     2 (its 32x128 and 16x128 tiles ran 1.4-5x slower), `dq` 128x32 with 4 and 3; 13.49 ms
-    forward+backward against 16.17 with one 64x64 for all three. Head dims above 128 keep
-    64x64 tiles and Triton's defaults (the larger tiles' pipelined operands outgrow the 227 KiB
-    of shared memory); short sequences get tiles no longer than the padded length, at least 16."""
+    forward+backward against 16.17 with one 64x64 for all three. Head dims above 128 and
+    32-bit inputs keep 64x64 tiles and Triton's defaults, as before the sweep (the larger tiles'
+    pipelined operands would outgrow the 227 KiB of shared memory; not swept); short sequences
+    get tiles no longer than the padded length, at least 16."""
     q_len, kv_len = (next_power_of_2(spec.dim(n)) for n in ("q_len", "kv_len"))
     fit = lambda n, length: max(MIN, min(n, length))  # noqa: E731
-    if max(spec.dim("head_dim"), spec.dim("v_dim")) > 128:
+    wide = jnp.dtype(spec.dtype).itemsize > 2
+    if wide or max(spec.dim("head_dim"), spec.dim("v_dim")) > 128:
         return AttentionBlockSizes(block_q=fit(64, q_len), block_kv=fit(64, kv_len))
     return AttentionBlockSizes(
         block_q=fit(128, q_len),
