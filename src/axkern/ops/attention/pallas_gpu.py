@@ -80,7 +80,7 @@ def heuristic(spec):
     """Each kernel its own tiles, from the H200's per-kernel sweep (causal B2 L8192 H32 D128
     bf16, `benchmarks/results/h200/attention_sweep_per-kernel_2026-11-30g.json`): forward
     128x64 with 8 warps and 3 stages (3.54 ms against 4.36 at 64x64), `dk, dv` 64x64 with 4 and
-    2 (its 32x128 and 16x128 tiles ran 1.4-5x slower), `dq` 128x32 with 4 and 3; 13.49 ms
+    2 (its 32x128 and 16x128 tiles ran 1.3-5.5x slower), `dq` 128x32 with 4 and 3; 13.49 ms
     forward+backward against 16.17 with one 64x64 for all three. Head dims above 128 and
     32-bit inputs keep 64x64 tiles and Triton's defaults, as before the sweep (the larger tiles'
     pipelined operands would outgrow the 227 KiB of shared memory; not swept); short sequences
