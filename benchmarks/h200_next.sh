@@ -33,8 +33,9 @@
 #                                       recurrence kernel (profile)
 #   bash benchmarks/h200_next.sh s7b    the SSD kernels' warps, per kernel
 #   bash benchmarks/h200_next.sh s7c    the SSD recurrence kernel: bench and GPU tests
-#   bash benchmarks/h200_next.sh s8     (next session, first; ~6 min) attention's default per-kernel
-#                                       tiles against the float64 oracle (bf16, float32), SSD xla float32
+#   bash benchmarks/h200_next.sh s8     (next session, first; ~4 min) attention's default per-kernel
+#                                       tiles against the float64 oracle (bf16, float32), all attention tests
+#   bash benchmarks/h200_next.sh s8b    (~7 min) all SSD GPU tests (length 1500: 24 or 12 chunks)
 # Each step has its own timeout; everything lands in $OUT/next.tgz.
 #
 #   mkdir -p .whl/peers && cp ../shared/wheels/*.whl .whl/ && cp ../shared/wheels/peers/*.whl .whl/peers/
@@ -132,10 +133,11 @@ s7c)  # the SSD recurrence kernel: the bench (main shape, then the others) and a
   step 120 bench_ssd_shapes $bench ssd --preset mamba2_2.7b --impl pallas_gpu --repeats 3 --json "$R/ssd_mamba2_2.7b_shapes.json"
   ;;
 s8)  # next session, first: attention's per-kernel default tiles against the float64 oracle on the
-     # GPU (bf16 and float32, head dim 128), the rest of the attention GPU tests, the SSD xla float32
-     # cases cut short in s7c
-  step 240 gpu_tests_attention $gpu_tests 90 tests/gpu/test_attention_gpu.py
-  step 150 gpu_tests_ssd_xla_f32 $gpu_tests 80 tests/gpu/test_ssd_gpu.py -k "xla and float32"
+     # GPU (bf16 and float32, head dim 128), the rest of the attention GPU tests
+  step 300 gpu_tests_attention $gpu_tests 120 tests/gpu/test_attention_gpu.py
   ;;
-*) echo "usage: h200_next.sh ce|rest|last|next|next2|ce_tests|f32|f32b|final|s5|s5b|s6|s7a|s7b|s7c|s8"; exit 2 ;;
+s8b)  # all SSD GPU tests (length 1500 now: chunk counts that are not powers of two)
+  step 540 gpu_tests_ssd $gpu_tests 100 tests/gpu/test_ssd_gpu.py
+  ;;
+*) echo "usage: h200_next.sh ce|rest|last|next|next2|ce_tests|f32|f32b|final|s5|s5b|s6|s7a|s7b|s7c|s8|s8b"; exit 2 ;;
 esac

@@ -53,7 +53,9 @@ def main():
     p.add_argument("--chunk", default="64,128")
     p.add_argument("--calls", type=int, default=3)
     p.add_argument(
-        "--num-warps", default="", help="Triton warps for every kernel, e.g. 4,8 (default: the shipped)"
+        "--num-warps",
+        default="",
+        help="Triton warps for the four chunk kernels, e.g. 4,8 (default: the shipped; the recurrence kernels keep theirs)",
     )
     p.add_argument("--json")
     a = p.parse_args()

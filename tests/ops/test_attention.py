@@ -161,6 +161,17 @@ def test_pallas_gpu_backward_kernels_take_their_own_blocks(kind, dtype):
     check(arrays, _mask(kind, b, sq, sk), dtype, impl="pallas_gpu", cap=3.0, blocks=blocks)
 
 
+@pytest.mark.parametrize("segments", [False, True])
+def test_pallas_gpu_backward_blocks_larger_than_the_forwards(segments):
+    # lengths 20 and 17 pad to 64 on both axes (the dk/dv kernel's blocks): the key axis is
+    # padded too, and the dk/dv kernel's 64-row query tiles hold rows the forward never saw
+    blocks = dict(block_q=16, block_kv=16, block_kv_dq=32, block_q_dkv=64, block_kv_dkv=64)
+    b, sq, sk = 2, 20, 17
+    arrays = _inputs(40 + segments, b, sq, sk, 4, 2, 16, "float32")
+    mask = _mask("causal&segments" if segments else "causal", b, sq, sk)
+    check(arrays, mask, "float32", impl="pallas_gpu", cap=3.0, blocks=blocks)
+
+
 def test_attention_block_sizes_per_kernel():
     bs = axkern.AttentionBlockSizes(block_q=64, block_kv=32, num_warps=4, block_kv_dkv=128, num_stages_dq=3)
     assert bs.kernel("fwd") == axkern.AttentionBlockSizes(64, 32, 4, None)

@@ -39,10 +39,9 @@ blocks powers of two >= 16 (Triton tiles), static masks or `Segments` `&` a stat
 `num_warps`, `num_stages` (`None`: Triton's defaults) for the forward, and the same four of
 each backward kernel (`*_dq`, `*_dkv`; `None`: the forward's); the lengths are padded to the
 largest block of the three. On the H200 (2026-11-30) the causal, window, full and packed-
-document cases passed the oracle rule in bf16; causal ran at 0.40x / 0.49x cuDNN's forward /
-forward+backward TFLOP/s with one swept 64x64 tile for all kernels, and 3.59 / 13.49 ms
-(306 / 285 TFLOP/s; cuDNN 2.07 / 7.90 ms in the same run) with each kernel's own tiles from
-the per-kernel sweep; packed documents run 27x faster than `xla`'s forward: second in the
+document cases passed the oracle rule in bf16; causal ran at 0.46x / 0.51x cuDNN's forward /
+forward+backward TFLOP/s with one 64x64 tile for all kernels, and at 0.55x / 0.56x (3.35 /
+13.61 ms, 328 / 283 TFLOP/s) with each kernel's own tiles from the per-kernel sweep; packed documents run 27x faster than `xla`'s forward: second in the
 GPU order, after `cudnn`. Soft cap and sinks passed on the H200 too.
 """
 
@@ -80,15 +79,18 @@ def heuristic(spec):
     """Each kernel its own tiles, from the H200's per-kernel sweep (causal B2 L8192 H32 D128
     bf16, `benchmarks/results/h200/attention_sweep_per-kernel_2026-11-30g.json`): forward
     128x64 with 8 warps and 3 stages (3.54 ms against 4.36 at 64x64), `dk, dv` 64x64 with 4 and
-    2 (its 32x128 and 16x128 tiles ran 1.3-5.5x slower), `dq` 128x32 with 4 and 3; 13.49 ms
-    forward+backward against 16.17 with one 64x64 for all three. Head dims above 128 and
+    2 (its 32x128 and 16x128 tiles ran 1.3-5.5x slower), `dq` 128x32 with 4 and 3: 13.49 ms
+    forward+backward in the sweep; in the bench 13.61 against 15.33 with one 64x64 tile for all
+    three (`attention_h200_{per-kernel,full-tiles}_2026-11-30g.json`). Only on Hopper (227 KiB
+    of shared memory a block: H100, H200, H800, GH200). Head dims above 128 and
     32-bit inputs keep 64x64 tiles and Triton's defaults, as before the sweep (the larger tiles'
     pipelined operands would outgrow the 227 KiB of shared memory; not swept); short sequences
     get tiles no longer than the padded length, at least 16."""
     q_len, kv_len = (next_power_of_2(spec.dim(n)) for n in ("q_len", "kv_len"))
     fit = lambda n, length: max(MIN, min(n, length))  # noqa: E731
     wide = jnp.dtype(spec.dtype).itemsize > 2
-    if wide or max(spec.dim("head_dim"), spec.dim("v_dim")) > 128:
+    hopper = spec.device_key.startswith(("nvidia_h100", "nvidia_h200", "nvidia_h800", "nvidia_gh200"))
+    if wide or not hopper or max(spec.dim("head_dim"), spec.dim("v_dim")) > 128:
         return AttentionBlockSizes(block_q=fit(64, q_len), block_kv=fit(64, kv_len))
     return AttentionBlockSizes(
         block_q=fit(128, q_len),
