@@ -41,9 +41,11 @@ def _ints(text):
     return [int(v) for v in text.split(",")]
 
 
+KEYS = ("block_q", "block_kv", "num_warps", "num_stages")  # one kernel's fields, as BQxBKxWARPSxSTAGES
+
+
 def _candidates(text):
-    keys = ("block_q", "block_kv", "num_warps", "num_stages")
-    return [dict(zip(keys, (int(v) for v in c.split("x")), strict=True)) for c in text.split(",") if c]
+    return [dict(zip(KEYS, (int(v) for v in c.split("x")), strict=True)) for c in text.split(",") if c]
 
 
 def _kernel_fields(cand, kernel):
@@ -81,7 +83,7 @@ def _per_kernel(a, q, k, v, do, mask, record):
         fwd_rows.append(row)
     if not fwd_rows:
         return fwd_rows
-    best = {key: min(fwd_rows, key=lambda r: r["fwd_ms"])[key] for key in _candidates("1x1x1x1")[0]}
+    best = {key: min(fwd_rows, key=lambda r: r["fwd_ms"])[key] for key in KEYS}
     best |= _kernel_fields(_candidates(a.dq)[0], "dq")
     for kernel in ("dkv", "dq"):
         timed = []

@@ -36,13 +36,11 @@ class AttentionBlockSizes(BlockSizes):
     def kernel(self, name: str) -> AttentionBlockSizes:
         """The forward's four fields for kernel `name` (`"fwd"`, `"dq"` or `"dkv"`), a `None`
         of a backward kernel filled from the forward's."""
-        if name == "fwd":
-            return AttentionBlockSizes(self.block_q, self.block_kv, self.num_warps, self.num_stages)
-        if name not in ("dq", "dkv"):
+        if name not in ("fwd", "dq", "dkv"):
             raise ValueError(f"kernel must be 'fwd', 'dq' or 'dkv', got {name!r}")
-        own = [getattr(self, f"{f}_{name}") for f in _PER_KERNEL]
-        base = [self.block_q, self.block_kv, self.num_warps, self.num_stages]
-        return AttentionBlockSizes(*(b if o is None else o for o, b in zip(own, base, strict=True)))
+        base = {f: getattr(self, f) for f in _PER_KERNEL}
+        own = {} if name == "fwd" else {f: getattr(self, f"{f}_{name}") for f in _PER_KERNEL}
+        return AttentionBlockSizes(**{f: base[f] if own.get(f) is None else own[f] for f in _PER_KERNEL})
 
 
 _PER_KERNEL = ("block_q", "block_kv", "num_warps", "num_stages")

@@ -183,6 +183,13 @@ def _three_loops(bounds, row, body, init):
     return lax.fori_loop(fhi, hi, functools.partial(body, masked=True), carry)
 
 
+def _trailing_refs(rest, segments):
+    """A kernel's refs after its inputs: the four bound tables (lo, flo, fhi, hi), the segment
+    ids of the query and key blocks (`(None, None)` without segments), and the outputs."""
+    bounds, rest = rest[:4], rest[4:]
+    return bounds, (rest[:2] if segments else (None, None)), (rest[2:] if segments else rest)
+
+
 def _fwd_kernel(
     q_ref,
     k_ref,
@@ -195,9 +202,7 @@ def _fwd_kernel(
     has_sinks,
     segments,
 ):
-    bounds, rest = rest[:4], rest[4:]  # lo, flo, fhi, hi
-    qid_ref, kid_ref = rest[:2] if segments else (None, None)
-    o_ref, lse_ref = rest[2:] if segments else rest
+    bounds, (qid_ref, kid_ref), (o_ref, lse_ref) = _trailing_refs(rest, segments)
     i = pl.program_id(2)
     bq, bk = cfg.block_q, cfg.block_kv
     q = q_ref[...]
@@ -250,9 +255,7 @@ def _dq_kernel(
     sk,
     segments,
 ):
-    bounds, rest = rest[:4], rest[4:]
-    qid_ref, kid_ref = rest[:2] if segments else (None, None)
-    (dq_ref,) = rest[2:] if segments else rest
+    bounds, (qid_ref, kid_ref), (dq_ref,) = _trailing_refs(rest, segments)
     i = pl.program_id(2)
     bq, bk = cfg.block_q, cfg.block_kv
     q, do, lse, delta = q_ref[...], do_ref[...], lse_ref[...], delta_ref[...]
@@ -286,9 +289,7 @@ def _dkv_kernel(
     sk,
     segments,
 ):
-    bounds, rest = rest[:4], rest[4:]
-    qid_ref, kid_ref = rest[:2] if segments else (None, None)
-    dk_ref, dv_ref = rest[2:] if segments else rest
+    bounds, (qid_ref, kid_ref), (dk_ref, dv_ref) = _trailing_refs(rest, segments)
     j = pl.program_id(2)
     bq, bk = cfg.block_q, cfg.block_kv
     k, v = k_ref[...], v_ref[...]
@@ -336,6 +337,13 @@ def _segment_tiles(seg_ids, sqp, skp, bq, bk):
     return tiles.segment_overlap(seg_ids, sqp, skp, bq, bk), tiles.segment_uniform(seg_ids, sqp, skp, bq, bk)
 
 
+def _tile_bounds(mask, seg_ids, sq, sk, sqp, skp, bq, bk, axis, batch):
+    """`_bounds` of one kernel's `bq` x `bk` tiles along `axis`, with the segments' overlap and
+    uniformity when there are segment ids."""
+    overlap, uniform = _segment_tiles(seg_ids, sqp, skp, bq, bk)
+    return _bounds(_kinds(mask, sq, sk, sqp, skp, bq, bk), axis, batch, overlap, uniform)
+
+
 def _segment_inputs(seg_ids, sqp, skp, q_block, k_block):
     """Segment-id operands and their block specs (`q_block`, `k_block`: (shape, index map)),
     or nothing without segments."""
@@ -350,8 +358,7 @@ def _forward(cfg, q, k, v, sinks, seg_ids, mask):
     g = h // kvh
     bq, bk, d, dv = cfg.block_q, cfg.block_kv, q.shape[3], v.shape[3]
     segments = seg_ids is not None
-    overlap, uniform = _segment_tiles(seg_ids, sqp, skp, bq, bk)
-    bounds = _bounds(_kinds(mask, sq, sk, sqp, skp, bq, bk), 0, b, overlap, uniform)
+    bounds = _tile_bounds(mask, seg_ids, sq, sk, sqp, skp, bq, bk, 0, b)
     nb = bounds[0].shape[1]
     has_sinks = sinks is not None
     sink_arr = (sinks if has_sinks else jnp.zeros((h,))).astype(jnp.float32)
@@ -412,8 +419,7 @@ def _attention_bwd(cfg, mask, res, d_out):
     delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1)  # [B, H, Sqp]
     _, cq, ckv = cfg.kernels()  # the dq kernel's and the dk, dv kernel's own blocks
     bq, bk = cq.block_q, cq.block_kv
-    overlap, uniform = _segment_tiles(seg_ids, sqp, skp, bq, bk)
-    q_bounds = _bounds(_kinds(mask, sq, sk, sqp, skp, bq, bk), 0, b, overlap, uniform)
+    q_bounds = _tile_bounds(mask, seg_ids, sq, sk, sqp, skp, bq, bk, 0, b)
     row = lambda n, w: _block((None, None, n, w), lambda b_, h_, x: (b_, h_, x, 0))  # noqa: E731
     whole = lambda n, w, div=1: _block((None, None, n, w), lambda b_, h_, x: (b_, h_ // div, 0, 0))  # noqa: E731
     vec_row = _block((None, None, bq), lambda b_, h_, x: (b_, h_, x))
@@ -452,8 +458,7 @@ def _attention_bwd(cfg, mask, res, d_out):
         *ids,
     )
     bq, bk = ckv.block_q, ckv.block_kv
-    overlap, uniform = _segment_tiles(seg_ids, sqp, skp, bq, bk)
-    k_bounds = _bounds(_kinds(mask, sq, sk, sqp, skp, bq, bk), 1, b, overlap, uniform)
+    k_bounds = _tile_bounds(mask, seg_ids, sq, sk, sqp, skp, bq, bk, 1, b)
     kv_row = lambda w: _block((None, None, bk, w), lambda b_, h_, x: (b_, h_ // g, x, 0))  # noqa: E731
     out_row = lambda w: _block((None, None, bk, w), lambda b_, h_, x: (b_, h_, x, 0))  # noqa: E731
     ids, id_specs = _segment_inputs(

@@ -158,9 +158,14 @@ class GpuLayout(chunk_kernels.Layout):
         return keep, grid, keep_spec, states, one
 
     def recurrence(self, keep, chunk_states, initial_state):
-        """Stage 3 as a kernel: on the H200 the two `lax.scan`s (forward and reverse) cost about
-        3 ms in ~450 small kernels, copies and transposes in the Mamba-2 2.7B layer; the two
-        kernels 0.89 ms (`benchmarks/results/h200/ssd_profile*_2026-11-30g.json`)."""
+        """Stage 3 as a kernel, `S_{c+1} = keep_c S_c + own_c`: grid (batch, head, `P / bp` state
+        rows), each program loops over the chunks with a `[bp, N]` float32 state in registers,
+        reading `own` (`[b, c, h, P, N]`) and writing the states entering each chunk. Memory
+        bound: 8 bytes per state value and chunk (read, written), 2 FLOPs; the reverse reads
+        the states and their gradients and writes `d own`: 12 bytes, 4 FLOPs. On the H200 the
+        two `lax.scan`s (forward and reverse) cost about 3 ms in ~450 small kernels, copies and
+        transposes in the Mamba-2 2.7B layer; the two kernels 0.89 ms
+        (`benchmarks/results/h200/ssd_profile*_2026-11-30g.json`)."""
         keep, grid, keep_spec, states, one = self._recurrence_specs(keep)
         f32 = jnp.float32
         return pl.pallas_call(
