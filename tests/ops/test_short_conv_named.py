@@ -70,16 +70,18 @@ def test_errors_name_axes_and_sizes():
         axkern.short_conv(x, w, Pos="pos")
     with pytest.raises(ValueError, match="width must be in 1..8, got 9"):
         axkern.short_conv(x, hax.zeros((hax.Axis("width", 9), Chan)))
-    with pytest.raises(ValueError, match="weight's embed=5 but x's embed=12"):
+    with pytest.raises(
+        ValueError, match=r"weight's axes \(width=4, embed=5\) must be Width \+ Channel \(width=4, embed=12\)"
+    ):
         axkern.short_conv(x, hax.zeros((Width, hax.Axis("embed", 5))))
     with pytest.raises(
         ValueError,
-        match=r"segment_ids's axes \(batch=2\) must be x's batch axes and Pos \(batch=2, position=32\)",
+        match=r"segment_ids's axes \(batch=2\) must be x's batch axes \+ Pos \(batch=2, position=32\)",
     ):
         axkern.short_conv(x, w, segment_ids=seg["position", 0])
     with pytest.raises(
         ValueError,
-        match=r"initial_state needs axis 'conv_state' of size width - 1 = 3; its axes are \(batch=2, conv_state=2, embed=12\)",
+        match=r"initial_state's axis 'conv_state' \(ConvState\) has size 2; it must be 3",
     ):
         axkern.short_conv(x, w, initial_state=s0["conv_state", 1:])
 

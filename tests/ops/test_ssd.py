@@ -223,7 +223,7 @@ def test_named_layer():
         hax.Axis("batch", 2),
         hax.Axis("position", 16),
         hax.Axis("heads", 4),
-        hax.Axis("head_dim", 3),
+        hax.Axis("head_size", 3),
     )
     Groups, State = hax.Axis("groups", 2), hax.Axis("state", 5)
     x = hax.named(arrays["x"], (Batch, Pos, Heads, HeadDim)).rearrange((Heads, Batch, HeadDim, Pos))
@@ -280,7 +280,7 @@ def test_sharded_equals_unsharded(mesh_shape, mapping, segments):
         hax.Axis("batch", 2),
         hax.Axis("position", 32),
         hax.Axis("heads", 4),
-        hax.Axis("head_dim", 3),
+        hax.Axis("head_size", 3),
     )
     Groups, State = hax.Axis("groups", 2), hax.Axis("state", 5)
     named_in = dict(

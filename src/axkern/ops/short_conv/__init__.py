@@ -1,10 +1,22 @@
 """Short causal depthwise convolution (width 2..8), segment-aware, with decode steps."""
 
-from .api import OP, short_conv, short_conv_positional, short_conv_step, short_conv_step_positional
+from .api import (
+    OP,
+    STEP_OP,
+    ConvOutput,
+    ConvStep,
+    short_conv,
+    short_conv_positional,
+    short_conv_step,
+    short_conv_step_positional,
+)
 from .blocks import ConvBlockSizes
 
 __all__ = [
     "OP",
+    "STEP_OP",
+    "ConvOutput",
+    "ConvStep",
     "short_conv",
     "short_conv_positional",
     "short_conv_step",

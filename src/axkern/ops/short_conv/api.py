@@ -9,10 +9,8 @@ to the sequence's first segment). Segment ids are runs of equal ids, as packing 
 
 from __future__ import annotations
 
-import functools
+from typing import Literal, NamedTuple
 
-import haliax as hax
-import jax
 import jax.numpy as jnp
 from haliax import NamedArray
 from jax import lax
@@ -25,7 +23,16 @@ from . import pallas_gpu, pallas_tpu, reference, xla
 from .blocks import ConvBlockSizes, bucket, heuristic
 from .shifts import extended
 
-__all__ = ["short_conv", "short_conv_positional", "short_conv_step", "short_conv_step_positional", "OP"]
+__all__ = [
+    "short_conv",
+    "short_conv_positional",
+    "short_conv_step",
+    "short_conv_step_positional",
+    "ConvOutput",
+    "ConvStep",
+    "OP",
+    "STEP_OP",
+]
 
 NAME = "short_conv"
 MAX_WIDTH = 8
@@ -64,6 +71,35 @@ OP = Op(
 )
 
 
+STEP_OP = Op(
+    "short_conv_step",
+    [
+        Implementation("xla", xla.step, backward="autodiff (one window of W inputs)"),
+        Implementation("reference", reference.step, backward="autodiff"),
+    ],
+    default_order={"cpu": ("xla",), "gpu": ("xla",), "tpu": ("xla",)},
+    package=__package__,
+    bucket=lambda spec: dict(spec.dims),
+)
+
+ConvImplementation = Literal["pallas_gpu", "pallas_tpu", "xla", "reference"]
+StepImplementation = Literal["xla", "reference"]
+
+
+class ConvOutput(NamedTuple):
+    """`short_conv(..., return_final_state=True)`: the output and the decode cache after it."""
+
+    y: Array | NamedArray
+    final_state: Array | NamedArray
+
+
+class ConvStep(NamedTuple):
+    """One decode step's output and the new state."""
+
+    y: Array | NamedArray
+    state: Array | NamedArray
+
+
 def _check_width(width: int) -> None:
     if not 1 <= width <= MAX_WIDTH:
         raise ValueError(f"{NAME}: width must be in 1..{MAX_WIDTH}, got {width}")
@@ -97,9 +133,9 @@ def short_conv_positional(
     initial_state: Float[Array, "batch state channels"] | None = None,
     return_final_state: bool = False,
     activation: str | None = None,
-    implementation: str | tuple[str, ...] | None = None,
+    implementation: ConvImplementation | tuple[ConvImplementation, ...] | None = None,
     block_sizes: ConvBlockSizes | dict | None = None,
-):
+) -> Float[Array, "batch seq channels"] | ConvOutput:
     """Causal depthwise convolution on plain arrays.
 
     **Arguments:**
@@ -113,7 +149,7 @@ def short_conv_positional(
     - `activation`: `None` or `"silu"`.
     - `implementation`, `block_sizes`: override the dispatcher.
 
-    **Returns:** `y` like `x`, or `(y, final_state)`.
+    **Returns:** `y` like `x`, or `ConvOutput(y, final_state)`.
     """
     width = weight.shape[0]
     _check_width(width)
@@ -144,7 +180,7 @@ def short_conv_positional(
         activation=activation,
     )
     if return_final_state:
-        return y, final_state(x, segment_ids, state)
+        return ConvOutput(y, final_state(x, segment_ids, state))
     return y
 
 
@@ -156,8 +192,13 @@ def short_conv_step_positional(
     *,
     bias: Float[Array, " channels"] | None = None,
     activation: str | None = None,
-):
-    """One decode step: `(y_t, new_state)` from the newest input and the `W-1` previous ones."""
+    implementation: StepImplementation | tuple[StepImplementation, ...] | None = None,
+    block_sizes: None = None,
+) -> ConvStep:
+    """One decode step: `ConvStep(y_t, new_state)` from the newest input and the `W-1` previous ones.
+
+    `block_sizes` is accepted for a uniform signature; the step is not blocked.
+    """
     width = weight.shape[0]
     _check_width(width)
     _check_activation(activation)
@@ -165,36 +206,56 @@ def short_conv_step_positional(
         raise ValueError(
             f"{NAME}: state holds {state.shape[1]} previous inputs, but width {width} needs {width - 1}"
         )
-    acc = jnp.promote_types(x_t.dtype, jnp.float32)
-    window = jnp.concatenate([state, x_t[:, None].astype(state.dtype)], axis=1)  # oldest first
-    y = jnp.einsum("bwc,wc->bc", window.astype(acc), weight[::-1].astype(acc))
-    if bias is not None:
-        y = y + bias.astype(acc)
-    if activation == "silu":
-        y = jax.nn.silu(y)
-    return y.astype(x_t.dtype), window[:, 1:]
+    spec = STEP_OP.spec(
+        {"batch": x_t.shape[0], "channels": x_t.shape[1], "width": width}, x_t.dtype, activation=activation
+    )
+    y, new = STEP_OP(
+        spec,
+        x_t,
+        state,
+        weight,
+        bias,
+        implementation=implementation,
+        block_sizes=block_sizes,
+        activation=activation,
+    )
+    return ConvStep(y, new)
 
 
 # -- named layer -------------------------------------------------------------------------------
 
-
-def _resolve(x, weight, Pos, Channel, Width):
-    named.require_named(NAME, "x", x)
-    named.require_named(NAME, "weight", weight)
-    pos = named.resolve(NAME, "x", x, Pos, "Pos")
-    chan = named.resolve(NAME, "x", x, Channel, "Channel")
-    width = named.resolve(NAME, "weight", weight, Width, "Width")
-    _check_width(width.size)
-    w_chan = named.resolve(NAME, "weight", weight, chan.name, "Channel")
-    if w_chan.size != chan.size:
-        raise ValueError(f"{NAME}: weight's {chan.name}={w_chan.size} but x's {chan.name}={chan.size}")
-    extra = named.without(weight, width.name, chan.name)
-    if extra:
-        raise ValueError(
-            f"{NAME}: weight must have only axes {width.name!r} and {chan.name!r}; its axes are "
-            f"{named.axes_str(weight.axes)}"
-        )
-    return pos, chan, width
+ROLES = named.Roles(
+    NAME,
+    {
+        "x": named.Arg(("batch", "Pos", "Channel"), describe="batch axes + Pos + Channel"),
+        "weight": named.Arg(("Width", "Channel"), describe="Width + Channel"),
+        "bias": named.Arg(("Channel",), optional=True, describe="Channel"),
+        "segment_ids": named.Arg(("batch", "Pos"), optional=True, describe="x's batch axes + Pos"),
+        "initial_state": named.Arg(
+            ("batch", "ConvState", "Channel"), optional=True, describe="x's batch axes + ConvState + Channel"
+        ),
+    },
+)
+SHARDING = named.Sharding(
+    parallel=("Pos", "Channel"),
+    describe="batch axes data parallel; Channel split with the weight (depthwise: no communication); "
+    "Pos sequence parallel, each shard receiving the previous shard's last W-1 inputs (and segment "
+    "ids) with one ppermute as its initial state",
+)
+STEP_ROLES = named.Roles(
+    "short_conv_step",
+    {
+        "x_t": named.Arg(("batch", "Channel"), describe="batch axes + Channel"),
+        "state": named.Arg(
+            ("batch", "ConvState", "Channel"), describe="x_t's batch axes + ConvState + Channel"
+        ),
+        "weight": named.Arg(("Width", "Channel"), describe="Width + Channel"),
+        "bias": named.Arg(("Channel",), optional=True, describe="Channel"),
+    },
+)
+STEP_SHARDING = named.Sharding(
+    parallel=("Channel",), describe="batch axes and Channel split; no communication"
+)
 
 
 def short_conv(
@@ -204,14 +265,15 @@ def short_conv(
     Pos: named.AxisSelector = "position",
     Channel: named.AxisSelector = "embed",
     Width: named.AxisSelector = "width",
+    ConvState: named.AxisSelector = "conv_state",
     bias: NamedArray | None = None,
     segment_ids: NamedArray | None = None,
     initial_state: NamedArray | None = None,
     return_final_state: bool = False,
     activation: str | None = None,
-    implementation: str | tuple[str, ...] | None = None,
+    implementation: ConvImplementation | tuple[ConvImplementation, ...] | None = None,
     block_sizes: ConvBlockSizes | dict | None = None,
-):
+) -> NamedArray | ConvOutput:
     """Causal depthwise convolution of width `Width` (1..8) along `Pos`, per `Channel`.
 
     **Arguments:**
@@ -219,104 +281,70 @@ def short_conv(
     - `x`: batch axes + `Pos` + `Channel` (any order).
     - `weight`: `Width` x `Channel`; tap `k` multiplies `x[t - k]`.
     - `bias`: optional, axis `Channel`.
-    - `segment_ids`: optional ints with `x`'s batch axes and `Pos`: taps never cross a segment.
-    - `initial_state`: optional, batch axes + `"conv_state"` (`Width - 1`) + `Channel`.
+    - `segment_ids`: optional ints with `x`'s batch axes and `Pos`: taps never cross a segment
+      (a change of id starts one).
+    - `initial_state`: optional, batch axes + `ConvState` (size `Width - 1`) + `Channel`.
     - `return_final_state`: also return the last `Width - 1` inputs, as `initial_state` is laid out.
     - `activation`: `None` or `"silu"`.
+    - `ConvState`: the name of the state axis (created by the op when no state is passed).
 
-    **Returns:** `y` with `x`'s axes, or `(y, final_state)`.
+    **Returns:** `y` with `x`'s axes, or `ConvOutput(y, final_state)`.
+
+    ```python
+    x = hax.random.normal(jax.random.PRNGKey(0), (Batch, Pos, Embed))
+    y = axkern.short_conv(x, weight, activation="silu")  # weight: (width, embed)
+    ```
 
     !!! info "Sharding"
-        Batch axes mapped to mesh axes run data parallel. A mapped `Pos` runs sequence
-        parallel: each shard receives the previous shard's last `Width - 1` inputs (and
-        segment ids) with `ppermute` as its initial state.
+        Batch axes mapped to mesh axes run data parallel and a mapped `Channel` splits with the
+        weight. A mapped `Pos` runs sequence parallel: each shard receives the previous shard's
+        last `Width - 1` inputs (and segment ids) with `ppermute` as its initial state.
     """
     _check_activation(activation)
-    pos, chan, width = _resolve(x, weight, Pos, Channel, Width)
-    batch = named.without(x, pos.name, chan.name)
-    state_ax = hax.Axis(STATE_AXIS, width.size - 1)
-    xd = named.ordered(x, batch + (pos, chan))
-    wd = named.ordered(weight, (width, chan))
-    bd = None
-    if bias is not None:
-        named.require_named(NAME, "bias", bias)
-        bd = named.match_axes(NAME, "bias", bias, (chan,), "the Channel axis")
-    sd = None
-    if segment_ids is not None:
-        named.require_named(NAME, "segment_ids", segment_ids)
-        sd = named.match_axes(NAME, "segment_ids", segment_ids, batch + (pos,), "x's batch axes and Pos")
-    st = None
-    if initial_state is not None:
-        named.require_named(NAME, "initial_state", initial_state)
-        have = {a.name: a.size for a in initial_state.axes}
-        if have.get(STATE_AXIS) != state_ax.size:
+    bound = ROLES.bind(
+        {"x": x, "weight": weight, "bias": bias, "segment_ids": segment_ids, "initial_state": initial_state},
+        Pos=Pos,
+        Channel=Channel,
+        Width=Width,
+        ConvState=ConvState,
+    )
+    width = bound.axis("Width").size
+    _check_width(width)
+    bound.create("ConvState", ConvState, width - 1)
+    pos = bound.axis("Pos")
+    seq_mesh = bound.sharded(SHARDING) and named.mesh_axes_for(pos)
+    if seq_mesh:
+        n_shards = compat.axis_size(compat.current_mesh(), seq_mesh)
+        if pos.size // n_shards < width - 1:
             raise ValueError(
-                f"{NAME}: initial_state needs axis {STATE_AXIS!r} of size width - 1 = {state_ax.size}; "
-                f"its axes are {named.axes_str(initial_state.axes)}"
+                f"{NAME}: {pos.name}={pos.size} split over {n_shards} shards leaves {pos.size // n_shards} "
+                f"positions per shard, fewer than the width - 1 = {width - 1} halo"
             )
-        st = named.match_axes(
-            NAME, "initial_state", initial_state, batch + (state_ax, chan), "batch + conv_state + Channel"
-        )
-    seq_mesh = named.mesh_axes_for(pos) if compat.current_mesh() is not None else None
 
-    def local(xs, ws, bs, ss, sts, seq_mesh=None):
-        n = len(batch)
-        lead = xs.shape[:n]
-        xf = named.flatten(xs, n)
-        sf = named.flatten(ss, n)
-        stf = named.flatten(sts, n)
-        if seq_mesh is not None:
-            stf = _halo(xf, sf, stf, ws.shape[0] - 1, seq_mesh)
-        y = short_conv_positional(
-            xf,
+    def body(ctx, xs, ws, bs, ss, sts):
+        seq = ctx.mesh_axes("Pos")
+        if sts is None:
+            sts = jnp.zeros((xs.shape[0], width - 1, xs.shape[2]), xs.dtype)
+        if seq is not None:
+            sts = _halo(xs, ss, sts, width - 1, seq)
+        out = short_conv_positional(
+            xs,
             ws,
             bias=bs,
-            segment_ids=sf,
-            initial_state=stf,
+            segment_ids=ss,
+            initial_state=sts,
+            return_final_state=return_final_state,
             activation=activation,
             implementation=implementation,
             block_sizes=block_sizes,
         )
-        return named.unflatten(y, lead)
+        return tuple(out) if return_final_state else out
 
-    inputs = [
-        ("x", xd, batch + (pos, chan)),
-        ("weight", wd, (width, chan)),
-        None if bd is None else ("bias", bd, (chan,)),
-        None if sd is None else ("segment_ids", sd, batch + (pos,)),
-        None if st is None else ("initial_state", st, batch + (state_ax, chan)),
-    ]
-    if seq_mesh is not None:
-        n_shards = compat.axis_size(compat.current_mesh(), seq_mesh)
-        if pos.size // n_shards < width.size - 1:
-            raise ValueError(
-                f"{NAME}: {pos.name}={pos.size} split over {n_shards} shards leaves {pos.size // n_shards} "
-                f"positions per shard, fewer than the width - 1 = {width.size - 1} halo"
-            )
-    out = named.shard_by_mapping(
-        NAME,
-        functools.partial(local, seq_mesh=seq_mesh),
-        inputs,
-        batch + (pos, chan),
-        replicated=(chan.name,),
-    )
-    y = out if out is not None else local(xd, wd, bd, sd, st)
-    y = hax.named(y, batch + (pos, chan))
-    if tuple(a.name for a in x.axes) != tuple(a.name for a in y.axes):
-        y = y.rearrange(x.axes)
+    y_out = named.Out(("batch", "Pos", "Channel"), like="x")
     if not return_final_state:
-        return y
-    n = len(batch)
-    flat_x = named.flatten(xd, n)
-    flat_s = named.flatten(sd, n)
-    flat_st = (
-        jnp.zeros((flat_x.shape[0], width.size - 1, chan.size), xd.dtype)
-        if st is None
-        else named.flatten(st, n)
-    )
-    fs = final_state(flat_x, flat_s, flat_st)
-    fs = named.unflatten(fs, tuple(a.size for a in batch))
-    return y, hax.named(fs, batch + (state_ax, chan))
+        return bound.run(body, SHARDING, y_out)
+    state_out = named.Out(("batch", "ConvState", "Channel"), like=("initial_state", "x"))
+    return ConvOutput(*bound.run(body, SHARDING, (y_out, state_out)))
 
 
 def _halo(x, segment_ids, state, width_1, seq_mesh):
@@ -337,8 +365,6 @@ def _halo(x, segment_ids, state, width_1, seq_mesh):
         seg_tail = lax.ppermute(segment_ids[:, -width_1:], names, perm)
         tail = jnp.where((seg_tail == segment_ids[:, :1])[..., None], tail, 0)
     first = compat.axis_index(seq_mesh) == 0
-    if state is None:
-        state = jnp.zeros_like(tail)
     return jnp.where(first, state.astype(tail.dtype), tail)
 
 
@@ -349,29 +375,40 @@ def short_conv_step(
     *,
     Channel: named.AxisSelector = "embed",
     Width: named.AxisSelector = "width",
+    ConvState: named.AxisSelector = "conv_state",
     bias: NamedArray | None = None,
     activation: str | None = None,
-):
-    """One decode step. `x_t`: batch axes + `Channel`; `state`: batch axes + `"conv_state"` + `Channel`.
+    implementation: StepImplementation | tuple[StepImplementation, ...] | None = None,
+    block_sizes: None = None,
+) -> ConvStep:
+    """One decode step. `x_t`: batch axes + `Channel`; `state`: batch axes + `ConvState` + `Channel`.
 
-    **Returns:** `(y_t, new_state)`, with `x_t`'s and `state`'s axes.
+    **Returns:** `ConvStep(y_t, new_state)`, with `x_t`'s and `state`'s axes.
     """
-    named.require_named(NAME, "x_t", x_t)
-    named.require_named(NAME, "state", state)
-    named.require_named(NAME, "weight", weight)
-    chan = named.resolve(NAME, "x_t", x_t, Channel, "Channel")
-    width = named.resolve(NAME, "weight", weight, Width, "Width")
-    _check_width(width.size)
-    batch = named.without(x_t, chan.name)
-    state_ax = hax.Axis(STATE_AXIS, width.size - 1)
-    sd = named.match_axes(NAME, "state", state, batch + (state_ax, chan), "batch + conv_state + Channel")
-    wd = named.match_axes(NAME, "weight", weight, (width, chan), "Width + Channel")
-    bd = None if bias is None else named.match_axes(NAME, "bias", bias, (chan,), "the Channel axis")
-    n = len(batch)
-    xf = named.flatten(named.ordered(x_t, batch + (chan,)), n)
-    sf = named.flatten(sd, n)
-    y, new = short_conv_step_positional(xf, sf, wd, bias=bd, activation=activation)
-    lead = tuple(a.size for a in batch)
-    y = hax.named(named.unflatten(y, lead), batch + (chan,))
-    new = hax.named(named.unflatten(new, lead), batch + (state_ax, chan))
-    return y, new
+    bound = STEP_ROLES.bind(
+        {"x_t": x_t, "state": state, "weight": weight, "bias": bias},
+        Channel=Channel,
+        Width=Width,
+        ConvState=ConvState,
+    )
+    _check_width(bound.axis("Width").size)
+    bound.create("ConvState", ConvState, bound.axis("Width").size - 1)
+
+    def body(ctx, xs, ss, ws, bs):
+        return tuple(
+            short_conv_step_positional(
+                xs,
+                ss,
+                ws,
+                bias=bs,
+                activation=activation,
+                implementation=implementation,
+                block_sizes=block_sizes,
+            )
+        )
+
+    outs = (
+        named.Out(("batch", "Channel"), like="x_t"),
+        named.Out(("batch", "ConvState", "Channel"), like="state"),
+    )
+    return ConvStep(*bound.run(body, STEP_SHARDING, outs))

@@ -27,3 +27,12 @@ def conv(x, weight, bias, segment_ids, initial_state, *, activation=None):
     if activation == "silu":
         out = jax.nn.silu(out)
     return out.astype(x.dtype)
+
+
+def step(x_t, state, weight, bias, *, activation=None):
+    """One decode step as the full convolution over the window `[state, x_t]`, its last output."""
+    channels = x_t.shape[1]
+    window = jnp.concatenate([state, x_t[:, None].astype(state.dtype)], axis=1)
+    b = jnp.zeros((channels,), weight.dtype) if bias is None else bias
+    y = conv(window.astype(x_t.dtype), weight, b, None, jnp.zeros_like(state), activation=activation)
+    return y[:, -1], window[:, 1:]

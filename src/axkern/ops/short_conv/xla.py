@@ -62,3 +62,16 @@ def _bwd(activation, residuals, dy):
 
 
 _conv.defvjp(_fwd, _bwd)
+
+
+def step(x_t, state, weight, bias, *, activation=None):
+    """One decode step: `y_t = act(bias + sum_k w[k] x[t - k])` over the window `[state, x_t]`
+    (oldest first), and the window's last `W-1` rows as the new state."""
+    acc = jnp.promote_types(x_t.dtype, jnp.float32)
+    window = jnp.concatenate([state, x_t[:, None].astype(state.dtype)], axis=1)  # oldest first
+    y = jnp.einsum("bwc,wc->bc", window.astype(acc), weight[::-1].astype(acc))
+    if bias is not None:
+        y = y + bias.astype(acc)
+    if activation == "silu":
+        y = jax.nn.silu(y)
+    return y.astype(x_t.dtype), window[:, 1:]

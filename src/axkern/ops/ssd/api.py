@@ -9,9 +9,8 @@ A positive `A` makes the state grow without bound: allowed, and on the caller.
 
 from __future__ import annotations
 
-import functools
+from typing import Literal, NamedTuple
 
-import haliax as hax
 import jax
 import jax.numpy as jnp
 from haliax import NamedArray
@@ -23,7 +22,17 @@ from axkern.core.typing import Array, Float, Int, checked
 from . import pallas_gpu, pallas_tpu, reference, xla
 from .blocks import SSDBlockSizes, bucket, heuristic
 
-__all__ = ["ssd", "ssd_positional", "ssd_step_positional", "OP", "SSDBlockSizes"]
+__all__ = [
+    "ssd",
+    "ssd_step",
+    "ssd_positional",
+    "ssd_step_positional",
+    "SSDOutput",
+    "SSDStep",
+    "OP",
+    "STEP_OP",
+    "SSDBlockSizes",
+]
 
 NAME = "ssd"
 
@@ -78,6 +87,35 @@ OP = Op(
 )
 
 
+STEP_OP = Op(
+    "ssd_step",
+    [
+        Implementation("xla", xla.step, backward="autodiff (one recurrence step)"),
+        Implementation("reference", reference.step, backward="autodiff"),
+    ],
+    default_order={"cpu": ("xla",), "gpu": ("xla",), "tpu": ("xla",)},
+    package=__package__,
+    bucket=lambda spec: dict(spec.dims),
+)
+
+SSDImplementation = Literal["xla", "pallas_gpu", "pallas_tpu", "reference"]
+StepImplementation = Literal["xla", "reference"]
+
+
+class SSDOutput(NamedTuple):
+    """`ssd(..., return_final_state=True)`: the output and the state after the last position."""
+
+    y: Array | NamedArray
+    final_state: Array | NamedArray
+
+
+class SSDStep(NamedTuple):
+    """One decode step's output and the new state."""
+
+    y: Array | NamedArray
+    state: Array | NamedArray
+
+
 def _dt(dt, dt_bias, dt_softplus, dt_limit):
     acc = jnp.promote_types(dt.dtype, jnp.float32)
     dt = dt.astype(acc)
@@ -107,10 +145,20 @@ def ssd_positional(
     initial_state: Float[Array, "batch heads head_dim state"] | None = None,
     return_final_state: bool = False,
     chunk_size: int | None = None,
-    implementation: str | tuple[str, ...] | None = None,
+    implementation: SSDImplementation | tuple[SSDImplementation, ...] | None = None,
     block_sizes: SSDBlockSizes | dict | None = None,
-):
-    """Mamba-2 SSD on plain arrays. **Returns:** `y` like `x`, or `(y, final_state [batch, heads, head_dim, state])`."""
+) -> Float[Array, "batch length heads head_dim"] | SSDOutput:
+    """Mamba-2 SSD on plain arrays.
+
+    **Arguments:** `x [batch, length, heads, head_dim]`, `dt [batch, length, heads]`,
+    `A [heads]`, `B, C [batch, length, groups, state]`; optional `D [heads]` or
+    `[heads, head_dim]`, `z` like `x`, `dt_bias [heads]`, `segment_ids [batch, length]` (a
+    change of id starts a segment from a zero state), `initial_state [batch, heads, head_dim,
+    state]`. `dt` is shifted by `dt_bias`, passed through softplus when `dt_softplus` and
+    clipped to `dt_limit`.
+
+    **Returns:** `y` like `x`, or `SSDOutput(y, final_state [batch, heads, head_dim, state])`.
+    """
     batch, length, heads, head_dim = x.shape
     groups, state = B.shape[2], B.shape[3]
     if heads % groups:
@@ -154,7 +202,7 @@ def ssd_positional(
         implementation=implementation,
         block_sizes=block_sizes,
     )
-    return (y, final) if return_final_state else y
+    return SSDOutput(y, final) if return_final_state else y
 
 
 @checked
@@ -171,20 +219,89 @@ def ssd_step_positional(
     dt_bias: Float[Array, " heads"] | None = None,
     dt_softplus: bool = False,
     dt_limit: tuple[float, float] | None = None,
-):
-    """One decode step: `(y_t [batch, heads, head_dim], new_state)`."""
-    y, final = reference.ssd(
-        x_t[:, None],
-        _dt(dt_t, dt_bias, dt_softplus, dt_limit)[:, None],
-        A,
-        B_t[:, None],
-        C_t[:, None],
-        D,
-        None if z_t is None else z_t[:, None],
-        None,
-        state,
+    implementation: StepImplementation | tuple[StepImplementation, ...] | None = None,
+    block_sizes: None = None,
+) -> SSDStep:
+    """One decode step: `SSDStep(y_t [batch, heads, head_dim], new_state)`.
+
+    `block_sizes` is accepted for a uniform signature; the step is not blocked.
+    """
+    batch, heads, head_dim = x_t.shape
+    groups, n = B_t.shape[1], B_t.shape[2]
+    if heads % groups:
+        raise ValueError(f"ssd_step: heads={heads} is not divisible by groups={groups}")
+    spec = STEP_OP.spec(
+        {"batch": batch, "heads": heads, "head_dim": head_dim, "groups": groups, "state": n}, x_t.dtype
     )
-    return y[:, 0], final
+    y, new = STEP_OP(
+        spec,
+        x_t,
+        _dt(dt_t, dt_bias, dt_softplus, dt_limit),
+        A,
+        B_t,
+        C_t,
+        state,
+        D,
+        z_t,
+        implementation=implementation,
+        block_sizes=block_sizes,
+    )
+    return SSDStep(y, new)
+
+
+# -- named layer -------------------------------------------------------------------------------
+
+ROLES = named.Roles(
+    NAME,
+    {
+        "x": named.Arg(("batch", "Pos", "Heads", "HeadDim"), describe="batch axes + Pos + Heads + HeadDim"),
+        "dt": named.Arg(("batch", "Pos", "Heads"), describe="x's batch axes + Pos + Heads"),
+        "A": named.Arg(("Heads",), describe="Heads"),
+        "B": named.Arg(("batch", "Pos", "Groups", "State"), describe="x's batch axes + Pos + Groups + State"),
+        "C": named.Arg(("batch", "Pos", "Groups", "State"), describe="x's batch axes + Pos + Groups + State"),
+        "D": named.Arg(("Heads",), optional=True, describe="Heads"),
+        "D_per_dim": named.Arg(("Heads", "HeadDim"), optional=True, name="D", describe="Heads + HeadDim"),
+        "z": named.Arg(("batch", "Pos", "Heads", "HeadDim"), optional=True, describe="x's axes"),
+        "dt_bias": named.Arg(("Heads",), optional=True, describe="Heads"),
+        "segment_ids": named.Arg(("batch", "Pos"), optional=True, describe="x's batch axes + Pos"),
+        "initial_state": named.Arg(
+            ("batch", "Heads", "HeadDim", "State"),
+            optional=True,
+            describe="x's batch axes + Heads + HeadDim + State",
+        ),
+    },
+)
+SHARDING = named.Sharding(
+    parallel=("Pos",),
+    describe="batch axes data parallel; Pos sequence parallel: every shard's final state and total "
+    "decay all-gathered ([batch, heads, head_dim, state] per shard), each shard rerun from its "
+    "incoming state",
+)
+STEP_ROLES = named.Roles(
+    "ssd_step",
+    {
+        "x_t": named.Arg(("batch", "Heads", "HeadDim"), describe="batch axes + Heads + HeadDim"),
+        "dt_t": named.Arg(("batch", "Heads"), describe="x_t's batch axes + Heads"),
+        "A": named.Arg(("Heads",), describe="Heads"),
+        "B_t": named.Arg(("batch", "Groups", "State"), describe="x_t's batch axes + Groups + State"),
+        "C_t": named.Arg(("batch", "Groups", "State"), describe="x_t's batch axes + Groups + State"),
+        "state": named.Arg(
+            ("batch", "Heads", "HeadDim", "State"), describe="x_t's batch axes + Heads + HeadDim + State"
+        ),
+        "D": named.Arg(("Heads",), optional=True, describe="Heads"),
+        "D_per_dim": named.Arg(("Heads", "HeadDim"), optional=True, name="D", describe="Heads + HeadDim"),
+        "z_t": named.Arg(("batch", "Heads", "HeadDim"), optional=True, describe="x_t's axes"),
+        "dt_bias": named.Arg(("Heads",), optional=True, describe="Heads"),
+    },
+)
+STEP_SHARDING = named.Sharding(describe="batch axes data parallel; no communication")
+
+
+def _split_D(D):
+    """`D` goes to the role table as `D` (over Heads) or `D_per_dim` (Heads + HeadDim)."""
+    if D is None or len(getattr(D, "axes", ())) < 2:
+        return D, None
+    return None, D
 
 
 def ssd(
@@ -194,11 +311,11 @@ def ssd(
     B: NamedArray,
     C: NamedArray,
     *,
-    Pos="position",
-    Heads="heads",
-    HeadDim="head_dim",
-    State="state",
-    Groups="groups",
+    Pos: named.AxisSelector = "position",
+    Heads: named.AxisSelector = "heads",
+    HeadDim: named.AxisSelector = "head_size",
+    State: named.AxisSelector = "state",
+    Groups: named.AxisSelector = "groups",
     chunk_size: int | None = None,
     D: NamedArray | None = None,
     z: NamedArray | None = None,
@@ -208,70 +325,48 @@ def ssd(
     segment_ids: NamedArray | None = None,
     initial_state: NamedArray | None = None,
     return_final_state: bool = False,
-    implementation: str | tuple[str, ...] | None = None,
+    implementation: SSDImplementation | tuple[SSDImplementation, ...] | None = None,
     block_sizes: SSDBlockSizes | dict | None = None,
-):
+) -> NamedArray | SSDOutput:
     """Mamba-2 SSD over named axes.
 
     **Arguments:** `x`: batch axes + `Pos` + `Heads` + `HeadDim`; `dt`: batch + `Pos` + `Heads`;
     `A`: `Heads`; `B`, `C`: batch + `Pos` + `Groups` + `State`; optional `D` (`Heads` or
-    `Heads` + `HeadDim`), `z` (like `x`), `dt_bias` (`Heads`), `segment_ids` (batch + `Pos`),
-    `initial_state` (batch + `Heads` + `HeadDim` + `State`).
+    `Heads` + `HeadDim`), `z` (like `x`), `dt_bias` (`Heads`), `segment_ids` (batch + `Pos`;
+    a change of id starts a segment from a zero state), `initial_state` (batch + `Heads` +
+    `HeadDim` + `State`). Options as in `axkern.positional.ssd`.
 
-    **Returns:** `y` with `x`'s axes, or `(y, final_state)`.
+    **Returns:** `y` with `x`'s axes, or `SSDOutput(y, final_state)` (`final_state` in
+    `initial_state`'s axis order when given).
 
     !!! info "Sharding"
         Batch axes mapped to mesh axes run data parallel; a mapped `Pos` runs sequence
         parallel, passing states between shards (see `_sequence_parallel`).
     """
-    for arg, value in (("x", x), ("dt", dt), ("A", A), ("B", B), ("C", C)):
-        named.require_named(NAME, arg, value)
-    pos = named.resolve(NAME, "x", x, Pos, "Pos")
-    heads = named.resolve(NAME, "x", x, Heads, "Heads")
-    head_dim = named.resolve(NAME, "x", x, HeadDim, "HeadDim")
-    groups = named.resolve(NAME, "B", B, Groups, "Groups")
-    state = named.resolve(NAME, "B", B, State, "State")
+    D1, D2 = _split_D(D)
+    bound = ROLES.bind(
+        {
+            "x": x,
+            "dt": dt,
+            "A": A,
+            "B": B,
+            "C": C,
+            "D": D1,
+            "D_per_dim": D2,
+            "z": z,
+            "dt_bias": dt_bias,
+            "segment_ids": segment_ids,
+            "initial_state": initial_state,
+        },
+        Pos=Pos,
+        Heads=Heads,
+        HeadDim=HeadDim,
+        State=State,
+        Groups=Groups,
+    )
+    heads, groups = bound.axis("Heads"), bound.axis("Groups")
     if heads.size % groups.size:
         raise ValueError(f"{NAME}: {heads.name}={heads.size} is not divisible by {groups.name}={groups.size}")
-    batch = named.without(x, pos.name, heads.name, head_dim.name)
-    n = len(batch)
-    x_axes, dt_axes, bc_axes = (
-        batch + (pos, heads, head_dim),
-        batch + (pos, heads),
-        batch + (pos, groups, state),
-    )
-    state_axes = batch + (heads, head_dim, state)
-    inputs = [
-        ("x", named.match_axes(NAME, "x", x, x_axes, "batch + Pos + Heads + HeadDim"), x_axes),
-        ("dt", named.match_axes(NAME, "dt", dt, dt_axes, "x's batch axes + Pos + Heads"), dt_axes),
-        ("A", named.match_axes(NAME, "A", A, (heads,), "Heads"), (heads,)),
-        ("B", named.match_axes(NAME, "B", B, bc_axes, "x's batch axes + Pos + Groups + State"), bc_axes),
-        ("C", named.match_axes(NAME, "C", C, bc_axes, "x's batch axes + Pos + Groups + State"), bc_axes),
-        None,
-        None if z is None else ("z", named.match_axes(NAME, "z", z, x_axes, "x's axes"), x_axes),
-        None
-        if dt_bias is None
-        else ("dt_bias", named.match_axes(NAME, "dt_bias", dt_bias, (heads,), "Heads"), (heads,)),
-        None
-        if segment_ids is None
-        else (
-            "segment_ids",
-            named.match_axes(NAME, "segment_ids", segment_ids, batch + (pos,), "x's batch axes + Pos"),
-            batch + (pos,),
-        ),
-        None
-        if initial_state is None
-        else (
-            "initial_state",
-            named.match_axes(
-                NAME, "initial_state", initial_state, state_axes, "batch + Heads + HeadDim + State"
-            ),
-            state_axes,
-        ),
-    ]
-    if D is not None:
-        d_axes = (heads,) if len(D.axes) == 1 else (heads, head_dim)
-        inputs[5] = ("D", named.match_axes(NAME, "D", D, d_axes, "Heads [+ HeadDim]"), d_axes)
     options = dict(
         dt_softplus=dt_softplus,
         dt_limit=dt_limit,
@@ -279,34 +374,98 @@ def ssd(
         implementation=implementation,
         block_sizes=block_sizes,
     )
-    seq_mesh = named.mesh_axes_for(pos) if compat.current_mesh() is not None else None
 
-    def local(xs, dts, As, Bs, Cs, Ds, zs, bias, segs, s0, seq_mesh=None):
-        lead = xs.shape[:n]
-        fl = lambda a: named.flatten(a, n)  # noqa: E731
-        args = (fl(xs), fl(dts), As, fl(Bs), fl(Cs))
-        kw = dict(D=Ds, z=fl(zs), dt_bias=bias, segment_ids=fl(segs), initial_state=fl(s0), **options)
-        if seq_mesh is None:
-            y, final = ssd_positional(*args, return_final_state=True, **kw)
-        else:
-            y, final = _sequence_parallel(args, kw, seq_mesh)
-        unfl = lambda a: named.unflatten(a, lead)  # noqa: E731
-        return unfl(y), unfl(final)
+    def body(ctx, xs, dts, As, Bs, Cs, D1s, D2s, zs, bias, segs, s0):
+        args = (xs, dts, As, Bs, Cs)
+        kw = dict(
+            D=D1s if D2s is None else D2s, z=zs, dt_bias=bias, segment_ids=segs, initial_state=s0, **options
+        )
+        seq = ctx.mesh_axes("Pos")
+        if seq is None:
+            return tuple(ssd_positional(*args, return_final_state=True, **kw))
+        return _sequence_parallel(args, kw, seq)
 
-    out = named.shard_by_mapping(
-        NAME,
-        functools.partial(local, seq_mesh=seq_mesh),
-        inputs,
-        (x_axes, state_axes),
-        replicated=(heads.name, head_dim.name, groups.name, state.name),
+    outs = (
+        named.Out(("batch", "Pos", "Heads", "HeadDim"), like="x"),
+        named.Out(("batch", "Heads", "HeadDim", "State"), like=("initial_state",)),
     )
-    y, final = out if out is not None else local(*[None if i is None else i[1] for i in inputs])
-    y = hax.named(y, x_axes)
-    if tuple(a.name for a in x.axes) != tuple(a.name for a in y.axes):
-        y = y.rearrange(x.axes)
-    if not return_final_state:
-        return y
-    return y, hax.named(final, state_axes)
+    y, final = bound.run(body, SHARDING, outs)
+    return SSDOutput(y, final) if return_final_state else y
+
+
+def ssd_step(
+    x_t: NamedArray,
+    dt_t: NamedArray,
+    A: NamedArray,
+    B_t: NamedArray,
+    C_t: NamedArray,
+    state: NamedArray,
+    *,
+    Heads: named.AxisSelector = "heads",
+    HeadDim: named.AxisSelector = "head_size",
+    State: named.AxisSelector = "state",
+    Groups: named.AxisSelector = "groups",
+    D: NamedArray | None = None,
+    z_t: NamedArray | None = None,
+    dt_bias: NamedArray | None = None,
+    dt_softplus: bool = False,
+    dt_limit: tuple[float, float] | None = None,
+    implementation: StepImplementation | tuple[StepImplementation, ...] | None = None,
+    block_sizes: None = None,
+) -> SSDStep:
+    """One SSD decode step over named axes: `x_t` batch axes + `Heads` + `HeadDim`, `dt_t` batch +
+    `Heads`, `B_t`, `C_t` batch + `Groups` + `State`, `state` batch + `Heads` + `HeadDim` + `State`.
+
+    **Returns:** `SSDStep(y_t, new_state)` with `x_t`'s and `state`'s axes.
+    """
+    D1, D2 = _split_D(D)
+    bound = STEP_ROLES.bind(
+        {
+            "x_t": x_t,
+            "dt_t": dt_t,
+            "A": A,
+            "B_t": B_t,
+            "C_t": C_t,
+            "state": state,
+            "D": D1,
+            "D_per_dim": D2,
+            "z_t": z_t,
+            "dt_bias": dt_bias,
+        },
+        Heads=Heads,
+        HeadDim=HeadDim,
+        State=State,
+        Groups=Groups,
+    )
+    heads, groups = bound.axis("Heads"), bound.axis("Groups")
+    if heads.size % groups.size:
+        raise ValueError(
+            f"ssd_step: {heads.name}={heads.size} is not divisible by {groups.name}={groups.size}"
+        )
+
+    def body(ctx, xs, dts, As, Bs, Cs, ss, D1s, D2s, zs, bias):
+        out = ssd_step_positional(
+            xs,
+            dts,
+            As,
+            Bs,
+            Cs,
+            ss,
+            D=D1s if D2s is None else D2s,
+            z_t=zs,
+            dt_bias=bias,
+            dt_softplus=dt_softplus,
+            dt_limit=dt_limit,
+            implementation=implementation,
+            block_sizes=block_sizes,
+        )
+        return tuple(out)
+
+    outs = (
+        named.Out(("batch", "Heads", "HeadDim"), like="x_t"),
+        named.Out(("batch", "Heads", "HeadDim", "State"), like="state"),
+    )
+    return SSDStep(*bound.run(body, STEP_SHARDING, outs))
 
 
 def _sequence_parallel(args, kw, seq_mesh):

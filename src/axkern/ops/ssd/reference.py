@@ -43,3 +43,10 @@ def ssd(x, dt, A, B, C, D, z, segment_ids, initial_state):
     final, y = lax.scan(step, state0, xs)
     y = jnp.moveaxis(y, 0, 1)
     return skip_and_gate(y.astype(acc), x, D, z).astype(x.dtype), final.astype(initial_state.dtype)
+
+
+def step(x_t, dt_t, A, B_t, C_t, state, D, z_t):
+    """One decode step as the sequential scan over a sequence of length 1."""
+    z = None if z_t is None else z_t[:, None]
+    y, final = ssd(x_t[:, None], dt_t[:, None], A, B_t[:, None], C_t[:, None], D, z, None, state)
+    return y[:, 0], final

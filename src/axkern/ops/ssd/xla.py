@@ -90,3 +90,20 @@ def ssd(x, dt, A, B, C, D, z, segment_ids, initial_state, *, block_sizes):
 
     y = y.reshape(batch, length + pad, heads, -1)[:, :length]
     return skip_and_gate(y.astype(acc), x, D, z).astype(x.dtype), final.astype(initial_state.dtype)
+
+
+def step(x_t, dt_t, A, B_t, C_t, state, D, z_t):
+    """One recurrence step: `state' = exp(dt A) state + dt x ⊗ B`, `y = state' · C (+ D x) (· silu z)`.
+
+    `dt_t` already biased, soft-plussed and clipped; computes in float32 (float64 for float64).
+    """
+    acc = jnp.promote_types(x_t.dtype, jnp.float32)
+    rep = x_t.shape[1] // B_t.shape[1]
+    b = jnp.repeat(B_t.astype(acc), rep, axis=1)  # [batch, heads, state]
+    c = jnp.repeat(C_t.astype(acc), rep, axis=1)
+    dt = dt_t.astype(acc)
+    decay = jnp.exp(dt * A.astype(acc))[..., None, None]
+    new = decay * state.astype(acc) + (dt[..., None] * x_t.astype(acc))[..., None] * b[:, :, None, :]
+    y = jnp.einsum("bhpn,bhn->bhp", new, c, precision=kernels.full_precision(acc))
+    y = skip_and_gate(y[:, None], x_t[:, None], D, None if z_t is None else z_t[:, None])[:, 0]
+    return y.astype(x_t.dtype), new.astype(state.dtype)
