@@ -39,14 +39,16 @@ def _fn(target, bs):
     if target == "pallas_gpu":
         return jax.jit(
             lambda x, w, l: fused_cross_entropy_positional(
-                x, w, l, implementation="pallas_gpu", block_sizes=bs
+                x, w, l, reduction=None, return_lse=True, implementation="pallas_gpu", block_sizes=bs
             )
         )
 
     def loss(x, w, labels):
         if target == "loss":
             return fused_cross_entropy_loss_positional(x, w, labels, implementation="xla", block_sizes=bs)
-        per_token = fused_cross_entropy_positional(x, w, labels, implementation="xla", block_sizes=bs)[0]
+        per_token = fused_cross_entropy_positional(
+            x, w, labels, reduction=None, implementation="xla", block_sizes=bs
+        )
         return jnp.mean(per_token)
 
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
@@ -70,7 +72,11 @@ def main():
     c = case(a.tokens, a.embed, a.vocab, a.dtype)
     args = c.make(jax.random.PRNGKey(0))
     if a.target == "pallas_gpu":
-        ref = jax.jit(lambda x, w, l: fused_cross_entropy_positional(x, w, l, implementation="reference"))
+        ref = jax.jit(
+            lambda x, w, l: fused_cross_entropy_positional(
+                x, w, l, reduction=None, return_lse=True, implementation="reference"
+            )
+        )
     else:
         ref = jax.jit(jax.value_and_grad(lambda *z: c.loss("reference", *z), argnums=(0, 1)))
     want = jax.block_until_ready(ref(*args))

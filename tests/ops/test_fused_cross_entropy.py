@@ -17,21 +17,27 @@ from hypothesis import strategies as st
 
 import axkern
 from axkern import CrossEntropyBlockSizes
-from axkern.positional import fused_cross_entropy as ce
+from axkern.positional import fused_cross_entropy
 from axkern.positional import fused_cross_entropy_loss as ce_loss
 from tests.helpers import assert_oracle_rule, ce_inputs, to64, x64
+
+
+def ce(*args, **kwargs):
+    """Per-token `(loss, lse)`."""
+    return fused_cross_entropy(*args, reduction=None, return_lse=True, **kwargs)
+
 
 IMPLS = ["xla", "reference"]
 DTYPES = ["float32", "bfloat16"]
 OPTIONS = {
     "plain": {},
-    "soft_cap": {"logit_soft_cap": 2.5},
+    "soft_cap": {"logits_soft_cap": 2.5},
     "smoothing": {"label_smoothing": 0.1},
     "z_loss": {"logsumexp_weight": 1e-2},
     "ignore": {"ignore_index": -100},
     "where": {"where": True},
     "all": {
-        "logit_soft_cap": 4.0,
+        "logits_soft_cap": 4.0,
         "label_smoothing": 0.2,
         "logsumexp_weight": 1e-3,
         "ignore_index": -1,
@@ -245,7 +251,7 @@ def test_reference_against_numpy(option):
     x, w, labels, opts, cot = make_case(3, 37, 16, 53, "float32", OPTIONS[option])
     (loss, lse), (dx, dw) = oracle(x, w, labels, opts, cot)
     kw = {
-        "cap": opts.get("logit_soft_cap"),
+        "cap": opts.get("logits_soft_cap"),
         "eps": opts.get("label_smoothing", 0.0),
         "zw": opts.get("logsumexp_weight", 0.0),
         "ignore": opts.get("ignore_index"),
@@ -304,8 +310,8 @@ def test_type_and_shape_errors():
         ce(x, w, labels[:7])  # tokens differ
     with pytest.raises(ValueError, match="label_smoothing must be in"):
         ce(x, w, labels, label_smoothing=1.5)
-    with pytest.raises(ValueError, match="logit_soft_cap must be > 0"):
-        ce(x, w, labels, logit_soft_cap=0.0)
+    with pytest.raises(ValueError, match="logits_soft_cap must be > 0"):
+        ce(x, w, labels, logits_soft_cap=0.0)
 
 
 def test_jit_vmap_grad_and_filter_jit():

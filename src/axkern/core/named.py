@@ -342,11 +342,12 @@ class Bound:
                 parts.append(mesh_axes_for(self.axes[r]) if r in split else None)
         return PartitionSpec(*parts)
 
-    def _check_divisible(self, split: frozenset[str]) -> None:
+    def _check_mapping(self, split: frozenset[str]) -> None:
+        """Every split axis divisible by its mesh axes, and no two axes on the same mesh axis."""
         mesh = compat.current_mesh()
+        used: dict[str, str] = {}
         for arg in self.arrays:
             roles = self.roles.args[arg].roles
-            used: dict[str, str] = {}
             for axis, is_split in [(a, True) for a in self.batch if BATCH in roles] + [
                 (self.axes[r], r in split) for r in roles if r != BATCH and r in self.axes
             ]:
@@ -360,12 +361,11 @@ class Bound:
                         f"size {n}, which does not divide it"
                     )
                 for m in _as_tuple(phys):
-                    if m in used and used[m] != axis.name:
+                    if used.setdefault(m, axis.name) != axis.name:
                         raise ValueError(
-                            f"{self.op}: {arg}'s axes {used[m]!r} and {axis.name!r} are both mapped to mesh "
-                            f"axis {m!r}; map them to different mesh axes"
+                            f"{self.op}: axes {used[m]!r} and {axis.name!r} are both mapped to mesh axis {m!r}; "
+                            "map them to different mesh axes"
                         )
-                    used[m] = axis.name
 
     def run(
         self,
@@ -408,7 +408,7 @@ class Bound:
             mesh = compat.current_mesh()
             if self.sharded(sharding):
                 split = frozenset(r for r in sharding.parallel if r in self.axes)
-                self._check_divisible(split)
+                self._check_mapping(split)
                 mesh_roles = self._mesh_roles(sharding)
                 in_specs = tuple(
                     None if d is None else self._pspec(roles, split)

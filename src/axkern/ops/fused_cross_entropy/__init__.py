@@ -3,6 +3,7 @@
 from .api import (
     LOSS_OP,
     OP,
+    CrossEntropyOutput,
     fused_cross_entropy,
     fused_cross_entropy_loss_positional,
     fused_cross_entropy_positional,
@@ -11,6 +12,7 @@ from .blocks import CrossEntropyBlockSizes
 
 __all__ = [
     "OP",
+    "CrossEntropyOutput",
     "LOSS_OP",
     "fused_cross_entropy",
     "fused_cross_entropy_positional",

@@ -14,10 +14,11 @@ collectives (`lse` by a stable log-sum-exp across shards, the other two by `psum
 
 from __future__ import annotations
 
-import functools
+from typing import Literal, NamedTuple
 
 import equinox as eqx
 import haliax as hax
+import jax
 import jax.numpy as jnp
 from haliax import NamedArray
 from jax import lax
@@ -41,6 +42,7 @@ __all__ = [
     "fused_cross_entropy",
     "fused_cross_entropy_positional",
     "fused_cross_entropy_loss_positional",
+    "CrossEntropyOutput",
     "OP",
     "LOSS_OP",
     "CrossEntropyBlockSizes",
@@ -118,23 +120,47 @@ LOSS_OP = Op(
 
 _REDUCTIONS = ("mean", "sum", None)
 
+CrossEntropyImplementation = Literal["xla", "pallas_gpu", "pallas_tpu", "reference"]
+LossImplementation = Literal["xla", "reference"]
 
-def _check_options(logit_soft_cap, logsumexp_weight, label_smoothing) -> None:
-    if logit_soft_cap is not None and not float(logit_soft_cap) > 0:
-        raise ValueError(f"{NAME}: logit_soft_cap must be > 0 or None, got {logit_soft_cap!r}")
+
+class CrossEntropyOutput(NamedTuple):
+    """`fused_cross_entropy(..., return_lse=True)`: the (reduced or per-token) loss and the
+    per-token logsumexp."""
+
+    loss: Array | NamedArray
+    lse: Array | NamedArray
+
+
+def _reduction(op: str, reduction) -> str | None:
+    """`"mean"`, `"sum"` or `None`; haliax's `hax.mean` / `hax.sum` are accepted for the strings."""
+    if reduction is hax.mean:
+        return "mean"
+    if reduction is hax.sum:
+        return "sum"
+    if reduction not in _REDUCTIONS:
+        raise ValueError(
+            f"{op}: reduction must be 'mean', 'sum', None, hax.mean or hax.sum; got {reduction!r}"
+        )
+    return reduction
+
+
+def _check_options(logits_soft_cap, logsumexp_weight, label_smoothing) -> None:
+    if logits_soft_cap is not None and not float(logits_soft_cap) > 0:
+        raise ValueError(f"{NAME}: logits_soft_cap must be > 0 or None, got {logits_soft_cap!r}")
     if not 0.0 <= float(label_smoothing) <= 1.0:
         raise ValueError(f"{NAME}: label_smoothing must be in [0, 1], got {label_smoothing!r}")
     float(logsumexp_weight)  # a Python number: it is a static option
 
 
-def _stats(x, w, local_labels, *, logit_soft_cap, with_sum, implementation, block_sizes):
+def _stats(x, w, local_labels, *, logits_soft_cap, with_sum, implementation, block_sizes):
     """Dispatch: the op's per-token statistics over this `w`'s columns."""
     tokens, embed = x.shape
     vocab = w.shape[1]
     spec = OP.spec(
         {"tokens": tokens, "embed": embed, "vocab": vocab},
         jnp.result_type(x, w),
-        logit_soft_cap=logit_soft_cap,
+        logits_soft_cap=logits_soft_cap,
         with_sum=with_sum,
     )
     return OP(
@@ -144,7 +170,7 @@ def _stats(x, w, local_labels, *, logit_soft_cap, with_sum, implementation, bloc
         local_labels,
         implementation=implementation,
         block_sizes=block_sizes,
-        logit_soft_cap=logit_soft_cap,
+        logits_soft_cap=logits_soft_cap,
         with_sum=with_sum,
     )
 
@@ -163,40 +189,21 @@ def _check_labels(labels, keep, vocab):
     )
 
 
-@checked
-def fused_cross_entropy_positional(
-    x: Float[Array, "tokens embed"],
-    w: Float[Array, "embed vocab"],
-    labels: Int[Array, " tokens"],
+def _per_token(
+    x,
+    w,
+    labels,
     *,
-    where: Bool[Array, " tokens"] | None = None,
-    ignore_index: int | None = None,
-    logit_soft_cap: float | None = None,
-    logsumexp_weight: float = 0.0,
-    label_smoothing: float = 0.0,
-    check_labels: bool = False,
-    implementation: str | tuple[str, ...] | None = None,
-    block_sizes: CrossEntropyBlockSizes | dict | None = None,
-) -> tuple[Float[Array, " tokens"], Float[Array, " tokens"]]:
-    """Per-token fused linear cross-entropy on plain arrays.
-
-    **Arguments:**
-
-    - `x`: `[tokens, embed]` hidden states (any float dtype; accumulation is float32).
-    - `w`: `[embed, vocab]` output projection.
-    - `labels`: `[tokens]` integer targets in `[0, vocab)`.
-    - `where`: optional `[tokens]` bool; false tokens get loss 0.
-    - `ignore_index`: a label value whose tokens get loss 0 (e.g. `-100`).
-    - `logit_soft_cap`: `c` in `z = c * tanh(z / c)`.
-    - `logsumexp_weight`: z-loss weight `w` (adds `w * lse**2`).
-    - `label_smoothing`: `eps` (mixes `eps / vocab` uniform mass into the target).
-    - `check_labels`: raise at run time (`eqx.error_if`) on a kept label outside `[0, vocab)`.
-    - `implementation`, `block_sizes`: override the dispatcher (see `axkern.explain`).
-
-    **Returns:** `(loss, lse)`, each `[tokens]` float32. `loss` is 0 on dropped tokens and NaN
-    on a kept token whose label is outside `[0, vocab)`.
-    """
-    _check_options(logit_soft_cap, logsumexp_weight, label_smoothing)
+    where,
+    ignore_index,
+    logits_soft_cap,
+    logsumexp_weight,
+    label_smoothing,
+    check_labels,
+    implementation,
+    block_sizes,
+):
+    """Per-token `(loss, lse)`, each `[tokens]` float32."""
     vocab = w.shape[1]
     keep = _keep(labels, where, ignore_index)
     if check_labels:
@@ -205,7 +212,7 @@ def fused_cross_entropy_positional(
         x,
         w,
         labels,
-        logit_soft_cap=logit_soft_cap,
+        logits_soft_cap=logits_soft_cap,
         with_sum=bool(label_smoothing),
         implementation=implementation,
         block_sizes=block_sizes,
@@ -223,33 +230,117 @@ def fused_cross_entropy_positional(
     return loss, lse
 
 
+def _reduce(loss, keep, reduction):
+    if reduction == "sum":
+        return jnp.sum(loss)
+    return jnp.sum(loss) / jnp.maximum(jnp.sum(keep), 1).astype(loss.dtype)
+
+
+@checked
+def fused_cross_entropy_positional(
+    x: Float[Array, "tokens embed"],
+    w: Float[Array, "embed vocab"],
+    labels: Int[Array, " tokens"],
+    *,
+    reduction: str | None | object = "mean",
+    where: Bool[Array, " tokens"] | None = None,
+    ignore_index: int | None = None,
+    logits_soft_cap: float | None = None,
+    logsumexp_weight: float = 0.0,
+    label_smoothing: float = 0.0,
+    return_lse: bool = False,
+    check_labels: bool = False,
+    implementation: CrossEntropyImplementation | tuple[CrossEntropyImplementation, ...] | None = None,
+    block_sizes: CrossEntropyBlockSizes | dict | None = None,
+    logit_soft_cap: float | None = None,
+) -> Float[Array, ""] | Float[Array, " tokens"] | CrossEntropyOutput:
+    """Fused linear cross-entropy on plain arrays, with the named function's defaults.
+
+    **Arguments:**
+
+    - `x`: `[tokens, embed]` hidden states (any float dtype; accumulation is float32).
+    - `w`: `[embed, vocab]` output projection.
+    - `labels`: `[tokens]` integer targets in `[0, vocab)`.
+    - `reduction`: `"mean"` over kept tokens (0 when none is kept), `"sum"`, or `None` for the
+      per-token losses (`hax.mean` / `hax.sum` are accepted for the strings).
+    - `where`: optional `[tokens]` bool; false tokens get loss 0.
+    - `ignore_index`: a label value whose tokens get loss 0 (e.g. `-100`).
+    - `logits_soft_cap`: `c` in `z = c * tanh(z / c)` (`logit_soft_cap`: its former spelling).
+    - `logsumexp_weight`: z-loss weight `w` (adds `w * lse**2`).
+    - `label_smoothing`: `eps` (mixes `eps / vocab` uniform mass into the target).
+    - `return_lse`: also return the per-token logsumexp.
+    - `check_labels`: raise at run time (`eqx.error_if`) on a kept label outside `[0, vocab)`.
+    - `implementation`, `block_sizes`: override the dispatcher (see `axkern.explain`).
+
+    **Returns:** the loss (a float32 scalar, or `[tokens]` float32 when `reduction=None`: 0 on
+    dropped tokens, NaN on a kept token whose label is outside `[0, vocab)`), or
+    `CrossEntropyOutput(loss, lse)` with `return_lse`.
+
+    A reduced loss without `return_lse` runs `fused_cross_entropy_loss`, whose gradients are
+    formed in the forward pass, unless `implementation` names one only the per-token op has.
+
+    ```python
+    loss = axkern.positional.fused_cross_entropy(x, w, labels)              # mean over tokens
+    per_token, lse = axkern.positional.fused_cross_entropy(x, w, labels, reduction=None, return_lse=True)
+    ```
+    """
+    reduction = _reduction(NAME, reduction)
+    logits_soft_cap = named.deprecated_alias(
+        NAME, "logit_soft_cap", "logits_soft_cap", logit_soft_cap, logits_soft_cap, None
+    )
+    _check_options(logits_soft_cap, logsumexp_weight, label_smoothing)
+    options = dict(
+        where=where,
+        ignore_index=ignore_index,
+        logits_soft_cap=logits_soft_cap,
+        logsumexp_weight=logsumexp_weight,
+        label_smoothing=label_smoothing,
+        check_labels=check_labels,
+        block_sizes=block_sizes,
+    )
+    loss_impl = _loss_op_request(implementation)
+    if reduction is not None and not return_lse and loss_impl is not False:
+        return fused_cross_entropy_loss_positional(
+            x, w, labels, reduction=reduction, implementation=loss_impl, **options
+        )
+    loss, lse = _per_token(x, w, labels, implementation=implementation, **options)
+    if reduction is not None:
+        loss = _reduce(loss, _keep(labels, where, ignore_index), reduction)
+    return CrossEntropyOutput(loss, lse) if return_lse else loss
+
+
 @checked
 def fused_cross_entropy_loss_positional(
     x: Float[Array, "tokens embed"],
     w: Float[Array, "embed vocab"],
     labels: Int[Array, " tokens"],
     *,
-    reduction: str | None = "mean",
+    reduction: str | object = "mean",
     where: Bool[Array, " tokens"] | None = None,
     ignore_index: int | None = None,
-    logit_soft_cap: float | None = None,
+    logits_soft_cap: float | None = None,
     logsumexp_weight: float = 0.0,
     label_smoothing: float = 0.0,
     check_labels: bool = False,
-    implementation: str | tuple[str, ...] | None = None,
+    implementation: LossImplementation | tuple[LossImplementation, ...] | None = None,
     block_sizes: CrossEntropyBlockSizes | dict | None = None,
+    logit_soft_cap: float | None = None,
 ) -> Float[Array, ""]:
     """The reduced fused linear cross-entropy (a float32 scalar) on plain arrays.
 
-    Same arguments as `fused_cross_entropy_positional`, plus `reduction` (`"mean"` over kept
-    tokens, 0 when none is kept, or `"sum"`). Under `jax.grad` the implementations of
-    `fused_cross_entropy_loss` form the gradients in the forward pass (the per-token
-    cotangents of a reduced loss are known once each token's logsumexp is), which saves the
-    recomputation of the logits that per-token outputs need.
+    Same arguments as `fused_cross_entropy_positional`, with `reduction` `"mean"` (over kept
+    tokens, 0 when none is kept) or `"sum"`. Under `jax.grad` its implementations form the
+    gradients in the forward pass (the per-token cotangents of a reduced loss are known once
+    each token's logsumexp is), which saves the recomputation of the logits that per-token
+    outputs need.
     """
-    if reduction not in ("mean", "sum"):
-        raise ValueError(f"{LOSS_NAME}: reduction must be 'mean' or 'sum', got {reduction!r}")
-    _check_options(logit_soft_cap, logsumexp_weight, label_smoothing)
+    reduction = _reduction(LOSS_NAME, reduction)
+    if reduction is None:
+        raise ValueError(f"{LOSS_NAME}: reduction must be 'mean' or 'sum', got None")
+    logits_soft_cap = named.deprecated_alias(
+        LOSS_NAME, "logit_soft_cap", "logits_soft_cap", logit_soft_cap, logits_soft_cap, None
+    )
+    _check_options(logits_soft_cap, logsumexp_weight, label_smoothing)
     tokens, embed = x.shape
     vocab = w.shape[1]
     keep = _keep(labels, where, ignore_index)
@@ -262,7 +353,7 @@ def fused_cross_entropy_loss_positional(
     spec = LOSS_OP.spec(
         {"tokens": tokens, "embed": embed, "vocab": vocab},
         jnp.result_type(x, w),
-        logit_soft_cap=logit_soft_cap,
+        logits_soft_cap=logits_soft_cap,
         with_sum=bool(label_smoothing),
     )
     return LOSS_OP(
@@ -274,7 +365,7 @@ def fused_cross_entropy_loss_positional(
         scale,
         implementation=implementation,
         block_sizes=block_sizes,
-        logit_soft_cap=logit_soft_cap,
+        logits_soft_cap=logits_soft_cap,
         logsumexp_weight=logsumexp_weight,
         label_smoothing=label_smoothing,
     )
@@ -291,17 +382,29 @@ def _loss_op_request(implementation):
     return requested if all(n in LOSS_OP.implementations for n in names) else False
 
 
-def _as_tuple(mesh_axes) -> tuple[str, ...]:
-    if mesh_axes is None:
-        return ()
-    return (mesh_axes,) if isinstance(mesh_axes, str) else tuple(mesh_axes)
-
-
 def _combine_over(mesh_axes, lse, label_logit, sum_logits):
     """Statistics of the whole vocabulary from each shard's statistics of its slice."""
     m = lax.pmax(lax.stop_gradient(lse), mesh_axes)
     lse = m + jnp.log(lax.psum(jnp.exp(lse - m), mesh_axes))
     return lse, lax.psum(label_logit, mesh_axes), lax.psum(sum_logits, mesh_axes)
+
+
+# -- named layer -------------------------------------------------------------------------------
+
+ROLES = named.Roles(
+    NAME,
+    {
+        "x": named.Arg(("batch", "Embed"), describe="batch axes + Embed"),
+        "lm_head": named.Arg(("Embed", "Vocab"), describe="Embed + Vocab"),
+        "labels": named.Arg(("batch",), describe="x's batch axes"),
+        "where": named.Arg(("batch",), optional=True, subset=True, describe="x's batch axes"),
+    },
+)
+SHARDING = named.Sharding(
+    parallel=("Vocab",),
+    describe="batch axes data parallel; Vocab vocab parallel (each shard's lse, label logit and "
+    "logit sum per token combined with one pmax and three psums of [tokens] float32); Embed gathered",
+)
 
 
 def fused_cross_entropy(
@@ -311,17 +414,18 @@ def fused_cross_entropy(
     *,
     Embed: named.AxisSelector = "embed",
     Vocab: named.AxisSelector = "vocab",
-    reduction: str | None = "mean",
+    reduction: str | None | object = "mean",
     where: NamedArray | None = None,
     ignore_index: int | None = None,
-    logit_soft_cap: float | None = None,
+    logits_soft_cap: float | None = None,
     logsumexp_weight: float = 0.0,
     label_smoothing: float = 0.0,
     return_lse: bool = False,
     check_labels: bool = False,
-    implementation: str | tuple[str, ...] | None = None,
+    implementation: CrossEntropyImplementation | tuple[CrossEntropyImplementation, ...] | None = None,
     block_sizes: CrossEntropyBlockSizes | dict | None = None,
-):
+    logit_soft_cap: float | None = None,
+) -> jax.Array | NamedArray | CrossEntropyOutput:
     """Cross-entropy of `softcap(x @ lm_head)` against `labels`, without materialising the logits.
 
     **Arguments:**
@@ -331,131 +435,86 @@ def fused_cross_entropy(
     - `labels`: integer targets with exactly `x`'s batch axes, in any order.
     - `Embed`, `Vocab`: axis names or `hax.Axis` objects.
     - `reduction`: `"mean"` over kept tokens (0 when none is kept), `"sum"`, or `None` for a
-      `NamedArray` of per-token losses with `x`'s batch axes.
+      `NamedArray` of per-token losses with `x`'s batch axes (`hax.mean` / `hax.sum` too).
     - `where`: optional bool `NamedArray` over a subset of the batch axes; false tokens are dropped.
-    - `ignore_index`, `logit_soft_cap`, `logsumexp_weight`, `label_smoothing`, `check_labels`:
-      as in `axkern.positional.fused_cross_entropy`.
+    - `ignore_index`, `logits_soft_cap`, `logsumexp_weight`, `label_smoothing`, `check_labels`:
+      as in `axkern.positional.fused_cross_entropy` (`logit_soft_cap`: the former spelling).
     - `return_lse`: also return the per-token logsumexp (a `NamedArray` with the batch axes).
     - `implementation`, `block_sizes`: override the dispatcher.
 
     **Returns:** the loss (a float32 scalar `jax.Array`, ready for `jax.grad`; or a `NamedArray` of
-    per-token losses when `reduction=None`), and the lse if `return_lse`.
+    per-token losses when `reduction=None`), or `CrossEntropyOutput(loss, lse)` with `return_lse`.
+
+    ```python
+    loss = axkern.fused_cross_entropy(x, lm_head, labels, Embed="embed", Vocab="vocab")
+    ```
 
     !!! info "Sharding"
         Under a haliax axis mapping with a mesh, batch axes mapped to mesh axes run data
         parallel and a mapped `Vocab` runs vocab parallel (each device holds a slice of
         `lm_head`; statistics are combined with `pmax`/`psum`). A mapped `Embed` is gathered.
     """
-    if reduction not in _REDUCTIONS:
-        raise ValueError(f"{NAME}: reduction must be 'mean', 'sum' or None, got {reduction!r}")
-    _check_options(logit_soft_cap, logsumexp_weight, label_smoothing)
-    named.require_named(NAME, "x", x)
-    named.require_named(NAME, "lm_head", lm_head)
-    named.require_named(NAME, "labels", labels)
-    named.require_named(NAME, "where", where, optional=True)
-    embed = named.resolve(NAME, "x", x, Embed, "Embed")
-    embed_w = named.resolve(NAME, "lm_head", lm_head, Embed, "Embed")
-    vocab = named.resolve(NAME, "lm_head", lm_head, Vocab, "Vocab")
-    if embed_w.size != embed.size:
-        raise ValueError(f"{NAME}: x's {embed.name}={embed.size} but lm_head's {embed.name}={embed_w.size}")
-    extra = named.without(lm_head, embed.name, vocab.name)
-    if extra:
-        raise ValueError(
-            f"{NAME}: lm_head must have only axes {embed.name!r} and {vocab.name!r}; "
-            f"its axes are {named.axes_str(lm_head.axes)}"
-        )
-    batch = named.without(x, embed.name)
-    if not batch:
-        raise ValueError(f"{NAME}: x has no batch axes besides {embed.name!r}: {named.axes_str(x.axes)}")
-    xd = named.ordered(x, batch + (embed,))
-    wd = named.ordered(lm_head, (embed, vocab))
-    ld = named.match_axes(NAME, "labels", labels, batch, "x's batch axes")
-    wh = None if where is None else named.broadcast_subset(NAME, "where", where, batch, "x's batch axes")
+    reduction = _reduction(NAME, reduction)
+    logits_soft_cap = named.deprecated_alias(
+        NAME, "logit_soft_cap", "logits_soft_cap", logit_soft_cap, logits_soft_cap, None
+    )
+    _check_options(logits_soft_cap, logsumexp_weight, label_smoothing)
+    bound = ROLES.bind(
+        {"x": x, "lm_head": lm_head, "labels": labels, "where": where}, Embed=Embed, Vocab=Vocab
+    )
+    if not bound.batch:
+        raise ValueError(f"{NAME}: x has no batch axes besides its Embed axis: {named.axes_str(x.axes)}")
+    vocab = bound.axis("Vocab")
     options = dict(
         ignore_index=ignore_index,
-        logit_soft_cap=logit_soft_cap,
+        logits_soft_cap=logits_soft_cap,
         logsumexp_weight=logsumexp_weight,
         label_smoothing=label_smoothing,
+        check_labels=check_labels,
         implementation=implementation,
         block_sizes=block_sizes,
     )
-    if check_labels:
-        ld = _check_labels(ld, _keep(ld, wh, ignore_index), vocab.size)
 
-    # Vocab parallel when the mapping puts Vocab on mesh axes (only inside shard_map, below).
-    vocab_mesh = named.mesh_axes_for(vocab) if compat.current_mesh() is not None else None
-    if vocab_mesh is not None:
-        batch_mesh = {m for a in batch for m in _as_tuple(named.mesh_axes_for(a))}
-        if batch_mesh & set(_as_tuple(vocab_mesh)):
-            raise ValueError(
-                f"{NAME}: {vocab.name!r} and a batch axis are mapped to the same mesh axes "
-                f"{sorted(batch_mesh & set(_as_tuple(vocab_mesh)))}"
-            )
-
-    def local(xs, ws, ls, whs, vocab_mesh=None):
-        n = len(batch)
-        lead_local = xs.shape[:n]
-        xf, lf = named.flatten(xs, n), named.flatten(ls, n)
-        wf = None if whs is None else named.flatten(whs, n)
-        if vocab_mesh is None:
-            loss, lse = fused_cross_entropy_positional(xf, ws, lf, where=wf, **options)
-        else:
-            offset = compat.axis_index(vocab_mesh) * ws.shape[1]
-            stats = _stats(
-                xf,
-                ws,
-                lf - offset,
-                logit_soft_cap=logit_soft_cap,
-                with_sum=bool(label_smoothing),
-                implementation=implementation,
-                block_sizes=block_sizes,
-            )
-            lse, label_logit, sum_logits = _combine_over(vocab_mesh, *stats)
-            loss = token_losses(
-                lse,
-                label_logit,
-                sum_logits,
-                lf,
-                _keep(lf, wf, ignore_index),
-                vocab.size,
-                logsumexp_weight=logsumexp_weight,
-                label_smoothing=label_smoothing,
-            )
-        return named.unflatten(loss, lead_local), named.unflatten(lse, lead_local)
-
-    out = named.shard_by_mapping(
-        NAME,
-        functools.partial(local, vocab_mesh=vocab_mesh),
-        [
-            ("x", xd, batch + (embed,)),
-            ("lm_head", wd, (embed, vocab)),
-            ("labels", ld, batch),
-            None if wh is None else ("where", wh, batch),
-        ],
-        (batch, batch),
-        replicated=(embed.name,),
-    )
-    loss_impl = _loss_op_request(implementation)
-    if out is None and reduction is not None and not return_lse and loss_impl is not False:
+    if not bound.sharded(SHARDING) and reduction is not None and not return_lse:
         # unsharded reduced loss: the op whose gradients come from the forward pass
-        n = len(batch)
-        options["implementation"] = loss_impl
-        return fused_cross_entropy_loss_positional(
-            named.flatten(xd, n),
-            wd,
-            named.flatten(ld, n),
-            reduction=reduction,
-            where=None if wh is None else named.flatten(wh, n),
-            **options,
+        def reduced(ctx, xs, ws, ls, whs):
+            return fused_cross_entropy_positional(xs, ws, ls, where=whs, reduction=reduction, **options)
+
+        return bound.run(reduced, SHARDING, named.Out(())).array
+
+    def body(ctx, xs, ws, ls, whs):
+        vocab_mesh = ctx.mesh_axes("Vocab")
+        if vocab_mesh is None:
+            return tuple(_per_token(xs, ws, ls, where=whs, **options))
+        offset = compat.axis_index(vocab_mesh) * ws.shape[1]
+        keep = _keep(ls, whs, ignore_index)
+        if check_labels:
+            ls = _check_labels(ls, keep, vocab.size)
+        stats = _stats(
+            xs,
+            ws,
+            ls - offset,
+            logits_soft_cap=logits_soft_cap,
+            with_sum=bool(label_smoothing),
+            implementation=implementation,
+            block_sizes=block_sizes,
         )
-    loss, lse = out if out is not None else local(xd, wd, ld, wh)
-    if reduction == "sum":
-        result = jnp.sum(loss)
-    elif reduction == "mean":
-        count = jnp.sum(_keep(ld, wh, ignore_index))
-        result = jnp.sum(loss) / jnp.maximum(count, 1).astype(loss.dtype)
-    else:
-        result = hax.named(loss, batch)
-    if return_lse:
-        return result, hax.named(lse, batch)
-    return result
+        lse, label_logit, sum_logits = _combine_over(vocab_mesh, *stats)
+        loss = token_losses(
+            lse,
+            label_logit,
+            sum_logits,
+            ls,
+            keep,
+            vocab.size,
+            logsumexp_weight=logsumexp_weight,
+            label_smoothing=label_smoothing,
+        )
+        return loss, lse
+
+    per_token = named.Out(("batch",), like="x")
+    loss, lse = bound.run(body, SHARDING, (per_token, per_token))
+    if reduction is not None:
+        keep = hax.named(_keep(bound.data("labels"), bound.data("where"), ignore_index), bound.batch)
+        loss = _reduce(loss.array, keep.rearrange(loss.axes).array, reduction)
+    return CrossEntropyOutput(loss, lse) if return_lse else loss

@@ -42,12 +42,12 @@ def case(
         return x, w, labels
 
     def forward(impl, x, w, labels):
-        return fused_cross_entropy_positional(x, w, labels, implementation=impl)[0]
+        return fused_cross_entropy_positional(x, w, labels, reduction=None, implementation=impl)
 
     def loss(impl, x, w, labels):
         if op == LOSS_NAME:
             return fused_cross_entropy_loss_positional(x, w, labels, implementation=impl)
-        return jnp.mean(fused_cross_entropy_positional(x, w, labels, implementation=impl)[0])
+        return jnp.mean(fused_cross_entropy_positional(x, w, labels, reduction=None, implementation=impl))
 
     if op == LOSS_NAME:
         forward = loss

@@ -68,7 +68,7 @@ class _Static:
     interpret: bool
 
 
-def _config(x, w, block_sizes: CrossEntropyBlockSizes, logit_soft_cap, with_sum, interpret) -> _Static:
+def _config(x, w, block_sizes: CrossEntropyBlockSizes, logits_soft_cap, with_sum, interpret) -> _Static:
     n, d = x.shape
     v = w.shape[1]
     bt, bv = block_sizes.block_tokens, block_sizes.block_vocab
@@ -85,7 +85,7 @@ def _config(x, w, block_sizes: CrossEntropyBlockSizes, logit_soft_cap, with_sum,
         splits=min(splits, vocab_tiles),
         num_warps=block_sizes.num_warps or 8,
         num_stages=block_sizes.num_stages or 3,
-        soft_cap=None if logit_soft_cap is None else float(logit_soft_cap),
+        soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
         with_sum=bool(with_sum),
         interpret=bool(interpret),
     )
@@ -162,10 +162,17 @@ def _forward(cfg: _Static, x, w, labels):
 
 
 def stats(
-    x, w, labels, *, block_sizes: CrossEntropyBlockSizes, logit_soft_cap=None, with_sum=False, interpret=False
+    x,
+    w,
+    labels,
+    *,
+    block_sizes: CrossEntropyBlockSizes,
+    logits_soft_cap=None,
+    with_sum=False,
+    interpret=False,
 ):
     """Per-token `(lse, label_logit, sum_logits)` (float32) by the Pallas kernel; backward in XLA."""
-    cfg = _config(x, w, block_sizes, logit_soft_cap, with_sum, interpret)
+    cfg = _config(x, w, block_sizes, logits_soft_cap, with_sum, interpret)
     return _stats(cfg, x, w, labels)
 
 

@@ -167,12 +167,24 @@ def _forward(cfg: _Static, x, w, labels):
 
 
 def stats(
-    x, w, labels, *, block_sizes: CrossEntropyBlockSizes, logit_soft_cap=None, with_sum=False, interpret=False
+    x,
+    w,
+    labels,
+    *,
+    block_sizes: CrossEntropyBlockSizes,
+    logits_soft_cap=None,
+    with_sum=False,
+    interpret=False,
 ):
     """Per-token `(lse, label_logit, sum_logits)` (float32) by the Mosaic kernel; backward in XLA."""
     bt, bv, bd = _sizes(x, w, block_sizes)
     cfg = _Static(
-        bt, bv, bd, None if logit_soft_cap is None else float(logit_soft_cap), bool(with_sum), bool(interpret)
+        bt,
+        bv,
+        bd,
+        None if logits_soft_cap is None else float(logits_soft_cap),
+        bool(with_sum),
+        bool(interpret),
     )
     return _stats(cfg, x, w, labels)
 

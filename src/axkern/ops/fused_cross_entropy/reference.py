@@ -8,7 +8,7 @@ import jax.numpy as jnp
 from .terms import token_losses
 
 
-def stats(x, w, labels, *, logit_soft_cap=None, with_sum=False):
+def stats(x, w, labels, *, logits_soft_cap=None, with_sum=False):
     """Per-token `(lse, label_logit, sum_logits)` of `z = softcap(x @ w)`.
 
     `labels` index this `w`'s columns; a label outside `[0, vocab)` contributes a label
@@ -17,8 +17,8 @@ def stats(x, w, labels, *, logit_soft_cap=None, with_sum=False):
     """
     acc = jnp.promote_types(jnp.result_type(x, w), jnp.float32)
     z = jnp.dot(x, w, preferred_element_type=acc)
-    if logit_soft_cap is not None:
-        z = logit_soft_cap * jnp.tanh(z / logit_soft_cap)
+    if logits_soft_cap is not None:
+        z = logits_soft_cap * jnp.tanh(z / logits_soft_cap)
     lse = jax.nn.logsumexp(z, axis=-1)
     hit = labels[:, None] == jnp.arange(w.shape[1])[None, :]
     label_logit = jnp.sum(jnp.where(hit, z, 0), axis=-1)
@@ -26,9 +26,9 @@ def stats(x, w, labels, *, logit_soft_cap=None, with_sum=False):
     return lse, label_logit, sum_logits
 
 
-def loss(x, w, labels, keep, scale, *, logit_soft_cap=None, logsumexp_weight=0.0, label_smoothing=0.0):
+def loss(x, w, labels, keep, scale, *, logits_soft_cap=None, logsumexp_weight=0.0, label_smoothing=0.0):
     """`scale * sum_{keep} loss_i` from the materialised logits; gradients by autodiff."""
-    lse, label_logit, sum_logits = stats(x, w, labels, logit_soft_cap=logit_soft_cap, with_sum=True)
+    lse, label_logit, sum_logits = stats(x, w, labels, logits_soft_cap=logits_soft_cap, with_sum=True)
     per = token_losses(
         lse,
         label_logit,

@@ -47,12 +47,12 @@ class _Static:
     with_sum: bool
 
 
-def stats(x, w, labels, *, block_sizes: CrossEntropyBlockSizes, logit_soft_cap=None, with_sum=False):
+def stats(x, w, labels, *, block_sizes: CrossEntropyBlockSizes, logits_soft_cap=None, with_sum=False):
     """Per-token `(lse, label_logit, sum_logits)`, each `[N]` float32 (float64 for float64 inputs)."""
     cfg = _Static(
         block_tokens=min(block_sizes.block_tokens, max(1, x.shape[0])),
         block_vocab=min(block_sizes.block_vocab, w.shape[1]),
-        soft_cap=None if logit_soft_cap is None else float(logit_soft_cap),
+        soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
         with_sum=bool(with_sum),
     )
     return _stats(cfg, x, w, labels)
@@ -216,7 +216,7 @@ def loss(
     scale,
     *,
     block_sizes,
-    logit_soft_cap=None,
+    logits_soft_cap=None,
     logsumexp_weight=0.0,
     label_smoothing=0.0,
 ):
@@ -226,7 +226,7 @@ def loss(
     acc = _acc_dtype(x, w)
     cfg = _LossStatic(
         block_tokens=min(block_sizes.block_tokens, max(1, n)),
-        soft_cap=None if logit_soft_cap is None else float(logit_soft_cap),
+        soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
         logsumexp_weight=float(logsumexp_weight),
         label_smoothing=float(label_smoothing),
         w_dtype=jnp.dtype(w.dtype).name,
