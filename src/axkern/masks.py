@@ -42,13 +42,20 @@ __all__ = [
     "EMPTY",
     "PARTIAL",
     "FULL",
+    "leaf_roles",
 ]
 
 EMPTY, PARTIAL, FULL = 0, 1, 2
 
 
 class Mask:
-    """Base class: subclasses define `visible(q_idx, k_idx) -> bool [B or 1, Q, K]`."""
+    """Base class: subclasses define `visible(q_idx, k_idx) -> bool [B or 1, Q, K]`.
+
+    A mask that holds arrays lists, in `ROLES`, the named-axis roles of each of its arrays
+    (in `tree_flatten` order): `"batch"` (the batch axes), `"QPos"`, `"KPos"`.
+    """
+
+    ROLES: tuple[tuple[str, ...], ...] = ()
 
     def visible(self, q_idx, k_idx):
         raise NotImplementedError
@@ -142,7 +149,17 @@ class SlidingWindow(Mask):
         return (k <= q) & (k > q - self.size)
 
 
+def _is_named(a) -> bool:
+    from haliax import NamedArray  # local: masks stay importable without haliax loaded first
+
+    return isinstance(a, NamedArray)
+
+
 def _ids(name, ids):
+    if _is_named(ids):  # resolved against q's and k's axes by axkern.attention
+        if not jnp.issubdtype(ids.dtype, jnp.integer):
+            raise ValueError(f"{name}: ids must be integers, got {ids.dtype}")
+        return ids
     ids = jnp.asarray(ids)
     if ids.ndim != 2 or not jnp.issubdtype(ids.dtype, jnp.integer):
         raise ValueError(
@@ -154,10 +171,19 @@ def _ids(name, ids):
 @jax.tree_util.register_pytree_node_class
 class Segments(Mask):
     """Packed documents: key `j` visible to query `i` of batch row `b` when
-    `q_ids[b, i] == kv_ids[b, j]`. `q_ids [B, Q]`, `kv_ids [B, K]` (integers; may be traced)."""
+    `q_ids[b, i] == kv_ids[b, j]`. `q_ids [B, Q]`, `kv_ids [B, K]` (integers; may be traced).
+
+    With `axkern.attention` the ids may be `NamedArray`s: `q_ids` over q's batch axes (any
+    subset, any order) and its position axis, `kv_ids` over k's batch axes and key position
+    axis. Plain arrays lead with the batch axes flattened in q's axis order (or with 1).
+    """
+
+    ROLES = (("batch", "QPos"), ("batch", "KPos"))
 
     def __init__(self, q_ids, kv_ids):
         self.q_ids, self.kv_ids = _ids("Segments", q_ids), _ids("Segments", kv_ids)
+        if _is_named(self.q_ids) or _is_named(self.kv_ids):
+            return
         if self.q_ids.shape[0] != self.kv_ids.shape[0]:
             raise ValueError(
                 f"Segments: q_ids has batch {self.q_ids.shape[0]} and kv_ids {self.kv_ids.shape[0]}"
@@ -197,7 +223,14 @@ class PrefixLM(Mask):
     """Causal, except that the first `prefix_lengths[b]` keys of batch row `b` are visible to
     every query (bidirectional prefix). `prefix_lengths [B]` (integers; may be traced)."""
 
+    ROLES = (("batch",),)
+
     def __init__(self, prefix_lengths):
+        if _is_named(prefix_lengths):
+            if not jnp.issubdtype(prefix_lengths.dtype, jnp.integer):
+                raise ValueError(f"PrefixLM: prefix_lengths must be integers, got {prefix_lengths.dtype}")
+            self.prefix_lengths = prefix_lengths
+            return
         p = jnp.asarray(prefix_lengths)
         if p.ndim != 1 or not jnp.issubdtype(p.dtype, jnp.integer):
             raise ValueError(
@@ -230,7 +263,14 @@ class Dense(Mask):
     """An explicit boolean `[B or 1, Q, K]` mask (`True`: visible), e.g. one built elsewhere. It
     holds the whole array, so no tile is ever skipped: prefer the structured masks."""
 
+    ROLES = (("batch", "QPos", "KPos"),)
+
     def __init__(self, visible):
+        if _is_named(visible):
+            if visible.dtype != jnp.bool_:
+                raise ValueError(f"Dense: visible must be bool, got {visible.dtype}")
+            self.array = visible
+            return
         v = jnp.asarray(visible)
         if v.ndim != 3 or v.dtype != jnp.bool_:
             raise ValueError(
@@ -307,6 +347,13 @@ class Or(And):
 
     def visible_2d(self, q_idx, k_idx):
         return self.a.visible_2d(q_idx, k_idx) | self.b.visible_2d(q_idx, k_idx)
+
+
+def leaf_roles(mask: Mask) -> list[tuple[str, ...]]:
+    """The roles of each array a mask holds, in `jax.tree_util.tree_leaves` order."""
+    if isinstance(mask, And):
+        return leaf_roles(mask.a) + leaf_roles(mask.b)
+    return list(mask.ROLES)
 
 
 def is_static(mask: Mask) -> bool:

@@ -123,9 +123,15 @@ def test_errors_name_the_axis_and_list_what_is_there():
         ValueError, match=r"labels's axes \(batch=2\) must be x's batch axes \(batch=2, position=12\)"
     ):
         axkern.fused_cross_entropy(x, w, labels["position", 0])
-    with pytest.raises(ValueError, match=r"lm_head's axes \(batch=2, embed=16, vocab=64\) must be Embed \+ Vocab \(embed=16, vocab=64\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"lm_head's axes \(batch=2, embed=16, vocab=64\) must be Embed \+ Vocab \(embed=16, vocab=64\)",
+    ):
         axkern.fused_cross_entropy(x, hax.named(jnp.zeros((2, 16, 64)), (Batch, Embed, Vocab)), labels)
-    with pytest.raises(ValueError, match=r"lm_head's axes \(embed=8, vocab=64\) must be Embed \+ Vocab \(embed=16, vocab=64\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"lm_head's axes \(embed=8, vocab=64\) must be Embed \+ Vocab \(embed=16, vocab=64\)",
+    ):
         axkern.fused_cross_entropy(x, hax.named(jnp.zeros((8, 64)), ("embed", "vocab")), labels)
     with pytest.raises(ValueError, match="reduction must be"):
         axkern.fused_cross_entropy(x, w, labels, reduction="max")
@@ -260,7 +266,5 @@ def test_vocab_and_batch_on_the_same_mesh_axis_is_an_error():
     x, w, labels = inputs()
     mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "model"))
     with hax.partitioning.set_mesh(mesh), hax.axis_mapping({"batch": "data", "vocab": "data"}):
-        with pytest.raises(
-            ValueError, match=r"axes 'batch' and 'vocab' are both mapped to mesh axis 'data'"
-        ):
+        with pytest.raises(ValueError, match=r"axes 'batch' and 'vocab' are both mapped to mesh axis 'data'"):
             jax.jit(lambda x, w: axkern.fused_cross_entropy(x, w, labels))(x, w)

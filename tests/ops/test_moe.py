@@ -158,6 +158,70 @@ def test_named_round_trip_and_errors():
     with pytest.raises(ValueError, match=r"topk_idx has no axis 'k' \(TopK\)"):
         axkern.moe_dispatch(xn, idxn, TopK="k", num_experts=4)
     with pytest.raises(ValueError, match="topk_weights's axes"):
-        axkern.moe_combine(ex, wn["topk", 0], routing)
+        axkern.moe_combine(ex, wn.rename({"token": "other"}), routing)
     d = axkern.explain(lambda a, b: axkern.moe_dispatch(a, b, num_experts=4), xn, idxn)
     assert d.op == "moe_dispatch" and d.implementation == "xla"
+
+
+def _named_moe_case():
+    Batch, Pos, TopK, Embed = (
+        hax.Axis("batch", 4),
+        hax.Axis("position", 6),
+        hax.Axis("topk", 2),
+        hax.Axis("embed", 5),
+    )
+    x, idx, w = routing_case(11, 24, 2, 4)
+    xn = hax.named(x[:, :5].reshape(4, 6, 5), (Batch, Pos, Embed))
+    idxn = hax.named(idx.reshape(4, 6, 2), (Batch, Pos, TopK)).rearrange((TopK, Pos, Batch))
+    wn = hax.named(w.reshape(4, 6, 2), (Batch, Pos, TopK))
+    weights = jax.random.normal(jax.random.PRNGKey(3), (4, 5, 3))
+    return xn, idxn, wn, weights
+
+
+def _named_layer(xn, idxn, wn, weights):
+    ex, gs, routing = axkern.moe_dispatch(xn, idxn, num_experts=4)
+    if len(gs.axes) == 1:  # one block: the whole dispatched array is expert-major
+        ys = jax.lax.ragged_dot(ex.array, weights, gs.array)
+    else:  # one block per token shard, each expert-major on its own
+        blocks = ex.array.reshape(gs.array.shape[0], -1, ex.array.shape[-1])
+        ys = jnp.concatenate(
+            [jax.lax.ragged_dot(b, weights, g) for b, g in zip(blocks, gs.array, strict=True)]
+        )
+    y = axkern.moe_combine(hax.named(ys, (ex.axes[0], hax.Axis("out", 3))), wn, routing)
+    return hax.sum(y * y).array, y
+
+
+def test_named_takes_any_token_axes():
+    xn, idxn, wn, weights = _named_moe_case()
+    (_, y), grads = jax.value_and_grad(_named_layer, argnums=(0, 2, 3), has_aux=True)(xn, idxn, wn, weights)
+    assert [a.name for a in y.axes] == ["batch", "position", "out"]
+    x = xn.array.reshape(24, 5)
+    idx = idxn.rearrange(("batch", "position", "topk")).array.reshape(24, 2)
+    w = wn.array.reshape(24, 2)
+    per = jnp.einsum("td,tkdo->tko", x, weights[idx])
+    want = jnp.einsum("tk,tko->to", w, per).reshape(4, 6, 3)
+    np.testing.assert_allclose(y.array, want, rtol=1e-5, atol=1e-5)
+    lay = axkern.moe_layout(idxn, num_experts=4, num_ranks=2)
+    assert [a.name for a in lay.is_token_in_rank.axes] == ["position", "batch", "ranks"]
+    assert int(lay.tokens_per_expert.array.sum()) == 48
+
+
+@pytest.mark.parametrize("mapping", [{"batch": "data"}, {"batch": "data", "position": "model"}])
+def test_named_token_parallel_equals_unsharded(mapping):
+    from jax.sharding import Mesh
+
+    xn, idxn, wn, weights = _named_moe_case()
+    f = jax.value_and_grad(_named_layer, argnums=(0, 2, 3), has_aux=True)
+    want = f(xn, idxn, wn, weights)
+    want_layout = axkern.moe_layout(idxn, num_experts=4, num_ranks=2)
+    mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("data", "model"))
+    with hax.partitioning.set_mesh(mesh), hax.axis_mapping(mapping):
+        got = jax.jit(f)(xn, idxn, wn, weights)
+        layout = jax.jit(lambda i: axkern.moe_layout(i, num_experts=4, num_ranks=2))(idxn)
+        _, gs, _ = axkern.moe_dispatch(xn, idxn, num_experts=4)
+    blocks = 2 if len(mapping) == 1 else 4
+    assert gs.axes[0] == hax.Axis("dispatch_blocks", blocks)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+    for a, b in zip(jax.tree.leaves(layout), jax.tree.leaves(want_layout), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

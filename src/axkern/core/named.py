@@ -184,6 +184,8 @@ class Sharding:
 
     parallel: tuple[str, ...] = ()
     describe: str = "batch axes data parallel; every other axis gathered"
+    together: tuple[str, ...] = ()  # parallel roles split together: they may share mesh axes
+    with_batch: tuple[str, ...] = ()  # axes the op creates from the batch (one block per batch shard)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,6 +195,7 @@ class Context:
 
     mesh: Mapping[str, str | tuple[str, ...] | None]
     batch_shape: tuple[int, ...]
+    batch_mesh: tuple[str, ...] = ()  # the mesh axes the batch axes are split over
 
     def mesh_axes(self, role: str) -> str | tuple[str, ...] | None:
         return self.mesh.get(role)
@@ -333,19 +336,26 @@ class Bound:
             return True
         return any(mesh_axes_for(self.axes[r]) for r in sharding.parallel if r in self.axes)
 
-    def _pspec(self, roles: Sequence[str], split: frozenset[str]) -> PartitionSpec:
-        parts = []
+    def batch_mesh(self) -> tuple[str, ...]:
+        return tuple(m for a in self.batch for m in _as_tuple(mesh_axes_for(a)))
+
+    def _pspec(self, roles: Sequence[str], split: frozenset[str], sharding: Sharding) -> PartitionSpec:
+        parts: list[Any] = []
         for r in roles:
             if r == BATCH:
                 parts.extend(mesh_axes_for(a) for a in self.batch)
+            elif r in sharding.with_batch:
+                parts.append(self.batch_mesh() or None)
             else:
                 parts.append(mesh_axes_for(self.axes[r]) if r in split else None)
         return PartitionSpec(*parts)
 
-    def _check_mapping(self, split: frozenset[str]) -> None:
-        """Every split axis divisible by its mesh axes, and no two axes on the same mesh axis."""
+    def _check_mapping(self, sharding: Sharding, split: frozenset[str]) -> None:
+        """Every split axis divisible by its mesh axes, and no two axes on the same mesh axis
+        (but the roles the rule splits `together`)."""
         mesh = compat.current_mesh()
         used: dict[str, str] = {}
+        together = {self.axes[r].name for r in sharding.together if r in self.axes}
         for arg in self.arrays:
             roles = self.roles.args[arg].roles
             for axis, is_split in [(a, True) for a in self.batch if BATCH in roles] + [
@@ -360,10 +370,11 @@ class Bound:
                         f"{self.op}: {arg}'s axis {axis.name}={axis.size} is mapped to mesh axis {phys!r} of "
                         f"size {n}, which does not divide it"
                     )
+                key = "+".join(sharding.together) if axis.name in together else axis.name
                 for m in _as_tuple(phys):
-                    if used.setdefault(m, axis.name) != axis.name:
+                    if used.setdefault(m, key) != key:
                         raise ValueError(
-                            f"{self.op}: axes {used[m]!r} and {axis.name!r} are both mapped to mesh axis {m!r}; "
+                            f"{self.op}: axes {used[m]!r} and {key!r} are both mapped to mesh axis {m!r}; "
                             "map them to different mesh axes"
                         )
 
@@ -391,13 +402,13 @@ class Bound:
         roles_all = arg_roles + [tuple(r) for _, _, r in extra]
         n = len(self.batch)
 
-        def call(ctx_mesh, *arrays):
+        def call(ctx_mesh, batch_mesh, *arrays):
             lead = arrays[0].shape[:n]
             flat = [
                 None if a is None else (flatten(a, n) if BATCH in roles else a)
                 for a, roles in zip(arrays, roles_all, strict=True)
             ]
-            result = body(Context(ctx_mesh, tuple(lead)), *flat)
+            result = body(Context(ctx_mesh, tuple(lead), batch_mesh), *flat)
             results = [result] if single else list(result)
             return tuple(
                 unflatten(r, tuple(lead)) if BATCH in o.roles else r
@@ -408,19 +419,23 @@ class Bound:
             mesh = compat.current_mesh()
             if self.sharded(sharding):
                 split = frozenset(r for r in sharding.parallel if r in self.axes)
-                self._check_mapping(split)
+                self._check_mapping(sharding, split)
                 mesh_roles = self._mesh_roles(sharding)
                 in_specs = tuple(
-                    None if d is None else self._pspec(roles, split)
+                    None if d is None else self._pspec(roles, split, sharding)
                     for d, roles in zip(datas, roles_all, strict=True)
                 )
-                out_specs = tuple(self._pspec(o.roles, split) for o in out_list)
+                out_specs = tuple(self._pspec(o.roles, split, sharding) for o in out_list)
+                batch_mesh = self.batch_mesh()
                 fn = compat.shard_map(
-                    lambda *a: call(mesh_roles, *a), mesh=mesh, in_specs=in_specs, out_specs=out_specs
+                    lambda *a: call(mesh_roles, batch_mesh, *a),
+                    mesh=mesh,
+                    in_specs=in_specs,
+                    out_specs=out_specs,
                 )
                 results = fn(*datas)
             else:
-                results = call({}, *datas)
+                results = call({}, (), *datas)
         wrapped = tuple(self._wrap(r, o) for r, o in zip(results, out_list, strict=True))
         return wrapped[0] if single else wrapped
 

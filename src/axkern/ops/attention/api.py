@@ -5,11 +5,14 @@
 (`axkern.masks`), `G = heads // kv_heads` (grouped-query attention; `G = heads` is
 multi-query), `softcap(s) = c · tanh(s / c)`. A sink adds `exp(sink[h])` to the softmax's
 denominator (a learnable "attend to nothing"). A query that sees no key gets zeros.
+`mask=None` means no masking (haliax's and Levanter's meaning); causal attention is
+`mask=axkern.masks.Causal()`.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Literal
 
 import haliax as hax
 import jax
@@ -17,7 +20,7 @@ import jax.numpy as jnp
 from haliax import NamedArray
 
 from axkern import masks as masks_
-from axkern.core import compat, named
+from axkern.core import named
 from axkern.core.op import Implementation, Op
 from axkern.core.typing import Array, Float, checked
 
@@ -77,6 +80,18 @@ OP = Op(
 )
 
 
+AttentionImplementation = Literal["xla", "pallas_gpu", "pallas_tpu", "cudnn", "reference"]
+
+
+def _no_named_leaves(mask) -> None:
+    for leaf in jax.tree_util.tree_leaves(mask, is_leaf=lambda a: isinstance(a, NamedArray)):
+        if isinstance(leaf, NamedArray):
+            raise TypeError(
+                f"{NAME}: {mask!r} holds NamedArrays; pass it to axkern.attention, or build it from plain "
+                "arrays (leading with the batch axes flattened) for the positional form"
+            )
+
+
 @checked
 def attention_positional(
     q: Float[Array, "batch q_len heads head_dim"],
@@ -87,7 +102,7 @@ def attention_positional(
     scale: float | None = None,
     logits_soft_cap: float | None = None,
     sinks: Float[Array, " heads"] | None = None,
-    implementation: str | tuple[str, ...] | None = None,
+    implementation: AttentionImplementation | tuple[AttentionImplementation, ...] | None = None,
     block_sizes: AttentionBlockSizes | dict | None = None,
 ) -> Float[Array, "batch q_len heads v_dim"]:
     """Attention on plain arrays, laid out as `jax.nn.dot_product_attention`'s (`BTNH`).
@@ -96,7 +111,8 @@ def attention_positional(
 
     - `q`: `[batch, q_len, heads, head_dim]`; `k`: `[batch, kv_len, kv_heads, head_dim]`;
       `v`: `[batch, kv_len, kv_heads, v_dim]`. `heads` must be a multiple of `kv_heads`.
-    - `mask`: an `axkern.masks.Mask`; default `masks.Causal()`. `masks.Full()` for none.
+    - `mask`: an `axkern.masks.Mask`; `None` (the default) attends to every key, as
+      `masks.Full()`. Causal attention is `mask=masks.Causal()`.
     - `scale`: default `head_dim ** -0.5`.
     - `logits_soft_cap`: `c` in `c · tanh(s / c)`, or None.
     - `sinks`: `[heads]` sink logits, or None.
@@ -111,7 +127,8 @@ def attention_positional(
         raise ValueError(f"{NAME}: heads={h} is not a multiple of kv_heads={kvh}")
     if logits_soft_cap is not None and not float(logits_soft_cap) > 0:
         raise ValueError(f"{NAME}: logits_soft_cap must be > 0 or None, got {logits_soft_cap!r}")
-    mask = masks_.Causal() if mask is None else mask
+    mask = masks_.Full() if mask is None else mask
+    _no_named_leaves(mask)
     mask.check(sq, sk, b)
     scale = d**-0.5 if scale is None else float(scale)
     spec = OP.spec(
@@ -143,21 +160,88 @@ def attention_positional(
     )
 
 
+# -- named layer -------------------------------------------------------------------------------
+
+ROLES = named.Roles(
+    NAME,
+    {
+        "q": named.Arg(("batch", "QPos", "Heads", "HeadDim"), describe="batch axes + QPos + Heads + HeadDim"),
+        "k": named.Arg(
+            ("batch", "KPos", "KVHeads", "HeadDim"), describe="q's batch axes + KPos + KVHeads + HeadDim"
+        ),
+        "v": named.Arg(
+            ("batch", "KPos", "KVHeads", "VDim"), describe="q's batch axes + KPos + KVHeads + HeadDim"
+        ),
+        "sinks": named.Arg(("Heads",), optional=True, describe="Heads"),
+    },
+    fallbacks={"KPos": "QPos", "KVHeads": "Heads"},
+)
+SHARDING = named.Sharding(
+    parallel=("Heads", "KVHeads"),
+    together=("Heads", "KVHeads"),
+    describe="batch axes data parallel; Heads and KVHeads head parallel (mapped to the same mesh axes; "
+    "no communication); positions and head dims gathered",
+)
+# a single kv head (multi-query) is read by every shard of the query heads
+SHARDING_MQA = named.Sharding(parallel=("Heads",), describe=SHARDING.describe)
+
+
+def _mask_inputs(mask, bound):
+    """The mask's arrays as extra inputs of `Bound.run` (canonical order, batch axes unflattened),
+    and how to rebuild the mask from their local blocks."""
+    leaves, treedef = jax.tree_util.tree_flatten(mask, is_leaf=lambda a: isinstance(a, NamedArray))
+    roles = masks_.leaf_roles(mask)
+    lead = tuple(a.size for a in bound.batch)
+    extra, shared = [], []
+    for i, (leaf, leaf_roles) in enumerate(zip(leaves, roles, strict=True)):
+        what = f"{type(mask).__name__}'s array {i}"
+        if isinstance(leaf, NamedArray):
+            want = bound.axes_of(leaf_roles)
+            need = {a.name: a.size for a in want}
+            pos = [bound.axis(r).name for r in leaf_roles if r != "batch"]
+            have = {a.name: a.size for a in leaf.axes}
+            if any(need.get(n) != size for n, size in have.items()) or any(p not in have for p in pos):
+                raise ValueError(
+                    f"{NAME}: {what} has axes {named.axes_str(leaf.axes)}; it must carry "
+                    f"{' + '.join(pos)} and a subset of q's batch axes, within {named.axes_str(want)}"
+                )
+            extra.append((what, hax.broadcast_to(leaf, want).rearrange(want).array, leaf_roles))
+            shared.append(False)
+            continue
+        leaf = jnp.asarray(leaf)
+        if leaf.ndim and leaf.shape[0] == 1 and math.prod(lead) != 1:  # shared by every batch row
+            extra.append((what, leaf[0], leaf_roles[1:]))
+            shared.append(True)
+        elif leaf.ndim and leaf.shape[0] == math.prod(lead):
+            extra.append((what, jnp.reshape(leaf, lead + leaf.shape[1:]), leaf_roles))
+            shared.append(False)
+        else:
+            raise ValueError(
+                f"{NAME}: the mask's arrays must lead with q's batch axes {named.axes_str(bound.batch)} flattened "
+                f"({math.prod(lead)} rows) or with 1; {mask!r} has an array of shape {list(jnp.shape(leaf))}"
+            )
+
+    def rebuild(local_leaves):
+        return treedef.unflatten([x[None] if one else x for x, one in zip(local_leaves, shared, strict=True)])
+
+    return extra, rebuild
+
+
 def attention(
     q: NamedArray,
     k: NamedArray,
     v: NamedArray,
     *,
-    QPos="position",
-    KPos="key_position",
-    Heads="heads",
-    KVHeads="kv_heads",
-    HeadDim="head_size",
+    QPos: named.AxisSelector = "position",
+    KPos: named.AxisSelector = "key_position",
+    Heads: named.AxisSelector = "heads",
+    KVHeads: named.AxisSelector = "kv_heads",
+    HeadDim: named.AxisSelector = "head_size",
     mask: masks_.Mask | None = None,
     scale: float | None = None,
     logits_soft_cap: float | None = None,
     sinks: NamedArray | Array | None = None,
-    implementation: str | tuple[str, ...] | None = None,
+    implementation: AttentionImplementation | tuple[AttentionImplementation, ...] | None = None,
     block_sizes: AttentionBlockSizes | dict | None = None,
 ) -> NamedArray:
     """Attention over named axes.
@@ -165,104 +249,60 @@ def attention(
     `q` has batch axes, `QPos`, `Heads` and `HeadDim`; `k` and `v` the same batch axes,
     `KPos` (or `QPos`'s name when `KPos` is absent: self-attention), `KVHeads` (or `Heads`
     when absent) and `HeadDim` (`v`'s may differ in size). Batch axes are every other axis
-    of `q`, in any order. `sinks`: over `Heads`. Masks index positions along `QPos` and
-    `KPos`, and their batch dimension is the batch axes flattened in `q`'s order.
+    of `q`, in any order. `sinks`: over `Heads`.
+
+    `mask=None` attends to every key; causal attention is `mask=axkern.masks.Causal()`.
+    Masks that hold arrays (`Segments`, `PrefixLM`, `Dense`) take `NamedArray`s over the batch
+    axes (any subset, any order) and `QPos` / `KPos`; plain arrays lead with the batch axes
+    flattened in `q`'s order (or with 1).
+
+    ```python
+    out = axkern.attention(q, k, v, mask=axkern.masks.Causal())
+    docs = axkern.masks.Segments(doc_ids, doc_ids.rename({"position": "key_position"}))
+    out = axkern.attention(q, k, v, mask=axkern.masks.Causal() & docs)
+    ```
 
     Under a haliax axis mapping with a mesh, batch axes and heads run in parallel (`KVHeads`
     mapped like `Heads`, or a single kv head); positions and head dims are gathered.
 
     **Returns:** the batch axes, `QPos`, `Heads` and `v`'s `HeadDim`, in `q`'s axis order.
     """
-    for arg, value in (("q", q), ("k", k), ("v", v)):
-        named.require_named(NAME, arg, value)
-    qpos = named.resolve(NAME, "q", q, QPos, "QPos")
-    heads = named.resolve(NAME, "q", q, Heads, "Heads")
-    head_dim = named.resolve(NAME, "q", q, HeadDim, "HeadDim")
-    k_names = {a.name for a in k.axes}
-    kpos_name = KPos.name if isinstance(KPos, hax.Axis) else KPos
-    if kpos_name not in k_names and qpos.name in k_names:
-        kpos_name = qpos.name
-    kvh_name = KVHeads.name if isinstance(KVHeads, hax.Axis) else KVHeads
-    if kvh_name not in k_names:
-        kvh_name = heads.name
-    kpos = named.resolve(NAME, "k", k, kpos_name, "KPos")
-    kvheads = named.resolve(NAME, "k", k, kvh_name, "KVHeads")
-    k_dim = named.resolve(NAME, "k", k, head_dim.name, "HeadDim")
-    v_dim = named.resolve(NAME, "v", v, head_dim.name, "HeadDim")
-    batch = named.without(q, qpos.name, heads.name, head_dim.name)
-    k_batch = named.without(k, kpos.name, kvheads.name, k_dim.name)
-    for arg, arr, got in (("k", k, k_batch), ("v", v, named.without(v, kpos.name, kvheads.name, v_dim.name))):
-        if {a.name: a.size for a in got} != {a.name: a.size for a in batch}:
-            raise ValueError(
-                f"{NAME}: {arg} must carry q's batch axes {named.axes_str(batch)} besides its position, "
-                f"heads and head dim; its axes are {named.axes_str(arr.axes)}"
-            )
-    n = len(batch)
-    q_axes, k_axes, v_axes = (
-        (*batch, qpos, heads, head_dim),
-        (*batch, kpos, kvheads, k_dim),
-        (*batch, kpos, kvheads, v_dim),
+    if sinks is not None and not isinstance(sinks, NamedArray):
+        sinks = hax.named(jnp.asarray(sinks), (Heads.name if isinstance(Heads, hax.Axis) else Heads,))
+    bound = ROLES.bind(
+        {"q": q, "k": k, "v": v, "sinks": sinks},
+        QPos=QPos,
+        KPos=KPos,
+        Heads=Heads,
+        KVHeads=KVHeads,
+        HeadDim=HeadDim,
+        VDim=HeadDim,
     )
-    if isinstance(sinks, NamedArray):
-        sinks = named.match_axes(NAME, "sinks", sinks, (heads,), "Heads")
-    # a mask's arrays lead with the flattened batch: split it back into the batch axes to shard them
-    leaves, treedef = jax.tree_util.tree_flatten(masks_.Causal() if mask is None else mask)
-    lead = tuple(a.size for a in batch)
-    mask_inputs, mask_axes, shared = [], [], []
-    for i, leaf in enumerate(leaves):
-        rest = tuple(hax.Axis(f"__mask{i}_{j}", size) for j, size in enumerate(jnp.shape(leaf)[1:]))
-        if jnp.ndim(leaf) and leaf.shape[0] == 1 and math.prod(lead) != 1:  # shared by every batch row
-            rest = (hax.Axis(f"__mask{i}_b", 1), *rest)
-            mask_axes += [a.name for a in rest]
-            mask_inputs.append((f"mask leaf {i}", leaf, rest))
-            shared.append(True)
-            continue
-        if jnp.ndim(leaf) == 0 or leaf.shape[0] != math.prod(lead):
-            raise ValueError(
-                f"{NAME}: the mask's arrays must lead with q's batch axes {named.axes_str(batch)} flattened "
-                f"({math.prod(lead)} rows) or with 1; {mask!r} has an array of shape {list(jnp.shape(leaf))}"
-            )
-        mask_axes += [a.name for a in rest]
-        mask_inputs.append((f"mask leaf {i}", jnp.reshape(leaf, lead + leaf.shape[1:]), batch + rest))
-        shared.append(False)
-    replicated = (qpos.name, kpos.name, head_dim.name, v_dim.name, *mask_axes)
+    heads, kvheads = bound.axis("Heads"), bound.axis("KVHeads")
+    sharding = SHARDING
     if kvheads.name != heads.name and kvheads.size == 1:
-        replicated += (kvheads.name,)  # MQA: every shard of heads reads the one kv head
-    elif kvheads.name != heads.name and compat.current_mesh() is not None:
+        sharding = SHARDING_MQA
+    elif kvheads.name != heads.name and bound.sharded(SHARDING):
         if named.mesh_axes_for(heads) != named.mesh_axes_for(kvheads):
             raise ValueError(
                 f"{NAME}: {heads.name} is mapped to mesh axes {named.mesh_axes_for(heads)!r} but "
                 f"{kvheads.name} to {named.mesh_axes_for(kvheads)!r}; map both to the same mesh axes "
                 "(each shard's query heads must find their kv heads on it)"
             )
-    options = dict(
-        scale=scale,
-        logits_soft_cap=logits_soft_cap,
-        implementation=implementation,
-        block_sizes=block_sizes,
-    )
+    extra, rebuild = _mask_inputs(masks_.Full() if mask is None else mask, bound)
 
-    def local(qs, ks, vs, ss, *leaves_local):
-        fl = lambda a: named.flatten(a, n)  # noqa: E731
-        m = treedef.unflatten(
-            [
-                x if one else jnp.reshape(x, (-1, *x.shape[n:]))
-                for x, one in zip(leaves_local, shared, strict=True)
-            ]
+    def body(ctx, qs, ks, vs, ss, *mask_leaves):
+        return attention_positional(
+            qs,
+            ks,
+            vs,
+            mask=rebuild(mask_leaves),
+            sinks=ss,
+            scale=scale,
+            logits_soft_cap=logits_soft_cap,
+            implementation=implementation,
+            block_sizes=block_sizes,
         )
-        out = attention_positional(fl(qs), fl(ks), fl(vs), mask=m, sinks=ss, **options)
-        return named.unflatten(out, qs.shape[:n])
 
-    inputs = [
-        ("q", named.ordered(q, q_axes), q_axes),
-        ("k", named.ordered(k, k_axes), k_axes),
-        ("v", named.ordered(v, v_axes), v_axes),
-        None if sinks is None else ("sinks", sinks, (heads,)),
-        *mask_inputs,
-    ]
-    out_axes = (*batch, qpos, heads, v_dim)
-    out = named.shard_by_mapping(NAME, local, inputs, out_axes, replicated=replicated)
-    if out is None:
-        out = local(*[None if i is None else i[1] for i in inputs])
-    result = hax.named(out, out_axes)
-    return result.rearrange(tuple(a.name if a.name != head_dim.name else v_dim.name for a in q.axes))
+    out = named.Out(("batch", "QPos", "Heads", "VDim"), like="q", swap={"HeadDim": "VDim"})
+    return bound.run(body, sharding, out, extra=extra)

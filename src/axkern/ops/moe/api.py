@@ -10,6 +10,9 @@ zero, it is not routed, and `MoeLayout.dropped` counts it.
 
 from __future__ import annotations
 
+import math
+from typing import Literal, NamedTuple
+
 import equinox as eqx
 import haliax as hax
 import jax
@@ -17,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from haliax import NamedArray
 
-from axkern.core import named
+from axkern.core import compat, named
 from axkern.core.op import Implementation, Op
 from axkern.core.typing import Array, Float, Shaped, checked
 
@@ -26,6 +29,7 @@ from . import cuda, reference, xla
 __all__ = [
     "MoeLayout",
     "MoeRouting",
+    "MoeDispatch",
     "moe_layout",
     "moe_dispatch",
     "moe_combine",
@@ -100,13 +104,31 @@ class MoeLayout(eqx.Module):
 
 
 class MoeRouting(eqx.Module):
-    """What `moe_combine` needs to undo a dispatch: each pair's row in the dispatched array."""
+    """What `moe_combine` needs to undo a dispatch: each pair's row in the dispatched array.
+
+    From the named `moe_dispatch`, `rows` and `topk_idx` are laid out over the token axes and
+    `TopK` (`token_axes`, `topk_axis`), and `dispatched_axis` names the dispatched rows; under
+    token parallelism each shard's `rows` index its own block of the dispatched rows.
+    """
 
     rows: Array
     topk_idx: Array
     num_experts: int = eqx.field(static=True)
-    token_axis: hax.Axis | None = eqx.field(static=True, default=None)
+    token_axes: tuple[hax.Axis, ...] | None = eqx.field(static=True, default=None)
     topk_axis: hax.Axis | None = eqx.field(static=True, default=None)
+    dispatched_axis: hax.Axis | None = eqx.field(static=True, default=None)
+
+
+class MoeDispatch(NamedTuple):
+    """`moe_dispatch`'s results: the rows in expert-major order, the rows per expert (for
+    `jax.lax.ragged_dot`), and the routing that `moe_combine` takes."""
+
+    expert_x: Array | NamedArray
+    group_sizes: Array | NamedArray
+    routing: MoeRouting
+
+
+MoeImplementation = Literal["cuda", "xla", "reference"]
 
 
 def _check(op: str, topk_idx, num_experts: int, num_ranks: int = 1) -> None:
@@ -129,7 +151,12 @@ def _check(op: str, topk_idx, num_experts: int, num_ranks: int = 1) -> None:
 
 @checked
 def moe_layout_positional(
-    topk_idx: Shaped[Array, "tokens topk"], *, num_experts: int, num_ranks: int = 1, implementation=None
+    topk_idx: Shaped[Array, "tokens topk"],
+    *,
+    num_experts: int,
+    num_ranks: int = 1,
+    implementation: MoeImplementation | tuple[MoeImplementation, ...] | None = None,
+    block_sizes: None = None,
 ) -> MoeLayout:
     """Per-expert and per-rank counts of a top-k routing (DeepEP's `get_dispatch_layout`)."""
     _check("moe_layout", topk_idx, num_experts, num_ranks)
@@ -138,7 +165,14 @@ def moe_layout_positional(
         {"tokens": tokens, "topk": topk, "experts": num_experts, "ranks": num_ranks}, jnp.int32
     )
     return MoeLayout(
-        *LAYOUT(spec, topk_idx, implementation=implementation, num_experts=num_experts, num_ranks=num_ranks)
+        *LAYOUT(
+            spec,
+            topk_idx,
+            implementation=implementation,
+            block_sizes=block_sizes,
+            num_experts=num_experts,
+            num_ranks=num_ranks,
+        )
     )
 
 
@@ -148,18 +182,20 @@ def moe_dispatch_positional(
     topk_idx: Shaped[Array, "tokens topk"],
     *,
     num_experts: int,
-    implementation=None,
-):
-    """`(expert_x [tokens*topk, embed], group_sizes [experts], routing)`; dropped pairs' rows are zero, last."""
+    implementation: MoeImplementation | tuple[MoeImplementation, ...] | None = None,
+    block_sizes: None = None,
+) -> MoeDispatch:
+    """`MoeDispatch(expert_x [tokens*topk, embed], group_sizes [experts], routing)`; dropped pairs'
+    rows are zero, last."""
     _check("moe_dispatch", topk_idx, num_experts)
     tokens, topk = topk_idx.shape
     spec = DISPATCH.spec(
         {"tokens": tokens, "topk": topk, "embed": x.shape[1], "experts": num_experts}, x.dtype
     )
     expert_x, group_sizes, rows = DISPATCH(
-        spec, x, topk_idx, implementation=implementation, num_experts=num_experts
+        spec, x, topk_idx, implementation=implementation, block_sizes=block_sizes, num_experts=num_experts
     )
-    return expert_x, group_sizes, MoeRouting(rows, topk_idx, num_experts)
+    return MoeDispatch(expert_x, group_sizes, MoeRouting(rows, topk_idx, num_experts))
 
 
 @checked
@@ -168,7 +204,8 @@ def moe_combine_positional(
     topk_weights: Float[Array, "tokens topk"],
     routing: MoeRouting,
     *,
-    implementation=None,
+    implementation: MoeImplementation | tuple[MoeImplementation, ...] | None = None,
+    block_sizes: None = None,
 ) -> Float[Array, "tokens out"]:
     """`y[t] = sum_k topk_weights[t, k] * expert_y[row of (t, k)]`, dropped pairs contributing nothing."""
     tokens, topk = topk_weights.shape
@@ -188,103 +225,189 @@ def moe_combine_positional(
         routing.topk_idx,
         routing.rows,
         implementation=implementation,
+        block_sizes=block_sizes,
         num_experts=routing.num_experts,
     )
 
 
-# -- named layer -------------------------------------------------------------------------------
-
 EXPERTS, RANKS, DISPATCHED = "experts", "ranks", "dispatched"
 
+# -- named layer -------------------------------------------------------------------------------
 
-def _resolve_topk(op, topk_idx, Token, TopK):
-    named.require_named(op, "topk_idx", topk_idx)
-    token = named.resolve(op, "topk_idx", topk_idx, Token, "Token")
-    topk = named.resolve(op, "topk_idx", topk_idx, TopK, "TopK")
-    if len(topk_idx.axes) != 2:
-        raise ValueError(
-            f"{op}: topk_idx must have exactly axes Token and TopK; its axes are "
-            f"{named.axes_str(topk_idx.axes)}"
-        )
-    return token, topk, named.ordered(topk_idx, (token, topk))
+# Token axes are the batch axes of each table: every axis of `topk_idx` (or `topk_weights`) but TopK.
+LAYOUT_ROLES = named.Roles(
+    "moe_layout", {"topk_idx": named.Arg(("batch", "TopK"), describe="token axes + TopK")}
+)
+DISPATCH_ROLES = named.Roles(
+    "moe_dispatch",
+    {
+        "topk_idx": named.Arg(("batch", "TopK"), describe="token axes + TopK"),
+        "x": named.Arg(("batch", "Embed"), describe="topk_idx's token axes + Embed"),
+    },
+)
+COMBINE_ROLES = named.Roles(
+    "moe_combine",
+    {
+        # the routing first: its token axes' order fixed the dispatched blocks' order
+        "rows": named.Arg(("batch", "TopK")),
+        "topk_idx": named.Arg(("batch", "TopK")),
+        "topk_weights": named.Arg(("batch", "TopK"), describe="the routing's token axes + TopK"),
+        "expert_y": named.Arg(("Dispatched", "Out"), describe="Dispatched + one output axis"),
+    },
+)
+SHARDING = named.Sharding(
+    with_batch=("Dispatched", "Blocks"),
+    describe="token parallel: each shard routes its own tokens (its block of the dispatched rows is "
+    "expert-major on its own; per-shard counts psummed); no other communication",
+)
+
+
+def _psum_over(ctx, value):
+    return jax.lax.psum(value, ctx.batch_mesh) if ctx.batch_mesh else value
 
 
 def moe_layout(
     topk_idx: NamedArray,
     *,
-    Token="token",
-    TopK="topk",
+    TopK: named.AxisSelector = "topk",
+    Experts: named.AxisSelector = EXPERTS,
+    Ranks: named.AxisSelector = RANKS,
     num_experts: int,
     num_ranks: int = 1,
-    implementation=None,
+    implementation: MoeImplementation | tuple[MoeImplementation, ...] | None = None,
+    block_sizes: None = None,
 ) -> MoeLayout:
-    """Named `moe_layout`: counts as NamedArrays over axes `"experts"`, `"ranks"` and `Token`."""
-    token, _, idx = _resolve_topk("moe_layout", topk_idx, Token, TopK)
-    out = moe_layout_positional(
-        idx, num_experts=num_experts, num_ranks=num_ranks, implementation=implementation
+    """Named `moe_layout`: per-expert and per-rank counts over axes `Experts` and `Ranks`,
+    `is_token_in_rank` over the token axes (every axis of `topk_idx` but `TopK`) and `Ranks`."""
+    bound = LAYOUT_ROLES.bind({"topk_idx": topk_idx}, TopK=TopK)
+    bound.create("Experts", Experts, num_experts)
+    bound.create("Ranks", Ranks, num_ranks)
+
+    def body(ctx, idx):
+        out = moe_layout_positional(
+            idx,
+            num_experts=num_experts,
+            num_ranks=num_ranks,
+            implementation=implementation,
+            block_sizes=block_sizes,
+        )
+        return (
+            _psum_over(ctx, out.tokens_per_expert),
+            _psum_over(ctx, out.tokens_per_rank),
+            out.is_token_in_rank,
+            _psum_over(ctx, out.dropped),
+        )
+
+    outs = (
+        named.Out(("Experts",)),
+        named.Out(("Ranks",)),
+        named.Out(("batch", "Ranks"), like="topk_idx"),
+        named.Out(()),
     )
-    experts, ranks = hax.Axis(EXPERTS, num_experts), hax.Axis(RANKS, num_ranks)
-    return MoeLayout(
-        hax.named(out.tokens_per_expert, (experts,)),
-        hax.named(out.tokens_per_rank, (ranks,)),
-        hax.named(out.is_token_in_rank, (token, ranks)),
-        out.dropped,
-    )
+    per_expert, per_rank, in_rank, dropped = bound.run(body, SHARDING, outs)
+    return MoeLayout(per_expert, per_rank, in_rank, dropped.array)
 
 
 def moe_dispatch(
     x: NamedArray,
     topk_idx: NamedArray,
     *,
-    Token="token",
-    Embed="embed",
-    TopK="topk",
+    Embed: named.AxisSelector = "embed",
+    TopK: named.AxisSelector = "topk",
+    Dispatched: named.AxisSelector = DISPATCHED,
+    Experts: named.AxisSelector = EXPERTS,
     num_experts: int,
-    implementation=None,
-):
-    """Named `moe_dispatch`: `x` has `Token` and `Embed`; returns `expert_x` over
-    (`"dispatched"`, `Embed`), `group_sizes` over `"experts"`, and the routing."""
-    named.require_named("moe_dispatch", "x", x)
-    token, topk, idx = _resolve_topk("moe_dispatch", topk_idx, Token, TopK)
-    x_token = named.resolve("moe_dispatch", "x", x, token.name, "Token")
-    embed = named.resolve("moe_dispatch", "x", x, Embed, "Embed")
-    if x_token.size != token.size or len(x.axes) != 2:
-        raise ValueError(
-            f"moe_dispatch: x must have exactly axes {token} and Embed; its axes are {named.axes_str(x.axes)}"
+    implementation: MoeImplementation | tuple[MoeImplementation, ...] | None = None,
+    block_sizes: None = None,
+) -> MoeDispatch:
+    """Named `moe_dispatch`. `topk_idx`: token axes (every axis but `TopK`, e.g. `batch` and
+    `position`) + `TopK`; `x`: the same token axes + `Embed`.
+
+    **Returns:** `MoeDispatch(expert_x over (Dispatched, Embed), group_sizes over Experts, routing)`.
+    Under a haliax axis mapping that splits the token axes, each shard dispatches its own
+    tokens: `expert_x`'s `Dispatched` axis is split the same way, each block expert-major on
+    its own, and `group_sizes` gains a leading axis `"dispatch_blocks"` (one row of counts
+    per block): run `ragged_dot` per block, under `shard_map`.
+
+    ```python
+    expert_x, group_sizes, routing = axkern.moe_dispatch(x, topk_idx, num_experts=8)
+    ```
+    """
+    bound = DISPATCH_ROLES.bind({"topk_idx": topk_idx, "x": x}, Embed=Embed, TopK=TopK)
+    tokens = math.prod(a.size for a in bound.batch)
+    dispatched = bound.create("Dispatched", Dispatched, tokens * bound.axis("TopK").size)
+    bound.create("Experts", Experts, num_experts)
+    sharded = bound.sharded(SHARDING)
+    if sharded:
+        blocks = compat.axis_size(compat.current_mesh(), bound.batch_mesh()) if bound.batch_mesh() else 1
+        bound.create("Blocks", "dispatch_blocks", blocks)
+
+    def body(ctx, idx, xs):
+        expert_x, group_sizes, routing = moe_dispatch_positional(
+            xs, idx, num_experts=num_experts, implementation=implementation, block_sizes=block_sizes
         )
-    expert_x, group_sizes, routing = moe_dispatch_positional(
-        named.ordered(x, (token, embed)), idx, num_experts=num_experts, implementation=implementation
+        if sharded:
+            group_sizes = group_sizes[None]
+        return expert_x, group_sizes, routing.rows.reshape(idx.shape), idx
+
+    groups = named.Out(("Blocks", "Experts") if sharded else ("Experts",))
+    outs = (
+        named.Out(("Dispatched", "Embed")),
+        groups,
+        named.Out(("batch", "TopK")),
+        named.Out(("batch", "TopK")),
     )
-    rows = hax.Axis(DISPATCHED, token.size * topk.size)
-    routing = MoeRouting(routing.rows, routing.topk_idx, num_experts, token, topk)
-    return (
-        hax.named(expert_x, (rows, embed)),
-        hax.named(group_sizes, (hax.Axis(EXPERTS, num_experts),)),
-        routing,
+    expert_x, group_sizes, rows, idx = bound.run(body, SHARDING, outs)
+    routing = MoeRouting(
+        rows.array, idx.array, num_experts, tuple(bound.batch), bound.axis("TopK"), dispatched
     )
+    return MoeDispatch(expert_x, group_sizes, routing)
 
 
-def moe_combine(expert_y: NamedArray, topk_weights: NamedArray, routing: MoeRouting, *, implementation=None):
-    """Named `moe_combine`: `expert_y` over (`"dispatched"`, any output axis), `topk_weights` over the
-    routing's Token and TopK axes; returns `y` over (Token, the output axis)."""
+def moe_combine(
+    expert_y: NamedArray,
+    topk_weights: NamedArray,
+    routing: MoeRouting,
+    *,
+    implementation: MoeImplementation | tuple[MoeImplementation, ...] | None = None,
+    block_sizes: None = None,
+) -> NamedArray:
+    """Named `moe_combine`: `expert_y` over the routing's `Dispatched` axis and one output axis,
+    `topk_weights` over the routing's token axes and `TopK` (any order); returns `y` over the
+    token axes (in `topk_weights`' order) and the output axis."""
     named.require_named("moe_combine", "expert_y", expert_y)
-    named.require_named("moe_combine", "topk_weights", topk_weights)
-    if routing.token_axis is None:
+    if routing.token_axes is None:
         raise ValueError(
             "moe_combine: this routing came from the positional moe_dispatch; use moe_combine_positional"
         )
-    rows = named.resolve("moe_combine", "expert_y", expert_y, DISPATCHED, "Dispatched")
-    out_axes = named.without(expert_y, rows.name)
+    rows_axis = named.resolve("moe_combine", "expert_y", expert_y, routing.dispatched_axis, "Dispatched")
+    out_axes = [a for a in expert_y.axes if a.name != rows_axis.name]
     if len(out_axes) != 1:
         raise ValueError(
-            f"moe_combine: expert_y must have {DISPATCHED!r} and one output axis; its axes are "
+            f"moe_combine: expert_y must have {rows_axis.name!r} and one output axis; its axes are "
             f"{named.axes_str(expert_y.axes)}"
         )
-    token, topk = routing.token_axis, routing.topk_axis
-    w = named.match_axes(
-        "moe_combine", "topk_weights", topk_weights, (token, topk), "the routing's Token and TopK"
+    table = (*routing.token_axes, routing.topk_axis)
+    named.require_named("moe_combine", "topk_weights", topk_weights)
+    if {(a.name, a.size) for a in topk_weights.axes} != {(a.name, a.size) for a in table}:
+        raise ValueError(
+            f"moe_combine: topk_weights's axes {named.axes_str(topk_weights.axes)} must be the routing's "
+            f"token axes + TopK {named.axes_str(table)} (any order)"
+        )
+    bound = COMBINE_ROLES.bind(
+        {
+            "rows": hax.named(routing.rows, table),
+            "topk_idx": hax.named(routing.topk_idx, table),
+            "topk_weights": topk_weights,
+            "expert_y": expert_y,
+        },
+        TopK=routing.topk_axis,
+        Dispatched=rows_axis,
+        Out=out_axes[0],
     )
-    y = moe_combine_positional(
-        named.ordered(expert_y, (rows, out_axes[0])), w, routing, implementation=implementation
-    )
-    return hax.named(y, (token, out_axes[0]))
+
+    def body(ctx, rows, idx, w, ys):
+        local = MoeRouting(rows.reshape(-1), idx, routing.num_experts)
+        return moe_combine_positional(ys, w, local, implementation=implementation, block_sizes=block_sizes)
+
+    return bound.run(body, SHARDING, named.Out(("batch", "Out"), like="topk_weights"))
