@@ -9,12 +9,13 @@ print(axkern.explain(axkern.fused_cross_entropy, x, lm_head, labels))
 
 from . import masks, positional
 from .core.config import use
+from .core.named import StepResult, WithFinalState
 from .core.op import Decision, FallbackWarning, Unsupported, explain, get_op, registered_ops
 from .ops.attention import AttentionBlockSizes, attention
-from .ops.fused_cross_entropy import CrossEntropyBlockSizes, fused_cross_entropy
-from .ops.moe import MoeLayout, MoeRouting, moe_combine, moe_dispatch, moe_layout
+from .ops.fused_cross_entropy import CrossEntropyBlockSizes, CrossEntropyOutput, fused_cross_entropy
+from .ops.moe import MoeDispatch, MoeLayout, MoeRouting, moe_combine, moe_dispatch, moe_layout
 from .ops.short_conv import ConvBlockSizes, short_conv, short_conv_step
-from .ops.ssd import SSDBlockSizes, ssd
+from .ops.ssd import SSDBlockSizes, ssd, ssd_step
 
 __version__ = "0.1.0"
 
@@ -24,14 +25,19 @@ __all__ = [
     "masks",
     "fused_cross_entropy",
     "CrossEntropyBlockSizes",
+    "CrossEntropyOutput",
     "short_conv",
     "short_conv_step",
     "ConvBlockSizes",
+    "WithFinalState",
+    "StepResult",
     "ssd",
+    "ssd_step",
     "SSDBlockSizes",
     "moe_layout",
     "moe_dispatch",
     "moe_combine",
+    "MoeDispatch",
     "MoeLayout",
     "MoeRouting",
     "explain",

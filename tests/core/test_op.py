@@ -255,3 +255,37 @@ def test_default_order_may_depend_on_the_call(toy):
     o.default_order["cpu"] = lambda spec: ("slow", "fast") if spec.dim("n") > 4 else ("fast", "slow")
     assert axkern.explain(call, jnp.zeros(4)).implementation == "fast"
     assert axkern.explain(call, jnp.zeros(6)).implementation == "slow"
+
+
+def test_use_takes_effect_in_jitted_functions():
+    """A `use(...)` change reaches a function that `eqx.filter_jit` / `jax.jit` already compiled."""
+    import equinox as eqx
+    import haliax as hax
+
+    import axkern
+
+    Pos, Embed, Width = hax.Axis("position", 8), hax.Axis("embed", 4), hax.Axis("width", 3)
+    x = hax.random.normal(jax.random.PRNGKey(0), (Pos, Embed))
+    w = hax.random.normal(jax.random.PRNGKey(1), (Width, Embed))
+    traces = []
+
+    @eqx.filter_jit
+    def f(x, w):
+        traces.append(1)
+        return axkern.short_conv(x, w)
+
+    f(x, w)
+    f(x, w)
+    assert len(traces) == 1
+    with axkern.use(strict=True, short_conv=("pallas_tpu", "xla")):
+        with pytest.raises(axkern.Unsupported, match="pallas_tpu"):
+            f(x, w)  # traced again: strict mode refuses the fallback past pallas_tpu
+    f(x, w)  # outside the block: the first trace again
+    assert len(traces) == 2
+    xs = x.array[None]
+    g = jax.jit(lambda x: axkern.positional.short_conv(x, w.array))
+    g(xs)
+    with axkern.use(short_conv="reference"):
+        d = axkern.explain(lambda x: axkern.positional.short_conv(x, w.array), xs)
+        assert d.implementation == "reference"
+        assert g(xs).shape == xs.shape

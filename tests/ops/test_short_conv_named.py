@@ -111,6 +111,7 @@ def test_named_step_chain():
     [
         ((2, 4), {"batch": "data"}),  # data parallel
         ((1, 8), {"position": "model"}),  # sequence parallel, halo by ppermute
+        ((2, 4), {"embed": "model"}),  # channel parallel
         ((2, 4), {"batch": "data", "position": "model"}),  # both
     ],
 )
@@ -120,8 +121,10 @@ def test_sharded_equals_unsharded(mesh_shape, mapping, with_segments):
     seg = seg if with_segments else None
 
     def f(x, w, b, s0):
-        y = axkern.short_conv(x, w, bias=b, segment_ids=seg, initial_state=s0, activation="silu")
-        return hax.sum(y * y).array, y
+        y, fin = axkern.short_conv(
+            x, w, bias=b, segment_ids=seg, initial_state=s0, activation="silu", return_final_state=True
+        )
+        return hax.sum(y * y).array + hax.sum(fin * fin).array, (y, fin)
 
     want = jax.value_and_grad(f, argnums=(0, 1, 2, 3), has_aux=True)(x, w, b, s0)
     mesh = Mesh(np.array(jax.devices()[:8]).reshape(mesh_shape), ("data", "model"))

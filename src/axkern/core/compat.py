@@ -6,7 +6,15 @@ from typing import Any
 
 import jax
 
-__all__ = ["shard_map", "current_mesh", "axis_size", "axis_index", "match_vma"]
+__all__ = ["shard_map", "current_mesh", "axis_size", "axis_index", "match_vma", "jit_context"]
+
+
+def jit_context(default=None):
+    """A context whose value is part of `jax.jit`'s cache key (`jax.make_user_context`, jax >=
+    0.8): a jitted function called under another value is traced again. `None` where JAX has
+    no such context."""
+    make = getattr(jax, "make_user_context", None)
+    return make(default) if make is not None else None
 
 
 def shard_map(f, *, mesh, in_specs, out_specs, check: bool = True):

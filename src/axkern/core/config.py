@@ -2,8 +2,12 @@
 
 Precedence for every setting: an argument of the call > the innermost `use(...)` > the
 environment (`AXKERN_STRICT`, `AXKERN_INTERPRET`, `AXKERN_IMPL_<OP>`) > the default.
-Settings are read when a function is *traced*: a function already compiled by `jax.jit`
-keeps the choice it was traced with.
+
+Settings are read when a function is traced. The settings of `use(...)` are also part of
+`jax.jit`'s cache key (a JAX user context): a function compiled by `jax.jit` or
+`eqx.filter_jit` outside a `use(...)` block is traced again when called inside it, so the
+change takes effect in the next call. The environment variables are read at trace time
+only: change them before the first call.
 """
 
 from __future__ import annotations
@@ -13,6 +17,8 @@ import contextvars
 import dataclasses
 import os
 from collections.abc import Iterator
+
+from . import compat
 
 __all__ = ["Settings", "use", "current", "implementation_override"]
 
@@ -28,6 +34,7 @@ class Settings:
 
 
 _settings: contextvars.ContextVar[Settings] = contextvars.ContextVar("axkern_settings", default=Settings())  # noqa: B039 - frozen
+_jit_key = compat.jit_context(None)  # the settings of use(...), as part of jax.jit's cache key
 
 
 def _env_flag(name: str) -> bool:
@@ -95,6 +102,10 @@ def use(*, strict: bool | None = None, interpret: bool | None = None, **implemen
     )
     token = _settings.set(new)
     try:
-        yield
+        if _jit_key is None:
+            yield
+        else:
+            with _jit_key(new):
+                yield
     finally:
         _settings.reset(token)

@@ -9,7 +9,7 @@ ROLES = named.Roles("short_conv", {
     "weight": ("Width", "Channel"),
     "bias": named.Arg(("Channel",), optional=True),
 })
-bound = ROLES.bind({"x": x, "weight": w, "bias": b}, Pos=Pos, Channel=Channel, Width=Width)
+bound = ROLES.bind(locals())   # the arguments by name, the axis selectors by role
 y = bound.run(body, SHARDING, named.Out(("batch", "Pos", "Channel"), like="x"))
 ```
 
@@ -33,7 +33,7 @@ import dataclasses
 import math
 import warnings
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import haliax as hax
 import jax
@@ -58,6 +58,8 @@ __all__ = [
     "unflatten",
     "mesh_axes_for",
     "deprecated_alias",
+    "WithFinalState",
+    "StepResult",
 ]
 
 AxisSelector = str | hax.Axis
@@ -144,6 +146,20 @@ def deprecated_alias(op: str, old: str, new: str, old_value: Any, new_value: Any
     return old_value
 
 
+class WithFinalState(NamedTuple):
+    """An op's output and its state after the last position (`return_final_state=True`)."""
+
+    y: Any
+    final_state: Any
+
+
+class StepResult(NamedTuple):
+    """One decode step's output and the new state."""
+
+    y: Any
+    state: Any
+
+
 # -- the role table ----------------------------------------------------------------------------
 
 
@@ -220,8 +236,13 @@ class Roles:
         self.fallbacks = dict(fallbacks or {})
         self.batch_arg = next(iter(self.args))
 
-    def bind(self, arrays: Mapping[str, NamedArray | None], **selectors: AxisSelector) -> Bound:
+    def bind(self, scope: Mapping[str, Any], **overrides: Any) -> Bound:
+        """Resolve one call: `scope` (the named function's `locals()`) holds each argument of the
+        table by its name and each role's axis selector by the role's name; `overrides` replace
+        or add entries (an argument split in two, a selector shared by two roles)."""
         op = self.op
+        selectors = {**scope, **overrides}
+        arrays = {arg: selectors.get(arg) for arg in self.args}
         for arg, spec in self.args.items():
             require_named(op, spec.name or arg, arrays.get(arg), optional=spec.optional)
         present = {arg: arrays[arg] for arg in self.args if arrays.get(arg) is not None}

@@ -34,6 +34,7 @@ __all__ = [
     "explain",
     "registered_ops",
     "get_op",
+    "step_op",
 ]
 
 
@@ -280,6 +281,20 @@ class Op:
             return out
         detail = "; ".join(f"{r.implementation}: {r.reason}" for r in rejected)
         raise Unsupported(f"{self.name}: no implementation can serve {spec} ({detail})")
+
+
+def step_op(name: str, xla: Callable[..., Any], reference: Callable[..., Any], *, package: str) -> Op:
+    """The op of a decode step: one position of a recurrence, `xla` everywhere, `reference` on request."""
+    return Op(
+        name,
+        [
+            Implementation("xla", xla, backward="autodiff (one step)"),
+            Implementation("reference", reference, backward="autodiff"),
+        ],
+        default_order={"cpu": ("xla",), "gpu": ("xla",), "tpu": ("xla",)},
+        package=package,
+        bucket=lambda spec: dict(spec.dims),
+    )
 
 
 @contextlib.contextmanager

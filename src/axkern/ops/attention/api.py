@@ -269,15 +269,7 @@ def attention(
     """
     if sinks is not None and not isinstance(sinks, NamedArray):
         sinks = hax.named(jnp.asarray(sinks), (Heads.name if isinstance(Heads, hax.Axis) else Heads,))
-    bound = ROLES.bind(
-        {"q": q, "k": k, "v": v, "sinks": sinks},
-        QPos=QPos,
-        KPos=KPos,
-        Heads=Heads,
-        KVHeads=KVHeads,
-        HeadDim=HeadDim,
-        VDim=HeadDim,
-    )
+    bound = ROLES.bind(locals(), VDim=HeadDim)
     heads, kvheads = bound.axis("Heads"), bound.axis("KVHeads")
     sharding = SHARDING
     if kvheads.name != heads.name and kvheads.size == 1:

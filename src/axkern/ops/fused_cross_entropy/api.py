@@ -459,9 +459,7 @@ def fused_cross_entropy(
         NAME, "logit_soft_cap", "logits_soft_cap", logit_soft_cap, logits_soft_cap, None
     )
     _check_options(logits_soft_cap, logsumexp_weight, label_smoothing)
-    bound = ROLES.bind(
-        {"x": x, "lm_head": lm_head, "labels": labels, "where": where}, Embed=Embed, Vocab=Vocab
-    )
+    bound = ROLES.bind(locals())
     if not bound.batch:
         raise ValueError(f"{NAME}: x has no batch axes besides its Embed axis: {named.axes_str(x.axes)}")
     vocab = bound.axis("Vocab")

@@ -279,7 +279,7 @@ def moe_layout(
 ) -> MoeLayout:
     """Named `moe_layout`: per-expert and per-rank counts over axes `Experts` and `Ranks`,
     `is_token_in_rank` over the token axes (every axis of `topk_idx` but `TopK`) and `Ranks`."""
-    bound = LAYOUT_ROLES.bind({"topk_idx": topk_idx}, TopK=TopK)
+    bound = LAYOUT_ROLES.bind(locals())
     bound.create("Experts", Experts, num_experts)
     bound.create("Ranks", Ranks, num_ranks)
 
@@ -333,7 +333,7 @@ def moe_dispatch(
     expert_x, group_sizes, routing = axkern.moe_dispatch(x, topk_idx, num_experts=8)
     ```
     """
-    bound = DISPATCH_ROLES.bind({"topk_idx": topk_idx, "x": x}, Embed=Embed, TopK=TopK)
+    bound = DISPATCH_ROLES.bind(locals())
     tokens = math.prod(a.size for a in bound.batch)
     dispatched = bound.create("Dispatched", Dispatched, tokens * bound.axis("TopK").size)
     bound.create("Experts", Experts, num_experts)

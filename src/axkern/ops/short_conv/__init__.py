@@ -3,8 +3,6 @@
 from .api import (
     OP,
     STEP_OP,
-    ConvOutput,
-    ConvStep,
     short_conv,
     short_conv_positional,
     short_conv_step,
@@ -15,8 +13,6 @@ from .blocks import ConvBlockSizes
 __all__ = [
     "OP",
     "STEP_OP",
-    "ConvOutput",
-    "ConvStep",
     "short_conv",
     "short_conv_positional",
     "short_conv_step",

@@ -9,14 +9,15 @@ to the sequence's first segment). Segment ids are runs of equal ids, as packing 
 
 from __future__ import annotations
 
-from typing import Literal, NamedTuple
+from typing import Literal
 
 import jax.numpy as jnp
 from haliax import NamedArray
 from jax import lax
 
 from axkern.core import compat, named
-from axkern.core.op import Implementation, Op
+from axkern.core.named import StepResult, WithFinalState
+from axkern.core.op import Implementation, Op, step_op
 from axkern.core.typing import Array, Float, Int, checked
 
 from . import pallas_gpu, pallas_tpu, reference, xla
@@ -28,8 +29,6 @@ __all__ = [
     "short_conv_positional",
     "short_conv_step",
     "short_conv_step_positional",
-    "ConvOutput",
-    "ConvStep",
     "OP",
     "STEP_OP",
 ]
@@ -71,33 +70,10 @@ OP = Op(
 )
 
 
-STEP_OP = Op(
-    "short_conv_step",
-    [
-        Implementation("xla", xla.step, backward="autodiff (one window of W inputs)"),
-        Implementation("reference", reference.step, backward="autodiff"),
-    ],
-    default_order={"cpu": ("xla",), "gpu": ("xla",), "tpu": ("xla",)},
-    package=__package__,
-    bucket=lambda spec: dict(spec.dims),
-)
+STEP_OP = step_op("short_conv_step", xla.step, reference.step, package=__package__)
 
 ConvImplementation = Literal["pallas_gpu", "pallas_tpu", "xla", "reference"]
 StepImplementation = Literal["xla", "reference"]
-
-
-class ConvOutput(NamedTuple):
-    """`short_conv(..., return_final_state=True)`: the output and the decode cache after it."""
-
-    y: Array | NamedArray
-    final_state: Array | NamedArray
-
-
-class ConvStep(NamedTuple):
-    """One decode step's output and the new state."""
-
-    y: Array | NamedArray
-    state: Array | NamedArray
 
 
 def _check_width(width: int) -> None:
@@ -135,7 +111,7 @@ def short_conv_positional(
     activation: str | None = None,
     implementation: ConvImplementation | tuple[ConvImplementation, ...] | None = None,
     block_sizes: ConvBlockSizes | dict | None = None,
-) -> Float[Array, "batch seq channels"] | ConvOutput:
+) -> Float[Array, "batch seq channels"] | WithFinalState:
     """Causal depthwise convolution on plain arrays.
 
     **Arguments:**
@@ -149,7 +125,7 @@ def short_conv_positional(
     - `activation`: `None` or `"silu"`.
     - `implementation`, `block_sizes`: override the dispatcher.
 
-    **Returns:** `y` like `x`, or `ConvOutput(y, final_state)`.
+    **Returns:** `y` like `x`, or `WithFinalState(y, final_state)`.
     """
     width = weight.shape[0]
     _check_width(width)
@@ -180,7 +156,7 @@ def short_conv_positional(
         activation=activation,
     )
     if return_final_state:
-        return ConvOutput(y, final_state(x, segment_ids, state))
+        return WithFinalState(y, final_state(x, segment_ids, state))
     return y
 
 
@@ -194,8 +170,8 @@ def short_conv_step_positional(
     activation: str | None = None,
     implementation: StepImplementation | tuple[StepImplementation, ...] | None = None,
     block_sizes: None = None,
-) -> ConvStep:
-    """One decode step: `ConvStep(y_t, new_state)` from the newest input and the `W-1` previous ones.
+) -> StepResult:
+    """One decode step: `StepResult(y_t, new_state)` from the newest input and the `W-1` previous ones.
 
     `block_sizes` is accepted for a uniform signature; the step is not blocked.
     """
@@ -219,7 +195,7 @@ def short_conv_step_positional(
         block_sizes=block_sizes,
         activation=activation,
     )
-    return ConvStep(y, new)
+    return StepResult(y, new)
 
 
 # -- named layer -------------------------------------------------------------------------------
@@ -273,7 +249,7 @@ def short_conv(
     activation: str | None = None,
     implementation: ConvImplementation | tuple[ConvImplementation, ...] | None = None,
     block_sizes: ConvBlockSizes | dict | None = None,
-) -> NamedArray | ConvOutput:
+) -> NamedArray | WithFinalState:
     """Causal depthwise convolution of width `Width` (1..8) along `Pos`, per `Channel`.
 
     **Arguments:**
@@ -288,7 +264,7 @@ def short_conv(
     - `activation`: `None` or `"silu"`.
     - `ConvState`: the name of the state axis (created by the op when no state is passed).
 
-    **Returns:** `y` with `x`'s axes, or `ConvOutput(y, final_state)`.
+    **Returns:** `y` with `x`'s axes, or `WithFinalState(y, final_state)`.
 
     ```python
     x = hax.random.normal(jax.random.PRNGKey(0), (Batch, Pos, Embed))
@@ -301,13 +277,7 @@ def short_conv(
         last `Width - 1` inputs (and segment ids) with `ppermute` as its initial state.
     """
     _check_activation(activation)
-    bound = ROLES.bind(
-        {"x": x, "weight": weight, "bias": bias, "segment_ids": segment_ids, "initial_state": initial_state},
-        Pos=Pos,
-        Channel=Channel,
-        Width=Width,
-        ConvState=ConvState,
-    )
+    bound = ROLES.bind(locals())
     width = bound.axis("Width").size
     _check_width(width)
     bound.create("ConvState", ConvState, width - 1)
@@ -323,9 +293,9 @@ def short_conv(
 
     def body(ctx, xs, ws, bs, ss, sts):
         seq = ctx.mesh_axes("Pos")
-        if sts is None:
-            sts = jnp.zeros((xs.shape[0], width - 1, xs.shape[2]), xs.dtype)
         if seq is not None:
+            if sts is None:
+                sts = jnp.zeros((xs.shape[0], width - 1, xs.shape[2]), xs.dtype)
             sts = _halo(xs, ss, sts, width - 1, seq)
         out = short_conv_positional(
             xs,
@@ -338,13 +308,19 @@ def short_conv(
             implementation=implementation,
             block_sizes=block_sizes,
         )
-        return tuple(out) if return_final_state else out
+        if not return_final_state:
+            return out
+        y, fs = out
+        if seq is not None:  # the sequence's final state is the last shard's
+            last = compat.axis_index(seq) == compat.axis_size(compat.current_mesh(), seq) - 1
+            fs = lax.psum(jnp.where(last, fs, jnp.zeros_like(fs)), seq)
+        return y, fs
 
     y_out = named.Out(("batch", "Pos", "Channel"), like="x")
     if not return_final_state:
         return bound.run(body, SHARDING, y_out)
     state_out = named.Out(("batch", "ConvState", "Channel"), like=("initial_state", "x"))
-    return ConvOutput(*bound.run(body, SHARDING, (y_out, state_out)))
+    return WithFinalState(*bound.run(body, SHARDING, (y_out, state_out)))
 
 
 def _halo(x, segment_ids, state, width_1, seq_mesh):
@@ -380,17 +356,12 @@ def short_conv_step(
     activation: str | None = None,
     implementation: StepImplementation | tuple[StepImplementation, ...] | None = None,
     block_sizes: None = None,
-) -> ConvStep:
+) -> StepResult:
     """One decode step. `x_t`: batch axes + `Channel`; `state`: batch axes + `ConvState` + `Channel`.
 
-    **Returns:** `ConvStep(y_t, new_state)`, with `x_t`'s and `state`'s axes.
+    **Returns:** `StepResult(y_t, new_state)`, with `x_t`'s and `state`'s axes.
     """
-    bound = STEP_ROLES.bind(
-        {"x_t": x_t, "state": state, "weight": weight, "bias": bias},
-        Channel=Channel,
-        Width=Width,
-        ConvState=ConvState,
-    )
+    bound = STEP_ROLES.bind(locals())
     _check_width(bound.axis("Width").size)
     bound.create("ConvState", ConvState, bound.axis("Width").size - 1)
 
@@ -411,4 +382,4 @@ def short_conv_step(
         named.Out(("batch", "Channel"), like="x_t"),
         named.Out(("batch", "ConvState", "Channel"), like="state"),
     )
-    return ConvStep(*bound.run(body, STEP_SHARDING, outs))
+    return StepResult(*bound.run(body, STEP_SHARDING, outs))

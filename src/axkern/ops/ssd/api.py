@@ -9,14 +9,15 @@ A positive `A` makes the state grow without bound: allowed, and on the caller.
 
 from __future__ import annotations
 
-from typing import Literal, NamedTuple
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
 from haliax import NamedArray
 
 from axkern.core import compat, named
-from axkern.core.op import Implementation, Op
+from axkern.core.named import StepResult, WithFinalState
+from axkern.core.op import Implementation, Op, step_op
 from axkern.core.typing import Array, Float, Int, checked
 
 from . import pallas_gpu, pallas_tpu, reference, xla
@@ -27,8 +28,6 @@ __all__ = [
     "ssd_step",
     "ssd_positional",
     "ssd_step_positional",
-    "SSDOutput",
-    "SSDStep",
     "OP",
     "STEP_OP",
     "SSDBlockSizes",
@@ -87,33 +86,10 @@ OP = Op(
 )
 
 
-STEP_OP = Op(
-    "ssd_step",
-    [
-        Implementation("xla", xla.step, backward="autodiff (one recurrence step)"),
-        Implementation("reference", reference.step, backward="autodiff"),
-    ],
-    default_order={"cpu": ("xla",), "gpu": ("xla",), "tpu": ("xla",)},
-    package=__package__,
-    bucket=lambda spec: dict(spec.dims),
-)
+STEP_OP = step_op("ssd_step", xla.step, reference.step, package=__package__)
 
 SSDImplementation = Literal["xla", "pallas_gpu", "pallas_tpu", "reference"]
 StepImplementation = Literal["xla", "reference"]
-
-
-class SSDOutput(NamedTuple):
-    """`ssd(..., return_final_state=True)`: the output and the state after the last position."""
-
-    y: Array | NamedArray
-    final_state: Array | NamedArray
-
-
-class SSDStep(NamedTuple):
-    """One decode step's output and the new state."""
-
-    y: Array | NamedArray
-    state: Array | NamedArray
 
 
 def _dt(dt, dt_bias, dt_softplus, dt_limit):
@@ -147,7 +123,7 @@ def ssd_positional(
     chunk_size: int | None = None,
     implementation: SSDImplementation | tuple[SSDImplementation, ...] | None = None,
     block_sizes: SSDBlockSizes | dict | None = None,
-) -> Float[Array, "batch length heads head_dim"] | SSDOutput:
+) -> Float[Array, "batch length heads head_dim"] | WithFinalState:
     """Mamba-2 SSD on plain arrays.
 
     **Arguments:** `x [batch, length, heads, head_dim]`, `dt [batch, length, heads]`,
@@ -157,7 +133,7 @@ def ssd_positional(
     state]`. `dt` is shifted by `dt_bias`, passed through softplus when `dt_softplus` and
     clipped to `dt_limit`.
 
-    **Returns:** `y` like `x`, or `SSDOutput(y, final_state [batch, heads, head_dim, state])`.
+    **Returns:** `y` like `x`, or `WithFinalState(y, final_state [batch, heads, head_dim, state])`.
     """
     batch, length, heads, head_dim = x.shape
     groups, state = B.shape[2], B.shape[3]
@@ -202,7 +178,7 @@ def ssd_positional(
         implementation=implementation,
         block_sizes=block_sizes,
     )
-    return SSDOutput(y, final) if return_final_state else y
+    return WithFinalState(y, final) if return_final_state else y
 
 
 @checked
@@ -221,8 +197,8 @@ def ssd_step_positional(
     dt_limit: tuple[float, float] | None = None,
     implementation: StepImplementation | tuple[StepImplementation, ...] | None = None,
     block_sizes: None = None,
-) -> SSDStep:
-    """One decode step: `SSDStep(y_t [batch, heads, head_dim], new_state)`.
+) -> StepResult:
+    """One decode step: `StepResult(y_t [batch, heads, head_dim], new_state)`.
 
     `block_sizes` is accepted for a uniform signature; the step is not blocked.
     """
@@ -246,7 +222,7 @@ def ssd_step_positional(
         implementation=implementation,
         block_sizes=block_sizes,
     )
-    return SSDStep(y, new)
+    return StepResult(y, new)
 
 
 # -- named layer -------------------------------------------------------------------------------
@@ -297,11 +273,17 @@ STEP_ROLES = named.Roles(
 STEP_SHARDING = named.Sharding(describe="batch axes data parallel; no communication")
 
 
-def _split_D(D):
+def _split_D(D) -> dict:
     """`D` goes to the role table as `D` (over Heads) or `D_per_dim` (Heads + HeadDim)."""
     if D is None or len(getattr(D, "axes", ())) < 2:
-        return D, None
-    return None, D
+        return {"D": D, "D_per_dim": None}
+    return {"D": None, "D_per_dim": D}
+
+
+def _check_groups(op, bound) -> None:
+    heads, groups = bound.axis("Heads"), bound.axis("Groups")
+    if heads.size % groups.size:
+        raise ValueError(f"{op}: {heads.name}={heads.size} is not divisible by {groups.name}={groups.size}")
 
 
 def ssd(
@@ -327,7 +309,7 @@ def ssd(
     return_final_state: bool = False,
     implementation: SSDImplementation | tuple[SSDImplementation, ...] | None = None,
     block_sizes: SSDBlockSizes | dict | None = None,
-) -> NamedArray | SSDOutput:
+) -> NamedArray | WithFinalState:
     """Mamba-2 SSD over named axes.
 
     **Arguments:** `x`: batch axes + `Pos` + `Heads` + `HeadDim`; `dt`: batch + `Pos` + `Heads`;
@@ -336,37 +318,15 @@ def ssd(
     a change of id starts a segment from a zero state), `initial_state` (batch + `Heads` +
     `HeadDim` + `State`). Options as in `axkern.positional.ssd`.
 
-    **Returns:** `y` with `x`'s axes, or `SSDOutput(y, final_state)` (`final_state` in
+    **Returns:** `y` with `x`'s axes, or `WithFinalState(y, final_state)` (`final_state` in
     `initial_state`'s axis order when given).
 
     !!! info "Sharding"
         Batch axes mapped to mesh axes run data parallel; a mapped `Pos` runs sequence
         parallel, passing states between shards (see `_sequence_parallel`).
     """
-    D1, D2 = _split_D(D)
-    bound = ROLES.bind(
-        {
-            "x": x,
-            "dt": dt,
-            "A": A,
-            "B": B,
-            "C": C,
-            "D": D1,
-            "D_per_dim": D2,
-            "z": z,
-            "dt_bias": dt_bias,
-            "segment_ids": segment_ids,
-            "initial_state": initial_state,
-        },
-        Pos=Pos,
-        Heads=Heads,
-        HeadDim=HeadDim,
-        State=State,
-        Groups=Groups,
-    )
-    heads, groups = bound.axis("Heads"), bound.axis("Groups")
-    if heads.size % groups.size:
-        raise ValueError(f"{NAME}: {heads.name}={heads.size} is not divisible by {groups.name}={groups.size}")
+    bound = ROLES.bind(locals(), **_split_D(D))
+    _check_groups(NAME, bound)
     options = dict(
         dt_softplus=dt_softplus,
         dt_limit=dt_limit,
@@ -390,7 +350,7 @@ def ssd(
         named.Out(("batch", "Heads", "HeadDim", "State"), like=("initial_state",)),
     )
     y, final = bound.run(body, SHARDING, outs)
-    return SSDOutput(y, final) if return_final_state else y
+    return WithFinalState(y, final) if return_final_state else y
 
 
 def ssd_step(
@@ -412,31 +372,13 @@ def ssd_step(
     dt_limit: tuple[float, float] | None = None,
     implementation: StepImplementation | tuple[StepImplementation, ...] | None = None,
     block_sizes: None = None,
-) -> SSDStep:
+) -> StepResult:
     """One SSD decode step over named axes: `x_t` batch axes + `Heads` + `HeadDim`, `dt_t` batch +
     `Heads`, `B_t`, `C_t` batch + `Groups` + `State`, `state` batch + `Heads` + `HeadDim` + `State`.
 
-    **Returns:** `SSDStep(y_t, new_state)` with `x_t`'s and `state`'s axes.
+    **Returns:** `StepResult(y_t, new_state)` with `x_t`'s and `state`'s axes.
     """
-    D1, D2 = _split_D(D)
-    bound = STEP_ROLES.bind(
-        {
-            "x_t": x_t,
-            "dt_t": dt_t,
-            "A": A,
-            "B_t": B_t,
-            "C_t": C_t,
-            "state": state,
-            "D": D1,
-            "D_per_dim": D2,
-            "z_t": z_t,
-            "dt_bias": dt_bias,
-        },
-        Heads=Heads,
-        HeadDim=HeadDim,
-        State=State,
-        Groups=Groups,
-    )
+    bound = STEP_ROLES.bind(locals(), **_split_D(D))
     heads, groups = bound.axis("Heads"), bound.axis("Groups")
     if heads.size % groups.size:
         raise ValueError(
@@ -465,7 +407,7 @@ def ssd_step(
         named.Out(("batch", "Heads", "HeadDim"), like="x_t"),
         named.Out(("batch", "Heads", "HeadDim", "State"), like="state"),
     )
-    return SSDStep(*bound.run(body, STEP_SHARDING, outs))
+    return StepResult(*bound.run(body, STEP_SHARDING, outs))
 
 
 def _sequence_parallel(args, kw, seq_mesh):
