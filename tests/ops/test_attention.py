@@ -488,3 +488,38 @@ def test_haliax_compat_matches_haliax():
         np.asarray(dot_product_attention(KPos, Key, q, k, v, bias=bias).array),
         np.asarray(hattn.dot_product_attention(KPos, Key, q, k, v, bias=bias).array),
     )
+
+
+def test_masks_take_named_ids_in_any_batch_order():
+    Micro, Batch = hax.Axis("micro", 2), hax.Axis("batch", 3)
+    Pos, KPos = hax.Axis("position", 16), hax.Axis("key_position", 16)
+    Heads, HeadDim = hax.Axis("heads", 2), hax.Axis("head_size", 8)
+    a = _inputs(5, 6, 16, 16, 2, 2, 8, "float32")
+    q = hax.named(a["q"].reshape(2, 3, 16, 2, 8), (Micro, Batch, Pos, Heads, HeadDim))
+    k = hax.named(a["k"].reshape(2, 3, 16, 2, 8), (Micro, Batch, KPos, Heads, HeadDim))
+    v = hax.named(a["v"].reshape(2, 3, 16, 2, 8), (Micro, Batch, KPos, Heads, HeadDim))
+    seg = _seg(jax.random.PRNGKey(9), 6, 16)
+    ids = hax.named(seg.reshape(2, 3, 16), (Micro, Batch, Pos))
+    # ids laid out in another batch order than q's, and kv ids on the key axis
+    q_ids = ids.rearrange((Pos, Batch, Micro))
+    kv_ids = ids.rename({"position": "key_position"}).rearrange((Batch, KPos, Micro))
+    mask = masks.Causal() & masks.Segments(q_ids, kv_ids)
+    out = axkern.attention(q, k, v, mask=mask)
+    want = attention(a["q"], a["k"], a["v"], mask=masks.Causal() & masks.Segments(seg, seg))
+    np.testing.assert_allclose(out.array.reshape(6, 16, 2, 8), want, rtol=1e-5, atol=1e-6)
+    # ids over a subset of the batch axes broadcast over the others
+    shared = hax.named(seg[:3], (Batch, Pos))
+    out2 = axkern.attention(q, k, v, mask=masks.Segments(shared, shared.rename({"position": "key_position"})))
+    seg2 = jnp.tile(seg[:3], (2, 1))
+    want2 = attention(a["q"], a["k"], a["v"], mask=masks.Segments(seg2, seg2))
+    np.testing.assert_allclose(out2.array.reshape(6, 16, 2, 8), want2, rtol=1e-5, atol=1e-6)
+    prefix = masks.PrefixLM(
+        hax.named(jnp.array([[1, 2, 3], [4, 5, 6]]), (Micro, Batch)).rearrange((Batch, Micro))
+    )
+    out3 = axkern.attention(q, k, v, mask=prefix)
+    want3 = attention(a["q"], a["k"], a["v"], mask=masks.PrefixLM(jnp.arange(1, 7)))
+    np.testing.assert_allclose(out3.array.reshape(6, 16, 2, 8), want3, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="must carry position"):
+        axkern.attention(q, k, v, mask=masks.Segments(ids["position", 0], kv_ids))
+    with pytest.raises(TypeError, match="holds NamedArrays; pass it to axkern.attention"):
+        attention(a["q"], a["k"], a["v"], mask=mask)
