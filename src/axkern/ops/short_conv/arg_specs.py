@@ -74,3 +74,50 @@ def cases(*, preset=None, tokens=None, dtype=None):
         raise ValueError(f"short_conv: unknown preset {name!r}; presets are {sorted(PRESETS)}")
     dtype = dtype or ("float32" if name == "quick" else "bfloat16")
     return [case(b, tokens or s, c, w, seg, act, dtype) for b, s, c, w, seg, act in PRESETS[name]]
+
+
+STEP_PRESETS = {"quick": [(4, 256, 4)], "decode": [(64, 4096, 4), (256, 8192, 4)]}
+
+
+def cases_short_conv_step(*, preset=None, tokens=None, dtype=None):
+    """One decode step (`batch` sequences, one new position each): reads `x_t`, the `W-1` state
+    rows and the weight, writes `y_t` and the new state."""
+    from .api import short_conv_step_positional
+
+    name = preset or "quick"
+    if name not in STEP_PRESETS:
+        raise ValueError(f"short_conv_step: unknown preset {name!r}; presets are {sorted(STEP_PRESETS)}")
+    dt = jnp.dtype(dtype or ("float32" if name == "quick" else "bfloat16"))
+    out = []
+    for batch, channels, width in STEP_PRESETS[name]:
+        batch = tokens or batch
+
+        def make(key, batch=batch, channels=channels, width=width):
+            kx, ks, kw = jax.random.split(key, 3)
+            x = jax.random.normal(kx, (batch, channels), jnp.float32).astype(dt)
+            s = jax.random.normal(ks, (batch, width - 1, channels), jnp.float32).astype(dt)
+            w = (jax.random.normal(kw, (width, channels), jnp.float32) / width**0.5).astype(dt)
+            return x, s, w
+
+        def forward(impl, x, s, w):
+            return tuple(short_conv_step_positional(x, s, w, activation="silu", implementation=impl))
+
+        elems = float(batch) * channels
+        out.append(
+            Case(
+                op="short_conv_step",
+                label=f"B={batch} C={channels} W={width} silu {dt.name}",
+                dims={"batch": batch, "channels": channels, "width": width},
+                dtype=dt.name,
+                make=make,
+                forward=forward,
+                loss=None,
+                grad_argnums=(0, 1, 2),
+                flops_forward=2 * elems * width,
+                flops_backward=4 * elems * width,
+                bytes_forward=2 * elems * width * dt.itemsize,
+                bytes_backward=3 * elems * width * dt.itemsize,
+                bound="memory",
+            )
+        )
+    return out

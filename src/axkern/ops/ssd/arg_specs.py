@@ -59,3 +59,54 @@ def case(name, b, l, h, p, n, g, q, dt_) -> Case:  # noqa: E741
         flops,
         2 * flops,
     )
+
+
+# batch, heads, head_dim, state, groups
+STEP_PRESETS = {"quick": [(2, 4, 16, 16, 1)], "mamba2_2.7b": [(64, 80, 64, 128, 1)]}
+
+
+def cases_ssd_step(*, preset=None, tokens=None, dtype=None):
+    """One decode step: reads and writes the `[batch, heads, head_dim, state]` state (the bytes
+    that bound it), reads `x_t`, `dt_t`, `B_t`, `C_t`."""
+    from .api import ssd_step_positional
+
+    name = preset or "quick"
+    if name not in STEP_PRESETS:
+        raise ValueError(f"ssd_step: unknown preset {name!r}; presets are {sorted(STEP_PRESETS)}")
+    dt_ = jnp.dtype(dtype or ("float32" if name == "quick" else "bfloat16"))
+    out = []
+    for b, h, p, n, g in STEP_PRESETS[name]:
+        b = tokens or b
+
+        def make(key, b=b, h=h, p=p, n=n, g=g):
+            k = jax.random.split(key, 6)
+            x = jax.random.normal(k[0], (b, h, p)).astype(dt_)
+            dt = jax.random.normal(k[1], (b, h)).astype(dt_)
+            A = -jnp.exp(jax.random.normal(k[2], (h,)))
+            B = jax.random.normal(k[3], (b, g, n)).astype(dt_)
+            C = jax.random.normal(k[4], (b, g, n)).astype(dt_)
+            s = jax.random.normal(k[5], (b, h, p, n), jnp.float32)
+            return x, dt, A, B, C, s
+
+        def forward(impl, x, dt, A, B, C, s):
+            return tuple(ssd_step_positional(x, dt, A, B, C, s, dt_softplus=True, implementation=impl))
+
+        state = float(b) * h * p * n
+        out.append(
+            Case(
+                "ssd_step",
+                f"{name}: B={b} H={h} P={p} N={n} G={g} {dt_.name}",
+                {"batch": b, "heads": h, "head_dim": p, "state": n},
+                dt_.name,
+                make,
+                forward,
+                None,
+                (0, 1, 3, 4, 5),
+                4 * state,
+                8 * state,
+                bytes_forward=2 * state * 4,
+                bytes_backward=3 * state * 4,
+                bound="memory",
+            )
+        )
+    return out
