@@ -96,7 +96,9 @@ def bench(args) -> int:
     from axkern.core import backend
 
     ops = [args.op] if args.op else axkern.ops()
-    if args.preset and not args.op:
+    if args.cases:
+        ops = []  # the file's cases only
+    if args.preset and not args.op and not args.cases:
         console.print("[red]--preset needs an OP (presets belong to one op)[/red]")
         return 2
     repeats = args.repeats or (3 if args.quick else 20)
@@ -117,6 +119,9 @@ def bench(args) -> int:
         )
         for c in cases_for(op, preset=preset, tokens=args.tokens, dtype=args.dtype):
             work.append((c, impls))
+    if args.cases:
+        impls = args.impl.split(",") if args.impl else ["default", "reference"]
+        work += [(c, impls) for c in _file_cases(args.cases, preset, args.tokens, args.dtype)]
     rows = []
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task(
@@ -194,6 +199,23 @@ def bench(args) -> int:
         if r.ms is None and not r.note.startswith("unsupported") and not r.implementation.startswith("peer:")
     ]
     return 1 if failed else 0
+
+
+def _file_cases(path: str, preset, tokens, dtype) -> list:
+    """The `cases(preset=, tokens=, dtype=)` of a Python file (e.g. examples/tiny_lm.py: one
+    training step, implementations `default` and `reference`)."""
+    import importlib.util
+    from pathlib import Path
+
+    if not Path(path).is_file():
+        raise ValueError(f"--cases must be a Python file that defines cases(); {path!r} is not a file")
+    spec = importlib.util.spec_from_file_location(Path(path).stem, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # equinox modules in the file look their module up
+    spec.loader.exec_module(module)
+    if not hasattr(module, "cases"):
+        raise ValueError(f"--cases: {path} defines no cases(preset=, tokens=, dtype=) function")
+    return module.cases(preset=preset, tokens=tokens, dtype=dtype)
 
 
 def _row_line(r) -> str:
@@ -289,6 +311,11 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--passes", choices=("fwd", "fwd+bwd", "both"), default="both")
     b.add_argument("--repeats", type=int, help="timed repeats (median reported)")
     b.add_argument("--json", help="also write the rows as JSON here")
+    b.add_argument(
+        "--cases",
+        help="time the cases() of this Python file instead of the ops' (examples/tiny_lm.py: one training "
+        "step, its ops as the dispatcher picks them ('default') and all 'reference')",
+    )
     b.set_defaults(fn=bench)
     n = sub.add_parser("build-native", help="compile the CUDA libraries into the cache and print where")
     n.add_argument("--arch", help="compute capability to build for (default: the visible GPU's), e.g. 9.0")

@@ -8,6 +8,8 @@ from axkern.haliax_compat import dot_product_attention
 
 from __future__ import annotations
 
+import warnings
+
 import haliax as hax
 import haliax.nn.attention as hattn
 import jax
@@ -15,6 +17,7 @@ import jax.numpy as jnp
 from haliax import NamedArray
 
 from . import masks
+from .core.op import FallbackWarning
 from .ops.attention.api import attention
 
 __all__ = ["dot_product_attention"]
@@ -28,7 +31,7 @@ def dot_product_attention(
     query: NamedArray,
     key: NamedArray,
     value: NamedArray,
-    mask: NamedArray | None = None,
+    mask: NamedArray | masks.Mask | None = None,
     bias: NamedArray | None = None,
     attention_dtype=None,
     precision=None,
@@ -41,22 +44,45 @@ def dot_product_attention(
 
     The query's one axis that `key` lacks is its position axis; every axis shared by `query`
     and `key` other than `Key` (batch, heads) runs in parallel. `mask` (bool, broadcastable to
-    those axes, the query position and `KPos`) becomes an `axkern.masks.Dense` mask.
+    those axes, the query position and `KPos`) becomes an `axkern.masks.Dense` mask; an
+    `axkern.masks` mask (`Causal()`, `SlidingWindow(n)`, `Segments(...)`, combined with `&` and
+    `|`) is used as it is, so the tiles it hides are skipped.
 
     Differences: a query whose keys are all masked gets zeros here, where haliax spreads its
     attention evenly over the masked keys. Calls this cannot serve as haliax defines them — a
     `bias`, an `attention_dtype` or `precision`, several `KPos` axes, or a query with more than
-    one axis missing from `key` — run haliax's own function.
+    one axis missing from `key` — run haliax's own function, with an `axkern.FallbackWarning`
+    that says why (an axkern mask cannot go to haliax: such a call raises `ValueError`).
     """
+    axk_given = isinstance(mask, masks.Mask)
 
-    def haliax_call():
+    def haliax_call(reason=None):
+        if reason is not None:
+            if axk_given:
+                raise ValueError(
+                    f"axkern.haliax_compat.dot_product_attention: {reason}, which axkern cannot serve, and "
+                    f"haliax cannot take the axkern mask {mask!r}; pass a bool NamedArray mask instead"
+                )
+            warnings.warn(
+                f"axkern.haliax_compat.dot_product_attention: {reason}; running "
+                "haliax.nn.attention.dot_product_attention instead",
+                FallbackWarning,
+                stacklevel=3,
+            )
         return hattn.dot_product_attention(
             KPos, Key, query, key, value, mask, bias, attention_dtype, precision
         )
 
     kpos_spec = KPos if isinstance(KPos, (str, hax.Axis)) else None
-    if bias is not None or attention_dtype is not None or precision is not None or kpos_spec is None:
-        return haliax_call()
+    given = [
+        n
+        for n, a in (("bias", bias), ("attention_dtype", attention_dtype), ("precision", precision))
+        if a is not None
+    ]
+    if given:
+        return haliax_call(f"{', '.join(given)} given")
+    if kpos_spec is None:
+        return haliax_call(f"KPos={KPos!r} names several axes")
     kpos = key.resolve_axis(kpos_spec.name if isinstance(kpos_spec, hax.Axis) else kpos_spec)
     key_name = Key.name if isinstance(Key, hax.Axis) else Key
     if query.has_axis(kpos.name):
@@ -66,13 +92,18 @@ def dot_product_attention(
     k_names = {a.name for a in key.axes}
     q_only = [a for a in query.axes if a.name not in k_names]
     if len(q_only) != 1:
-        return haliax_call()
+        return haliax_call(
+            f"the query has {len(q_only)} axes that key lacks ({[a.name for a in q_only]}), not one"
+        )
     (qpos,) = q_only
-    shape = jax.eval_shape(haliax_call)  # the axes (and order) haliax would return
+    out_axes = tuple(a.name for a in query.axes if a.name != key_name)
+    out_axes += tuple(a.name for a in value.axes if a.name not in set(out_axes) | {kpos.name})
+    if not axk_given:
+        out_axes = tuple(a.name for a in jax.eval_shape(haliax_call).axes)  # the axes haliax would return
     one = hax.Axis(_HEAD, 1)
     add_head = lambda a: hax.broadcast_axis(a, one)  # noqa: E731
-    axk_mask = None
-    if mask is not None:
+    axk_mask = mask if axk_given else None
+    if mask is not None and not axk_given:
         batch = [a for a in query.axes if a.name not in (qpos.name, key_name)]
         mask_batch = [a for a in batch if mask.has_axis(a.name)]
         lead = batch if mask_batch else []
@@ -93,4 +124,4 @@ def dot_product_attention(
         block_sizes=block_sizes,
     )
     out = out[_HEAD, 0]
-    return out.rearrange(tuple(a.name for a in shape.axes))
+    return out.rearrange(out_axes)

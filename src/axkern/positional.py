@@ -1,6 +1,7 @@
 """The positional layer: each op on plain `jax.Array`s, shapes and dtypes checked by jaxtyping + beartype."""
 
 from .ops.attention.api import attention_positional as attention
+from .ops.cross_entropy.api import cross_entropy_positional as cross_entropy
 from .ops.fused_cross_entropy.api import fused_cross_entropy_loss_positional as fused_cross_entropy_loss
 from .ops.fused_cross_entropy.api import fused_cross_entropy_positional as fused_cross_entropy
 from .ops.moe.api import moe_combine_positional as moe_combine
@@ -13,6 +14,7 @@ from .ops.ssd.api import ssd_step_positional as ssd_step
 
 __all__ = [
     "attention",
+    "cross_entropy",
     "fused_cross_entropy",
     "fused_cross_entropy_loss",
     "moe_combine",

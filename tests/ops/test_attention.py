@@ -483,11 +483,21 @@ def test_haliax_compat_matches_haliax():
         got = dot_product_attention(KPos, Key, q, k, v, mask=mask)
         assert [a.name for a in got.axes] == [a.name for a in want.axes]
         np.testing.assert_allclose(np.asarray(got.array), np.asarray(want.array), rtol=1e-5, atol=1e-5)
-    bias = hax.random.normal(ks[3], (Pos, KPos))  # served by haliax itself
+    bias = hax.random.normal(ks[3], (Pos, KPos))  # served by haliax itself, with a warning
+    with pytest.warns(axkern.FallbackWarning, match="bias given; running haliax.nn.attention"):
+        got = dot_product_attention(KPos, Key, q, k, v, bias=bias)
     np.testing.assert_array_equal(
-        np.asarray(dot_product_attention(KPos, Key, q, k, v, bias=bias).array),
-        np.asarray(hattn.dot_product_attention(KPos, Key, q, k, v, bias=bias).array),
+        np.asarray(got.array), np.asarray(hattn.dot_product_attention(KPos, Key, q, k, v, bias=bias).array)
     )
+    # an axkern mask goes to axkern.attention as it is: its empty tiles are skipped
+    want = hattn.dot_product_attention(KPos, Key, q, k, v, mask=causal)
+    got = dot_product_attention(KPos, Key, q, k, v, mask=masks.Causal())
+    assert [a.name for a in got.axes] == [a.name for a in want.axes]
+    np.testing.assert_allclose(np.asarray(got.array), np.asarray(want.array), rtol=1e-5, atol=1e-5)
+    d = axkern.explain(lambda *a: dot_product_attention(KPos, Key, *a, mask=masks.Causal()), q, k, v)
+    assert d.spec.flag("mask") == "Causal"
+    with pytest.raises(ValueError, match="haliax cannot take the axkern mask"):
+        dot_product_attention(KPos, Key, q, k, v, mask=masks.Causal(), bias=bias)
 
 
 def test_masks_take_named_ids_in_any_batch_order():

@@ -1,0 +1,252 @@
+"""`cross_entropy`: cross-entropy from precomputed logits, named and positional, and the `Op` behind them.
+
+Per token, for `z = softcap(logits)`:
+
+    loss = lse(z) - (1 - eps) * z[label] - (eps / V) * sum_v z_v + w_z * lse(z)**2
+
+for tokens that are kept (`where` true, label != `ignore_index`), 0 for the others, and NaN for
+a kept token whose label is outside `[0, V)`; then the reduction. The same options as
+`fused_cross_entropy`, for a model that already holds its `[tokens, vocab]` logits. The `xla`
+implementation forms the gradient in the forward pass, in place of the softmax, so the
+backward keeps no second `[tokens, vocab]` buffer beside it.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, NamedTuple
+
+import equinox as eqx
+import haliax as hax
+import jax
+import jax.numpy as jnp
+from haliax import NamedArray
+
+from axkern.core import named
+from axkern.core.op import Implementation, Op
+from axkern.core.typing import Array, Bool, Float, Int, checked
+
+from . import reference, xla
+
+__all__ = ["cross_entropy", "cross_entropy_positional", "CrossEntropyLossOutput", "OP"]
+
+NAME = "cross_entropy"
+
+OP = Op(
+    NAME,
+    [
+        Implementation(
+            "xla",
+            xla.cross_entropy,
+            backward="custom_vjp: the gradient formed in the forward, in place of the softmax "
+            "(one [tokens, vocab] residual in the logits' dtype; the backward scales it)",
+        ),
+        Implementation("reference", reference.cross_entropy, backward="autodiff through the softmax"),
+    ],
+    default_order={"cpu": ("xla",), "gpu": ("xla",), "tpu": ("xla",)},
+    package=__package__,
+    bucket=lambda spec: dict(spec.dims),
+)
+
+CrossEntropyImplementation = Literal["xla", "reference"]
+_REDUCTIONS = ("mean", "sum", None)
+
+
+class CrossEntropyLossOutput(NamedTuple):
+    """`cross_entropy(..., return_lse=True)`: the (reduced or per-token) loss and the per-token logsumexp."""
+
+    loss: Array | NamedArray
+    lse: Array | NamedArray
+
+
+def _reduction(reduction) -> str | None:
+    if reduction is hax.mean:
+        return "mean"
+    if reduction is hax.sum:
+        return "sum"
+    if reduction not in _REDUCTIONS:
+        raise ValueError(
+            f"{NAME}: reduction must be 'mean', 'sum', None, hax.mean or hax.sum; got {reduction!r}"
+        )
+    return reduction
+
+
+def _check_options(logits_soft_cap, logsumexp_weight, label_smoothing) -> None:
+    if logits_soft_cap is not None and not float(logits_soft_cap) > 0:
+        raise ValueError(f"{NAME}: logits_soft_cap must be > 0 or None, got {logits_soft_cap!r}")
+    if not 0.0 <= float(label_smoothing) <= 1.0:
+        raise ValueError(f"{NAME}: label_smoothing must be in [0, 1], got {label_smoothing!r}")
+    float(logsumexp_weight)  # a Python number: it is a static option
+
+
+def _keep(labels, where, ignore_index):
+    keep = jnp.ones(labels.shape, bool) if where is None else where
+    if ignore_index is not None:
+        keep = keep & (labels != ignore_index)
+    return keep
+
+
+def _reduce(loss, keep, reduction):
+    if reduction == "sum":
+        return jnp.sum(loss)
+    return jnp.sum(loss) / jnp.maximum(jnp.sum(keep), 1).astype(loss.dtype)
+
+
+def _per_token(logits, labels, keep, *, options, lse_grad, check_labels, implementation):
+    tokens, vocab = logits.shape
+    if check_labels:
+        bad = keep & ((labels < 0) | (labels >= vocab))
+        labels = eqx.error_if(
+            labels, jnp.any(bad), f"{NAME}: a label outside [0, {vocab}) that is not ignore_index"
+        )
+    spec = OP.spec(
+        {"tokens": tokens, "vocab": vocab},
+        logits.dtype,
+        logits_soft_cap=options["logits_soft_cap"],
+        lse_grad=lse_grad,
+    )
+    return OP(spec, logits, labels, keep, implementation=implementation, lse_grad=lse_grad, **options)
+
+
+@checked
+def cross_entropy_positional(
+    logits: Float[Array, "tokens vocab"],
+    labels: Int[Array, " tokens"],
+    *,
+    reduction: str | None | object = "mean",
+    where: Bool[Array, " tokens"] | None = None,
+    ignore_index: int | None = None,
+    logits_soft_cap: float | None = None,
+    logsumexp_weight: float = 0.0,
+    label_smoothing: float = 0.0,
+    return_lse: bool = False,
+    check_labels: bool = False,
+    implementation: CrossEntropyImplementation | tuple[CrossEntropyImplementation, ...] | None = None,
+    block_sizes: object | None = None,
+) -> Float[Array, ""] | Float[Array, " tokens"] | CrossEntropyLossOutput:
+    """Cross-entropy of `[tokens, vocab]` logits against `[tokens]` labels, on plain arrays.
+
+    **Arguments:**
+
+    - `logits`: `[tokens, vocab]` (any float dtype; statistics in float32).
+    - `labels`: `[tokens]` integer targets in `[0, vocab)`.
+    - `reduction`: `"mean"` over kept tokens (0 when none is kept), `"sum"`, or `None` for the
+      per-token losses (`hax.mean` / `hax.sum` are accepted for the strings).
+    - `where`: optional `[tokens]` bool; false tokens get loss 0.
+    - `ignore_index`: a label value whose tokens get loss 0 (e.g. `-100`).
+    - `logits_soft_cap`: `c` in `z = c * tanh(logits / c)`.
+    - `logsumexp_weight`: z-loss weight `w` (adds `w * lse**2`).
+    - `label_smoothing`: `eps` (mixes `eps / vocab` uniform mass into the target).
+    - `return_lse`: also return the per-token logsumexp (then differentiable too).
+    - `check_labels`: raise at run time (`eqx.error_if`) on a kept label outside `[0, vocab)`.
+    - `implementation`: `"xla"` (default) or `"reference"`; `block_sizes`: `None` (not blocked).
+
+    **Returns:** the loss (a float32 scalar, or `[tokens]` float32 when `reduction=None`), or
+    `CrossEntropyLossOutput(loss, lse)` with `return_lse`.
+
+    ```python
+    loss = axkern.positional.cross_entropy(logits, labels)     # mean over tokens
+    ```
+    """
+    reduction = _reduction(reduction)
+    _check_options(logits_soft_cap, logsumexp_weight, label_smoothing)
+    if block_sizes is not None:
+        raise ValueError(f"{NAME}: block_sizes must be None (the op is not blocked), got {block_sizes!r}")
+    keep = _keep(labels, where, ignore_index)
+    options = dict(
+        logits_soft_cap=logits_soft_cap,
+        logsumexp_weight=float(logsumexp_weight),
+        label_smoothing=float(label_smoothing),
+    )
+    loss, lse = _per_token(
+        logits,
+        labels,
+        keep,
+        options=options,
+        lse_grad=return_lse,
+        check_labels=check_labels,
+        implementation=implementation,
+    )
+    if reduction is not None:
+        loss = _reduce(loss, keep, reduction)
+    return CrossEntropyLossOutput(loss, lse) if return_lse else loss
+
+
+# -- named layer -------------------------------------------------------------------------------
+
+ROLES = named.Roles(
+    NAME,
+    {
+        "logits": named.Arg(("batch", "Vocab"), describe="batch axes + Vocab"),
+        "labels": named.Arg(("batch",), describe="logits' batch axes"),
+        "where": named.Arg(("batch",), optional=True, subset=True, describe="logits' batch axes"),
+    },
+)
+SHARDING = named.Sharding(describe="batch axes data parallel; Vocab gathered")
+
+
+def cross_entropy(
+    logits: NamedArray,
+    labels: NamedArray,
+    *,
+    Vocab: named.AxisSelector = "vocab",
+    reduction: str | None | object = "mean",
+    where: NamedArray | None = None,
+    ignore_index: int | None = None,
+    logits_soft_cap: float | None = None,
+    logsumexp_weight: float = 0.0,
+    label_smoothing: float = 0.0,
+    return_lse: bool = False,
+    check_labels: bool = False,
+    implementation: CrossEntropyImplementation | tuple[CrossEntropyImplementation, ...] | None = None,
+    block_sizes: None = None,
+) -> jax.Array | NamedArray | CrossEntropyLossOutput:
+    """Cross-entropy of named logits against integer labels.
+
+    **Arguments:**
+
+    - `logits`: axis `Vocab` plus any batch axes (e.g. `batch, position, vocab`).
+    - `labels`: integer targets with exactly `logits`' batch axes, in any order.
+    - `Vocab`: an axis name or `hax.Axis`.
+    - `reduction`, `where`, `ignore_index`, `logits_soft_cap`, `logsumexp_weight`,
+      `label_smoothing`, `return_lse`, `check_labels`, `implementation`, `block_sizes`: as in
+      `axkern.positional.cross_entropy`; `where` may carry a subset of the batch axes, and
+      per-token results are `NamedArray`s with `logits`' batch axes in its order.
+
+    **Returns:** the loss (a float32 scalar `jax.Array`, or a `NamedArray` of per-token losses
+    when `reduction=None`), or `CrossEntropyLossOutput(loss, lse)` with `return_lse`.
+
+    ```python
+    loss = axkern.cross_entropy(logits, labels)              # logits [batch, vocab], labels [batch]
+    ```
+    """
+    reduction = _reduction(reduction)
+    _check_options(logits_soft_cap, logsumexp_weight, label_smoothing)
+    bound = ROLES.bind(locals())
+    if not bound.batch:
+        raise ValueError(
+            f"{NAME}: logits has no batch axes besides its Vocab axis: {named.axes_str(logits.axes)}"
+        )
+
+    options = dict(
+        ignore_index=ignore_index,
+        logits_soft_cap=logits_soft_cap,
+        logsumexp_weight=logsumexp_weight,
+        label_smoothing=label_smoothing,
+        return_lse=return_lse,
+        check_labels=check_labels,
+        implementation=implementation,
+        block_sizes=block_sizes,
+    )
+
+    def body(ctx, zs, ls, whs):
+        return cross_entropy_positional(zs, ls, reduction=None, where=whs, **options)
+
+    per_token = named.Out(("batch",), like="logits")
+    if return_lse:
+        loss, lse = bound.run(body, SHARDING, (per_token, per_token))
+    else:
+        loss, lse = bound.run(body, SHARDING, per_token), None
+    if reduction is not None:
+        keep = hax.named(_keep(bound.data("labels"), bound.data("where"), ignore_index), bound.batch)
+        loss = _reduce(loss.array, keep.rearrange(loss.axes).array, reduction)
+    return CrossEntropyLossOutput(loss, lse) if return_lse else loss

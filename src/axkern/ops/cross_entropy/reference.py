@@ -1,0 +1,32 @@
+"""The plainest correct form: per-token cross-entropy from materialised logits. The test oracle, never a default."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def cross_entropy(
+    logits, labels, keep, *, logits_soft_cap=None, logsumexp_weight=0.0, label_smoothing=0.0, lse_grad=False
+):
+    """Per-token `(loss, lse)` of `z = softcap(logits)`, float32 (float64 for float64 logits).
+
+    `loss = lse - (1 - eps) z[label] - (eps / V) sum_v z_v + w_z lse**2` where `keep`, 0 elsewhere,
+    NaN for a kept token whose label is outside `[0, V)`. Gradients by autodiff (`lse_grad` is
+    accepted for the signature every implementation shares; autodiff always differentiates lse).
+    """
+    del lse_grad
+    vocab = logits.shape[-1]
+    acc = jnp.promote_types(logits.dtype, jnp.float32)
+    z = logits.astype(acc)
+    if logits_soft_cap is not None:
+        z = logits_soft_cap * jnp.tanh(z / logits_soft_cap)
+    lse = jax.nn.logsumexp(z, axis=-1)
+    hit = labels[:, None] == jnp.arange(vocab)[None, :]
+    out = lse - (1.0 - label_smoothing) * jnp.sum(jnp.where(hit, z, 0), axis=-1)
+    if label_smoothing:
+        out = out - (label_smoothing / vocab) * jnp.sum(z, axis=-1)
+    if logsumexp_weight:
+        out = out + logsumexp_weight * jnp.square(lse)
+    valid = (labels >= 0) & (labels < vocab)
+    return jnp.where(keep, jnp.where(valid, out, jnp.nan), 0.0), lse
