@@ -12,7 +12,7 @@ from .core.config import use
 from .core.named import StepResult, WithFinalState
 from .core.op import Decision, FallbackWarning, Unsupported, explain, get_op, registered_ops
 from .ops.attention import AttentionBlockSizes, attention
-from .ops.cross_entropy import CrossEntropyLossOutput, cross_entropy
+from .ops.cross_entropy import cross_entropy
 from .ops.fused_cross_entropy import CrossEntropyBlockSizes, CrossEntropyOutput, fused_cross_entropy
 from .ops.moe import MoeDispatch, MoeLayout, MoeRouting, moe_combine, moe_dispatch, moe_layout
 from .ops.short_conv import ConvBlockSizes, short_conv, short_conv_step
@@ -25,7 +25,6 @@ __all__ = [
     "AttentionBlockSizes",
     "masks",
     "cross_entropy",
-    "CrossEntropyLossOutput",
     "fused_cross_entropy",
     "CrossEntropyBlockSizes",
     "CrossEntropyOutput",

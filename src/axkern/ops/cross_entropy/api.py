@@ -13,21 +13,21 @@ backward keeps no second `[tokens, vocab]` buffer beside it.
 
 from __future__ import annotations
 
-from typing import Literal, NamedTuple
+from typing import Literal
 
-import equinox as eqx
 import haliax as hax
 import jax
-import jax.numpy as jnp
 from haliax import NamedArray
 
 from axkern.core import named
+from axkern.core.loss import CrossEntropyOutput, check_options, checked_labels, kept, reduction_name
+from axkern.core.loss import reduce as reduce_loss
 from axkern.core.op import Implementation, Op
 from axkern.core.typing import Array, Bool, Float, Int, checked
 
 from . import reference, xla
 
-__all__ = ["cross_entropy", "cross_entropy_positional", "CrossEntropyLossOutput", "OP"]
+__all__ = ["cross_entropy", "cross_entropy_positional", "CrossEntropyOutput", "OP"]
 
 NAME = "cross_entropy"
 
@@ -48,56 +48,12 @@ OP = Op(
 )
 
 CrossEntropyImplementation = Literal["xla", "reference"]
-_REDUCTIONS = ("mean", "sum", None)
-
-
-class CrossEntropyLossOutput(NamedTuple):
-    """`cross_entropy(..., return_lse=True)`: the (reduced or per-token) loss and the per-token logsumexp."""
-
-    loss: Array | NamedArray
-    lse: Array | NamedArray
-
-
-def _reduction(reduction) -> str | None:
-    if reduction is hax.mean:
-        return "mean"
-    if reduction is hax.sum:
-        return "sum"
-    if reduction not in _REDUCTIONS:
-        raise ValueError(
-            f"{NAME}: reduction must be 'mean', 'sum', None, hax.mean or hax.sum; got {reduction!r}"
-        )
-    return reduction
-
-
-def _check_options(logits_soft_cap, logsumexp_weight, label_smoothing) -> None:
-    if logits_soft_cap is not None and not float(logits_soft_cap) > 0:
-        raise ValueError(f"{NAME}: logits_soft_cap must be > 0 or None, got {logits_soft_cap!r}")
-    if not 0.0 <= float(label_smoothing) <= 1.0:
-        raise ValueError(f"{NAME}: label_smoothing must be in [0, 1], got {label_smoothing!r}")
-    float(logsumexp_weight)  # a Python number: it is a static option
-
-
-def _keep(labels, where, ignore_index):
-    keep = jnp.ones(labels.shape, bool) if where is None else where
-    if ignore_index is not None:
-        keep = keep & (labels != ignore_index)
-    return keep
-
-
-def _reduce(loss, keep, reduction):
-    if reduction == "sum":
-        return jnp.sum(loss)
-    return jnp.sum(loss) / jnp.maximum(jnp.sum(keep), 1).astype(loss.dtype)
 
 
 def _per_token(logits, labels, keep, *, options, lse_grad, check_labels, implementation):
     tokens, vocab = logits.shape
     if check_labels:
-        bad = keep & ((labels < 0) | (labels >= vocab))
-        labels = eqx.error_if(
-            labels, jnp.any(bad), f"{NAME}: a label outside [0, {vocab}) that is not ignore_index"
-        )
+        labels = checked_labels(NAME, labels, keep, vocab)
     spec = OP.spec(
         {"tokens": tokens, "vocab": vocab},
         logits.dtype,
@@ -122,7 +78,7 @@ def cross_entropy_positional(
     check_labels: bool = False,
     implementation: CrossEntropyImplementation | tuple[CrossEntropyImplementation, ...] | None = None,
     block_sizes: object | None = None,
-) -> Float[Array, ""] | Float[Array, " tokens"] | CrossEntropyLossOutput:
+) -> Float[Array, ""] | Float[Array, " tokens"] | CrossEntropyOutput:
     """Cross-entropy of `[tokens, vocab]` logits against `[tokens]` labels, on plain arrays.
 
     **Arguments:**
@@ -141,17 +97,17 @@ def cross_entropy_positional(
     - `implementation`: `"xla"` (default) or `"reference"`; `block_sizes`: `None` (not blocked).
 
     **Returns:** the loss (a float32 scalar, or `[tokens]` float32 when `reduction=None`), or
-    `CrossEntropyLossOutput(loss, lse)` with `return_lse`.
+    `CrossEntropyOutput(loss, lse)` with `return_lse`.
 
     ```python
     loss = axkern.positional.cross_entropy(logits, labels)     # mean over tokens
     ```
     """
-    reduction = _reduction(reduction)
-    _check_options(logits_soft_cap, logsumexp_weight, label_smoothing)
+    reduction = reduction_name(NAME, reduction)
+    check_options(NAME, logits_soft_cap, logsumexp_weight, label_smoothing)
     if block_sizes is not None:
         raise ValueError(f"{NAME}: block_sizes must be None (the op is not blocked), got {block_sizes!r}")
-    keep = _keep(labels, where, ignore_index)
+    keep = kept(labels, where, ignore_index)
     options = dict(
         logits_soft_cap=logits_soft_cap,
         logsumexp_weight=float(logsumexp_weight),
@@ -167,8 +123,8 @@ def cross_entropy_positional(
         implementation=implementation,
     )
     if reduction is not None:
-        loss = _reduce(loss, keep, reduction)
-    return CrossEntropyLossOutput(loss, lse) if return_lse else loss
+        loss = reduce_loss(loss, keep, reduction)
+    return CrossEntropyOutput(loss, lse) if return_lse else loss
 
 
 # -- named layer -------------------------------------------------------------------------------
@@ -199,7 +155,7 @@ def cross_entropy(
     check_labels: bool = False,
     implementation: CrossEntropyImplementation | tuple[CrossEntropyImplementation, ...] | None = None,
     block_sizes: None = None,
-) -> jax.Array | NamedArray | CrossEntropyLossOutput:
+) -> jax.Array | NamedArray | CrossEntropyOutput:
     """Cross-entropy of named logits against integer labels.
 
     **Arguments:**
@@ -213,14 +169,14 @@ def cross_entropy(
       per-token results are `NamedArray`s with `logits`' batch axes in its order.
 
     **Returns:** the loss (a float32 scalar `jax.Array`, or a `NamedArray` of per-token losses
-    when `reduction=None`), or `CrossEntropyLossOutput(loss, lse)` with `return_lse`.
+    when `reduction=None`), or `CrossEntropyOutput(loss, lse)` with `return_lse`.
 
     ```python
     loss = axkern.cross_entropy(logits, labels)              # logits [batch, vocab], labels [batch]
     ```
     """
-    reduction = _reduction(reduction)
-    _check_options(logits_soft_cap, logsumexp_weight, label_smoothing)
+    reduction = reduction_name(NAME, reduction)
+    check_options(NAME, logits_soft_cap, logsumexp_weight, label_smoothing)
     bound = ROLES.bind(locals())
     if not bound.batch:
         raise ValueError(
@@ -247,6 +203,6 @@ def cross_entropy(
     else:
         loss, lse = bound.run(body, SHARDING, per_token), None
     if reduction is not None:
-        keep = hax.named(_keep(bound.data("labels"), bound.data("where"), ignore_index), bound.batch)
-        loss = _reduce(loss.array, keep.rearrange(loss.axes).array, reduction)
-    return CrossEntropyLossOutput(loss, lse) if return_lse else loss
+        keep = hax.named(kept(bound.data("labels"), bound.data("where"), ignore_index), bound.batch)
+        loss = reduce_loss(loss.array, keep.rearrange(loss.axes).array, reduction)
+    return CrossEntropyOutput(loss, lse) if return_lse else loss

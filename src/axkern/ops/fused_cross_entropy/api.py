@@ -14,9 +14,8 @@ collectives (`lse` by a stable log-sum-exp across shards, the other two by `psum
 
 from __future__ import annotations
 
-from typing import Literal, NamedTuple
+from typing import Literal
 
-import equinox as eqx
 import haliax as hax
 import jax
 import jax.numpy as jnp
@@ -24,6 +23,14 @@ from haliax import NamedArray
 from jax import lax
 
 from axkern.core import compat, config, named
+from axkern.core.loss import (
+    CrossEntropyOutput,
+    check_options,
+    checked_labels,
+    kept,
+    reduction_name,
+)
+from axkern.core.loss import reduce as reduce_loss
 from axkern.core.op import Implementation, Op
 from axkern.core.typing import Array, Bool, Float, Int, checked
 
@@ -118,39 +125,8 @@ LOSS_OP = Op(
     bucket=bucket,
 )
 
-_REDUCTIONS = ("mean", "sum", None)
-
 CrossEntropyImplementation = Literal["xla", "pallas_gpu", "pallas_tpu", "reference"]
 LossImplementation = Literal["xla", "reference"]
-
-
-class CrossEntropyOutput(NamedTuple):
-    """`fused_cross_entropy(..., return_lse=True)`: the (reduced or per-token) loss and the
-    per-token logsumexp."""
-
-    loss: Array | NamedArray
-    lse: Array | NamedArray
-
-
-def _reduction(op: str, reduction) -> str | None:
-    """`"mean"`, `"sum"` or `None`; haliax's `hax.mean` / `hax.sum` are accepted for the strings."""
-    if reduction is hax.mean:
-        return "mean"
-    if reduction is hax.sum:
-        return "sum"
-    if reduction not in _REDUCTIONS:
-        raise ValueError(
-            f"{op}: reduction must be 'mean', 'sum', None, hax.mean or hax.sum; got {reduction!r}"
-        )
-    return reduction
-
-
-def _check_options(logits_soft_cap, logsumexp_weight, label_smoothing) -> None:
-    if logits_soft_cap is not None and not float(logits_soft_cap) > 0:
-        raise ValueError(f"{NAME}: logits_soft_cap must be > 0 or None, got {logits_soft_cap!r}")
-    if not 0.0 <= float(label_smoothing) <= 1.0:
-        raise ValueError(f"{NAME}: label_smoothing must be in [0, 1], got {label_smoothing!r}")
-    float(logsumexp_weight)  # a Python number: it is a static option
 
 
 def _stats(x, w, local_labels, *, logits_soft_cap, with_sum, implementation, block_sizes):
@@ -175,20 +151,6 @@ def _stats(x, w, local_labels, *, logits_soft_cap, with_sum, implementation, blo
     )
 
 
-def _keep(labels, where, ignore_index):
-    keep = jnp.ones(labels.shape, bool) if where is None else where
-    if ignore_index is not None:
-        keep = keep & (labels != ignore_index)
-    return keep
-
-
-def _check_labels(labels, keep, vocab):
-    bad = keep & ((labels < 0) | (labels >= vocab))
-    return eqx.error_if(
-        labels, jnp.any(bad), f"{NAME}: a label outside [0, {vocab}) that is not ignore_index"
-    )
-
-
 def _per_token(
     x,
     w,
@@ -205,9 +167,9 @@ def _per_token(
 ):
     """Per-token `(loss, lse)`, each `[tokens]` float32."""
     vocab = w.shape[1]
-    keep = _keep(labels, where, ignore_index)
+    keep = kept(labels, where, ignore_index)
     if check_labels:
-        labels = _check_labels(labels, keep, vocab)
+        labels = checked_labels(NAME, labels, keep, vocab)
     lse, label_logit, sum_logits = _stats(
         x,
         w,
@@ -228,12 +190,6 @@ def _per_token(
         label_smoothing=label_smoothing,
     )
     return loss, lse
-
-
-def _reduce(loss, keep, reduction):
-    if reduction == "sum":
-        return jnp.sum(loss)
-    return jnp.sum(loss) / jnp.maximum(jnp.sum(keep), 1).astype(loss.dtype)
 
 
 @checked
@@ -284,11 +240,11 @@ def fused_cross_entropy_positional(
     per_token, lse = axkern.positional.fused_cross_entropy(x, w, labels, reduction=None, return_lse=True)
     ```
     """
-    reduction = _reduction(NAME, reduction)
+    reduction = reduction_name(NAME, reduction)
     logits_soft_cap = named.deprecated_alias(
         NAME, "logit_soft_cap", "logits_soft_cap", logit_soft_cap, logits_soft_cap, None
     )
-    _check_options(logits_soft_cap, logsumexp_weight, label_smoothing)
+    check_options(NAME, logits_soft_cap, logsumexp_weight, label_smoothing)
     options = dict(
         where=where,
         ignore_index=ignore_index,
@@ -305,7 +261,7 @@ def fused_cross_entropy_positional(
         )
     loss, lse = _per_token(x, w, labels, implementation=implementation, **options)
     if reduction is not None:
-        loss = _reduce(loss, _keep(labels, where, ignore_index), reduction)
+        loss = reduce_loss(loss, kept(labels, where, ignore_index), reduction)
     return CrossEntropyOutput(loss, lse) if return_lse else loss
 
 
@@ -334,18 +290,18 @@ def fused_cross_entropy_loss_positional(
     each token's logsumexp is), which saves the recomputation of the logits that per-token
     outputs need.
     """
-    reduction = _reduction(LOSS_NAME, reduction)
+    reduction = reduction_name(LOSS_NAME, reduction)
     if reduction is None:
         raise ValueError(f"{LOSS_NAME}: reduction must be 'mean' or 'sum', got None")
     logits_soft_cap = named.deprecated_alias(
         LOSS_NAME, "logit_soft_cap", "logits_soft_cap", logit_soft_cap, logits_soft_cap, None
     )
-    _check_options(logits_soft_cap, logsumexp_weight, label_smoothing)
+    check_options(NAME, logits_soft_cap, logsumexp_weight, label_smoothing)
     tokens, embed = x.shape
     vocab = w.shape[1]
-    keep = _keep(labels, where, ignore_index)
+    keep = kept(labels, where, ignore_index)
     if check_labels:
-        labels = _check_labels(labels, keep, vocab)
+        labels = checked_labels(NAME, labels, keep, vocab)
     if reduction == "mean":
         scale = 1.0 / jnp.maximum(jnp.sum(keep), 1).astype(jnp.float32)
     else:
@@ -454,11 +410,11 @@ def fused_cross_entropy(
         parallel and a mapped `Vocab` runs vocab parallel (each device holds a slice of
         `lm_head`; statistics are combined with `pmax`/`psum`). A mapped `Embed` is gathered.
     """
-    reduction = _reduction(NAME, reduction)
+    reduction = reduction_name(NAME, reduction)
     logits_soft_cap = named.deprecated_alias(
         NAME, "logit_soft_cap", "logits_soft_cap", logit_soft_cap, logits_soft_cap, None
     )
-    _check_options(logits_soft_cap, logsumexp_weight, label_smoothing)
+    check_options(NAME, logits_soft_cap, logsumexp_weight, label_smoothing)
     bound = ROLES.bind(locals())
     if not bound.batch:
         raise ValueError(f"{NAME}: x has no batch axes besides its Embed axis: {named.axes_str(x.axes)}")
@@ -485,9 +441,9 @@ def fused_cross_entropy(
         if vocab_mesh is None:
             return tuple(_per_token(xs, ws, ls, where=whs, **options))
         offset = compat.axis_index(vocab_mesh) * ws.shape[1]
-        keep = _keep(ls, whs, ignore_index)
+        keep = kept(ls, whs, ignore_index)
         if check_labels:
-            ls = _check_labels(ls, keep, vocab.size)
+            ls = checked_labels(NAME, ls, keep, vocab.size)
         stats = _stats(
             xs,
             ws,
@@ -513,6 +469,6 @@ def fused_cross_entropy(
     per_token = named.Out(("batch",), like="x")
     loss, lse = bound.run(body, SHARDING, (per_token, per_token))
     if reduction is not None:
-        keep = hax.named(_keep(bound.data("labels"), bound.data("where"), ignore_index), bound.batch)
-        loss = _reduce(loss.array, keep.rearrange(loss.axes).array, reduction)
+        keep = hax.named(kept(bound.data("labels"), bound.data("where"), ignore_index), bound.batch)
+        loss = reduce_loss(loss.array, keep.rearrange(loss.axes).array, reduction)
     return CrossEntropyOutput(loss, lse) if return_lse else loss
