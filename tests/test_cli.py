@@ -9,6 +9,7 @@ import sys
 
 import axkern
 from axkern import cli
+from tests.cluster import launch
 
 
 def test_info_runs_and_reports_each_op(capsys):
@@ -21,23 +22,16 @@ def test_info_runs_and_reports_each_op(capsys):
 
 
 def test_info_joins_a_cluster_and_counts_its_processes_and_devices(tmp_path):
-    from tests.cluster import launch
-
     def command(process_id, coordinator):
-        return [sys.executable, "-m", "axkern.cli", "info", "--coordinator", coordinator] + [
-            "--num-processes",
-            "2",
-            "--process-id",
-            str(process_id),
-        ]
+        flags = f"--coordinator {coordinator} --num-processes 2 --process-id {process_id}"
+        return [sys.executable, "-m", "axkern.cli", "info", *flags.split()]
 
     run = launch(command, 2, tmp_path, local_devices=3, timeout_s=240)
     assert run.returncodes == [0, 0], run.tail(0) + run.tail(1)
     for process, out in enumerate(run.stdout):
         assert re.search(rf"processes\s+│ 2 \(this is process {process}\)", out), out
-        assert re.search(r"global devices\s+│ 6 ", out) and re.search(
-            r"device\s+│ cpu x3 in this process", out
-        )
+        assert re.search(r"global devices\s+│ 6 ", out), out
+        assert re.search(r"device\s+│ cpu x3 in this process", out), out
 
 
 def test_bench_quick_writes_every_implementation(tmp_path):
