@@ -6,6 +6,7 @@ only the no-nvcc failure path runs.
 
 from __future__ import annotations
 
+import errno
 import os
 import subprocess
 import sys
@@ -166,3 +167,20 @@ def test_a_failed_load_is_not_retried(monkeypatch):
     with pytest.raises(Unsupported, match="not retried"):
         native.load("moe")
     assert calls == ["moe"]
+
+
+@needs_nvcc
+def test_a_cache_without_file_locks_is_a_reason(tmp_path, monkeypatch):
+    # a shared filesystem mounted without lock support: flock fails with ENOLCK
+    def no_locks(fd, op):
+        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+
+    monkeypatch.setenv("AXKERN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(native.backend, "platform", lambda: "gpu")
+    monkeypatch.setattr(native.backend, "compute_capability", lambda: (9, 0))
+    monkeypatch.setattr(native, "_failed", {})
+    monkeypatch.setattr(native.fcntl, "flock", no_locks)
+    with pytest.raises(Unsupported, match=r"No locks available.*must be writable and support file locks"):
+        native.load("moe")
+    with pytest.raises(Unsupported, match="not retried"):
+        native.load("moe")
