@@ -278,7 +278,7 @@ CASES: dict[str, Callable[[], Case]] = {
         (2, 4), {"batch": "data", "heads": "model", "kv_heads": "model"}, 4, ("all-reduce",)
     ),
     # one kv head read by every shard of heads: its gradient is summed over them
-    "attention/data+heads, one kv head": lambda: attention_case(
+    "attention/data+heads (one kv head)": lambda: attention_case(
         (2, 4), {"batch": "data", "heads": "model"}, 1, ("all-reduce",)
     ),
     "moe/tokens": lambda: moe_case((8, 1), {"token": "data"}),
@@ -317,7 +317,16 @@ def _compare(got, want, rtol, atol) -> str | None:
 _references: dict[str, object] = {}
 
 
-def run_case(case: Case) -> dict:
+def _together(name: str, timeout_s: int = 300) -> None:
+    """Wait until every process gets here. The first collective over a group of devices sets
+    up a gloo context, which gives up when the processes arrive more than 30 s apart (one of
+    them slowed down by a busy machine); the coordination service's barrier waits longer."""
+    from jax._src import distributed  # the client whose barrier JAX's own multi-process tests use
+
+    distributed.global_state.client.wait_at_barrier(name, timeout_s * 1000)
+
+
+def run_case(name: str, case: Case) -> dict:
     argnums = tuple(range(len(case.diff)))
     step = jax.value_and_grad(case.fn, argnums=argnums, has_aux=True)
     t0 = time.perf_counter()
@@ -333,6 +342,7 @@ def run_case(case: Case) -> dict:
         args = [_place(a, mesh, case.mapping) for a in (*case.diff, *case.const)]
         lowered = jax.jit(step).lower(*args)
         compiled = lowered.compile()
+        _together(name)
         got = compiled(*args)
         jax.block_until_ready(got)
     t2 = time.perf_counter()
@@ -378,7 +388,7 @@ def main(argv=None) -> int:
     for name in names:
         start = time.perf_counter()
         try:
-            result = run_case(CASES[name]())
+            result = run_case(name, CASES[name]())
         except Exception as e:  # noqa: BLE001 - reported to the parent, which fails the case
             result = {
                 "ok": False,
