@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
 import axkern
 from axkern import cli
+from tests.cluster import launch
 
 
 def test_info_runs_and_reports_each_op(capsys):
@@ -15,6 +17,21 @@ def test_info_runs_and_reports_each_op(capsys):
     out = capsys.readouterr().out
     assert "platform" in out and "nvcc" in out and "jax" in out
     assert "fused_cross_entropy: xla" in out  # the typical-shape decision, from explain
+    assert re.search(r"processes\s+│ 1 \(this is process 0\)", out)
+    assert re.search(r"global devices\s+│ 8 ", out)  # conftest's 8 host devices
+
+
+def test_info_joins_a_cluster_and_counts_its_processes_and_devices(tmp_path):
+    def command(process_id, coordinator):
+        flags = f"--coordinator {coordinator} --num-processes 2 --process-id {process_id}"
+        return [sys.executable, "-m", "axkern.cli", "info", *flags.split()]
+
+    run = launch(command, 2, tmp_path, local_devices=3, timeout_s=240)
+    assert run.returncodes == [0, 0], run.tail(0) + run.tail(1)
+    for process, out in enumerate(run.stdout):
+        assert re.search(rf"processes\s+│ 2 \(this is process {process}\)", out), out
+        assert re.search(r"global devices\s+│ 6 ", out), out
+        assert re.search(r"device\s+│ cpu x3 in this process", out), out
 
 
 def test_bench_quick_writes_every_implementation(tmp_path):

@@ -54,7 +54,22 @@ def _typical_decision(op: str):
     return c.label, axkern.explain(lambda *a: c.forward(None, *a), *shapes)
 
 
-def info(_args) -> int:
+def _join_cluster(args) -> None:
+    """`jax.distributed.initialize` when the command line asks for it: with `--coordinator`,
+    `--num-processes`, `--process-id`, or `--distributed` alone to let JAX detect them (SLURM,
+    Open MPI, Kubernetes, Cloud TPU). Before any other JAX call, as JAX requires."""
+    given = (args.coordinator, args.num_processes, args.process_id)
+    if not args.distributed and all(v is None for v in given):
+        return
+    import jax
+
+    jax.distributed.initialize(
+        coordinator_address=args.coordinator, num_processes=args.num_processes, process_id=args.process_id
+    )
+
+
+def info(args) -> int:
+    _join_cluster(args)
     import jax
 
     import axkern
@@ -66,7 +81,9 @@ def info(_args) -> int:
     for k, v in _versions().items():
         t.add_row(k, v)
     t.add_row("platform", backend.platform())
-    t.add_row("device", f"{backend.device_kind()} x{len(jax.devices())}")
+    t.add_row("device", f"{backend.device_kind()} x{jax.local_device_count()} in this process")
+    t.add_row("processes", f"{jax.process_count()} (this is process {jax.process_index()})")
+    t.add_row("global devices", str(jax.device_count()))
     cc = backend.compute_capability()
     t.add_row("compute capability", "n/a" if cc is None else f"{cc[0]}.{cc[1]}")
     t.add_row("tuned-table key", backend.device_key())
@@ -294,7 +311,16 @@ def build_native(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="axkern", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("info", help="platform, versions, nvcc, and what each op picks here").set_defaults(fn=info)
+    i = sub.add_parser("info", help="platform, versions, processes, nvcc, and what each op picks here")
+    i.add_argument("--coordinator", help="HOST:PORT of process 0: join that jax.distributed cluster first")
+    i.add_argument("--num-processes", type=int, help="processes in the cluster (with --coordinator)")
+    i.add_argument("--process-id", type=int, help="this process's index in the cluster (with --coordinator)")
+    i.add_argument(
+        "--distributed",
+        action="store_true",
+        help="join the cluster that JAX detects (SLURM, Open MPI, Kubernetes, Cloud TPU)",
+    )
+    i.set_defaults(fn=info)
     b = sub.add_parser("bench", help="time every implementation of every op (or one op)")
     b.add_argument("op", nargs="?", help="one op (default: all)")
     b.add_argument("--quick", action="store_true", help="small default shapes (seconds on a CPU)")

@@ -6,8 +6,12 @@ only the no-nvcc failure path runs.
 
 from __future__ import annotations
 
+import errno
+import os
 import subprocess
 import sys
+import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -68,16 +72,51 @@ def test_build_caches_and_rebuilds_a_corrupt_entry(tmp_path, monkeypatch):
 
 
 @needs_nvcc
-def test_concurrent_builders_build_once(tmp_path):
-    code = "from axkern.core import native; print(native.build(native.LIBRARIES['moe'], (9, 0)))"
-    env = {**__import__("os").environ, "AXKERN_CACHE_DIR": str(tmp_path)}
-    procs = [
-        subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)
-        for _ in range(3)
-    ]
-    outs = [p.communicate(timeout=600)[0].strip() for p in procs]
-    assert all(p.returncode == 0 for p in procs)
-    assert len(set(outs)) == 1 and _builds(tmp_path) == 1
+def test_processes_sharing_a_cache_build_once_and_all_load_it(tmp_path):
+    # as hosts on one shared filesystem: processes released together into the build of the same
+    # library in the same cache build it once, and every one of them loads that build
+    cache, go = tmp_path / "cache", tmp_path / "go"
+    code = textwrap.dedent(
+        f"""
+        import os, pathlib, sys, time
+        from axkern.core import native
+        pathlib.Path({str(tmp_path)!r}, "ready" + sys.argv[1]).touch()
+        while not os.path.exists({str(go)!r}):
+            time.sleep(0.01)
+        lib = native.LIBRARIES["moe"]
+        path = native.build(lib, (9, 0))
+        native._open(path, lib)  # dlopen works without a GPU
+        print(path, native._digest(path))
+        """
+    )
+    env = {**os.environ, "AXKERN_CACHE_DIR": str(cache)}
+    n = 4
+    procs = []
+    try:
+        for i in range(n):
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-c", code, str(i)], env=env, stdout=subprocess.PIPE, text=True
+                )
+            )
+        deadline = time.monotonic() + 120
+        while len(list(tmp_path.glob("ready*"))) < n and time.monotonic() < deadline:
+            time.sleep(0.05)
+        go.touch()
+        outs = [p.communicate(timeout=900)[0].strip() for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+    assert [p.returncode for p in procs] == [0] * n
+    assert len(set(outs)) == 1 and _builds(cache) == 1
+    folder = Path(outs[0].split()[0]).parent
+    assert sorted(p.name for p in folder.iterdir()) == [
+        "build.log",
+        "libmoe.sha256",
+        "libmoe.so",
+    ]  # no temporaries
 
 
 def test_failures_are_unsupported_reasons(tmp_path, monkeypatch):
@@ -128,3 +167,20 @@ def test_a_failed_load_is_not_retried(monkeypatch):
     with pytest.raises(Unsupported, match="not retried"):
         native.load("moe")
     assert calls == ["moe"]
+
+
+@needs_nvcc
+def test_a_cache_without_file_locks_is_a_reason(tmp_path, monkeypatch):
+    # a shared filesystem mounted without lock support: flock fails with ENOLCK
+    def no_locks(fd, op):
+        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+
+    monkeypatch.setenv("AXKERN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(native.backend, "platform", lambda: "gpu")
+    monkeypatch.setattr(native.backend, "compute_capability", lambda: (9, 0))
+    monkeypatch.setattr(native, "_failed", {})
+    monkeypatch.setattr(native.fcntl, "flock", no_locks)
+    with pytest.raises(Unsupported, match=r"No locks available.*must be writable and support file locks"):
+        native.load("moe")
+    with pytest.raises(Unsupported, match="not retried"):
+        native.load("moe")

@@ -7,8 +7,8 @@ with `AXKERN_CACHE_DIR`), under a file lock so parallel processes build once, an
 place atomically. It is loaded with `cffi.FFI().dlopen`; each handler's address is wrapped in
 `jax.ffi.pycapsule` and registered with `jax.ffi.register_ffi_target(..., platform="CUDA")`.
 
-No nvcc, no GPU, an unknown arch, a failed build: `Unsupported` with the reason, never a
-crash. A cache entry that does not load is deleted and rebuilt.
+No nvcc, no GPU, an unknown arch, a failed build, a cache that cannot be written or locked:
+`Unsupported` with the reason, never a crash. A cache entry that does not load is deleted and rebuilt.
 """
 
 from __future__ import annotations
@@ -222,6 +222,14 @@ def load(name: str) -> tuple[str, ...]:
         raise Unsupported(_failed[(name, cc)])
     try:
         return _registered(name, cc)
+    # a cache that cannot be written or locked (read-only, full, a filesystem without locks)
+    except OSError as e:
+        reason = (
+            f"native library {name!r}: {e} (the build cache {cache_root()} must be writable and support "
+            "file locks; set AXKERN_CACHE_DIR to one that does)"
+        )
+        _failed[(name, cc)] = f"{reason} (failed earlier in this process; not retried)"
+        raise Unsupported(reason) from e
     except Unsupported as e:
         _failed[(name, cc)] = f"{e} (failed earlier in this process; not retried)"
         raise
