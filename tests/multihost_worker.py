@@ -153,7 +153,7 @@ SSD_BATCH, SSD_POS, SSD_HEADS, SSD_HEAD_DIM, SSD_GROUPS, SSD_STATE = (
     hax.Axis("batch", 2),
     hax.Axis("position", 32),
     hax.Axis("heads", 4),
-    hax.Axis("head_dim", 3),
+    hax.Axis("head_size", 3),
     hax.Axis("groups", 2),
     hax.Axis("state", 5),
 )

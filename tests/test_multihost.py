@@ -57,11 +57,6 @@ def test_sharded_across_processes_equals_single_process(cluster, case):
         )
         assert r["ok"], f"process {process}, {case}: {r['message']}"
     if not all(results[(case, p)]["manual"] for p in range(PROCESSES)):
-        if case.startswith("moe/"):
-            pytest.xfail(
-                "the MoE named ops have no token-parallel rule: they run without shard_map, "
-                "partitioned by XLA (values and gradients match)"
-            )
         pytest.fail(f"{case}: the named layer ran without shard_map under the mapping")
 
 
