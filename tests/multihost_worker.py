@@ -258,6 +258,56 @@ def moe_case(mesh_shape, mapping):
     return Case(mesh_shape, mapping, f, (x, weights), (topk_idx,), rtol=1e-5, atol=1e-5)
 
 
+def moe_ep_case(mesh_shape, mapping):
+    """The expert-parallel transport's `xla` path: an EP MoE layer with the experts over the mesh
+    axis `model` (its all_to_all crosses the processes) against the dense single-device layer."""
+    experts, embed, out = 16, MOE_EMBED.size, 3
+    Expert, Out = hax.Axis("experts", experts), hax.Axis("out", out)
+    rng = np.random.default_rng(43)
+    x = _normal(44, (MOE_TOKEN, MOE_EMBED))
+    weights = _named(
+        rng.uniform(size=(MOE_TOKEN.size, MOE_TOPK.size)).astype(np.float32), (MOE_TOKEN, MOE_TOPK)
+    )
+    w_experts = _normal(45, (Expert, MOE_EMBED, Out), scale=embed**-0.5)
+    topk_idx = _named(
+        np.argsort(rng.random((MOE_TOKEN.size, experts)), axis=1)[:, :2].astype(np.int32),
+        (MOE_TOKEN, MOE_TOPK),
+    )
+
+    def dense(x, w, idx, we):
+        per = jnp.einsum("td,tkdo->tko", x, we[idx], precision="highest")
+        return jnp.einsum("tk,tko->to", w, per, precision="highest")
+
+    def ep(x, w, idx, we):
+        expert_x, groups, layout = axkern.positional.moe_ep_dispatch(
+            x, idx, num_experts=experts, axis_name="model"
+        )
+        y = jax.lax.ragged_dot(expert_x, we, groups, precision=jax.lax.Precision.HIGHEST)
+        return axkern.positional.moe_ep_combine(y, w, layout)
+
+    def f(x, weights, w_experts, topk_idx):
+        mesh = hax.partitioning._resolve_mesh()
+        args = (x.array, weights.array, topk_idx.array, w_experts.array)
+        if mesh is None or getattr(mesh, "empty", False):
+            y = dense(*args)
+        else:
+            spec = PartitionSpec("model")
+            y = jax.shard_map(ep, mesh=mesh, in_specs=(spec,) * 4, out_specs=spec)(*args)
+        y = hax.named(y, (MOE_TOKEN, Out))
+        return hax.sum(y * y).array, y
+
+    return Case(
+        mesh_shape,
+        mapping,
+        f,
+        (x, weights, w_experts),
+        (topk_idx,),
+        collectives=("all-to-all",),
+        rtol=1e-5,
+        atol=1e-5,
+    )
+
+
 CASES: dict[str, Callable[[], Case]] = {
     # vocab parallel: each device holds a slice of lm_head; lse and label logits are combined
     "fused_cross_entropy/vocab": lambda: ce_case((1, 8), {"vocab": "model"}, _ce_mean, ("all-reduce",)),
@@ -282,6 +332,8 @@ CASES: dict[str, Callable[[], Case]] = {
         (2, 4), {"batch": "data", "heads": "model"}, 1, ("all-reduce",)
     ),
     "moe/tokens": lambda: moe_case((8, 1), {"token": "data"}),
+    # expert parallel: tokens and experts over `model`, exchanged by all_to_all across the processes
+    "moe_ep/xla": lambda: moe_ep_case((1, 8), {"token": "model", "experts": "model"}),
 }
 
 

@@ -7,6 +7,8 @@ from .ops.fused_cross_entropy.api import fused_cross_entropy_positional as fused
 from .ops.moe.api import moe_combine_positional as moe_combine
 from .ops.moe.api import moe_dispatch_positional as moe_dispatch
 from .ops.moe.api import moe_layout_positional as moe_layout
+from .ops.moe_ep.api import moe_ep_combine_positional as moe_ep_combine
+from .ops.moe_ep.api import moe_ep_dispatch_positional as moe_ep_dispatch
 from .ops.short_conv.api import short_conv_positional as short_conv
 from .ops.short_conv.api import short_conv_step_positional as short_conv_step
 from .ops.ssd.api import ssd_positional as ssd
@@ -19,6 +21,8 @@ __all__ = [
     "fused_cross_entropy_loss",
     "moe_combine",
     "moe_dispatch",
+    "moe_ep_combine",
+    "moe_ep_dispatch",
     "moe_layout",
     "short_conv",
     "short_conv_step",
