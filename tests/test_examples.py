@@ -1,0 +1,23 @@
+"""The expert-parallel example runs on 8 host devices and matches the dense layer."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_ep_moe_example_matches_the_dense_layer():
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {"JAX_PLATFORMS": "cpu"}
+    cmd = [sys.executable, str(REPO / "examples" / "ep_moe.py"), "--tokens", "16", "--capacity-factor", "4"]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "8 devices (cpu)" in out.stdout and "dropped pairs: 0" in out.stdout
+    for line in out.stdout.splitlines():
+        m = re.match(r"max \|(\w+) - dense\|: (\S+)", line)
+        if m:
+            assert float(m.group(2)) < 1e-4, line
