@@ -178,6 +178,13 @@ def test_bench_dtype_aliases(given, dtype):
     assert {c.dtype for c, _ in work} == {dtype}
 
 
+def test_bench_marks_what_runs_in_interpret_mode():
+    from axkern.bench import runs_interpreted
+
+    assert runs_interpreted("short_conv", "pallas_gpu") and not runs_interpreted("short_conv", "xla")
+    assert not runs_interpreted("short_conv", "default")  # a file's cases: the dispatcher's choice
+
+
 def test_bench_plan_defaults_to_the_quick_preset_and_the_implementations_compiled_here():
     work, passes = cli._plan(cli.parser().parse_args(["bench", "short_conv"]))
     assert passes == ("fwd", "fwd+bwd")

@@ -285,7 +285,7 @@ def _plan(args) -> tuple[list, tuple[str, ...]]:
         raise UsageError(
             f"--preset: expected an OP too (presets belong to one op), got --preset {args.preset!r} alone"
         )
-    dtype = _dtype(args.dtype)
+    dtype = args.dtype = _dtype(args.dtype)  # the canonical name, for the peers too
     _json_path(args.json)
     explicit = [n.strip() for n in args.impl.split(",") if n.strip()] if args.impl is not None else None
     if explicit == []:
