@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import io
 import json
 import re
 import subprocess
 import sys
 
+import pytest
+
 import axkern
-from axkern import cli
+from axkern import bench_format, cli
 from tests.cluster import launch
 
 
@@ -50,7 +53,9 @@ def test_bench_quick_writes_every_implementation(tmp_path):
     for r in rows:
         assert r["ms"] > 0 and r["note"] == ""
         assert r["max_rel_error"] < 1e-4  # float32 quick case against the reference
-    assert data["versions"]["jax"] and data["matmul_ceiling_tflops"] > 0
+    assert data["versions"]["jax"] and data["preset"] == "quick"
+    assert data["matmul_ceiling_tflops"] is None  # on a CPU no ceiling is measured
+    assert all(r["ceiling_fraction"] is None and not r["interpret"] for r in rows)
 
 
 def test_bench_rejects_unknown_op_and_preset():
@@ -93,3 +98,212 @@ def test_peer_ratios_land_in_the_notes():
     rows = cli._peer_rows([peer], [], [ours], ceiling=500.0)
     assert rows[0].implementation == "peer:liger" and rows[0].tflops > 0
     assert ours.note == "time 0.90x liger"
+
+
+# -- usage: every argument is checked before anything is measured -----------------------------
+
+
+def _no_measuring(monkeypatch):
+    import axkern.bench
+
+    def refuse(*a, **k):
+        raise AssertionError("measured before the arguments were checked")
+
+    for name in ("measure", "matmul_ceiling", "copy_bandwidth"):
+        monkeypatch.setattr(axkern.bench, name, refuse)
+
+
+def _usage_error(argv, capsys) -> str:
+    """The one-line error of a command line that must exit 2 without a traceback."""
+    try:
+        rc = cli.main(argv)
+    except SystemExit as e:  # argparse's own checks
+        rc = e.code
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert "Traceback" not in err
+    return err.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["bench", "nosuchop"], "OP: unknown op 'nosuchop'"),
+        (["bench", "short_conv", "--impl", "bogus"], "--impl: expected implementations of short_conv"),
+        (["bench", "--impl", "bogus"], "--impl: expected implementations"),
+        (["bench", "short_conv", "--impl", ","], "--impl: expected comma-separated"),
+        (["bench", "short_conv", "--preset", "nope"], "unknown preset 'nope'"),
+        (["bench", "--preset", "llama3"], "--preset: expected an OP too"),
+        (["bench", "short_conv", "--dtype", "int7"], "--dtype: expected one of float32, bfloat16"),
+        (["bench", "short_conv", "--json", "/nonexistent/x.json"], "--json: expected a path in an existing"),
+        (
+            ["bench", "moe_layout", "--passes", "fwd+bwd"],
+            "--passes: nothing to measure: moe_layout has no fwd+bwd",
+        ),
+        (
+            ["bench", "fused_cross_entropy", "--quick", "--preset", "llama3"],
+            "--preset: not allowed with argument --quick",
+        ),
+        (["bench", "--repeats", "0"], "--repeats: expected a positive integer, got '0'"),
+        (["bench", "--tokens", "x"], "--tokens: expected a positive integer, got 'x'"),
+        (["bench", "--cases", "no_such_file.py"], "--cases: expected a Python file"),
+        (["bench", "short_conv", "--cases", "examples/tiny_lm.py"], "--cases: expected no OP"),
+        (["bench", "--format", "html"], "--format: invalid choice"),
+    ],
+)
+def test_bench_usage_errors_exit_2_before_measuring(argv, expected, capsys, monkeypatch):
+    _no_measuring(monkeypatch)
+    assert expected in _usage_error(argv, capsys)
+
+
+def test_bench_json_path_that_is_a_directory_is_a_usage_error(tmp_path, capsys, monkeypatch):
+    _no_measuring(monkeypatch)
+    assert "--json: expected a file path" in _usage_error(
+        ["bench", "short_conv", "--json", str(tmp_path)], capsys
+    )
+
+
+@pytest.mark.parametrize(
+    "given, dtype",
+    [
+        ("bf16", "bfloat16"),
+        ("BF16", "bfloat16"),
+        ("fp32", "float32"),
+        ("f16", "float16"),
+        ("bfloat16", "bfloat16"),
+    ],
+)
+def test_bench_dtype_aliases(given, dtype):
+    work, _ = cli._plan(cli.parser().parse_args(["bench", "short_conv", "--dtype", given]))
+    assert {c.dtype for c, _ in work} == {dtype}
+
+
+def test_bench_marks_what_runs_in_interpret_mode():
+    from axkern.bench import runs_interpreted
+
+    assert runs_interpreted("short_conv", "pallas_gpu") and not runs_interpreted("short_conv", "xla")
+    assert not runs_interpreted("short_conv", "default")  # a file's cases: the dispatcher's choice
+
+
+def test_bench_plan_defaults_to_the_quick_preset_and_the_implementations_compiled_here():
+    work, passes = cli._plan(cli.parser().parse_args(["bench", "short_conv"]))
+    assert passes == ("fwd", "fwd+bwd")
+    assert [impls for _, impls in work] == [["xla", "reference"]]  # no Pallas kernel in interpret mode
+    work, _ = cli._plan(cli.parser().parse_args(["bench", "--impl", "pallas_gpu"]))
+    assert {c.op for c, _ in work} == {
+        "attention",
+        "fused_cross_entropy",
+        "short_conv",
+        "ssd",
+    }  # the ops that have it
+
+
+def test_bench_list_presets(capsys, monkeypatch):
+    _no_measuring(monkeypatch)
+    assert cli.main(["bench", "--list-presets"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert "short_conv: quick (default), mamba" in out and "short_conv_step: quick (default), decode" in out
+    assert len(out) == len(axkern.ops())
+    assert cli.main(["bench", "fused_cross_entropy", "--list-presets"]) == 0
+    assert "llama3" in capsys.readouterr().out
+
+
+def test_version_and_python_dash_m(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.startswith("axkern ")
+    proc = subprocess.run(
+        [sys.executable, "-m", "axkern", "bench", "--list-presets"], capture_output=True, text=True
+    )
+    assert proc.returncode == 0 and "short_conv: quick (default)" in proc.stdout, proc.stderr
+
+
+def test_info_json(capsys):
+    assert cli.main(["info", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["platform"] == "cpu" and data["versions"]["jax"]
+    assert data["ops"]["fused_cross_entropy"]["typical_choice"] == "xla"
+    assert set(data["ops"]) == set(axkern.ops())
+
+
+# -- output: units, ceilings and interpret mode told plainly; full width off a terminal --------
+
+
+def _rows(gpu: bool):
+    from axkern.bench import Row
+
+    scale = 1e3 if gpu else 1.0
+    return [
+        Row(
+            "short_conv",
+            "B=2 S=256",
+            "xla",
+            "fwd",
+            ms=0.3,
+            tflops=0.003 * scale,
+            gbps=3.0 * scale,
+            temp_gib=0.0,
+            max_rel_error=0.0,
+            ceiling_fraction=0.5 if gpu else None,
+        ),
+        Row(
+            "short_conv",
+            "B=2 S=256",
+            "pallas_gpu",
+            "fwd",
+            ms=12.0,
+            tflops=0.00008 * scale,
+            gbps=0.03 * scale,
+            interpret=not gpu,
+            note="" if gpu else "interpret mode: times the Pallas interpreter, not the kernel " * 3,
+        ),
+    ]
+
+
+def test_bench_columns_fit_the_magnitudes_and_mark_interpret_mode():
+    header, cells = bench_format.columns(_rows(gpu=False))
+    assert "GFLOP/s" in header and "TFLOP/s" not in header and "of ceiling" not in header
+    assert cells[0][header.index("GFLOP/s")] == "3.00" and cells[1][header.index("GFLOP/s")] == "0.08"
+    assert cells[1][header.index("impl")] == "pallas_gpu (interpret)"
+    header, cells = bench_format.columns(_rows(gpu=True))
+    assert "TFLOP/s" in header and "of ceiling" in header and "note" not in header
+    assert cells[0][header.index("of ceiling")] == "50.0%"
+    assert "(interpret)" in bench_format.row_line(_rows(gpu=False)[1])
+    assert "3.00 GFLOP/s" in bench_format.row_line(_rows(gpu=False)[0])
+
+
+def _doc(rows):
+    return {
+        "device": "cpu",
+        "preset": "quick",
+        "matmul_ceiling_tflops": None,
+        "rows": [r.as_dict() for r in rows],
+    }
+
+
+def test_bench_table_off_a_terminal_is_one_line_per_row(capsys):
+    from rich.console import Console
+
+    rows = _rows(gpu=False)
+    bench_format.print_rows(rows, _doc(rows), "table", Console(file=io.StringIO()))  # not a terminal
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 5 + len(rows)  # title, top rule, names, rule, the rows, bottom rule
+    assert "pallas_gpu (interpret)" in lines[5] and rows[1].note.strip() in lines[5]
+    assert "no ceiling on a CPU" in lines[0]
+
+
+@pytest.mark.parametrize("fmt", ["json", "csv", "markdown"])
+def test_bench_formats(fmt, capsys):
+    import csv
+
+    rows = _rows(gpu=False)
+    bench_format.print_rows(rows, _doc(rows), fmt, None)
+    out = capsys.readouterr().out
+    if fmt == "json":
+        assert [r["implementation"] for r in json.loads(out)["rows"]] == ["xla", "pallas_gpu"]
+    elif fmt == "csv":
+        got = list(csv.DictReader(io.StringIO(out)))
+        assert [r["implementation"] for r in got] == ["xla", "pallas_gpu"] and got[1]["interpret"] == "True"
+    else:
+        table = [line for line in out.splitlines() if line.startswith("|")]
+        assert table[0].startswith("| op | case | impl | pass | ms | GFLOP/s") and len(table) == 2 + len(rows)

@@ -19,10 +19,22 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from .core import backend
+from .core import backend, config
 from .core.op import Unsupported, get_op
 
-__all__ = ["Case", "Row", "measure", "matmul_ceiling", "copy_bandwidth", "cases_for"]
+__all__ = [
+    "Case",
+    "Row",
+    "measure",
+    "matmul_ceiling",
+    "copy_bandwidth",
+    "cases_for",
+    "presets_for",
+    "DEFAULT_PRESET",
+    "runs_interpreted",
+]
+
+DEFAULT_PRESET = "quick"  # the shapes of `axkern bench OP` without --preset: small, seconds on a CPU
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,11 +72,10 @@ class Row:
     temp_gib: float | None = None
     max_rel_error: float | None = None
     note: str = ""
+    interpret: bool = False  # a Pallas kernel run by the interpreter: its time says nothing of the kernel
 
     def as_dict(self) -> dict:
-        d = dataclasses.asdict(self)
-        d["pass"] = d.pop("pass_")
-        return d
+        return {("pass" if k == "pass_" else k): v for k, v in dataclasses.asdict(self).items()}
 
 
 def _sync(tree):
@@ -203,7 +214,7 @@ def measure(
         else:
             want_note = ""
         for impl in implementations:
-            row = Row(case.op, case.label, impl, pass_)
+            row = Row(case.op, case.label, impl, pass_, interpret=runs_interpreted(case.op, impl))
             try:
                 fn = fns[pass_](impl)
                 row.temp_gib = _temp_gib(fn, args)
@@ -221,6 +232,8 @@ def measure(
                     row.ceiling_fraction = row.gbps / bandwidth
                 elif case.bound == "compute" and ceiling:
                     row.ceiling_fraction = row.tflops / ceiling
+                if row.interpret:
+                    row.note = "interpret mode: times the Pallas interpreter, not the kernel"
             except Unsupported as e:
                 row.note = f"unsupported: {e}"
             except Exception as e:  # noqa: BLE001 - report, keep going
@@ -232,15 +245,40 @@ def measure(
     return rows
 
 
+def runs_interpreted(op: str, implementation: str) -> bool:
+    """Whether `implementation=implementation` runs `op` in interpret mode here (a Pallas
+    kernel off its platform, or anywhere under `axkern.use(interpret=True)`)."""
+    try:
+        impl = get_op(op).implementations[implementation]
+    except (ValueError, KeyError):  # "default", a file's own case names
+        return False
+    return impl.interpretable and (
+        bool(config.current().interpret) or backend.platform() not in impl.platforms
+    )
+
+
+def _arg_specs(op: str):
+    import importlib
+
+    return importlib.import_module(
+        f"{get_op(op).package}.arg_specs"
+    )  # get_op: a clear error for an unknown op
+
+
+def presets_for(op: str) -> list[str]:
+    """The preset names an op ships; a folder holding several ops maps each op to its own
+    dict in `PRESETS_BY_OP`, else its `PRESETS` serve every op in it."""
+    mod = _arg_specs(op)
+    presets = getattr(mod, "PRESETS_BY_OP", {}).get(op, mod.PRESETS)
+    return sorted(presets, key=lambda name: (name != DEFAULT_PRESET, name))
+
+
 def cases_for(
     op: str, *, preset: str | None = None, tokens: int | None = None, dtype: str | None = None
 ) -> list[Case]:
-    """The benchmark cases an op ships (`ops/<op>/arg_specs.py`), for a preset or the quick set."""
-    import importlib
-
-    mod = importlib.import_module(
-        f"{get_op(op).package}.arg_specs"
-    )  # get_op: a clear error for an unknown op
+    """The benchmark cases an op ships (`ops/<op>/arg_specs.py`), for a preset or the default
+    (`DEFAULT_PRESET`)."""
+    mod = _arg_specs(op)
     # a folder holding several ops (moe) names its functions `cases_<op>`
     fn = getattr(mod, f"cases_{op}", None) or mod.cases
     return fn(preset=preset, tokens=tokens, dtype=dtype)

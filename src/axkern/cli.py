@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -13,7 +14,28 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-console = Console()
+from .bench_format import print_rows, row_line
+
+console = Console()  # results
+status = Console(stderr=True)  # progress and rows as they are measured: stdout keeps only the results
+
+
+class UsageError(ValueError):
+    """A command line that cannot run: one line naming the argument, what was expected, what was given."""
+
+
+_DTYPES = {  # accepted spellings of the dtypes the benchmark cases take
+    "float32": "float32",
+    "fp32": "float32",
+    "f32": "float32",
+    "float": "float32",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float16": "float16",
+    "fp16": "float16",
+    "f16": "float16",
+    "half": "float16",
+}
 
 
 def _nvcc() -> str:
@@ -68,79 +90,94 @@ def _join_cluster(args) -> None:
     )
 
 
-def info(args) -> int:
-    _join_cluster(args)
+def _info_data() -> dict:
+    """What `axkern info` reports, as plain data (`--json` prints it as is)."""
     import jax
 
     import axkern
-    from axkern.core import backend
+    from axkern.core import backend, native
 
+    cc = backend.compute_capability()
+    ops = {}
+    for op in axkern.ops():
+        label, decision = _typical_decision(op)
+        ops[op] = {
+            "implementations": {n: list(p) for n, p in axkern.implementations(op).items()},
+            "typical_case": label,
+            "typical_choice": decision.implementation,
+            "typical_decision": str(decision),
+        }
+    return {
+        "versions": _versions(),
+        "platform": backend.platform(),
+        "device": backend.device_kind(),
+        "local_devices": jax.local_device_count(),
+        "processes": jax.process_count(),
+        "process_index": jax.process_index(),
+        "global_devices": jax.device_count(),
+        "compute_capability": None if cc is None else f"{cc[0]}.{cc[1]}",
+        "tuned_table_key": backend.device_key(),
+        "nvcc": _nvcc(),
+        "native": native.status(),
+        "ops": ops,
+    }
+
+
+def info(args) -> int:
+    _join_cluster(args)
+    data = _info_data()
+    if args.json:
+        print(json.dumps(data, indent=2))
+        return 0
     t = Table(title="axkern info", show_header=False)
     t.add_column("what")
     t.add_column("value")
-    for k, v in _versions().items():
+    for k, v in data["versions"].items():
         t.add_row(k, v)
-    t.add_row("platform", backend.platform())
-    t.add_row("device", f"{backend.device_kind()} x{jax.local_device_count()} in this process")
-    t.add_row("processes", f"{jax.process_count()} (this is process {jax.process_index()})")
-    t.add_row("global devices", str(jax.device_count()))
-    cc = backend.compute_capability()
-    t.add_row("compute capability", "n/a" if cc is None else f"{cc[0]}.{cc[1]}")
-    t.add_row("tuned-table key", backend.device_key())
-    t.add_row("nvcc", _nvcc())
-    from axkern.core import native
-
-    for name, line in native.status().items():
+    t.add_row("platform", data["platform"])
+    t.add_row("device", f"{data['device']} x{data['local_devices']} in this process")
+    t.add_row("processes", f"{data['processes']} (this is process {data['process_index']})")
+    t.add_row("global devices", str(data["global_devices"]))
+    t.add_row("compute capability", data["compute_capability"] or "n/a")
+    t.add_row("tuned-table key", data["tuned_table_key"])
+    t.add_row("nvcc", data["nvcc"])
+    for name, line in data["native"].items():
         t.add_row(f"native: {name}", line)
     console.print(t)
-    for op in axkern.ops():
+    for op, d in data["ops"].items():
         ops_t = Table(title=f"{op}")
         ops_t.add_column("implementation")
         ops_t.add_column("platforms")
-        for name, plats in axkern.implementations(op).items():
+        for name, plats in d["implementations"].items():
             ops_t.add_row(name, "/".join(plats))
         console.print(ops_t)
-        label, decision = _typical_decision(op)
-        console.print(f"{label} gets:\n{decision}\n", markup=False, highlight=False)
+        console.print(f"{d['typical_case']} gets:\n{d['typical_decision']}\n", markup=False, highlight=False)
     return 0
 
 
 def bench(args) -> int:
+    if args.list_presets:
+        return _list_presets(args)
+    work, passes = _plan(args)  # every argument checked before anything is measured
     import jax
 
-    import axkern
-    from axkern.bench import cases_for, copy_bandwidth, matmul_ceiling, measure
+    from axkern.bench import DEFAULT_PRESET, copy_bandwidth, matmul_ceiling, measure
     from axkern.core import backend
 
-    ops = [args.op] if args.op else axkern.ops()
-    if args.cases:
-        ops = []  # the file's cases only
-    if args.preset and not args.op and not args.cases:
-        console.print("[red]--preset needs an OP (presets belong to one op)[/red]")
-        return 2
     repeats = args.repeats or (3 if args.quick else 20)
-    passes = ("fwd", "fwd+bwd") if args.passes == "both" else (args.passes,)
-    preset = None if args.quick else args.preset
+    preset = args.preset
+    ops = sorted({c.op for c, _ in work if not args.cases})
     peer_rows = _peers(args, ops, preset, repeats) if args.peers else []  # before JAX takes the GPU
-    console.print(f"measuring the matmul ceiling on {jax.devices()[0].device_kind} ...")
-    ceiling = matmul_ceiling(repeats=repeats)
-    bandwidth = copy_bandwidth(repeats=repeats)
-    work = []
-    for op in ops:
-        # by default, the implementations that run compiled here (Pallas in interpret mode times nothing useful)
-        here = backend.platform()
-        impls = (
-            args.impl.split(",")
-            if args.impl
-            else [n for n, p in axkern.implementations(op).items() if here in p]
-        )
-        for c in cases_for(op, preset=preset, tokens=args.tokens, dtype=args.dtype):
-            work.append((c, impls))
-    if args.cases:
-        impls = args.impl.split(",") if args.impl else ["default", "reference"]
-        work += [(c, impls) for c in _file_cases(args.cases, preset, args.tokens, args.dtype)]
+    device = jax.devices()[0].device_kind
+    # On a CPU one matmul's or one copy's rate bounds nothing else: caches, threads and
+    # shapes change the rate by more than the kernels differ, so no ceiling is measured.
+    ceiling = bandwidth = None
+    if backend.platform() != "cpu":
+        status.print(f"measuring the matmul ceiling and copy bandwidth on {device} ...")
+        ceiling = matmul_ceiling(repeats=repeats)
+        bandwidth = copy_bandwidth(repeats=repeats)
     rows = []
-    with Progress(console=console, transient=True) as progress:
+    with Progress(console=status, transient=True) as progress:
         task = progress.add_task(
             "benchmarking", total=sum(len(i) * len([p for p in passes if p in c.passes]) for c, i in work)
         )
@@ -155,67 +192,150 @@ def bench(args) -> int:
                 bandwidth=bandwidth,
                 on_row=lambda r: (
                     progress.advance(task),
-                    console.print(_row_line(r), markup=False, highlight=False),
+                    status.print(row_line(r), markup=False, highlight=False, soft_wrap=True),
                 ),
             )
     rows += _peer_rows(peer_rows, work, rows, ceiling)
-
-    t = Table(
-        title=f"axkern bench on {jax.devices()[0].device_kind} "
-        f"(matmul ceiling {ceiling:.1f} TFLOP/s, copy {bandwidth:.0f} GB/s)"
-    )
-    for col in (
-        "op",
-        "case",
-        "impl",
-        "pass",
-        "ms",
-        "TFLOP/s",
-        "GB/s",
-        "of ceiling",
-        "temp GiB",
-        "max rel err",
-        "note",
-    ):
-        t.add_column(col, overflow="fold")
-    fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
-    for r in rows:
-        t.add_row(
-            r.op,
-            r.case,
-            r.implementation,
-            r.pass_,
-            fmt(r.ms, ".3f"),
-            fmt(r.tflops, ".2f"),
-            fmt(r.gbps, ".0f"),
-            fmt(r.ceiling_fraction, ".1%"),
-            fmt(r.temp_gib, ".3f"),
-            fmt(r.max_rel_error, ".2e"),
-            r.note,
-        )
-    console.print(t)
+    doc = {
+        "command": " ".join(["axkern"] + sys.argv[1:]),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "device": device,
+        "platform": backend.platform(),
+        "preset": None if args.cases else preset or DEFAULT_PRESET,
+        "versions": _versions(),
+        "matmul_ceiling_tflops": ceiling,
+        "copy_bandwidth_gbps": bandwidth,
+        "note": "TFLOP/s count model FLOPs (recomputation not counted); GB/s count the fewest bytes each "
+        "pass must move; 'of ceiling' is against the matmul rate (compute-bound ops) or the copy "
+        "bandwidth (memory-bound ops) measured at the start of this run, off a CPU only",
+        "rows": [r.as_dict() for r in rows],
+    }
+    print_rows(rows, doc, args.format, console)
     if args.json:
-        out = {
-            "command": " ".join(["axkern"] + sys.argv[1:]),
-            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-            "device": jax.devices()[0].device_kind,
-            "versions": _versions(),
-            "matmul_ceiling_tflops": ceiling,
-            "copy_bandwidth_gbps": bandwidth,
-            "note": "TFLOP/s count model FLOPs (recomputation not counted); GB/s count the fewest bytes each "
-            "pass must move; 'of ceiling' is against the matmul rate (compute-bound ops) or the copy "
-            "bandwidth (memory-bound ops) measured at the start of this run",
-            "rows": [r.as_dict() for r in rows],
-        }
         with open(args.json, "w") as f:
-            json.dump(out, f, indent=2)
-        console.print(f"wrote {args.json}")
+            json.dump(doc, f, indent=2)
+        status.print(f"wrote {args.json}")
     failed = [  # a peer that could not run is reported, not a failure of ours
         r
         for r in rows
         if r.ms is None and not r.note.startswith("unsupported") and not r.implementation.startswith("peer:")
     ]
     return 1 if failed else 0
+
+
+def _dtype(value: str | None) -> str | None:
+    if value is None:
+        return None
+    try:
+        return _DTYPES[value.strip().lower()]
+    except KeyError:
+        raise UsageError(
+            f"--dtype: expected one of float32, bfloat16, float16 (or fp32, bf16, fp16), got {value!r}"
+        ) from None
+
+
+def _json_path(path: str | None) -> None:
+    """Fail now, not after the measurements, when `path` cannot be written."""
+    if path is None:
+        return
+    from pathlib import Path
+
+    p = Path(path)
+    parent = p.parent if str(p.parent) else Path(".")
+    if p.is_dir():
+        raise UsageError(f"--json: expected a file path, got the directory {path!r}")
+    if not parent.is_dir():
+        raise UsageError(
+            f"--json: expected a path in an existing directory, got {path!r} ({parent} does not exist)"
+        )
+    if not os.access(parent, os.W_OK) or (p.exists() and not os.access(p, os.W_OK)):
+        raise UsageError(f"--json: expected a writable path, got {path!r} (permission denied)")
+
+
+def _impls_for(op: str, args, explicit: list[str] | None) -> list[str]:
+    import axkern
+    from axkern.core import backend
+
+    known = axkern.implementations(op)
+    if explicit is None:  # what runs compiled here (Pallas in interpret mode times nothing useful)
+        return [n for n, plats in known.items() if backend.platform() in plats]
+    if args.op:
+        for name in explicit:
+            if name not in known:
+                raise UsageError(
+                    f"--impl: expected implementations of {op} ({', '.join(known)}), got {name!r}"
+                )
+    return [n for n in explicit if n in known]  # with every op: the ops that have them
+
+
+def _plan(args) -> tuple[list, tuple[str, ...]]:
+    """`[(case, implementations)]` and the passes to time, or a `UsageError`."""
+    import axkern
+    from axkern.bench import cases_for
+    from axkern.core.op import get_op
+
+    if args.op and args.cases:
+        raise UsageError(f"--cases: expected no OP with a file's cases, got OP {args.op!r}")
+    if args.op:
+        try:
+            get_op(args.op)
+        except ValueError as e:
+            raise UsageError(f"OP: {e}") from None
+    if args.preset and not args.op and not args.cases:
+        raise UsageError(
+            f"--preset: expected an OP too (presets belong to one op), got --preset {args.preset!r} alone"
+        )
+    dtype = args.dtype = _dtype(args.dtype)  # the canonical name, for the peers too
+    _json_path(args.json)
+    explicit = [n.strip() for n in args.impl.split(",") if n.strip()] if args.impl is not None else None
+    if explicit == []:
+        raise UsageError(f"--impl: expected comma-separated implementation names, got {args.impl!r}")
+    passes = ("fwd", "fwd+bwd") if args.passes == "both" else (args.passes,)
+    work = []
+    if args.cases:
+        impls = explicit or ["default", "reference"]
+        work = [(c, impls) for c in _file_cases(args.cases, args.preset, args.tokens, dtype)]
+    else:
+        ops = [args.op] if args.op else axkern.ops()
+        if explicit is not None and not args.op:
+            every = {n for op in ops for n in axkern.implementations(op)}
+            for name in explicit:
+                if name not in every:
+                    raise UsageError(
+                        f"--impl: expected implementations ({', '.join(sorted(every))}), got {name!r}"
+                    )
+        for op in ops:
+            impls = _impls_for(op, args, explicit)
+            try:
+                op_cases = cases_for(op, preset=args.preset, tokens=args.tokens, dtype=dtype)
+            except ValueError as e:
+                raise UsageError(f"--preset: {e}") from None
+            work += [(c, impls) for c in op_cases if impls]
+    timed = [(c, i) for c, i in work if any(p in c.passes for p in passes)]
+    if not timed:
+        what = args.op or args.cases or "the selected ops"
+        have = sorted({p for c, _ in work for p in c.passes})
+        raise UsageError(
+            f"--passes: nothing to measure: {what} has no {args.passes} pass"
+            + (f" (its passes: {', '.join(have)})" if have else " with these implementations")
+        )
+    return timed, passes
+
+
+def _list_presets(args) -> int:
+    import axkern
+    from axkern.bench import DEFAULT_PRESET, presets_for
+    from axkern.core.op import get_op
+
+    if args.op:
+        try:
+            get_op(args.op)
+        except ValueError as e:
+            raise UsageError(f"OP: {e}") from None
+    for op in [args.op] if args.op else axkern.ops():
+        names = [f"{n} (default)" if n == DEFAULT_PRESET else n for n in presets_for(op)]
+        print(f"{op}: {', '.join(names)}")
+    return 0
 
 
 def _file_cases(path: str, preset, tokens, dtype) -> list:
@@ -225,23 +345,16 @@ def _file_cases(path: str, preset, tokens, dtype) -> list:
     from pathlib import Path
 
     if not Path(path).is_file():
-        raise ValueError(f"--cases must be a Python file that defines cases(); {path!r} is not a file")
+        raise UsageError(f"--cases: expected a Python file that defines cases(), got {path!r} (not a file)")
     spec = importlib.util.spec_from_file_location(Path(path).stem, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # equinox modules in the file look their module up
     spec.loader.exec_module(module)
     if not hasattr(module, "cases"):
-        raise ValueError(f"--cases: {path} defines no cases(preset=, tokens=, dtype=) function")
+        raise UsageError(
+            f"--cases: expected a file that defines cases(preset=, tokens=, dtype=), got {path!r}"
+        )
     return module.cases(preset=preset, tokens=tokens, dtype=dtype)
-
-
-def _row_line(r) -> str:
-    """One row as a line, printed as it is measured (a run cut short keeps what it measured)."""
-    ms = "-" if r.ms is None else f"{r.ms:.3f} ms"
-    tf = "" if r.tflops is None else f" {r.tflops:.1f} TFLOP/s"
-    gb = "" if r.gbps is None else f" {r.gbps:.0f} GB/s"
-    err = "" if r.max_rel_error is None else f" err {r.max_rel_error:.1e}"
-    return f"{r.op} | {r.case} | {r.implementation} | {r.pass_} | {ms}{tf}{gb}{err} {r.note}".rstrip()
 
 
 def _peers(args, ops, preset, repeats) -> list[tuple]:
@@ -308,10 +421,31 @@ def build_native(args) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="axkern", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+def _positive_int(value: str) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}")
+    return n
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("axkern")
+    except PackageNotFoundError:  # a source tree on PYTHONPATH
+        return "unknown (not installed)"
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="axkern", description=__doc__)
+    p.add_argument("--version", action="version", version=f"axkern {_version()}")
+    sub = p.add_subparsers(dest="command", required=True)
     i = sub.add_parser("info", help="platform, versions, processes, nvcc, and what each op picks here")
+    i.add_argument("--json", action="store_true", help="print the same facts as JSON")
     i.add_argument("--coordinator", help="HOST:PORT of process 0: join that jax.distributed cluster first")
     i.add_argument("--num-processes", type=int, help="processes in the cluster (with --coordinator)")
     i.add_argument("--process-id", type=int, help="this process's index in the cluster (with --coordinator)")
@@ -323,11 +457,24 @@ def main(argv: list[str] | None = None) -> int:
     i.set_defaults(fn=info)
     b = sub.add_parser("bench", help="time every implementation of every op (or one op)")
     b.add_argument("op", nargs="?", help="one op (default: all)")
-    b.add_argument("--quick", action="store_true", help="small default shapes (seconds on a CPU)")
-    b.add_argument("--preset", help="a named shape set of the op (e.g. llama3)")
-    b.add_argument("--tokens", type=int, help="override the preset's token count")
-    b.add_argument("--dtype", help="override the preset's dtype (e.g. bfloat16, float32)")
-    b.add_argument("--impl", help="comma-separated implementations (default: all)")
+    shapes = b.add_mutually_exclusive_group()
+    shapes.add_argument(
+        "--quick", action="store_true", help="the default 'quick' shapes with 3 repeats (seconds on a CPU)"
+    )
+    shapes.add_argument(
+        "--preset",
+        help="a named shape set of the op, e.g. llama3 (default: 'quick', small shapes; see --list-presets)",
+    )
+    b.add_argument("--list-presets", action="store_true", help="list each op's presets and exit")
+    b.add_argument("--tokens", type=_positive_int, help="override the preset's token count")
+    b.add_argument(
+        "--dtype", help="override the preset's dtype: float32, bfloat16, float16 (or fp32, bf16, fp16)"
+    )
+    b.add_argument(
+        "--impl",
+        help="comma-separated implementations (default: those that run compiled on this platform; "
+        "`axkern info` lists them all)",
+    )
     b.add_argument(
         "--peers",
         action="store_true",
@@ -335,8 +482,16 @@ def main(argv: list[str] | None = None) -> int:
         "in a subprocess, when importable; notes give each time as a multiple of theirs",
     )
     b.add_argument("--passes", choices=("fwd", "fwd+bwd", "both"), default="both")
-    b.add_argument("--repeats", type=int, help="timed repeats (median reported)")
+    b.add_argument(
+        "--repeats", type=_positive_int, help="timed repeats, median reported (default: 20; 3 with --quick)"
+    )
     b.add_argument("--json", help="also write the rows as JSON here")
+    b.add_argument(
+        "--format",
+        choices=("table", "json", "csv", "markdown"),
+        default="table",
+        help="how the results are printed on stdout (progress goes to stderr)",
+    )
     b.add_argument(
         "--cases",
         help="time the cases() of this Python file instead of the ops' (examples/tiny_lm.py: one training "
@@ -346,7 +501,11 @@ def main(argv: list[str] | None = None) -> int:
     n = sub.add_parser("build-native", help="compile the CUDA libraries into the cache and print where")
     n.add_argument("--arch", help="compute capability to build for (default: the visible GPU's), e.g. 9.0")
     n.set_defaults(fn=build_native)
-    args = parser.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
     try:
         return args.fn(args)
     except ValueError as e:  # a bad op, preset or option: say so, no traceback

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from haliax import NamedArray
 
 from . import masks
+from .core import caller
 from .core.op import FallbackWarning
 from .ops.attention.api import attention
 
@@ -67,7 +68,7 @@ def dot_product_attention(
                 f"axkern.haliax_compat.dot_product_attention: {reason}; running "
                 "haliax.nn.attention.dot_product_attention instead",
                 FallbackWarning,
-                stacklevel=3,
+                stacklevel=caller.stacklevel(),
             )
         return hattn.dot_product_attention(
             KPos, Key, query, key, value, mask, bias, attention_dtype, precision

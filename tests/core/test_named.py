@@ -143,8 +143,11 @@ def test_former_spelling_warns_once_and_both_is_an_error():
     x = hax.random.normal(jax.random.PRNGKey(0), (B, E))
     w = hax.random.normal(jax.random.PRNGKey(1), (E, V))
     labels = hax.named(jnp.array([1, 2]), (B,))
-    with pytest.warns(DeprecationWarning, match="logit_soft_cap= is deprecated, use logits_soft_cap="):
+    with pytest.warns(
+        DeprecationWarning, match="logit_soft_cap= is deprecated, use logits_soft_cap="
+    ) as record:
         old = axkern.fused_cross_entropy(x, w, labels, logit_soft_cap=2.0)
+    assert record[0].filename == __file__  # the caller's line
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         axkern.fused_cross_entropy(x, w, labels, logit_soft_cap=2.0)  # once per process

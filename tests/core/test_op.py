@@ -215,6 +215,63 @@ def test_platform_and_interpret_mode(toy):
     d = axkern.explain(lambda x: call(x, implementation="kernel"), jnp.zeros(4))
     assert d.interpret and d.implementation == "kernel"
     assert "(interpret mode)" in str(d)
+    with axkern.use(toy_op="kernel"):
+        assert axkern.explain(call, jnp.zeros(4)).interpret
+
+
+def test_an_order_skips_what_would_need_interpret_mode(toy):
+    _, call = toy
+    # named among others, a kernel off its platform is skipped for the next candidate ...
+    d = axkern.explain(lambda x: call(x, implementation=("kernel", "slow")), jnp.zeros(4))
+    assert d.implementation == "slow" and not d.interpret
+    assert "runs on gpu, not cpu" in d.rejected[0].reason and "interpret=True" in d.rejected[0].reason
+    with axkern.use(toy_op=("kernel", "slow")):
+        assert axkern.explain(call, jnp.zeros(4)).implementation == "slow"
+    # ... unless interpret mode was asked for
+    with axkern.use(interpret=True):
+        d = axkern.explain(lambda x: call(x, implementation=("kernel", "slow")), jnp.zeros(4))
+    assert d.implementation == "kernel" and d.interpret
+
+
+def test_fallback_warning_points_at_the_callers_line(toy):
+    _, call = toy
+    with pytest.warns(axkern.FallbackWarning, match="n=7 is odd") as record:
+        call(jnp.zeros(7))
+    assert record[0].filename == __file__
+    # through jit and jaxtyping's checking wrapper of a real op, too
+    op.reset_warnings()
+    x, w = jnp.zeros((4, 8)), jnp.zeros((8, 16))
+    labels = jnp.zeros((4,), jnp.int32)
+    with pytest.warns(axkern.FallbackWarning) as record:
+        jax.jit(
+            lambda x, w: axkern.positional.fused_cross_entropy(
+                x, w, labels, implementation=("pallas_tpu", "xla")
+            )
+        )(x, w)
+    assert record[0].filename == __file__, record[0].filename
+
+
+def test_unknown_axkern_variable_warns_once_naming_the_close_match(toy, monkeypatch):
+    from axkern.core import config
+
+    _, call = toy
+    monkeypatch.setattr(config, "_warned_variables", set())
+    monkeypatch.setenv("AXKERN_IMPL_TOY_OPP", "slow")
+    with pytest.warns(
+        UserWarning, match="AXKERN_IMPL_TOY_OPP .* ignored; did you mean AXKERN_IMPL_TOY_OP"
+    ) as w:
+        call(jnp.zeros(4))
+    assert w[0].filename == __file__
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        call(jnp.zeros(4))  # once
+    monkeypatch.setenv("AXKERN_STICT", "1")
+    with pytest.warns(UserWarning, match="AXKERN_STICT .*did you mean AXKERN_STRICT"):
+        call(jnp.zeros(4))
+    monkeypatch.setenv("AXKERN_IMPL_TOY_OP", "slow")  # a known one: silent
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        call(jnp.zeros(4))
 
 
 def test_explain_runs_nothing_and_reports(toy):

@@ -484,8 +484,9 @@ def test_haliax_compat_matches_haliax():
         assert [a.name for a in got.axes] == [a.name for a in want.axes]
         np.testing.assert_allclose(np.asarray(got.array), np.asarray(want.array), rtol=1e-5, atol=1e-5)
     bias = hax.random.normal(ks[3], (Pos, KPos))  # served by haliax itself, with a warning
-    with pytest.warns(axkern.FallbackWarning, match="bias given; running haliax.nn.attention"):
+    with pytest.warns(axkern.FallbackWarning, match="bias given; running haliax.nn.attention") as record:
         got = dot_product_attention(KPos, Key, q, k, v, bias=bias)
+    assert record[0].filename == __file__  # the caller's line
     np.testing.assert_array_equal(
         np.asarray(got.array), np.asarray(hattn.dot_product_attention(KPos, Key, q, k, v, bias=bias).array)
     )

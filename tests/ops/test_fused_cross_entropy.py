@@ -134,7 +134,7 @@ def test_pallas_refusals_name_the_problem():
             implementation="pallas_tpu",
             block_sizes=big,
         )
-    with x64():
+    with x64(), axkern.use(interpret=True):  # interpret mode: the kernel's own float64 check speaks
         d = axkern.explain(lambda *a: ce(*a, implementation=("pallas_gpu", "xla")), *to64((x, w)), labels)
     assert d.implementation == "xla" and "float64" in d.rejected[0].reason
 

@@ -254,9 +254,11 @@ def test_explain_named():
     assert d.op == "fused_cross_entropy_loss" and d.implementation == "reference"
     # ... unless the request names an implementation only the per-token op has
     d = axkern.explain(axkern.fused_cross_entropy, x, w, labels, implementation=("pallas_gpu", "xla"))
-    assert (
-        d.op == "fused_cross_entropy" and d.implementation == "pallas_gpu" and d.interpret
-    )  # named: interpreted
+    assert d.op == "fused_cross_entropy" and d.implementation == "xla"  # in an order: no interpret mode
+    assert "runs on gpu, not cpu" in d.rejected[0].reason
+    with axkern.use(interpret=True):
+        d = axkern.explain(axkern.fused_cross_entropy, x, w, labels, implementation=("pallas_gpu", "xla"))
+    assert d.op == "fused_cross_entropy" and d.implementation == "pallas_gpu" and d.interpret
     with axkern.use(fused_cross_entropy="pallas_tpu"), axkern.use(interpret=True):
         d = axkern.explain(axkern.fused_cross_entropy, x, w, labels)
     assert d.op == "fused_cross_entropy" and d.implementation == "pallas_tpu" and d.interpret

@@ -7,7 +7,8 @@ Settings are read when a function is traced. The settings of `use(...)` are also
 `jax.jit`'s cache key (a JAX user context): a function compiled by `jax.jit` or
 `eqx.filter_jit` outside a `use(...)` block is traced again when called inside it, so the
 change takes effect in the next call. The environment variables are read at trace time
-only: change them before the first call.
+only: change them before the first call. An `AXKERN_*` variable that axkern does not read (a
+misspelt op in `AXKERN_IMPL_<OP>`, say) warns once, naming the closest one it does read.
 """
 
 from __future__ import annotations
@@ -15,10 +16,12 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import difflib
 import os
+import warnings
 from collections.abc import Iterator
 
-from . import compat
+from . import caller, compat
 
 __all__ = ["Settings", "use", "current", "implementation_override"]
 
@@ -37,6 +40,38 @@ _settings: contextvars.ContextVar[Settings] = contextvars.ContextVar("axkern_set
 _jit_key = compat.jit_context(None)  # the settings of use(...), as part of jax.jit's cache key
 
 
+# read here, by the native loader (AXKERN_CACHE_DIR) and by the test suite (AXKERN_TEST_*)
+_KNOWN_VARIABLES = (
+    "AXKERN_STRICT",
+    "AXKERN_INTERPRET",
+    "AXKERN_CACHE_DIR",
+    "AXKERN_TEST_GPU",
+    "AXKERN_TEST_PROCESSES",
+)
+_warned_variables: set[str] = set()
+
+
+def _check_variables() -> None:
+    """Warn once per unknown `AXKERN_*` variable, naming the closest known one."""
+    unknown = [k for k in os.environ if k.startswith("AXKERN_") and k not in _warned_variables]
+    if not unknown:
+        return
+    from .op import registered_ops  # local: op.py imports this module
+
+    known = list(_KNOWN_VARIABLES) + [f"AXKERN_IMPL_{op.upper()}" for op in registered_ops()]
+    for name in unknown:
+        if name in known:
+            continue
+        _warned_variables.add(name)
+        close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+        hint = f"; did you mean {close[0]}?" if close else f"; axkern reads {', '.join(sorted(known))}"
+        warnings.warn(
+            f"axkern: the environment variable {name} is not one axkern reads, so it is ignored{hint}",
+            UserWarning,
+            stacklevel=caller.stacklevel(),
+        )
+
+
 def _env_flag(name: str) -> bool:
     raw = os.environ.get(name, "").strip().lower()
     if raw in _TRUE:
@@ -48,6 +83,7 @@ def _env_flag(name: str) -> bool:
 
 def current() -> Settings:
     """The settings in force here, with the environment filled in."""
+    _check_variables()
     s = _settings.get()
     strict = s.strict if s.strict is not None else _env_flag("AXKERN_STRICT")
     interpret = s.interpret if s.interpret is not None else _env_flag("AXKERN_INTERPRET")

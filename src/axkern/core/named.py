@@ -41,7 +41,7 @@ from haliax import NamedArray
 from haliax.partitioning import current_thread_local_mapping
 from jax.sharding import PartitionSpec
 
-from . import compat
+from . import caller, compat
 
 __all__ = [
     "AxisSelector",
@@ -141,7 +141,9 @@ def deprecated_alias(op: str, old: str, new: str, old_value: Any, new_value: Any
     if (op, old) not in _warned_aliases:
         _warned_aliases.add((op, old))
         warnings.warn(
-            f"axkern.{op}: {old}= is deprecated, use {new}= (same meaning)", DeprecationWarning, stacklevel=3
+            f"axkern.{op}: {old}= is deprecated, use {new}= (same meaning)",
+            DeprecationWarning,
+            stacklevel=caller.stacklevel(),
         )
     return old_value
 

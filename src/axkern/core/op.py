@@ -7,7 +7,10 @@ and validates block sizes, and runs the first that can serve. A candidate that c
 (an unsupported shape, a platform it does not run on, an `Unsupported` raised while
 tracing) is skipped with its reason, warned once per (op, implementation, reason), and the
 next one runs. Strict mode raises instead, and so does a single explicitly requested
-implementation. `explain` returns the `Decision` without running anything.
+implementation. A Pallas kernel off its platform runs in interpret mode only when asked
+for (`axkern.use(interpret=True)`, or named alone); in an order of several it is skipped.
+Fallback warnings point at the caller's line. `explain` returns the `Decision` without
+running anything.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from typing import Any
 
 import jax
 
-from . import backend, blocks, compat, config
+from . import backend, blocks, caller, compat, config
 
 __all__ = [
     "Unsupported",
@@ -196,6 +199,9 @@ class Op:
     def _platform_reason(
         self, impl: Implementation, spec: Spec, explicit: bool, interpret: bool
     ) -> str | None:
+        """Why `impl` cannot run on this platform, or None. Off its platforms a Pallas kernel
+        runs in interpret mode only when asked for: `interpret=True`, or named alone
+        (`explicit`); in an order of several it is skipped for the next candidate."""
         if spec.platform in impl.platforms:
             return None
         if impl.interpretable and (interpret or explicit):
@@ -235,7 +241,7 @@ class Op:
             warnings.warn(
                 f"axkern {self.name}: skipping {impl!r}: {reason}; trying the next implementation",
                 FallbackWarning,
-                stacklevel=4,
+                stacklevel=caller.stacklevel(),
             )
 
     # -- running ------------------------------------------------------------------------------
@@ -249,9 +255,7 @@ class Op:
         rejected: list[Rejection] = []
         for name in names:
             impl = self.implementations[name]
-            reason = self._platform_reason(
-                impl, spec, single or implementation is not None, settings.interpret
-            )
+            reason = self._platform_reason(impl, spec, single, settings.interpret)
             if reason is None:
                 reason = impl.supports(spec)
             bs, source = None, "none"

@@ -77,6 +77,10 @@ def cases(*, preset=None, tokens=None, dtype=None):
 
 
 STEP_PRESETS = {"quick": [(4, 256, 4)], "decode": [(64, 4096, 4), (256, 8192, 4)]}
+PRESETS_BY_OP = {
+    "short_conv": PRESETS,
+    "short_conv_step": STEP_PRESETS,
+}  # what `axkern bench --list-presets` shows
 
 
 def cases_short_conv_step(*, preset=None, tokens=None, dtype=None):

@@ -63,6 +63,7 @@ def case(name, b, l, h, p, n, g, q, dt_) -> Case:  # noqa: E741
 
 # batch, heads, head_dim, state, groups
 STEP_PRESETS = {"quick": [(2, 4, 16, 16, 1)], "mamba2_2.7b": [(64, 80, 64, 128, 1)]}
+PRESETS_BY_OP = {"ssd": PRESETS, "ssd_step": STEP_PRESETS}  # what `axkern bench --list-presets` shows
 
 
 def cases_ssd_step(*, preset=None, tokens=None, dtype=None):
