@@ -52,3 +52,30 @@ def ce_inputs(key, n, d, v, dtype, *, logit_scale=2.0):
     w = (jax.random.normal(kw, (d, v), jnp.float32) * (logit_scale / np.sqrt(d))).astype(dtype)
     labels = jax.random.randint(kl, (n,), 0, v)
     return x, w, labels
+
+
+def assert_nonfinite_rule(got, want, what: str = "", rtol: float = 1e-4) -> None:
+    """The non-finite rule of docs/guide.md, per leaf: `got` is non-finite (NaN, or an infinity
+    the arithmetic kept) exactly where the reference `want` is, and close to it elsewhere."""
+    leaves = zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True)
+    for i, (g, w) in enumerate(leaves):
+        g, w = np.asarray(g, np.float64), np.asarray(w, np.float64)
+        assert g.shape == w.shape, f"{what}[{i}]: shape {g.shape} != reference {w.shape}"
+        bad_g, bad_w = ~np.isfinite(g), ~np.isfinite(w)
+        if (bad_g != bad_w).any():
+            extra, missing = np.argwhere(bad_g & ~bad_w), np.argwhere(bad_w & ~bad_g)
+            raise AssertionError(
+                f"{what}[{i}]: non-finite pattern differs from the reference: {len(extra)} extra "
+                f"(first {extra[:3].tolist()}), {len(missing)} missing (first {missing[:3].tolist()})"
+            )
+        ok = ~bad_w
+        scale = max(np.abs(w[ok]).max(initial=0.0), 1e-30)
+        err = np.abs(g[ok] - w[ok]).max(initial=0.0)
+        assert err <= rtol * scale + 1e-6, (
+            f"{what}[{i}]: finite values differ by {err:.3e} (scale {scale:.3e})"
+        )
+
+
+def poke(a, index, value):
+    """`a` with `a[index] = value` (a NaN or an infinity placed by a test)."""
+    return jnp.asarray(a).at[index].set(value)

@@ -117,7 +117,9 @@ def attention_positional(
     - `logits_soft_cap`: `c` in `c · tanh(s / c)`, or None.
     - `sinks`: `[heads]` sink logits, or None.
 
-    **Returns:** `[batch, q_len, heads, v_dim]` in `q`'s dtype.
+    **Returns:** `[batch, q_len, heads, v_dim]` in `q`'s dtype. Empty `batch`, `q_len` or
+    `heads` give an empty result, an empty `kv_len` zeros (no query sees a key); an empty
+    `head_dim` or `v_dim` is a `ValueError`. Non-finite input: see the guide's rule.
     """
     b, sq, h, d = q.shape
     sk, kvh = k.shape[1], k.shape[2]
@@ -125,8 +127,17 @@ def attention_positional(
         raise ValueError(f"{NAME}: q's head dim is {d} but k's is {k.shape[3]}; they must match")
     if kvh < 1 or h % kvh:
         raise ValueError(f"{NAME}: heads={h} is not a multiple of kv_heads={kvh}")
-    if logits_soft_cap is not None and not float(logits_soft_cap) > 0:
-        raise ValueError(f"{NAME}: logits_soft_cap must be > 0 or None, got {logits_soft_cap!r}")
+    for axis, n in (("head_dim", d), ("v_dim", v.shape[3])):
+        if n == 0:
+            raise ValueError(f"{NAME}: {axis} must be at least 1, got 0")
+    if 0 in (b, sq, sk, h):  # nothing to attend: empty, or queries that see no key (zeros)
+        return jnp.zeros((b, sq, h, v.shape[3]), q.dtype)
+    if logits_soft_cap is not None and not 0 < float(logits_soft_cap) < math.inf:
+        raise ValueError(
+            f"{NAME}: logits_soft_cap must be a finite number > 0 or None, got {logits_soft_cap!r}"
+        )
+    if scale is not None and not math.isfinite(float(scale)):
+        raise ValueError(f"{NAME}: scale must be a finite number or None, got {scale!r}")
     mask = masks_.Full() if mask is None else mask
     _no_named_leaves(mask)
     mask.check(sq, sk, b)

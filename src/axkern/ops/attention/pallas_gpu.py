@@ -215,12 +215,14 @@ def _fwd_kernel(
         s = tiles.tile_scores(cfg, q, k)
         if masked:
             ids = (qid_ref[...], kid_ref[pl.ds(j * bk, bk)]) if segments else None
-            s = jnp.where(tiles.visible(mask, qi, j * bk + jnp.arange(bk), sk, ids), s, -jnp.inf)
+            vis = tiles.visible(mask, qi, j * bk + jnp.arange(bk), sk, ids)
+            s = jnp.where(vis, s, -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
         alpha = jnp.exp(m - m_safe)
         p = jnp.exp(s - m_safe[:, None])
-        acc = acc * alpha[:, None] + _dot(p.astype(v.dtype), v)
+        pv = tiles.masked_pv(p, v, vis) if masked else _dot(p.astype(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
         return m_new, l * alpha + jnp.sum(p, axis=1), acc
 
     init = (
@@ -236,10 +238,9 @@ def _fwd_kernel(
         l = l * alpha + jnp.exp(sink - m_f)
         acc = acc * alpha[:, None]
         m = m_f
-    seen = l > 0
-    o_ref[...] = jnp.where(seen[:, None], acc / jnp.where(seen, l, 1.0)[:, None], 0.0).astype(o_ref.dtype)
-    m_safe = jnp.where(m == -jnp.inf, 0.0, m)
-    lse_ref[...] = jnp.where(seen, m_safe + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
+    out, lse = tiles.finish(m[:, None], l[:, None], acc)
+    o_ref[...] = out.astype(o_ref.dtype)
+    lse_ref[...] = lse[:, 0]
 
 
 def _dq_kernel(
@@ -269,8 +270,8 @@ def _dq_kernel(
             ids = (qid_ref[...], kid_ref[pl.ds(j * bk, bk)]) if segments else None
             vis = tiles.visible(mask, qi, j * bk + jnp.arange(bk), sk, ids)
         s, p = tiles.probs(cfg, q, k, lse, vis)
-        ds = tiles.ds(cfg, s, p, _dot(do, v, trans_b=True), delta)
-        return dq + _dot(ds.astype(k.dtype), k)
+        ds = tiles.ds(cfg, s, p, _dot(do, v, trans_b=True), delta, vis)
+        return dq + _dot(ds.astype(k.dtype), tiles.clean(k) if masked else k)
 
     zero = jnp.zeros(dq_ref.shape, jnp.float32)
     dq_ref[...] = _three_loops(bounds, i, body, zero)
@@ -305,8 +306,8 @@ def _dkv_kernel(
             vis = tiles.visible(mask, i * bq + jnp.arange(bq), kj, sk, ids)
         s, p = tiles.probs(cfg, q, k, lse, vis)
         dv = dv + _dot(p.astype(do.dtype), do, trans_a=True)
-        ds = tiles.ds(cfg, s, p, _dot(do, v, trans_b=True), delta)
-        return dk + _dot(ds.astype(q.dtype), q, trans_a=True), dv
+        ds = tiles.ds(cfg, s, p, _dot(do, v, trans_b=True), delta, vis)
+        return dk + _dot(ds.astype(q.dtype), tiles.clean(q) if masked else q, trans_a=True), dv
 
     init = (jnp.zeros(dk_ref.shape, jnp.float32), jnp.zeros(dv_ref.shape, jnp.float32))
     dk, dv = _three_loops(bounds, j, body, init)
@@ -412,11 +413,13 @@ def attention(q, k, v, sinks, mask, *, scale, logits_soft_cap, block_sizes, inte
 def _attention_bwd(cfg, mask, res, d_out):
     q, k, v, sinks, seg_ids, o, lse = res
     qt, kt, vt, (b, sq, sk, h, kvh, sqp, skp) = tiles.layout(q, k, v, cfg)
+    lse = tiles.padded_rows(lse, sq, -jnp.inf)
     g = h // kvh
     d, dv = q.shape[3], v.shape[3]
     segments = seg_ids is not None
     do = jnp.pad(jnp.swapaxes(d_out, 1, 2), [(0, 0), (0, 0), (0, sqp - sq), (0, 0)]).astype(q.dtype)
     delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1)  # [B, H, Sqp]
+    delta = tiles.padded_rows(delta, sq, 0.0)
     _, cq, ckv = cfg.kernels()  # the dq kernel's and the dk, dv kernel's own blocks
     bq, bk = cq.block_q, cq.block_kv
     q_bounds = _tile_bounds(mask, seg_ids, sq, sk, sqp, skp, bq, bk, 0, b)

@@ -162,14 +162,16 @@ def _fwd_kernel(
         sc = tiles.tile_scores(cfg, q_ref[...], k_ref[...])
         if masked:
             qi, kj, ids = _tile(i, j, cfg, qid_ref, kid_ref)
-            sc = jnp.where(tiles.visible(mask, qi, kj, sk, ids), sc, -jnp.inf)
+            vis = tiles.visible(mask, qi, kj, sk, ids)
+            sc = jnp.where(vis, sc, -jnp.inf)
         m = m_sc[...]
         m_new = jnp.maximum(m, jnp.max(sc, axis=1, keepdims=True))
         m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
         alpha = jnp.exp(m - m_safe)
         p = jnp.exp(sc - m_safe)
         v = v_ref[...]
-        acc_sc[...] = acc_sc[...] * alpha + _dot(p.astype(v.dtype), v)
+        pv = tiles.masked_pv(p, v, vis) if masked else _dot(p.astype(v.dtype), v)
+        acc_sc[...] = acc_sc[...] * alpha + pv
         l_sc[...] = l_sc[...] * alpha + jnp.sum(p, axis=1, keepdims=True)
         m_sc[...] = m_new
 
@@ -185,10 +187,9 @@ def _fwd_kernel(
             l = l * alpha + jnp.exp(sink - m_f)
             acc = acc * alpha
             m = m_f
-        seen = l > 0
-        o_ref[...] = jnp.where(seen, acc / jnp.where(seen, l, 1.0), 0.0).astype(o_ref.dtype)
-        m_safe = jnp.where(m == -jnp.inf, 0.0, m)
-        lse_ref[...] = jnp.where(seen, m_safe + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
+        out, lse = tiles.finish(m, l, acc)
+        o_ref[...] = out.astype(o_ref.dtype)
+        lse_ref[...] = lse
 
 
 def _dq_kernel(
@@ -226,8 +227,8 @@ def _dq_kernel(
             qi, kj, ids = _tile(i, j, cfg, qid_ref, kid_ref)
             vis = tiles.visible(mask, qi, kj, sk, ids)
         sc, p = tiles.probs(cfg, q, k, lse_ref[...][:, 0], vis)
-        ds = tiles.ds(cfg, sc, p, _dot(do, v, trans_b=True), delta_ref[...][:, 0])
-        dq_sc[...] += _dot(ds.astype(k.dtype), k)
+        ds = tiles.ds(cfg, sc, p, _dot(do, v, trans_b=True), delta_ref[...][:, 0], vis)
+        dq_sc[...] += _dot(ds.astype(k.dtype), tiles.clean(k) if masked else k)
 
     _tile_steps(count_ref, row, rows, s, update)
 
@@ -273,8 +274,8 @@ def _dkv_kernel(
             vis = tiles.visible(mask, qi, kj, sk, ids)
         sc, p = tiles.probs(cfg, q, k, lse_ref[...][:, 0], vis)
         dv_sc[...] += _dot(p.astype(do.dtype), do, trans_a=True)
-        ds = tiles.ds(cfg, sc, p, _dot(do, v, trans_b=True), delta_ref[...][:, 0])
-        dk_sc[...] += _dot(ds.astype(q.dtype), q, trans_a=True)
+        ds = tiles.ds(cfg, sc, p, _dot(do, v, trans_b=True), delta_ref[...][:, 0], vis)
+        dk_sc[...] += _dot(ds.astype(q.dtype), tiles.clean(q) if masked else q, trans_a=True)
 
     _tile_steps(count_ref, row, rows, s, update)
 
@@ -374,12 +375,14 @@ def attention(q, k, v, sinks, mask, *, scale, logits_soft_cap, block_sizes, inte
 def _attention_bwd(cfg, mask, res, d_out):
     q, k, v, sinks, seg_ids, o, lse = res
     qt, kt, vt, (b, sq, sk, h, kvh, sqp, skp) = tiles.layout(q, k, v, cfg)
+    lse = tiles.padded_rows(lse, sq, -jnp.inf)
     g = h // kvh
     bq, bk, d, dv = cfg.block_q, cfg.block_kv, q.shape[3], v.shape[3]
     nq, nk = sqp // bq, skp // bk
     segments = seg_ids is not None
     do = jnp.pad(jnp.swapaxes(d_out, 1, 2), [(0, 0), (0, 0), (0, sqp - sq), (0, 0)]).astype(q.dtype)
     delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1, keepdims=True)  # [B, H, Sqp, 1]
+    delta = tiles.padded_rows(delta, sq, 0.0)
     own = lambda n, w: pl.BlockSpec((None, None, n, w), lambda b_, h_, x, s, t, c: (b_, h_, x, 0))  # noqa: E731
 
     q_table, q_counts, q_steps = _plan(cfg, mask, seg_ids, b, sq, sk, sqp, skp, 0)

@@ -93,7 +93,10 @@ def segment_uniform(seg_ids, sqp, skp, bq, bk):
 
 
 def tile_scores(cfg, q, k):
+    """`softcap(q k^T · scale)`; a non-finite score is NaN before the cap (whose `tanh` would
+    turn an infinity finite), so its query's output is NaN."""
     s = _dot(q, k, trans_b=True) * cfg.scale
+    s = jnp.where(jnp.isfinite(s), s, jnp.nan)
     if cfg.soft_cap is not None:
         s = cfg.soft_cap * jnp.tanh(s / cfg.soft_cap)
     return s
@@ -108,6 +111,41 @@ def visible(mask, qi, kj, sk, ids=None):
     return vis
 
 
+def masked_pv(p, v, vis):
+    """`p @ v` over a partial tile whose invisible entries of `p` are 0, with those entries
+    selected away: a non-finite value in `v` reaches only the rows that see its key (`0 · NaN`
+    inside the product would reach every row). The non-finite values are replaced by 0 in the
+    product and marked NaN where a visible key holds one (a second, 0/1 product)."""
+    finite = jnp.isfinite(v)
+    pv = _dot(p.astype(v.dtype), jnp.where(finite, v, 0))
+    hit = _dot(vis.astype(v.dtype), jnp.where(finite, 0, 1).astype(v.dtype)) > 0
+    return jnp.where(hit, jnp.nan, pv)
+
+
+def clean(a):
+    """`a` with its non-finite values replaced by 0: the operand of a backward product over a
+    partial tile, whose invisible entries must not carry a NaN across. A visible non-finite
+    `q` or `k` already made its row's scores NaN, so the result stays NaN where it should."""
+    return jnp.where(jnp.isfinite(a), a, 0).astype(a.dtype)
+
+
+def finish(m, l, acc):
+    """`(out, lse)` from a row's running max, sum and accumulator: 0 and `-inf` for a row that
+    saw no key (`l == 0`); a NaN sum (a NaN score) stays NaN, never taken for "no key"."""
+    seen = l != 0
+    out = jnp.where(seen, acc / jnp.where(seen, l, 1.0), 0.0)
+    m_safe = jnp.where(m == -jnp.inf, 0.0, m)
+    return out, jnp.where(seen, m_safe + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
+
+
+def padded_rows(a, sq, fill):
+    """`a` (`[B, H, Sqp, ...]`) with the padded query rows set to `fill`. The backward takes
+    `lse` with them at `-inf` (a padded row sees no key) and `delta` at 0 (the forward's output
+    of a padded row may hold a NaN it saw), so a NaN key cannot reach `dk`, `dv` through them."""
+    rows = jnp.arange(a.shape[2]).reshape((1, 1, -1) + (1,) * (a.ndim - 3))
+    return jnp.where(rows < sq, a, fill)
+
+
 def probs(cfg, q, k, lse, vis=None):
     """Scores and probabilities of a tile; `vis` (partial tiles) masks them. A row of a full
     tile sees keys, so its `lse` is finite."""
@@ -119,11 +157,14 @@ def probs(cfg, q, k, lse, vis=None):
     return s, p
 
 
-def ds(cfg, s, p, dp, delta):
+def ds(cfg, s, p, dp, delta, vis=None):
+    """`p (dp - delta)` times the soft cap's derivative and the scale; a partial tile's
+    invisible entries are selected to 0 (their `dp` holds whatever `v` holds there)."""
     ds = p * (dp - delta[:, None])
     if cfg.soft_cap is not None:
         ds = ds * (1.0 - jnp.square(s / cfg.soft_cap))
-    return ds * cfg.scale
+    ds = ds * cfg.scale
+    return ds if vis is None else jnp.where(vis, ds, 0.0)
 
 
 def layout(q, k, v, cfg):

@@ -11,7 +11,9 @@ are padded to whole blocks; padded keys are invisible, padded queries are droppe
 partial (a static mask's `FULL` tiles run a second scan without masking work); running max `m`, sum `l`
 and output accumulator (float32) as in FlashAttention; sinks join the normaliser at the end.
 Products take the inputs' dtype (probabilities are cast to `v`'s dtype) with float32
-accumulation. A query that sees nothing gets 0 and `lse = -inf`.
+accumulation. A query that sees nothing gets 0 and `lse = -inf`. Non-finite values follow
+the library's rule (docs/guide.md): a non-finite score makes its query NaN; a partial tile
+selects its invisible entries away, so a NaN reaches only the queries that see it.
 
 **Backward** (`jax.custom_vjp`, residuals `q, k, v, out (float32), lse`): recompute each tile,
 `p = exp(s - lse)`, `dv += p^T dO`, `ds = p (dO v^T - delta)` with `delta = rowsum(dO ∘ out)`,
@@ -96,8 +98,10 @@ def _ungrouped(a):
 
 
 def _scores(cfg: _Static, qb, kb):
-    """Capped scores `[B, KVH, G, bq, bk]` (float32)."""
+    """Capped scores `[B, KVH, G, bq, bk]` (float32); a non-finite score is NaN before the cap
+    (whose `tanh` would turn an infinity finite)."""
     s = jnp.einsum("bhgqd,bkhd->bhgqk", qb, kb, preferred_element_type=jnp.float32) * cfg.scale
+    s = jnp.where(jnp.isfinite(s), s, jnp.nan)
     if cfg.soft_cap is not None:
         s = cfg.soft_cap * jnp.tanh(s / cfg.soft_cap)
     return s
@@ -105,6 +109,28 @@ def _scores(cfg: _Static, qb, kb):
 
 def _visible(mask, qi, kj, sk):
     return (mask.visible(qi, kj) & (kj < sk)[None, None, :])[:, None, None]
+
+
+def _clean(a):
+    return jnp.where(jnp.isfinite(a), a, 0).astype(a.dtype)
+
+
+def _masked_pv(p, vb, vis):
+    """`p @ v` over a partial tile with the invisible entries selected away: a non-finite value
+    in `v` reaches only the rows that see its key (`0 · NaN` inside the product would reach
+    every row). Only a tile holding a non-finite value pays for the second, 0/1 product that
+    marks them."""
+    pv = lambda v: jnp.einsum("bhgqk,bkhd->bhgqd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)  # noqa: E731
+
+    def poisoned():
+        finite = jnp.isfinite(vb)
+        seen = jnp.broadcast_to(vis, p.shape).astype(vb.dtype)
+        hit = jnp.einsum(
+            "bhgqk,bkhd->bhgqd", seen, (~finite).astype(vb.dtype), preferred_element_type=jnp.float32
+        )
+        return jnp.where(hit > 0, jnp.nan, pv(jnp.where(finite, vb, 0).astype(vb.dtype)))
+
+    return lax.cond(jnp.all(jnp.isfinite(vb)), lambda: pv(vb), poisoned)
 
 
 def _forward(cfg: _Static, q, k, v, sinks, mask):
@@ -127,12 +153,18 @@ def _forward(cfg: _Static, q, k, v, sinks, mask):
             vb = lax.dynamic_slice_in_dim(vp, j * bk, bk, axis=1)
             s = _scores(cfg, qb, kb)
             if masked:
-                s = jnp.where(_visible(mask, qi, j * bk + jnp.arange(bk), sk), s, -jnp.inf)
+                vis = _visible(mask, qi, j * bk + jnp.arange(bk), sk)
+                s = jnp.where(vis, s, -jnp.inf)
             m_new = jnp.maximum(m, jnp.max(s, axis=-1))
             m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
             alpha = jnp.exp(m - m_safe)
             p = jnp.exp(s - m_safe[..., None])
-            pv = jnp.einsum("bhgqk,bkhd->bhgqd", p.astype(v.dtype), vb, preferred_element_type=jnp.float32)
+            if masked:
+                pv = _masked_pv(p, vb, vis)
+            else:
+                pv = jnp.einsum(
+                    "bhgqk,bkhd->bhgqd", p.astype(v.dtype), vb, preferred_element_type=jnp.float32
+                )
             return (m_new, l * alpha + jnp.sum(p, axis=-1), acc * alpha[..., None] + pv), None
 
         init = compat.vary_like(
@@ -155,7 +187,7 @@ def _forward(cfg: _Static, q, k, v, sinks, mask):
             acc = acc * alpha[..., None]
             m = m_f
         m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
-        seen = l > 0
+        seen = l != 0  # 0: no key seen; a NaN sum (a NaN score) stays NaN
         outs.append(jnp.where(seen[..., None], acc / jnp.where(seen, l, 1.0)[..., None], 0.0))
         lses.append(jnp.where(seen, m_safe + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf))
     out = jnp.concatenate(outs, axis=3)[:, :, :, :sq]
@@ -185,7 +217,8 @@ def _attention_bwd(cfg: _Static, res, d_out):
     delta = jnp.sum(do.astype(jnp.float32) * out, axis=-1)  # [B, KVH, G, Sq]
     qg, do_p = _pad(_grouped(q, kvh), 3, nq * bq), _pad(do, 3, nq * bq)
     delta_p = _pad(delta, 3, nq * bq)
-    lse_p = _pad(lse, 3, nq * bq)
+    # padded query rows see no key in the backward: a NaN key cannot reach dk, dv through them
+    lse_p = jnp.pad(lse, [(0, 0)] * 3 + [(0, nq * bq - sq)], constant_values=-jnp.inf)
     kp, vp = _pad(k, 1, nk * bk), _pad(v, 1, nk * bk)
     dk, dv = compat.vary_like(
         (jnp.zeros(kp.shape, jnp.float32), jnp.zeros(vp.shape, jnp.float32)), q, k, v, mask, d_out
@@ -194,7 +227,7 @@ def _attention_bwd(cfg: _Static, res, d_out):
     for i, blocks in enumerate(_kv_blocks(cfg, mask, sq, sk)):
         rows = lambda a, i=i: lax.slice_in_dim(a, i * bq, (i + 1) * bq, axis=3)  # noqa: E731
         qb, dob, delta_b, lse_b = rows(qg), rows(do_p), rows(delta_p), rows(lse_p)
-        finite = jnp.isfinite(lse_b)
+        finite = lse_b != -jnp.inf  # -inf: the row saw no key; NaN stays NaN
         lse_b = jnp.where(finite, lse_b, 0.0)
         qi = i * bq + jnp.arange(bq)
 
@@ -203,7 +236,7 @@ def _attention_bwd(cfg: _Static, res, d_out):
             kb = lax.dynamic_slice_in_dim(kp, j * bk, bk, axis=1)
             vb = lax.dynamic_slice_in_dim(vp, j * bk, bk, axis=1)
             s = _scores(cfg, qb, kb)
-            p = jnp.exp(s - lse_b[..., None])  # a full tile's rows see keys: finite lse
+            p = jnp.exp(s - lse_b[..., None])  # a full tile's rows see keys: lse is not -inf
             if masked:
                 vis = _visible(mask, qi, j * bk + jnp.arange(bk), sk)
                 p = jnp.where(vis & finite[..., None], p, 0.0)
@@ -212,7 +245,14 @@ def _attention_bwd(cfg: _Static, res, d_out):
             ds = p * (dp - delta_b[..., None])
             if cfg.soft_cap is not None:
                 ds = ds * (1.0 - jnp.square(s / cfg.soft_cap))
-            ds = (ds * cfg.scale).astype(q.dtype)
+            ds = ds * cfg.scale
+            if masked:
+                # invisible entries selected away (their dp holds whatever v holds there); a
+                # visible non-finite q or k made its row NaN already, so the products' other
+                # operand is taken with its non-finite values as 0
+                ds = jnp.where(vis, ds, 0.0)
+                kb, qb = _clean(kb), _clean(qb)
+            ds = ds.astype(q.dtype)
             dq = dq + jnp.einsum("bhgqk,bkhd->bhgqd", ds, kb, preferred_element_type=jnp.float32)
             dk_b = jnp.einsum("bhgqk,bhgqd->bkhd", ds, qb, preferred_element_type=jnp.float32)
             add = lambda acc, blk: lax.dynamic_update_slice_in_dim(  # noqa: E731
@@ -227,7 +267,7 @@ def _attention_bwd(cfg: _Static, res, d_out):
     d_sinks = None
     if sinks is not None:
         sink = sinks.astype(jnp.float32).reshape(kvh, g)[None, :, :, None]
-        p_sink = jnp.exp(sink - jnp.where(jnp.isfinite(lse), lse, 0.0))
+        p_sink = jnp.exp(sink - jnp.where(lse == -jnp.inf, 0.0, lse))
         d_sinks = (-jnp.sum(p_sink * delta, axis=(0, 3))).reshape(h).astype(sinks.dtype)
     return (
         dq.astype(q.dtype),

@@ -22,6 +22,10 @@ that backward; bytes: `x`, `B`, `C` once per pass, the `[b, c, h, P, N]` float32
 (written, read). Compute bound for Mamba-2 sizes (`Q = 64..256`, `N = 128`). float32 inputs
 add `2·Q³` FLOPs forward and `4·Q³` backward per chunk and head (`_segment_sums`).
 
+**Non-finite input** (`chunks.guard`): the kernels compute on the inputs with non-finite
+values as 0 and NaN is put where the sequential recurrence is non-finite (never earlier in
+time, never in another segment).
+
 All products take float32 operands with float32 accumulation (the GPU layout lets them run as
 TF32 for 16-bit inputs: `Layout.precision_16bit`) for now (with bf16 operands
 the final state and the gate's gradient missed the oracle rule in bf16); decays and weights
@@ -53,7 +57,7 @@ from jax.experimental import pallas as pl
 
 from axkern.core import kernels
 
-from .chunks import pad_to_chunks, skip_and_gate
+from .chunks import guard, pad_to_chunks, poison, segment_starts, skip_and_gate
 
 
 def _state_kernel(x_ref, w_ref, b_ref, out_ref, *, lay, dtype):
@@ -444,6 +448,8 @@ def ssd(layout, x, dt, A, B, C, D, z, segment_ids, initial_state, *, chunk_size,
     q = chunk_size
     acc = jnp.promote_types(x.dtype, jnp.float32)
     batch, length, heads, _ = x.shape
+    x_in, segment_ids = x, segment_starts(segment_ids, batch, length)
+    (x, dt, A, B, C, initial_state), y_bad, final_bad = guard(x, dt, A, B, C, segment_ids, initial_state)
     x_p, dt_p, B_p, C_p, seg = pad_to_chunks(x, dt, B, C, segment_ids, q)
     pad = x_p.shape[1] - length
     chunks = (length + pad) // q
@@ -458,5 +464,6 @@ def ssd(layout, x, dt, A, B, C, D, z, segment_ids, initial_state, *, chunk_size,
         seg.reshape(batch, chunks, q),
         initial_state.astype(jnp.float32),
     )
-    y = jnp.moveaxis(y, 1, 2)[:, :length]
-    return skip_and_gate(y.astype(acc), x, D, z).astype(x.dtype), final.astype(initial_state.dtype)
+    y = poison(jnp.moveaxis(y, 1, 2)[:, :length], y_bad)
+    final = poison(final, final_bad)
+    return skip_and_gate(y.astype(acc), x_in, D, z).astype(x.dtype), final.astype(initial_state.dtype)

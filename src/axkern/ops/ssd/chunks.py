@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 
 def pad_to_chunks(x, dt, B, C, segment_ids, q):
     """`x, dt, B, C` padded along the length to a multiple of `q` (zero rows: `dt = 0` leaves
-    the state alone) and the segment ids (zeros when absent), the pad continuing the last id."""
+    the state alone) and the internal segment ids (`segment_starts`), the pad continuing the
+    last one."""
     batch, length = x.shape[:2]
     pad = (-length) % q
-    seg = jnp.zeros((batch, length), jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
+    seg = segment_starts(segment_ids, batch, length)
     if not pad:
         return x, dt, B, C, seg
     zeros = lambda a: jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2))  # noqa: E731
@@ -27,3 +29,94 @@ def skip_and_gate(y, x, D, z):
     if z is not None:
         y = y * jax.nn.silu(z.astype(acc))
     return y
+
+
+def segment_starts(segment_ids, batch, length):
+    """Internal segment ids `[b, l]` int32: a running count of the places where the id changes,
+    so a reused id starts a new segment (`[0, 0, 1, 1, 0]` is three segments), whatever the
+    chunk size; zeros without ids."""
+    if segment_ids is None:
+        return jnp.zeros((batch, length), jnp.int32)
+    ids = segment_ids.astype(jnp.int32)
+    change = jnp.concatenate([jnp.zeros_like(ids[:, :1]), (ids[:, 1:] != ids[:, :-1]).astype(jnp.int32)], 1)
+    return jnp.cumsum(change, axis=1)
+
+
+def _reaches(events, seg, axis=1):
+    """`events` (bool, time on `axis`) or-ed forward in time inside each segment: True at `t`
+    when an event happened at some `s <= t` of `t`'s segment (`seg [b, l]` internal ids)."""
+    length = events.shape[axis]
+    t = jnp.arange(length).reshape((1, length) + (1,) * (events.ndim - 2))
+    last = lax.cummax(jnp.where(events, t, -1), axis=axis)
+    new = jnp.concatenate([jnp.ones_like(seg[:, :1], bool), seg[:, 1:] != seg[:, :-1]], axis=1)
+    start = lax.cummax(jnp.where(new, jnp.arange(length)[None], 0), axis=1)
+    return last >= start.reshape(start.shape + (1,) * (events.ndim - 2))
+
+
+def guard(x, dt, A, B, C, seg, initial_state):
+    """The non-finite rule for the chunked forms. Returns the inputs with every non-finite value
+    replaced by 0 (`clean`), and where the exact recurrence would be non-finite: `y_bad
+    [b, l, h, p]` (before `D` and the gate) and `final_bad [b, h, p, n]`.
+
+    A non-finite `x[s, h, p]` reaches the state's row `p`, a non-finite `dt[s, h]` all of head
+    `h`'s state (a non-finite `A[h]` too, from the first position that decays the state), a non-finite `B[s, g, n]` its column `n` for the group's heads, each from
+    `s` to the end of `s`'s segment; a non-finite initial state reaches the first segment; a
+    non-finite `C[t]` only `y[t]`. The chunked forms compute on the clean inputs and put NaN
+    where the recurrence is non-finite: their masked terms (future positions, other segments)
+    then never meet a NaN, and a NaN stays where it is in time."""
+    rep = x.shape[2] // B.shape[2]
+    bad = lambda a: ~jnp.isfinite(a)  # noqa: E731
+    per_head = lambda a: jnp.repeat(a, rep, axis=2)  # noqa: E731 - groups -> heads
+    # A acts through the decay, which a new segment's first position does not apply
+    starts = jnp.concatenate([jnp.zeros_like(seg[:, :1], bool), seg[:, 1:] != seg[:, :-1]], axis=1)
+    head = bad(dt) | (bad(A)[None, None] & ~starts[..., None])  # [b, l, h]
+    b_any = per_head(bad(B).any(-1))  # [b, l, h]
+    y_bad = _reaches(bad(x) | (head | b_any)[..., None], seg)
+    first = (seg == 0)[:, :, None, None]
+    y_bad = y_bad | (first & bad(initial_state).any(-1)[:, None]) | per_head(bad(C).any(-1))[..., None]
+    last = seg == seg[:, -1:]  # [b, l]: the sequence's last segment
+    in_last = lambda a: (a & last.reshape(last.shape + (1,) * (a.ndim - 2))).any(1)  # noqa: E731
+    final_bad = (
+        in_last(bad(x))[..., None]
+        | in_last(head)[:, :, None, None]
+        | jnp.repeat(in_last(bad(B)), rep, axis=1)[:, :, None, :]
+        | (bad(initial_state) & (seg[:, -1] == 0)[:, None, None, None])
+    )
+    clean = lambda a: _clean(a)  # noqa: E731
+    return (clean(x), clean(dt), clean(A), clean(B), clean(C), clean(initial_state)), y_bad, final_bad
+
+
+@jax.custom_vjp
+def _clean(a):
+    return jnp.where(jnp.isfinite(a), a, 0).astype(a.dtype)
+
+
+def _clean_fwd(a):
+    return _clean(a), jnp.isfinite(a)
+
+
+def _clean_bwd(finite, g):
+    # the gradient of a non-finite input is NaN: it is never reported as a number
+    return (jnp.where(finite, g, jnp.nan).astype(g.dtype),)
+
+
+_clean.defvjp(_clean_fwd, _clean_bwd)
+
+
+@jax.custom_vjp
+def poison(y, bad):
+    """`y` with NaN where `bad`; the cotangent of those places goes back as NaN, so the inputs
+    that reach them get NaN gradients (possibly more of them than the exact recurrence's, never
+    fewer)."""
+    return jnp.where(bad, jnp.nan, y).astype(y.dtype)
+
+
+def _poison_fwd(y, bad):
+    return poison(y, bad), bad
+
+
+def _poison_bwd(bad, g):
+    return jnp.where(bad, jnp.nan, g).astype(g.dtype), None
+
+
+poison.defvjp(_poison_fwd, _poison_bwd)

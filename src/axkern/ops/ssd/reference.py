@@ -3,7 +3,9 @@
 Per head `h` (group `g = h // (H / G)`):
 `state_t = exp(dt_t A_h) · state_{t-1} + dt_t · x_t ⊗ B_t` (`[P, N]`), `y_t = state_t · C_t + D ⊙ x_t`,
 and `y_t *= silu(z_t)` when `z` is given. A new segment starts from a zero state; only the
-sequence's first segment continues from `initial_state`.
+sequence's first segment continues from `initial_state`. A segment starts wherever the id
+changes (an id used again later starts another segment). A non-finite value reaches what the
+recurrence carries it to: the state from its position to its segment's end, never earlier.
 """
 
 from __future__ import annotations
@@ -25,13 +27,16 @@ def ssd(x, dt, A, B, C, D, z, segment_ids, initial_state):
     Ch = jnp.repeat(C.astype(acc), rep, axis=2)
     seg = jnp.zeros(x.shape[:2], jnp.int32) if segment_ids is None else segment_ids
     prev = jnp.concatenate([seg[:, :1], seg[:, :-1]], axis=1)
-    keep = (seg == prev).astype(acc)  # 0 where a new segment starts (never at t = 0)
+    keep = seg == prev  # False where a new segment starts (never at t = 0)
+    # a non-finite A is NaN (an A of -inf would otherwise forget the state exactly)
+    A = A.astype(acc) + jnp.where(jnp.isfinite(A), 0, jnp.nan)
 
     def step(state, inputs):
         x_t, dt_t, b_t, c_t, keep_t = inputs
-        decay = jnp.exp(dt_t * A.astype(acc))[..., None, None]  # [b, h, 1, 1]
+        decay = jnp.exp(dt_t * A)[..., None, None]  # [b, h, 1, 1]
+        # a new segment selects the old state away (0 · NaN would carry a NaN across)
         state = (
-            keep_t[:, None, None, None] * decay * state
+            jnp.where(keep_t[:, None, None, None], decay * state, 0)
             + (dt_t[..., None] * x_t)[..., None] * b_t[:, :, None, :]
         )
         y_t = jnp.einsum("bhpn,bhn->bhp", state, c_t)

@@ -16,6 +16,10 @@ per chunk and head, as mamba_ssm's minimal reference does): on the CPU that cut 
 error at that shape from 0.55x to 0.11x of the bound. 16-bit inputs keep the difference
 (their rounding dominates, and it is cheaper).
 
+**Non-finite input** (`chunks.guard`): the chunks compute on the inputs with non-finite
+values as 0 and NaN is put where the sequential recurrence is non-finite, so a NaN never
+moves back in time or into another segment through a masked term.
+
 **Cost.** `O(L·Q·(N + P)·H)` inside chunks and `O(L/Q · H·P·N)` between them.
 """
 
@@ -28,7 +32,7 @@ from jax import lax
 
 from axkern.core import kernels
 
-from .chunks import pad_to_chunks, skip_and_gate
+from .chunks import guard, pad_to_chunks, poison, segment_starts, skip_and_gate
 
 
 def _chunks(a, q):
@@ -45,6 +49,8 @@ def ssd(x, dt, A, B, C, D, z, segment_ids, initial_state, *, block_sizes):
     batch, length, heads, _ = x.shape
     rep = heads // B.shape[2]
     q = chunk_size
+    x_in, segment_ids = x, segment_starts(segment_ids, batch, length)
+    (x, dt, A, B, C, initial_state), y_bad, final_bad = guard(x, dt, A, B, C, segment_ids, initial_state)
     x_p, dt_p, B_p, C_p, seg = pad_to_chunks(x, dt, B, C, segment_ids, q)
     pad = x_p.shape[1] - length
     xc = _chunks(x_p.astype(acc), q)  # [b, c, q, h, p]
@@ -88,8 +94,9 @@ def ssd(x, dt, A, B, C, D, z, segment_ids, initial_state, *, block_sizes):
     from_state = jnp.exp(cum) * (sc == seg_before[:, :, None])[..., None]  # [b, c, q, h]
     y = y + einsum("bcthn,bchpn->bcthp", Cc, states_in) * from_state[..., None]
 
-    y = y.reshape(batch, length + pad, heads, -1)[:, :length]
-    return skip_and_gate(y.astype(acc), x, D, z).astype(x.dtype), final.astype(initial_state.dtype)
+    y = poison(y.reshape(batch, length + pad, heads, -1)[:, :length], y_bad)
+    final = poison(final, final_bad)
+    return skip_and_gate(y.astype(acc), x_in, D, z).astype(x.dtype), final.astype(initial_state.dtype)
 
 
 def step(x_t, dt_t, A, B_t, C_t, state, D, z_t):

@@ -1,0 +1,123 @@
+"""ssd and non-finite input (docs/guide.md, "Non-finite values"): a NaN or an infinity reaches
+the outputs from its position to its segment's end, never earlier and never another segment,
+in every chunked implementation (Pallas kernels in interpret mode) at every chunk size; and a
+segment starts wherever the id changes."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import axkern
+from axkern.positional import ssd
+from tests.helpers import assert_nonfinite_rule, poke
+
+IMPLS = ["xla", "pallas_gpu", "pallas_tpu"]
+
+
+def _inputs(seed, b=1, l=40, h=2, p=16, g=1, n=16):
+    k = jax.random.split(jax.random.PRNGKey(seed), 6)
+    return dict(
+        x=jax.random.normal(k[0], (b, l, h, p)),
+        dt=jax.nn.softplus(jax.random.normal(k[1], (b, l, h))),
+        A=-jnp.exp(jax.random.normal(k[2], (h,))),
+        B=jax.random.normal(k[3], (b, l, g, n)),
+        C=jax.random.normal(k[4], (b, l, g, n)),
+        initial_state=jax.random.normal(k[5], (b, h, p, n)),
+    )
+
+
+def _run(impl, a, seg=None, chunk=None, grads=False):
+    def f(x, dt, A, B, C, s0):
+        y, final = ssd(
+            x,
+            dt,
+            A,
+            B,
+            C,
+            segment_ids=seg,
+            initial_state=s0,
+            return_final_state=True,
+            implementation=impl,
+            chunk_size=None if impl == "reference" else chunk,
+        )
+        return jnp.sum(y * jnp.cos(jnp.arange(y.size).reshape(y.shape))) + jnp.sum(final), (y, final)
+
+    args = [a[k] for k in ("x", "dt", "A", "B", "C", "initial_state")]
+    with axkern.use(interpret=True):
+        if grads:
+            return jax.grad(f, argnums=tuple(range(6)), has_aux=True)(*args)[0]
+        return f(*args)[1]
+
+
+def _forward_matches(a, seg=None, chunks=(16,), impls=IMPLS):
+    want = _run("reference", a, seg)
+    for impl in impls:
+        for chunk in chunks:
+            assert_nonfinite_rule(_run(impl, a, seg, chunk), want, f"{impl} chunk {chunk}")
+    return want
+
+
+@pytest.mark.parametrize("where", ["x", "dt", "B"])
+@pytest.mark.parametrize("value", [np.nan, np.inf])
+def test_a_non_finite_value_stays_at_and_after_its_position(where, value):
+    a = _inputs(0)
+    index = {"x": (0, 10, 1, 3), "dt": (0, 10, 1), "B": (0, 10, 0, 2)}[where]
+    a[where] = poke(a[where], index, value)
+    y, final = _forward_matches(a)
+    bad = ~np.isfinite(np.asarray(y))
+    assert not bad[0, :10].any() and bad[0, 10:].any()
+    assert np.isfinite(np.asarray(y)[0, :, 0]).all() or where == "B"  # head 0 untouched unless B (shared)
+
+
+def test_a_nan_stays_in_its_segment():
+    a = _inputs(1)
+    a["x"] = poke(a["x"], (0, 5, 0, 0), np.nan)
+    seg = jnp.asarray([[0] * 12 + [1] * 28], jnp.int32)
+    y, final = _forward_matches(a, seg, chunks=(16, 32))
+    bad = ~np.isfinite(np.asarray(y))[0, :, 0, 0]
+    assert not bad[:5].any() and bad[5:12].all() and not bad[12:].any()
+    assert np.isfinite(np.asarray(final)).all()
+
+
+def test_the_gradients_are_nan_where_the_nan_reaches():
+    a = _inputs(2)
+    a["x"] = poke(a["x"], (0, 10, 1, 3), np.nan)
+    want = _run("reference", a, grads=True)
+    for impl in ("xla", "pallas_gpu"):
+        got = _run(impl, a, chunk=16, grads=True)
+        for g, w in zip(got, want, strict=True):
+            # never a number where the exact recurrence's gradient is not one
+            assert (~np.isfinite(np.asarray(g)) | np.isfinite(np.asarray(w))).all()
+        dA = np.asarray(got[2])
+        assert np.isnan(dA[1]) and np.isfinite(dA[0])  # head 0 never sees the NaN
+
+
+@pytest.mark.parametrize("chunk", [8, 16, 32, 64])
+def test_a_reused_segment_id_starts_a_new_segment_at_every_chunk_size(chunk):
+    a = _inputs(3, l=48)
+    seg = jnp.asarray([[0] * 10 + [1] * 10 + [0] * 28], jnp.int32)  # id 0 again: a third segment
+    want = _run("reference", a, seg)
+    for impl in ("xla", "pallas_gpu"):
+        got = _run(impl, a, seg, chunk)
+        for g, w in zip(got, want, strict=True):
+            np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-4, atol=2e-4)
+
+
+@given(
+    l=st.sampled_from([1, 23, 40]),
+    where=st.sampled_from(["x", "dt", "A", "B", "C", "initial_state"]),
+    value=st.sampled_from([np.nan, np.inf, -np.inf]),
+    segments=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_property_non_finite_pattern_matches_the_reference(l, where, value, segments, seed):
+    a = _inputs(seed, l=l, h=2, g=2)
+    rng = np.random.default_rng(seed)
+    a[where] = poke(a[where], tuple(int(rng.integers(n)) for n in a[where].shape), value)
+    seg = jnp.asarray(rng.integers(0, 2, (1, l)), jnp.int32) if segments else None
+    _forward_matches(a, seg, chunks=(8,), impls=["xla", "pallas_gpu"])
