@@ -9,6 +9,24 @@ import jax
 __all__ = ["shard_map", "current_mesh", "axis_size", "axis_index", "match_vma", "jit_context"]
 
 
+def _haliax_einsum_on_new_jax() -> None:
+    """haliax 1.4.dev453's einsum (under `hax.dot`) calls `jax.core.is_constant_dim`, which jax
+    0.11 removed from the public module; put JAX's own function back where haliax looks."""
+    import jax.core
+
+    if hasattr(jax.core, "is_constant_dim"):
+        return
+    from jax._src import core as _core
+
+    fn = getattr(_core, "is_constant_dim", None)
+    if fn is None:  # pragma: no cover - a JAX without it: every dim of a concrete shape is an int
+        fn = lambda d: isinstance(d, int)  # noqa: E731
+    jax.core.is_constant_dim = fn
+
+
+_haliax_einsum_on_new_jax()
+
+
 def jit_context(default=None):
     """A context whose value is part of `jax.jit`'s cache key (`jax.make_user_context`, jax >=
     0.8): a jitted function called under another value is traced again. `None` where JAX has
