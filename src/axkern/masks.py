@@ -175,7 +175,7 @@ class Segments(Mask):
 
     With `axkern.attention` the ids may be `NamedArray`s: `q_ids` over q's batch axes (any
     subset, any order) and its position axis, `kv_ids` over k's batch axes and key position
-    axis. Plain arrays lead with the batch axes flattened in q's axis order (or with 1).
+    axis. Plain arrays lead with the batch axes flattened in q's axis order.
     """
 
     ROLES = (("batch", "QPos"), ("batch", "KPos"))

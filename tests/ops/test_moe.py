@@ -225,3 +225,14 @@ def test_named_token_parallel_equals_unsharded(mapping):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
     for a, b in zip(jax.tree.leaves(layout), jax.tree.leaves(want_layout), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_named_combine_refuses_a_routing_from_another_mapping():
+    from jax.sharding import Mesh
+
+    xn, idxn, wn, weights = _named_moe_case()
+    mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("data", "model"))
+    with hax.partitioning.set_mesh(mesh), hax.axis_mapping({"batch": "data"}):
+        ex, _, routing = axkern.moe_dispatch(xn, idxn, num_experts=4)
+    with pytest.raises(ValueError, match="call moe_combine under the axis mapping moe_dispatch ran under"):
+        axkern.moe_combine(ex.rename({"embed": "out"}), wn, routing)

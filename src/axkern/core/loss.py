@@ -45,6 +45,8 @@ def check_options(op: str, logits_soft_cap, logsumexp_weight, label_smoothing) -
 
 def kept(labels, where, ignore_index):
     """The tokens that count: `where` (default all) and a label other than `ignore_index`."""
+    if where is not None and where.dtype != jnp.bool_:
+        raise TypeError(f"where must be a bool array (true: the token counts), got {where.dtype}")
     keep = jnp.ones(labels.shape, bool) if where is None else where
     if ignore_index is not None:
         keep = keep & (labels != ignore_index)

@@ -272,7 +272,13 @@ class Roles:
         selector = selectors[role]
         name = _selector_name(self.op, role, selector)
         fallback = self.fallbacks.get(role)
-        if fallback is not None and name not in {a.name for a in array.axes} and fallback in axes:
+        names = {a.name for a in array.axes}
+        if fallback is not None and name not in names and fallback in axes:
+            if axes[fallback].name not in names:
+                raise ValueError(
+                    f"{self.op}: {arg} has no axis {name!r} ({role}) nor {axes[fallback].name!r} ({fallback}'s, "
+                    f"which {role} falls back to); its axes are {axes_str(array.axes)}"
+                )
             selector = axes[fallback].name
         return resolve(self.op, arg, array, selector, role)
 
@@ -300,6 +306,8 @@ class Bound:
                     f"{self.axes[role].size}; it must be {size}"
                 )
             return self.axes[role]
+        if isinstance(name, hax.Axis) and name.size != size:
+            raise ValueError(f"{self.op}: {role}={name} but the axis the op creates has size {size}")
         name = _selector_name(self.op, role, name)
         self.axes[role] = hax.Axis(name, size)
         return self.axes[role]

@@ -265,7 +265,7 @@ def attention(
     `mask=None` attends to every key; causal attention is `mask=axkern.masks.Causal()`.
     Masks that hold arrays (`Segments`, `PrefixLM`, `Dense`) take `NamedArray`s over the batch
     axes (any subset, any order) and `QPos` / `KPos`; plain arrays lead with the batch axes
-    flattened in `q`'s order (or with 1).
+    flattened in `q`'s order (`Dense` may lead with 1).
 
     ```python
     out = axkern.attention(q, k, v, mask=axkern.masks.Causal())
@@ -280,7 +280,7 @@ def attention(
     """
     if sinks is not None and not isinstance(sinks, NamedArray):
         sinks = hax.named(jnp.asarray(sinks), (Heads.name if isinstance(Heads, hax.Axis) else Heads,))
-    bound = ROLES.bind(locals(), VDim=HeadDim)
+    bound = ROLES.bind(locals(), VDim=getattr(HeadDim, "name", HeadDim))  # v's head dim may differ in size
     heads, kvheads = bound.axis("Heads"), bound.axis("KVHeads")
     sharding = SHARDING
     if kvheads.name != heads.name and kvheads.size == 1:

@@ -117,6 +117,7 @@ class MoeRouting(eqx.Module):
     token_axes: tuple[hax.Axis, ...] | None = eqx.field(static=True, default=None)
     topk_axis: hax.Axis | None = eqx.field(static=True, default=None)
     dispatched_axis: hax.Axis | None = eqx.field(static=True, default=None)
+    blocks_mesh: tuple[str, ...] = eqx.field(static=True, default=())  # the token shards' mesh axes
 
 
 class MoeDispatch(NamedTuple):
@@ -358,8 +359,9 @@ def moe_dispatch(
         named.Out(("batch", "TopK")),
     )
     expert_x, group_sizes, rows, idx = bound.run(body, SHARDING, outs)
+    blocks_mesh = bound.batch_mesh() if sharded else ()
     routing = MoeRouting(
-        rows.array, idx.array, num_experts, tuple(bound.batch), bound.axis("TopK"), dispatched
+        rows.array, idx.array, num_experts, tuple(bound.batch), bound.axis("TopK"), dispatched, blocks_mesh
     )
     return MoeDispatch(expert_x, group_sizes, routing)
 
@@ -405,6 +407,14 @@ def moe_combine(
         Dispatched=rows_axis,
         Out=out_axes[0],
     )
+
+    here = bound.batch_mesh() if bound.sharded(SHARDING) else ()
+    if here != routing.blocks_mesh:
+        raise ValueError(
+            f"moe_combine: the routing's rows index one block per token shard over mesh axes "
+            f"{routing.blocks_mesh or 'none'}, but here the token axes are split over {here or 'none'}; "
+            "call moe_combine under the axis mapping moe_dispatch ran under"
+        )
 
     def body(ctx, rows, idx, w, ys):
         local = MoeRouting(rows.reshape(-1), idx, routing.num_experts)

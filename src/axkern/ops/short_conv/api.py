@@ -319,7 +319,7 @@ def short_conv(
     y_out = named.Out(("batch", "Pos", "Channel"), like="x")
     if not return_final_state:
         return bound.run(body, SHARDING, y_out)
-    state_out = named.Out(("batch", "ConvState", "Channel"), like=("initial_state", "x"))
+    state_out = named.Out(("batch", "ConvState", "Channel"), like=("initial_state",))
     return WithFinalState(*bound.run(body, SHARDING, (y_out, state_out)))
 
 
