@@ -41,13 +41,13 @@ def _dense(x, idx, w, weights, keep=None):
     return jnp.einsum("tk,tko->to", w, per, precision="highest")
 
 
-def _ep_layer(experts, capacity_factor=None):
+def _ep_layer(experts, capacity_factor=None, impl=None):
     def local(x, idx, w, weights):
         expert_x, group_sizes, layout = moe_ep_dispatch(
-            x, idx, num_experts=experts, axis_name="ep", capacity_factor=capacity_factor
+            x, idx, num_experts=experts, axis_name="ep", capacity_factor=capacity_factor, implementation=impl
         )
         y = jax.lax.ragged_dot(expert_x, weights, group_sizes, precision=jax.lax.Precision.HIGHEST)
-        return moe_ep_combine(y, w, layout), layout.sent, layout.dropped[None]
+        return moe_ep_combine(y, w, layout, implementation=impl), layout.sent, layout.dropped[None]
 
     return compat.shard_map(local, mesh=_mesh(), in_specs=(P, P, P, P), out_specs=(P, P, P))
 
@@ -87,10 +87,11 @@ def _expected_sent(idx, experts, capacity_factor, tokens):
     return sent.reshape(RANKS * tokens, -1)
 
 
-def test_capacity_drops_pairs_and_counts_them():
+@pytest.mark.parametrize("impl", ["xla", "reference"])
+def test_capacity_drops_pairs_and_counts_them(impl):
     tokens, experts, topk, factor = 12, 16, 2, 0.5
     x, idx, w, weights = _case(3, tokens, 6, 5, experts, topk, "skewed")
-    layer = _ep_layer(experts, capacity_factor=factor)
+    layer = _ep_layer(experts, capacity_factor=factor, impl=impl)
     y, sent, dropped = jax.jit(layer)(x, idx, w, weights)
     want_sent = _expected_sent(idx, experts, factor, tokens)
     np.testing.assert_array_equal(np.asarray(sent), want_sent)

@@ -106,8 +106,8 @@ def test_a_reused_segment_id_starts_a_new_segment_at_every_chunk_size(chunk):
     seg = jnp.asarray([[0] * 10 + [1] * 10 + [0] * 28], jnp.int32)  # id 0 again: a third segment
     want = _run("reference", a, seg)
     for impl in ("xla", "pallas_gpu"):
-        if impl == "pallas_gpu" and chunk < 16 and not INTERPRET:
-            continue  # compiled Triton tiles are at least 16 (pallas_gpu refuses smaller chunks)
+        if impl == "pallas_gpu" and chunk < 16:
+            continue  # Triton dot tiles are at least 16: pallas_gpu refuses smaller chunks
         got = _run(impl, a, seg, chunk)
         for g, w in zip(got, want, strict=True):
             np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-4, atol=2e-4)
@@ -125,4 +125,4 @@ def test_property_non_finite_pattern_matches_the_reference(l, where, value, segm
     rng = np.random.default_rng(seed)
     a[where] = poke(a[where], tuple(int(rng.integers(n)) for n in a[where].shape), value)
     seg = jnp.asarray(rng.integers(0, 2, (1, l)), jnp.int32) if segments else None
-    _forward_matches(a, seg, chunks=(8,), impls=["xla", "pallas_gpu"])
+    _forward_matches(a, seg, chunks=(16,), impls=["xla", "pallas_gpu"])

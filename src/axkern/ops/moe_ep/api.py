@@ -32,7 +32,7 @@ from jax import lax
 from axkern.core.op import Implementation, Op
 from axkern.core.typing import Array, Float, Shaped, checked
 
-from . import xla
+from . import reference, xla
 
 __all__ = [
     "EpLayout",
@@ -43,7 +43,7 @@ __all__ = [
     "COMBINE",
 ]
 
-EpImplementation = Literal["xla"]
+EpImplementation = Literal["xla", "reference"]
 _ORDER = {"cpu": ("xla",), "gpu": ("xla",), "tpu": ("xla",)}
 _BUCKET = lambda spec: dict(spec.dims)  # noqa: E731 - no tuned tables
 
@@ -52,7 +52,8 @@ DISPATCH = Op(
     [
         Implementation(
             "xla", xla.dispatch, backward="JAX's: the transposed all_to_all (a combine-like exchange)"
-        )
+        ),
+        Implementation("reference", reference.dispatch, backward="JAX's, through the all-gathers"),
     ],
     _ORDER,
     package=__package__,
@@ -63,7 +64,8 @@ COMBINE = Op(
     [
         Implementation(
             "xla", xla.combine, backward="JAX's: the transposed all_to_all (a dispatch-like exchange)"
-        )
+        ),
+        Implementation("reference", reference.combine, backward="JAX's, through the all-gathers"),
     ],
     _ORDER,
     package=__package__,
