@@ -12,10 +12,14 @@ __all__ = ["shard_map", "current_mesh", "axis_size", "axis_index", "match_vma", 
 def _haliax_einsum_on_new_jax() -> None:
     """haliax 1.4.dev453's einsum (under `hax.dot`) calls `jax.core.is_constant_dim`, which jax
     0.11 removed from the public module; put JAX's own function back where haliax looks."""
+    import warnings
+
     import jax.core
 
-    if hasattr(jax.core, "is_constant_dim"):
-        return
+    with warnings.catch_warnings():  # jax 0.10 still has it, deprecated
+        warnings.simplefilter("ignore", DeprecationWarning)
+        if hasattr(jax.core, "is_constant_dim"):
+            return
     from jax._src import core as _core
 
     fn = getattr(_core, "is_constant_dim", None)
