@@ -79,3 +79,21 @@ def assert_nonfinite_rule(got, want, what: str = "", rtol: float = 1e-4) -> None
 def poke(a, index, value):
     """`a` with `a[index] = value` (a NaN or an infinity placed by a test)."""
     return jnp.asarray(a).at[index].set(value)
+
+
+# the loss ops' options, one case each and all together (`"where": True`: a random mask)
+LOSS_OPTIONS = {
+    "plain": {},
+    "soft_cap": {"logits_soft_cap": 2.5},
+    "smoothing": {"label_smoothing": 0.1},
+    "z_loss": {"logsumexp_weight": 1e-2},
+    "ignore": {"ignore_index": -100},
+    "where": {"where": True},
+    "all": {
+        "logits_soft_cap": 4.0,
+        "label_smoothing": 0.2,
+        "logsumexp_weight": 1e-3,
+        "ignore_index": -1,
+        "where": True,
+    },
+}

@@ -11,25 +11,11 @@ import pytest
 
 import axkern
 from axkern.positional import cross_entropy
-from tests.helpers import assert_oracle_rule, to64, x64
+from tests.helpers import LOSS_OPTIONS, assert_oracle_rule, to64, x64
 
 IMPLS = ["xla", "reference"]
 DTYPES = ["float32", "bfloat16"]
-OPTIONS = {
-    "plain": {},
-    "soft_cap": {"logits_soft_cap": 2.5},
-    "smoothing": {"label_smoothing": 0.1},
-    "z_loss": {"logsumexp_weight": 1e-2},
-    "ignore": {"ignore_index": -100},
-    "where": {"where": True},
-    "all": {
-        "logits_soft_cap": 4.0,
-        "label_smoothing": 0.2,
-        "logsumexp_weight": 1e-3,
-        "ignore_index": -1,
-        "where": True,
-    },
-}
+OPTIONS = LOSS_OPTIONS
 N, V = 37, 301  # odd sizes
 
 

@@ -19,7 +19,7 @@ import axkern
 from axkern import CrossEntropyBlockSizes
 from axkern.positional import fused_cross_entropy
 from axkern.positional import fused_cross_entropy_loss as ce_loss
-from tests.helpers import assert_oracle_rule, ce_inputs, to64, x64
+from tests.helpers import LOSS_OPTIONS, assert_oracle_rule, ce_inputs, to64, x64
 
 
 def ce(*args, **kwargs):
@@ -29,21 +29,7 @@ def ce(*args, **kwargs):
 
 IMPLS = ["xla", "reference"]
 DTYPES = ["float32", "bfloat16"]
-OPTIONS = {
-    "plain": {},
-    "soft_cap": {"logits_soft_cap": 2.5},
-    "smoothing": {"label_smoothing": 0.1},
-    "z_loss": {"logsumexp_weight": 1e-2},
-    "ignore": {"ignore_index": -100},
-    "where": {"where": True},
-    "all": {
-        "logits_soft_cap": 4.0,
-        "label_smoothing": 0.2,
-        "logsumexp_weight": 1e-3,
-        "ignore_index": -1,
-        "where": True,
-    },
-}
+OPTIONS = LOSS_OPTIONS
 
 
 def make_case(seed, n, d, v, dtype, options):

@@ -47,30 +47,24 @@ EpImplementation = Literal["xla", "reference"]
 _ORDER = {"cpu": ("xla",), "gpu": ("xla",), "tpu": ("xla",)}
 _BUCKET = lambda spec: dict(spec.dims)  # noqa: E731 - no tuned tables
 
-DISPATCH = Op(
-    "moe_ep_dispatch",
-    [
-        Implementation(
-            "xla", xla.dispatch, backward="JAX's: the transposed all_to_all (a combine-like exchange)"
-        ),
-        Implementation("reference", reference.dispatch, backward="JAX's, through the all-gathers"),
-    ],
-    _ORDER,
-    package=__package__,
-    bucket=_BUCKET,
-)
-COMBINE = Op(
-    "moe_ep_combine",
-    [
-        Implementation(
-            "xla", xla.combine, backward="JAX's: the transposed all_to_all (a dispatch-like exchange)"
-        ),
-        Implementation("reference", reference.combine, backward="JAX's, through the all-gathers"),
-    ],
-    _ORDER,
-    package=__package__,
-    bucket=_BUCKET,
-)
+
+def _op(name: str, xla_fn, reference_fn, exchange: str) -> Op:
+    return Op(
+        name,
+        [
+            Implementation(
+                "xla", xla_fn, backward=f"JAX's: the transposed all_to_all (a {exchange} exchange)"
+            ),
+            Implementation("reference", reference_fn, backward="JAX's, through the all-gathers"),
+        ],
+        _ORDER,
+        package=__package__,
+        bucket=_BUCKET,
+    )
+
+
+DISPATCH = _op("moe_ep_dispatch", xla.dispatch, reference.dispatch, "combine-like")
+COMBINE = _op("moe_ep_combine", xla.combine, reference.combine, "dispatch-like")
 
 
 class EpLayout(eqx.Module):

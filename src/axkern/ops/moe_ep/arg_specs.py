@@ -51,28 +51,19 @@ def _sharded(mesh, fn, n_in, out_specs):
     return compat.shard_map(fn, mesh=mesh, in_specs=(spec,) * n_in, out_specs=out_specs)
 
 
-def cases_moe_ep_dispatch(*, preset=None, tokens=None, dtype=None):
-    name, t, d, e, k, ranks, mesh, dt, make, cap = _setup(preset, tokens, dtype)
-
-    def forward(impl, x, idx, w):
-        def local(x, idx):
-            return moe_ep_dispatch_positional(
-                x, idx, num_experts=e, axis_name="ep", capacity_factor=FACTOR, implementation=impl
-            ).expert_x
-
-        return _sharded(mesh, local, 2, PartitionSpec("ep"))(x, idx)
-
-    n = float(ranks) * ranks * cap * d * dt.itemsize
+def _case(op, setup, forward, grad_argnums, exchanges, note=""):
+    name, t, d, e, k, ranks, mesh, dt, make, cap = setup
+    n = exchanges * float(ranks) * ranks * cap * d * dt.itemsize  # every device's send buffers
     return [
         Case(
-            "moe_ep_dispatch",
-            f"{name}: R={ranks} T={t}/device D={d} E={e} K={k} C={cap} {dt.name}",
+            op,
+            f"{name}: R={ranks} T={t}/device D={d} E={e} K={k} C={cap} {dt.name}{note}",
             {"tokens": t, "embed": d, "experts": e, "topk": k, "ranks": ranks},
             dt.name,
             make,
             forward,
             None,
-            (0,),
+            grad_argnums,
             0.0,
             0.0,
             bytes_forward=n,
@@ -82,8 +73,24 @@ def cases_moe_ep_dispatch(*, preset=None, tokens=None, dtype=None):
     ]
 
 
+def cases_moe_ep_dispatch(*, preset=None, tokens=None, dtype=None):
+    setup = _setup(preset, tokens, dtype)
+    e, mesh = setup[3], setup[6]
+
+    def forward(impl, x, idx, w):
+        def local(x, idx):
+            return moe_ep_dispatch_positional(
+                x, idx, num_experts=e, axis_name="ep", capacity_factor=FACTOR, implementation=impl
+            ).expert_x
+
+        return _sharded(mesh, local, 2, PartitionSpec("ep"))(x, idx)
+
+    return _case("moe_ep_dispatch", setup, forward, (0,), 1)
+
+
 def cases_moe_ep_combine(*, preset=None, tokens=None, dtype=None):
-    name, t, d, e, k, ranks, mesh, dt, make, cap = _setup(preset, tokens, dtype)
+    setup = _setup(preset, tokens, dtype)
+    e, mesh = setup[3], setup[6]
 
     def forward(impl, x, idx, w):
         def local(x, idx, w):
@@ -94,21 +101,4 @@ def cases_moe_ep_combine(*, preset=None, tokens=None, dtype=None):
 
         return _sharded(mesh, local, 3, PartitionSpec("ep"))(x, idx, w)
 
-    n = float(ranks) * ranks * cap * d * dt.itemsize
-    return [
-        Case(
-            "moe_ep_combine",
-            f"{name}: R={ranks} T={t}/device D={d} E={e} K={k} C={cap} {dt.name} (dispatch included)",
-            {"tokens": t, "embed": d, "experts": e, "topk": k, "ranks": ranks},
-            dt.name,
-            make,
-            forward,
-            None,
-            (0, 2),
-            0.0,
-            0.0,
-            bytes_forward=2 * n,
-            bytes_backward=2 * n,
-            bound="memory",
-        )
-    ]
+    return _case("moe_ep_combine", setup, forward, (0, 2), 2, " (dispatch included)")
