@@ -11,6 +11,7 @@ the same inputs, then time device-synchronised calls (warm-up, median of repeats
 from __future__ import annotations
 
 import dataclasses
+import functools
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -57,6 +58,19 @@ class Case:
     bound: str = "compute"  # "compute": held to the matmul ceiling; "memory": to the copy bandwidth
     passes: tuple[str, ...] = ("fwd", "fwd+bwd")  # e.g. ("fwd",) for ops with integer outputs
     calls: int = 1  # op calls per forward (a loop inside jit, for ops faster than host dispatch)
+    # JAX peers timed in this process beside the implementations (rows "peer:<name>", with
+    # `axkern bench --peers`): name -> callable taking the case's inputs like `forward`, or a
+    # string saying why the peer cannot take this case
+    peers: dict[str, Callable[..., Any] | str] = dataclasses.field(default_factory=dict)
+
+    def forward_for(self, implementation: str) -> Callable[..., Any]:
+        """`(*inputs) -> outputs` for an implementation name or "peer:<name>"."""
+        if implementation.startswith("peer:"):
+            peer = self.peers[implementation.removeprefix("peer:")]
+            if isinstance(peer, str):
+                raise Unsupported(peer)
+            return peer
+        return functools.partial(self.forward, implementation)
 
 
 @dataclasses.dataclass
@@ -162,7 +176,7 @@ def _forward_backward(case: Case, impl: str):
             full = list(args)
             for i, d in zip(case.grad_argnums, diff, strict=True):
                 full[i] = d
-            return case.forward(impl, *full)
+            return case.forward_for(impl)(*full)
 
         out, pull = jax.vjp(f, *[args[i] for i in case.grad_argnums])
         return out, pull(ct)
@@ -192,7 +206,7 @@ def measure(
     """Rows for every (implementation, pass) of `case`. An implementation that cannot serve
     the case (or fails) gets a row with its reason in `note` and no numbers."""
     args = case.make(jax.random.PRNGKey(0))
-    fns = {"fwd": lambda impl: jax.jit(lambda *a: case.forward(impl, *a))}
+    fns = {"fwd": lambda impl: jax.jit(lambda *a: case.forward_for(impl)(*a))}
     pass_args = {"fwd": args, "fwd+bwd": args}
     if case.loss is not None:
         fns["fwd+bwd"] = lambda impl: jax.jit(

@@ -314,6 +314,8 @@ def _plan(args) -> tuple[list, tuple[str, ...]]:
             except ValueError as e:
                 raise UsageError(f"--preset: {e}") from None
             work += [(c, impls) for c in op_cases if impls]
+    if args.peers:  # JAX peers run in this process, as rows beside ours
+        work = [(c, i + [f"peer:{name}" for name in c.peers]) for c, i in work]
     timed = [(c, i) for c, i in work if any(p in c.passes for p in passes)]
     if not timed:
         what = args.op or args.cases or "the selected ops"
@@ -391,10 +393,13 @@ def _peer_rows(peer_rows, work, rows, ceiling):
             row.tflops = flops / (row.ms * 1e-3) / 1e12
             row.ceiling_fraction = row.tflops / ceiling if ceiling else None
         out.append(row)
+    timed_peers = out + [r for r in rows if r.implementation.startswith("peer:")]  # and the JAX peers
     for r in rows:
+        if r.implementation.startswith("peer:"):
+            continue
         ratios = [
             f"{r.ms / p.ms:.2f}x {p.implementation[5:]}"
-            for p in out
+            for p in timed_peers
             if p.ms and r.ms and (p.case, p.pass_) == (r.case, r.pass_)
         ]
         if ratios:

@@ -50,7 +50,8 @@ LIBRARIES = {
             "AxkernMoeCombineBwd",
             "AxkernMoeLayout",
         ),
-    )
+    ),
+    "short_conv": Library("short_conv", ("AxkernShortConvFwd", "AxkernShortConvBwd")),
 }
 
 

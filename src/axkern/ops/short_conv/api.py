@@ -20,8 +20,8 @@ from axkern.core.named import StepResult, WithFinalState
 from axkern.core.op import Implementation, Op, step_op
 from axkern.core.typing import Array, Float, Int, checked
 
-from . import pallas_gpu, pallas_tpu, reference, xla
-from .blocks import ConvBlockSizes, bucket, heuristic
+from . import cuda, pallas_gpu, pallas_tpu, reference, xla
+from .blocks import ConvBlockSizes, bucket, cuda_heuristic, heuristic
 from .shifts import extended
 
 __all__ = [
@@ -41,6 +41,15 @@ STATE_AXIS = "conv_state"
 OP = Op(
     NAME,
     [
+        Implementation(
+            "cuda",
+            cuda.conv,
+            platforms=("gpu",),
+            supports=cuda.supports,
+            block_sizes=ConvBlockSizes,
+            heuristic=cuda_heuristic,
+            backward="custom_vjp: one CUDA pass (dx, partial dw/dbias per tile), state grad in JAX",
+        ),
         Implementation(
             "pallas_gpu",
             pallas_gpu.conv,
@@ -62,9 +71,9 @@ OP = Op(
         Implementation("xla", xla.conv, backward="custom_vjp: shifted sums (fused by XLA)"),
         Implementation("reference", reference.conv, backward="autodiff through the shifted sum"),
     ],
-    # GPU: pallas_gpu measured faster than xla on the H200 in every benchmarked case, forward and
-    # forward+backward, with and without SiLU (pallas_gpu.py has the figures)
-    default_order={"cpu": ("xla",), "gpu": ("pallas_gpu", "xla"), "tpu": ("pallas_tpu", "xla")},
+    # GPU: cuda, then pallas_gpu where the CUDA library cannot be built or the channels are not
+    # a multiple of its vector (docs/ops/short_conv.md has the measurements)
+    default_order={"cpu": ("xla",), "gpu": ("cuda", "pallas_gpu", "xla"), "tpu": ("pallas_tpu", "xla")},
     package=__package__,
     bucket=bucket,
 )
@@ -72,7 +81,7 @@ OP = Op(
 
 STEP_OP = step_op("short_conv_step", xla.step, reference.step, package=__package__)
 
-ConvImplementation = Literal["pallas_gpu", "pallas_tpu", "xla", "reference"]
+ConvImplementation = Literal["cuda", "pallas_gpu", "pallas_tpu", "xla", "reference"]
 StepImplementation = Literal["xla", "reference"]
 
 

@@ -3,10 +3,16 @@
 Forward: read `x`, write `y` (`2·B·S·C` elements). Backward: read `x` and `dy`, write `dx`
 (`3·B·S·C`); weights, bias and states are negligible. The fwd+bwd pass returns `y` and pulls
 a fixed random `dy` back (a loss like `sum(y)` would hand XLA a constant cotangent to fold).
-The mamba preset runs SiLU (as Mamba does) and, for the main shape, no activation too.
+The mamba preset runs SiLU (as Mamba does) and, for the main shapes, no activation too.
+
+Peer (`--peers`, timed in this process): Levanter's Triton kernel
+(`levanter.kernels.triton.short_conv`, width 4 only, no bias, activation or state), followed
+by the bias and SiLU in XLA where the case has them, as a Levanter model applies them.
 """
 
 from __future__ import annotations
+
+import importlib.util
 
 import jax
 import jax.numpy as jnp
@@ -24,7 +30,9 @@ PRESETS = {
         (8, 4096, 4096, 2, False, "silu"),
         (8, 4096, 4096, 8, False, "silu"),
         (1, 32768, 4096, 4, False, "silu"),
+        (1, 32768, 4096, 4, False, None),
         (8, 4096, 4096, 4, True, "silu"),
+        (8, 4096, 4096, 4, True, None),
     ],
 }
 
@@ -51,6 +59,7 @@ def case(
 
     elems = float(batch) * seq * channels
     return Case(
+        peers={"levanter": _levanter_peer(width, channels, dt, activation)},
         op="short_conv",
         label=label
         or f"B={batch} S={seq} C={channels} W={width}{' segments' if segments else ''} {activation or 'no act'} {dt.name}",
@@ -66,6 +75,22 @@ def case(
         bytes_backward=3 * elems * dt.itemsize,
         bound="memory",
     )
+
+
+def _levanter_peer(width, channels, dtype, activation):
+    """Levanter's Triton short conv (plus bias and SiLU in XLA), or why it cannot run the case."""
+    if importlib.util.find_spec("levanter") is None:
+        return "levanter is not installed"
+    if width != 4 or channels % 64 or dtype.name not in ("bfloat16", "float32"):
+        return "Levanter's Triton kernel takes width 4, channels a multiple of 64, bf16 or float32"
+
+    def forward(x, w, b, seg):
+        from levanter.kernels.triton.short_conv import short_conv as levanter_conv
+
+        y = levanter_conv(w, x, seg, implementation="triton_gpu") + b
+        return y * jax.nn.sigmoid(y) if activation == "silu" else y
+
+    return forward
 
 
 def cases(*, preset=None, tokens=None, dtype=None):

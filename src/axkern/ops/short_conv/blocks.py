@@ -7,7 +7,7 @@ import dataclasses
 from axkern.core.blocks import BlockSizes, next_power_of_2
 from axkern.core.op import Spec
 
-__all__ = ["ConvBlockSizes", "bucket", "heuristic"]
+__all__ = ["ConvBlockSizes", "bucket", "cuda_heuristic", "heuristic"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -20,10 +20,13 @@ class ConvBlockSizes(BlockSizes):
     block_seq: int = 64
     block_channels: int = 256
     num_warps: int | None = None  # Triton warps per program (pallas_gpu); None: from the tile size
+    block_seq_backward: int | None = None  # positions per backward tile (cuda); None: block_seq
 
     def check(self, spec):
-        for name in ("block_seq", "block_channels"):
+        for name in ("block_seq", "block_channels", "block_seq_backward"):
             v = getattr(self, name)
+            if v is None:
+                continue
             if v & (v - 1):
                 return f"{name}={v} is not a power of two (Pallas tiles need power-of-two sizes)"
         if spec is not None and self.block_seq < spec.dim("width") - 1:
@@ -52,3 +55,14 @@ def heuristic(spec: Spec) -> ConvBlockSizes:
     block_seq = max(next_power_of_2(max(width - 1, 1)), min(8, next_power_of_2(seq)))
     block_channels = min(256, next_power_of_2(channels))
     return ConvBlockSizes(block_seq=block_seq, block_channels=block_channels, num_warps=1)
+
+
+def cuda_heuristic(spec: Spec) -> ConvBlockSizes:
+    """CUDA tiles: a thread walks `block_seq` positions forward and `block_seq_backward`
+    backward; longer backward tiles make fewer float32 partial sums of dw and dbias."""
+    seq = spec.dim("seq")
+    return ConvBlockSizes(
+        block_seq=max(8, min(128, next_power_of_2(seq))),
+        block_channels=1024,
+        block_seq_backward=max(8, min(256, next_power_of_2(seq))),
+    )
