@@ -11,8 +11,8 @@
 //                     weight's and bias's gradients, f32 [B * tiles, W, C] and [B * tiles, C]
 //                     (summed by the caller). The state's gradient is formed by the caller.
 //
-// Layout and grid: one thread owns N consecutive channels (a vector of 4 to 16 bytes, see
-// fwd_vector / bwd_vector) of `rows` consecutive positions, walking down the sequence in steps
+// Layout and grid: one thread owns N consecutive channels (a vector of 4 or 8 bytes, see
+// vector_width) of `rows` consecutive positions, walking down the sequence in steps
 // of kStep rows. Grid (channel blocks, tiles, B). The W - 1 inputs before a step stay in
 // registers, so each input element is read from memory once, plus the W - 1 halo rows above
 // its tile (a fraction (W-1)/rows).
@@ -31,6 +31,7 @@
 
 #include <cstdint>
 #include <string>
+#include <type_traits>
 
 #include "launch.cuh"
 #include "xla/ffi/api/ffi.h"
@@ -321,7 +322,7 @@ __global__ void __launch_bounds__(kThreads) conv_bwd(const T* __restrict__ x, co
   store<N>(db_part + part * C + c, db);
 }
 
-// Launches `kernel_for<T, N, W>` for the runtime width; N is the vector width for (T, W).
+// Calls `launch` with the runtime width as a compile-time constant.
 template <typename Launch>
 ffi::Error by_width(int64_t width, const char* name, Launch&& launch) {
   switch (width) {
@@ -366,12 +367,13 @@ ffi::Error check_shapes(const char* name, ffi::AnyBuffer x, ffi::Buffer<ffi::F32
   return ffi::Error::Success();
 }
 
-// Channels per thread: 8-byte vectors forward, 8-byte vectors backward (4 bytes for W > 4),
-// so that a step's rows fit in registers with enough threads per SM to keep loads in flight.
+// Channels per thread: a vector of 8 bytes for W <= 4 and 4 bytes above (float32: 8), so that
+// a step's rows fit in registers with enough threads per SM to keep loads in flight (measured
+// on the H200: docs/ops/short_conv.md).
 template <typename T, int W>
-__host__ __device__ constexpr int fwd_vector() { return 8 / sizeof(T); }
-template <typename T, int W>
-__host__ __device__ constexpr int bwd_vector() { return (W <= 4 ? 8 : 4) / sizeof(T); }
+__host__ __device__ constexpr int vector_width() {
+  return sizeof(T) == 4 ? 2 : (W <= 4 ? 8 : 4) / static_cast<int>(sizeof(T));
+}
 
 template <typename Launch>
 ffi::Error by_dtype(ffi::DataType dtype, const char* name, Launch&& launch) {
@@ -396,7 +398,7 @@ ffi::Error FwdImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> 
     if (s.batch == 0 || s.seq == 0 || s.channels == 0) return ffi::Error::Success();
     return by_width(s.width, name, [&](auto wc) {
       constexpr int W = decltype(wc)::value;
-      constexpr int N = fwd_vector<T, W>();
+      constexpr int N = vector_width<T, W>();
       const Problem p{s.seq, s.channels, rows, silu != 0, segments != 0, sizeof(T) == 2};
       const int64_t threads_needed = s.channels / N;
       const dim3 grid((threads_needed + kThreads - 1) / kThreads, (s.seq + rows - 1) / rows, s.batch);
@@ -427,7 +429,7 @@ ffi::Error BwdImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> 
     if (s.batch == 0 || s.seq == 0 || s.channels == 0) return ffi::Error::Success();
     return by_width(s.width, name, [&](auto wc) {
       constexpr int W = decltype(wc)::value;
-      constexpr int N = bwd_vector<T, W>();
+      constexpr int N = vector_width<T, W>();
       const Problem p{s.seq, s.channels, rows, silu != 0, segments != 0, sizeof(T) == 2};
       const int64_t threads_needed = s.channels / N;
       const dim3 grid((threads_needed + kThreads - 1) / kThreads, tiles, s.batch);

@@ -1,9 +1,10 @@
 """Short causal convolution in CUDA (`native/short_conv/conv.cu`) through XLA FFI.
 
-**Forward** (`AxkernShortConvFwd`): one thread owns a 16-byte vector of channels (8 bf16 or
-4 float32) over `block_seq` consecutive positions and walks down the sequence with the last
-`W` inputs in a register ring: each input element is read from memory once, plus `W-1` halo
-rows per tile. Grid `(channel blocks of 128 threads, tiles, batch)`.
+**Forward** (`AxkernShortConvFwd`): one thread owns a vector of channels (8 bytes for `W <= 4`,
+4 above; float32 8) over `block_seq` consecutive positions and walks down the sequence in steps
+of 8 rows, loading a step's rows together and carrying the `W-1` inputs before it in
+registers: each input element is read from memory once, plus `W-1` halo rows per tile. Grid
+`(channel blocks of 128 threads, tiles, batch)`.
 
 **Backward** (`AxkernShortConvBwd`): one pass over `x` and `dy`. Each thread recomputes the
 pre-activation from its input ring, forms `g = dy · act'(pre)` in registers, keeps the last
@@ -56,7 +57,7 @@ def supports(spec) -> str | None:
         return f"the CUDA kernels take bfloat16 or float32 inputs, not {spec.dtype}"
     channels, n = spec.dim("channels"), vector(spec.dtype)
     if channels % n:
-        return f"channels ({channels}) must be a multiple of {n} (one 16-byte vector per thread)"
+        return f"channels ({channels}) must be a multiple of {n} (the CUDA kernels take channels in 16-byte groups)"
     if spec.dim("batch") > MAX_TILES:
         return f"batch ({spec.dim('batch')}) above the CUDA grid limit {MAX_TILES}"
     try:
