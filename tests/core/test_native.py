@@ -49,7 +49,9 @@ def installed_wheel(tmp_path_factory):
     _run([sys.executable, "-m", "venv", "--without-pip", str(venv)])
     python = venv / "bin" / "python"
     _run([*pip, "--python", str(python), "install", "--no-deps", "--no-index", "-q", str(wheel)])
-    site = _run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"]).stdout.strip()
+    site = _run(
+        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"]
+    ).stdout.strip()
     Path(site, "axkern_test_deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["JAX_PLATFORMS"] = "cpu"
@@ -72,7 +74,9 @@ def test_the_wheel_ships_the_sources_and_the_loader_finds_them(installed_wheel):
         if p.suffix in (".cu", ".cuh")
     }
     assert shipped == expected
-    probe = "import axkern; from axkern.core import native; print(axkern.__file__); print(native.source_dir())"
+    probe = (
+        "import axkern; from axkern.core import native; print(axkern.__file__); print(native.source_dir())"
+    )
     package, sources = _run([str(venv / "bin" / "python"), "-c", probe], env=env).stdout.split()
     assert Path(package).is_relative_to(site)  # the installed copy, not the checkout
     assert Path(sources) == site / "axkern" / "_native"

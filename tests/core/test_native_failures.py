@@ -126,7 +126,7 @@ def test_a_truncated_library_does_not_crash_the_process(moe_library, tmp_path):
     script = fake_nvcc(tmp_path, f'cp "{moe_library}" "$out"')
     cache = tmp_path / "cache"
     code = textwrap.dedent(
-        f"""
+        """
         from pathlib import Path
         from axkern.core import native
         path = native.build("moe", (9, 0))
@@ -143,7 +143,9 @@ def test_a_truncated_library_does_not_crash_the_process(moe_library, tmp_path):
 
 def test_a_failed_build_is_a_reason(tmp_path, monkeypatch):
     monkeypatch.setenv("AXKERN_NVCC", str(fake_nvcc(tmp_path, 'echo "moe.cu(1): error: boom" >&2; exit 2')))
-    with pytest.raises(Unsupported, match=r"nvcc failed building moe \(exit status 2\): moe.cu\(1\): error: boom"):
+    with pytest.raises(
+        Unsupported, match=r"nvcc failed building moe \(exit status 2\): moe.cu\(1\): error: boom"
+    ):
         native.build("moe", (9, 0))
     assert no_temporaries(tmp_path / "cache")
     monkeypatch.setenv("AXKERN_NVCC", str(fake_nvcc(tmp_path, "exit 0")))
@@ -172,7 +174,9 @@ def test_nvcc_that_hangs_is_stopped(where, tmp_path, monkeypatch):
     monkeypatch.setenv("AXKERN_NVCC", str(script))
     monkeypatch.setenv("AXKERN_NVCC_TIMEOUT", "0.5")
     start = time.monotonic()
-    with pytest.raises(Unsupported, match=r"did not finish within 0.5 s and was stopped \(AXKERN_NVCC_TIMEOUT"):
+    with pytest.raises(
+        Unsupported, match=r"did not finish within 0.5 s and was stopped \(AXKERN_NVCC_TIMEOUT"
+    ):
         native.build("moe", (9, 0))
     assert time.monotonic() - start < 30
     assert no_temporaries(tmp_path / "cache")
@@ -196,7 +200,9 @@ def test_a_cache_path_that_is_a_file_is_a_reason(tmp_path, monkeypatch):
     assert calls(tmp_path) == 0
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root writes through a read-only mode (the EROFS test covers it)")
+@pytest.mark.skipif(
+    os.geteuid() == 0, reason="root writes through a read-only mode (the EROFS test covers it)"
+)
 def test_a_read_only_cache_is_a_reason(tmp_path, monkeypatch):
     monkeypatch.setenv("AXKERN_NVCC", str(fake_nvcc(tmp_path, WRITES_A_FILE)))
     cache = tmp_path / "cache"
@@ -227,7 +233,9 @@ def test_a_cache_without_file_locks_is_a_reason(tmp_path, monkeypatch, as_if_on_
 
     monkeypatch.setenv("AXKERN_NVCC", str(fake_nvcc(tmp_path, WRITES_A_FILE)))
     monkeypatch.setattr(fcntl, "flock", no_locks)
-    with pytest.raises(Unsupported, match=r"No locks available.*writable directory on a filesystem with file locks"):
+    with pytest.raises(
+        Unsupported, match=r"No locks available.*writable directory on a filesystem with file locks"
+    ):
         native.load("moe")
     with pytest.raises(Unsupported, match="not retried"):
         native.load("moe")
@@ -240,7 +248,9 @@ def test_a_library_that_does_not_load_is_a_reason(tmp_path, monkeypatch, as_if_o
         native.load("moe")
 
 
-def test_a_failure_is_remembered_and_the_op_falls_back_with_one_warning(tmp_path, monkeypatch, as_if_on_a_gpu):
+def test_a_failure_is_remembered_and_the_op_falls_back_with_one_warning(
+    tmp_path, monkeypatch, as_if_on_a_gpu
+):
     monkeypatch.setenv("AXKERN_NVCC", str(fake_nvcc(tmp_path, 'echo "error: boom" >&2; exit 1')))
     topk = jnp.array([[0, 1], [2, 0], [1, 3]], jnp.int32)
     with warnings.catch_warnings(record=True) as caught:

@@ -237,7 +237,9 @@ def build(lib: str | Library, cc: tuple[int, int] | None = None, *, nvcc_path: s
             if not _intact(target):  # absent, corrupt, or built by another process while we waited
                 _compile(lib, flags, nvcc_path, timeout, root, key)
     except filelock.Timeout as e:
-        raise Unsupported(f"another process held the build lock {lock} for over {2 * timeout + 60:g} s") from e
+        raise Unsupported(
+            f"another process held the build lock {lock} for over {2 * timeout + 60:g} s"
+        ) from e
     except OSError as e:
         raise Unsupported(
             f"the native build cache {root} cannot be used ({type(e).__name__}: {e}); it must be a "
@@ -276,7 +278,12 @@ def _compile(lib: Library, flags: list[str], nvcc_path: str, timeout: float, roo
         so.with_suffix(".sha256").write_text(_digest(so) + "\n")
         (tmp / "build.log").write_text(" ".join(cmd) + "\n" + out + err)
         # readable by the owner's group and others, as a shared cache needs (mkdtemp makes 0700)
-        for path, mode in ((so, 0o755), (so.with_suffix(".sha256"), 0o644), (tmp / "build.log", 0o644), (tmp, 0o755)):
+        for path, mode in (
+            (so, 0o755),
+            (so.with_suffix(".sha256"), 0o644),
+            (tmp / "build.log", 0o644),
+            (tmp, 0o755),
+        ):
             path.chmod(mode)
         folder = root / key
         if folder.exists():  # a corrupt entry: replaced whole, never rewritten in place (a mapped
