@@ -288,3 +288,42 @@ def test_a_killed_build_leaves_nothing_that_outlives_the_next_build(tmp_path, mo
     assert (stale / "libmoe.so").read_bytes() == b"partial"
     path = native.build("moe", (9, 0))
     assert native._intact(path) and no_temporaries(cache)
+
+
+def test_processes_sharing_a_cache_build_once(tmp_path, monkeypatch):
+    # as hosts on one shared filesystem: processes released together into the same build wait on
+    # the lock, and all but the first find the finished entry
+    script = fake_nvcc(tmp_path, "sleep 1\n" + WRITES_A_FILE)
+    cache, go = tmp_path / "cache", tmp_path / "go"
+    code = textwrap.dedent(
+        f"""
+        import os, pathlib, sys, time
+        from axkern.core import native
+        pathlib.Path({str(tmp_path)!r}, "ready" + sys.argv[1]).touch()
+        while not os.path.exists({str(go)!r}):
+            time.sleep(0.01)
+        print(native.build("moe", (9, 0)))
+        """
+    )
+    env = {**os.environ, "AXKERN_CACHE_DIR": str(cache), "AXKERN_NVCC": str(script), "JAX_PLATFORMS": "cpu"}
+    procs = []
+    try:
+        for i in range(2):
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-c", code, str(i)], env=env, stdout=subprocess.PIPE, text=True
+                )
+            )
+        deadline = time.monotonic() + 120
+        while len(list(tmp_path.glob("ready*"))) < len(procs) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        go.touch()
+        outs = [p.communicate(timeout=300)[0].strip() for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+    assert [p.returncode for p in procs] == [0] * len(procs)
+    assert len(set(outs)) == 1 and calls(tmp_path) == 1
+    assert native._intact(Path(outs[0])) and no_temporaries(cache)
