@@ -425,7 +425,7 @@ def build_native(args) -> int:
         except native.Unsupported as e:
             print(f"{name}: {e}", file=sys.stderr)
             return 1
-        console.print(f"{name}: {path}", markup=False, highlight=False)
+        console.print(f"{name}: {path}", markup=False, highlight=False, soft_wrap=True)  # a path copied whole
     return 0
 
 

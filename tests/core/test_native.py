@@ -1,186 +1,121 @@
-"""The native path without a GPU: every .cu compiles, the cache and lock work, failures are reasons.
+"""The native path with the real nvcc and without a GPU: the sources compile, the wheel ships them.
 
-Needs nvcc (CI has CUDA 13's); without it the compile tests are skipped with that reason and
-only the no-nvcc failure path runs.
+The library is compiled once per test run, into a cache shared by the xdist workers (the
+`moe_library` fixture); the wheel's venv builds into the same cache, so whichever comes first
+compiles and the other finds the build. Without nvcc the compile tests skip with that reason.
+The loader's failure paths are in test_native_failures.py, with stand-in compilers.
 """
 
 from __future__ import annotations
 
-import errno
 import os
+import shutil
 import subprocess
 import sys
-import textwrap
-import time
+import sysconfig
+import zipfile
 from pathlib import Path
 
 import pytest
 
 from axkern import cli
 from axkern.core import native
-from axkern.core.op import Unsupported
 
-NVCC = native.nvcc()
-needs_nvcc = pytest.mark.skipif(NVCC is None, reason="nvcc is not installed on this machine")
-CU_FILES = sorted(native.source_dir().rglob("*.cu"))
+ROOT = Path(__file__).resolve().parents[2]
+needs_nvcc = pytest.mark.skipif(native.nvcc() is None, reason="nvcc is not installed on this machine")
 
 
-def test_there_are_sources():
-    assert CU_FILES and all(p.is_file() for p in CU_FILES)
+def _run(cmd, **kwargs) -> subprocess.CompletedProcess:
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, **kwargs)
+    assert proc.returncode == 0, f"{' '.join(map(str, cmd))}\n{proc.stdout}\n{proc.stderr}"
+    return proc
 
 
-@needs_nvcc
-@pytest.mark.parametrize("path", CU_FILES, ids=[p.name for p in CU_FILES])
-def test_every_cu_compiles_for_hopper(path, tmp_path):
-    cmd = [
-        NVCC,
-        "-std=c++17",
-        "-c",
-        *native.arch_flags((9, 0)),
-        "-isystem",
-        native._jax_include(),
-        "-I",
-        str(native.source_dir() / "common"),
-        str(path),
-        "-o",
-        str(tmp_path / "out.o"),
-    ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr
+@pytest.fixture(scope="module")
+def installed_wheel(tmp_path_factory):
+    """axkern built as a wheel from a copy of the checkout, installed without dependencies into a
+    fresh venv whose .pth file points at this interpreter's site-packages for the dependencies."""
+    work = tmp_path_factory.mktemp("wheel")
+    tree = work / "tree"
+    tree.mkdir()
+    for name in ("pyproject.toml", "setup.py", "README.md"):
+        shutil.copy(ROOT / name, tree / name)
+    for name in ("src", "native"):
+        shutil.copytree(ROOT / name, tree / name, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+    pip = [sys.executable, "-m", "pip"]
+    _run([*pip, "wheel", str(tree), "--no-deps", "--no-build-isolation", "-q", "-w", str(work / "dist")])
+    (wheel,) = (work / "dist").glob("axkern-*.whl")
+    venv = work / "venv"
+    _run([sys.executable, "-m", "venv", "--without-pip", str(venv)])
+    python = venv / "bin" / "python"
+    _run([*pip, "--python", str(python), "install", "--no-deps", "--no-index", "-q", str(wheel)])
+    site = _run(
+        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"]
+    ).stdout.strip()
+    Path(site, "axkern_test_deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["JAX_PLATFORMS"] = "cpu"
+    return wheel, venv, Path(site), env
 
 
-def _builds(cache: Path) -> int:
-    return sum(len(p.read_text().splitlines()) for p in cache.rglob("build.log"))
+def test_every_source_belongs_to_a_library():
+    assert native.source_dir() == ROOT / "native"  # a checkout: the top-level folder
+    found = {p for p in native.source_dir().rglob("*") if p.suffix in (".cu", ".cuh")}
+    used = {p for lib in native.LIBRARIES.values() for p in native.sources(lib)}
+    assert found and found == used  # so building every library compiles every .cu
 
 
-@needs_nvcc
-def test_build_caches_and_rebuilds_a_corrupt_entry(tmp_path, monkeypatch):
-    monkeypatch.setenv("AXKERN_CACHE_DIR", str(tmp_path))
-    lib = native.LIBRARIES["moe"]
-    path = native.build(lib, (9, 0))
-    assert path.is_file() and path.parent.parent == tmp_path and native._intact(path)
-    # dlopen works without a GPU (in a child: this process must not map a file it then corrupts)
-    probe = f"from axkern.core import native; native._open(__import__('pathlib').Path({str(path)!r}), native.LIBRARIES['moe'])"
-    assert subprocess.run([sys.executable, "-c", probe], capture_output=True).returncode == 0
-    assert native.build(lib, (9, 0)) == path and _builds(tmp_path) == 1  # cached: not rebuilt
-    garbage = path.with_name("garbage")
-    garbage.write_bytes(b"not a shared library")
-    garbage.replace(path)  # a crashed writer's leftovers
-    assert native.build(lib, (9, 0)) == path and _builds(tmp_path) == 2  # corrupt: rebuilt
-    assert native._intact(path)
-    assert native.build(lib, (8, 0)) != path  # another arch, another entry
-
-
-@needs_nvcc
-def test_processes_sharing_a_cache_build_once_and_all_load_it(tmp_path):
-    # as hosts on one shared filesystem: processes released together into the build of the same
-    # library in the same cache build it once, and every one of them loads that build
-    cache, go = tmp_path / "cache", tmp_path / "go"
-    code = textwrap.dedent(
-        f"""
-        import os, pathlib, sys, time
-        from axkern.core import native
-        pathlib.Path({str(tmp_path)!r}, "ready" + sys.argv[1]).touch()
-        while not os.path.exists({str(go)!r}):
-            time.sleep(0.01)
-        lib = native.LIBRARIES["moe"]
-        path = native.build(lib, (9, 0))
-        native._open(path, lib)  # dlopen works without a GPU
-        print(path, native._digest(path))
-        """
+def test_the_wheel_ships_the_sources_and_the_loader_finds_them(installed_wheel):
+    wheel, venv, site, env = installed_wheel
+    shipped = {n for n in zipfile.ZipFile(wheel).namelist() if n.startswith("axkern/_native/")}
+    expected = {
+        "axkern/_native/" + p.relative_to(ROOT / "native").as_posix()
+        for p in (ROOT / "native").rglob("*")
+        if p.suffix in (".cu", ".cuh")
+    }
+    assert shipped == expected
+    probe = (
+        "import axkern; from axkern.core import native; print(axkern.__file__); print(native.source_dir())"
     )
-    env = {**os.environ, "AXKERN_CACHE_DIR": str(cache)}
-    n = 4
-    procs = []
-    try:
-        for i in range(n):
-            procs.append(
-                subprocess.Popen(
-                    [sys.executable, "-c", code, str(i)], env=env, stdout=subprocess.PIPE, text=True
-                )
-            )
-        deadline = time.monotonic() + 120
-        while len(list(tmp_path.glob("ready*"))) < n and time.monotonic() < deadline:
-            time.sleep(0.05)
-        go.touch()
-        outs = [p.communicate(timeout=900)[0].strip() for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-            p.wait()
-    assert [p.returncode for p in procs] == [0] * n
-    assert len(set(outs)) == 1 and _builds(cache) == 1
-    folder = Path(outs[0].split()[0]).parent
-    assert sorted(p.name for p in folder.iterdir()) == [
-        "build.log",
-        "libmoe.sha256",
-        "libmoe.so",
-    ]  # no temporaries
-
-
-def test_failures_are_unsupported_reasons(tmp_path, monkeypatch):
-    monkeypatch.setenv("AXKERN_CACHE_DIR", str(tmp_path))
-    with pytest.raises(Unsupported, match="no CUDA GPU visible"):
-        native.load("moe")  # this machine has no GPU
-    with pytest.raises(Unsupported, match="older than 7.0"):
-        native.arch_flags((6, 1))
-    monkeypatch.setattr(native, "nvcc", lambda: None)
-    with pytest.raises(Unsupported, match="nvcc not found"):
-        native.build(native.LIBRARIES["moe"], (9, 0))
-    assert native.status()["moe"].startswith("unavailable:")
+    package, sources = _run([str(venv / "bin" / "python"), "-c", probe], env=env).stdout.split()
+    assert Path(package).is_relative_to(site)  # the installed copy, not the checkout
+    assert Path(sources) == site / "axkern" / "_native"
 
 
 @needs_nvcc
-def test_a_failed_build_is_a_reason(tmp_path, monkeypatch):
-    monkeypatch.setenv("AXKERN_CACHE_DIR", str(tmp_path / "cache"))
-    (tmp_path / "broken").mkdir()
-    (tmp_path / "common").mkdir()
-    (tmp_path / "broken" / "broken.cu").write_text("this is not C++;\n")
-    monkeypatch.setattr(native, "source_dir", lambda: tmp_path)
-    with pytest.raises(Unsupported, match="nvcc failed building broken"):
-        native.build(native.Library("broken", ("Nothing",)), (9, 0))
+def test_the_installed_wheel_compiles_a_native_op(installed_wheel, native_cache):
+    _, venv, _, env = installed_wheel
+    env = {**env, "AXKERN_CACHE_DIR": str(native_cache)}
+    out = _run([str(venv / "bin" / "axkern"), "build-native", "--arch", "9.0"], env=env).stdout
+    built = Path(out.split("moe:", 1)[1].split()[0])
+    # the same cache entry as the checkout's: the key hashes every source's name and bytes
+    lib, flags = native.LIBRARIES["moe"], native.arch_flags((9, 0))
+    key = native._key(lib, flags, native._nvcc_version(native.nvcc(), native.build_timeout()))
+    assert built == native_cache / key / "libmoe.so" and native._intact(built)
 
 
 @needs_nvcc
-def test_cli_build_native(tmp_path, monkeypatch, capsys):
-    monkeypatch.setenv("AXKERN_CACHE_DIR", str(tmp_path))
+def test_the_library_builds_once_and_dlopens_without_a_gpu(moe_library, native_cache, monkeypatch):
+    folder = moe_library.parent
+    assert folder.parent == native_cache and native._intact(moe_library)
+    assert sorted(p.name for p in folder.iterdir()) == ["build.log", "libmoe.sha256", "libmoe.so"]
+    assert not list(native_cache.glob(".tmp-*"))  # no temporaries left
+    for path in (folder, *folder.iterdir()):
+        assert path.stat().st_mode & 0o044 == 0o044, f"{path} is not readable by group and others"
+
+    def no_compile(*args):
+        raise AssertionError("an intact cache entry was compiled again")
+
+    monkeypatch.setenv("AXKERN_CACHE_DIR", str(native_cache))
+    monkeypatch.setattr(native, "_compile", no_compile)
+    assert native.build("moe", (9, 0)) == moe_library
+    ffi, handle = native._open(moe_library, native.LIBRARIES["moe"])
+    assert all(int(ffi.cast("uintptr_t", getattr(handle, h))) for h in native.LIBRARIES["moe"].handlers)
+
+
+@needs_nvcc
+def test_cli_build_native(moe_library, native_cache, monkeypatch, capsys):
+    monkeypatch.setenv("AXKERN_CACHE_DIR", str(native_cache))
     assert cli.main(["build-native", "--arch", "9.0"]) == 0
-    assert str(tmp_path) in capsys.readouterr().out
+    assert str(moe_library) in capsys.readouterr().out
     assert cli.main(["build-native"]) == 2  # no GPU and no --arch
-
-
-def test_a_failed_load_is_not_retried(monkeypatch):
-    # as if on a GPU: the first failure runs the build, later calls fall back at once
-    calls = []
-
-    def failing(name, cc):
-        calls.append(name)
-        raise Unsupported("nvcc failed building moe: boom")
-
-    monkeypatch.setattr(native.backend, "platform", lambda: "gpu")
-    monkeypatch.setattr(native.backend, "compute_capability", lambda: (9, 0))
-    monkeypatch.setattr(native, "_registered", failing)
-    monkeypatch.setattr(native, "_failed", {})
-    with pytest.raises(Unsupported, match="boom"):
-        native.load("moe")
-    with pytest.raises(Unsupported, match="not retried"):
-        native.load("moe")
-    assert calls == ["moe"]
-
-
-@needs_nvcc
-def test_a_cache_without_file_locks_is_a_reason(tmp_path, monkeypatch):
-    # a shared filesystem mounted without lock support: flock fails with ENOLCK
-    def no_locks(fd, op):
-        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
-
-    monkeypatch.setenv("AXKERN_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(native.backend, "platform", lambda: "gpu")
-    monkeypatch.setattr(native.backend, "compute_capability", lambda: (9, 0))
-    monkeypatch.setattr(native, "_failed", {})
-    monkeypatch.setattr(native.fcntl, "flock", no_locks)
-    with pytest.raises(Unsupported, match=r"No locks available.*must be writable and support file locks"):
-        native.load("moe")
-    with pytest.raises(Unsupported, match="not retried"):
-        native.load("moe")

@@ -40,11 +40,13 @@ _settings: contextvars.ContextVar[Settings] = contextvars.ContextVar("axkern_set
 _jit_key = compat.jit_context(None)  # the settings of use(...), as part of jax.jit's cache key
 
 
-# read here, by the native loader (AXKERN_CACHE_DIR) and by the test suite (AXKERN_TEST_*)
+# read here, by the native loader (AXKERN_CACHE_DIR, AXKERN_NVCC*) and by the test suite (AXKERN_TEST_*)
 _KNOWN_VARIABLES = (
     "AXKERN_STRICT",
     "AXKERN_INTERPRET",
     "AXKERN_CACHE_DIR",
+    "AXKERN_NVCC",
+    "AXKERN_NVCC_TIMEOUT",
     "AXKERN_TEST_GPU",
     "AXKERN_TEST_PROCESSES",
 )

@@ -1,14 +1,22 @@
 """Native CUDA kernels: build with nvcc on first use, cache, load with cffi, register with XLA FFI.
 
-Sources live in `axkern/native/<name>/` (shared headers in `axkern/native/common/`). A
-library is compiled for the visible GPU's architecture (`-gencode=arch=compute_90a,code=sm_90a`
-on Hopper) into `~/.cache/axkern/native/<sha256 of sources, flags, nvcc, jaxlib>/` (override
-with `AXKERN_CACHE_DIR`), under a file lock so parallel processes build once, and moved into
-place atomically. It is loaded with `cffi.FFI().dlopen`; each handler's address is wrapped in
+Sources live in the top-level `native/<name>/` folder of the repository (shared headers in
+`native/common/`); the wheel ships them as `axkern/_native/`. A library is compiled for the
+visible GPU's architecture (`-gencode=arch=compute_90a,code=sm_90a` on Hopper) into
+`<cache>/<sha256 of sources, flags, nvcc, jaxlib>/`, where `<cache>` is `AXKERN_CACHE_DIR` or
+the user cache directory (`~/.cache/axkern/native` on Linux). A build runs under a file lock
+(`filelock`), so processes sharing the cache build once, in a temporary folder that is moved
+into place when complete; a temporary folder left by a killed build is removed by the next
+build. Beside the `.so` lies its sha256: an entry whose bytes do not match is rebuilt, never
+loaded. The library is loaded with `cffi.FFI().dlopen`; each handler's address is wrapped in
 `jax.ffi.pycapsule` and registered with `jax.ffi.register_ffi_target(..., platform="CUDA")`.
 
-No nvcc, no GPU, an unknown arch, a failed build, a cache that cannot be written or locked:
-`Unsupported` with the reason, never a crash. A cache entry that does not load is deleted and rebuilt.
+Environment: `AXKERN_NVCC` (the compiler; else `$CUDA_HOME/bin/nvcc`, else `nvcc` on PATH),
+`AXKERN_NVCC_TIMEOUT` (seconds before a build is stopped, default 600), `AXKERN_CACHE_DIR`.
+
+No nvcc, no GPU, an unknown arch, a failed, hanging or unrunnable compiler, a cache that cannot
+be written or locked, a library that does not load: `Unsupported` with the reason, remembered
+for the process (`load` does not retry), never a crash.
 """
 
 from __future__ import annotations
@@ -16,25 +24,41 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import dataclasses
-import fcntl
 import functools
 import hashlib
-import importlib.resources
 import os
 import shutil
+import signal
 import subprocess
 import tempfile
 from pathlib import Path
 
+import filelock
+import platformdirs
+
 from . import backend
 from .op import Unsupported
 
-__all__ = ["Library", "LIBRARIES", "nvcc", "arch_flags", "cache_root", "build", "load", "status"]
+__all__ = [
+    "Library",
+    "LIBRARIES",
+    "Unsupported",
+    "nvcc",
+    "arch_flags",
+    "cache_root",
+    "build_timeout",
+    "source_dir",
+    "build",
+    "load",
+    "status",
+]
+
+DEFAULT_TIMEOUT = 600.0  # seconds; a full build of a library takes about a minute on two cores
 
 
 @dataclasses.dataclass(frozen=True)
 class Library:
-    """One shared library: its source folder under `axkern/native/` and the FFI handlers it exports."""
+    """One shared library: its source folder under `native/` and the FFI handlers it exports."""
 
     name: str
     handlers: tuple[str, ...]
@@ -56,7 +80,13 @@ LIBRARIES = {
 
 
 def source_dir() -> Path:
-    return Path(str(importlib.resources.files("axkern").joinpath("native")))
+    """The CUDA sources: `axkern/_native/` in an installed wheel, `native/` beside `src/` in a checkout."""
+    package = Path(__file__).resolve().parents[1]
+    candidates = (package / "_native", package.parents[1] / "native")
+    for folder in candidates:
+        if (folder / "common").is_dir():
+            return folder
+    raise Unsupported(f"the CUDA sources are missing: neither {candidates[0]} nor {candidates[1]} exists")
 
 
 def sources(lib: Library) -> list[Path]:
@@ -69,17 +99,61 @@ def sources(lib: Library) -> list[Path]:
 
 
 def nvcc() -> str | None:
-    """Path of nvcc (`$CUDA_HOME/bin`, then PATH), or None."""
+    """Path of nvcc: `AXKERN_NVCC`, then `$CUDA_HOME/bin/nvcc` (or `$CUDA_PATH`), then PATH; or None."""
+    explicit = os.environ.get("AXKERN_NVCC", "").strip()
+    if explicit:
+        return explicit  # not checked here: a path that cannot run is a reason naming it
     home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
     if home and (Path(home) / "bin" / "nvcc").is_file():
         return str(Path(home) / "bin" / "nvcc")
     return shutil.which("nvcc")
 
 
+def build_timeout() -> float:
+    """Seconds an nvcc run may take before it is stopped: `AXKERN_NVCC_TIMEOUT`, default 600."""
+    raw = os.environ.get("AXKERN_NVCC_TIMEOUT", "").strip()
+    if not raw:
+        return DEFAULT_TIMEOUT
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not value > 0:
+        raise ValueError(f"AXKERN_NVCC_TIMEOUT={raw!r}: expected a positive number of seconds")
+    return value
+
+
+def _run(cmd: list[str], timeout: float) -> tuple[int, str, str]:
+    """Run nvcc; a compiler that cannot start or does not finish in time is an `Unsupported`.
+    It runs in its own process group, so that a timeout stops its children (cicc, ptxas) too."""
+    try:
+        proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+        )
+    except OSError as e:
+        raise Unsupported(
+            f"nvcc at {cmd[0]} cannot be run ({type(e).__name__}: {e.strerror or e}); "
+            "set AXKERN_NVCC or CUDA_HOME to a working one"
+        ) from e
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except BaseException as e:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        if isinstance(e, subprocess.TimeoutExpired):
+            raise Unsupported(
+                f"nvcc at {cmd[0]} did not finish within {timeout:g} s and was stopped "
+                "(AXKERN_NVCC_TIMEOUT sets the limit)"
+            ) from None
+        raise
+    return proc.returncode, out, err
+
+
 @functools.cache
-def _nvcc_version(path: str) -> str:
-    out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=60)
-    return out.stdout.strip().splitlines()[-1] if out.returncode == 0 and out.stdout.strip() else "unknown"
+def _nvcc_version(path: str, timeout: float) -> str:
+    code, out, _ = _run([path, "--version"], timeout)
+    return out.strip().splitlines()[-1] if code == 0 and out.strip() else "unknown"
 
 
 def arch_flags(cc: tuple[int, int]) -> list[str]:
@@ -92,7 +166,8 @@ def arch_flags(cc: tuple[int, int]) -> list[str]:
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("AXKERN_CACHE_DIR") or Path.home() / ".cache" / "axkern" / "native")
+    """`AXKERN_CACHE_DIR`, else `native/` in the user cache directory (`~/.cache/axkern/native` on Linux)."""
+    return Path(os.environ.get("AXKERN_CACHE_DIR") or platformdirs.user_cache_path("axkern") / "native")
 
 
 def _jax_include() -> str:
@@ -101,7 +176,7 @@ def _jax_include() -> str:
     return jax.ffi.include_dir()
 
 
-def _key(lib: Library, flags: list[str], nvcc_path: str) -> str:
+def _key(lib: Library, flags: list[str], version: str) -> str:
     import jaxlib
 
     h = hashlib.sha256()
@@ -109,7 +184,7 @@ def _key(lib: Library, flags: list[str], nvcc_path: str) -> str:
         h.update(path.name.encode())
         h.update(path.read_bytes())
     h.update(" ".join(flags).encode())
-    h.update(_nvcc_version(nvcc_path).encode())
+    h.update(version.encode())
     h.update(jaxlib.__version__.encode())
     return h.hexdigest()[:32]
 
@@ -119,48 +194,66 @@ def _digest(path: Path) -> str:
 
 
 def _intact(path: Path) -> bool:
-    """A cache entry is intact when its bytes match the digest written beside it after the build
-    (not "dlopen works": a process that already loaded a path gets the old mapping back)."""
+    """A cache entry is intact when its bytes match the digest written beside it at build time.
+    (Not "dlopen works": a truncated library can kill the process inside dlopen.)"""
     sidecar = path.with_suffix(".sha256")
     return path.is_file() and sidecar.is_file() and sidecar.read_text().strip() == _digest(path)
 
 
-def _open(path: Path, lib: Library):
-    import cffi
-
-    ffi = cffi.FFI()
-    ffi.cdef("".join(f"void* {h}(void*);" for h in lib.handlers))
-    return ffi, ffi.dlopen(str(path))
-
-
-@contextlib.contextmanager
-def _lock(path: Path):
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+def _library(lib: str | Library) -> Library:
+    if isinstance(lib, Library):
+        return lib
+    if lib not in LIBRARIES:
+        raise ValueError(f"unknown native library {lib!r}; the libraries are {sorted(LIBRARIES)}")
+    return LIBRARIES[lib]
 
 
-def build(lib: Library, cc: tuple[int, int], *, nvcc_path: str | None = None) -> Path:
-    """The library's `.so` for `cc`, compiled now unless a loadable cached copy exists."""
+def build(lib: str | Library, cc: tuple[int, int] | None = None, *, nvcc_path: str | None = None) -> Path:
+    """Path of library `lib`'s `.so` for compute capability `cc`, compiled now unless an intact copy is cached.
+
+    Needs nvcc, not a GPU: `build("moe", (9, 0))` compiles for Hopper on any machine; without
+    `cc` the visible GPU's is used. Every failure is an `Unsupported` with the reason."""
+    lib = _library(lib)
+    if cc is None:
+        cc = backend.compute_capability()
+        if cc is None:
+            raise Unsupported("no CUDA GPU visible to build for; pass a compute capability such as (9, 0)")
     nvcc_path = nvcc_path or nvcc()
     if nvcc_path is None:
-        raise Unsupported("nvcc not found (set CUDA_HOME or put nvcc on PATH)")
+        raise Unsupported("nvcc not found (set AXKERN_NVCC or CUDA_HOME, or put nvcc on PATH)")
     flags = arch_flags(cc)
-    folder = cache_root() / _key(lib, flags, nvcc_path)
-    target = folder / f"lib{lib.name}.so"
-    if _intact(target):
-        return target
-    with _lock(folder.with_suffix(".lock")):
-        if _intact(target):  # another process built it while we waited
+    timeout = build_timeout()
+    root = cache_root()
+    key = _key(lib, flags, _nvcc_version(nvcc_path, timeout))
+    target = root / key / f"lib{lib.name}.so"
+    lock = root / f"{key}.lock"
+    try:
+        if _intact(target):
             return target
-        target.unlink(missing_ok=True)  # absent or corrupt: (re)build it
-        folder.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=folder)
-        os.close(fd)
+        root.mkdir(parents=True, exist_ok=True)
+        # a waiter gives up only after the holder's own build would have been stopped
+        with filelock.FileLock(lock, timeout=2 * timeout + 60):
+            for stale in root.glob(f".tmp-{key}-*"):  # left by a build that was killed
+                shutil.rmtree(stale, ignore_errors=True)
+            if not _intact(target):  # absent, corrupt, or built by another process while we waited
+                _compile(lib, flags, nvcc_path, timeout, root, key)
+    except filelock.Timeout as e:
+        raise Unsupported(
+            f"another process held the build lock {lock} for over {2 * timeout + 60:g} s"
+        ) from e
+    except OSError as e:
+        raise Unsupported(
+            f"the native build cache {root} cannot be used ({type(e).__name__}: {e}); it must be a "
+            "writable directory on a filesystem with file locks: set AXKERN_CACHE_DIR to one"
+        ) from e
+    return target
+
+
+def _compile(lib: Library, flags: list[str], nvcc_path: str, timeout: float, root: Path, key: str) -> None:
+    """Compile into a fresh temporary folder and move it into place as `root/key` (under the lock)."""
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{key}-", dir=root))
+    try:
+        so = tmp / f"lib{lib.name}.so"
         cmd = [
             nvcc_path,
             "-std=c++17",
@@ -175,19 +268,41 @@ def build(lib: Library, cc: tuple[int, int], *, nvcc_path: str | None = None) ->
             str(source_dir() / "common"),
             *[str(p) for p in sources(lib) if p.suffix == ".cu"],
             "-o",
-            tmp,
+            str(so),
         ]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-        if proc.returncode != 0:
-            Path(tmp).unlink(missing_ok=True)
-            first = "\n".join(proc.stderr.strip().splitlines()[:8])
-            raise Unsupported(f"nvcc failed building {lib.name}: {first}")
-        Path(tmp).with_suffix(".sha256").write_text(_digest(Path(tmp)))
-        os.replace(Path(tmp).with_suffix(".sha256"), target.with_suffix(".sha256"))
-        os.replace(tmp, target)  # atomic: readers see no half-written library
-        with open(folder / "build.log", "a") as log:
-            log.write(" ".join(cmd) + "\n")
-    return target
+        code, out, err = _run(cmd, timeout)
+        if code != 0:
+            first = "\n".join(err.strip().splitlines()[:8])
+            raise Unsupported(f"nvcc failed building {lib.name} (exit status {code}): {first}")
+        if not so.is_file():
+            raise Unsupported(f"nvcc exited 0 building {lib.name} but wrote no {so.name}")
+        so.with_suffix(".sha256").write_text(_digest(so) + "\n")
+        (tmp / "build.log").write_text(" ".join(cmd) + "\n" + out + err)
+        # readable by the owner's group and others, as a shared cache needs (mkdtemp makes 0700)
+        for path, mode in (
+            (so, 0o755),
+            (so.with_suffix(".sha256"), 0o644),
+            (tmp / "build.log", 0o644),
+            (tmp, 0o755),
+        ):
+            path.chmod(mode)
+        folder = root / key
+        if folder.exists():  # a corrupt entry: replaced whole, never rewritten in place (a mapped
+            shutil.rmtree(folder)  # copy in a running process keeps its own inode)
+        os.replace(tmp, folder)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # gone already when moved into place
+
+
+def _open(path: Path, lib: Library):
+    """dlopen `path` after checking its bytes against its digest (a mismatch is never loaded)."""
+    import cffi
+
+    if not _intact(path):
+        raise Unsupported(f"{path} does not match the sha256 beside it (changed after it was built)")
+    ffi = cffi.FFI()
+    ffi.cdef("".join(f"void* {h}(void*);" for h in lib.handlers))
+    return ffi, ffi.dlopen(str(path))
 
 
 @functools.cache
@@ -206,34 +321,31 @@ def _registered(name: str, cc: tuple[int, int]) -> tuple[str, ...]:
 
 
 _handles: list = []
-_failed: dict[tuple[str, tuple[int, int]], str] = {}  # a failed build is not retried in this process
+_failed: dict[tuple[str, tuple[int, int]], str] = {}  # a failed build or load is not retried in this process
 
 
 def load(name: str) -> tuple[str, ...]:
     """Build (if needed), load and register library `name` for the visible GPU; its FFI target names.
 
-    A build or load that fails is an `Unsupported` with the reason, remembered for the rest of
-    the process so that every later call falls back at once instead of running nvcc again."""
+    A build or load that fails for any reason is an `Unsupported` with the reason, remembered
+    for the rest of the process: every later call raises the same reason at once (so an op
+    that falls back warns once) instead of running nvcc again."""
+    _library(name)
     if backend.platform() != "gpu":
         raise Unsupported(f"no CUDA GPU visible (platform {backend.platform()})")
     cc = backend.compute_capability()
     if cc is None:
         raise Unsupported("the GPU reports no CUDA compute capability (not an NVIDIA GPU?)")
+    build_timeout()  # a malformed setting is the user's error to fix, not a fallback
     if (name, cc) in _failed:
         raise Unsupported(_failed[(name, cc)])
     try:
         return _registered(name, cc)
-    # a cache that cannot be written or locked (read-only, full, a filesystem without locks)
-    except OSError as e:
-        reason = (
-            f"native library {name!r}: {e} (the build cache {cache_root()} must be writable and support "
-            "file locks; set AXKERN_CACHE_DIR to one that does)"
-        )
-        _failed[(name, cc)] = f"{reason} (failed earlier in this process; not retried)"
+    except Exception as e:
+        detail = str(e) if isinstance(e, Unsupported) else f"{type(e).__name__}: {e}"
+        reason = f"native library {name!r}: {detail} (not retried in this process)"
+        _failed[(name, cc)] = reason
         raise Unsupported(reason) from e
-    except Unsupported as e:
-        _failed[(name, cc)] = f"{e} (failed earlier in this process; not retried)"
-        raise
 
 
 def status() -> dict[str, str]:

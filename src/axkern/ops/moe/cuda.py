@@ -1,4 +1,4 @@
-"""MoE routing in CUDA (`axkern/native/moe/*.cu`) through XLA FFI.
+"""MoE routing in CUDA (`native/moe/*.cu`) through XLA FFI.
 
 **Routing** (`AxkernMoeRoute`, route.cu): a stable counting sort of the `T·K` pairs by expert
 id in three small kernels: per-chunk histograms, one block scanning them (per expert over
