@@ -390,6 +390,20 @@ def _peer_rows(peer_rows, work, rows, ceiling):
     return out
 
 
+def report(args) -> int:
+    """Tables and plots from the committed results into the docs and the README."""
+    from axkern import report as report_
+
+    for flag, path in (("--results", args.results), ("--docs", args.docs)):
+        if not Path(path).is_dir():
+            raise UsageError(f"{flag}: expected a folder, got {path!r}")
+    if not Path(args.readme).is_file():
+        raise UsageError(f"--readme: expected a file, got {args.readme!r}")
+    for path in report_.write(results.load(args.results), docs=Path(args.docs), readme=Path(args.readme)):
+        console.print(f"wrote {path}", markup=False, highlight=False)
+    return 0
+
+
 def build_native(args) -> int:
     """Prebuild every native library (for the visible GPU, or `--arch 9.0` with no GPU)."""
     from axkern.core import backend, native
@@ -496,6 +510,11 @@ def parser() -> argparse.ArgumentParser:
         "step, its ops as the dispatcher picks them ('default') and all 'reference')",
     )
     b.set_defaults(fn=bench)
+    r = sub.add_parser("report", help="tables and plots from the committed results into docs/ and the README")
+    r.add_argument("--results", default=str(results.DEFAULT_ROOT), help="results folder (default: benchmarks/results)")
+    r.add_argument("--docs", default="docs", help="docs folder: benchmarks.md and img/ (default: docs)")
+    r.add_argument("--readme", default="README.md", help="the README whose overview plot is refreshed")
+    r.set_defaults(fn=report)
     n = sub.add_parser("build-native", help="compile the CUDA libraries into the cache and print where")
     n.add_argument("--arch", help="compute capability to build for (default: the visible GPU's), e.g. 9.0")
     n.set_defaults(fn=build_native)
