@@ -215,6 +215,18 @@ def fill(text: str, generated: str, where: str) -> str:
     return pattern.sub(lambda _: f"{START}\n{generated.rstrip()}\n{END}", text)
 
 
+def _op_pages(docs: Path, runs: Sequence[dict]) -> dict[Path, set[str]]:
+    """Each op's page, `docs/ops/<op>.md`, or the page of the longest op name it starts with
+    (`fused_cross_entropy_loss` -> `fused_cross_entropy.md`, `moe_combine` -> `moe.md`)."""
+    pages = {p.stem: p for p in (docs / "ops").glob("*.md")}
+    out: dict[Path, set[str]] = {}
+    for op in sorted({run["op"] for run in runs}):
+        names = [n for n in pages if op == n or op.startswith(n + "_")]
+        if names:
+            out.setdefault(pages[max(names, key=len)], set()).add(op)
+    return out
+
+
 def write(runs: Sequence[dict], *, docs: Path, readme: Path | None = None) -> list[Path]:
     """Write `docs/benchmarks.md`'s tables, `docs/img/*.png` and the README's overview; return what changed hands."""
     if not runs:
@@ -226,6 +238,12 @@ def write(runs: Sequence[dict], *, docs: Path, readme: Path | None = None) -> li
     page = docs / "benchmarks.md"
     page.write_text(fill(page.read_text(), markdown(runs), str(page)))
     written.append(page)
+    for op_page, ops in _op_pages(docs, runs).items():
+        mine = [run for run in runs if run["op"] in ops]
+        text = op_page.read_text()
+        if START in text:
+            op_page.write_text(fill(text, markdown(mine, image_dir="../img"), str(op_page)))
+            written.append(op_page)
     if readme is not None:
         overview = (
             peers_table(runs)
