@@ -37,13 +37,19 @@ def test_report_rebuilds_the_committed_page_readme_and_plots(tmp_path):
     shutil.copy(REPO / "README.md", tmp_path / "README.md")
     written = report.write(results.load(RESULTS), docs=docs, readme=tmp_path / "README.md")
     pages = [p for p in written if p.suffix == ".md" and p.name != "README.md"]
-    assert {p.relative_to(docs).as_posix() for p in pages} >= {"benchmarks.md", "ops/attention.md", "ops/moe.md"}
+    assert {p.relative_to(docs).as_posix() for p in pages} >= {
+        "benchmarks.md",
+        "ops/attention.md",
+        "ops/moe.md",
+    }
     for page in pages:
         rel = page.relative_to(docs)
         assert page.read_text() == (REPO / "docs" / rel).read_text(), (
             f"docs/{rel} differs from what `axkern report` writes: run it"
         )
-    assert (tmp_path / "README.md").read_text() == (REPO / "README.md").read_text(), "README: run `axkern report`"
+    assert (tmp_path / "README.md").read_text() == (REPO / "README.md").read_text(), (
+        "README: run `axkern report`"
+    )
     images = sorted(p.name for p in written if p.suffix == ".png")
     assert images == sorted(p.name for p in (REPO / "docs" / "img").glob("*.png"))
     for name in images:

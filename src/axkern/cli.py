@@ -511,7 +511,9 @@ def parser() -> argparse.ArgumentParser:
     )
     b.set_defaults(fn=bench)
     r = sub.add_parser("report", help="tables and plots from the committed results into docs/ and the README")
-    r.add_argument("--results", default=str(results.DEFAULT_ROOT), help="results folder (default: benchmarks/results)")
+    r.add_argument(
+        "--results", default=str(results.DEFAULT_ROOT), help="results folder (default: benchmarks/results)"
+    )
     r.add_argument("--docs", default="docs", help="docs folder: benchmarks.md and img/ (default: docs)")
     r.add_argument("--readme", default="README.md", help="the README whose overview plot is refreshed")
     r.set_defaults(fn=report)

@@ -53,7 +53,13 @@ def _table(run: dict) -> list[str]:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         impl = r["implementation"].replace("peer:", "peer: ")
-        cells = [_short(r["case"]), f"`{impl}`", r["pass"], _fmt(r.get("ms"), ".3f"), _fmt(r.get("tflops"), ".1f")]
+        cells = [
+            _short(r["case"]),
+            f"`{impl}`",
+            r["pass"],
+            _fmt(r.get("ms"), ".3f"),
+            _fmt(r.get("tflops"), ".1f"),
+        ]
         cells += [_fmt(r.get("gbps"), ".0f")] if rate else []
         cells += [
             _fmt(r.get("ceiling_fraction"), ".1%"),
@@ -118,7 +124,9 @@ def peers_table(runs: Sequence[dict], pass_: str = "fwd+bwd") -> str:
                 if r is None or not r.get("ms"):
                     cells.append("-")
                 else:
-                    cells.append(f"{r['ms']:.1f} ms" + (f", {r['temp_gib']:.2f} GiB" if r.get("temp_gib") else ""))
+                    cells.append(
+                        f"{r['ms']:.1f} ms" + (f", {r['temp_gib']:.2f} GiB" if r.get("temp_gib") else "")
+                    )
             out.append(f"| {_short(case)} | " + " | ".join(cells) + " |")
         out.append("")
     return "\n".join(out)
@@ -230,7 +238,9 @@ def _op_pages(docs: Path, runs: Sequence[dict]) -> dict[Path, set[str]]:
 def write(runs: Sequence[dict], *, docs: Path, readme: Path | None = None) -> list[Path]:
     """Write `docs/benchmarks.md`'s tables, `docs/img/*.png` and the README's overview; return what changed hands."""
     if not runs:
-        raise ValueError("report: no results to report (expected benchmarks/results/<device_key>/<op>/<preset>.json)")
+        raise ValueError(
+            "report: no results to report (expected benchmarks/results/<device_key>/<op>/<preset>.json)"
+        )
     img = docs / "img"
     img.mkdir(parents=True, exist_ok=True)
     written = [plot_op(g, img / _image_name(*key)) for key, g in _groups(runs).items()]
@@ -246,8 +256,7 @@ def write(runs: Sequence[dict], *, docs: Path, readme: Path | None = None) -> li
             written.append(op_page)
     if readme is not None:
         overview = (
-            peers_table(runs)
-            + "\n![Each op's fraction of the measured ceiling](docs/img/overview.png)\n\n"
+            peers_table(runs) + "\n![Each op's fraction of the measured ceiling](docs/img/overview.png)\n\n"
             "Every op, implementation and shape, with one plot per op: "
             "[docs/benchmarks.md](docs/benchmarks.md)."
         )
