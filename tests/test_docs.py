@@ -35,7 +35,9 @@ def test_the_api_reference_renders_every_public_name():
         for page in (REPO / "docs").rglob("*.md")
         for m in re.findall(r"^::: (\S+)", page.read_text(), flags=re.M)
     }
-    names = [f"axkern.{n}" for n in axkern.__all__ if n not in ("masks", "positional", "ops", "implementations")]
+    names = [
+        f"axkern.{n}" for n in axkern.__all__ if n not in ("masks", "positional", "ops", "implementations")
+    ]
     names += [f"axkern.positional.{n}" for n in positional.__all__]
     names += ["axkern.core.op.ops", "axkern.core.op.implementations", "axkern.masks"]
     assert not [n for n in names if n not in rendered], "public names missing from the docs' `:::` blocks"
