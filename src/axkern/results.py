@@ -32,6 +32,7 @@ def versions() -> dict[str, str]:
     """The versions a result records: axkern, jax, jaxlib, haliax, equinox and Python.
 
     ```python
+    >>> from axkern.results import versions
     >>> sorted(versions())
     ['axkern', 'equinox', 'haliax', 'jax', 'jaxlib', 'python']
 
@@ -85,6 +86,7 @@ def path_for(root: Path | str, device_key: str, op: str, preset: str) -> Path:
     """Where the run of `op` at `preset` on `device_key` lives.
 
     ```python
+    >>> from axkern.results import path_for
     >>> path_for("benchmarks/results", "nvidia_h200", "ssd", "mamba2_2.7b").as_posix()
     'benchmarks/results/nvidia_h200/ssd/mamba2_2.7b.json'
 

@@ -347,6 +347,18 @@ def explain(fn: Callable[..., Any], *args, **kwargs) -> Decision | tuple[Decisio
     form, or your own model code). It is traced abstractly (`jax.eval_shape`): nothing is
     computed and `args` may be `jax.ShapeDtypeStruct`s. Returns the `Decision` of the one op
     call, or a tuple of them in call order when `fn` calls several.
+
+    **Example:**
+
+    ```python
+    >>> import haliax as hax, jax, jax.numpy as jnp, axkern
+    >>> Batch, Vocab = hax.Axis("batch", 4), hax.Axis("vocab", 10)
+    >>> logits, labels = hax.zeros((Batch, Vocab)), hax.zeros(Batch, dtype=jnp.int32)
+    >>> decision = axkern.explain(axkern.cross_entropy, logits, labels)
+    >>> decision.implementation, [r.implementation for r in decision.rejected]
+    ('xla', [])
+
+    ```
     """
     leaves, treedef = jax.tree.flatten((args, kwargs))
     is_dyn = [isinstance(x, (jax.Array, jax.ShapeDtypeStruct)) or hasattr(x, "__array__") for x in leaves]
