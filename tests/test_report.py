@@ -91,3 +91,14 @@ def test_bench_save_into_a_file_is_a_usage_error(tmp_path, capsys):
     target.write_text("")
     assert cli.main(["bench", "moe_layout", "--save", str(target)]) == 2
     assert "--save: expected a results folder" in capsys.readouterr().err
+
+
+def test_report_command_writes_into_the_given_folders(tmp_path, capsys):
+    docs = tmp_path / "docs"
+    shutil.copytree(REPO / "docs", docs, ignore=shutil.ignore_patterns("img"))
+    shutil.copy(REPO / "README.md", tmp_path / "README.md")
+    argv = ["report", "--results", str(RESULTS), "--docs", str(docs), "--readme", str(tmp_path / "README.md")]
+    assert cli.main(argv) == 0
+    assert (docs / "img" / "overview.png").is_file() and "wrote" in capsys.readouterr().out
+    assert cli.main(["report", "--results", str(tmp_path / "none")]) == 2
+    assert "--results: expected a folder" in capsys.readouterr().err
