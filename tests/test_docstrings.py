@@ -9,7 +9,7 @@ import inspect
 import pytest
 
 import axkern
-from axkern import positional, results
+from axkern import haliax_compat, levanter, positional, results
 
 
 def _public() -> dict[str, object]:
@@ -18,6 +18,8 @@ def _public() -> dict[str, object]:
     }
     out |= {f"axkern.positional.{n}": getattr(positional, n) for n in positional.__all__}
     out |= {f"axkern.results.{n}": getattr(results, n) for n in ("versions", "path_for")}
+    out |= {f"axkern.levanter.{n}": getattr(levanter, n) for n in levanter.__all__ if n != "AttentionMask"}
+    out |= {"axkern.haliax_compat.dot_product_attention": haliax_compat.dot_product_attention}
     return out
 
 
