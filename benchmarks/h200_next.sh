@@ -74,7 +74,7 @@ last)  # after `rest`: float32 SSD at chunk 64 (128 is refused now), llama3 at N
   ;;
 next)  # the next session's first call: attention's Triton tiles, warps and stages, then the order tests
   step 260 sweep_attention python3 benchmarks/sweep_attention.py --block-q 64,128 --block-kv 64,128 --num-warps 4,8 --num-stages 2,3 --json "$R/attention_sweep.json"
-  step 20 tune_attention python3 benchmarks/tune_table.py --sweep "$R/attention_sweep.json" --op attention --impl pallas_gpu --package axkern.ops.attention --device-key nvidia_h200 --source benchmarks/results/h200/attention_sweep_DATE.json
+  step 20 tune_attention python3 benchmarks/tune_table.py --sweep "$R/attention_sweep.json" --op attention --impl pallas_gpu --package axkern.ops.attention --device-key nvidia_h200 --source benchmarks/results/nvidia_h200/attention/sweep.json
   cp -r src/axkern/ops/attention/tuned "$R/attention_tuned" 2>/dev/null
   step 120 gpu_tests_attention $gpu_tests 60 tests/gpu/test_attention_gpu.py -k "order or soft_cap"
   step 170 bench_attention $bench attention --preset h200 --impl pallas_gpu,cudnn --repeats 5 --json "$R/attention_h200.json"
@@ -116,7 +116,7 @@ s6)  # fifth session: where SSD's time goes (per-kernel profile, chunks 64 and 1
     --dkv 32x128x4x2,32x128x4x3,32x128x8x2,64x128x4x2,64x128x8x2,16x128x4x2,32x64x4x2,32x64x4x3,64x64x4x2 \
     --dq 64x64x4x2,128x32x4x2,128x32x4x3,128x32x8x2,128x64x4x2,128x64x8x2,64x32x4x2,64x32x4x3 \
     --json "$R/attention_sweep.json"
-  step 20 tune_attention python3 benchmarks/tune_table.py --sweep "$R/attention_sweep.json" --op attention --impl pallas_gpu --package axkern.ops.attention --device-key nvidia_h200 --source benchmarks/results/h200/attention_sweep_per-kernel_DATE.json
+  step 20 tune_attention python3 benchmarks/tune_table.py --sweep "$R/attention_sweep.json" --op attention --impl pallas_gpu --package axkern.ops.attention --device-key nvidia_h200 --source benchmarks/results/nvidia_h200/attention/sweep.json
   cp -r src/axkern/ops/attention/tuned "$R/attention_tuned" 2>/dev/null
   ;;
 s7a)  # the per-kernel attention tiles on the GPU (tests, bench); the SSD recurrence kernel's profile

@@ -26,6 +26,25 @@ def test_docs_build_strict(tmp_path):
     assert (site / "index.html").is_file()
 
 
+def test_the_api_reference_renders_every_public_name():
+    import axkern
+    from axkern import positional
+
+    rendered = {
+        m
+        for page in (REPO / "docs").rglob("*.md")
+        for m in re.findall(r"^::: (\S+)", page.read_text(), flags=re.M)
+    }
+    names = [
+        f"axkern.{n}" for n in axkern.__all__ if n not in ("masks", "positional", "ops", "implementations")
+    ]
+    names += [f"axkern.positional.{n}" for n in positional.__all__]
+    names += ["axkern.core.op.ops", "axkern.core.op.implementations", "axkern.masks"]
+    assert not [n for n in names if n not in rendered], "public names missing from the docs' `:::` blocks"
+    # `axkern.ops` is the function: `::: axkern.ops` would render the subpackage of the same name
+    assert "axkern.ops" not in rendered
+
+
 def test_the_many_hosts_commands_run_as_written_on_the_cpu():
     # every command block that starts a cluster on 127.0.0.1, run by bash in the repository root
     # (on a free port instead of the one written), with this environment's `python` and `axkern`

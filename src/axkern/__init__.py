@@ -10,7 +10,7 @@ print(axkern.explain(axkern.fused_cross_entropy, x, lm_head, labels))
 from . import masks, positional
 from .core.config import use
 from .core.named import StepResult, WithFinalState
-from .core.op import Decision, FallbackWarning, Unsupported, explain, get_op, registered_ops
+from .core.op import Decision, FallbackWarning, Unsupported, explain
 from .ops.attention import AttentionBlockSizes, attention
 from .ops.cross_entropy import cross_entropy
 from .ops.fused_cross_entropy import CrossEntropyBlockSizes, CrossEntropyOutput, fused_cross_entropy
@@ -18,6 +18,9 @@ from .ops.moe import MoeDispatch, MoeLayout, MoeRouting, moe_combine, moe_dispat
 from .ops.moe_ep import EpDispatch, EpLayout
 from .ops.short_conv import ConvBlockSizes, short_conv, short_conv_step
 from .ops.ssd import SSDBlockSizes, ssd, ssd_step
+
+# after the op packages: the function, not the `axkern.ops` subpackage, is `axkern.ops`
+from .core.op import implementations, ops  # noqa: E402  isort: skip
 
 __version__ = "0.1.0"
 
@@ -54,13 +57,3 @@ __all__ = [
     "Unsupported",
     "positional",
 ]
-
-
-def ops() -> list[str]:
-    """Names of the registered ops."""
-    return sorted(registered_ops())
-
-
-def implementations(op: str) -> dict[str, tuple[str, ...]]:
-    """An op's implementations and the platforms each runs on, in registration order."""
-    return {name: impl.platforms for name, impl in get_op(op).implementations.items()}

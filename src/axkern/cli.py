@@ -3,17 +3,18 @@
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
+from . import results
 from .bench_format import print_rows, row_line
 
 console = Console()  # results
@@ -48,20 +49,6 @@ def _nvcc() -> str:
         return f"{path} ({release[-1].strip() if release else 'version unknown'})"
     except (OSError, subprocess.SubprocessError) as e:
         return f"{path} (failed to run: {e})"
-
-
-def _versions() -> dict[str, str]:
-    from importlib.metadata import PackageNotFoundError, version
-
-    def v(name):
-        try:
-            return version(name)
-        except PackageNotFoundError:
-            return "not installed"
-
-    return {name: v(name) for name in ("axkern", "jax", "jaxlib", "haliax", "equinox")} | {
-        "python": sys.version.split()[0]
-    }
 
 
 def _typical_decision(op: str):
@@ -111,7 +98,7 @@ def _info_data() -> dict:
             "typical_decision": str(decision),
         }
     return {
-        "versions": _versions(),
+        "versions": results.versions(),
         "platform": backend.platform(),
         "device": backend.device_kind(),
         "local_devices": jax.local_device_count(),
@@ -199,25 +186,25 @@ def bench(args) -> int:
                 ),
             )
     rows += _peer_rows(peer_rows, work, rows, ceiling)
-    doc = {
-        "command": " ".join(["axkern"] + sys.argv[1:]),
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "device": device,
-        "platform": backend.platform(),
-        "preset": None if args.cases else preset or DEFAULT_PRESET,
-        "versions": _versions(),
-        "matmul_ceiling_tflops": ceiling,
-        "copy_bandwidth_gbps": bandwidth,
-        "note": "TFLOP/s count model FLOPs (recomputation not counted); GB/s count the fewest bytes each "
-        "pass must move; 'of ceiling' is against the matmul rate (compute-bound ops) or the copy "
-        "bandwidth (memory-bound ops) measured at the start of this run, off a CPU only",
-        "rows": [r.as_dict() for r in rows],
-    }
+    doc = results.document(
+        rows,
+        [c for c, _ in work],
+        command=" ".join(["axkern"] + sys.argv[1:]),
+        device=device,
+        device_key=backend.device_key(),
+        platform=backend.platform(),
+        preset=(args.preset or DEFAULT_PRESET) if not args.cases else (args.preset or "default"),
+        ceiling=ceiling,
+        bandwidth=bandwidth,
+    )
     print_rows(rows, doc, args.format, console)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(doc, f, indent=2)
         status.print(f"wrote {args.json}")
+    if args.save:
+        for path in results.save(doc, args.save):
+            status.print(f"wrote {path}")
     failed = [  # a peer that could not run is reported, not a failure of ours
         r
         for r in rows
@@ -241,7 +228,6 @@ def _json_path(path: str | None) -> None:
     """Fail now, not after the measurements, when `path` cannot be written."""
     if path is None:
         return
-    from pathlib import Path
 
     p = Path(path)
     parent = p.parent if str(p.parent) else Path(".")
@@ -290,6 +276,8 @@ def _plan(args) -> tuple[list, tuple[str, ...]]:
         )
     dtype = args.dtype = _dtype(args.dtype)  # the canonical name, for the peers too
     _json_path(args.json)
+    if args.save is not None and Path(args.save).exists() and not Path(args.save).is_dir():
+        raise UsageError(f"--save: expected a results folder, got the file {args.save!r}")
     explicit = [n.strip() for n in args.impl.split(",") if n.strip()] if args.impl is not None else None
     if explicit == []:
         raise UsageError(f"--impl: expected comma-separated implementation names, got {args.impl!r}")
@@ -407,6 +395,20 @@ def _peer_rows(peer_rows, work, rows, ceiling):
     return out
 
 
+def report(args) -> int:
+    """Tables and plots from the committed results into the docs and the README."""
+    from axkern import report as report_
+
+    for flag, path in (("--results", args.results), ("--docs", args.docs)):
+        if not Path(path).is_dir():
+            raise UsageError(f"{flag}: expected a folder, got {path!r}")
+    if not Path(args.readme).is_file():
+        raise UsageError(f"--readme: expected a file, got {args.readme!r}")
+    for path in report_.write(results.load(args.results), docs=Path(args.docs), readme=Path(args.readme)):
+        console.print(f"wrote {path}", markup=False, highlight=False)
+    return 0
+
+
 def build_native(args) -> int:
     """Prebuild every native library (for the visible GPU, or `--arch 9.0` with no GPU)."""
     from axkern.core import backend, native
@@ -495,6 +497,13 @@ def parser() -> argparse.ArgumentParser:
     )
     b.add_argument("--json", help="also write the rows as JSON here")
     b.add_argument(
+        "--save",
+        nargs="?",
+        const=str(results.DEFAULT_ROOT),
+        metavar="ROOT",
+        help="also write each op's run to ROOT/<device_key>/<op>/<preset>.json (default ROOT: benchmarks/results)",
+    )
+    b.add_argument(
         "--format",
         choices=("table", "json", "csv", "markdown"),
         default="table",
@@ -506,6 +515,13 @@ def parser() -> argparse.ArgumentParser:
         "step, its ops as the dispatcher picks them ('default') and all 'reference')",
     )
     b.set_defaults(fn=bench)
+    r = sub.add_parser("report", help="tables and plots from the committed results into docs/ and the README")
+    r.add_argument(
+        "--results", default=str(results.DEFAULT_ROOT), help="results folder (default: benchmarks/results)"
+    )
+    r.add_argument("--docs", default="docs", help="docs folder: benchmarks.md and img/ (default: docs)")
+    r.add_argument("--readme", default="README.md", help="the README whose overview plot is refreshed")
+    r.set_defaults(fn=report)
     n = sub.add_parser("build-native", help="compile the CUDA libraries into the cache and print where")
     n.add_argument("--arch", help="compute capability to build for (default: the visible GPU's), e.g. 9.0")
     n.set_defaults(fn=build_native)

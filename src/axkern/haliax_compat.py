@@ -54,6 +54,19 @@ def dot_product_attention(
     `bias`, an `attention_dtype` or `precision`, several `KPos` axes, or a query with more than
     one axis missing from `key` — run haliax's own function, with an `axkern.FallbackWarning`
     that says why (an axkern mask cannot go to haliax: such a call raises `ValueError`).
+
+    **Example:**
+
+    ```python
+    >>> import haliax as hax, jax, jax.numpy as jnp, axkern
+    >>> from axkern.haliax_compat import dot_product_attention
+    >>> Pos, KPos, Key = hax.Axis("position", 16), hax.Axis("key_position", 16), hax.Axis("head_size", 8)
+    >>> q = hax.random.normal(jax.random.PRNGKey(0), (Pos, Key))
+    >>> k = v = hax.random.normal(jax.random.PRNGKey(1), (KPos, Key))
+    >>> dot_product_attention("key_position", "head_size", q, k, v).axes == q.axes
+    True
+
+    ```
     """
     axk_given = isinstance(mask, masks.Mask)
 

@@ -137,6 +137,17 @@ def fused_cross_entropy_loss_and_logsumexp_penalty(
     Without `weight` or explicit block sizes a reduced loss runs `fused_cross_entropy_loss`
     (gradients formed in the forward); otherwise the per-token `fused_cross_entropy` runs and
     the weights are applied to its output.
+
+    **Example:**
+
+    ```python
+    >>> import haliax as hax, jax, jax.numpy as jnp, axkern
+    >>> from axkern.levanter import fused_cross_entropy_loss_and_logsumexp_penalty
+    >>> x, labels, w = jnp.ones((4, 8)), jnp.zeros(4, jnp.int32), jnp.zeros((8, 10))
+    >>> round(float(fused_cross_entropy_loss_and_logsumexp_penalty(x, labels, w)), 4)  # zero logits: log(10)
+    2.3026
+
+    ```
     """
     if reduction not in ("mean", "sum", None):
         raise ValueError(f"{_CE}: reduction must be 'mean', 'sum' or None; got {reduction!r}")
@@ -199,7 +210,18 @@ def _reduce_loss(arr: NamedArray, reduction, reduction_axis, weight: NamedArray 
 
 
 def next_token_loss_weight(Pos: hax.Axis, loss_weight: NamedArray | None) -> NamedArray:
-    """Levanter's: the per-position weight of next-token prediction (the last position is 0)."""
+    """Levanter's: the per-position weight of next-token prediction (the last position is 0).
+
+    **Example:**
+
+    ```python
+    >>> import haliax as hax, jax, jax.numpy as jnp, axkern
+    >>> from axkern.levanter import next_token_loss_weight
+    >>> next_token_loss_weight(hax.Axis("position", 4), None).array.tolist()
+    [1.0, 1.0, 1.0, 0.0]
+
+    ```
+    """
     not_last = hax.arange(Pos) != Pos.size - 1
     if loss_weight is not None:
         return loss_weight * not_last.astype(loss_weight.dtype)
@@ -274,6 +296,18 @@ def maybe_fused_next_token_loss(
     position's weight is 0, times `loss_weight` when given (whose dtype the loss then takes). The
     loss is reduced by `reduction` (a haliax reduction such as `hax.mean`, or `None`) over
     `reduction_axis` (all axes when `None`), weighted: a mean is `sum(loss * w) / sum(w)`.
+
+    **Example:**
+
+    ```python
+    >>> import haliax as hax, jax, jax.numpy as jnp, axkern
+    >>> from axkern.levanter import maybe_fused_next_token_loss
+    >>> Pos, Embed, Vocab = hax.Axis("position", 4), hax.Axis("embed", 8), hax.Axis("vocab", 10)
+    >>> x, lm_head, ids = hax.ones((Pos, Embed)), hax.zeros((Embed, Vocab)), hax.zeros(Pos, dtype=jnp.int32)
+    >>> round(float(maybe_fused_next_token_loss(Pos, Embed, Vocab, x, lm_head, ids).array), 4)  # over the 3 predicted positions: log(10)
+    2.3026
+
+    ```
     """
     Pos = pred_embeddings.resolve_axis(hax.axis_name(Pos))
     target_y = hax.roll(true_ids, -1, Pos)
@@ -457,6 +491,19 @@ def dot_product_attention(
     Refused: a `bias`, dropout during training, and several `KPos` axes (`ValueError`).
     `precision`, `use_flash`, `attn_backend` (but `"vanilla"`, which runs `reference`),
     `flash_block_size` and `prng` are accepted and leave the choice to axkern's dispatcher.
+
+    **Example:**
+
+    ```python
+    >>> import haliax as hax, jax, jax.numpy as jnp, axkern
+    >>> from axkern.levanter import dot_product_attention
+    >>> Pos, KPos, Heads, Key = hax.Axis("position", 16), hax.Axis("key_position", 16), hax.Axis("heads", 2), hax.Axis("head_size", 8)
+    >>> q = hax.random.normal(jax.random.PRNGKey(0), (Pos, Heads, Key))
+    >>> k = v = hax.random.normal(jax.random.PRNGKey(1), (KPos, Heads, Key))
+    >>> dot_product_attention("position", "key_position", "head_size", q, k, v).axes == q.axes
+    True
+
+    ```
     """
     if not isinstance(KPos, (str, hax.Axis)):
         raise ValueError(f"{_DPA}: KPos must be one axis (a name or hax.Axis); got {KPos!r}")
@@ -553,6 +600,16 @@ def short_conv(
     dropped. `implementation`: `"reference"` or `"triton_gpu"` (mapped to `pallas_gpu`).
     `exact_reference_rounding` and `batch_axes` are accepted: axkern accumulates the taps in
     float32 (Levanter's `exact_reference_rounding=False`) and shards as the inputs are laid out.
+
+    **Example:**
+
+    ```python
+    >>> import haliax as hax, jax, jax.numpy as jnp, axkern
+    >>> from axkern.levanter import short_conv
+    >>> short_conv(jnp.ones((2, 2)), jnp.ones((1, 6, 2)))[0, :, 0].tolist()  # weight [width, channels], x [batch, seq, channels]
+    [1.0, 2.0, 2.0, 2.0, 2.0, 2.0]
+
+    ```
     """
     fn = "axkern.levanter.short_conv"
     if weight.dtype != x.dtype:

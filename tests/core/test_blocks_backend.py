@@ -85,7 +85,7 @@ def test_shipped_h200_attention_table_is_found_and_becomes_block_sizes():
     spec = ATTN.spec({**dims, "v_dim": 128}, jnp.bfloat16)
     entry = blocks.lookup(ATTN.package, "nvidia_h200", "pallas_gpu", attn_bucket(spec), op=ATTN.name)
     # the per-kernel sweep's fastest forward+backward, each kernel with its own tiles
-    sweep = Path(__file__).parents[2] / "benchmarks/results/h200/attention_sweep_per-kernel_2026-11-30g.json"
+    sweep = Path(__file__).parents[2] / "benchmarks/results/nvidia_h200/attention/sweep.json"
     rows = [r for r in json.loads(sweep.read_text())["rows"] if r["impl"] == "pallas_gpu" and "ms" in r]
     best = min(rows, key=lambda r: r["ms"])
     fields = [f.name for f in dataclasses.fields(AttentionBlockSizes)]

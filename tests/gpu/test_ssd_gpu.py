@@ -22,7 +22,7 @@ pytestmark = pytest.mark.gpu
 
 # float32 at (2, 512, 4, 32, 2, 64), 8 chunks of 64: the `A` and `dt_bias` gradients (sums of
 # `d dt` over all positions) missed the bound on the H200 by up to 1.6x, `pallas_gpu` and `xla`
-# alike (benchmarks/results/h200/gpu_tests_ssd_f32_f64-oracle_2026-11-30f.log): the rounding of
+# alike (`git show ad250fb:benchmarks/results/h200/gpu_tests_ssd_f32_f64-oracle_2026-11-30f.log`): the rounding of
 # `cum_t - cum_s`. Both now sum each segment on its own for float32 and pass on the H200
 # (gpu_tests_ssd_2026-11-30g.log). Length 1500: 24 or 12 chunks, not a power of two (the
 # recurrence kernels' all-chunks blocks; they passed at 1000, 16 or 8 chunks).

@@ -124,6 +124,18 @@ def use(*, strict: bool | None = None, interpret: bool | None = None, **implemen
     with axkern.use(strict=True, fused_cross_entropy="xla"):
         loss = axkern.fused_cross_entropy(x, lm_head, labels)
     ```
+
+    **Example:**
+
+    ```python
+    >>> import haliax as hax, jax, jax.numpy as jnp, axkern
+    >>> Batch, Vocab = hax.Axis("batch", 4), hax.Axis("vocab", 10)
+    >>> logits, labels = hax.zeros((Batch, Vocab)), hax.zeros(Batch, dtype=jnp.int32)
+    >>> with axkern.use(cross_entropy="reference"):
+    ...     axkern.explain(axkern.cross_entropy, logits, labels).implementation
+    'reference'
+
+    ```
     """
     from .op import registered_ops  # local: op.py imports this module
 

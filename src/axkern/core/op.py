@@ -37,6 +37,8 @@ __all__ = [
     "explain",
     "registered_ops",
     "get_op",
+    "ops",
+    "implementations",
     "step_op",
 ]
 
@@ -139,6 +141,33 @@ def get_op(name: str) -> Op:
         return _OPS[name]
     except KeyError:
         raise ValueError(f"unknown op {name!r}; known ops are {sorted(_OPS)}") from None
+
+
+def ops() -> list[str]:
+    """Names of the registered ops (`axkern.ops()`), sorted.
+
+    ```python
+    >>> import axkern
+    >>> [name for name in axkern.ops() if name.startswith("moe_")]
+    ['moe_combine', 'moe_dispatch', 'moe_ep_combine', 'moe_ep_dispatch', 'moe_layout']
+
+    ```
+    """
+    return sorted(_OPS)
+
+
+def implementations(op: str) -> dict[str, tuple[str, ...]]:
+    """An op's implementations and the platforms each runs on, in registration order
+    (`axkern.implementations("ssd")`); an unknown op is a `ValueError` naming the known ones.
+
+    ```python
+    >>> import axkern
+    >>> axkern.implementations("cross_entropy")
+    {'xla': ('cpu', 'gpu', 'tpu'), 'reference': ('cpu', 'gpu', 'tpu')}
+
+    ```
+    """
+    return {name: impl.platforms for name, impl in get_op(op).implementations.items()}
 
 
 def reset_warnings() -> None:
@@ -318,6 +347,18 @@ def explain(fn: Callable[..., Any], *args, **kwargs) -> Decision | tuple[Decisio
     form, or your own model code). It is traced abstractly (`jax.eval_shape`): nothing is
     computed and `args` may be `jax.ShapeDtypeStruct`s. Returns the `Decision` of the one op
     call, or a tuple of them in call order when `fn` calls several.
+
+    **Example:**
+
+    ```python
+    >>> import haliax as hax, jax, jax.numpy as jnp, axkern
+    >>> Batch, Vocab = hax.Axis("batch", 4), hax.Axis("vocab", 10)
+    >>> logits, labels = hax.zeros((Batch, Vocab)), hax.zeros(Batch, dtype=jnp.int32)
+    >>> decision = axkern.explain(axkern.cross_entropy, logits, labels)
+    >>> decision.implementation, [r.implementation for r in decision.rejected]
+    ('xla', [])
+
+    ```
     """
     leaves, treedef = jax.tree.flatten((args, kwargs))
     is_dyn = [isinstance(x, (jax.Array, jax.ShapeDtypeStruct)) or hasattr(x, "__array__") for x in leaves]

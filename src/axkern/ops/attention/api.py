@@ -120,6 +120,16 @@ def attention_positional(
     **Returns:** `[batch, q_len, heads, v_dim]` in `q`'s dtype. Empty `batch`, `q_len` or
     `heads` give an empty result, an empty `kv_len` zeros (no query sees a key); an empty
     `head_dim` or `v_dim` is a `ValueError`. Non-finite input: see the guide's rule.
+
+    **Example:**
+
+    ```python
+    >>> import haliax as hax, jax, jax.numpy as jnp, axkern
+    >>> q = jax.random.normal(jax.random.PRNGKey(0), (1, 32, 2, 8))  # batch, q_len, heads, head_dim
+    >>> axkern.positional.attention(q, q, q, mask=axkern.masks.Causal()).shape
+    (1, 32, 2, 8)
+
+    ```
     """
     b, sq, h, d = q.shape
     sk, kvh = k.shape[1], k.shape[2]
@@ -277,6 +287,17 @@ def attention(
     mapped like `Heads`, or a single kv head); positions and head dims are gathered.
 
     **Returns:** the batch axes, `QPos`, `Heads` and `v`'s `HeadDim`, in `q`'s axis order.
+
+    **Example:**
+
+    ```python
+    >>> import haliax as hax, jax, jax.numpy as jnp, axkern
+    >>> Batch, Pos, Heads, HeadDim = hax.Axis("batch", 1), hax.Axis("position", 32), hax.Axis("heads", 2), hax.Axis("head_size", 8)
+    >>> q = k = v = hax.random.normal(jax.random.PRNGKey(0), (Batch, Pos, Heads, HeadDim))
+    >>> axkern.attention(q, k, v, mask=axkern.masks.Causal()).axes == q.axes
+    True
+
+    ```
     """
     if sinks is not None and not isinstance(sinks, NamedArray):
         sinks = hax.named(jnp.asarray(sinks), (Heads.name if isinstance(Heads, hax.Axis) else Heads,))

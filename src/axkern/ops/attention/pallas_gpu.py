@@ -77,7 +77,7 @@ def supports(spec) -> str | None:
 
 def heuristic(spec):
     """Each kernel its own tiles, from the H200's per-kernel sweep (causal B2 L8192 H32 D128
-    bf16, `benchmarks/results/h200/attention_sweep_per-kernel_2026-11-30g.json`): forward
+    bf16, `benchmarks/results/nvidia_h200/attention/sweep.json`): forward
     128x64 with 8 warps and 3 stages (3.54 ms against 4.36 at 64x64), `dk, dv` 64x64 with 4 and
     2 (its 32x128 and 16x128 tiles ran 1.3-5.5x slower), `dq` 128x32 with 4 and 3: 13.49 ms
     forward+backward in the sweep; in the bench 13.61 against 15.33 with one 64x64 tile for all

@@ -102,6 +102,16 @@ def cross_entropy_positional(
     ```python
     loss = axkern.positional.cross_entropy(logits, labels)     # mean over tokens
     ```
+
+    **Example:**
+
+    ```python
+    >>> import haliax as hax, jax, jax.numpy as jnp, axkern
+    >>> loss = axkern.positional.cross_entropy(jnp.zeros((4, 10)), jnp.zeros(4, jnp.int32), reduction=None)
+    >>> loss.shape, round(float(loss[0]), 4)
+    ((4,), 2.3026)
+
+    ```
     """
     reduction = reduction_name(NAME, reduction)
     check_options(NAME, logits_soft_cap, logsumexp_weight, label_smoothing)
@@ -173,6 +183,17 @@ def cross_entropy(
 
     ```python
     loss = axkern.cross_entropy(logits, labels)              # logits [batch, vocab], labels [batch]
+    ```
+
+    **Example:**
+
+    ```python
+    >>> import haliax as hax, jax, jax.numpy as jnp, axkern
+    >>> Batch, Vocab = hax.Axis("batch", 4), hax.Axis("vocab", 10)
+    >>> logits, labels = hax.zeros((Batch, Vocab)), hax.zeros(Batch, dtype=jnp.int32)
+    >>> round(float(axkern.cross_entropy(logits, labels)), 4)  # uniform logits: log(10)
+    2.3026
+
     ```
     """
     reduction = reduction_name(NAME, reduction)

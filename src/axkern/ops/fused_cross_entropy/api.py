@@ -239,6 +239,17 @@ def fused_cross_entropy_positional(
     loss = axkern.positional.fused_cross_entropy(x, w, labels)              # mean over tokens
     per_token, lse = axkern.positional.fused_cross_entropy(x, w, labels, reduction=None, return_lse=True)
     ```
+
+    **Example:**
+
+    ```python
+    >>> import haliax as hax, jax, jax.numpy as jnp, axkern
+    >>> x, w, labels = jnp.ones((4, 8)), jnp.zeros((8, 10)), jnp.zeros(4, jnp.int32)
+    >>> loss, lse = axkern.positional.fused_cross_entropy(x, w, labels, reduction=None, return_lse=True)
+    >>> loss.shape, round(float(lse[0]), 4)
+    ((4,), 2.3026)
+
+    ```
     """
     reduction = reduction_name(NAME, reduction)
     logits_soft_cap = named.deprecated_alias(
@@ -289,6 +300,16 @@ def fused_cross_entropy_loss_positional(
     gradients in the forward pass (the per-token cotangents of a reduced loss are known once
     each token's logsumexp is), which saves the recomputation of the logits that per-token
     outputs need.
+
+    **Example:**
+
+    ```python
+    >>> import haliax as hax, jax, jax.numpy as jnp, axkern
+    >>> x, w, labels = jnp.ones((4, 8)), jnp.zeros((8, 10)), jnp.zeros(4, jnp.int32)
+    >>> round(float(axkern.positional.fused_cross_entropy_loss(x, w, labels)), 4)
+    2.3026
+
+    ```
     """
     reduction = reduction_name(LOSS_NAME, reduction)
     if reduction is None:
@@ -409,6 +430,20 @@ def fused_cross_entropy(
         Under a haliax axis mapping with a mesh, batch axes mapped to mesh axes run data
         parallel and a mapped `Vocab` runs vocab parallel (each device holds a slice of
         `lm_head`; statistics are combined with `pmax`/`psum`). A mapped `Embed` is gathered.
+
+    **Example:**
+
+    ```python
+    >>> import haliax as hax, jax, jax.numpy as jnp, axkern
+    >>> Batch, Embed, Vocab = hax.Axis("batch", 4), hax.Axis("embed", 8), hax.Axis("vocab", 10)
+    >>> x, lm_head = hax.ones((Batch, Embed)), hax.zeros((Embed, Vocab))
+    >>> labels = hax.zeros(Batch, dtype=jnp.int32)
+    >>> round(float(axkern.fused_cross_entropy(x, lm_head, labels)), 4)  # zero logits: log(10)
+    2.3026
+    >>> axkern.fused_cross_entropy(x, lm_head, labels, reduction=None).axes
+    (Axis(name='batch', size=4),)
+
+    ```
     """
     reduction = reduction_name(NAME, reduction)
     logits_soft_cap = named.deprecated_alias(

@@ -19,7 +19,7 @@ __all__ = [
 # Bytes of one float32 [block_tokens, block_vocab] logits tile, per platform. On GPU a tile
 # this size keeps each matmul large enough to run near the tensor-core ceiling while the
 # whole forward+backward stays far below the materialised [tokens, vocab] logits. The H200
-# sweep (benchmarks/results/h200/fused_cross_entropy_xla_sweep_2026-11-29.json) ran fastest
+# sweep (benchmarks/results/nvidia_h200/fused_cross_entropy/sweep.json) ran fastest
 # with the largest tiles: 16384x4096 took 116 ms and 0.58 GiB, 4096x1024 170 ms; 16384x8192
 # was 2% faster again but needed 1.6 GiB.
 _TILE_BYTES = {"gpu": 256 << 20, "tpu": 64 << 20, "cpu": 8 << 20}
@@ -75,7 +75,7 @@ def heuristic(spec: Spec) -> CrossEntropyBlockSizes:
 # twice the logits' own, for at most 3·D·V bytes of block (6 bytes a logit: the float32 block
 # and its 16-bit dz) beside the 4·D·V-byte accumulator that any such block size needs. On the
 # H200 at llama3's size: 512 rows 109.8 ms, 1024 88.5 ms, 2048 (= D / 2) 84.4 ms
-# (benchmarks/results/h200/fused_cross_entropy_loss_sweep_f32-dw_2026-11-30.json).
+# (benchmarks/results/nvidia_h200/fused_cross_entropy_loss/sweep.json).
 _LOSS_BLOCK_BYTES = {"gpu": 512 << 20, "tpu": 128 << 20, "cpu": 16 << 20}
 
 

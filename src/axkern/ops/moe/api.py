@@ -159,7 +159,18 @@ def moe_layout_positional(
     implementation: MoeImplementation | tuple[MoeImplementation, ...] | None = None,
     block_sizes: None = None,
 ) -> MoeLayout:
-    """Per-expert and per-rank counts of a top-k routing (DeepEP's `get_dispatch_layout`)."""
+    """Per-expert and per-rank counts of a top-k routing (DeepEP's `get_dispatch_layout`).
+
+    **Example:**
+
+    ```python
+    >>> import haliax as hax, jax, jax.numpy as jnp, axkern
+    >>> layout = axkern.positional.moe_layout(jnp.array([[0, 1], [1, 2], [2, 3], [3, 0]]), num_experts=4, num_ranks=2)
+    >>> layout.tokens_per_expert.tolist(), layout.tokens_per_rank.tolist()
+    ([2, 2, 2, 2], [3, 3])
+
+    ```
+    """
     _check("moe_layout", topk_idx, num_experts, num_ranks)
     tokens, topk = topk_idx.shape
     spec = LAYOUT.spec(
@@ -187,7 +198,19 @@ def moe_dispatch_positional(
     block_sizes: None = None,
 ) -> MoeDispatch:
     """`MoeDispatch(expert_x [tokens*topk, embed], group_sizes [experts], routing)`; dropped pairs'
-    rows are zero, last."""
+    rows are zero, last.
+
+    **Example:**
+
+    ```python
+    >>> import haliax as hax, jax, jax.numpy as jnp, axkern
+    >>> topk_idx = jnp.array([[0, 1], [1, 2], [2, 3], [3, 0]])
+    >>> expert_x, group_sizes, routing = axkern.positional.moe_dispatch(jnp.ones((4, 3)), topk_idx, num_experts=4)
+    >>> expert_x.shape, group_sizes.tolist()
+    ((8, 3), [2, 2, 2, 2])
+
+    ```
+    """
     _check("moe_dispatch", topk_idx, num_experts)
     tokens, topk = topk_idx.shape
     spec = DISPATCH.spec(
@@ -208,7 +231,19 @@ def moe_combine_positional(
     implementation: MoeImplementation | tuple[MoeImplementation, ...] | None = None,
     block_sizes: None = None,
 ) -> Float[Array, "tokens out"]:
-    """`y[t] = sum_k topk_weights[t, k] * expert_y[row of (t, k)]`, dropped pairs contributing nothing."""
+    """`y[t] = sum_k topk_weights[t, k] * expert_y[row of (t, k)]`, dropped pairs contributing nothing.
+
+    **Example:**
+
+    ```python
+    >>> import haliax as hax, jax, jax.numpy as jnp, axkern
+    >>> topk_idx = jnp.array([[0, 1], [1, 2], [2, 3], [3, 0]])
+    >>> expert_x, _, routing = axkern.positional.moe_dispatch(jnp.ones((4, 3)), topk_idx, num_experts=4)
+    >>> axkern.positional.moe_combine(expert_x, jnp.full((4, 2), 0.5), routing).tolist()[0]
+    [1.0, 1.0, 1.0]
+
+    ```
+    """
     tokens, topk = topk_weights.shape
     if routing.rows.shape[0] != tokens * topk or expert_y.shape[0] != tokens * topk:
         raise ValueError(
@@ -279,7 +314,19 @@ def moe_layout(
     block_sizes: None = None,
 ) -> MoeLayout:
     """Named `moe_layout`: per-expert and per-rank counts over axes `Experts` and `Ranks`,
-    `is_token_in_rank` over the token axes (every axis of `topk_idx` but `TopK`) and `Ranks`."""
+    `is_token_in_rank` over the token axes (every axis of `topk_idx` but `TopK`) and `Ranks`.
+
+    **Example:**
+
+    ```python
+    >>> import haliax as hax, jax, jax.numpy as jnp, axkern
+    >>> Token, TopK = hax.Axis("token", 4), hax.Axis("topk", 2)
+    >>> topk_idx = hax.named(jnp.array([[0, 1], [1, 2], [2, 3], [3, 0]]), (Token, TopK))
+    >>> axkern.moe_layout(topk_idx, num_experts=4).tokens_per_expert.array.tolist()
+    [2, 2, 2, 2]
+
+    ```
+    """
     bound = LAYOUT_ROLES.bind(locals())
     bound.create("Experts", Experts, num_experts)
     bound.create("Ranks", Ranks, num_ranks)
@@ -333,6 +380,18 @@ def moe_dispatch(
     ```python
     expert_x, group_sizes, routing = axkern.moe_dispatch(x, topk_idx, num_experts=8)
     ```
+
+    **Example:**
+
+    ```python
+    >>> import haliax as hax, jax, jax.numpy as jnp, axkern
+    >>> Token, TopK, Embed = hax.Axis("token", 4), hax.Axis("topk", 2), hax.Axis("embed", 3)
+    >>> topk_idx = hax.named(jnp.array([[0, 1], [1, 2], [2, 3], [3, 0]]), (Token, TopK))
+    >>> expert_x, group_sizes, routing = axkern.moe_dispatch(hax.ones((Token, Embed)), topk_idx, num_experts=4)
+    >>> expert_x.axes, group_sizes.array.tolist()
+    ((Axis(name='dispatched', size=8), Axis(name='embed', size=3)), [2, 2, 2, 2])
+
+    ```
     """
     bound = DISPATCH_ROLES.bind(locals())
     tokens = math.prod(a.size for a in bound.batch)
@@ -376,7 +435,21 @@ def moe_combine(
 ) -> NamedArray:
     """Named `moe_combine`: `expert_y` over the routing's `Dispatched` axis and one output axis,
     `topk_weights` over the routing's token axes and `TopK` (any order); returns `y` over the
-    token axes (in `topk_weights`' order) and the output axis."""
+    token axes (in `topk_weights`' order) and the output axis.
+
+    **Example:**
+
+    ```python
+    >>> import haliax as hax, jax, jax.numpy as jnp, axkern
+    >>> Token, TopK, Embed = hax.Axis("token", 4), hax.Axis("topk", 2), hax.Axis("embed", 3)
+    >>> topk_idx = hax.named(jnp.array([[0, 1], [1, 2], [2, 3], [3, 0]]), (Token, TopK))
+    >>> expert_x, group_sizes, routing = axkern.moe_dispatch(hax.ones((Token, Embed)), topk_idx, num_experts=4)
+    >>> y = axkern.moe_combine(expert_x, hax.ones((Token, TopK)) * 0.5, routing)  # identity experts
+    >>> y.axes, y.array[0].tolist()
+    ((Axis(name='token', size=4), Axis(name='embed', size=3)), [1.0, 1.0, 1.0])
+
+    ```
+    """
     named.require_named("moe_combine", "expert_y", expert_y)
     if routing.token_axes is None:
         raise ValueError(

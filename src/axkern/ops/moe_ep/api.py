@@ -111,7 +111,24 @@ def moe_ep_dispatch_positional(
     block_sizes: None = None,
 ) -> EpDispatch:
     """Send each routed pair's row of `x` to the device holding its expert (inside `shard_map`
-    over `axis_name`). **Returns:** `EpDispatch(expert_x [R·C, embed], group_sizes [E/R], layout)`."""
+    over `axis_name`). **Returns:** `EpDispatch(expert_x [R·C, embed], group_sizes [E/R], layout)`.
+
+    **Example:**
+
+    ```python
+    >>> import haliax as hax, jax, jax.numpy as jnp, axkern
+    >>> from jax.sharding import Mesh, PartitionSpec as P
+    >>> def route(x, topk_idx):  # per device, inside shard_map over "ep"
+    ...     expert_x, group_sizes, layout = axkern.positional.moe_ep_dispatch(x, topk_idx, num_experts=4, axis_name="ep")
+    ...     return expert_x, group_sizes
+    >>> mesh = Mesh(jax.devices()[:1], ("ep",))
+    >>> expert_x, group_sizes = jax.shard_map(route, mesh=mesh, in_specs=P("ep"), out_specs=P("ep"))(
+    ...     jnp.ones((4, 3)), jnp.array([[0, 1], [1, 2], [2, 3], [3, 0]]))
+    >>> expert_x.shape, group_sizes.tolist()
+    ((8, 3), [2, 2, 2, 2])
+
+    ```
+    """
     if not jnp.issubdtype(topk_idx.dtype, jnp.integer):
         raise ValueError(f"moe_ep_dispatch: topk_idx must have an integer dtype, got {topk_idx.dtype}")
     ranks = lax.psum(1, axis_name)
@@ -159,7 +176,24 @@ def moe_ep_combine_positional(
     block_sizes: None = None,
 ) -> Float[Array, "tokens out"]:
     """Bring the expert outputs back to their tokens: `y[t] = Σ_k w[t, k] · expert_y[row of (t, k)]`
-    over the pairs that were sent (inside the same `shard_map` as the dispatch)."""
+    over the pairs that were sent (inside the same `shard_map` as the dispatch).
+
+    **Example:**
+
+    ```python
+    >>> import haliax as hax, jax, jax.numpy as jnp, axkern
+    >>> from jax.sharding import Mesh, PartitionSpec as P
+    >>> def layer(x, topk_idx, topk_weights):  # identity experts: y = x when the weights sum to 1
+    ...     expert_x, group_sizes, layout = axkern.positional.moe_ep_dispatch(x, topk_idx, num_experts=4, axis_name="ep")
+    ...     return axkern.positional.moe_ep_combine(expert_x, topk_weights, layout)
+    >>> mesh = Mesh(jax.devices()[:1], ("ep",))
+    >>> y = jax.shard_map(layer, mesh=mesh, in_specs=P("ep"), out_specs=P("ep"))(
+    ...     jnp.ones((4, 3)), jnp.array([[0, 1], [1, 2], [2, 3], [3, 0]]), jnp.full((4, 2), 0.5))
+    >>> y.tolist()[0]
+    [1.0, 1.0, 1.0]
+
+    ```
+    """
     rows = layout.ranks * layout.capacity
     if expert_y.shape[0] != rows or topk_weights.shape != layout.sent.shape:
         raise ValueError(

@@ -135,6 +135,16 @@ def short_conv_positional(
     - `implementation`, `block_sizes`: override the dispatcher.
 
     **Returns:** `y` like `x`, or `WithFinalState(y, final_state)`.
+
+    **Example:**
+
+    ```python
+    >>> import haliax as hax, jax, jax.numpy as jnp, axkern
+    >>> y = axkern.positional.short_conv(jnp.ones((1, 6, 2)), jnp.ones((2, 2)))  # [batch, seq, channels], [width, channels]
+    >>> y[0, :, 0].tolist()
+    [1.0, 2.0, 2.0, 2.0, 2.0, 2.0]
+
+    ```
     """
     width = weight.shape[0]
     _check_width(width)
@@ -183,6 +193,16 @@ def short_conv_step_positional(
     """One decode step: `StepResult(y_t, new_state)` from the newest input and the `W-1` previous ones.
 
     `block_sizes` is accepted for a uniform signature; the step is not blocked.
+
+    **Example:**
+
+    ```python
+    >>> import haliax as hax, jax, jax.numpy as jnp, axkern
+    >>> y_t, state = axkern.positional.short_conv_step(jnp.ones((1, 2)), jnp.ones((1, 2, 2)), jnp.ones((3, 2)))
+    >>> y_t.tolist(), state.shape
+    ([[3.0, 3.0]], (1, 2, 2))
+
+    ```
     """
     width = weight.shape[0]
     _check_width(width)
@@ -284,6 +304,17 @@ def short_conv(
         Batch axes mapped to mesh axes run data parallel and a mapped `Channel` splits with the
         weight. A mapped `Pos` runs sequence parallel: each shard receives the previous shard's
         last `Width - 1` inputs (and segment ids) with `ppermute` as its initial state.
+
+    **Example:**
+
+    ```python
+    >>> import haliax as hax, jax, jax.numpy as jnp, axkern
+    >>> Pos, Embed, Width = hax.Axis("position", 6), hax.Axis("embed", 2), hax.Axis("width", 2)
+    >>> y = axkern.short_conv(hax.ones((Pos, Embed)), hax.ones((Width, Embed)))
+    >>> y.array[:, 0].tolist()  # y[t] = x[t] + x[t - 1], zero before the start
+    [1.0, 2.0, 2.0, 2.0, 2.0, 2.0]
+
+    ```
     """
     _check_activation(activation)
     bound = ROLES.bind(locals())
@@ -369,6 +400,17 @@ def short_conv_step(
     """One decode step. `x_t`: batch axes + `Channel`; `state`: batch axes + `ConvState` + `Channel`.
 
     **Returns:** `StepResult(y_t, new_state)`, with `x_t`'s and `state`'s axes.
+
+    **Example:**
+
+    ```python
+    >>> import haliax as hax, jax, jax.numpy as jnp, axkern
+    >>> Embed, Width, ConvState = hax.Axis("embed", 2), hax.Axis("width", 3), hax.Axis("conv_state", 2)
+    >>> y_t, state = axkern.short_conv_step(hax.ones(Embed), hax.ones((ConvState, Embed)), hax.ones((Width, Embed)))
+    >>> y_t.array.tolist(), state.axes == (ConvState, Embed)
+    ([3.0, 3.0], True)
+
+    ```
     """
     bound = STEP_ROLES.bind(locals())
     _check_width(bound.axis("Width").size)

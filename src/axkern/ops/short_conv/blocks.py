@@ -49,7 +49,7 @@ def heuristic(spec: Spec) -> ConvBlockSizes:
         return ConvBlockSizes(
             block_seq=max(8, min(256, next_power_of_2(seq))), block_channels=128 if channels <= 128 else 256
         )
-    # H200 sweep (benchmarks/results/h200/short_conv_pallas_gpu_vs_xla_sweep2_2026-11-29.json,
+    # H200 sweep (benchmarks/results/nvidia_h200/short_conv/sweep.json,
     # B=8 S=4096 C=4096 W=4 bf16): 8x256 tiles with one warp had the fastest forward (0.169 ms)
     # and forward+backward, without activation (0.517 ms) and with SiLU (0.901 ms).
     block_seq = max(next_power_of_2(max(width - 1, 1)), min(8, next_power_of_2(seq)))

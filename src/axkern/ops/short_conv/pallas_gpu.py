@@ -26,7 +26,7 @@ FLOPs are `O(W)` per element.
 interpret mode (no PTX there) and not for float32.
 
 **Measured** (H200, jax 0.11.2, 2026-11-30, B=8 S=4096 C=4096 W=4 bf16, copy 4.11 TB/s,
-8x256 tiles, one warp; `benchmarks/results/h200/short_conv_mamba_2026-11-30.json`, where the
+8x256 tiles, one warp; `benchmarks/results/nvidia_h200/short_conv/mamba.json`, where the
 backward pulls a random `dy` back). SiLU: forward 0.180 ms (73% of copy) against XLA's
 0.333 ms, forward+backward 0.851 ms (38%) against 1.152 ms. No activation: forward 0.169 ms
 (77%) against 0.265 ms, forward+backward 0.514 ms (64%) against 1.108 ms. Faster than XLA

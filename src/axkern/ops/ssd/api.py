@@ -37,8 +37,8 @@ NAME = "ssd"
 
 
 def _gpu_order(spec) -> tuple[str, ...]:
-    """On the H200 (benchmarks/results/h200/ssd_mamba2_2.7b*_2026-11-30[fg].json, forward+backward,
-    bf16): `pallas_gpu` 8.62 / 4.39 / 33.9 ms against `xla` 12.66 / 6.37 / 48.0 at lengths
+    """On the H200 (forward+backward, bf16; `pallas_gpu` in benchmarks/results/nvidia_h200/ssd/,
+    `xla` and float32 in `git show ad250fb:benchmarks/results/h200/`): `pallas_gpu` 8.62 / 4.39 / 33.9 ms against `xla` 12.66 / 6.37 / 48.0 at lengths
     4096 / 2048 / 16384 (P 64, N 128) with 43-48% of its temporary memory, 4.50 against 6.23
     ms at P 128, N 64. float32: Triton's exact float32 products made `pallas_gpu` 22x slower
     (264 ms, against 12.1 for `xla` with TF32 products); with exact products too `xla`'s forward
@@ -134,6 +134,18 @@ def ssd_positional(
     clipped to `dt_limit`.
 
     **Returns:** `y` like `x`, or `WithFinalState(y, final_state [batch, heads, head_dim, state])`.
+
+    **Example:**
+
+    ```python
+    >>> import haliax as hax, jax, jax.numpy as jnp, axkern
+    >>> x = jax.random.normal(jax.random.PRNGKey(0), (1, 32, 2, 4))  # batch, length, heads, head_dim
+    >>> dt, A = jnp.full((1, 32, 2), 0.1), -jnp.ones(2)
+    >>> B = C = jax.random.normal(jax.random.PRNGKey(1), (1, 32, 1, 4))  # batch, length, groups, state
+    >>> axkern.positional.ssd(x, dt, A, B, C, chunk_size=16).shape
+    (1, 32, 2, 4)
+
+    ```
     """
     batch, length, heads, head_dim = x.shape
     groups, state = B.shape[2], B.shape[3]
@@ -201,6 +213,18 @@ def ssd_step_positional(
     """One decode step: `StepResult(y_t [batch, heads, head_dim], new_state)`.
 
     `block_sizes` is accepted for a uniform signature; the step is not blocked.
+
+    **Example:**
+
+    ```python
+    >>> import haliax as hax, jax, jax.numpy as jnp, axkern
+    >>> y_t, state = axkern.positional.ssd_step(
+    ...     jnp.ones((1, 2, 4)), jnp.ones((1, 2)), -jnp.ones(2), jnp.ones((1, 1, 4)), jnp.ones((1, 1, 4)),
+    ...     jnp.zeros((1, 2, 4, 4)))
+    >>> y_t.shape, state.shape
+    ((1, 2, 4), (1, 2, 4, 4))
+
+    ```
     """
     batch, heads, head_dim = x_t.shape
     groups, n = B_t.shape[1], B_t.shape[2]
@@ -324,6 +348,21 @@ def ssd(
     !!! info "Sharding"
         Batch axes mapped to mesh axes run data parallel; a mapped `Pos` runs sequence
         parallel, passing states between shards (see `_sequence_parallel`).
+
+    **Example:**
+
+    ```python
+    >>> import haliax as hax, jax, jax.numpy as jnp, axkern
+    >>> Pos, Heads, HeadDim = hax.Axis("position", 32), hax.Axis("heads", 2), hax.Axis("head_size", 4)
+    >>> Groups, State = hax.Axis("groups", 1), hax.Axis("state", 4)
+    >>> x = hax.random.normal(jax.random.PRNGKey(0), (Pos, Heads, HeadDim))
+    >>> dt, A = hax.ones((Pos, Heads)) * 0.1, -hax.ones(Heads)
+    >>> B = C = hax.random.normal(jax.random.PRNGKey(1), (Pos, Groups, State))
+    >>> y, state = axkern.ssd(x, dt, A, B, C, chunk_size=16, return_final_state=True)
+    >>> y.axes == x.axes, state.axes
+    (True, (Axis(name='heads', size=2), Axis(name='head_size', size=4), Axis(name='state', size=4)))
+
+    ```
     """
     bound = ROLES.bind(locals(), **_split_D(D))
     _check_groups(NAME, bound)
@@ -377,6 +416,19 @@ def ssd_step(
     `Heads`, `B_t`, `C_t` batch + `Groups` + `State`, `state` batch + `Heads` + `HeadDim` + `State`.
 
     **Returns:** `StepResult(y_t, new_state)` with `x_t`'s and `state`'s axes.
+
+    **Example:**
+
+    ```python
+    >>> import haliax as hax, jax, jax.numpy as jnp, axkern
+    >>> Heads, HeadDim, Groups, State = hax.Axis("heads", 2), hax.Axis("head_size", 4), hax.Axis("groups", 1), hax.Axis("state", 4)
+    >>> x_t, dt_t, A = hax.ones((Heads, HeadDim)), hax.ones(Heads), -hax.ones(Heads)
+    >>> B_t = C_t = hax.ones((Groups, State))
+    >>> y_t, state = axkern.ssd_step(x_t, dt_t, A, B_t, C_t, hax.zeros((Heads, HeadDim, State)))
+    >>> y_t.axes == x_t.axes, float(state.array[0, 0, 0])  # from a zero state: dt * x * B
+    (True, 1.0)
+
+    ```
     """
     bound = STEP_ROLES.bind(locals(), **_split_D(D))
     heads, groups = bound.axis("Heads"), bound.axis("Groups")

@@ -50,7 +50,7 @@ def heuristic(spec) -> SSDBlockSizes:
     at mamba_ssm's 256 would need sub-tiling (not yet written). Not swept; on the H200 chunks
     of 64 run the Mamba-2 2.7B layer (bf16, L 4096) at 8.62 ms forward+backward with 4 Triton
     warps (chunks of 128: 19.8 ms with 4 warps, 9.65 with 8; 64 with 8 warps: 10.4;
-    `benchmarks/results/h200/ssd_profile_warps_2026-11-30g.json`)."""
+    `benchmarks/results/nvidia_h200/ssd/sweep.json`)."""
     return SSDBlockSizes(chunk_size=max(MIN_DIM, min(64, next_power_of_2(spec.dim("length")))))
 
 
@@ -101,7 +101,7 @@ def _recurrence_bwd_kernel(
 class GpuLayout(chunk_kernels.Layout):
     # TF32 tensor cores for the float32 products of 16-bit inputs (10 mantissa bits, more than
     # bf16's 7): Triton's exact float32 product made the forward 15x slower on the H200
-    # (51.3 ms against 3.4 ms, benchmarks/results/h200/ssd_probe_2026-11-30.json)
+    # (51.3 ms against 3.4 ms, git show ad250fb:benchmarks/results/h200/ssd_probe_2026-11-30.json)
     precision_16bit = lax.Precision.DEFAULT
     # float32 inputs: Triton's exact float32 product (`None`: `kernels.dot`'s HIGHEST), not
     # tf32x3: float32 is the accuracy path here (the GPU order gives float32 to `xla`)
@@ -165,7 +165,7 @@ class GpuLayout(chunk_kernels.Layout):
         the states and their gradients and writes `d own`: 12 bytes, 4 FLOPs. On the H200 the
         two `lax.scan`s (forward and reverse) cost about 3 ms in ~450 small kernels, copies and
         transposes in the Mamba-2 2.7B layer; the two kernels 0.89 ms
-        (`benchmarks/results/h200/ssd_profile*_2026-11-30g.json`)."""
+        (`git show ad250fb:benchmarks/results/h200/ssd_profile_recurrence-kernel_2026-11-30g.json`)."""
         keep, grid, keep_spec, states, one = self._recurrence_specs(keep)
         f32 = jnp.float32
         return pl.pallas_call(

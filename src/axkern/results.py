@@ -1,0 +1,133 @@
+"""The results layout: one JSON file per device, op and preset.
+
+`axkern bench --save` writes `<root>/<device_key>/<op>/<preset>.json` (the latest run of that op
+and preset; git keeps the earlier ones) and `axkern report` reads every such file back. A file
+holds the command, the date, the device, the package versions, the ceilings measured in the
+run, each case's dimensions as fields, and the rows.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the CLI imports this module before jax
+    from .bench import Case, Row
+
+__all__ = ["DEFAULT_ROOT", "NOTE", "document", "path_for", "save", "load", "versions"]
+
+DEFAULT_ROOT = Path("benchmarks") / "results"
+NOTE = (
+    "TFLOP/s count model FLOPs (recomputation not counted); GB/s count the fewest bytes each "
+    "pass must move; 'of ceiling' is against the matmul rate (compute-bound ops) or the copy "
+    "bandwidth (memory-bound ops) measured at the start of this run, off a CPU only"
+)
+
+
+def versions() -> dict[str, str]:
+    """The versions a result records: axkern, jax, jaxlib, haliax, equinox and Python.
+
+    ```python
+    >>> from axkern.results import versions
+    >>> sorted(versions())
+    ['axkern', 'equinox', 'haliax', 'jax', 'jaxlib', 'python']
+
+    ```
+    """
+    from importlib.metadata import PackageNotFoundError, version
+
+    def v(name: str) -> str:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return "not installed"
+
+    return {name: v(name) for name in ("axkern", "jax", "jaxlib", "haliax", "equinox")} | {
+        "python": sys.version.split()[0]
+    }
+
+
+def document(
+    rows: Sequence[Row],
+    cases: Sequence[Case],
+    *,
+    command: str,
+    device: str,
+    device_key: str,
+    platform: str,
+    preset: str | None,
+    ceiling: float | None,
+    bandwidth: float | None,
+) -> dict:
+    """One run as plain data: what `--json` and `--save` write."""
+    ops = sorted({r.op for r in rows})
+    return {
+        "command": command,
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "device": device,
+        "device_key": device_key,
+        "platform": platform,
+        "op": ops[0] if len(ops) == 1 else None,
+        "preset": preset,
+        "versions": versions(),
+        "matmul_ceiling_tflops": ceiling,
+        "copy_bandwidth_gbps": bandwidth,
+        "note": NOTE,
+        "cases": [{"op": c.op, "case": c.label, "dtype": c.dtype, "dims": dict(c.dims)} for c in cases],
+        "rows": [r.as_dict() for r in rows],
+    }
+
+
+def path_for(root: Path | str, device_key: str, op: str, preset: str) -> Path:
+    """Where the run of `op` at `preset` on `device_key` lives.
+
+    ```python
+    >>> from axkern.results import path_for
+    >>> path_for("benchmarks/results", "nvidia_h200", "ssd", "mamba2_2.7b").as_posix()
+    'benchmarks/results/nvidia_h200/ssd/mamba2_2.7b.json'
+
+    ```
+    """
+    for what, name in (("device_key", device_key), ("op", op), ("preset", preset)):
+        if not name or "/" in name or name.startswith("."):
+            raise ValueError(f"results: expected a plain {what} name, got {name!r}")
+    return Path(root) / device_key / op / f"{preset}.json"
+
+
+def save(doc: dict, root: Path | str = DEFAULT_ROOT) -> list[Path]:
+    """Write one file per op of `doc` (a run of several ops is split) and return their paths."""
+    if doc.get("preset") is None:
+        raise ValueError("results: expected a run with a preset (the file's name), got none")
+    paths = []
+    for op in sorted({r["op"] for r in doc["rows"]}):
+        one = {
+            **doc,
+            "op": op,
+            "cases": [c for c in doc["cases"] if c["op"] == op],
+            "rows": [r for r in doc["rows"] if r["op"] == op],
+        }
+        path = path_for(root, doc["device_key"], op, doc["preset"])
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(one, indent=2) + "\n")
+        paths.append(path)
+    return paths
+
+
+def load(root: Path | str = DEFAULT_ROOT) -> list[dict]:
+    """Every run under `root` (sweeps left out), each with its `path`, sorted by device, op, preset."""
+    runs = []
+    for path in sorted(Path(root).glob("*/*/*.json")):
+        if path.stem == "sweep":
+            continue
+        doc = json.loads(path.read_text())
+        if "rows" not in doc or "command" not in doc:
+            raise ValueError(f"results: {path} is not an `axkern bench` run (no rows or command)")
+        doc.setdefault("device_key", path.parts[-3])
+        doc.setdefault("op", path.parts[-2])
+        doc.setdefault("preset", path.stem)
+        runs.append({**doc, "path": path})
+    return runs
