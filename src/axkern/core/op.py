@@ -19,12 +19,12 @@ import contextlib
 import contextvars
 import dataclasses
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
 
-from . import backend, blocks, caller, compat, config
+from . import backend, blocks, caller, compat, config, tuning
 
 __all__ = [
     "Unsupported",
@@ -86,7 +86,9 @@ class Decision:
     op: str
     implementation: str
     block_sizes: blocks.BlockSizes | None
-    block_source: str  # "argument" | "table" | "heuristic" | "none"
+    block_source: (
+        str  # "argument" | "tuning" | "cache" | "table" | "autotune" | "heuristic" | "default" | "none"
+    )
     rejected: tuple[Rejection, ...]
     spec: Spec
     interpret: bool = False
@@ -112,7 +114,9 @@ class Implementation:
 
     `fn(*arrays, block_sizes=..., interpret=..., **options)` is a positional function with its
     own `jax.custom_vjp`. `platforms` are where it runs compiled; an `interpretable` (Pallas)
-    implementation also runs elsewhere in interpret mode when asked to.
+    implementation also runs elsewhere in interpret mode when asked to. `space(spec)` lists
+    the block sizes `axkern tune` sweeps for a call (declared beside `heuristic` in the op's
+    `blocks.py`); an implementation without one is not tunable.
     """
 
     name: str
@@ -121,6 +125,7 @@ class Implementation:
     supports: Callable[[Spec], str | None] = lambda spec: None
     block_sizes: type[blocks.BlockSizes] | None = None
     heuristic: Callable[[Spec], blocks.BlockSizes] | None = None
+    space: Callable[[Spec], Sequence[blocks.BlockSizes]] | None = None
     interpretable: bool = False
     backward: str = "autodiff"
 
@@ -210,9 +215,19 @@ class Op:
         return f"runs on {'/'.join(impl.platforms)}, not {spec.platform}{hint}"
 
     def choose_blocks(
-        self, impl: Implementation, spec: Spec, block_sizes: blocks.BlockSizes | Mapping | None
+        self,
+        impl: Implementation,
+        spec: Spec,
+        block_sizes: blocks.BlockSizes | Mapping | None,
+        call: tuple[tuple, dict] | None = None,
     ) -> tuple[blocks.BlockSizes | None, str, str | None]:
-        """(block sizes, their source, reason they cannot serve or None)."""
+        """(block sizes, their source, reason they cannot serve or None).
+
+        The order: an explicit argument; the candidate a sweep is measuring ("tuning"); the
+        per-user tuning cache ("cache"); the shipped table ("table"); with autotuning on and
+        the call's `(arrays, options)` given, a sweep now ("autotune", stored in the cache);
+        the heuristic.
+        """
         cls = impl.block_sizes
         if cls is None:
             return None, "none", None
@@ -222,14 +237,35 @@ class Op:
             if reason is not None:
                 raise ValueError(f"{self.name}: block_sizes={bs} cannot serve {spec}: {reason}")
             return bs, "argument", None
-        tuned = blocks.lookup(self.package, spec.device_key, impl.name, self.bucket(spec), op=self.name)
-        if tuned is not None:
-            bs, source = cls.from_dict(tuned), "table"
+        bucket = self.bucket(spec)
+        found, source = tuning.forced_blocks(self.name, impl.name), "tuning"
+        if found is None:
+            found, source = tuning.lookup(spec.device_key, self.name, impl.name, bucket), "cache"
+        if found is None:
+            found = blocks.lookup(self.package, spec.device_key, impl.name, bucket, op=self.name)
+            source = "table"
+        if found is None and call is not None and self._autotunes(impl, spec):
+            from axkern import tune  # local: the sweep is built on the benchmark harness
+
+            found, source = tune.autotune(self, impl, spec, *call), "autotune"
+        if found is not None:
+            bs = found if isinstance(found, cls) else cls.from_dict(found)
         elif impl.heuristic is not None:
             bs, source = impl.heuristic(spec), "heuristic"
         else:
             bs, source = cls(), "default"
         return bs, source, bs.validate(spec)
+
+    def _autotunes(self, impl: Implementation, spec: Spec) -> bool:
+        """Autotuning is on, `impl` declares a space, it runs compiled here, and nothing else
+        (a sweep, `explain`) is tracing this call."""
+        return (
+            bool(config.current().autotune)
+            and impl.space is not None
+            and spec.platform in impl.platforms
+            and not tuning.tuning_active()
+            and _explaining.get() is None
+        )
 
     def _reject(self, impl: str, reason: str, fatal: bool, rejected: list[Rejection]) -> None:
         if fatal:
@@ -260,7 +296,7 @@ class Op:
                 reason = impl.supports(spec)
             bs, source = None, "none"
             if reason is None:
-                bs, source, reason = self.choose_blocks(impl, spec, block_sizes)
+                bs, source, reason = self.choose_blocks(impl, spec, block_sizes, (arrays, options))
             if reason is not None:
                 self._reject(name, reason, fatal, rejected)
                 continue

@@ -62,9 +62,7 @@ from axkern.core.kernels import dot as _dot
 from axkern.core.op import Unsupported
 
 from . import tiles
-from .blocks import AttentionBlockSizes
-
-MIN = 16
+from .blocks import GPU_MIN_BLOCK as MIN
 
 
 def supports(spec) -> str | None:
@@ -73,49 +71,6 @@ def supports(spec) -> str | None:
         if n < MIN or n & (n - 1):
             return f"{name}={n}: the Pallas GPU kernels need a power of two >= {MIN} (Triton tiles)"
     return None
-
-
-def heuristic(spec):
-    """Each kernel its own tiles, from the H200's per-kernel sweep (causal B2 L8192 H32 D128
-    bf16, `benchmarks/results/h200/attention_sweep_per-kernel_2026-11-30g.json`): forward
-    128x64 with 8 warps and 3 stages (3.54 ms against 4.36 at 64x64), `dk, dv` 64x64 with 4 and
-    2 (its 32x128 and 16x128 tiles ran 1.3-5.5x slower), `dq` 128x32 with 4 and 3: 13.49 ms
-    forward+backward in the sweep; in the bench 13.61 against 15.33 with one 64x64 tile for all
-    three (`attention_h200_{per-kernel,full-tiles}_2026-11-30g.json`). Only on Hopper (227 KiB
-    of shared memory a block: H100, H200, H800, GH200). Head dims above 128 keep 64x64 tiles
-    and Triton's defaults (the larger tiles' pipelined operands would outgrow the 227 KiB of
-    shared memory; not swept). 32-bit inputs take 64x64 tiles with two pipeline stages (one
-    for `dk, dv`): with Triton's default of three, float32 at head dim 128 asked the H200 for
-    240 KiB of shared memory. Short sequences get tiles no longer than the padded length, at
-    least 16."""
-    q_len, kv_len = (next_power_of_2(spec.dim(n)) for n in ("q_len", "kv_len"))
-    fit = lambda n, length: max(MIN, min(n, length))  # noqa: E731
-    wide = jnp.dtype(spec.dtype).itemsize > 2
-    hopper = spec.device_key.startswith(("nvidia_h100", "nvidia_h200", "nvidia_h800", "nvidia_gh200"))
-    if wide:  # 32-bit tiles take twice the shared memory: shallower pipelines
-        return AttentionBlockSizes(
-            block_q=fit(64, q_len),
-            block_kv=fit(64, kv_len),
-            num_stages=2,
-            num_stages_dq=2,
-            num_stages_dkv=1,
-        )
-    if not hopper or max(spec.dim("head_dim"), spec.dim("v_dim")) > 128:
-        return AttentionBlockSizes(block_q=fit(64, q_len), block_kv=fit(64, kv_len))
-    return AttentionBlockSizes(
-        block_q=fit(128, q_len),
-        block_kv=fit(64, kv_len),
-        num_warps=8,
-        num_stages=3,
-        block_q_dq=fit(128, q_len),
-        block_kv_dq=fit(32, kv_len),
-        num_warps_dq=4,
-        num_stages_dq=3,
-        block_q_dkv=fit(64, q_len),
-        block_kv_dkv=fit(64, kv_len),
-        num_warps_dkv=4,
-        num_stages_dkv=2,
-    )
 
 
 def _kinds(mask, sq, sk, sqp, skp, bq, bk):

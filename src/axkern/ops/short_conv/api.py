@@ -21,7 +21,7 @@ from axkern.core.op import Implementation, Op, step_op
 from axkern.core.typing import Array, Float, Int, checked
 
 from . import pallas_gpu, pallas_tpu, reference, xla
-from .blocks import ConvBlockSizes, bucket, heuristic
+from .blocks import ConvBlockSizes, bucket, heuristic, pallas_gpu_space, pallas_tpu_space
 from .shifts import extended
 
 __all__ = [
@@ -47,6 +47,7 @@ OP = Op(
             platforms=("gpu",),
             block_sizes=ConvBlockSizes,
             heuristic=heuristic,
+            space=pallas_gpu_space,
             interpretable=True,
             backward="custom_vjp: one Pallas kernel (dx, partial dw/dbias), state grad in JAX",
         ),
@@ -56,14 +57,14 @@ OP = Op(
             platforms=("tpu",),
             block_sizes=ConvBlockSizes,
             heuristic=heuristic,
+            space=pallas_tpu_space,
             interpretable=True,
             backward="custom_vjp: Pallas TPU kernels (verified in interpret mode only)",
         ),
         Implementation("xla", xla.conv, backward="custom_vjp: shifted sums (fused by XLA)"),
         Implementation("reference", reference.conv, backward="autodiff through the shifted sum"),
     ],
-    # GPU: pallas_gpu measured faster than xla on the H200 in every benchmarked case, forward and
-    # forward+backward, with and without SiLU (pallas_gpu.py has the figures)
+    # GPU: pallas_gpu before xla (faster in every benchmarked case: docs/ops/short_conv.md)
     default_order={"cpu": ("xla",), "gpu": ("pallas_gpu", "xla"), "tpu": ("pallas_tpu", "xla")},
     package=__package__,
     bucket=bucket,

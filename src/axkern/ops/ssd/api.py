@@ -21,7 +21,16 @@ from axkern.core.op import Implementation, Op, step_op
 from axkern.core.typing import Array, Float, Int, checked
 
 from . import pallas_gpu, pallas_tpu, reference, xla
-from .blocks import SSDBlockSizes, bucket, heuristic
+from .blocks import (
+    SSDBlockSizes,
+    bucket,
+    heuristic,
+    pallas_gpu_heuristic,
+    pallas_gpu_space,
+    pallas_tpu_heuristic,
+    pallas_tpu_space,
+    space,
+)
 
 __all__ = [
     "ssd",
@@ -55,6 +64,7 @@ OP = Op(
             xla.ssd,
             block_sizes=SSDBlockSizes,
             heuristic=heuristic,
+            space=space,
             backward="autodiff through the chunked scan (states saved per chunk)",
         ),
         Implementation(
@@ -63,7 +73,8 @@ OP = Op(
             platforms=("gpu",),
             supports=pallas_gpu.supports,
             block_sizes=SSDBlockSizes,
-            heuristic=pallas_gpu.heuristic,
+            heuristic=pallas_gpu_heuristic,
+            space=pallas_gpu_space,
             interpretable=True,
             backward="custom_vjp: chunk-scan and chunk-state backward kernels, the reverse recurrence as a kernel",
         ),
@@ -72,7 +83,8 @@ OP = Op(
             pallas_tpu.ssd,
             platforms=("tpu",),
             block_sizes=SSDBlockSizes,
-            heuristic=pallas_tpu.heuristic,
+            heuristic=pallas_tpu_heuristic,
+            space=pallas_tpu_space,
             interpretable=True,
             backward="custom_vjp: the same backward kernels (TPU interpret mode only)",
         ),

@@ -28,13 +28,9 @@ from axkern.core.blocks import next_power_of_2
 from axkern.core.op import Unsupported
 
 from . import chunk_kernels
-from .blocks import SSDBlockSizes
-
-MIN_DIM = 16
-# Largest chunks whose backward kernel fits in shared memory (measured on the H200: float32
-# inputs at chunk 128 asked for 352 KiB with P=64, N=128 and 240 KiB with P=32, N=64; 16-bit
-# inputs at 128 compile; one [Q, Q] float32 tile alone is 256 KiB at Q=256)
-MAX_CHUNK, MAX_CHUNK_32BIT = 128, 64
+from .blocks import GPU_MAX_CHUNK as MAX_CHUNK
+from .blocks import GPU_MAX_CHUNK_32BIT as MAX_CHUNK_32BIT
+from .blocks import GPU_MIN_DIM as MIN_DIM
 
 
 def supports(spec) -> str | None:
@@ -43,15 +39,6 @@ def supports(spec) -> str | None:
         if n < MIN_DIM or n & (n - 1):
             return f"{name}={n}: the Pallas GPU kernels need a power of two >= {MIN_DIM} (Triton dot tiles)"
     return None
-
-
-def heuristic(spec) -> SSDBlockSizes:
-    """Chunks of 64: a program holds `[Q, Q]` float32 score and decay tiles in registers, which
-    at mamba_ssm's 256 would need sub-tiling (not yet written). Not swept; on the H200 chunks
-    of 64 run the Mamba-2 2.7B layer (bf16, L 4096) at 8.62 ms forward+backward with 4 Triton
-    warps (chunks of 128: 19.8 ms with 4 warps, 9.65 with 8; 64 with 8 warps: 10.4;
-    `benchmarks/results/h200/ssd_profile_warps_2026-11-30g.json`)."""
-    return SSDBlockSizes(chunk_size=max(MIN_DIM, min(64, next_power_of_2(spec.dim("length")))))
 
 
 def _state_tile(p, n):

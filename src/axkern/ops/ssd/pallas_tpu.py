@@ -19,18 +19,10 @@ from __future__ import annotations
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from axkern.core.blocks import next_power_of_2
 from axkern.core.op import Unsupported
 
 from . import chunk_kernels
-from .blocks import SSDBlockSizes
-
-MIN_CHUNK = 8
-
-
-def heuristic(spec) -> SSDBlockSizes:
-    """Chunks of 128 (the MXU's width); untuned: no TPU here."""
-    return SSDBlockSizes(chunk_size=max(MIN_CHUNK, min(128, next_power_of_2(spec.dim("length")))))
+from .blocks import TPU_MIN_CHUNK as MIN_CHUNK
 
 
 class TpuLayout(chunk_kernels.Layout):
