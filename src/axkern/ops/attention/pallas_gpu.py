@@ -38,11 +38,8 @@ blocks powers of two >= 16 (Triton tiles), static masks or `Segments` `&` a stat
 (`PrefixLM`, `Dense` fall back to `xla`). Block sizes: `block_q`, `block_kv`, and Triton's
 `num_warps`, `num_stages` (`None`: Triton's defaults) for the forward, and the same four of
 each backward kernel (`*_dq`, `*_dkv`; `None`: the forward's); the lengths are padded to the
-largest block of the three. On the H200 (2026-11-30) the causal, window, full and packed-
-document cases passed the oracle rule in bf16; causal ran at 0.46x / 0.51x cuDNN's forward /
-forward+backward TFLOP/s with one 64x64 tile for all kernels, and at 0.55x / 0.56x (3.35 /
-13.61 ms, 328 / 283 TFLOP/s) with each kernel's own tiles from the per-kernel sweep; packed documents run 27x faster than `xla`'s forward: second in the
-GPU order, after `cudnn`. Soft cap and sinks passed on the H200 too.
+largest block of the three. Second in the GPU order, after `cudnn`, which cannot express
+packed documents or block-sparse masks through JAX (docs/ops/attention.md, "Performance").
 """
 
 from __future__ import annotations

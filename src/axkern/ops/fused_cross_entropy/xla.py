@@ -65,7 +65,7 @@ def _acc_dtype(x, w):
 def _mm(a, b, acc):
     """`a @ b` accumulated in `acc`; float32 operands at full precision: XLA's default on GPU
     is TF32, and a TF32 recomputation of the logits does not match an exact forward's `lse`
-    (`pallas_gpu`), which put its float32 `dx` 2.3x the plain-JAX error on the H200."""
+    (`pallas_gpu`): the float32 `dx` would miss the oracle rule."""
     precision = kernels.full_precision(jnp.result_type(a, b))
     return jnp.matmul(a, b, precision=precision, preferred_element_type=acc)
 
@@ -194,9 +194,9 @@ def recomputing(forward):
 # its 16-bit `dz` and the float32 `[D, V]` dw accumulator. Called without differentiation it is
 # the streaming forward above.
 #
-# dw accumulates across token blocks in float32. Accumulating in w's 16-bit dtype, as
-# Liger-Kernel does, halves that buffer and its traffic (84.6 ms and 0.74 GiB at llama3's size
-# on the H200), but at 8192x4096x128256 in bf16 it failed the oracle rule on the GPU (2026-11-30).
+# dw accumulates across token blocks in float32: accumulating in w's 16-bit dtype, as
+# Liger-Kernel does, would halve that buffer and its traffic but misses the oracle rule at
+# large vocabularies (docs/decisions.md).
 
 
 @dataclasses.dataclass(frozen=True)

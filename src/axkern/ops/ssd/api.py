@@ -46,13 +46,9 @@ NAME = "ssd"
 
 
 def _gpu_order(spec) -> tuple[str, ...]:
-    """On the H200 (benchmarks/results/h200/ssd_mamba2_2.7b*_2026-11-30[fg].json, forward+backward,
-    bf16): `pallas_gpu` 8.62 / 4.39 / 33.9 ms against `xla` 12.66 / 6.37 / 48.0 at lengths
-    4096 / 2048 / 16384 (P 64, N 128) with 43-48% of its temporary memory, 4.50 against 6.23
-    ms at P 128, N 64. float32: Triton's exact float32 products made `pallas_gpu` 22x slower
-    (264 ms, against 12.1 for `xla` with TF32 products); with exact products too `xla`'s forward
-    took 6.25 ms against `pallas_gpu`'s 55.6 (before `xla`'s float32 segment sums, untimed), so
-    `xla` serves float32."""
+    """16-bit inputs: `pallas_gpu`, then `xla` (the kernels are faster and need less than half
+    the temporary memory); float32 inputs: `xla`, as Triton's exact float32 products make
+    `pallas_gpu` several times slower (docs/ops/ssd.md, "Performance", has the figures)."""
     return ("pallas_gpu", "xla") if jnp.dtype(spec.dtype).itemsize <= 2 else ("xla",)
 
 

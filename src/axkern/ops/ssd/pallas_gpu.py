@@ -4,11 +4,10 @@ Vectors (`dt`, `cum`, weights, segment ids) stay `[b, h, L]` (`[b, L]`) and are 
 `[Q]` blocks, broadcast into columns or rows in registers.
 
 **Products**: float32 operands, TF32 tensor cores for 16-bit inputs, Triton's exact float32
-product for float32 inputs (the library's rule for float32; on the H200 its forward took
-55.6 ms against 6.25 for `xla`'s exact products, so the GPU order sends float32 to `xla`). In float32 the `A` and `dt_bias` gradients miss the
-oracle rule at one test shape with tf32x3 and with exact products alike: the rounding of
-`cum_t - cum_s`; float32 inputs now sum each segment on its own (`chunk_kernels`; 0.11x of
-the bound on the CPU, and all float32 GPU tests pass on the H200; docs/ops/ssd.md, Accuracy).
+product for float32 inputs (the library's rule for float32; slower than `xla`'s exact
+products, so the GPU order sends float32 to `xla`). Float32 inputs sum each segment's
+`sum_{s < r <= t} a_r` on its own (`chunk_kernels`), as the rounding of `cum_t - cum_s` would
+put the `A` and `dt_bias` gradients outside the oracle rule (docs/ops/ssd.md, "Accuracy").
 The recurrence between chunks and its reverse are kernels here (`GpuLayout.recurrence`). **Constraints**:
 `P`, `N` and the chunk powers of two and at least 16 (Triton's `dot` tiles), chunks at most
 128 (16-bit inputs) or 64 (float32 inputs: shared memory); otherwise the call falls back
@@ -87,8 +86,7 @@ def _recurrence_bwd_kernel(
 
 class GpuLayout(chunk_kernels.Layout):
     # TF32 tensor cores for the float32 products of 16-bit inputs (10 mantissa bits, more than
-    # bf16's 7): Triton's exact float32 product made the forward 15x slower on the H200
-    # (51.3 ms against 3.4 ms, benchmarks/results/h200/ssd_probe_2026-11-30.json)
+    # bf16's 7): Triton's exact float32 product is an order of magnitude slower
     precision_16bit = lax.Precision.DEFAULT
     # float32 inputs: Triton's exact float32 product (`None`: `kernels.dot`'s HIGHEST), not
     # tf32x3: float32 is the accuracy path here (the GPU order gives float32 to `xla`)
@@ -149,10 +147,8 @@ class GpuLayout(chunk_kernels.Layout):
         rows), each program loops over the chunks with a `[bp, N]` float32 state in registers,
         reading `own` (`[b, c, h, P, N]`) and writing the states entering each chunk. Memory
         bound: 8 bytes per state value and chunk (read, written), 2 FLOPs; the reverse reads
-        the states and their gradients and writes `d own`: 12 bytes, 4 FLOPs. On the H200 the
-        two `lax.scan`s (forward and reverse) cost about 3 ms in ~450 small kernels, copies and
-        transposes in the Mamba-2 2.7B layer; the two kernels 0.89 ms
-        (`benchmarks/results/h200/ssd_profile*_2026-11-30g.json`)."""
+        the states and their gradients and writes `d own`: 12 bytes, 4 FLOPs. One kernel each
+        way, where two `lax.scan`s would launch hundreds of small kernels, copies and transposes."""
         keep, grid, keep_spec, states, one = self._recurrence_specs(keep)
         f32 = jnp.float32
         return pl.pallas_call(
