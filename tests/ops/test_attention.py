@@ -230,7 +230,8 @@ def test_pallas_tpu_against_float64_oracle(kind, dtype):
 
 
 def test_pallas_tpu_rows_that_see_nothing_mqa_and_its_schedule():
-    from axkern.ops.attention import pallas_tpu, tiles
+    from axkern.ops.attention import common as tiles
+    from axkern.ops.attention import pallas_tpu
 
     arrays = _inputs(8, 1, 40, 40, 8, 1, 16, "float32")  # MQA
     check(

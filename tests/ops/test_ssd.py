@@ -121,7 +121,8 @@ def test_pallas_tpu_against_sequential_oracle(dtype, groups):
 def test_pallas_gpu_recurrence_kernels_equal_the_scans():
     # the state-passing kernels (interpret mode) against `lax.scan`: 5 chunks (keep padded to
     # 8), P=64 N=128 (two programs of 32 state rows per head), values and every gradient
-    from axkern.ops.ssd import chunk_kernels, pallas_gpu
+    from axkern.ops.ssd import pallas_gpu
+    from axkern.ops.ssd.common import kernels as chunk_kernels
 
     b, c, h, p, n = 2, 5, 3, 64, 128
     keys = jax.random.split(jax.random.PRNGKey(3), 6)

@@ -9,8 +9,9 @@ tracing) is skipped with its reason, warned once per (op, implementation, reason
 next one runs. Strict mode raises instead, and so does a single explicitly requested
 implementation. A Pallas kernel off its platform runs in interpret mode only when asked
 for (`axkern.use(interpret=True)`, or named alone); in an order of several it is skipped.
-Fallback warnings point at the caller's line. `explain` returns the `Decision` without
-running anything.
+Fallback warnings point at the caller's line. The chosen implementation runs under
+`jax.named_scope("axkern.<op>")` and a scope of its own name, so profiles and HLO metadata
+name every call. `explain` returns the `Decision` without running anything.
 """
 
 from __future__ import annotations
@@ -309,7 +310,8 @@ class Op:
             if impl.interpretable:
                 kwargs["interpret"] = interpret
             try:
-                out = impl.fn(*arrays, **kwargs)
+                with jax.named_scope(f"axkern.{self.name}"), jax.named_scope(name):
+                    out = impl.fn(*arrays, **kwargs)
             except Unsupported as e:
                 self._reject(name, str(e) or type(e).__name__, fatal, rejected)
                 continue

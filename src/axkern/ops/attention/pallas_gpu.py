@@ -58,7 +58,7 @@ from axkern.core.blocks import next_power_of_2
 from axkern.core.kernels import dot as _dot
 from axkern.core.op import Unsupported
 
-from . import tiles
+from . import common as tiles
 from .blocks import GPU_MIN_BLOCK as MIN
 
 
@@ -280,6 +280,7 @@ def _call(cfg, kernel, grid, in_specs, out_specs, out_shape, *args):
     tuned = {k: v for k, v in (("num_warps", cfg.num_warps), ("num_stages", cfg.num_stages)) if v is not None}
     return pl.pallas_call(
         kernel,
+        name=f"axkern_attention_gpu_{getattr(kernel, 'func', kernel).__name__.strip('_')}",
         grid=grid,
         in_specs=in_specs,
         out_specs=out_specs,

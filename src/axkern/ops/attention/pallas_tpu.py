@@ -50,7 +50,7 @@ from axkern import masks as masks_
 from axkern.core.kernels import dot as _dot
 from axkern.core.op import Unsupported
 
-from . import tiles
+from . import common as tiles
 from .blocks import TPU_SUBLANES as SUBLANES
 
 
@@ -102,6 +102,7 @@ def _tile_steps(count_ref, row, rows, s, update):
 def _call(cfg, kernel, grid, in_specs, out_specs, out_shape, scratch, *args):
     return pl.pallas_call(
         kernel,
+        name=f"axkern_attention_tpu_{getattr(kernel, 'func', kernel).__name__.strip('_')}",
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2, grid=grid, in_specs=in_specs, out_specs=out_specs, scratch_shapes=scratch
         ),

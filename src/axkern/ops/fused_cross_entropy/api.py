@@ -47,7 +47,7 @@ from .blocks import (
     pallas_tpu_space,
     space,
 )
-from .terms import token_losses
+from .common import token_losses
 
 __all__ = [
     "fused_cross_entropy",

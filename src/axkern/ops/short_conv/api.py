@@ -22,7 +22,7 @@ from axkern.core.typing import Array, Float, Int, checked
 
 from . import pallas_gpu, pallas_tpu, reference, xla
 from .blocks import ConvBlockSizes, bucket, heuristic, pallas_gpu_space, pallas_tpu_space
-from .shifts import extended
+from .common import extended
 
 __all__ = [
     "short_conv",

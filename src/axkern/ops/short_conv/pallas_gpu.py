@@ -41,9 +41,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from .blocks import ConvBlockSizes
-from .shifts import activate as _act
-from .shifts import activation_grad as _act_grad
-from .shifts import state_grad
+from .common import activate as _act
+from .common import activation_grad as _act_grad
+from .common import state_grad
 
 
 def program_ids():
@@ -241,6 +241,7 @@ def _prepare(x, weight, bias, segment_ids, initial_state):
 def _call(kernel, out_shape, grid, *, interpret, num_warps, **static):
     return pl.pallas_call(
         functools.partial(kernel, **static),
+        name=f"axkern_short_conv_gpu_{kernel.__name__.strip('_')}",
         grid=grid,
         out_shape=out_shape,
         interpret=interpret,

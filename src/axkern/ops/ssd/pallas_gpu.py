@@ -1,4 +1,4 @@
-"""Mamba-2 SSD as Pallas GPU (Triton) kernels, forward and backward (`chunk_kernels.py`).
+"""Mamba-2 SSD as Pallas GPU (Triton) kernels, forward and backward (`common/kernels.py`).
 
 Vectors (`dt`, `cum`, weights, segment ids) stay `[b, h, L]` (`[b, L]`) and are read as
 `[Q]` blocks, broadcast into columns or rows in registers.
@@ -6,7 +6,7 @@ Vectors (`dt`, `cum`, weights, segment ids) stay `[b, h, L]` (`[b, L]`) and are 
 **Products**: float32 operands, TF32 tensor cores for 16-bit inputs, Triton's exact float32
 product for float32 inputs (the library's rule for float32; slower than `xla`'s exact
 products, so the GPU order sends float32 to `xla`). Float32 inputs sum each segment's
-`sum_{s < r <= t} a_r` on its own (`chunk_kernels`), as the rounding of `cum_t - cum_s` would
+`sum_{s < r <= t} a_r` on its own (`common/kernels.py`), as the rounding of `cum_t - cum_s` would
 put the `A` and `dt_bias` gradients outside the oracle rule (docs/ops/ssd.md, "Accuracy").
 The recurrence between chunks and its reverse are kernels here (`GpuLayout.recurrence`). **Constraints**:
 `P`, `N` and the chunk powers of two and at least 16 (Triton's `dot` tiles), chunks at most
@@ -26,10 +26,10 @@ from jax.experimental import pallas as pl
 from axkern.core.blocks import next_power_of_2
 from axkern.core.op import Unsupported
 
-from . import chunk_kernels
 from .blocks import GPU_MAX_CHUNK as MAX_CHUNK
 from .blocks import GPU_MAX_CHUNK_32BIT as MAX_CHUNK_32BIT
 from .blocks import GPU_MIN_DIM as MIN_DIM
+from .common import kernels as chunk_kernels
 
 
 def supports(spec) -> str | None:
@@ -153,6 +153,7 @@ class GpuLayout(chunk_kernels.Layout):
         f32 = jnp.float32
         return pl.pallas_call(
             functools.partial(_recurrence_kernel, chunks=self.chunks),
+            name="axkern_ssd_gpu_recurrence",
             grid=grid,
             in_specs=[keep_spec, states, one],
             out_specs=[states, one],
@@ -169,6 +170,7 @@ class GpuLayout(chunk_kernels.Layout):
         rows = grid[2]
         d_own, d_keep, d_init = pl.pallas_call(
             functools.partial(_recurrence_bwd_kernel, chunks=self.chunks),
+            name="axkern_ssd_gpu_recurrence_bwd",
             grid=grid,
             in_specs=[keep_spec, states, states, one],
             out_specs=[

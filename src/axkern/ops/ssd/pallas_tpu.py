@@ -1,4 +1,4 @@
-"""Mamba-2 SSD as Pallas TPU (Mosaic) kernels, forward and backward (`chunk_kernels.py`).
+"""Mamba-2 SSD as Pallas TPU (Mosaic) kernels, forward and backward (`common/kernels.py`).
 
 The same kernels as `pallas_gpu`, with vectors laid out for Mosaic's block rule (a block's
 last two dimensions are multiples of (8, 128) or the array's own): columns as
@@ -21,8 +21,8 @@ from jax.experimental.pallas import tpu as pltpu
 
 from axkern.core.op import Unsupported
 
-from . import chunk_kernels
 from .blocks import TPU_MIN_CHUNK as MIN_CHUNK
+from .common import kernels as chunk_kernels
 
 
 class TpuLayout(chunk_kernels.Layout):

@@ -31,7 +31,7 @@ from jax import lax
 
 from axkern.core import kernels
 
-from .chunks import guard, pad_to_chunks, poison, segment_starts, skip_and_gate
+from .common.chunks import guard, pad_to_chunks, poison, segment_starts, skip_and_gate
 
 
 def _chunks(a, q):
