@@ -72,7 +72,7 @@ def mm(a, b, acc):
     return jnp.matmul(a, b, precision=precision, preferred_element_type=acc)
 
 
-def tile(cfg: Static, x, w, t0, ts, v0, vs):
+def _tile(cfg: Static, x, w, t0, ts, v0, vs):
     """Rows `[t0, t0+ts)` of x, columns `[v0, v0+vs)` of w, and their capped logits tile."""
     xt = lax.dynamic_slice_in_dim(x, t0, ts, axis=0)
     wv = lax.dynamic_slice_in_dim(w, v0, vs, axis=1)
@@ -82,7 +82,7 @@ def tile(cfg: Static, x, w, t0, ts, v0, vs):
     return xt, wv, z
 
 
-def hits(labels, t0, ts, v0, vs):
+def _hits(labels, t0, ts, v0, vs):
     local = lax.dynamic_slice_in_dim(labels, t0, ts) - v0
     return local[:, None] == lax.broadcasted_iota(local.dtype, (ts, vs), 1)
 
@@ -94,13 +94,13 @@ def stream_forward(cfg: Static, x, w, labels):
 
     def tile(v0, vs, t0, ts, carry):
         m, s, label_logit, sum_logits = carry
-        _, _, z = tile(cfg, x, w, t0, ts, v0, vs)
+        _, _, z = _tile(cfg, x, w, t0, ts, v0, vs)
         rows = lambda a: lax.dynamic_slice_in_dim(a, t0, ts)  # noqa: E731
         put = lambda a, u: lax.dynamic_update_slice_in_dim(a, u, t0, axis=0)  # noqa: E731
         m_old = rows(m)
         m_new = jnp.maximum(m_old, jnp.max(z, axis=1))
         s_new = rows(s) * jnp.exp(m_old - m_new) + jnp.sum(jnp.exp(z - m_new[:, None]), axis=1)
-        ll_new = rows(label_logit) + jnp.sum(jnp.where(hits(labels, t0, ts, v0, vs), z, 0), axis=1)
+        ll_new = rows(label_logit) + jnp.sum(jnp.where(_hits(labels, t0, ts, v0, vs), z, 0), axis=1)
         out = (put(m, m_new), put(s, s_new), put(label_logit, ll_new), sum_logits)
         if cfg.with_sum:
             out = out[:3] + (put(sum_logits, rows(sum_logits) + jnp.sum(z, axis=1)),)
@@ -128,10 +128,10 @@ def stream_backward(cfg: Static, residuals, cotangents):
 
     def tile(v0, vs, t0, ts, carry):
         dx, dw_block = carry
-        xt, wv, z = tile(cfg, x, w, t0, ts, v0, vs)
+        xt, wv, z = _tile(cfg, x, w, t0, ts, v0, vs)
         rows = lambda a: lax.dynamic_slice_in_dim(a, t0, ts)[:, None]  # noqa: E731
         dz = rows(g_lse) * jnp.exp(z - rows(lse))
-        dz = dz + jnp.where(hits(labels, t0, ts, v0, vs), rows(g_label), 0)
+        dz = dz + jnp.where(_hits(labels, t0, ts, v0, vs), rows(g_label), 0)
         if cfg.with_sum:
             dz = dz + rows(g_sum)
         if cfg.soft_cap is not None:
