@@ -13,65 +13,20 @@ from hypothesis import strategies as st
 
 import axkern
 from axkern.positional import ssd, ssd_step
-from tests.helpers import ATOL, assert_oracle_rule, to64, x64
-
-
-def make(seed, b, l, h, p, g, n, dtype, *, segments=True, extras=True):
-    k = jax.random.split(jax.random.PRNGKey(seed), 10)
-    dt_ = jnp.dtype(dtype)
-    arrays = dict(
-        x=jax.random.normal(k[0], (b, l, h, p)).astype(dt_),
-        dt=jax.random.normal(k[1], (b, l, h)).astype(dt_),
-        A=-jnp.exp(jax.random.normal(k[2], (h,))),
-        B=jax.random.normal(k[3], (b, l, g, n)).astype(dt_),
-        C=jax.random.normal(k[4], (b, l, g, n)).astype(dt_),
-    )
-    if extras:
-        arrays |= dict(
-            D=jax.random.normal(k[5], (h,)),
-            z=jax.random.normal(k[6], (b, l, h, p)).astype(dt_),
-            dt_bias=jax.random.normal(k[7], (h,)) * 0.1,
-            initial_state=jax.random.normal(k[8], (b, h, p, n)),
-        )
-    seg = jnp.cumsum(jax.random.bernoulli(k[9], 0.1, (b, l)), axis=1).astype(jnp.int32) if segments else None
-    return arrays, seg
-
-
-def run(impl, arrays, seg, chunk_size=None):
-    names = sorted(arrays)
-
-    def f(*vals):
-        kw = dict(zip(names, vals, strict=True))
-        y, final = ssd(
-            kw.pop("x"),
-            kw.pop("dt"),
-            kw.pop("A"),
-            kw.pop("B"),
-            kw.pop("C"),
-            dt_softplus=True,
-            segment_ids=seg,
-            return_final_state=True,
-            implementation=impl,
-            chunk_size=chunk_size,
-            **kw,
-        )
-        cot = jnp.cos(jnp.arange(y.size, dtype=jnp.float32).reshape(y.shape))
-        return jnp.sum(y.astype(jnp.float32) * cot) + jnp.sum(jnp.sin(final.astype(jnp.float32))), (y, final)
-
-    (_, out), grads = jax.value_and_grad(f, argnums=tuple(range(len(names))), has_aux=True)(
-        *[arrays[k] for k in names]
-    )
-    return out, grads
+from tests.cases.ssd import make, run
+from tests.harness import check_rule
+from tests.helpers import ATOL, to64, x64
 
 
 def check(seed, dims, dtype, chunk, impl="xla", **kw):
     arrays, seg = make(seed, *dims, dtype, **kw)
-    with x64():
-        want = jax.tree.map(np.asarray, run("reference", {k: to64(v) for k, v in arrays.items()}, seg))
-    same = run("reference", arrays, seg)
-    got = run(impl, arrays, seg, chunk)
-    assert_oracle_rule(got[0], same[0], want[0], dtype, f"ssd {impl} {dtype} y/final")
-    assert_oracle_rule(got[1], same[1], want[1], dtype, f"ssd {impl} {dtype} grads")
+    check_rule(
+        lambda name, a, **k: run(name, a, seg, chunk if name != "reference" else None),
+        impl,
+        arrays,
+        dtype,
+        "ssd",
+    )
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
