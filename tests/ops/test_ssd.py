@@ -37,9 +37,12 @@ def test_against_sequential_oracle(dtype, groups, segments):
     check(0, (2, 45, 4, 3, groups, 5), dtype, 16, segments=segments)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("groups", [1, 2])
-@pytest.mark.parametrize("segments", [False, True])
+# interpret mode runs the kernels slowly on a CPU: four cases in which every pair of values of
+# (dtype, groups, segments) occurs once, rather than all eight combinations
+PAIRWISE = [("float32", 1, True), ("float32", 2, False), ("bfloat16", 1, False), ("bfloat16", 2, True)]
+
+
+@pytest.mark.parametrize("dtype,groups,segments", PAIRWISE)
 def test_pallas_gpu_against_sequential_oracle(dtype, groups, segments):
     # interpret mode; P = N = 16 (the kernels' smallest tiles), length 45 over chunks of 16
     check(1, (2, 45, 4, 16, groups, 16), dtype, 16, impl="pallas_gpu", segments=segments)

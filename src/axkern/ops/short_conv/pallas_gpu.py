@@ -241,7 +241,7 @@ def _prepare(x, weight, bias, segment_ids, initial_state):
 def _call(kernel, out_shape, grid, *, interpret, num_warps, **static):
     return pl.pallas_call(
         functools.partial(kernel, **static),
-        name=f"axkern_short_conv_gpu_{kernel.__name__.strip('_')}",
+        name=f"axkern_short_conv_gpu_{getattr(kernel, 'func', kernel).__name__.strip('_')}",
         grid=grid,
         out_shape=out_shape,
         interpret=interpret,
