@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import multiprocessing
-import os
 import warnings
 
 import jax
@@ -58,24 +57,22 @@ def test_a_corrupt_cache_names_its_file(cache):
         tuning.read_cache("cpu")
 
 
-def _store_one(root: str, i: int) -> None:
-    os.environ["AXKERN_CACHE_DIR"] = root
+def _store_one(i: int) -> None:
     for j in range(5):
         tuning.store("cpu", [_entry("op", "xla", {"writer": i, "n": j}, {"block": j + 1})])
 
 
-def test_concurrent_writers_keep_every_entry(tmp_path, monkeypatch):
-    monkeypatch.setenv("AXKERN_CACHE_DIR", str(tmp_path))
+def test_concurrent_writers_keep_every_entry(cache):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # fork after JAX started: the children use no JAX
         ctx = multiprocessing.get_context("fork")
-        procs = [ctx.Process(target=_store_one, args=(str(tmp_path), i)) for i in range(4)]
+        procs = [ctx.Process(target=_store_one, args=(i,)) for i in range(4)]
         for p in procs:
             p.start()
         for p in procs:
             p.join(60)
     assert [p.exitcode for p in procs] == [0] * 4
-    entries = json.loads((tmp_path / "tuning" / "cpu.json").read_text())["entries"]
+    entries = json.loads((cache / "cpu.json").read_text())["entries"]
     assert sorted((e["bucket"]["writer"], e["bucket"]["n"]) for e in entries) == [
         (i, j) for i in range(4) for j in range(5)
     ]
@@ -169,6 +166,16 @@ def test_cache_comes_before_the_table_and_the_table_before_the_heuristic(toy, mo
     d = axkern.explain(call, x)
     assert (d.block_source, d.block_sizes) == ("cache", _Blocks(block=8))
     assert "(from cache)" in str(d)
+
+
+def test_a_sweeps_candidate_wins_over_the_cases_own_block_sizes(toy):
+    toy_op, call = toy
+    x = jnp.ones((16, 4))
+    explicit = lambda x: toy_op(toy_op.spec({"n": 16, "d": 4}, x.dtype), x, block_sizes={"block": 2})  # noqa: E731
+    assert axkern.explain(explicit, x).block_source == "argument"
+    with tuning.forced("tuning_toy", "xla", {"block": 8}):
+        d = axkern.explain(explicit, x)
+    assert (d.block_source, d.block_sizes) == ("tuning", _Blocks(block=8))
 
 
 def test_autotune_is_off_by_default_and_tunes_a_miss_when_asked(toy, cache):

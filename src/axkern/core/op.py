@@ -87,9 +87,8 @@ class Decision:
     op: str
     implementation: str
     block_sizes: blocks.BlockSizes | None
-    block_source: (
-        str  # "argument" | "tuning" | "cache" | "table" | "autotune" | "heuristic" | "default" | "none"
-    )
+    # "tuning" | "argument" | "cache" | "table" | "autotune" | "heuristic" | "default" | "none"
+    block_source: str
     rejected: tuple[Rejection, ...]
     spec: Spec
     interpret: bool = False
@@ -224,7 +223,7 @@ class Op:
     ) -> tuple[blocks.BlockSizes | None, str, str | None]:
         """(block sizes, their source, reason they cannot serve or None).
 
-        The order: an explicit argument; the candidate a sweep is measuring ("tuning"); the
+        The order: the candidate a sweep is measuring ("tuning"); an explicit argument; the
         per-user tuning cache ("cache"); the shipped table ("table"); with autotuning on and
         the call's `(arrays, options)` given, a sweep now ("autotune", stored in the cache);
         the heuristic.
@@ -232,6 +231,10 @@ class Op:
         cls = impl.block_sizes
         if cls is None:
             return None, "none", None
+        found = tuning.forced_blocks(self.name, impl.name)
+        if found is not None:  # a sweep's candidate, even where the case names block sizes
+            bs = cls.from_dict(found)
+            return bs, "tuning", bs.validate(spec)
         if block_sizes is not None:
             bs = block_sizes if isinstance(block_sizes, cls) else cls.from_dict(dict(block_sizes))
             reason = bs.validate(spec)
@@ -239,9 +242,7 @@ class Op:
                 raise ValueError(f"{self.name}: block_sizes={bs} cannot serve {spec}: {reason}")
             return bs, "argument", None
         bucket = self.bucket(spec)
-        found, source = tuning.forced_blocks(self.name, impl.name), "tuning"
-        if found is None:
-            found, source = tuning.lookup(spec.device_key, self.name, impl.name, bucket), "cache"
+        found, source = tuning.lookup(spec.device_key, self.name, impl.name, bucket), "cache"
         if found is None:
             found = blocks.lookup(self.package, spec.device_key, impl.name, bucket, op=self.name)
             source = "table"

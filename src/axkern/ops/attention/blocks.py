@@ -133,19 +133,19 @@ def pallas_gpu_heuristic(spec: Spec) -> AttentionBlockSizes:
 
 def pallas_gpu_space(spec: Spec) -> list[AttentionBlockSizes]:
     """One kernel at a time around the heuristic: the forward's, then `dq`'s, then `dk, dv`'s
-    (tiles of 16 to 128 each way, 4 or 8 warps, 1 to 3 stages), the other two kernels kept at
-    the heuristic's choice. A kernel's tiles barely change the others' times, so this covers
+    (64 or 128 query rows by 32 to 128 keys, 4 or 8 warps, 2 or 3 stages), the other two
+    kernels kept at the heuristic's choice. A kernel's tiles barely change the others' times, so this covers
     what a full product (thousands of candidates) would find."""
     base = pallas_gpu_heuristic(spec)
     q_len, kv_len = (next_power_of_2(spec.dim(n)) for n in ("q_len", "kv_len"))
-    tiles_q = [t for t in (32, 64, 128) if t <= max(GPU_MIN_BLOCK, q_len)] or [GPU_MIN_BLOCK]
-    tiles_kv = [t for t in (16, 32, 64, 128) if t <= max(GPU_MIN_BLOCK, kv_len)] or [GPU_MIN_BLOCK]
+    tiles_q = [t for t in (64, 128) if t <= q_len] or [GPU_MIN_BLOCK]
+    tiles_kv = [t for t in (32, 64, 128) if t <= kv_len] or [GPU_MIN_BLOCK]
     out = [base]
     for suffix in ("", "_dq", "_dkv"):
         for bq in tiles_q:
             for bk in tiles_kv:
                 for warps in (4, 8):
-                    for stages in (1, 2, 3):
+                    for stages in (2, 3):
                         fields = {"block_q": bq, "block_kv": bk, "num_warps": warps, "num_stages": stages}
                         out.append(dataclasses.replace(base, **{f + suffix: v for f, v in fields.items()}))
     return unique_valid(out, spec)
