@@ -16,6 +16,18 @@ settings.register_profile("thorough", max_examples=60, deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _empty_tuning_cache(tmp_path_factory):
+    """The tests see no per-user tuning cache: block sizes come from the tables and heuristics."""
+    from axkern.core import tuning
+
+    root = tmp_path_factory.mktemp("tuning_cache")
+    patch = pytest.MonkeyPatch()
+    patch.setattr(tuning, "cache_path", lambda key: root / f"{key}.json")
+    yield
+    patch.undo()
+
+
 @pytest.fixture(autouse=True)
 def _fresh_warnings():
     from axkern.core import op

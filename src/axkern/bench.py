@@ -5,7 +5,8 @@ the scalar loss whose gradient is the backward (or none: then a random cotangent
 output is pulled back), and the FLOPs and bytes each pass must do. For each
 case and implementation we compile once, report peak temporary memory from
 `compiled.memory_analysis()`, check the outputs against the `reference` implementation on
-the same inputs, then time device-synchronised calls (warm-up, median of repeats).
+the same inputs, then time device-synchronised calls (warm-up, then repeats: the median is
+the row's `ms`, the fastest and slowest repeat its `ms_min` and `ms_max`).
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ __all__ = [
     "Case",
     "Row",
     "measure",
+    "time_ms",
+    "time_spread",
     "matmul_ceiling",
     "copy_bandwidth",
     "cases_for",
@@ -79,7 +82,9 @@ class Row:
     case: str
     implementation: str
     pass_: str  # "fwd" | "fwd+bwd"
-    ms: float | None = None
+    ms: float | None = None  # median over the repeats
+    ms_min: float | None = None
+    ms_max: float | None = None
     tflops: float | None = None
     gbps: float | None = None
     ceiling_fraction: float | None = None
@@ -96,10 +101,10 @@ def _sync(tree):
     return jax.block_until_ready(tree)
 
 
-def time_ms(
+def time_spread(
     fn: Callable, args: Sequence, *, warmup: int = 2, repeats: int = 10, batch_s: float = 0.02
-) -> float:
-    """Median device time of `fn(*args)` in ms.
+) -> tuple[float, float, float]:
+    """Device time of `fn(*args)` in ms over `repeats` samples: (min, median, max).
 
     Each sample enqueues enough back-to-back calls to take about `batch_s` seconds and
     synchronises once at the end, so the host's dispatch and synchronisation latency (tens
@@ -119,7 +124,14 @@ def time_ms(
             out = fn(*args)
         _sync(out)
         times.append((time.perf_counter() - t0) * 1e3 / inner)
-    return statistics.median(times)
+    return min(times), statistics.median(times), max(times)
+
+
+def time_ms(
+    fn: Callable, args: Sequence, *, warmup: int = 2, repeats: int = 10, batch_s: float = 0.02
+) -> float:
+    """Median device time of `fn(*args)` in ms (see `time_spread`)."""
+    return time_spread(fn, args, warmup=warmup, repeats=repeats, batch_s=batch_s)[1]
 
 
 def matmul_ceiling(*, size: int | None = None, dtype=None, repeats: int = 10, warmup: int = 10) -> float:
@@ -202,9 +214,11 @@ def measure(
     ceiling: float | None = None,
     bandwidth: float | None = None,
     on_row: Callable[[Row], None] | None = None,
+    references: dict | None = None,
 ) -> list[Row]:
     """Rows for every (implementation, pass) of `case`. An implementation that cannot serve
-    the case (or fails) gets a row with its reason in `note` and no numbers."""
+    the case (or fails) gets a row with its reason in `note` and no numbers. `references`
+    (a dict, empty at first) keeps the reference's outputs per pass across calls on one case."""
     args = case.make(jax.random.PRNGKey(0))
     fns = {"fwd": lambda impl: jax.jit(lambda *a: case.forward_for(impl)(*a))}
     pass_args = {"fwd": args, "fwd+bwd": args}
@@ -220,13 +234,16 @@ def measure(
     rows = []
     for pass_ in [p for p in passes if p in case.passes]:
         args = pass_args[pass_]
-        want = None
-        try:
-            want = _sync(fns[pass_]("reference")(*args))
-        except Exception as e:  # noqa: BLE001 - the reference may not fit in memory
-            want_note = f"no reference ({type(e).__name__})"
+        want, want_note = None, ""
+        if references is not None and pass_ in references:
+            want, want_note = references[pass_]
         else:
-            want_note = ""
+            try:
+                want = _sync(fns[pass_]("reference")(*args))
+            except Exception as e:  # noqa: BLE001 - the reference may not fit in memory
+                want_note = f"no reference ({type(e).__name__})"
+            if references is not None:
+                references[pass_] = (want, want_note)
         for impl in implementations:
             row = Row(case.op, case.label, impl, pass_, interpret=runs_interpreted(case.op, impl))
             try:
@@ -238,7 +255,8 @@ def measure(
                 else:
                     row.note = want_note
                 del got
-                row.ms = time_ms(fn, args, repeats=repeats) / case.calls
+                spread = time_spread(fn, args, repeats=repeats)
+                row.ms_min, row.ms, row.ms_max = (t / case.calls for t in spread)
                 row.tflops = flops[pass_] / (row.ms * 1e-3) / 1e12
                 if nbytes[pass_]:
                     row.gbps = nbytes[pass_] / (row.ms * 1e-3) / 1e9

@@ -38,6 +38,7 @@ def columns(rows: list[Row]) -> tuple[list[str], list[list[str]]]:
         "impl": [r.implementation + (" (interpret)" if r.interpret else "") for r in rows],
         "pass": [r.pass_ for r in rows],
         "ms": [fmt(r.ms, ".3f") for r in rows],
+        "min-max ms": ["-" if r.ms_min is None else f"{r.ms_min:.3f}-{r.ms_max:.3f}" for r in rows],
         flop_unit: [rate(None if r.tflops is None else r.tflops * 1e12, flop_scale) for r in rows],
         byte_unit: [rate(None if r.gbps is None else r.gbps * 1e9, byte_scale) for r in rows],
         "of ceiling": [fmt(r.ceiling_fraction, ".1%") for r in rows],
@@ -45,7 +46,7 @@ def columns(rows: list[Row]) -> tuple[list[str], list[list[str]]]:
         "max rel err": [fmt(r.max_rel_error, ".2e") for r in rows],
         "note": [r.note for r in rows],
     }
-    optional = (byte_unit, "of ceiling", "temp GiB", "max rel err", "note")
+    optional = ("min-max ms", byte_unit, "of ceiling", "temp GiB", "max rel err", "note")
     keep = [k for k, v in columns.items() if k not in optional or any(x not in ("-", "") for x in v)]
     return keep, [[columns[k][i] for k in keep] for i in range(len(rows))]
 

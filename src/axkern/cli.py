@@ -1,4 +1,4 @@
-"""`axkern info | bench`: what runs here, and how fast."""
+"""`axkern info | bench | tune | build-native`: what runs here, how fast, and with which block sizes."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from rich.progress import Progress
 from rich.table import Table
 
 from . import results
+from . import cli_tune
 from .bench_format import print_rows, row_line
 
 console = Console()  # results
@@ -522,6 +523,7 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--docs", default="docs", help="docs folder: benchmarks.md and img/ (default: docs)")
     r.add_argument("--readme", default="README.md", help="the README whose overview plot is refreshed")
     r.set_defaults(fn=report)
+    cli_tune.add_parser(sub, _positive_int)
     n = sub.add_parser("build-native", help="compile the CUDA libraries into the cache and print where")
     n.add_argument("--arch", help="compute capability to build for (default: the visible GPU's), e.g. 9.0")
     n.set_defaults(fn=build_native)
@@ -530,6 +532,7 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     try:
         return args.fn(args)
     except ValueError as e:  # a bad op, preset or option: say so, no traceback

@@ -7,27 +7,22 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 import axkern
 from axkern import masks
-from tests.helpers import assert_oracle_rule, to64, x64
-from tests.ops.test_attention import _inputs, _run
+from tests.cases.attention import inputs as _inputs
+from tests.cases.attention import run as _run
+from tests.harness import check_rule, implementations
 
 pytestmark = pytest.mark.gpu
 
 
 @pytest.mark.parametrize("mask", [masks.Causal(), masks.SlidingWindow(128), masks.Full()])
-@pytest.mark.parametrize("impl", ["xla", "pallas_gpu", "cudnn"])
+@pytest.mark.parametrize("impl", implementations("attention", "gpu"))
 def test_against_oracle(impl, mask):
     a = _inputs(0, 2, 1024, 1024, 8, 2, 64, "bfloat16")
-    up = {n: x.astype(jnp.float32) for n, x in a.items()}
-    oracle = _run("reference", up, mask, sinks=False, blocks=(64, 64))
-    same = _run("reference", a, mask, sinks=False, blocks=(64, 64))
-    got = _run(impl, a, mask, sinks=False, blocks=(64, 64))
-    assert_oracle_rule(got[0], same[0], oracle[0], "bfloat16", f"attention {impl} out")
-    assert_oracle_rule(got[1], same[1], oracle[1], "bfloat16", f"attention {impl} grads")
+    check_rule(_run, impl, a, "bfloat16", "attention", mask=mask, sinks=False, blocks=(64, 64))
 
 
 def test_cudnn_is_chosen_explicitly_and_compiles():
@@ -59,13 +54,8 @@ def test_default_order_on_gpu_is_cudnn_then_pallas_gpu_then_xla():
 @pytest.mark.parametrize("opts", [dict(cap=30.0), dict(sinks=True), dict(cap=20.0, sinks=True)])
 def test_pallas_gpu_soft_cap_and_sinks_against_oracle(opts):
     a = _inputs(1, 2, 1024, 1024, 8, 2, 64, "bfloat16")
-    up = {n: x.astype(jnp.float32) for n, x in a.items()}
     kw = dict(sinks=False, blocks=(64, 64)) | opts
-    oracle = _run("reference", up, masks.Causal(), **kw)
-    same = _run("reference", a, masks.Causal(), **kw)
-    got = _run("pallas_gpu", a, masks.Causal(), **kw)
-    assert_oracle_rule(got[0], same[0], oracle[0], "bfloat16", f"attention pallas_gpu {opts} out")
-    assert_oracle_rule(got[1], same[1], oracle[1], "bfloat16", f"attention pallas_gpu {opts} grads")
+    check_rule(_run, "pallas_gpu", a, "bfloat16", f"attention {opts}", mask=masks.Causal(), **kw)
 
 
 @pytest.mark.parametrize("mask_kind", ["segments", "causal&segments"])
@@ -76,12 +66,9 @@ def test_pallas_gpu_packed_documents_against_oracle(mask_kind):
     ids = jnp.cumsum(cuts, axis=1).astype(jnp.int32)
     mask = masks.Segments(ids, ids)
     mask = masks.Causal() & mask if mask_kind == "causal&segments" else mask
-    up = {n: x.astype(jnp.float32) for n, x in a.items()}
-    oracle = _run("reference", up, mask, sinks=False, blocks=(64, 64))
-    same = _run("reference", a, mask, sinks=False, blocks=(64, 64))
-    got = _run("pallas_gpu", a, mask, sinks=False, blocks=(64, 64))
-    assert_oracle_rule(got[0], same[0], oracle[0], "bfloat16", f"attention pallas_gpu {mask_kind} out")
-    assert_oracle_rule(got[1], same[1], oracle[1], "bfloat16", f"attention pallas_gpu {mask_kind} grads")
+    check_rule(
+        _run, "pallas_gpu", a, "bfloat16", f"attention {mask_kind}", mask=mask, sinks=False, blocks=(64, 64)
+    )
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
@@ -98,11 +85,4 @@ def test_pallas_gpu_default_tiles_against_oracle(mask_kind, dtype):
         "window": masks.SlidingWindow(200),
         "causal&segments": masks.Causal() & masks.Segments(ids, ids),
     }[mask_kind]
-    with x64():  # the float64 oracle
-        oracle = jax.tree.map(
-            np.asarray, _run("reference", {k: to64(x) for k, x in a.items()}, mask, sinks=False, blocks=None)
-        )
-    same = _run("reference", a, mask, sinks=False, blocks=None)
-    got = _run("pallas_gpu", a, mask, sinks=False, blocks=None)
-    assert_oracle_rule(got[0], same[0], oracle[0], dtype, f"attention pallas_gpu {mask_kind} {dtype} out")
-    assert_oracle_rule(got[1], same[1], oracle[1], dtype, f"attention pallas_gpu {mask_kind} {dtype} grads")
+    check_rule(_run, "pallas_gpu", a, dtype, f"attention {mask_kind}", mask=mask, sinks=False, blocks=None)

@@ -9,48 +9,33 @@ in batch and length.
 from __future__ import annotations
 
 import jax
-import numpy as np
 import pytest
 
 import axkern
 from axkern.positional import ssd
-from tests.helpers import assert_oracle_rule, to64, x64
-from tests.ops.test_ssd import make, run
+from tests.cases.ssd import GPU_DIMS, make, run
+from tests.harness import check_rule, implementations
 
 pytestmark = pytest.mark.gpu
-
-
-# float32 at (2, 512, 4, 32, 2, 64), 8 chunks of 64: the `A` and `dt_bias` gradients (sums of
-# `d dt` over all positions) missed the bound on the H200 by up to 1.6x, `pallas_gpu` and `xla`
-# alike (`git show ad250fb:benchmarks/results/h200/gpu_tests_ssd_f32_f64-oracle_2026-11-30f.log`): the rounding of
-# `cum_t - cum_s`. Both now sum each segment on its own for float32 and pass on the H200
-# (gpu_tests_ssd_2026-11-30g.log). Length 1500: 24 or 12 chunks, not a power of two (the
-# recurrence kernels' all-chunks blocks; they passed at 1000, 16 or 8 chunks).
-DIMS = [(1, 1500, 8, 64, 1, 128), (2, 512, 4, 32, 2, 64)]  # b, l, h, p, g, n
 
 
 @pytest.mark.parametrize(
     "impl,dtype,segments,dims",
     [
         (i, d, s, dims)
-        for i in ("pallas_gpu", "xla")
+        for i in implementations("ssd", "gpu")
         for d in ("bfloat16", "float32")
         for s in (False, True)
-        for dims in DIMS
+        for dims in GPU_DIMS
     ],
 )
 def test_on_gpu_against_oracle(impl, dtype, segments, dims):
     arrays, seg = make(0, *dims, dtype, segments=segments)
-    with x64(), jax.default_device(jax.devices("cpu")[0]):
-        oracle = jax.tree.map(
-            np.asarray, run("reference", {k: to64(v) for k, v in arrays.items()}, to64(seg))
-        )
-    with jax.default_matmul_precision("highest"):  # the plain scan's float32 products exact
-        same = run("reference", arrays, seg)
-    chunk = 64 if dtype == "float32" or impl == "xla" else 128  # pallas_gpu.MAX_CHUNK*
-    got = run(impl, arrays, seg, chunk)
-    assert_oracle_rule(got[0], same[0], oracle[0], dtype, f"ssd {impl} {dtype} y/final")
-    assert_oracle_rule(got[1], same[1], oracle[1], dtype, f"ssd {impl} {dtype} grads")
+    # pallas_gpu's largest chunks for 16-bit inputs; float32 and xla at 64
+    chunk = 64 if dtype == "float32" or impl == "xla" else 128
+    check_rule(
+        lambda name, a: run(name, a, seg, None if name == "reference" else chunk), impl, arrays, dtype, "ssd"
+    )
 
 
 def test_explicit_pallas_gpu_is_compiled():

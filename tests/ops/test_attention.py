@@ -14,7 +14,9 @@ import pytest
 import axkern
 from axkern import masks
 from axkern.positional import attention
-from tests.helpers import assert_oracle_rule, to64, x64
+from tests.cases.attention import inputs as _inputs
+from tests.cases.attention import run as _run
+from tests.harness import check_rule
 
 
 def _seg(key, b, n, p=0.15):
@@ -35,51 +37,8 @@ def _mask(kind, b, sq, sk):
     }[kind]
 
 
-def _inputs(seed, b, sq, sk, h, kvh, d, dtype):
-    k = jax.random.split(jax.random.PRNGKey(seed), 4)
-    dt = jnp.dtype(dtype)
-    return dict(
-        q=jax.random.normal(k[0], (b, sq, h, d)).astype(dt),
-        k=jax.random.normal(k[1], (b, sk, kvh, d)).astype(dt),
-        v=jax.random.normal(k[2], (b, sk, kvh, d)).astype(dt),
-        sinks=jax.random.normal(k[3], (h,)),
-    )
-
-
-def _run(impl, arrays, mask, *, sinks=True, cap=None, blocks=(16, 16)):
-    def f(q, k, v, s):
-        o = attention(
-            q,
-            k,
-            v,
-            mask=mask,
-            sinks=s if sinks else None,
-            logits_soft_cap=cap,
-            implementation=impl,
-            block_sizes=(blocks if isinstance(blocks, dict) else dict(block_q=blocks[0], block_kv=blocks[1]))
-            if impl in ("xla", "pallas_gpu", "pallas_tpu") and blocks is not None
-            else None,
-        )
-        cot = jnp.cos(jnp.arange(o.size, dtype=jnp.float32).reshape(o.shape))
-        return jnp.sum(o.astype(jnp.float32) * cot), o
-
-    (_, out), grads = jax.value_and_grad(f, argnums=(0, 1, 2, 3), has_aux=True)(
-        arrays["q"], arrays["k"], arrays["v"], arrays["sinks"]
-    )
-    return out, grads if sinks else grads[:3]
-
-
 def check(arrays, mask, dtype, impl="xla", **kw):
-    with x64():
-        want = jax.tree.map(
-            np.asarray, _run("reference", {n: to64(a) for n, a in arrays.items()}, mask, **kw)
-        )
-    same = _run("reference", arrays, mask, **kw)
-    with axkern.use(interpret=True):
-        got = _run(impl, arrays, mask, **kw)
-    assert_oracle_rule(got[0], same[0], want[0], dtype, f"attention {impl} {dtype} out")
-    assert_oracle_rule(got[1], same[1], want[1], dtype, f"attention {impl} {dtype} grads")
-    return got
+    return check_rule(_run, impl, arrays, dtype, "attention", interpret=True, mask=mask, **kw)
 
 
 MASKS = ["causal", "full", "window", "segments", "prefix", "causal&segments", "window|prefix"]
@@ -230,7 +189,8 @@ def test_pallas_tpu_against_float64_oracle(kind, dtype):
 
 
 def test_pallas_tpu_rows_that_see_nothing_mqa_and_its_schedule():
-    from axkern.ops.attention import pallas_tpu, tiles
+    from axkern.ops.attention import common as tiles
+    from axkern.ops.attention import pallas_tpu
 
     arrays = _inputs(8, 1, 40, 40, 8, 1, 16, "float32")  # MQA
     check(

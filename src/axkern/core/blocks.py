@@ -1,8 +1,10 @@
 """Block sizes: a frozen-dataclass base, shipped tuned tables, and a blocked loop helper.
 
 Choice order for an implementation's block sizes (done by `Op`): an explicit argument,
-then an entry of `ops/<op>/tuned/<device_key>.json` for the call's shape bucket, then the
-op's heuristic (in `ops/<op>/blocks.py`). Whatever the source, `validate` runs before use.
+then the per-user tuning cache (`core/tuning.py`), then an entry of
+`ops/<op>/tuned/<device_key>.json` for the call's shape bucket, then the op's heuristic (in
+`ops/<op>/blocks.py`, beside the space of candidates `axkern tune` sweeps). Whatever the
+source, `validate` runs before use.
 
 A tuned table is JSON:
 
@@ -20,13 +22,22 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib.resources
+import itertools
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, TypeVar
 
 from jax import lax
 
-__all__ = ["BlockSizes", "next_power_of_2", "load_table", "lookup", "for_each_block"]
+__all__ = [
+    "BlockSizes",
+    "next_power_of_2",
+    "powers_of_two",
+    "grid",
+    "load_table",
+    "lookup",
+    "for_each_block",
+]
 
 Carry = TypeVar("Carry")
 
@@ -74,6 +85,38 @@ def cdiv(a: int, b: int) -> int:
 
 def next_power_of_2(n: int) -> int:
     return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
+
+
+def powers_of_two(size: int, *, high: int, count: int, low: int = 1) -> list[int]:
+    """The `count` largest powers of two in `[low, min(high, next_power_of_2(size))]`, largest
+    first; `[low]` when that range is empty. The values a tuning space tries for one field."""
+    top = min(high, next_power_of_2(size))
+    out = []
+    p = 1 << max(0, top.bit_length() - 1)
+    while p >= low and len(out) < count:
+        out.append(p)
+        p >>= 1
+    return out or [low]
+
+
+def grid(cls: type[BlockSizes], spec: Any, first: BlockSizes | None = None, **choices: Iterable) -> list:
+    """Every combination of `choices` (field name -> values) as `cls`, those that `validate`
+    for `spec`, without repeats; `first` (the heuristic's choice) leads when it validates."""
+    names = list(choices)
+    out = [] if first is None else [first]
+    for values in itertools.product(*(list(choices[n]) for n in names)):
+        out.append(cls(**dict(zip(names, values, strict=True))))
+    return unique_valid(out, spec)
+
+
+def unique_valid(candidates: Iterable[BlockSizes], spec: Any) -> list:
+    """`candidates` that validate for `spec`, first occurrence kept."""
+    seen, out = set(), []
+    for c in candidates:
+        if c not in seen and c.validate(spec) is None:
+            seen.add(c)
+            out.append(c)
+    return out
 
 
 @functools.cache

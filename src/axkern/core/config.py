@@ -1,7 +1,7 @@
-"""`axkern.use(...)`: scoped settings (strict mode, interpret mode, per-op implementation choice).
+"""`axkern.use(...)`: scoped settings (strict mode, interpret mode, autotuning, per-op implementation choice).
 
 Precedence for every setting: an argument of the call > the innermost `use(...)` > the
-environment (`AXKERN_STRICT`, `AXKERN_INTERPRET`, `AXKERN_IMPL_<OP>`) > the default.
+environment (`AXKERN_STRICT`, `AXKERN_INTERPRET`, `AXKERN_AUTOTUNE`, `AXKERN_IMPL_<OP>`) > the default.
 
 Settings are read when a function is traced. The settings of `use(...)` are also part of
 `jax.jit`'s cache key (a JAX user context): a function compiled by `jax.jit` or
@@ -33,6 +33,7 @@ _FALSE = {"", "0", "false", "no", "off"}
 class Settings:
     strict: bool | None = None
     interpret: bool | None = None
+    autotune: bool | None = None
     implementations: tuple[tuple[str, str | tuple[str, ...]], ...] = ()
 
 
@@ -44,6 +45,7 @@ _jit_key = compat.jit_context(None)  # the settings of use(...), as part of jax.
 _KNOWN_VARIABLES = (
     "AXKERN_STRICT",
     "AXKERN_INTERPRET",
+    "AXKERN_AUTOTUNE",
     "AXKERN_CACHE_DIR",
     "AXKERN_NVCC",
     "AXKERN_NVCC_TIMEOUT",
@@ -89,7 +91,8 @@ def current() -> Settings:
     s = _settings.get()
     strict = s.strict if s.strict is not None else _env_flag("AXKERN_STRICT")
     interpret = s.interpret if s.interpret is not None else _env_flag("AXKERN_INTERPRET")
-    return dataclasses.replace(s, strict=strict, interpret=interpret)
+    autotune = s.autotune if s.autotune is not None else _env_flag("AXKERN_AUTOTUNE")
+    return dataclasses.replace(s, strict=strict, interpret=interpret, autotune=autotune)
 
 
 def _parse_names(value: str | tuple[str, ...] | list[str]) -> str | tuple[str, ...]:
@@ -109,7 +112,13 @@ def implementation_override(op: str) -> str | tuple[str, ...] | None:
 
 
 @contextlib.contextmanager
-def use(*, strict: bool | None = None, interpret: bool | None = None, **implementations) -> Iterator[None]:
+def use(
+    *,
+    strict: bool | None = None,
+    interpret: bool | None = None,
+    autotune: bool | None = None,
+    **implementations,
+) -> Iterator[None]:
     """Scope settings for the axkern calls traced inside the `with` block.
 
     **Arguments:**
@@ -117,6 +126,10 @@ def use(*, strict: bool | None = None, interpret: bool | None = None, **implemen
     - `strict`: raise instead of falling back when an implementation cannot serve a call.
     - `interpret`: run Pallas kernels in interpret mode (`interpret=True` on GPU kernels,
       `pltpu.InterpretParams()` on TPU kernels), so they run on CPU.
+    - `autotune`: on a call whose block sizes are in neither the tuning cache nor a shipped
+      table, sweep the implementation's block-size space on random inputs of the call's
+      shapes (as `axkern tune` does), store the winner in the tuning cache and use it. Off by
+      default: the first such call takes a sweep's time.
     - `<op>=name` (e.g. `fused_cross_entropy="xla"`): pick that implementation for the op, as
       if passed as `implementation=`; a tuple or a comma-separated string is an ordered list.
 
@@ -147,6 +160,7 @@ def use(*, strict: bool | None = None, interpret: bool | None = None, **implemen
     new = Settings(
         strict=old.strict if strict is None else bool(strict),
         interpret=old.interpret if interpret is None else bool(interpret),
+        autotune=old.autotune if autotune is None else bool(autotune),
         implementations=old.implementations
         + tuple((op, _parse_names(v)) for op, v in implementations.items()),
     )

@@ -9,8 +9,9 @@ tracing) is skipped with its reason, warned once per (op, implementation, reason
 next one runs. Strict mode raises instead, and so does a single explicitly requested
 implementation. A Pallas kernel off its platform runs in interpret mode only when asked
 for (`axkern.use(interpret=True)`, or named alone); in an order of several it is skipped.
-Fallback warnings point at the caller's line. `explain` returns the `Decision` without
-running anything.
+Fallback warnings point at the caller's line. The chosen implementation runs under
+`jax.named_scope("axkern.<op>")` and a scope of its own name, so profiles and HLO metadata
+name every call. `explain` returns the `Decision` without running anything.
 """
 
 from __future__ import annotations
@@ -19,12 +20,12 @@ import contextlib
 import contextvars
 import dataclasses
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
 
-from . import backend, blocks, caller, compat, config
+from . import backend, blocks, caller, compat, config, tuning
 
 __all__ = [
     "Unsupported",
@@ -88,7 +89,8 @@ class Decision:
     op: str
     implementation: str
     block_sizes: blocks.BlockSizes | None
-    block_source: str  # "argument" | "table" | "heuristic" | "none"
+    # "tuning" | "argument" | "cache" | "table" | "autotune" | "heuristic" | "default" | "none"
+    block_source: str
     rejected: tuple[Rejection, ...]
     spec: Spec
     interpret: bool = False
@@ -114,7 +116,9 @@ class Implementation:
 
     `fn(*arrays, block_sizes=..., interpret=..., **options)` is a positional function with its
     own `jax.custom_vjp`. `platforms` are where it runs compiled; an `interpretable` (Pallas)
-    implementation also runs elsewhere in interpret mode when asked to.
+    implementation also runs elsewhere in interpret mode when asked to. `space(spec)` lists
+    the block sizes `axkern tune` sweeps for a call (declared beside `heuristic` in the op's
+    `blocks.py`); an implementation without one is not tunable.
     """
 
     name: str
@@ -123,6 +127,7 @@ class Implementation:
     supports: Callable[[Spec], str | None] = lambda spec: None
     block_sizes: type[blocks.BlockSizes] | None = None
     heuristic: Callable[[Spec], blocks.BlockSizes] | None = None
+    space: Callable[[Spec], Sequence[blocks.BlockSizes]] | None = None
     interpretable: bool = False
     backward: str = "autodiff"
 
@@ -239,26 +244,59 @@ class Op:
         return f"runs on {'/'.join(impl.platforms)}, not {spec.platform}{hint}"
 
     def choose_blocks(
-        self, impl: Implementation, spec: Spec, block_sizes: blocks.BlockSizes | Mapping | None
+        self,
+        impl: Implementation,
+        spec: Spec,
+        block_sizes: blocks.BlockSizes | Mapping | None,
+        call: tuple[tuple, dict] | None = None,
     ) -> tuple[blocks.BlockSizes | None, str, str | None]:
-        """(block sizes, their source, reason they cannot serve or None)."""
+        """(block sizes, their source, reason they cannot serve or None).
+
+        The order: the candidate a sweep is measuring ("tuning"); an explicit argument; the
+        per-user tuning cache ("cache"); the shipped table ("table"); with autotuning on and
+        the call's `(arrays, options)` given, a sweep now ("autotune", stored in the cache);
+        the heuristic.
+        """
         cls = impl.block_sizes
         if cls is None:
             return None, "none", None
+        found = tuning.forced_blocks(self.name, impl.name)
+        if found is not None:  # a sweep's candidate, even where the case names block sizes
+            bs = cls.from_dict(found)
+            return bs, "tuning", bs.validate(spec)
         if block_sizes is not None:
             bs = block_sizes if isinstance(block_sizes, cls) else cls.from_dict(dict(block_sizes))
             reason = bs.validate(spec)
             if reason is not None:
                 raise ValueError(f"{self.name}: block_sizes={bs} cannot serve {spec}: {reason}")
             return bs, "argument", None
-        tuned = blocks.lookup(self.package, spec.device_key, impl.name, self.bucket(spec), op=self.name)
-        if tuned is not None:
-            bs, source = cls.from_dict(tuned), "table"
+        bucket = self.bucket(spec)
+        found, source = tuning.lookup(spec.device_key, self.name, impl.name, bucket), "cache"
+        if found is None:
+            found = blocks.lookup(self.package, spec.device_key, impl.name, bucket, op=self.name)
+            source = "table"
+        if found is None and call is not None and self._autotunes(impl, spec):
+            from axkern import tune  # local: the sweep is built on the benchmark harness
+
+            found, source = tune.autotune(self, impl, spec, *call), "autotune"
+        if found is not None:
+            bs = found if isinstance(found, cls) else cls.from_dict(found)
         elif impl.heuristic is not None:
             bs, source = impl.heuristic(spec), "heuristic"
         else:
             bs, source = cls(), "default"
         return bs, source, bs.validate(spec)
+
+    def _autotunes(self, impl: Implementation, spec: Spec) -> bool:
+        """Autotuning is on, `impl` declares a space, it runs compiled here, and nothing else
+        (a sweep, `explain`) is tracing this call."""
+        return (
+            bool(config.current().autotune)
+            and impl.space is not None
+            and spec.platform in impl.platforms
+            and not tuning.tuning_active()
+            and _explaining.get() is None
+        )
 
     def _reject(self, impl: str, reason: str, fatal: bool, rejected: list[Rejection]) -> None:
         if fatal:
@@ -289,7 +327,7 @@ class Op:
                 reason = impl.supports(spec)
             bs, source = None, "none"
             if reason is None:
-                bs, source, reason = self.choose_blocks(impl, spec, block_sizes)
+                bs, source, reason = self.choose_blocks(impl, spec, block_sizes, (arrays, options))
             if reason is not None:
                 self._reject(name, reason, fatal, rejected)
                 continue
@@ -302,7 +340,8 @@ class Op:
             if impl.interpretable:
                 kwargs["interpret"] = interpret
             try:
-                out = impl.fn(*arrays, **kwargs)
+                with jax.named_scope(f"axkern.{self.name}"), jax.named_scope(name):
+                    out = impl.fn(*arrays, **kwargs)
             except Unsupported as e:
                 self._reject(name, str(e) or type(e).__name__, fatal, rejected)
                 continue

@@ -25,7 +25,16 @@ from axkern.core.op import Implementation, Op
 from axkern.core.typing import Array, Float, checked
 
 from . import cudnn, pallas_gpu, pallas_tpu, reference, xla
-from .blocks import AttentionBlockSizes, bucket, heuristic
+from .blocks import (
+    AttentionBlockSizes,
+    bucket,
+    heuristic,
+    pallas_gpu_heuristic,
+    pallas_gpu_space,
+    pallas_tpu_heuristic,
+    pallas_tpu_space,
+    space,
+)
 
 __all__ = ["attention", "attention_positional", "OP", "AttentionBlockSizes"]
 
@@ -39,6 +48,7 @@ OP = Op(
             xla.attention,
             block_sizes=AttentionBlockSizes,
             heuristic=heuristic,
+            space=space,
             backward="custom_vjp: flash-style recomputation per tile (float32 dk/dv accumulators)",
         ),
         Implementation(
@@ -47,7 +57,8 @@ OP = Op(
             platforms=("gpu",),
             supports=pallas_gpu.supports,
             block_sizes=AttentionBlockSizes,
-            heuristic=pallas_gpu.heuristic,
+            heuristic=pallas_gpu_heuristic,
+            space=pallas_gpu_space,
             interpretable=True,
             backward="custom_vjp: Pallas dq and dk/dv kernels, each with its own tiles",
         ),
@@ -56,7 +67,8 @@ OP = Op(
             pallas_tpu.attention,
             platforms=("tpu",),
             block_sizes=AttentionBlockSizes,
-            heuristic=pallas_tpu.heuristic,
+            heuristic=pallas_tpu_heuristic,
+            space=pallas_tpu_space,
             interpretable=True,
             backward="custom_vjp: block-sparse Pallas dq and dk/dv kernels (TPU interpret mode only)",
         ),
@@ -69,11 +81,9 @@ OP = Op(
         ),
         Implementation("reference", reference.attention, backward="autodiff through materialised scores"),
     ],
-    # GPU: cuDNN where its supports() holds (on the H200, 2026-11-30: 608 TFLOP/s forward
-    # against pallas_gpu's 253 and xla's 80 at B2 L8192 H32 D128 causal bf16), then
-    # pallas_gpu for what cuDNN cannot express through JAX (packed documents: 0.89 ms against
-    # xla's 24.5 ms forward; 2.5-4x xla on every measured mask), then xla; pallas_tpu
-    # (interpret-verified only) is explicit only
+    # GPU: cuDNN where its supports() holds, then pallas_gpu for what cuDNN cannot express
+    # through JAX (packed documents, every block-sparse mask), then xla; pallas_tpu is
+    # explicit only (its figures: docs/ops/attention.md, "Performance")
     default_order={"cpu": ("xla",), "gpu": ("cudnn", "pallas_gpu", "xla"), "tpu": ("xla",)},
     package=__package__,
     bucket=bucket,

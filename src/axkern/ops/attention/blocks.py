@@ -1,13 +1,30 @@
-"""Block sizes of attention (query rows by key columns per tile), and their heuristic."""
+"""Block sizes of attention (query rows by key columns per tile): each implementation's
+heuristic and the space of candidates `axkern tune` sweeps for it."""
 
 from __future__ import annotations
 
 import dataclasses
 
-from axkern.core.blocks import BlockSizes, next_power_of_2
+import jax.numpy as jnp
+
+from axkern.core.blocks import BlockSizes, grid, next_power_of_2, powers_of_two, unique_valid
 from axkern.core.op import Spec
 
-__all__ = ["AttentionBlockSizes", "bucket", "heuristic"]
+__all__ = [
+    "AttentionBlockSizes",
+    "bucket",
+    "heuristic",
+    "space",
+    "pallas_gpu_heuristic",
+    "pallas_gpu_space",
+    "pallas_tpu_heuristic",
+    "pallas_tpu_space",
+    "GPU_MIN_BLOCK",
+    "TPU_SUBLANES",
+]
+
+GPU_MIN_BLOCK = 16  # Triton tiles: powers of two of at least 16
+TPU_SUBLANES = 8  # TPU blocks: multiples of the 8 sublanes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,4 +75,94 @@ def heuristic(spec: Spec) -> AttentionBlockSizes:
     return AttentionBlockSizes(
         block_q=min(limit, next_power_of_2(spec.dim("q_len"))),
         block_kv=min(limit, next_power_of_2(spec.dim("kv_len"))),
+    )
+
+
+def space(spec: Spec) -> list[AttentionBlockSizes]:
+    """`xla`'s tiles: the three largest powers of two up to the platform's limit, each way."""
+    limit = _LIMIT.get(spec.platform, 128)
+    return grid(
+        AttentionBlockSizes,
+        spec,
+        first=heuristic(spec),
+        block_q=powers_of_two(spec.dim("q_len"), high=limit, count=3, low=8),
+        block_kv=powers_of_two(spec.dim("kv_len"), high=limit, count=3, low=8),
+    )
+
+
+_HOPPER = ("nvidia_h100", "nvidia_h200", "nvidia_h800", "nvidia_gh200")
+
+
+def pallas_gpu_heuristic(spec: Spec) -> AttentionBlockSizes:
+    """Each Triton kernel its own tiles. On Hopper (227 KiB of shared memory a block) with
+    16-bit inputs and head dims up to 128: forward 128x64 with 8 warps and 3 stages, `dq`
+    128x32 with 4 and 3, `dk, dv` 64x64 with 4 and 2 (docs/ops/attention.md, "Performance",
+    has the sweep behind them). Larger head dims and other GPUs: 64x64 tiles and Triton's
+    defaults (larger tiles' pipelined operands would outgrow shared memory). 32-bit inputs:
+    64x64 tiles with two pipeline stages (one for `dk, dv`), as their tiles take twice the
+    shared memory. Short sequences get tiles no longer than the padded length, at least 16."""
+    q_len, kv_len = (next_power_of_2(spec.dim(n)) for n in ("q_len", "kv_len"))
+    fit = lambda n, length: max(GPU_MIN_BLOCK, min(n, length))  # noqa: E731
+    wide = jnp.dtype(spec.dtype).itemsize > 2
+    hopper = spec.device_key.startswith(_HOPPER)
+    if wide:
+        return AttentionBlockSizes(
+            block_q=fit(64, q_len),
+            block_kv=fit(64, kv_len),
+            num_stages=2,
+            num_stages_dq=2,
+            num_stages_dkv=1,
+        )
+    if not hopper or max(spec.dim("head_dim"), spec.dim("v_dim")) > 128:
+        return AttentionBlockSizes(block_q=fit(64, q_len), block_kv=fit(64, kv_len))
+    return AttentionBlockSizes(
+        block_q=fit(128, q_len),
+        block_kv=fit(64, kv_len),
+        num_warps=8,
+        num_stages=3,
+        block_q_dq=fit(128, q_len),
+        block_kv_dq=fit(32, kv_len),
+        num_warps_dq=4,
+        num_stages_dq=3,
+        block_q_dkv=fit(64, q_len),
+        block_kv_dkv=fit(64, kv_len),
+        num_warps_dkv=4,
+        num_stages_dkv=2,
+    )
+
+
+def pallas_gpu_space(spec: Spec) -> list[AttentionBlockSizes]:
+    """One kernel at a time around the heuristic: the forward's, then `dq`'s, then `dk, dv`'s
+    (64 or 128 query rows by 32 to 128 keys, 4 or 8 warps, 2 or 3 stages), the other two
+    kernels kept at the heuristic's choice. A kernel's tiles barely change the others' times, so this covers
+    what a full product (thousands of candidates) would find."""
+    base = pallas_gpu_heuristic(spec)
+    q_len, kv_len = (next_power_of_2(spec.dim(n)) for n in ("q_len", "kv_len"))
+    tiles_q = [t for t in (64, 128) if t <= q_len] or [GPU_MIN_BLOCK]
+    tiles_kv = [t for t in (32, 64, 128) if t <= kv_len] or [GPU_MIN_BLOCK]
+    out = [base]
+    for suffix in ("", "_dq", "_dkv"):
+        for bq in tiles_q:
+            for bk in tiles_kv:
+                for warps in (4, 8):
+                    for stages in (2, 3):
+                        fields = {"block_q": bq, "block_kv": bk, "num_warps": warps, "num_stages": stages}
+                        out.append(dataclasses.replace(base, **{f + suffix: v for f, v in fields.items()}))
+    return unique_valid(out, spec)
+
+
+def pallas_tpu_heuristic(spec: Spec) -> AttentionBlockSizes:
+    """128x128 tiles (the MXU's), smaller for short sequences, at least 8."""
+    pick = lambda n: max(TPU_SUBLANES, min(128, next_power_of_2(n)))  # noqa: E731
+    return AttentionBlockSizes(block_q=pick(spec.dim("q_len")), block_kv=pick(spec.dim("kv_len")))
+
+
+def pallas_tpu_space(spec: Spec) -> list[AttentionBlockSizes]:
+    """Tiles of 128 to 512 each way (the three largest that fit the lengths, at least 8)."""
+    return grid(
+        AttentionBlockSizes,
+        spec,
+        first=pallas_tpu_heuristic(spec),
+        block_q=powers_of_two(spec.dim("q_len"), high=512, count=3, low=TPU_SUBLANES),
+        block_kv=powers_of_two(spec.dim("kv_len"), high=512, count=3, low=TPU_SUBLANES),
     )

@@ -23,8 +23,8 @@ def _mask_args(mask):
     if isinstance(mask, masks_.Causal) and mask.offset == 0:
         return {"is_causal": True}
     if isinstance(mask, masks_.SlidingWindow) and mask.offset == 0:
-        # without is_causal cuDNN's window bounds the left side only (future keys stay
-        # visible: seen on the H200, 2026-11-30, max error 1.0 against the oracle)
+        # without is_causal cuDNN's window bounds the left side only (future keys would
+        # stay visible)
         return {"is_causal": True, "local_window_size": (mask.size - 1, 0)}
     return None
 

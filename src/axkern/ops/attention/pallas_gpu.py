@@ -38,11 +38,8 @@ blocks powers of two >= 16 (Triton tiles), static masks or `Segments` `&` a stat
 (`PrefixLM`, `Dense` fall back to `xla`). Block sizes: `block_q`, `block_kv`, and Triton's
 `num_warps`, `num_stages` (`None`: Triton's defaults) for the forward, and the same four of
 each backward kernel (`*_dq`, `*_dkv`; `None`: the forward's); the lengths are padded to the
-largest block of the three. On the H200 (2026-11-30) the causal, window, full and packed-
-document cases passed the oracle rule in bf16; causal ran at 0.46x / 0.51x cuDNN's forward /
-forward+backward TFLOP/s with one 64x64 tile for all kernels, and at 0.55x / 0.56x (3.35 /
-13.61 ms, 328 / 283 TFLOP/s) with each kernel's own tiles from the per-kernel sweep; packed documents run 27x faster than `xla`'s forward: second in the
-GPU order, after `cudnn`. Soft cap and sinks passed on the H200 too.
+largest block of the three. Second in the GPU order, after `cudnn`, which cannot express
+packed documents or block-sparse masks through JAX (docs/ops/attention.md, "Performance").
 """
 
 from __future__ import annotations
@@ -61,10 +58,8 @@ from axkern.core.blocks import next_power_of_2
 from axkern.core.kernels import dot as _dot
 from axkern.core.op import Unsupported
 
-from . import tiles
-from .blocks import AttentionBlockSizes
-
-MIN = 16
+from . import common as tiles
+from .blocks import GPU_MIN_BLOCK as MIN
 
 
 def supports(spec) -> str | None:
@@ -73,49 +68,6 @@ def supports(spec) -> str | None:
         if n < MIN or n & (n - 1):
             return f"{name}={n}: the Pallas GPU kernels need a power of two >= {MIN} (Triton tiles)"
     return None
-
-
-def heuristic(spec):
-    """Each kernel its own tiles, from the H200's per-kernel sweep (causal B2 L8192 H32 D128
-    bf16, `benchmarks/results/nvidia_h200/attention/sweep.json`): forward
-    128x64 with 8 warps and 3 stages (3.54 ms against 4.36 at 64x64), `dk, dv` 64x64 with 4 and
-    2 (its 32x128 and 16x128 tiles ran 1.3-5.5x slower), `dq` 128x32 with 4 and 3: 13.49 ms
-    forward+backward in the sweep; in the bench 13.61 against 15.33 with one 64x64 tile for all
-    three (`attention_h200_{per-kernel,full-tiles}_2026-11-30g.json`). Only on Hopper (227 KiB
-    of shared memory a block: H100, H200, H800, GH200). Head dims above 128 keep 64x64 tiles
-    and Triton's defaults (the larger tiles' pipelined operands would outgrow the 227 KiB of
-    shared memory; not swept). 32-bit inputs take 64x64 tiles with two pipeline stages (one
-    for `dk, dv`): with Triton's default of three, float32 at head dim 128 asked the H200 for
-    240 KiB of shared memory. Short sequences get tiles no longer than the padded length, at
-    least 16."""
-    q_len, kv_len = (next_power_of_2(spec.dim(n)) for n in ("q_len", "kv_len"))
-    fit = lambda n, length: max(MIN, min(n, length))  # noqa: E731
-    wide = jnp.dtype(spec.dtype).itemsize > 2
-    hopper = spec.device_key.startswith(("nvidia_h100", "nvidia_h200", "nvidia_h800", "nvidia_gh200"))
-    if wide:  # 32-bit tiles take twice the shared memory: shallower pipelines
-        return AttentionBlockSizes(
-            block_q=fit(64, q_len),
-            block_kv=fit(64, kv_len),
-            num_stages=2,
-            num_stages_dq=2,
-            num_stages_dkv=1,
-        )
-    if not hopper or max(spec.dim("head_dim"), spec.dim("v_dim")) > 128:
-        return AttentionBlockSizes(block_q=fit(64, q_len), block_kv=fit(64, kv_len))
-    return AttentionBlockSizes(
-        block_q=fit(128, q_len),
-        block_kv=fit(64, kv_len),
-        num_warps=8,
-        num_stages=3,
-        block_q_dq=fit(128, q_len),
-        block_kv_dq=fit(32, kv_len),
-        num_warps_dq=4,
-        num_stages_dq=3,
-        block_q_dkv=fit(64, q_len),
-        block_kv_dkv=fit(64, kv_len),
-        num_warps_dkv=4,
-        num_stages_dkv=2,
-    )
 
 
 def _kinds(mask, sq, sk, sqp, skp, bq, bk):
@@ -328,6 +280,7 @@ def _call(cfg, kernel, grid, in_specs, out_specs, out_shape, *args):
     tuned = {k: v for k, v in (("num_warps", cfg.num_warps), ("num_stages", cfg.num_stages)) if v is not None}
     return pl.pallas_call(
         kernel,
+        name=f"axkern_attention_gpu_{getattr(kernel, 'func', kernel).__name__.strip('_')}",
         grid=grid,
         in_specs=in_specs,
         out_specs=out_specs,

@@ -47,20 +47,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from axkern import masks as masks_
-from axkern.core.blocks import next_power_of_2
 from axkern.core.kernels import dot as _dot
 from axkern.core.op import Unsupported
 
-from . import tiles
-from .blocks import AttentionBlockSizes
-
-SUBLANES = 8
-
-
-def heuristic(spec) -> AttentionBlockSizes:
-    """128x128 tiles (the MXU's), smaller for short sequences, at least 8."""
-    pick = lambda n: max(SUBLANES, min(128, next_power_of_2(n)))  # noqa: E731
-    return AttentionBlockSizes(block_q=pick(spec.dim("q_len")), block_kv=pick(spec.dim("kv_len")))
+from . import common as tiles
+from .blocks import TPU_SUBLANES as SUBLANES
 
 
 def _schedule(kinds, axis, batch, overlap=None):
@@ -111,6 +102,7 @@ def _tile_steps(count_ref, row, rows, s, update):
 def _call(cfg, kernel, grid, in_specs, out_specs, out_shape, scratch, *args):
     return pl.pallas_call(
         kernel,
+        name=f"axkern_attention_tpu_{getattr(kernel, 'func', kernel).__name__.strip('_')}",
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2, grid=grid, in_specs=in_specs, out_specs=out_specs, scratch_shapes=scratch
         ),

@@ -40,10 +40,14 @@ from .blocks import (
     bucket,
     heuristic,
     loss_heuristic,
+    loss_space,
     pallas_gpu_heuristic,
+    pallas_gpu_space,
     pallas_tpu_heuristic,
+    pallas_tpu_space,
+    space,
 )
-from .terms import token_losses
+from .common import token_losses
 
 __all__ = [
     "fused_cross_entropy",
@@ -65,6 +69,7 @@ OP = Op(
             xla.stats,
             block_sizes=CrossEntropyBlockSizes,
             heuristic=heuristic,
+            space=space,
             backward="custom_vjp: recomputes each logits tile (streamed, no [tokens, vocab] buffer)",
         ),
         Implementation(
@@ -74,6 +79,7 @@ OP = Op(
             supports=pallas_gpu.supports,
             block_sizes=CrossEntropyBlockSizes,
             heuristic=pallas_gpu_heuristic,
+            space=pallas_gpu_space,
             interpretable=True,
             backward="custom_vjp: recomputes the logits in XLA (streamed tiles, as xla)",
         ),
@@ -84,6 +90,7 @@ OP = Op(
             supports=pallas_tpu.supports,
             block_sizes=CrossEntropyBlockSizes,
             heuristic=pallas_tpu_heuristic,
+            space=pallas_tpu_space,
             interpretable=True,
             backward="custom_vjp: recomputes the logits in XLA (streamed tiles, as xla)",
         ),
@@ -93,9 +100,8 @@ OP = Op(
             backward="autodiff through materialised [tokens, vocab] logits",
         ),
     ],
-    # GPU: the Triton forward is at parity with xla's (32.5 against 31.9 ms at llama3's size,
-    # the same recomputing backward) without a logits tile in HBM; TPU: Mosaic, verified in
-    # interpret mode only (no TPU here). Either falls back to xla when `supports()` refuses.
+    # GPU: the Triton forward keeps no logits tile in HBM and shares xla's recomputing
+    # backward; TPU: the Mosaic kernel. Either falls back to xla when `supports()` refuses.
     default_order={"cpu": ("xla",), "gpu": ("pallas_gpu", "xla"), "tpu": ("pallas_tpu", "xla")},
     package=__package__,
     bucket=bucket,
@@ -111,6 +117,7 @@ LOSS_OP = Op(
             xla.loss,
             block_sizes=CrossEntropyBlockSizes,
             heuristic=loss_heuristic,
+            space=loss_space,
             backward="gradients formed in the forward, one [block_tokens, vocab] logits block at a time "
             "(6·N·D·V FLOPs; the backward scales them)",
         ),

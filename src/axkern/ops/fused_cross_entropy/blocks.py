@@ -1,10 +1,11 @@
-"""Block sizes of the fused cross-entropy and the heuristic used when no tuned entry matches."""
+"""Block sizes of the fused cross-entropy: each implementation's heuristic (used when no tuned
+entry matches) and the space of candidates `axkern tune` sweeps for it."""
 
 from __future__ import annotations
 
 import dataclasses
 
-from axkern.core.blocks import BlockSizes, next_power_of_2
+from axkern.core.blocks import BlockSizes, grid, next_power_of_2, powers_of_two
 from axkern.core.op import Spec
 
 __all__ = [
@@ -14,14 +15,16 @@ __all__ = [
     "loss_heuristic",
     "pallas_gpu_heuristic",
     "pallas_tpu_heuristic",
+    "space",
+    "loss_space",
+    "pallas_gpu_space",
+    "pallas_tpu_space",
 ]
 
 # Bytes of one float32 [block_tokens, block_vocab] logits tile, per platform. On GPU a tile
 # this size keeps each matmul large enough to run near the tensor-core ceiling while the
-# whole forward+backward stays far below the materialised [tokens, vocab] logits. The H200
-# sweep (benchmarks/results/nvidia_h200/fused_cross_entropy/sweep.json) ran fastest
-# with the largest tiles: 16384x4096 took 116 ms and 0.58 GiB, 4096x1024 170 ms; 16384x8192
-# was 2% faster again but needed 1.6 GiB.
+# whole forward+backward stays far below the materialised [tokens, vocab] logits (the
+# measurements behind the sizes: docs/ops/fused_cross_entropy.md, "Performance").
 _TILE_BYTES = {"gpu": 256 << 20, "tpu": 64 << 20, "cpu": 8 << 20}
 _BLOCK_VOCAB = {"gpu": 4096, "tpu": 2048, "cpu": 1024}
 
@@ -73,9 +76,7 @@ def heuristic(spec: Spec) -> CrossEntropyBlockSizes:
 # its share to the float32 [D, V] dw accumulator, a read-modify-write of 8·D·V bytes, so the
 # block also grows to D / 2 rows (rounded down to a power of two): the dw traffic stays below
 # twice the logits' own, for at most 3·D·V bytes of block (6 bytes a logit: the float32 block
-# and its 16-bit dz) beside the 4·D·V-byte accumulator that any such block size needs. On the
-# H200 at llama3's size: 512 rows 109.8 ms, 1024 88.5 ms, 2048 (= D / 2) 84.4 ms
-# (benchmarks/results/nvidia_h200/fused_cross_entropy_loss/sweep.json).
+# and its 16-bit dz) beside the 4·D·V-byte accumulator that any such block size needs.
 _LOSS_BLOCK_BYTES = {"gpu": 512 << 20, "tpu": 128 << 20, "cpu": 16 << 20}
 
 
@@ -96,3 +97,54 @@ def pallas_gpu_heuristic(spec: Spec) -> CrossEntropyBlockSizes:
 def pallas_tpu_heuristic(spec: Spec) -> CrossEntropyBlockSizes:
     """MXU-sized tiles whose VMEM footprint (about 6 MiB in bf16) fits every chip's budget."""
     return CrossEntropyBlockSizes(block_tokens=512, block_vocab=1024, block_embed=512)
+
+
+def space(spec: Spec) -> list[CrossEntropyBlockSizes]:
+    """`xla`'s streamed tiles: the four largest power-of-two row counts up to 16384 by the four
+    largest column counts up to 8192 (each at most the problem's size)."""
+    return grid(
+        CrossEntropyBlockSizes,
+        spec,
+        first=heuristic(spec),
+        block_tokens=powers_of_two(spec.dim("tokens"), high=16384, count=4, low=8),
+        block_vocab=powers_of_two(spec.dim("vocab"), high=8192, count=4, low=8),
+    )
+
+
+def loss_space(spec: Spec) -> list[CrossEntropyBlockSizes]:
+    """The reduced loss's row blocks (each spans the whole vocabulary): the five largest powers
+    of two up to 8192 rows."""
+    return grid(
+        CrossEntropyBlockSizes,
+        spec,
+        first=loss_heuristic(spec),
+        block_tokens=powers_of_two(spec.dim("tokens"), high=8192, count=5, low=8),
+        block_vocab=[spec.dim("vocab")],
+    )
+
+
+def pallas_gpu_space(spec: Spec) -> list[CrossEntropyBlockSizes]:
+    """Triton GEMM tiles: 64 or 128 rows, 128 or 256 columns, 32- or 64-deep steps, 4 or 8
+    warps, 2 or 3 stages."""
+    return grid(
+        CrossEntropyBlockSizes,
+        spec,
+        first=pallas_gpu_heuristic(spec),
+        block_tokens=(64, 128),
+        block_vocab=(128, 256),
+        block_embed=(32, 64),
+        num_warps=(4, 8),
+        num_stages=(2, 3),
+    )
+
+
+def pallas_tpu_space(spec: Spec) -> list[CrossEntropyBlockSizes]:
+    """MXU-sized tiles: 256 or 512 rows, 512 to 2048 columns, 256- or 512-deep steps."""
+    return grid(
+        CrossEntropyBlockSizes,
+        spec,
+        first=pallas_tpu_heuristic(spec),
+        block_tokens=(256, 512),
+        block_vocab=(512, 1024, 2048),
+        block_embed=(256, 512),
+    )

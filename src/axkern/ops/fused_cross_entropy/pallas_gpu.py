@@ -9,7 +9,7 @@ smoothing) the sum of the logits. Each split writes its four rows; XLA merges th
 (`lse = logsumexp_splits(m + log s)`). Ragged edges (tokens, vocabulary, embedding) are
 masked loads: nothing is padded or copied.
 
-**Backward: recomputation in XLA** (`xla.recomputing`: cuBLAS products over streamed tiles).
+**Backward: recomputation in XLA** (`common.recomputing`: cuBLAS products over streamed tiles).
 Why not a Pallas backward: `dx[t] = sum_v dz_tv w_v^T` needs a `[block_tokens, D]` float32
 accumulator per program (2 MiB at D = 4096, 128 rows), far beyond registers and shared
 memory, and splitting it over D multiplies the recomputation of `z`. The reduced loss does
@@ -38,7 +38,7 @@ from axkern.core.blocks import cdiv
 from axkern.core.kernels import dot as _dot
 from axkern.core.op import Unsupported
 
-from . import xla
+from . import common
 from .blocks import CrossEntropyBlockSizes
 
 MIN = 16
@@ -150,6 +150,7 @@ def _forward(cfg: _Static, x, w, labels):
     part = jax.ShapeDtypeStruct((cfg.splits, padded), jnp.float32)
     m, s, ll, sm = pl.pallas_call(
         functools.partial(_kernel, cfg=cfg, n=n, d=d, v=v),
+        name="axkern_fused_cross_entropy_gpu_forward",
         grid=(padded // cfg.block_tokens, cfg.splits),
         out_shape=[part] * 4,
         interpret=cfg.interpret,
@@ -176,4 +177,4 @@ def stats(
     return _stats(cfg, x, w, labels)
 
 
-_stats = xla.recomputing(_forward)
+_stats = common.recomputing(_forward)

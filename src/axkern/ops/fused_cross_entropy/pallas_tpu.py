@@ -14,7 +14,7 @@ logits); at the last vocab block the row block's `lse`, label logit and logit su
 written. Ragged edges are masked in the kernel (columns past the vocabulary do not count;
 embedding columns past `D` are zeroed in both operands), so nothing is padded or copied.
 
-**Backward: recomputation in XLA** (`xla.recomputing`), as `pallas_gpu`: a Pallas `dx` would
+**Backward: recomputation in XLA** (`common.recomputing`), as `pallas_gpu`: a Pallas `dx` would
 need a `[block_tokens, D]` float32 accumulator per row block. The reduced loss under
 `jax.grad` forms its gradients in the forward (`fused_cross_entropy_loss`).
 
@@ -40,7 +40,7 @@ from axkern.core.blocks import cdiv
 from axkern.core.kernels import dot as _dot
 from axkern.core.op import Unsupported
 
-from . import xla
+from . import common
 from .blocks import CrossEntropyBlockSizes
 
 VMEM_BUDGET = 16 << 20  # the scoped VMEM Mosaic grants a kernel by default (v4/v5e; v5p/v6e have more)
@@ -151,6 +151,7 @@ def _forward(cfg: _Static, x, w, labels):
     row_block = pl.BlockSpec((bt, 1), lambda i, j, k: (i, 0))
     lse, ll, sm = pl.pallas_call(
         functools.partial(_kernel, cfg=cfg, d=d, v=v),
+        name="axkern_fused_cross_entropy_tpu_forward",
         grid=(cdiv(n, bt), cdiv(v, bv), cdiv(d, bd)),
         in_specs=[
             row_block,
@@ -189,4 +190,4 @@ def stats(
     return _stats(cfg, x, w, labels)
 
 
-_stats = xla.recomputing(_forward)
+_stats = common.recomputing(_forward)

@@ -5,8 +5,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from .terms import token_losses
-
 
 def stats(x, w, labels, *, logits_soft_cap=None, with_sum=False):
     """Per-token `(lse, label_logit, sum_logits)` of `z = softcap(x @ w)`.
@@ -29,7 +27,7 @@ def stats(x, w, labels, *, logits_soft_cap=None, with_sum=False):
 def loss(x, w, labels, keep, scale, *, logits_soft_cap=None, logsumexp_weight=0.0, label_smoothing=0.0):
     """`scale * sum_{keep} loss_i` from the materialised logits; gradients by autodiff."""
     lse, label_logit, sum_logits = stats(x, w, labels, logits_soft_cap=logits_soft_cap, with_sum=True)
-    per = token_losses(
+    per = _token_losses(
         lse,
         label_logit,
         sum_logits,
@@ -40,3 +38,17 @@ def loss(x, w, labels, keep, scale, *, logits_soft_cap=None, logsumexp_weight=0.
         label_smoothing=label_smoothing,
     )
     return scale * jnp.sum(per)
+
+
+def _token_losses(lse, label_logit, sum_logits, labels, keep, vocab, *, logsumexp_weight, label_smoothing):
+    """Per-token loss from the three statistics: 0 where not `keep`, NaN for a kept label outside
+    `[0, V)`. Written here again (not imported from `common.py`), so the oracle shares no code
+    with the implementations it checks."""
+    eps = float(label_smoothing)
+    out = lse - (1.0 - eps) * label_logit
+    if eps:
+        out = out - (eps / vocab) * sum_logits
+    if logsumexp_weight:
+        out = out + float(logsumexp_weight) * jnp.square(lse)
+    valid = (labels >= 0) & (labels < vocab)
+    return jnp.where(keep, jnp.where(valid, out, jnp.nan), 0.0)

@@ -38,8 +38,8 @@ __all__ = [
     "moe_combine_positional",
 ]
 
-# GPU: the CUDA kernels, checked against the reference on the H200 and measured faster than
-# xla there (cuda.py has the figures); xla wherever they cannot serve (no nvcc, top-k > 16, ...)
+# GPU: the CUDA kernels (faster than xla: docs/ops/moe.md, "Performance"); xla wherever they
+# cannot serve (no nvcc, top-k > 16, ...)
 _ORDER = {"cpu": ("xla",), "gpu": ("cuda", "xla"), "tpu": ("xla",)}
 _BUCKET = lambda spec: dict(spec.dims)  # noqa: E731 - no tuned tables yet
 

@@ -20,13 +20,8 @@ the copy rate against XLA's 101% on the e64 preset). Its backward
 **Grid.** Row kernels: one block of 128 threads per token (grid-stride, at most 16 blocks
 per SM), threads across the row; outputs use streaming stores. **Bound.** Memory: dispatch
 reads `T·D` and writes `T·K·D` elements; combine reads `T·K·D` and writes `T·D`. The library
-is built by `axkern.core.native` on first use.
-
-**Measured** (H200, jax 0.11.2, 2026-11-30; `benchmarks/results/nvidia_h200/moe_*/e64.json`),
-32768 tokens, hidden 4096, 64 experts, top-8, bf16: dispatch 0.788 ms (74% of copy) against
-XLA's 1.610 ms; combine 0.575 ms (102%: mostly reads) against 0.566 ms; forward+backward
-1.362 against 2.300 ms and 1.821 against 2.169 ms; layout 45 us against 120 us. Hence first
-in the GPU order.
+is built by `axkern.core.native` on first use. First in the GPU order (its times beside
+XLA's: docs/ops/moe.md, "Performance").
 """
 
 from __future__ import annotations

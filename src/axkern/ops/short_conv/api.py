@@ -21,8 +21,8 @@ from axkern.core.op import Implementation, Op, step_op
 from axkern.core.typing import Array, Float, Int, checked
 
 from . import cuda, pallas_gpu, pallas_tpu, reference, xla
-from .blocks import ConvBlockSizes, bucket, cuda_heuristic, heuristic
-from .shifts import extended
+from .blocks import ConvBlockSizes, bucket, cuda_heuristic, cuda_space, heuristic, pallas_gpu_space, pallas_tpu_space
+from .common import extended
 
 __all__ = [
     "short_conv",
@@ -48,6 +48,7 @@ OP = Op(
             supports=cuda.supports,
             block_sizes=ConvBlockSizes,
             heuristic=cuda_heuristic,
+            space=cuda_space,
             backward="custom_vjp: one CUDA pass (dx, partial dw/dbias per tile), state grad in JAX",
         ),
         Implementation(
@@ -56,6 +57,7 @@ OP = Op(
             platforms=("gpu",),
             block_sizes=ConvBlockSizes,
             heuristic=heuristic,
+            space=pallas_gpu_space,
             interpretable=True,
             backward="custom_vjp: one Pallas kernel (dx, partial dw/dbias), state grad in JAX",
         ),
@@ -65,6 +67,7 @@ OP = Op(
             platforms=("tpu",),
             block_sizes=ConvBlockSizes,
             heuristic=heuristic,
+            space=pallas_tpu_space,
             interpretable=True,
             backward="custom_vjp: Pallas TPU kernels (verified in interpret mode only)",
         ),

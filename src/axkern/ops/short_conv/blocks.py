@@ -1,13 +1,14 @@
-"""Block sizes of the short causal convolution and the heuristic used when no tuned entry matches."""
+"""Block sizes of the short causal convolution: the heuristic used when no tuned entry
+matches, and the space of candidates `axkern tune` sweeps for each Pallas kernel."""
 
 from __future__ import annotations
 
 import dataclasses
 
-from axkern.core.blocks import BlockSizes, next_power_of_2
+from axkern.core.blocks import BlockSizes, grid, next_power_of_2
 from axkern.core.op import Spec
 
-__all__ = ["ConvBlockSizes", "bucket", "cuda_heuristic", "heuristic"]
+__all__ = ["ConvBlockSizes", "bucket", "cuda_heuristic", "cuda_space", "heuristic", "pallas_gpu_space", "pallas_tpu_space"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,9 +50,8 @@ def heuristic(spec: Spec) -> ConvBlockSizes:
         return ConvBlockSizes(
             block_seq=max(8, min(256, next_power_of_2(seq))), block_channels=128 if channels <= 128 else 256
         )
-    # H200 sweep (benchmarks/results/nvidia_h200/short_conv/sweep.json,
-    # B=8 S=4096 C=4096 W=4 bf16): 8x256 tiles with one warp had the fastest forward (0.169 ms)
-    # and forward+backward, without activation (0.517 ms) and with SiLU (0.901 ms).
+    # GPU: short tiles of 256 channels with one warp (the memory-bound kernel needs many
+    # programs, not wide ones; docs/ops/short_conv.md, "Performance", has the sweep)
     block_seq = max(next_power_of_2(max(width - 1, 1)), min(8, next_power_of_2(seq)))
     block_channels = min(256, next_power_of_2(channels))
     return ConvBlockSizes(block_seq=block_seq, block_channels=block_channels, num_warps=1)
@@ -65,4 +65,42 @@ def cuda_heuristic(spec: Spec) -> ConvBlockSizes:
         block_seq=max(8, min(128, next_power_of_2(seq))),
         block_channels=1024,
         block_seq_backward=max(8, min(256, next_power_of_2(seq))),
+    )
+
+
+def cuda_space(spec: Spec) -> list[ConvBlockSizes]:
+    """Forward tiles of 32 to 256 positions, backward tiles of 64 to 512 (a thread a column)."""
+    seq = next_power_of_2(spec.dim("seq"))
+    return grid(
+        ConvBlockSizes,
+        spec,
+        first=cuda_heuristic(spec),
+        block_seq=[s for s in (32, 64, 128, 256) if s <= max(32, seq)],
+        block_channels=(1024,),
+        block_seq_backward=[s for s in (64, 128, 256, 512) if s <= max(64, seq)],
+    )
+
+
+def pallas_gpu_space(spec: Spec) -> list[ConvBlockSizes]:
+    """Tiles of 8 to 64 positions (at least the halo) by 128 to 512 channels, 1 to 4 warps."""
+    seq, channels = next_power_of_2(spec.dim("seq")), next_power_of_2(spec.dim("channels"))
+    return grid(
+        ConvBlockSizes,
+        spec,
+        first=heuristic(spec),
+        block_seq=[s for s in (8, 16, 32, 64) if s <= max(8, seq)],
+        block_channels=[c for c in (128, 256, 512) if c <= max(128, channels)],
+        num_warps=(1, 2, 4),
+    )
+
+
+def pallas_tpu_space(spec: Spec) -> list[ConvBlockSizes]:
+    """Tiles of 64 to 256 positions by 128 or 256 channels (the (8, 128) layout's multiples)."""
+    seq = next_power_of_2(spec.dim("seq"))
+    return grid(
+        ConvBlockSizes,
+        spec,
+        first=heuristic(spec),
+        block_seq=[s for s in (64, 128, 256) if s <= max(64, seq)],
+        block_channels=(128, 256),
     )

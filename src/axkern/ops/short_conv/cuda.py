@@ -40,7 +40,7 @@ from axkern.core.blocks import cdiv
 from axkern.core.op import Unsupported
 
 from .blocks import ConvBlockSizes
-from .shifts import state_grad
+from .common import state_grad
 
 LIBRARY = "short_conv"
 DTYPES = ("bfloat16", "float32")

@@ -25,19 +25,10 @@ FLOPs are `O(W)` per element.
 (one MUFU op); the exact `exp` and IEEE division made the SiLU kernels compute-bound. Not in
 interpret mode (no PTX there) and not for float32.
 
-**Measured** (H200, jax 0.11.2, 2026-11-30, B=8 S=4096 C=4096 W=4 bf16, copy 4.11 TB/s,
-8x256 tiles, one warp; `benchmarks/results/nvidia_h200/short_conv/mamba.json`, where the
-backward pulls a random `dy` back). SiLU: forward 0.180 ms (73% of copy) against XLA's
-0.333 ms, forward+backward 0.851 ms (38%) against 1.152 ms. No activation: forward 0.169 ms
-(77%) against 0.265 ms, forward+backward 0.514 ms (64%) against 1.108 ms. Faster than XLA
-in every case of the preset (W=2, W=8, S=32768, segments too), so first on the GPU. With the
-exact sigmoid the SiLU forward took 0.250 ms (52%). Tried and dropped: recomputing `g` inside
-the `dx` kernel (`W` pre-activations live at once spill registers: 2.76 ms at W=4, 29 ms at
-W=8); clipped column indices (hiding their contiguity from Triton) with `pre` recomputed W
-times per position (19.5 ms); one dw/dbias partial per 16-row tile (0.59 ms without
-activation). Before 2026-11-30 the benchmarks took the gradient of `sum(y)`, a constant
-cotangent XLA folded into its backward, which flattered `xla` (0.44 ms then). jax 0.11.2
-warns that the Pallas Triton backend is deprecated in favour of Mosaic GPU.
+`g` is written once by the forward rather than recomputed inside the `dx` kernel, whose `W`
+live pre-activations would spill registers. First on the GPU: faster than XLA in every case
+of the benchmark preset (docs/ops/short_conv.md, "Performance", with the alternatives
+measured; docs/decisions.md).
 """
 
 from __future__ import annotations
@@ -50,9 +41,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from .blocks import ConvBlockSizes
-from .shifts import activate as _act
-from .shifts import activation_grad as _act_grad
-from .shifts import state_grad
+from .common import activate as _act
+from .common import activation_grad as _act_grad
+from .common import state_grad
 
 
 def program_ids():
@@ -130,7 +121,7 @@ class _Tile:
 def _sigmoid(approx):
     """`jax.nn.sigmoid`, or `(1 + tanh(p/2)) / 2` with PTX `tanh.approx.f32` (one MUFU op, relative
     error about 2^-11) for 16-bit outputs, whose rounding (2^-9) dwarfs it. The exact form's
-    `exp` and IEEE division made the SiLU kernels compute-bound on the H200."""
+    `exp` and IEEE division make the SiLU kernels compute-bound."""
     if approx:
         return lambda p: 0.5 + 0.5 * plgpu.approx_tanh(0.5 * p)
     return jax.nn.sigmoid
@@ -250,6 +241,7 @@ def _prepare(x, weight, bias, segment_ids, initial_state):
 def _call(kernel, out_shape, grid, *, interpret, num_warps, **static):
     return pl.pallas_call(
         functools.partial(kernel, **static),
+        name=f"axkern_short_conv_gpu_{getattr(kernel, 'func', kernel).__name__.strip('_')}",
         grid=grid,
         out_shape=out_shape,
         interpret=interpret,

@@ -32,9 +32,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from .blocks import ConvBlockSizes
-from .shifts import activate as _act
-from .shifts import activation_grad as _act_grad
-from .shifts import state_grad
+from .common import activate as _act
+from .common import activation_grad as _act_grad
+from .common import state_grad
 
 
 def _interpret_params(interpret: bool):
@@ -224,6 +224,7 @@ def _conv(cfg, x, weight, bias, segment_ids, initial_state):
         args += [seg, seg]
     return pl.pallas_call(
         functools.partial(_fwd_kernel, width=width, block_seq=bs, activation=activation, segments=segments),
+        name="axkern_short_conv_tpu_forward",
         grid=(batch, sp["ns"], pl.cdiv(channels, bc)),
         in_specs=in_specs,
         out_specs=sp["cur"],
@@ -260,6 +261,7 @@ def _bwd(cfg, residuals, dy):
             functools.partial(
                 _grad_kernel, width=width, block_seq=bs, activation=activation, segments=segments
             ),
+            name="axkern_short_conv_tpu_activation_grad",
             grid=grid,
             in_specs=[sp["cur"], sp["prev"], sp["weight"], sp["bias"], sp["state"], *seg_specs, sp["cur"]],
             out_specs=sp["cur"],
@@ -275,6 +277,7 @@ def _bwd(cfg, residuals, dy):
         args += [seg, seg, seg]
     dx, dw, db = pl.pallas_call(
         functools.partial(_bwd_kernel, width=width, block_seq=bs, seq=seq, segments=segments),
+        name="axkern_short_conv_tpu_backward",
         grid=grid,
         in_specs=[*in_specs, sp["cur"], sp["nxt"]],
         out_specs=[sp["cur"], part, part_b],

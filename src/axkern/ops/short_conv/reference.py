@@ -5,8 +5,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from .shifts import extended
-
 
 def conv(x, weight, bias, segment_ids, initial_state, *, activation=None):
     """`y[b, t] = act(bias + sum_k weight[k] * x[b, t - k])`, taps never crossing a segment boundary.
@@ -17,7 +15,7 @@ def conv(x, weight, bias, segment_ids, initial_state, *, activation=None):
     """
     seq, width = x.shape[1], weight.shape[0]
     acc = jnp.promote_types(x.dtype, jnp.float32)
-    xe, se = extended(x, segment_ids, initial_state)
+    xe, se = _extended(x, segment_ids, initial_state)
     out = jnp.broadcast_to(bias.astype(acc), x.shape)
     for k in range(width):
         tap = xe[:, width - 1 - k : width - 1 - k + seq].astype(acc)
@@ -36,3 +34,14 @@ def step(x_t, state, weight, bias, *, activation=None):
     b = jnp.zeros((channels,), weight.dtype) if bias is None else bias
     y = conv(window.astype(x_t.dtype), weight, b, None, jnp.zeros_like(state), activation=activation)
     return y[:, -1], window[:, 1:]
+
+
+def _extended(x, segment_ids, initial_state):
+    """`x` with its `W-1` previous inputs prepended, and the segment id of each extended row (the
+    state's rows belong to the sequence's first segment). Written here again, not imported from
+    `common.py`, so the oracle shares no code with the implementations it checks."""
+    xe = jnp.concatenate([initial_state.astype(x.dtype), x], axis=1)
+    if segment_ids is None:
+        return xe, None
+    lead = jnp.broadcast_to(segment_ids[:, :1], (x.shape[0], initial_state.shape[1]))
+    return xe, jnp.concatenate([lead, segment_ids], axis=1)

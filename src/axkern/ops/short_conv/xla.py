@@ -19,7 +19,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from .shifts import activate, activation_grad, extended, pre_activation
+from .common import activate, activation_grad, extended, pre_activation
 
 
 def conv(x, weight, bias, segment_ids, initial_state, *, activation=None):

@@ -21,7 +21,16 @@ from axkern.core.op import Implementation, Op, step_op
 from axkern.core.typing import Array, Float, Int, checked
 
 from . import pallas_gpu, pallas_tpu, reference, xla
-from .blocks import SSDBlockSizes, bucket, heuristic
+from .blocks import (
+    SSDBlockSizes,
+    bucket,
+    heuristic,
+    pallas_gpu_heuristic,
+    pallas_gpu_space,
+    pallas_tpu_heuristic,
+    pallas_tpu_space,
+    space,
+)
 
 __all__ = [
     "ssd",
@@ -37,13 +46,9 @@ NAME = "ssd"
 
 
 def _gpu_order(spec) -> tuple[str, ...]:
-    """On the H200 (forward+backward, bf16; `pallas_gpu` in benchmarks/results/nvidia_h200/ssd/,
-    `xla` and float32 in `git show ad250fb:benchmarks/results/h200/`): `pallas_gpu` 8.62 / 4.39 / 33.9 ms against `xla` 12.66 / 6.37 / 48.0 at lengths
-    4096 / 2048 / 16384 (P 64, N 128) with 43-48% of its temporary memory, 4.50 against 6.23
-    ms at P 128, N 64. float32: Triton's exact float32 products made `pallas_gpu` 22x slower
-    (264 ms, against 12.1 for `xla` with TF32 products); with exact products too `xla`'s forward
-    took 6.25 ms against `pallas_gpu`'s 55.6 (before `xla`'s float32 segment sums, untimed), so
-    `xla` serves float32."""
+    """16-bit inputs: `pallas_gpu`, then `xla` (the kernels are faster and need less than half
+    the temporary memory); float32 inputs: `xla`, as Triton's exact float32 products make
+    `pallas_gpu` several times slower (docs/ops/ssd.md, "Performance", has the figures)."""
     return ("pallas_gpu", "xla") if jnp.dtype(spec.dtype).itemsize <= 2 else ("xla",)
 
 
@@ -55,6 +60,7 @@ OP = Op(
             xla.ssd,
             block_sizes=SSDBlockSizes,
             heuristic=heuristic,
+            space=space,
             backward="autodiff through the chunked scan (states saved per chunk)",
         ),
         Implementation(
@@ -63,7 +69,8 @@ OP = Op(
             platforms=("gpu",),
             supports=pallas_gpu.supports,
             block_sizes=SSDBlockSizes,
-            heuristic=pallas_gpu.heuristic,
+            heuristic=pallas_gpu_heuristic,
+            space=pallas_gpu_space,
             interpretable=True,
             backward="custom_vjp: chunk-scan and chunk-state backward kernels, the reverse recurrence as a kernel",
         ),
@@ -72,7 +79,8 @@ OP = Op(
             pallas_tpu.ssd,
             platforms=("tpu",),
             block_sizes=SSDBlockSizes,
-            heuristic=pallas_tpu.heuristic,
+            heuristic=pallas_tpu_heuristic,
+            space=pallas_tpu_space,
             interpretable=True,
             backward="custom_vjp: the same backward kernels (TPU interpret mode only)",
         ),

@@ -1,13 +1,36 @@
-"""Chunk size of the SSD scan, and its heuristic."""
+"""Chunk size of the SSD scan: each implementation's heuristic and the chunk sizes `axkern
+tune` sweeps for it."""
 
 from __future__ import annotations
 
 import dataclasses
 
-from axkern.core.blocks import BlockSizes, next_power_of_2
+import jax.numpy as jnp
+
+from axkern.core.blocks import BlockSizes, grid, next_power_of_2
 from axkern.core.op import Spec
 
-__all__ = ["SSDBlockSizes", "bucket", "heuristic"]
+__all__ = [
+    "SSDBlockSizes",
+    "bucket",
+    "heuristic",
+    "space",
+    "pallas_gpu_heuristic",
+    "pallas_gpu_space",
+    "pallas_tpu_heuristic",
+    "pallas_tpu_space",
+    "GPU_MIN_DIM",
+    "GPU_MAX_CHUNK",
+    "GPU_MAX_CHUNK_32BIT",
+    "TPU_MIN_CHUNK",
+]
+
+GPU_MIN_DIM = 16  # Triton dot tiles: powers of two of at least 16
+# The largest chunks whose Pallas GPU backward kernel fits in a Hopper block's 227 KiB of
+# shared memory: one [Q, Q] float32 tile alone is 256 KiB at Q = 256, and 32-bit inputs
+# double the operand tiles.
+GPU_MAX_CHUNK, GPU_MAX_CHUNK_32BIT = 128, 64
+TPU_MIN_CHUNK = 8  # the sublanes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,6 +50,43 @@ def bucket(spec: Spec) -> dict:
 
 
 def heuristic(spec: Spec) -> SSDBlockSizes:
-    # 256 is mamba_ssm's choice on GPU; small chunks keep the CPU's quadratic part cheap
+    """`xla`: chunks of 256 on GPU (mamba_ssm's choice); 64 elsewhere, which keeps the
+    quadratic part of each chunk cheap on a CPU."""
     limit = 256 if spec.platform == "gpu" else 64
     return SSDBlockSizes(chunk_size=min(limit, next_power_of_2(spec.dim("length"))))
+
+
+def _chunks(spec: Spec, low: int, high: int) -> list[int]:
+    top = max(low, min(high, next_power_of_2(spec.dim("length"))))
+    return [q for q in (8, 16, 32, 64, 128, 256) if low <= q <= top]
+
+
+def space(spec: Spec) -> list[SSDBlockSizes]:
+    """`xla`: chunks of 16 to 256 positions."""
+    return grid(SSDBlockSizes, spec, first=heuristic(spec), chunk_size=_chunks(spec, 16, 256))
+
+
+def pallas_gpu_heuristic(spec: Spec) -> SSDBlockSizes:
+    """Chunks of 64: a program holds `[Q, Q]` float32 score and decay tiles in registers, which
+    at mamba_ssm's 256 would need sub-tiling (docs/ops/ssd.md, "Performance", has the times
+    of 64 and 128)."""
+    return SSDBlockSizes(chunk_size=max(GPU_MIN_DIM, min(64, next_power_of_2(spec.dim("length")))))
+
+
+def pallas_gpu_space(spec: Spec) -> list[SSDBlockSizes]:
+    """Chunks of 16 up to the largest whose backward fits in shared memory (64 for 32-bit inputs, 128 else)."""
+    wide = jnp.dtype(spec.dtype).itemsize > 2
+    high = GPU_MAX_CHUNK_32BIT if wide else GPU_MAX_CHUNK
+    return grid(
+        SSDBlockSizes, spec, first=pallas_gpu_heuristic(spec), chunk_size=_chunks(spec, GPU_MIN_DIM, high)
+    )
+
+
+def pallas_tpu_heuristic(spec: Spec) -> SSDBlockSizes:
+    """Chunks of 128 (the MXU's width)."""
+    return SSDBlockSizes(chunk_size=max(TPU_MIN_CHUNK, min(128, next_power_of_2(spec.dim("length")))))
+
+
+def pallas_tpu_space(spec: Spec) -> list[SSDBlockSizes]:
+    """Chunks of 32 to 256 positions."""
+    return grid(SSDBlockSizes, spec, first=pallas_tpu_heuristic(spec), chunk_size=_chunks(spec, 32, 256))

@@ -1,14 +1,13 @@
-"""Mamba-2 SSD as Pallas GPU (Triton) kernels, forward and backward (`chunk_kernels.py`).
+"""Mamba-2 SSD as Pallas GPU (Triton) kernels, forward and backward (`common/kernels.py`).
 
 Vectors (`dt`, `cum`, weights, segment ids) stay `[b, h, L]` (`[b, L]`) and are read as
 `[Q]` blocks, broadcast into columns or rows in registers.
 
 **Products**: float32 operands, TF32 tensor cores for 16-bit inputs, Triton's exact float32
-product for float32 inputs (the library's rule for float32; on the H200 its forward took
-55.6 ms against 6.25 for `xla`'s exact products, so the GPU order sends float32 to `xla`). In float32 the `A` and `dt_bias` gradients miss the
-oracle rule at one test shape with tf32x3 and with exact products alike: the rounding of
-`cum_t - cum_s`; float32 inputs now sum each segment on its own (`chunk_kernels`; 0.11x of
-the bound on the CPU, and all float32 GPU tests pass on the H200; docs/ops/ssd.md, Accuracy).
+product for float32 inputs (the library's rule for float32; slower than `xla`'s exact
+products, so the GPU order sends float32 to `xla`). Float32 inputs sum each segment's
+`sum_{s < r <= t} a_r` on its own (`common/kernels.py`), as the rounding of `cum_t - cum_s` would
+put the `A` and `dt_bias` gradients outside the oracle rule (docs/ops/ssd.md, "Accuracy").
 The recurrence between chunks and its reverse are kernels here (`GpuLayout.recurrence`). **Constraints**:
 `P`, `N` and the chunk powers of two and at least 16 (Triton's `dot` tiles), chunks at most
 128 (16-bit inputs) or 64 (float32 inputs: shared memory); otherwise the call falls back
@@ -27,14 +26,10 @@ from jax.experimental import pallas as pl
 from axkern.core.blocks import next_power_of_2
 from axkern.core.op import Unsupported
 
-from . import chunk_kernels
-from .blocks import SSDBlockSizes
-
-MIN_DIM = 16
-# Largest chunks whose backward kernel fits in shared memory (measured on the H200: float32
-# inputs at chunk 128 asked for 352 KiB with P=64, N=128 and 240 KiB with P=32, N=64; 16-bit
-# inputs at 128 compile; one [Q, Q] float32 tile alone is 256 KiB at Q=256)
-MAX_CHUNK, MAX_CHUNK_32BIT = 128, 64
+from .blocks import GPU_MAX_CHUNK as MAX_CHUNK
+from .blocks import GPU_MAX_CHUNK_32BIT as MAX_CHUNK_32BIT
+from .blocks import GPU_MIN_DIM as MIN_DIM
+from .common import kernels as chunk_kernels
 
 
 def supports(spec) -> str | None:
@@ -43,15 +38,6 @@ def supports(spec) -> str | None:
         if n < MIN_DIM or n & (n - 1):
             return f"{name}={n}: the Pallas GPU kernels need a power of two >= {MIN_DIM} (Triton dot tiles)"
     return None
-
-
-def heuristic(spec) -> SSDBlockSizes:
-    """Chunks of 64: a program holds `[Q, Q]` float32 score and decay tiles in registers, which
-    at mamba_ssm's 256 would need sub-tiling (not yet written). Not swept; on the H200 chunks
-    of 64 run the Mamba-2 2.7B layer (bf16, L 4096) at 8.62 ms forward+backward with 4 Triton
-    warps (chunks of 128: 19.8 ms with 4 warps, 9.65 with 8; 64 with 8 warps: 10.4;
-    `benchmarks/results/nvidia_h200/ssd/sweep.json`)."""
-    return SSDBlockSizes(chunk_size=max(MIN_DIM, min(64, next_power_of_2(spec.dim("length")))))
 
 
 def _state_tile(p, n):
@@ -100,8 +86,7 @@ def _recurrence_bwd_kernel(
 
 class GpuLayout(chunk_kernels.Layout):
     # TF32 tensor cores for the float32 products of 16-bit inputs (10 mantissa bits, more than
-    # bf16's 7): Triton's exact float32 product made the forward 15x slower on the H200
-    # (51.3 ms against 3.4 ms, git show ad250fb:benchmarks/results/h200/ssd_probe_2026-11-30.json)
+    # bf16's 7): Triton's exact float32 product is an order of magnitude slower
     precision_16bit = lax.Precision.DEFAULT
     # float32 inputs: Triton's exact float32 product (`None`: `kernels.dot`'s HIGHEST), not
     # tf32x3: float32 is the accuracy path here (the GPU order gives float32 to `xla`)
@@ -162,14 +147,13 @@ class GpuLayout(chunk_kernels.Layout):
         rows), each program loops over the chunks with a `[bp, N]` float32 state in registers,
         reading `own` (`[b, c, h, P, N]`) and writing the states entering each chunk. Memory
         bound: 8 bytes per state value and chunk (read, written), 2 FLOPs; the reverse reads
-        the states and their gradients and writes `d own`: 12 bytes, 4 FLOPs. On the H200 the
-        two `lax.scan`s (forward and reverse) cost about 3 ms in ~450 small kernels, copies and
-        transposes in the Mamba-2 2.7B layer; the two kernels 0.89 ms
-        (`git show ad250fb:benchmarks/results/h200/ssd_profile_recurrence-kernel_2026-11-30g.json`)."""
+        the states and their gradients and writes `d own`: 12 bytes, 4 FLOPs. One kernel each
+        way, where two `lax.scan`s would launch hundreds of small kernels, copies and transposes."""
         keep, grid, keep_spec, states, one = self._recurrence_specs(keep)
         f32 = jnp.float32
         return pl.pallas_call(
             functools.partial(_recurrence_kernel, chunks=self.chunks),
+            name="axkern_ssd_gpu_recurrence",
             grid=grid,
             in_specs=[keep_spec, states, one],
             out_specs=[states, one],
@@ -186,6 +170,7 @@ class GpuLayout(chunk_kernels.Layout):
         rows = grid[2]
         d_own, d_keep, d_init = pl.pallas_call(
             functools.partial(_recurrence_bwd_kernel, chunks=self.chunks),
+            name="axkern_ssd_gpu_recurrence_bwd",
             grid=grid,
             in_specs=[keep_spec, states, states, one],
             out_specs=[

@@ -1,4 +1,4 @@
-"""Mamba-2 SSD as Pallas TPU (Mosaic) kernels, forward and backward (`chunk_kernels.py`).
+"""Mamba-2 SSD as Pallas TPU (Mosaic) kernels, forward and backward (`common/kernels.py`).
 
 The same kernels as `pallas_gpu`, with vectors laid out for Mosaic's block rule (a block's
 last two dimensions are multiples of (8, 128) or the array's own): columns as
@@ -19,18 +19,10 @@ from __future__ import annotations
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from axkern.core.blocks import next_power_of_2
 from axkern.core.op import Unsupported
 
-from . import chunk_kernels
-from .blocks import SSDBlockSizes
-
-MIN_CHUNK = 8
-
-
-def heuristic(spec) -> SSDBlockSizes:
-    """Chunks of 128 (the MXU's width); untuned: no TPU here."""
-    return SSDBlockSizes(chunk_size=max(MIN_CHUNK, min(128, next_power_of_2(spec.dim("length")))))
+from .blocks import TPU_MIN_CHUNK as MIN_CHUNK
+from .common import kernels as chunk_kernels
 
 
 class TpuLayout(chunk_kernels.Layout):

@@ -9,11 +9,10 @@ over chunk states between chunks. Memory is linear in the length; gradients by a
 The length is padded to a multiple of `Q` with `dt = 0` rows, which leave the state unchanged.
 
 **float32.** `cum_t - cum_s` cancels: its gradient reaches `a_r` as a reverse running sum of
-row sums minus column sums, whose rounding added up over a sequence put the `A` and `dt_bias`
-gradients outside the oracle rule on the H200 (1.3x the bound at (2, 512, 4, 32, 2, 64)).
-For float32 inputs each `sum_{s < r <= t} a_r` is summed on its own (a `[Q, Q]` running sum
-per chunk and head, as mamba_ssm's minimal reference does): on the CPU that cut the worst
-error at that shape from 0.55x to 0.11x of the bound. 16-bit inputs keep the difference
+row sums minus column sums, whose rounding adds up over a sequence and can put the `A` and
+`dt_bias` gradients outside the oracle rule. For float32 inputs each `sum_{s < r <= t} a_r`
+is summed on its own (a `[Q, Q]` running sum per chunk and head, as mamba_ssm's minimal
+reference does; docs/ops/ssd.md, "Accuracy", has the errors). 16-bit inputs keep the difference
 (their rounding dominates, and it is cheaper).
 
 **Non-finite input** (`chunks.guard`): the chunks compute on the inputs with non-finite
@@ -32,7 +31,7 @@ from jax import lax
 
 from axkern.core import kernels
 
-from .chunks import guard, pad_to_chunks, poison, segment_starts, skip_and_gate
+from .common.chunks import guard, pad_to_chunks, poison, segment_starts, skip_and_gate
 
 
 def _chunks(a, q):

@@ -291,6 +291,7 @@ class Layout:
         single = len(outs) == 1
         return pl.pallas_call(
             functools.partial(kernel, lay=self),
+            name=f"axkern_ssd_{getattr(kernel, 'func', kernel).__name__.strip('_')}",
             grid=self.grid,
             in_specs=in_specs,
             out_specs=specs[0] if single else list(specs),

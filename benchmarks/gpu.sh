@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# The GPU tests and the benches of one op on any CUDA machine (a maintainer's script).
+#
+#   bash benchmarks/gpu.sh OP            the op's GPU tests, then its benches at the GPU preset
+#   bash benchmarks/gpu.sh tune OP       `axkern tune OP` at the GPU preset, writing the shipped table
+#   bash benchmarks/gpu.sh list          the ops and their presets
+#
+# OP is an op folder: attention, cross_entropy, fused_cross_entropy, moe, moe_ep, short_conv, ssd.
+# Wheels in an ignored `.whl/` folder (jax, jaxlib and the CUDA plugins for a machine without
+# network; `.whl/peers/` for the PyTorch peers) are installed into /tmp/site first. Logs and the
+# benches' JSON go under $OUT/gpu (./gpu-run without $OUT): one log per step, steps.txt with each
+# step's exit status and seconds, <op>/<preset>.json per bench (the layout of benchmarks/results).
+# Each step has its own timeout (seconds) so one hung kernel leaves the others their time.
+set -u
+if compgen -G ".whl/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl $(compgen -G ".whl/peers/*.whl")
+  export PYTHONPATH=/tmp/site:$PWD/src
+else
+  export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH}
+fi
+export PYTHONUNBUFFERED=1 PATH=/usr/local/cuda/bin:$PATH
+R=${OUT:-$PWD/gpu-run}/gpu
+mkdir -p "$R"
+step() {
+  local t=$1 name=$2; shift 2
+  echo "== $name"
+  local s=$SECONDS
+  timeout "$t" "$@" > "$R/$name.log" 2>&1
+  echo "$name rc=$? $((SECONDS - s))s" | tee -a "$R/steps.txt"
+}
+axkern="python3 -m axkern"
+gpu_tests="env AXKERN_TEST_GPU=1 python3 -m pytest -q -p no:cacheprovider -rs"
+bench() {  # bench OP PRESET [more axkern bench arguments]
+  local op=$1 preset=$2; shift 2
+  mkdir -p "$R/$op"
+  step 240 "bench_${op}_$preset" $axkern bench "$op" --preset "$preset" --repeats 5 --json "$R/$op/$preset.json" "$@"
+}
+tests() {  # tests FILE: the op's GPU tests
+  [ -f "tests/gpu/$1" ] && step 300 "gpu_tests_${1%.py}" $gpu_tests "tests/gpu/$1"
+}
+case "${1:-}" in
+attention) tests test_attention_gpu.py; bench attention h200 ;;
+cross_entropy) bench cross_entropy llama3 ;;
+fused_cross_entropy)
+  tests test_fused_cross_entropy_gpu.py
+  bench fused_cross_entropy llama3 --tokens 16384
+  bench fused_cross_entropy_loss llama3 --tokens 16384
+  ;;
+moe) tests test_moe_gpu.py; bench moe_dispatch dsv3; bench moe_combine dsv3 ;;
+moe_ep) bench moe_ep_dispatch e64; bench moe_ep_combine e64 ;;
+short_conv) tests test_short_conv_gpu.py; bench short_conv mamba ;;
+ssd) tests test_ssd_gpu.py; bench ssd mamba2_2.7b --tokens 4096 ;;
+tune)
+  op=${2:?usage: gpu.sh tune OP [axkern tune arguments]}; shift 2
+  step 560 "tune_$op" $axkern tune "$op" --write-table --json "$R/tune_$op.json" "$@"
+  ;;
+list) $axkern bench --list-presets ;;
+*)
+  echo "usage: gpu.sh attention|cross_entropy|fused_cross_entropy|moe|moe_ep|short_conv|ssd|list, or gpu.sh tune OP [args]"
+  exit 2
+  ;;
+esac

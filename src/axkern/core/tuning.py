@@ -1,0 +1,223 @@
+"""The per-user tuning cache: block sizes that `axkern tune` (or autotuning) found fastest here.
+
+One JSON file per device, `<cache root>/tuning/<device_key>.json`, where the cache root is
+`AXKERN_CACHE_DIR` when set, else the user's cache directory for axkern (`~/.cache/axkern`
+on Linux, from `platformdirs`). The file has the shape of a shipped table
+(`ops/<op>/tuned/<device_key>.json`, see `core/blocks.py`), with every entry naming its op:
+
+```json
+{"device_key": "nvidia_h200",
+ "entries": [{"op": "ssd", "implementation": "pallas_gpu",
+              "bucket": {"batch": 2, "length": 4096, "...": 0, "dtype": "bfloat16"},
+              "block_sizes": {"chunk_size": 64},
+              "ms": {"min": 8.5, "median": 8.6, "max": 8.9},
+              "command": "axkern tune ssd", "date": "...", "jax": "..."}]}
+```
+
+Writers take a file lock beside the file (`filelock`), merge their entries into what is
+there, and replace the file atomically, so concurrent processes never lose each other's
+entries and a reader never sees half a file. Readers need no lock: they read the file
+whole, and reread it only when its modification time changes.
+
+The dispatcher reads this cache before the shipped tables. While `axkern tune` sweeps a
+block-size space, `forced(...)` makes the dispatcher use one candidate for one op and
+implementation (its source reads "tuning").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import datetime
+import json
+import os
+import tempfile
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+from . import compat
+
+__all__ = [
+    "cache_root",
+    "cache_path",
+    "read_cache",
+    "lookup",
+    "store",
+    "entry",
+    "merge",
+    "write_json",
+    "forced",
+    "forced_blocks",
+    "tuning_active",
+]
+
+
+def cache_root() -> Path:
+    """Where axkern keeps its per-user caches: `AXKERN_CACHE_DIR`, else the platform's user cache."""
+    env = os.environ.get("AXKERN_CACHE_DIR")
+    if env:
+        return Path(env)
+    import platformdirs
+
+    return Path(platformdirs.user_cache_dir("axkern", appauthor=False))
+
+
+def cache_path(device_key: str) -> Path:
+    """The tuning cache file of one device key."""
+    return cache_root() / "tuning" / f"{device_key}.json"
+
+
+_read: dict[Path, tuple[int, tuple[dict, ...]]] = {}
+
+
+def read_cache(device_key: str) -> tuple[dict, ...]:
+    """The cached entries for `device_key` (empty when there is no cache file yet).
+
+    A file that is not a tuning cache (unreadable JSON, no `entries` list) raises a
+    `ValueError` naming the file, rather than being silently ignored or overwritten.
+    """
+    path = cache_path(device_key)
+    try:
+        mtime = path.stat().st_mtime_ns
+    except FileNotFoundError:
+        return ()
+    hit = _read.get(path)
+    if hit is not None and hit[0] == mtime:
+        return hit[1]
+    entries = tuple(_load(path).get("entries", ()))
+    _read[path] = (mtime, entries)
+    return entries
+
+
+def _load(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(
+            f"axkern tuning cache {path} cannot be read ({e}); delete it or set AXKERN_CACHE_DIR elsewhere"
+        ) from e
+    if not isinstance(data, dict) or not isinstance(data.get("entries", []), list):
+        raise ValueError(f"axkern tuning cache {path} is not a tuning cache (expected {{'entries': [...]}})")
+    return data
+
+
+def lookup(device_key: str, op: str, implementation: str, bucket: Mapping[str, Any]) -> dict | None:
+    """The cached block sizes of `op`'s `implementation` at exactly this bucket, if any."""
+    for e in read_cache(device_key):
+        if (
+            e.get("op") == op
+            and e.get("implementation") == implementation
+            and e.get("bucket") == dict(bucket)
+        ):
+            return dict(e["block_sizes"])
+    return None
+
+
+def entry(
+    op: str,
+    implementation: str,
+    bucket: Mapping[str, Any],
+    block_sizes: Mapping[str, Any],
+    *,
+    ms: Mapping[str, float] | None = None,
+    command: str | None = None,
+) -> dict:
+    """A cache or table entry, with the date and the jax version that measured it."""
+    import jax
+
+    e = {
+        "op": op,
+        "implementation": implementation,
+        "bucket": dict(bucket),
+        "block_sizes": {k: v for k, v in block_sizes.items() if v is not None},
+    }
+    if ms is not None:
+        e["ms"] = {k: round(float(v), 4) for k, v in ms.items()}
+    e["command"] = command
+    e["date"] = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+    e["jax"] = jax.__version__
+    return e
+
+
+def _same_key(a: Mapping, b: Mapping, default_op: str | None = None) -> bool:
+    return (
+        a.get("op", default_op) == b.get("op", default_op)
+        and a.get("implementation") == b.get("implementation")
+        and a.get("bucket") == b.get("bucket")
+    )
+
+
+def merge(entries: list[dict], new: list[dict], default_op: str | None = None) -> list[dict]:
+    """`entries` with each of `new` replacing the entry of its (op, implementation, bucket)."""
+    kept = [e for e in entries if not any(_same_key(e, n, default_op) for n in new)]
+    return kept + list(new)
+
+
+def write_json(path: Path, data: dict) -> None:
+    """Write `data` to `path` atomically: a temporary file in the same folder, then `os.replace`."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=2)
+            f.write("\n")
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def store(device_key: str, entries: list[dict], *, timeout_s: float = 60.0) -> Path:
+    """Add `entries` to the cache of `device_key` under its file lock; returns the file."""
+    import filelock
+
+    path = cache_path(device_key)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with filelock.FileLock(str(path) + ".lock", timeout=timeout_s):
+        data = _load(path) or {"device_key": device_key, "entries": []}
+        data["entries"] = merge(list(data.get("entries", [])), entries)
+        write_json(path, data)
+    _read.pop(path, None)
+    return path
+
+
+# -- the candidate under measurement -------------------------------------------------------------
+
+_forced: contextvars.ContextVar[tuple[str, str, dict] | None] = contextvars.ContextVar(
+    "axkern_forced_blocks", default=None
+)
+_jit_key = compat.jit_context(None)  # the candidate, as part of jax.jit's cache key
+
+
+@contextlib.contextmanager
+def forced(op: str, implementation: str, block_sizes: Mapping[str, Any]) -> Iterator[None]:
+    """Make the dispatcher give `op`'s `implementation` these block sizes (a sweep's candidate);
+    inside, autotuning is off (a sweep never starts another)."""
+    value = (op, implementation, dict(block_sizes))
+    token = _forced.set(value)
+    try:
+        if _jit_key is None:
+            yield
+        else:
+            with _jit_key(json.dumps(value, sort_keys=True)):
+                yield
+    finally:
+        _forced.reset(token)
+
+
+def forced_blocks(op: str, implementation: str) -> dict | None:
+    """The candidate `forced(...)` set for this op and implementation, if any."""
+    f = _forced.get()
+    if f is not None and f[0] == op and f[1] == implementation:
+        return dict(f[2])
+    return None
+
+
+def tuning_active() -> bool:
+    """Whether a sweep is measuring a candidate right now."""
+    return _forced.get() is not None

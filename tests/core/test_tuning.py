@@ -1,0 +1,254 @@
+"""The tuning path: the per-user cache, the dispatcher's order (cache > table > heuristic), the
+sweep's check against the reference, autotuning on a miss, and `axkern tune`."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import multiprocessing
+import warnings
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import axkern
+from axkern import cli, tune
+from axkern.bench import Case
+from axkern.core import blocks, op, tuning
+from axkern.core.op import Implementation, Op
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("AXKERN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(tuning, "cache_path", lambda key: tmp_path / "tuning" / f"{key}.json")
+    return tmp_path / "tuning"
+
+
+def test_cache_root_is_the_environment_variable_or_the_user_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("AXKERN_CACHE_DIR", str(tmp_path))
+    assert tuning.cache_root() == tmp_path
+    monkeypatch.delenv("AXKERN_CACHE_DIR")
+    assert tuning.cache_root().name == "axkern"
+
+
+def _entry(op_name, impl, bucket, bs):
+    return {"op": op_name, "implementation": impl, "bucket": bucket, "block_sizes": bs}
+
+
+def test_store_merges_replaces_and_looks_up(cache):
+    assert tuning.read_cache("cpu") == ()
+    tuning.store(
+        "cpu", [_entry("a", "xla", {"n": 8}, {"block": 4}), _entry("a", "xla", {"n": 16}, {"block": 8})]
+    )
+    tuning.store("cpu", [_entry("a", "xla", {"n": 8}, {"block": 2})])
+    assert tuning.lookup("cpu", "a", "xla", {"n": 8}) == {"block": 2}
+    assert tuning.lookup("cpu", "a", "xla", {"n": 16}) == {"block": 8}
+    assert tuning.lookup("cpu", "a", "pallas_gpu", {"n": 8}) is None
+    assert tuning.lookup("cpu", "b", "xla", {"n": 8}) is None
+    assert len(json.loads((cache / "cpu.json").read_text())["entries"]) == 2
+
+
+def test_a_corrupt_cache_names_its_file(cache):
+    cache.mkdir(parents=True)
+    (cache / "cpu.json").write_text("{not json")
+    with pytest.raises(ValueError, match="cpu.json"):
+        tuning.read_cache("cpu")
+
+
+def _store_one(i: int) -> None:
+    for j in range(5):
+        tuning.store("cpu", [_entry("op", "xla", {"writer": i, "n": j}, {"block": j + 1})])
+
+
+def test_concurrent_writers_keep_every_entry(cache):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # fork after JAX started: the children use no JAX
+        ctx = multiprocessing.get_context("fork")
+        procs = [ctx.Process(target=_store_one, args=(i,)) for i in range(4)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(60)
+    assert [p.exitcode for p in procs] == [0] * 4
+    entries = json.loads((cache / "cpu.json").read_text())["entries"]
+    assert sorted((e["bucket"]["writer"], e["bucket"]["n"]) for e in entries) == [
+        (i, j) for i in range(4) for j in range(5)
+    ]
+
+
+# -- a toy op: a blocked sum whose block size 3 is wrong -----------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Blocks(blocks.BlockSizes):
+    block: int = 4
+
+
+def _blocked_sum(x, *, block_sizes):
+    b = block_sizes.block
+    n = x.shape[0]
+    parts = [jnp.sum(x[i : i + b], axis=0) for i in range(0, n, b)]
+    total = sum(parts)
+    return total + (1.0 if b == 3 else 0.0)  # a broken kernel at one block size
+
+
+@pytest.fixture
+def toy(cache):
+    toy_op = Op(
+        "tuning_toy",
+        [
+            Implementation(
+                "xla",
+                _blocked_sum,
+                block_sizes=_Blocks,
+                heuristic=lambda spec: _Blocks(block=4),
+                space=lambda spec: [_Blocks(block=b) for b in (2, 3, 8)],
+            ),
+            Implementation("reference", lambda x: jnp.sum(x, axis=0)),
+        ],
+        default_order={"cpu": ("xla",)},
+        package="axkern.ops.ssd",  # ships no cpu table
+        bucket=lambda spec: dict(spec.dims) | {"dtype": spec.dtype},
+    )
+
+    def call(x, implementation=None):
+        return toy_op(
+            toy_op.spec({"n": x.shape[0], "d": x.shape[1]}, x.dtype), x, implementation=implementation
+        )
+
+    yield toy_op, call
+    op._OPS.pop("tuning_toy", None)
+
+
+def _toy_case(call):
+    return Case(
+        op="tuning_toy",
+        label="n=16 d=4",
+        dims={"n": 16, "d": 4},
+        dtype="float32",
+        make=lambda key: (jax.random.normal(key, (16, 4)),),
+        forward=lambda impl, x: call(x, impl),
+        loss=None,
+        grad_argnums=(0,),
+        flops_forward=64.0,
+        flops_backward=64.0,
+    )
+
+
+def test_sweep_rejects_a_wrong_candidate_and_stores_the_fastest_right_one(toy):
+    toy_op, call = toy
+    result = tune.sweep(_toy_case(call), "xla", repeats=1)
+    tried = [bs.block for bs, _ in result.rows]
+    assert tried == [4, 2, 3, 8]  # the heuristic's first
+    rows = dict((bs.block, r) for bs, r in result.rows)
+    assert not result.accepted(rows[3])
+    assert all(result.accepted(rows[b]) for b in (2, 4, 8))
+    assert all(r.ms_min <= r.ms <= r.ms_max for r in rows.values())
+    assert result.best.block != 3 and result.best_row.ms == min(rows[b].ms for b in (2, 4, 8))
+    tune.save([result], command="test")
+    x = jnp.ones((16, 4))
+    d = axkern.explain(call, x)
+    assert (d.block_source, d.block_sizes) == ("cache", result.best)
+
+
+def test_cache_comes_before_the_table_and_the_table_before_the_heuristic(toy, monkeypatch):
+    toy_op, call = toy
+    x = jnp.ones((16, 4))
+    assert axkern.explain(call, x).block_source == "heuristic"
+    bucket = {"n": 16, "d": 4, "dtype": "float32"}
+    table = ({"op": "tuning_toy", "implementation": "xla", "bucket": bucket, "block_sizes": {"block": 2}},)
+    monkeypatch.setattr(blocks, "load_table", lambda package, key: table)
+    d = axkern.explain(call, x)
+    assert (d.block_source, d.block_sizes) == ("table", _Blocks(block=2))
+    tuning.store("cpu", [_entry("tuning_toy", "xla", bucket, {"block": 8})])
+    d = axkern.explain(call, x)
+    assert (d.block_source, d.block_sizes) == ("cache", _Blocks(block=8))
+    assert "(from cache)" in str(d)
+
+
+def test_a_sweeps_candidate_wins_over_the_cases_own_block_sizes(toy):
+    toy_op, call = toy
+    x = jnp.ones((16, 4))
+    explicit = lambda x: toy_op(toy_op.spec({"n": 16, "d": 4}, x.dtype), x, block_sizes={"block": 2})  # noqa: E731
+    assert axkern.explain(explicit, x).block_source == "argument"
+    with tuning.forced("tuning_toy", "xla", {"block": 8}):
+        d = axkern.explain(explicit, x)
+    assert (d.block_source, d.block_sizes) == ("tuning", _Blocks(block=8))
+
+
+def test_autotune_is_off_by_default_and_tunes_a_miss_when_asked(toy, cache):
+    toy_op, call = toy
+    x = jax.random.normal(jax.random.PRNGKey(1), (16, 4))
+    jax.jit(call)(x)
+    assert not (cache / "cpu.json").exists()
+    with axkern.use(autotune=True):
+        got = jax.jit(call)(x)
+    assert jnp.allclose(got, x.sum(0), atol=1e-5)
+    (e,) = json.loads((cache / "cpu.json").read_text())["entries"]
+    assert e["op"] == "tuning_toy" and e["block_sizes"]["block"] != 3
+    assert axkern.explain(call, x).block_source == "cache"
+
+
+def test_autotune_reads_the_environment(monkeypatch):
+    monkeypatch.setenv("AXKERN_AUTOTUNE", "1")
+    assert axkern.core.config.current().autotune is True
+    with axkern.use(autotune=False):
+        assert axkern.core.config.current().autotune is False
+
+
+def test_cli_tune_stores_in_the_cache_and_writes_the_table(cache, tmp_path, monkeypatch, capsys):
+    table = tmp_path / "table" / "cpu.json"
+    monkeypatch.setattr(tune, "table_path", lambda op_name, key: table)
+    argv = ["tune", "fused_cross_entropy_loss", "--tokens", "16", "--repeats", "1", "--write-table"]
+    assert cli.main(argv + ["--source", "here"]) == 0
+    (e,) = json.loads((cache / "cpu.json").read_text())["entries"]
+    assert e["op"] == "fused_cross_entropy_loss" and e["implementation"] == "xla"
+    assert e["command"].startswith("axkern tune fused_cross_entropy_loss")
+    assert set(e["ms"]) == {"min", "median", "max"}
+    (t,) = json.loads(table.read_text())["entries"]
+    assert t["block_sizes"] == e["block_sizes"] and t["source"] == "here"
+    assert "best" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["tune", "nope"], "OP: unknown op"),
+        (["tune", "cross_entropy"], "tunable implementation"),
+        (["tune", "ssd", "--impl", "cudnn"], "--impl: expected tunable"),
+        (["tune", "ssd", "--source", "x"], "--source: expected with --write-table"),
+    ],
+)
+def test_cli_tune_usage_errors(argv, expected, capsys):
+    assert cli.main(argv) == 2
+    assert expected in capsys.readouterr().err
+
+
+_DIMS = {
+    "fused_cross_entropy": {"tokens": 4096, "embed": 1024, "vocab": 32768},
+    "fused_cross_entropy_loss": {"tokens": 4096, "embed": 1024, "vocab": 32768},
+    "attention": {
+        "batch": 1,
+        "q_len": 512,
+        "kv_len": 512,
+        "heads": 4,
+        "kv_heads": 4,
+        "head_dim": 64,
+        "v_dim": 64,
+    },
+    "short_conv": {"batch": 2, "seq": 512, "channels": 1024, "width": 4},
+    "ssd": {"batch": 1, "length": 1024, "heads": 4, "head_dim": 64, "state": 64, "groups": 1},
+}
+
+
+def test_every_tunable_space_validates_and_starts_with_the_heuristic():
+    for name, o in op.registered_ops().items():
+        for impl in o.implementations.values():
+            if impl.space is None:
+                continue
+            spec = o.spec(_DIMS[name], jnp.bfloat16)
+            cands = tune.candidates(impl, spec)
+            assert len(cands) > 1 and all(c.validate(spec) is None for c in cands)
+            assert cands[0] == impl.heuristic(spec)
