@@ -14,8 +14,7 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from . import results
-from . import cli_tune
+from . import cli_tune, results
 from .bench_format import print_rows, row_line
 
 console = Console()  # results

@@ -21,7 +21,15 @@ from axkern.core.op import Implementation, Op, step_op
 from axkern.core.typing import Array, Float, Int, checked
 
 from . import cuda, pallas_gpu, pallas_tpu, reference, xla
-from .blocks import ConvBlockSizes, bucket, cuda_heuristic, cuda_space, heuristic, pallas_gpu_space, pallas_tpu_space
+from .blocks import (
+    ConvBlockSizes,
+    bucket,
+    cuda_heuristic,
+    cuda_space,
+    heuristic,
+    pallas_gpu_space,
+    pallas_tpu_space,
+)
 from .common import extended
 
 __all__ = [

@@ -8,7 +8,15 @@ import dataclasses
 from axkern.core.blocks import BlockSizes, grid, next_power_of_2
 from axkern.core.op import Spec
 
-__all__ = ["ConvBlockSizes", "bucket", "cuda_heuristic", "cuda_space", "heuristic", "pallas_gpu_space", "pallas_tpu_space"]
+__all__ = [
+    "ConvBlockSizes",
+    "bucket",
+    "cuda_heuristic",
+    "cuda_space",
+    "heuristic",
+    "pallas_gpu_space",
+    "pallas_tpu_space",
+]
 
 
 @dataclasses.dataclass(frozen=True)
