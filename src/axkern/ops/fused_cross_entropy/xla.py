@@ -36,7 +36,7 @@ from axkern.core import backend, kernels
 from axkern.core.blocks import for_each_block
 
 from .blocks import CrossEntropyBlockSizes, stream_tiles
-from .terms import token_losses
+from .terms import out_of_range, token_losses
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,6 +120,9 @@ def _stats(cfg: _Static, x, w, labels):
 def _backward(cfg: _Static, residuals, cotangents):
     x, w, labels, lse = residuals
     g_lse, g_label, g_sum = cotangents
+    live = (g_lse != 0) | (g_label != 0)
+    if cfg.with_sum:
+        live = live | (g_sum != 0)
     n, d, v = x.shape[0], x.shape[1], w.shape[1]
     acc = _acc_dtype(x, w)
     operand = jnp.result_type(x, w)
@@ -134,10 +137,12 @@ def _backward(cfg: _Static, residuals, cotangents):
             dz = dz + rows(g_sum)
         if cfg.soft_cap is not None:
             dz = dz * (1 - jnp.square(z / cfg.soft_cap))
-        dz = dz.astype(operand)
+        # a row whose cotangents are all 0 (a dropped token) is selected away, in dz and in x,
+        # so a non-finite input there never turns into 0 * NaN
+        dz = jnp.where(rows(live), dz, 0).astype(operand)
         dx_rows = lax.dynamic_slice_in_dim(dx, t0, ts) + _mm(dz, wv.T, acc)
         dx = lax.dynamic_update_slice_in_dim(dx, dx_rows, t0, axis=0)
-        dw_block = dw_block + _mm(xt.T, dz, acc)
+        dw_block = dw_block + _mm(jnp.where(rows(live), xt, 0).T, dz, acc)
         return dx, dw_block
 
     def vocab_block(v0, vs, carry):
@@ -276,17 +281,17 @@ def _loss_fwd(cfg: _LossStatic, x, w, labels, keep, scale):
         label_logit = jnp.sum(jnp.where(hit, z, 0), axis=1)
         sum_logits = jnp.sum(z, axis=1) if eps else jnp.zeros_like(lse)
         per = token_losses(lse, label_logit, sum_logits, lt, kt, v, logsumexp_weight=wz, label_smoothing=eps)
-        coef = jnp.where(kt, scale, 0).astype(acc)
+        coef = (jnp.where(kt, scale, 0) * out_of_range(lt, kt, v)).astype(acc)
         g_lse = coef * (1 + 2 * wz * lse) if wz else coef
         dz = g_lse[:, None] * jnp.exp(z - lse[:, None]) - jnp.where(hit, ((1 - eps) * coef)[:, None], 0)
         if eps:
             dz = dz - (eps / v) * coef[:, None]
         if cfg.soft_cap is not None:
             dz = dz * (1 - jnp.square(z / cfg.soft_cap))
-        dz = dz.astype(operand)
+        dz = jnp.where(kt[:, None], dz, 0).astype(operand)  # dropped rows selected away (and in x below)
         dx_rows = _mm(dz, w.T, acc).astype(x.dtype)
         dx = lax.dynamic_update_slice_in_dim(dx, dx_rows, t0, axis=0)
-        dw = dw + _mm(xt.T, dz, acc)
+        dw = dw + _mm(jnp.where(kt[:, None], xt, 0).T, dz, acc)
         return dx, dw, total + jnp.sum(per)
 
     init = (jnp.zeros_like(x), jnp.zeros((d, v), acc), jnp.zeros((), acc))
