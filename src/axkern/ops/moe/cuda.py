@@ -143,7 +143,7 @@ def combine(expert_y, topk_weights, topk_idx, rows, *, num_experts):
 
 @jax.custom_vjp
 def _combine(expert_y, topk_weights, rows, valid):
-    w = topk_weights.reshape(-1).astype(jnp.float32) * valid
+    w = jnp.where(valid, topk_weights.reshape(-1).astype(jnp.float32), 0)  # dropped pairs' weights selected
     return _gather_sum(expert_y, rows, w, topk_weights.shape[0])
 
 
@@ -153,7 +153,7 @@ def _combine_fwd(expert_y, topk_weights, rows, valid):
 
 def _combine_bwd(res, dy):
     expert_y, topk_weights, rows, valid = res
-    w = topk_weights.reshape(-1).astype(jnp.float32) * valid
+    w = jnp.where(valid, topk_weights.reshape(-1).astype(jnp.float32), 0)  # dropped pairs' weights selected
     out = (
         jax.ShapeDtypeStruct(expert_y.shape, expert_y.dtype),
         jax.ShapeDtypeStruct(rows.shape, jnp.float32),
