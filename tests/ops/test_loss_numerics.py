@@ -129,10 +129,11 @@ def test_fused_no_token_gives_empty_results(impl):
         loss, lse = fused_cross_entropy(x, w, labels, reduction=None, return_lse=True, implementation=impl)
         assert loss.shape == lse.shape == (0,)
         for reduction in ("mean", "sum"):
-            value, (dx, dw) = jax.value_and_grad(
-                lambda x, w: fused_cross_entropy(x, w, labels, reduction=reduction, implementation=impl),
-                argnums=(0, 1),
-            )(x, w)
+
+            def f(x, w, reduction=reduction):
+                return fused_cross_entropy(x, w, labels, reduction=reduction, implementation=impl)
+
+            value, (dx, dw) = jax.value_and_grad(f, argnums=(0, 1))(x, w)
             assert value == 0 and dx.shape == (0, 4) and dw.shape == (4, 8) and not dw.any()
 
 
@@ -146,7 +147,10 @@ def test_no_token_and_empty_feature_axes(impl):
     assert ce_loss(jnp.ones((0, 4)), jnp.ones((4, 8)), jnp.zeros((0,), int), implementation=impl) == 0
     with pytest.raises(ValueError, match="cross_entropy: vocab must be at least 1"):
         cross_entropy(jnp.ones((3, 0)), jnp.zeros((3,), int), implementation=impl)
-    for x, w, axis in ((jnp.ones((3, 4)), jnp.ones((4, 0)), "vocab"), (jnp.ones((3, 0)), jnp.ones((0, 8)), "embed")):
+    for x, w, axis in (
+        (jnp.ones((3, 4)), jnp.ones((4, 0)), "vocab"),
+        (jnp.ones((3, 0)), jnp.ones((0, 8)), "embed"),
+    ):
         for fn in (fused_cross_entropy, ce_loss):
             with pytest.raises(ValueError, match=f"fused_cross_entropy: {axis} must be at least 1"):
                 fn(x, w, jnp.zeros((3,), int), implementation=impl)
@@ -167,7 +171,9 @@ def _loss_case(draw):
     d = draw(st.integers(1, 4))
     v = draw(st.integers(1, 9))
     seed = draw(st.integers(0, 2**16))
-    cells = st.tuples(st.integers(0, max(n - 1, 0)), st.integers(0, d - 1), st.sampled_from([np.nan, np.inf, -np.inf]))
+    cells = st.tuples(
+        st.integers(0, max(n - 1, 0)), st.integers(0, d - 1), st.sampled_from([np.nan, np.inf, -np.inf])
+    )
     pokes = draw(st.lists(cells, max_size=3)) if n else []
     dropped = draw(st.lists(st.booleans(), min_size=n, max_size=n))
     bad_label = draw(st.sampled_from([None, -1, v])) if n else None

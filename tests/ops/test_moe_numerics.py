@@ -83,8 +83,12 @@ def _case(draw):
     tokens, topk, experts = draw(st.integers(0, 5)), draw(st.integers(0, 3)), draw(st.integers(1, 5))
     ids = draw(st.lists(st.integers(-1, experts), min_size=tokens * topk, max_size=tokens * topk))
     values = st.sampled_from([np.nan, np.inf, -np.inf])
-    x_pokes = draw(st.lists(st.tuples(st.integers(0, 4), st.integers(0, 2), values), max_size=2)) if tokens else []
-    w_pokes = draw(st.lists(st.tuples(st.integers(0, 4), st.integers(0, 2), values), max_size=2)) if topk else []
+    x_pokes = (
+        draw(st.lists(st.tuples(st.integers(0, 4), st.integers(0, 2), values), max_size=2)) if tokens else []
+    )
+    w_pokes = (
+        draw(st.lists(st.tuples(st.integers(0, 4), st.integers(0, 2), values), max_size=2)) if topk else []
+    )
     return tokens, topk, experts, ids, x_pokes, w_pokes, draw(st.integers(0, 2**16))
 
 

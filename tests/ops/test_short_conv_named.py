@@ -158,7 +158,9 @@ def test_sequence_parallel_halo_stops_at_an_id_change():
     ids = np.zeros((Batch.size, Pos.size), np.int32)
     ids[:, 6:8] = 1
     ids[:, 20:23] = 2
-    runs = np.concatenate([np.zeros((Batch.size, 1), np.int32), np.cumsum(np.diff(ids, axis=1) != 0, axis=1)], 1)
+    runs = np.concatenate(
+        [np.zeros((Batch.size, 1), np.int32), np.cumsum(np.diff(ids, axis=1) != 0, axis=1)], 1
+    )
 
     def f(x, w, s0, ids=ids):
         seg = hax.named(jnp.asarray(ids), (Batch, Pos))

@@ -104,10 +104,19 @@ def test_empty_channels_are_refused():
 
 @st.composite
 def _case(draw):
-    b, l, c, width = draw(st.integers(0, 2)), draw(st.integers(0, 9)), draw(st.integers(1, 3)), draw(st.integers(1, 4))
+    b, l, c, width = (
+        draw(st.integers(0, 2)),
+        draw(st.integers(0, 9)),
+        draw(st.integers(1, 3)),
+        draw(st.integers(1, 4)),
+    )
     seg = draw(st.lists(st.integers(0, 2), min_size=b * l, max_size=b * l))
     cell = st.tuples(st.integers(0, max(b - 1, 0)), st.integers(0, max(l - 1, 0)), st.integers(0, c - 1))
-    pokes = draw(st.lists(st.tuples(cell, st.sampled_from([np.nan, np.inf, -np.inf])), max_size=3)) if b * l else []
+    pokes = (
+        draw(st.lists(st.tuples(cell, st.sampled_from([np.nan, np.inf, -np.inf])), max_size=3))
+        if b * l
+        else []
+    )
     return b, l, c, width, seg, pokes, draw(st.integers(0, 2**16)), draw(st.sampled_from([None, "silu"]))
 
 

@@ -93,7 +93,9 @@ def _combine(expert_y, topk_weights, rows, valid):
     tokens, topk = topk_weights.shape
     acc = jnp.promote_types(expert_y.dtype, jnp.float32)
     # dropped pairs are selected away: a non-finite weight or row of theirs reaches nothing
-    picked = jnp.where(valid[:, None], expert_y[rows].astype(acc) * topk_weights.reshape(-1, 1).astype(acc), 0)
+    picked = jnp.where(
+        valid[:, None], expert_y[rows].astype(acc) * topk_weights.reshape(-1, 1).astype(acc), 0
+    )
     return picked.reshape(tokens, topk, expert_y.shape[1]).sum(1).astype(expert_y.dtype)
 
 

@@ -407,13 +407,7 @@ def ssd_step(
     **Returns:** `StepResult(y_t, new_state)` with `x_t`'s and `state`'s axes.
     """
     bound = STEP_ROLES.bind(locals(), **_split_D(D))
-    heads, groups = bound.axis("Heads"), bound.axis("Groups")
-    if groups.size == 0:
-        raise ValueError(f"{op}: {groups.name} must be at least 1, got 0")
-    if heads.size % groups.size:
-        raise ValueError(
-            f"ssd_step: {heads.name}={heads.size} is not divisible by {groups.name}={groups.size}"
-        )
+    _check_groups("ssd_step", bound)
 
     def body(ctx, xs, dts, As, Bs, Cs, ss, D1s, D2s, zs, bias):
         out = ssd_step_positional(
