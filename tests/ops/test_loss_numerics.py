@@ -206,3 +206,27 @@ def test_plain_property_nan_pattern_and_values_match_the_reference(case, reducti
     logits = x @ w if x.shape[0] else jnp.zeros((0, w.shape[1]))
     got = _plain("xla", logits, labels, reduction, where=where)
     assert_nonfinite_rule(got, _plain_oracle(logits, labels, reduction, where=where), f"{reduction}")
+
+
+def test_named_layer_empty_batch_and_feature_axes():
+    import haliax as hax
+
+    batch, pos, embed, vocab = (
+        hax.Axis("batch", 0),
+        hax.Axis("position", 4),
+        hax.Axis("embed", 3),
+        hax.Axis("vocab", 5),
+    )
+    x, w, labels = (
+        hax.ones((batch, pos, embed)),
+        hax.ones((embed, vocab)),
+        hax.zeros((batch, pos), dtype=jnp.int32),
+    )
+    assert axkern.fused_cross_entropy(x, w, labels) == 0
+    per_token = axkern.fused_cross_entropy(x, w, labels, reduction=None)
+    assert per_token.axes == (batch, pos)
+    assert axkern.cross_entropy(hax.ones((batch, pos, vocab)), labels, reduction=None).axes == (batch, pos)
+    with pytest.raises(ValueError, match="fused_cross_entropy: vocab must be at least 1"):
+        axkern.fused_cross_entropy(
+            hax.ones((pos, embed)), hax.ones((embed, vocab.resize(0))), hax.zeros((pos,), dtype=jnp.int32)
+        )

@@ -130,3 +130,18 @@ def test_property_nan_pattern_and_values_match_the_reference(case, impl):
     seg = jnp.asarray(np.array(seg, np.int32).reshape(b, l))
     got = _run(impl, x, w, seg, s0, activation)
     assert_nonfinite_rule(got, _run("reference", x, w, seg, s0, activation), f"{impl} {case}")
+
+
+def test_named_layer_empty_sequence():
+    import haliax as hax
+
+    batch, pos, chan, width = (
+        hax.Axis("batch", 2),
+        hax.Axis("position", 0),
+        hax.Axis("embed", 3),
+        hax.Axis("width", 3),
+    )
+    y = axkern.short_conv(hax.ones((batch, pos, chan)), hax.ones((width, chan)))
+    assert y.axes == (batch, pos, chan)
+    with pytest.raises(ValueError, match="short_conv: channels must be at least 1"):
+        axkern.short_conv(hax.ones((batch, pos.resize(4), chan.resize(0))), hax.ones((width, chan.resize(0))))
