@@ -161,7 +161,7 @@ def _combine_bwd(res, dy):
     d_expert_y, dw = jax.ffi.ffi_call("AxkernMoeCombineBwd", out)(
         dy.astype(expert_y.dtype), expert_y, rows, w
     )
-    dw = (dw * valid).reshape(topk_weights.shape).astype(topk_weights.dtype)
+    dw = jnp.where(valid, dw, 0).reshape(topk_weights.shape).astype(topk_weights.dtype)
     return d_expert_y, dw, None, None
 
 
