@@ -189,7 +189,7 @@ def _case_arrays(n, d, v, seed, pokes, dropped, bad_label):
     return x, w, labels, jnp.asarray(np.array(dropped, bool)).reshape(n) ^ True
 
 
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=6, deadline=None)
 @given(_loss_case(), st.sampled_from(["xla", "pallas_gpu", "pallas_tpu"]), st.sampled_from(["mean", None]))
 def test_fused_property_nan_pattern_and_values_match_the_reference(case, impl, reduction):
     x, w, labels, where = _case_arrays(*case)
@@ -199,7 +199,7 @@ def test_fused_property_nan_pattern_and_values_match_the_reference(case, impl, r
     assert_nonfinite_rule(got if reduction else got[0], want if reduction else want[0], f"{impl} {reduction}")
 
 
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=6, deadline=None)
 @given(_loss_case(), st.sampled_from(["mean", None]))
 def test_plain_property_nan_pattern_and_values_match_the_reference(case, reduction):
     x, w, labels, where = _case_arrays(*case)
