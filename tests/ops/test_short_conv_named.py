@@ -149,3 +149,28 @@ def test_sequence_shards_shorter_than_the_halo_are_refused():
             ValueError, match="leaves 2 positions per shard, fewer than the width - 1 = 7 halo"
         ):
             axkern.short_conv(x, w8)
+
+
+def test_sequence_parallel_halo_stops_at_an_id_change():
+    # shard 2 (positions 8..11) receives positions 5, 6, 7 (ids 0, 1, 1) and starts with id 0:
+    # position 5 holds the same id but an earlier segment, so no halo row is read
+    x, w, b, _, s0 = inputs(seed=4)
+    ids = np.zeros((Batch.size, Pos.size), np.int32)
+    ids[:, 6:8] = 1
+    ids[:, 20:23] = 2
+    runs = np.concatenate(
+        [np.zeros((Batch.size, 1), np.int32), np.cumsum(np.diff(ids, axis=1) != 0, axis=1)], 1
+    )
+
+    def f(x, w, s0, ids=ids):
+        seg = hax.named(jnp.asarray(ids), (Batch, Pos))
+        y, fin = axkern.short_conv(x, w, bias=b, segment_ids=seg, initial_state=s0, return_final_state=True)
+        return hax.sum(y * y).array + hax.sum(fin * fin).array, (y, fin)
+
+    # the same segments numbered by runs, unsharded
+    want = jax.value_and_grad(lambda x, w, s0: f(x, w, s0, runs), argnums=(0, 1, 2), has_aux=True)(x, w, s0)
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(1, 8), ("data", "model"))
+    with hax.partitioning.set_mesh(mesh), hax.axis_mapping({"position": "model"}):
+        got = jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True))(x, w, s0)
+    for a, b_ in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b_), rtol=2e-5, atol=2e-5)

@@ -126,3 +126,38 @@ def test_property_non_finite_pattern_matches_the_reference(l, where, value, segm
     a[where] = poke(a[where], tuple(int(rng.integers(n)) for n in a[where].shape), value)
     seg = jnp.asarray(rng.integers(0, 2, (1, l)), jnp.int32) if segments else None
     _forward_matches(a, seg, chunks=(16,), impls=["xla", "pallas_gpu"])
+
+
+@pytest.mark.parametrize("impl", IMPLS + ["reference"])
+def test_empty_batch_length_or_heads_give_empty_results(impl):
+    for b, l, h in ((0, 16, 2), (1, 0, 2), (1, 16, 0)):
+        a = _inputs(0, b=b, l=l, h=h)
+        y, final = _run(impl, a, chunk=16)
+        assert y.shape == a["x"].shape
+        np.testing.assert_array_equal(final, a["initial_state"])  # the state passes through
+        grads = _run(impl, a, chunk=16, grads=True)
+        assert [g.shape for g in grads] == [a[k].shape for k in ("x", "dt", "A", "B", "C", "initial_state")]
+        if l == 0 and b:
+            assert np.asarray(grads[5]).any()  # the final state is the initial one: its gradient flows
+
+
+def test_empty_feature_axes_and_bad_options_are_refused():
+    a = _inputs(0)
+    args = [a[k] for k in ("x", "dt", "A", "B", "C")]
+    with pytest.raises(ValueError, match="ssd: head_dim must be at least 1"):
+        ssd(a["x"][..., :0], *args[1:])
+    with pytest.raises(ValueError, match="ssd: state must be at least 1"):
+        ssd(*args[:3], a["B"][..., :0], a["C"][..., :0])
+    with pytest.raises(ValueError, match="ssd: groups must be at least 1"):
+        ssd(*args[:3], a["B"][:, :, :0], a["C"][:, :, :0])
+    for limit in ((1.0, 0.1), (0.0, np.nan)):
+        with pytest.raises(ValueError, match="ssd: dt_limit must be"):
+            ssd(*args, dt_limit=limit)
+    x_t, dt_t, B_t, s = a["x"][:, 0], a["dt"][:, 0], a["B"][:, 0], a["initial_state"]
+    with pytest.raises(ValueError, match="ssd_step: dt_limit must be"):
+        axkern.positional.ssd_step(x_t, dt_t, a["A"], B_t, B_t, s, dt_limit=(2.0, 1.0))
+    with pytest.raises(ValueError, match="ssd_step: heads=2 is not divisible by groups=3"):
+        B3 = jnp.ones((1, 3, 16))
+        axkern.positional.ssd_step(x_t, dt_t, a["A"], B3, B3, s)
+    y, new = axkern.positional.ssd_step(x_t[:0], dt_t[:0], a["A"], B_t[:0], B_t[:0], s[:0])
+    assert y.shape == (0, 2, 16) and new.shape == (0, 2, 16, 16)

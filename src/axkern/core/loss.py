@@ -3,13 +3,22 @@ checks, which tokens count, and the `(loss, lse)` output."""
 
 from __future__ import annotations
 
+import math
 from typing import Any, NamedTuple
 
 import equinox as eqx
 import haliax as hax
 import jax.numpy as jnp
 
-__all__ = ["CrossEntropyOutput", "reduction_name", "check_options", "kept", "reduce", "checked_labels"]
+__all__ = [
+    "CrossEntropyOutput",
+    "reduction_name",
+    "check_options",
+    "check_features",
+    "kept",
+    "reduce",
+    "checked_labels",
+]
 
 REDUCTIONS = ("mean", "sum", None)
 
@@ -40,7 +49,16 @@ def check_options(op: str, logits_soft_cap, logsumexp_weight, label_smoothing) -
         raise ValueError(f"{op}: logits_soft_cap must be > 0 or None, got {logits_soft_cap!r}")
     if not 0.0 <= float(label_smoothing) <= 1.0:
         raise ValueError(f"{op}: label_smoothing must be in [0, 1], got {label_smoothing!r}")
-    float(logsumexp_weight)  # a Python number: it is a static option
+    if not math.isfinite(float(logsumexp_weight)):  # a Python number: it is a static option
+        raise ValueError(f"{op}: logsumexp_weight must be a finite number, got {logsumexp_weight!r}")
+
+
+def check_features(op: str, **sizes: int) -> None:
+    """A `ValueError` naming the first empty feature axis (`vocab`, `embed`): a loss over no
+    classes, or logits from no features, has no meaning."""
+    for axis, n in sizes.items():
+        if n == 0:
+            raise ValueError(f"{op}: {axis} must be at least 1, got 0")
 
 
 def kept(labels, where, ignore_index):

@@ -17,10 +17,18 @@ from typing import Literal
 
 import haliax as hax
 import jax
+import jax.numpy as jnp
 from haliax import NamedArray
 
 from axkern.core import named
-from axkern.core.loss import CrossEntropyOutput, check_options, checked_labels, kept, reduction_name
+from axkern.core.loss import (
+    CrossEntropyOutput,
+    check_features,
+    check_options,
+    checked_labels,
+    kept,
+    reduction_name,
+)
 from axkern.core.loss import reduce as reduce_loss
 from axkern.core.op import Implementation, Op
 from axkern.core.typing import Array, Bool, Float, Int, checked
@@ -52,6 +60,10 @@ CrossEntropyImplementation = Literal["xla", "reference"]
 
 def _per_token(logits, labels, keep, *, options, lse_grad, check_labels, implementation):
     tokens, vocab = logits.shape
+    check_features(NAME, vocab=vocab)
+    if tokens == 0:
+        empty = jnp.zeros((0,), jnp.promote_types(logits.dtype, jnp.float32))
+        return empty, empty
     if check_labels:
         labels = checked_labels(NAME, labels, keep, vocab)
     spec = OP.spec(
@@ -97,7 +109,9 @@ def cross_entropy_positional(
     - `implementation`: `"xla"` (default) or `"reference"`; `block_sizes`: `None` (not blocked).
 
     **Returns:** the loss (a float32 scalar, or `[tokens]` float32 when `reduction=None`), or
-    `CrossEntropyOutput(loss, lse)` with `return_lse`.
+    `CrossEntropyOutput(loss, lse)` with `return_lse`. A kept label outside `[0, vocab)` gives
+    that token a NaN loss and a NaN gradient row. No token gives an empty per-token loss and a
+    reduced loss of 0; an empty `vocab` is a `ValueError`.
 
     ```python
     loss = axkern.positional.cross_entropy(logits, labels)     # mean over tokens

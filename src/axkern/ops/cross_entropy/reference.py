@@ -12,7 +12,7 @@ def cross_entropy(
     """Per-token `(loss, lse)` of `z = softcap(logits)`, float32 (float64 for float64 logits).
 
     `loss = lse - (1 - eps) z[label] - (eps / V) sum_v z_v + w_z lse**2` where `keep`, 0 elsewhere,
-    NaN for a kept token whose label is outside `[0, V)`. Gradients by autodiff (`lse_grad` is
+    NaN (and NaN gradients) for a kept token whose label is outside `[0, V)`. Gradients by autodiff (`lse_grad` is
     accepted for the signature every implementation shares; autodiff always differentiates lse).
     """
     del lse_grad
@@ -22,11 +22,14 @@ def cross_entropy(
     if logits_soft_cap is not None:
         z = logits_soft_cap * jnp.tanh(z / logits_soft_cap)
     lse = jax.nn.logsumexp(z, axis=-1)
+    zk = jnp.where(keep[:, None], z, 0)  # dropped rows selected away before the loss
+    lse_k = jax.nn.logsumexp(zk, axis=-1)
     hit = labels[:, None] == jnp.arange(vocab)[None, :]
-    out = lse - (1.0 - label_smoothing) * jnp.sum(jnp.where(hit, z, 0), axis=-1)
+    out = lse_k - (1.0 - label_smoothing) * jnp.sum(jnp.where(hit, zk, 0), axis=-1)
     if label_smoothing:
-        out = out - (label_smoothing / vocab) * jnp.sum(z, axis=-1)
+        out = out - (label_smoothing / vocab) * jnp.sum(zk, axis=-1)
     if logsumexp_weight:
-        out = out + logsumexp_weight * jnp.square(lse)
+        out = out + logsumexp_weight * jnp.square(lse_k)
     valid = (labels >= 0) & (labels < vocab)
-    return jnp.where(keep, jnp.where(valid, out, jnp.nan), 0.0), lse
+    # a kept out-of-range label multiplies its loss by NaN: NaN loss and NaN gradients
+    return jnp.where(keep, out * jnp.where(valid | ~keep, 1.0, jnp.nan), 0.0), lse

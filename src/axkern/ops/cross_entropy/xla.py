@@ -7,7 +7,7 @@ with label `y`, `loss = lse - (1 - eps) z_y - (eps / V) sum_v z_v + w_z lse**2`,
 
 with `p = softmax(z)`. Every term is known once the row's `lse` is, so the forward of the
 differentiated call writes this gradient `G` (`[tokens, vocab]`, in the logits' dtype, rows of
-dropped tokens zero) in place of the softmax, as Liger-Kernel's cross-entropy overwrites its
+dropped tokens zero, rows of a kept out-of-range label NaN) in place of the softmax, as Liger-Kernel's cross-entropy overwrites its
 logits buffer. The residual is `G` alone: the logits themselves are not kept for the backward.
 
 **Backward** (`jax.custom_vjp`): `d logits = g_loss[:, None] * G`, with `g_loss` the per-token
@@ -65,9 +65,16 @@ def _statistics(cfg: _Static, logits, labels, keep):
         out = out - (eps / vocab) * jnp.sum(z, axis=-1)
     if cfg.logsumexp_weight:
         out = out + cfg.logsumexp_weight * jnp.square(lse)
+    nan_label = _out_of_range(labels, keep, vocab)
+    loss = jnp.where(keep, out * nan_label, 0.0)
+    return z, loss, lse, hit, nan_label
+
+
+def _out_of_range(labels, keep, vocab):
+    """1 per token, NaN for a kept token whose label is outside `[0, vocab)` (its loss and its
+    gradient row are NaN)."""
     valid = (labels >= 0) & (labels < vocab)
-    loss = jnp.where(keep, jnp.where(valid, out, jnp.nan), 0.0)
-    return z, loss, lse, hit, keep & valid
+    return jnp.where(valid | ~keep, 1.0, jnp.nan)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -77,7 +84,7 @@ def _ce(cfg: _Static, logits, labels, keep):
 
 
 def _ce_fwd(cfg: _Static, logits, labels, keep):
-    z, loss, lse, hit, counted = _statistics(cfg, logits, labels, keep)
+    z, loss, lse, hit, nan_label = _statistics(cfg, logits, labels, keep)
     vocab = logits.shape[-1]
     eps, wz = cfg.label_smoothing, cfg.logsumexp_weight
     p = jnp.exp(z - lse[:, None])
@@ -85,7 +92,8 @@ def _ce_fwd(cfg: _Static, logits, labels, keep):
     g = (p * (1.0 + 2.0 * wz * lse[:, None]) if wz else p) - jnp.where(hit, 1.0 - eps, 0.0)
     if eps:
         g = g - eps / vocab
-    grad = jnp.where(counted[:, None], g * cap, 0.0).astype(logits.dtype)
+    # dropped rows selected away (a non-finite logit there never becomes 0 * NaN)
+    grad = jnp.where(keep[:, None], g * cap * nan_label[:, None], 0.0).astype(logits.dtype)
     lse_grad = (p * cap).astype(logits.dtype) if cfg.lse_grad else None
     return (loss, lse), (grad, lse_grad)
 
@@ -96,7 +104,8 @@ def _ce_bwd(cfg: _Static, residuals, cotangents):
     acc = jnp.promote_types(grad.dtype, jnp.float32)
     d = g_loss.astype(acc)[:, None] * grad.astype(acc)
     if lse_grad is not None:
-        d = d + g_lse.astype(acc)[:, None] * lse_grad.astype(acc)
+        # rows whose lse cotangent is 0 are selected away, as dropped rows are in `grad`
+        d = d + jnp.where((g_lse != 0)[:, None], g_lse.astype(acc)[:, None] * lse_grad.astype(acc), 0)
     return d.astype(grad.dtype), None, None
 
 

@@ -25,6 +25,7 @@ from jax import lax
 from axkern.core import compat, config, named
 from axkern.core.loss import (
     CrossEntropyOutput,
+    check_features,
     check_options,
     checked_labels,
     kept,
@@ -137,9 +138,12 @@ LossImplementation = Literal["xla", "reference"]
 
 
 def _stats(x, w, local_labels, *, logits_soft_cap, with_sum, implementation, block_sizes):
-    """Dispatch: the op's per-token statistics over this `w`'s columns."""
+    """Dispatch: the op's per-token statistics over this `w`'s columns (empty for no token)."""
     tokens, embed = x.shape
     vocab = w.shape[1]
+    check_features(NAME, embed=embed, vocab=vocab)
+    if tokens == 0:
+        return (jnp.zeros((0,), jnp.promote_types(jnp.result_type(x, w), jnp.float32)),) * 3
     spec = OP.spec(
         {"tokens": tokens, "embed": embed, "vocab": vocab},
         jnp.result_type(x, w),
@@ -236,8 +240,9 @@ def fused_cross_entropy_positional(
     - `implementation`, `block_sizes`: override the dispatcher (see `axkern.explain`).
 
     **Returns:** the loss (a float32 scalar, or `[tokens]` float32 when `reduction=None`: 0 on
-    dropped tokens, NaN on a kept token whose label is outside `[0, vocab)`), or
-    `CrossEntropyOutput(loss, lse)` with `return_lse`.
+    dropped tokens, NaN on a kept token whose label is outside `[0, vocab)`, with NaN gradients
+    from that token), or `CrossEntropyOutput(loss, lse)` with `return_lse`. No token gives an
+    empty per-token loss and a reduced loss of 0; an empty `embed` or `vocab` is a `ValueError`.
 
     A reduced loss without `return_lse` runs `fused_cross_entropy_loss`, whose gradients are
     formed in the forward pass, unless `implementation` names one only the per-token op has.
@@ -327,6 +332,9 @@ def fused_cross_entropy_loss_positional(
     check_options(NAME, logits_soft_cap, logsumexp_weight, label_smoothing)
     tokens, embed = x.shape
     vocab = w.shape[1]
+    check_features(NAME, embed=embed, vocab=vocab)
+    if tokens == 0:  # a sum over no token, and a mean over no kept token: 0
+        return jnp.zeros((), jnp.float32)
     keep = kept(labels, where, ignore_index)
     if check_labels:
         labels = checked_labels(NAME, labels, keep, vocab)

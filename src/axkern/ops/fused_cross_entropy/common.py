@@ -41,15 +41,24 @@ from .blocks import stream_tiles
 
 
 def token_losses(lse, label_logit, sum_logits, labels, keep, vocab, *, logsumexp_weight, label_smoothing):
-    """Per-token loss from the three statistics: 0 where not `keep`, NaN for a kept label outside `[0, V)`."""
+    """Per-token loss from the three statistics: 0 where not `keep`, NaN for a kept label outside `[0, V)`.
+
+    The NaN of such a label multiplies the token's loss (`loss * NaN`, not a NaN constant), so its
+    gradients are NaN too: the token's `dx` row and every `dw` entry it reaches, in every
+    implementation. A dropped token's loss is selected away (`jnp.where`)."""
     eps = float(label_smoothing)
     out = lse - (1.0 - eps) * label_logit
     if eps:
         out = out - (eps / vocab) * sum_logits
     if logsumexp_weight:
         out = out + float(logsumexp_weight) * jnp.square(lse)
+    return jnp.where(keep, out * out_of_range(labels, keep, vocab), 0.0)
+
+
+def out_of_range(labels, keep, vocab):
+    """1 per token, NaN for a kept token whose label is outside `[0, vocab)`."""
     valid = (labels >= 0) & (labels < vocab)
-    return jnp.where(keep, jnp.where(valid, out, jnp.nan), 0.0)
+    return jnp.where(valid | ~keep, 1.0, jnp.nan)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,6 +131,9 @@ def stream_stats(cfg: Static, x, w, labels):
 def stream_backward(cfg: Static, residuals, cotangents):
     x, w, labels, lse = residuals
     g_lse, g_label, g_sum = cotangents
+    live = (g_lse != 0) | (g_label != 0)
+    if cfg.with_sum:
+        live = live | (g_sum != 0)
     n, d, v = x.shape[0], x.shape[1], w.shape[1]
     acc = acc_dtype(x, w)
     operand = jnp.result_type(x, w)
@@ -136,10 +148,12 @@ def stream_backward(cfg: Static, residuals, cotangents):
             dz = dz + rows(g_sum)
         if cfg.soft_cap is not None:
             dz = dz * (1 - jnp.square(z / cfg.soft_cap))
-        dz = dz.astype(operand)
+        # a row whose cotangents are all 0 (a dropped token) is selected away, in dz and in x,
+        # so a non-finite input there never turns into 0 * NaN
+        dz = jnp.where(rows(live), dz, 0).astype(operand)
         dx_rows = lax.dynamic_slice_in_dim(dx, t0, ts) + mm(dz, wv.T, acc)
         dx = lax.dynamic_update_slice_in_dim(dx, dx_rows, t0, axis=0)
-        dw_block = dw_block + mm(xt.T, dz, acc)
+        dw_block = dw_block + mm(jnp.where(rows(live), xt, 0).T, dz, acc)
         return dx, dw_block
 
     def vocab_block(v0, vs, carry):

@@ -25,7 +25,9 @@ def stats(x, w, labels, *, logits_soft_cap=None, with_sum=False):
 
 
 def loss(x, w, labels, keep, scale, *, logits_soft_cap=None, logsumexp_weight=0.0, label_smoothing=0.0):
-    """`scale * sum_{keep} loss_i` from the materialised logits; gradients by autodiff."""
+    """`scale * sum_{keep} loss_i` from the materialised logits; gradients by autodiff. Dropped
+    tokens' rows of `x` are selected away first: a non-finite dropped row reaches no gradient."""
+    x = jnp.where(keep[:, None], x, 0)
     lse, label_logit, sum_logits = stats(x, w, labels, logits_soft_cap=logits_soft_cap, with_sum=True)
     per = _token_losses(
         lse,

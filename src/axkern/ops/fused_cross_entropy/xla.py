@@ -13,7 +13,16 @@ from jax import lax
 from axkern.core.blocks import for_each_block
 
 from .blocks import CrossEntropyBlockSizes
-from .common import Static, acc_dtype, mm, stream_forward, stream_stats, streaming_config, token_losses
+from .common import (
+    Static,
+    acc_dtype,
+    mm,
+    out_of_range,
+    stream_forward,
+    stream_stats,
+    streaming_config,
+    token_losses,
+)
 
 
 def stats(x, w, labels, *, block_sizes: CrossEntropyBlockSizes, logits_soft_cap=None, with_sum=False):
@@ -120,17 +129,17 @@ def _loss_fwd(cfg: _LossStatic, x, w, labels, keep, scale):
         label_logit = jnp.sum(jnp.where(hit, z, 0), axis=1)
         sum_logits = jnp.sum(z, axis=1) if eps else jnp.zeros_like(lse)
         per = token_losses(lse, label_logit, sum_logits, lt, kt, v, logsumexp_weight=wz, label_smoothing=eps)
-        coef = jnp.where(kt, scale, 0).astype(acc)
+        coef = (jnp.where(kt, scale, 0) * out_of_range(lt, kt, v)).astype(acc)
         g_lse = coef * (1 + 2 * wz * lse) if wz else coef
         dz = g_lse[:, None] * jnp.exp(z - lse[:, None]) - jnp.where(hit, ((1 - eps) * coef)[:, None], 0)
         if eps:
             dz = dz - (eps / v) * coef[:, None]
         if cfg.soft_cap is not None:
             dz = dz * (1 - jnp.square(z / cfg.soft_cap))
-        dz = dz.astype(operand)
+        dz = jnp.where(kt[:, None], dz, 0).astype(operand)  # dropped rows selected away (and in x below)
         dx_rows = mm(dz, w.T, acc).astype(x.dtype)
         dx = lax.dynamic_update_slice_in_dim(dx, dx_rows, t0, axis=0)
-        dw = dw + mm(xt.T, dz, acc)
+        dw = dw + mm(jnp.where(kt[:, None], xt, 0).T, dz, acc)
         return dx, dw, total + jnp.sum(per)
 
     init = (jnp.zeros_like(x), jnp.zeros((d, v), acc), jnp.zeros((), acc))

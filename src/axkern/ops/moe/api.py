@@ -132,11 +132,15 @@ class MoeDispatch(NamedTuple):
 MoeImplementation = Literal["cuda", "xla", "reference"]
 
 
-def _check(op: str, topk_idx, num_experts: int, num_ranks: int = 1) -> None:
+def _check(op: str, topk_idx, num_experts: int, num_ranks: int = 1):
+    """`topk_idx` as at least 32-bit ids (an int8 table may route to 200 experts), after checking
+    the dtype, `num_experts`, `num_ranks` and, when concrete, the ids."""
     if not jnp.issubdtype(topk_idx.dtype, jnp.integer):
         raise ValueError(f"{op}: topk_idx must have an integer dtype, got {topk_idx.dtype}")
     if not isinstance(num_experts, int) or num_experts < 1:
         raise ValueError(f"{op}: num_experts must be a positive int, got {num_experts!r}")
+    if not isinstance(num_ranks, int) or num_ranks < 1:
+        raise ValueError(f"{op}: num_ranks must be a positive int, got {num_ranks!r}")
     if num_experts % num_ranks:
         raise ValueError(f"{op}: num_experts={num_experts} is not divisible by num_ranks={num_ranks}")
     if not isinstance(topk_idx, jax.core.Tracer):  # concrete ids: check them now
@@ -148,6 +152,13 @@ def _check(op: str, topk_idx, num_experts: int, num_ranks: int = 1) -> None:
                 f"{op}: topk_idx[{t}, {k}] = {ids[t, k]} is outside [0, {num_experts}) "
                 f"({int(bad.sum())} such entries); traced ids are dropped and counted instead"
             )
+    return topk_idx.astype(jnp.int32) if jnp.iinfo(topk_idx.dtype).bits < 32 else topk_idx
+
+
+def _check_features(op: str, **sizes: int) -> None:
+    for axis, n in sizes.items():
+        if n == 0:
+            raise ValueError(f"{op}: {axis} must be at least 1, got 0")
 
 
 @checked
@@ -171,8 +182,11 @@ def moe_layout_positional(
 
     ```
     """
-    _check("moe_layout", topk_idx, num_experts, num_ranks)
+    topk_idx = _check("moe_layout", topk_idx, num_experts, num_ranks)
     tokens, topk = topk_idx.shape
+    if tokens * topk == 0:  # no pair: nothing counted
+        zeros = jnp.zeros((num_experts,), jnp.int32), jnp.zeros((num_ranks,), jnp.int32)
+        return MoeLayout(*zeros, jnp.zeros((tokens, num_ranks), bool), jnp.zeros((), jnp.int32))
     spec = LAYOUT.spec(
         {"tokens": tokens, "topk": topk, "experts": num_experts, "ranks": num_ranks}, jnp.int32
     )
@@ -211,8 +225,13 @@ def moe_dispatch_positional(
 
     ```
     """
-    _check("moe_dispatch", topk_idx, num_experts)
+    topk_idx = _check("moe_dispatch", topk_idx, num_experts)
     tokens, topk = topk_idx.shape
+    _check_features("moe_dispatch", embed=x.shape[1])
+    if tokens * topk == 0:  # no pair: no row
+        rows = jnp.zeros((0,), jnp.int32)
+        empty = jnp.zeros((0, x.shape[1]), x.dtype), jnp.zeros((num_experts,), jnp.int32)
+        return MoeDispatch(*empty, MoeRouting(rows, topk_idx, num_experts))
     spec = DISPATCH.spec(
         {"tokens": tokens, "topk": topk, "embed": x.shape[1], "experts": num_experts}, x.dtype
     )
@@ -250,6 +269,9 @@ def moe_combine_positional(
             f"moe_combine: expert_y has {expert_y.shape[0]} rows and the routing {routing.rows.shape[0]}, "
             f"but topk_weights is [{tokens}, {topk}] (needs {tokens * topk})"
         )
+    _check_features("moe_combine", out=expert_y.shape[1])
+    if tokens * topk == 0:  # no pair: every token's sum is empty
+        return jnp.zeros((tokens, expert_y.shape[1]), expert_y.dtype)
     spec = COMBINE.spec(
         {"tokens": tokens, "topk": topk, "out": expert_y.shape[1], "experts": routing.num_experts},
         expert_y.dtype,

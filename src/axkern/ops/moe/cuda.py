@@ -138,7 +138,7 @@ def combine(expert_y, topk_weights, topk_idx, rows, *, num_experts):
 
 @jax.custom_vjp
 def _combine(expert_y, topk_weights, rows, valid):
-    w = topk_weights.reshape(-1).astype(jnp.float32) * valid
+    w = jnp.where(valid, topk_weights.reshape(-1).astype(jnp.float32), 0)  # dropped pairs' weights selected
     return _gather_sum(expert_y, rows, w, topk_weights.shape[0])
 
 
@@ -148,7 +148,7 @@ def _combine_fwd(expert_y, topk_weights, rows, valid):
 
 def _combine_bwd(res, dy):
     expert_y, topk_weights, rows, valid = res
-    w = topk_weights.reshape(-1).astype(jnp.float32) * valid
+    w = jnp.where(valid, topk_weights.reshape(-1).astype(jnp.float32), 0)  # dropped pairs' weights selected
     out = (
         jax.ShapeDtypeStruct(expert_y.shape, expert_y.dtype),
         jax.ShapeDtypeStruct(rows.shape, jnp.float32),
@@ -156,7 +156,7 @@ def _combine_bwd(res, dy):
     d_expert_y, dw = jax.ffi.ffi_call("AxkernMoeCombineBwd", out)(
         dy.astype(expert_y.dtype), expert_y, rows, w
     )
-    dw = (dw * valid).reshape(topk_weights.shape).astype(topk_weights.dtype)
+    dw = jnp.where(valid, dw, 0).reshape(topk_weights.shape).astype(topk_weights.dtype)
     return d_expert_y, dw, None, None
 
 

@@ -40,7 +40,7 @@ def dispatch(x, topk_idx, *, num_experts):
     """`(expert_x [T*K, D], group_sizes [E], rows [T*K])`: dropped pairs' rows are zero, at the end."""
     tokens, topk = topk_idx.shape
     rows, counts, valid = positions(topk_idx, num_experts)
-    src = jnp.repeat(x, topk, axis=0) * valid[:, None].astype(x.dtype)
+    src = jnp.where(valid[:, None], jnp.repeat(x, topk, axis=0), 0)
     out = jnp.zeros((tokens * topk, x.shape[1]), x.dtype).at[rows].set(src)
     return out, counts, rows
 
@@ -50,5 +50,6 @@ def combine(expert_y, topk_weights, topk_idx, rows, *, num_experts):
     tokens, topk = topk_weights.shape
     valid = ((topk_idx >= 0) & (topk_idx < num_experts)).reshape(-1)
     acc = jnp.promote_types(expert_y.dtype, jnp.float32)
-    picked = expert_y[rows].astype(acc) * (topk_weights.reshape(-1).astype(acc) * valid)[:, None]
-    return picked.reshape(tokens, topk, -1).sum(1).astype(expert_y.dtype)
+    picked = expert_y[rows].astype(acc) * topk_weights.reshape(-1, 1).astype(acc)
+    picked = jnp.where(valid[:, None], picked, 0)  # dropped pairs selected away
+    return picked.reshape(tokens, topk, expert_y.shape[1]).sum(1).astype(expert_y.dtype)

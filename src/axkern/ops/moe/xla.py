@@ -65,7 +65,7 @@ def dispatch(x, topk_idx, *, num_experts):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _dispatch(topk, x, order, valid):
-    return x[order // topk] * valid[order][:, None].astype(x.dtype)
+    return jnp.where(valid[order][:, None], x[order // topk], 0)  # selected: a NaN row stays out
 
 
 def _dispatch_fwd(topk, x, order, valid):
@@ -76,7 +76,7 @@ def _dispatch_bwd(topk, res, g):
     order, valid, tokens = res
     rows = inverse(order)
     acc = jnp.promote_types(g.dtype, jnp.float32)
-    back = (g[rows].astype(acc) * valid[:, None]).reshape(tokens, topk, -1).sum(1)
+    back = jnp.where(valid[:, None], g[rows].astype(acc), 0).reshape(tokens, topk, g.shape[1]).sum(1)
     return back.astype(g.dtype), None, None
 
 
@@ -92,8 +92,11 @@ def combine(expert_y, topk_weights, topk_idx, rows, *, num_experts):
 def _combine(expert_y, topk_weights, rows, valid):
     tokens, topk = topk_weights.shape
     acc = jnp.promote_types(expert_y.dtype, jnp.float32)
-    w = topk_weights.reshape(-1).astype(acc) * valid
-    return (expert_y[rows].astype(acc) * w[:, None]).reshape(tokens, topk, -1).sum(1).astype(expert_y.dtype)
+    # dropped pairs are selected away: a non-finite weight or row of theirs reaches nothing
+    picked = jnp.where(
+        valid[:, None], expert_y[rows].astype(acc) * topk_weights.reshape(-1, 1).astype(acc), 0
+    )
+    return picked.reshape(tokens, topk, expert_y.shape[1]).sum(1).astype(expert_y.dtype)
 
 
 def _combine_fwd(expert_y, topk_weights, rows, valid):
@@ -105,10 +108,11 @@ def _combine_bwd(res, dy):
     tokens, topk = topk_weights.shape
     acc = jnp.promote_types(expert_y.dtype, jnp.float32)
     order = inverse(rows)
-    w = topk_weights.reshape(-1).astype(acc) * valid
-    d_expert_y = (dy[order // topk].astype(acc) * w[order][:, None]).astype(expert_y.dtype)
-    picked = expert_y[rows].astype(acc).reshape(tokens, topk, -1)
-    dw = jnp.einsum("tkd,td->tk", picked, dy.astype(acc)) * valid.reshape(tokens, topk)
+    w = topk_weights.reshape(-1).astype(acc)
+    d_expert_y = jnp.where(valid[order][:, None], dy[order // topk].astype(acc) * w[order][:, None], 0)
+    d_expert_y = d_expert_y.astype(expert_y.dtype)
+    picked = jnp.where(valid[:, None], expert_y[rows].astype(acc), 0).reshape(tokens, topk, expert_y.shape[1])
+    dw = jnp.where(valid.reshape(tokens, topk), jnp.einsum("tkd,td->tk", picked, dy.astype(acc)), 0)
     return d_expert_y, dw.astype(topk_weights.dtype), None, None
 
 

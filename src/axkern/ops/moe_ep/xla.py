@@ -67,4 +67,4 @@ def combine(expert_y, topk_weights, order, dst, slot, sent, *, axis_name, ranks,
     acc = jnp.promote_types(expert_y.dtype, jnp.float32)
     vals = back[idx].astype(acc) * topk_weights.reshape(-1, 1).astype(acc)
     vals = jnp.where(sent.reshape(-1, 1), vals, 0)
-    return vals.reshape(tokens, topk, -1).sum(1).astype(expert_y.dtype)
+    return vals.reshape(tokens, topk, expert_y.shape[1]).sum(1).astype(expert_y.dtype)

@@ -4,7 +4,8 @@
 convolution of width `W` (1..8) over the sequence. Positions before the start read the
 `initial_state` (the `W-1` previous inputs, oldest first); with `segment_ids` a tap never
 reads a position of another segment (packed documents stay independent; the state belongs
-to the sequence's first segment). Segment ids are runs of equal ids, as packing makes them.
+to the sequence's first segment). A segment starts wherever the id changes from one position
+to the next: `[0, 0, 1, 1, 0]` holds three segments, the last one not continuing the first.
 """
 
 from __future__ import annotations
@@ -106,6 +107,19 @@ def _check_activation(activation) -> None:
         raise ValueError(f"{NAME}: activation must be None or 'silu', got {activation!r}")
 
 
+def _check_channels(op: str, channels: int) -> None:
+    if channels == 0:
+        raise ValueError(f"{op}: channels must be at least 1, got 0")
+
+
+def segment_runs(segment_ids):
+    """Each position's segment as the number of id changes before it (int32), so that taps compare
+    runs, not ids: an id used again after another starts a new segment."""
+    change = segment_ids[:, 1:] != segment_ids[:, :-1]
+    first = jnp.zeros((segment_ids.shape[0], 1), jnp.int32)
+    return jnp.concatenate([first, jnp.cumsum(change, axis=1, dtype=jnp.int32)], axis=1)
+
+
 def final_state(x, segment_ids, initial_state):
     """The last `W-1` inputs of each sequence (oldest first): the decode cache after `x`.
 
@@ -139,13 +153,15 @@ def short_conv_positional(
     - `x`: `[batch, seq, channels]`.
     - `weight`: `[width, channels]`; tap `k` multiplies `x[t - k]`. Width 1..8.
     - `bias`: optional `[channels]`.
-    - `segment_ids`: optional `[batch, seq]` ints; taps never reach into another segment.
+    - `segment_ids`: optional `[batch, seq]` ints; a change of id starts a segment and taps never
+      reach into another segment.
     - `initial_state`: optional `[batch, width - 1, channels]`, the inputs before position 0.
     - `return_final_state`: also return the last `width - 1` inputs (the decode cache).
     - `activation`: `None` or `"silu"`.
     - `implementation`, `block_sizes`: override the dispatcher.
 
-    **Returns:** `y` like `x`, or `WithFinalState(y, final_state)`.
+    **Returns:** `y` like `x`, or `WithFinalState(y, final_state)`. Empty `batch` or `seq` give
+    an empty `y` (and the initial state as the final one); empty `channels` is a `ValueError`.
 
     **Example:**
 
@@ -161,6 +177,7 @@ def short_conv_positional(
     _check_width(width)
     _check_activation(activation)
     batch, seq, channels = x.shape
+    _check_channels(NAME, channels)
     if initial_state is not None and initial_state.shape[1] != width - 1:
         raise ValueError(
             f"{NAME}: initial_state holds {initial_state.shape[1]} previous inputs, but width {width} needs "
@@ -168,6 +185,11 @@ def short_conv_positional(
         )
     bias = jnp.zeros((channels,), weight.dtype) if bias is None else bias
     state = jnp.zeros((batch, width - 1, channels), x.dtype) if initial_state is None else initial_state
+    if 0 in (batch, seq):  # nothing to convolve: an empty y, the state passes through
+        y = jnp.zeros(x.shape, x.dtype)
+        return WithFinalState(y, state) if return_final_state else y
+    if segment_ids is not None:
+        segment_ids = segment_runs(segment_ids)
     spec = OP.spec(
         {"batch": batch, "seq": seq, "channels": channels, "width": width},
         x.dtype,
@@ -218,6 +240,7 @@ def short_conv_step_positional(
     width = weight.shape[0]
     _check_width(width)
     _check_activation(activation)
+    _check_channels("short_conv_step", x_t.shape[1])
     if state.shape[1] != width - 1:
         raise ValueError(
             f"{NAME}: state holds {state.shape[1]} previous inputs, but width {width} needs {width - 1}"
@@ -377,8 +400,9 @@ def short_conv(
 def _halo(x, segment_ids, state, width_1, seq_mesh):
     """This shard's initial state: the previous shard's last `W-1` inputs (the caller's state on shard 0).
 
-    Halo rows of another segment than this shard's first token are zeroed, so the kernel's
-    rule (state rows belong to the first segment) stays exact across the shard boundary.
+    Halo rows of another segment than this shard's first token (an id change between the row and
+    that token) are zeroed, so the kernel's rule (state rows belong to the first segment) stays
+    exact across the shard boundary.
     """
     if width_1 == 0:
         return state
@@ -390,7 +414,11 @@ def _halo(x, segment_ids, state, width_1, seq_mesh):
     tail = lax.ppermute(x[:, -width_1:], names, perm)
     if segment_ids is not None:
         seg_tail = lax.ppermute(segment_ids[:, -width_1:], names, perm)
-        tail = jnp.where((seg_tail == segment_ids[:, :1])[..., None], tail, 0)
+        chain = jnp.concatenate([seg_tail, segment_ids[:, :1]], axis=1)
+        same = (chain[:, :-1] == chain[:, 1:]).astype(jnp.int32)
+        # a row is in the first token's segment when no id changes between them
+        unbroken = jnp.flip(jnp.cumprod(jnp.flip(same, axis=1), axis=1), axis=1) == 1
+        tail = jnp.where(unbroken[..., None], tail, 0)
     first = compat.axis_index(seq_mesh) == 0
     return jnp.where(first, state.astype(tail.dtype), tail)
 

@@ -100,6 +100,24 @@ SSDImplementation = Literal["xla", "pallas_gpu", "pallas_tpu", "reference"]
 StepImplementation = Literal["xla", "reference"]
 
 
+def _check_sizes(op, heads, groups, **features):
+    """Empty feature axes (`head_dim`, `state`) and `groups` are refused, naming the axis; heads
+    must be a multiple of groups."""
+    for axis, n in {"groups": groups, **features}.items():
+        if n == 0:
+            raise ValueError(f"{op}: {axis} must be at least 1, got 0")
+    if heads % groups:
+        raise ValueError(f"{op}: heads={heads} is not divisible by groups={groups}")
+
+
+def _check_dt_limit(op, dt_limit):
+    if dt_limit is None:
+        return
+    lo, hi = (float(v) for v in dt_limit)
+    if not lo <= hi:  # also false for a NaN bound
+        raise ValueError(f"{op}: dt_limit must be (low, high) with low <= high, got {dt_limit!r}")
+
+
 def _dt(dt, dt_bias, dt_softplus, dt_limit):
     acc = jnp.promote_types(dt.dtype, jnp.float32)
     dt = dt.astype(acc)
@@ -142,6 +160,9 @@ def ssd_positional(
     clipped to `dt_limit`.
 
     **Returns:** `y` like `x`, or `WithFinalState(y, final_state [batch, heads, head_dim, state])`.
+    Empty `batch`, `length` or `heads` give an empty `y` (and the initial state as the final
+    one); an empty `head_dim`, `state` or `groups`, or a `dt_limit` with low > high, is a
+    `ValueError`.
 
     **Example:**
 
@@ -157,8 +178,8 @@ def ssd_positional(
     """
     batch, length, heads, head_dim = x.shape
     groups, state = B.shape[2], B.shape[3]
-    if heads % groups:
-        raise ValueError(f"{NAME}: heads={heads} is not divisible by groups={groups}")
+    _check_sizes(NAME, heads, groups, head_dim=head_dim, state=state)
+    _check_dt_limit(NAME, dt_limit)
     if chunk_size is not None:
         if block_sizes is not None:
             raise ValueError(f"{NAME}: pass chunk_size or block_sizes, not both")
@@ -172,6 +193,9 @@ def ssd_positional(
         if not isinstance(cs, int) or cs < 1 or cs & (cs - 1):
             raise ValueError(f"{NAME}: chunk_size must be a power of two, got {cs!r}")
     s0 = jnp.zeros((batch, heads, head_dim, state), jnp.float32) if initial_state is None else initial_state
+    if 0 in (batch, length, heads):  # nothing to scan: an empty y, the state passes through
+        y = jnp.zeros(x.shape, x.dtype)
+        return WithFinalState(y, s0) if return_final_state else y
     spec = OP.spec(
         {
             "batch": batch,
@@ -236,8 +260,10 @@ def ssd_step_positional(
     """
     batch, heads, head_dim = x_t.shape
     groups, n = B_t.shape[1], B_t.shape[2]
-    if heads % groups:
-        raise ValueError(f"ssd_step: heads={heads} is not divisible by groups={groups}")
+    _check_sizes("ssd_step", heads, groups, head_dim=head_dim, state=n)
+    _check_dt_limit("ssd_step", dt_limit)
+    if 0 in (batch, heads):
+        return StepResult(jnp.zeros(x_t.shape, x_t.dtype), state)
     spec = STEP_OP.spec(
         {"batch": batch, "heads": heads, "head_dim": head_dim, "groups": groups, "state": n}, x_t.dtype
     )
@@ -314,6 +340,8 @@ def _split_D(D) -> dict:
 
 def _check_groups(op, bound) -> None:
     heads, groups = bound.axis("Heads"), bound.axis("Groups")
+    if groups.size == 0:
+        raise ValueError(f"{op}: {groups.name} must be at least 1, got 0")
     if heads.size % groups.size:
         raise ValueError(f"{op}: {heads.name}={heads.size} is not divisible by {groups.name}={groups.size}")
 
@@ -439,11 +467,7 @@ def ssd_step(
     ```
     """
     bound = STEP_ROLES.bind(locals(), **_split_D(D))
-    heads, groups = bound.axis("Heads"), bound.axis("Groups")
-    if heads.size % groups.size:
-        raise ValueError(
-            f"ssd_step: {heads.name}={heads.size} is not divisible by {groups.name}={groups.size}"
-        )
+    _check_groups("ssd_step", bound)
 
     def body(ctx, xs, dts, As, Bs, Cs, ss, D1s, D2s, zs, bias):
         out = ssd_step_positional(
