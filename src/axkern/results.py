@@ -121,7 +121,7 @@ def load(root: Path | str = DEFAULT_ROOT) -> list[dict]:
     """Every run under `root` (sweeps left out), each with its `path`, sorted by device, op, preset."""
     runs = []
     for path in sorted(Path(root).glob("*/*/*.json")):
-        if path.stem == "sweep":
+        if path.stem == "sweep" or path.stem.startswith("sweep_") or path.stem.startswith("tune_"):
             continue
         doc = json.loads(path.read_text())
         if "rows" not in doc or "command" not in doc:

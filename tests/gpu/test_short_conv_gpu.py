@@ -82,4 +82,4 @@ def test_gpu_order():
     x, w = jax.ShapeDtypeStruct((2, 64, 777), jnp.bfloat16), jax.ShapeDtypeStruct((4, 777), jnp.bfloat16)
     d = axkern.explain(conv, x, w)
     assert d.implementation == "pallas_gpu" and not d.interpret
-    assert any("multiple of 8" in reason for _, reason in d.rejected)
+    assert any("multiple of 8" in r.reason for r in d.rejected)

@@ -44,8 +44,9 @@ def loss(x, w, labels, keep, scale, *, logits_soft_cap=None, logsumexp_weight=0.
 
 def _token_losses(lse, label_logit, sum_logits, labels, keep, vocab, *, logsumexp_weight, label_smoothing):
     """Per-token loss from the three statistics: 0 where not `keep`, NaN for a kept label outside
-    `[0, V)`. Written here again (not imported from `common.py`), so the oracle shares no code
-    with the implementations it checks."""
+    `[0, V)`, multiplying the loss so that the token's gradients are NaN too. Written here again
+    (not imported from `common.py`), so the oracle shares no code with the implementations it
+    checks."""
     eps = float(label_smoothing)
     out = lse - (1.0 - eps) * label_logit
     if eps:
@@ -53,4 +54,4 @@ def _token_losses(lse, label_logit, sum_logits, labels, keep, vocab, *, logsumex
     if logsumexp_weight:
         out = out + float(logsumexp_weight) * jnp.square(lse)
     valid = (labels >= 0) & (labels < vocab)
-    return jnp.where(keep, jnp.where(valid, out, jnp.nan), 0.0)
+    return jnp.where(keep, out * jnp.where(valid | ~keep, 1.0, jnp.nan), 0.0)

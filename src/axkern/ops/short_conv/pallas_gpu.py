@@ -208,11 +208,12 @@ def _bwd_kernel(
             dx = dx + tap
         _store_tile(tile, dx_ref, dx)
         out = []
+        inside = (tile.t < dims["seq"])[:, None]  # rows past S: their product selected away, not 0 * x
         for k in range(width):
             val = tile.load_x(x_ref, state_ref, -k)
             if segments:
                 val = jnp.where((tile.segment(seg_ref, -k) == seg_t)[:, None], val, 0)
-            out.append(acc[k] + jnp.sum(g0 * val, axis=0))
+            out.append(acc[k] + jnp.sum(jnp.where(inside, g0 * val, 0), axis=0))
         return (*out, acc[width] + jnp.sum(g0, axis=0))
 
     zeros = jnp.zeros((dims["block_channels"],), jnp.float32)
