@@ -2,7 +2,8 @@
 # The GPU tests and the benches of one op on any CUDA machine (a maintainer's script).
 #
 #   bash benchmarks/gpu.sh OP            the op's GPU tests, then its benches at the GPU preset
-#   bash benchmarks/gpu.sh tune OP       `axkern tune OP` at the GPU preset, writing the shipped table
+#   bash benchmarks/gpu.sh tune OP ARGS  `axkern tune OP ARGS --write-table`; the tables it wrote land in
+#                                        $OUT/gpu/tuned/<op folder>/, the tuning cache in $OUT/gpu/cache/
 #   bash benchmarks/gpu.sh list          the ops and their presets
 #
 # OP is an op folder: attention, cross_entropy, fused_cross_entropy, moe, moe_ep, short_conv, ssd.
@@ -52,7 +53,11 @@ short_conv) tests test_short_conv_gpu.py; bench short_conv mamba ;;
 ssd) tests test_ssd_gpu.py; bench ssd mamba2_2.7b --tokens 4096 ;;
 tune)
   op=${2:?usage: gpu.sh tune OP [axkern tune arguments]}; shift 2
+  export AXKERN_CACHE_DIR="$R/cache"  # the tuning cache comes back with the logs
   step 560 "tune_$op" $axkern tune "$op" --write-table --json "$R/tune_$op.json" "$@"
+  for d in src/axkern/ops/*/tuned; do  # the shipped tables, to copy back into the checkout
+    mkdir -p "$R/tuned/$(basename "$(dirname "$d")")" && cp "$d"/*.json "$R/tuned/$(basename "$(dirname "$d")")/"
+  done
   ;;
 list) $axkern bench --list-presets ;;
 *)

@@ -95,7 +95,7 @@ def test_full_tiles_skip_masking_and_stay_exact():
     # a window whose band holds FULL tiles between partial ones (and causal rows of FULL
     # tiles), in float32 and bf16, for every tiled implementation
     for impl, dtypes in (
-        ("pallas_gpu", ("float32", "bfloat16")),
+        ("pallas_gpu", ("float32",)),  # its bfloat16 window: test_pallas_gpu_against_float64_oracle
         ("pallas_tpu", ("bfloat16",)),
         ("xla", ("float32",)),
     ):
