@@ -7,15 +7,16 @@
 #   bash benchmarks/gpu.sh list          the ops and their presets
 #
 # OP is an op folder: attention, cross_entropy, fused_cross_entropy, moe, moe_ep, short_conv, ssd.
-# Wheels in an ignored `.whl/` folder (jax, jaxlib and the CUDA plugins for a machine without
-# network; `.whl/peers/` for the PyTorch peers) are installed into /tmp/site first. Logs and the
+# Wheels in an ignored `.whl/` folder (for a machine without network: whatever its image lacks
+# of the dependencies, e.g. haliax, beartype, cffi, platformdirs, filelock; `.whl/peers/` for
+# the peers, with `.whl/levanter_stubs/` for Levanter) are installed into /tmp/site first. Logs and the
 # benches' JSON go under $OUT/gpu (./gpu-run without $OUT): one log per step, steps.txt with each
 # step's exit status and seconds, <op>/<preset>.json per bench (the layout of benchmarks/results).
 # Each step has its own timeout (seconds) so one hung kernel leaves the others their time.
 set -u
 if compgen -G ".whl/*.whl" > /dev/null; then
   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl $(compgen -G ".whl/peers/*.whl")
-  export PYTHONPATH=/tmp/site:$PWD/src
+  export PYTHONPATH=/tmp/site:$PWD/src${PWD:+:$PWD/.whl/levanter_stubs}
 else
   export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH}
 fi
