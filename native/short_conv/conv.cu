@@ -17,8 +17,8 @@
 // registers, so each input element is read from memory once, plus the W - 1 halo rows above
 // its tile (a fraction (W-1)/rows).
 //
-// The backward forms g = dy * act'(pre) in registers (pre recomputed from the ring), keeps the
-// last W values of g in a second ring and writes dx(t) = sum_k w[k] g(t + k) over the taps that
+// The backward forms g = dy * act'(pre) in registers (pre recomputed from the carried inputs),
+// carries the last W - 1 values of g the same way and writes dx(t) = sum_k w[k] g(t + k) over the taps that
 // stay in t's segment; the tile's dw[k] = sum_t g(t) x~(t - k) and dbias = sum_t g(t) are
 // accumulated in registers and written once per tile. Its reads: x (tile plus 2(W-1) halo
 // rows), dy (tile plus W-1 rows below it); writes: dx and the partial sums.
