@@ -112,7 +112,7 @@ def peers_table(runs: Sequence[dict], pass_: str = "fwd+bwd") -> str:
         if not any(r["implementation"].startswith("peer:") for r in rows):
             continue
         impls = sorted({r["implementation"] for r in rows}, key=lambda i: (i.startswith("peer:"), i))
-        cases = sorted({r["case"] for r in rows}, key=lambda c: [int(n) for n in re.findall(r"\d+", c)])
+        cases = sorted({r["case"] for r in rows}, key=lambda c: ([int(n) for n in re.findall(r"\d+", c)], c))
         got = {(r["case"], r["implementation"]): r for r in rows}
         out.append(f"`{run['op']}`, preset `{run['preset']}`, {pass_}: {_about(run)}")
         out += ["", "| case | " + " | ".join(f"`{i.replace('peer:', '')}`" for i in impls) + " |"]
