@@ -130,6 +130,26 @@ __device__ inline void carry(const float (&cur)[kStep][N], float (&prev)[W][N]) 
     for (int v = 0; v < N; ++v) prev[i][v] = cur[kStep - (W - 1) + i][v];
 }
 
+// The W - 1 inputs before a tile starting at t0 (the state's rows before position 0), the
+// segment run of each, and the last id and run: what a thread carries into its first step.
+template <int N, int W, bool SEG, typename T>
+__device__ inline void load_halo(const T* x, const T* state, const int32_t* seg, int64_t t0, int64_t C,
+                                 float (&xp)[W][N], int (&rp)[W], int32_t& idp, int& runp) {
+  idp = 0;
+  runp = W;
+#pragma unroll
+  for (int i = 0; i < W - 1; ++i) {
+    const int64_t u = t0 - (W - 1) + i;
+    load<N>(u < 0 ? state + (u + W - 1) * C : x + u * C, xp[i]);
+    if (SEG) {
+      const int32_t id = seg[u < 0 ? 0 : u];
+      runp = next_run(id, idp, runp, i == 0, W);
+      idp = id;
+    }
+    rp[i] = runp;
+  }
+}
+
 template <typename T, int N, int W, bool SEG>
 __global__ void __launch_bounds__(kThreads) conv_fwd(const T* __restrict__ x, const float* __restrict__ weight,
                                                      const float* __restrict__ bias, const T* __restrict__ state,
@@ -151,20 +171,11 @@ __global__ void __launch_bounds__(kThreads) conv_fwd(const T* __restrict__ x, co
   for (int k = 0; k < W; ++k) load<N>(weight + k * C + c, w[k]);
   load<N>(bias + c, bv);
 
-  // the W - 1 inputs before the tile (the state before position 0) and their runs
   float xp[W][N];
-  int32_t idp = 0;
-  int runp = W;
-#pragma unroll
-  for (int i = 0; i < W - 1; ++i) {
-    const int64_t u = t0 - (W - 1) + i;
-    load<N>(u < 0 ? state + (u + W - 1) * C : x + u * C, xp[i]);
-    if (SEG) {
-      const int32_t id = seg[u < 0 ? 0 : u];
-      runp = next_run(id, idp, runp, i == 0, W);
-      idp = id;
-    }
-  }
+  int rp[W];
+  int32_t idp;
+  int runp;
+  load_halo<N, W, SEG>(x, state, seg, t0, C, xp, rp, idp, runp);
 
   for (int64_t t = t0; t < t1; t += kStep) {
     float xc[kStep][N];
@@ -237,21 +248,13 @@ __global__ void __launch_bounds__(kThreads) conv_bwd(const T* __restrict__ x, co
   // carried: the W - 1 inputs, values of g and runs before the step
   float xp[W][N], gp[W][N];
   int rp[W];
-  int32_t idp = 0;
-  int runp = W;
+  int32_t idp;
+  int runp;
+  load_halo<N, W, SEG>(x, state, seg, t0, C, xp, rp, idp, runp);
 #pragma unroll
-  for (int i = 0; i < W - 1; ++i) {
-    const int64_t u = t0 - (W - 1) + i;
-    load<N>(u < 0 ? state + (u + W - 1) * C : x + u * C, xp[i]);
-    if (SEG) {
-      const int32_t id = seg[u < 0 ? 0 : u];
-      runp = next_run(id, idp, runp, i == 0, W);
-      idp = id;
-    }
-    rp[i] = runp;
+  for (int i = 0; i < W - 1; ++i)
 #pragma unroll
     for (int v = 0; v < N; ++v) gp[i][v] = 0.0f;
-  }
 
   // g rows u = t0 .. t1 + W - 2; dx(u - (W-1)) once g(u) is known
   const int64_t u_end = min(t1 + W - 1, S);

@@ -67,7 +67,8 @@ def heuristic(spec: Spec) -> ConvBlockSizes:
 
 def cuda_heuristic(spec: Spec) -> ConvBlockSizes:
     """CUDA tiles: a thread walks `block_seq` positions forward and `block_seq_backward`
-    backward; longer backward tiles make fewer float32 partial sums of dw and dbias."""
+    backward; longer backward tiles make fewer float32 partial sums of dw and dbias. The
+    kernels do not read `block_channels` (a block is 128 threads of one vector each)."""
     seq = spec.dim("seq")
     return ConvBlockSizes(
         block_seq=max(8, min(128, next_power_of_2(seq))),

@@ -1,5 +1,9 @@
 """Short causal convolution in CUDA (`native/short_conv/conv.cu`) through XLA FFI.
 
+`y[b, t, c] = act(bias[c] + sum_{k < W} weight[k, c] · x~[b, t - k, c])`, `x~` reading the
+state before position 0 and dropping taps across a change of segment id. Layout `[B, S, C]`,
+channels innermost; FLOPs `O(W)` per element, so the bytes below bound it.
+
 **Forward** (`AxkernShortConvFwd`): one thread owns a vector of channels (8 bytes for `W <= 4`,
 4 above; float32 8) over `block_seq` consecutive positions and walks down the sequence in steps
 of 8 rows, loading a step's rows together and carrying the `W-1` inputs before it in
