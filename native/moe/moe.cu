@@ -1,10 +1,7 @@
 // MoE row movement as XLA FFI handlers. The routing (each pair's row in the dispatched
-// array, `rows[t*K + k]`) comes from AxkernMoeRoute (route.cu).
+// array, `rows[t*K + k]`) comes from AxkernMoeRoute (route.cu); dispatch's scatter,
+// AxkernMoeScatterRows, is in scatter.cu.
 //
-// AxkernMoeScatterRows: out[rows[t*K+k], :] = scale[t*K+k] * x[t, :]   (dispatch; combine's dy)
-//                       x[t] is read once and written K times; a scale of exactly 1 copies
-//                       bits, 0 writes zeros (a dropped pair's row). `rows` is a permutation,
-//                       so every output row is written exactly once.
 // AxkernMoeGatherSum:   out[t, :] = sum_k w[t*K+k] * y[rows[t*K+k], :]  (combine; dispatch's dx)
 //                       f32 accumulation; w == 0 skips the load.
 // AxkernMoeCombineBwd:  d_y[rows[p], :] = w[p] * dy[t, :] and dw[p] = <dy[t, :], y[rows[p], :]>
@@ -87,35 +84,6 @@ struct Slots {
     }
   }
 };
-
-template <typename T, typename V, int kK>
-__global__ void scatter_rows(const V* __restrict__ x, const int32_t* __restrict__ rows,
-                             const float* __restrict__ scale, V* __restrict__ out, int64_t tokens, int64_t topk,
-                             int64_t vecs) {
-  using P = Pack<T, V>;
-  for (int64_t t = blockIdx.x; t < tokens; t += gridDim.x) {
-    const Slots<kK> slot(rows, scale, t, topk);
-    const V* in = x + t * vecs;
-    for (int64_t i = threadIdx.x; i < vecs; i += blockDim.x) {
-      const V v = in[i];
-      float f[P::N];
-      P::unpack(v, f);
-#pragma unroll
-      for (int k = 0; k < kK; ++k) {
-        if (k >= topk) break;
-        const float s = slot.scale[k];
-        if (s == 1.0f) {
-          store_stream(out + slot.row[k] * vecs + i, v);
-        } else {
-          float g[P::N];
-#pragma unroll
-          for (int n = 0; n < P::N; ++n) g[n] = s == 0.0f ? 0.0f : s * f[n];
-          store_stream(out + slot.row[k] * vecs + i, P::pack(g));
-        }
-      }
-    }
-  }
-}
 
 // All K loads of a vector are issued before any is used, so they are in flight together.
 template <typename T, typename V, int kK>
@@ -217,25 +185,6 @@ ffi::Error with_vector(int64_t cols, std::initializer_list<const void*> ptrs, F&
   return f(Tag<T>{}, cols);
 }
 
-ffi::Error ScatterRowsImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> rows,
-                           ffi::Buffer<ffi::F32> scale, ffi::Result<ffi::AnyBuffer> out) {
-  const int64_t tokens = x.dimensions()[0], cols = x.dimensions()[1];
-  const int64_t topk = tokens ? static_cast<int64_t>(rows.element_count()) / tokens : 0;
-  if (tokens == 0 || cols == 0) return ffi::Error::Success();
-  if (topk > kMaxTopK) return ffi::Error::InvalidArgument("AxkernMoeScatterRows: top-k above 16");
-  return by_dtype(x.element_type(), "AxkernMoeScatterRows", [&](auto tt) {
-    using T = typename decltype(tt)::type;
-    return with_vector<T>(cols, {x.untyped_data(), out->untyped_data()}, [&](auto vt, int64_t vecs) {
-      using V = typename decltype(vt)::type;
-      auto kernel = topk <= 8 ? scatter_rows<T, V, 8> : scatter_rows<T, V, kMaxTopK>;
-      kernel<<<axkern::grid_for(tokens, 1, 16), kThreads, 0, stream>>>(
-          static_cast<const V*>(x.untyped_data()), rows.typed_data(), scale.typed_data(),
-          static_cast<V*>(out->untyped_data()), tokens, topk, vecs);
-      return check_launch("AxkernMoeScatterRows");
-    });
-  });
-}
-
 ffi::Error GatherSumImpl(cudaStream_t stream, ffi::AnyBuffer y, ffi::Buffer<ffi::S32> rows,
                          ffi::Buffer<ffi::F32> w, ffi::Result<ffi::AnyBuffer> out) {
   const int64_t tokens = out->dimensions()[0], cols = out->dimensions()[1];
@@ -280,14 +229,6 @@ ffi::Error CombineBwdImpl(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer
 }
 
 }  // namespace
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(AxkernMoeScatterRows, ScatterRowsImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::AnyBuffer>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(AxkernMoeGatherSum, GatherSumImpl,
                               ffi::Ffi::Bind()

@@ -6,9 +6,11 @@ chunks, then over experts), and one warp per chunk placing its pairs in order
 (`__match_any_sync` ranks lanes that share an expert). It yields each pair's row and the
 group sizes without XLA's argsort.
 
-**Dispatch** (`AxkernMoeScatterRows`): one block per token reads `x[t]` once and writes it to
-the rows of its `K` pairs (16-byte vectors; a zero scale writes the zero row of a dropped
-pair). Its backward is `AxkernMoeGatherSum` with weights `valid`.
+**Dispatch** (`AxkernMoeScatterRows`, scatter.cu): `x[t]` read once and its bits written to
+the rows of its `K` pairs (a dropped pair's row is zeros). On Hopper the copy engine moves the
+rows (one bulk load of `x[t]` into a shared-memory ring, `K` bulk stores out of it); elsewhere
+one block per token copies 16-byte vectors with streaming stores. Its backward is
+`AxkernMoeGatherSum` with weights `valid`.
 
 **Combine** (`AxkernMoeGatherSum`): `y[t] = sum_k w[t, k] · expert_y[rows[t, k]]`, float32
 accumulation; a token's `K` rows and weights are read into registers once and the `K` loads
@@ -17,7 +19,7 @@ the copy rate against XLA's 101% on the e64 preset). Its backward
 (`AxkernMoeCombineBwd`) writes `w[t, k] · dy[t]` to each pair's row and reduces
 `<dy[t], expert_y[row]>` for the weights' gradient in the same pass over `expert_y`.
 
-**Grid.** Row kernels: one block of 128 threads per token (grid-stride, at most 16 blocks
+**Grid.** Gather and combine kernels: one block of 128 threads per token (grid-stride, at most 16 blocks
 per SM), threads across the row; outputs use streaming stores. **Bound.** Memory: dispatch
 reads `T·D` and writes `T·K·D` elements; combine reads `T·K·D` and writes `T·D`. The library
 is built by `axkern.core.native` on first use. First in the GPU order (its times beside
@@ -99,9 +101,10 @@ def route(topk_idx, num_experts):
     return rows, counts, (idx >= 0) & (idx < num_experts)
 
 
-def _scatter_rows(x, rows, scale):
+def _scatter_rows(x, rows, keep):
+    """`out[rows[p]] = x[p // K]` where `keep[p] != 0`, else zeros."""
     out = jax.ShapeDtypeStruct((rows.shape[0], x.shape[1]), x.dtype)
-    return jax.ffi.ffi_call("AxkernMoeScatterRows", out)(x, rows, scale.astype(jnp.float32))
+    return jax.ffi.ffi_call("AxkernMoeScatterRows", out)(x, rows, keep.astype(jnp.float32))
 
 
 def _gather_sum(y, rows, weights, tokens):
