@@ -11,7 +11,7 @@ import sys
 import pytest
 
 import axkern
-from axkern import bench_format, cli
+from axkern import bench_format, cli, cli_bench
 from tests.cluster import launch
 
 
@@ -95,7 +95,7 @@ def test_peer_ratios_land_in_the_notes():
     c = cases_for("fused_cross_entropy")[0]
     ours = Row(c.op, c.label, "xla", "fwd+bwd", ms=90.0)
     peer = (c, {"peer": "liger", "pass": "fwd+bwd", "ms": 100.0, "temp_gib": 0.1, "note": ""})
-    rows = cli._peer_rows([peer], [], [ours], ceiling=500.0)
+    rows = cli_bench._peer_rows([peer], [], [ours], ceiling=500.0)
     assert rows[0].implementation == "peer:liger" and rows[0].tflops > 0
     assert ours.note == "time 0.90x liger"
 
@@ -174,7 +174,7 @@ def test_bench_json_path_that_is_a_directory_is_a_usage_error(tmp_path, capsys, 
     ],
 )
 def test_bench_dtype_aliases(given, dtype):
-    work, _ = cli._plan(cli.parser().parse_args(["bench", "short_conv", "--dtype", given]))
+    work, _ = cli_bench._plan(cli.parser().parse_args(["bench", "short_conv", "--dtype", given]))
     assert {c.dtype for c, _ in work} == {dtype}
 
 
@@ -186,10 +186,10 @@ def test_bench_marks_what_runs_in_interpret_mode():
 
 
 def test_bench_plan_defaults_to_the_quick_preset_and_the_implementations_compiled_here():
-    work, passes = cli._plan(cli.parser().parse_args(["bench", "short_conv"]))
+    work, passes = cli_bench._plan(cli.parser().parse_args(["bench", "short_conv"]))
     assert passes == ("fwd", "fwd+bwd")
     assert [impls for _, impls in work] == [["xla", "reference"]]  # no Pallas kernel in interpret mode
-    work, _ = cli._plan(cli.parser().parse_args(["bench", "--impl", "pallas_gpu"]))
+    work, _ = cli_bench._plan(cli.parser().parse_args(["bench", "--impl", "pallas_gpu"]))
     assert {c.op for c, _ in work} == {
         "attention",
         "fused_cross_entropy",

@@ -7,13 +7,15 @@ import json
 from rich.console import Console
 from rich.table import Table
 
+from .cli_args import UsageError, canonical_dtype, positive_int
+
 console = Console()
 status = Console(stderr=True)
 
 __all__ = ["add_parser", "tune"]
 
 
-def add_parser(sub, positive_int) -> None:
+def add_parser(sub) -> None:
     t = sub.add_parser(
         "tune",
         help="sweep an op's block sizes here; store the fastest correct ones in the tuning cache",
@@ -49,7 +51,6 @@ def add_parser(sub, positive_int) -> None:
 
 
 def _implementations(op: str, explicit: str | None) -> list[str]:
-    from axkern.cli import UsageError
     from axkern.core import backend
     from axkern.core.op import get_op
     from axkern.tune import tunable
@@ -98,7 +99,6 @@ def _print(result) -> None:
 def tune(args) -> int:
     from axkern import tune as tune_
     from axkern.bench import cases_for
-    from axkern.cli import UsageError, _dtype
     from axkern.core.op import get_op
 
     try:
@@ -109,7 +109,7 @@ def tune(args) -> int:
         raise UsageError("--source: expected with --write-table (it is recorded in the shipped table)")
     impls = _implementations(args.op, args.impl)
     try:
-        cases = cases_for(args.op, preset=args.preset, tokens=args.tokens, dtype=_dtype(args.dtype))
+        cases = cases_for(args.op, preset=args.preset, tokens=args.tokens, dtype=canonical_dtype(args.dtype))
     except ValueError as e:
         raise UsageError(f"--preset: {e}") from None
     command = " ".join(["axkern", *args.argv])

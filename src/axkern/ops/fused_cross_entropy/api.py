@@ -1,4 +1,5 @@
-"""`fused_cross_entropy`: the named function, its positional form, and the `Op` behind them.
+"""`fused_cross_entropy`: the positional functions, the `Op`s behind them and the role table (the
+named function over it is in `named.py`).
 
 The op's implementations compute three per-token statistics of `z = softcap(x @ w)`:
 `lse`, `label_logit = z[label]` and `sum_logits` (only with label smoothing). Everything
@@ -7,8 +8,8 @@ else is assembled here from them, identically for every implementation:
     loss = lse - (1 - eps) * z[label] - (eps / V) * sum_v z_v + w_z * lse**2
 
 for tokens that are kept (`where` true, label != `ignore_index`), 0 for the others, and NaN
-for a kept token whose label is outside `[0, V)`. Under vocab-parallel sharding each shard
-computes the statistics of its slice of the vocabulary and they are combined with
+for a kept token whose label is outside `[0, V)`. Under vocab-parallel sharding (`named.py`)
+each shard computes the statistics of its slice of the vocabulary and they are combined with
 collectives (`lse` by a stable log-sum-exp across shards, the other two by `psum`).
 """
 
@@ -16,13 +17,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-import haliax as hax
-import jax
 import jax.numpy as jnp
-from haliax import NamedArray
-from jax import lax
 
-from axkern.core import compat, config, named
+from axkern.core import config, named
 from axkern.core.loss import (
     CrossEntropyOutput,
     check_features,
@@ -51,7 +48,6 @@ from .blocks import (
 from .common import token_losses
 
 __all__ = [
-    "fused_cross_entropy",
     "fused_cross_entropy_positional",
     "fused_cross_entropy_loss_positional",
     "CrossEntropyOutput",
@@ -137,7 +133,7 @@ CrossEntropyImplementation = Literal["xla", "pallas_gpu", "pallas_tpu", "referen
 LossImplementation = Literal["xla", "reference"]
 
 
-def _stats(x, w, local_labels, *, logits_soft_cap, with_sum, implementation, block_sizes):
+def token_stats(x, w, local_labels, *, logits_soft_cap, with_sum, implementation, block_sizes):
     """Dispatch: the op's per-token statistics over this `w`'s columns (empty for no token)."""
     tokens, embed = x.shape
     vocab = w.shape[1]
@@ -162,7 +158,7 @@ def _stats(x, w, local_labels, *, logits_soft_cap, with_sum, implementation, blo
     )
 
 
-def _per_token(
+def per_token_loss(
     x,
     w,
     labels,
@@ -181,7 +177,7 @@ def _per_token(
     keep = kept(labels, where, ignore_index)
     if check_labels:
         labels = checked_labels(NAME, labels, keep, vocab)
-    lse, label_logit, sum_logits = _stats(
+    lse, label_logit, sum_logits = token_stats(
         x,
         w,
         labels,
@@ -282,7 +278,7 @@ def fused_cross_entropy_positional(
         return fused_cross_entropy_loss_positional(
             x, w, labels, reduction=reduction, implementation=loss_impl, **options
         )
-    loss, lse = _per_token(x, w, labels, implementation=implementation, **options)
+    loss, lse = per_token_loss(x, w, labels, implementation=implementation, **options)
     if reduction is not None:
         loss = reduce_loss(loss, kept(labels, where, ignore_index), reduction)
     return CrossEntropyOutput(loss, lse) if return_lse else loss
@@ -374,14 +370,7 @@ def _loss_op_request(implementation):
     return requested if all(n in LOSS_OP.implementations for n in names) else False
 
 
-def _combine_over(mesh_axes, lse, label_logit, sum_logits):
-    """Statistics of the whole vocabulary from each shard's statistics of its slice."""
-    m = lax.pmax(lax.stop_gradient(lse), mesh_axes)
-    lse = m + jnp.log(lax.psum(jnp.exp(lse - m), mesh_axes))
-    return lse, lax.psum(label_logit, mesh_axes), lax.psum(sum_logits, mesh_axes)
-
-
-# -- named layer -------------------------------------------------------------------------------
+# -- the named layer's role table and sharding rule (its function: named.py) -------------------
 
 ROLES = named.Roles(
     NAME,
@@ -397,128 +386,3 @@ SHARDING = named.Sharding(
     describe="batch axes data parallel; Vocab vocab parallel (each shard's lse, label logit and "
     "logit sum per token combined with one pmax and three psums of [tokens] float32); Embed gathered",
 )
-
-
-def fused_cross_entropy(
-    x: NamedArray,
-    lm_head: NamedArray,
-    labels: NamedArray,
-    *,
-    Embed: named.AxisSelector = "embed",
-    Vocab: named.AxisSelector = "vocab",
-    reduction: str | None | object = "mean",
-    where: NamedArray | None = None,
-    ignore_index: int | None = None,
-    logits_soft_cap: float | None = None,
-    logsumexp_weight: float = 0.0,
-    label_smoothing: float = 0.0,
-    return_lse: bool = False,
-    check_labels: bool = False,
-    implementation: CrossEntropyImplementation | tuple[CrossEntropyImplementation, ...] | None = None,
-    block_sizes: CrossEntropyBlockSizes | dict | None = None,
-    logit_soft_cap: float | None = None,
-) -> jax.Array | NamedArray | CrossEntropyOutput:
-    """Cross-entropy of `softcap(x @ lm_head)` against `labels`, without materialising the logits.
-
-    **Arguments:**
-
-    - `x`: hidden states with axis `Embed` plus any batch axes (e.g. `batch, position, embed`).
-    - `lm_head`: axes `Embed` and `Vocab`, in either order.
-    - `labels`: integer targets with exactly `x`'s batch axes, in any order.
-    - `Embed`, `Vocab`: axis names or `hax.Axis` objects.
-    - `reduction`: `"mean"` over kept tokens (0 when none is kept), `"sum"`, or `None` for a
-      `NamedArray` of per-token losses with `x`'s batch axes (`hax.mean` / `hax.sum` too).
-    - `where`: optional bool `NamedArray` over a subset of the batch axes; false tokens are dropped.
-    - `ignore_index`, `logits_soft_cap`, `logsumexp_weight`, `label_smoothing`, `check_labels`:
-      as in `axkern.positional.fused_cross_entropy` (`logit_soft_cap`: the former spelling).
-    - `return_lse`: also return the per-token logsumexp (a `NamedArray` with the batch axes).
-    - `implementation`, `block_sizes`: override the dispatcher.
-
-    **Returns:** the loss (a float32 scalar `jax.Array`, ready for `jax.grad`; or a `NamedArray` of
-    per-token losses when `reduction=None`), or `CrossEntropyOutput(loss, lse)` with `return_lse`.
-
-    ```python
-    loss = axkern.fused_cross_entropy(x, lm_head, labels, Embed="embed", Vocab="vocab")
-    ```
-
-    !!! info "Sharding"
-        Under a haliax axis mapping with a mesh, batch axes mapped to mesh axes run data
-        parallel and a mapped `Vocab` runs vocab parallel (each device holds a slice of
-        `lm_head`; statistics are combined with `pmax`/`psum`). A mapped `Embed` is gathered.
-
-    **Example:**
-
-    ```python
-    >>> import haliax as hax, jax, jax.numpy as jnp, axkern
-    >>> Batch, Embed, Vocab = hax.Axis("batch", 4), hax.Axis("embed", 8), hax.Axis("vocab", 10)
-    >>> x, lm_head = hax.ones((Batch, Embed)), hax.zeros((Embed, Vocab))
-    >>> labels = hax.zeros(Batch, dtype=jnp.int32)
-    >>> round(float(axkern.fused_cross_entropy(x, lm_head, labels)), 4)  # zero logits: log(10)
-    2.3026
-    >>> axkern.fused_cross_entropy(x, lm_head, labels, reduction=None).axes
-    (Axis(name='batch', size=4),)
-
-    ```
-    """
-    reduction = reduction_name(NAME, reduction)
-    logits_soft_cap = named.deprecated_alias(
-        NAME, "logit_soft_cap", "logits_soft_cap", logit_soft_cap, logits_soft_cap, None
-    )
-    check_options(NAME, logits_soft_cap, logsumexp_weight, label_smoothing)
-    bound = ROLES.bind(locals())
-    if not bound.batch:
-        raise ValueError(f"{NAME}: x has no batch axes besides its Embed axis: {named.axes_str(x.axes)}")
-    vocab = bound.axis("Vocab")
-    options = dict(
-        ignore_index=ignore_index,
-        logits_soft_cap=logits_soft_cap,
-        logsumexp_weight=logsumexp_weight,
-        label_smoothing=label_smoothing,
-        check_labels=check_labels,
-        implementation=implementation,
-        block_sizes=block_sizes,
-    )
-
-    if not bound.sharded(SHARDING) and reduction is not None and not return_lse:
-        # unsharded reduced loss: the op whose gradients come from the forward pass
-        def reduced(ctx, xs, ws, ls, whs):
-            return fused_cross_entropy_positional(xs, ws, ls, where=whs, reduction=reduction, **options)
-
-        return bound.run(reduced, SHARDING, named.Out(())).array
-
-    def body(ctx, xs, ws, ls, whs):
-        vocab_mesh = ctx.mesh_axes("Vocab")
-        if vocab_mesh is None:
-            return tuple(_per_token(xs, ws, ls, where=whs, **options))
-        offset = compat.axis_index(vocab_mesh) * ws.shape[1]
-        keep = kept(ls, whs, ignore_index)
-        if check_labels:
-            ls = checked_labels(NAME, ls, keep, vocab.size)
-        stats = _stats(
-            xs,
-            ws,
-            ls - offset,
-            logits_soft_cap=logits_soft_cap,
-            with_sum=bool(label_smoothing),
-            implementation=implementation,
-            block_sizes=block_sizes,
-        )
-        lse, label_logit, sum_logits = _combine_over(vocab_mesh, *stats)
-        loss = token_losses(
-            lse,
-            label_logit,
-            sum_logits,
-            ls,
-            keep,
-            vocab.size,
-            logsumexp_weight=logsumexp_weight,
-            label_smoothing=label_smoothing,
-        )
-        return loss, lse
-
-    per_token = named.Out(("batch",), like="x")
-    loss, lse = bound.run(body, SHARDING, (per_token, per_token))
-    if reduction is not None:
-        keep = hax.named(kept(bound.data("labels"), bound.data("where"), ignore_index), bound.batch)
-        loss = reduce_loss(loss.array, keep.rearrange(loss.axes).array, reduction)
-    return CrossEntropyOutput(loss, lse) if return_lse else loss

@@ -7,13 +7,11 @@ from .api import (
     MoeDispatch,
     MoeLayout,
     MoeRouting,
-    moe_combine,
     moe_combine_positional,
-    moe_dispatch,
     moe_dispatch_positional,
-    moe_layout,
     moe_layout_positional,
 )
+from .named import moe_combine, moe_dispatch, moe_layout
 
 __all__ = [
     "COMBINE",

@@ -1,0 +1,48 @@
+"""What the `axkern` commands share: the usage error and the argument types they parse."""
+
+from __future__ import annotations
+
+import argparse
+
+__all__ = ["UsageError", "canonical_dtype", "positive_int"]
+
+
+class UsageError(ValueError):
+    """A command line that cannot run: one line naming the argument, what was expected, what was given."""
+
+
+_DTYPES = {  # accepted spellings of the dtypes the benchmark cases take
+    "float32": "float32",
+    "fp32": "float32",
+    "f32": "float32",
+    "float": "float32",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float16": "float16",
+    "fp16": "float16",
+    "f16": "float16",
+    "half": "float16",
+}
+
+
+def canonical_dtype(value: str | None) -> str | None:
+    """`--dtype`'s value as the dtype's canonical name (`bf16` -> `bfloat16`), or a `UsageError`."""
+    if value is None:
+        return None
+    try:
+        return _DTYPES[value.strip().lower()]
+    except KeyError:
+        raise UsageError(
+            f"--dtype: expected one of float32, bfloat16, float16 (or fp32, bf16, fp16), got {value!r}"
+        ) from None
+
+
+def positive_int(value: str) -> int:
+    """An argparse type: an integer of at least 1."""
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}")
+    return n
