@@ -1,9 +1,15 @@
-"""Test setup: 8 host devices for the sharded tests (set before JAX starts), fresh warn-once state."""
+"""Test setup: 8 host devices for the sharded tests and XLA without its slow optimisations on the CPU
+(set before JAX starts), fresh warn-once state."""
 
 import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "" if os.environ.get("AXKERN_TEST_GPU") else "cpu")
+if not os.environ.get("AXKERN_TEST_GPU"):
+    # The CPU tests compile hundreds of small programs once each: XLA's backend optimisation
+    # passes take most of their time (a third of it without them) and the tests compare
+    # values by the oracle rule, not the compiled code's speed.
+    os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 for _var in ("AXKERN_STRICT", "AXKERN_INTERPRET", "AXKERN_IMPL_FUSED_CROSS_ENTROPY"):
     os.environ.pop(_var, None)
 
