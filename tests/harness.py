@@ -5,17 +5,30 @@
 (`reference` on float64 copies of the inputs, on the CPU), the reference in the inputs' own
 dtype (float32 products at full precision), and `impl`. Outputs and gradients must satisfy
 `|impl - oracle| <= 2 * |reference - oracle| + atol` leaf by leaf; NaN never passes.
+
+`implementations(op, platform)` lists an op's implementations compiled on a platform (the GPU
+tests); `implementations_here(op)` those that run on this machine, compiled or in interpret
+mode (the non-finite tests); `serving(impl)` skips a case that `impl` cannot serve, with the
+dispatcher's reason.
 """
 
 from __future__ import annotations
 
 import contextlib
 
+import hypothesis
 import jax
 import numpy as np
+import pytest
 
 import axkern
+from axkern.core.op import Unsupported
 from tests.helpers import assert_oracle_rule, to64, x64
+
+# On a GPU (`AXKERN_TEST_GPU=1`) the implementations run compiled; elsewhere the Pallas kernels
+# run in interpret mode.
+ON_GPU = jax.default_backend() == "gpu"
+INTERPRET = not ON_GPU
 
 
 def oracle(run, arrays: dict, **kw):
@@ -45,3 +58,37 @@ def implementations(op: str, platform: str, *, blocked_only: bool = False) -> li
         for name, impl in impls.items()
         if name != "reference" and platform in impl.platforms and (impl.block_sizes or not blocked_only)
     ]
+
+
+def implementations_here(op: str, *, reference: bool = False) -> list[str]:
+    """Every implementation of `op` (from the registry) that runs on this machine, in registration
+    order: on a GPU those whose platforms include "gpu", compiled; on a CPU those that run on it
+    compiled and the Pallas kernels (`interpretable`) in interpret mode (`INTERPRET`);
+    `reference`: the oracle too."""
+    platform = jax.default_backend()
+    return [
+        name
+        for name, impl in axkern.core.op.get_op(op).implementations.items()
+        if (reference or name != "reference")
+        and (platform in impl.platforms or (platform == "cpu" and impl.interpretable))
+    ]
+
+
+@contextlib.contextmanager
+def serving(impl: str, *, drawn: bool = False):
+    """Run a case of `impl`; where the dispatcher refuses it (`supports()` gives a reason for the
+    shape, dtype or options, or the kernel raises `Unsupported` for them) the test is skipped
+    with that reason, or, for a case a hypothesis test `drawn`, the example is rejected (the
+    reason recorded as its event; hypothesis draws another, and fails when none is served).
+    A native library that does not build or load is a failure, not a skip: where these tests
+    run a `cuda` implementation (a GPU) its library must build."""
+    try:
+        yield
+    except Unsupported as e:
+        if "native library" in str(e):  # axkern.core.native.load's reason for a failed build or load
+            raise
+        reason = f"{impl} cannot serve this case: {e}"
+        if drawn:
+            hypothesis.event(reason)
+            hypothesis.reject()
+        pytest.skip(reason)

@@ -2,15 +2,19 @@
 // array, `rows[t*K + k]`) comes from AxkernMoeRoute (route.cu); dispatch's scatter,
 // AxkernMoeScatterRows, is in scatter.cu.
 //
-// AxkernMoeGatherSum:   out[t, :] = sum_k w[t*K+k] * y[rows[t*K+k], :]  (combine; dispatch's dx)
-//                       f32 accumulation; w == 0 skips the load.
+// AxkernMoeGatherSum:   out[t, :] = sum_{k: valid[t*K+k]} w[t*K+k] * y[rows[t*K+k], :]
+//                       (combine; dispatch's dx with w = 1). f32 accumulation. A dropped pair
+//                       (valid false) is selected away: its row is not loaded and its weight
+//                       not read; every valid pair is multiplied by its weight, so a weight of
+//                       exactly 0 on a non-finite row gives 0 * NaN = NaN, as the reference does.
 // AxkernMoeCombineBwd:  d_y[rows[p], :] = w[p] * dy[t, :] and dw[p] = <dy[t, :], y[rows[p], :]>
-//                       for p = t*K+k: combine's backward in one pass over y.
+//                       for a valid pair p = t*K+k, 0 and 0 for a dropped one (its row not
+//                       loaded): combine's backward in one pass over y.
 //
 // One block of 128 threads per token (grid-stride), threads across the row, 16-byte vectors
 // when the row size allows it (`V = uint4`), element by element otherwise (`V = T`). A
-// token's K rows and weights are read into registers once (K <= 16) and the K row loads of
-// a vector are issued together, so a thread has K loads in flight rather than one.
+// token's K rows, weights and validity are read into registers once (K <= 16) and the K row
+// loads of a vector are issued together, so a thread has K loads in flight rather than one.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -71,36 +75,44 @@ __device__ inline void store_stream(V* p, const V& v) {
   else *p = v;
 }
 
-// A token's K rows and scales, read once per token into registers (uniform across the block).
+// A token's K rows, scales and validity, read once per token into registers (uniform across
+// the block). `live[k]`: slot k is within top-k and, where `valid` is given, its pair is routed;
+// a slot that is not live is never loaded nor weighted.
 template <int kK>
 struct Slots {
   int64_t row[kK];
   float scale[kK];
-  __device__ Slots(const int32_t* __restrict__ rows, const float* __restrict__ scales, int64_t t, int64_t topk) {
+  bool live[kK];
+  __device__ Slots(const int32_t* __restrict__ rows, const float* __restrict__ scales,
+                   const bool* __restrict__ valid, int64_t t, int64_t topk) {
 #pragma unroll
     for (int k = 0; k < kK; ++k) {
-      row[k] = k < topk ? static_cast<int64_t>(rows[t * topk + k]) : 0;
-      scale[k] = k < topk ? scales[t * topk + k] : 0.0f;
+      const bool in = k < topk;
+      row[k] = in ? static_cast<int64_t>(rows[t * topk + k]) : 0;
+      scale[k] = in ? scales[t * topk + k] : 0.0f;
+      live[k] = in && (valid == nullptr || valid[t * topk + k]);
     }
   }
 };
 
-// All K loads of a vector are issued before any is used, so they are in flight together.
+// All K loads of a vector are issued before any is used, so they are in flight together; a
+// dropped pair's is skipped.
 template <typename T, typename V, int kK>
 __global__ void gather_sum(const V* __restrict__ y, const int32_t* __restrict__ rows, const float* __restrict__ w,
-                           V* __restrict__ out, int64_t tokens, int64_t topk, int64_t vecs) {
+                           const bool* __restrict__ valid, V* __restrict__ out, int64_t tokens, int64_t topk,
+                           int64_t vecs) {
   using P = Pack<T, V>;
   for (int64_t t = blockIdx.x; t < tokens; t += gridDim.x) {
-    const Slots<kK> slot(rows, w, t, topk);
+    const Slots<kK> slot(rows, w, valid, t, topk);
     for (int64_t i = threadIdx.x; i < vecs; i += blockDim.x) {
       V v[kK];
 #pragma unroll
       for (int k = 0; k < kK; ++k)
-        if (k < topk && slot.scale[k] != 0.0f) v[k] = y[slot.row[k] * vecs + i];
+        if (slot.live[k]) v[k] = y[slot.row[k] * vecs + i];
       float acc[P::N] = {};
 #pragma unroll
       for (int k = 0; k < kK; ++k) {
-        if (k < topk && slot.scale[k] != 0.0f) {
+        if (slot.live[k]) {
           float f[P::N];
           P::unpack(v[k], f);
 #pragma unroll
@@ -112,33 +124,41 @@ __global__ void gather_sum(const V* __restrict__ y, const int32_t* __restrict__ 
   }
 }
 
+// A dropped pair's row is written with zeros (every row of d_y is written once) and its
+// weight's gradient is 0: nothing of it is loaded or accumulated.
 template <typename T, typename V, int kK>
 __global__ void combine_bwd(const V* __restrict__ dy, const V* __restrict__ y, const int32_t* __restrict__ rows,
-                            const float* __restrict__ w, V* __restrict__ dy_rows, float* __restrict__ dw,
-                            int64_t tokens, int64_t topk, int64_t vecs) {
+                            const float* __restrict__ w, const bool* __restrict__ valid, V* __restrict__ dy_rows,
+                            float* __restrict__ dw, int64_t tokens, int64_t topk, int64_t vecs) {
   using P = Pack<T, V>;
   using Reduce = cub::BlockReduce<float, kThreads>;
   __shared__ typename Reduce::TempStorage temp;
   for (int64_t t = blockIdx.x; t < tokens; t += gridDim.x) {
-    const Slots<kK> slot(rows, w, t, topk);
+    const Slots<kK> slot(rows, w, valid, t, topk);
     float dot[kK] = {};
     for (int64_t i = threadIdx.x; i < vecs; i += blockDim.x) {
       V v[kK];
 #pragma unroll
       for (int k = 0; k < kK; ++k)
-        if (k < topk) v[k] = y[slot.row[k] * vecs + i];
+        if (slot.live[k]) v[k] = y[slot.row[k] * vecs + i];
       float d[P::N];
       P::unpack(dy[t * vecs + i], d);
 #pragma unroll
       for (int k = 0; k < kK; ++k) {
         if (k >= topk) break;
-        float e[P::N], g[P::N];
-        P::unpack(v[k], e);
-        const float wk = slot.scale[k];
+        float g[P::N];
+        if (slot.live[k]) {
+          float e[P::N];
+          P::unpack(v[k], e);
+          const float wk = slot.scale[k];
 #pragma unroll
-        for (int n = 0; n < P::N; ++n) {
-          dot[k] += d[n] * e[n];
-          g[n] = wk == 0.0f ? 0.0f : wk * d[n];
+          for (int n = 0; n < P::N; ++n) {
+            dot[k] += d[n] * e[n];
+            g[n] = wk * d[n];
+          }
+        } else {
+#pragma unroll
+          for (int n = 0; n < P::N; ++n) g[n] = 0.0f;
         }
         store_stream(dy_rows + slot.row[k] * vecs + i, P::pack(g));
       }
@@ -146,7 +166,7 @@ __global__ void combine_bwd(const V* __restrict__ dy, const V* __restrict__ y, c
 #pragma unroll
     for (int k = 0; k < kK; ++k) {
       if (k >= topk) break;
-      const float total = Reduce(temp).Sum(dot[k]);
+      const float total = Reduce(temp).Sum(dot[k]);  // 0 for a dropped pair
       if (threadIdx.x == 0) dw[t * topk + k] = total;
       __syncthreads();  // temp is reused by the next reduction
     }
@@ -186,7 +206,7 @@ ffi::Error with_vector(int64_t cols, std::initializer_list<const void*> ptrs, F&
 }
 
 ffi::Error GatherSumImpl(cudaStream_t stream, ffi::AnyBuffer y, ffi::Buffer<ffi::S32> rows,
-                         ffi::Buffer<ffi::F32> w, ffi::Result<ffi::AnyBuffer> out) {
+                         ffi::Buffer<ffi::F32> w, ffi::Buffer<ffi::PRED> valid, ffi::Result<ffi::AnyBuffer> out) {
   const int64_t tokens = out->dimensions()[0], cols = out->dimensions()[1];
   const int64_t topk = tokens ? static_cast<int64_t>(rows.element_count()) / tokens : 0;
   if (tokens == 0 || cols == 0) return ffi::Error::Success();
@@ -197,7 +217,7 @@ ffi::Error GatherSumImpl(cudaStream_t stream, ffi::AnyBuffer y, ffi::Buffer<ffi:
       using V = typename decltype(vt)::type;
       auto kernel = topk <= 8 ? gather_sum<T, V, 8> : gather_sum<T, V, kMaxTopK>;
       kernel<<<axkern::grid_for(tokens, 1, 16), kThreads, 0, stream>>>(
-          static_cast<const V*>(y.untyped_data()), rows.typed_data(), w.typed_data(),
+          static_cast<const V*>(y.untyped_data()), rows.typed_data(), w.typed_data(), valid.typed_data(),
           static_cast<V*>(out->untyped_data()), tokens, topk, vecs);
       return check_launch("AxkernMoeGatherSum");
     });
@@ -205,7 +225,7 @@ ffi::Error GatherSumImpl(cudaStream_t stream, ffi::AnyBuffer y, ffi::Buffer<ffi:
 }
 
 ffi::Error CombineBwdImpl(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer y, ffi::Buffer<ffi::S32> rows,
-                          ffi::Buffer<ffi::F32> w, ffi::Result<ffi::AnyBuffer> dy_rows,
+                          ffi::Buffer<ffi::F32> w, ffi::Buffer<ffi::PRED> valid, ffi::Result<ffi::AnyBuffer> dy_rows,
                           ffi::Result<ffi::Buffer<ffi::F32>> dw) {
   const int64_t tokens = dy.dimensions()[0], cols = dy.dimensions()[1];
   const int64_t topk = tokens ? static_cast<int64_t>(rows.element_count()) / tokens : 0;
@@ -221,8 +241,8 @@ ffi::Error CombineBwdImpl(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer
           auto kernel = topk <= 8 ? combine_bwd<T, V, 8> : combine_bwd<T, V, kMaxTopK>;
           kernel<<<axkern::grid_for(tokens, 1, 16), kThreads, 0, stream>>>(
               static_cast<const V*>(dy.untyped_data()), static_cast<const V*>(y.untyped_data()),
-              rows.typed_data(), w.typed_data(), static_cast<V*>(dy_rows->untyped_data()), dw->typed_data(),
-              tokens, topk, vecs);
+              rows.typed_data(), w.typed_data(), valid.typed_data(), static_cast<V*>(dy_rows->untyped_data()),
+              dw->typed_data(), tokens, topk, vecs);
           return check_launch("AxkernMoeCombineBwd");
         });
   });
@@ -236,6 +256,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(AxkernMoeGatherSum, GatherSumImpl,
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::PRED>>()
                                   .Ret<ffi::AnyBuffer>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(AxkernMoeCombineBwd, CombineBwdImpl,
@@ -245,5 +266,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(AxkernMoeCombineBwd, CombineBwdImpl,
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::PRED>>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::Buffer<ffi::F32>>());

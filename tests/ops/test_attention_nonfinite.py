@@ -1,27 +1,32 @@
 """attention and non-finite input (docs/guide.md, "Non-finite values"): a NaN or an infinity in
 `q`, `k`, `v`, `sinks` or the scale reaches exactly the outputs and gradients that depend on it,
-respecting the mask, in every implementation (Pallas kernels in interpret mode on a CPU, compiled on a GPU: `AXKERN_TEST_GPU=1`)."""
+respecting the mask, in every implementation the registry lists for this machine
+(`tests.harness.implementations_here`: Pallas kernels in interpret mode on a CPU, every GPU
+implementation compiled on a GPU: `AXKERN_TEST_GPU=1`)."""
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import axkern
 from axkern import masks
 from axkern.positional import attention
+from tests.harness import INTERPRET, implementations_here, serving
 from tests.helpers import assert_nonfinite_rule, poke
 
-# on a GPU (AXKERN_TEST_GPU=1) the GPU kernels run compiled; elsewhere in interpret mode
-INTERPRET = jax.default_backend() != "gpu"
+IMPLS = implementations_here("attention")
+# cuDNN takes bf16 or f16 only: its cases run on bf16 copies of the inputs, against the
+# reference on the same copies
+DTYPES = {"cudnn": jnp.bfloat16}
 # finite values: float32 products on a GPU run as TF32 in XLA (the oracle-rule tests bound them)
-RTOL = 1e-4 if INTERPRET else 5e-3
-
-IMPLS = ["xla", "pallas_gpu", "pallas_tpu"]
+RTOL = {jnp.float32: 1e-4 if INTERPRET else 5e-3, jnp.bfloat16: 3e-2}
 
 
 def _inputs(seed, b=1, sq=24, sk=24, h=2, kvh=1, d=16):
@@ -34,10 +39,13 @@ def _inputs(seed, b=1, sq=24, sk=24, h=2, kvh=1, d=16):
     )
 
 
-def _run(impl, a, mask, *, sinks=False, scale=None, cap=None):
-    blocks = {"block_q": 16, "block_kv": 16} if impl != "reference" else None
+@functools.cache
+def _compiled(impl, sinks, scale, cap):
+    """`(out, grads)` of `impl` as one jitted function of `(arrays, mask)`: a case of the same
+    shapes and mask kind compiles once."""
+    blocks = {"block_q": 16, "block_kv": 16} if impl in ("xla", "pallas_gpu", "pallas_tpu") else None
 
-    def f(q, k, v, s):
+    def f(q, k, v, s, mask):
         o = attention(
             q,
             k,
@@ -50,59 +58,78 @@ def _run(impl, a, mask, *, sinks=False, scale=None, cap=None):
             block_sizes=blocks,
         )
         cot = jnp.cos(jnp.arange(o.size, dtype=jnp.float32).reshape(o.shape))
-        return jnp.sum(o * cot), o
+        return jnp.sum(o.astype(jnp.float32) * cot), o
 
-    with axkern.use(interpret=INTERPRET):
+    def run(a, mask):
         (_, out), grads = jax.value_and_grad(f, argnums=(0, 1, 2, 3), has_aux=True)(
-            a["q"], a["k"], a["v"], a["sinks"]
+            a["q"], a["k"], a["v"], a["sinks"], mask
         )
-    return out, grads if sinks else grads[:3]
+        return out, grads if sinks else grads[:3]
+
+    return jax.jit(run)
 
 
-def _against_reference(a, mask, impls=IMPLS, **kw):
+def _run(impl, a, mask, *, sinks=False, scale=None, cap=None):
+    with axkern.use(interpret=INTERPRET):
+        return _compiled(impl, sinks, scale, cap)(a, mask)
+
+
+def _against_reference(impl, a, mask, *, drawn=False, **kw):
+    """The reference's `(out, grads)`, after checking that `impl`'s match its non-finite pattern
+    and values (on the dtype `impl` takes); a case `impl` cannot serve is skipped with the reason."""
+    dtype = DTYPES.get(impl, jnp.float32)
+    a = {name: x.astype(dtype) if name != "sinks" else x for name, x in a.items()}
     want = _run("reference", a, mask, **kw)
-    for impl in impls:
+    with serving(impl, drawn=drawn):
         got = _run(impl, a, mask, **kw)
-        assert_nonfinite_rule(got[0], want[0], f"{impl} out", rtol=RTOL)
-        assert_nonfinite_rule(got[1], want[1], f"{impl} grads", rtol=RTOL)
+    assert_nonfinite_rule(got[0], want[0], f"{impl} out", rtol=RTOL[dtype])
+    assert_nonfinite_rule(got[1], want[1], f"{impl} grads", rtol=RTOL[dtype])
     return want
 
 
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("value", [np.nan, np.inf])
-def test_a_non_finite_q_or_k_gives_nan_not_zero(value):
+def test_a_non_finite_q_or_k_gives_nan_not_zero(impl, value):
     a = _inputs(0)
     a["q"] = poke(a["q"], (0, 5, 1, 3), value)  # query 5, head 1
-    out, grads = _against_reference(a, masks.Causal())
+    out, grads = _against_reference(impl, a, masks.Causal())
     out = np.asarray(out)
     assert np.isnan(out[0, 5, 1]).all() and np.isfinite(np.delete(out[0, :, 1], 5, axis=0)).all()
     assert np.isfinite(out[0, :, 0]).all()
     a = _inputs(1)
     a["k"] = poke(a["k"], (0, 9, 0, 2), value)  # key 9: queries 9.. see it
-    out, _ = _against_reference(a, masks.Causal())
+    out, _ = _against_reference(impl, a, masks.Causal())
     assert np.isfinite(np.asarray(out)[0, :9]).all() and (~np.isfinite(np.asarray(out)[0, 9:])).all()
 
 
-def test_a_non_finite_scale_or_cap_is_refused_and_a_nan_sink_gives_nan():
+def test_a_non_finite_scale_or_cap_is_refused():
     a = _inputs(2)
     for kw in ({"scale": float("nan")}, {"scale": float("inf")}, {"logits_soft_cap": float("inf")}):
         with pytest.raises(ValueError, match="scale|logits_soft_cap"):
             attention(a["q"], a["k"], a["v"], **kw)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_a_nan_sink_gives_nan(impl):
+    a = _inputs(2)
     a["sinks"] = poke(a["sinks"], 1, np.nan)
-    out, _ = _against_reference(a, masks.Causal(), sinks=True)
+    out, _ = _against_reference(impl, a, masks.Causal(), sinks=True)
     assert np.isnan(np.asarray(out)[..., 1, :]).all() and np.isfinite(np.asarray(out)[..., 0, :]).all()
 
 
-def test_a_soft_cap_does_not_hide_an_infinity():
+@pytest.mark.parametrize("impl", IMPLS)
+def test_a_soft_cap_does_not_hide_an_infinity(impl):
     a = _inputs(3)
     a["q"] = poke(a["q"], (0, 4, 0, 0), np.inf)
-    out, _ = _against_reference(a, masks.Causal(), cap=5.0)
+    out, _ = _against_reference(impl, a, masks.Causal(), cap=5.0)
     assert np.isnan(np.asarray(out)[0, 4, 0]).all()
 
 
-def test_a_nan_in_v_reaches_only_the_queries_that_see_it():
+@pytest.mark.parametrize("impl", IMPLS)
+def test_a_nan_in_v_reaches_only_the_queries_that_see_it(impl):
     a = _inputs(4)
     a["v"] = poke(a["v"], (0, 6, 0, 3), np.nan)  # key 6, feature 3
-    out, grads = _against_reference(a, masks.Causal())
+    out, grads = _against_reference(impl, a, masks.Causal())
     out = np.asarray(out)
     assert np.isfinite(out[0, :6]).all()
     assert np.isnan(out[0, 6:, :, 3]).all() and np.isfinite(np.delete(out[0, 6:], 3, axis=-1)).all()
@@ -110,16 +137,20 @@ def test_a_nan_in_v_reaches_only_the_queries_that_see_it():
     assert np.isfinite(dq[0, :6]).all() and np.isnan(dq[0, 6:]).all()
     assert np.isfinite(dv).all()  # d out / d v does not involve v
     # a window hides key 6 from queries past 6 + 3 as well
-    _against_reference(a, masks.SlidingWindow(4))
+    _against_reference(impl, a, masks.SlidingWindow(4))
 
 
-def test_a_row_that_sees_nothing_stays_zero_next_to_a_nan():
+@pytest.mark.parametrize("impl", IMPLS)
+def test_a_row_that_sees_nothing_stays_zero_next_to_a_nan(impl):
     a = _inputs(5)
     a["k"] = poke(a["k"], (0, 20, 0, 0), np.nan)
-    out, _ = _against_reference(a, masks.Causal(offset=-4))  # queries 0-3 see no key
+    out, _ = _against_reference(impl, a, masks.Causal(offset=-4))  # queries 0-3 see no key
     assert (np.asarray(out)[0, :4] == 0).all()
 
 
+@pytest.mark.parametrize("impl", IMPLS)
+# cudnn serves few drawn cases (no offsets, segments or sinks): the others are rejected
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.filter_too_much])
 @given(
     sq=st.sampled_from([0, 1, 17]),
     sk=st.sampled_from([1, 20, 33]),
@@ -128,7 +159,7 @@ def test_a_row_that_sees_nothing_stays_zero_next_to_a_nan():
     value=st.sampled_from([np.nan, np.inf, -np.inf]),
     seed=st.integers(0, 2**16),
 )
-def test_property_non_finite_pattern_matches_the_reference(sq, sk, kind, where, value, seed):
+def test_property_non_finite_pattern_matches_the_reference(impl, sq, sk, kind, where, value, seed):
     a = _inputs(seed, sq=sq, sk=sk, h=2, kvh=1)
     rng = np.random.default_rng(seed)
     if a[where].size:
@@ -140,5 +171,4 @@ def test_property_non_finite_pattern_matches_the_reference(sq, sk, kind, where, 
         "full": masks.Full(),
         "segments": masks.Segments(ids(sq), ids(sk)),
     }[kind]
-    impls = ["xla", "pallas_gpu"] if kind != "segments" else ["xla"]
-    _against_reference(a, mask, impls=impls, sinks=where == "sinks")
+    _against_reference(impl, a, mask, drawn=True, sinks=where == "sinks")

@@ -1,8 +1,10 @@
 """The loss ops (`fused_cross_entropy`, `cross_entropy`) and the rules of docs/guide.md ("Non-finite
 values, segments and empty axes"): a kept out-of-range label gives that token a NaN loss and NaN
 gradients in every implementation; a non-finite input reaches exactly the outputs and gradients
-that depend on it, never a dropped token's; no token gives empty results; an empty feature axis
-is a `ValueError`. Pallas kernels run in interpret mode on a CPU."""
+that depend on it, never a dropped token's (the reference's gradients as well); no token gives
+empty results; an empty feature axis is a `ValueError`. Every implementation the registry lists
+for this machine runs (`tests.harness.implementations_here`: Pallas kernels in interpret mode on
+a CPU, every GPU implementation compiled on a GPU: `AXKERN_TEST_GPU=1`)."""
 
 from __future__ import annotations
 
@@ -16,11 +18,11 @@ from hypothesis import strategies as st
 import axkern
 from axkern.positional import cross_entropy, fused_cross_entropy
 from axkern.positional import fused_cross_entropy_loss as ce_loss
+from tests.harness import INTERPRET, implementations_here, serving
 from tests.helpers import assert_nonfinite_rule, ce_inputs
 
-INTERPRET = jax.default_backend() != "gpu"
-FUSED = ["xla", "pallas_gpu", "pallas_tpu", "reference"]
-PLAIN = ["xla", "reference"]
+FUSED = implementations_here("fused_cross_entropy", reference=True)
+PLAIN = implementations_here("cross_entropy", reference=True)
 
 
 def _nan(a):
@@ -39,26 +41,28 @@ def _plain_oracle(logits, labels, reduction, **kw):
     return loss, _plain("reference", _nan(logits), labels, reduction, **kw)[1]
 
 
-def _fused(impl, x, w, labels, reduction, **kw):
-    """(loss, dx, dw): the loss, and the gradients of its sum against a fixed cotangent."""
+def _fused(impl, x, w, labels, reduction, *, drawn=False, **kw):
+    """(loss, dx, dw): the loss, and the gradients of its sum against a fixed cotangent; a case
+    `impl` cannot serve is skipped with the reason (`serving`)."""
 
     def f(x, w):
         loss = fused_cross_entropy(x, w, labels, reduction=reduction, implementation=impl, **kw)
         cot = jnp.cos(jnp.arange(loss.size, dtype=loss.dtype)).reshape(loss.shape) + 2
         return jnp.sum(loss * cot), loss
 
-    with axkern.use(interpret=INTERPRET):
+    with axkern.use(interpret=INTERPRET), serving(impl, drawn=drawn):
         (dx, dw), loss = jax.grad(f, argnums=(0, 1), has_aux=True)(x, w)
     return loss, dx, dw
 
 
-def _plain(impl, logits, labels, reduction, **kw):
+def _plain(impl, logits, labels, reduction, *, drawn=False, **kw):
     def f(z):
         loss = cross_entropy(z, labels, reduction=reduction, implementation=impl, **kw)
         cot = jnp.cos(jnp.arange(loss.size, dtype=loss.dtype)).reshape(loss.shape) + 2
         return jnp.sum(loss * cot), loss
 
-    dz, loss = jax.grad(f, has_aux=True)(logits)
+    with serving(impl, drawn=drawn):
+        dz, loss = jax.grad(f, has_aux=True)(logits)
     return loss, dz
 
 
@@ -100,26 +104,42 @@ def test_fused_non_finite_dropped_token_reaches_nothing(impl, value):
     where = jnp.arange(6) != 1
     for reduction in ("mean", None):
         loss, dx, dw = _fused(impl, x, w, labels, reduction, where=where)
-        want = _fused_oracle(x, w, labels, reduction, where=where)
-        if reduction is None:  # the reference's per-token form is plain autodiff: values only
-            assert_nonfinite_rule(loss, want[0], f"{impl} loss")
-        elif impl != "reference":
+        if impl != "reference":  # the oracle is the reference (on NaN in place of an infinity)
+            want = _fused_oracle(x, w, labels, reduction, where=where)
             assert_nonfinite_rule((loss, dx, dw), want, f"{impl} {reduction}")
-        if reduction is None and impl == "reference":
-            continue
         dx = np.asarray(dx)
         assert not dx[1].any() and np.isnan(dx[4]).any() and np.isfinite(np.delete(dx, 4, axis=0)).all()
+        # the dropped token's row alone non-finite: every result finite
+        loss, dx, dw = _fused(impl, x.at[4, 0].set(0.5), w, labels, reduction, where=where)
+        assert np.isfinite(loss).all() and np.isfinite(dx).all() and np.isfinite(dw).all()
+        assert not np.asarray(dx)[1].any()
 
 
 @pytest.mark.parametrize("impl", PLAIN)
 def test_plain_non_finite_dropped_token_reaches_nothing(impl):
-    logits = jax.random.normal(jax.random.PRNGKey(3), (5, 7)).at[1, 2].set(jnp.nan).at[3, 0].set(jnp.inf)
-    labels = jnp.array([0, 1, 2, 3, 4])
-    loss, dz = _plain(impl, logits, labels, "mean", where=jnp.arange(5) != 1)
-    if impl != "reference":
-        assert_nonfinite_rule((loss, dz), _plain_oracle(logits, labels, "mean", where=jnp.arange(5) != 1))
-    dz = np.asarray(dz)
-    assert not np.isfinite(loss) and not dz[1].any() and np.isnan(dz[3]).any()
+    logits = jax.random.normal(jax.random.PRNGKey(3), (5, 7)).at[1, 2].set(jnp.nan)
+    labels, keep = jnp.array([0, 1, 2, 3, 4]), jnp.arange(5) != 1  # token 1: dropped
+    # token 3 (kept) non-finite; under the soft cap a NaN, since its tanh takes an infinity to a number
+    for reduction, cap, value in (("mean", None, jnp.inf), (None, 3.0, jnp.nan)):
+        kw = dict(where=keep, logits_soft_cap=cap)
+        logits = logits.at[3, 0].set(value)
+        loss, dz = _plain(impl, logits, labels, reduction, **kw)
+        if impl != "reference":  # the oracle is the reference (on NaN in place of an infinity)
+            want = _plain_oracle(logits, labels, reduction, **kw)
+            assert_nonfinite_rule((loss, dz), want, f"{impl} {reduction}")
+        dz = np.asarray(dz)
+        assert not np.isfinite(loss).all() and not dz[1].any() and np.isnan(dz[3]).any()
+        assert np.isfinite(np.delete(dz, 3, axis=0)).all()
+        # the dropped token's row alone non-finite: every result finite
+        loss, dz = _plain(impl, logits.at[3, 0].set(0.5), labels, reduction, **kw)
+        assert np.isfinite(loss).all() and np.isfinite(dz).all() and not np.asarray(dz)[1].any()
+
+    def with_lse(z):  # token 1's lse is reported (NaN); a cotangent of 0 on it reaches nothing either
+        out = cross_entropy(z, labels, reduction=None, return_lse=True, where=keep, implementation=impl)
+        return jnp.sum(out.loss) + jnp.sum(jnp.where(keep, out.lse, 0)), out.lse
+
+    dz, lse = jax.grad(with_lse, has_aux=True)(logits.at[3, 0].set(0.5))
+    assert np.isnan(lse[1]) and np.isfinite(dz).all() and not np.asarray(dz)[1].any()
 
 
 @pytest.mark.parametrize("impl", FUSED)
@@ -189,23 +209,24 @@ def _case_arrays(n, d, v, seed, pokes, dropped, bad_label):
     return x, w, labels, jnp.asarray(np.array(dropped, bool)).reshape(n) ^ True
 
 
-@settings(max_examples=6, deadline=None)
-@given(_loss_case(), st.sampled_from(["xla", "pallas_gpu", "pallas_tpu"]), st.sampled_from(["mean", None]))
-def test_fused_property_nan_pattern_and_values_match_the_reference(case, impl, reduction):
+@pytest.mark.parametrize("impl", implementations_here("fused_cross_entropy"))
+@settings(max_examples=4, deadline=None)
+@given(_loss_case(), st.sampled_from(["mean", None]))
+def test_fused_property_nan_pattern_and_values_match_the_reference(impl, case, reduction):
     x, w, labels, where = _case_arrays(*case)
-    got = _fused(impl, x, w, labels, reduction, where=where)
+    got = _fused(impl, x, w, labels, reduction, where=where, drawn=True)
     want = _fused_oracle(x, w, labels, reduction, where=where)
-    # per-token gradients: the reference differentiates dropped rows (plain autodiff), so values only
-    assert_nonfinite_rule(got if reduction else got[0], want if reduction else want[0], f"{impl} {reduction}")
+    assert_nonfinite_rule(got, want, f"{impl} {reduction}")
 
 
+@pytest.mark.parametrize("impl", implementations_here("cross_entropy"))
 @settings(max_examples=6, deadline=None)
 @given(_loss_case(), st.sampled_from(["mean", None]))
-def test_plain_property_nan_pattern_and_values_match_the_reference(case, reduction):
+def test_plain_property_nan_pattern_and_values_match_the_reference(impl, case, reduction):
     x, w, labels, where = _case_arrays(*case)
     logits = x @ w if x.shape[0] else jnp.zeros((0, w.shape[1]))
-    got = _plain("xla", logits, labels, reduction, where=where)
-    assert_nonfinite_rule(got, _plain_oracle(logits, labels, reduction, where=where), f"{reduction}")
+    got = _plain(impl, logits, labels, reduction, where=where, drawn=True)
+    assert_nonfinite_rule(got, _plain_oracle(logits, labels, reduction, where=where), f"{impl} {reduction}")
 
 
 def test_named_layer_empty_batch_and_feature_axes():

@@ -1,7 +1,10 @@
 """MoE routing and the rules of docs/guide.md ("Non-finite values, segments and empty axes"): a
 non-finite input reaches exactly the rows its routed pairs touch (a dropped pair's row and weight
-are selected away, never multiplied by 0); no token or a top-k of 0 gives empty results; an empty
-feature axis, a `num_ranks` below 1 are `ValueError`s; narrow id dtypes route to many experts."""
+are selected away, never multiplied by 0, and a routed pair is multiplied by its weight even
+when that is 0); no token or a top-k of 0 gives empty results; an empty feature axis, a
+`num_ranks` below 1 are `ValueError`s; narrow id dtypes route to many experts. Every
+implementation the registry lists for this machine runs (`tests.harness.implementations_here`:
+on a GPU, `AXKERN_TEST_GPU=1`, the `cuda` kernels too)."""
 
 from __future__ import annotations
 
@@ -13,13 +16,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from axkern.positional import moe_combine, moe_dispatch, moe_layout
+from tests.harness import implementations_here, serving
 from tests.helpers import assert_nonfinite_rule
 
-IMPLS = ["xla", "reference"]
+IMPLS = implementations_here("moe_dispatch", reference=True)
 
 
-def _layer(impl, x, topk_idx, weights, num_experts):
-    """`(expert_x, y)` of dispatch then combine (expert = 2·row + 1), and d(sum y·cos)/d(x, weights)."""
+def _layer(impl, x, topk_idx, weights, num_experts, *, drawn=False):
+    """`(expert_x, y)` of dispatch then combine (expert = 2·row + 1), and d(sum y·cos)/d(x, weights);
+    a case `impl` cannot serve is skipped with the reason (`serving`)."""
 
     def f(x, weights, topk_idx):
         d = moe_dispatch(x, topk_idx, num_experts=num_experts, implementation=impl)
@@ -27,7 +32,8 @@ def _layer(impl, x, topk_idx, weights, num_experts):
         return jnp.sum(y * jnp.cos(jnp.arange(y.size, dtype=y.dtype)).reshape(y.shape)), (d.expert_x, y)
 
     # traced ids (under jit): out-of-range ones are dropped, not refused
-    grads, out = jax.jit(jax.grad(f, argnums=(0, 1), has_aux=True))(x, weights, topk_idx)
+    with serving(impl, drawn=drawn):
+        grads, out = jax.jit(jax.grad(f, argnums=(0, 1), has_aux=True))(x, weights, topk_idx)
     return out, grads
 
 
@@ -44,6 +50,18 @@ def test_a_non_finite_token_reaches_only_its_routed_rows(impl):
     y = np.asarray(y)
     assert np.isnan(y[1]).tolist() == [False, False, True]  # the NaN feature only; the inf weight is dropped
     assert np.isnan(y[3]).all() and np.isfinite(y[[0, 2]]).all()
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_a_routed_pair_of_weight_zero_on_a_nan_row_gives_nan(impl):
+    x = jax.random.normal(jax.random.PRNGKey(1), (3, 4)).at[1, 2].set(jnp.nan)
+    ids = jnp.array([[0, 1], [2, 7], [1, 3]])  # token 1: one routed pair (expert 2), one dropped (id 7)
+    weights = jnp.full((3, 2), 0.5).at[1, 0].set(0.0).at[2, 1].set(0.0)  # routed pairs of weight 0
+    (expert_x, y), grads = _layer(impl, x, ids, weights, 4)
+    assert_nonfinite_rule(((expert_x, y), grads), _layer("reference", x, ids, weights, 4), impl)
+    y = np.asarray(y)
+    assert np.isnan(y[1]).tolist() == [False, False, True, False]  # 0 · NaN is NaN: the NaN feature
+    assert np.isfinite(y[[0, 2]]).all()  # token 2's weight-0 pair reads a finite row: it adds 0
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -92,9 +110,10 @@ def _case(draw):
     return tokens, topk, experts, ids, x_pokes, w_pokes, draw(st.integers(0, 2**16))
 
 
+@pytest.mark.parametrize("impl", implementations_here("moe_dispatch"))
 @settings(max_examples=8, deadline=None)
 @given(_case())
-def test_property_nan_pattern_and_values_match_the_reference(case):
+def test_property_nan_pattern_and_values_match_the_reference(impl, case):
     tokens, topk, experts, ids, x_pokes, w_pokes, seed = case
     kx, kw = jax.random.split(jax.random.PRNGKey(seed))
     x = jax.random.normal(kx, (tokens, 3))
@@ -104,6 +123,6 @@ def test_property_nan_pattern_and_values_match_the_reference(case):
     for t, k, v in w_pokes:
         weights = weights.at[t % max(tokens, 1), k % topk].set(v) if tokens else weights
     idx = jnp.asarray(np.array(ids, np.int32).reshape(tokens, topk))
-    got = _layer("xla", x, idx, weights, experts)
+    got = _layer(impl, x, idx, weights, experts, drawn=True)
     want = _layer("reference", x, idx, weights, experts)
     assert_nonfinite_rule(got, want, str(case))

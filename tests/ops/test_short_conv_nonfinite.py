@@ -1,30 +1,36 @@
 """short_conv and the rules of docs/guide.md ("Non-finite values, segments and empty axes"): a
 segment starts wherever the id changes, whatever the ids; a non-finite input reaches exactly the
 outputs whose taps read it; empty batch and sequence axes give empty results, empty channels a
-`ValueError`. Pallas kernels run in interpret mode on a CPU (compiled on a GPU)."""
+`ValueError`. Every implementation the registry lists for this machine runs
+(`tests.harness.implementations_here`: Pallas kernels in interpret mode on a CPU, every GPU
+implementation compiled on a GPU: `AXKERN_TEST_GPU=1`)."""
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import axkern
 from axkern.positional import short_conv as conv
 from axkern.positional import short_conv_step as step
+from tests.harness import INTERPRET, implementations_here, serving
 from tests.helpers import assert_nonfinite_rule
 
-INTERPRET = jax.default_backend() != "gpu"
-IMPLS = ["xla", "pallas_gpu", "pallas_tpu", "reference"]
+IMPLS = implementations_here("short_conv", reference=True)
 
 
-def _run(impl, x, w, seg=None, s0=None, activation="silu", grads=True):
-    """`(y, final_state)` and, with `grads`, the gradients of a weighted sum of `y` for x, w, s0."""
+@functools.cache
+def _compiled(impl, activation, grads):
+    """`(y, final_state)` and, with `grads`, the gradients of a weighted sum of `y` for x, w, s0,
+    as one jitted function of `(x, w, segment_ids, s0)`: a case of the same shapes compiles once."""
 
-    def f(x, w, s0):
+    def f(x, w, s0, seg):
         y, final = conv(
             x,
             w,
@@ -36,11 +42,19 @@ def _run(impl, x, w, seg=None, s0=None, activation="silu", grads=True):
         )
         return jnp.sum(y * jnp.cos(jnp.arange(y.size, dtype=y.dtype)).reshape(y.shape)), (y, final)
 
-    with axkern.use(interpret=INTERPRET):
+    def run(x, w, seg, s0):
         if not grads:
-            return f(x, w, s0)[1]
-        g, out = jax.grad(f, argnums=(0, 1, 2), has_aux=True)(x, w, s0)
-    return out, g
+            return f(x, w, s0, seg)[1]
+        g, out = jax.grad(f, argnums=(0, 1, 2), has_aux=True)(x, w, s0, seg)
+        return out, g
+
+    return jax.jit(run)
+
+
+def _run(impl, x, w, seg=None, s0=None, activation="silu", grads=True, drawn=False):
+    """`_compiled`'s result; a case `impl` cannot serve is skipped with the reason (`serving`)."""
+    with axkern.use(interpret=INTERPRET), serving(impl, drawn=drawn):
+        return _compiled(impl, activation, grads)(x, w, seg, s0)
 
 
 def _inputs(seed, b, l, c, width):
@@ -54,7 +68,7 @@ def _inputs(seed, b, l, c, width):
 
 @pytest.mark.parametrize("impl", IMPLS)
 def test_an_id_used_again_starts_a_new_segment(impl):
-    x, w, s0 = _inputs(0, 2, 12, 3, 4)
+    x, w, s0 = _inputs(0, 2, 12, 4, 4)
     reused = jnp.array([[0, 0, 1, 1, 0, 0, 0, 2, 0, 7, 7, 0]] * 2)
     runs = jnp.array([[0, 0, 1, 1, 2, 2, 2, 3, 4, 5, 5, 6]] * 2)
     got, want = _run(impl, x, w, reused, s0, grads=False), _run(impl, x, w, runs, s0, grads=False)
@@ -70,20 +84,20 @@ def test_an_id_used_again_starts_a_new_segment(impl):
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("value", [np.nan, np.inf])
 def test_a_non_finite_input_reaches_only_the_taps_that_read_it(impl, value):
-    x, w, s0 = _inputs(1, 1, 12, 3, 4)
+    x, w, s0 = _inputs(1, 1, 12, 4, 4)
     seg = jnp.array([[0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0]])
     x = x.at[0, 4, 1].set(value)
     (y, final), grads = _run(impl, x, w, seg, s0)
     want = _run("reference", x, w, seg, s0)
     assert_nonfinite_rule(((y, final), grads), want, impl)
     bad = ~np.isfinite(np.asarray(y))[0]
-    assert bad[4:6, 1].all() and not bad[6:, :].any() and not bad[:4].any() and not bad[:, [0, 2]].any()
+    assert bad[4:6, 1].all() and not bad[6:, :].any() and not bad[:4].any() and not bad[:, [0, 2, 3]].any()
 
 
 @pytest.mark.parametrize("impl", IMPLS)
 def test_empty_batch_and_sequence_give_empty_results(impl):
     for b, l in ((0, 6), (2, 0)):
-        x, w, s0 = _inputs(2, b, l, 3, 4)
+        x, w, s0 = _inputs(2, b, l, 4, 4)
         (y, final), (dx, dw, ds0) = _run(impl, x, w, None, s0)
         assert y.shape == x.shape and dx.shape == x.shape and not dw.any()
         np.testing.assert_array_equal(final, s0)  # the state passes through
@@ -107,7 +121,7 @@ def _case(draw):
     b, l, c, width = (
         draw(st.integers(0, 2)),
         draw(st.integers(0, 9)),
-        draw(st.integers(1, 3)),
+        draw(st.sampled_from([1, 3, 4, 8])),  # multiples of 4: the channel groups of `cuda`
         draw(st.integers(1, 4)),
     )
     seg = draw(st.lists(st.integers(0, 2), min_size=b * l, max_size=b * l))
@@ -120,15 +134,17 @@ def _case(draw):
     return b, l, c, width, seg, pokes, draw(st.integers(0, 2**16)), draw(st.sampled_from([None, "silu"]))
 
 
-@settings(max_examples=6, deadline=None)
-@given(_case(), st.sampled_from(["xla", "pallas_gpu", "pallas_tpu"]))
-def test_property_nan_pattern_and_values_match_the_reference(case, impl):
+@pytest.mark.parametrize("impl", implementations_here("short_conv"))
+# cuda serves whole channel groups only: the other drawn cases are rejected
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.filter_too_much])
+@given(_case())
+def test_property_nan_pattern_and_values_match_the_reference(impl, case):
     b, l, c, width, seg, pokes, seed, activation = case
     x, w, s0 = _inputs(seed, b, l, c, width)
     for index, value in pokes:
         x = x.at[index].set(value)
     seg = jnp.asarray(np.array(seg, np.int32).reshape(b, l))
-    got = _run(impl, x, w, seg, s0, activation)
+    got = _run(impl, x, w, seg, s0, activation, drawn=True)
     assert_nonfinite_rule(got, _run("reference", x, w, seg, s0, activation), f"{impl} {case}")
 
 

@@ -1,25 +1,27 @@
 """ssd and non-finite input (docs/guide.md, "Non-finite values"): a NaN or an infinity reaches
 the outputs from its position to its segment's end, never earlier and never another segment,
-in every chunked implementation (Pallas kernels in interpret mode on a CPU, compiled on a GPU: `AXKERN_TEST_GPU=1`) at every chunk size; and a
-segment starts wherever the id changes."""
+in every chunked implementation the registry lists for this machine
+(`tests.harness.implementations_here`: Pallas kernels in interpret mode on a CPU, compiled on a
+GPU: `AXKERN_TEST_GPU=1`) at every chunk size; and a segment starts wherever the id changes."""
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import axkern
 from axkern.positional import ssd
+from tests.harness import INTERPRET, implementations_here, serving
 from tests.helpers import assert_nonfinite_rule, poke
 
-# on a GPU (AXKERN_TEST_GPU=1) the GPU kernels run compiled; elsewhere in interpret mode
-INTERPRET = jax.default_backend() != "gpu"
-
-IMPLS = ["xla", "pallas_gpu", "pallas_tpu"]
+IMPLS = implementations_here("ssd")
+NAMES = ("x", "dt", "A", "B", "C", "initial_state")
 
 
 def _inputs(seed, b=1, l=40, h=2, p=16, g=1, n=16):
@@ -34,8 +36,12 @@ def _inputs(seed, b=1, l=40, h=2, p=16, g=1, n=16):
     )
 
 
-def _run(impl, a, seg=None, chunk=None, grads=False):
-    def f(x, dt, A, B, C, s0):
+@functools.cache
+def _compiled(impl, chunk, grads):
+    """`(y, final_state)`, or with `grads` the gradients for the six inputs of a weighted sum of
+    both, as one jitted function of `(arrays, segment_ids)`: a case of the same shapes compiles once."""
+
+    def f(x, dt, A, B, C, s0, seg):
         y, final = ssd(
             x,
             dt,
@@ -50,69 +56,78 @@ def _run(impl, a, seg=None, chunk=None, grads=False):
         )
         return jnp.sum(y * jnp.cos(jnp.arange(y.size).reshape(y.shape))) + jnp.sum(final), (y, final)
 
-    args = [a[k] for k in ("x", "dt", "A", "B", "C", "initial_state")]
-    with axkern.use(interpret=INTERPRET):
+    def run(a, seg):
+        args = [a[k] for k in NAMES]
         if grads:
-            return jax.grad(f, argnums=tuple(range(6)), has_aux=True)(*args)[0]
-        return f(*args)[1]
+            return jax.grad(f, argnums=tuple(range(6)), has_aux=True)(*args, seg)[0]
+        return f(*args, seg)[1]
+
+    return jax.jit(run)
 
 
-def _forward_matches(a, seg=None, chunks=(16,), impls=IMPLS):
+def _run(impl, a, seg=None, chunk=None, grads=False, drawn=False):
+    """`_compiled`'s result; a case `impl` cannot serve is skipped with the reason (`serving`)."""
+    with axkern.use(interpret=INTERPRET), serving(impl, drawn=drawn):
+        return _compiled(impl, chunk, grads)(a, seg)
+
+
+def _forward_matches(impl, a, seg=None, chunks=(16,), drawn=False):
     want = _run("reference", a, seg)
-    for impl in impls:
-        for chunk in chunks:
-            assert_nonfinite_rule(_run(impl, a, seg, chunk), want, f"{impl} chunk {chunk}")
+    for chunk in chunks:
+        assert_nonfinite_rule(_run(impl, a, seg, chunk, drawn=drawn), want, f"{impl} chunk {chunk}")
     return want
 
 
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("where", ["x", "dt", "B"])
 @pytest.mark.parametrize("value", [np.nan, np.inf])
-def test_a_non_finite_value_stays_at_and_after_its_position(where, value):
+def test_a_non_finite_value_stays_at_and_after_its_position(impl, where, value):
     a = _inputs(0)
     index = {"x": (0, 10, 1, 3), "dt": (0, 10, 1), "B": (0, 10, 0, 2)}[where]
     a[where] = poke(a[where], index, value)
-    y, final = _forward_matches(a)
+    y, final = _forward_matches(impl, a)
     bad = ~np.isfinite(np.asarray(y))
     assert not bad[0, :10].any() and bad[0, 10:].any()
     assert np.isfinite(np.asarray(y)[0, :, 0]).all() or where == "B"  # head 0 untouched unless B (shared)
 
 
-def test_a_nan_stays_in_its_segment():
+@pytest.mark.parametrize("impl", IMPLS)
+def test_a_nan_stays_in_its_segment(impl):
     a = _inputs(1)
     a["x"] = poke(a["x"], (0, 5, 0, 0), np.nan)
     seg = jnp.asarray([[0] * 12 + [1] * 28], jnp.int32)
-    y, final = _forward_matches(a, seg, chunks=(16, 32))
+    y, final = _forward_matches(impl, a, seg, chunks=(16, 32))
     bad = ~np.isfinite(np.asarray(y))[0, :, 0, 0]
     assert not bad[:5].any() and bad[5:12].all() and not bad[12:].any()
     assert np.isfinite(np.asarray(final)).all()
 
 
-def test_the_gradients_are_nan_where_the_nan_reaches():
+@pytest.mark.parametrize("impl", IMPLS)
+def test_the_gradients_are_nan_where_the_nan_reaches(impl):
     a = _inputs(2)
     a["x"] = poke(a["x"], (0, 10, 1, 3), np.nan)
     want = _run("reference", a, grads=True)
-    for impl in ("xla", "pallas_gpu"):
-        got = _run(impl, a, chunk=16, grads=True)
-        for g, w in zip(got, want, strict=True):
-            # never a number where the exact recurrence's gradient is not one
-            assert (~np.isfinite(np.asarray(g)) | np.isfinite(np.asarray(w))).all()
-        dA = np.asarray(got[2])
-        assert np.isnan(dA[1]) and np.isfinite(dA[0])  # head 0 never sees the NaN
+    got = _run(impl, a, chunk=16, grads=True)
+    for g, w in zip(got, want, strict=True):
+        # never a number where the exact recurrence's gradient is not one
+        assert (~np.isfinite(np.asarray(g)) | np.isfinite(np.asarray(w))).all()
+    dA = np.asarray(got[2])
+    assert np.isnan(dA[1]) and np.isfinite(dA[0])  # head 0 never sees the NaN
 
 
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("chunk", [8, 16, 32, 64])
-def test_a_reused_segment_id_starts_a_new_segment_at_every_chunk_size(chunk):
+def test_a_reused_segment_id_starts_a_new_segment_at_every_chunk_size(impl, chunk):
     a = _inputs(3, l=48)
     seg = jnp.asarray([[0] * 10 + [1] * 10 + [0] * 28], jnp.int32)  # id 0 again: a third segment
     want = _run("reference", a, seg)
-    for impl in ("xla", "pallas_gpu"):
-        if impl == "pallas_gpu" and chunk < 16:
-            continue  # Triton dot tiles are at least 16: pallas_gpu refuses smaller chunks
-        got = _run(impl, a, seg, chunk)
-        for g, w in zip(got, want, strict=True):
-            np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-4, atol=2e-4)
+    got = _run(impl, a, seg, chunk)  # pallas_gpu refuses chunks below 16 (Triton dot tiles): a skip
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-4, atol=2e-4)
 
 
+@pytest.mark.parametrize("impl", IMPLS)
+@settings(max_examples=4, deadline=None)
 @given(
     l=st.sampled_from([1, 23, 40]),
     where=st.sampled_from(["x", "dt", "A", "B", "C", "initial_state"]),
@@ -120,12 +135,12 @@ def test_a_reused_segment_id_starts_a_new_segment_at_every_chunk_size(chunk):
     segments=st.booleans(),
     seed=st.integers(0, 2**16),
 )
-def test_property_non_finite_pattern_matches_the_reference(l, where, value, segments, seed):
+def test_property_non_finite_pattern_matches_the_reference(impl, l, where, value, segments, seed):
     a = _inputs(seed, l=l, h=2, g=2)
     rng = np.random.default_rng(seed)
     a[where] = poke(a[where], tuple(int(rng.integers(n)) for n in a[where].shape), value)
     seg = jnp.asarray(rng.integers(0, 2, (1, l)), jnp.int32) if segments else None
-    _forward_matches(a, seg, chunks=(16,), impls=["xla", "pallas_gpu"])
+    _forward_matches(impl, a, seg, chunks=(16,), drawn=True)
 
 
 @pytest.mark.parametrize("impl", IMPLS + ["reference"])
@@ -136,7 +151,7 @@ def test_empty_batch_length_or_heads_give_empty_results(impl):
         assert y.shape == a["x"].shape
         np.testing.assert_array_equal(final, a["initial_state"])  # the state passes through
         grads = _run(impl, a, chunk=16, grads=True)
-        assert [g.shape for g in grads] == [a[k].shape for k in ("x", "dt", "A", "B", "C", "initial_state")]
+        assert [g.shape for g in grads] == [a[k].shape for k in NAMES]
         if l == 0 and b:
             assert np.asarray(grads[5]).any()  # the final state is the initial one: its gradient flows
 

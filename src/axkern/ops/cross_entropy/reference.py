@@ -12,17 +12,17 @@ def cross_entropy(
     """Per-token `(loss, lse)` of `z = softcap(logits)`, float32 (float64 for float64 logits).
 
     `loss = lse - (1 - eps) z[label] - (eps / V) sum_v z_v + w_z lse**2` where `keep`, 0 elsewhere,
-    NaN (and NaN gradients) for a kept token whose label is outside `[0, V)`. Gradients by autodiff (`lse_grad` is
-    accepted for the signature every implementation shares; autodiff always differentiates lse).
+    NaN (and NaN gradients) for a kept token whose label is outside `[0, V)`. Gradients by autodiff
+    (`lse_grad` is accepted for the signature every implementation shares; autodiff always
+    differentiates lse). Dropped rows are selected away before the arithmetic: the loss is
+    formed from their logits replaced by 0, then selected, and the reported `lse` (every row's)
+    is differentiated on the rows whose cotangent is not 0, the others selected away as in
+    `xla`; so a non-finite dropped row reaches no gradient (autodiff alone would give it `0 * NaN`).
     """
     del lse_grad
     vocab = logits.shape[-1]
     acc = jnp.promote_types(logits.dtype, jnp.float32)
-    z = logits.astype(acc)
-    if logits_soft_cap is not None:
-        z = logits_soft_cap * jnp.tanh(z / logits_soft_cap)
-    lse = jax.nn.logsumexp(z, axis=-1)
-    zk = jnp.where(keep[:, None], z, 0)  # dropped rows selected away before the loss
+    zk = _softcap(jnp.where(keep[:, None], logits, 0).astype(acc), logits_soft_cap)
     lse_k = jax.nn.logsumexp(zk, axis=-1)
     hit = labels[:, None] == jnp.arange(vocab)[None, :]
     out = lse_k - (1.0 - label_smoothing) * jnp.sum(jnp.where(hit, zk, 0), axis=-1)
@@ -32,4 +32,33 @@ def cross_entropy(
         out = out + logsumexp_weight * jnp.square(lse_k)
     valid = (labels >= 0) & (labels < vocab)
     # a kept out-of-range label multiplies its loss by NaN: NaN loss and NaN gradients
-    return jnp.where(keep, out * jnp.where(valid | ~keep, 1.0, jnp.nan), 0.0), lse
+    loss = jnp.where(keep, out * jnp.where(valid | ~keep, 1.0, jnp.nan), 0.0)
+    return loss, _lse(logits, acc, logits_soft_cap)
+
+
+def _softcap(z, cap):
+    return z if cap is None else cap * jnp.tanh(z / cap)
+
+
+def _lse(logits, acc, cap):
+    """Every row's `logsumexp(softcap(logits))`; its backward is autodiff's on the rows whose
+    cotangent is not 0, the other rows replaced by 0 before the arithmetic and selected away after it."""
+
+    def plain(logits):
+        return jax.nn.logsumexp(_softcap(logits.astype(acc), cap), axis=-1)
+
+    @jax.custom_vjp
+    def selected(logits):
+        return plain(logits)
+
+    def forward(logits):
+        return plain(logits), logits
+
+    def backward(logits, g):
+        live = g != 0
+        _, vjp = jax.vjp(plain, jnp.where(live[:, None], logits, 0))
+        (d,) = vjp(jnp.where(live, g, 0))
+        return (jnp.where(live[:, None], d, 0),)
+
+    selected.defvjp(forward, backward)
+    return selected(logits)

@@ -11,8 +11,35 @@ def stats(x, w, labels, *, logits_soft_cap=None, with_sum=False):
 
     `labels` index this `w`'s columns; a label outside `[0, vocab)` contributes a label
     logit of 0 (the caller decides what such a token means). Computes in float32, or in
-    float64 when given float64. Gradients by autodiff through the materialised logits.
+    float64 when given float64. Gradients by autodiff through the materialised logits, on the
+    rows whose three cotangents are not all 0: the other rows (a dropped token's, whose loss
+    is selected away) are replaced by 0 before the arithmetic and their gradient selected
+    away after it, as in every implementation, so a non-finite row that nothing reads reaches
+    no gradient (autodiff alone would give it `0 * NaN`).
     """
+
+    def plain(x, w, labels):
+        return _stats(x, w, labels, logits_soft_cap=logits_soft_cap, with_sum=with_sum)
+
+    @jax.custom_vjp
+    def selected(x, w, labels):
+        return plain(x, w, labels)
+
+    def forward(x, w, labels):
+        return plain(x, w, labels), (x, w, labels)
+
+    def backward(residuals, cotangents):
+        x, w, labels = residuals
+        live = (cotangents[0] != 0) | (cotangents[1] != 0) | (cotangents[2] != 0)
+        _, vjp = jax.vjp(lambda x, w: plain(x, w, labels), jnp.where(live[:, None], x, 0), w)
+        dx, dw = vjp(tuple(jnp.where(live, c, 0) for c in cotangents))
+        return jnp.where(live[:, None], dx, 0), dw, None
+
+    selected.defvjp(forward, backward)
+    return selected(x, w, labels)
+
+
+def _stats(x, w, labels, *, logits_soft_cap, with_sum):
     acc = jnp.promote_types(jnp.result_type(x, w), jnp.float32)
     z = jnp.dot(x, w, preferred_element_type=acc)
     if logits_soft_cap is not None:
@@ -25,10 +52,10 @@ def stats(x, w, labels, *, logits_soft_cap=None, with_sum=False):
 
 
 def loss(x, w, labels, keep, scale, *, logits_soft_cap=None, logsumexp_weight=0.0, label_smoothing=0.0):
-    """`scale * sum_{keep} loss_i` from the materialised logits; gradients by autodiff. Dropped
+    """`scale * sum_{keep} loss_i` from the materialised logits; gradients by plain autodiff. Dropped
     tokens' rows of `x` are selected away first: a non-finite dropped row reaches no gradient."""
     x = jnp.where(keep[:, None], x, 0)
-    lse, label_logit, sum_logits = stats(x, w, labels, logits_soft_cap=logits_soft_cap, with_sum=True)
+    lse, label_logit, sum_logits = _stats(x, w, labels, logits_soft_cap=logits_soft_cap, with_sum=True)
     per = _token_losses(
         lse,
         label_logit,

@@ -10,14 +10,18 @@ group sizes without XLA's argsort.
 the rows of its `K` pairs (a dropped pair's row is zeros). On Hopper the copy engine moves the
 rows (one bulk load of `x[t]` into a shared-memory ring, `K` bulk stores out of it); elsewhere
 one block per token copies 16-byte vectors with streaming stores. Its backward is
-`AxkernMoeGatherSum` with weights `valid`.
+`AxkernMoeGatherSum` with weights 1 and the pairs' validity.
 
-**Combine** (`AxkernMoeGatherSum`): `y[t] = sum_k w[t, k] · expert_y[rows[t, k]]`, float32
-accumulation; a token's `K` rows and weights are read into registers once and the `K` loads
-of a vector are issued together (before this, one load in flight per thread ran at 83% of
-the copy rate against XLA's 101% on the e64 preset). Its backward
-(`AxkernMoeCombineBwd`) writes `w[t, k] · dy[t]` to each pair's row and reduces
-`<dy[t], expert_y[row]>` for the weights' gradient in the same pass over `expert_y`.
+**Combine** (`AxkernMoeGatherSum`): `y[t] = sum_{k valid} w[t, k] · expert_y[rows[t, k]]`,
+float32 accumulation. Validity travels beside the weights (a `bool` per pair): a dropped pair
+is selected away (its row is not loaded, its weight not read), and every valid pair is
+multiplied by its weight, so a routed pair of weight exactly 0 on a NaN row gives NaN, as
+`reference` does. A token's `K` rows, weights and validity are read into registers once
+and the `K` loads of a vector are issued together (with one load in flight per thread it ran at 83%
+of the copy rate against XLA's 101% on the e64 preset). Its backward (`AxkernMoeCombineBwd`)
+writes `w[t, k] · dy[t]` to each valid pair's row (zeros to a dropped pair's) and reduces
+`<dy[t], expert_y[row]>` for the weights' gradient (0 for a dropped pair) in the same pass
+over `expert_y`.
 
 **Grid.** Gather and combine kernels: one block of 128 threads per token (grid-stride, at most 16 blocks
 per SM), threads across the row; outputs use streaming stores. **Bound.** Memory: dispatch
@@ -107,14 +111,15 @@ def _scatter_rows(x, rows, keep):
     return jax.ffi.ffi_call("AxkernMoeScatterRows", out)(x, rows, keep.astype(jnp.float32))
 
 
-def _gather_sum(y, rows, weights, tokens):
+def _gather_sum(y, rows, weights, valid, tokens):
+    """`out[t] = sum_{k valid} weights[t, k] · y[rows[t, k]]`: dropped pairs selected away."""
     out = jax.ShapeDtypeStruct((tokens, y.shape[1]), y.dtype)
-    return jax.ffi.ffi_call("AxkernMoeGatherSum", out)(y, rows, weights.astype(jnp.float32))
+    return jax.ffi.ffi_call("AxkernMoeGatherSum", out)(y, rows, weights.astype(jnp.float32), valid)
 
 
 def dispatch(x, topk_idx, *, num_experts):
     rows, counts, valid = route(topk_idx, num_experts)
-    return _dispatch(x, rows, valid.astype(jnp.float32)), counts, rows
+    return _dispatch(x, rows, valid), counts, rows
 
 
 @jax.custom_vjp
@@ -128,7 +133,7 @@ def _dispatch_fwd(x, rows, valid):
 
 def _dispatch_bwd(res, g):
     rows, valid, tokens = res
-    return _gather_sum(g, rows, valid, tokens), None, None
+    return _gather_sum(g, rows, jnp.ones(rows.shape, jnp.float32), valid, tokens), None, None
 
 
 _dispatch.defvjp(_dispatch_fwd, _dispatch_bwd)
@@ -141,8 +146,7 @@ def combine(expert_y, topk_weights, topk_idx, rows, *, num_experts):
 
 @jax.custom_vjp
 def _combine(expert_y, topk_weights, rows, valid):
-    w = jnp.where(valid, topk_weights.reshape(-1).astype(jnp.float32), 0)  # dropped pairs' weights selected
-    return _gather_sum(expert_y, rows, w, topk_weights.shape[0])
+    return _gather_sum(expert_y, rows, topk_weights.reshape(-1), valid, topk_weights.shape[0])
 
 
 def _combine_fwd(expert_y, topk_weights, rows, valid):
@@ -151,16 +155,15 @@ def _combine_fwd(expert_y, topk_weights, rows, valid):
 
 def _combine_bwd(res, dy):
     expert_y, topk_weights, rows, valid = res
-    w = jnp.where(valid, topk_weights.reshape(-1).astype(jnp.float32), 0)  # dropped pairs' weights selected
     out = (
         jax.ShapeDtypeStruct(expert_y.shape, expert_y.dtype),
         jax.ShapeDtypeStruct(rows.shape, jnp.float32),
     )
+    # a dropped pair's row of d_expert_y and its weight's gradient come back 0 (selected in the kernel)
     d_expert_y, dw = jax.ffi.ffi_call("AxkernMoeCombineBwd", out)(
-        dy.astype(expert_y.dtype), expert_y, rows, w
+        dy.astype(expert_y.dtype), expert_y, rows, topk_weights.reshape(-1).astype(jnp.float32), valid
     )
-    dw = jnp.where(valid, dw, 0).reshape(topk_weights.shape).astype(topk_weights.dtype)
-    return d_expert_y, dw, None, None
+    return d_expert_y, dw.reshape(topk_weights.shape).astype(topk_weights.dtype), None, None
 
 
 _combine.defvjp(_combine_fwd, _combine_bwd)
