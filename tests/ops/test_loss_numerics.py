@@ -8,6 +8,8 @@ a CPU, every GPU implementation compiled on a GPU: `AXKERN_TEST_GPU=1`)."""
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -41,29 +43,50 @@ def _plain_oracle(logits, labels, reduction, **kw):
     return loss, _plain("reference", _nan(logits), labels, reduction, **kw)[1]
 
 
-def _fused(impl, x, w, labels, reduction, *, drawn=False, **kw):
-    """(loss, dx, dw): the loss, and the gradients of its sum against a fixed cotangent; a case
-    `impl` cannot serve is skipped with the reason (`serving`)."""
+@functools.cache
+def _fused_compiled(impl, reduction, options):
+    def run(x, w, labels, where):
+        def f(x, w):
+            loss = fused_cross_entropy(
+                x, w, labels, reduction=reduction, where=where, implementation=impl, **dict(options)
+            )
+            cot = jnp.cos(jnp.arange(loss.size, dtype=loss.dtype)).reshape(loss.shape) + 2
+            return jnp.sum(loss * cot), loss
 
-    def f(x, w):
-        loss = fused_cross_entropy(x, w, labels, reduction=reduction, implementation=impl, **kw)
-        cot = jnp.cos(jnp.arange(loss.size, dtype=loss.dtype)).reshape(loss.shape) + 2
-        return jnp.sum(loss * cot), loss
-
-    with axkern.use(interpret=INTERPRET), serving(impl, drawn=drawn):
         (dx, dw), loss = jax.grad(f, argnums=(0, 1), has_aux=True)(x, w)
-    return loss, dx, dw
+        return loss, dx, dw
+
+    return jax.jit(run)
 
 
-def _plain(impl, logits, labels, reduction, *, drawn=False, **kw):
-    def f(z):
-        loss = cross_entropy(z, labels, reduction=reduction, implementation=impl, **kw)
-        cot = jnp.cos(jnp.arange(loss.size, dtype=loss.dtype)).reshape(loss.shape) + 2
-        return jnp.sum(loss * cot), loss
+@functools.cache
+def _plain_compiled(impl, reduction, options):
+    def run(logits, labels, where):
+        def f(z):
+            loss = cross_entropy(
+                z, labels, reduction=reduction, where=where, implementation=impl, **dict(options)
+            )
+            cot = jnp.cos(jnp.arange(loss.size, dtype=loss.dtype)).reshape(loss.shape) + 2
+            return jnp.sum(loss * cot), loss
 
-    with serving(impl, drawn=drawn):
         dz, loss = jax.grad(f, has_aux=True)(logits)
-    return loss, dz
+        return loss, dz
+
+    return jax.jit(run)
+
+
+def _fused(impl, x, w, labels, reduction, *, where=None, drawn=False, **options):
+    """(loss, dx, dw): the loss, and the gradients of its sum against a fixed cotangent, jitted (a
+    case of the same shapes and options compiles once); a case `impl` cannot serve is skipped with
+    the reason (`serving`)."""
+    with axkern.use(interpret=INTERPRET), serving(impl, drawn=drawn):
+        return _fused_compiled(impl, reduction, tuple(sorted(options.items())))(x, w, labels, where)
+
+
+def _plain(impl, logits, labels, reduction, *, where=None, drawn=False, **options):
+    """(loss, d logits), as `_fused`."""
+    with serving(impl, drawn=drawn):
+        return _plain_compiled(impl, reduction, tuple(sorted(options.items())))(logits, labels, where)
 
 
 @pytest.mark.parametrize("reduction", [None, "mean"])

@@ -127,7 +127,7 @@ def test_a_reused_segment_id_starts_a_new_segment_at_every_chunk_size(impl, chun
 
 
 @pytest.mark.parametrize("impl", IMPLS)
-@settings(max_examples=4, deadline=None)
+@settings(max_examples=3, deadline=None)
 @given(
     l=st.sampled_from([1, 23, 40]),
     where=st.sampled_from(["x", "dt", "A", "B", "C", "initial_state"]),

@@ -14,8 +14,9 @@ of bounds (Triton's and interpret mode's loads then agree).
 recomputed from `x`); without one `g = dy`. The second kernel walks up to 256 positions per
 program, tile by tile: it reads `g` at offsets `0..W-1`, writes `dx(t) = sum_k w[k] · g(t + k)`
 over taps that stay in `t`'s segment, and accumulates in registers the partial sums of
-`dw[k] = sum_t g(t) · x~(t - k)` and `dbias = sum_t g(t)`, one row per program (summed by
-XLA). The state's gradient needs only the first `W-1` positions: plain JAX.
+`dw[k] = sum_t g(t) · x~(t - k)` (a tap of another segment selected away, never `0 · g`) and
+`dbias = sum_t g(t)`, one row per program (summed by XLA). The state's gradient needs only the
+first `W-1` positions: plain JAX.
 
 **Bound.** Memory: forward `2·B·S·C` elements (read `x`, write `y`), backward `3·B·S·C`
 (read `x`, `dy`; write `dx`), plus a float32 `g` written and read once with an activation.
@@ -211,9 +212,11 @@ def _bwd_kernel(
         inside = (tile.t < dims["seq"])[:, None]  # rows past S: their product selected away, not 0 * x
         for k in range(width):
             val = tile.load_x(x_ref, state_ref, -k)
-            if segments:
-                val = jnp.where((tile.segment(seg_ref, -k) == seg_t)[:, None], val, 0)
-            out.append(acc[k] + jnp.sum(jnp.where(inside, g0 * val, 0), axis=0))
+            keep = inside
+            if segments:  # a tap of another segment: its product selected away too, not g * 0
+                same = (tile.segment(seg_ref, -k) == seg_t)[:, None]
+                val, keep = jnp.where(same, val, 0), keep & same
+            out.append(acc[k] + jnp.sum(jnp.where(keep, g0 * val, 0), axis=0))
         return (*out, acc[width] + jnp.sum(g0, axis=0))
 
     zeros = jnp.zeros((dims["block_channels"],), jnp.float32)

@@ -19,9 +19,13 @@ def conv(x, weight, bias, segment_ids, initial_state, *, activation=None):
     out = jnp.broadcast_to(bias.astype(acc), x.shape)
     for k in range(width):
         tap = xe[:, width - 1 - k : width - 1 - k + seq].astype(acc)
-        if se is not None:
-            tap = jnp.where((se[:, width - 1 - k : width - 1 - k + seq] == segment_ids)[..., None], tap, 0)
-        out = out + weight[k].astype(acc) * tap
+        if se is None:
+            out = out + weight[k].astype(acc) * tap
+            continue
+        # a tap of another segment is selected away before and after the product, so that it
+        # reaches no gradient either (autodiff would give its weight `0 * g`, NaN for a NaN g)
+        same = (se[:, width - 1 - k : width - 1 - k + seq] == segment_ids)[..., None]
+        out = out + jnp.where(same, weight[k].astype(acc) * jnp.where(same, tap, 0), 0)
     if activation == "silu":
         out = jax.nn.silu(out)
     return out.astype(x.dtype)

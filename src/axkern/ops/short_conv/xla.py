@@ -6,7 +6,8 @@ with the `W-1` state rows prepended and a tap is zero when it crosses a segment 
 **Backward** (`jax.custom_vjp`, residuals: the inputs): `g = dy * act'(pre)` (pre recomputed),
 `dx~[t - k] += w[k] * g[t]` for each tap (a sum of `W` shifted copies that XLA fuses into
 one pass), `dw[k] = sum_{b,t} g[t] * x~[t - k]`, `dbias = sum g`; the first `W-1` rows of
-`dx~` are the initial state's gradient.
+`dx~` are the initial state's gradient. A tap of another segment is selected away in both
+sums (never `0 * g`, NaN for a NaN `g`).
 
 **Cost.** Memory bound: the forward reads `x` and writes `y` (`2·B·S·C` elements); XLA fuses
 the `W` shifted reads of each pass into one loop over `x`.
@@ -47,14 +48,19 @@ def _bwd(activation, residuals, dy):
     width, seq = weight.shape[0], x.shape[1]
     pre, taps = pre_activation(x, weight, bias, segment_ids, initial_state)
     g = dy.astype(pre.dtype) * activation_grad(pre, activation)
-    dweight = jnp.stack([jnp.sum(g * tap, axis=(0, 1)) for tap in taps])
-    dbias = jnp.sum(g, axis=(0, 1))
     _, se = extended(x, segment_ids, initial_state)
+    same = [
+        None if se is None else (se[:, width - 1 - k : width - 1 - k + seq] == segment_ids)[..., None]
+        for k in range(width)
+    ]
+    products = [g * tap if m is None else jnp.where(m, g * tap, 0) for tap, m in zip(taps, same, strict=True)]
+    dweight = jnp.stack([jnp.sum(p, axis=(0, 1)) for p in products])
+    dbias = jnp.sum(g, axis=(0, 1))
     dxe = 0
     for k in range(width):
         gk = g * weight[k].astype(g.dtype)
-        if se is not None:
-            gk = jnp.where((se[:, width - 1 - k : width - 1 - k + seq] == segment_ids)[..., None], gk, 0)
+        if same[k] is not None:
+            gk = jnp.where(same[k], gk, 0)
         dxe = dxe + jnp.pad(gk, ((0, 0), (width - 1 - k, k), (0, 0)))
     dx = dxe[:, width - 1 :].astype(x.dtype)
     dstate = dxe[:, : width - 1].astype(initial_state.dtype)
