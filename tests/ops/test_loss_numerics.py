@@ -21,7 +21,16 @@ import axkern
 from axkern.positional import cross_entropy, fused_cross_entropy
 from axkern.positional import fused_cross_entropy_loss as ce_loss
 from tests.harness import INTERPRET, implementations_here, serving
-from tests.helpers import assert_nonfinite_rule, ce_inputs
+from tests.helpers import assert_nonfinite_rule as _nonfinite_rule
+from tests.helpers import ce_inputs
+
+# finite values: float32 products on a GPU run as TF32 in XLA (the oracle-rule tests bound them)
+RTOL = 1e-4 if INTERPRET else 5e-3
+
+
+def assert_nonfinite_rule(got, want, what):
+    _nonfinite_rule(got, want, what, rtol=RTOL)
+
 
 FUSED = implementations_here("fused_cross_entropy", reference=True)
 PLAIN = implementations_here("cross_entropy", reference=True)
