@@ -34,7 +34,7 @@ constexpr int kMaxTopK = 16;  // a token's rows live in registers (supports() re
 constexpr int kThreads = 128;
 constexpr int kHeader = 128;  // bytes of shared memory before the rows: the stages' mbarriers
 constexpr int kStages = 4;    // shared-memory ring, in rows
-constexpr int kBlocksPerSm = 2;  // bulk-copy blocks per SM (a sweep on the H200: 2-8 within noise)
+constexpr int kBlocksPerSm = 2;  // bulk-copy blocks per SM (H200 sweep, sweep_scatter.json: 2-8 within noise)
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 __device__ inline uint32_t smem_u32(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
