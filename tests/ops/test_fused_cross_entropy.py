@@ -104,7 +104,7 @@ def test_pallas_refusals_name_the_problem():
 # the reduced loss: its implementations form the gradients in the forward. 150 tokens in
 # blocks of 64: two full blocks and a ragged one. Every option in float32; in bfloat16 those
 # that change the gradient's formula (ignored labels and `where` only drop tokens). The
-# reduction alternates, so that each dtype and each option meets both
+# reduction alternates: each dtype meets both, and so does each option run in both dtypes
 LOSS_CASES = [
     (dtype, option, ("mean", "sum")[(i + j) % 2])
     for j, dtype in enumerate(DTYPES)
