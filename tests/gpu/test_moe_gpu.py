@@ -1,4 +1,4 @@
-"""MoE routing's CUDA path on a real GPU, against the reference, and inside a jitted MoE layer.
+"""MoE routing on a real GPU (every GPU implementation), against the oracle rule, alone and in a MoE layer.
 
 Run with `AXKERN_TEST_GPU=1 python -m pytest tests/gpu -m gpu`. Builds the native library on
 first use (nvcc must be on PATH or under CUDA_HOME).
@@ -7,54 +7,39 @@ first use (nvcc must be on PATH or under CUDA_HOME).
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import axkern
 from axkern.positional import moe_combine, moe_dispatch
-from tests.helpers import assert_oracle_rule
+from tests.cases.moe import make, run
+from tests.harness import check_rule, implementations
 
 pytestmark = pytest.mark.gpu
 
 
 def _case(tokens, hidden, experts, topk, dtype, seed=0):
-    kx, ki, kw = jax.random.split(jax.random.PRNGKey(seed), 3)
-    x = jax.random.normal(kx, (tokens, hidden), jnp.float32).astype(dtype)
-    idx = jax.random.randint(ki, (tokens, topk), 0, experts)
-    w = jax.random.uniform(kw, (tokens, topk), jnp.float32).astype(dtype)
-    return x, idx, w
-
-
-def _layer(impl, x, idx, w, experts):
-    def f(x, w):
-        ex, _, routing = moe_dispatch(x, idx, num_experts=experts, implementation=impl)
-        return jnp.sum(moe_combine(jnp.sin(ex), w, routing, implementation=impl).astype(jnp.float32) ** 2)
-
-    return jax.jit(jax.value_and_grad(f, argnums=(0, 1)))(x, w)
+    arrays = make(seed, tokens, topk, experts, dtype, hidden=hidden)
+    return arrays["x"], arrays["idx"], arrays["w"]
 
 
 @pytest.mark.parametrize("topk", [8, 12])  # 12: the kernels' 16-slot variant
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("hidden", [4096, 1001])  # 1001: rows not whole 16-byte vectors (element path)
-def test_cuda_against_reference(dtype, hidden, topk):
-    assert (
-        axkern.explain(
-            lambda x, i: moe_dispatch(x, i, num_experts=64, implementation="cuda"),
-            *_case(8, hidden, 64, topk, dtype)[:2],
-        ).implementation
-        == "cuda"
+@pytest.mark.parametrize("impl", implementations("moe_dispatch", "gpu"))
+def test_on_gpu_against_oracle(impl, dtype, hidden, topk):
+    arrays = make(0, 4096, topk, 64, dtype, hidden=hidden)
+    d = axkern.explain(
+        lambda x, i: moe_dispatch(x, i, num_experts=64, implementation=impl), arrays["x"], arrays["idx"]
     )
-    x, idx, w = _case(4096, hidden, 64, topk, dtype)
-    ex, gs, r = moe_dispatch(x, idx, num_experts=64, implementation="cuda")
-    ex_ref, gs_ref, r_ref = moe_dispatch(x, idx, num_experts=64, implementation="reference")
+    assert d.implementation == impl and not d.interpret
+    (ex, gs, _), _ = check_rule(
+        run, impl, arrays, dtype, f"moe {hidden}x{topk}", oracle_dtype="float32", experts=64
+    )
+    # a permutation of rows: exactly the reference's
+    ex_ref, gs_ref, _ = moe_dispatch(arrays["x"], arrays["idx"], num_experts=64, implementation="reference")
     np.testing.assert_array_equal(np.asarray(ex, np.float32), np.asarray(ex_ref, np.float32))
     np.testing.assert_array_equal(gs, gs_ref)
-    up = lambda a: a.astype(jnp.float32)  # noqa: E731
-    oracle = _layer("reference", up(x), idx, up(w), 64)
-    same = _layer("reference", x, idx, w, 64)
-    got = _layer("cuda", x, idx, w, 64)
-    assert_oracle_rule(got, same, oracle, dtype, f"moe cuda {dtype}")
 
 
 @pytest.mark.parametrize(
@@ -79,35 +64,19 @@ def test_cuda_drops_traced_out_of_range_ids():
     bad = idx.at[3, 1].set(9)
 
     @jax.jit
-    def run(x, bad, w):
+    def layer(x, bad, w):
         ex, gs, routing = moe_dispatch(x, bad, num_experts=8, implementation="cuda")
         return ex, gs, moe_combine(ex, w, routing, implementation="cuda")
 
-    ex, gs, y = run(x, bad, w)
+    ex, gs, y = layer(x, bad, w)
     assert int(gs.sum()) == 256 * 2 - 1 and not np.asarray(ex[-1], np.float32).any()
     assert np.isfinite(np.asarray(y, np.float32)).all()
 
 
-def test_jitted_moe_layer_with_ragged_dot():
-    tokens, hidden, out, experts, topk = 2048, 1024, 512, 16, 4
-    x, idx, w = _case(tokens, hidden, experts, topk, "bfloat16", seed=3)
-    weights = (jax.random.normal(jax.random.PRNGKey(4), (experts, hidden, out)) * hidden**-0.5).astype(
-        jnp.bfloat16
-    )
-
-    def layer(impl):
-        def f(x, weights, w):
-            ex, gs, routing = moe_dispatch(x, idx, num_experts=experts, implementation=impl)
-            y = moe_combine(jax.lax.ragged_dot(ex, weights, gs), w, routing, implementation=impl)
-            return jnp.sum(y.astype(jnp.float32) ** 2)
-
-        return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2)))(x, weights, w)
-
-    got, same = layer("cuda"), layer("xla")
-    up = lambda a: a.astype(jnp.float32)  # noqa: E731
-    x, weights, w = up(x), up(weights), up(w)
-    oracle = layer("xla")
-    assert_oracle_rule(got, same, oracle, "bfloat16", "moe layer with ragged_dot")
+@pytest.mark.parametrize("impl", implementations("moe_dispatch", "gpu"))
+def test_moe_layer_with_ragged_dot_against_oracle(impl):
+    arrays = make(3, 2048, 4, 16, "bfloat16", hidden=1024, out=512)
+    check_rule(run, impl, arrays, "bfloat16", "moe layer with ragged_dot", oracle_dtype="float32", experts=16)
 
 
 @pytest.mark.parametrize("ranks", [1, 8])
@@ -116,10 +85,10 @@ def test_cuda_layout_against_xla(ranks):
 
     _, idx, _ = _case(32768, 8, 64, 8, "float32")
     idx = idx.at[5, 2].set(70)  # traced below: dropped and counted
-    run = jax.jit(
+    layout = jax.jit(
         lambda i, impl: moe_layout(i, num_experts=64, num_ranks=ranks, implementation=impl), static_argnums=1
     )
-    got, want = run(idx, "cuda"), run(idx, "xla")
+    got, want = layout(idx, "cuda"), layout(idx, "xla")
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         np.testing.assert_array_equal(a, b)
     assert int(got.dropped) == 1

@@ -1,6 +1,7 @@
-"""short_conv compiled on a real GPU (Pallas Triton, CUDA) against the oracle rule, at real sizes.
+"""short_conv compiled on a real GPU (every GPU implementation) against the oracle rule, at real sizes.
 
-Run with `AXKERN_TEST_GPU=1 python -m pytest tests/gpu -m gpu`. Oracle: `reference` in float32.
+Run with `AXKERN_TEST_GPU=1 python -m pytest tests/gpu -m gpu`. Oracle: `reference` in float64
+on the CPU.
 """
 
 from __future__ import annotations
@@ -11,65 +12,28 @@ import pytest
 
 import axkern
 from axkern.positional import short_conv as conv
-from tests.helpers import assert_oracle_rule
+from tests.cases.short_conv import GPU_BATCH_SEQ, GPU_CASES, make, run
+from tests.harness import check_rule, implementations
 
 pytestmark = pytest.mark.gpu
 
 
-def _run(impl, x, w, b, seg, s0, cot, activation, block_sizes=None):
-    def f(x, w, b, s0):
-        y = conv(
-            x,
-            w,
-            bias=b,
-            segment_ids=seg,
-            initial_state=s0,
-            activation=activation,
-            implementation=impl,
-            block_sizes=block_sizes,
-        )
-        return jnp.sum(y.astype(jnp.float32) * cot), y
-
-    (_, y), g = jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2, 3), has_aux=True))(x, w, b, s0)
-    return y, g
-
-
-# cuda: channels a multiple of its 16-byte vector; small explicit tiles put halos across tiles
-CASES = [
-    ("pallas_gpu", 777, "silu", None),
-    ("cuda", 776, "silu", None),
-    ("cuda", 1024, None, {"block_seq": 8, "block_channels": 1024, "block_seq_backward": 16}),
-]
-
-
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("width", [2, 4, 8])
-@pytest.mark.parametrize("segments", [False, True])
-@pytest.mark.parametrize("impl,channels,activation,blocks", CASES)
-def test_gpu_against_oracle(impl, channels, activation, blocks, dtype, width, segments):
-    batch, seq = 3, 1000
-    ks = jax.random.split(jax.random.PRNGKey(width), 6)
-    dt = jnp.dtype(dtype)
-    x = jax.random.normal(ks[0], (batch, seq, channels)).astype(dt)
-    w = (jax.random.normal(ks[1], (width, channels)) / width**0.5).astype(dt)
-    b = jax.random.normal(ks[2], (channels,)).astype(dt)
-    s0 = jax.random.normal(ks[3], (batch, width - 1, channels)).astype(dt)
-    seg = (
-        jnp.cumsum(jax.random.bernoulli(ks[4], 0.05, (batch, seq)), axis=1).astype(jnp.int32)
-        if segments
-        else None
-    )
-    cot = jax.random.normal(ks[5], (batch, seq, channels))
-    args = (x, w, b, seg, s0, cot, activation)
-
-    def up(a):
-        return None if a is None else (a.astype(jnp.float32) if jnp.issubdtype(a.dtype, jnp.floating) else a)  # noqa: E731
-
-    oracle = _run("reference", *(up(a) for a in args[:6]), activation)
-    same = _run("reference", *args)
-    got = _run(impl, *args, block_sizes=blocks)
-    assert_oracle_rule(got[0], same[0], oracle[0], dtype, f"{impl} y")
-    assert_oracle_rule(got[1], same[1], oracle[1], dtype, f"{impl} grads")
+@pytest.mark.parametrize("segments", ["none", "random"])
+@pytest.mark.parametrize("channels,activation,blocks,may_refuse", GPU_CASES)
+@pytest.mark.parametrize("impl", implementations("short_conv", "gpu"))
+def test_gpu_against_oracle(impl, channels, activation, blocks, may_refuse, dtype, width, segments):
+    arrays = make(width, *GPU_BATCH_SEQ, channels, width, dtype, segments=segments)
+    try:
+        decision = axkern.explain(conv, arrays["x"], arrays["w"], activation=activation, implementation=impl)
+    except axkern.Unsupported as refusal:
+        assert may_refuse, f"{impl} refuses {channels} channels: {refusal}"
+        assert f"channels ({channels}) must be a multiple of" in str(refusal)
+        return
+    assert decision.implementation == impl and not decision.interpret
+    what = f"short_conv C={channels} W={width} {segments}"
+    check_rule(run, impl, arrays, dtype, what, activation=activation, block_sizes=blocks)
 
 
 def test_gpu_order():

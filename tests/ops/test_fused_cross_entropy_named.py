@@ -14,7 +14,7 @@ from jax.sharding import Mesh
 
 import axkern
 from axkern.positional import fused_cross_entropy
-from tests.helpers import ce_inputs
+from tests.cases.fused_cross_entropy import make
 
 
 def ce_positional(*args, **kwargs):
@@ -31,7 +31,8 @@ Batch, Pos, Embed, Vocab = (
 
 
 def inputs(seed=0, dtype=jnp.float32):
-    x, w, labels = ce_inputs(jax.random.PRNGKey(seed), Batch.size * Pos.size, Embed.size, Vocab.size, dtype)
+    arrays, _ = make(seed, Batch.size * Pos.size, Embed.size, Vocab.size, dtype)
+    x, w, labels = arrays["x"], arrays["w"], arrays["labels"]
     return (
         hax.named(x.reshape(Batch.size, Pos.size, Embed.size), (Batch, Pos, Embed)),
         hax.named(w, (Embed, Vocab)),

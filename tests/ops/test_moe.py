@@ -10,22 +10,17 @@ import pytest
 
 import axkern
 from axkern.positional import moe_combine, moe_dispatch, moe_layout
-from tests.helpers import assert_oracle_rule, to64, x64
+from tests.cases.moe import KINDS, make, run
+from tests.harness import check_rules, implementations
 
-IMPLS = ["xla", "reference"]
+COMPILED = implementations("moe_dispatch", "cpu")
+IMPLS = [*COMPILED, "reference"]  # the reference against NumPy too
 
 
 def routing_case(seed, tokens, topk, experts, dtype="float32", *, kind="random"):
-    kx, ki, kw = jax.random.split(jax.random.PRNGKey(seed), 3)
-    if kind == "duplicates":  # a token may send several slots to one expert
-        idx = jax.random.randint(ki, (tokens, topk), 0, max(1, experts // 4))
-    elif kind == "sparse":  # most experts get no token
-        idx = jax.random.randint(ki, (tokens, topk), 0, 2) * (experts - 1)
-    else:
-        idx = jax.random.randint(ki, (tokens, topk), 0, experts)
-    x = jax.random.normal(kx, (tokens, 6), jnp.float32).astype(dtype)
-    w = jax.random.uniform(kw, (tokens, topk), jnp.float32).astype(dtype)
-    return x, idx.astype(jnp.int32), w
+    """`(x, idx, w)` of a case."""
+    arrays = make(seed, tokens, topk, experts, dtype, kind=kind)
+    return arrays["x"], arrays["idx"], arrays["w"]
 
 
 def numpy_dispatch(x, idx, experts):
@@ -73,23 +68,11 @@ def test_layout_per_rank(impl, ranks):
     np.testing.assert_array_equal(lay.tokens_per_rank, in_rank.sum(0))
 
 
-def _layer(impl, x, idx, w, experts):
-    def f(x, w):
-        ex, _, routing = moe_dispatch(x, idx, num_experts=experts, implementation=impl)
-        return jnp.sum(moe_combine(jnp.sin(ex), w, routing, implementation=impl) ** 2)
-
-    return jax.value_and_grad(f, argnums=(0, 1))(x, w)
-
-
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("kind", ["random", "duplicates", "sparse"])
-def test_xla_gradients_against_oracle(dtype, kind):
-    x, idx, w = routing_case(3, 33, 3, 6, dtype, kind=kind)
-    with x64():
-        oracle = jax.tree.map(np.asarray, _layer("reference", *to64((x,)), idx, to64(w), 6))
-    same = _layer("reference", x, idx, w, 6)
-    got = _layer("xla", x, idx, w, 6)
-    assert_oracle_rule(got, same, oracle, dtype, f"moe xla {dtype} {kind}")
+@pytest.mark.parametrize("kind", KINDS)
+def test_against_oracle(dtype, kind):
+    arrays = make(3, 33, 3, 6, dtype, kind=kind)
+    check_rules(run, COMPILED, arrays, dtype, f"moe {kind}", experts=6)
 
 
 def test_traced_out_of_range_ids_are_dropped_and_counted():
@@ -123,24 +106,18 @@ def test_bad_input():
 
 
 def test_moe_layer_with_ragged_dot_matches_dense():
-    tokens, hidden, out, experts, topk = 24, 8, 5, 4, 2
-    x, idx, w = routing_case(6, tokens, topk, experts)
-    x = jax.random.normal(jax.random.PRNGKey(7), (tokens, hidden))
-    weights = jax.random.normal(jax.random.PRNGKey(8), (experts, hidden, out))
+    # the case runner's layer with the experts' products by `ragged_dot` (as tests/gpu runs it)
+    arrays = make(6, 24, 2, 4, hidden=8, out=5)
+    x, idx, w, weights = (arrays[k] for k in ("x", "idx", "w", "weights"))
+    (_, _, y), grads = run(COMPILED[0], arrays, experts=4)
 
-    @jax.jit
-    def layer(x, weights, w):
-        ex, gs, routing = moe_dispatch(x, idx, num_experts=experts)
-        return moe_combine(jax.lax.ragged_dot(ex, weights, gs), w, routing)
-
-    def dense(x, weights, w):
+    def dense(x, w, weights):
         per = jnp.einsum("td,tkdo->tko", x, weights[idx])
         return jnp.einsum("tk,tko->to", w, per)
 
-    np.testing.assert_allclose(layer(x, weights, w), dense(x, weights, w), rtol=1e-5, atol=1e-5)
-    g = jax.grad(lambda *a: jnp.sum(layer(*a) ** 2), argnums=(0, 1, 2))(x, weights, w)
-    g_ref = jax.grad(lambda *a: jnp.sum(dense(*a) ** 2), argnums=(0, 1, 2))(x, weights, w)
-    for a, b in zip(g, g_ref, strict=True):
+    np.testing.assert_allclose(y, dense(x, w, weights), rtol=1e-5, atol=1e-5)
+    want = jax.grad(lambda *a: jnp.sum(dense(*a) ** 2), argnums=(0, 1, 2))(x, w, weights)
+    for a, b in zip(grads, want, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
 
 
@@ -174,7 +151,7 @@ def _named_moe_case():
     xn = hax.named(x[:, :5].reshape(4, 6, 5), (Batch, Pos, Embed))
     idxn = hax.named(idx.reshape(4, 6, 2), (Batch, Pos, TopK)).rearrange((TopK, Pos, Batch))
     wn = hax.named(w.reshape(4, 6, 2), (Batch, Pos, TopK))
-    weights = jax.random.normal(jax.random.PRNGKey(3), (4, 5, 3))
+    weights = jnp.asarray(np.random.default_rng(3).standard_normal((4, 5, 3), np.float32))
     return xn, idxn, wn, weights
 
 
@@ -193,7 +170,9 @@ def _named_layer(xn, idxn, wn, weights):
 
 def test_named_takes_any_token_axes():
     xn, idxn, wn, weights = _named_moe_case()
-    (_, y), grads = jax.value_and_grad(_named_layer, argnums=(0, 2, 3), has_aux=True)(xn, idxn, wn, weights)
+    (_, y), grads = jax.jit(jax.value_and_grad(_named_layer, argnums=(0, 2, 3), has_aux=True))(
+        xn, idxn, wn, weights
+    )
     assert [a.name for a in y.axes] == ["batch", "position", "out"]
     x = xn.array.reshape(24, 5)
     idx = idxn.rearrange(("batch", "position", "topk")).array.reshape(24, 2)
@@ -212,7 +191,7 @@ def test_named_token_parallel_equals_unsharded(mapping):
 
     xn, idxn, wn, weights = _named_moe_case()
     f = jax.value_and_grad(_named_layer, argnums=(0, 2, 3), has_aux=True)
-    want = f(xn, idxn, wn, weights)
+    want = jax.jit(f)(xn, idxn, wn, weights)
     want_layout = axkern.moe_layout(idxn, num_experts=4, num_ranks=2)
     mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("data", "model"))
     with hax.partitioning.set_mesh(mesh), hax.axis_mapping(mapping):

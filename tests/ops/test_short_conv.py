@@ -10,118 +10,63 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import axkern
-from axkern.core import backend
 from axkern.ops.short_conv import OP
 from axkern.positional import short_conv as conv
 from axkern.positional import short_conv_step as step
-from tests.helpers import assert_oracle_rule, to64, x64
+from tests.cases.short_conv import SEGMENTS, make, run
+from tests.harness import check_rules, implementations
+from tests.helpers import to64, x64
 
-# every implementation that runs here: compiled on its platform, or a Pallas kernel in interpret mode
-IMPLS = [
-    name
-    for name, impl in OP.implementations.items()
-    if name != "reference" and (impl.interpretable or backend.platform() in impl.platforms)
-]
+# every implementation that runs here: compiled on the CPU, or a Pallas kernel in interpret mode
+IMPLS = implementations("short_conv", "cpu", interpret=True)
 DTYPES = ["float32", "bfloat16"]
 
 
-def random_segments(key, batch, seq, kind):
-    """Segment-id runs: none, random boundaries, length-1 segments, or a boundary at every position."""
-    if kind == "none":
-        return None
-    if kind == "every":
-        return jnp.broadcast_to(jnp.arange(seq), (batch, seq)).astype(jnp.int32)
-    p = 0.5 if kind == "short" else 0.15
-    starts = jax.random.bernoulli(key, p, (batch, seq)).at[:, 0].set(False)
-    return jnp.cumsum(starts, axis=1).astype(jnp.int32)
+def check(impls, seed, batch, seq, channels, width, dtype, activation=None, block_sizes=None, **kw):
+    arrays = make(seed, batch, seq, channels, width, dtype, **kw)
+    what = f"short_conv W={width} {activation} {kw}"
+    got = check_rules(run, impls, arrays, dtype, what, activation=activation, block_sizes=block_sizes)
+    for y, _ in got.values():
+        assert y.dtype == jnp.dtype(dtype)
 
 
-def make(seed, batch, seq, channels, width, dtype, *, segments="random", state=True, bias=True):
-    ks = jax.random.split(jax.random.PRNGKey(seed), 6)
-    dt = jnp.dtype(dtype)
-    x = jax.random.normal(ks[0], (batch, seq, channels), jnp.float32).astype(dt)
-    w = (jax.random.normal(ks[1], (width, channels), jnp.float32) / np.sqrt(width)).astype(dt)
-    b = jax.random.normal(ks[2], (channels,), jnp.float32).astype(dt) if bias else None
-    s0 = jax.random.normal(ks[3], (batch, width - 1, channels), jnp.float32).astype(dt) if state else None
-    seg = random_segments(ks[4], batch, seq, segments)
-    cot = jax.random.normal(ks[5], (batch, seq, channels), jnp.float32)
-    return x, w, b, seg, s0, cot
+def unpack(arrays):
+    """`(x, w, b, seg, s0)` of a case, None where absent."""
+    return tuple(arrays.get(k) for k in ("x", "w", "b", "seg", "s0"))
 
 
-def run(impl, x, w, b, seg, s0, cot, activation, block_sizes=None):
-    def f(x, w, b, s0):
-        y = conv(
-            x,
-            w,
-            bias=b,
-            segment_ids=seg,
-            initial_state=s0,
-            activation=activation,
-            implementation=impl,
-            block_sizes=block_sizes,
-        )
-        return jnp.sum(y.astype(jnp.float32) * cot), y
+TILES = axkern.ConvBlockSizes(block_seq=8, block_channels=8)
 
-    argnums = tuple(i for i, a in enumerate((x, w, b, s0)) if a is not None)
-    (_, y), grads = jax.value_and_grad(f, argnums=argnums, has_aux=True)(x, w, b, s0)
-    return y, grads
-
-
-def oracle(x, w, b, seg, s0, cot, activation):
-    with x64():
-        y, g = run(
-            "reference",
-            *to64((x, w)),
-            *(None if a is None else to64(a) for a in (b,)),
-            seg,
-            None if s0 is None else to64(s0),
-            jnp.asarray(to64(cot)),
-            activation,
-        )
-        return jax.tree.map(np.asarray, (y, g))
+# Each case runs every implementation (the Pallas kernels in interpret mode, which compile
+# slowly on a CPU: a case costs one compilation per implementation). Between them the cases
+# take both dtypes, both activations, segments on and off, the width without a halo (1), the
+# shortest halo (2), the longest (8: 7 rows across 8-row tiles) and widths between, state and
+# bias given or left out (zeros in the kernels), explicit 8 x 8 tiles or the heuristic's. No
+# size is a multiple of a tile: ragged last tiles on both axes. "mixed" segments: each kind
+# of segment ids in its own batch row.
+CASES = {
+    # id: (batch, seq, channels, width, dtype, activation, segments, state and bias, tiles)
+    "w1-f32-silu-segments": (4, 21, 11, 1, "float32", "silu", "mixed", True, TILES),
+    "w2-bf16-plain-heuristic-no-state": (2, 37, 19, 2, "bfloat16", None, "none", False, None),
+    "w8-bf16-silu-segments": (4, 21, 11, 8, "bfloat16", "silu", "mixed", True, TILES),
+    "w7-f32-silu-heuristic-no-state": (2, 21, 11, 7, "float32", "silu", "none", False, None),
+    # 300 positions in 128-row tiles: pallas_gpu's backward walks 2 tiles per program, so two
+    # programs, the second ragged and its second tile wholly past the sequence
+    "w4-f32-silu-long": (1, 300, 10, 4, "float32", "silu", "random", True, axkern.ConvBlockSizes(128, 8)),
+    # a sequence shorter than the halo: every position reads the initial state
+    "w6-f32-plain-shorter-than-the-halo": (2, 3, 3, 6, "float32", None, "mixed", True, None),
+}
 
 
-def check(impl, seed, batch, seq, channels, width, dtype, activation=None, block_sizes=None, **kw):
-    args = make(seed, batch, seq, channels, width, dtype, **kw)
-    want = oracle(*args, activation)
-    same = run("reference", *args, activation)
-    got = run(impl, *args, activation, block_sizes)
-    assert got[0].dtype == jnp.dtype(dtype)
-    assert_oracle_rule(got[0], same[0], want[0], dtype, f"{impl} {dtype} W={width} y")
-    assert_oracle_rule(got[1], same[1], want[1], dtype, f"{impl} {dtype} W={width} grads")
-
-
-# every width in float32; bfloat16 (whose rounding does not depend on the width) at the
-# smallest, a middle and the largest width: the Pallas kernels run slowly in interpret mode
-WIDTHS = [(w, "float32") for w in range(1, 9)] + [(w, "bfloat16") for w in (1, 4, 8)]
-
-
-@pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("width,dtype", WIDTHS)
-def test_every_width_against_oracle(impl, width, dtype):
-    # S and C not multiples of any block; segments, state, bias and silu all on; several
-    # sequence blocks, so every tap crosses a block edge somewhere.
-    bs = axkern.ConvBlockSizes(block_seq=8, block_channels=8) if impl.startswith("pallas") else None
-    check(impl, width, 2, 37, 19, width, dtype, activation="silu", block_sizes=bs)
-
-
-@pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("segments", ["none", "random", "short", "every"])
-@pytest.mark.parametrize("state", [True, False])
-def test_segments_and_state(impl, segments, state):
-    check(impl, 7, 3, 45, 33, 4, "float32", segments=segments, state=state, bias=not state)
-
-
-@pytest.mark.parametrize("impl", IMPLS)
-def test_long_sequence_several_programs(impl):
-    # 300 positions in 8-row tiles: pallas_gpu's backward walks 32 tiles per program, so two
-    # programs, the second ragged; pallas_tpu gets 38 blocks.
-    bs = axkern.ConvBlockSizes(block_seq=8, block_channels=8) if impl.startswith("pallas") else None
-    check(impl, 11, 1, 300, 10, 4, "float32", activation="silu", block_sizes=bs)
+@pytest.mark.parametrize("case", list(CASES))
+def test_against_oracle(case):
+    batch, seq, channels, width, dtype, activation, segments, extras, tiles = CASES[case]
+    kw = dict(segments=segments, state=extras, bias=extras)
+    check(IMPLS, width, batch, seq, channels, width, dtype, activation, tiles, **kw)
 
 
 @given(
@@ -131,12 +76,16 @@ def test_long_sequence_several_programs(impl):
     width=st.integers(1, 8),
     dtype=st.sampled_from(DTYPES),
     activation=st.sampled_from([None, "silu"]),
-    segments=st.sampled_from(["none", "random", "short", "every"]),
+    segments=st.sampled_from(SEGMENTS),
+    extras=st.booleans(),
+    impl=st.sampled_from(IMPLS),
     seed=st.integers(0, 2**16),
 )
-def test_random_shapes(batch, seq, channels, width, dtype, activation, segments, seed):
-    for impl in IMPLS:
-        check(impl, seed, batch, seq, channels, width, dtype, activation, segments=segments)
+@settings(max_examples=max(1, settings.default.max_examples // 3))
+def test_random_shapes(batch, seq, channels, width, dtype, activation, segments, extras, impl, seed):
+    # one implementation per example (the cases above run all of them), the heuristic's tiles
+    kw = dict(segments=segments, state=extras, bias=extras)
+    check([impl], seed, batch, seq, channels, width, dtype, activation, **kw)
 
 
 def numpy_conv(x, w, b, seg, s0, activation):
@@ -163,7 +112,7 @@ def numpy_conv(x, w, b, seg, s0, activation):
 @pytest.mark.parametrize("segments", ["none", "random", "every"])
 @pytest.mark.parametrize("activation", [None, "silu"])
 def test_reference_against_numpy_loop(segments, activation):
-    x, w, b, seg, s0, _ = make(1, 2, 23, 5, 4, "float32", segments=segments)
+    x, w, b, seg, s0 = unpack(make(1, 2, 23, 5, 4, "float32", segments=segments))
     with x64():
         got = conv(
             *to64((x, w)),
@@ -179,7 +128,7 @@ def test_reference_against_numpy_loop(segments, activation):
 @pytest.mark.parametrize("width", [1, 2, 4, 8])
 @pytest.mark.parametrize("segments", ["none", "random"])
 def test_decode_steps_chained_equal_the_full_convolution(width, segments):
-    x, w, b, seg, s0, _ = make(3, 2, 13, 6, width, "float32", segments=segments)
+    x, w, b, seg, s0 = unpack(make(3, 2, 13, 6, width, "float32", segments=segments))
     if seg is not None:  # decoding continues one document: keep the first segment only
         seg = jnp.zeros_like(seg)
     full, final = conv(
@@ -194,7 +143,7 @@ def test_decode_steps_chained_equal_the_full_convolution(width, segments):
 
 def test_final_state_and_chunked_prefill():
     """Two chunks, the second continuing from the first's final state, equal one pass."""
-    x, w, b, seg, s0, _ = make(4, 2, 30, 8, 4, "float32", segments="random")
+    x, w, b, seg, s0 = unpack(make(4, 2, 30, 8, 4, "float32", segments="random"))
     full, final = conv(x, w, bias=b, segment_ids=seg, initial_state=s0, return_final_state=True)
     y1, mid = conv(x[:, :17], w, bias=b, segment_ids=seg[:, :17], initial_state=s0, return_final_state=True)
     # the state carried into chunk 2 must only be used by chunk 2's first segment if it continues chunk 1's last
@@ -216,7 +165,7 @@ def test_final_state_and_chunked_prefill():
 
 
 def test_bad_input():
-    x, w, b, seg, s0, _ = make(0, 2, 10, 4, 4, "float32")
+    x, w, b, seg, s0 = unpack(make(0, 2, 10, 4, 4, "float32"))
     with pytest.raises(ValueError, match="width must be in 1..8, got 9"):
         conv(x, jnp.zeros((9, 4)))
     with pytest.raises(
@@ -232,7 +181,7 @@ def test_bad_input():
 
 
 def test_jit_vmap_and_explain():
-    x, w, b, seg, s0, _ = make(0, 2, 20, 8, 4, "float32")
+    x, w, b, seg, s0 = unpack(make(0, 2, 20, 8, 4, "float32"))
     f = lambda x: conv(x, w, bias=b, segment_ids=seg, initial_state=s0)  # noqa: E731
     np.testing.assert_allclose(jax.jit(f)(x), f(x), rtol=1e-5, atol=1e-6)
     g = jax.vmap(lambda xi, si, s0i: conv(xi[None], w, segment_ids=si[None], initial_state=s0i[None])[0])(

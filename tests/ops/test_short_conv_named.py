@@ -11,6 +11,7 @@ from jax.sharding import Mesh
 
 import axkern
 from axkern.positional import short_conv as conv_positional
+from tests.cases.short_conv import make
 
 Batch, Pos, Chan, Width = (
     hax.Axis("batch", 2),
@@ -22,13 +23,12 @@ State = hax.Axis("conv_state", 3)
 
 
 def inputs(seed=0):
-    ks = jax.random.split(jax.random.PRNGKey(seed), 5)
-    x = hax.random.normal(ks[0], (Batch, Pos, Chan))
-    w = hax.random.normal(ks[1], (Width, Chan)) * 0.5
-    b = hax.random.normal(ks[2], (Chan,))
-    starts = jax.random.bernoulli(ks[3], 0.2, (Batch.size, Pos.size)).at[:, 0].set(False)
-    seg = hax.named(jnp.cumsum(starts, axis=1).astype(jnp.int32), (Batch, Pos))
-    s0 = hax.random.normal(ks[4], (Batch, State, Chan))
+    a = make(seed, Batch.size, Pos.size, Chan.size, Width.size, "float32")
+    x = hax.named(a["x"], (Batch, Pos, Chan))
+    w = hax.named(a["w"], (Width, Chan))
+    b = hax.named(a["b"], (Chan,))
+    seg = hax.named(a["seg"], (Batch, Pos))
+    s0 = hax.named(a["s0"], (Batch, State, Chan))
     return x, w, b, seg, s0
 
 
