@@ -172,3 +172,42 @@ def test_property_non_finite_pattern_matches_the_reference(impl, sq, sk, kind, w
         "segments": masks.Segments(ids(sq), ids(sk)),
     }[kind]
     _against_reference(impl, a, mask, drawn=True, sinks=where == "sinks")
+
+
+def test_the_cudnn_guard_takes_the_rule_following_path_where_something_is_not_finite():
+    """`cudnn` runs cuDNN's kernel behind a guard (`_where_finite`): where `q`, `k`, `v` or the
+    cotangent holds a non-finite value, `xla`'s forward and backward serve instead. Checked
+    here with a stand-in for cuDNN that hides non-finite values and computes something else
+    (`q` doubled), so each path's outputs and gradients are told apart."""
+    from axkern.ops.attention.api import _where_finite
+
+    mask = masks.Causal()
+    ref = functools.partial(attention, mask=mask, implementation="reference")
+
+    def hiding(q, k, v):  # finite whatever the inputs, and a different function of q
+        return ref(jnp.nan_to_num(2 * q), jnp.nan_to_num(k), jnp.nan_to_num(v))
+
+    guarded = functools.partial(_where_finite, hiding, ref)
+
+    def value_and_grads(f, a, cot):
+        out, vjp = jax.vjp(f, a["q"], a["k"], a["v"])
+        return out, vjp(cot)
+
+    a = _inputs(6)
+    cot = jnp.cos(jnp.arange(24 * 2 * 16, dtype=jnp.float32).reshape(1, 24, 2, 16))
+    for f in (guarded, jax.jit(guarded)):
+        got, want = value_and_grads(f, a, cot), value_and_grads(hiding, a, cot)
+        np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), rtol=1e-5, atol=1e-6)
+        for g, w in zip(got[1], want[1], strict=True):
+            np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)
+    bad = dict(a, k=poke(a["k"], (0, 9, 0, 2), np.nan))
+    got, want = value_and_grads(jax.jit(guarded), bad, cot), value_and_grads(ref, bad, cot)
+    assert_nonfinite_rule(got[0], want[0], "guard out", rtol=1e-5)
+    assert_nonfinite_rule(got[1], want[1], "guard grads", rtol=1e-5)
+    assert np.isnan(np.asarray(got[0])[0, 9:]).any() and np.isfinite(np.asarray(got[0])[0, :9]).all()
+    bad_cot = poke(cot, (0, 3, 1, 0), np.nan)
+    got, want = value_and_grads(jax.jit(guarded), a, bad_cot), value_and_grads(ref, a, bad_cot)
+    np.testing.assert_allclose(
+        np.asarray(got[0]), np.asarray(value_and_grads(hiding, a, cot)[0]), rtol=1e-5, atol=1e-6
+    )
+    assert_nonfinite_rule(got[1], want[1], "guard grads, NaN cotangent", rtol=1e-5)

@@ -11,6 +11,7 @@ denominator (a learnable "attend to nothing"). A query that sees no key gets zer
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Literal
 
@@ -18,9 +19,11 @@ import haliax as hax
 import jax
 import jax.numpy as jnp
 from haliax import NamedArray
+from jax import lax
 
 from axkern import masks as masks_
 from axkern.core import named
+from axkern.core.blocks import next_power_of_2
 from axkern.core.op import Implementation, Op
 from axkern.core.typing import Array, Float, checked
 
@@ -39,6 +42,63 @@ from .blocks import (
 __all__ = ["attention", "attention_positional", "OP", "AttentionBlockSizes"]
 
 NAME = "attention"
+
+
+def _cudnn_where_finite(q, k, v, sinks, mask, *, scale, logits_soft_cap):
+    """cuDNN's kernel where `q`, `k`, `v` (and, for the gradients, the cotangent) are all finite;
+    `xla`'s where one is not, chosen on the device (`lax.cond`).
+
+    cuDNN does not follow the non-finite rule (docs/guide.md): a NaN or infinity in `q` or `k`
+    can leave its query's output finite, and a NaN in `v` reaches, through the gradients,
+    queries that cannot see its key. The check reads the inputs once (and the cotangent once
+    in the backward); only cuDNN's residuals are kept, and xla's forward and backward run only
+    where something is not finite."""
+    cudnn_fn = functools.partial(
+        cudnn.attention, sinks=sinks, mask=mask, scale=scale, logits_soft_cap=logits_soft_cap
+    )
+    tiles = AttentionBlockSizes(
+        block_q=min(_FALLBACK_TILE, next_power_of_2(q.shape[1])),
+        block_kv=min(_FALLBACK_TILE, next_power_of_2(k.shape[1])),
+    )
+    xla_fn = functools.partial(
+        xla.attention, sinks=sinks, mask=mask, scale=scale, logits_soft_cap=logits_soft_cap, block_sizes=tiles
+    )
+    return _where_finite(cudnn_fn, xla_fn, q, k, v)
+
+
+# the fallback's tiles: at most [batch, heads, 512, 512] float32 scores at a time
+_FALLBACK_TILE = 512
+
+
+def _all_finite(*arrays) -> jax.Array:
+    return functools.reduce(jnp.logical_and, [jnp.isfinite(a).all() for a in arrays])
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _where_finite(fast, safe, q, k, v):
+    return lax.cond(_all_finite(q, k, v), fast, safe, q, k, v)
+
+
+def _where_finite_fwd(fast, safe, q, k, v):
+    ok = _all_finite(q, k, v)
+    # cuDNN's forward always runs (its residuals are the only ones kept); xla's only where an
+    # input is not finite
+    fast_out, fast_vjp = jax.vjp(fast, q, k, v)
+    out = lax.cond(ok, lambda: fast_out, lambda: safe(q, k, v))
+    return out, (fast_vjp, ok, q, k, v)
+
+
+def _where_finite_bwd(fast, safe, res, d_out):
+    fast_vjp, ok, q, k, v = res
+
+    def recompute(d_out):  # a non-finite input or cotangent: the rule-following backward
+        return jax.vjp(safe, q, k, v)[1](d_out)
+
+    return lax.cond(ok & jnp.isfinite(d_out).all(), fast_vjp, recompute, d_out)
+
+
+_where_finite.defvjp(_where_finite_fwd, _where_finite_bwd)
+
 
 OP = Op(
     NAME,
@@ -74,10 +134,13 @@ OP = Op(
         ),
         Implementation(
             "cudnn",
-            cudnn.attention,
+            _cudnn_where_finite,
             platforms=("gpu",),
             supports=cudnn.supports,
-            backward="cuDNN's (jax.nn.dot_product_attention's custom_vjp)",
+            backward=(
+                "cuDNN's (jax.nn.dot_product_attention's custom_vjp) where q, k, v and the cotangent "
+                "are finite, else xla's"
+            ),
         ),
         Implementation("reference", reference.attention, backward="autodiff through materialised scores"),
     ],

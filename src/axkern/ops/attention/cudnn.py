@@ -5,7 +5,9 @@ Offered only where that call can serve (`supports`): a CUDA GPU, bf16 or f16, a 
 or full mask, no soft cap, no sinks, head dims equal and a multiple of 8 up to 256 (cuDNN's
 limits as JAX checks them). Masks holding arrays (`Segments`, `PrefixLM`) are not
 expressible through JAX's public API (it has no segment ids), hence refused. Forward and
-backward are cuDNN's (JAX's own `custom_vjp`).
+backward are cuDNN's (JAX's own `custom_vjp`); the registered implementation wraps this in a
+guard (`api._cudnn_where_finite`) that serves inputs holding NaN or infinity with `xla`, since
+cuDNN's kernel does not follow the non-finite rule.
 """
 
 from __future__ import annotations
