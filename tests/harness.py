@@ -3,7 +3,8 @@
 `check_rule(run, impl, arrays, dtype, what, **kw)` takes an op's case runner,
 `run(name, arrays, **kw) -> (outputs, gradients)`, and evaluates it three times: the oracle
 (`reference` on float64 copies of the inputs, on the CPU), the reference in the inputs' own
-dtype (float32 products at full precision), and `impl`. Outputs and gradients must satisfy
+dtype at the platform's default matmul precision (the one the implementations get: full
+float32 on a CPU, TF32 for float32 products on a GPU), and `impl`. Outputs and gradients must satisfy
 `|impl - oracle| <= 2 * |reference - oracle| + atol` leaf by leaf; NaN never passes.
 `check_rules` does the same for several implementations on one case.
 
@@ -76,8 +77,7 @@ def check_rules(
     """Apply the rule to each of `impls` on one case (the oracle and the same-dtype reference
     evaluated once for all); returns what each computed, by name."""
     want = oracle(run, arrays, dtype=oracle_dtype, **kw)
-    with jax.default_matmul_precision("highest"):
-        same = run("reference", arrays, **kw)
+    same = run("reference", arrays, **kw)
     got = {}
     for impl in impls:
         with axkern.use(interpret=True) if interpret else contextlib.nullcontext():

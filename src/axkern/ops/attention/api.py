@@ -23,7 +23,6 @@ from jax import lax
 
 from axkern import masks as masks_
 from axkern.core import named
-from axkern.core.blocks import next_power_of_2
 from axkern.core.op import Implementation, Op
 from axkern.core.typing import Array, Float, checked
 
@@ -46,32 +45,32 @@ NAME = "attention"
 
 def _cudnn_where_finite(q, k, v, sinks, mask, *, scale, logits_soft_cap):
     """cuDNN's kernel where `q`, `k`, `v` (and, for the gradients, the cotangent) are all finite;
-    `xla`'s where one is not, chosen on the device (`lax.cond`).
+    where one is not, `pallas_gpu` (else `xla`) serves the call, chosen on the device
+    (`lax.cond`).
 
     cuDNN does not follow the non-finite rule (docs/guide.md): a NaN or infinity in `q` or `k`
     can leave its query's output finite, and a NaN in `v` reaches, through the gradients,
-    queries that cannot see its key. The check reads the inputs once (and the cotangent once
-    in the backward); only cuDNN's residuals are kept, and xla's forward and backward run only
-    where something is not finite."""
+    queries that cannot see its key. The check reads the inputs once more (and the cotangent
+    in the backward); only cuDNN's residuals are kept, and the other implementation's forward
+    and backward run only where something is not finite."""
     cudnn_fn = functools.partial(
         cudnn.attention, sinks=sinks, mask=mask, scale=scale, logits_soft_cap=logits_soft_cap
     )
-    tiles = AttentionBlockSizes(
-        block_q=min(_FALLBACK_TILE, next_power_of_2(q.shape[1])),
-        block_kv=min(_FALLBACK_TILE, next_power_of_2(k.shape[1])),
+    safe_fn = functools.partial(
+        attention_positional,
+        mask=mask,
+        scale=scale,
+        logits_soft_cap=logits_soft_cap,
+        sinks=sinks,
+        implementation=("pallas_gpu", "xla"),
     )
-    xla_fn = functools.partial(
-        xla.attention, sinks=sinks, mask=mask, scale=scale, logits_soft_cap=logits_soft_cap, block_sizes=tiles
-    )
-    return _where_finite(cudnn_fn, xla_fn, q, k, v)
-
-
-# the fallback's tiles: at most [batch, heads, 512, 512] float32 scores at a time
-_FALLBACK_TILE = 512
+    return _where_finite(cudnn_fn, safe_fn, q, k, v)
 
 
 def _all_finite(*arrays) -> jax.Array:
-    return functools.reduce(jnp.logical_and, [jnp.isfinite(a).all() for a in arrays])
+    # one float32 sum per array (x · 0 is NaN exactly where x is not finite), fused into the read
+    total = sum(jnp.sum(a * jnp.zeros((), a.dtype), dtype=jnp.float32) for a in arrays)
+    return jnp.isfinite(total)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
@@ -139,7 +138,7 @@ OP = Op(
             supports=cudnn.supports,
             backward=(
                 "cuDNN's (jax.nn.dot_product_attention's custom_vjp) where q, k, v and the cotangent "
-                "are finite, else xla's"
+                "are finite, else pallas_gpu's (or xla's)"
             ),
         ),
         Implementation("reference", reference.attention, backward="autodiff through materialised scores"),

@@ -6,8 +6,8 @@ or full mask, no soft cap, no sinks, head dims equal and a multiple of 8 up to 2
 limits as JAX checks them). Masks holding arrays (`Segments`, `PrefixLM`) are not
 expressible through JAX's public API (it has no segment ids), hence refused. Forward and
 backward are cuDNN's (JAX's own `custom_vjp`); the registered implementation wraps this in a
-guard (`api._cudnn_where_finite`) that serves inputs holding NaN or infinity with `xla`, since
-cuDNN's kernel does not follow the non-finite rule.
+guard (`api._cudnn_where_finite`) that serves inputs holding NaN or infinity with
+`pallas_gpu` (else `xla`), since cuDNN's kernel does not follow the non-finite rule.
 """
 
 from __future__ import annotations
