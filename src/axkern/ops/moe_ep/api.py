@@ -32,7 +32,7 @@ from jax import lax
 from axkern.core.op import Implementation, Op
 from axkern.core.typing import Array, Float, Shaped, checked
 
-from . import reference, xla
+from . import reference, xla, xla_ragged
 
 __all__ = [
     "EpLayout",
@@ -43,17 +43,25 @@ __all__ = [
     "COMBINE",
 ]
 
-EpImplementation = Literal["xla", "reference"]
+EpImplementation = Literal["xla", "xla_ragged", "reference"]
+# xla_ragged is explicit only: slower than xla's dense all_to_all where measured (its docstring)
 _ORDER = {"cpu": ("xla",), "gpu": ("xla",), "tpu": ("xla",)}
 _BUCKET = lambda spec: dict(spec.dims)  # noqa: E731 - no tuned tables
 
 
-def _op(name: str, xla_fn, reference_fn, exchange: str) -> Op:
+def _op(name: str, xla_fn, ragged_fn, reference_fn, exchange: str) -> Op:
     return Op(
         name,
         [
             Implementation(
                 "xla", xla_fn, backward=f"JAX's: the transposed all_to_all (a {exchange} exchange)"
+            ),
+            Implementation(
+                "xla_ragged",
+                ragged_fn,
+                platforms=("gpu", "tpu"),
+                why_platforms=xla_ragged.WHY_PLATFORMS,
+                backward=f"JAX's: the transposed ragged_all_to_all (a {exchange} exchange)",
             ),
             Implementation("reference", reference_fn, backward="JAX's, through the all-gathers"),
         ],
@@ -63,8 +71,8 @@ def _op(name: str, xla_fn, reference_fn, exchange: str) -> Op:
     )
 
 
-DISPATCH = _op("moe_ep_dispatch", xla.dispatch, reference.dispatch, "combine-like")
-COMBINE = _op("moe_ep_combine", xla.combine, reference.combine, "dispatch-like")
+DISPATCH = _op("moe_ep_dispatch", xla.dispatch, xla_ragged.dispatch, reference.dispatch, "combine-like")
+COMBINE = _op("moe_ep_combine", xla.combine, xla_ragged.combine, reference.combine, "dispatch-like")
 
 
 class EpLayout(eqx.Module):
