@@ -26,9 +26,12 @@ import math
 from typing import Literal, NamedTuple
 
 import equinox as eqx
+import haliax as hax
 import jax.numpy as jnp
+from haliax import NamedArray
 from jax import lax
 
+from axkern.core import named
 from axkern.core.op import Implementation, Op
 from axkern.core.typing import Array, Float, Shaped, checked
 
@@ -77,24 +80,32 @@ COMBINE = _op("moe_ep_combine", xla.combine, xla_ragged.combine, reference.combi
 
 class EpLayout(eqx.Module):
     """What `moe_ep_combine` needs to bring a dispatch back: for each pair its destination rank,
-    slot and whether it was sent; the received rows' order; the counts of dropped pairs."""
+    slot and whether it was sent; the received rows' order; the counts of dropped pairs.
 
-    dst: Array
-    slot: Array
-    sent: Array
-    order: Array
+    From the named `moe_ep_dispatch`, `dst`, `slot` and `sent` are `NamedArray`s over the token
+    axes and `TopK`, `order` over the dispatched rows, `dropped` is the total over every device,
+    and `experts_axis` / `batch_mesh` record the axis mapping it ran under.
+    """
+
+    dst: Array | NamedArray
+    slot: Array | NamedArray
+    sent: Array | NamedArray
+    order: Array | NamedArray
     dropped: Array
     axis_name: str = eqx.field(static=True)
     ranks: int = eqx.field(static=True)
     capacity: int = eqx.field(static=True)
+    experts_axis: hax.Axis | None = eqx.field(static=True, default=None)
+    batch_mesh: tuple[str, ...] = eqx.field(static=True, default=())
 
 
 class EpDispatch(NamedTuple):
     """`moe_ep_dispatch`'s results: this device's received rows grouped by local expert, the rows
-    per local expert (for `jax.lax.ragged_dot`), and the layout `moe_ep_combine` takes."""
+    per local expert (for `jax.lax.ragged_dot`), and the layout `moe_ep_combine` takes (named:
+    every device's rows over `Dispatched`, the counts over `("dispatch_blocks", Experts)`)."""
 
-    expert_x: Array
-    group_sizes: Array
+    expert_x: Array | NamedArray
+    group_sizes: Array | NamedArray
     layout: EpLayout
 
 
@@ -202,6 +213,8 @@ def moe_ep_combine_positional(
 
     ```
     """
+    if layout.experts_axis is not None:
+        raise ValueError("moe_ep_combine: this layout came from the named moe_ep_dispatch; use axkern.moe_ep_combine")
     rows = layout.ranks * layout.capacity
     if expert_y.shape[0] != rows or topk_weights.shape != layout.sent.shape:
         raise ValueError(
@@ -233,3 +246,33 @@ def moe_ep_combine_positional(
         ranks=layout.ranks,
         capacity=layout.capacity,
     )
+
+
+# -- the named layer's role tables and sharding rule (its functions: named.py) -----------------
+
+# Token axes are the batch axes of each table: every axis of `topk_idx` (or the layout's) but TopK.
+DISPATCH_ROLES = named.Roles(
+    "moe_ep_dispatch",
+    {
+        "topk_idx": named.Arg(("batch", "TopK"), describe="token axes + TopK"),
+        "x": named.Arg(("batch", "Embed"), describe="topk_idx's token axes + Embed"),
+    },
+)
+COMBINE_ROLES = named.Roles(
+    "moe_ep_combine",
+    {
+        "dst": named.Arg(("batch", "TopK"), name="layout.dst"),
+        "slot": named.Arg(("batch", "TopK"), name="layout.slot"),
+        "sent": named.Arg(("batch", "TopK"), name="layout.sent"),
+        "topk_weights": named.Arg(("batch", "TopK"), describe="the layout's token axes + TopK"),
+        "order": named.Arg(("Dispatched",), name="layout.order"),
+        "expert_y": named.Arg(("Dispatched", "Out"), describe="Dispatched + one output axis"),
+    },
+)
+SHARDING = named.Sharding(
+    parallel=("Experts",),
+    with_batch=("Dispatched", "Blocks"),
+    describe="expert parallel: the token axes split over the experts' mesh axis (and any others); "
+    "rows exchanged by all_to_all over the experts' mesh axis; dispatched rows one block per token "
+    "shard, counts over (blocks of the other token mesh axes, Experts)",
+)
