@@ -30,6 +30,7 @@ import haliax as hax
 import jax.numpy as jnp
 from haliax import NamedArray
 from jax import lax
+from jax.sharding import PartitionSpec
 
 from axkern.core import named
 from axkern.core.op import Implementation, Op
@@ -97,6 +98,19 @@ class EpLayout(eqx.Module):
     capacity: int = eqx.field(static=True)
     experts_axis: hax.Axis | None = eqx.field(static=True, default=None)
     batch_mesh: tuple[str, ...] = eqx.field(static=True, default=())
+
+    def expert_specs(self) -> tuple[PartitionSpec, PartitionSpec, PartitionSpec]:
+        """A named layout's `PartitionSpec`s for running the experts per device under `shard_map`:
+        of `expert_x` (and `expert_y`: one block per token shard, over the token axes' mesh axes
+        in their order), of `group_sizes`, and of a weight whose first axis is `Experts`."""
+        if self.experts_axis is None:
+            raise ValueError("EpLayout.expert_specs: a positional layout is already per device")
+        others = tuple(m for m in self.batch_mesh if m != self.axis_name) or None
+        return (
+            PartitionSpec(self.batch_mesh),
+            PartitionSpec(others, self.axis_name),
+            PartitionSpec(self.axis_name),
+        )
 
 
 class EpDispatch(NamedTuple):
@@ -214,7 +228,9 @@ def moe_ep_combine_positional(
     ```
     """
     if layout.experts_axis is not None:
-        raise ValueError("moe_ep_combine: this layout came from the named moe_ep_dispatch; use axkern.moe_ep_combine")
+        raise ValueError(
+            "moe_ep_combine: this layout came from the named moe_ep_dispatch; use axkern.moe_ep_combine"
+        )
     rows = layout.ranks * layout.capacity
     if expert_y.shape[0] != rows or topk_weights.shape != layout.sent.shape:
         raise ValueError(

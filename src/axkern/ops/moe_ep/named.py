@@ -83,9 +83,10 @@ def moe_ep_dispatch(
     `(Dispatched, Embed)`, one block of `R·C` rows per device (grouped by its local experts,
     empty slots last); `group_sizes` over `("dispatch_blocks", Experts)`, the rows per expert
     of each block, split like `Experts` and over the token mesh axes other than the experts'
-    (size 1 when there are none). Run the experts per device under `shard_map`:
-    `jax.lax.ragged_dot(expert_x, w_local, group_sizes[0])`. `layout.dropped` counts the
-    dropped pairs of every device.
+    (size 1 when there are none). Run the experts per device under `shard_map`, with the
+    `PartitionSpec`s of `layout.expert_specs()`:
+    `jax.lax.ragged_dot(expert_x, w_local, group_sizes[0])` (examples/ep_moe.py does).
+    `layout.dropped` counts the dropped pairs of every device.
 
     **Example:**
 
@@ -151,7 +152,16 @@ def moe_ep_dispatch(
     )
     expert_x, group_sizes, order, dst, slot, sent, dropped = bound.run(body, SHARDING, outs)
     layout = EpLayout(
-        dst, slot, sent, order, dropped.array, axis_name, ranks, capacity, bound.axis("Experts"), bound.batch_mesh()
+        dst,
+        slot,
+        sent,
+        order,
+        dropped.array,
+        axis_name,
+        ranks,
+        capacity,
+        bound.axis("Experts"),
+        bound.batch_mesh(),
     )
     return EpDispatch(expert_x, group_sizes, layout)
 
@@ -230,7 +240,14 @@ def moe_ep_combine(
 
     def body(ctx, dst, slot, sent, w, order, ys):
         local = EpLayout(
-            dst, slot, sent, order, jnp.zeros((), jnp.int32), ctx.mesh_axes("Experts"), layout.ranks, layout.capacity
+            dst,
+            slot,
+            sent,
+            order,
+            jnp.zeros((), jnp.int32),
+            ctx.mesh_axes("Experts"),
+            layout.ranks,
+            layout.capacity,
         )
         return moe_ep_combine_positional(ys, w, local, implementation=implementation, block_sizes=block_sizes)
 

@@ -65,11 +65,21 @@ def dispatch(x, topk_idx, *, num_experts, axis_name, ranks, capacity):
     recv_x = ragged_all_to_all(
         send_x, jnp.zeros((ranks * capacity, x.shape[1]), x.dtype), *args, axis_name=axis_name
     )
-    recv_e = ragged_all_to_all(send_e, jnp.full((ranks * capacity,), -1, jnp.int32), *args, axis_name=axis_name)
+    recv_e = ragged_all_to_all(
+        send_e, jnp.full((ranks * capacity,), -1, jnp.int32), *args, axis_name=axis_name
+    )
     order, group_sizes = common.group_by_expert(recv_e, local)
     dropped = jnp.sum(valid & ~sent) + jnp.sum(~valid)
     shape = (tokens, topk)
-    return recv_x[order], group_sizes, order, dst.reshape(shape), slot.reshape(shape), sent.reshape(shape), dropped
+    return (
+        recv_x[order],
+        group_sizes,
+        order,
+        dst.reshape(shape),
+        slot.reshape(shape),
+        sent.reshape(shape),
+        dropped,
+    )
 
 
 def combine(expert_y, topk_weights, order, dst, slot, sent, *, axis_name, ranks, capacity):
