@@ -1,4 +1,5 @@
-"""The expert-parallel example runs on 8 host devices and matches the dense layer."""
+"""The expert-parallel example runs on 8 host devices, positional and named, and matches the dense
+layer; its bench case runs."""
 
 from __future__ import annotations
 
@@ -16,8 +17,12 @@ def test_ep_moe_example_matches_the_dense_layer():
     cmd = [sys.executable, str(REPO / "examples" / "ep_moe.py"), "--tokens", "16", "--capacity-factor", "4"]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
-    assert "8 devices (cpu)" in out.stdout and "dropped pairs: 0" in out.stdout
+    assert "8 devices (cpu)" in out.stdout and "\ndropped pairs: 0" in out.stdout
+    assert "named: dropped pairs: 0" in out.stdout
+    checked = 0
     for line in out.stdout.splitlines():
-        m = re.match(r"max \|(\w+) - dense\|: (\S+)", line)
+        m = re.match(r"max \|([\w ]+) - dense\|: (\S+)", line)
         if m:
             assert float(m.group(2)) < 1e-4, line
+            checked += 1
+    assert checked == 10, out.stdout  # y and four gradients, positional and named

@@ -12,7 +12,16 @@ import jax.numpy as jnp
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "axkern"
 OPS = sorted(p for p in (SRC / "ops").iterdir() if p.is_dir() and (p / "api.py").exists())
-IMPLEMENTATIONS = {"reference", "xla", "pallas_gpu", "pallas_tpu", "mosaic_gpu", "cuda", "cudnn"}
+IMPLEMENTATIONS = {
+    "reference",
+    "xla",
+    "xla_ragged",
+    "pallas_gpu",
+    "pallas_tpu",
+    "mosaic_gpu",
+    "cuda",
+    "cudnn",
+}
 # api: the Ops, positional functions, role tables; named: the named functions over those tables
 SHARED = {"__init__", "api", "named", "blocks", "common", "arg_specs"}
 

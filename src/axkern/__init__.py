@@ -15,7 +15,7 @@ from .ops.attention import AttentionBlockSizes, attention
 from .ops.cross_entropy import cross_entropy
 from .ops.fused_cross_entropy import CrossEntropyBlockSizes, CrossEntropyOutput, fused_cross_entropy
 from .ops.moe import MoeDispatch, MoeLayout, MoeRouting, moe_combine, moe_dispatch, moe_layout
-from .ops.moe_ep import EpDispatch, EpLayout
+from .ops.moe_ep import EpDispatch, EpLayout, moe_ep_combine, moe_ep_dispatch
 from .ops.short_conv import ConvBlockSizes, short_conv, short_conv_step
 from .ops.ssd import SSDBlockSizes, ssd, ssd_step
 
@@ -46,6 +46,8 @@ __all__ = [
     "MoeDispatch",
     "MoeLayout",
     "MoeRouting",
+    "moe_ep_dispatch",
+    "moe_ep_combine",
     "EpDispatch",
     "EpLayout",
     "explain",

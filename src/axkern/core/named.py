@@ -371,15 +371,26 @@ class Bound:
         return tuple(m for a in self.batch for m in _as_tuple(mesh_axes_for(a)))
 
     def _pspec(self, roles: Sequence[str], split: frozenset[str], sharding: Sharding) -> PartitionSpec:
+        """An array's `PartitionSpec`. An axis the op creates from the batch (`with_batch`) is split
+        over the batch's mesh axes that no other axis of the same array is split over (expert
+        parallel counts: blocks over the data axes, experts over the expert axis)."""
         parts: list[Any] = []
+        blocks = object()  # stands for a with_batch axis until the others are known
         for r in roles:
             if r == BATCH:
                 parts.extend(mesh_axes_for(a) for a in self.batch)
             elif r in sharding.with_batch:
-                parts.append(self.batch_mesh() or None)
+                parts.append(blocks)
             else:
                 parts.append(mesh_axes_for(self.axes[r]) if r in split else None)
-        return PartitionSpec(*parts)
+        taken = {m for p in parts if p is not blocks for m in _as_tuple(p)}
+        rest = tuple(m for m in self.batch_mesh() if m not in taken) or None
+        return PartitionSpec(*(rest if p is blocks else p for p in parts))
+
+    def blocks_mesh(self, sharding: Sharding, beside: Sequence[str] = ()) -> tuple[str, ...]:
+        """The mesh axes a `with_batch` axis is split over in an array beside the roles `beside`."""
+        taken = {m for r in beside if r in sharding.parallel for m in _as_tuple(mesh_axes_for(self.axes[r]))}
+        return tuple(m for m in self.batch_mesh() if m not in taken)
 
     def _check_mapping(self, sharding: Sharding, split: frozenset[str]) -> None:
         """Every split axis divisible by its mesh axes, and no two axes on the same mesh axis

@@ -130,6 +130,7 @@ class Implementation:
     space: Callable[[Spec], Sequence[blocks.BlockSizes]] | None = None
     interpretable: bool = False
     backward: str = "autodiff"
+    why_platforms: str = ""  # why it runs on its platforms alone (said when it is refused elsewhere)
 
 
 _OPS: dict[str, Op] = {}
@@ -241,7 +242,8 @@ class Op:
         if impl.interpretable and (interpret or explicit):
             return None
         hint = " (axkern.use(interpret=True) runs it in interpret mode)" if impl.interpretable else ""
-        return f"runs on {'/'.join(impl.platforms)}, not {spec.platform}{hint}"
+        why = f": {impl.why_platforms}" if impl.why_platforms else ""
+        return f"runs on {'/'.join(impl.platforms)}, not {spec.platform}{hint}{why}"
 
     def choose_blocks(
         self,

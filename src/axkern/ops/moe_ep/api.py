@@ -26,13 +26,17 @@ import math
 from typing import Literal, NamedTuple
 
 import equinox as eqx
+import haliax as hax
 import jax.numpy as jnp
+from haliax import NamedArray
 from jax import lax
+from jax.sharding import PartitionSpec
 
+from axkern.core import named
 from axkern.core.op import Implementation, Op
 from axkern.core.typing import Array, Float, Shaped, checked
 
-from . import reference, xla
+from . import reference, xla, xla_ragged
 
 __all__ = [
     "EpLayout",
@@ -43,17 +47,25 @@ __all__ = [
     "COMBINE",
 ]
 
-EpImplementation = Literal["xla", "reference"]
+EpImplementation = Literal["xla", "xla_ragged", "reference"]
+# xla_ragged is explicit only: slower than xla's dense all_to_all where measured (its docstring)
 _ORDER = {"cpu": ("xla",), "gpu": ("xla",), "tpu": ("xla",)}
 _BUCKET = lambda spec: dict(spec.dims)  # noqa: E731 - no tuned tables
 
 
-def _op(name: str, xla_fn, reference_fn, exchange: str) -> Op:
+def _op(name: str, xla_fn, ragged_fn, reference_fn, exchange: str) -> Op:
     return Op(
         name,
         [
             Implementation(
                 "xla", xla_fn, backward=f"JAX's: the transposed all_to_all (a {exchange} exchange)"
+            ),
+            Implementation(
+                "xla_ragged",
+                ragged_fn,
+                platforms=("gpu", "tpu"),
+                why_platforms=xla_ragged.WHY_PLATFORMS,
+                backward=f"JAX's: the transposed ragged_all_to_all (a {exchange} exchange)",
             ),
             Implementation("reference", reference_fn, backward="JAX's, through the all-gathers"),
         ],
@@ -63,30 +75,51 @@ def _op(name: str, xla_fn, reference_fn, exchange: str) -> Op:
     )
 
 
-DISPATCH = _op("moe_ep_dispatch", xla.dispatch, reference.dispatch, "combine-like")
-COMBINE = _op("moe_ep_combine", xla.combine, reference.combine, "dispatch-like")
+DISPATCH = _op("moe_ep_dispatch", xla.dispatch, xla_ragged.dispatch, reference.dispatch, "combine-like")
+COMBINE = _op("moe_ep_combine", xla.combine, xla_ragged.combine, reference.combine, "dispatch-like")
 
 
 class EpLayout(eqx.Module):
     """What `moe_ep_combine` needs to bring a dispatch back: for each pair its destination rank,
-    slot and whether it was sent; the received rows' order; the counts of dropped pairs."""
+    slot and whether it was sent; the received rows' order; the counts of dropped pairs.
 
-    dst: Array
-    slot: Array
-    sent: Array
-    order: Array
+    From the named `moe_ep_dispatch`, `dst`, `slot` and `sent` are `NamedArray`s over the token
+    axes and `TopK`, `order` over the dispatched rows, `dropped` is the total over every device,
+    and `experts_axis` / `batch_mesh` record the axis mapping it ran under.
+    """
+
+    dst: Array | NamedArray
+    slot: Array | NamedArray
+    sent: Array | NamedArray
+    order: Array | NamedArray
     dropped: Array
     axis_name: str = eqx.field(static=True)
     ranks: int = eqx.field(static=True)
     capacity: int = eqx.field(static=True)
+    experts_axis: hax.Axis | None = eqx.field(static=True, default=None)
+    batch_mesh: tuple[str, ...] = eqx.field(static=True, default=())
+
+    def expert_specs(self) -> tuple[PartitionSpec, PartitionSpec, PartitionSpec]:
+        """A named layout's `PartitionSpec`s for running the experts per device under `shard_map`:
+        of `expert_x` (and `expert_y`: one block per token shard, over the token axes' mesh axes
+        in their order), of `group_sizes`, and of a weight whose first axis is `Experts`."""
+        if self.experts_axis is None:
+            raise ValueError("EpLayout.expert_specs: a positional layout is already per device")
+        others = tuple(m for m in self.batch_mesh if m != self.axis_name) or None
+        return (
+            PartitionSpec(self.batch_mesh),
+            PartitionSpec(others, self.axis_name),
+            PartitionSpec(self.axis_name),
+        )
 
 
 class EpDispatch(NamedTuple):
     """`moe_ep_dispatch`'s results: this device's received rows grouped by local expert, the rows
-    per local expert (for `jax.lax.ragged_dot`), and the layout `moe_ep_combine` takes."""
+    per local expert (for `jax.lax.ragged_dot`), and the layout `moe_ep_combine` takes (named:
+    every device's rows over `Dispatched`, the counts over `("dispatch_blocks", Experts)`)."""
 
-    expert_x: Array
-    group_sizes: Array
+    expert_x: Array | NamedArray
+    group_sizes: Array | NamedArray
     layout: EpLayout
 
 
@@ -194,6 +227,10 @@ def moe_ep_combine_positional(
 
     ```
     """
+    if layout.experts_axis is not None:
+        raise ValueError(
+            "moe_ep_combine: this layout came from the named moe_ep_dispatch; use axkern.moe_ep_combine"
+        )
     rows = layout.ranks * layout.capacity
     if expert_y.shape[0] != rows or topk_weights.shape != layout.sent.shape:
         raise ValueError(
@@ -225,3 +262,33 @@ def moe_ep_combine_positional(
         ranks=layout.ranks,
         capacity=layout.capacity,
     )
+
+
+# -- the named layer's role tables and sharding rule (its functions: named.py) -----------------
+
+# Token axes are the batch axes of each table: every axis of `topk_idx` (or the layout's) but TopK.
+DISPATCH_ROLES = named.Roles(
+    "moe_ep_dispatch",
+    {
+        "topk_idx": named.Arg(("batch", "TopK"), describe="token axes + TopK"),
+        "x": named.Arg(("batch", "Embed"), describe="topk_idx's token axes + Embed"),
+    },
+)
+COMBINE_ROLES = named.Roles(
+    "moe_ep_combine",
+    {
+        "dst": named.Arg(("batch", "TopK"), name="layout.dst"),
+        "slot": named.Arg(("batch", "TopK"), name="layout.slot"),
+        "sent": named.Arg(("batch", "TopK"), name="layout.sent"),
+        "topk_weights": named.Arg(("batch", "TopK"), describe="the layout's token axes + TopK"),
+        "order": named.Arg(("Dispatched",), name="layout.order"),
+        "expert_y": named.Arg(("Dispatched", "Out"), describe="Dispatched + one output axis"),
+    },
+)
+SHARDING = named.Sharding(
+    parallel=("Experts",),
+    with_batch=("Dispatched", "Blocks"),
+    describe="expert parallel: the token axes split over the experts' mesh axis (and any others); "
+    "rows exchanged by all_to_all over the experts' mesh axis; dispatched rows one block per token "
+    "shard, counts over (blocks of the other token mesh axes, Experts)",
+)

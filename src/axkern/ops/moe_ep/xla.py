@@ -25,34 +25,22 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
-
-def _slots(topk_idx, num_experts, ranks, capacity):
-    """Per pair (flattened `t·K + k`): destination rank, slot, whether it is sent, the local expert."""
-    e = topk_idx.reshape(-1).astype(jnp.int32)
-    local = num_experts // ranks
-    valid = (e >= 0) & (e < num_experts)
-    dst = jnp.where(valid, e // local, 0)
-    onehot = (dst[:, None] == jnp.arange(ranks, dtype=jnp.int32)[None, :]) & valid[:, None]
-    slot = jnp.take_along_axis(jnp.cumsum(onehot, axis=0, dtype=jnp.int32), dst[:, None], axis=1)[:, 0] - 1
-    sent = valid & (slot < capacity)
-    return dst, slot, sent, jnp.where(valid, e % local, -1), valid
+from . import common
 
 
 def dispatch(x, topk_idx, *, num_experts, axis_name, ranks, capacity):
     """`(expert_x [R·C, D], group_sizes [E/R], order [R·C], dst, slot, sent, dropped)`."""
     tokens, topk = topk_idx.shape
     local = num_experts // ranks
-    dst, slot, sent, expert, valid = _slots(topk_idx, num_experts, ranks, capacity)
+    dst, slot, sent, expert, valid = common.slots(topk_idx, num_experts, ranks, capacity)
     where = jnp.where(sent, dst * capacity + slot, ranks * capacity)  # out of range: not written
     rows = jnp.repeat(x, topk, axis=0)  # pair p reads token p // K
     send_x = jnp.zeros((ranks * capacity, x.shape[1]), x.dtype).at[where].set(rows, mode="drop")
     send_e = jnp.full((ranks * capacity,), -1, jnp.int32).at[where].set(expert, mode="drop")
     recv_x = lax.all_to_all(send_x.reshape(ranks, capacity, -1), axis_name, 0, 0)
     recv_e = lax.all_to_all(send_e.reshape(ranks, capacity), axis_name, 0, 0).reshape(-1)
-    key = jnp.where(recv_e >= 0, recv_e, local)
-    order = jnp.argsort(key, stable=True).astype(jnp.int32)
+    order, group_sizes = common.group_by_expert(recv_e, local)
     expert_x = recv_x.reshape(ranks * capacity, -1)[order]
-    group_sizes = jnp.zeros((local + 1,), jnp.int32).at[key].add(1)[:local]
     dropped = jnp.sum(valid & ~sent) + jnp.sum(~valid)
     shape = (tokens, topk)
     return expert_x, group_sizes, order, dst.reshape(shape), slot.reshape(shape), sent.reshape(shape), dropped
@@ -60,11 +48,6 @@ def dispatch(x, topk_idx, *, num_experts, axis_name, ranks, capacity):
 
 def combine(expert_y, topk_weights, order, dst, slot, sent, *, axis_name, ranks, capacity):
     """`y [T, D']`: each kept pair's expert output, weighted by `topk_weights`, summed per token."""
-    tokens, topk = topk_weights.shape
     back = jnp.zeros_like(expert_y).at[order].set(expert_y)  # received order
     back = lax.all_to_all(back.reshape(ranks, capacity, -1), axis_name, 0, 0).reshape(ranks * capacity, -1)
-    idx = jnp.where(sent, dst * capacity + slot, 0).reshape(-1)
-    acc = jnp.promote_types(expert_y.dtype, jnp.float32)
-    vals = back[idx].astype(acc) * topk_weights.reshape(-1, 1).astype(acc)
-    vals = jnp.where(sent.reshape(-1, 1), vals, 0)
-    return vals.reshape(tokens, topk, expert_y.shape[1]).sum(1).astype(expert_y.dtype)
+    return common.weighted_sum(back, topk_weights, dst * capacity + slot, sent, expert_y.dtype)
