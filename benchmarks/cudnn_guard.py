@@ -1,7 +1,7 @@
 """What the non-finite guard around cuDNN attention costs: `jax.nn.dot_product_attention`
 (cuDNN) called directly against axkern's `cudnn` implementation (the same kernel behind
 `lax.cond` on the inputs' finiteness), forward and forward+backward, median of interleaved
-repeats, and each one's temporary memory. Run on a CUDA machine:
+repeats, and each one's temporary memory; and the finiteness check alone. Run on a CUDA machine:
 `OUT=<folder> python3 benchmarks/cudnn_guard.py` (writes `sweep_cudnn_guard.json`)."""
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import axkern
 from axkern import masks
 from axkern.bench import time_spread
+from axkern.ops.attention.api import _all_finite
 
 B, S, H, D = 2, 8192, 32, 128
 
@@ -30,6 +31,11 @@ def guarded(q, k, v, window):
     return axkern.positional.attention(q, k, v, mask=mask, implementation="cudnn")
 
 
+def check_only(q, k, v, window):
+    del window
+    return _all_finite(q, k, v)
+
+
 def temp_gib(jitted, args):
     mem = jitted.lower(*args).compile().memory_analysis()
     return None if mem is None else mem.temp_size_in_bytes / 2**30
@@ -41,17 +47,24 @@ def main():
     rows = []
     for window in (None, 1024):
         fns = {}
-        for name, f in (("jax.nn cudnn", raw), ("axkern cudnn (guarded)", guarded)):
+        for name, f in (
+            ("jax.nn cudnn", raw),
+            ("axkern cudnn (guarded)", guarded),
+            ("the finiteness check", check_only),
+        ):
             fwd = jax.jit(lambda q, k, v, f=f, w=window: f(q, k, v, w))
             bwd = jax.jit(lambda q, k, v, do, f=f, w=window: jax.vjp(lambda *a: f(*a, w), q, k, v)[1](do))
-            fns[name] = {"fwd": (fwd, (q, k, v)), "fwd+bwd": (bwd, (q, k, v, do))}
+            fns[name] = {"fwd": (fwd, (q, k, v))}
+            if f is not check_only:
+                fns[name]["fwd+bwd"] = (bwd, (q, k, v, do))
         for pass_ in ("fwd", "fwd+bwd"):
-            times = {name: [] for name in fns}
-            for _ in range(3):  # interleaved: the two see the same clocks
-                for name, by_pass in fns.items():
+            timed = {name: by_pass for name, by_pass in fns.items() if pass_ in by_pass}
+            times = {name: [] for name in timed}
+            for _ in range(3):  # interleaved: all see the same clocks
+                for name, by_pass in timed.items():
                     fn, args = by_pass[pass_]
                     times[name].append(time_spread(fn, args, repeats=5))
-            for name, by_pass in fns.items():
+            for name, by_pass in timed.items():
                 fn, args = by_pass[pass_]
                 med = sorted(t[1] for t in times[name])[1]
                 row = dict(

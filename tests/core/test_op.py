@@ -287,6 +287,13 @@ def test_explain_runs_nothing_and_reports(toy):
 
     both = axkern.explain(lambda x: call(call(x)), jnp.zeros(4))
     assert isinstance(both, tuple) and len(both) == 2
+
+    def outer_then_hidden(x):
+        y = call(x)
+        with op.unrecorded():  # what an implementation runs as part of itself
+            return call(y)
+
+    assert axkern.explain(outer_then_hidden, jnp.zeros(4)).implementation == "fast"
     with pytest.raises(ValueError, match="no axkern op was traced"):
         axkern.explain(lambda x: x + 1, jnp.zeros(4))
 

@@ -372,6 +372,17 @@ def step_op(name: str, xla: Callable[..., Any], reference: Callable[..., Any], *
 
 
 @contextlib.contextmanager
+def unrecorded() -> Iterator[None]:
+    """Op calls made inside are not reported by `explain` (an implementation that dispatches
+    another op call as part of itself: its own decision is the one reported)."""
+    token = _explaining.set(None)
+    try:
+        yield
+    finally:
+        _explaining.reset(token)
+
+
+@contextlib.contextmanager
 def _collecting() -> Iterator[list[Decision]]:
     decisions: list[Decision] = []
     token = _explaining.set(decisions)

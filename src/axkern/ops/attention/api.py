@@ -23,7 +23,7 @@ from jax import lax
 
 from axkern import masks as masks_
 from axkern.core import named
-from axkern.core.op import Implementation, Op
+from axkern.core.op import Implementation, Op, unrecorded
 from axkern.core.typing import Array, Float, checked
 
 from . import cudnn, pallas_gpu, pallas_tpu, reference, xla
@@ -56,7 +56,12 @@ def _cudnn_where_finite(q, k, v, sinks, mask, *, scale, logits_soft_cap):
     cudnn_fn = functools.partial(
         cudnn.attention, sinks=sinks, mask=mask, scale=scale, logits_soft_cap=logits_soft_cap
     )
-    safe_fn = functools.partial(
+
+    def safe_fn(q, k, v):
+        with unrecorded():  # explain reports the cudnn decision only
+            return _safe(q, k, v)
+
+    _safe = functools.partial(
         attention_positional,
         mask=mask,
         scale=scale,
@@ -75,7 +80,9 @@ def _all_finite(*arrays) -> jax.Array:
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _where_finite(fast, safe, q, k, v):
-    return lax.cond(_all_finite(q, k, v), fast, safe, q, k, v)
+    # cuDNN's forward always runs, outside the conditional; the other only where needed
+    fast_out = fast(q, k, v)
+    return lax.cond(_all_finite(q, k, v), lambda: fast_out, lambda: safe(q, k, v))
 
 
 def _where_finite_fwd(fast, safe, q, k, v):
