@@ -42,6 +42,34 @@ def segment_starts(segment_ids, batch, length):
     return jnp.cumsum(change, axis=1)
 
 
+def recurrence(keep, chunk_states, initial_state):
+    """The recurrence over chunk states, `state <- keep_c state + chunk_states_c` (`keep [b, h, c]`,
+    `chunk_states [b, c, h, P, N]`): the state entering every chunk (`[b, c, h, P, N]`) and the
+    final state."""
+
+    def step(s, inputs):
+        k, own = inputs
+        return k[:, :, None, None] * s + own, s
+
+    final, states_in = lax.scan(
+        step, initial_state, (jnp.moveaxis(keep, 2, 0), jnp.moveaxis(chunk_states, 1, 0))
+    )
+    return jnp.moveaxis(states_in, 0, 1), final
+
+
+def recurrence_bwd(keep, states_in, d_states_in, d_final):
+    """Reverse of `recurrence`: gradients of the chunk states, the carries and the initial state."""
+
+    def step(g, inputs):
+        k, s_in, ds_in = inputs  # [b, h], [b, h, P, N], [b, h, P, N]
+        d_keep = jnp.sum(g * s_in, axis=(2, 3))
+        return k[:, :, None, None] * g + ds_in, (g, d_keep)
+
+    xs = (jnp.moveaxis(keep, 2, 0), jnp.moveaxis(states_in, 1, 0), jnp.moveaxis(d_states_in, 1, 0))
+    d_init, (d_own, d_keep) = lax.scan(step, d_final, xs, reverse=True)
+    return jnp.moveaxis(d_own, 0, 1), jnp.moveaxis(d_keep, 0, 2), d_init
+
+
 def _reaches(events, seg, axis=1):
     """`events` (bool, time on `axis`) or-ed forward in time inside each segment: True at `t`
     when an event happened at some `s <= t` of `t`'s segment (`seg [b, l]` internal ids)."""

@@ -58,6 +58,8 @@ from jax.experimental import pallas as pl
 from axkern.core import kernels
 
 from .chunks import guard, pad_to_chunks, poison, segment_starts, skip_and_gate
+from .chunks import recurrence as _recurrence
+from .chunks import recurrence_bwd as _recurrence_bwd
 
 
 def _state_kernel(x_ref, w_ref, b_ref, out_ref, *, lay, dtype):
@@ -207,32 +209,6 @@ def _weights(dtc, A, sc):
     f = jnp.exp(cum) * (sc == seg_before)[:, None]
     keep = (sc[:, :, -1] == seg_before[..., 0])[:, None] * jnp.exp(cum[..., -1])
     return cum, w, f, keep
-
-
-def _recurrence(keep, chunk_states, initial_state):
-    """Stage 3 (XLA): the state entering every chunk (`[b, c, h, P, N]`) and the final state."""
-
-    def step(s, inputs):
-        k, own = inputs
-        return k[:, :, None, None] * s + own, s
-
-    final, states_in = lax.scan(
-        step, initial_state, (jnp.moveaxis(keep, 2, 0), jnp.moveaxis(chunk_states, 1, 0))
-    )
-    return jnp.moveaxis(states_in, 0, 1), final
-
-
-def _recurrence_bwd(keep, states_in, d_states_in, d_final):
-    """Reverse of `_recurrence`: gradients of the chunk states, the carries and the initial state."""
-
-    def step(g, inputs):
-        k, s_in, ds_in = inputs  # [b, h], [b, h, P, N], [b, h, P, N]
-        d_keep = jnp.sum(g * s_in, axis=(2, 3))
-        return k[:, :, None, None] * g + ds_in, (g, d_keep)
-
-    xs = (jnp.moveaxis(keep, 2, 0), jnp.moveaxis(states_in, 1, 0), jnp.moveaxis(d_states_in, 1, 0))
-    d_init, (d_own, d_keep) = lax.scan(step, d_final, xs, reverse=True)
-    return jnp.moveaxis(d_own, 0, 1), jnp.moveaxis(d_keep, 0, 2), d_init
 
 
 class Layout:
