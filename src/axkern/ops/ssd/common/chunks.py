@@ -70,7 +70,7 @@ def recurrence_bwd(keep, states_in, d_states_in, d_final):
     return jnp.moveaxis(d_own, 0, 1), jnp.moveaxis(d_keep, 0, 2), d_init
 
 
-def _reaches(events, seg, axis=1):
+def reaches(events, seg, axis=1):
     """`events` (bool, time on `axis`) or-ed forward in time inside each segment: True at `t`
     when an event happened at some `s <= t` of `t`'s segment (`seg [b, l]` internal ids)."""
     length = events.shape[axis]
@@ -99,7 +99,7 @@ def guard(x, dt, A, B, C, seg, initial_state):
     starts = jnp.concatenate([jnp.zeros_like(seg[:, :1], bool), seg[:, 1:] != seg[:, :-1]], axis=1)
     head = bad(dt) | (bad(A)[None, None] & ~starts[..., None])  # [b, l, h]
     b_any = per_head(bad(B).any(-1))  # [b, l, h]
-    y_bad = _reaches(bad(x) | (head | b_any)[..., None], seg)
+    y_bad = reaches(bad(x) | (head | b_any)[..., None], seg)
     first = (seg == 0)[:, :, None, None]
     y_bad = y_bad | (first & bad(initial_state).any(-1)[:, None]) | per_head(bad(C).any(-1))[..., None]
     last = seg == seg[:, -1:]  # [b, l]: the sequence's last segment
@@ -110,17 +110,17 @@ def guard(x, dt, A, B, C, seg, initial_state):
         | jnp.repeat(in_last(bad(B)), rep, axis=1)[:, :, None, :]
         | (bad(initial_state) & (seg[:, -1] == 0)[:, None, None, None])
     )
-    clean = lambda a: _clean(a)  # noqa: E731
     return (clean(x), clean(dt), clean(A), clean(B), clean(C), clean(initial_state)), y_bad, final_bad
 
 
 @jax.custom_vjp
-def _clean(a):
+def clean(a):
+    """`a` with its non-finite values as 0; their gradient is NaN."""
     return jnp.where(jnp.isfinite(a), a, 0).astype(a.dtype)
 
 
 def _clean_fwd(a):
-    return _clean(a), jnp.isfinite(a)
+    return clean(a), jnp.isfinite(a)
 
 
 def _clean_bwd(finite, g):
@@ -128,7 +128,7 @@ def _clean_bwd(finite, g):
     return (jnp.where(finite, g, jnp.nan).astype(g.dtype),)
 
 
-_clean.defvjp(_clean_fwd, _clean_bwd)
+clean.defvjp(_clean_fwd, _clean_bwd)
 
 
 @jax.custom_vjp
