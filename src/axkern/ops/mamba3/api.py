@@ -15,7 +15,6 @@ from typing import Literal, NamedTuple
 
 import jax.numpy as jnp
 
-from axkern.core import named
 from axkern.core.named import StepResult, WithFinalState
 from axkern.core.op import Implementation, Op, step_op
 from axkern.core.typing import Array, Float, Int, checked
@@ -127,7 +126,11 @@ def _check_chunk(chunk_size, block_sizes):
             raise ValueError(f"{NAME}: pass chunk_size or block_sizes, not both")
         block_sizes = Mamba3BlockSizes(chunk_size=chunk_size)
     if block_sizes is not None:
-        cs = block_sizes.chunk_size if isinstance(block_sizes, Mamba3BlockSizes) else block_sizes.get("chunk_size")
+        cs = (
+            block_sizes.chunk_size
+            if isinstance(block_sizes, Mamba3BlockSizes)
+            else block_sizes.get("chunk_size")
+        )
         if not isinstance(cs, int) or cs < 1 or cs & (cs - 1):
             raise ValueError(f"{NAME}: chunk_size must be a power of two, got {cs!r}")
     return block_sizes
@@ -195,7 +198,14 @@ def mamba3_positional(
     rank, groups, state = q.shape[2:]
     n_angles = angles.shape[-1]
     check_sizes(
-        NAME, heads=heads, groups=groups, state=state, head_dim=head_dim, n_angles=n_angles, rank=rank, mimo=mimo
+        NAME,
+        heads=heads,
+        groups=groups,
+        state=state,
+        head_dim=head_dim,
+        n_angles=n_angles,
+        rank=rank,
+        mimo=mimo,
     )
     block_sizes = _check_chunk(chunk_size, block_sizes)
     shapes = _state_shapes(batch, heads, head_dim, state, n_angles, rank, mimo is not None)
@@ -291,7 +301,9 @@ def mamba3_step_positional(
     q_t, k_t, q_bias, k_bias = _normalise(op, q_t, k_t, q_bias, k_bias, mimo, 3)
     rank, groups, n = q_t.shape[1:]
     n_angles = angles_t.shape[-1]
-    check_sizes(op, heads=heads, groups=groups, state=n, head_dim=head_dim, n_angles=n_angles, rank=rank, mimo=mimo)
+    check_sizes(
+        op, heads=heads, groups=groups, state=n, head_dim=head_dim, n_angles=n_angles, rank=rank, mimo=mimo
+    )
     siso = mimo is None
     state = _initial(op, state, _state_shapes(batch, heads, head_dim, n, n_angles, rank, not siso))
     if 0 in (batch, heads):

@@ -149,7 +149,9 @@ def forward(
     # where the sequential recurrence is non-finite (see the module docstring)
     row, col = bad(vr).any(2), bad(kr).any(2)  # [b, l, h, p], [b, l, h, n]
     init_row = bad(ssm0).any(-1) | bad(v0r).any(1) | bad(k0).any((1, 3))[..., None]  # [b, h, p]
-    y_bad = reaches(row | (head_bad | col.any(-1))[..., None], seg) | (first[:, :, None, None] & init_row[:, None])
+    y_bad = reaches(row | (head_bad | col.any(-1))[..., None], seg) | (
+        first[:, :, None, None] & init_row[:, None]
+    )
     y_bad = y_bad[:, :, None] | bad(qr).any(-1)[..., None]  # [b, l, r, h, p]
     last = seg == seg[:, -1:]
     in_last = lambda a: (a & last.reshape(last.shape + (1,) * (a.ndim - 2))).any(1)  # noqa: E731

@@ -126,7 +126,9 @@ def mamba3(
     return (y.astype(v.dtype), *(a.astype(s.dtype) for a, s in zip(finals, inits, strict=True)))
 
 
-def step(q_t, k_t, v_t, adt_t, dt_t, trap_t, q_bias, k_bias, angles_t, D, z_t, angle, ssm, k, v, W_x, W_z, W_o):
+def step(
+    q_t, k_t, v_t, adt_t, dt_t, trap_t, q_bias, k_bias, angles_t, D, z_t, angle, ssm, k, v, W_x, W_z, W_o
+):
     """One decode step as the sequential scan over a sequence of length 1."""
     z = None if z_t is None else z_t[:, None]
     y, *states = mamba3(

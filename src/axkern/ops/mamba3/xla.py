@@ -32,7 +32,9 @@ def mamba3(*args, block_sizes):
     return forward(core, *args, chunk_size=block_sizes.chunk_size)
 
 
-def step(q_t, k_t, v_t, adt_t, dt_t, trap_t, q_bias, k_bias, angles_t, D, z_t, angle, ssm, k, v, W_x, W_z, W_o):
+def step(
+    q_t, k_t, v_t, adt_t, dt_t, trap_t, q_bias, k_bias, angles_t, D, z_t, angle, ssm, k, v, W_x, W_z, W_o
+):
     """One recurrence step (`reference.step`'s arguments and results), in float32 (float64 for
     float64); no segment, so nothing is masked and a NaN goes where the arithmetic takes it.
     `q_t, k_t [b, r, g, n]`, `v_t, z_t [b, h, p]`, `adt_t, dt_t, trap_t [b, h]`, `angles_t [b, h, a]`."""
@@ -59,4 +61,10 @@ def step(q_t, k_t, v_t, adt_t, dt_t, trap_t, q_bias, k_bias, angles_t, D, z_t, a
     if z_t is not None:
         y = y * jax.nn.silu(f(z_t)[:, None] * by_rank(W_z) if mimo else f(z_t)[:, None])
     y = jnp.sum(y * by_rank(W_o), axis=1) if mimo else y[:, 0]
-    return y.astype(v_t.dtype), theta.astype(angle.dtype), h.astype(ssm.dtype), kr.astype(k.dtype), v_t.astype(v.dtype)
+    return (
+        y.astype(v_t.dtype),
+        theta.astype(angle.dtype),
+        h.astype(ssm.dtype),
+        kr.astype(k.dtype),
+        v_t.astype(v.dtype),
+    )
