@@ -63,6 +63,9 @@ def call(impl, kw, seg=None, chunk_size=None):
     )
 
 
+forward = jax.jit(call, static_argnums=(0, 3))  # `call`, compiled once per case's shapes
+
+
 def run(impl, arrays, seg, chunk_size=None):
     """`((y, final_state), gradients)`: the gradients of every input of a random-cotangent sum of
     `y` and the final states (one jitted call: one compilation rather than one per primitive)."""

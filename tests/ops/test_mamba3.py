@@ -6,13 +6,14 @@ value of (dtype, groups, SISO/MIMO) once, both with states, segments, `D` and `z
 from __future__ import annotations
 
 import haliax as hax
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import axkern
 from axkern.positional import mamba3, mamba3_step
-from tests.cases.mamba3 import STATE, call, make, run
+from tests.cases.mamba3 import STATE, call, forward, make, run
 from tests.harness import check_rule
 
 
@@ -47,11 +48,12 @@ def test_explain_names_xla_and_its_chunked_backward():
 @pytest.mark.parametrize("rank", [0, 2])
 def test_decode_steps_chained_equal_the_scan(rank):
     arrays, _ = make(1, 2, 6, 4, 3, 2, 6, 2, rank, "float32", segments=False)
-    y, final = call("xla", arrays, chunk_size=4)
+    y, final = forward("xla", arrays, None, 4)
     state = tuple(arrays[s] for s in STATE)
     mimo = tuple(arrays[w] for w in ("W_x", "W_z", "W_o")) if rank else None
+    step = jax.jit(mamba3_step)
     for t in range(6):
-        y_t, state = mamba3_step(
+        y_t, state = step(
             arrays["q"][:, t],
             arrays["k"][:, t],
             arrays["v"][:, t],
@@ -75,7 +77,7 @@ def test_a_segment_starts_from_a_zero_state():
     # the second segment of a sequence equals that segment run on its own
     arrays, _ = make(2, 1, 20, 2, 3, 1, 4, 2, 0, "float32", segments=False)
     seg = jnp.asarray([[0] * 9 + [1] * 11], jnp.int32)
-    y, final = call("xla", arrays, seg, chunk_size=8)
+    y, final = forward("xla", arrays, seg, 8)
     tail = {
         name: (a[..., 9:] if name in ("adt", "dt", "trap") else a[:, 9:])
         if a.ndim >= 3 and a.shape[0] == 1
@@ -83,7 +85,7 @@ def test_a_segment_starts_from_a_zero_state():
         for name, a in arrays.items()
         if name not in STATE
     }
-    y2, final2 = call("xla", tail, chunk_size=8)
+    y2, final2 = forward("xla", tail, None, 8)
     np.testing.assert_allclose(y[:, 9:], y2, rtol=1e-5, atol=1e-5)
     for a, b in zip(final, final2, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
@@ -152,7 +154,7 @@ def test_named_layer_equals_the_positional_one(rank):
     )
     mimo = tuple(n(w, (Heads, Rank, HeadDim)) for w in ("W_x", "W_z", "W_o")) if rank else None
     v = n("v", (Batch, Pos, Heads, HeadDim)).rearrange((Heads, Batch, HeadDim, Pos))
-    y, final = axkern.mamba3(
+    y, final = jax.jit(axkern.mamba3, static_argnames=("return_final_state", "chunk_size"))(
         n("q", qk), n("k", qk), v,
         n("adt", (Batch, Heads, Pos)), n("dt", (Batch, Heads, Pos)), n("trap", (Batch, Heads, Pos)),
         n("q_bias", (Heads, *r, State)), n("k_bias", (Heads, *r, State)), n("angles", (Batch, Pos, Heads, Angles)),
@@ -160,7 +162,7 @@ def test_named_layer_equals_the_positional_one(rank):
         initial_state=state, mimo=mimo, return_final_state=True, chunk_size=4,
     )  # fmt: skip
     assert y.axes == v.axes and final.ssm.axes == (Batch, Heads, HeadDim, State)
-    want_y, want_final = call("xla", arrays, seg, chunk_size=4)
+    want_y, want_final = forward("xla", arrays, seg, 4)
     np.testing.assert_allclose(y.rearrange((Batch, Pos, Heads, HeadDim)).array, want_y, rtol=1e-5, atol=1e-5)
     for got, want in zip(final, want_final, strict=True):
         np.testing.assert_allclose(got.array, want, rtol=1e-5, atol=1e-5)
