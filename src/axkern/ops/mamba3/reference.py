@@ -86,10 +86,14 @@ def mamba3(
     l_major = lambda a: jnp.moveaxis(a, 1, 0)  # noqa: E731 - [b, l, ..] -> [l, b, ..]
 
     def step(carry, inputs):
-        theta, h, k_prev, x_prev = carry
         q_t, k_t, x_t, alpha_t, dt_t, lam_t, turn_t, keep_t = inputs
         kept = keep_t[:, None, None]
-        theta = jnp.where(kept, theta, 0) + math.pi * turn_t * dt_t[..., None]
+        # a new segment selects the old state away (0 · NaN would carry a NaN across), before its
+        # products too, so that their gradients are not 0 · NaN either
+        theta, h, k_prev, x_prev = (
+            jnp.where(keep_t.reshape((-1,) + (1,) * (a.ndim - 1)), a, 0) for a in carry
+        )
+        theta = theta + math.pi * turn_t * dt_t[..., None]
         theta = jnp.mod(theta, 2 * math.pi)
         q_t = _rotate(q_t, theta[:, None], mimo)  # [b, r, h, n]
         k_t = _rotate(k_t, theta[:, None], mimo)
