@@ -15,8 +15,6 @@ infinity finite). A non-finite value reaches what the recurrence carries it to, 
 
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -93,8 +91,8 @@ def mamba3(
         theta, h, k_prev, x_prev = (
             jnp.where(keep_t.reshape((-1,) + (1,) * (a.ndim - 1)), a, 0) for a in carry
         )
-        theta = theta + math.pi * turn_t * dt_t[..., None]
-        theta = jnp.mod(theta, 2 * math.pi)
+        theta = theta + jnp.pi * turn_t * dt_t[..., None]
+        theta = jnp.mod(theta, 2 * jnp.pi)
         q_t = _rotate(q_t, theta[:, None], mimo)  # [b, r, h, n]
         k_t = _rotate(k_t, theta[:, None], mimo)
         v_prev = x_prev[:, None] * wx  # [b, r, h, p]
