@@ -7,20 +7,6 @@ import jax.numpy as jnp
 from jax import lax
 
 
-def pad_to_chunks(x, dt, B, C, segment_ids, q):
-    """`x, dt, B, C` padded along the length to a multiple of `q` (zero rows: `dt = 0` leaves
-    the state alone) and the internal segment ids (`segment_starts`), the pad continuing the
-    last one."""
-    batch, length = x.shape[:2]
-    pad = (-length) % q
-    seg = segment_starts(segment_ids, batch, length)
-    if not pad:
-        return x, dt, B, C, seg
-    zeros = lambda a: jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2))  # noqa: E731
-    seg = jnp.concatenate([seg, jnp.broadcast_to(seg[:, -1:], (batch, pad))], axis=1)
-    return zeros(x), zeros(dt), zeros(B), zeros(C), seg
-
-
 def skip_and_gate(y, x, D, z):
     """`(y + D x) · silu(z)`, each part only when given, in `y`'s (float32) dtype."""
     acc = y.dtype
