@@ -19,8 +19,15 @@ from axkern.core.named import StepResult, WithFinalState
 from axkern.core.op import Implementation, Op, step_op
 from axkern.core.typing import Array, Float, Int, checked
 
-from . import reference, xla
-from .blocks import Mamba3BlockSizes, bucket, heuristic, space
+from . import pallas_gpu, pallas_tpu, reference, xla
+from .blocks import (
+    Mamba3BlockSizes,
+    bucket,
+    heuristic,
+    pallas_gpu_heuristic,
+    pallas_tpu_heuristic,
+    space,
+)
 
 __all__ = ["mamba3_positional", "mamba3_step_positional", "Mamba3State", "OP", "STEP_OP", "Mamba3BlockSizes"]
 
@@ -50,8 +57,30 @@ OP = Op(
             space=space,
             backward="custom_vjp: chunked, each chunk's terms recomputed from the states entering the chunks",
         ),
+        Implementation(
+            "pallas_gpu",
+            pallas_gpu.mamba3,
+            platforms=("gpu",),
+            supports=pallas_gpu.supports,
+            block_sizes=Mamba3BlockSizes,
+            heuristic=pallas_gpu_heuristic,
+            interpretable=True,
+            backward="custom_vjp: SSD's chunk-scan, chunk-state and recurrence backward kernels",
+        ),
+        Implementation(
+            "pallas_tpu",
+            pallas_tpu.mamba3,
+            platforms=("tpu",),
+            supports=pallas_tpu.supports,
+            block_sizes=Mamba3BlockSizes,
+            heuristic=pallas_tpu_heuristic,
+            interpretable=True,
+            backward="custom_vjp: SSD's backward kernels (TPU interpret mode only)",
+        ),
         Implementation("reference", reference.mamba3, backward="autodiff through the sequential scan"),
     ],
+    # the kernels are verified in interpret mode only: in no default order until compiled and
+    # timed on a GPU / TPU
     default_order={"cpu": ("xla",), "gpu": ("xla",), "tpu": ("xla",)},
     package=__package__,
     bucket=bucket,
@@ -59,7 +88,7 @@ OP = Op(
 
 STEP_OP = step_op("mamba3_step", xla.step, reference.step, package=__package__)
 
-Mamba3Implementation = Literal["xla", "reference"]
+Mamba3Implementation = Literal["xla", "pallas_gpu", "pallas_tpu", "reference"]
 StepImplementation = Literal["xla", "reference"]
 
 

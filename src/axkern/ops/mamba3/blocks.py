@@ -7,7 +7,14 @@ import dataclasses
 from axkern.core.blocks import BlockSizes, grid, next_power_of_2
 from axkern.core.op import Spec
 
-__all__ = ["Mamba3BlockSizes", "bucket", "heuristic", "space"]
+__all__ = [
+    "Mamba3BlockSizes",
+    "bucket",
+    "heuristic",
+    "space",
+    "pallas_gpu_heuristic",
+    "pallas_tpu_heuristic",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,3 +46,13 @@ def space(spec: Spec) -> list[Mamba3BlockSizes]:
     top = max(16, min(256, next_power_of_2(spec.dim("length"))))
     chunks = [q for q in (16, 32, 64, 128, 256) if q <= top]
     return grid(Mamba3BlockSizes, spec, first=heuristic(spec), chunk_size=chunks)
+
+
+def pallas_gpu_heuristic(spec: Spec) -> Mamba3BlockSizes:
+    """Chunks of 64, as `ssd`'s `pallas_gpu` (at least 16: Triton's dot tiles)."""
+    return Mamba3BlockSizes(chunk_size=max(16, min(64, next_power_of_2(spec.dim("length")))))
+
+
+def pallas_tpu_heuristic(spec: Spec) -> Mamba3BlockSizes:
+    """Chunks of 128 (the MXU's width), at least 8 (the sublanes)."""
+    return Mamba3BlockSizes(chunk_size=max(8, min(128, next_power_of_2(spec.dim("length")))))

@@ -34,6 +34,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from axkern.core import kernels
+from axkern.ops.ssd.common import kernels as chunk_kernels
 from axkern.ops.ssd.common.chunks import clean, poison, reaches, segment_starts
 
 
@@ -84,6 +85,29 @@ class Core(typing.Protocol):
     initial_state [b, H, P, N]) -> (y [b, l, R, H, P], final_state)` (`ssd.common.scan`)."""
 
     def __call__(self, x, a, s, B, C, seg, initial_state): ...
+
+
+def kernel_core(layout, *, chunk_size, interpret, x_dtype) -> Core:
+    """SSD's Pallas chunk kernels (`ssd/common/kernels.py`, with `layout` a `Layout` subclass) as a
+    `Core` of one input per position (`R = 1`). `x` goes in as `x_dtype` (the inputs' own: the
+    kernels choose their products' precision by it); `B`, `C` (rotated `k`, `q`) per head."""
+
+    def core(x, a, s, B, C, seg, initial_state):
+        y, final = chunk_kernels.scan(
+            layout,
+            x[:, :, 0].astype(x_dtype),
+            a,
+            s,
+            B[:, :, 0],
+            C[:, :, 0],
+            seg,
+            initial_state,
+            chunk_size=chunk_size,
+            interpret=interpret,
+        )
+        return y[:, :, None], final
+
+    return core
 
 
 def forward(
