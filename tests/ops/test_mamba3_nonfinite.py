@@ -23,7 +23,8 @@ IMPLS = implementations_here("mamba3")
 
 
 def _inputs(seed, rank=0, l=24):  # noqa: E741
-    return make(seed, 1, l, 2, 4, 2 if not rank else 1, 6, 2, rank, "float32", segments=False)[0]
+    # head dim and state 16: the smallest that every kernel takes
+    return make(seed, 1, l, 2, 16, 2 if not rank else 1, 16, 2, rank, "float32", segments=False)[0]
 
 
 @functools.cache
@@ -32,7 +33,7 @@ def _compiled(impl, grads):
     function of `(arrays, segment_ids)`: a case of the same shapes compiles once."""
 
     def f(a, seg):
-        y, final = call(impl, a, seg, None if impl == "reference" else 8)
+        y, final = call(impl, a, seg, None if impl == "reference" else 16)
         loss = jnp.sum(y * jnp.cos(jnp.arange(y.size).reshape(y.shape))) + sum(jnp.sum(s) for s in final)
         return loss, (y, tuple(final))
 
@@ -95,13 +96,15 @@ NAMES += ["angle_state", "ssm_state", "k_state", "v_state"]
 @pytest.mark.parametrize("impl", IMPLS)
 @settings(max_examples=6, deadline=None)
 @given(
-    rank=st.sampled_from([0, 2]),
+    rank=st.sampled_from([0, 1, 2]),
     where=st.sampled_from(NAMES + ["W_x", "W_z", "W_o"]),
     value=st.sampled_from([np.nan, np.inf, -np.inf]),
     segments=st.booleans(),
     seed=st.integers(0, 2**16),
 )
 def test_property_non_finite_pattern_matches_the_reference(impl, rank, where, value, segments, seed):
+    if impl.startswith("pallas"):  # the kernels take one input per position
+        rank = min(rank, 1)
     a = _inputs(seed, rank)
     if where not in a:  # a MIMO weight drawn for a SISO case
         where = "v"
