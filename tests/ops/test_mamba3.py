@@ -170,3 +170,40 @@ def test_named_layer_equals_the_positional_one(rank):
         axkern.mamba3(n("q", qk), n("k", qk), v, *(n(a, (Batch, Heads, Pos)) for a in ("adt", "dt", "trap")),
                       n("q_bias", (Heads, *r, State)), n("k_bias", (Heads, *r, State)),
                       n("angles", (Batch, Pos, Heads, Angles)), Groups="grp", mimo=mimo)  # fmt: skip
+
+
+def test_sharded_equals_unsharded():
+    # batch data parallel over "data"; a Pos mapped to "model" is gathered (no sequence parallel rule)
+    from jax.sharding import Mesh
+
+    arrays, seg = make(6, 2, 16, 4, 3, 2, 6, 2, 0, "float32")
+    Batch, Pos, Heads, HeadDim = (
+        hax.Axis(n, s) for n, s in (("batch", 2), ("position", 16), ("heads", 4), ("head_size", 3))
+    )
+    Groups, State, Angles = hax.Axis("groups", 2), hax.Axis("state", 6), hax.Axis("angles", 2)
+    n = lambda name, axes: hax.named(arrays[name], axes)  # noqa: E731
+    qk = (Batch, Pos, Groups, State)
+    state = axkern.Mamba3State(
+        n("angle_state", (Batch, Heads, Angles)),
+        n("ssm_state", (Batch, Heads, HeadDim, State)),
+        n("k_state", (Batch, Heads, State)),
+        n("v_state", (Batch, Heads, HeadDim)),
+    )
+    rest = (n("adt", (Batch, Heads, Pos)), n("dt", (Batch, Heads, Pos)), n("trap", (Batch, Heads, Pos)),
+            n("q_bias", (Heads, State)), n("k_bias", (Heads, State)), n("angles", (Batch, Pos, Heads, Angles)))  # fmt: skip
+
+    def f(q, k, v, s0):
+        y, final = axkern.mamba3(q, k, v, *rest, segment_ids=hax.named(seg, (Batch, Pos)), initial_state=s0,
+                                 D=n("D", (Heads,)), return_final_state=True, chunk_size=8)  # fmt: skip
+        return hax.sum(y * y).array + sum(hax.sum(s).array for s in final), (y, final)
+
+    args = (n("q", qk), n("k", qk), n("v", (Batch, Pos, Heads, HeadDim)), state)
+    want = jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2, 3), has_aux=True))(*args)
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "model"))
+    with hax.partitioning.set_mesh(mesh), hax.axis_mapping({"batch": "data", "position": "model"}):
+        fn = jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2, 3), has_aux=True))
+        got = fn(*args)
+        text = fn.lower(*args).as_text()
+        assert "manual_computation" in text or "shard_map" in text
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-4, atol=2e-4)
