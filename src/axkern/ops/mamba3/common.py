@@ -58,6 +58,8 @@ def angle_sums(inc, theta0, seg, q):
     """`Θ_t = (Θ_0 [t in the first segment] + Σ_{s <= t in t's segment} inc_s) mod 2π`, `inc
     [b, l, h, a]` finite, `theta0 [b, h, a]`, `seg [b, l]` internal ids; chunks of `q`."""
     batch, length, heads, a = inc.shape
+    if a == 0:
+        return inc
     pad = (-length) % q
     inc = jnp.pad(inc, [(0, 0), (0, pad), (0, 0), (0, 0)])
     seg = jnp.concatenate([seg, jnp.broadcast_to(seg[:, -1:], (batch, pad))], axis=1)
