@@ -114,6 +114,8 @@ def test_bad_input_is_refused_naming_the_sizes():
         mamba3(*margs, mimo=(w3, m["W_z"], m["W_o"]))
     with pytest.raises(ValueError, match="with mimo, q and k carry a rank axis"):
         mamba3(*args, mimo=(m["W_x"], m["W_z"], m["W_o"]))
+    with pytest.raises(ValueError, match="initial_state must hold all four"):
+        mamba3(*args, initial_state=(None, jnp.zeros((1, 3, 4, 8)), None, None))
     with pytest.raises(ValueError, match="initial_state.ssm has shape"):
         state = (jnp.zeros((1, 3, 2)), jnp.zeros((1, 3, 4, 4)), jnp.zeros((1, 3, 8)), jnp.zeros((1, 3, 4)))
         mamba3(*args, initial_state=state)

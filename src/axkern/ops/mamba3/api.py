@@ -142,6 +142,8 @@ def _state_shapes(batch, heads, head_dim, state, n_angles, rank, mimo):
 def _initial(op, initial_state, shapes):
     if initial_state is None:
         return Mamba3State(*(jnp.zeros(s, jnp.float32) for s in shapes))
+    if len(initial_state) != 4 or any(a is None for a in initial_state):
+        raise ValueError(f"{op}: initial_state must hold all four of (angle, ssm, k, v)")
     initial_state = Mamba3State(*initial_state)
     for name, a, want in zip(Mamba3State._fields, initial_state, shapes, strict=True):
         if tuple(a.shape) != tuple(want):
