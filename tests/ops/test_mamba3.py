@@ -254,3 +254,25 @@ def test_against_levanters_direct_recurrence(rank):
         )
     np.testing.assert_allclose(y, flat(y_lev), rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(final.ssm[0], h_lev, rtol=1e-4, atol=1e-4)
+
+
+def test_the_chunk_scan_backward_keeps_only_inputs_and_chunk_states():
+    # `scan_recompute` (xla's chunk scan) saves its inputs and the state entering each chunk;
+    # autodiff through `scan` keeps each chunk's [Q, Q] terms as well
+    from jax._src.ad_checkpoint import saved_residuals
+
+    from axkern.ops.ssd.common import scan
+
+    b, l, r, h, p, n, q = 1, 64, 2, 2, 4, 4, 32
+    k = jax.random.split(jax.random.PRNGKey(0), 5)
+    x, B, C = (jax.random.normal(k[i], (b, l, r, h, d)) for i, d in ((0, p), (1, n), (2, n)))
+    a, s = -jax.nn.softplus(jax.random.normal(k[3], (b, l, h))), jax.random.uniform(k[4], (b, l, h))
+    seg, init = jnp.zeros((b, l), jnp.int32), jnp.zeros((b, h, p, n))
+    kw = dict(chunk_size=q, precision=None, sums=False)
+
+    def saved(fn):
+        loss = lambda *args: jnp.sum(fn(*args, seg, init, **kw)[0])  # noqa: E731
+        return sum(aval.size for aval, _ in saved_residuals(loss, x, a, s, B, C))
+
+    inputs = x.size + B.size + C.size + a.size + s.size + seg.size + (l // q) * h * p * n  # + chunk states
+    assert saved(scan.scan_recompute) <= inputs < saved(scan.scan) / 2
