@@ -193,6 +193,7 @@ def test_bench_plan_defaults_to_the_quick_preset_and_the_implementations_compile
     assert {c.op for c, _ in work} == {
         "attention",
         "fused_cross_entropy",
+        "mamba3",
         "short_conv",
         "ssd",
     }  # the ops that have it

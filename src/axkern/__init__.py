@@ -14,6 +14,7 @@ from .core.op import Decision, FallbackWarning, Unsupported, explain
 from .ops.attention import AttentionBlockSizes, attention
 from .ops.cross_entropy import cross_entropy
 from .ops.fused_cross_entropy import CrossEntropyBlockSizes, CrossEntropyOutput, fused_cross_entropy
+from .ops.mamba3 import Mamba3BlockSizes, Mamba3State, mamba3, mamba3_step
 from .ops.moe import MoeDispatch, MoeLayout, MoeRouting, moe_combine, moe_dispatch, moe_layout
 from .ops.moe_ep import EpDispatch, EpLayout, moe_ep_combine, moe_ep_dispatch
 from .ops.short_conv import ConvBlockSizes, short_conv, short_conv_step
@@ -40,6 +41,10 @@ __all__ = [
     "ssd",
     "ssd_step",
     "SSDBlockSizes",
+    "mamba3",
+    "mamba3_step",
+    "Mamba3State",
+    "Mamba3BlockSizes",
     "moe_layout",
     "moe_dispatch",
     "moe_combine",

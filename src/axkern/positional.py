@@ -4,6 +4,8 @@ from .ops.attention.api import attention_positional as attention
 from .ops.cross_entropy.api import cross_entropy_positional as cross_entropy
 from .ops.fused_cross_entropy.api import fused_cross_entropy_loss_positional as fused_cross_entropy_loss
 from .ops.fused_cross_entropy.api import fused_cross_entropy_positional as fused_cross_entropy
+from .ops.mamba3.api import mamba3_positional as mamba3
+from .ops.mamba3.api import mamba3_step_positional as mamba3_step
 from .ops.moe.api import moe_combine_positional as moe_combine
 from .ops.moe.api import moe_dispatch_positional as moe_dispatch
 from .ops.moe.api import moe_layout_positional as moe_layout
@@ -19,6 +21,8 @@ __all__ = [
     "cross_entropy",
     "fused_cross_entropy",
     "fused_cross_entropy_loss",
+    "mamba3",
+    "mamba3_step",
     "moe_combine",
     "moe_dispatch",
     "moe_ep_combine",

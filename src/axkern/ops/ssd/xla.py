@@ -1,5 +1,6 @@
 """Mamba-2 SSD by chunks in plain JAX: quadratic (attention-like) inside a chunk, a recurrence
-over chunk states between chunks. Memory is linear in the length; gradients by autodiff.
+over chunk states between chunks (`common/scan.py`, with `a = dt A` as the per-position
+log-decay and `dt` as the input scale). Memory is linear in the length; gradients by autodiff.
 
 **Math.** With `a_t = dt_t A` and `cum` its running sum inside a chunk of `Q` positions,
 `y_t = sum_{s <= t, same segment} (C_t · B_s) exp(cum_t - cum_s) dt_s x_s`
@@ -24,76 +25,38 @@ moves back in time or into another segment through a masked term.
 
 from __future__ import annotations
 
-import functools
-
 import jax.numpy as jnp
-from jax import lax
 
 from axkern.core import kernels
 
-from .common.chunks import guard, pad_to_chunks, poison, segment_starts, skip_and_gate
-
-
-def _chunks(a, q):
-    return a.reshape(a.shape[0], a.shape[1] // q, q, *a.shape[2:])
+from .common.chunks import guard, poison, segment_starts, skip_and_gate
+from .common.scan import scan
 
 
 def ssd(x, dt, A, B, C, D, z, segment_ids, initial_state, *, block_sizes):
-    chunk_size = block_sizes.chunk_size
     acc = jnp.promote_types(x.dtype, jnp.float32)
     # float32 inputs at full precision (XLA's GPU default is TF32); 16-bit inputs' float32
     # products may run as TF32 (more mantissa than the inputs have)
     prec = kernels.full_precision(x.dtype)
-    einsum = functools.partial(jnp.einsum, precision=prec)
     batch, length, heads, _ = x.shape
     rep = heads // B.shape[2]
-    q = chunk_size
     x_in, segment_ids = x, segment_starts(segment_ids, batch, length)
     (x, dt, A, B, C, initial_state), y_bad, final_bad = guard(x, dt, A, B, C, segment_ids, initial_state)
-    x_p, dt_p, B_p, C_p, seg = pad_to_chunks(x, dt, B, C, segment_ids, q)
-    pad = x_p.shape[1] - length
-    xc = _chunks(x_p.astype(acc), q)  # [b, c, q, h, p]
-    dtc = _chunks(dt_p.astype(acc), q)  # [b, c, q, h]
-    Bc = jnp.repeat(_chunks(B_p.astype(acc), q), rep, axis=3)  # [b, c, q, h, n]
-    Cc = jnp.repeat(_chunks(C_p.astype(acc), q), rep, axis=3)
-    sc = _chunks(seg, q)  # [b, c, q]
-    cum = jnp.cumsum(dtc * A.astype(acc), axis=2)  # [b, c, q, h]
-
-    # inside each chunk
-    t_idx = jnp.arange(q)
-    causal = t_idx[:, None] >= t_idx[None, :]
-    same = (sc[:, :, :, None] == sc[:, :, None, :]) & causal  # [b, c, t, s]
-    if prec is None:  # 16-bit inputs: the difference of running sums
-        diff = cum[:, :, :, None, :] - cum[:, :, None, :, :]  # [b, c, t, s, h]
-    else:  # float32: each sum_{s < r <= t} a_r on its own (see the module docstring)
-        a = dtc * A.astype(acc)
-        later = jnp.where((t_idx[:, None] > t_idx[None, :])[None, None, :, :, None], a[:, :, :, None, :], 0)
-        diff = jnp.cumsum(later, axis=2)  # [b, c, t, s, h]
-    decay = jnp.exp(jnp.where(same[..., None], diff, -jnp.inf))
-    cb = einsum("bcthn,bcshn->bctsh", Cc, Bc)
-    y = einsum("bctsh,bcsh,bcshp->bcthp", cb * decay, dtc, xc)
-
-    # each chunk's own contribution to the state at its end
-    last = sc[:, :, -1:]
-    to_end = jnp.exp(cum[:, :, -1:, :] - cum) * (sc == last)[..., None]  # [b, c, q, h]
-    chunk_states = einsum("bcsh,bcshp,bcshn->bchpn", to_end * dtc, xc, Bc)
-
-    # between chunks: the state entering chunk c belongs to the segment just before it
-    seg_before = jnp.concatenate([sc[:, :1, :1], sc[:, :-1, -1:]], axis=1)[..., 0]  # [b, c]
-    carries = (sc[:, :, -1] == seg_before).astype(acc)[..., None] * jnp.exp(cum[:, :, -1, :])  # [b, c, h]
-
-    def step(state, inputs):
-        keep, chunk_state = inputs
-        return keep[:, :, None, None] * state + chunk_state, state
-
-    final, states_in = lax.scan(
-        step, initial_state.astype(acc), (jnp.moveaxis(carries, 1, 0), jnp.moveaxis(chunk_states, 1, 0))
+    dt = dt.astype(acc)
+    per_head = lambda a: jnp.repeat(a.astype(acc), rep, axis=2)[:, :, None]  # noqa: E731 - [b, l, 1, h, n]
+    y, final = scan(
+        x.astype(acc)[:, :, None],
+        dt * A.astype(acc),
+        dt,
+        per_head(B),
+        per_head(C),
+        segment_ids,
+        initial_state.astype(acc),
+        chunk_size=block_sizes.chunk_size,
+        precision=prec,
+        sums=prec is not None,
     )
-    states_in = jnp.moveaxis(states_in, 0, 1)  # [b, c, h, p, n]
-    from_state = jnp.exp(cum) * (sc == seg_before[:, :, None])[..., None]  # [b, c, q, h]
-    y = y + einsum("bcthn,bchpn->bcthp", Cc, states_in) * from_state[..., None]
-
-    y = poison(y.reshape(batch, length + pad, heads, -1)[:, :length], y_bad)
+    y = poison(y[:, :, 0], y_bad)
     final = poison(final, final_bad)
     return skip_and_gate(y.astype(acc), x_in, D, z).astype(x.dtype), final.astype(initial_state.dtype)
 

@@ -7,20 +7,6 @@ import jax.numpy as jnp
 from jax import lax
 
 
-def pad_to_chunks(x, dt, B, C, segment_ids, q):
-    """`x, dt, B, C` padded along the length to a multiple of `q` (zero rows: `dt = 0` leaves
-    the state alone) and the internal segment ids (`segment_starts`), the pad continuing the
-    last one."""
-    batch, length = x.shape[:2]
-    pad = (-length) % q
-    seg = segment_starts(segment_ids, batch, length)
-    if not pad:
-        return x, dt, B, C, seg
-    zeros = lambda a: jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2))  # noqa: E731
-    seg = jnp.concatenate([seg, jnp.broadcast_to(seg[:, -1:], (batch, pad))], axis=1)
-    return zeros(x), zeros(dt), zeros(B), zeros(C), seg
-
-
 def skip_and_gate(y, x, D, z):
     """`(y + D x) · silu(z)`, each part only when given, in `y`'s (float32) dtype."""
     acc = y.dtype
@@ -42,7 +28,35 @@ def segment_starts(segment_ids, batch, length):
     return jnp.cumsum(change, axis=1)
 
 
-def _reaches(events, seg, axis=1):
+def recurrence(keep, chunk_states, initial_state):
+    """The recurrence over chunk states, `state <- keep_c state + chunk_states_c` (`keep [b, h, c]`,
+    `chunk_states [b, c, h, P, N]`): the state entering every chunk (`[b, c, h, P, N]`) and the
+    final state."""
+
+    def step(s, inputs):
+        k, own = inputs
+        return k[:, :, None, None] * s + own, s
+
+    final, states_in = lax.scan(
+        step, initial_state, (jnp.moveaxis(keep, 2, 0), jnp.moveaxis(chunk_states, 1, 0))
+    )
+    return jnp.moveaxis(states_in, 0, 1), final
+
+
+def recurrence_bwd(keep, states_in, d_states_in, d_final):
+    """Reverse of `recurrence`: gradients of the chunk states, the carries and the initial state."""
+
+    def step(g, inputs):
+        k, s_in, ds_in = inputs  # [b, h], [b, h, P, N], [b, h, P, N]
+        d_keep = jnp.sum(g * s_in, axis=(2, 3))
+        return k[:, :, None, None] * g + ds_in, (g, d_keep)
+
+    xs = (jnp.moveaxis(keep, 2, 0), jnp.moveaxis(states_in, 1, 0), jnp.moveaxis(d_states_in, 1, 0))
+    d_init, (d_own, d_keep) = lax.scan(step, d_final, xs, reverse=True)
+    return jnp.moveaxis(d_own, 0, 1), jnp.moveaxis(d_keep, 0, 2), d_init
+
+
+def reaches(events, seg, axis=1):
     """`events` (bool, time on `axis`) or-ed forward in time inside each segment: True at `t`
     when an event happened at some `s <= t` of `t`'s segment (`seg [b, l]` internal ids)."""
     length = events.shape[axis]
@@ -71,7 +85,7 @@ def guard(x, dt, A, B, C, seg, initial_state):
     starts = jnp.concatenate([jnp.zeros_like(seg[:, :1], bool), seg[:, 1:] != seg[:, :-1]], axis=1)
     head = bad(dt) | (bad(A)[None, None] & ~starts[..., None])  # [b, l, h]
     b_any = per_head(bad(B).any(-1))  # [b, l, h]
-    y_bad = _reaches(bad(x) | (head | b_any)[..., None], seg)
+    y_bad = reaches(bad(x) | (head | b_any)[..., None], seg)
     first = (seg == 0)[:, :, None, None]
     y_bad = y_bad | (first & bad(initial_state).any(-1)[:, None]) | per_head(bad(C).any(-1))[..., None]
     last = seg == seg[:, -1:]  # [b, l]: the sequence's last segment
@@ -82,17 +96,17 @@ def guard(x, dt, A, B, C, seg, initial_state):
         | jnp.repeat(in_last(bad(B)), rep, axis=1)[:, :, None, :]
         | (bad(initial_state) & (seg[:, -1] == 0)[:, None, None, None])
     )
-    clean = lambda a: _clean(a)  # noqa: E731
     return (clean(x), clean(dt), clean(A), clean(B), clean(C), clean(initial_state)), y_bad, final_bad
 
 
 @jax.custom_vjp
-def _clean(a):
+def clean(a):
+    """`a` with its non-finite values as 0; their gradient is NaN."""
     return jnp.where(jnp.isfinite(a), a, 0).astype(a.dtype)
 
 
 def _clean_fwd(a):
-    return _clean(a), jnp.isfinite(a)
+    return clean(a), jnp.isfinite(a)
 
 
 def _clean_bwd(finite, g):
@@ -100,7 +114,7 @@ def _clean_bwd(finite, g):
     return (jnp.where(finite, g, jnp.nan).astype(g.dtype),)
 
 
-_clean.defvjp(_clean_fwd, _clean_bwd)
+clean.defvjp(_clean_fwd, _clean_bwd)
 
 
 @jax.custom_vjp

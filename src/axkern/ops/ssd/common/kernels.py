@@ -2,9 +2,13 @@
 stages between them, and the `custom_vjp` that ties them together (not an implementation;
 each backend supplies a `Layout` and its call parameters).
 
-**Stages** (chunks of `Q` positions; `cum` the running sum of `dt·A` inside a chunk):
+The kernels take a per-position log-decay `a_t` and input scale `s_t` (`scan`): SSD gives
+`a = dt·A` and `s = dt` (`ssd`), Mamba-3 its own decay and the trapezoid's scale. Below, `dt`
+stands for the scale.
 
-1. XLA, `O(B·L·H)`: pad the length to a multiple of `Q` (`dt = 0` rows leave the state
+**Stages** (chunks of `Q` positions; `cum` the running sum of `a` inside a chunk):
+
+1. XLA, `O(B·L·H)`: pad the length to a multiple of `Q` (`a = s = 0` rows leave the state
    alone), `cum`, each position's weight into its chunk's end state
    `w_t = exp(cum_{Q-1} - cum_t) dt_t [t in the chunk's last segment]`, and its weight from the
    incoming state `f_t = exp(cum_t) [t in the segment before the chunk]`.
@@ -41,7 +45,7 @@ kernel `chunk_scan_bwd` per (batch, head, chunk) pulls `dy` back through
 `df = rowsum(dy ∘ C S_in^T)`, `dS_in = (f ∘ dy)^T C`. The recurrence runs backwards (XLA or a kernel)
 (`lax.scan(reverse=True)`: the gradients of each chunk's own state, of the carries and of
 the initial state); kernel `chunk_state_bwd` pulls those through `S = (w ∘ x)^T B`; stage
-1's VJP turns `dcum`, `dw`, `df` and the carries' gradients into `d dt` and `dA`. `dB` and
+1's VJP turns `dcum`, `dw`, `df` and the carries' gradients into `d a` and `d s`. `dB` and
 `dC` are per head (`[b, h, L, N]`, float32) and summed over each group's heads in XLA.
 The forward saves the state entering every chunk (`[b, c, h, P, N]`, float32).
 """
@@ -57,7 +61,9 @@ from jax.experimental import pallas as pl
 
 from axkern.core import kernels
 
-from .chunks import guard, pad_to_chunks, poison, segment_starts, skip_and_gate
+from .chunks import guard, poison, segment_starts, skip_and_gate
+from .chunks import recurrence as _recurrence
+from .chunks import recurrence_bwd as _recurrence_bwd
 
 
 def _state_kernel(x_ref, w_ref, b_ref, out_ref, *, lay, dtype):
@@ -198,41 +204,16 @@ def _state_bwd_kernel(x_ref, w_ref, b_ref, ds_ref, dx_ref, dw_ref, db_ref, *, la
     db_ref[0, 0] = lay.dot(x * w, ds, f32)  # [Q, N]
 
 
-def _weights(dtc, A, sc):
-    """Stage 1 (XLA): `cum`, the end-state weights `w`, the incoming-state weights `f` (all
+def _weights(ac, scale, sc):
+    """Stage 1 (XLA), from the per-position log-decay `ac` and input scale (`[b, h, c, Q]`):
+    `cum`, the end-state weights `w`, the incoming-state weights `f` (all
     `[b, h, c, Q]`) and each chunk's carry of the incoming state `keep` (`[b, h, c]`)."""
-    cum = jnp.cumsum(dtc * A[None, :, None, None], axis=-1)
+    cum = jnp.cumsum(ac, axis=-1)
     seg_before = jnp.concatenate([sc[:, :1, :1], sc[:, :-1, -1:]], axis=1)  # [b, c, 1]
-    w = jnp.exp(cum[..., -1:] - cum) * dtc * (sc == sc[:, :, -1:])[:, None]
+    w = jnp.exp(cum[..., -1:] - cum) * scale * (sc == sc[:, :, -1:])[:, None]
     f = jnp.exp(cum) * (sc == seg_before)[:, None]
     keep = (sc[:, :, -1] == seg_before[..., 0])[:, None] * jnp.exp(cum[..., -1])
     return cum, w, f, keep
-
-
-def _recurrence(keep, chunk_states, initial_state):
-    """Stage 3 (XLA): the state entering every chunk (`[b, c, h, P, N]`) and the final state."""
-
-    def step(s, inputs):
-        k, own = inputs
-        return k[:, :, None, None] * s + own, s
-
-    final, states_in = lax.scan(
-        step, initial_state, (jnp.moveaxis(keep, 2, 0), jnp.moveaxis(chunk_states, 1, 0))
-    )
-    return jnp.moveaxis(states_in, 0, 1), final
-
-
-def _recurrence_bwd(keep, states_in, d_states_in, d_final):
-    """Reverse of `_recurrence`: gradients of the chunk states, the carries and the initial state."""
-
-    def step(g, inputs):
-        k, s_in, ds_in = inputs  # [b, h], [b, h, P, N], [b, h, P, N]
-        d_keep = jnp.sum(g * s_in, axis=(2, 3))
-        return k[:, :, None, None] * g + ds_in, (g, d_keep)
-
-    xs = (jnp.moveaxis(keep, 2, 0), jnp.moveaxis(states_in, 1, 0), jnp.moveaxis(d_states_in, 1, 0))
-    d_init, (d_own, d_keep) = lax.scan(step, d_final, xs, reverse=True)
-    return jnp.moveaxis(d_own, 0, 1), jnp.moveaxis(d_keep, 0, 2), d_init
 
 
 class Layout:
@@ -300,14 +281,14 @@ class Layout:
         )(*args)
 
 
-def _core_forward(cfg, xt, dtc, A, bt, ct, sc, initial_state):
+def _core_forward(cfg, xt, ac, scale, bt, ct, sc, initial_state):
     layout, q, interpret = cfg
     # float32 operands throughout for now: with bf16 operands in the output's products the
     # gate's gradient (dz, through the pre-gate output) missed the oracle rule in bf16
     mm = jnp.float32
     k = layout(xt, bt, q=q, interpret=interpret)
     p, n = k.p, k.n
-    cum, w, f, keep = _weights(dtc, A, sc)
+    cum, w, f, keep = _weights(ac, scale, sc)
     own = k(
         functools.partial(_state_kernel, dtype=mm),
         [k.rows(p), k.col_spec, k.grouped(n)],
@@ -334,9 +315,9 @@ def _core_forward(cfg, xt, dtc, A, bt, ct, sc, initial_state):
         ],
         [k.out("rows", p)],
         xt,
-        k.to_col(dtc),
+        k.to_col(scale),
         k.to_col(cum),
-        k.to_row(_a(dtc, A) if sums else cum),
+        k.to_row(ac if sums else cum),
         k.to_col(f),
         k.to_col(sc),
         k.to_row(sc),
@@ -352,28 +333,24 @@ def _uses_segment_sums(xt) -> bool:
     return jnp.dtype(xt.dtype).itemsize >= 4
 
 
-def _a(dtc, A):
-    return dtc * A[None, :, None, None]
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _core(cfg, xt, dtc, A, bt, ct, sc, initial_state):
-    return _core_forward(cfg, xt, dtc, A, bt, ct, sc, initial_state)[0]
+def _core(cfg, xt, ac, scale, bt, ct, sc, initial_state):
+    return _core_forward(cfg, xt, ac, scale, bt, ct, sc, initial_state)[0]
 
 
-def _core_fwd(cfg, xt, dtc, A, bt, ct, sc, initial_state):
-    out, states_in = _core_forward(cfg, xt, dtc, A, bt, ct, sc, initial_state)
-    return out, (xt, dtc, A, bt, ct, sc, states_in)
+def _core_fwd(cfg, xt, ac, scale, bt, ct, sc, initial_state):
+    out, states_in = _core_forward(cfg, xt, ac, scale, bt, ct, sc, initial_state)
+    return out, (xt, ac, scale, bt, ct, sc, states_in)
 
 
 def _core_bwd(cfg, res, cotangents):
     layout, q, interpret = cfg
-    xt, dtc, A, bt, ct, sc, states_in = res
+    xt, ac, scale, bt, ct, sc, states_in = res
     dy, d_final = cotangents
     k = layout(xt, bt, q=q, interpret=interpret)
     p, n = k.p, k.n
     col, row = k.from_col, k.from_row  # back to [b, h, c, Q]
-    (cum, w, f, keep), pull_weights = jax.vjp(lambda dtc, A: _weights(dtc, A, sc), dtc, A)
+    (cum, w, f, keep), pull_weights = jax.vjp(lambda ac, scale: _weights(ac, scale, sc), ac, scale)
     sums = _uses_segment_sums(xt)
     dx_scan, ddt, dcum, dcum_row, df, db_scan, dc, d_states_in = k(
         functools.partial(_scan_bwd_kernel, sums=sums),
@@ -402,9 +379,9 @@ def _core_bwd(cfg, res, cotangents):
         ],
         dy.astype(jnp.float32),
         xt,
-        k.to_col(dtc),
+        k.to_col(scale),
         k.to_col(cum),
-        k.to_row(_a(dtc, A) if sums else cum),
+        k.to_row(ac if sums else cum),
         k.to_col(f),
         k.to_col(sc),
         k.to_row(sc),
@@ -424,16 +401,16 @@ def _core_bwd(cfg, res, cotangents):
     )
     if sums:  # the decay's `d a` straight from the kernel; the weights' `d cum` by autodiff
         da = row(dcum_row)
-        d_dtc, dA = pull_weights((jnp.zeros_like(cum), col(dw), col(df), d_keep))
-        d_dtc, dA = d_dtc + da * A[None, :, None, None], dA + jnp.sum(da * dtc, axis=(0, 2, 3))
+        d_ac, d_scale = pull_weights((jnp.zeros_like(cum), col(dw), col(df), d_keep))
+        d_ac = d_ac + da
     else:
-        d_dtc, dA = pull_weights((col(dcum) - row(dcum_row), col(dw), col(df), d_keep))
-    d_dtc = d_dtc + col(ddt)
+        d_ac, d_scale = pull_weights((col(dcum) - row(dcum_row), col(dw), col(df), d_keep))
+    d_scale = d_scale + col(ddt)
     per_group = lambda a: a.reshape(k.batch, -1, k.rep, k.lp, n).sum(2)  # noqa: E731 - heads -> groups
     return (
         (dx_scan + dx_state).astype(xt.dtype),
-        d_dtc.astype(dtc.dtype),
-        dA.astype(A.dtype),
+        d_ac.astype(ac.dtype),
+        d_scale.astype(scale.dtype),
         per_group(db_scan + db_state).astype(bt.dtype),
         per_group(dc).astype(ct.dtype),
         None,
@@ -444,27 +421,51 @@ def _core_bwd(cfg, res, cotangents):
 _core.defvjp(_core_fwd, _core_bwd)
 
 
-def ssd(layout, x, dt, A, B, C, D, z, segment_ids, initial_state, *, chunk_size, interpret):
-    """The SSD layer through the kernels above, with `layout` a `Layout` subclass."""
+def scan(layout, x, a, scale, B, C, seg, initial_state, *, chunk_size, interpret):
+    """The chunk scan through the kernels above, `layout` a `Layout` subclass: `x [b, L, H, P]`,
+    the per-position log-decay `a` and input scale (`[b, L, H]`, float32), `B, C [b, L, G, N]`,
+    `seg [b, L]` internal segment ids, `initial_state [b, H, P, N]`, all finite. Returns `y
+    [b, L, H, P]` (float32) and the final state. The length is padded to a multiple of the
+    chunk with `a = scale = 0` rows, which leave the state alone."""
     q = chunk_size
-    acc = jnp.promote_types(x.dtype, jnp.float32)
     batch, length, heads, _ = x.shape
-    x_in, segment_ids = x, segment_starts(segment_ids, batch, length)
-    (x, dt, A, B, C, initial_state), y_bad, final_bad = guard(x, dt, A, B, C, segment_ids, initial_state)
-    x_p, dt_p, B_p, C_p, seg = pad_to_chunks(x, dt, B, C, segment_ids, q)
-    pad = x_p.shape[1] - length
+    pad = (-length) % q
+    padded = lambda v: jnp.pad(v, [(0, 0), (0, pad)] + [(0, 0)] * (v.ndim - 2))  # noqa: E731
     chunks = (length + pad) // q
-    dtc = jnp.moveaxis(dt_p.astype(acc), 2, 1).reshape(batch, heads, chunks, q)
+    per_chunk = lambda v: jnp.moveaxis(padded(v), 2, 1).reshape(batch, heads, chunks, q)  # noqa: E731
+    seg = jnp.concatenate([seg, jnp.broadcast_to(seg[:, -1:], (batch, pad))], axis=1)
     y, final = _core(
         (layout, q, interpret),
-        jnp.moveaxis(x_p, 2, 1),  # [b, h, L, P]
-        dtc,
-        A.astype(acc),
-        jnp.moveaxis(B_p, 2, 1),  # [b, g, L, N]
-        jnp.moveaxis(C_p, 2, 1),
+        jnp.moveaxis(padded(x), 2, 1),  # [b, h, L, P]
+        per_chunk(a),
+        per_chunk(scale),
+        jnp.moveaxis(padded(B), 2, 1),  # [b, g, L, N]
+        jnp.moveaxis(padded(C), 2, 1),
         seg.reshape(batch, chunks, q),
         initial_state.astype(jnp.float32),
     )
-    y = poison(jnp.moveaxis(y, 1, 2)[:, :length], y_bad)
+    return jnp.moveaxis(y, 1, 2)[:, :length], final
+
+
+def ssd(layout, x, dt, A, B, C, D, z, segment_ids, initial_state, *, chunk_size, interpret):
+    """The SSD layer through the kernels above (`scan` with `a = dt A` and scale `dt`)."""
+    acc = jnp.promote_types(x.dtype, jnp.float32)
+    batch, length, _, _ = x.shape
+    x_in, segment_ids = x, segment_starts(segment_ids, batch, length)
+    (x, dt, A, B, C, initial_state), y_bad, final_bad = guard(x, dt, A, B, C, segment_ids, initial_state)
+    dt = dt.astype(acc)
+    y, final = scan(
+        layout,
+        x,
+        dt * A.astype(acc),
+        dt,
+        B,
+        C,
+        segment_ids,
+        initial_state,
+        chunk_size=chunk_size,
+        interpret=interpret,
+    )
+    y = poison(y, y_bad)
     final = poison(final, final_bad)
     return skip_and_gate(y.astype(acc), x_in, D, z).astype(x.dtype), final.astype(initial_state.dtype)

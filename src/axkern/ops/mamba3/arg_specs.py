@@ -1,0 +1,133 @@
+"""Shapes that `axkern bench mamba3` uses: the Mamba-3 2.7B layer (SISO, and MIMO of rank 4) and a
+quick CPU one."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from axkern.bench import Case
+
+from .api import mamba3_positional
+
+# batch, length, heads, head_dim, state, groups, n_angles, rank (0: SISO), chunk
+PRESETS = {
+    "quick": (2, 256, 4, 16, 16, 1, 4, 0, 64),
+    "mamba3_2.7b": (4, 4096, 80, 64, 128, 1, 32, 0, 64),
+}
+# the same layer as MIMO of rank 4, run after it unless `--tokens` names a length
+VARIANTS = {"mamba3_2.7b": ((4, 4096, 80, 64, 128, 1, 32, 4, 16),)}
+
+
+def cases(*, preset=None, tokens=None, dtype=None):
+    name = preset or "quick"
+    if name not in PRESETS:
+        raise ValueError(f"mamba3: unknown preset {name!r}; presets are {sorted(PRESETS)}")
+    b, l, *rest = PRESETS[name]
+    shapes = [(b, tokens or l, *rest)] + ([] if tokens else list(VARIANTS.get(name, ())))
+    dt_ = jnp.dtype(dtype or ("float32" if name == "quick" else "bfloat16"))
+    return [case(name, *shape, dt_) for shape in shapes]
+
+
+def case(name, b, l, h, p, n, g, a, r, q, dt_) -> Case:  # noqa: E741
+    rank = max(r, 1)
+
+    def make(key):
+        k = jax.random.split(key, 10)
+        qk = (b, l, g, n) if not r else (b, l, r, g, n)
+        bias = (h, n) if not r else (h, r, n)
+        inputs = (
+            jax.random.normal(k[0], qk).astype(dt_),
+            jax.random.normal(k[1], qk).astype(dt_),
+            jax.random.normal(k[2], (b, l, h, p)).astype(dt_),
+            -jax.nn.softplus(jax.random.normal(k[3], (b, h, l))),
+            jax.nn.softplus(jax.random.normal(k[4], (b, h, l)) - 2),
+            jax.random.normal(k[5], (b, h, l)),
+            jnp.ones(bias),
+            jnp.ones(bias),
+            jax.random.normal(k[6], (b, l, h, a)),
+        )
+        if r:
+            inputs += tuple(jax.random.normal(k[7 + i], (h, r, p)) / r for i in range(3))
+        return inputs
+
+    def forward(impl, *inputs):
+        mimo = tuple(inputs[9:]) or None
+        kw = {"chunk_size": q} if impl == "xla" else {}
+        return mamba3_positional(*inputs[:9], mimo=mimo, implementation=impl, **kw)
+
+    flops = 2.0 * b * l * q * h * rank * rank * (n + p)  # intra-chunk products, roughly
+    kind = "SISO" if not r else f"MIMO R={r}"
+    return Case(
+        "mamba3",
+        f"{name} {kind}: B={b} L={l} H={h} P={p} N={n} G={g} A={a} Q={q} {dt_.name}",
+        {"batch": b, "length": l, "heads": h, "head_dim": p, "state": n, "rank": rank},
+        dt_.name,
+        make,
+        forward,
+        None,
+        (0, 1, 2, 3, 4, 5),
+        flops,
+        2 * flops,
+    )
+
+
+# batch, heads, head_dim, state, groups, n_angles
+STEP_PRESETS = {"quick": [(2, 4, 16, 16, 1, 4)], "mamba3_2.7b": [(64, 80, 64, 128, 1, 32)]}
+PRESETS_BY_OP = {"mamba3": PRESETS, "mamba3_step": STEP_PRESETS}
+
+
+def cases_mamba3_step(*, preset=None, tokens=None, dtype=None):
+    """One SISO decode step: reads and writes the `[batch, heads, head_dim, state]` state."""
+    from .api import Mamba3State, mamba3_step_positional
+
+    name = preset or "quick"
+    if name not in STEP_PRESETS:
+        raise ValueError(f"mamba3_step: unknown preset {name!r}; presets are {sorted(STEP_PRESETS)}")
+    dt_ = jnp.dtype(dtype or ("float32" if name == "quick" else "bfloat16"))
+    out = []
+    for b, h, p, n, g, a in STEP_PRESETS[name]:
+        b = tokens or b
+
+        def make(key, b=b, h=h, p=p, n=n, g=g, a=a):
+            k = jax.random.split(key, 10)
+            return (
+                jax.random.normal(k[0], (b, g, n)).astype(dt_),
+                jax.random.normal(k[1], (b, g, n)).astype(dt_),
+                jax.random.normal(k[2], (b, h, p)).astype(dt_),
+                -jax.nn.softplus(jax.random.normal(k[3], (b, h))),
+                jax.nn.softplus(jax.random.normal(k[4], (b, h))),
+                jax.random.normal(k[5], (b, h)),
+                jnp.ones((h, n)),
+                jnp.ones((h, n)),
+                jax.random.normal(k[6], (b, h, a)),
+                jax.random.normal(k[7], (b, h, a)),
+                jax.random.normal(k[8], (b, h, p, n)),
+                jax.random.normal(k[9], (b, h, n)),
+                jax.random.normal(k[0], (b, h, p)),
+            )
+
+        def forward(impl, *inputs):
+            state = Mamba3State(*inputs[9:])
+            y, new = mamba3_step_positional(*inputs[:9], state, implementation=impl)
+            return (y, *new)
+
+        state = float(b) * h * p * n
+        out.append(
+            Case(
+                "mamba3_step",
+                f"{name}: B={b} H={h} P={p} N={n} G={g} A={a} {dt_.name}",
+                {"batch": b, "heads": h, "head_dim": p, "state": n},
+                dt_.name,
+                make,
+                forward,
+                None,
+                (0, 1, 2, 10),
+                6 * state,
+                12 * state,
+                bytes_forward=2 * state * 4,
+                bytes_backward=3 * state * 4,
+                bound="memory",
+            )
+        )
+    return out

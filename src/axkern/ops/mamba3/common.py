@@ -1,0 +1,215 @@
+"""Code the chunked Mamba-3 implementations share: the per-position preparation (angles, rotated
+`q` and `k`, the trapezoid's weights), the reduction to the SSD chunk scan, the non-finite guard
+and the output's correction, skip, gate and rank collapse (not an implementation; each backend
+supplies the chunk scan).
+
+**The chunked form.** With `c_t = (1 - λ_t) Δ_t` (0 where a segment starts) and
+`g_t = h_t + c_{t+1} Σ_r v_{t,r} k_{t,r}ᵀ` (`c` is 0 after the last position),
+`g_t = α_t g_{t-1} + (λ_t Δ_t + c_{t+1}) Σ_r v_{t,r} k_{t,r}ᵀ`: SSD with the per-position
+log-decay `adt_t` and input scale `s_t = λ_t Δ_t + c_{t+1}`, starting from
+`g_{-1} = h_{-1} + c_0 Σ_r v_{-1,r} k_{-1,r}ᵀ` (the initial state's `ssm`, `v` and `k`). Then
+`y_{t,r} = g_t q_{t,r} - c_{t+1} Σ_u (q_{t,r} · k_{t,u}) v_{t,u}` (a diagonal correction) and
+`h_L = g_L`.
+
+**Angles.** `Θ_t` is a running sum of `π tanh(angles) Δ` inside each segment, mod 2π: summed
+inside chunks (a `[Q, Q]` masked product), carried between chunks by a scan that takes the
+remainder at every chunk, so its rounding does not grow with the length.
+
+**Non-finite input** (`guard`): the chunked terms mix positions in ways the recurrence does not
+(`c_{t+1}` reaches `g_t`, cancelled only arithmetically), so they compute on inputs with
+non-finite values as 0 and NaN is put where the sequential recurrence is non-finite: a
+non-finite `v_{t,r}[p]` reaches row `p` of the state and of `y` from `t` to the end of its
+segment, `k_{t,r}[n]` column `n` of the state (so all of `y`), `adt_t` (unless `t` starts a
+segment), `dt_t` or `trap_t` the whole head, a non-finite rotated `q_{t,r}` only `y_{t,r}`; the
+initial state the first segment. `angles` and `dt` reach `Θ` (and so `q`, `k`) from their position on.
+"""
+
+from __future__ import annotations
+
+import math
+import typing
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from axkern.core import kernels
+from axkern.ops.ssd.common import kernels as chunk_kernels
+from axkern.ops.ssd.common.chunks import clean, poison, reaches, segment_starts
+
+
+def rotate(u, theta, halves):
+    """`u [.., N]` rotated by `theta [.., A]` on its first `A` pairs: `(2i, 2i+1)` (SISO) or
+    `(i, i + N/2)` (`halves`, MIMO)."""
+    n, a = u.shape[-1], theta.shape[-1]
+    if a == 0:
+        return u
+    cos, sin = jnp.cos(theta), jnp.sin(theta)
+    if halves:
+        u0, u1 = u[..., :a], u[..., n // 2 : n // 2 + a]
+        r0, r1 = u0 * cos - u1 * sin, u0 * sin + u1 * cos
+        return jnp.concatenate([r0, u[..., a : n // 2], r1, u[..., n // 2 + a :]], axis=-1)
+    u0, u1 = u[..., 0 : 2 * a : 2], u[..., 1 : 2 * a : 2]
+    r = jnp.stack([u0 * cos - u1 * sin, u0 * sin + u1 * cos], axis=-1).reshape(*u.shape[:-1], 2 * a)
+    return jnp.concatenate([r, u[..., 2 * a :]], axis=-1)
+
+
+def angle_sums(inc, theta0, seg, q):
+    """`Θ_t = (Θ_0 [t in the first segment] + Σ_{s <= t in t's segment} inc_s) mod 2π`, `inc
+    [b, l, h, a]` finite, `theta0 [b, h, a]`, `seg [b, l]` internal ids; chunks of `q`."""
+    batch, length, heads, a = inc.shape
+    if a == 0:
+        return inc
+    pad = (-length) % q
+    inc = jnp.pad(inc, [(0, 0), (0, pad), (0, 0), (0, 0)])
+    seg = jnp.concatenate([seg, jnp.broadcast_to(seg[:, -1:], (batch, pad))], axis=1)
+    ic = inc.reshape(batch, -1, q, heads, a)
+    sc = seg.reshape(batch, -1, q)
+    t = jnp.arange(q)
+    same = ((sc[:, :, :, None] == sc[:, :, None, :]) & (t[:, None] >= t[None, :])).astype(inc.dtype)
+    local = jnp.einsum("bcts,bcsha->bctha", same, ic, precision=lax.Precision.HIGHEST)
+    before = jnp.concatenate([sc[:, :1, 0], sc[:, :-1, -1]], axis=1)  # [b, c]
+    whole = sc[:, :, -1] == before  # no segment starts inside the chunk
+
+    def carry(theta, inputs):
+        whole_c, total_c = inputs
+        return jnp.mod(jnp.where(whole_c[:, None, None], theta, 0) + total_c, 2 * math.pi), theta
+
+    _, theta_in = lax.scan(carry, theta0, (jnp.moveaxis(whole, 1, 0), jnp.moveaxis(local[:, :, -1], 1, 0)))
+    theta_in = jnp.moveaxis(theta_in, 0, 1)[:, :, None]  # [b, c, 1, h, a]
+    cont = (sc == before[:, :, None])[..., None, None]
+    theta = jnp.mod(jnp.where(cont, theta_in, 0) + local, 2 * math.pi)
+    return theta.reshape(batch, -1, heads, a)[:, :length]
+
+
+class Core(typing.Protocol):
+    """A chunk scan: `(x [b, l, R, H, P], a, s [b, l, H], B, C [b, l, R, H, N], seg [b, l],
+    initial_state [b, H, P, N]) -> (y [b, l, R, H, P], final_state)` (`ssd.common.scan`)."""
+
+    def __call__(self, x, a, s, B, C, seg, initial_state): ...
+
+
+def kernel_core(layout, *, chunk_size, interpret, x_dtype) -> Core:
+    """SSD's Pallas chunk kernels (`ssd/common/kernels.py`, with `layout` a `Layout` subclass) as a
+    `Core` of one input per position (`R = 1`). `x` goes in as `x_dtype` (the inputs' own: the
+    kernels choose their products' precision by it); `B`, `C` (rotated `k`, `q`) per head."""
+
+    def core(x, a, s, B, C, seg, initial_state):
+        y, final = chunk_kernels.scan(
+            layout,
+            x[:, :, 0].astype(x_dtype),
+            a,
+            s,
+            B[:, :, 0],
+            C[:, :, 0],
+            seg,
+            initial_state,
+            chunk_size=chunk_size,
+            interpret=interpret,
+        )
+        return y[:, :, None], final
+
+    return core
+
+
+def forward(
+    core: Core,
+    q,
+    k,
+    v,
+    adt,
+    dt,
+    trap,
+    q_bias,
+    k_bias,
+    angles,
+    D,
+    z,
+    segment_ids,
+    angle0,
+    ssm0,
+    k0,
+    v0,
+    W_x,
+    W_z,
+    W_o,
+    *,
+    chunk_size,
+):
+    """Mamba-3 through the chunk scan `core`; the arguments and results of `reference.mamba3`."""
+    acc = jnp.promote_types(v.dtype, jnp.float32)
+    prec = kernels.full_precision(v.dtype)
+    batch, length, heads, _ = v.shape
+    groups = q.shape[3]
+    mimo = W_x is not None
+    f = lambda a: a.astype(acc)  # noqa: E731
+    bad = lambda a: ~jnp.isfinite(a)  # noqa: E731
+    by_rank = lambda w: jnp.swapaxes(f(w), 0, 1)  # noqa: E731 - [h, r, ..] -> [r, h, ..]
+    seg = segment_starts(segment_ids, batch, length)
+    starts = jnp.concatenate([jnp.zeros_like(seg[:, :1], bool), seg[:, 1:] != seg[:, :-1]], axis=1)
+    first = seg == 0
+
+    # per-position scalars, [b, l, h]
+    adt_, dt_, trap_ = (jnp.swapaxes(f(a), 1, 2) for a in (adt, dt, trap))
+    dt_bad = bad(dt_)
+    head_bad = bad(trap_) | dt_bad | (bad(adt_) & ~starts[..., None])
+    adt_, dt_, lam = clean(adt_), clean(dt_), jax.nn.sigmoid(clean(trap_))
+
+    # angles and the rotated q, k ([b, l, r, h, n])
+    ang = f(angles)
+    inc = math.pi * jnp.tanh(clean(ang)) * dt_[..., None]
+    theta = angle_sums(inc, clean(f(angle0)), seg, chunk_size)
+    theta_bad = reaches(bad(ang) | dt_bad[..., None], seg)
+    theta = poison(theta, theta_bad | (first[:, :, None, None] & bad(angle0)[:, None]))
+    per_head = lambda a: jnp.repeat(f(a), heads // groups, axis=3)  # noqa: E731
+    qr = rotate(per_head(q) + by_rank(q_bias), theta[:, :, None], mimo)
+    kr = rotate(per_head(k) + by_rank(k_bias), theta[:, :, None], mimo)
+    vr = f(v)[:, :, None] * by_rank(W_x) if mimo else f(v)[:, :, None]  # [b, l, r, h, p]
+    v0r = f(v0)[:, None] * by_rank(W_x) if mimo else f(v0)[:, None]  # [b, r, h, p]
+
+    # the trapezoid's weights: c_t on the previous position's input, none at a segment start
+    c = jnp.where(starts[..., None], 0, (1 - lam) * dt_)
+    c_next = jnp.concatenate([c[:, 1:], jnp.zeros_like(c[:, :1])], axis=1)
+    scale = lam * dt_ + c_next
+
+    # where the sequential recurrence is non-finite (see the module docstring)
+    row, col = bad(vr).any(2), bad(kr).any(2)  # [b, l, h, p], [b, l, h, n]
+    init_row = bad(ssm0).any(-1) | bad(v0r).any(1) | bad(k0).any((1, 3))[..., None]  # [b, h, p]
+    y_bad = reaches(row | (head_bad | col.any(-1))[..., None], seg) | (
+        first[:, :, None, None] & init_row[:, None]
+    )
+    y_bad = y_bad[:, :, None] | bad(qr).any(-1)[..., None]  # [b, l, r, h, p]
+    last = seg == seg[:, -1:]
+    in_last = lambda a: (a & last.reshape(last.shape + (1,) * (a.ndim - 2))).any(1)  # noqa: E731
+    final_bad = (
+        in_last(row)[..., None]
+        | in_last(col)[:, :, None, :]
+        | in_last(head_bad)[..., None, None]
+        | (
+            (seg[:, -1] == 0)[:, None, None, None]
+            & (bad(ssm0) | bad(v0r).any(1)[..., None] | bad(k0).any(1)[:, :, None, :])
+        )
+    )
+
+    # the chunk scan on the clean inputs, then the diagonal correction
+    vc, qc, kc = clean(vr), clean(qr), clean(kr)
+    einsum = lambda *a: jnp.einsum(*a, precision=prec)  # noqa: E731
+    g0 = clean(f(ssm0)) + c[:, 0, :, None, None] * einsum("brhp,brhn->bhpn", clean(v0r), clean(f(k0)))
+    y, final = core(vc, adt_, scale, kc, qc, seg, g0)
+    diag = einsum("blrhn,bluhn->blruh", qc, kc)
+    y = y - c_next[:, :, None, :, None] * einsum("blruh,bluhp->blrhp", diag, vc)
+    y = poison(y, y_bad)
+
+    if D is not None:
+        y = y + f(D)[:, None] * vr
+    if z is not None:
+        y = y * jax.nn.silu(f(z)[:, :, None] * by_rank(W_z) if mimo else f(z)[:, :, None])
+    y = jnp.sum(y * by_rank(W_o), axis=2) if mimo else y[:, :, 0]
+    final = poison(final, final_bad)
+    return (
+        y.astype(v.dtype),
+        theta[:, -1].astype(angle0.dtype),
+        final.astype(ssm0.dtype),
+        kr[:, -1].astype(k0.dtype),
+        v[:, -1].astype(v0.dtype),
+    )

@@ -1,0 +1,278 @@
+"""mamba3: the chunked xla implementation against the sequential float64 oracle (outputs, final
+states and every gradient, SISO and MIMO), decode steps against the scan, the named layer and
+the refused inputs. Each oracle check compiles three programs, so the cases are pairwise: every
+value of (dtype, groups, SISO/MIMO) once, both with states, segments, `D` and `z`."""
+
+from __future__ import annotations
+
+import haliax as hax
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import axkern
+from axkern.positional import mamba3, mamba3_step
+from tests.cases.mamba3 import STATE, call, forward, make, run
+from tests.harness import check_rule
+
+
+def check(seed, dims, dtype, chunk, **kw):
+    arrays, seg = make(seed, *dims, dtype, **kw)
+    check_rule(
+        lambda name, a, **k: run(name, a, seg, chunk if name != "reference" else None),
+        "xla",
+        arrays,
+        dtype,
+        "mamba3",
+    )
+
+
+@pytest.mark.parametrize(
+    "dtype,groups,rank",
+    [("float32", 2, 0), ("bfloat16", 1, 2)],
+    ids=["siso-float32-groups2", "mimo2-bfloat16-groups1"],
+)
+def test_against_sequential_oracle(dtype, groups, rank):
+    # length 37 over chunks of 8: a padded last chunk; state 6 with 2 angles (dims 4, 5 unrotated)
+    check(0, (2, 37, 4, 3, groups, 6, 2, rank), dtype, 8)
+
+
+def test_explain_names_xla_and_its_chunked_backward():
+    arrays, _ = make(0, 1, 16, 2, 4, 1, 4, 0, 0, "float32", extras=False)  # no angles: no rotation
+    decision = axkern.explain(lambda a: call(None, a), arrays)
+    assert decision.implementation == "xla" and decision.block_sizes.chunk_size == 16
+    assert "custom_vjp" in decision.backward
+
+
+@pytest.mark.parametrize("rank", [0, 2])
+def test_decode_steps_chained_equal_the_scan(rank):
+    arrays, _ = make(1, 2, 6, 4, 3, 2, 6, 2, rank, "float32", segments=False)
+    y, final = forward("xla", arrays, None, 4)
+    state = tuple(arrays[s] for s in STATE)
+    mimo = tuple(arrays[w] for w in ("W_x", "W_z", "W_o")) if rank else None
+    step = jax.jit(mamba3_step)
+    for t in range(6):
+        y_t, state = step(
+            arrays["q"][:, t],
+            arrays["k"][:, t],
+            arrays["v"][:, t],
+            arrays["adt"][..., t],
+            arrays["dt"][..., t],
+            arrays["trap"][..., t],
+            arrays["q_bias"],
+            arrays["k_bias"],
+            arrays["angles"][:, t],
+            state,
+            D=arrays["D"],
+            z_t=arrays["z"][:, t],
+            mimo=mimo,
+        )
+        np.testing.assert_allclose(y_t, y[:, t], rtol=1e-4, atol=1e-4)
+    for got, want in zip(state, final, strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_a_segment_starts_from_a_zero_state():
+    # the second segment of a sequence equals that segment run on its own
+    arrays, _ = make(2, 1, 20, 2, 3, 1, 4, 2, 0, "float32", segments=False)
+    seg = jnp.asarray([[0] * 9 + [1] * 11], jnp.int32)
+    y, final = forward("xla", arrays, seg, 8)
+    tail = {
+        name: (a[..., 9:] if name in ("adt", "dt", "trap") else a[:, 9:])
+        if a.ndim >= 3 and a.shape[0] == 1
+        else a
+        for name, a in arrays.items()
+        if name not in STATE
+    }
+    y2, final2 = forward("xla", tail, None, 8)
+    np.testing.assert_allclose(y[:, 9:], y2, rtol=1e-5, atol=1e-5)
+    for a, b in zip(final, final2, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_bad_input_is_refused_naming_the_sizes():
+    arrays, _ = make(3, 1, 8, 3, 4, 1, 8, 2, 0, "float32", extras=False)
+    args = [arrays[k] for k in ("q", "k", "v", "adt", "dt", "trap", "q_bias", "k_bias", "angles")]
+    two_groups = jnp.ones((1, 8, 2, 8))
+    with pytest.raises(ValueError, match="heads=3 is not divisible by groups=2"):
+        mamba3(two_groups, two_groups, *args[2:])
+    with pytest.raises(ValueError, match=r"n_angles=5 is more than state/2 = 4"):
+        mamba3(*args[:8], jnp.ones((1, 8, 3, 5)))
+    odd = jnp.ones((1, 8, 1, 7))
+    with pytest.raises(ValueError, match="n_angles=2 rotates pairs of state dims, but state=7 is odd"):
+        mamba3(odd, odd, *args[2:6], jnp.ones((3, 7)), jnp.ones((3, 7)), args[8])
+    with pytest.raises(ValueError, match="head_dim must be at least 1"):
+        mamba3(*args[:2], args[2][..., :0], *args[3:])
+    with pytest.raises(ValueError, match="chunk_size must be a power of two, got 12"):
+        mamba3(*args, chunk_size=12)
+    # MIMO: weights of another rank than q's
+    m, _ = make(3, 1, 8, 3, 4, 1, 8, 2, 2, "float32", extras=False)
+    margs = [m[k] for k in ("q", "k", "v", "adt", "dt", "trap", "q_bias", "k_bias", "angles")]
+    w3 = jnp.ones((3, 3, 4))
+    with pytest.raises(ValueError, match=r"W_x has shape \(3, 3, 4\), expected .* = \(3, 2, 4\)"):
+        mamba3(*margs, mimo=(w3, m["W_z"], m["W_o"]))
+    with pytest.raises(ValueError, match="with mimo, q and k carry a rank axis"):
+        mamba3(*args, mimo=(m["W_x"], m["W_z"], m["W_o"]))
+    with pytest.raises(ValueError, match="initial_state must hold all four"):
+        mamba3(*args, initial_state=(None, jnp.zeros((1, 3, 4, 8)), None, None))
+    with pytest.raises(ValueError, match="initial_state.ssm has shape"):
+        state = (jnp.zeros((1, 3, 2)), jnp.zeros((1, 3, 4, 4)), jnp.zeros((1, 3, 8)), jnp.zeros((1, 3, 4)))
+        mamba3(*args, initial_state=state)
+
+
+def test_empty_axes_give_empty_results_and_pass_the_state_through():
+    arrays, _ = make(4, 1, 8, 2, 3, 1, 4, 1, 0, "float32")
+    short = {
+        n: (a[..., :0] if n in ("adt", "dt", "trap") else a[:, :0]) if n not in STATE and a.ndim >= 3 else a
+        for n, a in arrays.items()
+    }
+    y, final = call("xla", short)
+    assert y.shape == (1, 0, 2, 3)
+    for name, a in zip(STATE, final, strict=True):
+        np.testing.assert_array_equal(a, arrays[name])
+
+
+@pytest.mark.parametrize("rank", [0, 2])
+def test_named_layer_equals_the_positional_one(rank):
+    arrays, seg = make(5, 2, 12, 4, 3, 2, 6, 2, rank, "float32")
+    Batch, Pos, Heads, HeadDim = (
+        hax.Axis(n, s) for n, s in (("batch", 2), ("position", 12), ("heads", 4), ("head_size", 3))
+    )
+    Groups, State, Angles, Rank = (
+        hax.Axis("groups", 2),
+        hax.Axis("state", 6),
+        hax.Axis("angles", 2),
+        hax.Axis("rank", rank),
+    )
+    r = (Rank,) if rank else ()
+    n = lambda name, axes: hax.named(arrays[name], axes)  # noqa: E731
+    qk = (Batch, Pos, *r, Groups, State)
+    state = axkern.Mamba3State(
+        n("angle_state", (Batch, Heads, Angles)),
+        n("ssm_state", (Batch, Heads, HeadDim, State)),
+        n("k_state", (Batch, *r, Heads, State)),
+        n("v_state", (Batch, Heads, HeadDim)),
+    )
+    mimo = tuple(n(w, (Heads, Rank, HeadDim)) for w in ("W_x", "W_z", "W_o")) if rank else None
+    v = n("v", (Batch, Pos, Heads, HeadDim)).rearrange((Heads, Batch, HeadDim, Pos))
+    y, final = jax.jit(axkern.mamba3, static_argnames=("return_final_state", "chunk_size"))(
+        n("q", qk), n("k", qk), v,
+        n("adt", (Batch, Heads, Pos)), n("dt", (Batch, Heads, Pos)), n("trap", (Batch, Heads, Pos)),
+        n("q_bias", (Heads, *r, State)), n("k_bias", (Heads, *r, State)), n("angles", (Batch, Pos, Heads, Angles)),
+        D=n("D", (Heads,)), z=n("z", (Batch, Pos, Heads, HeadDim)), segment_ids=hax.named(seg, (Batch, Pos)),
+        initial_state=state, mimo=mimo, return_final_state=True, chunk_size=4,
+    )  # fmt: skip
+    assert y.axes == v.axes and final.ssm.axes == (Batch, Heads, HeadDim, State)
+    want_y, want_final = forward("xla", arrays, seg, 4)
+    np.testing.assert_allclose(y.rearrange((Batch, Pos, Heads, HeadDim)).array, want_y, rtol=1e-5, atol=1e-5)
+    for got, want in zip(final, want_final, strict=True):
+        np.testing.assert_allclose(got.array, want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match=r"q has no axis 'grp' \(Groups\)"):
+        axkern.mamba3(n("q", qk), n("k", qk), v, *(n(a, (Batch, Heads, Pos)) for a in ("adt", "dt", "trap")),
+                      n("q_bias", (Heads, *r, State)), n("k_bias", (Heads, *r, State)),
+                      n("angles", (Batch, Pos, Heads, Angles)), Groups="grp", mimo=mimo)  # fmt: skip
+
+
+def test_sharded_equals_unsharded():
+    # batch data parallel over "data"; a Pos mapped to "model" is gathered (no sequence parallel rule)
+    from jax.sharding import Mesh
+
+    arrays, seg = make(6, 2, 16, 4, 3, 2, 6, 2, 0, "float32")
+    Batch, Pos, Heads, HeadDim = (
+        hax.Axis(n, s) for n, s in (("batch", 2), ("position", 16), ("heads", 4), ("head_size", 3))
+    )
+    Groups, State, Angles = hax.Axis("groups", 2), hax.Axis("state", 6), hax.Axis("angles", 2)
+    n = lambda name, axes: hax.named(arrays[name], axes)  # noqa: E731
+    qk = (Batch, Pos, Groups, State)
+    state = axkern.Mamba3State(
+        n("angle_state", (Batch, Heads, Angles)),
+        n("ssm_state", (Batch, Heads, HeadDim, State)),
+        n("k_state", (Batch, Heads, State)),
+        n("v_state", (Batch, Heads, HeadDim)),
+    )
+    rest = (n("adt", (Batch, Heads, Pos)), n("dt", (Batch, Heads, Pos)), n("trap", (Batch, Heads, Pos)),
+            n("q_bias", (Heads, State)), n("k_bias", (Heads, State)), n("angles", (Batch, Pos, Heads, Angles)))  # fmt: skip
+
+    def f(q, k, v, s0):
+        y, final = axkern.mamba3(q, k, v, *rest, segment_ids=hax.named(seg, (Batch, Pos)), initial_state=s0,
+                                 D=n("D", (Heads,)), return_final_state=True, chunk_size=8)  # fmt: skip
+        return hax.sum(y * y).array + sum(hax.sum(s).array for s in final), (y, final)
+
+    args = (n("q", qk), n("k", qk), n("v", (Batch, Pos, Heads, HeadDim)), state)
+    want = jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2, 3), has_aux=True))(*args)
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "model"))
+    with hax.partitioning.set_mesh(mesh), hax.axis_mapping({"batch": "data", "position": "model"}):
+        fn = jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2, 3), has_aux=True))
+        got = fn(*args)
+        text = fn.lower(*args).as_text()
+        assert "manual_computation" in text or "shard_map" in text
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-4, atol=2e-4)
+
+
+@pytest.mark.parametrize("rank", [0, 2])
+def test_against_levanters_direct_recurrence(rank):
+    # Levanter's Mamba-3 oracles (real-valued: no angles, no biases) on shared inputs, where
+    # levanter is importable (its wheel is not a dependency: elsewhere this is a skip)
+    lev = pytest.importorskip("levanter.kernels.pallas.mamba3.reference")
+    H, K, C, P, N = 3, 4, 8, 5, 6
+    k = jax.random.split(jax.random.PRNGKey(0), 12)
+    dt = jax.nn.softplus(jax.random.normal(k[0], (H, K, C)))
+    lam = jax.nn.sigmoid(jax.random.normal(k[1], (H, K, C)))
+    A = jnp.broadcast_to(-jnp.exp(jax.random.normal(k[2], (H,)))[:, None, None], dt.shape)
+    x = jax.random.normal(k[5], (H, K, C, P))
+    flat = lambda a: jnp.moveaxis(a.reshape(H, K * C, *a.shape[3:]), 0, 1)[None]  # noqa: E731 - [1, L, H, ..]
+    scalars = lambda a: a.reshape(1, H, K * C)  # noqa: E731
+    args = (flat(x), scalars(A * dt), scalars(dt), scalars(jnp.log(lam / (1 - lam))))
+    no_angles = jnp.zeros((1, K * C, H, 0))
+    if not rank:
+        b, c = jax.random.normal(k[3], (H, K, C, N)), jax.random.normal(k[4], (H, K, C, N))
+        y_lev, h_lev = lev.mamba3_direct_recurrence_reference_batched(dt, lam, A, b, c, x)
+        zeros = jnp.zeros((H, N))
+        y, final = mamba3(flat(c), flat(b), *args, zeros, zeros, no_angles, return_final_state=True)
+    else:
+        b, c = (jax.random.normal(k[i], (H, K, C, N, rank)) for i in (6, 7))
+        w_x, w_z, w_o = (jax.random.normal(k[i], (H, P, rank)) for i in (8, 9, 10))
+        z = jax.random.normal(k[11], (H, K, C, P))
+        y_lev, h_lev = lev.mamba3_mimo_direct_recurrence_reference_batched(
+            dt, lam, A, b, c, x, z, w_x, w_z, w_o
+        )
+        by_rank = lambda a: jnp.moveaxis(flat(a), -1, 2)  # noqa: E731 - [1, L, R, H, N]
+        zeros = jnp.zeros((H, rank, N))
+        mimo = tuple(jnp.swapaxes(w, 1, 2) for w in (w_x, w_z, w_o))
+        y, final = mamba3(
+            by_rank(c),
+            by_rank(b),
+            *args,
+            zeros,
+            zeros,
+            no_angles,
+            z=flat(z),
+            mimo=mimo,
+            return_final_state=True,
+        )
+    np.testing.assert_allclose(y, flat(y_lev), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(final.ssm[0], h_lev, rtol=1e-4, atol=1e-4)
+
+
+def test_the_chunk_scan_backward_keeps_only_inputs_and_chunk_states():
+    # `scan_recompute` (xla's chunk scan) saves its inputs and the state entering each chunk;
+    # autodiff through `scan` keeps each chunk's [Q, Q] terms as well
+    from jax._src.ad_checkpoint import saved_residuals
+
+    from axkern.ops.ssd.common import scan
+
+    b, l, r, h, p, n, q = 1, 64, 2, 2, 4, 4, 32
+    k = jax.random.split(jax.random.PRNGKey(0), 5)
+    x, B, C = (jax.random.normal(k[i], (b, l, r, h, d)) for i, d in ((0, p), (1, n), (2, n)))
+    a, s = -jax.nn.softplus(jax.random.normal(k[3], (b, l, h))), jax.random.uniform(k[4], (b, l, h))
+    seg, init = jnp.zeros((b, l), jnp.int32), jnp.zeros((b, h, p, n))
+    kw = dict(chunk_size=q, precision=None, sums=False)
+
+    def saved(fn):
+        loss = lambda *args: jnp.sum(fn(*args, seg, init, **kw)[0])  # noqa: E731
+        return sum(aval.size for aval, _ in saved_residuals(loss, x, a, s, B, C))
+
+    inputs = x.size + B.size + C.size + a.size + s.size + seg.size + (l // q) * h * p * n  # + chunk states
+    assert saved(scan.scan_recompute) <= inputs < saved(scan.scan) / 2

@@ -1,0 +1,122 @@
+"""mamba3 and non-finite input (docs/guide.md, "Non-finite values"): a NaN or an infinity reaches
+the outputs the sequential recurrence carries it to (from its position to its segment's end,
+never earlier, never another segment), in every chunked implementation the registry lists for
+this machine; gradients are never a number where the recurrence's gradient is not one."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import axkern
+from tests.cases.mamba3 import call, make
+from tests.harness import INTERPRET, implementations_here, serving
+from tests.helpers import assert_nonfinite_rule, poke
+
+IMPLS = implementations_here("mamba3")
+
+
+def _inputs(seed, rank=0, l=24):  # noqa: E741
+    # head dim and state 16: the smallest that every kernel takes
+    return make(seed, 1, l, 2, 16, 2 if not rank else 1, 16, 2, rank, "float32", segments=False)[0]
+
+
+@functools.cache
+def _compiled(impl, grads):
+    """`(y, final_state)`, or with `grads` the gradients of a weighted sum of both, as one jitted
+    function of `(arrays, segment_ids)`: a case of the same shapes compiles once."""
+
+    def f(a, seg):
+        y, final = call(impl, a, seg, None if impl == "reference" else 16)
+        loss = jnp.sum(y * jnp.cos(jnp.arange(y.size).reshape(y.shape))) + sum(jnp.sum(s) for s in final)
+        return loss, (y, tuple(final))
+
+    if grads:
+        return jax.jit(lambda a, seg: jax.grad(f, has_aux=True)(a, seg)[0])
+    return jax.jit(lambda a, seg: f(a, seg)[1])
+
+
+def _run(impl, a, seg, grads=False, drawn=False):
+    with axkern.use(interpret=INTERPRET), serving(impl, drawn=drawn):
+        return _compiled(impl, grads)(a, seg)
+
+
+def _zero_segments(a):
+    return jnp.zeros(a["v"].shape[:2], jnp.int32)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("where", ["v", "k", "q", "dt", "adt", "trap", "angles"])
+def test_a_non_finite_value_stays_at_and_after_its_position(impl, where):
+    a = _inputs(0)
+    index = {
+        "v": (0, 10, 1, 3),
+        "k": (0, 10, 0, 5),
+        "q": (0, 10, 1, 0),
+        "angles": (0, 10, 1, 1),
+    }.get(where, (0, 1, 10))  # adt, dt, trap: [batch, heads, length]
+    a[where] = poke(a[where], index, np.inf if where in ("v", "trap") else np.nan)
+    seg = _zero_segments(a)
+    want = _run("reference", a, seg)
+    assert_nonfinite_rule(_run(impl, a, seg), want, f"{impl} {where}")
+    bad = ~np.isfinite(np.asarray(want[0]))
+    assert not bad[0, :10].any() and bad[0, 10].any()
+    if where != "q":  # q reaches its own position only
+        assert bad[0, 11:].any()
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_a_nan_stays_in_its_segment_and_the_gradients_are_never_a_number_where_it_reaches(impl):
+    # (they may be NaN in more places: a NaN cotangent meets the masked terms' zeros in the
+    # chunks' products)
+    a = _inputs(1)
+    a["v"] = poke(a["v"], (0, 5, 0, 0), np.nan)
+    seg = jnp.asarray([[0] * 12 + [1] * 12], jnp.int32)
+    y, final = _run(impl, a, seg)
+    assert_nonfinite_rule((y, final), _run("reference", a, seg))
+    bad = ~np.isfinite(np.asarray(y))[0, :, 0, 0]
+    assert not bad[:5].any() and bad[5:12].all() and not bad[12:].any()
+    got, want = _run(impl, a, seg, grads=True), _run("reference", a, seg, grads=True)
+    for name in want:
+        g, w = np.asarray(got[name]), np.asarray(want[name])
+        assert (~np.isfinite(g) | np.isfinite(w)).all(), name  # never a number where the recurrence has none
+    assert np.isnan(np.asarray(got["v"])[0, 5, 0, 0])
+
+
+NAMES = ["q", "k", "v", "adt", "dt", "trap", "q_bias", "k_bias", "angles", "D", "z"]
+NAMES += ["angle_state", "ssm_state", "k_state", "v_state"]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@settings(max_examples=6, deadline=None)
+@given(
+    rank=st.sampled_from([0, 1, 2]),
+    where=st.sampled_from(NAMES + ["W_x", "W_z", "W_o"]),
+    value=st.sampled_from([np.nan, np.inf, -np.inf]),
+    segments=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_property_non_finite_pattern_matches_the_reference(impl, rank, where, value, segments, seed):
+    if impl.startswith("pallas"):  # the kernels take one input per position
+        rank = min(rank, 1)
+    a = _inputs(seed, rank)
+    if where not in a:  # a MIMO weight drawn for a SISO case
+        where = "v"
+    rng = np.random.default_rng(seed)
+    a[where] = poke(a[where], tuple(int(rng.integers(n)) for n in a[where].shape), value)
+    seg = (
+        jnp.asarray(np.cumsum(rng.random((1, 24)) < 0.15, axis=1), jnp.int32)
+        if segments
+        else _zero_segments(a)
+    )
+    want = _run("reference", a, seg)
+    assert_nonfinite_rule(_run(impl, a, seg, drawn=True), want, f"{impl} {where}")
+    got, want = _run(impl, a, seg, grads=True), _run("reference", a, seg, grads=True)
+    for name in want:
+        assert (~np.isfinite(np.asarray(got[name])) | np.isfinite(np.asarray(want[name]))).all(), name
