@@ -35,21 +35,27 @@ def numpy_dispatch(x, idx, experts):
 @pytest.mark.parametrize(
     "kind,tokens,topk,experts",
     [
-        ("duplicates", 20, 4, 8),
+        ("random", 37, 4, 8),
+        ("duplicates", 20, 3, 8),
         ("sparse", 16, 2, 9),
         ("random", 25, 1, 5),
     ],
 )
 def test_dispatch_layout_and_combine_against_numpy(impl, kind, tokens, topk, experts):
     x, idx, w = routing_case(1, tokens, topk, experts, kind=kind)
-    ex, gs, routing = moe_dispatch(x, idx, num_experts=experts, implementation=impl)
+
+    @jit  # one compilation rather than one per primitive (eager calls: test_named_round_trip_and_errors)
+    def f(x, idx, w):
+        ex, gs, routing = moe_dispatch(x, idx, num_experts=experts, implementation=impl)
+        lay = moe_layout(idx, num_experts=experts, num_ranks=1, implementation=impl)
+        return ex, gs, lay, moe_combine(ex * 3.0, w, routing, implementation=impl)
+
+    ex, gs, lay, y = f(x, idx, w)
     want_x, want_gs, order = numpy_dispatch(x, idx, experts)
     np.testing.assert_array_equal(ex, want_x)
     np.testing.assert_array_equal(gs, want_gs)
-    lay = moe_layout(idx, num_experts=experts, num_ranks=1, implementation=impl)
     np.testing.assert_array_equal(lay.tokens_per_expert, want_gs)
     assert int(lay.dropped) == 0
-    y = moe_combine(ex * 3.0, w, routing, implementation=impl)
     np.testing.assert_allclose(y, 3.0 * np.asarray(w).sum(1)[:, None] * np.asarray(x), rtol=1e-5)
 
 
