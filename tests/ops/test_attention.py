@@ -75,7 +75,7 @@ def test_pallas_gpu_against_float64_oracle(kind, dtype):
 
 
 def test_pallas_gpu_rows_that_see_nothing_and_combined_masks():
-    arrays = _inputs(7, 1, 40, 40, 8, 1, 16, "float32")  # MQA
+    arrays = _inputs(7, 1, 40, 40, 4, 1, 16, "float32")  # MQA
     mask = masks.SlidingWindow(9) | masks.Causal(offset=-20)  # the first rows see only their window
     check(arrays, mask, "float32", impl="pallas_gpu", sinks=False)
     check(arrays, masks.Causal(offset=-8), "float32", impl="pallas_gpu", sinks=False)  # rows 0-7 see nothing
@@ -107,15 +107,16 @@ def test_full_tiles_skip_masking_and_stay_exact():
     # a window whose band holds FULL tiles between partial ones (and causal rows of FULL
     # tiles), in float32 and bf16, for every tiled implementation
     # (pallas_gpu's bfloat16 window: test_pallas_gpu_against_float64_oracle)
+    # (row blocks 2 and 3 of a window of 40 over 16-tiles: partial, FULL, partial)
     for impls, dtype in ((["pallas_gpu", "xla"], "float32"), (["pallas_tpu"], "bfloat16")):
-        arrays = _inputs(8, 1, 80, 80, 4, 2, 16, dtype)
+        arrays = _inputs(8, 1, 64, 64, 4, 2, 16, dtype)
         checks(impls, arrays, masks.SlidingWindow(40), dtype, sinks=True, cap=None)
     impls = ["pallas_gpu", "pallas_tpu", "xla"]
     checks(impls, _inputs(9, 1, 64, 64, 2, 1, 16, "float32"), masks.Causal(), "float32", cap=2.0)
     # long packed documents: tiles inside one document run without masking in pallas_gpu
-    ids = jnp.asarray([[0] * 40 + [1] * 56, [0] * 16 + [1] * 64 + [2] * 16])
+    ids = jnp.asarray([[0] * 24 + [1] * 40, [0] * 16 + [1] * 32 + [2] * 16])
     for mask in (masks.Causal() & masks.Segments(ids, ids), masks.Segments(ids, ids)):
-        check(_inputs(10, 2, 96, 96, 2, 2, 16, "float32"), mask, "float32", impl="pallas_gpu", cap=2.0)
+        check(_inputs(10, 2, 64, 64, 2, 2, 16, "float32"), mask, "float32", impl="pallas_gpu", cap=2.0)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -203,7 +204,7 @@ def test_pallas_tpu_rows_that_see_nothing_mqa_and_its_schedule():
     from axkern.ops.attention import common as tiles
     from axkern.ops.attention import pallas_tpu
 
-    arrays = _inputs(8, 1, 40, 40, 8, 1, 16, "float32")  # MQA
+    arrays = _inputs(8, 1, 40, 40, 4, 1, 16, "float32")  # MQA
     check(
         arrays, masks.SlidingWindow(9) | masks.Causal(offset=-20), "float32", impl="pallas_tpu", sinks=False
     )
