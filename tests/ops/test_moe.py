@@ -203,7 +203,7 @@ def test_named_token_parallel_equals_unsharded():
         with hax.partitioning.set_mesh(mesh), hax.axis_mapping(mapping):
             got = jit(f)(xn, idxn, wn, weights)
             layout = jit(lambda i: axkern.moe_layout(i, num_experts=4, num_ranks=2))(idxn)
-            _, gs, _ = axkern.moe_dispatch(xn, idxn, num_experts=4)
+            _, gs, _ = jax.eval_shape(lambda x, i: axkern.moe_dispatch(x, i, num_experts=4), xn, idxn)
         assert gs.axes[0] == hax.Axis("dispatch_blocks", blocks)
         for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
@@ -217,6 +217,6 @@ def test_named_combine_refuses_a_routing_from_another_mapping():
     xn, idxn, wn, weights = _named_moe_case()
     mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("data", "model"))
     with hax.partitioning.set_mesh(mesh), hax.axis_mapping({"batch": "data"}):
-        ex, _, routing = axkern.moe_dispatch(xn, idxn, num_experts=4)
+        ex, _, routing = jit(lambda x, i: axkern.moe_dispatch(x, i, num_experts=4))(xn, idxn)
     with pytest.raises(ValueError, match="call moe_combine under the axis mapping moe_dispatch ran under"):
         axkern.moe_combine(ex.rename({"embed": "out"}), wn, routing)
