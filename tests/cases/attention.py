@@ -30,7 +30,7 @@ def _runner(impl, sinks, cap, blocks, interpret):
     """`(out, grads)` of `impl` as one jitted function of `(arrays, mask)`: the cases of one
     shape, dtype and mask kind compile once (the interpret setting is read while tracing, so it
     is part of the key)."""
-    block_sizes = dict(blocks) if impl in ("xla", "pallas_gpu", "pallas_tpu") and blocks is not None else None
+    block_sizes = dict(blocks) if blocks is not None else None
 
     def f(q, k, v, s, mask):
         o = attention(
@@ -58,5 +58,6 @@ def _runner(impl, sinks, cap, blocks, interpret):
 def run(impl, arrays, mask, *, sinks=True, cap=None, blocks=(16, 16)):
     if blocks is not None and not isinstance(blocks, dict):
         blocks = dict(block_q=blocks[0], block_kv=blocks[1])
-    key = tuple(sorted(blocks.items())) if blocks is not None else None
+    blocked = impl in ("xla", "pallas_gpu", "pallas_tpu")  # the others take no block sizes
+    key = tuple(sorted(blocks.items())) if blocks is not None and blocked else None
     return _runner(impl, sinks, cap, key, config.current().interpret)(arrays, mask)
