@@ -6,6 +6,8 @@ gradients of the tokens, the routing weights and the experts' weights where give
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -42,17 +44,24 @@ def make(seed, tokens, topk, experts, dtype="float32", *, hidden=6, kind="random
     return {k: jnp.asarray(a) for k, a in arrays.items()}
 
 
+@functools.cache
+def _runner(impl, experts, weights):
+    """The layer's value and gradients for `impl` as one jitted function of `(diff, idx)`: the
+    cases of one shape and dtype (whatever their routing) compile once."""
+
+    def f(d, idx):
+        ex, gs, routing = moe_dispatch(d["x"], idx, num_experts=experts, implementation=impl)
+        h = jax.lax.ragged_dot(ex, d["weights"], gs) if weights else jnp.sin(ex)
+        y = moe_combine(h, d["w"], routing, implementation=impl)
+        return jnp.sum(y.astype(jnp.float32) ** 2), (ex, gs, y)
+
+    return jit(jax.value_and_grad(f, has_aux=True))
+
+
 def run(impl, arrays, *, experts):
     """`((expert_x, group_sizes, y), grads)` of the layer `y = combine(f(dispatch(x)), w)`, with
     `f = sin`, or `ragged_dot` with the experts' `weights` where given; gradients of `sum(y^2)`
     w.r.t. x and w (and weights)."""
     diff = {k: arrays[k] for k in ("x", "w", "weights") if k in arrays}
-
-    def f(d, idx):
-        ex, gs, routing = moe_dispatch(d["x"], idx, num_experts=experts, implementation=impl)
-        h = jax.lax.ragged_dot(ex, d["weights"], gs) if "weights" in d else jnp.sin(ex)
-        y = moe_combine(h, d["w"], routing, implementation=impl)
-        return jnp.sum(y.astype(jnp.float32) ** 2), (ex, gs, y)
-
-    (_, out), grads = jit(jax.value_and_grad(f, has_aux=True))(diff, arrays["idx"])
+    (_, out), grads = _runner(impl, experts, "weights" in diff)(diff, arrays["idx"])
     return out, tuple(grads[k] for k in diff)

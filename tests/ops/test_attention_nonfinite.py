@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 import axkern
 from axkern import masks
 from axkern.positional import attention
-from tests.harness import INTERPRET, implementations_here, serving
+from tests.harness import INTERPRET, implementations_here, jit, serving
 from tests.helpers import assert_nonfinite_rule, poke
 
 IMPLS = implementations_here("attention")
@@ -66,7 +66,7 @@ def _compiled(impl, sinks, scale, cap):
         )
         return out, grads if sinks else grads[:3]
 
-    return jax.jit(run)
+    return jit(run)
 
 
 def _run(impl, a, mask, *, sinks=False, scale=None, cap=None):
@@ -113,7 +113,8 @@ def test_a_non_finite_scale_or_cap_is_refused():
 def test_a_nan_sink_gives_nan(impl):
     a = _inputs(2)
     a["sinks"] = poke(a["sinks"], 1, np.nan)
-    out, _ = _against_reference(impl, a, masks.Causal(), sinks=True)
+    # sinks and a soft cap, as in the next test: one compilation for both
+    out, _ = _against_reference(impl, a, masks.Causal(), sinks=True, cap=5.0)
     assert np.isnan(np.asarray(out)[..., 1, :]).all() and np.isfinite(np.asarray(out)[..., 0, :]).all()
 
 
@@ -121,7 +122,7 @@ def test_a_nan_sink_gives_nan(impl):
 def test_a_soft_cap_does_not_hide_an_infinity(impl):
     a = _inputs(3)
     a["q"] = poke(a["q"], (0, 4, 0, 0), np.inf)
-    out, _ = _against_reference(impl, a, masks.Causal(), cap=5.0)
+    out, _ = _against_reference(impl, a, masks.Causal(), sinks=True, cap=5.0)
     assert np.isnan(np.asarray(out)[0, 4, 0]).all()
 
 
@@ -150,7 +151,7 @@ def test_a_row_that_sees_nothing_stays_zero_next_to_a_nan(impl):
 
 @pytest.mark.parametrize("impl", IMPLS)
 # cudnn serves few drawn cases (no offsets, segments or sinks): the others are rejected
-@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.filter_too_much])
+@settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.filter_too_much])
 @given(
     sq=st.sampled_from([0, 1, 17]),
     sk=st.sampled_from([1, 20, 33]),
@@ -182,7 +183,7 @@ def test_the_cudnn_guard_takes_the_rule_following_path_where_something_is_not_fi
     from axkern.ops.attention.api import _where_finite
 
     mask = masks.Causal()
-    ref = functools.partial(attention, mask=mask, implementation="reference")
+    ref = jax.jit(functools.partial(attention, mask=mask, implementation="reference"))
 
     def hiding(q, k, v):  # finite whatever the inputs, and a different function of q
         return ref(jnp.nan_to_num(2 * q), jnp.nan_to_num(k), jnp.nan_to_num(v))
@@ -195,10 +196,11 @@ def test_the_cudnn_guard_takes_the_rule_following_path_where_something_is_not_fi
 
     a = _inputs(6)
     cot = jnp.cos(jnp.arange(24 * 2 * 16, dtype=jnp.float32).reshape(1, 24, 2, 16))
-    for f in (guarded, jax.jit(guarded)):
-        got, want = value_and_grads(f, a, cot), value_and_grads(hiding, a, cot)
-        np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), rtol=1e-5, atol=1e-6)
-        for g, w in zip(got[1], want[1], strict=True):
+    clean = value_and_grads(hiding, a, cot)
+    for f in (guarded, jax.jit(guarded)):  # the guard run eagerly and jitted
+        got = value_and_grads(f, a, cot)
+        np.testing.assert_allclose(np.asarray(got[0]), np.asarray(clean[0]), rtol=1e-5, atol=1e-6)
+        for g, w in zip(got[1], clean[1], strict=True):
             np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)
     bad = dict(a, k=poke(a["k"], (0, 9, 0, 2), np.nan))
     got, want = value_and_grads(jax.jit(guarded), bad, cot), value_and_grads(ref, bad, cot)
@@ -207,7 +209,5 @@ def test_the_cudnn_guard_takes_the_rule_following_path_where_something_is_not_fi
     assert np.isnan(np.asarray(got[0])[0, 9:]).any() and np.isfinite(np.asarray(got[0])[0, :9]).all()
     bad_cot = poke(cot, (0, 3, 1, 0), np.nan)
     got, want = value_and_grads(jax.jit(guarded), a, bad_cot), value_and_grads(ref, a, bad_cot)
-    np.testing.assert_allclose(
-        np.asarray(got[0]), np.asarray(value_and_grads(hiding, a, cot)[0]), rtol=1e-5, atol=1e-6
-    )
+    np.testing.assert_allclose(np.asarray(got[0]), np.asarray(clean[0]), rtol=1e-5, atol=1e-6)
     assert_nonfinite_rule(got[1], want[1], "guard grads, NaN cotangent", rtol=1e-5)

@@ -11,7 +11,7 @@ import pytest
 import axkern
 from axkern.positional import moe_combine, moe_dispatch, moe_layout
 from tests.cases.moe import KINDS, make, run
-from tests.harness import check_rules, implementations
+from tests.harness import check_rules, implementations, jit
 
 COMPILED = implementations("moe_dispatch", "cpu")
 IMPLS = [*COMPILED, "reference"]  # the reference against NumPy too
@@ -43,14 +43,19 @@ def numpy_dispatch(x, idx, experts):
 )
 def test_dispatch_layout_and_combine_against_numpy(impl, kind, tokens, topk, experts):
     x, idx, w = routing_case(1, tokens, topk, experts, kind=kind)
-    ex, gs, routing = moe_dispatch(x, idx, num_experts=experts, implementation=impl)
+
+    @jit  # one compilation rather than one per primitive (eager calls: test_named_round_trip_and_errors)
+    def f(x, idx, w):
+        ex, gs, routing = moe_dispatch(x, idx, num_experts=experts, implementation=impl)
+        lay = moe_layout(idx, num_experts=experts, num_ranks=1, implementation=impl)
+        return ex, gs, lay, moe_combine(ex * 3.0, w, routing, implementation=impl)
+
+    ex, gs, lay, y = f(x, idx, w)
     want_x, want_gs, order = numpy_dispatch(x, idx, experts)
     np.testing.assert_array_equal(ex, want_x)
     np.testing.assert_array_equal(gs, want_gs)
-    lay = moe_layout(idx, num_experts=experts, num_ranks=1, implementation=impl)
     np.testing.assert_array_equal(lay.tokens_per_expert, want_gs)
     assert int(lay.dropped) == 0
-    y = moe_combine(ex * 3.0, w, routing, implementation=impl)
     np.testing.assert_allclose(y, 3.0 * np.asarray(w).sum(1)[:, None] * np.asarray(x), rtol=1e-5)
 
 
@@ -185,25 +190,25 @@ def test_named_takes_any_token_axes():
     assert int(lay.tokens_per_expert.array.sum()) == 48
 
 
-@pytest.mark.parametrize("mapping", [{"batch": "data"}, {"batch": "data", "position": "model"}])
-def test_named_token_parallel_equals_unsharded(mapping):
+def test_named_token_parallel_equals_unsharded():
     from jax.sharding import Mesh
 
     xn, idxn, wn, weights = _named_moe_case()
     f = jax.value_and_grad(_named_layer, argnums=(0, 2, 3), has_aux=True)
-    want = jax.jit(f)(xn, idxn, wn, weights)
+    want = jit(f)(xn, idxn, wn, weights)
     want_layout = axkern.moe_layout(idxn, num_experts=4, num_ranks=2)
     mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("data", "model"))
-    with hax.partitioning.set_mesh(mesh), hax.axis_mapping(mapping):
-        got = jax.jit(f)(xn, idxn, wn, weights)
-        layout = jax.jit(lambda i: axkern.moe_layout(i, num_experts=4, num_ranks=2))(idxn)
-        _, gs, _ = axkern.moe_dispatch(xn, idxn, num_experts=4)
-    blocks = 2 if len(mapping) == 1 else 4
-    assert gs.axes[0] == hax.Axis("dispatch_blocks", blocks)
-    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
-    for a, b in zip(jax.tree.leaves(layout), jax.tree.leaves(want_layout), strict=True):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # tokens over one mesh axis (one dispatch block per batch shard) and over both
+    for mapping, blocks in (({"batch": "data"}, 2), ({"batch": "data", "position": "model"}, 4)):
+        with hax.partitioning.set_mesh(mesh), hax.axis_mapping(mapping):
+            got = jit(f)(xn, idxn, wn, weights)
+            layout = jit(lambda i: axkern.moe_layout(i, num_experts=4, num_ranks=2))(idxn)
+            _, gs, _ = jax.eval_shape(lambda x, i: axkern.moe_dispatch(x, i, num_experts=4), xn, idxn)
+        assert gs.axes[0] == hax.Axis("dispatch_blocks", blocks)
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+        for a, b in zip(jax.tree.leaves(layout), jax.tree.leaves(want_layout), strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_named_combine_refuses_a_routing_from_another_mapping():
@@ -212,6 +217,6 @@ def test_named_combine_refuses_a_routing_from_another_mapping():
     xn, idxn, wn, weights = _named_moe_case()
     mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("data", "model"))
     with hax.partitioning.set_mesh(mesh), hax.axis_mapping({"batch": "data"}):
-        ex, _, routing = axkern.moe_dispatch(xn, idxn, num_experts=4)
+        ex, _, routing = jit(lambda x, i: axkern.moe_dispatch(x, i, num_experts=4))(xn, idxn)
     with pytest.raises(ValueError, match="call moe_combine under the axis mapping moe_dispatch ran under"):
         axkern.moe_combine(ex.rename({"embed": "out"}), wn, routing)
