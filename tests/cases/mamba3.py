@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 
 from axkern.positional import mamba3
+from tests.harness import jit
 
 STATE = ("angle_state", "ssm_state", "k_state", "v_state")
 WEIGHTS = ("W_x", "W_z", "W_o")
@@ -63,12 +64,13 @@ def call(impl, kw, seg=None, chunk_size=None):
     )
 
 
-forward = jax.jit(call, static_argnums=(0, 3))  # `call`, compiled once per case's shapes
+forward = jit(call, static_argnums=(0, 3))  # `call`, compiled once per case's shapes
 
 
 def run(impl, arrays, seg, chunk_size=None):
     """`((y, final_state), gradients)`: the gradients of every input of a random-cotangent sum of
-    `y` and the final states (one jitted call: one compilation rather than one per primitive)."""
+    `y` and the final states (one jitted call, compiled without LLVM's optimisation passes on a
+    CPU: one compilation rather than one per primitive)."""
     names = sorted(arrays)
 
     def f(*vals):
@@ -78,7 +80,7 @@ def run(impl, arrays, seg, chunk_size=None):
         loss += sum(jnp.sum(jnp.sin(s.astype(jnp.float32))) for s in final)
         return loss, (y, tuple(final))
 
-    (_, out), grads = jax.jit(jax.value_and_grad(f, argnums=tuple(range(len(names))), has_aux=True))(
+    (_, out), grads = jit(jax.value_and_grad(f, argnums=tuple(range(len(names))), has_aux=True))(
         *[arrays[k] for k in names]
     )
     return out, grads
