@@ -69,8 +69,7 @@ forward = jit(call, static_argnums=(0, 3))  # `call`, compiled once per case's s
 
 def run(impl, arrays, seg, chunk_size=None):
     """`((y, final_state), gradients)`: the gradients of every input of a random-cotangent sum of
-    `y` and the final states (one jitted call, compiled without LLVM's optimisation passes on a
-    CPU: one compilation rather than one per primitive)."""
+    `y` and the final states (one jitted call: one compilation rather than one per primitive)."""
     names = sorted(arrays)
 
     def f(*vals):
@@ -80,7 +79,7 @@ def run(impl, arrays, seg, chunk_size=None):
         loss += sum(jnp.sum(jnp.sin(s.astype(jnp.float32))) for s in final)
         return loss, (y, tuple(final))
 
-    (_, out), grads = jit(jax.value_and_grad(f, argnums=tuple(range(len(names))), has_aux=True))(
+    (_, out), grads = jax.jit(jax.value_and_grad(f, argnums=tuple(range(len(names))), has_aux=True))(
         *[arrays[k] for k in names]
     )
     return out, grads

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 import axkern
 from tests.cases.mamba3 import call, make
-from tests.harness import INTERPRET, implementations_here, jit, serving
+from tests.harness import INTERPRET, implementations_here, serving
 from tests.helpers import assert_nonfinite_rule, poke
 
 IMPLS = implementations_here("mamba3")
@@ -38,8 +38,8 @@ def _compiled(impl, grads):
         return loss, (y, tuple(final))
 
     if grads:
-        return jit(lambda a, seg: jax.grad(f, has_aux=True)(a, seg)[0])
-    return jit(lambda a, seg: f(a, seg)[1])
+        return jax.jit(lambda a, seg: jax.grad(f, has_aux=True)(a, seg)[0])
+    return jax.jit(lambda a, seg: f(a, seg)[1])
 
 
 def _run(impl, a, seg, grads=False, drawn=False):
