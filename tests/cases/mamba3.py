@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 
 from axkern.positional import mamba3
+from tests.harness import jit
 
 STATE = ("angle_state", "ssm_state", "k_state", "v_state")
 WEIGHTS = ("W_x", "W_z", "W_o")
@@ -63,7 +64,7 @@ def call(impl, kw, seg=None, chunk_size=None):
     )
 
 
-forward = jax.jit(call, static_argnums=(0, 3))  # `call`, compiled once per case's shapes
+forward = jit(call, static_argnums=(0, 3))  # `call`, compiled once per case's shapes
 
 
 def run(impl, arrays, seg, chunk_size=None):

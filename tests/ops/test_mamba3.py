@@ -14,7 +14,7 @@ import pytest
 import axkern
 from axkern.positional import mamba3, mamba3_step
 from tests.cases.mamba3 import STATE, call, forward, make, run
-from tests.harness import check_rule
+from tests.harness import check_rule, jit
 
 
 def check(seed, dims, dtype, chunk, **kw):
@@ -51,7 +51,7 @@ def test_decode_steps_chained_equal_the_scan(rank):
     y, final = forward("xla", arrays, None, 4)
     state = tuple(arrays[s] for s in STATE)
     mimo = tuple(arrays[w] for w in ("W_x", "W_z", "W_o")) if rank else None
-    step = jax.jit(mamba3_step)
+    step = jit(mamba3_step)
     for t in range(6):
         y_t, state = step(
             arrays["q"][:, t],

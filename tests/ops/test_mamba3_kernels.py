@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 import axkern
-from tests.cases.mamba3 import call, make, run
+from tests.cases.mamba3 import call, forward, make, run
 from tests.harness import check_rule
 
 
@@ -19,7 +19,7 @@ from tests.harness import check_rule
         # MIMO of rank 1: the halves' rotation pairing
         ("pallas_tpu", (1, 21, 2, 3, 1, 6, 2), "bfloat16", 8, 1),
         # Triton's smallest tiles, P = N = 16, length 37 over chunks of 16
-        ("pallas_gpu", (2, 37, 4, 16, 1, 16, 4), "bfloat16", 16, 0),
+        ("pallas_gpu", (1, 37, 2, 16, 1, 16, 4), "bfloat16", 16, 0),
     ],
     ids=["tpu-siso-float32", "tpu-mimo1-bfloat16", "gpu-siso-bfloat16"],
 )
@@ -46,4 +46,4 @@ def test_kernels_refuse_a_rank_above_one_and_small_tiles_with_the_reason():
     with pytest.raises(axkern.Unsupported, match="chunk_size=4 is below 8"):
         call("pallas_tpu", small, chunk_size=4)
     # the default order (xla) serves the MIMO call
-    assert call(None, arrays, chunk_size=16)[0].shape == arrays["v"].shape
+    assert forward(None, arrays, None, 16)[0].shape == arrays["v"].shape

@@ -17,6 +17,7 @@ from axkern.core import compat
 from axkern.ops.moe_ep import xla, xla_ragged
 from axkern.ops.moe_ep.api import COMBINE, DISPATCH, capacity_for
 from axkern.positional import moe_combine, moe_dispatch, moe_ep_combine, moe_ep_dispatch
+from tests.harness import jit
 
 RANKS = 8
 P = PartitionSpec("ep")
@@ -85,12 +86,10 @@ def _loss(fn):
 
 
 def _assert_layer_matches(layer, x, idx, w, weights, keep=None):
-    y, sent, dropped = jax.jit(layer)(x, idx, w, weights)
-    np.testing.assert_allclose(y, _single_device(x, idx, w, weights, keep), rtol=1e-5, atol=1e-5)
-    got = jax.jit(jax.grad(_loss(lambda *a: layer(*a)[0]), argnums=(0, 2, 3)))(x, idx, w, weights)
-    want = jax.jit(jax.grad(_loss(lambda *a: _single_device(*a, keep)), argnums=(0, 2, 3)))(
-        x, idx, w, weights
-    )
+    y, sent, dropped = jit(layer)(x, idx, w, weights)
+    np.testing.assert_allclose(y, jit(_single_device)(x, idx, w, weights, keep), rtol=1e-5, atol=1e-5)
+    got = jit(jax.grad(_loss(lambda *a: layer(*a)[0]), argnums=(0, 2, 3)))(x, idx, w, weights)
+    want = jit(jax.grad(_loss(lambda *a: _single_device(*a, keep)), argnums=(0, 2, 3)))(x, idx, w, weights)
     for name, g, r in zip(("dx", "dw", "dweights"), got, want, strict=True):
         np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-5, err_msg=name)
     return sent, dropped
@@ -139,15 +138,15 @@ def test_capacity_drops_pairs_and_counts_them(impl, topk, experts, kind):
 def test_out_of_range_ids_are_dropped_and_bad_input_is_refused():
     x, idx, w, weights = _case(5, 8, 6, 5, 16, 2)
     idx = idx.at[3, 1].set(99).at[20, 0].set(-1)
-    y, sent, dropped = jax.jit(_ep_layer(16))(x, idx, w, weights)
+    y, sent, dropped = jit(_ep_layer(16))(x, idx, w, weights)
     keep = (idx >= 0) & (idx < 16)
     assert int(dropped.sum()) == 2 and not bool(sent[3, 1]) and not bool(sent[20, 0])
     want = _single_device(x, jnp.clip(idx, 0, 15), w, weights, keep=keep)
     np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="num_experts=12 must be a positive multiple of the 8 devices"):
-        jax.jit(_ep_layer(12))(x, idx, w, weights)
+        jit(_ep_layer(12))(x, idx, w, weights)
     with pytest.raises(ValueError, match="capacity_factor must be > 0"):
-        jax.jit(_ep_layer(16, capacity_factor=0.0))(x, idx, w, weights)
+        jit(_ep_layer(16, capacity_factor=0.0))(x, idx, w, weights)
 
 
 @pytest.mark.parametrize("impl", ["xla", "reference"])
@@ -178,7 +177,7 @@ def test_each_backward_is_the_other_exchange(impl):
 
     rows = RANKS * capacity_for(12, 2, RANKS, factor)
     g = jax.random.normal(jax.random.PRNGKey(1), (RANKS * rows, 6))
-    dx, as_combine, dy, as_dispatch = jax.jit(
+    dx, as_combine, dy, as_dispatch = jit(
         compat.shard_map(local, mesh=_mesh(), in_specs=(P, P, P), out_specs=(P, P, P, P))
     )(x, idx, g)
     np.testing.assert_allclose(dx, as_combine, rtol=1e-6, atol=1e-6)
@@ -196,7 +195,7 @@ def test_xla_ragged_is_refused_on_the_cpu_with_its_reason():
     assert reason is not None and "XLA:CPU cannot compile ragged-all-to-all" in reason
     x, idx, w, weights = _case(1, 4, 6, 5, 8, 1)
     with pytest.raises(axkern.Unsupported, match="xla_ragged.*XLA:CPU cannot compile ragged-all-to-all"):
-        jax.jit(_ep_layer(8, impl="xla_ragged"))(x, idx, w, weights)
+        jit(_ep_layer(8, impl="xla_ragged"))(x, idx, w, weights)
     for platform in ("cpu", "gpu", "tpu"):  # explicit only, everywhere
         assert "xla_ragged" not in DISPATCH.default_order[platform] + COMBINE.default_order[platform]
 
@@ -218,8 +217,8 @@ def _emulated_ragged_all_to_all(
     return output.at[where.reshape(-1)].set(recv.reshape((-1,) + operand.shape[1:]), mode="drop")
 
 
-@pytest.mark.parametrize("factor", [None, 0.5])
-@pytest.mark.parametrize("topk, experts, kind", [(1, 8, "skewed"), (8, 16, "few")])
+# each value of the capacity factor and of the routing once: every case compiles eight programs
+@pytest.mark.parametrize("factor, topk, experts, kind", [(None, 8, 16, "few"), (0.5, 1, 8, "skewed")])
 def test_xla_ragged_packing_equals_xla_with_an_emulated_exchange(monkeypatch, factor, topk, experts, kind):
     """xla_ragged's packing, offsets and sizes, run on the CPU with the exchange emulated (XLA:CPU
     cannot compile ragged_all_to_all): the same outputs and gradients as xla, with either's layout
@@ -246,13 +245,13 @@ def test_xla_ragged_packing_equals_xla_with_an_emulated_exchange(monkeypatch, fa
 
         return compat.shard_map(local, mesh=_mesh(), in_specs=(P, P, P), out_specs=(P, P, P, P))
 
-    want = jax.jit(layer(xla, xla))(x, idx, w)
+    want = jit(layer(xla, xla))(x, idx, w)
     for send, back in [(xla_ragged, xla_ragged), (xla_ragged, xla), (xla, xla_ragged)]:
-        got = jax.jit(layer(send, back))(x, idx, w)
+        got = jit(layer(send, back))(x, idx, w)
         for g, r in zip(got, want, strict=True):
             np.testing.assert_array_equal(np.asarray(g), np.asarray(r))
     assert (int(want[3].sum()) > 0) == (factor is not None)
-    grad = lambda s, b: jax.jit(jax.grad(lambda *a: jnp.sum(layer(s, b)(*a)[0] ** 2), argnums=(0, 2)))  # noqa: E731
+    grad = lambda s, b: jit(jax.grad(lambda *a: jnp.sum(layer(s, b)(*a)[0] ** 2), argnums=(0, 2)))  # noqa: E731
     for g, r in zip(grad(xla_ragged, xla_ragged)(x, idx, w), grad(xla, xla)(x, idx, w), strict=True):
         np.testing.assert_allclose(g, r, rtol=1e-6, atol=1e-6)
 
@@ -312,9 +311,9 @@ def test_named_form_on_a_data_by_expert_mesh_equals_the_single_device_moe():
 
     with jax.set_mesh(mesh), hax.axis_mapping({"batch": "data", "position": "ep", "experts": "ep"}):
         layer = _named_layer(mesh)
-        y, dropped = jax.jit(layer)(x, idx, w, weights)
+        y, dropped = jit(layer)(x, idx, w, weights)
         assert [a.name for a in y.axes] == ["batch", "position", "out"]  # topk_weights' token order
-        grads = jax.jit(
+        grads = jit(
             jax.grad(lambda x, w, we: hax.sum(hax.sin(layer(x, idx, w, we)[0])).array, argnums=(0, 1, 2))
         )(x, w, weights)
     assert int(dropped) == 0
