@@ -87,8 +87,8 @@ def _where_finite(fast, safe, q, k, v):
 
 def _where_finite_fwd(fast, safe, q, k, v):
     ok = _all_finite(q, k, v)
-    # cuDNN's forward always runs (its residuals are the only ones kept); xla's only where an
-    # input is not finite
+    # cuDNN's forward always runs (its residuals are the only ones kept); the other only where
+    # an input is not finite
     fast_out, fast_vjp = jax.vjp(fast, q, k, v)
     out = lax.cond(ok, lambda: fast_out, lambda: safe(q, k, v))
     return out, (fast_vjp, ok, q, k, v)
