@@ -99,6 +99,20 @@ def powers_of_two(size: int, *, high: int, count: int, low: int = 1) -> list[int
     return out or [low]
 
 
+def chunk_blocks(op: str, cls: type[BlockSizes], chunk_size: int | None, block_sizes):
+    """The block sizes of a chunked scan's call (`ssd`, `mamba3`): `chunk_size=` as a shorthand
+    for `cls(chunk_size=...)` (not together with `block_sizes`), the chunk a power of two."""
+    if chunk_size is not None:
+        if block_sizes is not None:
+            raise ValueError(f"{op}: pass chunk_size or block_sizes, not both")
+        block_sizes = cls(chunk_size=chunk_size)
+    if block_sizes is not None:
+        cs = block_sizes.chunk_size if isinstance(block_sizes, cls) else block_sizes.get("chunk_size")
+        if not isinstance(cs, int) or cs < 1 or cs & (cs - 1):
+            raise ValueError(f"{op}: chunk_size must be a power of two, got {cs!r}")
+    return block_sizes
+
+
 def grid(cls: type[BlockSizes], spec: Any, first: BlockSizes | None = None, **choices: Iterable) -> list:
     """Every combination of `choices` (field name -> values) as `cls`, those that `validate`
     for `spec`, without repeats; `first` (the heuristic's choice) leads when it validates."""

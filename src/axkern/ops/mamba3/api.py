@@ -15,6 +15,7 @@ from typing import Literal, NamedTuple
 
 import jax.numpy as jnp
 
+from axkern.core.blocks import chunk_blocks
 from axkern.core.named import StepResult, WithFinalState
 from axkern.core.op import Implementation, Op, step_op
 from axkern.core.typing import Array, Float, Int, checked
@@ -151,22 +152,6 @@ def _initial(op, initial_state, shapes):
     return initial_state
 
 
-def _check_chunk(chunk_size, block_sizes):
-    if chunk_size is not None:
-        if block_sizes is not None:
-            raise ValueError(f"{NAME}: pass chunk_size or block_sizes, not both")
-        block_sizes = Mamba3BlockSizes(chunk_size=chunk_size)
-    if block_sizes is not None:
-        cs = (
-            block_sizes.chunk_size
-            if isinstance(block_sizes, Mamba3BlockSizes)
-            else block_sizes.get("chunk_size")
-        )
-        if not isinstance(cs, int) or cs < 1 or cs & (cs - 1):
-            raise ValueError(f"{NAME}: chunk_size must be a power of two, got {cs!r}")
-    return block_sizes
-
-
 QK = Float[Array, "batch length groups state"] | Float[Array, "batch length rank groups state"]
 Bias = Float[Array, "heads state"] | Float[Array, "heads rank state"]
 Scalars = Float[Array, "batch heads length"]
@@ -238,7 +223,7 @@ def mamba3_positional(
         rank=rank,
         mimo=mimo,
     )
-    block_sizes = _check_chunk(chunk_size, block_sizes)
+    block_sizes = chunk_blocks(NAME, Mamba3BlockSizes, chunk_size, block_sizes)
     shapes = _state_shapes(batch, heads, head_dim, state, n_angles, rank, mimo is not None)
     s0 = _initial(NAME, initial_state, shapes)
     if 0 in (batch, length, heads):  # nothing to scan: an empty y, the state passes through

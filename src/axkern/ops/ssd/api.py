@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from axkern.core import named
+from axkern.core.blocks import chunk_blocks
 from axkern.core.named import StepResult, WithFinalState
 from axkern.core.op import Implementation, Op, step_op
 from axkern.core.typing import Array, Float, Int, checked
@@ -180,18 +181,7 @@ def ssd_positional(
     groups, state = B.shape[2], B.shape[3]
     _check_sizes(NAME, heads, groups, head_dim=head_dim, state=state)
     _check_dt_limit(NAME, dt_limit)
-    if chunk_size is not None:
-        if block_sizes is not None:
-            raise ValueError(f"{NAME}: pass chunk_size or block_sizes, not both")
-        block_sizes = SSDBlockSizes(chunk_size=chunk_size)
-    if block_sizes is not None:
-        cs = (
-            block_sizes.chunk_size
-            if isinstance(block_sizes, SSDBlockSizes)
-            else block_sizes.get("chunk_size")
-        )
-        if not isinstance(cs, int) or cs < 1 or cs & (cs - 1):
-            raise ValueError(f"{NAME}: chunk_size must be a power of two, got {cs!r}")
+    block_sizes = chunk_blocks(NAME, SSDBlockSizes, chunk_size, block_sizes)
     s0 = jnp.zeros((batch, heads, head_dim, state), jnp.float32) if initial_state is None else initial_state
     if 0 in (batch, length, heads):  # nothing to scan: an empty y, the state passes through
         y = jnp.zeros(x.shape, x.dtype)
