@@ -7,8 +7,8 @@ correction, gate in XLA).
 16-bit inputs, exact float32 for float32 inputs, as in `ssd`. **Constraints**: one input per
 position (SISO, or MIMO of rank 1); `head_dim`, `state` and the chunk powers of two and at least
 16, chunks at most 128 (16-bit inputs) or 64 (float32); otherwise the call falls back with the
-reason. Verified in interpret mode on the CPU; not yet compiled or timed on a GPU, so it is in no
-default order.
+reason. Verified in interpret mode on the CPU and compiled against the oracle on an H200
+(`tests/gpu/test_mamba3_gpu.py`); not yet timed, so it is in no default order.
 """
 
 from __future__ import annotations
