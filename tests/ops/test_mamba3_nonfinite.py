@@ -20,6 +20,8 @@ from tests.harness import INTERPRET, implementations_here, serving
 from tests.helpers import assert_nonfinite_rule, poke
 
 IMPLS = implementations_here("mamba3")
+# finite values: float32 products are exact on the CPU, TF32 (XLA's default) on a GPU
+RTOL = 1e-4 if INTERPRET else 5e-3
 
 
 def _inputs(seed, rank=0, l=24):  # noqa: E741
@@ -64,7 +66,7 @@ def test_a_non_finite_value_stays_at_and_after_its_position(impl, where):
     a[where] = poke(a[where], index, np.inf if where in ("v", "trap") else np.nan)
     seg = _zero_segments(a)
     want = _run("reference", a, seg)
-    assert_nonfinite_rule(_run(impl, a, seg), want, f"{impl} {where}")
+    assert_nonfinite_rule(_run(impl, a, seg), want, f"{impl} {where}", rtol=RTOL)
     bad = ~np.isfinite(np.asarray(want[0]))
     assert not bad[0, :10].any() and bad[0, 10].any()
     if where != "q":  # q reaches its own position only
@@ -79,7 +81,7 @@ def test_a_nan_stays_in_its_segment_and_the_gradients_are_never_a_number_where_i
     a["v"] = poke(a["v"], (0, 5, 0, 0), np.nan)
     seg = jnp.asarray([[0] * 12 + [1] * 12], jnp.int32)
     y, final = _run(impl, a, seg)
-    assert_nonfinite_rule((y, final), _run("reference", a, seg))
+    assert_nonfinite_rule((y, final), _run("reference", a, seg), rtol=RTOL)
     bad = ~np.isfinite(np.asarray(y))[0, :, 0, 0]
     assert not bad[:5].any() and bad[5:12].all() and not bad[12:].any()
     got, want = _run(impl, a, seg, grads=True), _run("reference", a, seg, grads=True)
@@ -116,7 +118,7 @@ def test_property_non_finite_pattern_matches_the_reference(impl, rank, where, va
         else _zero_segments(a)
     )
     want = _run("reference", a, seg)
-    assert_nonfinite_rule(_run(impl, a, seg, drawn=True), want, f"{impl} {where}")
+    assert_nonfinite_rule(_run(impl, a, seg, drawn=True), want, f"{impl} {where}", rtol=RTOL)
     got, want = _run(impl, a, seg, grads=True), _run("reference", a, seg, grads=True)
     for name in want:
         assert (~np.isfinite(np.asarray(got[name])) | np.isfinite(np.asarray(want[name]))).all(), name
