@@ -18,6 +18,7 @@ from axkern.ops.attention import OP, mosaic_gpu, pallas_gpu
 from axkern.ops.attention.blocks import (
     MOSAIC_GPU_SMEM,
     AttentionBlockSizes,
+    mosaic_gpu_backward_blocks,
     mosaic_gpu_heuristic,
     mosaic_gpu_smem_bytes,
     mosaic_gpu_space,
@@ -180,16 +181,39 @@ def test_heuristic_and_space_fit_shared_memory():
         spec = _spec(d=d)
         bs = mosaic_gpu_heuristic(spec)
         assert (bs.block_q, bs.block_kv, bs.num_stages) == (64, 128 if d <= 128 else 64, 2)
-        # the backward fields are pallas_gpu's heuristic's (its kernels serve the backward)
+        # the backward fields: pallas_gpu's heuristic's (its kernels serve the backward), and
+        # 32 x 32 tiles at head dim 256
         tri = pallas_gpu_heuristic(spec)
         for name in ("dq", "dkv"):
             got, want = bs.kernel(name), tri.kernel(name)
-            assert (got.block_q, got.block_kv, got.num_warps) == (want.block_q, want.block_kv, want.num_warps)
+            if d <= 128:
+                assert (got.block_q, got.block_kv, got.num_warps) == (
+                    want.block_q,
+                    want.block_kv,
+                    want.num_warps,
+                )
+            else:
+                assert (got.block_q, got.block_kv, got.num_warps, got.num_stages) == (32, 32, 4, 2)
         space = mosaic_gpu_space(spec)
         assert space[0] == bs and len(space) >= (1 if d == 256 else 4)  # 256: only 64 x 64 x 2 fits
         for c in space:
             assert mosaic_gpu_smem_bytes(c.block_q, c.block_kv, c.num_stages, d) <= MOSAIC_GPU_SMEM
             mosaic_gpu.check(masks.Causal(), c, d)
+
+
+def test_backward_blocks_never_take_the_mosaic_forwards_tiles():
+    spec = _spec(d=128)
+    base = mosaic_gpu_heuristic(spec)
+    # explicit forward tiles only: the backward kernels keep the heuristic's
+    got = mosaic_gpu_backward_blocks(AttentionBlockSizes(block_q=128, block_kv=64, num_stages=3), spec)
+    for name in ("dq", "dkv"):
+        assert got.kernel(name) == base.kernel(name).__class__(
+            **{f: getattr(base, f"{f}_{name}") for f in ("block_q", "block_kv", "num_warps", "num_stages")}
+        )
+    # an explicit backward field is kept, the rest filled
+    got = mosaic_gpu_backward_blocks(AttentionBlockSizes(block_q_dkv=32, num_warps_dq=8), spec)
+    assert got.block_q_dkv == 32 and got.num_warps_dq == 8 and got.block_kv_dkv == base.block_kv_dkv
+    assert got.block_q == got.block_q_dq and got.num_stages == got.num_stages_dq
 
 
 def test_dispatch_on_cpu_skips_it_with_the_reason():

@@ -31,6 +31,7 @@ from .blocks import (
     AttentionBlockSizes,
     bucket,
     heuristic,
+    mosaic_gpu_backward_blocks,
     mosaic_gpu_heuristic,
     mosaic_gpu_space,
     pallas_gpu_heuristic,
@@ -76,11 +77,19 @@ def _cudnn_where_finite(q, k, v, sinks, mask, *, scale, logits_soft_cap):
 
 def _mosaic_gpu_where_finite(q, k, v, sinks, mask, *, scale, logits_soft_cap, block_sizes):
     """The Mosaic GPU forward (its backward: `pallas_gpu`'s `dq` and `dk, dv` kernels on its
-    residuals) where `q`, `k`, `v` (and the cotangent) are finite; elsewhere `pallas_gpu`
-    (else `xla`), chosen on the device as for cuDNN: the kernel's `p v` product would carry a
-    NaN of `v` to rows that cannot see its key."""
+    residuals, with `mosaic_gpu_backward_blocks`' tiles) where `q`, `k`, `v` (and the
+    cotangent) are finite; elsewhere `pallas_gpu` (else `xla`; `xla` alone above head dim 128),
+    chosen on the device as for cuDNN: the kernel's `p v` product would carry a NaN of `v` to
+    rows that cannot see its key."""
     mosaic_gpu.check(mask, block_sizes, q.shape[3], sinks, logits_soft_cap)  # Unsupported before tracing
-    backward = functools.partial(pallas_gpu.backward, mask=mask, scale=scale, block_sizes=block_sizes)
+    dims = dict(zip(("batch", "q_len", "heads", "head_dim"), q.shape, strict=True))
+    dims |= {"kv_len": k.shape[1], "kv_heads": k.shape[2], "v_dim": v.shape[3]}
+    back_blocks = mosaic_gpu_backward_blocks(block_sizes, OP.spec(dims, q.dtype))
+    backward = functools.partial(pallas_gpu.backward, mask=mask, scale=scale, block_sizes=back_blocks)
+    # at head dim 256 the guarded call failed to compile on an H200 with pallas_gpu in the branch
+    # that serves non-finite inputs (237568 bytes of shared memory asked, 232448 there: the size
+    # of pallas_gpu's 64 x 64 forward tiles with 3 stages); xla serves them above head dim 128
+    safe_order = ("pallas_gpu", "xla") if max(q.shape[3], v.shape[3]) <= 128 else ("xla",)
     fast_fn = functools.partial(
         mosaic_gpu.attention,
         sinks=sinks,
@@ -101,7 +110,7 @@ def _mosaic_gpu_where_finite(q, k, v, sinks, mask, *, scale, logits_soft_cap, bl
                 scale=scale,
                 logits_soft_cap=logits_soft_cap,
                 sinks=sinks,
-                implementation=("pallas_gpu", "xla"),
+                implementation=safe_order,
             )
 
     return _where_finite(fast_fn, safe_fn, q, k, v)

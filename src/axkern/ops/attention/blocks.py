@@ -20,6 +20,7 @@ __all__ = [
     "pallas_tpu_heuristic",
     "pallas_tpu_space",
     "mosaic_gpu_heuristic",
+    "mosaic_gpu_backward_blocks",
     "mosaic_gpu_space",
     "mosaic_gpu_smem_bytes",
     "MOSAIC_GPU_SMEM",
@@ -188,17 +189,34 @@ def mosaic_gpu_smem_bytes(
 
 def mosaic_gpu_heuristic(spec: Spec) -> AttentionBlockSizes:
     """Forward: 64 query rows per compute warpgroup (128 a block) by 128 keys for head dims up
-    to 128, 64 keys at 256, two ring stages (JAX's `attention_mgpu.py` found 64 x 128 x 2 best
-    on an H100 at head dim 128); the backward fields are `pallas_gpu`'s heuristic's, whose
-    kernels serve the backward."""
+    to 128, 64 keys at 256, two ring stages (the fastest of the forward's tiles measured at
+    B2 S8192 H32 D128 on an H200: docs/ops/attention.md). Backward fields (the `pallas_gpu`
+    kernels that serve the backward): `pallas_gpu`'s heuristic up to head dim 128; at 256,
+    32 x 32 tiles with 4 warps and 2 stages, which fit Hopper's shared memory."""
     d = max(spec.dim("head_dim"), spec.dim("v_dim"))
     fwd = dict(block_q=64, block_kv=128 if d <= 128 else 64, num_warps=None, num_stages=2)
+    if d > 128:
+        tile = dict(block_q=32, block_kv=32, num_warps=4, num_stages=2)
+        back = {f"{f}_{name}": tile[f] for name in ("dq", "dkv") for f in _PER_KERNEL}
+        return AttentionBlockSizes(**fwd, **back)
     tri = pallas_gpu_heuristic(spec)
-    back = {}
-    for name in ("dq", "dkv"):
-        bs = tri.kernel(name)
-        back |= {f"{f}_{name}": getattr(bs, f) for f in _PER_KERNEL}
+    back = {f"{f}_{name}": getattr(tri.kernel(name), f) for name in ("dq", "dkv") for f in _PER_KERNEL}
     return AttentionBlockSizes(**fwd, **back)
+
+
+def mosaic_gpu_backward_blocks(block_sizes: AttentionBlockSizes, spec: Spec) -> AttentionBlockSizes:
+    """The block sizes `mosaic_gpu` hands the `pallas_gpu` backward kernels: `block_sizes`'
+    `*_dq`, `*_dkv` fields, each `None` filled from `mosaic_gpu_heuristic` (never from the
+    Mosaic forward's tiles, which would not fit a Triton kernel's shared memory); the forward
+    fields repeat the `dq` kernel's (they only set the padding)."""
+    base = mosaic_gpu_heuristic(spec)
+    fields = {}
+    for name in ("dq", "dkv"):
+        for f in _PER_KERNEL:
+            own = getattr(block_sizes, f"{f}_{name}")
+            fields[f"{f}_{name}"] = getattr(base, f"{f}_{name}") if own is None else own
+    fwd = {f: fields[f"{f}_dq"] for f in _PER_KERNEL}
+    return AttentionBlockSizes(**fwd, **fields)
 
 
 def mosaic_gpu_space(spec: Spec) -> list[AttentionBlockSizes]:
