@@ -179,18 +179,24 @@ def pallas_tpu_space(spec: Spec) -> list[AttentionBlockSizes]:
 MOSAIC_GPU_SMEM = 227 * 1024  # shared memory a Hopper block may take
 
 
+# what Mosaic GPU adds to the tiles (barriers, alignment, reduction scratch): 2680 bytes at
+# 64 x 128 x 3 and head dim 128 on an H200 (232568 asked of 232448), rounded up
+_MOSAIC_GPU_SMEM_EXTRA = 4096
+
+
 def mosaic_gpu_smem_bytes(
     block_q: int, block_kv: int, num_stages: int, head_dim: int, itemsize: int = 2
 ) -> int:
     """Shared memory of the `mosaic_gpu` forward: two warpgroups' query (then output) tiles and
-    their `lse` rows, and `num_stages` key and value tiles."""
-    return 2 * block_q * (head_dim * itemsize + 4) + 2 * num_stages * block_kv * head_dim * itemsize
+    their `lse` rows, `num_stages` key and value tiles, and what Mosaic GPU adds."""
+    tiles = 2 * block_q * (head_dim * itemsize + 4) + 2 * num_stages * block_kv * head_dim * itemsize
+    return tiles + _MOSAIC_GPU_SMEM_EXTRA
 
 
 def mosaic_gpu_heuristic(spec: Spec) -> AttentionBlockSizes:
     """Forward: 64 query rows per compute warpgroup (128 a block) by 128 keys for head dims up
-    to 128, 64 keys at 256, two ring stages (the fastest of the forward's tiles measured at
-    B2 S8192 H32 D128 on an H200: docs/ops/attention.md). Backward fields (the `pallas_gpu`
+    to 128, 64 keys at 256, two ring stages (the fastest of the forward's tiles timed at B2
+    S8192 H32 D128 bf16 on an H200, causal and no mask: docs/ops/attention.md). Backward fields (the `pallas_gpu`
     kernels that serve the backward): `pallas_gpu`'s heuristic up to head dim 128; at 256,
     32 x 32 tiles with 4 warps and 2 stages, which fit Hopper's shared memory."""
     d = max(spec.dim("head_dim"), spec.dim("v_dim"))
