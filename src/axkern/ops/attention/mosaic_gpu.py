@@ -3,7 +3,8 @@
 **Layout.** `q [B, Sq, H, D]`, `k`, `v [B, Sk, KVH, D]` as the caller gives them (no transpose):
 the tensor memory accelerator (TMA) copies `[rows, D]` slices of one head straight into
 shared memory. `Sq` is padded to whole `2 · block_q` and `Sk` to whole `block_kv` (only where
-they are not). Output `[B, Sqp, H, D]`, `lse [B, H, Sqp]` (float32, natural log).
+they are not). The kernel writes `[B, Sqp, H, D]` and `lse [B, H, Sqp]` (float32, natural
+log); `forward` returns them cut to `Sq`.
 
 **Grid.** `(H, Sqp / (2 · block_q), B)`, the query-tile axis walked last to first (the
 heaviest causal rows start first). A block holds three warpgroups: two compute warpgroups,
@@ -32,6 +33,10 @@ saw no key), `lse = m · ln 2 + log l` (`-inf` there).
 **Cost.** `4 · B · H · D` FLOPs per visible (query, key) pair, tensor-core bound at these sizes;
 `k`, `v` read once per query block that sees them (GQA: once per query head; L2 serves the
 group).
+
+**Non-finite input.** `p v` multiplies a masked entry's `p = 0` by `v`, so a NaN in `v`
+would reach rows that cannot see its key: the registered implementation serves inputs holding
+NaN or infinity with another implementation (`api._mosaic_gpu_where_finite`).
 
 **Backward.** There is no Mosaic GPU backward yet: `attention` takes the backward as an
 argument, and the registered implementation passes `pallas_gpu`'s Triton `dq` and `dk, dv`
