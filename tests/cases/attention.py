@@ -58,6 +58,6 @@ def _runner(impl, sinks, cap, blocks, interpret):
 def run(impl, arrays, mask, *, sinks=True, cap=None, blocks=(16, 16)):
     if blocks is not None and not isinstance(blocks, dict):
         blocks = dict(block_q=blocks[0], block_kv=blocks[1])
-    blocked = impl in ("xla", "pallas_gpu", "pallas_tpu")  # the others take no block sizes
+    blocked = impl in ("xla", "pallas_gpu", "pallas_tpu", "mosaic_gpu")  # the others take no block sizes
     key = tuple(sorted(blocks.items())) if blocks is not None and blocked else None
     return _runner(impl, sinks, cap, key, config.current().interpret)(arrays, mask)

@@ -26,11 +26,14 @@ from axkern.core import named
 from axkern.core.op import Implementation, Op, unrecorded
 from axkern.core.typing import Array, Float, checked
 
-from . import cudnn, pallas_gpu, pallas_tpu, reference, xla
+from . import cudnn, mosaic_gpu, pallas_gpu, pallas_tpu, reference, xla
 from .blocks import (
     AttentionBlockSizes,
     bucket,
     heuristic,
+    mosaic_gpu_backward_blocks,
+    mosaic_gpu_heuristic,
+    mosaic_gpu_space,
     pallas_gpu_heuristic,
     pallas_gpu_space,
     pallas_tpu_heuristic,
@@ -70,6 +73,47 @@ def _cudnn_where_finite(q, k, v, sinks, mask, *, scale, logits_soft_cap):
         implementation=("pallas_gpu", "xla"),
     )
     return _where_finite(cudnn_fn, safe_fn, q, k, v)
+
+
+def _mosaic_gpu_where_finite(q, k, v, sinks, mask, *, scale, logits_soft_cap, block_sizes):
+    """The Mosaic GPU forward (its backward: `pallas_gpu`'s `dq` and `dk, dv` kernels on its
+    residuals, with `mosaic_gpu_backward_blocks`' tiles) where `q`, `k`, `v` (and the
+    cotangent) are finite; elsewhere `pallas_gpu` (else `xla`; `xla` alone above head dim 128),
+    chosen on the device as for cuDNN: the kernel's `p v` product would carry a NaN of `v` to
+    rows that cannot see its key."""
+    mosaic_gpu.check(mask, block_sizes, q.shape[3], sinks, logits_soft_cap)  # Unsupported before tracing
+    dims = dict(zip(("batch", "q_len", "heads", "head_dim"), q.shape, strict=True))
+    dims |= {"kv_len": k.shape[1], "kv_heads": k.shape[2], "v_dim": v.shape[3]}
+    back_blocks = mosaic_gpu_backward_blocks(block_sizes, OP.spec(dims, q.dtype))
+    backward = functools.partial(pallas_gpu.backward, mask=mask, scale=scale, block_sizes=back_blocks)
+    # at head dim 256 the guarded call failed to compile on an H200 with pallas_gpu in the branch
+    # that serves non-finite inputs (237568 bytes of shared memory asked, 232448 there: the size
+    # of pallas_gpu's 64 x 64 forward tiles with 3 stages); xla serves them above head dim 128
+    safe_order = ("pallas_gpu", "xla") if max(q.shape[3], v.shape[3]) <= 128 else ("xla",)
+    fast_fn = functools.partial(
+        mosaic_gpu.attention,
+        sinks=sinks,
+        mask=mask,
+        scale=scale,
+        logits_soft_cap=logits_soft_cap,
+        block_sizes=block_sizes,
+        backward=backward,
+    )
+
+    def safe_fn(q, k, v):
+        with unrecorded():  # explain reports the mosaic_gpu decision only
+            return attention_positional(
+                q,
+                k,
+                v,
+                mask=mask,
+                scale=scale,
+                logits_soft_cap=logits_soft_cap,
+                sinks=sinks,
+                implementation=safe_order,
+            )
+
+    return _where_finite(fast_fn, safe_fn, q, k, v)
 
 
 def _all_finite(*arrays) -> jax.Array:
@@ -148,18 +192,33 @@ OP = Op(
                 "are finite, else pallas_gpu's (or xla's)"
             ),
         ),
+        Implementation(
+            "mosaic_gpu",
+            _mosaic_gpu_where_finite,
+            platforms=("gpu",),
+            supports=mosaic_gpu.supports,
+            block_sizes=AttentionBlockSizes,
+            heuristic=mosaic_gpu_heuristic,
+            space=mosaic_gpu_space,
+            backward=(
+                "interim: no Mosaic GPU backward yet; pallas_gpu's Triton dq and dk/dv kernels on this "
+                "forward's residuals (out, lse); inputs or a cotangent holding NaN or infinity go to "
+                "pallas_gpu (or xla), forward and backward"
+            ),
+            why_platforms="a Pallas Mosaic GPU kernel for Hopper (TMA, wgmma); it has no interpret mode here",
+        ),
         Implementation("reference", reference.attention, backward="autodiff through materialised scores"),
     ],
     # GPU: cuDNN where its supports() holds, then pallas_gpu for what cuDNN cannot express
-    # through JAX (packed documents, every block-sparse mask), then xla; pallas_tpu is
-    # explicit only (its figures: docs/ops/attention.md, "Performance")
+    # through JAX (packed documents, every block-sparse mask), then xla; mosaic_gpu (Hopper)
+    # and pallas_tpu are explicit only (figures: docs/ops/attention.md, "Performance")
     default_order={"cpu": ("xla",), "gpu": ("cudnn", "pallas_gpu", "xla"), "tpu": ("xla",)},
     package=__package__,
     bucket=bucket,
 )
 
 
-AttentionImplementation = Literal["xla", "pallas_gpu", "pallas_tpu", "cudnn", "reference"]
+AttentionImplementation = Literal["xla", "pallas_gpu", "pallas_tpu", "cudnn", "mosaic_gpu", "reference"]
 
 
 def _no_named_leaves(mask) -> None:

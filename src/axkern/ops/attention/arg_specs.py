@@ -22,10 +22,17 @@ PRESETS = {
         (2, 8192, 32, 32, 128, "window1024"),
         (2, 8192, 32, 32, 128, "docs1024"),
     ],
+    # the Hopper forward's two headline cases: causal and no mask
+    "h200_core": [
+        (2, 8192, 32, 32, 128, "causal"),
+        (2, 8192, 32, 32, 128, "full"),
+    ],
 }
 
 
 def _mask(name, batch, length):
+    if name == "full":
+        return masks.Full()
     if name == "window1024":
         return masks.SlidingWindow(1024)
     if name == "docs1024":  # packed documents of 1024 tokens, causal within each

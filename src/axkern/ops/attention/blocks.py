@@ -19,6 +19,11 @@ __all__ = [
     "pallas_gpu_space",
     "pallas_tpu_heuristic",
     "pallas_tpu_space",
+    "mosaic_gpu_heuristic",
+    "mosaic_gpu_backward_blocks",
+    "mosaic_gpu_space",
+    "mosaic_gpu_smem_bytes",
+    "MOSAIC_GPU_SMEM",
     "GPU_MIN_BLOCK",
     "TPU_SUBLANES",
 ]
@@ -35,7 +40,10 @@ class AttentionBlockSizes(BlockSizes):
     Triton's defaults), and gives each backward kernel its own four: `*_dq` for the kernel
     that walks key tiles per query block (`dq`), `*_dkv` for the one that walks query tiles
     per key block (`dk`, `dv`); a `None` there takes the forward's value. `pallas_tpu`, `xla`
-    use `block_q`, `block_kv` for every pass."""
+    use `block_q`, `block_kv` for every pass. `mosaic_gpu` reads `block_q` (query rows per
+    compute warpgroup; a block holds two), `block_kv` and `num_stages` (the depth of its
+    shared-memory ring of key and value tiles) for its forward, and gives the `*_dq`, `*_dkv`
+    fields to the `pallas_gpu` backward kernels it uses."""
 
     block_q: int = 128
     block_kv: int = 128
@@ -166,3 +174,66 @@ def pallas_tpu_space(spec: Spec) -> list[AttentionBlockSizes]:
         block_q=powers_of_two(spec.dim("q_len"), high=512, count=3, low=TPU_SUBLANES),
         block_kv=powers_of_two(spec.dim("kv_len"), high=512, count=3, low=TPU_SUBLANES),
     )
+
+
+MOSAIC_GPU_SMEM = 227 * 1024  # shared memory a Hopper block may take
+
+
+# what Mosaic GPU adds to the tiles (barriers, alignment, reduction scratch): 2680 bytes at
+# 64 x 128 x 3 and head dim 128 on an H200 (232568 asked of 232448), rounded up
+_MOSAIC_GPU_SMEM_EXTRA = 4096
+
+
+def mosaic_gpu_smem_bytes(
+    block_q: int, block_kv: int, num_stages: int, head_dim: int, itemsize: int = 2
+) -> int:
+    """Shared memory of the `mosaic_gpu` forward: two warpgroups' query (then output) tiles and
+    their `lse` rows, `num_stages` key and value tiles, and what Mosaic GPU adds."""
+    tiles = 2 * block_q * (head_dim * itemsize + 4) + 2 * num_stages * block_kv * head_dim * itemsize
+    return tiles + _MOSAIC_GPU_SMEM_EXTRA
+
+
+def mosaic_gpu_heuristic(spec: Spec) -> AttentionBlockSizes:
+    """Forward: 64 query rows per compute warpgroup (128 a block) by 128 keys for head dims up
+    to 128, 64 keys at 256, two ring stages (the fastest of the forward's tiles timed at B2
+    S8192 H32 D128 bf16 on an H200, causal and no mask: docs/ops/attention.md). Backward fields (the `pallas_gpu`
+    kernels that serve the backward): `pallas_gpu`'s heuristic up to head dim 128; at 256,
+    32 x 32 tiles with 4 warps and 2 stages, which fit Hopper's shared memory."""
+    d = max(spec.dim("head_dim"), spec.dim("v_dim"))
+    fwd = dict(block_q=64, block_kv=128 if d <= 128 else 64, num_warps=None, num_stages=2)
+    if d > 128:
+        tile = dict(block_q=32, block_kv=32, num_warps=4, num_stages=2)
+        back = {f"{f}_{name}": tile[f] for name in ("dq", "dkv") for f in _PER_KERNEL}
+        return AttentionBlockSizes(**fwd, **back)
+    tri = pallas_gpu_heuristic(spec)
+    back = {f"{f}_{name}": getattr(tri.kernel(name), f) for name in ("dq", "dkv") for f in _PER_KERNEL}
+    return AttentionBlockSizes(**fwd, **back)
+
+
+def mosaic_gpu_backward_blocks(block_sizes: AttentionBlockSizes, spec: Spec) -> AttentionBlockSizes:
+    """The block sizes `mosaic_gpu` hands the `pallas_gpu` backward kernels: `block_sizes`'
+    `*_dq`, `*_dkv` fields, each `None` filled from `mosaic_gpu_heuristic` (never from the
+    Mosaic forward's tiles, which would not fit a Triton kernel's shared memory); the forward
+    fields repeat the `dq` kernel's (they only set the padding)."""
+    base = mosaic_gpu_heuristic(spec)
+    fields = {}
+    for name in ("dq", "dkv"):
+        for f in _PER_KERNEL:
+            own = getattr(block_sizes, f"{f}_{name}")
+            fields[f"{f}_{name}"] = getattr(base, f"{f}_{name}") if own is None else own
+    fwd = {f: fields[f"{f}_dq"] for f in _PER_KERNEL}
+    return AttentionBlockSizes(**fwd, **fields)
+
+
+def mosaic_gpu_space(spec: Spec) -> list[AttentionBlockSizes]:
+    """The forward's tiles around the heuristic: 64 or 128 rows per warpgroup, 64 to 256 keys,
+    2 to 4 stages, where they fit shared memory (the backward fields kept)."""
+    base = mosaic_gpu_heuristic(spec)
+    d = max(spec.dim("head_dim"), spec.dim("v_dim"))
+    out = [base]
+    for bq in (64, 128):
+        for bk in (64, 128, 256):
+            for stages in (2, 3, 4):
+                if mosaic_gpu_smem_bytes(bq, bk, stages, d) <= MOSAIC_GPU_SMEM:
+                    out.append(dataclasses.replace(base, block_q=bq, block_kv=bk, num_stages=stages))
+    return unique_valid(out, spec)

@@ -361,12 +361,16 @@ def _forward(cfg, q, k, v, sinks, seg_ids, mask):
     return o, lse
 
 
-def attention(q, k, v, sinks, mask, *, scale, logits_soft_cap, block_sizes, interpret=False):
-    for kernel, suffix in (("fwd", ""), ("dq", "_dq"), ("dkv", "_dkv")):
-        bs = block_sizes.kernel(kernel)
+def _check_blocks(block_sizes, kernels=("fwd", "dq", "dkv")):
+    for kernel in kernels:
+        bs, suffix = block_sizes.kernel(kernel), "" if kernel == "fwd" else f"_{kernel}"
         for name, n in (("block_q", bs.block_q), ("block_kv", bs.block_kv)):
             if n < MIN or n & (n - 1):
                 raise Unsupported(f"{name}{suffix}={n}: Triton tiles need a power of two >= {MIN}")
+
+
+def attention(q, k, v, sinks, mask, *, scale, logits_soft_cap, block_sizes, interpret=False):
+    _check_blocks(block_sizes)
     cfg, seg_ids, static = tiles.prepare(
         mask, block_sizes, scale, logits_soft_cap, interpret, per_kernel=True
     )
@@ -466,3 +470,18 @@ def _attention_bwd(cfg, mask, res, d_out):
 
 
 _attention = tiles.flash_vjp(_forward, _attention_bwd)
+
+
+def backward(q, k, v, out, lse, d_out, *, mask, scale, block_sizes, interpret=False):
+    """`(dq, dk, dv)` of attention without sinks or soft cap from another forward's residuals:
+    `out [B, Sq, H, Dv]` and `lse [B, H, Sq]` (float32, natural log), through this file's `dq`
+    and `dk, dv` kernels with `block_sizes`' `*_dq` and `*_dkv` tiles (the `mosaic_gpu`
+    forward's backward until it has its own)."""
+    _check_blocks(block_sizes, ("dq", "dkv"))
+    cfg, seg_ids, static = tiles.prepare(mask, block_sizes, scale, None, interpret, per_kernel=True)
+    sq = q.shape[1]
+    sqp = -(-sq // cfg.pad_q) * cfg.pad_q
+    o = jnp.pad(jnp.swapaxes(out, 1, 2), [(0, 0), (0, 0), (0, sqp - sq), (0, 0)])
+    lse = jnp.pad(lse, [(0, 0), (0, 0), (0, sqp - sq)])
+    dq, dk, dv, _, _ = _attention_bwd(cfg, static, (q, k, v, None, seg_ids, o, lse), d_out)
+    return dq, dk, dv

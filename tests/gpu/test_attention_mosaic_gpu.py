@@ -1,0 +1,135 @@
+"""attention's `mosaic_gpu` forward (a Pallas Mosaic GPU kernel for Hopper) on a real GPU: values
+and gradients against the float64 oracle by the rule (its backward is `pallas_gpu`'s kernels on
+its residuals), its `lse`, rows that see no key, and its refusals in the dispatcher.
+
+Run with `AXKERN_TEST_GPU=1 python -m pytest tests/gpu/test_attention_mosaic_gpu.py`. Needs a
+GPU of compute capability 9.x; elsewhere these tests are skipped with the reason.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import axkern
+from axkern import masks
+from axkern.core import backend
+from axkern.ops.attention import mosaic_gpu
+from axkern.positional import attention
+from tests.cases.attention import inputs as _inputs
+from tests.cases.attention import run as _run
+from tests.harness import check_rule
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        jax.default_backend() == "gpu" and (backend.compute_capability() or (0,))[0] != 9,
+        reason="the Mosaic GPU kernel needs a Hopper GPU (compute capability 9.x)",
+    ),
+]
+
+# The float64 oracle materialises `[B, KVH, G, Sq, Sk, D]` on the CPU: sizes stay near 40M of
+# those elements (a few seconds each)
+CASES = {
+    # name: (b, sq, sk, heads, kv_heads, head_dim, dtype, mask, block sizes or None: the heuristic's)
+    "causal bf16 d128 gqa2": (1, 384, 384, 2, 1, 128, "bfloat16", masks.Causal(), None),
+    "full fp16 d64": (2, 256, 256, 2, 2, 64, "float16", masks.Full(), None),
+    "window100 bf16 d256 ragged": (1, 250, 250, 2, 1, 256, "bfloat16", masks.SlidingWindow(100), None),
+    "causal+384 bf16 d128 q128 k512": (1, 128, 512, 2, 2, 128, "bfloat16", masks.Causal(offset=384), None),
+    "causal&window150 fp16 d64 ragged": (
+        1,
+        333,
+        333,
+        4,
+        2,
+        64,
+        "float16",
+        masks.Causal() & masks.SlidingWindow(150),
+        {"block_q": 64, "block_kv": 64, "num_stages": 3},
+    ),
+    "causal bf16 d128 blocks128x64x3": (
+        1,
+        384,
+        384,
+        2,
+        1,
+        128,
+        "bfloat16",
+        masks.Causal(),
+        {"block_q": 128, "block_kv": 64, "num_stages": 3},
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_against_oracle(name):
+    b, sq, sk, h, kvh, d, dtype, mask, blocks = CASES[name]
+    a = _inputs(list(CASES).index(name), b, sq, sk, h, kvh, d, dtype)
+    check_rule(_run, "mosaic_gpu", a, dtype, f"attention {name}", mask=mask, sinks=False, blocks=blocks)
+
+
+def test_lse_and_rows_that_see_no_key():
+    # Causal(offset=-100): the first 100 queries see no key (zeros, lse -inf); 1000 queries pad
+    # to whole blocks of 128 rows and the keys to whole 128-key tiles
+    a = _inputs(9, 1, 1000, 1000, 4, 2, 128, "bfloat16")
+    mask = masks.Causal(offset=-100)
+    out, lse = jax.jit(
+        lambda q, k, v: mosaic_gpu.forward(q, k, v, mask, scale=0.1, block_q=64, block_kv=128, num_stages=2)
+    )(a["q"], a["k"], a["v"])
+    q, k = (np.asarray(a[n], np.float32) for n in ("q", "k"))
+    s = np.einsum("bqhd,bkhd->bhqk", q, np.repeat(k, 2, axis=2)) * 0.1
+    vis = np.asarray(mask.dense(1000, 1000))[:, None]
+    s = np.where(vis, s, -np.inf)
+    m = s.max(-1, keepdims=True)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        want = (m + np.log(np.exp(s - np.where(np.isfinite(m), m, 0)).sum(-1, keepdims=True)))[..., 0]
+    lse = np.asarray(lse)
+    assert lse.shape == (1, 4, 1000) and out.shape == (1, 1000, 4, 128)
+    assert np.all(lse[:, :, :100] == -np.inf) and np.all(np.asarray(out)[:, :100] == 0)
+    np.testing.assert_allclose(lse[:, :, 100:], want[:, :, 100:], atol=2e-2, rtol=0)
+    want_out = attention(a["q"], a["k"], a["v"], mask=mask, scale=0.1, implementation="reference")
+    np.testing.assert_allclose(
+        np.asarray(out, np.float32)[:, 100:], np.asarray(want_out, np.float32)[:, 100:], atol=3e-2
+    )
+
+
+def test_explain_names_it_and_its_interim_backward_and_it_falls_back_with_reasons():
+    a = _inputs(0, 1, 256, 256, 4, 4, 128, "bfloat16")
+    att = axkern.positional.attention
+    d = axkern.explain(
+        lambda q, k, v: att(q, k, v, mask=masks.Causal(), implementation="mosaic_gpu"), a["q"], a["k"], a["v"]
+    )
+    assert d.implementation == "mosaic_gpu" and "pallas_gpu" in d.backward and "interim" in d.backward
+    assert d.block_sizes.block_q == 64 and d.block_sizes.num_stages == 2
+    # not first in the GPU order yet
+    assert axkern.explain(att, a["q"], a["k"], a["v"]).implementation != "mosaic_gpu"
+    order = ("mosaic_gpu", "pallas_gpu")
+    ids = jnp.zeros((1, 256), jnp.int32).at[:, 100:].set(1)
+    for kw, reason in (
+        (dict(mask=masks.Causal() & masks.Segments(ids, ids)), "static masks only"),
+        (dict(logits_soft_cap=30.0), "soft cap"),
+    ):
+        d = axkern.explain(lambda q, k, v: att(q, k, v, implementation=order, **kw), a["q"], a["k"], a["v"])  # noqa: B023
+        assert d.implementation == "pallas_gpu" and reason in d.rejected[0].reason, d
+    b = _inputs(0, 1, 256, 256, 4, 4, 96, "bfloat16")
+    d = axkern.explain(
+        lambda q, k, v: att(q, k, v, implementation=("mosaic_gpu", "xla")), b["q"], b["k"], b["v"]
+    )
+    assert d.implementation == "xla" and "head dims 96" in d.rejected[0].reason
+    f = {n: v.astype(jnp.float32) for n, v in a.items()}
+    d = axkern.explain(lambda q, k, v: att(q, k, v, implementation=order), f["q"], f["k"], f["v"])
+    assert "bf16 or fp16" in d.rejected[0].reason
+
+
+def test_non_finite_input_goes_to_the_rule_following_implementation():
+    # a NaN in v's key 5 reaches only the queries that see key 5 (causal: queries >= 5)
+    a = _inputs(2, 1, 256, 256, 2, 2, 64, "bfloat16")
+    v = a["v"].at[0, 5, 0, 0].set(jnp.nan)
+    out = jax.jit(lambda q, k, v: attention(q, k, v, mask=masks.Causal(), implementation="mosaic_gpu"))(
+        a["q"], a["k"], v
+    )
+    out = np.asarray(out, np.float32)
+    assert np.isfinite(out[0, :5]).all() and np.isnan(out[0, 5:, 0, 0]).all()
+    assert np.isfinite(out[0, :, 1]).all()  # the other head's kv head holds no NaN

@@ -1,0 +1,260 @@
+"""attention's `mosaic_gpu` implementation on the CPU: its block-sparse tile schedule against brute
+force over the mask, its refusals (`supports`, `check`) and its place in the dispatcher, its
+block sizes, and the `pallas_gpu` backward it borrows fed with another forward's residuals
+(interpret mode). The kernel itself needs a Hopper GPU: tests/gpu/test_attention_mosaic_gpu.py."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import axkern
+from axkern import masks
+from axkern.ops.attention import OP, mosaic_gpu, pallas_gpu
+from axkern.ops.attention.blocks import (
+    MOSAIC_GPU_SMEM,
+    AttentionBlockSizes,
+    mosaic_gpu_backward_blocks,
+    mosaic_gpu_heuristic,
+    mosaic_gpu_smem_bytes,
+    mosaic_gpu_space,
+    pallas_gpu_heuristic,
+)
+from axkern.positional import attention
+from tests.cases.attention import inputs as _inputs
+
+WGS = mosaic_gpu.COMPUTE_WGS
+
+SCHEDULE_MASKS = {
+    "full": masks.Full(),
+    "causal": masks.Causal(),
+    "causal+5": masks.Causal(offset=5),
+    "causal-9": masks.Causal(offset=-9),
+    "window6": masks.SlidingWindow(6),
+    "window20+3": masks.SlidingWindow(20, offset=3),
+    "causal&window13": masks.Causal() & masks.SlidingWindow(13),
+    "window3|causal-30": masks.SlidingWindow(3) | masks.Causal(offset=-30),
+    "causal-40|full": masks.Causal(offset=-40) | masks.Full(),
+}
+
+
+def _longest_run(flags) -> int:
+    best = run = 0
+    for f in flags:
+        run = run + 1 if f else 0
+        best = max(best, run)
+    return best
+
+
+def _brute_force(mask, sq, sk, bq, bk):
+    """`(any visible, all visible)` per (query tile, key tile) from the dense mask; a tile
+    reaching past a length is never all visible."""
+    dense = np.asarray(mask.dense(sq, sk))[0]
+    nq, nk = -(-sq // bq), -(-sk // bk)
+    nq = -(-nq // WGS) * WGS
+    any_ = np.zeros((nq, nk), bool)
+    all_ = np.zeros((nq, nk), bool)
+    for i in range(nq):
+        for t in range(nk):
+            tile = dense[i * bq : (i + 1) * bq, t * bk : (t + 1) * bk]
+            any_[i, t] = tile.any()
+            all_[i, t] = tile.size == bq * bk and tile.all()
+    return any_, all_
+
+
+@pytest.mark.parametrize("name", list(SCHEDULE_MASKS))
+@pytest.mark.parametrize("sq,sk,bq,bk", [(64, 64, 8, 8), (61, 77, 8, 16), (100, 37, 16, 8), (5, 90, 8, 8)])
+def test_schedule_against_brute_force(name, sq, sk, bq, bk):
+    mask = SCHEDULE_MASKS[name]
+    table = mosaic_gpu.mask_schedule(mask, sq, sk, bq, bk)
+    any_, all_ = _brute_force(mask, sq, sk, bq, bk)
+    assert table.dtype == np.int32 and table.shape == (any_.shape[0] // WGS, 2 + 4 * WGS)
+    for c, row in enumerate(table):
+        clo, chi = row[mosaic_gpu.CTA_LO], row[mosaic_gpu.CTA_HI]
+        live = []
+        for w in range(WGS):
+            i = c * WGS + w
+            lo, flo, fhi, hi = row[2 + 4 * w : 6 + 4 * w]
+            # every warpgroup walks [clo, chi) in five loops: release, mask, full, mask, release
+            assert clo <= lo <= flo <= fhi <= hi <= chi, (c, w, row)
+            seen = np.flatnonzero(any_[i])
+            if seen.size == 0:
+                assert lo == hi, (c, w, row)
+                continue
+            live.append((lo, hi))
+            # the visited tiles run from the first tile with a visible pair to the last one
+            assert (lo, hi) == (seen[0], seen[-1] + 1), (c, w, row)
+            # the unmasked run holds only fully visible tiles, and it is the longest such run
+            assert all_[i, flo:fhi].all(), (c, w, row)
+            assert fhi - flo == _longest_run(all_[i, lo:hi]), (c, w, row)
+        # the producer loads exactly the union of its warpgroups' ranges (nothing when empty)
+        if live:
+            assert (clo, chi) == (min(r[0] for r in live), max(r[1] for r in live)), row
+        else:
+            assert clo == chi, row
+
+
+def test_schedule_skips_empty_tiles_and_masking_work_for_causal():
+    # 512 causal queries and keys in 64 x 64 tiles: block c's warpgroups own query tiles 2c
+    # and 2c + 1; tiles past the diagonal are never loaded, those before it never masked
+    table = mosaic_gpu.mask_schedule(masks.Causal(), 512, 512, 64, 64)
+    for c, row in enumerate(table):
+        i = 2 * c  # warpgroup 0's query tile: full tiles [0, i), the diagonal tile i masked
+        wg0 = [0, 0, i, i + 1] if i else [0, 1, 1, 1]  # no full tile: flo == fhi == hi
+        assert list(row) == [0, i + 2, *wg0, 0, 0, i + 1, i + 2]
+    full = mosaic_gpu.mask_schedule(masks.Full(), 300, 256, 64, 128)
+    # 300 queries in 64-row tiles: tile 4 reaches past them (partial everywhere), tile 5 is
+    # padding (an empty row: lo == hi == clo)
+    assert [list(r) for r in full] == [
+        [0, 2, 0, 0, 2, 2, 0, 0, 2, 2],
+        [0, 2, 0, 0, 2, 2, 0, 0, 2, 2],
+        [0, 2, 0, 2, 2, 2, 0, 0, 0, 0],
+    ]
+
+
+def test_schedule_of_kinds_directly():
+    E, P, F = masks.EMPTY, masks.PARTIAL, masks.FULL
+    kinds = np.array(
+        [[E, P, F, F, P, F, E], [E, E, E, E, E, E, E], [F, F, P, E, E, E, E], [E, E, E, P, E, E, E]]
+    )
+    table = mosaic_gpu.schedule(kinds)
+    assert list(table[0]) == [1, 6, 1, 2, 4, 6, 1, 1, 1, 1]  # the second row is empty
+    assert list(table[1]) == [0, 4, 0, 0, 2, 3, 3, 4, 4, 4]  # no FULL tile: flo == fhi == hi
+    with pytest.raises(ValueError, match="multiple of 2"):
+        mosaic_gpu.schedule(kinds[:3])
+
+
+def _spec(dtype=jnp.bfloat16, d=128, dv=None, device_key="nvidia_h200", **flags):
+    dims = {
+        "batch": 1,
+        "q_len": 256,
+        "kv_len": 256,
+        "heads": 4,
+        "kv_heads": 2,
+        "head_dim": d,
+        "v_dim": dv or d,
+    }
+    base = dict(soft_cap=False, sinks=False, mask="Causal")
+    spec = OP.spec(dims, dtype, **(base | flags))
+    return dataclasses.replace(spec, platform="gpu", device_key=device_key, device_kind=device_key)
+
+
+def test_supports_refuses_with_reasons():
+    assert mosaic_gpu.supports(_spec()) is None
+    assert mosaic_gpu.supports(_spec(jnp.float16, d=64)) is None
+    assert mosaic_gpu.supports(_spec(d=256, mask="Full")) is None
+    assert mosaic_gpu.supports(_spec(mask="And")) is None  # static or not: decided at the call
+    assert "Hopper" in mosaic_gpu.supports(_spec(device_key="nvidia_a100"))
+    assert "bf16 or fp16" in mosaic_gpu.supports(_spec(jnp.float32))
+    assert "head dims 96" in mosaic_gpu.supports(_spec(d=96))
+    assert "head dims 128 and 64" in mosaic_gpu.supports(_spec(d=128, dv=64))
+    assert "soft cap" in mosaic_gpu.supports(_spec(soft_cap=True))
+    assert "sinks" in mosaic_gpu.supports(_spec(sinks=True))
+    for m in ("Segments", "PrefixLM", "Dense"):
+        assert "static masks only" in mosaic_gpu.supports(_spec(mask=m))
+
+
+def test_check_refuses_masks_and_blocks_it_cannot_take():
+    bs = AttentionBlockSizes(block_q=64, block_kv=128, num_stages=2)
+    mosaic_gpu.check(masks.Causal() & masks.SlidingWindow(100), bs, 128)
+    ids = jnp.zeros((1, 256), jnp.int32)
+    with pytest.raises(axkern.Unsupported, match="static masks only"):
+        mosaic_gpu.check(masks.Causal() & masks.Segments(ids, ids), bs, 128)
+    with pytest.raises(axkern.Unsupported, match="static masks only"):
+        mosaic_gpu.check(masks.PrefixLM(jnp.array([3])), bs, 128)
+    with pytest.raises(axkern.Unsupported, match="block_q=32"):
+        mosaic_gpu.check(masks.Causal(), dataclasses.replace(bs, block_q=32), 128)
+    with pytest.raises(axkern.Unsupported, match="num_stages=5"):
+        mosaic_gpu.check(masks.Causal(), dataclasses.replace(bs, num_stages=5), 128)
+    with pytest.raises(axkern.Unsupported, match="shared memory"):
+        mosaic_gpu.check(masks.Causal(), dataclasses.replace(bs, block_kv=256, num_stages=4), 256)
+    with pytest.raises(axkern.Unsupported, match="sinks"):
+        mosaic_gpu.check(masks.Causal(), bs, 128, sinks=jnp.zeros(4))
+
+
+def test_heuristic_and_space_fit_shared_memory():
+    for d in (64, 128, 256):
+        spec = _spec(d=d)
+        bs = mosaic_gpu_heuristic(spec)
+        assert (bs.block_q, bs.block_kv, bs.num_stages) == (64, 128 if d <= 128 else 64, 2)
+        # the backward fields: pallas_gpu's heuristic's (its kernels serve the backward), and
+        # 32 x 32 tiles at head dim 256
+        tri = pallas_gpu_heuristic(spec)
+        for name in ("dq", "dkv"):
+            got, want = bs.kernel(name), tri.kernel(name)
+            if d <= 128:
+                assert (got.block_q, got.block_kv, got.num_warps) == (
+                    want.block_q,
+                    want.block_kv,
+                    want.num_warps,
+                )
+            else:
+                assert (got.block_q, got.block_kv, got.num_warps, got.num_stages) == (32, 32, 4, 2)
+        space = mosaic_gpu_space(spec)
+        assert space[0] == bs and len(space) >= (1 if d == 256 else 4)  # 256: only 64 x 64 x 2 fits
+        for c in space:
+            assert mosaic_gpu_smem_bytes(c.block_q, c.block_kv, c.num_stages, d) <= MOSAIC_GPU_SMEM
+            mosaic_gpu.check(masks.Causal(), c, d)
+
+
+def test_backward_blocks_never_take_the_mosaic_forwards_tiles():
+    spec = _spec(d=128)
+    base = mosaic_gpu_heuristic(spec)
+    # explicit forward tiles only: the backward kernels keep the heuristic's
+    got = mosaic_gpu_backward_blocks(AttentionBlockSizes(block_q=128, block_kv=64, num_stages=3), spec)
+    for name in ("dq", "dkv"):
+        assert got.kernel(name) == base.kernel(name).__class__(
+            **{f: getattr(base, f"{f}_{name}") for f in ("block_q", "block_kv", "num_warps", "num_stages")}
+        )
+    # an explicit backward field is kept, the rest filled
+    got = mosaic_gpu_backward_blocks(AttentionBlockSizes(block_q_dkv=32, num_warps_dq=8), spec)
+    assert got.block_q_dkv == 32 and got.num_warps_dq == 8 and got.block_kv_dkv == base.block_kv_dkv
+    assert got.block_q == got.block_q_dq and got.num_stages == got.num_stages_dq
+
+
+def test_dispatch_on_cpu_skips_it_with_the_reason():
+    a = _inputs(0, 1, 64, 64, 2, 2, 64, "bfloat16")
+    d = axkern.explain(
+        lambda q, k, v: attention(q, k, v, mask=masks.Causal(), implementation=("mosaic_gpu", "xla")),
+        a["q"],
+        a["k"],
+        a["v"],
+    )
+    assert d.implementation == "xla"
+    assert d.rejected[0].implementation == "mosaic_gpu" and "runs on gpu, not cpu" in d.rejected[0].reason
+    assert "no interpret mode" in d.rejected[0].reason
+    with pytest.raises(axkern.Unsupported, match="mosaic_gpu"):
+        attention(a["q"], a["k"], a["v"], implementation="mosaic_gpu")
+    # not in any default order yet (that needs measured speed)
+    assert all("mosaic_gpu" not in order for order in OP.default_order.values())
+    assert "interim" in OP.implementations["mosaic_gpu"].backward
+
+
+@pytest.mark.parametrize("mask", [masks.Causal(), masks.SlidingWindow(24), masks.Full()])
+def test_borrowed_backward_from_residuals_matches_autodiff(mask):
+    # out and lse of the reference stand in for the Mosaic forward's; pallas_gpu's backward
+    # kernels (interpret mode) must give the reference's gradients, GQA 2, ragged lengths
+    a = _inputs(7, 1, 50, 50, 4, 2, 16, "float32")
+    q, k, v = a["q"], a["k"], a["v"]
+    scale = 0.3
+
+    def ref(q, k, v):
+        return attention(q, k, v, mask=mask, scale=scale, implementation="reference")
+
+    out, vjp = jax.vjp(ref, q, k, v)
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, jnp.repeat(k, 2, axis=2)) * scale
+    s = jnp.where(mask.dense(50, 50)[:, None], s, -jnp.inf)
+    lse = jax.nn.logsumexp(s, axis=-1)
+    d_out = jnp.cos(jnp.arange(out.size, dtype=jnp.float32)).reshape(out.shape)
+    bs = AttentionBlockSizes(
+        block_q=64, block_kv=128, num_stages=2, block_q_dq=16, block_kv_dq=16, block_q_dkv=16, block_kv_dkv=16
+    )
+    got = pallas_gpu.backward(
+        q, k, v, out, lse, d_out, mask=mask, scale=scale, block_sizes=bs, interpret=True
+    )
+    for g, w in zip(got, vjp(d_out), strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-4, atol=2e-4)
