@@ -153,7 +153,9 @@ def test_compensated_dw_meets_the_rule_over_many_blocks_where_plain_does_not():
         check_rules(run_loss, ["xla"], arrays, "bfloat16", f"dw={dw}", block_sizes=blocks[dw])
     want, same = oracle(run_loss, arrays), run_loss("reference", arrays)
     value, (dx, dw) = run_loss("xla", arrays, block_sizes=blocks["plain"])
-    assert_oracle_rule((value, dx), (same[0], same[1][0]), (want[0], want[1][0]), "bfloat16", "plain loss, dx")
+    assert_oracle_rule(
+        (value, dx), (same[0], same[1][0]), (want[0], want[1][0]), "bfloat16", "plain loss, dx"
+    )
     with pytest.raises(AssertionError, match=r"plain dw\[0\]: max\|impl - oracle\|"):
         assert_oracle_rule(dw, same[1][1], want[1][1], "bfloat16", "plain dw")
 
@@ -171,14 +173,30 @@ def test_explain_names_the_dw_accumulation_and_its_memory():
     block = 512 * v * 4 + 512 * 1000 * 2  # the float32 logits block and one slab of dz
     dw = d * v * 2 + d * 1000 * 4  # the bf16 compensation and one float32 slab share
     assert "bfloat16 [D, V] compensation (Kahan), 1000-column slabs" in backward
-    assert f"temporary memory about {mib(block + dw)} (logits block {mib(block)}, dw accumulation {mib(dw)})" in backward
-    float32 = axkern.explain(lambda *a: ce_loss(*a, block_sizes={**bs, "dw_accumulation": "float32"}), *shapes)
-    assert "float32 [D, V] buffer" in float32.backward and f"dw accumulation {mib(d * v * 4)}" in float32.backward
+    assert (
+        f"temporary memory up to {mib(block + dw)} (logits block {mib(block)}, dw accumulation {mib(dw)})"
+        in backward
+    )
+    float32 = axkern.explain(
+        lambda *a: ce_loss(*a, block_sizes={**bs, "dw_accumulation": "float32"}), *shapes
+    )
+    assert (
+        "float32 [D, V] buffer" in float32.backward
+        and f"dw accumulation {mib(d * v * 4)}" in float32.backward
+    )
     wide = (shapes[0], jax.ShapeDtypeStruct((d, v), jnp.float32), shapes[2])
     gradient = axkern.explain(lambda *a: ce_loss(*a, block_sizes=bs), *wide)
-    assert "float32 gradient itself" in gradient.backward and f"dw accumulation {mib(d * 1000 * 4)}" in gradient.backward
+    assert (
+        "float32 gradient itself" in gradient.backward
+        and f"dw accumulation {mib(d * 1000 * 4)}" in gradient.backward
+    )
     with pytest.raises(ValueError, match=r"dw_accumulation must be one of 'compensated', 'float32', 'plain'"):
-        ce_loss(jnp.zeros((8, 4)), jnp.zeros((4, 6)), jnp.zeros(8, jnp.int32), block_sizes={"dw_accumulation": "kahan"})
+        ce_loss(
+            jnp.zeros((8, 4)),
+            jnp.zeros((4, 6)),
+            jnp.zeros(8, jnp.int32),
+            block_sizes={"dw_accumulation": "kahan"},
+        )
 
 
 def test_loss_edge_cases():

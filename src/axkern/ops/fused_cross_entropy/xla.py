@@ -122,7 +122,7 @@ def describe_loss(spec, block_sizes) -> str:
     words = _DW_WORDS[strategy].format(w=jnp.dtype(w_dtype).name, slab=slab)
     return (
         "gradients formed in the forward, one [block_tokens, vocab] logits block at a time "
-        f"(6·N·D·V FLOPs; the backward scales them); dw {words}; temporary memory about "
+        f"(6·N·D·V FLOPs; the backward scales them); dw {words}; temporary memory up to "
         f"{_gib(block + dw_bytes)} (logits block {_gib(block)}, dw accumulation {_gib(dw_bytes)})"
     )
 
