@@ -55,7 +55,7 @@ def case(
     peers = {"levanter": _levanter_peer()} if op == LOSS_NAME else {}
 
     def loss(impl, x, w, labels):
-        if impl.startswith("peer:"):
+        if isinstance(impl, str) and impl.startswith("peer:"):
             peer = peers[impl.removeprefix("peer:")]
             if isinstance(peer, str):
                 raise Unsupported(peer)
