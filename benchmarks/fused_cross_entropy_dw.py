@@ -1,7 +1,8 @@
 """The reduced fused cross-entropy's `dw` accumulations side by side at a model's size: for each
-strategy (`compensated`, `float32`, `plain`; `CrossEntropyBlockSizes.dw_accumulation`) and
-token block, the forward+backward time of `jax.value_and_grad` (median of repeats), its
-temporary memory (`memory_analysis`), and the oracle rule for the loss, `dx` and `dw`.
+strategy (`compensated`, `compensated_int8`, `float32`, `plain`: `dw_accumulation` of
+`CrossEntropyBlockSizes`) and token block, the forward+backward time of `jax.value_and_grad`
+(median of repeats), its temporary memory (`memory_analysis`), and the oracle rule for the
+loss, `dx` and `dw`.
 
 The oracle is the GPU tests' (tests/gpu/test_fused_cross_entropy_gpu.py, DESIGN.md's float32
 oracle): `reference` on float32 copies of the inputs at `precision=HIGHEST` on the device; the
@@ -34,8 +35,10 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", type=int, default=16384)
     p.add_argument("--embed", type=int, default=4096)
     p.add_argument("--vocab", type=int, default=128256)
-    p.add_argument("--strategies", default="compensated,float32,plain")
-    p.add_argument("--block-tokens", default="1024,2048", help="token blocks to time each strategy at")
+    p.add_argument("--strategies", default="compensated,compensated_int8,float32,plain")
+    p.add_argument(
+        "--block-tokens", default="2048", help="token blocks to time each strategy at (e.g. 1024,2048)"
+    )
     p.add_argument("--block-vocab", type=int, default=None, help="dw slab columns (default: the heuristic's)")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--peers", action="store_true")
@@ -55,7 +58,7 @@ def main(argv=None) -> int:
 
     import axkern
     from axkern.bench import time_spread
-    from axkern.ops.fused_cross_entropy.arg_specs import _levanter_peer
+    from axkern.ops.fused_cross_entropy.arg_specs import levanter_peer
     from axkern.positional import fused_cross_entropy_loss as ce_loss
     from tests.cases.fused_cross_entropy import make
     from tests.helpers import ATOL
@@ -133,7 +136,7 @@ def main(argv=None) -> int:
                         note=r.get("note", ""),
                     )
                 )
-        peer = _levanter_peer()
+        peer = levanter_peer()
         if isinstance(peer, str):
             record(dict(implementation="peer:levanter", note=peer))
         else:

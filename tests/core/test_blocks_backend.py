@@ -108,7 +108,8 @@ def test_block_sizes_validation_messages():
     assert CrossEntropyBlockSizes(dw_accumulation="compensated").validate() is None
     why = CrossEntropyBlockSizes(dw_accumulation=2).validate()
     assert why == (
-        "CrossEntropyBlockSizes.dw_accumulation must be one of 'compensated', 'float32', 'plain' or None, got 2"
+        "CrossEntropyBlockSizes.dw_accumulation must be one of 'compensated', 'compensated_int8', 'float32', "
+        "'plain' or None, got 2"
     )
 
 

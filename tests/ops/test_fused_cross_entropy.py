@@ -143,13 +143,14 @@ def test_loss_gradients_in_forward_against_oracle(dtype, option, reduction, dw):
 def test_compensated_dw_meets_the_rule_over_many_blocks_where_plain_does_not():
     # 64 token blocks, each adding a share to every entry of a bf16 dw (slabs of 512 columns,
     # the last ragged): rounding each sum to bf16 (plain) misses the rule for dw; the
-    # compensated sum meets it for every output, as does the float32 accumulator
+    # compensated sums (bf16 or int8 compensation) meet it for every output, as does the
+    # float32 accumulator
     arrays, _ = make(11, 2048, 64, 3000, "bfloat16")
     blocks = {
         dw: CrossEntropyBlockSizes(block_tokens=32, block_vocab=512, dw_accumulation=dw)
-        for dw in ("compensated", "float32", "plain")
+        for dw in ("compensated", "compensated_int8", "float32", "plain")
     }
-    for dw in ("compensated", "float32"):
+    for dw in ("compensated", "compensated_int8", "float32"):
         check_rules(run_loss, ["xla"], arrays, "bfloat16", f"dw={dw}", block_sizes=blocks[dw])
     want, same = oracle(run_loss, arrays), run_loss("reference", arrays)
     value, (dx, dw) = run_loss("xla", arrays, block_sizes=blocks["plain"])
@@ -190,7 +191,16 @@ def test_explain_names_the_dw_accumulation_and_its_memory():
         "float32 gradient itself" in gradient.backward
         and f"dw accumulation {mib(d * 1000 * 4)}" in gradient.backward
     )
-    with pytest.raises(ValueError, match=r"dw_accumulation must be one of 'compensated', 'float32', 'plain'"):
+    int8 = axkern.explain(
+        lambda *a: ce_loss(*a, block_sizes={**bs, "dw_accumulation": "compensated_int8"}), *shapes
+    )
+    assert (
+        "int8 [D, V] compensation" in int8.backward
+        and f"dw accumulation {mib(d * v + d * 1000 * 4)}" in int8.backward
+    )
+    with pytest.raises(
+        ValueError, match=r"dw_accumulation must be one of 'compensated', 'compensated_int8', "
+    ):
         ce_loss(
             jnp.zeros((8, 4)),
             jnp.zeros((4, 6)),

@@ -52,7 +52,7 @@ def case(
     def forward(impl, x, w, labels):
         return fused_cross_entropy_positional(x, w, labels, reduction=None, implementation=impl)
 
-    peers = {"levanter": _levanter_peer()} if op == LOSS_NAME else {}
+    peers = {"levanter": levanter_peer()} if op == LOSS_NAME else {}
 
     def loss(impl, x, w, labels):
         if isinstance(impl, str) and impl.startswith("peer:"):
@@ -83,7 +83,7 @@ def case(
     )
 
 
-def _levanter_peer():
+def levanter_peer():
     """Levanter's mean fused cross-entropy loss on the case's `(x, w, labels)`, or why it
     cannot run (imported at the first call: building cases does not import Levanter)."""
     if importlib.util.find_spec("levanter") is None:

@@ -27,10 +27,12 @@ __all__ = [
 # float64 `w` is its own accumulator: each slab's share is added to the gradient in w's dtype):
 # - "compensated": to the gradient in w's dtype, with a second w-dtype [D, V] buffer holding
 #   the rounding error of each addition (a float32 sum formed per [D, block_vocab] slab);
+# - "compensated_int8": the same with the compensation as an int8 count of 1/256ths of the
+#   gradient's ulp (D·V bytes instead of 2·D·V);
 # - "float32": to a float32 [D, V] accumulator, each block's share formed whole;
 # - "plain": to the gradient in w's dtype without compensation (as Liger-Kernel does); it
 #   misses the oracle rule over many token blocks, and exists to be measured against.
-DW_ACCUMULATIONS = ("compensated", "float32", "plain")
+DW_ACCUMULATIONS = ("compensated", "compensated_int8", "float32", "plain")
 
 # Bytes of one float32 [block_tokens, block_vocab] logits tile, per platform. On GPU a tile
 # this size keeps each matmul large enough to run near the tensor-core ceiling while the

@@ -56,6 +56,8 @@ def stats(x, w, labels, *, block_sizes: CrossEntropyBlockSizes, logits_soft_cap=
 #   float32 piece of `dw` alive) and `t = hi + (share + lo)` in float32, then `hi = round(t)`,
 #   `lo = round(t - hi)`. Each step's error is a 16-bit rounding of `lo` (2^-16 of `t` in
 #   bf16), against the 2^-8 of plain 16-bit accumulation. Temporary: `lo`, `2·D·V` bytes.
+# - "compensated_int8": the same with `lo` as an int8 count of 1/256ths of `hi`'s ulp (the
+#   same 2^-16 per step: `|t - hi|` is at most half an ulp); temporary `D·V` bytes.
 # - "float32": a float32 `[D, V]` accumulator, each block's share formed whole (`4·D·V` bytes).
 # - "plain": `hi` alone, slab-wise (measurement only: it misses the oracle rule over many
 #   token blocks, docs/decisions.md).
@@ -66,7 +68,7 @@ def stats(x, w, labels, *, block_sizes: CrossEntropyBlockSizes, logits_soft_cap=
 class _LossStatic:
     block_tokens: int
     block_vocab: int  # dw slab columns (the slab-wise strategies)
-    dw: str  # "compensated" | "float32" | "plain" | "gradient" (a float32/float64 w)
+    dw: str  # one of DW_ACCUMULATIONS, or "gradient" (a float32/float64 w)
     soft_cap: float | None
     logsumexp_weight: float
     label_smoothing: float
@@ -89,6 +91,7 @@ def dw_temporary_bytes(strategy: str, embed: int, vocab: int, slab: int, w_dtype
     slab_share = embed * min(slab, vocab) * max(4, w_bytes)
     return {
         "compensated": embed * vocab * w_bytes + slab_share,
+        "compensated_int8": embed * vocab + slab_share,
         "float32": embed * vocab * 4,
         "plain": slab_share,
         "gradient": slab_share,
@@ -101,6 +104,8 @@ def _gib(n: int) -> str:
 
 _DW_WORDS = {
     "compensated": "accumulated in w's {w} with a {w} [D, V] compensation (Kahan), {slab}-column slabs",
+    "compensated_int8": "accumulated in w's {w} with an int8 [D, V] compensation (Kahan, 1/256ths of an ulp), "
+    "{slab}-column slabs",
     "float32": "accumulated in a float32 [D, V] buffer, each block's share formed whole",
     "plain": "accumulated in w's {w} without compensation (measurement only: misses the oracle rule)",
     "gradient": "accumulated in the {w} gradient itself, {slab}-column slabs",
@@ -177,14 +182,33 @@ def _loss(cfg: _LossStatic, x, w, labels, keep, scale):
     return scale * _loss_value(cfg, x, w, labels, keep)
 
 
+def _ulp_256th(hi, dtype):
+    """A power of two per entry, float32: 1/256 of the spacing of `dtype` at `hi` (a value of
+    that dtype; built from bits: an exact power of two, where `exp2` need not be)."""
+    _, e = jnp.frexp(hi.astype(jnp.float32))  # |hi| = m * 2^e, m in [0.5, 1)
+    biased = jnp.clip(e - 1 - jnp.finfo(dtype).nmant - 8 + 127, 1, 254)
+    return lax.bitcast_convert_type(biased.astype(jnp.int32) << 23, jnp.float32)
+
+
+def _compensation(hi, comp):
+    """The float32 value of a compensation: `comp` itself, or an int8 count of `hi`'s 256ths."""
+    if comp.dtype == jnp.int8:
+        return comp.astype(jnp.float32) * _ulp_256th(hi, hi.dtype)
+    return comp.astype(jnp.float32)
+
+
 def _add_compensated(hi, lo, share):
-    """`hi + lo + share` as a new `(hi, lo)` pair in hi's dtype, the sum formed in float32.
-    `reduce_precision` rounds `hi` where a convert pair f32 -> 16-bit -> f32 could be folded
-    away (XLA's excess precision), which would zero the compensation."""
+    """`hi + lo + share` as a new `(hi, lo)` pair, `hi` in its dtype and `lo` in its own (w's
+    dtype, or int8 256ths of the new `hi`'s ulp), the sum formed in float32. `reduce_precision`
+    rounds `hi` where a convert pair f32 -> 16-bit -> f32 could be folded away (XLA's excess
+    precision), which would zero the compensation."""
     finfo = jnp.finfo(hi.dtype)
-    t = hi.astype(share.dtype) + (share + lo.astype(share.dtype))
+    t = hi.astype(jnp.float32) + (share + _compensation(hi, lo))
     rounded = lax.reduce_precision(t, exponent_bits=finfo.nexp, mantissa_bits=finfo.nmant)
-    return rounded.astype(hi.dtype), (t - rounded).astype(lo.dtype)
+    rest = t - rounded  # exact: at most half an ulp of `rounded`
+    if lo.dtype == jnp.int8:
+        rest = jnp.clip(jnp.round(rest / _ulp_256th(rounded, hi.dtype)), -127, 127)
+    return rounded.astype(hi.dtype), rest.astype(lo.dtype)
 
 
 def _loss_fwd(cfg: _LossStatic, x, w, labels, keep, scale):
@@ -233,7 +257,7 @@ def _loss_fwd(cfg: _LossStatic, x, w, labels, keep, scale):
                 dx_rows = dx_rows + mm(dz, lax.dynamic_slice_in_dim(w, v0, vs, axis=1).T, acc)
                 share = mm(xk.T, dz, acc)  # [D, vs] float32: the only float32 piece of dw
                 hi = lax.dynamic_slice_in_dim(dw, v0, vs, axis=1)
-                if cfg.dw == "compensated":
+                if comp is not None:
                     lo = lax.dynamic_slice_in_dim(comp, v0, vs, axis=1)
                     hi, lo = _add_compensated(hi, lo, share)
                     comp = lax.dynamic_update_slice_in_dim(comp, lo, v0, axis=1)
@@ -247,7 +271,7 @@ def _loss_fwd(cfg: _LossStatic, x, w, labels, keep, scale):
         return dx, dw, comp, total + jnp.sum(per)
 
     dw = jnp.zeros((d, v), acc if cfg.dw in ("float32", "gradient") else w.dtype)
-    comp = jnp.zeros_like(w) if cfg.dw == "compensated" else None
+    comp = {"compensated": jnp.zeros_like(w), "compensated_int8": jnp.zeros((d, v), jnp.int8)}.get(cfg.dw)
     init = (jnp.zeros_like(x), dw, comp, jnp.zeros((), acc))
     dx, dw, comp, total = for_each_block(n, cfg.block_tokens, block, init)
     return scale * total, (dx, dw, comp, total)
@@ -257,7 +281,7 @@ def _loss_bwd(cfg: _LossStatic, residuals, g):
     dx, dw, comp, total = residuals
     scaled = lambda a, dtype: (g * a.astype(g.dtype)).astype(dtype)  # noqa: E731
     if comp is not None:  # hi + lo, rounded once after the scaling
-        dw_out = (g * (dw.astype(g.dtype) + comp.astype(g.dtype))).astype(cfg.w_dtype)
+        dw_out = (g * (dw.astype(g.dtype) + _compensation(dw, comp).astype(g.dtype))).astype(cfg.w_dtype)
     else:
         dw_out = scaled(dw, cfg.w_dtype)
     return scaled(dx, dx.dtype), dw_out, None, None, g * total
