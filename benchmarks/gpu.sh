@@ -6,19 +6,20 @@
 #                                        $OUT/gpu/tuned/<op folder>/, the tuning cache in $OUT/gpu/cache/
 #   bash benchmarks/gpu.sh list          the ops and their presets
 #
-# OP is an op folder: attention, cross_entropy, fused_cross_entropy, moe, moe_ep, short_conv, ssd;
+# OP is an op folder: attention, cross_entropy, fused_cross_entropy, mamba3, moe, moe_ep, short_conv, ssd;
 # `gpu.sh fused_cross_entropy_dw` runs benchmarks/fused_cross_entropy_dw.py (the reduced loss's
 # dw accumulations at llama3's size: time, temporary memory, oracle rule, with the peers).
 # Wheels in an ignored `.whl/` folder (for a machine without network: whatever its image lacks
 # of the dependencies, e.g. haliax, beartype, cffi, platformdirs, filelock; `.whl/peers/` for
-# the peers, with `.whl/levanter_stubs/` for Levanter) are installed into /tmp/site first. Logs and the
+# the peers, with `.whl/levanter_stubs/` for Levanter and `.whl/mamba_ssm_triton/` for mamba_ssm's
+# Triton kernels) are installed into /tmp/site first. Logs and the
 # benches' JSON go under $OUT/gpu (./gpu-run without $OUT): one log per step, steps.txt with each
 # step's exit status and seconds, <op>/<preset>.json per bench (the layout of benchmarks/results).
 # Each step has its own timeout (seconds) so one hung kernel leaves the others their time.
 set -u
 if compgen -G ".whl/*.whl" > /dev/null; then
   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl $(compgen -G ".whl/peers/*.whl")
-  export PYTHONPATH=/tmp/site:$PWD/src${PWD:+:$PWD/.whl/levanter_stubs}
+  export PYTHONPATH=/tmp/site:$PWD/src:$PWD/.whl/levanter_stubs:$PWD/.whl/mamba_ssm_triton
 else
   export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH}
 fi
@@ -37,7 +38,7 @@ gpu_tests="env AXKERN_TEST_GPU=1 python3 -m pytest -q -p no:cacheprovider -rs"
 bench() {  # bench OP PRESET [more axkern bench arguments]
   local op=$1 preset=$2; shift 2
   mkdir -p "$R/$op"
-  step 240 "bench_${op}_$preset" $axkern bench "$op" --preset "$preset" --repeats 5 --json "$R/$op/$preset.json" "$@"
+  step "${BENCH_T:-240}" "bench_${op}_$preset" $axkern bench "$op" --preset "$preset" --repeats 5 --json "$R/$op/$preset.json" "$@"
 }
 tests() {  # tests FILE: the op's GPU tests
   [ -f "tests/gpu/$1" ] && step 300 "gpu_tests_${1%.py}" $gpu_tests "tests/gpu/$1"
@@ -53,6 +54,7 @@ fused_cross_entropy)
 fused_cross_entropy_dw)  # the reduced loss's dw accumulations at llama3's size, beside the peers
   step 300 fused_cross_entropy_dw python3 benchmarks/fused_cross_entropy_dw.py --peers --json "$R/fused_cross_entropy_dw.json"
   ;;
+mamba3) tests test_mamba3_gpu.py; BENCH_T=540 bench mamba3 mamba3_2.7b --peers ;;
 moe) tests test_moe_gpu.py; bench moe_dispatch dsv3; bench moe_combine dsv3 ;;
 moe_ep) bench moe_ep_dispatch e64; bench moe_ep_combine e64 ;;
 short_conv) tests test_short_conv_gpu.py; bench short_conv mamba ;;
@@ -67,7 +69,7 @@ tune)
   ;;
 list) $axkern bench --list-presets ;;
 *)
-  echo "usage: gpu.sh attention|cross_entropy|fused_cross_entropy|fused_cross_entropy_dw|moe|moe_ep|short_conv|ssd|list, or gpu.sh tune OP [args]"
+  echo "usage: gpu.sh attention|cross_entropy|fused_cross_entropy|fused_cross_entropy_dw|mamba3|moe|moe_ep|short_conv|ssd|list, or gpu.sh tune OP [args]"
   exit 2
   ;;
 esac

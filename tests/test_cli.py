@@ -100,6 +100,22 @@ def test_bench_levanter_peer_absent_is_a_row_that_says_so(tmp_path, monkeypatch)
     assert all(r["ms"] is None and r["note"] == "unsupported: levanter is not installed" for r in rows)
 
 
+def test_mamba3_cases_carry_what_its_torch_peer_reads():
+    from axkern import peers
+    from axkern.bench import cases_for
+
+    siso, mimo = cases_for("mamba3", preset="mamba3_2.7b")
+    for c in (siso, mimo):
+        assert {"batch", "length", "heads", "head_dim", "state", "groups", "angles", "chunk", "rank"} <= set(
+            c.dims
+        )
+    assert siso.dims["rank"] == 0 and mimo.dims["rank"] == 4
+    # no torch here: the subprocess reports why, one row for the one peer
+    (row,) = peers.run("mamba3", siso.dims, siso.dtype, repeats=1)
+    assert row["peer"] == "mamba_ssm" and "ms" not in row and row["note"]
+    assert "levanter" in siso.peers and isinstance(mimo.peers["levanter"], str)
+
+
 def test_peer_ratios_land_in_the_notes():
     from axkern.bench import Row, cases_for
 

@@ -12,6 +12,12 @@ materialised float32 logits); mean reduction, random inputs of the case's shapes
 CUDA events around each call after warm-up, median of repeats. Memory: the peak allocated
 during a call beyond what was allocated before it, less the gradients it returns.
 A peer that is not importable (or no CUDA) is reported with the reason, not timed.
+
+`mamba3` peer: mamba_ssm's Triton `mamba3_siso_combined` (SISO only; its MIMO kernels are
+TileLang, not among the peers), importable when the `mamba_ssm` package (its Triton kernels
+alone are enough) is on the subprocess's `PYTHONPATH`. Inputs drawn as `axkern bench mamba3`
+draws them (16-bit q, k, v; float32 decay, step, trapezoid and angles; biases of ones); the
+backward pulls a random cotangent back through the output, like the bench's JAX rows.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ __all__ = ["PEERS", "run"]
 
 _CE_PEERS = ("liger", "cut_cross_entropy", "torch")
 # each times the mean loss forward and forward+backward; both cross-entropy ops compare with them
-PEERS = {"fused_cross_entropy": _CE_PEERS, "fused_cross_entropy_loss": _CE_PEERS}
+PEERS = {"fused_cross_entropy": _CE_PEERS, "fused_cross_entropy_loss": _CE_PEERS, "mamba3": ("mamba_ssm",)}
 
 
 def _ce_functions():
@@ -50,40 +56,57 @@ def _ce_functions():
     return fns, missing
 
 
-def _measure(fn, x, w, y, pass_, repeats):
+def _measure(call, leaves, pass_, repeats):
+    """Median ms of `call(backward)` over `repeats` and its temporary GiB; `leaves` are the tensors
+    whose gradients a backward leaves behind (not counted as temporary)."""
     import torch
 
     backward = pass_ == "fwd+bwd"
-    xs, ws = x.detach().requires_grad_(backward), w.detach().requires_grad_(backward)
 
-    def call():
-        xs.grad = ws.grad = None
+    def once():
+        for t in leaves:
+            t.grad = None
         if backward:
-            fn(xs, ws, y).backward()
+            call(True)
         else:
             with torch.no_grad():
-                fn(xs, ws, y)
+                call(False)
 
     for _ in range(3):
-        call()
+        once()
     torch.cuda.synchronize()
-    xs.grad = ws.grad = None
+    for t in leaves:
+        t.grad = None
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
-    call()
+    once()
     torch.cuda.synchronize()
-    grads = (xs.numel() * xs.element_size() + ws.numel() * ws.element_size()) if backward else 0
+    grads = sum(t.numel() * t.element_size() for t in leaves) if backward else 0
     temp = (torch.cuda.max_memory_allocated() - base - grads) / 2**30
     times = []
     for _ in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        call()
+        once()
         end.record()
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
     return statistics.median(times), temp
+
+
+def _timed_rows(name, call, leaves, repeats):
+    import torch
+
+    out = []
+    for pass_ in ("fwd", "fwd+bwd"):
+        try:
+            ms, temp = _measure(call, leaves, pass_, repeats)
+            out.append({"peer": name, "pass": pass_, "ms": ms, "temp_gib": temp, "note": ""})
+        except Exception as e:  # noqa: BLE001 - e.g. out of memory: report, go on
+            out.append({"peer": name, "pass": pass_, "note": f"{type(e).__name__}: {str(e)[:160]}"})
+            torch.cuda.empty_cache()
+    return out
 
 
 def _fused_cross_entropy(dims, dtype, repeats):
@@ -100,14 +123,55 @@ def _fused_cross_entropy(dims, dtype, repeats):
     fns, missing = _ce_functions()
     out = [{"peer": p, "note": f"not importable: {why}"} for p, why in missing.items()]
     for name, fn in fns.items():
-        for pass_ in ("fwd", "fwd+bwd"):
-            try:
-                ms, temp = _measure(fn, x, w, y, pass_, repeats)
-                out.append({"peer": name, "pass": pass_, "ms": ms, "temp_gib": temp, "note": ""})
-            except Exception as e:  # noqa: BLE001 - e.g. out of memory: report, go on
-                out.append({"peer": name, "pass": pass_, "note": f"{type(e).__name__}: {str(e)[:160]}"})
-                torch.cuda.empty_cache()
+        xs, ws = x.detach().requires_grad_(True), w.detach().requires_grad_(True)
+
+        def call(backward, fn=fn, xs=xs, ws=ws):
+            loss = fn(xs, ws, y) if backward else fn(xs.detach(), ws.detach(), y)
+            if backward:
+                loss.backward()
+
+        out += _timed_rows(name, call, (xs, ws), repeats)
     return out
+
+
+def _mamba3(dims, dtype, repeats):
+    import torch
+
+    if dims.get("rank", 0):
+        return [{"peer": "mamba_ssm", "note": "mamba_ssm's MIMO kernels (TileLang) are not among the peers"}]
+    if not torch.cuda.is_available():
+        return [{"peer": "mamba_ssm", "note": "no CUDA device for torch"}]
+    try:
+        from mamba_ssm.ops.triton.mamba3.mamba3_siso_combined import mamba3_siso_combined
+    except Exception as e:  # noqa: BLE001 - any import failure is a reason to report
+        return [{"peer": "mamba_ssm", "note": f"not importable: {type(e).__name__}: {e}"}]
+    b, l, h, p, n = (dims[k] for k in ("batch", "length", "heads", "head_dim", "state"))
+    g, a, q = dims["groups"], dims["angles"], dims["chunk"]
+    dt, f32 = getattr(torch, dtype), torch.float32
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    rand = lambda *shape, dtype=f32: torch.randn(*shape, device="cuda", generator=gen).to(dtype)  # noqa: E731
+    leaves = [
+        rand(b, l, g, n, dtype=dt),
+        rand(b, l, g, n, dtype=dt),
+        rand(b, l, h, p, dtype=dt),
+        -torch.nn.functional.softplus(rand(b, h, l)),
+        torch.nn.functional.softplus(rand(b, h, l) - 2),
+        rand(b, h, l),
+    ]
+    leaves = [t.requires_grad_(True) for t in leaves]
+    fixed = (torch.ones(h, n, device="cuda"), torch.ones(h, n, device="cuda"), rand(b, l, h, a))
+    cot = rand(b, l, h, p, dtype=dt)
+
+    def call(backward):
+        out = mamba3_siso_combined(*leaves, *fixed, chunk_size=q)
+        if backward:
+            out.backward(cot)
+
+    return _timed_rows("mamba_ssm", call, leaves, repeats)
+
+
+_RUNNERS = {"fused_cross_entropy": _fused_cross_entropy, "fused_cross_entropy_loss": _fused_cross_entropy}
+_RUNNERS["mamba3"] = _mamba3
 
 
 def _main(argv=None) -> int:
@@ -122,7 +186,7 @@ def _main(argv=None) -> int:
     except ImportError as e:
         rows = [{"peer": peer, "note": f"torch not importable: {e}"} for peer in PEERS[a.op]]
     else:
-        rows = _fused_cross_entropy(json.loads(a.dims), a.dtype, a.repeats)
+        rows = _RUNNERS[a.op](json.loads(a.dims), a.dtype, a.repeats)
     for row in rows:
         print(json.dumps(row), flush=True)
     return 0

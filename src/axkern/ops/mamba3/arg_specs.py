@@ -1,7 +1,15 @@
 """Shapes that `axkern bench mamba3` uses: the Mamba-3 2.7B layer (SISO, and MIMO of rank 4) and a
-quick CPU one."""
+quick CPU one.
+
+`--peers`: mamba_ssm's Triton SISO kernels in a subprocess (`axkern.peers`) and, in this process,
+Levanter's XLA path (`levanter.kernels.pallas.mamba3.mamba3_attentionish_forward`, SISO). Levanter's
+path takes real-valued (unrotated) q and k and one q/k head per head: its row is timed without the
+rotation (the angles are dropped) and with q and k repeated over each group's heads, so it computes
+`mamba3` with zero angles (checked against axkern in tests/test_levanter.py)."""
 
 from __future__ import annotations
+
+import importlib.util
 
 import jax
 import jax.numpy as jnp
@@ -61,7 +69,17 @@ def case(name, b, l, h, p, n, g, a, r, q, dt_) -> Case:  # noqa: E741
     return Case(
         "mamba3",
         f"{name} {kind}: B={b} L={l} H={h} P={p} N={n} G={g} A={a} Q={q} {dt_.name}",
-        {"batch": b, "length": l, "heads": h, "head_dim": p, "state": n, "rank": rank},
+        {
+            "batch": b,
+            "length": l,
+            "heads": h,
+            "head_dim": p,
+            "state": n,
+            "groups": g,
+            "angles": a,
+            "rank": r,
+            "chunk": q,
+        },
         dt_.name,
         make,
         forward,
@@ -69,7 +87,46 @@ def case(name, b, l, h, p, n, g, a, r, q, dt_) -> Case:  # noqa: E741
         (0, 1, 2, 3, 4, 5),
         flops,
         2 * flops,
+        peers={"levanter": _levanter_peer(r, q, l)},
     )
+
+
+def levanter_forward(q, k, v, adt, dt, trap, q_bias, k_bias, *, chunk_size):
+    """`mamba3` with zero angles (SISO, no D, z or states) by Levanter's XLA path: q and k repeated
+    over each group's heads, the log-decay summed within each chunk as Levanter takes it."""
+    from levanter.kernels.pallas.mamba3 import mamba3_attentionish_forward
+
+    b, length, h = v.shape[:3]
+    rep = h // q.shape[2]
+    chunks = adt.reshape(b, h, length // chunk_size, chunk_size)
+    return mamba3_attentionish_forward(
+        jnp.repeat(q, rep, axis=2),
+        jnp.repeat(k, rep, axis=2),
+        v,
+        q_bias=q_bias,
+        k_bias=k_bias,
+        da_cs=jnp.cumsum(chunks, axis=-1).reshape(b, h, length),
+        dt=dt,
+        trap=trap,
+        chunk_size=chunk_size,
+        implementation="xla",
+    )
+
+
+def _levanter_peer(rank, chunk, length):
+    """Levanter's XLA SISO path as a bench peer, or why it cannot run the case."""
+    if importlib.util.find_spec("levanter") is None:
+        return "levanter is not installed"
+    if rank:
+        return "the Levanter peer is timed for SISO only"
+    if length % chunk:
+        return f"Levanter's chunked path needs the length ({length}) a multiple of the chunk ({chunk})"
+
+    def forward(q, k, v, adt, dt, trap, q_bias, k_bias, angles):
+        del angles  # Levanter's path does not rotate q and k
+        return levanter_forward(q, k, v, adt, dt, trap, q_bias, k_bias, chunk_size=chunk)
+
+    return forward
 
 
 # batch, heads, head_dim, state, groups, n_angles
