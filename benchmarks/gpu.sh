@@ -6,7 +6,9 @@
 #                                        $OUT/gpu/tuned/<op folder>/, the tuning cache in $OUT/gpu/cache/
 #   bash benchmarks/gpu.sh list          the ops and their presets
 #
-# OP is an op folder: attention, cross_entropy, fused_cross_entropy, mamba3, moe, moe_ep, short_conv, ssd.
+# OP is an op folder: attention, cross_entropy, fused_cross_entropy, mamba3, moe, moe_ep, short_conv, ssd;
+# `gpu.sh fused_cross_entropy_dw` runs benchmarks/fused_cross_entropy_dw.py (the reduced loss's
+# dw accumulations at llama3's size: time, temporary memory, oracle rule, with the peers).
 # Wheels in an ignored `.whl/` folder (for a machine without network: whatever its image lacks
 # of the dependencies, e.g. haliax, beartype, cffi, platformdirs, filelock; `.whl/peers/` for
 # the peers, with `.whl/levanter_stubs/` for Levanter and `.whl/mamba_ssm_triton/` for mamba_ssm's
@@ -49,6 +51,9 @@ fused_cross_entropy)
   bench fused_cross_entropy llama3 --tokens 16384
   bench fused_cross_entropy_loss llama3 --tokens 16384
   ;;
+fused_cross_entropy_dw)  # the reduced loss's dw accumulations at llama3's size, beside the peers
+  step 300 fused_cross_entropy_dw python3 benchmarks/fused_cross_entropy_dw.py --peers --json "$R/fused_cross_entropy_dw.json"
+  ;;
 mamba3) tests test_mamba3_gpu.py; BENCH_T=540 bench mamba3 mamba3_2.7b --peers ;;
 moe) tests test_moe_gpu.py; bench moe_dispatch dsv3; bench moe_combine dsv3 ;;
 moe_ep) bench moe_ep_dispatch e64; bench moe_ep_combine e64 ;;
@@ -64,7 +69,7 @@ tune)
   ;;
 list) $axkern bench --list-presets ;;
 *)
-  echo "usage: gpu.sh attention|cross_entropy|fused_cross_entropy|mamba3|moe|moe_ep|short_conv|ssd|list, or gpu.sh tune OP [args]"
+  echo "usage: gpu.sh attention|cross_entropy|fused_cross_entropy|fused_cross_entropy_dw|mamba3|moe|moe_ep|short_conv|ssd|list, or gpu.sh tune OP [args]"
   exit 2
   ;;
 esac

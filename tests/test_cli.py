@@ -89,6 +89,17 @@ def test_bench_peers_report_why_they_did_not_run(tmp_path):
     assert all(r["ms"] is None and ("not importable" in r["note"] or "no CUDA" in r["note"]) for r in peers)
 
 
+def test_bench_levanter_peer_absent_is_a_row_that_says_so(tmp_path, monkeypatch):
+    # Levanter (an in-process JAX peer of the reduced loss) not importable: its rows say why
+    monkeypatch.setitem(sys.modules, "levanter", None)
+    out = tmp_path / "peers.json"
+    argv = ["bench", "fused_cross_entropy_loss", "--impl", "xla", "--peers", "--repeats", "1"]
+    assert cli.main([*argv, "--json", str(out)]) == 0
+    rows = [r for r in json.loads(out.read_text())["rows"] if r["implementation"] == "peer:levanter"]
+    assert {r["pass"] for r in rows} == {"fwd", "fwd+bwd"}
+    assert all(r["ms"] is None and r["note"] == "unsupported: levanter is not installed" for r in rows)
+
+
 def test_mamba3_cases_carry_what_its_torch_peer_reads():
     from axkern import peers
     from axkern.bench import cases_for

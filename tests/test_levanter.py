@@ -148,6 +148,19 @@ def test_fused_cross_entropy_kernel_matches(lev, case):
     close(f"fused CE kernel {case}", got, want, 1e-5)
 
 
+def test_bench_times_levanter_beside_the_reduced_loss(lev):
+    # `axkern bench fused_cross_entropy_loss --peers`: Levanter's kernel is a row of the same
+    # case, run in this process, its loss and gradients checked against `reference`
+    from axkern.bench import cases_for, measure
+
+    case = cases_for("fused_cross_entropy_loss")[0]
+    assert callable(case.peers["levanter"])
+    rows = measure(case, ["xla", "peer:levanter"], repeats=1)
+    peer = [r for r in rows if r.implementation == "peer:levanter"]
+    assert [r.pass_ for r in peer] == ["fwd", "fwd+bwd"]
+    assert all(r.ms > 0 and r.max_rel_error < 1e-4 and not r.note for r in peer), peer
+
+
 @pytest.mark.parametrize("weighted", [False, True])
 def test_maybe_fused_next_token_loss_matches(lev, weighted):
     Batch, Pos, Embed, Vocab = (

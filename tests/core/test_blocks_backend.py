@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from axkern.core import backend, blocks
 from axkern.ops.fused_cross_entropy import CrossEntropyBlockSizes
 from axkern.ops.fused_cross_entropy.api import OP
-from axkern.ops.fused_cross_entropy.blocks import bucket, heuristic
+from axkern.ops.fused_cross_entropy.blocks import bucket, heuristic, loss_heuristic
 
 
 @given(total=st.integers(0, 40), block=st.integers(1, 17))
@@ -54,7 +54,11 @@ def test_shipped_h200_table_is_found_by_bucket():
     # one table holds both cross-entropy ops: each finds its own entry
     assert blocks.lookup(OP.package, "nvidia_h200", "xla", bucket(spec), op=OP.name) == entry
     loss = blocks.lookup(OP.package, "nvidia_h200", "xla", bucket(spec), op="fused_cross_entropy_loss")
-    assert loss == {"block_tokens": 2048, "block_vocab": 128256}  # the float32-dw sweep's best
+    assert loss == {
+        "block_tokens": 2048,
+        "block_vocab": 128256,
+        "dw_accumulation": "float32",
+    }  # its sweep's best
     tiles = blocks.lookup(OP.package, "nvidia_h200", "pallas_gpu", bucket(spec), op=OP.name)
     assert tiles == {
         "block_tokens": 128,
@@ -100,6 +104,29 @@ def test_block_sizes_validation_messages():
     assert "positive int" in CrossEntropyBlockSizes(block_tokens=0).validate()
     assert "positive int" in CrossEntropyBlockSizes(block_vocab=2.5).validate()
     assert str(CrossEntropyBlockSizes(8, 16)) == "CrossEntropyBlockSizes(block_tokens=8, block_vocab=16)"
+    # a field of named choices (the reduced loss's dw accumulation) takes one of its strings
+    assert CrossEntropyBlockSizes(dw_accumulation="compensated").validate() is None
+    why = CrossEntropyBlockSizes(dw_accumulation=2).validate()
+    assert why == (
+        "CrossEntropyBlockSizes.dw_accumulation must be one of 'compensated', 'compensated_int8', 'float32', "
+        "'plain' or None, got 2"
+    )
+
+
+@pytest.mark.parametrize("platform", ["cpu", "gpu", "tpu"])
+@pytest.mark.parametrize("n,d,v", [(1, 1, 1), (300, 64, 1000), (16384, 4096, 128256), (16384, 2304, 262144)])
+def test_loss_heuristic_rows_and_dw_slab(platform, n, d, v):
+    # rows: a float32 [rows, V] block of the platform's budget or D / 2 rows, a power of two;
+    # the dw slab: the platform's columns, at most V
+    spec = OP.spec({"tokens": n, "embed": d, "vocab": v}, jnp.bfloat16)
+    spec = spec.__class__(**{**spec.__dict__, "platform": platform})
+    bs = loss_heuristic(spec)
+    assert bs.validate(spec) is None and bs.dw_accumulation is None
+    slab = {"gpu": 8192, "tpu": 4096, "cpu": 1024}[platform]
+    assert bs.block_vocab == min(v, slab)
+    budget = {"gpu": 512 << 20, "tpu": 128 << 20, "cpu": 16 << 20}[platform] // (4 * v)
+    rows = max(8, 1 << (max(budget, d // 2).bit_length() - 1))
+    assert bs.block_tokens == min(n, rows)
 
 
 @pytest.mark.parametrize(

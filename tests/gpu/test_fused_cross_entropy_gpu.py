@@ -37,13 +37,20 @@ def test_on_gpu_against_oracle(impl, n, d, v, options, dtype):
     check_rule(run, impl, arrays, dtype, what, oracle_dtype="float32", options=options)
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+# a 16-bit w with each dw accumulation that meets the rule (the default: compensated); a
+# float32 w is its own accumulator whatever is asked
+LOSS_DW = [("bfloat16", None), ("bfloat16", "compensated_int8"), ("bfloat16", "float32"), ("float32", None)]
+
+
+@pytest.mark.parametrize("dtype,dw", LOSS_DW)
 @pytest.mark.parametrize("n,d,v,options", GPU_CASES[1:])  # the last: dw accumulated over 8 token blocks
 @pytest.mark.parametrize("impl", implementations("fused_cross_entropy_loss", "gpu"))
-def test_loss_gradients_in_forward_on_gpu_against_oracle(impl, n, d, v, options, dtype):
+def test_loss_gradients_in_forward_on_gpu_against_oracle(impl, n, d, v, options, dtype, dw):
     arrays, options = make(n + 1, n, d, v, dtype, options, logit_scale=4.0)
-    what = f"fused_cross_entropy_loss N={n}"
-    check_rule(run_loss, impl, arrays, dtype, what, oracle_dtype="float32", options=options)
+    what = f"fused_cross_entropy_loss N={n} dw={dw}"
+    block_sizes = axkern.CrossEntropyBlockSizes(block_tokens=1024, block_vocab=8192, dw_accumulation=dw)
+    kw = dict(oracle_dtype="float32", options=options, block_sizes=block_sizes)
+    check_rule(run_loss, impl, arrays, dtype, what, **kw)
 
 
 def test_h200_table_and_memory_at_llama3_size():
@@ -60,13 +67,17 @@ def test_h200_table_and_memory_at_llama3_size():
     grad = jax.jit(jax.grad(lambda x, w, l: jnp.mean(ce(x, w, l)[0]), argnums=(0, 1)))
     temp = grad.lower(*shapes).compile().memory_analysis().temp_size_in_bytes
     assert temp <= 1.5 * 2**30, f"temporary memory {temp / 2**30:.2f} GiB"
-    # the reduced loss: one float32 [block_tokens, V] logits block and its 16-bit dz, the float32
-    # [D, V] dw accumulator, and slack
-    decision = axkern.explain(ce_loss, *shapes)
-    bt = decision.block_sizes.block_tokens
-    grad = jax.jit(jax.grad(lambda x, w, l: ce_loss(x, w, l), argnums=(0, 1)))
-    temp = grad.lower(*shapes).compile().memory_analysis().temp_size_in_bytes
-    print(f"loss block_tokens={bt}: temporary memory {temp / 2**30:.3f} GiB")
-    assert temp <= 1.25 * (bt * v * 6 + d * v * 4), (
-        f"temporary memory {temp / 2**30:.2f} GiB at block_tokens={bt}"
-    )
+    # the reduced loss: one float32 [block_tokens, V] logits block and, by dw accumulation, its
+    # 16-bit dz and the float32 [D, V] accumulator, or a slab of dz, the bf16 or int8 [D, V]
+    # compensation and a float32 [D, block_vocab] share; and slack
+    for dw in ("float32", "compensated", "compensated_int8"):
+        bs = dict(block_tokens=2048, block_vocab=8192, dw_accumulation=dw)
+        grad = jax.jit(jax.grad(lambda x, w, l, bs=bs: ce_loss(x, w, l, block_sizes=bs), argnums=(0, 1)))
+        temp = grad.lower(*shapes).compile().memory_analysis().temp_size_in_bytes
+        print(f"loss dw={dw} block_tokens=2048: temporary memory {temp / 2**30:.3f} GiB")
+        if dw == "float32":
+            budget = 2048 * v * 6 + d * v * 4
+        else:
+            compensation = d * v * (2 if dw == "compensated" else 1)
+            budget = 2048 * v * 4 + 2048 * 8192 * 2 + compensation + d * 8192 * 4
+        assert temp <= 1.25 * budget, f"dw={dw}: temporary memory {temp / 2**30:.2f} GiB"

@@ -21,7 +21,7 @@ from axkern.positional import fused_cross_entropy
 from axkern.positional import fused_cross_entropy_loss as ce_loss
 from tests.cases.fused_cross_entropy import OPTIONS, make, run, run_loss
 from tests.harness import check_rules, implementations, oracle
-from tests.helpers import to64, x64
+from tests.helpers import assert_oracle_rule, to64, x64
 
 
 def ce(*args, **kwargs):
@@ -102,22 +102,25 @@ def test_pallas_refusals_name_the_problem():
 
 
 # the reduced loss: its implementations form the gradients in the forward. 150 tokens in
-# blocks of 64: two full blocks and a ragged one. Every option in float32; in bfloat16 those
-# that change the gradient's formula (ignored labels and `where` only drop tokens). The
-# reduction alternates: each dtype meets both, and so does each option run in both dtypes
+# blocks of 64: two full blocks and a ragged one; dw in slabs of 128 columns: two full and a
+# ragged one. Every option in float32 (whose w is its own dw accumulator); in bfloat16 those
+# that change the gradient's formula (ignored labels and `where` only drop tokens), each with
+# the default (compensated) and the float32 dw accumulation. The reduction alternates: each
+# dtype meets both, and so does each option run in both dtypes
 LOSS_CASES = [
-    (dtype, option, ("mean", "sum")[(i + j) % 2])
+    (dtype, option, ("mean", "sum")[(i + j) % 2], dw)
     for j, dtype in enumerate(DTYPES)
     for i, option in enumerate(OPTIONS)
     if dtype == "float32" or option not in ("ignore", "where")
+    for dw in ((None,) if dtype == "float32" else (None, "float32"))
 ]
 
 
-@pytest.mark.parametrize("dtype,option,reduction", LOSS_CASES)
-def test_loss_gradients_in_forward_against_oracle(dtype, option, reduction):
+@pytest.mark.parametrize("dtype,option,reduction,dw", LOSS_CASES)
+def test_loss_gradients_in_forward_against_oracle(dtype, option, reduction, dw):
     arrays, options = make(5, 150, 40, 300, dtype, OPTIONS[option])
-    bs = CrossEntropyBlockSizes(block_tokens=64, block_vocab=300)
-    what = f"fused_cross_entropy_loss {option} {reduction}"
+    bs = CrossEntropyBlockSizes(block_tokens=64, block_vocab=128, dw_accumulation=dw)
+    what = f"fused_cross_entropy_loss {option} {reduction} dw={dw}"
     kw = dict(reduction=reduction, options=options, block_sizes=bs)
     got = check_rules(run_loss, implementations("fused_cross_entropy_loss", "cpu"), arrays, dtype, what, **kw)
     for impl, (value, (dx, dw)) in got.items():
@@ -135,6 +138,75 @@ def test_loss_gradients_in_forward_against_oracle(dtype, option, reduction):
             **options,
         )
         np.testing.assert_allclose(primal, value, rtol=1e-5)
+
+
+def test_compensated_dw_meets_the_rule_over_many_blocks_where_plain_does_not():
+    # 64 token blocks, each adding a share to every entry of a bf16 dw (slabs of 512 columns,
+    # the last ragged): rounding each sum to bf16 (plain) misses the rule for dw; the
+    # compensated sums (bf16 or int8 compensation) meet it for every output, as does the
+    # float32 accumulator
+    arrays, _ = make(11, 2048, 64, 3000, "bfloat16")
+    blocks = {
+        dw: CrossEntropyBlockSizes(block_tokens=32, block_vocab=512, dw_accumulation=dw)
+        for dw in ("compensated", "compensated_int8", "float32", "plain")
+    }
+    for dw in ("compensated", "compensated_int8", "float32"):
+        check_rules(run_loss, ["xla"], arrays, "bfloat16", f"dw={dw}", block_sizes=blocks[dw])
+    want, same = oracle(run_loss, arrays), run_loss("reference", arrays)
+    value, (dx, dw) = run_loss("xla", arrays, block_sizes=blocks["plain"])
+    assert_oracle_rule(
+        (value, dx), (same[0], same[1][0]), (want[0], want[1][0]), "bfloat16", "plain loss, dx"
+    )
+    with pytest.raises(AssertionError, match=r"plain dw\[0\]: max\|impl - oracle\|"):
+        assert_oracle_rule(dw, same[1][1], want[1][1], "bfloat16", "plain dw")
+
+
+def test_explain_names_the_dw_accumulation_and_its_memory():
+    n, d, v = 4096, 256, 50000
+    shapes = (
+        jax.ShapeDtypeStruct((n, d), jnp.bfloat16),
+        jax.ShapeDtypeStruct((d, v), jnp.bfloat16),
+        jax.ShapeDtypeStruct((n,), jnp.int32),
+    )
+    mib = lambda b: f"{b / 2**20:.1f} MiB"  # noqa: E731
+    bs = dict(block_tokens=512, block_vocab=1000)
+    backward = axkern.explain(lambda *a: ce_loss(*a, block_sizes=bs), *shapes).backward
+    block = 512 * v * 4 + 512 * 1000 * 2  # the float32 logits block and one slab of dz
+    dw = d * v * 2 + d * 1000 * 4  # the bf16 compensation and one float32 slab share
+    assert "bfloat16 [D, V] compensation (Kahan), 1000-column slabs" in backward
+    assert (
+        f"temporary memory up to {mib(block + dw)} (logits block {mib(block)}, dw accumulation {mib(dw)})"
+        in backward
+    )
+    float32 = axkern.explain(
+        lambda *a: ce_loss(*a, block_sizes={**bs, "dw_accumulation": "float32"}), *shapes
+    )
+    assert (
+        "float32 [D, V] buffer" in float32.backward
+        and f"dw accumulation {mib(d * v * 4)}" in float32.backward
+    )
+    wide = (shapes[0], jax.ShapeDtypeStruct((d, v), jnp.float32), shapes[2])
+    gradient = axkern.explain(lambda *a: ce_loss(*a, block_sizes=bs), *wide)
+    assert (
+        "float32 gradient itself" in gradient.backward
+        and f"dw accumulation {mib(d * 1000 * 4)}" in gradient.backward
+    )
+    int8 = axkern.explain(
+        lambda *a: ce_loss(*a, block_sizes={**bs, "dw_accumulation": "compensated_int8"}), *shapes
+    )
+    assert (
+        "int8 [D, V] compensation" in int8.backward
+        and f"dw accumulation {mib(d * v + d * 1000 * 4)}" in int8.backward
+    )
+    with pytest.raises(
+        ValueError, match=r"dw_accumulation must be one of 'compensated', 'compensated_int8', "
+    ):
+        ce_loss(
+            jnp.zeros((8, 4)),
+            jnp.zeros((4, 6)),
+            jnp.zeros(8, jnp.int32),
+            block_sizes={"dw_accumulation": "kahan"},
+        )
 
 
 def test_loss_edge_cases():
@@ -157,7 +229,7 @@ def test_loss_edge_cases():
 def test_loss_temporary_memory_is_one_logits_block():
     n, d, v = 2048, 64, 8192
     x, w, labels = inputs(0, n, d, v, "bfloat16")
-    bs = CrossEntropyBlockSizes(block_tokens=256, block_vocab=v)
+    bs = CrossEntropyBlockSizes(block_tokens=256, block_vocab=v, dw_accumulation="float32")
     grad = jax.jit(
         jax.grad(lambda x, w: ce_loss(x, w, labels, implementation="xla", block_sizes=bs), argnums=(0, 1))
     )
@@ -165,6 +237,18 @@ def test_loss_temporary_memory_is_one_logits_block():
     block = 256 * v * (4 + 2)  # float32 logits block and its bf16 dz
     assert temp <= 2 * block + 2 * d * v * 4, f"{temp / 2**20:.1f} MiB"  # and the float32 dw accumulator
     assert temp < n * v * 4 / 4
+
+
+def test_float32_w_is_its_own_dw_accumulator():
+    # no [D, V] buffer beside the float32 gradient: one logits block and slab-sized pieces
+    n, d, v = 2048, 512, 8192
+    x, w, labels = inputs(0, n, d, v, "float32")
+    bs = CrossEntropyBlockSizes(block_tokens=256, block_vocab=1024)
+    grad = jax.jit(
+        jax.grad(lambda x, w: ce_loss(x, w, labels, implementation="xla", block_sizes=bs), argnums=(0, 1))
+    )
+    temp = grad.lower(x, w).compile().memory_analysis().temp_size_in_bytes
+    assert temp < d * v * 4, f"{temp / 2**20:.1f} MiB beside a {d * v * 4 / 2**20:.0f} MiB gradient"
 
 
 @given(

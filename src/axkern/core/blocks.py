@@ -25,7 +25,7 @@ import importlib.resources
 import itertools
 import json
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 from jax import lax
 
@@ -44,16 +44,24 @@ Carry = TypeVar("Carry")
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
-    """Base of every op's block sizes: frozen, hashable, all fields positive ints.
+    """Base of every op's block sizes: frozen, hashable, all fields positive ints (or None),
+    except those a subclass lists in `choices` (field name -> the strings it may hold).
 
     Subclasses add fields and may override `check(spec)` for op-specific limits.
     """
+
+    choices: ClassVar[Mapping[str, tuple[str, ...]]] = {}
 
     def validate(self, spec: Any = None) -> str | None:
         """`None` if these block sizes can serve `spec`, else the reason they cannot."""
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
             if v is None:
+                continue
+            if f.name in self.choices:
+                if v not in self.choices[f.name]:
+                    allowed = ", ".join(map(repr, self.choices[f.name]))
+                    return f"{type(self).__name__}.{f.name} must be one of {allowed} or None, got {v!r}"
                 continue
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 return f"{type(self).__name__}.{f.name} must be a positive int, got {v!r}"
@@ -62,7 +70,7 @@ class BlockSizes:
     def check(self, spec: Any) -> str | None:
         return None
 
-    def as_dict(self) -> dict[str, int]:
+    def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     @classmethod

@@ -118,7 +118,9 @@ class Implementation:
     own `jax.custom_vjp`. `platforms` are where it runs compiled; an `interpretable` (Pallas)
     implementation also runs elsewhere in interpret mode when asked to. `space(spec)` lists
     the block sizes `axkern tune` sweeps for a call (declared beside `heuristic` in the op's
-    `blocks.py`); an implementation without one is not tunable.
+    `blocks.py`); an implementation without one is not tunable. `backward` says how its
+    gradients are formed: a sentence, or `backward(spec, block_sizes) -> str` where the call's
+    shapes and blocks decide it (`explain` reports the sentence for the call).
     """
 
     name: str
@@ -129,7 +131,7 @@ class Implementation:
     heuristic: Callable[[Spec], blocks.BlockSizes] | None = None
     space: Callable[[Spec], Sequence[blocks.BlockSizes]] | None = None
     interpretable: bool = False
-    backward: str = "autodiff"
+    backward: str | Callable[[Spec, blocks.BlockSizes | None], str] = "autodiff"
     why_platforms: str = ""  # why it runs on its platforms alone (said when it is refused elsewhere)
 
 
@@ -349,8 +351,9 @@ class Op:
                 continue
             collector = _explaining.get()
             if collector is not None:
+                backward = impl.backward(spec, bs) if callable(impl.backward) else impl.backward
                 collector.append(
-                    Decision(self.name, name, bs, source, tuple(rejected), spec, interpret, impl.backward)
+                    Decision(self.name, name, bs, source, tuple(rejected), spec, interpret, backward)
                 )
             return out
         detail = "; ".join(f"{r.implementation}: {r.reason}" for r in rejected)

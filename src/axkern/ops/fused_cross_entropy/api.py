@@ -115,8 +115,7 @@ LOSS_OP = Op(
             block_sizes=CrossEntropyBlockSizes,
             heuristic=loss_heuristic,
             space=loss_space,
-            backward="gradients formed in the forward, one [block_tokens, vocab] logits block at a time "
-            "(6·N·D·V FLOPs; the backward scales them)",
+            backward=xla.describe_loss,  # the dw accumulation and temporary memory of the call
         ),
         Implementation(
             "reference",
@@ -343,6 +342,7 @@ def fused_cross_entropy_loss_positional(
         jnp.result_type(x, w),
         logits_soft_cap=logits_soft_cap,
         with_sum=bool(label_smoothing),
+        w_dtype=jnp.dtype(w.dtype).name,  # decides how dw is accumulated
     )
     return LOSS_OP(
         spec,

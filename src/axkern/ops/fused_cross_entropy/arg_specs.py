@@ -9,14 +9,22 @@ does a further `2·N·D·V`, which is not counted).
 recomputing backward); `fused_cross_entropy_loss` cases differentiate the reduced loss, as a
 training step does (gradients formed in the forward), which is what Liger-Kernel and
 cut-cross-entropy compute.
+
+Peer of `fused_cross_entropy_loss` (`--peers`, timed in this process): Levanter's
+`fused_cross_entropy_loss_and_logsumexp_penalty` (mean reduction; its own choice of
+implementation and block sizes for the platform, as a Levanter model calls it). Where
+Levanter is not installed, or does not import, its rows say so.
 """
 
 from __future__ import annotations
+
+import importlib.util
 
 import jax
 import jax.numpy as jnp
 
 from axkern.bench import Case
+from axkern.core.op import Unsupported
 
 from .api import LOSS_NAME, NAME, fused_cross_entropy_loss_positional, fused_cross_entropy_positional
 
@@ -44,7 +52,14 @@ def case(
     def forward(impl, x, w, labels):
         return fused_cross_entropy_positional(x, w, labels, reduction=None, implementation=impl)
 
+    peers = {"levanter": levanter_peer()} if op == LOSS_NAME else {}
+
     def loss(impl, x, w, labels):
+        if isinstance(impl, str) and impl.startswith("peer:"):
+            peer = peers[impl.removeprefix("peer:")]
+            if isinstance(peer, str):
+                raise Unsupported(peer)
+            return peer(x, w, labels)
         if op == LOSS_NAME:
             return fused_cross_entropy_loss_positional(x, w, labels, implementation=impl)
         return jnp.mean(fused_cross_entropy_positional(x, w, labels, reduction=None, implementation=impl))
@@ -64,7 +79,26 @@ def case(
         grad_argnums=(0, 1),
         flops_forward=2 * nvd,
         flops_backward=4 * nvd,
+        peers=peers,
     )
+
+
+def levanter_peer():
+    """Levanter's mean fused cross-entropy loss on the case's `(x, w, labels)`, or why it
+    cannot run (imported at the first call: building cases does not import Levanter)."""
+    if importlib.util.find_spec("levanter") is None:
+        return "levanter is not installed"
+
+    def levanter_loss(x, w, labels):
+        try:
+            from levanter.kernels.pallas.fused_cross_entropy_loss import (
+                fused_cross_entropy_loss_and_logsumexp_penalty,
+            )
+        except Exception as e:  # noqa: BLE001 - any import failure: the peer is absent
+            raise Unsupported(f"levanter did not import: {type(e).__name__}: {e}") from None
+        return fused_cross_entropy_loss_and_logsumexp_penalty(x, labels, w, reduction="mean")
+
+    return levanter_loss
 
 
 # a model preset runs at each of these token counts unless `--tokens` names one

@@ -4,12 +4,14 @@ entry matches) and the space of candidates `axkern tune` sweeps for it."""
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 from axkern.core.blocks import BlockSizes, grid, next_power_of_2, powers_of_two
 from axkern.core.op import Spec
 
 __all__ = [
     "CrossEntropyBlockSizes",
+    "DW_ACCUMULATIONS",
     "bucket",
     "heuristic",
     "loss_heuristic",
@@ -20,6 +22,17 @@ __all__ = [
     "pallas_gpu_space",
     "pallas_tpu_space",
 ]
+
+# How the reduced loss adds each token block's share of `dw` when `w` is 16-bit (a float32 or
+# float64 `w` is its own accumulator: each slab's share is added to the gradient in w's dtype):
+# - "compensated": to the gradient in w's dtype, with a second w-dtype [D, V] buffer holding
+#   the rounding error of each addition (a float32 sum formed per [D, block_vocab] slab);
+# - "compensated_int8": the same with the compensation as an int8 count of 1/256ths of the
+#   gradient's ulp (D·V bytes instead of 2·D·V);
+# - "float32": to a float32 [D, V] accumulator, each block's share formed whole;
+# - "plain": to the gradient in w's dtype without compensation (as Liger-Kernel does); it
+#   misses the oracle rule over many token blocks, and exists to be measured against.
+DW_ACCUMULATIONS = ("compensated", "compensated_int8", "float32", "plain")
 
 # Bytes of one float32 [block_tokens, block_vocab] logits tile, per platform. On GPU a tile
 # this size keeps each matmul large enough to run near the tensor-core ceiling while the
@@ -38,7 +51,14 @@ class CrossEntropyBlockSizes(BlockSizes):
     `vocab_splits` (programs sharing one token block's vocabulary, their statistics merged
     afterwards; more programs for small token counts), and on GPU `num_warps` and
     `num_stages` (Triton's software pipelining depth). `None` lets the kernel choose.
+
+    The reduced loss (`fused_cross_entropy_loss`) reads `block_tokens` (each block spans the
+    whole vocabulary), `dw_accumulation` (how each block's share of `dw` is added, see
+    `DW_ACCUMULATIONS`; `None`: `"compensated"`) and `block_vocab` (the columns of `dw`
+    updated at once by the slab-wise strategies).
     """
+
+    choices: ClassVar[dict[str, tuple[str, ...]]] = {"dw_accumulation": DW_ACCUMULATIONS}
 
     block_tokens: int = 1024
     block_vocab: int = 2048
@@ -46,6 +66,7 @@ class CrossEntropyBlockSizes(BlockSizes):
     vocab_splits: int | None = None
     num_warps: int | None = None
     num_stages: int | None = None
+    dw_accumulation: str | None = None
 
 
 def bucket(spec: Spec) -> dict:
@@ -73,18 +94,22 @@ def heuristic(spec: Spec) -> CrossEntropyBlockSizes:
 
 # Bytes of the float32 [block_tokens, vocab] logits block of the reduced loss (whose gradients
 # are formed in the forward: the block spans the whole vocabulary), at least. Each block adds
-# its share to the float32 [D, V] dw accumulator, a read-modify-write of 8·D·V bytes, so the
-# block also grows to D / 2 rows (rounded down to a power of two): the dw traffic stays below
-# twice the logits' own, for at most 3·D·V bytes of block (6 bytes a logit: the float32 block
-# and its 16-bit dz) beside the 4·D·V-byte accumulator that any such block size needs.
+# its share to the [D, V] dw accumulation, a read-modify-write of 8·D·V bytes (the float32
+# accumulator, or the 16-bit gradient and its compensation), so the block also grows to D / 2
+# rows (rounded down to a power of two): the dw traffic stays below twice the logits' own.
 _LOSS_BLOCK_BYTES = {"gpu": 512 << 20, "tpu": 128 << 20, "cpu": 16 << 20}
+# Columns of the dw slab the slab-wise accumulations update at once: its float32 share is a
+# [D, block_vocab] buffer (128 MiB at D = 4096 on gpu), its product still large enough for
+# the tensor cores.
+_DW_SLAB = {"gpu": 8192, "tpu": 4096, "cpu": 1024}
 
 
 def loss_heuristic(spec: Spec) -> CrossEntropyBlockSizes:
     tokens, embed, vocab = spec.dim("tokens"), spec.dim("embed"), spec.dim("vocab")
     rows = max(_LOSS_BLOCK_BYTES.get(spec.platform, 16 << 20) // (4 * vocab), embed // 2)
     rows = max(8, 1 << max(0, rows.bit_length() - 1))  # a power of two, at least 8
-    return CrossEntropyBlockSizes(block_tokens=max(1, min(tokens, rows)), block_vocab=vocab)
+    slab = min(vocab, _DW_SLAB.get(spec.platform, 1024))
+    return CrossEntropyBlockSizes(block_tokens=max(1, min(tokens, rows)), block_vocab=slab)
 
 
 def pallas_gpu_heuristic(spec: Spec) -> CrossEntropyBlockSizes:
@@ -113,13 +138,15 @@ def space(spec: Spec) -> list[CrossEntropyBlockSizes]:
 
 def loss_space(spec: Spec) -> list[CrossEntropyBlockSizes]:
     """The reduced loss's row blocks (each spans the whole vocabulary): the five largest powers
-    of two up to 8192 rows."""
+    of two up to 8192 rows, with the heuristic's dw slab and accumulation (the sweep compares
+    times; the choice of accumulation also weighs memory, so it is not swept)."""
+    first = loss_heuristic(spec)
     return grid(
         CrossEntropyBlockSizes,
         spec,
-        first=loss_heuristic(spec),
+        first=first,
         block_tokens=powers_of_two(spec.dim("tokens"), high=8192, count=5, low=8),
-        block_vocab=[spec.dim("vocab")],
+        block_vocab=[first.block_vocab],
     )
 
 
