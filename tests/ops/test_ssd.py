@@ -69,9 +69,11 @@ def test_float32_segment_sums_keep_the_gradients_well_inside_the_bound(impl):
     "dtype,groups", [("float32", 2), ("bfloat16", 1)]
 )  # each value once: interpret mode is slow
 def test_pallas_tpu_against_sequential_oracle(dtype, groups):
-    # TPU interpret mode; odd head dim and state (blocks take them whole), chunks of 8; one
-    # sequence (the batch is a grid axis like the heads: the interpreter runs each program in turn)
-    check(3, (1, 37, 4, 5, groups, 6), dtype, 8, impl="pallas_tpu", segments=True)
+    # TPU interpret mode; odd head dim and state (blocks take them whole), chunks of 8; two
+    # sequences in float32 (the batch's block index), one in bfloat16 (the interpreter runs
+    # each program of the grid in turn)
+    batch = 2 if dtype == "float32" else 1
+    check(3, (batch, 37, 4, 5, groups, 6), dtype, 8, impl="pallas_tpu", segments=True)
 
 
 def test_pallas_gpu_recurrence_kernels_equal_the_scans():
