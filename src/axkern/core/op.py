@@ -369,8 +369,13 @@ def _static(value) -> bool:
     return False
 
 
+def _typed(value):
+    """`value` with the types of its parts, so that `1`, `1.0` and `True` are different keys."""
+    return (type(value), tuple(_typed(v) for v in value) if isinstance(value, tuple) else value)
+
+
 @functools.lru_cache(maxsize=256)
-def _jitted(fn: Callable[..., Any], options: tuple) -> Callable[..., Any]:
+def _jitted(fn: Callable[..., Any], key: tuple, options: tuple) -> Callable[..., Any]:
     return jax.jit(functools.partial(fn, **dict(options)))
 
 
@@ -383,7 +388,8 @@ def _compiled_when_eager(fn: Callable[..., Any], arrays: tuple, kwargs: dict) ->
     eager = all(isinstance(a, jax.Array) and not isinstance(a, jax.core.Tracer) for a in leaves)
     if not (eager and leaves) or not all(_static(v) for v in kwargs.values()):
         return functools.partial(fn, **kwargs)
-    return _jitted(fn, tuple(sorted(kwargs.items())))
+    options = tuple(sorted(kwargs.items()))
+    return _jitted(fn, tuple((k, _typed(v)) for k, v in options), options)
 
 
 def step_op(name: str, xla: Callable[..., Any], reference: Callable[..., Any], *, package: str) -> Op:
