@@ -135,7 +135,7 @@ def test_fused_cross_entropy_kernel_matches(lev, case):
             loss = out[0] if argmax else out
             return jnp.sum(loss * jnp.linspace(0.5, 1.5, loss.size).reshape(loss.shape)), out
 
-        (_, out), grads = jax.value_and_grad(f, argnums=(0, 1), has_aux=True)(x, w)
+        (_, out), grads = jax.jit(jax.value_and_grad(f, argnums=(0, 1), has_aux=True))(x, w)
         return out, grads
 
     got, want = (
@@ -189,7 +189,7 @@ def test_maybe_fused_next_token_loss_matches(lev, weighted):
                 logsumexp_weight=1e-3,
             )
 
-        return jax.value_and_grad(lambda h, head: f(h, head).array, argnums=(0, 1))(h, head)
+        return jax.jit(jax.value_and_grad(lambda h, head: f(h, head).array, argnums=(0, 1)))(h, head)
 
     close(
         f"maybe_fused_next_token_loss weighted={weighted}",
@@ -247,7 +247,7 @@ def test_dot_product_attention_matches(lev, case):
             out = fn(Pos, KPos, Key, q, k, v, mask=mask, **kwargs)
             return hax.sum(out * hax.cos(out)).scalar(), out
 
-        (_, out), grads = jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+        (_, out), grads = jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True))(q, k, v)
         return out, grads
 
     got, want = run(axl.dot_product_attention), run(lev["dot_product_attention"])
@@ -281,7 +281,7 @@ def test_short_conv_matches(lev, segments):
     seg = jnp.repeat(jnp.array([[0, 1, 2, 3], [5, 5, 6, 6]]), 5, axis=1)[:, :19] if segments else None
 
     def run(fn):
-        return jax.value_and_grad(lambda w, x: jnp.sum(jnp.sin(fn(w, x, seg))), argnums=(0, 1))(w, x)
+        return jax.jit(jax.value_and_grad(lambda w, x: jnp.sum(jnp.sin(fn(w, x, seg))), argnums=(0, 1)))(w, x)
 
     close(f"short_conv segments={segments}", run(axl.short_conv), run(lev["short_conv"]), 1e-5)
 

@@ -3,10 +3,14 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
+from axkern.core import config
 from axkern.positional import ssd
+from tests.harness import jit
 
 # GPU shapes (b, l, h, p, g, n): a length of 1500 gives 24 or 12 chunks, not a power of two
 # (the recurrence kernels' all-chunks blocks); the second is the one where float32's rounding
@@ -35,10 +39,13 @@ def make(seed, b, l, h, p, g, n, dtype, *, segments=True, extras=True):
     return arrays, seg
 
 
-def run(impl, arrays, seg, chunk_size=None):
-    names = sorted(arrays)
+@functools.cache
+def _runner(impl, chunk_size, names, interpret):
+    """`(outputs, gradients)` of `impl` as one jitted function of `(arrays, segment_ids)`: the
+    cases of one shape compile once, and a case compiles as one program rather than running op
+    by op (the interpret setting is read while tracing, so it is part of the key)."""
 
-    def f(*vals):
+    def f(seg, *vals):
         kw = dict(zip(names, vals, strict=True))
         y, final = ssd(
             kw.pop("x"),
@@ -56,7 +63,14 @@ def run(impl, arrays, seg, chunk_size=None):
         cot = jnp.cos(jnp.arange(y.size, dtype=jnp.float32).reshape(y.shape))
         return jnp.sum(y.astype(jnp.float32) * cot) + jnp.sum(jnp.sin(final.astype(jnp.float32))), (y, final)
 
-    (_, out), grads = jax.value_and_grad(f, argnums=tuple(range(len(names))), has_aux=True)(
-        *[arrays[k] for k in names]
-    )
-    return out, grads
+    def g(arrays, seg):
+        (_, out), grads = jax.value_and_grad(f, argnums=tuple(range(1, len(names) + 1)), has_aux=True)(
+            seg, *[arrays[k] for k in names]
+        )
+        return out, grads
+
+    return jit(g)
+
+
+def run(impl, arrays, seg, chunk_size=None):
+    return _runner(impl, chunk_size, tuple(sorted(arrays)), config.current().interpret)(arrays, seg)

@@ -353,3 +353,18 @@ def test_use_takes_effect_in_jitted_functions():
         d = axkern.explain(lambda x: axkern.positional.short_conv(x, w.array), xs)
         assert d.implementation == "reference"
         assert g(xs).shape == xs.shape
+
+
+def test_an_eager_call_runs_its_implementation_as_one_compiled_program(toy):
+    _, call = toy
+    x = jnp.arange(4.0)
+    assert call(x, scale=2.0).tolist() == [1.0, 3.0, 5.0, 7.0]
+    assert call(x + 1, scale=2.0).tolist() == [3.0, 5.0, 7.0, 9.0]  # the same program again
+    assert len(calls) == 1  # traced once: the second call ran the compiled program
+    assert call(x, scale=3.0).tolist() == [1.0, 4.0, 7.0, 10.0] and len(calls) == 2  # other options
+    assert call(x, scale=2).tolist() == [1.0, 3.0, 5.0, 7.0] and len(calls) == 3  # an int is not 2.0
+    # under a trace the implementation is traced with the caller's program each time
+    assert jax.jit(lambda a: call(a, scale=2.0))(x).tolist() == [1.0, 3.0, 5.0, 7.0] and len(calls) == 4
+    # an option that is not a plain value (compared by identity) runs as it is, op by op
+    assert call(x, scale=jnp.float32(2.0)).tolist() == [1.0, 3.0, 5.0, 7.0] and len(calls) == 5
+    assert call(x, scale=jnp.float32(2.0)).tolist() == [1.0, 3.0, 5.0, 7.0] and len(calls) == 6

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 import axkern
 from axkern.positional import ssd, ssd_step
 from tests.cases.ssd import make, run
-from tests.harness import check_rule
+from tests.harness import check_rule, jit
 from tests.helpers import ATOL, to64, x64
 
 
@@ -69,8 +69,11 @@ def test_float32_segment_sums_keep_the_gradients_well_inside_the_bound(impl):
     "dtype,groups", [("float32", 2), ("bfloat16", 1)]
 )  # each value once: interpret mode is slow
 def test_pallas_tpu_against_sequential_oracle(dtype, groups):
-    # TPU interpret mode; odd head dim and state (blocks take them whole), chunks of 8
-    check(3, (2, 37, 4, 5, groups, 6), dtype, 8, impl="pallas_tpu", segments=True)
+    # TPU interpret mode; odd head dim and state (blocks take them whole), chunks of 8; two
+    # sequences in float32 (the batch's block index), one in bfloat16 (the interpreter runs
+    # each program of the grid in turn)
+    batch = 2 if dtype == "float32" else 1
+    check(3, (batch, 37, 4, 5, groups, 6), dtype, 8, impl="pallas_tpu", segments=True)
 
 
 def test_pallas_gpu_recurrence_kernels_equal_the_scans():
@@ -119,7 +122,7 @@ def test_pallas_gpu_refuses_small_tiles_with_the_reason():
     ):
         ssd(**half, implementation="pallas_gpu", chunk_size=256)
     # by default (xla first) the call is served
-    assert ssd(**arrays, chunk_size=8).shape == arrays["x"].shape
+    assert jit(lambda a: ssd(**a, chunk_size=8))(arrays).shape == arrays["x"].shape
 
 
 @settings(max_examples=3, deadline=None)  # each example compiles three programs
@@ -136,34 +139,45 @@ def test_random_lengths_and_chunks(l, chunk, seed, extras, segments):
 
 def test_decode_steps_chained_equal_the_scan():
     arrays, _ = make(1, 2, 9, 4, 3, 2, 5, "float32", segments=False)
-    full, final = ssd(
-        arrays["x"],
-        arrays["dt"],
-        arrays["A"],
-        arrays["B"],
-        arrays["C"],
-        D=arrays["D"],
-        z=arrays["z"],
-        dt_bias=arrays["dt_bias"],
-        dt_softplus=True,
-        initial_state=arrays["initial_state"],
-        return_final_state=True,
-        chunk_size=4,
-    )
-    state = arrays["initial_state"]
-    for t in range(9):
-        y_t, state = ssd_step(
-            arrays["x"][:, t],
-            arrays["dt"][:, t],
-            arrays["A"],
-            arrays["B"][:, t],
-            arrays["C"][:, t],
-            state,
-            D=arrays["D"],
-            z_t=arrays["z"][:, t],
-            dt_bias=arrays["dt_bias"],
+    full, final = jit(
+        lambda a: ssd(
+            a["x"],
+            a["dt"],
+            a["A"],
+            a["B"],
+            a["C"],
+            D=a["D"],
+            z=a["z"],
+            dt_bias=a["dt_bias"],
             dt_softplus=True,
+            initial_state=a["initial_state"],
+            return_final_state=True,
+            chunk_size=4,
         )
+    )(arrays)
+
+    @jit
+    def steps(a):
+        # the nine steps chained in one program: `ssd_step` is traced once per step
+        state, ys = a["initial_state"], []
+        for t in range(9):
+            y_t, state = ssd_step(
+                a["x"][:, t],
+                a["dt"][:, t],
+                a["A"],
+                a["B"][:, t],
+                a["C"][:, t],
+                state,
+                D=a["D"],
+                z_t=a["z"][:, t],
+                dt_bias=a["dt_bias"],
+                dt_softplus=True,
+            )
+            ys.append(y_t)
+        return ys, state
+
+    ys, state = steps(arrays)
+    for t, y_t in enumerate(ys):
         np.testing.assert_allclose(y_t, full[:, t], rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(state, final, rtol=1e-4, atol=1e-5)
 
@@ -192,7 +206,7 @@ def test_named_layer():
     B = hax.named(arrays["B"], (Batch, Pos, Groups, State))
     C = hax.named(arrays["C"], (Batch, Pos, Groups, State))
     s0 = hax.named(arrays["initial_state"], (Batch, Heads, HeadDim, State))
-    y, final = axkern.ssd(
+    y, final = jit(axkern.ssd, static_argnames=("dt_softplus", "return_final_state", "chunk_size"))(
         x,
         dt,
         A,
@@ -205,7 +219,7 @@ def test_named_layer():
         chunk_size=8,
     )
     assert y.axes == x.axes and final.axes == (Batch, Heads, HeadDim, State)
-    want, want_final = ssd(
+    want, want_final = jit(ssd, static_argnames=("dt_softplus", "return_final_state", "implementation"))(
         arrays["x"],
         arrays["dt"],
         arrays["A"],
@@ -273,7 +287,7 @@ def test_sharded_equals_unsharded(mesh_shape, mapping, segments):
         return hax.sum(y * y).array + hax.sum(final).array, (y, final)
 
     args = (named_in["x"], named_in["dt"], named_in["B"], named_in["C"], named_in["initial_state"])
-    want = jax.value_and_grad(f, argnums=(0, 1, 2, 3, 4), has_aux=True)(*args)
+    want = jit(jax.value_and_grad(f, argnums=(0, 1, 2, 3, 4), has_aux=True))(*args)
     mesh = Mesh(np.array(jax.devices()[:8]).reshape(mesh_shape), ("data", "model"))
     with hax.partitioning.set_mesh(mesh), hax.axis_mapping(mapping):
         fn = jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2, 3, 4), has_aux=True))

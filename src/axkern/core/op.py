@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import functools
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -345,7 +346,7 @@ class Op:
                 kwargs["interpret"] = interpret
             try:
                 with jax.named_scope(f"axkern.{self.name}"), jax.named_scope(name):
-                    out = impl.fn(*arrays, **kwargs)
+                    out = _compiled_when_eager(impl.fn, arrays, kwargs)(*arrays)
             except Unsupported as e:
                 self._reject(name, str(e) or type(e).__name__, fatal, rejected)
                 continue
@@ -358,6 +359,40 @@ class Op:
             return out
         detail = "; ".join(f"{r.implementation}: {r.reason}" for r in rejected)
         raise Unsupported(f"{self.name}: no implementation can serve {spec} ({detail})")
+
+
+def _static(value) -> bool:
+    """Whether `value` can be a static argument of `jax.jit`: compared by value, never by identity."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return True
+    if isinstance(value, tuple):
+        return all(_static(v) for v in value)
+    if dataclasses.is_dataclass(value) and value.__dataclass_params__.frozen:
+        return all(_static(getattr(value, f.name)) for f in dataclasses.fields(value))
+    return False
+
+
+def _typed(value):
+    """`value` with the types of its parts, so that `1`, `1.0` and `True` are different keys."""
+    return (type(value), tuple(_typed(v) for v in value) if isinstance(value, tuple) else value)
+
+
+@functools.lru_cache(maxsize=256)
+def _jitted(fn: Callable[..., Any], key: tuple, options: tuple) -> Callable[..., Any]:
+    return jax.jit(functools.partial(fn, **dict(options)))
+
+
+def _compiled_when_eager(fn: Callable[..., Any], arrays: tuple, kwargs: dict) -> Callable[..., Any]:
+    """`fn` with `kwargs` bound: compiled as one program when called eagerly on concrete arrays
+    (run op by op, a chunked scan's hundreds of small operations each compile and dispatch on
+    their own, seconds for a small case); as it is under a trace (`jit`, `grad`, `vmap`,
+    `shard_map`), which compiles it with the rest, or when an option is not a plain value."""
+    leaves = jax.tree.leaves(arrays)
+    eager = all(isinstance(a, jax.Array) and not isinstance(a, jax.core.Tracer) for a in leaves)
+    if not (eager and leaves) or not all(_static(v) for v in kwargs.values()):
+        return functools.partial(fn, **kwargs)
+    options = tuple(sorted(kwargs.items()))
+    return _jitted(fn, tuple((k, _typed(v)) for k, v in options), options)
 
 
 def step_op(name: str, xla: Callable[..., Any], reference: Callable[..., Any], *, package: str) -> Op:

@@ -155,8 +155,8 @@ def moe_ep_dispatch_positional(
     ...     expert_x, group_sizes, layout = axkern.positional.moe_ep_dispatch(x, topk_idx, num_experts=4, axis_name="ep")
     ...     return expert_x, group_sizes
     >>> mesh = Mesh(jax.devices()[:1], ("ep",))
-    >>> expert_x, group_sizes = jax.shard_map(route, mesh=mesh, in_specs=P("ep"), out_specs=P("ep"))(
-    ...     jnp.ones((4, 3)), jnp.array([[0, 1], [1, 2], [2, 3], [3, 0]]))
+    >>> run = jax.jit(jax.shard_map(route, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
+    >>> expert_x, group_sizes = run(jnp.ones((4, 3)), jnp.array([[0, 1], [1, 2], [2, 3], [3, 0]]))
     >>> expert_x.shape, group_sizes.tolist()
     ((8, 3), [2, 2, 2, 2])
 
@@ -220,8 +220,8 @@ def moe_ep_combine_positional(
     ...     expert_x, group_sizes, layout = axkern.positional.moe_ep_dispatch(x, topk_idx, num_experts=4, axis_name="ep")
     ...     return axkern.positional.moe_ep_combine(expert_x, topk_weights, layout)
     >>> mesh = Mesh(jax.devices()[:1], ("ep",))
-    >>> y = jax.shard_map(layer, mesh=mesh, in_specs=P("ep"), out_specs=P("ep"))(
-    ...     jnp.ones((4, 3)), jnp.array([[0, 1], [1, 2], [2, 3], [3, 0]]), jnp.full((4, 2), 0.5))
+    >>> run = jax.jit(jax.shard_map(layer, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
+    >>> y = run(jnp.ones((4, 3)), jnp.array([[0, 1], [1, 2], [2, 3], [3, 0]]), jnp.full((4, 2), 0.5))
     >>> y.tolist()[0]
     [1.0, 1.0, 1.0]
 

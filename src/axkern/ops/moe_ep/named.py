@@ -95,8 +95,9 @@ def moe_ep_dispatch(
     >>> Token, TopK, Embed = hax.Axis("token", 4), hax.Axis("topk", 2), hax.Axis("embed", 3)
     >>> topk_idx = hax.named(jnp.array([[0, 1], [1, 2], [2, 3], [3, 0]]), (Token, TopK))
     >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("ep",))
+    >>> dispatch = jax.jit(lambda x, idx: axkern.moe_ep_dispatch(x, idx, num_experts=4))
     >>> with jax.set_mesh(mesh), hax.axis_mapping({"token": "ep", "experts": "ep"}):
-    ...     expert_x, group_sizes, layout = axkern.moe_ep_dispatch(hax.ones((Token, Embed)), topk_idx, num_experts=4)
+    ...     expert_x, group_sizes, layout = dispatch(hax.ones((Token, Embed)), topk_idx)
     >>> expert_x.axes[0], group_sizes.array.tolist()
     (Axis(name='dispatched', size=8), [[2, 2, 2, 2]])
 
@@ -188,9 +189,11 @@ def moe_ep_combine(
     >>> Token, TopK, Embed = hax.Axis("token", 4), hax.Axis("topk", 2), hax.Axis("embed", 3)
     >>> topk_idx = hax.named(jnp.array([[0, 1], [1, 2], [2, 3], [3, 0]]), (Token, TopK))
     >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("ep",))
+    >>> def layer(x, topk_idx, topk_weights):  # identity experts
+    ...     expert_x, _, layout = axkern.moe_ep_dispatch(x, topk_idx, num_experts=4)
+    ...     return axkern.moe_ep_combine(expert_x, topk_weights, layout)
     >>> with jax.set_mesh(mesh), hax.axis_mapping({"token": "ep", "experts": "ep"}):
-    ...     expert_x, _, layout = axkern.moe_ep_dispatch(hax.ones((Token, Embed)), topk_idx, num_experts=4)
-    ...     y = axkern.moe_ep_combine(expert_x, hax.ones((Token, TopK)) * 0.5, layout)  # identity experts
+    ...     y = jax.jit(layer)(hax.ones((Token, Embed)), topk_idx, hax.ones((Token, TopK)) * 0.5)
     >>> y.axes, y.array[0].tolist()
     ((Axis(name='token', size=4), Axis(name='embed', size=3)), [1.0, 1.0, 1.0])
 
