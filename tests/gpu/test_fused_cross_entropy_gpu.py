@@ -37,9 +37,14 @@ def test_on_gpu_against_oracle(impl, n, d, v, options, dtype):
     check_rule(run, impl, arrays, dtype, what, oracle_dtype="float32", options=options)
 
 
-# a 16-bit w with each dw accumulation that meets the rule (the default: compensated); a
-# float32 w is its own accumulator whatever is asked
-LOSS_DW = [("bfloat16", None), ("bfloat16", "compensated_int8"), ("bfloat16", "float32"), ("float32", None)]
+# a 16-bit w with each dw accumulation that meets the rule (the default: float32); a float32
+# w is its own accumulator whatever is asked
+LOSS_DW = [
+    ("bfloat16", None),
+    ("bfloat16", "compensated"),
+    ("bfloat16", "compensated_int8"),
+    ("float32", None),
+]
 
 
 @pytest.mark.parametrize("dtype,dw", LOSS_DW)

@@ -105,14 +105,14 @@ def test_pallas_refusals_name_the_problem():
 # blocks of 64: two full blocks and a ragged one; dw in slabs of 128 columns: two full and a
 # ragged one. Every option in float32 (whose w is its own dw accumulator); in bfloat16 those
 # that change the gradient's formula (ignored labels and `where` only drop tokens), each with
-# the default (compensated) and the float32 dw accumulation. The reduction alternates: each
+# the default (float32) and the compensated dw accumulation. The reduction alternates: each
 # dtype meets both, and so does each option run in both dtypes
 LOSS_CASES = [
     (dtype, option, ("mean", "sum")[(i + j) % 2], dw)
     for j, dtype in enumerate(DTYPES)
     for i, option in enumerate(OPTIONS)
     if dtype == "float32" or option not in ("ignore", "where")
-    for dw in ((None,) if dtype == "float32" else (None, "float32"))
+    for dw in ((None,) if dtype == "float32" else (None, "compensated"))
 ]
 
 
@@ -170,7 +170,8 @@ def test_explain_names_the_dw_accumulation_and_its_memory():
     )
     mib = lambda b: f"{b / 2**20:.1f} MiB"  # noqa: E731
     bs = dict(block_tokens=512, block_vocab=1000)
-    backward = axkern.explain(lambda *a: ce_loss(*a, block_sizes=bs), *shapes).backward
+    compensated = {**bs, "dw_accumulation": "compensated"}
+    backward = axkern.explain(lambda *a: ce_loss(*a, block_sizes=compensated), *shapes).backward
     block = 512 * v * 4 + 512 * 1000 * 2  # the float32 logits block and one slab of dz
     dw = d * v * 2 + d * 1000 * 4  # the bf16 compensation and one float32 slab share
     assert "bfloat16 [D, V] compensation (Kahan), 1000-column slabs" in backward
@@ -178,9 +179,7 @@ def test_explain_names_the_dw_accumulation_and_its_memory():
         f"temporary memory up to {mib(block + dw)} (logits block {mib(block)}, dw accumulation {mib(dw)})"
         in backward
     )
-    float32 = axkern.explain(
-        lambda *a: ce_loss(*a, block_sizes={**bs, "dw_accumulation": "float32"}), *shapes
-    )
+    float32 = axkern.explain(lambda *a: ce_loss(*a, block_sizes=bs), *shapes)  # the default
     assert (
         "float32 [D, V] buffer" in float32.backward
         and f"dw accumulation {mib(d * v * 4)}" in float32.backward

@@ -54,7 +54,7 @@ class CrossEntropyBlockSizes(BlockSizes):
 
     The reduced loss (`fused_cross_entropy_loss`) reads `block_tokens` (each block spans the
     whole vocabulary), `dw_accumulation` (how each block's share of `dw` is added, see
-    `DW_ACCUMULATIONS`; `None`: `"compensated"`) and `block_vocab` (the columns of `dw`
+    `DW_ACCUMULATIONS`; `None`: `"float32"`) and `block_vocab` (the columns of `dw`
     updated at once by the slab-wise strategies).
     """
 

@@ -49,7 +49,7 @@ def stats(x, w, labels, *, block_sizes: CrossEntropyBlockSizes, logits_soft_cap=
 # Every token block adds a share to every entry of `dw`, so whatever holds the running sum is
 # `[D, V]`-sized; its precision decides whether a 16-bit `dw` meets the oracle rule. The
 # strategies (`dw_accumulation`, blocks.py):
-# - "compensated" (default for a 16-bit `w`): the running sum is the gradient itself in w's
+# - "compensated": the running sum is the gradient itself in w's
 #   dtype, `hi`, plus a w-dtype compensation `lo` holding what rounding `hi` dropped. Vocab
 #   slabs of `block_vocab` columns go one at a time: the slab's `dz` (from the block's float32
 #   logits), its `dx` contribution, its float32 share `x_t^T dz` (`[D, block_vocab]`, the only
@@ -58,7 +58,8 @@ def stats(x, w, labels, *, block_sizes: CrossEntropyBlockSizes, logits_soft_cap=
 #   bf16), against the 2^-8 of plain 16-bit accumulation. Temporary: `lo`, `2·D·V` bytes.
 # - "compensated_int8": the same with `lo` as an int8 count of 1/256ths of `hi`'s ulp (the
 #   same 2^-16 per step: `|t - hi|` is at most half an ulp); temporary `D·V` bytes.
-# - "float32": a float32 `[D, V]` accumulator, each block's share formed whole (`4·D·V` bytes).
+# - "float32" (the default for a 16-bit `w`): a float32 `[D, V]` accumulator, each block's
+#   share formed whole (`4·D·V` bytes).
 # - "plain": `hi` alone, slab-wise (measurement only: it misses the oracle rule over many
 #   token blocks, docs/decisions.md).
 # A float32 (or float64) `w` is its own accumulator: slab shares go straight into the gradient.
@@ -78,10 +79,10 @@ class _LossStatic:
 def dw_strategy(w_dtype, requested: str | None) -> str:
     """The accumulation that runs for a `w` of `w_dtype` when `requested` (`None`: the
     default): "gradient" for a `w` of 32 bits or more (it is its own accumulator), else the
-    request or "compensated"."""
+    request or "float32" (the one timed on a GPU at a model's size, docs/decisions.md)."""
     if jnp.dtype(w_dtype).itemsize >= 4:
         return "gradient"
-    return requested or "compensated"
+    return requested or "float32"
 
 
 def dw_temporary_bytes(strategy: str, embed: int, vocab: int, slab: int, w_dtype) -> int:
