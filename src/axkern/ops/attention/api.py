@@ -59,19 +59,7 @@ def _cudnn_where_finite(q, k, v, sinks, mask, *, scale, logits_soft_cap):
     cudnn_fn = functools.partial(
         cudnn.attention, sinks=sinks, mask=mask, scale=scale, logits_soft_cap=logits_soft_cap
     )
-
-    def safe_fn(q, k, v):
-        with unrecorded():  # explain reports the cudnn decision only
-            return _safe(q, k, v)
-
-    _safe = functools.partial(
-        attention_positional,
-        mask=mask,
-        scale=scale,
-        logits_soft_cap=logits_soft_cap,
-        sinks=sinks,
-        implementation=("pallas_gpu", "xla"),
-    )
+    safe_fn = _rule_following(mask, scale, logits_soft_cap, sinks, ("pallas_gpu", "xla"))
     return _where_finite(cudnn_fn, safe_fn, q, k, v)
 
 
@@ -86,9 +74,8 @@ def _mosaic_gpu_where_finite(q, k, v, sinks, mask, *, scale, logits_soft_cap, bl
     dims |= {"kv_len": k.shape[1], "kv_heads": k.shape[2], "v_dim": v.shape[3]}
     back_blocks = mosaic_gpu_backward_blocks(block_sizes, OP.spec(dims, q.dtype))
     backward = functools.partial(pallas_gpu.backward, mask=mask, scale=scale, block_sizes=back_blocks)
-    # at head dim 256 the guarded call failed to compile on an H200 with pallas_gpu in the branch
-    # that serves non-finite inputs (237568 bytes of shared memory asked, 232448 there: the size
-    # of pallas_gpu's 64 x 64 forward tiles with 3 stages); xla serves them above head dim 128
+    # above head dim 128 pallas_gpu's default forward tiles (64 x 64, 3 stages) ask a Hopper block
+    # for more shared memory than it has (237568 of 232448 bytes): xla serves non-finite inputs there
     safe_order = ("pallas_gpu", "xla") if max(q.shape[3], v.shape[3]) <= 128 else ("xla",)
     fast_fn = functools.partial(
         mosaic_gpu.attention,
@@ -100,8 +87,17 @@ def _mosaic_gpu_where_finite(q, k, v, sinks, mask, *, scale, logits_soft_cap, bl
         backward=backward,
     )
 
+    safe_fn = _rule_following(mask, scale, logits_soft_cap, sinks, safe_order)
+    return _where_finite(fast_fn, safe_fn, q, k, v)
+
+
+def _rule_following(mask, scale, logits_soft_cap, sinks, order):
+    """`(q, k, v) -> out` by the first of `order` that serves the call: what a guarded
+    implementation runs where an input is not finite. Unrecorded, so `explain` reports the
+    guarded implementation's decision only."""
+
     def safe_fn(q, k, v):
-        with unrecorded():  # explain reports the mosaic_gpu decision only
+        with unrecorded():
             return attention_positional(
                 q,
                 k,
@@ -110,10 +106,10 @@ def _mosaic_gpu_where_finite(q, k, v, sinks, mask, *, scale, logits_soft_cap, bl
                 scale=scale,
                 logits_soft_cap=logits_soft_cap,
                 sinks=sinks,
-                implementation=safe_order,
+                implementation=order,
             )
 
-    return _where_finite(fast_fn, safe_fn, q, k, v)
+    return safe_fn
 
 
 def _all_finite(*arrays) -> jax.Array:
