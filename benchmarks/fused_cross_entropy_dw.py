@@ -103,32 +103,36 @@ def main(argv=None) -> int:
         rows.append(row)
         print(json.dumps(row), flush=True)
 
+    def measured(loss):
+        """Time (min, median, max of repeats), temporary memory and the rule of `loss`'s
+        forward+backward, compiled once."""
+        compiled = value_and_grad(loss).lower(x, w).compile()
+        temp = compiled.memory_analysis().temp_size_in_bytes / 2**30
+        ratios = rule(compiled(x, w))
+        t_min, t_med, t_max = time_spread(compiled, (x, w), repeats=a.repeats)
+        return dict(
+            ms=t_med,
+            ms_min=t_min,
+            ms_max=t_max,
+            temp_gib=temp,
+            rule=max(ratios.values()),
+            rule_by_output=ratios,
+        )
+
     for strategy in a.strategies.split(","):
         for bt in (int(b) for b in a.block_tokens.split(",")):
             bs = axkern.CrossEntropyBlockSizes(block_tokens=bt, block_vocab=slab, dw_accumulation=strategy)
-            fn = value_and_grad(
-                lambda x, w, bs=bs: ce_loss(x, w, labels, implementation="xla", block_sizes=bs)
-            )
-            compiled = fn.lower(x, w).compile()
-            temp = compiled.memory_analysis().temp_size_in_bytes / 2**30
-            ratios = rule(compiled(x, w))
-            t_min, t_med, t_max = time_spread(compiled, (x, w), repeats=a.repeats)
+            row = measured(lambda x, w, bs=bs: ce_loss(x, w, labels, implementation="xla", block_sizes=bs))
             decision = axkern.explain(lambda x, w, bs=bs: ce_loss(x, w, labels, block_sizes=bs), x, w)
             record(
                 dict(
                     implementation=f"xla {strategy}",
                     block_tokens=bt,
                     block_vocab=slab,
-                    ms=t_med,
-                    ms_min=t_min,
-                    ms_max=t_max,
-                    temp_gib=temp,
-                    rule=max(ratios.values()),
-                    rule_by_output=ratios,
+                    **row,
                     explain=decision.backward,
                 )
             )
-            del compiled
     if a.peers:
         for r in torch_peers:
             if r.get("pass", "fwd+bwd") == "fwd+bwd":
@@ -145,22 +149,7 @@ def main(argv=None) -> int:
             record(dict(implementation="peer:levanter", note=peer))
         else:
             try:
-                fn = value_and_grad(lambda x, w: peer(x, w, labels))
-                compiled = fn.lower(x, w).compile()
-                temp = compiled.memory_analysis().temp_size_in_bytes / 2**30
-                ratios = rule(compiled(x, w))
-                t_min, t_med, t_max = time_spread(compiled, (x, w), repeats=a.repeats)
-                record(
-                    dict(
-                        implementation="peer:levanter",
-                        ms=t_med,
-                        ms_min=t_min,
-                        ms_max=t_max,
-                        temp_gib=temp,
-                        rule=max(ratios.values()),
-                        rule_by_output=ratios,
-                    )
-                )
+                record(dict(implementation="peer:levanter", **measured(lambda x, w: peer(x, w, labels))))
             except Exception as e:  # noqa: BLE001 - an absent or failing peer is a row, not a crash
                 record(dict(implementation="peer:levanter", note=f"{type(e).__name__}: {str(e)[:200]}"))
 
