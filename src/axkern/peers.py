@@ -170,8 +170,11 @@ def _mamba3(dims, dtype, repeats):
     return _timed_rows("mamba_ssm", call, leaves, repeats)
 
 
-_RUNNERS = {"fused_cross_entropy": _fused_cross_entropy, "fused_cross_entropy_loss": _fused_cross_entropy}
-_RUNNERS["mamba3"] = _mamba3
+_RUNNERS = {
+    "fused_cross_entropy": _fused_cross_entropy,
+    "fused_cross_entropy_loss": _fused_cross_entropy,
+    "mamba3": _mamba3,
+}
 
 
 def _main(argv=None) -> int:
