@@ -63,7 +63,9 @@ class Case:
     calls: int = 1  # op calls per forward (a loop inside jit, for ops faster than host dispatch)
     # JAX peers timed in this process beside the implementations (rows "peer:<name>", with
     # `axkern bench --peers`): name -> callable taking the case's inputs like `forward`, or a
-    # string saying why the peer cannot take this case
+    # string saying why the peer cannot take this case; a peer callable with an attribute
+    # `incomparable` (a string: why) computes something else on the inputs (e.g. a simpler
+    # variant of the op) and is timed but not checked against the reference
     peers: dict[str, Callable[..., Any] | str] = dataclasses.field(default_factory=dict)
 
     def forward_for(self, implementation: str) -> Callable[..., Any]:
@@ -262,7 +264,10 @@ def measure(
                 fn = fn_for(pass_, impl)
                 row.temp_gib = _temp_gib(fn, args)
                 got = _sync(fn(*args))
-                if want is not None:
+                incomparable = getattr(case.peers.get(impl.removeprefix("peer:")), "incomparable", None)
+                if impl.startswith("peer:") and incomparable:
+                    row.note = f"not checked: {incomparable}"
+                elif want is not None:
                     row.max_rel_error = _max_rel_error(got, want)
                 else:
                     row.note = want_note

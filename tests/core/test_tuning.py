@@ -253,3 +253,25 @@ def test_every_tunable_space_validates_and_starts_with_the_heuristic():
             cands = tune.candidates(impl, spec)
             assert len(cands) > 1 and all(c.validate(spec) is None for c in cands)
             assert cands[0] == impl.heuristic(spec)
+
+
+def test_bench_checks_a_peer_unless_it_computes_something_else(toy):
+    from axkern import bench
+
+    _, call = toy
+
+    def wrong(x):
+        return jnp.sum(x, axis=0) + 1.0
+
+    def other(x):
+        return jnp.sum(x, axis=0) * 2.0
+
+    other.incomparable = "a doubled sum"
+    case = dataclasses.replace(_toy_case(call), peers={"wrong": wrong, "other": other})
+    rows = {
+        r.implementation: r
+        for r in bench.measure(case, ["peer:wrong", "peer:other"], passes=("fwd",), repeats=1)
+    }
+    assert rows["peer:wrong"].max_rel_error > 0.01
+    assert rows["peer:other"].max_rel_error is None and rows["peer:other"].ms is not None
+    assert rows["peer:other"].note == "not checked: a doubled sum"

@@ -126,6 +126,7 @@ def _levanter_peer(rank, chunk, length):
         del angles  # Levanter's path does not rotate q and k
         return levanter_forward(q, k, v, adt, dt, trap, q_bias, k_bias, chunk_size=chunk)
 
+    forward.incomparable = "zero angles (Levanter's path does not rotate q and k)"
     return forward
 
 
