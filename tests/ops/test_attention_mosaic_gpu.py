@@ -22,7 +22,6 @@ from axkern.ops.attention.blocks import (
     mosaic_gpu_heuristic,
     mosaic_gpu_smem_bytes,
     mosaic_gpu_space,
-    pallas_gpu_heuristic,
 )
 from axkern.positional import attention
 from tests.cases.attention import inputs as _inputs
@@ -181,19 +180,16 @@ def test_heuristic_and_space_fit_shared_memory():
         spec = _spec(d=d)
         bs = mosaic_gpu_heuristic(spec)
         assert (bs.block_q, bs.block_kv, bs.num_stages) == (64, 128 if d <= 128 else 64, 2)
-        # the backward fields: pallas_gpu's heuristic's (its kernels serve the backward), and
-        # 32 x 32 tiles at head dim 256
-        tri = pallas_gpu_heuristic(spec)
+        # the backward fields: the Mosaic backward kernels' 64 x 64 tiles with two stages up to
+        # head dim 128 (they fit shared memory); pallas_gpu's 32 x 32 tiles at 256
         for name in ("dq", "dkv"):
-            got, want = bs.kernel(name), tri.kernel(name)
+            got = bs.kernel(name)
             if d <= 128:
-                assert (got.block_q, got.block_kv, got.num_warps) == (
-                    want.block_q,
-                    want.block_kv,
-                    want.num_warps,
-                )
+                assert (got.block_q, got.block_kv, got.num_stages) == (64, 64, 2)
+                assert mosaic_gpu.check_backward(masks.Causal(), bs, d) is None
             else:
                 assert (got.block_q, got.block_kv, got.num_warps, got.num_stages) == (32, 32, 4, 2)
+                assert "head dim 256" in mosaic_gpu.check_backward(masks.Causal(), bs, d)
         space = mosaic_gpu_space(spec)
         assert space[0] == bs and len(space) >= (1 if d == 256 else 4)  # 256: only 64 x 64 x 2 fits
         for c in space:
@@ -231,7 +227,9 @@ def test_dispatch_on_cpu_skips_it_with_the_reason():
         attention(a["q"], a["k"], a["v"], implementation="mosaic_gpu")
     # not in any default order yet (that needs measured speed)
     assert all("mosaic_gpu" not in order for order in OP.default_order.values())
-    assert "interim" in OP.implementations["mosaic_gpu"].backward
+    line = OP.implementations["mosaic_gpu"].backward
+    assert "dq (64x64 tiles, 2 stages)" in line(_spec(), mosaic_gpu_heuristic(_spec()))
+    assert "no Mosaic GPU backward" in line(_spec(d=256), mosaic_gpu_heuristic(_spec(d=256)))
 
 
 @pytest.mark.parametrize("mask", [masks.Causal(), masks.SlidingWindow(24), masks.Full()])
@@ -258,3 +256,100 @@ def test_borrowed_backward_from_residuals_matches_autodiff(mask):
     )
     for g, w in zip(got, vjp(d_out), strict=True):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-4, atol=2e-4)
+
+
+@pytest.mark.parametrize("name", list(SCHEDULE_MASKS))
+@pytest.mark.parametrize("sq,sk,bq,bk", [(64, 64, 8, 8), (61, 77, 8, 16), (100, 37, 16, 8)])
+def test_key_schedule_against_brute_force(name, sq, sk, bq, bk):
+    # the dk, dv kernel's table: per block of key tiles, the query tiles each warpgroup visits
+    mask = SCHEDULE_MASKS[name]
+    table = mosaic_gpu.key_schedule(mask, sq, sk, bq, bk)
+    any_, all_ = _brute_force(mask, sq, sk, bq, bk)
+    nq = -(-sq // bq)
+    any_, all_ = any_[:nq].T, all_[:nq].T  # key tiles by query tiles
+    assert table.shape[0] == -(-any_.shape[0] // WGS)
+    for c, row in enumerate(table):
+        for w in range(WGS):
+            i = c * WGS + w
+            lo, flo, fhi, hi = row[2 + 4 * w : 6 + 4 * w]
+            assert row[0] <= lo <= flo <= fhi <= hi <= row[1], (c, w, row)
+            seen = np.flatnonzero(any_[i]) if i < any_.shape[0] else np.array([], int)
+            if seen.size == 0:
+                assert lo == hi
+                continue
+            assert (lo, hi) == (seen[0], seen[-1] + 1) and all_[i, flo:fhi].all(), (c, w, row)
+
+
+def _emulated_backward(q, k, v, out, lse, d_out, mask, scale, blocks):
+    """The Mosaic backward kernels' tile loops in float64 numpy: the same tables, operands
+    (padding, base-2 lse, delta), masking of partial tiles only, scale and GQA grouping."""
+    (bq1, bk1, _), (bq2, bk2, _) = mosaic_gpu.backward_blocks(blocks)
+    b, sq, h, d = q.shape
+    sk, kvh = k.shape[1], k.shape[2]
+    g = h // kvh
+    mq, mk = max(WGS * bq1, bq2), max(bk1, WGS * bk2)
+    sqp, skp = -(-sq // mq) * mq, -(-sk // mk) * mk
+    ops = mosaic_gpu.backward_operands(q, k, v, out, lse, d_out, sqp=sqp, skp=skp)
+    qp, kp, vp, dop, lse2, delta = (np.asarray(a, np.float64) for a in ops)
+    kp, vp = np.repeat(kp, g, axis=2), np.repeat(vp, g, axis=2)  # per query head
+    c = scale * np.log2(np.e)
+    dq, dk, dv = np.zeros(qp.shape), np.zeros(kp.shape), np.zeros(vp.shape)
+
+    def tile(q0, bq, k0, bk, masked):
+        rows, keys = slice(q0, q0 + bq), slice(k0, k0 + bk)
+        s = np.einsum("bqhd,bkhd->bhqk", qp[:, rows], kp[:, keys])
+        if masked:
+            qi, kj = np.meshgrid(np.arange(q0, q0 + bq), np.arange(k0, k0 + bk), indexing="ij")
+            vis = mosaic_gpu._visible_or_none(mask, qi, kj, sk, bk)
+            s = s if vis is None else np.where(vis, s, -np.inf)
+        with np.errstate(invalid="ignore"):
+            p = np.exp2(s * c - lse2[:, :, rows, None])
+        dp = np.einsum("bqhd,bkhd->bhqk", dop[:, rows], vp[:, keys])
+        ds = p * (dp - delta[:, :, rows, None])
+        return rows, keys, p, ds
+
+    for blk, row in enumerate(mosaic_gpu.mask_schedule(mask, sq, sk, bq1, bk1)):
+        for w in range(WGS):
+            lo, flo, fhi, hi = row[2 + 4 * w : 6 + 4 * w]
+            for t in range(lo, hi):
+                rows, keys, _, ds = tile((blk * WGS + w) * bq1, bq1, t * bk1, bk1, not flo <= t < fhi)
+                dq[:, rows] += np.einsum("bhqk,bkhd->bqhd", ds, kp[:, keys])
+    for blk, row in enumerate(mosaic_gpu.key_schedule(mask, sq, sk, bq2, bk2)):
+        for w in range(WGS):
+            lo, flo, fhi, hi = row[2 + 4 * w : 6 + 4 * w]
+            for t in range(lo, hi):
+                rows, keys, p, ds = tile(t * bq2, bq2, (blk * WGS + w) * bk2, bk2, not flo <= t < fhi)
+                dk[:, keys] += np.einsum("bhqk,bqhd->bkhd", ds, qp[:, rows])
+                dv[:, keys] += np.einsum("bhqk,bqhd->bkhd", p, dop[:, rows])
+    group = lambda a: a.reshape(b, skp, kvh, g, d).sum(3)[:, :sk]  # noqa: E731
+    return dq[:, :sq] * scale, group(dk) * scale, group(dv)
+
+
+@pytest.mark.parametrize(
+    "mask,sq,sk",
+    [
+        (masks.Causal(), 150, 150),
+        (masks.Causal(offset=-20), 100, 140),  # the first 20 queries see no key
+        (masks.SlidingWindow(40) & masks.Causal(), 200, 200),
+        (masks.Full(), 70, 190),
+    ],
+)
+def test_emulated_backward_tiles_give_the_gradients(mask, sq, sk):
+    # the kernels' schedule, operands and per-tile arithmetic, run in numpy, against autodiff
+    # of the reference (GQA 2, lengths no tile divides, rows that see no key)
+    a = _inputs(11, 1, sq, sk, 4, 2, 16, "float32")
+    q, k, v = a["q"], a["k"], a["v"]
+    scale = 0.25
+
+    def ref(q, k, v):
+        return attention(q, k, v, mask=mask, scale=scale, implementation="reference")
+
+    out, vjp = jax.vjp(ref, q, k, v)
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, jnp.repeat(k, 2, axis=2)) * scale
+    s = jnp.where(mask.dense(sq, sk)[:, None], s, -jnp.inf)
+    lse = jax.nn.logsumexp(s, axis=-1)
+    d_out = jnp.sin(jnp.arange(out.size, dtype=jnp.float32)).reshape(out.shape)
+    blocks = AttentionBlockSizes(block_q_dq=64, block_kv_dq=64, block_q_dkv=128, block_kv_dkv=64)
+    got = _emulated_backward(q, k, v, out, lse, d_out, mask, scale, blocks)
+    for name, g_, w_ in zip(("dq", "dk", "dv"), got, vjp(d_out), strict=True):
+        np.testing.assert_allclose(g_, np.asarray(w_), rtol=1e-4, atol=1e-4, err_msg=name)

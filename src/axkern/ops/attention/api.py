@@ -64,16 +64,19 @@ def _cudnn_where_finite(q, k, v, sinks, mask, *, scale, logits_soft_cap):
 
 
 def _mosaic_gpu_where_finite(q, k, v, sinks, mask, *, scale, logits_soft_cap, block_sizes):
-    """The Mosaic GPU forward (its backward: `pallas_gpu`'s `dq` and `dk, dv` kernels on its
-    residuals, with `mosaic_gpu_backward_blocks`' tiles) where `q`, `k`, `v` (and the
-    cotangent) are finite; elsewhere `pallas_gpu` (else `xla`; `xla` alone above head dim 128),
-    chosen on the device as for cuDNN: the kernel's `p v` product would carry a NaN of `v` to
-    rows that cannot see its key."""
+    """The Mosaic GPU forward and backward kernels (above head dim 128, where the backward
+    kernels refuse: `pallas_gpu`'s `dq` and `dk, dv` kernels on the Mosaic forward's residuals,
+    with `mosaic_gpu_backward_blocks`' tiles) where `q`, `k`, `v` (and the cotangent) are
+    finite; elsewhere `pallas_gpu` (else `xla`; `xla` alone above head dim 128), chosen on the
+    device as for cuDNN: the kernel's `p v` product would carry a NaN of `v` to rows that cannot
+    see its key."""
     mosaic_gpu.check(mask, block_sizes, q.shape[3], sinks, logits_soft_cap)  # Unsupported before tracing
-    dims = dict(zip(("batch", "q_len", "heads", "head_dim"), q.shape, strict=True))
-    dims |= {"kv_len": k.shape[1], "kv_heads": k.shape[2], "v_dim": v.shape[3]}
-    back_blocks = mosaic_gpu_backward_blocks(block_sizes, OP.spec(dims, q.dtype))
-    backward = functools.partial(pallas_gpu.backward, mask=mask, scale=scale, block_sizes=back_blocks)
+    backward = None
+    if mosaic_gpu.check_backward(mask, block_sizes, q.shape[3]) is not None:
+        dims = dict(zip(("batch", "q_len", "heads", "head_dim"), q.shape, strict=True))
+        dims |= {"kv_len": k.shape[1], "kv_heads": k.shape[2], "v_dim": v.shape[3]}
+        back_blocks = mosaic_gpu_backward_blocks(block_sizes, OP.spec(dims, q.dtype))
+        backward = functools.partial(pallas_gpu.backward, mask=mask, scale=scale, block_sizes=back_blocks)
     # above head dim 128 pallas_gpu's default forward tiles (64 x 64, 3 stages) ask a Hopper block
     # for more shared memory than it has (237568 of 232448 bytes): xla serves non-finite inputs there
     safe_order = ("pallas_gpu", "xla") if max(q.shape[3], v.shape[3]) <= 128 else ("xla",)
@@ -89,6 +92,22 @@ def _mosaic_gpu_where_finite(q, k, v, sinks, mask, *, scale, logits_soft_cap, bl
 
     safe_fn = _rule_following(mask, scale, logits_soft_cap, sinks, safe_order)
     return _where_finite(fast_fn, safe_fn, q, k, v)
+
+
+def _mosaic_gpu_backward(spec, block_sizes) -> str:
+    """`explain`'s backward line for `mosaic_gpu`: which kernels its backward runs here."""
+    guard = "; inputs or a cotangent holding NaN or infinity go to pallas_gpu (or xla), forward and backward"
+    d = max(spec.dim("head_dim"), spec.dim("v_dim"))
+    if block_sizes is not None and d in mosaic_gpu.BACKWARD_HEAD_DIMS:
+        (bq1, bk1, st1), (bq2, bk2, st2) = mosaic_gpu.backward_blocks(block_sizes)
+        return (
+            f"Mosaic GPU kernels: dq ({bq1}x{bk1} tiles, {st1} stages) and dk, dv ({bq2}x{bk2}, "
+            f"{st2} stages, the GQA sum in registers) on this forward's residuals (out, lse)" + guard
+        )
+    return (
+        f"head dim {d}: no Mosaic GPU backward kernel (its dk, dv accumulators would not fit a "
+        "warpgroup's registers); pallas_gpu's Triton dq and dk/dv kernels on this forward's residuals" + guard
+    )
 
 
 def _rule_following(mask, scale, logits_soft_cap, sinks, order):
@@ -196,11 +215,7 @@ OP = Op(
             block_sizes=AttentionBlockSizes,
             heuristic=mosaic_gpu_heuristic,
             space=mosaic_gpu_space,
-            backward=(
-                "interim: no Mosaic GPU backward yet; pallas_gpu's Triton dq and dk/dv kernels on this "
-                "forward's residuals (out, lse); inputs or a cotangent holding NaN or infinity go to "
-                "pallas_gpu (or xla), forward and backward"
-            ),
+            backward=_mosaic_gpu_backward,
             why_platforms="a Pallas Mosaic GPU kernel for Hopper (TMA, wgmma); it has no interpret mode here",
         ),
         Implementation("reference", reference.attention, backward="autodiff through materialised scores"),

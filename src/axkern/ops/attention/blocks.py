@@ -42,8 +42,9 @@ class AttentionBlockSizes(BlockSizes):
     per key block (`dk`, `dv`); a `None` there takes the forward's value. `pallas_tpu`, `xla`
     use `block_q`, `block_kv` for every pass. `mosaic_gpu` reads `block_q` (query rows per
     compute warpgroup; a block holds two), `block_kv` and `num_stages` (the depth of its
-    shared-memory ring of key and value tiles) for its forward, and gives the `*_dq`, `*_dkv`
-    fields to the `pallas_gpu` backward kernels it uses."""
+    shared-memory ring of key and value tiles) for its forward, and the `*_dq`, `*_dkv`
+    `block_q`, `block_kv`, `num_stages` for its backward kernels (above head dim 128, where it
+    has none, all four for the `pallas_gpu` backward kernels it uses instead)."""
 
     block_q: int = 128
     block_kv: int = 128
@@ -193,20 +194,41 @@ def mosaic_gpu_smem_bytes(
     return tiles + _MOSAIC_GPU_SMEM_EXTRA
 
 
+def mosaic_gpu_dq_smem_bytes(
+    block_q: int, block_kv: int, num_stages: int, head_dim: int, itemsize: int = 2
+) -> int:
+    """Shared memory of the `mosaic_gpu` `dq` kernel: two warpgroups' query and output-gradient
+    tiles, `num_stages` key and value tiles, and what Mosaic GPU adds."""
+    tiles = 2 * 2 * block_q * head_dim * itemsize + 2 * num_stages * block_kv * head_dim * itemsize
+    return tiles + _MOSAIC_GPU_SMEM_EXTRA
+
+
+def mosaic_gpu_dkv_smem_bytes(
+    block_q: int, block_kv: int, num_stages: int, head_dim: int, itemsize: int = 2
+) -> int:
+    """Shared memory of the `mosaic_gpu` `dk, dv` kernel: two warpgroups' key and value tiles,
+    `num_stages` query and output-gradient tiles with their `lse` and `delta` rows, and what
+    Mosaic GPU adds."""
+    tiles = 2 * 2 * block_kv * head_dim * itemsize + num_stages * block_q * (2 * head_dim * itemsize + 8)
+    return tiles + _MOSAIC_GPU_SMEM_EXTRA
+
+
 def mosaic_gpu_heuristic(spec: Spec) -> AttentionBlockSizes:
     """Forward: 64 query rows per compute warpgroup (128 a block) by 128 keys for head dims up
     to 128, 64 keys at 256, two ring stages (the fastest of the forward's tiles timed at B2
-    S8192 H32 D128 bf16 on an H200, causal and no mask: docs/ops/attention.md). Backward fields (the `pallas_gpu`
-    kernels that serve the backward): `pallas_gpu`'s heuristic up to head dim 128; at 256,
-    32 x 32 tiles with 4 warps and 2 stages, which fit Hopper's shared memory."""
+    S8192 H32 D128 bf16 on an H200, causal and no mask: docs/ops/attention.md). Backward fields:
+    up to head dim 128 the Mosaic GPU `dq` kernel's (64 query rows per warpgroup by 64 keys, two
+    stages) and `dk, dv` kernel's (64 keys per warpgroup by 64 query rows, two stages); at 256
+    (no Mosaic backward) the `pallas_gpu` kernels' 32 x 32 tiles with 4 warps and 2 stages,
+    which fit Hopper's shared memory."""
     d = max(spec.dim("head_dim"), spec.dim("v_dim"))
     fwd = dict(block_q=64, block_kv=128 if d <= 128 else 64, num_warps=None, num_stages=2)
     if d > 128:
         tile = dict(block_q=32, block_kv=32, num_warps=4, num_stages=2)
         back = {f"{f}_{name}": tile[f] for name in ("dq", "dkv") for f in _PER_KERNEL}
         return AttentionBlockSizes(**fwd, **back)
-    tri = pallas_gpu_heuristic(spec)
-    back = {f"{f}_{name}": getattr(tri.kernel(name), f) for name in ("dq", "dkv") for f in _PER_KERNEL}
+    tile = dict(block_q=64, block_kv=64, num_warps=None, num_stages=2)
+    back = {f"{f}_{name}": tile[f] for name in ("dq", "dkv") for f in _PER_KERNEL}
     return AttentionBlockSizes(**fwd, **back)
 
 
