@@ -7,19 +7,26 @@
 #   bash benchmarks/gpu.sh list          the ops and their presets
 #
 # OP is an op folder: attention, cross_entropy, fused_cross_entropy, mamba3, moe, moe_ep, short_conv, ssd;
+# `gpu.sh attention_peers` runs attention's GPU preset with `--peers` (tokamax);
 # `gpu.sh fused_cross_entropy_dw` runs benchmarks/fused_cross_entropy_dw.py (the reduced loss's
 # dw accumulations at llama3's size: time, temporary memory, oracle rule, with the peers).
 # Wheels in an ignored `.whl/` folder (for a machine without network: whatever its image lacks
 # of the dependencies, e.g. haliax, beartype, cffi, platformdirs, filelock; `.whl/peers/` for
 # the peers, with `.whl/levanter_stubs/` for Levanter and `.whl/mamba_ssm_triton/` for mamba_ssm's
-# Triton kernels) are installed into /tmp/site first. Logs and the
+# Triton kernels; `.whl/peers/tokamax/` for tokamax and what it needs, with `.whl/xprof_stub/` for
+# the profiler package it imports) are installed into /tmp/site first. Logs and the
 # benches' JSON go under $OUT/gpu (./gpu-run without $OUT): one log per step, steps.txt with each
 # step's exit status and seconds, <op>/<preset>.json per bench (the layout of benchmarks/results).
 # Each step has its own timeout (seconds) so one hung kernel leaves the others their time.
 set -u
 if compgen -G ".whl/*.whl" > /dev/null; then
   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl $(compgen -G ".whl/peers/*.whl")
+  if compgen -G ".whl/peers/tokamax/*.whl" > /dev/null; then  # apart: a failure here leaves the rest installed
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/peers/tokamax/*.whl ||
+      echo "tokamax's wheels did not install: its bench peers will say it is not installed"
+  fi
   export PYTHONPATH=/tmp/site:$PWD/src:$PWD/.whl/levanter_stubs:$PWD/.whl/mamba_ssm_triton
+  [ -d .whl/xprof_stub ] && PYTHONPATH=$PYTHONPATH:$PWD/.whl/xprof_stub
 else
   export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH}
 fi
@@ -45,6 +52,7 @@ tests() {  # tests FILE: the op's GPU tests
 }
 case "${1:-}" in
 attention) tests test_attention_gpu.py; bench attention h200 ;;
+attention_peers) BENCH_T=540 bench attention h200 --peers ;;  # beside tokamax's mosaic and cudnn
 cross_entropy) bench cross_entropy llama3 ;;
 fused_cross_entropy)
   tests test_fused_cross_entropy_gpu.py
@@ -69,7 +77,7 @@ tune)
   ;;
 list) $axkern bench --list-presets ;;
 *)
-  echo "usage: gpu.sh attention|cross_entropy|fused_cross_entropy|fused_cross_entropy_dw|mamba3|moe|moe_ep|short_conv|ssd|list, or gpu.sh tune OP [args]"
+  echo "usage: gpu.sh attention|attention_peers|cross_entropy|fused_cross_entropy|fused_cross_entropy_dw|mamba3|moe|moe_ep|short_conv|ssd|list, or gpu.sh tune OP [args]"
   exit 2
   ;;
 esac

@@ -100,6 +100,19 @@ def test_bench_levanter_peer_absent_is_a_row_that_says_so(tmp_path, monkeypatch)
     assert all(r["ms"] is None and r["note"] == "unsupported: levanter is not installed" for r in rows)
 
 
+def test_bench_tokamax_peers_absent_are_rows_that_say_so(tmp_path, monkeypatch):
+    # tokamax (in-process JAX peers of attention) not importable: each peer's rows say why
+    monkeypatch.setitem(sys.modules, "tokamax", None)
+    out = tmp_path / "peers.json"
+    argv = ["bench", "attention", "--impl", "xla", "--peers", "--repeats", "1"]
+    assert cli.main([*argv, "--json", str(out)]) == 0
+    rows = [r for r in json.loads(out.read_text())["rows"] if r["implementation"].startswith("peer:")]
+    assert {(r["implementation"], r["pass"]) for r in rows} == {
+        (f"peer:{name}", p) for name in ("tokamax_mosaic", "tokamax_cudnn") for p in ("fwd", "fwd+bwd")
+    }
+    assert all(r["ms"] is None and r["note"] == "unsupported: tokamax is not installed" for r in rows)
+
+
 def test_mamba3_cases_carry_what_its_torch_peer_reads():
     from axkern import peers
     from axkern.bench import cases_for

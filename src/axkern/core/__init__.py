@@ -1,9 +1,9 @@
-"""The machinery under every op: backend facts, the dispatcher, block sizes, named plumbing, typing.
+"""The machinery under every op: backend facts, the dispatcher, block sizes, named plumbing, mesh placement, typing.
 
 Nothing here imports from `axkern.ops`.
 """
 
-from . import backend, blocks, compat, config, named, op, typing
+from . import backend, blocks, compat, config, mesh, named, op, typing
 from .blocks import BlockSizes
 from .config import use
 from .op import Decision, FallbackWarning, Implementation, Op, Rejection, Spec, Unsupported, explain
@@ -13,6 +13,7 @@ __all__ = [
     "blocks",
     "compat",
     "config",
+    "mesh",
     "named",
     "op",
     "typing",

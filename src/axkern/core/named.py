@@ -24,7 +24,7 @@ lists as parallel are split as the mapping says, every other axis is gathered, a
 learns the mesh axes of its parallel roles from `Context.mesh_axes` (vocab-parallel
 cross-entropy combines statistics with collectives, a sequence-parallel conv exchanges a
 halo). With no mapping `body` runs on the whole arrays, and the named call lowers to the
-positional call's HLO.
+positional call's HLO. Which mesh axes each array's dims go on is `core/mesh.py`'s.
 """
 
 from __future__ import annotations
@@ -39,9 +39,10 @@ import haliax as hax
 import jax
 from haliax import NamedArray
 from haliax.partitioning import current_thread_local_mapping
-from jax.sharding import PartitionSpec
 
 from . import caller, compat
+from . import mesh as placement
+from .mesh import BATCH, mesh_axes_for
 
 __all__ = [
     "AxisSelector",
@@ -56,14 +57,12 @@ __all__ = [
     "axes_str",
     "flatten",
     "unflatten",
-    "mesh_axes_for",
     "deprecated_alias",
     "WithFinalState",
     "StepResult",
 ]
 
 AxisSelector = str | hax.Axis
-BATCH = "batch"
 
 
 def axes_str(axes: Sequence[hax.Axis]) -> str:
@@ -112,20 +111,6 @@ def unflatten(data: jax.Array, lead_shape: tuple[int, ...]) -> jax.Array:
     if len(lead_shape) == 1:
         return data
     return data.reshape(lead_shape + data.shape[1:])
-
-
-def mesh_axes_for(axis: hax.Axis | str) -> str | tuple[str, ...] | None:
-    """The mesh axis (or axes) haliax's current axis mapping puts `axis` on, if any."""
-    mapping = current_thread_local_mapping()
-    if not mapping:
-        return None
-    return mapping.get(axis.name if isinstance(axis, hax.Axis) else axis)
-
-
-def _as_tuple(mesh_axes) -> tuple[str, ...]:
-    if mesh_axes is None:
-        return ()
-    return (mesh_axes,) if isinstance(mesh_axes, str) else tuple(mesh_axes)
 
 
 _warned_aliases: set[tuple[str, str]] = set()
@@ -368,57 +353,24 @@ class Bound:
         return any(mesh_axes_for(self.axes[r]) for r in sharding.parallel if r in self.axes)
 
     def batch_mesh(self) -> tuple[str, ...]:
-        return tuple(m for a in self.batch for m in _as_tuple(mesh_axes_for(a)))
-
-    def _pspec(self, roles: Sequence[str], split: frozenset[str], sharding: Sharding) -> PartitionSpec:
-        """An array's `PartitionSpec`. An axis the op creates from the batch (`with_batch`) is split
-        over the batch's mesh axes that no other axis of the same array is split over (expert
-        parallel counts: blocks over the data axes, experts over the expert axis)."""
-        parts: list[Any] = []
-        blocks = object()  # stands for a with_batch axis until the others are known
-        for r in roles:
-            if r == BATCH:
-                parts.extend(mesh_axes_for(a) for a in self.batch)
-            elif r in sharding.with_batch:
-                parts.append(blocks)
-            else:
-                parts.append(mesh_axes_for(self.axes[r]) if r in split else None)
-        taken = {m for p in parts if p is not blocks for m in _as_tuple(p)}
-        rest = tuple(m for m in self.batch_mesh() if m not in taken) or None
-        return PartitionSpec(*(rest if p is blocks else p for p in parts))
+        """The mesh axes the batch axes are split over."""
+        return placement.batch_mesh(self.batch)
 
     def blocks_mesh(self, sharding: Sharding, beside: Sequence[str] = ()) -> tuple[str, ...]:
         """The mesh axes a `with_batch` axis is split over in an array beside the roles `beside`."""
-        taken = {m for r in beside if r in sharding.parallel for m in _as_tuple(mesh_axes_for(self.axes[r]))}
-        return tuple(m for m in self.batch_mesh() if m not in taken)
+        return placement.blocks_mesh(self.batch, [self.axes[r] for r in beside if r in sharding.parallel])
 
     def _check_mapping(self, sharding: Sharding, split: frozenset[str]) -> None:
         """Every split axis divisible by its mesh axes, and no two axes on the same mesh axis
         (but the roles the rule splits `together`)."""
-        mesh = compat.current_mesh()
-        used: dict[str, str] = {}
-        together = {self.axes[r].name for r in sharding.together if r in self.axes}
+        placed = {}
         for arg in self.arrays:
             roles = self.roles.args[arg].roles
-            for axis, is_split in [(a, True) for a in self.batch if BATCH in roles] + [
+            placed[arg] = [(a, True) for a in self.batch if BATCH in roles] + [
                 (self.axes[r], r in split) for r in roles if r != BATCH and r in self.axes
-            ]:
-                phys = mesh_axes_for(axis) if is_split else None
-                if phys is None:
-                    continue
-                n = compat.axis_size(mesh, phys)
-                if axis.size % n:
-                    raise ValueError(
-                        f"{self.op}: {arg}'s axis {axis.name}={axis.size} is mapped to mesh axis {phys!r} of "
-                        f"size {n}, which does not divide it"
-                    )
-                key = "+".join(sharding.together) if axis.name in together else axis.name
-                for m in _as_tuple(phys):
-                    if used.setdefault(m, key) != key:
-                        raise ValueError(
-                            f"{self.op}: axes {used[m]!r} and {key!r} are both mapped to mesh axis {m!r}; "
-                            "map them to different mesh axes"
-                        )
+            ]
+        together = {self.axes[r].name for r in sharding.together if r in self.axes}
+        placement.check_mapping(self.op, placed, together, "+".join(sharding.together))
 
     def run(
         self,
@@ -463,11 +415,14 @@ class Bound:
                 split = frozenset(r for r in sharding.parallel if r in self.axes)
                 self._check_mapping(sharding, split)
                 mesh_roles = self._mesh_roles(sharding)
+
+                def spec(roles):
+                    return placement.partition_spec(roles, self.batch, self.axes, split, sharding.with_batch)
+
                 in_specs = tuple(
-                    None if d is None else self._pspec(roles, split, sharding)
-                    for d, roles in zip(datas, roles_all, strict=True)
+                    None if d is None else spec(roles) for d, roles in zip(datas, roles_all, strict=True)
                 )
-                out_specs = tuple(self._pspec(o.roles, split, sharding) for o in out_list)
+                out_specs = tuple(spec(o.roles) for o in out_list)
                 batch_mesh = self.batch_mesh()
                 fn = compat.shard_map(
                     lambda *a: call(mesh_roles, batch_mesh, *a),

@@ -23,6 +23,7 @@ from jax import lax
 
 from axkern import masks as masks_
 from axkern.core import named
+from axkern.core.mesh import mesh_axes_for
 from axkern.core.op import Implementation, Op, unrecorded
 from axkern.core.typing import Array, Float, checked
 
@@ -456,10 +457,10 @@ def attention(
     if kvheads.name != heads.name and kvheads.size == 1:
         sharding = SHARDING_MQA
     elif kvheads.name != heads.name and bound.sharded(SHARDING):
-        if named.mesh_axes_for(heads) != named.mesh_axes_for(kvheads):
+        if mesh_axes_for(heads) != mesh_axes_for(kvheads):
             raise ValueError(
-                f"{NAME}: {heads.name} is mapped to mesh axes {named.mesh_axes_for(heads)!r} but "
-                f"{kvheads.name} to {named.mesh_axes_for(kvheads)!r}; map both to the same mesh axes "
+                f"{NAME}: {heads.name} is mapped to mesh axes {mesh_axes_for(heads)!r} but "
+                f"{kvheads.name} to {mesh_axes_for(kvheads)!r}; map both to the same mesh axes "
                 "(each shard's query heads must find their kv heads on it)"
             )
     extra, rebuild = _mask_inputs(masks_.Full() if mask is None else mask, bound)

@@ -16,6 +16,7 @@ from haliax import NamedArray
 from jax import lax
 
 from axkern.core import compat, named
+from axkern.core.mesh import mesh_axes_for
 
 from .api import (
     COMBINE_ROLES,
@@ -37,7 +38,7 @@ EXPERTS, DISPATCHED, BLOCKS = "experts", "dispatched", "dispatch_blocks"
 def _expert_mesh_axis(op: str, bound: named.Bound) -> str:
     """The one mesh axis the experts axis is mapped to, with the token axes split over it too."""
     experts = bound.axis("Experts")
-    mesh_axes = named.mesh_axes_for(experts) if compat.current_mesh() is not None else None
+    mesh_axes = mesh_axes_for(experts) if compat.current_mesh() is not None else None
     if mesh_axes is None:
         raise ValueError(
             f"{op}: the experts axis {experts.name!r} is mapped to no mesh axis; run under a mesh "
@@ -233,7 +234,7 @@ def moe_ep_combine(
         Out=out_axes[0],
     )
     bound.create("Experts", layout.experts_axis, layout.experts_axis.size)
-    here = named.mesh_axes_for(layout.experts_axis) if compat.current_mesh() is not None else None
+    here = mesh_axes_for(layout.experts_axis) if compat.current_mesh() is not None else None
     if here != layout.axis_name or bound.batch_mesh() != layout.batch_mesh:
         raise ValueError(
             f"{op}: the layout was made with the experts on mesh axis {layout.axis_name!r} and the "

@@ -17,6 +17,7 @@ from haliax import NamedArray
 from jax import lax
 
 from axkern.core import compat, named
+from axkern.core.mesh import mesh_axes_for
 from axkern.core.named import StepResult, WithFinalState
 from axkern.core.op import Implementation, Op, step_op
 from axkern.core.typing import Array, Float, Int, checked
@@ -356,7 +357,7 @@ def short_conv(
     _check_width(width)
     bound.create("ConvState", ConvState, width - 1)
     pos = bound.axis("Pos")
-    seq_mesh = bound.sharded(SHARDING) and named.mesh_axes_for(pos)
+    seq_mesh = bound.sharded(SHARDING) and mesh_axes_for(pos)
     if seq_mesh:
         n_shards = compat.axis_size(compat.current_mesh(), seq_mesh)
         if pos.size // n_shards < width - 1:
