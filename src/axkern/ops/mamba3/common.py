@@ -109,6 +109,7 @@ def kernel_core(layout, *, chunk_size, interpret, x_dtype) -> Core:
     recurrence's, wherever the kernels' chunks of `chunk_size · S` positions begin. Output `(t,
     r)` reads the state after `(t, r)`: it misses the same token's later ranks, `s_t Σ_{u > r}
     (C_{t,r} · B_{t,u}) x_{t,u}`, which `forward` adds (`later_ranks=True`)."""
+
     def core(x, a, s, B, C, seg, initial_state):
         batch, length, rank, heads, _ = x.shape
         slots = kernel_slots(rank)
