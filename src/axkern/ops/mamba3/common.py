@@ -97,10 +97,17 @@ class Core(typing.Protocol):
     def __call__(self, x, a, s, B, C, seg, initial_state): ...
 
 
-def kernel_core(layout, *, chunk_size, interpret, x_dtype) -> Core:
+def kernel_x_dtype(dtype, mimo):
+    """The dtype `x` enters the kernels in: the inputs' `dtype` for SISO (`x` is `v`), float32 for
+    MIMO (`x = v ⊙ W_x` rounded to bf16 missed the oracle rule at rank 3)."""
+    return jnp.promote_types(dtype, jnp.float32) if mimo else jnp.dtype(dtype)
+
+
+def kernel_core(layout, *, chunk_size, interpret, dtype, mimo) -> Core:
     """SSD's Pallas chunk kernels (`ssd/common/kernels.py`, with `layout` a `Layout` subclass) as a
-    `Core` over chunks of `chunk_size` tokens. `x` goes in as `x_dtype` (the inputs' own: the
-    kernels choose their products' precision by it); `B`, `C` (rotated `k`, `q`) per head.
+    `Core` over chunks of `chunk_size` tokens. `x` goes in as `kernel_x_dtype(dtype, mimo)`; the
+    kernels take the path of the inputs' `dtype` (the products' precision, the decay's form);
+    `B`, `C` (rotated `k`, `q`) per head.
 
     The kernels take one input per position, so token `t`'s `R` inputs run as `S =
     blocks.kernel_slots(R)` consecutive positions `(t, 0..S-1)` (ranks past `R` zero): the
@@ -121,7 +128,7 @@ def kernel_core(layout, *, chunk_size, interpret, x_dtype) -> Core:
         first = jnp.arange(slots) == 0
         y, final = chunk_kernels.scan(
             layout,
-            spread(x.astype(x_dtype)),
+            spread(x.astype(kernel_x_dtype(dtype, mimo))),
             jnp.where(first[:, None], a[:, :, None], 0).reshape(batch, length * slots, heads),
             jnp.repeat(s, slots, axis=1),
             spread(B),
@@ -130,6 +137,7 @@ def kernel_core(layout, *, chunk_size, interpret, x_dtype) -> Core:
             initial_state,
             chunk_size=chunk_size * slots,
             interpret=interpret,
+            products=dtype,
         )
         return y.reshape(batch, length, slots, *y.shape[2:])[:, :, :rank], final
 

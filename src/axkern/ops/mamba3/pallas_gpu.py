@@ -15,8 +15,6 @@ H200 (`tests/gpu/test_mamba3_gpu.py`); not yet timed, so it is in no default ord
 
 from __future__ import annotations
 
-import jax.numpy as jnp
-
 from axkern.core.op import Unsupported
 from axkern.ops.ssd.blocks import GPU_MAX_CHUNK as MAX_CHUNK
 from axkern.ops.ssd.blocks import GPU_MAX_CHUNK_32BIT as MAX_CHUNK_32BIT
@@ -24,11 +22,12 @@ from axkern.ops.ssd.blocks import GPU_MIN_DIM as MIN_DIM
 from axkern.ops.ssd.pallas_gpu import GpuLayout
 
 from .blocks import kernel_slots
-from .common import forward, kernel_core
+from .common import forward, kernel_core, kernel_x_dtype
 
 
-def _max_chunk(dtype) -> int:
-    return MAX_CHUNK_32BIT if jnp.dtype(dtype).itemsize > 2 else MAX_CHUNK
+def _max_chunk(dtype, mimo) -> int:
+    """The largest chunk, in kernel positions, for `x` of `kernel_x_dtype(dtype, mimo)`."""
+    return MAX_CHUNK_32BIT if kernel_x_dtype(dtype, mimo).itemsize > 2 else MAX_CHUNK
 
 
 def supports(spec) -> str | None:
@@ -36,11 +35,11 @@ def supports(spec) -> str | None:
         n = spec.dim(name)
         if n < MIN_DIM or n & (n - 1):
             return f"{name}={n}: the Pallas GPU kernels need a power of two >= {MIN_DIM} (Triton dot tiles)"
-    rank = spec.dim("rank")
-    if kernel_slots(rank) > _max_chunk(spec.dtype):
+    rank, mimo = spec.dim("rank"), bool(spec.flag("mimo"))
+    if kernel_slots(rank) > _max_chunk(spec.dtype, mimo):
         return (
-            f"rank={rank}: one token takes {kernel_slots(rank)} kernel positions, more than a chunk's "
-            f"{_max_chunk(spec.dtype)} with {jnp.dtype(spec.dtype).name} inputs"
+            f"rank={rank}: one token takes {kernel_slots(rank)} kernel positions, more than the largest "
+            f"chunk ({_max_chunk(spec.dtype, mimo)} positions)"
         )
     return None
 
@@ -48,15 +47,17 @@ def supports(spec) -> str | None:
 def mamba3(*args, block_sizes, interpret=False):
     """`reference.mamba3`'s arguments and results, through the GPU chunk kernels."""
     q = block_sizes.chunk_size
-    dtype = args[2].dtype
+    dtype, mimo = args[2].dtype, args[16] is not None  # v, W_x
     slots = kernel_slots(args[0].shape[2])
     chunk = f"chunk_size={q}" + (f" ({q * slots} positions, {slots} per token)" if slots > 1 else "")
     if q * slots < MIN_DIM:
         raise Unsupported(f"{chunk} is below {MIN_DIM} (Triton dot tiles)")
-    if q * slots > _max_chunk(dtype):
+    high = _max_chunk(dtype, mimo)
+    if q * slots > high:
+        x = f"{kernel_x_dtype(dtype, mimo).name} x" + (" (MIMO)" if mimo else "")
         raise Unsupported(
-            f"{chunk} with {jnp.dtype(dtype).name} inputs: the backward kernel's tiles exceed the "
-            f"H200's 227 KiB of shared memory above chunks of {_max_chunk(dtype)}"
+            f"{chunk} with {x}: the backward kernel's tiles exceed the H200's 227 KiB of shared "
+            f"memory above chunks of {high} positions"
         )
-    core = kernel_core(GpuLayout, chunk_size=q, interpret=bool(interpret), x_dtype=dtype)
+    core = kernel_core(GpuLayout, chunk_size=q, interpret=bool(interpret), dtype=dtype, mimo=mimo)
     return forward(core, *args, chunk_size=q, later_ranks=True)

@@ -28,5 +28,6 @@ def mamba3(*args, block_sizes, interpret=False):
     if q * slots < MIN_CHUNK:
         chunk = f"chunk_size={q}" + (f" ({q * slots} positions, {slots} per token)" if slots > 1 else "")
         raise Unsupported(f"{chunk} is below {MIN_CHUNK} (TPU sublanes)")
-    core = kernel_core(TpuLayout, chunk_size=q, interpret=bool(interpret), x_dtype=args[2].dtype)
+    dtype, mimo = args[2].dtype, args[16] is not None  # v, W_x
+    core = kernel_core(TpuLayout, chunk_size=q, interpret=bool(interpret), dtype=dtype, mimo=mimo)
     return forward(core, *args, chunk_size=q, later_ranks=True)
