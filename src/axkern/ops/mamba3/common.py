@@ -112,9 +112,11 @@ def kernel_core(layout, *, chunk_size, interpret, dtype, mimo) -> Core:
     The kernels take one input per position, so token `t`'s `R` inputs run as `S =
     blocks.kernel_slots(R)` consecutive positions `(t, 0..S-1)` (ranks past `R` zero): the
     log-decay `a_t` on `(t, 0)` and 0 on the others, the scale `s_t` and the segment id on all.
-    After `(t, S-1)` the state is `exp(a_t) state_{t-1} + s_t Σ_r x_{t,r} B_{t,r}ᵀ`, exactly the
-    recurrence's, wherever the kernels' chunks of `chunk_size · S` positions begin. Output `(t,
-    r)` reads the state after `(t, r)`: it misses the same token's later ranks, `s_t Σ_{u > r}
+    The kernels apply position `(t, r)`'s decay before adding its input, so after `(t, S-1)` the
+    state is `exp(a_t) state_{t-1} + s_t Σ_r x_{t,r} B_{t,r}ᵀ`, exactly the recurrence's: the
+    states between the kernels' chunks (`chunk_size · S` positions, starting at tokens) and the
+    final state are exact, and a segment starting at `t` resets at `(t, 0)`. Output `(t, r)`
+    reads the state after `(t, r)`: it misses the same token's later ranks, `s_t Σ_{u > r}
     (C_{t,r} · B_{t,u}) x_{t,u}`, which `forward` adds (`later_ranks=True`)."""
 
     def core(x, a, s, B, C, seg, initial_state):
