@@ -105,8 +105,6 @@ NAMES += ["angle_state", "ssm_state", "k_state", "v_state"]
     seed=st.integers(0, 2**16),
 )
 def test_property_non_finite_pattern_matches_the_reference(impl, rank, where, value, segments, seed):
-    if impl.startswith("pallas"):  # the kernels take one input per position
-        rank = min(rank, 1)
     a = _inputs(seed, rank)
     if where not in a:  # a MIMO weight drawn for a SISO case
         where = "v"

@@ -72,7 +72,6 @@ OP = Op(
             "pallas_tpu",
             pallas_tpu.mamba3,
             platforms=("tpu",),
-            supports=pallas_tpu.supports,
             block_sizes=Mamba3BlockSizes,
             heuristic=pallas_tpu_heuristic,
             interpretable=True,

@@ -1,4 +1,5 @@
-"""Chunk size of the Mamba-3 scan: the `xla` heuristic and the chunk sizes `axkern tune` sweeps."""
+"""Chunk size of the Mamba-3 scan: the heuristics, the chunk sizes `axkern tune` sweeps, and the
+positions a MIMO token takes in the Pallas kernels."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import dataclasses
 
 from axkern.core.blocks import BlockSizes, grid, next_power_of_2
 from axkern.core.op import Spec
+from axkern.ops.ssd.blocks import GPU_MIN_DIM, TPU_MIN_CHUNK
 
 __all__ = [
     "Mamba3BlockSizes",
@@ -14,12 +16,15 @@ __all__ = [
     "space",
     "pallas_gpu_heuristic",
     "pallas_tpu_heuristic",
+    "kernel_slots",
 ]
 
 
 @dataclasses.dataclass(frozen=True)
 class Mamba3BlockSizes(BlockSizes):
-    """`chunk_size`: positions per chunk (a power of two); the length need not be a multiple."""
+    """`chunk_size`: tokens (sequence positions) per chunk, a power of two; the length need not be
+    a multiple. The Pallas kernels run a MIMO token as `kernel_slots(rank)` consecutive positions,
+    so their chunks hold `chunk_size · kernel_slots(rank)` positions."""
 
     chunk_size: int = 64
 
@@ -48,11 +53,27 @@ def space(spec: Spec) -> list[Mamba3BlockSizes]:
     return grid(Mamba3BlockSizes, spec, first=heuristic(spec), chunk_size=chunks)
 
 
+def kernel_slots(rank: int) -> int:
+    """The positions the Pallas kernels give each token: one per rank (MIMO runs its `R` inputs
+    as consecutive positions), rounded up to a power of two so that a chunk of a power of two
+    of tokens is a power of two of positions (Triton's tiles); 1 for SISO."""
+    return next_power_of_2(max(rank, 1))
+
+
+def _kernel_chunk(spec: Spec, positions: int, least: int) -> Mamba3BlockSizes:
+    """Chunks of about `positions` kernel positions and at least `least`, in tokens."""
+    slots = kernel_slots(spec.dim("rank"))
+    tokens = min(max(1, positions // slots), next_power_of_2(spec.dim("length")))
+    return Mamba3BlockSizes(chunk_size=max(max(1, least // slots), tokens))
+
+
 def pallas_gpu_heuristic(spec: Spec) -> Mamba3BlockSizes:
-    """Chunks of 64, as `ssd`'s `pallas_gpu` (at least 16: Triton's dot tiles)."""
-    return Mamba3BlockSizes(chunk_size=max(16, min(64, next_power_of_2(spec.dim("length")))))
+    """Chunks of 64 positions, as `ssd`'s `pallas_gpu` (at least 16: Triton's dot tiles): 64
+    tokens for SISO, `64 / kernel_slots(rank)` for MIMO."""
+    return _kernel_chunk(spec, 64, GPU_MIN_DIM)
 
 
 def pallas_tpu_heuristic(spec: Spec) -> Mamba3BlockSizes:
-    """Chunks of 128 (the MXU's width), at least 8 (the sublanes)."""
-    return Mamba3BlockSizes(chunk_size=max(8, min(128, next_power_of_2(spec.dim("length")))))
+    """Chunks of 128 positions (the MXU's width), at least 8 (the sublanes): 128 tokens for SISO,
+    `128 / kernel_slots(rank)` for MIMO."""
+    return _kernel_chunk(spec, 128, TPU_MIN_CHUNK)

@@ -11,6 +11,11 @@ log-decay `adt_t` and input scale `s_t = λ_t Δ_t + c_{t+1}`, starting from
 `y_{t,r} = g_t q_{t,r} - c_{t+1} Σ_u (q_{t,r} · k_{t,u}) v_{t,u}` (a diagonal correction) and
 `h_L = g_L`.
 
+**MIMO on the kernels** (`kernel_core`): SSD's Pallas kernels take one input per position, so
+each token's `R` inputs run as consecutive positions, the decay on the first; the states are
+exact, and the output's missing terms (the same token's later ranks) join the diagonal
+correction: `y_{t,r} += s_t Σ_{u > r} (q_{t,r} · k_{t,u}) v_{t,u}`.
+
 **Angles.** `Θ_t` is a running sum of `π tanh(angles) Δ` inside each segment, mod 2π: summed
 inside chunks (a `[Q, Q]` masked product), carried between chunks by a scan that takes the
 remainder at every chunk, so its rounding does not grow with the length.
@@ -36,6 +41,8 @@ from jax import lax
 from axkern.core import kernels
 from axkern.ops.ssd.common import kernels as chunk_kernels
 from axkern.ops.ssd.common.chunks import clean, poison, reaches, segment_starts
+
+from .blocks import kernel_slots
 
 
 def rotate(u, theta, halves):
@@ -84,30 +91,57 @@ def angle_sums(inc, theta0, seg, q):
 
 class Core(typing.Protocol):
     """A chunk scan: `(x [b, l, R, H, P], a, s [b, l, H], B, C [b, l, R, H, N], seg [b, l],
-    initial_state [b, H, P, N]) -> (y [b, l, R, H, P], final_state)` (`ssd.common.scan`)."""
+    initial_state [b, H, P, N]) -> (y [b, l, R, H, P], final_state)` (`ssd.common.scan`; or
+    `kernel_core`, whose `y_{t,r}` holds token `t`'s ranks `u <= r` only)."""
 
     def __call__(self, x, a, s, B, C, seg, initial_state): ...
 
 
-def kernel_core(layout, *, chunk_size, interpret, x_dtype) -> Core:
+def kernel_x_dtype(dtype, mimo):
+    """The dtype `x` enters the kernels in: the inputs' `dtype` for SISO (`x` is `v`), float32 for
+    MIMO (`x = v ⊙ W_x` rounded to bf16 missed the oracle rule at rank 3)."""
+    return jnp.promote_types(dtype, jnp.float32) if mimo else jnp.dtype(dtype)
+
+
+def kernel_core(layout, *, chunk_size, interpret, dtype, mimo) -> Core:
     """SSD's Pallas chunk kernels (`ssd/common/kernels.py`, with `layout` a `Layout` subclass) as a
-    `Core` of one input per position (`R = 1`). `x` goes in as `x_dtype` (the inputs' own: the
-    kernels choose their products' precision by it); `B`, `C` (rotated `k`, `q`) per head."""
+    `Core` over chunks of `chunk_size` tokens. `x` goes in as `kernel_x_dtype(dtype, mimo)`; the
+    kernels take the path of the inputs' `dtype` (the products' precision, the decay's form);
+    `B`, `C` (rotated `k`, `q`) per head.
+
+    The kernels take one input per position, so token `t`'s `R` inputs run as `S =
+    blocks.kernel_slots(R)` consecutive positions `(t, 0..S-1)` (ranks past `R` zero): the
+    log-decay `a_t` on `(t, 0)` and 0 on the others, the scale `s_t` and the segment id on all.
+    The kernels apply position `(t, r)`'s decay before adding its input, so after `(t, S-1)` the
+    state is `exp(a_t) state_{t-1} + s_t Σ_r x_{t,r} B_{t,r}ᵀ`, exactly the recurrence's: the
+    states between the kernels' chunks (`chunk_size · S` positions, starting at tokens) and the
+    final state are exact, and a segment starting at `t` resets at `(t, 0)`. Output `(t, r)`
+    reads the state after `(t, r)`: it misses the same token's later ranks, `s_t Σ_{u > r}
+    (C_{t,r} · B_{t,u}) x_{t,u}`, which `forward` adds (`later_ranks=True`)."""
 
     def core(x, a, s, B, C, seg, initial_state):
+        batch, length, rank, heads, _ = x.shape
+        slots = kernel_slots(rank)
+
+        def spread(u):  # [b, l, R, h, d] -> [b, l·S, h, d]
+            u = jnp.pad(u, [(0, 0), (0, 0), (0, slots - rank), (0, 0), (0, 0)])
+            return u.reshape(batch, length * slots, *u.shape[3:])
+
+        first = jnp.arange(slots) == 0
         y, final = chunk_kernels.scan(
             layout,
-            x[:, :, 0].astype(x_dtype),
-            a,
-            s,
-            B[:, :, 0],
-            C[:, :, 0],
-            seg,
+            spread(x.astype(kernel_x_dtype(dtype, mimo))),
+            jnp.where(first[:, None], a[:, :, None], 0).reshape(batch, length * slots, heads),
+            jnp.repeat(s, slots, axis=1),
+            spread(B),
+            spread(C),
+            jnp.repeat(seg, slots, axis=1),
             initial_state,
-            chunk_size=chunk_size,
+            chunk_size=chunk_size * slots,
             interpret=interpret,
+            products=dtype,
         )
-        return y[:, :, None], final
+        return y.reshape(batch, length, slots, *y.shape[2:])[:, :, :rank], final
 
     return core
 
@@ -135,8 +169,11 @@ def forward(
     W_o,
     *,
     chunk_size,
+    later_ranks=False,
 ):
-    """Mamba-3 through the chunk scan `core`; the arguments and results of `reference.mamba3`."""
+    """Mamba-3 through the chunk scan `core`; the arguments and results of `reference.mamba3`.
+    `later_ranks`: `core`'s output `(t, r)` holds the same token's ranks `u <= r` only (as
+    `kernel_core`'s), and the correction adds `scale_t Σ_{u > r} (q_{t,r} · k_{t,u}) v_{t,u}`."""
     acc = jnp.promote_types(v.dtype, jnp.float32)
     prec = kernels.full_precision(v.dtype)
     batch, length, heads, _ = v.shape
@@ -196,8 +233,14 @@ def forward(
     einsum = lambda *a: jnp.einsum(*a, precision=prec)  # noqa: E731
     g0 = clean(f(ssm0)) + c[:, 0, :, None, None] * einsum("brhp,brhn->bhpn", clean(v0r), clean(f(k0)))
     y, final = core(vc, adt_, scale, kc, qc, seg, g0)
-    diag = einsum("blrhn,bluhn->blruh", qc, kc)
-    y = y - c_next[:, :, None, :, None] * einsum("blruh,bluhp->blrhp", diag, vc)
+    # y_{t,r} -= c_{t+1} Σ_u (q_{t,r} · k_{t,u}) v_{t,u}, and with `later_ranks` += scale_t Σ_{u > r} (..)
+    rank = vc.shape[2]
+    weight = -c_next[:, :, None, None, :]  # [b, l, r, u, h]
+    if later_ranks and rank > 1:
+        later = jnp.arange(rank)[:, None] < jnp.arange(rank)[None, :]  # [r, u]: u > r
+        weight = weight + jnp.where(later[:, :, None], scale[:, :, None, None, :], 0)
+    diag = einsum("blrhn,bluhn->blruh", qc, kc) * weight
+    y = y + einsum("blruh,bluhp->blrhp", diag, vc)
     y = poison(y, y_bad)
 
     if D is not None:

@@ -3,17 +3,19 @@
 the trapezoid's input scale, under the chunked form of `common.py` (angles, rotations,
 correction, gate in XLA).
 
-**Products**: `x` in the inputs' dtype; the rotated `q`, `k` in float32; TF32 tensor cores for
-16-bit inputs, exact float32 for float32 inputs, as in `ssd`. **Constraints**: one input per
-position (SISO, or MIMO of rank 1); `head_dim`, `state` and the chunk powers of two and at least
-16, chunks at most 128 (16-bit inputs) or 64 (float32); otherwise the call falls back with the
-reason. Verified in interpret mode on the CPU and compiled against the oracle on an H200
-(`tests/gpu/test_mamba3_gpu.py`); not yet timed, so it is in no default order.
+**Products**: `x` in the inputs' dtype (SISO: `v`) or float32 (MIMO: `v ⊙ W_x`); the rotated
+`q`, `k` in float32; TF32 tensor cores for 16-bit inputs, exact float32 for float32 inputs, as in
+`ssd`. **MIMO**: each token's `R` inputs run as `kernel_slots(R)` consecutive positions (`R`
+rounded up to a power of two; `common.kernel_core`), so a chunk of `chunk_size` tokens is
+`chunk_size · kernel_slots(R)` kernel positions and costs about that many SISO positions.
+**Constraints**: `head_dim`, `state` and the chunk powers of two and at least 16 (the chunk in
+positions), chunks of at most 128 positions for a 16-bit `x`, 64 for a float32 one (float32
+inputs, MIMO); otherwise the call falls back with the reason. Verified in interpret mode on the
+CPU; SISO also compiled against the oracle on an H200 (`tests/gpu/test_mamba3_gpu.py`, whose
+MIMO cases have not yet run there); not yet timed, so it is in no default order.
 """
 
 from __future__ import annotations
-
-import jax.numpy as jnp
 
 from axkern.core.op import Unsupported
 from axkern.ops.ssd.blocks import GPU_MAX_CHUNK as MAX_CHUNK
@@ -21,31 +23,43 @@ from axkern.ops.ssd.blocks import GPU_MAX_CHUNK_32BIT as MAX_CHUNK_32BIT
 from axkern.ops.ssd.blocks import GPU_MIN_DIM as MIN_DIM
 from axkern.ops.ssd.pallas_gpu import GpuLayout
 
-from .common import forward, kernel_core
+from .blocks import kernel_slots
+from .common import forward, kernel_core, kernel_x_dtype
+
+
+def _max_chunk(dtype, mimo) -> int:
+    """The largest chunk, in kernel positions, for `x` of `kernel_x_dtype(dtype, mimo)`."""
+    return MAX_CHUNK_32BIT if kernel_x_dtype(dtype, mimo).itemsize > 2 else MAX_CHUNK
 
 
 def supports(spec) -> str | None:
-    rank = spec.dim("rank")
-    if rank > 1:
-        return f"rank={rank}: the chunk kernels take one input per position (SISO or rank 1)"
     for name in ("head_dim", "state"):
         n = spec.dim(name)
         if n < MIN_DIM or n & (n - 1):
             return f"{name}={n}: the Pallas GPU kernels need a power of two >= {MIN_DIM} (Triton dot tiles)"
+    rank, mimo = spec.dim("rank"), bool(spec.flag("mimo"))
+    if kernel_slots(rank) > _max_chunk(spec.dtype, mimo):
+        return (
+            f"rank={rank}: one token takes {kernel_slots(rank)} kernel positions, more than the largest "
+            f"chunk ({_max_chunk(spec.dtype, mimo)} positions)"
+        )
     return None
 
 
 def mamba3(*args, block_sizes, interpret=False):
     """`reference.mamba3`'s arguments and results, through the GPU chunk kernels."""
     q = block_sizes.chunk_size
-    dtype = args[2].dtype
-    if q < MIN_DIM:
-        raise Unsupported(f"chunk_size={q} is below {MIN_DIM} (Triton dot tiles)")
-    wide = jnp.dtype(dtype).itemsize > 2
-    if q > (MAX_CHUNK_32BIT if wide else MAX_CHUNK):
+    dtype, mimo = args[2].dtype, args[16] is not None  # v, W_x
+    slots = kernel_slots(args[0].shape[2])
+    chunk = f"chunk_size={q}" + (f" ({q * slots} positions, {slots} per token)" if slots > 1 else "")
+    if q * slots < MIN_DIM:
+        raise Unsupported(f"{chunk} is below {MIN_DIM} (Triton dot tiles)")
+    high = _max_chunk(dtype, mimo)
+    if q * slots > high:
+        x = f"{kernel_x_dtype(dtype, mimo).name} x" + (" (MIMO)" if mimo else "")
         raise Unsupported(
-            f"chunk_size={q} with {jnp.dtype(dtype).name} inputs: the backward kernel's tiles exceed the "
-            f"H200's 227 KiB of shared memory above chunks of {MAX_CHUNK_32BIT if wide else MAX_CHUNK}"
+            f"{chunk} with {x}: the backward kernel's tiles exceed the H200's 227 KiB of shared "
+            f"memory above chunks of {high} positions"
         )
-    core = kernel_core(GpuLayout, chunk_size=q, interpret=bool(interpret), x_dtype=dtype)
-    return forward(core, *args, chunk_size=q)
+    core = kernel_core(GpuLayout, chunk_size=q, interpret=bool(interpret), dtype=dtype, mimo=mimo)
+    return forward(core, *args, chunk_size=q, later_ranks=True)

@@ -2,8 +2,10 @@
 `ssd/pallas_tpu.py`'s layout) with the per-position log-decay `adt` and the trapezoid's input
 scale, under the chunked form of `common.py` (angles, rotations, correction, gate in XLA).
 
-**Constraints**: one input per position: SISO, or MIMO of rank 1 (a higher rank sums `R` outer
-products per position, which the kernels' `[Q, Q]` scores do not hold); chunks a multiple of 8.
+**MIMO**: each token's `R` inputs run as `kernel_slots(R)` consecutive
+positions (`R` rounded up to a power of two; `common.kernel_core`), so a chunk of `chunk_size`
+tokens is `chunk_size · kernel_slots(R)` kernel positions. **Constraints**: chunks of a
+multiple of 8 positions.
 
 **No TPU is available to this project**: verified in TPU interpret mode (`pltpu.InterpretParams`)
 only, so it is in no default order.
@@ -15,20 +17,17 @@ from axkern.core.op import Unsupported
 from axkern.ops.ssd.blocks import TPU_MIN_CHUNK as MIN_CHUNK
 from axkern.ops.ssd.pallas_tpu import TpuLayout
 
+from .blocks import kernel_slots
 from .common import forward, kernel_core
-
-
-def supports(spec) -> str | None:
-    rank = spec.dim("rank")
-    if rank > 1:
-        return f"rank={rank}: the chunk kernels take one input per position (SISO or rank 1)"
-    return None
 
 
 def mamba3(*args, block_sizes, interpret=False):
     """`reference.mamba3`'s arguments and results, through the TPU chunk kernels."""
     q = block_sizes.chunk_size
-    if q < MIN_CHUNK:
-        raise Unsupported(f"chunk_size={q} is below {MIN_CHUNK} (TPU sublanes)")
-    core = kernel_core(TpuLayout, chunk_size=q, interpret=bool(interpret), x_dtype=args[2].dtype)
-    return forward(core, *args, chunk_size=q)
+    slots = kernel_slots(args[0].shape[2])
+    if q * slots < MIN_CHUNK:
+        chunk = f"chunk_size={q}" + (f" ({q * slots} positions, {slots} per token)" if slots > 1 else "")
+        raise Unsupported(f"{chunk} is below {MIN_CHUNK} (TPU sublanes)")
+    dtype, mimo = args[2].dtype, args[16] is not None  # v, W_x
+    core = kernel_core(TpuLayout, chunk_size=q, interpret=bool(interpret), dtype=dtype, mimo=mimo)
+    return forward(core, *args, chunk_size=q, later_ranks=True)

@@ -26,8 +26,8 @@ from .common import kernels as chunk_kernels
 
 
 class TpuLayout(chunk_kernels.Layout):
-    def __init__(self, xt, bt, *, q, interpret):
-        super().__init__(xt, bt, q=q, interpret=interpret)
+    def __init__(self, xt, bt, *, q, interpret, products=None):
+        super().__init__(xt, bt, q=q, interpret=interpret, products=products)
         self.col_spec = pl.BlockSpec((1, 1, q, 1), lambda b, h, c: (b, h, c, 0))
         self.row_spec = pl.BlockSpec((1, 1, 1, 1, q), lambda b, h, c: (b, h, c, 0, 0))
         self.seg_col_spec = pl.BlockSpec((1, q, 1), lambda b, h, c: (b, c, 0))

@@ -228,9 +228,11 @@ class Layout:
     precision_16bit = None
     precision_32bit = None
 
-    def __init__(self, xt, bt, *, q, interpret):
+    def __init__(self, xt, bt, *, q, interpret, products=None):
+        """`products`: the input dtype whose products' precision the kernels take (`xt`'s unless given)."""
         wide = self.precision_32bit if not interpret else None
-        self.precision = self.precision_16bit if jnp.dtype(xt.dtype).itemsize == 2 else wide
+        narrow = jnp.dtype(products or xt.dtype).itemsize == 2
+        self.precision = self.precision_16bit if narrow else wide
         self.batch, self.heads, self.lp, self.p = xt.shape
         self.n = bt.shape[-1]
         self.rep = self.heads // bt.shape[1]
@@ -282,11 +284,11 @@ class Layout:
 
 
 def _core_forward(cfg, xt, ac, scale, bt, ct, sc, initial_state):
-    layout, q, interpret = cfg
+    layout, q, interpret, products = cfg
     # float32 operands throughout for now: with bf16 operands in the output's products the
     # gate's gradient (dz, through the pre-gate output) missed the oracle rule in bf16
     mm = jnp.float32
-    k = layout(xt, bt, q=q, interpret=interpret)
+    k = layout(xt, bt, q=q, interpret=interpret, products=products)
     p, n = k.p, k.n
     cum, w, f, keep = _weights(ac, scale, sc)
     own = k(
@@ -298,7 +300,7 @@ def _core_forward(cfg, xt, ac, scale, bt, ct, sc, initial_state):
         bt,
     )
     states_in, final = k.recurrence(keep, own, initial_state)
-    sums = _uses_segment_sums(xt)
+    sums = _uses_segment_sums(products or xt.dtype)
     y = k(
         functools.partial(_scan_kernel, dtype=mm, sums=sums),
         [
@@ -328,9 +330,9 @@ def _core_forward(cfg, xt, ac, scale, bt, ct, sc, initial_state):
     return (y, final), states_in
 
 
-def _uses_segment_sums(xt) -> bool:
+def _uses_segment_sums(dtype) -> bool:
     """float32 (and wider) inputs sum each segment on its own (`_segment_sums`)."""
-    return jnp.dtype(xt.dtype).itemsize >= 4
+    return jnp.dtype(dtype).itemsize >= 4
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -344,14 +346,14 @@ def _core_fwd(cfg, xt, ac, scale, bt, ct, sc, initial_state):
 
 
 def _core_bwd(cfg, res, cotangents):
-    layout, q, interpret = cfg
+    layout, q, interpret, products = cfg
     xt, ac, scale, bt, ct, sc, states_in = res
     dy, d_final = cotangents
-    k = layout(xt, bt, q=q, interpret=interpret)
+    k = layout(xt, bt, q=q, interpret=interpret, products=products)
     p, n = k.p, k.n
     col, row = k.from_col, k.from_row  # back to [b, h, c, Q]
     (cum, w, f, keep), pull_weights = jax.vjp(lambda ac, scale: _weights(ac, scale, sc), ac, scale)
-    sums = _uses_segment_sums(xt)
+    sums = _uses_segment_sums(products or xt.dtype)
     dx_scan, ddt, dcum, dcum_row, df, db_scan, dc, d_states_in = k(
         functools.partial(_scan_bwd_kernel, sums=sums),
         [
@@ -421,12 +423,14 @@ def _core_bwd(cfg, res, cotangents):
 _core.defvjp(_core_fwd, _core_bwd)
 
 
-def scan(layout, x, a, scale, B, C, seg, initial_state, *, chunk_size, interpret):
+def scan(layout, x, a, scale, B, C, seg, initial_state, *, chunk_size, interpret, products=None):
     """The chunk scan through the kernels above, `layout` a `Layout` subclass: `x [b, L, H, P]`,
     the per-position log-decay `a` and input scale (`[b, L, H]`, float32), `B, C [b, L, G, N]`,
     `seg [b, L]` internal segment ids, `initial_state [b, H, P, N]`, all finite. Returns `y
     [b, L, H, P]` (float32) and the final state. The length is padded to a multiple of the
-    chunk with `a = scale = 0` rows, which leave the state alone."""
+    chunk with `a = scale = 0` rows, which leave the state alone. `products`: the input dtype
+    whose path the kernels take (the products' precision, the decay's form; `x`'s unless given),
+    for an `x` computed in float32 from 16-bit inputs."""
     q = chunk_size
     batch, length, heads, _ = x.shape
     pad = (-length) % q
@@ -435,7 +439,7 @@ def scan(layout, x, a, scale, B, C, seg, initial_state, *, chunk_size, interpret
     per_chunk = lambda v: jnp.moveaxis(padded(v), 2, 1).reshape(batch, heads, chunks, q)  # noqa: E731
     seg = jnp.concatenate([seg, jnp.broadcast_to(seg[:, -1:], (batch, pad))], axis=1)
     y, final = _core(
-        (layout, q, interpret),
+        (layout, q, interpret, None if products is None else jnp.dtype(products).name),
         jnp.moveaxis(padded(x), 2, 1),  # [b, h, L, P]
         per_chunk(a),
         per_chunk(scale),
