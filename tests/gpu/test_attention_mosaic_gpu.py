@@ -1,6 +1,6 @@
-"""attention's `mosaic_gpu` forward (a Pallas Mosaic GPU kernel for Hopper) on a real GPU: values
-and gradients against the float64 oracle by the rule (its backward is `pallas_gpu`'s kernels on
-its residuals), its `lse`, rows that see no key, and its refusals in the dispatcher.
+"""attention's `mosaic_gpu` kernels (Pallas Mosaic GPU, Hopper) on a real GPU: values and gradients
+against the float64 oracle by the rule (the Mosaic `dq` and `dk, dv` kernels up to head dim 128,
+`pallas_gpu`'s at 256), its `lse`, rows that see no key, and its refusals in the dispatcher.
 
 Run with `AXKERN_TEST_GPU=1 python -m pytest tests/gpu/test_attention_mosaic_gpu.py`. Needs a
 GPU of compute capability 9.x; elsewhere these tests are skipped with the reason.
@@ -48,6 +48,18 @@ CASES = {
         "float16",
         masks.Causal() & masks.SlidingWindow(150),
         {"block_q": 64, "block_kv": 64, "num_stages": 3},
+    ),
+    "causal bf16 d64 gqa4 ragged1000": (1, 1000, 1000, 4, 1, 64, "bfloat16", masks.Causal(), None),
+    "window64-lookahead fp16 d128 gqa2 q200 k300": (
+        1,
+        200,
+        300,
+        4,
+        2,
+        128,
+        "float16",
+        masks.SlidingWindow(64, offset=100),
+        {"block_q_dq": 64, "block_kv_dq": 128, "block_q_dkv": 128, "block_kv_dkv": 64, "num_stages_dkv": 3},
     ),
     "causal bf16 d128 blocks128x64x3": (
         1,
@@ -101,7 +113,7 @@ def test_explain_names_it_and_its_interim_backward_and_it_falls_back_with_reason
     d = axkern.explain(
         lambda q, k, v: att(q, k, v, mask=masks.Causal(), implementation="mosaic_gpu"), a["q"], a["k"], a["v"]
     )
-    assert d.implementation == "mosaic_gpu" and "pallas_gpu" in d.backward and "interim" in d.backward
+    assert d.implementation == "mosaic_gpu" and "Mosaic GPU kernels: dq (64x64" in d.backward
     assert d.block_sizes.block_q == 64 and d.block_sizes.num_stages == 2
     # not first in the GPU order yet
     assert axkern.explain(att, a["q"], a["k"], a["v"]).implementation != "mosaic_gpu"
