@@ -59,7 +59,7 @@ CASES = {
         128,
         "float16",
         masks.SlidingWindow(64, offset=100),
-        {"block_q_dq": 64, "block_kv_dq": 128, "block_q_dkv": 128, "block_kv_dkv": 64, "num_stages_dkv": 3},
+        {"block_q_dq": 64, "block_kv_dq": 128, "block_q_dkv": 128, "block_kv_dkv": 64},
     ),
     "causal bf16 d128 blocks128x64x3": (
         1,

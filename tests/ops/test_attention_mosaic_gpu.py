@@ -353,3 +353,26 @@ def test_emulated_backward_tiles_give_the_gradients(mask, sq, sk):
     got = _emulated_backward(q, k, v, out, lse, d_out, mask, scale, blocks)
     for name, g_, w_ in zip(("dq", "dk", "dv"), got, vjp(d_out), strict=True):
         np.testing.assert_allclose(g_, np.asarray(w_), rtol=1e-4, atol=1e-4, err_msg=name)
+
+
+def test_backward_tiles_that_do_not_fit_refuse_the_call():
+    # up to head dim 128 the backward is Mosaic's own: tiles it cannot take refuse the whole
+    # implementation (the dispatcher moves on) rather than reaching another kernel
+    from axkern.ops.attention import api
+
+    a = _inputs(0, 1, 256, 256, 2, 2, 128, "bfloat16")
+    bs = AttentionBlockSizes(block_q=64, block_kv=128, num_stages=2, block_kv_dq=128, num_stages_dq=3)
+    with pytest.raises(axkern.Unsupported, match="dq kernel's tiles need 266240 bytes"):
+        api._mosaic_gpu_where_finite(
+            a["q"], a["k"], a["v"], None, masks.Causal(), scale=0.1, logits_soft_cap=None, block_sizes=bs
+        )
+    with pytest.raises(axkern.Unsupported, match="dk, dv tiles 64x128"):
+        mosaic_gpu.backward(
+            *(a[n] for n in "qkv"),
+            a["q"],
+            jnp.zeros((1, 2, 256)),
+            a["q"],
+            mask=masks.Causal(),
+            scale=0.1,
+            block_sizes=AttentionBlockSizes(block_kv_dkv=128),
+        )

@@ -24,7 +24,7 @@ from jax import lax
 from axkern import masks as masks_
 from axkern.core import named
 from axkern.core.mesh import mesh_axes_for
-from axkern.core.op import Implementation, Op, unrecorded
+from axkern.core.op import Implementation, Op, Unsupported, unrecorded
 from axkern.core.typing import Array, Float, checked
 
 from . import cudnn, mosaic_gpu, pallas_gpu, pallas_tpu, reference, xla
@@ -73,7 +73,10 @@ def _mosaic_gpu_where_finite(q, k, v, sinks, mask, *, scale, logits_soft_cap, bl
     see its key."""
     mosaic_gpu.check(mask, block_sizes, q.shape[3], sinks, logits_soft_cap)  # Unsupported before tracing
     backward = None
-    if mosaic_gpu.check_backward(mask, block_sizes, q.shape[3]) is not None:
+    why = mosaic_gpu.check_backward(mask, block_sizes, q.shape[3])
+    if why is not None and q.shape[3] in mosaic_gpu.BACKWARD_HEAD_DIMS:
+        raise Unsupported(why)  # backward tiles that do not fit: the dispatcher moves on
+    if why is not None:
         dims = dict(zip(("batch", "q_len", "heads", "head_dim"), q.shape, strict=True))
         dims |= {"kv_len": k.shape[1], "kv_heads": k.shape[2], "v_dim": v.shape[3]}
         back_blocks = mosaic_gpu_backward_blocks(block_sizes, OP.spec(dims, q.dtype))

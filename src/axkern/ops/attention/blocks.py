@@ -23,6 +23,8 @@ __all__ = [
     "mosaic_gpu_backward_blocks",
     "mosaic_gpu_space",
     "mosaic_gpu_smem_bytes",
+    "mosaic_gpu_dq_smem_bytes",
+    "mosaic_gpu_dkv_smem_bytes",
     "MOSAIC_GPU_SMEM",
     "GPU_MIN_BLOCK",
     "TPU_SUBLANES",
