@@ -113,7 +113,7 @@ def test_explain_names_it_and_its_interim_backward_and_it_falls_back_with_reason
     d = axkern.explain(
         lambda q, k, v: att(q, k, v, mask=masks.Causal(), implementation="mosaic_gpu"), a["q"], a["k"], a["v"]
     )
-    assert d.implementation == "mosaic_gpu" and "Mosaic GPU kernels: dq (64x64" in d.backward
+    assert d.implementation == "mosaic_gpu" and "Mosaic GPU kernels: dq (64x128" in d.backward
     assert d.block_sizes.block_q == 64 and d.block_sizes.num_stages == 2
     # not first in the GPU order yet
     assert axkern.explain(att, a["q"], a["k"], a["v"]).implementation != "mosaic_gpu"

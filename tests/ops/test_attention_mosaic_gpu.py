@@ -180,12 +180,14 @@ def test_heuristic_and_space_fit_shared_memory():
         spec = _spec(d=d)
         bs = mosaic_gpu_heuristic(spec)
         assert (bs.block_q, bs.block_kv, bs.num_stages) == (64, 128 if d <= 128 else 64, 2)
-        # the backward fields: the Mosaic backward kernels' 64 x 64 tiles with two stages up to
-        # head dim 128 (they fit shared memory); pallas_gpu's 32 x 32 tiles at 256
+        # the backward fields: the Mosaic backward kernels' tiles (dq 64 x 128, dk, dv 64 x 64, two
+        # stages) up to head dim 128; pallas_gpu's 32 x 32 tiles at 256
         for name in ("dq", "dkv"):
             got = bs.kernel(name)
             if d <= 128:
-                assert (got.block_q, got.block_kv, got.num_stages) == (64, 64, 2)
+                assert (got.block_q, got.block_kv, got.num_stages) == (
+                    (64, 128, 2) if name == "dq" else (64, 64, 2)
+                )
                 assert mosaic_gpu.check_backward(masks.Causal(), bs, d) is None
             else:
                 assert (got.block_q, got.block_kv, got.num_warps, got.num_stages) == (32, 32, 4, 2)
@@ -228,7 +230,7 @@ def test_dispatch_on_cpu_skips_it_with_the_reason():
     # not in any default order yet (that needs measured speed)
     assert all("mosaic_gpu" not in order for order in OP.default_order.values())
     line = OP.implementations["mosaic_gpu"].backward
-    assert "dq (64x64 tiles, 2 stages)" in line(_spec(), mosaic_gpu_heuristic(_spec()))
+    assert "dq (64x128 tiles, 2 stages)" in line(_spec(), mosaic_gpu_heuristic(_spec()))
     assert "no Mosaic GPU backward" in line(_spec(d=256), mosaic_gpu_heuristic(_spec(d=256)))
 
 

@@ -219,8 +219,9 @@ def mosaic_gpu_heuristic(spec: Spec) -> AttentionBlockSizes:
     """Forward: 64 query rows per compute warpgroup (128 a block) by 128 keys for head dims up
     to 128, 64 keys at 256, two ring stages (the fastest of the forward's tiles timed at B2
     S8192 H32 D128 bf16 on an H200, causal and no mask: docs/ops/attention.md). Backward fields:
-    up to head dim 128 the Mosaic GPU `dq` kernel's (64 query rows per warpgroup by 64 keys, two
-    stages) and `dk, dv` kernel's (64 keys per warpgroup by 64 query rows, two stages); at 256
+    up to head dim 128 the Mosaic GPU `dq` kernel's (64 query rows per warpgroup by 128 keys, two
+    stages) and `dk, dv` kernel's (64 keys per warpgroup by 64 query rows, two stages): the
+    fastest of six tilings timed at the same shape (benchmarks/attention_mosaic_sweep.py); at 256
     (no Mosaic backward) the `pallas_gpu` kernels' 32 x 32 tiles with 4 warps and 2 stages,
     which fit Hopper's shared memory."""
     d = max(spec.dim("head_dim"), spec.dim("v_dim"))
@@ -229,8 +230,13 @@ def mosaic_gpu_heuristic(spec: Spec) -> AttentionBlockSizes:
         tile = dict(block_q=32, block_kv=32, num_warps=4, num_stages=2)
         back = {f"{f}_{name}": tile[f] for name in ("dq", "dkv") for f in _PER_KERNEL}
         return AttentionBlockSizes(**fwd, **back)
-    tile = dict(block_q=64, block_kv=64, num_warps=None, num_stages=2)
-    back = {f"{f}_{name}": tile[f] for name in ("dq", "dkv") for f in _PER_KERNEL}
+    tiles = {
+        "dq": dict(block_q=64, block_kv=128, num_stages=2),
+        "dkv": dict(block_q=64, block_kv=64, num_stages=2),
+    }
+    back = {
+        f"{f}_{name}": tile[f] for name, tile in tiles.items() for f in ("block_q", "block_kv", "num_stages")
+    }
     return AttentionBlockSizes(**fwd, **back)
 
 
