@@ -348,3 +348,24 @@ def test_bench_formats(fmt, capsys):
     else:
         table = [line for line in out.splitlines() if line.startswith("|")]
         assert table[0].startswith("| op | case | impl | pass | ms | GFLOP/s") and len(table) == 2 + len(rows)
+
+
+def test_bench_json_keeps_the_rows_of_a_run_cut_short(tmp_path, monkeypatch):
+    # the file is written after each case: a run stopped in its second case leaves the first's rows
+    from axkern import bench
+
+    calls, real = [], bench.measure
+
+    def measure(case, *a, **kw):
+        calls.append(case.label)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(case, *a, **kw)
+
+    monkeypatch.setattr(bench, "measure", measure)
+    out = tmp_path / "cut.json"
+    with pytest.raises(KeyboardInterrupt):
+        cli.main(["bench", "--impl", "xla", "--repeats", "1", "--json", str(out)])
+    doc = json.loads(out.read_text())
+    assert doc["complete"] is False and len(calls) == 2
+    assert {r["case"] for r in doc["rows"]} == {calls[0]} and all(r["ms"] for r in doc["rows"])

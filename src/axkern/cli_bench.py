@@ -52,7 +52,10 @@ def add_parser(sub) -> None:
     b.add_argument(
         "--repeats", type=positive_int, help="timed repeats, median reported (default: 20; 3 with --quick)"
     )
-    b.add_argument("--json", help="also write the rows as JSON here")
+    b.add_argument(
+        "--json",
+        help='also write the rows as JSON here (after each case, with "complete": false until the end)',
+    )
     b.add_argument(
         "--save",
         nargs="?",
@@ -96,6 +99,20 @@ def bench(args) -> int:
         ceiling = matmul_ceiling(repeats=repeats)
         bandwidth = copy_bandwidth(repeats=repeats)
     rows = []
+
+    def document(rows):
+        return results.document(
+            rows,
+            [c for c, _ in work],
+            command=" ".join(["axkern"] + sys.argv[1:]),
+            device=device,
+            device_key=backend.device_key(),
+            platform=backend.platform(),
+            preset=(args.preset or DEFAULT_PRESET) if not args.cases else (args.preset or "default"),
+            ceiling=ceiling,
+            bandwidth=bandwidth,
+        )
+
     with Progress(console=status, transient=True) as progress:
         task = progress.add_task(
             "benchmarking", total=sum(len(i) * len([p for p in passes if p in c.passes]) for c, i in work)
@@ -114,22 +131,13 @@ def bench(args) -> int:
                     status.print(row_line(r), markup=False, highlight=False, soft_wrap=True),
                 ),
             )
+            if args.json:  # the rows so far, so that a run cut short keeps what it measured
+                _write_json(args.json, document(rows) | {"complete": False})
     rows += _peer_rows(peer_rows, work, rows, ceiling)
-    doc = results.document(
-        rows,
-        [c for c, _ in work],
-        command=" ".join(["axkern"] + sys.argv[1:]),
-        device=device,
-        device_key=backend.device_key(),
-        platform=backend.platform(),
-        preset=(args.preset or DEFAULT_PRESET) if not args.cases else (args.preset or "default"),
-        ceiling=ceiling,
-        bandwidth=bandwidth,
-    )
+    doc = document(rows)
     print_rows(rows, doc, args.format, console)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(doc, f, indent=2)
+        _write_json(args.json, doc)
         status.print(f"wrote {args.json}")
     if args.save:
         for path in results.save(doc, args.save):
@@ -140,6 +148,11 @@ def bench(args) -> int:
         if r.ms is None and not r.note.startswith("unsupported") and not r.implementation.startswith("peer:")
     ]
     return 1 if failed else 0
+
+
+def _write_json(path: str, doc: dict) -> None:
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=2)
 
 
 def _json_path(path: str | None) -> None:
