@@ -30,8 +30,16 @@ pytestmark = [
     ),
 ]
 
+
 # The float64 oracle materialises `[B, KVH, G, Sq, Sk, D]` on the CPU: sizes stay near 40M of
 # those elements (a few seconds each)
+def _docs(b, n, *sizes):
+    """Segment ids `[b, n]`: documents of `sizes[r]` positions in batch row `r`."""
+    return jnp.stack([jnp.arange(n) // sizes[r] for r in range(b)])
+
+
+_DOCS700 = _docs(2, 700, 150, 256)
+_DOCS300 = _docs(1, 300, 70)
 CASES = {
     # name: (b, sq, sk, heads, kv_heads, head_dim, dtype, mask, block sizes or None: the heuristic's)
     "causal bf16 d128 gqa2": (1, 384, 384, 2, 1, 128, "bfloat16", masks.Causal(), None),
@@ -61,6 +69,18 @@ CASES = {
         masks.SlidingWindow(64, offset=100),
         {"block_q_dq": 64, "block_kv_dq": 128, "block_q_dkv": 128, "block_kv_dkv": 64},
     ),
+    "packed docs causal bf16 d128 gqa2 b2 ragged700": (
+        2,
+        700,
+        700,
+        4,
+        2,
+        128,
+        "bfloat16",
+        masks.Causal() & masks.Segments(_DOCS700, _DOCS700),
+        None,
+    ),
+    "packed docs fp16 d64 300": (1, 300, 300, 2, 1, 64, "float16", masks.Segments(_DOCS300, _DOCS300), None),
     "causal bf16 d128 blocks128x64x3": (
         1,
         384,
@@ -107,7 +127,7 @@ def test_lse_and_rows_that_see_no_key():
     )
 
 
-def test_explain_names_it_and_its_interim_backward_and_it_falls_back_with_reasons():
+def test_explain_names_it_and_its_backward_and_it_falls_back_with_reasons():
     a = _inputs(0, 1, 256, 256, 4, 4, 128, "bfloat16")
     att = axkern.positional.attention
     d = axkern.explain(
@@ -119,8 +139,11 @@ def test_explain_names_it_and_its_interim_backward_and_it_falls_back_with_reason
     assert axkern.explain(att, a["q"], a["k"], a["v"]).implementation != "mosaic_gpu"
     order = ("mosaic_gpu", "pallas_gpu")
     ids = jnp.zeros((1, 256), jnp.int32).at[:, 100:].set(1)
+    docs = masks.Causal() & masks.Segments(ids, ids)
+    d = axkern.explain(lambda q, k, v: att(q, k, v, mask=docs, implementation=order), a["q"], a["k"], a["v"])
+    assert d.implementation == "mosaic_gpu"  # packed documents: its run-time schedule
     for kw, reason in (
-        (dict(mask=masks.Causal() & masks.Segments(ids, ids)), "static masks only"),
+        (dict(sinks=jnp.zeros((4,), jnp.float32)), "sinks"),
         (dict(logits_soft_cap=30.0), "soft cap"),
     ):
         d = axkern.explain(lambda q, k, v: att(q, k, v, implementation=order, **kw), a["q"], a["k"], a["v"])  # noqa: B023

@@ -15,6 +15,7 @@ import pytest
 import axkern
 from axkern import masks
 from axkern.ops.attention import OP, mosaic_gpu, pallas_gpu
+from axkern.ops.attention import common as tiles_common
 from axkern.ops.attention.blocks import (
     MOSAIC_GPU_SMEM,
     AttentionBlockSizes,
@@ -153,17 +154,19 @@ def test_supports_refuses_with_reasons():
     assert "head dims 128 and 64" in mosaic_gpu.supports(_spec(d=128, dv=64))
     assert "soft cap" in mosaic_gpu.supports(_spec(soft_cap=True))
     assert "sinks" in mosaic_gpu.supports(_spec(sinks=True))
-    for m in ("Segments", "PrefixLM", "Dense"):
-        assert "static masks only" in mosaic_gpu.supports(_spec(mask=m))
+    assert mosaic_gpu.supports(_spec(mask="Segments")) is None
+    for m in ("PrefixLM", "Dense"):
+        assert "static masks and Segments" in mosaic_gpu.supports(_spec(mask=m))
 
 
 def test_check_refuses_masks_and_blocks_it_cannot_take():
     bs = AttentionBlockSizes(block_q=64, block_kv=128, num_stages=2)
     mosaic_gpu.check(masks.Causal() & masks.SlidingWindow(100), bs, 128)
     ids = jnp.zeros((1, 256), jnp.int32)
-    with pytest.raises(axkern.Unsupported, match="static masks only"):
-        mosaic_gpu.check(masks.Causal() & masks.Segments(ids, ids), bs, 128)
-    with pytest.raises(axkern.Unsupported, match="static masks only"):
+    mosaic_gpu.check(masks.Causal() & masks.Segments(ids, ids), bs, 128)
+    with pytest.raises(axkern.Unsupported, match="not PrefixLM or Dense"):
+        mosaic_gpu.check(masks.Causal() | masks.Segments(ids, ids), bs, 128)
+    with pytest.raises(axkern.Unsupported, match="not PrefixLM or Dense"):
         mosaic_gpu.check(masks.PrefixLM(jnp.array([3])), bs, 128)
     with pytest.raises(axkern.Unsupported, match="block_q=32"):
         mosaic_gpu.check(masks.Causal(), dataclasses.replace(bs, block_q=32), 128)
@@ -293,6 +296,12 @@ def _emulated_backward(q, k, v, out, lse, d_out, mask, scale, blocks):
     sqp, skp = -(-sq // mq) * mq, -(-sk // mk) * mk
     ops = mosaic_gpu.backward_operands(q, k, v, out, lse, d_out, sqp=sqp, skp=skp)
     qp, kp, vp, dop, lse2, delta = (np.asarray(a, np.float64) for a in ops)
+    seg, static = mosaic_gpu.split(mask)
+    ids = (
+        None
+        if seg is None
+        else [np.asarray(a) for a in tiles_common.padded_ids((seg.q_ids, seg.kv_ids), sqp, skp)]
+    )
     kp, vp = np.repeat(kp, g, axis=2), np.repeat(vp, g, axis=2)  # per query head
     c = scale * np.log2(np.e)
     dq, dk, dv = np.zeros(qp.shape), np.zeros(kp.shape), np.zeros(vp.shape)
@@ -302,7 +311,11 @@ def _emulated_backward(q, k, v, out, lse, d_out, mask, scale, blocks):
         s = np.einsum("bqhd,bkhd->bhqk", qp[:, rows], kp[:, keys])
         if masked:
             qi, kj = np.meshgrid(np.arange(q0, q0 + bq), np.arange(k0, k0 + bk), indexing="ij")
-            vis = mosaic_gpu._visible_or_none(mask, qi, kj, sk, bk)
+            vis = mosaic_gpu._visible_or_none(static, qi, kj, sk, bk)
+            if ids is not None:  # per batch row
+                same = ids[0][:, q0 : q0 + bq, None] == ids[1][:, None, k0 : k0 + bk]
+                vis = same if vis is None else vis & same
+                vis = vis[:, None]  # over heads
             s = s if vis is None else np.where(vis, s, -np.inf)
         with np.errstate(invalid="ignore"):
             p = np.exp2(s * c - lse2[:, :, rows, None])
@@ -310,19 +323,26 @@ def _emulated_backward(q, k, v, out, lse, d_out, mask, scale, blocks):
         ds = p * (dp - delta[:, :, rows, None])
         return rows, keys, p, ds
 
-    for blk, row in enumerate(mosaic_gpu.mask_schedule(mask, sq, sk, bq1, bk1)):
-        for w in range(WGS):
-            lo, flo, fhi, hi = row[2 + 4 * w : 6 + 4 * w]
-            for t in range(lo, hi):
-                rows, keys, _, ds = tile((blk * WGS + w) * bq1, bq1, t * bk1, bk1, not flo <= t < fhi)
-                dq[:, rows] += np.einsum("bhqk,bkhd->bqhd", ds, kp[:, keys])
-    for blk, row in enumerate(mosaic_gpu.key_schedule(mask, sq, sk, bq2, bk2)):
-        for w in range(WGS):
-            lo, flo, fhi, hi = row[2 + 4 * w : 6 + 4 * w]
-            for t in range(lo, hi):
-                rows, keys, p, ds = tile(t * bq2, bq2, (blk * WGS + w) * bk2, bk2, not flo <= t < fhi)
-                dk[:, keys] += np.einsum("bhqk,bqhd->bkhd", ds, qp[:, rows])
-                dv[:, keys] += np.einsum("bhqk,bqhd->bkhd", p, dop[:, rows])
+    def visits(table):  # (batch row or None, block, warpgroup, tile, masked)
+        table = np.asarray(table)
+        rows = [(None, table)] if table.ndim == 2 else list(enumerate(table))
+        for r, t in rows:
+            for blk, row in enumerate(t):
+                for w in range(WGS):
+                    lo, flo, fhi, hi = row[2 + 4 * w : 6 + 4 * w]
+                    for i in range(lo, hi):
+                        yield r, blk * WGS + w, i, not flo <= i < fhi
+
+    def at(a, r):  # one batch row (kept as a batch of one) or all
+        return a if r is None else a[r : r + 1]
+
+    for r, own, t, masked in visits(mosaic_gpu.schedule_table(mask, sq, sk, bq1, bk1, b)):
+        rows, keys, _, ds = tile(own * bq1, bq1, t * bk1, bk1, masked)
+        at(dq, r)[:, rows] += np.einsum("bhqk,bkhd->bqhd", at(ds, r), at(kp, r)[:, keys])
+    for r, own, t, masked in visits(mosaic_gpu.schedule_table(mask, sq, sk, bq2, bk2, b, keys=True)):
+        rows, keys, p, ds = tile(t * bq2, bq2, own * bk2, bk2, masked)
+        at(dk, r)[:, keys] += np.einsum("bhqk,bqhd->bkhd", at(ds, r), at(qp, r)[:, rows])
+        at(dv, r)[:, keys] += np.einsum("bhqk,bqhd->bkhd", at(p, r), at(dop, r)[:, rows])
     group = lambda a: a.reshape(b, skp, kvh, g, d).sum(3)[:, :sk]  # noqa: E731
     return dq[:, :sq] * scale, group(dk) * scale, group(dv)
 
@@ -334,12 +354,19 @@ def _emulated_backward(q, k, v, out, lse, d_out, mask, scale, blocks):
         (masks.Causal(offset=-20), 100, 140),  # the first 20 queries see no key
         (masks.SlidingWindow(40) & masks.Causal(), 200, 200),
         (masks.Full(), 70, 190),
+        ("docs", 200, 200),  # packed documents, causal, a run-time schedule per batch row
+        ("docs-only", 150, 150),
     ],
 )
 def test_emulated_backward_tiles_give_the_gradients(mask, sq, sk):
     # the kernels' schedule, operands and per-tile arithmetic, run in numpy, against autodiff
     # of the reference (GQA 2, lengths no tile divides, rows that see no key)
-    a = _inputs(11, 1, sq, sk, 4, 2, 16, "float32")
+    b = 2 if isinstance(mask, str) else 1
+    if isinstance(mask, str):  # documents of 37, 64, 13, ... positions in row 0, 90, ... in row 1
+        ids = jnp.stack([jnp.arange(sq) // 37 + (jnp.arange(sq) >= 101), jnp.arange(sq) // 90])
+        seg = masks.Segments(ids, ids)
+        mask = masks.Causal() & seg if mask == "docs" else seg
+    a = _inputs(11, b, sq, sk, 4, 2, 16, "float32")
     q, k, v = a["q"], a["k"], a["v"]
     scale = 0.25
 
@@ -378,3 +405,40 @@ def test_backward_tiles_that_do_not_fit_refuse_the_call():
             scale=0.1,
             block_sizes=AttentionBlockSizes(block_kv_dkv=128),
         )
+
+
+def test_schedule_rows_on_the_device_matches_the_host_schedule():
+    rng = np.random.default_rng(0)
+    for n, nk in ((4, 7), (6, 1), (2, 12)):
+        kinds = rng.choice([masks.EMPTY, masks.PARTIAL, masks.FULL], size=(3, n, nk), p=[0.4, 0.3, 0.3])
+        kinds[0, 1] = masks.EMPTY  # a warpgroup with nothing to do
+        kinds[1, :2] = masks.EMPTY  # a block with nothing to do
+        got = np.asarray(mosaic_gpu.schedule_rows(jnp.asarray(kinds, jnp.int32)))
+        for r in range(3):
+            np.testing.assert_array_equal(got[r], mosaic_gpu.schedule(kinds[r]), err_msg=f"{n}x{nk} row {r}")
+
+
+def test_segment_schedule_covers_every_visible_pair_and_runs_only_full_tiles():
+    # packed documents: the run-time table may visit a tile it need not (id ranges overlap),
+    # never skip one with a visible pair, and never run a tile without masking unless every
+    # pair in it is visible
+    ids = jnp.stack([jnp.repeat(jnp.arange(5), 40)[:173], jnp.repeat(jnp.arange(3), 61)[:173]])
+    for mask in (masks.Segments(ids, ids), masks.Causal() & masks.Segments(ids, ids)):
+        dense = np.asarray(mask.dense(173, 173))
+        for keys in (False, True):
+            table = np.asarray(mosaic_gpu.schedule_table(mask, 173, 173, 16, 32, 2, keys=keys))
+            assert table.shape[0] == 2
+            for r in range(2):
+                vis = dense[r].T if keys else dense[r]
+                b_row, b_col = (32, 16) if keys else (16, 32)
+                for blk, row in enumerate(table[r]):
+                    for w in range(WGS):
+                        i = blk * WGS + w
+                        lo, flo, fhi, hi = row[2 + 4 * w : 6 + 4 * w]
+                        tiles = vis[i * b_row : (i + 1) * b_row]
+                        for t in range(-(-vis.shape[1] // b_col)):
+                            tile = tiles[:, t * b_col : (t + 1) * b_col]
+                            if tile.any():
+                                assert lo <= t < hi, (keys, r, i, t, row)
+                            if flo <= t < fhi:
+                                assert tile.size == b_row * b_col and tile.all(), (keys, r, i, t, row)

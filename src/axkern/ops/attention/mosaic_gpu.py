@@ -23,6 +23,12 @@ tiles `[flo, fhi)` (the longest run of `FULL` tiles) run without any masking wor
 of `[lo, hi)` mask by position (`visible` on the tile's indices and the key length), and the
 tiles of `[clo, chi)` outside `[lo, hi)` are only released (the other warpgroup needs them).
 Fully masked tiles are never loaded. The table is a constant `int32 [blocks, 10]` input.
+Packed documents (`Segments`, alone or `&` a static mask): the block kinds are computed on the
+device per batch row (a tile is empty where the static part or the id ranges of its query and
+key blocks leave it empty, full where the static part is full and both blocks hold one same
+id; `schedule_rows` is `schedule` in jnp), the table is `[B, blocks, 10]`, and a partial tile
+also compares the rows' and columns' ids (int32, read from global memory in the tile's row
+and column layouts).
 
 **Math.** Scores `s = q k^T` in float32 on the tensor cores; the running max is kept in
 base-2 units (`s · scale · log2 e`) so `p = exp2(s · c - m)` is one fused multiply-add and an
@@ -54,9 +60,9 @@ registers: the registered implementation then passes `pallas_gpu`'s Triton kerne
 backward (`attention`'s `backward` argument); `explain` says which runs.
 
 **Constraints** (`supports`, or an `Unsupported` at the call): a GPU of compute capability
-9.x, bf16 or fp16, head dims 64, 128 or 256 (`q`, `k`, `v` alike), static masks only
-(`Full`, `Causal`, `SlidingWindow` and their `&`, `|`; `Segments`, `PrefixLM`, `Dense` not
-yet), no logit soft cap and no sinks yet. Block sizes: `block_q` (rows per compute warpgroup,
+9.x, bf16 or fp16, head dims 64, 128 or 256 (`q`, `k`, `v` alike), static masks (`Full`,
+`Causal`, `SlidingWindow` and their `&`, `|`) and `Segments` alone or `&` one of them
+(`PrefixLM`, `Dense` not yet), no logit soft cap and no sinks yet. Block sizes: `block_q` (rows per compute warpgroup,
 64 or 128), `block_kv` (64, 128 or 256), `num_stages` (ring depth, 2 to 4); their shared
 memory must fit 227 KiB. Backward (`*_dq`, `*_dkv`): `dq` 64 query rows per warpgroup by 64 or
 128 keys, `dk, dv` 64 keys per warpgroup by 64 or 128 query rows, 2 to 4 stages each.
@@ -78,6 +84,7 @@ from axkern.core import backend
 from axkern.core.blocks import cdiv
 from axkern.core.op import Unsupported
 
+from . import common
 from .blocks import (
     MOSAIC_GPU_SMEM,
     mosaic_gpu_dkv_smem_bytes,
@@ -142,10 +149,8 @@ def supports(spec) -> str | None:
         return "the Mosaic GPU kernel has no logit soft cap yet"
     if spec.flag("sinks"):
         return "the Mosaic GPU kernel has no sinks yet"
-    if spec.flag("mask") in ("Segments", "PrefixLM", "Dense"):
-        return (
-            f"mask {spec.flag('mask')} holds arrays; the Mosaic GPU kernel schedules static masks only (yet)"
-        )
+    if spec.flag("mask") in ("PrefixLM", "Dense"):
+        return f"mask {spec.flag('mask')}: the Mosaic GPU kernels take static masks and Segments (not this one yet)"
     return None
 
 
@@ -227,7 +232,7 @@ def _grid_visible(mask, q, k):
         if type(mask) is masks_.Or:
             return None if a is None or b is None else a | b
         return b if a is None else a if b is None else a & b
-    raise Unsupported(f"{mask!r}: the Mosaic GPU kernel schedules static masks only (yet)")
+    raise Unsupported(f"{mask!r}: the Mosaic GPU kernels evaluate no such static mask on a tile")
 
 
 # -- the kernel -------------------------------------------------------------------------------
@@ -243,6 +248,7 @@ class _Cfg:
     sk: int
     groups: int  # query heads per kv head
     blocks: int  # query blocks (of COMPUTE_WGS * block_q rows)
+    segments: bool = False  # per-batch-row schedule tables and segment ids to compare
 
 
 def _check_blocks(block_q, block_kv, stages, d):
@@ -263,12 +269,95 @@ def _check_blocks(block_q, block_kv, stages, d):
 def _check(mask, block_q, block_kv, stages, d):
     """`Unsupported` for block sizes or a mask the kernel cannot take."""
     _check_blocks(block_q, block_kv, stages, d)
-    if not masks_.is_static(mask):
-        raise Unsupported(f"{mask!r} holds arrays; the Mosaic GPU kernel schedules static masks only (yet)")
-    _grid_visible(mask, 0, 0)  # raises for a static mask it cannot evaluate on index grids
+    _grid_visible(split(mask)[1], 0, 0)  # raises for a static mask it cannot evaluate on index grids
 
 
-def _kernel(q_ref, k_ref, v_ref, sched_ref, out_ref, lse_ref, scoped, *, cfg, mask, dtype):
+def split(mask):
+    """`(Segments or None, the static rest)` of a mask the kernels take: static, `Segments`, or
+    `Segments & static`; anything else is `Unsupported`."""
+    try:
+        return common.split_segments(mask)
+    except Unsupported:
+        raise Unsupported(
+            f"{mask!r}: the Mosaic GPU kernels take static masks, Segments and Segments & a static mask "
+            "(not PrefixLM or Dense yet)"
+        ) from None
+
+
+def schedule_rows(kinds) -> jax.Array:
+    """`schedule` of each batch row of traced block kinds `[B, n, nk]` (`n` a multiple of
+    `COMPUTE_WGS`), on the device: int32 `[B, n / COMPUTE_WGS, 2 + 4 · COMPUTE_WGS]`."""
+    b, n, nk = kinds.shape
+    idx = jnp.arange(nk, dtype=jnp.int32)
+    nonempty = kinds != masks_.EMPTY
+    live = nonempty.any(-1)
+    lo = jnp.argmax(nonempty, axis=-1).astype(jnp.int32)
+    hi = (nk - jnp.argmax(nonempty[..., ::-1], axis=-1)).astype(jnp.int32)
+    full = kinds == masks_.FULL
+    # the length of the run of FULL tiles ending at each tile; the first longest run wins
+    run = jnp.where(full, idx - lax.cummax(jnp.where(full, -1, idx), axis=2), 0)
+    best, end = run.max(-1), jnp.argmax(run, axis=-1).astype(jnp.int32)
+    flo, fhi = jnp.where(best > 0, end + 1 - best, hi), jnp.where(best > 0, end + 1, hi)
+    rows = jnp.stack([lo, flo, fhi, hi], axis=-1).reshape(b, n // COMPUTE_WGS, COMPUTE_WGS, 4)
+    live = live.reshape(b, n // COMPUTE_WGS, COMPUTE_WGS)
+    clo = jnp.where(live.any(-1), jnp.where(live, rows[..., 0], nk).min(-1), 0)
+    chi = jnp.where(live, rows[..., 3], 0).max(-1)
+    rows = jnp.where(live[..., None], rows, clo[..., None, None])
+    return jnp.concatenate([clo[..., None], chi[..., None], rows.reshape(b, n // COMPUTE_WGS, -1)], -1)
+
+
+def _segment_ids(seg, batch):
+    return tuple(jnp.broadcast_to(a, (batch, a.shape[1])).astype(jnp.int32) for a in (seg.q_ids, seg.kv_ids))
+
+
+def schedule_table(mask, sq: int, sk: int, block_q: int, block_kv: int, batch: int, keys: bool = False):
+    """The kernels' schedule: per block of `COMPUTE_WGS` query tiles, the key tiles it walks
+    (`keys=False`: the forward and `dq`), or per block of key tiles, the query tiles
+    (`keys=True`: `dk, dv`). A static mask gives the constant `[n, cols]` of `mask_schedule` /
+    `key_schedule`; with `Segments` the kinds are computed on the device per batch row (a tile
+    is empty where the static part or the blocks' id ranges leave it so, full where the static
+    part is full and both blocks hold one same id) and the table is `[batch, n, cols]`."""
+    seg, static = split(mask)
+    if seg is None:
+        table = (key_schedule if keys else mask_schedule)(static, sq, sk, block_q, block_kv)
+        return jnp.asarray(table)
+    kinds = masks_.static_block_kinds(static, sq, sk, block_q, block_kv)[0]
+    nq, nk = kinds.shape
+    ids = _segment_ids(seg, batch)
+    overlap = common.segment_overlap(ids, nq * block_q, nk * block_kv, block_q, block_kv)
+    uniform = common.segment_uniform(ids, nq * block_q, nk * block_kv, block_q, block_kv)
+    st = jnp.asarray(kinds)[None]
+    kinds = jnp.where(
+        ~overlap | (st == masks_.EMPTY),
+        masks_.EMPTY,
+        jnp.where((st == masks_.FULL) & uniform, masks_.FULL, masks_.PARTIAL),
+    ).astype(jnp.int32)
+    if keys:
+        kinds = jnp.swapaxes(kinds, 1, 2)
+    n = cdiv(kinds.shape[1], COMPUTE_WGS) * COMPUTE_WGS
+    kinds = jnp.pad(kinds, [(0, 0), (0, n - kinds.shape[1]), (0, 0)], constant_values=masks_.EMPTY)
+    return schedule_rows(kinds)
+
+
+def _entry_of(sched_ref, batch, cfg):
+    """`(block, column) -> int32` of the schedule table (a batch row's with segments)."""
+    if cfg.segments:
+        return lambda cta, col: sched_ref[batch, cta, col]
+    return lambda cta, col: sched_ref[cta, col]
+
+
+def _same_segment(row_ids, col_ids, shape):
+    """Equal ids of a tile's rows (`WGMMA.reduce(1)` vector) and columns (`reduce(0)`)."""
+    return lax.broadcast_in_dim(row_ids, shape, [0]) == lax.broadcast_in_dim(col_ids, shape, [1])
+
+
+def _load_ids(ids_ref, batch, start, n, dim):
+    """`n` int32 ids from `start` of a batch row, laid out along tile dimension `dim` (0: rows)."""
+    layout = plgpu.Layout.WGMMA.reduce(1 - dim)
+    return plgpu.load(ids_ref.at[batch, pl.ds(start, n)], layout=layout, optimized=False)
+
+
+def _kernel(q_ref, k_ref, v_ref, sched_ref, ids, out_ref, lse_ref, scoped, *, cfg, mask, dtype):
     bq, bk, stages = cfg.block_q, cfg.block_kv, cfg.stages
     d = q_ref.shape[-1]
     batch, head = lax.axis_index("batch"), lax.axis_index("heads")
@@ -277,7 +366,8 @@ def _kernel(q_ref, k_ref, v_ref, sched_ref, out_ref, lse_ref, scoped, *, cfg, ma
     (qo_smem2, k_smem, v_smem, lse_smem2), loaded, consumed, sched_barrier = scoped
     k_loaded, v_loaded, q_loaded = loaded
     k_consumed, v_consumed = consumed
-    clo, chi = sched_ref[cta, CTA_LO], sched_ref[cta, CTA_HI]
+    at = _entry_of(sched_ref, batch, cfg)
+    clo, chi = at(cta, CTA_LO), at(cta, CTA_HI)
     slot_of = lambda t: lax.rem(t - clo, jnp.int32(stages))  # noqa: E731
 
     def sync_schedule():  # one ping-pong step between the two compute warpgroups
@@ -289,8 +379,9 @@ def _kernel(q_ref, k_ref, v_ref, sched_ref, out_ref, lse_ref, scoped, *, cfg, ma
         plgpu.set_max_registers(232, action="increase")
         qo_smem, lse_smem = qo_smem2.at[wg], lse_smem2.at[wg]
         col = 2 + 4 * wg
-        lo, flo, fhi, hi = (sched_ref[cta, col + i] for i in (LO, FLO, FHI, HI))
+        lo, flo, fhi, hi = (at(cta, col + i) for i in (LO, FLO, FHI, HI))
         q_base = (cta * COMPUTE_WGS + wg) * bq
+        q_ids = None if ids is None else _load_ids(ids[0], batch, q_base, bq, 0)
         plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(q_base, bq), head], qo_smem, q_loaded.at[wg])
         plgpu.barrier_wait(q_loaded.at[wg])
         row = plgpu.Layout.WGMMA.reduce(1)
@@ -327,6 +418,9 @@ def _kernel(q_ref, k_ref, v_ref, sched_ref, out_ref, lse_ref, scoped, *, cfg, ma
                 vis = _grid_visible(mask, qi, kj)
                 if cfg.sk % bk:
                     vis = kj < cfg.sk if vis is None else vis & (kj < cfg.sk)
+                if ids is not None:
+                    same = _same_segment(q_ids, _load_ids(ids[1], batch, t * bk, bk, 1), (bq, bk))
+                    vis = same if vis is None else vis & same
                 if vis is not None:
                     s = jnp.where(vis, s, -jnp.inf)
             m_new = jnp.maximum(m_i, s.max(axis=1) * c)
@@ -413,18 +507,22 @@ def _kernel(q_ref, k_ref, v_ref, sched_ref, out_ref, lse_ref, scoped, *, cfg, ma
 
 
 def forward(q, k, v, mask, *, scale, block_q, block_kv, num_stages):
-    """`(out [B, Sq, H, D], lse [B, H, Sq] float32)` of the Mosaic GPU kernel (static `mask`)."""
+    """`(out [B, Sq, H, D], lse [B, H, Sq] float32)` of the Mosaic GPU kernel."""
     b, sq, h, d = q.shape
     sk, kvh = k.shape[1], k.shape[2]
     _check(mask, block_q, block_kv, num_stages, d)
+    seg, static = split(mask)
     sqp, skp = cdiv(sq, COMPUTE_WGS * block_q) * COMPUTE_WGS * block_q, cdiv(sk, block_kv) * block_kv
-    table = jnp.asarray(mask_schedule(mask, sq, sk, block_q, block_kv))
+    table = schedule_table(mask, sq, sk, block_q, block_kv, b)
+    ids = () if seg is None else common.padded_ids(_segment_ids(seg, b), sqp, skp)
     pad = lambda a, n: a if a.shape[1] == n else jnp.pad(a, [(0, 0), (0, n - a.shape[1]), (0, 0), (0, 0)])  # noqa: E731
     qp, kp, vp = pad(q, sqp), pad(k, skp), pad(v, skp)
-    cfg = _Cfg(block_q, block_kv, num_stages, float(scale), sq, sk, h // kvh, sqp // (COMPUTE_WGS * block_q))
-    body = functools.partial(_kernel, cfg=cfg, mask=mask, dtype=q.dtype)
+    blocks = sqp // (COMPUTE_WGS * block_q)
+    cfg = _Cfg(block_q, block_kv, num_stages, float(scale), sq, sk, h // kvh, blocks, seg is not None)
+    body = functools.partial(_kernel, cfg=cfg, mask=static, dtype=q.dtype)
 
-    def entry(q_ref, k_ref, v_ref, sched_ref, out_ref, lse_ref):
+    def entry(*refs):
+        q_ref, k_ref, v_ref, sched_ref, *ids_refs, out_ref, lse_ref = refs
         swizzled = dict(transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))
         scratch = [
             plgpu.SMEM((COMPUTE_WGS, block_q, d), q.dtype, **swizzled),
@@ -433,7 +531,9 @@ def forward(q, k, v, mask, *, scale, block_q, block_kv, num_stages):
             plgpu.SMEM((COMPUTE_WGS, block_q), jnp.float32),
         ]
         pl.run_scoped(
-            lambda *scoped: body(q_ref, k_ref, v_ref, sched_ref, out_ref, lse_ref, scoped),
+            lambda *scoped: body(
+                q_ref, k_ref, v_ref, sched_ref, tuple(ids_refs) or None, out_ref, lse_ref, scoped
+            ),
             scratch,
             (
                 plgpu.Barrier(num_barriers=num_stages),
@@ -457,7 +557,7 @@ def forward(q, k, v, mask, *, scale, block_q, block_kv, num_stages):
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         kernel_name="axkern_attention_mosaic_gpu_fwd",
-    )(qp, kp, vp, table)
+    )(qp, kp, vp, table, *ids)
     return out[:, :sq], lse[:, :, :sq]
 
 
@@ -503,7 +603,7 @@ def _check_backward(mask, block_sizes, d):
     ):
         if need > MOSAIC_GPU_SMEM:
             raise Unsupported(f"the Mosaic GPU {name} kernel's tiles need {need} bytes of shared memory")
-    _grid_visible(mask, 0, 0)
+    _grid_visible(split(mask)[1], 0, 0)
 
 
 def backward_operands(q, k, v, out, lse, d_out, *, sqp, skp):
@@ -538,7 +638,7 @@ def _visible_or_none(mask, qi, kj, sk, bk):
 
 
 def _dq_kernel(
-    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, sched_ref, dq_ref, scoped, *, cfg, mask, dtype
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, sched_ref, ids, dq_ref, scoped, *, cfg, mask, dtype
 ):
     bq, bk, stages = cfg.block_q, cfg.block_kv, cfg.stages
     d = q_ref.shape[-1]
@@ -546,7 +646,8 @@ def _dq_kernel(
     cta = cfg.blocks - 1 - lax.axis_index("q_seq")  # heaviest causal rows first
     wg = lax.axis_index("wg")
     (q_smem2, do_smem2, k_smem, v_smem), (k_loaded, v_loaded, qd_loaded), (k_consumed, v_consumed) = scoped
-    clo, chi = sched_ref[cta, CTA_LO], sched_ref[cta, CTA_HI]
+    at = _entry_of(sched_ref, batch, cfg)
+    clo, chi = at(cta, CTA_LO), at(cta, CTA_HI)
     slot_of = lambda t: lax.rem(t - clo, jnp.int32(stages))  # noqa: E731
 
     @pl.when(wg < COMPUTE_WGS)
@@ -554,8 +655,9 @@ def _dq_kernel(
         plgpu.set_max_registers(232, action="increase")
         q_smem, do_smem = q_smem2.at[wg], do_smem2.at[wg]
         col = 2 + 4 * wg
-        lo, flo, fhi, hi = (sched_ref[cta, col + i] for i in (LO, FLO, FHI, HI))
+        lo, flo, fhi, hi = (at(cta, col + i) for i in (LO, FLO, FHI, HI))
         q_base = (cta * COMPUTE_WGS + wg) * bq
+        q_ids = None if ids is None else _load_ids(ids[0], batch, q_base, bq, 0)
         rows = (batch, pl.ds(q_base, bq), head)
         plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem, qd_loaded.at[wg])
         plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem, qd_loaded.at[wg])
@@ -582,6 +684,9 @@ def _dq_kernel(
             if masked:
                 iota = functools.partial(_iota, (bq, bk))
                 vis = _visible_or_none(mask, q_base + iota(0), t * bk + iota(1), cfg.sk, bk)
+                if ids is not None:
+                    same = _same_segment(q_ids, _load_ids(ids[1], batch, t * bk, bk, 1), (bq, bk))
+                    vis = same if vis is None else vis & same
                 if vis is not None:
                     s = jnp.where(vis, s, -jnp.inf)
             bcast = lambda x: lax.broadcast_in_dim(x, s.shape, [0])  # noqa: E731
@@ -638,7 +743,21 @@ def _dq_kernel(
 
 
 def _dkv_kernel(
-    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, sched_ref, dk_ref, dv_ref, scoped, *, cfg, mask, dtype
+    q_ref,
+    k_ref,
+    v_ref,
+    do_ref,
+    lse_ref,
+    delta_ref,
+    sched_ref,
+    ids,
+    dk_ref,
+    dv_ref,
+    scoped,
+    *,
+    cfg,
+    mask,
+    dtype,
 ):
     bq, bk, stages, groups = cfg.block_q, cfg.block_kv, cfg.stages, cfg.groups
     d = k_ref.shape[-1]
@@ -646,7 +765,8 @@ def _dkv_kernel(
     cta = lax.axis_index("kv_seq")  # causal: the first key blocks see the most queries
     wg = lax.axis_index("wg")
     (k_smem2, v_smem2, q_smem, do_smem, lse_smem, delta_smem), (kv_loaded, loaded), consumed = scoped
-    clo, chi = sched_ref[cta, CTA_LO], sched_ref[cta, CTA_HI]
+    at = _entry_of(sched_ref, batch, cfg)
+    clo, chi = at(cta, CTA_LO), at(cta, CTA_HI)
     g = jnp.int32(groups)
     # the ring's items: query tile clo + u // groups of the group's query head u % groups
 
@@ -655,8 +775,9 @@ def _dkv_kernel(
         plgpu.set_max_registers(232, action="increase")
         k_smem, v_smem = k_smem2.at[wg], v_smem2.at[wg]
         col = 2 + 4 * wg
-        lo, flo, fhi, hi = (sched_ref[cta, col + i] for i in (LO, FLO, FHI, HI))
+        lo, flo, fhi, hi = (at(cta, col + i) for i in (LO, FLO, FHI, HI))
         kv_base = (cta * COMPUTE_WGS + wg) * bk
+        k_ids = None if ids is None else _load_ids(ids[1], batch, kv_base, bk, 0)
         rows = (batch, pl.ds(kv_base, bk), kv_head)
         plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem, kv_loaded.at[wg])
         plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem, kv_loaded.at[wg])
@@ -681,6 +802,9 @@ def _dkv_kernel(
                     iota = functools.partial(_iota, (bk, bq))
                     q_base = (clo + lax.div(u, g)) * bq
                     vis = _grid_visible(mask, q_base + iota(1), kv_base + iota(0))
+                    if ids is not None:
+                        same = _same_segment(k_ids, _load_ids(ids[0], batch, q_base, bq, 1), (bk, bq))
+                        vis = same if vis is None else vis & same
                     if vis is not None:
                         s = jnp.where(vis, s, -jnp.inf)
                 bcast = lambda x: lax.broadcast_in_dim(x, s.shape, [1])  # noqa: E731
@@ -752,17 +876,19 @@ def backward(q, k, v, out, lse, d_out, *, mask, scale, block_sizes):
     mq, mk = max(COMPUTE_WGS * bq1, bq2), max(bk1, COMPUTE_WGS * bk2)
     sqp, skp = cdiv(sq, mq) * mq, cdiv(sk, mk) * mk
     qp, kp, vp, dop, lse2, delta = backward_operands(q, k, v, out, lse, d_out, sqp=sqp, skp=skp)
+    seg, static = split(mask)
+    ids = () if seg is None else common.padded_ids(_segment_ids(seg, b), sqp, skp)
     swizzled = dict(transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))
     params = plgpu.CompilerParams(approx_math=True)
     dt = q.dtype
 
-    table = jnp.asarray(mask_schedule(mask, sq, sk, bq1, bk1))
-    cfg = _Cfg(bq1, bk1, st1, float(scale), sq, sk, h // kvh, table.shape[0])
-    body = functools.partial(_dq_kernel, cfg=cfg, mask=mask, dtype=dt)
+    table = schedule_table(mask, sq, sk, bq1, bk1, b)
+    cfg = _Cfg(bq1, bk1, st1, float(scale), sq, sk, h // kvh, table.shape[-2], seg is not None)
+    body = functools.partial(_dq_kernel, cfg=cfg, mask=static, dtype=dt)
 
-    def dq_entry(*refs):
+    def dq_entry(*refs):  # 7 inputs, the segment ids (with Segments), dq
         pl.run_scoped(
-            lambda *scoped: body(*refs, scoped),
+            lambda *scoped: body(*refs[:7], tuple(refs[7:-1]) or None, refs[-1], scoped),
             [
                 plgpu.SMEM((COMPUTE_WGS, bq1, d), dt, **swizzled),
                 plgpu.SMEM((COMPUTE_WGS, bq1, d), dt, **swizzled),
@@ -781,21 +907,21 @@ def backward(q, k, v, out, lse, d_out, *, mask, scale, block_sizes):
     dq = plgpu.kernel(
         dq_entry,
         out_type=jax.ShapeDtypeStruct((b, sqp, h, d), dt),
-        grid=(h, table.shape[0], b),
+        grid=(h, table.shape[-2], b),
         grid_names=("heads", "q_seq", "batch"),
         num_threads=COMPUTE_WGS + 1,
         thread_name="wg",
         compiler_params=params,
         kernel_name="axkern_attention_mosaic_gpu_dq",
-    )(qp, kp, vp, dop, lse2, delta, table)
+    )(qp, kp, vp, dop, lse2, delta, table, *ids)
 
-    table = jnp.asarray(key_schedule(mask, sq, sk, bq2, bk2))
-    cfg = _Cfg(bq2, bk2, st2, float(scale), sq, sk, h // kvh, table.shape[0])
-    body = functools.partial(_dkv_kernel, cfg=cfg, mask=mask, dtype=dt)
+    table = schedule_table(mask, sq, sk, bq2, bk2, b, keys=True)
+    cfg = _Cfg(bq2, bk2, st2, float(scale), sq, sk, h // kvh, table.shape[-2], seg is not None)
+    body = functools.partial(_dkv_kernel, cfg=cfg, mask=static, dtype=dt)
 
-    def dkv_entry(*refs):
+    def dkv_entry(*refs):  # 7 inputs, the segment ids (with Segments), dk, dv
         pl.run_scoped(
-            lambda *scoped: body(*refs, scoped),
+            lambda *scoped: body(*refs[:7], tuple(refs[7:-2]) or None, *refs[-2:], scoped),
             [
                 plgpu.SMEM((COMPUTE_WGS, bk2, d), dt, **swizzled),
                 plgpu.SMEM((COMPUTE_WGS, bk2, d), dt, **swizzled),
@@ -816,13 +942,13 @@ def backward(q, k, v, out, lse, d_out, *, mask, scale, block_sizes):
     dk, dv = plgpu.kernel(
         dkv_entry,
         out_type=[kv_shape, kv_shape],
-        grid=(kvh, table.shape[0], b),
+        grid=(kvh, table.shape[-2], b),
         grid_names=("heads", "kv_seq", "batch"),
         num_threads=COMPUTE_WGS + 1,
         thread_name="wg",
         compiler_params=params,
         kernel_name="axkern_attention_mosaic_gpu_dkv",
-    )(qp, kp, vp, dop, lse2, delta, table)
+    )(qp, kp, vp, dop, lse2, delta, table, *ids)
     return dq[:, :sq], dk[:, :sk], dv[:, :sk]
 
 
