@@ -357,6 +357,28 @@ def _load_ids(ids_ref, batch, start, n, dim):
     return plgpu.load(ids_ref.at[batch, pl.ds(start, n)], layout=layout, optimized=False)
 
 
+def _stream_kv(cfg, where, k_ref, v_ref, k_smem, v_smem, loaded, consumed):
+    """The producer warpgroup of the forward and `dq` kernels: key and value tiles `[clo, chi)`
+    of `head`'s kv head into the ring, each slot reused once both compute warpgroups have
+    released it. `where`: `(batch, query head, clo, chi)`."""
+    batch, head, clo, chi = where
+    plgpu.set_max_registers(40, action="decrease")
+    kv_head = lax.div(head, jnp.int32(cfg.groups))
+    bk, stages = cfg.block_kv, cfg.stages
+
+    @pl.loop(clo, chi)
+    def _(t):
+        slot, reuse = lax.rem(t - clo, jnp.int32(stages)), t - clo >= stages
+        rows = (batch, pl.ds(t * bk, bk), kv_head)
+        for ref, smem, ready, free in zip((k_ref, v_ref), (k_smem, v_smem), loaded, consumed, strict=True):
+
+            @pl.when(reuse)
+            def _(free=free):
+                plgpu.barrier_wait(free.at[slot])
+
+            plgpu.copy_gmem_to_smem(ref.at[rows], smem.at[slot], ready.at[slot])
+
+
 def _kernel(q_ref, k_ref, v_ref, sched_ref, ids, out_ref, lse_ref, scoped, *, cfg, mask, dtype):
     bq, bk, stages = cfg.block_q, cfg.block_kv, cfg.stages
     d = q_ref.shape[-1]
@@ -483,27 +505,10 @@ def _kernel(q_ref, k_ref, v_ref, sched_ref, ids, out_ref, lse_ref, scoped, *, cf
         plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[batch, head, pl.ds(q_base, bq)])
         plgpu.wait_smem_to_gmem(0)
 
-    @pl.when(wg == COMPUTE_WGS)
-    def _producer():
-        plgpu.set_max_registers(40, action="decrease")
-        kv_head = lax.div(head, jnp.int32(cfg.groups))
-
-        @pl.loop(clo, chi)
-        def _(t):
-            slot, reuse = slot_of(t), t - clo >= stages
-            rows = (batch, pl.ds(t * bk, bk), kv_head)
-
-            @pl.when(reuse)
-            def _():
-                plgpu.barrier_wait(k_consumed.at[slot])
-
-            plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_loaded.at[slot])
-
-            @pl.when(reuse)
-            def _():
-                plgpu.barrier_wait(v_consumed.at[slot])
-
-            plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_loaded.at[slot])
+    ring = (k_smem, v_smem, (k_loaded, v_loaded), (k_consumed, v_consumed))
+    pl.when(wg == COMPUTE_WGS)(
+        functools.partial(_stream_kv, cfg, (batch, head, clo, chi), k_ref, v_ref, *ring)
+    )
 
 
 def forward(q, k, v, mask, *, scale, block_q, block_kv, num_stages):
@@ -719,27 +724,10 @@ def _dq_kernel(
         plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[rows])
         plgpu.wait_smem_to_gmem(0)
 
-    @pl.when(wg == COMPUTE_WGS)
-    def _producer():
-        plgpu.set_max_registers(40, action="decrease")
-        kv_head = lax.div(head, jnp.int32(cfg.groups))
-
-        @pl.loop(clo, chi)
-        def _(t):
-            slot, reuse = slot_of(t), t - clo >= stages
-            rows = (batch, pl.ds(t * bk, bk), kv_head)
-
-            @pl.when(reuse)
-            def _():
-                plgpu.barrier_wait(k_consumed.at[slot])
-
-            plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_loaded.at[slot])
-
-            @pl.when(reuse)
-            def _():
-                plgpu.barrier_wait(v_consumed.at[slot])
-
-            plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_loaded.at[slot])
+    ring = (k_smem, v_smem, (k_loaded, v_loaded), (k_consumed, v_consumed))
+    pl.when(wg == COMPUTE_WGS)(
+        functools.partial(_stream_kv, cfg, (batch, head, clo, chi), k_ref, v_ref, *ring)
+    )
 
 
 def _dkv_kernel(
