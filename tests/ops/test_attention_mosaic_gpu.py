@@ -237,10 +237,10 @@ def test_dispatch_on_cpu_skips_it_with_the_reason():
     assert "no Mosaic GPU backward" in line(_spec(d=256), mosaic_gpu_heuristic(_spec(d=256)))
 
 
-@pytest.mark.parametrize("mask", [masks.Causal(), masks.SlidingWindow(24), masks.Full()])
+@pytest.mark.parametrize("mask", [masks.SlidingWindow(24)])
 def test_borrowed_backward_from_residuals_matches_autodiff(mask):
-    # out and lse of the reference stand in for the Mosaic forward's; pallas_gpu's backward
-    # kernels (interpret mode) must give the reference's gradients, GQA 2, ragged lengths
+    # out and lse of the reference stand in for the Mosaic forward's; pallas_gpu's backward (the one above
+    # head dim 128) in interpret mode must give the reference's gradients, GQA 2, ragged lengths
     a = _inputs(7, 1, 50, 50, 4, 2, 16, "float32")
     q, k, v = a["q"], a["k"], a["v"]
     scale = 0.3
@@ -354,8 +354,8 @@ def _emulated_backward(q, k, v, out, lse, d_out, mask, scale, blocks):
         (masks.Causal(offset=-20), 100, 140),  # the first 20 queries see no key
         (masks.SlidingWindow(40) & masks.Causal(), 200, 200),
         (masks.Full(), 70, 190),
-        ("docs", 200, 200),  # packed documents, causal, a run-time schedule per batch row
-        ("docs-only", 150, 150),
+        ("docs", 140, 140),  # packed documents, causal, a run-time schedule per batch row
+        ("docs-only", 110, 110),
     ],
 )
 def test_emulated_backward_tiles_give_the_gradients(mask, sq, sk):
