@@ -40,7 +40,7 @@ from jax import lax
 
 from axkern.core import kernels
 from axkern.ops.ssd.common import kernels as chunk_kernels
-from axkern.ops.ssd.common.chunks import clean, poison, reaches, segment_starts
+from axkern.ops.ssd.common.chunks import all_finite, clean, poison, reaches, segment_starts
 
 from .blocks import kernel_slots
 
@@ -188,51 +188,73 @@ def forward(
 
     # per-position scalars, [b, l, h]
     adt_, dt_, trap_ = (jnp.swapaxes(f(a), 1, 2) for a in (adt, dt, trap))
-    dt_bad = bad(dt_)
-    head_bad = bad(trap_) | dt_bad | (bad(adt_) & ~starts[..., None])
-    adt_, dt_, lam = clean(adt_), clean(dt_), jax.nn.sigmoid(clean(trap_))
-
-    # angles and the rotated q, k ([b, l, r, h, n])
     ang = f(angles)
-    inc = math.pi * jnp.tanh(clean(ang)) * dt_[..., None]
+    adt_c, dt_c, lam = clean(adt_), clean(dt_), jax.nn.sigmoid(clean(trap_))
+
+    # angles and the rotated q, k ([b, l, r, h, n]); `Θ` is poisoned (below) only when an angle,
+    # `dt` or the initial angle is not finite
+    inc = math.pi * jnp.tanh(clean(ang)) * dt_c[..., None]
     theta = angle_sums(inc, clean(f(angle0)), seg, chunk_size)
-    theta_bad = reaches(bad(ang) | dt_bad[..., None], seg)
-    theta = poison(theta, theta_bad | (first[:, :, None, None] & bad(angle0)[:, None]))
+    theta_finite = all_finite(ang, dt_, angle0)
+
+    def theta_poisoned(theta):
+        theta_bad = reaches(bad(ang) | bad(dt_)[..., None], seg)
+        return poison(theta, theta_bad | (first[:, :, None, None] & bad(angle0)[:, None]))
+
+    theta = lax.cond(theta_finite, lambda theta: theta, theta_poisoned, theta)
     per_head = lambda a: jnp.repeat(f(a), heads // groups, axis=3)  # noqa: E731
-    qr = rotate(per_head(q) + by_rank(q_bias), theta[:, :, None], mimo)
-    kr = rotate(per_head(k) + by_rank(k_bias), theta[:, :, None], mimo)
-    vr = f(v)[:, :, None] * by_rank(W_x) if mimo else f(v)[:, :, None]  # [b, l, r, h, p]
+
+    def prepared():  # the rotated q, k and v ⊙ W_x, [b, l, r, h, n or p]
+        qr = rotate(per_head(q) + by_rank(q_bias), theta[:, :, None], mimo)
+        kr = rotate(per_head(k) + by_rank(k_bias), theta[:, :, None], mimo)
+        return qr, kr, f(v)[:, :, None] * by_rank(W_x) if mimo else f(v)[:, :, None]
+
+    qr, kr, vr = prepared()
     v0r = f(v0)[:, None] * by_rank(W_x) if mimo else f(v0)[:, None]  # [b, r, h, p]
 
     # the trapezoid's weights: c_t on the previous position's input, none at a segment start
-    c = jnp.where(starts[..., None], 0, (1 - lam) * dt_)
+    c = jnp.where(starts[..., None], 0, (1 - lam) * dt_c)
     c_next = jnp.concatenate([c[:, 1:], jnp.zeros_like(c[:, :1])], axis=1)
-    scale = lam * dt_ + c_next
+    scale = lam * dt_c + c_next
 
-    # where the sequential recurrence is non-finite (see the module docstring)
-    row, col = bad(vr).any(2), bad(kr).any(2)  # [b, l, h, p], [b, l, h, n]
-    init_row = bad(ssm0).any(-1) | bad(v0r).any(1) | bad(k0).any((1, 3))[..., None]  # [b, h, p]
-    y_bad = reaches(row | (head_bad | col.any(-1))[..., None], seg) | (
-        first[:, :, None, None] & init_row[:, None]
-    )
-    y_bad = y_bad[:, :, None] | bad(qr).any(-1)[..., None]  # [b, l, r, h, p]
-    last = seg == seg[:, -1:]
-    in_last = lambda a: (a & last.reshape(last.shape + (1,) * (a.ndim - 2))).any(1)  # noqa: E731
-    final_bad = (
-        in_last(row)[..., None]
-        | in_last(col)[:, :, None, :]
-        | in_last(head_bad)[..., None, None]
-        | (
-            (seg[:, -1] == 0)[:, None, None, None]
-            & (bad(ssm0) | bad(v0r).any(1)[..., None] | bad(k0).any(1)[:, :, None, :])
+    # where the sequential recurrence is non-finite (see the module docstring): the masks are
+    # built only when some value the recurrence reads is not finite (one fused read decides)
+    finite = theta_finite & all_finite(adt_, trap_, qr, kr, vr, v0r, ssm0, k0)
+
+    def masks():  # from the inputs (q, k and v again, elementwise), so no prepared array enters the
+        # conditional: the common case reads them only in the fused sum above
+        qr, kr, vr = prepared()
+        head_bad = bad(trap_) | bad(dt_) | (bad(adt_) & ~starts[..., None])  # [b, l, h]
+        row, col = bad(vr).any(2), bad(kr).any(2)  # [b, l, h, p], [b, l, h, n]
+        init_row = bad(ssm0).any(-1) | bad(v0r).any(1) | bad(k0).any((1, 3))[..., None]  # [b, h, p]
+        y_bad = reaches(row | (head_bad | col.any(-1))[..., None], seg) | (
+            first[:, :, None, None] & init_row[:, None]
+        )  # [b, l, h, p]
+        q_bad = bad(qr).any(-1)  # [b, l, r, h]: a rotated q reaches its own output only
+        last = seg == seg[:, -1:]
+        in_last = lambda a: (a & last.reshape(last.shape + (1,) * (a.ndim - 2))).any(1)  # noqa: E731
+        final_bad = (
+            in_last(row)[..., None]
+            | in_last(col)[:, :, None, :]
+            | in_last(head_bad)[..., None, None]
+            | (
+                (seg[:, -1] == 0)[:, None, None, None]
+                & (bad(ssm0) | bad(v0r).any(1)[..., None] | bad(k0).any(1)[:, :, None, :])
+            )
         )
-    )
+        return y_bad, q_bad, final_bad
+
+    def no_masks():
+        shapes = vr.shape[:2] + vr.shape[3:], qr.shape[:-1], ssm0.shape
+        return tuple(jnp.zeros(shape, bool) for shape in shapes)
+
+    y_bad, q_bad, final_bad = lax.cond(finite, no_masks, masks)
 
     # the chunk scan on the clean inputs, then the diagonal correction
     vc, qc, kc = clean(vr), clean(qr), clean(kr)
     einsum = lambda *a: jnp.einsum(*a, precision=prec)  # noqa: E731
     g0 = clean(f(ssm0)) + c[:, 0, :, None, None] * einsum("brhp,brhn->bhpn", clean(v0r), clean(f(k0)))
-    y, final = core(vc, adt_, scale, kc, qc, seg, g0)
+    y, final = core(vc, adt_c, scale, kc, qc, seg, g0)
     # y_{t,r} -= c_{t+1} Σ_u (q_{t,r} · k_{t,u}) v_{t,u}, and with `later_ranks` += scale_t Σ_{u > r} (..)
     rank = vc.shape[2]
     weight = -c_next[:, :, None, None, :]  # [b, l, r, u, h]
@@ -241,7 +263,7 @@ def forward(
         weight = weight + jnp.where(later[:, :, None], scale[:, :, None, None, :], 0)
     diag = einsum("blrhn,bluhn->blruh", qc, kc) * weight
     y = y + einsum("blruh,bluhp->blrhp", diag, vc)
-    y = poison(y, y_bad)
+    y = poison(poison(y, y_bad[:, :, None]), q_bad[..., None])
 
     if D is not None:
         y = y + f(D)[:, None] * vr
