@@ -27,10 +27,14 @@ non-finite `v_{t,r}[p]` reaches row `p` of the state and of `y` from `t` to the 
 segment, `k_{t,r}[n]` column `n` of the state (so all of `y`), `adt_t` (unless `t` starts a
 segment), `dt_t` or `trap_t` the whole head, a non-finite rotated `q_{t,r}` only `y_{t,r}`; the
 initial state the first segment. `angles` and `dt` reach `Θ` (and so `q`, `k`) from their position on.
+The masks (and `Θ`'s NaN) are built under `lax.cond` only when some value the recurrence reads is
+not finite, one fused `all_finite` read deciding: finite inputs, the common case, skip those
+passes (under `vmap` the condition is batched and both branches run).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import typing
 
@@ -39,6 +43,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from axkern.core import kernels
+from axkern.core.compat import vary_like
 from axkern.ops.ssd.common import kernels as chunk_kernels
 from axkern.ops.ssd.common.chunks import all_finite, clean, poison, reaches, segment_starts
 
@@ -47,18 +52,66 @@ from .blocks import kernel_slots
 
 def rotate(u, theta, halves):
     """`u [.., N]` rotated by `theta [.., A]` on its first `A` pairs: `(2i, 2i+1)` (SISO) or
-    `(i, i + N/2)` (`halves`, MIMO)."""
+    `(i, i + N/2)` (`halves`, MIMO).
+
+    `u` is viewed as pairs on an axis of two (`[2, N/2]` for `halves`, `[N/2, 2]` otherwise), so
+    each element's partner is the same pair's other one (that axis reversed) and the rotation is
+    one elementwise expression over all of `u` (no slices and no concatenation to materialise);
+    the pairs past `A` pass through as they are."""
     n, a = u.shape[-1], theta.shape[-1]
     if a == 0:
         return u
-    cos, sin = jnp.cos(theta), jnp.sin(theta)
+    pairs = n // 2
+    theta = jnp.pad(theta, [(0, 0)] * (theta.ndim - 1) + [(0, pairs - a)])
+    cos, sin = jnp.cos(theta), jnp.sin(theta)  # [.., N/2]
+    sign = jnp.array([-1, 1], sin.dtype)  # the pair's first element takes -sin, the second +sin
+    rotated = jnp.arange(pairs) < a
     if halves:
-        u0, u1 = u[..., :a], u[..., n // 2 : n // 2 + a]
-        r0, r1 = u0 * cos - u1 * sin, u0 * sin + u1 * cos
-        return jnp.concatenate([r0, u[..., a : n // 2], r1, u[..., n // 2 + a :]], axis=-1)
-    u0, u1 = u[..., 0 : 2 * a : 2], u[..., 1 : 2 * a : 2]
-    r = jnp.stack([u0 * cos - u1 * sin, u0 * sin + u1 * cos], axis=-1).reshape(*u.shape[:-1], 2 * a)
-    return jnp.concatenate([r, u[..., 2 * a :]], axis=-1)
+        x = u.reshape(*u.shape[:-1], 2, pairs)
+        cos, sin, rotated = cos[..., None, :], sin[..., None, :] * sign[:, None], rotated[None, :]
+    else:
+        x = u.reshape(*u.shape[:-1], pairs, 2)
+        cos, sin, rotated = cos[..., :, None], sin[..., :, None] * sign, rotated[:, None]
+    partner = jnp.flip(x, axis=-2 if halves else -1)
+    return jnp.where(rotated, x * cos + partner * sin, x).reshape(u.shape)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def rotated(halves, repeat, u, bias, theta):
+    """`rotate(u + bias, theta, halves)` with `u [b, l, r, g, n]` repeated `repeat` times over its
+    groups (to heads) in `bias`'s dtype, `bias [r, h, n]`, `theta [b, l, 1, h, a]`. The backward
+    keeps only the arguments (`u` in its own dtype) and turns the cotangent back by `-theta`,
+    rather than autodiff's float32 pieces of `u + bias` (`[b, l, r, h, n]` arrays)."""
+    return rotate(_biased(repeat, u, bias), theta, halves)
+
+
+def _biased(repeat, u, bias):
+    return jnp.repeat(u.astype(bias.dtype), repeat, axis=3) + bias
+
+
+def _rotated_fwd(halves, repeat, u, bias, theta):
+    return rotated(halves, repeat, u, bias, theta), (u, bias, theta)
+
+
+def _rotated_bwd(halves, repeat, res, g):
+    u, bias, theta = res
+    w, pull = jax.vjp(functools.partial(_biased, repeat), u, bias)
+    # a pair (x0, x1) turns to (x0 cos - x1 sin, x0 sin + x1 cos): its transpose is the turn by
+    # -theta, and d/dtheta is (-r1, r0) for the rotated pair (r0, r1)
+    a, pairs = theta.shape[-1], w.shape[-1] // 2
+    if a == 0:
+        return (*pull(g), jnp.zeros_like(theta))
+    r = rotate(w, theta, halves)
+    axis = -2 if halves else -1  # the pair's axis in the view
+    rv, gv = (x.reshape(*x.shape[:-1], *((2, pairs) if halves else (pairs, 2))) for x in (r, g))
+    r0, r1, g0, g1 = (jnp.take(x, i, axis=axis) for x in (rv, gv) for i in (0, 1))
+    d_theta = (g1 * r0 - g0 * r1)[..., :a]
+    broadcast = tuple(i for i, n in enumerate(theta.shape) if n == 1 < d_theta.shape[i])
+    d_theta = jnp.sum(d_theta, axis=broadcast, keepdims=True)
+    return (*pull(rotate(g, -theta, halves)), d_theta.astype(theta.dtype))
+
+
+rotated.defvjp(_rotated_fwd, _rotated_bwd)
 
 
 def angle_sums(inc, theta0, seg, q):
@@ -201,12 +254,15 @@ def forward(
         theta_bad = reaches(bad(ang) | bad(dt_)[..., None], seg)
         return poison(theta, theta_bad | (first[:, :, None, None] & bad(angle0)[:, None]))
 
-    theta = lax.cond(theta_finite, lambda theta: theta, theta_poisoned, theta)
-    per_head = lambda a: jnp.repeat(f(a), heads // groups, axis=3)  # noqa: E731
+    # inside `shard_map` both branches must vary over the same mesh axes: those of what they read
+    read = (theta, ang, dt_, seg, angle0)
+    theta = lax.cond(
+        theta_finite, lambda t: vary_like(t, *read), lambda t: vary_like(theta_poisoned(t), *read), theta
+    )
 
     def prepared():  # the rotated q, k and v ⊙ W_x, [b, l, r, h, n or p]
-        qr = rotate(per_head(q) + by_rank(q_bias), theta[:, :, None], mimo)
-        kr = rotate(per_head(k) + by_rank(k_bias), theta[:, :, None], mimo)
+        qr = rotated(mimo, heads // groups, q, by_rank(q_bias), theta[:, :, None])
+        kr = rotated(mimo, heads // groups, k, by_rank(k_bias), theta[:, :, None])
         return qr, kr, f(v)[:, :, None] * by_rank(W_x) if mimo else f(v)[:, :, None]
 
     qr, kr, vr = prepared()
@@ -218,8 +274,20 @@ def forward(
     scale = lam * dt_c + c_next
 
     # where the sequential recurrence is non-finite (see the module docstring): the masks are
-    # built only when some value the recurrence reads is not finite (one fused read decides)
-    finite = theta_finite & all_finite(adt_, trap_, qr, kr, vr, v0r, ssm0, k0)
+    # built only when some value the recurrence reads may not be finite. The rotated q, k and
+    # v ⊙ W_x are bounded from the inputs' sums of magnitudes (one fused read of each input, no
+    # prepared array kept for it): |q + q_bias| <= Σ|q| + Σ|q_bias| < 2^126 leaves the rotation
+    # (at most twice that) finite, and Σ|v| · Σ|W_x| < 2^126 bounds v ⊙ W_x; a larger or
+    # non-finite sum takes the exact masks.
+    mass = lambda a: jnp.sum(jnp.abs(lax.stop_gradient(a)), dtype=jnp.float32)  # noqa: E731
+    limit = 2.0**126
+    finite = (
+        theta_finite
+        & all_finite(adt_, trap_, v0r, ssm0, k0)
+        & (mass(q) + mass(q_bias) < limit)
+        & (mass(k) + mass(k_bias) < limit)
+        & (mass(v) * (mass(W_x) if mimo else 1) < limit)
+    )
 
     def masks():  # from the inputs (q, k and v again, elementwise), so no prepared array enters the
         # conditional: the common case reads them only in the fused sum above
@@ -242,11 +310,13 @@ def forward(
                 & (bad(ssm0) | bad(v0r).any(1)[..., None] | bad(k0).any(1)[:, :, None, :])
             )
         )
-        return y_bad, q_bad, final_bad
+        return vary_like((y_bad, q_bad, final_bad), *read)
 
     def no_masks():
         shapes = vr.shape[:2] + vr.shape[3:], qr.shape[:-1], ssm0.shape
-        return tuple(jnp.zeros(shape, bool) for shape in shapes)
+        return vary_like(tuple(jnp.zeros(shape, bool) for shape in shapes), *read)
+
+    read = (q, k, v, W_x, q_bias, k_bias, theta, adt_, dt_, trap_, seg, ssm0, v0r, k0)
 
     y_bad, q_bad, final_bad = lax.cond(finite, no_masks, masks)
 
