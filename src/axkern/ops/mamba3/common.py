@@ -27,9 +27,9 @@ non-finite `v_{t,r}[p]` reaches row `p` of the state and of `y` from `t` to the 
 segment, `k_{t,r}[n]` column `n` of the state (so all of `y`), `adt_t` (unless `t` starts a
 segment), `dt_t` or `trap_t` the whole head, a non-finite rotated `q_{t,r}` only `y_{t,r}`; the
 initial state the first segment. `angles` and `dt` reach `Θ` (and so `q`, `k`) from their position on.
-The masks (and `Θ`'s NaN) are built under `lax.cond` only when some value the recurrence reads is
-not finite, one fused `all_finite` read deciding: finite inputs, the common case, skip those
-passes (under `vmap` the condition is batched and both branches run).
+The masks (and `Θ`'s NaN) are built under `lax.cond` only when some value the recurrence reads may
+not be finite, one fused read of the inputs deciding (`forward`): finite inputs, the common case,
+skip those passes (under `vmap` the condition is batched and both branches run).
 """
 
 from __future__ import annotations
