@@ -281,8 +281,9 @@ def test_the_chunk_scan_backward_keeps_only_inputs_and_chunk_states():
 
 
 def test_vmapped_over_a_finite_and_a_non_finite_input_equals_each_call():
-    # the guard's masks sit under a `lax.cond` on "every value finite"; under `vmap` the condition
-    # is batched (both branches run, a select picks): each element still gets its own rule
+    # the guard's masks sit under a `lax.cond` on the inputs (finite, far from overflow); under
+    # `vmap` the condition is batched (both branches run, a select picks): each element still
+    # gets its own rule
     from tests.helpers import assert_nonfinite_rule, poke
 
     finite, _ = make(3, 1, 24, 2, 16, 2, 16, 2, 0, "float32", segments=False)

@@ -244,54 +244,37 @@ def forward(
     ang = f(angles)
     adt_c, dt_c, lam = clean(adt_), clean(dt_), jax.nn.sigmoid(clean(trap_))
 
-    # angles and the rotated q, k ([b, l, r, h, n]); `Θ` is poisoned (below) only when an angle,
-    # `dt` or the initial angle is not finite
+    # the angles, then the rotated q, k ([b, l, r, h, n]) from `Θ` as the guard below leaves it
     inc = math.pi * jnp.tanh(clean(ang)) * dt_c[..., None]
     theta = angle_sums(inc, clean(f(angle0)), seg, chunk_size)
-    theta_finite = all_finite(ang, dt_, angle0)
+    v0r = f(v0)[:, None] * by_rank(W_x) if mimo else f(v0)[:, None]  # [b, r, h, p]
 
-    def theta_poisoned(theta):
-        theta_bad = reaches(bad(ang) | bad(dt_)[..., None], seg)
-        return poison(theta, theta_bad | (first[:, :, None, None] & bad(angle0)[:, None]))
-
-    # inside `shard_map` both branches must vary over the same mesh axes: those of what they read
-    read = (theta, ang, dt_, seg, angle0)
-    theta = lax.cond(
-        theta_finite, lambda t: vary_like(t, *read), lambda t: vary_like(theta_poisoned(t), *read), theta
-    )
-
-    def prepared():  # the rotated q, k and v ⊙ W_x, [b, l, r, h, n or p]
+    def prepared(theta):  # the rotated q, k and v ⊙ W_x, [b, l, r, h, n or p]
         qr = rotated(mimo, heads // groups, q, by_rank(q_bias), theta[:, :, None])
         kr = rotated(mimo, heads // groups, k, by_rank(k_bias), theta[:, :, None])
         return qr, kr, f(v)[:, :, None] * by_rank(W_x) if mimo else f(v)[:, :, None]
 
-    qr, kr, vr = prepared()
-    v0r = f(v0)[:, None] * by_rank(W_x) if mimo else f(v0)[:, None]  # [b, r, h, p]
-
-    # the trapezoid's weights: c_t on the previous position's input, none at a segment start
-    c = jnp.where(starts[..., None], 0, (1 - lam) * dt_c)
-    c_next = jnp.concatenate([c[:, 1:], jnp.zeros_like(c[:, :1])], axis=1)
-    scale = lam * dt_c + c_next
-
-    # where the sequential recurrence is non-finite (see the module docstring): the masks are
-    # built only when some value the recurrence reads may not be finite. The rotated q, k and
-    # v ⊙ W_x are bounded from the inputs' sums of magnitudes (one fused read of each input, no
-    # prepared array kept for it): |q + q_bias| <= Σ|q| + Σ|q_bias| < 2^126 leaves the rotation
-    # (at most twice that) finite, and Σ|v| · Σ|W_x| < 2^126 bounds v ⊙ W_x; a larger or
-    # non-finite sum takes the exact masks.
+    # where the sequential recurrence is non-finite (see the module docstring): `Θ`'s NaN and the
+    # masks are built only when some value the recurrence reads may not be finite. The rotated
+    # q, k and v ⊙ W_x are bounded from the inputs' sums of magnitudes (one fused read of each
+    # input, no prepared array kept for it): |q + q_bias| <= Σ|q| + Σ|q_bias| < 2^126 leaves the
+    # rotation (at most twice that) finite, and Σ|v| · Σ|W_x| < 2^126 bounds v ⊙ W_x; a larger
+    # or non-finite sum takes the exact masks.
     mass = lambda a: jnp.sum(jnp.abs(lax.stop_gradient(a)), dtype=jnp.float32)  # noqa: E731
     limit = 2.0**126
     finite = (
-        theta_finite
-        & all_finite(adt_, trap_, v0r, ssm0, k0)
+        all_finite(ang, dt_, angle0, adt_, trap_, v0r, ssm0, k0)
         & (mass(q) + mass(q_bias) < limit)
         & (mass(k) + mass(k_bias) < limit)
         & (mass(v) * (mass(W_x) if mimo else 1) < limit)
     )
+    # inside `shard_map` both branches must vary over the same mesh axes: those of what they read
+    read = (q, k, v, W_x, q_bias, k_bias, theta, ang, angle0, adt_, dt_, trap_, seg, ssm0, v0r, k0)
 
-    def masks():  # from the inputs (q, k and v again, elementwise), so no prepared array enters the
-        # conditional: the common case reads them only in the fused sum above
-        qr, kr, vr = prepared()
+    def guarded(theta):  # `Θ` with its NaNs, and the masks (the rotations again, elementwise)
+        theta_bad = reaches(bad(ang) | bad(dt_)[..., None], seg)
+        theta = poison(theta, theta_bad | (first[:, :, None, None] & bad(angle0)[:, None]))
+        qr, kr, vr = prepared(theta)
         head_bad = bad(trap_) | bad(dt_) | (bad(adt_) & ~starts[..., None])  # [b, l, h]
         row, col = bad(vr).any(2), bad(kr).any(2)  # [b, l, h, p], [b, l, h, n]
         init_row = bad(ssm0).any(-1) | bad(v0r).any(1) | bad(k0).any((1, 3))[..., None]  # [b, h, p]
@@ -310,15 +293,20 @@ def forward(
                 & (bad(ssm0) | bad(v0r).any(1)[..., None] | bad(k0).any(1)[:, :, None, :])
             )
         )
-        return vary_like((y_bad, q_bad, final_bad), *read)
+        return vary_like((theta, y_bad, q_bad, final_bad), *read)
 
-    def no_masks():
-        shapes = vr.shape[:2] + vr.shape[3:], qr.shape[:-1], ssm0.shape
-        return vary_like(tuple(jnp.zeros(shape, bool) for shape in shapes), *read)
+    def unguarded(theta):
+        b, l, h, p = v.shape  # noqa: E741
+        shapes = (b, l, h, p), (b, l, q.shape[2], h), ssm0.shape
+        return vary_like((theta, *(jnp.zeros(shape, bool) for shape in shapes)), *read)
 
-    read = (q, k, v, W_x, q_bias, k_bias, theta, adt_, dt_, trap_, seg, ssm0, v0r, k0)
+    theta, y_bad, q_bad, final_bad = lax.cond(finite, unguarded, guarded, theta)
+    qr, kr, vr = prepared(theta)
 
-    y_bad, q_bad, final_bad = lax.cond(finite, no_masks, masks)
+    # the trapezoid's weights: c_t on the previous position's input, none at a segment start
+    c = jnp.where(starts[..., None], 0, (1 - lam) * dt_c)
+    c_next = jnp.concatenate([c[:, 1:], jnp.zeros_like(c[:, :1])], axis=1)
+    scale = lam * dt_c + c_next
 
     # the chunk scan on the clean inputs, then the diagonal correction
     vc, qc, kc = clean(vr), clean(qr), clean(kr)
