@@ -5,6 +5,8 @@ value of (dtype, groups, SISO/MIMO) once, both with states, segments, `D` and `z
 
 from __future__ import annotations
 
+import functools
+
 import haliax as hax
 import jax
 import jax.numpy as jnp
@@ -276,3 +278,51 @@ def test_the_chunk_scan_backward_keeps_only_inputs_and_chunk_states():
 
     inputs = x.size + B.size + C.size + a.size + s.size + seg.size + (l // q) * h * p * n  # + chunk states
     assert saved(scan.scan_recompute) <= inputs < saved(scan.scan) / 2
+
+
+def test_vmapped_over_a_finite_and_a_non_finite_input_equals_each_call():
+    # the guard's masks sit under a `lax.cond` on the inputs (finite, far from overflow); under
+    # `vmap` the condition is batched (both branches run, a select picks): each element still
+    # gets its own rule
+    from tests.helpers import assert_nonfinite_rule, poke
+
+    finite, _ = make(3, 1, 24, 2, 16, 2, 16, 2, 0, "float32", segments=False)
+    nan = dict(finite, v=poke(finite["v"], (0, 9, 1, 3), np.nan))
+
+    def loss(impl, a):
+        y, final = call(impl, a, None, None if impl == "reference" else 8)
+        cot = jnp.cos(jnp.arange(y.size, dtype=jnp.float32).reshape(y.shape))
+        return jnp.sum(y * cot) + sum(jnp.sum(s) for s in final), (y, tuple(final))
+
+    grad = lambda impl: jax.grad(lambda a: loss(impl, a), has_aux=True)  # noqa: E731
+    got = jax.jit(jax.vmap(grad("xla")))(jax.tree.map(lambda *x: jnp.stack(x), finite, nan))
+    for i, a in enumerate((finite, nan)):
+        grads, outputs = jax.tree.map(lambda x, i=i: x[i], got)
+        assert_nonfinite_rule(outputs, jax.jit(grad("reference"))(a)[1], f"outputs {i}")
+        assert_nonfinite_rule(grads, jax.jit(grad("xla"))(a)[0], f"gradients {i}")
+    y = np.asarray(got[1][0])
+    assert np.isfinite(y[0]).all() and not np.isfinite(y[1, 0, 9:, 1, 3]).any()
+
+
+@pytest.mark.parametrize("halves", [False, True], ids=["pairs", "halves"])
+def test_the_rotations_backward_equals_autodiff(halves):
+    # `common.rotated` turns the cotangent back by -theta instead of keeping autodiff's pieces
+    import importlib
+
+    common = importlib.import_module("axkern.ops.mamba3.common")
+    k = jax.random.split(jax.random.PRNGKey(0), 4)
+    u = jax.random.normal(k[0], (2, 5, 3, 2, 12))  # [b, l, r, g, n]
+    bias = jax.random.normal(k[1], (3, 4, 12))  # [r, h, n]
+    theta = 3 * jax.random.normal(k[2], (2, 5, 1, 4, 5))  # [b, l, 1, h, a]: 5 of the 6 pairs
+    cot = jax.random.normal(k[3], (2, 5, 3, 4, 12))
+
+    def autodiff(u, bias, theta):
+        return common.rotate(jnp.repeat(u, 2, axis=3) + bias, theta, halves)
+
+    def loss(fn):
+        return jax.grad(lambda *a: jnp.sum(fn(*a) * cot), argnums=(0, 1, 2))(u, bias, theta)
+
+    ours = functools.partial(common.rotated, halves, 2)
+    np.testing.assert_array_equal(ours(u, bias, theta), autodiff(u, bias, theta))
+    for got, want in zip(loss(ours), loss(autodiff), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)

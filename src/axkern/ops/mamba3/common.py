@@ -27,10 +27,14 @@ non-finite `v_{t,r}[p]` reaches row `p` of the state and of `y` from `t` to the 
 segment, `k_{t,r}[n]` column `n` of the state (so all of `y`), `adt_t` (unless `t` starts a
 segment), `dt_t` or `trap_t` the whole head, a non-finite rotated `q_{t,r}` only `y_{t,r}`; the
 initial state the first segment. `angles` and `dt` reach `Θ` (and so `q`, `k`) from their position on.
+The masks (and `Θ`'s NaN) are built under `lax.cond` only when some value the recurrence reads may
+not be finite, one fused read of the inputs deciding (`forward`): finite inputs, the common case,
+skip those passes (under `vmap` the condition is batched and both branches run).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import typing
 
@@ -39,26 +43,75 @@ import jax.numpy as jnp
 from jax import lax
 
 from axkern.core import kernels
+from axkern.core.compat import vary_like
 from axkern.ops.ssd.common import kernels as chunk_kernels
-from axkern.ops.ssd.common.chunks import clean, poison, reaches, segment_starts
+from axkern.ops.ssd.common.chunks import all_finite, clean, poison, reaches, segment_starts
 
 from .blocks import kernel_slots
 
 
 def rotate(u, theta, halves):
     """`u [.., N]` rotated by `theta [.., A]` on its first `A` pairs: `(2i, 2i+1)` (SISO) or
-    `(i, i + N/2)` (`halves`, MIMO)."""
+    `(i, i + N/2)` (`halves`, MIMO).
+
+    `u` is viewed as pairs on an axis of two (`[2, N/2]` for `halves`, `[N/2, 2]` otherwise), so
+    each element's partner is the same pair's other one (that axis reversed) and the rotation is
+    one elementwise expression over all of `u` (no slices and no concatenation to materialise);
+    the pairs past `A` pass through as they are."""
     n, a = u.shape[-1], theta.shape[-1]
     if a == 0:
         return u
-    cos, sin = jnp.cos(theta), jnp.sin(theta)
+    pairs = n // 2
+    theta = jnp.pad(theta, [(0, 0)] * (theta.ndim - 1) + [(0, pairs - a)])
+    cos, sin = jnp.cos(theta), jnp.sin(theta)  # [.., N/2]
+    sign = jnp.array([-1, 1], sin.dtype)  # the pair's first element takes -sin, the second +sin
+    rotated = jnp.arange(pairs) < a
     if halves:
-        u0, u1 = u[..., :a], u[..., n // 2 : n // 2 + a]
-        r0, r1 = u0 * cos - u1 * sin, u0 * sin + u1 * cos
-        return jnp.concatenate([r0, u[..., a : n // 2], r1, u[..., n // 2 + a :]], axis=-1)
-    u0, u1 = u[..., 0 : 2 * a : 2], u[..., 1 : 2 * a : 2]
-    r = jnp.stack([u0 * cos - u1 * sin, u0 * sin + u1 * cos], axis=-1).reshape(*u.shape[:-1], 2 * a)
-    return jnp.concatenate([r, u[..., 2 * a :]], axis=-1)
+        x = u.reshape(*u.shape[:-1], 2, pairs)
+        cos, sin, rotated = cos[..., None, :], sin[..., None, :] * sign[:, None], rotated[None, :]
+    else:
+        x = u.reshape(*u.shape[:-1], pairs, 2)
+        cos, sin, rotated = cos[..., :, None], sin[..., :, None] * sign, rotated[:, None]
+    partner = jnp.flip(x, axis=-2 if halves else -1)
+    return jnp.where(rotated, x * cos + partner * sin, x).reshape(u.shape)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def rotated(halves, repeat, u, bias, theta):
+    """`rotate(u + bias, theta, halves)` with `u [b, l, r, g, n]` repeated `repeat` times over its
+    groups (to heads) in `bias`'s dtype, `bias [r, h, n]`, `theta [b, l, 1, h, a]`. The backward
+    keeps only the arguments (`u` in its own dtype) and turns the cotangent back by `-theta`,
+    rather than autodiff's float32 pieces of `u + bias` (`[b, l, r, h, n]` arrays)."""
+    return rotate(_biased(repeat, u, bias), theta, halves)
+
+
+def _biased(repeat, u, bias):
+    return jnp.repeat(u.astype(bias.dtype), repeat, axis=3) + bias
+
+
+def _rotated_fwd(halves, repeat, u, bias, theta):
+    return rotated(halves, repeat, u, bias, theta), (u, bias, theta)
+
+
+def _rotated_bwd(halves, repeat, res, g):
+    u, bias, theta = res
+    w, pull = jax.vjp(functools.partial(_biased, repeat), u, bias)
+    # a pair (x0, x1) turns to (x0 cos - x1 sin, x0 sin + x1 cos): its transpose is the turn by
+    # -theta, and d/dtheta is (-r1, r0) for the rotated pair (r0, r1)
+    a, pairs = theta.shape[-1], w.shape[-1] // 2
+    if a == 0:
+        return (*pull(g), jnp.zeros_like(theta))
+    r = rotate(w, theta, halves)
+    axis = -2 if halves else -1  # the pair's axis in the view
+    rv, gv = (x.reshape(*x.shape[:-1], *((2, pairs) if halves else (pairs, 2))) for x in (r, g))
+    r0, r1, g0, g1 = (jnp.take(x, i, axis=axis) for x in (rv, gv) for i in (0, 1))
+    d_theta = (g1 * r0 - g0 * r1)[..., :a]
+    broadcast = tuple(i for i, n in enumerate(theta.shape) if n == 1 < d_theta.shape[i])
+    d_theta = jnp.sum(d_theta, axis=broadcast, keepdims=True)
+    return (*pull(rotate(g, -theta, halves)), d_theta.astype(theta.dtype))
+
+
+rotated.defvjp(_rotated_fwd, _rotated_bwd)
 
 
 def angle_sums(inc, theta0, seg, q):
@@ -188,51 +241,78 @@ def forward(
 
     # per-position scalars, [b, l, h]
     adt_, dt_, trap_ = (jnp.swapaxes(f(a), 1, 2) for a in (adt, dt, trap))
-    dt_bad = bad(dt_)
-    head_bad = bad(trap_) | dt_bad | (bad(adt_) & ~starts[..., None])
-    adt_, dt_, lam = clean(adt_), clean(dt_), jax.nn.sigmoid(clean(trap_))
-
-    # angles and the rotated q, k ([b, l, r, h, n])
     ang = f(angles)
-    inc = math.pi * jnp.tanh(clean(ang)) * dt_[..., None]
+    adt_c, dt_c, lam = clean(adt_), clean(dt_), jax.nn.sigmoid(clean(trap_))
+
+    # the angles, then the rotated q, k ([b, l, r, h, n]) from `Θ` as the guard below leaves it
+    inc = math.pi * jnp.tanh(clean(ang)) * dt_c[..., None]
     theta = angle_sums(inc, clean(f(angle0)), seg, chunk_size)
-    theta_bad = reaches(bad(ang) | dt_bad[..., None], seg)
-    theta = poison(theta, theta_bad | (first[:, :, None, None] & bad(angle0)[:, None]))
-    per_head = lambda a: jnp.repeat(f(a), heads // groups, axis=3)  # noqa: E731
-    qr = rotate(per_head(q) + by_rank(q_bias), theta[:, :, None], mimo)
-    kr = rotate(per_head(k) + by_rank(k_bias), theta[:, :, None], mimo)
-    vr = f(v)[:, :, None] * by_rank(W_x) if mimo else f(v)[:, :, None]  # [b, l, r, h, p]
     v0r = f(v0)[:, None] * by_rank(W_x) if mimo else f(v0)[:, None]  # [b, r, h, p]
 
-    # the trapezoid's weights: c_t on the previous position's input, none at a segment start
-    c = jnp.where(starts[..., None], 0, (1 - lam) * dt_)
-    c_next = jnp.concatenate([c[:, 1:], jnp.zeros_like(c[:, :1])], axis=1)
-    scale = lam * dt_ + c_next
+    def prepared(theta):  # the rotated q, k and v ⊙ W_x, [b, l, r, h, n or p]
+        qr = rotated(mimo, heads // groups, q, by_rank(q_bias), theta[:, :, None])
+        kr = rotated(mimo, heads // groups, k, by_rank(k_bias), theta[:, :, None])
+        return qr, kr, f(v)[:, :, None] * by_rank(W_x) if mimo else f(v)[:, :, None]
 
-    # where the sequential recurrence is non-finite (see the module docstring)
-    row, col = bad(vr).any(2), bad(kr).any(2)  # [b, l, h, p], [b, l, h, n]
-    init_row = bad(ssm0).any(-1) | bad(v0r).any(1) | bad(k0).any((1, 3))[..., None]  # [b, h, p]
-    y_bad = reaches(row | (head_bad | col.any(-1))[..., None], seg) | (
-        first[:, :, None, None] & init_row[:, None]
+    # where the sequential recurrence is non-finite (see the module docstring): `Θ`'s NaN and the
+    # masks are built only when some value the recurrence reads may not be finite. The rotated
+    # q, k and v ⊙ W_x are bounded from the inputs' sums of magnitudes (one fused read of each
+    # input, no prepared array kept for it): |q + q_bias| <= Σ|q| + Σ|q_bias| < 2^126 leaves the
+    # rotation (at most twice that) finite, and Σ|v| · Σ|W_x| < 2^126 bounds v ⊙ W_x; a larger
+    # or non-finite sum takes the exact masks.
+    mass = lambda a: jnp.sum(jnp.abs(lax.stop_gradient(a)), dtype=jnp.float32)  # noqa: E731
+    limit = 2.0**126
+    finite = (
+        all_finite(ang, dt_, angle0, adt_, trap_, v0r, ssm0, k0)
+        & (mass(q) + mass(q_bias) < limit)
+        & (mass(k) + mass(k_bias) < limit)
+        & (mass(v) * (mass(W_x) if mimo else 1) < limit)
     )
-    y_bad = y_bad[:, :, None] | bad(qr).any(-1)[..., None]  # [b, l, r, h, p]
-    last = seg == seg[:, -1:]
-    in_last = lambda a: (a & last.reshape(last.shape + (1,) * (a.ndim - 2))).any(1)  # noqa: E731
-    final_bad = (
-        in_last(row)[..., None]
-        | in_last(col)[:, :, None, :]
-        | in_last(head_bad)[..., None, None]
-        | (
-            (seg[:, -1] == 0)[:, None, None, None]
-            & (bad(ssm0) | bad(v0r).any(1)[..., None] | bad(k0).any(1)[:, :, None, :])
+    # inside `shard_map` both branches must vary over the same mesh axes: those of what they read
+    read = (q, k, v, W_x, q_bias, k_bias, theta, ang, angle0, adt_, dt_, trap_, seg, ssm0, v0r, k0)
+
+    def guarded(theta):  # `Θ` with its NaNs, and the masks (the rotations again, elementwise)
+        theta_bad = reaches(bad(ang) | bad(dt_)[..., None], seg)
+        theta = poison(theta, theta_bad | (first[:, :, None, None] & bad(angle0)[:, None]))
+        qr, kr, vr = prepared(theta)
+        head_bad = bad(trap_) | bad(dt_) | (bad(adt_) & ~starts[..., None])  # [b, l, h]
+        row, col = bad(vr).any(2), bad(kr).any(2)  # [b, l, h, p], [b, l, h, n]
+        init_row = bad(ssm0).any(-1) | bad(v0r).any(1) | bad(k0).any((1, 3))[..., None]  # [b, h, p]
+        y_bad = reaches(row | (head_bad | col.any(-1))[..., None], seg) | (
+            first[:, :, None, None] & init_row[:, None]
+        )  # [b, l, h, p]
+        q_bad = bad(qr).any(-1)  # [b, l, r, h]: a rotated q reaches its own output only
+        last = seg == seg[:, -1:]
+        in_last = lambda a: (a & last.reshape(last.shape + (1,) * (a.ndim - 2))).any(1)  # noqa: E731
+        final_bad = (
+            in_last(row)[..., None]
+            | in_last(col)[:, :, None, :]
+            | in_last(head_bad)[..., None, None]
+            | (
+                (seg[:, -1] == 0)[:, None, None, None]
+                & (bad(ssm0) | bad(v0r).any(1)[..., None] | bad(k0).any(1)[:, :, None, :])
+            )
         )
-    )
+        return vary_like((theta, y_bad, q_bad, final_bad), *read)
+
+    def unguarded(theta):
+        b, l, h, p = v.shape  # noqa: E741
+        shapes = (b, l, h, p), (b, l, q.shape[2], h), ssm0.shape
+        return vary_like((theta, *(jnp.zeros(shape, bool) for shape in shapes)), *read)
+
+    theta, y_bad, q_bad, final_bad = lax.cond(finite, unguarded, guarded, theta)
+    qr, kr, vr = prepared(theta)
+
+    # the trapezoid's weights: c_t on the previous position's input, none at a segment start
+    c = jnp.where(starts[..., None], 0, (1 - lam) * dt_c)
+    c_next = jnp.concatenate([c[:, 1:], jnp.zeros_like(c[:, :1])], axis=1)
+    scale = lam * dt_c + c_next
 
     # the chunk scan on the clean inputs, then the diagonal correction
     vc, qc, kc = clean(vr), clean(qr), clean(kr)
     einsum = lambda *a: jnp.einsum(*a, precision=prec)  # noqa: E731
     g0 = clean(f(ssm0)) + c[:, 0, :, None, None] * einsum("brhp,brhn->bhpn", clean(v0r), clean(f(k0)))
-    y, final = core(vc, adt_, scale, kc, qc, seg, g0)
+    y, final = core(vc, adt_c, scale, kc, qc, seg, g0)
     # y_{t,r} -= c_{t+1} Σ_u (q_{t,r} · k_{t,u}) v_{t,u}, and with `later_ranks` += scale_t Σ_{u > r} (..)
     rank = vc.shape[2]
     weight = -c_next[:, :, None, None, :]  # [b, l, r, u, h]
@@ -241,7 +321,7 @@ def forward(
         weight = weight + jnp.where(later[:, :, None], scale[:, :, None, None, :], 0)
     diag = einsum("blrhn,bluhn->blruh", qc, kc) * weight
     y = y + einsum("blruh,bluhp->blrhp", diag, vc)
-    y = poison(y, y_bad)
+    y = poison(poison(y, y_bad[:, :, None]), q_bad[..., None])
 
     if D is not None:
         y = y + f(D)[:, None] * vr

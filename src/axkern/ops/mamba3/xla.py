@@ -2,8 +2,9 @@
 log-decay `adt` and the trapezoid's input scale, plus a diagonal correction (`common.py` has the
 derivation). The scan is a `custom_vjp` whose backward recomputes each chunk's `[Q, Q]` terms
 from the inputs and the states entering the chunks (`[b, c, H, P, N]`, the only states kept);
-the per-position preparation (angles, rotations, weights) and the output's correction, skip,
-gate and rank collapse differentiate by autodiff.
+the per-position preparation (angles, weights) and the output's correction, skip, gate and rank
+collapse differentiate by autodiff, the rotation of `q` and `k` by its own backward
+(`common.rotated`: it keeps the unrotated inputs and turns the cotangent back).
 
 **Cost.** `O(L·Q·R²·(N + P)·H)` inside chunks and `O(L/Q · H·P·N)` between them (`R` the MIMO
 rank, 1 for SISO), about twice that backward plus the recomputed forward terms.
