@@ -580,10 +580,12 @@ def key_schedule(mask, sq: int, sk: int, block_q: int, block_kv: int) -> np.ndar
 
 def backward_blocks(block_sizes) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
     """`((block_q, block_kv, num_stages) of dq, (block_q, block_kv, num_stages) of dk, dv)`:
-    the `*_dq`, `*_dkv` fields, 64 x 64 with two stages where `None`."""
+    the `*_dq`, `*_dkv` fields, where `None` the heuristic's (`dq` 64 x 128, `dk, dv` 64 x 64,
+    two stages each)."""
     pick = lambda name, f, default: getattr(block_sizes, f"{f}_{name}", None) or default  # noqa: E731
     return tuple(
-        (pick(n, "block_q", 64), pick(n, "block_kv", 64), pick(n, "num_stages", 2)) for n in ("dq", "dkv")
+        (pick(n, "block_q", 64), pick(n, "block_kv", kv), pick(n, "num_stages", 2))
+        for n, kv in (("dq", 128), ("dkv", 64))
     )
 
 
