@@ -51,7 +51,7 @@ tests() {  # tests FILE: the op's GPU tests
   [ -f "tests/gpu/$1" ] && step 300 "gpu_tests_${1%.py}" $gpu_tests "tests/gpu/$1"
 }
 case "${1:-}" in
-attention) tests test_attention_gpu.py; bench attention h200 ;;
+attention) tests test_attention_gpu.py; tests test_attention_mosaic_gpu.py; bench attention h200 ;;
 attention_peers) BENCH_T=540 bench attention h200 --peers ;;  # beside tokamax's mosaic and cudnn
 cross_entropy) bench cross_entropy llama3 ;;
 fused_cross_entropy)
