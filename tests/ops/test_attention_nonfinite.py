@@ -211,3 +211,34 @@ def test_the_cudnn_guard_takes_the_rule_following_path_where_something_is_not_fi
     got, want = value_and_grads(jax.jit(guarded), a, bad_cot), value_and_grads(ref, a, bad_cot)
     np.testing.assert_allclose(np.asarray(got[0]), np.asarray(clean[0]), rtol=1e-5, atol=1e-6)
     assert_nonfinite_rule(got[1], want[1], "guard grads, NaN cotangent", rtol=1e-5)
+
+
+def test_the_guard_differentiates_a_jitted_call_with_traced_mask_arrays():
+    # the mask's arrays (segment ids) reach the guard's branches as arguments: `grad` of a
+    # jitted call whose ids are traced works (closed over, they would be constants it cannot take)
+    from axkern.ops.attention.api import _rule_following, _where_finite
+
+    a = _inputs(6)
+    ids = jnp.array([[0] * 10 + [1] * 14])
+
+    def guarded(q, k, v, ids):
+        mask = masks.Causal() & masks.Segments(ids, ids)
+        leaves, treedef = jax.tree.flatten(mask)
+
+        def fast(q, k, v, *leaves):
+            return attention(q, k, v, mask=jax.tree.unflatten(treedef, leaves), implementation="reference")
+
+        safe = _rule_following(mask, None, None, None, ("xla",))
+        return _where_finite(fast, safe, q, k, v, tuple(leaves))
+
+    def ref(q, k, v, ids):
+        return attention(q, k, v, mask=masks.Causal() & masks.Segments(ids, ids), implementation="reference")
+
+    loss = lambda f: lambda q, k, v, ids: jnp.sum(jnp.sin(f(q, k, v, ids)))  # noqa: E731
+    got = jax.grad(jax.jit(loss(guarded)), argnums=(0, 1, 2))(a["q"], a["k"], a["v"], ids)
+    want = jax.grad(loss(ref), argnums=(0, 1, 2))(a["q"], a["k"], a["v"], ids)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-6)
+    bad = poke(a["v"], (0, 3, 0, 0), np.nan)  # the rule-following branch, ids traced as well
+    out = jax.jit(guarded)(a["q"], a["k"], bad, ids)
+    assert np.isnan(np.asarray(out)[0, 3:10, 0, 0]).all() and np.isfinite(np.asarray(out)[0, 10:]).all()

@@ -57,11 +57,14 @@ def _cudnn_where_finite(q, k, v, sinks, mask, *, scale, logits_soft_cap):
     queries that cannot see its key. The check reads the inputs once more (and the cotangent
     in the backward); only cuDNN's residuals are kept, and the other implementation's forward
     and backward run only where something is not finite."""
-    cudnn_fn = functools.partial(
-        cudnn.attention, sinks=sinks, mask=mask, scale=scale, logits_soft_cap=logits_soft_cap
-    )
+    leaves, treedef = jax.tree.flatten(mask)
+
+    def cudnn_fn(q, k, v, *leaves):
+        mask = jax.tree.unflatten(treedef, leaves)
+        return cudnn.attention(q, k, v, sinks=sinks, mask=mask, scale=scale, logits_soft_cap=logits_soft_cap)
+
     safe_fn = _rule_following(mask, scale, logits_soft_cap, sinks, ("pallas_gpu", "xla"))
-    return _where_finite(cudnn_fn, safe_fn, q, k, v)
+    return _where_finite(cudnn_fn, safe_fn, q, k, v, tuple(leaves))
 
 
 def _mosaic_gpu_where_finite(q, k, v, sinks, mask, *, scale, logits_soft_cap, block_sizes):
@@ -80,22 +83,28 @@ def _mosaic_gpu_where_finite(q, k, v, sinks, mask, *, scale, logits_soft_cap, bl
         dims = dict(zip(("batch", "q_len", "heads", "head_dim"), q.shape, strict=True))
         dims |= {"kv_len": k.shape[1], "kv_heads": k.shape[2], "v_dim": v.shape[3]}
         back_blocks = mosaic_gpu_backward_blocks(block_sizes, OP.spec(dims, q.dtype))
-        backward = functools.partial(pallas_gpu.backward, mask=mask, scale=scale, block_sizes=back_blocks)
+        backward = functools.partial(pallas_gpu.backward, scale=scale, block_sizes=back_blocks)
     # above head dim 128 pallas_gpu's default forward tiles (64 x 64, 3 stages) ask a Hopper block
     # for more shared memory than it has (237568 of 232448 bytes): xla serves non-finite inputs there
     safe_order = ("pallas_gpu", "xla") if max(q.shape[3], v.shape[3]) <= 128 else ("xla",)
-    fast_fn = functools.partial(
-        mosaic_gpu.attention,
-        sinks=sinks,
-        mask=mask,
-        scale=scale,
-        logits_soft_cap=logits_soft_cap,
-        block_sizes=block_sizes,
-        backward=backward,
-    )
+    leaves, treedef = jax.tree.flatten(mask)
+
+    def fast_fn(q, k, v, *leaves):
+        mask = jax.tree.unflatten(treedef, leaves)
+        return mosaic_gpu.attention(
+            q,
+            k,
+            v,
+            sinks,
+            mask,
+            scale=scale,
+            logits_soft_cap=logits_soft_cap,
+            block_sizes=block_sizes,
+            backward=backward,
+        )
 
     safe_fn = _rule_following(mask, scale, logits_soft_cap, sinks, safe_order)
-    return _where_finite(fast_fn, safe_fn, q, k, v)
+    return _where_finite(fast_fn, safe_fn, q, k, v, tuple(leaves))
 
 
 def _mosaic_gpu_backward(spec, block_sizes) -> str:
@@ -115,11 +124,14 @@ def _mosaic_gpu_backward(spec, block_sizes) -> str:
 
 
 def _rule_following(mask, scale, logits_soft_cap, sinks, order):
-    """`(q, k, v) -> out` by the first of `order` that serves the call: what a guarded
-    implementation runs where an input is not finite. Unrecorded, so `explain` reports the
-    guarded implementation's decision only."""
+    """`(q, k, v, *mask arrays) -> out` by the first of `order` that serves the call: what a
+    guarded implementation runs where an input is not finite (`mask`'s arrays come back as
+    arguments, `_where_finite`'s `extra`). Unrecorded, so `explain` reports the guarded
+    implementation's decision only."""
+    treedef = jax.tree.structure(mask)
 
-    def safe_fn(q, k, v):
+    def safe_fn(q, k, v, *leaves):
+        mask = jax.tree.unflatten(treedef, leaves)
         with unrecorded():
             return attention_positional(
                 q,
@@ -142,28 +154,32 @@ def _all_finite(*arrays) -> jax.Array:
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _where_finite(fast, safe, q, k, v):
+def _where_finite(fast, safe, q, k, v, extra=()):
+    """`fast(q, k, v, *extra)` where `q`, `k`, `v` (and the cotangent) are finite, else
+    `safe(q, k, v, *extra)`. `extra`: the mask's arrays (e.g. segment ids; no cotangent), passed
+    as arguments rather than closed over, so the guard also runs under `grad` of a jitted call
+    whose mask arrays are traced."""
     # cuDNN's forward always runs, outside the conditional; the other only where needed
-    fast_out = fast(q, k, v)
-    return lax.cond(_all_finite(q, k, v), lambda: fast_out, lambda: safe(q, k, v))
+    fast_out = fast(q, k, v, *extra)
+    return lax.cond(_all_finite(q, k, v), lambda: fast_out, lambda: safe(q, k, v, *extra))
 
 
-def _where_finite_fwd(fast, safe, q, k, v):
+def _where_finite_fwd(fast, safe, q, k, v, extra=()):
     ok = _all_finite(q, k, v)
     # cuDNN's forward always runs (its residuals are the only ones kept); the other only where
     # an input is not finite
-    fast_out, fast_vjp = jax.vjp(fast, q, k, v)
-    out = lax.cond(ok, lambda: fast_out, lambda: safe(q, k, v))
-    return out, (fast_vjp, ok, q, k, v)
+    fast_out, fast_vjp = jax.vjp(lambda q, k, v: fast(q, k, v, *extra), q, k, v)
+    out = lax.cond(ok, lambda: fast_out, lambda: safe(q, k, v, *extra))
+    return out, (fast_vjp, ok, q, k, v, extra)
 
 
 def _where_finite_bwd(fast, safe, res, d_out):
-    fast_vjp, ok, q, k, v = res
+    fast_vjp, ok, q, k, v, extra = res
 
     def recompute(d_out):  # a non-finite input or cotangent: the rule-following backward
-        return jax.vjp(safe, q, k, v)[1](d_out)
+        return jax.vjp(lambda q, k, v: safe(q, k, v, *extra), q, k, v)[1](d_out)
 
-    return lax.cond(ok & jnp.isfinite(d_out).all(), fast_vjp, recompute, d_out)
+    return (*lax.cond(ok & jnp.isfinite(d_out).all(), fast_vjp, recompute, d_out), None)
 
 
 _where_finite.defvjp(_where_finite_fwd, _where_finite_bwd)

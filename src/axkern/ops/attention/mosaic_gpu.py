@@ -968,23 +968,28 @@ def check_backward(mask, block_sizes, head_dim) -> str | None:
 
 def attention(q, k, v, sinks, mask, *, scale, logits_soft_cap, block_sizes, backward=None):
     """The forward kernel under a `custom_vjp` whose backward is the Mosaic GPU `dq` and `dk, dv`
-    kernels, or `backward(q, k, v, out, lse, d_out) -> (dq, dk, dv)` when one is given (the
-    registered implementation passes `pallas_gpu`'s kernels where `check_backward` refuses)."""
+    kernels, or `backward(q, k, v, out, lse, d_out, *, mask) -> (dq, dk, dv)` when one is given
+    (the registered implementation passes `pallas_gpu`'s kernels where `check_backward` refuses).
+    The mask's arrays (segment ids) are arguments of the `custom_vjp`, not closed over, so a
+    jitted call with traced ids differentiates."""
     check(mask, block_sizes, q.shape[3], sinks, logits_soft_cap)
-    fwd = functools.partial(forward, mask=mask, scale=scale, **_blocks(block_sizes))
+    fwd = functools.partial(forward, scale=scale, **_blocks(block_sizes))
     if backward is None:
-        backward = functools.partial(globals()["backward"], mask=mask, scale=scale, block_sizes=block_sizes)
+        backward = functools.partial(globals()["backward"], scale=scale, block_sizes=block_sizes)
+    leaves, treedef = jax.tree.flatten(mask)
+    rebuild = functools.partial(jax.tree.unflatten, treedef)
 
     @jax.custom_vjp
-    def fn(q, k, v):
-        return fwd(q, k, v)[0]
+    def fn(q, k, v, leaves):
+        return fwd(q, k, v, rebuild(leaves))[0]
 
-    def fn_fwd(q, k, v):
-        out, lse = fwd(q, k, v)
-        return out, (q, k, v, out, lse)
+    def fn_fwd(q, k, v, leaves):
+        out, lse = fwd(q, k, v, rebuild(leaves))
+        return out, (q, k, v, out, lse, leaves)
 
     def fn_bwd(res, d_out):
-        return backward(*res, d_out)
+        *res, leaves = res
+        return (*backward(*res, d_out, mask=rebuild(leaves)), None)
 
     fn.defvjp(fn_fwd, fn_bwd)
-    return fn(q, k, v)
+    return fn(q, k, v, leaves)
