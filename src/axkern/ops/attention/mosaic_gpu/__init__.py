@@ -1,0 +1,216 @@
+"""Flash attention as Pallas Mosaic GPU kernels for Hopper (FA3-style), forward and backward, block-sparse.
+
+**Layout.** `q [B, Sq, H, D]`, `k`, `v [B, Sk, KVH, D]` as the caller gives them (no transpose):
+the tensor memory accelerator (TMA) copies `[rows, D]` slices of one head straight into
+shared memory. `Sq` is padded to whole `2 · block_q` and `Sk` to whole `block_kv` (only where
+they are not). The kernel writes `[B, Sqp, H, D]` and `lse [B, H, Sqp]` (float32, natural
+log); `forward` returns them cut to `Sq`.
+
+**Grid.** `(H, Sqp / (2 · block_q), B)`, the query-tile axis walked last to first (the
+heaviest causal rows start first). A block holds three warpgroups: two compute warpgroups,
+each owning `block_q` query rows (registers raised to 232 a thread), and one producer
+warpgroup (registers lowered to 40) that streams the key and value tiles into a ring of
+`num_stages` shared-memory slots with TMA, each slot guarded by a "loaded" barrier and a
+"consumed" barrier (both compute warpgroups arrive). The two compute warpgroups alternate on
+the tensor cores through a schedule barrier: one runs its `q k^T` and `p v` `wgmma`s while the
+other does its softmax (FA3's ping-pong; the pattern follows JAX's `attention_mgpu.py`).
+
+**Block-sparse schedule** (`schedule`, pure numpy, tested on the CPU against brute force).
+From the static mask's block kinds (`EMPTY` / `PARTIAL` / `FULL` per `block_q x block_kv`
+tile) each block gets the key tiles `[clo, chi)` its producer loads (the union of its two
+query tiles' visible ranges) and each compute warpgroup four bounds `lo <= flo <= fhi <= hi`:
+tiles `[flo, fhi)` (the longest run of `FULL` tiles) run without any masking work, the rest
+of `[lo, hi)` mask by position (`visible` on the tile's indices and the key length), and the
+tiles of `[clo, chi)` outside `[lo, hi)` are only released (the other warpgroup needs them).
+Fully masked tiles are never loaded. The table is a constant `int32 [blocks, 10]` input.
+Packed documents (`Segments`, alone or `&` a static mask): the block kinds are computed on the
+device per batch row (a tile is empty where the static part or the id ranges of its query and
+key blocks leave it empty, full where the static part is full and both blocks hold one same
+id; `schedule_rows` is `schedule` in jnp), the table is `[B, blocks, 10]`, and a partial tile
+also compares the rows' and columns' ids (int32, read from global memory in the tile's row
+and column layouts).
+
+**Math.** Scores `s = q k^T` in float32 on the tensor cores; the running max is kept in
+base-2 units (`s · scale · log2 e`) so `p = exp2(s · c - m)` is one fused multiply-add and an
+`ex2`; `p` is cast to the input dtype for `p v`. A row that has seen no key yet keeps `m = -inf`
+without NaN (only masked tiles can leave a row empty). Output `acc / l` (zeros for a row that
+saw no key), `lse = m · ln 2 + log l` (`-inf` there).
+
+**Cost.** `4 · B · H · D` FLOPs per visible (query, key) pair, tensor-core bound at these sizes;
+`k`, `v` read once per query block that sees them (GQA: once per query head; L2 serves the
+group).
+
+**Non-finite input.** `p v` multiplies a masked entry's `p = 0` by `v`, so a NaN in `v`
+would reach rows that cannot see its key: the registered implementation serves inputs holding
+NaN or infinity with another implementation (`api._mosaic_gpu_where_finite`).
+
+**Backward** (`backward`, head dims 64 and 128), two kernels of the same shape (a producer
+warpgroup streaming tiles through a TMA ring past two compute warpgroups), on the forward's
+residuals: `lse` goes in base-2 units with `+inf` for rows that saw no key (every `p` there is
+0) and `delta = Σ out · d_out` is formed in XLA. The `dq` kernel (grid `(H, query blocks, B)`)
+holds each warpgroup's query and `d_out` tiles and streams key and value tiles (the forward's
+schedule): `dp = d_out vᵀ` and `s = q kᵀ` in one `wgmma` group, `p = exp2(s · scale · log2 e −
+lse)`, `ds = p (dp − delta)`, `dq += ds k`. The `dk, dv` kernel (grid `(KVH, key blocks, B)`)
+holds each warpgroup's key and value tiles and streams, for every query tile of
+`key_schedule` (the transposed mask's), the query tiles, `d_out` tiles, `lse` and `delta` rows
+of each query head of the group: `sᵀ = k qᵀ`, `dv += pᵀ d_out`, `dpᵀ = v d_outᵀ`,
+`dk += dsᵀ q`, so the GQA sum stays in registers and `dk`, `dv` are written once. Only partial
+tiles mask. At head dim 256 the `dk`, `dv` accumulators alone would fill a warpgroup's
+registers: the registered implementation then passes `pallas_gpu`'s Triton kernels as the
+backward (`attention`'s `backward` argument); `explain` says which runs.
+
+**Backward cost.** `14 · B · H · D` FLOPs per visible (query, key) pair, 3.5 times the
+forward's: the `dq` kernel's three products (`s`, `dp`, `dq`) and the `dk, dv` kernel's four
+(`sᵀ`, `dpᵀ`, `dv`, `dk`), `2 · D` each. Bytes: the `dq` kernel reads `k`, `v` once per query
+block that sees them and `q`, `d_out` once; the `dk, dv` kernel reads `q`, `d_out` and the
+`lse`, `delta` rows once per key block that sees them, for every query head of its group, and
+`k`, `v` once; `dq`, `dk`, `dv` are written once each (no atomics, no float32 copies).
+
+**Files.** `schedules.py` (the tables, host and device), `tiles.py` (what the kernels share:
+the configuration, table reads, id loads, the producer of key and value tiles),
+`forward_kernel.py`, `backward_kernels.py`; this file the checks and the `custom_vjp`.
+
+**Constraints** (`supports`, or an `Unsupported` at the call): a GPU of compute capability
+9.x, bf16 or fp16, head dims 64, 128 or 256 (`q`, `k`, `v` alike), static masks (`Full`,
+`Causal`, `SlidingWindow` and their `&`, `|`) and `Segments` alone or `&` one of them
+(`PrefixLM`, `Dense` not yet), no logit soft cap and no sinks yet. Block sizes: `block_q` (rows per compute warpgroup,
+64 or 128), `block_kv` (64, 128 or 256), `num_stages` (ring depth, 2 to 4); their shared
+memory must fit 227 KiB. Backward (`*_dq`, `*_dkv`): `dq` 64 query rows per warpgroup by 64 or
+128 keys, `dk, dv` 64 keys per warpgroup by 64 or 128 query rows, 2 to 4 stages each.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+
+from axkern.core import backend
+from axkern.core.op import Unsupported
+
+from . import backward_kernels
+from .backward_kernels import (
+    BACKWARD_HEAD_DIMS,
+    backward,
+    backward_blocks,
+    backward_operands,
+    check_backward,
+)
+from .forward_kernel import _check, forward
+from .schedules import (
+    COMPUTE_WGS,
+    CTA_HI,
+    CTA_LO,
+    FHI,
+    FLO,
+    HI,
+    LO,
+    _visible_or_none,
+    key_schedule,
+    mask_schedule,
+    schedule,
+    schedule_rows,
+    schedule_table,
+    split,
+)
+from .tiles import _IMPORT_ERROR
+
+__all__ = [
+    "supports",
+    "check",
+    "check_backward",
+    "schedule",
+    "mask_schedule",
+    "key_schedule",
+    "schedule_rows",
+    "schedule_table",
+    "split",
+    "forward",
+    "backward",
+    "backward_blocks",
+    "backward_operands",
+    "attention",
+    "HEAD_DIMS",
+    "BACKWARD_HEAD_DIMS",
+    "COMPUTE_WGS",
+    "CTA_LO",
+    "CTA_HI",
+    "LO",
+    "FLO",
+    "FHI",
+    "HI",
+    "_visible_or_none",
+]
+
+HEAD_DIMS = (64, 128, 256)
+_HOPPER_KEYS = ("nvidia_h100", "nvidia_h200", "nvidia_h800", "nvidia_gh200")
+
+
+def _is_hopper(spec) -> bool:
+    cc = backend.compute_capability() if backend.platform() == "gpu" else None
+    if cc is not None:
+        return cc[0] == 9
+    return spec.device_key.startswith(_HOPPER_KEYS)
+
+
+def supports(spec) -> str | None:
+    if _IMPORT_ERROR is not None:
+        return f"jax.experimental.pallas.mosaic_gpu does not import here ({_IMPORT_ERROR})"
+    if spec.platform != "gpu" or not _is_hopper(spec):
+        return f"the Mosaic GPU kernel needs a Hopper GPU (compute capability 9.x), not {spec.device_kind}"
+    if spec.dtype not in ("bfloat16", "float16"):
+        return f"the Mosaic GPU kernel takes bf16 or fp16, not {spec.dtype}"
+    d, dv = spec.dim("head_dim"), spec.dim("v_dim")
+    if d not in HEAD_DIMS or dv != d:
+        return f"head dims {d} and {dv}: the Mosaic GPU kernel takes equal head dims of 64, 128 or 256"
+    if spec.flag("soft_cap"):
+        return "the Mosaic GPU kernel has no logit soft cap yet"
+    if spec.flag("sinks"):
+        return "the Mosaic GPU kernel has no sinks yet"
+    if spec.flag("mask") in ("PrefixLM", "Dense"):
+        return f"mask {spec.flag('mask')}: the Mosaic GPU kernels take static masks and Segments (not this one yet)"
+    return None
+
+
+def _blocks(block_sizes) -> dict:
+    return dict(
+        block_q=block_sizes.block_q, block_kv=block_sizes.block_kv, num_stages=block_sizes.num_stages or 2
+    )
+
+
+def check(mask, block_sizes, head_dim, sinks=None, logits_soft_cap=None) -> None:
+    """`Unsupported` with the reason when the forward kernel cannot serve these options (the
+    backward kernels: `check_backward`)."""
+    if sinks is not None or logits_soft_cap is not None:
+        raise Unsupported("the Mosaic GPU kernel has no sinks and no logit soft cap yet")
+    b = _blocks(block_sizes)
+    _check(mask, b["block_q"], b["block_kv"], b["num_stages"], head_dim)
+
+
+def attention(q, k, v, sinks, mask, *, scale, logits_soft_cap, block_sizes, backward=None):  # noqa: F811
+    """The forward kernel under a `custom_vjp` whose backward is the Mosaic GPU `dq` and `dk, dv`
+    kernels, or `backward(q, k, v, out, lse, d_out, *, mask) -> (dq, dk, dv)` when one is given
+    (the registered implementation passes `pallas_gpu`'s kernels where `check_backward` refuses).
+    The mask's arrays (segment ids) are arguments of the `custom_vjp`, not closed over, so a
+    jitted call with traced ids differentiates."""
+    check(mask, block_sizes, q.shape[3], sinks, logits_soft_cap)
+    fwd = functools.partial(forward, scale=scale, **_blocks(block_sizes))
+    if backward is None:
+        backward = functools.partial(backward_kernels.backward, scale=scale, block_sizes=block_sizes)
+    leaves, treedef = jax.tree.flatten(mask)
+    rebuild = functools.partial(jax.tree.unflatten, treedef)
+
+    @jax.custom_vjp
+    def fn(q, k, v, leaves):
+        return fwd(q, k, v, rebuild(leaves))[0]
+
+    def fn_fwd(q, k, v, leaves):
+        out, lse = fwd(q, k, v, rebuild(leaves))
+        return out, (q, k, v, out, lse, leaves)
+
+    def fn_bwd(res, d_out):
+        *res, leaves = res
+        return (*backward(*res, d_out, mask=rebuild(leaves)), None)
+
+    fn.defvjp(fn_fwd, fn_bwd)
+    return fn(q, k, v, leaves)

@@ -1,0 +1,395 @@
+"""The backward kernels (`backward`): the `dq` kernel and the `dk, dv` kernel, and the
+operands both read (`backward_operands`); their math, grids and costs in `__init__`'s docstring."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from axkern.core.blocks import cdiv
+from axkern.core.op import Unsupported
+
+from .. import common
+from ..blocks import MOSAIC_GPU_SMEM, mosaic_gpu_dkv_smem_bytes, mosaic_gpu_dq_smem_bytes
+from .schedules import (
+    COMPUTE_WGS,
+    CTA_HI,
+    CTA_LO,
+    FHI,
+    FLO,
+    HI,
+    LO,
+    _grid_visible,
+    _segment_ids,
+    _visible_or_none,
+    schedule_table,
+    split,
+)
+from .tiles import LOG2E, _Cfg, _entry_of, _iota, _load_ids, _same_segment, _stream_kv, pl, plgpu
+
+BACKWARD_HEAD_DIMS = (64, 128)  # at 256 the dk, dv accumulators alone fill a warpgroup's registers
+
+
+def backward_blocks(block_sizes) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+    """`((block_q, block_kv, num_stages) of dq, (block_q, block_kv, num_stages) of dk, dv)`:
+    the `*_dq`, `*_dkv` fields, where `None` the heuristic's (`dq` 64 x 128, `dk, dv` 64 x 64,
+    two stages each)."""
+    pick = lambda name, f, default: getattr(block_sizes, f"{f}_{name}", None) or default  # noqa: E731
+    return tuple(
+        (pick(n, "block_q", 64), pick(n, "block_kv", kv), pick(n, "num_stages", 2))
+        for n, kv in (("dq", 128), ("dkv", 64))
+    )
+
+
+def _check_backward(mask, block_sizes, d):
+    if d not in BACKWARD_HEAD_DIMS:
+        raise Unsupported(f"head dim {d}: the Mosaic GPU backward kernels take {BACKWARD_HEAD_DIMS}")
+    (bq1, bk1, st1), (bq2, bk2, st2) = backward_blocks(block_sizes)
+    if bq1 != 64 or bk1 not in (64, 128):
+        raise Unsupported(
+            f"dq tiles {bq1}x{bk1}: the Mosaic GPU dq kernel takes 64 query rows by 64 or 128 keys"
+        )
+    if bk2 != 64 or bq2 not in (64, 128):
+        raise Unsupported(
+            f"dk, dv tiles {bq2}x{bk2}: the Mosaic GPU kernel takes 64 or 128 query rows by 64 keys"
+        )
+    for name, stages in (("dq", st1), ("dkv", st2)):
+        if not 2 <= stages <= 4:
+            raise Unsupported(f"num_stages_{name}={stages}: the Mosaic GPU ring holds 2 to 4 tiles")
+    for name, need in (
+        ("dq", mosaic_gpu_dq_smem_bytes(bq1, bk1, st1, d)),
+        ("dk, dv", mosaic_gpu_dkv_smem_bytes(bq2, bk2, st2, d)),
+    ):
+        if need > MOSAIC_GPU_SMEM:
+            raise Unsupported(f"the Mosaic GPU {name} kernel's tiles need {need} bytes of shared memory")
+    _grid_visible(split(mask)[1], 0, 0)
+
+
+def backward_operands(q, k, v, out, lse, d_out, *, sqp, skp):
+    """What both backward kernels read: `q`, `d_out` padded to `sqp` rows and `k`, `v` to `skp`
+    (zeros), `lse` in base-2 units with `+inf` for rows that saw no key and for the padding
+    (so every `p = exp2(s · scale · log2 e - lse2)` there is 0), and `delta = Σ_d out · d_out`
+    (float32, 0 on the padding), `[B, H, sqp]` each."""
+    sq = q.shape[1]
+    delta = jnp.einsum("bqhd,bqhd->bhq", out.astype(jnp.float32), d_out.astype(jnp.float32))
+    lse2 = jnp.where(lse == -jnp.inf, jnp.inf, lse.astype(jnp.float32) * LOG2E)
+    rows = lambda a, n: jnp.pad(a, [(0, 0), (0, n - a.shape[1]), (0, 0), (0, 0)])  # noqa: E731
+    cols = lambda a, value: jnp.pad(a, [(0, 0), (0, 0), (0, sqp - sq)], constant_values=value)  # noqa: E731
+    return (
+        rows(q, sqp),
+        rows(k, skp),
+        rows(v, skp),
+        rows(d_out, sqp),
+        cols(lse2, jnp.inf),
+        cols(delta, 0.0),
+    )
+
+
+def _dq_kernel(
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, sched_ref, ids, dq_ref, scoped, *, cfg, mask, dtype
+):
+    bq, bk, stages = cfg.block_q, cfg.block_kv, cfg.stages
+    d = q_ref.shape[-1]
+    batch, head = lax.axis_index("batch"), lax.axis_index("heads")
+    cta = cfg.blocks - 1 - lax.axis_index("q_seq")  # heaviest causal rows first
+    wg = lax.axis_index("wg")
+    (q_smem2, do_smem2, k_smem, v_smem), (k_loaded, v_loaded, qd_loaded), (k_consumed, v_consumed) = scoped
+    at = _entry_of(sched_ref, batch, cfg)
+    clo, chi = at(cta, CTA_LO), at(cta, CTA_HI)
+    slot_of = lambda t: lax.rem(t - clo, jnp.int32(stages))  # noqa: E731
+
+    @pl.when(wg < COMPUTE_WGS)
+    def _compute():
+        plgpu.set_max_registers(232, action="increase")
+        q_smem, do_smem = q_smem2.at[wg], do_smem2.at[wg]
+        col = 2 + 4 * wg
+        lo, flo, fhi, hi = (at(cta, col + i) for i in (LO, FLO, FHI, HI))
+        q_base = (cta * COMPUTE_WGS + wg) * bq
+        q_ids = None if ids is None else _load_ids(ids[0], batch, q_base, bq, 0)
+        rows = (batch, pl.ds(q_base, bq), head)
+        plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem, qd_loaded.at[wg])
+        plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem, qd_loaded.at[wg])
+        row = plgpu.Layout.WGMMA.reduce(1)
+        lse = plgpu.load(lse_ref.at[batch, head, pl.ds(q_base, bq)], layout=row, optimized=False)
+        delta = plgpu.load(delta_ref.at[batch, head, pl.ds(q_base, bq)], layout=row, optimized=False)
+        plgpu.barrier_wait(qd_loaded.at[wg])
+        c = cfg.scale * LOG2E
+
+        def step(t, dq, masked):
+            slot = slot_of(t)
+            plgpu.barrier_wait(k_loaded.at[slot])
+            plgpu.barrier_wait(v_loaded.at[slot])
+
+            def products(dp_acc, s_acc):
+                plgpu.wgmma(dp_acc, do_smem, v_smem.at[slot].transpose((1, 0)))
+                plgpu.wgmma(s_acc, q_smem, k_smem.at[slot].transpose((1, 0)))
+                plgpu.wgmma_wait(1)
+                plgpu.barrier_arrive(v_consumed.at[slot])
+                return dp_acc[...], s_acc[...]
+
+            acc = plgpu.ACC((bq, bk), jnp.float32)
+            dp, s = pl.run_scoped(products, acc, acc)
+            if masked:
+                iota = functools.partial(_iota, (bq, bk))
+                vis = _visible_or_none(mask, q_base + iota(0), t * bk + iota(1), cfg.sk, bk)
+                if ids is not None:
+                    same = _same_segment(q_ids, _load_ids(ids[1], batch, t * bk, bk, 1), (bq, bk))
+                    vis = same if vis is None else vis & same
+                if vis is not None:
+                    s = jnp.where(vis, s, -jnp.inf)
+            bcast = lambda x: lax.broadcast_in_dim(x, s.shape, [0])  # noqa: E731
+            p = jnp.exp2(s * c - bcast(lse))
+            ds = (p * (dp - bcast(delta))).astype(dtype)
+
+            def dq_product(acc_ref):
+                plgpu.wgmma(acc_ref, ds, k_smem.at[slot])
+
+            dq = pl.run_state(dq_product)(plgpu.ACC.init(dq))
+            plgpu.barrier_arrive(k_consumed.at[slot])
+            return dq
+
+        def release(t, carry):  # a tile only the other warpgroup needs
+            slot = slot_of(t)
+            plgpu.barrier_wait(k_loaded.at[slot])
+            plgpu.barrier_wait(v_loaded.at[slot])
+            plgpu.barrier_arrive(k_consumed.at[slot])
+            plgpu.barrier_arrive(v_consumed.at[slot])
+            return carry
+
+        dq = plgpu.layout_cast(jnp.zeros((bq, d), jnp.float32), plgpu.Layout.WGMMA)
+        lax.fori_loop(clo, lo, release, None)
+        dq = lax.fori_loop(lo, flo, functools.partial(step, masked=True), dq)
+        dq = lax.fori_loop(flo, fhi, functools.partial(step, masked=False), dq)
+        dq = lax.fori_loop(fhi, hi, functools.partial(step, masked=True), dq)
+        lax.fori_loop(hi, chi, release, None)
+        q_smem[...] = (dq * cfg.scale).astype(dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[rows])
+        plgpu.wait_smem_to_gmem(0)
+
+    ring = (k_smem, v_smem, (k_loaded, v_loaded), (k_consumed, v_consumed))
+    pl.when(wg == COMPUTE_WGS)(
+        functools.partial(_stream_kv, cfg, (batch, head, clo, chi), k_ref, v_ref, *ring)
+    )
+
+
+def _dkv_kernel(
+    q_ref,
+    k_ref,
+    v_ref,
+    do_ref,
+    lse_ref,
+    delta_ref,
+    sched_ref,
+    ids,
+    dk_ref,
+    dv_ref,
+    scoped,
+    *,
+    cfg,
+    mask,
+    dtype,
+):
+    bq, bk, stages, groups = cfg.block_q, cfg.block_kv, cfg.stages, cfg.groups
+    d = k_ref.shape[-1]
+    batch, kv_head = lax.axis_index("batch"), lax.axis_index("heads")
+    cta = lax.axis_index("kv_seq")  # causal: the first key blocks see the most queries
+    wg = lax.axis_index("wg")
+    (k_smem2, v_smem2, q_smem, do_smem, lse_smem, delta_smem), (kv_loaded, loaded), consumed = scoped
+    at = _entry_of(sched_ref, batch, cfg)
+    clo, chi = at(cta, CTA_LO), at(cta, CTA_HI)
+    g = jnp.int32(groups)
+    # the ring's items: query tile clo + u // groups of the group's query head u % groups
+
+    @pl.when(wg < COMPUTE_WGS)
+    def _compute():
+        plgpu.set_max_registers(232, action="increase")
+        k_smem, v_smem = k_smem2.at[wg], v_smem2.at[wg]
+        col = 2 + 4 * wg
+        lo, flo, fhi, hi = (at(cta, col + i) for i in (LO, FLO, FHI, HI))
+        kv_base = (cta * COMPUTE_WGS + wg) * bk
+        k_ids = None if ids is None else _load_ids(ids[1], batch, kv_base, bk, 0)
+        rows = (batch, pl.ds(kv_base, bk), kv_head)
+        plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem, kv_loaded.at[wg])
+        plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem, kv_loaded.at[wg])
+        plgpu.barrier_wait(kv_loaded.at[wg])
+        c = cfg.scale * LOG2E
+        column = plgpu.Layout.WGMMA.reduce(0)
+        item = lambda t: (t - clo) * g  # noqa: E731 - the first ring item of query tile t
+
+        def accumulate(dk_acc, dv_acc):
+            def step(u, carry, masked):
+                slot = lax.rem(u, jnp.int32(stages))
+                plgpu.barrier_wait(loaded.at[slot])
+
+                def s_product(acc):
+                    plgpu.wgmma(acc, k_smem, q_smem.at[slot].transpose((1, 0)))
+                    return acc[...]
+
+                s = pl.run_scoped(s_product, plgpu.ACC((bk, bq), jnp.float32))  # keys by queries
+                lse = plgpu.load(lse_smem.at[slot], layout=column)
+                delta = plgpu.load(delta_smem.at[slot], layout=column)
+                if masked:
+                    iota = functools.partial(_iota, (bk, bq))
+                    q_base = (clo + lax.div(u, g)) * bq
+                    vis = _grid_visible(mask, q_base + iota(1), kv_base + iota(0))
+                    if ids is not None:
+                        same = _same_segment(k_ids, _load_ids(ids[0], batch, q_base, bq, 1), (bk, bq))
+                        vis = same if vis is None else vis & same
+                    if vis is not None:
+                        s = jnp.where(vis, s, -jnp.inf)
+                bcast = lambda x: lax.broadcast_in_dim(x, s.shape, [1])  # noqa: E731
+                p = jnp.exp2(s * c - bcast(lse))
+
+                def dp_product(acc):
+                    plgpu.wgmma(acc, v_smem, do_smem.at[slot].transpose((1, 0)))
+                    plgpu.wgmma(dv_acc, p.astype(dtype), do_smem.at[slot])
+                    return plgpu.wgmma_accumulator_load(acc, wait_n=1)
+
+                dp = pl.run_scoped(dp_product, plgpu.ACC((bk, bq), jnp.float32))
+                ds = (p * (dp - bcast(delta))).astype(dtype)
+                plgpu.wgmma(dk_acc, ds, q_smem.at[slot])
+                plgpu.wgmma_wait(0)
+                plgpu.barrier_arrive(consumed.at[slot])
+                return carry
+
+            def release(u, carry):  # a query tile only the other warpgroup needs
+                slot = lax.rem(u, jnp.int32(stages))
+                plgpu.barrier_wait(loaded.at[slot])
+                plgpu.barrier_arrive(consumed.at[slot])
+                return carry
+
+            lax.fori_loop(item(clo), item(lo), release, None)
+            lax.fori_loop(item(lo), item(flo), functools.partial(step, masked=True), None)
+            lax.fori_loop(item(flo), item(fhi), functools.partial(step, masked=False), None)
+            lax.fori_loop(item(fhi), item(hi), functools.partial(step, masked=True), None)
+            lax.fori_loop(item(hi), item(chi), release, None)
+            return dk_acc[...], dv_acc[...]
+
+        acc = plgpu.ACC((bk, d), jnp.float32)
+        dk, dv = pl.run_scoped(accumulate, acc, acc)
+        k_smem[...] = (dk * cfg.scale).astype(dtype)
+        v_smem[...] = dv.astype(dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(k_smem, dk_ref.at[rows])
+        plgpu.copy_smem_to_gmem(v_smem, dv_ref.at[rows])
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == COMPUTE_WGS)
+    def _producer():
+        plgpu.set_max_registers(40, action="decrease")
+
+        @pl.loop(0, (chi - clo) * g)
+        def _(u):
+            slot = lax.rem(u, jnp.int32(stages))
+            t, head = clo + lax.div(u, g), kv_head * g + lax.rem(u, g)
+            rows, cols = (batch, pl.ds(t * bq, bq), head), (batch, head, pl.ds(t * bq, bq))
+
+            @pl.when(u >= stages)
+            def _():
+                plgpu.barrier_wait(consumed.at[slot])
+
+            plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem.at[slot], loaded.at[slot])
+            plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem.at[slot], loaded.at[slot])
+            plgpu.copy_gmem_to_smem(lse_ref.at[cols], lse_smem.at[slot], loaded.at[slot])
+            plgpu.copy_gmem_to_smem(delta_ref.at[cols], delta_smem.at[slot], loaded.at[slot])
+
+
+def backward(q, k, v, out, lse, d_out, *, mask, scale, block_sizes):
+    """`(dq, dk, dv)` of the forward from its residuals (`out`, `lse` as `forward` returns
+    them) and the cotangent `d_out`, by the `dq` kernel (key tiles streamed past each query
+    block) and the `dk, dv` kernel (query tiles of every query head of the group streamed past
+    each key block: the GQA sum stays in registers)."""
+    b, sq, h, d = q.shape
+    sk, kvh = k.shape[1], k.shape[2]
+    _check_backward(mask, block_sizes, d)
+    (bq1, bk1, st1), (bq2, bk2, st2) = backward_blocks(block_sizes)
+    mq, mk = max(COMPUTE_WGS * bq1, bq2), max(bk1, COMPUTE_WGS * bk2)
+    sqp, skp = cdiv(sq, mq) * mq, cdiv(sk, mk) * mk
+    qp, kp, vp, dop, lse2, delta = backward_operands(q, k, v, out, lse, d_out, sqp=sqp, skp=skp)
+    seg, static = split(mask)
+    ids = () if seg is None else common.padded_ids(_segment_ids(seg, b), sqp, skp)
+    swizzled = dict(transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))
+    params = plgpu.CompilerParams(approx_math=True)
+    dt = q.dtype
+
+    table = schedule_table(mask, sq, sk, bq1, bk1, b)
+    cfg = _Cfg(bq1, bk1, st1, float(scale), sq, sk, h // kvh, table.shape[-2], seg is not None)
+    body = functools.partial(_dq_kernel, cfg=cfg, mask=static, dtype=dt)
+
+    def dq_entry(*refs):  # 7 inputs, the segment ids (with Segments), dq
+        pl.run_scoped(
+            lambda *scoped: body(*refs[:7], tuple(refs[7:-1]) or None, refs[-1], scoped),
+            [
+                plgpu.SMEM((COMPUTE_WGS, bq1, d), dt, **swizzled),
+                plgpu.SMEM((COMPUTE_WGS, bq1, d), dt, **swizzled),
+                plgpu.SMEM((st1, bk1, d), dt, **swizzled),
+                plgpu.SMEM((st1, bk1, d), dt, **swizzled),
+            ],
+            (
+                plgpu.Barrier(num_barriers=st1),
+                plgpu.Barrier(num_barriers=st1),
+                plgpu.Barrier(num_arrivals=2, num_barriers=COMPUTE_WGS),
+            ),
+            (plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=st1),) * 2,
+            collective_axes="wg",
+        )
+
+    dq = plgpu.kernel(
+        dq_entry,
+        out_type=jax.ShapeDtypeStruct((b, sqp, h, d), dt),
+        grid=(h, table.shape[-2], b),
+        grid_names=("heads", "q_seq", "batch"),
+        num_threads=COMPUTE_WGS + 1,
+        thread_name="wg",
+        compiler_params=params,
+        kernel_name="axkern_attention_mosaic_gpu_dq",
+    )(qp, kp, vp, dop, lse2, delta, table, *ids)
+
+    table = schedule_table(mask, sq, sk, bq2, bk2, b, keys=True)
+    cfg = _Cfg(bq2, bk2, st2, float(scale), sq, sk, h // kvh, table.shape[-2], seg is not None)
+    body = functools.partial(_dkv_kernel, cfg=cfg, mask=static, dtype=dt)
+
+    def dkv_entry(*refs):  # 7 inputs, the segment ids (with Segments), dk, dv
+        pl.run_scoped(
+            lambda *scoped: body(*refs[:7], tuple(refs[7:-2]) or None, *refs[-2:], scoped),
+            [
+                plgpu.SMEM((COMPUTE_WGS, bk2, d), dt, **swizzled),
+                plgpu.SMEM((COMPUTE_WGS, bk2, d), dt, **swizzled),
+                plgpu.SMEM((st2, bq2, d), dt, **swizzled),
+                plgpu.SMEM((st2, bq2, d), dt, **swizzled),
+                plgpu.SMEM((st2, bq2), jnp.float32),
+                plgpu.SMEM((st2, bq2), jnp.float32),
+            ],
+            (
+                plgpu.Barrier(num_arrivals=2, num_barriers=COMPUTE_WGS),
+                plgpu.Barrier(num_arrivals=4, num_barriers=st2),
+            ),
+            plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=st2),
+            collective_axes="wg",
+        )
+
+    kv_shape = jax.ShapeDtypeStruct((b, skp, kvh, d), dt)
+    dk, dv = plgpu.kernel(
+        dkv_entry,
+        out_type=[kv_shape, kv_shape],
+        grid=(kvh, table.shape[-2], b),
+        grid_names=("heads", "kv_seq", "batch"),
+        num_threads=COMPUTE_WGS + 1,
+        thread_name="wg",
+        compiler_params=params,
+        kernel_name="axkern_attention_mosaic_gpu_dkv",
+    )(qp, kp, vp, dop, lse2, delta, table, *ids)
+    return dq[:, :sq], dk[:, :sk], dv[:, :sk]
+
+
+def check_backward(mask, block_sizes, head_dim) -> str | None:
+    """Why the backward kernels cannot serve these options, or None."""
+    try:
+        _check_backward(mask, block_sizes, head_dim)
+    except Unsupported as e:
+        return str(e)
+    return None

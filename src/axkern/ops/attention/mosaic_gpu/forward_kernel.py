@@ -1,0 +1,238 @@
+"""The forward kernel (`forward`): grid, ring, ping-pong and math in `__init__`'s docstring."""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from axkern.core.blocks import cdiv
+from axkern.core.op import Unsupported
+
+from .. import common
+from ..blocks import MOSAIC_GPU_SMEM, mosaic_gpu_smem_bytes
+from .schedules import (
+    COMPUTE_WGS,
+    CTA_HI,
+    CTA_LO,
+    FHI,
+    FLO,
+    HI,
+    LO,
+    _grid_visible,
+    _segment_ids,
+    schedule_table,
+    split,
+)
+from .tiles import _Cfg, _entry_of, _load_ids, _same_segment, _stream_kv, pl, plgpu
+
+
+def _check_blocks(block_q, block_kv, stages, d):
+    if block_q not in (64, 128):
+        raise Unsupported(f"block_q={block_q}: the Mosaic GPU kernel takes 64 or 128 rows per warpgroup")
+    if block_kv not in (64, 128, 256):
+        raise Unsupported(f"block_kv={block_kv}: the Mosaic GPU kernel takes 64, 128 or 256")
+    if not 2 <= stages <= 4:
+        raise Unsupported(f"num_stages={stages}: the Mosaic GPU kernel's ring holds 2 to 4 tiles")
+    need = mosaic_gpu_smem_bytes(block_q, block_kv, stages, d)
+    if need > MOSAIC_GPU_SMEM:
+        raise Unsupported(
+            f"block_q={block_q}, block_kv={block_kv}, num_stages={stages} at head dim {d} need {need} bytes "
+            f"of shared memory, more than {MOSAIC_GPU_SMEM}"
+        )
+
+
+def _check(mask, block_q, block_kv, stages, d):
+    """`Unsupported` for block sizes or a mask the kernel cannot take."""
+    _check_blocks(block_q, block_kv, stages, d)
+    _grid_visible(split(mask)[1], 0, 0)  # raises for a static mask it cannot evaluate on index grids
+
+
+def _kernel(q_ref, k_ref, v_ref, sched_ref, ids, out_ref, lse_ref, scoped, *, cfg, mask, dtype):
+    bq, bk, stages = cfg.block_q, cfg.block_kv, cfg.stages
+    d = q_ref.shape[-1]
+    batch, head = lax.axis_index("batch"), lax.axis_index("heads")
+    cta = cfg.blocks - 1 - lax.axis_index("q_seq")  # heaviest causal rows first
+    wg = lax.axis_index("wg")
+    (qo_smem2, k_smem, v_smem, lse_smem2), loaded, consumed, sched_barrier = scoped
+    k_loaded, v_loaded, q_loaded = loaded
+    k_consumed, v_consumed = consumed
+    at = _entry_of(sched_ref, batch, cfg)
+    clo, chi = at(cta, CTA_LO), at(cta, CTA_HI)
+    slot_of = lambda t: lax.rem(t - clo, jnp.int32(stages))  # noqa: E731
+
+    def sync_schedule():  # one ping-pong step between the two compute warpgroups
+        plgpu.barrier_arrive(sched_barrier)
+        plgpu.barrier_wait(sched_barrier)
+
+    @pl.when(wg < COMPUTE_WGS)
+    def _compute():
+        plgpu.set_max_registers(232, action="increase")
+        qo_smem, lse_smem = qo_smem2.at[wg], lse_smem2.at[wg]
+        col = 2 + 4 * wg
+        lo, flo, fhi, hi = (at(cta, col + i) for i in (LO, FLO, FHI, HI))
+        q_base = (cta * COMPUTE_WGS + wg) * bq
+        q_ids = None if ids is None else _load_ids(ids[0], batch, q_base, bq, 0)
+        plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(q_base, bq), head], qo_smem, q_loaded.at[wg])
+        plgpu.barrier_wait(q_loaded.at[wg])
+        row = plgpu.Layout.WGMMA.reduce(1)
+        m_i = plgpu.layout_cast(jnp.full((bq,), -jnp.inf, jnp.float32), row)
+        l_i = plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), row)
+        acc = plgpu.layout_cast(jnp.zeros((bq, d), jnp.float32), plgpu.Layout.WGMMA)
+        c = cfg.scale * math.log2(math.e)  # scores to base-2 units in one multiply
+
+        def wait_next(t):  # each step starts with its key tile waited for
+            @pl.when(t + 1 < chi)
+            def _():
+                plgpu.barrier_wait(k_loaded.at[slot_of(t + 1)])
+
+        @pl.when(chi > clo)
+        def _():
+            plgpu.barrier_wait(k_loaded.at[0])
+
+        pl.when(wg == 1)(sync_schedule)
+
+        def step(t, carry, masked):
+            acc, m_i, l_i = carry
+            slot = slot_of(t)
+
+            def qk_product(acc_ref):
+                plgpu.wgmma(acc_ref, qo_smem, k_smem.at[slot].transpose((1, 0)))
+                sync_schedule()
+                return acc_ref[...]
+
+            s = pl.run_scoped(qk_product, plgpu.ACC((bq, bk), jnp.float32))
+            plgpu.barrier_arrive(k_consumed.at[slot])
+            if masked:
+                iota = lambda dim: plgpu.broadcasted_iota(jnp.int32, (bq, bk), dim, layout=plgpu.Layout.WGMMA)  # noqa: E731
+                qi, kj = q_base + iota(0), t * bk + iota(1)
+                vis = _grid_visible(mask, qi, kj)
+                if cfg.sk % bk:
+                    vis = kj < cfg.sk if vis is None else vis & (kj < cfg.sk)
+                if ids is not None:
+                    same = _same_segment(q_ids, _load_ids(ids[1], batch, t * bk, bk, 1), (bq, bk))
+                    vis = same if vis is None else vis & same
+                if vis is not None:
+                    s = jnp.where(vis, s, -jnp.inf)
+            m_new = jnp.maximum(m_i, s.max(axis=1) * c)
+            # a row that has seen no key yet keeps m = -inf; only masked tiles can leave it so
+            m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
+            alpha = jnp.exp2(m_i - m_use)
+            p = jnp.exp2(s * c - lax.broadcast_in_dim(m_use, s.shape, [0]))
+            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+            l_i = l_i * alpha
+            p16 = p.astype(dtype)
+
+            def end_softmax():
+                plgpu.barrier_arrive(sched_barrier)
+                plgpu.barrier_wait(v_loaded.at[slot])
+                plgpu.barrier_wait(sched_barrier)  # the tensor cores are ours again
+
+            if d <= 128:  # this order measured faster in JAX's kernel for small head dims
+                l_i = l_i + p.sum(axis=1)
+                acc, l_i, m_new, p16 = lax.optimization_barrier((acc, l_i, m_new, p16))
+                end_softmax()
+            else:
+                end_softmax()
+                l_i = l_i + p.sum(axis=1)
+
+            def pv_product(acc_ref):
+                plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+                wait_next(t)
+
+            acc = pl.run_state(pv_product)(plgpu.ACC.init(acc))
+            plgpu.barrier_arrive(v_consumed.at[slot])
+            return acc, m_new, l_i
+
+        def release(t, carry):  # a tile only the other warpgroup needs: keep the ring turning
+            slot = slot_of(t)
+            plgpu.barrier_arrive(k_consumed.at[slot])
+            plgpu.barrier_wait(v_loaded.at[slot])
+            plgpu.barrier_arrive(v_consumed.at[slot])
+            sync_schedule()
+            sync_schedule()
+            wait_next(t)
+            return carry
+
+        carry = (acc, m_i, l_i)
+        lax.fori_loop(clo, lo, release, None)
+        carry = lax.fori_loop(lo, flo, functools.partial(step, masked=True), carry)
+        carry = lax.fori_loop(flo, fhi, functools.partial(step, masked=False), carry)
+        carry = lax.fori_loop(fhi, hi, functools.partial(step, masked=True), carry)
+        lax.fori_loop(hi, chi, release, None)
+        acc, m_i, l_i = carry
+        pl.when(wg == 0)(sync_schedule)
+
+        seen = l_i > 0.0
+        inv = jnp.where(seen, 1.0 / jnp.where(seen, l_i, 1.0), 0.0)
+        acc = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
+        lse = jnp.where(seen, m_i * math.log(2.0) + jnp.log(jnp.where(seen, l_i, 1.0)), -jnp.inf)
+        qo_smem[...] = acc.astype(dtype)
+        lse_smem[...] = lse
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(qo_smem, out_ref.at[batch, pl.ds(q_base, bq), head])
+        plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[batch, head, pl.ds(q_base, bq)])
+        plgpu.wait_smem_to_gmem(0)
+
+    ring = (k_smem, v_smem, (k_loaded, v_loaded), (k_consumed, v_consumed))
+    pl.when(wg == COMPUTE_WGS)(
+        functools.partial(_stream_kv, cfg, (batch, head, clo, chi), k_ref, v_ref, *ring)
+    )
+
+
+def forward(q, k, v, mask, *, scale, block_q, block_kv, num_stages):
+    """`(out [B, Sq, H, D], lse [B, H, Sq] float32)` of the Mosaic GPU kernel."""
+    b, sq, h, d = q.shape
+    sk, kvh = k.shape[1], k.shape[2]
+    _check(mask, block_q, block_kv, num_stages, d)
+    seg, static = split(mask)
+    sqp, skp = cdiv(sq, COMPUTE_WGS * block_q) * COMPUTE_WGS * block_q, cdiv(sk, block_kv) * block_kv
+    table = schedule_table(mask, sq, sk, block_q, block_kv, b)
+    ids = () if seg is None else common.padded_ids(_segment_ids(seg, b), sqp, skp)
+    pad = lambda a, n: a if a.shape[1] == n else jnp.pad(a, [(0, 0), (0, n - a.shape[1]), (0, 0), (0, 0)])  # noqa: E731
+    qp, kp, vp = pad(q, sqp), pad(k, skp), pad(v, skp)
+    blocks = sqp // (COMPUTE_WGS * block_q)
+    cfg = _Cfg(block_q, block_kv, num_stages, float(scale), sq, sk, h // kvh, blocks, seg is not None)
+    body = functools.partial(_kernel, cfg=cfg, mask=static, dtype=q.dtype)
+
+    def entry(*refs):
+        q_ref, k_ref, v_ref, sched_ref, *ids_refs, out_ref, lse_ref = refs
+        swizzled = dict(transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))
+        scratch = [
+            plgpu.SMEM((COMPUTE_WGS, block_q, d), q.dtype, **swizzled),
+            plgpu.SMEM((num_stages, block_kv, d), q.dtype, **swizzled),
+            plgpu.SMEM((num_stages, block_kv, d), q.dtype, **swizzled),
+            plgpu.SMEM((COMPUTE_WGS, block_q), jnp.float32),
+        ]
+        pl.run_scoped(
+            lambda *scoped: body(
+                q_ref, k_ref, v_ref, sched_ref, tuple(ids_refs) or None, out_ref, lse_ref, scoped
+            ),
+            scratch,
+            (
+                plgpu.Barrier(num_barriers=num_stages),
+                plgpu.Barrier(num_barriers=num_stages),
+                plgpu.Barrier(num_barriers=COMPUTE_WGS),
+            ),
+            (plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=num_stages),) * 2,
+            plgpu.Barrier(num_arrivals=COMPUTE_WGS),
+            collective_axes="wg",
+        )
+
+    out, lse = plgpu.kernel(
+        entry,
+        out_type=[
+            jax.ShapeDtypeStruct((b, sqp, h, d), q.dtype),
+            jax.ShapeDtypeStruct((b, h, sqp), jnp.float32),
+        ],
+        grid=(h, sqp // (COMPUTE_WGS * block_q), b),
+        grid_names=("heads", "q_seq", "batch"),
+        num_threads=COMPUTE_WGS + 1,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        kernel_name="axkern_attention_mosaic_gpu_fwd",
+    )(qp, kp, vp, table, *ids)
+    return out[:, :sq], lse[:, :, :sq]
