@@ -216,20 +216,17 @@ def test_the_cudnn_guard_takes_the_rule_following_path_where_something_is_not_fi
 def test_the_guard_differentiates_a_jitted_call_with_traced_mask_arrays():
     # the mask's arrays (segment ids) reach the guard's branches as arguments: `grad` of a
     # jitted call whose ids are traced works (closed over, they would be constants it cannot take)
-    from axkern.ops.attention.api import _rule_following, _where_finite
+    from axkern.ops.attention.api import _guarded
 
     a = _inputs(6)
     ids = jnp.array([[0] * 10 + [1] * 14])
 
     def guarded(q, k, v, ids):
+        def fast(q, k, v, mask):
+            return attention(q, k, v, mask=mask, implementation="reference")
+
         mask = masks.Causal() & masks.Segments(ids, ids)
-        leaves, treedef = jax.tree.flatten(mask)
-
-        def fast(q, k, v, *leaves):
-            return attention(q, k, v, mask=jax.tree.unflatten(treedef, leaves), implementation="reference")
-
-        safe = _rule_following(mask, None, None, None, ("xla",))
-        return _where_finite(fast, safe, q, k, v, tuple(leaves))
+        return _guarded(fast, q, k, v, None, mask, scale=None, logits_soft_cap=None, order=("xla",))
 
     def ref(q, k, v, ids):
         return attention(q, k, v, mask=masks.Causal() & masks.Segments(ids, ids), implementation="reference")

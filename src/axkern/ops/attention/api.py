@@ -57,14 +57,9 @@ def _cudnn_where_finite(q, k, v, sinks, mask, *, scale, logits_soft_cap):
     queries that cannot see its key. The check reads the inputs once more (and the cotangent
     in the backward); only cuDNN's residuals are kept, and the other implementation's forward
     and backward run only where something is not finite."""
-    leaves, treedef = jax.tree.flatten(mask)
-
-    def cudnn_fn(q, k, v, *leaves):
-        mask = jax.tree.unflatten(treedef, leaves)
-        return cudnn.attention(q, k, v, sinks=sinks, mask=mask, scale=scale, logits_soft_cap=logits_soft_cap)
-
-    safe_fn = _rule_following(mask, scale, logits_soft_cap, sinks, ("pallas_gpu", "xla"))
-    return _where_finite(cudnn_fn, safe_fn, q, k, v, tuple(leaves))
+    kw = dict(scale=scale, logits_soft_cap=logits_soft_cap)
+    fast = lambda q, k, v, mask: cudnn.attention(q, k, v, sinks=sinks, mask=mask, **kw)  # noqa: E731
+    return _guarded(fast, q, k, v, sinks, mask, order=("pallas_gpu", "xla"), **kw)
 
 
 def _mosaic_gpu_where_finite(q, k, v, sinks, mask, *, scale, logits_soft_cap, block_sizes):
@@ -87,23 +82,21 @@ def _mosaic_gpu_where_finite(q, k, v, sinks, mask, *, scale, logits_soft_cap, bl
     # above head dim 128 pallas_gpu's default forward tiles (64 x 64, 3 stages) ask a Hopper block
     # for more shared memory than it has (237568 of 232448 bytes): xla serves non-finite inputs there
     safe_order = ("pallas_gpu", "xla") if max(q.shape[3], v.shape[3]) <= 128 else ("xla",)
+    kw = dict(scale=scale, logits_soft_cap=logits_soft_cap)
+    attend = functools.partial(mosaic_gpu.attention, block_sizes=block_sizes, backward=backward, **kw)
+    fast = lambda q, k, v, mask: attend(q, k, v, sinks, mask)  # noqa: E731
+    return _guarded(fast, q, k, v, sinks, mask, order=safe_order, **kw)
+
+
+def _guarded(fast, q, k, v, sinks, mask, *, scale, logits_soft_cap, order):
+    """`fast(q, k, v, mask)` behind the non-finite guard (`_where_finite`), the first of `order`
+    serving where something is not finite; the mask's arrays pass through as arguments."""
     leaves, treedef = jax.tree.flatten(mask)
 
     def fast_fn(q, k, v, *leaves):
-        mask = jax.tree.unflatten(treedef, leaves)
-        return mosaic_gpu.attention(
-            q,
-            k,
-            v,
-            sinks,
-            mask,
-            scale=scale,
-            logits_soft_cap=logits_soft_cap,
-            block_sizes=block_sizes,
-            backward=backward,
-        )
+        return fast(q, k, v, jax.tree.unflatten(treedef, leaves))
 
-    safe_fn = _rule_following(mask, scale, logits_soft_cap, sinks, safe_order)
+    safe_fn = _rule_following(mask, scale, logits_soft_cap, sinks, order)
     return _where_finite(fast_fn, safe_fn, q, k, v, tuple(leaves))
 
 
