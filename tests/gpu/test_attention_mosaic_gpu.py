@@ -108,11 +108,87 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("name", list(CASES))
+_PREFIX = masks.PrefixLM(jnp.array([70, 200]))
+_DOCS260 = _docs(2, 260, 50, 90)
+# name: (b, sq, sk, heads, kv_heads, head_dim, dtype, mask, block sizes or None, soft cap, sinks)
+MORE_CASES = {
+    "prefix-LM bf16 d128 gqa2 b2 ragged300": (2, 300, 300, 4, 2, 128, "bfloat16", _PREFIX, None, None, False),
+    "window100 | prefix-LM fp16 d64 b2": (
+        2,
+        300,
+        300,
+        2,
+        1,
+        64,
+        "float16",
+        masks.SlidingWindow(100) | _PREFIX,
+        None,
+        None,
+        False,
+    ),
+    "packed docs | window40 bf16 d64 b2 gqa8": (
+        2,
+        260,
+        260,
+        8,
+        1,
+        64,
+        "bfloat16",
+        masks.Segments(_DOCS260, _DOCS260) | masks.SlidingWindow(40),
+        None,
+        None,
+        False,
+    ),
+    "causal soft cap 5 sinks bf16 d128 gqa2": (
+        1,
+        384,
+        384,
+        4,
+        2,
+        128,
+        "bfloat16",
+        masks.Causal(),
+        None,
+        5.0,
+        True,
+    ),
+    "prefix-LM & docs soft cap 3 fp16 d64": (
+        2,
+        260,
+        260,
+        2,
+        2,
+        64,
+        "float16",
+        _PREFIX & masks.Segments(_DOCS260, _DOCS260),
+        None,
+        3.0,
+        False,
+    ),
+    "window100 soft cap 8 sinks bf16 d256 ragged": (
+        1,
+        250,
+        250,
+        2,
+        1,
+        256,
+        "bfloat16",
+        masks.SlidingWindow(100),
+        None,
+        8.0,
+        True,
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES) + list(MORE_CASES))
 def test_against_oracle(name):
-    b, sq, sk, h, kvh, d, dtype, mask, blocks = CASES[name]
-    a = _inputs(list(CASES).index(name), b, sq, sk, h, kvh, d, dtype)
-    check_rule(_run, "mosaic_gpu", a, dtype, f"attention {name}", mask=mask, sinks=False, blocks=blocks)
+    case = (*CASES[name], None, False) if name in CASES else MORE_CASES[name]
+    b, sq, sk, h, kvh, d, dtype, mask, blocks, cap, sinks = case
+    a = _inputs([*CASES, *MORE_CASES].index(name), b, sq, sk, h, kvh, d, dtype)
+    check_rule(
+        _run, "mosaic_gpu", a, dtype, f"attention {name}", mask=mask, sinks=sinks, cap=cap, blocks=blocks
+    )
 
 
 def test_lse_and_rows_that_see_no_key():
@@ -148,19 +224,19 @@ def test_explain_names_it_and_its_backward_and_it_falls_back_with_reasons():
     )
     assert d.implementation == "mosaic_gpu" and "Mosaic GPU kernels: dq (64x128" in d.backward
     assert d.block_sizes.block_q == 64 and d.block_sizes.num_stages == 2
-    # not first in the GPU order yet
-    assert axkern.explain(att, a["q"], a["k"], a["v"]).implementation != "mosaic_gpu"
+    # first in the GPU order on Hopper
+    assert axkern.explain(att, a["q"], a["k"], a["v"]).implementation == "mosaic_gpu"
     order = ("mosaic_gpu", "pallas_gpu")
     ids = jnp.zeros((1, 256), jnp.int32).at[:, 100:].set(1)
     docs = masks.Causal() & masks.Segments(ids, ids)
     d = axkern.explain(lambda q, k, v: att(q, k, v, mask=docs, implementation=order), a["q"], a["k"], a["v"])
     assert d.implementation == "mosaic_gpu"  # packed documents: its run-time schedule
-    for kw, reason in (
-        (dict(sinks=jnp.zeros((4,), jnp.float32)), "sinks"),
-        (dict(logits_soft_cap=30.0), "soft cap"),
-    ):
-        d = axkern.explain(lambda q, k, v: att(q, k, v, implementation=order, **kw), a["q"], a["k"], a["v"])  # noqa: B023
-        assert d.implementation == "pallas_gpu" and reason in d.rejected[0].reason, d
+    dense = masks.Dense(jnp.ones((1, 256, 256), bool))
+    to_xla = ("mosaic_gpu", "xla")
+    d = axkern.explain(
+        lambda q, k, v: att(q, k, v, mask=dense, implementation=to_xla), a["q"], a["k"], a["v"]
+    )
+    assert d.implementation == "xla" and "Dense" in d.rejected[0].reason, d
     b = _inputs(0, 1, 256, 256, 4, 4, 96, "bfloat16")
     d = axkern.explain(
         lambda q, k, v: att(q, k, v, implementation=("mosaic_gpu", "xla")), b["q"], b["k"], b["v"]

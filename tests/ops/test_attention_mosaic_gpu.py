@@ -15,7 +15,6 @@ import pytest
 import axkern
 from axkern import masks
 from axkern.ops.attention import OP, mosaic_gpu, pallas_gpu
-from axkern.ops.attention import common as tiles_common
 from axkern.ops.attention.blocks import (
     MOSAIC_GPU_SMEM,
     AttentionBlockSizes,
@@ -152,11 +151,10 @@ def test_supports_refuses_with_reasons():
     assert "bf16 or fp16" in mosaic_gpu.supports(_spec(jnp.float32))
     assert "head dims 96" in mosaic_gpu.supports(_spec(d=96))
     assert "head dims 128 and 64" in mosaic_gpu.supports(_spec(d=128, dv=64))
-    assert "soft cap" in mosaic_gpu.supports(_spec(soft_cap=True))
-    assert "sinks" in mosaic_gpu.supports(_spec(sinks=True))
-    assert mosaic_gpu.supports(_spec(mask="Segments")) is None
-    for m in ("PrefixLM", "Dense"):
-        assert "static masks and Segments" in mosaic_gpu.supports(_spec(mask=m))
+    assert mosaic_gpu.supports(_spec(soft_cap=True, sinks=True)) is None
+    for m in ("Segments", "PrefixLM", "Or"):
+        assert mosaic_gpu.supports(_spec(mask=m)) is None
+    assert "mask Dense" in mosaic_gpu.supports(_spec(mask="Dense"))
 
 
 def test_check_refuses_masks_and_blocks_it_cannot_take():
@@ -164,18 +162,19 @@ def test_check_refuses_masks_and_blocks_it_cannot_take():
     mosaic_gpu.check(masks.Causal() & masks.SlidingWindow(100), bs, 128)
     ids = jnp.zeros((1, 256), jnp.int32)
     mosaic_gpu.check(masks.Causal() & masks.Segments(ids, ids), bs, 128)
-    with pytest.raises(axkern.Unsupported, match="not PrefixLM or Dense"):
-        mosaic_gpu.check(masks.Causal() | masks.Segments(ids, ids), bs, 128)
-    with pytest.raises(axkern.Unsupported, match="not PrefixLM or Dense"):
-        mosaic_gpu.check(masks.PrefixLM(jnp.array([3])), bs, 128)
+    mosaic_gpu.check(masks.Causal() | masks.Segments(ids, ids), bs, 128)
+    mosaic_gpu.check(masks.SlidingWindow(64) | masks.PrefixLM(jnp.array([3])), bs, 128, sinks=jnp.zeros(4))
+    mosaic_gpu.check(masks.PrefixLM(jnp.array([3])) & masks.Segments(ids, ids), bs, 128, logits_soft_cap=30.0)
+    with pytest.raises(axkern.Unsupported, match="not Dense"):
+        mosaic_gpu.check(masks.Causal() & masks.Dense(jnp.ones((1, 256, 256), bool)), bs, 128)
+    with pytest.raises(axkern.Unsupported, match="positive cap"):
+        mosaic_gpu.check(masks.Causal(), bs, 128, logits_soft_cap=0.0)
     with pytest.raises(axkern.Unsupported, match="block_q=32"):
         mosaic_gpu.check(masks.Causal(), dataclasses.replace(bs, block_q=32), 128)
     with pytest.raises(axkern.Unsupported, match="num_stages=5"):
         mosaic_gpu.check(masks.Causal(), dataclasses.replace(bs, num_stages=5), 128)
     with pytest.raises(axkern.Unsupported, match="shared memory"):
         mosaic_gpu.check(masks.Causal(), dataclasses.replace(bs, block_kv=256, num_stages=4), 256)
-    with pytest.raises(axkern.Unsupported, match="sinks"):
-        mosaic_gpu.check(masks.Causal(), bs, 128, sinks=jnp.zeros(4))
 
 
 def test_heuristic_and_space_fit_shared_memory():
@@ -231,7 +230,7 @@ def test_dispatch_on_cpu_skips_it_with_the_reason():
     with pytest.raises(axkern.Unsupported, match="mosaic_gpu"):
         attention(a["q"], a["k"], a["v"], implementation="mosaic_gpu")
     # not in any default order yet (that needs measured speed)
-    assert all("mosaic_gpu" not in order for order in OP.default_order.values())
+    assert OP.default_order["gpu"][0] == "mosaic_gpu"  # where it serves (Hopper)
     line = OP.implementations["mosaic_gpu"].backward
     assert "dq (64x128 tiles, 2 stages)" in line(_spec(), mosaic_gpu_heuristic(_spec()))
     assert "no Mosaic GPU backward" in line(_spec(d=256), mosaic_gpu_heuristic(_spec(d=256)))
@@ -285,9 +284,10 @@ def test_key_schedule_against_brute_force(name, sq, sk, bq, bk):
             assert (lo, hi) == (seen[0], seen[-1] + 1) and all_[i, flo:fhi].all(), (c, w, row)
 
 
-def _emulated_backward(q, k, v, out, lse, d_out, mask, scale, blocks):
+def _emulated_backward(q, k, v, out, lse, d_out, mask, scale, blocks, soft_cap=None):
     """The Mosaic backward kernels' tile loops in float64 numpy: the same tables, operands
-    (padding, base-2 lse, delta), masking of partial tiles only, scale and GQA grouping."""
+    (padding, base-2 lse, delta, the mask's arrays), the same lowered mask evaluated on the
+    tiles, masking of partial tiles only, soft cap, scale and GQA grouping."""
     (bq1, bk1, _), (bq2, bk2, _) = mosaic_gpu.backward_blocks(blocks)
     b, sq, h, d = q.shape
     sk, kvh = k.shape[1], k.shape[2]
@@ -296,12 +296,15 @@ def _emulated_backward(q, k, v, out, lse, d_out, mask, scale, blocks):
     sqp, skp = -(-sq // mq) * mq, -(-sk // mk) * mk
     ops = mosaic_gpu.backward_operands(q, k, v, out, lse, d_out, sqp=sqp, skp=skp)
     qp, kp, vp, dop, lse2, delta = (np.asarray(a, np.float64) for a in ops)
-    seg, static = mosaic_gpu.split(mask)
-    ids = (
-        None
-        if seg is None
-        else [np.asarray(a) for a in tiles_common.padded_ids((seg.q_ids, seg.kv_ids), sqp, skp)]
-    )
+    lowered, leaves = mosaic_gpu.lower(mask)
+    mask_ops = [np.asarray(a) for a in mosaic_gpu.operands(leaves, b, sqp, skp)]
+
+    def dynamic(leaf, qi, kj):  # [b, rows, cols], as the kernels' TileMask per batch row
+        if leaf.kind == "prefix":
+            return (kj <= qi)[None] | (kj[None] < mask_ops[leaf.index][:, None, None])
+        q_ids, k_ids = mask_ops[leaf.index][:, qi[:, 0]], mask_ops[leaf.index + 1][:, kj[0]]
+        return q_ids[:, :, None] == k_ids[:, None, :]
+
     kp, vp = np.repeat(kp, g, axis=2), np.repeat(vp, g, axis=2)  # per query head
     c = scale * np.log2(np.e)
     dq, dk, dv = np.zeros(qp.shape), np.zeros(kp.shape), np.zeros(vp.shape)
@@ -309,18 +312,24 @@ def _emulated_backward(q, k, v, out, lse, d_out, mask, scale, blocks):
     def tile(q0, bq, k0, bk, masked):
         rows, keys = slice(q0, q0 + bq), slice(k0, k0 + bk)
         s = np.einsum("bqhd,bkhd->bhqk", qp[:, rows], kp[:, keys])
+        t = None
+        if soft_cap is None:
+            s = s * c
+        else:
+            t = np.tanh(s * scale / soft_cap)
+            s = t * soft_cap * np.log2(np.e)
         if masked:
             qi, kj = np.meshgrid(np.arange(q0, q0 + bq), np.arange(k0, k0 + bk), indexing="ij")
-            vis = mosaic_gpu._visible_or_none(static, qi, kj, sk, bk)
-            if ids is not None:  # per batch row
-                same = ids[0][:, q0 : q0 + bq, None] == ids[1][:, None, k0 : k0 + bk]
-                vis = same if vis is None else vis & same
-                vis = vis[:, None]  # over heads
-            s = s if vis is None else np.where(vis, s, -np.inf)
+            vis = mosaic_gpu._visible_or_none(lowered, qi, kj, sk, bk, dynamic)
+            if vis is not None:
+                vis = vis[:, None] if np.ndim(vis) == 3 else vis  # over heads
+                s = np.where(vis, s, -np.inf)
         with np.errstate(invalid="ignore"):
-            p = np.exp2(s * c - lse2[:, :, rows, None])
+            p = np.exp2(s - lse2[:, :, rows, None])
         dp = np.einsum("bqhd,bkhd->bhqk", dop[:, rows], vp[:, keys])
         ds = p * (dp - delta[:, :, rows, None])
+        if t is not None:
+            ds = ds * (1 - t * t)
         return rows, keys, p, ds
 
     def visits(table):  # (batch row or None, block, warpgroup, tile, masked)
@@ -347,39 +356,59 @@ def _emulated_backward(q, k, v, out, lse, d_out, mask, scale, blocks):
     return dq[:, :sq] * scale, group(dk) * scale, group(dv)
 
 
+_PREFIX = masks.PrefixLM(jnp.array([70, 9]))
+
+
 @pytest.mark.parametrize(
-    "mask,sq,sk",
+    "mask,sq,sk,extra",
     [
-        (masks.Causal(), 150, 150),
-        (masks.Causal(offset=-20), 100, 140),  # the first 20 queries see no key
-        (masks.SlidingWindow(40) & masks.Causal(), 200, 200),
-        (masks.Full(), 70, 190),
-        ("docs", 140, 140),  # packed documents, causal, a run-time schedule per batch row
-        ("docs-only", 110, 110),
+        (masks.Causal(), 150, 150, {}),
+        (masks.Causal(offset=-20), 100, 140, {}),  # the first 20 queries see no key
+        (masks.SlidingWindow(40) & masks.Causal(), 200, 200, {}),
+        (masks.Full(), 70, 190, {}),
+        ("docs", 140, 140, {}),  # packed documents, causal, a run-time schedule per batch row
+        ("docs-only", 110, 110, {}),
+        (_PREFIX, 150, 150, {}),  # prefix-LM: a run-time schedule from each row's prefix length
+        (masks.SlidingWindow(30) | _PREFIX, 150, 150, {"soft_cap": 2.0}),
+        ("docs|window", 140, 140, {"sinks": True}),
+        ("prefix&docs", 140, 140, {"soft_cap": 3.0, "sinks": True}),
     ],
 )
-def test_emulated_backward_tiles_give_the_gradients(mask, sq, sk):
+def test_emulated_backward_tiles_give_the_gradients(mask, sq, sk, extra):
     # the kernels' schedule, operands and per-tile arithmetic, run in numpy, against autodiff
-    # of the reference (GQA 2, lengths no tile divides, rows that see no key)
-    b = 2 if isinstance(mask, str) else 1
+    # of the reference (GQA 2, lengths no tile divides, rows that see no key); with sinks the
+    # forward's lse holds them (the kernels need nothing more), with a soft cap the scores are
+    # capped and the derivative of the cap joins ds
+    b = 2 if isinstance(mask, str) or mask is _PREFIX or isinstance(mask, masks.Or) else 1
     if isinstance(mask, str):  # documents of 37, 64, 13, ... positions in row 0, 90, ... in row 1
         ids = jnp.stack([jnp.arange(sq) // 37 + (jnp.arange(sq) >= 101), jnp.arange(sq) // 90])
         seg = masks.Segments(ids, ids)
-        mask = masks.Causal() & seg if mask == "docs" else seg
+        mask = {
+            "docs": masks.Causal() & seg,
+            "docs-only": seg,
+            "docs|window": seg | masks.SlidingWindow(20),
+            "prefix&docs": _PREFIX & seg,
+        }[mask]
     a = _inputs(11, b, sq, sk, 4, 2, 16, "float32")
     q, k, v = a["q"], a["k"], a["v"]
-    scale = 0.25
+    scale, cap = 0.25, extra.get("soft_cap")
+    sinks = jnp.array([0.5, -1.0, 2.0, 0.0]) if extra.get("sinks") else None
 
     def ref(q, k, v):
-        return attention(q, k, v, mask=mask, scale=scale, implementation="reference")
+        return attention(
+            q, k, v, mask=mask, scale=scale, logits_soft_cap=cap, sinks=sinks, implementation="reference"
+        )
 
     out, vjp = jax.vjp(ref, q, k, v)
     s = jnp.einsum("bqhd,bkhd->bhqk", q, jnp.repeat(k, 2, axis=2)) * scale
+    s = s if cap is None else cap * jnp.tanh(s / cap)
     s = jnp.where(mask.dense(sq, sk)[:, None], s, -jnp.inf)
+    if sinks is not None:
+        s = jnp.concatenate([s, jnp.broadcast_to(sinks[None, :, None, None], s.shape[:3] + (1,))], -1)
     lse = jax.nn.logsumexp(s, axis=-1)
     d_out = jnp.sin(jnp.arange(out.size, dtype=jnp.float32)).reshape(out.shape)
     blocks = AttentionBlockSizes(block_q_dq=64, block_kv_dq=64, block_q_dkv=128, block_kv_dkv=64)
-    got = _emulated_backward(q, k, v, out, lse, d_out, mask, scale, blocks)
+    got = _emulated_backward(q, k, v, out, lse, d_out, mask, scale, blocks, soft_cap=cap)
     for name, g_, w_ in zip(("dq", "dk", "dv"), got, vjp(d_out), strict=True):
         np.testing.assert_allclose(g_, np.asarray(w_), rtol=1e-4, atol=1e-4, err_msg=name)
 
@@ -418,12 +447,20 @@ def test_schedule_rows_on_the_device_matches_the_host_schedule():
             np.testing.assert_array_equal(got[r], mosaic_gpu.schedule(kinds[r]), err_msg=f"{n}x{nk} row {r}")
 
 
-def test_segment_schedule_covers_every_visible_pair_and_runs_only_full_tiles():
-    # packed documents: the run-time table may visit a tile it need not (id ranges overlap),
+def test_run_time_schedule_covers_every_visible_pair_and_runs_only_full_tiles():
+    # packed documents, prefix-LM and & | of them: the run-time table may visit a tile it need not (id ranges overlap),
     # never skip one with a visible pair, and never run a tile without masking unless every
     # pair in it is visible
     ids = jnp.stack([jnp.repeat(jnp.arange(5), 40)[:173], jnp.repeat(jnp.arange(3), 61)[:173]])
-    for mask in (masks.Segments(ids, ids), masks.Causal() & masks.Segments(ids, ids)):
+    seg, prefix = masks.Segments(ids, ids), masks.PrefixLM(jnp.array([50, 0]))
+    for mask in (
+        seg,
+        masks.Causal() & seg,
+        prefix,
+        masks.SlidingWindow(20) | prefix,
+        (prefix & seg) | masks.SlidingWindow(9, offset=4),
+        masks.Causal(offset=-10) & (seg | prefix),
+    ):
         dense = np.asarray(mask.dense(173, 173))
         for keys in (False, True):
             table = np.asarray(mosaic_gpu.schedule_table(mask, 173, 173, 16, 32, 2, keys=keys))

@@ -27,6 +27,7 @@ from axkern.core.mesh import mesh_axes_for
 from axkern.core.op import Implementation, Op, Unsupported, unrecorded
 from axkern.core.typing import Array, Float, checked
 
+from . import common as tiles_common
 from . import cudnn, mosaic_gpu, pallas_gpu, pallas_tpu, reference, xla
 from .blocks import (
     AttentionBlockSizes,
@@ -78,7 +79,15 @@ def _mosaic_gpu_where_finite(q, k, v, sinks, mask, *, scale, logits_soft_cap, bl
         dims = dict(zip(("batch", "q_len", "heads", "head_dim"), q.shape, strict=True))
         dims |= {"kv_len": k.shape[1], "kv_heads": k.shape[2], "v_dim": v.shape[3]}
         back_blocks = mosaic_gpu_backward_blocks(block_sizes, OP.spec(dims, q.dtype))
-        backward = functools.partial(pallas_gpu.backward, scale=scale, block_sizes=back_blocks)
+        try:
+            tiles_common.split_segments(mask)
+        except Unsupported as e:
+            raise Unsupported(
+                f"head dim {q.shape[3]}: the backward would be pallas_gpu's kernels, and {e}"
+            ) from None
+        backward = functools.partial(
+            pallas_gpu.backward, scale=scale, block_sizes=back_blocks, logits_soft_cap=logits_soft_cap
+        )
     # above head dim 128 pallas_gpu's default forward tiles (64 x 64, 3 stages) ask a Hopper block
     # for more shared memory than it has (237568 of 232448 bytes): xla serves non-finite inputs there
     safe_order = ("pallas_gpu", "xla") if max(q.shape[3], v.shape[3]) <= 128 else ("xla",)
@@ -233,10 +242,11 @@ OP = Op(
         ),
         Implementation("reference", reference.attention, backward="autodiff through materialised scores"),
     ],
-    # GPU: cuDNN where its supports() holds, then pallas_gpu for what cuDNN cannot express
-    # through JAX (packed documents, every block-sparse mask), then xla; mosaic_gpu (Hopper)
-    # and pallas_tpu are explicit only (figures: docs/ops/attention.md, "Performance")
-    default_order={"cpu": ("xla",), "gpu": ("cudnn", "pallas_gpu", "xla"), "tpu": ("xla",)},
+    # GPU: mosaic_gpu on Hopper (its supports() refuses other GPUs, Dense masks, float32),
+    # cuDNN where its supports() holds, then pallas_gpu for what neither serves (other GPUs'
+    # packed documents and block-sparse masks), then xla; pallas_tpu is explicit only (figures:
+    # docs/ops/attention.md, "Performance")
+    default_order={"cpu": ("xla",), "gpu": ("mosaic_gpu", "cudnn", "pallas_gpu", "xla"), "tpu": ("xla",)},
     package=__package__,
     bucket=bucket,
 )

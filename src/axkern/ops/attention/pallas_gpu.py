@@ -472,13 +472,15 @@ def _attention_bwd(cfg, mask, res, d_out):
 _attention = tiles.flash_vjp(_forward, _attention_bwd)
 
 
-def backward(q, k, v, out, lse, d_out, *, mask, scale, block_sizes, interpret=False):
-    """`(dq, dk, dv)` of attention without sinks or soft cap from another forward's residuals:
-    `out [B, Sq, H, Dv]` and `lse [B, H, Sq]` (float32, natural log), through this file's `dq`
-    and `dk, dv` kernels with `block_sizes`' `*_dq` and `*_dkv` tiles (the `mosaic_gpu`
-    forward's backward until it has its own)."""
+def backward(q, k, v, out, lse, d_out, *, mask, scale, block_sizes, logits_soft_cap=None, interpret=False):
+    """`(dq, dk, dv)` of attention from another forward's residuals, `out [B, Sq, H, Dv]` and
+    `lse [B, H, Sq]` (float32, natural log; with sinks it holds them, and their own cotangent
+    is the caller's), through this file's `dq` and `dk, dv` kernels with `block_sizes`' `*_dq`
+    and `*_dkv` tiles (the `mosaic_gpu` forward's backward above head dim 128)."""
     _check_blocks(block_sizes, ("dq", "dkv"))
-    cfg, seg_ids, static = tiles.prepare(mask, block_sizes, scale, None, interpret, per_kernel=True)
+    cfg, seg_ids, static = tiles.prepare(
+        mask, block_sizes, scale, logits_soft_cap, interpret, per_kernel=True
+    )
     sq = q.shape[1]
     sqp = -(-sq // cfg.pad_q) * cfg.pad_q
     o = jnp.pad(jnp.swapaxes(out, 1, 2), [(0, 0), (0, 0), (0, sqp - sq), (0, 0)])

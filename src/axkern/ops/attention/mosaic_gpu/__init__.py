@@ -84,6 +84,7 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
 
 from axkern.core import backend
 from axkern.core.op import Unsupported
@@ -105,13 +106,16 @@ from .schedules import (
     FLO,
     HI,
     LO,
+    Dynamic,
     _visible_or_none,
+    device_kinds,
     key_schedule,
+    lower,
     mask_schedule,
+    operands,
     schedule,
     schedule_rows,
     schedule_table,
-    split,
 )
 from .tiles import _IMPORT_ERROR
 
@@ -124,7 +128,10 @@ __all__ = [
     "key_schedule",
     "schedule_rows",
     "schedule_table",
-    "split",
+    "device_kinds",
+    "lower",
+    "operands",
+    "Dynamic",
     "forward",
     "backward",
     "backward_blocks",
@@ -163,12 +170,8 @@ def supports(spec) -> str | None:
     d, dv = spec.dim("head_dim"), spec.dim("v_dim")
     if d not in HEAD_DIMS or dv != d:
         return f"head dims {d} and {dv}: the Mosaic GPU kernel takes equal head dims of 64, 128 or 256"
-    if spec.flag("soft_cap"):
-        return "the Mosaic GPU kernel has no logit soft cap yet"
-    if spec.flag("sinks"):
-        return "the Mosaic GPU kernel has no sinks yet"
-    if spec.flag("mask") in ("PrefixLM", "Dense"):
-        return f"mask {spec.flag('mask')}: the Mosaic GPU kernels take static masks and Segments (not this one yet)"
+    if spec.flag("mask") == "Dense":
+        return "mask Dense: the Mosaic GPU kernels take static masks, Segments, PrefixLM and & or | of them"
     return None
 
 
@@ -181,8 +184,8 @@ def _blocks(block_sizes) -> dict:
 def check(mask, block_sizes, head_dim, sinks=None, logits_soft_cap=None) -> None:
     """`Unsupported` with the reason when the forward kernel cannot serve these options (the
     backward kernels: `check_backward`)."""
-    if sinks is not None or logits_soft_cap is not None:
-        raise Unsupported("the Mosaic GPU kernel has no sinks and no logit soft cap yet")
+    if logits_soft_cap is not None and not float(logits_soft_cap) > 0:
+        raise Unsupported(f"logits_soft_cap={logits_soft_cap}: the Mosaic GPU kernels take a positive cap")
     b = _blocks(block_sizes)
     _check(mask, b["block_q"], b["block_kv"], b["num_stages"], head_dim)
 
@@ -191,26 +194,39 @@ def attention(q, k, v, sinks, mask, *, scale, logits_soft_cap, block_sizes, back
     """The forward kernel under a `custom_vjp` whose backward is the Mosaic GPU `dq` and `dk, dv`
     kernels, or `backward(q, k, v, out, lse, d_out, *, mask) -> (dq, dk, dv)` when one is given
     (the registered implementation passes `pallas_gpu`'s kernels where `check_backward` refuses).
-    The mask's arrays (segment ids) are arguments of the `custom_vjp`, not closed over, so a
-    jitted call with traced ids differentiates."""
+    `sinks [H]` join each row's denominator in the forward (so `lse` holds them and the
+    backward kernels need nothing more); their cotangent is `-Σ exp(sink - lse) · delta` over
+    the rows, formed in XLA. The mask's arrays (segment ids, prefix lengths) are arguments of
+    the `custom_vjp`, not closed over, so a jitted call with traced ones differentiates."""
     check(mask, block_sizes, q.shape[3], sinks, logits_soft_cap)
-    fwd = functools.partial(forward, scale=scale, **_blocks(block_sizes))
+    fwd = functools.partial(forward, scale=scale, logits_soft_cap=logits_soft_cap, **_blocks(block_sizes))
     if backward is None:
-        backward = functools.partial(backward_kernels.backward, scale=scale, block_sizes=block_sizes)
+        backward = functools.partial(
+            backward_kernels.backward, scale=scale, block_sizes=block_sizes, logits_soft_cap=logits_soft_cap
+        )
     leaves, treedef = jax.tree.flatten(mask)
     rebuild = functools.partial(jax.tree.unflatten, treedef)
 
     @jax.custom_vjp
-    def fn(q, k, v, leaves):
-        return fwd(q, k, v, rebuild(leaves))[0]
+    def fn(q, k, v, sinks, leaves):
+        return fwd(q, k, v, rebuild(leaves), sinks=sinks)[0]
 
-    def fn_fwd(q, k, v, leaves):
-        out, lse = fwd(q, k, v, rebuild(leaves))
-        return out, (q, k, v, out, lse, leaves)
+    def fn_fwd(q, k, v, sinks, leaves):
+        out, lse = fwd(q, k, v, rebuild(leaves), sinks=sinks)
+        return out, (q, k, v, sinks, out, lse, leaves)
 
     def fn_bwd(res, d_out):
-        *res, leaves = res
-        return (*backward(*res, d_out, mask=rebuild(leaves)), None)
+        q, k, v, sinks, out, lse, leaves = res
+        dq, dk, dv = backward(q, k, v, out, lse, d_out, mask=rebuild(leaves))
+        d_sinks = None
+        if sinks is not None:
+            delta = jnp.einsum("bqhd,bqhd->bhq", out.astype(jnp.float32), d_out.astype(jnp.float32))
+            seen = lse != -jnp.inf
+            p_sink = jnp.where(
+                seen, jnp.exp(sinks.astype(jnp.float32)[None, :, None] - jnp.where(seen, lse, 0.0)), 0.0
+            )
+            d_sinks = (-jnp.sum(p_sink * delta, axis=(0, 2))).astype(sinks.dtype)
+        return dq, dk, dv, d_sinks, None
 
     fn.defvjp(fn_fwd, fn_bwd)
-    return fn(q, k, v, leaves)
+    return fn(q, k, v, sinks, leaves)

@@ -12,23 +12,9 @@ from jax import lax
 from axkern.core.blocks import cdiv
 from axkern.core.op import Unsupported
 
-from .. import common
 from ..blocks import MOSAIC_GPU_SMEM, mosaic_gpu_dkv_smem_bytes, mosaic_gpu_dq_smem_bytes
-from .schedules import (
-    COMPUTE_WGS,
-    CTA_HI,
-    CTA_LO,
-    FHI,
-    FLO,
-    HI,
-    LO,
-    _grid_visible,
-    _segment_ids,
-    _visible_or_none,
-    schedule_table,
-    split,
-)
-from .tiles import LOG2E, _Cfg, _entry_of, _iota, _load_ids, _same_segment, _stream_kv, pl, plgpu
+from .schedules import COMPUTE_WGS, CTA_HI, CTA_LO, FHI, FLO, HI, LO, lower, operands, schedule_table
+from .tiles import LOG2E, TileMask, _Cfg, _entry_of, _iota, _stream_kv, base2_scores, pl, plgpu, times
 
 BACKWARD_HEAD_DIMS = (64, 128)  # at 256 the dk, dv accumulators alone fill a warpgroup's registers
 
@@ -65,7 +51,7 @@ def _check_backward(mask, block_sizes, d):
     ):
         if need > MOSAIC_GPU_SMEM:
             raise Unsupported(f"the Mosaic GPU {name} kernel's tiles need {need} bytes of shared memory")
-    _grid_visible(split(mask)[1], 0, 0)
+    lower(mask)
 
 
 def backward_operands(q, k, v, out, lse, d_out, *, sqp, skp):
@@ -89,7 +75,7 @@ def backward_operands(q, k, v, out, lse, d_out, *, sqp, skp):
 
 
 def _dq_kernel(
-    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, sched_ref, ids, dq_ref, scoped, *, cfg, mask, dtype
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, sched_ref, mask_refs, dq_ref, scoped, *, cfg, mask, dtype
 ):
     bq, bk, stages = cfg.block_q, cfg.block_kv, cfg.stages
     d = q_ref.shape[-1]
@@ -108,7 +94,7 @@ def _dq_kernel(
         col = 2 + 4 * wg
         lo, flo, fhi, hi = (at(cta, col + i) for i in (LO, FLO, FHI, HI))
         q_base = (cta * COMPUTE_WGS + wg) * bq
-        q_ids = None if ids is None else _load_ids(ids[0], batch, q_base, bq, 0)
+        tile_mask = TileMask(mask, mask_refs, batch, q_base, bq)
         rows = (batch, pl.ds(q_base, bq), head)
         plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem, qd_loaded.at[wg])
         plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem, qd_loaded.at[wg])
@@ -116,7 +102,6 @@ def _dq_kernel(
         lse = plgpu.load(lse_ref.at[batch, head, pl.ds(q_base, bq)], layout=row, optimized=False)
         delta = plgpu.load(delta_ref.at[batch, head, pl.ds(q_base, bq)], layout=row, optimized=False)
         plgpu.barrier_wait(qd_loaded.at[wg])
-        c = cfg.scale * LOG2E
 
         def step(t, dq, masked):
             slot = slot_of(t)
@@ -132,17 +117,17 @@ def _dq_kernel(
 
             acc = plgpu.ACC((bq, bk), jnp.float32)
             dp, s = pl.run_scoped(products, acc, acc)
+            s, c, tanh = base2_scores(s, cfg)
             if masked:
                 iota = functools.partial(_iota, (bq, bk))
-                vis = _visible_or_none(mask, q_base + iota(0), t * bk + iota(1), cfg.sk, bk)
-                if ids is not None:
-                    same = _same_segment(q_ids, _load_ids(ids[1], batch, t * bk, bk, 1), (bq, bk))
-                    vis = same if vis is None else vis & same
+                key_len = cfg.sk if cfg.sk % bk else None
+                vis = tile_mask.visible(q_base + iota(0), t * bk + iota(1), t * bk, bk, key_len)
                 if vis is not None:
                     s = jnp.where(vis, s, -jnp.inf)
             bcast = lambda x: lax.broadcast_in_dim(x, s.shape, [0])  # noqa: E731
-            p = jnp.exp2(s * c - bcast(lse))
-            ds = (p * (dp - bcast(delta))).astype(dtype)
+            p = jnp.exp2(times(s, c) - bcast(lse))
+            ds = p * (dp - bcast(delta))
+            ds = (ds if tanh is None else ds * (1.0 - tanh * tanh)).astype(dtype)
 
             def dq_product(acc_ref):
                 plgpu.wgmma(acc_ref, ds, k_smem.at[slot])
@@ -184,7 +169,7 @@ def _dkv_kernel(
     lse_ref,
     delta_ref,
     sched_ref,
-    ids,
+    mask_refs,
     dk_ref,
     dv_ref,
     scoped,
@@ -211,12 +196,11 @@ def _dkv_kernel(
         col = 2 + 4 * wg
         lo, flo, fhi, hi = (at(cta, col + i) for i in (LO, FLO, FHI, HI))
         kv_base = (cta * COMPUTE_WGS + wg) * bk
-        k_ids = None if ids is None else _load_ids(ids[1], batch, kv_base, bk, 0)
+        tile_mask = TileMask(mask, mask_refs, batch, kv_base, bk, keys_first=True)
         rows = (batch, pl.ds(kv_base, bk), kv_head)
         plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem, kv_loaded.at[wg])
         plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem, kv_loaded.at[wg])
         plgpu.barrier_wait(kv_loaded.at[wg])
-        c = cfg.scale * LOG2E
         column = plgpu.Layout.WGMMA.reduce(0)
         item = lambda t: (t - clo) * g  # noqa: E731 - the first ring item of query tile t
 
@@ -232,17 +216,15 @@ def _dkv_kernel(
                 s = pl.run_scoped(s_product, plgpu.ACC((bk, bq), jnp.float32))  # keys by queries
                 lse = plgpu.load(lse_smem.at[slot], layout=column)
                 delta = plgpu.load(delta_smem.at[slot], layout=column)
+                s, c, tanh = base2_scores(s, cfg)
                 if masked:
                     iota = functools.partial(_iota, (bk, bq))
                     q_base = (clo + lax.div(u, g)) * bq
-                    vis = _grid_visible(mask, q_base + iota(1), kv_base + iota(0))
-                    if ids is not None:
-                        same = _same_segment(k_ids, _load_ids(ids[0], batch, q_base, bq, 1), (bk, bq))
-                        vis = same if vis is None else vis & same
+                    vis = tile_mask.visible(q_base + iota(1), kv_base + iota(0), q_base, bq)
                     if vis is not None:
                         s = jnp.where(vis, s, -jnp.inf)
                 bcast = lambda x: lax.broadcast_in_dim(x, s.shape, [1])  # noqa: E731
-                p = jnp.exp2(s * c - bcast(lse))
+                p = jnp.exp2(times(s, c) - bcast(lse))
 
                 def dp_product(acc):
                     plgpu.wgmma(acc, v_smem, do_smem.at[slot].transpose((1, 0)))
@@ -250,7 +232,8 @@ def _dkv_kernel(
                     return plgpu.wgmma_accumulator_load(acc, wait_n=1)
 
                 dp = pl.run_scoped(dp_product, plgpu.ACC((bk, bq), jnp.float32))
-                ds = (p * (dp - bcast(delta))).astype(dtype)
+                ds = p * (dp - bcast(delta))
+                ds = (ds if tanh is None else ds * (1.0 - tanh * tanh)).astype(dtype)
                 plgpu.wgmma(dk_acc, ds, q_smem.at[slot])
                 plgpu.wgmma_wait(0)
                 plgpu.barrier_arrive(consumed.at[slot])
@@ -298,7 +281,7 @@ def _dkv_kernel(
             plgpu.copy_gmem_to_smem(delta_ref.at[cols], delta_smem.at[slot], loaded.at[slot])
 
 
-def backward(q, k, v, out, lse, d_out, *, mask, scale, block_sizes):
+def backward(q, k, v, out, lse, d_out, *, mask, scale, block_sizes, logits_soft_cap=None):
     """`(dq, dk, dv)` of the forward from its residuals (`out`, `lse` as `forward` returns
     them) and the cotangent `d_out`, by the `dq` kernel (key tiles streamed past each query
     block) and the `dk, dv` kernel (query tiles of every query head of the group streamed past
@@ -310,19 +293,20 @@ def backward(q, k, v, out, lse, d_out, *, mask, scale, block_sizes):
     mq, mk = max(COMPUTE_WGS * bq1, bq2), max(bk1, COMPUTE_WGS * bk2)
     sqp, skp = cdiv(sq, mq) * mq, cdiv(sk, mk) * mk
     qp, kp, vp, dop, lse2, delta = backward_operands(q, k, v, out, lse, d_out, sqp=sqp, skp=skp)
-    seg, static = split(mask)
-    ids = () if seg is None else common.padded_ids(_segment_ids(seg, b), sqp, skp)
+    lowered, leaves = lower(mask)
+    mask_ops = operands(leaves, b, sqp, skp)
+    cap = None if logits_soft_cap is None else float(logits_soft_cap)
     swizzled = dict(transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))
     params = plgpu.CompilerParams(approx_math=True)
     dt = q.dtype
 
     table = schedule_table(mask, sq, sk, bq1, bk1, b)
-    cfg = _Cfg(bq1, bk1, st1, float(scale), sq, sk, h // kvh, table.shape[-2], seg is not None)
-    body = functools.partial(_dq_kernel, cfg=cfg, mask=static, dtype=dt)
+    cfg = _Cfg(bq1, bk1, st1, float(scale), sq, sk, h // kvh, table.shape[-2], bool(leaves), cap)
+    body = functools.partial(_dq_kernel, cfg=cfg, mask=lowered, dtype=dt)
 
-    def dq_entry(*refs):  # 7 inputs, the segment ids (with Segments), dq
+    def dq_entry(*refs):  # 7 inputs, the mask's operands, dq
         pl.run_scoped(
-            lambda *scoped: body(*refs[:7], tuple(refs[7:-1]) or None, refs[-1], scoped),
+            lambda *scoped: body(*refs[:7], tuple(refs[7:-1]), refs[-1], scoped),
             [
                 plgpu.SMEM((COMPUTE_WGS, bq1, d), dt, **swizzled),
                 plgpu.SMEM((COMPUTE_WGS, bq1, d), dt, **swizzled),
@@ -347,15 +331,15 @@ def backward(q, k, v, out, lse, d_out, *, mask, scale, block_sizes):
         thread_name="wg",
         compiler_params=params,
         kernel_name="axkern_attention_mosaic_gpu_dq",
-    )(qp, kp, vp, dop, lse2, delta, table, *ids)
+    )(qp, kp, vp, dop, lse2, delta, table, *mask_ops)
 
     table = schedule_table(mask, sq, sk, bq2, bk2, b, keys=True)
-    cfg = _Cfg(bq2, bk2, st2, float(scale), sq, sk, h // kvh, table.shape[-2], seg is not None)
-    body = functools.partial(_dkv_kernel, cfg=cfg, mask=static, dtype=dt)
+    cfg = _Cfg(bq2, bk2, st2, float(scale), sq, sk, h // kvh, table.shape[-2], bool(leaves), cap)
+    body = functools.partial(_dkv_kernel, cfg=cfg, mask=lowered, dtype=dt)
 
-    def dkv_entry(*refs):  # 7 inputs, the segment ids (with Segments), dk, dv
+    def dkv_entry(*refs):  # 7 inputs, the mask's operands, dk, dv
         pl.run_scoped(
-            lambda *scoped: body(*refs[:7], tuple(refs[7:-2]) or None, *refs[-2:], scoped),
+            lambda *scoped: body(*refs[:7], tuple(refs[7:-2]), *refs[-2:], scoped),
             [
                 plgpu.SMEM((COMPUTE_WGS, bk2, d), dt, **swizzled),
                 plgpu.SMEM((COMPUTE_WGS, bk2, d), dt, **swizzled),
@@ -382,7 +366,7 @@ def backward(q, k, v, out, lse, d_out, *, mask, scale, block_sizes):
         thread_name="wg",
         compiler_params=params,
         kernel_name="axkern_attention_mosaic_gpu_dkv",
-    )(qp, kp, vp, dop, lse2, delta, table, *ids)
+    )(qp, kp, vp, dop, lse2, delta, table, *mask_ops)
     return dq[:, :sq], dk[:, :sk], dv[:, :sk]
 
 

@@ -12,22 +12,9 @@ from jax import lax
 from axkern.core.blocks import cdiv
 from axkern.core.op import Unsupported
 
-from .. import common
 from ..blocks import MOSAIC_GPU_SMEM, mosaic_gpu_smem_bytes
-from .schedules import (
-    COMPUTE_WGS,
-    CTA_HI,
-    CTA_LO,
-    FHI,
-    FLO,
-    HI,
-    LO,
-    _grid_visible,
-    _segment_ids,
-    schedule_table,
-    split,
-)
-from .tiles import _Cfg, _entry_of, _load_ids, _same_segment, _stream_kv, pl, plgpu
+from .schedules import COMPUTE_WGS, CTA_HI, CTA_LO, FHI, FLO, HI, LO, lower, operands, schedule_table
+from .tiles import LOG2E, TileMask, _Cfg, _entry_of, _iota, _stream_kv, base2_scores, pl, plgpu, times
 
 
 def _check_blocks(block_q, block_kv, stages, d):
@@ -48,10 +35,12 @@ def _check_blocks(block_q, block_kv, stages, d):
 def _check(mask, block_q, block_kv, stages, d):
     """`Unsupported` for block sizes or a mask the kernel cannot take."""
     _check_blocks(block_q, block_kv, stages, d)
-    _grid_visible(split(mask)[1], 0, 0)  # raises for a static mask it cannot evaluate on index grids
+    lower(mask)  # raises for a mask the kernels cannot evaluate on a tile
 
 
-def _kernel(q_ref, k_ref, v_ref, sched_ref, ids, out_ref, lse_ref, scoped, *, cfg, mask, dtype):
+def _kernel(
+    q_ref, k_ref, v_ref, sched_ref, sinks_ref, mask_refs, out_ref, lse_ref, scoped, *, cfg, mask, dtype
+):
     bq, bk, stages = cfg.block_q, cfg.block_kv, cfg.stages
     d = q_ref.shape[-1]
     batch, head = lax.axis_index("batch"), lax.axis_index("heads")
@@ -75,14 +64,13 @@ def _kernel(q_ref, k_ref, v_ref, sched_ref, ids, out_ref, lse_ref, scoped, *, cf
         col = 2 + 4 * wg
         lo, flo, fhi, hi = (at(cta, col + i) for i in (LO, FLO, FHI, HI))
         q_base = (cta * COMPUTE_WGS + wg) * bq
-        q_ids = None if ids is None else _load_ids(ids[0], batch, q_base, bq, 0)
+        tile_mask = TileMask(mask, mask_refs, batch, q_base, bq)
         plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(q_base, bq), head], qo_smem, q_loaded.at[wg])
         plgpu.barrier_wait(q_loaded.at[wg])
         row = plgpu.Layout.WGMMA.reduce(1)
         m_i = plgpu.layout_cast(jnp.full((bq,), -jnp.inf, jnp.float32), row)
         l_i = plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), row)
         acc = plgpu.layout_cast(jnp.zeros((bq, d), jnp.float32), plgpu.Layout.WGMMA)
-        c = cfg.scale * math.log2(math.e)  # scores to base-2 units in one multiply
 
         def wait_next(t):  # each step starts with its key tile waited for
             @pl.when(t + 1 < chi)
@@ -106,22 +94,18 @@ def _kernel(q_ref, k_ref, v_ref, sched_ref, ids, out_ref, lse_ref, scoped, *, cf
 
             s = pl.run_scoped(qk_product, plgpu.ACC((bq, bk), jnp.float32))
             plgpu.barrier_arrive(k_consumed.at[slot])
+            s, c, _ = base2_scores(s, cfg)  # s · c in base-2 units
             if masked:
-                iota = lambda dim: plgpu.broadcasted_iota(jnp.int32, (bq, bk), dim, layout=plgpu.Layout.WGMMA)  # noqa: E731
+                iota = functools.partial(_iota, (bq, bk))
                 qi, kj = q_base + iota(0), t * bk + iota(1)
-                vis = _grid_visible(mask, qi, kj)
-                if cfg.sk % bk:
-                    vis = kj < cfg.sk if vis is None else vis & (kj < cfg.sk)
-                if ids is not None:
-                    same = _same_segment(q_ids, _load_ids(ids[1], batch, t * bk, bk, 1), (bq, bk))
-                    vis = same if vis is None else vis & same
+                vis = tile_mask.visible(qi, kj, t * bk, bk, cfg.sk if cfg.sk % bk else None)
                 if vis is not None:
                     s = jnp.where(vis, s, -jnp.inf)
-            m_new = jnp.maximum(m_i, s.max(axis=1) * c)
+            m_new = jnp.maximum(m_i, times(s.max(axis=1), c))
             # a row that has seen no key yet keeps m = -inf; only masked tiles can leave it so
             m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
             alpha = jnp.exp2(m_i - m_use)
-            p = jnp.exp2(s * c - lax.broadcast_in_dim(m_use, s.shape, [0]))
+            p = jnp.exp2(times(s, c) - lax.broadcast_in_dim(m_use, s.shape, [0]))
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
             l_i = l_i * alpha
             p16 = p.astype(dtype)
@@ -165,6 +149,14 @@ def _kernel(q_ref, k_ref, v_ref, sched_ref, ids, out_ref, lse_ref, scoped, *, cf
         lax.fori_loop(hi, chi, release, None)
         acc, m_i, l_i = carry
         pl.when(wg == 0)(sync_schedule)
+        if cfg.sinks:  # one more logit in the denominator, with no value
+            sink = sinks_ref[head] * LOG2E
+            m_f = jnp.maximum(m_i, sink)
+            m_f = jnp.where(m_f == -jnp.inf, 0.0, m_f)
+            alpha = jnp.exp2(m_i - m_f)
+            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+            l_i = l_i * alpha + jnp.exp2(sink - m_f)
+            m_i = m_f
 
         seen = l_i > 0.0
         inv = jnp.where(seen, 1.0 / jnp.where(seen, l_i, 1.0), 0.0)
@@ -183,23 +175,38 @@ def _kernel(q_ref, k_ref, v_ref, sched_ref, ids, out_ref, lse_ref, scoped, *, cf
     )
 
 
-def forward(q, k, v, mask, *, scale, block_q, block_kv, num_stages):
-    """`(out [B, Sq, H, D], lse [B, H, Sq] float32)` of the Mosaic GPU kernel."""
+def forward(q, k, v, mask, *, scale, block_q, block_kv, num_stages, sinks=None, logits_soft_cap=None):
+    """`(out [B, Sq, H, D], lse [B, H, Sq] float32)` of the Mosaic GPU kernel; `sinks [H]`
+    join the denominator (and `lse`)."""
     b, sq, h, d = q.shape
     sk, kvh = k.shape[1], k.shape[2]
     _check(mask, block_q, block_kv, num_stages, d)
-    seg, static = split(mask)
+    lowered, leaves = lower(mask)
     sqp, skp = cdiv(sq, COMPUTE_WGS * block_q) * COMPUTE_WGS * block_q, cdiv(sk, block_kv) * block_kv
     table = schedule_table(mask, sq, sk, block_q, block_kv, b)
-    ids = () if seg is None else common.padded_ids(_segment_ids(seg, b), sqp, skp)
+    mask_ops = operands(leaves, b, sqp, skp)
+    sink_arr = jnp.zeros((h,), jnp.float32) if sinks is None else sinks.astype(jnp.float32)
     pad = lambda a, n: a if a.shape[1] == n else jnp.pad(a, [(0, 0), (0, n - a.shape[1]), (0, 0), (0, 0)])  # noqa: E731
     qp, kp, vp = pad(q, sqp), pad(k, skp), pad(v, skp)
     blocks = sqp // (COMPUTE_WGS * block_q)
-    cfg = _Cfg(block_q, block_kv, num_stages, float(scale), sq, sk, h // kvh, blocks, seg is not None)
-    body = functools.partial(_kernel, cfg=cfg, mask=static, dtype=q.dtype)
+    cap = None if logits_soft_cap is None else float(logits_soft_cap)
+    cfg = _Cfg(
+        block_q,
+        block_kv,
+        num_stages,
+        float(scale),
+        sq,
+        sk,
+        h // kvh,
+        blocks,
+        bool(leaves),
+        cap,
+        sinks is not None,
+    )
+    body = functools.partial(_kernel, cfg=cfg, mask=lowered, dtype=q.dtype)
 
     def entry(*refs):
-        q_ref, k_ref, v_ref, sched_ref, *ids_refs, out_ref, lse_ref = refs
+        q_ref, k_ref, v_ref, sched_ref, sinks_ref, *mask_refs, out_ref, lse_ref = refs
         swizzled = dict(transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))
         scratch = [
             plgpu.SMEM((COMPUTE_WGS, block_q, d), q.dtype, **swizzled),
@@ -209,7 +216,7 @@ def forward(q, k, v, mask, *, scale, block_q, block_kv, num_stages):
         ]
         pl.run_scoped(
             lambda *scoped: body(
-                q_ref, k_ref, v_ref, sched_ref, tuple(ids_refs) or None, out_ref, lse_ref, scoped
+                q_ref, k_ref, v_ref, sched_ref, sinks_ref, tuple(mask_refs), out_ref, lse_ref, scoped
             ),
             scratch,
             (
@@ -234,5 +241,5 @@ def forward(q, k, v, mask, *, scale, block_q, block_kv, num_stages):
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         kernel_name="axkern_attention_mosaic_gpu_fwd",
-    )(qp, kp, vp, table, *ids)
+    )(qp, kp, vp, table, sink_arr, *mask_ops)
     return out[:, :sq], lse[:, :, :sq]

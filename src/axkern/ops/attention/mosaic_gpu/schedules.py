@@ -1,8 +1,10 @@
 """The kernels' block-sparse schedules (pure numpy on the host for static masks, jnp on the
-device for packed documents) and the masks evaluated on a tile's index grids (`__init__`'s
+device for masks holding arrays) and the masks evaluated on a tile's index grids (`__init__`'s
 docstring has the table's layout and meaning)."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -82,9 +84,57 @@ def mask_schedule(mask, sq: int, sk: int, block_q: int, block_kv: int) -> np.nda
     return schedule(np.pad(kinds, [(0, nq - kinds.shape[0]), (0, 0)], constant_values=masks_.EMPTY))
 
 
-def _grid_visible(mask, q, k):
-    """`visible` of a static mask on 2-D index grids (`q`, `k`: int32 `[bq, bk]` in the
-    kernel's register layout), or None where it is everywhere visible."""
+@dataclasses.dataclass(frozen=True)
+class Dynamic(masks_.Mask):
+    """In the mask a kernel evaluates (`lower`): a leaf holding arrays, which the kernel reads
+    as its mask operands from `index` on (`Segments`: the query ids then the key ids, int32
+    `[B, padded length]`; `PrefixLM`: the prefix lengths, int32 `[B]`)."""
+
+    kind: str  # "segments" or "prefix"
+    index: int
+
+
+def lower(mask) -> tuple[masks_.Mask, list]:
+    """`(the mask with each leaf holding arrays replaced by a `Dynamic`, those leaves in order)`
+    for the masks the kernels take: static masks, `Segments` and `PrefixLM`, and `&`, `|` of
+    them; anything else (`Dense`) is `Unsupported`."""
+    leaves, at = [], [0]
+
+    def walk(m):
+        if masks_.is_static(m):
+            _grid_visible(m, 0, 0)  # raises for a static mask with no form on index grids
+            return m
+        if type(m) in (masks_.And, masks_.Or):
+            return type(m)(walk(m.a), walk(m.b))
+        kind = {masks_.Segments: "segments", masks_.PrefixLM: "prefix"}.get(type(m))
+        if kind is None:
+            raise Unsupported(
+                f"{m!r}: the Mosaic GPU kernels take static masks, Segments and PrefixLM, and & or | of them "
+                "(not Dense)"
+            )
+        leaves.append(m)
+        at[0] += 2 if kind == "segments" else 1
+        return Dynamic(kind, at[0] - (2 if kind == "segments" else 1))
+
+    return walk(mask), leaves
+
+
+def operands(leaves, batch: int, sqp: int, skp: int) -> tuple:
+    """The kernels' mask operands of `lower`'s leaves: segment ids edge-padded to the padded
+    lengths, prefix lengths, int32, each over the batch."""
+    out = []
+    for leaf in leaves:
+        if isinstance(leaf, masks_.Segments):
+            out += common.padded_ids(_segment_ids(leaf, batch), sqp, skp)
+        else:
+            out.append(jnp.broadcast_to(leaf.prefix_lengths, (batch,)).astype(jnp.int32))
+    return tuple(out)
+
+
+def _grid_visible(mask, q, k, dynamic=None):
+    """`visible` of a mask on 2-D index grids (`q`, `k`: int32 `[rows, cols]` in the kernel's
+    register layout), or None where it is everywhere visible; a `Dynamic` leaf is
+    `dynamic(leaf, q, k)`."""
     if isinstance(mask, masks_.Full):
         return None
     if isinstance(mask, masks_.Causal):
@@ -92,8 +142,10 @@ def _grid_visible(mask, q, k):
     if isinstance(mask, masks_.SlidingWindow):
         q = q + mask.offset
         return (k <= q) & (k > q - mask.size)
+    if isinstance(mask, Dynamic):
+        return True if dynamic is None else dynamic(mask, q, k)
     if type(mask) in (masks_.And, masks_.Or):
-        a, b = _grid_visible(mask.a, q, k), _grid_visible(mask.b, q, k)
+        a, b = _grid_visible(mask.a, q, k, dynamic), _grid_visible(mask.b, q, k, dynamic)
         if type(mask) is masks_.Or:
             return None if a is None or b is None else a | b
         return b if a is None else a if b is None else a & b
@@ -101,18 +153,6 @@ def _grid_visible(mask, q, k):
 
 
 # -- the kernel -------------------------------------------------------------------------------
-
-
-def split(mask):
-    """`(Segments or None, the static rest)` of a mask the kernels take: static, `Segments`, or
-    `Segments & static`; anything else is `Unsupported`."""
-    try:
-        return common.split_segments(mask)
-    except Unsupported:
-        raise Unsupported(
-            f"{mask!r}: the Mosaic GPU kernels take static masks, Segments and Segments & a static mask "
-            "(not PrefixLM or Dense yet)"
-        ) from None
 
 
 def schedule_rows(kinds) -> jax.Array:
@@ -141,28 +181,52 @@ def _segment_ids(seg, batch):
     return tuple(jnp.broadcast_to(a, (batch, a.shape[1])).astype(jnp.int32) for a in (seg.q_ids, seg.kv_ids))
 
 
+def device_kinds(mask, sq: int, sk: int, block_q: int, block_kv: int, batch: int):
+    """Block kinds `[B or 1, nq, nk]` (int32 `EMPTY`, `PARTIAL`, `FULL`) of a mask holding arrays,
+    traced: a static part's from `block_kinds`; `Segments`: empty where the blocks' id ranges do
+    not meet, full where both blocks hold one same id; `PrefixLM`: full where every key of the
+    tile is at or before every query or inside the prefix, empty where every key is after every
+    query and past the prefix. `&` takes the smaller kind, `|` the larger (`EMPTY < PARTIAL <
+    FULL`: exact for empty and full, partial otherwise). The lengths bound all of it."""
+    nq, nk = cdiv(sq, block_q), cdiv(sk, block_kv)
+
+    def kinds(m):
+        if masks_.is_static(m):
+            return jnp.asarray(masks_.static_block_kinds(m, sq, sk, block_q, block_kv))
+        if type(m) in (masks_.And, masks_.Or):
+            pick = jnp.minimum if type(m) is masks_.And else jnp.maximum
+            return pick(kinds(m.a), kinds(m.b))
+        if isinstance(m, masks_.Segments):
+            ids = _segment_ids(m, batch)
+            overlap = common.segment_overlap(ids, nq * block_q, nk * block_kv, block_q, block_kv)
+            uniform = common.segment_uniform(ids, nq * block_q, nk * block_kv, block_q, block_kv)
+            return jnp.where(~overlap, masks_.EMPTY, jnp.where(uniform, masks_.FULL, masks_.PARTIAL))
+        if isinstance(m, masks_.PrefixLM):
+            p = jnp.broadcast_to(m.prefix_lengths, (batch,)).astype(jnp.int32)[:, None, None]
+            q0 = (jnp.arange(nq, dtype=jnp.int32) * block_q)[None, :, None]
+            k0 = (jnp.arange(nk, dtype=jnp.int32) * block_kv)[None, None, :]
+            q1, k1 = q0 + block_q - 1, k0 + block_kv - 1
+            full = (k1 <= q0) | (k1 < p)
+            empty = (k0 > q1) & (k0 >= p)
+            return jnp.where(full, masks_.FULL, jnp.where(empty, masks_.EMPTY, masks_.PARTIAL))
+        raise Unsupported(f"{m!r}: the Mosaic GPU kernels have no block kinds for it")
+
+    bound = jnp.asarray(masks_.static_block_kinds(masks_.Full(), sq, sk, block_q, block_kv))
+    return jnp.minimum(kinds(mask), bound).astype(jnp.int32)
+
+
 def schedule_table(mask, sq: int, sk: int, block_q: int, block_kv: int, batch: int, keys: bool = False):
     """The kernels' schedule: per block of `COMPUTE_WGS` query tiles, the key tiles it walks
     (`keys=False`: the forward and `dq`), or per block of key tiles, the query tiles
     (`keys=True`: `dk, dv`). A static mask gives the constant `[n, cols]` of `mask_schedule` /
-    `key_schedule`; with `Segments` the kinds are computed on the device per batch row (a tile
-    is empty where the static part or the blocks' id ranges leave it so, full where the static
-    part is full and both blocks hold one same id) and the table is `[batch, n, cols]`."""
-    seg, static = split(mask)
-    if seg is None:
-        table = (key_schedule if keys else mask_schedule)(static, sq, sk, block_q, block_kv)
+    `key_schedule`; a mask holding arrays (`Segments`, `PrefixLM`) has its kinds computed on
+    the device (`device_kinds`) and the table per batch row, `[batch, n, cols]`."""
+    if masks_.is_static(mask):
+        table = (key_schedule if keys else mask_schedule)(mask, sq, sk, block_q, block_kv)
         return jnp.asarray(table)
-    kinds = masks_.static_block_kinds(static, sq, sk, block_q, block_kv)[0]
-    nq, nk = kinds.shape
-    ids = _segment_ids(seg, batch)
-    overlap = common.segment_overlap(ids, nq * block_q, nk * block_kv, block_q, block_kv)
-    uniform = common.segment_uniform(ids, nq * block_q, nk * block_kv, block_q, block_kv)
-    st = jnp.asarray(kinds)[None]
-    kinds = jnp.where(
-        ~overlap | (st == masks_.EMPTY),
-        masks_.EMPTY,
-        jnp.where((st == masks_.FULL) & uniform, masks_.FULL, masks_.PARTIAL),
-    ).astype(jnp.int32)
+    kinds = jnp.broadcast_to(
+        device_kinds(mask, sq, sk, block_q, block_kv, batch), (batch, cdiv(sq, block_q), cdiv(sk, block_kv))
+    )
     if keys:
         kinds = jnp.swapaxes(kinds, 1, 2)
     n = cdiv(kinds.shape[1], COMPUTE_WGS) * COMPUTE_WGS
@@ -179,8 +243,8 @@ def key_schedule(mask, sq: int, sk: int, block_q: int, block_kv: int) -> np.ndar
     return schedule(np.pad(kinds, [(0, nk - kinds.shape[0]), (0, 0)], constant_values=masks_.EMPTY))
 
 
-def _visible_or_none(mask, qi, kj, sk, bk):
-    vis = _grid_visible(mask, qi, kj)
+def _visible_or_none(mask, qi, kj, sk, bk, dynamic=None):
+    vis = _grid_visible(mask, qi, kj, dynamic)
     if sk % bk:
         vis = kj < sk if vis is None else vis & (kj < sk)
     return vis

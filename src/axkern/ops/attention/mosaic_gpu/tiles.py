@@ -1,6 +1,7 @@
 """What the Mosaic GPU kernels share inside: a call's static configuration, the schedule
-table's reads, segment ids in a tile's row and column layouts, index grids, and the producer
-warpgroup that streams key and value tiles through the ring (forward and `dq`)."""
+table's reads, the mask on a tile (segment ids in a tile's row and column layouts, prefix
+lengths), index grids, soft-capped scores, and the producer warpgroup that streams key and
+value tiles through the ring (forward and `dq`)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,10 @@ import math
 
 import jax.numpy as jnp
 from jax import lax
+
+from axkern import masks as masks_
+
+from .schedules import Dynamic, _grid_visible
 
 try:  # the kernel runs only on a Hopper GPU; importing it must never break a CPU install
     from jax.experimental import pallas as pl
@@ -33,14 +38,74 @@ class _Cfg:
     sk: int
     groups: int  # query heads per kv head
     blocks: int  # query blocks (of COMPUTE_WGS * block_q rows)
-    segments: bool = False  # per-batch-row schedule tables and segment ids to compare
+    dynamic: bool = False  # a mask holding arrays: per-batch-row schedule tables, mask operands
+    soft_cap: float | None = None
+    sinks: bool = False
+
+
+def base2_scores(s, cfg):
+    """Scores `s = q kᵀ` (float32, unscaled) toward base-2 units: `(s, c, None)`, the caller
+    multiplying by `c = scale · log2 e` where it fuses best, or with a soft cap
+    `(tanh(s · scale / cap) · cap · log2 e, None, t)`, already in base-2 units, with
+    `t = tanh(...)` for the backward's derivative `1 - t²`."""
+    if cfg.soft_cap is None:
+        return s, cfg.scale * LOG2E, None
+    t = jnp.tanh(s * (cfg.scale / cfg.soft_cap))
+    return t * (cfg.soft_cap * LOG2E), None, t
+
+
+def times(x, c):
+    """`x · c`, or `x` where `c` is None (scores already in base-2 units)."""
+    return x if c is None else x * c
 
 
 def _entry_of(sched_ref, batch, cfg):
     """`(block, column) -> int32` of the schedule table (a batch row's with segments)."""
-    if cfg.segments:
+    if cfg.dynamic:
         return lambda cta, col: sched_ref[batch, cta, col]
     return lambda cta, col: sched_ref[cta, col]
+
+
+def dynamic_leaves(mask) -> list:
+    """The `schedules.Dynamic` leaves of a lowered mask, in order."""
+    if isinstance(mask, Dynamic):
+        return [mask]
+    if isinstance(mask, masks_.And):  # and Or
+        return dynamic_leaves(mask.a) + dynamic_leaves(mask.b)
+    return []
+
+
+class TileMask:
+    """A kernel's mask on its tiles (`schedules.lower`'s form): the static leaves on index
+    grids, a `Segments` leaf by its rows' ids (loaded once, in the constructor) against each
+    tile's columns' ids, a `PrefixLM` leaf by its batch row's prefix length (read once).
+    `keys_first`: the tiles' rows are keys (the `dk, dv` kernel). Built inside a compute
+    warpgroup."""
+
+    def __init__(self, mask, refs, batch, row_base, rows, keys_first=False):
+        self.mask, self.refs, self.batch, self.flip = mask, refs, batch, int(keys_first)
+        self.own = {}
+        for leaf in dynamic_leaves(mask):
+            if leaf.kind == "segments":
+                self.own[leaf.index] = _load_ids(refs[leaf.index + self.flip], batch, row_base, rows, 0)
+            else:
+                self.own[leaf.index] = refs[leaf.index][batch]
+
+    def visible(self, q, k, col_base, cols, key_len=None):
+        """Where a tile is visible (None: everywhere), `q`, `k` its index grids (rows by
+        columns) and its columns `[col_base, col_base + cols)`; `key_len`: keys from there on
+        are padding."""
+
+        def dynamic(leaf, q, k):
+            if leaf.kind == "prefix":
+                return (k <= q) | (k < self.own[leaf.index])
+            ids = _load_ids(self.refs[leaf.index + 1 - self.flip], self.batch, col_base, cols, 1)
+            return _same_segment(self.own[leaf.index], ids, q.shape)
+
+        vis = _grid_visible(self.mask, q, k, dynamic)
+        if key_len is not None:
+            vis = k < key_len if vis is None else vis & (k < key_len)
+        return vis
 
 
 def _same_segment(row_ids, col_ids, shape):
