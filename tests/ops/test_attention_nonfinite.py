@@ -185,10 +185,10 @@ def test_the_cudnn_guard_takes_the_rule_following_path_where_something_is_not_fi
     mask = masks.Causal()
     ref = jax.jit(functools.partial(attention, mask=mask, implementation="reference"))
 
-    def hiding(q, k, v):  # finite whatever the inputs, and a different function of q
+    def hiding(q, k, v, sinks=None):  # finite whatever the inputs, and a different function of q
         return ref(jnp.nan_to_num(2 * q), jnp.nan_to_num(k), jnp.nan_to_num(v))
 
-    guarded = functools.partial(_where_finite, hiding, ref)
+    guarded = functools.partial(_where_finite, hiding, lambda q, k, v, sinks: ref(q, k, v))
 
     def value_and_grads(f, a, cot):
         out, vjp = jax.vjp(f, a["q"], a["k"], a["v"])
@@ -213,29 +213,32 @@ def test_the_cudnn_guard_takes_the_rule_following_path_where_something_is_not_fi
     assert_nonfinite_rule(got[1], want[1], "guard grads, NaN cotangent", rtol=1e-5)
 
 
-def test_the_guard_differentiates_a_jitted_call_with_traced_mask_arrays():
-    # the mask's arrays (segment ids) reach the guard's branches as arguments: `grad` of a
-    # jitted call whose ids are traced works (closed over, they would be constants it cannot take)
+def test_the_guard_differentiates_a_jitted_call_with_traced_mask_arrays_and_sinks():
+    # the mask's arrays (segment ids) and the sinks reach the guard's branches as arguments:
+    # `grad` of a jitted call whose ids are traced works (closed over, they would be constants
+    # it cannot take), and so does `grad` with respect to the sinks (closed over, a tracer leaks)
     from axkern.ops.attention.api import _guarded
 
     a = _inputs(6)
     ids = jnp.array([[0] * 10 + [1] * 14])
 
-    def guarded(q, k, v, ids):
-        def fast(q, k, v, mask):
-            return attention(q, k, v, mask=mask, implementation="reference")
+    def guarded(q, k, v, sinks, ids):
+        def fast(q, k, v, sinks, mask):
+            return attention(q, k, v, mask=mask, sinks=sinks, implementation="reference")
 
         mask = masks.Causal() & masks.Segments(ids, ids)
-        return _guarded(fast, q, k, v, None, mask, scale=None, logits_soft_cap=None, order=("xla",))
+        return _guarded(fast, q, k, v, sinks, mask, scale=None, logits_soft_cap=None, order=("xla",))
 
-    def ref(q, k, v, ids):
-        return attention(q, k, v, mask=masks.Causal() & masks.Segments(ids, ids), implementation="reference")
+    def ref(q, k, v, sinks, ids):
+        mask = masks.Causal() & masks.Segments(ids, ids)
+        return attention(q, k, v, mask=mask, sinks=sinks, implementation="reference")
 
-    loss = lambda f: lambda q, k, v, ids: jnp.sum(jnp.sin(f(q, k, v, ids)))  # noqa: E731
-    got = jax.grad(jax.jit(loss(guarded)), argnums=(0, 1, 2))(a["q"], a["k"], a["v"], ids)
-    want = jax.grad(loss(ref), argnums=(0, 1, 2))(a["q"], a["k"], a["v"], ids)
+    loss = lambda f: lambda q, k, v, s, ids: jnp.sum(jnp.sin(f(q, k, v, s, ids)))  # noqa: E731
+    args = (a["q"], a["k"], a["v"], a["sinks"], ids)
+    got = jax.grad(jax.jit(loss(guarded)), argnums=(0, 1, 2, 3))(*args)
+    want = jax.grad(loss(ref), argnums=(0, 1, 2, 3))(*args)
     for g, w in zip(got, want, strict=True):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-6)
     bad = poke(a["v"], (0, 3, 0, 0), np.nan)  # the rule-following branch, ids traced as well
-    out = jax.jit(guarded)(a["q"], a["k"], bad, ids)
+    out = jax.jit(guarded)(a["q"], a["k"], bad, None, ids)
     assert np.isnan(np.asarray(out)[0, 3:10, 0, 0]).all() and np.isfinite(np.asarray(out)[0, 10:]).all()

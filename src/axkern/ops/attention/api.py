@@ -59,7 +59,7 @@ def _cudnn_where_finite(q, k, v, sinks, mask, *, scale, logits_soft_cap):
     in the backward); only cuDNN's residuals are kept, and the other implementation's forward
     and backward run only where something is not finite."""
     kw = dict(scale=scale, logits_soft_cap=logits_soft_cap)
-    fast = lambda q, k, v, mask: cudnn.attention(q, k, v, sinks=sinks, mask=mask, **kw)  # noqa: E731
+    fast = lambda q, k, v, sinks, mask: cudnn.attention(q, k, v, sinks=sinks, mask=mask, **kw)  # noqa: E731
     return _guarded(fast, q, k, v, sinks, mask, order=("pallas_gpu", "xla"), **kw)
 
 
@@ -93,20 +93,21 @@ def _mosaic_gpu_where_finite(q, k, v, sinks, mask, *, scale, logits_soft_cap, bl
     safe_order = ("pallas_gpu", "xla") if max(q.shape[3], v.shape[3]) <= 128 else ("xla",)
     kw = dict(scale=scale, logits_soft_cap=logits_soft_cap)
     attend = functools.partial(mosaic_gpu.attention, block_sizes=block_sizes, backward=backward, **kw)
-    fast = lambda q, k, v, mask: attend(q, k, v, sinks, mask)  # noqa: E731
+    fast = lambda q, k, v, sinks, mask: attend(q, k, v, sinks, mask)  # noqa: E731
     return _guarded(fast, q, k, v, sinks, mask, order=safe_order, **kw)
 
 
 def _guarded(fast, q, k, v, sinks, mask, *, scale, logits_soft_cap, order):
-    """`fast(q, k, v, mask)` behind the non-finite guard (`_where_finite`), the first of `order`
-    serving where something is not finite; the mask's arrays pass through as arguments."""
+    """`fast(q, k, v, sinks, mask)` behind the non-finite guard (`_where_finite`), the first of
+    `order` serving where something is not finite; the sinks and the mask's arrays pass through
+    as arguments (closed over, a traced one would leak out of the guard's `custom_vjp`)."""
     leaves, treedef = jax.tree.flatten(mask)
 
-    def fast_fn(q, k, v, *leaves):
-        return fast(q, k, v, jax.tree.unflatten(treedef, leaves))
+    def fast_fn(q, k, v, sinks, *leaves):
+        return fast(q, k, v, sinks, jax.tree.unflatten(treedef, leaves))
 
-    safe_fn = _rule_following(mask, scale, logits_soft_cap, sinks, order)
-    return _where_finite(fast_fn, safe_fn, q, k, v, tuple(leaves))
+    safe_fn = _rule_following(mask, scale, logits_soft_cap, order)
+    return _where_finite(fast_fn, safe_fn, q, k, v, sinks, tuple(leaves))
 
 
 def _mosaic_gpu_backward(spec, block_sizes) -> str:
@@ -125,14 +126,14 @@ def _mosaic_gpu_backward(spec, block_sizes) -> str:
     )
 
 
-def _rule_following(mask, scale, logits_soft_cap, sinks, order):
-    """`(q, k, v, *mask arrays) -> out` by the first of `order` that serves the call: what a
+def _rule_following(mask, scale, logits_soft_cap, order):
+    """`(q, k, v, sinks, *mask arrays) -> out` by the first of `order` that serves the call: what a
     guarded implementation runs where an input is not finite (`mask`'s arrays come back as
     arguments, `_where_finite`'s `extra`). Unrecorded, so `explain` reports the guarded
     implementation's decision only."""
     treedef = jax.tree.structure(mask)
 
-    def safe_fn(q, k, v, *leaves):
+    def safe_fn(q, k, v, sinks, *leaves):
         mask = jax.tree.unflatten(treedef, leaves)
         with unrecorded():
             return attention_positional(
@@ -156,30 +157,31 @@ def _all_finite(*arrays) -> jax.Array:
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _where_finite(fast, safe, q, k, v, extra=()):
-    """`fast(q, k, v, *extra)` where `q`, `k`, `v` (and the cotangent) are finite, else
-    `safe(q, k, v, *extra)`. `extra`: the mask's arrays (e.g. segment ids; no cotangent), passed
-    as arguments rather than closed over, so the guard also runs under `grad` of a jitted call
-    whose mask arrays are traced."""
+def _where_finite(fast, safe, q, k, v, sinks=None, extra=()):
+    """`fast(q, k, v, sinks, *extra)` where `q`, `k`, `v` (and the cotangent) are finite, else
+    `safe(q, k, v, sinks, *extra)`. `sinks` (or None) is differentiated like `q`, `k`, `v`;
+    `extra`: the mask's arrays (e.g. segment ids; no cotangent). Both are arguments rather than
+    closed over, so the guard also runs under `grad` of a jitted call whose mask arrays are
+    traced, and under `grad` with respect to the sinks."""
     # cuDNN's forward always runs, outside the conditional; the other only where needed
-    fast_out = fast(q, k, v, *extra)
-    return lax.cond(_all_finite(q, k, v), lambda: fast_out, lambda: safe(q, k, v, *extra))
+    fast_out = fast(q, k, v, sinks, *extra)
+    return lax.cond(_all_finite(q, k, v), lambda: fast_out, lambda: safe(q, k, v, sinks, *extra))
 
 
-def _where_finite_fwd(fast, safe, q, k, v, extra=()):
+def _where_finite_fwd(fast, safe, q, k, v, sinks=None, extra=()):
     ok = _all_finite(q, k, v)
     # cuDNN's forward always runs (its residuals are the only ones kept); the other only where
     # an input is not finite
-    fast_out, fast_vjp = jax.vjp(lambda q, k, v: fast(q, k, v, *extra), q, k, v)
-    out = lax.cond(ok, lambda: fast_out, lambda: safe(q, k, v, *extra))
-    return out, (fast_vjp, ok, q, k, v, extra)
+    fast_out, fast_vjp = jax.vjp(lambda q, k, v, s: fast(q, k, v, s, *extra), q, k, v, sinks)
+    out = lax.cond(ok, lambda: fast_out, lambda: safe(q, k, v, sinks, *extra))
+    return out, (fast_vjp, ok, q, k, v, sinks, extra)
 
 
 def _where_finite_bwd(fast, safe, res, d_out):
-    fast_vjp, ok, q, k, v, extra = res
+    fast_vjp, ok, q, k, v, sinks, extra = res
 
     def recompute(d_out):  # a non-finite input or cotangent: the rule-following backward
-        return jax.vjp(lambda q, k, v: safe(q, k, v, *extra), q, k, v)[1](d_out)
+        return jax.vjp(lambda q, k, v, s: safe(q, k, v, s, *extra), q, k, v, sinks)[1](d_out)
 
     return (*lax.cond(ok & jnp.isfinite(d_out).all(), fast_vjp, recompute, d_out), None)
 
