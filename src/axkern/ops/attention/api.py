@@ -33,6 +33,7 @@ from .blocks import (
     AttentionBlockSizes,
     bucket,
     heuristic,
+    mask_kind,
     mosaic_gpu_backward_blocks,
     mosaic_gpu_heuristic,
     mosaic_gpu_space,
@@ -163,9 +164,11 @@ def _where_finite(fast, safe, q, k, v, sinks=None, extra=()):
     `extra`: the mask's arrays (e.g. segment ids; no cotangent). Both are arguments rather than
     closed over, so the guard also runs under `grad` of a jitted call whose mask arrays are
     traced, and under `grad` with respect to the sinks."""
-    # cuDNN's forward always runs, outside the conditional; the other only where needed
-    fast_out = fast(q, k, v, sinks, *extra)
-    return lax.cond(_all_finite(q, k, v), lambda: fast_out, lambda: safe(q, k, v, sinks, *extra))
+    # the fast kernel runs inside the first branch: its output is the conditional's (a value
+    # computed outside and returned by a branch is copied, a whole output's read and write)
+    return lax.cond(
+        _all_finite(q, k, v), lambda: fast(q, k, v, sinks, *extra), lambda: safe(q, k, v, sinks, *extra)
+    )
 
 
 def _where_finite_fwd(fast, safe, q, k, v, sinks=None, extra=()):
@@ -340,6 +343,7 @@ def attention_positional(
         soft_cap=logits_soft_cap is not None,
         sinks=sinks is not None,
         mask=type(mask).__name__,
+        mask_kind=mask_kind(mask),
     )
     return OP(
         spec,

@@ -39,6 +39,7 @@ PRESETS = {
         (2, 8192, 32, 32, 64, "causal"),
         (2, 8192, 32, 32, 128, "window1024"),
         (2, 8192, 32, 32, 128, "docs1024"),
+        (2, 8192, 32, 32, 256, "causal"),
     ],
     # the Hopper forward's two headline cases: causal and no mask
     "h200_core": [

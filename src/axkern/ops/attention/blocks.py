@@ -74,8 +74,35 @@ class AttentionBlockSizes(BlockSizes):
 _PER_KERNEL = ("block_q", "block_kv", "num_warps", "num_stages")
 
 
+def mask_kind(mask) -> str:
+    """The mask's kind as tuned tables key it: "full", "causal", "window" (a sliding window,
+    alone or `&` a causal mask), "documents" (any mask holding `Segments`), "prefix" (holding
+    `PrefixLM`), else "other". Its tiles' mix of empty, partial and full tiles is what moves the
+    best block sizes."""
+    kinds = {type(m).__name__ for m in _mask_leaves(mask)}
+    if "Segments" in kinds:
+        return "documents"
+    if "PrefixLM" in kinds:
+        return "prefix"
+    if kinds <= {"Full"}:
+        return "full"
+    if kinds == {"Causal"}:
+        return "causal"
+    if "SlidingWindow" in kinds and kinds <= {"SlidingWindow", "Causal"} and type(mask).__name__ != "Or":
+        return "window"
+    return "other"
+
+
+def _mask_leaves(mask) -> list:
+    if type(mask).__name__ in ("And", "Or"):
+        return _mask_leaves(mask.a) + _mask_leaves(mask.b)
+    return [mask]
+
+
 def bucket(spec: Spec) -> dict:
-    return {k: next_power_of_2(v) for k, v in spec.dims} | {"dtype": spec.dtype}
+    """Dims rounded up to powers of two, the dtype and the mask's kind (`mask_kind`)."""
+    dims = {k: next_power_of_2(v) for k, v in spec.dims}
+    return dims | {"dtype": spec.dtype, "mask": spec.flag("mask_kind") or "full"}
 
 
 _LIMIT = {"gpu": 1024, "tpu": 512, "cpu": 128}
