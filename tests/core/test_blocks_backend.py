@@ -86,7 +86,7 @@ def test_shipped_h200_attention_table_is_found_and_becomes_block_sizes():
     from axkern.ops.attention.blocks import bucket as attn_bucket
 
     dims = {"batch": 2, "q_len": 8192, "kv_len": 8192, "heads": 32, "kv_heads": 32, "head_dim": 128}
-    spec = ATTN.spec({**dims, "v_dim": 128}, jnp.bfloat16)
+    spec = ATTN.spec({**dims, "v_dim": 128}, jnp.bfloat16, mask_kind="causal")
     entry = blocks.lookup(ATTN.package, "nvidia_h200", "pallas_gpu", attn_bucket(spec), op=ATTN.name)
     # the per-kernel sweep's fastest forward+backward, each kernel with its own tiles
     sweep = Path(__file__).parents[2] / "benchmarks/results/nvidia_h200/attention/sweep.json"
@@ -97,6 +97,30 @@ def test_shipped_h200_attention_table_is_found_and_becomes_block_sizes():
     bs = AttentionBlockSizes(**entry)
     assert (bs.kernel("fwd").block_q, bs.kernel("dq").block_kv, bs.kernel("dkv").num_stages) == (128, 32, 2)
     assert blocks.lookup(ATTN.package, "nvidia_h200", "xla", attn_bucket(spec), op=ATTN.name) is None
+
+
+def test_shipped_h200_mosaic_attention_tiles_are_the_forward_sweeps_fastest():
+    # per head dim and mask kind: the table's forward tiles are the fastest the sweep measured
+    from axkern.ops.attention.api import OP as ATTN
+    from axkern.ops.attention.blocks import bucket as attn_bucket
+
+    sweep = Path(__file__).parents[2] / "benchmarks/results/nvidia_h200/attention/sweep_mosaic_forward.json"
+    data = json.loads(sweep.read_text())
+    kinds = {"causal": "causal", "full": "full", "window1024": "window", "docs1024": "documents"}
+    cases = 0
+    for case in {r["case"] for r in data["rows"]}:
+        mask, heads, d = case.split()
+        q_heads, _, kv_heads = heads[1:].partition("/")
+        d = int(d[1:])
+        dims = {"batch": 2, "q_len": 8192, "kv_len": 8192, "heads": int(q_heads)}
+        dims |= {"kv_heads": int(kv_heads or q_heads), "head_dim": d, "v_dim": d}
+        spec = ATTN.spec(dims, jnp.bfloat16, mask_kind=kinds[mask])
+        entry = blocks.lookup(ATTN.package, "nvidia_h200", "mosaic_gpu", attn_bucket(spec), op=ATTN.name)
+        timed = [r for r in data["rows"] if r["case"] == case and "median_ms" in r]
+        best = min(timed, key=lambda r: r["median_ms"])
+        assert "x".join(str(entry[f]) for f in ("block_q", "block_kv", "num_stages")) == best["tiles"], case
+        cases += 1
+    assert cases == 8
 
 
 def test_block_sizes_validation_messages():
