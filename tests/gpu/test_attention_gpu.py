@@ -36,15 +36,21 @@ def test_cudnn_is_chosen_explicitly_and_compiles():
     assert f(a["q"], a["k"], a["v"]).shape == (1, 256, 4, 64)
 
 
-def test_default_order_on_gpu_is_mosaic_gpu_on_hopper_then_cudnn_then_pallas_gpu_then_xla():
+def test_default_order_on_gpu_is_cudnn_then_mosaic_gpu_on_hopper_then_pallas_gpu_then_xla():
     a = _inputs(0, 1, 256, 256, 4, 4, 64, "bfloat16")
     att = axkern.positional.attention
     hopper = (backend.compute_capability() or (0,))[0] == 9
-    d = axkern.explain(att, a["q"], a["k"], a["v"])
-    assert d.implementation == ("mosaic_gpu" if hopper else "cudnn"), d
-    # float32 (neither the Mosaic kernels nor cuDNN take it): pallas_gpu, with the reasons
-    f = {n: x.astype(jnp.float32) for n, x in a.items()}
+    assert axkern.explain(att, a["q"], a["k"], a["v"]).implementation == "cudnn"
+    # what cuDNN cannot express through JAX: the Mosaic kernels on Hopper, else pallas_gpu
     ids = jnp.zeros((1, 256), jnp.int32).at[:, 100:].set(1)
+    d = axkern.explain(lambda q, k, v: att(q, k, v, mask=masks.Segments(ids, ids)), a["q"], a["k"], a["v"])
+    assert d.implementation == ("mosaic_gpu" if hopper else "pallas_gpu"), d
+    d = axkern.explain(lambda q, k, v: att(q, k, v, logits_soft_cap=30.0), a["q"], a["k"], a["v"])
+    assert (
+        d.implementation == ("mosaic_gpu" if hopper else "pallas_gpu") and "soft cap" in d.rejected[0].reason
+    )
+    # float32 (neither cuDNN nor the Mosaic kernels take it): pallas_gpu, with the reasons
+    f = {n: x.astype(jnp.float32) for n, x in a.items()}
     d = axkern.explain(lambda q, k, v: att(q, k, v, mask=masks.Segments(ids, ids)), f["q"], f["k"], f["v"])
     assert d.implementation == "pallas_gpu" and "float32" in d.rejected[-1].reason, d
     # and what none of the kernels serves (a head dim that is not a power of two) goes to xla

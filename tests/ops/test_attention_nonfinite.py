@@ -176,11 +176,11 @@ def test_property_non_finite_pattern_matches_the_reference(impl, sq, sk, kind, w
 
 
 def test_the_cudnn_guard_takes_the_rule_following_path_where_something_is_not_finite():
-    """`cudnn` runs cuDNN's kernel behind a guard (`_where_finite`): where `q`, `k`, `v` or the
+    """`cudnn` runs cuDNN's kernel behind a guard (`common.where_finite`): where `q`, `k`, `v` or the
     cotangent holds a non-finite value, `xla`'s forward and backward serve instead. Checked
     here with a stand-in for cuDNN that hides non-finite values and computes something else
     (`q` doubled), so each path's outputs and gradients are told apart."""
-    from axkern.ops.attention.api import _where_finite
+    from axkern.ops.attention.common import where_finite
 
     mask = masks.Causal()
     ref = jax.jit(functools.partial(attention, mask=mask, implementation="reference"))
@@ -188,7 +188,7 @@ def test_the_cudnn_guard_takes_the_rule_following_path_where_something_is_not_fi
     def hiding(q, k, v, sinks=None):  # finite whatever the inputs, and a different function of q
         return ref(jnp.nan_to_num(2 * q), jnp.nan_to_num(k), jnp.nan_to_num(v))
 
-    guarded = functools.partial(_where_finite, hiding, lambda q, k, v, sinks: ref(q, k, v))
+    guarded = functools.partial(where_finite, hiding, lambda q, k, v, sinks: ref(q, k, v))
 
     def value_and_grads(f, a, cot):
         out, vjp = jax.vjp(f, a["q"], a["k"], a["v"])
@@ -217,7 +217,7 @@ def test_the_guard_differentiates_a_jitted_call_with_traced_mask_arrays_and_sink
     # the mask's arrays (segment ids) and the sinks reach the guard's branches as arguments:
     # `grad` of a jitted call whose ids are traced works (closed over, they would be constants
     # it cannot take), and so does `grad` with respect to the sinks (closed over, a tracer leaks)
-    from axkern.ops.attention.api import _guarded
+    from axkern.ops.attention.common import guarded as _guarded
 
     a = _inputs(6)
     ids = jnp.array([[0] * 10 + [1] * 14])

@@ -19,12 +19,11 @@ import haliax as hax
 import jax
 import jax.numpy as jnp
 from haliax import NamedArray
-from jax import lax
 
 from axkern import masks as masks_
 from axkern.core import named
 from axkern.core.mesh import mesh_axes_for
-from axkern.core.op import Implementation, Op, Unsupported, unrecorded
+from axkern.core.op import Implementation, Op, Unsupported
 from axkern.core.typing import Array, Float, checked
 
 from . import common as tiles_common
@@ -61,7 +60,7 @@ def _cudnn_where_finite(q, k, v, sinks, mask, *, scale, logits_soft_cap):
     and backward run only where something is not finite."""
     kw = dict(scale=scale, logits_soft_cap=logits_soft_cap)
     fast = lambda q, k, v, sinks, mask: cudnn.attention(q, k, v, sinks=sinks, mask=mask, **kw)  # noqa: E731
-    return _guarded(fast, q, k, v, sinks, mask, order=("pallas_gpu", "xla"), **kw)
+    return tiles_common.guarded(fast, q, k, v, sinks, mask, order=("pallas_gpu", "xla"), **kw)
 
 
 def _mosaic_gpu_where_finite(q, k, v, sinks, mask, *, scale, logits_soft_cap, block_sizes):
@@ -95,20 +94,7 @@ def _mosaic_gpu_where_finite(q, k, v, sinks, mask, *, scale, logits_soft_cap, bl
     kw = dict(scale=scale, logits_soft_cap=logits_soft_cap)
     attend = functools.partial(mosaic_gpu.attention, block_sizes=block_sizes, backward=backward, **kw)
     fast = lambda q, k, v, sinks, mask: attend(q, k, v, sinks, mask)  # noqa: E731
-    return _guarded(fast, q, k, v, sinks, mask, order=safe_order, **kw)
-
-
-def _guarded(fast, q, k, v, sinks, mask, *, scale, logits_soft_cap, order):
-    """`fast(q, k, v, sinks, mask)` behind the non-finite guard (`_where_finite`), the first of
-    `order` serving where something is not finite; the sinks and the mask's arrays pass through
-    as arguments (closed over, a traced one would leak out of the guard's `custom_vjp`)."""
-    leaves, treedef = jax.tree.flatten(mask)
-
-    def fast_fn(q, k, v, sinks, *leaves):
-        return fast(q, k, v, sinks, jax.tree.unflatten(treedef, leaves))
-
-    safe_fn = _rule_following(mask, scale, logits_soft_cap, order)
-    return _where_finite(fast_fn, safe_fn, q, k, v, sinks, tuple(leaves))
+    return tiles_common.guarded(fast, q, k, v, sinks, mask, order=safe_order, **kw)
 
 
 def _mosaic_gpu_backward(spec, block_sizes) -> str:
@@ -125,71 +111,6 @@ def _mosaic_gpu_backward(spec, block_sizes) -> str:
         f"head dim {d}: no Mosaic GPU backward kernel (its dk, dv accumulators would not fit a "
         "warpgroup's registers); pallas_gpu's Triton dq and dk/dv kernels on this forward's residuals" + guard
     )
-
-
-def _rule_following(mask, scale, logits_soft_cap, order):
-    """`(q, k, v, sinks, *mask arrays) -> out` by the first of `order` that serves the call: what a
-    guarded implementation runs where an input is not finite (`mask`'s arrays come back as
-    arguments, `_where_finite`'s `extra`). Unrecorded, so `explain` reports the guarded
-    implementation's decision only."""
-    treedef = jax.tree.structure(mask)
-
-    def safe_fn(q, k, v, sinks, *leaves):
-        mask = jax.tree.unflatten(treedef, leaves)
-        with unrecorded():
-            return attention_positional(
-                q,
-                k,
-                v,
-                mask=mask,
-                scale=scale,
-                logits_soft_cap=logits_soft_cap,
-                sinks=sinks,
-                implementation=order,
-            )
-
-    return safe_fn
-
-
-def _all_finite(*arrays) -> jax.Array:
-    # one float32 sum per array (x · 0 is NaN exactly where x is not finite), fused into the read
-    total = sum(jnp.sum(a * jnp.zeros((), a.dtype), dtype=jnp.float32) for a in arrays)
-    return jnp.isfinite(total)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _where_finite(fast, safe, q, k, v, sinks=None, extra=()):
-    """`fast(q, k, v, sinks, *extra)` where `q`, `k`, `v` (and the cotangent) are finite, else
-    `safe(q, k, v, sinks, *extra)`. `sinks` (or None) is differentiated like `q`, `k`, `v`;
-    `extra`: the mask's arrays (e.g. segment ids; no cotangent). Both are arguments rather than
-    closed over, so the guard also runs under `grad` of a jitted call whose mask arrays are
-    traced, and under `grad` with respect to the sinks."""
-    # the fast kernel runs inside the first branch: its output is the conditional's (a value
-    # computed outside and returned by a branch is copied, a whole output's read and write)
-    return lax.cond(
-        _all_finite(q, k, v), lambda: fast(q, k, v, sinks, *extra), lambda: safe(q, k, v, sinks, *extra)
-    )
-
-
-def _where_finite_fwd(fast, safe, q, k, v, sinks=None, extra=()):
-    ok = _all_finite(q, k, v)
-    # cuDNN's forward always runs (its residuals are the only ones kept); the other only where
-    # an input is not finite
-    fast_out, fast_vjp = jax.vjp(lambda q, k, v, s: fast(q, k, v, s, *extra), q, k, v, sinks)
-    out = lax.cond(ok, lambda: fast_out, lambda: safe(q, k, v, sinks, *extra))
-    return out, (fast_vjp, ok, q, k, v, sinks, extra)
-
-
-def _where_finite_bwd(fast, safe, res, d_out):
-    fast_vjp, ok, q, k, v, sinks, extra = res
-
-    def recompute(d_out):  # a non-finite input or cotangent: the rule-following backward
-        return jax.vjp(lambda q, k, v, s: safe(q, k, v, s, *extra), q, k, v, sinks)[1](d_out)
-
-    return (*lax.cond(ok & jnp.isfinite(d_out).all(), fast_vjp, recompute, d_out), None)
-
-
-_where_finite.defvjp(_where_finite_fwd, _where_finite_bwd)
 
 
 OP = Op(
@@ -247,11 +168,13 @@ OP = Op(
         ),
         Implementation("reference", reference.attention, backward="autodiff through materialised scores"),
     ],
-    # GPU: mosaic_gpu on Hopper (its supports() refuses other GPUs, Dense masks, float32),
-    # cuDNN where its supports() holds, then pallas_gpu for what neither serves (other GPUs'
-    # packed documents and block-sparse masks), then xla; pallas_tpu is explicit only (figures:
-    # docs/ops/attention.md, "Performance")
-    default_order={"cpu": ("xla",), "gpu": ("mosaic_gpu", "cudnn", "pallas_gpu", "xla"), "tpu": ("xla",)},
+    # GPU: cuDNN where its supports() holds (static causal, window and full masks, no soft cap,
+    # no sinks: guarded, it ran 1-10% faster forward+backward than mosaic_gpu on the H200),
+    # then mosaic_gpu on Hopper for what cuDNN cannot express through JAX (packed documents,
+    # prefix-LM, `|` masks, soft cap, sinks; its supports() refuses other GPUs, float32 and
+    # Dense), then pallas_gpu (other GPUs), then xla; pallas_tpu is explicit only (figures:
+    # docs/ops/attention.md, "Measured performance")
+    default_order={"cpu": ("xla",), "gpu": ("cudnn", "mosaic_gpu", "pallas_gpu", "xla"), "tpu": ("xla",)},
     package=__package__,
     bucket=bucket,
 )

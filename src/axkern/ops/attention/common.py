@@ -8,6 +8,11 @@ equal segment ids), `p = exp(s - lse)` (`probs`) and `ds = p (dO v^T - delta)` t
 documents block summaries (`segment_overlap`: id ranges meet; `segment_uniform`: both blocks
 hold one id), the `custom_vjp` (`flash_vjp`) and the cotangents from the kernels' outputs
 (`finish_grads`: `dq` cut, `dk`, `dv` summed over each GQA group, `dsink`).
+
+Last, the non-finite guard of the `cudnn` and `mosaic_gpu` implementations (`guarded`): their
+kernels where `q`, `k`, `v` (and the cotangent) are finite, a rule-following implementation
+where one is not, chosen on the device (`lax.cond`). Neither kernel follows the non-finite rule
+alone (a NaN in `v` reaches, through `p v` with `p = 0`, queries that cannot see its key).
 """
 
 from __future__ import annotations
@@ -18,11 +23,12 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from axkern import masks as masks_
 from axkern.core.blocks import cdiv
 from axkern.core.kernels import dot as _dot
-from axkern.core.op import Unsupported
+from axkern.core.op import Unsupported, unrecorded
 
 
 @dataclasses.dataclass(frozen=True)
@@ -238,3 +244,86 @@ def finish_grads(q, k, v, sinks, dq, dk, dv, lse, delta):
         d_sinks,
         None,
     )
+
+
+# -- the non-finite guard ----------------------------------------------------------------------
+
+
+def guarded(fast, q, k, v, sinks, mask, *, scale, logits_soft_cap, order):
+    """`fast(q, k, v, sinks, mask)` behind the non-finite guard (`where_finite`), the first of
+    `order` serving where something is not finite; the sinks and the mask's arrays pass through
+    as arguments (closed over, a traced one would leak out of the guard's `custom_vjp`)."""
+    leaves, treedef = jax.tree.flatten(mask)
+
+    def fast_fn(q, k, v, sinks, *leaves):
+        return fast(q, k, v, sinks, jax.tree.unflatten(treedef, leaves))
+
+    safe_fn = rule_following(mask, scale, logits_soft_cap, order)
+    return where_finite(fast_fn, safe_fn, q, k, v, sinks, tuple(leaves))
+
+
+def rule_following(mask, scale, logits_soft_cap, order):
+    """`(q, k, v, sinks, *mask arrays) -> out` by the first of `order` that serves the call: what a
+    guarded implementation runs where an input is not finite (`mask`'s arrays come back as
+    arguments, `where_finite`'s `extra`). Unrecorded, so `explain` reports the guarded
+    implementation's decision only."""
+    treedef = jax.tree.structure(mask)
+
+    def safe_fn(q, k, v, sinks, *leaves):
+        mask = jax.tree.unflatten(treedef, leaves)
+        with unrecorded():
+            from .api import attention_positional  # the public entry; api imports this module
+
+            return attention_positional(
+                q,
+                k,
+                v,
+                mask=mask,
+                scale=scale,
+                logits_soft_cap=logits_soft_cap,
+                sinks=sinks,
+                implementation=order,
+            )
+
+    return safe_fn
+
+
+def all_finite(*arrays) -> jax.Array:
+    # one float32 sum per array (x · 0 is NaN exactly where x is not finite), fused into the read
+    total = sum(jnp.sum(a * jnp.zeros((), a.dtype), dtype=jnp.float32) for a in arrays)
+    return jnp.isfinite(total)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def where_finite(fast, safe, q, k, v, sinks=None, extra=()):
+    """`fast(q, k, v, sinks, *extra)` where `q`, `k`, `v` (and the cotangent) are finite, else
+    `safe(q, k, v, sinks, *extra)`. `sinks` (or None) is differentiated like `q`, `k`, `v`;
+    `extra`: the mask's arrays (e.g. segment ids; no cotangent). Both are arguments rather than
+    closed over, so the guard also runs under `grad` of a jitted call whose mask arrays are
+    traced, and under `grad` with respect to the sinks."""
+    # the fast kernel runs inside the first branch: its output is the conditional's (a value
+    # computed outside and returned by a branch is copied, a whole output's read and write)
+    return lax.cond(
+        all_finite(q, k, v), lambda: fast(q, k, v, sinks, *extra), lambda: safe(q, k, v, sinks, *extra)
+    )
+
+
+def where_finite_fwd(fast, safe, q, k, v, sinks=None, extra=()):
+    ok = all_finite(q, k, v)
+    # cuDNN's forward always runs (its residuals are the only ones kept); the other only where
+    # an input is not finite
+    fast_out, fast_vjp = jax.vjp(lambda q, k, v, s: fast(q, k, v, s, *extra), q, k, v, sinks)
+    out = lax.cond(ok, lambda: fast_out, lambda: safe(q, k, v, sinks, *extra))
+    return out, (fast_vjp, ok, q, k, v, sinks, extra)
+
+
+def where_finite_bwd(fast, safe, res, d_out):
+    fast_vjp, ok, q, k, v, sinks, extra = res
+
+    def recompute(d_out):  # a non-finite input or cotangent: the rule-following backward
+        return jax.vjp(lambda q, k, v, s: safe(q, k, v, s, *extra), q, k, v, sinks)[1](d_out)
+
+    return (*lax.cond(ok & jnp.isfinite(d_out).all(), fast_vjp, recompute, d_out), None)
+
+
+where_finite.defvjp(where_finite_fwd, where_finite_bwd)

@@ -23,18 +23,24 @@ tiles `[flo, fhi)` (the longest run of `FULL` tiles) run without any masking wor
 of `[lo, hi)` mask by position (`visible` on the tile's indices and the key length), and the
 tiles of `[clo, chi)` outside `[lo, hi)` are only released (the other warpgroup needs them).
 Fully masked tiles are never loaded. The table is a constant `int32 [blocks, 10]` input.
-Packed documents (`Segments`, alone or `&` a static mask): the block kinds are computed on the
-device per batch row (a tile is empty where the static part or the id ranges of its query and
-key blocks leave it empty, full where the static part is full and both blocks hold one same
-id; `schedule_rows` is `schedule` in jnp), the table is `[B, blocks, 10]`, and a partial tile
-also compares the rows' and columns' ids (int32, read from global memory in the tile's row
-and column layouts).
+Masks holding arrays (`Segments`, `PrefixLM`, and `&`, `|` of them with each other and with
+static masks; `schedules.lower` swaps each such leaf for a `Dynamic` placeholder naming its
+kernel operands): the block kinds are computed on the device per batch row
+(`device_kinds`: `Segments` empty where the blocks' id ranges do not meet, full where both
+blocks hold one same id; `PrefixLM` full where every key of the tile is at or before every
+query or inside the prefix, empty where every key is after every query and past it; `&` the
+smaller kind, `|` the larger), the table is `[B, blocks, 10]` (`schedule_rows` is `schedule`
+in jnp), and a partial tile evaluates the lowered mask (`tiles.TileMask`: a warpgroup's rows'
+ids and prefix lengths read once, each tile's columns' ids read as it comes).
 
 **Math.** Scores `s = q k^T` in float32 on the tensor cores; the running max is kept in
 base-2 units (`s · scale · log2 e`) so `p = exp2(s · c - m)` is one fused multiply-add and an
-`ex2`; `p` is cast to the input dtype for `p v`. A row that has seen no key yet keeps `m = -inf`
-without NaN (only masked tiles can leave a row empty). Output `acc / l` (zeros for a row that
-saw no key), `lse = m · ln 2 + log l` (`-inf` there).
+`ex2`; with a soft cap the scores are `tanh(s · scale / cap) · cap · log2 e` (MUFU `tanh`, one
+more per score). `p` is cast to the input dtype for `p v`. A row that has seen no key yet
+keeps `m = -inf` without NaN (only masked tiles can leave a row empty). Sinks join at the end:
+`m' = max(m, sink · log2 e)`, `l' = l · 2^(m - m') + 2^(sink · log2 e - m')`. Output
+`acc / l` (zeros for a row that saw no key and no sink), `lse = m · ln 2 + log l` (`-inf`
+there).
 
 **Cost.** `4 · B · H · D` FLOPs per visible (query, key) pair, tensor-core bound at these sizes;
 `k`, `v` read once per query block that sees them (GQA: once per query head; L2 serves the
@@ -47,7 +53,10 @@ NaN or infinity with another implementation (`api._mosaic_gpu_where_finite`).
 **Backward** (`backward`, head dims 64 and 128), two kernels of the same shape (a producer
 warpgroup streaming tiles through a TMA ring past two compute warpgroups), on the forward's
 residuals: `lse` goes in base-2 units with `+inf` for rows that saw no key (every `p` there is
-0) and `delta = Σ out · d_out` is formed in XLA. The `dq` kernel (grid `(H, query blocks, B)`)
+0; with sinks `lse` holds them, so the kernels need nothing more, and the sinks' own
+cotangent `-Σ exp(sink - lse) · delta` is formed in XLA) and `delta = Σ out · d_out` is formed
+in XLA. With a soft cap both kernels recompute `t = tanh(s · scale / cap)` and multiply `ds` by
+`1 - t²`. The `dq` kernel (grid `(H, query blocks, B)`)
 holds each warpgroup's query and `d_out` tiles and streams key and value tiles (the forward's
 schedule): `dp = d_out vᵀ` and `s = q kᵀ` in one `wgmma` group, `p = exp2(s · scale · log2 e −
 lse)`, `ds = p (dp − delta)`, `dq += ds k`. The `dk, dv` kernel (grid `(KVH, key blocks, B)`)
@@ -71,12 +80,12 @@ the configuration, table reads, id loads, the producer of key and value tiles),
 `forward_kernel.py`, `backward_kernels.py`; this file the checks and the `custom_vjp`.
 
 **Constraints** (`supports`, or an `Unsupported` at the call): a GPU of compute capability
-9.x, bf16 or fp16, head dims 64, 128 or 256 (`q`, `k`, `v` alike), static masks (`Full`,
-`Causal`, `SlidingWindow` and their `&`, `|`) and `Segments` alone or `&` one of them
-(`PrefixLM`, `Dense` not yet), no logit soft cap and no sinks yet. Block sizes: `block_q` (rows per compute warpgroup,
-64 or 128), `block_kv` (64, 128 or 256), `num_stages` (ring depth, 2 to 4); their shared
-memory must fit 227 KiB. Backward (`*_dq`, `*_dkv`): `dq` 64 query rows per warpgroup by 64 or
-128 keys, `dk, dv` 64 keys per warpgroup by 64 or 128 query rows, 2 to 4 stages each.
+9.x, bf16 or fp16, head dims 64, 128 or 256 (`q`, `k`, `v` alike), every mask but `Dense`
+(at head dim 256, whose backward is `pallas_gpu`'s, masks holding arrays only as `Segments` or
+`Segments & static`), a positive soft cap. Block sizes: `block_q` (rows per compute
+warpgroup, 64 or 128), `block_kv` (64, 128 or 256), `num_stages` (ring depth, 2 to 4); their
+shared memory must fit 227 KiB. Backward (`*_dq`, `*_dkv`): `dq` 64 query rows per warpgroup
+by 64 or 128 keys, `dk, dv` 64 keys per warpgroup by 64 or 128 query rows, 2 to 4 stages each.
 """
 
 from __future__ import annotations
