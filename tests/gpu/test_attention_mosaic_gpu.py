@@ -165,6 +165,21 @@ MORE_CASES = {
         3.0,
         False,
     ),
+    # 8191: no tile divides it, on either side (the oracle stays small with the other side short)
+    "causal+7891 bf16 d64 q300 k8191": (
+        1,
+        300,
+        8191,
+        2,
+        1,
+        64,
+        "bfloat16",
+        masks.Causal(offset=7891),
+        None,
+        None,
+        False,
+    ),
+    "full fp16 d128 gqa2 q8191 k200": (1, 8191, 200, 4, 2, 128, "float16", masks.Full(), None, None, False),
     "window100 soft cap 8 sinks bf16 d256 ragged": (
         1,
         250,
