@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import axkern
 from axkern import masks
 from axkern.bench import time_spread
-from axkern.ops.attention.api import _all_finite
+from axkern.ops.attention.common import all_finite
 
 B, S, H, D = 2, 8192, 32, 128
 
@@ -33,7 +33,7 @@ def guarded(q, k, v, window):
 
 def check_only(q, k, v, window):
     del window
-    return _all_finite(q, k, v)
+    return all_finite(q, k, v)
 
 
 def temp_gib(jitted, args):

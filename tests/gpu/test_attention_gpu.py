@@ -52,7 +52,7 @@ def test_default_order_on_gpu_is_cudnn_then_mosaic_gpu_on_hopper_then_pallas_gpu
     # float32 (neither cuDNN nor the Mosaic kernels take it): pallas_gpu, with the reasons
     f = {n: x.astype(jnp.float32) for n, x in a.items()}
     d = axkern.explain(lambda q, k, v: att(q, k, v, mask=masks.Segments(ids, ids)), f["q"], f["k"], f["v"])
-    assert d.implementation == "pallas_gpu" and "float32" in d.rejected[-1].reason, d
+    assert d.implementation == "pallas_gpu" and any("float32" in r.reason for r in d.rejected), d
     # and what none of the kernels serves (a head dim that is not a power of two) goes to xla
     b = _inputs(0, 1, 256, 256, 4, 4, 80, "bfloat16")
     d = axkern.explain(lambda q, k, v: att(q, k, v, logits_soft_cap=30.0), b["q"], b["k"], b["v"])

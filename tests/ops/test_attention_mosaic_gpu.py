@@ -169,6 +169,18 @@ def test_check_refuses_masks_and_blocks_it_cannot_take():
         mosaic_gpu.check(masks.Causal() & masks.Dense(jnp.ones((1, 256, 256), bool)), bs, 128)
     with pytest.raises(axkern.Unsupported, match="positive cap"):
         mosaic_gpu.check(masks.Causal(), bs, 128, logits_soft_cap=0.0)
+    with pytest.raises(axkern.Unsupported, match="positive scale"):  # scores are masked before scaling
+        mosaic_gpu.check(masks.Causal(), bs, 128, scale=-0.5)
+    q = jnp.zeros((1, 64, 2, 64), jnp.bfloat16)
+    mosaic_gpu.check_inputs(q, q, q)
+    with pytest.raises(axkern.Unsupported, match="one dtype"):
+        mosaic_gpu.check_inputs(q, q.astype(jnp.float16), q)
+    # where an input is not finite, the guard's other branch: pallas_gpu only for the masks it takes
+    from axkern.ops.attention import api
+
+    assert api._pallas_mask(masks.Causal() & masks.Segments(ids, ids))
+    assert not api._pallas_mask(masks.PrefixLM(jnp.array([3])))
+    assert not api._pallas_mask(masks.Causal() | masks.Segments(ids, ids))
     with pytest.raises(axkern.Unsupported, match="block_q=32"):
         mosaic_gpu.check(masks.Causal(), dataclasses.replace(bs, block_q=32), 128)
     with pytest.raises(axkern.Unsupported, match="num_stages=5"):
@@ -229,7 +241,6 @@ def test_dispatch_on_cpu_skips_it_with_the_reason():
     assert "no interpret mode" in d.rejected[0].reason
     with pytest.raises(axkern.Unsupported, match="mosaic_gpu"):
         attention(a["q"], a["k"], a["v"], implementation="mosaic_gpu")
-    # not in any default order yet (that needs measured speed)
     # on Hopper after cuDNN (faster where it serves), before pallas_gpu
     assert OP.default_order["gpu"][:3] == ("cudnn", "mosaic_gpu", "pallas_gpu")
     line = OP.implementations["mosaic_gpu"].backward
@@ -373,6 +384,7 @@ _PREFIX = masks.PrefixLM(jnp.array([70, 9]))
         (masks.SlidingWindow(30) | _PREFIX, 150, 150, {"soft_cap": 2.0}),
         ("docs|window", 140, 140, {"sinks": True}),
         ("prefix&docs", 140, 140, {"soft_cap": 3.0, "sinks": True}),
+        (masks.Causal(offset=-20), 100, 140, {"sinks": True}),  # sinks on rows that see no key
     ],
 )
 def test_emulated_backward_tiles_give_the_gradients(mask, sq, sk, extra):

@@ -175,6 +175,22 @@ def test_property_non_finite_pattern_matches_the_reference(impl, sq, sk, kind, w
     _against_reference(impl, a, mask, drawn=True, sinks=where == "sinks")
 
 
+def test_the_guards_forward_alone_takes_the_fast_branch_only_where_everything_is_finite():
+    # the primal (no gradient): the fast function inside the conditional's first branch
+    from axkern.ops.attention.common import where_finite
+
+    ref = functools.partial(attention, mask=masks.Causal(), implementation="reference")
+
+    def fast(q, k, v, sinks=None):  # finite whatever the inputs, and a different function of q
+        return ref(jnp.nan_to_num(2 * q), jnp.nan_to_num(k), jnp.nan_to_num(v))
+
+    guarded = jax.jit(functools.partial(where_finite, fast, lambda q, k, v, sinks: ref(q, k, v)))
+    a = _inputs(8)
+    np.testing.assert_allclose(guarded(a["q"], a["k"], a["v"]), fast(a["q"], a["k"], a["v"]), rtol=1e-6)
+    bad = poke(a["q"], (0, 4, 1, 3), np.inf)
+    assert_nonfinite_rule(guarded(bad, a["k"], a["v"]), ref(bad, a["k"], a["v"]), "guard primal", rtol=1e-6)
+
+
 def test_the_cudnn_guard_takes_the_rule_following_path_where_something_is_not_finite():
     """`cudnn` runs cuDNN's kernel behind a guard (`common.where_finite`): where `q`, `k`, `v` or the
     cotangent holds a non-finite value, `xla`'s forward and backward serve instead. Checked

@@ -70,7 +70,8 @@ def _mosaic_gpu_where_finite(q, k, v, sinks, mask, *, scale, logits_soft_cap, bl
     finite; elsewhere `pallas_gpu` (else `xla`; `xla` alone above head dim 128), chosen on the
     device as for cuDNN: the kernel's `p v` product would carry a NaN of `v` to rows that cannot
     see its key."""
-    mosaic_gpu.check(mask, block_sizes, q.shape[3], sinks, logits_soft_cap)  # Unsupported before tracing
+    mosaic_gpu.check(mask, block_sizes, q.shape[3], sinks, logits_soft_cap, scale=scale)  # before tracing
+    mosaic_gpu.check_inputs(q, k, v)
     backward = None
     why = mosaic_gpu.check_backward(mask, block_sizes, q.shape[3])
     if why is not None and q.shape[3] in mosaic_gpu.BACKWARD_HEAD_DIMS:
@@ -90,11 +91,23 @@ def _mosaic_gpu_where_finite(q, k, v, sinks, mask, *, scale, logits_soft_cap, bl
         )
     # above head dim 128 pallas_gpu's default forward tiles (64 x 64, 3 stages) ask a Hopper block
     # for more shared memory than it has (237568 of 232448 bytes): xla serves non-finite inputs there
-    safe_order = ("pallas_gpu", "xla") if max(q.shape[3], v.shape[3]) <= 128 else ("xla",)
+    # and pallas_gpu takes no mask holding arrays but Segments (& static): xla serves the others
+    safe_order = (
+        ("pallas_gpu", "xla") if max(q.shape[3], v.shape[3]) <= 128 and _pallas_mask(mask) else ("xla",)
+    )
     kw = dict(scale=scale, logits_soft_cap=logits_soft_cap)
     attend = functools.partial(mosaic_gpu.attention, block_sizes=block_sizes, backward=backward, **kw)
     fast = lambda q, k, v, sinks, mask: attend(q, k, v, sinks, mask)  # noqa: E731
     return tiles_common.guarded(fast, q, k, v, sinks, mask, order=safe_order, **kw)
+
+
+def _pallas_mask(mask) -> bool:
+    """Whether `pallas_gpu` takes the mask (static, `Segments`, `Segments & static`)."""
+    try:
+        tiles_common.split_segments(mask)
+    except Unsupported:
+        return False
+    return True
 
 
 def _mosaic_gpu_backward(spec, block_sizes) -> str:

@@ -132,6 +132,7 @@ __all__ = [
     "supports",
     "check",
     "check_backward",
+    "check_inputs",
     "schedule",
     "mask_schedule",
     "key_schedule",
@@ -190,13 +191,25 @@ def _blocks(block_sizes) -> dict:
     )
 
 
-def check(mask, block_sizes, head_dim, sinks=None, logits_soft_cap=None) -> None:
+def check(mask, block_sizes, head_dim, sinks=None, logits_soft_cap=None, scale=None) -> None:
     """`Unsupported` with the reason when the forward kernel cannot serve these options (the
-    backward kernels: `check_backward`)."""
+    backward kernels: `check_backward`). A scale of 0 or below is refused: the kernels mask
+    scores to `-inf` before scaling them."""
     if logits_soft_cap is not None and not float(logits_soft_cap) > 0:
         raise Unsupported(f"logits_soft_cap={logits_soft_cap}: the Mosaic GPU kernels take a positive cap")
+    if scale is not None and not float(scale) > 0:
+        raise Unsupported(f"scale={scale}: the Mosaic GPU kernels take a positive scale")
     b = _blocks(block_sizes)
     _check(mask, b["block_q"], b["block_kv"], b["num_stages"], head_dim)
+
+
+def check_inputs(q, k, v) -> None:
+    """`Unsupported` unless `q`, `k`, `v` share one dtype (the kernels' shared-memory tiles and
+    products take one)."""
+    if not q.dtype == k.dtype == v.dtype:
+        raise Unsupported(
+            f"q, k, v are {q.dtype}, {k.dtype}, {v.dtype}: the Mosaic GPU kernels take one dtype"
+        )
 
 
 def attention(q, k, v, sinks, mask, *, scale, logits_soft_cap, block_sizes, backward=None):  # noqa: F811
@@ -207,7 +220,8 @@ def attention(q, k, v, sinks, mask, *, scale, logits_soft_cap, block_sizes, back
     backward kernels need nothing more); their cotangent is `-Σ exp(sink - lse) · delta` over
     the rows, formed in XLA. The mask's arrays (segment ids, prefix lengths) are arguments of
     the `custom_vjp`, not closed over, so a jitted call with traced ones differentiates."""
-    check(mask, block_sizes, q.shape[3], sinks, logits_soft_cap)
+    check(mask, block_sizes, q.shape[3], sinks, logits_soft_cap, scale=scale)
+    check_inputs(q, k, v)
     fwd = functools.partial(forward, scale=scale, logits_soft_cap=logits_soft_cap, **_blocks(block_sizes))
     if backward is None:
         backward = functools.partial(
