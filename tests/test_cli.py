@@ -189,11 +189,30 @@ def _usage_error(argv, capsys) -> str:
         (["bench", "--cases", "no_such_file.py"], "--cases: expected a Python file"),
         (["bench", "short_conv", "--cases", "examples/tiny_lm.py"], "--cases: expected no OP"),
         (["bench", "--format", "html"], "--format: invalid choice"),
+        (
+            ["bench", "short_conv", "--only", "no-such-case"],
+            "--only: expected parts of these case labels: B=2",
+        ),
     ],
 )
 def test_bench_usage_errors_exit_2_before_measuring(argv, expected, capsys, monkeypatch):
     _no_measuring(monkeypatch)
     assert expected in _usage_error(argv, capsys)
+
+
+def test_bench_only_times_the_cases_whose_label_holds_one_of_its_parts(tmp_path, monkeypatch):
+    import axkern.bench
+
+    seen = []
+    monkeypatch.setattr(axkern.bench, "measure", lambda case, impls, **kw: seen.append(case.label) or [])
+    argv = ["bench", "--quick", "--impl", "xla", "--only", "W=4, H=4/2", "--json", str(tmp_path / "o.json")]
+    assert cli.main(argv) == 0
+    # attention's, short_conv's and short_conv_step's quick cases; none of the other ops'
+    assert sorted(seen) == [
+        "B=1 L=256 H=4/2 D=32 causal float32",
+        "B=2 S=256 C=256 W=4 silu float32",
+        "B=4 C=256 W=4 silu float32",
+    ]
 
 
 def test_bench_json_path_that_is_a_directory_is_a_usage_error(tmp_path, capsys, monkeypatch):

@@ -74,6 +74,11 @@ def add_parser(sub) -> None:
         help="time the cases() of this Python file instead of the ops' (examples/tiny_lm.py: one training "
         "step, its ops as the dispatcher picks them ('default') and all 'reference')",
     )
+    b.add_argument(
+        "--only",
+        help="comma-separated parts of case labels: time only the cases whose label holds one of them "
+        "(e.g. --only docs1024,D=256; labels as printed)",
+    )
     b.set_defaults(fn=bench)
 
 
@@ -233,6 +238,13 @@ def _plan(args) -> tuple[list, tuple[str, ...]]:
             except ValueError as e:
                 raise UsageError(f"--preset: {e}") from None
             work += [(c, impls) for c in op_cases if impls]
+    if args.only is not None:
+        parts = [p.strip() for p in args.only.split(",") if p.strip()]
+        kept = [(c, i) for c, i in work if any(p in c.label for p in parts)]
+        if not parts or not kept:
+            labels = "; ".join(c.label for c, _ in work)
+            raise UsageError(f"--only: expected parts of these case labels: {labels}; got {args.only!r}")
+        work = kept
     if args.peers:  # JAX peers run in this process, as rows beside ours
         work = [(c, i + [f"peer:{name}" for name in c.peers]) for c, i in work]
     timed = [(c, i) for c, i in work if any(p in c.passes for p in passes)]
