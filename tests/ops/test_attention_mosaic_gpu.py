@@ -6,6 +6,7 @@ block sizes, and the `pallas_gpu` backward it borrows fed with another forward's
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -296,6 +297,11 @@ def test_key_schedule_against_brute_force(name, sq, sk, bq, bk):
             assert (lo, hi) == (seen[0], seen[-1] + 1) and all_[i, flo:fhi].all(), (c, w, row)
 
 
+def _table(mask, *args, **kw):
+    """`schedule_table` as one compiled call (op by op, each of its small ops compiles alone)."""
+    return jax.jit(lambda m: mosaic_gpu.schedule_table(m, *args, **kw))(mask)
+
+
 def _emulated_backward(q, k, v, out, lse, d_out, mask, scale, blocks, soft_cap=None):
     """The Mosaic backward kernels' tile loops in float64 numpy: the same tables, operands
     (padding, base-2 lse, delta, the mask's arrays), the same lowered mask evaluated on the
@@ -306,7 +312,7 @@ def _emulated_backward(q, k, v, out, lse, d_out, mask, scale, blocks, soft_cap=N
     g = h // kvh
     mq, mk = max(WGS * bq1, bq2), max(bk1, WGS * bk2)
     sqp, skp = -(-sq // mq) * mq, -(-sk // mk) * mk
-    ops = mosaic_gpu.backward_operands(q, k, v, out, lse, d_out, sqp=sqp, skp=skp)
+    ops = jax.jit(functools.partial(mosaic_gpu.backward_operands, sqp=sqp, skp=skp))(q, k, v, out, lse, d_out)
     qp, kp, vp, dop, lse2, delta = (np.asarray(a, np.float64) for a in ops)
     lowered, leaves = mosaic_gpu.lower(mask)
     mask_ops = [np.asarray(a) for a in mosaic_gpu.operands(leaves, b, sqp, skp)]
@@ -357,10 +363,10 @@ def _emulated_backward(q, k, v, out, lse, d_out, mask, scale, blocks, soft_cap=N
     def at(a, r):  # one batch row (kept as a batch of one) or all
         return a if r is None else a[r : r + 1]
 
-    for r, own, t, masked in visits(mosaic_gpu.schedule_table(mask, sq, sk, bq1, bk1, b)):
+    for r, own, t, masked in visits(_table(mask, sq, sk, bq1, bk1, b)):
         rows, keys, _, ds = tile(own * bq1, bq1, t * bk1, bk1, masked)
         at(dq, r)[:, rows] += np.einsum("bhqk,bkhd->bqhd", at(ds, r), at(kp, r)[:, keys])
-    for r, own, t, masked in visits(mosaic_gpu.schedule_table(mask, sq, sk, bq2, bk2, b, keys=True)):
+    for r, own, t, masked in visits(_table(mask, sq, sk, bq2, bk2, b, keys=True)):
         rows, keys, p, ds = tile(t * bq2, bq2, own * bk2, bk2, masked)
         at(dk, r)[:, keys] += np.einsum("bhqk,bqhd->bkhd", at(ds, r), at(qp, r)[:, rows])
         at(dv, r)[:, keys] += np.einsum("bhqk,bqhd->bkhd", at(p, r), at(dop, r)[:, rows])
@@ -412,17 +418,17 @@ def test_emulated_backward_tiles_give_the_gradients(mask, sq, sk, extra):
             q, k, v, mask=mask, scale=scale, logits_soft_cap=cap, sinks=sinks, implementation="reference"
         )
 
-    out, vjp = jax.vjp(ref, q, k, v)
+    d_out = jnp.sin(jnp.arange(b * sq * 4 * 16, dtype=jnp.float32)).reshape(b, sq, 4, 16)
+    out, want = jax.jit(lambda q, k, v: (ref(q, k, v), jax.vjp(ref, q, k, v)[1](d_out)))(q, k, v)
     s = jnp.einsum("bqhd,bkhd->bhqk", q, jnp.repeat(k, 2, axis=2)) * scale
     s = s if cap is None else cap * jnp.tanh(s / cap)
     s = jnp.where(mask.dense(sq, sk)[:, None], s, -jnp.inf)
     if sinks is not None:
         s = jnp.concatenate([s, jnp.broadcast_to(sinks[None, :, None, None], s.shape[:3] + (1,))], -1)
     lse = jax.nn.logsumexp(s, axis=-1)
-    d_out = jnp.sin(jnp.arange(out.size, dtype=jnp.float32)).reshape(out.shape)
     blocks = AttentionBlockSizes(block_q_dq=64, block_kv_dq=64, block_q_dkv=128, block_kv_dkv=64)
     got = _emulated_backward(q, k, v, out, lse, d_out, mask, scale, blocks, soft_cap=cap)
-    for name, g_, w_ in zip(("dq", "dk", "dv"), got, vjp(d_out), strict=True):
+    for name, g_, w_ in zip(("dq", "dk", "dv"), got, want, strict=True):
         np.testing.assert_allclose(g_, np.asarray(w_), rtol=1e-4, atol=1e-4, err_msg=name)
 
 
@@ -476,7 +482,7 @@ def test_run_time_schedule_covers_every_visible_pair_and_runs_only_full_tiles():
     ):
         dense = np.asarray(mask.dense(173, 173))
         for keys in (False, True):
-            table = np.asarray(mosaic_gpu.schedule_table(mask, 173, 173, 16, 32, 2, keys=keys))
+            table = np.asarray(_table(mask, 173, 173, 16, 32, 2, keys=keys))
             assert table.shape[0] == 2
             for r in range(2):
                 vis = dense[r].T if keys else dense[r]
