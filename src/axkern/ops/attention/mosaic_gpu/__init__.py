@@ -82,7 +82,8 @@ the configuration, table reads, id loads, the producer of key and value tiles),
 **Constraints** (`supports`, or an `Unsupported` at the call): a GPU of compute capability
 9.x, bf16 or fp16, head dims 64, 128 or 256 (`q`, `k`, `v` alike), every mask but `Dense`
 (at head dim 256, whose backward is `pallas_gpu`'s, masks holding arrays only as `Segments` or
-`Segments & static`), a positive soft cap. Block sizes: `block_q` (rows per compute
+`Segments & static`), a positive soft cap and scale (scores are masked to `-inf` before
+they are scaled), one dtype for `q`, `k`, `v`. Block sizes: `block_q` (rows per compute
 warpgroup, 64 or 128), `block_kv` (64, 128 or 256), `num_stages` (ring depth, 2 to 4); their
 shared memory must fit 227 KiB. Backward (`*_dq`, `*_dkv`): `dq` 64 query rows per warpgroup
 by 64 or 128 keys, `dk, dv` 64 keys per warpgroup by 64 or 128 query rows, 2 to 4 stages each.
