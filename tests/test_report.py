@@ -102,3 +102,19 @@ def test_report_command_writes_into_the_given_folders(tmp_path, capsys):
     assert (docs / "img" / "overview.png").is_file() and "wrote" in capsys.readouterr().out
     assert cli.main(["report", "--results", str(tmp_path / "none")]) == 2
     assert "--results: expected a folder" in capsys.readouterr().err
+
+
+def test_a_run_cut_short_says_which_cases_have_no_rows():
+    from axkern import report
+
+    run = {
+        "command": "axkern bench attention --preset h200",
+        "device": "NVIDIA H200",
+        "date": "2026-12-01T14:01:17+00:00",
+        "versions": {"jax": "0.11.2"},
+        "path": "benchmarks/results/nvidia_h200/attention/h200.json",
+        "cases": [{"case": "causal"}, {"case": "docs"}, {"case": "D=256"}],
+        "rows": [{"case": "causal"}, {"case": "docs"}],
+    }
+    assert "cut short" not in report._about(run)
+    assert report._about(dict(run, complete=False)).endswith("The run was cut short; no rows for D=256.")

@@ -80,10 +80,16 @@ def _about(run: dict) -> str:
     if bandwidth:
         measured.append(f"copy bandwidth {bandwidth:.0f} GB/s")
     v = run.get("versions", {})
+    cut = ""
+    if run.get("complete") is False:  # a run cut short keeps the rows it wrote as it went
+        done = {r["case"] for r in run.get("rows", [])}
+        missing = [c["case"] for c in run.get("cases", []) if c["case"] not in done]
+        cut = " The run was cut short" + (f"; no rows for {'; '.join(missing)}" if missing else "") + "."
     return (
         f"`{run['command']}` on {run['device']}, {run['date'][:10]}, jax {v.get('jax', '?')}"
         + (f"; {', '.join(measured)} measured in the same run" if measured else "")
         + f" (`benchmarks/results/{'/'.join(Path(run['path']).parts[-3:])}`)."
+        + cut
     )
 
 
