@@ -139,8 +139,17 @@ def report(args) -> int:
 
 
 def build_native(args) -> int:
-    """Prebuild every native library (for the visible GPU, or `--arch 9.0` with no GPU)."""
+    """Prebuild the named native libraries, or every one (for the visible GPU, or `--arch 9.0`
+    with no GPU)."""
     from axkern.core import backend, native
+
+    unknown = [n for n in args.libraries if n not in native.LIBRARIES]
+    if unknown:
+        print(
+            f"axkern build-native: expected libraries among {', '.join(native.LIBRARIES)}, got {', '.join(unknown)}",
+            file=sys.stderr,
+        )
+        return 2
 
     if args.arch:
         major, _, minor = args.arch.partition(".")
@@ -151,6 +160,8 @@ def build_native(args) -> int:
             print("axkern build-native: no CUDA GPU visible; pass --arch (e.g. --arch 9.0)", file=sys.stderr)
             return 2
     for name, lib in native.LIBRARIES.items():
+        if args.libraries and name not in args.libraries:
+            continue
         try:
             path = native.build(lib, cc)
         except native.Unsupported as e:
@@ -194,6 +205,7 @@ def parser() -> argparse.ArgumentParser:
     r.set_defaults(fn=report)
     cli_tune.add_parser(sub)
     n = sub.add_parser("build-native", help="compile the CUDA libraries into the cache and print where")
+    n.add_argument("libraries", nargs="*", help="the libraries to build (default: every one), e.g. moe")
     n.add_argument("--arch", help="compute capability to build for (default: the visible GPU's), e.g. 9.0")
     n.set_defaults(fn=build_native)
     return p

@@ -87,7 +87,7 @@ def test_the_wheel_ships_the_sources_and_the_loader_finds_them(installed_wheel):
 def test_the_installed_wheel_compiles_a_native_op(installed_wheel, native_cache):
     _, venv, _, env = installed_wheel
     env = {**env, "AXKERN_CACHE_DIR": str(native_cache)}
-    out = _run([str(venv / "bin" / "axkern"), "build-native", "--arch", "9.0"], env=env).stdout
+    out = _run([str(venv / "bin" / "axkern"), "build-native", "moe", "--arch", "9.0"], env=env).stdout
     built = Path(out.split("moe:", 1)[1].split()[0])
     # the same cache entry as the checkout's: the key hashes every source's name and bytes
     lib, flags = native.LIBRARIES["moe"], native.arch_flags((9, 0))
@@ -120,3 +120,4 @@ def test_cli_build_native(moe_library, native_cache, monkeypatch, capsys):
     assert cli.main(["build-native", "--arch", "9.0"]) == 0
     assert str(moe_library) in capsys.readouterr().out
     assert cli.main(["build-native"]) == 2  # no GPU and no --arch
+    assert cli.main(["build-native", "no_such_library", "--arch", "9.0"]) == 2
