@@ -43,6 +43,7 @@ __all__ = [
     "PARTIAL",
     "FULL",
     "leaf_roles",
+    "leaves",
 ]
 
 EMPTY, PARTIAL, FULL = 0, 1, 2
@@ -347,6 +348,13 @@ class Or(And):
 
     def visible_2d(self, q_idx, k_idx):
         return self.a.visible_2d(q_idx, k_idx) | self.b.visible_2d(q_idx, k_idx)
+
+
+def leaves(mask: Mask) -> list[Mask]:
+    """The masks an `&` / `|` tree combines, left to right (a mask that is no `&` or `|`: itself)."""
+    if isinstance(mask, And):  # and Or
+        return leaves(mask.a) + leaves(mask.b)
+    return [mask]
 
 
 def leaf_roles(mask: Mask) -> list[tuple[str, ...]]:

@@ -80,12 +80,11 @@ def _mosaic_gpu_where_finite(q, k, v, sinks, mask, *, scale, logits_soft_cap, bl
         dims = dict(zip(("batch", "q_len", "heads", "head_dim"), q.shape, strict=True))
         dims |= {"kv_len": k.shape[1], "kv_heads": k.shape[2], "v_dim": v.shape[3]}
         back_blocks = mosaic_gpu_backward_blocks(block_sizes, OP.spec(dims, q.dtype))
-        try:
-            tiles_common.split_segments(mask)
-        except Unsupported as e:
+        if not _pallas_mask(mask):
             raise Unsupported(
-                f"head dim {q.shape[3]}: the backward would be pallas_gpu's kernels, and {e}"
-            ) from None
+                f"head dim {q.shape[3]}: the backward would be pallas_gpu's kernels, which take {mask!r} "
+                "only as static masks, Segments or Segments & a static mask"
+            )
         backward = functools.partial(
             pallas_gpu.backward, scale=scale, block_sizes=back_blocks, logits_soft_cap=logits_soft_cap
         )

@@ -7,6 +7,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
+from axkern import masks as masks_
 from axkern.core.blocks import BlockSizes, grid, next_power_of_2, powers_of_two, unique_valid
 from axkern.core.op import Spec
 
@@ -79,7 +80,7 @@ def mask_kind(mask) -> str:
     alone or `&` a causal mask), "documents" (any mask holding `Segments`), "prefix" (holding
     `PrefixLM`), else "other". Its tiles' mix of empty, partial and full tiles is what moves the
     best block sizes."""
-    kinds = {type(m).__name__ for m in _mask_leaves(mask)}
+    kinds = {type(m).__name__ for m in masks_.leaves(mask)}
     if "Segments" in kinds:
         return "documents"
     if "PrefixLM" in kinds:
@@ -91,12 +92,6 @@ def mask_kind(mask) -> str:
     if "SlidingWindow" in kinds and kinds <= {"SlidingWindow", "Causal"} and type(mask).__name__ != "Or":
         return "window"
     return "other"
-
-
-def _mask_leaves(mask) -> list:
-    if type(mask).__name__ in ("And", "Or"):
-        return _mask_leaves(mask.a) + _mask_leaves(mask.b)
-    return [mask]
 
 
 def bucket(spec: Spec) -> dict:

@@ -223,6 +223,16 @@ def flash_vjp(forward, backward):
     return fn
 
 
+def sink_grad(sinks, lse, delta):
+    """`dsink = -Σ exp(sink - lse) · delta` over the batch and the rows (`lse`, `delta`
+    `[B, H, Sq]`, natural log; a row with `lse = -inf` adds nothing)."""
+    finite = lse != -jnp.inf
+    p_sink = jnp.where(
+        finite, jnp.exp(sinks.astype(jnp.float32)[None, :, None] - jnp.where(finite, lse, 0.0)), 0.0
+    )
+    return (-jnp.sum(p_sink * delta, axis=(0, 2))).astype(sinks.dtype)
+
+
 def finish_grads(q, k, v, sinks, dq, dk, dv, lse, delta):
     """The cotangents from the kernels' outputs: `dq [B, H, Sqp, D]` cut and laid out as `q`;
     the per-query-head `dk, dv [B, H, Skp, D]` summed over each group; `dsink = -sum exp(sink -
@@ -230,13 +240,7 @@ def finish_grads(q, k, v, sinks, dq, dk, dv, lse, delta):
     b, sq, h, _ = q.shape
     sk, kvh = k.shape[1], k.shape[2]
     per_kv = lambda a: jnp.swapaxes(a.reshape(b, kvh, h // kvh, a.shape[2], -1).sum(2), 1, 2)[:, :sk]  # noqa: E731
-    d_sinks = None
-    if sinks is not None:
-        finite = lse != -jnp.inf
-        p_sink = jnp.where(
-            finite, jnp.exp(sinks.astype(jnp.float32)[None, :, None] - jnp.where(finite, lse, 0.0)), 0.0
-        )
-        d_sinks = (-jnp.sum(p_sink * delta, axis=(0, 2))).astype(sinks.dtype)
+    d_sinks = None if sinks is None else sink_grad(sinks, lse, delta)
     return (
         jnp.swapaxes(dq, 1, 2)[:, :sq].astype(q.dtype),
         per_kv(dk).astype(k.dtype),

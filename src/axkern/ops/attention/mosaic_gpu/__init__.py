@@ -99,6 +99,7 @@ import jax.numpy as jnp
 from axkern.core import backend
 from axkern.core.op import Unsupported
 
+from .. import common
 from . import backward_kernels
 from .backward_kernels import (
     BACKWARD_HEAD_DIMS,
@@ -245,11 +246,7 @@ def attention(q, k, v, sinks, mask, *, scale, logits_soft_cap, block_sizes, back
         d_sinks = None
         if sinks is not None:
             delta = jnp.einsum("bqhd,bqhd->bhq", out.astype(jnp.float32), d_out.astype(jnp.float32))
-            seen = lse != -jnp.inf
-            p_sink = jnp.where(
-                seen, jnp.exp(sinks.astype(jnp.float32)[None, :, None] - jnp.where(seen, lse, 0.0)), 0.0
-            )
-            d_sinks = (-jnp.sum(p_sink * delta, axis=(0, 2))).astype(sinks.dtype)
+            d_sinks = common.sink_grad(sinks, lse, delta)
         return dq, dk, dv, d_sinks, None
 
     fn.defvjp(fn_fwd, fn_bwd)

@@ -13,8 +13,20 @@ from axkern.core.blocks import cdiv
 from axkern.core.op import Unsupported
 
 from ..blocks import MOSAIC_GPU_SMEM, mosaic_gpu_dkv_smem_bytes, mosaic_gpu_dq_smem_bytes
-from .schedules import COMPUTE_WGS, CTA_HI, CTA_LO, FHI, FLO, HI, LO, lower, operands, schedule_table
-from .tiles import LOG2E, TileMask, _Cfg, _entry_of, _iota, _stream_kv, base2_scores, pl, plgpu, times
+from .schedules import COMPUTE_WGS, CTA_HI, CTA_LO, lower, operands, schedule_table
+from .tiles import (
+    LOG2E,
+    TileMask,
+    _Cfg,
+    _entry_of,
+    _iota,
+    _stream_kv,
+    base2_scores,
+    pl,
+    plgpu,
+    times,
+    warpgroup_bounds,
+)
 
 BACKWARD_HEAD_DIMS = (64, 128)  # at 256 the dk, dv accumulators alone fill a warpgroup's registers
 
@@ -91,8 +103,7 @@ def _dq_kernel(
     def _compute():
         plgpu.set_max_registers(232, action="increase")
         q_smem, do_smem = q_smem2.at[wg], do_smem2.at[wg]
-        col = 2 + 4 * wg
-        lo, flo, fhi, hi = (at(cta, col + i) for i in (LO, FLO, FHI, HI))
+        lo, flo, fhi, hi = warpgroup_bounds(at, cta, wg)
         q_base = (cta * COMPUTE_WGS + wg) * bq
         tile_mask = TileMask(mask, mask_refs, batch, q_base, bq)
         rows = (batch, pl.ds(q_base, bq), head)
@@ -193,8 +204,7 @@ def _dkv_kernel(
     def _compute():
         plgpu.set_max_registers(232, action="increase")
         k_smem, v_smem = k_smem2.at[wg], v_smem2.at[wg]
-        col = 2 + 4 * wg
-        lo, flo, fhi, hi = (at(cta, col + i) for i in (LO, FLO, FHI, HI))
+        lo, flo, fhi, hi = warpgroup_bounds(at, cta, wg)
         kv_base = (cta * COMPUTE_WGS + wg) * bk
         tile_mask = TileMask(mask, mask_refs, batch, kv_base, bk, keys_first=True)
         rows = (batch, pl.ds(kv_base, bk), kv_head)

@@ -13,8 +13,20 @@ from axkern.core.blocks import cdiv
 from axkern.core.op import Unsupported
 
 from ..blocks import MOSAIC_GPU_SMEM, mosaic_gpu_smem_bytes
-from .schedules import COMPUTE_WGS, CTA_HI, CTA_LO, FHI, FLO, HI, LO, lower, operands, schedule_table
-from .tiles import LOG2E, TileMask, _Cfg, _entry_of, _iota, _stream_kv, base2_scores, pl, plgpu, times
+from .schedules import COMPUTE_WGS, CTA_HI, CTA_LO, lower, operands, schedule_table
+from .tiles import (
+    LOG2E,
+    TileMask,
+    _Cfg,
+    _entry_of,
+    _iota,
+    _stream_kv,
+    base2_scores,
+    pl,
+    plgpu,
+    times,
+    warpgroup_bounds,
+)
 
 
 def _check_blocks(block_q, block_kv, stages, d):
@@ -61,8 +73,7 @@ def _kernel(
     def _compute():
         plgpu.set_max_registers(232, action="increase")
         qo_smem, lse_smem = qo_smem2.at[wg], lse_smem2.at[wg]
-        col = 2 + 4 * wg
-        lo, flo, fhi, hi = (at(cta, col + i) for i in (LO, FLO, FHI, HI))
+        lo, flo, fhi, hi = warpgroup_bounds(at, cta, wg)
         q_base = (cta * COMPUTE_WGS + wg) * bq
         tile_mask = TileMask(mask, mask_refs, batch, q_base, bq)
         plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(q_base, bq), head], qo_smem, q_loaded.at[wg])

@@ -68,11 +68,13 @@ def _entry_of(sched_ref, batch, cfg):
 
 def dynamic_leaves(mask) -> list:
     """The `schedules.Dynamic` leaves of a lowered mask, in order."""
-    if isinstance(mask, Dynamic):
-        return [mask]
-    if isinstance(mask, masks_.And):  # and Or
-        return dynamic_leaves(mask.a) + dynamic_leaves(mask.b)
-    return []
+    return [m for m in masks_.leaves(mask) if isinstance(m, Dynamic)]
+
+
+def warpgroup_bounds(at, cta, wg):
+    """`(lo, flo, fhi, hi)` of compute warpgroup `wg` in block `cta`'s row of the schedule table
+    (`at`: `_entry_of`'s reader)."""
+    return tuple(at(cta, 2 + 4 * wg + i) for i in range(4))
 
 
 class TileMask:
