@@ -44,10 +44,6 @@ def _fresh_warnings():
 
 
 def pytest_collection_modifyitems(config, items):
-    # the `slow` tests first: xdist's work stealing hands each worker a contiguous share and
-    # steals from its end, so long tests at the front overlap the short ones behind them
-    # instead of ending the run alone
-    items[:] = [i for i in items if "slow" in i.keywords] + [i for i in items if "slow" not in i.keywords]
     has_gpu = any(d.platform == "gpu" for d in jax.devices()) if os.environ.get("AXKERN_TEST_GPU") else False
     skip = pytest.mark.skip(reason="needs a CUDA GPU (set AXKERN_TEST_GPU=1 on a GPU machine)")
     for item in items:

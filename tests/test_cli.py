@@ -37,7 +37,6 @@ def test_info_joins_a_cluster_and_counts_its_processes_and_devices(tmp_path):
         assert re.search(r"device\s+│ cpu x3 in this process", out), out
 
 
-@pytest.mark.slow
 def test_bench_quick_writes_every_implementation(tmp_path):
     path = tmp_path / "bench.json"
     assert cli.main(["bench", "--quick", "--repeats", "1", "--json", str(path)]) == 0

@@ -11,8 +11,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 from tests.cluster import free_port
 
 REPO = Path(__file__).resolve().parents[1]
@@ -47,7 +45,6 @@ def test_the_api_reference_renders_every_public_name():
     assert "axkern.ops" not in rendered
 
 
-@pytest.mark.slow
 def test_the_many_hosts_commands_run_as_written_on_the_cpu():
     # every command block that starts a cluster on 127.0.0.1, run by bash in the repository root
     # (on a free port instead of the one written), with this environment's `python` and `axkern`

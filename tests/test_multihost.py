@@ -22,7 +22,6 @@ from tests.multihost_worker import CASES, GLOBAL_DEVICES
 WORKER = Path(__file__).with_name("multihost_worker.py")
 PROCESSES = int(os.environ.get("AXKERN_TEST_PROCESSES", "2"))
 TIMEOUT_S = 480
-pytestmark = pytest.mark.slow  # the launch takes about a minute: started first under xdist
 
 
 def run_worker(folder: Path, *, worker: Path = WORKER, timeout_s: float = TIMEOUT_S) -> Launch:

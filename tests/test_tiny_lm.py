@@ -6,8 +6,6 @@ import importlib.util
 import sys
 from pathlib import Path
 
-import pytest
-
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "tiny_lm.py"
 
 
@@ -19,7 +17,6 @@ def load():
     return module
 
 
-@pytest.mark.slow
 def test_tiny_lm_trains_and_explains_each_op():
     lines = []
     losses = load().train(10, log=lambda line: lines.append(str(line)))

@@ -82,7 +82,6 @@ def test_the_wheel_ships_the_sources_and_the_loader_finds_them(installed_wheel):
     assert Path(sources) == site / "axkern" / "_native"
 
 
-@pytest.mark.slow
 @needs_nvcc
 def test_the_installed_wheel_compiles_a_native_op(installed_wheel, native_cache):
     _, venv, _, env = installed_wheel

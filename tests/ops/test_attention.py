@@ -81,7 +81,6 @@ def test_pallas_gpu_rows_that_see_nothing_and_combined_masks():
     check(arrays, masks.Causal(offset=-8), "float32", impl="pallas_gpu", sinks=False)  # rows 0-7 see nothing
 
 
-@pytest.mark.slow
 def test_full_tiles_skip_masking_and_stay_exact():
     from axkern.ops.attention import pallas_gpu as pg
 
