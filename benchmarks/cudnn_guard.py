@@ -2,7 +2,9 @@
 (cuDNN) called directly against axkern's `cudnn` implementation (the same kernel behind
 `lax.cond` on the inputs' finiteness), forward and forward+backward, median of interleaved
 repeats, and each one's temporary memory; and the finiteness check alone. Run on a CUDA machine:
-`OUT=<folder> python3 benchmarks/cudnn_guard.py` (writes `sweep_cudnn_guard.json`)."""
+`OUT=<folder> python3 benchmarks/cudnn_guard.py` (writes `sweep_cudnn_guard.json`, with the
+`XLA_FLAGS` it ran under: e.g. `--xla_gpu_enable_command_buffer=...,CONDITIONAL` to time the
+guard's `lax.cond` inside a CUDA graph)."""
 
 from __future__ import annotations
 
@@ -84,6 +86,7 @@ def main():
         "date": datetime.date.today().isoformat(),
         "device": jax.devices()[0].device_kind,
         "jax": jax.__version__,
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
         "rows": rows,
     }
     with open(os.path.join(os.environ.get("OUT", "."), "sweep_cudnn_guard.json"), "w") as f:

@@ -14,6 +14,8 @@ import re
 from collections.abc import Sequence
 from pathlib import Path
 
+from .results import NOTE
+
 __all__ = ["START", "END", "markdown", "peers_table", "plot_op", "plot_overview", "fill", "write"]
 
 START = "<!-- axkern report: start (generated from benchmarks/results; edit with `axkern report`) -->"
@@ -85,10 +87,14 @@ def _about(run: dict) -> str:
         done = {r["case"] for r in run.get("rows", [])}
         missing = [c["case"] for c in run.get("cases", []) if c["case"] not in done]
         cut = " The run was cut short" + (f"; no rows for {'; '.join(missing)}" if missing else "") + "."
+    # what a run's note says beyond the standard one (e.g. rows joined from several runs)
+    note = run.get("note", "")
+    more = note[len(NOTE) :].lstrip("; ") if note.startswith(NOTE) else ""
     return (
         f"`{run['command']}` on {run['device']}, {run['date'][:10]}, jax {v.get('jax', '?')}"
         + (f"; {', '.join(measured)} measured in the same run" if measured else "")
         + f" (`benchmarks/results/{'/'.join(Path(run['path']).parts[-3:])}`)."
+        + (f" {more[:1].upper()}{more[1:]}." if more else "")
         + cut
     )
 

@@ -94,3 +94,21 @@ def test_pallas_gpu_default_tiles_against_oracle(mask_kind, dtype):
         "causal&segments": masks.Causal() & masks.Segments(ids, ids),
     }[mask_kind]
     check_rule(_run, "pallas_gpu", a, dtype, f"attention {mask_kind}", mask=mask, sinks=False, blocks=None)
+
+
+@pytest.mark.parametrize("impl", ["cudnn", "mosaic_gpu"])
+def test_head_dim_256_guarded_against_oracle_and_a_nan(impl):
+    """The guarded kernels at head dim 256, finite inputs against the oracle, then a NaN in `v`:
+    the rule-following path (pallas_gpu at head dim 256) compiles, runs and puts the NaN where it
+    belongs (queries from its key on, its head and feature only; `dq` of the earlier ones finite)."""
+    if impl == "mosaic_gpu" and (backend.compute_capability() or (0,))[0] != 9:
+        pytest.skip("the Mosaic GPU kernels need a Hopper GPU (compute capability 9.x)")
+    a = _inputs(4, 1, 512, 512, 4, 4, 256, "bfloat16")
+    check_rule(
+        _run, impl, a, "bfloat16", f"attention {impl} D256", mask=masks.Causal(), sinks=False, blocks=None
+    )
+    b = dict(a, v=a["v"].at[0, 300, 1, 7].set(jnp.nan))
+    out, (dq, dk, dv) = _run(impl, b, masks.Causal(), sinks=False, blocks=None)
+    nan = jnp.zeros(out.shape, bool).at[0, 300:, 1, 7].set(True)
+    assert bool(jnp.all(jnp.isnan(out) == nan)), "NaN of v[300] outside its queries, head and feature"
+    assert bool(jnp.all(jnp.isfinite(dq[0, :300]))) and bool(jnp.all(jnp.isfinite(dv)))

@@ -60,14 +60,14 @@ def _cudnn_where_finite(q, k, v, sinks, mask, *, scale, logits_soft_cap):
     and backward run only where something is not finite."""
     kw = dict(scale=scale, logits_soft_cap=logits_soft_cap)
     fast = lambda q, k, v, sinks, mask: cudnn.attention(q, k, v, sinks=sinks, mask=mask, **kw)  # noqa: E731
-    return tiles_common.guarded(fast, q, k, v, sinks, mask, order=("pallas_gpu", "xla"), **kw)
+    return tiles_common.guarded(fast, q, k, v, sinks, mask, order=_safe_order(mask), **kw)
 
 
 def _mosaic_gpu_where_finite(q, k, v, sinks, mask, *, scale, logits_soft_cap, block_sizes):
     """The Mosaic GPU forward and backward kernels (above head dim 128, where the backward
     kernels refuse: `pallas_gpu`'s `dq` and `dk, dv` kernels on the Mosaic forward's residuals,
     with `mosaic_gpu_backward_blocks`' tiles) where `q`, `k`, `v` (and the cotangent) are
-    finite; elsewhere `pallas_gpu` (else `xla`; `xla` alone above head dim 128), chosen on the
+    finite; elsewhere `pallas_gpu` (else `xla`: `_safe_order`), chosen on the
     device as for cuDNN: the kernel's `p v` product would carry a NaN of `v` to rows that cannot
     see its key."""
     mosaic_gpu.check(mask, block_sizes, q.shape[3], sinks, logits_soft_cap, scale=scale)  # before tracing
@@ -88,16 +88,17 @@ def _mosaic_gpu_where_finite(q, k, v, sinks, mask, *, scale, logits_soft_cap, bl
         backward = functools.partial(
             pallas_gpu.backward, scale=scale, block_sizes=back_blocks, logits_soft_cap=logits_soft_cap
         )
-    # above head dim 128 pallas_gpu's default forward tiles (64 x 64, 3 stages) ask a Hopper block
-    # for more shared memory than it has (237568 of 232448 bytes): xla serves non-finite inputs there
-    # and pallas_gpu takes no mask holding arrays but Segments (& static): xla serves the others
-    safe_order = (
-        ("pallas_gpu", "xla") if max(q.shape[3], v.shape[3]) <= 128 and _pallas_mask(mask) else ("xla",)
-    )
     kw = dict(scale=scale, logits_soft_cap=logits_soft_cap)
     attend = functools.partial(mosaic_gpu.attention, block_sizes=block_sizes, backward=backward, **kw)
     fast = lambda q, k, v, sinks, mask: attend(q, k, v, sinks, mask)  # noqa: E731
-    return tiles_common.guarded(fast, q, k, v, sinks, mask, order=safe_order, **kw)
+    return tiles_common.guarded(fast, q, k, v, sinks, mask, order=_safe_order(mask), **kw)
+
+
+def _safe_order(mask) -> tuple[str, ...]:
+    """What serves a guarded call whose inputs are not all finite: `pallas_gpu`, which follows
+    the rule (any head dim up to 256: its heuristic keeps the forward in a Hopper block's shared
+    memory), where it takes the mask (static, `Segments`, `Segments & static`), else `xla`."""
+    return ("pallas_gpu", "xla") if _pallas_mask(mask) else ("xla",)
 
 
 def _pallas_mask(mask) -> bool:

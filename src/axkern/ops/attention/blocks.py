@@ -130,8 +130,10 @@ def pallas_gpu_heuristic(spec: Spec) -> AttentionBlockSizes:
     """Each Triton kernel its own tiles. On Hopper (227 KiB of shared memory a block) with
     16-bit inputs and head dims up to 128: forward 128x64 with 8 warps and 3 stages, `dq`
     128x32 with 4 and 3, `dk, dv` 64x64 with 4 and 2 (docs/ops/attention.md, "Performance",
-    has the sweep behind them). Larger head dims and other GPUs: 64x64 tiles and Triton's
-    defaults (larger tiles' pipelined operands would outgrow shared memory). 32-bit inputs:
+    has the sweep behind them). Other GPUs: 64x64 tiles and Triton's defaults (larger tiles'
+    pipelined operands would outgrow shared memory). Head dims above 128: 64x64 tiles and a
+    forward of two stages (three ask for 237568 bytes of shared memory at head dim 256, more
+    than a Hopper block's 232448). 32-bit inputs:
     64x64 tiles with two pipeline stages (one for `dk, dv`), as their tiles take twice the
     shared memory. Short sequences get tiles no longer than the padded length, at least 16."""
     q_len, kv_len = (next_power_of_2(spec.dim(n)) for n in ("q_len", "kv_len"))
@@ -146,7 +148,9 @@ def pallas_gpu_heuristic(spec: Spec) -> AttentionBlockSizes:
             num_stages_dq=2,
             num_stages_dkv=1,
         )
-    if not hopper or max(spec.dim("head_dim"), spec.dim("v_dim")) > 128:
+    if max(spec.dim("head_dim"), spec.dim("v_dim")) > 128:
+        return AttentionBlockSizes(block_q=fit(64, q_len), block_kv=fit(64, kv_len), num_stages=2)
+    if not hopper:
         return AttentionBlockSizes(block_q=fit(64, q_len), block_kv=fit(64, kv_len))
     return AttentionBlockSizes(
         block_q=fit(128, q_len),
