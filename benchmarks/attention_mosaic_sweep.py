@@ -5,20 +5,26 @@ each gradient's largest difference from cuDNN's relative to cuDNN's largest (a s
 oracle rule is the GPU tests'). Median of three interleaved rounds of 5 repeats.
 
 Run on a CUDA machine from the repository root: `OUT=<folder> python3 benchmarks/attention_mosaic_sweep.py`
-(writes `sweep_mosaic_backward.json`)."""
+(writes `sweep_mosaic_backward.json`). With `--head-dim-256`: the head dim 256 backward, which
+is `pallas_gpu`'s Triton `dq` and `dk, dv` kernels on the Mosaic forward's residuals, for each
+of `TILES_256` (block_q, block_kv, warps, stages per kernel), causal H32 (writes
+`sweep_mosaic_backward_d256.json`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
+import functools
 import json
 import os
+import sys
 
 import jax
 import jax.numpy as jnp
 
 from axkern import masks
 from axkern.bench import time_spread
-from axkern.ops.attention import mosaic_gpu
+from axkern.ops.attention import mosaic_gpu, pallas_gpu
 from axkern.ops.attention.blocks import AttentionBlockSizes
 
 B, S, H = 2, 8192, 32
@@ -31,6 +37,19 @@ TILES = [
     ((64, 64, 2), (64, 64, 3)),
     ((64, 128, 2), (128, 64, 2)),
 ]
+# head dim 256, pallas_gpu's kernels: (dq: block_q, block_kv, warps, stages), (dk, dv: the same)
+TILES_256 = [
+    ((32, 32, 4, 2), (32, 32, 4, 2)),
+    ((128, 32, 8, 2), (64, 32, 4, 2)),
+    ((128, 32, 8, 2), (64, 32, 8, 2)),
+    ((128, 32, 8, 2), (128, 32, 8, 2)),
+    ((128, 32, 8, 3), (64, 32, 4, 3)),
+    ((128, 64, 8, 2), (64, 32, 4, 2)),
+    ((64, 32, 4, 2), (64, 32, 4, 2)),
+    ((128, 32, 8, 2), (32, 32, 4, 2)),
+    ((128, 32, 4, 2), (64, 32, 4, 2)),
+    ((64, 64, 8, 2), (64, 32, 4, 2)),
+]
 # name: (kv heads, head dim, mask, every tiling or the first only)
 CASES = {
     "causal H32 D128": (32, 128, "causal", True),
@@ -41,9 +60,14 @@ CASES = {
 
 
 def blocks(dq, dkv) -> AttentionBlockSizes:
+    if len(dq) == 4:  # pallas_gpu's tiles, with warps
+        warps = dict(num_warps_dq=dq[2], num_warps_dkv=dkv[2])
+        dq, dkv = (t[:2] + t[3:] for t in (dq, dkv))
+    else:
+        warps = {}
     return AttentionBlockSizes(
         block_q=64,
-        block_kv=128,
+        block_kv=128 if not warps else 64,
         num_stages=2,
         block_q_dq=dq[0],
         block_kv_dq=dq[1],
@@ -51,12 +75,34 @@ def blocks(dq, dkv) -> AttentionBlockSizes:
         block_q_dkv=dkv[0],
         block_kv_dkv=dkv[1],
         num_stages_dkv=dkv[2],
+        **warps,
+    )
+
+
+def attend(q, k, v, *, bs, mask, scale):
+    """The Mosaic forward and its backward: the Mosaic kernels up to head dim 128, above it
+    `pallas_gpu`'s with `bs`' tiles."""
+    backward = None
+    if q.shape[3] > 128:
+        # as the registered implementation hands them: the forward fields repeat dq's (the padding)
+        back = dataclasses.replace(
+            bs,
+            block_q=bs.block_q_dq,
+            block_kv=bs.block_kv_dq,
+            num_warps=bs.num_warps_dq,
+            num_stages=bs.num_stages_dq,
+        )
+        backward = functools.partial(pallas_gpu.backward, scale=scale, block_sizes=back, logits_soft_cap=None)
+    return mosaic_gpu.attention(
+        q, k, v, None, mask, scale=scale, logits_soft_cap=None, block_sizes=bs, backward=backward
     )
 
 
 def main():
+    wide = "--head-dim-256" in sys.argv[1:]
+    cases, tilings = ({"causal H32 D256": (32, 256, "causal", True)}, TILES_256) if wide else (CASES, TILES)
     rows = []
-    for name, (kvh, d, mask_name, every) in CASES.items():
+    for name, (kvh, d, mask_name, every) in cases.items():
         keys = jax.random.split(jax.random.PRNGKey(0), 4)
         q, do = (jax.random.normal(kk, (B, S, H, d), jnp.bfloat16) for kk in keys[:2])
         k, v = (jax.random.normal(kk, (B, S, kvh, d), jnp.bfloat16) for kk in keys[2:])
@@ -69,9 +115,9 @@ def main():
             )
 
         fns = {"cudnn": cudnn}
-        for dq, dkv in TILES if every else TILES[:1]:
-            fns[f"mosaic dq {dq} dkv {dkv}"] = lambda q, k, v, bs=blocks(dq, dkv), mask=mask, scale=scale: (
-                mosaic_gpu.attention(q, k, v, None, mask, scale=scale, logits_soft_cap=None, block_sizes=bs)
+        for dq, dkv in tilings if every else tilings[:1]:
+            fns[f"mosaic dq {dq} dkv {dkv}"] = functools.partial(
+                attend, bs=blocks(dq, dkv), mask=mask, scale=scale
             )
         jitted = {n: jax.jit(lambda q, k, v, do, f=f: jax.vjp(f, q, k, v)[1](do)) for n, f in fns.items()}
         want = jitted["cudnn"](q, k, v, do)
@@ -106,14 +152,16 @@ def main():
             rows.append(row)
             print(row, flush=True)
     result = {
-        "command": "OUT=<folder> python3 benchmarks/attention_mosaic_sweep.py",
+        "command": "OUT=<folder> python3 benchmarks/attention_mosaic_sweep.py"
+        + (" --head-dim-256" if wide else ""),
         "shape": {"batch": B, "length": S, "heads": H, "dtype": "bfloat16"},
         "date": datetime.date.today().isoformat(),
         "device": jax.devices()[0].device_kind,
         "jax": jax.__version__,
         "rows": rows,
     }
-    with open(os.path.join(os.environ.get("OUT", "."), "sweep_mosaic_backward.json"), "w") as f:
+    out = "sweep_mosaic_backward_d256.json" if wide else "sweep_mosaic_backward.json"
+    with open(os.path.join(os.environ.get("OUT", "."), out), "w") as f:
         json.dump(result, f, indent=1)
 
 

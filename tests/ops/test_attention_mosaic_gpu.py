@@ -196,7 +196,7 @@ def test_heuristic_and_space_fit_shared_memory():
         bs = mosaic_gpu_heuristic(spec)
         assert (bs.block_q, bs.block_kv, bs.num_stages) == (64, 128 if d <= 128 else 64, 2)
         # the backward fields: the Mosaic backward kernels' tiles (dq 64 x 128, dk, dv 64 x 64, two
-        # stages) up to head dim 128; pallas_gpu's 32 x 32 tiles at 256
+        # stages) up to head dim 128; at 256 pallas_gpu's dq 128 x 32 (8 warps), dk, dv 64 x 32 (4)
         for name in ("dq", "dkv"):
             got = bs.kernel(name)
             if d <= 128:
@@ -205,7 +205,9 @@ def test_heuristic_and_space_fit_shared_memory():
                 )
                 assert mosaic_gpu.check_backward(masks.Causal(), bs, d) is None
             else:
-                assert (got.block_q, got.block_kv, got.num_warps, got.num_stages) == (32, 32, 4, 2)
+                assert (got.block_q, got.block_kv, got.num_warps, got.num_stages) == (
+                    (128, 32, 8, 2) if name == "dq" else (64, 32, 4, 2)
+                )
                 assert "head dim 256" in mosaic_gpu.check_backward(masks.Causal(), bs, d)
         space = mosaic_gpu_space(spec)
         assert space[0] == bs and len(space) >= (1 if d == 256 else 4)  # 256: only 64 x 64 x 2 fits
