@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
 
-__all__ = ["shard_map", "current_mesh", "axis_size", "axis_index", "match_vma", "jit_context"]
+__all__ = [
+    "shard_map",
+    "current_mesh",
+    "axis_size",
+    "axis_index",
+    "match_vma",
+    "jit_context",
+    "mosaic_gpu_load",
+]
 
 
 def _haliax_einsum_on_new_jax() -> None:
@@ -130,3 +139,23 @@ def match_vma(*arrays):
         return leaf if v == union else _to_varying(leaf, tuple(sorted(union - v)))
 
     return tuple(jax.tree.map(cast, a) for a in arrays)
+
+
+@functools.cache
+def _mosaic_load_takes_index() -> bool:
+    import inspect
+
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    idx = inspect.signature(plgpu.load).parameters.get("idx")
+    return idx is not None and idx.default is inspect.Parameter.empty
+
+
+def mosaic_gpu_load(ref, *, layout=None, optimized: bool = True):
+    """`plgpu.load(ref, layout=..., optimized=...)` of Pallas Mosaic GPU: the whole of `ref` (a
+    `.at[...]` view) into registers. jax 0.10 takes an index argument as well (here `()`)."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    if _mosaic_load_takes_index():
+        return plgpu.load(ref, (), layout=layout, optimized=optimized)
+    return plgpu.load(ref, layout=layout, optimized=optimized)

@@ -75,6 +75,14 @@ block that sees them and `q`, `d_out` once; the `dk, dv` kernel reads `q`, `d_ou
 `lse`, `delta` rows once per key block that sees them, for every query head of its group, and
 `k`, `v` once; `dq`, `dk`, `dv` are written once each (no atomics, no float32 copies).
 
+**Testing.** The kernels cannot run in interpret mode on a CPU (Pallas Mosaic GPU's TMA copies
+have no interpret rule). On a CPU (CI) the tests check everything around them (the schedules
+against brute force, the tables, the checks, the dispatcher) and lower every kernel for a CUDA
+GPU (`tests/ops/test_attention_mosaic_gpu_lowering.py`: each Pallas-level step, for several
+masks, head dims, tile candidates and the backward tilings); their values and gradients are
+checked against the oracle on a Hopper GPU (`tests/gpu/test_attention_mosaic_gpu.py`, its log
+in `benchmarks/logs/nvidia_h200/`).
+
 **Files.** `schedules.py` (the tables, host and device), `tiles.py` (what the kernels share:
 the configuration, table reads, id loads, the producer of key and value tiles),
 `forward_kernel.py`, `backward_kernels.py`; this file the checks and the `custom_vjp`.

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from axkern.core.blocks import cdiv
+from axkern.core.compat import mosaic_gpu_load
 from axkern.core.op import Unsupported
 
 from ..blocks import MOSAIC_GPU_SMEM, mosaic_gpu_dkv_smem_bytes, mosaic_gpu_dq_smem_bytes
@@ -110,8 +111,8 @@ def _dq_kernel(
         plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem, qd_loaded.at[wg])
         plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem, qd_loaded.at[wg])
         row = plgpu.Layout.WGMMA.reduce(1)
-        lse = plgpu.load(lse_ref.at[batch, head, pl.ds(q_base, bq)], layout=row, optimized=False)
-        delta = plgpu.load(delta_ref.at[batch, head, pl.ds(q_base, bq)], layout=row, optimized=False)
+        lse = mosaic_gpu_load(lse_ref.at[batch, head, pl.ds(q_base, bq)], layout=row, optimized=False)
+        delta = mosaic_gpu_load(delta_ref.at[batch, head, pl.ds(q_base, bq)], layout=row, optimized=False)
         plgpu.barrier_wait(qd_loaded.at[wg])
 
         def step(t, dq, masked):
@@ -224,8 +225,8 @@ def _dkv_kernel(
                     return acc[...]
 
                 s = pl.run_scoped(s_product, plgpu.ACC((bk, bq), jnp.float32))  # keys by queries
-                lse = plgpu.load(lse_smem.at[slot], layout=column)
-                delta = plgpu.load(delta_smem.at[slot], layout=column)
+                lse = mosaic_gpu_load(lse_smem.at[slot], layout=column)
+                delta = mosaic_gpu_load(delta_smem.at[slot], layout=column)
                 s, c, tanh = base2_scores(s, cfg)
                 if masked:
                     iota = functools.partial(_iota, (bk, bq))

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from axkern import masks as masks_
+from axkern.core.compat import mosaic_gpu_load
 
 from .schedules import Dynamic, _grid_visible
 
@@ -118,7 +119,7 @@ def _same_segment(row_ids, col_ids, shape):
 def _load_ids(ids_ref, batch, start, n, dim):
     """`n` int32 ids from `start` of a batch row, laid out along tile dimension `dim` (0: rows)."""
     layout = plgpu.Layout.WGMMA.reduce(1 - dim)
-    return plgpu.load(ids_ref.at[batch, pl.ds(start, n)], layout=layout, optimized=False)
+    return mosaic_gpu_load(ids_ref.at[batch, pl.ds(start, n)], layout=layout, optimized=False)
 
 
 def _stream_kv(cfg, where, k_ref, v_ref, k_smem, v_smem, loaded, consumed):

@@ -1,0 +1,142 @@
+"""attention's Mosaic GPU kernels lowered for a CUDA GPU on the CPU (`lowering_platforms=("cuda",)`):
+every Pallas-level step of the forward, `dq` and `dk, dv` kernels (shapes, layouts, `wgmma` tiles,
+the ring's barriers, the masks' lowered leaves) runs here, so a change that breaks one fails in
+CI, not first on a GPU. What only a GPU compile or run checks (registers, shared memory, the
+values) is tests/gpu/test_attention_mosaic_gpu.py's; the kernels have no CPU interpret mode."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from axkern import masks
+from axkern.ops.attention import mosaic_gpu
+from axkern.ops.attention.blocks import mosaic_gpu_heuristic, mosaic_gpu_space
+from axkern.ops.attention.mosaic_gpu.tiles import _IMPORT_ERROR
+from tests.ops.test_attention_mosaic_gpu import _spec
+
+pytestmark = pytest.mark.skipif(_IMPORT_ERROR is not None, reason=f"Pallas Mosaic GPU: {_IMPORT_ERROR}")
+
+
+def _lowered(f, *shapes) -> str:
+    """The StableHLO text of `f` lowered for a CUDA GPU."""
+    return jax.jit(f).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def _kernels(text: str) -> int:
+    return len(re.findall(r"stablehlo.custom_call @mosaic_gpu", text))
+
+
+def _ids(b, s, cut):
+    return jnp.zeros((b, s), jnp.int32).at[:, cut:].set(1)
+
+
+# name: (batch, q_len, kv_len, heads, kv_heads, head dim, dtype, mask, soft cap, sinks)
+CASES = {
+    "causal bf16 d64 ragged": (2, 1000, 1000, 4, 2, 64, "bfloat16", masks.Causal(), None, False),
+    "full fp16 d128 q<kv": (1, 192, 520, 4, 4, 128, "float16", masks.Full(), None, True),
+    "window look-ahead d128": (
+        1,
+        300,
+        300,
+        4,
+        1,
+        128,
+        "bfloat16",
+        masks.SlidingWindow(50, offset=20),
+        30.0,
+        False,
+    ),
+    "documents & causal d64": (2, 700, 700, 4, 2, 64, "bfloat16", "docs", None, True),
+    "prefix | window, & documents d128": (
+        2,
+        500,
+        500,
+        2,
+        2,
+        128,
+        "bfloat16",
+        "prefix|window&docs",
+        8.0,
+        False,
+    ),
+}
+
+
+def _mask(spec, b, s):
+    if spec == "docs":
+        ids = _ids(b, s, s // 3)
+        return masks.Causal() & masks.Segments(ids, ids)
+    if spec == "prefix|window&docs":
+        ids = _ids(b, s, s // 2)
+        return (masks.PrefixLM(jnp.array([3, 100])[:b]) | masks.SlidingWindow(64)) & masks.Segments(ids, ids)
+    return spec
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_forward_and_both_backward_kernels_lower_for_cuda(name):
+    b, sq, sk, h, kvh, d, dtype, mask, cap, sinks = CASES[name]
+    mask = _mask(mask, b, sq)
+    dt = jnp.dtype(dtype)
+    q = jax.ShapeDtypeStruct((b, sq, h, d), dt)
+    kv = jax.ShapeDtypeStruct((b, sk, kvh, d), dt)
+    s = jax.ShapeDtypeStruct((h,), jnp.float32)
+    bs = mosaic_gpu_heuristic(_spec(dt, d=d))
+
+    def f(q, k, v, s, do):
+        def fn(q, k, v, s):
+            return mosaic_gpu.attention(
+                q, k, v, s if sinks else None, mask, scale=d**-0.5, logits_soft_cap=cap, block_sizes=bs
+            )
+
+        out, vjp = jax.vjp(fn, q, k, v, s)
+        return out, vjp(do)
+
+    assert _kernels(_lowered(f, q, kv, kv, s, q)) == 3  # forward, dq, dk/dv
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_every_forward_tile_candidate_lowers(d):
+    # the tuning space (and so the shipped table's tiles) at each head dim, causal
+    spec = _spec(d=d)
+    q = jax.ShapeDtypeStruct((1, 512, 2, d), jnp.bfloat16)
+    for c in mosaic_gpu_space(spec):
+
+        def f(q, k, v, c=c):
+            return mosaic_gpu.forward(
+                q,
+                k,
+                v,
+                masks.Causal(),
+                scale=0.1,
+                block_q=c.block_q,
+                block_kv=c.block_kv,
+                num_stages=c.num_stages,
+            )[0]
+
+        assert _kernels(_lowered(f, q, q, q)) == 1, c
+
+
+def test_backward_tilings_of_the_sweep_lower():
+    # the backward tilings benchmarks/attention_mosaic_sweep.py times (head dims 64 and 128)
+    from benchmarks.attention_mosaic_sweep import TILES, blocks
+
+    q = jax.ShapeDtypeStruct((1, 512, 2, 128), jnp.bfloat16)
+    for dq, dkv in TILES[1:]:
+        bs = blocks(dq, dkv)
+
+        def f(q, k, v, do, bs=bs):
+            out, vjp = jax.vjp(
+                lambda q, k, v: mosaic_gpu.attention(
+                    q, k, v, None, masks.Causal(), scale=0.1, logits_soft_cap=None, block_sizes=bs
+                ),
+                q,
+                k,
+                v,
+            )
+            return vjp(do)
+
+        assert _kernels(_lowered(f, q, q, q, q)) == 3, (dq, dkv)
