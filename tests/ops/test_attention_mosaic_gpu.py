@@ -208,7 +208,7 @@ def test_heuristic_and_space_fit_shared_memory():
                 assert (got.block_q, got.block_kv, got.num_warps, got.num_stages) == (
                     (128, 32, 8, 2) if name == "dq" else (64, 32, 4, 2)
                 )
-                assert "head dim 256" in mosaic_gpu.check_backward(masks.Causal(), bs, d)
+                assert "only when their tiles are given" in mosaic_gpu.backward_serves(masks.Causal(), bs, d)
         space = mosaic_gpu_space(spec)
         assert space[0] == bs and len(space) >= (1 if d == 256 else 4)  # 256: only 64 x 64 x 2 fits
         for c in space:
@@ -248,7 +248,7 @@ def test_dispatch_on_cpu_skips_it_with_the_reason():
     assert OP.default_order["gpu"][:3] == ("cudnn", "mosaic_gpu", "pallas_gpu")
     line = OP.implementations["mosaic_gpu"].backward
     assert "dq (64x128 tiles, 2 stages)" in line(_spec(), mosaic_gpu_heuristic(_spec()))
-    assert "no Mosaic GPU backward" in line(_spec(d=256), mosaic_gpu_heuristic(_spec(d=256)))
+    assert "pallas_gpu's Triton" in line(_spec(d=256), mosaic_gpu_heuristic(_spec(d=256)))
 
 
 @pytest.mark.parametrize("mask", [masks.SlidingWindow(24)])

@@ -6,6 +6,7 @@ values) is tests/gpu/test_attention_mosaic_gpu.py's; the kernels have no CPU int
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import jax
@@ -13,7 +14,7 @@ import jax.numpy as jnp
 import pytest
 
 from axkern import masks
-from axkern.ops.attention import mosaic_gpu
+from axkern.ops.attention import OP, mosaic_gpu
 from axkern.ops.attention.blocks import mosaic_gpu_heuristic, mosaic_gpu_space
 from axkern.ops.attention.mosaic_gpu.tiles import _IMPORT_ERROR
 from tests.ops.test_attention_mosaic_gpu import _spec
@@ -140,3 +141,29 @@ def test_backward_tilings_of_the_sweep_lower():
             return vjp(do)
 
         assert _kernels(_lowered(f, q, q, q, q)) == 3, (dq, dkv)
+
+
+def test_head_dim_256_backward_lowers_where_its_tiles_are_given():
+    # dq, then dv and dk in two launches (their accumulators together would not fit), one ring
+    # stage; the heuristic's tiles there are pallas_gpu's, and explain says which backward runs
+    spec = _spec(d=256)
+    heuristic = mosaic_gpu_heuristic(spec)
+    asked = dataclasses.replace(
+        heuristic,
+        **dict(block_q_dq=64, block_kv_dq=64, num_warps_dq=None, num_stages_dq=1),
+        **dict(block_q_dkv=64, block_kv_dkv=64, num_warps_dkv=None, num_stages_dkv=1),
+    )
+    line = OP.implementations["mosaic_gpu"].backward
+    assert "pallas_gpu's Triton" in line(spec, heuristic) and "dv, then dk (two launches" in line(spec, asked)
+    mask = masks.Causal() & masks.Segments(_ids(2, 300, 100), _ids(2, 300, 100))
+    q = jax.ShapeDtypeStruct((2, 300, 4, 256), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((2, 300, 2, 256), jnp.bfloat16)
+
+    def f(q, k, v, do):
+        fn = lambda q, k, v: mosaic_gpu.attention(  # noqa: E731
+            q, k, v, None, mask, scale=0.0625, logits_soft_cap=20.0, block_sizes=asked
+        )
+        out, vjp = jax.vjp(fn, q, k, v)
+        return out, vjp(do)
+
+    assert _kernels(_lowered(f, q, kv, kv, q)) == 4  # forward, dq, dv, dk

@@ -73,8 +73,8 @@ def _mosaic_gpu_where_finite(q, k, v, sinks, mask, *, scale, logits_soft_cap, bl
     mosaic_gpu.check(mask, block_sizes, q.shape[3], sinks, logits_soft_cap, scale=scale)  # before tracing
     mosaic_gpu.check_inputs(q, k, v)
     backward = None
-    why = mosaic_gpu.check_backward(mask, block_sizes, q.shape[3])
-    if why is not None and q.shape[3] in mosaic_gpu.BACKWARD_HEAD_DIMS:
+    why = mosaic_gpu.backward_serves(mask, block_sizes, q.shape[3])
+    if why is not None and q.shape[3] in mosaic_gpu.BACKWARD_DEFAULT_HEAD_DIMS:
         raise Unsupported(why)  # backward tiles that do not fit: the dispatcher moves on
     if why is not None:
         dims = dict(zip(("batch", "q_len", "heads", "head_dim"), q.shape, strict=True))
@@ -114,16 +114,19 @@ def _mosaic_gpu_backward(spec, block_sizes) -> str:
     """`explain`'s backward line for `mosaic_gpu`: which kernels its backward runs here."""
     guard = "; inputs or a cotangent holding NaN or infinity go to pallas_gpu (or xla), forward and backward"
     d = max(spec.dim("head_dim"), spec.dim("v_dim"))
-    if block_sizes is not None and d in mosaic_gpu.BACKWARD_HEAD_DIMS:
-        (bq1, bk1, st1), (bq2, bk2, st2) = mosaic_gpu.backward_blocks(block_sizes)
-        return (
-            f"Mosaic GPU kernels: dq ({bq1}x{bk1} tiles, {st1} stages) and dk, dv ({bq2}x{bk2}, "
-            f"{st2} stages, the GQA sum in registers) on this forward's residuals (out, lse)" + guard
-        )
-    return (
-        f"head dim {d}: no Mosaic GPU backward kernel (its dk, dv accumulators would not fit a "
-        "warpgroup's registers); pallas_gpu's Triton dq and dk/dv kernels on this forward's residuals" + guard
+    why = (
+        "no block sizes" if block_sizes is None else mosaic_gpu.backward_serves(masks_.Full(), block_sizes, d)
     )
+    if why is None:
+        (bq1, bk1, st1), (bq2, bk2, st2) = mosaic_gpu.backward_blocks(block_sizes)
+        split = d > mosaic_gpu.SPLIT_ABOVE
+        return (
+            f"Mosaic GPU kernels: dq ({bq1}x{bk1} tiles, {st1} stages) and "
+            + ("dv, then dk (two launches" if split else "dk, dv (one launch")
+            + f"; {bq2}x{bk2}, {st2} stages, the GQA sum in registers) on this forward's residuals (out, lse)"
+            + guard
+        )
+    return f"pallas_gpu's Triton dq and dk/dv kernels on this forward's residuals ({why})" + guard
 
 
 OP = Op(

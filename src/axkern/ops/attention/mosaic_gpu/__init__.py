@@ -64,8 +64,13 @@ holds each warpgroup's key and value tiles and streams, for every query tile of
 `key_schedule` (the transposed mask's), the query tiles, `d_out` tiles, `lse` and `delta` rows
 of each query head of the group: `sᵀ = k qᵀ`, `dv += pᵀ d_out`, `dpᵀ = v d_outᵀ`,
 `dk += dsᵀ q`, so the GQA sum stays in registers and `dk`, `dv` are written once. Only partial
-tiles mask. At head dim 256 the `dk`, `dv` accumulators alone would fill a warpgroup's
-registers: the registered implementation then passes `pallas_gpu`'s Triton kernels as the
+tiles mask. At head dim 256 the `dk` and `dv` accumulators together would fill a warpgroup's
+registers, so the kernel runs twice (`SPLIT_ABOVE`): once for `dv` (`sᵀ`, `dv += pᵀ d_out`),
+once for `dk` (`sᵀ`, `dpᵀ`, `dk`): 5 products instead of 4. Their tiles there fit shared
+memory with one ring stage (64 x 64 tiles; a product's contraction runs over whole 128-byte
+swizzle rows, so no tile is narrower than 64). These head dim 256 kernels lower in CI but have
+not yet run on a GPU: they serve only when their tiles are given (`backward_serves`); with the
+heuristic's tiles the registered implementation passes `pallas_gpu`'s Triton kernels as the
 backward (`attention`'s `backward` argument); `explain` says which runs.
 
 **Backward cost.** `14 · B · H · D` FLOPs per visible (query, key) pair, 3.5 times the
@@ -110,10 +115,13 @@ from axkern.core.op import Unsupported
 from .. import common
 from . import backward_kernels
 from .backward_kernels import (
+    BACKWARD_DEFAULT_HEAD_DIMS,
     BACKWARD_HEAD_DIMS,
+    SPLIT_ABOVE,
     backward,
     backward_blocks,
     backward_operands,
+    backward_serves,
     check_backward,
 )
 from .forward_kernel import _check, forward
@@ -141,6 +149,7 @@ from .tiles import _IMPORT_ERROR
 __all__ = [
     "supports",
     "check",
+    "backward_serves",
     "check_backward",
     "check_inputs",
     "schedule",
@@ -158,7 +167,9 @@ __all__ = [
     "backward_operands",
     "attention",
     "HEAD_DIMS",
+    "BACKWARD_DEFAULT_HEAD_DIMS",
     "BACKWARD_HEAD_DIMS",
+    "SPLIT_ABOVE",
     "COMPUTE_WGS",
     "CTA_LO",
     "CTA_HI",
@@ -225,7 +236,7 @@ def check_inputs(q, k, v) -> None:
 def attention(q, k, v, sinks, mask, *, scale, logits_soft_cap, block_sizes, backward=None):  # noqa: F811
     """The forward kernel under a `custom_vjp` whose backward is the Mosaic GPU `dq` and `dk, dv`
     kernels, or `backward(q, k, v, out, lse, d_out, *, mask) -> (dq, dk, dv)` when one is given
-    (the registered implementation passes `pallas_gpu`'s kernels where `check_backward` refuses).
+    (the registered implementation passes `pallas_gpu`'s kernels where `backward_serves` refuses).
     `sinks [H]` join each row's denominator in the forward (so `lse` holds them and the
     backward kernels need nothing more); their cotangent is `-Σ exp(sink - lse) · delta` over
     the rows, formed in XLA. The mask's arrays (segment ids, prefix lengths) are arguments of

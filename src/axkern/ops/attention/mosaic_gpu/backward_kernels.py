@@ -29,7 +29,13 @@ from .tiles import (
     warpgroup_bounds,
 )
 
-BACKWARD_HEAD_DIMS = (64, 128)  # at 256 the dk, dv accumulators alone fill a warpgroup's registers
+BACKWARD_HEAD_DIMS = (64, 128, 256)
+# where the Mosaic backward serves with the heuristic's tiles; at 256 (its kernels not yet run on a
+# GPU) only when its tiles are given: `backward_serves`
+BACKWARD_DEFAULT_HEAD_DIMS = (64, 128)
+# above head dim 128 the dk and dv accumulators together would fill a warpgroup's registers: the
+# dk, dv kernel runs twice, once for dv (s, p, dv += pᵀ d_out) and once for dk (s, dp, dk += dsᵀ q)
+SPLIT_ABOVE = 128
 
 
 def backward_blocks(block_sizes) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
@@ -47,6 +53,7 @@ def _check_backward(mask, block_sizes, d):
     if d not in BACKWARD_HEAD_DIMS:
         raise Unsupported(f"head dim {d}: the Mosaic GPU backward kernels take {BACKWARD_HEAD_DIMS}")
     (bq1, bk1, st1), (bq2, bk2, st2) = backward_blocks(block_sizes)
+    # (a product's contraction runs over whole 128-byte swizzle rows: 64 16-bit elements)
     if bq1 != 64 or bk1 not in (64, 128):
         raise Unsupported(
             f"dq tiles {bq1}x{bk1}: the Mosaic GPU dq kernel takes 64 query rows by 64 or 128 keys"
@@ -56,8 +63,8 @@ def _check_backward(mask, block_sizes, d):
             f"dk, dv tiles {bq2}x{bk2}: the Mosaic GPU kernel takes 64 or 128 query rows by 64 keys"
         )
     for name, stages in (("dq", st1), ("dkv", st2)):
-        if not 2 <= stages <= 4:
-            raise Unsupported(f"num_stages_{name}={stages}: the Mosaic GPU ring holds 2 to 4 tiles")
+        if not 1 <= stages <= 4:
+            raise Unsupported(f"num_stages_{name}={stages}: the Mosaic GPU ring holds 1 to 4 tiles")
     for name, need in (
         ("dq", mosaic_gpu_dq_smem_bytes(bq1, bk1, st1, d)),
         ("dk, dv", mosaic_gpu_dkv_smem_bytes(bq2, bk2, st2, d)),
@@ -189,7 +196,10 @@ def _dkv_kernel(
     cfg,
     mask,
     dtype,
+    want,
 ):
+    """`want`: the gradients this launch forms, `("dk", "dv")`, or one of them (`SPLIT_ABOVE`);
+    `dk_ref`, `dv_ref` are the outputs of those (the other None)."""
     bq, bk, stages, groups = cfg.block_q, cfg.block_kv, cfg.stages, cfg.groups
     d = k_ref.shape[-1]
     batch, kv_head = lax.axis_index("batch"), lax.axis_index("heads")
@@ -226,7 +236,6 @@ def _dkv_kernel(
 
                 s = pl.run_scoped(s_product, plgpu.ACC((bk, bq), jnp.float32))  # keys by queries
                 lse = mosaic_gpu_load(lse_smem.at[slot], layout=column)
-                delta = mosaic_gpu_load(delta_smem.at[slot], layout=column)
                 s, c, tanh = base2_scores(s, cfg)
                 if masked:
                     iota = functools.partial(_iota, (bk, bq))
@@ -236,13 +245,21 @@ def _dkv_kernel(
                         s = jnp.where(vis, s, -jnp.inf)
                 bcast = lambda x: lax.broadcast_in_dim(x, s.shape, [1])  # noqa: E731
                 p = jnp.exp2(times(s, c) - bcast(lse))
+                if "dk" not in want:  # dv alone
+                    plgpu.wgmma(dv_acc, p.astype(dtype), do_smem.at[slot])
+                    plgpu.wgmma_wait(0)
+                    plgpu.barrier_arrive(consumed.at[slot])
+                    return carry
 
                 def dp_product(acc):
                     plgpu.wgmma(acc, v_smem, do_smem.at[slot].transpose((1, 0)))
-                    plgpu.wgmma(dv_acc, p.astype(dtype), do_smem.at[slot])
-                    return plgpu.wgmma_accumulator_load(acc, wait_n=1)
+                    if "dv" in want:
+                        plgpu.wgmma(dv_acc, p.astype(dtype), do_smem.at[slot])
+                        return plgpu.wgmma_accumulator_load(acc, wait_n=1)
+                    return plgpu.wgmma_accumulator_load(acc, wait_n=0)
 
                 dp = pl.run_scoped(dp_product, plgpu.ACC((bk, bq), jnp.float32))
+                delta = mosaic_gpu_load(delta_smem.at[slot], layout=column)
                 ds = p * (dp - bcast(delta))
                 ds = (ds if tanh is None else ds * (1.0 - tanh * tanh)).astype(dtype)
                 plgpu.wgmma(dk_acc, ds, q_smem.at[slot])
@@ -261,15 +278,23 @@ def _dkv_kernel(
             lax.fori_loop(item(flo), item(fhi), functools.partial(step, masked=False), None)
             lax.fori_loop(item(fhi), item(hi), functools.partial(step, masked=True), None)
             lax.fori_loop(item(hi), item(chi), release, None)
-            return dk_acc[...], dv_acc[...]
+            return tuple(a[...] for a in (dk_acc, dv_acc) if a is not None)
 
         acc = plgpu.ACC((bk, d), jnp.float32)
-        dk, dv = pl.run_scoped(accumulate, acc, acc)
-        k_smem[...] = (dk * cfg.scale).astype(dtype)
-        v_smem[...] = dv.astype(dtype)
+        if want == ("dk", "dv"):
+            dk, dv = pl.run_scoped(accumulate, acc, acc)
+        elif want == ("dk",):
+            (dk,), dv = pl.run_scoped(lambda a: accumulate(a, None), acc), None
+        else:
+            dk, (dv,) = None, pl.run_scoped(lambda a: accumulate(None, a), acc)
+        # the key and value tiles are done with: they stage the gradients out
+        for grad, smem, scale in ((dk, k_smem, cfg.scale), (dv, v_smem, 1.0)):
+            if grad is not None:
+                smem[...] = (grad * scale).astype(dtype)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(k_smem, dk_ref.at[rows])
-        plgpu.copy_smem_to_gmem(v_smem, dv_ref.at[rows])
+        for grad, smem, out in ((dk, k_smem, dk_ref), (dv, v_smem, dv_ref)):
+            if grad is not None:
+                plgpu.copy_smem_to_gmem(smem, out.at[rows])
         plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == COMPUTE_WGS)
@@ -346,11 +371,34 @@ def backward(q, k, v, out, lse, d_out, *, mask, scale, block_sizes, logits_soft_
 
     table = schedule_table(mask, sq, sk, bq2, bk2, b, keys=True)
     cfg = _Cfg(bq2, bk2, st2, float(scale), sq, sk, h // kvh, table.shape[-2], bool(leaves), cap)
-    body = functools.partial(_dkv_kernel, cfg=cfg, mask=lowered, dtype=dt)
+    wants = (("dk", "dv"),) if d <= SPLIT_ABOVE else (("dv",), ("dk",))
+    grads = {}
+    for want in wants:
+        grads |= dict(
+            zip(
+                want,
+                _dkv_launch(
+                    cfg, lowered, want, dt, d, (qp, kp, vp, dop, lse2, delta, table), mask_ops, params
+                ),
+                strict=True,
+            )
+        )
+    return dq[:, :sq], grads["dk"][:, :sk], grads["dv"][:, :sk]
 
-    def dkv_entry(*refs):  # 7 inputs, the mask's operands, dk, dv
+
+def _dkv_launch(cfg, lowered, want, dt, d, inputs, mask_ops, params):
+    """The `dk, dv` kernel for the gradients of `want` (one launch)."""
+    b, skp, kvh = inputs[1].shape[:3]
+    bq2, bk2, st2 = cfg.block_q, cfg.block_kv, cfg.stages
+    table = inputs[-1]
+    swizzled = dict(transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))
+    body = functools.partial(_dkv_kernel, cfg=cfg, mask=lowered, dtype=dt, want=want)
+    n = len(want)
+
+    def dkv_entry(*refs):  # 7 inputs, the mask's operands, the gradients of `want`
+        outs = dict(zip(want, refs[-n:], strict=True))
         pl.run_scoped(
-            lambda *scoped: body(*refs[:7], tuple(refs[7:-2]), *refs[-2:], scoped),
+            lambda *scoped: body(*refs[:7], tuple(refs[7:-n]), outs.get("dk"), outs.get("dv"), scoped),
             [
                 plgpu.SMEM((COMPUTE_WGS, bk2, d), dt, **swizzled),
                 plgpu.SMEM((COMPUTE_WGS, bk2, d), dt, **swizzled),
@@ -368,17 +416,35 @@ def backward(q, k, v, out, lse, d_out, *, mask, scale, block_sizes, logits_soft_
         )
 
     kv_shape = jax.ShapeDtypeStruct((b, skp, kvh, d), dt)
-    dk, dv = plgpu.kernel(
+    return plgpu.kernel(
         dkv_entry,
-        out_type=[kv_shape, kv_shape],
+        out_type=[kv_shape] * n,
         grid=(kvh, table.shape[-2], b),
         grid_names=("heads", "kv_seq", "batch"),
         num_threads=COMPUTE_WGS + 1,
         thread_name="wg",
         compiler_params=params,
-        kernel_name="axkern_attention_mosaic_gpu_dkv",
-    )(qp, kp, vp, dop, lse2, delta, table, *mask_ops)
-    return dq[:, :sq], dk[:, :sk], dv[:, :sk]
+        kernel_name="axkern_attention_mosaic_gpu_" + "".join(want),
+    )(*inputs, *mask_ops)
+
+
+def backward_serves(mask, block_sizes, head_dim) -> str | None:
+    """None where the Mosaic GPU backward kernels serve the call, else why not. Up to head dim 128
+    whenever they take the options (`check_backward`); at 256 only when `block_sizes` names their
+    tiles (`*_dq` and `*_dkv` set, no `num_warps`: the heuristic's there are `pallas_gpu`'s)."""
+    if head_dim in BACKWARD_HEAD_DIMS and head_dim not in BACKWARD_DEFAULT_HEAD_DIMS:
+        named = block_sizes is not None and all(
+            getattr(block_sizes, f"{f}_{k}") is not None
+            for f in ("block_q", "block_kv")
+            for k in ("dq", "dkv")
+        )
+        if not named or block_sizes.num_warps_dq is not None or block_sizes.num_warps_dkv is not None:
+            return (
+                f"head dim {head_dim}: the Mosaic GPU backward kernels (dq, then dv and dk in two "
+                "launches) serve only when their tiles are given (*_dq, *_dkv without num_warps); "
+                "they have not yet run on a GPU"
+            )
+    return check_backward(mask, block_sizes, head_dim)
 
 
 def check_backward(mask, block_sizes, head_dim) -> str | None:
