@@ -236,6 +236,7 @@ def _dkv_kernel(
 
                 s = pl.run_scoped(s_product, plgpu.ACC((bk, bq), jnp.float32))  # keys by queries
                 lse = mosaic_gpu_load(lse_smem.at[slot], layout=column)
+                delta = mosaic_gpu_load(delta_smem.at[slot], layout=column) if "dk" in want else None
                 s, c, tanh = base2_scores(s, cfg)
                 if masked:
                     iota = functools.partial(_iota, (bk, bq))
@@ -259,7 +260,6 @@ def _dkv_kernel(
                     return plgpu.wgmma_accumulator_load(acc, wait_n=0)
 
                 dp = pl.run_scoped(dp_product, plgpu.ACC((bk, bq), jnp.float32))
-                delta = mosaic_gpu_load(delta_smem.at[slot], layout=column)
                 ds = p * (dp - bcast(delta))
                 ds = (ds if tanh is None else ds * (1.0 - tanh * tanh)).astype(dtype)
                 plgpu.wgmma(dk_acc, ds, q_smem.at[slot])
@@ -288,9 +288,10 @@ def _dkv_kernel(
         else:
             dk, (dv,) = None, pl.run_scoped(lambda a: accumulate(None, a), acc)
         # the key and value tiles are done with: they stage the gradients out
-        for grad, smem, scale in ((dk, k_smem, cfg.scale), (dv, v_smem, 1.0)):
-            if grad is not None:
-                smem[...] = (grad * scale).astype(dtype)
+        if dk is not None:
+            k_smem[...] = (dk * cfg.scale).astype(dtype)
+        if dv is not None:
+            v_smem[...] = dv.astype(dtype)
         plgpu.commit_smem()
         for grad, smem, out in ((dk, k_smem, dk_ref), (dv, v_smem, dv_ref)):
             if grad is not None:
