@@ -11,6 +11,11 @@ kind; the backward fields stay the heuristic's, which the backward sweep chose,
 `attention_mosaic_sweep.py`).
 
 Run on a Hopper GPU from the repository root: `OUT=<folder> python3 benchmarks/attention_mosaic_forward_sweep.py`.
+
+With `--handoff`: per case, the shipped tiles (`tuned/nvidia_h200.json`, else the heuristic's)
+with the compute warpgroups' two ping-pong forms (`forward(..., handoff=False | True)`: JAX's
+rendezvous, FA3's handoff), their outputs compared (the same arithmetic: they should agree
+exactly) and timed in three interleaved rounds; writes `$OUT/sweep_mosaic_handoff.json`.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import dataclasses
 import datetime
 import json
 import os
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -57,16 +63,82 @@ CASES = {
 }
 
 
+def _inputs(kvh, d):
+    keys = jax.random.split(jax.random.PRNGKey(0), 3)
+    q = jax.random.normal(keys[0], (B, S, H, d), jnp.bfloat16)
+    k, v = (jax.random.normal(kk, (B, S, kvh, d), jnp.bfloat16) for kk in keys[1:])
+    return q, k, v
+
+
+def handoff():
+    out = os.path.join(os.environ.get("OUT", "."), "sweep_mosaic_handoff.json")
+    rows = []
+    for name, (kvh, d, mask_name) in CASES.items():
+        mask = _mask(mask_name)
+        dims = {"batch": B, "q_len": S, "kv_len": S, "heads": H, "kv_heads": kvh, "head_dim": d, "v_dim": d}
+        spec = OP.spec(dims, jnp.bfloat16, soft_cap=False, sinks=False, mask_kind=mask_kind(mask))
+        bs, _, _ = OP.choose_blocks(OP.implementations["mosaic_gpu"], spec, None)  # table, else heuristic
+        q, k, v = _inputs(kvh, d)
+        fns = {
+            form: jax.jit(
+                lambda q, k, v, form=form, mask=mask, d=d, bs=bs: mosaic_gpu.forward(
+                    q,
+                    k,
+                    v,
+                    mask,
+                    scale=d**-0.5,
+                    block_q=bs.block_q,
+                    block_kv=bs.block_kv,
+                    num_stages=bs.num_stages,
+                    handoff=form == "handoff",
+                )[0]
+            )
+            for form in ("rendezvous", "handoff")
+        }
+        outs = {form: fn(q, k, v).astype(jnp.float32) for form, fn in fns.items()}
+        diff = float(jnp.max(jnp.abs(outs["handoff"] - outs["rendezvous"])))
+        times = {form: [] for form in fns}
+        for _ in range(3):
+            for form, fn in fns.items():
+                times[form].append(time_spread(fn, (q, k, v), repeats=5))
+        for form, t in times.items():
+            row = dict(
+                case=name,
+                tiles=f"{bs.block_q}x{bs.block_kv}x{bs.num_stages}",
+                form=form,
+                median_ms=sorted(x[1] for x in t)[1],
+                min_ms=min(x[0] for x in t),
+                max_ms=max(x[2] for x in t),
+                max_abs_diff_handoff_vs_rendezvous=diff,
+            )
+            rows.append(row)
+            print(row, flush=True)
+        with open(out, "w") as f:
+            json.dump(
+                {
+                    "command": COMMAND + " --handoff",
+                    "shape": {"batch": B, "length": S, "heads": H, "dtype": "bfloat16"},
+                    "date": datetime.date.today().isoformat(),
+                    "device": jax.devices()[0].device_kind,
+                    "jax": jax.__version__,
+                    "complete": name == list(CASES)[-1],
+                    "rows": rows,
+                },
+                f,
+                indent=1,
+            )
+
+
 def main():
+    if "--handoff" in sys.argv[1:]:
+        return handoff()
     out = os.path.join(os.environ.get("OUT", "."), "sweep_mosaic_forward.json")
     rows, entries = [], []
     for name, (kvh, d, mask_name) in CASES.items():
         mask = _mask(mask_name)
         dims = {"batch": B, "q_len": S, "kv_len": S, "heads": H, "kv_heads": kvh, "head_dim": d, "v_dim": d}
         spec = OP.spec(dims, jnp.bfloat16, soft_cap=False, sinks=False, mask_kind=mask_kind(mask))
-        keys = jax.random.split(jax.random.PRNGKey(0), 3)
-        q = jax.random.normal(keys[0], (B, S, H, d), jnp.bfloat16)
-        k, v = (jax.random.normal(kk, (B, S, kvh, d), jnp.bfloat16) for kk in keys[1:])
+        q, k, v = _inputs(kvh, d)
         base = mosaic_gpu_heuristic(spec)
         cands = mosaic_gpu_space(spec)
         label = lambda bs: f"{bs.block_q}x{bs.block_kv}x{bs.num_stages}"  # noqa: E731

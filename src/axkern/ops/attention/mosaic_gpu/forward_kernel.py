@@ -51,7 +51,20 @@ def _check(mask, block_q, block_kv, stages, d):
 
 
 def _kernel(
-    q_ref, k_ref, v_ref, sched_ref, sinks_ref, mask_refs, out_ref, lse_ref, scoped, *, cfg, mask, dtype
+    q_ref,
+    k_ref,
+    v_ref,
+    sched_ref,
+    sinks_ref,
+    mask_refs,
+    out_ref,
+    lse_ref,
+    scoped,
+    *,
+    cfg,
+    mask,
+    dtype,
+    handoff,
 ):
     bq, bk, stages = cfg.block_q, cfg.block_kv, cfg.stages
     d = q_ref.shape[-1]
@@ -65,9 +78,36 @@ def _kernel(
     clo, chi = at(cta, CTA_LO), at(cta, CTA_HI)
     slot_of = lambda t: lax.rem(t - clo, jnp.int32(stages))  # noqa: E731
 
-    def sync_schedule():  # one ping-pong step between the two compute warpgroups
+    # The ping-pong between the two compute warpgroups, in one of two forms. Rendezvous (JAX's
+    # kernel): one barrier both warpgroups arrive at and wait on, after issuing `q kᵀ` and before
+    # `p v`. Handoff (FA3's, tokamax's; `handoff=True`): a barrier per warpgroup; after issuing
+    # `q kᵀ` a warpgroup only signals the other's (it goes on to its softmax at once), and before
+    # `p v` it waits on its own, which the other signals after issuing its `q kᵀ`. Every
+    # warpgroup walks the same tiles `[clo, chi)` (its own or released), so the signals pair up,
+    # and a warpgroup is never more than one signal ahead of the other's waits.
+    def rendezvous():
         plgpu.barrier_arrive(sched_barrier)
         plgpu.barrier_wait(sched_barrier)
+
+    def signal():  # after issuing q kᵀ
+        if handoff:
+            plgpu.barrier_arrive(sched_barrier.at[1 - wg])
+        else:
+            rendezvous()
+
+    def await_turn(slot):  # before p v: its value tile, and the tensor cores ours again
+        if not handoff:
+            plgpu.barrier_arrive(sched_barrier)
+        plgpu.barrier_wait(v_loaded.at[slot])
+        plgpu.barrier_wait(sched_barrier.at[wg] if handoff else sched_barrier)
+
+    def skip_turn():  # a step's pair where a warpgroup runs no products (a released tile)
+        if handoff:
+            signal()
+            plgpu.barrier_wait(sched_barrier.at[wg])
+        else:
+            rendezvous()
+            rendezvous()
 
     @pl.when(wg < COMPUTE_WGS)
     def _compute():
@@ -92,7 +132,10 @@ def _kernel(
         def _():
             plgpu.barrier_wait(k_loaded.at[0])
 
-        pl.when(wg == 1)(sync_schedule)
+        if handoff:  # the first turn is warpgroup 0's
+            pl.when(wg == 1)(lambda: plgpu.barrier_wait(sched_barrier.at[1]))
+        else:
+            pl.when(wg == 1)(rendezvous)
 
         def step(t, carry, masked):
             acc, m_i, l_i = carry
@@ -100,7 +143,7 @@ def _kernel(
 
             def qk_product(acc_ref):
                 plgpu.wgmma(acc_ref, qo_smem, k_smem.at[slot].transpose((1, 0)))
-                sync_schedule()
+                signal()
                 return acc_ref[...]
 
             s = pl.run_scoped(qk_product, plgpu.ACC((bq, bk), jnp.float32))
@@ -122,9 +165,7 @@ def _kernel(
             p16 = p.astype(dtype)
 
             def end_softmax():
-                plgpu.barrier_arrive(sched_barrier)
-                plgpu.barrier_wait(v_loaded.at[slot])
-                plgpu.barrier_wait(sched_barrier)  # the tensor cores are ours again
+                await_turn(slot)
 
             if d <= 128:  # this order measured faster in JAX's kernel for small head dims
                 l_i = l_i + p.sum(axis=1)
@@ -147,8 +188,7 @@ def _kernel(
             plgpu.barrier_arrive(k_consumed.at[slot])
             plgpu.barrier_wait(v_loaded.at[slot])
             plgpu.barrier_arrive(v_consumed.at[slot])
-            sync_schedule()
-            sync_schedule()
+            skip_turn()
             wait_next(t)
             return carry
 
@@ -159,7 +199,7 @@ def _kernel(
         carry = lax.fori_loop(fhi, hi, functools.partial(step, masked=True), carry)
         lax.fori_loop(hi, chi, release, None)
         acc, m_i, l_i = carry
-        pl.when(wg == 0)(sync_schedule)
+        pl.when(wg == 0)(signal)  # warpgroup 1's last turn
         if cfg.sinks:  # one more logit in the denominator, with no value
             sink = sinks_ref[head] * LOG2E
             m_f = jnp.maximum(m_i, sink)
@@ -186,9 +226,12 @@ def _kernel(
     )
 
 
-def forward(q, k, v, mask, *, scale, block_q, block_kv, num_stages, sinks=None, logits_soft_cap=None):
+def forward(
+    q, k, v, mask, *, scale, block_q, block_kv, num_stages, sinks=None, logits_soft_cap=None, handoff=False
+):
     """`(out [B, Sq, H, D], lse [B, H, Sq] float32)` of the Mosaic GPU kernel; `sinks [H]`
-    join the denominator (and `lse`)."""
+    join the denominator (and `lse`). `handoff`: the compute warpgroups' ping-pong as FA3's
+    handoff rather than JAX's rendezvous (`_kernel`; not yet run on a GPU, so not the default)."""
     b, sq, h, d = q.shape
     sk, kvh = k.shape[1], k.shape[2]
     _check(mask, block_q, block_kv, num_stages, d)
@@ -214,7 +257,7 @@ def forward(q, k, v, mask, *, scale, block_q, block_kv, num_stages, sinks=None, 
         cap,
         sinks is not None,
     )
-    body = functools.partial(_kernel, cfg=cfg, mask=lowered, dtype=q.dtype)
+    body = functools.partial(_kernel, cfg=cfg, mask=lowered, dtype=q.dtype, handoff=handoff)
 
     def entry(*refs):
         q_ref, k_ref, v_ref, sched_ref, sinks_ref, *mask_refs, out_ref, lse_ref = refs
@@ -236,7 +279,7 @@ def forward(q, k, v, mask, *, scale, block_q, block_kv, num_stages, sinks=None, 
                 plgpu.Barrier(num_barriers=COMPUTE_WGS),
             ),
             (plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=num_stages),) * 2,
-            plgpu.Barrier(num_arrivals=COMPUTE_WGS),
+            plgpu.Barrier(num_barriers=COMPUTE_WGS) if handoff else plgpu.Barrier(num_arrivals=COMPUTE_WGS),
             collective_axes="wg",
         )
 
