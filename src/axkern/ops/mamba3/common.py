@@ -17,8 +17,9 @@ exact, and the output's missing terms (the same token's later ranks) join the di
 correction: `y_{t,r} += s_t Σ_{u > r} (q_{t,r} · k_{t,u}) v_{t,u}`.
 
 **Angles.** `Θ_t` is a running sum of `π tanh(angles) Δ` inside each segment, mod 2π: summed
-inside chunks (a `[Q, Q]` masked product), carried between chunks by a scan that takes the
-remainder at every chunk, so its rounding does not grow with the length.
+inside chunks (a `[Q, Q]` masked product), carried between chunks by a parallel (associative)
+scan that takes the remainder at every combination, so its rounding does not grow with the
+length and no loop of one step per chunk runs.
 
 **Non-finite input** (`guard`): the chunked terms mix positions in ways the recurrence does not
 (`c_{t+1}` reaches `g_t`, cancelled only arithmetically), so they compute on inputs with
@@ -131,12 +132,19 @@ def angle_sums(inc, theta0, seg, q):
     before = jnp.concatenate([sc[:, :1, 0], sc[:, :-1, -1]], axis=1)  # [b, c]
     whole = sc[:, :, -1] == before  # no segment starts inside the chunk
 
-    def carry(theta, inputs):
-        whole_c, total_c = inputs
-        return jnp.mod(jnp.where(whole_c[:, None, None], theta, 0) + total_c, 2 * math.pi), theta
+    # the angle entering each chunk: a segmented sum over chunks, the remainder taken at every
+    # step, as a parallel (associative) scan rather than a loop of one step per chunk. An
+    # element is (continues, angle): a chunk with no segment start continues the sum before it.
+    def combine(x, y):
+        (keep_x, th_x), (keep_y, th_y) = x, y
+        summed = jnp.where(keep_y, th_x + th_y, th_y)
+        return keep_x & keep_y, jnp.mod(summed, 2 * math.pi)
 
-    _, theta_in = lax.scan(carry, theta0, (jnp.moveaxis(whole, 1, 0), jnp.moveaxis(local[:, :, -1], 1, 0)))
-    theta_in = jnp.moveaxis(theta_in, 0, 1)[:, :, None]  # [b, c, 1, h, a]
+    keep = jnp.concatenate([jnp.zeros_like(whole[:, :1]), whole], axis=1)[:, :, None, None]
+    angles = jnp.concatenate([theta0[:, None], local[:, :, -1]], axis=1)  # [b, c + 1, h, a]
+    _, theta_out = lax.associative_scan(combine, (keep, angles), axis=1)
+    # before chunk c: Θ_0 as given, then the remainder after chunk c - 1
+    theta_in = jnp.concatenate([theta0[:, None], theta_out[:, 1:-1]], axis=1)[:, :, None]  # [b, c, 1, h, a]
     cont = (sc == before[:, :, None])[..., None, None]
     theta = jnp.mod(jnp.where(cont, theta_in, 0) + local, 2 * math.pi)
     return theta.reshape(batch, -1, heads, a)[:, :length]
