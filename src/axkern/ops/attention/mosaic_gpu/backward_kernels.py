@@ -425,7 +425,7 @@ def _dkv_launch(cfg, lowered, want, dt, d, inputs, mask_ops, params):
         num_threads=COMPUTE_WGS + 1,
         thread_name="wg",
         compiler_params=params,
-        kernel_name="axkern_attention_mosaic_gpu_" + "".join(want),
+        kernel_name="axkern_attention_mosaic_gpu_" + ("dkv" if len(want) == 2 else want[0]),
     )(*inputs, *mask_ops)
 
 
