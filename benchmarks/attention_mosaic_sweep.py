@@ -37,7 +37,8 @@ TILES = [
     ((64, 64, 2), (64, 64, 3)),
     ((64, 128, 2), (128, 64, 2)),
 ]
-# head dim 256, pallas_gpu's kernels: (dq: block_q, block_kv, warps, stages), (dk, dv: the same)
+# head dim 256: pallas_gpu's kernels, (dq: block_q, block_kv, warps, stages), (dk, dv: the same);
+# the last, the Mosaic kernels' (block_q, block_kv, stages)
 TILES_256 = [
     ((32, 32, 4, 2), (32, 32, 4, 2)),
     ((128, 32, 8, 2), (64, 32, 4, 2)),
@@ -49,6 +50,7 @@ TILES_256 = [
     ((128, 32, 8, 2), (32, 32, 4, 2)),
     ((128, 32, 4, 2), (64, 32, 4, 2)),
     ((64, 64, 8, 2), (64, 32, 4, 2)),
+    ((64, 64, 1), (64, 64, 1)),  # the Mosaic kernels (one ring stage fits at head dim 256)
 ]
 # name: (kv heads, head dim, mask, every tiling or the first only)
 CASES = {
@@ -59,7 +61,10 @@ CASES = {
 }
 
 
-def blocks(dq, dkv) -> AttentionBlockSizes:
+def blocks(dq, dkv, d=128) -> AttentionBlockSizes:
+    """The forward's heuristic tiles at head dim `d` with these backward tiles: `(block_q,
+    block_kv, stages)` each for the Mosaic kernels, `(block_q, block_kv, warps, stages)` for
+    `pallas_gpu`'s."""
     if len(dq) == 4:  # pallas_gpu's tiles, with warps
         warps = dict(num_warps_dq=dq[2], num_warps_dkv=dkv[2])
         dq, dkv = (t[:2] + t[3:] for t in (dq, dkv))
@@ -67,7 +72,7 @@ def blocks(dq, dkv) -> AttentionBlockSizes:
         warps = {}
     return AttentionBlockSizes(
         block_q=64,
-        block_kv=128 if not warps else 64,
+        block_kv=128 if d <= 128 else 64,
         num_stages=2,
         block_q_dq=dq[0],
         block_kv_dq=dq[1],
@@ -80,10 +85,10 @@ def blocks(dq, dkv) -> AttentionBlockSizes:
 
 
 def attend(q, k, v, *, bs, mask, scale):
-    """The Mosaic forward and its backward: the Mosaic kernels up to head dim 128, above it
-    `pallas_gpu`'s with `bs`' tiles."""
+    """The Mosaic forward and its backward: the Mosaic kernels where `bs` names their tiles (no
+    warps; at head dim 256 `dq`, then `dv` and `dk` in two launches), else `pallas_gpu`'s."""
     backward = None
-    if q.shape[3] > 128:
+    if bs.num_warps_dq is not None:
         # as the registered implementation hands them: the forward fields repeat dq's (the padding)
         back = dataclasses.replace(
             bs,
@@ -117,7 +122,7 @@ def main():
         fns = {"cudnn": cudnn}
         for dq, dkv in tilings if every else tilings[:1]:
             fns[f"mosaic dq {dq} dkv {dkv}"] = functools.partial(
-                attend, bs=blocks(dq, dkv), mask=mask, scale=scale
+                attend, bs=blocks(dq, dkv, d), mask=mask, scale=scale
             )
         jitted = {n: jax.jit(lambda q, k, v, do, f=f: jax.vjp(f, q, k, v)[1](do)) for n, f in fns.items()}
         want = jitted["cudnn"](q, k, v, do)

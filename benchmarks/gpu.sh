@@ -7,7 +7,9 @@
 #   bash benchmarks/gpu.sh list          the ops and their presets
 #
 # OP is an op folder: attention, cross_entropy, fused_cross_entropy, mamba3, moe, moe_ep, short_conv, ssd;
-# `gpu.sh attention_peers` runs attention's GPU preset with `--peers` (tokamax);
+# `gpu.sh attention_peers` runs attention's GPU preset with `--peers` (tokamax); `gpu.sh attention_mosaic`
+# the Mosaic GPU kernels' tests, `attention_mosaic_forward_sweep.py --handoff` and
+# `attention_mosaic_sweep.py --head-dim-256`;
 # `gpu.sh fused_cross_entropy_dw` runs benchmarks/fused_cross_entropy_dw.py (the reduced loss's
 # dw accumulations at llama3's size: time, temporary memory, oracle rule, with the peers).
 # Wheels in an ignored `.whl/` folder (for a machine without network: whatever its image lacks
@@ -53,6 +55,11 @@ tests() {  # tests FILE: the op's GPU tests
 case "${1:-}" in
 attention) tests test_attention_gpu.py; tests test_attention_mosaic_gpu.py; bench attention h200 ;;
 attention_peers) BENCH_T=540 bench attention h200 --peers ;;  # beside tokamax's mosaic and cudnn
+attention_mosaic)  # the Mosaic GPU kernels: their GPU tests, then the ping-pong forms and head dim 256's backward timed
+  tests test_attention_mosaic_gpu.py
+  step 300 sweep_mosaic_handoff env OUT="$R" python3 benchmarks/attention_mosaic_forward_sweep.py --handoff
+  step 300 sweep_mosaic_backward_d256 env OUT="$R" python3 benchmarks/attention_mosaic_sweep.py --head-dim-256
+  ;;
 cross_entropy) bench cross_entropy llama3 ;;
 fused_cross_entropy)
   tests test_fused_cross_entropy_gpu.py
@@ -77,7 +84,7 @@ tune)
   ;;
 list) $axkern bench --list-presets ;;
 *)
-  echo "usage: gpu.sh attention|attention_peers|cross_entropy|fused_cross_entropy|fused_cross_entropy_dw|mamba3|moe|moe_ep|short_conv|ssd|list, or gpu.sh tune OP [args]"
+  echo "usage: gpu.sh attention|attention_peers|attention_mosaic|cross_entropy|fused_cross_entropy|fused_cross_entropy_dw|mamba3|moe|moe_ep|short_conv|ssd|list, or gpu.sh tune OP [args]"
   exit 2
   ;;
 esac
