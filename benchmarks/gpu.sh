@@ -56,7 +56,8 @@ case "${1:-}" in
 attention) tests test_attention_gpu.py; tests test_attention_mosaic_gpu.py; bench attention h200 ;;
 attention_peers) BENCH_T=540 bench attention h200 --peers ;;  # beside tokamax's mosaic and cudnn
 attention_mosaic)  # the Mosaic GPU kernels: their GPU tests, then the ping-pong forms and head dim 256's backward timed
-  tests test_attention_mosaic_gpu.py
+  # four test processes share the GPU (each compiles its own kernels; memory grows as needed)
+  step 420 gpu_tests_attention_mosaic_gpu env XLA_PYTHON_CLIENT_PREALLOCATE=false $gpu_tests -n 4 tests/gpu/test_attention_mosaic_gpu.py
   step 300 sweep_mosaic_handoff env OUT="$R" python3 benchmarks/attention_mosaic_forward_sweep.py --handoff
   step 300 sweep_mosaic_backward_d256 env OUT="$R" python3 benchmarks/attention_mosaic_sweep.py --head-dim-256
   ;;
