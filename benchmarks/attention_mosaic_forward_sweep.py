@@ -70,6 +70,20 @@ def _inputs(kvh, d):
     return q, k, v
 
 
+def _write(out, command, last_case, **found):
+    """The results so far (after each case: a run cut short keeps what it measured)."""
+    result = {
+        "command": command,
+        "shape": {"batch": B, "length": S, "heads": H, "dtype": "bfloat16"},
+        "date": datetime.date.today().isoformat(),
+        "device": jax.devices()[0].device_kind,
+        "jax": jax.__version__,
+        "complete": last_case == list(CASES)[-1],
+    }
+    with open(out, "w") as f:
+        json.dump(result | found, f, indent=1)
+
+
 def handoff():
     out = os.path.join(os.environ.get("OUT", "."), "sweep_mosaic_handoff.json")
     rows = []
@@ -113,20 +127,7 @@ def handoff():
             )
             rows.append(row)
             print(row, flush=True)
-        with open(out, "w") as f:
-            json.dump(
-                {
-                    "command": COMMAND + " --handoff",
-                    "shape": {"batch": B, "length": S, "heads": H, "dtype": "bfloat16"},
-                    "date": datetime.date.today().isoformat(),
-                    "device": jax.devices()[0].device_kind,
-                    "jax": jax.__version__,
-                    "complete": name == list(CASES)[-1],
-                    "rows": rows,
-                },
-                f,
-                indent=1,
-            )
+        _write(out, COMMAND + " --handoff", name, rows=rows)
 
 
 def main():
@@ -194,18 +195,7 @@ def main():
             )
             e["case"] = name
             entries.append(e)
-        result = {
-            "command": COMMAND,
-            "shape": {"batch": B, "length": S, "heads": H, "dtype": "bfloat16"},
-            "date": datetime.date.today().isoformat(),
-            "device": jax.devices()[0].device_kind,
-            "jax": jax.__version__,
-            "complete": name == list(CASES)[-1],
-            "rows": rows,
-            "entries": entries,
-        }
-        with open(out, "w") as f:
-            json.dump(result, f, indent=1)
+        _write(out, COMMAND, name, rows=rows, entries=entries)
 
 
 if __name__ == "__main__":
