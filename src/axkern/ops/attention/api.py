@@ -64,12 +64,11 @@ def _cudnn_where_finite(q, k, v, sinks, mask, *, scale, logits_soft_cap):
 
 
 def _mosaic_gpu_where_finite(q, k, v, sinks, mask, *, scale, logits_soft_cap, block_sizes):
-    """The Mosaic GPU forward and backward kernels (above head dim 128, where the backward
-    kernels refuse: `pallas_gpu`'s `dq` and `dk, dv` kernels on the Mosaic forward's residuals,
-    with `mosaic_gpu_backward_blocks`' tiles) where `q`, `k`, `v` (and the cotangent) are
-    finite; elsewhere `pallas_gpu` (else `xla`: `_safe_order`), chosen on the
-    device as for cuDNN: the kernel's `p v` product would carry a NaN of `v` to rows that cannot
-    see its key."""
+    """The Mosaic GPU forward and backward kernels (where `mosaic_gpu.backward_serves` refuses
+    above head dim 128: `pallas_gpu`'s `dq` and `dk, dv` kernels on the Mosaic forward's
+    residuals, with `mosaic_gpu_backward_blocks`' tiles) where `q`, `k`, `v` (and the cotangent)
+    are finite; elsewhere `pallas_gpu` (else `xla`: `_safe_order`), chosen on the device as for
+    cuDNN: the kernel's `p v` product would carry a NaN of `v` to rows that cannot see its key."""
     mosaic_gpu.check(mask, block_sizes, q.shape[3], sinks, logits_soft_cap, scale=scale)  # before tracing
     mosaic_gpu.check_inputs(q, k, v)
     backward = None

@@ -99,7 +99,8 @@ the configuration, table reads, id loads, the producer of key and value tiles),
 they are scaled), one dtype for `q`, `k`, `v`. Block sizes: `block_q` (rows per compute
 warpgroup, 64 or 128), `block_kv` (64, 128 or 256), `num_stages` (ring depth, 2 to 4); their
 shared memory must fit 227 KiB. Backward (`*_dq`, `*_dkv`): `dq` 64 query rows per warpgroup
-by 64 or 128 keys, `dk, dv` 64 keys per warpgroup by 64 or 128 query rows, 2 to 4 stages each.
+by 64 or 128 keys, `dk, dv` 64 keys per warpgroup by 64 or 128 query rows, 2 to 4 stages each
+(1 to 4 at head dim 256).
 """
 
 from __future__ import annotations

@@ -62,9 +62,12 @@ def _check_backward(mask, block_sizes, d):
         raise Unsupported(
             f"dk, dv tiles {bq2}x{bk2}: the Mosaic GPU kernel takes 64 or 128 query rows by 64 keys"
         )
+    low = 1 if d > SPLIT_ABOVE else 2  # one stage: where two do not fit shared memory (head dim 256)
     for name, stages in (("dq", st1), ("dkv", st2)):
-        if not 1 <= stages <= 4:
-            raise Unsupported(f"num_stages_{name}={stages}: the Mosaic GPU ring holds 1 to 4 tiles")
+        if not low <= stages <= 4:
+            raise Unsupported(
+                f"num_stages_{name}={stages}: the Mosaic GPU ring holds {low} to 4 tiles at head dim {d}"
+            )
     for name, need in (
         ("dq", mosaic_gpu_dq_smem_bytes(bq1, bk1, st1, d)),
         ("dk, dv", mosaic_gpu_dkv_smem_bytes(bq2, bk2, st2, d)),

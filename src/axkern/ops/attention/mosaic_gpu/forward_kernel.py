@@ -34,6 +34,8 @@ def _check_blocks(block_q, block_kv, stages, d):
         raise Unsupported(f"block_q={block_q}: the Mosaic GPU kernel takes 64 or 128 rows per warpgroup")
     if block_kv not in (64, 128, 256):
         raise Unsupported(f"block_kv={block_kv}: the Mosaic GPU kernel takes 64, 128 or 256")
+    # one stage would deadlock here (unlike the backward kernels): a warpgroup waiting for a value
+    # tile the producer cannot load until the other, itself waiting its turn, releases the slot
     if not 2 <= stages <= 4:
         raise Unsupported(f"num_stages={stages}: the Mosaic GPU kernel's ring holds 2 to 4 tiles")
     need = mosaic_gpu_smem_bytes(block_q, block_kv, stages, d)
