@@ -8,7 +8,7 @@
 #
 # OP is an op folder: attention, cross_entropy, fused_cross_entropy, mamba3, moe, moe_ep, short_conv, ssd;
 # `gpu.sh attention_peers` runs attention's GPU preset with `--peers` (tokamax); `gpu.sh attention_mosaic`
-# the Mosaic GPU kernels' tests, `attention_mosaic_forward_sweep.py --handoff` and
+# the Mosaic GPU kernels' tests, `attention_mosaic_forward_sweep.py --variants` and
 # `attention_mosaic_sweep.py --head-dim-256`;
 # `gpu.sh fused_cross_entropy_dw` runs benchmarks/fused_cross_entropy_dw.py (the reduced loss's
 # dw accumulations at llama3's size: time, temporary memory, oracle rule, with the peers).
@@ -55,10 +55,10 @@ tests() {  # tests FILE: the op's GPU tests
 case "${1:-}" in
 attention) tests test_attention_gpu.py; tests test_attention_mosaic_gpu.py; bench attention h200 ;;
 attention_peers) BENCH_T=540 bench attention h200 --peers ;;  # beside tokamax's mosaic and cudnn
-attention_mosaic)  # the Mosaic GPU kernels: their GPU tests, then the ping-pong forms and head dim 256's backward timed
+attention_mosaic)  # the Mosaic GPU kernels: their GPU tests, then the forward's variants and head dim 256's backward timed
   # four test processes share the GPU (each compiles its own kernels; memory grows as needed)
   step 420 gpu_tests_attention_mosaic_gpu env XLA_PYTHON_CLIENT_PREALLOCATE=false $gpu_tests -n 4 tests/gpu/test_attention_mosaic_gpu.py
-  step 300 sweep_mosaic_handoff env OUT="$R" python3 benchmarks/attention_mosaic_forward_sweep.py --handoff
+  step 360 sweep_mosaic_variants env OUT="$R" python3 benchmarks/attention_mosaic_forward_sweep.py --variants
   step 300 sweep_mosaic_backward_d256 env OUT="$R" python3 benchmarks/attention_mosaic_sweep.py --head-dim-256
   ;;
 cross_entropy) bench cross_entropy llama3 ;;

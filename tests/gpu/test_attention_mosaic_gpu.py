@@ -350,3 +350,23 @@ def test_the_handoff_ping_pong_computes_what_the_rendezvous_does(mask_name):
 
     (o1, l1), (o2, l2) = run(False), run(True)
     assert bool(jnp.all(o1 == o2)) and bool(jnp.all((l1 == l2) | (jnp.isinf(l1) & jnp.isinf(l2))))
+
+
+def test_nan_scores_put_nan_where_the_reference_does_for_non_finite_q_and_k():
+    # `nan_scores`: an infinite q or k element makes every visible score it enters non-finite,
+    # which must make its rows NaN (output and lse), as the reference does; the rest stays finite
+    from axkern.ops.attention import reference
+
+    a = _inputs(12, 1, 300, 300, 4, 2, 64, "bfloat16")
+    q = a["q"].at[0, 50, 1, 3].set(jnp.inf)
+    k = a["k"].at[0, 100, 0, 5].set(-jnp.inf)
+    mask = masks.Causal()
+    fn = functools.partial(
+        mosaic_gpu.forward, mask=mask, scale=0.125, block_q=64, block_kv=128, num_stages=2, nan_scores=True
+    )
+    out, lse = jax.jit(fn)(q, k, a["v"])
+    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+    want = reference.attention(f32(q), f32(k), f32(a["v"]), None, mask, scale=0.125, logits_soft_cap=None)
+    assert bool(jnp.any(jnp.isnan(want))) and bool(jnp.all(jnp.isnan(out) == jnp.isnan(want)))
+    rows = jnp.isnan(want).any(-1).transpose(0, 2, 1)  # [B, H, Sq]
+    assert bool(jnp.all(jnp.isnan(lse) == rows))

@@ -169,17 +169,20 @@ def test_head_dim_256_backward_lowers_where_its_tiles_are_given():
     assert _kernels(_lowered(f, q, kv, kv, q)) == 4  # forward, dq, dv, dk
 
 
-@pytest.mark.parametrize("mask_name", ["causal", "documents | window"])
-def test_the_handoff_ping_pong_lowers(mask_name):
-    # the compute warpgroups' FA3-style handoff (a barrier each), beside the default rendezvous
+@pytest.mark.parametrize(
+    "mask_name,variant",
+    [("causal", "handoff"), ("documents | window", "handoff"), ("documents | window", "nan_scores")],
+)
+def test_the_forward_variants_lower(mask_name, variant):
+    # the compute warpgroups' FA3-style handoff (a barrier each), beside the default rendezvous;
+    # non-finite scores made NaN in the kernel
     q = jax.ShapeDtypeStruct((2, 600, 2, 128), jnp.bfloat16)
     mask = masks.Causal()
     if mask_name != "causal":
         mask = masks.Segments(_ids(2, 600, 250), _ids(2, 600, 250)) | masks.SlidingWindow(64)
 
     def f(q, k, v):
-        return mosaic_gpu.forward(
-            q, k, v, mask, scale=0.1, block_q=64, block_kv=128, num_stages=2, handoff=True
-        )
+        tiles = dict(block_q=64, block_kv=128, num_stages=2)
+        return mosaic_gpu.forward(q, k, v, mask, scale=0.1, **tiles, **{variant: True})
 
     assert _kernels(_lowered(f, q, q, q)) == 1

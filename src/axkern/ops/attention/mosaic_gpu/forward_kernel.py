@@ -67,6 +67,7 @@ def _kernel(
     mask,
     dtype,
     handoff,
+    nan_scores,
 ):
     bq, bk, stages = cfg.block_q, cfg.block_kv, cfg.stages
     d = q_ref.shape[-1]
@@ -150,6 +151,8 @@ def _kernel(
 
             s = pl.run_scoped(qk_product, plgpu.ACC((bq, bk), jnp.float32))
             plgpu.barrier_arrive(k_consumed.at[slot])
+            if nan_scores:  # a non-finite score is NaN (before a soft cap's tanh): its row's output is
+                s = jnp.where(jnp.abs(s) < jnp.inf, s, jnp.nan)
             s, c, _ = base2_scores(s, cfg)  # s · c in base-2 units
             if masked:
                 iota = functools.partial(_iota, (bq, bk))
@@ -211,7 +214,9 @@ def _kernel(
             l_i = l_i * alpha + jnp.exp2(sink - m_f)
             m_i = m_f
 
-        seen = l_i > 0.0
+        # a row that saw no key (and no sink) has l = 0: output 0, lse -inf; with `nan_scores` a
+        # NaN sum stays NaN in both (without, the guard keeps non-finite scores away)
+        seen = l_i != 0.0 if nan_scores else l_i > 0.0  # (!= is true for NaN)
         inv = jnp.where(seen, 1.0 / jnp.where(seen, l_i, 1.0), 0.0)
         acc = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
         lse = jnp.where(seen, m_i * math.log(2.0) + jnp.log(jnp.where(seen, l_i, 1.0)), -jnp.inf)
@@ -229,11 +234,26 @@ def _kernel(
 
 
 def forward(
-    q, k, v, mask, *, scale, block_q, block_kv, num_stages, sinks=None, logits_soft_cap=None, handoff=False
+    q,
+    k,
+    v,
+    mask,
+    *,
+    scale,
+    block_q,
+    block_kv,
+    num_stages,
+    sinks=None,
+    logits_soft_cap=None,
+    handoff=False,
+    nan_scores=False,
 ):
     """`(out [B, Sq, H, D], lse [B, H, Sq] float32)` of the Mosaic GPU kernel; `sinks [H]`
-    join the denominator (and `lse`). `handoff`: the compute warpgroups' ping-pong as FA3's
-    handoff rather than JAX's rendezvous (`_kernel`; not yet run on a GPU, so not the default)."""
+    join the denominator (and `lse`). Two variants, neither run on a GPU yet, so neither is the
+    default: `handoff`, the compute warpgroups' ping-pong as FA3's handoff rather than JAX's
+    rendezvous (`_kernel`); `nan_scores`, every visible score that is not finite made NaN, so
+    its row's output and `lse` are NaN (the part of the non-finite rule that `q` and `k` need:
+    a non-finite `v` of a masked key still reaches rows through `0 · NaN`, so the guard stays)."""
     b, sq, h, d = q.shape
     sk, kvh = k.shape[1], k.shape[2]
     _check(mask, block_q, block_kv, num_stages, d)
@@ -259,7 +279,9 @@ def forward(
         cap,
         sinks is not None,
     )
-    body = functools.partial(_kernel, cfg=cfg, mask=lowered, dtype=q.dtype, handoff=handoff)
+    body = functools.partial(
+        _kernel, cfg=cfg, mask=lowered, dtype=q.dtype, handoff=handoff, nan_scores=nan_scores
+    )
 
     def entry(*refs):
         q_ref, k_ref, v_ref, sched_ref, sinks_ref, *mask_refs, out_ref, lse_ref = refs
