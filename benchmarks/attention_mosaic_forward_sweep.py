@@ -64,6 +64,11 @@ CASES = {
 }
 
 
+def _spec(kvh, d, mask):
+    dims = {"batch": B, "q_len": S, "kv_len": S, "heads": H, "kv_heads": kvh, "head_dim": d, "v_dim": d}
+    return OP.spec(dims, jnp.bfloat16, soft_cap=False, sinks=False, mask_kind=mask_kind(mask))
+
+
 def _inputs(kvh, d):
     keys = jax.random.split(jax.random.PRNGKey(0), 3)
     q = jax.random.normal(keys[0], (B, S, H, d), jnp.bfloat16)
@@ -93,8 +98,7 @@ def variants():
     rows = []
     for name, (kvh, d, mask_name) in CASES.items():
         mask = _mask(mask_name)
-        dims = {"batch": B, "q_len": S, "kv_len": S, "heads": H, "kv_heads": kvh, "head_dim": d, "v_dim": d}
-        spec = OP.spec(dims, jnp.bfloat16, soft_cap=False, sinks=False, mask_kind=mask_kind(mask))
+        spec = _spec(kvh, d, mask)
         bs, _, _ = OP.choose_blocks(OP.implementations["mosaic_gpu"], spec, None)  # table, else heuristic
         tiles = dict(block_q=bs.block_q, block_kv=bs.block_kv, num_stages=bs.num_stages)
         q, k, v = _inputs(kvh, d)
@@ -133,8 +137,7 @@ def main():
     rows, entries = [], []
     for name, (kvh, d, mask_name) in CASES.items():
         mask = _mask(mask_name)
-        dims = {"batch": B, "q_len": S, "kv_len": S, "heads": H, "kv_heads": kvh, "head_dim": d, "v_dim": d}
-        spec = OP.spec(dims, jnp.bfloat16, soft_cap=False, sinks=False, mask_kind=mask_kind(mask))
+        spec = _spec(kvh, d, mask)
         q, k, v = _inputs(kvh, d)
         base = mosaic_gpu_heuristic(spec)
         cands = mosaic_gpu_space(spec)

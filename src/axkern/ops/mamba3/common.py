@@ -143,8 +143,8 @@ def angle_sums(inc, theta0, seg, q):
     keep = jnp.concatenate([jnp.zeros_like(whole[:, :1]), whole], axis=1)[:, :, None, None]
     angles = jnp.concatenate([theta0[:, None], local[:, :, -1]], axis=1)  # [b, c + 1, h, a]
     _, theta_out = lax.associative_scan(combine, (keep, angles), axis=1)
-    # before chunk c: Θ_0 as given, then the remainder after chunk c - 1
-    theta_in = jnp.concatenate([theta0[:, None], theta_out[:, 1:-1]], axis=1)[:, :, None]  # [b, c, 1, h, a]
+    # before chunk c: Θ_0 as given (a scan's first element is itself), then the remainder after c - 1
+    theta_in = theta_out[:, :-1, None]  # [b, c, 1, h, a]
     cont = (sc == before[:, :, None])[..., None, None]
     theta = jnp.mod(jnp.where(cont, theta_in, 0) + local, 2 * math.pi)
     return theta.reshape(batch, -1, heads, a)[:, :length]

@@ -13,7 +13,12 @@ warpgroup (registers lowered to 40) that streams the key and value tiles into a 
 `num_stages` shared-memory slots with TMA, each slot guarded by a "loaded" barrier and a
 "consumed" barrier (both compute warpgroups arrive). The two compute warpgroups alternate on
 the tensor cores through a schedule barrier: one runs its `q k^T` and `p v` `wgmma`s while the
-other does its softmax (FA3's ping-pong; the pattern follows JAX's `attention_mgpu.py`).
+other does its softmax (FA3's ping-pong; by default as JAX's `attention_mgpu.py` does it, a
+rendezvous of both warpgroups after each `q k^T` and before each `p v`; `forward(...,
+handoff=True)` hands off instead, a barrier each, as FA3 and tokamax do). `forward(...,
+nan_scores=True)` makes every visible score that is not finite NaN (`|s| < inf` and a select
+per score, before a soft cap), so its row's output and `lse` are NaN: the non-finite rule's part
+for `q` and `k`. Neither variant has run on a GPU yet; the defaults are the verified kernels.
 
 **Block-sparse schedule** (`schedule`, pure numpy, tested on the CPU against brute force).
 From the static mask's block kinds (`EMPTY` / `PARTIAL` / `FULL` per `block_q x block_kv`
@@ -78,7 +83,9 @@ forward's: the `dq` kernel's three products (`s`, `dp`, `dq`) and the `dk, dv` k
 (`sᵀ`, `dpᵀ`, `dv`, `dk`), `2 · D` each. Bytes: the `dq` kernel reads `k`, `v` once per query
 block that sees them and `q`, `d_out` once; the `dk, dv` kernel reads `q`, `d_out` and the
 `lse`, `delta` rows once per key block that sees them, for every query head of its group, and
-`k`, `v` once; `dq`, `dk`, `dv` are written once each (no atomics, no float32 copies).
+`k`, `v` once; `dq`, `dk`, `dv` are written once each (no atomics, no float32 copies). At head
+dim 256 the `dk, dv` kernel's two launches each read `k`, `v`, `q`, `d_out` and the `lse` rows
+(`delta` only for `dk`): 16 FLOPs per visible pair and head dim instead of 14.
 
 **Testing.** The kernels cannot run in interpret mode on a CPU (Pallas Mosaic GPU's TMA copies
 have no interpret rule). On a CPU (CI) the tests check everything around them (the schedules

@@ -25,6 +25,7 @@ from .tiles import (
     base2_scores,
     pl,
     plgpu,
+    swizzled_smem,
     times,
     warpgroup_bounds,
 )
@@ -336,7 +337,6 @@ def backward(q, k, v, out, lse, d_out, *, mask, scale, block_sizes, logits_soft_
     lowered, leaves = lower(mask)
     mask_ops = operands(leaves, b, sqp, skp)
     cap = None if logits_soft_cap is None else float(logits_soft_cap)
-    swizzled = dict(transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))
     params = plgpu.CompilerParams(approx_math=True)
     dt = q.dtype
 
@@ -348,10 +348,10 @@ def backward(q, k, v, out, lse, d_out, *, mask, scale, block_sizes, logits_soft_
         pl.run_scoped(
             lambda *scoped: body(*refs[:7], tuple(refs[7:-1]), refs[-1], scoped),
             [
-                plgpu.SMEM((COMPUTE_WGS, bq1, d), dt, **swizzled),
-                plgpu.SMEM((COMPUTE_WGS, bq1, d), dt, **swizzled),
-                plgpu.SMEM((st1, bk1, d), dt, **swizzled),
-                plgpu.SMEM((st1, bk1, d), dt, **swizzled),
+                swizzled_smem((COMPUTE_WGS, bq1, d), dt),
+                swizzled_smem((COMPUTE_WGS, bq1, d), dt),
+                swizzled_smem((st1, bk1, d), dt),
+                swizzled_smem((st1, bk1, d), dt),
             ],
             (
                 plgpu.Barrier(num_barriers=st1),
@@ -381,21 +381,19 @@ def backward(q, k, v, out, lse, d_out, *, mask, scale, block_sizes, logits_soft_
         grads |= dict(
             zip(
                 want,
-                _dkv_launch(
-                    cfg, lowered, want, dt, d, (qp, kp, vp, dop, lse2, delta, table), mask_ops, params
-                ),
+                _dkv_launch(cfg, lowered, want, (qp, kp, vp, dop, lse2, delta, table), mask_ops, params),
                 strict=True,
             )
         )
     return dq[:, :sq], grads["dk"][:, :sk], grads["dv"][:, :sk]
 
 
-def _dkv_launch(cfg, lowered, want, dt, d, inputs, mask_ops, params):
+def _dkv_launch(cfg, lowered, want, inputs, mask_ops, params):
     """The `dk, dv` kernel for the gradients of `want` (one launch)."""
-    b, skp, kvh = inputs[1].shape[:3]
+    b, skp, kvh, d = inputs[1].shape
+    dt = inputs[1].dtype
     bq2, bk2, st2 = cfg.block_q, cfg.block_kv, cfg.stages
     table = inputs[-1]
-    swizzled = dict(transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))
     body = functools.partial(_dkv_kernel, cfg=cfg, mask=lowered, dtype=dt, want=want)
     n = len(want)
 
@@ -404,10 +402,10 @@ def _dkv_launch(cfg, lowered, want, dt, d, inputs, mask_ops, params):
         pl.run_scoped(
             lambda *scoped: body(*refs[:7], tuple(refs[7:-n]), outs.get("dk"), outs.get("dv"), scoped),
             [
-                plgpu.SMEM((COMPUTE_WGS, bk2, d), dt, **swizzled),
-                plgpu.SMEM((COMPUTE_WGS, bk2, d), dt, **swizzled),
-                plgpu.SMEM((st2, bq2, d), dt, **swizzled),
-                plgpu.SMEM((st2, bq2, d), dt, **swizzled),
+                swizzled_smem((COMPUTE_WGS, bk2, d), dt),
+                swizzled_smem((COMPUTE_WGS, bk2, d), dt),
+                swizzled_smem((st2, bq2, d), dt),
+                swizzled_smem((st2, bq2, d), dt),
                 plgpu.SMEM((st2, bq2), jnp.float32),
                 plgpu.SMEM((st2, bq2), jnp.float32),
             ],

@@ -24,6 +24,7 @@ from .tiles import (
     base2_scores,
     pl,
     plgpu,
+    swizzled_smem,
     times,
     warpgroup_bounds,
 )
@@ -285,11 +286,10 @@ def forward(
 
     def entry(*refs):
         q_ref, k_ref, v_ref, sched_ref, sinks_ref, *mask_refs, out_ref, lse_ref = refs
-        swizzled = dict(transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))
         scratch = [
-            plgpu.SMEM((COMPUTE_WGS, block_q, d), q.dtype, **swizzled),
-            plgpu.SMEM((num_stages, block_kv, d), q.dtype, **swizzled),
-            plgpu.SMEM((num_stages, block_kv, d), q.dtype, **swizzled),
+            swizzled_smem((COMPUTE_WGS, block_q, d), q.dtype),
+            swizzled_smem((num_stages, block_kv, d), q.dtype),
+            swizzled_smem((num_stages, block_kv, d), q.dtype),
             plgpu.SMEM((COMPUTE_WGS, block_q), jnp.float32),
         ]
         pl.run_scoped(
