@@ -1,6 +1,6 @@
 """attention's `mosaic_gpu` kernels (Pallas Mosaic GPU, Hopper) on a real GPU: values and gradients
-against the float64 oracle by the rule (the Mosaic `dq` and `dk, dv` kernels up to head dim 128,
-`pallas_gpu`'s at 256), its `lse`, rows that see no key, and its refusals in the dispatcher.
+against the float64 oracle by the rule (the Mosaic `dq` and `dk, dv` kernels; at head dim 256
+`dq`, then `dv` and `dk` in two launches), its `lse`, rows that see no key, and its refusals in the dispatcher.
 
 Run with `AXKERN_TEST_GPU=1 python -m pytest tests/gpu/test_attention_mosaic_gpu.py`. Needs a
 GPU of compute capability 9.x; elsewhere these tests are skipped with the reason.
@@ -194,7 +194,7 @@ MORE_CASES = {
         None,
         True,
     ),
-    # head dim 256 with the Mosaic backward's own tiles (dq, then dv and dk: two launches)
+    # head dim 256, its tiles given (the heuristic's: dq, then dv and dk in two launches)
     "docs causal soft cap 20 bf16 d256 mosaic backward": (
         2,
         700,

@@ -19,7 +19,6 @@ from axkern.ops.attention import OP, mosaic_gpu, pallas_gpu
 from axkern.ops.attention.blocks import (
     MOSAIC_GPU_SMEM,
     AttentionBlockSizes,
-    mosaic_gpu_backward_blocks,
     mosaic_gpu_heuristic,
     mosaic_gpu_smem_bytes,
     mosaic_gpu_space,
@@ -195,20 +194,17 @@ def test_heuristic_and_space_fit_shared_memory():
         spec = _spec(d=d)
         bs = mosaic_gpu_heuristic(spec)
         assert (bs.block_q, bs.block_kv, bs.num_stages) == (64, 128 if d <= 128 else 64, 2)
-        # the backward fields: the Mosaic backward kernels' tiles (dq 64 x 128, dk, dv 64 x 64, two
-        # stages) up to head dim 128; at 256 pallas_gpu's dq 128 x 32 (8 warps), dk, dv 64 x 32 (4)
+        # the backward fields: the Mosaic backward kernels' tiles, dq 64 x 128 and dk, dv 64 x 64 with
+        # two stages up to head dim 128, 64 x 64 with one stage each at 256 (all that fits there)
         for name in ("dq", "dkv"):
             got = bs.kernel(name)
-            if d <= 128:
-                assert (got.block_q, got.block_kv, got.num_stages) == (
-                    (64, 128, 2) if name == "dq" else (64, 64, 2)
-                )
-                assert mosaic_gpu.check_backward(masks.Causal(), bs, d) is None
-            else:
-                assert (got.block_q, got.block_kv, got.num_warps, got.num_stages) == (
-                    (128, 32, 8, 2) if name == "dq" else (64, 32, 4, 2)
-                )
-                assert "only when their tiles are given" in mosaic_gpu.backward_serves(masks.Causal(), bs, d)
+            want = ((64, 128, 2) if name == "dq" else (64, 64, 2)) if d <= 128 else (64, 64, 1)
+            assert (got.block_q, got.block_kv, got.num_stages, got.num_warps) == (*want, None)
+        assert mosaic_gpu.check_backward(masks.Causal(), bs, d) is None
+        # with no backward fields the kernels take the same tiles
+        assert mosaic_gpu.backward_blocks(AttentionBlockSizes(block_q=64), d) == mosaic_gpu.backward_blocks(
+            bs, d
+        )
         space = mosaic_gpu_space(spec)
         assert space[0] == bs and len(space) >= (1 if d == 256 else 4)  # 256: only 64 x 64 x 2 fits
         for c in space:
@@ -216,19 +212,15 @@ def test_heuristic_and_space_fit_shared_memory():
             mosaic_gpu.check(masks.Causal(), c, d)
 
 
-def test_backward_blocks_never_take_the_mosaic_forwards_tiles():
-    spec = _spec(d=128)
-    base = mosaic_gpu_heuristic(spec)
-    # explicit forward tiles only: the backward kernels keep the heuristic's
-    got = mosaic_gpu_backward_blocks(AttentionBlockSizes(block_q=128, block_kv=64, num_stages=3), spec)
-    for name in ("dq", "dkv"):
-        assert got.kernel(name) == base.kernel(name).__class__(
-            **{f: getattr(base, f"{f}_{name}") for f in ("block_q", "block_kv", "num_warps", "num_stages")}
-        )
-    # an explicit backward field is kept, the rest filled
-    got = mosaic_gpu_backward_blocks(AttentionBlockSizes(block_q_dkv=32, num_warps_dq=8), spec)
-    assert got.block_q_dkv == 32 and got.num_warps_dq == 8 and got.block_kv_dkv == base.block_kv_dkv
-    assert got.block_q == got.block_q_dq and got.num_stages == got.num_stages_dq
+def test_backward_refuses_pallas_gpus_warps_and_tiles_that_do_not_fit():
+    bs = mosaic_gpu_heuristic(_spec(d=256))
+    why = mosaic_gpu.check_backward(masks.Causal(), dataclasses.replace(bs, num_warps_dq=8), 256)
+    assert "num_warps_dq" in why and "pallas_gpu" in why
+    # two stages do not fit at head dim 256; the message names the range
+    why = mosaic_gpu.check_backward(masks.Causal(), dataclasses.replace(bs, num_stages_dkv=2), 256)
+    assert why is not None and "shared memory" in why
+    why = mosaic_gpu.check_backward(masks.Causal(), dataclasses.replace(bs, num_stages_dq=5), 128)
+    assert "2 to 4" in why
 
 
 def test_dispatch_on_cpu_skips_it_with_the_reason():
@@ -248,13 +240,16 @@ def test_dispatch_on_cpu_skips_it_with_the_reason():
     assert OP.default_order["gpu"][:3] == ("cudnn", "mosaic_gpu", "pallas_gpu")
     line = OP.implementations["mosaic_gpu"].backward
     assert "dq (64x128 tiles, 2 stages)" in line(_spec(), mosaic_gpu_heuristic(_spec()))
-    assert "pallas_gpu's Triton" in line(_spec(d=256), mosaic_gpu_heuristic(_spec(d=256)))
+    assert "dq (64x64 tiles, 1 stage) and dv, then dk (two launches" in line(
+        _spec(d=256), mosaic_gpu_heuristic(_spec(d=256))
+    )
 
 
 @pytest.mark.parametrize("mask", [masks.SlidingWindow(24)])
 def test_borrowed_backward_from_residuals_matches_autodiff(mask):
-    # out and lse of the reference stand in for the Mosaic forward's; pallas_gpu's backward (the one above
-    # head dim 128) in interpret mode must give the reference's gradients, GQA 2, ragged lengths
+    # out and lse of the reference stand in for the Mosaic forward's; pallas_gpu's backward (the backward
+    # sweep times it under the Mosaic forward) in interpret mode must give the reference's gradients, GQA 2,
+    # ragged lengths
     a = _inputs(7, 1, 50, 50, 4, 2, 16, "float32")
     q, k, v = a["q"], a["k"], a["v"]
     scale = 0.3
@@ -308,7 +303,7 @@ def _emulated_backward(q, k, v, out, lse, d_out, mask, scale, blocks, soft_cap=N
     """The Mosaic backward kernels' tile loops in float64 numpy: the same tables, operands
     (padding, base-2 lse, delta, the mask's arrays), the same lowered mask evaluated on the
     tiles, masking of partial tiles only, soft cap, scale and GQA grouping."""
-    (bq1, bk1, _), (bq2, bk2, _) = mosaic_gpu.backward_blocks(blocks)
+    (bq1, bk1, _), (bq2, bk2, _) = mosaic_gpu.backward_blocks(blocks, q.shape[3])
     b, sq, h, d = q.shape
     sk, kvh = k.shape[1], k.shape[2]
     g = h // kvh

@@ -6,7 +6,6 @@ values) is tests/gpu/test_attention_mosaic_gpu.py's; the kernels have no CPU int
 
 from __future__ import annotations
 
-import dataclasses
 import re
 
 import jax
@@ -143,18 +142,13 @@ def test_backward_tilings_of_the_sweep_lower():
         assert _kernels(_lowered(f, q, q, q, q)) == 3, (dq, dkv)
 
 
-def test_head_dim_256_backward_lowers_where_its_tiles_are_given():
+def test_head_dim_256_backward_lowers_with_the_heuristics_tiles():
     # dq, then dv and dk in two launches (their accumulators together would not fit), one ring
-    # stage; the heuristic's tiles there are pallas_gpu's, and explain says which backward runs
+    # stage; explain says so
     spec = _spec(d=256)
-    heuristic = mosaic_gpu_heuristic(spec)
-    asked = dataclasses.replace(
-        heuristic,
-        **dict(block_q_dq=64, block_kv_dq=64, num_warps_dq=None, num_stages_dq=1),
-        **dict(block_q_dkv=64, block_kv_dkv=64, num_warps_dkv=None, num_stages_dkv=1),
-    )
+    asked = mosaic_gpu_heuristic(spec)
     line = OP.implementations["mosaic_gpu"].backward
-    assert "pallas_gpu's Triton" in line(spec, heuristic) and "dv, then dk (two launches" in line(spec, asked)
+    assert "dv, then dk (two launches" in line(spec, asked)
     mask = masks.Causal() & masks.Segments(_ids(2, 300, 100), _ids(2, 300, 100))
     q = jax.ShapeDtypeStruct((2, 300, 4, 256), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((2, 300, 2, 256), jnp.bfloat16)

@@ -33,7 +33,6 @@ from .blocks import (
     bucket,
     heuristic,
     mask_kind,
-    mosaic_gpu_backward_blocks,
     mosaic_gpu_heuristic,
     mosaic_gpu_space,
     pallas_gpu_heuristic,
@@ -64,31 +63,16 @@ def _cudnn_where_finite(q, k, v, sinks, mask, *, scale, logits_soft_cap):
 
 
 def _mosaic_gpu_where_finite(q, k, v, sinks, mask, *, scale, logits_soft_cap, block_sizes):
-    """The Mosaic GPU forward and backward kernels (where `mosaic_gpu.backward_serves` refuses
-    above head dim 128: `pallas_gpu`'s `dq` and `dk, dv` kernels on the Mosaic forward's
-    residuals, with `mosaic_gpu_backward_blocks`' tiles) where `q`, `k`, `v` (and the cotangent)
-    are finite; elsewhere `pallas_gpu` (else `xla`: `_safe_order`), chosen on the device as for
+    """The Mosaic GPU forward and backward kernels where `q`, `k`, `v` (and the cotangent) are
+    finite; elsewhere `pallas_gpu` (else `xla`: `_safe_order`), chosen on the device as for
     cuDNN: the kernel's `p v` product would carry a NaN of `v` to rows that cannot see its key."""
     mosaic_gpu.check(mask, block_sizes, q.shape[3], sinks, logits_soft_cap, scale=scale)  # before tracing
     mosaic_gpu.check_inputs(q, k, v)
-    backward = None
-    why = mosaic_gpu.backward_serves(mask, block_sizes, q.shape[3])
-    if why is not None and q.shape[3] in mosaic_gpu.BACKWARD_DEFAULT_HEAD_DIMS:
-        raise Unsupported(why)  # backward tiles that do not fit: the dispatcher moves on
+    why = mosaic_gpu.check_backward(mask, block_sizes, q.shape[3])
     if why is not None:
-        dims = dict(zip(("batch", "q_len", "heads", "head_dim"), q.shape, strict=True))
-        dims |= {"kv_len": k.shape[1], "kv_heads": k.shape[2], "v_dim": v.shape[3]}
-        back_blocks = mosaic_gpu_backward_blocks(block_sizes, OP.spec(dims, q.dtype))
-        if not _pallas_mask(mask):
-            raise Unsupported(
-                f"head dim {q.shape[3]}: the backward would be pallas_gpu's kernels, which take {mask!r} "
-                "only as static masks, Segments or Segments & a static mask"
-            )
-        backward = functools.partial(
-            pallas_gpu.backward, scale=scale, block_sizes=back_blocks, logits_soft_cap=logits_soft_cap
-        )
+        raise Unsupported(why)  # backward tiles that do not fit: the dispatcher moves on
     kw = dict(scale=scale, logits_soft_cap=logits_soft_cap)
-    attend = functools.partial(mosaic_gpu.attention, block_sizes=block_sizes, backward=backward, **kw)
+    attend = functools.partial(mosaic_gpu.attention, block_sizes=block_sizes, **kw)
     fast = lambda q, k, v, sinks, mask: attend(q, k, v, sinks, mask)  # noqa: E731
     return tiles_common.guarded(fast, q, k, v, sinks, mask, order=_safe_order(mask), **kw)
 
@@ -111,21 +95,16 @@ def _pallas_mask(mask) -> bool:
 
 def _mosaic_gpu_backward(spec, block_sizes) -> str:
     """`explain`'s backward line for `mosaic_gpu`: which kernels its backward runs here."""
-    guard = "; inputs or a cotangent holding NaN or infinity go to pallas_gpu (or xla), forward and backward"
     d = max(spec.dim("head_dim"), spec.dim("v_dim"))
-    why = (
-        "no block sizes" if block_sizes is None else mosaic_gpu.backward_serves(masks_.Full(), block_sizes, d)
+    (bq1, bk1, st1), (bq2, bk2, st2) = mosaic_gpu.backward_blocks(block_sizes, d)
+    split = d > mosaic_gpu.SPLIT_ABOVE
+    return (
+        f"Mosaic GPU kernels: dq ({bq1}x{bk1} tiles, {st1} stage{'s' * (st1 > 1)}) and "
+        + ("dv, then dk (two launches" if split else "dk, dv (one launch")
+        + f"; {bq2}x{bk2}, {st2} stage{'s' * (st2 > 1)}, the GQA sum in registers) on this forward's "
+        "residuals (out, lse); inputs or a cotangent holding NaN or infinity go to pallas_gpu (or xla), "
+        "forward and backward"
     )
-    if why is None:
-        (bq1, bk1, st1), (bq2, bk2, st2) = mosaic_gpu.backward_blocks(block_sizes)
-        split = d > mosaic_gpu.SPLIT_ABOVE
-        return (
-            f"Mosaic GPU kernels: dq ({bq1}x{bk1} tiles, {st1} stages) and "
-            + ("dv, then dk (two launches" if split else "dk, dv (one launch")
-            + f"; {bq2}x{bk2}, {st2} stages, the GQA sum in registers) on this forward's residuals (out, lse)"
-            + guard
-        )
-    return f"pallas_gpu's Triton dq and dk/dv kernels on this forward's residuals ({why})" + guard
 
 
 OP = Op(

@@ -21,7 +21,6 @@ __all__ = [
     "pallas_tpu_heuristic",
     "pallas_tpu_space",
     "mosaic_gpu_heuristic",
-    "mosaic_gpu_backward_blocks",
     "mosaic_gpu_space",
     "mosaic_gpu_smem_bytes",
     "mosaic_gpu_dq_smem_bytes",
@@ -244,45 +243,21 @@ def mosaic_gpu_dkv_smem_bytes(
 def mosaic_gpu_heuristic(spec: Spec) -> AttentionBlockSizes:
     """Forward: 64 query rows per compute warpgroup (128 a block) by 128 keys for head dims up
     to 128, 64 keys at 256, two ring stages (the fastest of the forward's tiles timed at B2
-    S8192 H32 D128 bf16 on an H200, causal and no mask: docs/ops/attention.md). Backward fields:
-    up to head dim 128 the Mosaic GPU `dq` kernel's (64 query rows per warpgroup by 128 keys, two
-    stages) and `dk, dv` kernel's (64 keys per warpgroup by 64 query rows, two stages): the
-    fastest of six tilings timed at the same shape (benchmarks/attention_mosaic_sweep.py); at 256
-    (no Mosaic backward) the `pallas_gpu` kernels' `dq` 128 x 32 with 8 warps and `dk, dv`
-    64 x 32 with 4, two stages each: the fastest of 14 tilings at B2 S8192 H32 causal
-    (`--head-dim-256`: 32.0 ms forward+backward against 53.5 for 32 x 32 tiles)."""
+    S8192 H32 D128 bf16 on an H200, causal and no mask: docs/ops/attention.md). Backward fields,
+    the Mosaic GPU kernels': up to head dim 128 `dq` 64 query rows per warpgroup by 128 keys and
+    `dk, dv` 64 keys per warpgroup by 64 query rows, two stages each (the fastest of six tilings
+    timed at the same shape, benchmarks/attention_mosaic_sweep.py); at 256 the only tiles that
+    fit shared memory, 64 x 64 with one stage each (26.1 ms forward+backward at B2 S8192 H32
+    causal against 31.9 for the fastest of 13 tilings of `pallas_gpu`'s kernels: `--head-dim-256`)."""
     d = max(spec.dim("head_dim"), spec.dim("v_dim"))
     fwd = dict(block_q=64, block_kv=128 if d <= 128 else 64, num_warps=None, num_stages=2)
-    if d > 128:
-        tiles = {
-            "dq": dict(block_q=128, block_kv=32, num_warps=8, num_stages=2),
-            "dkv": dict(block_q=64, block_kv=32, num_warps=4, num_stages=2),
-        }
-        back = {f"{f}_{name}": tile[f] for name, tile in tiles.items() for f in _PER_KERNEL}
-        return AttentionBlockSizes(**fwd, **back)
-    tiles = {
-        "dq": dict(block_q=64, block_kv=128, num_stages=2),
-        "dkv": dict(block_q=64, block_kv=64, num_stages=2),
-    }
+    tiles = {"dq": (64, 128, 2), "dkv": (64, 64, 2)} if d <= 128 else {"dq": (64, 64, 1), "dkv": (64, 64, 1)}
     back = {
-        f"{f}_{name}": tile[f] for name, tile in tiles.items() for f in ("block_q", "block_kv", "num_stages")
+        f"{f}_{name}": value
+        for name, tile in tiles.items()
+        for f, value in zip(("block_q", "block_kv", "num_stages"), tile, strict=True)
     }
     return AttentionBlockSizes(**fwd, **back)
-
-
-def mosaic_gpu_backward_blocks(block_sizes: AttentionBlockSizes, spec: Spec) -> AttentionBlockSizes:
-    """The block sizes `mosaic_gpu` hands the `pallas_gpu` backward kernels: `block_sizes`'
-    `*_dq`, `*_dkv` fields, each `None` filled from `mosaic_gpu_heuristic` (never from the
-    Mosaic forward's tiles, which would not fit a Triton kernel's shared memory); the forward
-    fields repeat the `dq` kernel's (they only set the padding)."""
-    base = mosaic_gpu_heuristic(spec)
-    fields = {}
-    for name in ("dq", "dkv"):
-        for f in _PER_KERNEL:
-            own = getattr(block_sizes, f"{f}_{name}")
-            fields[f"{f}_{name}"] = getattr(base, f"{f}_{name}") if own is None else own
-    fwd = {f: fields[f"{f}_dq"] for f in _PER_KERNEL}
-    return AttentionBlockSizes(**fwd, **fields)
 
 
 def mosaic_gpu_space(spec: Spec) -> list[AttentionBlockSizes]:

@@ -18,7 +18,10 @@ rendezvous of both warpgroups after each `q k^T` and before each `p v`; `forward
 handoff=True)` hands off instead, a barrier each, as FA3 and tokamax do). `forward(...,
 nan_scores=True)` makes every visible score that is not finite NaN (`|s| < inf` and a select
 per score, before a soft cap), so its row's output and `lse` are NaN: the non-finite rule's part
-for `q` and `k`. Neither variant has run on a GPU yet; the defaults are the verified kernels.
+for `q` and `k`. Both agree with the default to the bit on an H200 and are slower there
+in seven of eight cases (handoff by 1-4 %, 2 % faster on packed documents; nan_scores by 1-25 %:
+`sweep_mosaic_variants.json`), so the
+default stays the rendezvous without them.
 
 **Block-sparse schedule** (`schedule`, pure numpy, tested on the CPU against brute force).
 From the static mask's block kinds (`EMPTY` / `PARTIAL` / `FULL` per `block_q x block_kv`
@@ -55,7 +58,7 @@ group).
 would reach rows that cannot see its key: the registered implementation serves inputs holding
 NaN or infinity with another implementation (`api._mosaic_gpu_where_finite`).
 
-**Backward** (`backward`, head dims 64 and 128), two kernels of the same shape (a producer
+**Backward** (`backward`, head dims 64, 128 and 256), two kernels of the same shape (a producer
 warpgroup streaming tiles through a TMA ring past two compute warpgroups), on the forward's
 residuals: `lse` goes in base-2 units with `+inf` for rows that saw no key (every `p` there is
 0; with sinks `lse` holds them, so the kernels need nothing more, and the sinks' own
@@ -73,10 +76,13 @@ tiles mask. At head dim 256 the `dk` and `dv` accumulators together would fill a
 registers, so the kernel runs twice (`SPLIT_ABOVE`): once for `dv` (`sᵀ`, `dv += pᵀ d_out`),
 once for `dk` (`sᵀ`, `dpᵀ`, `dk`): 5 products instead of 4. Their tiles there fit shared
 memory with one ring stage (64 x 64 tiles; a product's contraction runs over whole 128-byte
-swizzle rows, so no tile is narrower than 64). These head dim 256 kernels lower in CI but have
-not yet run on a GPU: they serve only when their tiles are given (`backward_serves`); with the
-heuristic's tiles the registered implementation passes `pallas_gpu`'s Triton kernels as the
-backward (`attention`'s `backward` argument); `explain` says which runs.
+swizzle rows, so no tile is narrower than 64).
+
+**Sinks' cotangent.** `-Σ exp(sink - lse) · delta` sums `out · d_out` over every row, and
+rounding `out` to 16 bits puts each term off by up to 2⁻⁹ relative: on a 250-row case at head
+dim 256 that alone puts the sum 3.7e-3 off where the oracle rule allows 2.9e-3.
+With sinks the forward also writes `lo`, what the rounding lost, and the sum takes
+`out + lo`; without them nothing more is written.
 
 **Backward cost.** `14 · B · H · D` FLOPs per visible (query, key) pair, 3.5 times the
 forward's: the `dq` kernel's three products (`s`, `dp`, `dq`) and the `dk, dv` kernel's four
@@ -101,8 +107,7 @@ the configuration, table reads, id loads, the producer of key and value tiles),
 
 **Constraints** (`supports`, or an `Unsupported` at the call): a GPU of compute capability
 9.x, bf16 or fp16, head dims 64, 128 or 256 (`q`, `k`, `v` alike), every mask but `Dense`
-(at head dim 256, whose backward is `pallas_gpu`'s, masks holding arrays only as `Segments` or
-`Segments & static`), a positive soft cap and scale (scores are masked to `-inf` before
+a positive soft cap and scale (scores are masked to `-inf` before
 they are scaled), one dtype for `q`, `k`, `v`. Block sizes: `block_q` (rows per compute
 warpgroup, 64 or 128), `block_kv` (64, 128 or 256), `num_stages` (ring depth, 2 to 4); their
 shared memory must fit 227 KiB. Backward (`*_dq`, `*_dkv`): `dq` 64 query rows per warpgroup
@@ -123,13 +128,11 @@ from axkern.core.op import Unsupported
 from .. import common
 from . import backward_kernels
 from .backward_kernels import (
-    BACKWARD_DEFAULT_HEAD_DIMS,
     BACKWARD_HEAD_DIMS,
     SPLIT_ABOVE,
     backward,
     backward_blocks,
     backward_operands,
-    backward_serves,
     check_backward,
 )
 from .forward_kernel import _check, forward
@@ -157,7 +160,6 @@ from .tiles import _IMPORT_ERROR
 __all__ = [
     "supports",
     "check",
-    "backward_serves",
     "check_backward",
     "check_inputs",
     "schedule",
@@ -175,7 +177,6 @@ __all__ = [
     "backward_operands",
     "attention",
     "HEAD_DIMS",
-    "BACKWARD_DEFAULT_HEAD_DIMS",
     "BACKWARD_HEAD_DIMS",
     "SPLIT_ABOVE",
     "COMPUTE_WGS",
@@ -244,10 +245,10 @@ def check_inputs(q, k, v) -> None:
 def attention(q, k, v, sinks, mask, *, scale, logits_soft_cap, block_sizes, backward=None):  # noqa: F811
     """The forward kernel under a `custom_vjp` whose backward is the Mosaic GPU `dq` and `dk, dv`
     kernels, or `backward(q, k, v, out, lse, d_out, *, mask) -> (dq, dk, dv)` when one is given
-    (the registered implementation passes `pallas_gpu`'s kernels where `backward_serves` refuses).
-    `sinks [H]` join each row's denominator in the forward (so `lse` holds them and the
-    backward kernels need nothing more); their cotangent is `-Σ exp(sink - lse) · delta` over
-    the rows, formed in XLA. The mask's arrays (segment ids, prefix lengths) are arguments of
+    (the backward sweep times `pallas_gpu`'s kernels so). `sinks [H]` join each row's
+    denominator in the forward (so `lse` holds them and the backward kernels need nothing
+    more); their cotangent is `-Σ exp(sink - lse) · delta` over the rows, formed in XLA from
+    `out` and the forward's `lo` (the module's docstring). The mask's arrays (segment ids, prefix lengths) are arguments of
     the `custom_vjp`, not closed over, so a jitted call with traced ones differentiates."""
     check(mask, block_sizes, q.shape[3], sinks, logits_soft_cap, scale=scale)
     check_inputs(q, k, v)
@@ -264,15 +265,16 @@ def attention(q, k, v, sinks, mask, *, scale, logits_soft_cap, block_sizes, back
         return fwd(q, k, v, rebuild(leaves), sinks=sinks)[0]
 
     def fn_fwd(q, k, v, sinks, leaves):
-        out, lse = fwd(q, k, v, rebuild(leaves), sinks=sinks)
-        return out, (q, k, v, sinks, out, lse, leaves)
+        out, lse, *lo = fwd(q, k, v, rebuild(leaves), sinks=sinks, out_lo=sinks is not None)
+        return out, (q, k, v, sinks, out, lse, lo, leaves)
 
     def fn_bwd(res, d_out):
-        q, k, v, sinks, out, lse, leaves = res
+        q, k, v, sinks, out, lse, lo, leaves = res
         dq, dk, dv = backward(q, k, v, out, lse, d_out, mask=rebuild(leaves))
         d_sinks = None
-        if sinks is not None:
-            delta = jnp.einsum("bqhd,bqhd->bhq", out.astype(jnp.float32), d_out.astype(jnp.float32))
+        if sinks is not None:  # `out + lo`: the output before its rounding, as the sum needs
+            full = out.astype(jnp.float32) + lo[0].astype(jnp.float32)
+            delta = jnp.einsum("bqhd,bqhd->bhq", full, d_out.astype(jnp.float32))
             d_sinks = common.sink_grad(sinks, lse, delta)
         return dq, dk, dv, d_sinks, None
 

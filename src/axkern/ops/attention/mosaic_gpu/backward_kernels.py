@@ -31,29 +31,27 @@ from .tiles import (
 )
 
 BACKWARD_HEAD_DIMS = (64, 128, 256)
-# where the Mosaic backward serves with the heuristic's tiles; at 256 (its kernels not yet run on a
-# GPU) only when its tiles are given: `backward_serves`
-BACKWARD_DEFAULT_HEAD_DIMS = (64, 128)
 # above head dim 128 the dk and dv accumulators together would fill a warpgroup's registers: the
 # dk, dv kernel runs twice, once for dv (s, p, dv += pᵀ d_out) and once for dk (s, dp, dk += dsᵀ q)
 SPLIT_ABOVE = 128
 
 
-def backward_blocks(block_sizes) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+def backward_blocks(block_sizes, head_dim: int = 128) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
     """`((block_q, block_kv, num_stages) of dq, (block_q, block_kv, num_stages) of dk, dv)`:
     the `*_dq`, `*_dkv` fields, where `None` the heuristic's (`dq` 64 x 128, `dk, dv` 64 x 64,
-    two stages each)."""
+    two stages each; above head dim 128 64 x 64 each with one stage, all that fits there)."""
+    wide = head_dim > SPLIT_ABOVE
     pick = lambda name, f, default: getattr(block_sizes, f"{f}_{name}", None) or default  # noqa: E731
     return tuple(
-        (pick(n, "block_q", 64), pick(n, "block_kv", kv), pick(n, "num_stages", 2))
-        for n, kv in (("dq", 128), ("dkv", 64))
+        (pick(n, "block_q", 64), pick(n, "block_kv", kv), pick(n, "num_stages", 1 if wide else 2))
+        for n, kv in (("dq", 64 if wide else 128), ("dkv", 64))
     )
 
 
 def _check_backward(mask, block_sizes, d):
     if d not in BACKWARD_HEAD_DIMS:
         raise Unsupported(f"head dim {d}: the Mosaic GPU backward kernels take {BACKWARD_HEAD_DIMS}")
-    (bq1, bk1, st1), (bq2, bk2, st2) = backward_blocks(block_sizes)
+    (bq1, bk1, st1), (bq2, bk2, st2) = backward_blocks(block_sizes, d)
     # (a product's contraction runs over whole 128-byte swizzle rows: 64 16-bit elements)
     if bq1 != 64 or bk1 not in (64, 128):
         raise Unsupported(
@@ -63,6 +61,12 @@ def _check_backward(mask, block_sizes, d):
         raise Unsupported(
             f"dk, dv tiles {bq2}x{bk2}: the Mosaic GPU kernel takes 64 or 128 query rows by 64 keys"
         )
+    for name in ("dq", "dkv"):
+        if getattr(block_sizes, f"num_warps_{name}", None) is not None:
+            raise Unsupported(
+                f"num_warps_{name}: the Mosaic GPU kernels run two compute warpgroups and a producer, "
+                "not a number of warps (that field is pallas_gpu's)"
+            )
     low = 1 if d > SPLIT_ABOVE else 2  # one stage: where two do not fit shared memory (head dim 256)
     for name, stages in (("dq", st1), ("dkv", st2)):
         if not low <= stages <= 4:
@@ -330,7 +334,7 @@ def backward(q, k, v, out, lse, d_out, *, mask, scale, block_sizes, logits_soft_
     b, sq, h, d = q.shape
     sk, kvh = k.shape[1], k.shape[2]
     _check_backward(mask, block_sizes, d)
-    (bq1, bk1, st1), (bq2, bk2, st2) = backward_blocks(block_sizes)
+    (bq1, bk1, st1), (bq2, bk2, st2) = backward_blocks(block_sizes, d)
     mq, mk = max(COMPUTE_WGS * bq1, bq2), max(bk1, COMPUTE_WGS * bk2)
     sqp, skp = cdiv(sq, mq) * mq, cdiv(sk, mk) * mk
     qp, kp, vp, dop, lse2, delta = backward_operands(q, k, v, out, lse, d_out, sqp=sqp, skp=skp)
@@ -428,25 +432,6 @@ def _dkv_launch(cfg, lowered, want, inputs, mask_ops, params):
         compiler_params=params,
         kernel_name="axkern_attention_mosaic_gpu_" + ("dkv" if len(want) == 2 else want[0]),
     )(*inputs, *mask_ops)
-
-
-def backward_serves(mask, block_sizes, head_dim) -> str | None:
-    """None where the Mosaic GPU backward kernels serve the call, else why not. Up to head dim 128
-    whenever they take the options (`check_backward`); at 256 only when `block_sizes` names their
-    tiles (`*_dq` and `*_dkv` set, no `num_warps`: the heuristic's there are `pallas_gpu`'s)."""
-    if head_dim in BACKWARD_HEAD_DIMS and head_dim not in BACKWARD_DEFAULT_HEAD_DIMS:
-        named = block_sizes is not None and all(
-            getattr(block_sizes, f"{f}_{k}") is not None
-            for f in ("block_q", "block_kv")
-            for k in ("dq", "dkv")
-        )
-        if not named or block_sizes.num_warps_dq is not None or block_sizes.num_warps_dkv is not None:
-            return (
-                f"head dim {head_dim}: the Mosaic GPU backward kernels (dq, then dv and dk in two "
-                "launches) serve only when their tiles are given (*_dq, *_dkv without num_warps); "
-                "they have not yet run on a GPU"
-            )
-    return check_backward(mask, block_sizes, head_dim)
 
 
 def check_backward(mask, block_sizes, head_dim) -> str | None:

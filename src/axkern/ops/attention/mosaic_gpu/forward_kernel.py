@@ -62,6 +62,7 @@ def _kernel(
     mask_refs,
     out_ref,
     lse_ref,
+    lo_ref,
     scoped,
     *,
     cfg,
@@ -221,12 +222,20 @@ def _kernel(
         inv = jnp.where(seen, 1.0 / jnp.where(seen, l_i, 1.0), 0.0)
         acc = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
         lse = jnp.where(seen, m_i * math.log(2.0) + jnp.log(jnp.where(seen, l_i, 1.0)), -jnp.inf)
-        qo_smem[...] = acc.astype(dtype)
+        out = acc.astype(dtype)
+        if lo_ref is not None:  # what rounding lost: `out + lo` is the output to about 16 bits more
+            lo = (acc - out.astype(jnp.float32)).astype(dtype)
+        qo_smem[...] = out
         lse_smem[...] = lse
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(qo_smem, out_ref.at[batch, pl.ds(q_base, bq), head])
         plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[batch, head, pl.ds(q_base, bq)])
         plgpu.wait_smem_to_gmem(0)
+        if lo_ref is not None:  # through the same tile, once the output has left it
+            qo_smem[...] = lo
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(qo_smem, lo_ref.at[batch, pl.ds(q_base, bq), head])
+            plgpu.wait_smem_to_gmem(0)
 
     ring = (k_smem, v_smem, (k_loaded, v_loaded), (k_consumed, v_consumed))
     pl.when(wg == COMPUTE_WGS)(
@@ -248,10 +257,14 @@ def forward(
     logits_soft_cap=None,
     handoff=False,
     nan_scores=False,
+    out_lo=False,
 ):
     """`(out [B, Sq, H, D], lse [B, H, Sq] float32)` of the Mosaic GPU kernel; `sinks [H]`
-    join the denominator (and `lse`). Two variants, neither run on a GPU yet, so neither is the
-    default: `handoff`, the compute warpgroups' ping-pong as FA3's handoff rather than JAX's
+    join the denominator (and `lse`). `out_lo=True` adds a third output, `lo [B, Sq, H, D]`:
+    the float32 output less `out`, in `out`'s dtype (for the sinks' cotangent, whose sum over
+    the rows of `out · d_out` the rounding of `out` alone would put off by about 2⁻⁹ relative
+    per term). Two variants, each as exact as the default and slower on an H200 (the package's
+    docstring), so neither is the default: `handoff`, the compute warpgroups' ping-pong as FA3's handoff rather than JAX's
     rendezvous (`_kernel`); `nan_scores`, every visible score that is not finite made NaN, so
     its row's output and `lse` are NaN (the part of the non-finite rule that `q` and `k` need:
     a non-finite `v` of a masked key still reaches rows through `0 · NaN`, so the guard stays)."""
@@ -285,7 +298,8 @@ def forward(
     )
 
     def entry(*refs):
-        q_ref, k_ref, v_ref, sched_ref, sinks_ref, *mask_refs, out_ref, lse_ref = refs
+        *refs, out_ref, lse_ref, lo_ref = refs if out_lo else (*refs, None)
+        q_ref, k_ref, v_ref, sched_ref, sinks_ref, *mask_refs = refs
         scratch = [
             swizzled_smem((COMPUTE_WGS, block_q, d), q.dtype),
             swizzled_smem((num_stages, block_kv, d), q.dtype),
@@ -294,7 +308,7 @@ def forward(
         ]
         pl.run_scoped(
             lambda *scoped: body(
-                q_ref, k_ref, v_ref, sched_ref, sinks_ref, tuple(mask_refs), out_ref, lse_ref, scoped
+                q_ref, k_ref, v_ref, sched_ref, sinks_ref, tuple(mask_refs), out_ref, lse_ref, lo_ref, scoped
             ),
             scratch,
             (
@@ -307,12 +321,10 @@ def forward(
             collective_axes="wg",
         )
 
-    out, lse = plgpu.kernel(
+    out_type = [jax.ShapeDtypeStruct((b, sqp, h, d), q.dtype), jax.ShapeDtypeStruct((b, h, sqp), jnp.float32)]
+    outs = plgpu.kernel(
         entry,
-        out_type=[
-            jax.ShapeDtypeStruct((b, sqp, h, d), q.dtype),
-            jax.ShapeDtypeStruct((b, h, sqp), jnp.float32),
-        ],
+        out_type=out_type + out_type[:1] if out_lo else out_type,
         grid=(h, sqp // (COMPUTE_WGS * block_q), b),
         grid_names=("heads", "q_seq", "batch"),
         num_threads=COMPUTE_WGS + 1,
@@ -320,4 +332,5 @@ def forward(
         compiler_params=plgpu.CompilerParams(approx_math=True),
         kernel_name="axkern_attention_mosaic_gpu_fwd",
     )(qp, kp, vp, table, sink_arr, *mask_ops)
-    return out[:, :sq], lse[:, :, :sq]
+    out, lse, *lo = outs
+    return (out[:, :sq], lse[:, :, :sq], *(a[:, :sq] for a in lo))
