@@ -248,6 +248,22 @@ def test_pallas_tpu_rows_that_see_nothing_mqa_and_its_schedule():
 
 # GQA ratios 1, 4, 8; the soft cap is a function of each logit, whatever the head grouping
 # (GQA 2 without it: test_against_float64_oracle's window, full and prefix)
+def test_sinks_gradient_sums_the_unrounded_output():
+    # dsink = -sum exp(sink - lse) (out . d_out) over every row: with out rounded to bf16 this
+    # case's first head is 4.4e-3 off the oracle where the rule allows 2.9e-3; the forwards
+    # keep what the rounding lost for it (head dim 256, 250 rows, window 100, soft cap 8)
+    arrays = _inputs(20, 1, 250, 250, 2, 1, 256, "bfloat16")
+    checks(
+        ["pallas_gpu", "pallas_tpu", "xla"],
+        arrays,
+        masks.SlidingWindow(100),
+        "bfloat16",
+        sinks=True,
+        cap=8.0,
+        blocks=(64, 64),
+    )
+
+
 @pytest.mark.parametrize("kv_heads,cap", [(8, None), (2, 3.0), (1, 3.0)])
 def test_gqa_and_soft_cap(kv_heads, cap):
     arrays = _inputs(5, 1, 40, 40, 8, kv_heads, 8, "float32")

@@ -208,19 +208,38 @@ def prepare(mask, block_sizes, scale, logits_soft_cap, interpret, per_kernel=Fal
 
 def flash_vjp(forward, backward):
     """The `custom_vjp` both backends wrap their kernels in: `forward(cfg, q, k, v, sinks,
-    seg_ids, mask) -> (o [B, H, Sqp, Dv], lse)` and `backward(cfg, mask, residuals, d_out)`."""
+    seg_ids, mask, *, lo) -> (o [B, H, Sqp, Dv], lse, lo or None)` (`lo`: whether to write what
+    rounding `o` lost; asked for the residuals when there are sinks, `unrounded`) and
+    `backward(cfg, mask, residuals, d_out)`."""
 
     @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 6))
     def fn(cfg, q, k, v, sinks, seg_ids, mask):
-        o, _ = forward(cfg, q, k, v, sinks, seg_ids, mask)
+        o, _, _ = forward(cfg, q, k, v, sinks, seg_ids, mask, lo=False)
         return jnp.swapaxes(o, 1, 2)[:, : q.shape[1]]
 
     def fwd(cfg, q, k, v, sinks, seg_ids, mask):
-        o, lse = forward(cfg, q, k, v, sinks, seg_ids, mask)
-        return jnp.swapaxes(o, 1, 2)[:, : q.shape[1]], (q, k, v, sinks, seg_ids, o, lse)
+        o, lse, lo = forward(cfg, q, k, v, sinks, seg_ids, mask, lo=sinks is not None)
+        return jnp.swapaxes(o, 1, 2)[:, : q.shape[1]], (q, k, v, sinks, seg_ids, o, lse, lo)
 
     fn.defvjp(fwd, backward)
     return fn
+
+
+def unrounded(o, lo):
+    """`o + lo` in float32: the output before its rounding to `o`'s dtype, where the forward
+    wrote `lo` (with sinks), else `o`. With sinks `dsink = -Σ exp(sink - lse) · delta` sums
+    `delta = Σ_d o · d_out` over every row, and `o`'s rounding alone (2⁻⁹ relative per term in
+    bf16) can put that sum off by more than the oracle rule allows; the kernels' gradients,
+    whose `ds = p (dp - delta)` is formed per row, take the same `delta`."""
+    full = o.astype(jnp.float32)
+    return full if lo is None else full + lo.astype(jnp.float32)
+
+
+def rounding_lost(out, dtype):
+    """`(out in dtype, what the rounding lost in dtype)` of a float32 tile: their float32 sum is
+    `out` to about 16 bits more (`unrounded`)."""
+    o = out.astype(dtype)
+    return o, (out - o.astype(jnp.float32)).astype(dtype)
 
 
 def sink_grad(sinks, lse, delta):

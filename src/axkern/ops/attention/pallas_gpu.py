@@ -16,7 +16,9 @@ at run time); other tiles compare the ids.
 
 **Forward.** Online softmax (running max and sum in float32); products in the inputs' dtype
 with float32 accumulation (full precision for float32); sinks join the normaliser at the end;
-`lse` saved. **Backward.** `delta = rowsum(dO ∘ O)` in XLA; kernel `dq` (per q block, over its
+`lse` saved; with sinks, for the residuals, also what rounding `O` lost (`common.unrounded`:
+the sinks' gradient sums `delta` over every row). **Backward.** `delta = rowsum(dO ∘ O)` in
+XLA (`O` unrounded with sinks); kernel `dq` (per q block, over its
 kv tiles) and kernel `dk, dv` (per kv block, over the q tiles that see it) recompute
 `p = exp(s - lse)`; `ds = p (dO v^T - delta)`, times `1 - (s/c)^2` under the soft cap. With
 GQA the `dk`, `dv` kernel writes one slice per query head, summed over each group in XLA.
@@ -164,7 +166,7 @@ def _fwd_kernel(
     has_sinks,
     segments,
 ):
-    bounds, (qid_ref, kid_ref), (o_ref, lse_ref) = _trailing_refs(rest, segments)
+    bounds, (qid_ref, kid_ref), (o_ref, lse_ref, *lo_ref) = _trailing_refs(rest, segments)
     i = pl.program_id(2)
     bq, bk = cfg.block_q, cfg.block_kv
     q = q_ref[...]
@@ -201,8 +203,11 @@ def _fwd_kernel(
         acc = acc * alpha[:, None]
         m = m_f
     out, lse = tiles.finish(m[:, None], l[:, None], acc)
-    o_ref[...] = out.astype(o_ref.dtype)
+    o, lo = tiles.rounding_lost(out, o_ref.dtype)
+    o_ref[...] = o
     lse_ref[...] = lse[:, 0]
+    if lo_ref:
+        lo_ref[0][...] = lo
 
 
 def _dq_kernel(
@@ -317,7 +322,7 @@ def _segment_inputs(seg_ids, sqp, skp, q_block, k_block):
     return [q_ids, kv_ids], [_block(*q_block), _block(*k_block)]
 
 
-def _forward(cfg, q, k, v, sinks, seg_ids, mask):
+def _forward(cfg, q, k, v, sinks, seg_ids, mask, *, lo=False):
     qt, kt, vt, (b, sq, sk, h, kvh, sqp, skp) = tiles.layout(q, k, v, cfg)
     g = h // kvh
     bq, bk, d, dv = cfg.block_q, cfg.block_kv, q.shape[3], v.shape[3]
@@ -334,7 +339,9 @@ def _forward(cfg, q, k, v, sinks, seg_ids, mask):
         ((None, bq), lambda b_, h_, i: (b_, i)),
         ((None, skp), lambda b_, h_, i: (b_, 0)),
     )
-    o, lse = _call(
+    o_spec = _block((None, None, bq, dv), lambda b_, h_, i: (b_, h_, i, 0))
+    o_shape = jax.ShapeDtypeStruct((b, h, sqp, dv), q.dtype)
+    o, lse, *lo_out = _call(
         cfg,
         functools.partial(_fwd_kernel, cfg=cfg, mask=mask, sk=sk, has_sinks=has_sinks, segments=segments),
         (b, h, sqp // bq),
@@ -346,11 +353,8 @@ def _forward(cfg, q, k, v, sinks, seg_ids, mask):
             *[_block((None, nb), lambda b_, h_, i: (b_, 0))] * 4,
             *id_specs,
         ],
-        [
-            _block((None, None, bq, dv), lambda b_, h_, i: (b_, h_, i, 0)),
-            _block((None, None, bq), lambda b_, h_, i: (b_, h_, i)),
-        ],
-        [jax.ShapeDtypeStruct((b, h, sqp, dv), q.dtype), jax.ShapeDtypeStruct((b, h, sqp), jnp.float32)],
+        [o_spec, _block((None, None, bq), lambda b_, h_, i: (b_, h_, i))] + [o_spec] * lo,
+        [o_shape, jax.ShapeDtypeStruct((b, h, sqp), jnp.float32)] + [o_shape] * lo,
         qt,
         kt,
         vt,
@@ -358,7 +362,7 @@ def _forward(cfg, q, k, v, sinks, seg_ids, mask):
         *bounds,
         *ids,
     )
-    return o, lse
+    return o, lse, (lo_out[0] if lo else None)
 
 
 def _check_blocks(block_sizes, kernels=("fwd", "dq", "dkv")):
@@ -378,14 +382,14 @@ def attention(q, k, v, sinks, mask, *, scale, logits_soft_cap, block_sizes, inte
 
 
 def _attention_bwd(cfg, mask, res, d_out):
-    q, k, v, sinks, seg_ids, o, lse = res
+    q, k, v, sinks, seg_ids, o, lse, lo = res
     qt, kt, vt, (b, sq, sk, h, kvh, sqp, skp) = tiles.layout(q, k, v, cfg)
     lse = tiles.padded_rows(lse, sq, -jnp.inf)
     g = h // kvh
     d, dv = q.shape[3], v.shape[3]
     segments = seg_ids is not None
     do = jnp.pad(jnp.swapaxes(d_out, 1, 2), [(0, 0), (0, 0), (0, sqp - sq), (0, 0)]).astype(q.dtype)
-    delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1)  # [B, H, Sqp]
+    delta = jnp.sum(do.astype(jnp.float32) * tiles.unrounded(o, lo), axis=-1)  # [B, H, Sqp]
     delta = tiles.padded_rows(delta, sq, 0.0)
     _, cq, ckv = cfg.kernels()  # the dq kernel's and the dk, dv kernel's own blocks
     bq, bk = cq.block_q, cq.block_kv
@@ -476,7 +480,7 @@ def backward(q, k, v, out, lse, d_out, *, mask, scale, block_sizes, logits_soft_
     """`(dq, dk, dv)` of attention from another forward's residuals, `out [B, Sq, H, Dv]` and
     `lse [B, H, Sq]` (float32, natural log; with sinks it holds them, and their own cotangent
     is the caller's), through this file's `dq` and `dk, dv` kernels with `block_sizes`' `*_dq`
-    and `*_dkv` tiles (the `mosaic_gpu` forward's backward above head dim 128)."""
+    and `*_dkv` tiles (the backward sweep times them under the `mosaic_gpu` forward)."""
     _check_blocks(block_sizes, ("dq", "dkv"))
     cfg, seg_ids, static = tiles.prepare(
         mask, block_sizes, scale, logits_soft_cap, interpret, per_kernel=True
@@ -485,5 +489,5 @@ def backward(q, k, v, out, lse, d_out, *, mask, scale, block_sizes, logits_soft_
     sqp = -(-sq // cfg.pad_q) * cfg.pad_q
     o = jnp.pad(jnp.swapaxes(out, 1, 2), [(0, 0), (0, 0), (0, sqp - sq), (0, 0)])
     lse = jnp.pad(lse, [(0, 0), (0, 0), (0, sqp - sq)])
-    dq, dk, dv, _, _ = _attention_bwd(cfg, static, (q, k, v, None, seg_ids, o, lse), d_out)
+    dq, dk, dv, _, _ = _attention_bwd(cfg, static, (q, k, v, None, seg_ids, o, lse, None), d_out)
     return dq, dk, dv

@@ -14,8 +14,9 @@ holds its partial tiles first, then its `FULL` ones, and a second count table sa
 masking work stops (with packed documents every tile is partial: ids are compared).
 
 **Forward.** Grid `(batch, heads, q blocks, steps)`; online softmax in VMEM scratch (running
-max, sum, float32 accumulator); sinks join the normaliser at the last step; `lse` saved.
-**Backward.** `delta = rowsum(dO ∘ O)` in XLA; kernel `dq` with the forward's schedule, kernel
+max, sum, float32 accumulator); sinks join the normaliser at the last step; `lse` saved
+(with sinks, for the residuals, also what rounding `O` lost: `common.unrounded`).
+**Backward.** `delta = rowsum(dO ∘ O)` in XLA (`O` unrounded with sinks); kernel `dq` with the forward's schedule, kernel
 `dk, dv` with the transposed schedule (per key block, over the query blocks that see it),
 both recomputing `p = exp(s - lse)` per tile (`pallas_gpu`'s tile math, shared). With GQA the
 `dk, dv` kernel writes one slice per query head, summed over each group in XLA; `dsink` in XLA.
@@ -139,7 +140,7 @@ def _fwd_kernel(
     rows,
 ):
     qid_ref, kid_ref = rest[:2] if segments else (None, None)
-    o_ref, lse_ref, m_sc, l_sc, acc_sc = rest[2:] if segments else rest
+    o_ref, lse_ref, *lo_ref, m_sc, l_sc, acc_sc = rest[2:] if segments else rest
     b, i, s = pl.program_id(0), pl.program_id(2), pl.program_id(3)
     row = b * nq + i
 
@@ -180,8 +181,11 @@ def _fwd_kernel(
             acc = acc * alpha
             m = m_f
         out, lse = tiles.finish(m, l, acc)
-        o_ref[...] = out.astype(o_ref.dtype)
+        o, lo = tiles.rounding_lost(out, o_ref.dtype)
+        o_ref[...] = o
         lse_ref[...] = lse
+        if lo_ref:
+            lo_ref[0][...] = lo
 
 
 def _dq_kernel(
@@ -299,7 +303,7 @@ def _id_inputs(seg_ids, sqp, skp, q_index, k_index, bq, bk):
     return [q_ids, kv_ids], specs
 
 
-def _forward(cfg, q, k, v, sinks, seg_ids, mask):
+def _forward(cfg, q, k, v, sinks, seg_ids, mask, *, lo=False):
     qt, kt, vt, (b, sq, sk, h, kvh, sqp, skp) = tiles.layout(q, k, v, cfg)
     g = h // kvh
     bq, bk, d, dv = cfg.block_q, cfg.block_kv, q.shape[3], v.shape[3]
@@ -314,7 +318,9 @@ def _forward(cfg, q, k, v, sinks, seg_ids, mask):
         (None, None, bk, w), lambda b_, h_, i, s, t, c: (b_, h_ // g, kv_block(b_, i, s, t), 0)
     )
     ids, id_specs = _id_inputs(seg_ids, sqp, skp, lambda b_, i, s, t: i, kv_block, bq, bk)
-    o, lse = _call(
+    o_spec = pl.BlockSpec((None, None, bq, dv), lambda b_, h_, i, s, t, c: (b_, h_, i, 0))
+    o_shape = jax.ShapeDtypeStruct((b, h, sqp, dv), q.dtype)
+    o, lse, *lo_out = _call(
         cfg,
         functools.partial(
             _fwd_kernel,
@@ -335,11 +341,9 @@ def _forward(cfg, q, k, v, sinks, seg_ids, mask):
             pl.BlockSpec((None, 1, 128), lambda b_, h_, i, s, t, c: (h_, 0, 0)),
             *id_specs,
         ],
-        [
-            pl.BlockSpec((None, None, bq, dv), lambda b_, h_, i, s, t, c: (b_, h_, i, 0)),
-            pl.BlockSpec((None, None, bq, 1), lambda b_, h_, i, s, t, c: (b_, h_, i, 0)),
-        ],
-        [jax.ShapeDtypeStruct((b, h, sqp, dv), q.dtype), jax.ShapeDtypeStruct((b, h, sqp, 1), jnp.float32)],
+        [o_spec, pl.BlockSpec((None, None, bq, 1), lambda b_, h_, i, s, t, c: (b_, h_, i, 0))]
+        + [o_spec] * lo,
+        [o_shape, jax.ShapeDtypeStruct((b, h, sqp, 1), jnp.float32)] + [o_shape] * lo,
         [
             pltpu.VMEM((bq, 1), jnp.float32),
             pltpu.VMEM((bq, 1), jnp.float32),
@@ -353,7 +357,7 @@ def _forward(cfg, q, k, v, sinks, seg_ids, mask):
         sink_arr,
         *ids,
     )
-    return o, lse
+    return o, lse, (lo_out[0] if lo else None)
 
 
 def attention(q, k, v, sinks, mask, *, scale, logits_soft_cap, block_sizes, interpret=False):
@@ -365,7 +369,7 @@ def attention(q, k, v, sinks, mask, *, scale, logits_soft_cap, block_sizes, inte
 
 
 def _attention_bwd(cfg, mask, res, d_out):
-    q, k, v, sinks, seg_ids, o, lse = res
+    q, k, v, sinks, seg_ids, o, lse, lo = res
     qt, kt, vt, (b, sq, sk, h, kvh, sqp, skp) = tiles.layout(q, k, v, cfg)
     lse = tiles.padded_rows(lse, sq, -jnp.inf)
     g = h // kvh
@@ -373,7 +377,7 @@ def _attention_bwd(cfg, mask, res, d_out):
     nq, nk = sqp // bq, skp // bk
     segments = seg_ids is not None
     do = jnp.pad(jnp.swapaxes(d_out, 1, 2), [(0, 0), (0, 0), (0, sqp - sq), (0, 0)]).astype(q.dtype)
-    delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1, keepdims=True)  # [B, H, Sqp, 1]
+    delta = jnp.sum(do.astype(jnp.float32) * tiles.unrounded(o, lo), axis=-1, keepdims=True)  # [B, H, Sqp, 1]
     delta = tiles.padded_rows(delta, sq, 0.0)
     own = lambda n, w: pl.BlockSpec((None, None, n, w), lambda b_, h_, x, s, t, c: (b_, h_, x, 0))  # noqa: E731
 

@@ -81,8 +81,9 @@ swizzle rows, so no tile is narrower than 64).
 **Sinks' cotangent.** `-Σ exp(sink - lse) · delta` sums `out · d_out` over every row, and
 rounding `out` to 16 bits puts each term off by up to 2⁻⁹ relative: on a 250-row case at head
 dim 256 that alone puts the sum 3.7e-3 off where the oracle rule allows 2.9e-3.
-With sinks the forward also writes `lo`, what the rounding lost, and the sum takes
-`out + lo`; without them nothing more is written.
+With sinks the forward also writes `lo`, what the rounding lost, and `delta` takes
+`out + lo` (for the sum and for the backward kernels alike); without them nothing more is
+written.
 
 **Backward cost.** `14 · B · H · D` FLOPs per visible (query, key) pair, 3.5 times the
 forward's: the `dq` kernel's three products (`s`, `dp`, `dq`) and the `dk, dv` kernel's four
@@ -270,11 +271,13 @@ def attention(q, k, v, sinks, mask, *, scale, logits_soft_cap, block_sizes, back
 
     def fn_bwd(res, d_out):
         q, k, v, sinks, out, lse, lo, leaves = res
+        # with sinks `out + lo` in float32, the output before its rounding, as their sum needs
+        # (the kernels read `out` only through `delta`, which takes it too: `common.unrounded`)
+        out = common.unrounded(out, lo[0]) if lo else out
         dq, dk, dv = backward(q, k, v, out, lse, d_out, mask=rebuild(leaves))
         d_sinks = None
-        if sinks is not None:  # `out + lo`: the output before its rounding, as the sum needs
-            full = out.astype(jnp.float32) + lo[0].astype(jnp.float32)
-            delta = jnp.einsum("bqhd,bqhd->bhq", full, d_out.astype(jnp.float32))
+        if sinks is not None:
+            delta = jnp.einsum("bqhd,bqhd->bhq", out, d_out.astype(jnp.float32))
             d_sinks = common.sink_grad(sinks, lse, delta)
         return dq, dk, dv, d_sinks, None
 
