@@ -13,9 +13,10 @@ kind; the backward fields stay the heuristic's, which the backward sweep chose,
 Run on a Hopper GPU from the repository root: `OUT=<folder> python3 benchmarks/attention_mosaic_forward_sweep.py`.
 
 With `--variants`: per case, the shipped tiles (`tuned/nvidia_h200.json`, else the heuristic's)
-in the kernel's three forms: the default (JAX's rendezvous ping-pong), `handoff=True` (FA3's
-handoff) and `nan_scores=True` (non-finite scores made NaN: what that part of the non-finite
-rule costs), their outputs compared with the default's (finite inputs: they should agree
+in the kernel's forms (`VARIANTS`): the default (JAX's rendezvous ping-pong), `handoff=True`
+(FA3's handoff), `nan_scores=True` (non-finite scores made NaN: what that part of the
+non-finite rule costs), the handoff on hardware named barriers, the lean epilogue, and both,
+their outputs compared with the default's (finite inputs: they should agree
 exactly) and timed in three interleaved rounds; writes `$OUT/sweep_mosaic_variants.json`.
 """
 
@@ -90,7 +91,14 @@ def _write(out, command, last_case, **found):
         json.dump(result | found, f, indent=1)
 
 
-VARIANTS = {"default": {}, "handoff": {"handoff": True}, "nan_scores": {"nan_scores": True}}
+VARIANTS = {
+    "default": {},
+    "handoff": {"handoff": True},
+    "nan_scores": {"nan_scores": True},
+    "named_barriers": {"handoff": True, "named_barriers": True},
+    "lean": {"lean": True},
+    "named_barriers+lean": {"handoff": True, "named_barriers": True, "lean": True},
+}
 
 
 def variants():

@@ -331,10 +331,12 @@ def test_packed_documents_with_traced_ids_differentiate_under_jit():
         assert np.abs(g - w).max() <= 3e-2 * np.abs(w).max(), np.abs(g - w).max()
 
 
+@pytest.mark.parametrize("form", ["handoff", "named_barriers", "named_barriers+lean"])
 @pytest.mark.parametrize("mask_name", ["causal", "docs | window"])
-def test_the_handoff_ping_pong_computes_what_the_rendezvous_does(mask_name):
+def test_the_handoff_ping_pong_computes_what_the_rendezvous_does(mask_name, form):
     # the same arithmetic in the same order: outputs and lse agree exactly (and the rendezvous
-    # form is the one the oracle tests above check)
+    # form is the one the oracle tests above check); the handoff on mbarriers or on hardware
+    # named barriers, with the lean epilogue
     a = _inputs(11, 2, 700, 700, 4, 2, 128, "bfloat16")
     mask = (
         masks.Causal()
@@ -342,13 +344,14 @@ def test_the_handoff_ping_pong_computes_what_the_rendezvous_does(mask_name):
         else masks.Segments(_DOCS700, _DOCS700) | masks.SlidingWindow(64)
     )
 
-    def run(handoff):
+    def run(**flags):
         fn = lambda q, k, v: mosaic_gpu.forward(  # noqa: E731
-            q, k, v, mask, scale=0.1, block_q=64, block_kv=128, num_stages=2, handoff=handoff
+            q, k, v, mask, scale=0.1, block_q=64, block_kv=128, num_stages=2, **flags
         )
         return jax.jit(fn)(a["q"], a["k"], a["v"])
 
-    (o1, l1), (o2, l2) = run(False), run(True)
+    flags = dict.fromkeys(form.split("+"), True) | {"handoff": True}
+    (o1, l1), (o2, l2) = run(), run(**flags)
     assert bool(jnp.all(o1 == o2)) and bool(jnp.all((l1 == l2) | (jnp.isinf(l1) & jnp.isinf(l2))))
 
 

@@ -165,18 +165,29 @@ def test_head_dim_256_backward_lowers_with_the_heuristics_tiles():
 
 @pytest.mark.parametrize(
     "mask_name,variant",
-    [("causal", "handoff"), ("documents | window", "handoff"), ("documents | window", "nan_scores")],
+    [
+        ("causal", "handoff"),
+        ("documents | window", "handoff"),
+        ("documents | window", "nan_scores"),
+        ("causal", "handoff,named_barriers"),
+        ("documents | window", "handoff,named_barriers,lean"),
+        ("causal", "lean"),
+    ],
 )
 def test_the_forward_variants_lower(mask_name, variant):
-    # the compute warpgroups' FA3-style handoff (a barrier each), beside the default rendezvous;
-    # non-finite scores made NaN in the kernel
+    # the compute warpgroups' FA3-style handoff (a barrier each; on hardware named barriers),
+    # beside the default rendezvous; non-finite scores made NaN in the kernel; the lean epilogue
     q = jax.ShapeDtypeStruct((2, 600, 2, 128), jnp.bfloat16)
     mask = masks.Causal()
     if mask_name != "causal":
         mask = masks.Segments(_ids(2, 600, 250), _ids(2, 600, 250)) | masks.SlidingWindow(64)
+    flags = dict.fromkeys(variant.split(","), True)
 
     def f(q, k, v):
         tiles = dict(block_q=64, block_kv=128, num_stages=2)
-        return mosaic_gpu.forward(q, k, v, mask, scale=0.1, **tiles, **{variant: True})
+        return mosaic_gpu.forward(q, k, v, mask, scale=0.1, **tiles, **flags)
 
-    assert _kernels(_lowered(f, q, q, q)) == 1
+    text = _lowered(f, q, q, q)
+    if "named_barriers" in flags:  # the handoff's signals are the hardware barriers' instructions
+        assert "bar.arrive $0, 256" in text and "bar.sync $0, 256" in text
+    assert _kernels(text) == 1

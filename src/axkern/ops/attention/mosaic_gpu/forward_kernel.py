@@ -22,6 +22,7 @@ from .tiles import (
     _iota,
     _stream_kv,
     base2_scores,
+    named_barrier,
     pl,
     plgpu,
     swizzled_smem,
@@ -70,6 +71,8 @@ def _kernel(
     dtype,
     handoff,
     nan_scores,
+    named_barriers=False,
+    lean=False,
 ):
     bq, bk, stages = cfg.block_q, cfg.block_kv, cfg.stages
     d = q_ref.shape[-1]
@@ -89,27 +92,40 @@ def _kernel(
     # `q kᵀ` a warpgroup only signals the other's (it goes on to its softmax at once), and before
     # `p v` it waits on its own, which the other signals after issuing its `q kᵀ`. Every
     # warpgroup walks the same tiles `[clo, chi)` (its own or released), so the signals pair up,
-    # and a warpgroup is never more than one signal ahead of the other's waits.
+    # and a warpgroup is never more than one signal ahead of the other's waits (which the
+    # handoff on hardware named barriers, `named_barriers`, needs: an arrive there is counted,
+    # not queued).
     def rendezvous():
         plgpu.barrier_arrive(sched_barrier)
         plgpu.barrier_wait(sched_barrier)
 
     def signal():  # after issuing q kᵀ
-        if handoff:
+        if named_barriers:
+            named_barrier("arrive", other=True)
+        elif handoff:
             plgpu.barrier_arrive(sched_barrier.at[1 - wg])
         else:
             rendezvous()
+
+    def wait_own():  # the handoff: until the other warpgroup has signalled this one
+        if named_barriers:
+            named_barrier("sync", other=False)
+        else:
+            plgpu.barrier_wait(sched_barrier.at[wg])
 
     def await_turn(slot):  # before p v: its value tile, and the tensor cores ours again
         if not handoff:
             plgpu.barrier_arrive(sched_barrier)
         plgpu.barrier_wait(v_loaded.at[slot])
-        plgpu.barrier_wait(sched_barrier.at[wg] if handoff else sched_barrier)
+        if handoff:
+            wait_own()
+        else:
+            plgpu.barrier_wait(sched_barrier)
 
     def skip_turn():  # a step's pair where a warpgroup runs no products (a released tile)
         if handoff:
             signal()
-            plgpu.barrier_wait(sched_barrier.at[wg])
+            wait_own()
         else:
             rendezvous()
             rendezvous()
@@ -138,7 +154,7 @@ def _kernel(
             plgpu.barrier_wait(k_loaded.at[0])
 
         if handoff:  # the first turn is warpgroup 0's
-            pl.when(wg == 1)(lambda: plgpu.barrier_wait(sched_barrier.at[1]))
+            pl.when(wg == 1)(wait_own)
         else:
             pl.when(wg == 1)(rendezvous)
 
@@ -230,12 +246,14 @@ def _kernel(
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(qo_smem, out_ref.at[batch, pl.ds(q_base, bq), head])
         plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[batch, head, pl.ds(q_base, bq)])
-        plgpu.wait_smem_to_gmem(0)
+        # `lean`: wait only for the copies to have read shared memory (all the tile's reuse and
+        # the block's exit need), not for their writes to land
+        plgpu.wait_smem_to_gmem(0, wait_read_only=lean)
         if lo_ref is not None:  # through the same tile, once the output has left it
             qo_smem[...] = lo
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(qo_smem, lo_ref.at[batch, pl.ds(q_base, bq), head])
-            plgpu.wait_smem_to_gmem(0)
+            plgpu.wait_smem_to_gmem(0, wait_read_only=lean)
 
     ring = (k_smem, v_smem, (k_loaded, v_loaded), (k_consumed, v_consumed))
     pl.when(wg == COMPUTE_WGS)(
@@ -257,6 +275,8 @@ def forward(
     logits_soft_cap=None,
     handoff=False,
     nan_scores=False,
+    named_barriers=False,
+    lean=False,
     out_lo=False,
 ):
     """`(out [B, Sq, H, D], lse [B, H, Sq] float32)` of the Mosaic GPU kernel; `sinks [H]`
@@ -267,7 +287,14 @@ def forward(
     docstring), so neither is the default: `handoff`, the compute warpgroups' ping-pong as FA3's handoff rather than JAX's
     rendezvous (`_kernel`); `nan_scores`, every visible score that is not finite made NaN, so
     its row's output and `lse` are NaN (the part of the non-finite rule that `q` and `k` need:
-    a non-finite `v` of a masked key still reaches rows through `0 · NaN`, so the guard stays)."""
+    a non-finite `v` of a masked key still reaches rows through `0 · NaN`, so the guard stays).
+    Two more, not yet run on a GPU: `named_barriers` (with `handoff`), the handoff's signals
+    on hardware named barriers (`bar.arrive` / `bar.sync`, as tokamax's kernel) rather than
+    shared-memory mbarriers; `lean`, the epilogue waiting only for its copies to have read
+    shared memory and no shared memory kept for cross-warp reductions (the forward's are
+    within a warp)."""
+    if named_barriers and not handoff:
+        raise ValueError("named_barriers=True is a form of the handoff: pass handoff=True too")
     b, sq, h, d = q.shape
     sk, kvh = k.shape[1], k.shape[2]
     _check(mask, block_q, block_kv, num_stages, d)
@@ -294,7 +321,14 @@ def forward(
         sinks is not None,
     )
     body = functools.partial(
-        _kernel, cfg=cfg, mask=lowered, dtype=q.dtype, handoff=handoff, nan_scores=nan_scores
+        _kernel,
+        cfg=cfg,
+        mask=lowered,
+        dtype=q.dtype,
+        handoff=handoff,
+        nan_scores=nan_scores,
+        named_barriers=named_barriers,
+        lean=lean,
     )
 
     def entry(*refs):
@@ -329,7 +363,9 @@ def forward(
         grid_names=("heads", "q_seq", "batch"),
         num_threads=COMPUTE_WGS + 1,
         thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True),
+        compiler_params=plgpu.CompilerParams(
+            approx_math=True, **({"reduction_scratch_bytes": 0} if lean else {})
+        ),
         kernel_name="axkern_attention_mosaic_gpu_fwd",
     )(qp, kp, vp, table, sink_arr, *mask_ops)
     out, lse, *lo = outs
