@@ -248,7 +248,8 @@ def mosaic_gpu_heuristic(spec: Spec) -> AttentionBlockSizes:
     `dk, dv` 64 keys per warpgroup by 64 query rows, two stages each (the fastest of six tilings
     timed at the same shape, benchmarks/attention_mosaic_sweep.py); at 256 the only tiles that
     fit shared memory, 64 x 64 with one stage each (26.1 ms forward+backward at B2 S8192 H32
-    causal against 31.9 for the fastest of 13 tilings of `pallas_gpu`'s kernels: `--head-dim-256`)."""
+    causal against 31.9 for the fastest of the 10 tilings of `pallas_gpu`'s kernels timed beside
+    them: `--head-dim-256`)."""
     d = max(spec.dim("head_dim"), spec.dim("v_dim"))
     fwd = dict(block_q=64, block_kv=128 if d <= 128 else 64, num_warps=None, num_stages=2)
     tiles = {"dq": (64, 128, 2), "dkv": (64, 64, 2)} if d <= 128 else {"dq": (64, 64, 1), "dkv": (64, 64, 1)}

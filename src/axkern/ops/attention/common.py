@@ -209,7 +209,8 @@ def prepare(mask, block_sizes, scale, logits_soft_cap, interpret, per_kernel=Fal
 def flash_vjp(forward, backward):
     """The `custom_vjp` both backends wrap their kernels in: `forward(cfg, q, k, v, sinks,
     seg_ids, mask, *, lo) -> (o [B, H, Sqp, Dv], lse, lo or None)` (`lo`: whether to write what
-    rounding `o` lost; asked for the residuals when there are sinks, `unrounded`) and
+    rounding `o` lost; asked for the residuals when there are sinks and `o` has 16 bits,
+    `unrounded`) and
     `backward(cfg, mask, residuals, d_out)`."""
 
     @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 6))
@@ -218,7 +219,9 @@ def flash_vjp(forward, backward):
         return jnp.swapaxes(o, 1, 2)[:, : q.shape[1]]
 
     def fwd(cfg, q, k, v, sinks, seg_ids, mask):
-        o, lse, lo = forward(cfg, q, k, v, sinks, seg_ids, mask, lo=sinks is not None)
+        # (float32 outputs lose nothing to their rounding)
+        lo = sinks is not None and jnp.dtype(q.dtype).itemsize < 4
+        o, lse, lo = forward(cfg, q, k, v, sinks, seg_ids, mask, lo=lo)
         return jnp.swapaxes(o, 1, 2)[:, : q.shape[1]], (q, k, v, sinks, seg_ids, o, lse, lo)
 
     fn.defvjp(fwd, backward)

@@ -16,10 +16,11 @@ masking work stops (with packed documents every tile is partial: ids are compare
 **Forward.** Grid `(batch, heads, q blocks, steps)`; online softmax in VMEM scratch (running
 max, sum, float32 accumulator); sinks join the normaliser at the last step; `lse` saved
 (with sinks, for the residuals, also what rounding `O` lost: `common.unrounded`).
-**Backward.** `delta = rowsum(dO ∘ O)` in XLA (`O` unrounded with sinks); kernel `dq` with the forward's schedule, kernel
-`dk, dv` with the transposed schedule (per key block, over the query blocks that see it),
-both recomputing `p = exp(s - lse)` per tile (`pallas_gpu`'s tile math, shared). With GQA the
-`dk, dv` kernel writes one slice per query head, summed over each group in XLA; `dsink` in XLA.
+**Backward.** `delta = rowsum(dO ∘ O)` in XLA (`O` unrounded with sinks); kernel `dq` with the
+forward's schedule, kernel `dk, dv` with the transposed schedule (per key block, over the query
+blocks that see it), both recomputing `p = exp(s - lse)` per tile (`pallas_gpu`'s tile math,
+shared). With GQA the `dk, dv` kernel writes one slice per query head, summed over each group
+in XLA; `dsink` in XLA.
 
 **Cost.** Compute bound: `4·B·H·D` FLOPs per visible (query, key) pair forward, about 2.5
 times that backward (both backward kernels recompute the scores); bytes: `q`, `o` once per
