@@ -15,8 +15,8 @@ Run on a Hopper GPU from the repository root: `OUT=<folder> python3 benchmarks/a
 With `--variants`: per case, the shipped tiles (`tuned/nvidia_h200.json`, else the heuristic's)
 in the kernel's forms (`VARIANTS`): the default (JAX's rendezvous ping-pong), `handoff=True`
 (FA3's handoff), `nan_scores=True` (non-finite scores made NaN: what that part of the
-non-finite rule costs), the handoff on hardware named barriers, the lean epilogue, and both,
-their outputs compared with the default's (finite inputs: they should agree
+non-finite rule costs), the handoff on hardware named barriers, the ring's releases on them,
+both, the lean epilogue, and all three, their outputs compared with the default's (finite inputs: they should agree
 exactly) and timed in three interleaved rounds; writes `$OUT/sweep_mosaic_variants.json`.
 """
 
@@ -96,8 +96,10 @@ VARIANTS = {
     "handoff": {"handoff": True},
     "nan_scores": {"nan_scores": True},
     "named_barriers": {"handoff": True, "named_barriers": True},
+    "named_releases": {"named_releases": True},
+    "named_both": {"handoff": True, "named_barriers": True, "named_releases": True},
     "lean": {"lean": True},
-    "named_barriers+lean": {"handoff": True, "named_barriers": True, "lean": True},
+    "named_both+lean": {"handoff": True, "named_barriers": True, "named_releases": True, "lean": True},
 }
 
 

@@ -331,12 +331,14 @@ def test_packed_documents_with_traced_ids_differentiate_under_jit():
         assert np.abs(g - w).max() <= 3e-2 * np.abs(w).max(), np.abs(g - w).max()
 
 
-@pytest.mark.parametrize("form", ["handoff", "named_barriers", "named_barriers+lean"])
+@pytest.mark.parametrize(
+    "form", ["handoff", "named_barriers", "named_releases", "named_barriers+named_releases+lean"]
+)
 @pytest.mark.parametrize("mask_name", ["causal", "docs | window"])
 def test_the_handoff_ping_pong_computes_what_the_rendezvous_does(mask_name, form):
     # the same arithmetic in the same order: outputs and lse agree exactly (and the rendezvous
     # form is the one the oracle tests above check); the handoff on mbarriers or on hardware
-    # named barriers, with the lean epilogue
+    # named barriers, the ring's releases on named barriers, with the lean epilogue
     a = _inputs(11, 2, 700, 700, 4, 2, 128, "bfloat16")
     mask = (
         masks.Causal()
@@ -350,7 +352,8 @@ def test_the_handoff_ping_pong_computes_what_the_rendezvous_does(mask_name, form
         )
         return jax.jit(fn)(a["q"], a["k"], a["v"])
 
-    flags = dict.fromkeys(form.split("+"), True) | {"handoff": True}
+    flags = dict.fromkeys(form.split("+"), True)
+    flags["handoff"] = form != "named_releases"  # named_releases alone keeps the rendezvous
     (o1, l1), (o2, l2) = run(), run(**flags)
     assert bool(jnp.all(o1 == o2)) and bool(jnp.all((l1 == l2) | (jnp.isinf(l1) & jnp.isinf(l2))))
 

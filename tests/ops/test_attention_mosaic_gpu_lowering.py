@@ -170,13 +170,15 @@ def test_head_dim_256_backward_lowers_with_the_heuristics_tiles():
         ("documents | window", "handoff"),
         ("documents | window", "nan_scores"),
         ("causal", "handoff,named_barriers"),
-        ("documents | window", "handoff,named_barriers,lean"),
+        ("documents | window", "handoff,named_barriers,named_releases,lean"),
+        ("causal", "named_releases"),
         ("causal", "lean"),
     ],
 )
 def test_the_forward_variants_lower(mask_name, variant):
     # the compute warpgroups' FA3-style handoff (a barrier each; on hardware named barriers),
-    # beside the default rendezvous; non-finite scores made NaN in the kernel; the lean epilogue
+    # beside the default rendezvous; the ring's releases on named barriers; non-finite scores
+    # made NaN in the kernel; the lean epilogue
     q = jax.ShapeDtypeStruct((2, 600, 2, 128), jnp.bfloat16)
     mask = masks.Causal()
     if mask_name != "causal":
@@ -190,4 +192,6 @@ def test_the_forward_variants_lower(mask_name, variant):
     text = _lowered(f, q, q, q)
     if "named_barriers" in flags:  # the handoff's signals are the hardware barriers' instructions
         assert "bar.arrive $0, 256" in text and "bar.sync $0, 256" in text
+    if "named_releases" in flags:  # the ring's: both compute warpgroups arrive, the producer waits
+        assert "bar.arrive $0, 384" in text and "bar.sync $0, 384" in text
     assert _kernels(text) == 1

@@ -16,6 +16,9 @@ from ..blocks import MOSAIC_GPU_SMEM, mosaic_gpu_smem_bytes
 from .schedules import COMPUTE_WGS, CTA_HI, CTA_LO, lower, operands, schedule_table
 from .tiles import (
     LOG2E,
+    NAMED_BARRIER_BASE,
+    NAMED_BARRIERS,
+    NAMED_RELEASE_BASE,
     TileMask,
     _Cfg,
     _entry_of,
@@ -72,6 +75,7 @@ def _kernel(
     handoff,
     nan_scores,
     named_barriers=False,
+    named_releases=False,
     lean=False,
 ):
     bq, bk, stages = cfg.block_q, cfg.block_kv, cfg.stages
@@ -101,7 +105,7 @@ def _kernel(
 
     def signal():  # after issuing q kᵀ
         if named_barriers:
-            named_barrier("arrive", other=True)
+            named_barrier("arrive", NAMED_BARRIER_BASE + 1 - wg, threads=COMPUTE_WGS * 128)
         elif handoff:
             plgpu.barrier_arrive(sched_barrier.at[1 - wg])
         else:
@@ -109,7 +113,7 @@ def _kernel(
 
     def wait_own():  # the handoff: until the other warpgroup has signalled this one
         if named_barriers:
-            named_barrier("sync", other=False)
+            named_barrier("sync", NAMED_BARRIER_BASE + wg, threads=COMPUTE_WGS * 128)
         else:
             plgpu.barrier_wait(sched_barrier.at[wg])
 
@@ -121,6 +125,13 @@ def _kernel(
             wait_own()
         else:
             plgpu.barrier_wait(sched_barrier)
+
+    def free(which, slot):  # this warpgroup is done with the slot's key (0) or value (1) tile
+        if named_releases:
+            index = NAMED_RELEASE_BASE + which * stages + slot
+            named_barrier("arrive", index, threads=COMPUTE_WGS * 128 + 128)
+        else:
+            plgpu.barrier_arrive((k_consumed, v_consumed)[which].at[slot])
 
     def skip_turn():  # a step's pair where a warpgroup runs no products (a released tile)
         if handoff:
@@ -168,7 +179,7 @@ def _kernel(
                 return acc_ref[...]
 
             s = pl.run_scoped(qk_product, plgpu.ACC((bq, bk), jnp.float32))
-            plgpu.barrier_arrive(k_consumed.at[slot])
+            free(0, slot)
             if nan_scores:  # a non-finite score is NaN (before a soft cap's tanh): its row's output is
                 s = jnp.where(jnp.abs(s) < jnp.inf, s, jnp.nan)
             s, c, _ = base2_scores(s, cfg)  # s · c in base-2 units
@@ -203,14 +214,14 @@ def _kernel(
                 wait_next(t)
 
             acc = pl.run_state(pv_product)(plgpu.ACC.init(acc))
-            plgpu.barrier_arrive(v_consumed.at[slot])
+            free(1, slot)
             return acc, m_new, l_i
 
         def release(t, carry):  # a tile only the other warpgroup needs: keep the ring turning
             slot = slot_of(t)
-            plgpu.barrier_arrive(k_consumed.at[slot])
+            free(0, slot)
             plgpu.barrier_wait(v_loaded.at[slot])
-            plgpu.barrier_arrive(v_consumed.at[slot])
+            free(1, slot)
             skip_turn()
             wait_next(t)
             return carry
@@ -257,7 +268,9 @@ def _kernel(
 
     ring = (k_smem, v_smem, (k_loaded, v_loaded), (k_consumed, v_consumed))
     pl.when(wg == COMPUTE_WGS)(
-        functools.partial(_stream_kv, cfg, (batch, head, clo, chi), k_ref, v_ref, *ring)
+        functools.partial(
+            _stream_kv, cfg, (batch, head, clo, chi), k_ref, v_ref, *ring, named_releases=named_releases
+        )
     )
 
 
@@ -276,6 +289,7 @@ def forward(
     handoff=False,
     nan_scores=False,
     named_barriers=False,
+    named_releases=False,
     lean=False,
     out_lo=False,
 ):
@@ -288,13 +302,18 @@ def forward(
     rendezvous (`_kernel`); `nan_scores`, every visible score that is not finite made NaN, so
     its row's output and `lse` are NaN (the part of the non-finite rule that `q` and `k` need:
     a non-finite `v` of a masked key still reaches rows through `0 · NaN`, so the guard stays).
-    Two more, not yet run on a GPU: `named_barriers` (with `handoff`), the handoff's signals
+    Three more, not yet run on a GPU: `named_barriers` (with `handoff`), the handoff's signals
     on hardware named barriers (`bar.arrive` / `bar.sync`, as tokamax's kernel) rather than
-    shared-memory mbarriers; `lean`, the epilogue waiting only for its copies to have read
-    shared memory and no shared memory kept for cross-warp reductions (the forward's are
-    within a warp)."""
+    shared-memory mbarriers; `named_releases`, the ring's slots released to the producer on
+    named barriers too (`tiles._stream_kv`); `lean`, the epilogue waiting only for its copies
+    to have read shared memory and no shared memory kept for cross-warp reductions (the
+    forward's are within a warp)."""
     if named_barriers and not handoff:
         raise ValueError("named_barriers=True is a form of the handoff: pass handoff=True too")
+    if named_releases and NAMED_RELEASE_BASE + 2 * num_stages > NAMED_BARRIERS:
+        raise ValueError(
+            f"named_releases=True takes at most {(NAMED_BARRIERS - NAMED_RELEASE_BASE) // 2} stages"
+        )
     b, sq, h, d = q.shape
     sk, kvh = k.shape[1], k.shape[2]
     _check(mask, block_q, block_kv, num_stages, d)
@@ -328,6 +347,7 @@ def forward(
         handoff=handoff,
         nan_scores=nan_scores,
         named_barriers=named_barriers,
+        named_releases=named_releases,
         lean=lean,
     )
 

@@ -14,7 +14,7 @@ from jax import lax
 from axkern import masks as masks_
 from axkern.core.compat import mosaic_gpu_load
 
-from .schedules import Dynamic, _grid_visible
+from .schedules import COMPUTE_WGS, Dynamic, _grid_visible
 
 try:  # the kernel runs only on a Hopper GPU; importing it must never break a CPU install
     from jax.experimental import pallas as pl
@@ -26,35 +26,36 @@ except ImportError as e:  # pragma: no cover - a jax without Pallas Mosaic GPU
     _IMPORT_ERROR = f"{type(e).__name__}: {e}"
 
 
-# hardware named barriers the forward's `named_barriers` handoff takes, one per compute
-# warpgroup (Mosaic GPU keeps 0 for the block and 1 + warpgroup for warpgroup barriers)
-NAMED_BARRIER_BASE = 8
+# hardware named barriers of the forward's `named_barriers` handoff (one per compute warpgroup)
+# and `named_releases` ring (one per slot of the key ring, then one per slot of the value ring):
+# Mosaic GPU keeps 0 for the block and 1 + warpgroup for warpgroup barriers; 16 in all
+NAMED_BARRIER_BASE = 4
+NAMED_RELEASE_BASE = NAMED_BARRIER_BASE + 2
+NAMED_BARRIERS = 16
 
 
-def named_barrier(op: str, *, other: bool, threads: int = 256) -> None:
-    """`bar.arrive` (`op="arrive"`) or `bar.sync` (`"sync"`) on the named barrier of this
-    warpgroup (`NAMED_BARRIER_BASE + wg`) or, `other`, of the other compute warpgroup
-    (`NAMED_BARRIER_BASE + 1 - wg`), completing when `threads` threads have reached it. One
-    instruction per warp, no shared-memory word: the cheapest signal between two warpgroups
-    (FA3's and tokamax's ping-pong)."""
+def named_barrier(op: str, index, *, threads: int) -> None:
+    """`bar.arrive` (`op="arrive"`) or `bar.sync` (`"sync"`) on hardware named barrier `index`
+    (an int32 scalar, traced or not), completing when `threads` threads (whole warps) have
+    reached it: one instruction per warp and no shared-memory word, the cheapest signal
+    between warpgroups (FA3's and tokamax's). Every thread of the warpgroup executes it."""
     from jax._src.lib.mlir import ir
-    from jax._src.lib.mlir.dialects import arith, llvm
-    from jax.experimental.mosaic.gpu import utils as mgpu_utils
+    from jax._src.lib.mlir.dialects import llvm
 
     if op not in ("arrive", "sync"):
         raise ValueError(f"op={op!r}: 'arrive' or 'sync'")
 
-    @plgpu.inline_mgpu()
-    def emit(_ctx):
-        i32 = ir.IntegerType.get_signless(32)
-        wg = mgpu_utils.warpgroup_idx(sync=False)
-        base = arith.constant(i32, NAMED_BARRIER_BASE + (1 if other else 0))
-        index = arith.subi(base, wg) if other else arith.addi(base, wg)
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WG_SPLAT,))
+    def emit(_ctx, i):
         llvm.inline_asm(
-            ir.Type.parse("!llvm.void"), [index], f"bar.{op} $0, {threads};", "r", has_side_effects=True
+            ir.Type.parse("!llvm.void"),
+            [i.registers.item()],
+            f"bar.{op} $0, {threads};",
+            "r",
+            has_side_effects=True,
         )
 
-    emit()
+    emit(jnp.asarray(index, jnp.int32))
 
 
 LOG2E = math.log2(math.e)
@@ -158,10 +159,12 @@ def _load_ids(ids_ref, batch, start, n, dim):
     return mosaic_gpu_load(ids_ref.at[batch, pl.ds(start, n)], layout=layout, optimized=False)
 
 
-def _stream_kv(cfg, where, k_ref, v_ref, k_smem, v_smem, loaded, consumed):
+def _stream_kv(cfg, where, k_ref, v_ref, k_smem, v_smem, loaded, consumed, named_releases=False):
     """The producer warpgroup of the forward and `dq` kernels: key and value tiles `[clo, chi)`
     of `head`'s kv head into the ring, each slot reused once both compute warpgroups have
-    released it. `where`: `(batch, query head, clo, chi)`."""
+    released it (on its `consumed` mbarrier, or with `named_releases` on its named barrier:
+    `NAMED_RELEASE_BASE` + slot for keys, + stages + slot for values, the two compute
+    warpgroups arriving and this one waiting). `where`: `(batch, query head, clo, chi)`."""
     batch, head, clo, chi = where
     plgpu.set_max_registers(40, action="decrease")
     kv_head = lax.div(head, jnp.int32(cfg.groups))
@@ -171,11 +174,18 @@ def _stream_kv(cfg, where, k_ref, v_ref, k_smem, v_smem, loaded, consumed):
     def _(t):
         slot, reuse = lax.rem(t - clo, jnp.int32(stages)), t - clo >= stages
         rows = (batch, pl.ds(t * bk, bk), kv_head)
-        for ref, smem, ready, free in zip((k_ref, v_ref), (k_smem, v_smem), loaded, consumed, strict=True):
+        for i, (ref, smem, ready, free) in enumerate(
+            zip((k_ref, v_ref), (k_smem, v_smem), loaded, consumed, strict=True)
+        ):
 
             @pl.when(reuse)
-            def _(free=free):
-                plgpu.barrier_wait(free.at[slot])
+            def _(free=free, i=i):
+                if named_releases:
+                    named_barrier(
+                        "sync", NAMED_RELEASE_BASE + i * stages + slot, threads=COMPUTE_WGS * 128 + 128
+                    )
+                else:
+                    plgpu.barrier_wait(free.at[slot])
 
             plgpu.copy_gmem_to_smem(ref.at[rows], smem.at[slot], ready.at[slot])
 
