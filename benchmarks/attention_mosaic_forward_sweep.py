@@ -16,8 +16,9 @@ With `--variants`: per case, the shipped tiles (`tuned/nvidia_h200.json`, else t
 in the kernel's forms (`VARIANTS`): the default (JAX's rendezvous ping-pong), `handoff=True`
 (FA3's handoff), `nan_scores=True` (non-finite scores made NaN: what that part of the
 non-finite rule costs), the handoff on hardware named barriers, the ring's releases on them,
-both, the lean epilogue, and all three, their outputs compared with the default's (finite inputs: they should agree
-exactly) and timed in three interleaved rounds; writes `$OUT/sweep_mosaic_variants.json`.
+both, the lean epilogue, all three, and FA3's overlap inside a warpgroup (alone and on named
+barriers), their outputs compared with the default's (finite inputs: they should agree
+exactly, but for the overlap's other order of its sums) and timed in three interleaved rounds; writes `$OUT/sweep_mosaic_variants.json`.
 """
 
 from __future__ import annotations
@@ -100,6 +101,8 @@ VARIANTS = {
     "named_both": {"handoff": True, "named_barriers": True, "named_releases": True},
     "lean": {"lean": True},
     "named_both+lean": {"handoff": True, "named_barriers": True, "named_releases": True, "lean": True},
+    "overlap": {"handoff": True, "overlap": True},
+    "overlap+named_both": {"handoff": True, "overlap": True, "named_barriers": True, "named_releases": True},
 }
 
 

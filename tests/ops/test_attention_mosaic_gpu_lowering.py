@@ -173,12 +173,14 @@ def test_head_dim_256_backward_lowers_with_the_heuristics_tiles():
         ("documents | window", "handoff,named_barriers,named_releases,lean"),
         ("causal", "named_releases"),
         ("causal", "lean"),
+        ("causal", "handoff,overlap"),
+        ("documents | window", "handoff,overlap,named_barriers,named_releases"),
     ],
 )
 def test_the_forward_variants_lower(mask_name, variant):
     # the compute warpgroups' FA3-style handoff (a barrier each; on hardware named barriers),
     # beside the default rendezvous; the ring's releases on named barriers; non-finite scores
-    # made NaN in the kernel; the lean epilogue
+    # made NaN in the kernel; the lean epilogue; FA3's overlap inside a warpgroup
     q = jax.ShapeDtypeStruct((2, 600, 2, 128), jnp.bfloat16)
     mask = masks.Causal()
     if mask_name != "causal":

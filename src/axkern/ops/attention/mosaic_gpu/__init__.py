@@ -21,12 +21,14 @@ per score, before a soft cap), so its row's output and `lse` are NaN: the non-fi
 for `q` and `k`. Both agree with the default to the bit on an H200 and are slower there
 in seven of eight cases (handoff by 1-4 %, 2 % faster on packed documents; nan_scores by 1-25 %:
 `sweep_mosaic_variants.json`), so the
-default stays the rendezvous without them. Three more forms lower in CI and have not yet run
+default stays the rendezvous without them. Four more forms lower in CI and have not yet run
 on a GPU: `named_barriers=True` (with `handoff`), the handoff's signals as hardware named
 barriers (`bar.arrive` / `bar.sync`, one instruction per warp, as tokamax's faster kernel
 signals) rather than shared-memory mbarriers (128 arrivals each); `named_releases=True`, the
-ring's slots handed back to the producer on named barriers too; and `lean=True`, the epilogue
-waiting only for its copies to have read shared memory.
+ring's slots handed back to the producer on named barriers too; `lean=True`, the epilogue
+waiting only for its copies to have read shared memory; and `overlap=True` (with `handoff`),
+FA3's overlap inside a warpgroup: a turn issues tile t's `q kᵀ` and the previous tile's `p v`
+together and runs tile t's softmax under that `p v`.
 
 **Block-sparse schedule** (`schedule`, pure numpy, tested on the CPU against brute force).
 From the static mask's block kinds (`EMPTY` / `PARTIAL` / `FULL` per `block_q x block_kv`

@@ -77,6 +77,7 @@ def _kernel(
     named_barriers=False,
     named_releases=False,
     lean=False,
+    overlap=False,
 ):
     bq, bk, stages = cfg.block_q, cfg.block_kv, cfg.stages
     d = q_ref.shape[-1]
@@ -169,17 +170,9 @@ def _kernel(
         else:
             pl.when(wg == 1)(rendezvous)
 
-        def step(t, carry, masked):
-            acc, m_i, l_i = carry
-            slot = slot_of(t)
-
-            def qk_product(acc_ref):
-                plgpu.wgmma(acc_ref, qo_smem, k_smem.at[slot].transpose((1, 0)))
-                signal()
-                return acc_ref[...]
-
-            s = pl.run_scoped(qk_product, plgpu.ACC((bq, bk), jnp.float32))
-            free(0, slot)
+        def probs(s, m_i, t, masked):
+            """`(m_new, alpha, p)` of tile `t`'s scores `s` (float32, unscaled): the new running
+            max, the factor that rescales what came before, the probabilities in base 2."""
             if nan_scores:  # a non-finite score is NaN (before a soft cap's tanh): its row's output is
                 s = jnp.where(jnp.abs(s) < jnp.inf, s, jnp.nan)
             s, c, _ = base2_scores(s, cfg)  # s · c in base-2 units
@@ -194,6 +187,20 @@ def _kernel(
             m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
             alpha = jnp.exp2(m_i - m_use)
             p = jnp.exp2(times(s, c) - lax.broadcast_in_dim(m_use, s.shape, [0]))
+            return m_new, alpha, p
+
+        def step(t, carry, masked):
+            acc, m_i, l_i = carry
+            slot = slot_of(t)
+
+            def qk_product(acc_ref):
+                plgpu.wgmma(acc_ref, qo_smem, k_smem.at[slot].transpose((1, 0)))
+                signal()
+                return acc_ref[...]
+
+            s = pl.run_scoped(qk_product, plgpu.ACC((bq, bk), jnp.float32))
+            free(0, slot)
+            m_new, alpha, p = probs(s, m_i, t, masked)
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
             l_i = l_i * alpha
             p16 = p.astype(dtype)
@@ -226,11 +233,77 @@ def _kernel(
             wait_next(t)
             return carry
 
-        carry = (acc, m_i, l_i)
+        # `overlap` (FA3's overlap inside a warpgroup, with the handoff): a turn issues tile t's
+        # q kᵀ and then the previous tile's p v, signals the other warpgroup, waits for q kᵀ
+        # alone and runs tile t's softmax while p v still runs; the accumulator is rescaled once
+        # that p v is done, and the warpgroup waits for its next turn (each tile's turn a signal
+        # then a wait, as the default's). The first computed tile's turn multiplies zeros (by
+        # its own value tile, so nothing unloaded is read); one more turn after the computed
+        # tiles runs the last p v (every warpgroup takes it, so both walk the same number of
+        # turns), before the released tiles after them, as the producer may need that value
+        # tile's slot for one of theirs.
+        def ostep(t, carry, masked):
+            acc, m_i, l_i, p16, pslot, has = carry
+            slot = slot_of(t)
+            plgpu.barrier_wait(v_loaded.at[slot])  # this tile's values, multiplied next turn
+            vslot = jnp.where(has, pslot, slot)
+
+            def body(refs):
+                acc_ref, m_ref, l_ref, p_ref, alpha_ref = refs
+
+                def products(s_ref):
+                    plgpu.wgmma(s_ref, qo_smem, k_smem.at[slot].transpose((1, 0)))
+                    plgpu.wgmma(acc_ref, p16, v_smem.at[vslot])
+                    signal()
+                    return plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # q kᵀ only
+
+                s = pl.run_scoped(products, plgpu.ACC((bq, bk), jnp.float32))
+                free(0, slot)
+                m_new, alpha, p = probs(s, m_i, t, masked)
+                m_ref[...] = m_new
+                l_ref[...] = l_i * alpha + p.sum(axis=1)
+                p_ref[...] = p.astype(dtype)
+                alpha_ref[...] = alpha
+
+            acc, m_new, l_i, p16, alpha = pl.run_state(body)((plgpu.ACC.init(acc), m_i, l_i, p16, m_i))
+            pl.when(has)(lambda: free(1, pslot))
+            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+            wait_next(t)
+            wait_own()
+            return acc, m_new, l_i, p16, slot, jnp.bool_(True)
+
+        def last_turn(carry):
+            acc, m_i, l_i, p16, pslot, has = carry
+
+            def with_pv(acc):
+                def body(acc_ref):
+                    plgpu.wgmma(acc_ref, p16, v_smem.at[pslot])
+                    signal()
+
+                return pl.run_state(body)(plgpu.ACC.init(acc))
+
+            def without(acc):
+                signal()
+                return acc
+
+            acc = lax.cond(has, with_pv, without, acc)
+            pl.when(has)(lambda: free(1, pslot))
+            wait_own()
+            return acc, m_i, l_i
+
         lax.fori_loop(clo, lo, release, None)
-        carry = lax.fori_loop(lo, flo, functools.partial(step, masked=True), carry)
-        carry = lax.fori_loop(flo, fhi, functools.partial(step, masked=False), carry)
-        carry = lax.fori_loop(fhi, hi, functools.partial(step, masked=True), carry)
+        if overlap:
+            zeros16 = plgpu.layout_cast(jnp.zeros((bq, bk), dtype), plgpu.Layout.WGMMA)
+            carry = (acc, m_i, l_i, zeros16, jnp.int32(0), jnp.bool_(False))
+            carry = lax.fori_loop(lo, flo, functools.partial(ostep, masked=True), carry)
+            carry = lax.fori_loop(flo, fhi, functools.partial(ostep, masked=False), carry)
+            carry = lax.fori_loop(fhi, hi, functools.partial(ostep, masked=True), carry)
+            carry = last_turn(carry)
+        else:
+            carry = (acc, m_i, l_i)
+            carry = lax.fori_loop(lo, flo, functools.partial(step, masked=True), carry)
+            carry = lax.fori_loop(flo, fhi, functools.partial(step, masked=False), carry)
+            carry = lax.fori_loop(fhi, hi, functools.partial(step, masked=True), carry)
         lax.fori_loop(hi, chi, release, None)
         acc, m_i, l_i = carry
         pl.when(wg == 0)(signal)  # warpgroup 1's last turn
@@ -291,6 +364,7 @@ def forward(
     named_barriers=False,
     named_releases=False,
     lean=False,
+    overlap=False,
     out_lo=False,
 ):
     """`(out [B, Sq, H, D], lse [B, H, Sq] float32)` of the Mosaic GPU kernel; `sinks [H]`
@@ -302,14 +376,17 @@ def forward(
     rendezvous (`_kernel`); `nan_scores`, every visible score that is not finite made NaN, so
     its row's output and `lse` are NaN (the part of the non-finite rule that `q` and `k` need:
     a non-finite `v` of a masked key still reaches rows through `0 · NaN`, so the guard stays).
-    Three more, not yet run on a GPU: `named_barriers` (with `handoff`), the handoff's signals
+    Four more, not yet run on a GPU: `named_barriers` (with `handoff`), the handoff's signals
     on hardware named barriers (`bar.arrive` / `bar.sync`, as tokamax's kernel) rather than
     shared-memory mbarriers; `named_releases`, the ring's slots released to the producer on
     named barriers too (`tiles._stream_kv`); `lean`, the epilogue waiting only for its copies
     to have read shared memory and no shared memory kept for cross-warp reductions (the
-    forward's are within a warp)."""
-    if named_barriers and not handoff:
-        raise ValueError("named_barriers=True is a form of the handoff: pass handoff=True too")
+    forward's are within a warp). And `overlap` (with `handoff`): FA3's softmax of one tile
+    under the previous tile's `p v` in the same warpgroup (`_kernel`)."""
+    if (named_barriers or overlap) and not handoff:
+        raise ValueError(
+            "named_barriers=True and overlap=True are forms of the handoff: pass handoff=True too"
+        )
     if named_releases and NAMED_RELEASE_BASE + 2 * num_stages > NAMED_BARRIERS:
         raise ValueError(
             f"named_releases=True takes at most {(NAMED_BARRIERS - NAMED_RELEASE_BASE) // 2} stages"
@@ -349,6 +426,7 @@ def forward(
         named_barriers=named_barriers,
         named_releases=named_releases,
         lean=lean,
+        overlap=overlap,
     )
 
     def entry(*refs):
