@@ -18,7 +18,7 @@ in the kernel's forms (`VARIANTS`): the default (JAX's rendezvous ping-pong), `h
 non-finite rule costs), the handoff on hardware named barriers, the ring's releases on them,
 both, the lean epilogue, all three, and FA3's overlap inside a warpgroup (alone and on named
 barriers), their outputs compared with the default's (finite inputs: they should agree
-exactly, but for the overlap's other order of its sums) and timed in three interleaved rounds; writes `$OUT/sweep_mosaic_variants.json`.
+exactly) and timed in three interleaved rounds; writes `$OUT/sweep_mosaic_variants.json`.
 """
 
 from __future__ import annotations

@@ -347,7 +347,8 @@ def test_the_handoff_ping_pong_computes_what_the_rendezvous_does(mask_name, form
     # the same arithmetic in the same order: outputs and lse agree exactly (and the rendezvous
     # form is the one the oracle tests above check); the handoff on mbarriers or on hardware
     # named barriers, the ring's releases on named barriers, with the lean epilogue. The
-    # overlap adds each tile's p v before rescaling rather than after: to the output's rounding
+    # overlap runs the same sums in the same order a turn later; only a multiply-add contracted
+    # otherwise in the running sum could move an output by its rounding
     a = _inputs(11, 2, 700, 700, 4, 2, 128, "bfloat16")
     mask = (
         masks.Causal()

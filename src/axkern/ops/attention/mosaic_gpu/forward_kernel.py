@@ -236,24 +236,40 @@ def _kernel(
         # `overlap` (FA3's overlap inside a warpgroup, with the handoff): a turn issues tile t's
         # q kᵀ and then the previous tile's p v, signals the other warpgroup, waits for q kᵀ
         # alone and runs tile t's softmax while p v still runs; the accumulator is rescaled once
-        # that p v is done, and the warpgroup waits for its next turn (each tile's turn a signal
-        # then a wait, as the default's). The first computed tile's turn multiplies zeros (by
-        # its own value tile, so nothing unloaded is read); one more turn after the computed
-        # tiles runs the last p v (every warpgroup takes it, so both walk the same number of
-        # turns), before the released tiles after them, as the producer may need that value
-        # tile's slot for one of theirs.
+        # that p v is done, tile t's value tile is waited for (its p v is next turn's) and the
+        # warpgroup waits for its next turn: each tile's turn a signal then a wait, as the
+        # default's, and the same sums in the same order, one turn later. The first computed
+        # tile's turn has q kᵀ alone (masked: it may be a full tile); one more turn after the
+        # computed tiles runs the last p v (every warpgroup takes it, so both walk the same
+        # number of turns), before the released tiles after them, as the producer may need
+        # that value tile's slot for one of theirs.
+        def first_turn(carry):
+            acc, m_i, l_i, p16 = carry
+            slot = slot_of(lo)
+
+            def qk_product(s_ref):
+                plgpu.wgmma(s_ref, qo_smem, k_smem.at[slot].transpose((1, 0)))
+                signal()
+                return s_ref[...]
+
+            s = pl.run_scoped(qk_product, plgpu.ACC((bq, bk), jnp.float32))
+            free(0, slot)
+            m_new, alpha, p = probs(s, m_i, lo, True)  # (the accumulator is still zeros)
+            plgpu.barrier_wait(v_loaded.at[slot])
+            wait_next(lo)
+            wait_own()
+            return acc, m_new, l_i * alpha + p.sum(axis=1), p.astype(dtype)
+
         def ostep(t, carry, masked):
-            acc, m_i, l_i, p16, pslot, has = carry
-            slot = slot_of(t)
-            plgpu.barrier_wait(v_loaded.at[slot])  # this tile's values, multiplied next turn
-            vslot = jnp.where(has, pslot, slot)
+            acc, m_i, l_i, p16 = carry
+            slot, pslot = slot_of(t), slot_of(t - 1)
 
             def body(refs):
                 acc_ref, m_ref, l_ref, p_ref, alpha_ref = refs
 
                 def products(s_ref):
                     plgpu.wgmma(s_ref, qo_smem, k_smem.at[slot].transpose((1, 0)))
-                    plgpu.wgmma(acc_ref, p16, v_smem.at[vslot])
+                    plgpu.wgmma(acc_ref, p16, v_smem.at[pslot])
                     signal()
                     return plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # q kᵀ only
 
@@ -266,38 +282,42 @@ def _kernel(
                 alpha_ref[...] = alpha
 
             acc, m_new, l_i, p16, alpha = pl.run_state(body)((plgpu.ACC.init(acc), m_i, l_i, p16, m_i))
-            pl.when(has)(lambda: free(1, pslot))
+            free(1, pslot)
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+            plgpu.barrier_wait(v_loaded.at[slot])  # this tile's values, multiplied next turn
             wait_next(t)
             wait_own()
-            return acc, m_new, l_i, p16, slot, jnp.bool_(True)
+            return acc, m_new, l_i, p16
 
         def last_turn(carry):
-            acc, m_i, l_i, p16, pslot, has = carry
+            acc, m_i, l_i, p16 = carry
+            pslot = slot_of(hi - 1)
 
             def with_pv(acc):
                 def body(acc_ref):
                     plgpu.wgmma(acc_ref, p16, v_smem.at[pslot])
                     signal()
 
-                return pl.run_state(body)(plgpu.ACC.init(acc))
+                acc = pl.run_state(body)(plgpu.ACC.init(acc))
+                free(1, pslot)
+                return acc
 
             def without(acc):
                 signal()
                 return acc
 
-            acc = lax.cond(has, with_pv, without, acc)
-            pl.when(has)(lambda: free(1, pslot))
+            acc = lax.cond(hi > lo, with_pv, without, acc)
             wait_own()
             return acc, m_i, l_i
 
         lax.fori_loop(clo, lo, release, None)
         if overlap:
             zeros16 = plgpu.layout_cast(jnp.zeros((bq, bk), dtype), plgpu.Layout.WGMMA)
-            carry = (acc, m_i, l_i, zeros16, jnp.int32(0), jnp.bool_(False))
-            carry = lax.fori_loop(lo, flo, functools.partial(ostep, masked=True), carry)
-            carry = lax.fori_loop(flo, fhi, functools.partial(ostep, masked=False), carry)
-            carry = lax.fori_loop(fhi, hi, functools.partial(ostep, masked=True), carry)
+            carry = lax.cond(hi > lo, first_turn, lambda c: c, (acc, m_i, l_i, zeros16))
+            after = lo + 1  # the tiles after the first: [lo + 1, flo), then the full run, then the rest
+            carry = lax.fori_loop(after, flo, functools.partial(ostep, masked=True), carry)
+            carry = lax.fori_loop(jnp.maximum(flo, after), fhi, functools.partial(ostep, masked=False), carry)
+            carry = lax.fori_loop(jnp.maximum(fhi, after), hi, functools.partial(ostep, masked=True), carry)
             carry = last_turn(carry)
         else:
             carry = (acc, m_i, l_i)
