@@ -8,8 +8,9 @@
 #
 # OP is an op folder: attention, cross_entropy, fused_cross_entropy, mamba3, moe, moe_ep, short_conv, ssd;
 # `gpu.sh attention_peers` runs attention's GPU preset with `--peers` (tokamax); `gpu.sh attention_mosaic`
-# the Mosaic GPU kernels' tests, `attention_mosaic_forward_sweep.py --variants` and
-# `attention_mosaic_sweep.py --head-dim-256`;
+# the Mosaic GPU kernels' tests; `attention_mosaic_variants` the forward's forms' tests, then
+# `attention_mosaic_forward_sweep.py --variants`; `attention_mosaic_d256` `attention_mosaic_sweep.py
+# --head-dim-256`;
 # `gpu.sh fused_cross_entropy_dw` runs benchmarks/fused_cross_entropy_dw.py (the reduced loss's
 # dw accumulations at llama3's size: time, temporary memory, oracle rule, with the peers).
 # Wheels in an ignored `.whl/` folder (for a machine without network: whatever its image lacks
@@ -55,18 +56,19 @@ tests() {  # tests FILE: the op's GPU tests
 case "${1:-}" in
 attention) tests test_attention_gpu.py; tests test_attention_mosaic_gpu.py; bench attention h200 ;;
 attention_peers) BENCH_T=540 bench attention h200 --peers ;;  # beside tokamax's mosaic and cudnn
-attention_mosaic)  # the Mosaic GPU kernels: their GPU tests, then the forward's variants and head dim 256's backward timed
-  # the forward's variants against the default first, with a short limit (a barrier that never
-  # completes hangs its kernel); their timing only where they all passed
+attention_mosaic)  # the Mosaic GPU kernels' GPU tests (four processes share the GPU; memory grows as needed)
+  step 420 gpu_tests_attention_mosaic_gpu env XLA_PYTHON_CLIENT_PREALLOCATE=false $gpu_tests -n 4 tests/gpu/test_attention_mosaic_gpu.py
+  ;;
+attention_mosaic_variants)  # the forward's forms: against the default first, under a short limit (a
+  # barrier that never completes hangs its kernel), then timed only where they all passed
   step 150 gpu_tests_attention_mosaic_variants $gpu_tests tests/gpu/test_attention_mosaic_gpu.py -k ping_pong
-  variants_rc=$(tail -n 1 "$R/steps.txt" | sed 's/.* rc=\([0-9]*\).*/\1/')
-  # four test processes share the GPU (each compiles its own kernels; memory grows as needed)
-  step 420 gpu_tests_attention_mosaic_gpu env XLA_PYTHON_CLIENT_PREALLOCATE=false $gpu_tests -n 4 tests/gpu/test_attention_mosaic_gpu.py -k "not ping_pong"
-  if [ "$variants_rc" = 0 ]; then
+  if [ "$(tail -n 1 "$R/steps.txt" | sed 's/.* rc=\([0-9]*\).*/\1/')" = 0 ]; then
     step 420 sweep_mosaic_variants env OUT="$R" python3 benchmarks/attention_mosaic_forward_sweep.py --variants
   else
     echo "sweep_mosaic_variants skipped: the variants' tests did not pass" | tee -a "$R/steps.txt"
   fi
+  ;;
+attention_mosaic_d256)  # head dim 256's backward: the Mosaic kernels beside pallas_gpu's tilings and cuDNN
   step 300 sweep_mosaic_backward_d256 env OUT="$R" python3 benchmarks/attention_mosaic_sweep.py --head-dim-256
   ;;
 cross_entropy) bench cross_entropy llama3 ;;
@@ -93,7 +95,7 @@ tune)
   ;;
 list) $axkern bench --list-presets ;;
 *)
-  echo "usage: gpu.sh attention|attention_peers|attention_mosaic|cross_entropy|fused_cross_entropy|fused_cross_entropy_dw|mamba3|moe|moe_ep|short_conv|ssd|list, or gpu.sh tune OP [args]"
+  echo "usage: gpu.sh attention|attention_peers|attention_mosaic|attention_mosaic_variants|attention_mosaic_d256|cross_entropy|fused_cross_entropy|fused_cross_entropy_dw|mamba3|moe|moe_ep|short_conv|ssd|list, or gpu.sh tune OP [args]"
   exit 2
   ;;
 esac
