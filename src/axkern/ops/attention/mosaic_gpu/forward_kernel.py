@@ -189,9 +189,9 @@ def _kernel(
             p = jnp.exp2(times(s, c) - lax.broadcast_in_dim(m_use, s.shape, [0]))
             return m_new, alpha, p
 
-        def step(t, carry, masked):
-            acc, m_i, l_i = carry
-            slot = slot_of(t)
+        def scores(slot):
+            """`q kᵀ` of the key tile in `slot` alone (the other warpgroup signalled once it is
+            issued), then the slot's key tile released."""
 
             def qk_product(acc_ref):
                 plgpu.wgmma(acc_ref, qo_smem, k_smem.at[slot].transpose((1, 0)))
@@ -200,7 +200,12 @@ def _kernel(
 
             s = pl.run_scoped(qk_product, plgpu.ACC((bq, bk), jnp.float32))
             free(0, slot)
-            m_new, alpha, p = probs(s, m_i, t, masked)
+            return s
+
+        def step(t, carry, masked):
+            acc, m_i, l_i = carry
+            slot = slot_of(t)
+            m_new, alpha, p = probs(scores(slot), m_i, t, masked)
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
             l_i = l_i * alpha
             p16 = p.astype(dtype)
@@ -246,15 +251,7 @@ def _kernel(
         def first_turn(carry):
             acc, m_i, l_i, p16 = carry
             slot = slot_of(lo)
-
-            def qk_product(s_ref):
-                plgpu.wgmma(s_ref, qo_smem, k_smem.at[slot].transpose((1, 0)))
-                signal()
-                return s_ref[...]
-
-            s = pl.run_scoped(qk_product, plgpu.ACC((bq, bk), jnp.float32))
-            free(0, slot)
-            m_new, alpha, p = probs(s, m_i, lo, True)  # (the accumulator is still zeros)
+            m_new, alpha, p = probs(scores(slot), m_i, lo, True)  # (the accumulator is still zeros)
             plgpu.barrier_wait(v_loaded.at[slot])
             wait_next(lo)
             wait_own()
