@@ -219,8 +219,14 @@ def test_backward_refuses_pallas_gpus_warps_and_tiles_that_do_not_fit():
     # two stages do not fit at head dim 256; the message names the range
     why = mosaic_gpu.check_backward(masks.Causal(), dataclasses.replace(bs, num_stages_dkv=2), 256)
     assert why is not None and "shared memory" in why
+    bs = mosaic_gpu_heuristic(_spec(d=128))
     why = mosaic_gpu.check_backward(masks.Causal(), dataclasses.replace(bs, num_stages_dq=5), 128)
-    assert "2 to 4" in why
+    assert "num_stages_dq=5" in why and "2 to 4" in why
+    # a zero is refused, not taken for the default (the forward's stages too)
+    why = mosaic_gpu.check_backward(masks.Causal(), dataclasses.replace(bs, num_stages_dkv=0), 128)
+    assert "num_stages_dkv=0" in why
+    with pytest.raises(axkern.Unsupported, match="num_stages=0"):
+        mosaic_gpu.check(masks.Causal(), dataclasses.replace(bs, num_stages=0), 128)
 
 
 def test_dispatch_on_cpu_skips_it_with_the_reason():

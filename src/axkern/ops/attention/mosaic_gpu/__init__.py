@@ -225,7 +225,9 @@ def supports(spec) -> str | None:
 
 def _blocks(block_sizes) -> dict:
     return dict(
-        block_q=block_sizes.block_q, block_kv=block_sizes.block_kv, num_stages=block_sizes.num_stages or 2
+        block_q=block_sizes.block_q,
+        block_kv=block_sizes.block_kv,
+        num_stages=2 if block_sizes.num_stages is None else block_sizes.num_stages,
     )
 
 

@@ -41,7 +41,11 @@ def backward_blocks(block_sizes, head_dim: int = 128) -> tuple[tuple[int, int, i
     the `*_dq`, `*_dkv` fields, where `None` the heuristic's (`dq` 64 x 128, `dk, dv` 64 x 64,
     two stages each; above head dim 128 64 x 64 each with one stage, all that fits there)."""
     wide = head_dim > SPLIT_ABOVE
-    pick = lambda name, f, default: getattr(block_sizes, f"{f}_{name}", None) or default  # noqa: E731
+
+    def pick(name, f, default):  # a field left None takes the default; any other value is checked
+        value = getattr(block_sizes, f"{f}_{name}", None)
+        return default if value is None else value
+
     return tuple(
         (pick(n, "block_q", 64), pick(n, "block_kv", kv), pick(n, "num_stages", 1 if wide else 2))
         for n, kv in (("dq", 64 if wide else 128), ("dkv", 64))
