@@ -80,6 +80,34 @@ def chunked(x, dt, A, B, C, q, kinds):
     return y, state
 
 
+def _inputs(length, heads, p, n, seed):
+    """`(x, dt, A, B, C)` as the kernels see them (bf16 values for `x`, `B`, `C`; float32 `dt`,
+    `A`), and the generator for what follows."""
+    rng = np.random.default_rng(seed)
+    x = bf16(rng.standard_normal((length, heads, p)))
+    dt = f32(np.log1p(np.exp(rng.standard_normal((length, heads)) - 2)))  # softplus: about 0.1
+    A = f32(-np.exp(rng.uniform(0, 1.5, heads)))
+    B = bf16(rng.standard_normal((length, n)) * (2 / np.sqrt(n)))
+    C = bf16(rng.standard_normal((length, n)) * (2 / np.sqrt(n)))
+    return (x, dt, A, B, C), rng
+
+
+def _bound(ref32, oracle):
+    """The oracle rule's bound for bf16 inputs."""
+    return 2 * np.abs(ref32 - oracle).max() + 2e-3 * np.abs(oracle).max()
+
+
+def _row(what, case, q, form, kinds, **fields):
+    return dict(
+        what=what,
+        case="L={} H={} P={} N={} seed {}".format(*case),
+        chunk=q,
+        form=form,
+        operands=kinds,
+        **fields,
+    )
+
+
 PRODUCTS = ("C·Bᵀ", "M·x", "C·S_inᵀ", "(w∘x)ᵀ·B")
 FORMS = {
     "tf32 everywhere": dict.fromkeys(PRODUCTS, "tf32"),
@@ -193,14 +221,8 @@ GRAD_CASES = [(512, 2, 64, 64, 1, 64), (1024, 2, 64, 128, 0, 128)]  # ..., seed,
 def gradients():
     rows = []
     for length, heads, p, n, seed, q in GRAD_CASES:
-        rng = np.random.default_rng(seed)
-        x = bf16(rng.standard_normal((length, heads, p)))
-        dt = f32(np.log1p(np.exp(rng.standard_normal((length, heads)) - 2)))
-        A = f32(-np.exp(rng.uniform(0, 1.5, heads)))
-        B = bf16(rng.standard_normal((length, n)) * (2 / np.sqrt(n)))
-        C = bf16(rng.standard_normal((length, n)) * (2 / np.sqrt(n)))
+        inputs, rng = _inputs(length, heads, p, n, seed)
         cot_y, cot_s = rng.standard_normal((length, heads, p)), rng.standard_normal((heads, p, n))
-        inputs = (x, dt, A, B, C)
         grads = {}
         for dtype in (jnp.float64, jnp.float32):
 
@@ -223,17 +245,9 @@ def gradients():
             got = jax.jit(jax.grad(loss, argnums=range(5)))(*(jnp.asarray(v) for v in inputs))
             ratios = {}
             for name, g, r, o in zip(("dx", "ddt", "dA", "dB", "dC"), got, ref32, oracle, strict=True):
-                bound = 2 * np.abs(r - o).max() + 2e-3 * np.abs(o).max()
-                ratios[name] = float(np.abs(np.asarray(g) - o).max() / bound)
-            row = dict(
-                what="gradients",
-                case=f"L={length} H={heads} P={p} N={n} seed {seed}",
-                chunk=q,
-                form=form,
-                operands=kinds,
-                err_over_bound=ratios,
-                ok=all(v <= 1 for v in ratios.values()),
-            )
+                ratios[name] = float(np.abs(np.asarray(g) - o).max() / _bound(r, o))
+            ok = all(v <= 1 for v in ratios.values())
+            row = _row("gradients", (length, heads, p, n, seed), q, form, kinds, err_over_bound=ratios, ok=ok)
             rows.append(row)
             print(
                 f"{row['case']} Q={q:3d} {form:60s} "
@@ -246,12 +260,7 @@ def gradients():
 def main():
     rows = []
     for length, heads, p, n, seed in CASES:
-        rng = np.random.default_rng(seed)
-        x = bf16(rng.standard_normal((length, heads, p)))
-        dt = f32(np.log1p(np.exp(rng.standard_normal((length, heads)) - 2)))  # softplus: about 0.1
-        A = f32(-np.exp(rng.uniform(0, 1.5, heads)))
-        B = bf16(rng.standard_normal((length, n)) * (2 / np.sqrt(n)))
-        C = bf16(rng.standard_normal((length, n)) * (2 / np.sqrt(n)))
+        (x, dt, A, B, C), _ = _inputs(length, heads, p, n, seed)
 
         args = (x[None], dt[None], A, B[None, :, None], C[None, :, None])
         refs = []
@@ -261,18 +270,17 @@ def main():
             )
             refs.append((np.asarray(y, np.float64)[0], np.asarray(s, np.float64)[0]))
         (y64, s64), (y32, s32) = refs
-        bound_y = 2 * np.abs(y32 - y64).max() + 2e-3 * np.abs(y64).max()
-        bound_s = 2 * np.abs(s32 - s64).max() + 2e-3 * np.abs(s64).max()
+        bound_y, bound_s = _bound(y32, y64), _bound(s32, s64)
         for q in CHUNKS:
             for form, kinds in FORMS.items():
                 y, s = chunked(x, dt, A, B, C, q, kinds)
                 err_y, err_s = float(np.abs(y - y64).max()), float(np.abs(s - s64).max())
-                row = dict(
-                    what="forward",
-                    case=f"L={length} H={heads} P={p} N={n} seed {seed}",
-                    chunk=q,
-                    form=form,
-                    operands=kinds,
+                row = _row(
+                    "forward",
+                    (length, heads, p, n, seed),
+                    q,
+                    form,
+                    kinds,
                     y_err=err_y,
                     y_bound=float(bound_y),
                     y_rel=err_y / float(np.abs(y64).max()),
