@@ -21,6 +21,7 @@ __all__ = [
     "pallas_tpu_heuristic",
     "pallas_tpu_space",
     "mosaic_gpu_heuristic",
+    "mosaic_gpu_backward_tiles",
     "mosaic_gpu_space",
     "mosaic_gpu_smem_bytes",
     "mosaic_gpu_dq_smem_bytes",
@@ -252,13 +253,21 @@ def mosaic_gpu_heuristic(spec: Spec) -> AttentionBlockSizes:
     them: `--head-dim-256`)."""
     d = max(spec.dim("head_dim"), spec.dim("v_dim"))
     fwd = dict(block_q=64, block_kv=128 if d <= 128 else 64, num_warps=None, num_stages=2)
-    tiles = {"dq": (64, 128, 2), "dkv": (64, 64, 2)} if d <= 128 else {"dq": (64, 64, 1), "dkv": (64, 64, 1)}
     back = {
         f"{f}_{name}": value
-        for name, tile in tiles.items()
+        for name, tile in mosaic_gpu_backward_tiles(d).items()
         for f, value in zip(("block_q", "block_kv", "num_stages"), tile, strict=True)
     }
     return AttentionBlockSizes(**fwd, **back)
+
+
+def mosaic_gpu_backward_tiles(head_dim: int) -> dict[str, tuple[int, int, int]]:
+    """The Mosaic GPU backward kernels' tiles, `{"dq": ..., "dkv": ...}` as `(block_q, block_kv,
+    num_stages)`, where the block sizes leave them out (`mosaic_gpu_heuristic`'s backward fields):
+    `mosaic_gpu_heuristic`'s docstring says where they come from."""
+    if head_dim <= 128:
+        return {"dq": (64, 128, 2), "dkv": (64, 64, 2)}
+    return {"dq": (64, 64, 1), "dkv": (64, 64, 1)}
 
 
 def mosaic_gpu_space(spec: Spec) -> list[AttentionBlockSizes]:

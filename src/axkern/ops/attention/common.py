@@ -208,10 +208,9 @@ def prepare(mask, block_sizes, scale, logits_soft_cap, interpret, per_kernel=Fal
 
 def flash_vjp(forward, backward):
     """The `custom_vjp` both backends wrap their kernels in: `forward(cfg, q, k, v, sinks,
-    seg_ids, mask, *, lo) -> (o [B, H, Sqp, Dv], lse, lo or None)` (`lo`: whether to write what
-    rounding `o` lost; asked for the residuals when there are sinks and `o` has 16 bits,
-    `unrounded`) and
-    `backward(cfg, mask, residuals, d_out)`."""
+    seg_ids, mask, *, lo) -> (o [B, H, Sqp, Dv], lse, lo or None)` and `backward(cfg, mask,
+    residuals, d_out)`. `lo`: whether the forward also writes what rounding `o` lost, asked for
+    the residuals when there are sinks and `o` has 16 bits (`unrounded`)."""
 
     @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 6))
     def fn(cfg, q, k, v, sinks, seg_ids, mask):
@@ -219,9 +218,8 @@ def flash_vjp(forward, backward):
         return jnp.swapaxes(o, 1, 2)[:, : q.shape[1]]
 
     def fwd(cfg, q, k, v, sinks, seg_ids, mask):
-        # (float32 outputs lose nothing to their rounding)
-        lo = sinks is not None and jnp.dtype(q.dtype).itemsize < 4
-        o, lse, lo = forward(cfg, q, k, v, sinks, seg_ids, mask, lo=lo)
+        want_lo = sinks is not None and jnp.dtype(q.dtype).itemsize < 4  # float32 loses nothing
+        o, lse, lo = forward(cfg, q, k, v, sinks, seg_ids, mask, lo=want_lo)
         return jnp.swapaxes(o, 1, 2)[:, : q.shape[1]], (q, k, v, sinks, seg_ids, o, lse, lo)
 
     fn.defvjp(fwd, backward)

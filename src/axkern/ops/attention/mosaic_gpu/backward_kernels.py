@@ -13,7 +13,12 @@ from axkern.core.blocks import cdiv
 from axkern.core.compat import mosaic_gpu_load
 from axkern.core.op import Unsupported
 
-from ..blocks import MOSAIC_GPU_SMEM, mosaic_gpu_dkv_smem_bytes, mosaic_gpu_dq_smem_bytes
+from ..blocks import (
+    MOSAIC_GPU_SMEM,
+    mosaic_gpu_backward_tiles,
+    mosaic_gpu_dkv_smem_bytes,
+    mosaic_gpu_dq_smem_bytes,
+)
 from .schedules import COMPUTE_WGS, CTA_HI, CTA_LO, lower, operands, schedule_table
 from .tiles import (
     LOG2E,
@@ -38,17 +43,17 @@ SPLIT_ABOVE = 128
 
 def backward_blocks(block_sizes, head_dim: int = 128) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
     """`((block_q, block_kv, num_stages) of dq, (block_q, block_kv, num_stages) of dk, dv)`:
-    the `*_dq`, `*_dkv` fields, where `None` the heuristic's (`dq` 64 x 128, `dk, dv` 64 x 64,
-    two stages each; above head dim 128 64 x 64 each with one stage, all that fits there)."""
-    wide = head_dim > SPLIT_ABOVE
+    the `*_dq`, `*_dkv` fields, each left `None` taken from `mosaic_gpu_backward_tiles` (the
+    heuristic's); any other value is checked as given."""
+    defaults = mosaic_gpu_backward_tiles(head_dim)
 
-    def pick(name, f, default):  # a field left None takes the default; any other value is checked
+    def pick(name, i, f):
         value = getattr(block_sizes, f"{f}_{name}", None)
-        return default if value is None else value
+        return defaults[name][i] if value is None else value
 
     return tuple(
-        (pick(n, "block_q", 64), pick(n, "block_kv", kv), pick(n, "num_stages", 1 if wide else 2))
-        for n, kv in (("dq", 64 if wide else 128), ("dkv", 64))
+        tuple(pick(name, i, f) for i, f in enumerate(("block_q", "block_kv", "num_stages")))
+        for name in ("dq", "dkv")
     )
 
 
