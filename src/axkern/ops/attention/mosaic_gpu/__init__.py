@@ -59,7 +59,8 @@ there).
 
 **Cost.** `4 · B · H · D` FLOPs per visible (query, key) pair, tensor-core bound at these sizes;
 `k`, `v` read once per query block that sees them (GQA: once per query head; L2 serves the
-group).
+group); `q` read and `out` written once (with sinks, for the backward, `lo` written too: one
+more output's bytes), `lse` 4 bytes a row.
 
 **Non-finite input.** `p v` multiplies a masked entry's `p = 0` by `v`, so a NaN in `v`
 would reach rows that cannot see its key: the registered implementation serves inputs holding

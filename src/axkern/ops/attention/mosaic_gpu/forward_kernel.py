@@ -12,6 +12,7 @@ from jax import lax
 from axkern.core.blocks import cdiv
 from axkern.core.op import Unsupported
 
+from .. import common
 from ..blocks import MOSAIC_GPU_SMEM, mosaic_gpu_smem_bytes
 from .schedules import COMPUTE_WGS, CTA_HI, CTA_LO, lower, operands, schedule_table
 from .tiles import (
@@ -339,9 +340,10 @@ def _kernel(
         inv = jnp.where(seen, 1.0 / jnp.where(seen, l_i, 1.0), 0.0)
         acc = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
         lse = jnp.where(seen, m_i * math.log(2.0) + jnp.log(jnp.where(seen, l_i, 1.0)), -jnp.inf)
-        out = acc.astype(dtype)
         if lo_ref is not None:  # what rounding lost: `out + lo` is the output to about 16 bits more
-            lo = (acc - out.astype(jnp.float32)).astype(dtype)
+            out, lo = common.rounding_lost(acc, dtype)
+        else:
+            out = acc.astype(dtype)
         qo_smem[...] = out
         lse_smem[...] = lse
         plgpu.commit_smem()
