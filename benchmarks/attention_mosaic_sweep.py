@@ -5,10 +5,10 @@ each gradient's largest difference from cuDNN's relative to cuDNN's largest (a s
 oracle rule is the GPU tests'). Median of three interleaved rounds of 5 repeats.
 
 Run on a CUDA machine from the repository root: `OUT=<folder> python3 benchmarks/attention_mosaic_sweep.py`
-(writes `sweep_mosaic_backward.json`). With `--head-dim-256`: the head dim 256 backward, which
-is `pallas_gpu`'s Triton `dq` and `dk, dv` kernels on the Mosaic forward's residuals, for each
-of `TILES_256` (block_q, block_kv, warps, stages per kernel), causal H32 (writes
-`sweep_mosaic_backward_d256.json`)."""
+(writes `sweep_mosaic_backward.json`). With `--head-dim-256`: the head dim 256 backward, the
+Mosaic kernels' one tiling beside `pallas_gpu`'s Triton `dq` and `dk, dv` kernels on the Mosaic
+forward's residuals for each of `TILES_256` (block_q, block_kv, warps, stages per kernel),
+causal H32 (writes `sweep_mosaic_backward_d256.json`)."""
 
 from __future__ import annotations
 
@@ -89,7 +89,7 @@ def attend(q, k, v, *, bs, mask, scale):
     warps; at head dim 256 `dq`, then `dv` and `dk` in two launches), else `pallas_gpu`'s."""
     backward = None
     if bs.num_warps_dq is not None:
-        # as the registered implementation hands them: the forward fields repeat dq's (the padding)
+        # pallas_gpu.backward's block sizes: the forward fields repeat dq's (they set the padding)
         back = dataclasses.replace(
             bs,
             block_q=bs.block_q_dq,
