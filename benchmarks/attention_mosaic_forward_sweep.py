@@ -18,7 +18,12 @@ in the kernel's forms (`VARIANTS`): the default (JAX's rendezvous ping-pong), `h
 non-finite rule costs), the handoff on hardware named barriers, the ring's releases on them,
 both, the lean epilogue, all three, and FA3's overlap inside a warpgroup (alone and on named
 barriers), their outputs compared with the default's (finite inputs: they should agree
-exactly) and timed in three interleaved rounds; writes `$OUT/sweep_mosaic_variants.json`.
+exactly) and timed in nine rounds, the forms in a fresh random order each round (3 repeats a
+form a round). The default is compiled and timed twice (`default (again)`): the spread between
+the two is the noise floor a form's difference must clear. Each row has the median of all its
+samples and `ratio_to_default`, the median over rounds of its time over the default's in the same
+round (under 1: faster). `--forms a,b,...` times only those forms (with the default's two).
+Writes `$OUT/sweep_mosaic_variants.json`.
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ import dataclasses
 import datetime
 import json
 import os
+import random
+import statistics
 import sys
 
 import jax
@@ -106,8 +113,11 @@ VARIANTS = {
 }
 
 
-def variants():
+def variants(forms=None):
     out = os.path.join(os.environ.get("OUT", "."), "sweep_mosaic_variants.json")
+    chosen = {"default": {}, "default (again)": {}}
+    chosen |= {f: VARIANTS[f] for f in (forms or VARIANTS) if f != "default"}
+    order = random.Random(0)
     rows = []
     for name, (kvh, d, mask_name) in CASES.items():
         mask = _mask(mask_name)
@@ -121,7 +131,7 @@ def variants():
                     q, k, v, mask, scale=d**-0.5, **tiles, **opts
                 )[0]
             )
-            for form, opts in VARIANTS.items()
+            for form, opts in chosen.items()
         }
         label = f"{bs.block_q}x{bs.block_kv}x{bs.num_stages}"
         outs = {}
@@ -133,30 +143,47 @@ def variants():
                 row = dict(case=name, tiles=label, form=form, error=f"{type(e).__name__}: {str(e)[:300]}")
                 rows.append(row)
                 print(row, flush=True)
-        times = {form: [] for form in fns}
-        for _ in range(3):
-            for form, fn in fns.items():
-                times[form].append(time_spread(fn, (q, k, v), repeats=5))
-        for form, t in times.items():
+        samples = {form: [] for form in fns}  # every repeat's time
+        rounds = {form: [] for form in fns}  # each round's median
+        for _ in range(9):
+            names = list(fns)
+            order.shuffle(names)
+            for form in names:
+                lo, med, hi = time_spread(fns[form], (q, k, v), repeats=3)
+                samples[form] += [lo, med, hi]
+                rounds[form].append(med)
+        for form, t in samples.items():
+            ratio = None
+            if "default" in rounds:
+                ratio = statistics.median(a / b for a, b in zip(rounds[form], rounds["default"], strict=True))
             row = dict(
                 case=name,
                 tiles=label,
                 form=form,
-                median_ms=sorted(x[1] for x in t)[1],
-                min_ms=min(x[0] for x in t),
-                max_ms=max(x[2] for x in t),
+                median_ms=statistics.median(t),
+                min_ms=min(t),
+                max_ms=max(t),
+                ratio_to_default=ratio,
                 max_abs_diff_vs_default=(
                     float(jnp.max(jnp.abs(outs[form] - outs["default"]))) if "default" in outs else None
                 ),
             )
             rows.append(row)
             print(row, flush=True)
-        _write(out, COMMAND + " --variants", name, rows=rows)
+        _write(
+            out, COMMAND + " --variants" + (f" --forms {','.join(forms)}" if forms else ""), name, rows=rows
+        )
 
 
 def main():
     if "--variants" in sys.argv[1:]:
-        return variants()
+        forms = None
+        if "--forms" in sys.argv[1:]:
+            forms = sys.argv[sys.argv.index("--forms") + 1].split(",")
+            unknown = sorted(set(forms) - set(VARIANTS))
+            if unknown:
+                sys.exit(f"unknown forms {unknown}: the forms are {sorted(VARIANTS)}")
+        return variants(forms)
     out = os.path.join(os.environ.get("OUT", "."), "sweep_mosaic_forward.json")
     rows, entries = [], []
     for name, (kvh, d, mask_name) in CASES.items():

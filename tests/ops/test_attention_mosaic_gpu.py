@@ -212,6 +212,47 @@ def test_heuristic_and_space_fit_shared_memory():
             mosaic_gpu.check(masks.Causal(), c, d)
 
 
+def test_ping_pong_is_the_overlap_where_it_was_faster_and_bad_forms_refuse():
+    # the heuristic: the overlap from head dim 128 up under a causal mask or none, else the rendezvous
+    for d, kind, want in [
+        (128, "causal", "overlap"),
+        (256, "causal", "overlap"),
+        (128, "full", "overlap"),
+        (64, "causal", "rendezvous"),
+        (128, "window", "rendezvous"),
+        (128, "documents", "rendezvous"),
+        (256, "prefix", "rendezvous"),
+    ]:
+        assert mosaic_gpu_heuristic(_spec(d=d, mask_kind=kind)).ping_pong == want, (d, kind)
+    # the space holds both forms of each tile
+    space = mosaic_gpu_space(_spec(d=128, mask_kind="causal"))
+    tiles = {(c.block_q, c.block_kv, c.num_stages) for c in space}
+    got = {(c.block_q, c.block_kv, c.num_stages, c.ping_pong) for c in space}
+    assert len(tiles) >= 4 and got == {(*t, f) for t in tiles for f in ("rendezvous", "overlap")}
+    # each form's flags for the forward; None is the rendezvous
+    flags = {
+        f: mosaic_gpu.forward_flags(AttentionBlockSizes(ping_pong=f))
+        for f in (None, "rendezvous", "handoff", "overlap")
+    }
+    assert flags == {
+        None: {},
+        "rendezvous": {},
+        "handoff": {"handoff": True},
+        "overlap": {"handoff": True, "overlap": True},
+    }
+    bad = AttentionBlockSizes(block_q=64, block_kv=128, num_stages=2, ping_pong="pingpong")
+    assert "ping_pong must be one of 'rendezvous', 'handoff', 'overlap'" in bad.validate()
+    with pytest.raises(axkern.Unsupported, match="ping_pong='pingpong'"):
+        mosaic_gpu.check(masks.Causal(), bad, 128)
+    # the shipped table: the overlap where the variant sweep timed it faster, each entry valid
+    from axkern.core.blocks import load_table
+
+    for e in load_table("axkern.ops.attention", "nvidia_h200"):
+        if e["implementation"] == "mosaic_gpu":
+            bs = AttentionBlockSizes.from_dict(e["block_sizes"])
+            assert bs.validate() is None and bs.ping_pong in ("rendezvous", "overlap"), e["bucket"]
+
+
 def test_backward_refuses_pallas_gpus_warps_and_tiles_that_do_not_fit():
     bs = mosaic_gpu_heuristic(_spec(d=256))
     why = mosaic_gpu.check_backward(masks.Causal(), dataclasses.replace(bs, num_warps_dq=8), 256)

@@ -100,7 +100,8 @@ def test_forward_and_both_backward_kernels_lower_for_cuda(name):
 
 @pytest.mark.parametrize("d", [64, 128, 256])
 def test_every_forward_tile_candidate_lowers(d):
-    # the tuning space (and so the shipped table's tiles) at each head dim, causal
+    # the tuning space (and so the shipped table's tiles) at each head dim, causal, each tile in
+    # the rendezvous and the overlap ping-pong
     spec = _spec(d=d)
     q = jax.ShapeDtypeStruct((1, 512, 2, d), jnp.bfloat16)
     for c in mosaic_gpu_space(spec):
@@ -115,6 +116,7 @@ def test_every_forward_tile_candidate_lowers(d):
                 block_q=c.block_q,
                 block_kv=c.block_kv,
                 num_stages=c.num_stages,
+                **mosaic_gpu.forward_flags(c),
             )[0]
 
         assert _kernels(_lowered(f, q, q, q)) == 1, c

@@ -4,6 +4,8 @@ heuristic and the space of candidates `axkern tune` sweeps for it."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
+from typing import ClassVar
 
 import jax.numpy as jnp
 
@@ -21,6 +23,7 @@ __all__ = [
     "pallas_tpu_heuristic",
     "pallas_tpu_space",
     "mosaic_gpu_heuristic",
+    "mosaic_gpu_ping_pong",
     "mosaic_gpu_backward_tiles",
     "mosaic_gpu_space",
     "mosaic_gpu_smem_bytes",
@@ -45,9 +48,14 @@ class AttentionBlockSizes(BlockSizes):
     per key block (`dk`, `dv`); a `None` there takes the forward's value. `pallas_tpu`, `xla`
     use `block_q`, `block_kv` for every pass. `mosaic_gpu` reads `block_q` (query rows per
     compute warpgroup; a block holds two), `block_kv` and `num_stages` (the depth of its
-    shared-memory ring of key and value tiles) for its forward, and the `*_dq`, `*_dkv`
-    `block_q`, `block_kv`, `num_stages` for its backward kernels (above head dim 128, where it
-    has none, all four for the `pallas_gpu` backward kernels it uses instead)."""
+    shared-memory ring of key and value tiles) and `ping_pong` (how its two compute warpgroups
+    share the tensor cores: `"rendezvous"`, both meeting after each `q kᵀ` and before each `p v`,
+    as JAX's example kernel; `"handoff"`, FA3's handoff, a barrier each; `"overlap"`, the handoff
+    with FA3's overlap inside a warpgroup, one tile's softmax under the previous tile's `p v`;
+    `None`: the rendezvous) for its forward, and the `*_dq`, `*_dkv` `block_q`, `block_kv`,
+    `num_stages` for its backward kernels."""
+
+    choices: ClassVar[Mapping[str, tuple[str, ...]]] = {"ping_pong": ("rendezvous", "handoff", "overlap")}
 
     block_q: int = 128
     block_kv: int = 128
@@ -61,6 +69,7 @@ class AttentionBlockSizes(BlockSizes):
     block_kv_dkv: int | None = None
     num_warps_dkv: int | None = None
     num_stages_dkv: int | None = None
+    ping_pong: str | None = None
 
     def kernel(self, name: str) -> AttentionBlockSizes:
         """The forward's four fields for kernel `name` (`"fwd"`, `"dq"` or `"dkv"`), a `None`
@@ -241,10 +250,24 @@ def mosaic_gpu_dkv_smem_bytes(
     return tiles + _MOSAIC_GPU_SMEM_EXTRA
 
 
+def mosaic_gpu_ping_pong(spec: Spec) -> str:
+    """The forward's `ping_pong` (`AttentionBlockSizes`): `"overlap"` from head dim 128 up under
+    a causal mask or none, else `"rendezvous"`. Timed at B2 S8192 H32 bf16 on an H200 against the
+    rendezvous in the same rounds (`sweep_mosaic_variants.json`, noise floor about 1 %), the
+    overlap took 0.93 of its time causal at head dim 128, 0.96 with no mask, 0.97 causal with GQA
+    32/8 and 0.96 causal at 256, but 1.04 causal and 1.32 with no mask at 64 (its 64 x 256 tiles)
+    and 1.03 under a 1024 window, 1.11 on 1024-token documents (rows with few key tiles: the
+    overlap's first and last turns run alone)."""
+    d = max(spec.dim("head_dim"), spec.dim("v_dim"))
+    kind = spec.flag("mask_kind") or "full"
+    return "overlap" if d >= 128 and kind in ("causal", "full") else "rendezvous"
+
+
 def mosaic_gpu_heuristic(spec: Spec) -> AttentionBlockSizes:
     """Forward: 64 query rows per compute warpgroup (128 a block) by 128 keys for head dims up
     to 128, 64 keys at 256, two ring stages (the fastest of the forward's tiles timed at B2
-    S8192 H32 D128 bf16 on an H200, causal and no mask: docs/ops/attention.md). Backward fields,
+    S8192 H32 D128 bf16 on an H200, causal and no mask: docs/ops/attention.md), the ping-pong of
+    `mosaic_gpu_ping_pong`. Backward fields,
     the Mosaic GPU kernels': up to head dim 128 `dq` 64 query rows per warpgroup by 128 keys and
     `dk, dv` 64 keys per warpgroup by 64 query rows, two stages each (the fastest of six tilings
     timed at the same shape, benchmarks/attention_mosaic_sweep.py); at 256 the only tiles that
@@ -252,7 +275,13 @@ def mosaic_gpu_heuristic(spec: Spec) -> AttentionBlockSizes:
     causal against 31.9 for the fastest of the 10 tilings of `pallas_gpu`'s kernels timed beside
     them: `--head-dim-256`)."""
     d = max(spec.dim("head_dim"), spec.dim("v_dim"))
-    fwd = dict(block_q=64, block_kv=128 if d <= 128 else 64, num_warps=None, num_stages=2)
+    fwd = dict(
+        block_q=64,
+        block_kv=128 if d <= 128 else 64,
+        num_warps=None,
+        num_stages=2,
+        ping_pong=mosaic_gpu_ping_pong(spec),
+    )
     back = {
         f"{f}_{name}": value
         for name, tile in mosaic_gpu_backward_tiles(d).items()
@@ -272,7 +301,8 @@ def mosaic_gpu_backward_tiles(head_dim: int) -> dict[str, tuple[int, int, int]]:
 
 def mosaic_gpu_space(spec: Spec) -> list[AttentionBlockSizes]:
     """The forward's tiles around the heuristic: 64 or 128 rows per warpgroup, 64 to 256 keys,
-    2 to 4 stages, where they fit shared memory (the backward fields kept)."""
+    2 to 4 stages, where they fit shared memory, each with the rendezvous and the overlap
+    ping-pong (the backward fields kept)."""
     base = mosaic_gpu_heuristic(spec)
     d = max(spec.dim("head_dim"), spec.dim("v_dim"))
     out = [base]
@@ -280,5 +310,10 @@ def mosaic_gpu_space(spec: Spec) -> list[AttentionBlockSizes]:
         for bk in (64, 128, 256):
             for stages in (2, 3, 4):
                 if mosaic_gpu_smem_bytes(bq, bk, stages, d) <= MOSAIC_GPU_SMEM:
-                    out.append(dataclasses.replace(base, block_q=bq, block_kv=bk, num_stages=stages))
+                    for form in ("rendezvous", "overlap"):
+                        out.append(
+                            dataclasses.replace(
+                                base, block_q=bq, block_kv=bk, num_stages=stages, ping_pong=form
+                            )
+                        )
     return unique_valid(out, spec)

@@ -181,6 +181,7 @@ __all__ = [
     "operands",
     "Dynamic",
     "forward",
+    "forward_flags",
     "backward",
     "backward_blocks",
     "backward_operands",
@@ -224,12 +225,31 @@ def supports(spec) -> str | None:
     return None
 
 
+_PING_PONG = {
+    None: {},
+    "rendezvous": {},
+    "handoff": {"handoff": True},
+    "overlap": {"handoff": True, "overlap": True},
+}
+
+
 def _blocks(block_sizes) -> dict:
     return dict(
         block_q=block_sizes.block_q,
         block_kv=block_sizes.block_kv,
         num_stages=2 if block_sizes.num_stages is None else block_sizes.num_stages,
     )
+
+
+def forward_flags(block_sizes) -> dict:
+    """`forward`'s flags for the block sizes' `ping_pong` (`AttentionBlockSizes`); `Unsupported`
+    for a form it does not know."""
+    form = block_sizes.ping_pong
+    if form not in _PING_PONG:
+        raise Unsupported(
+            f"ping_pong={form!r}: the Mosaic GPU forward takes 'rendezvous', 'handoff' or 'overlap'"
+        )
+    return _PING_PONG[form]
 
 
 def check(mask, block_sizes, head_dim, sinks=None, logits_soft_cap=None, scale=None) -> None:
@@ -241,6 +261,7 @@ def check(mask, block_sizes, head_dim, sinks=None, logits_soft_cap=None, scale=N
     if scale is not None and not float(scale) > 0:
         raise Unsupported(f"scale={scale}: the Mosaic GPU kernels take a positive scale")
     b = _blocks(block_sizes)
+    forward_flags(block_sizes)
     _check(mask, b["block_q"], b["block_kv"], b["num_stages"], head_dim)
 
 
@@ -263,7 +284,9 @@ def attention(q, k, v, sinks, mask, *, scale, logits_soft_cap, block_sizes, back
     the `custom_vjp`, not closed over, so a jitted call with traced ones differentiates."""
     check(mask, block_sizes, q.shape[3], sinks, logits_soft_cap, scale=scale)
     check_inputs(q, k, v)
-    fwd = functools.partial(forward, scale=scale, logits_soft_cap=logits_soft_cap, **_blocks(block_sizes))
+    fwd = functools.partial(
+        forward, scale=scale, logits_soft_cap=logits_soft_cap, **_blocks(block_sizes), **forward_flags(block_sizes)
+    )
     if backward is None:
         backward = functools.partial(
             backward_kernels.backward, scale=scale, block_sizes=block_sizes, logits_soft_cap=logits_soft_cap
