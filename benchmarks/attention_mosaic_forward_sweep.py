@@ -1,6 +1,7 @@
 """The `mosaic_gpu` forward's tiles on the H200, per head dim and mask kind: the forward kernel
 alone (`mosaic_gpu.forward`, unguarded) for every candidate of `mosaic_gpu_space` (64 or 128
-query rows per warpgroup, 64 to 256 keys, 2 to 4 ring stages, where shared memory allows),
+query rows per warpgroup, 64 to 256 keys, 2 to 4 ring stages, where shared memory allows, each
+in the rendezvous and the overlap ping-pong),
 B2 S8192 H32 bf16. Each candidate is compiled and checked against the heuristic's tiles (largest
 difference relative to the largest output; a sanity check, the oracle rule is the GPU tests'),
 then timed in two interleaved rounds of 5 repeats (median of the rounds' medians).
@@ -192,7 +193,7 @@ def main():
         q, k, v = _inputs(kvh, d)
         base = mosaic_gpu_heuristic(spec)
         cands = mosaic_gpu_space(spec)
-        label = lambda bs: f"{bs.block_q}x{bs.block_kv}x{bs.num_stages}"  # noqa: E731
+        label = lambda bs: f"{bs.block_q}x{bs.block_kv}x{bs.num_stages} {bs.ping_pong}"  # noqa: E731
         fns, errs = {}, {}
         want = None
         for bs in cands:
@@ -206,6 +207,7 @@ def main():
                     block_q=bs.block_q,
                     block_kv=bs.block_kv,
                     num_stages=bs.num_stages,
+                    **mosaic_gpu.forward_flags(bs),
                 )[0]
             )
             try:

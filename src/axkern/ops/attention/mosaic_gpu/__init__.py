@@ -13,22 +13,25 @@ warpgroup (registers lowered to 40) that streams the key and value tiles into a 
 `num_stages` shared-memory slots with TMA, each slot guarded by a "loaded" barrier and a
 "consumed" barrier (both compute warpgroups arrive). The two compute warpgroups alternate on
 the tensor cores through a schedule barrier: one runs its `q k^T` and `p v` `wgmma`s while the
-other does its softmax (FA3's ping-pong; by default as JAX's `attention_mgpu.py` does it, a
-rendezvous of both warpgroups after each `q k^T` and before each `p v`; `forward(...,
-handoff=True)` hands off instead, a barrier each, as FA3 and tokamax do). `forward(...,
-nan_scores=True)` makes every visible score that is not finite NaN (`|s| < inf` and a select
-per score, before a soft cap), so its row's output and `lse` are NaN: the non-finite rule's part
-for `q` and `k`. Both agree with the default to the bit on an H200 and are slower there
-in seven of eight cases (handoff by 1-4 %, 2 % faster on packed documents; nan_scores by 1-25 %:
-`sweep_mosaic_variants.json`), so the
-default stays the rendezvous without them. Four more forms lower in CI and have not yet run
-on a GPU: `named_barriers=True` (with `handoff`), the handoff's signals as hardware named
-barriers (`bar.arrive` / `bar.sync`, one instruction per warp, as tokamax's faster kernel
+other does its softmax (FA3's ping-pong), in one of three forms (`AttentionBlockSizes.ping_pong`,
+`forward_flags`): `"rendezvous"`, as JAX's `attention_mgpu.py`, both warpgroups meeting after
+each `q k^T` and before each `p v` (`forward`'s default); `"handoff"` (`handoff=True`), a
+barrier each, as FA3 and tokamax; `"overlap"` (`handoff=True, overlap=True`), FA3's overlap
+inside a warpgroup: a turn issues tile t's `q kᵀ` and the previous tile's `p v` together and
+runs tile t's softmax under that `p v`. On an H200 the overlap took 0.93-0.97 of the
+rendezvous's time from head dim 128 up under a causal mask or none and 1.03-1.32 at head dim 64,
+under a window and on packed documents, so `mosaic_gpu_ping_pong` (the heuristic) and the H200
+table take it there; the handoff alone was within 3 % of the rendezvous either way
+(`sweep_mosaic_variants.json`). `forward(..., nan_scores=True)` makes every visible score that
+is not finite NaN (`|s| < inf` and a select per score, before a soft cap), so its row's output
+and `lse` are NaN: the non-finite rule's part for `q` and `k`; it costs up to 13 % (25 % at head
+dim 64 without a mask) and is off by default. Three more forms, exact, at best 4 % faster than
+the rendezvous (all three with the handoff, causal head dim 128), less than the overlap
+wherever they gained, and up to 7 % slower elsewhere: `named_barriers=True` (with `handoff`), the handoff's signals as hardware
+named barriers (`bar.arrive` / `bar.sync`, one instruction per warp, as tokamax's kernel
 signals) rather than shared-memory mbarriers (128 arrivals each); `named_releases=True`, the
 ring's slots handed back to the producer on named barriers too; `lean=True`, the epilogue
-waiting only for its copies to have read shared memory; and `overlap=True` (with `handoff`),
-FA3's overlap inside a warpgroup: a turn issues tile t's `q kᵀ` and the previous tile's `p v`
-together and runs tile t's softmax under that `p v`.
+waiting only for its copies to have read shared memory.
 
 **Block-sparse schedule** (`schedule`, pure numpy, tested on the CPU against brute force).
 From the static mask's block kinds (`EMPTY` / `PARTIAL` / `FULL` per `block_q x block_kv`

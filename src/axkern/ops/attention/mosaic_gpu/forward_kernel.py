@@ -390,18 +390,17 @@ def forward(
     join the denominator (and `lse`). `out_lo=True` adds a third output, `lo [B, Sq, H, D]`:
     the float32 output less `out`, in `out`'s dtype (for the sinks' cotangent, whose sum over
     the rows of `out · d_out` the rounding of `out` alone would put off by about 2⁻⁹ relative
-    per term). Two variants, each as exact as the default and slower on an H200 (the package's
-    docstring), so neither is the default: `handoff`, the compute warpgroups' ping-pong as FA3's handoff rather than JAX's
-    rendezvous (`_kernel`); `nan_scores`, every visible score that is not finite made NaN, so
-    its row's output and `lse` are NaN (the part of the non-finite rule that `q` and `k` need:
-    a non-finite `v` of a masked key still reaches rows through `0 · NaN`, so the guard stays).
-    Four more, not yet run on a GPU: `named_barriers` (with `handoff`), the handoff's signals
-    on hardware named barriers (`bar.arrive` / `bar.sync`, as tokamax's kernel) rather than
-    shared-memory mbarriers; `named_releases`, the ring's slots released to the producer on
-    named barriers too (`tiles._stream_kv`); `lean`, the epilogue waiting only for its copies
-    to have read shared memory and no shared memory kept for cross-warp reductions (the
-    forward's are within a warp). And `overlap` (with `handoff`): FA3's softmax of one tile
-    under the previous tile's `p v` in the same warpgroup (`_kernel`)."""
+    per term). The forms (the package's docstring has their timings): `handoff`, the compute
+    warpgroups' ping-pong as FA3's handoff rather than JAX's rendezvous (`_kernel`); `overlap`
+    (with `handoff`), FA3's softmax of one tile under the previous tile's `p v` in the same warpgroup;
+    `nan_scores`, every visible score that is not finite made NaN, so its row's output and
+    `lse` are NaN (the part of the non-finite rule that `q` and `k` need: a non-finite `v` of a
+    masked key still reaches rows through `0 · NaN`, so the guard stays); `named_barriers`
+    (with `handoff`), the handoff's signals on hardware named barriers (`bar.arrive` /
+    `bar.sync`, as tokamax's kernel) rather than shared-memory mbarriers; `named_releases`, the
+    ring's slots released to the producer on named barriers too (`tiles._stream_kv`); `lean`,
+    the epilogue waiting only for its copies to have read shared memory and no shared memory
+    kept for cross-warp reductions (the forward's are within a warp)."""
     if (named_barriers or overlap) and not handoff:
         raise ValueError(
             "named_barriers=True and overlap=True are forms of the handoff: pass handoff=True too"
