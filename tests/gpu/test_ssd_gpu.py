@@ -1,4 +1,4 @@
-"""ssd's `pallas_gpu` (and `xla`) compiled on a real GPU against the oracle rule.
+"""ssd's `pallas_gpu`, `mosaic_gpu` (Hopper) and `xla` compiled on a real GPU against the oracle rule.
 
 Run with `AXKERN_TEST_GPU=1 python -m pytest tests/gpu -m gpu`. Oracle: `reference` (the
 sequential scan) in float64 on the CPU, as DESIGN.md says; the rule's same-dtype reference is
@@ -24,6 +24,7 @@ pytestmark = pytest.mark.gpu
     [
         (i, d, s, dims)
         for i in implementations("ssd", "gpu")
+        if i != "mosaic_gpu"  # below: 16-bit inputs and feature dims of multiples of 64 only
         for d in ("bfloat16", "float32")
         for s in (False, True)
         for dims in GPU_DIMS
@@ -35,6 +36,33 @@ def test_on_gpu_against_oracle(impl, dtype, segments, dims):
     chunk = 64 if dtype == "float32" or impl == "xla" else 128
     check_rule(
         lambda name, a: run(name, a, seg, None if name == "reference" else chunk), impl, arrays, dtype, "ssd"
+    )
+
+
+# the Mosaic scan's cases: a length not a multiple of the chunk, groups 1 and 8, P 64 and 128
+MOSAIC_DIMS = [(1, 1500, 8, 64, 1, 128), (2, 512, 8, 128, 8, 64)]
+
+
+def _hopper() -> bool:
+    from axkern.core import backend
+
+    cc = backend.compute_capability() if backend.platform() == "gpu" else None
+    return cc is not None and cc[0] == 9
+
+
+@pytest.mark.skipif(not _hopper(), reason="the Mosaic GPU scan needs a Hopper GPU")
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("segments", [False, True])
+@pytest.mark.parametrize("dims", MOSAIC_DIMS)
+def test_mosaic_gpu_against_oracle(dtype, segments, dims):
+    # values and every gradient, with D, z, dt_bias and an initial state (the final state too)
+    arrays, seg = make(0, *dims, dtype, segments=segments)
+    check_rule(
+        lambda name, a: run(name, a, seg, None if name == "reference" else 64),
+        "mosaic_gpu",
+        arrays,
+        dtype,
+        "ssd",
     )
 
 

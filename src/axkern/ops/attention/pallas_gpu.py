@@ -290,7 +290,7 @@ def _call(cfg, kernel, grid, in_specs, out_specs, out_shape, *args):
         in_specs=in_specs,
         out_specs=out_specs,
         out_shape=out_shape,
-        compiler_params=plgpu.CompilerParams(**tuned) if tuned else None,
+        compiler_params=plgpu.CompilerParams(**tuned),  # Triton named: jax 0.10's default is Mosaic GPU
         interpret=cfg.interpret,
     )(*args)
 

@@ -21,11 +21,13 @@ from axkern.core.named import StepResult, WithFinalState
 from axkern.core.op import Implementation, Op, step_op
 from axkern.core.typing import Array, Float, Int, checked
 
-from . import pallas_gpu, pallas_tpu, reference, xla
+from . import mosaic_gpu, pallas_gpu, pallas_tpu, reference, xla
 from .blocks import (
     SSDBlockSizes,
     bucket,
     heuristic,
+    mosaic_gpu_heuristic,
+    mosaic_gpu_space,
     pallas_gpu_heuristic,
     pallas_gpu_space,
     pallas_tpu_heuristic,
@@ -74,6 +76,17 @@ OP = Op(
             backward="custom_vjp: chunk-scan and chunk-state backward kernels, the reverse recurrence as a kernel",
         ),
         Implementation(
+            "mosaic_gpu",
+            mosaic_gpu.ssd,
+            platforms=("gpu",),
+            supports=mosaic_gpu.supports,
+            block_sizes=SSDBlockSizes,
+            heuristic=mosaic_gpu_heuristic,
+            space=mosaic_gpu_space,
+            backward="custom_vjp: pallas_gpu's chunk-scan and chunk-state backward kernels (the forward's "
+            "output stage is the Mosaic GPU kernel)",
+        ),
+        Implementation(
             "pallas_tpu",
             pallas_tpu.ssd,
             platforms=("tpu",),
@@ -85,7 +98,8 @@ OP = Op(
         ),
         Implementation("reference", reference.ssd, backward="autodiff through the sequential scan"),
     ],
-    # GPU: pallas_gpu first for 16-bit inputs, xla for float32 (`_gpu_order`); TPU: pallas_tpu
+    # GPU: pallas_gpu first for 16-bit inputs, xla for float32 (`_gpu_order`); mosaic_gpu, not
+    # yet run on a GPU, only when asked for by name; TPU: pallas_tpu
     # is verified in interpret mode only, in no default order until timed on a TPU
     default_order={"cpu": ("xla",), "gpu": _gpu_order, "tpu": ("xla",)},
     package=__package__,
@@ -95,7 +109,7 @@ OP = Op(
 
 STEP_OP = step_op("ssd_step", xla.step, reference.step, package=__package__)
 
-SSDImplementation = Literal["xla", "pallas_gpu", "pallas_tpu", "reference"]
+SSDImplementation = Literal["xla", "pallas_gpu", "mosaic_gpu", "pallas_tpu", "reference"]
 StepImplementation = Literal["xla", "reference"]
 
 

@@ -15,6 +15,8 @@ __all__ = [
     "bucket",
     "heuristic",
     "space",
+    "mosaic_gpu_heuristic",
+    "mosaic_gpu_space",
     "pallas_gpu_heuristic",
     "pallas_gpu_space",
     "pallas_tpu_heuristic",
@@ -90,3 +92,12 @@ def pallas_tpu_heuristic(spec: Spec) -> SSDBlockSizes:
 def pallas_tpu_space(spec: Spec) -> list[SSDBlockSizes]:
     """Chunks of 32 to 256 positions."""
     return grid(SSDBlockSizes, spec, first=pallas_tpu_heuristic(spec), chunk_size=_chunks(spec, 32, 256))
+
+
+def mosaic_gpu_heuristic(spec: Spec) -> SSDBlockSizes:
+    """`mosaic_gpu`: chunks of 64, the only size its scan kernel runs (one warpgroup's rows)."""
+    return SSDBlockSizes(chunk_size=64)
+
+
+def mosaic_gpu_space(spec: Spec) -> list[SSDBlockSizes]:
+    return [mosaic_gpu_heuristic(spec)]

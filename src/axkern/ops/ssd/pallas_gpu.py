@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
 
 from axkern.core.blocks import next_power_of_2
 from axkern.core.op import Unsupported
@@ -98,6 +99,10 @@ class GpuLayout(chunk_kernels.Layout):
         self.seg_col_spec = self.seg_row_spec = pl.BlockSpec((1, q), lambda b, h, c: (b, c))
         self.col_shape = self.row_shape = (self.batch, self.heads, self.lp)
 
+    def call_params(self) -> dict:
+        # Triton named: jax 0.10 lowers a `pallas_call` without compiler parameters to Mosaic GPU
+        return {"interpret": self.interpret, "compiler_params": pltriton.CompilerParams()}
+
     def to_col(self, a):  # [b, h, c, Q] -> [b, h, L]; segment ids [b, c, Q] -> [b, L]
         return a.reshape(*a.shape[:-2], self.lp)
 
@@ -161,7 +166,7 @@ class GpuLayout(chunk_kernels.Layout):
                 jax.ShapeDtypeStruct(chunk_states.shape, f32),
                 jax.ShapeDtypeStruct(initial_state.shape, f32),
             ],
-            interpret=self.interpret,
+            **self.call_params(),
         )(keep, chunk_states, initial_state)
 
     def recurrence_bwd(self, keep, states_in, d_states_in, d_final):
@@ -183,7 +188,7 @@ class GpuLayout(chunk_kernels.Layout):
                 jax.ShapeDtypeStruct((self.batch, self.heads, rows, keep.shape[-1]), f32),
                 jax.ShapeDtypeStruct(d_final.shape, f32),
             ],
-            interpret=self.interpret,
+            **self.call_params(),
         )(keep, states_in, d_states_in, d_final)
         return d_own, d_keep.sum(2)[..., : self.chunks], d_init
 

@@ -266,6 +266,10 @@ class Layout:
     def recurrence_bwd(keep, states_in, d_states_in, d_final):
         return _recurrence_bwd(keep, states_in, d_states_in, d_final)
 
+    def chunk_scan(self, xt, scale, cum, ac, f, sc, bt, ct, states_in, *, sums, dtype):
+        """Stage 4, `y [b, h, L, P]` float32 (the Pallas `_scan_kernel` unless a backend has its own)."""
+        return _chunk_scan(self, xt, scale, cum, ac, f, sc, bt, ct, states_in, sums=sums, dtype=dtype)
+
     def dot(self, a, b, dtype=None, *, trans_a=False, trans_b=False):
         return kernels.dot(a, b, dtype, trans_a=trans_a, trans_b=trans_b, precision=self.precision)
 
@@ -301,8 +305,17 @@ def _core_forward(cfg, xt, ac, scale, bt, ct, sc, initial_state):
     )
     states_in, final = k.recurrence(keep, own, initial_state)
     sums = _uses_segment_sums(products or xt.dtype)
-    y = k(
-        functools.partial(_scan_kernel, dtype=mm, sums=sums),
+    y = k.chunk_scan(xt, scale, cum, ac, f, sc, bt, ct, states_in, sums=sums, dtype=mm)
+    return (y, final), states_in
+
+
+def _chunk_scan(k, xt, scale, cum, ac, f, sc, bt, ct, states_in, *, sums, dtype):
+    """Stage 4 through the `_scan_kernel` (`Layout.chunk_scan`'s default): `y [b, h, L, P]`
+    float32 from the chunks' inputs (`[b, h, c, Q]` vectors, `sc [b, c, Q]`) and the states
+    entering them."""
+    p, n = k.p, k.n
+    return k(
+        functools.partial(_scan_kernel, dtype=dtype, sums=sums),
         [
             k.rows(p),
             k.col_spec,
@@ -327,7 +340,6 @@ def _core_forward(cfg, xt, ac, scale, bt, ct, sc, initial_state):
         ct,
         states_in,
     )
-    return (y, final), states_in
 
 
 def _uses_segment_sums(dtype) -> bool:

@@ -1,0 +1,155 @@
+"""ssd `mosaic_gpu`: its scan kernel lowers for CUDA (it has no CPU interpret mode: it runs in
+tests/gpu), its arithmetic (`emulate_chunk_scan`: the kernel's 16-bit roundings, exact
+products) carried through the whole layer holds the oracle rule for the output, the final state
+and every gradient, and the dispatcher skips it off Hopper with the reason."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import axkern
+from axkern.ops.ssd import OP, SSDBlockSizes, mosaic_gpu, pallas_gpu
+from axkern.ops.ssd.api import prepared_dt
+from axkern.ops.ssd.common import kernels as chunk_kernels
+from tests.cases.ssd import make, run
+from tests.harness import check_rule, jit
+
+needs_mosaic = pytest.mark.skipif(
+    mosaic_gpu._IMPORT_ERROR is not None, reason=f"Pallas Mosaic GPU: {mosaic_gpu._IMPORT_ERROR}"
+)
+
+
+def _scan_shapes(b, h, g, chunks, p, n, dtype):
+    length = chunks * mosaic_gpu.CHUNK
+    f32, S = jnp.float32, jax.ShapeDtypeStruct
+    return (
+        S((b, h, length, p), dtype),
+        S((b, h, length), f32),
+        S((b, h, length), f32),
+        S((b, h, length), f32),
+        S((b, length), jnp.int32),
+        S((b, g, length, n), dtype),
+        S((b, g, length, n), dtype),
+        S((b, chunks, h, p, n), f32),
+    )
+
+
+def _kernels(text):
+    return len(re.findall(r"stablehlo.custom_call @mosaic_gpu", text))
+
+
+@needs_mosaic
+@pytest.mark.parametrize(
+    "dims",
+    [(2, 4, 2, 3, 64, 128, "bfloat16"), (1, 2, 1, 2, 128, 64, "float16"), (1, 2, 2, 1, 64, 256, "bfloat16")],
+)
+def test_scan_kernel_lowers_for_cuda(dims):
+    *shape, dtype = dims
+    args = _scan_shapes(*shape, jnp.dtype(dtype))
+    text = jax.jit(mosaic_gpu.chunk_scan).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert _kernels(text) == 1
+
+
+@needs_mosaic
+def test_the_layer_and_its_gradients_lower_for_cuda():
+    # the Mosaic scan in the forward, pallas_gpu's Triton kernels for the rest and the backward
+    arrays, seg = make(0, 1, 200, 4, 64, 2, 128, "bfloat16")
+
+    def f(a):
+        dt = prepared_dt(a["dt"], a["dt_bias"], True, None)
+        y, final = mosaic_gpu.ssd(
+            a["x"], dt, a["A"], a["B"], a["C"], a["D"], a["z"], seg, a["initial_state"],
+            block_sizes=SSDBlockSizes(chunk_size=64),
+        )  # fmt: skip
+        return jnp.sum(y.astype(jnp.float32)) + jnp.sum(final)
+
+    text = jax.jit(jax.grad(f)).trace(arrays).lower(lowering_platforms=("cuda",)).as_text()
+    assert _kernels(text) == 1  # the forward's scan; the backward's kernels are Triton's
+
+
+class _Emulated(pallas_gpu.GpuLayout):
+    """pallas_gpu's layout (interpret mode) with stage 4 as the Mosaic kernel computes it."""
+
+    def chunk_scan(self, xt, scale, cum, ac, f, sc, bt, ct, states_in, *, sums, dtype):
+        assert not sums  # 16-bit inputs only
+        to_col = self.to_col
+        return mosaic_gpu.emulate_chunk_scan(
+            xt, to_col(scale), to_col(cum), to_col(f), to_col(sc), bt, ct, states_in
+        )
+
+
+def _emulated_runner(names):
+    def f(seg, *vals):
+        a = dict(zip(names, vals, strict=True))
+        dt = prepared_dt(a["dt"], a.get("dt_bias"), True, None)
+        s0 = a.get("initial_state")
+        if s0 is None:
+            s0 = jnp.zeros(
+                (*a["x"].shape[:1], a["x"].shape[2], a["x"].shape[3], a["B"].shape[3]), jnp.float32
+            )
+        args = (a["x"], dt, a["A"], a["B"], a["C"], a.get("D"), a.get("z"), seg, s0)
+        y, final = chunk_kernels.ssd(_Emulated, *args, chunk_size=mosaic_gpu.CHUNK, interpret=True)
+        cot = jnp.cos(jnp.arange(y.size, dtype=jnp.float32).reshape(y.shape))
+        return jnp.sum(y.astype(jnp.float32) * cot) + jnp.sum(jnp.sin(final.astype(jnp.float32))), (y, final)
+
+    def g(arrays, seg):
+        (_, out), grads = jax.value_and_grad(f, argnums=tuple(range(1, len(names) + 1)), has_aux=True)(
+            seg, *[arrays[k] for k in names]
+        )
+        return out, grads
+
+    return jit(g)
+
+
+@pytest.mark.parametrize(
+    "dtype, dims, segments",
+    [
+        ("bfloat16", (1, 150, 4, 64, 2, 64), True),  # a length not a multiple of the chunk, groups
+        ("float16", (2, 128, 2, 64, 1, 128), False),
+    ],
+)
+def test_the_kernels_arithmetic_holds_the_oracle_rule_through_the_layer(dtype, dims, segments):
+    # y (through D and the silu(z) gate, so dz sees the kernel's rounding), the final state and
+    # every gradient (x, dt, A, B, C, D, z, dt_bias, the initial state) against the float64 oracle
+    arrays, seg = make(3, *dims, dtype, segments=segments)
+    names = tuple(sorted(arrays))
+    emulated = _emulated_runner(names)
+
+    def runner(name, a, **_):
+        if name == "reference":
+            return run("reference", a, seg)
+        return emulated(a, seg)
+
+    check_rule(runner, "emulated mosaic_gpu", arrays, dtype, "ssd")
+
+
+def test_dispatch_skips_it_off_hopper_with_the_reason():
+    spec = OP.spec(
+        {"batch": 1, "length": 256, "heads": 4, "head_dim": 64, "groups": 1, "state": 128},
+        "bfloat16",
+        segments=False,
+    )
+    gpu = dataclasses.replace(spec, platform="gpu", device_key="nvidia_h200", device_kind="NVIDIA H200")
+    if mosaic_gpu._IMPORT_ERROR is None:
+        assert mosaic_gpu.supports(gpu) is None
+    assert "Hopper" in mosaic_gpu.supports(
+        dataclasses.replace(gpu, device_key="nvidia_a100", device_kind="A100")
+    )
+    assert "bf16 or fp16" in mosaic_gpu.supports(dataclasses.replace(gpu, dtype="float32"))
+    odd = OP.spec(
+        {"batch": 1, "length": 256, "heads": 4, "head_dim": 32, "groups": 1, "state": 128},
+        "bfloat16",
+        segments=False,
+    )
+    assert "head_dim=32" in mosaic_gpu.supports(
+        dataclasses.replace(odd, platform="gpu", device_key="nvidia_h200")
+    )
+    # not in the default order until it has run on a GPU; asked for by name it serves on Hopper only
+    assert "mosaic_gpu" not in OP.default_order["gpu"](gpu)
+    with pytest.raises(axkern.Unsupported, match="chunk_size=128"):
+        mosaic_gpu.ssd(*[None] * 9, block_sizes=SSDBlockSizes(chunk_size=128))
