@@ -1,6 +1,6 @@
-"""ssd `mosaic_gpu`: its scan kernel lowers for CUDA (it has no CPU interpret mode: it runs in
-tests/gpu), its arithmetic (`emulate_chunk_scan`: the kernel's 16-bit roundings, exact
-products) carried through the whole layer holds the oracle rule for the output, the final state
+"""ssd `mosaic_gpu`: its state and scan kernels lower for CUDA (they have no CPU interpret mode:
+they run in tests/gpu), their arithmetic (`emulate_chunk_state`, `emulate_chunk_scan`: the
+kernels' 16-bit roundings, exact products) carried through the whole layer holds the oracle rule for the output, the final state
 and every gradient, and the dispatcher skips it off Hopper with the reason."""
 
 from __future__ import annotations
@@ -69,11 +69,24 @@ def test_the_layer_and_its_gradients_lower_for_cuda():
         return jnp.sum(y.astype(jnp.float32)) + jnp.sum(final)
 
     text = jax.jit(jax.grad(f)).trace(arrays).lower(lowering_platforms=("cuda",)).as_text()
-    assert _kernels(text) == 1  # the forward's scan; the backward's kernels are Triton's
+    assert _kernels(text) == 2  # the forward's state and scan kernels; the rest are Triton's
+
+
+@needs_mosaic
+@pytest.mark.parametrize("dims", [(2, 4, 2, 3, 64, 128, "bfloat16"), (1, 2, 1, 2, 128, 64, "float16")])
+def test_state_kernel_lowers_for_cuda(dims):
+    b, h, g, chunks, p, n, dtype = dims
+    length, S = chunks * mosaic_gpu.CHUNK, jax.ShapeDtypeStruct
+    args = (S((b, h, length, p), dtype), S((b, h, length), jnp.float32), S((b, g, length, n), dtype))
+    text = jax.jit(mosaic_gpu.chunk_state).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert _kernels(text) == 1
 
 
 class _Emulated(pallas_gpu.GpuLayout):
-    """pallas_gpu's layout (interpret mode) with stage 4 as the Mosaic kernel computes it."""
+    """pallas_gpu's layout (interpret mode) with stages 2 and 4 as the Mosaic kernels compute them."""
+
+    def chunk_state(self, xt, w, bt, *, dtype):
+        return mosaic_gpu.emulate_chunk_state(xt, self.to_col(w), bt)
 
     def chunk_scan(self, xt, scale, cum, ac, f, sc, bt, ct, states_in, *, sums, dtype):
         assert not sums  # 16-bit inputs only

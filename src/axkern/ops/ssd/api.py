@@ -84,7 +84,7 @@ OP = Op(
             heuristic=mosaic_gpu_heuristic,
             space=mosaic_gpu_space,
             backward="custom_vjp: pallas_gpu's chunk-scan and chunk-state backward kernels (the forward's "
-            "output stage is the Mosaic GPU kernel)",
+            "chunk-state and chunk-scan kernels are Mosaic GPU's, chunks of 64)",
         ),
         Implementation(
             "pallas_tpu",

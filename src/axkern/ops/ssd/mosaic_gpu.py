@@ -1,13 +1,19 @@
-"""Mamba-2 SSD on Hopper: the chunk scan's output stage as a Pallas Mosaic GPU kernel, with
-16-bit operands into float32 accumulators; the other stages are `pallas_gpu`'s.
+"""Mamba-2 SSD on Hopper: the chunk state and the chunk scan's output stage as Pallas Mosaic GPU
+kernels, with 16-bit operands into float32 accumulators; the other stages are `pallas_gpu`'s.
 
-**What runs where.** Stages 1 and 3 (weights, the recurrence between chunks) and the chunk-state
-kernel are `pallas_gpu`'s (`common/kernels.py` has the stages), and so is the whole backward
-(its kernels recompute from the inputs and the saved states, not from `y`). Stage 4, the
-output `y = ((C Bᵀ) ∘ Λ ∘ dt)(x) + f ∘ (C S_inᵀ)` of every chunk, is `_scan_kernel` here: one
-warpgroup per (chunk of 64 positions, head, batch row), grid `(chunks, heads, batch)`.
+**What runs where.** Stages 1 and 3 (weights, the recurrence between chunks) are
+`pallas_gpu`'s (`common/kernels.py` has the stages), and so is the whole backward (its kernels
+recompute from the inputs and the saved states, not from `y`). Stage 2, each chunk's own state
+`(w ∘ x)ᵀ B`, is `_state_kernel` here, and stage 4, the output `y = ((C Bᵀ) ∘ Λ ∘ dt)(x) + f ∘
+(C S_inᵀ)` of every chunk, `_scan_kernel`: each one warpgroup per (chunk of 64 positions, head,
+batch row), grid `(chunks, heads, batch)`.
 
-**The kernel.** TMA copies the chunk's `C` and `B` rows (`[64, N]`, the head's group) and `x`
+**The state kernel.** TMA copies the chunk's `B` rows (`[64, N]`); `x` (`[64, P]`) is read into
+registers, scaled by `w` per row and stored as two 16-bit halves (`w ∘ x = hi + lo`, what the
+rounding loses as `bf16x2`); two `wgmma`s with the halves transposed as the left operand give
+the `[P, N]` float32 state, written back through shared memory by TMA.
+
+**The scan kernel.** TMA copies the chunk's `C` and `B` rows (`[64, N]`, the head's group) and `x`
 rows (`[64, P]`) into swizzled shared memory; the state entering the chunk (`[P, N]`, float32)
 is read into registers, rounded to the input dtype and stored beside them. Two `wgmma`s:
 `s = C Bᵀ` (`[64, 64]`) and `C S_inᵀ` (`[64, P]`), float32 accumulators. In registers,
@@ -19,7 +25,8 @@ their left operand in registers). `y` (float32) goes back through shared memory 
 **Precision** (`benchmarks/ssd_operand_precision.py`, float64 emulation on the CPU, tables in
 docs/ops/ssd.md "Accuracy"): `C Bᵀ` and `C S_inᵀ` with 16-bit operands kept `y` and the final
 state inside DESIGN.md's rule; `M x` with `M` rounded to bf16 once did not (1.08x the bound),
-as two bf16 halves it did (0.13x). `emulate_chunk_scan` is this kernel's arithmetic in XLA
+as two bf16 halves it did (0.13x); the state product likewise (1.25x rounded once, inside as
+two halves). `emulate_chunk_state` and `emulate_chunk_scan` are the kernels' arithmetic in XLA
 (the same roundings, exact products), which the CPU tests carry through the whole layer and
 its gradients against the float64 oracle.
 
@@ -28,11 +35,12 @@ its gradients against the float64 oracle.
 call falls back with the reason.
 
 **Interpret mode.** Mosaic GPU's `wgmma` and TMA copies have no CPU interpret rule: CI lowers
-the kernel for CUDA (`tests/ops/test_ssd_mosaic_gpu.py`) and runs its emulation; the kernel
-itself is tested on a GPU (`tests/gpu/test_ssd_gpu.py`).
+the kernels for CUDA (`tests/ops/test_ssd_mosaic_gpu.py`) and runs their emulation; the kernels
+themselves are tested on a GPU (`tests/gpu/test_ssd_gpu.py`).
 
-**Cost** per chunk and head: `2·64²·N` (`C Bᵀ`) + `2·2·64²·P` (`M x`, twice) + `2·64·N·P`
-(`C S_inᵀ`) FLOPs; bytes: `x`, `B`, `C` rows once, the float32 state `P·N·4`, `y` float32.
+**Cost** per chunk and head: the state `2·2·64·P·N` FLOPs (two halves), the scan `2·64²·N`
+(`C Bᵀ`) + `2·2·64²·P` (`M x`, twice) + `2·64·N·P` (`C S_inᵀ`); bytes: `x`, `B`, `C` rows once
+a kernel, the float32 state `P·N·4` written (state) and read (scan), `y` float32.
 """
 
 from __future__ import annotations
@@ -56,7 +64,16 @@ try:
 except Exception as e:  # noqa: BLE001 - any import failure means the kernel cannot serve
     plgpu, _IMPORT_ERROR = None, e
 
-__all__ = ["supports", "ssd", "chunk_scan", "emulate_chunk_scan", "CHUNK", "MosaicLayout"]
+__all__ = [
+    "supports",
+    "ssd",
+    "chunk_state",
+    "chunk_scan",
+    "emulate_chunk_state",
+    "emulate_chunk_scan",
+    "CHUNK",
+    "MosaicLayout",
+]
 
 CHUNK = 64  # positions per chunk: one warpgroup's wgmma rows
 _HOPPER_KEYS = ("nvidia_h100", "nvidia_h200", "nvidia_h800", "nvidia_gh200")
@@ -98,9 +115,10 @@ def _scan_kernel(x_ref, dt_ref, cum_ref, f_ref, seg_ref, b_ref, c_ref, s_ref, y_
     base = chunk * q
     group = lax.div(head, jnp.int32(rep))
     rows = pl.ds(base, q)
-    plgpu.copy_gmem_to_smem(c_ref.at[batch, group, rows], c_smem, loaded)
-    plgpu.copy_gmem_to_smem(b_ref.at[batch, group, rows], b_smem, loaded)
-    plgpu.copy_gmem_to_smem(x_ref.at[batch, head, rows], x_smem, loaded)
+    # a barrier per copy (each copy arrives on its barrier once, with its bytes)
+    plgpu.copy_gmem_to_smem(c_ref.at[batch, group, rows], c_smem, loaded.at[0])
+    plgpu.copy_gmem_to_smem(b_ref.at[batch, group, rows], b_smem, loaded.at[1])
+    plgpu.copy_gmem_to_smem(x_ref.at[batch, head, rows], x_smem, loaded.at[2])
 
     # per position: along the tile's rows (t) or its columns (s)
     row, col = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
@@ -111,7 +129,8 @@ def _scan_kernel(x_ref, dt_ref, cum_ref, f_ref, seg_ref, b_ref, c_ref, s_ref, y_
     state = mosaic_gpu_load(s_ref.at[batch, chunk, head], layout=plgpu.Layout.WGMMA, optimized=False)
     s16_smem[...] = state.astype(dtype)  # [P, N]
     plgpu.commit_smem()
-    plgpu.barrier_wait(loaded)
+    for i in range(3):
+        plgpu.barrier_wait(loaded.at[i])
 
     def products(s_acc, inc_acc):
         plgpu.wgmma(s_acc, c_smem, b_smem.transpose((1, 0)))  # C Bᵀ: [Q, Q]
@@ -142,21 +161,85 @@ def _scan_kernel(x_ref, dt_ref, cum_ref, f_ref, seg_ref, b_ref, c_ref, s_ref, y_
     plgpu.wait_smem_to_gmem(0)
 
 
+def _state_kernel(x_ref, w_ref, b_ref, own_ref, scoped, *, rep, dtype):
+    (b_smem, xh_smem, xl_smem, own_smem), loaded = scoped
+    chunk, head, batch = lax.axis_index("chunks"), lax.axis_index("heads"), lax.axis_index("batch")
+    q = b_smem.shape[0]
+    rows = pl.ds(chunk * q, q)
+    plgpu.copy_gmem_to_smem(b_ref.at[batch, lax.div(head, jnp.int32(rep)), rows], b_smem, loaded)
+    # w ∘ x in registers (w per row), as two 16-bit halves in shared memory
+    x = mosaic_gpu_load(x_ref.at[batch, head, rows], layout=plgpu.Layout.WGMMA, optimized=False)
+    w = mosaic_gpu_load(w_ref.at[batch, head, rows], layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
+    xw = x.astype(jnp.float32) * lax.broadcast_in_dim(w, x.shape, [0])
+    hi = xw.astype(dtype)
+    xh_smem[...] = hi
+    xl_smem[...] = (xw - hi.astype(jnp.float32)).astype(dtype)
+    plgpu.commit_smem()
+    plgpu.barrier_wait(loaded)
+
+    def products(acc_ref):  # (w ∘ x)ᵀ B: [P, N]
+        plgpu.wgmma(acc_ref, xh_smem.transpose((1, 0)), b_smem)
+        plgpu.wgmma(acc_ref, xl_smem.transpose((1, 0)), b_smem)
+
+    p, n = own_smem.shape
+    own_smem[...] = pl.run_state(products)(
+        plgpu.ACC.init(plgpu.layout_cast(jnp.zeros((p, n), jnp.float32), plgpu.Layout.WGMMA))
+    )
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(own_smem, own_ref.at[batch, chunk, head])
+    plgpu.wait_smem_to_gmem(0)
+
+
+def _check_operands(xt, bt, *rest):
+    b, h, lp, p = xt.shape
+    if lp % CHUNK:
+        raise ValueError(f"length {lp} is not a multiple of the chunk ({CHUNK})")
+    reason = _dims_reason(p, bt.shape[-1])
+    if reason:
+        raise Unsupported(reason)
+    if any(a.dtype != xt.dtype for a in (bt, *rest)) or jnp.dtype(xt.dtype).itemsize != 2:
+        dtypes = ", ".join(str(a.dtype) for a in (xt, bt, *rest))
+        raise Unsupported(f"x, B, C are {dtypes}: the Mosaic GPU kernels take one 16-bit dtype")
+
+
+def chunk_state(xt, w, bt):
+    """Each chunk's own state `[b, c, h, P, N]` float32, `(w ∘ x)ᵀ B` (`xt [b, h, L, P]`, `bt [b,
+    g, L, N]` in one 16-bit dtype, `w [b, h, L]` float32, `L = c · CHUNK`) by the Mosaic GPU
+    kernel: `w ∘ x` as two 16-bit halves (`bf16x2`), `B` as it is."""
+    _check_operands(xt, bt)
+    b, h, lp, p = xt.shape
+    g, n = bt.shape[1], bt.shape[-1]
+    dtype = xt.dtype
+
+    def entry(x_ref, w_ref, b_ref, own_ref):
+        scratch = [
+            _swizzled((CHUNK, n), dtype),
+            _swizzled((CHUNK, p), dtype),
+            _swizzled((CHUNK, p), dtype),
+            plgpu.SMEM((p, n), jnp.float32),
+        ]
+        pl.run_scoped(
+            lambda *scoped: _state_kernel(x_ref, w_ref, b_ref, own_ref, scoped, rep=h // g, dtype=dtype),
+            scratch,
+            plgpu.Barrier(),
+        )
+
+    return plgpu.kernel(
+        entry,
+        out_type=jax.ShapeDtypeStruct((b, lp // CHUNK, h, p, n), jnp.float32),
+        grid=(lp // CHUNK, h, b),
+        grid_names=("chunks", "heads", "batch"),
+        kernel_name="axkern_ssd_mosaic_gpu_state",
+    )(xt, w, bt)
+
+
 def chunk_scan(xt, dt, cum, f, seg, bt, ct, states_in):
     """`y [b, h, L, P]` float32 of the chunks (`xt [b, h, L, P]`, `bt, ct [b, g, L, N]` in one
     16-bit dtype; `dt, cum, f [b, h, L]` float32; `seg [b, L]` int32; `states_in [b, c, h, P, N]`
     float32, `L = c · CHUNK`) by the Mosaic GPU kernel."""
+    _check_operands(xt, bt, ct)
     b, h, lp, p = xt.shape
     g, n = bt.shape[1], bt.shape[-1]
-    if lp % CHUNK:
-        raise ValueError(f"length {lp} is not a multiple of the chunk ({CHUNK})")
-    reason = _dims_reason(p, n)
-    if reason:
-        raise Unsupported(reason)
-    if not xt.dtype == bt.dtype == ct.dtype or jnp.dtype(xt.dtype).itemsize != 2:
-        raise Unsupported(
-            f"x, B, C are {xt.dtype}, {bt.dtype}, {ct.dtype}: the Mosaic GPU scan takes one 16-bit dtype"
-        )
     dtype = xt.dtype
 
     def entry(x_ref, dt_ref, cum_ref, f_ref, seg_ref, b_ref, c_ref, s_ref, y_ref):
@@ -183,7 +266,7 @@ def chunk_scan(xt, dt, cum, f, seg, bt, ct, states_in):
                 dtype=dtype,
             ),
             scratch,
-            plgpu.Barrier(),
+            plgpu.Barrier(num_barriers=3),
         )
 
     return plgpu.kernel(
@@ -233,8 +316,29 @@ def emulate_chunk_scan(xt, dt, cum, f, seg, bt, ct, states_in):
     return y.reshape(b, h, lp, p)
 
 
+def emulate_chunk_state(xt, w, bt):
+    """`chunk_state`'s arithmetic in XLA: `w ∘ x` as two halves in the input dtype, products
+    exact in float32. Arguments as `chunk_state`'s."""
+    b, h, lp, p = xt.shape
+    g = bt.shape[1]
+    c = lp // CHUNK
+    dtype = xt.dtype
+    xw = xt.astype(jnp.float32) * w[..., None]
+    hi = _round(xw, dtype)
+    lo = _round(xw - hi, dtype)
+    bm = jnp.repeat(bt, h // g, axis=1).astype(jnp.float32).reshape(b, h, c, CHUNK, -1)
+    per = lambda a: a.reshape(b, h, c, CHUNK, p)  # noqa: E731
+    prec = jax.lax.Precision.HIGHEST
+    own = jnp.einsum("bhctp,bhctn->bhcpn", per(hi), bm, precision=prec)
+    own = own + jnp.einsum("bhctp,bhctn->bhcpn", per(lo), bm, precision=prec)
+    return jnp.moveaxis(own, 2, 1)  # [b, c, h, P, N]
+
+
 class MosaicLayout(pallas_gpu.GpuLayout):
-    """`pallas_gpu`'s layout and kernels, stage 4's forward by `chunk_scan`."""
+    """`pallas_gpu`'s layout and kernels, stages 2 and 4 forward by `chunk_state` and `chunk_scan`."""
+
+    def chunk_state(self, xt, w, bt, *, dtype):
+        return chunk_state(xt, self.to_col(w), bt)
 
     def chunk_scan(self, xt, scale, cum, ac, f, sc, bt, ct, states_in, *, sums, dtype):
         if sums:

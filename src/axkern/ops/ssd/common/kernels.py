@@ -266,6 +266,10 @@ class Layout:
     def recurrence_bwd(keep, states_in, d_states_in, d_final):
         return _recurrence_bwd(keep, states_in, d_states_in, d_final)
 
+    def chunk_state(self, xt, w, bt, *, dtype):
+        """Stage 2, each chunk's own state (the Pallas `_state_kernel` unless a backend has its own)."""
+        return _chunk_state(self, xt, w, bt, dtype=dtype)
+
     def chunk_scan(self, xt, scale, cum, ac, f, sc, bt, ct, states_in, *, sums, dtype):
         """Stage 4, `y [b, h, L, P]` float32 (the Pallas `_scan_kernel` unless a backend has its own)."""
         return _chunk_scan(self, xt, scale, cum, ac, f, sc, bt, ct, states_in, sums=sums, dtype=dtype)
@@ -293,20 +297,26 @@ def _core_forward(cfg, xt, ac, scale, bt, ct, sc, initial_state):
     # gate's gradient (dz, through the pre-gate output) missed the oracle rule in bf16
     mm = jnp.float32
     k = layout(xt, bt, q=q, interpret=interpret, products=products)
-    p, n = k.p, k.n
     cum, w, f, keep = _weights(ac, scale, sc)
-    own = k(
-        functools.partial(_state_kernel, dtype=mm),
+    own = k.chunk_state(xt, w, bt, dtype=mm)
+    states_in, final = k.recurrence(keep, own, initial_state)
+    sums = _uses_segment_sums(products or xt.dtype)
+    y = k.chunk_scan(xt, scale, cum, ac, f, sc, bt, ct, states_in, sums=sums, dtype=mm)
+    return (y, final), states_in
+
+
+def _chunk_state(k, xt, w, bt, *, dtype):
+    """Stage 2 through the `_state_kernel` (`Layout.chunk_state`'s default): each chunk's own
+    state `[b, c, h, P, N]` float32 from `x`, the weights `w [b, h, c, Q]` and `B`."""
+    p, n = k.p, k.n
+    return k(
+        functools.partial(_state_kernel, dtype=dtype),
         [k.rows(p), k.col_spec, k.grouped(n)],
         [k.out("state")],
         xt,
         k.to_col(w),
         bt,
     )
-    states_in, final = k.recurrence(keep, own, initial_state)
-    sums = _uses_segment_sums(products or xt.dtype)
-    y = k.chunk_scan(xt, scale, cum, ac, f, sc, bt, ct, states_in, sums=sums, dtype=mm)
-    return (y, final), states_in
 
 
 def _chunk_scan(k, xt, scale, cum, ac, f, sc, bt, ct, states_in, *, sums, dtype):
