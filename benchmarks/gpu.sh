@@ -9,7 +9,8 @@
 # OP is an op folder: attention, cross_entropy, fused_cross_entropy, mamba3, moe, moe_ep, short_conv, ssd;
 # `gpu.sh attention_peers` runs attention's GPU preset with `--peers` (tokamax); `gpu.sh attention_mosaic`
 # the Mosaic GPU kernels' tests; `attention_mosaic_variants` the forward's forms' tests, then
-# `attention_mosaic_forward_sweep.py --variants`; `attention_mosaic_d256` `attention_mosaic_sweep.py
+# `attention_mosaic_forward_sweep.py --variants`; `ssd_mosaic` the SSD Mosaic GPU kernels' tests and the
+# layer beside pallas_gpu and the peers; `attention_mosaic_d256` `attention_mosaic_sweep.py
 # --head-dim-256`;
 # `gpu.sh fused_cross_entropy_dw` runs benchmarks/fused_cross_entropy_dw.py (the reduced loss's
 # dw accumulations at llama3's size: time, temporary memory, oracle rule, with the peers).
@@ -84,7 +85,11 @@ mamba3) tests test_mamba3_gpu.py; BENCH_T=540 bench mamba3 mamba3_2.7b --peers ;
 moe) tests test_moe_gpu.py; bench moe_dispatch dsv3; bench moe_combine dsv3 ;;
 moe_ep) bench moe_ep_dispatch e64; bench moe_ep_combine e64 ;;
 short_conv) tests test_short_conv_gpu.py; bench short_conv mamba ;;
-ssd) tests test_ssd_gpu.py; bench ssd mamba2_2.7b --tokens 4096 ;;
+ssd) tests test_ssd_gpu.py; BENCH_T=420 bench ssd mamba2_2.7b --tokens 4096 --impl pallas_gpu,mosaic_gpu,xla --peers ;;
+ssd_mosaic)  # the Mosaic GPU kernels' GPU tests, then the layer beside pallas_gpu and the peers
+  step 300 gpu_tests_ssd_mosaic_gpu $gpu_tests tests/gpu/test_ssd_gpu.py -k mosaic
+  BENCH_T=240 bench ssd mamba2_2.7b --tokens 4096 --impl pallas_gpu,mosaic_gpu --peers
+  ;;
 tune)
   op=${2:?usage: gpu.sh tune OP [axkern tune arguments]}; shift 2
   export AXKERN_CACHE_DIR="$R/cache"  # the tuning cache comes back with the logs
@@ -95,7 +100,7 @@ tune)
   ;;
 list) $axkern bench --list-presets ;;
 *)
-  echo "usage: gpu.sh attention|attention_peers|attention_mosaic|attention_mosaic_variants|attention_mosaic_d256|cross_entropy|fused_cross_entropy|fused_cross_entropy_dw|mamba3|moe|moe_ep|short_conv|ssd|list, or gpu.sh tune OP [args]"
+  echo "usage: gpu.sh attention|attention_peers|attention_mosaic|attention_mosaic_variants|attention_mosaic_d256|cross_entropy|fused_cross_entropy|fused_cross_entropy_dw|mamba3|moe|moe_ep|short_conv|ssd|ssd_mosaic|list, or gpu.sh tune OP [args]"
   exit 2
   ;;
 esac

@@ -313,6 +313,29 @@ def test_mamba3_with_zero_angles_matches_levanters_xla_path(lev):
     close("mamba3", ours, theirs, 1e-4)
 
 
+def test_ssd_matches_levanters_chunked_xla_path(lev):
+    # the adapter the bench times as Levanter's SSD peer, against the oracle on shared inputs
+    from axkern.ops.ssd.arg_specs import levanter_forward
+
+    b, length, h, p, n, chunk, groups = 2, 32, 4, 8, 8, 8, 2
+    k = jax.random.split(jax.random.PRNGKey(6), 5)
+    diff = (
+        jax.random.normal(k[0], (b, length, h, p)),
+        jax.nn.softplus(jax.random.normal(k[1], (b, length, h))),
+        -jnp.exp(jax.random.normal(k[2], (h,))),
+        jax.random.normal(k[3], (b, length, groups, n)),
+        jax.random.normal(k[4], (b, length, groups, n)),
+    )
+
+    def run(fn):
+        cot = jnp.cos(jnp.arange(b * length * h * p, dtype=jnp.float32)).reshape(b, length, h, p)
+        return jax.value_and_grad(lambda a: jnp.sum(fn(*a) * cot))(diff)
+
+    ours = run(lambda *a: axkern.positional.ssd(*a, implementation="reference"))
+    theirs = run(lambda *a: levanter_forward(*a, chunk_size=chunk))
+    close("ssd", ours, theirs, 1e-4)
+
+
 def test_refusals_name_the_argument():
     Pos, KPos, Key, q, k, v, _ = _attention_inputs(gqa=False)
     with pytest.raises(ValueError, match="bias must be None"):

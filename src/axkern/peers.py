@@ -13,6 +13,10 @@ CUDA events around each call after warm-up, median of repeats. Memory: the peak 
 during a call beyond what was allocated before it, less the gradients it returns.
 A peer that is not importable (or no CUDA) is reported with the reason, not timed.
 
+`ssd` peer: mamba_ssm's Triton `mamba_chunk_scan_combined` (chunks of the case's chunk size,
+`dt_softplus=True`, 16-bit x, dt, B, C and float32 A as `axkern bench ssd` draws them; the
+backward a random cotangent of the output pulled back to x, dt, B, C).
+
 `mamba3` peer: mamba_ssm's Triton `mamba3_siso_combined` (SISO only; its MIMO kernels are
 TileLang, not among the peers), importable when the `mamba_ssm` package (its Triton kernels
 alone are enough) is on the subprocess's `PYTHONPATH`. Inputs drawn as `axkern bench mamba3`
@@ -32,7 +36,12 @@ __all__ = ["PEERS", "run"]
 
 _CE_PEERS = ("liger", "cut_cross_entropy", "torch")
 # each times the mean loss forward and forward+backward; both cross-entropy ops compare with them
-PEERS = {"fused_cross_entropy": _CE_PEERS, "fused_cross_entropy_loss": _CE_PEERS, "mamba3": ("mamba_ssm",)}
+PEERS = {
+    "fused_cross_entropy": _CE_PEERS,
+    "fused_cross_entropy_loss": _CE_PEERS,
+    "mamba3": ("mamba_ssm",),
+    "ssd": ("mamba_ssm",),
+}
 
 
 def _ce_functions():
@@ -170,10 +179,39 @@ def _mamba3(dims, dtype, repeats):
     return _timed_rows("mamba_ssm", call, leaves, repeats)
 
 
+def _ssd(dims, dtype, repeats):
+    import torch
+
+    if not torch.cuda.is_available():
+        return [{"peer": "mamba_ssm", "note": "no CUDA device for torch"}]
+    try:
+        from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
+    except Exception as e:  # noqa: BLE001 - any import failure is a reason to report
+        return [{"peer": "mamba_ssm", "note": f"not importable: {type(e).__name__}: {e}"}]
+    b, l, h, p, n = (dims[k] for k in ("batch", "length", "heads", "head_dim", "state"))
+    g, q = dims.get("groups", 1), dims.get("chunk", 256)
+    dt, f32 = getattr(torch, dtype), torch.float32
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    rand = lambda *shape, dtype=f32: torch.randn(*shape, device="cuda", generator=gen).to(dtype)  # noqa: E731
+    x, step = rand(b, l, h, p, dtype=dt), rand(b, l, h, dtype=dt)
+    B, C = rand(b, l, g, n, dtype=dt), rand(b, l, g, n, dtype=dt)
+    leaves = [t.requires_grad_(True) for t in (x, step, B, C)]
+    A = -torch.exp(rand(h))
+    cot = rand(b, l, h, p, dtype=dt)
+
+    def call(backward):
+        out = mamba_chunk_scan_combined(x, step, A, B, C, q, dt_softplus=True)
+        if backward:
+            out.backward(cot)
+
+    return _timed_rows("mamba_ssm", call, leaves, repeats)
+
+
 _RUNNERS = {
     "fused_cross_entropy": _fused_cross_entropy,
     "fused_cross_entropy_loss": _fused_cross_entropy,
     "mamba3": _mamba3,
+    "ssd": _ssd,
 }
 
 

@@ -1,6 +1,13 @@
-"""Shapes that `axkern bench ssd` uses: the Mamba-2 2.7B layer (and its variants) and a quick CPU one."""
+"""Shapes that `axkern bench ssd` uses: the Mamba-2 2.7B layer (and its variants) and a quick CPU one.
+
+`--peers`: mamba_ssm's Triton `mamba_chunk_scan_combined` in a subprocess (`axkern.peers`) and, in
+this process, Levanter's chunked XLA path (`levanter.kernels.pallas.ssd.ssd_chunked_forward`),
+each on the case's inputs (the same `dt` softplus; chunks of the case's chunk size), the backward
+a random cotangent of `y` pulled back to `x`, `dt`, `B`, `C` as for our rows."""
 
 from __future__ import annotations
+
+import importlib.util
 
 import jax
 import jax.numpy as jnp
@@ -50,7 +57,7 @@ def case(name, b, l, h, p, n, g, q, dt_) -> Case:  # noqa: E741
     return Case(
         "ssd",
         f"{name}: B={b} L={l} H={h} P={p} N={n} G={g} Q={q} {dt_.name}",
-        {"batch": b, "length": l, "heads": h, "head_dim": p, "state": n},
+        {"batch": b, "length": l, "heads": h, "head_dim": p, "state": n, "groups": g, "chunk": q},
         dt_.name,
         make,
         forward,
@@ -58,7 +65,38 @@ def case(name, b, l, h, p, n, g, q, dt_) -> Case:  # noqa: E741
         (0, 1, 3, 4),
         flops,
         2 * flops,
+        peers={"levanter": _levanter_peer(q, l)},
     )
+
+
+def levanter_forward(x, dt, A, B, C, *, chunk_size):
+    """`ssd` (no D, z, segments or states; `dt` as given, after its softplus) by Levanter's
+    chunked XLA path: per (batch, head) the within-chunk sums of `dt · A`, the scale `dt`, and
+    `B`, `C` repeated over each group's heads, laid out `[batch, heads, chunks, chunk, ..]`."""
+    from levanter.kernels.pallas.ssd import ssd_chunked_forward
+
+    b, length, h, p = x.shape
+    rep, c = h // B.shape[2], length // chunk_size
+    f32 = jnp.float32
+    per_chunk = lambda a: jnp.moveaxis(a, 1, 2).reshape(b, h, c, chunk_size, *a.shape[3:])  # noqa: E731
+    dt = jnp.moveaxis(dt.astype(f32), 1, 2).reshape(b, h, c, chunk_size)
+    a_log_cumsum = jnp.cumsum(dt * A.astype(f32)[None, :, None, None], axis=-1)
+    heads = lambda m: per_chunk(jnp.repeat(m, rep, axis=2))  # noqa: E731
+    y, _ = ssd_chunked_forward(a_log_cumsum, dt, heads(B), heads(C), per_chunk(x), implementation="xla")
+    return jnp.moveaxis(y.reshape(b, h, length, p), 1, 2).astype(x.dtype)
+
+
+def _levanter_peer(chunk, length):
+    """Levanter's chunked XLA path as a bench peer, or why it cannot run the case."""
+    if importlib.util.find_spec("levanter") is None:
+        return "levanter is not installed"
+    if length % chunk:
+        return f"Levanter's chunked path needs the length ({length}) a multiple of the chunk ({chunk})"
+
+    def forward(x, dt, A, B, C):
+        return levanter_forward(x, jax.nn.softplus(dt.astype(jnp.float32)), A, B, C, chunk_size=chunk)
+
+    return forward
 
 
 # batch, heads, head_dim, state, groups
