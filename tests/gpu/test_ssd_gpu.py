@@ -51,10 +51,10 @@ def _hopper() -> bool:
 
 
 @pytest.mark.skipif(not _hopper(), reason="the Mosaic GPU scan needs a Hopper GPU")
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("segments", [False, True])
 @pytest.mark.parametrize("dims", MOSAIC_DIMS)
-def test_mosaic_gpu_against_oracle(dtype, segments, dims):
+def test_mosaic_gpu_against_oracle(segments, dims):
+    dtype = "bfloat16"  # fp16 goes to pallas_gpu (mosaic_gpu.supports says why)
     # values and every gradient, with D, z, dt_bias and an initial state (the final state too)
     arrays, seg = make(0, *dims, dtype, segments=segments)
     check_rule(

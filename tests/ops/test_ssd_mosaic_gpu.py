@@ -46,7 +46,12 @@ def _kernels(text):
 @needs_mosaic
 @pytest.mark.parametrize(
     "dims",
-    [(2, 4, 2, 3, 64, 128, "bfloat16"), (1, 2, 1, 2, 128, 64, "float16"), (1, 2, 2, 1, 64, 256, "bfloat16")],
+    [
+        (2, 4, 2, 3, 64, 128, "bfloat16"),
+        (1, 2, 1, 2, 128, 64, "bfloat16"),
+        (1, 2, 2, 1, 64, 256, "bfloat16"),
+        (1, 2, 1, 1, 256, 128, "bfloat16"),
+    ],
 )
 def test_scan_kernel_lowers_for_cuda(dims):
     *shape, dtype = dims
@@ -73,7 +78,14 @@ def test_the_layer_and_its_gradients_lower_for_cuda():
 
 
 @needs_mosaic
-@pytest.mark.parametrize("dims", [(2, 4, 2, 3, 64, 128, "bfloat16"), (1, 2, 1, 2, 128, 64, "float16")])
+@pytest.mark.parametrize(
+    "dims",
+    [
+        (2, 4, 2, 3, 64, 128, "bfloat16"),
+        (1, 2, 1, 2, 128, 64, "bfloat16"),
+        (1, 2, 1, 1, 256, 128, "bfloat16"),
+    ],
+)
 def test_state_kernel_lowers_for_cuda(dims):
     b, h, g, chunks, p, n, dtype = dims
     length, S = chunks * mosaic_gpu.CHUNK, jax.ShapeDtypeStruct
@@ -123,7 +135,7 @@ def _emulated_runner(names):
     "dtype, dims, segments",
     [
         ("bfloat16", (1, 150, 4, 64, 2, 64), True),  # a length not a multiple of the chunk, groups
-        ("float16", (2, 128, 2, 64, 1, 128), False),
+        ("bfloat16", (2, 128, 2, 128, 1, 64), False),
     ],
 )
 def test_the_kernels_arithmetic_holds_the_oracle_rule_through_the_layer(dtype, dims, segments):
@@ -153,7 +165,16 @@ def test_dispatch_skips_it_off_hopper_with_the_reason():
     assert "Hopper" in mosaic_gpu.supports(
         dataclasses.replace(gpu, device_key="nvidia_a100", device_kind="A100")
     )
-    assert "bf16 or fp16" in mosaic_gpu.supports(dataclasses.replace(gpu, dtype="float32"))
+    assert "take bf16" in mosaic_gpu.supports(dataclasses.replace(gpu, dtype="float32"))
+    assert "fp16's range" in mosaic_gpu.supports(dataclasses.replace(gpu, dtype="float16"))
+    big = OP.spec(
+        {"batch": 1, "length": 256, "heads": 4, "head_dim": 256, "groups": 1, "state": 256},
+        "bfloat16",
+        segments=False,
+    )
+    assert "shared memory" in mosaic_gpu.supports(
+        dataclasses.replace(big, platform="gpu", device_key="nvidia_h200")
+    )
     odd = OP.spec(
         {"batch": 1, "length": 256, "heads": 4, "head_dim": 32, "groups": 1, "state": 128},
         "bfloat16",

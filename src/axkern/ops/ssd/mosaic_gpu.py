@@ -30,9 +30,10 @@ two halves). `emulate_chunk_state` and `emulate_chunk_scan` are the kernels' ari
 (the same roundings, exact products), which the CPU tests carry through the whole layer and
 its gradients against the float64 oracle.
 
-**Constraints**: a Hopper GPU (compute capability 9.x), bf16 or fp16 inputs, chunks of 64,
-`P` and `N` multiples of 64 up to 256 (the 128-byte swizzle's rows; registers). Otherwise the
-call falls back with the reason.
+**Constraints**: a Hopper GPU (compute capability 9.x), bf16 inputs (fp16's range could not
+hold the 16-bit halves of float32 values such as `M` or the state: fp16 goes to `pallas_gpu`),
+chunks of 64, `P` and `N` multiples of 64 up to 256 whose tiles fit shared memory
+(`smem_bytes`). Otherwise the call falls back with the reason.
 
 **Interpret mode.** Mosaic GPU's `wgmma` and TMA copies have no CPU interpret rule: CI lowers
 the kernels for CUDA (`tests/ops/test_ssd_mosaic_gpu.py`) and runs their emulation; the kernels
@@ -86,10 +87,29 @@ def _is_hopper(spec) -> bool:
     return spec.device_key.startswith(_HOPPER_KEYS)
 
 
+_SMEM = 227 * 1024  # shared memory a Hopper block may take
+_SMEM_EXTRA = 1024  # barriers and alignment, rounded up
+
+
+def smem_bytes(p: int, n: int) -> int:
+    """Shared memory of the larger of the two kernels at head dim `p` and state `n` (16-bit
+    inputs): the scan's `C`, `B` (`[64, N]`), `x` (`[64, P]`), 16-bit state (`[P, N]`) and
+    float32 `y` (`[64, P]`); the state kernel's `B`, the two halves of `w ∘ x` and the float32
+    state."""
+    scan = 2 * 64 * n * 2 + 64 * p * 2 + p * n * 2 + 64 * p * 4
+    state = 64 * n * 2 + 2 * 64 * p * 2 + p * n * 4
+    return max(scan, state) + _SMEM_EXTRA
+
+
 def _dims_reason(p: int, n: int) -> str | None:
     for name, d in (("head_dim", p), ("state", n)):
         if d % 64 or d > 256:
-            return f"{name}={d}: the Mosaic GPU scan takes multiples of 64 up to 256"
+            return f"{name}={d}: the Mosaic GPU kernels take multiples of 64 up to 256"
+    if smem_bytes(p, n) > _SMEM:
+        return (
+            f"head_dim={p}, state={n}: the Mosaic GPU kernels would take {smem_bytes(p, n)} bytes of shared "
+            f"memory, more than a Hopper block's {_SMEM}"
+        )
     return None
 
 
@@ -98,14 +118,21 @@ def supports(spec) -> str | None:
         return f"jax.experimental.pallas.mosaic_gpu does not import here ({_IMPORT_ERROR})"
     if spec.platform != "gpu" or not _is_hopper(spec):
         return f"the Mosaic GPU scan needs a Hopper GPU (compute capability 9.x), not {spec.device_kind}"
-    if spec.dtype not in ("bfloat16", "float16"):
-        return f"the Mosaic GPU scan takes bf16 or fp16 inputs, not {spec.dtype}"
+    if spec.dtype != "bfloat16":
+        return (
+            f"the Mosaic GPU kernels take bf16 inputs, not {spec.dtype} (their 16-bit halves of float32 values "
+            "could overflow fp16's range: fp16 goes to pallas_gpu)"
+        )
     return _dims_reason(spec.dim("head_dim"), spec.dim("state")) or pallas_gpu.supports(spec)
 
 
 def _swizzled(shape, dtype):
-    """Shared memory as `wgmma` and TMA read it: (8, 64) tiles, 128-byte swizzle (16-bit rows)."""
-    return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))
+    """Shared memory as `wgmma` and TMA read it: (8, 128-byte rows) tiles, 128-byte swizzle
+    (also for the float32 tiles staged for TMA, against bank conflicts)."""
+    cols = 128 // jnp.dtype(dtype).itemsize
+    return plgpu.SMEM(
+        shape, dtype, transforms=(plgpu.TilingTransform((8, cols)), plgpu.SwizzleTransform(128))
+    )
 
 
 def _scan_kernel(x_ref, dt_ref, cum_ref, f_ref, seg_ref, b_ref, c_ref, s_ref, y_ref, scoped, *, rep, dtype):
@@ -132,14 +159,17 @@ def _scan_kernel(x_ref, dt_ref, cum_ref, f_ref, seg_ref, b_ref, c_ref, s_ref, y_
     for i in range(3):
         plgpu.barrier_wait(loaded.at[i])
 
-    def products(s_acc, inc_acc):
-        plgpu.wgmma(s_acc, c_smem, b_smem.transpose((1, 0)))  # C Bᵀ: [Q, Q]
-        plgpu.wgmma(inc_acc, c_smem, s16_smem.transpose((1, 0)))  # C S_inᵀ: [Q, P]
-        plgpu.wgmma_wait(0)
-        return s_acc[...], inc_acc[...]
+    def product(a_smem, b_t_smem):
+        def run(acc):
+            plgpu.wgmma(acc, a_smem, b_t_smem.transpose((1, 0)))
+            plgpu.wgmma_wait(0)
+            return acc[...]
 
+        return run
+
+    # C Bᵀ first and its scores built, then C S_inᵀ: fewer registers live at once
     f32 = jnp.float32
-    s, inc = pl.run_scoped(products, plgpu.ACC((q, q), f32), plgpu.ACC((q, p), f32))
+    s = pl.run_scoped(product(c_smem, b_smem), plgpu.ACC((q, q), f32))  # [Q, Q]
     shape = (q, q)
     t_idx = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
     s_idx = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
@@ -149,6 +179,7 @@ def _scan_kernel(x_ref, dt_ref, cum_ref, f_ref, seg_ref, b_ref, c_ref, s_ref, y_
     m = s * jnp.exp(jnp.where(visible, on_rows(cum_t) - on_cols(cum_s), -jnp.inf)) * on_cols(dt_s)
     m_hi = m.astype(dtype)
     m_lo = (m - m_hi.astype(f32)).astype(dtype)
+    inc = pl.run_scoped(product(c_smem, s16_smem), plgpu.ACC((q, p), f32))  # [Q, P]
 
     def scores_times_x(acc_ref):
         plgpu.wgmma(acc_ref, m_hi, x_smem)
@@ -197,9 +228,9 @@ def _check_operands(xt, bt, *rest):
     reason = _dims_reason(p, bt.shape[-1])
     if reason:
         raise Unsupported(reason)
-    if any(a.dtype != xt.dtype for a in (bt, *rest)) or jnp.dtype(xt.dtype).itemsize != 2:
+    if any(a.dtype != jnp.bfloat16 for a in (xt, bt, *rest)):
         dtypes = ", ".join(str(a.dtype) for a in (xt, bt, *rest))
-        raise Unsupported(f"x, B, C are {dtypes}: the Mosaic GPU kernels take one 16-bit dtype")
+        raise Unsupported(f"x, B, C are {dtypes}: the Mosaic GPU kernels take bf16")
 
 
 def chunk_state(xt, w, bt):
@@ -216,7 +247,7 @@ def chunk_state(xt, w, bt):
             _swizzled((CHUNK, n), dtype),
             _swizzled((CHUNK, p), dtype),
             _swizzled((CHUNK, p), dtype),
-            plgpu.SMEM((p, n), jnp.float32),
+            _swizzled((p, n), jnp.float32),
         ]
         pl.run_scoped(
             lambda *scoped: _state_kernel(x_ref, w_ref, b_ref, own_ref, scoped, rep=h // g, dtype=dtype),
@@ -227,8 +258,8 @@ def chunk_state(xt, w, bt):
     return plgpu.kernel(
         entry,
         out_type=jax.ShapeDtypeStruct((b, lp // CHUNK, h, p, n), jnp.float32),
-        grid=(lp // CHUNK, h, b),
-        grid_names=("chunks", "heads", "batch"),
+        grid=(b, h, lp // CHUNK),  # the chunks on CUDA's x axis (the others take at most 65535)
+        grid_names=("batch", "heads", "chunks"),
         kernel_name="axkern_ssd_mosaic_gpu_state",
     )(xt, w, bt)
 
@@ -248,7 +279,7 @@ def chunk_scan(xt, dt, cum, f, seg, bt, ct, states_in):
             _swizzled((CHUNK, n), dtype),
             _swizzled((CHUNK, p), dtype),
             _swizzled((p, n), dtype),
-            plgpu.SMEM((CHUNK, p), jnp.float32),
+            _swizzled((CHUNK, p), jnp.float32),
         ]
         pl.run_scoped(
             lambda *scoped: _scan_kernel(
@@ -272,8 +303,8 @@ def chunk_scan(xt, dt, cum, f, seg, bt, ct, states_in):
     return plgpu.kernel(
         entry,
         out_type=jax.ShapeDtypeStruct((b, h, lp, p), jnp.float32),
-        grid=(lp // CHUNK, h, b),
-        grid_names=("chunks", "heads", "batch"),
+        grid=(b, h, lp // CHUNK),  # the chunks on CUDA's x axis (the others take at most 65535)
+        grid_names=("batch", "heads", "chunks"),
         compiler_params=plgpu.CompilerParams(approx_math=True),
         kernel_name="axkern_ssd_mosaic_gpu_scan",
     )(xt, dt, cum, f, seg.astype(jnp.int32), bt, ct, states_in)
