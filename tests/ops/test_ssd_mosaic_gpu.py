@@ -1,6 +1,7 @@
-"""ssd `mosaic_gpu`: its state and scan kernels lower for CUDA (they have no CPU interpret mode:
-they run in tests/gpu), their arithmetic (`emulate_chunk_state`, `emulate_chunk_scan`: the
-kernels' 16-bit roundings, exact products) carried through the whole layer holds the oracle rule for the output, the final state
+"""ssd `mosaic_gpu`: its state, scan and scan-backward kernels lower for CUDA (they have no CPU
+interpret mode: they run in tests/gpu), their arithmetic (`emulate_chunk_state`,
+`emulate_chunk_scan`, `emulate_chunk_scan_bwd`: the kernels' 16-bit roundings, exact products)
+carried through the whole layer holds the oracle rule for the output, the final state
 and every gradient, and the dispatcher skips it off Hopper with the reason."""
 
 from __future__ import annotations
@@ -49,8 +50,7 @@ def _kernels(text):
     [
         (2, 4, 2, 3, 64, 128, "bfloat16"),
         (1, 2, 1, 2, 128, 64, "bfloat16"),
-        (1, 2, 2, 1, 64, 256, "bfloat16"),
-        (1, 2, 1, 1, 256, 128, "bfloat16"),
+        (1, 2, 2, 1, 64, 64, "bfloat16"),
     ],
 )
 def test_scan_kernel_lowers_for_cuda(dims):
@@ -74,7 +74,7 @@ def test_the_layer_and_its_gradients_lower_for_cuda():
         return jnp.sum(y.astype(jnp.float32)) + jnp.sum(final)
 
     text = jax.jit(jax.grad(f)).trace(arrays).lower(lowering_platforms=("cuda",)).as_text()
-    assert _kernels(text) == 2  # the forward's state and scan kernels; the rest are Triton's
+    assert _kernels(text) == 3  # the forward's state and scan kernels, the scan's backward; the rest Triton's
 
 
 @needs_mosaic
@@ -83,7 +83,7 @@ def test_the_layer_and_its_gradients_lower_for_cuda():
     [
         (2, 4, 2, 3, 64, 128, "bfloat16"),
         (1, 2, 1, 2, 128, 64, "bfloat16"),
-        (1, 2, 1, 1, 256, 128, "bfloat16"),
+        (1, 2, 2, 1, 64, 64, "bfloat16"),
     ],
 )
 def test_state_kernel_lowers_for_cuda(dims):
@@ -94,11 +94,29 @@ def test_state_kernel_lowers_for_cuda(dims):
     assert _kernels(text) == 1
 
 
+@needs_mosaic
+@pytest.mark.parametrize("dims", [(2, 4, 2, 3, 64, 128, "bfloat16"), (1, 2, 1, 2, 128, 64, "bfloat16")])
+def test_scan_backward_kernel_lowers_for_cuda(dims):
+    *shape, dtype = dims
+    b, h, _, _, p, _ = shape
+    args = _scan_shapes(*shape, jnp.dtype(dtype))
+    dy = jax.ShapeDtypeStruct((*args[0].shape[:3], p), jnp.float32)
+    text = jax.jit(mosaic_gpu.chunk_scan_bwd).trace(dy, *args).lower(lowering_platforms=("cuda",)).as_text()
+    assert _kernels(text) == 1
+
+
 class _Emulated(pallas_gpu.GpuLayout):
     """pallas_gpu's layout (interpret mode) with stages 2 and 4 as the Mosaic kernels compute them."""
 
     def chunk_state(self, xt, w, bt, *, dtype):
         return mosaic_gpu.emulate_chunk_state(xt, self.to_col(w), bt)
+
+    def chunk_scan_bwd(self, dy, xt, scale, cum, ac, f, sc, bt, ct, states_in, *, sums):
+        assert not sums
+        to_col = self.to_col
+        return mosaic_gpu.emulate_chunk_scan_bwd(
+            dy, xt, to_col(scale), to_col(cum), to_col(f), to_col(sc), bt, ct, states_in
+        )
 
     def chunk_scan(self, xt, scale, cum, ac, f, sc, bt, ct, states_in, *, sums, dtype):
         assert not sums  # 16-bit inputs only
@@ -175,6 +193,10 @@ def test_dispatch_skips_it_off_hopper_with_the_reason():
     assert "shared memory" in mosaic_gpu.supports(
         dataclasses.replace(big, platform="gpu", device_key="nvidia_h200")
     )
+    # the head dims and states that fit: the three kernels' tiles (the backward's are the largest)
+    sizes = (64, 128, 192, 256)
+    fits = {(p, n) for p in sizes for n in sizes if mosaic_gpu._dims_reason(p, n) is None}
+    assert fits == {(64, 64), (64, 128), (128, 64)}
     odd = OP.spec(
         {"batch": 1, "length": 256, "heads": 4, "head_dim": 32, "groups": 1, "state": 128},
         "bfloat16",

@@ -83,8 +83,9 @@ OP = Op(
             block_sizes=SSDBlockSizes,
             heuristic=mosaic_gpu_heuristic,
             space=mosaic_gpu_space,
-            backward="custom_vjp: pallas_gpu's chunk-scan and chunk-state backward kernels (the forward's "
-            "chunk-state and chunk-scan kernels are Mosaic GPU's, chunks of 64)",
+            backward="custom_vjp: the chunk-scan backward as a Mosaic GPU kernel, pallas_gpu's chunk-state "
+            "backward and reverse recurrence (the forward's chunk-state and chunk-scan kernels are Mosaic GPU's, "
+            "chunks of 64)",
         ),
         Implementation(
             "pallas_tpu",

@@ -1,12 +1,12 @@
-"""Mamba-2 SSD on Hopper: the chunk state and the chunk scan's output stage as Pallas Mosaic GPU
-kernels, with 16-bit operands into float32 accumulators; the other stages are `pallas_gpu`'s.
+"""Mamba-2 SSD on Hopper: the chunk state, the chunk scan's output stage and its backward as
+Pallas Mosaic GPU kernels, with 16-bit operands into float32 accumulators; the other stages are
+`pallas_gpu`'s.
 
-**What runs where.** Stages 1 and 3 (weights, the recurrence between chunks) are
-`pallas_gpu`'s (`common/kernels.py` has the stages), and so is the whole backward (its kernels
-recompute from the inputs and the saved states, not from `y`). Stage 2, each chunk's own state
-`(w ∘ x)ᵀ B`, is `_state_kernel` here, and stage 4, the output `y = ((C Bᵀ) ∘ Λ ∘ dt)(x) + f ∘
-(C S_inᵀ)` of every chunk, `_scan_kernel`: each one warpgroup per (chunk of 64 positions, head,
-batch row), grid `(chunks, heads, batch)`.
+**What runs where.** Stages 1 and 3 (weights, the recurrence between chunks and its reverse)
+and the chunk-state backward are `pallas_gpu`'s (`common/kernels.py` has the stages). Stage 2,
+each chunk's own state `(w ∘ x)ᵀ B`, is `_state_kernel` here; stage 4, the output
+`y = ((C Bᵀ) ∘ Λ ∘ dt)(x) + f ∘ (C S_inᵀ)` of every chunk, `_scan_kernel`; and stage 4's
+backward, `_scan_bwd_kernel`. Each: one warpgroup per (batch row, head, chunk of 64 positions).
 
 **The state kernel.** TMA copies the chunk's `B` rows (`[64, N]`); `x` (`[64, P]`) is read into
 registers, scaled by `w` per row and stored as two 16-bit halves (`w ∘ x = hi + lo`, what the
@@ -22,29 +22,45 @@ is read into registers, rounded to the input dtype and stored beside them. Two `
 accumulator starts at `f_t · (C S_inᵀ)` and takes `M_hi x` and `M_lo x` (two `wgmma`s with
 their left operand in registers). `y` (float32) goes back through shared memory by TMA.
 
+**The scan's backward** (the Triton `_scan_bwd_kernel`'s sums, `common/kernels.py`): `C Bᵀ`
+and its decayed `M` (rows t, columns s); `dM = (dy xᵀ) ∘ dt_s` from `dy`'s two halves in
+registers; `dcum`, `dcum_row` the row and column sums of `dM ∘ M`; `Mᵀ dy` from `M`'s halves
+stored in shared memory and read transposed, times `dy`'s halves (three products: hi·hi,
+hi·lo, lo·hi), giving `dx` and `ddt`; `dg = dM ∘ Λ` as halves, in registers for
+`dC = dg B + (f ∘ dy) S_in` and in shared memory (transposed) for `dB = dgᵀ C`; `df` from
+`C S_inᵀ`; `dS_in = (f ∘ dy)ᵀ C`. Every float32 operand is taken as its two 16-bit halves (the
+state's too), so the products are about as exact as float32 ones; the results leave through
+shared memory by TMA.
+
 **Precision** (`benchmarks/ssd_operand_precision.py`, float64 emulation on the CPU, tables in
 docs/ops/ssd.md "Accuracy"): `C Bᵀ` and `C S_inᵀ` with 16-bit operands kept `y` and the final
 state inside DESIGN.md's rule; `M x` with `M` rounded to bf16 once did not (1.08x the bound),
 as two bf16 halves it did (0.13x); the state product likewise (1.25x rounded once, inside as
-two halves). `emulate_chunk_state` and `emulate_chunk_scan` are the kernels' arithmetic in XLA
-(the same roundings, exact products), which the CPU tests carry through the whole layer and
-its gradients against the float64 oracle.
+two halves). `emulate_chunk_state`, `emulate_chunk_scan` and `emulate_chunk_scan_bwd` are the
+kernels' arithmetic in XLA (the same roundings, exact products), which the CPU tests carry
+through the whole layer and its gradients against the float64 oracle.
 
 **Constraints**: a Hopper GPU (compute capability 9.x), bf16 inputs (fp16's range could not
 hold the 16-bit halves of float32 values such as `M` or the state: fp16 goes to `pallas_gpu`),
-chunks of 64, `P` and `N` multiples of 64 up to 256 whose tiles fit shared memory
-(`smem_bytes`). Otherwise the call falls back with the reason.
+chunks of 64, `P` and `N` multiples of 64 whose tiles fit shared memory in all three kernels
+(`smem_bytes`: 64 and 64, 64 and 128, 128 and 64). Otherwise the call falls back with the
+reason.
 
 **Interpret mode.** Mosaic GPU's `wgmma` and TMA copies have no CPU interpret rule: CI lowers
 the kernels for CUDA (`tests/ops/test_ssd_mosaic_gpu.py`) and runs their emulation; the kernels
 themselves are tested on a GPU (`tests/gpu/test_ssd_gpu.py`).
 
-**Cost** per chunk and head: the state `2·2·64·P·N` FLOPs (two halves), the scan `2·64²·N`
-(`C Bᵀ`) + `2·2·64²·P` (`M x`, twice) + `2·64·N·P` (`C S_inᵀ`); bytes: `x`, `B`, `C` rows once
-a kernel, the float32 state `P·N·4` written (state) and read (scan), `y` float32.
+**Cost** per chunk and head (Q = 64 positions), in tensor-core FLOPs: the state `4·Q·P·N` (two
+halves); the scan `2·Q²·N` (`C Bᵀ`) + `4·Q²·P` (`M x`, two halves) + `2·Q·P·N` (`C S_inᵀ`); its
+backward `10·Q²·(N + P) + 14·Q·P·N` (`C Bᵀ`; `dM` and `Mᵀ dy` with two and three products;
+`dg B`, `dgᵀ C` with two each; `f∘dy S_in` with three; `C S_inᵀ`, `dS_in` with two each).
+Bytes: `x`, `B`, `C` rows once a kernel, the float32 state `P·N·4` written (state) and read
+(scan, backward), `y`, `dy`, `dx`, `dB`, `dC` float32.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -92,13 +108,16 @@ _SMEM_EXTRA = 1024  # barriers and alignment, rounded up
 
 
 def smem_bytes(p: int, n: int) -> int:
-    """Shared memory of the larger of the two kernels at head dim `p` and state `n` (16-bit
+    """Shared memory of the largest of the three kernels at head dim `p` and state `n` (16-bit
     inputs): the scan's `C`, `B` (`[64, N]`), `x` (`[64, P]`), 16-bit state (`[P, N]`) and
     float32 `y` (`[64, P]`); the state kernel's `B`, the two halves of `w ∘ x` and the float32
-    state."""
+    state; the scan backward's `C`, `B`, `x`, the halves of the state, of `dy` and of `M`, and
+    its float32 `dx`, `dB` / `dC`, `dS_in` and vectors."""
     scan = 2 * 64 * n * 2 + 64 * p * 2 + p * n * 2 + 64 * p * 4
     state = 64 * n * 2 + 2 * 64 * p * 2 + p * n * 4
-    return max(scan, state) + _SMEM_EXTRA
+    backward = 2 * 64 * n * 2 + 64 * p * 2 + 2 * p * n * 2 + 2 * 64 * p * 2 + 2 * 64 * 64 * 2
+    backward += 64 * p * 4 + 64 * n * 4 + p * n * 4 + 4 * 64 * 4
+    return max(scan, state, backward) + _SMEM_EXTRA
 
 
 def _dims_reason(p: int, n: int) -> str | None:
@@ -310,6 +329,221 @@ def chunk_scan(xt, dt, cum, f, seg, bt, ct, states_in):
     )(xt, dt, cum, f, seg.astype(jnp.int32), bt, ct, states_in)
 
 
+def _halves(a, dtype):
+    """`a` (float32) as `hi + lo`, both in `dtype`: `lo` what the rounding to `hi` lost."""
+    hi = a.astype(dtype)
+    return hi, (a - hi.astype(jnp.float32)).astype(dtype)
+
+
+def _scan_bwd_kernel(
+    dy_ref,
+    x_ref,
+    dt_ref,
+    cum_ref,
+    f_ref,
+    seg_ref,
+    b_ref,
+    c_ref,
+    s_ref,
+    dx_ref,
+    ddt_ref,
+    dcum_ref,
+    dcum_row_ref,
+    df_ref,
+    db_ref,
+    dc_ref,
+    ds_ref,
+    scoped,
+    *,
+    rep,
+    dtype,
+):
+    (c_smem, b_smem, x_smem, sh_smem, sl_smem, ah_smem, al_smem, mh_smem, ml_smem, *outs), loaded = scoped
+    dx_smem, dbc_smem, ds_smem, vec_smem = outs
+    batch, head, chunk = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("chunks")
+    q, p = x_smem.shape
+    n = c_smem.shape[1]
+    rows = pl.ds(chunk * q, q)
+    group = lax.div(head, jnp.int32(rep))
+    plgpu.copy_gmem_to_smem(c_ref.at[batch, group, rows], c_smem, loaded.at[0])
+    plgpu.copy_gmem_to_smem(b_ref.at[batch, group, rows], b_smem, loaded.at[1])
+    plgpu.copy_gmem_to_smem(x_ref.at[batch, head, rows], x_smem, loaded.at[2])
+
+    f32, wgmma_layout = jnp.float32, plgpu.Layout.WGMMA
+    row, col = wgmma_layout.reduce(1), wgmma_layout.reduce(0)
+    vec = lambda ref, layout: mosaic_gpu_load(ref.at[batch, head, rows], layout=layout, optimized=False)  # noqa: E731
+    cum_t, cum_s, dt_t, dt_s, f_t = (
+        vec(cum_ref, row),
+        vec(cum_ref, col),
+        vec(dt_ref, row),
+        vec(dt_ref, col),
+        vec(f_ref, row),
+    )
+    seg_t = mosaic_gpu_load(seg_ref.at[batch, rows], layout=row, optimized=False)
+    seg_s = mosaic_gpu_load(seg_ref.at[batch, rows], layout=col, optimized=False)
+    dy = mosaic_gpu_load(dy_ref.at[batch, head, rows], layout=wgmma_layout, optimized=False)  # [Q, P] f32
+    # the state and the cotangent as two 16-bit halves in shared memory (every product with
+    # a float32 operand takes its halves: bf16x2, or three products when both are float32)
+    sh, sl = _halves(
+        mosaic_gpu_load(s_ref.at[batch, chunk, head], layout=wgmma_layout, optimized=False), dtype
+    )
+    sh_smem[...], sl_smem[...] = sh, sl
+    dyh, dyl = _halves(dy, dtype)
+    ah_smem[...], al_smem[...] = dyh, dyl
+    plgpu.commit_smem()
+    for i in range(3):
+        plgpu.barrier_wait(loaded.at[i])
+
+    def zeros(shape):
+        return plgpu.layout_cast(jnp.zeros(shape, f32), wgmma_layout)
+
+    def products(shape, pairs):
+        """`sum a @ b` over `pairs` of (left, right, transpose right) into a float32 accumulator."""
+
+        def run(acc_ref):
+            for a, b, trans in pairs:
+                plgpu.wgmma(acc_ref, a, b.transpose((1, 0)) if trans else b)
+
+        return pl.run_state(run)(plgpu.ACC.init(zeros(shape)))
+
+    # scores and decay, rows t by columns s
+    scores = products((q, q), [(c_smem, b_smem, True)])
+    shape = (q, q)
+    t_idx = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=wgmma_layout)
+    s_idx = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=wgmma_layout)
+    on_rows = lambda v: lax.broadcast_in_dim(v, shape, [0])  # noqa: E731
+    on_cols = lambda v: lax.broadcast_in_dim(v, shape, [1])  # noqa: E731
+    visible = (s_idx <= t_idx) & (on_rows(seg_t) == on_cols(seg_s))
+    decay = jnp.exp(jnp.where(visible, on_rows(cum_t) - on_cols(cum_s), -jnp.inf))
+    m = scores * decay
+    mh, ml = _halves(m, dtype)
+    mh_smem[...], ml_smem[...] = mh, ml
+    plgpu.commit_smem()
+
+    # dM = dy (dt ∘ x)ᵀ: dy's halves (registers) times xᵀ, scaled by dt per column
+    dm = products(shape, [(dyh, x_smem, True), (dyl, x_smem, True)]) * on_cols(dt_s)
+    e = dm * m
+    dcum, dcum_row = jnp.sum(e, axis=1), jnp.sum(e, axis=0)
+    dg = dm * decay
+
+    # d(dt ∘ x) = Mᵀ dy, rows s: M's halves transposed from shared memory, dy's halves
+    dxd = products(
+        (q, p),
+        [
+            (mh_smem.transpose((1, 0)), ah_smem, False),
+            (mh_smem.transpose((1, 0)), al_smem, False),
+            (ml_smem.transpose((1, 0)), ah_smem, False),
+        ],
+    )
+    dx = dxd * lax.broadcast_in_dim(dt_t, (q, p), [0])
+    x = mosaic_gpu_load(x_ref.at[batch, head, rows], layout=wgmma_layout, optimized=False).astype(f32)
+    ddt = jnp.sum(dxd * x, axis=1)
+
+    # dM ∘ Λ's halves take M's place in shared memory (its products are done)
+    dgh, dgl = _halves(dg, dtype)
+    mh_smem[...], ml_smem[...] = dgh, dgl
+    dyf = dy * lax.broadcast_in_dim(f_t, (q, p), [0])
+    dyfh, dyfl = _halves(dyf, dtype)
+    plgpu.commit_smem()
+    # dC = dg B + dyf S_in (rows t); dB = dgᵀ C (rows s)
+    dc = products(
+        (q, n),
+        [
+            (dgh, b_smem, False),
+            (dgl, b_smem, False),
+            (dyfh, sh_smem, False),
+            (dyfh, sl_smem, False),
+            (dyfl, sh_smem, False),
+        ],
+    )
+    db = products(
+        (q, n), [(mh_smem.transpose((1, 0)), c_smem, False), (ml_smem.transpose((1, 0)), c_smem, False)]
+    )
+    # df = rowsum(dy ∘ C S_inᵀ)
+    inc = products((q, p), [(c_smem, sh_smem, True), (c_smem, sl_smem, True)])
+    df = jnp.sum(dy * inc, axis=1)
+    # dS_in = dyfᵀ C: dyf's halves take dy's place in shared memory
+    ah_smem[...], al_smem[...] = dyfh, dyfl
+    plgpu.commit_smem()
+    ds = products(
+        (p, n), [(ah_smem.transpose((1, 0)), c_smem, False), (al_smem.transpose((1, 0)), c_smem, False)]
+    )
+
+    # out through shared memory; the [Q, N] staging tile twice (dB, then dC)
+    dx_smem[...] = dx
+    ds_smem[...] = ds
+    dbc_smem[...] = db
+    for i, v in enumerate((ddt, dcum, df)):
+        vec_smem.at[i][...] = v
+    vec_smem.at[3][...] = dcum_row
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(dx_smem, dx_ref.at[batch, head, rows])
+    plgpu.copy_smem_to_gmem(ds_smem, ds_ref.at[batch, chunk, head])
+    plgpu.copy_smem_to_gmem(dbc_smem, db_ref.at[batch, head, rows])
+    for i, ref in enumerate((ddt_ref, dcum_ref, df_ref, dcum_row_ref)):
+        plgpu.copy_smem_to_gmem(vec_smem.at[i], ref.at[batch, head, rows])
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    dbc_smem[...] = dc
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(dbc_smem, dc_ref.at[batch, head, rows])
+    plgpu.wait_smem_to_gmem(0)
+
+
+def chunk_scan_bwd(dy, xt, dt, cum, f, seg, bt, ct, states_in):
+    """Stage 4's backward by the Mosaic GPU kernel: `(dx [b, h, L, P], ddt, dcum, dcum_row, df
+    [b, h, L], dB, dC [b, h, L, N], dS_in [b, c, h, P, N])`, float32, per head, from the
+    cotangent `dy [b, h, L, P]` (float32) and `chunk_scan`'s arguments. `dcum` holds each row's
+    sum of `dM ∘ M` and `dcum_row` each column's (`common/kernels.py`'s backward)."""
+    _check_operands(xt, bt, ct)
+    b, h, lp, p = xt.shape
+    g, n = bt.shape[1], bt.shape[-1]
+    c = lp // CHUNK
+    dtype = xt.dtype
+    f32 = jnp.float32
+
+    def entry(*refs):
+        scratch = [
+            _swizzled((CHUNK, n), dtype),  # C
+            _swizzled((CHUNK, n), dtype),  # B
+            _swizzled((CHUNK, p), dtype),  # x
+            _swizzled((p, n), dtype),  # the state's halves
+            _swizzled((p, n), dtype),
+            _swizzled((CHUNK, p), dtype),  # dy's halves, then dyf's
+            _swizzled((CHUNK, p), dtype),
+            _swizzled((CHUNK, CHUNK), dtype),  # M's halves, then dg's
+            _swizzled((CHUNK, CHUNK), dtype),
+            _swizzled((CHUNK, p), f32),  # dx
+            _swizzled((CHUNK, n), f32),  # dB, then dC
+            _swizzled((p, n), f32),  # dS_in
+            plgpu.SMEM((4, CHUNK), f32),  # ddt, dcum, df, dcum_row
+        ]
+        pl.run_scoped(
+            lambda *scoped: _scan_bwd_kernel(*refs, scoped, rep=h // g, dtype=dtype),
+            scratch,
+            plgpu.Barrier(num_barriers=3),
+        )
+
+    rows = lambda d: jax.ShapeDtypeStruct((b, h, lp, d), f32)  # noqa: E731
+    vector = jax.ShapeDtypeStruct((b, h, lp), f32)
+    return plgpu.kernel(
+        entry,
+        out_type=(
+            rows(p),
+            vector,
+            vector,
+            vector,
+            vector,
+            rows(n),
+            rows(n),
+            jax.ShapeDtypeStruct((b, c, h, p, n), f32),
+        ),
+        grid=(b, h, c),
+        grid_names=("batch", "heads", "chunks"),
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        kernel_name="axkern_ssd_mosaic_gpu_scan_bwd",
+    )(dy.astype(f32), xt, dt, cum, f, seg.astype(jnp.int32), bt, ct, states_in)
+
+
 def _round(a, dtype):
     return a.astype(dtype).astype(jnp.float32)
 
@@ -365,8 +599,66 @@ def emulate_chunk_state(xt, w, bt):
     return jnp.moveaxis(own, 2, 1)  # [b, c, h, P, N]
 
 
+def emulate_chunk_scan_bwd(dy, xt, dt, cum, f, seg, bt, ct, states_in):
+    """`chunk_scan_bwd`'s arithmetic in XLA: every float32 operand as its two halves in the
+    input dtype (three products where both operands are float32: hi·hi, hi·lo, lo·hi), `x`,
+    `B`, `C` as they are, products exact in float32. Arguments and results as
+    `chunk_scan_bwd`'s."""
+    b, h, lp, p = xt.shape
+    g = bt.shape[1]
+    c = lp // CHUNK
+    dtype = xt.dtype
+    prec = jax.lax.Precision.HIGHEST
+    ein = functools.partial(jnp.einsum, precision=prec)
+    halves = lambda a: (_round(a, dtype), _round(a - _round(a, dtype), dtype))  # noqa: E731
+    per = lambda a: a.reshape(b, h, c, CHUNK, a.shape[-1])  # noqa: E731
+    heads = lambda a: per(jnp.repeat(a, h // g, axis=1).astype(jnp.float32))  # noqa: E731
+    vec = lambda a: a.reshape(b, h, c, CHUNK)  # noqa: E731
+    x, bm, cm, dyc = per(xt.astype(jnp.float32)), heads(bt), heads(ct), per(dy.astype(jnp.float32))
+    cum_c, dt_c, f_c = vec(cum), vec(dt), vec(f)
+    seg_c = seg.reshape(b, 1, c, CHUNK)
+    state = jnp.moveaxis(states_in, 1, 2)  # [b, h, c, P, N]
+    sh, sl = halves(state)
+    dyh, dyl = halves(dyc)
+    t_idx, s_idx = jnp.arange(CHUNK)[:, None], jnp.arange(CHUNK)[None, :]
+    visible = (s_idx <= t_idx) & (seg_c[..., :, None] == seg_c[..., None, :])
+    decay = jnp.exp(jnp.where(visible, cum_c[..., :, None] - cum_c[..., None, :], -jnp.inf))
+    m = ein("bhctn,bhcsn->bhcts", cm, bm) * decay
+    mh, ml = halves(m)
+    dm = (ein("bhctp,bhcsp->bhcts", dyh, x) + ein("bhctp,bhcsp->bhcts", dyl, x)) * dt_c[..., None, :]
+    e = dm * m
+    dcum, dcum_row = e.sum(-1), e.sum(-2)
+    dg = dm * decay
+    mt = lambda a, r: ein("bhcts,bhctp->bhcsp", a, r)  # noqa: E731 - Mᵀ r
+    dxd = mt(mh, dyh) + mt(mh, dyl) + mt(ml, dyh)
+    dx = dxd * dt_c[..., None]
+    ddt = (dxd * x).sum(-1)
+    dgh, dgl = halves(dg)
+    dyfh, dyfl = halves(dyc * f_c[..., None])
+    dc = ein("bhcts,bhcsn->bhctn", dgh, bm) + ein("bhcts,bhcsn->bhctn", dgl, bm)
+    for a, r in ((dyfh, sh), (dyfh, sl), (dyfl, sh)):
+        dc = dc + ein("bhctp,bhcpn->bhctn", a, r)
+    db = ein("bhcts,bhctn->bhcsn", dgh, cm) + ein("bhcts,bhctn->bhcsn", dgl, cm)
+    inc = ein("bhctn,bhcpn->bhctp", cm, sh) + ein("bhctn,bhcpn->bhctp", cm, sl)
+    df = (dyc * inc).sum(-1)
+    ds = ein("bhctp,bhctn->bhcpn", dyfh, cm) + ein("bhctp,bhctn->bhcpn", dyfl, cm)
+    rows = lambda a: a.reshape(b, h, lp, a.shape[-1])  # noqa: E731
+    flat = lambda a: a.reshape(b, h, lp)  # noqa: E731
+    return (
+        rows(dx),
+        flat(ddt),
+        flat(dcum),
+        flat(dcum_row),
+        flat(df),
+        rows(db),
+        rows(dc),
+        jnp.moveaxis(ds, 2, 1),
+    )
+
+
 class MosaicLayout(pallas_gpu.GpuLayout):
-    """`pallas_gpu`'s layout and kernels, stages 2 and 4 forward by `chunk_state` and `chunk_scan`."""
+    """`pallas_gpu`'s layout and kernels; stages 2 and 4 forward by `chunk_state` and
+    `chunk_scan`, stage 4's backward by `chunk_scan_bwd`."""
 
     def chunk_state(self, xt, w, bt, *, dtype):
         return chunk_state(xt, self.to_col(w), bt)
@@ -377,6 +669,12 @@ class MosaicLayout(pallas_gpu.GpuLayout):
         return chunk_scan(
             xt, self.to_col(scale), self.to_col(cum), self.to_col(f), self.to_col(sc), bt, ct, states_in
         )
+
+    def chunk_scan_bwd(self, dy, xt, scale, cum, ac, f, sc, bt, ct, states_in, *, sums):
+        if sums:
+            raise Unsupported("the Mosaic GPU scan takes 16-bit inputs, whose decay is cum_t - cum_s")
+        to_col = self.to_col
+        return chunk_scan_bwd(dy, xt, to_col(scale), to_col(cum), to_col(f), to_col(sc), bt, ct, states_in)
 
 
 def ssd(x, dt, A, B, C, D, z, segment_ids, initial_state, *, block_sizes, interpret=False):

@@ -274,6 +274,10 @@ class Layout:
         """Stage 4, `y [b, h, L, P]` float32 (the Pallas `_scan_kernel` unless a backend has its own)."""
         return _chunk_scan(self, xt, scale, cum, ac, f, sc, bt, ct, states_in, sums=sums, dtype=dtype)
 
+    def chunk_scan_bwd(self, dy, xt, scale, cum, ac, f, sc, bt, ct, states_in, *, sums):
+        """Stage 4's backward (the Pallas `_scan_bwd_kernel` unless a backend has its own)."""
+        return _chunk_scan_bwd(self, dy, xt, scale, cum, ac, f, sc, bt, ct, states_in, sums=sums)
+
     def dot(self, a, b, dtype=None, *, trans_a=False, trans_b=False):
         return kernels.dot(a, b, dtype, trans_a=trans_a, trans_b=trans_b, precision=self.precision)
 
@@ -352,31 +356,11 @@ def _chunk_scan(k, xt, scale, cum, ac, f, sc, bt, ct, states_in, *, sums, dtype)
     )
 
 
-def _uses_segment_sums(dtype) -> bool:
-    """float32 (and wider) inputs sum each segment on its own (`_segment_sums`)."""
-    return jnp.dtype(dtype).itemsize >= 4
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _core(cfg, xt, ac, scale, bt, ct, sc, initial_state):
-    return _core_forward(cfg, xt, ac, scale, bt, ct, sc, initial_state)[0]
-
-
-def _core_fwd(cfg, xt, ac, scale, bt, ct, sc, initial_state):
-    out, states_in = _core_forward(cfg, xt, ac, scale, bt, ct, sc, initial_state)
-    return out, (xt, ac, scale, bt, ct, sc, states_in)
-
-
-def _core_bwd(cfg, res, cotangents):
-    layout, q, interpret, products = cfg
-    xt, ac, scale, bt, ct, sc, states_in = res
-    dy, d_final = cotangents
-    k = layout(xt, bt, q=q, interpret=interpret, products=products)
+def _chunk_scan_bwd(k, dy, xt, scale, cum, ac, f, sc, bt, ct, states_in, *, sums):
+    """Stage 4's backward through the `_scan_bwd_kernel` (`Layout.chunk_scan_bwd`'s default):
+    `(dx, ddt, dcum, dcum_row, df, dB, dC, dS_in)`, per head, float32, in `k.out`'s layouts."""
     p, n = k.p, k.n
-    col, row = k.from_col, k.from_row  # back to [b, h, c, Q]
-    (cum, w, f, keep), pull_weights = jax.vjp(lambda ac, scale: _weights(ac, scale, sc), ac, scale)
-    sums = _uses_segment_sums(products or xt.dtype)
-    dx_scan, ddt, dcum, dcum_row, df, db_scan, dc, d_states_in = k(
+    return k(
         functools.partial(_scan_bwd_kernel, sums=sums),
         [
             k.rows(p),
@@ -412,6 +396,35 @@ def _core_bwd(cfg, res, cotangents):
         bt,
         ct,
         states_in,
+    )
+
+
+def _uses_segment_sums(dtype) -> bool:
+    """float32 (and wider) inputs sum each segment on its own (`_segment_sums`)."""
+    return jnp.dtype(dtype).itemsize >= 4
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _core(cfg, xt, ac, scale, bt, ct, sc, initial_state):
+    return _core_forward(cfg, xt, ac, scale, bt, ct, sc, initial_state)[0]
+
+
+def _core_fwd(cfg, xt, ac, scale, bt, ct, sc, initial_state):
+    out, states_in = _core_forward(cfg, xt, ac, scale, bt, ct, sc, initial_state)
+    return out, (xt, ac, scale, bt, ct, sc, states_in)
+
+
+def _core_bwd(cfg, res, cotangents):
+    layout, q, interpret, products = cfg
+    xt, ac, scale, bt, ct, sc, states_in = res
+    dy, d_final = cotangents
+    k = layout(xt, bt, q=q, interpret=interpret, products=products)
+    p, n = k.p, k.n
+    col, row = k.from_col, k.from_row  # back to [b, h, c, Q]
+    (cum, w, f, keep), pull_weights = jax.vjp(lambda ac, scale: _weights(ac, scale, sc), ac, scale)
+    sums = _uses_segment_sums(products or xt.dtype)
+    dx_scan, ddt, dcum, dcum_row, df, db_scan, dc, d_states_in = k.chunk_scan_bwd(
+        dy, xt, scale, cum, ac, f, sc, bt, ct, states_in, sums=sums
     )
     d_own, d_keep, d_init = k.recurrence_bwd(keep, states_in, d_states_in, d_final.astype(jnp.float32))
     dx_state, dw, db_state = k(
