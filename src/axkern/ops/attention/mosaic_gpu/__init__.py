@@ -288,7 +288,11 @@ def attention(q, k, v, sinks, mask, *, scale, logits_soft_cap, block_sizes, back
     check(mask, block_sizes, q.shape[3], sinks, logits_soft_cap, scale=scale)
     check_inputs(q, k, v)
     fwd = functools.partial(
-        forward, scale=scale, logits_soft_cap=logits_soft_cap, **_blocks(block_sizes), **forward_flags(block_sizes)
+        forward,
+        scale=scale,
+        logits_soft_cap=logits_soft_cap,
+        **_blocks(block_sizes),
+        **forward_flags(block_sizes),
     )
     if backward is None:
         backward = functools.partial(
