@@ -14,9 +14,10 @@ import jax.numpy as jnp
 import pytest
 
 import axkern
-from axkern.ops.ssd import OP, SSDBlockSizes, mosaic_gpu, pallas_gpu
+from axkern.ops.ssd import OP, SSDBlockSizes, mosaic_gpu
 from axkern.ops.ssd.api import prepared_dt
 from axkern.ops.ssd.common import kernels as chunk_kernels
+from axkern.ops.ssd.common.gpu import GpuLayout
 from tests.cases.ssd import make, run
 from tests.harness import check_rule, jit
 
@@ -105,7 +106,7 @@ def test_scan_backward_kernel_lowers_for_cuda(dims):
     assert _kernels(text) == 1
 
 
-class _Emulated(pallas_gpu.GpuLayout):
+class _Emulated(GpuLayout):
     """pallas_gpu's layout (interpret mode) with stages 2 and 4 as the Mosaic kernels compute them."""
 
     def chunk_state(self, xt, w, bt, *, dtype):

@@ -1,5 +1,5 @@
 """Mamba-3 as Pallas GPU (Triton) kernels: SSD's chunk kernels and its recurrence kernels
-(`ssd/common/kernels.py`, `ssd/pallas_gpu.py`'s layout) with the per-position log-decay `adt` and
+(`ssd/common/kernels.py`, `ssd/common/gpu.py`'s layout) with the per-position log-decay `adt` and
 the trapezoid's input scale, under the chunked form of `common.py` (angles, rotations,
 correction, gate in XLA).
 
@@ -21,7 +21,7 @@ from axkern.core.op import Unsupported
 from axkern.ops.ssd.blocks import GPU_MAX_CHUNK as MAX_CHUNK
 from axkern.ops.ssd.blocks import GPU_MAX_CHUNK_32BIT as MAX_CHUNK_32BIT
 from axkern.ops.ssd.blocks import GPU_MIN_DIM as MIN_DIM
-from axkern.ops.ssd.pallas_gpu import GpuLayout
+from axkern.ops.ssd.common.gpu import GpuLayout
 
 from .blocks import kernel_slots
 from .common import forward, kernel_core, kernel_x_dtype

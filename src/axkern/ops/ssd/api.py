@@ -27,7 +27,6 @@ from .blocks import (
     bucket,
     heuristic,
     mosaic_gpu_heuristic,
-    mosaic_gpu_space,
     pallas_gpu_heuristic,
     pallas_gpu_space,
     pallas_tpu_heuristic,
@@ -82,7 +81,6 @@ OP = Op(
             supports=mosaic_gpu.supports,
             block_sizes=SSDBlockSizes,
             heuristic=mosaic_gpu_heuristic,
-            space=mosaic_gpu_space,
             backward="custom_vjp: the chunk-scan backward as a Mosaic GPU kernel, pallas_gpu's chunk-state "
             "backward and reverse recurrence (the forward's chunk-state and chunk-scan kernels are Mosaic GPU's, "
             "chunks of 64)",

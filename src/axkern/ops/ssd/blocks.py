@@ -16,7 +16,6 @@ __all__ = [
     "heuristic",
     "space",
     "mosaic_gpu_heuristic",
-    "mosaic_gpu_space",
     "pallas_gpu_heuristic",
     "pallas_gpu_space",
     "pallas_tpu_heuristic",
@@ -95,9 +94,6 @@ def pallas_tpu_space(spec: Spec) -> list[SSDBlockSizes]:
 
 
 def mosaic_gpu_heuristic(spec: Spec) -> SSDBlockSizes:
-    """`mosaic_gpu`: chunks of 64, the only size its scan kernel runs (one warpgroup's rows)."""
+    """`mosaic_gpu`: chunks of 64, the only size its kernels run (one warpgroup's rows; nothing
+    to tune)."""
     return SSDBlockSizes(chunk_size=64)
-
-
-def mosaic_gpu_space(spec: Spec) -> list[SSDBlockSizes]:
-    return [mosaic_gpu_heuristic(spec)]

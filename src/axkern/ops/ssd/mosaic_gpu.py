@@ -71,8 +71,8 @@ from axkern.core import backend
 from axkern.core.compat import mosaic_gpu_load
 from axkern.core.op import Unsupported
 
-from . import pallas_gpu
 from .common import kernels as chunk_kernels
+from .common.gpu import GpuLayout
 
 try:
     from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -142,7 +142,7 @@ def supports(spec) -> str | None:
             f"the Mosaic GPU kernels take bf16 inputs, not {spec.dtype} (their 16-bit halves of float32 values "
             "could overflow fp16's range: fp16 goes to pallas_gpu)"
         )
-    return _dims_reason(spec.dim("head_dim"), spec.dim("state")) or pallas_gpu.supports(spec)
+    return _dims_reason(spec.dim("head_dim"), spec.dim("state"))
 
 
 def _swizzled(shape, dtype):
@@ -656,7 +656,7 @@ def emulate_chunk_scan_bwd(dy, xt, dt, cum, f, seg, bt, ct, states_in):
     )
 
 
-class MosaicLayout(pallas_gpu.GpuLayout):
+class MosaicLayout(GpuLayout):
     """`pallas_gpu`'s layout and kernels; stages 2 and 4 forward by `chunk_state` and
     `chunk_scan`, stage 4's backward by `chunk_scan_bwd`."""
 
