@@ -1,6 +1,6 @@
-"""ssd `mosaic_gpu`: its state, scan and scan-backward kernels lower for CUDA (they have no CPU
-interpret mode: they run in tests/gpu), their arithmetic (`emulate_chunk_state`,
-`emulate_chunk_scan`, `emulate_chunk_scan_bwd`: the kernels' 16-bit roundings, exact products)
+"""ssd `mosaic_gpu`: its state and scan kernels and their backward kernels lower for CUDA (they
+have no CPU interpret mode: they run in tests/gpu), their arithmetic (`emulate_chunk_state`,
+`emulate_chunk_scan` and their `_bwd`: the kernels' 16-bit roundings, exact products)
 carried through the whole layer holds the oracle rule for the output, the final state
 and every gradient, and the dispatcher skips it off Hopper with the reason."""
 
@@ -75,7 +75,7 @@ def test_the_layer_and_its_gradients_lower_for_cuda():
         return jnp.sum(y.astype(jnp.float32)) + jnp.sum(final)
 
     text = jax.jit(jax.grad(f)).trace(arrays).lower(lowering_platforms=("cuda",)).as_text()
-    assert _kernels(text) == 3  # the forward's state and scan kernels, the scan's backward; the rest Triton's
+    assert _kernels(text) == 4  # both stages' kernels forward and backward; the recurrence Triton's
 
 
 @needs_mosaic
@@ -106,11 +106,27 @@ def test_scan_backward_kernel_lowers_for_cuda(dims):
     assert _kernels(text) == 1
 
 
+@needs_mosaic
+@pytest.mark.parametrize("dims", [(2, 4, 2, 3, 64, 128, "bfloat16"), (1, 2, 1, 2, 128, 64, "bfloat16")])
+def test_state_backward_kernel_lowers_for_cuda(dims):
+    b, h, g, chunks, p, n, dtype = dims
+    length, S, f32 = chunks * mosaic_gpu.CHUNK, jax.ShapeDtypeStruct, jnp.float32
+    args = (S((b, h, length, p), dtype), S((b, h, length), f32), S((b, g, length, n), dtype))
+    d_own = S((b, chunks, h, p, n), f32)
+    text = (
+        jax.jit(mosaic_gpu.chunk_state_bwd).trace(*args, d_own).lower(lowering_platforms=("cuda",)).as_text()
+    )
+    assert _kernels(text) == 1
+
+
 class _Emulated(GpuLayout):
     """pallas_gpu's layout (interpret mode) with stages 2 and 4 as the Mosaic kernels compute them."""
 
     def chunk_state(self, xt, w, bt, *, dtype):
         return mosaic_gpu.emulate_chunk_state(xt, self.to_col(w), bt)
+
+    def chunk_state_bwd(self, xt, w, bt, d_own):
+        return mosaic_gpu.emulate_chunk_state_bwd(xt, self.to_col(w), bt, d_own)
 
     def chunk_scan_bwd(self, dy, xt, scale, cum, ac, f, sc, bt, ct, states_in, *, sums):
         assert not sums

@@ -81,9 +81,8 @@ OP = Op(
             supports=mosaic_gpu.supports,
             block_sizes=SSDBlockSizes,
             heuristic=mosaic_gpu_heuristic,
-            backward="custom_vjp: the chunk-scan backward as a Mosaic GPU kernel, pallas_gpu's chunk-state "
-            "backward and reverse recurrence (the forward's chunk-state and chunk-scan kernels are Mosaic GPU's, "
-            "chunks of 64)",
+            backward="custom_vjp: Mosaic GPU chunk-scan and chunk-state backward kernels, the reverse recurrence "
+            "pallas_gpu's (the forward's chunk-state and chunk-scan kernels Mosaic GPU's; chunks of 64)",
         ),
         Implementation(
             "pallas_tpu",

@@ -1,12 +1,13 @@
-"""Mamba-2 SSD on Hopper: the chunk state, the chunk scan's output stage and its backward as
-Pallas Mosaic GPU kernels, with 16-bit operands into float32 accumulators; the other stages are
+"""Mamba-2 SSD on Hopper: the chunk state and the chunk scan, forward and backward, as Pallas
+Mosaic GPU kernels, with 16-bit operands into float32 accumulators; the other stages are
 `pallas_gpu`'s.
 
 **What runs where.** Stages 1 and 3 (weights, the recurrence between chunks and its reverse)
-and the chunk-state backward are `pallas_gpu`'s (`common/kernels.py` has the stages). Stage 2,
-each chunk's own state `(w ∘ x)ᵀ B`, is `_state_kernel` here; stage 4, the output
-`y = ((C Bᵀ) ∘ Λ ∘ dt)(x) + f ∘ (C S_inᵀ)` of every chunk, `_scan_kernel`; and stage 4's
-backward, `_scan_bwd_kernel`. Each: one warpgroup per (batch row, head, chunk of 64 positions).
+are XLA's and `pallas_gpu`'s Triton kernels (`common/kernels.py` has the stages,
+`common/gpu.py` the recurrence). Stage 2, each chunk's own state `(w ∘ x)ᵀ B`, is
+`_state_kernel` here and its backward `_state_bwd_kernel`; stage 4, the output
+`y = ((C Bᵀ) ∘ Λ ∘ dt)(x) + f ∘ (C S_inᵀ)` of every chunk, `_scan_kernel` and its backward
+`_scan_bwd_kernel`. Each: one warpgroup per (batch row, head, chunk of 64 positions).
 
 **The state kernel.** TMA copies the chunk's `B` rows (`[64, N]`); `x` (`[64, P]`) is read into
 registers, scaled by `w` per row and stored as two 16-bit halves (`w ∘ x = hi + lo`, what the
@@ -21,6 +22,9 @@ is read into registers, rounded to the input dtype and stored beside them. Two `
 `M = M_hi + M_lo`, each in the input dtype (what the rounding of `M` loses, as `bf16x2`); the
 accumulator starts at `f_t · (C S_inᵀ)` and takes `M_hi x` and `M_lo x` (two `wgmma`s with
 their left operand in registers). `y` (float32) goes back through shared memory by TMA.
+
+**The state's backward**: `d(w ∘ x) = B dSᵀ` (`dS`, float32, as two halves in shared memory),
+giving `dx` and `dw`, and `dB = (w ∘ x) dS` (three products: both operands float32).
 
 **The scan's backward** (the Triton `_scan_bwd_kernel`'s sums, `common/kernels.py`): `C Bᵀ`
 and its decayed `M` (rows t, columns s); `dM = (dy xᵀ) ∘ dt_s` from `dy`'s two halves in
@@ -51,7 +55,7 @@ the kernels for CUDA (`tests/ops/test_ssd_mosaic_gpu.py`) and runs their emulati
 themselves are tested on a GPU (`tests/gpu/test_ssd_gpu.py`).
 
 **Cost** per chunk and head (Q = 64 positions), in tensor-core FLOPs: the state `4·Q·P·N` (two
-halves); the scan `2·Q²·N` (`C Bᵀ`) + `4·Q²·P` (`M x`, two halves) + `2·Q·P·N` (`C S_inᵀ`); its
+halves), its backward `10·Q·P·N`; the scan `2·Q²·N` (`C Bᵀ`) + `4·Q²·P` (`M x`, two halves) + `2·Q·P·N` (`C S_inᵀ`); its
 backward `10·Q²·(N + P) + 14·Q·P·N` (`C Bᵀ`; `dM` and `Mᵀ dy` with two and three products;
 `dg B`, `dgᵀ C` with two each; `f∘dy S_in` with three; `C S_inᵀ`, `dS_in` with two each).
 Bytes: `x`, `B`, `C` rows once a kernel, the float32 state `P·N·4` written (state) and read
@@ -86,7 +90,11 @@ __all__ = [
     "ssd",
     "chunk_state",
     "chunk_scan",
+    "chunk_state_bwd",
+    "chunk_scan_bwd",
     "emulate_chunk_state",
+    "emulate_chunk_state_bwd",
+    "emulate_chunk_scan_bwd",
     "emulate_chunk_scan",
     "CHUNK",
     "MosaicLayout",
@@ -112,12 +120,14 @@ def smem_bytes(p: int, n: int) -> int:
     inputs): the scan's `C`, `B` (`[64, N]`), `x` (`[64, P]`), 16-bit state (`[P, N]`) and
     float32 `y` (`[64, P]`); the state kernel's `B`, the two halves of `w ∘ x` and the float32
     state; the scan backward's `C`, `B`, `x`, the halves of the state, of `dy` and of `M`, and
-    its float32 `dx`, `dB` / `dC`, `dS_in` and vectors."""
+    its float32 `dx`, `dB` / `dC`, `dS_in` and vectors; the state backward's `B`, the halves of
+    `dS`, and its float32 `dx`, `dB`, `dw`."""
     scan = 2 * 64 * n * 2 + 64 * p * 2 + p * n * 2 + 64 * p * 4
     state = 64 * n * 2 + 2 * 64 * p * 2 + p * n * 4
     backward = 2 * 64 * n * 2 + 64 * p * 2 + 2 * p * n * 2 + 2 * 64 * p * 2 + 2 * 64 * 64 * 2
     backward += 64 * p * 4 + 64 * n * 4 + p * n * 4 + 4 * 64 * 4
-    return max(scan, state, backward) + _SMEM_EXTRA
+    state_backward = 64 * n * 2 + 2 * p * n * 2 + 64 * p * 4 + 64 * n * 4 + 64 * 4
+    return max(scan, state, backward, state_backward) + _SMEM_EXTRA
 
 
 def _dims_reason(p: int, n: int) -> str | None:
@@ -544,6 +554,103 @@ def chunk_scan_bwd(dy, xt, dt, cum, f, seg, bt, ct, states_in):
     )(dy.astype(f32), xt, dt, cum, f, seg.astype(jnp.int32), bt, ct, states_in)
 
 
+def _state_bwd_kernel(x_ref, w_ref, b_ref, ds_ref, dx_ref, dw_ref, db_ref, scoped, *, rep, dtype):
+    (b_smem, dsh_smem, dsl_smem, dx_smem, db_smem, dw_smem), loaded = scoped
+    batch, head, chunk = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("chunks")
+    q, n = b_smem.shape
+    p = dsh_smem.shape[0]
+    rows = pl.ds(chunk * q, q)
+    plgpu.copy_gmem_to_smem(b_ref.at[batch, lax.div(head, jnp.int32(rep)), rows], b_smem, loaded)
+    f32, wgmma_layout = jnp.float32, plgpu.Layout.WGMMA
+    # dS (float32) as two 16-bit halves in shared memory; w ∘ x's halves in registers
+    dsh, dsl = _halves(
+        mosaic_gpu_load(ds_ref.at[batch, chunk, head], layout=wgmma_layout, optimized=False), dtype
+    )
+    dsh_smem[...], dsl_smem[...] = dsh, dsl
+    x = mosaic_gpu_load(x_ref.at[batch, head, rows], layout=wgmma_layout, optimized=False).astype(f32)
+    w = mosaic_gpu_load(w_ref.at[batch, head, rows], layout=wgmma_layout.reduce(1), optimized=False)
+    xw_h, xw_l = _halves(x * lax.broadcast_in_dim(w, x.shape, [0]), dtype)
+    plgpu.commit_smem()
+    plgpu.barrier_wait(loaded)
+
+    def products(shape, pairs):
+        def run(acc_ref):
+            for a, b, trans in pairs:
+                plgpu.wgmma(acc_ref, a, b.transpose((1, 0)) if trans else b)
+
+        return pl.run_state(run)(plgpu.ACC.init(plgpu.layout_cast(jnp.zeros(shape, f32), wgmma_layout)))
+
+    # d(w ∘ x) = B dSᵀ (rows t); dB = (w ∘ x) dS, three products (both float32)
+    dxw = products((q, p), [(b_smem, dsh_smem, True), (b_smem, dsl_smem, True)])
+    db = products((q, n), [(xw_h, dsh_smem, False), (xw_h, dsl_smem, False), (xw_l, dsh_smem, False)])
+    dx_smem[...] = dxw * lax.broadcast_in_dim(w, (q, p), [0])
+    db_smem[...] = db
+    dw_smem[...] = jnp.sum(dxw * x, axis=1)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(dx_smem, dx_ref.at[batch, head, rows])
+    plgpu.copy_smem_to_gmem(db_smem, db_ref.at[batch, head, rows])
+    plgpu.copy_smem_to_gmem(dw_smem, dw_ref.at[batch, head, rows])
+    plgpu.wait_smem_to_gmem(0)
+
+
+def chunk_state_bwd(xt, w, bt, d_own):
+    """Stage 2's backward by the Mosaic GPU kernel, `dS` (`d_own [b, c, h, P, N]`, float32)
+    pulled back through `S = (w ∘ x)ᵀ B`: `(dx [b, h, L, P], dw [b, h, L], dB [b, h, L, N])`,
+    float32, per head; `chunk_state`'s other arguments."""
+    _check_operands(xt, bt)
+    b, h, lp, p = xt.shape
+    g, n = bt.shape[1], bt.shape[-1]
+    dtype, f32 = xt.dtype, jnp.float32
+
+    def entry(*refs):
+        scratch = [
+            _swizzled((CHUNK, n), dtype),  # B
+            _swizzled((p, n), dtype),  # dS's halves
+            _swizzled((p, n), dtype),
+            _swizzled((CHUNK, p), f32),  # dx
+            _swizzled((CHUNK, n), f32),  # dB
+            plgpu.SMEM((CHUNK,), f32),  # dw
+        ]
+        pl.run_scoped(
+            lambda *scoped: _state_bwd_kernel(*refs, scoped, rep=h // g, dtype=dtype),
+            scratch,
+            plgpu.Barrier(),
+        )
+
+    return plgpu.kernel(
+        entry,
+        out_type=(
+            jax.ShapeDtypeStruct((b, h, lp, p), f32),
+            jax.ShapeDtypeStruct((b, h, lp), f32),
+            jax.ShapeDtypeStruct((b, h, lp, n), f32),
+        ),
+        grid=(b, h, lp // CHUNK),
+        grid_names=("batch", "heads", "chunks"),
+        kernel_name="axkern_ssd_mosaic_gpu_state_bwd",
+    )(xt, w, bt, d_own)
+
+
+def emulate_chunk_state_bwd(xt, w, bt, d_own):
+    """`chunk_state_bwd`'s arithmetic in XLA (`dS` and `w ∘ x` as two halves, three products for
+    `dB`, exact products); arguments and results as `chunk_state_bwd`'s."""
+    b, h, lp, p = xt.shape
+    g = bt.shape[1]
+    c = lp // CHUNK
+    dtype = xt.dtype
+    ein = functools.partial(jnp.einsum, precision=jax.lax.Precision.HIGHEST)
+    halves = lambda a: (_round(a, dtype), _round(a - _round(a, dtype), dtype))  # noqa: E731
+    x = xt.astype(jnp.float32).reshape(b, h, c, CHUNK, p)
+    wc = w.reshape(b, h, c, CHUNK)
+    bm = jnp.repeat(bt, h // g, axis=1).astype(jnp.float32).reshape(b, h, c, CHUNK, -1)
+    dsh, dsl = halves(jnp.moveaxis(d_own, 1, 2))  # [b, h, c, P, N]
+    dxw = ein("bhctn,bhcpn->bhctp", bm, dsh) + ein("bhctn,bhcpn->bhctp", bm, dsl)
+    xwh, xwl = halves(x * wc[..., None])
+    db = sum(ein("bhctp,bhcpn->bhctn", a, r) for a, r in ((xwh, dsh), (xwh, dsl), (xwl, dsh)))
+    dx = dxw * wc[..., None]
+    dw = (dxw * x).sum(-1)
+    return dx.reshape(b, h, lp, p), dw.reshape(b, h, lp), db.reshape(b, h, lp, -1)
+
+
 def _round(a, dtype):
     return a.astype(dtype).astype(jnp.float32)
 
@@ -657,8 +764,8 @@ def emulate_chunk_scan_bwd(dy, xt, dt, cum, f, seg, bt, ct, states_in):
 
 
 class MosaicLayout(GpuLayout):
-    """`pallas_gpu`'s layout and kernels; stages 2 and 4 forward by `chunk_state` and
-    `chunk_scan`, stage 4's backward by `chunk_scan_bwd`."""
+    """`pallas_gpu`'s layout and recurrence kernels; stages 2 and 4 by `chunk_state`,
+    `chunk_scan` and their backward kernels."""
 
     def chunk_state(self, xt, w, bt, *, dtype):
         return chunk_state(xt, self.to_col(w), bt)
@@ -669,6 +776,9 @@ class MosaicLayout(GpuLayout):
         return chunk_scan(
             xt, self.to_col(scale), self.to_col(cum), self.to_col(f), self.to_col(sc), bt, ct, states_in
         )
+
+    def chunk_state_bwd(self, xt, w, bt, d_own):
+        return chunk_state_bwd(xt, self.to_col(w), bt, d_own)
 
     def chunk_scan_bwd(self, dy, xt, scale, cum, ac, f, sc, bt, ct, states_in, *, sums):
         if sums:

@@ -274,6 +274,10 @@ class Layout:
         """Stage 4, `y [b, h, L, P]` float32 (the Pallas `_scan_kernel` unless a backend has its own)."""
         return _chunk_scan(self, xt, scale, cum, ac, f, sc, bt, ct, states_in, sums=sums, dtype=dtype)
 
+    def chunk_state_bwd(self, xt, w, bt, d_own):
+        """Stage 2's backward (the Pallas `_state_bwd_kernel` unless a backend has its own)."""
+        return _chunk_state_bwd(self, xt, w, bt, d_own)
+
     def chunk_scan_bwd(self, dy, xt, scale, cum, ac, f, sc, bt, ct, states_in, *, sums):
         """Stage 4's backward (the Pallas `_scan_bwd_kernel` unless a backend has its own)."""
         return _chunk_scan_bwd(self, dy, xt, scale, cum, ac, f, sc, bt, ct, states_in, sums=sums)
@@ -356,6 +360,21 @@ def _chunk_scan(k, xt, scale, cum, ac, f, sc, bt, ct, states_in, *, sums, dtype)
     )
 
 
+def _chunk_state_bwd(k, xt, w, bt, d_own):
+    """Stage 2's backward through the `_state_bwd_kernel` (`Layout.chunk_state_bwd`'s default):
+    `(dx [b, h, L, P], dw, dB [b, h, L, N])`, per head, float32, in `k.out`'s layouts."""
+    p, n = k.p, k.n
+    return k(
+        _state_bwd_kernel,
+        [k.rows(p), k.col_spec, k.grouped(n), k.state],
+        [k.out("rows", p), k.out("col"), k.out("rows", n)],
+        xt,
+        k.to_col(w),
+        bt,
+        d_own,
+    )
+
+
 def _chunk_scan_bwd(k, dy, xt, scale, cum, ac, f, sc, bt, ct, states_in, *, sums):
     """Stage 4's backward through the `_scan_bwd_kernel` (`Layout.chunk_scan_bwd`'s default):
     `(dx, ddt, dcum, dcum_row, df, dB, dC, dS_in)`, per head, float32, in `k.out`'s layouts."""
@@ -419,7 +438,7 @@ def _core_bwd(cfg, res, cotangents):
     xt, ac, scale, bt, ct, sc, states_in = res
     dy, d_final = cotangents
     k = layout(xt, bt, q=q, interpret=interpret, products=products)
-    p, n = k.p, k.n
+    n = k.n
     col, row = k.from_col, k.from_row  # back to [b, h, c, Q]
     (cum, w, f, keep), pull_weights = jax.vjp(lambda ac, scale: _weights(ac, scale, sc), ac, scale)
     sums = _uses_segment_sums(products or xt.dtype)
@@ -427,15 +446,7 @@ def _core_bwd(cfg, res, cotangents):
         dy, xt, scale, cum, ac, f, sc, bt, ct, states_in, sums=sums
     )
     d_own, d_keep, d_init = k.recurrence_bwd(keep, states_in, d_states_in, d_final.astype(jnp.float32))
-    dx_state, dw, db_state = k(
-        _state_bwd_kernel,
-        [k.rows(p), k.col_spec, k.grouped(n), k.state],
-        [k.out("rows", p), k.out("col"), k.out("rows", n)],
-        xt,
-        k.to_col(w),
-        bt,
-        d_own,
-    )
+    dx_state, dw, db_state = k.chunk_state_bwd(xt, w, bt, d_own)
     if sums:  # the decay's `d a` straight from the kernel; the weights' `d cum` by autodiff
         da = row(dcum_row)
         d_ac, d_scale = pull_weights((jnp.zeros_like(cum), col(dw), col(df), d_keep))
