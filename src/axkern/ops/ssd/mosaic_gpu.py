@@ -112,7 +112,7 @@ def _is_hopper(spec) -> bool:
 
 
 _SMEM = 227 * 1024  # shared memory a Hopper block may take
-_SMEM_EXTRA = 1024  # barriers and alignment, rounded up
+_SMEM_EXTRA = 1024 + 2048  # barriers and alignment, rounded up; Mosaic GPU's scratch for cross-warp sums
 
 
 def smem_bytes(p: int, n: int) -> int:
@@ -398,8 +398,7 @@ def _scan_bwd_kernel(
         mosaic_gpu_load(s_ref.at[batch, chunk, head], layout=wgmma_layout, optimized=False), dtype
     )
     sh_smem[...], sl_smem[...] = sh, sl
-    dyh, dyl = _halves(dy, dtype)
-    ah_smem[...], al_smem[...] = dyh, dyl
+    ah_smem[...], al_smem[...] = _halves(dy, dtype)
     plgpu.commit_smem()
     for i in range(3):
         plgpu.barrier_wait(loaded.at[i])
@@ -416,6 +415,16 @@ def _scan_bwd_kernel(
 
         return pl.run_state(run)(plgpu.ACC.init(zeros(shape)))
 
+    def put(smem, value, ref):
+        """`value` out through `smem` by TMA (the copy left in flight)."""
+        smem[...] = value
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(smem, ref)
+
+    # each result leaves as soon as it is formed (fewer registers live at once): df first
+    inc = products((q, p), [(c_smem, sh_smem, True), (c_smem, sl_smem, True)])  # C S_inᵀ
+    vec_smem.at[2][...] = jnp.sum(dy * inc, axis=1)  # df
+
     # scores and decay, rows t by columns s
     scores = products((q, q), [(c_smem, b_smem, True)])
     shape = (q, q)
@@ -430,72 +439,49 @@ def _scan_bwd_kernel(
     mh_smem[...], ml_smem[...] = mh, ml
     plgpu.commit_smem()
 
-    # dM = dy (dt ∘ x)ᵀ: dy's halves (registers) times xᵀ, scaled by dt per column
+    # dM = dy (dt ∘ x)ᵀ: dy's halves (registers, formed again here) times xᵀ, scaled by dt per column
+    dyh, dyl = _halves(dy, dtype)
     dm = products(shape, [(dyh, x_smem, True), (dyl, x_smem, True)]) * on_cols(dt_s)
     e = dm * m
-    dcum, dcum_row = jnp.sum(e, axis=1), jnp.sum(e, axis=0)
+    vec_smem.at[1][...] = jnp.sum(e, axis=1)  # dcum: rows t
+    vec_smem.at[3][...] = jnp.sum(e, axis=0)  # dcum_row: columns s
     dg = dm * decay
 
     # d(dt ∘ x) = Mᵀ dy, rows s: M's halves transposed from shared memory, dy's halves
-    dxd = products(
-        (q, p),
-        [
-            (mh_smem.transpose((1, 0)), ah_smem, False),
-            (mh_smem.transpose((1, 0)), al_smem, False),
-            (ml_smem.transpose((1, 0)), ah_smem, False),
-        ],
-    )
-    dx = dxd * lax.broadcast_in_dim(dt_t, (q, p), [0])
+    m_t = (mh_smem.transpose((1, 0)), ml_smem.transpose((1, 0)))
+    dxd = products((q, p), [(m_t[0], ah_smem, False), (m_t[0], al_smem, False), (m_t[1], ah_smem, False)])
     x = mosaic_gpu_load(x_ref.at[batch, head, rows], layout=wgmma_layout, optimized=False).astype(f32)
-    ddt = jnp.sum(dxd * x, axis=1)
+    vec_smem.at[0][...] = jnp.sum(dxd * x, axis=1)  # ddt
+    put(dx_smem, dxd * lax.broadcast_in_dim(dt_t, (q, p), [0]), dx_ref.at[batch, head, rows])
 
-    # dM ∘ Λ's halves take M's place in shared memory (its products are done)
-    dgh, dgl = _halves(dg, dtype)
-    mh_smem[...], ml_smem[...] = dgh, dgl
-    dyf = dy * lax.broadcast_in_dim(f_t, (q, p), [0])
-    dyfh, dyfl = _halves(dyf, dtype)
+    # dg's halves take M's place in shared memory and f ∘ dy's take dy's (their products are done)
+    mh_smem[...], ml_smem[...] = _halves(dg, dtype)
+    ah_smem[...], al_smem[...] = _halves(dy * lax.broadcast_in_dim(f_t, (q, p), [0]), dtype)
     plgpu.commit_smem()
-    # dC = dg B + dyf S_in (rows t); dB = dgᵀ C (rows s)
-    dc = products(
-        (q, n),
-        [
-            (dgh, b_smem, False),
-            (dgl, b_smem, False),
-            (dyfh, sh_smem, False),
-            (dyfh, sl_smem, False),
-            (dyfl, sh_smem, False),
-        ],
-    )
-    db = products(
-        (q, n), [(mh_smem.transpose((1, 0)), c_smem, False), (ml_smem.transpose((1, 0)), c_smem, False)]
-    )
-    # df = rowsum(dy ∘ C S_inᵀ)
-    inc = products((q, p), [(c_smem, sh_smem, True), (c_smem, sl_smem, True)])
-    df = jnp.sum(dy * inc, axis=1)
-    # dS_in = dyfᵀ C: dyf's halves take dy's place in shared memory
-    ah_smem[...], al_smem[...] = dyfh, dyfl
-    plgpu.commit_smem()
+    # dS_in = (f ∘ dy)ᵀ C
     ds = products(
         (p, n), [(ah_smem.transpose((1, 0)), c_smem, False), (al_smem.transpose((1, 0)), c_smem, False)]
     )
-
-    # out through shared memory; the [Q, N] staging tile twice (dB, then dC)
-    dx_smem[...] = dx
-    ds_smem[...] = ds
-    dbc_smem[...] = db
-    for i, v in enumerate((ddt, dcum, df)):
-        vec_smem.at[i][...] = v
-    vec_smem.at[3][...] = dcum_row
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(dx_smem, dx_ref.at[batch, head, rows])
-    plgpu.copy_smem_to_gmem(ds_smem, ds_ref.at[batch, chunk, head])
-    plgpu.copy_smem_to_gmem(dbc_smem, db_ref.at[batch, head, rows])
+    put(ds_smem, ds, ds_ref.at[batch, chunk, head])
+    # dC = dg B + (f ∘ dy) S_in (rows t), then dB = dgᵀ C (rows s) through the same staging tile
+    dc = products(
+        (q, n),
+        [
+            (mh_smem, b_smem, False),
+            (ml_smem, b_smem, False),
+            (ah_smem, sh_smem, False),
+            (ah_smem, sl_smem, False),
+            (al_smem, sh_smem, False),
+        ],
+    )
+    put(dbc_smem, dc, dc_ref.at[batch, head, rows])
+    db = products(
+        (q, n), [(mh_smem.transpose((1, 0)), c_smem, False), (ml_smem.transpose((1, 0)), c_smem, False)]
+    )
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # dC has left the staging tile
+    put(dbc_smem, db, db_ref.at[batch, head, rows])
     for i, ref in enumerate((ddt_ref, dcum_ref, df_ref, dcum_row_ref)):
         plgpu.copy_smem_to_gmem(vec_smem.at[i], ref.at[batch, head, rows])
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-    dbc_smem[...] = dc
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(dbc_smem, dc_ref.at[batch, head, rows])
     plgpu.wait_smem_to_gmem(0)
 
 
@@ -580,12 +566,13 @@ def _state_bwd_kernel(x_ref, w_ref, b_ref, ds_ref, dx_ref, dw_ref, db_ref, scope
 
         return pl.run_state(run)(plgpu.ACC.init(plgpu.layout_cast(jnp.zeros(shape, f32), wgmma_layout)))
 
-    # d(w ∘ x) = B dSᵀ (rows t); dB = (w ∘ x) dS, three products (both float32)
+    # d(w ∘ x) = B dSᵀ (rows t), stored at once; dB = (w ∘ x) dS, three products (both float32)
     dxw = products((q, p), [(b_smem, dsh_smem, True), (b_smem, dsl_smem, True)])
-    db = products((q, n), [(xw_h, dsh_smem, False), (xw_h, dsl_smem, False), (xw_l, dsh_smem, False)])
     dx_smem[...] = dxw * lax.broadcast_in_dim(w, (q, p), [0])
-    db_smem[...] = db
     dw_smem[...] = jnp.sum(dxw * x, axis=1)
+    db_smem[...] = products(
+        (q, n), [(xw_h, dsh_smem, False), (xw_h, dsl_smem, False), (xw_l, dsh_smem, False)]
+    )
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(dx_smem, dx_ref.at[batch, head, rows])
     plgpu.copy_smem_to_gmem(db_smem, db_ref.at[batch, head, rows])
