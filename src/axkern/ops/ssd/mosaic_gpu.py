@@ -26,15 +26,15 @@ their left operand in registers). `y` (float32) goes back through shared memory 
 **The state's backward**: `d(w ∘ x) = B dSᵀ` (`dS`, float32, as two halves in shared memory),
 giving `dx` and `dw`, and `dB = (w ∘ x) dS` (three products: both operands float32).
 
-**The scan's backward** (the Triton `_scan_bwd_kernel`'s sums, `common/kernels.py`): `C Bᵀ`
-and its decayed `M` (rows t, columns s); `dM = (dy xᵀ) ∘ dt_s` from `dy`'s two halves in
-registers; `dcum`, `dcum_row` the row and column sums of `dM ∘ M`; `Mᵀ dy` from `M`'s halves
-stored in shared memory and read transposed, times `dy`'s halves (three products: hi·hi,
-hi·lo, lo·hi), giving `dx` and `ddt`; `dg = dM ∘ Λ` as halves, in registers for
-`dC = dg B + (f ∘ dy) S_in` and in shared memory (transposed) for `dB = dgᵀ C`; `df` from
-`C S_inᵀ`; `dS_in = (f ∘ dy)ᵀ C`. Every float32 operand is taken as its two 16-bit halves (the
-state's too), so the products are about as exact as float32 ones; the results leave through
-shared memory by TMA.
+**The scan's backward** (the Triton `_scan_bwd_kernel`'s sums, `common/kernels.py`), each
+result stored and sent out by TMA as soon as it is formed: `df` from `C S_inᵀ`; `C Bᵀ` and its
+decayed `M` (rows t, columns s); `dM = (dy xᵀ) ∘ dt_s` from `dy`'s two halves in registers;
+`dcum`, `dcum_row` the row and column sums of `dM ∘ M`; `Mᵀ dy` from `M`'s halves stored in
+shared memory and read transposed, times `dy`'s halves there (three products: hi·hi, hi·lo,
+lo·hi), giving `dx` and `ddt`; then the halves of `dg = dM ∘ Λ` and of `f ∘ dy` take `M`'s and
+`dy`'s places in shared memory for `dS_in = (f ∘ dy)ᵀ C`, `dC = dg B + (f ∘ dy) S_in` and
+`dB = dgᵀ C`. Every float32 operand is taken as its two 16-bit halves (the state's too), so
+the products are about as exact as float32 ones.
 
 **Precision** (`benchmarks/ssd_operand_precision.py`, float64 emulation on the CPU, tables in
 docs/ops/ssd.md "Accuracy"): `C Bᵀ` and `C S_inᵀ` with 16-bit operands kept `y` and the final
