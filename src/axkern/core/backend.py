@@ -7,7 +7,7 @@ import re
 
 import jax
 
-__all__ = ["platform", "device_kind", "compute_capability", "device_key"]
+__all__ = ["platform", "device_kind", "compute_capability", "device_key", "is_hopper"]
 
 
 def _default_device() -> jax.Device:
@@ -33,6 +33,18 @@ def compute_capability() -> tuple[int, int] | None:
         return None
     major, _, minor = str(cc).partition(".")
     return int(major), int(minor or 0)
+
+
+_HOPPER_KEYS = ("nvidia_h100", "nvidia_h200", "nvidia_h800", "nvidia_gh200")
+
+
+def is_hopper(spec) -> bool:
+    """Whether a call's GPU is a Hopper (compute capability 9.x): asked of the default device
+    on a GPU, else read from the spec's device key (a spec made for another machine)."""
+    cc = compute_capability() if platform() == "gpu" else None
+    if cc is not None:
+        return cc[0] == 9
+    return spec.device_key.startswith(_HOPPER_KEYS)
 
 
 _TPU_KINDS = {

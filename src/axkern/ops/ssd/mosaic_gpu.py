@@ -101,14 +101,6 @@ __all__ = [
 ]
 
 CHUNK = 64  # positions per chunk: one warpgroup's wgmma rows
-_HOPPER_KEYS = ("nvidia_h100", "nvidia_h200", "nvidia_h800", "nvidia_gh200")
-
-
-def _is_hopper(spec) -> bool:
-    cc = backend.compute_capability() if backend.platform() == "gpu" else None
-    if cc is not None:
-        return cc[0] == 9
-    return spec.device_key.startswith(_HOPPER_KEYS)
 
 
 _SMEM = 227 * 1024  # shared memory a Hopper block may take
@@ -145,7 +137,7 @@ def _dims_reason(p: int, n: int) -> str | None:
 def supports(spec) -> str | None:
     if _IMPORT_ERROR is not None:
         return f"jax.experimental.pallas.mosaic_gpu does not import here ({_IMPORT_ERROR})"
-    if spec.platform != "gpu" or not _is_hopper(spec):
+    if spec.platform != "gpu" or not backend.is_hopper(spec):
         return f"the Mosaic GPU scan needs a Hopper GPU (compute capability 9.x), not {spec.device_kind}"
     if spec.dtype != "bfloat16":
         return (
@@ -188,17 +180,8 @@ def _scan_kernel(x_ref, dt_ref, cum_ref, f_ref, seg_ref, b_ref, c_ref, s_ref, y_
     for i in range(3):
         plgpu.barrier_wait(loaded.at[i])
 
-    def product(a_smem, b_t_smem):
-        def run(acc):
-            plgpu.wgmma(acc, a_smem, b_t_smem.transpose((1, 0)))
-            plgpu.wgmma_wait(0)
-            return acc[...]
-
-        return run
-
     # C Bᵀ first and its scores built, then C S_inᵀ: fewer registers live at once
-    f32 = jnp.float32
-    s = pl.run_scoped(product(c_smem, b_smem), plgpu.ACC((q, q), f32))  # [Q, Q]
+    s = _products((q, q), [(c_smem, b_smem, True)])  # [Q, Q]
     shape = (q, q)
     t_idx = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
     s_idx = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
@@ -206,15 +189,10 @@ def _scan_kernel(x_ref, dt_ref, cum_ref, f_ref, seg_ref, b_ref, c_ref, s_ref, y_
     on_cols = lambda v: lax.broadcast_in_dim(v, shape, [1])  # noqa: E731
     visible = (s_idx <= t_idx) & (on_rows(seg_t) == on_cols(seg_s))
     m = s * jnp.exp(jnp.where(visible, on_rows(cum_t) - on_cols(cum_s), -jnp.inf)) * on_cols(dt_s)
-    m_hi = m.astype(dtype)
-    m_lo = (m - m_hi.astype(f32)).astype(dtype)
-    inc = pl.run_scoped(product(c_smem, s16_smem), plgpu.ACC((q, p), f32))  # [Q, P]
-
-    def scores_times_x(acc_ref):
-        plgpu.wgmma(acc_ref, m_hi, x_smem)
-        plgpu.wgmma(acc_ref, m_lo, x_smem)
-
-    y = pl.run_state(scores_times_x)(plgpu.ACC.init(inc * lax.broadcast_in_dim(f_t, (q, p), [0])))
+    m_hi, m_lo = _halves(m, dtype)
+    inc = _products((q, p), [(c_smem, s16_smem, True)])  # [Q, P]
+    y = _products((q, p), [(m_hi, x_smem, False), (m_lo, x_smem, False)])
+    y = y + inc * lax.broadcast_in_dim(f_t, (q, p), [0])
     y_smem[...] = y
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(y_smem, y_ref.at[batch, head, rows])
@@ -230,21 +208,12 @@ def _state_kernel(x_ref, w_ref, b_ref, own_ref, scoped, *, rep, dtype):
     # w ∘ x in registers (w per row), as two 16-bit halves in shared memory
     x = mosaic_gpu_load(x_ref.at[batch, head, rows], layout=plgpu.Layout.WGMMA, optimized=False)
     w = mosaic_gpu_load(w_ref.at[batch, head, rows], layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
-    xw = x.astype(jnp.float32) * lax.broadcast_in_dim(w, x.shape, [0])
-    hi = xw.astype(dtype)
-    xh_smem[...] = hi
-    xl_smem[...] = (xw - hi.astype(jnp.float32)).astype(dtype)
+    xh_smem[...], xl_smem[...] = _halves(x.astype(jnp.float32) * lax.broadcast_in_dim(w, x.shape, [0]), dtype)
     plgpu.commit_smem()
     plgpu.barrier_wait(loaded)
-
-    def products(acc_ref):  # (w ∘ x)ᵀ B: [P, N]
-        plgpu.wgmma(acc_ref, xh_smem.transpose((1, 0)), b_smem)
-        plgpu.wgmma(acc_ref, xl_smem.transpose((1, 0)), b_smem)
-
-    p, n = own_smem.shape
-    own_smem[...] = pl.run_state(products)(
-        plgpu.ACC.init(plgpu.layout_cast(jnp.zeros((p, n), jnp.float32), plgpu.Layout.WGMMA))
-    )
+    # (w ∘ x)ᵀ B: [P, N]
+    pairs = [(xh_smem.transpose((1, 0)), b_smem, False), (xl_smem.transpose((1, 0)), b_smem, False)]
+    own_smem[...] = _products(own_smem.shape, pairs)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(own_smem, own_ref.at[batch, chunk, head])
     plgpu.wait_smem_to_gmem(0)
@@ -302,7 +271,7 @@ def chunk_scan(xt, dt, cum, f, seg, bt, ct, states_in):
     g, n = bt.shape[1], bt.shape[-1]
     dtype = xt.dtype
 
-    def entry(x_ref, dt_ref, cum_ref, f_ref, seg_ref, b_ref, c_ref, s_ref, y_ref):
+    def entry(*refs):
         scratch = [
             _swizzled((CHUNK, n), dtype),
             _swizzled((CHUNK, n), dtype),
@@ -311,20 +280,7 @@ def chunk_scan(xt, dt, cum, f, seg, bt, ct, states_in):
             _swizzled((CHUNK, p), jnp.float32),
         ]
         pl.run_scoped(
-            lambda *scoped: _scan_kernel(
-                x_ref,
-                dt_ref,
-                cum_ref,
-                f_ref,
-                seg_ref,
-                b_ref,
-                c_ref,
-                s_ref,
-                y_ref,
-                scoped,
-                rep=h // g,
-                dtype=dtype,
-            ),
+            lambda *scoped: _scan_kernel(*refs, scoped, rep=h // g, dtype=dtype),
             scratch,
             plgpu.Barrier(num_barriers=3),
         )
@@ -343,6 +299,18 @@ def _halves(a, dtype):
     """`a` (float32) as `hi + lo`, both in `dtype`: `lo` what the rounding to `hi` lost."""
     hi = a.astype(dtype)
     return hi, (a - hi.astype(jnp.float32)).astype(dtype)
+
+
+def _products(shape, pairs):
+    """`Σ a @ b` over `pairs` of (left, right, transpose the right?) into a zeroed float32
+    accumulator of `shape`, waited for."""
+
+    def run(acc_ref):
+        for a, b, trans in pairs:
+            plgpu.wgmma(acc_ref, a, b.transpose((1, 0)) if trans else b)
+
+    zeros = plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)
+    return pl.run_state(run)(plgpu.ACC.init(zeros))
 
 
 def _scan_bwd_kernel(
@@ -403,18 +371,6 @@ def _scan_bwd_kernel(
     for i in range(3):
         plgpu.barrier_wait(loaded.at[i])
 
-    def zeros(shape):
-        return plgpu.layout_cast(jnp.zeros(shape, f32), wgmma_layout)
-
-    def products(shape, pairs):
-        """`sum a @ b` over `pairs` of (left, right, transpose right) into a float32 accumulator."""
-
-        def run(acc_ref):
-            for a, b, trans in pairs:
-                plgpu.wgmma(acc_ref, a, b.transpose((1, 0)) if trans else b)
-
-        return pl.run_state(run)(plgpu.ACC.init(zeros(shape)))
-
     def put(smem, value, ref):
         """`value` out through `smem` by TMA (the copy left in flight)."""
         smem[...] = value
@@ -422,11 +378,11 @@ def _scan_bwd_kernel(
         plgpu.copy_smem_to_gmem(smem, ref)
 
     # each result leaves as soon as it is formed (fewer registers live at once): df first
-    inc = products((q, p), [(c_smem, sh_smem, True), (c_smem, sl_smem, True)])  # C S_inᵀ
+    inc = _products((q, p), [(c_smem, sh_smem, True), (c_smem, sl_smem, True)])  # C S_inᵀ
     vec_smem.at[2][...] = jnp.sum(dy * inc, axis=1)  # df
 
     # scores and decay, rows t by columns s
-    scores = products((q, q), [(c_smem, b_smem, True)])
+    scores = _products((q, q), [(c_smem, b_smem, True)])
     shape = (q, q)
     t_idx = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=wgmma_layout)
     s_idx = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=wgmma_layout)
@@ -441,7 +397,7 @@ def _scan_bwd_kernel(
 
     # dM = dy (dt ∘ x)ᵀ: dy's halves (registers, formed again here) times xᵀ, scaled by dt per column
     dyh, dyl = _halves(dy, dtype)
-    dm = products(shape, [(dyh, x_smem, True), (dyl, x_smem, True)]) * on_cols(dt_s)
+    dm = _products(shape, [(dyh, x_smem, True), (dyl, x_smem, True)]) * on_cols(dt_s)
     e = dm * m
     vec_smem.at[1][...] = jnp.sum(e, axis=1)  # dcum: rows t
     vec_smem.at[3][...] = jnp.sum(e, axis=0)  # dcum_row: columns s
@@ -449,7 +405,7 @@ def _scan_bwd_kernel(
 
     # d(dt ∘ x) = Mᵀ dy, rows s: M's halves transposed from shared memory, dy's halves
     m_t = (mh_smem.transpose((1, 0)), ml_smem.transpose((1, 0)))
-    dxd = products((q, p), [(m_t[0], ah_smem, False), (m_t[0], al_smem, False), (m_t[1], ah_smem, False)])
+    dxd = _products((q, p), [(m_t[0], ah_smem, False), (m_t[0], al_smem, False), (m_t[1], ah_smem, False)])
     x = mosaic_gpu_load(x_ref.at[batch, head, rows], layout=wgmma_layout, optimized=False).astype(f32)
     vec_smem.at[0][...] = jnp.sum(dxd * x, axis=1)  # ddt
     put(dx_smem, dxd * lax.broadcast_in_dim(dt_t, (q, p), [0]), dx_ref.at[batch, head, rows])
@@ -459,12 +415,12 @@ def _scan_bwd_kernel(
     ah_smem[...], al_smem[...] = _halves(dy * lax.broadcast_in_dim(f_t, (q, p), [0]), dtype)
     plgpu.commit_smem()
     # dS_in = (f ∘ dy)ᵀ C
-    ds = products(
+    ds = _products(
         (p, n), [(ah_smem.transpose((1, 0)), c_smem, False), (al_smem.transpose((1, 0)), c_smem, False)]
     )
     put(ds_smem, ds, ds_ref.at[batch, chunk, head])
     # dC = dg B + (f ∘ dy) S_in (rows t), then dB = dgᵀ C (rows s) through the same staging tile
-    dc = products(
+    dc = _products(
         (q, n),
         [
             (mh_smem, b_smem, False),
@@ -475,7 +431,7 @@ def _scan_bwd_kernel(
         ],
     )
     put(dbc_smem, dc, dc_ref.at[batch, head, rows])
-    db = products(
+    db = _products(
         (q, n), [(mh_smem.transpose((1, 0)), c_smem, False), (ml_smem.transpose((1, 0)), c_smem, False)]
     )
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # dC has left the staging tile
@@ -559,18 +515,11 @@ def _state_bwd_kernel(x_ref, w_ref, b_ref, ds_ref, dx_ref, dw_ref, db_ref, scope
     plgpu.commit_smem()
     plgpu.barrier_wait(loaded)
 
-    def products(shape, pairs):
-        def run(acc_ref):
-            for a, b, trans in pairs:
-                plgpu.wgmma(acc_ref, a, b.transpose((1, 0)) if trans else b)
-
-        return pl.run_state(run)(plgpu.ACC.init(plgpu.layout_cast(jnp.zeros(shape, f32), wgmma_layout)))
-
     # d(w ∘ x) = B dSᵀ (rows t), stored at once; dB = (w ∘ x) dS, three products (both float32)
-    dxw = products((q, p), [(b_smem, dsh_smem, True), (b_smem, dsl_smem, True)])
+    dxw = _products((q, p), [(b_smem, dsh_smem, True), (b_smem, dsl_smem, True)])
     dx_smem[...] = dxw * lax.broadcast_in_dim(w, (q, p), [0])
     dw_smem[...] = jnp.sum(dxw * x, axis=1)
-    db_smem[...] = products(
+    db_smem[...] = _products(
         (q, n), [(xw_h, dsh_smem, False), (xw_h, dsl_smem, False), (xw_l, dsh_smem, False)]
     )
     plgpu.commit_smem()

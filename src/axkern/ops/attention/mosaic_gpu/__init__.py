@@ -203,20 +203,12 @@ __all__ = [
 ]
 
 HEAD_DIMS = (64, 128, 256)
-_HOPPER_KEYS = ("nvidia_h100", "nvidia_h200", "nvidia_h800", "nvidia_gh200")
-
-
-def _is_hopper(spec) -> bool:
-    cc = backend.compute_capability() if backend.platform() == "gpu" else None
-    if cc is not None:
-        return cc[0] == 9
-    return spec.device_key.startswith(_HOPPER_KEYS)
 
 
 def supports(spec) -> str | None:
     if _IMPORT_ERROR is not None:
         return f"jax.experimental.pallas.mosaic_gpu does not import here ({_IMPORT_ERROR})"
-    if spec.platform != "gpu" or not _is_hopper(spec):
+    if spec.platform != "gpu" or not backend.is_hopper(spec):
         return f"the Mosaic GPU kernel needs a Hopper GPU (compute capability 9.x), not {spec.device_kind}"
     if spec.dtype not in ("bfloat16", "float16"):
         return f"the Mosaic GPU kernel takes bf16 or fp16, not {spec.dtype}"
