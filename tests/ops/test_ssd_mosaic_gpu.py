@@ -26,19 +26,15 @@ needs_mosaic = pytest.mark.skipif(
 )
 
 
-def _scan_shapes(b, h, g, chunks, p, n, dtype):
-    length = chunks * mosaic_gpu.CHUNK
-    f32, S = jnp.float32, jax.ShapeDtypeStruct
-    return (
-        S((b, h, length, p), dtype),
-        S((b, h, length), f32),
-        S((b, h, length), f32),
-        S((b, h, length), f32),
-        S((b, length), jnp.int32),
-        S((b, g, length, n), dtype),
-        S((b, g, length, n), dtype),
-        S((b, chunks, h, p, n), f32),
-    )
+def _kernel_args(kernel, b, h, g, chunks, p, n):
+    """Shapes of one Mosaic kernel's arguments (bf16 rows, float32 vectors and states)."""
+    length, f32, bf16, S = chunks * mosaic_gpu.CHUNK, jnp.float32, jnp.bfloat16, jax.ShapeDtypeStruct
+    x, vector, bc = S((b, h, length, p), bf16), S((b, h, length), f32), S((b, g, length, n), bf16)
+    states, dy = S((b, chunks, h, p, n), f32), S((b, h, length, p), f32)
+    if kernel in ("chunk_state", "chunk_state_bwd"):
+        return (x, vector, bc) + ((states,) if kernel == "chunk_state_bwd" else ())
+    scan = (x, vector, vector, vector, S((b, length), jnp.int32), bc, bc, states)
+    return scan if kernel == "chunk_scan" else (dy, *scan)
 
 
 def _kernels(text):
@@ -46,18 +42,12 @@ def _kernels(text):
 
 
 @needs_mosaic
-@pytest.mark.parametrize(
-    "dims",
-    [
-        (2, 4, 2, 3, 64, 128, "bfloat16"),
-        (1, 2, 1, 2, 128, 64, "bfloat16"),
-        (1, 2, 2, 1, 64, 64, "bfloat16"),
-    ],
-)
-def test_scan_kernel_lowers_for_cuda(dims):
-    *shape, dtype = dims
-    args = _scan_shapes(*shape, jnp.dtype(dtype))
-    text = jax.jit(mosaic_gpu.chunk_scan).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+@pytest.mark.parametrize("kernel", ["chunk_state", "chunk_scan", "chunk_state_bwd", "chunk_scan_bwd"])
+@pytest.mark.parametrize("dims", [(2, 4, 2, 3, 64, 128), (1, 2, 1, 2, 128, 64), (1, 2, 2, 1, 64, 64)])
+def test_each_kernel_lowers_for_cuda(kernel, dims):
+    # batch, heads, groups, chunks, head dim, state: the sizes the kernels serve
+    fn = getattr(mosaic_gpu, kernel)
+    text = jax.jit(fn).trace(*_kernel_args(kernel, *dims)).lower(lowering_platforms=("cuda",)).as_text()
     assert _kernels(text) == 1
 
 
@@ -76,47 +66,6 @@ def test_the_layer_and_its_gradients_lower_for_cuda():
 
     text = jax.jit(jax.grad(f)).trace(arrays).lower(lowering_platforms=("cuda",)).as_text()
     assert _kernels(text) == 4  # both stages' kernels forward and backward; the recurrence Triton's
-
-
-@needs_mosaic
-@pytest.mark.parametrize(
-    "dims",
-    [
-        (2, 4, 2, 3, 64, 128, "bfloat16"),
-        (1, 2, 1, 2, 128, 64, "bfloat16"),
-        (1, 2, 2, 1, 64, 64, "bfloat16"),
-    ],
-)
-def test_state_kernel_lowers_for_cuda(dims):
-    b, h, g, chunks, p, n, dtype = dims
-    length, S = chunks * mosaic_gpu.CHUNK, jax.ShapeDtypeStruct
-    args = (S((b, h, length, p), dtype), S((b, h, length), jnp.float32), S((b, g, length, n), dtype))
-    text = jax.jit(mosaic_gpu.chunk_state).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    assert _kernels(text) == 1
-
-
-@needs_mosaic
-@pytest.mark.parametrize("dims", [(2, 4, 2, 3, 64, 128, "bfloat16"), (1, 2, 1, 2, 128, 64, "bfloat16")])
-def test_scan_backward_kernel_lowers_for_cuda(dims):
-    *shape, dtype = dims
-    b, h, _, _, p, _ = shape
-    args = _scan_shapes(*shape, jnp.dtype(dtype))
-    dy = jax.ShapeDtypeStruct((*args[0].shape[:3], p), jnp.float32)
-    text = jax.jit(mosaic_gpu.chunk_scan_bwd).trace(dy, *args).lower(lowering_platforms=("cuda",)).as_text()
-    assert _kernels(text) == 1
-
-
-@needs_mosaic
-@pytest.mark.parametrize("dims", [(2, 4, 2, 3, 64, 128, "bfloat16"), (1, 2, 1, 2, 128, 64, "bfloat16")])
-def test_state_backward_kernel_lowers_for_cuda(dims):
-    b, h, g, chunks, p, n, dtype = dims
-    length, S, f32 = chunks * mosaic_gpu.CHUNK, jax.ShapeDtypeStruct, jnp.float32
-    args = (S((b, h, length, p), dtype), S((b, h, length), f32), S((b, g, length, n), dtype))
-    d_own = S((b, chunks, h, p, n), f32)
-    text = (
-        jax.jit(mosaic_gpu.chunk_state_bwd).trace(*args, d_own).lower(lowering_platforms=("cuda",)).as_text()
-    )
-    assert _kernels(text) == 1
 
 
 class _Emulated(GpuLayout):
