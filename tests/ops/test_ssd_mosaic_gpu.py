@@ -159,7 +159,7 @@ def test_dispatch_skips_it_off_hopper_with_the_reason():
     assert "shared memory" in mosaic_gpu.supports(
         dataclasses.replace(big, platform="gpu", device_key="nvidia_h200")
     )
-    # the head dims and states that fit: the three kernels' tiles (the backward's are the largest)
+    # the head dims and states that fit: the four kernels' tiles (the scan backward's are the largest)
     sizes = (64, 128, 192, 256)
     fits = {(p, n) for p in sizes for n in sizes if mosaic_gpu._dims_reason(p, n) is None}
     assert fits == {(64, 64), (64, 128), (128, 64)}

@@ -46,7 +46,7 @@ through the whole layer and its gradients against the float64 oracle.
 
 **Constraints**: a Hopper GPU (compute capability 9.x), bf16 inputs (fp16's range could not
 hold the 16-bit halves of float32 values such as `M` or the state: fp16 goes to `pallas_gpu`),
-chunks of 64, `P` and `N` multiples of 64 whose tiles fit shared memory in all three kernels
+chunks of 64, `P` and `N` multiples of 64 whose tiles fit shared memory in all four kernels
 (`smem_bytes`: 64 and 64, 64 and 128, 128 and 64). Otherwise the call falls back with the
 reason.
 
@@ -108,7 +108,7 @@ _SMEM_EXTRA = 1024 + 2048  # barriers and alignment, rounded up; Mosaic GPU's sc
 
 
 def smem_bytes(p: int, n: int) -> int:
-    """Shared memory of the largest of the three kernels at head dim `p` and state `n` (16-bit
+    """Shared memory of the largest of the four kernels at head dim `p` and state `n` (16-bit
     inputs): the scan's `C`, `B` (`[64, N]`), `x` (`[64, P]`), 16-bit state (`[P, N]`) and
     float32 `y` (`[64, P]`); the state kernel's `B`, the two halves of `w ∘ x` and the float32
     state; the scan backward's `C`, `B`, `x`, the halves of the state, of `dy` and of `M`, and
@@ -138,7 +138,7 @@ def supports(spec) -> str | None:
     if _IMPORT_ERROR is not None:
         return f"jax.experimental.pallas.mosaic_gpu does not import here ({_IMPORT_ERROR})"
     if spec.platform != "gpu" or not backend.is_hopper(spec):
-        return f"the Mosaic GPU scan needs a Hopper GPU (compute capability 9.x), not {spec.device_kind}"
+        return f"the Mosaic GPU kernels need a Hopper GPU (compute capability 9.x), not {spec.device_kind}"
     if spec.dtype != "bfloat16":
         return (
             f"the Mosaic GPU kernels take bf16 inputs, not {spec.dtype} (their 16-bit halves of float32 values "
@@ -708,7 +708,7 @@ class MosaicLayout(GpuLayout):
 
     def chunk_scan(self, xt, scale, cum, ac, f, sc, bt, ct, states_in, *, sums, dtype):
         if sums:
-            raise Unsupported("the Mosaic GPU scan takes 16-bit inputs, whose decay is cum_t - cum_s")
+            raise Unsupported("the Mosaic GPU kernels take 16-bit inputs, whose decay is cum_t - cum_s")
         return chunk_scan(
             xt, self.to_col(scale), self.to_col(cum), self.to_col(f), self.to_col(sc), bt, ct, states_in
         )
@@ -718,16 +718,16 @@ class MosaicLayout(GpuLayout):
 
     def chunk_scan_bwd(self, dy, xt, scale, cum, ac, f, sc, bt, ct, states_in, *, sums):
         if sums:
-            raise Unsupported("the Mosaic GPU scan takes 16-bit inputs, whose decay is cum_t - cum_s")
+            raise Unsupported("the Mosaic GPU kernels take 16-bit inputs, whose decay is cum_t - cum_s")
         to_col = self.to_col
         return chunk_scan_bwd(dy, xt, to_col(scale), to_col(cum), to_col(f), to_col(sc), bt, ct, states_in)
 
 
 def ssd(x, dt, A, B, C, D, z, segment_ids, initial_state, *, block_sizes, interpret=False):
     if block_sizes.chunk_size != CHUNK:
-        raise Unsupported(f"chunk_size={block_sizes.chunk_size}: the Mosaic GPU scan runs chunks of {CHUNK}")
+        raise Unsupported(f"chunk_size={block_sizes.chunk_size}: the Mosaic GPU kernels run chunks of {CHUNK}")
     if interpret:
-        raise Unsupported("the Mosaic GPU scan has no interpret mode (wgmma and TMA copies have no CPU rule)")
+        raise Unsupported("the Mosaic GPU kernels have no interpret mode (wgmma and TMA copies have no CPU rule)")
     reason = _dims_reason(x.shape[-1], B.shape[-1])
     if reason:
         raise Unsupported(reason)
