@@ -725,9 +725,13 @@ class MosaicLayout(GpuLayout):
 
 def ssd(x, dt, A, B, C, D, z, segment_ids, initial_state, *, block_sizes, interpret=False):
     if block_sizes.chunk_size != CHUNK:
-        raise Unsupported(f"chunk_size={block_sizes.chunk_size}: the Mosaic GPU kernels run chunks of {CHUNK}")
+        raise Unsupported(
+            f"chunk_size={block_sizes.chunk_size}: the Mosaic GPU kernels run chunks of {CHUNK}"
+        )
     if interpret:
-        raise Unsupported("the Mosaic GPU kernels have no interpret mode (wgmma and TMA copies have no CPU rule)")
+        raise Unsupported(
+            "the Mosaic GPU kernels have no interpret mode (wgmma and TMA copies have no CPU rule)"
+        )
     reason = _dims_reason(x.shape[-1], B.shape[-1])
     if reason:
         raise Unsupported(reason)
