@@ -15,7 +15,7 @@ import pytest
 
 import axkern
 from axkern import masks
-from axkern.ops.attention import OP, mosaic_gpu, pallas_gpu
+from axkern.ops.attention import OP, mosaic_gpu, pallas_gpu, pallas_tpu
 from axkern.ops.attention.blocks import (
     MOSAIC_GPU_SMEM,
     AttentionBlockSizes,
@@ -244,6 +244,14 @@ def test_ping_pong_is_the_overlap_where_it_was_faster_and_bad_forms_refuse():
     assert "ping_pong must be one of 'rendezvous', 'handoff', 'overlap'" in bad.validate()
     with pytest.raises(axkern.Unsupported, match="ping_pong='pingpong'"):
         mosaic_gpu.check(masks.Causal(), bad, 128)
+    # the Triton and TPU kernels refuse the field rather than ignore it
+    q = jnp.zeros((1, 64, 2, 64), jnp.float32)
+    for impl in (pallas_gpu, pallas_tpu):
+        with pytest.raises(axkern.Unsupported, match="ping_pong='overlap'"):
+            impl.attention(
+                q, q, q, None, masks.Causal(), scale=0.1, logits_soft_cap=None,
+                block_sizes=AttentionBlockSizes(block_q=64, block_kv=64, ping_pong="overlap"), interpret=True,
+            )  # fmt: skip
     # the shipped table: the overlap where the variant sweep timed it faster, each entry valid
     from axkern.core.blocks import load_table
 

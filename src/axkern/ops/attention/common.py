@@ -54,6 +54,15 @@ class Static:
         return (self, *(self.backward or (self, self)))
 
 
+def refuse_ping_pong(block_sizes, implementation: str) -> None:
+    """`Unsupported` when the block sizes set `ping_pong`, a `mosaic_gpu` field that
+    `implementation`'s kernels have no use for (rather than ignoring it)."""
+    if getattr(block_sizes, "ping_pong", None) is not None:
+        raise Unsupported(
+            f"ping_pong={block_sizes.ping_pong!r}: the Mosaic GPU forward's field; {implementation} has no ping-pong"
+        )
+
+
 def split_segments(mask):
     """`(segments or None, static part)` for a static mask, `Segments`, or `Segments & static`
     (the masks the Pallas kernels serve); otherwise `Unsupported`."""

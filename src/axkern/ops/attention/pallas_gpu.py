@@ -374,6 +374,7 @@ def _check_blocks(block_sizes, kernels=("fwd", "dq", "dkv")):
 
 
 def attention(q, k, v, sinks, mask, *, scale, logits_soft_cap, block_sizes, interpret=False):
+    tiles.refuse_ping_pong(block_sizes, "pallas_gpu")
     _check_blocks(block_sizes)
     cfg, seg_ids, static = tiles.prepare(
         mask, block_sizes, scale, logits_soft_cap, interpret, per_kernel=True

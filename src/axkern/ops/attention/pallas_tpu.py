@@ -362,6 +362,7 @@ def _forward(cfg, q, k, v, sinks, seg_ids, mask, *, lo=False):
 
 
 def attention(q, k, v, sinks, mask, *, scale, logits_soft_cap, block_sizes, interpret=False):
+    tiles.refuse_ping_pong(block_sizes, "pallas_tpu")
     for name, n in (("block_q", block_sizes.block_q), ("block_kv", block_sizes.block_kv)):
         if n % SUBLANES:
             raise Unsupported(f"{name}={n}: TPU blocks need a multiple of {SUBLANES} (sublanes)")
