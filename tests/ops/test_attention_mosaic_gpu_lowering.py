@@ -199,3 +199,26 @@ def test_the_forward_variants_lower(mask_name, variant):
     if "named_releases" in flags:  # the ring's: both compute warpgroups arrive, the producer waits
         assert "bar.arrive $0, 384" in text and "bar.sync $0, 384" in text
     assert _kernels(text) == 1
+
+
+def test_pallas_gpu_kernels_lower_as_triton_with_default_tiles():
+    # jax 0.10 lowers a `pallas_call` without compiler parameters to Mosaic GPU: the Triton
+    # kernels name Triton's parameters even when no warps or stages are set
+    from axkern.ops.attention import pallas_gpu
+    from axkern.ops.attention.blocks import AttentionBlockSizes
+
+    q = jax.ShapeDtypeStruct((1, 256, 2, 64), jnp.bfloat16)
+    bs = AttentionBlockSizes(block_q=64, block_kv=64)
+
+    def f(q, k, v):
+        def fn(q, k, v):
+            return pallas_gpu.attention(
+                q, k, v, None, masks.Causal(), scale=0.1, logits_soft_cap=None, block_sizes=bs
+            )
+
+        out, vjp = jax.vjp(fn, q, k, v)
+        return out, vjp(out)
+
+    text = _lowered(f, q, q, q)
+    assert _kernels(text) == 0
+    assert len(re.findall(r"custom_call @__gpu\$xla\.gpu\.triton", text)) == 3  # forward, dq, dk/dv
