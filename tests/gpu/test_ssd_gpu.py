@@ -76,3 +76,54 @@ def test_explicit_pallas_gpu_is_compiled():
         2,
         64,
     )
+
+
+def _kernel_inputs(kernel, b, h, g, chunks, p, n):
+    """Random arguments of one Mosaic kernel: bf16 rows, positive steps, decays within each chunk."""
+    import jax.numpy as jnp
+
+    from axkern.ops.ssd import mosaic_gpu
+
+    length = chunks * mosaic_gpu.CHUNK
+    k = jax.random.split(jax.random.PRNGKey(7), 8)
+    x = jax.random.normal(k[0], (b, h, length, p)).astype(jnp.bfloat16)
+    bc = [jax.random.normal(k[i], (b, g, length, n)).astype(jnp.bfloat16) for i in (1, 2)]
+    dt = jax.nn.softplus(jax.random.normal(k[3], (b, h, length)))
+    a = -dt * jnp.exp(jax.random.normal(k[4], (h,)))[None, :, None]
+    cum = jnp.cumsum(a.reshape(b, h, chunks, -1), axis=-1).reshape(b, h, length)
+    seg = jnp.cumsum(jax.random.bernoulli(k[5], 0.05, (b, length)), axis=1).astype(jnp.int32)
+    states = jax.random.normal(k[6], (b, chunks, h, p, n))
+    if kernel == "chunk_state":
+        return x, jnp.exp(cum) * dt, bc[0]
+    if kernel == "chunk_state_bwd":
+        return x, jnp.exp(cum) * dt, bc[0], states
+    scan = (x, dt, cum, jnp.exp(cum), seg, bc[0], bc[1], states)
+    if kernel == "chunk_scan":
+        return scan
+    return (jax.random.normal(k[7], (b, h, length, p)), *scan)
+
+
+@pytest.mark.skipif(not _hopper(), reason="the Mosaic GPU kernels need a Hopper GPU")
+@pytest.mark.parametrize("kernel", ["chunk_state", "chunk_scan", "chunk_state_bwd", "chunk_scan_bwd"])
+@pytest.mark.parametrize("dims", [(2, 4, 2, 3, 64, 128), (1, 2, 1, 2, 128, 64), (1, 2, 2, 2, 64, 64)])
+def test_mosaic_gpu_kernels_equal_their_emulation(kernel, dims):
+    # each kernel alone against its arithmetic in XLA (the same roundings, exact products): only
+    # the order of float32 sums and the approximate exp may differ; a wrong index or layout
+    # shows here before it shows in the layer
+    import numpy as np
+
+    from axkern.ops.ssd import mosaic_gpu
+
+    args = _kernel_inputs(kernel, *dims)
+    got = jax.jit(getattr(mosaic_gpu, kernel))(*args)
+    want = jax.jit(getattr(mosaic_gpu, f"emulate_{kernel}"))(*args)
+    got, want = (
+        (got,) if not isinstance(got, tuple) else got,
+        (want,) if not isinstance(want, tuple) else want,
+    )
+    assert len(got) == len(want)
+    for i, (a, e) in enumerate(zip(got, want, strict=True)):
+        a, e = np.asarray(a, np.float64), np.asarray(e, np.float64)
+        assert a.shape == e.shape, (kernel, i, a.shape, e.shape)
+        err = np.abs(a - e).max() / max(np.abs(e).max(), 1e-30)
+        assert err <= 1e-4, (kernel, i, err)
