@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
-__all__ = ["dot", "full_precision"]
+__all__ = ["dot", "full_precision", "swizzled_smem"]
 
 
 def full_precision(dtype):
@@ -25,4 +25,16 @@ def dot(a, b, dtype=None, *, trans_a=False, trans_b=False, precision=None):
         precision = full_precision(dtype)
     return lax.dot_general(
         a.astype(dtype), b.astype(dtype), dims, precision=precision, preferred_element_type=jnp.float32
+    )
+
+
+def swizzled_smem(shape, dtype):
+    """A Pallas Mosaic GPU shared-memory tile laid out as `wgmma` and TMA read it: tiles of 8 rows
+    of 128 bytes (64 16-bit or 32 float32 columns), 128-byte swizzle (float32 tiles staged for
+    TMA take it too, against bank conflicts)."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    cols = 128 // jnp.dtype(dtype).itemsize
+    return plgpu.SMEM(
+        shape, dtype, transforms=(plgpu.TilingTransform((8, cols)), plgpu.SwizzleTransform(128))
     )

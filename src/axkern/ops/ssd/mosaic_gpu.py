@@ -73,6 +73,7 @@ from jax.experimental import pallas as pl
 
 from axkern.core import backend
 from axkern.core.compat import mosaic_gpu_load
+from axkern.core.kernels import swizzled_smem
 from axkern.core.op import Unsupported
 
 from .common import kernels as chunk_kernels
@@ -145,15 +146,6 @@ def supports(spec) -> str | None:
             "could overflow fp16's range: fp16 goes to pallas_gpu)"
         )
     return _dims_reason(spec.dim("head_dim"), spec.dim("state"))
-
-
-def _swizzled(shape, dtype):
-    """Shared memory as `wgmma` and TMA read it: (8, 128-byte rows) tiles, 128-byte swizzle
-    (also for the float32 tiles staged for TMA, against bank conflicts)."""
-    cols = 128 // jnp.dtype(dtype).itemsize
-    return plgpu.SMEM(
-        shape, dtype, transforms=(plgpu.TilingTransform((8, cols)), plgpu.SwizzleTransform(128))
-    )
 
 
 def _scan_kernel(x_ref, dt_ref, cum_ref, f_ref, seg_ref, b_ref, c_ref, s_ref, y_ref, scoped, *, rep, dtype):
@@ -242,10 +234,10 @@ def chunk_state(xt, w, bt):
 
     def entry(x_ref, w_ref, b_ref, own_ref):
         scratch = [
-            _swizzled((CHUNK, n), dtype),
-            _swizzled((CHUNK, p), dtype),
-            _swizzled((CHUNK, p), dtype),
-            _swizzled((p, n), jnp.float32),
+            swizzled_smem((CHUNK, n), dtype),
+            swizzled_smem((CHUNK, p), dtype),
+            swizzled_smem((CHUNK, p), dtype),
+            swizzled_smem((p, n), jnp.float32),
         ]
         pl.run_scoped(
             lambda *scoped: _state_kernel(x_ref, w_ref, b_ref, own_ref, scoped, rep=h // g, dtype=dtype),
@@ -273,11 +265,11 @@ def chunk_scan(xt, dt, cum, f, seg, bt, ct, states_in):
 
     def entry(*refs):
         scratch = [
-            _swizzled((CHUNK, n), dtype),
-            _swizzled((CHUNK, n), dtype),
-            _swizzled((CHUNK, p), dtype),
-            _swizzled((p, n), dtype),
-            _swizzled((CHUNK, p), jnp.float32),
+            swizzled_smem((CHUNK, n), dtype),
+            swizzled_smem((CHUNK, n), dtype),
+            swizzled_smem((CHUNK, p), dtype),
+            swizzled_smem((p, n), dtype),
+            swizzled_smem((CHUNK, p), jnp.float32),
         ]
         pl.run_scoped(
             lambda *scoped: _scan_kernel(*refs, scoped, rep=h // g, dtype=dtype),
@@ -455,18 +447,18 @@ def chunk_scan_bwd(dy, xt, dt, cum, f, seg, bt, ct, states_in):
 
     def entry(*refs):
         scratch = [
-            _swizzled((CHUNK, n), dtype),  # C
-            _swizzled((CHUNK, n), dtype),  # B
-            _swizzled((CHUNK, p), dtype),  # x
-            _swizzled((p, n), dtype),  # the state's halves
-            _swizzled((p, n), dtype),
-            _swizzled((CHUNK, p), dtype),  # dy's halves, then dyf's
-            _swizzled((CHUNK, p), dtype),
-            _swizzled((CHUNK, CHUNK), dtype),  # M's halves, then dg's
-            _swizzled((CHUNK, CHUNK), dtype),
-            _swizzled((CHUNK, p), f32),  # dx
-            _swizzled((CHUNK, n), f32),  # dB, then dC
-            _swizzled((p, n), f32),  # dS_in
+            swizzled_smem((CHUNK, n), dtype),  # C
+            swizzled_smem((CHUNK, n), dtype),  # B
+            swizzled_smem((CHUNK, p), dtype),  # x
+            swizzled_smem((p, n), dtype),  # the state's halves
+            swizzled_smem((p, n), dtype),
+            swizzled_smem((CHUNK, p), dtype),  # dy's halves, then dyf's
+            swizzled_smem((CHUNK, p), dtype),
+            swizzled_smem((CHUNK, CHUNK), dtype),  # M's halves, then dg's
+            swizzled_smem((CHUNK, CHUNK), dtype),
+            swizzled_smem((CHUNK, p), f32),  # dx
+            swizzled_smem((CHUNK, n), f32),  # dB, then dC
+            swizzled_smem((p, n), f32),  # dS_in
             plgpu.SMEM((4, CHUNK), f32),  # ddt, dcum, df, dcum_row
         ]
         pl.run_scoped(
@@ -540,11 +532,11 @@ def chunk_state_bwd(xt, w, bt, d_own):
 
     def entry(*refs):
         scratch = [
-            _swizzled((CHUNK, n), dtype),  # B
-            _swizzled((p, n), dtype),  # dS's halves
-            _swizzled((p, n), dtype),
-            _swizzled((CHUNK, p), f32),  # dx
-            _swizzled((CHUNK, n), f32),  # dB
+            swizzled_smem((CHUNK, n), dtype),  # B
+            swizzled_smem((p, n), dtype),  # dS's halves
+            swizzled_smem((p, n), dtype),
+            swizzled_smem((CHUNK, p), f32),  # dx
+            swizzled_smem((CHUNK, n), f32),  # dB
             plgpu.SMEM((CHUNK,), f32),  # dw
         ]
         pl.run_scoped(

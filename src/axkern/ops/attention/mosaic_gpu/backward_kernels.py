@@ -11,6 +11,7 @@ from jax import lax
 
 from axkern.core.blocks import cdiv
 from axkern.core.compat import mosaic_gpu_load
+from axkern.core.kernels import swizzled_smem
 from axkern.core.op import Unsupported
 
 from ..blocks import (
@@ -30,7 +31,6 @@ from .tiles import (
     base2_scores,
     pl,
     plgpu,
-    swizzled_smem,
     times,
     warpgroup_bounds,
 )

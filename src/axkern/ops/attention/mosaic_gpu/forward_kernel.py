@@ -10,6 +10,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from axkern.core.blocks import cdiv
+from axkern.core.kernels import swizzled_smem
 from axkern.core.op import Unsupported
 
 from .. import common
@@ -29,7 +30,6 @@ from .tiles import (
     named_barrier,
     pl,
     plgpu,
-    swizzled_smem,
     times,
     warpgroup_bounds,
 )

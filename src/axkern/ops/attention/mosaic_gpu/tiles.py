@@ -87,11 +87,6 @@ def base2_scores(s, cfg):
     return t * (cfg.soft_cap * LOG2E), None, t
 
 
-def swizzled_smem(shape, dtype):
-    """A shared-memory tile laid out as `wgmma` and TMA read it: (8, 64) tiles, 128-byte swizzle."""
-    return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))
-
-
 def times(x, c):
     """`x · c`, or `x` where `c` is None (scores already in base-2 units)."""
     return x if c is None else x * c
