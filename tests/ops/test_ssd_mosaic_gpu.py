@@ -161,7 +161,7 @@ def test_dispatch_skips_it_off_hopper_with_the_reason():
     )
     # the head dims and states that fit: the four kernels' tiles (the scan backward's are the largest)
     sizes = (64, 128, 192, 256)
-    fits = {(p, n) for p in sizes for n in sizes if mosaic_gpu._dims_reason(p, n) is None}
+    fits = {(p, n) for p in sizes for n in sizes if mosaic_gpu.dims_reason(p, n) is None}
     assert fits == {(64, 64), (64, 128), (128, 64)}
     odd = OP.spec(
         {"batch": 1, "length": 256, "heads": 4, "head_dim": 32, "groups": 1, "state": 128},

@@ -1,0 +1,153 @@
+"""Mamba-2 SSD on Hopper: the chunk state and the chunk scan, forward and backward, as Pallas
+Mosaic GPU kernels, with 16-bit operands into float32 accumulators; the other stages are
+`pallas_gpu`'s.
+
+**What runs where.** Stages 1 and 3 (weights, the recurrence between chunks and its reverse)
+are XLA's and `pallas_gpu`'s Triton kernels (`common/kernels.py` has the stages,
+`common/gpu.py` the recurrence). Stage 2, each chunk's own state `(w ∘ x)ᵀ B`, is
+`_state_kernel` in `kernels.py` and its backward `_state_bwd_kernel`; stage 4, the output
+`y = ((C Bᵀ) ∘ Λ ∘ dt)(x) + f ∘ (C S_inᵀ)` of every chunk, `_scan_kernel` and its backward
+`_scan_bwd_kernel`. Each: one warpgroup per (batch row, head, chunk of 64 positions).
+
+**The state kernel.** TMA copies the chunk's `B` rows (`[64, N]`); `x` (`[64, P]`) is read into
+registers, scaled by `w` per row and stored as two 16-bit halves (`w ∘ x = hi + lo`, what the
+rounding loses as `bf16x2`); two `wgmma`s with the halves transposed as the left operand give
+the `[P, N]` float32 state, written back through shared memory by TMA.
+
+**The scan kernel.** TMA copies the chunk's `C` and `B` rows (`[64, N]`, the head's group) and `x`
+rows (`[64, P]`) into swizzled shared memory; the state entering the chunk (`[P, N]`, float32)
+is read into registers, rounded to the input dtype and stored beside them. Two `wgmma`s:
+`s = C Bᵀ` (`[64, 64]`) and `C S_inᵀ` (`[64, P]`), float32 accumulators. In registers,
+`M = s ∘ exp(cum_t - cum_s) ∘ dt_s` where `s <= t` in one segment (else 0), split as
+`M = M_hi + M_lo`, each in the input dtype (what the rounding of `M` loses, as `bf16x2`); the
+accumulator starts at `f_t · (C S_inᵀ)` and takes `M_hi x` and `M_lo x` (two `wgmma`s with
+their left operand in registers). `y` (float32) goes back through shared memory by TMA.
+
+**The state's backward**: `d(w ∘ x) = B dSᵀ` (`dS`, float32, as two halves in shared memory),
+giving `dx` and `dw`, and `dB = (w ∘ x) dS` (three products: both operands float32).
+
+**The scan's backward** (the Triton `_scan_bwd_kernel`'s sums, `common/kernels.py`), each
+result stored and sent out by TMA as soon as it is formed: `df` from `C S_inᵀ`; `C Bᵀ` and its
+decayed `M` (rows t, columns s); `dM = (dy xᵀ) ∘ dt_s` from `dy`'s two halves in registers;
+`dcum`, `dcum_row` the row and column sums of `dM ∘ M`; `Mᵀ dy` from `M`'s halves stored in
+shared memory and read transposed, times `dy`'s halves there (three products: hi·hi, hi·lo,
+lo·hi), giving `dx` and `ddt`; then the halves of `dg = dM ∘ Λ` and of `f ∘ dy` take `M`'s and
+`dy`'s places in shared memory for `dS_in = (f ∘ dy)ᵀ C`, `dC = dg B + (f ∘ dy) S_in` and
+`dB = dgᵀ C`. Every float32 operand is taken as its two 16-bit halves (the state's too), so
+the products are about as exact as float32 ones.
+
+**Precision** (`benchmarks/ssd_operand_precision.py`, float64 emulation on the CPU, tables in
+docs/ops/ssd.md "Accuracy"): `C Bᵀ` and `C S_inᵀ` with 16-bit operands kept `y` and the final
+state inside DESIGN.md's rule; `M x` with `M` rounded to bf16 once did not (1.08x the bound),
+as two bf16 halves it did (0.13x); the state product likewise (1.25x rounded once, inside as
+two halves). `emulate.py` holds the kernels' arithmetic in XLA (the same roundings, exact
+products), which the CPU tests carry through the whole layer and its gradients against the
+float64 oracle.
+
+**Constraints**: a Hopper GPU (compute capability 9.x), bf16 inputs (fp16's range could not
+hold the 16-bit halves of float32 values such as `M` or the state: fp16 goes to `pallas_gpu`),
+chunks of 64, `P` and `N` multiples of 64 whose tiles fit shared memory in all four kernels
+(`kernels.smem_bytes`: 64 and 64, 64 and 128, 128 and 64). Otherwise the call falls back with the
+reason.
+
+**Interpret mode.** Mosaic GPU's `wgmma` and TMA copies have no CPU interpret rule: CI lowers
+the kernels for CUDA (`tests/ops/test_ssd_mosaic_gpu.py`) and runs their emulation; the kernels
+themselves are tested on a GPU (`tests/gpu/test_ssd_gpu.py`).
+
+**Cost** per chunk and head (Q = 64 positions), in tensor-core FLOPs: the state `4·Q·P·N` (two
+halves), its backward `10·Q·P·N`; the scan `2·Q²·N` (`C Bᵀ`) + `4·Q²·P` (`M x`, two halves) + `2·Q·P·N` (`C S_inᵀ`); its
+backward `10·Q²·(N + P) + 14·Q·P·N` (`C Bᵀ`; `dM` and `Mᵀ dy` with two and three products;
+`dg B`, `dgᵀ C` with two each; `f∘dy S_in` with three; `C S_inᵀ`, `dS_in` with two each).
+Bytes: `x`, `B`, `C` rows once a kernel, the float32 state `P·N·4` written (state) and read
+(scan, backward), `y`, `dy`, `dx`, `dB`, `dC` float32.
+"""
+
+from __future__ import annotations
+
+from axkern.core import backend
+from axkern.core.op import Unsupported
+
+from ..common import kernels as chunk_kernels
+from ..common.gpu import GpuLayout
+from .emulate import emulate_chunk_scan, emulate_chunk_scan_bwd, emulate_chunk_state, emulate_chunk_state_bwd
+from .kernels import (
+    _IMPORT_ERROR,
+    CHUNK,
+    chunk_scan,
+    chunk_scan_bwd,
+    chunk_state,
+    chunk_state_bwd,
+    dims_reason,
+    smem_bytes,
+)
+
+__all__ = [
+    "supports",
+    "ssd",
+    "chunk_state",
+    "chunk_scan",
+    "chunk_state_bwd",
+    "chunk_scan_bwd",
+    "emulate_chunk_state",
+    "emulate_chunk_scan",
+    "emulate_chunk_state_bwd",
+    "emulate_chunk_scan_bwd",
+    "dims_reason",
+    "smem_bytes",
+    "CHUNK",
+    "MosaicLayout",
+]
+
+
+def supports(spec) -> str | None:
+    if _IMPORT_ERROR is not None:
+        return f"jax.experimental.pallas.mosaic_gpu does not import here ({_IMPORT_ERROR})"
+    if spec.platform != "gpu" or not backend.is_hopper(spec):
+        return f"the Mosaic GPU kernels need a Hopper GPU (compute capability 9.x), not {spec.device_kind}"
+    if spec.dtype != "bfloat16":
+        return (
+            f"the Mosaic GPU kernels take bf16 inputs, not {spec.dtype} (their 16-bit halves of float32 values "
+            "could overflow fp16's range: fp16 goes to pallas_gpu)"
+        )
+    return dims_reason(spec.dim("head_dim"), spec.dim("state"))
+
+
+class MosaicLayout(GpuLayout):
+    """`pallas_gpu`'s layout and recurrence kernels; stages 2 and 4 by `chunk_state`,
+    `chunk_scan` and their backward kernels."""
+
+    def chunk_state(self, xt, w, bt, *, dtype):
+        return chunk_state(xt, self.to_col(w), bt)
+
+    def chunk_scan(self, xt, scale, cum, ac, f, sc, bt, ct, states_in, *, sums, dtype):
+        if sums:
+            raise Unsupported("the Mosaic GPU kernels take 16-bit inputs, whose decay is cum_t - cum_s")
+        return chunk_scan(
+            xt, self.to_col(scale), self.to_col(cum), self.to_col(f), self.to_col(sc), bt, ct, states_in
+        )
+
+    def chunk_state_bwd(self, xt, w, bt, d_own):
+        return chunk_state_bwd(xt, self.to_col(w), bt, d_own)
+
+    def chunk_scan_bwd(self, dy, xt, scale, cum, ac, f, sc, bt, ct, states_in, *, sums):
+        if sums:
+            raise Unsupported("the Mosaic GPU kernels take 16-bit inputs, whose decay is cum_t - cum_s")
+        to_col = self.to_col
+        return chunk_scan_bwd(dy, xt, to_col(scale), to_col(cum), to_col(f), to_col(sc), bt, ct, states_in)
+
+
+def ssd(x, dt, A, B, C, D, z, segment_ids, initial_state, *, block_sizes, interpret=False):
+    if block_sizes.chunk_size != CHUNK:
+        raise Unsupported(
+            f"chunk_size={block_sizes.chunk_size}: the Mosaic GPU kernels run chunks of {CHUNK}"
+        )
+    if interpret:
+        raise Unsupported(
+            "the Mosaic GPU kernels have no interpret mode (wgmma and TMA copies have no CPU rule)"
+        )
+    reason = dims_reason(x.shape[-1], B.shape[-1])
+    if reason:
+        raise Unsupported(reason)
+    return chunk_kernels.ssd(
+        MosaicLayout, x, dt, A, B, C, D, z, segment_ids, initial_state, chunk_size=CHUNK, interpret=False
+    )

@@ -1,0 +1,128 @@
+"""The Mosaic GPU SSD kernels' arithmetic in XLA: the same operands rounded as the kernels take
+them (`x`, `B`, `C` as they are; a float32 operand as its two 16-bit halves, three products
+where both operands are float32; the forward scan's incoming state rounded once), products
+exact in float32. Arguments and results as the kernels' (`kernels.py`). The CPU tests carry
+these through the whole layer against the float64 oracle (the kernels have no CPU interpret
+mode) and the GPU tests hold each kernel to its emulation."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from .kernels import CHUNK
+
+__all__ = ["emulate_chunk_state", "emulate_chunk_scan", "emulate_chunk_state_bwd", "emulate_chunk_scan_bwd"]
+
+_ein = functools.partial(jnp.einsum, precision=jax.lax.Precision.HIGHEST)
+
+
+def _round(a, dtype):
+    return a.astype(dtype).astype(jnp.float32)
+
+
+def _halves(a, dtype):
+    """`a` as `hi + lo`, each rounded to `dtype` (float32 values)."""
+    hi = _round(a, dtype)
+    return hi, _round(a - hi, dtype)
+
+
+class _Chunks:
+    """Views of one call's arrays per chunk: rows `[b, h, c, Q, d]` (groups repeated over their
+    heads), vectors `[b, h, c, Q]`, states `[b, h, c, P, N]`, and back."""
+
+    def __init__(self, xt, bt):
+        self.b, self.h, self.lp, self.p = xt.shape
+        self.g, self.c = bt.shape[1], self.lp // CHUNK
+
+    def rows(self, a):
+        return a.astype(jnp.float32).reshape(self.b, self.h, self.c, CHUNK, a.shape[-1])
+
+    def heads(self, a):
+        return self.rows(jnp.repeat(a, self.h // self.g, axis=1))
+
+    def vec(self, a):
+        return a.reshape(self.b, self.h, self.c, CHUNK)
+
+    def state(self, a):
+        return jnp.moveaxis(a, 1, 2)
+
+    def out_rows(self, a):
+        return a.reshape(self.b, self.h, self.lp, a.shape[-1])
+
+    def out_vec(self, a):
+        return a.reshape(self.b, self.h, self.lp)
+
+    def decay(self, cum, seg):
+        """`Λ[t, s] = exp(cum_t - cum_s)` for `s <= t` in one segment, else 0: `[b, h, c, Q, Q]`."""
+        cum_c, seg_c = self.vec(cum), seg.reshape(self.b, 1, self.c, CHUNK)
+        t_idx, s_idx = jnp.arange(CHUNK)[:, None], jnp.arange(CHUNK)[None, :]
+        visible = (s_idx <= t_idx) & (seg_c[..., :, None] == seg_c[..., None, :])
+        return jnp.exp(jnp.where(visible, cum_c[..., :, None] - cum_c[..., None, :], -jnp.inf))
+
+
+def emulate_chunk_state(xt, w, bt):
+    """`kernels.chunk_state`: `(w ∘ x)ᵀ B` with `w ∘ x` as two halves."""
+    k = _Chunks(xt, bt)
+    wh, wl = _halves(k.rows(xt) * k.vec(w)[..., None], xt.dtype)
+    bm = k.heads(bt)
+    return k.state(_ein("bhctp,bhctn->bhcpn", wh, bm) + _ein("bhctp,bhctn->bhcpn", wl, bm))
+
+
+def emulate_chunk_scan(xt, dt, cum, f, seg, bt, ct, states_in):
+    """`kernels.chunk_scan`: `M = (C Bᵀ) ∘ Λ ∘ dt_s` as two halves times `x`, plus `f ∘ (C S_inᵀ)`
+    with the state rounded once."""
+    k, dtype = _Chunks(xt, bt), xt.dtype
+    x, bm, cm = k.rows(xt), k.heads(bt), k.heads(ct)
+    m = _ein("bhctn,bhcsn->bhcts", cm, bm) * k.decay(cum, seg) * k.vec(dt)[..., None, :]
+    mh, ml = _halves(m, dtype)
+    inc = _ein("bhctn,bhcpn->bhctp", cm, _round(k.state(states_in), dtype))
+    y = k.vec(f)[..., None] * inc + _ein("bhcts,bhcsp->bhctp", mh, x) + _ein("bhcts,bhcsp->bhctp", ml, x)
+    return k.out_rows(y)
+
+
+def emulate_chunk_state_bwd(xt, w, bt, d_own):
+    """`kernels.chunk_state_bwd`: `dS` and `w ∘ x` as two halves, three products for `dB`."""
+    k, dtype = _Chunks(xt, bt), xt.dtype
+    x, bm, wc = k.rows(xt), k.heads(bt), k.vec(w)[..., None]
+    dsh, dsl = _halves(k.state(d_own), dtype)
+    dxw = _ein("bhctn,bhcpn->bhctp", bm, dsh) + _ein("bhctn,bhcpn->bhctp", bm, dsl)
+    xwh, xwl = _halves(x * wc, dtype)
+    db = sum(_ein("bhctp,bhcpn->bhctn", a, r) for a, r in ((xwh, dsh), (xwh, dsl), (xwl, dsh)))
+    return k.out_rows(dxw * wc), k.out_vec((dxw * x).sum(-1)), k.out_rows(db)
+
+
+def emulate_chunk_scan_bwd(dy, xt, dt, cum, f, seg, bt, ct, states_in):
+    """`kernels.chunk_scan_bwd`: every float32 operand as its two halves."""
+    k, dtype = _Chunks(xt, bt), xt.dtype
+    x, bm, cm, dyc = k.rows(xt), k.heads(bt), k.heads(ct), k.rows(dy)
+    dt_c, f_c = k.vec(dt), k.vec(f)
+    sh, sl = _halves(k.state(states_in), dtype)
+    dyh, dyl = _halves(dyc, dtype)
+    decay = k.decay(cum, seg)
+    m = _ein("bhctn,bhcsn->bhcts", cm, bm) * decay
+    mh, ml = _halves(m, dtype)
+    dm = (_ein("bhctp,bhcsp->bhcts", dyh, x) + _ein("bhctp,bhcsp->bhcts", dyl, x)) * dt_c[..., None, :]
+    e = dm * m
+    mt = lambda a, r: _ein("bhcts,bhctp->bhcsp", a, r)  # noqa: E731 - Mᵀ r
+    dxd = mt(mh, dyh) + mt(mh, dyl) + mt(ml, dyh)
+    dgh, dgl = _halves(dm * decay, dtype)
+    dyfh, dyfl = _halves(dyc * f_c[..., None], dtype)
+    dc = _ein("bhcts,bhcsn->bhctn", dgh, bm) + _ein("bhcts,bhcsn->bhctn", dgl, bm)
+    for a, r in ((dyfh, sh), (dyfh, sl), (dyfl, sh)):
+        dc = dc + _ein("bhctp,bhcpn->bhctn", a, r)
+    db = _ein("bhcts,bhctn->bhcsn", dgh, cm) + _ein("bhcts,bhctn->bhcsn", dgl, cm)
+    inc = _ein("bhctn,bhcpn->bhctp", cm, sh) + _ein("bhctn,bhcpn->bhctp", cm, sl)
+    ds = _ein("bhctp,bhctn->bhcpn", dyfh, cm) + _ein("bhctp,bhctn->bhcpn", dyfl, cm)
+    return (
+        k.out_rows(dxd * dt_c[..., None]),
+        k.out_vec((dxd * x).sum(-1)),
+        k.out_vec(e.sum(-1)),
+        k.out_vec(e.sum(-2)),
+        k.out_vec((dyc * inc).sum(-1)),
+        k.out_rows(db),
+        k.out_rows(dc),
+        k.state(ds),
+    )

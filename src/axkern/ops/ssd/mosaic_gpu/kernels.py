@@ -1,0 +1,478 @@
+"""The Mosaic GPU SSD kernels (the package's docstring has their math, layout, grid, precision
+and cost): the chunk state and the chunk scan, forward and backward, each with the function
+that launches it, and the shared memory they take."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from axkern.core.compat import mosaic_gpu_load
+from axkern.core.kernels import swizzled_smem
+from axkern.core.op import Unsupported
+
+try:
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    _IMPORT_ERROR = None
+except Exception as e:  # noqa: BLE001 - any import failure means the kernels cannot serve
+    plgpu, _IMPORT_ERROR = None, e
+
+__all__ = [
+    "CHUNK",
+    "smem_bytes",
+    "dims_reason",
+    "chunk_state",
+    "chunk_scan",
+    "chunk_state_bwd",
+    "chunk_scan_bwd",
+]
+
+CHUNK = 64  # positions per chunk: one warpgroup's wgmma rows
+
+
+_SMEM = 227 * 1024  # shared memory a Hopper block may take
+_SMEM_EXTRA = 1024 + 2048  # barriers and alignment, rounded up; Mosaic GPU's scratch for cross-warp sums
+
+
+def _tiles(kernel: str, p: int, n: int, dtype=jnp.bfloat16) -> list:
+    """Shared-memory tiles of `kernel` at head dim `p` and state `n` as `(shape, dtype)`, in the
+    order its body takes them."""
+    q, f32 = CHUNK, jnp.float32
+    return {
+        # B, w ∘ x's halves, the float32 state
+        "state": [((q, n), dtype), ((q, p), dtype), ((q, p), dtype), ((p, n), f32)],
+        # C, B, x, the incoming state, float32 y
+        "scan": [((q, n), dtype), ((q, n), dtype), ((q, p), dtype), ((p, n), dtype), ((q, p), f32)],
+        # B, dS's halves, float32 dx, dB and dw
+        "state_bwd": [
+            ((q, n), dtype),
+            ((p, n), dtype),
+            ((p, n), dtype),
+            ((q, p), f32),
+            ((q, n), f32),
+            ((q,), f32),
+        ],
+        # C, B, x; the halves of the state, of dy (then f ∘ dy), of M (then dg); float32 dx, dB
+        # (then dC), dS_in, and the four vectors ddt, dcum, df, dcum_row
+        "scan_bwd": [((q, n), dtype), ((q, n), dtype), ((q, p), dtype)]
+        + [((p, n), dtype)] * 2
+        + [((q, p), dtype)] * 2
+        + [((q, q), dtype)] * 2
+        + [((q, p), f32), ((q, n), f32), ((p, n), f32), ((4, q), f32)],
+    }[kernel]
+
+
+def _scratch(kernel: str, p: int, n: int, dtype) -> list:
+    """`_tiles` as Mosaic GPU shared memory: swizzled where they are `wgmma` or TMA tiles (8 rows
+    or more), plain for the vectors."""
+    return [
+        swizzled_smem(shape, d) if len(shape) == 2 and shape[0] % 8 == 0 else plgpu.SMEM(shape, d)
+        for shape, d in _tiles(kernel, p, n, dtype)
+    ]
+
+
+def smem_bytes(p: int, n: int) -> int:
+    """Shared memory of the largest of the four kernels at head dim `p` and state `n` (bf16
+    inputs): their `_tiles` and what Mosaic GPU adds."""
+    kernels = ("state", "scan", "state_bwd", "scan_bwd")
+    tiles = (sum(math.prod(s) * jnp.dtype(d).itemsize for s, d in _tiles(k, p, n)) for k in kernels)
+    return max(tiles) + _SMEM_EXTRA
+
+
+def dims_reason(p: int, n: int) -> str | None:
+    """Why the kernels cannot take head dim `p` and state `n`, or None."""
+    for name, d in (("head_dim", p), ("state", n)):
+        if d % 64 or d > 256:
+            return f"{name}={d}: the Mosaic GPU kernels take multiples of 64 up to 256"
+    if smem_bytes(p, n) > _SMEM:
+        return (
+            f"head_dim={p}, state={n}: the Mosaic GPU kernels would take {smem_bytes(p, n)} bytes of shared "
+            f"memory, more than a Hopper block's {_SMEM}"
+        )
+    return None
+
+
+def _decay(cum_t, cum_s, seg_t, seg_s):
+    """`Λ[t, s] = exp(cum_t - cum_s)` for `s <= t` in one segment, else 0 (`[Q, Q]`, WGMMA
+    layout, from per-row `_t` and per-column `_s` vectors), and the broadcast of a per-column
+    vector onto it."""
+    q = cum_t.shape[0]
+    shape, layout = (q, q), plgpu.Layout.WGMMA
+    t_idx = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=layout)
+    s_idx = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=layout)
+    on_rows = lambda v: lax.broadcast_in_dim(v, shape, [0])  # noqa: E731
+    on_cols = lambda v: lax.broadcast_in_dim(v, shape, [1])  # noqa: E731
+    visible = (s_idx <= t_idx) & (on_rows(seg_t) == on_cols(seg_s))
+    return jnp.exp(jnp.where(visible, on_rows(cum_t) - on_cols(cum_s), -jnp.inf)), on_cols
+
+
+def _scan_kernel(x_ref, dt_ref, cum_ref, f_ref, seg_ref, b_ref, c_ref, s_ref, y_ref, scoped, *, rep, dtype):
+    (c_smem, b_smem, x_smem, s16_smem, y_smem), loaded = scoped
+    chunk, head, batch = lax.axis_index("chunks"), lax.axis_index("heads"), lax.axis_index("batch")
+    q, p = x_smem.shape
+    base = chunk * q
+    group = lax.div(head, jnp.int32(rep))
+    rows = pl.ds(base, q)
+    # a barrier per copy (each copy arrives on its barrier once, with its bytes)
+    plgpu.copy_gmem_to_smem(c_ref.at[batch, group, rows], c_smem, loaded.at[0])
+    plgpu.copy_gmem_to_smem(b_ref.at[batch, group, rows], b_smem, loaded.at[1])
+    plgpu.copy_gmem_to_smem(x_ref.at[batch, head, rows], x_smem, loaded.at[2])
+
+    # per position: along the tile's rows (t) or its columns (s)
+    row, col = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
+    vec = lambda ref, layout: mosaic_gpu_load(ref.at[batch, head, rows], layout=layout, optimized=False)  # noqa: E731
+    cum_t, cum_s, dt_s, f_t = vec(cum_ref, row), vec(cum_ref, col), vec(dt_ref, col), vec(f_ref, row)
+    seg_t = mosaic_gpu_load(seg_ref.at[batch, rows], layout=row, optimized=False)
+    seg_s = mosaic_gpu_load(seg_ref.at[batch, rows], layout=col, optimized=False)
+    state = mosaic_gpu_load(s_ref.at[batch, chunk, head], layout=plgpu.Layout.WGMMA, optimized=False)
+    s16_smem[...] = state.astype(dtype)  # [P, N]
+    plgpu.commit_smem()
+    for i in range(3):
+        plgpu.barrier_wait(loaded.at[i])
+
+    # C Bᵀ first and its scores built, then C S_inᵀ: fewer registers live at once
+    s = _products((q, q), [(c_smem, b_smem, True)])  # [Q, Q]
+    decay, on_cols = _decay(cum_t, cum_s, seg_t, seg_s)
+    m = s * decay * on_cols(dt_s)
+    m_hi, m_lo = _halves(m, dtype)
+    inc = _products((q, p), [(c_smem, s16_smem, True)])  # [Q, P]
+    y = _products((q, p), [(m_hi, x_smem, False), (m_lo, x_smem, False)])
+    y = y + inc * lax.broadcast_in_dim(f_t, (q, p), [0])
+    y_smem[...] = y
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(y_smem, y_ref.at[batch, head, rows])
+    plgpu.wait_smem_to_gmem(0)
+
+
+def _state_kernel(x_ref, w_ref, b_ref, own_ref, scoped, *, rep, dtype):
+    (b_smem, xh_smem, xl_smem, own_smem), loaded = scoped
+    chunk, head, batch = lax.axis_index("chunks"), lax.axis_index("heads"), lax.axis_index("batch")
+    q = b_smem.shape[0]
+    rows = pl.ds(chunk * q, q)
+    plgpu.copy_gmem_to_smem(b_ref.at[batch, lax.div(head, jnp.int32(rep)), rows], b_smem, loaded)
+    # w ∘ x in registers (w per row), as two 16-bit halves in shared memory
+    x = mosaic_gpu_load(x_ref.at[batch, head, rows], layout=plgpu.Layout.WGMMA, optimized=False)
+    w = mosaic_gpu_load(w_ref.at[batch, head, rows], layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
+    xh_smem[...], xl_smem[...] = _halves(x.astype(jnp.float32) * lax.broadcast_in_dim(w, x.shape, [0]), dtype)
+    plgpu.commit_smem()
+    plgpu.barrier_wait(loaded)
+    # (w ∘ x)ᵀ B: [P, N]
+    pairs = [(xh_smem.transpose((1, 0)), b_smem, False), (xl_smem.transpose((1, 0)), b_smem, False)]
+    own_smem[...] = _products(own_smem.shape, pairs)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(own_smem, own_ref.at[batch, chunk, head])
+    plgpu.wait_smem_to_gmem(0)
+
+
+def _check_operands(xt, bt, *rest):
+    b, h, lp, p = xt.shape
+    if lp % CHUNK:
+        raise ValueError(f"length {lp} is not a multiple of the chunk ({CHUNK})")
+    reason = dims_reason(p, bt.shape[-1])
+    if reason:
+        raise Unsupported(reason)
+    if any(a.dtype != jnp.bfloat16 for a in (xt, bt, *rest)):
+        dtypes = ", ".join(str(a.dtype) for a in (xt, bt, *rest))
+        raise Unsupported(f"x, B, C are {dtypes}: the Mosaic GPU kernels take bf16")
+
+
+def chunk_state(xt, w, bt):
+    """Each chunk's own state `[b, c, h, P, N]` float32, `(w ∘ x)ᵀ B` (`xt [b, h, L, P]`, `bt [b,
+    g, L, N]` in one 16-bit dtype, `w [b, h, L]` float32, `L = c · CHUNK`) by the Mosaic GPU
+    kernel: `w ∘ x` as two 16-bit halves (`bf16x2`), `B` as it is."""
+    _check_operands(xt, bt)
+    b, h, lp, p = xt.shape
+    g, n = bt.shape[1], bt.shape[-1]
+    dtype = xt.dtype
+
+    def entry(x_ref, w_ref, b_ref, own_ref):
+        scratch = _scratch("state", p, n, dtype)
+        pl.run_scoped(
+            lambda *scoped: _state_kernel(x_ref, w_ref, b_ref, own_ref, scoped, rep=h // g, dtype=dtype),
+            scratch,
+            plgpu.Barrier(),
+        )
+
+    return plgpu.kernel(
+        entry,
+        out_type=jax.ShapeDtypeStruct((b, lp // CHUNK, h, p, n), jnp.float32),
+        grid=(b, h, lp // CHUNK),  # the chunks on CUDA's x axis (the others take at most 65535)
+        grid_names=("batch", "heads", "chunks"),
+        kernel_name="axkern_ssd_mosaic_gpu_state",
+    )(xt, w, bt)
+
+
+def chunk_scan(xt, dt, cum, f, seg, bt, ct, states_in):
+    """`y [b, h, L, P]` float32 of the chunks (`xt [b, h, L, P]`, `bt, ct [b, g, L, N]` in one
+    16-bit dtype; `dt, cum, f [b, h, L]` float32; `seg [b, L]` int32; `states_in [b, c, h, P, N]`
+    float32, `L = c · CHUNK`) by the Mosaic GPU kernel."""
+    _check_operands(xt, bt, ct)
+    b, h, lp, p = xt.shape
+    g, n = bt.shape[1], bt.shape[-1]
+    dtype = xt.dtype
+
+    def entry(*refs):
+        scratch = _scratch("scan", p, n, dtype)
+        pl.run_scoped(
+            lambda *scoped: _scan_kernel(*refs, scoped, rep=h // g, dtype=dtype),
+            scratch,
+            plgpu.Barrier(num_barriers=3),
+        )
+
+    return plgpu.kernel(
+        entry,
+        out_type=jax.ShapeDtypeStruct((b, h, lp, p), jnp.float32),
+        grid=(b, h, lp // CHUNK),  # the chunks on CUDA's x axis (the others take at most 65535)
+        grid_names=("batch", "heads", "chunks"),
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        kernel_name="axkern_ssd_mosaic_gpu_scan",
+    )(xt, dt, cum, f, seg.astype(jnp.int32), bt, ct, states_in)
+
+
+def _halves(a, dtype):
+    """`a` (float32) as `hi + lo`, both in `dtype`: `lo` what the rounding to `hi` lost."""
+    hi = a.astype(dtype)
+    return hi, (a - hi.astype(jnp.float32)).astype(dtype)
+
+
+def _products(shape, pairs):
+    """`Σ a @ b` over `pairs` of (left, right, transpose the right?) into a zeroed float32
+    accumulator of `shape`, waited for."""
+
+    def run(acc_ref):
+        for a, b, trans in pairs:
+            plgpu.wgmma(acc_ref, a, b.transpose((1, 0)) if trans else b)
+
+    zeros = plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)
+    return pl.run_state(run)(plgpu.ACC.init(zeros))
+
+
+def _scan_bwd_kernel(
+    dy_ref,
+    x_ref,
+    dt_ref,
+    cum_ref,
+    f_ref,
+    seg_ref,
+    b_ref,
+    c_ref,
+    s_ref,
+    dx_ref,
+    ddt_ref,
+    dcum_ref,
+    dcum_row_ref,
+    df_ref,
+    db_ref,
+    dc_ref,
+    ds_ref,
+    scoped,
+    *,
+    rep,
+    dtype,
+):
+    (c_smem, b_smem, x_smem, sh_smem, sl_smem, ah_smem, al_smem, mh_smem, ml_smem, *outs), loaded = scoped
+    dx_smem, dbc_smem, ds_smem, vec_smem = outs
+    batch, head, chunk = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("chunks")
+    q, p = x_smem.shape
+    n = c_smem.shape[1]
+    rows = pl.ds(chunk * q, q)
+    group = lax.div(head, jnp.int32(rep))
+    plgpu.copy_gmem_to_smem(c_ref.at[batch, group, rows], c_smem, loaded.at[0])
+    plgpu.copy_gmem_to_smem(b_ref.at[batch, group, rows], b_smem, loaded.at[1])
+    plgpu.copy_gmem_to_smem(x_ref.at[batch, head, rows], x_smem, loaded.at[2])
+
+    f32, wgmma_layout = jnp.float32, plgpu.Layout.WGMMA
+    row, col = wgmma_layout.reduce(1), wgmma_layout.reduce(0)
+    vec = lambda ref, layout: mosaic_gpu_load(ref.at[batch, head, rows], layout=layout, optimized=False)  # noqa: E731
+    cum_t, cum_s, dt_t, dt_s, f_t = (
+        vec(cum_ref, row),
+        vec(cum_ref, col),
+        vec(dt_ref, row),
+        vec(dt_ref, col),
+        vec(f_ref, row),
+    )
+    seg_t = mosaic_gpu_load(seg_ref.at[batch, rows], layout=row, optimized=False)
+    seg_s = mosaic_gpu_load(seg_ref.at[batch, rows], layout=col, optimized=False)
+    dy = mosaic_gpu_load(dy_ref.at[batch, head, rows], layout=wgmma_layout, optimized=False)  # [Q, P] f32
+    # the state and the cotangent as two 16-bit halves in shared memory (every product with
+    # a float32 operand takes its halves: bf16x2, or three products when both are float32)
+    sh, sl = _halves(
+        mosaic_gpu_load(s_ref.at[batch, chunk, head], layout=wgmma_layout, optimized=False), dtype
+    )
+    sh_smem[...], sl_smem[...] = sh, sl
+    ah_smem[...], al_smem[...] = _halves(dy, dtype)
+    plgpu.commit_smem()
+    for i in range(3):
+        plgpu.barrier_wait(loaded.at[i])
+
+    def put(smem, value, ref):
+        """`value` out through `smem` by TMA (the copy left in flight)."""
+        smem[...] = value
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(smem, ref)
+
+    # each result leaves as soon as it is formed (fewer registers live at once): df first
+    inc = _products((q, p), [(c_smem, sh_smem, True), (c_smem, sl_smem, True)])  # C S_inᵀ
+    vec_smem.at[2][...] = jnp.sum(dy * inc, axis=1)  # df
+
+    # scores and decay, rows t by columns s
+    scores = _products((q, q), [(c_smem, b_smem, True)])
+    decay, on_cols = _decay(cum_t, cum_s, seg_t, seg_s)
+    m = scores * decay
+    mh, ml = _halves(m, dtype)
+    mh_smem[...], ml_smem[...] = mh, ml
+    plgpu.commit_smem()
+
+    # dM = dy (dt ∘ x)ᵀ: dy's halves (registers, formed again here) times xᵀ, scaled by dt per column
+    dyh, dyl = _halves(dy, dtype)
+    dm = _products((q, q), [(dyh, x_smem, True), (dyl, x_smem, True)]) * on_cols(dt_s)
+    e = dm * m
+    vec_smem.at[1][...] = jnp.sum(e, axis=1)  # dcum: rows t
+    vec_smem.at[3][...] = jnp.sum(e, axis=0)  # dcum_row: columns s
+    dg = dm * decay
+
+    # d(dt ∘ x) = Mᵀ dy, rows s: M's halves transposed from shared memory, dy's halves
+    m_t = (mh_smem.transpose((1, 0)), ml_smem.transpose((1, 0)))
+    dxd = _products((q, p), [(m_t[0], ah_smem, False), (m_t[0], al_smem, False), (m_t[1], ah_smem, False)])
+    x = mosaic_gpu_load(x_ref.at[batch, head, rows], layout=wgmma_layout, optimized=False).astype(f32)
+    vec_smem.at[0][...] = jnp.sum(dxd * x, axis=1)  # ddt
+    put(dx_smem, dxd * lax.broadcast_in_dim(dt_t, (q, p), [0]), dx_ref.at[batch, head, rows])
+
+    # dg's halves take M's place in shared memory and f ∘ dy's take dy's (their products are done)
+    mh_smem[...], ml_smem[...] = _halves(dg, dtype)
+    ah_smem[...], al_smem[...] = _halves(dy * lax.broadcast_in_dim(f_t, (q, p), [0]), dtype)
+    plgpu.commit_smem()
+    # dS_in = (f ∘ dy)ᵀ C
+    ds = _products(
+        (p, n), [(ah_smem.transpose((1, 0)), c_smem, False), (al_smem.transpose((1, 0)), c_smem, False)]
+    )
+    put(ds_smem, ds, ds_ref.at[batch, chunk, head])
+    # dC = dg B + (f ∘ dy) S_in (rows t), then dB = dgᵀ C (rows s) through the same staging tile
+    dc = _products(
+        (q, n),
+        [
+            (mh_smem, b_smem, False),
+            (ml_smem, b_smem, False),
+            (ah_smem, sh_smem, False),
+            (ah_smem, sl_smem, False),
+            (al_smem, sh_smem, False),
+        ],
+    )
+    put(dbc_smem, dc, dc_ref.at[batch, head, rows])
+    db = _products(
+        (q, n), [(mh_smem.transpose((1, 0)), c_smem, False), (ml_smem.transpose((1, 0)), c_smem, False)]
+    )
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # dC has left the staging tile
+    put(dbc_smem, db, db_ref.at[batch, head, rows])
+    for i, ref in enumerate((ddt_ref, dcum_ref, df_ref, dcum_row_ref)):
+        plgpu.copy_smem_to_gmem(vec_smem.at[i], ref.at[batch, head, rows])
+    plgpu.wait_smem_to_gmem(0)
+
+
+def chunk_scan_bwd(dy, xt, dt, cum, f, seg, bt, ct, states_in):
+    """Stage 4's backward by the Mosaic GPU kernel: `(dx [b, h, L, P], ddt, dcum, dcum_row, df
+    [b, h, L], dB, dC [b, h, L, N], dS_in [b, c, h, P, N])`, float32, per head, from the
+    cotangent `dy [b, h, L, P]` (float32) and `chunk_scan`'s arguments. `dcum` holds each row's
+    sum of `dM ∘ M` and `dcum_row` each column's (`common/kernels.py`'s backward)."""
+    _check_operands(xt, bt, ct)
+    b, h, lp, p = xt.shape
+    g, n = bt.shape[1], bt.shape[-1]
+    c = lp // CHUNK
+    dtype = xt.dtype
+    f32 = jnp.float32
+
+    def entry(*refs):
+        scratch = _scratch("scan_bwd", p, n, dtype)
+        pl.run_scoped(
+            lambda *scoped: _scan_bwd_kernel(*refs, scoped, rep=h // g, dtype=dtype),
+            scratch,
+            plgpu.Barrier(num_barriers=3),
+        )
+
+    rows = lambda d: jax.ShapeDtypeStruct((b, h, lp, d), f32)  # noqa: E731
+    vector = jax.ShapeDtypeStruct((b, h, lp), f32)
+    return plgpu.kernel(
+        entry,
+        out_type=(
+            rows(p),
+            vector,
+            vector,
+            vector,
+            vector,
+            rows(n),
+            rows(n),
+            jax.ShapeDtypeStruct((b, c, h, p, n), f32),
+        ),
+        grid=(b, h, c),
+        grid_names=("batch", "heads", "chunks"),
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        kernel_name="axkern_ssd_mosaic_gpu_scan_bwd",
+    )(dy.astype(f32), xt, dt, cum, f, seg.astype(jnp.int32), bt, ct, states_in)
+
+
+def _state_bwd_kernel(x_ref, w_ref, b_ref, ds_ref, dx_ref, dw_ref, db_ref, scoped, *, rep, dtype):
+    (b_smem, dsh_smem, dsl_smem, dx_smem, db_smem, dw_smem), loaded = scoped
+    batch, head, chunk = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("chunks")
+    q, n = b_smem.shape
+    p = dsh_smem.shape[0]
+    rows = pl.ds(chunk * q, q)
+    plgpu.copy_gmem_to_smem(b_ref.at[batch, lax.div(head, jnp.int32(rep)), rows], b_smem, loaded)
+    f32, wgmma_layout = jnp.float32, plgpu.Layout.WGMMA
+    # dS (float32) as two 16-bit halves in shared memory; w ∘ x's halves in registers
+    dsh, dsl = _halves(
+        mosaic_gpu_load(ds_ref.at[batch, chunk, head], layout=wgmma_layout, optimized=False), dtype
+    )
+    dsh_smem[...], dsl_smem[...] = dsh, dsl
+    x = mosaic_gpu_load(x_ref.at[batch, head, rows], layout=wgmma_layout, optimized=False).astype(f32)
+    w = mosaic_gpu_load(w_ref.at[batch, head, rows], layout=wgmma_layout.reduce(1), optimized=False)
+    xw_h, xw_l = _halves(x * lax.broadcast_in_dim(w, x.shape, [0]), dtype)
+    plgpu.commit_smem()
+    plgpu.barrier_wait(loaded)
+
+    # d(w ∘ x) = B dSᵀ (rows t), stored at once; dB = (w ∘ x) dS, three products (both float32)
+    dxw = _products((q, p), [(b_smem, dsh_smem, True), (b_smem, dsl_smem, True)])
+    dx_smem[...] = dxw * lax.broadcast_in_dim(w, (q, p), [0])
+    dw_smem[...] = jnp.sum(dxw * x, axis=1)
+    db_smem[...] = _products(
+        (q, n), [(xw_h, dsh_smem, False), (xw_h, dsl_smem, False), (xw_l, dsh_smem, False)]
+    )
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(dx_smem, dx_ref.at[batch, head, rows])
+    plgpu.copy_smem_to_gmem(db_smem, db_ref.at[batch, head, rows])
+    plgpu.copy_smem_to_gmem(dw_smem, dw_ref.at[batch, head, rows])
+    plgpu.wait_smem_to_gmem(0)
+
+
+def chunk_state_bwd(xt, w, bt, d_own):
+    """Stage 2's backward by the Mosaic GPU kernel, `dS` (`d_own [b, c, h, P, N]`, float32)
+    pulled back through `S = (w ∘ x)ᵀ B`: `(dx [b, h, L, P], dw [b, h, L], dB [b, h, L, N])`,
+    float32, per head; `chunk_state`'s other arguments."""
+    _check_operands(xt, bt)
+    b, h, lp, p = xt.shape
+    g, n = bt.shape[1], bt.shape[-1]
+    dtype, f32 = xt.dtype, jnp.float32
+
+    def entry(*refs):
+        scratch = _scratch("state_bwd", p, n, dtype)
+        pl.run_scoped(
+            lambda *scoped: _state_bwd_kernel(*refs, scoped, rep=h // g, dtype=dtype),
+            scratch,
+            plgpu.Barrier(),
+        )
+
+    return plgpu.kernel(
+        entry,
+        out_type=(
+            jax.ShapeDtypeStruct((b, h, lp, p), f32),
+            jax.ShapeDtypeStruct((b, h, lp), f32),
+            jax.ShapeDtypeStruct((b, h, lp, n), f32),
+        ),
+        grid=(b, h, lp // CHUNK),
+        grid_names=("batch", "heads", "chunks"),
+        kernel_name="axkern_ssd_mosaic_gpu_state_bwd",
+    )(xt, w, bt, d_own)
