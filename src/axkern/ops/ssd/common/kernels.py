@@ -267,20 +267,105 @@ class Layout:
         return _recurrence_bwd(keep, states_in, d_states_in, d_final)
 
     def chunk_state(self, xt, w, bt, *, dtype):
-        """Stage 2, each chunk's own state (the Pallas `_state_kernel` unless a backend has its own)."""
-        return _chunk_state(self, xt, w, bt, dtype=dtype)
+        """Stage 2, each chunk's own state `[b, c, h, P, N]` float32 from `x`, the weights `w [b,
+        h, c, Q]` and `B` (the Pallas `_state_kernel` unless a backend has its own)."""
+        p, n = self.p, self.n
+        return self(
+            functools.partial(_state_kernel, dtype=dtype),
+            [self.rows(p), self.col_spec, self.grouped(n)],
+            [self.out("state")],
+            xt,
+            self.to_col(w),
+            bt,
+        )
 
     def chunk_scan(self, xt, scale, cum, ac, f, sc, bt, ct, states_in, *, sums, dtype):
-        """Stage 4, `y [b, h, L, P]` float32 (the Pallas `_scan_kernel` unless a backend has its own)."""
-        return _chunk_scan(self, xt, scale, cum, ac, f, sc, bt, ct, states_in, sums=sums, dtype=dtype)
+        """Stage 4, `y [b, h, L, P]` float32 from the chunks' inputs (`[b, h, c, Q]` vectors, `sc
+        [b, c, Q]`) and the states entering them (the Pallas `_scan_kernel` unless a backend has
+        its own)."""
+        p, n = self.p, self.n
+        return self(
+            functools.partial(_scan_kernel, dtype=dtype, sums=sums),
+            [
+                self.rows(p),
+                self.col_spec,
+                self.col_spec,
+                self.row_spec,
+                self.col_spec,
+                self.seg_col_spec,
+                self.seg_row_spec,
+                self.grouped(n),
+                self.grouped(n),
+                self.state,
+            ],
+            [self.out("rows", p)],
+            xt,
+            self.to_col(scale),
+            self.to_col(cum),
+            self.to_row(ac if sums else cum),
+            self.to_col(f),
+            self.to_col(sc),
+            self.to_row(sc),
+            bt,
+            ct,
+            states_in,
+        )
 
     def chunk_state_bwd(self, xt, w, bt, d_own):
-        """Stage 2's backward (the Pallas `_state_bwd_kernel` unless a backend has its own)."""
-        return _chunk_state_bwd(self, xt, w, bt, d_own)
+        """Stage 2's backward, `(dx [b, h, L, P], dw, dB [b, h, L, N])` per head, float32, in
+        `out`'s layouts (the Pallas `_state_bwd_kernel` unless a backend has its own)."""
+        p, n = self.p, self.n
+        return self(
+            _state_bwd_kernel,
+            [self.rows(p), self.col_spec, self.grouped(n), self.state],
+            [self.out("rows", p), self.out("col"), self.out("rows", n)],
+            xt,
+            self.to_col(w),
+            bt,
+            d_own,
+        )
 
     def chunk_scan_bwd(self, dy, xt, scale, cum, ac, f, sc, bt, ct, states_in, *, sums):
-        """Stage 4's backward (the Pallas `_scan_bwd_kernel` unless a backend has its own)."""
-        return _chunk_scan_bwd(self, dy, xt, scale, cum, ac, f, sc, bt, ct, states_in, sums=sums)
+        """Stage 4's backward, `(dx, ddt, dcum, dcum_row, df, dB, dC, dS_in)` per head, float32,
+        in `out`'s layouts (the Pallas `_scan_bwd_kernel` unless a backend has its own)."""
+        p, n = self.p, self.n
+        return self(
+            functools.partial(_scan_bwd_kernel, sums=sums),
+            [
+                self.rows(p),
+                self.rows(p),
+                self.col_spec,
+                self.col_spec,
+                self.row_spec,
+                self.col_spec,
+                self.seg_col_spec,
+                self.seg_row_spec,
+                self.grouped(n),
+                self.grouped(n),
+                self.state,
+            ],
+            [
+                self.out("rows", p),
+                self.out("col"),
+                self.out("col"),
+                self.out("row"),
+                self.out("col"),
+                self.out("rows", n),
+                self.out("rows", n),
+                self.out("state"),
+            ],
+            dy.astype(jnp.float32),
+            xt,
+            self.to_col(scale),
+            self.to_col(cum),
+            self.to_row(ac if sums else cum),
+            self.to_col(f),
+            self.to_col(sc),
+            self.to_row(sc),
+            bt,
+            ct,
+            states_in,
+        )
 
     def dot(self, a, b, dtype=None, *, trans_a=False, trans_b=False):
         return kernels.dot(a, b, dtype, trans_a=trans_a, trans_b=trans_b, precision=self.precision)
@@ -311,111 +396,6 @@ def _core_forward(cfg, xt, ac, scale, bt, ct, sc, initial_state):
     sums = _uses_segment_sums(products or xt.dtype)
     y = k.chunk_scan(xt, scale, cum, ac, f, sc, bt, ct, states_in, sums=sums, dtype=mm)
     return (y, final), states_in
-
-
-def _chunk_state(k, xt, w, bt, *, dtype):
-    """Stage 2 through the `_state_kernel` (`Layout.chunk_state`'s default): each chunk's own
-    state `[b, c, h, P, N]` float32 from `x`, the weights `w [b, h, c, Q]` and `B`."""
-    p, n = k.p, k.n
-    return k(
-        functools.partial(_state_kernel, dtype=dtype),
-        [k.rows(p), k.col_spec, k.grouped(n)],
-        [k.out("state")],
-        xt,
-        k.to_col(w),
-        bt,
-    )
-
-
-def _chunk_scan(k, xt, scale, cum, ac, f, sc, bt, ct, states_in, *, sums, dtype):
-    """Stage 4 through the `_scan_kernel` (`Layout.chunk_scan`'s default): `y [b, h, L, P]`
-    float32 from the chunks' inputs (`[b, h, c, Q]` vectors, `sc [b, c, Q]`) and the states
-    entering them."""
-    p, n = k.p, k.n
-    return k(
-        functools.partial(_scan_kernel, dtype=dtype, sums=sums),
-        [
-            k.rows(p),
-            k.col_spec,
-            k.col_spec,
-            k.row_spec,
-            k.col_spec,
-            k.seg_col_spec,
-            k.seg_row_spec,
-            k.grouped(n),
-            k.grouped(n),
-            k.state,
-        ],
-        [k.out("rows", p)],
-        xt,
-        k.to_col(scale),
-        k.to_col(cum),
-        k.to_row(ac if sums else cum),
-        k.to_col(f),
-        k.to_col(sc),
-        k.to_row(sc),
-        bt,
-        ct,
-        states_in,
-    )
-
-
-def _chunk_state_bwd(k, xt, w, bt, d_own):
-    """Stage 2's backward through the `_state_bwd_kernel` (`Layout.chunk_state_bwd`'s default):
-    `(dx [b, h, L, P], dw, dB [b, h, L, N])`, per head, float32, in `k.out`'s layouts."""
-    p, n = k.p, k.n
-    return k(
-        _state_bwd_kernel,
-        [k.rows(p), k.col_spec, k.grouped(n), k.state],
-        [k.out("rows", p), k.out("col"), k.out("rows", n)],
-        xt,
-        k.to_col(w),
-        bt,
-        d_own,
-    )
-
-
-def _chunk_scan_bwd(k, dy, xt, scale, cum, ac, f, sc, bt, ct, states_in, *, sums):
-    """Stage 4's backward through the `_scan_bwd_kernel` (`Layout.chunk_scan_bwd`'s default):
-    `(dx, ddt, dcum, dcum_row, df, dB, dC, dS_in)`, per head, float32, in `k.out`'s layouts."""
-    p, n = k.p, k.n
-    return k(
-        functools.partial(_scan_bwd_kernel, sums=sums),
-        [
-            k.rows(p),
-            k.rows(p),
-            k.col_spec,
-            k.col_spec,
-            k.row_spec,
-            k.col_spec,
-            k.seg_col_spec,
-            k.seg_row_spec,
-            k.grouped(n),
-            k.grouped(n),
-            k.state,
-        ],
-        [
-            k.out("rows", p),
-            k.out("col"),
-            k.out("col"),
-            k.out("row"),
-            k.out("col"),
-            k.out("rows", n),
-            k.out("rows", n),
-            k.out("state"),
-        ],
-        dy.astype(jnp.float32),
-        xt,
-        k.to_col(scale),
-        k.to_col(cum),
-        k.to_row(ac if sums else cum),
-        k.to_col(f),
-        k.to_col(sc),
-        k.to_row(sc),
-        bt,
-        ct,
-        states_in,
-    )
 
 
 def _uses_segment_sums(dtype) -> bool:
