@@ -41,7 +41,7 @@ import jax
 import jax.numpy as jnp
 
 from axkern import masks
-from axkern.bench import time_spread
+from axkern.bench import time_rounds, time_spread
 from axkern.core import tuning
 from axkern.ops.attention import OP, mosaic_gpu
 from axkern.ops.attention.blocks import bucket, mask_kind, mosaic_gpu_heuristic, mosaic_gpu_space
@@ -144,15 +144,7 @@ def variants(forms=None):
                 row = dict(case=name, tiles=label, form=form, error=f"{type(e).__name__}: {str(e)[:300]}")
                 rows.append(row)
                 print(row, flush=True)
-        samples = {form: [] for form in fns}  # every repeat's time
-        rounds = {form: [] for form in fns}  # each round's median
-        for _ in range(9):
-            names = list(fns)
-            order.shuffle(names)
-            for form in names:
-                lo, med, hi = time_spread(fns[form], (q, k, v), repeats=3)
-                samples[form] += [lo, med, hi]
-                rounds[form].append(med)
+        samples, rounds = time_rounds(fns, (q, k, v), rounds=9, rng=order)
         for form, t in samples.items():
             ratio = None
             if "default" in rounds:

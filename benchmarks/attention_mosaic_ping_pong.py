@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from axkern import masks
-from axkern.bench import time_spread
+from axkern.bench import time_rounds
 from axkern.ops.attention import OP
 from axkern.ops.attention.blocks import mask_kind
 from axkern.positional import attention
@@ -70,15 +70,7 @@ def main():
 
             fns[(form, "fwd")] = jax.jit(fwd)
             fns[(form, "fwd+bwd")] = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
-        samples = {key: [] for key in fns}
-        rounds = {key: [] for key in fns}
-        for _ in range(7):
-            names = list(fns)
-            order.shuffle(names)
-            for key in names:
-                lo, med, hi = time_spread(fns[key], (q, k, v), repeats=3)
-                samples[key] += [lo, med, hi]
-                rounds[key].append(med)
+        samples, rounds = time_rounds(fns, (q, k, v), rounds=7, rng=order)
         for (form, passes), t in samples.items():
             ref = rounds[("cudnn", passes)]
             row = dict(

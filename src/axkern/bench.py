@@ -30,6 +30,7 @@ __all__ = [
     "measure",
     "time_ms",
     "time_spread",
+    "time_rounds",
     "matmul_ceiling",
     "copy_bandwidth",
     "cases_for",
@@ -127,6 +128,26 @@ def time_spread(
         _sync(out)
         times.append((time.perf_counter() - t0) * 1e3 / inner)
     return min(times), statistics.median(times), max(times)
+
+
+def time_rounds(fns: dict, args: Sequence, *, rounds: int, repeats: int = 3, rng=None) -> tuple[dict, dict]:
+    """Time every function of `fns` on `args` in `rounds` rounds, in a fresh random order each
+    round (`rng`: a `random.Random`), `repeats` samples a function a round (`time_spread`):
+    `(samples, medians)`, per key every sample's (min, median, max) ms and each round's median,
+    so that ratios can be taken between functions timed in the same round."""
+    import random
+
+    rng = rng or random.Random(0)
+    samples = {key: [] for key in fns}
+    medians = {key: [] for key in fns}
+    for _ in range(rounds):
+        keys = list(fns)
+        rng.shuffle(keys)
+        for key in keys:
+            lo, med, hi = time_spread(fns[key], args, repeats=repeats)
+            samples[key] += [lo, med, hi]
+            medians[key].append(med)
+    return samples, medians
 
 
 def time_ms(
