@@ -50,7 +50,7 @@ def _hopper() -> bool:
     return cc is not None and cc[0] == 9
 
 
-@pytest.mark.skipif(not _hopper(), reason="the Mosaic GPU scan needs a Hopper GPU")
+@pytest.mark.skipif(not _hopper(), reason="the Mosaic GPU kernels need a Hopper GPU")
 @pytest.mark.parametrize("segments", [False, True])
 @pytest.mark.parametrize("dims", MOSAIC_DIMS)
 def test_mosaic_gpu_against_oracle(segments, dims):
