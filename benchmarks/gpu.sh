@@ -9,14 +9,14 @@
 # OP is an op folder: attention, cross_entropy, fused_cross_entropy, mamba3, moe, moe_ep, short_conv, ssd;
 # `gpu.sh attention_peers` runs attention's GPU preset with `--peers` (tokamax); `gpu.sh attention_mosaic`
 # the Mosaic GPU kernels' tests; `attention_mosaic_variants` the forward's forms' tests, then
-# `attention_mosaic_forward_sweep.py --variants`; `ssd_mosaic` the SSD Mosaic GPU kernels' tests and the
-# layer beside pallas_gpu and the peers; `attention_mosaic_d256` `attention_mosaic_sweep.py
+# `attention_mosaic_forward_sweep.py --variants`; `ssd_mosaic` the SSD Mosaic GPU kernels' tests,
+# `ssd_mosaic_bench` the layer beside pallas_gpu and the peers; `attention_mosaic_d256` `attention_mosaic_sweep.py
 # --head-dim-256`;
 # `gpu.sh fused_cross_entropy_dw` runs benchmarks/fused_cross_entropy_dw.py (the reduced loss's
 # dw accumulations at llama3's size: time, temporary memory, oracle rule, with the peers).
 # Wheels in an ignored `.whl/` folder (for a machine without network: whatever its image lacks
 # of the dependencies, e.g. haliax, beartype, cffi, platformdirs, filelock; `.whl/peers/` for
-# the peers, with `.whl/levanter_stubs/` for Levanter and `.whl/mamba_ssm_triton/` for mamba_ssm's
+# the peers, with `.whl/peers/levanter/` (its wheel and small dependencies) and `.whl/levanter_stubs/` for Levanter and `.whl/mamba_ssm_triton/` for mamba_ssm's
 # Triton kernels; `.whl/peers/tokamax/` for tokamax and what it needs, with `.whl/xprof_stub/` for
 # the profiler package it imports) are installed into /tmp/site first. Logs and the
 # benches' JSON go under $OUT/gpu (./gpu-run without $OUT): one log per step, steps.txt with each
@@ -24,7 +24,7 @@
 # Each step has its own timeout (seconds) so one hung kernel leaves the others their time.
 set -u
 if compgen -G ".whl/*.whl" > /dev/null; then
-  python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl $(compgen -G ".whl/peers/*.whl")
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl $(compgen -G ".whl/peers/*.whl") $(compgen -G ".whl/peers/levanter/*.whl")
   if compgen -G ".whl/peers/tokamax/*.whl" > /dev/null; then  # apart: a failure here leaves the rest installed
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/peers/tokamax/*.whl ||
       echo "tokamax's wheels did not install: its bench peers will say it is not installed"
@@ -41,7 +41,9 @@ step() {
   local t=$1 name=$2; shift 2
   echo "== $name"
   local s=$SECONDS
-  timeout -k 15 "$t" "$@" > "$R/$name.log" 2>&1  # killed 15 s after its limit if it ignores the signal (a hung kernel)
+  # interrupted at its limit (pytest then prints what failed so far), killed 15 s later if it
+  # ignores the signal (a hung kernel)
+  timeout -s INT -k 15 "$t" "$@" > "$R/$name.log" 2>&1
   echo "$name rc=$? $((SECONDS - s))s" | tee -a "$R/steps.txt"
 }
 axkern="python3 -m axkern"
@@ -86,9 +88,14 @@ moe) tests test_moe_gpu.py; bench moe_dispatch dsv3; bench moe_combine dsv3 ;;
 moe_ep) bench moe_ep_dispatch e64; bench moe_ep_combine e64 ;;
 short_conv) tests test_short_conv_gpu.py; bench short_conv mamba ;;
 ssd) tests test_ssd_gpu.py; BENCH_T=420 bench ssd mamba2_2.7b --tokens 4096 --impl pallas_gpu,mosaic_gpu,xla --peers ;;
-ssd_mosaic)  # the Mosaic GPU kernels' GPU tests, then the layer beside pallas_gpu and the peers
-  step 300 gpu_tests_ssd_mosaic_gpu $gpu_tests tests/gpu/test_ssd_gpu.py -k mosaic
-  BENCH_T=240 bench ssd mamba2_2.7b --tokens 4096 --impl pallas_gpu,mosaic_gpu --peers
+ssd_mosaic)  # the Mosaic GPU kernels' GPU tests: each kernel against its emulation, then the
+  # layer against the oracle (four processes: the oracle runs on the CPU)
+  step 150 gpu_tests_ssd_mosaic_kernels $gpu_tests --tb=short tests/gpu/test_ssd_gpu.py -k emulation
+  step 300 gpu_tests_ssd_mosaic_gpu env XLA_PYTHON_CLIENT_PREALLOCATE=false $gpu_tests -n 4 --tb=short \
+    tests/gpu/test_ssd_gpu.py -k mosaic_gpu_against_oracle
+  ;;
+ssd_mosaic_bench)  # the layer beside pallas_gpu and the peers
+  BENCH_T=420 bench ssd mamba2_2.7b --tokens 4096 --impl pallas_gpu,mosaic_gpu --peers
   ;;
 tune)
   op=${2:?usage: gpu.sh tune OP [axkern tune arguments]}; shift 2

@@ -3,7 +3,9 @@ them (`x`, `B`, `C` as they are; a float32 operand as its two 16-bit halves, thr
 where both operands are float32; the forward scan's incoming state rounded once), products
 exact in float32. Arguments and results as the kernels' (`kernels.py`). The CPU tests carry
 these through the whole layer against the float64 oracle (the kernels have no CPU interpret
-mode) and the GPU tests hold each kernel to its emulation."""
+mode) and the GPU tests hold each kernel to its emulation computed on the CPU: XLA's GPU compiler
+takes the liberty of dropping a float32 → 16-bit → float32 round trip (excess precision), which
+would make every `lo` half zero."""
 
 from __future__ import annotations
 

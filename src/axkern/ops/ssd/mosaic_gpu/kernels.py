@@ -97,6 +97,13 @@ def dims_reason(p: int, n: int) -> str | None:
     return None
 
 
+def _params():
+    """The kernels' compiler parameters: lane semantics (each array's layout is the one the code
+    names: jax 0.11's default, warpgroup semantics, infers them and finds no solution for these
+    bodies), fast approximate `exp`."""
+    return plgpu.CompilerParams(approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane)
+
+
 def _decay(cum_t, cum_s, seg_t, seg_s):
     """`Λ[t, s] = exp(cum_t - cum_s)` for `s <= t` in one segment, else 0 (`[Q, Q]`, WGMMA
     layout, from per-row `_t` and per-column `_s` vectors), and the broadcast of a per-column
@@ -203,6 +210,7 @@ def chunk_state(xt, w, bt):
         out_type=jax.ShapeDtypeStruct((b, lp // CHUNK, h, p, n), jnp.float32),
         grid=(b, h, lp // CHUNK),  # the chunks on CUDA's x axis (the others take at most 65535)
         grid_names=("batch", "heads", "chunks"),
+        compiler_params=_params(),
         kernel_name="axkern_ssd_mosaic_gpu_state",
     )(xt, w, bt)
 
@@ -229,7 +237,7 @@ def chunk_scan(xt, dt, cum, f, seg, bt, ct, states_in):
         out_type=jax.ShapeDtypeStruct((b, h, lp, p), jnp.float32),
         grid=(b, h, lp // CHUNK),  # the chunks on CUDA's x axis (the others take at most 65535)
         grid_names=("batch", "heads", "chunks"),
-        compiler_params=plgpu.CompilerParams(approx_math=True),
+        compiler_params=_params(),
         kernel_name="axkern_ssd_mosaic_gpu_scan",
     )(xt, dt, cum, f, seg.astype(jnp.int32), bt, ct, states_in)
 
@@ -410,7 +418,7 @@ def chunk_scan_bwd(dy, xt, dt, cum, f, seg, bt, ct, states_in):
         ),
         grid=(b, h, c),
         grid_names=("batch", "heads", "chunks"),
-        compiler_params=plgpu.CompilerParams(approx_math=True),
+        compiler_params=_params(),
         kernel_name="axkern_ssd_mosaic_gpu_scan_bwd",
     )(dy.astype(f32), xt, dt, cum, f, seg.astype(jnp.int32), bt, ct, states_in)
 
@@ -474,5 +482,6 @@ def chunk_state_bwd(xt, w, bt, d_own):
         ),
         grid=(b, h, lp // CHUNK),
         grid_names=("batch", "heads", "chunks"),
+        compiler_params=_params(),
         kernel_name="axkern_ssd_mosaic_gpu_state_bwd",
     )(xt, w, bt, d_own)
