@@ -68,6 +68,9 @@ class Case:
     # `incomparable` (a string: why) computes something else on the inputs (e.g. a simpler
     # variant of the op) and is timed but not checked against the reference
     peers: dict[str, Callable[..., Any] | str] = dataclasses.field(default_factory=dict)
+    # the implementation each row's error is taken against: the op's `reference`, or for a case
+    # too large for it (a sequential scan's backward keeps every step's state) a float32 one
+    reference: str = "reference"
 
     def forward_for(self, implementation: str) -> Callable[..., Any]:
         """`(*inputs) -> outputs` for an implementation name or "peer:<name>"."""
@@ -274,7 +277,7 @@ def measure(
             want, want_note = references[pass_]
         else:
             try:
-                want = _sync(fn_for(pass_, "reference")(*args))
+                want = _sync(fn_for(pass_, case.reference)(*args))
             except Exception as e:  # noqa: BLE001 - the reference may not fit in memory
                 want_note = f"no reference ({type(e).__name__})"
             if references is not None:

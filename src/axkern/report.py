@@ -90,6 +90,14 @@ def _about(run: dict) -> str:
     # what a run's note says beyond the standard one (e.g. rows joined from several runs)
     note = run.get("note", "")
     more = note[len(NOTE) :].lstrip("; ") if note.startswith(NOTE) else ""
+    # errors taken against another implementation where the oracle would not fit in memory
+    others = sorted(
+        {c["reference"] for c in run.get("cases", []) if c.get("reference", "reference") != "reference"}
+    )
+    if others:
+        more = "; ".join(
+            filter(None, [more, f"errors against `{'`, `'.join(others)}` (the oracle would not fit)"])
+        )
     return (
         f"`{run['command']}` on {run['device']}, {run['date'][:10]}, jax {v.get('jax', '?')}"
         + (f"; {', '.join(measured)} measured in the same run" if measured else "")

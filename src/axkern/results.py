@@ -77,7 +77,10 @@ def document(
         "matmul_ceiling_tflops": ceiling,
         "copy_bandwidth_gbps": bandwidth,
         "note": NOTE,
-        "cases": [{"op": c.op, "case": c.label, "dtype": c.dtype, "dims": dict(c.dims)} for c in cases],
+        "cases": [
+            {"op": c.op, "case": c.label, "dtype": c.dtype, "dims": dict(c.dims), "reference": c.reference}
+            for c in cases
+        ],
         "rows": [r.as_dict() for r in rows],
     }
 
