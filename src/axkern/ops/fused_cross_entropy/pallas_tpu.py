@@ -2,8 +2,8 @@
 
 **Verified in TPU interpret mode only** (`pltpu.InterpretParams`, out-of-bounds reads of
 ragged edge blocks uninitialised, as on the chip): no TPU is available to this project, so
-it has not been compiled by Mosaic or timed. It is first in the TPU order because the issue
-asks for it there; a call its `supports()` or block checks refuse falls back to `xla`.
+it has not been compiled by Mosaic or timed. It is first in the TPU order as the design
+asks for a Pallas kernel there; a call its `supports()` or block checks refuse falls back to `xla`.
 
 **Kernel.** Grid `(token blocks, vocab blocks, embed blocks)`, the last two sequential
 ("arbitrary"). Blocks `x[i, k]` (`block_tokens x block_embed`) and `w[k, j]`

@@ -9,7 +9,7 @@ Layout is a few microseconds of work, less than JAX's dispatch of one call, so i
 runs the op 20 times inside one jitted loop (ids shifted each time) and reports the time
 per call.
 
-Presets: `e64` is the issue's 32768 tokens, hidden 4096, 64 experts, top-8; `dsv3` is
+Presets: `e64` is 32768 tokens, hidden 4096, 64 experts, top-8; `dsv3` is
 DeepSeek-V3-like (8192 tokens, hidden 7168, 256 experts, top-8).
 """
 
