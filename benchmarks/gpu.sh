@@ -10,7 +10,8 @@
 # `gpu.sh attention_peers` runs attention's GPU preset with `--peers` (tokamax); `gpu.sh attention_mosaic`
 # the Mosaic GPU kernels' tests; `attention_mosaic_variants` the forward's forms' tests, then
 # `attention_mosaic_forward_sweep.py --variants`; `ssd_mosaic` the SSD Mosaic GPU kernels' tests,
-# `ssd_mosaic_bench` the layer beside pallas_gpu and the peers; `attention_mosaic_d256` `attention_mosaic_sweep.py
+# `ssd_mosaic_bench` the layer beside pallas_gpu and the peers; `kernel_times OP PRESET --impl A,B`
+# benchmarks/kernel_times.py (device time per kernel, through PyTorch's profiler); `attention_mosaic_d256` `attention_mosaic_sweep.py
 # --head-dim-256`;
 # `gpu.sh fused_cross_entropy_dw` runs benchmarks/fused_cross_entropy_dw.py (the reduced loss's
 # dw accumulations at llama3's size: time, temporary memory, oracle rule, with the peers).
@@ -96,6 +97,10 @@ ssd_mosaic)  # the Mosaic GPU kernels' GPU tests: each kernel against its emulat
   ;;
 ssd_mosaic_bench)  # the layer beside pallas_gpu and the peers
   BENCH_T=420 bench ssd mamba2_2.7b --tokens 4096 --impl pallas_gpu,mosaic_gpu --peers
+  ;;
+kernel_times)  # device time per kernel: gpu.sh kernel_times OP PRESET [--tokens N] --impl A,B
+  shift; step 540 "kernel_times_${1:?usage: gpu.sh kernel_times OP PRESET --impl A,B}" \
+    env OUT="$R" python3 benchmarks/kernel_times.py "$@"
   ;;
 tune)
   op=${2:?usage: gpu.sh tune OP [axkern tune arguments]}; shift 2

@@ -1,0 +1,94 @@
+"""Where one op's implementations spend their time, kernel by kernel (a diagnostic, not a bench
+table): each implementation's forward and forward+backward at a bench preset, as `axkern bench`
+runs them (the same inputs and random cotangent), timed whole and then run a few times under
+PyTorch's profiler, whose CUPTI activity trace sees every GPU kernel of the process (XLA's
+fusions, Triton's and Mosaic GPU's kernels). Rows: each kernel's device time per call, largest
+first, by name (XLA's fusions grouped without their trailing number). Needs torch with CUDA.
+
+    OUT=<folder> python3 benchmarks/kernel_times.py ssd mamba2_2.7b --tokens 4096 --impl mosaic_gpu,pallas_gpu
+
+writes `$OUT/kernel_times_<op>_<preset>.json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import datetime
+import json
+import os
+import re
+from pathlib import Path
+
+import jax
+
+from axkern import bench
+
+
+def profile(fn, args, calls: int) -> list[dict]:
+    """Device time per call of each kernel `fn(*args)` launches, largest first."""
+    import torch
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    jax.block_until_ready(fn(*args))
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            jax.block_until_ready(fn(*args))
+        torch.cuda.synchronize()
+    totals, counts = collections.Counter(), collections.Counter()
+    for e in prof.events():
+        if e.device_type.name != "CUDA":
+            continue
+        name = re.sub(r"[._]\d+$", "", e.name)
+        totals[name] += (getattr(e, "device_time", None) or e.cuda_time) / 1e3 / calls  # us -> ms a call
+        counts[name] += 1 / calls
+    return [{"kernel": k, "ms_per_call": v, "launches_per_call": counts[k]} for k, v in totals.most_common()]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("op")
+    p.add_argument("preset")
+    p.add_argument("--tokens", type=int)
+    p.add_argument("--impl", required=True, help="comma-separated implementation names")
+    p.add_argument("--calls", type=int, default=3, help="calls under the profiler (default 3)")
+    a = p.parse_args()
+    out = {
+        "command": "OUT=<folder> python3 benchmarks/kernel_times.py "
+        + " ".join([a.op, a.preset] + ([f"--tokens {a.tokens}"] if a.tokens else []) + [f"--impl {a.impl}"]),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "jax": jax.__version__,
+        "device": jax.devices()[0].device_kind,
+        "runs": [],
+    }
+    for case in bench.cases_for(a.op, preset=a.preset, tokens=a.tokens)[:1]:
+        args = case.make(jax.random.PRNGKey(0))
+        for impl in a.impl.split(","):
+            fwd = jax.jit(case.forward_for(impl))
+            both = jax.jit(bench._forward_backward(case, impl))
+            for pass_, fn, fn_args in (
+                ("fwd", fwd, args),
+                ("fwd+bwd", both, (bench._cotangent(case, args), *args)),
+            ):
+                run = {"case": case.label, "implementation": impl, "pass": pass_}
+                try:
+                    run["ms"] = bench.time_spread(fn, fn_args, repeats=5)[1]
+                    run["kernels"] = profile(fn, fn_args, a.calls)
+                    run["kernels_total_ms"] = sum(r["ms_per_call"] for r in run["kernels"])
+                except Exception as e:  # noqa: BLE001 - report it and go on
+                    run["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+                print(json.dumps({k: v for k, v in run.items() if k != "kernels"}), flush=True)
+                for r in run.get("kernels", [])[:20]:
+                    print(
+                        f"  {r['ms_per_call']:8.3f} ms  x{r['launches_per_call']:5.1f}  {r['kernel'][:110]}",
+                        flush=True,
+                    )
+                out["runs"].append(run)
+    folder = Path(os.environ.get("OUT", "."))
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"kernel_times_{a.op}_{a.preset}.json").write_text(json.dumps(out, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
