@@ -25,7 +25,7 @@ pytestmark = pytest.mark.gpu
         (i, d, s, dims)
         for i in implementations("ssd", "gpu")
         if i != "mosaic_gpu"  # below: 16-bit inputs and feature dims of multiples of 64 only
-        for d in ("bfloat16", "float32")
+        for d in ("bfloat16", "float16", "float32")
         for s in (False, True)
         for dims in GPU_DIMS
     ],
@@ -64,6 +64,16 @@ def test_mosaic_gpu_against_oracle(segments, dims):
         dtype,
         "ssd",
     )
+
+
+@pytest.mark.skipif(not _hopper(), reason="the default order on a Hopper GPU")
+def test_default_is_mosaic_gpu_for_bf16_and_pallas_gpu_for_fp16_on_hopper():
+    for dtype, want in (("bfloat16", "mosaic_gpu"), ("float16", "pallas_gpu")):
+        arrays, _ = make(0, 1, 256, 2, 64, 1, 128, dtype, extras=False)
+        d = axkern.explain(lambda a: ssd(**a), arrays)
+        assert d.implementation == want, (dtype, d)
+        assert d.block_sizes.chunk_size == 64
+    assert "fp16's range" in str(d)  # mosaic_gpu's reason for passing fp16 on
 
 
 def test_explicit_pallas_gpu_is_compiled():

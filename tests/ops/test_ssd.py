@@ -37,6 +37,13 @@ def test_against_sequential_oracle(dtype, groups, segments):
     check(0, (2, 45, 4, 3, groups, 5), dtype, 16, segments=segments)
 
 
+@pytest.mark.parametrize("impl", ["xla", "pallas_gpu"])
+def test_float16_against_sequential_oracle(impl):
+    # fp16 inputs (the 16-bit path: decay as cum_t - cum_s; pallas_gpu in interpret mode), two
+    # groups and segments over a padded last chunk
+    check(2, (1, 45, 4, 16, 2, 16), "float16", 16, impl=impl, segments=True)
+
+
 # interpret mode runs the kernels slowly on a CPU: four cases in which every pair of values of
 # (dtype, groups, segments) occurs once, rather than all eight combinations
 PAIRWISE = [("float32", 1, True), ("float32", 2, False), ("bfloat16", 1, False), ("bfloat16", 2, True)]
