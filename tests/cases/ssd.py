@@ -40,7 +40,7 @@ def make(seed, b, l, h, p, g, n, dtype, *, segments=True, extras=True):
 
 
 @functools.cache
-def _runner(impl, chunk_size, names, interpret):
+def _runner(impl, chunk_size, names, interpret, block_sizes=None):
     """`(outputs, gradients)` of `impl` as one jitted function of `(arrays, segment_ids)`: the
     cases of one shape compile once, and a case compiles as one program rather than running op
     by op (the interpret setting is read while tracing, so it is part of the key)."""
@@ -58,6 +58,7 @@ def _runner(impl, chunk_size, names, interpret):
             return_final_state=True,
             implementation=impl,
             chunk_size=chunk_size,
+            block_sizes=block_sizes,
             **kw,
         )
         cot = jnp.cos(jnp.arange(y.size, dtype=jnp.float32).reshape(y.shape))
@@ -72,5 +73,7 @@ def _runner(impl, chunk_size, names, interpret):
     return jit(g)
 
 
-def run(impl, arrays, seg, chunk_size=None):
-    return _runner(impl, chunk_size, tuple(sorted(arrays)), config.current().interpret)(arrays, seg)
+def run(impl, arrays, seg, chunk_size=None, block_sizes=None):
+    """`(outputs, gradients)` of `impl` (`chunk_size` or whole `block_sizes`, not both)."""
+    names, interpret = tuple(sorted(arrays)), config.current().interpret
+    return _runner(impl, chunk_size, names, interpret, block_sizes)(arrays, seg)

@@ -51,14 +51,19 @@ def _hopper() -> bool:
 
 
 @pytest.mark.skipif(not _hopper(), reason="the Mosaic GPU kernels need a Hopper GPU")
+@pytest.mark.parametrize("forward", [None, "fused"])
 @pytest.mark.parametrize("segments", [False, True])
 @pytest.mark.parametrize("dims", MOSAIC_DIMS)
-def test_mosaic_gpu_against_oracle(segments, dims):
+def test_mosaic_gpu_against_oracle(segments, dims, forward):
+    from axkern.ops.ssd import SSDBlockSizes
+
     dtype = "bfloat16"  # fp16 goes to pallas_gpu (mosaic_gpu.supports says why)
-    # values and every gradient, with D, z, dt_bias and an initial state (the final state too)
+    # values and every gradient, with D, z, dt_bias and an initial state (the final state too);
+    # the forward in three stages or fused
     arrays, seg = make(0, *dims, dtype, segments=segments)
+    blocks = SSDBlockSizes(chunk_size=64, forward=forward)
     check_rule(
-        lambda name, a: run(name, a, seg, None if name == "reference" else 64),
+        lambda name, a: run(name, a, seg) if name == "reference" else run(name, a, seg, block_sizes=blocks),
         "mosaic_gpu",
         arrays,
         dtype,
@@ -141,3 +146,34 @@ def test_mosaic_gpu_kernels_equal_their_emulation(kernel, dims):
         assert a.shape == e.shape, (kernel, i, a.shape, e.shape)
         err = np.abs(a - e).max() / max(np.abs(e).max(), 1e-30)
         assert err <= 1e-4, (kernel, i, err)
+
+
+@pytest.mark.skipif(not _hopper(), reason="the Mosaic GPU kernels need a Hopper GPU")
+@pytest.mark.parametrize("dims", [(2, 4, 2, 3, 64, 128), (1, 2, 1, 2, 128, 64), (1, 2, 2, 5, 64, 64)])
+def test_mosaic_gpu_fused_forward_equals_the_stages(dims):
+    # the fused kernel against the three stages (chunk state, recurrence, chunk scan) on the same
+    # inputs: y, the final state and the states entering the chunks; only the order of float32
+    # sums differs (the own state is accumulated onto the carried state)
+    import jax.numpy as jnp
+    import numpy as np
+
+    from axkern.ops.ssd import mosaic_gpu
+    from axkern.ops.ssd.common.kernels import _weights
+
+    b, h, g, chunks, p, n = dims
+    x, dt, cum_flat, _, seg, bt, ct, _ = _kernel_inputs("chunk_scan", *dims)
+    q = mosaic_gpu.CHUNK
+    ac = jnp.diff(cum_flat.reshape(b, h, chunks, q), axis=-1, prepend=0.0)
+    sc = seg.reshape(b, chunks, q)
+    cum, w, f, keep = _weights(ac, dt.reshape(b, h, chunks, q), sc)
+    s0 = jax.random.normal(jax.random.PRNGKey(3), (b, h, p, n))
+    col = lambda a: a.reshape(b, h, -1)  # noqa: E731
+    layout = mosaic_gpu.MosaicLayout(x, bt, q=q, interpret=False, products=jnp.bfloat16)
+    args = (x, ac, dt.reshape(b, h, chunks, q), cum, w, f, keep, sc, bt, ct, s0)
+    want = jax.jit(lambda *a: layout.forward(*a, sums=False, dtype=jnp.float32))(*args)
+    got = jax.jit(mosaic_gpu.fused_forward)(x, col(w), dt, col(cum), col(f), keep, seg, bt, ct, s0)
+    for i, (a, e) in enumerate(zip(got, want, strict=True)):
+        a, e = np.asarray(a, np.float64), np.asarray(e, np.float64)
+        assert a.shape == e.shape, (i, a.shape, e.shape)
+        err = np.abs(a - e).max() / max(np.abs(e).max(), 1e-30)
+        assert err <= 1e-4, (i, err)

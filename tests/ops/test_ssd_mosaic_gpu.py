@@ -31,6 +31,9 @@ def _kernel_args(kernel, b, h, g, chunks, p, n):
     length, f32, bf16, S = chunks * mosaic_gpu.CHUNK, jnp.float32, jnp.bfloat16, jax.ShapeDtypeStruct
     x, vector, bc = S((b, h, length, p), bf16), S((b, h, length), f32), S((b, g, length, n), bf16)
     states, dy = S((b, chunks, h, p, n), f32), S((b, h, length, p), f32)
+    if kernel == "fused_forward":  # x, w, dt, cum, f, keep, seg, B, C, the initial state
+        seg, keep = S((b, length), jnp.int32), S((b, h, chunks), f32)
+        return (x, vector, vector, vector, vector, keep, seg, bc, bc, S((b, h, p, n), f32))
     if kernel in ("chunk_state", "chunk_state_bwd"):
         return (x, vector, bc) + ((states,) if kernel == "chunk_state_bwd" else ())
     scan = (x, vector, vector, vector, S((b, length), jnp.int32), bc, bc, states)
@@ -42,7 +45,9 @@ def _kernels(text):
 
 
 @needs_mosaic
-@pytest.mark.parametrize("kernel", ["chunk_state", "chunk_scan", "chunk_state_bwd", "chunk_scan_bwd"])
+@pytest.mark.parametrize(
+    "kernel", ["chunk_state", "chunk_scan", "chunk_state_bwd", "chunk_scan_bwd", "fused_forward"]
+)
 @pytest.mark.parametrize("dims", [(2, 4, 2, 3, 64, 128), (1, 2, 1, 2, 128, 64), (1, 2, 2, 1, 64, 64)])
 def test_each_kernel_lowers_for_cuda(kernel, dims):
     # batch, heads, groups, chunks, head dim, state: the sizes the kernels serve
@@ -52,20 +57,22 @@ def test_each_kernel_lowers_for_cuda(kernel, dims):
 
 
 @needs_mosaic
-def test_the_layer_and_its_gradients_lower_for_cuda():
-    # the Mosaic scan in the forward, pallas_gpu's Triton kernels for the rest and the backward
+@pytest.mark.parametrize("forward,kernels", [(None, 4), ("fused", 3)])
+def test_the_layer_and_its_gradients_lower_for_cuda(forward, kernels):
+    # the forward's kernels (three stages: the chunk state and scan Mosaic, the recurrence Triton;
+    # or the fused one) and the backward's (chunk state and scan Mosaic, the recurrence Triton)
     arrays, seg = make(0, 1, 200, 4, 64, 2, 128, "bfloat16")
 
     def f(a):
         dt = prepared_dt(a["dt"], a["dt_bias"], True, None)
         y, final = mosaic_gpu.ssd(
             a["x"], dt, a["A"], a["B"], a["C"], a["D"], a["z"], seg, a["initial_state"],
-            block_sizes=SSDBlockSizes(chunk_size=64),
+            block_sizes=SSDBlockSizes(chunk_size=64, forward=forward),
         )  # fmt: skip
         return jnp.sum(y.astype(jnp.float32)) + jnp.sum(final)
 
     text = jax.jit(jax.grad(f)).trace(arrays).lower(lowering_platforms=("cuda",)).as_text()
-    assert _kernels(text) == 4  # both stages' kernels forward and backward; the recurrence Triton's
+    assert _kernels(text) == kernels
 
 
 class _Emulated(GpuLayout):
@@ -175,3 +182,14 @@ def test_dispatch_skips_it_off_hopper_with_the_reason():
     assert OP.default_order["gpu"](gpu)[0] == "mosaic_gpu"
     with pytest.raises(axkern.Unsupported, match="chunk_size=128"):
         mosaic_gpu.ssd(*[None] * 9, block_sizes=SSDBlockSizes(chunk_size=128))
+    # the fused forward: mosaic_gpu's tuning space holds it; the others refuse it, and an unknown
+    # form is refused by name
+    assert SSDBlockSizes(chunk_size=64, forward="fused") in OP.implementations["mosaic_gpu"].space(gpu)
+    arrays, _ = make(0, 1, 64, 2, 16, 1, 16, "float32", extras=False)
+    for impl in ("xla", "pallas_gpu"):
+        with pytest.raises(axkern.Unsupported, match="only mosaic_gpu has a fused forward"):
+            axkern.positional.ssd(
+                **arrays, implementation=impl, block_sizes=SSDBlockSizes(16, forward="fused")
+            )
+    assert "forward must be one of" in SSDBlockSizes(64, forward="one").validate(spec)
+    assert mosaic_gpu.fused_smem_bytes(128, 64) <= 227 * 1024

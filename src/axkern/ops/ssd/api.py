@@ -27,6 +27,7 @@ from .blocks import (
     bucket,
     heuristic,
     mosaic_gpu_heuristic,
+    mosaic_gpu_space,
     pallas_gpu_heuristic,
     pallas_gpu_space,
     pallas_tpu_heuristic,
@@ -83,6 +84,7 @@ OP = Op(
             supports=mosaic_gpu.supports,
             block_sizes=SSDBlockSizes,
             heuristic=mosaic_gpu_heuristic,
+            space=mosaic_gpu_space,
             backward="custom_vjp: Mosaic GPU chunk-scan and chunk-state backward kernels, the reverse recurrence "
             "pallas_gpu's (the forward's chunk-state and chunk-scan kernels Mosaic GPU's; chunks of 64)",
         ),

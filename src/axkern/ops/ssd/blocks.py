@@ -4,11 +4,13 @@ tune` sweeps for it."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
+from typing import ClassVar
 
 import jax.numpy as jnp
 
 from axkern.core.blocks import BlockSizes, grid, next_power_of_2
-from axkern.core.op import Spec
+from axkern.core.op import Spec, Unsupported
 
 __all__ = [
     "SSDBlockSizes",
@@ -16,6 +18,8 @@ __all__ = [
     "heuristic",
     "space",
     "mosaic_gpu_heuristic",
+    "mosaic_gpu_space",
+    "stages_only",
     "pallas_gpu_heuristic",
     "pallas_gpu_space",
     "pallas_tpu_heuristic",
@@ -36,14 +40,26 @@ TPU_MIN_CHUNK = 8  # the sublanes
 
 @dataclasses.dataclass(frozen=True)
 class SSDBlockSizes(BlockSizes):
-    """`chunk_size`: positions per chunk (a power of two); the length need not be a multiple."""
+    """`chunk_size`: positions per chunk (a power of two); the length need not be a multiple.
+    `forward` (`mosaic_gpu` only): `"stages"` (the chunk states, the recurrence and the chunk
+    outputs as three kernels; None means this) or `"fused"` (one kernel per batch row and head
+    walking its chunks, `mosaic_gpu/forward.py`)."""
+
+    choices: ClassVar[Mapping[str, tuple[str, ...]]] = {"forward": ("stages", "fused")}
 
     chunk_size: int = 64
+    forward: str | None = None
 
     def check(self, spec):
         if self.chunk_size & (self.chunk_size - 1):
             return f"chunk_size={self.chunk_size} is not a power of two"
         return None
+
+
+def stages_only(block_sizes: SSDBlockSizes) -> None:
+    """Refuse the fused forward (an implementation other than `mosaic_gpu` has none)."""
+    if block_sizes.forward == "fused":
+        raise Unsupported('forward="fused": only mosaic_gpu has a fused forward')
 
 
 def bucket(spec: Spec) -> dict:
@@ -94,6 +110,11 @@ def pallas_tpu_space(spec: Spec) -> list[SSDBlockSizes]:
 
 
 def mosaic_gpu_heuristic(spec: Spec) -> SSDBlockSizes:
-    """`mosaic_gpu`: chunks of 64, the only size its kernels run (one warpgroup's rows; nothing
-    to tune)."""
+    """`mosaic_gpu`: chunks of 64, the only size its kernels run (one warpgroup's rows), the
+    forward in three stages (the fused forward has not yet been timed)."""
     return SSDBlockSizes(chunk_size=64)
+
+
+def mosaic_gpu_space(spec: Spec) -> list[SSDBlockSizes]:
+    """The forward in stages and fused (`axkern tune` times both)."""
+    return [mosaic_gpu_heuristic(spec), SSDBlockSizes(chunk_size=64, forward="fused")]

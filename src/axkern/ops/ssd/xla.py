@@ -29,11 +29,13 @@ import jax.numpy as jnp
 
 from axkern.core import kernels
 
+from .blocks import stages_only
 from .common.chunks import guard, poison, segment_starts, skip_and_gate
 from .common.scan import scan
 
 
 def ssd(x, dt, A, B, C, D, z, segment_ids, initial_state, *, block_sizes):
+    stages_only(block_sizes)
     acc = jnp.promote_types(x.dtype, jnp.float32)
     # float32 inputs at full precision (XLA's GPU default is TF32); 16-bit inputs' float32
     # products may run as TF32 (more mantissa than the inputs have)

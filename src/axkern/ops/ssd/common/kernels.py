@@ -9,9 +9,8 @@ stands for the scale.
 **Stages** (chunks of `Q` positions; `cum` the running sum of `a` inside a chunk):
 
 1. XLA, `O(B·L·H)`: pad the length to a multiple of `Q` (`a = s = 0` rows leave the state
-   alone), `cum`, each position's weight into its chunk's end state
-   `w_t = exp(cum_{Q-1} - cum_t) dt_t [t in the chunk's last segment]`, and its weight from the
-   incoming state `f_t = exp(cum_t) [t in the segment before the chunk]`.
+   alone), `cum`, the weights into the chunk's end state `w_t = exp(cum_{Q-1} - cum_t) dt_t [t in
+   the last segment]` and from the incoming state `f_t = exp(cum_t) [t in the segment before]`.
 2. Kernel `chunk_state`, one program per (batch, head, chunk): `S_c = (w ∘ x)^T B`, `[P, N]`.
 3. `O(L/Q · H·P·N)`: the recurrence over chunk states, giving the state entering every chunk
    and the final state (`Layout.recurrence`: `lax.scan` in XLA; `pallas_gpu` has a kernel).
@@ -26,28 +25,21 @@ that backward; bytes: `x`, `B`, `C` once per pass, the `[b, c, h, P, N]` float32
 (written, read). Compute bound for Mamba-2 sizes (`Q = 64..256`, `N = 128`). float32 inputs
 add `2·Q³` FLOPs forward and `4·Q³` backward per chunk and head (`_segment_sums`).
 
-**Non-finite input** (`chunks.guard`): the kernels compute on the inputs with non-finite
-values as 0 and NaN is put where the sequential recurrence is non-finite (never earlier in
-time, never in another segment).
-
-All products take float32 operands with float32 accumulation (the GPU layout lets them run as
-TF32 for 16-bit inputs: `Layout.precision_16bit`) for now (with bf16 operands
-the final state and the gate's gradient missed the oracle rule in bf16); decays and weights
-are float32. `x`, `B`, `C` are moved to `[batch, heads|groups, length, P|N]` so a program's
-tiles are contiguous rows.
+`Layout.forward` runs stages 2-4 in turn (a backend may fuse them). **Non-finite input**
+(`chunks.guard`): the kernels take non-finite values as 0; NaN is put where the sequential
+recurrence is non-finite (never earlier in time, never in another segment). Products take
+float32 operands into float32 (TF32 for 16-bit inputs on GPU: `Layout.precision_16bit`; bf16
+operands missed the oracle rule); `x`, `B`, `C` as `[batch, heads|groups, length, P|N]`.
 
 **Backward** (`custom_vjp` around stages 1-4; `D`, `z`, padding and layout by autodiff):
-kernel `chunk_scan_bwd` per (batch, head, chunk) pulls `dy` back through
-`y = M (dt ∘ x) + f ∘ (C S_in^T)`, `M = (C B^T) ∘ Λ`: `d(dt∘x) = M^T dy`, `dM = dy (dt∘x)^T`,
-`d(C B^T) = dM ∘ Λ` (giving `dC`, `dB`), `dcum = rowsum(dM ∘ M) - colsum(dM ∘ M)`
-(float32 inputs: `Λ` from `_segment_sums` instead of `cum_t - cum_s`, and `d a` from
-`_segment_sums_bwd`, without the cancelling difference),
-`df = rowsum(dy ∘ C S_in^T)`, `dS_in = (f ∘ dy)^T C`. The recurrence runs backwards (XLA or a kernel)
-(`lax.scan(reverse=True)`: the gradients of each chunk's own state, of the carries and of
-the initial state); kernel `chunk_state_bwd` pulls those through `S = (w ∘ x)^T B`; stage
-1's VJP turns `dcum`, `dw`, `df` and the carries' gradients into `d a` and `d s`. `dB` and
-`dC` are per head (`[b, h, L, N]`, float32) and summed over each group's heads in XLA.
-The forward saves the state entering every chunk (`[b, c, h, P, N]`, float32).
+kernel `chunk_scan_bwd` pulls `dy` back through `y = M (dt ∘ x) + f ∘ (C S_in^T)`, `M = (C B^T)
+∘ Λ`: `d(dt∘x) = M^T dy`, `dM = dy (dt∘x)^T`, `d(C B^T) = dM ∘ Λ` (`dC`, `dB`), `dcum =
+rowsum(dM ∘ M) - colsum(dM ∘ M)` (float32 inputs: `d a` from `_segment_sums_bwd`), `df =
+rowsum(dy ∘ C S_in^T)`, `dS_in = (f ∘ dy)^T C`. The recurrence runs backwards (the gradients of
+each chunk's own state, of the carries, of the initial state); `chunk_state_bwd` pulls those
+through `S = (w ∘ x)^T B`; stage 1's VJP gives `d a`, `d s`. `dB`, `dC` per head (`[b, h, L,
+N]`, float32), summed over each group's heads in XLA. The forward saves the states entering the
+chunks (`[b, c, h, P, N]`, float32).
 """
 
 from __future__ import annotations
@@ -266,6 +258,12 @@ class Layout:
     def recurrence_bwd(keep, states_in, d_states_in, d_final):
         return _recurrence_bwd(keep, states_in, d_states_in, d_final)
 
+    def forward(self, xt, ac, scale, cum, w, f, keep, sc, bt, ct, initial_state, *, sums, dtype):
+        """Stages 2 to 4 in turn: `(y, final state, the states entering the chunks)`."""
+        states_in, final = self.recurrence(keep, self.chunk_state(xt, w, bt, dtype=dtype), initial_state)
+        y = self.chunk_scan(xt, scale, cum, ac, f, sc, bt, ct, states_in, sums=sums, dtype=dtype)
+        return y, final, states_in
+
     def chunk_state(self, xt, w, bt, *, dtype):
         """Stage 2, each chunk's own state `[b, c, h, P, N]` float32 from `x`, the weights `w [b,
         h, c, Q]` and `B` (the Pallas `_state_kernel` unless a backend has its own)."""
@@ -391,10 +389,10 @@ def _core_forward(cfg, xt, ac, scale, bt, ct, sc, initial_state):
     mm = jnp.float32
     k = layout(xt, bt, q=q, interpret=interpret, products=products)
     cum, w, f, keep = _weights(ac, scale, sc)
-    own = k.chunk_state(xt, w, bt, dtype=mm)
-    states_in, final = k.recurrence(keep, own, initial_state)
     sums = _uses_segment_sums(products or xt.dtype)
-    y = k.chunk_scan(xt, scale, cum, ac, f, sc, bt, ct, states_in, sums=sums, dtype=mm)
+    y, final, states_in = k.forward(
+        xt, ac, scale, cum, w, f, keep, sc, bt, ct, initial_state, sums=sums, dtype=mm
+    )
     return (y, final), states_in
 
 

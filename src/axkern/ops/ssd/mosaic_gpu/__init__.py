@@ -9,6 +9,10 @@ are XLA's and `pallas_gpu`'s Triton kernels (`common/kernels.py` has the stages,
 `y = ((C Bᵀ) ∘ Λ ∘ dt)(x) + f ∘ (C S_inᵀ)` of every chunk, `_scan_kernel` and its backward
 `_scan_bwd_kernel`. Each: one warpgroup per (batch row, head, chunk of 64 positions).
 
+**The fused forward** (`SSDBlockSizes(forward="fused")`, `forward.py`): stages 2 to 4 as one
+kernel per (batch row, head) walking its chunks, the state carried in registers, so the own
+states never cross memory; in `mosaic_gpu`'s tuning space, not its default until timed.
+
 **The state kernel.** TMA copies the chunk's `B` rows (`[64, N]`); `x` (`[64, P]`) is read into
 registers, scaled by `w` per row and stored as two 16-bit halves (`w ∘ x = hi + lo`, what the
 rounding loses as `bf16x2`); two `wgmma`s with the halves transposed as the left operand give
@@ -70,6 +74,7 @@ from axkern.core.op import Unsupported
 from ..common import kernels as chunk_kernels
 from ..common.gpu import GpuLayout
 from .emulate import emulate_chunk_scan, emulate_chunk_scan_bwd, emulate_chunk_state, emulate_chunk_state_bwd
+from .forward import fused_forward, fused_smem_bytes
 from .kernels import (
     _IMPORT_ERROR,
     CHUNK,
@@ -96,6 +101,9 @@ __all__ = [
     "smem_bytes",
     "CHUNK",
     "MosaicLayout",
+    "FusedMosaicLayout",
+    "fused_forward",
+    "fused_smem_bytes",
 ]
 
 
@@ -136,6 +144,16 @@ class MosaicLayout(GpuLayout):
         return chunk_scan_bwd(dy, xt, to_col(scale), to_col(cum), to_col(f), to_col(sc), bt, ct, states_in)
 
 
+class FusedMosaicLayout(MosaicLayout):
+    """`MosaicLayout` with stages 2 to 4 of the forward as one kernel (`forward.py`)."""
+
+    def forward(self, xt, ac, scale, cum, w, f, keep, sc, bt, ct, initial_state, *, sums, dtype):
+        if sums:
+            raise Unsupported("the Mosaic GPU kernels take 16-bit inputs, whose decay is cum_t - cum_s")
+        c = self.to_col
+        return fused_forward(xt, c(w), c(scale), c(cum), c(f), keep, c(sc), bt, ct, initial_state)
+
+
 def ssd(x, dt, A, B, C, D, z, segment_ids, initial_state, *, block_sizes, interpret=False):
     if block_sizes.chunk_size != CHUNK:
         raise Unsupported(
@@ -148,6 +166,7 @@ def ssd(x, dt, A, B, C, D, z, segment_ids, initial_state, *, block_sizes, interp
     reason = dims_reason(x.shape[-1], B.shape[-1])
     if reason:
         raise Unsupported(reason)
+    layout = FusedMosaicLayout if block_sizes.forward == "fused" else MosaicLayout
     return chunk_kernels.ssd(
-        MosaicLayout, x, dt, A, B, C, D, z, segment_ids, initial_state, chunk_size=CHUNK, interpret=False
+        layout, x, dt, A, B, C, D, z, segment_ids, initial_state, chunk_size=CHUNK, interpret=False
     )

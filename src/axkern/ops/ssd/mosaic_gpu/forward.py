@@ -1,0 +1,191 @@
+"""The SSD layer's forward as one Mosaic GPU kernel (`SSDBlockSizes(forward="fused")`):
+stages 2 to 4 (each chunk's own state, the recurrence between chunks, each chunk's output) for
+one (batch row, head) per block, the chunks in order, the state carried in registers.
+
+**Why.** In three stages the float32 chunk states cross memory three times (the own states
+written, read by the recurrence, the entering states written and read by the scan: at chunks of
+64 four times mamba_ssm's at 256). Fused, only the entering states are written (the backward's
+residual) and the own states never leave the block; the price is parallelism, `batch · heads`
+blocks walking their chunks in order, with the next chunk's `C`, `B`, `x` copied by TMA into the
+second of two slots while the block computes on the first.
+
+**A chunk's step**, the state `S` (`[P, N]` float32, WGMMA layout) entering it: `S` out to the
+entering states (through shared memory, by TMA) and in as a 16-bit tile; `y` as `_scan_kernel`
+computes it (`C Bᵀ`, its decay, `M x` from `M`'s two 16-bit halves, `f ∘ (C S_inᵀ)`), out by TMA;
+then `S ← keep · S + (w ∘ x)ᵀ B`, the own state's two products (`w ∘ x` as two 16-bit halves)
+accumulated straight onto `keep · S`. The arithmetic is the three stages' (`kernels.py`), the
+recurrence's sum `keep · S + own` now one accumulator (the own state not rounded on its own).
+
+Not yet run on a GPU (CI lowers it for CUDA): it is an opt-in form until measured.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from axkern.core.compat import mosaic_gpu_load
+
+from .kernels import _SMEM, _SMEM_EXTRA, CHUNK, _check_operands, _decay, _halves, _params, _products, plgpu
+
+__all__ = ["fused_forward", "fused_smem_bytes"]
+
+
+def _tiles(p: int, n: int, dtype=jnp.bfloat16) -> list:
+    """Shared-memory tiles `(shape, dtype)`: two slots of C, B, x; w ∘ x's halves; the entering
+    state as 16 bits; float32 staging for y and for the state."""
+    q, f32 = CHUNK, jnp.float32
+    return [
+        ((2, q, n), dtype),
+        ((2, q, n), dtype),
+        ((2, q, p), dtype),
+        ((q, p), dtype),
+        ((q, p), dtype),
+        ((p, n), dtype),
+        ((q, p), f32),
+        ((p, n), f32),
+    ]
+
+
+def fused_smem_bytes(p: int, n: int) -> int:
+    return sum(math.prod(s) * jnp.dtype(d).itemsize for s, d in _tiles(p, n)) + _SMEM_EXTRA
+
+
+def _forward_kernel(
+    x_ref,
+    w_ref,
+    dt_ref,
+    cum_ref,
+    f_ref,
+    keep_ref,
+    seg_ref,
+    b_ref,
+    c_ref,
+    s0_ref,
+    y_ref,
+    states_ref,
+    final_ref,
+    scoped,
+    *,
+    rep,
+    dtype,
+    chunks,
+):
+    (c_smem, b_smem, x_smem, xh_smem, xl_smem, s16_smem, y_smem, st_smem), loaded = scoped
+    head, batch = lax.axis_index("heads"), lax.axis_index("batch")
+    q, p = x_smem.shape[1:]
+    n = c_smem.shape[-1]
+    group = lax.div(head, jnp.int32(rep))
+    f32, wgmma_layout = jnp.float32, plgpu.Layout.WGMMA
+    row, col = wgmma_layout.reduce(1), wgmma_layout.reduce(0)
+
+    def fetch(chunk, slot):
+        """The chunk's C, B, x into `slot`, a barrier per copy."""
+        rows = pl.ds(chunk * q, q)
+        plgpu.copy_gmem_to_smem(c_ref.at[batch, group, rows], c_smem.at[slot], loaded.at[3 * slot])
+        plgpu.copy_gmem_to_smem(b_ref.at[batch, group, rows], b_smem.at[slot], loaded.at[3 * slot + 1])
+        plgpu.copy_gmem_to_smem(x_ref.at[batch, head, rows], x_smem.at[slot], loaded.at[3 * slot + 2])
+
+    fetch(0, 0)
+
+    def step(chunk, state):
+        slot = lax.rem(chunk, 2)
+
+        @pl.when(chunk + 1 < chunks)
+        def _():
+            fetch(chunk + 1, 1 - slot)
+
+        rows = pl.ds(chunk * q, q)
+        vec = lambda ref, layout: mosaic_gpu_load(ref.at[batch, head, rows], layout=layout, optimized=False)  # noqa: E731
+        cum_t, cum_s, dt_s, f_t, w_t = (
+            vec(cum_ref, row),
+            vec(cum_ref, col),
+            vec(dt_ref, col),
+            vec(f_ref, row),
+            vec(w_ref, row),
+        )
+        seg_t = mosaic_gpu_load(seg_ref.at[batch, rows], layout=row, optimized=False)
+        seg_s = mosaic_gpu_load(seg_ref.at[batch, rows], layout=col, optimized=False)
+        keep = mosaic_gpu_load(keep_ref.at[batch, head, chunk], layout=row, optimized=False)  # [P], one value
+        x = mosaic_gpu_load(x_ref.at[batch, head, rows], layout=wgmma_layout, optimized=False).astype(f32)
+
+        # the staging tiles' last copies out have been read; the entering state out and in
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        st_smem[...] = state
+        s16_smem[...] = state.astype(dtype)
+        xh_smem[...], xl_smem[...] = _halves(x * lax.broadcast_in_dim(w_t, x.shape, [0]), dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(st_smem, states_ref.at[batch, chunk, head])
+        for i in range(3):
+            plgpu.barrier_wait(loaded.at[3 * slot + i])
+        cs, bs, xs = c_smem.at[slot], b_smem.at[slot], x_smem.at[slot]
+
+        # y, as `_scan_kernel`
+        s = _products((q, q), [(cs, bs, True)])
+        decay, on_cols = _decay(cum_t, cum_s, seg_t, seg_s)
+        m_hi, m_lo = _halves(s * decay * on_cols(dt_s), dtype)
+        inc = _products((q, p), [(cs, s16_smem, True)])
+        y = _products((q, p), [(m_hi, xs, False), (m_lo, xs, False)])
+        y_smem[...] = y + inc * lax.broadcast_in_dim(f_t, (q, p), [0])
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(y_smem, y_ref.at[batch, head, rows])
+
+        # S <- keep S + (w ∘ x)ᵀ B
+        def run(acc_ref):
+            plgpu.wgmma(acc_ref, xh_smem.transpose((1, 0)), bs)
+            plgpu.wgmma(acc_ref, xl_smem.transpose((1, 0)), bs)
+
+        kept = state * lax.broadcast_in_dim(keep, (p, n), [0])
+        return pl.run_state(run)(plgpu.ACC.init(kept))
+
+    s0 = mosaic_gpu_load(s0_ref.at[batch, head], layout=wgmma_layout, optimized=False)
+    final = lax.fori_loop(0, chunks, step, s0)
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    st_smem[...] = final
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(st_smem, final_ref.at[batch, head])
+    plgpu.wait_smem_to_gmem(0)
+
+
+def fused_forward(xt, w, dt, cum, f, keep, seg, bt, ct, initial_state):
+    """`(y [b, h, L, P], final [b, h, P, N], states_in [b, c, h, P, N])`, float32, of the chunks
+    (`xt [b, h, L, P]`, `bt, ct [b, g, L, N]` bf16; `w, dt, cum, f [b, h, L]` float32; `keep [b,
+    h, c]`; `seg [b, L]` int32; `initial_state [b, h, P, N]` float32; `L = c · CHUNK`) by the
+    fused kernel."""
+    _check_operands(xt, bt, ct)
+    b, h, lp, p = xt.shape
+    g, n = bt.shape[1], bt.shape[-1]
+    c, f32, dtype = lp // CHUNK, jnp.float32, xt.dtype
+    if fused_smem_bytes(p, n) > _SMEM:
+        from axkern.core.op import Unsupported
+
+        raise Unsupported(f"head_dim={p}, state={n}: the fused forward's tiles exceed shared memory")
+    from axkern.core.kernels import swizzled_smem
+
+    keep_rows = jnp.broadcast_to(keep[..., None], (b, h, c, p)).astype(f32)  # one value a row of S
+
+    def entry(*refs):
+        scratch = [swizzled_smem(shape, d) for shape, d in _tiles(p, n, dtype)]
+        pl.run_scoped(
+            lambda *scoped: _forward_kernel(*refs, scoped, rep=h // g, dtype=dtype, chunks=c),
+            scratch,
+            plgpu.Barrier(num_barriers=6),
+        )
+
+    y, states_in, final = plgpu.kernel(
+        entry,
+        out_type=(
+            jax.ShapeDtypeStruct((b, h, lp, p), f32),
+            jax.ShapeDtypeStruct((b, c, h, p, n), f32),
+            jax.ShapeDtypeStruct((b, h, p, n), f32),
+        ),
+        grid=(h, b),
+        grid_names=("heads", "batch"),
+        compiler_params=_params(),
+        kernel_name="axkern_ssd_mosaic_gpu_forward",
+    )(xt, w, dt, cum, f, keep_rows, seg.astype(jnp.int32), bt, ct, initial_state.astype(f32))
+    return y, final, states_in
