@@ -30,7 +30,17 @@ from jax.experimental import pallas as pl
 
 from axkern.core.compat import mosaic_gpu_load
 
-from .kernels import _SMEM, _SMEM_EXTRA, CHUNK, _check_operands, _decay, _halves, _params, _products, plgpu
+from .kernels import (
+    _SMEM,
+    _SMEM_EXTRA,
+    CHUNK,
+    _check_operands,
+    _chunk_output,
+    _halves,
+    _params,
+    _scan_vectors,
+    plgpu,
+)
 
 __all__ = ["fused_forward", "fused_smem_bytes"]
 
@@ -81,7 +91,7 @@ def _forward_kernel(
     n = c_smem.shape[-1]
     group = lax.div(head, jnp.int32(rep))
     f32, wgmma_layout = jnp.float32, plgpu.Layout.WGMMA
-    row, col = wgmma_layout.reduce(1), wgmma_layout.reduce(0)
+    row = wgmma_layout.reduce(1)
 
     def fetch(chunk, slot):
         """The chunk's C, B, x into `slot`, a barrier per copy."""
@@ -100,16 +110,8 @@ def _forward_kernel(
             fetch(chunk + 1, 1 - slot)
 
         rows = pl.ds(chunk * q, q)
-        vec = lambda ref, layout: mosaic_gpu_load(ref.at[batch, head, rows], layout=layout, optimized=False)  # noqa: E731
-        cum_t, cum_s, dt_s, f_t, w_t = (
-            vec(cum_ref, row),
-            vec(cum_ref, col),
-            vec(dt_ref, col),
-            vec(f_ref, row),
-            vec(w_ref, row),
-        )
-        seg_t = mosaic_gpu_load(seg_ref.at[batch, rows], layout=row, optimized=False)
-        seg_s = mosaic_gpu_load(seg_ref.at[batch, rows], layout=col, optimized=False)
+        vectors = _scan_vectors(dt_ref, cum_ref, f_ref, seg_ref, batch, head, rows)
+        w_t = mosaic_gpu_load(w_ref.at[batch, head, rows], layout=row, optimized=False)
         keep = mosaic_gpu_load(keep_ref.at[batch, head, chunk], layout=row, optimized=False)  # [P], one value
         x = mosaic_gpu_load(x_ref.at[batch, head, rows], layout=wgmma_layout, optimized=False).astype(f32)
 
@@ -124,13 +126,7 @@ def _forward_kernel(
             plgpu.barrier_wait(loaded.at[3 * slot + i])
         cs, bs, xs = c_smem.at[slot], b_smem.at[slot], x_smem.at[slot]
 
-        # y, as `_scan_kernel`
-        s = _products((q, q), [(cs, bs, True)])
-        decay, on_cols = _decay(cum_t, cum_s, seg_t, seg_s)
-        m_hi, m_lo = _halves(s * decay * on_cols(dt_s), dtype)
-        inc = _products((q, p), [(cs, s16_smem, True)])
-        y = _products((q, p), [(m_hi, xs, False), (m_lo, xs, False)])
-        y_smem[...] = y + inc * lax.broadcast_in_dim(f_t, (q, p), [0])
+        y_smem[...] = _chunk_output(cs, bs, xs, s16_smem, *vectors, dtype=dtype)  # as `_scan_kernel`
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(y_smem, y_ref.at[batch, head, rows])
 

@@ -130,30 +130,41 @@ def _scan_kernel(x_ref, dt_ref, cum_ref, f_ref, seg_ref, b_ref, c_ref, s_ref, y_
     plgpu.copy_gmem_to_smem(b_ref.at[batch, group, rows], b_smem, loaded.at[1])
     plgpu.copy_gmem_to_smem(x_ref.at[batch, head, rows], x_smem, loaded.at[2])
 
-    # per position: along the tile's rows (t) or its columns (s)
-    row, col = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
-    vec = lambda ref, layout: mosaic_gpu_load(ref.at[batch, head, rows], layout=layout, optimized=False)  # noqa: E731
-    cum_t, cum_s, dt_s, f_t = vec(cum_ref, row), vec(cum_ref, col), vec(dt_ref, col), vec(f_ref, row)
-    seg_t = mosaic_gpu_load(seg_ref.at[batch, rows], layout=row, optimized=False)
-    seg_s = mosaic_gpu_load(seg_ref.at[batch, rows], layout=col, optimized=False)
+    vectors = _scan_vectors(dt_ref, cum_ref, f_ref, seg_ref, batch, head, rows)
     state = mosaic_gpu_load(s_ref.at[batch, chunk, head], layout=plgpu.Layout.WGMMA, optimized=False)
     s16_smem[...] = state.astype(dtype)  # [P, N]
     plgpu.commit_smem()
     for i in range(3):
         plgpu.barrier_wait(loaded.at[i])
+    y_smem[...] = _chunk_output(c_smem, b_smem, x_smem, s16_smem, *vectors, dtype=dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(y_smem, y_ref.at[batch, head, rows])
+    plgpu.wait_smem_to_gmem(0)
 
-    # C Bᵀ first and its scores built, then C S_inᵀ: fewer registers live at once
+
+def _scan_vectors(dt_ref, cum_ref, f_ref, seg_ref, batch, head, rows):
+    """The chunk's per-position vectors the output takes, along the `[Q, Q]` tile's rows (`_t`)
+    or columns (`_s`): `cum_t, cum_s, dt_s, f_t, seg_t, seg_s`."""
+    row, col = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
+    vec = lambda ref, layout: mosaic_gpu_load(ref.at[batch, head, rows], layout=layout, optimized=False)  # noqa: E731
+    cum_t, cum_s, dt_s, f_t = vec(cum_ref, row), vec(cum_ref, col), vec(dt_ref, col), vec(f_ref, row)
+    seg_t = mosaic_gpu_load(seg_ref.at[batch, rows], layout=row, optimized=False)
+    seg_s = mosaic_gpu_load(seg_ref.at[batch, rows], layout=col, optimized=False)
+    return cum_t, cum_s, dt_s, f_t, seg_t, seg_s
+
+
+def _chunk_output(c_smem, b_smem, x_smem, s16_smem, cum_t, cum_s, dt_s, f_t, seg_t, seg_s, *, dtype):
+    """A chunk's `y` (`[Q, P]` float32) from its tiles in shared memory (`s16_smem` the entering
+    state in 16 bits): `C Bᵀ` and its decayed scores first, then `C S_inᵀ` (fewer registers live
+    at once), `M x` from `M`'s two 16-bit halves."""
+    q, p = x_smem.shape
     s = _products((q, q), [(c_smem, b_smem, True)])  # [Q, Q]
     decay, on_cols = _decay(cum_t, cum_s, seg_t, seg_s)
     m = s * decay * on_cols(dt_s)
     m_hi, m_lo = _halves(m, dtype)
     inc = _products((q, p), [(c_smem, s16_smem, True)])  # [Q, P]
     y = _products((q, p), [(m_hi, x_smem, False), (m_lo, x_smem, False)])
-    y = y + inc * lax.broadcast_in_dim(f_t, (q, p), [0])
-    y_smem[...] = y
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(y_smem, y_ref.at[batch, head, rows])
-    plgpu.wait_smem_to_gmem(0)
+    return y + inc * lax.broadcast_in_dim(f_t, (q, p), [0])
 
 
 def _state_kernel(x_ref, w_ref, b_ref, own_ref, scoped, *, rep, dtype):
