@@ -37,6 +37,22 @@ def test_against_sequential_oracle(dtype, groups, segments):
     check(0, (2, 45, 4, 3, groups, 5), dtype, 16, segments=segments)
 
 
+@pytest.mark.parametrize("impl,dtype", [("xla", "float32"), ("pallas_gpu", "bfloat16")])
+def test_slow_decays_carry_the_state_across_chunks(impl, dtype):
+    # A / 100: each chunk of 16 keeps most of the state entering it (at make's decays it keeps
+    # about e^-18), so the recurrence between chunks, the initial state's share of the final
+    # state and their gradients are what the rule checks
+    arrays, seg = make(4, 2, 45, 4, 16, 2, 16, dtype)
+    arrays["A"] = arrays["A"] / 100
+    check_rule(
+        lambda name, a, **k: run(name, a, seg, 16 if name != "reference" else None),
+        impl,
+        arrays,
+        dtype,
+        "ssd",
+    )
+
+
 @pytest.mark.parametrize("impl", ["xla", "pallas_gpu"])
 def test_float16_against_sequential_oracle(impl):
     # fp16 inputs (the 16-bit path: decay as cum_t - cum_s; pallas_gpu in interpret mode), two
