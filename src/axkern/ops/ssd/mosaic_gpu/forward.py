@@ -112,7 +112,6 @@ def _forward_kernel(
         rows = pl.ds(chunk * q, q)
         vectors = _scan_vectors(dt_ref, cum_ref, f_ref, seg_ref, batch, head, rows)
         w_t = mosaic_gpu_load(w_ref.at[batch, head, rows], layout=row, optimized=False)
-        keep = mosaic_gpu_load(keep_ref.at[batch, head, chunk], layout=row, optimized=False)  # [P], one value
         x = mosaic_gpu_load(x_ref.at[batch, head, rows], layout=wgmma_layout, optimized=False).astype(f32)
 
         # the staging tiles' last copies out have been read; the entering state out and in
@@ -130,12 +129,15 @@ def _forward_kernel(
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(y_smem, y_ref.at[batch, head, rows])
 
-        # S <- keep S + (w ∘ x)ᵀ B
+        # S <- keep S + (w ∘ x)ᵀ B (keep: one value, along S's rows)
+        keep = mosaic_gpu_load(keep_ref.at[batch, head, chunk], layout=row, optimized=False)
         def run(acc_ref):
             plgpu.wgmma(acc_ref, xh_smem.transpose((1, 0)), bs)
             plgpu.wgmma(acc_ref, xl_smem.transpose((1, 0)), bs)
 
-        kept = state * lax.broadcast_in_dim(keep, (p, n), [0])
+        # the entering state read back from its staging tile (its copy out only reads it), so
+        # that its registers are free while the output is formed
+        kept = st_smem[...] * lax.broadcast_in_dim(keep, (p, n), [0])
         return pl.run_state(run)(plgpu.ACC.init(kept))
 
     s0 = mosaic_gpu_load(s0_ref.at[batch, head], layout=wgmma_layout, optimized=False)
