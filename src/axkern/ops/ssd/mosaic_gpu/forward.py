@@ -181,8 +181,8 @@ def fused_forward(xt, w, dt, cum, f, keep, seg, bt, ct, initial_state):
             jax.ShapeDtypeStruct((b, c, h, p, n), f32),
             jax.ShapeDtypeStruct((b, h, p, n), f32),
         ),
-        grid=(h, b),
-        grid_names=("heads", "batch"),
+        grid=(b, h),  # heads on CUDA's x axis: blocks launched together share a group's B and C
+        grid_names=("batch", "heads"),
         compiler_params=_params(),
         kernel_name="axkern_ssd_mosaic_gpu_forward",
     )(xt, w, dt, cum, f, keep_rows, seg.astype(jnp.int32), bt, ct, initial_state.astype(f32))
