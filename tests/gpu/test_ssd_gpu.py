@@ -81,6 +81,8 @@ def test_default_is_mosaic_gpu_for_bf16_and_pallas_gpu_for_fp16_on_hopper():
         d = axkern.explain(lambda a: ssd(**a), arrays)
         assert d.implementation == want, (dtype, d)
         assert d.block_sizes.chunk_size == 64
+        if want == "mosaic_gpu":
+            assert "chunk-scan" in d.backward  # the kernels, forward and backward
     assert "fp16's range" in str(d)  # mosaic_gpu's reason for passing fp16 on
 
 

@@ -196,3 +196,7 @@ def test_dispatch_skips_it_off_hopper_with_the_reason():
             )
     assert "forward must be one of" in SSDBlockSizes(64, forward="one").validate(spec)
     assert mosaic_gpu.fused_smem_bytes(128, 64) <= 227 * 1024
+    # explain names the kernels of the form chosen
+    kernels = OP.implementations["mosaic_gpu"].backward
+    assert "chunk-state and chunk-scan kernels" in kernels(gpu, SSDBlockSizes(64))
+    assert "one fused Mosaic GPU kernel" in kernels(gpu, SSDBlockSizes(64, forward="fused"))

@@ -55,6 +55,19 @@ def _gpu_order(spec) -> tuple[str, ...]:
     return ("mosaic_gpu", "pallas_gpu", "xla") if jnp.dtype(spec.dtype).itemsize <= 2 else ("xla",)
 
 
+def _mosaic_gpu_kernels(spec, block_sizes) -> str:
+    """`mosaic_gpu`'s kernels, forward and backward, for `explain`."""
+    forward = (
+        "one fused Mosaic GPU kernel (chunk states, recurrence, chunk outputs)"
+        if block_sizes is not None and block_sizes.forward == "fused"
+        else "Mosaic GPU chunk-state and chunk-scan kernels, pallas_gpu's recurrence between them"
+    )
+    return (
+        "custom_vjp: Mosaic GPU chunk-scan and chunk-state backward kernels, pallas_gpu's reverse recurrence "
+        f"(forward: {forward}; chunks of 64)"
+    )
+
+
 OP = Op(
     NAME,
     [
@@ -85,8 +98,7 @@ OP = Op(
             block_sizes=SSDBlockSizes,
             heuristic=mosaic_gpu_heuristic,
             space=mosaic_gpu_space,
-            backward="custom_vjp: Mosaic GPU chunk-scan and chunk-state backward kernels, the reverse recurrence "
-            "pallas_gpu's (the forward's chunk-state and chunk-scan kernels Mosaic GPU's; chunks of 64)",
+            backward=_mosaic_gpu_kernels,
         ),
         Implementation(
             "pallas_tpu",
