@@ -129,14 +129,14 @@ def _forward_kernel(
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(y_smem, y_ref.at[batch, head, rows])
 
-        # S <- keep S + (w ∘ x)ᵀ B (keep: one value, along S's rows)
-        keep = mosaic_gpu_load(keep_ref.at[batch, head, chunk], layout=row, optimized=False)
+        # S <- keep S + (w ∘ x)ᵀ B
         def run(acc_ref):
             plgpu.wgmma(acc_ref, xh_smem.transpose((1, 0)), bs)
             plgpu.wgmma(acc_ref, xl_smem.transpose((1, 0)), bs)
 
         # the entering state read back from its staging tile (its copy out only reads it), so
-        # that its registers are free while the output is formed
+        # that its registers are free while the output is formed; keep: one value along S's rows
+        keep = mosaic_gpu_load(keep_ref.at[batch, head, chunk], layout=row, optimized=False)
         kept = st_smem[...] * lax.broadcast_in_dim(keep, (p, n), [0])
         return pl.run_state(run)(plgpu.ACC.init(kept))
 
