@@ -205,25 +205,8 @@ def chunk_state(xt, w, bt):
     kernel: `w ∘ x` as two 16-bit halves (`bf16x2`), `B` as it is."""
     _check_operands(xt, bt)
     b, h, lp, p = xt.shape
-    g, n = bt.shape[1], bt.shape[-1]
-    dtype = xt.dtype
-
-    def entry(x_ref, w_ref, b_ref, own_ref):
-        scratch = _scratch("state", p, n, dtype)
-        pl.run_scoped(
-            lambda *scoped: _state_kernel(x_ref, w_ref, b_ref, own_ref, scoped, rep=h // g, dtype=dtype),
-            scratch,
-            plgpu.Barrier(),
-        )
-
-    return plgpu.kernel(
-        entry,
-        out_type=jax.ShapeDtypeStruct((b, lp // CHUNK, h, p, n), jnp.float32),
-        grid=(b, h, lp // CHUNK),  # the chunks on CUDA's x axis (the others take at most 65535)
-        grid_names=("batch", "heads", "chunks"),
-        compiler_params=_params(),
-        kernel_name="axkern_ssd_mosaic_gpu_state",
-    )(xt, w, bt)
+    out = jax.ShapeDtypeStruct((b, lp // CHUNK, h, p, bt.shape[-1]), jnp.float32)
+    return _launch("state", _state_kernel, out, xt, bt, plgpu.Barrier())(xt, w, bt)
 
 
 def chunk_scan(xt, dt, cum, f, seg, bt, ct, states_in):
@@ -231,26 +214,33 @@ def chunk_scan(xt, dt, cum, f, seg, bt, ct, states_in):
     16-bit dtype; `dt, cum, f [b, h, L]` float32; `seg [b, L]` int32; `states_in [b, c, h, P, N]`
     float32, `L = c · CHUNK`) by the Mosaic GPU kernel."""
     _check_operands(xt, bt, ct)
+    out = jax.ShapeDtypeStruct(xt.shape, jnp.float32)
+    launch = _launch("scan", _scan_kernel, out, xt, bt, plgpu.Barrier(num_barriers=3))
+    return launch(xt, dt, cum, f, seg.astype(jnp.int32), bt, ct, states_in)
+
+
+def _launch(kind, body, out_type, xt, bt, barrier):
+    """The Mosaic GPU kernel `body` of `kind` ("state", "scan", ...) over the grid (batch, heads,
+    chunks), the chunks on CUDA's x axis (the others take at most 65535), with `_scratch(kind)`
+    and `barrier` in shared memory; `rep` heads a group of `bt`."""
     b, h, lp, p = xt.shape
     g, n = bt.shape[1], bt.shape[-1]
-    dtype = xt.dtype
 
     def entry(*refs):
-        scratch = _scratch("scan", p, n, dtype)
         pl.run_scoped(
-            lambda *scoped: _scan_kernel(*refs, scoped, rep=h // g, dtype=dtype),
-            scratch,
-            plgpu.Barrier(num_barriers=3),
+            lambda *scoped: body(*refs, scoped, rep=h // g, dtype=xt.dtype),
+            _scratch(kind, p, n, xt.dtype),
+            barrier,
         )
 
     return plgpu.kernel(
         entry,
-        out_type=jax.ShapeDtypeStruct((b, h, lp, p), jnp.float32),
-        grid=(b, h, lp // CHUNK),  # the chunks on CUDA's x axis (the others take at most 65535)
+        out_type=out_type,
+        grid=(b, h, lp // CHUNK),
         grid_names=("batch", "heads", "chunks"),
         compiler_params=_params(),
-        kernel_name="axkern_ssd_mosaic_gpu_scan",
-    )(xt, dt, cum, f, seg.astype(jnp.int32), bt, ct, states_in)
+        kernel_name=f"axkern_ssd_mosaic_gpu_{kind}",
+    )
 
 
 def _halves(a, dtype):
@@ -400,38 +390,13 @@ def chunk_scan_bwd(dy, xt, dt, cum, f, seg, bt, ct, states_in):
     sum of `dM ∘ M` and `dcum_row` each column's (`common/kernels.py`'s backward)."""
     _check_operands(xt, bt, ct)
     b, h, lp, p = xt.shape
-    g, n = bt.shape[1], bt.shape[-1]
-    c = lp // CHUNK
-    dtype = xt.dtype
-    f32 = jnp.float32
-
-    def entry(*refs):
-        scratch = _scratch("scan_bwd", p, n, dtype)
-        pl.run_scoped(
-            lambda *scoped: _scan_bwd_kernel(*refs, scoped, rep=h // g, dtype=dtype),
-            scratch,
-            plgpu.Barrier(num_barriers=3),
-        )
-
+    n, f32 = bt.shape[-1], jnp.float32
     rows = lambda d: jax.ShapeDtypeStruct((b, h, lp, d), f32)  # noqa: E731
     vector = jax.ShapeDtypeStruct((b, h, lp), f32)
-    return plgpu.kernel(
-        entry,
-        out_type=(
-            rows(p),
-            vector,
-            vector,
-            vector,
-            vector,
-            rows(n),
-            rows(n),
-            jax.ShapeDtypeStruct((b, c, h, p, n), f32),
-        ),
-        grid=(b, h, c),
-        grid_names=("batch", "heads", "chunks"),
-        compiler_params=_params(),
-        kernel_name="axkern_ssd_mosaic_gpu_scan_bwd",
-    )(dy.astype(f32), xt, dt, cum, f, seg.astype(jnp.int32), bt, ct, states_in)
+    states = jax.ShapeDtypeStruct((b, lp // CHUNK, h, p, n), f32)
+    out = (rows(p), vector, vector, vector, vector, rows(n), rows(n), states)
+    launch = _launch("scan_bwd", _scan_bwd_kernel, out, xt, bt, plgpu.Barrier(num_barriers=3))
+    return launch(dy.astype(f32), xt, dt, cum, f, seg.astype(jnp.int32), bt, ct, states_in)
 
 
 def _state_bwd_kernel(x_ref, w_ref, b_ref, ds_ref, dx_ref, dw_ref, db_ref, scoped, *, rep, dtype):
@@ -473,26 +438,10 @@ def chunk_state_bwd(xt, w, bt, d_own):
     float32, per head; `chunk_state`'s other arguments."""
     _check_operands(xt, bt)
     b, h, lp, p = xt.shape
-    g, n = bt.shape[1], bt.shape[-1]
-    dtype, f32 = xt.dtype, jnp.float32
-
-    def entry(*refs):
-        scratch = _scratch("state_bwd", p, n, dtype)
-        pl.run_scoped(
-            lambda *scoped: _state_bwd_kernel(*refs, scoped, rep=h // g, dtype=dtype),
-            scratch,
-            plgpu.Barrier(),
-        )
-
-    return plgpu.kernel(
-        entry,
-        out_type=(
-            jax.ShapeDtypeStruct((b, h, lp, p), f32),
-            jax.ShapeDtypeStruct((b, h, lp), f32),
-            jax.ShapeDtypeStruct((b, h, lp, n), f32),
-        ),
-        grid=(b, h, lp // CHUNK),
-        grid_names=("batch", "heads", "chunks"),
-        compiler_params=_params(),
-        kernel_name="axkern_ssd_mosaic_gpu_state_bwd",
-    )(xt, w, bt, d_own)
+    f32 = jnp.float32
+    out = (
+        jax.ShapeDtypeStruct((b, h, lp, p), f32),
+        jax.ShapeDtypeStruct((b, h, lp), f32),
+        jax.ShapeDtypeStruct((b, h, lp, bt.shape[-1]), f32),
+    )
+    return _launch("state_bwd", _state_bwd_kernel, out, xt, bt, plgpu.Barrier())(xt, w, bt, d_own)
