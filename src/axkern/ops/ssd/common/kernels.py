@@ -281,33 +281,19 @@ class Layout:
         """Stage 4, `y [b, h, L, P]` float32 from the chunks' inputs (`[b, h, c, Q]` vectors, `sc
         [b, c, Q]`) and the states entering them (the Pallas `_scan_kernel` unless a backend has
         its own)."""
+        specs, args = self._scan_inputs(xt, scale, cum, ac, f, sc, bt, ct, states_in, sums)
+        kernel = functools.partial(_scan_kernel, dtype=dtype, sums=sums)
+        return self(kernel, specs, [self.out("rows", self.p)], *args)
+
+    def _scan_inputs(self, xt, scale, cum, ac, f, sc, bt, ct, states_in, sums):
+        """The scan kernels' inputs after `dy` and their specs: `x`; `dt`, `cum` as columns,
+        `cum` (or, `sums`, `a`) as a row; `f`; the segment ids both ways; `B`, `C`; the states."""
         p, n = self.p, self.n
-        return self(
-            functools.partial(_scan_kernel, dtype=dtype, sums=sums),
-            [
-                self.rows(p),
-                self.col_spec,
-                self.col_spec,
-                self.row_spec,
-                self.col_spec,
-                self.seg_col_spec,
-                self.seg_row_spec,
-                self.grouped(n),
-                self.grouped(n),
-                self.state,
-            ],
-            [self.out("rows", p)],
-            xt,
-            self.to_col(scale),
-            self.to_col(cum),
-            self.to_row(ac if sums else cum),
-            self.to_col(f),
-            self.to_col(sc),
-            self.to_row(sc),
-            bt,
-            ct,
-            states_in,
-        )
+        specs = [self.rows(p), self.col_spec, self.col_spec, self.row_spec, self.col_spec]
+        specs += [self.seg_col_spec, self.seg_row_spec, self.grouped(n), self.grouped(n), self.state]
+        cols = [self.to_col(v) for v in (scale, cum)]
+        args = [xt, *cols, self.to_row(ac if sums else cum), self.to_col(f), self.to_col(sc), self.to_row(sc)]
+        return specs, args + [bt, ct, states_in]
 
     def chunk_state_bwd(self, xt, w, bt, d_own):
         """Stage 2's backward, `(dx [b, h, L, P], dw, dB [b, h, L, N])` per head, float32, in
@@ -327,43 +313,11 @@ class Layout:
         """Stage 4's backward, `(dx, ddt, dcum, dcum_row, df, dB, dC, dS_in)` per head, float32,
         in `out`'s layouts (the Pallas `_scan_bwd_kernel` unless a backend has its own)."""
         p, n = self.p, self.n
-        return self(
-            functools.partial(_scan_bwd_kernel, sums=sums),
-            [
-                self.rows(p),
-                self.rows(p),
-                self.col_spec,
-                self.col_spec,
-                self.row_spec,
-                self.col_spec,
-                self.seg_col_spec,
-                self.seg_row_spec,
-                self.grouped(n),
-                self.grouped(n),
-                self.state,
-            ],
-            [
-                self.out("rows", p),
-                self.out("col"),
-                self.out("col"),
-                self.out("row"),
-                self.out("col"),
-                self.out("rows", n),
-                self.out("rows", n),
-                self.out("state"),
-            ],
-            dy.astype(jnp.float32),
-            xt,
-            self.to_col(scale),
-            self.to_col(cum),
-            self.to_row(ac if sums else cum),
-            self.to_col(f),
-            self.to_col(sc),
-            self.to_row(sc),
-            bt,
-            ct,
-            states_in,
-        )
+        specs, args = self._scan_inputs(xt, scale, cum, ac, f, sc, bt, ct, states_in, sums)
+        outs = [self.out("rows", p), self.out("col"), self.out("col"), self.out("row"), self.out("col")]
+        outs += [self.out("rows", n), self.out("rows", n), self.out("state")]
+        kernel = functools.partial(_scan_bwd_kernel, sums=sums)
+        return self(kernel, [self.rows(p), *specs], outs, dy.astype(jnp.float32), *args)
 
     def dot(self, a, b, dtype=None, *, trans_a=False, trans_b=False):
         return kernels.dot(a, b, dtype, trans_a=trans_a, trans_b=trans_b, precision=self.precision)
