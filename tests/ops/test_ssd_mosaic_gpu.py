@@ -147,13 +147,17 @@ def test_the_kernels_arithmetic_holds_the_oracle_rule_through_the_layer(dtype, d
     check_rule(runner, "emulated mosaic_gpu", arrays, dtype, "ssd")
 
 
-def test_dispatch_skips_it_off_hopper_with_the_reason():
-    spec = OP.spec(
-        {"batch": 1, "length": 256, "heads": 4, "head_dim": 64, "groups": 1, "state": 128},
-        "bfloat16",
-        segments=False,
+def _h200_spec(head_dim, state):
+    """A bf16 call's spec as the dispatcher sees it on an H200 (and `spec` on the CPU here)."""
+    dims = {"batch": 1, "length": 256, "heads": 4, "head_dim": head_dim, "groups": 1, "state": state}
+    spec = OP.spec(dims, "bfloat16", segments=False)
+    return spec, dataclasses.replace(
+        spec, platform="gpu", device_key="nvidia_h200", device_kind="NVIDIA H200"
     )
-    gpu = dataclasses.replace(spec, platform="gpu", device_key="nvidia_h200", device_kind="NVIDIA H200")
+
+
+def test_dispatch_skips_it_off_hopper_with_the_reason():
+    spec, gpu = _h200_spec(64, 128)
     if mosaic_gpu._IMPORT_ERROR is None:
         assert mosaic_gpu.supports(gpu) is None
     assert "Hopper" in mosaic_gpu.supports(
@@ -161,26 +165,12 @@ def test_dispatch_skips_it_off_hopper_with_the_reason():
     )
     assert "take bf16" in mosaic_gpu.supports(dataclasses.replace(gpu, dtype="float32"))
     assert "fp16's range" in mosaic_gpu.supports(dataclasses.replace(gpu, dtype="float16"))
-    big = OP.spec(
-        {"batch": 1, "length": 256, "heads": 4, "head_dim": 256, "groups": 1, "state": 256},
-        "bfloat16",
-        segments=False,
-    )
-    assert "shared memory" in mosaic_gpu.supports(
-        dataclasses.replace(big, platform="gpu", device_key="nvidia_h200")
-    )
+    assert "shared memory" in mosaic_gpu.supports(_h200_spec(256, 256)[1])
     # the head dims and states that fit: the four kernels' tiles (the scan backward's are the largest)
     sizes = (64, 128, 192, 256)
     fits = {(p, n) for p in sizes for n in sizes if mosaic_gpu.dims_reason(p, n) is None}
     assert fits == {(64, 64), (64, 128), (128, 64)}
-    odd = OP.spec(
-        {"batch": 1, "length": 256, "heads": 4, "head_dim": 32, "groups": 1, "state": 128},
-        "bfloat16",
-        segments=False,
-    )
-    assert "head_dim=32" in mosaic_gpu.supports(
-        dataclasses.replace(odd, platform="gpu", device_key="nvidia_h200")
-    )
+    assert "head_dim=32" in mosaic_gpu.supports(_h200_spec(32, 128)[1])
     # first in the GPU order for 16-bit inputs; other chunk sizes it refuses (the call falls back)
     assert OP.default_order["gpu"](gpu)[0] == "mosaic_gpu"
     with pytest.raises(axkern.Unsupported, match="chunk_size=128"):
