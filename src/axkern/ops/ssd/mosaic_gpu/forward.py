@@ -2,9 +2,9 @@
 stages 2 to 4 (each chunk's own state, the recurrence between chunks, each chunk's output) for
 one (batch row, head) per block, the chunks in order, the state carried in registers.
 
-**Why.** In three stages the float32 chunk states cross memory three times (the own states
-written, read by the recurrence, the entering states written and read by the scan: at chunks of
-64 four times mamba_ssm's at 256). Fused, only the entering states are written (the backward's
+**Why.** In three stages the float32 chunk states (`[b, c, h, P, N]`: at chunks of 64 four times
+mamba_ssm's at 256) cross memory four times: the own states written and read by the recurrence,
+the entering states written and read by the scan. Fused, only the entering states are written (the backward's
 residual) and the own states never leave the block; the price is parallelism, `batch · heads`
 blocks walking their chunks in order, with the next chunk's `C`, `B`, `x` copied by TMA into the
 second of two slots while the block computes on the first.
@@ -15,6 +15,12 @@ computes it (`C Bᵀ`, its decay, `M x` from `M`'s two 16-bit halves, `f ∘ (C 
 then `S ← keep · S + (w ∘ x)ᵀ B`, the own state's two products (`w ∘ x` as two 16-bit halves)
 accumulated straight onto `keep · S`. The arithmetic is the three stages' (`kernels.py`), the
 recurrence's sum `keep · S + own` now one accumulator (the own state not rounded on its own).
+
+**Grid** `(batch, heads)`, heads on CUDA's x axis; one warpgroup a block. **Cost** per chunk and
+head (Q = 64): `2·Q²·N` (`C Bᵀ`) + `4·Q²·P` (`M x`, two halves) + `2·Q·P·N` (`C S_inᵀ`) + `4·Q·P·N`
+(the own state, two halves) tensor-core FLOPs, as the three stages'; bytes: `x`, `B`, `C` read
+once (bf16), `y` written (float32, `Q·P·4`), the entering state written once (`P·N·4`), where
+the stages also write the own state and read both states back (`3·P·N·4` more).
 
 Not yet run on a GPU (CI lowers it for CUDA): it is an opt-in form until measured.
 """
@@ -29,6 +35,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from axkern.core.compat import mosaic_gpu_load
+from axkern.core.kernels import swizzled_smem
+from axkern.core.op import Unsupported
 
 from .kernels import (
     _SMEM,
@@ -159,11 +167,7 @@ def fused_forward(xt, w, dt, cum, f, keep, seg, bt, ct, initial_state):
     g, n = bt.shape[1], bt.shape[-1]
     c, f32, dtype = lp // CHUNK, jnp.float32, xt.dtype
     if fused_smem_bytes(p, n) > _SMEM:
-        from axkern.core.op import Unsupported
-
         raise Unsupported(f"head_dim={p}, state={n}: the fused forward's tiles exceed shared memory")
-    from axkern.core.kernels import swizzled_smem
-
     keep_rows = jnp.broadcast_to(keep[..., None], (b, h, c, p)).astype(f32)  # one value a row of S
 
     def entry(*refs):
