@@ -36,7 +36,6 @@ import axkern  # noqa: E402
 from axkern.ops.mamba3 import common  # noqa: E402
 from axkern.ops.mamba3 import pallas_gpu as layer  # noqa: E402
 from axkern.ops.ssd import mosaic_gpu  # noqa: E402
-from axkern.ops.ssd.common.gpu import GpuLayout  # noqa: E402
 
 VARIANTS = {
     "exact": (),
@@ -58,36 +57,30 @@ def _bf16(a):
 
 
 def emulated_layout(rounded):
-    """`GpuLayout` (interpret mode) with the four stage kernels as the Mosaic kernels compute
-    them, `B` / `C` rounded to bf16 where `rounded` names them."""
+    """The layer through the Mosaic kernels' arithmetic (`mosaic_gpu.EmulatedLayout`), `B` / `C`
+    rounded to bf16 where `rounded` names them ("state_k", "scan_q", "scan_k")."""
 
     def bc(kernel, bt, ct=None):
         bt = _bf16(bt) if f"{kernel}_k" in rounded else bt
         ct = None if ct is None else (_bf16(ct) if f"{kernel}_q" in rounded else ct)
         return bt, ct
 
-    class Emulated(GpuLayout):
+    class Rounded(mosaic_gpu.EmulatedLayout):
         def chunk_state(self, xt, w, bt, *, dtype):
-            return mosaic_gpu.emulate_chunk_state(xt, self.to_col(w), bc("state", bt)[0])
+            return super().chunk_state(xt, w, bc("state", bt)[0], dtype=dtype)
 
         def chunk_state_bwd(self, xt, w, bt, d_own):
-            return mosaic_gpu.emulate_chunk_state_bwd(xt, self.to_col(w), bc("state", bt)[0], d_own)
+            return super().chunk_state_bwd(xt, w, bc("state", bt)[0], d_own)
 
         def chunk_scan(self, xt, scale, cum, ac, f, sc, bt, ct, states_in, *, sums, dtype):
-            assert not sums  # 16-bit inputs
-            c = self.to_col
-            return mosaic_gpu.emulate_chunk_scan(
-                xt, c(scale), c(cum), c(f), c(sc), *bc("scan", bt, ct), states_in
-            )
+            bt, ct = bc("scan", bt, ct)
+            return super().chunk_scan(xt, scale, cum, ac, f, sc, bt, ct, states_in, sums=sums, dtype=dtype)
 
         def chunk_scan_bwd(self, dy, xt, scale, cum, ac, f, sc, bt, ct, states_in, *, sums):
-            assert not sums
-            c = self.to_col
-            return mosaic_gpu.emulate_chunk_scan_bwd(
-                dy, xt, c(scale), c(cum), c(f), c(sc), *bc("scan", bt, ct), states_in
-            )
+            bt, ct = bc("scan", bt, ct)
+            return super().chunk_scan_bwd(dy, xt, scale, cum, ac, f, sc, bt, ct, states_in, sums=sums)
 
-    return Emulated
+    return Rounded
 
 
 def ratios(got, same, want, dtype):

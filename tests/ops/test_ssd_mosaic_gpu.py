@@ -17,7 +17,6 @@ import axkern
 from axkern.ops.ssd import OP, SSDBlockSizes, mosaic_gpu
 from axkern.ops.ssd.api import prepared_dt
 from axkern.ops.ssd.common import kernels as chunk_kernels
-from axkern.ops.ssd.common.gpu import GpuLayout
 from tests.cases.ssd import make, run
 from tests.harness import check_rule, jit
 
@@ -75,30 +74,6 @@ def test_the_layer_and_its_gradients_lower_for_cuda(forward, kernels):
     assert _kernels(text) == kernels
 
 
-class _Emulated(GpuLayout):
-    """pallas_gpu's layout (interpret mode) with stages 2 and 4 as the Mosaic kernels compute them."""
-
-    def chunk_state(self, xt, w, bt, *, dtype):
-        return mosaic_gpu.emulate_chunk_state(xt, self.to_col(w), bt)
-
-    def chunk_state_bwd(self, xt, w, bt, d_own):
-        return mosaic_gpu.emulate_chunk_state_bwd(xt, self.to_col(w), bt, d_own)
-
-    def chunk_scan_bwd(self, dy, xt, scale, cum, ac, f, sc, bt, ct, states_in, *, sums):
-        assert not sums
-        to_col = self.to_col
-        return mosaic_gpu.emulate_chunk_scan_bwd(
-            dy, xt, to_col(scale), to_col(cum), to_col(f), to_col(sc), bt, ct, states_in
-        )
-
-    def chunk_scan(self, xt, scale, cum, ac, f, sc, bt, ct, states_in, *, sums, dtype):
-        assert not sums  # 16-bit inputs only
-        to_col = self.to_col
-        return mosaic_gpu.emulate_chunk_scan(
-            xt, to_col(scale), to_col(cum), to_col(f), to_col(sc), bt, ct, states_in
-        )
-
-
 def _emulated_runner(names):
     def f(seg, *vals):
         a = dict(zip(names, vals, strict=True))
@@ -109,7 +84,9 @@ def _emulated_runner(names):
                 (*a["x"].shape[:1], a["x"].shape[2], a["x"].shape[3], a["B"].shape[3]), jnp.float32
             )
         args = (a["x"], dt, a["A"], a["B"], a["C"], a.get("D"), a.get("z"), seg, s0)
-        y, final = chunk_kernels.ssd(_Emulated, *args, chunk_size=mosaic_gpu.CHUNK, interpret=True)
+        y, final = chunk_kernels.ssd(
+            mosaic_gpu.EmulatedLayout, *args, chunk_size=mosaic_gpu.CHUNK, interpret=True
+        )
         cot = jnp.cos(jnp.arange(y.size, dtype=jnp.float32).reshape(y.shape))
         return jnp.sum(y.astype(jnp.float32) * cot) + jnp.sum(jnp.sin(final.astype(jnp.float32))), (y, final)
 

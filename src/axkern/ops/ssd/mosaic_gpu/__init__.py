@@ -73,7 +73,13 @@ from axkern.core.op import Unsupported
 
 from ..common import kernels as chunk_kernels
 from ..common.gpu import GpuLayout
-from .emulate import emulate_chunk_scan, emulate_chunk_scan_bwd, emulate_chunk_state, emulate_chunk_state_bwd
+from .emulate import (
+    EmulatedLayout,
+    emulate_chunk_scan,
+    emulate_chunk_scan_bwd,
+    emulate_chunk_state,
+    emulate_chunk_state_bwd,
+)
 from .forward import fused_forward, fused_smem_bytes
 from .kernels import (
     _IMPORT_ERROR,
@@ -97,6 +103,7 @@ __all__ = [
     "emulate_chunk_scan",
     "emulate_chunk_state_bwd",
     "emulate_chunk_scan_bwd",
+    "EmulatedLayout",
     "dims_reason",
     "smem_bytes",
     "CHUNK",

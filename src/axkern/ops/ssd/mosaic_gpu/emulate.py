@@ -14,9 +14,16 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from ..common.gpu import GpuLayout
 from .kernels import CHUNK
 
-__all__ = ["emulate_chunk_state", "emulate_chunk_scan", "emulate_chunk_state_bwd", "emulate_chunk_scan_bwd"]
+__all__ = [
+    "emulate_chunk_state",
+    "emulate_chunk_scan",
+    "emulate_chunk_state_bwd",
+    "emulate_chunk_scan_bwd",
+    "EmulatedLayout",
+]
 
 _ein = functools.partial(jnp.einsum, precision=jax.lax.Precision.HIGHEST)
 
@@ -128,3 +135,25 @@ def emulate_chunk_scan_bwd(dy, xt, dt, cum, f, seg, bt, ct, states_in):
         k.out_rows(dc),
         k.state(ds),
     )
+
+
+class EmulatedLayout(GpuLayout):
+    """`pallas_gpu`'s layout (its recurrence kernels; interpret mode on a CPU) with stages 2 and 4
+    as the Mosaic kernels compute them: the whole layer through the kernels' arithmetic, for the
+    CPU tests and `benchmarks/mamba3_operand_precision.py`. 16-bit inputs only (no `sums`)."""
+
+    def chunk_state(self, xt, w, bt, *, dtype):
+        return emulate_chunk_state(xt, self.to_col(w), bt)
+
+    def chunk_state_bwd(self, xt, w, bt, d_own):
+        return emulate_chunk_state_bwd(xt, self.to_col(w), bt, d_own)
+
+    def chunk_scan(self, xt, scale, cum, ac, f, sc, bt, ct, states_in, *, sums, dtype):
+        assert not sums
+        c = self.to_col
+        return emulate_chunk_scan(xt, c(scale), c(cum), c(f), c(sc), bt, ct, states_in)
+
+    def chunk_scan_bwd(self, dy, xt, scale, cum, ac, f, sc, bt, ct, states_in, *, sums):
+        assert not sums
+        c = self.to_col
+        return emulate_chunk_scan_bwd(dy, xt, c(scale), c(cum), c(f), c(sc), bt, ct, states_in)
