@@ -10,7 +10,8 @@
 # `gpu.sh attention_peers` runs attention's GPU preset with `--peers` (tokamax); `gpu.sh attention_mosaic`
 # the Mosaic GPU kernels' tests; `attention_mosaic_variants` the forward's forms' tests, then
 # `attention_mosaic_forward_sweep.py --variants`; `ssd_mosaic` the SSD Mosaic GPU kernels' tests,
-# `ssd_mosaic_bench` the layer beside pallas_gpu and the peers; `kernel_times OP PRESET --impl A,B`
+# `ssd_mosaic_fused` the fused forward's tests, then
+# benchmarks/ssd_mosaic_forward.py (stages against fused); `ssd_mosaic_bench` the layer beside pallas_gpu and the peers; `kernel_times OP PRESET --impl A,B`
 # benchmarks/kernel_times.py (device time per kernel, through PyTorch's profiler); `attention_mosaic_d256` `attention_mosaic_sweep.py
 # --head-dim-256`;
 # `gpu.sh fused_cross_entropy_dw` runs benchmarks/fused_cross_entropy_dw.py (the reduced loss's
@@ -95,6 +96,15 @@ ssd_mosaic)  # the Mosaic GPU kernels' GPU tests: each kernel against its emulat
   step 300 gpu_tests_ssd_mosaic_gpu env XLA_PYTHON_CLIENT_PREALLOCATE=false $gpu_tests -n 4 --tb=short \
     tests/gpu/test_ssd_gpu.py -k mosaic_gpu_against_oracle
   ;;
+ssd_mosaic_fused)  # the fused forward against the stages and the oracle, then timed against them
+  step 300 gpu_tests_ssd_mosaic_fused env XLA_PYTHON_CLIENT_PREALLOCATE=false $gpu_tests -n 4 --tb=short \
+    tests/gpu/test_ssd_gpu.py -k "fused"
+  if [ "$(tail -n 1 "$R/steps.txt" | sed 's/.* rc=\([0-9]*\).*/\1/')" = 0 ]; then
+    step 420 sweep_mosaic_forward env OUT="$R" python3 benchmarks/ssd_mosaic_forward.py --lengths 2048,4096,16384
+  else
+    echo "sweep_mosaic_forward skipped: the fused forward's tests did not pass" | tee -a "$R/steps.txt"
+  fi
+  ;;
 ssd_mosaic_bench)  # the layer beside pallas_gpu and the peers
   BENCH_T=420 bench ssd mamba2_2.7b --tokens 4096 --impl pallas_gpu,mosaic_gpu --peers
   ;;
@@ -112,7 +122,7 @@ tune)
   ;;
 list) $axkern bench --list-presets ;;
 *)
-  echo "usage: gpu.sh attention|attention_peers|attention_mosaic|attention_mosaic_variants|attention_mosaic_d256|cross_entropy|fused_cross_entropy|fused_cross_entropy_dw|mamba3|moe|moe_ep|short_conv|ssd|ssd_mosaic|list, or gpu.sh tune OP [args]"
+  echo "usage: gpu.sh attention|attention_peers|attention_mosaic|attention_mosaic_variants|attention_mosaic_d256|cross_entropy|fused_cross_entropy|fused_cross_entropy_dw|mamba3|moe|moe_ep|short_conv|ssd|ssd_mosaic|ssd_mosaic_fused|ssd_mosaic_bench|kernel_times|list, or gpu.sh tune OP [args]"
   exit 2
   ;;
 esac

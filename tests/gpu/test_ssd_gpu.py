@@ -51,7 +51,7 @@ def _hopper() -> bool:
 
 
 @pytest.mark.skipif(not _hopper(), reason="the Mosaic GPU kernels need a Hopper GPU")
-@pytest.mark.parametrize("forward", [None, "fused"])
+@pytest.mark.parametrize("forward", ["stages", "fused"])
 @pytest.mark.parametrize("segments,slow", [(False, False), (True, False), (False, True)])
 @pytest.mark.parametrize("dims", MOSAIC_DIMS)
 def test_mosaic_gpu_against_oracle(segments, slow, dims, forward):

@@ -56,10 +56,11 @@ def test_each_kernel_lowers_for_cuda(kernel, dims):
 
 
 @needs_mosaic
-@pytest.mark.parametrize("forward,kernels", [(None, 4), ("fused", 3)])
+@pytest.mark.parametrize("forward,kernels", [("stages", 8), ("fused", 6)])
 def test_the_layer_and_its_gradients_lower_for_cuda(forward, kernels):
-    # the forward's kernels (three stages: the chunk state and scan Mosaic, the recurrence Triton;
-    # or the fused one) and the backward's (chunk state and scan Mosaic, the recurrence Triton)
+    # the forward's Mosaic kernels (three stages: the chunk state and scan, the recurrence being
+    # Triton's; or the fused one) and the backward's (chunk state and scan), twice: on the inputs
+    # as they are, and in the guarded layer the backward recomputes where an input is not finite
     arrays, seg = make(0, 1, 200, 4, 64, 2, 128, "bfloat16")
 
     def f(a):
@@ -165,5 +166,6 @@ def test_dispatch_skips_it_off_hopper_with_the_reason():
     assert mosaic_gpu.fused_smem_bytes(128, 64) <= 227 * 1024
     # explain names the kernels of the form chosen
     kernels = OP.implementations["mosaic_gpu"].backward
-    assert "chunk-state and chunk-scan kernels" in kernels(gpu, SSDBlockSizes(64))
+    assert "chunk-state and chunk-scan kernels" in kernels(gpu, SSDBlockSizes(64, forward="stages"))
+    assert OP.implementations["mosaic_gpu"].heuristic(gpu) == SSDBlockSizes(64, forward="fused")
     assert "one fused Mosaic GPU kernel" in kernels(gpu, SSDBlockSizes(64, forward="fused"))

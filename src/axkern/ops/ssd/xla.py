@@ -16,35 +16,40 @@ is summed on its own (a `[Q, Q]` running sum per chunk and head, as mamba_ssm's 
 reference does; docs/ops/ssd.md, "Accuracy", has the errors). 16-bit inputs keep the difference
 (their rounding dominates, and it is cheaper).
 
-**Non-finite input** (`chunks.guard`): the chunks compute on the inputs with non-finite
-values as 0 and NaN is put where the sequential recurrence is non-finite, so a NaN never
-moves back in time or into another segment through a masked term.
+**Non-finite input** (`chunks.guard`, through `chunks.layer` only where an input is not
+finite): the chunks compute on the inputs with non-finite values as 0 and NaN is put where the
+sequential recurrence is non-finite, so a NaN never moves back in time or into another segment
+through a masked term.
 
 **Cost.** `O(L·Q·(N + P)·H)` inside chunks and `O(L/Q · H·P·N)` between them.
 """
 
 from __future__ import annotations
 
+import functools
+
 import jax.numpy as jnp
 
 from axkern.core import kernels
 
 from .blocks import stages_only
-from .common.chunks import guard, poison, segment_starts, skip_and_gate
+from .common.chunks import layer, skip_and_gate
 from .common.scan import scan
 
 
 def ssd(x, dt, A, B, C, D, z, segment_ids, initial_state, *, block_sizes):
     stages_only(block_sizes)
-    acc = jnp.promote_types(x.dtype, jnp.float32)
+    scan_fn = functools.partial(_scan, block_sizes.chunk_size, B.shape[2])
+    return layer(scan_fn, x, dt, A, B, C, D, z, segment_ids, initial_state)
+
+
+def _scan(chunk_size, groups, x, dt, A, B, C, seg, initial_state):
+    """The chunk scan on finite inputs (`dt` in the accumulation dtype): `(y, final)`."""
+    acc = dt.dtype
     # float32 inputs at full precision (XLA's GPU default is TF32); 16-bit inputs' float32
     # products may run as TF32 (more mantissa than the inputs have)
     prec = kernels.full_precision(x.dtype)
-    batch, length, heads, _ = x.shape
-    rep = heads // B.shape[2]
-    x_in, segment_ids = x, segment_starts(segment_ids, batch, length)
-    (x, dt, A, B, C, initial_state), y_bad, final_bad = guard(x, dt, A, B, C, segment_ids, initial_state)
-    dt = dt.astype(acc)
+    rep = x.shape[2] // groups
     per_head = lambda a: jnp.repeat(a.astype(acc), rep, axis=2)[:, :, None]  # noqa: E731 - [b, l, 1, h, n]
     y, final = scan(
         x.astype(acc)[:, :, None],
@@ -52,15 +57,13 @@ def ssd(x, dt, A, B, C, D, z, segment_ids, initial_state, *, block_sizes):
         dt,
         per_head(B),
         per_head(C),
-        segment_ids,
+        seg,
         initial_state.astype(acc),
-        chunk_size=block_sizes.chunk_size,
+        chunk_size=chunk_size,
         precision=prec,
         sums=prec is not None,
     )
-    y = poison(y[:, :, 0], y_bad)
-    final = poison(final, final_bad)
-    return skip_and_gate(y.astype(acc), x_in, D, z).astype(x.dtype), final.astype(initial_state.dtype)
+    return y[:, :, 0], final
 
 
 def step(x_t, dt_t, A, B_t, C_t, state, D, z_t):

@@ -26,8 +26,8 @@ that backward; bytes: `x`, `B`, `C` once per pass, the `[b, c, h, P, N]` float32
 add `2·Q³` FLOPs forward and `4·Q³` backward per chunk and head (`_segment_sums`).
 
 `Layout.forward` runs stages 2-4 in turn (a backend may fuse them). **Non-finite input**
-(`chunks.guard`): the kernels take non-finite values as 0; NaN is put where the sequential
-recurrence is non-finite (never earlier in time, never in another segment). Products take
+(`chunks.guard`, through `chunks.layer` only where an input is not finite): the kernels take
+non-finite values as 0; NaN is put where the sequential recurrence is non-finite (never earlier in time, never in another segment). Products take
 float32 operands into float32 (TF32 for 16-bit inputs on GPU: `Layout.precision_16bit`; bf16
 operands missed the oracle rule); `x`, `B`, `C` as `[batch, heads|groups, length, P|N]`.
 
@@ -53,7 +53,7 @@ from jax.experimental import pallas as pl
 
 from axkern.core import kernels
 
-from .chunks import guard, poison, segment_starts, skip_and_gate
+from .chunks import layer
 from .chunks import recurrence as _recurrence
 from .chunks import recurrence_bwd as _recurrence_bwd
 
@@ -430,24 +430,22 @@ def scan(layout, x, a, scale, B, C, seg, initial_state, *, chunk_size, interpret
 
 
 def ssd(layout, x, dt, A, B, C, D, z, segment_ids, initial_state, *, chunk_size, interpret):
-    """The SSD layer through the kernels above (`scan` with `a = dt A` and scale `dt`)."""
-    acc = jnp.promote_types(x.dtype, jnp.float32)
-    batch, length, _, _ = x.shape
-    x_in, segment_ids = x, segment_starts(segment_ids, batch, length)
-    (x, dt, A, B, C, initial_state), y_bad, final_bad = guard(x, dt, A, B, C, segment_ids, initial_state)
-    dt = dt.astype(acc)
-    y, final = scan(
-        layout,
+    """The SSD layer through the kernels above (`scan` with `a = dt A` and scale `dt`; the
+    non-finite guard, `D` and the gate by `chunks.layer`)."""
+    return layer(
+        functools.partial(_ssd_scan, layout, chunk_size, interpret),
         x,
-        dt * A.astype(acc),
         dt,
+        A,
         B,
         C,
+        D,
+        z,
         segment_ids,
         initial_state,
-        chunk_size=chunk_size,
-        interpret=interpret,
     )
-    y = poison(y, y_bad)
-    final = poison(final, final_bad)
-    return skip_and_gate(y.astype(acc), x_in, D, z).astype(x.dtype), final.astype(initial_state.dtype)
+
+
+def _ssd_scan(layout, chunk_size, interpret, x, dt, A, B, C, seg, initial_state):
+    a = dt * A.astype(dt.dtype)
+    return scan(layout, x, a, dt, B, C, seg, initial_state, chunk_size=chunk_size, interpret=interpret)
