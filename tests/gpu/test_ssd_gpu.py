@@ -198,3 +198,38 @@ def test_mosaic_gpu_fused_forward_equals_the_stages(dims, boundaries):
     close(states_in, states_want, 1e-5, "states entering the chunks")
     close(final, final_want, 1e-5, "final state")
     close(y, y_want, 1e-5, "y")
+
+
+@pytest.mark.skipif(not _hopper(), reason="the Mosaic GPU kernels need a Hopper GPU")
+@pytest.mark.parametrize("where", ["x", "dt", "B", "C", "initial_state"])
+def test_mosaic_gpu_puts_nan_where_xla_does(where):
+    # a NaN input takes the guarded layer (finite inputs take the kernels alone): the output,
+    # final state and every gradient are NaN in the same places as `xla`'s (the same guard over
+    # the plain-JAX chunks), and the finite values agree
+    import jax.numpy as jnp
+    import numpy as np
+
+    arrays, seg = make(0, 1, 300, 4, 64, 1, 128, "bfloat16", extras=False)
+    arrays["initial_state"] = jax.random.normal(jax.random.PRNGKey(1), (1, 4, 64, 128))
+    index = {"x": (0, 150, 1, 3), "dt": (0, 150, 2), "B": (0, 150, 0, 5), "C": (0, 150, 0, 5)}
+    index["initial_state"] = (0, 1, 3, 5)
+    arrays[where] = arrays[where].at[index[where]].set(jnp.nan)
+
+    def f(impl):
+        def loss(a):
+            y, final = ssd(**a, segment_ids=seg, return_final_state=True, implementation=impl)
+            cos = jnp.cos(jnp.arange(y.size, dtype=jnp.float32).reshape(y.shape))
+            return jnp.sum(y.astype(jnp.float32) * cos) + jnp.sum(final), (y, final)
+
+        return jax.jit(jax.grad(loss, has_aux=True))(arrays)
+
+    got, want = f("mosaic_gpu"), f("xla")
+    nans = 0
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
+        np.testing.assert_array_equal(np.isnan(g), np.isnan(w))
+        nans += np.isnan(g).sum()
+        ok = ~np.isnan(w)
+        if ok.any():
+            np.testing.assert_allclose(g[ok], w[ok], atol=0.05 * np.abs(w[ok]).max())
+    assert nans > 0
