@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -152,51 +150,25 @@ def layer(scan, x, dt, A, B, C, D, z, segment_ids, initial_state):
     `guard`'s clean inputs with NaN put where the recurrence is non-finite; then `D` and the
     gate. The guard's masks and wheres (a running maximum over the length of `[b, L, H, P]`
     values, a select on every output and, backward, on every gradient) cost more than the scan's
-    own kernels' forward at the Mamba-2 sizes; here they run only where an input is not finite
-    (`where_finite`). `scan` must not close over traced values."""
+    own kernels' forward at the Mamba-2 sizes; here they run only where an input is not finite."""
     acc = jnp.promote_types(x.dtype, jnp.float32)
     batch, length, _, _ = x.shape
     seg = segment_starts(segment_ids, batch, length)
 
-    def finish(y, final, x, D, z):
-        return skip_and_gate(y.astype(acc), x, D, z).astype(x.dtype), final.astype(initial_state.dtype)
-
-    def fast(checked, rest, seg):
+    def fast(checked, seg):
         x, dt, A, B, C, initial_state = checked
-        return finish(*scan(x, dt.astype(acc), A, B, C, seg, initial_state), x, *rest)
+        return scan(x, dt.astype(acc), A, B, C, seg, initial_state)
 
-    def safe(checked, rest, seg):
-        (xc, dt, A, B, C, initial_state), y_bad, final_bad = guard(*checked[:5], seg, checked[5])
-        y, final = scan(xc, dt.astype(acc), A, B, C, seg, initial_state)
-        return finish(poison(y, y_bad), poison(final, final_bad), checked[0], *rest)
+    def safe(checked, seg):
+        (x, dt, A, B, C, initial_state), y_bad, final_bad = guard(*checked[:5], seg, checked[5])
+        y, final = scan(x, dt.astype(acc), A, B, C, seg, initial_state)
+        return poison(y, y_bad), poison(final, final_bad)
 
-    return where_finite(fast, safe, (x, dt, A, B, C, initial_state), (D, z), seg)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def where_finite(fast, safe, checked, rest, ints):
-    """`fast(checked, rest, ints)` where every value of `checked` is finite, else `safe(checked,
-    rest, ints)` (the two agree on finite inputs); `ints` take no cotangent. The forward's
-    residuals are `fast`'s; `safe`'s backward is recomputed where an input was not finite."""
-    return lax.cond(
-        all_finite(*checked), lambda: fast(checked, rest, ints), lambda: safe(checked, rest, ints)
-    )
-
-
-def _where_finite_fwd(fast, safe, checked, rest, ints):
-    ok = all_finite(*checked)
-    out, pull = jax.vjp(lambda c, r: fast(c, r, ints), checked, rest)
-    out = lax.cond(ok, lambda: out, lambda: safe(checked, rest, ints))
-    return out, (pull, ok, checked, rest, ints)
-
-
-def _where_finite_bwd(fast, safe, res, d_out):
-    pull, ok, checked, rest, ints = res
-
-    def recompute(d_out):
-        return jax.vjp(lambda c, r: safe(c, r, ints), checked, rest)[1](d_out)
-
-    return (*lax.cond(ok, pull, recompute, d_out), None)
-
-
-where_finite.defvjp(_where_finite_fwd, _where_finite_bwd)
+    # autodiff through the conditional: the forward keeps both branches' residuals in shared slots
+    # (those of the same shape; the guard's masks, the guarded branch's alone, are zeros when the
+    # inputs are finite) and the backward takes the same branch, with no recomputation. `D` and
+    # the gate stay outside: a residual the branches forward from their operands (`x`, `z`) would
+    # be copied out of the conditional
+    checked = (x, dt, A, B, C, initial_state)
+    y, final = lax.cond(all_finite(*checked), fast, safe, checked, seg)
+    return skip_and_gate(y.astype(acc), x, D, z).astype(x.dtype), final.astype(initial_state.dtype)
