@@ -1,11 +1,15 @@
-"""SSD's `mosaic_gpu` forward in three stages against the fused kernel, on one GPU: forward and
-forward+backward (random cotangent) of the Mamba-2 2.7B layer at each length, timed in
-shuffled rounds (`bench.time_rounds`), with the largest difference between the two forms'
-outputs and gradients relative to their largest magnitude.
+"""Two of SSD's `mosaic_gpu` forms against each other on one GPU (by default the forward in
+three stages against the fused kernel): forward and forward+backward (random cotangent) of the
+Mamba-2 2.7B layer at each length, timed in shuffled rounds (`bench.time_rounds`), with the
+largest difference between the two forms' outputs and gradients relative to their largest
+magnitude. Forms: `stages`, `fused`, `fused_group_sums` (the fused forward, `dB` and `dC`
+summed in the backward kernels).
 
     OUT=<folder> python3 benchmarks/ssd_mosaic_forward.py [--lengths 2048,4096,16384] [--rounds 5]
+        [--forms stages,fused]
 
-writes `$OUT/sweep_mosaic_forward.json`.
+writes `$OUT/sweep_mosaic_forward.json` (`--forms fused,fused_group_sums`:
+`sweep_mosaic_group_sums.json`).
 """
 
 from __future__ import annotations
@@ -26,14 +30,24 @@ from axkern.ops.ssd import SSDBlockSizes
 from axkern.ops.ssd.arg_specs import case
 from axkern.positional import ssd
 
+FORMS = {
+    "stages": SSDBlockSizes(chunk_size=64, forward="stages"),
+    "fused": SSDBlockSizes(chunk_size=64, forward="fused"),
+    "fused_group_sums": SSDBlockSizes(chunk_size=64, forward="fused", group_sums="kernels"),
+}
+
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--lengths", default="4096")
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--forms", default="stages,fused", help="the base form, then the one timed against it")
     a = p.parse_args()
+    base, new = a.forms.split(",")
+    forms = (base, new)
     out = {
-        "command": f"OUT=<folder> python3 benchmarks/ssd_mosaic_forward.py --lengths {a.lengths} --rounds {a.rounds}",
+        "command": f"OUT=<folder> python3 benchmarks/ssd_mosaic_forward.py --lengths {a.lengths} --rounds {a.rounds}"
+        + ("" if a.forms == "stages,fused" else f" --forms {a.forms}"),
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "jax": jax.__version__,
         "device": jax.devices()[0].device_kind,
@@ -45,7 +59,7 @@ def main() -> None:
         ct = jax.random.normal(jax.random.PRNGKey(7), args[0].shape, jnp.float32).astype(args[0].dtype)
 
         def forward(form):
-            blocks = SSDBlockSizes(chunk_size=64, forward=form)
+            blocks = FORMS[form]
             return lambda x, dt, A, B, C: ssd(
                 x, dt, A, B, C, dt_softplus=True, implementation="mosaic_gpu", block_sizes=blocks
             )
@@ -59,13 +73,13 @@ def main() -> None:
 
             return run
 
-        fns = {(form, "fwd"): jax.jit(forward(form)) for form in ("stages", "fused")}
-        fns |= {(form, "fwd+bwd"): jax.jit(both(form)) for form in ("stages", "fused")}
+        fns = {(form, "fwd"): jax.jit(forward(form)) for form in forms}
+        fns |= {(form, "fwd+bwd"): jax.jit(both(form)) for form in forms}
         diff = {}
         for pass_ in ("fwd", "fwd+bwd"):
             fn_args = args if pass_ == "fwd" else (ct, *args)
-            got = jax.tree.leaves(fns["fused", pass_](*fn_args))
-            want = jax.tree.leaves(fns["stages", pass_](*fn_args))
+            got = jax.tree.leaves(fns[new, pass_](*fn_args))
+            want = jax.tree.leaves(fns[base, pass_](*fn_args))
             diff[pass_] = max(
                 float(np.abs(np.asarray(g, np.float64) - np.asarray(w, np.float64)).max())
                 / max(float(np.abs(np.asarray(w, np.float64)).max()), 1e-30)
@@ -73,15 +87,15 @@ def main() -> None:
             )
         for pass_ in ("fwd", "fwd+bwd"):
             fn_args = args if pass_ == "fwd" else (ct, *args)
-            keyed = {form: fns[form, pass_] for form in ("stages", "fused")}
+            keyed = {form: fns[form, pass_] for form in forms}
             samples, medians = bench.time_rounds(keyed, fn_args, rounds=a.rounds)
-            ratio = statistics.median(f / s for f, s in zip(medians["fused"], medians["stages"], strict=True))
+            ratio = statistics.median(f / s for f, s in zip(medians[new], medians[base], strict=True))
             row = {
                 "case": c.label,
                 "pass": pass_,
-                "stages_ms": statistics.median(medians["stages"]),
-                "fused_ms": statistics.median(medians["fused"]),
-                "fused_over_stages": ratio,
+                f"{base}_ms": statistics.median(medians[base]),
+                f"{new}_ms": statistics.median(medians[new]),
+                f"{new}_over_{base}": ratio,
                 "max_rel_diff": diff[pass_],
                 "samples_ms": {form: samples[form] for form in keyed},
             }
@@ -89,7 +103,8 @@ def main() -> None:
             out["rows"].append(row)
     folder = Path(os.environ.get("OUT", "."))
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "sweep_mosaic_forward.json").write_text(json.dumps(out, indent=1) + "\n")
+    name = "sweep_mosaic_forward" if a.forms == "stages,fused" else "sweep_mosaic_group_sums"
+    (folder / f"{name}.json").write_text(json.dumps(out, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -51,10 +51,10 @@ def _hopper() -> bool:
 
 
 @pytest.mark.skipif(not _hopper(), reason="the Mosaic GPU kernels need a Hopper GPU")
-@pytest.mark.parametrize("forward", ["stages", "fused"])
+@pytest.mark.parametrize("forward,group_sums", [("stages", None), ("fused", None), ("fused", "kernels")])
 @pytest.mark.parametrize("segments,slow", [(False, False), (True, False), (False, True)])
 @pytest.mark.parametrize("dims", MOSAIC_DIMS)
-def test_mosaic_gpu_against_oracle(segments, slow, dims, forward):
+def test_mosaic_gpu_against_oracle(segments, slow, dims, forward, group_sums):
     from axkern.ops.ssd import SSDBlockSizes
 
     dtype = "bfloat16"  # fp16 goes to pallas_gpu (mosaic_gpu.supports says why)
@@ -64,7 +64,7 @@ def test_mosaic_gpu_against_oracle(segments, slow, dims, forward):
     arrays, seg = make(0, *dims, dtype, segments=segments)
     if slow:
         arrays["A"] = arrays["A"] / 100
-    blocks = SSDBlockSizes(chunk_size=64, forward=forward)
+    blocks = SSDBlockSizes(chunk_size=64, forward=forward, group_sums=group_sums)
     check_rule(
         lambda name, a: run(name, a, seg) if name == "reference" else run(name, a, seg, block_sizes=blocks),
         "mosaic_gpu",
@@ -233,3 +233,27 @@ def test_mosaic_gpu_non_finite_rule(where):
         g, w = got_grads[name], want_grads[name]
         missing = np.isnan(w) & ~np.isnan(g)
         assert not missing.any(), f"d{name}: {missing.sum()} numbers where the recurrence's gradient is NaN"
+
+
+@pytest.mark.skipif(not _hopper(), reason="the Mosaic GPU kernels need a Hopper GPU")
+@pytest.mark.parametrize("dims", MOSAIC_DIMS)
+def test_mosaic_gpu_group_sums_in_the_kernels_equal_xla_sums(dims):
+    # dB and dC added into each group's rows by the kernels' TMA reductions against the per-head
+    # outputs summed by XLA: the same up to the order of the float32 additions; every other
+    # output and gradient as good as the same
+    import numpy as np
+
+    from axkern.ops.ssd import SSDBlockSizes
+
+    arrays, seg = make(0, *dims, "bfloat16", segments=True)
+    got, want = (
+        run("mosaic_gpu", arrays, seg, block_sizes=SSDBlockSizes(64, forward="fused", group_sums=sums))
+        for sums in ("kernels", "xla")
+    )
+    names = sorted(arrays)
+    for part, labels in ((0, ["y", "final"]), (1, names)):
+        for name, g, w in zip(labels, jax.tree.leaves(got[part]), jax.tree.leaves(want[part]), strict=True):
+            g, w = np.asarray(g, np.float64), np.asarray(w, np.float64)
+            # dB, dC: bf16 gradients, whose rounding the order of the sums may move by one step
+            rtol = 2.0**-7 if name in ("B", "C") else 0.0
+            np.testing.assert_allclose(g, w, rtol=rtol, atol=1e-6 * np.abs(w).max(), err_msg=name)

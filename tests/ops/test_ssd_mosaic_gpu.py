@@ -7,6 +7,7 @@ and every gradient, and the dispatcher skips it off Hopper with the reason."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 
 import jax
@@ -53,6 +54,22 @@ def test_each_kernel_lowers_for_cuda(kernel, dims):
     fn = getattr(mosaic_gpu, kernel)
     text = jax.jit(fn).trace(*_kernel_args(kernel, *dims)).lower(lowering_platforms=("cuda",)).as_text()
     assert _kernels(text) == 1
+
+
+@needs_mosaic
+@pytest.mark.parametrize("kernel", ["chunk_state_bwd", "chunk_scan_bwd"])
+@pytest.mark.parametrize("dims", [(2, 4, 2, 3, 64, 128), (1, 2, 1, 2, 128, 64)])
+def test_the_backward_kernels_lower_with_group_sums(kernel, dims):
+    # dB (and dC) added into each group's rows: the outputs are [b, g, L, N], the buffers of the
+    # zeros passed in (aliased)
+    fn = functools.partial(getattr(mosaic_gpu, kernel), group_sums=True)
+    args = _kernel_args(kernel, *dims)
+    b, h, g, chunks, p, n = dims
+    outs = jax.eval_shape(fn, *args)
+    assert outs[2 if kernel == "chunk_state_bwd" else 5].shape == (b, g, chunks * mosaic_gpu.CHUNK, n)
+    text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert _kernels(text) == 1
+    assert text.count("stablehlo.output_operand_alias<") == (1 if kernel == "chunk_state_bwd" else 2)
 
 
 @needs_mosaic
@@ -163,6 +180,13 @@ def test_dispatch_skips_it_off_hopper_with_the_reason():
                 **arrays, implementation=impl, block_sizes=SSDBlockSizes(16, forward="fused")
             )
     assert "forward must be one of" in SSDBlockSizes(64, forward="one").validate(spec)
+    # dB and dC summed in the kernels: mosaic_gpu only (the others refuse it by name)
+    for impl in ("xla", "pallas_gpu"):
+        with pytest.raises(axkern.Unsupported, match="only mosaic_gpu sums dB and dC"):
+            axkern.positional.ssd(
+                **arrays, implementation=impl, block_sizes=SSDBlockSizes(16, group_sums="kernels")
+            )
+    assert "group_sums must be one of" in SSDBlockSizes(64, group_sums="atomic").validate(spec)
     assert mosaic_gpu.fused_smem_bytes(128, 64) <= 227 * 1024
     # explain names the kernels of the form chosen
     kernels = OP.implementations["mosaic_gpu"].backward

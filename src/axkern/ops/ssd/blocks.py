@@ -43,12 +43,19 @@ class SSDBlockSizes(BlockSizes):
     """`chunk_size`: positions per chunk (a power of two); the length need not be a multiple.
     `forward` (`mosaic_gpu` only): `"stages"` (the chunk states, the recurrence and the chunk
     outputs as three kernels; None means this) or `"fused"` (one kernel per batch row and head
-    walking its chunks, `mosaic_gpu/forward.py`)."""
+    walking its chunks, `mosaic_gpu/forward.py`). `group_sums` (`mosaic_gpu` only): where the
+    backward sums `dB` and `dC` over each group's heads: `"xla"` (the kernels write them per
+    head, float32; None means this) or `"kernels"` (the kernels add each head's tiles into the
+    group's rows by TMA reductions: no per-head arrays, the additions' order free)."""
 
-    choices: ClassVar[Mapping[str, tuple[str, ...]]] = {"forward": ("stages", "fused")}
+    choices: ClassVar[Mapping[str, tuple[str, ...]]] = {
+        "forward": ("stages", "fused"),
+        "group_sums": ("xla", "kernels"),
+    }
 
     chunk_size: int = 64
     forward: str | None = None
+    group_sums: str | None = None
 
     def check(self, spec):
         if self.chunk_size & (self.chunk_size - 1):
@@ -57,9 +64,12 @@ class SSDBlockSizes(BlockSizes):
 
 
 def stages_only(block_sizes: SSDBlockSizes) -> None:
-    """Refuse the fused forward (an implementation other than `mosaic_gpu` has none)."""
+    """Refuse `mosaic_gpu`'s forms: the fused forward, group sums in the kernels (an
+    implementation other than `mosaic_gpu` has neither)."""
     if block_sizes.forward == "fused":
         raise Unsupported('forward="fused": only mosaic_gpu has a fused forward')
+    if block_sizes.group_sums == "kernels":
+        raise Unsupported('group_sums="kernels": only mosaic_gpu sums dB and dC in its kernels')
 
 
 def bucket(spec: Spec) -> dict:
@@ -117,5 +127,6 @@ def mosaic_gpu_heuristic(spec: Spec) -> SSDBlockSizes:
 
 
 def mosaic_gpu_space(spec: Spec) -> list[SSDBlockSizes]:
-    """The forward fused and in stages (`axkern tune` times both)."""
+    """The forward fused and in stages (`axkern tune` times both; `group_sums="kernels"` joins
+    them once it has run on a GPU)."""
     return [mosaic_gpu_heuristic(spec), SSDBlockSizes(chunk_size=64, forward="stages")]

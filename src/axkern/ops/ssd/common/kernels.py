@@ -319,6 +319,11 @@ class Layout:
         kernel = functools.partial(_scan_bwd_kernel, sums=sums)
         return self(kernel, [self.rows(p), *specs], outs, dy.astype(jnp.float32), *args)
 
+    def sum_groups(self, db_scan, db_state, dc):
+        """`dB`, `dC` per group (`[b, g, L, N]`) from the backward kernels' per-head outputs."""
+        per_group = lambda a: a.reshape(self.batch, -1, self.rep, self.lp, self.n).sum(2)  # noqa: E731
+        return per_group(db_scan + db_state), per_group(dc)
+
     def dot(self, a, b, dtype=None, *, trans_a=False, trans_b=False):
         return kernels.dot(a, b, dtype, trans_a=trans_a, trans_b=trans_b, precision=self.precision)
 
@@ -370,7 +375,6 @@ def _core_bwd(cfg, res, cotangents):
     xt, ac, scale, bt, ct, sc, states_in = res
     dy, d_final = cotangents
     k = layout(xt, bt, q=q, interpret=interpret, products=products)
-    n = k.n
     col, row = k.from_col, k.from_row  # back to [b, h, c, Q]
     (cum, w, f, keep), pull_weights = jax.vjp(lambda ac, scale: _weights(ac, scale, sc), ac, scale)
     sums = _uses_segment_sums(products or xt.dtype)
@@ -386,13 +390,13 @@ def _core_bwd(cfg, res, cotangents):
     else:
         d_ac, d_scale = pull_weights((col(dcum) - row(dcum_row), col(dw), col(df), d_keep))
     d_scale = d_scale + col(ddt)
-    per_group = lambda a: a.reshape(k.batch, -1, k.rep, k.lp, n).sum(2)  # noqa: E731 - heads -> groups
+    db, dc = k.sum_groups(db_scan, db_state, dc)
     return (
         (dx_scan + dx_state).astype(xt.dtype),
         d_ac.astype(ac.dtype),
         d_scale.astype(scale.dtype),
-        per_group(db_scan + db_state).astype(bt.dtype),
-        per_group(dc).astype(ct.dtype),
+        db.astype(bt.dtype),
+        dc.astype(ct.dtype),
         None,
         d_init.astype(jnp.float32),
     )

@@ -11,7 +11,14 @@ are XLA's and `pallas_gpu`'s Triton kernels (`common/kernels.py` has the stages,
 
 **The fused forward** (`SSDBlockSizes(forward="fused")`, `forward.py`): stages 2 to 4 as one
 kernel per (batch row, head) walking its chunks, the state carried in registers, so the own
-states never cross memory; in `mosaic_gpu`'s tuning space, not its default until timed.
+states never cross memory; the default (`blocks.mosaic_gpu_heuristic` has the timing),
+`forward="stages"` the three stages.
+
+**Group sums** (`SSDBlockSizes(group_sums="kernels")`): the two backward kernels add each
+head's `dB` (and `dC`) tile into its group's rows by TMA reductions (`copy_smem_to_gmem(...,
+reduction_op="add")`) into zeros passed in and aliased to the output (`pallas_call`, as
+`plgpu.kernel` takes no aliases), where otherwise they write `[b, h, L, N]` float32 per head
+for XLA to sum; not yet run on a GPU (lowered in CI), so not the default.
 
 **The state kernel.** TMA copies the chunk's `B` rows (`[64, N]`); `x` (`[64, P]`) is read into
 registers, scaled by `w` per row and stored as two 16-bit halves (`w ∘ x = hi + lo`, what the
@@ -67,6 +74,8 @@ Bytes: `x`, `B`, `C` rows once a kernel, the float32 state `P·N·4` written (st
 """
 
 from __future__ import annotations
+
+import functools
 
 from axkern.core import backend
 from axkern.core.op import Unsupported
@@ -142,13 +151,20 @@ class MosaicLayout(GpuLayout):
         )
 
     def chunk_state_bwd(self, xt, w, bt, d_own):
-        return chunk_state_bwd(xt, self.to_col(w), bt, d_own)
+        return chunk_state_bwd(xt, self.to_col(w), bt, d_own, group_sums=self.group_sums)
 
     def chunk_scan_bwd(self, dy, xt, scale, cum, ac, f, sc, bt, ct, states_in, *, sums):
         if sums:
             raise Unsupported("the Mosaic GPU kernels take 16-bit inputs, whose decay is cum_t - cum_s")
-        to_col = self.to_col
-        return chunk_scan_bwd(dy, xt, to_col(scale), to_col(cum), to_col(f), to_col(sc), bt, ct, states_in)
+        c = self.to_col
+        args = (dy, xt, c(scale), c(cum), c(f), c(sc), bt, ct, states_in)
+        return chunk_scan_bwd(*args, group_sums=self.group_sums)
+
+    # `dB`, `dC` summed over each group's heads in XLA, or (`group_sums`) in the kernels
+    group_sums = False
+
+    def sum_groups(self, db_scan, db_state, dc):
+        return (db_scan + db_state, dc) if self.group_sums else super().sum_groups(db_scan, db_state, dc)
 
 
 class FusedMosaicLayout(MosaicLayout):
@@ -173,7 +189,14 @@ def ssd(x, dt, A, B, C, D, z, segment_ids, initial_state, *, block_sizes, interp
     reason = dims_reason(x.shape[-1], B.shape[-1])
     if reason:
         raise Unsupported(reason)
-    layout = FusedMosaicLayout if block_sizes.forward == "fused" else MosaicLayout
+    layout = _layout(block_sizes.forward == "fused", block_sizes.group_sums == "kernels")
     return chunk_kernels.ssd(
         layout, x, dt, A, B, C, D, z, segment_ids, initial_state, chunk_size=CHUNK, interpret=False
     )
+
+
+@functools.cache
+def _layout(fused: bool, group_sums: bool) -> type[MosaicLayout]:
+    """The layout for the forward's form and where `dB`, `dC` are summed."""
+    base = FusedMosaicLayout if fused else MosaicLayout
+    return type(f"{base.__name__}GroupSums", (base,), {"group_sums": True}) if group_sums else base

@@ -118,7 +118,9 @@ def _decay(cum_t, cum_s, seg_t, seg_s):
     return jnp.exp(jnp.where(visible, on_rows(cum_t) - on_cols(cum_s), -jnp.inf)), on_cols
 
 
-def _scan_kernel(x_ref, dt_ref, cum_ref, f_ref, seg_ref, b_ref, c_ref, s_ref, y_ref, scoped, *, rep, dtype):
+def _scan_kernel(
+    x_ref, dt_ref, cum_ref, f_ref, seg_ref, b_ref, c_ref, s_ref, y_ref, scoped, *, rep, dtype, add
+):
     (c_smem, b_smem, x_smem, s16_smem, y_smem), loaded = scoped
     chunk, head, batch = lax.axis_index("chunks"), lax.axis_index("heads"), lax.axis_index("batch")
     q, p = x_smem.shape
@@ -167,7 +169,7 @@ def _chunk_output(c_smem, b_smem, x_smem, s16_smem, cum_t, cum_s, dt_s, f_t, seg
     return y + inc * lax.broadcast_in_dim(f_t, (q, p), [0])
 
 
-def _state_kernel(x_ref, w_ref, b_ref, own_ref, scoped, *, rep, dtype):
+def _state_kernel(x_ref, w_ref, b_ref, own_ref, scoped, *, rep, dtype, add):
     (b_smem, xh_smem, xl_smem, own_smem), loaded = scoped
     chunk, head, batch = lax.axis_index("chunks"), lax.axis_index("heads"), lax.axis_index("batch")
     q = b_smem.shape[0]
@@ -219,28 +221,49 @@ def chunk_scan(xt, dt, cum, f, seg, bt, ct, states_in):
     return launch(xt, dt, cum, f, seg.astype(jnp.int32), bt, ct, states_in)
 
 
-def _launch(kind, body, out_type, xt, bt, barrier):
+def _launch(kind, body, out_type, xt, bt, barrier, *, into=None):
     """The Mosaic GPU kernel `body` of `kind` ("state", "scan", ...) over the grid (batch, heads,
     chunks), the chunks on CUDA's x axis (the others take at most 65535), with `_scratch(kind)`
-    and `barrier` in shared memory; `rep` heads a group of `bt`."""
+    and `barrier` in shared memory; `rep` heads a group of `bt`. `into` (`{output index: input
+    index}`): those outputs are their inputs' buffers (zeros the body adds into; the body sees
+    only the output), through `pallas_call`, as `plgpu.kernel` takes no aliases."""
     b, h, lp, p = xt.shape
     g, n = bt.shape[1], bt.shape[-1]
+    skip = set((into or {}).values())
 
     def entry(*refs):
+        refs = [r for i, r in enumerate(refs) if i not in skip]
         pl.run_scoped(
-            lambda *scoped: body(*refs, scoped, rep=h // g, dtype=xt.dtype),
+            lambda *scoped: body(*refs, scoped, rep=h // g, dtype=xt.dtype, add=bool(into)),
             _scratch(kind, p, n, xt.dtype),
             barrier,
         )
 
-    return plgpu.kernel(
-        entry,
-        out_type=out_type,
-        grid=(b, h, lp // CHUNK),
-        grid_names=("batch", "heads", "chunks"),
-        compiler_params=_params(),
-        kernel_name=f"axkern_ssd_mosaic_gpu_{kind}",
-    )
+    name = f"axkern_ssd_mosaic_gpu_{kind}"
+    if not into:
+        return plgpu.kernel(
+            entry,
+            out_type=out_type,
+            grid=(b, h, lp // CHUNK),
+            grid_names=("batch", "heads", "chunks"),
+            compiler_params=_params(),
+            kernel_name=name,
+        )
+    gmem = pl.BlockSpec(memory_space=plgpu.GMEM)
+
+    def call(*args):
+        return pl.pallas_call(
+            entry,
+            out_shape=out_type,
+            grid=(("batch", b), ("heads", h), ("chunks", lp // CHUNK)),
+            in_specs=[gmem] * len(args),
+            out_specs=[gmem] * len(out_type),
+            input_output_aliases={i: o for o, i in into.items()},
+            compiler_params=_params(),
+            name=name,
+        )(*args)
+
+    return call
 
 
 def _halves(a, dtype):
@@ -283,7 +306,10 @@ def _scan_bwd_kernel(
     *,
     rep,
     dtype,
+    add,
 ):
+    """`add`: `dB`, `dC` added by TMA reductions into the head's group's rows (`[b, g, L, N]`)
+    rather than stored per head."""
     (c_smem, b_smem, x_smem, sh_smem, sl_smem, ah_smem, al_smem, mh_smem, ml_smem, *outs), loaded = scoped
     dx_smem, dbc_smem, ds_smem, vec_smem = outs
     batch, head, chunk = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("chunks")
@@ -319,11 +345,14 @@ def _scan_bwd_kernel(
     for i in range(3):
         plgpu.barrier_wait(loaded.at[i])
 
-    def put(smem, value, ref):
+    def put(smem, value, ref, reduction_op=None):
         """`value` out through `smem` by TMA (the copy left in flight)."""
         smem[...] = value
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(smem, ref)
+        plgpu.copy_smem_to_gmem(smem, ref, reduction_op=reduction_op)
+
+    per_group = (batch, group, rows) if add else (batch, head, rows)
+    summed = "add" if add else None
 
     # each result leaves as soon as it is formed (fewer registers live at once): df first
     inc = _products((q, p), [(c_smem, sh_smem, True), (c_smem, sl_smem, True)])  # C S_inᵀ
@@ -372,34 +401,42 @@ def _scan_bwd_kernel(
             (al_smem, sh_smem, False),
         ],
     )
-    put(dbc_smem, dc, dc_ref.at[batch, head, rows])
+    put(dbc_smem, dc, dc_ref.at[per_group], summed)
     db = _products(
         (q, n), [(mh_smem.transpose((1, 0)), c_smem, False), (ml_smem.transpose((1, 0)), c_smem, False)]
     )
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # dC has left the staging tile
-    put(dbc_smem, db, db_ref.at[batch, head, rows])
+    put(dbc_smem, db, db_ref.at[per_group], summed)
     for i, ref in enumerate((ddt_ref, dcum_ref, df_ref, dcum_row_ref)):
         plgpu.copy_smem_to_gmem(vec_smem.at[i], ref.at[batch, head, rows])
     plgpu.wait_smem_to_gmem(0)
 
 
-def chunk_scan_bwd(dy, xt, dt, cum, f, seg, bt, ct, states_in):
+def chunk_scan_bwd(dy, xt, dt, cum, f, seg, bt, ct, states_in, *, group_sums=False):
     """Stage 4's backward by the Mosaic GPU kernel: `(dx [b, h, L, P], ddt, dcum, dcum_row, df
     [b, h, L], dB, dC [b, h, L, N], dS_in [b, c, h, P, N])`, float32, per head, from the
     cotangent `dy [b, h, L, P]` (float32) and `chunk_scan`'s arguments. `dcum` holds each row's
-    sum of `dM ∘ M` and `dcum_row` each column's (`common/kernels.py`'s backward)."""
+    sum of `dM ∘ M` and `dcum_row` each column's (`common/kernels.py`'s backward). `group_sums`:
+    `dB`, `dC` per group (`[b, g, L, N]`), each head's tiles added by TMA reductions (the order
+    of the additions, and so the last bits, may vary between runs)."""
     _check_operands(xt, bt, ct)
     b, h, lp, p = xt.shape
-    n, f32 = bt.shape[-1], jnp.float32
-    rows = lambda d: jax.ShapeDtypeStruct((b, h, lp, d), f32)  # noqa: E731
+    g, n, f32 = bt.shape[1], bt.shape[-1], jnp.float32
+    rows = lambda d, heads=h: jax.ShapeDtypeStruct((b, heads, lp, d), f32)  # noqa: E731
     vector = jax.ShapeDtypeStruct((b, h, lp), f32)
     states = jax.ShapeDtypeStruct((b, lp // CHUNK, h, p, n), f32)
-    out = (rows(p), vector, vector, vector, vector, rows(n), rows(n), states)
-    launch = _launch("scan_bwd", _scan_bwd_kernel, out, xt, bt, plgpu.Barrier(num_barriers=3))
-    return launch(dy.astype(f32), xt, dt, cum, f, seg.astype(jnp.int32), bt, ct, states_in)
+    bc = rows(n, g if group_sums else h)
+    out = (rows(p), vector, vector, vector, vector, bc, bc, states)
+    args = [dy.astype(f32), xt, dt, cum, f, seg.astype(jnp.int32), bt, ct, states_in]
+    into = {5: 9, 6: 10} if group_sums else None
+    if group_sums:
+        args += [jnp.zeros(bc.shape, f32), jnp.zeros(bc.shape, f32)]
+    launch = _launch("scan_bwd", _scan_bwd_kernel, out, xt, bt, plgpu.Barrier(num_barriers=3), into=into)
+    return launch(*args)
 
 
-def _state_bwd_kernel(x_ref, w_ref, b_ref, ds_ref, dx_ref, dw_ref, db_ref, scoped, *, rep, dtype):
+def _state_bwd_kernel(x_ref, w_ref, b_ref, ds_ref, dx_ref, dw_ref, db_ref, scoped, *, rep, dtype, add):
+    """`add`: `dB` added by a TMA reduction into the head's group's rows (`[b, g, L, N]`)."""
     (b_smem, dsh_smem, dsl_smem, dx_smem, db_smem, dw_smem), loaded = scoped
     batch, head, chunk = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("chunks")
     q, n = b_smem.shape
@@ -427,21 +464,25 @@ def _state_bwd_kernel(x_ref, w_ref, b_ref, ds_ref, dx_ref, dw_ref, db_ref, scope
     )
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(dx_smem, dx_ref.at[batch, head, rows])
-    plgpu.copy_smem_to_gmem(db_smem, db_ref.at[batch, head, rows])
+    if add:
+        group = lax.div(head, jnp.int32(rep))
+        plgpu.copy_smem_to_gmem(db_smem, db_ref.at[batch, group, rows], reduction_op="add")
+    else:
+        plgpu.copy_smem_to_gmem(db_smem, db_ref.at[batch, head, rows])
     plgpu.copy_smem_to_gmem(dw_smem, dw_ref.at[batch, head, rows])
     plgpu.wait_smem_to_gmem(0)
 
 
-def chunk_state_bwd(xt, w, bt, d_own):
+def chunk_state_bwd(xt, w, bt, d_own, *, group_sums=False):
     """Stage 2's backward by the Mosaic GPU kernel, `dS` (`d_own [b, c, h, P, N]`, float32)
     pulled back through `S = (w ∘ x)ᵀ B`: `(dx [b, h, L, P], dw [b, h, L], dB [b, h, L, N])`,
-    float32, per head; `chunk_state`'s other arguments."""
+    float32, per head; `chunk_state`'s other arguments. `group_sums`: `dB` per group (`[b, g, L,
+    N]`) by TMA reductions, as in `chunk_scan_bwd`."""
     _check_operands(xt, bt)
     b, h, lp, p = xt.shape
     f32 = jnp.float32
-    out = (
-        jax.ShapeDtypeStruct((b, h, lp, p), f32),
-        jax.ShapeDtypeStruct((b, h, lp), f32),
-        jax.ShapeDtypeStruct((b, h, lp, bt.shape[-1]), f32),
-    )
-    return _launch("state_bwd", _state_bwd_kernel, out, xt, bt, plgpu.Barrier())(xt, w, bt, d_own)
+    db = jax.ShapeDtypeStruct((b, bt.shape[1] if group_sums else h, lp, bt.shape[-1]), f32)
+    out = (jax.ShapeDtypeStruct((b, h, lp, p), f32), jax.ShapeDtypeStruct((b, h, lp), f32), db)
+    args = [xt, w, bt, d_own] + ([jnp.zeros(db.shape, f32)] if group_sums else [])
+    into = {2: 4} if group_sums else None
+    return _launch("state_bwd", _state_bwd_kernel, out, xt, bt, plgpu.Barrier(), into=into)(*args)
