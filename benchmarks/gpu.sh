@@ -11,8 +11,8 @@
 # the Mosaic GPU kernels' tests; `attention_mosaic_variants` the forward's forms' tests, then
 # `attention_mosaic_forward_sweep.py --variants`; `ssd_mosaic` the SSD Mosaic GPU kernels' tests,
 # `ssd_mosaic_fused` the fused forward's tests, then
-# benchmarks/ssd_mosaic_forward.py (stages against fused); `ssd_mosaic_group_sums` likewise for dB, dC
-# summed in the kernels; `ssd_mosaic_bench` the layer beside pallas_gpu and the peers; `kernel_times OP PRESET --impl A,B`
+# benchmarks/ssd_mosaic_forward.py (stages against fused); `ssd_mosaic_forms` likewise for dB, dC
+# summed and x, y transposed in the kernels; `ssd_mosaic_bench` the layer beside pallas_gpu and the peers; `kernel_times OP PRESET --impl A,B`
 # benchmarks/kernel_times.py (device time per kernel, through PyTorch's profiler); `attention_mosaic_d256` `attention_mosaic_sweep.py
 # --head-dim-256`;
 # `gpu.sh fused_cross_entropy_dw` runs benchmarks/fused_cross_entropy_dw.py (the reduced loss's
@@ -95,7 +95,7 @@ ssd_mosaic)  # the Mosaic GPU kernels' GPU tests: each kernel against its emulat
   # layer against the oracle (four processes: the oracle runs on the CPU)
   step 150 gpu_tests_ssd_mosaic_kernels $gpu_tests --tb=short tests/gpu/test_ssd_gpu.py -k emulation
   step 300 gpu_tests_ssd_mosaic_gpu env XLA_PYTHON_CLIENT_PREALLOCATE=false $gpu_tests -n 4 --tb=short \
-    tests/gpu/test_ssd_gpu.py -k "mosaic_gpu_against_oracle or group_sums or non_finite_rule or default_is"
+    tests/gpu/test_ssd_gpu.py -k "mosaic_gpu_against_oracle or non_finite_rule or default_is"
   ;;
 ssd_mosaic_fused)  # the fused forward against the stages and the oracle, then timed against them
   step 300 gpu_tests_ssd_mosaic_fused env XLA_PYTHON_CLIENT_PREALLOCATE=false $gpu_tests -n 4 --tb=short \
@@ -106,14 +106,16 @@ ssd_mosaic_fused)  # the fused forward against the stages and the oracle, then t
     echo "sweep_mosaic_forward skipped: the fused forward's tests did not pass" | tee -a "$R/steps.txt"
   fi
   ;;
-ssd_mosaic_group_sums)  # dB and dC summed in the backward kernels against XLA's sums: tests, then timed
-  step 300 gpu_tests_ssd_mosaic_group_sums env XLA_PYTHON_CLIENT_PREALLOCATE=false $gpu_tests -n 4 --tb=short \
-    tests/gpu/test_ssd_gpu.py -k "group_sums"
+ssd_mosaic_forms)  # dB, dC summed and x, y transposed in the kernels, against the plain forms, then timed
+  step 300 gpu_tests_ssd_mosaic_forms env XLA_PYTHON_CLIENT_PREALLOCATE=false $gpu_tests -n 4 --tb=short \
+    tests/gpu/test_ssd_gpu.py -k "forms_equal"
   if [ "$(tail -n 1 "$R/steps.txt" | sed 's/.* rc=\([0-9]*\).*/\1/')" = 0 ]; then
-    step 300 sweep_mosaic_group_sums env OUT="$R" python3 benchmarks/ssd_mosaic_forward.py --lengths 4096,16384 \
-      --forms fused,fused_group_sums
+    for new in fused_group_sums fused_transposes fused_both; do
+      step 150 "sweep_mosaic_$new" env OUT="$R" python3 benchmarks/ssd_mosaic_forward.py --lengths 4096 \
+        --forms "fused,$new"
+    done
   else
-    echo "sweep_mosaic_group_sums skipped: the group sums' tests did not pass" | tee -a "$R/steps.txt"
+    echo "sweep_mosaic_forms skipped: the forms' tests did not pass" | tee -a "$R/steps.txt"
   fi
   ;;
 ssd_mosaic_bench)  # the layer beside pallas_gpu and the peers
@@ -133,7 +135,7 @@ tune)
   ;;
 list) $axkern bench --list-presets ;;
 *)
-  echo "usage: gpu.sh attention|attention_peers|attention_mosaic|attention_mosaic_variants|attention_mosaic_d256|cross_entropy|fused_cross_entropy|fused_cross_entropy_dw|mamba3|moe|moe_ep|short_conv|ssd|ssd_mosaic|ssd_mosaic_fused|ssd_mosaic_group_sums|ssd_mosaic_bench|kernel_times|list, or gpu.sh tune OP [args]"
+  echo "usage: gpu.sh attention|attention_peers|attention_mosaic|attention_mosaic_variants|attention_mosaic_d256|cross_entropy|fused_cross_entropy|fused_cross_entropy_dw|mamba3|moe|moe_ep|short_conv|ssd|ssd_mosaic|ssd_mosaic_fused|ssd_mosaic_forms|ssd_mosaic_bench|kernel_times|list, or gpu.sh tune OP [args]"
   exit 2
   ;;
 esac

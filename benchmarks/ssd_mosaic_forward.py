@@ -3,13 +3,13 @@ three stages against the fused kernel): forward and forward+backward (random cot
 Mamba-2 2.7B layer at each length, timed in shuffled rounds (`bench.time_rounds`), with the
 largest difference between the two forms' outputs and gradients relative to their largest
 magnitude. Forms: `stages`, `fused`, `fused_group_sums` (the fused forward, `dB` and `dC`
-summed in the backward kernels).
+summed in the backward kernels), `fused_transposes` (`x`, `y`, `dy`, `dx` in the caller's layout
+in the kernels), `fused_both`.
 
     OUT=<folder> python3 benchmarks/ssd_mosaic_forward.py [--lengths 2048,4096,16384] [--rounds 5]
         [--forms stages,fused]
 
-writes `$OUT/sweep_mosaic_forward.json` (`--forms fused,fused_group_sums`:
-`sweep_mosaic_group_sums.json`).
+writes `$OUT/sweep_mosaic_forward.json` (other forms: `sweep_mosaic_<base>_<new>.json`).
 """
 
 from __future__ import annotations
@@ -34,6 +34,8 @@ FORMS = {
     "stages": SSDBlockSizes(chunk_size=64, forward="stages"),
     "fused": SSDBlockSizes(chunk_size=64, forward="fused"),
     "fused_group_sums": SSDBlockSizes(chunk_size=64, forward="fused", group_sums="kernels"),
+    "fused_transposes": SSDBlockSizes(chunk_size=64, forward="fused", transposes="kernels"),
+    "fused_both": SSDBlockSizes(chunk_size=64, forward="fused", group_sums="kernels", transposes="kernels"),
 }
 
 
@@ -103,7 +105,7 @@ def main() -> None:
             out["rows"].append(row)
     folder = Path(os.environ.get("OUT", "."))
     folder.mkdir(parents=True, exist_ok=True)
-    name = "sweep_mosaic_forward" if a.forms == "stages,fused" else "sweep_mosaic_group_sums"
+    name = "sweep_mosaic_forward" if a.forms == "stages,fused" else f"sweep_mosaic_{base}_{new}"
     (folder / f"{name}.json").write_text(json.dumps(out, indent=1) + "\n")
 
 

@@ -50,11 +50,15 @@ def _hopper() -> bool:
     return cc is not None and cc[0] == 9
 
 
+# mosaic_gpu's forms: the forward, where dB and dC are summed, who transposes x and y
+FORMS = [("stages", None, None), ("fused", None, None), ("fused", "kernels", "kernels")]
+
+
 @pytest.mark.skipif(not _hopper(), reason="the Mosaic GPU kernels need a Hopper GPU")
-@pytest.mark.parametrize("forward,group_sums", [("stages", None), ("fused", None), ("fused", "kernels")])
+@pytest.mark.parametrize("forward,group_sums,transposes", FORMS)
 @pytest.mark.parametrize("segments,slow", [(False, False), (True, False), (False, True)])
 @pytest.mark.parametrize("dims", MOSAIC_DIMS)
-def test_mosaic_gpu_against_oracle(segments, slow, dims, forward, group_sums):
+def test_mosaic_gpu_against_oracle(segments, slow, dims, forward, group_sums, transposes):
     from axkern.ops.ssd import SSDBlockSizes
 
     dtype = "bfloat16"  # fp16 goes to pallas_gpu (mosaic_gpu.supports says why)
@@ -64,7 +68,7 @@ def test_mosaic_gpu_against_oracle(segments, slow, dims, forward, group_sums):
     arrays, seg = make(0, *dims, dtype, segments=segments)
     if slow:
         arrays["A"] = arrays["A"] / 100
-    blocks = SSDBlockSizes(chunk_size=64, forward=forward, group_sums=group_sums)
+    blocks = SSDBlockSizes(chunk_size=64, forward=forward, group_sums=group_sums, transposes=transposes)
     check_rule(
         lambda name, a: run(name, a, seg) if name == "reference" else run(name, a, seg, block_sizes=blocks),
         "mosaic_gpu",
@@ -236,20 +240,31 @@ def test_mosaic_gpu_non_finite_rule(where):
 
 
 @pytest.mark.skipif(not _hopper(), reason="the Mosaic GPU kernels need a Hopper GPU")
+@pytest.mark.parametrize(
+    "forward,group_sums,transposes",
+    [
+        ("fused", "kernels", None),
+        ("stages", "kernels", None),
+        ("fused", None, "kernels"),
+        ("stages", None, "kernels"),
+    ],
+)
 @pytest.mark.parametrize("dims", MOSAIC_DIMS)
-def test_mosaic_gpu_group_sums_in_the_kernels_equal_xla_sums(dims):
-    # dB and dC added into each group's rows by the kernels' TMA reductions against the per-head
-    # outputs summed by XLA: the same up to the order of the float32 additions; every other
-    # output and gradient as good as the same
+def test_mosaic_gpu_forms_equal_the_plain_form(dims, forward, group_sums, transposes):
+    # dB and dC added into each group's rows by the kernels' TMA reductions, or x, y, dy, dx
+    # read and written in the caller's [b, L, H, P] layout by the kernels, against the same
+    # forward with XLA's sums and transposes: the same values up to the order of the float32
+    # additions into dB and dC
     import numpy as np
 
     from axkern.ops.ssd import SSDBlockSizes
 
     arrays, seg = make(0, *dims, "bfloat16", segments=True)
-    got, want = (
-        run("mosaic_gpu", arrays, seg, block_sizes=SSDBlockSizes(64, forward="fused", group_sums=sums))
-        for sums in ("kernels", "xla")
+    forms = (
+        SSDBlockSizes(chunk_size=64, forward=forward, group_sums=group_sums, transposes=transposes),
+        SSDBlockSizes(chunk_size=64, forward=forward),
     )
+    got, want = (run("mosaic_gpu", arrays, seg, block_sizes=blocks) for blocks in forms)
     names = sorted(arrays)
     for part, labels in ((0, ["y", "final"]), (1, names)):
         for name, g, w in zip(labels, jax.tree.leaves(got[part]), jax.tree.leaves(want[part]), strict=True):

@@ -73,6 +73,54 @@ def test_the_backward_kernels_lower_with_group_sums(kernel, dims):
 
 
 @needs_mosaic
+@pytest.mark.parametrize(
+    "kernel", ["chunk_state", "chunk_scan", "chunk_state_bwd", "chunk_scan_bwd", "fused_forward"]
+)
+def test_each_kernel_lowers_with_positions_first(kernel):
+    # x (dy, y, dx) as [b, L, h, P]: the outputs in that layout, the same one kernel
+    b, h, g, chunks, p, n = 2, 4, 2, 3, 64, 128
+    args = list(_kernel_args(kernel, b, h, g, chunks, p, n))
+    i = 1 if kernel == "chunk_scan_bwd" else 0  # x; dy before it in the scan's backward
+    swap = lambda a: jax.ShapeDtypeStruct((a.shape[0], a.shape[2], a.shape[1], a.shape[3]), a.dtype)  # noqa: E731
+    args[i] = swap(args[i])
+    if kernel == "chunk_scan_bwd":
+        args[0] = swap(args[0])
+    fn = functools.partial(getattr(mosaic_gpu, kernel), positions_first=True)
+    outs = jax.eval_shape(fn, *args)
+    rows = (b, chunks * mosaic_gpu.CHUNK, h, p)
+    if kernel in ("chunk_scan", "fused_forward", "chunk_state_bwd", "chunk_scan_bwd"):
+        assert (outs if kernel == "chunk_scan" else outs[0]).shape == rows
+    text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert _kernels(text) == 1
+
+
+@needs_mosaic
+@pytest.mark.parametrize("group_sums", [None, "kernels"])
+@pytest.mark.parametrize("forward", ["stages", "fused"])
+def test_the_layer_lowers_in_every_form(forward, group_sums):
+    # with x, y transposed by the kernels, XLA's graph has fewer transposes (the moves of x in
+    # and of y out, forward and backward, in both branches of the guard's conditional)
+    arrays, seg = make(0, 1, 200, 4, 64, 2, 128, "bfloat16")
+
+    def text(transposes):
+        def f(a):
+            dt = prepared_dt(a["dt"], a["dt_bias"], True, None)
+            blocks = SSDBlockSizes(
+                chunk_size=64, forward=forward, group_sums=group_sums, transposes=transposes
+            )
+            y, final = mosaic_gpu.ssd(
+                a["x"], dt, a["A"], a["B"], a["C"], a["D"], a["z"], seg, a["initial_state"], block_sizes=blocks
+            )  # fmt: skip
+            return jnp.sum(y.astype(jnp.float32)) + jnp.sum(final)
+
+        return jax.jit(jax.grad(f)).trace(arrays).lower(lowering_platforms=("cuda",)).as_text()
+
+    plain, moved = text(None), text("kernels")
+    assert _kernels(plain) == _kernels(moved) == (8 if forward == "stages" else 6)
+    assert moved.count("stablehlo.transpose") < plain.count("stablehlo.transpose")
+
+
+@needs_mosaic
 @pytest.mark.parametrize("forward,kernels", [("stages", 8), ("fused", 6)])
 def test_the_layer_and_its_gradients_lower_for_cuda(forward, kernels):
     # the forward's Mosaic kernels (three stages: the chunk state and scan, the recurrence being
@@ -187,6 +235,11 @@ def test_dispatch_skips_it_off_hopper_with_the_reason():
                 **arrays, implementation=impl, block_sizes=SSDBlockSizes(16, group_sums="kernels")
             )
     assert "group_sums must be one of" in SSDBlockSizes(64, group_sums="atomic").validate(spec)
+    for impl in ("xla", "pallas_gpu"):
+        with pytest.raises(axkern.Unsupported, match="only mosaic_gpu reads x in the caller's layout"):
+            axkern.positional.ssd(
+                **arrays, implementation=impl, block_sizes=SSDBlockSizes(16, transposes="kernels")
+            )
     assert mosaic_gpu.fused_smem_bytes(128, 64) <= 227 * 1024
     # explain names the kernels of the form chosen
     kernels = OP.implementations["mosaic_gpu"].backward

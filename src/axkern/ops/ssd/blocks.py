@@ -46,16 +46,21 @@ class SSDBlockSizes(BlockSizes):
     walking its chunks, `mosaic_gpu/forward.py`). `group_sums` (`mosaic_gpu` only): where the
     backward sums `dB` and `dC` over each group's heads: `"xla"` (the kernels write them per
     head, float32; None means this) or `"kernels"` (the kernels add each head's tiles into the
-    group's rows by TMA reductions: no per-head arrays, the additions' order free)."""
+    group's rows by TMA reductions: no per-head arrays, the additions' order free). `transposes`
+    (`mosaic_gpu` only): `"xla"` (XLA moves `x` to `[b, H, L, P]` for the kernels and `y` back;
+    None means this) or `"kernels"` (the kernels read `x`, `dy` and write `y`, `dx` in the
+    caller's `[b, L, H, P]`, a strided tile per head)."""
 
     choices: ClassVar[Mapping[str, tuple[str, ...]]] = {
         "forward": ("stages", "fused"),
         "group_sums": ("xla", "kernels"),
+        "transposes": ("xla", "kernels"),
     }
 
     chunk_size: int = 64
     forward: str | None = None
     group_sums: str | None = None
+    transposes: str | None = None
 
     def check(self, spec):
         if self.chunk_size & (self.chunk_size - 1):
@@ -64,12 +69,14 @@ class SSDBlockSizes(BlockSizes):
 
 
 def stages_only(block_sizes: SSDBlockSizes) -> None:
-    """Refuse `mosaic_gpu`'s forms: the fused forward, group sums in the kernels (an
-    implementation other than `mosaic_gpu` has neither)."""
+    """Refuse `mosaic_gpu`'s forms: the fused forward, group sums in the kernels, `x` read in the
+    caller's layout (an implementation other than `mosaic_gpu` has none of them)."""
     if block_sizes.forward == "fused":
         raise Unsupported('forward="fused": only mosaic_gpu has a fused forward')
     if block_sizes.group_sums == "kernels":
         raise Unsupported('group_sums="kernels": only mosaic_gpu sums dB and dC in its kernels')
+    if block_sizes.transposes == "kernels":
+        raise Unsupported('transposes="kernels": only mosaic_gpu reads x in the caller\'s layout')
 
 
 def bucket(spec: Spec) -> dict:

@@ -219,6 +219,9 @@ class Layout:
     # exact float32); interpret mode always computes exact products (XLA on CPU has no TF32)
     precision_16bit = None
     precision_32bit = None
+    # `x` and `y` (and their gradients) as `[b, L, H, P]`, the caller's layout, rather than
+    # `[b, H, L, P]`: for kernels that index them so (no transposes around them)
+    positions_first = False
 
     def __init__(self, xt, bt, *, q, interpret, products=None):
         """`products`: the input dtype whose products' precision the kernels take (`xt`'s unless given)."""
@@ -226,6 +229,8 @@ class Layout:
         narrow = jnp.dtype(products or xt.dtype).itemsize == 2
         self.precision = self.precision_16bit if narrow else wide
         self.batch, self.heads, self.lp, self.p = xt.shape
+        if self.positions_first:
+            self.lp, self.heads = self.heads, self.lp
         self.n = bt.shape[-1]
         self.rep = self.heads // bt.shape[1]
         self.q, self.chunks, self.interpret = q, self.lp // q, interpret
@@ -420,9 +425,10 @@ def scan(layout, x, a, scale, B, C, seg, initial_state, *, chunk_size, interpret
     chunks = (length + pad) // q
     per_chunk = lambda v: jnp.moveaxis(padded(v), 2, 1).reshape(batch, heads, chunks, q)  # noqa: E731
     seg = jnp.concatenate([seg, jnp.broadcast_to(seg[:, -1:], (batch, pad))], axis=1)
+    first = layout.positions_first
     y, final = _core(
         (layout, q, interpret, None if products is None else jnp.dtype(products).name),
-        jnp.moveaxis(padded(x), 2, 1),  # [b, h, L, P]
+        padded(x) if first else jnp.moveaxis(padded(x), 2, 1),  # [b, L, h, P] or [b, h, L, P]
         per_chunk(a),
         per_chunk(scale),
         jnp.moveaxis(padded(B), 2, 1),  # [b, g, L, N]
@@ -430,7 +436,7 @@ def scan(layout, x, a, scale, B, C, seg, initial_state, *, chunk_size, interpret
         seg.reshape(batch, chunks, q),
         initial_state.astype(jnp.float32),
     )
-    return jnp.moveaxis(y, 1, 2)[:, :length], final
+    return (y if first else jnp.moveaxis(y, 1, 2))[:, :length], final
 
 
 def ssd(layout, x, dt, A, B, C, D, z, segment_ids, initial_state, *, chunk_size, interpret):

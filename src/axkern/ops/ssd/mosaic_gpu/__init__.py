@@ -5,9 +5,9 @@ Mosaic GPU kernels, with 16-bit operands into float32 accumulators; the other st
 **What runs where.** Stages 1 and 3 (weights, the recurrence between chunks and its reverse)
 are XLA's and `pallas_gpu`'s Triton kernels (`common/kernels.py` has the stages,
 `common/gpu.py` the recurrence). Stage 2, each chunk's own state `(w ∘ x)ᵀ B`, is
-`_state_kernel` in `kernels.py` and its backward `_state_bwd_kernel`; stage 4, the output
-`y = ((C Bᵀ) ∘ Λ ∘ dt)(x) + f ∘ (C S_inᵀ)` of every chunk, `_scan_kernel` and its backward
-`_scan_bwd_kernel`. Each: one warpgroup per (batch row, head, chunk of 64 positions).
+`_state_kernel` in `kernels.py` and its backward `_state_bwd_kernel` in `backward.py`; stage
+4, the output `y = ((C Bᵀ) ∘ Λ ∘ dt)(x) + f ∘ (C S_inᵀ)` of every chunk, `_scan_kernel` and its
+backward `_scan_bwd_kernel`. Each: one warpgroup per (batch row, head, chunk of 64 positions).
 
 **The fused forward** (`SSDBlockSizes(forward="fused")`, `forward.py`): stages 2 to 4 as one
 kernel per (batch row, head) walking its chunks, the state carried in registers, so the own
@@ -18,7 +18,11 @@ states never cross memory; the default (`blocks.mosaic_gpu_heuristic` has the ti
 head's `dB` (and `dC`) tile into its group's rows by TMA reductions (`copy_smem_to_gmem(...,
 reduction_op="add")`) into zeros passed in and aliased to the output (`pallas_call`, as
 `plgpu.kernel` takes no aliases), where otherwise they write `[b, h, L, N]` float32 per head
-for XLA to sum; not yet run on a GPU (lowered in CI), so not the default.
+for XLA to sum. **Transposes** (`SSDBlockSizes(transposes="kernels")`): the kernels read `x`,
+`dy` and write `y`, `dx` as `[b, L, h, P]`, the caller's layout (`kernels._indexer`: a strided
+tile per head, which TMA copies and loads take as they take a contiguous one), where XLA
+otherwise moves them to `[b, h, L, P]` and back. Neither form has run on a GPU yet (both lower
+in CI), so neither is the default.
 
 **The state kernel.** TMA copies the chunk's `B` rows (`[64, N]`); `x` (`[64, P]`) is read into
 registers, scaled by `w` per row and stored as two 16-bit halves (`w ∘ x = hi + lo`, what the
@@ -82,6 +86,7 @@ from axkern.core.op import Unsupported
 
 from ..common import kernels as chunk_kernels
 from ..common.gpu import GpuLayout
+from .backward import chunk_scan_bwd, chunk_state_bwd
 from .emulate import (
     EmulatedLayout,
     emulate_chunk_scan,
@@ -94,9 +99,7 @@ from .kernels import (
     _IMPORT_ERROR,
     CHUNK,
     chunk_scan,
-    chunk_scan_bwd,
     chunk_state,
-    chunk_state_bwd,
     dims_reason,
     smem_bytes,
 )
@@ -141,24 +144,25 @@ class MosaicLayout(GpuLayout):
     `chunk_scan` and their backward kernels."""
 
     def chunk_state(self, xt, w, bt, *, dtype):
-        return chunk_state(xt, self.to_col(w), bt)
+        return chunk_state(xt, self.to_col(w), bt, positions_first=self.positions_first)
 
     def chunk_scan(self, xt, scale, cum, ac, f, sc, bt, ct, states_in, *, sums, dtype):
         if sums:
             raise Unsupported("the Mosaic GPU kernels take 16-bit inputs, whose decay is cum_t - cum_s")
-        return chunk_scan(
-            xt, self.to_col(scale), self.to_col(cum), self.to_col(f), self.to_col(sc), bt, ct, states_in
-        )
+        c = self.to_col
+        args = (xt, c(scale), c(cum), c(f), c(sc), bt, ct, states_in)
+        return chunk_scan(*args, positions_first=self.positions_first)
 
     def chunk_state_bwd(self, xt, w, bt, d_own):
-        return chunk_state_bwd(xt, self.to_col(w), bt, d_own, group_sums=self.group_sums)
+        kw = dict(group_sums=self.group_sums, positions_first=self.positions_first)
+        return chunk_state_bwd(xt, self.to_col(w), bt, d_own, **kw)
 
     def chunk_scan_bwd(self, dy, xt, scale, cum, ac, f, sc, bt, ct, states_in, *, sums):
         if sums:
             raise Unsupported("the Mosaic GPU kernels take 16-bit inputs, whose decay is cum_t - cum_s")
         c = self.to_col
         args = (dy, xt, c(scale), c(cum), c(f), c(sc), bt, ct, states_in)
-        return chunk_scan_bwd(*args, group_sums=self.group_sums)
+        return chunk_scan_bwd(*args, group_sums=self.group_sums, positions_first=self.positions_first)
 
     # `dB`, `dC` summed over each group's heads in XLA, or (`group_sums`) in the kernels
     group_sums = False
@@ -174,7 +178,8 @@ class FusedMosaicLayout(MosaicLayout):
         if sums:
             raise Unsupported("the Mosaic GPU kernels take 16-bit inputs, whose decay is cum_t - cum_s")
         c = self.to_col
-        return fused_forward(xt, c(w), c(scale), c(cum), c(f), keep, c(sc), bt, ct, initial_state)
+        args = (xt, c(w), c(scale), c(cum), c(f), keep, c(sc), bt, ct, initial_state)
+        return fused_forward(*args, positions_first=self.positions_first)
 
 
 def ssd(x, dt, A, B, C, D, z, segment_ids, initial_state, *, block_sizes, interpret=False):
@@ -189,14 +194,21 @@ def ssd(x, dt, A, B, C, D, z, segment_ids, initial_state, *, block_sizes, interp
     reason = dims_reason(x.shape[-1], B.shape[-1])
     if reason:
         raise Unsupported(reason)
-    layout = _layout(block_sizes.forward == "fused", block_sizes.group_sums == "kernels")
+    layout = _layout(
+        block_sizes.forward == "fused",
+        block_sizes.group_sums == "kernels",
+        block_sizes.transposes == "kernels",
+    )
     return chunk_kernels.ssd(
         layout, x, dt, A, B, C, D, z, segment_ids, initial_state, chunk_size=CHUNK, interpret=False
     )
 
 
 @functools.cache
-def _layout(fused: bool, group_sums: bool) -> type[MosaicLayout]:
-    """The layout for the forward's form and where `dB`, `dC` are summed."""
+def _layout(fused: bool, group_sums: bool, positions_first: bool) -> type[MosaicLayout]:
+    """The layout for the forward's form, where `dB`, `dC` are summed and how `x`, `y` are laid out."""
     base = FusedMosaicLayout if fused else MosaicLayout
-    return type(f"{base.__name__}GroupSums", (base,), {"group_sums": True}) if group_sums else base
+    if not (group_sums or positions_first):
+        return base
+    name = base.__name__ + "GroupSums" * group_sums + "PositionsFirst" * positions_first
+    return type(name, (base,), {"group_sums": group_sums, "positions_first": positions_first})

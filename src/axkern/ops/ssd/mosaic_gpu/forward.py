@@ -44,8 +44,11 @@ from .kernels import (
     CHUNK,
     _check_operands,
     _chunk_output,
+    _dims,
     _halves,
+    _indexer,
     _params,
+    _rows_type,
     _scan_vectors,
     plgpu,
 )
@@ -92,6 +95,7 @@ def _forward_kernel(
     rep,
     dtype,
     chunks,
+    rows_of,
 ):
     (c_smem, b_smem, x_smem, xh_smem, xl_smem, s16_smem, y_smem, st_smem), loaded = scoped
     head, batch = lax.axis_index("heads"), lax.axis_index("batch")
@@ -106,7 +110,7 @@ def _forward_kernel(
         rows = pl.ds(chunk * q, q)
         plgpu.copy_gmem_to_smem(c_ref.at[batch, group, rows], c_smem.at[slot], loaded.at[3 * slot])
         plgpu.copy_gmem_to_smem(b_ref.at[batch, group, rows], b_smem.at[slot], loaded.at[3 * slot + 1])
-        plgpu.copy_gmem_to_smem(x_ref.at[batch, head, rows], x_smem.at[slot], loaded.at[3 * slot + 2])
+        plgpu.copy_gmem_to_smem(rows_of(x_ref, batch, head, rows), x_smem.at[slot], loaded.at[3 * slot + 2])
 
     fetch(0, 0)
 
@@ -120,7 +124,9 @@ def _forward_kernel(
         rows = pl.ds(chunk * q, q)
         vectors = _scan_vectors(dt_ref, cum_ref, f_ref, seg_ref, batch, head, rows)
         w_t = mosaic_gpu_load(w_ref.at[batch, head, rows], layout=row, optimized=False)
-        x = mosaic_gpu_load(x_ref.at[batch, head, rows], layout=wgmma_layout, optimized=False).astype(f32)
+        x = mosaic_gpu_load(rows_of(x_ref, batch, head, rows), layout=wgmma_layout, optimized=False).astype(
+            f32
+        )
 
         # the staging tiles' last copies out have been read; the entering state out and in
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -135,7 +141,7 @@ def _forward_kernel(
 
         y_smem[...] = _chunk_output(cs, bs, xs, s16_smem, *vectors, dtype=dtype)  # as `_scan_kernel`
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(y_smem, y_ref.at[batch, head, rows])
+        plgpu.copy_smem_to_gmem(y_smem, rows_of(y_ref, batch, head, rows))
 
         # S <- keep S + (w ∘ x)ᵀ B
         def run(acc_ref):
@@ -157,13 +163,13 @@ def _forward_kernel(
     plgpu.wait_smem_to_gmem(0)
 
 
-def fused_forward(xt, w, dt, cum, f, keep, seg, bt, ct, initial_state):
+def fused_forward(xt, w, dt, cum, f, keep, seg, bt, ct, initial_state, *, positions_first=False):
     """`(y [b, h, L, P], final [b, h, P, N], states_in [b, c, h, P, N])`, float32, of the chunks
     (`xt [b, h, L, P]`, `bt, ct [b, g, L, N]` bf16; `w, dt, cum, f [b, h, L]` float32; `keep [b,
     h, c]`; `seg [b, L]` int32; `initial_state [b, h, P, N]` float32; `L = c · CHUNK`) by the
-    fused kernel."""
-    _check_operands(xt, bt, ct)
-    b, h, lp, p = xt.shape
+    fused kernel. `positions_first`: `xt` and `y` are `[b, L, h, P]`."""
+    _check_operands(xt, bt, ct, positions_first=positions_first)
+    b, h, lp, p = _dims(xt, positions_first)
     g, n = bt.shape[1], bt.shape[-1]
     c, f32, dtype = lp // CHUNK, jnp.float32, xt.dtype
     if fused_smem_bytes(p, n) > _SMEM:
@@ -173,7 +179,9 @@ def fused_forward(xt, w, dt, cum, f, keep, seg, bt, ct, initial_state):
     def entry(*refs):
         scratch = [swizzled_smem(shape, d) for shape, d in _tiles(p, n, dtype)]
         pl.run_scoped(
-            lambda *scoped: _forward_kernel(*refs, scoped, rep=h // g, dtype=dtype, chunks=c),
+            lambda *scoped: _forward_kernel(
+                *refs, scoped, rep=h // g, dtype=dtype, chunks=c, rows_of=_indexer(positions_first)
+            ),
             scratch,
             plgpu.Barrier(num_barriers=6),
         )
@@ -181,7 +189,7 @@ def fused_forward(xt, w, dt, cum, f, keep, seg, bt, ct, initial_state):
     y, states_in, final = plgpu.kernel(
         entry,
         out_type=(
-            jax.ShapeDtypeStruct((b, h, lp, p), f32),
+            _rows_type(b, h, lp, p, positions_first),
             jax.ShapeDtypeStruct((b, c, h, p, n), f32),
             jax.ShapeDtypeStruct((b, h, p, n), f32),
         ),

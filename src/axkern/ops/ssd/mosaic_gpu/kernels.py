@@ -1,6 +1,6 @@
 """The Mosaic GPU SSD kernels (the package's docstring has their math, layout, grid, precision
-and cost): the chunk state and the chunk scan, forward and backward, each with the function
-that launches it, and the shared memory they take."""
+and cost): the chunk state and the chunk scan forward, each with the function that launches it,
+the shared memory of all four (`backward.py` has the backward kernels) and their launcher."""
 
 from __future__ import annotations
 
@@ -28,8 +28,6 @@ __all__ = [
     "dims_reason",
     "chunk_state",
     "chunk_scan",
-    "chunk_state_bwd",
-    "chunk_scan_bwd",
 ]
 
 CHUNK = 64  # positions per chunk: one warpgroup's wgmma rows
@@ -119,7 +117,7 @@ def _decay(cum_t, cum_s, seg_t, seg_s):
 
 
 def _scan_kernel(
-    x_ref, dt_ref, cum_ref, f_ref, seg_ref, b_ref, c_ref, s_ref, y_ref, scoped, *, rep, dtype, add
+    x_ref, dt_ref, cum_ref, f_ref, seg_ref, b_ref, c_ref, s_ref, y_ref, scoped, *, rep, dtype, add, rows_of
 ):
     (c_smem, b_smem, x_smem, s16_smem, y_smem), loaded = scoped
     chunk, head, batch = lax.axis_index("chunks"), lax.axis_index("heads"), lax.axis_index("batch")
@@ -130,7 +128,7 @@ def _scan_kernel(
     # a barrier per copy (each copy arrives on its barrier once, with its bytes)
     plgpu.copy_gmem_to_smem(c_ref.at[batch, group, rows], c_smem, loaded.at[0])
     plgpu.copy_gmem_to_smem(b_ref.at[batch, group, rows], b_smem, loaded.at[1])
-    plgpu.copy_gmem_to_smem(x_ref.at[batch, head, rows], x_smem, loaded.at[2])
+    plgpu.copy_gmem_to_smem(rows_of(x_ref, batch, head, rows), x_smem, loaded.at[2])
 
     vectors = _scan_vectors(dt_ref, cum_ref, f_ref, seg_ref, batch, head, rows)
     state = mosaic_gpu_load(s_ref.at[batch, chunk, head], layout=plgpu.Layout.WGMMA, optimized=False)
@@ -140,7 +138,7 @@ def _scan_kernel(
         plgpu.barrier_wait(loaded.at[i])
     y_smem[...] = _chunk_output(c_smem, b_smem, x_smem, s16_smem, *vectors, dtype=dtype)
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(y_smem, y_ref.at[batch, head, rows])
+    plgpu.copy_smem_to_gmem(y_smem, rows_of(y_ref, batch, head, rows))
     plgpu.wait_smem_to_gmem(0)
 
 
@@ -169,14 +167,14 @@ def _chunk_output(c_smem, b_smem, x_smem, s16_smem, cum_t, cum_s, dt_s, f_t, seg
     return y + inc * lax.broadcast_in_dim(f_t, (q, p), [0])
 
 
-def _state_kernel(x_ref, w_ref, b_ref, own_ref, scoped, *, rep, dtype, add):
+def _state_kernel(x_ref, w_ref, b_ref, own_ref, scoped, *, rep, dtype, add, rows_of):
     (b_smem, xh_smem, xl_smem, own_smem), loaded = scoped
     chunk, head, batch = lax.axis_index("chunks"), lax.axis_index("heads"), lax.axis_index("batch")
     q = b_smem.shape[0]
     rows = pl.ds(chunk * q, q)
     plgpu.copy_gmem_to_smem(b_ref.at[batch, lax.div(head, jnp.int32(rep)), rows], b_smem, loaded)
     # w ∘ x in registers (w per row), as two 16-bit halves in shared memory
-    x = mosaic_gpu_load(x_ref.at[batch, head, rows], layout=plgpu.Layout.WGMMA, optimized=False)
+    x = mosaic_gpu_load(rows_of(x_ref, batch, head, rows), layout=plgpu.Layout.WGMMA, optimized=False)
     w = mosaic_gpu_load(w_ref.at[batch, head, rows], layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
     xh_smem[...], xl_smem[...] = _halves(x.astype(jnp.float32) * lax.broadcast_in_dim(w, x.shape, [0]), dtype)
     plgpu.commit_smem()
@@ -189,8 +187,26 @@ def _state_kernel(x_ref, w_ref, b_ref, own_ref, scoped, *, rep, dtype, add):
     plgpu.wait_smem_to_gmem(0)
 
 
-def _check_operands(xt, bt, *rest):
-    b, h, lp, p = xt.shape
+def _indexer(positions_first: bool):
+    """A head's rows of a `[b, h, L, d]` array's ref, or (`positions_first`) of a `[b, L, h, d]`
+    one: TMA copies and loads take the strided tile as they take the contiguous one."""
+    if positions_first:
+        return lambda ref, batch, head, rows: ref.at[batch, rows, head]
+    return lambda ref, batch, head, rows: ref.at[batch, head, rows]
+
+
+def _dims(xt, positions_first: bool):
+    """`(b, h, L, P)` of `xt`, `[b, h, L, P]` or (`positions_first`) `[b, L, h, P]`."""
+    b, one, two, p = xt.shape
+    return (b, two, one, p) if positions_first else (b, one, two, p)
+
+
+def _rows_type(b, h, lp, d, positions_first: bool, dtype=jnp.float32):
+    return jax.ShapeDtypeStruct((b, lp, h, d) if positions_first else (b, h, lp, d), dtype)
+
+
+def _check_operands(xt, bt, *rest, positions_first=False):
+    b, h, lp, p = _dims(xt, positions_first)
     if lp % CHUNK:
         raise ValueError(f"length {lp} is not a multiple of the chunk ({CHUNK})")
     reason = dims_reason(p, bt.shape[-1])
@@ -201,40 +217,46 @@ def _check_operands(xt, bt, *rest):
         raise Unsupported(f"x, B, C are {dtypes}: the Mosaic GPU kernels take bf16")
 
 
-def chunk_state(xt, w, bt):
+def chunk_state(xt, w, bt, *, positions_first=False):
     """Each chunk's own state `[b, c, h, P, N]` float32, `(w ∘ x)ᵀ B` (`xt [b, h, L, P]`, `bt [b,
     g, L, N]` in one 16-bit dtype, `w [b, h, L]` float32, `L = c · CHUNK`) by the Mosaic GPU
-    kernel: `w ∘ x` as two 16-bit halves (`bf16x2`), `B` as it is."""
-    _check_operands(xt, bt)
-    b, h, lp, p = xt.shape
+    kernel: `w ∘ x` as two 16-bit halves (`bf16x2`), `B` as it is. `positions_first`: `xt` is
+    `[b, L, h, P]` (here and in the other three kernels: `x`, `y`, `dy`, `dx` so)."""
+    _check_operands(xt, bt, positions_first=positions_first)
+    b, h, lp, p = _dims(xt, positions_first)
     out = jax.ShapeDtypeStruct((b, lp // CHUNK, h, p, bt.shape[-1]), jnp.float32)
-    return _launch("state", _state_kernel, out, xt, bt, plgpu.Barrier())(xt, w, bt)
+    launch = _launch("state", _state_kernel, out, xt, bt, plgpu.Barrier(), positions_first=positions_first)
+    return launch(xt, w, bt)
 
 
-def chunk_scan(xt, dt, cum, f, seg, bt, ct, states_in):
+def chunk_scan(xt, dt, cum, f, seg, bt, ct, states_in, *, positions_first=False):
     """`y [b, h, L, P]` float32 of the chunks (`xt [b, h, L, P]`, `bt, ct [b, g, L, N]` in one
     16-bit dtype; `dt, cum, f [b, h, L]` float32; `seg [b, L]` int32; `states_in [b, c, h, P, N]`
     float32, `L = c · CHUNK`) by the Mosaic GPU kernel."""
-    _check_operands(xt, bt, ct)
+    _check_operands(xt, bt, ct, positions_first=positions_first)
     out = jax.ShapeDtypeStruct(xt.shape, jnp.float32)
-    launch = _launch("scan", _scan_kernel, out, xt, bt, plgpu.Barrier(num_barriers=3))
+    barrier = plgpu.Barrier(num_barriers=3)
+    launch = _launch("scan", _scan_kernel, out, xt, bt, barrier, positions_first=positions_first)
     return launch(xt, dt, cum, f, seg.astype(jnp.int32), bt, ct, states_in)
 
 
-def _launch(kind, body, out_type, xt, bt, barrier, *, into=None):
+def _launch(kind, body, out_type, xt, bt, barrier, *, into=None, positions_first=False):
     """The Mosaic GPU kernel `body` of `kind` ("state", "scan", ...) over the grid (batch, heads,
     chunks), the chunks on CUDA's x axis (the others take at most 65535), with `_scratch(kind)`
     and `barrier` in shared memory; `rep` heads a group of `bt`. `into` (`{output index: input
     index}`): those outputs are their inputs' buffers (zeros the body adds into; the body sees
-    only the output), through `pallas_call`, as `plgpu.kernel` takes no aliases."""
-    b, h, lp, p = xt.shape
+    only the output), through `pallas_call`, as `plgpu.kernel` takes no aliases.
+    `positions_first`: `x`, `y`, `dy`, `dx` are `[b, L, h, d]` (`rows_of`)."""
+    b, h, lp, p = _dims(xt, positions_first)
     g, n = bt.shape[1], bt.shape[-1]
     skip = set((into or {}).values())
 
     def entry(*refs):
         refs = [r for i, r in enumerate(refs) if i not in skip]
         pl.run_scoped(
-            lambda *scoped: body(*refs, scoped, rep=h // g, dtype=xt.dtype, add=bool(into)),
+            lambda *scoped: body(
+                *refs, scoped, rep=h // g, dtype=xt.dtype, add=bool(into), rows_of=_indexer(positions_first)
+            ),
             _scratch(kind, p, n, xt.dtype),
             barrier,
         )
@@ -282,207 +304,3 @@ def _products(shape, pairs):
 
     zeros = plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)
     return pl.run_state(run)(plgpu.ACC.init(zeros))
-
-
-def _scan_bwd_kernel(
-    dy_ref,
-    x_ref,
-    dt_ref,
-    cum_ref,
-    f_ref,
-    seg_ref,
-    b_ref,
-    c_ref,
-    s_ref,
-    dx_ref,
-    ddt_ref,
-    dcum_ref,
-    dcum_row_ref,
-    df_ref,
-    db_ref,
-    dc_ref,
-    ds_ref,
-    scoped,
-    *,
-    rep,
-    dtype,
-    add,
-):
-    """`add`: `dB`, `dC` added by TMA reductions into the head's group's rows (`[b, g, L, N]`)
-    rather than stored per head."""
-    (c_smem, b_smem, x_smem, sh_smem, sl_smem, ah_smem, al_smem, mh_smem, ml_smem, *outs), loaded = scoped
-    dx_smem, dbc_smem, ds_smem, vec_smem = outs
-    batch, head, chunk = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("chunks")
-    q, p = x_smem.shape
-    n = c_smem.shape[1]
-    rows = pl.ds(chunk * q, q)
-    group = lax.div(head, jnp.int32(rep))
-    plgpu.copy_gmem_to_smem(c_ref.at[batch, group, rows], c_smem, loaded.at[0])
-    plgpu.copy_gmem_to_smem(b_ref.at[batch, group, rows], b_smem, loaded.at[1])
-    plgpu.copy_gmem_to_smem(x_ref.at[batch, head, rows], x_smem, loaded.at[2])
-
-    f32, wgmma_layout = jnp.float32, plgpu.Layout.WGMMA
-    row, col = wgmma_layout.reduce(1), wgmma_layout.reduce(0)
-    vec = lambda ref, layout: mosaic_gpu_load(ref.at[batch, head, rows], layout=layout, optimized=False)  # noqa: E731
-    cum_t, cum_s, dt_t, dt_s, f_t = (
-        vec(cum_ref, row),
-        vec(cum_ref, col),
-        vec(dt_ref, row),
-        vec(dt_ref, col),
-        vec(f_ref, row),
-    )
-    seg_t = mosaic_gpu_load(seg_ref.at[batch, rows], layout=row, optimized=False)
-    seg_s = mosaic_gpu_load(seg_ref.at[batch, rows], layout=col, optimized=False)
-    dy = mosaic_gpu_load(dy_ref.at[batch, head, rows], layout=wgmma_layout, optimized=False)  # [Q, P] f32
-    # the state and the cotangent as two 16-bit halves in shared memory (every product with
-    # a float32 operand takes its halves: bf16x2, or three products when both are float32)
-    sh, sl = _halves(
-        mosaic_gpu_load(s_ref.at[batch, chunk, head], layout=wgmma_layout, optimized=False), dtype
-    )
-    sh_smem[...], sl_smem[...] = sh, sl
-    ah_smem[...], al_smem[...] = _halves(dy, dtype)
-    plgpu.commit_smem()
-    for i in range(3):
-        plgpu.barrier_wait(loaded.at[i])
-
-    def put(smem, value, ref, reduction_op=None):
-        """`value` out through `smem` by TMA (the copy left in flight)."""
-        smem[...] = value
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(smem, ref, reduction_op=reduction_op)
-
-    per_group = (batch, group, rows) if add else (batch, head, rows)
-    summed = "add" if add else None
-
-    # each result leaves as soon as it is formed (fewer registers live at once): df first
-    inc = _products((q, p), [(c_smem, sh_smem, True), (c_smem, sl_smem, True)])  # C S_inᵀ
-    vec_smem.at[2][...] = jnp.sum(dy * inc, axis=1)  # df
-
-    # scores and decay, rows t by columns s
-    scores = _products((q, q), [(c_smem, b_smem, True)])
-    decay, on_cols = _decay(cum_t, cum_s, seg_t, seg_s)
-    m = scores * decay
-    mh, ml = _halves(m, dtype)
-    mh_smem[...], ml_smem[...] = mh, ml
-    plgpu.commit_smem()
-
-    # dM = dy (dt ∘ x)ᵀ: dy's halves (registers, formed again here) times xᵀ, scaled by dt per column
-    dyh, dyl = _halves(dy, dtype)
-    dm = _products((q, q), [(dyh, x_smem, True), (dyl, x_smem, True)]) * on_cols(dt_s)
-    e = dm * m
-    vec_smem.at[1][...] = jnp.sum(e, axis=1)  # dcum: rows t
-    vec_smem.at[3][...] = jnp.sum(e, axis=0)  # dcum_row: columns s
-    dg = dm * decay
-
-    # d(dt ∘ x) = Mᵀ dy, rows s: M's halves transposed from shared memory, dy's halves
-    m_t = (mh_smem.transpose((1, 0)), ml_smem.transpose((1, 0)))
-    dxd = _products((q, p), [(m_t[0], ah_smem, False), (m_t[0], al_smem, False), (m_t[1], ah_smem, False)])
-    x = mosaic_gpu_load(x_ref.at[batch, head, rows], layout=wgmma_layout, optimized=False).astype(f32)
-    vec_smem.at[0][...] = jnp.sum(dxd * x, axis=1)  # ddt
-    put(dx_smem, dxd * lax.broadcast_in_dim(dt_t, (q, p), [0]), dx_ref.at[batch, head, rows])
-
-    # dg's halves take M's place in shared memory and f ∘ dy's take dy's (their products are done)
-    mh_smem[...], ml_smem[...] = _halves(dg, dtype)
-    ah_smem[...], al_smem[...] = _halves(dy * lax.broadcast_in_dim(f_t, (q, p), [0]), dtype)
-    plgpu.commit_smem()
-    # dS_in = (f ∘ dy)ᵀ C
-    ds = _products(
-        (p, n), [(ah_smem.transpose((1, 0)), c_smem, False), (al_smem.transpose((1, 0)), c_smem, False)]
-    )
-    put(ds_smem, ds, ds_ref.at[batch, chunk, head])
-    # dC = dg B + (f ∘ dy) S_in (rows t), then dB = dgᵀ C (rows s) through the same staging tile
-    dc = _products(
-        (q, n),
-        [
-            (mh_smem, b_smem, False),
-            (ml_smem, b_smem, False),
-            (ah_smem, sh_smem, False),
-            (ah_smem, sl_smem, False),
-            (al_smem, sh_smem, False),
-        ],
-    )
-    put(dbc_smem, dc, dc_ref.at[per_group], summed)
-    db = _products(
-        (q, n), [(mh_smem.transpose((1, 0)), c_smem, False), (ml_smem.transpose((1, 0)), c_smem, False)]
-    )
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # dC has left the staging tile
-    put(dbc_smem, db, db_ref.at[per_group], summed)
-    for i, ref in enumerate((ddt_ref, dcum_ref, df_ref, dcum_row_ref)):
-        plgpu.copy_smem_to_gmem(vec_smem.at[i], ref.at[batch, head, rows])
-    plgpu.wait_smem_to_gmem(0)
-
-
-def chunk_scan_bwd(dy, xt, dt, cum, f, seg, bt, ct, states_in, *, group_sums=False):
-    """Stage 4's backward by the Mosaic GPU kernel: `(dx [b, h, L, P], ddt, dcum, dcum_row, df
-    [b, h, L], dB, dC [b, h, L, N], dS_in [b, c, h, P, N])`, float32, per head, from the
-    cotangent `dy [b, h, L, P]` (float32) and `chunk_scan`'s arguments. `dcum` holds each row's
-    sum of `dM ∘ M` and `dcum_row` each column's (`common/kernels.py`'s backward). `group_sums`:
-    `dB`, `dC` per group (`[b, g, L, N]`), each head's tiles added by TMA reductions (the order
-    of the additions, and so the last bits, may vary between runs)."""
-    _check_operands(xt, bt, ct)
-    b, h, lp, p = xt.shape
-    g, n, f32 = bt.shape[1], bt.shape[-1], jnp.float32
-    rows = lambda d, heads=h: jax.ShapeDtypeStruct((b, heads, lp, d), f32)  # noqa: E731
-    vector = jax.ShapeDtypeStruct((b, h, lp), f32)
-    states = jax.ShapeDtypeStruct((b, lp // CHUNK, h, p, n), f32)
-    bc = rows(n, g if group_sums else h)
-    out = (rows(p), vector, vector, vector, vector, bc, bc, states)
-    args = [dy.astype(f32), xt, dt, cum, f, seg.astype(jnp.int32), bt, ct, states_in]
-    into = {5: 9, 6: 10} if group_sums else None
-    if group_sums:
-        args += [jnp.zeros(bc.shape, f32), jnp.zeros(bc.shape, f32)]
-    launch = _launch("scan_bwd", _scan_bwd_kernel, out, xt, bt, plgpu.Barrier(num_barriers=3), into=into)
-    return launch(*args)
-
-
-def _state_bwd_kernel(x_ref, w_ref, b_ref, ds_ref, dx_ref, dw_ref, db_ref, scoped, *, rep, dtype, add):
-    """`add`: `dB` added by a TMA reduction into the head's group's rows (`[b, g, L, N]`)."""
-    (b_smem, dsh_smem, dsl_smem, dx_smem, db_smem, dw_smem), loaded = scoped
-    batch, head, chunk = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("chunks")
-    q, n = b_smem.shape
-    p = dsh_smem.shape[0]
-    rows = pl.ds(chunk * q, q)
-    plgpu.copy_gmem_to_smem(b_ref.at[batch, lax.div(head, jnp.int32(rep)), rows], b_smem, loaded)
-    f32, wgmma_layout = jnp.float32, plgpu.Layout.WGMMA
-    # dS (float32) as two 16-bit halves in shared memory; w ∘ x's halves in registers
-    dsh, dsl = _halves(
-        mosaic_gpu_load(ds_ref.at[batch, chunk, head], layout=wgmma_layout, optimized=False), dtype
-    )
-    dsh_smem[...], dsl_smem[...] = dsh, dsl
-    x = mosaic_gpu_load(x_ref.at[batch, head, rows], layout=wgmma_layout, optimized=False).astype(f32)
-    w = mosaic_gpu_load(w_ref.at[batch, head, rows], layout=wgmma_layout.reduce(1), optimized=False)
-    xw_h, xw_l = _halves(x * lax.broadcast_in_dim(w, x.shape, [0]), dtype)
-    plgpu.commit_smem()
-    plgpu.barrier_wait(loaded)
-
-    # d(w ∘ x) = B dSᵀ (rows t), stored at once; dB = (w ∘ x) dS, three products (both float32)
-    dxw = _products((q, p), [(b_smem, dsh_smem, True), (b_smem, dsl_smem, True)])
-    dx_smem[...] = dxw * lax.broadcast_in_dim(w, (q, p), [0])
-    dw_smem[...] = jnp.sum(dxw * x, axis=1)
-    db_smem[...] = _products(
-        (q, n), [(xw_h, dsh_smem, False), (xw_h, dsl_smem, False), (xw_l, dsh_smem, False)]
-    )
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(dx_smem, dx_ref.at[batch, head, rows])
-    if add:
-        group = lax.div(head, jnp.int32(rep))
-        plgpu.copy_smem_to_gmem(db_smem, db_ref.at[batch, group, rows], reduction_op="add")
-    else:
-        plgpu.copy_smem_to_gmem(db_smem, db_ref.at[batch, head, rows])
-    plgpu.copy_smem_to_gmem(dw_smem, dw_ref.at[batch, head, rows])
-    plgpu.wait_smem_to_gmem(0)
-
-
-def chunk_state_bwd(xt, w, bt, d_own, *, group_sums=False):
-    """Stage 2's backward by the Mosaic GPU kernel, `dS` (`d_own [b, c, h, P, N]`, float32)
-    pulled back through `S = (w ∘ x)ᵀ B`: `(dx [b, h, L, P], dw [b, h, L], dB [b, h, L, N])`,
-    float32, per head; `chunk_state`'s other arguments. `group_sums`: `dB` per group (`[b, g, L,
-    N]`) by TMA reductions, as in `chunk_scan_bwd`."""
-    _check_operands(xt, bt)
-    b, h, lp, p = xt.shape
-    f32 = jnp.float32
-    db = jax.ShapeDtypeStruct((b, bt.shape[1] if group_sums else h, lp, bt.shape[-1]), f32)
-    out = (jax.ShapeDtypeStruct((b, h, lp, p), f32), jax.ShapeDtypeStruct((b, h, lp), f32), db)
-    args = [xt, w, bt, d_own] + ([jnp.zeros(db.shape, f32)] if group_sums else [])
-    into = {2: 4} if group_sums else None
-    return _launch("state_bwd", _state_bwd_kernel, out, xt, bt, plgpu.Barrier(), into=into)(*args)

@@ -1,0 +1,227 @@
+"""The Mosaic GPU SSD kernels' backward (the package's docstring has their math and cost): the
+chunk scan's and the chunk state's, each with the function that launches it."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from axkern.core.compat import mosaic_gpu_load
+
+from .kernels import CHUNK, _check_operands, _decay, _dims, _halves, _launch, _products, _rows_type, plgpu
+
+__all__ = ["chunk_scan_bwd", "chunk_state_bwd"]
+
+
+def _scan_bwd_kernel(
+    dy_ref,
+    x_ref,
+    dt_ref,
+    cum_ref,
+    f_ref,
+    seg_ref,
+    b_ref,
+    c_ref,
+    s_ref,
+    dx_ref,
+    ddt_ref,
+    dcum_ref,
+    dcum_row_ref,
+    df_ref,
+    db_ref,
+    dc_ref,
+    ds_ref,
+    scoped,
+    *,
+    rep,
+    dtype,
+    add,
+    rows_of,
+):
+    """`add`: `dB`, `dC` added by TMA reductions into the head's group's rows (`[b, g, L, N]`)
+    rather than stored per head."""
+    (c_smem, b_smem, x_smem, sh_smem, sl_smem, ah_smem, al_smem, mh_smem, ml_smem, *outs), loaded = scoped
+    dx_smem, dbc_smem, ds_smem, vec_smem = outs
+    batch, head, chunk = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("chunks")
+    q, p = x_smem.shape
+    n = c_smem.shape[1]
+    rows = pl.ds(chunk * q, q)
+    group = lax.div(head, jnp.int32(rep))
+    plgpu.copy_gmem_to_smem(c_ref.at[batch, group, rows], c_smem, loaded.at[0])
+    plgpu.copy_gmem_to_smem(b_ref.at[batch, group, rows], b_smem, loaded.at[1])
+    plgpu.copy_gmem_to_smem(rows_of(x_ref, batch, head, rows), x_smem, loaded.at[2])
+
+    f32, wgmma_layout = jnp.float32, plgpu.Layout.WGMMA
+    row, col = wgmma_layout.reduce(1), wgmma_layout.reduce(0)
+    vec = lambda ref, layout: mosaic_gpu_load(ref.at[batch, head, rows], layout=layout, optimized=False)  # noqa: E731
+    cum_t, cum_s, dt_t, dt_s, f_t = (
+        vec(cum_ref, row),
+        vec(cum_ref, col),
+        vec(dt_ref, row),
+        vec(dt_ref, col),
+        vec(f_ref, row),
+    )
+    seg_t = mosaic_gpu_load(seg_ref.at[batch, rows], layout=row, optimized=False)
+    seg_s = mosaic_gpu_load(seg_ref.at[batch, rows], layout=col, optimized=False)
+    dy = mosaic_gpu_load(
+        rows_of(dy_ref, batch, head, rows), layout=wgmma_layout, optimized=False
+    )  # [Q, P] f32
+    # the state and the cotangent as two 16-bit halves in shared memory (every product with
+    # a float32 operand takes its halves: bf16x2, or three products when both are float32)
+    sh, sl = _halves(
+        mosaic_gpu_load(s_ref.at[batch, chunk, head], layout=wgmma_layout, optimized=False), dtype
+    )
+    sh_smem[...], sl_smem[...] = sh, sl
+    ah_smem[...], al_smem[...] = _halves(dy, dtype)
+    plgpu.commit_smem()
+    for i in range(3):
+        plgpu.barrier_wait(loaded.at[i])
+
+    def put(smem, value, ref, reduction_op=None):
+        """`value` out through `smem` by TMA (the copy left in flight)."""
+        smem[...] = value
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(smem, ref, reduction_op=reduction_op)
+
+    per_group = (batch, group, rows) if add else (batch, head, rows)
+    summed = "add" if add else None
+
+    # each result leaves as soon as it is formed (fewer registers live at once): df first
+    inc = _products((q, p), [(c_smem, sh_smem, True), (c_smem, sl_smem, True)])  # C S_inᵀ
+    vec_smem.at[2][...] = jnp.sum(dy * inc, axis=1)  # df
+
+    # scores and decay, rows t by columns s
+    scores = _products((q, q), [(c_smem, b_smem, True)])
+    decay, on_cols = _decay(cum_t, cum_s, seg_t, seg_s)
+    m = scores * decay
+    mh, ml = _halves(m, dtype)
+    mh_smem[...], ml_smem[...] = mh, ml
+    plgpu.commit_smem()
+
+    # dM = dy (dt ∘ x)ᵀ: dy's halves (registers, formed again here) times xᵀ, scaled by dt per column
+    dyh, dyl = _halves(dy, dtype)
+    dm = _products((q, q), [(dyh, x_smem, True), (dyl, x_smem, True)]) * on_cols(dt_s)
+    e = dm * m
+    vec_smem.at[1][...] = jnp.sum(e, axis=1)  # dcum: rows t
+    vec_smem.at[3][...] = jnp.sum(e, axis=0)  # dcum_row: columns s
+    dg = dm * decay
+
+    # d(dt ∘ x) = Mᵀ dy, rows s: M's halves transposed from shared memory, dy's halves
+    m_t = (mh_smem.transpose((1, 0)), ml_smem.transpose((1, 0)))
+    dxd = _products((q, p), [(m_t[0], ah_smem, False), (m_t[0], al_smem, False), (m_t[1], ah_smem, False)])
+    x = mosaic_gpu_load(rows_of(x_ref, batch, head, rows), layout=wgmma_layout, optimized=False).astype(f32)
+    vec_smem.at[0][...] = jnp.sum(dxd * x, axis=1)  # ddt
+    put(dx_smem, dxd * lax.broadcast_in_dim(dt_t, (q, p), [0]), rows_of(dx_ref, batch, head, rows))
+
+    # dg's halves take M's place in shared memory and f ∘ dy's take dy's (their products are done)
+    mh_smem[...], ml_smem[...] = _halves(dg, dtype)
+    ah_smem[...], al_smem[...] = _halves(dy * lax.broadcast_in_dim(f_t, (q, p), [0]), dtype)
+    plgpu.commit_smem()
+    # dS_in = (f ∘ dy)ᵀ C
+    ds = _products(
+        (p, n), [(ah_smem.transpose((1, 0)), c_smem, False), (al_smem.transpose((1, 0)), c_smem, False)]
+    )
+    put(ds_smem, ds, ds_ref.at[batch, chunk, head])
+    # dC = dg B + (f ∘ dy) S_in (rows t), then dB = dgᵀ C (rows s) through the same staging tile
+    dc = _products(
+        (q, n),
+        [
+            (mh_smem, b_smem, False),
+            (ml_smem, b_smem, False),
+            (ah_smem, sh_smem, False),
+            (ah_smem, sl_smem, False),
+            (al_smem, sh_smem, False),
+        ],
+    )
+    put(dbc_smem, dc, dc_ref.at[per_group], summed)
+    db = _products(
+        (q, n), [(mh_smem.transpose((1, 0)), c_smem, False), (ml_smem.transpose((1, 0)), c_smem, False)]
+    )
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # dC has left the staging tile
+    put(dbc_smem, db, db_ref.at[per_group], summed)
+    for i, ref in enumerate((ddt_ref, dcum_ref, df_ref, dcum_row_ref)):
+        plgpu.copy_smem_to_gmem(vec_smem.at[i], ref.at[batch, head, rows])
+    plgpu.wait_smem_to_gmem(0)
+
+
+def chunk_scan_bwd(dy, xt, dt, cum, f, seg, bt, ct, states_in, *, group_sums=False, positions_first=False):
+    """Stage 4's backward by the Mosaic GPU kernel: `(dx [b, h, L, P], ddt, dcum, dcum_row, df
+    [b, h, L], dB, dC [b, h, L, N], dS_in [b, c, h, P, N])`, float32, per head, from the
+    cotangent `dy [b, h, L, P]` (float32) and `chunk_scan`'s arguments. `dcum` holds each row's
+    sum of `dM ∘ M` and `dcum_row` each column's (`common/kernels.py`'s backward). `group_sums`:
+    `dB`, `dC` per group (`[b, g, L, N]`), each head's tiles added by TMA reductions (the order
+    of the additions, and so the last bits, may vary between runs)."""
+    _check_operands(xt, bt, ct, positions_first=positions_first)
+    b, h, lp, p = _dims(xt, positions_first)
+    g, n, f32 = bt.shape[1], bt.shape[-1], jnp.float32
+    vector = jax.ShapeDtypeStruct((b, h, lp), f32)
+    states = jax.ShapeDtypeStruct((b, lp // CHUNK, h, p, n), f32)
+    bc = jax.ShapeDtypeStruct((b, g if group_sums else h, lp, n), f32)
+    out = (_rows_type(b, h, lp, p, positions_first), vector, vector, vector, vector, bc, bc, states)
+    args = [dy.astype(f32), xt, dt, cum, f, seg.astype(jnp.int32), bt, ct, states_in]
+    into = {5: 9, 6: 10} if group_sums else None
+    if group_sums:
+        args += [jnp.zeros(bc.shape, f32), jnp.zeros(bc.shape, f32)]
+    barrier = plgpu.Barrier(num_barriers=3)
+    launch = _launch(
+        "scan_bwd", _scan_bwd_kernel, out, xt, bt, barrier, into=into, positions_first=positions_first
+    )
+    return launch(*args)
+
+
+def _state_bwd_kernel(
+    x_ref, w_ref, b_ref, ds_ref, dx_ref, dw_ref, db_ref, scoped, *, rep, dtype, add, rows_of
+):
+    """`add`: `dB` added by a TMA reduction into the head's group's rows (`[b, g, L, N]`)."""
+    (b_smem, dsh_smem, dsl_smem, dx_smem, db_smem, dw_smem), loaded = scoped
+    batch, head, chunk = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("chunks")
+    q, n = b_smem.shape
+    p = dsh_smem.shape[0]
+    rows = pl.ds(chunk * q, q)
+    plgpu.copy_gmem_to_smem(b_ref.at[batch, lax.div(head, jnp.int32(rep)), rows], b_smem, loaded)
+    f32, wgmma_layout = jnp.float32, plgpu.Layout.WGMMA
+    # dS (float32) as two 16-bit halves in shared memory; w ∘ x's halves in registers
+    dsh, dsl = _halves(
+        mosaic_gpu_load(ds_ref.at[batch, chunk, head], layout=wgmma_layout, optimized=False), dtype
+    )
+    dsh_smem[...], dsl_smem[...] = dsh, dsl
+    x = mosaic_gpu_load(rows_of(x_ref, batch, head, rows), layout=wgmma_layout, optimized=False).astype(f32)
+    w = mosaic_gpu_load(w_ref.at[batch, head, rows], layout=wgmma_layout.reduce(1), optimized=False)
+    xw_h, xw_l = _halves(x * lax.broadcast_in_dim(w, x.shape, [0]), dtype)
+    plgpu.commit_smem()
+    plgpu.barrier_wait(loaded)
+
+    # d(w ∘ x) = B dSᵀ (rows t), stored at once; dB = (w ∘ x) dS, three products (both float32)
+    dxw = _products((q, p), [(b_smem, dsh_smem, True), (b_smem, dsl_smem, True)])
+    dx_smem[...] = dxw * lax.broadcast_in_dim(w, (q, p), [0])
+    dw_smem[...] = jnp.sum(dxw * x, axis=1)
+    db_smem[...] = _products(
+        (q, n), [(xw_h, dsh_smem, False), (xw_h, dsl_smem, False), (xw_l, dsh_smem, False)]
+    )
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(dx_smem, rows_of(dx_ref, batch, head, rows))
+    if add:
+        group = lax.div(head, jnp.int32(rep))
+        plgpu.copy_smem_to_gmem(db_smem, db_ref.at[batch, group, rows], reduction_op="add")
+    else:
+        plgpu.copy_smem_to_gmem(db_smem, db_ref.at[batch, head, rows])
+    plgpu.copy_smem_to_gmem(dw_smem, dw_ref.at[batch, head, rows])
+    plgpu.wait_smem_to_gmem(0)
+
+
+def chunk_state_bwd(xt, w, bt, d_own, *, group_sums=False, positions_first=False):
+    """Stage 2's backward by the Mosaic GPU kernel, `dS` (`d_own [b, c, h, P, N]`, float32)
+    pulled back through `S = (w ∘ x)ᵀ B`: `(dx [b, h, L, P], dw [b, h, L], dB [b, h, L, N])`,
+    float32, per head; `chunk_state`'s other arguments. `group_sums`: `dB` per group (`[b, g, L,
+    N]`) by TMA reductions, as in `chunk_scan_bwd`."""
+    _check_operands(xt, bt, positions_first=positions_first)
+    b, h, lp, p = _dims(xt, positions_first)
+    f32 = jnp.float32
+    db = jax.ShapeDtypeStruct((b, bt.shape[1] if group_sums else h, lp, bt.shape[-1]), f32)
+    out = (_rows_type(b, h, lp, p, positions_first), jax.ShapeDtypeStruct((b, h, lp), f32), db)
+    args = [xt, w, bt, d_own] + ([jnp.zeros(db.shape, f32)] if group_sums else [])
+    into = {2: 4} if group_sums else None
+    kw = dict(into=into, positions_first=positions_first)
+    return _launch("state_bwd", _state_bwd_kernel, out, xt, bt, plgpu.Barrier(), **kw)(*args)
