@@ -121,6 +121,26 @@ def test_the_layer_lowers_in_every_form(forward, group_sums):
 
 
 @needs_mosaic
+@pytest.mark.parametrize("group_sums,transposes", [(None, None), ("kernels", None), ("kernels", "kernels")])
+def test_the_layer_lowers_under_vmap(group_sums, transposes):
+    # the group sums' pallas_call has no batching rule in Mosaic GPU: the mapped axis is folded
+    # into the kernels' batch axis (plgpu.kernel batches by itself)
+    arrays, seg = make(0, 1, 128, 4, 64, 2, 128, "bfloat16")
+    blocks = SSDBlockSizes(chunk_size=64, forward="fused", group_sums=group_sums, transposes=transposes)
+
+    def f(a):
+        dt = prepared_dt(a["dt"], a["dt_bias"], True, None)
+        y, final = mosaic_gpu.ssd(
+            a["x"], dt, a["A"], a["B"], a["C"], a["D"], a["z"], seg, a["initial_state"], block_sizes=blocks
+        )  # fmt: skip
+        return jnp.sum(y.astype(jnp.float32)) + jnp.sum(final)
+
+    stacked = jax.tree.map(lambda v: jnp.stack([v, v, v]), arrays)
+    text = jax.jit(jax.vmap(jax.grad(f))).trace(stacked).lower(lowering_platforms=("cuda",)).as_text()
+    assert _kernels(text) == 6
+
+
+@needs_mosaic
 @pytest.mark.parametrize("forward,kernels", [("stages", 8), ("fused", 6)])
 def test_the_layer_and_its_gradients_lower_for_cuda(forward, kernels):
     # the forward's Mosaic kernels (three stages: the chunk state and scan, the recurrence being

@@ -220,7 +220,9 @@ class Layout:
     precision_16bit = None
     precision_32bit = None
     # `x` and `y` (and their gradients) as `[b, L, H, P]`, the caller's layout, rather than
-    # `[b, H, L, P]`: for kernels that index them so (no transposes around them)
+    # `[b, H, L, P]`: for kernels that index them so (no transposes around them); the Pallas
+    # specs here (`rows`, `out("rows")`) take `[b, H, L, P]`, so a layout that sets this
+    # replaces every stage that uses them (`mosaic_gpu`'s does)
     positions_first = False
 
     def __init__(self, xt, bt, *, q, interpret, products=None):

@@ -3,6 +3,8 @@ chunk scan's and the chunk state's, each with the function that launches it."""
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -153,6 +155,12 @@ def chunk_scan_bwd(dy, xt, dt, cum, f, seg, bt, ct, states_in, *, group_sums=Fal
     sum of `dM ∘ M` and `dcum_row` each column's (`common/kernels.py`'s backward). `group_sums`:
     `dB`, `dC` per group (`[b, g, L, N]`), each head's tiles added by TMA reductions (the order
     of the additions, and so the last bits, may vary between runs)."""
+    args = (dy, xt, dt, cum, f, seg, bt, ct, states_in)
+    body = functools.partial(_chunk_scan_bwd, group_sums=group_sums, positions_first=positions_first)
+    return _batch_folding(body)(*args) if group_sums else body(*args)
+
+
+def _chunk_scan_bwd(dy, xt, dt, cum, f, seg, bt, ct, states_in, *, group_sums, positions_first):
     _check_operands(xt, bt, ct, positions_first=positions_first)
     b, h, lp, p = _dims(xt, positions_first)
     g, n, f32 = bt.shape[1], bt.shape[-1], jnp.float32
@@ -216,6 +224,11 @@ def chunk_state_bwd(xt, w, bt, d_own, *, group_sums=False, positions_first=False
     pulled back through `S = (w ∘ x)ᵀ B`: `(dx [b, h, L, P], dw [b, h, L], dB [b, h, L, N])`,
     float32, per head; `chunk_state`'s other arguments. `group_sums`: `dB` per group (`[b, g, L,
     N]`) by TMA reductions, as in `chunk_scan_bwd`."""
+    body = functools.partial(_chunk_state_bwd, group_sums=group_sums, positions_first=positions_first)
+    return _batch_folding(body)(xt, w, bt, d_own) if group_sums else body(xt, w, bt, d_own)
+
+
+def _chunk_state_bwd(xt, w, bt, d_own, *, group_sums, positions_first):
     _check_operands(xt, bt, positions_first=positions_first)
     b, h, lp, p = _dims(xt, positions_first)
     f32 = jnp.float32
@@ -225,3 +238,22 @@ def chunk_state_bwd(xt, w, bt, d_own, *, group_sums=False, positions_first=False
     into = {2: 4} if group_sums else None
     kw = dict(into=into, positions_first=positions_first)
     return _launch("state_bwd", _state_bwd_kernel, out, xt, bt, plgpu.Barrier(), **kw)(*args)
+
+
+def _batch_folding(fn):
+    """`fn`, whose arrays (arguments and results) all lead with the batch axis, under `vmap` by
+    folding the mapped axis into the batch axis: the group sums' `pallas_call` (for its aliases)
+    has no batching rule in Mosaic GPU, where `plgpu.kernel` has one."""
+    folded = jax.custom_batching.custom_vmap(fn)
+
+    @folded.def_vmap
+    def rule(axis_size, in_batched, *args):
+        args = [
+            a if bat else jnp.broadcast_to(a, (axis_size, *a.shape))
+            for a, bat in zip(args, in_batched, strict=True)
+        ]
+        outs = folded(*(a.reshape(axis_size * a.shape[1], *a.shape[2:]) for a in args))
+        outs = jax.tree.map(lambda o: o.reshape(axis_size, o.shape[0] // axis_size, *o.shape[1:]), outs)
+        return outs, jax.tree.map(lambda _: True, outs)
+
+    return folded
