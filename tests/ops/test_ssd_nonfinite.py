@@ -176,3 +176,48 @@ def test_empty_feature_axes_and_bad_options_are_refused():
         axkern.positional.ssd_step(x_t, dt_t, a["A"], B3, B3, s)
     y, new = axkern.positional.ssd_step(x_t[:0], dt_t[:0], a["A"], B_t[:0], B_t[:0], s[:0])
     assert y.shape == (0, 2, 16) and new.shape == (0, 2, 16, 16)
+
+
+def _subjaxprs(eqn):
+    for v in eqn.params.values():
+        for j in v if isinstance(v, (tuple, list)) else (v,):
+            j = getattr(j, "jaxpr", j)
+            if hasattr(j, "eqns"):
+                yield j
+
+
+def _primitives(jaxpr, *, into_conds=True):
+    """The primitives of `jaxpr` and its sub-jaxprs (`into_conds=False`: not inside a `cond`)."""
+    names = set()
+    for e in jaxpr.eqns:
+        names.add(e.primitive.name)
+        if e.primitive.name != "cond" or into_conds:
+            for j in _subjaxprs(e):
+                names |= _primitives(j, into_conds=into_conds)
+    return names
+
+
+@pytest.mark.parametrize("impl", [i for i in IMPLS if i != "reference"])
+def test_the_guard_runs_only_where_an_input_is_not_finite(impl):
+    # the guard's masks (a running maximum over the length) and its selects sit in the
+    # conditional's branch for non-finite inputs; the other branch and the rest of the layer
+    # have neither (they had cost more than the kernels' forward on a GPU)
+    a = _inputs(0)
+    fn = lambda a: ssd(  # noqa: E731
+        a["x"],
+        a["dt"],
+        a["A"],
+        a["B"],
+        a["C"],
+        initial_state=a["initial_state"],
+        implementation=impl,
+        chunk_size=16,
+    )
+    with axkern.use(interpret=INTERPRET), serving(impl):
+        jaxpr = jax.make_jaxpr(fn)(a).jaxpr
+    assert "cummax" not in _primitives(jaxpr, into_conds=False)
+    conds = [e for e in jaxpr.eqns if e.primitive.name == "cond"]
+    assert len(conds) == 1
+    guarded, plain = (_primitives(b.jaxpr) for b in conds[0].params["branches"])  # false, true
+    assert "cummax" in guarded and "is_finite" in guarded
+    assert "cummax" not in plain and "is_finite" not in plain
