@@ -4,7 +4,8 @@ Mamba-2 2.7B layer at each length, timed in shuffled rounds (`bench.time_rounds`
 largest difference between the two forms' outputs and gradients relative to their largest
 magnitude. Forms: `stages`, `fused`, `fused_group_sums` (the fused forward, `dB` and `dC`
 summed in the backward kernels), `fused_transposes` (`x`, `y`, `dy`, `dx` in the caller's layout
-in the kernels), `fused_both`.
+in the kernels), `fused_backward` (the reverse recurrence and the chunk states' backward as one
+kernel), `fused_all` (all three).
 
     OUT=<folder> python3 benchmarks/ssd_mosaic_forward.py [--lengths 2048,4096,16384] [--rounds 5]
         [--forms stages,fused]
@@ -35,7 +36,8 @@ FORMS = {
     "fused": SSDBlockSizes(chunk_size=64, forward="fused"),
     "fused_group_sums": SSDBlockSizes(chunk_size=64, forward="fused", group_sums="kernels"),
     "fused_transposes": SSDBlockSizes(chunk_size=64, forward="fused", transposes="kernels"),
-    "fused_both": SSDBlockSizes(chunk_size=64, forward="fused", group_sums="kernels", transposes="kernels"),
+    "fused_backward": SSDBlockSizes(chunk_size=64, forward="fused", backward="fused"),
+    "fused_all": SSDBlockSizes(64, "fused", group_sums="kernels", transposes="kernels", backward="fused"),
 }
 
 

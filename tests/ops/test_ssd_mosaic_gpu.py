@@ -95,9 +95,10 @@ def test_each_kernel_lowers_with_positions_first(kernel):
 
 
 @needs_mosaic
+@pytest.mark.parametrize("backward", [None, "fused"])
 @pytest.mark.parametrize("group_sums", [None, "kernels"])
 @pytest.mark.parametrize("forward", ["stages", "fused"])
-def test_the_layer_lowers_in_every_form(forward, group_sums):
+def test_the_layer_lowers_in_every_form(forward, group_sums, backward):
     # with x, y transposed by the kernels, XLA's graph has fewer transposes (the moves of x in
     # and of y out, forward and backward, in both branches of the guard's conditional)
     arrays, seg = make(0, 1, 200, 4, 64, 2, 128, "bfloat16")
@@ -105,9 +106,7 @@ def test_the_layer_lowers_in_every_form(forward, group_sums):
     def text(transposes):
         def f(a):
             dt = prepared_dt(a["dt"], a["dt_bias"], True, None)
-            blocks = SSDBlockSizes(
-                chunk_size=64, forward=forward, group_sums=group_sums, transposes=transposes
-            )
+            blocks = SSDBlockSizes(64, forward, group_sums, transposes, backward)
             y, final = mosaic_gpu.ssd(
                 a["x"], dt, a["A"], a["B"], a["C"], a["D"], a["z"], seg, a["initial_state"], block_sizes=blocks
             )  # fmt: skip
@@ -118,15 +117,41 @@ def test_the_layer_lowers_in_every_form(forward, group_sums):
     plain, moved = text(None), text("kernels")
     assert _kernels(plain) == _kernels(moved) == (8 if forward == "stages" else 6)
     assert moved.count("stablehlo.transpose") < plain.count("stablehlo.transpose")
+    # the fused state backward takes the place of the reverse recurrence's Triton kernel
+    assert ("axkern_ssd_gpu_recurrence_bwd" in plain) == (backward is None)
 
 
 @needs_mosaic
-@pytest.mark.parametrize("group_sums,transposes", [(None, None), ("kernels", None), ("kernels", "kernels")])
-def test_the_layer_lowers_under_vmap(group_sums, transposes):
+@pytest.mark.parametrize("group_sums", [False, True])
+@pytest.mark.parametrize("dims", [(2, 4, 2, 3, 64, 128), (1, 2, 1, 2, 128, 64), (1, 2, 2, 1, 64, 64)])
+def test_the_fused_state_backward_lowers(dims, group_sums):
+    # the reverse recurrence and the chunk states' backward as one kernel: dx, dw, dB (per head
+    # or per group), d keep [b, h, c], the initial state's gradient
+    b, h, g, chunks, p, n = dims
+    x, w, bt, states = _kernel_args("chunk_state_bwd", *dims)
+    keep = jax.ShapeDtypeStruct((b, h, chunks), jnp.float32)
+    final = jax.ShapeDtypeStruct((b, h, p, n), jnp.float32)
+    args = (x, w, bt, keep, states, states, final)
+    fn = functools.partial(mosaic_gpu.fused_state_bwd, group_sums=group_sums)
+    shapes = [o.shape for o in jax.eval_shape(fn, *args)]
+    length = chunks * mosaic_gpu.CHUNK
+    db = (b, g if group_sums else h, length, n)
+    assert shapes == [(b, h, length, p), (b, h, length), db, (b, h, chunks), (b, h, p, n)]
+    text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert _kernels(text) == 1
+    assert mosaic_gpu.fused_state_bwd_smem_bytes(p, n) <= 227 * 1024
+
+
+@needs_mosaic
+@pytest.mark.parametrize(
+    "group_sums,transposes,backward",
+    [(None, None, None), ("kernels", None, None), ("kernels", "kernels", "fused")],
+)
+def test_the_layer_lowers_under_vmap(group_sums, transposes, backward):
     # the group sums' pallas_call has no batching rule in Mosaic GPU: the mapped axis is folded
     # into the kernels' batch axis (plgpu.kernel batches by itself)
     arrays, seg = make(0, 1, 128, 4, 64, 2, 128, "bfloat16")
-    blocks = SSDBlockSizes(chunk_size=64, forward="fused", group_sums=group_sums, transposes=transposes)
+    blocks = SSDBlockSizes(64, "fused", group_sums, transposes, backward)
 
     def f(a):
         dt = prepared_dt(a["dt"], a["dt_bias"], True, None)
@@ -256,6 +281,10 @@ def test_dispatch_skips_it_off_hopper_with_the_reason():
             )
     assert "group_sums must be one of" in SSDBlockSizes(64, group_sums="atomic").validate(spec)
     for impl in ("xla", "pallas_gpu"):
+        with pytest.raises(axkern.Unsupported, match="only mosaic_gpu has a fused state backward"):
+            axkern.positional.ssd(
+                **arrays, implementation=impl, block_sizes=SSDBlockSizes(16, backward="fused")
+            )
         with pytest.raises(axkern.Unsupported, match="only mosaic_gpu reads x in the caller's layout"):
             axkern.positional.ssd(
                 **arrays, implementation=impl, block_sizes=SSDBlockSizes(16, transposes="kernels")

@@ -49,18 +49,23 @@ class SSDBlockSizes(BlockSizes):
     group's rows by TMA reductions: no per-head arrays, the additions' order free). `transposes`
     (`mosaic_gpu` only): `"xla"` (XLA moves `x` to `[b, H, L, P]` for the kernels and `y` back;
     None means this) or `"kernels"` (the kernels read `x`, `dy` and write `y`, `dx` in the
-    caller's `[b, L, H, P]`, a strided tile per head)."""
+    caller's `[b, L, H, P]`, a strided tile per head). `backward` (`mosaic_gpu` only): `"stages"`
+    (the reverse recurrence and the chunk states' backward as two kernels; None means this) or
+    `"fused"` (one kernel per batch row and head walking its chunks from the last,
+    `mosaic_gpu/state_backward.py`)."""
 
     choices: ClassVar[Mapping[str, tuple[str, ...]]] = {
         "forward": ("stages", "fused"),
         "group_sums": ("xla", "kernels"),
         "transposes": ("xla", "kernels"),
+        "backward": ("stages", "fused"),
     }
 
     chunk_size: int = 64
     forward: str | None = None
     group_sums: str | None = None
     transposes: str | None = None
+    backward: str | None = None
 
     def check(self, spec):
         if self.chunk_size & (self.chunk_size - 1):
@@ -69,12 +74,15 @@ class SSDBlockSizes(BlockSizes):
 
 
 def stages_only(block_sizes: SSDBlockSizes) -> None:
-    """Refuse `mosaic_gpu`'s forms: the fused forward, group sums in the kernels, `x` read in the
-    caller's layout (an implementation other than `mosaic_gpu` has none of them)."""
+    """Refuse `mosaic_gpu`'s forms: the fused forward or state backward, group sums in the
+    kernels, `x` read in the caller's layout (an implementation other than `mosaic_gpu` has none
+    of them)."""
     if block_sizes.forward == "fused":
         raise Unsupported('forward="fused": only mosaic_gpu has a fused forward')
     if block_sizes.group_sums == "kernels":
         raise Unsupported('group_sums="kernels": only mosaic_gpu sums dB and dC in its kernels')
+    if block_sizes.backward == "fused":
+        raise Unsupported('backward="fused": only mosaic_gpu has a fused state backward')
     if block_sizes.transposes == "kernels":
         raise Unsupported('transposes="kernels": only mosaic_gpu reads x in the caller\'s layout')
 

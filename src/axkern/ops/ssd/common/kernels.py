@@ -326,6 +326,12 @@ class Layout:
         kernel = functools.partial(_scan_bwd_kernel, sums=sums)
         return self(kernel, [self.rows(p), *specs], outs, dy.astype(jnp.float32), *args)
 
+    def state_backward(self, xt, w, bt, keep, states_in, d_states_in, d_final):
+        """Stage 3's and stage 2's backward: the reverse recurrence, then the chunk states'
+        backward, `(dx, dw, dB, d keep, d initial state)` (a backend may fuse them)."""
+        d_own, d_keep, d_init = self.recurrence_bwd(keep, states_in, d_states_in, d_final)
+        return (*self.chunk_state_bwd(xt, w, bt, d_own), d_keep, d_init)
+
     def sum_groups(self, db_scan, db_state, dc):
         """`dB`, `dC` per group (`[b, g, L, N]`) from the backward kernels' per-head outputs."""
         per_group = lambda a: a.reshape(self.batch, -1, self.rep, self.lp, self.n).sum(2)  # noqa: E731
@@ -388,8 +394,9 @@ def _core_bwd(cfg, res, cotangents):
     dx_scan, ddt, dcum, dcum_row, df, db_scan, dc, d_states_in = k.chunk_scan_bwd(
         dy, xt, scale, cum, ac, f, sc, bt, ct, states_in, sums=sums
     )
-    d_own, d_keep, d_init = k.recurrence_bwd(keep, states_in, d_states_in, d_final.astype(jnp.float32))
-    dx_state, dw, db_state = k.chunk_state_bwd(xt, w, bt, d_own)
+    dx_state, dw, db_state, d_keep, d_init = k.state_backward(
+        xt, w, bt, keep, states_in, d_states_in, d_final.astype(jnp.float32)
+    )
     if sums:  # the decay's `d a` straight from the kernel; the weights' `d cum` by autodiff
         da = row(dcum_row)
         d_ac, d_scale = pull_weights((jnp.zeros_like(cum), col(dw), col(df), d_keep))

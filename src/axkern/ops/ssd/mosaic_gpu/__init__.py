@@ -21,8 +21,11 @@ reduction_op="add")`) into zeros passed in and aliased to the output (`pallas_ca
 for XLA to sum. **Transposes** (`SSDBlockSizes(transposes="kernels")`): the kernels read `x`,
 `dy` and write `y`, `dx` as `[b, L, h, P]`, the caller's layout (`kernels._indexer`: a strided
 tile per head, which TMA copies and loads take as they take a contiguous one), where XLA
-otherwise moves them to `[b, h, L, P]` and back. Neither form has run on a GPU yet (both lower
-in CI), so neither is the default.
+otherwise moves them to `[b, h, L, P]` and back. **The fused state backward**
+(`SSDBlockSizes(backward="fused")`, `state_backward.py`): the reverse recurrence and the chunk
+states' backward as one kernel per (batch row, head) walking its chunks from the last, the
+state's gradient in registers. None of the three forms has run on a GPU yet (they lower in CI),
+so none is the default.
 
 **The state kernel.** TMA copies the chunk's `B` rows (`[64, N]`); `x` (`[64, P]`) is read into
 registers, scaled by `w` per row and stored as two 16-bit halves (`w ∘ x = hi + lo`, what the
@@ -103,6 +106,7 @@ from .kernels import (
     dims_reason,
     smem_bytes,
 )
+from .state_backward import fused_state_bwd, fused_state_bwd_smem_bytes
 
 __all__ = [
     "supports",
@@ -123,6 +127,8 @@ __all__ = [
     "FusedMosaicLayout",
     "fused_forward",
     "fused_smem_bytes",
+    "fused_state_bwd",
+    "fused_state_bwd_smem_bytes",
 ]
 
 
@@ -166,6 +172,14 @@ class MosaicLayout(GpuLayout):
 
     # `dB`, `dC` summed over each group's heads in XLA, or (`group_sums`) in the kernels
     group_sums = False
+    # the reverse recurrence and the chunk states' backward as one kernel
+    fused_backward = False
+
+    def state_backward(self, xt, w, bt, keep, states_in, d_states_in, d_final):
+        if not self.fused_backward:
+            return super().state_backward(xt, w, bt, keep, states_in, d_states_in, d_final)
+        kw = dict(group_sums=self.group_sums, positions_first=self.positions_first)
+        return fused_state_bwd(xt, self.to_col(w), bt, keep, states_in, d_states_in, d_final, **kw)
 
     def sum_groups(self, db_scan, db_state, dc):
         return (db_scan + db_state, dc) if self.group_sums else super().sum_groups(db_scan, db_state, dc)
@@ -198,6 +212,7 @@ def ssd(x, dt, A, B, C, D, z, segment_ids, initial_state, *, block_sizes, interp
         block_sizes.forward == "fused",
         block_sizes.group_sums == "kernels",
         block_sizes.transposes == "kernels",
+        block_sizes.backward == "fused",
     )
     return chunk_kernels.ssd(
         layout, x, dt, A, B, C, D, z, segment_ids, initial_state, chunk_size=CHUNK, interpret=False
@@ -205,10 +220,13 @@ def ssd(x, dt, A, B, C, D, z, segment_ids, initial_state, *, block_sizes, interp
 
 
 @functools.cache
-def _layout(fused: bool, group_sums: bool, positions_first: bool) -> type[MosaicLayout]:
-    """The layout for the forward's form, where `dB`, `dC` are summed and how `x`, `y` are laid out."""
+def _layout(fused: bool, group_sums: bool, positions_first: bool, fused_backward: bool) -> type[MosaicLayout]:
+    """The layout for the forward's form, where `dB`, `dC` are summed, how `x`, `y` are laid out
+    and the state backward's form."""
     base = FusedMosaicLayout if fused else MosaicLayout
-    if not (group_sums or positions_first):
+    if not (group_sums or positions_first or fused_backward):
         return base
     name = base.__name__ + "GroupSums" * group_sums + "PositionsFirst" * positions_first
-    return type(name, (base,), {"group_sums": group_sums, "positions_first": positions_first})
+    name += "FusedBackward" * fused_backward
+    attrs = {"group_sums": group_sums, "positions_first": positions_first, "fused_backward": fused_backward}
+    return type(name, (base,), attrs)

@@ -1,0 +1,238 @@
+"""The reverse recurrence between chunks and the chunk state's backward as one Mosaic GPU kernel
+(`SSDBlockSizes(backward="fused")`): one block per (batch row, head) walking its chunks from the
+last, the gradient `g` of the state leaving the current chunk carried in registers.
+
+**Why.** Apart, the reverse recurrence (`pallas_gpu`'s Triton kernel) writes every chunk's
+`d own = g` (`[b, c, h, P, N]` float32, 0.63 GiB at the 2.7B layer's L 4096) and the chunk-state
+backward reads it back; fused, `g` never leaves the block. The price is parallelism: `batch ·
+heads` blocks walking their chunks in order, with the next chunk's `B` copied by TMA into the
+second of two slots while the block computes on the first.
+
+**A chunk's step**, from the last chunk, `g` entering as the final state's gradient: `g` out to
+shared memory as two 16-bit halves (`dS`), and as float32 (read back after the products, so
+that its registers are free while they run); `d keep_c`'s row sums `Σ_n g ∘ S_in` (the states
+entering the chunks, the forward's residual); `d(w ∘ x) = B dSᵀ`, giving `dx = · w` and `dw =
+rowsum(· x)`; `dB = (w ∘ x) dS` (both float32: three products of halves, as `_state_bwd_kernel`);
+then `g ← keep_c g + dS_in,c` (the scan backward's gradient of the state entering the chunk).
+After chunk 0, `g` is the initial state's gradient.
+
+**Cost** per chunk and head: `4·Q·P·N` FLOPs (`B dSᵀ`, two halves) + `6·Q·P·N` (`dB`, three);
+bytes: `B`, `x` rows and `w` read, the float32 states entering and their gradients read (`2 · P ·
+N · 4`), `dx`, `dw`, `dB` written (`dB` per head, or added into the group's rows with
+`group_sums`), `d keep`'s `P` row sums written.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from axkern.core.compat import mosaic_gpu_load
+from axkern.core.kernels import swizzled_smem
+from axkern.core.op import Unsupported
+
+from .backward import _batch_folding
+from .kernels import (
+    _SMEM,
+    _SMEM_EXTRA,
+    CHUNK,
+    _check_operands,
+    _dims,
+    _halves,
+    _indexer,
+    _params,
+    _products,
+    _rows_type,
+    plgpu,
+)
+
+__all__ = ["fused_state_bwd", "fused_state_bwd_smem_bytes"]
+
+
+def _tiles(p: int, n: int, dtype=jnp.bfloat16) -> list:
+    """Shared memory: `B` in two slots; `dS`'s halves; `g` (float32); the staging tiles of `dx`,
+    `dB`; the vectors `dw` and `d keep`'s row sums."""
+    q, f32 = CHUNK, jnp.float32
+    return [
+        ((2, q, n), dtype),
+        ((p, n), dtype),
+        ((p, n), dtype),
+        ((p, n), f32),
+        ((q, p), f32),
+        ((q, n), f32),
+        ((q,), f32),
+        ((p,), f32),
+    ]
+
+
+def fused_state_bwd_smem_bytes(p: int, n: int) -> int:
+    return sum(math.prod(s) * jnp.dtype(d).itemsize for s, d in _tiles(p, n)) + _SMEM_EXTRA
+
+
+def _kernel(
+    x_ref,
+    w_ref,
+    b_ref,
+    keep_ref,
+    s_ref,
+    ds_in_ref,
+    d_final_ref,
+    dx_ref,
+    dw_ref,
+    db_ref,
+    d_keep_ref,
+    d_init_ref,
+    scoped,
+    *,
+    rep,
+    dtype,
+    chunks,
+    add,
+    rows_of,
+):
+    (b_smem, dsh_smem, dsl_smem, g_smem, dx_smem, db_smem, dw_smem, dk_smem), loaded = scoped
+    head, batch = lax.axis_index("heads"), lax.axis_index("batch")
+    q, n = b_smem.shape[1:]
+    p = dsh_smem.shape[0]
+    group = lax.div(head, jnp.int32(rep))
+    f32, wgmma_layout = jnp.float32, plgpu.Layout.WGMMA
+    row = wgmma_layout.reduce(1)
+
+    def fetch(chunk, slot):
+        plgpu.copy_gmem_to_smem(b_ref.at[batch, group, pl.ds(chunk * q, q)], b_smem.at[slot], loaded.at[slot])
+
+    fetch(chunks - 1, 0)
+
+    def step(i, g):
+        chunk, slot = chunks - 1 - i, lax.rem(i, 2)
+
+        @pl.when(chunk > 0)
+        def _():
+            fetch(chunk - 1, 1 - slot)
+
+        rows = pl.ds(chunk * q, q)
+        x = mosaic_gpu_load(rows_of(x_ref, batch, head, rows), layout=wgmma_layout, optimized=False).astype(
+            f32
+        )
+        w = mosaic_gpu_load(w_ref.at[batch, head, rows], layout=row, optimized=False)
+        xw_h, xw_l = _halves(x * lax.broadcast_in_dim(w, x.shape, [0]), dtype)
+        s_in = mosaic_gpu_load(s_ref.at[batch, chunk, head], layout=wgmma_layout, optimized=False)
+
+        # the staging tiles' last copies out have been read; g out as halves and whole
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        dk_smem[...] = jnp.sum(g * s_in, axis=1)  # d keep_c's row sums
+        g_smem[...] = g
+        dsh_smem[...], dsl_smem[...] = _halves(g, dtype)
+        plgpu.commit_smem()
+        plgpu.barrier_wait(loaded.at[slot])
+        bs = b_smem.at[slot]
+
+        # d(w ∘ x) = B dSᵀ (rows t); dB = (w ∘ x) dS (as `_state_bwd_kernel`)
+        dxw = _products((q, p), [(bs, dsh_smem, True), (bs, dsl_smem, True)])
+        dx_smem[...] = dxw * lax.broadcast_in_dim(w, (q, p), [0])
+        dw_smem[...] = jnp.sum(dxw * x, axis=1)
+        db_smem[...] = _products(
+            (q, n), [(xw_h, dsh_smem, False), (xw_h, dsl_smem, False), (xw_l, dsh_smem, False)]
+        )
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(dx_smem, rows_of(dx_ref, batch, head, rows))
+        if add:
+            plgpu.copy_smem_to_gmem(db_smem, db_ref.at[batch, group, rows], reduction_op="add")
+        else:
+            plgpu.copy_smem_to_gmem(db_smem, db_ref.at[batch, head, rows])
+        plgpu.copy_smem_to_gmem(dw_smem, dw_ref.at[batch, head, rows])
+        plgpu.copy_smem_to_gmem(dk_smem, d_keep_ref.at[batch, head, chunk])
+
+        # g <- keep_c g + dS_in,c (keep: one value along g's rows)
+        keep = mosaic_gpu_load(keep_ref.at[batch, head, chunk], layout=row, optimized=False)
+        ds_in = mosaic_gpu_load(ds_in_ref.at[batch, chunk, head], layout=wgmma_layout, optimized=False)
+        return g_smem[...] * lax.broadcast_in_dim(keep, (p, n), [0]) + ds_in
+
+    g = mosaic_gpu_load(d_final_ref.at[batch, head], layout=wgmma_layout, optimized=False)
+    d_init = lax.fori_loop(0, chunks, step, g)
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    g_smem[...] = d_init
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(g_smem, d_init_ref.at[batch, head])
+    plgpu.wait_smem_to_gmem(0)
+
+
+def fused_state_bwd(
+    xt, w, bt, keep, states_in, d_states_in, d_final, *, group_sums=False, positions_first=False
+):
+    """`(dx [b, h, L, P], dw [b, h, L], dB [b, h, L, N], d keep [b, h, c], d initial state [b, h,
+    P, N])`, float32, of the chunk states and the recurrence between them, from `xt [b, h, L, P]`
+    and `bt [b, g, L, N]` (bf16), the weights `w [b, h, L]` and carries `keep [b, h, c]`, the
+    states entering the chunks and their gradients (`[b, c, h, P, N]` float32) and the final
+    state's gradient (`[b, h, P, N]`), by the fused kernel. `group_sums`: `dB [b, g, L, N]` by TMA
+    reductions; `positions_first`: `xt` and `dx` are `[b, L, h, P]`."""
+    body = functools.partial(_fused_state_bwd, group_sums=group_sums, positions_first=positions_first)
+    args = (xt, w, bt, keep, states_in, d_states_in, d_final)
+    return _batch_folding(body)(*args) if group_sums else body(*args)
+
+
+def _fused_state_bwd(xt, w, bt, keep, states_in, d_states_in, d_final, *, group_sums, positions_first):
+    _check_operands(xt, bt, positions_first=positions_first)
+    b, h, lp, p = _dims(xt, positions_first)
+    g, n = bt.shape[1], bt.shape[-1]
+    c, f32, dtype = lp // CHUNK, jnp.float32, xt.dtype
+    if fused_state_bwd_smem_bytes(p, n) > _SMEM:
+        raise Unsupported(f"head_dim={p}, state={n}: the fused state backward's tiles exceed shared memory")
+    keep_rows = jnp.broadcast_to(keep[..., None], (b, h, c, p)).astype(f32)  # one value a row of g
+    db = jax.ShapeDtypeStruct((b, g if group_sums else h, lp, n), f32)
+    out_type = (
+        _rows_type(b, h, lp, p, positions_first),
+        jax.ShapeDtypeStruct((b, h, lp), f32),
+        db,
+        jax.ShapeDtypeStruct((b, h, c, p), f32),
+        jax.ShapeDtypeStruct((b, h, p, n), f32),
+    )
+    args = [xt, w, bt, keep_rows, states_in, d_states_in, d_final.astype(f32)]
+    skip = {len(args)} if group_sums else set()
+
+    def entry(*refs):
+        refs = [r for i, r in enumerate(refs) if i not in skip]  # the zeros' input (their output stays)
+        scratch = [swizzled_smem(s, d) if len(s) >= 2 else plgpu.SMEM(s, d) for s, d in _tiles(p, n, dtype)]
+        pl.run_scoped(
+            lambda *scoped: _kernel(
+                *refs,
+                scoped,
+                rep=h // g,
+                dtype=dtype,
+                chunks=c,
+                add=group_sums,
+                rows_of=_indexer(positions_first),
+            ),
+            scratch,
+            plgpu.Barrier(num_barriers=2),
+        )
+
+    name = "axkern_ssd_mosaic_gpu_state_bwd_fused"
+    if not group_sums:
+        outs = plgpu.kernel(
+            entry,
+            out_type=out_type,
+            grid=(b, h),  # heads on CUDA's x axis: blocks launched together share a group's B
+            grid_names=("batch", "heads"),
+            compiler_params=_params(),
+            kernel_name=name,
+        )(*args)
+    else:
+        gmem = pl.BlockSpec(memory_space=plgpu.GMEM)
+        outs = pl.pallas_call(
+            entry,
+            out_shape=out_type,
+            grid=(("batch", b), ("heads", h)),
+            in_specs=[gmem] * (len(args) + 1),
+            out_specs=[gmem] * len(out_type),
+            input_output_aliases={len(args): 2},
+            compiler_params=_params(),
+            name=name,
+        )(*args, jnp.zeros(db.shape, f32))
+    dx, dw, db_out, d_keep_rows, d_init = outs
+    return dx, dw, db_out, d_keep_rows.sum(-1), d_init
