@@ -116,18 +116,17 @@ def _kernel(
             fetch(chunk - 1, 1 - slot)
 
         rows = pl.ds(chunk * q, q)
-        x = mosaic_gpu_load(rows_of(x_ref, batch, head, rows), layout=wgmma_layout, optimized=False).astype(
-            f32
-        )
-        w = mosaic_gpu_load(w_ref.at[batch, head, rows], layout=row, optimized=False)
-        xw_h, xw_l = _halves(x * lax.broadcast_in_dim(w, x.shape, [0]), dtype)
-        s_in = mosaic_gpu_load(s_ref.at[batch, chunk, head], layout=wgmma_layout, optimized=False)
-
-        # the staging tiles' last copies out have been read; g out as halves and whole
+        # the staging tiles' last copies out have been read; g out as halves and whole before
+        # x is loaded (g, the state entering and x's halves together would crowd the registers)
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        s_in = mosaic_gpu_load(s_ref.at[batch, chunk, head], layout=wgmma_layout, optimized=False)
         dk_smem[...] = jnp.sum(g * s_in, axis=1)  # d keep_c's row sums
         g_smem[...] = g
         dsh_smem[...], dsl_smem[...] = _halves(g, dtype)
+        x = mosaic_gpu_load(rows_of(x_ref, batch, head, rows), layout=wgmma_layout, optimized=False)
+        x = x.astype(f32)
+        w = mosaic_gpu_load(w_ref.at[batch, head, rows], layout=row, optimized=False)
+        xw_h, xw_l = _halves(x * lax.broadcast_in_dim(w, x.shape, [0]), dtype)
         plgpu.commit_smem()
         plgpu.barrier_wait(loaded.at[slot])
         bs = b_smem.at[slot]
