@@ -185,8 +185,7 @@ def _state_bwd_kernel(
     """`add`: `dB` added by a TMA reduction into the head's group's rows (`[b, g, L, N]`)."""
     (b_smem, dsh_smem, dsl_smem, dx_smem, db_smem, dw_smem), loaded = scoped
     batch, head, chunk = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("chunks")
-    q, n = b_smem.shape
-    p = dsh_smem.shape[0]
+    q = b_smem.shape[0]
     rows = pl.ds(chunk * q, q)
     plgpu.copy_gmem_to_smem(b_ref.at[batch, lax.div(head, jnp.int32(rep)), rows], b_smem, loaded)
     f32, wgmma_layout = jnp.float32, plgpu.Layout.WGMMA
@@ -201,22 +200,33 @@ def _state_bwd_kernel(
     plgpu.commit_smem()
     plgpu.barrier_wait(loaded)
 
-    # d(w ∘ x) = B dSᵀ (rows t), stored at once; dB = (w ∘ x) dS, three products (both float32)
-    dxw = _products((q, p), [(b_smem, dsh_smem, True), (b_smem, dsl_smem, True)])
+    staging = (dx_smem, db_smem, dw_smem)
+    _state_grads(b_smem, (dsh_smem, dsl_smem), x, w, (xw_h, xw_l), staging)
+    group = lax.div(head, jnp.int32(rep)) if add else head
+    dsts = (rows_of(dx_ref, batch, head, rows), db_ref.at[batch, group, rows], dw_ref.at[batch, head, rows])
+    _send_state_grads(staging, dsts, add=add)
+    plgpu.wait_smem_to_gmem(0)
+
+
+def _state_grads(b_smem, ds, x, w, xw, staging):
+    """The chunk state's gradients from `dS`'s halves `ds` (shared memory), `B` (shared memory),
+    `x`, `w` and `w ∘ x`'s halves `xw` (registers), into the staging tiles `(dx, dB, dw)`:
+    `d(w ∘ x) = B dSᵀ` (rows t), `dx = · w`, `dw = rowsum(· x)`; `dB = (w ∘ x) dS`, three
+    products (both float32)."""
+    dx_smem, db_smem, dw_smem = staging
+    (q, n), p = b_smem.shape, ds[0].shape[0]
+    dxw = _products((q, p), [(b_smem, ds[0], True), (b_smem, ds[1], True)])
     dx_smem[...] = dxw * lax.broadcast_in_dim(w, (q, p), [0])
     dw_smem[...] = jnp.sum(dxw * x, axis=1)
-    db_smem[...] = _products(
-        (q, n), [(xw_h, dsh_smem, False), (xw_h, dsl_smem, False), (xw_l, dsh_smem, False)]
-    )
+    db_smem[...] = _products((q, n), [(xw[0], ds[0], False), (xw[0], ds[1], False), (xw[1], ds[0], False)])
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(dx_smem, rows_of(dx_ref, batch, head, rows))
-    if add:
-        group = lax.div(head, jnp.int32(rep))
-        plgpu.copy_smem_to_gmem(db_smem, db_ref.at[batch, group, rows], reduction_op="add")
-    else:
-        plgpu.copy_smem_to_gmem(db_smem, db_ref.at[batch, head, rows])
-    plgpu.copy_smem_to_gmem(dw_smem, dw_ref.at[batch, head, rows])
-    plgpu.wait_smem_to_gmem(0)
+
+
+def _send_state_grads(staging, dsts, *, add):
+    """`(dx, dB, dw)` out of their staging tiles by TMA to `dsts`, `dB` added (`add`: a group's
+    rows) or stored (the copies left in flight)."""
+    for i, (smem, dst) in enumerate(zip(staging, dsts, strict=True)):
+        plgpu.copy_smem_to_gmem(smem, dst, reduction_op="add" if add and i == 1 else None)
 
 
 def chunk_state_bwd(xt, w, bt, d_own, *, group_sums=False, positions_first=False):

@@ -36,7 +36,7 @@ from axkern.core.compat import mosaic_gpu_load
 from axkern.core.kernels import swizzled_smem
 from axkern.core.op import Unsupported
 
-from .backward import _batch_folding
+from .backward import _batch_folding, _send_state_grads, _state_grads
 from .kernels import (
     _SMEM,
     _SMEM_EXTRA,
@@ -46,7 +46,6 @@ from .kernels import (
     _halves,
     _indexer,
     _params,
-    _products,
     _rows_type,
     plgpu,
 )
@@ -129,22 +128,12 @@ def _kernel(
         xw_h, xw_l = _halves(x * lax.broadcast_in_dim(w, x.shape, [0]), dtype)
         plgpu.commit_smem()
         plgpu.barrier_wait(loaded.at[slot])
-        bs = b_smem.at[slot]
-
-        # d(w ∘ x) = B dSᵀ (rows t); dB = (w ∘ x) dS (as `_state_bwd_kernel`)
-        dxw = _products((q, p), [(bs, dsh_smem, True), (bs, dsl_smem, True)])
-        dx_smem[...] = dxw * lax.broadcast_in_dim(w, (q, p), [0])
-        dw_smem[...] = jnp.sum(dxw * x, axis=1)
-        db_smem[...] = _products(
-            (q, n), [(xw_h, dsh_smem, False), (xw_h, dsl_smem, False), (xw_l, dsh_smem, False)]
-        )
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(dx_smem, rows_of(dx_ref, batch, head, rows))
-        if add:
-            plgpu.copy_smem_to_gmem(db_smem, db_ref.at[batch, group, rows], reduction_op="add")
-        else:
-            plgpu.copy_smem_to_gmem(db_smem, db_ref.at[batch, head, rows])
-        plgpu.copy_smem_to_gmem(dw_smem, dw_ref.at[batch, head, rows])
+        # the chunk state's gradients (as `_state_bwd_kernel`) and d keep's row sums out
+        staging = (dx_smem, db_smem, dw_smem)
+        _state_grads(b_smem.at[slot], (dsh_smem, dsl_smem), x, w, (xw_h, xw_l), staging)
+        db_rows = db_ref.at[batch, group if add else head, rows]
+        dsts = (rows_of(dx_ref, batch, head, rows), db_rows, dw_ref.at[batch, head, rows])
+        _send_state_grads(staging, dsts, add=add)
         plgpu.copy_smem_to_gmem(dk_smem, d_keep_ref.at[batch, head, chunk])
 
         # g <- keep_c g + dS_in,c (keep: one value along g's rows)
