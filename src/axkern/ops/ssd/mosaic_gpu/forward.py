@@ -27,30 +27,26 @@ Not yet run on a GPU (CI lowers it for CUDA): it is an opt-in form until measure
 
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
 from axkern.core.compat import mosaic_gpu_load
-from axkern.core.kernels import swizzled_smem
 from axkern.core.op import Unsupported
 
 from .kernels import (
     _SMEM,
-    _SMEM_EXTRA,
     CHUNK,
     _check_operands,
     _chunk_output,
     _dims,
     _halves,
-    _indexer,
-    _params,
+    _launch,
     _rows_type,
     _scan_vectors,
     plgpu,
+    tile_bytes,
 )
 
 __all__ = ["fused_forward", "fused_smem_bytes"]
@@ -73,7 +69,7 @@ def _tiles(p: int, n: int, dtype=jnp.bfloat16) -> list:
 
 
 def fused_smem_bytes(p: int, n: int) -> int:
-    return sum(math.prod(s) * jnp.dtype(d).itemsize for s, d in _tiles(p, n)) + _SMEM_EXTRA
+    return tile_bytes(_tiles(p, n))
 
 
 def _forward_kernel(
@@ -94,9 +90,11 @@ def _forward_kernel(
     *,
     rep,
     dtype,
-    chunks,
+    add,
     rows_of,
+    chunks,
 ):
+    """`add` (the backward kernels' group sums) is False here."""
     (c_smem, b_smem, x_smem, xh_smem, xl_smem, s16_smem, y_smem, st_smem), loaded = scoped
     head, batch = lax.axis_index("heads"), lax.axis_index("batch")
     q, p = x_smem.shape[1:]
@@ -170,32 +168,29 @@ def fused_forward(xt, w, dt, cum, f, keep, seg, bt, ct, initial_state, *, positi
     fused kernel. `positions_first`: `xt` and `y` are `[b, L, h, P]`."""
     _check_operands(xt, bt, ct, positions_first=positions_first)
     b, h, lp, p = _dims(xt, positions_first)
-    g, n = bt.shape[1], bt.shape[-1]
+    n = bt.shape[-1]
     c, f32, dtype = lp // CHUNK, jnp.float32, xt.dtype
     if fused_smem_bytes(p, n) > _SMEM:
         raise Unsupported(f"head_dim={p}, state={n}: the fused forward's tiles exceed shared memory")
     keep_rows = jnp.broadcast_to(keep[..., None], (b, h, c, p)).astype(f32)  # one value a row of S
-
-    def entry(*refs):
-        scratch = [swizzled_smem(shape, d) for shape, d in _tiles(p, n, dtype)]
-        pl.run_scoped(
-            lambda *scoped: _forward_kernel(
-                *refs, scoped, rep=h // g, dtype=dtype, chunks=c, rows_of=_indexer(positions_first)
-            ),
-            scratch,
-            plgpu.Barrier(num_barriers=6),
-        )
-
-    y, states_in, final = plgpu.kernel(
-        entry,
-        out_type=(
-            _rows_type(b, h, lp, p, positions_first),
-            jax.ShapeDtypeStruct((b, c, h, p, n), f32),
-            jax.ShapeDtypeStruct((b, h, p, n), f32),
-        ),
-        grid=(b, h),  # heads on CUDA's x axis: blocks launched together share a group's B and C
-        grid_names=("batch", "heads"),
-        compiler_params=_params(),
-        kernel_name="axkern_ssd_mosaic_gpu_forward",
-    )(xt, w, dt, cum, f, keep_rows, seg.astype(jnp.int32), bt, ct, initial_state.astype(f32))
+    out_type = (
+        _rows_type(b, h, lp, p, positions_first),
+        jax.ShapeDtypeStruct((b, c, h, p, n), f32),
+        jax.ShapeDtypeStruct((b, h, p, n), f32),
+    )
+    barrier, tiles = plgpu.Barrier(num_barriers=6), _tiles(p, n, dtype)
+    launch = _launch(
+        "forward",
+        _forward_kernel,
+        out_type,
+        xt,
+        bt,
+        barrier,
+        positions_first=positions_first,
+        tiles=tiles,
+        chunks=c,
+    )
+    y, states_in, final = launch(
+        xt, w, dt, cum, f, keep_rows, seg.astype(jnp.int32), bt, ct, initial_state.astype(f32)
+    )
     return y, final, states_in

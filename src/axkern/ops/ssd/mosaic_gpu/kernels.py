@@ -65,21 +65,23 @@ def _tiles(kernel: str, p: int, n: int, dtype=jnp.bfloat16) -> list:
     }[kernel]
 
 
-def _scratch(kernel: str, p: int, n: int, dtype) -> list:
-    """`_tiles` as Mosaic GPU shared memory: swizzled where they are `wgmma` or TMA tiles (8 rows
-    or more), plain for the vectors."""
-    return [
-        swizzled_smem(shape, d) if len(shape) == 2 and shape[0] % 8 == 0 else plgpu.SMEM(shape, d)
-        for shape, d in _tiles(kernel, p, n, dtype)
-    ]
+def _smem(tiles) -> list:
+    """Tiles `(shape, dtype)` as Mosaic GPU shared memory: swizzled where they are `wgmma` or TMA
+    tiles (8 rows or more, in slots or not), plain for the vectors."""
+    swizzled = lambda shape: len(shape) >= 2 and shape[-2] % 8 == 0  # noqa: E731
+    return [swizzled_smem(shape, d) if swizzled(shape) else plgpu.SMEM(shape, d) for shape, d in tiles]
 
 
 def smem_bytes(p: int, n: int) -> int:
     """Shared memory of the largest of the four kernels at head dim `p` and state `n` (bf16
     inputs): their `_tiles` and what Mosaic GPU adds."""
     kernels = ("state", "scan", "state_bwd", "scan_bwd")
-    tiles = (sum(math.prod(s) * jnp.dtype(d).itemsize for s, d in _tiles(k, p, n)) for k in kernels)
-    return max(tiles) + _SMEM_EXTRA
+    return max(tile_bytes(_tiles(k, p, n)) for k in kernels)
+
+
+def tile_bytes(tiles) -> int:
+    """Shared memory of tiles `(shape, dtype)` and what Mosaic GPU adds."""
+    return sum(math.prod(s) * jnp.dtype(d).itemsize for s, d in tiles) + _SMEM_EXTRA
 
 
 def dims_reason(p: int, n: int) -> str | None:
@@ -240,24 +242,35 @@ def chunk_scan(xt, dt, cum, f, seg, bt, ct, states_in, *, positions_first=False)
     return launch(xt, dt, cum, f, seg.astype(jnp.int32), bt, ct, states_in)
 
 
-def _launch(kind, body, out_type, xt, bt, barrier, *, into=None, positions_first=False):
+def _launch(kind, body, out_type, xt, bt, barrier, *, into=None, positions_first=False, tiles=None, **kw):
     """The Mosaic GPU kernel `body` of `kind` ("state", "scan", ...) over the grid (batch, heads,
-    chunks), the chunks on CUDA's x axis (the others take at most 65535), with `_scratch(kind)`
+    chunks), the chunks on CUDA's x axis (the others take at most 65535), with `_tiles(kind)`
     and `barrier` in shared memory; `rep` heads a group of `bt`. `into` (`{output index: input
     index}`): those outputs are their inputs' buffers (zeros the body adds into; the body sees
     only the output), through `pallas_call`, as `plgpu.kernel` takes no aliases.
-    `positions_first`: `x`, `y`, `dy`, `dx` are `[b, L, h, d]` (`rows_of`)."""
+    `positions_first`: `x`, `y`, `dy`, `dx` are `[b, L, h, d]` (`rows_of`). `tiles`: a fused
+    kernel's shared memory, over the grid (batch, heads) (heads on CUDA's x axis: blocks
+    launched together share a group's `B` and `C`); `kw` more of the body's arguments."""
     b, h, lp, p = _dims(xt, positions_first)
     g, n = bt.shape[1], bt.shape[-1]
     skip = set((into or {}).values())
+    scratch = _smem(tiles if tiles is not None else _tiles(kind, p, n, xt.dtype))
+    names = ("batch", "heads") if tiles is not None else ("batch", "heads", "chunks")
+    grid = (b, h, lp // CHUNK)[: len(names)]
 
     def entry(*refs):
         refs = [r for i, r in enumerate(refs) if i not in skip]
         pl.run_scoped(
             lambda *scoped: body(
-                *refs, scoped, rep=h // g, dtype=xt.dtype, add=bool(into), rows_of=_indexer(positions_first)
+                *refs,
+                scoped,
+                rep=h // g,
+                dtype=xt.dtype,
+                add=bool(into),
+                rows_of=_indexer(positions_first),
+                **kw,
             ),
-            _scratch(kind, p, n, xt.dtype),
+            scratch,
             barrier,
         )
 
@@ -266,8 +279,8 @@ def _launch(kind, body, out_type, xt, bt, barrier, *, into=None, positions_first
         return plgpu.kernel(
             entry,
             out_type=out_type,
-            grid=(b, h, lp // CHUNK),
-            grid_names=("batch", "heads", "chunks"),
+            grid=grid,
+            grid_names=names,
             compiler_params=_params(),
             kernel_name=name,
         )
@@ -277,7 +290,7 @@ def _launch(kind, body, out_type, xt, bt, barrier, *, into=None, positions_first
         return pl.pallas_call(
             entry,
             out_shape=out_type,
-            grid=(("batch", b), ("heads", h), ("chunks", lp // CHUNK)),
+            grid=tuple(zip(names, grid, strict=True)),
             in_specs=[gmem] * len(args),
             out_specs=[gmem] * len(out_type),
             input_output_aliases={i: o for o, i in into.items()},

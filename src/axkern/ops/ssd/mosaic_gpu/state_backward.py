@@ -25,7 +25,6 @@ N · 4`), `dx`, `dw`, `dB` written (`dB` per head, or added into the group's row
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -33,21 +32,19 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from axkern.core.compat import mosaic_gpu_load
-from axkern.core.kernels import swizzled_smem
 from axkern.core.op import Unsupported
 
 from .backward import _batch_folding, _send_state_grads, _state_grads
 from .kernels import (
     _SMEM,
-    _SMEM_EXTRA,
     CHUNK,
     _check_operands,
     _dims,
     _halves,
-    _indexer,
-    _params,
+    _launch,
     _rows_type,
     plgpu,
+    tile_bytes,
 )
 
 __all__ = ["fused_state_bwd", "fused_state_bwd_smem_bytes"]
@@ -70,7 +67,7 @@ def _tiles(p: int, n: int, dtype=jnp.bfloat16) -> list:
 
 
 def fused_state_bwd_smem_bytes(p: int, n: int) -> int:
-    return sum(math.prod(s) * jnp.dtype(d).itemsize for s, d in _tiles(p, n)) + _SMEM_EXTRA
+    return tile_bytes(_tiles(p, n))
 
 
 def _kernel(
@@ -181,46 +178,12 @@ def _fused_state_bwd(xt, w, bt, keep, states_in, d_states_in, d_final, *, group_
         jax.ShapeDtypeStruct((b, h, p, n), f32),
     )
     args = [xt, w, bt, keep_rows, states_in, d_states_in, d_final.astype(f32)]
-    skip = {len(args)} if group_sums else set()
-
-    def entry(*refs):
-        refs = [r for i, r in enumerate(refs) if i not in skip]  # the zeros' input (their output stays)
-        scratch = [swizzled_smem(s, d) if len(s) >= 2 else plgpu.SMEM(s, d) for s, d in _tiles(p, n, dtype)]
-        pl.run_scoped(
-            lambda *scoped: _kernel(
-                *refs,
-                scoped,
-                rep=h // g,
-                dtype=dtype,
-                chunks=c,
-                add=group_sums,
-                rows_of=_indexer(positions_first),
-            ),
-            scratch,
-            plgpu.Barrier(num_barriers=2),
-        )
-
-    name = "axkern_ssd_mosaic_gpu_state_bwd_fused"
-    if not group_sums:
-        outs = plgpu.kernel(
-            entry,
-            out_type=out_type,
-            grid=(b, h),  # heads on CUDA's x axis: blocks launched together share a group's B
-            grid_names=("batch", "heads"),
-            compiler_params=_params(),
-            kernel_name=name,
-        )(*args)
-    else:
-        gmem = pl.BlockSpec(memory_space=plgpu.GMEM)
-        outs = pl.pallas_call(
-            entry,
-            out_shape=out_type,
-            grid=(("batch", b), ("heads", h)),
-            in_specs=[gmem] * (len(args) + 1),
-            out_specs=[gmem] * len(out_type),
-            input_output_aliases={len(args): 2},
-            compiler_params=_params(),
-            name=name,
-        )(*args, jnp.zeros(db.shape, f32))
-    dx, dw, db_out, d_keep_rows, d_init = outs
+    into = {2: len(args)} if group_sums else None  # dB: the zeros passed last
+    if group_sums:
+        args.append(jnp.zeros(db.shape, f32))
+    barrier, tiles = plgpu.Barrier(num_barriers=2), _tiles(p, n, dtype)
+    kw = dict(into=into, positions_first=positions_first, tiles=tiles, chunks=c)
+    dx, dw, db_out, d_keep_rows, d_init = _launch(
+        "state_bwd_fused", _kernel, out_type, xt, bt, barrier, **kw
+    )(*args)
     return dx, dw, db_out, d_keep_rows.sum(-1), d_init
