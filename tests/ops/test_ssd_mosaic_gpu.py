@@ -295,3 +295,7 @@ def test_dispatch_skips_it_off_hopper_with_the_reason():
     assert "chunk-state and chunk-scan kernels" in kernels(gpu, SSDBlockSizes(64, forward="stages"))
     assert OP.implementations["mosaic_gpu"].heuristic(gpu) == SSDBlockSizes(64, forward="fused")
     assert "one fused Mosaic GPU kernel" in kernels(gpu, SSDBlockSizes(64, forward="fused"))
+    every = kernels(gpu, SSDBlockSizes(64, "fused", "kernels", "kernels", "fused"))
+    assert "fused Mosaic GPU kernel for the reverse recurrence" in every and "reverse recurrence" in every
+    assert "summed over heads in the kernels" in every and "caller's layout" in every
+    assert "pallas_gpu's reverse recurrence" not in every

@@ -57,15 +57,22 @@ def _gpu_order(spec) -> tuple[str, ...]:
 
 def _mosaic_gpu_kernels(spec, block_sizes) -> str:
     """`mosaic_gpu`'s kernels, forward and backward, for `explain`."""
+    bs = block_sizes or SSDBlockSizes()
     forward = (
         "one fused Mosaic GPU kernel (chunk states, recurrence, chunk outputs)"
-        if block_sizes is not None and block_sizes.forward == "fused"
+        if bs.forward == "fused"
         else "Mosaic GPU chunk-state and chunk-scan kernels, pallas_gpu's recurrence between them"
     )
-    return (
-        "custom_vjp: Mosaic GPU chunk-scan and chunk-state backward kernels, pallas_gpu's reverse recurrence "
-        f"(forward: {forward}; chunks of 64)"
+    backward = (
+        "Mosaic GPU chunk-scan backward kernel, one fused Mosaic GPU kernel for the reverse recurrence and the "
+        "chunk-state backward"
+        if bs.backward == "fused"
+        else "Mosaic GPU chunk-scan and chunk-state backward kernels, pallas_gpu's reverse recurrence"
     )
+    extras = [("dB, dC summed over heads in the kernels", bs.group_sums == "kernels")]
+    extras += [("x, y in the caller's layout in the kernels", bs.transposes == "kernels")]
+    notes = "".join(f"; {text}" for text, on in extras if on)
+    return f"custom_vjp: {backward} (forward: {forward}; chunks of 64{notes})"
 
 
 OP = Op(
