@@ -27,9 +27,11 @@ add `2·Q³` FLOPs forward and `4·Q³` backward per chunk and head (`_segment_s
 
 `Layout.forward` runs stages 2-4 in turn (a backend may fuse them). **Non-finite input**
 (`chunks.guard`, through `chunks.layer` only where an input is not finite): the kernels take
-non-finite values as 0; NaN is put where the sequential recurrence is non-finite (never earlier in time, never in another segment). Products take
-float32 operands into float32 (TF32 for 16-bit inputs on GPU: `Layout.precision_16bit`; bf16
-operands missed the oracle rule); `x`, `B`, `C` as `[batch, heads|groups, length, P|N]`.
+non-finite values as 0; NaN is put where the sequential recurrence is non-finite (never
+earlier in time, never in another segment). Products take float32 operands into float32 (TF32
+for 16-bit inputs on GPU: `Layout.precision_16bit`; bf16 operands missed the oracle rule); `x`,
+`B`, `C` as `[batch, heads|groups, length, P|N]` (`x` as `[batch, length, heads, P]` where the
+layout's kernels take the caller's layout: `Layout.positions_first`).
 
 **Backward** (`custom_vjp` around stages 1-4; `D`, `z`, padding and layout by autodiff):
 kernel `chunk_scan_bwd` pulls `dy` back through `y = M (dt ∘ x) + f ∘ (C S_in^T)`, `M = (C B^T)
