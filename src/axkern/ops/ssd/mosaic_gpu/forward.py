@@ -33,18 +33,15 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from axkern.core.compat import mosaic_gpu_load
-from axkern.core.op import Unsupported
 
 from .kernels import (
-    _SMEM,
     CHUNK,
-    _check_operands,
     _chunk_output,
-    _dims,
     _halves,
     _launch,
     _rows_type,
     _scan_vectors,
+    _walk_setup,
     plgpu,
     tile_bytes,
 )
@@ -166,19 +163,16 @@ def fused_forward(xt, w, dt, cum, f, keep, seg, bt, ct, initial_state, *, positi
     (`xt [b, h, L, P]`, `bt, ct [b, g, L, N]` bf16; `w, dt, cum, f [b, h, L]` float32; `keep [b,
     h, c]`; `seg [b, L]` int32; `initial_state [b, h, P, N]` float32; `L = c · CHUNK`) by the
     fused kernel. `positions_first`: `xt` and `y` are `[b, L, h, P]`."""
-    _check_operands(xt, bt, ct, positions_first=positions_first)
-    b, h, lp, p = _dims(xt, positions_first)
-    n = bt.shape[-1]
-    c, f32, dtype = lp // CHUNK, jnp.float32, xt.dtype
-    if fused_smem_bytes(p, n) > _SMEM:
-        raise Unsupported(f"head_dim={p}, state={n}: the fused forward's tiles exceed shared memory")
-    keep_rows = jnp.broadcast_to(keep[..., None], (b, h, c, p)).astype(f32)  # one value a row of S
+    f32, dtype = jnp.float32, xt.dtype
+    tiles = _tiles(xt.shape[-1], bt.shape[-1], dtype)
+    setup = _walk_setup(xt, bt, keep, tiles, "the fused forward", ct, positions_first=positions_first)
+    b, h, lp, p, n, c, keep_rows = setup
     out_type = (
         _rows_type(b, h, lp, p, positions_first),
         jax.ShapeDtypeStruct((b, c, h, p, n), f32),
         jax.ShapeDtypeStruct((b, h, p, n), f32),
     )
-    barrier, tiles = plgpu.Barrier(num_barriers=6), _tiles(p, n, dtype)
+    barrier = plgpu.Barrier(num_barriers=6)
     launch = _launch(
         "forward",
         _forward_kernel,

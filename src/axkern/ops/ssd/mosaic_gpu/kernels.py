@@ -79,6 +79,20 @@ def smem_bytes(p: int, n: int) -> int:
     return max(tile_bytes(_tiles(k, p, n)) for k in kernels)
 
 
+def _walk_setup(xt, bt, keep, tiles, what, *rest, positions_first):
+    """What a kernel walking one (batch row, head)'s chunks (`forward.py`, `state_backward.py`)
+    does first: its operands checked (`x`, `B`, `rest` bf16) and its `tiles` against shared
+    memory; `(b, h, L, P, N, chunks, keep_rows)`, `keep_rows [b, h, c, P]` float32 the carries
+    with one value per row of a `[P, N]` state."""
+    _check_operands(xt, bt, *rest, positions_first=positions_first)
+    b, h, lp, p = _dims(xt, positions_first)
+    n, c = bt.shape[-1], lp // CHUNK
+    if tile_bytes(tiles) > _SMEM:
+        raise Unsupported(f"head_dim={p}, state={n}: {what}'s tiles exceed shared memory")
+    keep_rows = jnp.broadcast_to(keep[..., None], (b, h, c, p)).astype(jnp.float32)
+    return b, h, lp, p, n, c, keep_rows
+
+
 def tile_bytes(tiles) -> int:
     """Shared memory of tiles `(shape, dtype)` and what Mosaic GPU adds."""
     return sum(math.prod(s) * jnp.dtype(d).itemsize for s, d in tiles) + _SMEM_EXTRA

@@ -32,17 +32,14 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from axkern.core.compat import mosaic_gpu_load
-from axkern.core.op import Unsupported
 
 from .backward import _batch_folding, _send_state_grads, _state_grads
 from .kernels import (
-    _SMEM,
     CHUNK,
-    _check_operands,
-    _dims,
     _halves,
     _launch,
     _rows_type,
+    _walk_setup,
     plgpu,
     tile_bytes,
 )
@@ -162,13 +159,10 @@ def fused_state_bwd(
 
 
 def _fused_state_bwd(xt, w, bt, keep, states_in, d_states_in, d_final, *, group_sums, positions_first):
-    _check_operands(xt, bt, positions_first=positions_first)
-    b, h, lp, p = _dims(xt, positions_first)
-    g, n = bt.shape[1], bt.shape[-1]
-    c, f32, dtype = lp // CHUNK, jnp.float32, xt.dtype
-    if fused_state_bwd_smem_bytes(p, n) > _SMEM:
-        raise Unsupported(f"head_dim={p}, state={n}: the fused state backward's tiles exceed shared memory")
-    keep_rows = jnp.broadcast_to(keep[..., None], (b, h, c, p)).astype(f32)  # one value a row of g
+    f32, dtype, g = jnp.float32, xt.dtype, bt.shape[1]
+    tiles = _tiles(xt.shape[-1], bt.shape[-1], dtype)
+    setup = _walk_setup(xt, bt, keep, tiles, "the fused state backward", positions_first=positions_first)
+    b, h, lp, p, n, c, keep_rows = setup
     db = jax.ShapeDtypeStruct((b, g if group_sums else h, lp, n), f32)
     out_type = (
         _rows_type(b, h, lp, p, positions_first),
@@ -181,7 +175,7 @@ def _fused_state_bwd(xt, w, bt, keep, states_in, d_states_in, d_final, *, group_
     into = {2: len(args)} if group_sums else None  # dB: the zeros passed last
     if group_sums:
         args.append(jnp.zeros(db.shape, f32))
-    barrier, tiles = plgpu.Barrier(num_barriers=2), _tiles(p, n, dtype)
+    barrier = plgpu.Barrier(num_barriers=2)
     kw = dict(into=into, positions_first=positions_first, tiles=tiles, chunks=c)
     dx, dw, db_out, d_keep_rows, d_init = _launch(
         "state_bwd_fused", _kernel, out_type, xt, bt, barrier, **kw
