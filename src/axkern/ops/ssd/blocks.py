@@ -19,7 +19,7 @@ __all__ = [
     "space",
     "mosaic_gpu_heuristic",
     "mosaic_gpu_space",
-    "stages_only",
+    "refuse_mosaic_gpu_forms",
     "pallas_gpu_heuristic",
     "pallas_gpu_space",
     "pallas_tpu_heuristic",
@@ -73,18 +73,21 @@ class SSDBlockSizes(BlockSizes):
         return None
 
 
-def stages_only(block_sizes: SSDBlockSizes) -> None:
-    """Refuse `mosaic_gpu`'s forms: the fused forward or state backward, group sums in the
-    kernels, `x` read in the caller's layout (an implementation other than `mosaic_gpu` has none
-    of them)."""
-    if block_sizes.forward == "fused":
-        raise Unsupported('forward="fused": only mosaic_gpu has a fused forward')
-    if block_sizes.group_sums == "kernels":
-        raise Unsupported('group_sums="kernels": only mosaic_gpu sums dB and dC in its kernels')
-    if block_sizes.backward == "fused":
-        raise Unsupported('backward="fused": only mosaic_gpu has a fused state backward')
-    if block_sizes.transposes == "kernels":
-        raise Unsupported('transposes="kernels": only mosaic_gpu reads x in the caller\'s layout')
+# `mosaic_gpu`'s forms: the field, its value and what only `mosaic_gpu` does with it
+MOSAIC_GPU_FORMS = (
+    ("forward", "fused", "has a fused forward"),
+    ("group_sums", "kernels", "sums dB and dC in its kernels"),
+    ("backward", "fused", "has a fused state backward"),
+    ("transposes", "kernels", "reads x in the caller's layout"),
+)
+
+
+def refuse_mosaic_gpu_forms(block_sizes: SSDBlockSizes) -> None:
+    """Refuse `mosaic_gpu`'s forms (`MOSAIC_GPU_FORMS`): an implementation other than
+    `mosaic_gpu` has none of them."""
+    for name, value, what in MOSAIC_GPU_FORMS:
+        if getattr(block_sizes, name) == value:
+            raise Unsupported(f"{name}={value!r}: only mosaic_gpu {what}")
 
 
 def bucket(spec: Spec) -> dict:

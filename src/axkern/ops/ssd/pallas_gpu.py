@@ -23,7 +23,7 @@ from axkern.core.op import Unsupported
 from .blocks import GPU_MAX_CHUNK as MAX_CHUNK
 from .blocks import GPU_MAX_CHUNK_32BIT as MAX_CHUNK_32BIT
 from .blocks import GPU_MIN_DIM as MIN_DIM
-from .blocks import stages_only
+from .blocks import refuse_mosaic_gpu_forms
 from .common import kernels as chunk_kernels
 from .common.gpu import GpuLayout
 
@@ -37,7 +37,7 @@ def supports(spec) -> str | None:
 
 
 def ssd(x, dt, A, B, C, D, z, segment_ids, initial_state, *, block_sizes, interpret=False):
-    stages_only(block_sizes)
+    refuse_mosaic_gpu_forms(block_sizes)
     q = block_sizes.chunk_size
     if q < MIN_DIM:
         raise Unsupported(f"chunk_size={q} is below {MIN_DIM} (Triton dot tiles)")

@@ -22,7 +22,7 @@ from jax.experimental.pallas import tpu as pltpu
 from axkern.core.op import Unsupported
 
 from .blocks import TPU_MIN_CHUNK as MIN_CHUNK
-from .blocks import stages_only
+from .blocks import refuse_mosaic_gpu_forms
 from .common import kernels as chunk_kernels
 
 
@@ -79,7 +79,7 @@ class TpuLayout(chunk_kernels.Layout):
 
 
 def ssd(x, dt, A, B, C, D, z, segment_ids, initial_state, *, block_sizes, interpret=False):
-    stages_only(block_sizes)
+    refuse_mosaic_gpu_forms(block_sizes)
     q = block_sizes.chunk_size
     if q < MIN_CHUNK:
         raise Unsupported(f"chunk_size={q} is below {MIN_CHUNK} (TPU sublanes)")

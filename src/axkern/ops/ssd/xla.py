@@ -32,13 +32,13 @@ import jax.numpy as jnp
 
 from axkern.core import kernels
 
-from .blocks import stages_only
+from .blocks import refuse_mosaic_gpu_forms
 from .common.chunks import layer, skip_and_gate
 from .common.scan import scan
 
 
 def ssd(x, dt, A, B, C, D, z, segment_ids, initial_state, *, block_sizes):
-    stages_only(block_sizes)
+    refuse_mosaic_gpu_forms(block_sizes)
     scan_fn = functools.partial(_scan, block_sizes.chunk_size, B.shape[2])
     return layer(scan_fn, x, dt, A, B, C, D, z, segment_ids, initial_state)
 
