@@ -61,7 +61,8 @@ def test_each_kernel_lowers_for_cuda(kernel, dims):
 @pytest.mark.parametrize("dims", [(2, 4, 2, 3, 64, 128), (1, 2, 1, 2, 128, 64)])
 def test_the_backward_kernels_lower_with_group_sums(kernel, dims):
     # dB (and dC) added into each group's rows: the outputs are [b, g, L, N], the buffers of the
-    # zeros passed in (aliased)
+    # zeros passed in; every output is a buffer the kernel writes in place (aliased), the others
+    # allocated uninitialised
     fn = functools.partial(getattr(mosaic_gpu, kernel), group_sums=True)
     args = _kernel_args(kernel, *dims)
     b, h, g, chunks, p, n = dims
@@ -69,7 +70,9 @@ def test_the_backward_kernels_lower_with_group_sums(kernel, dims):
     assert outs[2 if kernel == "chunk_state_bwd" else 5].shape == (b, g, chunks * mosaic_gpu.CHUNK, n)
     text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert _kernels(text) == 1
-    assert text.count("stablehlo.output_operand_alias<") == (1 if kernel == "chunk_state_bwd" else 2)
+    added = 1 if kernel == "chunk_state_bwd" else 2
+    assert text.count("stablehlo.output_operand_alias<") == len(outs)
+    assert text.count("@AllocateBuffer") == len(outs) - added
 
 
 @needs_mosaic

@@ -16,8 +16,8 @@ states never cross memory; the default (`blocks.mosaic_gpu_heuristic` has the ti
 
 **Group sums** (`SSDBlockSizes(group_sums="kernels")`): the two backward kernels add each
 head's `dB` (and `dC`) tile into its group's rows by TMA reductions (`copy_smem_to_gmem(...,
-reduction_op="add")`) into zeros passed in and aliased to the output (`pallas_call`, as
-`plgpu.kernel` takes no aliases), where otherwise they write `[b, h, L, N]` float32 per head
+reduction_op="add")`) into zeros the kernel takes as a ref it writes in place (`pl.run_state`
+over `pl.kernel`, as `plgpu.kernel` takes no aliases), where otherwise they write `[b, h, L, N]` float32 per head
 for XLA to sum. **Transposes** (`SSDBlockSizes(transposes="kernels")`): the kernels read `x`,
 `dy` and write `y`, `dx` as `[b, L, h, P]`, the caller's layout (`kernels._indexer`: a strided
 tile per head, which TMA copies and loads take as they take a contiguous one), where XLA

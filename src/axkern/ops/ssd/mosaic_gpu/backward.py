@@ -252,8 +252,8 @@ def _chunk_state_bwd(xt, w, bt, d_own, *, group_sums, positions_first):
 
 def _batch_folding(fn):
     """`fn`, whose arrays (arguments and results) all lead with the batch axis, under `vmap` by
-    folding the mapped axis into the batch axis: the group sums' `pallas_call` (for its aliases)
-    has no batching rule in Mosaic GPU, where `plgpu.kernel` has one."""
+    folding the mapped axis into the batch axis: the group sums' `pl.kernel` over refs (for its
+    in-place outputs) batches only a mapped axis of size 1, where `plgpu.kernel` batches any."""
     folded = jax.custom_batching.custom_vmap(fn)
 
     @folded.def_vmap

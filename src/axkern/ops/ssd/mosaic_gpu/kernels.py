@@ -261,7 +261,9 @@ def _launch(kind, body, out_type, xt, bt, barrier, *, into=None, positions_first
     chunks), the chunks on CUDA's x axis (the others take at most 65535), with `_tiles(kind)`
     and `barrier` in shared memory; `rep` heads a group of `bt`. `into` (`{output index: input
     index}`): those outputs are their inputs' buffers (zeros the body adds into; the body sees
-    only the output), through `pallas_call`, as `plgpu.kernel` takes no aliases.
+    only the output): the outputs are then refs the kernel writes (`pl.run_state`, the others
+    starting uninitialised), as `plgpu.kernel` takes no aliases and jax 0.11.2 no longer
+    lowers `pallas_call` to Mosaic GPU.
     `positions_first`: `x`, `y`, `dy`, `dx` are `[b, L, h, d]` (`rows_of`). `tiles`: a fused
     kernel's shared memory, over the grid (batch, heads) (heads on CUDA's x axis: blocks
     launched together share a group's `B` and `C`); `kw` more of the body's arguments."""
@@ -273,7 +275,6 @@ def _launch(kind, body, out_type, xt, bt, barrier, *, into=None, positions_first
     grid = (b, h, lp // CHUNK)[: len(names)]
 
     def entry(*refs):
-        refs = [r for i, r in enumerate(refs) if i not in skip]
         pl.run_scoped(
             lambda *scoped: body(
                 *refs,
@@ -298,19 +299,20 @@ def _launch(kind, body, out_type, xt, bt, barrier, *, into=None, positions_first
             compiler_params=_params(),
             kernel_name=name,
         )
-    gmem = pl.BlockSpec(memory_space=plgpu.GMEM)
+    launch = pl.kernel(  # every output a ref operand: `plgpu.kernel`'s batching wrapper takes no refs
+        entry,
+        out_type=(),
+        mesh=plgpu.Mesh(grid=grid, grid_names=names, kernel_name=name),
+        compiler_params=_params(),
+        name=name,
+    )
 
     def call(*args):
-        return pl.pallas_call(
-            entry,
-            out_shape=out_type,
-            grid=tuple(zip(names, grid, strict=True)),
-            in_specs=[gmem] * len(args),
-            out_specs=[gmem] * len(out_type),
-            input_output_aliases={i: o for o, i in into.items()},
-            compiler_params=_params(),
-            name=name,
-        )(*args)
+        inputs = [a for i, a in enumerate(args) if i not in skip]
+        first = tuple(
+            args[into[o]] if o in into else lax.empty(t.shape, t.dtype) for o, t in enumerate(out_type)
+        )
+        return pl.run_state(lambda refs: launch(*inputs, *refs))(first)
 
     return call
 
