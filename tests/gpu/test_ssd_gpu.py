@@ -51,8 +51,8 @@ def _hopper() -> bool:
 
 
 # mosaic_gpu's forms (SSDBlockSizes after the chunk): the forward, where dB and dC are summed,
-# who transposes x and y, the state backward
-FORMS = [("stages",), ("fused",), ("fused", "kernels", "kernels", "fused")]
+# who transposes x and y, the state backward (the default: the third)
+FORMS = [("stages",), ("fused",), ("fused", "kernels", "kernels"), ("fused", "kernels", "kernels", "fused")]
 
 
 @pytest.mark.skipif(not _hopper(), reason="the Mosaic GPU kernels need a Hopper GPU")

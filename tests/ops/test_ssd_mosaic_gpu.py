@@ -296,9 +296,32 @@ def test_dispatch_skips_it_off_hopper_with_the_reason():
     # explain names the kernels of the form chosen
     kernels = OP.implementations["mosaic_gpu"].backward
     assert "chunk-state and chunk-scan kernels" in kernels(gpu, SSDBlockSizes(64, forward="stages"))
-    assert OP.implementations["mosaic_gpu"].heuristic(gpu) == SSDBlockSizes(64, forward="fused")
     assert "one fused Mosaic GPU kernel" in kernels(gpu, SSDBlockSizes(64, forward="fused"))
     every = kernels(gpu, SSDBlockSizes(64, "fused", "kernels", "kernels", "fused"))
     assert "fused Mosaic GPU kernel for the reverse recurrence" in every and "reverse recurrence" in every
     assert "summed over heads in the kernels" in every and "caller's layout" in every
     assert "pallas_gpu's reverse recurrence" not in every
+
+
+def test_the_default_form_and_the_deterministic_flags(monkeypatch):
+    # the fused forward, dB and dC summed and x, y read and written in place in the kernels; the
+    # sums by XLA where XLA_FLAGS asks for run-to-run identical results
+    _, gpu = _h200_spec(64, 128)
+    heuristic, space = (getattr(OP.implementations["mosaic_gpu"], k) for k in ("heuristic", "space"))
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    default = SSDBlockSizes(64, forward="fused", group_sums="kernels", transposes="kernels")
+    assert heuristic(gpu) == default
+    forms = space(gpu)
+    assert forms[0] == default and len(set(forms)) == len(forms) == 6
+    assert SSDBlockSizes(64, forward="stages") in forms
+    assert dataclasses.replace(default, backward="fused") in forms
+    for flags in (
+        "--xla_gpu_deterministic_ops=true",
+        "--xla_dump_to=/tmp --xla_gpu_exclude_nondeterministic_ops",
+    ):
+        monkeypatch.setenv("XLA_FLAGS", flags)
+        assert heuristic(gpu) == dataclasses.replace(default, group_sums="xla"), flags
+        assert all(f.group_sums != "kernels" for f in space(gpu)), flags
+    for flags in ("--xla_gpu_deterministic_ops=false", "--xla_gpu_deterministic_ops_x=true"):
+        monkeypatch.setenv("XLA_FLAGS", flags)
+        assert heuristic(gpu) == default, flags

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 import re
 
 import jax
@@ -45,6 +46,16 @@ def is_hopper(spec) -> bool:
     if cc is not None:
         return cc[0] == 9
     return spec.device_key.startswith(_HOPPER_KEYS)
+
+
+_DETERMINISTIC_FLAGS = re.compile(r"--xla_gpu_(deterministic_ops|exclude_nondeterministic_ops)(=true)?(\s|$)")
+
+
+def deterministic() -> bool:
+    """Whether `XLA_FLAGS` asks XLA for run-to-run identical results on GPU
+    (`--xla_gpu_deterministic_ops` or `--xla_gpu_exclude_nondeterministic_ops`): kernels whose
+    additions' order varies between runs are then not chosen by default."""
+    return bool(_DETERMINISTIC_FLAGS.search(os.environ.get("XLA_FLAGS", "")))
 
 
 _TPU_KINDS = {

@@ -9,6 +9,7 @@ from typing import ClassVar
 
 import jax.numpy as jnp
 
+from axkern.core import backend
 from axkern.core.blocks import BlockSizes, grid, next_power_of_2
 from axkern.core.op import Spec, Unsupported
 
@@ -139,12 +140,29 @@ def pallas_tpu_space(spec: Spec) -> list[SSDBlockSizes]:
 
 def mosaic_gpu_heuristic(spec: Spec) -> SSDBlockSizes:
     """`mosaic_gpu`: chunks of 64, the only size its kernels run (one warpgroup's rows), the
-    forward fused (on the H200 at the 2.7B layer, L 2048 to 16384: 0.86-0.89x the three
-    stages' forward time, 0.95-0.96x forward+backward; `benchmarks/ssd_mosaic_forward.py`)."""
-    return SSDBlockSizes(chunk_size=64, forward="fused")
+    forward fused, `dB` and `dC` summed over each group's heads and `x`, `y` read and written in
+    the caller's layout in the kernels; the state backward as two kernels. On the H200 at the
+    2.7B layer (`benchmarks/ssd_mosaic_forward.py`, L 4096): the fused forward 0.89x the three
+    stages' forward time (0.86-0.89x at L 2048 to 16384), 0.96x forward+backward; against the
+    fused forward alone, the group sums 0.90x forward+backward, the transposes 0.92x forward
+    and 1.00x forward+backward, the fused state backward 1.03x forward+backward (slower: not
+    chosen). The group sums' additions come in any order, so `dB`, `dC` may differ in their
+    last bits between runs: where `XLA_FLAGS` asks for deterministic results
+    (`backend.deterministic`) XLA sums them."""
+    sums = "xla" if backend.deterministic() else "kernels"
+    return SSDBlockSizes(chunk_size=64, forward="fused", group_sums=sums, transposes="kernels")
 
 
 def mosaic_gpu_space(spec: Spec) -> list[SSDBlockSizes]:
-    """The forward fused and in stages (`axkern tune` times both; `group_sums="kernels"` joins
-    them once it has run on a GPU)."""
-    return [mosaic_gpu_heuristic(spec), SSDBlockSizes(chunk_size=64, forward="stages")]
+    """The default, then its parts taken back one at a time, the fused state backward added,
+    and the three stages with none of them (`axkern tune` times each)."""
+    best = mosaic_gpu_heuristic(spec)
+    forms = [
+        best,
+        dataclasses.replace(best, group_sums="xla"),
+        dataclasses.replace(best, transposes="xla"),
+        dataclasses.replace(best, backward="fused"),
+        SSDBlockSizes(chunk_size=64, forward="fused"),
+        SSDBlockSizes(chunk_size=64, forward="stages"),
+    ]
+    return list(dict.fromkeys(forms))
