@@ -110,7 +110,7 @@ ssd_mosaic_forms)  # dB, dC summed, x, y transposed, the state backward fused: a
   step 300 gpu_tests_ssd_mosaic_forms env XLA_PYTHON_CLIENT_PREALLOCATE=false $gpu_tests -n 4 --tb=short \
     tests/gpu/test_ssd_gpu.py -k "forms_equal or fused_state_backward"
   if [ "$(tail -n 1 "$R/steps.txt" | sed 's/.* rc=\([0-9]*\).*/\1/')" = 0 ]; then
-    for new in fused_group_sums fused_transposes fused_backward fused_all; do
+    for new in fused_group_sums fused_transposes fused_backward fused_sums_transposes fused_all; do
       step 150 "sweep_mosaic_$new" env OUT="$R" python3 benchmarks/ssd_mosaic_forward.py --lengths 4096 \
         --forms "fused,$new"
     done

@@ -17,15 +17,17 @@ states never cross memory; the default (`blocks.mosaic_gpu_heuristic` has the ti
 **Group sums** (`SSDBlockSizes(group_sums="kernels")`): the two backward kernels add each
 head's `dB` (and `dC`) tile into its group's rows by TMA reductions (`copy_smem_to_gmem(...,
 reduction_op="add")`) into zeros the kernel takes as a ref it writes in place (`pl.run_state`
-over `pl.kernel`, as `plgpu.kernel` takes no aliases), where otherwise they write `[b, h, L, N]` float32 per head
-for XLA to sum. **Transposes** (`SSDBlockSizes(transposes="kernels")`): the kernels read `x`,
+over `pl.kernel`, as `plgpu.kernel` takes no aliases), where otherwise they write `[b, h, L,
+N]` float32 per head for XLA to sum. **Transposes** (`SSDBlockSizes(transposes="kernels")`): the kernels read `x`,
 `dy` and write `y`, `dx` as `[b, L, h, P]`, the caller's layout (`kernels._indexer`: a strided
 tile per head, which TMA copies and loads take as they take a contiguous one), where XLA
 otherwise moves them to `[b, h, L, P]` and back. **The fused state backward**
 (`SSDBlockSizes(backward="fused")`, `state_backward.py`): the reverse recurrence and the chunk
 states' backward as one kernel per (batch row, head) walking its chunks from the last, the
-state's gradient in registers. None of the three forms has run on a GPU yet (they lower in CI),
-so none is the default.
+state's gradient in registers. The group sums and the transposes are the default (XLA sums
+where `XLA_FLAGS` asks for deterministic results, `backend.deterministic`); the fused state
+backward, no faster on the H200, is in the tuning space only (`blocks.mosaic_gpu_heuristic`
+has the timings).
 
 **The state kernel.** TMA copies the chunk's `B` rows (`[64, N]`); `x` (`[64, P]`) is read into
 registers, scaled by `w` per row and stored as two 16-bit halves (`w ∘ x = hi + lo`, what the
