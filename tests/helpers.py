@@ -97,3 +97,16 @@ LOSS_OPTIONS = {
         "where": True,
     },
 }
+
+
+def equations(jaxpr, *, into_conds=True):
+    """Every equation of `jaxpr` and of its sub-jaxprs (`into_conds=False`: none inside a `cond`)."""
+    for e in jaxpr.eqns:
+        yield e
+        if e.primitive.name == "cond" and not into_conds:
+            continue
+        for v in e.params.values():
+            for j in v if isinstance(v, (tuple, list)) else (v,):
+                j = getattr(j, "jaxpr", j)
+                if hasattr(j, "eqns"):
+                    yield from equations(j, into_conds=into_conds)

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 import axkern
 from tests.cases.mamba3 import call, make
 from tests.harness import INTERPRET, implementations_here, serving
-from tests.helpers import assert_nonfinite_rule, poke
+from tests.helpers import assert_nonfinite_rule, equations, poke
 
 IMPLS = implementations_here("mamba3")
 # finite values: float32 products are exact on the CPU, TF32 (XLA's default) on a GPU
@@ -120,3 +120,20 @@ def test_property_non_finite_pattern_matches_the_reference(impl, rank, where, va
     got, want = _run(impl, a, seg, grads=True), _run("reference", a, seg, grads=True)
     for name in want:
         assert (~np.isfinite(np.asarray(got[name])) | np.isfinite(np.asarray(want[name]))).all(), name
+
+
+@pytest.mark.parametrize("impl", [i for i in IMPLS if i != "reference"])
+def test_the_guard_runs_only_where_an_input_is_not_finite(impl):
+    # the masks, the selects that clean the scan's inputs and those that put NaN in its outputs
+    # sit in the conditional's branch for non-finite inputs: outside it, no finiteness test on
+    # an array as large as v (only the small per-position scalars and the one fused check)
+    a, _ = make(0, 1, 32, 2, 16, 1, 16, 2, 0, "float32", segments=False)
+    with axkern.use(interpret=INTERPRET), serving(impl):
+        jaxpr = jax.make_jaxpr(lambda a: call(impl, a, None, 8))(a).jaxpr
+    size = lambda e: max(v.aval.size for v in e.invars)  # noqa: E731
+    tests = lambda eqns: [size(e) for e in eqns if e.primitive.name == "is_finite"]  # noqa: E731
+    assert max(tests(equations(jaxpr, into_conds=False))) < a["v"].size
+    conds = [e for e in equations(jaxpr, into_conds=False) if e.primitive.name == "cond"]
+    assert len(conds) == 1
+    guarded, plain = (list(equations(b.jaxpr)) for b in conds[0].params["branches"])  # false, true
+    assert max(tests(guarded)) >= a["v"].size and not tests(plain)

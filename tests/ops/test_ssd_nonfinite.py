@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 import axkern
 from axkern.positional import ssd
 from tests.harness import INTERPRET, implementations_here, serving
-from tests.helpers import assert_nonfinite_rule, poke
+from tests.helpers import assert_nonfinite_rule, equations, poke
 
 IMPLS = implementations_here("ssd")
 NAMES = ("x", "dt", "A", "B", "C", "initial_state")
@@ -178,23 +178,9 @@ def test_empty_feature_axes_and_bad_options_are_refused():
     assert y.shape == (0, 2, 16) and new.shape == (0, 2, 16, 16)
 
 
-def _subjaxprs(eqn):
-    for v in eqn.params.values():
-        for j in v if isinstance(v, (tuple, list)) else (v,):
-            j = getattr(j, "jaxpr", j)
-            if hasattr(j, "eqns"):
-                yield j
-
-
 def _primitives(jaxpr, *, into_conds=True):
     """The primitives of `jaxpr` and its sub-jaxprs (`into_conds=False`: not inside a `cond`)."""
-    names = set()
-    for e in jaxpr.eqns:
-        names.add(e.primitive.name)
-        if e.primitive.name != "cond" or into_conds:
-            for j in _subjaxprs(e):
-                names |= _primitives(j, into_conds=into_conds)
-    return names
+    return {e.primitive.name for e in equations(jaxpr, into_conds=into_conds)}
 
 
 @pytest.mark.parametrize("impl", [i for i in IMPLS if i != "reference"])

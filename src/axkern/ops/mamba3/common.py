@@ -28,9 +28,10 @@ non-finite `v_{t,r}[p]` reaches row `p` of the state and of `y` from `t` to the 
 segment, `k_{t,r}[n]` column `n` of the state (so all of `y`), `adt_t` (unless `t` starts a
 segment), `dt_t` or `trap_t` the whole head, a non-finite rotated `q_{t,r}` only `y_{t,r}`; the
 initial state the first segment. `angles` and `dt` reach `Θ` (and so `q`, `k`) from their position on.
-The masks (and `Θ`'s NaN) are built under `lax.cond` only when some value the recurrence reads may
-not be finite, one fused read of the inputs deciding (`forward`): finite inputs, the common case,
-skip those passes (under `vmap` the condition is batched and both branches run).
+The masks (and `Θ`'s NaN), the selects that clean the scan's inputs and the ones that put NaN
+in its outputs run under `lax.cond` only when some value the recurrence reads may not be finite,
+one fused read of the inputs deciding (`forward`): finite inputs, the common case, skip those
+passes (under `vmap` the condition is batched and both branches run).
 """
 
 from __future__ import annotations
@@ -262,8 +263,8 @@ def forward(
         kr = rotated(mimo, heads // groups, k, by_rank(k_bias), theta[:, :, None])
         return qr, kr, f(v)[:, :, None] * by_rank(W_x) if mimo else f(v)[:, :, None]
 
-    # where the sequential recurrence is non-finite (see the module docstring): `Θ`'s NaN and the
-    # masks are built only when some value the recurrence reads may not be finite. The rotated
+    # where the sequential recurrence is non-finite (see the module docstring): `Θ`'s NaN, the
+    # masks and the selects run only when some value the recurrence reads may not be finite. The rotated
     # q, k and v ⊙ W_x are bounded from the inputs' sums of magnitudes (one fused read of each
     # input, no prepared array kept for it): |q + q_bias| <= Σ|q| + Σ|q_bias| < 2^126 leaves the
     # rotation (at most twice that) finite, and Σ|v| · Σ|W_x| < 2^126 bounds v ⊙ W_x; a larger
@@ -276,13 +277,32 @@ def forward(
         & (mass(k) + mass(k_bias) < limit)
         & (mass(v) * (mass(W_x) if mimo else 1) < limit)
     )
+    # the trapezoid's weights: c_t on the previous position's input, none at a segment start
+    c = jnp.where(starts[..., None], 0, (1 - lam) * dt_c)
+    c_next = jnp.concatenate([c[:, 1:], jnp.zeros_like(c[:, :1])], axis=1)
+    scale = lam * dt_c + c_next
+    einsum = lambda *a: jnp.einsum(*a, precision=prec)  # noqa: E731
     # inside `shard_map` both branches must vary over the same mesh axes: those of what they read
-    read = (q, k, v, W_x, q_bias, k_bias, theta, ang, angle0, adt_, dt_, trap_, seg, ssm0, v0r, k0)
+    read = (q, k, v, W_x, q_bias, k_bias, theta, ang, angle0, adt_, dt_, trap_, seg, ssm0, v0r, k0, c, scale)
 
-    def guarded(theta):  # `Θ` with its NaNs, and the masks (the rotations again, elementwise)
+    def scanned(theta, keep=lambda a: a):  # the chunk scan and the diagonal correction on `keep`'s inputs
+        qr, kr, vr = prepared(theta)
+        vc, qc, kc = keep(vr), keep(qr), keep(kr)
+        g0 = keep(f(ssm0)) + c[:, 0, :, None, None] * einsum("brhp,brhn->bhpn", keep(v0r), keep(f(k0)))
+        y, final = core(vc, adt_c, scale, kc, qc, seg, g0)
+        # y_{t,r} -= c_{t+1} Σ_u (q_{t,r} · k_{t,u}) v_{t,u}, and with `later_ranks` += scale_t Σ_{u > r} (..)
+        rank = vc.shape[2]
+        weight = -c_next[:, :, None, None, :]  # [b, l, r, u, h]
+        if later_ranks and rank > 1:
+            later = jnp.arange(rank)[:, None] < jnp.arange(rank)[None, :]  # [r, u]: u > r
+            weight = weight + jnp.where(later[:, :, None], scale[:, :, None, None, :], 0)
+        diag = einsum("blrhn,bluhn->blruh", qc, kc) * weight
+        return y + einsum("blruh,bluhp->blrhp", diag, vc), final, kr[:, -1]
+
+    def guarded(theta):  # `Θ` with its NaNs, the masks, the scan on clean inputs, NaN where it belongs
         theta_bad = reaches(bad(ang) | bad(dt_)[..., None], seg)
         theta = poison(theta, theta_bad | (first[:, :, None, None] & bad(angle0)[:, None]))
-        qr, kr, vr = prepared(theta)
+        qr, kr, vr = prepared(theta)  # the rotations again, elementwise, for the masks
         head_bad = bad(trap_) | bad(dt_) | (bad(adt_) & ~starts[..., None])  # [b, l, h]
         row, col = bad(vr).any(2), bad(kr).any(2)  # [b, l, h, p], [b, l, h, n]
         init_row = bad(ssm0).any(-1) | bad(v0r).any(1) | bad(k0).any((1, 3))[..., None]  # [b, h, p]
@@ -301,46 +321,27 @@ def forward(
                 & (bad(ssm0) | bad(v0r).any(1)[..., None] | bad(k0).any(1)[:, :, None, :])
             )
         )
-        return vary_like((theta, y_bad, q_bad, final_bad), *read)
+        y, final, k_last = scanned(theta, clean)
+        y = poison(poison(y, y_bad[:, :, None]), q_bad[..., None])
+        return vary_like((theta, y, poison(final, final_bad), k_last), *read)
 
-    def unguarded(theta):
-        b, l, h, p = v.shape  # noqa: E741
-        shapes = (b, l, h, p), (b, l, q.shape[2], h), ssm0.shape
-        return vary_like((theta, *(jnp.zeros(shape, bool) for shape in shapes)), *read)
+    def unguarded(theta):  # every value the scan reads finite: no masks, no selects
+        return vary_like((theta, *scanned(theta)), *read)
 
-    theta, y_bad, q_bad, final_bad = lax.cond(finite, unguarded, guarded, theta)
-    qr, kr, vr = prepared(theta)
-
-    # the trapezoid's weights: c_t on the previous position's input, none at a segment start
-    c = jnp.where(starts[..., None], 0, (1 - lam) * dt_c)
-    c_next = jnp.concatenate([c[:, 1:], jnp.zeros_like(c[:, :1])], axis=1)
-    scale = lam * dt_c + c_next
-
-    # the chunk scan on the clean inputs, then the diagonal correction
-    vc, qc, kc = clean(vr), clean(qr), clean(kr)
-    einsum = lambda *a: jnp.einsum(*a, precision=prec)  # noqa: E731
-    g0 = clean(f(ssm0)) + c[:, 0, :, None, None] * einsum("brhp,brhn->bhpn", clean(v0r), clean(f(k0)))
-    y, final = core(vc, adt_c, scale, kc, qc, seg, g0)
-    # y_{t,r} -= c_{t+1} Σ_u (q_{t,r} · k_{t,u}) v_{t,u}, and with `later_ranks` += scale_t Σ_{u > r} (..)
-    rank = vc.shape[2]
-    weight = -c_next[:, :, None, None, :]  # [b, l, r, u, h]
-    if later_ranks and rank > 1:
-        later = jnp.arange(rank)[:, None] < jnp.arange(rank)[None, :]  # [r, u]: u > r
-        weight = weight + jnp.where(later[:, :, None], scale[:, :, None, None, :], 0)
-    diag = einsum("blrhn,bluhn->blruh", qc, kc) * weight
-    y = y + einsum("blruh,bluhp->blrhp", diag, vc)
-    y = poison(poison(y, y_bad[:, :, None]), q_bad[..., None])
+    # autodiff through the conditional, as SSD's layer (`ssd.common.chunks.layer`): the backward
+    # takes the forward's branch; `D` and the gate stay outside
+    theta, y, final, k_last = lax.cond(finite, unguarded, guarded, theta)
+    vr = f(v)[:, :, None] * by_rank(W_x) if mimo else f(v)[:, :, None]
 
     if D is not None:
         y = y + f(D)[:, None] * vr
     if z is not None:
         y = y * jax.nn.silu(f(z)[:, :, None] * by_rank(W_z) if mimo else f(z)[:, :, None])
     y = jnp.sum(y * by_rank(W_o), axis=2) if mimo else y[:, :, 0]
-    final = poison(final, final_bad)
     return (
         y.astype(v.dtype),
         theta[:, -1].astype(angle0.dtype),
         final.astype(ssm0.dtype),
-        kr[:, -1].astype(k0.dtype),
+        k_last.astype(k0.dtype),
         v[:, -1].astype(v0.dtype),
     )
