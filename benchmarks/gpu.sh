@@ -95,7 +95,7 @@ ssd_mosaic)  # the Mosaic GPU kernels' GPU tests: each kernel against its emulat
   # layer against the oracle (four processes: the oracle runs on the CPU)
   step 150 gpu_tests_ssd_mosaic_kernels $gpu_tests --tb=short tests/gpu/test_ssd_gpu.py -k emulation
   step 420 gpu_tests_ssd_mosaic_gpu env XLA_PYTHON_CLIENT_PREALLOCATE=false $gpu_tests -n 4 --tb=short \
-    tests/gpu/test_ssd_gpu.py -k "mosaic_gpu_against_oracle or non_finite_rule or default_is"
+    tests/gpu/test_ssd_gpu.py -k "mosaic_gpu_against_oracle or without_d_and_the_gate or non_finite_rule or default_is"
   ;;
 ssd_mosaic_fused)  # the fused forward against the stages and the oracle, then timed against them
   step 300 gpu_tests_ssd_mosaic_fused env XLA_PYTHON_CLIENT_PREALLOCATE=false $gpu_tests -n 4 --tb=short \

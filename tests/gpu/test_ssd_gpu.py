@@ -79,6 +79,25 @@ def test_mosaic_gpu_against_oracle(segments, slow, dims, form):
     )
 
 
+@pytest.mark.skipif(not _hopper(), reason="the Mosaic GPU kernels need a Hopper GPU")
+@pytest.mark.parametrize("forward", ["stages", "fused"])
+@pytest.mark.parametrize("dims", MOSAIC_DIMS)
+def test_mosaic_gpu_without_d_and_the_gate_against_oracle(dims, forward):
+    # no D, no gate: the kernels write y in bf16 and the scan's backward reads the bf16
+    # cotangent; values and every gradient, with segments
+    from axkern.ops.ssd import SSDBlockSizes
+
+    arrays, seg = make(1, *dims, "bfloat16", segments=True, extras=False)
+    blocks = SSDBlockSizes(64, forward, "kernels", "kernels")
+    check_rule(
+        lambda name, a: run(name, a, seg) if name == "reference" else run(name, a, seg, block_sizes=blocks),
+        "mosaic_gpu",
+        arrays,
+        "bfloat16",
+        "ssd",
+    )
+
+
 @pytest.mark.skipif(not _hopper(), reason="the default order on a Hopper GPU")
 def test_default_is_mosaic_gpu_for_bf16_and_pallas_gpu_for_fp16_on_hopper():
     for dtype, want in (("bfloat16", "mosaic_gpu"), ("float16", "pallas_gpu")):

@@ -188,6 +188,38 @@ def test_the_layer_and_its_gradients_lower_for_cuda(forward, kernels):
     assert _kernels(text) == kernels
 
 
+@needs_mosaic
+@pytest.mark.parametrize("forward", ["stages", "fused"])
+def test_without_d_and_the_gate_y_leaves_the_kernels_in_the_input_dtype(forward):
+    # one rounding of the float32 result either way: the kernels write y in bf16 (no float32 y
+    # for XLA to round) and the backward kernel reads the bf16 cotangent as it comes (no float32
+    # copy); dx is still summed from two kernels' float32 parts and rounded (once in each of
+    # the conditional's branches)
+    arrays, seg = make(0, 1, 256, 4, 64, 2, 128, "bfloat16", extras=False)
+    blocks = SSDBlockSizes(64, forward=forward, group_sums="kernels", transposes="kernels")
+
+    def y(a):
+        dt = prepared_dt(a["dt"], None, True, None)
+        s0 = jnp.zeros((1, 4, 64, 128), jnp.float32)
+        args = (a["x"], dt, a["A"], a["B"], a["C"], None, None, seg, s0)
+        return mosaic_gpu.ssd(*args, block_sizes=blocks)[0]
+
+    def converts(fn, src, dst):
+        text = jax.jit(fn).trace(arrays).lower(lowering_platforms=("cuda",)).as_text()
+        return len(
+            re.findall(
+                rf"stablehlo.convert %\S+ : \(tensor<1x256x4x64x{src}>\) -> tensor<1x256x4x64x{dst}>", text
+            )
+        )
+
+    assert jax.eval_shape(y, arrays).dtype == jnp.bfloat16
+    assert converts(y, "f32", "bf16") == 0
+    # the loss's own: y up (and the finiteness check's read of x); its cotangent down, dx down twice
+    grad = jax.grad(lambda a: jnp.sum(y(a).astype(jnp.float32) ** 2))
+    assert converts(grad, "bf16", "f32") == 2
+    assert converts(grad, "f32", "bf16") == 3
+
+
 def _emulated_runner(names):
     def f(seg, *vals):
         a = dict(zip(names, vals, strict=True))
@@ -214,17 +246,18 @@ def _emulated_runner(names):
 
 
 @pytest.mark.parametrize(
-    "dtype, dims, segments",
+    "dtype, dims, segments, extras",
     [
-        ("bfloat16", (1, 150, 4, 64, 2, 64), True),  # a length not a multiple of the chunk, groups
-        ("bfloat16", (2, 128, 2, 128, 1, 64), False),
-        ("bfloat16", (1, 192, 2, 64, 1, 64), None),  # A / 100: the state carried across chunks
+        ("bfloat16", (1, 150, 4, 64, 2, 64), True, True),  # a length not a multiple of the chunk, groups
+        ("bfloat16", (2, 128, 2, 128, 1, 64), False, True),
+        ("bfloat16", (1, 192, 2, 64, 1, 64), None, True),  # A / 100: the state carried across chunks
+        ("bfloat16", (1, 150, 4, 64, 2, 64), True, False),  # no D, gate: y leaves the scan in bf16
     ],
 )
-def test_the_kernels_arithmetic_holds_the_oracle_rule_through_the_layer(dtype, dims, segments):
+def test_the_kernels_arithmetic_holds_the_oracle_rule_through_the_layer(dtype, dims, segments, extras):
     # y (through D and the silu(z) gate, so dz sees the kernel's rounding), the final state and
     # every gradient (x, dt, A, B, C, D, z, dt_bias, the initial state) against the float64 oracle
-    arrays, seg = make(3, *dims, dtype, segments=bool(segments))
+    arrays, seg = make(3, *dims, dtype, segments=bool(segments), extras=extras)
     if segments is None:
         arrays["A"] = arrays["A"] / 100
     names = tuple(sorted(arrays))

@@ -171,4 +171,6 @@ def layer(scan, x, dt, A, B, C, D, z, segment_ids, initial_state):
     # be copied out of the conditional
     checked = (x, dt, A, B, C, initial_state)
     y, final = lax.cond(all_finite(*checked), fast, safe, checked, seg)
-    return skip_and_gate(y.astype(acc), x, D, z).astype(x.dtype), final.astype(initial_state.dtype)
+    # without `D` and the gate, `y` as the scan gives it (a scan may round it to `x`'s dtype itself)
+    y = y.astype(x.dtype) if D is None and z is None else skip_and_gate(y.astype(acc), x, D, z)
+    return y.astype(x.dtype), final.astype(initial_state.dtype)

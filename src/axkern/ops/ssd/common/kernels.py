@@ -226,6 +226,9 @@ class Layout:
     # specs here (`rows`, `out("rows")`) take `[b, H, L, P]`, so a layout that sets this
     # replaces every stage that uses them (`mosaic_gpu`'s does)
     positions_first = False
+    # the dtype `y` leaves the forward in (set per call): the Pallas kernels here write float32
+    # and XLA rounds; a layout may have its kernels write it
+    y_dtype = jnp.dtype(jnp.float32)
 
     def __init__(self, xt, bt, *, q, interpret, products=None):
         """`products`: the input dtype whose products' precision the kernels take (`xt`'s unless given)."""
@@ -357,17 +360,18 @@ class Layout:
 
 
 def _core_forward(cfg, xt, ac, scale, bt, ct, sc, initial_state):
-    layout, q, interpret, products = cfg
+    layout, q, interpret, products, y_dtype = cfg
     # float32 operands throughout for now: with bf16 operands in the output's products the
     # gate's gradient (dz, through the pre-gate output) missed the oracle rule in bf16
     mm = jnp.float32
     k = layout(xt, bt, q=q, interpret=interpret, products=products)
+    k.y_dtype = jnp.dtype(y_dtype)
     cum, w, f, keep = _weights(ac, scale, sc)
     sums = _uses_segment_sums(products or xt.dtype)
     y, final, states_in = k.forward(
         xt, ac, scale, cum, w, f, keep, sc, bt, ct, initial_state, sums=sums, dtype=mm
     )
-    return (y, final), states_in
+    return (y.astype(y_dtype), final), states_in
 
 
 def _uses_segment_sums(dtype) -> bool:
@@ -386,7 +390,7 @@ def _core_fwd(cfg, xt, ac, scale, bt, ct, sc, initial_state):
 
 
 def _core_bwd(cfg, res, cotangents):
-    layout, q, interpret, products = cfg
+    layout, q, interpret, products, _ = cfg
     xt, ac, scale, bt, ct, sc, states_in = res
     dy, d_final = cotangents
     k = layout(xt, bt, q=q, interpret=interpret, products=products)
@@ -421,11 +425,14 @@ def _core_bwd(cfg, res, cotangents):
 _core.defvjp(_core_fwd, _core_bwd)
 
 
-def scan(layout, x, a, scale, B, C, seg, initial_state, *, chunk_size, interpret, products=None):
+def scan(
+    layout, x, a, scale, B, C, seg, initial_state, *, chunk_size, interpret, products=None, y_dtype=None
+):
     """The chunk scan through the kernels above, `layout` a `Layout` subclass: `x [b, L, H, P]`,
     the per-position log-decay `a` and input scale (`[b, L, H]`, float32), `B, C [b, L, G, N]`,
     `seg [b, L]` internal segment ids, `initial_state [b, H, P, N]`, all finite. Returns `y
-    [b, L, H, P]` (float32) and the final state. The length is padded to a multiple of the
+    [b, L, H, P]` (float32, or `y_dtype`: the float32 result rounded, by the kernels where a
+    layout's can) and the final state. The length is padded to a multiple of the
     chunk with `a = scale = 0` rows, which leave the state alone. `products`: the input dtype
     whose path the kernels take (the products' precision, the decay's form; `x`'s unless given),
     for an `x` computed in float32 from 16-bit inputs."""
@@ -437,8 +444,9 @@ def scan(layout, x, a, scale, B, C, seg, initial_state, *, chunk_size, interpret
     per_chunk = lambda v: jnp.moveaxis(padded(v), 2, 1).reshape(batch, heads, chunks, q)  # noqa: E731
     seg = jnp.concatenate([seg, jnp.broadcast_to(seg[:, -1:], (batch, pad))], axis=1)
     first = layout.positions_first
+    names = (None if d is None else jnp.dtype(d).name for d in (products, y_dtype or jnp.float32))
     y, final = _core(
-        (layout, q, interpret, None if products is None else jnp.dtype(products).name),
+        (layout, q, interpret, *names),
         padded(x) if first else jnp.moveaxis(padded(x), 2, 1),  # [b, L, h, P] or [b, h, L, P]
         per_chunk(a),
         per_chunk(scale),
@@ -452,9 +460,11 @@ def scan(layout, x, a, scale, B, C, seg, initial_state, *, chunk_size, interpret
 
 def ssd(layout, x, dt, A, B, C, D, z, segment_ids, initial_state, *, chunk_size, interpret):
     """The SSD layer through the kernels above (`scan` with `a = dt A` and scale `dt`; the
-    non-finite guard, `D` and the gate by `chunks.layer`)."""
+    non-finite guard, `D` and the gate by `chunks.layer`). Without `D` and the gate, `y` leaves
+    the scan in `x`'s dtype (one rounding of the float32 result either way)."""
+    y_dtype = x.dtype if D is None and z is None else jnp.float32
     return layer(
-        functools.partial(_ssd_scan, layout, chunk_size, interpret),
+        functools.partial(_ssd_scan, layout, chunk_size, interpret, y_dtype),
         x,
         dt,
         A,
@@ -467,6 +477,7 @@ def ssd(layout, x, dt, A, B, C, D, z, segment_ids, initial_state, *, chunk_size,
     )
 
 
-def _ssd_scan(layout, chunk_size, interpret, x, dt, A, B, C, seg, initial_state):
+def _ssd_scan(layout, chunk_size, interpret, y_dtype, x, dt, A, B, C, seg, initial_state):
     a = dt * A.astype(dt.dtype)
-    return scan(layout, x, a, dt, B, C, seg, initial_state, chunk_size=chunk_size, interpret=interpret)
+    kw = dict(chunk_size=chunk_size, interpret=interpret, y_dtype=y_dtype)
+    return scan(layout, x, a, dt, B, C, seg, initial_state, **kw)

@@ -29,6 +29,10 @@ where `XLA_FLAGS` asks for deterministic results, `backend.deterministic`); the 
 backward, no faster on the H200, is in the tuning space only (`blocks.mosaic_gpu_heuristic`
 has the timings).
 
+**`y` in the input dtype.** Without `D` and the gate (`common/kernels.ssd`), the scan and
+fused kernels round `y` to bf16 themselves (`Layout.y_dtype`) and the scan's backward kernel
+reads the bf16 cotangent, where otherwise `y` is float32 for XLA to add `D x` and gate.
+
 **The state kernel.** TMA copies the chunk's `B` rows (`[64, N]`); `x` (`[64, P]`) is read into
 registers, scaled by `w` per row and stored as two 16-bit halves (`w ∘ x = hi + lo`, what the
 rounding loses as `bf16x2`); two `wgmma`s with the halves transposed as the left operand give
@@ -159,7 +163,7 @@ class MosaicLayout(GpuLayout):
             raise Unsupported("the Mosaic GPU kernels take 16-bit inputs, whose decay is cum_t - cum_s")
         c = self.to_col
         args = (xt, c(scale), c(cum), c(f), c(sc), bt, ct, states_in)
-        return chunk_scan(*args, positions_first=self.positions_first)
+        return chunk_scan(*args, positions_first=self.positions_first, y_dtype=self.y_dtype)
 
     def chunk_state_bwd(self, xt, w, bt, d_own):
         kw = dict(group_sums=self.group_sums, positions_first=self.positions_first)
@@ -195,7 +199,7 @@ class FusedMosaicLayout(MosaicLayout):
             raise Unsupported("the Mosaic GPU kernels take 16-bit inputs, whose decay is cum_t - cum_s")
         c = self.to_col
         args = (xt, c(w), c(scale), c(cum), c(f), keep, c(sc), bt, ct, initial_state)
-        return fused_forward(*args, positions_first=self.positions_first)
+        return fused_forward(*args, positions_first=self.positions_first, y_dtype=self.y_dtype)
 
 
 def ssd(x, dt, A, B, C, D, z, segment_ids, initial_state, *, block_sizes, interpret=False):

@@ -67,9 +67,9 @@ def _scan_bwd_kernel(
     )
     seg_t = mosaic_gpu_load(seg_ref.at[batch, rows], layout=row, optimized=False)
     seg_s = mosaic_gpu_load(seg_ref.at[batch, rows], layout=col, optimized=False)
-    dy = mosaic_gpu_load(
-        rows_of(dy_ref, batch, head, rows), layout=wgmma_layout, optimized=False
-    )  # [Q, P] f32
+    dy = mosaic_gpu_load(rows_of(dy_ref, batch, head, rows), layout=wgmma_layout, optimized=False).astype(
+        f32
+    )  # [Q, P], from float32 or bf16
     # the state and the cotangent as two 16-bit halves in shared memory (every product with
     # a float32 operand takes its halves: bf16x2, or three products when both are float32)
     sh, sl = _halves(
@@ -151,8 +151,9 @@ def _scan_bwd_kernel(
 def chunk_scan_bwd(dy, xt, dt, cum, f, seg, bt, ct, states_in, *, group_sums=False, positions_first=False):
     """Stage 4's backward by the Mosaic GPU kernel: `(dx [b, h, L, P], ddt, dcum, dcum_row, df
     [b, h, L], dB, dC [b, h, L, N], dS_in [b, c, h, P, N])`, float32, per head, from the
-    cotangent `dy [b, h, L, P]` (float32) and `chunk_scan`'s arguments. `dcum` holds each row's
-    sum of `dM ∘ M` and `dcum_row` each column's (`common/kernels.py`'s backward). `group_sums`:
+    cotangent `dy [b, h, L, P]` (float32, or bf16 where the forward gave `y` so) and
+    `chunk_scan`'s arguments. `dcum` holds each row's sum of `dM ∘ M` and `dcum_row` each
+    column's (`common/kernels.py`'s backward). `group_sums`:
     `dB`, `dC` per group (`[b, g, L, N]`), each head's tiles added by TMA reductions (the order
     of the additions, and so the last bits, may vary between runs)."""
     args = (dy, xt, dt, cum, f, seg, bt, ct, states_in)
@@ -168,7 +169,8 @@ def _chunk_scan_bwd(dy, xt, dt, cum, f, seg, bt, ct, states_in, *, group_sums, p
     states = jax.ShapeDtypeStruct((b, lp // CHUNK, h, p, n), f32)
     bc = jax.ShapeDtypeStruct((b, g if group_sums else h, lp, n), f32)
     out = (_rows_type(b, h, lp, p, positions_first), vector, vector, vector, vector, bc, bc, states)
-    args = [dy.astype(f32), xt, dt, cum, f, seg.astype(jnp.int32), bt, ct, states_in]
+    dy = dy if dy.dtype == xt.dtype else dy.astype(f32)  # as the forward gave y: bf16 or float32
+    args = [dy, xt, dt, cum, f, seg.astype(jnp.int32), bt, ct, states_in]
     into = {5: 9, 6: 10} if group_sums else None
     if group_sums:
         args += [jnp.zeros(bc.shape, f32), jnp.zeros(bc.shape, f32)]

@@ -49,9 +49,9 @@ from .kernels import (
 __all__ = ["fused_forward", "fused_smem_bytes"]
 
 
-def _tiles(p: int, n: int, dtype=jnp.bfloat16) -> list:
+def _tiles(p: int, n: int, dtype=jnp.bfloat16, y_dtype=jnp.float32) -> list:
     """Shared-memory tiles `(shape, dtype)`: two slots of C, B, x; w ∘ x's halves; the entering
-    state as 16 bits; float32 staging for y and for the state."""
+    state as 16 bits; staging for y (`y_dtype`) and for the float32 state."""
     q, f32 = CHUNK, jnp.float32
     return [
         ((2, q, n), dtype),
@@ -60,7 +60,7 @@ def _tiles(p: int, n: int, dtype=jnp.bfloat16) -> list:
         ((q, p), dtype),
         ((q, p), dtype),
         ((p, n), dtype),
-        ((q, p), f32),
+        ((q, p), y_dtype),
         ((p, n), f32),
     ]
 
@@ -134,7 +134,8 @@ def _forward_kernel(
             plgpu.barrier_wait(loaded.at[3 * slot + i])
         cs, bs, xs = c_smem.at[slot], b_smem.at[slot], x_smem.at[slot]
 
-        y_smem[...] = _chunk_output(cs, bs, xs, s16_smem, *vectors, dtype=dtype)  # as `_scan_kernel`
+        y = _chunk_output(cs, bs, xs, s16_smem, *vectors, dtype=dtype)  # as `_scan_kernel`
+        y_smem[...] = y.astype(y_smem.dtype)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(y_smem, rows_of(y_ref, batch, head, rows))
 
@@ -158,17 +159,20 @@ def _forward_kernel(
     plgpu.wait_smem_to_gmem(0)
 
 
-def fused_forward(xt, w, dt, cum, f, keep, seg, bt, ct, initial_state, *, positions_first=False):
+def fused_forward(
+    xt, w, dt, cum, f, keep, seg, bt, ct, initial_state, *, positions_first=False, y_dtype=jnp.float32
+):
     """`(y [b, h, L, P], final [b, h, P, N], states_in [b, c, h, P, N])`, float32, of the chunks
     (`xt [b, h, L, P]`, `bt, ct [b, g, L, N]` bf16; `w, dt, cum, f [b, h, L]` float32; `keep [b,
     h, c]`; `seg [b, L]` int32; `initial_state [b, h, P, N]` float32; `L = c · CHUNK`) by the
-    fused kernel. `positions_first`: `xt` and `y` are `[b, L, h, P]`."""
+    fused kernel. `positions_first`: `xt` and `y` are `[b, L, h, P]`; `y_dtype`: `y` rounded to
+    it in the kernel."""
     f32, dtype = jnp.float32, xt.dtype
-    tiles = _tiles(xt.shape[-1], bt.shape[-1], dtype)
+    tiles = _tiles(xt.shape[-1], bt.shape[-1], dtype, y_dtype)
     setup = _walk_setup(xt, bt, keep, tiles, "the fused forward", ct, positions_first=positions_first)
     b, h, lp, p, n, c, keep_rows = setup
     out_type = (
-        _rows_type(b, h, lp, p, positions_first),
+        _rows_type(b, h, lp, p, positions_first, y_dtype),
         jax.ShapeDtypeStruct((b, c, h, p, n), f32),
         jax.ShapeDtypeStruct((b, h, p, n), f32),
     )

@@ -37,15 +37,15 @@ _SMEM = 227 * 1024  # shared memory a Hopper block may take
 _SMEM_EXTRA = 1024 + 2048  # barriers and alignment, rounded up; Mosaic GPU's scratch for cross-warp sums
 
 
-def _tiles(kernel: str, p: int, n: int, dtype=jnp.bfloat16) -> list:
+def _tiles(kernel: str, p: int, n: int, dtype=jnp.bfloat16, y_dtype=jnp.float32) -> list:
     """Shared-memory tiles of `kernel` at head dim `p` and state `n` as `(shape, dtype)`, in the
-    order its body takes them."""
+    order its body takes them (`y_dtype`: the scan's output)."""
     q, f32 = CHUNK, jnp.float32
     return {
         # B, w ∘ x's halves, the float32 state
         "state": [((q, n), dtype), ((q, p), dtype), ((q, p), dtype), ((p, n), f32)],
-        # C, B, x, the incoming state, float32 y
-        "scan": [((q, n), dtype), ((q, n), dtype), ((q, p), dtype), ((p, n), dtype), ((q, p), f32)],
+        # C, B, x, the incoming state, y
+        "scan": [((q, n), dtype), ((q, n), dtype), ((q, p), dtype), ((p, n), dtype), ((q, p), y_dtype)],
         # B, dS's halves, float32 dx, dB and dw
         "state_bwd": [
             ((q, n), dtype),
@@ -152,7 +152,7 @@ def _scan_kernel(
     plgpu.commit_smem()
     for i in range(3):
         plgpu.barrier_wait(loaded.at[i])
-    y_smem[...] = _chunk_output(c_smem, b_smem, x_smem, s16_smem, *vectors, dtype=dtype)
+    y_smem[...] = _chunk_output(c_smem, b_smem, x_smem, s16_smem, *vectors, dtype=dtype).astype(y_smem.dtype)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(y_smem, rows_of(y_ref, batch, head, rows))
     plgpu.wait_smem_to_gmem(0)
@@ -245,18 +245,32 @@ def chunk_state(xt, w, bt, *, positions_first=False):
     return launch(xt, w, bt)
 
 
-def chunk_scan(xt, dt, cum, f, seg, bt, ct, states_in, *, positions_first=False):
-    """`y [b, h, L, P]` float32 of the chunks (`xt [b, h, L, P]`, `bt, ct [b, g, L, N]` in one
+def chunk_scan(xt, dt, cum, f, seg, bt, ct, states_in, *, positions_first=False, y_dtype=jnp.float32):
+    """`y [b, h, L, P]` (float32, or rounded to `y_dtype` in the kernel) of the chunks (`xt [b, h, L, P]`, `bt, ct [b, g, L, N]` in one
     16-bit dtype; `dt, cum, f [b, h, L]` float32; `seg [b, L]` int32; `states_in [b, c, h, P, N]`
     float32, `L = c · CHUNK`) by the Mosaic GPU kernel."""
     _check_operands(xt, bt, ct, positions_first=positions_first)
-    out = jax.ShapeDtypeStruct(xt.shape, jnp.float32)
+    out = jax.ShapeDtypeStruct(xt.shape, y_dtype)
     barrier = plgpu.Barrier(num_barriers=3)
-    launch = _launch("scan", _scan_kernel, out, xt, bt, barrier, positions_first=positions_first)
+    kw = dict(positions_first=positions_first, y_dtype=y_dtype)
+    launch = _launch("scan", _scan_kernel, out, xt, bt, barrier, **kw)
     return launch(xt, dt, cum, f, seg.astype(jnp.int32), bt, ct, states_in)
 
 
-def _launch(kind, body, out_type, xt, bt, barrier, *, into=None, positions_first=False, tiles=None, **kw):
+def _launch(
+    kind,
+    body,
+    out_type,
+    xt,
+    bt,
+    barrier,
+    *,
+    into=None,
+    positions_first=False,
+    tiles=None,
+    y_dtype=jnp.float32,
+    **kw,
+):
     """The Mosaic GPU kernel `body` of `kind` ("state", "scan", ...) over the grid (batch, heads,
     chunks), the chunks on CUDA's x axis (the others take at most 65535), with `_tiles(kind)`
     and `barrier` in shared memory; `rep` heads a group of `bt`. `into` (`{output index: input
@@ -266,11 +280,12 @@ def _launch(kind, body, out_type, xt, bt, barrier, *, into=None, positions_first
     lowers `pallas_call` to Mosaic GPU.
     `positions_first`: `x`, `y`, `dy`, `dx` are `[b, L, h, d]` (`rows_of`). `tiles`: a fused
     kernel's shared memory, over the grid (batch, heads) (heads on CUDA's x axis: blocks
-    launched together share a group's `B` and `C`); `kw` more of the body's arguments."""
+    launched together share a group's `B` and `C`); `y_dtype` the scan's output tile (`_tiles`);
+    `kw` more of the body's arguments."""
     b, h, lp, p = _dims(xt, positions_first)
     g, n = bt.shape[1], bt.shape[-1]
     skip = set((into or {}).values())
-    scratch = _smem(tiles if tiles is not None else _tiles(kind, p, n, xt.dtype))
+    scratch = _smem(tiles if tiles is not None else _tiles(kind, p, n, xt.dtype, y_dtype))
     names = ("batch", "heads") if tiles is not None else ("batch", "heads", "chunks")
     grid = (b, h, lp // CHUNK)[: len(names)]
 
