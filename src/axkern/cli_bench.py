@@ -319,7 +319,9 @@ def _peer_rows(peer_rows, work, rows, ceiling):
     for c, r in peer_rows:
         row = Row(c.op, c.label, f"peer:{r['peer']}", r.get("pass", "-"), note=r.get("note", ""))
         if r.get("ms"):
-            row.ms, row.temp_gib = r["ms"], r.get("temp_gib")
+            row.ms, row.ms_min, row.ms_max, row.temp_gib = (
+                r.get(k) for k in ("ms", "ms_min", "ms_max", "temp_gib")
+            )
             flops = c.flops_forward + (c.flops_backward if row.pass_ == "fwd+bwd" else 0)
             row.tflops = flops / (row.ms * 1e-3) / 1e12
             row.ceiling_fraction = row.tflops / ceiling if ceiling else None
