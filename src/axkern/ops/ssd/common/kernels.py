@@ -307,11 +307,12 @@ class Layout:
         args = [xt, *cols, self.to_row(ac if sums else cum), self.to_col(f), self.to_col(sc), self.to_row(sc)]
         return specs, args + [bt, ct, states_in]
 
-    def chunk_state_bwd(self, xt, w, bt, d_own):
-        """Stage 2's backward, `(dx [b, h, L, P], dw, dB [b, h, L, N])` per head, float32, in
-        `out`'s layouts (the Pallas `_state_bwd_kernel` unless a backend has its own)."""
+    def chunk_state_bwd(self, xt, w, bt, d_own, dx_scan):
+        """Stage 2's backward, `(dx [b, h, L, P], dw, dB [b, h, L, N])` per head in `out`'s
+        layouts (the Pallas `_state_bwd_kernel` unless a backend has its own): `dw`, `dB`
+        float32, `dx` this stage's part plus `dx_scan` (stage 4's, float32) in `x`'s dtype."""
         p, n = self.p, self.n
-        return self(
+        dx, dw, db = self(
             _state_bwd_kernel,
             [self.rows(p), self.col_spec, self.grouped(n), self.state],
             [self.out("rows", p), self.out("col"), self.out("rows", n)],
@@ -320,6 +321,7 @@ class Layout:
             bt,
             d_own,
         )
+        return (dx + dx_scan).astype(xt.dtype), dw, db
 
     def chunk_scan_bwd(self, dy, xt, scale, cum, ac, f, sc, bt, ct, states_in, *, sums):
         """Stage 4's backward, `(dx, ddt, dcum, dcum_row, df, dB, dC, dS_in)` per head, float32,
@@ -331,11 +333,12 @@ class Layout:
         kernel = functools.partial(_scan_bwd_kernel, sums=sums)
         return self(kernel, [self.rows(p), *specs], outs, dy.astype(jnp.float32), *args)
 
-    def state_backward(self, xt, w, bt, keep, states_in, d_states_in, d_final):
+    def state_backward(self, xt, w, bt, keep, states_in, d_states_in, d_final, dx_scan):
         """Stage 3's and stage 2's backward: the reverse recurrence, then the chunk states'
-        backward, `(dx, dw, dB, d keep, d initial state)` (a backend may fuse them)."""
+        backward, `(dx, dw, dB, d keep, d initial state)`, `dx` with `dx_scan` added, in `x`'s
+        dtype (a backend may fuse them)."""
         d_own, d_keep, d_init = self.recurrence_bwd(keep, states_in, d_states_in, d_final)
-        return (*self.chunk_state_bwd(xt, w, bt, d_own), d_keep, d_init)
+        return (*self.chunk_state_bwd(xt, w, bt, d_own, dx_scan), d_keep, d_init)
 
     def sum_groups(self, db_scan, db_state, dc):
         """`dB`, `dC` per group (`[b, g, L, N]`) from the backward kernels' per-head outputs."""
@@ -400,8 +403,8 @@ def _core_bwd(cfg, res, cotangents):
     dx_scan, ddt, dcum, dcum_row, df, db_scan, dc, d_states_in = k.chunk_scan_bwd(
         dy, xt, scale, cum, ac, f, sc, bt, ct, states_in, sums=sums
     )
-    dx_state, dw, db_state, d_keep, d_init = k.state_backward(
-        xt, w, bt, keep, states_in, d_states_in, d_final.astype(jnp.float32)
+    dx, dw, db_state, d_keep, d_init = k.state_backward(
+        xt, w, bt, keep, states_in, d_states_in, d_final.astype(jnp.float32), dx_scan
     )
     if sums:  # the decay's `d a` straight from the kernel; the weights' `d cum` by autodiff
         da = row(dcum_row)
@@ -412,7 +415,7 @@ def _core_bwd(cfg, res, cotangents):
     d_scale = d_scale + col(ddt)
     db, dc = k.sum_groups(db_scan, db_state, dc)
     return (
-        (dx_scan + dx_state).astype(xt.dtype),
+        dx.astype(xt.dtype),
         d_ac.astype(ac.dtype),
         d_scale.astype(scale.dtype),
         db.astype(bt.dtype),

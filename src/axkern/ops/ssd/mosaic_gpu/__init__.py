@@ -31,7 +31,9 @@ has the timings).
 
 **`y` in the input dtype.** Without `D` and the gate (`common/kernels.ssd`), the scan and
 fused kernels round `y` to bf16 themselves (`Layout.y_dtype`) and the scan's backward kernel
-reads the bf16 cotangent, where otherwise `y` is float32 for XLA to add `D x` and gate.
+reads the bf16 cotangent, where otherwise `y` is float32 for XLA to add `D x` and gate. The
+chunk-state backward kernel adds the chunk-scan backward's float32 `dx` to its own and writes
+`dx` in bf16 (`chunk_state_bwd`'s `dx_in`; the fused state backward leaves the sum to XLA).
 
 **The state kernel.** TMA copies the chunk's `B` rows (`[64, N]`); `x` (`[64, P]`) is read into
 registers, scaled by `w` per row and stored as two 16-bit halves (`w ∘ x = hi + lo`, what the
@@ -165,9 +167,9 @@ class MosaicLayout(GpuLayout):
         args = (xt, c(scale), c(cum), c(f), c(sc), bt, ct, states_in)
         return chunk_scan(*args, positions_first=self.positions_first, y_dtype=self.y_dtype)
 
-    def chunk_state_bwd(self, xt, w, bt, d_own):
+    def chunk_state_bwd(self, xt, w, bt, d_own, dx_scan):
         kw = dict(group_sums=self.group_sums, positions_first=self.positions_first)
-        return chunk_state_bwd(xt, self.to_col(w), bt, d_own, **kw)
+        return chunk_state_bwd(xt, self.to_col(w), bt, d_own, dx_scan, **kw)  # dx_scan added in the kernel
 
     def chunk_scan_bwd(self, dy, xt, scale, cum, ac, f, sc, bt, ct, states_in, *, sums):
         if sums:
@@ -181,11 +183,12 @@ class MosaicLayout(GpuLayout):
     # the reverse recurrence and the chunk states' backward as one kernel
     fused_backward = False
 
-    def state_backward(self, xt, w, bt, keep, states_in, d_states_in, d_final):
+    def state_backward(self, xt, w, bt, keep, states_in, d_states_in, d_final, dx_scan):
         if not self.fused_backward:
-            return super().state_backward(xt, w, bt, keep, states_in, d_states_in, d_final)
+            return super().state_backward(xt, w, bt, keep, states_in, d_states_in, d_final, dx_scan)
         kw = dict(group_sums=self.group_sums, positions_first=self.positions_first)
-        return fused_state_bwd(xt, self.to_col(w), bt, keep, states_in, d_states_in, d_final, **kw)
+        dx, *rest = fused_state_bwd(xt, self.to_col(w), bt, keep, states_in, d_states_in, d_final, **kw)
+        return ((dx + dx_scan).astype(xt.dtype), *rest)
 
     def sum_groups(self, db_scan, db_state, dc):
         return (db_scan + db_state, dc) if self.group_sums else super().sum_groups(db_scan, db_state, dc)

@@ -181,10 +181,13 @@ def _chunk_scan_bwd(dy, xt, dt, cum, f, seg, bt, ct, states_in, *, group_sums, p
     return launch(*args)
 
 
-def _state_bwd_kernel(
-    x_ref, w_ref, b_ref, ds_ref, dx_ref, dw_ref, db_ref, scoped, *, rep, dtype, add, rows_of
-):
-    """`add`: `dB` added by a TMA reduction into the head's group's rows (`[b, g, L, N]`)."""
+def _state_bwd_kernel(*refs, rep, dtype, add, rows_of, adds_dx):
+    """`add`: `dB` added by a TMA reduction into the head's group's rows (`[b, g, L, N]`).
+    `adds_dx`: a fifth input, the scan's backward's float32 `dx`, added to this `dx` before it
+    is rounded to the output's dtype."""
+    x_ref, w_ref, b_ref, ds_ref, *rest = refs
+    dx_in_ref = rest.pop(0) if adds_dx else None
+    dx_ref, dw_ref, db_ref, scoped = rest
     (b_smem, dsh_smem, dsl_smem, dx_smem, db_smem, dw_smem), loaded = scoped
     batch, head, chunk = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("chunks")
     q = b_smem.shape[0]
@@ -203,22 +206,27 @@ def _state_bwd_kernel(
     plgpu.barrier_wait(loaded)
 
     staging = (dx_smem, db_smem, dw_smem)
-    _state_grads(b_smem, (dsh_smem, dsl_smem), x, w, (xw_h, xw_l), staging)
+    dx_in = None
+    if adds_dx:
+        dx_in = mosaic_gpu_load(rows_of(dx_in_ref, batch, head, rows), layout=wgmma_layout, optimized=False)
+    _state_grads(b_smem, (dsh_smem, dsl_smem), x, w, (xw_h, xw_l), staging, dx_in)
     group = lax.div(head, jnp.int32(rep)) if add else head
     dsts = (rows_of(dx_ref, batch, head, rows), db_ref.at[batch, group, rows], dw_ref.at[batch, head, rows])
     _send_state_grads(staging, dsts, add=add)
     plgpu.wait_smem_to_gmem(0)
 
 
-def _state_grads(b_smem, ds, x, w, xw, staging):
+def _state_grads(b_smem, ds, x, w, xw, staging, dx_in=None):
     """The chunk state's gradients from `dS`'s halves `ds` (shared memory), `B` (shared memory),
     `x`, `w` and `w ∘ x`'s halves `xw` (registers), into the staging tiles `(dx, dB, dw)`:
-    `d(w ∘ x) = B dSᵀ` (rows t), `dx = · w`, `dw = rowsum(· x)`; `dB = (w ∘ x) dS`, three
-    products (both float32)."""
+    `d(w ∘ x) = B dSᵀ` (rows t), `dx = · w` (plus `dx_in`, float32 registers, if given; in the
+    staging tile's dtype), `dw = rowsum(· x)`; `dB = (w ∘ x) dS`, three products (both
+    float32)."""
     dx_smem, db_smem, dw_smem = staging
     (q, n), p = b_smem.shape, ds[0].shape[0]
     dxw = _products((q, p), [(b_smem, ds[0], True), (b_smem, ds[1], True)])
-    dx_smem[...] = dxw * lax.broadcast_in_dim(w, (q, p), [0])
+    dx = dxw * lax.broadcast_in_dim(w, (q, p), [0])
+    dx_smem[...] = (dx if dx_in is None else dx + dx_in).astype(dx_smem.dtype)
     dw_smem[...] = jnp.sum(dxw * x, axis=1)
     db_smem[...] = _products((q, n), [(xw[0], ds[0], False), (xw[0], ds[1], False), (xw[1], ds[0], False)])
     plgpu.commit_smem()
@@ -231,24 +239,26 @@ def _send_state_grads(staging, dsts, *, add):
         plgpu.copy_smem_to_gmem(smem, dst, reduction_op="add" if add and i == 1 else None)
 
 
-def chunk_state_bwd(xt, w, bt, d_own, *, group_sums=False, positions_first=False):
+def chunk_state_bwd(xt, w, bt, d_own, dx_in=None, *, group_sums=False, positions_first=False):
     """Stage 2's backward by the Mosaic GPU kernel, `dS` (`d_own [b, c, h, P, N]`, float32)
     pulled back through `S = (w ∘ x)ᵀ B`: `(dx [b, h, L, P], dw [b, h, L], dB [b, h, L, N])`,
-    float32, per head; `chunk_state`'s other arguments. `group_sums`: `dB` per group (`[b, g, L,
-    N]`) by TMA reductions, as in `chunk_scan_bwd`."""
+    float32, per head; `chunk_state`'s other arguments. `dx_in` (float32, `x`'s layout; the
+    scan's backward's `dx`): added to `dx` in the kernel, which then leaves in `x`'s dtype.
+    `group_sums`: `dB` per group (`[b, g, L, N]`) by TMA reductions, as in `chunk_scan_bwd`."""
     body = functools.partial(_chunk_state_bwd, group_sums=group_sums, positions_first=positions_first)
-    return _batch_folding(body)(xt, w, bt, d_own) if group_sums else body(xt, w, bt, d_own)
+    args = (xt, w, bt, d_own) + (() if dx_in is None else (dx_in.astype(jnp.float32),))
+    return _batch_folding(body)(*args) if group_sums else body(*args)
 
 
-def _chunk_state_bwd(xt, w, bt, d_own, *, group_sums, positions_first):
+def _chunk_state_bwd(xt, w, bt, d_own, *dx_in, group_sums, positions_first):
     _check_operands(xt, bt, positions_first=positions_first)
     b, h, lp, p = _dims(xt, positions_first)
-    f32 = jnp.float32
+    f32, rows = jnp.float32, xt.dtype if dx_in else jnp.float32
     db = jax.ShapeDtypeStruct((b, bt.shape[1] if group_sums else h, lp, bt.shape[-1]), f32)
-    out = (_rows_type(b, h, lp, p, positions_first), jax.ShapeDtypeStruct((b, h, lp), f32), db)
-    args = [xt, w, bt, d_own] + ([jnp.zeros(db.shape, f32)] if group_sums else [])
-    into = {2: 4} if group_sums else None
-    kw = dict(into=into, positions_first=positions_first)
+    out = (_rows_type(b, h, lp, p, positions_first, rows), jax.ShapeDtypeStruct((b, h, lp), f32), db)
+    args = [xt, w, bt, d_own, *dx_in] + ([jnp.zeros(db.shape, f32)] if group_sums else [])
+    into = {2: len(args) - 1} if group_sums else None
+    kw = dict(into=into, positions_first=positions_first, rows_dtype=rows, adds_dx=bool(dx_in))
     return _launch("state_bwd", _state_bwd_kernel, out, xt, bt, plgpu.Barrier(), **kw)(*args)
 
 

@@ -37,21 +37,21 @@ _SMEM = 227 * 1024  # shared memory a Hopper block may take
 _SMEM_EXTRA = 1024 + 2048  # barriers and alignment, rounded up; Mosaic GPU's scratch for cross-warp sums
 
 
-def _tiles(kernel: str, p: int, n: int, dtype=jnp.bfloat16, y_dtype=jnp.float32) -> list:
+def _tiles(kernel: str, p: int, n: int, dtype=jnp.bfloat16, rows_dtype=jnp.float32) -> list:
     """Shared-memory tiles of `kernel` at head dim `p` and state `n` as `(shape, dtype)`, in the
-    order its body takes them (`y_dtype`: the scan's output)."""
+    order its body takes them (`rows_dtype`: the scan's `y`, the state backward's `dx`)."""
     q, f32 = CHUNK, jnp.float32
     return {
         # B, w ∘ x's halves, the float32 state
         "state": [((q, n), dtype), ((q, p), dtype), ((q, p), dtype), ((p, n), f32)],
         # C, B, x, the incoming state, y
-        "scan": [((q, n), dtype), ((q, n), dtype), ((q, p), dtype), ((p, n), dtype), ((q, p), y_dtype)],
-        # B, dS's halves, float32 dx, dB and dw
+        "scan": [((q, n), dtype), ((q, n), dtype), ((q, p), dtype), ((p, n), dtype), ((q, p), rows_dtype)],
+        # B, dS's halves, dx, float32 dB and dw
         "state_bwd": [
             ((q, n), dtype),
             ((p, n), dtype),
             ((p, n), dtype),
-            ((q, p), f32),
+            ((q, p), rows_dtype),
             ((q, n), f32),
             ((q,), f32),
         ],
@@ -246,13 +246,14 @@ def chunk_state(xt, w, bt, *, positions_first=False):
 
 
 def chunk_scan(xt, dt, cum, f, seg, bt, ct, states_in, *, positions_first=False, y_dtype=jnp.float32):
-    """`y [b, h, L, P]` (float32, or rounded to `y_dtype` in the kernel) of the chunks (`xt [b, h, L, P]`, `bt, ct [b, g, L, N]` in one
-    16-bit dtype; `dt, cum, f [b, h, L]` float32; `seg [b, L]` int32; `states_in [b, c, h, P, N]`
-    float32, `L = c · CHUNK`) by the Mosaic GPU kernel."""
+    """`y [b, h, L, P]` (float32, or rounded to `y_dtype` in the kernel) of the chunks (`xt [b,
+    h, L, P]`, `bt, ct [b, g, L, N]` in one 16-bit dtype; `dt, cum, f [b, h, L]` float32; `seg
+    [b, L]` int32; `states_in [b, c, h, P, N]` float32, `L = c · CHUNK`) by the Mosaic GPU
+    kernel."""
     _check_operands(xt, bt, ct, positions_first=positions_first)
     out = jax.ShapeDtypeStruct(xt.shape, y_dtype)
     barrier = plgpu.Barrier(num_barriers=3)
-    kw = dict(positions_first=positions_first, y_dtype=y_dtype)
+    kw = dict(positions_first=positions_first, rows_dtype=y_dtype)
     launch = _launch("scan", _scan_kernel, out, xt, bt, barrier, **kw)
     return launch(xt, dt, cum, f, seg.astype(jnp.int32), bt, ct, states_in)
 
@@ -268,7 +269,7 @@ def _launch(
     into=None,
     positions_first=False,
     tiles=None,
-    y_dtype=jnp.float32,
+    rows_dtype=jnp.float32,
     **kw,
 ):
     """The Mosaic GPU kernel `body` of `kind` ("state", "scan", ...) over the grid (batch, heads,
@@ -280,12 +281,12 @@ def _launch(
     lowers `pallas_call` to Mosaic GPU.
     `positions_first`: `x`, `y`, `dy`, `dx` are `[b, L, h, d]` (`rows_of`). `tiles`: a fused
     kernel's shared memory, over the grid (batch, heads) (heads on CUDA's x axis: blocks
-    launched together share a group's `B` and `C`); `y_dtype` the scan's output tile (`_tiles`);
+    launched together share a group's `B` and `C`); `rows_dtype` the output rows' tile (`_tiles`);
     `kw` more of the body's arguments."""
     b, h, lp, p = _dims(xt, positions_first)
     g, n = bt.shape[1], bt.shape[-1]
     skip = set((into or {}).values())
-    scratch = _smem(tiles if tiles is not None else _tiles(kind, p, n, xt.dtype, y_dtype))
+    scratch = _smem(tiles if tiles is not None else _tiles(kind, p, n, xt.dtype, rows_dtype))
     names = ("batch", "heads") if tiles is not None else ("batch", "heads", "chunks")
     grid = (b, h, lp // CHUNK)[: len(names)]
 
