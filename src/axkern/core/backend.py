@@ -48,7 +48,9 @@ def is_hopper(spec) -> bool:
     return spec.device_key.startswith(_HOPPER_KEYS)
 
 
-_DETERMINISTIC_FLAGS = re.compile(r"--xla_gpu_(deterministic_ops|exclude_nondeterministic_ops)(=true)?(\s|$)")
+_DETERMINISTIC_FLAGS = re.compile(
+    r"--xla_gpu_(deterministic_ops|exclude_nondeterministic_ops)(=(true|1))?(\s|$)", re.IGNORECASE
+)
 
 
 def deterministic() -> bool:

@@ -18,10 +18,10 @@ states never cross memory; the default (`blocks.mosaic_gpu_heuristic` has the ti
 head's `dB` (and `dC`) tile into its group's rows by TMA reductions (`copy_smem_to_gmem(...,
 reduction_op="add")`) into zeros the kernel takes as a ref it writes in place (`pl.run_state`
 over `pl.kernel`, as `plgpu.kernel` takes no aliases), where otherwise they write `[b, h, L,
-N]` float32 per head for XLA to sum. **Transposes** (`SSDBlockSizes(transposes="kernels")`): the kernels read `x`,
-`dy` and write `y`, `dx` as `[b, L, h, P]`, the caller's layout (`kernels._indexer`: a strided
-tile per head, which TMA copies and loads take as they take a contiguous one), where XLA
-otherwise moves them to `[b, h, L, P]` and back. **The fused state backward**
+N]` float32 per head for XLA to sum. **Transposes** (`SSDBlockSizes(transposes="kernels")`):
+the kernels read `x`, `dy` and write `y`, `dx` as `[b, L, h, P]`, the caller's layout
+(`kernels._indexer`: a strided tile per head, which TMA copies and loads take as they take a
+contiguous one), where XLA otherwise moves them to `[b, h, L, P]` and back. **The fused state backward**
 (`SSDBlockSizes(backward="fused")`, `state_backward.py`): the reverse recurrence and the chunk
 states' backward as one kernel per (batch row, head) walking its chunks from the last, the
 state's gradient in registers. The group sums and the transposes are the default (XLA sums
