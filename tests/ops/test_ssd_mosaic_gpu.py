@@ -20,6 +20,7 @@ from axkern.ops.ssd.api import prepared_dt
 from axkern.ops.ssd.common import kernels as chunk_kernels
 from tests.cases.ssd import make, run
 from tests.harness import check_rule, jit
+from tests.helpers import equations
 
 needs_mosaic = pytest.mark.skipif(
     mosaic_gpu._IMPORT_ERROR is not None, reason=f"Pallas Mosaic GPU: {mosaic_gpu._IMPORT_ERROR}"
@@ -240,6 +241,36 @@ def test_without_d_and_the_gate_y_leaves_the_kernels_in_the_input_dtype(forward)
     grad = jax.grad(lambda a: jnp.sum(y(a).astype(jnp.float32) ** 2))
     assert converts(grad, "bf16", "f32") == 2
     assert converts(grad, "f32", "bf16") == 1
+
+
+@needs_mosaic
+def test_the_conditional_passes_x_out_as_it_came():
+    # the residual the kernels keep of x: in both of the layer's branches x itself (the guarded
+    # one cleans x inside the scan), which the conditional passes out without a copy; y is the
+    # other x-sized output
+    arrays, seg = make(0, 1, 256, 4, 64, 2, 128, "bfloat16", extras=False)
+    blocks = SSDBlockSizes(64, forward="fused", group_sums="kernels", transposes="kernels")
+
+    def y(x):
+        dt = prepared_dt(arrays["dt"], None, True, None)
+        s0 = jnp.zeros((1, 4, 64, 128), jnp.float32)
+        args = (x, dt, arrays["A"], arrays["B"], arrays["C"], None, None, seg, s0)
+        return mosaic_gpu.ssd(*args, block_sizes=blocks)[0]
+
+    x = arrays["x"]
+    jaxpr = jax.make_jaxpr(lambda x: jax.vjp(y, x))(x).jaxpr
+    (cond,) = [e for e in equations(jaxpr, into_conds=False) if e.primitive.name == "cond"]
+    x_like = [i for i, v in enumerate(cond.outvars) if (v.aval.shape, v.aval.dtype) == (x.shape, x.dtype)]
+    assert len(x_like) == 2
+    for branch in cond.params["branches"]:
+        j = branch.jaxpr
+        assert [j.outvars[i] in j.invars for i in x_like] == [False, True]
+    assert (
+        len(
+            {branch.jaxpr.invars.index(branch.jaxpr.outvars[x_like[1]]) for branch in cond.params["branches"]}
+        )
+        == 1
+    )
 
 
 def _emulated_runner(names):

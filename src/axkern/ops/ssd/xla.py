@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from axkern.core import kernels
 
 from .blocks import refuse_mosaic_gpu_forms
-from .common.chunks import layer, skip_and_gate
+from .common.chunks import clean, layer, skip_and_gate
 from .common.scan import scan
 
 
@@ -43,8 +43,10 @@ def ssd(x, dt, A, B, C, D, z, segment_ids, initial_state, *, block_sizes):
     return layer(scan_fn, x, dt, A, B, C, D, z, segment_ids, initial_state)
 
 
-def _scan(chunk_size, groups, x, dt, A, B, C, seg, initial_state):
-    """The chunk scan on finite inputs (`dt` in the accumulation dtype): `(y, final)`."""
+def _scan(chunk_size, groups, x, dt, A, B, C, seg, initial_state, clean_x=False):
+    """The chunk scan on finite inputs (`dt` in the accumulation dtype; `x` cleaned first if
+    `clean_x`): `(y, final)`."""
+    x = clean(x) if clean_x else x
     acc = dt.dtype
     # float32 inputs at full precision (XLA's GPU default is TF32); 16-bit inputs' float32
     # products may run as TF32 (more mantissa than the inputs have)

@@ -144,11 +144,11 @@ poison.defvjp(_poison_fwd, _poison_bwd)
 
 
 def layer(scan, x, dt, A, B, C, D, z, segment_ids, initial_state):
-    """The SSD layer around a chunked scan, `scan(x, dt, A, B, C, seg, initial_state) -> (y [b, L,
-    H, P], final)` on finite inputs (`dt` in the accumulation dtype, `seg` internal segment
-    ids): the scan on the inputs as they are where every value it reads is finite, else on
-    `guard`'s clean inputs with NaN put where the recurrence is non-finite; then `D` and the
-    gate. The guard's masks and wheres (a running maximum over the length of `[b, L, H, P]`
+    """The SSD layer around a chunked scan, `scan(x, dt, A, B, C, seg, initial_state, clean_x=False)
+    -> (y [b, L, H, P], final)` on finite inputs (`dt` in the accumulation dtype, `seg` internal
+    segment ids; `clean_x`: `x`'s non-finite values taken as 0, their gradients NaN, as `clean`):
+    the scan on the inputs as they are where every value it reads is finite, else on `guard`'s
+    clean inputs with NaN put where the recurrence is non-finite; then `D` and the gate. The guard's masks and wheres (a running maximum over the length of `[b, L, H, P]`
     values, a select on every output and, backward, on every gradient) cost more than the scan's
     own kernels' forward at the Mamba-2 sizes; here they run only where an input is not finite."""
     acc = jnp.promote_types(x.dtype, jnp.float32)
@@ -160,8 +160,10 @@ def layer(scan, x, dt, A, B, C, D, z, segment_ids, initial_state):
         return scan(x, dt.astype(acc), A, B, C, seg, initial_state)
 
     def safe(checked, seg):
-        (x, dt, A, B, C, initial_state), y_bad, final_bad = guard(*checked[:5], seg, checked[5])
-        y, final = scan(x, dt.astype(acc), A, B, C, seg, initial_state)
+        (_, dt, A, B, C, initial_state), y_bad, final_bad = guard(*checked[:5], seg, checked[5])
+        # `x` as it came, cleaned by the scan: the residual it keeps of `x` is then the operand
+        # in both branches, which the conditional passes out as it is (rather than a copy)
+        y, final = scan(checked[0], dt.astype(acc), A, B, C, seg, initial_state, clean_x=True)
         return poison(y, y_bad), poison(final, final_bad)
 
     # autodiff through the conditional: the forward keeps both branches' residuals in shared slots

@@ -362,8 +362,14 @@ class Layout:
         )(*args)
 
 
+def _zeroed(xt):
+    """`xt` with its non-finite values as 0 (`_core`'s `clean_x`)."""
+    return jnp.where(jnp.isfinite(xt), xt, 0).astype(xt.dtype)
+
+
 def _core_forward(cfg, xt, ac, scale, bt, ct, sc, initial_state):
-    layout, q, interpret, products, y_dtype = cfg
+    layout, q, interpret, products, y_dtype, clean_x = cfg
+    xt = _zeroed(xt) if clean_x else xt
     # float32 operands throughout for now: with bf16 operands in the output's products the
     # gate's gradient (dz, through the pre-gate output) missed the oracle rule in bf16
     mm = jnp.float32
@@ -393,8 +399,9 @@ def _core_fwd(cfg, xt, ac, scale, bt, ct, sc, initial_state):
 
 
 def _core_bwd(cfg, res, cotangents):
-    layout, q, interpret, products, _ = cfg
-    xt, ac, scale, bt, ct, sc, states_in = res
+    layout, q, interpret, products, _, clean_x = cfg
+    x_in, ac, scale, bt, ct, sc, states_in = res
+    xt = _zeroed(x_in) if clean_x else x_in
     dy, d_final = cotangents
     k = layout(xt, bt, q=q, interpret=interpret, products=products)
     col, row = k.from_col, k.from_row  # back to [b, h, c, Q]
@@ -414,6 +421,8 @@ def _core_bwd(cfg, res, cotangents):
         d_ac, d_scale = pull_weights((col(dcum) - row(dcum_row), col(dw), col(df), d_keep))
     d_scale = d_scale + col(ddt)
     db, dc = k.sum_groups(db_scan, db_state, dc)
+    if clean_x:  # a non-finite input's gradient is NaN (as `chunks.clean`'s)
+        dx = jnp.where(jnp.isfinite(x_in), dx, jnp.nan)
     return (
         dx.astype(xt.dtype),
         d_ac.astype(ac.dtype),
@@ -429,7 +438,20 @@ _core.defvjp(_core_fwd, _core_bwd)
 
 
 def scan(
-    layout, x, a, scale, B, C, seg, initial_state, *, chunk_size, interpret, products=None, y_dtype=None
+    layout,
+    x,
+    a,
+    scale,
+    B,
+    C,
+    seg,
+    initial_state,
+    *,
+    chunk_size,
+    interpret,
+    products=None,
+    y_dtype=None,
+    clean_x=False,
 ):
     """The chunk scan through the kernels above, `layout` a `Layout` subclass: `x [b, L, H, P]`,
     the per-position log-decay `a` and input scale (`[b, L, H]`, float32), `B, C [b, L, G, N]`,
@@ -438,18 +460,20 @@ def scan(
     layout's can) and the final state. The length is padded to a multiple of the
     chunk with `a = scale = 0` rows, which leave the state alone. `products`: the input dtype
     whose path the kernels take (the products' precision, the decay's form; `x`'s unless given),
-    for an `x` computed in float32 from 16-bit inputs."""
+    for an `x` computed in float32 from 16-bit inputs. `clean_x`: `x`'s non-finite values taken
+    as 0 inside the scan (their gradients NaN), which keeps `x` itself, not a cleaned copy, for
+    the backward."""
     q = chunk_size
     batch, length, heads, _ = x.shape
     pad = (-length) % q
-    padded = lambda v: jnp.pad(v, [(0, 0), (0, pad)] + [(0, 0)] * (v.ndim - 2))  # noqa: E731
+    padded = lambda v: jnp.pad(v, [(0, 0), (0, pad)] + [(0, 0)] * (v.ndim - 2)) if pad else v  # noqa: E731
     chunks = (length + pad) // q
     per_chunk = lambda v: jnp.moveaxis(padded(v), 2, 1).reshape(batch, heads, chunks, q)  # noqa: E731
     seg = jnp.concatenate([seg, jnp.broadcast_to(seg[:, -1:], (batch, pad))], axis=1)
     first = layout.positions_first
     names = (None if d is None else jnp.dtype(d).name for d in (products, y_dtype or jnp.float32))
     y, final = _core(
-        (layout, q, interpret, *names),
+        (layout, q, interpret, *names, bool(clean_x)),
         padded(x) if first else jnp.moveaxis(padded(x), 2, 1),  # [b, L, h, P] or [b, h, L, P]
         per_chunk(a),
         per_chunk(scale),
@@ -480,7 +504,7 @@ def ssd(layout, x, dt, A, B, C, D, z, segment_ids, initial_state, *, chunk_size,
     )
 
 
-def _ssd_scan(layout, chunk_size, interpret, y_dtype, x, dt, A, B, C, seg, initial_state):
+def _ssd_scan(layout, chunk_size, interpret, y_dtype, x, dt, A, B, C, seg, initial_state, clean_x=False):
     a = dt * A.astype(dt.dtype)
-    kw = dict(chunk_size=chunk_size, interpret=interpret, y_dtype=y_dtype)
+    kw = dict(chunk_size=chunk_size, interpret=interpret, y_dtype=y_dtype, clean_x=clean_x)
     return scan(layout, x, a, dt, B, C, seg, initial_state, **kw)
