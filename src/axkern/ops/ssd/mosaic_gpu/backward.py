@@ -102,9 +102,11 @@ def _scan_bwd_kernel(
     mh_smem[...], ml_smem[...] = mh, ml
     plgpu.commit_smem()
 
-    # dM = dy (dt ∘ x)ᵀ: dy's halves (registers, formed again here) times xᵀ, scaled by dt per column
+    # dM = dy (dt ∘ x)ᵀ: dy's halves (registers, formed again here) times xᵀ, scaled by dt per
+    # column; a 16-bit dy's low half is 0, so its products are left out (and below)
+    wide_dy = jnp.dtype(dy_ref.dtype).itemsize > 2
     dyh, dyl = _halves(dy, dtype)
-    dm = _products((q, q), [(dyh, x_smem, True), (dyl, x_smem, True)]) * on_cols(dt_s)
+    dm = _products((q, q), [(dyh, x_smem, True)] + [(dyl, x_smem, True)] * wide_dy) * on_cols(dt_s)
     e = dm * m
     vec_smem.at[1][...] = jnp.sum(e, axis=1)  # dcum: rows t
     vec_smem.at[3][...] = jnp.sum(e, axis=0)  # dcum_row: columns s
@@ -112,7 +114,8 @@ def _scan_bwd_kernel(
 
     # d(dt ∘ x) = Mᵀ dy, rows s: M's halves transposed from shared memory, dy's halves
     m_t = (mh_smem.transpose((1, 0)), ml_smem.transpose((1, 0)))
-    dxd = _products((q, p), [(m_t[0], ah_smem, False), (m_t[0], al_smem, False), (m_t[1], ah_smem, False)])
+    low = [(m_t[0], al_smem, False)] * wide_dy
+    dxd = _products((q, p), [(m_t[0], ah_smem, False), *low, (m_t[1], ah_smem, False)])
     x = mosaic_gpu_load(rows_of(x_ref, batch, head, rows), layout=wgmma_layout, optimized=False).astype(f32)
     vec_smem.at[0][...] = jnp.sum(dxd * x, axis=1)  # ddt
     put(dx_smem, dxd * lax.broadcast_in_dim(dt_t, (q, p), [0]), rows_of(dx_ref, batch, head, rows))
