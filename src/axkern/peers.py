@@ -67,13 +67,14 @@ def _ce_functions():
     return fns, missing
 
 
-def _measure(call, leaves, pass_, repeats):
+def _measure(call, leaves, pass_, repeats, graphs=True):
     """The time of `call(backward)` and its temporary GiB; `leaves` are the tensors whose
     gradients a backward leaves behind (not counted as temporary). Timed as `axkern bench` times
     ours (`bench.time_spread`: each sample enough back-to-back calls for about 20 ms between two
     CUDA events, so one call's launch latency is not counted), and again as the replays of a
     CUDA graph of one call, which takes the host out; the faster of the two (median over the
-    samples) is the peer's time, the note says which."""
+    samples) is the peer's time, the note says which. `graphs=False`: eager calls only (a capture
+    that failed once is not tried again: it can leave the stream unusable)."""
     import torch
 
     backward = pass_ == "fwd+bwd"
@@ -100,13 +101,15 @@ def _measure(call, leaves, pass_, repeats):
     grads = sum(t.numel() * t.element_size() for t in leaves) if backward else 0
     temp = (torch.cuda.max_memory_allocated() - base - grads) / 2**30
     eager = _samples(once, repeats)
-    try:
-        replay = _graph(once)
-    except Exception as e:  # noqa: BLE001 - a peer that cannot be captured is timed eagerly
-        graph, why = None, f"no CUDA graph ({type(e).__name__}: {str(e)[:80]})"
-    else:
-        graph, why = _samples(replay, repeats), ""
-        del replay
+    graph, why = None, "no CUDA graph (a capture failed before)"
+    if graphs:
+        try:
+            replay = _graph(once)
+        except Exception as e:  # noqa: BLE001 - a peer that cannot be captured is timed eagerly
+            why = f"no CUDA graph ({type(e).__name__}: {str(e)[:80]})"
+        else:
+            graph, why = _samples(replay, repeats), ""
+            del replay
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     pick = graph if graph is not None and statistics.median(graph) < statistics.median(eager) else eager
@@ -167,10 +170,11 @@ def _graph(once):
 def _timed_rows(name, call, leaves, repeats):
     import torch
 
-    out = []
+    out, graphs = [], True
     for pass_ in ("fwd", "fwd+bwd"):
         try:
-            out.append({"peer": name, "pass": pass_, **_measure(call, leaves, pass_, repeats)})
+            out.append({"peer": name, "pass": pass_, **_measure(call, leaves, pass_, repeats, graphs)})
+            graphs = graphs and "no CUDA graph" not in out[-1]["note"]
         except Exception as e:  # noqa: BLE001 - e.g. out of memory: report, go on
             out.append({"peer": name, "pass": pass_, "note": f"{type(e).__name__}: {str(e)[:160]}"})
             torch.cuda.empty_cache()

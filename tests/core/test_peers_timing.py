@@ -76,3 +76,5 @@ def test_the_peer_takes_the_faster_of_eager_calls_and_graph_replays(
     assert [r["pass"] for r in rows] == ["fwd", "fwd+bwd"]
     # the backward's eager calls take twice as long here; its graph replays as long as the forward's
     assert rows[1]["ms"] == pytest.approx(min(2 * eager, graph) if not fails else 2 * eager)
+    # a capture that failed is not tried again for the same peer
+    assert ("a capture failed before" in rows[1]["note"]) == fails
