@@ -258,10 +258,12 @@ def forward(
     theta = angle_sums(inc, clean(f(angle0)), seg, chunk_size)
     v0r = f(v0)[:, None] * by_rank(W_x) if mimo else f(v0)[:, None]  # [b, r, h, p]
 
+    vr = f(v)[:, :, None] * by_rank(W_x) if mimo else f(v)[:, :, None]  # v ⊙ W_x, [b, l, r, h, p]
+
     def prepared(theta):  # the rotated q, k and v ⊙ W_x, [b, l, r, h, n or p]
         qr = rotated(mimo, heads // groups, q, by_rank(q_bias), theta[:, :, None])
         kr = rotated(mimo, heads // groups, k, by_rank(k_bias), theta[:, :, None])
-        return qr, kr, f(v)[:, :, None] * by_rank(W_x) if mimo else f(v)[:, :, None]
+        return qr, kr, vr
 
     # where the sequential recurrence is non-finite (see the module docstring): `Θ`'s NaN, the
     # masks and the selects run only when some value the recurrence reads may not be finite. The rotated
@@ -331,7 +333,6 @@ def forward(
     # autodiff through the conditional, as SSD's layer (`ssd.common.chunks.layer`): the backward
     # takes the forward's branch; `D` and the gate stay outside
     theta, y, final, k_last = lax.cond(finite, unguarded, guarded, theta)
-    vr = f(v)[:, :, None] * by_rank(W_x) if mimo else f(v)[:, :, None]
 
     if D is not None:
         y = y + f(D)[:, None] * vr

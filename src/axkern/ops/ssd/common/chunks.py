@@ -106,10 +106,15 @@ def all_finite(*arrays) -> jax.Array:
     return jnp.isfinite(total)
 
 
+def zeroed(a):
+    """`a` with its non-finite values as 0 (no gradient rule: `clean` has one)."""
+    return jnp.where(jnp.isfinite(a), a, 0).astype(a.dtype)
+
+
 @jax.custom_vjp
 def clean(a):
     """`a` with its non-finite values as 0; their gradient is NaN."""
-    return jnp.where(jnp.isfinite(a), a, 0).astype(a.dtype)
+    return zeroed(a)
 
 
 def _clean_fwd(a):

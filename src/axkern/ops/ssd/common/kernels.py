@@ -55,7 +55,7 @@ from jax.experimental import pallas as pl
 
 from axkern.core import kernels
 
-from .chunks import layer
+from .chunks import layer, zeroed
 from .chunks import recurrence as _recurrence
 from .chunks import recurrence_bwd as _recurrence_bwd
 
@@ -362,14 +362,9 @@ class Layout:
         )(*args)
 
 
-def _zeroed(xt):
-    """`xt` with its non-finite values as 0 (`_core`'s `clean_x`)."""
-    return jnp.where(jnp.isfinite(xt), xt, 0).astype(xt.dtype)
-
-
 def _core_forward(cfg, xt, ac, scale, bt, ct, sc, initial_state):
     layout, q, interpret, products, y_dtype, clean_x = cfg
-    xt = _zeroed(xt) if clean_x else xt
+    xt = zeroed(xt) if clean_x else xt
     # float32 operands throughout for now: with bf16 operands in the output's products the
     # gate's gradient (dz, through the pre-gate output) missed the oracle rule in bf16
     mm = jnp.float32
@@ -401,7 +396,7 @@ def _core_fwd(cfg, xt, ac, scale, bt, ct, sc, initial_state):
 def _core_bwd(cfg, res, cotangents):
     layout, q, interpret, products, _, clean_x = cfg
     x_in, ac, scale, bt, ct, sc, states_in = res
-    xt = _zeroed(x_in) if clean_x else x_in
+    xt = zeroed(x_in) if clean_x else x_in
     dy, d_final = cotangents
     k = layout(xt, bt, q=q, interpret=interpret, products=products)
     col, row = k.from_col, k.from_row  # back to [b, h, c, Q]
@@ -490,18 +485,8 @@ def ssd(layout, x, dt, A, B, C, D, z, segment_ids, initial_state, *, chunk_size,
     non-finite guard, `D` and the gate by `chunks.layer`). Without `D` and the gate, `y` leaves
     the scan in `x`'s dtype (one rounding of the float32 result either way)."""
     y_dtype = x.dtype if D is None and z is None else jnp.float32
-    return layer(
-        functools.partial(_ssd_scan, layout, chunk_size, interpret, y_dtype),
-        x,
-        dt,
-        A,
-        B,
-        C,
-        D,
-        z,
-        segment_ids,
-        initial_state,
-    )
+    scan_fn = functools.partial(_ssd_scan, layout, chunk_size, interpret, y_dtype)
+    return layer(scan_fn, x, dt, A, B, C, D, z, segment_ids, initial_state)
 
 
 def _ssd_scan(layout, chunk_size, interpret, y_dtype, x, dt, A, B, C, seg, initial_state, clean_x=False):

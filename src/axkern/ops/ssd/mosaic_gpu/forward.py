@@ -39,6 +39,7 @@ from .kernels import (
     _chunk_output,
     _halves,
     _launch,
+    _put_last,
     _rows_type,
     _scan_vectors,
     _walk_setup,
@@ -151,18 +152,14 @@ def _forward_kernel(
         return pl.run_state(run)(plgpu.ACC.init(kept))
 
     s0 = mosaic_gpu_load(s0_ref.at[batch, head], layout=wgmma_layout, optimized=False)
-    final = lax.fori_loop(0, chunks, step, s0)
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-    st_smem[...] = final
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(st_smem, final_ref.at[batch, head])
-    plgpu.wait_smem_to_gmem(0)
+    _put_last(st_smem, lax.fori_loop(0, chunks, step, s0), final_ref.at[batch, head])
 
 
 def fused_forward(
     xt, w, dt, cum, f, keep, seg, bt, ct, initial_state, *, positions_first=False, y_dtype=jnp.float32
 ):
-    """`(y [b, h, L, P], final [b, h, P, N], states_in [b, c, h, P, N])`, float32, of the chunks
+    """`(y [b, h, L, P], final [b, h, P, N], states_in [b, c, h, P, N])`, float32 (`y` in
+    `y_dtype`), of the chunks
     (`xt [b, h, L, P]`, `bt, ct [b, g, L, N]` bf16; `w, dt, cum, f [b, h, L]` float32; `keep [b,
     h, c]`; `seg [b, L]` int32; `initial_state [b, h, P, N]` float32; `L = c · CHUNK`) by the
     fused kernel. `positions_first`: `xt` and `y` are `[b, L, h, P]`; `y_dtype`: `y` rounded to

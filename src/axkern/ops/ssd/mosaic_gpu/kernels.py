@@ -333,6 +333,16 @@ def _launch(
     return call
 
 
+def _put_last(smem, value, ref):
+    """A walking kernel's last result `value` (registers) out through its staging tile `smem` by
+    TMA to `ref`, once the copies in flight have read the tile; waited for."""
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    smem[...] = value
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(smem, ref)
+    plgpu.wait_smem_to_gmem(0)
+
+
 def _halves(a, dtype):
     """`a` (float32) as `hi + lo`, both in `dtype`: `lo` what the rounding to `hi` lost."""
     hi = a.astype(dtype)

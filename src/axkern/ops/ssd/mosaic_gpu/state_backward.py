@@ -38,6 +38,7 @@ from .kernels import (
     CHUNK,
     _halves,
     _launch,
+    _put_last,
     _rows_type,
     _walk_setup,
     plgpu,
@@ -136,12 +137,7 @@ def _kernel(
         return g_smem[...] * lax.broadcast_in_dim(keep, (p, n), [0]) + ds_in
 
     g = mosaic_gpu_load(d_final_ref.at[batch, head], layout=wgmma_layout, optimized=False)
-    d_init = lax.fori_loop(0, chunks, step, g)
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-    g_smem[...] = d_init
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(g_smem, d_init_ref.at[batch, head])
-    plgpu.wait_smem_to_gmem(0)
+    _put_last(g_smem, lax.fori_loop(0, chunks, step, g), d_init_ref.at[batch, head])
 
 
 def fused_state_bwd(
