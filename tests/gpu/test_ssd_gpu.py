@@ -299,6 +299,37 @@ def test_mosaic_gpu_forms_equal_the_plain_form(dims, form):
 
 
 @pytest.mark.skipif(not _hopper(), reason="the Mosaic GPU kernels need a Hopper GPU")
+@pytest.mark.parametrize("extras", [False, True])
+@pytest.mark.parametrize("dims", MOSAIC_DIMS)
+def test_mosaic_gpu_forward_alone_equals_the_differentiated_one(dims, extras):
+    # with nothing to differentiate the fused kernel leaves out the entering states' writes
+    # (the backward's residual): the same arithmetic, so the same bits as the forward taken
+    # under value_and_grad
+    import numpy as np
+
+    from axkern import ssd
+
+    arrays, seg = make(0, *dims, "bfloat16", segments=True, extras=extras)
+
+    def forward(arrays):
+        kw = dict(arrays)
+        args = [kw.pop(k) for k in ("x", "dt", "A", "B", "C")]
+        return ssd(
+            *args,
+            dt_softplus=True,
+            segment_ids=seg,
+            return_final_state=True,
+            implementation="mosaic_gpu",
+            **kw,
+        )
+
+    alone = jax.jit(forward)(arrays)
+    differentiated = run("mosaic_gpu", arrays, seg)[0]
+    for name, a, d in zip(("y", "final"), alone, differentiated, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(d), err_msg=name)
+
+
+@pytest.mark.skipif(not _hopper(), reason="the Mosaic GPU kernels need a Hopper GPU")
 @pytest.mark.parametrize("group_sums,positions_first", [(False, False), (True, False), (False, True)])
 @pytest.mark.parametrize("dims", [(2, 4, 2, 3, 64, 128), (1, 2, 1, 1, 128, 64), (1, 4, 1, 5, 64, 64)])
 def test_mosaic_gpu_fused_state_backward_equals_the_two_kernels(dims, group_sums, positions_first):

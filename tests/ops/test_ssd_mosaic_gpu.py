@@ -244,6 +244,29 @@ def test_without_d_and_the_gate_y_leaves_the_kernels_in_the_input_dtype(forward)
 
 
 @needs_mosaic
+def test_the_forward_alone_writes_no_entering_states():
+    # the states entering the chunks are the backward's residual: with nothing to differentiate
+    # the fused kernel does not write them (in either of the conditional's branches)
+    arrays, seg = make(0, 1, 320, 4, 64, 2, 128, "bfloat16", extras=False)
+    blocks = SSDBlockSizes(64, forward="fused", group_sums="kernels", transposes="kernels")
+    states = "tensor<1x5x4x64x128xf32>"  # batch, chunks, heads, P, N
+
+    def y(a):
+        dt = prepared_dt(a["dt"], None, True, None)
+        s0 = jnp.zeros((1, 4, 64, 128), jnp.float32)
+        args = (a["x"], dt, a["A"], a["B"], a["C"], None, None, seg, s0)
+        return mosaic_gpu.ssd(*args, block_sizes=blocks)[0]
+
+    def text(fn):
+        return jax.jit(fn).trace(arrays).lower(lowering_platforms=("cuda",)).as_text()
+
+    forward = text(y)
+    grad = text(jax.grad(lambda a: jnp.sum(y(a).astype(jnp.float32))))
+    assert _kernels(forward) == 2 and states not in forward
+    assert states in grad
+
+
+@needs_mosaic
 def test_the_conditional_passes_x_out_as_it_came():
     # the residual the kernels keep of x: in both of the layer's branches x itself (the guarded
     # one cleans x inside the scan), which the conditional passes out without a copy; y is the

@@ -270,7 +270,11 @@ class Layout:
     def recurrence_bwd(keep, states_in, d_states_in, d_final):
         return _recurrence_bwd(keep, states_in, d_states_in, d_final)
 
-    def forward(self, xt, ac, scale, cum, w, f, keep, sc, bt, ct, initial_state, *, sums, dtype):
+    def forward(
+        self, xt, ac, scale, cum, w, f, keep, sc, bt, ct, initial_state, *, sums, dtype, residuals=True
+    ):
+        """`(y, final, states_in)`; `residuals=False`: the states entering the chunks (the
+        backward's residual) may be None where a layout need not form them."""
         """Stages 2 to 4 in turn: `(y, final state, the states entering the chunks)`."""
         states_in, final = self.recurrence(keep, self.chunk_state(xt, w, bt, dtype=dtype), initial_state)
         y = self.chunk_scan(xt, scale, cum, ac, f, sc, bt, ct, states_in, sums=sums, dtype=dtype)
@@ -362,7 +366,7 @@ class Layout:
         )(*args)
 
 
-def _core_forward(cfg, xt, ac, scale, bt, ct, sc, initial_state):
+def _core_forward(cfg, xt, ac, scale, bt, ct, sc, initial_state, residuals=True):
     layout, q, interpret, products, y_dtype, clean_x = cfg
     xt = zeroed(xt) if clean_x else xt
     # float32 operands throughout for now: with bf16 operands in the output's products the
@@ -373,7 +377,7 @@ def _core_forward(cfg, xt, ac, scale, bt, ct, sc, initial_state):
     cum, w, f, keep = _weights(ac, scale, sc)
     sums = _uses_segment_sums(products or xt.dtype)
     y, final, states_in = k.forward(
-        xt, ac, scale, cum, w, f, keep, sc, bt, ct, initial_state, sums=sums, dtype=mm
+        xt, ac, scale, cum, w, f, keep, sc, bt, ct, initial_state, sums=sums, dtype=mm, residuals=residuals
     )
     return (y.astype(y_dtype), final), states_in
 
@@ -385,7 +389,8 @@ def _uses_segment_sums(dtype) -> bool:
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _core(cfg, xt, ac, scale, bt, ct, sc, initial_state):
-    return _core_forward(cfg, xt, ac, scale, bt, ct, sc, initial_state)[0]
+    # nothing differentiates this call: no residuals
+    return _core_forward(cfg, xt, ac, scale, bt, ct, sc, initial_state, residuals=False)[0]
 
 
 def _core_fwd(cfg, xt, ac, scale, bt, ct, sc, initial_state):

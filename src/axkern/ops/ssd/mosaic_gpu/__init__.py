@@ -198,12 +198,16 @@ class MosaicLayout(GpuLayout):
 class FusedMosaicLayout(MosaicLayout):
     """`MosaicLayout` with stages 2 to 4 of the forward as one kernel (`forward.py`)."""
 
-    def forward(self, xt, ac, scale, cum, w, f, keep, sc, bt, ct, initial_state, *, sums, dtype):
+    def forward(
+        self, xt, ac, scale, cum, w, f, keep, sc, bt, ct, initial_state, *, sums, dtype, residuals=True
+    ):
         if sums:
             raise Unsupported("the Mosaic GPU kernels take 16-bit inputs, whose decay is cum_t - cum_s")
         c = self.to_col
         args = (xt, c(w), c(scale), c(cum), c(f), keep, c(sc), bt, ct, initial_state)
-        return fused_forward(*args, positions_first=self.positions_first, y_dtype=self.y_dtype)
+        return fused_forward(
+            *args, positions_first=self.positions_first, y_dtype=self.y_dtype, states=residuals
+        )
 
 
 def ssd(x, dt, A, B, C, D, z, segment_ids, initial_state, *, block_sizes, interpret=False):

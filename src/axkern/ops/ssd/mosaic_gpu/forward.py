@@ -22,7 +22,9 @@ head (Q = 64): `2·Q²·N` (`C Bᵀ`) + `4·Q²·P` (`M x`, two halves) + `2·Q�
 once (bf16), `y` written (float32, `Q·P·4`), the entering state written once (`P·N·4`), where
 the stages also write the own state and read both states back (`3·P·N·4` more).
 
-Not yet run on a GPU (CI lowers it for CUDA): it is an opt-in form until measured.
+**Without residuals** (`states=False`: the layer's forward when nothing differentiates it, the
+`custom_vjp`'s primal) the entering states are not written: `y` and the final state are all it
+sends out.
 """
 
 from __future__ import annotations
@@ -92,7 +94,8 @@ def _forward_kernel(
     rows_of,
     chunks,
 ):
-    """`add` (the backward kernels' group sums) is False here."""
+    """`add` (the backward kernels' group sums) is False here; `states_ref` None: the entering
+    states are not written (`_without_states`)."""
     (c_smem, b_smem, x_smem, xh_smem, xl_smem, s16_smem, y_smem, st_smem), loaded = scoped
     head, batch = lax.axis_index("heads"), lax.axis_index("batch")
     q, p = x_smem.shape[1:]
@@ -130,7 +133,8 @@ def _forward_kernel(
         s16_smem[...] = state.astype(dtype)
         xh_smem[...], xl_smem[...] = _halves(x * lax.broadcast_in_dim(w_t, x.shape, [0]), dtype)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(st_smem, states_ref.at[batch, chunk, head])
+        if states_ref is not None:
+            plgpu.copy_smem_to_gmem(st_smem, states_ref.at[batch, chunk, head])
         for i in range(3):
             plgpu.barrier_wait(loaded.at[3 * slot + i])
         cs, bs, xs = c_smem.at[slot], b_smem.at[slot], x_smem.at[slot]
@@ -155,28 +159,53 @@ def _forward_kernel(
     _put_last(st_smem, lax.fori_loop(0, chunks, step, s0), final_ref.at[batch, head])
 
 
+def _without_states(*refs, **kw):
+    """`_forward_kernel` with no entering states' output (refs: the inputs, `y`, `final`, the
+    scoped tiles)."""
+    *inputs, y_ref, final_ref, scoped = refs
+    _forward_kernel(*inputs, y_ref, None, final_ref, scoped, **kw)
+
+
 def fused_forward(
-    xt, w, dt, cum, f, keep, seg, bt, ct, initial_state, *, positions_first=False, y_dtype=jnp.float32
+    xt,
+    w,
+    dt,
+    cum,
+    f,
+    keep,
+    seg,
+    bt,
+    ct,
+    initial_state,
+    *,
+    positions_first=False,
+    y_dtype=jnp.float32,
+    states=True,
 ):
     """`(y [b, h, L, P], final [b, h, P, N], states_in [b, c, h, P, N])`, float32 (`y` in
     `y_dtype`), of the chunks
     (`xt [b, h, L, P]`, `bt, ct [b, g, L, N]` bf16; `w, dt, cum, f [b, h, L]` float32; `keep [b,
     h, c]`; `seg [b, L]` int32; `initial_state [b, h, P, N]` float32; `L = c · CHUNK`) by the
     fused kernel. `positions_first`: `xt` and `y` are `[b, L, h, P]`; `y_dtype`: `y` rounded to
-    it in the kernel."""
+    it in the kernel; `states=False`: `states_in` is None, the kernel does not write the
+    entering states (the backward's residual; `P·N·4` bytes a chunk and head, the largest of
+    its writes)."""
     f32, dtype = jnp.float32, xt.dtype
     tiles = _tiles(xt.shape[-1], bt.shape[-1], dtype, y_dtype)
     setup = _walk_setup(xt, bt, keep, tiles, "the fused forward", ct, positions_first=positions_first)
     b, h, lp, p, n, c, keep_rows = setup
-    out_type = (
+    y_type, final_type = (
         _rows_type(b, h, lp, p, positions_first, y_dtype),
-        jax.ShapeDtypeStruct((b, c, h, p, n), f32),
         jax.ShapeDtypeStruct((b, h, p, n), f32),
     )
+    if states:
+        out_type = (y_type, jax.ShapeDtypeStruct((b, c, h, p, n), f32), final_type)
+    else:
+        out_type = (y_type, final_type)
     barrier = plgpu.Barrier(num_barriers=6)
     launch = _launch(
         "forward",
-        _forward_kernel,
+        _forward_kernel if states else _without_states,
         out_type,
         xt,
         bt,
@@ -185,7 +214,9 @@ def fused_forward(
         tiles=tiles,
         chunks=c,
     )
-    y, states_in, final = launch(
-        xt, w, dt, cum, f, keep_rows, seg.astype(jnp.int32), bt, ct, initial_state.astype(f32)
-    )
-    return y, final, states_in
+    out = launch(xt, w, dt, cum, f, keep_rows, seg.astype(jnp.int32), bt, ct, initial_state.astype(f32))
+    if states:
+        y, states_in, final = out
+        return y, final, states_in
+    y, final = out
+    return y, final, None
