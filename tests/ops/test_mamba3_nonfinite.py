@@ -124,9 +124,10 @@ def test_property_non_finite_pattern_matches_the_reference(impl, rank, where, va
 
 @pytest.mark.parametrize("impl", [i for i in IMPLS if i != "reference"])
 def test_the_guard_runs_only_where_an_input_is_not_finite(impl):
-    # the masks, the selects that clean the scan's inputs and those that put NaN in its outputs
-    # sit in the conditional's branch for non-finite inputs: outside it, no finiteness test on
-    # an array as large as v (only the small per-position scalars and the one fused check)
+    # the selects that clean the scan's inputs (one conditional before the scan), the masks and
+    # the selects that put NaN in its outputs (one after it) sit in the conditionals' branches
+    # for non-finite inputs: outside them, no finiteness test on an array as large as v (only
+    # the small per-position scalars and the one fused check), and the scan outside both
     a, _ = make(0, 1, 32, 2, 16, 1, 16, 2, 0, "float32", segments=False)
     with axkern.use(interpret=INTERPRET), serving(impl):
         jaxpr = jax.make_jaxpr(lambda a: call(impl, a, None, 8))(a).jaxpr
@@ -134,6 +135,9 @@ def test_the_guard_runs_only_where_an_input_is_not_finite(impl):
     tests = lambda eqns: [size(e) for e in eqns if e.primitive.name == "is_finite"]  # noqa: E731
     assert max(tests(equations(jaxpr, into_conds=False))) < a["v"].size
     conds = [e for e in equations(jaxpr, into_conds=False) if e.primitive.name == "cond"]
-    assert len(conds) == 1
-    guarded, plain = (list(equations(b.jaxpr)) for b in conds[0].params["branches"])  # false, true
-    assert max(tests(guarded)) >= a["v"].size and not tests(plain)
+    assert len(conds) == 2
+    for cond in conds:
+        guarded, plain = (list(equations(b.jaxpr)) for b in cond.params["branches"])  # false, true
+        assert max(tests(guarded)) >= a["v"].size and not tests(plain)
+        # the scan's kernels and products, and the correction's, run outside both
+        assert not [e for e in guarded + plain if e.primitive.name in ("dot_general", "pallas_call")]

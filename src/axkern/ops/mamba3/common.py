@@ -28,10 +28,14 @@ non-finite `v_{t,r}[p]` reaches row `p` of the state and of `y` from `t` to the 
 segment, `k_{t,r}[n]` column `n` of the state (so all of `y`), `adt_t` (unless `t` starts a
 segment), `dt_t` or `trap_t` the whole head, a non-finite rotated `q_{t,r}` only `y_{t,r}`; the
 initial state the first segment. `angles` and `dt` reach `Θ` (and so `q`, `k`) from their position on.
-The masks (and `Θ`'s NaN), the selects that clean the scan's inputs and the ones that put NaN
-in its outputs run under `lax.cond` only when some value the recurrence reads may not be finite,
-one fused read of the inputs deciding (`forward`): finite inputs, the common case, skip those
-passes (under `vmap` the condition is batched and both branches run).
+`Θ`'s NaN and the selects that clean the scan's inputs (one `lax.cond` before the scan), the
+masks and the selects that put NaN in its outputs (one after it) run only when some value the
+recurrence reads may not be finite, one fused read of the inputs deciding (`forward`): finite
+inputs, the common case, skip those passes (under `vmap` the condition is batched and both
+branches run). The scan itself sits outside both conditionals: a conditional's outputs are
+materialised, and a scan differentiated inside one hands every residual of its backward out
+through it, in buffers sized for the larger branch (docs/ops/mamba3.md has the memory it
+cost).
 """
 
 from __future__ import annotations
@@ -287,24 +291,36 @@ def forward(
     # inside `shard_map` both branches must vary over the same mesh axes: those of what they read
     read = (q, k, v, W_x, q_bias, k_bias, theta, ang, angle0, adt_, dt_, trap_, seg, ssm0, v0r, k0, c, scale)
 
-    def scanned(theta, keep=lambda a: a):  # the chunk scan and the diagonal correction on `keep`'s inputs
-        qr, kr, vr = prepared(theta)
-        vc, qc, kc = keep(vr), keep(qr), keep(kr)
-        g0 = keep(f(ssm0)) + c[:, 0, :, None, None] * einsum("brhp,brhn->bhpn", keep(v0r), keep(f(k0)))
-        y, final = core(vc, adt_c, scale, kc, qc, seg, g0)
-        # y_{t,r} -= c_{t+1} Σ_u (q_{t,r} · k_{t,u}) v_{t,u}, and with `later_ranks` += scale_t Σ_{u > r} (..)
-        rank = vc.shape[2]
-        weight = -c_next[:, :, None, None, :]  # [b, l, r, u, h]
-        if later_ranks and rank > 1:
-            later = jnp.arange(rank)[:, None] < jnp.arange(rank)[None, :]  # [r, u]: u > r
-            weight = weight + jnp.where(later[:, :, None], scale[:, :, None, None, :], 0)
-        diag = einsum("blrhn,bluhn->blruh", qc, kc) * weight
-        return y + einsum("blruh,bluhp->blrhp", diag, vc), final, kr[:, -1]
+    qr, kr, vr = prepared(theta)  # the scan's inputs where every value it reads is finite
 
-    def guarded(theta):  # `Θ` with its NaNs, the masks, the scan on clean inputs, NaN where it belongs
+    def as_given(theta):
+        return vary_like((theta, qr, kr, vr, f(ssm0), v0r, f(k0)), *read)
+
+    def cleaned(theta):  # `Θ` with its NaNs, the scan's inputs with non-finite values as 0
         theta_bad = reaches(bad(ang) | bad(dt_)[..., None], seg)
         theta = poison(theta, theta_bad | (first[:, :, None, None] & bad(angle0)[:, None]))
-        qr, kr, vr = prepared(theta)  # the rotations again, elementwise, for the masks
+        inputs = (*prepared(theta), f(ssm0), v0r, f(k0))
+        return vary_like((theta, *(clean(a) for a in inputs)), *read)
+
+    theta, qc, kc, vc, s0c, v0c, k0c = lax.cond(finite, as_given, cleaned, theta)
+
+    # the chunk scan and the diagonal correction, outside both conditionals
+    g0 = s0c + c[:, 0, :, None, None] * einsum("brhp,brhn->bhpn", v0c, k0c)
+    y, final = core(vc, adt_c, scale, kc, qc, seg, g0)
+    # y_{t,r} -= c_{t+1} Σ_u (q_{t,r} · k_{t,u}) v_{t,u}, and with `later_ranks` += scale_t Σ_{u > r} (..)
+    rank = vc.shape[2]
+    weight = -c_next[:, :, None, None, :]  # [b, l, r, u, h]
+    if later_ranks and rank > 1:
+        later = jnp.arange(rank)[:, None] < jnp.arange(rank)[None, :]  # [r, u]: u > r
+        weight = weight + jnp.where(later[:, :, None], scale[:, :, None, None, :], 0)
+    diag = einsum("blrhn,bluhn->blruh", qc, kc) * weight
+    y = y + einsum("blruh,bluhp->blrhp", diag, vc)
+
+    def kept(theta, y, final):  # after `as_given`: `kc` is `kr`
+        return vary_like((y, final, kc[:, -1]), *read)
+
+    def poisoned(theta, y, final):  # NaN where the recurrence is non-finite (the masks)
+        qr, kr, vr = prepared(theta)  # the rotations again, from `Θ` with its NaNs
         head_bad = bad(trap_) | bad(dt_) | (bad(adt_) & ~starts[..., None])  # [b, l, h]
         row, col = bad(vr).any(2), bad(kr).any(2)  # [b, l, h, p], [b, l, h, n]
         init_row = bad(ssm0).any(-1) | bad(v0r).any(1) | bad(k0).any((1, 3))[..., None]  # [b, h, p]
@@ -323,16 +339,12 @@ def forward(
                 & (bad(ssm0) | bad(v0r).any(1)[..., None] | bad(k0).any(1)[:, :, None, :])
             )
         )
-        y, final, k_last = scanned(theta, clean)
         y = poison(poison(y, y_bad[:, :, None]), q_bad[..., None])
-        return vary_like((theta, y, poison(final, final_bad), k_last), *read)
+        return vary_like((y, poison(final, final_bad), kr[:, -1]), *read)
 
-    def unguarded(theta):  # every value the scan reads finite: no masks, no selects
-        return vary_like((theta, *scanned(theta)), *read)
-
-    # autodiff through the conditional, as SSD's layer (`ssd.common.chunks.layer`): the backward
-    # takes the forward's branch; `D` and the gate stay outside
-    theta, y, final, k_last = lax.cond(finite, unguarded, guarded, theta)
+    # autodiff through the conditionals, as SSD's layer (`ssd.common.chunks.layer`): the backward
+    # takes the forward's branches; `D` and the gate stay outside
+    y, final, k_last = lax.cond(finite, kept, poisoned, theta, y, final)
 
     if D is not None:
         y = y + f(D)[:, None] * vr
