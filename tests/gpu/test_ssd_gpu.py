@@ -303,11 +303,13 @@ def test_mosaic_gpu_forms_equal_the_plain_form(dims, form):
 @pytest.mark.parametrize("dims", MOSAIC_DIMS)
 def test_mosaic_gpu_forward_alone_equals_the_differentiated_one(dims, extras):
     # with nothing to differentiate the fused kernel leaves out the entering states' writes
-    # (the backward's residual): the same arithmetic, so the same bits as the forward taken
-    # under value_and_grad
+    # (the backward's residual): the same arithmetic, so the same final state as the forward
+    # taken under value_and_grad, and y within one bf16 step (XLA may fuse D and the gate
+    # differently in the two programs: `xla` in place of `mosaic_gpu` differs in one value of
+    # about a million, one step, or 1e-8 where y nearly cancels)
     import numpy as np
 
-    from axkern import ssd
+    from axkern.positional import ssd
 
     arrays, seg = make(0, *dims, "bfloat16", segments=True, extras=extras)
 
@@ -326,7 +328,9 @@ def test_mosaic_gpu_forward_alone_equals_the_differentiated_one(dims, extras):
     alone = jax.jit(forward)(arrays)
     differentiated = run("mosaic_gpu", arrays, seg)[0]
     for name, a, d in zip(("y", "final"), alone, differentiated, strict=True):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(d), err_msg=name)
+        a, d = np.asarray(a, np.float64), np.asarray(d, np.float64)
+        rtol, atol = (2.0**-7, 1e-6 * np.abs(d).max()) if name == "y" else (0, 0)
+        np.testing.assert_allclose(a, d, rtol=rtol, atol=atol, err_msg=name)
 
 
 @pytest.mark.skipif(not _hopper(), reason="the Mosaic GPU kernels need a Hopper GPU")
