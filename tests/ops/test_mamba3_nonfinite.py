@@ -136,8 +136,26 @@ def test_the_guard_runs_only_where_an_input_is_not_finite(impl):
     assert max(tests(equations(jaxpr, into_conds=False))) < a["v"].size
     conds = [e for e in equations(jaxpr, into_conds=False) if e.primitive.name == "cond"]
     assert len(conds) == 2
+
+    def scans(eqns):  # the chunk scan: its kernels, or a custom_vjp holding products
+        return [
+            e
+            for e in eqns
+            if e.primitive.name == "pallas_call"
+            or (
+                "custom_vjp" in e.primitive.name
+                and any(s.primitive.name == "dot_general" for s in equations(e.params["call_jaxpr"].jaxpr))
+            )
+        ]
+
+    assert scans(equations(jaxpr, into_conds=False))
     for cond in conds:
         guarded, plain = (list(equations(b.jaxpr)) for b in cond.params["branches"])  # false, true
         assert max(tests(guarded)) >= a["v"].size and not tests(plain)
-        # the scan's kernels and products, and the correction's, run outside both
-        assert not [e for e in guarded + plain if e.primitive.name in ("dot_general", "pallas_call")]
+        assert not scans(guarded + plain)  # the scan runs outside both
+        # no branch passes an operand as large as v out as it came (which XLA copies out
+        # where the other branch forms that output)
+        for branch in cond.params["branches"]:
+            j = branch.jaxpr
+            passed = [v for v in j.outvars if v in j.invars and v.aval.size >= a["v"].size]
+            assert not passed

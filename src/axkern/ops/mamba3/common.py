@@ -262,12 +262,13 @@ def forward(
     theta = angle_sums(inc, clean(f(angle0)), seg, chunk_size)
     v0r = f(v0)[:, None] * by_rank(W_x) if mimo else f(v0)[:, None]  # [b, r, h, p]
 
-    vr = f(v)[:, :, None] * by_rank(W_x) if mimo else f(v)[:, :, None]  # v ⊙ W_x, [b, l, r, h, p]
+    def v_ranks():  # v ⊙ W_x, [b, l, r, h, p]
+        return f(v)[:, :, None] * by_rank(W_x) if mimo else f(v)[:, :, None]
 
     def prepared(theta):  # the rotated q, k and v ⊙ W_x, [b, l, r, h, n or p]
         qr = rotated(mimo, heads // groups, q, by_rank(q_bias), theta[:, :, None])
         kr = rotated(mimo, heads // groups, k, by_rank(k_bias), theta[:, :, None])
-        return qr, kr, vr
+        return qr, kr, v_ranks()
 
     # where the sequential recurrence is non-finite (see the module docstring): `Θ`'s NaN, the
     # masks and the selects run only when some value the recurrence reads may not be finite. The rotated
@@ -291,20 +292,22 @@ def forward(
     # inside `shard_map` both branches must vary over the same mesh axes: those of what they read
     read = (q, k, v, W_x, q_bias, k_bias, theta, ang, angle0, adt_, dt_, trap_, seg, ssm0, v0r, k0, c, scale)
 
-    qr, kr, vr = prepared(theta)  # the scan's inputs where every value it reads is finite
-
+    # Each branch forms its outputs (none passes an operand through, which XLA would copy out)
     def as_given(theta):
-        return vary_like((theta, qr, kr, vr, f(ssm0), v0r, f(k0)), *read)
+        return vary_like((theta[:, -1], *prepared(theta), f(ssm0), v0r, f(k0)), *read)
 
-    def cleaned(theta):  # `Θ` with its NaNs, the scan's inputs with non-finite values as 0
+    def poisoned_angles(theta):  # `Θ` with its NaNs
         theta_bad = reaches(bad(ang) | bad(dt_)[..., None], seg)
-        theta = poison(theta, theta_bad | (first[:, :, None, None] & bad(angle0)[:, None]))
+        return poison(theta, theta_bad | (first[:, :, None, None] & bad(angle0)[:, None]))
+
+    def cleaned(theta):  # the scan's inputs with non-finite values as 0
+        theta = poisoned_angles(theta)
         inputs = (*prepared(theta), f(ssm0), v0r, f(k0))
-        return vary_like((theta, *(clean(a) for a in inputs)), *read)
+        return vary_like((theta[:, -1], *(clean(a) for a in inputs)), *read)
 
-    theta, qc, kc, vc, s0c, v0c, k0c = lax.cond(finite, as_given, cleaned, theta)
+    theta_last, qc, kc, vc, s0c, v0c, k0c = lax.cond(finite, as_given, cleaned, theta)
 
-    # the chunk scan and the diagonal correction, outside both conditionals
+    # the chunk scan outside both conditionals
     g0 = s0c + c[:, 0, :, None, None] * einsum("brhp,brhn->bhpn", v0c, k0c)
     y, final = core(vc, adt_c, scale, kc, qc, seg, g0)
     # y_{t,r} -= c_{t+1} Σ_u (q_{t,r} · k_{t,u}) v_{t,u}, and with `later_ranks` += scale_t Σ_{u > r} (..)
@@ -313,14 +316,16 @@ def forward(
     if later_ranks and rank > 1:
         later = jnp.arange(rank)[:, None] < jnp.arange(rank)[None, :]  # [r, u]: u > r
         weight = weight + jnp.where(later[:, :, None], scale[:, :, None, None, :], 0)
-    diag = einsum("blrhn,bluhn->blruh", qc, kc) * weight
-    y = y + einsum("blruh,bluhp->blrhp", diag, vc)
 
-    def kept(theta, y, final):  # after `as_given`: `kc` is `kr`
-        return vary_like((y, final, kc[:, -1]), *read)
+    def corrected(y):  # the diagonal correction, in each branch so that both form `y`
+        diag = einsum("blrhn,bluhn->blruh", qc, kc) * weight
+        return y + einsum("blruh,bluhp->blrhp", diag, vc)
+
+    def kept(theta, y, final):  # after `as_given`: `kc` is the rotated k
+        return vary_like((corrected(y), final, kc[:, -1]), *read)
 
     def poisoned(theta, y, final):  # NaN where the recurrence is non-finite (the masks)
-        qr, kr, vr = prepared(theta)  # the rotations again, from `Θ` with its NaNs
+        qr, kr, vr = prepared(poisoned_angles(theta))  # the rotations again, for the masks
         head_bad = bad(trap_) | bad(dt_) | (bad(adt_) & ~starts[..., None])  # [b, l, h]
         row, col = bad(vr).any(2), bad(kr).any(2)  # [b, l, h, p], [b, l, h, n]
         init_row = bad(ssm0).any(-1) | bad(v0r).any(1) | bad(k0).any((1, 3))[..., None]  # [b, h, p]
@@ -339,7 +344,7 @@ def forward(
                 & (bad(ssm0) | bad(v0r).any(1)[..., None] | bad(k0).any(1)[:, :, None, :])
             )
         )
-        y = poison(poison(y, y_bad[:, :, None]), q_bad[..., None])
+        y = poison(poison(corrected(y), y_bad[:, :, None]), q_bad[..., None])
         return vary_like((y, poison(final, final_bad), kr[:, -1]), *read)
 
     # autodiff through the conditionals, as SSD's layer (`ssd.common.chunks.layer`): the backward
@@ -347,13 +352,13 @@ def forward(
     y, final, k_last = lax.cond(finite, kept, poisoned, theta, y, final)
 
     if D is not None:
-        y = y + f(D)[:, None] * vr
+        y = y + f(D)[:, None] * v_ranks()
     if z is not None:
         y = y * jax.nn.silu(f(z)[:, :, None] * by_rank(W_z) if mimo else f(z)[:, :, None])
     y = jnp.sum(y * by_rank(W_o), axis=2) if mimo else y[:, :, 0]
     return (
         y.astype(v.dtype),
-        theta[:, -1].astype(angle0.dtype),
+        theta_last.astype(angle0.dtype),
         final.astype(ssm0.dtype),
         k_last.astype(k0.dtype),
         v[:, -1].astype(v0.dtype),
