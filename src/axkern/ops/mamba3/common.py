@@ -292,7 +292,8 @@ def forward(
     # inside `shard_map` both branches must vary over the same mesh axes: those of what they read
     read = (q, k, v, W_x, q_bias, k_bias, theta, ang, angle0, adt_, dt_, trap_, seg, ssm0, v0r, k0, c, scale)
 
-    # Each branch forms its outputs (none passes an operand through, which XLA would copy out)
+    # each branch forms its large outputs (none passes an operand as large as v through, which
+    # XLA would copy out; the small initial terms and the final state may pass)
     def as_given(theta):
         return vary_like((theta[:, -1], *prepared(theta), f(ssm0), v0r, f(k0)), *read)
 

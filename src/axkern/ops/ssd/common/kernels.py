@@ -273,9 +273,9 @@ class Layout:
     def forward(
         self, xt, ac, scale, cum, w, f, keep, sc, bt, ct, initial_state, *, sums, dtype, residuals=True
     ):
-        """`(y, final, states_in)`; `residuals=False`: the states entering the chunks (the
-        backward's residual) may be None where a layout need not form them."""
-        """Stages 2 to 4 in turn: `(y, final state, the states entering the chunks)`."""
+        """Stages 2 to 4 in turn: `(y, final state, the states entering the chunks)`;
+        `residuals=False`: the last (the backward's residual) may be None where a layout need
+        not form them."""
         states_in, final = self.recurrence(keep, self.chunk_state(xt, w, bt, dtype=dtype), initial_state)
         y = self.chunk_scan(xt, scale, cum, ac, f, sc, bt, ct, states_in, sums=sums, dtype=dtype)
         return y, final, states_in
