@@ -16,8 +16,8 @@ is summed on its own (a `[Q, Q]` running sum per chunk and head, as mamba_ssm's 
 reference does; docs/ops/ssd.md, "Accuracy", has the errors). 16-bit inputs keep the difference
 (their rounding dominates, and it is cheaper).
 
-**Non-finite input** (`chunks.guard`, through `chunks.layer` only where an input is not
-finite): the chunks compute on the inputs with non-finite values as 0 and NaN is put where the
+**Non-finite input** (`chunks.guard`, through `chunks.layer_around` only where an input is
+not finite; the scan outside its two conditionals): the chunks compute on the inputs with non-finite values as 0 and NaN is put where the
 sequential recurrence is non-finite, so a NaN never moves back in time or into another segment
 through a masked term.
 
@@ -26,46 +26,42 @@ through a masked term.
 
 from __future__ import annotations
 
-import functools
-
 import jax.numpy as jnp
 
 from axkern.core import kernels
 
 from .blocks import refuse_mosaic_gpu_forms
-from .common.chunks import clean, layer, skip_and_gate
+from .common.chunks import layer_around, skip_and_gate
 from .common.scan import scan
 
 
 def ssd(x, dt, A, B, C, D, z, segment_ids, initial_state, *, block_sizes):
     refuse_mosaic_gpu_forms(block_sizes)
-    scan_fn = functools.partial(_scan, block_sizes.chunk_size, B.shape[2])
-    return layer(scan_fn, x, dt, A, B, C, D, z, segment_ids, initial_state)
-
-
-def _scan(chunk_size, groups, x, dt, A, B, C, seg, initial_state, clean_x=False):
-    """The chunk scan on finite inputs (`dt` in the accumulation dtype; `x` cleaned first if
-    `clean_x`): `(y, final)`."""
-    x = clean(x) if clean_x else x
-    acc = dt.dtype
+    acc = jnp.promote_types(x.dtype, jnp.float32)
+    rep = x.shape[2] // B.shape[2]
     # float32 inputs at full precision (XLA's GPU default is TF32); 16-bit inputs' float32
     # products may run as TF32 (more mantissa than the inputs have)
     prec = kernels.full_precision(x.dtype)
-    rep = x.shape[2] // groups
-    per_head = lambda a: jnp.repeat(a.astype(acc), rep, axis=2)[:, :, None]  # noqa: E731 - [b, l, 1, h, n]
-    y, final = scan(
-        x.astype(acc)[:, :, None],
-        dt * A.astype(acc),
-        dt,
-        per_head(B),
-        per_head(C),
-        seg,
-        initial_state.astype(acc),
-        chunk_size=chunk_size,
-        precision=prec,
-        sums=prec is not None,
-    )
-    return y[:, :, 0], final
+
+    def prepare(x, dt, A, B, C, initial_state):  # the scan's inputs in the accumulation dtype
+        per_head = lambda a: jnp.repeat(a.astype(acc), rep, axis=2)[:, :, None]  # noqa: E731 - [b, l, 1, h, n]
+        dt = dt.astype(acc)
+        return (
+            x.astype(acc)[:, :, None],
+            dt * A.astype(acc),
+            dt,
+            per_head(B),
+            per_head(C),
+            initial_state.astype(acc),
+        )
+
+    def scan_fn(inputs, seg):
+        x, a, dt, B, C, initial_state = inputs
+        kw = dict(chunk_size=block_sizes.chunk_size, precision=prec, sums=prec is not None)
+        y, final = scan(x, a, dt, B, C, seg, initial_state, **kw)
+        return y[:, :, 0], final
+
+    return layer_around(prepare, scan_fn, x, dt, A, B, C, D, z, segment_ids, initial_state)
 
 
 def step(x_t, dt_t, A, B_t, C_t, state, D, z_t):

@@ -181,3 +181,35 @@ def layer(scan, x, dt, A, B, C, D, z, segment_ids, initial_state):
     # without `D` and the gate, `y` as the scan gives it (a scan may round it to `x`'s dtype itself)
     y = y.astype(x.dtype) if D is None and z is None else skip_and_gate(y.astype(acc), x, D, z)
     return y.astype(x.dtype), final.astype(initial_state.dtype)
+
+
+def layer_around(prepare, scan, x, dt, A, B, C, D, z, segment_ids, initial_state):
+    """The SSD layer with the scan between two conditionals, for a scan whose residuals XLA
+    would otherwise fuse or recompute (`xla`'s): `prepare(x, dt, A, B, C, initial_state)` forms
+    the scan's inputs, from the inputs as they are where every value the scan reads is finite,
+    else from `clean` ones (the first conditional); `scan(inputs, seg) -> (y, final)` runs on
+    them outside any conditional; the second finishes `y` (`D`, the gate, the input dtype) and
+    the final state, with NaN where the recurrence is non-finite (`guard`'s masks) in its second
+    branch. A scan differentiated inside a conditional (`layer`) hands every residual of its
+    backward out through it, materialised in buffers sized for the larger branch; here only
+    `prepare`'s outputs and the finished `y` cross one, each formed in both branches (an
+    operand a branch passed out as it came, XLA would copy out)."""
+    batch, length, _, _ = x.shape
+    seg = segment_starts(segment_ids, batch, length)
+    checked = (x, dt, A, B, C, initial_state)
+    finite = all_finite(*checked)
+    inputs = lax.cond(finite, lambda c: prepare(*c), lambda c: prepare(*(clean(a) for a in c)), checked)
+    y, final = scan(inputs, seg)
+
+    def finish(y, final):
+        y = y.astype(x.dtype) if D is None and z is None else skip_and_gate(y, x, D, z)
+        return y.astype(x.dtype), final.astype(initial_state.dtype)
+
+    def kept(y, final, checked, seg):
+        return finish(y, final)
+
+    def poisoned(y, final, checked, seg):
+        _, y_bad, final_bad = guard(*checked[:5], seg, checked[5])
+        return finish(poison(y, y_bad), poison(final, final_bad))
+
+    return lax.cond(finite, kept, poisoned, y, final, checked, seg)
