@@ -7,7 +7,9 @@ first, by name (XLA's fusions grouped without their trailing number). Needs torc
 
     OUT=<folder> python3 benchmarks/kernel_times.py ssd mamba2_2.7b --tokens 4096 --impl mosaic_gpu,pallas_gpu
 
-writes `$OUT/kernel_times_<op>_<preset>.json`.
+writes `$OUT/kernel_times_<op>_<preset>.json`. `--hlo` also writes each program's optimized HLO
+to `$OUT/hlo/` and gives each row the JAX operations its fusions came from (`sources`: the
+`op_name` metadata XLA keeps on each fusion), so that a fusion's time points at the code.
 """
 
 from __future__ import annotations
@@ -36,14 +38,38 @@ def profile(fn, args, calls: int) -> list[dict]:
         for _ in range(calls):
             jax.block_until_ready(fn(*args))
         torch.cuda.synchronize()
-    totals, counts = collections.Counter(), collections.Counter()
+    totals, counts, raw = collections.Counter(), collections.Counter(), collections.defaultdict(set)
     for e in prof.events():
         if e.device_type.name != "CUDA":
             continue
         name = re.sub(r"[._]\d+$", "", e.name)
         totals[name] += (getattr(e, "device_time", None) or e.cuda_time) / 1e3 / calls  # us -> ms a call
         counts[name] += 1 / calls
-    return [{"kernel": k, "ms_per_call": v, "launches_per_call": counts[k]} for k, v in totals.most_common()]
+        raw[name].add(e.name)
+    return [
+        {"kernel": k, "ms_per_call": v, "launches_per_call": counts[k], "names": sorted(raw[k])}
+        for k, v in totals.most_common()
+    ]
+
+
+def fusion_sources(hlo: str) -> dict[str, str]:
+    """Each fusion (and other named instruction) of an optimized HLO module's text: the JAX
+    operation it came from (its `op_name` metadata), by `_key` of the instruction's name."""
+    found = re.findall(r"^\s*(?:ROOT )?%?([\w.\-]+) = .*?metadata=\{[^}]*op_name=\"([^\"]+)\"", hlo, re.M)
+    return {_key(name): op for name, op in found}
+
+
+def _key(name: str) -> str:
+    """An instruction's name as the profiler may report its kernel: `.` and `-` as `_`."""
+    return name.replace(".", "_").replace("-", "_")
+
+
+def add_sources(rows: list[dict], sources: dict[str, str]) -> None:
+    """`rows[i]["sources"]`: the operations the row's kernels came from, where the HLO names them."""
+    for r in rows:
+        ops = {sources.get(_key(n)) for n in r["names"]} - {None}
+        if ops:
+            r["sources"] = sorted(ops)
 
 
 def main() -> None:
@@ -53,10 +79,17 @@ def main() -> None:
     p.add_argument("--tokens", type=int)
     p.add_argument("--impl", required=True, help="comma-separated implementation names")
     p.add_argument("--calls", type=int, default=3, help="calls under the profiler (default 3)")
+    p.add_argument("--hlo", action="store_true", help="write the optimized HLO; name each row's sources")
     a = p.parse_args()
+    folder = Path(os.environ.get("OUT", "."))
     out = {
         "command": "OUT=<folder> python3 benchmarks/kernel_times.py "
-        + " ".join([a.op, a.preset] + ([f"--tokens {a.tokens}"] if a.tokens else []) + [f"--impl {a.impl}"]),
+        + " ".join(
+            [a.op, a.preset]
+            + ([f"--tokens {a.tokens}"] if a.tokens else [])
+            + [f"--impl {a.impl}"]
+            + (["--hlo"] if a.hlo else [])
+        ),
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "jax": jax.__version__,
         "device": jax.devices()[0].device_kind,
@@ -76,6 +109,11 @@ def main() -> None:
                     run["ms"] = bench.time_spread(fn, fn_args, repeats=5)[1]
                     run["kernels"] = profile(fn, fn_args, a.calls)
                     run["kernels_total_ms"] = sum(r["ms_per_call"] for r in run["kernels"])
+                    if a.hlo:
+                        hlo = fn.lower(*fn_args).compile().as_text()
+                        (folder / "hlo").mkdir(parents=True, exist_ok=True)
+                        (folder / "hlo" / f"{a.op}_{impl}_{pass_.replace('+', '_')}.txt").write_text(hlo)
+                        add_sources(run["kernels"], fusion_sources(hlo))
                 except Exception as e:  # noqa: BLE001 - report it and go on
                     run["error"] = f"{type(e).__name__}: {str(e)[:300]}"
                 print(json.dumps({k: v for k, v in run.items() if k != "kernels"}), flush=True)
@@ -84,8 +122,9 @@ def main() -> None:
                         f"  {r['ms_per_call']:8.3f} ms  x{r['launches_per_call']:5.1f}  {r['kernel'][:110]}",
                         flush=True,
                     )
+                    for op in r.get("sources", [])[:6]:
+                        print(f"        from {op[:120]}", flush=True)
                 out["runs"].append(run)
-    folder = Path(os.environ.get("OUT", "."))
     folder.mkdir(parents=True, exist_ok=True)
     (folder / f"kernel_times_{a.op}_{a.preset}.json").write_text(json.dumps(out, indent=1) + "\n")
 

@@ -1,0 +1,34 @@
+"""benchmarks/kernel_times.py's HLO reading: each fusion of a compiled program named with the JAX
+operation it came from, under the names the profiler reports its kernels by."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "kernel_times.py"
+_spec = importlib.util.spec_from_file_location("kernel_times", _PATH)
+kernel_times = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(kernel_times)
+
+
+def test_each_row_gets_the_operations_its_fusions_came_from():
+    def f(x):
+        return jnp.sum(jnp.tanh(x) * 3.0, axis=0)
+
+    hlo = jax.jit(f).lower(jnp.ones((64, 32))).compile().as_text()
+    sources = kernel_times.fusion_sources(hlo)
+    assert "jit(f)/tanh" in sources.values()
+    # a kernel reported as `name.N` or `name_N` finds its instruction, whichever the HLO spells
+    name = next(n for n in sources if "fusion" in n)
+    rows = [
+        {"kernel": "a", "names": [name.replace("_", ".", 1)]},
+        {"kernel": "b", "names": [name]},
+        {"kernel": "c", "names": ["not_in_the_program"]},
+    ]
+    kernel_times.add_sources(rows, sources)
+    assert rows[0]["sources"] == rows[1]["sources"] == [sources[name]]
+    assert "sources" not in rows[2]
