@@ -17,9 +17,9 @@ reference does; docs/ops/ssd.md, "Accuracy", has the errors). 16-bit inputs keep
 (their rounding dominates, and it is cheaper).
 
 **Non-finite input** (`chunks.guard`, through `chunks.layer_around` only where an input is
-not finite; the scan outside its two conditionals): the chunks compute on the inputs with non-finite values as 0 and NaN is put where the
-sequential recurrence is non-finite, so a NaN never moves back in time or into another segment
-through a masked term.
+not finite; the scan outside its two conditionals): the chunks compute on the inputs with
+non-finite values as 0 and NaN is put where the sequential recurrence is non-finite, so a NaN
+never moves back in time or into another segment through a masked term.
 
 **Cost.** `O(L·Q·(N + P)·H)` inside chunks and `O(L/Q · H·P·N)` between them.
 """
