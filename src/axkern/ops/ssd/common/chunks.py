@@ -149,11 +149,12 @@ poison.defvjp(_poison_fwd, _poison_bwd)
 
 
 def layer(scan, x, dt, A, B, C, D, z, segment_ids, initial_state):
-    """The SSD layer around a chunked scan, `scan(x, dt, A, B, C, seg, initial_state, clean_x=False)
-    -> (y [b, L, H, P], final)` on finite inputs (`dt` in the accumulation dtype, `seg` internal
-    segment ids; `clean_x`: `x`'s non-finite values taken as 0, their gradients NaN, as `clean`):
-    the scan on the inputs as they are where every value it reads is finite, else on `guard`'s
-    clean inputs with NaN put where the recurrence is non-finite; then `D` and the gate. The guard's masks and wheres (a running maximum over the length of `[b, L, H, P]`
+    """The SSD layer around a chunked scan, `scan(x, dt, A, B, C, seg, initial_state,
+    clean_x=False) -> (y [b, L, H, P], final)` on finite inputs (`dt` in the accumulation dtype,
+    `seg` internal segment ids; `clean_x`: `x`'s non-finite values taken as 0, their gradients
+    NaN, as `clean`): the scan on the inputs as they are where every value it reads is finite,
+    else on `guard`'s clean inputs with NaN put where the recurrence is non-finite; then `D` and
+    the gate. The guard's masks and wheres (a running maximum over the length of `[b, L, H, P]`
     values, a select on every output and, backward, on every gradient) cost more than the scan's
     own kernels' forward at the Mamba-2 sizes; here they run only where an input is not finite."""
     acc = jnp.promote_types(x.dtype, jnp.float32)
@@ -178,9 +179,15 @@ def layer(scan, x, dt, A, B, C, D, z, segment_ids, initial_state):
     # be copied out of the conditional
     checked = (x, dt, A, B, C, initial_state)
     y, final = lax.cond(all_finite(*checked), fast, safe, checked, seg)
-    # without `D` and the gate, `y` as the scan gives it (a scan may round it to `x`'s dtype itself)
-    y = y.astype(x.dtype) if D is None and z is None else skip_and_gate(y.astype(acc), x, D, z)
-    return y.astype(x.dtype), final.astype(initial_state.dtype)
+    return _finished(y, x, D, z), final.astype(initial_state.dtype)
+
+
+def _finished(y, x, D, z):
+    """`y` with `D` and the gate, in `x`'s dtype; without them `y` as the scan gives it (a scan
+    may round it to `x`'s dtype itself)."""
+    if D is None and z is None:
+        return y.astype(x.dtype)
+    return skip_and_gate(y.astype(jnp.promote_types(x.dtype, jnp.float32)), x, D, z).astype(x.dtype)
 
 
 def layer_around(prepare, scan, x, dt, A, B, C, D, z, segment_ids, initial_state):
@@ -202,8 +209,7 @@ def layer_around(prepare, scan, x, dt, A, B, C, D, z, segment_ids, initial_state
     y, final = scan(inputs, seg)
 
     def finish(y, final):
-        y = y.astype(x.dtype) if D is None and z is None else skip_and_gate(y, x, D, z)
-        return y.astype(x.dtype), final.astype(initial_state.dtype)
+        return _finished(y, x, D, z), final.astype(initial_state.dtype)
 
     def kept(y, final, checked, seg):
         return finish(y, final)
