@@ -32,9 +32,10 @@ has the timings).
 **`y` in the input dtype.** Without `D` and the gate (`common/kernels.ssd`), the scan and
 fused kernels round `y` to bf16 themselves (`Layout.y_dtype`) and the scan's backward kernel
 reads the bf16 cotangent (and leaves out the two products of its low half, which is 0), where
-otherwise `y` is float32 for XLA to add `D x` and gate. The
-chunk-state backward kernel adds the chunk-scan backward's float32 `dx` to its own and writes
-`dx` in bf16 (`chunk_state_bwd`'s `dx_in`; the fused state backward leaves the sum to XLA).
+otherwise `y` is float32 for XLA to add `D x` and gate. The chunk-state backward kernel adds
+the chunk-scan backward's float32 `dx` to its own and writes `dx` in bf16 (`chunk_state_bwd`'s
+`dx_in`; the fused state backward leaves the sum to XLA). With nothing to differentiate, the
+fused forward does not write the entering states (`forward.py`).
 
 **The state kernel.** TMA copies the chunk's `B` rows (`[64, N]`); `x` (`[64, P]`) is read into
 registers, scaled by `w` per row and stored as two 16-bit halves (`w ∘ x = hi + lo`, what the
