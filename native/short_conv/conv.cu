@@ -5,17 +5,21 @@
 // when a change of segment id lies between t - k and t. The state's rows continue the
 // sequence's first segment.
 //
-// AxkernShortConvFwd: x [B, S, C], weight [W, C] f32, bias [C] f32, state [B, W-1, C],
-//                     segment_ids [B, S] s32 (or any array when `segments` is 0) -> y [B, S, C].
-// AxkernShortConvBwd: the same inputs and dy -> dx [B, S, C], per-tile partial sums of the
-//                     weight's and bias's gradients, f32 [B * tiles, W, C] and [B * tiles, C]
-//                     (summed by the caller). The state's gradient is formed by the caller.
+// AxkernShortConvFwd: x [B, S, C], weight [W, C], bias [C] (each float32, bfloat16 or float16),
+//                     state [B, W-1, C] (any array when `has_state` is 0: the rows before
+//                     position 0 are then zeros), segment_ids [B, S] s32 (any array when
+//                     `segments` is 0) -> y [B, S, C].
+// AxkernShortConvBwd: the same inputs and dy -> dx [B, S, C] and per-tile partial sums of the
+//                     weight's and bias's gradients, f32 [B * tiles, W + 1, C] (rows 0..W-1 dw,
+//                     row W dbias; summed by the caller). The state's gradient is formed by
+//                     the caller.
 //
 // Layout and grid: one thread owns N consecutive channels (a vector of 4 or 8 bytes, see
-// vector_width) of `rows` consecutive positions, walking down the sequence in steps
-// of kStep rows. Grid (channel blocks, tiles, B). The W - 1 inputs before a step stay in
-// registers, so each input element is read from memory once, plus the W - 1 halo rows above
-// its tile (a fraction (W-1)/rows).
+// fwd_vector_width and bwd_vector_width) of `rows` consecutive positions, walking down the
+// sequence in steps of kStep rows that reach it through a shared-memory ring filled
+// asynchronously (kStages, below). Grid (channel blocks, tiles, B). The W - 1 inputs before a
+// step stay in registers, so each input element is read from memory once, plus the W - 1 halo
+// rows above its tile (a fraction (W-1)/rows).
 //
 // The backward forms g = dy * act'(pre) in registers (pre recomputed from the carried inputs),
 // carries the last W - 1 values of g the same way and writes dx(t) = sum_k w[k] g(t + k) over the taps that
@@ -27,6 +31,7 @@
 // at W; tap k is kept iff k < run(t). The run is carried down the sequence from the first
 // halo row, which is exact because only the last W ids matter.
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -50,6 +55,7 @@ struct alignas(sizeof(T) * N) Packed {
 
 __device__ inline float to_f32(float v) { return v; }
 __device__ inline float to_f32(__nv_bfloat16 v) { return __bfloat162float(v); }
+__device__ inline float to_f32(__half v) { return __half2float(v); }
 
 template <typename T>
 __device__ inline T from_f32(float v);
@@ -66,7 +72,7 @@ __device__ inline void load(const T* p, float (&out)[N]) {
 }
 
 template <int N, typename T>
-__device__ inline void store(T* p, const float (&in)[N]) {
+__device__ inline void store_vec(T* p, const float (&in)[N]) {
   Packed<T, N> pk;
 #pragma unroll
   for (int i = 0; i < N; ++i) pk.v[i] = from_f32<T>(in[i]);
@@ -89,10 +95,25 @@ __device__ inline float sigmoid(float p, bool fast) {
 // compile-time (the row and tap loops are unrolled).
 constexpr int kStep = 8;
 
+// The weight's and bias's element types (read as float32 in the kernels).
+enum ParamType : int { kF32 = 0, kBF16 = 1, kF16 = 2 };
+
 struct Problem {
   int64_t seq, channels, rows;
-  bool silu, segments, fast;
+  bool silu, segments, fast, has_state;
+  ParamType weight_type, bias_type;
 };
+
+// N consecutive values of a weight or bias row at element offset i, as float32.
+template <int N>
+__device__ inline void load_param(const void* p, ParamType type, int64_t i, float (&out)[N]) {
+  if (type == kF32)
+    load<N>(static_cast<const float*>(p) + i, out);
+  else if (type == kBF16)
+    load<N>(static_cast<const __nv_bfloat16*>(p) + i, out);
+  else
+    load<N>(static_cast<const __half*>(p) + i, out);
+}
 
 // The segment run of a row: 1 after a change of id (or at `first`), else the previous run + 1,
 // capped at W.
@@ -133,14 +154,20 @@ __device__ inline void carry(const float (&cur)[kStep][N], float (&prev)[W][N]) 
 // The W - 1 inputs before a tile starting at t0 (the state's rows before position 0), the
 // segment run of each, and the last id and run: what a thread carries into its first step.
 template <int N, int W, bool SEG, typename T>
-__device__ inline void load_halo(const T* x, const T* state, const int32_t* seg, int64_t t0, int64_t C,
-                                 float (&xp)[W][N], int (&rp)[W], int32_t& idp, int& runp) {
+__device__ inline void load_halo(const T* x, const T* state, bool has_state, const int32_t* seg, int64_t t0,
+                                 int64_t C, float (&xp)[W][N], int (&rp)[W], int32_t& idp, int& runp) {
   idp = 0;
   runp = W;
 #pragma unroll
   for (int i = 0; i < W - 1; ++i) {
     const int64_t u = t0 - (W - 1) + i;
-    load<N>(u < 0 ? state + (u + W - 1) * C : x + u * C, xp[i]);
+    if (u >= 0)
+      load<N>(x + u * C, xp[i]);
+    else if (has_state)
+      load<N>(state + (u + W - 1) * C, xp[i]);
+    else
+#pragma unroll
+      for (int v = 0; v < N; ++v) xp[i][v] = 0.0f;
     if (SEG) {
       const int32_t id = seg[u < 0 ? 0 : u];
       runp = next_run(id, idp, runp, i == 0, W);
@@ -150,78 +177,250 @@ __device__ inline void load_halo(const T* x, const T* state, const int32_t* seg,
   }
 }
 
+// Rows reach a thread through a private ring of kStages steps in shared memory: the thread
+// issues asynchronous copies (cp.async) of the rows kStages - 1 steps ahead of the one it
+// computes, so the bytes in flight do not depend on registers or on how many threads fit on
+// an SM. A thread reads back only the slots it filled itself, so no barrier is needed; slot
+// [stage][row][thread] keeps a warp's reads of one row contiguous. Segment ids come the same
+// way through lanes 0..kStep-1 of each warp (one row each) and are spread by shuffles.
+constexpr int kStages = 4;
+
+template <int BYTES>
+struct Bits;
+template <>
+struct Bits<4> {
+  using type = uint32_t;
+};
+template <>
+struct Bits<8> {
+  using type = uint2;
+};
+template <>
+struct Bits<16> {
+  using type = uint4;
+};
+
+template <int BYTES>
+__device__ inline void async_copy(void* dst, const void* src) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.ca.shared.global [%0], [%1], %2;" ::"r"(static_cast<uint32_t>(__cvta_generic_to_shared(dst))),
+               "l"(src), "n"(BYTES)
+               : "memory");
+#else
+  using B = typename Bits<BYTES>::type;
+  *reinterpret_cast<B*>(dst) = *reinterpret_cast<const B*>(src);
+#endif
+}
+__device__ inline void async_commit() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.commit_group;" ::: "memory");
+#endif
+}
+// Waits until at most N of this thread's groups are still in flight.
+template <int N>
+__device__ inline void async_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+#endif
+}
+
+// A block's rings in dynamic shared memory: `arrays` rings of rows, then the ids' ring.
+template <typename Vec>
+struct Rings {
+  Vec* rows;        // [arrays][kStages][kStep][kThreads]
+  int32_t* ids;     // [kStages][kThreads]
+  static constexpr size_t bytes(int arrays) {
+    return size_t(arrays) * kStages * kStep * kThreads * sizeof(Vec) + kStages * kThreads * sizeof(int32_t);
+  }
+  __device__ Rings(unsigned char* smem, int arrays)
+      : rows(reinterpret_cast<Vec*>(smem)),
+        ids(reinterpret_cast<int32_t*>(smem + size_t(arrays) * kStages * kStep * kThreads * sizeof(Vec))) {}
+  __device__ Vec* slot(int array, int stage, int row, int tid) const {
+    return rows + ((size_t(array) * kStages + stage) * kStep + row) * kThreads + tid;
+  }
+};
+
+// The segment ids of a step's rows, from the lanes that copied them, and their runs; `full`
+// when every row keeps all W taps (the common case: no select per tap).
+template <int W>
+__device__ inline bool step_runs(int32_t mine, int32_t idp, int runp, bool first, int32_t (&ids)[kStep],
+                                 int (&rc)[kStep]) {
+  bool full = true;
+#pragma unroll
+  for (int j = 0; j < kStep; ++j) {
+    ids[j] = __shfl_sync(0xffffffffu, mine, j);
+    rc[j] = next_run(ids[j], j ? ids[j - 1] : idp, j ? rc[j - 1] : runp, first && j == 0, W);
+    full = full && rc[j] == W;
+  }
+  return full;
+}
+
 template <typename T, int N, int W, bool SEG>
-__global__ void __launch_bounds__(kThreads) conv_fwd(const T* __restrict__ x, const float* __restrict__ weight,
-                                                     const float* __restrict__ bias, const T* __restrict__ state,
+__device__ inline void fwd_rows(const float (&w)[W][N], const float (&bv)[N], const float (&xc)[kStep][N],
+                                const float (&xp)[W][N], const int (&rc)[kStep], T* y, int64_t t, int64_t t1,
+                                int64_t C, bool store, const Problem& p) {
+#pragma unroll
+  for (int j = 0; j < kStep; ++j) {
+    float acc[N];
+#pragma unroll
+    for (int v = 0; v < N; ++v) acc[v] = bv[v];
+#pragma unroll
+    for (int k = 0; k < W; ++k) {
+      const bool keep = !SEG || k < rc[j];
+      const float(&src)[N] = row<W, N>(xc, xp, j - k);
+#pragma unroll
+      for (int v = 0; v < N; ++v) acc[v] = add_tap<SEG>(acc[v], w[k][v], src[v], keep);
+    }
+    if (p.silu) {
+#pragma unroll
+      for (int v = 0; v < N; ++v) acc[v] = acc[v] * sigmoid(acc[v], p.fast);
+    }
+    if (store && t + j < t1) store_vec<N>(y + (t + j) * C, acc);
+  }
+}
+
+template <typename T, int N, int W, bool SEG>
+__global__ void __launch_bounds__(kThreads) conv_fwd(const T* __restrict__ x, const void* __restrict__ weight,
+                                                     const void* __restrict__ bias, const T* __restrict__ state,
                                                      const int32_t* __restrict__ seg, T* __restrict__ y,
                                                      Problem p) {
   static_assert(W - 1 <= kStep, "the carried rows fit in one step");
-  const int64_t c = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) * N;
-  if (c >= p.channels) return;
+  using Vec = Packed<T, N>;
+  extern __shared__ __align__(16) unsigned char smem[];
+  const Rings<Vec> ring(smem, 1);
+  const int tid = threadIdx.x, lane = tid & 31;
+  // threads past the last channel work on the last vector and store nothing (every lane of
+  // a warp takes part in the shuffles)
+  int64_t c = (int64_t(blockIdx.x) * kThreads + tid) * N;
+  const bool active = c < p.channels;
+  if (!active) c = p.channels - N;
   const int64_t b = blockIdx.z, C = p.channels, S = p.seq;
   const int64_t t0 = int64_t(blockIdx.y) * p.rows;
   const int64_t t1 = min(t0 + p.rows, S);
+  const int64_t steps = (t1 - t0 + kStep - 1) / kStep;
   x += b * S * C + c;
   y += b * S * C + c;
   state += b * (W - 1) * C + c;
   if constexpr (SEG) seg += b * S;
 
+  auto issue = [&](int64_t s) {
+    if (s < steps) {
+      const int stage = static_cast<int>(s % kStages);
+      const int64_t t = t0 + s * kStep;
+#pragma unroll
+      for (int j = 0; j < kStep; ++j) async_copy<sizeof(Vec)>(ring.slot(0, stage, j, tid), x + min(t + j, t1 - 1) * C);
+      if (SEG && lane < kStep) async_copy<4>(ring.ids + stage * kThreads + tid, seg + min(t + lane, t1 - 1));
+    }
+    async_commit();
+  };
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) issue(s);
+
   float w[W][N], bv[N];
 #pragma unroll
-  for (int k = 0; k < W; ++k) load<N>(weight + k * C + c, w[k]);
-  load<N>(bias + c, bv);
+  for (int k = 0; k < W; ++k) load_param<N>(weight, p.weight_type, k * C + c, w[k]);
+  load_param<N>(bias, p.bias_type, c, bv);
 
   float xp[W][N];
   int rp[W];
   int32_t idp;
   int runp;
-  load_halo<N, W, SEG>(x, state, seg, t0, C, xp, rp, idp, runp);
+  load_halo<N, W, SEG>(x, state, p.has_state, seg, t0, C, xp, rp, idp, runp);
 
-  for (int64_t t = t0; t < t1; t += kStep) {
+  for (int64_t s = 0; s < steps; ++s) {
+    issue(s + kStages - 1);
+    async_wait<kStages - 1>();
+    const int stage = static_cast<int>(s % kStages);
+    const int64_t t = t0 + s * kStep;
     float xc[kStep][N];
+#pragma unroll
+    for (int j = 0; j < kStep; ++j) load<N>(reinterpret_cast<const T*>(ring.slot(0, stage, j, tid)), xc[j]);
     int32_t ids[kStep];
     int rc[kStep];
-#pragma unroll
-    for (int j = 0; j < kStep; ++j) {
-      const int64_t u = min(t + j, t1 - 1);
-      load<N>(x + u * C, xc[j]);
-      ids[j] = SEG ? seg[u] : 0;
+    bool full = true;
+    if constexpr (SEG) {
+      full = step_runs<W>(ring.ids[stage * kThreads + tid], idp, runp, W == 1 && s == 0, ids, rc);
+      idp = ids[kStep - 1];
+      runp = rc[kStep - 1];
     }
-#pragma unroll
-    for (int j = 0; j < kStep; ++j) {
-      rc[j] = SEG ? next_run(ids[j], j ? ids[j - 1] : idp, j ? rc[j - 1] : runp, W == 1 && t == t0 && j == 0, W)
-                         : W;
-      float acc[N];
-#pragma unroll
-      for (int v = 0; v < N; ++v) acc[v] = bv[v];
-#pragma unroll
-      for (int k = 0; k < W; ++k) {
-        const bool keep = k < rc[j];
-        const float(&src)[N] = row<W, N>(xc, xp, j - k);
-#pragma unroll
-        for (int v = 0; v < N; ++v) acc[v] = add_tap<SEG>(acc[v], w[k][v], src[v], keep);
-      }
-      if (p.silu) {
-#pragma unroll
-        for (int v = 0; v < N; ++v) acc[v] = acc[v] * sigmoid(acc[v], p.fast);
-      }
-      if (t + j < t1) store<N>(y + (t + j) * C, acc);
-    }
+    if (full)
+      fwd_rows<T, N, W, false>(w, bv, xc, xp, rc, y, t, t1, C, active, p);
+    else
+      fwd_rows<T, N, W, true>(w, bv, xc, xp, rc, y, t, t1, C, active, p);
     carry<W, N>(xc, xp);
-    idp = ids[kStep - 1];
-    runp = rc[kStep - 1];
   }
 }
 
+// One step of the backward: g for the step's rows u0 + j, their dw and dbias terms, and dx
+// for the rows t = u - (W - 1) that fall in the tile.
 template <typename T, int N, int W, bool SEG>
-__global__ void __launch_bounds__(kThreads) conv_bwd(const T* __restrict__ x, const float* __restrict__ weight,
-                                                     const float* __restrict__ bias, const T* __restrict__ state,
+__device__ inline void bwd_rows(const float (&w)[W][N], const float (&bv)[N], const float (&xc)[kStep][N],
+                                const float (&xp)[W][N], float (&gc)[kStep][N], const float (&gp)[W][N],
+                                const int (&rc)[kStep], const int (&rp)[W], float (&dw)[W][N], float (&db)[N],
+                                T* dx, int64_t u0, int64_t t0, int64_t t1, int64_t S, int64_t C, bool store,
+                                const Problem& p) {
+#pragma unroll
+  for (int j = 0; j < kStep; ++j) {
+    const int64_t u = u0 + j;
+    if (p.silu) {
+#pragma unroll
+      for (int v = 0; v < N; ++v) {
+        float pre = bv[v];
+#pragma unroll
+        for (int k = 0; k < W; ++k)
+          pre = add_tap<SEG>(pre, w[k][v], row<W, N>(xc, xp, j - k)[v], !SEG || k < rc[j]);
+        const float s = sigmoid(pre, p.fast);
+        gc[j][v] *= s * (1.0f + pre * (1.0f - s));
+      }
+    }
+    const bool inside = u < S;
+#pragma unroll
+    for (int v = 0; v < N; ++v) gc[j][v] = inside ? gc[j][v] : 0.0f;  // selected, never multiplied
+    if (u < t1) {
+#pragma unroll
+      for (int k = 0; k < W; ++k) {
+        const bool keep = !SEG || k < rc[j];
+#pragma unroll
+        for (int v = 0; v < N; ++v) dw[k][v] = add_tap<SEG>(dw[k][v], gc[j][v], row<W, N>(xc, xp, j - k)[v], keep);
+      }
+#pragma unroll
+      for (int v = 0; v < N; ++v) db[v] += gc[j][v];
+    }
+    const int64_t t = u - (W - 1);
+    if (store && t >= t0 && t < t1) {
+      float acc[N];
+#pragma unroll
+      for (int v = 0; v < N; ++v) acc[v] = 0.0f;
+#pragma unroll
+      for (int k = 0; k < W; ++k) {
+        const int i = j - (W - 1) + k;  // row t + k of this step
+        const bool keep = !SEG || k < run_at<W>(rc, rp, i);
+        const float(&g)[N] = row<W, N>(gc, gp, i);
+#pragma unroll
+        for (int v = 0; v < N; ++v) acc[v] = add_tap<SEG>(acc[v], w[k][v], g[v], keep);
+      }
+      store_vec<N>(dx + t * C, acc);
+    }
+  }
+}
+
+// At least three backward blocks per SM (at most 168 registers a thread): the segments
+// variant at W = 4 otherwise takes 190 and fits two.
+constexpr int kBwdBlocksPerSm = 3;
+
+template <typename T, int N, int W, bool SEG>
+__global__ void __launch_bounds__(kThreads, kBwdBlocksPerSm) conv_bwd(const T* __restrict__ x, const void* __restrict__ weight,
+                                                     const void* __restrict__ bias, const T* __restrict__ state,
                                                      const int32_t* __restrict__ seg, const T* __restrict__ dy,
-                                                     T* __restrict__ dx, float* __restrict__ dw_part,
-                                                     float* __restrict__ db_part, Problem p) {
+                                                     T* __restrict__ dx, float* __restrict__ part, Problem p) {
   static_assert(W - 1 <= kStep, "the carried rows fit in one step");
-  const int64_t c = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) * N;
-  if (c >= p.channels) return;
+  using Vec = Packed<T, N>;
+  extern __shared__ __align__(16) unsigned char smem[];
+  const Rings<Vec> ring(smem, 2);
+  const int tid = threadIdx.x, lane = tid & 31;
+  int64_t c = (int64_t(blockIdx.x) * kThreads + tid) * N;
+  const bool active = c < p.channels;
+  if (!active) c = p.channels - N;
   const int64_t b = blockIdx.z, C = p.channels, S = p.seq;
   const int64_t tile = blockIdx.y, tiles = gridDim.y;
   const int64_t t0 = tile * p.rows;
@@ -232,10 +431,30 @@ __global__ void __launch_bounds__(kThreads) conv_bwd(const T* __restrict__ x, co
   state += b * (W - 1) * C + c;
   if constexpr (SEG) seg += b * S;
 
+  // g rows u = t0 .. t1 + W - 2; dx(u - (W-1)) once g(u) is known
+  const int64_t u_end = min(t1 + W - 1, S);
+  const int64_t steps = (t1 + W - 1 - t0 + kStep - 1) / kStep;
+  auto issue = [&](int64_t s) {
+    if (s < steps) {
+      const int stage = static_cast<int>(s % kStages);
+      const int64_t u0 = t0 + s * kStep;
+#pragma unroll
+      for (int j = 0; j < kStep; ++j) {
+        const int64_t u = min(u0 + j, u_end - 1);
+        async_copy<sizeof(Vec)>(ring.slot(0, stage, j, tid), x + u * C);
+        async_copy<sizeof(Vec)>(ring.slot(1, stage, j, tid), dy + u * C);
+      }
+      if (SEG && lane < kStep) async_copy<4>(ring.ids + stage * kThreads + tid, seg + min(u0 + lane, u_end - 1));
+    }
+    async_commit();
+  };
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) issue(s);
+
   float w[W][N], bv[N];
 #pragma unroll
-  for (int k = 0; k < W; ++k) load<N>(weight + k * C + c, w[k]);
-  load<N>(bias + c, bv);
+  for (int k = 0; k < W; ++k) load_param<N>(weight, p.weight_type, k * C + c, w[k]);
+  load_param<N>(bias, p.bias_type, c, bv);
 
   float dw[W][N], db[N];
 #pragma unroll
@@ -250,79 +469,50 @@ __global__ void __launch_bounds__(kThreads) conv_bwd(const T* __restrict__ x, co
   int rp[W];
   int32_t idp;
   int runp;
-  load_halo<N, W, SEG>(x, state, seg, t0, C, xp, rp, idp, runp);
+  load_halo<N, W, SEG>(x, state, p.has_state, seg, t0, C, xp, rp, idp, runp);
 #pragma unroll
   for (int i = 0; i < W - 1; ++i)
 #pragma unroll
     for (int v = 0; v < N; ++v) gp[i][v] = 0.0f;
 
-  // g rows u = t0 .. t1 + W - 2; dx(u - (W-1)) once g(u) is known
-  const int64_t u_end = min(t1 + W - 1, S);
-  for (int64_t u0 = t0; u0 < t1 + W - 1; u0 += kStep) {
+  for (int64_t s = 0; s < steps; ++s) {
+    issue(s + kStages - 1);
+    async_wait<kStages - 1>();
+    const int stage = static_cast<int>(s % kStages);
+    const int64_t u0 = t0 + s * kStep;
     float xc[kStep][N], gc[kStep][N];
+#pragma unroll
+    for (int j = 0; j < kStep; ++j) {
+      load<N>(reinterpret_cast<const T*>(ring.slot(0, stage, j, tid)), xc[j]);
+      load<N>(reinterpret_cast<const T*>(ring.slot(1, stage, j, tid)), gc[j]);
+    }
     int32_t ids[kStep];
     int rc[kStep];
+    bool full = true;
+    if constexpr (SEG) {
+      full = step_runs<W>(ring.ids[stage * kThreads + tid], idp, runp, W == 1 && s == 0, ids, rc);
 #pragma unroll
-    for (int j = 0; j < kStep; ++j) {
-      const int64_t u = min(u0 + j, u_end - 1);
-      load<N>(x + u * C, xc[j]);
-      load<N>(dy + u * C, gc[j]);
-      ids[j] = SEG ? seg[u] : 0;
+      for (int i = 0; i < W - 1; ++i) full = full && rp[i] == W;  // the dx rows reach back W - 1
+      idp = ids[kStep - 1];
+      runp = rc[kStep - 1];
     }
-#pragma unroll
-    for (int j = 0; j < kStep; ++j) {
-      const int64_t u = u0 + j;
-      rc[j] = SEG ? next_run(ids[j], j ? ids[j - 1] : idp, j ? rc[j - 1] : runp, W == 1 && u == t0, W) : W;
-      if (p.silu) {
-#pragma unroll
-        for (int v = 0; v < N; ++v) {
-          float pre = bv[v];
-#pragma unroll
-          for (int k = 0; k < W; ++k) pre = add_tap<SEG>(pre, w[k][v], row<W, N>(xc, xp, j - k)[v], k < rc[j]);
-          const float s = sigmoid(pre, p.fast);
-          gc[j][v] *= s * (1.0f + pre * (1.0f - s));
-        }
-      }
-      const bool inside = u < S;
-#pragma unroll
-      for (int v = 0; v < N; ++v) gc[j][v] = inside ? gc[j][v] : 0.0f;  // selected, never multiplied
-      if (u < t1) {
-#pragma unroll
-        for (int k = 0; k < W; ++k) {
-          const bool keep = k < rc[j];
-#pragma unroll
-          for (int v = 0; v < N; ++v) dw[k][v] = add_tap<SEG>(dw[k][v], gc[j][v], row<W, N>(xc, xp, j - k)[v], keep);
-        }
-#pragma unroll
-        for (int v = 0; v < N; ++v) db[v] += gc[j][v];
-      }
-      const int64_t t = u - (W - 1);
-      if (t >= t0 && t < t1) {
-        float acc[N];
-#pragma unroll
-        for (int v = 0; v < N; ++v) acc[v] = 0.0f;
-#pragma unroll
-        for (int k = 0; k < W; ++k) {
-          const int i = j - (W - 1) + k;  // row t + k of this step
-          const bool keep = k < run_at<W>(rc, rp, i);
-          const float(&g)[N] = row<W, N>(gc, gp, i);
-#pragma unroll
-          for (int v = 0; v < N; ++v) acc[v] = add_tap<SEG>(acc[v], w[k][v], g[v], keep);
-        }
-        store<N>(dx + t * C, acc);
-      }
-    }
+    if (full)
+      bwd_rows<T, N, W, false>(w, bv, xc, xp, gc, gp, rc, rp, dw, db, dx, u0, t0, t1, S, C, active, p);
+    else
+      bwd_rows<T, N, W, true>(w, bv, xc, xp, gc, gp, rc, rp, dw, db, dx, u0, t0, t1, S, C, active, p);
     carry<W, N>(xc, xp);
     carry<W, N>(gc, gp);
+    if constexpr (SEG) {
 #pragma unroll
-    for (int i = 0; i < W - 1; ++i) rp[i] = rc[kStep - (W - 1) + i];
-    idp = ids[kStep - 1];
-    runp = rc[kStep - 1];
+      for (int i = 0; i < W - 1; ++i) rp[i] = rc[kStep - (W - 1) + i];
+    }
   }
-  const int64_t part = b * tiles + tile;
+  if (!active) return;
+  // this tile's partial sums: rows 0..W-1 of dw, row W of dbias
+  part += (b * tiles + tile) * (W + 1) * C + c;
 #pragma unroll
-  for (int k = 0; k < W; ++k) store<N>(dw_part + (part * W + k) * C + c, dw[k]);
-  store<N>(db_part + part * C + c, db);
+  for (int k = 0; k < W; ++k) store_vec<N>(part + k * C, dw[k]);
+  store_vec<N>(part + W * C, db);
 }
 
 // Calls `launch` with the runtime width as a compile-time constant.
@@ -352,15 +542,27 @@ ffi::Error check_launch(const char* name) {
   return ffi::Error::Success();
 }
 
+// Lets `kernel` take `bytes` of dynamic shared memory (above the default 48 KiB).
+template <typename Kernel>
+ffi::Error allow_smem(Kernel kernel, size_t bytes, const char* name) {
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
+  if (err != cudaSuccess) return ffi::Error::Internal(std::string(name) + ": " + cudaGetErrorString(err));
+  return ffi::Error::Success();
+}
+
 struct Shape {
   int64_t batch, seq, channels, width;
 };
 
-ffi::Error check_shapes(const char* name, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> weight, int64_t rows,
+ffi::Error check_shapes(const char* name, ffi::AnyBuffer x, ffi::AnyBuffer weight, ffi::AnyBuffer bias, int64_t rows,
                         int64_t vector, Shape& s) {
   auto d = x.dimensions();
   if (d.size() != 3) return ffi::Error::InvalidArgument(std::string(name) + ": x must be [B, S, C]");
+  if (weight.dimensions().size() != 2 || bias.dimensions().size() != 1)
+    return ffi::Error::InvalidArgument(std::string(name) + ": weight must be [W, C] and bias [C]");
   s = {d[0], d[1], d[2], weight.dimensions()[0]};
+  if (weight.dimensions()[1] != s.channels || bias.dimensions()[0] != s.channels)
+    return ffi::Error::InvalidArgument(std::string(name) + ": weight and bias must have x's channels");
   if (s.width < 1 || s.width > kMaxWidth) return ffi::Error::InvalidArgument(std::string(name) + ": width must be 1..8");
   if (rows < 1) return ffi::Error::InvalidArgument(std::string(name) + ": rows must be positive");
   if (s.channels % vector) return ffi::Error::InvalidArgument(std::string(name) + ": channels must be a multiple of the vector width");
@@ -370,11 +572,39 @@ ffi::Error check_shapes(const char* name, ffi::AnyBuffer x, ffi::Buffer<ffi::F32
   return ffi::Error::Success();
 }
 
-// Channels per thread: a vector of 8 bytes for W <= 4 and 4 bytes above (float32: 8), so that
-// a step's rows fit in registers with enough threads per SM to keep loads in flight (measured
-// on the H200: docs/ops/short_conv.md).
+// The kernels' code for a weight or bias element type.
+ffi::Error param_type(ffi::DataType dtype, const char* name, const char* what, ParamType& out) {
+  switch (dtype) {
+    case ffi::DataType::F32:
+      out = kF32;
+      return ffi::Error::Success();
+    case ffi::DataType::BF16:
+      out = kBF16;
+      return ffi::Error::Success();
+    case ffi::DataType::F16:
+      out = kF16;
+      return ffi::Error::Success();
+    default:
+      return ffi::Error::InvalidArgument(std::string(name) + ": " + what + " must be float32, bfloat16 or float16");
+  }
+}
+
+ffi::Error problem(const char* name, const Shape& s, ffi::AnyBuffer weight, ffi::AnyBuffer bias, int64_t rows,
+                   int64_t silu, int64_t segments, int64_t has_state, bool fast, Problem& p) {
+  p = Problem{s.seq, s.channels, rows, silu != 0, segments != 0, fast, has_state != 0, kF32, kF32};
+  if (auto err = param_type(weight.element_type(), name, "weight", p.weight_type); err.failure()) return err;
+  return param_type(bias.element_type(), name, "bias", p.bias_type);
+}
+
+// Channels per thread. Forward: 8 bytes of 16-bit inputs (float32: 2 channels). Backward: 8
+// bytes for W <= 4 and 4 bytes above (float32: 2 channels), which keeps its carried rows and
+// its dw accumulators in registers (measured on the H200: docs/ops/short_conv.md).
 template <typename T, int W>
-__host__ __device__ constexpr int vector_width() {
+__host__ __device__ constexpr int fwd_vector_width() {
+  return sizeof(T) == 4 ? 2 : 8 / static_cast<int>(sizeof(T));
+}
+template <typename T, int W>
+__host__ __device__ constexpr int bwd_vector_width() {
   return sizeof(T) == 4 ? 2 : (W <= 4 ? 8 : 4) / static_cast<int>(sizeof(T));
 }
 
@@ -390,57 +620,64 @@ ffi::Error by_dtype(ffi::DataType dtype, const char* name, Launch&& launch) {
   }
 }
 
-ffi::Error FwdImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> weight, ffi::Buffer<ffi::F32> bias,
+ffi::Error FwdImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer weight, ffi::AnyBuffer bias,
                    ffi::AnyBuffer state, ffi::Buffer<ffi::S32> seg, ffi::Result<ffi::AnyBuffer> y, int64_t rows,
-                   int64_t silu, int64_t segments) {
+                   int64_t silu, int64_t segments, int64_t has_state) {
   const char* name = "AxkernShortConvFwd";
   return by_dtype(x.element_type(), name, [&](auto tt) {
     using T = decltype(tt);
     Shape s;
-    if (auto err = check_shapes(name, x, weight, rows, 16 / sizeof(T), s); err.failure()) return err;
+    if (auto err = check_shapes(name, x, weight, bias, rows, 16 / sizeof(T), s); err.failure()) return err;
+    Problem p;
+    if (auto err = problem(name, s, weight, bias, rows, silu, segments, has_state, sizeof(T) == 2, p); err.failure())
+      return err;
     if (s.batch == 0 || s.seq == 0 || s.channels == 0) return ffi::Error::Success();
     return by_width(s.width, name, [&](auto wc) {
       constexpr int W = decltype(wc)::value;
-      constexpr int N = vector_width<T, W>();
-      const Problem p{s.seq, s.channels, rows, silu != 0, segments != 0, sizeof(T) == 2};
+      constexpr int N = fwd_vector_width<T, W>();
       const int64_t threads_needed = s.channels / N;
       const dim3 grid((threads_needed + kThreads - 1) / kThreads, (s.seq + rows - 1) / rows, s.batch);
       auto kernel = segments ? conv_fwd<T, N, W, true> : conv_fwd<T, N, W, false>;
-      kernel<<<grid, kThreads, 0, stream>>>(
-          static_cast<const T*>(x.untyped_data()), weight.typed_data(), bias.typed_data(),
-          static_cast<const T*>(state.untyped_data()), seg.typed_data(), static_cast<T*>(y->untyped_data()), p);
+      const size_t smem = Rings<Packed<T, N>>::bytes(1);
+      if (auto err = allow_smem(kernel, smem, name); err.failure()) return err;
+      kernel<<<grid, kThreads, smem, stream>>>(static_cast<const T*>(x.untyped_data()), weight.untyped_data(),
+                                               bias.untyped_data(), static_cast<const T*>(state.untyped_data()),
+                                               seg.typed_data(), static_cast<T*>(y->untyped_data()), p);
       return check_launch(name);
     });
   });
 }
 
-ffi::Error BwdImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> weight, ffi::Buffer<ffi::F32> bias,
-                   ffi::AnyBuffer state, ffi::Buffer<ffi::S32> seg, ffi::AnyBuffer dy,
-                   ffi::Result<ffi::AnyBuffer> dx, ffi::Result<ffi::Buffer<ffi::F32>> dw_part,
-                   ffi::Result<ffi::Buffer<ffi::F32>> db_part, int64_t rows, int64_t silu, int64_t segments) {
+ffi::Error BwdImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer weight, ffi::AnyBuffer bias,
+                   ffi::AnyBuffer state, ffi::Buffer<ffi::S32> seg, ffi::AnyBuffer dy, ffi::Result<ffi::AnyBuffer> dx,
+                   ffi::Result<ffi::Buffer<ffi::F32>> part, int64_t rows, int64_t silu, int64_t segments,
+                   int64_t has_state) {
   const char* name = "AxkernShortConvBwd";
   if (dy.element_type() != x.element_type())
     return ffi::Error::InvalidArgument(std::string(name) + ": x and dy must share a dtype");
   return by_dtype(x.element_type(), name, [&](auto tt) {
     using T = decltype(tt);
     Shape s;
-    if (auto err = check_shapes(name, x, weight, rows, 16 / sizeof(T), s); err.failure()) return err;
+    if (auto err = check_shapes(name, x, weight, bias, rows, 16 / sizeof(T), s); err.failure()) return err;
+    Problem p;
+    if (auto err = problem(name, s, weight, bias, rows, silu, segments, has_state, sizeof(T) == 2, p); err.failure())
+      return err;
     const int64_t tiles = (s.seq + rows - 1) / rows;
-    if (dw_part->element_count() != s.batch * tiles * s.width * s.channels ||
-        db_part->element_count() != s.batch * tiles * s.channels)
-      return ffi::Error::InvalidArgument(std::string(name) + ": partial sums must be [B * tiles, W, C] and [B * tiles, C]");
+    if (part->element_count() != s.batch * tiles * (s.width + 1) * s.channels)
+      return ffi::Error::InvalidArgument(std::string(name) + ": partial sums must be [B * tiles, W + 1, C]");
     if (s.batch == 0 || s.seq == 0 || s.channels == 0) return ffi::Error::Success();
     return by_width(s.width, name, [&](auto wc) {
       constexpr int W = decltype(wc)::value;
-      constexpr int N = vector_width<T, W>();
-      const Problem p{s.seq, s.channels, rows, silu != 0, segments != 0, sizeof(T) == 2};
+      constexpr int N = bwd_vector_width<T, W>();
       const int64_t threads_needed = s.channels / N;
       const dim3 grid((threads_needed + kThreads - 1) / kThreads, tiles, s.batch);
       auto kernel = segments ? conv_bwd<T, N, W, true> : conv_bwd<T, N, W, false>;
-      kernel<<<grid, kThreads, 0, stream>>>(
-          static_cast<const T*>(x.untyped_data()), weight.typed_data(), bias.typed_data(),
+      const size_t smem = Rings<Packed<T, N>>::bytes(2);
+      if (auto err = allow_smem(kernel, smem, name); err.failure()) return err;
+      kernel<<<grid, kThreads, smem, stream>>>(
+          static_cast<const T*>(x.untyped_data()), weight.untyped_data(), bias.untyped_data(),
           static_cast<const T*>(state.untyped_data()), seg.typed_data(), static_cast<const T*>(dy.untyped_data()),
-          static_cast<T*>(dx->untyped_data()), dw_part->typed_data(), db_part->typed_data(), p);
+          static_cast<T*>(dx->untyped_data()), part->typed_data(), p);
       return check_launch(name);
     });
   });
@@ -452,27 +689,28 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(AxkernShortConvFwd, FwdImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<int64_t>("rows")
                                   .Attr<int64_t>("silu")
-                                  .Attr<int64_t>("segments"));
+                                  .Attr<int64_t>("segments")
+                                  .Attr<int64_t>("has_state"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(AxkernShortConvBwd, BwdImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("rows")
                                   .Attr<int64_t>("silu")
-                                  .Attr<int64_t>("segments"));
+                                  .Attr<int64_t>("segments")
+                                  .Attr<int64_t>("has_state"));

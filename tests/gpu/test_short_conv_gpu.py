@@ -36,6 +36,18 @@ def test_gpu_against_oracle(impl, channels, activation, blocks, may_refuse, dtyp
     check_rule(run, impl, arrays, dtype, what, activation=activation, block_sizes=blocks)
 
 
+@pytest.mark.parametrize("weight_dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("segments", ["none", "mixed"])
+@pytest.mark.parametrize("impl", implementations("short_conv", "gpu"))
+def test_gpu_without_state_or_bias(impl, segments, weight_dtype):
+    """No initial state and no bias (the kernels then read none), bf16 x with a float32 or bf16
+    weight (read as it is)."""
+    arrays = make(11, *GPU_BATCH_SEQ, 776, 4, "bfloat16", segments=segments, state=False, bias=False)
+    arrays["w"] = arrays["w"].astype(weight_dtype)
+    what = f"short_conv without state or bias, {weight_dtype} weight, {segments}"
+    check_rule(run, impl, arrays, "bfloat16", what, activation="silu")
+
+
 def test_gpu_order():
     x = jax.ShapeDtypeStruct((8, 4096, 4096), jnp.bfloat16)
     w = jax.ShapeDtypeStruct((4, 4096), jnp.bfloat16)

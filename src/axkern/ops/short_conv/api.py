@@ -32,7 +32,7 @@ from .blocks import (
     pallas_gpu_space,
     pallas_tpu_space,
 )
-from .common import extended
+from .common import extended, zero_state
 
 __all__ = [
     "short_conv",
@@ -185,10 +185,9 @@ def short_conv_positional(
             f"width - 1 = {width - 1}"
         )
     bias = jnp.zeros((channels,), weight.dtype) if bias is None else bias
-    state = jnp.zeros((batch, width - 1, channels), x.dtype) if initial_state is None else initial_state
     if 0 in (batch, seq):  # nothing to convolve: an empty y, the state passes through
         y = jnp.zeros(x.shape, x.dtype)
-        return WithFinalState(y, state) if return_final_state else y
+        return WithFinalState(y, zero_state(x, width, initial_state)) if return_final_state else y
     if segment_ids is not None:
         segment_ids = segment_runs(segment_ids)
     spec = OP.spec(
@@ -203,13 +202,13 @@ def short_conv_positional(
         weight,
         bias,
         segment_ids,
-        state,
+        initial_state,  # None: zeros, formed (or not) by the implementation
         implementation=implementation,
         block_sizes=block_sizes,
         activation=activation,
     )
     if return_final_state:
-        return WithFinalState(y, final_state(x, segment_ids, state))
+        return WithFinalState(y, final_state(x, segment_ids, zero_state(x, width, initial_state)))
     return y
 
 

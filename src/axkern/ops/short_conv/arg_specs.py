@@ -3,7 +3,8 @@
 Forward: read `x`, write `y` (`2·B·S·C` elements). Backward: read `x` and `dy`, write `dx`
 (`3·B·S·C`); weights, bias and states are negligible. The fwd+bwd pass returns `y` and pulls
 a fixed random `dy` back (a loss like `sum(y)` would hand XLA a constant cotangent to fold).
-The mamba preset runs SiLU (as Mamba does) and, for the main shapes, no activation too.
+The mamba preset runs SiLU (as Mamba does) at widths 2, 4 and 8, with and without segment ids,
+at B=8 S=4096 and B=1 S=32768 (C=4096), and a few width-4 rows without an activation.
 
 Peer (`--peers`, timed in this process): Levanter's Triton kernel
 (`levanter.kernels.triton.short_conv`, width 4 only, no bias, activation or state), followed
@@ -25,13 +26,14 @@ from .api import short_conv_positional
 PRESETS = {
     "quick": [(2, 256, 256, 4, False, "silu")],
     "mamba": [
-        (8, 4096, 4096, 4, False, "silu"),
+        *[
+            (batch, seq, 4096, width, segments, "silu")
+            for batch, seq in ((8, 4096), (1, 32768))
+            for segments in (False, True)
+            for width in (2, 4, 8)
+        ],
         (8, 4096, 4096, 4, False, None),
-        (8, 4096, 4096, 2, False, "silu"),
-        (8, 4096, 4096, 8, False, "silu"),
-        (1, 32768, 4096, 4, False, "silu"),
         (1, 32768, 4096, 4, False, None),
-        (8, 4096, 4096, 4, True, "silu"),
         (8, 4096, 4096, 4, True, None),
     ],
 }

@@ -10,6 +10,13 @@ def acc_dtype(x):
     return jnp.promote_types(x.dtype, jnp.float32)
 
 
+def zero_state(x, width, initial_state):
+    """The initial state, zeros where none was given (implementations receive `None` then)."""
+    if initial_state is None:
+        return jnp.zeros((x.shape[0], width - 1, x.shape[2]), x.dtype)
+    return initial_state
+
+
 def extended(x, segment_ids, initial_state):
     """`x` with its `W-1` previous inputs prepended, and the segment id of each extended row.
 

@@ -44,7 +44,7 @@ from jax.experimental.pallas import triton as plgpu
 from .blocks import ConvBlockSizes
 from .common import activate as _act
 from .common import activation_grad as _act_grad
-from .common import state_grad
+from .common import state_grad, zero_state
 
 
 def program_ids():
@@ -272,6 +272,7 @@ def conv(
         bool(interpret),
         block_sizes.num_warps,
     )
+    initial_state = zero_state(x, weight.shape[0], initial_state)
     return _conv(cfg, x, weight, bias, segment_ids, initial_state)
 
 

@@ -34,7 +34,7 @@ from jax.experimental.pallas import tpu as pltpu
 from .blocks import ConvBlockSizes
 from .common import activate as _act
 from .common import activation_grad as _act_grad
-from .common import state_grad
+from .common import state_grad, zero_state
 
 
 def _interpret_params(interpret: bool):
@@ -191,6 +191,7 @@ def conv(
         block_sizes.block_channels,
         bool(interpret),
     )
+    initial_state = zero_state(x, weight.shape[0], initial_state)
     return _conv(cfg, x, weight, bias, segment_ids, initial_state)
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from .common import zero_state
+
 
 def conv(x, weight, bias, segment_ids, initial_state, *, activation=None):
     """`y[b, t] = act(bias + sum_k weight[k] * x[b, t - k])`, taps never crossing a segment boundary.
@@ -14,6 +16,7 @@ def conv(x, weight, bias, segment_ids, initial_state, *, activation=None):
     float32 (float64 for float64 inputs); autodiff for gradients.
     """
     seq, width = x.shape[1], weight.shape[0]
+    initial_state = zero_state(x, width, initial_state)
     acc = jnp.promote_types(x.dtype, jnp.float32)
     xe, se = _extended(x, segment_ids, initial_state)
     out = jnp.broadcast_to(bias.astype(acc), x.shape)

@@ -20,10 +20,11 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from .common import activate, activation_grad, extended, pre_activation
+from .common import activate, activation_grad, extended, pre_activation, zero_state
 
 
 def conv(x, weight, bias, segment_ids, initial_state, *, activation=None):
+    initial_state = zero_state(x, weight.shape[0], initial_state)
     return _conv(activation, x, weight, bias, segment_ids, initial_state)
 
 
