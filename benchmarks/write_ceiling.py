@@ -57,15 +57,20 @@ def store_rates(out) -> dict:
     return {**best, "store_by_blocks_per_sm": rates}
 
 
-res = {}
-for name, (T, D, K) in {"e64": (32768, 4096, 8), "dsv3": (8192, 7168, 8)}.items():
-    out = torch.empty(T * K, D, dtype=torch.bfloat16, device="cuda")
-    src = torch.randn(T * K, D, device="cuda").to(torch.bfloat16)
-    nb = out.numel() * 2
-    fill = time(lambda out=out: out.fill_(1.5))
-    zero = time(lambda out=out: out.zero_())
-    cp = time(lambda out=out, src=src: out.copy_(src))
-    res[name] = dict(write_tbps=nb / fill / 1e9, zero_tbps=nb / zero / 1e9, copy_tbps=2 * nb / cp / 1e9)
-    res[name].update(store_rates(out))
-    print(name, res[name], flush=True)
-json.dump(res, open(os.environ.get("OUT", ".") + "/write_ceiling.json", "w"))
+def main():
+    res = {}
+    for name, (T, D, K) in {"e64": (32768, 4096, 8), "dsv3": (8192, 7168, 8)}.items():
+        out = torch.empty(T * K, D, dtype=torch.bfloat16, device="cuda")
+        src = torch.randn(T * K, D, device="cuda").to(torch.bfloat16)
+        nb = out.numel() * 2
+        fill = time(lambda out=out: out.fill_(1.5))
+        zero = time(lambda out=out: out.zero_())
+        cp = time(lambda out=out, src=src: out.copy_(src))
+        res[name] = dict(write_tbps=nb / fill / 1e9, zero_tbps=nb / zero / 1e9, copy_tbps=2 * nb / cp / 1e9)
+        res[name].update(store_rates(out))
+        print(name, res[name], flush=True)
+    json.dump(res, open(os.environ.get("OUT", ".") + "/write_ceiling.json", "w"))
+
+
+if __name__ == "__main__":
+    main()

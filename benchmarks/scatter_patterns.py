@@ -1,0 +1,166 @@
+"""Row scatters of the MoE dispatch's shape against the store ceiling: which way of writing a
+token's K rows reaches the rate of plain sequential stores. A diagnostic for
+`native/moe/scatter.cu`, not a bench table.
+
+`out[rows[t*K + k]] = x[t]` for T tokens of D bf16 values, K = 8 pairs a token routed to 64
+experts at random (top-8 of random scores) and placed in expert order (a stable sort), as
+`axkern.moe_dispatch` lays them out. Bytes counted as the bench counts them: `T·D` read and
+`T·K·D` written. Kernels (CuPy, 16-byte units, each checked bit for bit against torch's
+indexed copy):
+
+- `store`: sequential 16-byte stores of the whole output (no reads): the ceiling;
+- `block_token`: a block of 128 threads a token, each unit loaded once and stored K times
+  (the thread path of scatter.cu), 4 or 16 blocks per SM;
+- `warp_token`: a warp a token, each lane loading all of its units first (all loads in
+  flight), then storing them to the K rows in turn, plain or streaming (`st.global.cs`)
+  stores, 8 to 32 warps per SM;
+- `row_major`: a warp an output row, reading its token's row (K times the reads, written in
+  output order).
+
+Run on a CUDA machine with torch and CuPy: `OUT=<folder> python3 benchmarks/scatter_patterns.py`
+(writes `$OUT/sweep_scatter_patterns.json`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+from write_ceiling import STORE, time
+
+KERNELS = r"""
+#define UNITS (ROW_BYTES / 16)
+#define PER_LANE (UNITS / 32)
+
+extern "C" __global__ void block_token(const uint4* __restrict__ x, const int* __restrict__ rows,
+                                      uint4* __restrict__ out, long long tokens, int streaming) {
+  for (long long t = blockIdx.x; t < tokens; t += gridDim.x) {
+    long long row[K];
+    for (int k = 0; k < K; ++k) row[k] = rows[t * K + k];
+    for (int i = threadIdx.x; i < UNITS; i += blockDim.x) {
+      const uint4 v = x[t * UNITS + i];
+      for (int k = 0; k < K; ++k) {
+        uint4* p = out + row[k] * UNITS + i;
+        if (streaming) __stcs(p, v); else *p = v;
+      }
+    }
+  }
+}
+
+extern "C" __global__ void warp_token(const uint4* __restrict__ x, const int* __restrict__ rows,
+                                     uint4* __restrict__ out, long long tokens, int streaming) {
+  const int lane = threadIdx.x & 31;
+  const long long warps = (long long)gridDim.x * (blockDim.x / 32);
+  for (long long t = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; t < tokens; t += warps) {
+    uint4 v[PER_LANE];
+#pragma unroll
+    for (int u = 0; u < PER_LANE; ++u) v[u] = x[t * UNITS + u * 32 + lane];
+    const int mine = lane < K ? rows[t * K + lane] : 0;
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      const long long row = __shfl_sync(0xffffffffu, mine, k);
+#pragma unroll
+      for (int u = 0; u < PER_LANE; ++u) {
+        uint4* p = out + row * UNITS + u * 32 + lane;
+        if (streaming) __stcs(p, v[u]); else *p = v[u];
+      }
+    }
+  }
+}
+
+extern "C" __global__ void row_major(const uint4* __restrict__ x, const int* __restrict__ token_of_row,
+                                    uint4* __restrict__ out, long long out_rows) {
+  const int lane = threadIdx.x & 31;
+  const long long warps = (long long)gridDim.x * (blockDim.x / 32);
+  for (long long r = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; r < out_rows; r += warps) {
+    const long long t = token_of_row[r];
+    uint4 v[PER_LANE];
+#pragma unroll
+    for (int u = 0; u < PER_LANE; ++u) v[u] = x[t * UNITS + u * 32 + lane];
+#pragma unroll
+    for (int u = 0; u < PER_LANE; ++u) __stcs(out + r * UNITS + u * 32 + lane, v[u]);
+  }
+}
+"""
+
+
+def routing(tokens: int, experts: int, topk: int, seed: int = 0):
+    """`rows [T·K]` int32, the output row of each (token, k) pair in expert order, and its inverse
+    `token_of_row [T·K]`."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    idx = torch.rand(tokens, experts, device="cuda", generator=g).topk(topk, dim=1).indices.reshape(-1)
+    order = torch.argsort(idx, stable=True)
+    rows = torch.empty_like(order)
+    rows[order] = torch.arange(order.numel(), device="cuda")
+    return rows.to(torch.int32), (order // topk).to(torch.int32)
+
+
+def sweep(name, tokens, hidden, experts, topk):
+    import cupy
+
+    x = torch.randn(tokens, hidden, device="cuda").to(torch.bfloat16)
+    rows, token_of_row = routing(tokens, experts, topk)
+    want = torch.empty(tokens * topk, hidden, dtype=x.dtype, device="cuda")
+    want[rows.long()] = x.repeat_interleave(topk, dim=0)
+    out = torch.empty_like(want)
+    row_bytes = hidden * 2
+    opts = ("-std=c++17", f"-DROW_BYTES={row_bytes}", f"-DK={topk}")
+    mod = cupy.RawModule(code=KERNELS, options=opts)
+    cx, crows, ctok, cout = (cupy.from_dlpack(a.view(torch.int32)) for a in (x, rows, token_of_row, out))
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    nbytes = (tokens + tokens * topk) * row_bytes
+    res = {"tokens": tokens, "hidden": hidden, "experts": experts, "topk": topk, "bytes": nbytes, "rates": {}}
+
+    def record(key, fn, check=True):
+        out.zero_()
+        fn()
+        torch.cuda.synchronize()
+        exact = bool(torch.equal(out, want)) if check else None
+        ms = time(fn)
+        res["rates"][key] = {"ms": ms, "tbps": nbytes / ms / 1e9, "exact": exact}
+        print(name, key, res["rates"][key], flush=True)
+
+    store = cupy.RawKernel(STORE, "store")
+    record(
+        "store",
+        lambda: store((sms,), (256,), (cout, cupy.int64(out.numel() * 2 // 16), cupy.int32(1))),
+        False,
+    )
+    block_token, warp_token, row_major = (
+        mod.get_function(k) for k in ("block_token", "warp_token", "row_major")
+    )
+    for per_sm in (4, 16):
+        for cs in (0, 1):
+            args = (cx, crows, cout, cupy.int64(tokens), cupy.int32(cs))
+            record(
+                f"block_token_{per_sm}_{'cs' if cs else 'plain'}",
+                lambda a=args, g=sms * per_sm: block_token((g,), (128,), a),
+            )
+    for warps_per_sm in (8, 16, 32):
+        for cs in (0, 1):
+            args = (cx, crows, cout, cupy.int64(tokens), cupy.int32(cs))
+            grid = sms * warps_per_sm // 4
+            record(
+                f"warp_token_{warps_per_sm}_{'cs' if cs else 'plain'}",
+                lambda a=args, g=grid: warp_token((g,), (128,), a),
+            )
+    args = (cx, ctok, cout, cupy.int64(tokens * topk))
+    record("row_major_16", lambda a=args: row_major((sms * 4,), (128,), a))
+    return res
+
+
+def main():
+    cases = {"e64": (32768, 4096, 64, 8), "dsv3": (8192, 7168, 256, 8)}
+    res = {
+        "command": "OUT=<folder> python3 benchmarks/scatter_patterns.py",
+        "device": torch.cuda.get_device_name(0),
+        "note": "TB/s count T*D read plus T*K*D written (bf16), as axkern bench counts dispatch's bytes; "
+        "'store' writes only; exact: the output equals torch's indexed copy bit for bit",
+        "cases": {name: sweep(name, *shape) for name, shape in cases.items()},
+    }
+    json.dump(res, open(os.environ.get("OUT", ".") + "/sweep_scatter_patterns.json", "w"), indent=1)
+
+
+if __name__ == "__main__":
+    main()
