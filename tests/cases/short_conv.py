@@ -14,9 +14,10 @@ from axkern.positional import short_conv
 from tests.harness import jit
 
 # segment ids: none; random boundaries; length-1 segments; a boundary at every position; one
-# segment; "mixed": the batch rows take random, short, every and one in turn (the kinds differ
-# only in data, so one compiled case checks them all)
-SEGMENTS = ["none", "random", "short", "every", "one", "mixed"]
+# segment; "reused": random boundaries, the ids alternating between 0 and 1 (an id used again
+# after another starts a new segment); "mixed": the batch rows take random, reused, short, every
+# and one in turn (the kinds differ only in data, so one compiled case checks them all)
+SEGMENTS = ["none", "random", "reused", "short", "every", "one", "mixed"]
 
 # GPU cases over (batch, seq) = GPU_BATCH_SEQ, run by every GPU implementation: (channels,
 # activation, block sizes, whether an implementation may refuse the channels). 777 channels
@@ -35,15 +36,16 @@ def random_segments(rng, batch, seq, kind):
     if kind == "none":
         return None
     if kind == "mixed":
-        kinds = ["random", "short", "every", "one"]
-        return np.concatenate([random_segments(rng, 1, seq, kinds[i % 4]) for i in range(batch)])
+        kinds = ["random", "reused", "short", "every", "one"]
+        return np.concatenate([random_segments(rng, 1, seq, kinds[i % len(kinds)]) for i in range(batch)])
     if kind == "every":
         return np.broadcast_to(np.arange(seq, dtype=np.int32), (batch, seq)).copy()
     if kind == "one":
         return np.zeros((batch, seq), np.int32)
     starts = rng.random((batch, seq)) < (0.5 if kind == "short" else 0.15)
     starts[:, 0] = False
-    return np.cumsum(starts, axis=1, dtype=np.int32)
+    ids = np.cumsum(starts, axis=1, dtype=np.int32)
+    return ids % 2 if kind == "reused" else ids
 
 
 def make(seed, batch, seq, channels, width, dtype, *, segments="random", state=True, bias=True):

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.gpu
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("width", [2, 4, 8])
-@pytest.mark.parametrize("segments", ["none", "random"])
+@pytest.mark.parametrize("segments", ["none", "mixed"])
 @pytest.mark.parametrize("channels,activation,blocks,may_refuse", GPU_CASES)
 @pytest.mark.parametrize("impl", implementations("short_conv", "gpu"))
 def test_gpu_against_oracle(impl, channels, activation, blocks, may_refuse, dtype, width, segments):

@@ -32,7 +32,7 @@ from .blocks import (
     pallas_gpu_space,
     pallas_tpu_space,
 )
-from .common import extended, zero_state
+from .common import extended, segment_runs, zero_state
 
 __all__ = [
     "short_conv",
@@ -113,14 +113,6 @@ def _check_channels(op: str, channels: int) -> None:
         raise ValueError(f"{op}: channels must be at least 1, got 0")
 
 
-def segment_runs(segment_ids):
-    """Each position's segment as the number of id changes before it (int32), so that taps compare
-    runs, not ids: an id used again after another starts a new segment."""
-    change = segment_ids[:, 1:] != segment_ids[:, :-1]
-    first = jnp.zeros((segment_ids.shape[0], 1), jnp.int32)
-    return jnp.concatenate([first, jnp.cumsum(change, axis=1, dtype=jnp.int32)], axis=1)
-
-
 def final_state(x, segment_ids, initial_state):
     """The last `W-1` inputs of each sequence (oldest first): the decode cache after `x`.
 
@@ -188,8 +180,6 @@ def short_conv_positional(
     if 0 in (batch, seq):  # nothing to convolve: an empty y, the state passes through
         y = jnp.zeros(x.shape, x.dtype)
         return WithFinalState(y, zero_state(x, width, initial_state)) if return_final_state else y
-    if segment_ids is not None:
-        segment_ids = segment_runs(segment_ids)
     spec = OP.spec(
         {"batch": batch, "seq": seq, "channels": channels, "width": width},
         x.dtype,
@@ -208,7 +198,8 @@ def short_conv_positional(
         activation=activation,
     )
     if return_final_state:
-        return WithFinalState(y, final_state(x, segment_ids, zero_state(x, width, initial_state)))
+        runs = None if segment_ids is None else segment_runs(segment_ids)
+        return WithFinalState(y, final_state(x, runs, zero_state(x, width, initial_state)))
     return y
 
 

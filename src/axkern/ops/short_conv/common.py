@@ -5,15 +5,26 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from axkern.core import compat
+
 
 def acc_dtype(x):
     return jnp.promote_types(x.dtype, jnp.float32)
 
 
+def segment_runs(segment_ids):
+    """Each position's segment as the number of id changes before it (int32), so that taps compare
+    runs, not ids: an id used again after another starts a new segment."""
+    change = segment_ids[:, 1:] != segment_ids[:, :-1]
+    first = jnp.zeros((segment_ids.shape[0], 1), jnp.int32)
+    return jnp.concatenate([first, jnp.cumsum(change, axis=1, dtype=jnp.int32)], axis=1)
+
+
 def zero_state(x, width, initial_state):
-    """The initial state, zeros where none was given (implementations receive `None` then)."""
+    """The initial state, zeros where none was given (implementations receive `None` then),
+    varying over `x`'s manual mesh axes inside `shard_map` as the dispatcher's inputs do."""
     if initial_state is None:
-        return jnp.zeros((x.shape[0], width - 1, x.shape[2]), x.dtype)
+        return compat.match_vma(x, jnp.zeros((x.shape[0], width - 1, x.shape[2]), x.dtype))[1]
     return initial_state
 
 

@@ -44,7 +44,7 @@ from jax.experimental.pallas import triton as plgpu
 from .blocks import ConvBlockSizes
 from .common import activate as _act
 from .common import activation_grad as _act_grad
-from .common import state_grad, zero_state
+from .common import segment_runs, state_grad, zero_state
 
 
 def program_ids():
@@ -273,6 +273,8 @@ def conv(
         block_sizes.num_warps,
     )
     initial_state = zero_state(x, weight.shape[0], initial_state)
+    if segment_ids is not None:  # a reused id after another starts a new segment
+        segment_ids = segment_runs(segment_ids)
     return _conv(cfg, x, weight, bias, segment_ids, initial_state)
 
 

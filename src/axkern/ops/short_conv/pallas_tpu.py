@@ -34,7 +34,7 @@ from jax.experimental.pallas import tpu as pltpu
 from .blocks import ConvBlockSizes
 from .common import activate as _act
 from .common import activation_grad as _act_grad
-from .common import state_grad, zero_state
+from .common import segment_runs, state_grad, zero_state
 
 
 def _interpret_params(interpret: bool):
@@ -192,6 +192,8 @@ def conv(
         bool(interpret),
     )
     initial_state = zero_state(x, weight.shape[0], initial_state)
+    if segment_ids is not None:  # a reused id after another starts a new segment
+        segment_ids = segment_runs(segment_ids)
     return _conv(cfg, x, weight, bias, segment_ids, initial_state)
 
 

@@ -5,18 +5,21 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from .common import zero_state
-
 
 def conv(x, weight, bias, segment_ids, initial_state, *, activation=None):
     """`y[b, t] = act(bias + sum_k weight[k] * x[b, t - k])`, taps never crossing a segment boundary.
 
-    `x: [B, S, C]`, `weight: [W, C]`, `bias: [C]`, `segment_ids: [B, S] | None`,
-    `initial_state: [B, W-1, C]` (the inputs before position 0, oldest first). Computes in
+    `x: [B, S, C]`, `weight: [W, C]`, `bias: [C]`, `segment_ids: [B, S] | None` (a change of id
+    starts a segment), `initial_state: [B, W-1, C] | None` (the inputs before position 0, oldest
+    first; zeros when None). Computes in
     float32 (float64 for float64 inputs); autodiff for gradients.
     """
     seq, width = x.shape[1], weight.shape[0]
-    initial_state = zero_state(x, width, initial_state)
+    if initial_state is None:
+        initial_state = jnp.zeros((x.shape[0], width - 1, x.shape[2]), x.dtype)
+    if segment_ids is not None:  # segments as runs: an id used again after another starts a new one
+        change = (segment_ids[:, 1:] != segment_ids[:, :-1]).astype(jnp.int32)
+        segment_ids = jnp.concatenate([jnp.zeros_like(change[:, :1]), jnp.cumsum(change, axis=1)], axis=1)
     acc = jnp.promote_types(x.dtype, jnp.float32)
     xe, se = _extended(x, segment_ids, initial_state)
     out = jnp.broadcast_to(bias.astype(acc), x.shape)

@@ -20,11 +20,13 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from .common import activate, activation_grad, extended, pre_activation, zero_state
+from .common import activate, activation_grad, extended, pre_activation, segment_runs, zero_state
 
 
 def conv(x, weight, bias, segment_ids, initial_state, *, activation=None):
     initial_state = zero_state(x, weight.shape[0], initial_state)
+    if segment_ids is not None:  # a reused id after another starts a new segment
+        segment_ids = segment_runs(segment_ids)
     return _conv(activation, x, weight, bias, segment_ids, initial_state)
 
 
