@@ -255,6 +255,15 @@ __device__ inline bool step_runs(int32_t mine, int32_t idp, int runp, bool first
   return full;
 }
 
+// The first channel of this thread's vector. Threads past the last channel work on the last
+// vector and store nothing (every lane of a warp takes part in the shuffles).
+template <int N>
+__device__ inline int64_t thread_channel(const Problem& p, bool& active) {
+  const int64_t c = (int64_t(blockIdx.x) * kThreads + threadIdx.x) * N;
+  active = c < p.channels;
+  return active ? c : p.channels - N;
+}
+
 template <typename T, int N, int W, bool SEG>
 __device__ inline void fwd_rows(const float (&w)[W][N], const float (&bv)[N], const float (&xc)[kStep][N],
                                 const float (&xp)[W][N], const int (&rc)[kStep], T* y, int64_t t, int64_t t1,
@@ -289,11 +298,8 @@ __global__ void __launch_bounds__(kThreads) conv_fwd(const T* __restrict__ x, co
   extern __shared__ __align__(16) unsigned char smem[];
   const Rings<Vec> ring(smem, 1);
   const int tid = threadIdx.x, lane = tid & 31;
-  // threads past the last channel work on the last vector and store nothing (every lane of
-  // a warp takes part in the shuffles)
-  int64_t c = (int64_t(blockIdx.x) * kThreads + tid) * N;
-  const bool active = c < p.channels;
-  if (!active) c = p.channels - N;
+  bool active;
+  const int64_t c = thread_channel<N>(p, active);
   const int64_t b = blockIdx.z, C = p.channels, S = p.seq;
   const int64_t t0 = int64_t(blockIdx.y) * p.rows;
   const int64_t t1 = min(t0 + p.rows, S);
@@ -409,18 +415,17 @@ __device__ inline void bwd_rows(const float (&w)[W][N], const float (&bv)[N], co
 constexpr int kBwdBlocksPerSm = 3;
 
 template <typename T, int N, int W, bool SEG>
-__global__ void __launch_bounds__(kThreads, kBwdBlocksPerSm) conv_bwd(const T* __restrict__ x, const void* __restrict__ weight,
-                                                     const void* __restrict__ bias, const T* __restrict__ state,
-                                                     const int32_t* __restrict__ seg, const T* __restrict__ dy,
-                                                     T* __restrict__ dx, float* __restrict__ part, Problem p) {
+__global__ void __launch_bounds__(kThreads, kBwdBlocksPerSm)
+    conv_bwd(const T* __restrict__ x, const void* __restrict__ weight, const void* __restrict__ bias,
+             const T* __restrict__ state, const int32_t* __restrict__ seg, const T* __restrict__ dy,
+             T* __restrict__ dx, float* __restrict__ part, Problem p) {
   static_assert(W - 1 <= kStep, "the carried rows fit in one step");
   using Vec = Packed<T, N>;
   extern __shared__ __align__(16) unsigned char smem[];
   const Rings<Vec> ring(smem, 2);
   const int tid = threadIdx.x, lane = tid & 31;
-  int64_t c = (int64_t(blockIdx.x) * kThreads + tid) * N;
-  const bool active = c < p.channels;
-  if (!active) c = p.channels - N;
+  bool active;
+  const int64_t c = thread_channel<N>(p, active);
   const int64_t b = blockIdx.z, C = p.channels, S = p.seq;
   const int64_t tile = blockIdx.y, tiles = gridDim.y;
   const int64_t t0 = tile * p.rows;
