@@ -40,8 +40,8 @@ def test_gpu_against_oracle(impl, channels, activation, blocks, may_refuse, dtyp
 @pytest.mark.parametrize("segments", ["none", "mixed"])
 @pytest.mark.parametrize("impl", implementations("short_conv", "gpu"))
 def test_gpu_without_state_or_bias(impl, segments, weight_dtype):
-    """No initial state and no bias (the kernels then read none), bf16 x with a float32 or bf16
-    weight (read as it is)."""
+    """No initial state (the CUDA kernels then read none: zeros before position 0) and no bias,
+    bf16 x with a float32 or bf16 weight (read as it is)."""
     arrays = make(11, *GPU_BATCH_SEQ, 776, 4, "bfloat16", segments=segments, state=False, bias=False)
     arrays["w"] = arrays["w"].astype(weight_dtype)
     what = f"short_conv without state or bias, {weight_dtype} weight, {segments}"

@@ -25,11 +25,12 @@ only when a state was given.
 write `dx` (`3·B·S·C`), plus `(W+1)·C` float32 partial sums per tile. Halo rows add
 `(W-1)/block_seq` (forward) and `3(W-1)/block_seq_backward` (backward) to the reads.
 
-**Segments.** A change of segment id between `t - k` and `t` drops tap `k` (the kernel
-carries the length of the current run of equal ids, capped at `W`, so it reads the ids as
-given: an id used again after another starts a new run without the cumulative count of changes
-the other implementations form first); the state continues the sequence's first segment. A step whose rows all keep every tap (no change of id within `W`
-rows: the common case) runs the plain multiply-adds; only steps near a boundary select.
+**Segments.** A change of segment id between `t - k` and `t` drops tap `k`. The kernel carries
+the length of the current run of equal ids, capped at `W`, so it reads the ids as given (an id
+used again after another starts a new run, without the cumulative count of changes the other
+implementations form first); the state continues the sequence's first segment. A step whose
+rows all keep every tap (no change of id within `W` rows: the common case) runs the plain
+multiply-adds; only steps near a boundary select.
 
 **One kernel a pass.** The weight and bias are read in their own dtype (float32, bfloat16 or
 float16; others are converted first), and without an initial state the kernels take the rows
