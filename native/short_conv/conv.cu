@@ -604,7 +604,7 @@ ffi::Error problem(const char* name, const Shape& s, ffi::AnyBuffer weight, ffi:
 // Channels per thread. Forward: 8 bytes of 16-bit inputs (float32: 2 channels). Backward: 8
 // bytes for W <= 4 and 4 bytes above (float32: 2 channels), which keeps its carried rows and
 // its dw accumulators in registers (measured on the H200: docs/ops/short_conv.md).
-template <typename T, int W>
+template <typename T>
 __host__ __device__ constexpr int fwd_vector_width() {
   return sizeof(T) == 4 ? 2 : 8 / static_cast<int>(sizeof(T));
 }
@@ -639,7 +639,7 @@ ffi::Error FwdImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer weight,
     if (s.batch == 0 || s.seq == 0 || s.channels == 0) return ffi::Error::Success();
     return by_width(s.width, name, [&](auto wc) {
       constexpr int W = decltype(wc)::value;
-      constexpr int N = fwd_vector_width<T, W>();
+      constexpr int N = fwd_vector_width<T>();
       const int64_t threads_needed = s.channels / N;
       const dim3 grid((threads_needed + kThreads - 1) / kThreads, (s.seq + rows - 1) / rows, s.batch);
       auto kernel = segments ? conv_fwd<T, N, W, true> : conv_fwd<T, N, W, false>;
