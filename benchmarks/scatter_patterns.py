@@ -15,7 +15,9 @@ indexed copy):
   flight), then storing them to the K rows in turn, plain or streaming (`st.global.cs`)
   stores, 8 to 32 warps per SM;
 - `row_major`: a warp an output row, reading its token's row (K times the reads, written in
-  output order).
+  output order);
+- `bulk`: the copy engine (one warp a block, lane 0 driving it): a token's row into a
+  shared-memory ring of 4 rows by one bulk load, out by K bulk stores, 2 or 4 blocks per SM.
 
 Run on a CUDA machine with torch and CuPy: `OUT=<folder> python3 benchmarks/scatter_patterns.py`
 (writes `$OUT/sweep_scatter_patterns.json`).
@@ -82,6 +84,46 @@ extern "C" __global__ void row_major(const uint4* __restrict__ x, const int* __r
     for (int u = 0; u < PER_LANE; ++u) __stcs(out + r * UNITS + u * 32 + lane, v[u]);
   }
 }
+extern "C" __global__ void __launch_bounds__(32) bulk(const char* __restrict__ x, const int* __restrict__ rows,
+                                                     char* __restrict__ out, long long tokens) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  unsigned long long* bar = reinterpret_cast<unsigned long long*>(smem);
+  unsigned char* ring = smem + 128;
+  if (threadIdx.x != 0) return;
+  for (int s = 0; s < STAGES; ++s)
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"((unsigned)__cvta_generic_to_shared(&bar[s])) : "memory");
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  const long long first = blockIdx.x, step = gridDim.x;
+  const long long n = first < tokens ? (tokens - 1 - first) / step + 1 : 0;
+  auto load = [&](long long i) {
+    const int s = (int)(i % STAGES);
+    const unsigned b = (unsigned)__cvta_generic_to_shared(&bar[s]);
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(b), "r"(ROW_BYTES) : "memory");
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                 ::"r"((unsigned)__cvta_generic_to_shared(ring + s * ROW_BYTES)), "l"(x + (first + i * step) * ROW_BYTES),
+                 "r"(ROW_BYTES), "r"(b) : "memory");
+  };
+  for (long long i = 0; i < n && i < STAGES; ++i) load(i);
+  for (long long i = 0; i < n; ++i) {
+    const int s = (int)(i % STAGES);
+    const long long t = first + i * step;
+    int row[K];
+    for (int k = 0; k < K; ++k) row[k] = rows[t * K + k];
+    const unsigned b = (unsigned)__cvta_generic_to_shared(&bar[s]);
+    const unsigned parity = (unsigned)((i / STAGES) & 1);
+    asm volatile("{\n.reg .pred p;\nWAIT:\nmbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n@!p bra WAIT;\n}\n"
+                 ::"r"(b), "r"(parity) : "memory");
+    for (int k = 0; k < K; ++k)
+      asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(out + (long long)row[k] * ROW_BYTES),
+                   "r"((unsigned)__cvta_generic_to_shared(ring + s * ROW_BYTES)), "r"(ROW_BYTES) : "memory");
+    asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+    if (i >= 1 && i - 1 + STAGES < n) {
+      asm volatile("cp.async.bulk.wait_group.read 1;" ::: "memory");
+      load(i - 1 + STAGES);
+    }
+  }
+  asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+}
 """
 
 
@@ -105,7 +147,7 @@ def sweep(name, tokens, hidden, experts, topk):
     want[rows.long()] = x.repeat_interleave(topk, dim=0)
     out = torch.empty_like(want)
     row_bytes = hidden * 2
-    opts = ("-std=c++17", f"-DROW_BYTES={row_bytes}", f"-DK={topk}")
+    opts = ("-std=c++17", f"-DROW_BYTES={row_bytes}", f"-DK={topk}", "-DSTAGES=4")
     mod = cupy.RawModule(code=KERNELS, options=opts)
     cx, crows, ctok, cout = (cupy.from_dlpack(a.view(torch.int32)) for a in (x, rows, token_of_row, out))
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -147,6 +189,12 @@ def sweep(name, tokens, hidden, experts, topk):
             )
     args = (cx, ctok, cout, cupy.int64(tokens * topk))
     record("row_major_16", lambda a=args: row_major((sms * 4,), (128,), a))
+    bulk = mod.get_function("bulk")
+    smem = 128 + 4 * row_bytes
+    bulk.max_dynamic_shared_size_bytes = smem
+    for per_sm in (2, 4):
+        args = (cx, crows, cout, cupy.int64(tokens))
+        record(f"bulk_{per_sm}", lambda a=args, g=sms * per_sm: bulk((g,), (32,), a, shared_mem=smem))
     return res
 
 

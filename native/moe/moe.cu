@@ -1,6 +1,6 @@
 // MoE row movement as XLA FFI handlers. The routing (each pair's row in the dispatched
-// array, `rows[t*K + k]`) comes from AxkernMoeRoute (route.cu); dispatch's scatter,
-// AxkernMoeScatterRows, is in scatter.cu.
+// array, `rows[t*K + k]`) comes from the routing of route.cu; dispatch (routing and scatter),
+// AxkernMoeDispatch, is in scatter.cu.
 //
 // AxkernMoeGatherSum:   out[t, :] = sum_{k: valid[t*K+k]} w[t*K+k] * y[rows[t*K+k], :]
 //                       (combine; dispatch's dx with w = 1). f32 accumulation. A dropped pair

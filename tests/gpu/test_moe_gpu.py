@@ -44,7 +44,15 @@ def test_on_gpu_against_oracle(impl, dtype, hidden, topk):
 
 @pytest.mark.parametrize(
     "tokens, topk, experts",
-    [(32768, 8, 64), (8192, 8, 256), (1000, 1, 7), (3001, 4, 5000), (5, 3, 2)],
+    [
+        (32768, 8, 64),
+        (8192, 8, 256),
+        (1000, 1, 7),
+        (3001, 4, 5000),
+        (5, 3, 2),
+        (2000, 16, 8192),
+        (70001, 2, 3),
+    ],
 )
 def test_cuda_routing_is_the_stable_counting_sort(tokens, topk, experts):
     from axkern.ops.moe import cuda, reference
@@ -57,6 +65,15 @@ def test_cuda_routing_is_the_stable_counting_sort(tokens, topk, experts):
     np.testing.assert_array_equal(rows, want_rows)
     np.testing.assert_array_equal(counts, want_counts)
     np.testing.assert_array_equal(valid, want_valid)
+    # the dispatch handler runs the same sort before its scatter (chained launches on Hopper)
+    x = jax.numpy.arange(tokens * 4, dtype=jax.numpy.float32).reshape(tokens, 4)
+    out, counts, rows = jax.jit(lambda x, i: cuda.dispatch(x, i, num_experts=experts))(x, idx)
+    np.testing.assert_array_equal(rows, want_rows)
+    np.testing.assert_array_equal(counts, want_counts)
+    want_out = np.zeros((tokens * topk, 4), np.float32)
+    pairs = np.flatnonzero(want_valid)
+    want_out[np.asarray(want_rows)[pairs]] = np.asarray(x)[pairs // topk]
+    np.testing.assert_array_equal(out, want_out)
 
 
 def test_cuda_drops_traced_out_of_range_ids():

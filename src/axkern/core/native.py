@@ -69,7 +69,7 @@ LIBRARIES = {
         "moe",
         (
             "AxkernMoeRoute",
-            "AxkernMoeScatterRows",
+            "AxkernMoeDispatch",
             "AxkernMoeGatherSum",
             "AxkernMoeCombineBwd",
             "AxkernMoeLayout",

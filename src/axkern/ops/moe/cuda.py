@@ -1,16 +1,17 @@
 """MoE routing in CUDA (`native/moe/*.cu`) through XLA FFI.
 
 **Routing** (`AxkernMoeRoute`, route.cu): a stable counting sort of the `T·K` pairs by expert
-id in three small kernels: per-chunk histograms, one block scanning them (per expert over
-chunks, then over experts), and one warp per chunk placing its pairs in order
-(`__match_any_sync` ranks lanes that share an expert). It yields each pair's row and the
+id in three small kernels: per-chunk histograms, one block scanning them (a warp per expert
+over chunks, then over experts), and one warp per chunk placing its pairs in order from ids it
+loaded first (`__match_any_sync` ranks lanes that share an expert). It yields each pair's row and the
 group sizes without XLA's argsort.
 
-**Dispatch** (`AxkernMoeScatterRows`, scatter.cu): `x[t]` read once and its bits written to
-the rows of its `K` pairs (a dropped pair's row is zeros). On Hopper the copy engine moves the
-rows (one bulk load of `x[t]` into a shared-memory ring, `K` bulk stores out of it); elsewhere
-one block per token copies 16-byte vectors with streaming stores. Its backward is
-`AxkernMoeGatherSum` with weights 1 and the pairs' validity.
+**Dispatch** (`AxkernMoeDispatch`, scatter.cu): the routing above, then `x[t]` read once and
+its bits written to the rows of its `K` pairs (a dropped pair's row is zeros: the kernel tests
+the ids, no mask array), one block per token copying 16-byte vectors with streaming stores, in
+one handler. On Hopper the kernels after the first are programmatic dependent launches (each
+set up while the one before it runs, no launch gap between them). Its backward is `AxkernMoeGatherSum` with weights 1 and
+the pairs' validity.
 
 **Combine** (`AxkernMoeGatherSum`): `y[t] = sum_{k valid} w[t, k] · expert_y[rows[t, k]]`,
 float32 accumulation. Validity travels beside the weights (a `bool` per pair): a dropped pair
@@ -31,6 +32,8 @@ XLA's: docs/ops/moe.md, "Performance").
 """
 
 from __future__ import annotations
+
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -89,26 +92,36 @@ def layout_supports(spec) -> str | None:
     return _native_reason()
 
 
-def route(topk_idx, num_experts):
-    """`(rows [T·K], group_sizes [E], valid [T·K])` from the CUDA counting sort."""
-    idx = _ids(topk_idx, num_experts).reshape(-1)
-    pairs, buckets = idx.shape[0], num_experts + 1
-    chunks = cdiv(pairs, CHUNK)
-    out = (
+def _route_shapes(pairs, num_experts):
+    """`rows [T·K]`, `group_sizes [E]` and the routing's int32 workspace."""
+    buckets = num_experts + 1
+    return (
         jax.ShapeDtypeStruct((pairs,), jnp.int32),
         jax.ShapeDtypeStruct((num_experts,), jnp.int32),
-        jax.ShapeDtypeStruct((chunks * buckets + buckets,), jnp.int32),  # workspace
+        jax.ShapeDtypeStruct((cdiv(pairs, CHUNK) * buckets + buckets,), jnp.int32),
     )
-    rows, counts, _ = jax.ffi.ffi_call("AxkernMoeRoute", out)(
+
+
+def route(topk_idx, num_experts):
+    """`(rows [T·K], group_sizes [E], valid [T·K])` from the CUDA counting sort alone."""
+    idx = _ids(topk_idx, num_experts).reshape(-1)
+    rows, counts, _ = jax.ffi.ffi_call("AxkernMoeRoute", _route_shapes(idx.shape[0], num_experts))(
         idx, num_experts=np.int64(num_experts), chunk=np.int64(CHUNK)
     )
     return rows, counts, (idx >= 0) & (idx < num_experts)
 
 
-def _scatter_rows(x, rows, keep):
-    """`out[rows[p]] = x[p // K]` where `keep[p] != 0`, else zeros."""
-    out = jax.ShapeDtypeStruct((rows.shape[0], x.shape[1]), x.dtype)
-    return jax.ffi.ffi_call("AxkernMoeScatterRows", out)(x, rows, keep.astype(jnp.float32))
+def _route_and_scatter(x, ids, num_experts):
+    """`(out, group_sizes, rows)`: the routing, then `out[rows[p]] = x[p // K]` where
+    `0 <= ids[p] < num_experts`, else zeros."""
+    out = (
+        jax.ShapeDtypeStruct((ids.shape[0], x.shape[1]), x.dtype),
+        *_route_shapes(ids.shape[0], num_experts),
+    )
+    y, rows, counts, _ = jax.ffi.ffi_call("AxkernMoeDispatch", out)(
+        x, ids, num_experts=np.int64(num_experts), chunk=np.int64(CHUNK)
+    )
+    return y, counts, rows
 
 
 def _gather_sum(y, rows, weights, valid, tokens):
@@ -118,22 +131,23 @@ def _gather_sum(y, rows, weights, valid, tokens):
 
 
 def dispatch(x, topk_idx, *, num_experts):
-    rows, counts, valid = route(topk_idx, num_experts)
-    return _dispatch(x, rows, valid), counts, rows
+    return _dispatch(x, _ids(topk_idx, num_experts).reshape(-1), num_experts)
 
 
-@jax.custom_vjp
-def _dispatch(x, rows, valid):
-    return _scatter_rows(x, rows, valid)
+@partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _dispatch(x, ids, num_experts):
+    return _route_and_scatter(x, ids, num_experts)
 
 
-def _dispatch_fwd(x, rows, valid):
-    return _scatter_rows(x, rows, valid), (rows, valid, x.shape[0])
+def _dispatch_fwd(x, ids, num_experts):
+    y, counts, rows = _route_and_scatter(x, ids, num_experts)
+    return (y, counts, rows), (rows, ids, x.shape[0])
 
 
-def _dispatch_bwd(res, g):
-    rows, valid, tokens = res
-    return _gather_sum(g, rows, jnp.ones(rows.shape, jnp.float32), valid, tokens), None, None
+def _dispatch_bwd(num_experts, res, g):
+    rows, ids, tokens = res
+    valid = (ids >= 0) & (ids < num_experts)
+    return _gather_sum(g[0], rows, jnp.ones(rows.shape, jnp.float32), valid, tokens), None
 
 
 _dispatch.defvjp(_dispatch_fwd, _dispatch_bwd)
