@@ -32,9 +32,11 @@ inline unsigned grid_for(int64_t work_items, int items_per_block, int waves = 8)
 // launch: its blocks may start before the kernel launched just before it on the stream has
 // finished (once every block of that one has run `release_dependents()` or exited), so the
 // launch latency between two short kernels overlaps the first. A kernel launched `early` must
-// call `wait_for_prior()` before it touches anything the kernel before it writes, and before it
-// writes anything that kernel reads. The first kernel of a chain is launched without `early`,
-// so it still follows everything before it on the stream.
+// call `wait_for_prior()` before it touches anything that a kernel still running before it (the
+// one launched just before, or, through a chain of early launches, any earlier one) writes, and
+// before it writes anything those read; the wait returns when all of them have finished. The
+// first kernel of a chain is launched without `early`, so it follows everything before it on
+// the stream.
 template <typename... Params, typename... Args>
 cudaError_t launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream, bool early,
                    Args&&... args) {

@@ -155,7 +155,8 @@ int64_t moe_route_workspace(int64_t pairs, int64_t experts, int64_t chunk) {
   return ((pairs + chunk - 1) / chunk) * (experts + 1) + (experts + 1);
 }
 
-const char* moe_route_check(int64_t experts, int64_t chunk) {
+const char* moe_route_check(int64_t pairs, int64_t experts, int64_t chunk) {
+  if (pairs > INT32_MAX) return "rows are int32: at most 2^31 - 1 pairs";
   if (experts < 1 || (experts + 1) * static_cast<int64_t>(sizeof(int32_t)) > 48 * 1024)
     return "need 1 <= num_experts <= 12287";
   if (chunk < 1 || chunk > 32 * kIdsPerLane) return "chunk must be in [1, 1024]";
@@ -187,8 +188,11 @@ ffi::Error RouteImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> idx, int64_t num
                      ffi::Result<ffi::Buffer<ffi::S32>> rows, ffi::Result<ffi::Buffer<ffi::S32>> group_sizes,
                      ffi::Result<ffi::Buffer<ffi::S32>> workspace) {
   const int64_t pairs = static_cast<int64_t>(idx.element_count());
-  if (const char* bad = axkern::moe_route_check(num_experts, chunk))
+  if (const char* bad = axkern::moe_route_check(pairs, num_experts, chunk))
     return ffi::Error::InvalidArgument(std::string("AxkernMoeRoute: ") + bad);
+  if (static_cast<int64_t>(rows->element_count()) != pairs ||
+      static_cast<int64_t>(group_sizes->element_count()) != num_experts)
+    return ffi::Error::InvalidArgument("AxkernMoeRoute: rows must hold one entry per pair, group_sizes one per expert");
   if (static_cast<int64_t>(workspace->element_count()) != axkern::moe_route_workspace(pairs, num_experts, chunk))
     return ffi::Error::InvalidArgument("AxkernMoeRoute: workspace must hold (E+1)*chunks + (E+1) int32s");
   cudaError_t err = axkern::moe_route(stream, idx.typed_data(), pairs, num_experts, chunk, rows->typed_data(),

@@ -11,7 +11,7 @@ namespace axkern {
 int64_t moe_route_workspace(int64_t pairs, int64_t experts, int64_t chunk);
 
 // Why `moe_route` cannot run with these sizes, or nullptr.
-const char* moe_route_check(int64_t experts, int64_t chunk);
+const char* moe_route_check(int64_t pairs, int64_t experts, int64_t chunk);
 
 // Launches the count, scan and place kernels on `stream` (the last two early when `chain`):
 // `rows[p]` of every pair in stable expert-major order, dropped pairs (an id outside

@@ -83,18 +83,21 @@ bool aligned(const void* p, uintptr_t n) { return (reinterpret_cast<uintptr_t>(p
 ffi::Error DispatchImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> ids, int64_t num_experts,
                         int64_t chunk, ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::Buffer<ffi::S32>> rows,
                         ffi::Result<ffi::Buffer<ffi::S32>> group_sizes, ffi::Result<ffi::Buffer<ffi::S32>> workspace) {
+  if (x.dimensions().size() != 2) return ffi::Error::InvalidArgument("AxkernMoeDispatch: x must be [tokens, hidden]");
   const int64_t tokens = x.dimensions()[0], cols = x.dimensions()[1];
   const int64_t pairs = static_cast<int64_t>(ids.element_count());
   if (tokens == 0 ? pairs != 0 : pairs % tokens != 0)
     return ffi::Error::InvalidArgument("AxkernMoeDispatch: ids must hold top-k entries per token");
   const int64_t topk = tokens ? pairs / tokens : 0;
   if (topk > kMaxTopK) return ffi::Error::InvalidArgument("AxkernMoeDispatch: top-k above 16");
-  if (num_experts > INT32_MAX)
-    return ffi::Error::InvalidArgument("AxkernMoeDispatch: num_experts above 2^31 - 1");
-  if (const char* bad = axkern::moe_route_check(num_experts, chunk))
+  if (const char* bad = axkern::moe_route_check(pairs, num_experts, chunk))
     return ffi::Error::InvalidArgument(std::string("AxkernMoeDispatch: ") + bad);
   if (static_cast<int64_t>(workspace->element_count()) != axkern::moe_route_workspace(pairs, num_experts, chunk))
     return ffi::Error::InvalidArgument("AxkernMoeDispatch: workspace must hold (E+1)*chunks + (E+1) int32s");
+  if (out->dimensions().size() != 2 || out->dimensions()[0] != pairs || out->dimensions()[1] != cols ||
+      static_cast<int64_t>(rows->element_count()) != pairs ||
+      static_cast<int64_t>(group_sizes->element_count()) != num_experts)
+    return ffi::Error::InvalidArgument("AxkernMoeDispatch: out must be [pairs, hidden], rows [pairs], group_sizes [E]");
   const bool chain = axkern::chains_launches();
   const int32_t* id = ids.typed_data();
   int32_t* row = rows->typed_data();

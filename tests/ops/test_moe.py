@@ -220,3 +220,20 @@ def test_named_combine_refuses_a_routing_from_another_mapping():
         ex, _, routing = jit(lambda x, i: axkern.moe_dispatch(x, i, num_experts=4))(xn, idxn)
     with pytest.raises(ValueError, match="call moe_combine under the axis mapping moe_dispatch ran under"):
         axkern.moe_combine(ex.rename({"embed": "out"}), wn, routing)
+
+
+@pytest.mark.parametrize(
+    "dims, reason",
+    [
+        ({"topk": 17}, "top-k at most 16"),
+        ({"experts": 8193}, "at most 8192 experts"),
+        ({"tokens": 2**28, "topk": 8}, "int32"),
+    ],
+)
+def test_cuda_refuses_sizes_its_kernels_cannot_hold(dims, reason):
+    from axkern.core.op import Spec
+    from axkern.ops.moe import cuda
+
+    sizes = {"tokens": 4096, "topk": 8, "embed": 1024, "experts": 64, **dims}
+    spec = Spec("moe_dispatch", tuple(sizes.items()), "bfloat16", "gpu", "H200", "nvidia_h200")
+    assert reason in cuda.supports(spec)

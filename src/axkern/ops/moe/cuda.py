@@ -46,6 +46,7 @@ from axkern.core.op import Unsupported
 CHUNK = 1024  # pairs per routing chunk (one warp places them)
 MAX_TOPK = 16  # a token's K rows and weights are held in registers (moe.cu)
 MAX_EXPERTS = 8192  # the routing kernels keep E+1 int32 counters in shared memory
+MAX_PAIRS = 2**31 - 1  # rows, group sizes and the routing's running sums are int32
 
 
 def supports(spec) -> str | None:
@@ -53,6 +54,8 @@ def supports(spec) -> str | None:
         return f"the CUDA row kernels hold a token's rows in registers: top-k at most {MAX_TOPK}, not {spec.dim('topk')}"
     if spec.dim("experts") > MAX_EXPERTS:
         return f"the CUDA routing kernels keep per-expert counters in shared memory: at most {MAX_EXPERTS} experts, not {spec.dim('experts')}"
+    if spec.dim("tokens") * spec.dim("topk") > MAX_PAIRS:
+        return f"the CUDA routing numbers rows in int32: at most {MAX_PAIRS} tokens x top-k pairs"
     return _native_reason()
 
 
