@@ -22,8 +22,8 @@
 // place kernel does not release what follows it early: the dispatch's scatter is a grid of 4
 // blocks an SM, and with its blocks placed while the place kernel ran the dispatch took 0.778
 // ms instead of 0.706 on the H200 (e64 preset).
-// The place walk is serial per chunk: with the ids loaded one step at a time it waited on a
-// global load every 32 pairs (about 50 us for 262144 pairs on an H200).
+// The place walk is serial per chunk, so its ids are loaded before it: loaded a step at a time,
+// the walk waits on a global load every 32 pairs (about 50 us for 262144 pairs on an H200).
 #include <cuda_runtime.h>
 
 #include <cstdint>
