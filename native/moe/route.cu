@@ -16,6 +16,10 @@
 //          walked 32 at a time in order; lanes with the same bucket find each other with
 //          __match_any_sync and take consecutive rows from a shared-memory cursor, so the order
 //          within a bucket is the pair order.
+// Bytes: the ids are read twice (count, place) and the rows written once, 12 bytes a pair, plus
+// (E+1)·chunks counts written, scanned and read; far below a millisecond's worth of bandwidth, so
+// the routing is bound by latency (launches, the scan's single block, the place walk's serial
+// steps), not by bytes.
 // The scan and the place kernels are launched early (`axkern::launch`): each starts its blocks
 // while the one before it runs and waits for it in `wait_for_prior()`, so three short kernels
 // cost about one launch latency; `moe_route` is also the first half of AxkernMoeDispatch. The

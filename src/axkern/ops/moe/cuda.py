@@ -1,17 +1,17 @@
 """MoE routing in CUDA (`native/moe/*.cu`) through XLA FFI.
 
-**Routing** (`AxkernMoeRoute`, route.cu): a stable counting sort of the `T·K` pairs by expert
-id in three small kernels: per-chunk histograms, one block scanning them (a warp per expert
-over chunks, then over experts), and one warp per chunk placing its pairs in order from ids it
-loaded first (`__match_any_sync` ranks lanes that share an expert). It yields each pair's row and the
-group sizes without XLA's argsort.
+**Routing** (route.cu; `AxkernMoeRoute` runs it alone): a stable counting sort of the `T·K`
+pairs by expert id in three small kernels: per-chunk histograms, one block scanning them (a
+warp per expert over chunks, then over experts), and one warp per chunk placing its pairs in
+order from ids it loaded first (`__match_any_sync` ranks lanes that share an expert). It yields
+each pair's row and the group sizes without XLA's argsort.
 
 **Dispatch** (`AxkernMoeDispatch`, scatter.cu): the routing above, then `x[t]` read once and
 its bits written to the rows of its `K` pairs (a dropped pair's row is zeros: the kernel tests
 the ids, no mask array), one block per token copying 16-byte vectors with streaming stores, in
 one handler. On Hopper the kernels after the first are programmatic dependent launches (each
-set up while the one before it runs, no launch gap between them). Its backward is `AxkernMoeGatherSum` with weights 1 and
-the pairs' validity.
+set up while the one before it runs, no launch gap between them). Its backward is
+`AxkernMoeGatherSum` with weights 1 and the pairs' validity.
 
 **Combine** (`AxkernMoeGatherSum`): `y[t] = sum_{k valid} w[t, k] · expert_y[rows[t, k]]`,
 float32 accumulation. Validity travels beside the weights (a `bool` per pair): a dropped pair

@@ -198,8 +198,9 @@ def short_conv_positional(
         activation=activation,
     )
     if return_final_state:
-        runs = None if segment_ids is None else segment_runs(segment_ids)
-        return WithFinalState(y, final_state(x, runs, zero_state(x, width, initial_state)))
+        return WithFinalState(
+            y, final_state(x, segment_runs(segment_ids), zero_state(x, width, initial_state))
+        )
     return y
 
 

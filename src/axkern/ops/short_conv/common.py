@@ -14,7 +14,9 @@ def acc_dtype(x):
 
 def segment_runs(segment_ids):
     """Each position's segment as the number of id changes before it (int32), so that taps compare
-    runs, not ids: an id used again after another starts a new segment."""
+    runs, not ids: an id used again after another starts a new segment. None stays None."""
+    if segment_ids is None:
+        return None
     change = segment_ids[:, 1:] != segment_ids[:, :-1]
     first = jnp.zeros((segment_ids.shape[0], 1), jnp.int32)
     return jnp.concatenate([first, jnp.cumsum(change, axis=1, dtype=jnp.int32)], axis=1)

@@ -273,9 +273,7 @@ def conv(
         block_sizes.num_warps,
     )
     initial_state = zero_state(x, weight.shape[0], initial_state)
-    if segment_ids is not None:  # a reused id after another starts a new segment
-        segment_ids = segment_runs(segment_ids)
-    return _conv(cfg, x, weight, bias, segment_ids, initial_state)
+    return _conv(cfg, x, weight, bias, segment_runs(segment_ids), initial_state)
 
 
 def _static(cfg, x, weight):
@@ -302,7 +300,7 @@ def _conv(cfg, x, weight, bias, segment_ids, initial_state):
 
 
 def _fwd(cfg, x, weight, bias, segment_ids, initial_state):
-    return _conv(cfg, x, weight, bias, segment_ids, initial_state), (
+    return _conv(cfg, x, weight, bias, segment_runs(segment_ids), initial_state), (
         x,
         weight,
         bias,

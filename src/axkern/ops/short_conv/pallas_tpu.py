@@ -192,9 +192,7 @@ def conv(
         bool(interpret),
     )
     initial_state = zero_state(x, weight.shape[0], initial_state)
-    if segment_ids is not None:  # a reused id after another starts a new segment
-        segment_ids = segment_runs(segment_ids)
-    return _conv(cfg, x, weight, bias, segment_ids, initial_state)
+    return _conv(cfg, x, weight, bias, segment_runs(segment_ids), initial_state)
 
 
 def _inputs(x, weight, bias, segment_ids, initial_state):
@@ -237,7 +235,7 @@ def _conv(cfg, x, weight, bias, segment_ids, initial_state):
 
 
 def _fwd(cfg, x, weight, bias, segment_ids, initial_state):
-    return _conv(cfg, x, weight, bias, segment_ids, initial_state), (
+    return _conv(cfg, x, weight, bias, segment_runs(segment_ids), initial_state), (
         x,
         weight,
         bias,

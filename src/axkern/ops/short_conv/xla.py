@@ -25,9 +25,7 @@ from .common import activate, activation_grad, extended, pre_activation, segment
 
 def conv(x, weight, bias, segment_ids, initial_state, *, activation=None):
     initial_state = zero_state(x, weight.shape[0], initial_state)
-    if segment_ids is not None:  # a reused id after another starts a new segment
-        segment_ids = segment_runs(segment_ids)
-    return _conv(activation, x, weight, bias, segment_ids, initial_state)
+    return _conv(activation, x, weight, bias, segment_runs(segment_ids), initial_state)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -37,7 +35,7 @@ def _conv(activation, x, weight, bias, segment_ids, initial_state):
 
 
 def _fwd(activation, x, weight, bias, segment_ids, initial_state):
-    return _conv(activation, x, weight, bias, segment_ids, initial_state), (
+    return _conv(activation, x, weight, bias, segment_runs(segment_ids), initial_state), (
         x,
         weight,
         bias,
