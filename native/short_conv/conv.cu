@@ -14,9 +14,9 @@
 //                     row W dbias; summed by the caller). The state's gradient is formed by
 //                     the caller.
 //
-// Layout and grid: one thread owns N consecutive channels (a vector of 4 or 8 bytes, see
-// fwd_vector_width and bwd_vector_width) of `rows` consecutive positions, walking down the
-// sequence in steps of kStep rows that reach it through a shared-memory ring filled
+// Layout and grid: one thread owns N consecutive channels (a vector of 8 bytes, see
+// vector_width) of `rows` consecutive positions, walking down the sequence in steps of kStep
+// rows that reach it through a shared-memory ring filled
 // asynchronously (kStages, below). Grid (channel blocks, tiles, B). The W - 1 inputs before a
 // step stay in registers, so each input element is read from memory once, plus the W - 1 halo
 // rows above its tile (a fraction (W-1)/rows).
@@ -80,8 +80,9 @@ __device__ inline void store_vec(T* p, const float (&in)[N]) {
 }
 
 // sigmoid(p): 16-bit outputs use (1 + tanh(p / 2)) / 2 with one MUFU op; float32 the exact form.
-__device__ inline float sigmoid(float p, bool fast) {
-  if (fast) {
+template <typename T>
+__device__ inline float sigmoid(float p) {
+  if constexpr (sizeof(T) == 2) {
     float t;
     asm("tanh.approx.f32 %0, %1;" : "=f"(t) : "f"(0.5f * p));
     return 0.5f + 0.5f * t;
@@ -100,7 +101,7 @@ enum ParamType : int { kF32 = 0, kBF16 = 1, kF16 = 2 };
 
 struct Problem {
   int64_t seq, channels, rows;
-  bool silu, segments, fast, has_state;
+  bool silu, segments, has_state;
   ParamType weight_type, bias_type;
 };
 
@@ -116,7 +117,7 @@ __device__ inline void load_param(const void* p, ParamType type, int64_t i, floa
 }
 
 // The segment run of a row: 1 after a change of id (or at `first`), else the previous run + 1,
-// capped at W.
+// capped at `width`.
 __device__ inline int next_run(int32_t id, int32_t prev_id, int prev_run, bool first, int width) {
   return (first || id != prev_id) ? 1 : min(prev_run + 1, width);
 }
@@ -152,7 +153,9 @@ __device__ inline void carry(const float (&cur)[kStep][N], float (&prev)[W][N]) 
 }
 
 // The W - 1 inputs before a tile starting at t0 (the state's rows before position 0), the
-// segment run of each, and the last id and run: what a thread carries into its first step.
+// segment run of each (capped at W), and the last id and its run capped at 2W (`span`, which
+// tells whether the next step's rows and the W - 1 before them all keep every tap): what a
+// thread carries into its first step.
 template <int N, int W, bool SEG, typename T>
 __device__ inline void load_halo(const T* x, const T* state, bool has_state, const int32_t* seg, int64_t t0,
                                  int64_t C, float (&xp)[W][N], int (&rp)[W], int32_t& idp, int& runp) {
@@ -170,10 +173,10 @@ __device__ inline void load_halo(const T* x, const T* state, bool has_state, con
       for (int v = 0; v < N; ++v) xp[i][v] = 0.0f;
     if (SEG) {
       const int32_t id = seg[u < 0 ? 0 : u];
-      runp = next_run(id, idp, runp, i == 0, W);
+      runp = next_run(id, idp, runp, i == 0, 2 * W);
       idp = id;
     }
-    rp[i] = runp;
+    rp[i] = min(runp, W);
   }
 }
 
@@ -240,19 +243,27 @@ struct Rings {
   }
 };
 
-// The segment ids of a step's rows, from the lanes that copied them, and their runs; `full`
-// when every row keeps all W taps (the common case: no select per tap).
+// A step's changes of segment id: bit j set when row j's id differs from the row before it
+// (row 0 against `idp`, the last id of the step before; or `first`). Lanes 0..kStep-1 of each
+// warp hold the step's ids (`mine`), one row each; every lane gets the mask.
+__device__ inline unsigned step_changes(int32_t mine, int32_t idp, bool first, int lane) {
+  const int32_t above = __shfl_up_sync(0xffffffffu, mine, 1);
+  const bool change = lane == 0 ? (first || mine != idp) : mine != above;
+  return __ballot_sync(0xffffffffu, change) & ((1u << kStep) - 1);
+}
+
+// The run of row j of a step, capped at `cap`: from the last change at or before j, or, with
+// none, continuing `span` (the run of the row before the step).
+__device__ inline int run_in_step(unsigned changes, int j, int span, int cap) {
+  const unsigned m = changes & ((2u << j) - 1);
+  return m ? min(j - (31 - __clz(m)) + 1, cap) : min(span + j + 1, cap);
+}
+
+// The runs of a step's rows, capped at W (what the taps' selects read).
 template <int W>
-__device__ inline bool step_runs(int32_t mine, int32_t idp, int runp, bool first, int32_t (&ids)[kStep],
-                                 int (&rc)[kStep]) {
-  bool full = true;
+__device__ inline void step_runs(unsigned changes, int span, int (&rc)[kStep]) {
 #pragma unroll
-  for (int j = 0; j < kStep; ++j) {
-    ids[j] = __shfl_sync(0xffffffffu, mine, j);
-    rc[j] = next_run(ids[j], j ? ids[j - 1] : idp, j ? rc[j - 1] : runp, first && j == 0, W);
-    full = full && rc[j] == W;
-  }
-  return full;
+  for (int j = 0; j < kStep; ++j) rc[j] = run_in_step(changes, j, span, W);
 }
 
 // The first channel of this thread's vector. Threads past the last channel work on the last
@@ -264,10 +275,22 @@ __device__ inline int64_t thread_channel(const Problem& p, bool& active) {
   return active ? c : p.channels - N;
 }
 
-template <typename T, int N, int W, bool SEG>
+// Calls f with the activation as a compile-time flag, so that a step's rows hold no branch.
+template <typename F>
+__device__ inline void by_silu(bool silu, F&& f) {
+  if (silu)
+    f(std::true_type{});
+  else
+    f(std::false_type{});
+}
+
+// One step of the forward: y for rows t .. t + kStep - 1, stored at ys + j·C. EDGE steps store
+// only their first `valid` rows and only from active threads; the others (every row in the
+// tile, an active thread: nearly all steps) check nothing per row.
+template <typename T, int N, int W, bool SEG, bool SILU, bool EDGE>
 __device__ inline void fwd_rows(const float (&w)[W][N], const float (&bv)[N], const float (&xc)[kStep][N],
-                                const float (&xp)[W][N], const int (&rc)[kStep], T* y, int64_t t, int64_t t1,
-                                int64_t C, bool store, const Problem& p) {
+                                const float (&xp)[W][N], const int (&rc)[kStep], T* ys, int valid, int64_t C,
+                                bool store) {
 #pragma unroll
   for (int j = 0; j < kStep; ++j) {
     float acc[N];
@@ -280,11 +303,11 @@ __device__ inline void fwd_rows(const float (&w)[W][N], const float (&bv)[N], co
 #pragma unroll
       for (int v = 0; v < N; ++v) acc[v] = add_tap<SEG>(acc[v], w[k][v], src[v], keep);
     }
-    if (p.silu) {
+    if constexpr (SILU) {
 #pragma unroll
-      for (int v = 0; v < N; ++v) acc[v] = acc[v] * sigmoid(acc[v], p.fast);
+      for (int v = 0; v < N; ++v) acc[v] = acc[v] * sigmoid<T>(acc[v]);
     }
-    if (store && t + j < t1) store_vec<N>(y + (t + j) * C, acc);
+    if (!EDGE || (store && j < valid)) store_vec<N>(ys + j * C, acc);
   }
 }
 
@@ -301,6 +324,7 @@ __global__ void __launch_bounds__(kThreads) conv_fwd(const T* __restrict__ x, co
   bool active;
   const int64_t c = thread_channel<N>(p, active);
   const int64_t b = blockIdx.z, C = p.channels, S = p.seq;
+  const int c32 = static_cast<int>(C);  // check_shapes: kStep · C fits an int
   const int64_t t0 = int64_t(blockIdx.y) * p.rows;
   const int64_t t1 = min(t0 + p.rows, S);
   const int64_t steps = (t1 - t0 + kStep - 1) / kStep;
@@ -313,8 +337,10 @@ __global__ void __launch_bounds__(kThreads) conv_fwd(const T* __restrict__ x, co
     if (s < steps) {
       const int stage = static_cast<int>(s % kStages);
       const int64_t t = t0 + s * kStep;
+      const int last = static_cast<int>(min(int64_t(kStep), t1 - t)) - 1;  // rows past the tile repeat its last
+      const T* xs = x + t * C;
 #pragma unroll
-      for (int j = 0; j < kStep; ++j) async_copy<sizeof(Vec)>(ring.slot(0, stage, j, tid), x + min(t + j, t1 - 1) * C);
+      for (int j = 0; j < kStep; ++j) async_copy<sizeof(Vec)>(ring.slot(0, stage, j, tid), xs + min(j, last) * c32);
       if (SEG && lane < kStep) async_copy<4>(ring.ids + stage * kThreads + tid, seg + min(t + lane, t1 - 1));
     }
     async_commit();
@@ -341,48 +367,61 @@ __global__ void __launch_bounds__(kThreads) conv_fwd(const T* __restrict__ x, co
     float xc[kStep][N];
 #pragma unroll
     for (int j = 0; j < kStep; ++j) load<N>(reinterpret_cast<const T*>(ring.slot(0, stage, j, tid)), xc[j]);
-    int32_t ids[kStep];
+    const int valid = static_cast<int>(min(int64_t(kStep), t1 - t));
     int rc[kStep];
-    bool full = true;
+    bool full = true;  // every row of the step keeps all W taps: no change of id within W rows
     if constexpr (SEG) {
-      full = step_runs<W>(ring.ids[stage * kThreads + tid], idp, runp, W == 1 && s == 0, ids, rc);
-      idp = ids[kStep - 1];
-      runp = rc[kStep - 1];
+      const int32_t mine = ring.ids[stage * kThreads + tid];
+      const unsigned changes = step_changes(mine, idp, W == 1 && s == 0, lane);
+      full = changes == 0 && runp + 1 >= W;
+      if (!(full && active && valid == kStep)) step_runs<W>(changes, runp, rc);
+      idp = __shfl_sync(0xffffffffu, mine, kStep - 1);
+      runp = run_in_step(changes, kStep - 1, runp, 2 * W);
     }
-    if (full)
-      fwd_rows<T, N, W, false>(w, bv, xc, xp, rc, y, t, t1, C, active, p);
+    T* ys = y + t * C;
+    if (full && active && valid == kStep)
+      by_silu(p.silu, [&](auto silu) {
+        fwd_rows<T, N, W, false, decltype(silu)::value, false>(w, bv, xc, xp, rc, ys, valid, C, active);
+      });
     else
-      fwd_rows<T, N, W, true>(w, bv, xc, xp, rc, y, t, t1, C, active, p);
+      by_silu(p.silu, [&](auto silu) {
+        fwd_rows<T, N, W, SEG, decltype(silu)::value, true>(w, bv, xc, xp, rc, ys, valid, C, active);
+      });
     carry<W, N>(xc, xp);
   }
 }
 
 // One step of the backward: g for the step's rows u0 + j, their dw and dbias terms, and dx
-// for the rows t = u - (W - 1) that fall in the tile.
-template <typename T, int N, int W, bool SEG>
+// for the rows t = u - (W - 1) that fall in the tile. EDGE steps check each row (past the
+// sequence: g is 0; past the tile: no dw term; t outside the tile or an inactive thread: no
+// store); the others (every u and t in the tile, an active thread: nearly all steps) check
+// nothing per row and store dx(u0 - (W - 1) + j) at dxs + j·C.
+template <typename T, int N, int W, bool SEG, bool SILU, bool EDGE>
 __device__ inline void bwd_rows(const float (&w)[W][N], const float (&bv)[N], const float (&xc)[kStep][N],
                                 const float (&xp)[W][N], float (&gc)[kStep][N], const float (&gp)[W][N],
                                 const int (&rc)[kStep], const int (&rp)[W], float (&dw)[W][N], float (&db)[N],
-                                T* dx, int64_t u0, int64_t t0, int64_t t1, int64_t S, int64_t C, bool store,
-                                const Problem& p) {
+                                T* dx, T* dxs, int64_t u0, int64_t t0, int64_t t1, int64_t S, int64_t C,
+                                bool store) {
 #pragma unroll
   for (int j = 0; j < kStep; ++j) {
     const int64_t u = u0 + j;
-    if (p.silu) {
+    if constexpr (SILU) {
 #pragma unroll
       for (int v = 0; v < N; ++v) {
         float pre = bv[v];
 #pragma unroll
         for (int k = 0; k < W; ++k)
           pre = add_tap<SEG>(pre, w[k][v], row<W, N>(xc, xp, j - k)[v], !SEG || k < rc[j]);
-        const float s = sigmoid(pre, p.fast);
+        const float s = sigmoid<T>(pre);
         gc[j][v] *= s * (1.0f + pre * (1.0f - s));
       }
     }
-    const bool inside = u < S;
+    if constexpr (EDGE) {
+      const bool inside = u < S;
 #pragma unroll
-    for (int v = 0; v < N; ++v) gc[j][v] = inside ? gc[j][v] : 0.0f;  // selected, never multiplied
-    if (u < t1) {
+      for (int v = 0; v < N; ++v) gc[j][v] = inside ? gc[j][v] : 0.0f;  // selected, never multiplied
+    }
+    if (!EDGE || u < t1) {
 #pragma unroll
       for (int k = 0; k < W; ++k) {
         const bool keep = !SEG || k < rc[j];
@@ -393,7 +432,7 @@ __device__ inline void bwd_rows(const float (&w)[W][N], const float (&bv)[N], co
       for (int v = 0; v < N; ++v) db[v] += gc[j][v];
     }
     const int64_t t = u - (W - 1);
-    if (store && t >= t0 && t < t1) {
+    if (!EDGE || (store && t >= t0 && t < t1)) {
       float acc[N];
 #pragma unroll
       for (int v = 0; v < N; ++v) acc[v] = 0.0f;
@@ -405,14 +444,17 @@ __device__ inline void bwd_rows(const float (&w)[W][N], const float (&bv)[N], co
 #pragma unroll
         for (int v = 0; v < N; ++v) acc[v] = add_tap<SEG>(acc[v], w[k][v], g[v], keep);
       }
-      store_vec<N>(dx + t * C, acc);
+      store_vec<N>(EDGE ? dx + t * C : dxs + j * C, acc);
     }
   }
 }
 
-// At least three backward blocks per SM (at most 168 registers a thread): the segments
-// variant at W = 4 otherwise takes 190 and fits two.
-constexpr int kBwdBlocksPerSm = 3;
+// Two backward blocks per SM (up to 255 registers a thread): a step's rows, unrolled without
+// branches, keep 8 rows of inputs and of g, W carried rows of each and W dw accumulators per
+// channel in registers. Capped at 168 registers for three blocks an SM, the kernels spilled
+// (W = 4) or ran 2 channels a thread (W = 8), and were slower at every width (H200:
+// docs/ops/short_conv.md).
+constexpr int kBwdBlocksPerSm = 2;
 
 template <typename T, int N, int W, bool SEG>
 __global__ void __launch_bounds__(kThreads, kBwdBlocksPerSm)
@@ -427,6 +469,7 @@ __global__ void __launch_bounds__(kThreads, kBwdBlocksPerSm)
   bool active;
   const int64_t c = thread_channel<N>(p, active);
   const int64_t b = blockIdx.z, C = p.channels, S = p.seq;
+  const int c32 = static_cast<int>(C);  // check_shapes: kStep · C fits an int
   const int64_t tile = blockIdx.y, tiles = gridDim.y;
   const int64_t t0 = tile * p.rows;
   const int64_t t1 = min(t0 + p.rows, S);
@@ -443,11 +486,14 @@ __global__ void __launch_bounds__(kThreads, kBwdBlocksPerSm)
     if (s < steps) {
       const int stage = static_cast<int>(s % kStages);
       const int64_t u0 = t0 + s * kStep;
+      const int last = static_cast<int>(min(int64_t(kStep), u_end - u0)) - 1;
+      const T* xs = x + u0 * C;
+      const T* ds = dy + u0 * C;
 #pragma unroll
       for (int j = 0; j < kStep; ++j) {
-        const int64_t u = min(u0 + j, u_end - 1);
-        async_copy<sizeof(Vec)>(ring.slot(0, stage, j, tid), x + u * C);
-        async_copy<sizeof(Vec)>(ring.slot(1, stage, j, tid), dy + u * C);
+        const int r = min(j, last) * c32;
+        async_copy<sizeof(Vec)>(ring.slot(0, stage, j, tid), xs + r);
+        async_copy<sizeof(Vec)>(ring.slot(1, stage, j, tid), ds + r);
       }
       if (SEG && lane < kStep) async_copy<4>(ring.ids + stage * kThreads + tid, seg + min(u0 + lane, u_end - 1));
     }
@@ -491,25 +537,35 @@ __global__ void __launch_bounds__(kThreads, kBwdBlocksPerSm)
       load<N>(reinterpret_cast<const T*>(ring.slot(0, stage, j, tid)), xc[j]);
       load<N>(reinterpret_cast<const T*>(ring.slot(1, stage, j, tid)), gc[j]);
     }
-    int32_t ids[kStep];
+    // every row u of the step in the tile (so u < S), every dx row t = u - (W - 1) too
+    const bool inner = active && u0 - (W - 1) >= t0 && u0 + kStep <= t1;
     int rc[kStep];
-    bool full = true;
+    bool full = true;  // the step's rows and the W - 1 before them (the dx rows reach back) keep all taps
     if constexpr (SEG) {
-      full = step_runs<W>(ring.ids[stage * kThreads + tid], idp, runp, W == 1 && s == 0, ids, rc);
-#pragma unroll
-      for (int i = 0; i < W - 1; ++i) full = full && rp[i] == W;  // the dx rows reach back W - 1
-      idp = ids[kStep - 1];
-      runp = rc[kStep - 1];
+      const int32_t mine = ring.ids[stage * kThreads + tid];
+      const unsigned changes = step_changes(mine, idp, W == 1 && s == 0, lane);
+      full = changes == 0 && runp >= 2 * W - 2;
+      if (!(full && inner)) step_runs<W>(changes, runp, rc);
+      idp = __shfl_sync(0xffffffffu, mine, kStep - 1);
+      runp = run_in_step(changes, kStep - 1, runp, 2 * W);
     }
-    if (full)
-      bwd_rows<T, N, W, false>(w, bv, xc, xp, gc, gp, rc, rp, dw, db, dx, u0, t0, t1, S, C, active, p);
-    else
-      bwd_rows<T, N, W, true>(w, bv, xc, xp, gc, gp, rc, rp, dw, db, dx, u0, t0, t1, S, C, active, p);
+    if (full && inner) {
+      T* dxs = dx + (u0 - (W - 1)) * C;
+      by_silu(p.silu, [&](auto silu) {
+        bwd_rows<T, N, W, false, decltype(silu)::value, false>(w, bv, xc, xp, gc, gp, rc, rp, dw, db, dx, dxs, u0,
+                                                               t0, t1, S, C, active);
+      });
+    } else {
+      by_silu(p.silu, [&](auto silu) {
+        bwd_rows<T, N, W, SEG, decltype(silu)::value, true>(w, bv, xc, xp, gc, gp, rc, rp, dw, db, dx, dx, u0, t0,
+                                                            t1, S, C, active);
+      });
+    }
     carry<W, N>(xc, xp);
     carry<W, N>(gc, gp);
     if constexpr (SEG) {
 #pragma unroll
-      for (int i = 0; i < W - 1; ++i) rp[i] = rc[kStep - (W - 1) + i];
+      for (int i = 0; i < W - 1; ++i) rp[i] = full && inner ? W : rc[kStep - (W - 1) + i];
     }
   }
   if (!active) return;
@@ -569,6 +625,8 @@ ffi::Error check_shapes(const char* name, ffi::AnyBuffer x, ffi::AnyBuffer weigh
   if (weight.dimensions()[1] != s.channels || bias.dimensions()[0] != s.channels)
     return ffi::Error::InvalidArgument(std::string(name) + ": weight and bias must have x's channels");
   if (s.width < 1 || s.width > kMaxWidth) return ffi::Error::InvalidArgument(std::string(name) + ": width must be 1..8");
+  if (s.channels > (int64_t(1) << 27))
+    return ffi::Error::InvalidArgument(std::string(name) + ": more than 2^27 channels");
   if (rows < 1) return ffi::Error::InvalidArgument(std::string(name) + ": rows must be positive");
   if (s.channels % vector) return ffi::Error::InvalidArgument(std::string(name) + ": channels must be a multiple of the vector width");
   const int64_t tiles = (s.seq + rows - 1) / rows;
@@ -595,22 +653,16 @@ ffi::Error param_type(ffi::DataType dtype, const char* name, const char* what, P
 }
 
 ffi::Error problem(const char* name, const Shape& s, ffi::AnyBuffer weight, ffi::AnyBuffer bias, int64_t rows,
-                   int64_t silu, int64_t segments, int64_t has_state, bool fast, Problem& p) {
-  p = Problem{s.seq, s.channels, rows, silu != 0, segments != 0, fast, has_state != 0, kF32, kF32};
+                   int64_t silu, int64_t segments, int64_t has_state, Problem& p) {
+  p = Problem{s.seq, s.channels, rows, silu != 0, segments != 0, has_state != 0, kF32, kF32};
   if (auto err = param_type(weight.element_type(), name, "weight", p.weight_type); err.failure()) return err;
   return param_type(bias.element_type(), name, "bias", p.bias_type);
 }
 
-// Channels per thread. Forward: 8 bytes of 16-bit inputs (float32: 2 channels). Backward: 8
-// bytes for W <= 4 and 4 bytes above (float32: 2 channels), which keeps its carried rows and
-// its dw accumulators in registers (measured on the H200: docs/ops/short_conv.md).
+// Channels per thread, forward and backward: 8 bytes (16-bit inputs: 4 channels; float32: 2).
 template <typename T>
-__host__ __device__ constexpr int fwd_vector_width() {
+__host__ __device__ constexpr int vector_width() {
   return sizeof(T) == 4 ? 2 : 8 / static_cast<int>(sizeof(T));
-}
-template <typename T, int W>
-__host__ __device__ constexpr int bwd_vector_width() {
-  return sizeof(T) == 4 ? 2 : (W <= 4 ? 8 : 4) / static_cast<int>(sizeof(T));
 }
 
 template <typename Launch>
@@ -634,12 +686,12 @@ ffi::Error FwdImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer weight,
     Shape s;
     if (auto err = check_shapes(name, x, weight, bias, rows, 16 / sizeof(T), s); err.failure()) return err;
     Problem p;
-    if (auto err = problem(name, s, weight, bias, rows, silu, segments, has_state, sizeof(T) == 2, p); err.failure())
+    if (auto err = problem(name, s, weight, bias, rows, silu, segments, has_state, p); err.failure())
       return err;
     if (s.batch == 0 || s.seq == 0 || s.channels == 0) return ffi::Error::Success();
     return by_width(s.width, name, [&](auto wc) {
       constexpr int W = decltype(wc)::value;
-      constexpr int N = fwd_vector_width<T>();
+      constexpr int N = vector_width<T>();
       const int64_t threads_needed = s.channels / N;
       const dim3 grid((threads_needed + kThreads - 1) / kThreads, (s.seq + rows - 1) / rows, s.batch);
       auto kernel = segments ? conv_fwd<T, N, W, true> : conv_fwd<T, N, W, false>;
@@ -665,7 +717,7 @@ ffi::Error BwdImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer weight,
     Shape s;
     if (auto err = check_shapes(name, x, weight, bias, rows, 16 / sizeof(T), s); err.failure()) return err;
     Problem p;
-    if (auto err = problem(name, s, weight, bias, rows, silu, segments, has_state, sizeof(T) == 2, p); err.failure())
+    if (auto err = problem(name, s, weight, bias, rows, silu, segments, has_state, p); err.failure())
       return err;
     const int64_t tiles = (s.seq + rows - 1) / rows;
     if (part->element_count() != s.batch * tiles * (s.width + 1) * s.channels)
@@ -673,7 +725,7 @@ ffi::Error BwdImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer weight,
     if (s.batch == 0 || s.seq == 0 || s.channels == 0) return ffi::Error::Success();
     return by_width(s.width, name, [&](auto wc) {
       constexpr int W = decltype(wc)::value;
-      constexpr int N = bwd_vector_width<T, W>();
+      constexpr int N = vector_width<T>();
       const int64_t threads_needed = s.channels / N;
       const dim3 grid((threads_needed + kThreads - 1) / kThreads, tiles, s.batch);
       auto kernel = segments ? conv_bwd<T, N, W, true> : conv_bwd<T, N, W, false>;

@@ -192,6 +192,19 @@ def test_jit_vmap_and_explain():
     assert d.op == "short_conv" and d.spec.dim("width") == 4 and d.spec.flag("segments") is True
 
 
+@pytest.mark.parametrize(
+    ("dims", "reason"),
+    [({"channels": 2**27 + 8}, "int32"), ({"batch": 65536}, "grid limit"), ({"channels": 12}, "16-byte")],
+)
+def test_cuda_refuses_sizes_its_kernels_cannot_hold(dims, reason):
+    from axkern.core.op import Spec
+    from axkern.ops.short_conv import cuda
+
+    sizes = {"batch": 2, "seq": 64, "channels": 64, "width": 4, **dims}
+    spec = Spec("short_conv", tuple(sizes.items()), "bfloat16", "gpu", "H200", "nvidia_h200")
+    assert reason in cuda.supports(spec)
+
+
 def test_gpu_order_puts_cuda_first():
     # measured faster than pallas_gpu and xla on the H200 (docs/ops/short_conv.md)
     assert OP.default_order["gpu"] == ("cuda", "pallas_gpu", "xla")

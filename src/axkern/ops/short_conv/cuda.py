@@ -13,7 +13,7 @@ registers: each input element is read from memory once, plus `W-1` halo rows per
 `(channel blocks of 128 threads, tiles, batch)`.
 
 **Backward** (`AxkernShortConvBwd`): one pass over `x` and `dy` through the same kind of ring
-(8-byte vectors for `W <= 4`, 4 above). Each thread recomputes the pre-activation from its
+(8-byte vectors, two blocks of 128 threads an SM). Each thread recomputes the pre-activation from its
 inputs, forms `g = dy · act'(pre)` in registers, keeps the last `W` values of `g` and writes
 `dx(t) = sum_k w[k] g(t + k)` over the taps in `t`'s segment, while `dw[k] = sum_t g(t) x~(t -
 k)` and `dbias = sum_t g(t)` accumulate in registers and are written once per tile of
@@ -60,6 +60,7 @@ from .common import state_grad
 LIBRARY = "short_conv"
 DTYPES = ("bfloat16", "float32")
 MAX_TILES = 65535  # CUDA grid y and z limits (tiles per sequence, batch)
+MAX_CHANNELS = 2**27  # 8 rows of channels fit an int32 offset
 
 
 def vector(dtype) -> int:
@@ -75,6 +76,8 @@ def supports(spec) -> str | None:
         return f"channels ({channels}) must be a multiple of {n} (the CUDA kernels take channels in 16-byte groups)"
     if spec.dim("batch") > MAX_TILES:
         return f"batch ({spec.dim('batch')}) above the CUDA grid limit {MAX_TILES}"
+    if channels > MAX_CHANNELS:
+        return f"channels ({channels}) above {MAX_CHANNELS}: the kernels' row offsets within a step are int32"
     try:
         native.load(LIBRARY)
     except Unsupported as e:
