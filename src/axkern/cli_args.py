@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-__all__ = ["UsageError", "canonical_dtype", "positive_int"]
+__all__ = ["UsageError", "canonical_dtype", "only_cases", "positive_int", "ONLY_HELP"]
 
 
 class UsageError(ValueError):
@@ -46,3 +46,22 @@ def positive_int(value: str) -> int:
     if n < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}")
     return n
+
+
+ONLY_HELP = (
+    "comma-separated parts of case labels: only the cases whose label holds one of them "
+    "(e.g. --only docs1024,D=256; labels as printed)"
+)
+
+
+def only_cases(items: list, only: str | None, label=lambda item: item.label) -> list:
+    """The items whose case label (`label(item)`) holds one of `--only`'s comma-separated parts;
+    all of them when `only` is None. A `UsageError` listing the labels when none is kept."""
+    if only is None:
+        return items
+    parts = [p.strip() for p in only.split(",") if p.strip()]
+    kept = [it for it in items if any(p in label(it) for p in parts)]
+    if not parts or not kept:
+        labels = "; ".join(label(it) for it in items)
+        raise UsageError(f"--only: expected parts of these case labels: {labels}; got {only!r}")
+    return kept

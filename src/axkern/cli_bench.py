@@ -13,7 +13,7 @@ from rich.progress import Progress
 
 from . import results
 from .bench_format import print_rows, row_line
-from .cli_args import UsageError, canonical_dtype, positive_int
+from .cli_args import ONLY_HELP, UsageError, canonical_dtype, only_cases, positive_int
 
 console = Console()  # results
 status = Console(stderr=True)  # progress and rows as they are measured: stdout keeps only the results
@@ -76,8 +76,7 @@ def add_parser(sub) -> None:
     )
     b.add_argument(
         "--only",
-        help="comma-separated parts of case labels: time only the cases whose label holds one of them "
-        "(e.g. --only docs1024,D=256; labels as printed)",
+        help=ONLY_HELP,
     )
     b.set_defaults(fn=bench)
 
@@ -238,13 +237,7 @@ def _plan(args) -> tuple[list, tuple[str, ...]]:
             except ValueError as e:
                 raise UsageError(f"--preset: {e}") from None
             work += [(c, impls) for c in op_cases if impls]
-    if args.only is not None:
-        parts = [p.strip() for p in args.only.split(",") if p.strip()]
-        kept = [(c, i) for c, i in work if any(p in c.label for p in parts)]
-        if not parts or not kept:
-            labels = "; ".join(c.label for c, _ in work)
-            raise UsageError(f"--only: expected parts of these case labels: {labels}; got {args.only!r}")
-        work = kept
+    work = only_cases(work, args.only, label=lambda item: item[0].label)
     if args.peers:  # JAX peers run in this process, as rows beside ours
         work = [(c, i + [f"peer:{name}" for name in c.peers]) for c, i in work]
     timed = [(c, i) for c, i in work if any(p in c.passes for p in passes)]

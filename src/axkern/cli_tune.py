@@ -7,7 +7,7 @@ import json
 from rich.console import Console
 from rich.table import Table
 
-from .cli_args import UsageError, canonical_dtype, positive_int
+from .cli_args import ONLY_HELP, UsageError, canonical_dtype, only_cases, positive_int
 
 console = Console()
 status = Console(stderr=True)
@@ -47,6 +47,7 @@ def add_parser(sub) -> None:
         "--source", help="with --write-table: where the sweep's output is kept (recorded in the entry)"
     )
     t.add_argument("--json", help="also write every candidate's row as JSON here")
+    t.add_argument("--only", help=ONLY_HELP)
     t.set_defaults(fn=tune)
 
 
@@ -112,6 +113,7 @@ def tune(args) -> int:
         cases = cases_for(args.op, preset=args.preset, tokens=args.tokens, dtype=canonical_dtype(args.dtype))
     except ValueError as e:
         raise UsageError(f"--preset: {e}") from None
+    cases = only_cases(cases, args.only)
     command = " ".join(["axkern", *args.argv])
     results = []
     for case in cases:

@@ -219,6 +219,7 @@ def test_cli_tune_stores_in_the_cache_and_writes_the_table(cache, tmp_path, monk
         (["tune", "cross_entropy"], "tunable implementation"),
         (["tune", "ssd", "--impl", "cudnn"], "--impl: expected tunable"),
         (["tune", "ssd", "--source", "x"], "--source: expected with --write-table"),
+        (["tune", "fused_cross_entropy_loss", "--only", "no-such-case"], "--only: expected parts of these"),
     ],
 )
 def test_cli_tune_usage_errors(argv, expected, capsys):
