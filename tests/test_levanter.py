@@ -306,7 +306,7 @@ def test_mamba3_with_zero_angles_matches_levanters_xla_path(lev):
 
     def run(fn):
         cot = jnp.cos(jnp.arange(b * length * h * p, dtype=jnp.float32)).reshape(b, length, h, p)
-        return jax.value_and_grad(lambda a: jnp.sum(fn(*a) * cot))(diff)
+        return jax.jit(jax.value_and_grad(lambda a: jnp.sum(fn(*a) * cot)))(diff)
 
     ours = run(lambda *a: axkern.positional.mamba3(*a, zero_angles, implementation="reference"))
     theirs = run(lambda *a: levanter_forward(*a, chunk_size=chunk))
@@ -329,7 +329,7 @@ def test_ssd_matches_levanters_chunked_xla_path(lev):
 
     def run(fn):
         cot = jnp.cos(jnp.arange(b * length * h * p, dtype=jnp.float32)).reshape(b, length, h, p)
-        return jax.value_and_grad(lambda a: jnp.sum(fn(*a) * cot))(diff)
+        return jax.jit(jax.value_and_grad(lambda a: jnp.sum(fn(*a) * cot)))(diff)
 
     ours = run(lambda *a: axkern.positional.ssd(*a, implementation="reference"))
     theirs = run(lambda *a: levanter_forward(*a, chunk_size=chunk))
