@@ -105,13 +105,18 @@ def _route_shapes(pairs, num_experts):
     )
 
 
+def _valid(ids, num_experts):
+    """The pairs the routing places: ids in `[0, num_experts)`."""
+    return (ids >= 0) & (ids < num_experts)
+
+
 def route(topk_idx, num_experts):
     """`(rows [T·K], group_sizes [E], valid [T·K])` from the CUDA counting sort alone."""
     idx = _ids(topk_idx, num_experts).reshape(-1)
     rows, counts, _ = jax.ffi.ffi_call("AxkernMoeRoute", _route_shapes(idx.shape[0], num_experts))(
         idx, num_experts=np.int64(num_experts), chunk=np.int64(CHUNK)
     )
-    return rows, counts, (idx >= 0) & (idx < num_experts)
+    return rows, counts, _valid(idx, num_experts)
 
 
 def _route_and_scatter(x, ids, num_experts):
@@ -149,8 +154,7 @@ def _dispatch_fwd(x, ids, num_experts):
 
 def _dispatch_bwd(num_experts, res, g):
     rows, ids, tokens = res
-    valid = (ids >= 0) & (ids < num_experts)
-    return _gather_sum(g[0], rows, jnp.ones(rows.shape, jnp.float32), valid, tokens), None
+    return _gather_sum(g[0], rows, jnp.ones(rows.shape, jnp.float32), _valid(ids, num_experts), tokens), None
 
 
 _dispatch.defvjp(_dispatch_fwd, _dispatch_bwd)

@@ -235,7 +235,7 @@ def _conv(cfg, x, weight, bias, segment_ids, initial_state):
 
 
 def _fwd(cfg, x, weight, bias, segment_ids, initial_state):
-    return _conv(cfg, x, weight, bias, segment_runs(segment_ids), initial_state), (
+    return _conv(cfg, x, weight, bias, segment_ids, initial_state), (
         x,
         weight,
         bias,

@@ -35,7 +35,7 @@ def _conv(activation, x, weight, bias, segment_ids, initial_state):
 
 
 def _fwd(activation, x, weight, bias, segment_ids, initial_state):
-    return _conv(activation, x, weight, bias, segment_runs(segment_ids), initial_state), (
+    return _conv(activation, x, weight, bias, segment_ids, initial_state), (
         x,
         weight,
         bias,
