@@ -66,9 +66,20 @@ __device__ inline __nv_bfloat16 from_f32<__nv_bfloat16>(float v) { return __floa
 
 template <int N, typename T>
 __device__ inline void load(const T* p, float (&out)[N]) {
-  const Packed<T, N> pk = *reinterpret_cast<const Packed<T, N>*>(p);
+  if constexpr (std::is_same_v<T, __nv_bfloat16> && N % 2 == 0) {
+    // a bfloat16 is the high half of its float32: per 32-bit word the low value shifted up and
+    // the high one masked, one instruction each
+    const Packed<uint32_t, N / 2> pk = *reinterpret_cast<const Packed<uint32_t, N / 2>*>(p);
 #pragma unroll
-  for (int i = 0; i < N; ++i) out[i] = to_f32(pk.v[i]);
+    for (int i = 0; i < N / 2; ++i) {
+      out[2 * i] = __uint_as_float(pk.v[i] << 16);
+      out[2 * i + 1] = __uint_as_float(pk.v[i] & 0xffff0000u);
+    }
+  } else {
+    const Packed<T, N> pk = *reinterpret_cast<const Packed<T, N>*>(p);
+#pragma unroll
+    for (int i = 0; i < N; ++i) out[i] = to_f32(pk.v[i]);
+  }
 }
 
 template <int N, typename T>
@@ -79,16 +90,35 @@ __device__ inline void store_vec(T* p, const float (&in)[N]) {
   *reinterpret_cast<Packed<T, N>*>(p) = pk;
 }
 
-// sigmoid(p): 16-bit outputs use (1 + tanh(p / 2)) / 2 with one MUFU op; float32 the exact form.
+// SiLU from half its argument. With SiLU the kernels carry h = p / 2 (weights and bias halved
+// once, exactly): silu(p) = h (1 + tanh h), and twice its derivative is 1 + tanh h + h (1 - tanh² h).
+// 16-bit outputs take tanh from one MUFU op; float32 the exact form through expf.
 template <typename T>
-__device__ inline float sigmoid(float p) {
+__device__ inline float silu_half(float h) {
   if constexpr (sizeof(T) == 2) {
     float t;
-    asm("tanh.approx.f32 %0, %1;" : "=f"(t) : "f"(0.5f * p));
-    return 0.5f + 0.5f * t;
+    asm("tanh.approx.f32 %0, %1;" : "=f"(t) : "f"(h));
+    return fmaf(h, t, h);
   }
-  return 1.0f / (1.0f + expf(-p));
+  return 2.0f * h / (1.0f + expf(-2.0f * h));
 }
+
+// dy · 2 silu'(2h): the backward's g, doubled (its halved weights undo the factor in dx; the
+// weight's and bias's gradients are halved once at the end).
+template <typename T>
+__device__ inline float silu_grad_half(float h, float dy) {
+  if constexpr (sizeof(T) == 2) {
+    float t;
+    asm("tanh.approx.f32 %0, %1;" : "=f"(t) : "f"(h));
+    const float r = fmaf(h, fmaf(-t, t, 1.0f), t);
+    return fmaf(dy, r, dy);
+  }
+  const float s = 1.0f / (1.0f + expf(-2.0f * h));
+  return 2.0f * dy * s * fmaf(2.0f * h, 1.0f - s, 1.0f);
+}
+
+// The factor the kernels apply to the weight and bias: 1/2 with SiLU (they carry p / 2), else 1.
+__device__ inline float param_scale(bool silu) { return silu ? 0.5f : 1.0f; }
 
 // Rows per loop step. A step first loads all its rows (addresses clamped into the tile, so
 // the loads are unconditional and all in flight together), then computes them in order; the
@@ -116,6 +146,16 @@ __device__ inline void load_param(const void* p, ParamType type, int64_t i, floa
     load<N>(static_cast<const __half*>(p) + i, out);
 }
 
+template <int N, int W>
+__device__ inline void scale_params(float f, float (&w)[W][N], float (&bv)[N]) {
+#pragma unroll
+  for (int v = 0; v < N; ++v) {
+    bv[v] *= f;
+#pragma unroll
+    for (int k = 0; k < W; ++k) w[k][v] *= f;
+  }
+}
+
 // The segment run of a row: 1 after a change of id (or at `first`), else the previous run + 1,
 // capped at `width`.
 __device__ inline int next_run(int32_t id, int32_t prev_id, int prev_run, bool first, int width) {
@@ -139,9 +179,18 @@ template <int W, int N>
 __device__ inline const float (&row(const float (&cur)[kStep][N], const float (&prev)[W][N], int i))[N] {
   return i >= 0 ? cur[i] : prev[W - 1 + i];
 }
+
+// Segment runs, capped at W <= 8, packed four bits a row: `cur` holds the step's rows 0..7 (row j
+// in bits 4j..4j+3), `prev` the step before's (row i < 0 of this step in bits 4(i+8)..), so the
+// runs carried from step to step take one register.
+__device__ inline int run_bits(uint32_t runs, int j) { return (runs >> (4 * j)) & 15; }
+__device__ inline int run_at(uint32_t cur, uint32_t prev, int i) {
+  return i >= 0 ? run_bits(cur, i) : run_bits(prev, i + kStep);
+}
+// Every row's run at its cap W.
 template <int W>
-__device__ inline int run_at(const int (&cur)[kStep], const int (&prev)[W], int i) {
-  return i >= 0 ? cur[i] : prev[W - 1 + i];
+__host__ __device__ constexpr uint32_t full_runs() {
+  return uint32_t(W) * 0x11111111u;
 }
 
 template <int W, int N>
@@ -158,9 +207,10 @@ __device__ inline void carry(const float (&cur)[kStep][N], float (&prev)[W][N]) 
 // thread carries into its first step.
 template <int N, int W, bool SEG, typename T>
 __device__ inline void load_halo(const T* x, const T* state, bool has_state, const int32_t* seg, int64_t t0,
-                                 int64_t C, float (&xp)[W][N], int (&rp)[W], int32_t& idp, int& runp) {
+                                 int64_t C, float (&xp)[W][N], uint32_t& rp, int32_t& idp, int& runp) {
   idp = 0;
   runp = W;
+  rp = full_runs<W>();
 #pragma unroll
   for (int i = 0; i < W - 1; ++i) {
     const int64_t u = t0 - (W - 1) + i;
@@ -176,7 +226,10 @@ __device__ inline void load_halo(const T* x, const T* state, bool has_state, con
       runp = next_run(id, idp, runp, i == 0, 2 * W);
       idp = id;
     }
-    rp[i] = min(runp, W);
+    if (SEG) {
+      const int at = 4 * (kStep - (W - 1) + i);  // row i - (W - 1) before the tile
+      rp = (rp & ~(15u << at)) | (uint32_t(min(runp, W)) << at);
+    }
   }
 }
 
@@ -261,9 +314,11 @@ __device__ inline int run_in_step(unsigned changes, int j, int span, int cap) {
 
 // The runs of a step's rows, capped at W (what the taps' selects read).
 template <int W>
-__device__ inline void step_runs(unsigned changes, int span, int (&rc)[kStep]) {
+__device__ inline uint32_t step_runs(unsigned changes, int span) {
+  uint32_t rc = 0;
 #pragma unroll
-  for (int j = 0; j < kStep; ++j) rc[j] = run_in_step(changes, j, span, W);
+  for (int j = 0; j < kStep; ++j) rc |= uint32_t(run_in_step(changes, j, span, W)) << (4 * j);
+  return rc;
 }
 
 // The first channel of this thread's vector. Threads past the last channel work on the last
@@ -289,7 +344,7 @@ __device__ inline void by_silu(bool silu, F&& f) {
 // tile, an active thread: nearly all steps) check nothing per row.
 template <typename T, int N, int W, bool SEG, bool SILU, bool EDGE>
 __device__ inline void fwd_rows(const float (&w)[W][N], const float (&bv)[N], const float (&xc)[kStep][N],
-                                const float (&xp)[W][N], const int (&rc)[kStep], T* ys, int valid, int64_t C,
+                                const float (&xp)[W][N], uint32_t rc, T* ys, int valid, int64_t C,
                                 bool store) {
 #pragma unroll
   for (int j = 0; j < kStep; ++j) {
@@ -298,14 +353,14 @@ __device__ inline void fwd_rows(const float (&w)[W][N], const float (&bv)[N], co
     for (int v = 0; v < N; ++v) acc[v] = bv[v];
 #pragma unroll
     for (int k = 0; k < W; ++k) {
-      const bool keep = !SEG || k < rc[j];
+      const bool keep = !SEG || k < run_bits(rc, j);
       const float(&src)[N] = row<W, N>(xc, xp, j - k);
 #pragma unroll
       for (int v = 0; v < N; ++v) acc[v] = add_tap<SEG>(acc[v], w[k][v], src[v], keep);
     }
     if constexpr (SILU) {
 #pragma unroll
-      for (int v = 0; v < N; ++v) acc[v] = acc[v] * sigmoid<T>(acc[v]);
+      for (int v = 0; v < N; ++v) acc[v] = silu_half<T>(acc[v]);
     }
     if (!EDGE || (store && j < valid)) store_vec<N>(ys + j * C, acc);
   }
@@ -339,8 +394,13 @@ __global__ void __launch_bounds__(kThreads) conv_fwd(const T* __restrict__ x, co
       const int64_t t = t0 + s * kStep;
       const int last = static_cast<int>(min(int64_t(kStep), t1 - t)) - 1;  // rows past the tile repeat its last
       const T* xs = x + t * C;
+      if (last == kStep - 1) {  // every row: addresses one add apart
 #pragma unroll
-      for (int j = 0; j < kStep; ++j) async_copy<sizeof(Vec)>(ring.slot(0, stage, j, tid), xs + min(j, last) * c32);
+        for (int j = 0; j < kStep; ++j, xs += c32) async_copy<sizeof(Vec)>(ring.slot(0, stage, j, tid), xs);
+      } else {
+#pragma unroll
+        for (int j = 0; j < kStep; ++j) async_copy<sizeof(Vec)>(ring.slot(0, stage, j, tid), xs + min(j, last) * c32);
+      }
       if (SEG && lane < kStep) async_copy<4>(ring.ids + stage * kThreads + tid, seg + min(t + lane, t1 - 1));
     }
     async_commit();
@@ -352,9 +412,10 @@ __global__ void __launch_bounds__(kThreads) conv_fwd(const T* __restrict__ x, co
 #pragma unroll
   for (int k = 0; k < W; ++k) load_param<N>(weight, p.weight_type, k * C + c, w[k]);
   load_param<N>(bias, p.bias_type, c, bv);
+  scale_params<N, W>(param_scale(p.silu), w, bv);
 
   float xp[W][N];
-  int rp[W];
+  uint32_t rp;
   int32_t idp;
   int runp;
   load_halo<N, W, SEG>(x, state, p.has_state, seg, t0, C, xp, rp, idp, runp);
@@ -368,18 +429,19 @@ __global__ void __launch_bounds__(kThreads) conv_fwd(const T* __restrict__ x, co
 #pragma unroll
     for (int j = 0; j < kStep; ++j) load<N>(reinterpret_cast<const T*>(ring.slot(0, stage, j, tid)), xc[j]);
     const int valid = static_cast<int>(min(int64_t(kStep), t1 - t));
-    int rc[kStep];
+    uint32_t rc = 0;
     bool full = true;  // every row of the step keeps all W taps: no change of id within W rows
     if constexpr (SEG) {
       const int32_t mine = ring.ids[stage * kThreads + tid];
       const unsigned changes = step_changes(mine, idp, W == 1 && s == 0, lane);
       full = changes == 0 && runp + 1 >= W;
-      if (!(full && active && valid == kStep)) step_runs<W>(changes, runp, rc);
+      if (!(full && active && valid == kStep)) rc = step_runs<W>(changes, runp);
       idp = __shfl_sync(0xffffffffu, mine, kStep - 1);
       runp = run_in_step(changes, kStep - 1, runp, 2 * W);
     }
+    const bool plain = full && active && valid == kStep;
     T* ys = y + t * C;
-    if (full && active && valid == kStep)
+    if (plain)
       by_silu(p.silu, [&](auto silu) {
         fwd_rows<T, N, W, false, decltype(silu)::value, false>(w, bv, xc, xp, rc, ys, valid, C, active);
       });
@@ -399,7 +461,7 @@ __global__ void __launch_bounds__(kThreads) conv_fwd(const T* __restrict__ x, co
 template <typename T, int N, int W, bool SEG, bool SILU, bool EDGE>
 __device__ inline void bwd_rows(const float (&w)[W][N], const float (&bv)[N], const float (&xc)[kStep][N],
                                 const float (&xp)[W][N], float (&gc)[kStep][N], const float (&gp)[W][N],
-                                const int (&rc)[kStep], const int (&rp)[W], float (&dw)[W][N], float (&db)[N],
+                                uint32_t rc, uint32_t rp, float (&dw)[W][N], float (&db)[N],
                                 T* dx, T* dxs, int64_t u0, int64_t t0, int64_t t1, int64_t S, int64_t C,
                                 bool store) {
 #pragma unroll
@@ -408,12 +470,11 @@ __device__ inline void bwd_rows(const float (&w)[W][N], const float (&bv)[N], co
     if constexpr (SILU) {
 #pragma unroll
       for (int v = 0; v < N; ++v) {
-        float pre = bv[v];
+        float h = bv[v];  // half the pre-activation (the weights are halved)
 #pragma unroll
         for (int k = 0; k < W; ++k)
-          pre = add_tap<SEG>(pre, w[k][v], row<W, N>(xc, xp, j - k)[v], !SEG || k < rc[j]);
-        const float s = sigmoid<T>(pre);
-        gc[j][v] *= s * (1.0f + pre * (1.0f - s));
+          h = add_tap<SEG>(h, w[k][v], row<W, N>(xc, xp, j - k)[v], !SEG || k < run_bits(rc, j));
+        gc[j][v] = silu_grad_half<T>(h, gc[j][v]);
       }
     }
     if constexpr (EDGE) {
@@ -424,7 +485,7 @@ __device__ inline void bwd_rows(const float (&w)[W][N], const float (&bv)[N], co
     if (!EDGE || u < t1) {
 #pragma unroll
       for (int k = 0; k < W; ++k) {
-        const bool keep = !SEG || k < rc[j];
+        const bool keep = !SEG || k < run_bits(rc, j);
 #pragma unroll
         for (int v = 0; v < N; ++v) dw[k][v] = add_tap<SEG>(dw[k][v], gc[j][v], row<W, N>(xc, xp, j - k)[v], keep);
       }
@@ -439,7 +500,7 @@ __device__ inline void bwd_rows(const float (&w)[W][N], const float (&bv)[N], co
 #pragma unroll
       for (int k = 0; k < W; ++k) {
         const int i = j - (W - 1) + k;  // row t + k of this step
-        const bool keep = !SEG || k < run_at<W>(rc, rp, i);
+        const bool keep = !SEG || k < run_at(rc, rp, i);
         const float(&g)[N] = row<W, N>(gc, gp, i);
 #pragma unroll
         for (int v = 0; v < N; ++v) acc[v] = add_tap<SEG>(acc[v], w[k][v], g[v], keep);
@@ -453,8 +514,23 @@ __device__ inline void bwd_rows(const float (&w)[W][N], const float (&bv)[N], co
 // branches, keep 8 rows of inputs and of g, W carried rows of each and W dw accumulators per
 // channel in registers. Capped at 168 registers for three blocks an SM, the kernels spilled
 // (W = 4) or ran 2 channels a thread (W = 8), and were slower at every width (H200:
-// docs/ops/short_conv.md).
+// docs/ops/short_conv.md). Two is also the most: a kernel that needs fewer registers (W = 2
+// takes 168) would otherwise run three blocks an SM, and that was slower too (more rows in
+// flight for the same bandwidth), so bwd_smem pads the blocks' shared memory to keep a third
+// block off the SM.
 constexpr int kBwdBlocksPerSm = 2;
+
+// The backward's dynamic shared memory: its rings, padded so that kBwdBlocksPerSm + 1 blocks
+// do not fit on one SM of the current device.
+size_t bwd_smem(size_t ring_bytes) {
+  int dev = 0, per_sm = 0, reserved = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&reserved, cudaDevAttrReservedSharedMemoryPerBlock, dev) != cudaSuccess)
+    return ring_bytes;  // the launch reports the device's error
+  const int64_t pad = int64_t(per_sm) / (kBwdBlocksPerSm + 1) - reserved + 128;
+  return pad > int64_t(ring_bytes) ? size_t(pad) : ring_bytes;
+}
 
 template <typename T, int N, int W, bool SEG>
 __global__ void __launch_bounds__(kThreads, kBwdBlocksPerSm)
@@ -489,11 +565,19 @@ __global__ void __launch_bounds__(kThreads, kBwdBlocksPerSm)
       const int last = static_cast<int>(min(int64_t(kStep), u_end - u0)) - 1;
       const T* xs = x + u0 * C;
       const T* ds = dy + u0 * C;
+      if (last == kStep - 1) {  // every row: addresses one add apart
 #pragma unroll
-      for (int j = 0; j < kStep; ++j) {
-        const int r = min(j, last) * c32;
-        async_copy<sizeof(Vec)>(ring.slot(0, stage, j, tid), xs + r);
-        async_copy<sizeof(Vec)>(ring.slot(1, stage, j, tid), ds + r);
+        for (int j = 0; j < kStep; ++j, xs += c32, ds += c32) {
+          async_copy<sizeof(Vec)>(ring.slot(0, stage, j, tid), xs);
+          async_copy<sizeof(Vec)>(ring.slot(1, stage, j, tid), ds);
+        }
+      } else {
+#pragma unroll
+        for (int j = 0; j < kStep; ++j) {
+          const int r = min(j, last) * c32;
+          async_copy<sizeof(Vec)>(ring.slot(0, stage, j, tid), xs + r);
+          async_copy<sizeof(Vec)>(ring.slot(1, stage, j, tid), ds + r);
+        }
       }
       if (SEG && lane < kStep) async_copy<4>(ring.ids + stage * kThreads + tid, seg + min(u0 + lane, u_end - 1));
     }
@@ -506,6 +590,7 @@ __global__ void __launch_bounds__(kThreads, kBwdBlocksPerSm)
 #pragma unroll
   for (int k = 0; k < W; ++k) load_param<N>(weight, p.weight_type, k * C + c, w[k]);
   load_param<N>(bias, p.bias_type, c, bv);
+  scale_params<N, W>(param_scale(p.silu), w, bv);
 
   float dw[W][N], db[N];
 #pragma unroll
@@ -517,7 +602,7 @@ __global__ void __launch_bounds__(kThreads, kBwdBlocksPerSm)
 
   // carried: the W - 1 inputs, values of g and runs before the step
   float xp[W][N], gp[W][N];
-  int rp[W];
+  uint32_t rp;
   int32_t idp;
   int runp;
   load_halo<N, W, SEG>(x, state, p.has_state, seg, t0, C, xp, rp, idp, runp);
@@ -539,17 +624,18 @@ __global__ void __launch_bounds__(kThreads, kBwdBlocksPerSm)
     }
     // every row u of the step in the tile (so u < S), every dx row t = u - (W - 1) too
     const bool inner = active && u0 - (W - 1) >= t0 && u0 + kStep <= t1;
-    int rc[kStep];
+    uint32_t rc = 0;
     bool full = true;  // the step's rows and the W - 1 before them (the dx rows reach back) keep all taps
     if constexpr (SEG) {
       const int32_t mine = ring.ids[stage * kThreads + tid];
       const unsigned changes = step_changes(mine, idp, W == 1 && s == 0, lane);
       full = changes == 0 && runp >= 2 * W - 2;
-      if (!(full && inner)) step_runs<W>(changes, runp, rc);
+      if (!(full && inner)) rc = step_runs<W>(changes, runp);
       idp = __shfl_sync(0xffffffffu, mine, kStep - 1);
       runp = run_in_step(changes, kStep - 1, runp, 2 * W);
     }
-    if (full && inner) {
+    const bool plain = full && inner;
+    if (plain) {
       T* dxs = dx + (u0 - (W - 1)) * C;
       by_silu(p.silu, [&](auto silu) {
         bwd_rows<T, N, W, false, decltype(silu)::value, false>(w, bv, xc, xp, gc, gp, rc, rp, dw, db, dx, dxs, u0,
@@ -563,14 +649,12 @@ __global__ void __launch_bounds__(kThreads, kBwdBlocksPerSm)
     }
     carry<W, N>(xc, xp);
     carry<W, N>(gc, gp);
-    if constexpr (SEG) {
-#pragma unroll
-      for (int i = 0; i < W - 1; ++i) rp[i] = full && inner ? W : rc[kStep - (W - 1) + i];
-    }
+    if constexpr (SEG) rp = plain ? full_runs<W>() : rc;
   }
   if (!active) return;
-  // this tile's partial sums: rows 0..W-1 of dw, row W of dbias
+  // this tile's partial sums: rows 0..W-1 of dw, row W of dbias (halved with SiLU: g was doubled)
   part += (b * tiles + tile) * (W + 1) * C + c;
+  scale_params<N, W>(param_scale(p.silu), dw, db);
 #pragma unroll
   for (int k = 0; k < W; ++k) store_vec<N>(part + k * C, dw[k]);
   store_vec<N>(part + W * C, db);
@@ -729,7 +813,7 @@ ffi::Error BwdImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer weight,
       const int64_t threads_needed = s.channels / N;
       const dim3 grid((threads_needed + kThreads - 1) / kThreads, tiles, s.batch);
       auto kernel = segments ? conv_bwd<T, N, W, true> : conv_bwd<T, N, W, false>;
-      const size_t smem = Rings<Packed<T, N>>::bytes(2);
+      const size_t smem = bwd_smem(Rings<Packed<T, N>>::bytes(2));
       if (auto err = allow_smem(kernel, smem, name); err.failure()) return err;
       kernel<<<grid, kThreads, smem, stream>>>(
           static_cast<const T*>(x.untyped_data()), weight.untyped_data(), bias.untyped_data(),
