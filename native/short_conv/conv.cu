@@ -25,7 +25,9 @@
 // carries the last W - 1 values of g the same way and writes dx(t) = sum_k w[k] g(t + k) over the taps that
 // stay in t's segment; the tile's dw[k] = sum_t g(t) x~(t - k) and dbias = sum_t g(t) are
 // accumulated in registers and written once per tile. Its reads: x (tile plus 2(W-1) halo
-// rows), dy (tile plus W-1 rows below it); writes: dx and the partial sums.
+// rows), dy (tile plus W-1 rows below it); writes: dx and the partial sums. With SiLU both
+// kernels carry half the pre-activation (silu_half, below): the backward's g is then doubled
+// and its weights halved, and the partial sums are halved once before they are written.
 //
 // Segment runs: run(t) = the number of positions t, t-1, ... that share t's segment, capped
 // at W; tap k is kept iff k < run(t). The run is carried down the sequence from the first
