@@ -95,13 +95,15 @@ __device__ inline void store_vec(T* p, const float (&in)[N]) {
 // SiLU from half its argument. With SiLU the kernels carry h = p / 2 (weights and bias halved
 // once, exactly): silu(p) = h (1 + tanh h), and twice its derivative is 1 + tanh h + h (1 - tanh² h).
 // 16-bit outputs take tanh from one MUFU op; float32 the exact form through expf.
+__device__ inline float tanh_mufu(float h) {
+  float t;
+  asm("tanh.approx.f32 %0, %1;" : "=f"(t) : "f"(h));
+  return t;
+}
+
 template <typename T>
 __device__ inline float silu_half(float h) {
-  if constexpr (sizeof(T) == 2) {
-    float t;
-    asm("tanh.approx.f32 %0, %1;" : "=f"(t) : "f"(h));
-    return fmaf(h, t, h);
-  }
+  if constexpr (sizeof(T) == 2) return fmaf(h, tanh_mufu(h), h);
   return 2.0f * h / (1.0f + expf(-2.0f * h));
 }
 
@@ -110,8 +112,7 @@ __device__ inline float silu_half(float h) {
 template <typename T>
 __device__ inline float silu_grad_half(float h, float dy) {
   if constexpr (sizeof(T) == 2) {
-    float t;
-    asm("tanh.approx.f32 %0, %1;" : "=f"(t) : "f"(h));
+    const float t = tanh_mufu(h);
     const float r = fmaf(h, fmaf(-t, t, 1.0f), t);
     return fmaf(dy, r, dy);
   }
