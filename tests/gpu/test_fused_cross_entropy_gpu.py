@@ -10,13 +10,18 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import axkern
+from axkern import CrossEntropyBlockSizes
+from axkern.core.op import Unsupported
+from axkern.ops.fused_cross_entropy import mosaic_gpu
 from axkern.positional import fused_cross_entropy
 from axkern.positional import fused_cross_entropy_loss as ce_loss
 from tests.cases.fused_cross_entropy import GPU_CASES, make, run, run_loss
-from tests.harness import check_rule, implementations
+from tests.harness import check_rule, implementations, oracle
+from tests.helpers import assert_oracle_rule
 
 
 def ce(*args, **kwargs):
@@ -27,6 +32,17 @@ def ce(*args, **kwargs):
 pytestmark = pytest.mark.gpu
 
 
+def mosaic_gpu_refusal(impl, d, v, dtype) -> str | None:
+    """What `mosaic_gpu` says when it cannot take these sizes or this dtype, else None."""
+    if impl != "mosaic_gpu":
+        return None
+    if dtype not in ("bfloat16", "float16"):
+        return "bf16 or fp16"
+    if v % 8:
+        return "multiple of 8"
+    return "embedding 64 at a time" if d % 64 else None
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("n,d,v,options", GPU_CASES)
 @pytest.mark.parametrize("impl", implementations("fused_cross_entropy", "gpu"))
@@ -34,6 +50,11 @@ def test_on_gpu_against_oracle(impl, n, d, v, options, dtype):
     assert jax.devices()[0].platform == "gpu"
     arrays, options = make(n, n, d, v, dtype, options, logit_scale=4.0)
     what = f"fused_cross_entropy N={n}"
+    refusal = mosaic_gpu_refusal(impl, d, v, dtype)
+    if refusal:  # the kernel says why it cannot serve, and a call naming it alone raises that
+        with pytest.raises(Unsupported, match=refusal):
+            run(impl, arrays, options=options)
+        return
     check_rule(run, impl, arrays, dtype, what, oracle_dtype="float32", options=options)
 
 
@@ -86,3 +107,47 @@ def test_h200_table_and_memory_at_llama3_size():
             compensation = d * v * (2 if dw == "compensated" else 1)
             budget = 2048 * v * 4 + 2048 * 8192 * 2 + compensation + d * 8192 * 4
         assert temp <= 1.25 * budget, f"dw={dw}: temporary memory {temp / 2**30:.2f} GiB"
+
+
+# the kernel alone against its emulation on the same device: tokens that fill no whole CTA tile,
+# a vocabulary with columns past the last whole tile, fp16, the soft cap and the logit sums
+@pytest.mark.parametrize(
+    "n,d,v,dtype,soft_cap,with_sum,block_sizes",
+    [
+        (1000, 512, 4136, "bfloat16", None, False, (256, 128, 64, 4)),
+        (4096, 2048, 32000, "bfloat16", 30.0, True, (256, 128, 64, 4)),
+        (777, 1536, 50264, "float16", None, True, (128, 256, 64, 3)),
+        (2048, 4096, 128256, "bfloat16", None, False, (256, 256, 64, 3)),
+    ],
+)
+def test_mosaic_gpu_kernel_matches_its_emulation(n, d, v, dtype, soft_cap, with_sum, block_sizes):
+    bt, bv, bd, stages = block_sizes
+    bs = CrossEntropyBlockSizes(block_tokens=bt, block_vocab=bv, block_embed=bd, num_stages=stages)
+    arrays, _ = make(n, n, d, v, dtype, logit_scale=4.0)
+    x, w = arrays["x"], arrays["w"]
+    cfg = mosaic_gpu._config(x, w, bs, soft_cap, with_sum, False)
+    rows = -(-n // bt) * bt
+    xp = jnp.pad(x, ((0, rows - n), (0, 0)))
+    n_tiles = v // bv
+    got = jax.jit(lambda x, w: mosaic_gpu._tile_stats(cfg, x, w, n_tiles))(xp, w)
+    want = jax.jit(lambda x, w: mosaic_gpu.emulate_tile_stats(cfg, x, w, n_tiles))(xp, w)
+    for name, g, e in zip(("max", "sum exp", "sum"), got, want, strict=True):
+        g, e = np.asarray(g), np.asarray(e)
+        scale = np.abs(e).max()
+        err = np.abs(g - e).max()
+        # the products summed in another order than XLA's: |dz| of order 1e-6 |z|, which exp carries
+        assert err <= 1e-4 * scale, f"{name}: max error {err:.3e} (scale {scale:.3e})"
+
+
+@pytest.mark.parametrize("n,d,v,options", GPU_CASES[::2])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_loss_value_by_the_mosaic_gpu_kernel_against_oracle(n, d, v, options, dtype):
+    arrays, options = make(n, n, d, v, dtype, options, logit_scale=4.0)
+
+    def value(impl, arrays):
+        f = jax.jit(lambda x, w, labels: ce_loss(x, w, labels, implementation=impl, **options))
+        return (f(arrays["x"], arrays["w"], arrays["labels"]),)
+
+    want = oracle(value, arrays, dtype="float32")
+    same = value("reference", arrays)
+    assert_oracle_rule(value("mosaic_gpu", arrays), same, want, dtype, f"loss value N={n} mosaic_gpu {dtype}")

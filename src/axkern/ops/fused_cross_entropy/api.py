@@ -32,13 +32,15 @@ from axkern.core.loss import reduce as reduce_loss
 from axkern.core.op import Implementation, Op
 from axkern.core.typing import Array, Bool, Float, Int, checked
 
-from . import pallas_gpu, pallas_tpu, reference, xla
+from . import mosaic_gpu, pallas_gpu, pallas_tpu, reference, xla
 from .blocks import (
     CrossEntropyBlockSizes,
     bucket,
     heuristic,
     loss_heuristic,
     loss_space,
+    mosaic_gpu_heuristic,
+    mosaic_gpu_space,
     pallas_gpu_heuristic,
     pallas_gpu_space,
     pallas_tpu_heuristic,
@@ -81,6 +83,16 @@ OP = Op(
             backward="custom_vjp: recomputes the logits in XLA (streamed tiles, as xla)",
         ),
         Implementation(
+            "mosaic_gpu",
+            mosaic_gpu.stats,
+            platforms=("gpu",),
+            supports=mosaic_gpu.supports,
+            block_sizes=CrossEntropyBlockSizes,
+            heuristic=mosaic_gpu_heuristic,
+            space=mosaic_gpu_space,
+            backward="custom_vjp: recomputes the logits in XLA (streamed tiles, as xla)",
+        ),
+        Implementation(
             "pallas_tpu",
             pallas_tpu.stats,
             platforms=("tpu",),
@@ -118,6 +130,16 @@ LOSS_OP = Op(
             backward=xla.describe_loss,  # the dw accumulation and temporary memory of the call
         ),
         Implementation(
+            "mosaic_gpu",
+            xla.mosaic_gpu_loss,
+            platforms=("gpu",),
+            supports=mosaic_gpu.supports,
+            block_sizes=CrossEntropyBlockSizes,
+            heuristic=loss_heuristic,
+            space=loss_space,
+            backward=xla.describe_loss,
+        ),
+        Implementation(
             "reference",
             reference.loss,
             backward="autodiff through materialised [tokens, vocab] logits",
@@ -128,8 +150,8 @@ LOSS_OP = Op(
     bucket=bucket,
 )
 
-CrossEntropyImplementation = Literal["xla", "pallas_gpu", "pallas_tpu", "reference"]
-LossImplementation = Literal["xla", "reference"]
+CrossEntropyImplementation = Literal["xla", "pallas_gpu", "mosaic_gpu", "pallas_tpu", "reference"]
+LossImplementation = Literal["xla", "mosaic_gpu", "reference"]
 
 
 def token_stats(x, w, local_labels, *, logits_soft_cap, with_sum, implementation, block_sizes):

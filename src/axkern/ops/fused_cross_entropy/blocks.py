@@ -17,6 +17,10 @@ __all__ = [
     "loss_heuristic",
     "pallas_gpu_heuristic",
     "pallas_tpu_heuristic",
+    "mosaic_gpu_heuristic",
+    "mosaic_gpu_space",
+    "mosaic_gpu_smem_bytes",
+    "MOSAIC_GPU_SMEM",
     "space",
     "loss_space",
     "pallas_gpu_space",
@@ -117,6 +121,41 @@ def pallas_gpu_heuristic(spec: Spec) -> CrossEntropyBlockSizes:
     return CrossEntropyBlockSizes(
         block_tokens=128, block_vocab=256, block_embed=64, num_warps=8, num_stages=3
     )
+
+
+MOSAIC_GPU_SMEM = 227 * 1024  # dynamic shared memory of a Hopper CTA
+
+
+def mosaic_gpu_smem_bytes(tile_m: int, tile_n: int, tile_k: int, stages: int, itemsize: int = 2) -> int:
+    """Shared memory of the Mosaic GPU kernel (two consumer warpgroups of `tile_m` rows): the
+    ring of `x` and `w` slices and the staged per-row statistics."""
+    ring = stages * (2 * tile_m * tile_k + tile_k * tile_n) * itemsize
+    return ring + 2 * 2 * tile_m * 4
+
+
+def mosaic_gpu_heuristic(spec: Spec) -> CrossEntropyBlockSizes:
+    """Hopper GEMM tiles: CTA tiles of 256 rows (128 a consumer warpgroup) by 128 vocab
+    columns, 64-deep steps, a ring of 4 slots (196 KiB)."""
+    return CrossEntropyBlockSizes(block_tokens=256, block_vocab=128, block_embed=64, num_stages=4)
+
+
+def mosaic_gpu_space(spec: Spec) -> list[CrossEntropyBlockSizes]:
+    """CTA tiles of 128 or 256 rows by 128 or 256 columns, 64-deep steps, 3 or 4 slots, those
+    that fit a CTA's shared memory."""
+    candidates = grid(
+        CrossEntropyBlockSizes,
+        spec,
+        first=mosaic_gpu_heuristic(spec),
+        block_tokens=(128, 256),
+        block_vocab=(128, 256),
+        block_embed=(64,),
+        num_stages=(3, 4),
+    )
+    return [
+        b
+        for b in candidates
+        if mosaic_gpu_smem_bytes(b.block_tokens // 2, b.block_vocab, 64, b.num_stages) <= MOSAIC_GPU_SMEM
+    ]
 
 
 def pallas_tpu_heuristic(spec: Spec) -> CrossEntropyBlockSizes:

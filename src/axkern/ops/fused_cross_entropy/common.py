@@ -197,3 +197,12 @@ def recomputing(forward):
 
     fn.defvjp(fwd, bwd)
     return fn
+
+
+def merge_tiles(m, s, sum_logits=None):
+    """`(lse, sum_logits)` per token from a kernel's per-tile statistics, each `[tiles, N]`
+    float32: the tile's max `m`, `s = sum exp(z - m)` over its columns, and (or `None`: zeros)
+    the sum of its logits. `lse = max_j m_j + log sum_j s_j exp(m_j - max_j m_j)`."""
+    top = jnp.max(m, axis=0)
+    lse = top + jnp.log(jnp.sum(s * jnp.exp(m - top), axis=0))
+    return lse, jnp.zeros_like(lse) if sum_logits is None else jnp.sum(sum_logits, axis=0)

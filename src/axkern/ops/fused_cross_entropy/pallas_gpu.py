@@ -157,9 +157,8 @@ def _forward(cfg: _Static, x, w, labels):
         compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
     )(x, w, labels.astype(jnp.int32))
     m, s, ll, sm = (a[:, :n] for a in (m, s, ll, sm))
-    top = jnp.max(m, axis=0)
-    lse = top + jnp.log(jnp.sum(s * jnp.exp(m - top), axis=0))
-    return lse, jnp.sum(ll, axis=0), jnp.sum(sm, axis=0)
+    lse, sum_logits = common.merge_tiles(m, s, sm)
+    return lse, jnp.sum(ll, axis=0), sum_logits
 
 
 def stats(

@@ -12,7 +12,8 @@ from jax import lax
 
 from axkern.core.blocks import for_each_block
 
-from .blocks import CrossEntropyBlockSizes
+from . import mosaic_gpu
+from .blocks import CrossEntropyBlockSizes, mosaic_gpu_heuristic
 from .common import (
     Static,
     acc_dtype,
@@ -74,6 +75,9 @@ class _LossStatic:
     logsumexp_weight: float
     label_smoothing: float
     w_dtype: str
+    # the undifferentiated value's statistics: "xla" (streamed), "mosaic_gpu" or
+    # "mosaic_gpu_emulated" (the kernel's outputs computed in XLA, for tests without a Hopper GPU)
+    value: str = "xla"
 
 
 def dw_strategy(w_dtype, requested: str | None) -> str:
@@ -144,9 +148,12 @@ def loss(
     logits_soft_cap=None,
     logsumexp_weight=0.0,
     label_smoothing=0.0,
+    value="xla",
 ):
     """`scale * sum_{keep} loss_i` (float32), gradients for `x` and `w` formed in the forward
-    (`dw` accumulated as `block_sizes.dw_accumulation` says)."""
+    (`dw` accumulated as `block_sizes.dw_accumulation` says). `value="mosaic_gpu"`: the
+    undifferentiated value's statistics by the Hopper kernel (`mosaic_gpu.py`, its own tiles)
+    rather than XLA's streamed tiles; the gradients are the same."""
     n = x.shape[0]
     acc = acc_dtype(x, w)
     cfg = _LossStatic(
@@ -157,14 +164,26 @@ def loss(
         logsumexp_weight=float(logsumexp_weight),
         label_smoothing=float(label_smoothing),
         w_dtype=jnp.dtype(w.dtype).name,
+        value=value,
     )
     return _loss(cfg, x, w, labels, keep, jnp.asarray(scale, acc))
 
 
+mosaic_gpu_loss = functools.partial(loss, value="mosaic_gpu")
+
+
 def _loss_value(cfg: _LossStatic, x, w, labels, keep):
-    # undifferentiated: the streaming forward with its own (larger) tiles, not the loss's block
-    stat_cfg = streaming_config(x.shape[0], w.shape[1], cfg.soft_cap, bool(cfg.label_smoothing))
-    lse, label_logit, sum_logits = stream_forward(stat_cfg, x, w, labels)[0]
+    # undifferentiated: the streaming forward (or the kernel) with its own tiles, not the loss's block
+    with_sum = bool(cfg.label_smoothing)
+    if cfg.value in ("mosaic_gpu", "mosaic_gpu_emulated"):
+        tiles = mosaic_gpu_heuristic(None)
+        emulate = cfg.value == "mosaic_gpu_emulated"
+        lse, label_logit, sum_logits = mosaic_gpu.stats(
+            x, w, labels, block_sizes=tiles, logits_soft_cap=cfg.soft_cap, with_sum=with_sum, emulate=emulate
+        )
+    else:
+        stat_cfg = streaming_config(x.shape[0], w.shape[1], cfg.soft_cap, with_sum)
+        lse, label_logit, sum_logits = stream_forward(stat_cfg, x, w, labels)[0]
     per = token_losses(
         lse,
         label_logit,
