@@ -9,6 +9,8 @@ kernel itself against the oracle on a Hopper GPU."""
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -52,27 +54,28 @@ def run_stats(impl, arrays, *, soft_cap=None, with_sum=False, block_sizes=TILES)
     return out, grads
 
 
-# token counts that are no multiple of the 128-row CTA tile; vocabularies with and without
-# columns past the last whole 64-column tile, and one smaller than a tile (no kernel tile)
+# token counts that are no multiple of the CTA tile (128 rows); vocabularies with and without
+# columns past the last whole vocab tile, and one smaller than a tile (no kernel tile at all)
 @pytest.mark.parametrize(
-    "n,d,v,soft_cap,with_sum",
+    "n,d,v,soft_cap,with_sum,block_vocab",
     [
-        (300, 64, 1000, None, False),
-        (128, 96, 640, 20.0, True),
-        (77, 32, 40, None, True),
-        (257, 64, 200, 5.0, False),
+        (300, 64, 1088, None, False, 128),
+        (128, 96, 640, 20.0, True, 64),
+        (77, 32, 64, None, True, 128),
+        (257, 64, 192, 5.0, False, 128),
     ],
 )
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_kernel_path_against_oracle(n, d, v, soft_cap, with_sum, dtype):
+def test_kernel_path_against_oracle(n, d, v, soft_cap, with_sum, block_vocab, dtype):
     arrays, _ = make(0, n, d, v, dtype, logit_scale=4.0)
-    kw = dict(soft_cap=soft_cap, with_sum=with_sum)
+    bs = CrossEntropyBlockSizes(block_tokens=128, block_vocab=block_vocab, block_embed=32, num_stages=3)
+    kw = dict(soft_cap=soft_cap, with_sum=with_sum, block_sizes=bs)
     check_rules(run_stats, ["mosaic_gpu"], arrays, dtype, f"mosaic_gpu stats N={n} V={v}", **kw)
 
 
 def test_labels_outside_the_vocabulary_give_a_zero_label_logit():
-    arrays, _ = make(1, 130, 32, 104, "bfloat16")
-    labels = arrays["labels"].at[:3].set(jnp.array([-1, 104, -100]))
+    arrays, _ = make(1, 130, 32, 128, "bfloat16")
+    labels = arrays["labels"].at[:3].set(jnp.array([-1, 128, -100]))
     _, ll, _ = mosaic_gpu.stats(arrays["x"], arrays["w"], labels, block_sizes=TILES, emulate=True)
     assert np.all(np.asarray(ll[:3]) == 0.0)
     want = reference.stats(arrays["x"], arrays["w"], labels)[1]
@@ -80,7 +83,7 @@ def test_labels_outside_the_vocabulary_give_a_zero_label_logit():
 
 
 def test_non_finite_rows_stay_in_their_rows():
-    arrays, _ = make(2, 200, 32, 296, "bfloat16")
+    arrays, _ = make(2, 200, 32, 320, "bfloat16")
     x = arrays["x"].at[5, 3].set(jnp.nan).at[150, 0].set(jnp.inf)
     lse, _, _ = mosaic_gpu.stats(x, arrays["w"], arrays["labels"], block_sizes=TILES, emulate=True)
     bad = ~np.isfinite(np.asarray(lse))
@@ -88,7 +91,7 @@ def test_non_finite_rows_stay_in_their_rows():
 
 
 def test_reduced_loss_value_through_the_kernel_path():
-    arrays, _ = make(3, 300, 64, 1000, "bfloat16", logit_scale=4.0)
+    arrays, _ = make(3, 300, 64, 1088, "bfloat16", logit_scale=4.0)
     keep = jnp.arange(300) % 5 != 0
     args = (arrays["x"], arrays["w"], arrays["labels"], keep, 1.0 / 240)
     kw = dict(logits_soft_cap=30.0, label_smoothing=0.1, logsumexp_weight=1e-4)
@@ -131,7 +134,7 @@ def test_block_sizes_the_kernel_refuses():
     assert "embedding 64 at a time" in refused(
         CrossEntropyBlockSizes(block_tokens=256, block_vocab=128, block_embed=64), x=x[:, :96], w=w[:96]
     )
-    assert "multiple of 8" in refused(TILES, w=w[:, :509])
+    assert "multiple of 64" in refused(TILES, w=w[:, :504])
 
 
 def test_heuristic_and_space_fit_shared_memory():
@@ -155,3 +158,35 @@ def test_cpu_dispatch_says_why_the_kernel_is_skipped():
         with pytest.raises(Exception, match="Hopper|gpu"):
             axkern.explain(op, x, w, labels, implementation="mosaic_gpu")
         assert axkern.explain(op, x, w, labels).implementation == "xla"
+
+
+def _lowered(n, d, v, dtype, soft_cap, with_sum, block_sizes) -> str:
+    """The StableHLO text of the kernel's path lowered for a CUDA GPU on this machine."""
+    shapes = (
+        jax.ShapeDtypeStruct((n, d), dtype),
+        jax.ShapeDtypeStruct((d, v), dtype),
+        jax.ShapeDtypeStruct((n,), jnp.int32),
+    )
+
+    def f(x, w, labels):
+        return mosaic_gpu.stats(
+            x, w, labels, block_sizes=block_sizes, logits_soft_cap=soft_cap, with_sum=with_sum
+        )
+
+    return jax.jit(f).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.skipif(mosaic_gpu._IMPORT_ERROR is not None, reason="Pallas Mosaic GPU does not import")
+@pytest.mark.parametrize(
+    "n,d,v,dtype,soft_cap,with_sum,tiles",
+    [
+        (1000, 512, 4160, jnp.bfloat16, None, False, (256, 128, 64, 4)),  # the heuristic's tiles, a tail
+        (777, 1536, 50304, jnp.float16, 30.0, True, (128, 256, 64, 3)),
+    ],
+)
+def test_kernel_lowers_for_a_cuda_gpu(monkeypatch, n, d, v, dtype, soft_cap, with_sum, tiles):
+    monkeypatch.setattr(mosaic_gpu, "_sm_count", lambda: 132)  # no GPU here to ask
+    bt, bv, bd, stages = tiles
+    bs = CrossEntropyBlockSizes(block_tokens=bt, block_vocab=bv, block_embed=bd, num_stages=stages)
+    text = _lowered(n, d, v, dtype, soft_cap, with_sum, bs)
+    assert len(re.findall(r"stablehlo.custom_call @mosaic_gpu", text)) == 1

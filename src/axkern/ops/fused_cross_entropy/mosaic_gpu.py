@@ -28,11 +28,12 @@ tile, mostly from L2 (the snake keeps `RASTER` token tiles' rows and about `132 
 vocab tiles' columns in flight), plus `4·N·V / tile_n` bytes of statistics per value.
 
 **Constraints.** bf16 or fp16 `x` and `w` (`wgmma` operands), `D` a multiple of `tile_k`,
-`V` a multiple of 8 (TMA needs 16-byte row strides), a Hopper GPU. **Interpret mode:**
-Mosaic GPU's `wgmma` and TMA copies have no CPU rule, so the kernel runs only on the device;
-`emulate_tile_stats` computes its outputs in XLA, and the CPU tests carry everything around
-the kernel (padding, the tail, the label's logit, the merge, dispatch) with it in the kernel's
-place.
+`V` a multiple of 64 (the TMA copies of `w` take 128-byte swizzled tiles), a Hopper GPU. **Interpret mode:**
+Mosaic GPU's `wgmma` and TMA copies have no CPU rule, so the kernel runs only on the device.
+The CPU tests lower it for a CUDA GPU (`lowering_platforms=("cuda",)`: every Pallas and Mosaic
+GPU lowering step, layouts and TMA tilings included), and `emulate_tile_stats` computes its
+outputs in XLA: they carry everything around the kernel (padding, the tail, the label's logit,
+the merge, dispatch) with it in the kernel's place.
 """
 
 from __future__ import annotations
@@ -67,6 +68,9 @@ __all__ = ["supports", "stats", "emulate_tile_stats", "smem_bytes", "SMEM_LIMIT"
 
 COMPUTE_WGS = 2  # consumer warpgroups, each its own tile_m rows of the CTA tile
 RASTER = 8  # token tiles per band of the snake over output tiles
+# wgmma groups left in flight when a step ends (its ring slot released that many steps later):
+# 0 waits for each step's products before the next is issued
+DELAY_RELEASE = 0
 _LOG2E = math.log2(math.e)
 
 
@@ -84,8 +88,8 @@ class _Cfg:
 def _dims_reason(embed: int, vocab: int, tile_k: int) -> str | None:
     if embed % tile_k:
         return f"embed={embed}: the Mosaic GPU kernel steps over the embedding {tile_k} at a time"
-    if vocab % 8:
-        return f"vocab={vocab}: TMA copies need 16-byte rows of w (a vocabulary that is a multiple of 8)"
+    if vocab % 64:
+        return f"vocab={vocab}: the TMA copies of w take 128-byte swizzled tiles (a vocabulary that is a multiple of 64)"
     return None
 
 
@@ -159,7 +163,9 @@ def _kernel(x_gmem, w_gmem, *stat_gmem, cfg: _Cfg, n_tiles: int):
     transforms = (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
 
     def pipeline(body, context):
-        spec = functools.partial(plgpu.BlockSpec, transforms=transforms, memory_space=plgpu.SMEM)
+        spec = functools.partial(
+            plgpu.BlockSpec, transforms=transforms, memory_space=plgpu.SMEM, delay_release=DELAY_RELEASE
+        )
         return plgpu.emit_pipeline_warp_specialized(
             body,
             grid=(k_iters,),
@@ -206,7 +212,7 @@ def _kernel(x_gmem, w_gmem, *stat_gmem, cfg: _Cfg, n_tiles: int):
 
             def product(_, x_smem, w_smem, acc_ref):
                 plgpu.wgmma(acc_ref, x_smem.at[pl.ds(wg * tm, tm)], w_smem)
-                plgpu.wgmma_wait(0)
+                plgpu.wgmma_wait(DELAY_RELEASE)
                 return acc_ref
 
             pipeline(product, context)(
