@@ -3,7 +3,12 @@ table): each implementation's forward and forward+backward at a bench preset, as
 runs them (the same inputs and random cotangent), timed whole and then run a few times under
 PyTorch's profiler, whose CUPTI activity trace sees every GPU kernel of the process (XLA's
 fusions, Triton's and Mosaic GPU's kernels). Rows: each kernel's device time per call, largest
-first, by name (XLA's fusions grouped without their trailing number). Needs torch with CUDA.
+first, by name (XLA's fusions grouped without their trailing number); and each run's
+`timeline` over the calls enqueued back to back: per call the window from the first kernel's
+start to the last one's end, the time some kernel ran and the time none did (launch gaps,
+dispatch), with the longest gaps. A kernel launched early (a programmatic dependent launch)
+may start before the kernel it waits for ends: its row then includes that wait, and the
+timeline counts the overlap once. Needs torch with CUDA.
 
     OUT=<folder> python3 benchmarks/kernel_times.py ssd mamba2_2.7b --tokens 4096 --impl mosaic_gpu,pallas_gpu
 
@@ -27,18 +32,22 @@ import jax
 from axkern import bench
 
 
-def profile(fn, args, calls: int) -> list[dict]:
-    """Device time per call of each kernel `fn(*args)` launches, largest first."""
+def profile(fn, args, calls: int) -> tuple[list[dict], dict]:
+    """Device time per call of each kernel `fn(*args)` launches, largest first, and the
+    `timeline` of the calls, enqueued back to back as `axkern bench` times them."""
     import torch
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
     jax.block_until_ready(fn(*args))
     with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        out = None
         for _ in range(calls):
-            jax.block_until_ready(fn(*args))
+            out = fn(*args)
+        jax.block_until_ready(out)
         torch.cuda.synchronize()
     totals, counts, raw = collections.Counter(), collections.Counter(), collections.defaultdict(set)
+    spans = []
     for e in prof.events():
         if e.device_type.name != "CUDA":
             continue
@@ -46,10 +55,39 @@ def profile(fn, args, calls: int) -> list[dict]:
         totals[name] += (getattr(e, "device_time", None) or e.cuda_time) / 1e3 / calls  # us -> ms a call
         counts[name] += 1 / calls
         raw[name].add(e.name)
-    return [
+        spans.append((e.time_range.start, e.time_range.end, name))
+    rows = [
         {"kernel": k, "ms_per_call": v, "launches_per_call": counts[k], "names": sorted(raw[k])}
         for k, v in totals.most_common()
     ]
+    return rows, timeline(spans, calls)
+
+
+def timeline(spans: list[tuple[float, float, str]], calls: int, top: int = 8) -> dict:
+    """Where the device's time goes between the first kernel's start and the last one's end of
+    `calls` back-to-back calls (`spans`: each kernel's start and end in microseconds, and its
+    name): per call, the window, the time some kernel ran (kernels that overlap counted once)
+    and the time none did; and the `top` longest idle gaps, each with the kernel after it."""
+    if not spans:
+        return {}
+    spans = sorted(spans)
+    busy, gaps = 0.0, []
+    run_start, run_end = spans[0][0], spans[0][1]
+    for start, end, name in spans[1:]:
+        if start > run_end:
+            busy += run_end - run_start
+            gaps.append((start - run_end, name))
+            run_start = start
+        run_end = max(run_end, end)
+    busy += run_end - run_start
+    window = run_end - spans[0][0]
+    gaps.sort(key=lambda g: -g[0])
+    return {
+        "window_ms_per_call": window / 1e3 / calls,
+        "busy_ms_per_call": busy / 1e3 / calls,
+        "idle_ms_per_call": (window - busy) / 1e3 / calls,
+        "longest_gaps": [{"us": round(g, 2), "before": n} for g, n in gaps[:top]],
+    }
 
 
 def fusion_sources(hlo: str) -> dict[str, str]:
@@ -107,7 +145,7 @@ def main() -> None:
                 run = {"case": case.label, "implementation": impl, "pass": pass_}
                 try:
                     run["ms"] = bench.time_spread(fn, fn_args, repeats=5)[1]
-                    run["kernels"] = profile(fn, fn_args, a.calls)
+                    run["kernels"], run["timeline"] = profile(fn, fn_args, a.calls)
                     run["kernels_total_ms"] = sum(r["ms_per_call"] for r in run["kernels"])
                     if a.hlo:
                         hlo = fn.lower(*fn_args).compile().as_text()
@@ -116,7 +154,10 @@ def main() -> None:
                         add_sources(run["kernels"], fusion_sources(hlo))
                 except Exception as e:  # noqa: BLE001 - report it and go on
                     run["error"] = f"{type(e).__name__}: {str(e)[:300]}"
-                print(json.dumps({k: v for k, v in run.items() if k != "kernels"}), flush=True)
+                print(
+                    json.dumps({k: v for k, v in run.items() if k not in ("kernels", "timeline")}), flush=True
+                )
+                print("  timeline", json.dumps(run.get("timeline", {})), flush=True)
                 for r in run.get("kernels", [])[:20]:
                     print(
                         f"  {r['ms_per_call']:8.3f} ms  x{r['launches_per_call']:5.1f}  {r['kernel'][:110]}",

@@ -1,5 +1,6 @@
-"""benchmarks/kernel_times.py's HLO reading: each fusion of a compiled program named with the JAX
-operation it came from, under the names the profiler reports its kernels by."""
+"""benchmarks/kernel_times.py's HLO reading (each fusion of a compiled program named with the JAX
+operation it came from, under the names the profiler reports its kernels by) and its timeline of
+kernel spans."""
 
 from __future__ import annotations
 
@@ -32,3 +33,22 @@ def test_each_row_gets_the_operations_its_fusions_came_from():
     kernel_times.add_sources(rows, sources)
     assert rows[0]["sources"] == rows[1]["sources"] == [sources[name]]
     assert "sources" not in rows[2]
+
+
+def test_timeline_counts_overlapping_kernels_once_and_finds_the_gaps():
+    # two calls: a, b overlapping b's predecessor (an early launch), then c; 5 us between calls
+    spans = [
+        (0.0, 10.0, "a"),
+        (8.0, 20.0, "b"),
+        (22.0, 100.0, "c"),
+        (105.0, 115.0, "a"),
+        (113.0, 125.0, "b"),
+        (126.0, 200.0, "c"),
+    ]
+    t = kernel_times.timeline(list(reversed(spans)), calls=2)
+    assert t["window_ms_per_call"] == 200.0 / 1e3 / 2
+    assert t["idle_ms_per_call"] == (2.0 + 5.0 + 1.0) / 1e3 / 2
+    assert t["busy_ms_per_call"] == (200.0 - 8.0) / 1e3 / 2
+    assert t["longest_gaps"][0] == {"us": 5.0, "before": "a"}
+    assert [g["before"] for g in t["longest_gaps"]] == ["a", "c", "c"]
+    assert kernel_times.timeline([], calls=3) == {}
