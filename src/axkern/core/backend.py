@@ -8,7 +8,7 @@ import re
 
 import jax
 
-__all__ = ["platform", "device_kind", "compute_capability", "device_key", "is_hopper"]
+__all__ = ["platform", "device_kind", "compute_capability", "device_key", "is_hopper", "mosaic_gpu_reason"]
 
 
 def _default_device() -> jax.Device:
@@ -46,6 +46,18 @@ def is_hopper(spec) -> bool:
     if cc is not None:
         return cc[0] == 9
     return spec.device_key.startswith(_HOPPER_KEYS)
+
+
+def mosaic_gpu_reason(spec, import_error: Exception | None) -> str | None:
+    """Why a Pallas Mosaic GPU kernel of 16-bit operands cannot serve `spec` (its module's
+    import failed, not a Hopper GPU, not bf16 or fp16), or None."""
+    if import_error is not None:
+        return f"jax.experimental.pallas.mosaic_gpu does not import here ({import_error})"
+    if spec.platform != "gpu" or not is_hopper(spec):
+        return f"the Mosaic GPU kernel needs a Hopper GPU (compute capability 9.x), not {spec.device_kind}"
+    if spec.dtype not in ("bfloat16", "float16"):
+        return f"the Mosaic GPU kernel takes bf16 or fp16, not {spec.dtype}"
+    return None
 
 
 _DETERMINISTIC_FLAGS = re.compile(

@@ -94,13 +94,9 @@ def _dims_reason(embed: int, vocab: int, tile_k: int) -> str | None:
 
 
 def supports(spec) -> str | None:
-    if _IMPORT_ERROR is not None:
-        return f"jax.experimental.pallas.mosaic_gpu does not import here ({_IMPORT_ERROR})"
-    if spec.platform != "gpu" or not backend.is_hopper(spec):
-        return f"the Mosaic GPU kernel needs a Hopper GPU (compute capability 9.x), not {spec.device_kind}"
-    if spec.dtype not in ("bfloat16", "float16"):
-        return f"the Mosaic GPU kernel takes bf16 or fp16 inputs (wgmma operands), not {spec.dtype}"
-    return _dims_reason(spec.dim("embed"), spec.dim("vocab"), 64)
+    return backend.mosaic_gpu_reason(spec, _IMPORT_ERROR) or _dims_reason(
+        spec.dim("embed"), spec.dim("vocab"), 64
+    )
 
 
 def _config(x, w, block_sizes: CrossEntropyBlockSizes, logits_soft_cap, with_sum, emulate) -> _Cfg:

@@ -206,12 +206,9 @@ HEAD_DIMS = (64, 128, 256)
 
 
 def supports(spec) -> str | None:
-    if _IMPORT_ERROR is not None:
-        return f"jax.experimental.pallas.mosaic_gpu does not import here ({_IMPORT_ERROR})"
-    if spec.platform != "gpu" or not backend.is_hopper(spec):
-        return f"the Mosaic GPU kernel needs a Hopper GPU (compute capability 9.x), not {spec.device_kind}"
-    if spec.dtype not in ("bfloat16", "float16"):
-        return f"the Mosaic GPU kernel takes bf16 or fp16, not {spec.dtype}"
+    reason = backend.mosaic_gpu_reason(spec, _IMPORT_ERROR)
+    if reason:
+        return reason
     d, dv = spec.dim("head_dim"), spec.dim("v_dim")
     if d not in HEAD_DIMS or dv != d:
         return f"head dims {d} and {dv}: the Mosaic GPU kernel takes equal head dims of 64, 128 or 256"
