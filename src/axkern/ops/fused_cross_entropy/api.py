@@ -15,6 +15,7 @@ collectives (`lse` by a stable log-sum-exp across shards, the other two by `psum
 
 from __future__ import annotations
 
+import functools
 from typing import Literal
 
 import jax.numpy as jnp
@@ -131,7 +132,7 @@ LOSS_OP = Op(
         ),
         Implementation(
             "mosaic_gpu",
-            xla.mosaic_gpu_loss,
+            functools.partial(xla.loss, value_stats=mosaic_gpu.value_stats),
             platforms=("gpu",),
             supports=mosaic_gpu.supports,
             block_sizes=CrossEntropyBlockSizes,

@@ -52,7 +52,7 @@ from axkern.core.op import Unsupported
 
 from . import common
 from .blocks import MOSAIC_GPU_SMEM as SMEM_LIMIT
-from .blocks import CrossEntropyBlockSizes
+from .blocks import CrossEntropyBlockSizes, mosaic_gpu_heuristic
 from .blocks import mosaic_gpu_smem_bytes as smem_bytes
 
 try:
@@ -64,7 +64,15 @@ except Exception as e:  # noqa: BLE001 - any import failure means the kernel can
     pl = plgpu = None
     _IMPORT_ERROR = e
 
-__all__ = ["supports", "stats", "emulate_tile_stats", "smem_bytes", "SMEM_LIMIT"]
+__all__ = [
+    "supports",
+    "stats",
+    "value_stats",
+    "emulated_value_stats",
+    "emulate_tile_stats",
+    "smem_bytes",
+    "SMEM_LIMIT",
+]
 
 COMPUTE_WGS = 2  # consumer warpgroups, each its own tile_m rows of the CTA tile
 RASTER = 8  # token tiles per band of the snake over output tiles
@@ -297,3 +305,18 @@ def stats(
 
 
 _stats = common.recomputing(_forward)
+
+
+def value_stats(x, w, labels, *, logits_soft_cap=None, with_sum=False):
+    """`stats` with the heuristic's tiles: the reduced loss's undifferentiated value
+    (`xla.loss(..., value_stats=value_stats)`)."""
+    tiles = mosaic_gpu_heuristic(None)
+    return stats(x, w, labels, block_sizes=tiles, logits_soft_cap=logits_soft_cap, with_sum=with_sum)
+
+
+def emulated_value_stats(x, w, labels, *, logits_soft_cap=None, with_sum=False):
+    """`value_stats` with `emulate_tile_stats` in the kernel's place (tests without a Hopper GPU)."""
+    tiles = mosaic_gpu_heuristic(None)
+    return stats(
+        x, w, labels, block_sizes=tiles, logits_soft_cap=logits_soft_cap, with_sum=with_sum, emulate=True
+    )

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -12,8 +13,7 @@ from jax import lax
 
 from axkern.core.blocks import for_each_block
 
-from . import mosaic_gpu
-from .blocks import CrossEntropyBlockSizes, mosaic_gpu_heuristic
+from .blocks import CrossEntropyBlockSizes
 from .common import (
     Static,
     acc_dtype,
@@ -75,9 +75,9 @@ class _LossStatic:
     logsumexp_weight: float
     label_smoothing: float
     w_dtype: str
-    # the undifferentiated value's statistics: "xla" (streamed), "mosaic_gpu" or
-    # "mosaic_gpu_emulated" (the kernel's outputs computed in XLA, for tests without a Hopper GPU)
-    value: str = "xla"
+    # the undifferentiated value's statistics, `(x, w, labels, *, logits_soft_cap, with_sum) ->
+    # (lse, label_logit, sum_logits)`; None: this module's streamed tiles
+    value_stats: Callable | None = None
 
 
 def dw_strategy(w_dtype, requested: str | None) -> str:
@@ -148,12 +148,12 @@ def loss(
     logits_soft_cap=None,
     logsumexp_weight=0.0,
     label_smoothing=0.0,
-    value="xla",
+    value_stats=None,
 ):
     """`scale * sum_{keep} loss_i` (float32), gradients for `x` and `w` formed in the forward
-    (`dw` accumulated as `block_sizes.dw_accumulation` says). `value="mosaic_gpu"`: the
-    undifferentiated value's statistics by the Hopper kernel (`mosaic_gpu.py`, its own tiles)
-    rather than XLA's streamed tiles; the gradients are the same."""
+    (`dw` accumulated as `block_sizes.dw_accumulation` says). `value_stats`: what computes the
+    undifferentiated value's per-token statistics (e.g. the Hopper kernel's, with its own
+    tiles) instead of XLA's streamed tiles; the gradients are the same."""
     n = x.shape[0]
     acc = acc_dtype(x, w)
     cfg = _LossStatic(
@@ -164,22 +164,17 @@ def loss(
         logsumexp_weight=float(logsumexp_weight),
         label_smoothing=float(label_smoothing),
         w_dtype=jnp.dtype(w.dtype).name,
-        value=value,
+        value_stats=value_stats,
     )
     return _loss(cfg, x, w, labels, keep, jnp.asarray(scale, acc))
-
-
-mosaic_gpu_loss = functools.partial(loss, value="mosaic_gpu")
 
 
 def _loss_value(cfg: _LossStatic, x, w, labels, keep):
     # undifferentiated: the streaming forward (or the kernel) with its own tiles, not the loss's block
     with_sum = bool(cfg.label_smoothing)
-    if cfg.value in ("mosaic_gpu", "mosaic_gpu_emulated"):
-        tiles = mosaic_gpu_heuristic(None)
-        emulate = cfg.value == "mosaic_gpu_emulated"
-        lse, label_logit, sum_logits = mosaic_gpu.stats(
-            x, w, labels, block_sizes=tiles, logits_soft_cap=cfg.soft_cap, with_sum=with_sum, emulate=emulate
+    if cfg.value_stats is not None:
+        lse, label_logit, sum_logits = cfg.value_stats(
+            x, w, labels, logits_soft_cap=cfg.soft_cap, with_sum=with_sum
         )
     else:
         stat_cfg = streaming_config(x.shape[0], w.shape[1], cfg.soft_cap, with_sum)
