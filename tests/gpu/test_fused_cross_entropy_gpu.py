@@ -128,7 +128,7 @@ def test_mosaic_gpu_kernel_matches_its_emulation(n, d, v, dtype, soft_cap, with_
     cfg = mosaic_gpu._config(x, w, bs, soft_cap, with_sum, False)
     rows = -(-n // bt) * bt
     xp = jnp.pad(x, ((0, rows - n), (0, 0)))
-    n_tiles = v // bv
+    n_tiles = mosaic_gpu.kernel_tiles(cfg, v)
     got = jax.jit(lambda x, w: mosaic_gpu._tile_stats(cfg, x, w, n_tiles))(xp, w)
     want = jax.jit(lambda x, w: mosaic_gpu.emulate_tile_stats(cfg, x, w, n_tiles))(xp, w)
     for name, g, e in zip(("max", "sum exp", "sum"), got, want, strict=True):

@@ -12,6 +12,12 @@ never leaves the registers: the soft cap, then per row the tile's max `m`,
 memory and written by TMA as one float32 value per row and vocab tile. XLA merges the tiles
 (`common.merge_tiles`: `lse = max_j m_j + log sum_j s_j exp(m_j - max_j m_j)`).
 
+**Forms** (module constants, for timing them against each other:
+benchmarks/fused_cross_entropy_mosaic_forms.py): `CLUSTER = 2` pairs CTAs on neighbouring vocab
+tiles of the same rows in a cluster, their `x` slices loaded once for both by TMA multicast;
+`DELAY_RELEASE = 1` leaves a step's `wgmma` group in flight while the next is issued (its ring
+slot released a step later). Both default off until measured.
+
 **Outside the kernel.** The label's logit is one `D`-long product per token,
 `x_t · w[:, label_t]` (the label's column gathered, float32 accumulation, soft-capped like the
 tile): the kernel carries no labels and no column indices. Columns past the last whole vocab
@@ -79,6 +85,9 @@ RASTER = 8  # token tiles per band of the snake over output tiles
 # wgmma groups left in flight when a step ends (its ring slot released that many steps later):
 # 0 waits for each step's products before the next is issued
 DELAY_RELEASE = 0
+# CTAs of a cluster: 2 pairs CTAs on neighbouring vocab tiles of the same rows, their x slices
+# loaded once for both (TMA multicast), halving x's traffic from L2
+CLUSTER = 1
 _LOG2E = math.log2(math.e)
 
 
@@ -158,6 +167,7 @@ def _kernel_capped(z, soft_cap):
 
 
 def _kernel(x_gmem, w_gmem, *stat_gmem, cfg: _Cfg, n_tiles: int):
+    """`n_tiles` vocab tiles (a multiple of `CLUSTER`) of every row of `x`."""
     tm, tn, tk = cfg.tile_m, cfg.tile_n, cfg.tile_k
     cta_m = COMPUTE_WGS * tm
     rows, d = x_gmem.shape
@@ -174,7 +184,10 @@ def _kernel(x_gmem, w_gmem, *stat_gmem, cfg: _Cfg, n_tiles: int):
             body,
             grid=(k_iters,),
             memory_registers=40,
-            in_specs=[spec((cta_m, tk), lambda k: (0, k)), spec((tk, tn), lambda k: (k, 0))],
+            in_specs=[
+                spec((cta_m, tk), lambda k: (0, k), collective_axes=("cluster",) if CLUSTER > 1 else ()),
+                spec((tk, tn), lambda k: (k, 0)),
+            ],
             wg_axis="wg",
             num_compute_wgs=COMPUTE_WGS,
             max_concurrent_steps=cfg.stages,
@@ -192,10 +205,13 @@ def _kernel(x_gmem, w_gmem, *stat_gmem, cfg: _Cfg, n_tiles: int):
     def _scope(allocations, staged):
         wg = lax.axis_index("wg")
 
-        @plgpu.nd_loop((m_iters * n_tiles,), collective_axes="sm")
+        pairs = n_tiles // CLUSTER
+
+        @plgpu.nd_loop((m_iters * pairs,), collective_axes="cluster_grid")
         def _tiles(info):
             (lin,) = info.index
-            m_idx, n_idx = plgpu.planar_snake(lin, (m_iters, n_tiles), 0, min(RASTER, m_iters))
+            m_idx, n_pair = plgpu.planar_snake(lin, (m_iters, pairs), 0, min(RASTER, m_iters))
+            n_idx = n_pair * CLUSTER + lax.axis_index("cluster")
             row0 = m_idx * cta_m + wg * tm
 
             def context(eval_pipeline):
@@ -241,8 +257,10 @@ def _tile_stats(cfg: _Cfg, x, w, n_tiles: int):
     kernel = plgpu.kernel(
         functools.partial(_kernel, cfg=cfg, n_tiles=n_tiles),
         out_type=[out] * (3 if cfg.with_sum else 2),
-        grid=(_sm_count(),),
-        grid_names=("sm",),
+        grid=(_sm_count() // CLUSTER,),
+        grid_names=("cluster_grid",),
+        cluster=(CLUSTER,),
+        cluster_names=("cluster",),
         num_threads=COMPUTE_WGS + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(
@@ -274,12 +292,18 @@ def _label_logits(cfg: _Cfg, x, w, labels):
     return jnp.where(ok, _capped(z, cfg.soft_cap), 0.0)
 
 
+def kernel_tiles(cfg: _Cfg, vocab: int) -> int:
+    """The vocab tiles the kernel computes (whole tiles, a whole number of clusters); XLA takes
+    the columns after them."""
+    return vocab // cfg.tile_n // CLUSTER * CLUSTER
+
+
 def _forward(cfg: _Cfg, x, w, labels):
     n, v = x.shape[0], w.shape[1]
     cta_m = COMPUTE_WGS * cfg.tile_m
     rows = cdiv(max(n, 1), cta_m) * cta_m
     xp = x if rows == n else jnp.pad(x, ((0, rows - n), (0, 0)))
-    n_tiles = v // cfg.tile_n
+    n_tiles = kernel_tiles(cfg, v)
     parts = list(_tile_stats(cfg, xp, w, n_tiles)) if n_tiles else []
     tail = v - n_tiles * cfg.tile_n
     if tail:  # the last columns, one more tile of the merge

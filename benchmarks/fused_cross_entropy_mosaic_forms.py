@@ -1,0 +1,107 @@
+"""The fused cross-entropy's Hopper kernel (`mosaic_gpu`) in each of its forms and tiles, beside
+`xla`'s and `pallas_gpu`'s forwards, at a model's size: per row the forward's time (the per-token
+statistics, `jax.jit` of `fused_cross_entropy(..., reduction=None)`; median, min and max of
+repeats), its TFLOP/s over `2·N·D·V`, and its largest difference from `xla`'s `lse`.
+
+The forms are module constants of `ops/fused_cross_entropy/mosaic_gpu.py` set for a row:
+`CLUSTER` (2: CTA pairs sharing their `x` slices by TMA multicast) and `DELAY_RELEASE` (wgmma
+groups left in flight at a step's end); the tiles are `CrossEntropyBlockSizes(block_tokens,
+block_vocab, block_embed=64, num_stages)`.
+
+Run on a Hopper GPU from the repository root (a minute or two on an H200):
+
+    PYTHONPATH=src python3 benchmarks/fused_cross_entropy_mosaic_forms.py --json forms.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import itertools
+import json
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="benchmarks/fused_cross_entropy_mosaic_forms.py")
+    p.add_argument("--tokens", type=int, default=16384)
+    p.add_argument("--embed", type=int, default=4096)
+    p.add_argument("--vocab", type=int, default=128256)
+    p.add_argument("--clusters", default="1,2")
+    p.add_argument("--delays", default="0,1")
+    p.add_argument(
+        "--tiles", default="256x128x4,128x256x3,256x128x3", help="block_tokens x block_vocab x stages"
+    )
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--json", help="write the rows here")
+    a = p.parse_args(argv)
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from axkern import CrossEntropyBlockSizes
+    from axkern.bench import time_spread
+    from axkern.ops.fused_cross_entropy import mosaic_gpu
+    from axkern.positional import fused_cross_entropy
+
+    n, d, v = a.tokens, a.embed, a.vocab
+    kx, kw, kl = jax.random.split(jax.random.PRNGKey(0), 3)
+    x = jax.random.normal(kx, (n, d), jnp.float32).astype(jnp.bfloat16)
+    w = (jax.random.normal(kw, (d, v), jnp.float32) * (4.0 / d**0.5)).astype(jnp.bfloat16)
+    labels = jax.random.randint(kl, (n,), 0, v)
+    flops = 2.0 * n * d * v
+
+    def lse_of(impl, block_sizes=None):
+        f = jax.jit(
+            lambda x, w, l: fused_cross_entropy(
+                x, w, l, reduction=None, return_lse=True, implementation=impl, block_sizes=block_sizes
+            )[1]
+        )
+        return f
+
+    rows = []
+    want = np.asarray(lse_of("xla")(x, w, labels))
+
+    def row(name, fn, **extra):
+        r = {"implementation": name, **extra}
+        try:
+            got = np.asarray(fn(x, w, labels))
+            r["max_abs_diff_lse_vs_xla"] = float(np.abs(got - want).max())
+            lo, med, hi = time_spread(fn, (x, w, labels), repeats=a.repeats)
+            r.update(ms=med, ms_min=lo, ms_max=hi, tflops=flops / med / 1e9)
+        except Exception as e:  # noqa: BLE001 - report it and go on
+            r["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        print(json.dumps(r), flush=True)
+        rows.append(r)
+
+    row("xla", lse_of("xla"))
+    row("pallas_gpu", lse_of("pallas_gpu"))
+    clusters = [int(c) for c in a.clusters.split(",")]
+    delays = [int(c) for c in a.delays.split(",")]
+    tiles = [tuple(int(t) for t in s.split("x")) for s in a.tiles.split(",")]
+    for cluster, delay, (bt, bv, stages) in itertools.product(clusters, delays, tiles):
+        mosaic_gpu.CLUSTER, mosaic_gpu.DELAY_RELEASE = cluster, delay
+        bs = CrossEntropyBlockSizes(block_tokens=bt, block_vocab=bv, block_embed=64, num_stages=stages)
+        row(
+            "mosaic_gpu",
+            lse_of("mosaic_gpu", bs),
+            cluster=cluster,
+            delay_release=delay,
+            tiles=[bt, bv, 64, stages],
+        )
+    if a.json:
+        out = {
+            "command": "PYTHONPATH=src python3 benchmarks/fused_cross_entropy_mosaic_forms.py --json <file>",
+            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            "jax": jax.__version__,
+            "device": jax.devices()[0].device_kind,
+            "shape": {"tokens": n, "embed": d, "vocab": v, "dtype": "bfloat16"},
+            "rows": rows,
+        }
+        with open(a.json, "w") as f:
+            json.dump(out, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
