@@ -181,28 +181,21 @@ def _lowered(n, d, v, dtype, soft_cap, with_sum, block_sizes) -> str:
 
 @pytest.mark.skipif(mosaic_gpu._IMPORT_ERROR is not None, reason="Pallas Mosaic GPU does not import")
 @pytest.mark.parametrize(
-    "n,d,v,dtype,soft_cap,with_sum,tiles,cluster,delay",
+    "n,d,v,dtype,soft_cap,with_sum,tiles,forms",
     [
-        (
-            1000,
-            512,
-            4160,
-            jnp.bfloat16,
-            None,
-            False,
-            (256, 128, 64, 4),
-            1,
-            0,
-        ),  # the heuristic's tiles, a tail
-        (777, 1536, 50304, jnp.float16, 30.0, True, (128, 256, 64, 3), 1, 0),
-        # the forms to time against the default: CTA pairs sharing x, a wgmma group in flight
-        (300, 96, 640, jnp.bfloat16, 20.0, True, (128, 64, 32, 3), 2, 1),
+        # the heuristic's tiles, a vocabulary tail
+        (1000, 512, 4160, jnp.bfloat16, None, False, (256, 128, 64, 4), {}),
+        (777, 1536, 50304, jnp.float16, 30.0, True, (128, 256, 64, 3), {}),
+        # the forms to time against the default: CTA pairs sharing x, a wgmma group in flight, a
+        # CTA's tiles as one pipeline
+        (300, 96, 640, jnp.bfloat16, 20.0, True, (128, 64, 32, 3), {"CLUSTER": 2, "DELAY_RELEASE": 1}),
+        (4096, 512, 32000, jnp.bfloat16, None, False, (256, 128, 64, 4), {"CLUSTER": 2, "PIPELINED": True}),
     ],
 )
-def test_kernel_lowers_for_a_cuda_gpu(monkeypatch, n, d, v, dtype, soft_cap, with_sum, tiles, cluster, delay):
+def test_kernel_lowers_for_a_cuda_gpu(monkeypatch, n, d, v, dtype, soft_cap, with_sum, tiles, forms):
     monkeypatch.setattr(mosaic_gpu, "_sm_count", lambda: 132)  # no GPU here to ask
-    monkeypatch.setattr(mosaic_gpu, "CLUSTER", cluster)
-    monkeypatch.setattr(mosaic_gpu, "DELAY_RELEASE", delay)
+    for name, value in forms.items():
+        monkeypatch.setattr(mosaic_gpu, name, value)
     bt, bv, bd, stages = tiles
     bs = CrossEntropyBlockSizes(block_tokens=bt, block_vocab=bv, block_embed=bd, num_stages=stages)
     text = _lowered(n, d, v, dtype, soft_cap, with_sum, bs)

@@ -16,7 +16,8 @@ memory and written by TMA as one float32 value per row and vocab tile. XLA merge
 benchmarks/fused_cross_entropy_mosaic_forms.py): `CLUSTER = 2` pairs CTAs on neighbouring vocab
 tiles of the same rows in a cluster, their `x` slices loaded once for both by TMA multicast;
 `DELAY_RELEASE = 1` leaves a step's `wgmma` group in flight while the next is issued (its ring
-slot released a step later). Both default off until measured.
+slot released a step later); `PIPELINED = True` runs a CTA's tiles as one pipeline of pipelines,
+the producer loading the next tile while the consumers finish one. All default off until measured.
 
 **Outside the kernel.** The label's logit is one `D`-long product per token,
 `x_t · w[:, label_t]` (the label's column gathered, float32 accumulation, soft-capped like the
@@ -88,6 +89,10 @@ DELAY_RELEASE = 0
 # CTAs of a cluster: 2 pairs CTAs on neighbouring vocab tiles of the same rows, their x slices
 # loaded once for both (TMA multicast), halving x's traffic from L2
 CLUSTER = 1
+# True: a CTA's tiles run as one pipeline of pipelines (`PipelinePipeline` states), the
+# producer loading the next tile's first slices while the consumers finish a tile; needs the
+# steps a tile a multiple of the ring's slots and no wgmma group left in flight
+PIPELINED = False
 _LOG2E = math.log2(math.e)
 
 
@@ -176,7 +181,7 @@ def _kernel(x_gmem, w_gmem, *stat_gmem, cfg: _Cfg, n_tiles: int):
     swizzle = plgpu.find_swizzle(tk * itemsize * 8)
     transforms = (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
 
-    def pipeline(body, context):
+    def pipeline(body, context, state=None):
         spec = functools.partial(
             plgpu.BlockSpec, transforms=transforms, memory_space=plgpu.SMEM, delay_release=DELAY_RELEASE
         )
@@ -192,9 +197,11 @@ def _kernel(x_gmem, w_gmem, *stat_gmem, cfg: _Cfg, n_tiles: int):
             num_compute_wgs=COMPUTE_WGS,
             max_concurrent_steps=cfg.stages,
             compute_context=context,
+            pipeline_state=state,
         )
 
     ignore = lambda *_, **__: None  # noqa: E731 - the allocations depend on neither function
+    chained = PIPELINED and k_iters % cfg.stages == 0 and DELAY_RELEASE == 0
 
     @functools.partial(
         pl.run_scoped,
@@ -235,11 +242,18 @@ def _kernel(x_gmem, w_gmem, *stat_gmem, cfg: _Cfg, n_tiles: int):
                 plgpu.wgmma_wait(DELAY_RELEASE)
                 return acc_ref
 
-            pipeline(product, context)(
-                x_gmem.at[pl.ds(m_idx * cta_m, cta_m), :],
-                w_gmem.at[:, pl.ds(n_idx * tn, tn)],
-                allocations=allocations,
-            )
+            refs = (x_gmem.at[pl.ds(m_idx * cta_m, cta_m), :], w_gmem.at[:, pl.ds(n_idx * tn, tn)])
+            if not chained:
+                pipeline(product, context)(*refs, allocations=allocations)
+                return
+            # the first tile of the CTA fills the ring, the last drains it; a CTA of one tile
+            # runs it alone
+            states = plgpu.PipelinePipeline
+            first, last = info.local_index == 0, info.local_index == info.num_local_steps - 1
+            state = jnp.where(first, states.START, jnp.where(last, states.STOP, states.STEADY))
+            alone = first & last
+            pl.when(alone)(lambda: pipeline(product, context)(*refs, allocations=allocations))
+            pl.when(~alone)(lambda: pipeline(product, context, state)(*refs, allocations=allocations))
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
