@@ -4,9 +4,8 @@ statistics, `jax.jit` of `fused_cross_entropy(..., reduction=None)`; median, min
 repeats), its TFLOP/s over `2·N·D·V`, and its largest difference from `xla`'s `lse`.
 
 The forms are module constants of `ops/fused_cross_entropy/mosaic_gpu.py` set for a row:
-`CLUSTER` (2: CTA pairs sharing their `x` slices by TMA multicast), `DELAY_RELEASE` (wgmma
-groups left in flight at a step's end) and `PIPELINED` (a CTA's tiles as one pipeline of
-pipelines; it needs `DELAY_RELEASE = 0`, so that pair is not run); the tiles are `CrossEntropyBlockSizes(block_tokens,
+`CLUSTER` (2: CTA pairs sharing their `x` slices by TMA multicast) and `PIPELINED` (a CTA's
+tiles as one pipeline of pipelines); the tiles are `CrossEntropyBlockSizes(block_tokens,
 block_vocab, block_embed=64, num_stages)`.
 
 Run on a Hopper GPU from the repository root (a minute or two on an H200):
@@ -28,9 +27,8 @@ def main(argv=None) -> int:
     p.add_argument("--embed", type=int, default=4096)
     p.add_argument("--vocab", type=int, default=128256)
     p.add_argument("--clusters", default="1,2")
-    p.add_argument("--delays", default="0,1")
     p.add_argument("--pipelined", default="0,1")
-    p.add_argument("--tiles", default="256x128x4,128x256x3", help="block_tokens x block_vocab x stages")
+    p.add_argument("--tiles", default="256x128x4,128x128x4", help="block_tokens x block_vocab x stages")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--json", help="write the rows here")
     a = p.parse_args(argv)
@@ -77,16 +75,18 @@ def main(argv=None) -> int:
     row("xla", lse_of("xla"))
     row("pallas_gpu", lse_of("pallas_gpu"))
     clusters = [int(c) for c in a.clusters.split(",")]
-    delays = [int(c) for c in a.delays.split(",")]
     tiles = [tuple(int(t) for t in s.split("x")) for s in a.tiles.split(",")]
     chains = [bool(int(c)) for c in a.pipelined.split(",")]
-    for cluster, delay, chain, (bt, bv, stages) in itertools.product(clusters, delays, chains, tiles):
-        if chain and delay:
-            continue
-        mosaic_gpu.CLUSTER, mosaic_gpu.DELAY_RELEASE, mosaic_gpu.PIPELINED = cluster, delay, chain
+    for cluster, chain, (bt, bv, stages) in itertools.product(clusters, chains, tiles):
+        mosaic_gpu.CLUSTER, mosaic_gpu.PIPELINED = cluster, chain
         bs = CrossEntropyBlockSizes(block_tokens=bt, block_vocab=bv, block_embed=64, num_stages=stages)
-        forms = dict(cluster=cluster, delay_release=delay, pipelined=chain)
-        row("mosaic_gpu", lse_of("mosaic_gpu", bs), **forms, tiles=[bt, bv, 64, stages])
+        row(
+            "mosaic_gpu",
+            lse_of("mosaic_gpu", bs),
+            cluster=cluster,
+            pipelined=chain,
+            tiles=[bt, bv, 64, stages],
+        )
     if a.json:
         out = {
             "command": "PYTHONPATH=src python3 benchmarks/fused_cross_entropy_mosaic_forms.py --json <file>",

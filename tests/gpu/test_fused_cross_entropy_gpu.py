@@ -117,7 +117,7 @@ def test_h200_table_and_memory_at_llama3_size():
         (1000, 512, 4160, "bfloat16", None, False, (256, 128, 64, 4)),
         (4096, 2048, 32000, "bfloat16", 30.0, True, (256, 128, 64, 4)),
         (777, 1536, 50304, "float16", None, True, (128, 256, 64, 3)),
-        (2048, 4096, 128256, "bfloat16", None, False, (256, 256, 64, 3)),
+        (2048, 4096, 128256, "bfloat16", None, False, (256, 128, 64, 3)),
     ],
 )
 def test_mosaic_gpu_kernel_matches_its_emulation(n, d, v, dtype, soft_cap, with_sum, block_sizes):

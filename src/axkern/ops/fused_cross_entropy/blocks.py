@@ -126,22 +126,26 @@ def pallas_gpu_heuristic(spec: Spec) -> CrossEntropyBlockSizes:
 MOSAIC_GPU_SMEM = 227 * 1024  # dynamic shared memory of a Hopper CTA
 
 
-def mosaic_gpu_smem_bytes(tile_m: int, tile_n: int, tile_k: int, stages: int, itemsize: int = 2) -> int:
+def mosaic_gpu_smem_bytes(
+    tile_m: int, tile_n: int, tile_k: int, stages: int, itemsize: int = 2, stats: int = 3
+) -> int:
     """Shared memory of the Mosaic GPU kernel (two consumer warpgroups of `tile_m` rows): the
-    ring of `x` and `w` slices and the staged per-row statistics."""
+    ring of `x` and `w` slices, the staged per-row statistics (`stats` of them) and 1 KiB for
+    the ring's barriers."""
     ring = stages * (2 * tile_m * tile_k + tile_k * tile_n) * itemsize
-    return ring + 2 * 2 * tile_m * 4
+    return ring + stats * 2 * tile_m * 4 + 1024
 
 
 def mosaic_gpu_heuristic(spec: Spec) -> CrossEntropyBlockSizes:
     """Hopper GEMM tiles: CTA tiles of 256 rows (128 a consumer warpgroup) by 128 vocab
-    columns, 64-deep steps, a ring of 4 slots (196 KiB)."""
+    columns, 64-deep steps, a ring of 4 slots (192 KiB)."""
     return CrossEntropyBlockSizes(block_tokens=256, block_vocab=128, block_embed=64, num_stages=4)
 
 
 def mosaic_gpu_space(spec: Spec) -> list[CrossEntropyBlockSizes]:
     """CTA tiles of 128 or 256 rows by 128 or 256 columns, 64-deep steps, 3 or 4 slots, those
-    that fit a CTA's shared memory."""
+    whose accumulator (at most 128x128 a warpgroup) fits the registers and whose ring fits a
+    CTA's shared memory."""
     candidates = grid(
         CrossEntropyBlockSizes,
         spec,
@@ -154,7 +158,8 @@ def mosaic_gpu_space(spec: Spec) -> list[CrossEntropyBlockSizes]:
     return [
         b
         for b in candidates
-        if mosaic_gpu_smem_bytes(b.block_tokens // 2, b.block_vocab, 64, b.num_stages) <= MOSAIC_GPU_SMEM
+        if b.block_tokens // 2 * b.block_vocab <= 128 * 128
+        and mosaic_gpu_smem_bytes(b.block_tokens // 2, b.block_vocab, 64, b.num_stages) <= MOSAIC_GPU_SMEM
     ]
 
 

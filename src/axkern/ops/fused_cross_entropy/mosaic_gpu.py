@@ -15,9 +15,11 @@ memory and written by TMA as one float32 value per row and vocab tile. XLA merge
 **Forms** (module constants, for timing them against each other:
 benchmarks/fused_cross_entropy_mosaic_forms.py): `CLUSTER = 2` pairs CTAs on neighbouring vocab
 tiles of the same rows in a cluster, their `x` slices loaded once for both by TMA multicast;
-`DELAY_RELEASE = 1` leaves a step's `wgmma` group in flight while the next is issued (its ring
-slot released a step later); `PIPELINED = True` runs a CTA's tiles as one pipeline of pipelines,
-the producer loading the next tile while the consumers finish one. All default off until measured.
+`PIPELINED = True` runs a CTA's tiles as one pipeline of pipelines, the producer loading the next
+tile while the consumers finish one. Both default off until measured. Each step waits for its
+`wgmma` before its ring slot is released: with a group left in flight (`delay_release`), the last
+step's slot of a tile is never released, and the next tile's first loads, into the ring the
+tiles share, could overwrite it under a product still reading it.
 
 **Outside the kernel.** The label's logit is one `D`-long product per token,
 `x_t · w[:, label_t]` (the label's column gathered, float32 accumulation, soft-capped like the
@@ -83,9 +85,6 @@ __all__ = [
 
 COMPUTE_WGS = 2  # consumer warpgroups, each its own tile_m rows of the CTA tile
 RASTER = 8  # token tiles per band of the snake over output tiles
-# wgmma groups left in flight when a step ends (its ring slot released that many steps later):
-# 0 waits for each step's products before the next is issued
-DELAY_RELEASE = 0
 # CTAs of a cluster: 2 pairs CTAs on neighbouring vocab tiles of the same rows, their x slices
 # loaded once for both (TMA multicast), halving x's traffic from L2
 CLUSTER = 1
@@ -137,9 +136,14 @@ def _config(x, w, block_sizes: CrossEntropyBlockSizes, logits_soft_cap, with_sum
         raise Unsupported(f"block_vocab={bv}: the Mosaic GPU kernel takes 64, 128 or 256 vocab columns")
     if bd not in (32, 64):
         raise Unsupported(f"block_embed={bd}: the Mosaic GPU kernel steps 32 or 64 embedding columns")
+    if (bt // COMPUTE_WGS) * bv > 128 * 128:
+        raise Unsupported(
+            f"block_tokens={bt}, block_vocab={bv}: a warpgroup's float32 accumulator of "
+            f"{bt // COMPUTE_WGS}x{bv} takes more than the 128 registers a thread the kernel leaves it"
+        )
     if not 2 <= stages <= 6:
         raise Unsupported(f"num_stages={stages}: the Mosaic GPU kernel's ring holds 2 to 6 slots")
-    need = smem_bytes(bt // COMPUTE_WGS, bv, bd, stages, x.dtype.itemsize)
+    need = smem_bytes(bt // COMPUTE_WGS, bv, bd, stages, x.dtype.itemsize, 3 if with_sum else 2)
     if need > SMEM_LIMIT:
         raise Unsupported(
             f"block_tokens={bt}, block_vocab={bv}, block_embed={bd}, num_stages={stages} need {need} bytes "
@@ -182,9 +186,7 @@ def _kernel(x_gmem, w_gmem, *stat_gmem, cfg: _Cfg, n_tiles: int):
     transforms = (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
 
     def pipeline(body, context, state=None):
-        spec = functools.partial(
-            plgpu.BlockSpec, transforms=transforms, memory_space=plgpu.SMEM, delay_release=DELAY_RELEASE
-        )
+        spec = functools.partial(plgpu.BlockSpec, transforms=transforms, memory_space=plgpu.SMEM)
         return plgpu.emit_pipeline_warp_specialized(
             body,
             grid=(k_iters,),
@@ -201,7 +203,7 @@ def _kernel(x_gmem, w_gmem, *stat_gmem, cfg: _Cfg, n_tiles: int):
         )
 
     ignore = lambda *_, **__: None  # noqa: E731 - the allocations depend on neither function
-    chained = PIPELINED and k_iters % cfg.stages == 0 and DELAY_RELEASE == 0
+    chained = PIPELINED and k_iters % cfg.stages == 0
 
     @functools.partial(
         pl.run_scoped,
@@ -239,7 +241,7 @@ def _kernel(x_gmem, w_gmem, *stat_gmem, cfg: _Cfg, n_tiles: int):
 
             def product(_, x_smem, w_smem, acc_ref):
                 plgpu.wgmma(acc_ref, x_smem.at[pl.ds(wg * tm, tm)], w_smem)
-                plgpu.wgmma_wait(DELAY_RELEASE)
+                plgpu.wgmma_wait(0)
                 return acc_ref
 
             refs = (x_gmem.at[pl.ds(m_idx * cta_m, cta_m), :], w_gmem.at[:, pl.ds(n_idx * tn, tn)])
