@@ -19,6 +19,7 @@ import argparse
 import datetime
 import itertools
 import json
+import sys
 
 
 def main(argv=None) -> int:
@@ -31,7 +32,8 @@ def main(argv=None) -> int:
     p.add_argument("--tiles", default="256x128x4,128x128x4", help="block_tokens x block_vocab x stages")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--json", help="write the rows here")
-    a = p.parse_args(argv)
+    args = list(sys.argv[1:] if argv is None else argv)
+    a = p.parse_args(args)
 
     import jax
     import jax.numpy as jnp
@@ -89,7 +91,10 @@ def main(argv=None) -> int:
         )
     if a.json:
         out = {
-            "command": "PYTHONPATH=src python3 benchmarks/fused_cross_entropy_mosaic_forms.py --json <file>",
+            "command": "PYTHONPATH=src python3 benchmarks/fused_cross_entropy_mosaic_forms.py "
+            + " ".join(
+                "<file>" if prev == "--json" else arg for prev, arg in zip([""] + args, args, strict=False)
+            ),
             "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             "jax": jax.__version__,
             "device": jax.devices()[0].device_kind,
