@@ -117,17 +117,20 @@ def test_h200_table_and_memory_at_llama3_size():
 
 
 # the kernel alone against its emulation on the same device: tokens that fill no whole CTA tile,
-# a vocabulary with columns past the last whole tile, fp16, the soft cap and the logit sums
+# a vocabulary with columns past the last whole tile, fp16, the soft cap, the logit sums and the
+# label's logit picked in the epilogue (labels outside the vocabulary and in the tail among them)
 @pytest.mark.parametrize(
-    "n,d,v,dtype,soft_cap,with_sum,block_sizes",
+    "n,d,v,dtype,soft_cap,with_sum,block_sizes,with_labels",
     [
-        (1000, 512, 4160, "bfloat16", None, False, (256, 128, 64, 4)),
-        (4096, 2048, 32000, "bfloat16", 30.0, True, (256, 128, 64, 4)),
-        (777, 1536, 50304, "float16", None, True, (128, 256, 64, 3)),
-        (2048, 4096, 128256, "bfloat16", None, False, (256, 128, 64, 3)),
+        (1000, 512, 4160, "bfloat16", None, False, (256, 128, 64, 4), True),
+        (4096, 2048, 32000, "bfloat16", 30.0, True, (256, 128, 64, 4), True),
+        (777, 1536, 50304, "float16", None, True, (128, 256, 64, 3), False),
+        (2048, 4096, 128256, "bfloat16", None, False, (256, 128, 64, 3), False),
     ],
 )
-def test_mosaic_gpu_kernel_matches_its_emulation(n, d, v, dtype, soft_cap, with_sum, block_sizes):
+def test_mosaic_gpu_kernel_matches_its_emulation(
+    n, d, v, dtype, soft_cap, with_sum, block_sizes, with_labels
+):
     bt, bv, bd, stages = block_sizes
     bs = CrossEntropyBlockSizes(block_tokens=bt, block_vocab=bv, block_embed=bd, num_stages=stages)
     arrays, _ = make(n, n, d, v, dtype, logit_scale=4.0)
@@ -136,10 +139,18 @@ def test_mosaic_gpu_kernel_matches_its_emulation(n, d, v, dtype, soft_cap, with_
     rows = -(-n // bt) * bt
     xp = jnp.pad(x, ((0, rows - n), (0, 0)))
     n_tiles = mosaic_gpu.kernel_tiles(cfg, v)
-    got = jax.jit(lambda x, w: mosaic_gpu._tile_stats(cfg, x, w, n_tiles))(xp, w)
-    want = jax.jit(lambda x, w: mosaic_gpu.emulate_tile_stats(cfg, x, w, n_tiles))(xp, w)
-    assert len(got) == len(want) == (3 if with_sum else 2)
-    for name, g, e in zip(("max", "sum exp", "sum")[: len(got)], got, want, strict=True):
+    labels = None
+    if with_labels:
+        labels = (
+            jnp.pad(arrays["labels"], (0, rows - n), constant_values=-1).at[:3].set(jnp.array([-1, v, v - 1]))
+        )
+    got = jax.jit(lambda x, w, l: mosaic_gpu._tile_stats(cfg, x, w, n_tiles, l))(xp, w, labels)
+    want = jax.jit(lambda x, w, l: mosaic_gpu.emulate_tile_stats(cfg, x, w, n_tiles, l))(xp, w, labels)
+    names = ["max", "sum exp"] + (["sum"] if with_sum else []) + (["label logit"] if with_labels else [])
+    assert len(got) == len(want) == len(names)
+    if with_labels:  # one tile at most holds a row's label
+        assert np.count_nonzero(np.asarray(got[-1]), axis=0).max() <= 1
+    for name, g, e in zip(names, got, want, strict=True):
         g, e = np.asarray(g), np.asarray(e)
         scale = np.abs(e).max()
         err = np.abs(g - e).max()
@@ -149,7 +160,11 @@ def test_mosaic_gpu_kernel_matches_its_emulation(n, d, v, dtype, soft_cap, with_
 
 @pytest.mark.parametrize("n,d,v,options", GPU_CASES[::2])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_loss_value_by_the_mosaic_gpu_kernel_against_oracle(n, d, v, options, dtype):
+@pytest.mark.parametrize("labels_in_kernel", [False, True])
+def test_loss_value_by_the_mosaic_gpu_kernel_against_oracle(
+    monkeypatch, n, d, v, options, dtype, labels_in_kernel
+):
+    monkeypatch.setattr(mosaic_gpu, "LABELS_IN_KERNEL", labels_in_kernel)
     arrays, options = make(n, n, d, v, dtype, options, logit_scale=4.0)
 
     def value(impl, arrays):

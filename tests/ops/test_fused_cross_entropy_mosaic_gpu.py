@@ -66,20 +66,33 @@ def run_stats(impl, arrays, *, soft_cap=None, with_sum=False, block_sizes=TILES)
     ],
 )
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_kernel_path_against_oracle(n, d, v, soft_cap, with_sum, block_vocab, dtype):
+@pytest.mark.parametrize("labels_in_kernel", [False, True])
+def test_kernel_path_against_oracle(
+    monkeypatch, n, d, v, soft_cap, with_sum, block_vocab, dtype, labels_in_kernel
+):
+    monkeypatch.setattr(mosaic_gpu, "LABELS_IN_KERNEL", labels_in_kernel)
     arrays, _ = make(0, n, d, v, dtype, logit_scale=4.0)
     bs = CrossEntropyBlockSizes(block_tokens=128, block_vocab=block_vocab, block_embed=32, num_stages=3)
     kw = dict(soft_cap=soft_cap, with_sum=with_sum, block_sizes=bs)
     check_rules(run_stats, ["mosaic_gpu"], arrays, dtype, f"mosaic_gpu stats N={n} V={v}", **kw)
 
 
-def test_labels_outside_the_vocabulary_give_a_zero_label_logit():
-    arrays, _ = make(1, 130, 32, 128, "bfloat16")
-    labels = arrays["labels"].at[:3].set(jnp.array([-1, 128, -100]))
-    _, ll, _ = mosaic_gpu.stats(arrays["x"], arrays["w"], labels, block_sizes=TILES, emulate=True)
-    assert np.all(np.asarray(ll[:3]) == 0.0)
+@pytest.mark.parametrize("labels_in_kernel", [False, True])
+def test_labels_outside_the_vocabulary_give_a_zero_label_logit(monkeypatch, labels_in_kernel):
+    monkeypatch.setattr(mosaic_gpu, "LABELS_IN_KERNEL", labels_in_kernel)
+    arrays, _ = make(1, 130, 32, 192, "bfloat16")  # one vocab tile of 128 and a tail of 64 columns
+    labels = (
+        arrays["labels"]
+        .at[:4]
+        .set(jnp.array([-1, 192, -100, 300]))
+        .at[4:8]
+        .set(jnp.array([191, 128, 127, 0]))
+    )
+    bs = CrossEntropyBlockSizes(block_tokens=128, block_vocab=128, block_embed=32, num_stages=3)
+    _, ll, _ = mosaic_gpu.stats(arrays["x"], arrays["w"], labels, block_sizes=bs, emulate=True)
+    assert np.all(np.asarray(ll[:4]) == 0.0)
     want = reference.stats(arrays["x"], arrays["w"], labels)[1]
-    np.testing.assert_allclose(np.asarray(ll[3:]), np.asarray(want[3:]), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(ll[4:]), np.asarray(want[4:]), rtol=1e-5, atol=1e-5)
 
 
 def test_non_finite_rows_stay_in_their_rows():
@@ -191,6 +204,8 @@ def _lowered(n, d, v, dtype, soft_cap, with_sum, block_sizes) -> str:
         # the forms to time against the default: CTA pairs sharing x, a CTA's tiles as one pipeline
         (300, 96, 640, jnp.bfloat16, 20.0, True, (128, 64, 32, 3), {"CLUSTER": 2}),
         (4096, 512, 32000, jnp.bfloat16, None, False, (256, 128, 64, 4), {"CLUSTER": 2, "PIPELINED": True}),
+        # the label's logit picked in the epilogue
+        (1000, 512, 4160, jnp.bfloat16, 30.0, True, (256, 128, 64, 4), {"LABELS_IN_KERNEL": True}),
     ],
 )
 def test_kernel_lowers_for_a_cuda_gpu(monkeypatch, n, d, v, dtype, soft_cap, with_sum, tiles, forms):

@@ -16,14 +16,17 @@ memory and written by TMA as one float32 value per row and vocab tile. XLA merge
 benchmarks/fused_cross_entropy_mosaic_forms.py): `CLUSTER = 2` pairs CTAs on neighbouring vocab
 tiles of the same rows in a cluster, their `x` slices loaded once for both by TMA multicast;
 `PIPELINED = True` runs a CTA's tiles as one pipeline of pipelines, the producer loading the next
-tile while the consumers finish one. Both default off until measured. Each step waits for its
+tile while the consumers finish one. Both stay off: on the H200 neither beat the plain form by
+more than the spread of repeats. Each step waits for its
 `wgmma` before its ring slot is released: with a group left in flight (`delay_release`), the last
 step's slot of a tile is never released, and the next tile's first loads, into the ring the
 tiles share, could overwrite it under a product still reading it.
 
 **Outside the kernel.** The label's logit is one `D`-long product per token,
 `x_t · w[:, label_t]` (the label's column gathered, float32 accumulation, soft-capped like the
-tile): the kernel carries no labels and no column indices. Columns past the last whole vocab
+tile); with `LABELS_IN_KERNEL = True` (a form, off until timed) the kernel reads each row's
+label instead and its epilogue picks the logit from the tile holding that column, one more
+float32 value per row and vocab tile that XLA sums. Columns past the last whole vocab
 tile (`V mod tile_n` of them) are one `[N, V mod tile_n]` XLA product folded in as one more
 tile; token rows are padded to a whole CTA tile (with a copy of `x` only when `N` is not a
 multiple of `2·tile_m`).
@@ -92,6 +95,10 @@ CLUSTER = 1
 # producer loading the next tile's first slices while the consumers finish a tile; needs the
 # steps a tile a multiple of the ring's slots and no wgmma group left in flight
 PIPELINED = False
+# True: the epilogue also picks each row's label logit from the tile holding its column (one
+# more float32 value per row and vocab tile, summed over tiles by XLA) instead of a gathered
+# `w` column and a D-long product per token outside the kernel
+LABELS_IN_KERNEL = False
 _LOG2E = math.log2(math.e)
 
 
@@ -143,7 +150,8 @@ def _config(x, w, block_sizes: CrossEntropyBlockSizes, logits_soft_cap, with_sum
         )
     if not 2 <= stages <= 6:
         raise Unsupported(f"num_stages={stages}: the Mosaic GPU kernel's ring holds 2 to 6 slots")
-    need = smem_bytes(bt // COMPUTE_WGS, bv, bd, stages, x.dtype.itemsize, 3 if with_sum else 2)
+    stats_staged = (3 if with_sum else 2) + LABELS_IN_KERNEL
+    need = smem_bytes(bt // COMPUTE_WGS, bv, bd, stages, x.dtype.itemsize, stats_staged)
     if need > SMEM_LIMIT:
         raise Unsupported(
             f"block_tokens={bt}, block_vocab={bv}, block_embed={bd}, num_stages={stages} need {need} bytes "
@@ -175,8 +183,10 @@ def _kernel_capped(z, soft_cap):
     return soft_cap - (2.0 * soft_cap) / (jnp.exp2(z * (2.0 * _LOG2E / soft_cap)) + 1.0)
 
 
-def _kernel(x_gmem, w_gmem, *stat_gmem, cfg: _Cfg, n_tiles: int):
-    """`n_tiles` vocab tiles (a multiple of `CLUSTER`) of every row of `x`."""
+def _kernel(x_gmem, w_gmem, *refs, cfg: _Cfg, n_tiles: int, with_labels: bool):
+    """`n_tiles` vocab tiles (a multiple of `CLUSTER`) of every row of `x`; with labels (a
+    `[rows]` int32 ref before the outputs) also each row's label logit where its tile holds it."""
+    labels_gmem, stat_gmem = (refs[0], refs[1:]) if with_labels else (None, refs)
     tm, tn, tk = cfg.tile_m, cfg.tile_n, cfg.tile_k
     cta_m = COMPUTE_WGS * tm
     rows, d = x_gmem.shape
@@ -232,6 +242,14 @@ def _kernel(x_gmem, w_gmem, *stat_gmem, cfg: _Cfg, n_tiles: int):
                     values = [top] + ([z.sum(axis=1)] if cfg.with_sum else [])
                     p = jnp.exp2(z * _LOG2E - lax.broadcast_in_dim(top * _LOG2E, z.shape, [0]))
                     values.insert(1, p.sum(axis=1))
+                    if labels_gmem is not None:
+                        wgmma = plgpu.Layout.WGMMA
+                        lab = plgpu.load(
+                            labels_gmem, pl.ds(row0, tm), layout=wgmma.reduce(1), optimized=False
+                        )
+                        col = plgpu.broadcasted_iota(jnp.int32, (tm, tn), 1, layout=wgmma) + n_idx * tn
+                        hit = col == lax.broadcast_in_dim(lab, (tm, tn), [0])
+                        values.append(jnp.where(hit, z, 0.0).sum(axis=1))
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's rows have left
                     for buf, value in zip(staged, values, strict=True):
                         buf.at[wg][...] = value
@@ -264,15 +282,17 @@ def _sm_count() -> int:
     return getattr(jax.devices()[0], "core_count", None) or 132
 
 
-def _tile_stats(cfg: _Cfg, x, w, n_tiles: int):
-    """`(m, s[, sum])`, each `[n_tiles, rows]` float32: the kernel's statistics of vocab tiles
-    `0 .. n_tiles - 1` (`x` rows a whole number of CTA tiles)."""
+def _tile_stats(cfg: _Cfg, x, w, n_tiles: int, labels=None):
+    """`(m, s[, sum][, pick])`, each `[n_tiles, rows]` float32: the kernel's statistics of vocab
+    tiles `0 .. n_tiles - 1` (`x` rows a whole number of CTA tiles); with `labels` (`[rows]`
+    int32) also each row's label logit in the tile holding its column, 0 in the others."""
     if cfg.emulate:
-        return emulate_tile_stats(cfg, x, w, n_tiles)
+        return emulate_tile_stats(cfg, x, w, n_tiles, labels)
     out = jax.ShapeDtypeStruct((n_tiles, x.shape[0]), jnp.float32)
+    with_labels = labels is not None
     kernel = plgpu.kernel(
-        functools.partial(_kernel, cfg=cfg, n_tiles=n_tiles),
-        out_type=[out] * (3 if cfg.with_sum else 2),
+        functools.partial(_kernel, cfg=cfg, n_tiles=n_tiles, with_labels=with_labels),
+        out_type=[out] * ((3 if cfg.with_sum else 2) + with_labels),
         grid=(_sm_count() // CLUSTER,),
         grid_names=("cluster_grid",),
         cluster=(CLUSTER,),
@@ -284,18 +304,24 @@ def _tile_stats(cfg: _Cfg, x, w, n_tiles: int):
         ),
         kernel_name="axkern_fused_cross_entropy_mosaic_gpu_forward",
     )
-    return tuple(kernel(x, w))
+    return tuple(kernel(x, w, labels) if with_labels else kernel(x, w))
 
 
-def emulate_tile_stats(cfg: _Cfg, x, w, n_tiles: int):
+def emulate_tile_stats(cfg: _Cfg, x, w, n_tiles: int, labels=None):
     """The kernel's outputs in XLA: per vocab tile `j` and row, the max of the soft-capped
-    logits, the sum of `exp(z - max)` and (with label smoothing) the sum of the logits."""
+    logits, the sum of `exp(z - max)`, (with label smoothing) the sum of the logits and (with
+    `labels`) the label's logit where the tile holds its column, else 0."""
     cols = n_tiles * cfg.tile_n
     z = lax.dot_general(x, w[:, :cols], (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
     z = _kernel_capped(z, cfg.soft_cap).reshape(x.shape[0], n_tiles, cfg.tile_n)
     top = z.max(axis=2)
     out = [top.T, jnp.exp(z - top[:, :, None]).sum(axis=2).T]
-    return tuple(out + ([z.sum(axis=2).T] if cfg.with_sum else []))
+    out += [z.sum(axis=2).T] if cfg.with_sum else []
+    if labels is not None:
+        col = jnp.arange(cols, dtype=jnp.int32).reshape(n_tiles, cfg.tile_n)
+        hit = col[None] == labels[:, None, None]
+        out.append(jnp.where(hit, z, 0.0).sum(axis=2).T)
+    return tuple(out)
 
 
 def _label_logits(cfg: _Cfg, x, w, labels):
@@ -320,7 +346,10 @@ def _forward(cfg: _Cfg, x, w, labels):
     rows = cdiv(max(n, 1), cta_m) * cta_m
     xp = x if rows == n else jnp.pad(x, ((0, rows - n), (0, 0)))
     n_tiles = kernel_tiles(cfg, v)
-    parts = list(_tile_stats(cfg, xp, w, n_tiles)) if n_tiles else []
+    pick = LABELS_IN_KERNEL and n_tiles > 0
+    lp = jnp.pad(labels.astype(jnp.int32), (0, rows - n), constant_values=-1) if pick else None
+    parts = list(_tile_stats(cfg, xp, w, n_tiles, lp)) if n_tiles else []
+    picked = parts.pop()[:, :n].sum(axis=0) if pick else None
     tail = v - n_tiles * cfg.tile_n
     if tail:  # the last columns, one more tile of the merge
         z = lax.dot_general(x, w[:, v - tail :], (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
@@ -329,9 +358,12 @@ def _forward(cfg: _Cfg, x, w, labels):
         extra = [top, jnp.exp(z - top[:, None]).sum(axis=1)] + ([z.sum(axis=1)] if cfg.with_sum else [])
         extra = [jnp.pad(e, (0, rows - n))[None] for e in extra]
         parts = [jnp.concatenate([p, e]) for p, e in zip(parts, extra, strict=True)] if parts else extra
+        if pick:
+            hit = jnp.arange(v - tail, v, dtype=jnp.int32)[None] == labels[:, None]
+            picked = picked + jnp.where(hit, z, 0.0).sum(axis=1)
     m, s, *sm = (p[:, :n] for p in parts)
     lse, sum_logits = common.merge_tiles(m, s, sm[0] if sm else None)
-    return lse, _label_logits(cfg, x, w, labels), sum_logits
+    return lse, picked if pick else _label_logits(cfg, x, w, labels), sum_logits
 
 
 def stats(
