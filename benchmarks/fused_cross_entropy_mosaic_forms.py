@@ -43,6 +43,8 @@ def main(argv=None) -> int:
     p.add_argument("--json", help="write the rows here")
     args = list(sys.argv[1:] if argv is None else argv)
     a = p.parse_args(args)
+    if "1" in a.labels_in_kernel.split(",") and a.value == "lse":
+        p.error("--labels-in-kernel 1 times the label's logit only with --value loss (lse alone drops it)")
 
     import jax
     import jax.numpy as jnp

@@ -206,6 +206,26 @@ def _lowered(n, d, v, dtype, soft_cap, with_sum, block_sizes) -> str:
         (4096, 512, 32000, jnp.bfloat16, None, False, (256, 128, 64, 4), {"CLUSTER": 2, "PIPELINED": True}),
         # the label's logit picked in the epilogue
         (1000, 512, 4160, jnp.bfloat16, 30.0, True, (256, 128, 64, 4), {"LABELS_IN_KERNEL": True}),
+        (
+            777,
+            1536,
+            50304,
+            jnp.float16,
+            None,
+            False,
+            (128, 256, 64, 3),
+            {"LABELS_IN_KERNEL": True, "CLUSTER": 2},
+        ),
+        (
+            4096,
+            512,
+            32000,
+            jnp.bfloat16,
+            None,
+            True,
+            (256, 128, 64, 4),
+            {"LABELS_IN_KERNEL": True, "PIPELINED": True},
+        ),
     ],
 )
 def test_kernel_lowers_for_a_cuda_gpu(monkeypatch, n, d, v, dtype, soft_cap, with_sum, tiles, forms):

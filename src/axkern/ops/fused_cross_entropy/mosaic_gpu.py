@@ -60,6 +60,7 @@ from jax import lax
 
 from axkern.core import backend
 from axkern.core.blocks import cdiv
+from axkern.core.compat import mosaic_gpu_load
 from axkern.core.op import Unsupported
 
 from . import common
@@ -110,6 +111,7 @@ class _Cfg:
     stages: int
     soft_cap: float | None
     with_sum: bool
+    labels: bool  # the kernel also picks each row's label logit (LABELS_IN_KERNEL)
     emulate: bool  # the kernel's outputs from `emulate_tile_stats` (tests on a machine without one)
 
 
@@ -127,10 +129,14 @@ def supports(spec) -> str | None:
     )
 
 
-def _config(x, w, block_sizes: CrossEntropyBlockSizes, logits_soft_cap, with_sum, emulate) -> _Cfg:
+def _config(
+    x, w, block_sizes: CrossEntropyBlockSizes, logits_soft_cap, with_sum, emulate, labels=None
+) -> _Cfg:
     """The kernel's tiles from the block sizes: `block_tokens` is the CTA tile's rows (two
     warpgroups' worth), `block_vocab` its columns, `block_embed` the pipeline step,
-    `num_stages` the ring's slots."""
+    `num_stages` the ring's slots; `labels`: whether the kernel picks the label's logit
+    (default: `LABELS_IN_KERNEL`)."""
+    labels = LABELS_IN_KERNEL if labels is None else bool(labels)
     if x.dtype != w.dtype or x.dtype not in (jnp.bfloat16, jnp.float16):
         raise Unsupported(f"the Mosaic GPU kernel takes bf16 or fp16 x and w, not {x.dtype} and {w.dtype}")
     bt, bv = block_sizes.block_tokens, block_sizes.block_vocab
@@ -150,7 +156,7 @@ def _config(x, w, block_sizes: CrossEntropyBlockSizes, logits_soft_cap, with_sum
         )
     if not 2 <= stages <= 6:
         raise Unsupported(f"num_stages={stages}: the Mosaic GPU kernel's ring holds 2 to 6 slots")
-    stats_staged = (3 if with_sum else 2) + LABELS_IN_KERNEL
+    stats_staged = (3 if with_sum else 2) + labels
     need = smem_bytes(bt // COMPUTE_WGS, bv, bd, stages, x.dtype.itemsize, stats_staged)
     if need > SMEM_LIMIT:
         raise Unsupported(
@@ -167,6 +173,7 @@ def _config(x, w, block_sizes: CrossEntropyBlockSizes, logits_soft_cap, with_sum
         stages=stages,
         soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
         with_sum=bool(with_sum),
+        labels=labels,
         emulate=bool(emulate),
     )
 
@@ -238,19 +245,25 @@ def _kernel(x_gmem, w_gmem, *refs, cfg: _Cfg, n_tiles: int, with_labels: bool):
                 def _acc(acc_ref):
                     wgmma = plgpu.Layout.WGMMA
                     if labels_gmem is not None:  # loaded before the products: its latency hides there
-                        lab = plgpu.load(
-                            labels_gmem, pl.ds(row0, tm), layout=wgmma.reduce(1), optimized=False
+                        # a row's label as a column of this tile (outside [0, tn): none of them)
+                        lab = (
+                            mosaic_gpu_load(
+                                labels_gmem.at[pl.ds(row0, tm)], layout=wgmma.reduce(1), optimized=False
+                            )
+                            - n_idx * tn
                         )
                     eval_pipeline(acc_ref)
                     z = _kernel_capped(acc_ref[...], cfg.soft_cap)
+                    picked = []
+                    if labels_gmem is not None:
+                        col = plgpu.broadcasted_iota(jnp.int32, (tm, tn), 1, layout=wgmma)
+                        hit = col == lax.broadcast_in_dim(lab, (tm, tn), [0])
+                        picked.append(jnp.where(hit, z, 0.0).sum(axis=1))
                     top = z.max(axis=1)
                     values = [top] + ([z.sum(axis=1)] if cfg.with_sum else [])
                     p = jnp.exp2(z * _LOG2E - lax.broadcast_in_dim(top * _LOG2E, z.shape, [0]))
                     values.insert(1, p.sum(axis=1))
-                    if labels_gmem is not None:
-                        col = plgpu.broadcasted_iota(jnp.int32, (tm, tn), 1, layout=wgmma) + n_idx * tn
-                        hit = col == lax.broadcast_in_dim(lab, (tm, tn), [0])
-                        values.append(jnp.where(hit, z, 0.0).sum(axis=1))
+                    values += picked
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's rows have left
                     for buf, value in zip(staged, values, strict=True):
                         buf.at[wg][...] = value
@@ -286,7 +299,14 @@ def _sm_count() -> int:
 def _tile_stats(cfg: _Cfg, x, w, n_tiles: int, labels=None):
     """`(m, s[, sum][, pick])`, each `[n_tiles, rows]` float32: the kernel's statistics of vocab
     tiles `0 .. n_tiles - 1` (`x` rows a whole number of CTA tiles); with `labels` (`[rows]`
-    int32) also each row's label logit in the tile holding its column, 0 in the others."""
+    ints, given exactly when `cfg.labels`) also each row's label logit in the tile holding its
+    column, 0 in the others."""
+    if (labels is not None) != cfg.labels:
+        raise ValueError(
+            f"labels {'given' if labels is not None else 'missing'}: the config says {cfg.labels}"
+        )
+    if labels is not None:
+        labels = labels.astype(jnp.int32)
     if cfg.emulate:
         return emulate_tile_stats(cfg, x, w, n_tiles, labels)
     out = jax.ShapeDtypeStruct((n_tiles, x.shape[0]), jnp.float32)
@@ -347,8 +367,11 @@ def _forward(cfg: _Cfg, x, w, labels):
     rows = cdiv(max(n, 1), cta_m) * cta_m
     xp = x if rows == n else jnp.pad(x, ((0, rows - n), (0, 0)))
     n_tiles = kernel_tiles(cfg, v)
-    pick = LABELS_IN_KERNEL and n_tiles > 0
-    lp = jnp.pad(labels.astype(jnp.int32), (0, rows - n), constant_values=-1) if pick else None
+    pick = cfg.labels and n_tiles > 0
+    lp = None
+    if pick:  # labels outside the vocabulary as -1, like the padded rows: no column matches
+        lp = jnp.where((labels >= 0) & (labels < v), labels, -1).astype(jnp.int32)
+        lp = jnp.pad(lp, (0, rows - n), constant_values=-1)
     parts = list(_tile_stats(cfg, xp, w, n_tiles, lp)) if n_tiles else []
     picked = parts.pop()[:, :n].sum(axis=0) if pick else None
     tail = v - n_tiles * cfg.tile_n
