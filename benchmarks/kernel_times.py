@@ -126,6 +126,7 @@ def main() -> None:
             [a.op, a.preset]
             + ([f"--tokens {a.tokens}"] if a.tokens else [])
             + [f"--impl {a.impl}"]
+            + ([f"--calls {a.calls}"] if a.calls != 3 else [])
             + (["--hlo"] if a.hlo else [])
         ),
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
