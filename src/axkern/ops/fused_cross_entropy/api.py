@@ -110,9 +110,9 @@ OP = Op(
             backward="autodiff through materialised [tokens, vocab] logits",
         ),
     ],
-    # GPU: on Hopper the Mosaic GPU forward (wgmma, TMA; 1.17-1.27x xla's forward speed on the
-    # H200), elsewhere the Triton forward; both keep no logits tile in HBM and share xla's
-    # recomputing backward. TPU: the Mosaic kernel. Each falls back when `supports()` refuses.
+    # GPU: on Hopper the Mosaic GPU forward (wgmma, TMA; the fastest forward measured there,
+    # docs/decisions.md), elsewhere the Triton forward; both keep no logits tile in HBM and share
+    # xla's recomputing backward. TPU: the Mosaic kernel. Each falls back when `supports()` refuses.
     default_order={
         "cpu": ("xla",),
         "gpu": ("mosaic_gpu", "pallas_gpu", "xla"),
