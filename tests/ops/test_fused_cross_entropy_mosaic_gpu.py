@@ -154,6 +154,30 @@ def test_block_sizes_the_kernel_refuses():
     assert "multiple of 64" in refused(TILES, w=w[:, :504])
 
 
+@pytest.mark.skipif(mosaic_gpu._IMPORT_ERROR is not None, reason="Pallas Mosaic GPU does not import")
+@pytest.mark.parametrize(
+    "cc,dtype,vocab,order,loss_order",
+    [
+        ((9, 0), jnp.bfloat16, 128256, ("mosaic_gpu", "pallas_gpu", "xla"), ("mosaic_gpu", "xla")),
+        ((9, 0), jnp.float16, 32000, ("mosaic_gpu", "pallas_gpu", "xla"), ("mosaic_gpu", "xla")),
+        ((8, 0), jnp.bfloat16, 128256, ("pallas_gpu", "xla"), ("xla",)),  # not a Hopper GPU
+        ((9, 0), jnp.float32, 128256, ("pallas_gpu", "xla"), ("xla",)),
+        ((9, 0), jnp.bfloat16, 50257, ("pallas_gpu", "xla"), ("xla",)),  # no TMA tiling of w
+    ],
+)
+def test_gpu_order_lists_the_kernel_only_where_it_serves(monkeypatch, cc, dtype, vocab, order, loss_order):
+    from axkern.core import backend
+    from axkern.ops.fused_cross_entropy import api
+
+    monkeypatch.setattr(backend, "platform", lambda: "gpu")
+    monkeypatch.setattr(backend, "compute_capability", lambda: cc)
+    monkeypatch.setattr(backend, "device_kind", lambda: "NVIDIA H200" if cc[0] == 9 else "NVIDIA A100")
+    for op, want in ((api.OP, order), (api.LOSS_OP, loss_order)):
+        spec = op.spec({"tokens": 1024, "embed": 4096, "vocab": vocab}, dtype, with_sum=False)
+        assert spec.platform == "gpu"
+        assert op.default_order["gpu"](spec) == want
+
+
 def test_heuristic_and_space_fit_shared_memory():
     spec = axkern.core.op.get_op("fused_cross_entropy").spec(
         {"tokens": 16384, "embed": 4096, "vocab": 128256}, jnp.bfloat16

@@ -61,6 +61,22 @@ __all__ = [
 
 NAME = "fused_cross_entropy"
 
+
+def _gpu_order(spec) -> tuple[str, ...]:
+    """`mosaic_gpu` first where it serves (a Hopper GPU, 16-bit inputs, `D` and `V` multiples
+    of 64; docs/decisions.md has the figures), then `pallas_gpu` (the Triton forward, any GPU),
+    then `xla`. Both kernels share xla's recomputing backward. Listing `mosaic_gpu` only where it
+    serves keeps other GPUs, float32 and odd vocabularies free of fallback warnings and of
+    strict mode's refusals."""
+    return ("mosaic_gpu", "pallas_gpu", "xla") if mosaic_gpu.supports(spec) is None else ("pallas_gpu", "xla")
+
+
+def _loss_gpu_order(spec) -> tuple[str, ...]:
+    """`mosaic_gpu` where it serves (its undifferentiated value by the Hopper kernel; under a
+    gradient the same path as `xla`), else `xla`."""
+    return ("mosaic_gpu", "xla") if mosaic_gpu.supports(spec) is None else ("xla",)
+
+
 OP = Op(
     NAME,
     [
@@ -110,14 +126,8 @@ OP = Op(
             backward="autodiff through materialised [tokens, vocab] logits",
         ),
     ],
-    # GPU: on Hopper the Mosaic GPU forward (wgmma, TMA; the fastest forward measured there,
-    # docs/decisions.md), elsewhere the Triton forward; both keep no logits tile in HBM and share
-    # xla's recomputing backward. TPU: the Mosaic kernel. Each falls back when `supports()` refuses.
-    default_order={
-        "cpu": ("xla",),
-        "gpu": ("mosaic_gpu", "pallas_gpu", "xla"),
-        "tpu": ("pallas_tpu", "xla"),
-    },
+    # GPU: `_gpu_order`; TPU: the Mosaic kernel, falling back to xla when `supports()` refuses
+    default_order={"cpu": ("xla",), "gpu": _gpu_order, "tpu": ("pallas_tpu", "xla")},
     package=__package__,
     bucket=bucket,
 )
@@ -151,10 +161,7 @@ LOSS_OP = Op(
             backward="autodiff through materialised [tokens, vocab] logits",
         ),
     ],
-    # GPU: on Hopper the loss's value without gradients (evaluation) takes the Mosaic GPU
-    # kernel's statistics; under a gradient both run xla's forward, which forms dx and dw as it
-    # goes. Elsewhere mosaic_gpu refuses and xla serves.
-    default_order={"cpu": ("xla",), "gpu": ("mosaic_gpu", "xla"), "tpu": ("xla",)},
+    default_order={"cpu": ("xla",), "gpu": _loss_gpu_order, "tpu": ("xla",)},
     package=__package__,
     bucket=bucket,
 )

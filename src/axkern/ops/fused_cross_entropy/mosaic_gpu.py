@@ -16,15 +16,14 @@ memory and written by TMA as one float32 value per row and vocab tile. XLA merge
 benchmarks/fused_cross_entropy_mosaic_forms.py): `CLUSTER = 2` pairs CTAs on neighbouring vocab
 tiles of the same rows in a cluster, their `x` slices loaded once for both by TMA multicast;
 `PIPELINED = True` runs a CTA's tiles as one pipeline of pipelines, the producer loading the next
-tile while the consumers finish one. Both stay off: on the H200 neither beat the plain form by
-more than the spread of repeats. Each step waits for its
+tile while the consumers finish one. Both are off by default (docs/decisions.md says why). Each step waits for its
 `wgmma` before its ring slot is released: with a group left in flight (`delay_release`), the last
 step's slot of a tile is never released, and the next tile's first loads, into the ring the
 tiles share, could overwrite it under a product still reading it.
 
 **Outside the kernel.** The label's logit is one `D`-long product per token,
 `x_t · w[:, label_t]` (the label's column gathered, float32 accumulation, soft-capped like the
-tile); with `LABELS_IN_KERNEL = True` (a form, off until timed) the kernel reads each row's
+tile); with `LABELS_IN_KERNEL = True` (a form, off by default) the kernel reads each row's
 label instead and its epilogue picks the logit from the tile holding that column, one more
 float32 value per row and vocab tile that XLA sums. Columns past the last whole vocab
 tile (`V mod tile_n` of them) are one `[N, V mod tile_n]` XLA product folded in as one more
