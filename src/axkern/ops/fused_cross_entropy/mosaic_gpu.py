@@ -16,10 +16,10 @@ memory and written by TMA as one float32 value per row and vocab tile. XLA merge
 benchmarks/fused_cross_entropy_mosaic_forms.py): `CLUSTER = 2` pairs CTAs on neighbouring vocab
 tiles of the same rows in a cluster, their `x` slices loaded once for both by TMA multicast;
 `PIPELINED = True` runs a CTA's tiles as one pipeline of pipelines, the producer loading the next
-tile while the consumers finish one. Both are off by default (docs/decisions.md says why). Each step waits for its
-`wgmma` before its ring slot is released: with a group left in flight (`delay_release`), the last
-step's slot of a tile is never released, and the next tile's first loads, into the ring the
-tiles share, could overwrite it under a product still reading it.
+tile while the consumers finish one. Both are off by default (docs/decisions.md says why). Each
+step waits for its `wgmma` before its ring slot is released: with a group left in flight
+(`delay_release`), the last step's slot of a tile is never released, and the next tile's first
+loads, into the ring the tiles share, could overwrite it under a product still reading it.
 
 **Outside the kernel.** The label's logit is one `D`-long product per token,
 `x_t · w[:, label_t]` (the label's column gathered, float32 accumulation, soft-capped like the
@@ -369,8 +369,7 @@ def _forward(cfg: _Cfg, x, w, labels):
     pick = cfg.labels and n_tiles > 0
     lp = None
     if pick:  # labels outside the vocabulary as -1, like the padded rows: no column matches
-        lp = jnp.where((labels >= 0) & (labels < v), labels, -1).astype(jnp.int32)
-        lp = jnp.pad(lp, (0, rows - n), constant_values=-1)
+        lp = jnp.pad(jnp.where((labels >= 0) & (labels < v), labels, -1), (0, rows - n), constant_values=-1)
     parts = list(_tile_stats(cfg, xp, w, n_tiles, lp)) if n_tiles else []
     picked = parts.pop()[:, :n].sum(axis=0) if pick else None
     tail = v - n_tiles * cfg.tile_n
