@@ -46,10 +46,10 @@ def mosaic_gpu_refusal(impl, d, v, dtype) -> str | None:
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("n,d,v,options", GPU_CASES)
-@pytest.mark.parametrize("impl", implementations("fused_cross_entropy", "gpu") + ["mosaic_gpu:labels"])
+@pytest.mark.parametrize("impl", implementations("fused_cross_entropy", "gpu") + ["mosaic_gpu:gathered"])
 def test_on_gpu_against_oracle(monkeypatch, impl, n, d, v, options, dtype):
-    if impl == "mosaic_gpu:labels":  # the label's logit picked in the kernel's epilogue
-        monkeypatch.setattr(mosaic_gpu, "LABELS_IN_KERNEL", True)
+    if impl == "mosaic_gpu:gathered":  # the label's logit from a gathered `w` column outside the kernel
+        monkeypatch.setattr(mosaic_gpu, "LABELS_IN_KERNEL", False)
         impl = "mosaic_gpu"
     assert jax.devices()[0].platform == "gpu"
     arrays, options = make(n, n, d, v, dtype, options, logit_scale=4.0)

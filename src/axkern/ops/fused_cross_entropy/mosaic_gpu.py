@@ -21,11 +21,13 @@ step waits for its `wgmma` before its ring slot is released: with a group left i
 (`delay_release`), the last step's slot of a tile is never released, and the next tile's first
 loads, into the ring the tiles share, could overwrite it under a product still reading it.
 
-**Outside the kernel.** The label's logit is one `D`-long product per token,
-`x_t · w[:, label_t]` (the label's column gathered, float32 accumulation, soft-capped like the
-tile); with `LABELS_IN_KERNEL = True` (a form, off by default) the kernel reads each row's
-label instead and its epilogue picks the logit from the tile holding that column, one more
-float32 value per row and vocab tile that XLA sums. Columns past the last whole vocab
+**The label's logit.** The kernel reads each row's label and its epilogue picks the logit
+from the tile holding that column: one more float32 value per row and vocab tile, zero in the
+other tiles, that XLA sums. With `LABELS_IN_KERNEL = False` (a form kept to time against) it
+is instead one `D`-long product per token outside the kernel, `x_t · w[:, label_t]` (the
+label's column gathered, float32 accumulation, soft-capped like the tile).
+
+**Outside the kernel.** XLA merges the per-tile statistics. Columns past the last whole vocab
 tile (`V mod tile_n` of them) are one `[N, V mod tile_n]` XLA product folded in as one more
 tile; token rows are padded to a whole CTA tile (with a copy of `x` only when `N` is not a
 multiple of `2·tile_m`).
@@ -96,9 +98,9 @@ CLUSTER = 1
 # steps a tile a multiple of the ring's slots and no wgmma group left in flight
 PIPELINED = False
 # True: the epilogue also picks each row's label logit from the tile holding its column (one
-# more float32 value per row and vocab tile, summed over tiles by XLA) instead of a gathered
-# `w` column and a D-long product per token outside the kernel
-LABELS_IN_KERNEL = False
+# more float32 value per row and vocab tile, summed over tiles by XLA); False: a gathered `w`
+# column and a D-long product per token outside the kernel
+LABELS_IN_KERNEL = True
 _LOG2E = math.log2(math.e)
 
 
