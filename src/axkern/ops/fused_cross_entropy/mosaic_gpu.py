@@ -38,7 +38,8 @@ gradients are formed in its forward pass by XLA, `6·N·D·V` FLOPs).
 
 **Cost.** `2·N·D·V` tensor-core FLOPs; bytes: `x` once per vocab tile and `w` once per token
 tile, mostly from L2 (the snake keeps `RASTER` token tiles' rows and about `132 / RASTER`
-vocab tiles' columns in flight), plus `4·N·V / tile_n` bytes of statistics per value.
+vocab tiles' columns in flight), plus `4·N·V / tile_n` bytes of statistics per value (the
+label's logit one of them) and, with the label's logit, `4·N` bytes of labels per vocab tile.
 
 **Constraints.** bf16 or fp16 `x` and `w` (`wgmma` operands), `D` a multiple of `tile_k`,
 `V` a multiple of 64 (the TMA copies of `w` take 128-byte swizzled tiles), a Hopper GPU. **Interpret mode:**
@@ -191,10 +192,10 @@ def _kernel_capped(z, soft_cap):
     return soft_cap - (2.0 * soft_cap) / (jnp.exp2(z * (2.0 * _LOG2E / soft_cap)) + 1.0)
 
 
-def _kernel(x_gmem, w_gmem, *refs, cfg: _Cfg, n_tiles: int, with_labels: bool):
-    """`n_tiles` vocab tiles (a multiple of `CLUSTER`) of every row of `x`; with labels (a
+def _kernel(x_gmem, w_gmem, *refs, cfg: _Cfg, n_tiles: int):
+    """`n_tiles` vocab tiles (a multiple of `CLUSTER`) of every row of `x`; with `cfg.labels` (a
     `[rows]` int32 ref before the outputs) also each row's label logit where its tile holds it."""
-    labels_gmem, stat_gmem = (refs[0], refs[1:]) if with_labels else (None, refs)
+    labels_gmem, stat_gmem = (refs[0], refs[1:]) if cfg.labels else (None, refs)
     tm, tn, tk = cfg.tile_m, cfg.tile_n, cfg.tile_k
     cta_m = COMPUTE_WGS * tm
     rows, d = x_gmem.shape
@@ -311,10 +312,9 @@ def _tile_stats(cfg: _Cfg, x, w, n_tiles: int, labels=None):
     if cfg.emulate:
         return emulate_tile_stats(cfg, x, w, n_tiles, labels)
     out = jax.ShapeDtypeStruct((n_tiles, x.shape[0]), jnp.float32)
-    with_labels = labels is not None
     kernel = plgpu.kernel(
-        functools.partial(_kernel, cfg=cfg, n_tiles=n_tiles, with_labels=with_labels),
-        out_type=[out] * ((3 if cfg.with_sum else 2) + with_labels),
+        functools.partial(_kernel, cfg=cfg, n_tiles=n_tiles),
+        out_type=[out] * ((3 if cfg.with_sum else 2) + cfg.labels),
         grid=(_sm_count() // CLUSTER,),
         grid_names=("cluster_grid",),
         cluster=(CLUSTER,),
@@ -326,7 +326,7 @@ def _tile_stats(cfg: _Cfg, x, w, n_tiles: int, labels=None):
         ),
         kernel_name="axkern_fused_cross_entropy_mosaic_gpu_forward",
     )
-    return tuple(kernel(x, w, labels) if with_labels else kernel(x, w))
+    return tuple(kernel(x, w, labels) if cfg.labels else kernel(x, w))
 
 
 def emulate_tile_stats(cfg: _Cfg, x, w, n_tiles: int, labels=None):
