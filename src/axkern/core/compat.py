@@ -15,6 +15,7 @@ __all__ = [
     "match_vma",
     "jit_context",
     "mosaic_gpu_load",
+    "ffi_result_avals",
 ]
 
 
@@ -159,3 +160,24 @@ def mosaic_gpu_load(ref, *, layout=None, optimized: bool = True):
     if _mosaic_load_takes_index():
         return plgpu.load(ref, (), layout=layout, optimized=optimized)
     return plgpu.load(ref, layout=layout, optimized=optimized)
+
+
+def ffi_result_avals(name: str, avals_in, outs) -> list:
+    """A primitive's result avals as `jax.ffi.ffi_call` forms them (the results' sharding from the
+    current mesh), varying over the manual mesh axes its inputs vary over (which must agree):
+    for a primitive that lowers to an FFI call with attributes of its own."""
+    from jax._src import core as _core
+
+    vma = _core.standard_vma_rule(name, *avals_in)
+    first = next((a for a in avals_in if hasattr(a, "shape")), None)
+    out = []
+    for o in outs:
+        aval = _core.shaped_abstractify(jax.ShapeDtypeStruct(o.shape, o.dtype)).update(dtype=o.dtype)
+        if aval.sharding.mesh.empty:
+            aval = aval.update(sharding=_core.get_cur_mesh_sharding())
+        if vma and hasattr(first, "manual_axis_type"):  # jax >= 0.10
+            aval = aval.update(manual_axis_type=first.manual_axis_type)
+        elif vma:  # pragma: no cover - jax 0.7 - 0.9
+            aval = aval.update(vma=vma)
+        out.append(aval)
+    return out

@@ -75,6 +75,7 @@ LIBRARIES = {
             "AxkernMoeLayout",
         ),
     ),
+    "moe_ep": Library("moe_ep", ("AxkernEpDispatch", "AxkernEpGatherSum", "AxkernEpCombineBwd")),
     "short_conv": Library("short_conv", ("AxkernShortConvFwd", "AxkernShortConvBwd")),
 }
 

@@ -36,7 +36,7 @@ from axkern.core import named
 from axkern.core.op import Implementation, Op
 from axkern.core.typing import Array, Float, Shaped, checked
 
-from . import reference, xla, xla_ragged
+from . import cuda, reference, xla, xla_ragged
 
 __all__ = [
     "EpLayout",
@@ -47,13 +47,14 @@ __all__ = [
     "COMBINE",
 ]
 
-EpImplementation = Literal["xla", "xla_ragged", "reference"]
-# xla_ragged is explicit only: slower than xla's dense all_to_all where measured (its docstring)
+EpImplementation = Literal["xla", "xla_ragged", "cuda", "reference"]
+# xla_ragged is explicit only: slower than xla's dense all_to_all where measured (its docstring);
+# cuda is explicit only until it has run across two or more GPUs (its docstring)
 _ORDER = {"cpu": ("xla",), "gpu": ("xla",), "tpu": ("xla",)}
 _BUCKET = lambda spec: dict(spec.dims)  # noqa: E731 - no tuned tables
 
 
-def _op(name: str, xla_fn, ragged_fn, reference_fn, exchange: str) -> Op:
+def _op(name: str, xla_fn, ragged_fn, cuda_fn, reference_fn, exchange: str) -> Op:
     return Op(
         name,
         [
@@ -67,6 +68,14 @@ def _op(name: str, xla_fn, ragged_fn, reference_fn, exchange: str) -> Op:
                 why_platforms=xla_ragged.WHY_PLATFORMS,
                 backward=f"JAX's: the transposed ragged_all_to_all (a {exchange} exchange)",
             ),
+            Implementation(
+                "cuda",
+                cuda_fn,
+                platforms=("gpu",),
+                supports=cuda.supports,
+                why_platforms=cuda.WHY_PLATFORMS,
+                backward=f"its own: a {exchange} pass of the CUDA transport",
+            ),
             Implementation("reference", reference_fn, backward="JAX's, through the all-gathers"),
         ],
         _ORDER,
@@ -75,8 +84,12 @@ def _op(name: str, xla_fn, ragged_fn, reference_fn, exchange: str) -> Op:
     )
 
 
-DISPATCH = _op("moe_ep_dispatch", xla.dispatch, xla_ragged.dispatch, reference.dispatch, "combine-like")
-COMBINE = _op("moe_ep_combine", xla.combine, xla_ragged.combine, reference.combine, "dispatch-like")
+DISPATCH = _op(
+    "moe_ep_dispatch", xla.dispatch, xla_ragged.dispatch, cuda.dispatch, reference.dispatch, "combine-like"
+)
+COMBINE = _op(
+    "moe_ep_combine", xla.combine, xla_ragged.combine, cuda.combine, reference.combine, "dispatch-like"
+)
 
 
 class EpLayout(eqx.Module):
