@@ -68,8 +68,9 @@ def rotate(u, theta, halves):
     if a == 0:
         return u
     pairs = n // 2
-    theta = jnp.pad(theta, [(0, 0)] * (theta.ndim - 1) + [(0, pairs - a)])
-    cos, sin = jnp.cos(theta), jnp.sin(theta)  # [.., N/2]
+    widen = [(0, 0)] * (theta.ndim - 1) + [(0, pairs - a)]  # the pairs past `A`: cos 1, sin 0
+    cos = jnp.pad(jnp.cos(theta), widen, constant_values=1)  # [.., N/2], each angle's once
+    sin = jnp.pad(jnp.sin(theta), widen)
     sign = jnp.array([-1, 1], sin.dtype)  # the pair's first element takes -sin, the second +sin
     rotated = jnp.arange(pairs) < a
     if halves:
@@ -158,7 +159,8 @@ def angle_sums(inc, theta0, seg, q):
 class Core(typing.Protocol):
     """A chunk scan: `(x [b, l, R, H, P], a, s [b, l, H], B, C [b, l, R, H, N], seg [b, l],
     initial_state [b, H, P, N]) -> (y [b, l, R, H, P], final_state)` (`ssd.common.scan`; or
-    `kernel_core`, whose `y_{t,r}` holds token `t`'s ranks `u <= r` only)."""
+    `kernel_core`, whose `y_{t,r}` holds token `t`'s ranks `u <= r` only and whose `B`, `C` are
+    `[b, H, l, R, N]`: a core with `heads_major = True` takes them so)."""
 
     def __call__(self, x, a, s, B, C, seg, initial_state): ...
 
@@ -173,7 +175,8 @@ def kernel_core(layout, *, chunk_size, interpret, dtype, mimo) -> Core:
     """SSD's Pallas chunk kernels (`ssd/common/kernels.py`, with `layout` a `Layout` subclass) as a
     `Core` over chunks of `chunk_size` tokens. `x` goes in as `kernel_x_dtype(dtype, mimo)`; the
     kernels take the path of the inputs' `dtype` (the products' precision, the decay's form);
-    `B`, `C` (rotated `k`, `q`) per head.
+    `B`, `C` (rotated `k`, `q`) per head, heads first (`[b, H, l, R, N]`, the `heads_major` form
+    of `forward`: the kernels' layout, so the rotation writes them where the kernels read them).
 
     The kernels take one input per position, so token `t`'s `R` inputs run as `S =
     blocks.kernel_slots(R)` consecutive positions `(t, 0..S-1)` (ranks past `R` zero): the
@@ -193,22 +196,28 @@ def kernel_core(layout, *, chunk_size, interpret, dtype, mimo) -> Core:
             u = jnp.pad(u, [(0, 0), (0, 0), (0, slots - rank), (0, 0), (0, 0)])
             return u.reshape(batch, length * slots, *u.shape[3:])
 
+        def spread_heads_first(u):  # [b, h, l, R, n] -> [b, h, l·S, n]
+            u = jnp.pad(u, [(0, 0), (0, 0), (0, 0), (0, slots - rank), (0, 0)])
+            return u.reshape(batch, heads, length * slots, u.shape[-1])
+
         first = jnp.arange(slots) == 0
         y, final = chunk_kernels.scan(
             layout,
             spread(x.astype(kernel_x_dtype(dtype, mimo))),
             jnp.where(first[:, None], a[:, :, None], 0).reshape(batch, length * slots, heads),
             jnp.repeat(s, slots, axis=1),
-            spread(B),
-            spread(C),
+            spread_heads_first(B),
+            spread_heads_first(C),
             jnp.repeat(seg, slots, axis=1),
             initial_state,
             chunk_size=chunk_size * slots,
             interpret=interpret,
             products=dtype,
+            groups_first=True,
         )
         return y.reshape(batch, length, slots, *y.shape[2:])[:, :, :rank], final
 
+    core.heads_major = True
     return core
 
 
@@ -245,6 +254,7 @@ def forward(
     batch, length, heads, _ = v.shape
     groups = q.shape[3]
     mimo = W_x is not None
+    heads_major = getattr(core, "heads_major", False)
     f = lambda a: a.astype(acc)  # noqa: E731
     bad = lambda a: ~jnp.isfinite(a)  # noqa: E731
     by_rank = lambda w: jnp.swapaxes(f(w), 0, 1)  # noqa: E731 - [h, r, ..] -> [r, h, ..]
@@ -265,10 +275,15 @@ def forward(
     def v_ranks():  # v ⊙ W_x, [b, l, r, h, p]
         return f(v)[:, :, None] * by_rank(W_x) if mimo else f(v)[:, :, None]
 
-    def prepared(theta):  # the rotated q, k and v ⊙ W_x, [b, l, r, h, n or p]
+    def prepared(theta):  # the rotated q, k ([b, l, r, h, n]; `heads_major`: [b, h, l, r, n]), v ⊙ W_x
         qr = rotated(mimo, heads // groups, q, by_rank(q_bias), theta[:, :, None])
         kr = rotated(mimo, heads // groups, k, by_rank(k_bias), theta[:, :, None])
+        if heads_major:  # transposed in the rotation's own pass, not after the conditional
+            qr, kr = (jnp.transpose(u, (0, 3, 1, 2, 4)) for u in (qr, kr))
         return qr, kr, v_ranks()
+
+    def tokens_major(u):  # a rotated q or k as `prepared` gives it -> [b, l, r, h, n]
+        return jnp.transpose(u, (0, 2, 3, 1, 4)) if heads_major else u
 
     # where the sequential recurrence is non-finite (see the module docstring): `Θ`'s NaN, the
     # masks and the selects run only when some value the recurrence reads may not be finite. The rotated
@@ -319,14 +334,16 @@ def forward(
         weight = weight + jnp.where(later[:, :, None], scale[:, :, None, None, :], 0)
 
     def corrected(y):  # the diagonal correction, in each branch so that both form `y`
-        diag = einsum("blrhn,bluhn->blruh", qc, kc) * weight
+        pairs = "bhlrn,bhlun->blruh" if heads_major else "blrhn,bluhn->blruh"
+        diag = einsum(pairs, qc, kc) * weight
         return y + einsum("blruh,bluhp->blrhp", diag, vc)
 
     def kept(theta, y, final):  # after `as_given`: `kc` is the rotated k
-        return vary_like((corrected(y), final, kc[:, -1]), *read)
+        return vary_like((corrected(y), final, tokens_major(kc)[:, -1]), *read)
 
     def poisoned(theta, y, final):  # NaN where the recurrence is non-finite (the masks)
         qr, kr, vr = prepared(poisoned_angles(theta))  # the rotations again, for the masks
+        qr, kr = tokens_major(qr), tokens_major(kr)
         head_bad = bad(trap_) | bad(dt_) | (bad(adt_) & ~starts[..., None])  # [b, l, h]
         row, col = bad(vr).any(2), bad(kr).any(2)  # [b, l, h, p], [b, l, h, n]
         init_row = bad(ssm0).any(-1) | bad(v0r).any(1) | bad(k0).any((1, 3))[..., None]  # [b, h, p]

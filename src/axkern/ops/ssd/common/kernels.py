@@ -2,9 +2,8 @@
 stages between them, and the `custom_vjp` that ties them together (not an implementation;
 each backend supplies a `Layout` and its call parameters).
 
-The kernels take a per-position log-decay `a_t` and input scale `s_t` (`scan`): SSD gives
-`a = dt·A` and `s = dt` (`ssd`), Mamba-3 its own decay and the trapezoid's scale. Below, `dt`
-stands for the scale.
+The kernels take a per-position log-decay `a_t` and input scale `s_t` (`scan`): SSD gives `a =
+dt·A`, `s = dt` (`ssd`), Mamba-3 its decay and the trapezoid's scale (below, `dt`: the scale).
 
 **Stages** (chunks of `Q` positions; `cum` the running sum of `a` inside a chunk):
 
@@ -20,10 +19,10 @@ stands for the scale.
 
 **Grid** `(batch, heads, chunks)` for all four kernels; each program holds `[Q, P]`, `[Q, N]`,
 `[Q, Q]` and `[P, N]` tiles. **Cost.** Per chunk and head `2·Q²·N` (`C B^T`) + `2·Q²·P` (scores
-times `x`) + `2·Q·N·P` (incoming state) + `2·Q·P·N` (own state) FLOPs forward, about twice
-that backward; bytes: `x`, `B`, `C` once per pass, the `[b, c, h, P, N]` float32 states twice
-(written, read). Compute bound for Mamba-2 sizes (`Q = 64..256`, `N = 128`). float32 inputs
-add `2·Q³` FLOPs forward and `4·Q³` backward per chunk and head (`_segment_sums`).
+times `x`) + `2·Q·N·P` (incoming state) + `2·Q·P·N` (own state) FLOPs forward, about twice that
+backward; bytes: `x`, `B`, `C` once per pass, the `[b, c, h, P, N]` float32 states written and
+read. Compute bound for Mamba-2 sizes (`Q = 64..256`, `N = 128`). float32 inputs add `2·Q³`
+FLOPs forward and `4·Q³` backward per chunk and head (`_segment_sums`).
 
 `Layout.forward` runs stages 2-4 in turn (a backend may fuse them). **Non-finite input**
 (`chunks.guard`, through `chunks.layer` only where an input is not finite): the kernels take
@@ -452,21 +451,22 @@ def scan(
     products=None,
     y_dtype=None,
     clean_x=False,
+    groups_first=False,
 ):
     """The chunk scan through the kernels above, `layout` a `Layout` subclass: `x [b, L, H, P]`,
-    the per-position log-decay `a` and input scale (`[b, L, H]`, float32), `B, C [b, L, G, N]`,
-    `seg [b, L]` internal segment ids, `initial_state [b, H, P, N]`, all finite. Returns `y
-    [b, L, H, P]` (float32, or `y_dtype`: the float32 result rounded, by the kernels where a
-    layout's can) and the final state. The length is padded to a multiple of the
-    chunk with `a = scale = 0` rows, which leave the state alone. `products`: the input dtype
-    whose path the kernels take (the products' precision, the decay's form; `x`'s unless given),
-    for an `x` computed in float32 from 16-bit inputs. `clean_x`: `x`'s non-finite values taken
-    as 0 inside the scan (their gradients NaN), which keeps `x` itself, not a cleaned copy, for
-    the backward."""
+    the per-position log-decay `a` and input scale (`[b, L, H]`, float32), `B, C [b, L, G, N]`
+    (`groups_first`: `[b, G, L, N]`, the kernels' own), `seg [b, L]` internal segment ids,
+    `initial_state [b, H, P, N]`, all finite. Returns `y [b, L, H, P]` (float32, or `y_dtype`,
+    rounded by the kernels where a layout's can) and the final state. The length is padded to a
+    multiple of the chunk with `a = scale = 0` rows (the state stays). `products`: the input
+    dtype whose path the kernels take (products' precision, decay's form; `x`'s unless given).
+    `clean_x`: `x`'s non-finite values taken as 0 inside the scan (their gradients NaN), which
+    keeps `x` itself, not a cleaned copy, for the backward."""
     q = chunk_size
     batch, length, heads, _ = x.shape
     pad = (-length) % q
-    padded = lambda v: jnp.pad(v, [(0, 0), (0, pad)] + [(0, 0)] * (v.ndim - 2)) if pad else v  # noqa: E731
+    padded = lambda v, at=1: jnp.pad(v, [(0, 0)] * at + [(0, pad)] + [(0, 0)] * (v.ndim - at - 1))  # noqa: E731
+    rows = lambda v: padded(v, 2) if groups_first else jnp.moveaxis(padded(v), 2, 1)  # noqa: E731 - [b, G, L, N]
     chunks = (length + pad) // q
     per_chunk = lambda v: jnp.moveaxis(padded(v), 2, 1).reshape(batch, heads, chunks, q)  # noqa: E731
     seg = jnp.concatenate([seg, jnp.broadcast_to(seg[:, -1:], (batch, pad))], axis=1)
@@ -477,8 +477,8 @@ def scan(
         padded(x) if first else jnp.moveaxis(padded(x), 2, 1),  # [b, L, h, P] or [b, h, L, P]
         per_chunk(a),
         per_chunk(scale),
-        jnp.moveaxis(padded(B), 2, 1),  # [b, g, L, N]
-        jnp.moveaxis(padded(C), 2, 1),
+        rows(B),
+        rows(C),
         seg.reshape(batch, chunks, q),
         initial_state.astype(jnp.float32),
     )
