@@ -47,7 +47,7 @@ constexpr int kMaxExperts = 4096;  // counts a rank publishes: its sends per des
 constexpr int kMaxTopK = 16;       // a token's pairs live in registers
 constexpr int kThreads = 128;
 constexpr int kPtrs = 4;
-constexpr long long kTimeoutCycles = 1ll << 37;  // about 70 s at the H200's clock
+constexpr unsigned long long kTimeoutNs = 60ull * 1000 * 1000 * 1000;  // a barrier waits at most a minute
 
 // One per GPU; peers write `flags`, `ptrs` and `counts` in it over NVLink, indexed by their
 // ordinal. `base` and `recv` are the GPU's own scratch between the kernels of one call.
@@ -73,6 +73,7 @@ struct Registry {
   std::mutex mu;
   Ctrl* ctrl[kMaxDevices] = {};
   bool peer[kMaxDevices][kMaxDevices] = {};
+  bool loaded[kMaxDevices] = {};
   unsigned long long entered[kMaxDevices][kMaxDevices] = {};
 };
 
@@ -85,11 +86,29 @@ ffi::Error cuda_error(const char* what, cudaError_t err) {
   return ffi::Error::Internal(std::string("moe_ep: ") + what + ": " + cudaGetErrorString(err));
 }
 
+// A zeroed control block on GPU p, through a stream of its own that the host waits for, so the
+// zeros land before any peer's first write (XLA's streams do not wait for the legacy one).
+ffi::Error new_ctrl(int p, int current, Ctrl** out) {
+  Ctrl* c = nullptr;
+  cudaStream_t s = nullptr;
+  cudaError_t err = cudaSetDevice(p);
+  if (err == cudaSuccess) err = cudaMalloc(&c, sizeof(Ctrl));
+  if (err == cudaSuccess) err = cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+  if (err == cudaSuccess) err = cudaMemsetAsync(c, 0, sizeof(Ctrl), s);
+  if (err == cudaSuccess) err = cudaStreamSynchronize(s);
+  if (s != nullptr) cudaStreamDestroy(s);
+  const cudaError_t back = cudaSetDevice(current);
+  if (err != cudaSuccess) return cuda_error("allocating a control block", err);
+  if (back != cudaSuccess) return cuda_error("cudaSetDevice", back);
+  *out = c;
+  return ffi::Error::Success();
+}
+
 // The team of `device` along mesh axis `axis` (mesh devices' ordinals row-major over
-// `shape`), with control blocks allocated and peer access enabled; counts `barriers` barriers
-// with each rank.
+// `shape`), with control blocks allocated and peer access enabled. The barrier counts are
+// taken by `enter`, once the call cannot fail before its kernels are launched.
 ffi::Error make_team(int device, ffi::Span<const int64_t> ordinals, ffi::Span<const int64_t> shape, int64_t axis,
-                     int barriers, Team* team) {
+                     Team* team) {
   int64_t size = 1;
   for (int64_t s : shape) size *= s;
   if (axis < 0 || axis >= static_cast<int64_t>(shape.size()) || size != static_cast<int64_t>(ordinals.size()))
@@ -121,14 +140,8 @@ ffi::Error make_team(int device, ffi::Span<const int64_t> ordinals, ffi::Span<co
   for (int r = 0; r < ranks; ++r) {
     const int p = static_cast<int>(ordinals[first + r * stride]);
     team->ordinal[r] = p;
-    if (reg.ctrl[p] == nullptr) {  // once per GPU, on that GPU
-      Ctrl* c = nullptr;
-      if ((err = cudaSetDevice(p)) != cudaSuccess) return cuda_error("cudaSetDevice", err);
-      if ((err = cudaMalloc(&c, sizeof(Ctrl))) == cudaSuccess) err = cudaMemset(c, 0, sizeof(Ctrl));
-      cudaSetDevice(current);
-      if (err != cudaSuccess) return cuda_error("allocating a control block", err);
-      reg.ctrl[p] = c;
-    }
+    if (reg.ctrl[p] == nullptr)  // once per GPU, on that GPU
+      if (auto e = new_ctrl(p, current, &reg.ctrl[p]); e.failure()) return e;
     if (p != device && !reg.peer[device][p]) {  // this GPU's access to p's memory
       int can = 0;
       if ((err = cudaDeviceCanAccessPeer(&can, device, p)) != cudaSuccess) return cuda_error("cudaDeviceCanAccessPeer", err);
@@ -141,10 +154,20 @@ ffi::Error make_team(int device, ffi::Span<const int64_t> ordinals, ffi::Span<co
       reg.peer[device][p] = true;
     }
     team->ctrl[r] = reg.ctrl[p];
+  }
+  return ffi::Error::Success();
+}
+
+// Takes the call's `barriers` barrier counts with each rank of the team (the first one's
+// target in `team->target`). Every rank of the team enters the same calls in the same order.
+void enter(int device, int barriers, Team* team) {
+  Registry& reg = registry();
+  std::lock_guard<std::mutex> lock(reg.mu);
+  for (int r = 0; r < team->ranks; ++r) {
+    const int p = team->ordinal[r];
     team->target[r] = reg.entered[device][p] + 1;
     reg.entered[device][p] += barriers;
   }
-  return ffi::Error::Success();
 }
 
 // ---- device: barriers ----------------------------------------------------------------------
@@ -159,6 +182,12 @@ __device__ inline unsigned long long load_acquire(const unsigned long long* p) {
   return v;
 }
 
+__device__ inline unsigned long long global_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
+  return t;
+}
+
 // The call's barrier `step` (0 or 1), by one block: thread r signals rank r and waits for it.
 __device__ void barrier(const Team& t, int step) {
   __syncthreads();
@@ -168,10 +197,10 @@ __device__ void barrier(const Team& t, int step) {
     const unsigned long long want = t.target[r] + step;
     store_release(&t.ctrl[r]->flags[t.ordinal[t.me]], want);
     const unsigned long long* mine = &t.ctrl[t.me]->flags[t.ordinal[r]];
-    const long long start = clock64();
+    const unsigned long long start = global_ns();
     while (load_acquire(mine) < want) {
       __nanosleep(128);
-      if (clock64() - start > kTimeoutCycles) __trap();
+      if (global_ns() - start > kTimeoutNs) __trap();  // the context is lost: a peer never arrived
     }
   }
   __syncthreads();
@@ -283,7 +312,7 @@ __global__ void dispatch_tail(Team t, V* __restrict__ expert_x, int* __restrict_
 __global__ void invert(const int* __restrict__ order, int* __restrict__ inv, int64_t n) {
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x)
-    inv[order[i]] = static_cast<int>(i);
+    if (order[i] >= 0 && order[i] < n) inv[order[i]] = static_cast<int>(i);
 }
 
 // Token t's K pairs: each sent pair's row at its holder (`holder_rows`, published slot 0; with
@@ -405,20 +434,82 @@ __global__ void zero_tail(Team t, V* __restrict__ rows, int64_t vecs, int64_t ca
 
 // ---- handlers ----------------------------------------------------------------------------------
 
-struct MeshAttrs {
-  ffi::Span<const int64_t> ordinals, shape;
-  int64_t axis;
-};
+// Loads every kernel of this library on `device`, once: with lazy module loading (CUDA's
+// default) a kernel's first launch may wait for the GPU to go idle, which a barrier kernel
+// spinning there would not let it do.
+template <typename T, typename V>
+cudaError_t load_typed() {
+  cudaFuncAttributes a;
+  cudaError_t e = cudaSuccess;
+  for (const void* f : {reinterpret_cast<const void*>(pull_sum<T, V, 8>),
+                        reinterpret_cast<const void*>(pull_sum<T, V, kMaxTopK>),
+                        reinterpret_cast<const void*>(push_pull<T, V, 8>),
+                        reinterpret_cast<const void*>(push_pull<T, V, kMaxTopK>),
+                        reinterpret_cast<const void*>(zero_tail<V>)})
+    if (e == cudaSuccess) e = cudaFuncGetAttributes(&a, f);
+  return e;
+}
+
+template <typename V>
+cudaError_t load_raw() {
+  cudaFuncAttributes a;
+  cudaError_t e = cudaFuncGetAttributes(&a, reinterpret_cast<const void*>(dispatch_push<V>));
+  return e == cudaSuccess ? cudaFuncGetAttributes(&a, reinterpret_cast<const void*>(dispatch_tail<V>)) : e;
+}
+
+ffi::Error load_kernels(int device) {
+  Registry& reg = registry();
+  std::lock_guard<std::mutex> lock(reg.mu);
+  if (reg.loaded[device]) return ffi::Error::Success();
+  cudaFuncAttributes a;
+  cudaError_t e = cudaSuccess;
+  for (const void* f : {reinterpret_cast<const void*>(publish), reinterpret_cast<const void*>(finish),
+                        reinterpret_cast<const void*>(dispatch_plan), reinterpret_cast<const void*>(invert)})
+    if (e == cudaSuccess) e = cudaFuncGetAttributes(&a, f);
+  for (auto load : {load_raw<uint4>, load_raw<uint32_t>, load_raw<uint16_t>, load_raw<uint8_t>,
+                    load_typed<float, uint4>, load_typed<float, float>, load_typed<__nv_bfloat16, uint4>,
+                    load_typed<__nv_bfloat16, __nv_bfloat16>, load_typed<__half, uint4>, load_typed<__half, __half>})
+    if (e == cudaSuccess) e = load();
+  if (e != cudaSuccess) return cuda_error("loading the kernels", e);
+  reg.loaded[device] = true;
+  return ffi::Error::Success();
+}
+
+// The team and its kernels loaded. The handler takes its barriers (`enter`) after its last check.
+ffi::Error start(int device, ffi::Span<const int64_t> ordinals, ffi::Span<const int64_t> shape, int64_t axis,
+                 Team* team) {
+  if (auto e = make_team(device, ordinals, shape, axis, team); e.failure()) return e;
+  return load_kernels(device);
+}
 
 ffi::Error check(const char* what) { return check_launch(what); }
 
-// f(Tag<V>{}, vectors per row) with V the widest of 16, 4, 2, 1 bytes that divides a row.
+ffi::Error bad(const char* what, const std::string& why) {
+  return ffi::Error::InvalidArgument(std::string(what) + ": " + why);
+}
+
+// f(Tag<V>{}, vectors per row) with V the widest of 16, 4, 2, 1 bytes that divides a row and
+// the rows' pointers.
 template <typename F>
-ffi::Error by_width(int64_t row_bytes, F&& f) {
-  if (row_bytes % 16 == 0) return f(Tag<uint4>{}, row_bytes / 16);
-  if (row_bytes % 4 == 0) return f(Tag<uint32_t>{}, row_bytes / 4);
-  if (row_bytes % 2 == 0) return f(Tag<uint16_t>{}, row_bytes / 2);
+ffi::Error by_width(int64_t row_bytes, std::initializer_list<const void*> ptrs, F&& f) {
+  auto fits = [&](int64_t w) {
+    bool ok = row_bytes % w == 0;
+    for (const void* p : ptrs) ok = ok && reinterpret_cast<uintptr_t>(p) % w == 0;
+    return ok;
+  };
+  if (fits(16)) return f(Tag<uint4>{}, row_bytes / 16);
+  if (fits(4)) return f(Tag<uint32_t>{}, row_bytes / 4);
+  if (fits(2)) return f(Tag<uint16_t>{}, row_bytes / 2);
   return f(Tag<uint8_t>{}, row_bytes);
+}
+
+// The pairs' arrays: `pairs` entries each, `tokens` rows of top-k at most 16.
+ffi::Error check_pairs(const char* what, int64_t pairs, int64_t tokens, std::initializer_list<size_t> counts) {
+  for (size_t n : counts)
+    if (static_cast<int64_t>(n) != pairs) return bad(what, "the pairs' arrays differ in size");
+  if (tokens > 0 && pairs % tokens != 0) return bad(what, "the pairs are not a whole top-k per token");
+  if (tokens > 0 && pairs / tokens > kMaxTopK) return bad(what, "top-k above 16");
+  return ffi::Error::Success();
 }
 
 ffi::Error DispatchImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> dst,
@@ -427,33 +518,45 @@ ffi::Error DispatchImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, f
                         ffi::Span<const int64_t> shape, int64_t axis, int64_t capacity,
                         ffi::Result<ffi::AnyBuffer> expert_x, ffi::Result<ffi::Buffer<ffi::S32>> order,
                         ffi::Result<ffi::Buffer<ffi::S32>> group_sizes) {
-  Team team;
-  if (auto e = make_team(device, ordinals, shape, axis, 2, &team); e.failure()) return e;
-  const int64_t tokens = x.dimensions()[0];
-  const int64_t pairs = static_cast<int64_t>(dst.element_count());
+  const char* what = "AxkernEpDispatch";
+  const int64_t tokens = x.dimensions()[0], pairs = static_cast<int64_t>(dst.element_count());
   const int64_t topk = tokens ? pairs / tokens : 1;
+  const int64_t row_bytes = x.dimensions()[1] * static_cast<int64_t>(ffi::ByteWidth(x.element_type()));
+  const int64_t rows = static_cast<int64_t>(order->element_count());
   const int local = static_cast<int>(group_sizes->element_count());
-  if (static_cast<int64_t>(local) * team.ranks > kMaxExperts)
-    return ffi::Error::InvalidArgument("AxkernEpDispatch: more than 4096 experts");
-  const int64_t row_bytes = static_cast<int64_t>(x.size_bytes() / (tokens ? tokens : 1));
+  if (auto e = check_pairs(what, pairs, tokens, {slot.element_count(), sent.element_count(), expert.element_count(),
+                                                  within.element_count()});
+      e.failure())
+    return e;
+  if (expert_x->element_type() != x.element_type() || expert_x->dimensions()[0] != rows ||
+      expert_x->dimensions()[1] != x.dimensions()[1])
+    return bad(what, "expert_x must be [ranks * capacity, x's columns] of x's dtype");
+  Team team;
+  if (auto e = start(device, ordinals, shape, axis, &team); e.failure()) return e;
+  if (rows != team.ranks * capacity) return bad(what, "order must hold ranks * capacity rows");
+  if (static_cast<int64_t>(counts.element_count()) != static_cast<int64_t>(local) * team.ranks ||
+      static_cast<int64_t>(local) * team.ranks > kMaxExperts)
+    return bad(what, "counts must be [ranks, local experts], at most 4096 experts");
+  enter(device, 2, &team);
   publish<<<1, kThreads, 0, stream>>>(team, reinterpret_cast<uintptr_t>(expert_x->untyped_data()),
                                       reinterpret_cast<uintptr_t>(order->typed_data()), 0, counts.typed_data(),
                                       team.ranks * local, false);
   dispatch_plan<<<1, kThreads, 0, stream>>>(team, local, group_sizes->typed_data());
-  if (auto e = check("AxkernEpDispatch"); e.failure()) return e;
-  auto rows = [&](auto vt, int64_t vecs) {
+  if (auto e = check(what); e.failure()) return e;
+  auto copy = [&](auto vt, int64_t vecs) {
     using V = typename decltype(vt)::type;
-    if (pairs > 0 && row_bytes > 0)
+    if (pairs > 0)
       dispatch_push<V><<<axkern::grid_for(pairs, 1, 8), kThreads, 0, stream>>>(
           team, static_cast<const V*>(x.untyped_data()), dst.typed_data(), slot.typed_data(), sent.typed_data(),
           expert.typed_data(), within.typed_data(), pairs, topk, vecs, local, capacity);
-    dispatch_tail<V><<<axkern::grid_for(team.ranks * capacity, 1, 8), kThreads, 0, stream>>>(
-        team, static_cast<V*>(expert_x->untyped_data()), order->typed_data(), vecs, capacity);
-    return check("AxkernEpDispatch");
+    if (rows > 0)
+      dispatch_tail<V><<<axkern::grid_for(rows, 1, 8), kThreads, 0, stream>>>(
+          team, static_cast<V*>(expert_x->untyped_data()), order->typed_data(), vecs, capacity);
+    return check(what);
   };
-  if (auto e = by_width(row_bytes, rows); e.failure()) return e;
+  if (auto e = by_width(row_bytes, {x.untyped_data(), expert_x->untyped_data()}, copy); e.failure()) return e;
   finish<<<1, kThreads, 0, stream>>>(team);
-  return check("AxkernEpDispatch");
+  return check(what);
 }
 
 ffi::Error GatherSumImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer y, ffi::Buffer<ffi::S32> order,
@@ -461,18 +564,26 @@ ffi::Error GatherSumImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer y, 
                          ffi::Buffer<ffi::PRED> sent, ffi::Span<const int64_t> ordinals, ffi::Span<const int64_t> shape,
                          int64_t axis, int64_t capacity, ffi::Result<ffi::AnyBuffer> out,
                          ffi::Result<ffi::Buffer<ffi::S32>> inv) {
-  Team team;
-  if (auto e = make_team(device, ordinals, shape, axis, 2, &team); e.failure()) return e;
+  const char* what = "AxkernEpGatherSum";
   const int64_t tokens = out->dimensions()[0], cols = out->dimensions()[1];
-  const int64_t topk = tokens ? static_cast<int64_t>(w.element_count()) / tokens : 1;
-  if (topk > kMaxTopK) return ffi::Error::InvalidArgument("AxkernEpGatherSum: top-k above 16");
+  const int64_t pairs = static_cast<int64_t>(w.element_count()), topk = tokens ? pairs / tokens : 1;
   const int64_t n = static_cast<int64_t>(order.element_count());
+  if (auto e = check_pairs(what, pairs, tokens, {dst.element_count(), slot.element_count(), sent.element_count()});
+      e.failure())
+    return e;
+  if (y.dimensions()[0] != n || y.dimensions()[1] != cols || out->element_type() != y.element_type() ||
+      static_cast<int64_t>(inv->element_count()) != n)
+    return bad(what, "y must be [rows of order, out's columns] of out's dtype, inv like order");
+  Team team;
+  if (auto e = start(device, ordinals, shape, axis, &team); e.failure()) return e;
+  if (n != team.ranks * capacity) return bad(what, "order must hold ranks * capacity rows");
+  enter(device, 2, &team);
   if (n > 0) invert<<<axkern::grid_for(n, kThreads, 8), kThreads, 0, stream>>>(order.typed_data(), inv->typed_data(), n);
   publish<<<1, kThreads, 0, stream>>>(team, reinterpret_cast<uintptr_t>(y.untyped_data()),
                                       reinterpret_cast<uintptr_t>(inv->typed_data()), 0, nullptr, 0, false);
-  if (auto e = check("AxkernEpGatherSum"); e.failure()) return e;
+  if (auto e = check(what); e.failure()) return e;
   if (tokens > 0 && cols > 0) {
-    auto e = by_dtype(y.element_type(), "AxkernEpGatherSum", [&](auto tt) {
+    auto e = by_dtype(y.element_type(), what, [&](auto tt) {
       using T = typename decltype(tt)::type;
       return with_vector<T>(cols, {y.untyped_data(), out->untyped_data()}, [&](auto vt, int64_t vecs) {
         using V = typename decltype(vt)::type;
@@ -480,13 +591,13 @@ ffi::Error GatherSumImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer y, 
         kernel<<<axkern::grid_for(tokens, 1, 16), kThreads, 0, stream>>>(
             team, dst.typed_data(), slot.typed_data(), sent.typed_data(), w.typed_data(),
             static_cast<V*>(out->untyped_data()), tokens, topk, vecs, capacity);
-        return check("AxkernEpGatherSum");
+        return check(what);
       });
     });
     if (e.failure()) return e;
   }
   finish<<<1, kThreads, 0, stream>>>(team);
-  return check("AxkernEpGatherSum");
+  return check(what);
 }
 
 ffi::Error CombineBwdImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer dy, ffi::AnyBuffer y,
@@ -495,24 +606,34 @@ ffi::Error CombineBwdImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer dy
                           ffi::Span<const int64_t> ordinals, ffi::Span<const int64_t> shape, int64_t axis,
                           int64_t capacity, ffi::Result<ffi::AnyBuffer> d_y, ffi::Result<ffi::Buffer<ffi::F32>> dw,
                           ffi::Result<ffi::Buffer<ffi::S32>> inv) {
-  Team team;
-  if (auto e = make_team(device, ordinals, shape, axis, 2, &team); e.failure()) return e;
-  if (dy.element_type() != y.element_type())
-    return ffi::Error::InvalidArgument("AxkernEpCombineBwd: dy and y must share a dtype");
+  const char* what = "AxkernEpCombineBwd";
   const int64_t tokens = dy.dimensions()[0], cols = dy.dimensions()[1];
-  const int64_t topk = tokens ? static_cast<int64_t>(w.element_count()) / tokens : 1;
-  if (topk > kMaxTopK) return ffi::Error::InvalidArgument("AxkernEpCombineBwd: top-k above 16");
+  const int64_t pairs = static_cast<int64_t>(w.element_count()), topk = tokens ? pairs / tokens : 1;
   const int64_t n = static_cast<int64_t>(order.element_count());
+  if (auto e = check_pairs(what, pairs, tokens,
+                           {dst.element_count(), slot.element_count(), sent.element_count(), dw->element_count()});
+      e.failure())
+    return e;
+  if (dy.element_type() != y.element_type() || d_y->element_type() != y.element_type())
+    return bad(what, "dy, y and d_y must share a dtype");
+  if (y.dimensions()[0] != n || y.dimensions()[1] != cols || d_y->dimensions()[0] != n ||
+      d_y->dimensions()[1] != cols || static_cast<int64_t>(inv->element_count()) != n)
+    return bad(what, "y and d_y must be [rows of order, dy's columns], inv like order");
+  Team team;
+  if (auto e = start(device, ordinals, shape, axis, &team); e.failure()) return e;
+  if (n != team.ranks * capacity) return bad(what, "order must hold ranks * capacity rows");
+  if (static_cast<int64_t>(sends.element_count()) != team.ranks) return bad(what, "sends must hold one count a rank");
+  enter(device, 2, &team);
   if (n > 0) invert<<<axkern::grid_for(n, kThreads, 8), kThreads, 0, stream>>>(order.typed_data(), inv->typed_data(), n);
   publish<<<1, kThreads, 0, stream>>>(team, reinterpret_cast<uintptr_t>(y.untyped_data()),
                                       reinterpret_cast<uintptr_t>(inv->typed_data()),
                                       reinterpret_cast<uintptr_t>(d_y->untyped_data()), sends.typed_data(), 0, true);
-  if (auto e = check("AxkernEpCombineBwd"); e.failure()) return e;
-  auto e = by_dtype(y.element_type(), "AxkernEpCombineBwd", [&](auto tt) {
+  if (auto e = check(what); e.failure()) return e;
+  auto e = by_dtype(y.element_type(), what, [&](auto tt) {
     using T = typename decltype(tt)::type;
     return with_vector<T>(cols, {dy.untyped_data(), y.untyped_data(), d_y->untyped_data()}, [&](auto vt, int64_t vecs) {
       using V = typename decltype(vt)::type;
-      if (tokens > 0 && cols > 0) {
+      if (tokens > 0) {  // with no columns it still writes dw (zeros)
         auto kernel = topk <= 8 ? push_pull<T, V, 8> : push_pull<T, V, kMaxTopK>;
         kernel<<<axkern::grid_for(tokens, 1, 16), kThreads, 0, stream>>>(
             team, static_cast<const V*>(dy.untyped_data()), dst.typed_data(), slot.typed_data(), sent.typed_data(),
@@ -521,12 +642,12 @@ ffi::Error CombineBwdImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer dy
       if (n > 0 && cols > 0)
         zero_tail<V><<<axkern::grid_for(n * vecs, kThreads, 8), kThreads, 0, stream>>>(
             team, static_cast<V*>(d_y->untyped_data()), vecs, capacity);
-      return check("AxkernEpCombineBwd");
+      return check(what);
     });
   });
   if (e.failure()) return e;
   finish<<<1, kThreads, 0, stream>>>(team);
-  return check("AxkernEpCombineBwd");
+  return check(what);
 }
 
 }  // namespace

@@ -121,5 +121,7 @@ def test_sizes_it_cannot_hold_are_refused_with_the_reason(monkeypatch):
     assert "at most 4096 counts" in cuda.supports(spec(experts=8192))
     assert "top-k at most 16" in cuda.supports(spec(topk=17))
     assert "int32" in cuda.supports(spec(capacity=2**31))
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_ALLOCATOR", "cuda_async")
+    assert "memory pool" in cuda.supports(spec())
     monkeypatch.setattr(jax, "process_count", lambda: 2)
     assert "one process" in cuda.supports(spec())

@@ -1,7 +1,7 @@
 """Shapes that `axkern bench moe_ep_*` uses: every visible device is one expert-parallel rank.
 
 Per device: `T` tokens, hidden `D`, top-`K`, `E` experts in all (`E / R` per device), capacity
-factor 1.25. Each `all_to_all` moves the `R·C·D` elements of one send buffer per device;
+factor 1.25. The combine's cases time the dispatch before it too, by the same implementation. Each `all_to_all` moves the `R·C·D` elements of one send buffer per device;
 GB/s count those bytes (the copy ceiling of one device is the reference, not a link's).
 Presets: `e64` is 32768 tokens per device, hidden 4096, 64 experts, top-8.
 """
@@ -95,10 +95,12 @@ def cases_moe_ep_combine(*, preset=None, tokens=None, dtype=None):
     def forward(impl, x, idx, w):
         def local(x, idx, w):
             expert_x, _, layout = moe_ep_dispatch_positional(
-                x, idx, num_experts=e, axis_name="ep", capacity_factor=FACTOR
+                x, idx, num_experts=e, axis_name="ep", capacity_factor=FACTOR, implementation=impl
             )
             return moe_ep_combine_positional(expert_x, w, layout, implementation=impl)
 
         return _sharded(mesh, local, 3, PartitionSpec("ep"))(x, idx, w)
 
-    return _case("moe_ep_combine", setup, forward, (0, 2), 2, " (dispatch included)")
+    return _case(
+        "moe_ep_combine", setup, forward, (0, 2), 2, " (its dispatch included, by the same implementation)"
+    )

@@ -26,12 +26,15 @@ pairs sent, the same capacity, the same outputs, so a layout from either combine
 reached by peer access, which the first call enables between every pair of the mesh's GPUs;
 a small control block per GPU (about 1 MB: barrier counts, published addresses and counts) is
 allocated once per process and reused by every call. No host synchronisation: each call is a
-few kernels on the GPU's own stream, two of them one-block barriers. The mesh (its GPUs'
-ordinals and shape) is read when the call is lowered inside `shard_map`, so each GPU's handler
-finds its rank and its peers itself.
+few kernels on the GPU's own stream, two of them one-block barriers; the library's kernels are
+loaded on each GPU before its first barrier (a lazily loaded kernel's first launch could wait for
+a GPU held by a spinning barrier). A barrier that waits a minute traps (the GPU's context is then
+lost) rather than hanging. The mesh (its GPUs' ordinals and shape) is read when the call is
+lowered inside `shard_map`, so each GPU's handler finds its rank and its peers itself.
 
 **Constraints** (`supports`): one process driving all of the mesh's devices (`jax.process_count()
-== 1`), at most 64 ranks, 4096 experts, top-k 16; rows of f32, bf16 or f16 for the combine.
+== 1`), XLA's default allocator (not `cuda_async`), at most 64 ranks, 4096 experts, top-k 16;
+rows of f32, bf16 or f16 for the combine.
 
 **Verified** on one H200 (a mesh of one GPU: every kernel and both barriers, against `xla`,
 values and gradients, `tests/gpu/test_moe_ep_gpu.py`). Not yet run across two or more GPUs: it
@@ -41,6 +44,7 @@ is explicit only (`implementation="cuda"`), in no default order, until that runs
 from __future__ import annotations
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -74,6 +78,11 @@ def supports(spec) -> str | None:
         return (
             f"the CUDA transport reaches peers by peer access within one process; this run has "
             f"{jax.process_count()} processes (use xla)"
+        )
+    if os.environ.get("XLA_PYTHON_CLIENT_ALLOCATOR") == "cuda_async":
+        return (
+            "XLA_PYTHON_CLIENT_ALLOCATOR=cuda_async: peer access does not reach a memory pool's "
+            "allocations, which the CUDA transport reads and writes (use the default allocator)"
         )
     if spec.dim("ranks") > MAX_RANKS:
         return f"the CUDA transport's team holds at most {MAX_RANKS} ranks, not {spec.dim('ranks')}"
