@@ -305,9 +305,11 @@ def test_vmapped_over_a_finite_and_a_non_finite_input_equals_each_call():
     assert np.isfinite(y[0]).all() and not np.isfinite(y[1, 0, 9:, 1, 3]).any()
 
 
+@pytest.mark.parametrize("heads_first", [False, True], ids=["tokens_first", "heads_first"])
 @pytest.mark.parametrize("halves", [False, True], ids=["pairs", "halves"])
-def test_the_rotations_backward_equals_autodiff(halves):
-    # `common.rotated` turns the cotangent back by -theta instead of keeping autodiff's pieces
+def test_the_rotations_backward_equals_autodiff(halves, heads_first):
+    # `common.rotated` turns the cotangent back by -theta instead of keeping autodiff's pieces;
+    # heads first (the kernels' layout) as the kernel implementations call it
     import importlib
 
     common = importlib.import_module("axkern.ops.mamba3.common")
@@ -316,14 +318,18 @@ def test_the_rotations_backward_equals_autodiff(halves):
     bias = jax.random.normal(k[1], (3, 4, 12))  # [r, h, n]
     theta = 3 * jax.random.normal(k[2], (2, 5, 1, 4, 5))  # [b, l, 1, h, a]: 5 of the 6 pairs
     cot = jax.random.normal(k[3], (2, 5, 3, 4, 12))
+    axis = 3
+    if heads_first:  # u [b, g, l, r, n], bias [h, 1, r, n], theta [b, h, l, 1, a]
+        u, theta, cot = (jnp.transpose(a, (0, 3, 1, 2, 4)) for a in (u, theta, cot))
+        bias, axis = jnp.swapaxes(bias, 0, 1)[:, None], 1
 
     def autodiff(u, bias, theta):
-        return common.rotate(jnp.repeat(u, 2, axis=3) + bias, theta, halves)
+        return common.rotate(jnp.repeat(u, 2, axis=axis) + bias, theta, halves)
 
     def loss(fn):
         return jax.grad(lambda *a: jnp.sum(fn(*a) * cot), argnums=(0, 1, 2))(u, bias, theta)
 
-    ours = functools.partial(common.rotated, halves, 2)
+    ours = functools.partial(common.rotated, halves, 2, axis)
     np.testing.assert_array_equal(ours(u, bias, theta), autodiff(u, bias, theta))
     for got, want in zip(loss(ours), loss(autodiff), strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)

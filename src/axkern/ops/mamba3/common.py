@@ -83,26 +83,27 @@ def rotate(u, theta, halves):
     return jnp.where(rotated, x * cos + partner * sin, x).reshape(u.shape)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def rotated(halves, repeat, u, bias, theta):
-    """`rotate(u + bias, theta, halves)` with `u [b, l, r, g, n]` repeated `repeat` times over its
-    groups (to heads) in `bias`'s dtype, `bias [r, h, n]`, `theta [b, l, 1, h, a]`. The backward
-    keeps only the arguments (`u` in its own dtype) and turns the cotangent back by `-theta`,
-    rather than autodiff's float32 pieces of `u + bias` (`[b, l, r, h, n]` arrays)."""
-    return rotate(_biased(repeat, u, bias), theta, halves)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def rotated(halves, repeat, axis, u, bias, theta):
+    """`rotate(u + bias, theta, halves)` with `u` repeated `repeat` times over its groups (axis
+    `axis`, to heads) in `bias`'s dtype: `u [b, l, r, g, n]`, `bias [r, h, n]`, `theta [b, l, 1,
+    h, a]` (axis 3), or heads first, `u [b, g, l, r, n]`, `bias [h, 1, r, n]`, `theta [b, h, l,
+    1, a]` (axis 1). The backward keeps only the arguments (`u` in its own dtype) and turns the
+    cotangent back by `-theta`, rather than autodiff's float32 pieces of `u + bias`."""
+    return rotate(_biased(repeat, axis, u, bias), theta, halves)
 
 
-def _biased(repeat, u, bias):
-    return jnp.repeat(u.astype(bias.dtype), repeat, axis=3) + bias
+def _biased(repeat, axis, u, bias):
+    return jnp.repeat(u.astype(bias.dtype), repeat, axis=axis) + bias
 
 
-def _rotated_fwd(halves, repeat, u, bias, theta):
-    return rotated(halves, repeat, u, bias, theta), (u, bias, theta)
+def _rotated_fwd(halves, repeat, axis, u, bias, theta):
+    return rotated(halves, repeat, axis, u, bias, theta), (u, bias, theta)
 
 
-def _rotated_bwd(halves, repeat, res, g):
+def _rotated_bwd(halves, repeat, axis, res, g):
     u, bias, theta = res
-    w, pull = jax.vjp(functools.partial(_biased, repeat), u, bias)
+    w, pull = jax.vjp(functools.partial(_biased, repeat, axis), u, bias)
     # a pair (x0, x1) turns to (x0 cos - x1 sin, x0 sin + x1 cos): its transpose is the turn by
     # -theta, and d/dtheta is (-r1, r0) for the rotated pair (r0, r1)
     a, pairs = theta.shape[-1], w.shape[-1] // 2
@@ -276,10 +277,15 @@ def forward(
         return f(v)[:, :, None] * by_rank(W_x) if mimo else f(v)[:, :, None]
 
     def prepared(theta):  # the rotated q, k ([b, l, r, h, n]; `heads_major`: [b, h, l, r, n]), v ⊙ W_x
-        qr = rotated(mimo, heads // groups, q, by_rank(q_bias), theta[:, :, None])
-        kr = rotated(mimo, heads // groups, k, by_rank(k_bias), theta[:, :, None])
-        if heads_major:  # transposed in the rotation's own pass, not after the conditional
-            qr, kr = (jnp.transpose(u, (0, 3, 1, 2, 4)) for u in (qr, kr))
+        if heads_major:  # the small inputs transposed, so that the rotation writes heads first
+            th = jnp.transpose(theta[:, :, None], (0, 3, 1, 2, 4))  # [b, h, l, 1, a]
+            qr, kr = (
+                rotated(mimo, heads // groups, 1, jnp.transpose(u, (0, 3, 1, 2, 4)), f(b)[:, None], th)
+                for u, b in ((q, q_bias), (k, k_bias))
+            )
+        else:
+            qr = rotated(mimo, heads // groups, 3, q, by_rank(q_bias), theta[:, :, None])
+            kr = rotated(mimo, heads // groups, 3, k, by_rank(k_bias), theta[:, :, None])
         return qr, kr, v_ranks()
 
     def tokens_major(u):  # a rotated q or k as `prepared` gives it -> [b, l, r, h, n]
