@@ -74,6 +74,7 @@ struct Registry {
   Ctrl* ctrl[kMaxDevices] = {};
   bool peer[kMaxDevices][kMaxDevices] = {};
   bool loaded[kMaxDevices] = {};
+  signed char reach[kMaxDevices][kMaxDevices] = {};  // 1: peer access possible from the first to the second
   unsigned long long entered[kMaxDevices][kMaxDevices] = {};
 };
 
@@ -154,6 +155,20 @@ ffi::Error make_team(int device, ffi::Span<const int64_t> ordinals, ffi::Span<co
       reg.peer[device][p] = true;
     }
     team->ctrl[r] = reg.ctrl[p];
+  }
+  // every pair of the team, not only this GPU's: a rank that would fail here must fail on every
+  // rank, before any of them enters a barrier the failing one would never reach
+  for (int a = 0; a < ranks; ++a) {
+    for (int b = 0; b < ranks; ++b) {
+      const int pa = team->ordinal[a], pb = team->ordinal[b];
+      if (pa == pb || reg.reach[pa][pb] == 1) continue;
+      int can = 0;
+      if ((err = cudaDeviceCanAccessPeer(&can, pa, pb)) != cudaSuccess) return cuda_error("cudaDeviceCanAccessPeer", err);
+      if (!can)
+        return ffi::Error::Internal("moe_ep: GPU " + std::to_string(pa) + " cannot access GPU " + std::to_string(pb) +
+                                    "'s memory (no peer access between them)");
+      reg.reach[pa][pb] = 1;
+    }
   }
   return ffi::Error::Success();
 }
@@ -484,6 +499,8 @@ ffi::Error start(int device, ffi::Span<const int64_t> ordinals, ffi::Span<const 
 
 ffi::Error check(const char* what) { return check_launch(what); }
 
+bool summable(ffi::DataType t) { return t == ffi::F32 || t == ffi::BF16 || t == ffi::F16; }
+
 ffi::Error bad(const char* what, const std::string& why) {
   return ffi::Error::InvalidArgument(std::string(what) + ": " + why);
 }
@@ -574,6 +591,7 @@ ffi::Error GatherSumImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer y, 
   if (y.dimensions()[0] != n || y.dimensions()[1] != cols || out->element_type() != y.element_type() ||
       static_cast<int64_t>(inv->element_count()) != n)
     return bad(what, "y must be [rows of order, out's columns] of out's dtype, inv like order");
+  if (!summable(y.element_type())) return bad(what, "rows must be f32, bf16 or f16");
   Team team;
   if (auto e = start(device, ordinals, shape, axis, &team); e.failure()) return e;
   if (n != team.ranks * capacity) return bad(what, "order must hold ranks * capacity rows");
@@ -619,6 +637,7 @@ ffi::Error CombineBwdImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer dy
   if (y.dimensions()[0] != n || y.dimensions()[1] != cols || d_y->dimensions()[0] != n ||
       d_y->dimensions()[1] != cols || static_cast<int64_t>(inv->element_count()) != n)
     return bad(what, "y and d_y must be [rows of order, dy's columns], inv like order");
+  if (!summable(y.element_type())) return bad(what, "rows must be f32, bf16 or f16");
   Team team;
   if (auto e = start(device, ordinals, shape, axis, &team); e.failure()) return e;
   if (n != team.ranks * capacity) return bad(what, "order must hold ranks * capacity rows");

@@ -105,17 +105,47 @@ def test_lowered_for_cuda_with_the_mesh_it_runs_on():
 def test_each_pairs_place_among_its_destinations_pairs_for_the_same_expert():
     rng = np.random.default_rng(0)
     key = rng.integers(0, 9, size=500).astype(np.int32)  # 8 (destination, expert) keys and the unsent
-    got = np.asarray(cuda._within(jnp.asarray(key), 9))
+    got = np.asarray(cuda._within(jnp.asarray(key), jnp.asarray(np.bincount(key, minlength=9), jnp.int32)))
     seen = np.zeros(9, int)
     for p, k in enumerate(key):
         assert got[p] == seen[k]
         seen[k] += 1
 
 
+def test_replicated_inputs_take_the_gradient_and_misuse_is_named():
+    devices = jax.devices()[:8]
+    if len(devices) < 8:
+        pytest.skip("needs 8 devices (XLA_FLAGS=--xla_force_host_platform_device_count=8)")
+    mesh = Mesh(np.array(devices), ("ep",))
+
+    def layer(x, idx, w):
+        ex, _, order, dst, slot, sent, _ = cuda.dispatch(
+            x, idx, num_experts=8, axis_name="ep", ranks=8, capacity=4
+        )
+        return cuda.combine(ex, w, order, dst, slot, sent, axis_name="ep", ranks=8, capacity=4)
+
+    x, idx, w = jnp.ones((4, 16), jnp.bfloat16), jnp.zeros((32, 1), jnp.int32), jnp.ones((4, 1), jnp.bfloat16)
+    # x and the weights replicated (not split over "ep"), the ids split: their gradients are sums over ranks
+    replicated = PartitionSpec()
+    sharded = compat.shard_map(layer, mesh=mesh, in_specs=(replicated, P, replicated), out_specs=P)
+
+    def loss(x, w):
+        return jnp.sum(jnp.sin(sharded(x, idx, w).astype(jnp.float32)))
+
+    text = jax.jit(jax.grad(loss, argnums=(0, 1))).trace(x, w).lower(lowering_platforms=("cuda",)).as_text()
+    assert "AxkernEpCombineBwd" in text and "AxkernEpGatherSum" in text
+    with pytest.raises(ValueError, match="does not run under vmap"):
+        jax.jit(jax.vmap(lambda x: sharded(x, idx, w))).trace(jnp.ones((2, 4, 16), jnp.bfloat16))
+    with pytest.raises(ValueError, match="inside shard_map"):
+        cuda._ffi("AxkernEpGatherSum", (jax.ShapeDtypeStruct((1,), jnp.int32),), "ep", jnp.zeros(1))
+
+
 def test_sizes_it_cannot_hold_are_refused_with_the_reason(monkeypatch):
-    def spec(**dims):
+    def spec(dtype=jnp.bfloat16, **dims):
         base = {"tokens": 64, "topk": 2, "embed": 16, "experts": 8, "ranks": 2, "capacity": 64}
-        return DISPATCH.spec(base | dims, jnp.bfloat16)
+        return DISPATCH.spec(base | dims, dtype)
+
+    assert "not float64" in cuda.supports(spec(jnp.dtype("float64")))
 
     assert "at most 64 ranks" in cuda.supports(spec(ranks=65, experts=65))
     assert "at most 4096 counts" in cuda.supports(spec(experts=8192))

@@ -163,6 +163,8 @@ class Core(typing.Protocol):
     `kernel_core`, whose `y_{t,r}` holds token `t`'s ranks `u <= r` only and whose `B`, `C` are
     `[b, H, l, R, N]`: a core with `heads_major = True` takes them so)."""
 
+    heads_major: bool  # optional (absent: False): `B`, `C` heads first
+
     def __call__(self, x, a, s, B, C, seg, initial_state): ...
 
 
@@ -268,7 +270,7 @@ def forward(
     ang = f(angles)
     adt_c, dt_c, lam = clean(adt_), clean(dt_), jax.nn.sigmoid(clean(trap_))
 
-    # the angles, then the rotated q, k ([b, l, r, h, n]) from `Θ` as the guard below leaves it
+    # the angles, then the rotated q, k from `Θ` as the guard below leaves it
     inc = math.pi * jnp.tanh(clean(ang)) * dt_c[..., None]
     theta = angle_sums(inc, clean(f(angle0)), seg, chunk_size)
     v0r = f(v0)[:, None] * by_rank(W_x) if mimo else f(v0)[:, None]  # [b, r, h, p]

@@ -4,15 +4,15 @@ the trapezoid's input scale, under the chunked form of `common.py` (angles, rota
 correction, gate in XLA).
 
 **Products**: `x` in the inputs' dtype (SISO: `v`) or float32 (MIMO: `v ⊙ W_x`); the rotated
-`q`, `k` in float32; TF32 tensor cores for 16-bit inputs, exact float32 for float32 inputs, as in
+`q`, `k` in float32, heads first (the kernels' layout, `common.kernel_core`); TF32 tensor cores for 16-bit inputs, exact float32 for float32 inputs, as in
 `ssd`. **MIMO**: each token's `R` inputs run as `kernel_slots(R)` consecutive positions (`R`
 rounded up to a power of two; `common.kernel_core`), so a chunk of `chunk_size` tokens is
 `chunk_size · kernel_slots(R)` kernel positions and costs about that many SISO positions.
 **Constraints**: `head_dim`, `state` and the chunk powers of two and at least 16 (the chunk in
 positions), chunks of at most 128 positions for a 16-bit `x`, 64 for a float32 one (float32
 inputs, MIMO); otherwise the call falls back with the reason. Verified in interpret mode on the
-CPU; SISO also compiled against the oracle on an H200 (`tests/gpu/test_mamba3_gpu.py`, whose
-MIMO cases have not yet run there); not yet timed, so it is in no default order.
+CPU and compiled against the oracle on an H200, SISO and MIMO (`tests/gpu/test_mamba3_gpu.py`);
+timed there behind mamba_ssm's kernels (docs/ops/mamba3.md), so it is in no default order.
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """Shapes that `axkern bench moe_ep_*` uses: every visible device is one expert-parallel rank.
 
 Per device: `T` tokens, hidden `D`, top-`K`, `E` experts in all (`E / R` per device), capacity
-factor 1.25. The combine's cases time the dispatch before it too, by the same implementation. Each `all_to_all` moves the `R·C·D` elements of one send buffer per device;
-GB/s count those bytes (the copy ceiling of one device is the reference, not a link's).
+factor 1.25. The combine's cases time the dispatch before it too, by the same implementation.
+Each `all_to_all` moves the `R·C·D` elements of one send buffer per device; GB/s count those
+bytes (the copy ceiling of one device is the reference, not a link's).
 Presets: `e64` is 32768 tokens per device, hidden 4096, 64 experts, top-8.
 """
 

@@ -14,7 +14,8 @@ pairs sent, the same capacity, the same outputs, so a layout from either combine
   there and the pair's received slot into the destination's `order`; fills its own empty rows
   with zeros and the order of its empty slots; and meets the other ranks at a second barrier
   before XLA reads the outputs. The result is `xla`'s `expert_x`, `group_sizes` and `order`,
-  without a send buffer, an `all_to_all` or an argsort.
+  without a send buffer or an `all_to_all`, and with the pairs sorted on the sending side (their
+  places among their destination's pairs for the same expert) rather than the received rows.
 - **combine.** Each holder inverts its `order` (the received slot → its row); each source
   reads, for each of its sent pairs, the row's place from the holder, then the row itself, and
   sums its token's weighted rows (float32 accumulation).
@@ -33,8 +34,10 @@ lost) rather than hanging. The mesh (its GPUs' ordinals and shape) is read when 
 lowered inside `shard_map`, so each GPU's handler finds its rank and its peers itself.
 
 **Constraints** (`supports`): one process driving all of the mesh's devices (`jax.process_count()
-== 1`), XLA's default allocator (not `cuda_async`), at most 64 ranks, 4096 experts, top-k 16;
-rows of f32, bf16 or f16 for the combine.
+== 1`), XLA's default allocator (not `cuda_async`), at most 64 ranks, 4096 experts, top-k 16,
+rows of f32, bf16 or f16 (the gathers' element types; the dispatch's backward is one). Inside
+`shard_map` over a mesh of devices only: under `vmap` or outside `shard_map` the call is an
+error that says so.
 
 **Verified** on one H200 (a mesh of one GPU: every kernel and both barriers, against `xla`,
 values and gradients, `tests/gpu/test_moe_ep_gpu.py`). Not yet run across two or more GPUs: it
@@ -50,7 +53,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import Primitive
-from jax.interpreters import mlir
+from jax.interpreters import batching, mlir
 
 from axkern.core import compat, native
 from axkern.core.op import Unsupported
@@ -63,6 +66,7 @@ MAX_TOPK = 16  # a token's pairs are held in registers
 MAX_ROWS = 2**31 - 1  # rows and slots are int32
 
 WHY_PLATFORMS = "a CUDA transport between the GPUs of one process"
+DTYPES = ("float32", "bfloat16", "float16")
 
 
 def _native_reason() -> str | None:
@@ -84,6 +88,8 @@ def supports(spec) -> str | None:
             "XLA_PYTHON_CLIENT_ALLOCATOR=cuda_async: peer access does not reach a memory pool's "
             "allocations, which the CUDA transport reads and writes (use the default allocator)"
         )
+    if spec.dtype not in DTYPES:
+        return f"the CUDA gathers sum rows of {', '.join(DTYPES)}, not {spec.dtype}"
     if spec.dim("ranks") > MAX_RANKS:
         return f"the CUDA transport's team holds at most {MAX_RANKS} ranks, not {spec.dim('ranks')}"
     if dict(spec.dims).get("experts", 0) > MAX_EXPERTS:
@@ -111,9 +117,10 @@ def _abstract(*args, target, outs, axis_name, attrs):
 def _lowering(ctx, *args, target, outs, axis_name, attrs):
     mesh = getattr(ctx.module_context.axis_context, "mesh", None)
     devices = getattr(mesh, "devices", None)
-    if devices is None:
+    if devices is None or axis_name not in mesh.axis_names:
         raise ValueError(
-            f"{target}: the CUDA transport runs inside shard_map over a mesh of devices (axis {axis_name!r})"
+            f"{target}: the CUDA transport runs inside shard_map over a mesh of devices with the axis "
+            f"{axis_name!r} (one mesh axis name)"
         )
     devices = np.asarray(devices)
     rule = jax.ffi.ffi_lowering(target, has_side_effect=True)
@@ -127,7 +134,17 @@ def _lowering(ctx, *args, target, outs, axis_name, attrs):
     )
 
 
+def _no_batching(args, dims, *, target, **_):
+    raise ValueError(f"{target}: the CUDA transport does not run under vmap (call it inside shard_map)")
+
+
+def _no_eager(*args, target, **_):
+    raise ValueError(f"{target}: the CUDA transport runs inside shard_map over a mesh of devices")
+
+
 _call.def_abstract_eval(_abstract)
+_call.def_impl(_no_eager)
+batching.primitive_batchers[_call] = _no_batching
 mlir.register_lowering(_call, _lowering, platform="cuda")
 
 
@@ -148,10 +165,10 @@ def _gather_sum(y, order, w, dst, slot, sent, tokens, axis_name, capacity):
 # -- dispatch ------------------------------------------------------------------------------------
 
 
-def _within(key, buckets):
-    """Each pair's place among the pairs of the same `key` before it (stable by pair)."""
+def _within(key, counts):
+    """Each pair's place among the pairs of the same `key` before it (stable by pair); `counts`
+    the pairs of each key."""
     order = jnp.argsort(key, stable=True)
-    counts = jnp.zeros((buckets,), jnp.int32).at[key].add(1)
     starts = jnp.cumsum(counts) - counts
     place = jnp.arange(key.shape[0], dtype=jnp.int32) - starts[key[order]]
     return jnp.zeros_like(key).at[order].set(place)
@@ -188,12 +205,22 @@ def dispatch(x, topk_idx, *, num_experts, axis_name, ranks, capacity):
     """`(expert_x [R·C, D], group_sizes [E/R], order [R·C], dst, slot, sent, dropped)`, as `xla`'s."""
     tokens, topk = topk_idx.shape
     local = num_experts // ranks
+    x, topk_idx = compat.match_vma(x, topk_idx)  # a replicated x's gradient: the cast's psum
     dst, slot, sent, expert, valid = common.slots(topk_idx, num_experts, ranks, capacity)
     key = jnp.where(sent, dst * local + expert, num_experts)  # (destination, local expert); unsent last
-    counts = jnp.zeros((num_experts + 1,), jnp.int32).at[key].add(1)[:num_experts]
-    within = _within(key, num_experts + 1)
+    counts = jnp.zeros((num_experts + 1,), jnp.int32).at[key].add(1)
+    within = _within(key, counts)
     expert_x, order, group_sizes = _dispatch_rows(
-        x, dst, slot, sent, jnp.where(sent, expert, 0), within, counts, axis_name, ranks, capacity
+        x,
+        dst,
+        slot,
+        sent,
+        jnp.where(sent, expert, 0),
+        within,
+        counts[:num_experts],
+        axis_name,
+        ranks,
+        capacity,
     )
     dropped = jnp.sum(valid & ~sent) + jnp.sum(~valid)
     shape = (tokens, topk)
@@ -231,5 +258,8 @@ _combine.defvjp(_combine_fwd, _combine_bwd)
 
 def combine(expert_y, topk_weights, order, dst, slot, sent, *, axis_name, ranks, capacity):
     """`y [T, D']`: each sent pair's expert output, weighted by `topk_weights`, summed per token."""
+    expert_y, topk_weights, order, dst, slot, sent = compat.match_vma(
+        expert_y, topk_weights, order, dst, slot, sent
+    )
     w = topk_weights.astype(jnp.float32)
     return _combine(expert_y, w, order, dst, slot, sent, axis_name, ranks, capacity)
