@@ -465,7 +465,8 @@ def scan(
     q = chunk_size
     batch, length, heads, _ = x.shape
     pad = (-length) % q
-    padded = lambda v, at=1: jnp.pad(v, [(0, 0)] * at + [(0, pad)] + [(0, 0)] * (v.ndim - at - 1))  # noqa: E731
+    widths = lambda v, at: [(0, 0)] * at + [(0, pad)] + [(0, 0)] * (v.ndim - at - 1)  # noqa: E731
+    padded = lambda v, at=1: jnp.pad(v, widths(v, at)) if pad else v  # noqa: E731 - x itself when whole
     rows = lambda v: padded(v, 2) if groups_first else jnp.moveaxis(padded(v), 2, 1)  # noqa: E731 - [b, G, L, N]
     chunks = (length + pad) // q
     per_chunk = lambda v: jnp.moveaxis(padded(v), 2, 1).reshape(batch, heads, chunks, q)  # noqa: E731
@@ -495,6 +496,5 @@ def ssd(layout, x, dt, A, B, C, D, z, segment_ids, initial_state, *, chunk_size,
 
 
 def _ssd_scan(layout, chunk_size, interpret, y_dtype, x, dt, A, B, C, seg, initial_state, clean_x=False):
-    a = dt * A.astype(dt.dtype)
     kw = dict(chunk_size=chunk_size, interpret=interpret, y_dtype=y_dtype, clean_x=clean_x)
-    return scan(layout, x, a, dt, B, C, seg, initial_state, **kw)
+    return scan(layout, x, dt * A.astype(dt.dtype), dt, B, C, seg, initial_state, **kw)
