@@ -24,6 +24,17 @@
 // and after its last access to a peer's memory, so no rank's buffers are reused while a peer
 // still reads or writes them. A barrier that waits longer than about a minute traps (a peer that
 // never arrives, such as a mesh whose ranks run different programs) rather than hanging.
+//
+// Layout: rows are [tokens, D] (x, dy, out) and [R*C, D] (expert_x, y, d_y, in expert-grouped
+// order, empty slots last); pairs [T*K] (dst, slot, sent, expert, within, w). Grid: the row
+// kernels run one 128-thread block per pair (dispatch_push) or per token (pull_sum, push_pull;
+// a token's K pairs' addresses in shared memory), grid-stride over at most 8 or 16 blocks an SM,
+// threads across the row in 16-byte vectors where rows allow; the tails and `invert` grid-stride
+// over rows; `publish`, `dispatch_plan` and `finish` are one block. Bound: bytes, no FLOPs to
+// speak of. Dispatch reads T*D and writes the sent pairs' rows (at most T*K*D, (R-1)/R of them
+// over links) plus the empty rows' zeros; the combine reads the sent pairs' rows (same count,
+// from their holders) and writes T*D; its backward reads dy (T*D) and the pairs' rows and writes
+// them again as d_y, plus the empty rows' zeros. The barriers cost two round trips a call.
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -497,8 +508,6 @@ ffi::Error start(int device, ffi::Span<const int64_t> ordinals, ffi::Span<const 
   return load_kernels(device);
 }
 
-ffi::Error check(const char* what) { return check_launch(what); }
-
 bool summable(ffi::DataType t) { return t == ffi::F32 || t == ffi::BF16 || t == ffi::F16; }
 
 ffi::Error bad(const char* what, const std::string& why) {
@@ -559,7 +568,7 @@ ffi::Error DispatchImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, f
                                       reinterpret_cast<uintptr_t>(order->typed_data()), 0, counts.typed_data(),
                                       team.ranks * local, false);
   dispatch_plan<<<1, kThreads, 0, stream>>>(team, local, group_sizes->typed_data());
-  if (auto e = check(what); e.failure()) return e;
+  if (auto e = check_launch(what); e.failure()) return e;
   auto copy = [&](auto vt, int64_t vecs) {
     using V = typename decltype(vt)::type;
     if (pairs > 0)
@@ -569,11 +578,11 @@ ffi::Error DispatchImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, f
     if (rows > 0)
       dispatch_tail<V><<<axkern::grid_for(rows, 1, 8), kThreads, 0, stream>>>(
           team, static_cast<V*>(expert_x->untyped_data()), order->typed_data(), vecs, capacity);
-    return check(what);
+    return check_launch(what);
   };
   if (auto e = by_width(row_bytes, {x.untyped_data(), expert_x->untyped_data()}, copy); e.failure()) return e;
   finish<<<1, kThreads, 0, stream>>>(team);
-  return check(what);
+  return check_launch(what);
 }
 
 ffi::Error GatherSumImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer y, ffi::Buffer<ffi::S32> order,
@@ -599,7 +608,7 @@ ffi::Error GatherSumImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer y, 
   if (n > 0) invert<<<axkern::grid_for(n, kThreads, 8), kThreads, 0, stream>>>(order.typed_data(), inv->typed_data(), n);
   publish<<<1, kThreads, 0, stream>>>(team, reinterpret_cast<uintptr_t>(y.untyped_data()),
                                       reinterpret_cast<uintptr_t>(inv->typed_data()), 0, nullptr, 0, false);
-  if (auto e = check(what); e.failure()) return e;
+  if (auto e = check_launch(what); e.failure()) return e;
   if (tokens > 0 && cols > 0) {
     auto e = by_dtype(y.element_type(), what, [&](auto tt) {
       using T = typename decltype(tt)::type;
@@ -609,13 +618,13 @@ ffi::Error GatherSumImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer y, 
         kernel<<<axkern::grid_for(tokens, 1, 16), kThreads, 0, stream>>>(
             team, dst.typed_data(), slot.typed_data(), sent.typed_data(), w.typed_data(),
             static_cast<V*>(out->untyped_data()), tokens, topk, vecs, capacity);
-        return check(what);
+        return check_launch(what);
       });
     });
     if (e.failure()) return e;
   }
   finish<<<1, kThreads, 0, stream>>>(team);
-  return check(what);
+  return check_launch(what);
 }
 
 ffi::Error CombineBwdImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer dy, ffi::AnyBuffer y,
@@ -647,7 +656,7 @@ ffi::Error CombineBwdImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer dy
   publish<<<1, kThreads, 0, stream>>>(team, reinterpret_cast<uintptr_t>(y.untyped_data()),
                                       reinterpret_cast<uintptr_t>(inv->typed_data()),
                                       reinterpret_cast<uintptr_t>(d_y->untyped_data()), sends.typed_data(), 0, true);
-  if (auto e = check(what); e.failure()) return e;
+  if (auto e = check_launch(what); e.failure()) return e;
   auto e = by_dtype(y.element_type(), what, [&](auto tt) {
     using T = typename decltype(tt)::type;
     return with_vector<T>(cols, {dy.untyped_data(), y.untyped_data(), d_y->untyped_data()}, [&](auto vt, int64_t vecs) {
@@ -661,12 +670,12 @@ ffi::Error CombineBwdImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer dy
       if (n > 0 && cols > 0)
         zero_tail<V><<<axkern::grid_for(n * vecs, kThreads, 8), kThreads, 0, stream>>>(
             team, static_cast<V*>(d_y->untyped_data()), vecs, capacity);
-      return check(what);
+      return check_launch(what);
     });
   });
   if (e.failure()) return e;
   finish<<<1, kThreads, 0, stream>>>(team);
-  return check(what);
+  return check_launch(what);
 }
 
 }  // namespace

@@ -50,6 +50,7 @@ __all__ = [
     "source_dir",
     "build",
     "load",
+    "unavailable",
     "status",
 ]
 
@@ -347,6 +348,16 @@ def load(name: str) -> tuple[str, ...]:
         reason = f"native library {name!r}: {detail} (not retried in this process)"
         _failed[(name, cc)] = reason
         raise Unsupported(reason) from e
+
+
+def unavailable(name: str) -> str | None:
+    """Why library `name` cannot be used here (`load`'s reason; built on first use), or None:
+    what an implementation's `supports` returns last."""
+    try:
+        load(name)
+    except Unsupported as e:
+        return str(e)
+    return None
 
 
 def status() -> dict[str, str]:

@@ -41,7 +41,6 @@ import numpy as np
 
 from axkern.core import native
 from axkern.core.blocks import cdiv
-from axkern.core.op import Unsupported
 
 CHUNK = 1024  # pairs per routing chunk (one warp places them)
 MAX_TOPK = 16  # a token's K rows and weights are held in registers (moe.cu)
@@ -56,16 +55,7 @@ def supports(spec) -> str | None:
         return f"the CUDA routing kernels keep per-expert counters in shared memory: at most {MAX_EXPERTS} experts, not {spec.dim('experts')}"
     if spec.dim("tokens") * spec.dim("topk") > MAX_PAIRS:
         return f"the CUDA routing numbers rows in int32: at most {MAX_PAIRS} tokens x top-k pairs"
-    return _native_reason()
-
-
-def _native_reason() -> str | None:
-    """Why the native library cannot be used here (built on first use), or None."""
-    try:
-        native.load("moe")
-    except Unsupported as e:
-        return str(e)
-    return None
+    return native.unavailable("moe")
 
 
 def _ids(topk_idx, num_experts):
@@ -92,7 +82,7 @@ def layout(topk_idx, *, num_experts, num_ranks):
 def layout_supports(spec) -> str | None:
     if spec.dim("ranks") > 64:
         return f"the CUDA layout kernel tracks at most 64 ranks, not {spec.dim('ranks')}"
-    return _native_reason()
+    return native.unavailable("moe")
 
 
 def _route_shapes(pairs, num_experts):

@@ -56,7 +56,6 @@ from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir
 
 from axkern.core import compat, native
-from axkern.core.op import Unsupported
 
 from . import common
 
@@ -67,14 +66,6 @@ MAX_ROWS = 2**31 - 1  # rows and slots are int32
 
 WHY_PLATFORMS = "a CUDA transport between the GPUs of one process"
 DTYPES = ("float32", "bfloat16", "float16")
-
-
-def _native_reason() -> str | None:
-    try:
-        native.load("moe_ep")
-    except Unsupported as e:
-        return str(e)
-    return None
 
 
 def supports(spec) -> str | None:
@@ -101,7 +92,7 @@ def supports(spec) -> str | None:
         or spec.dim("tokens") * spec.dim("topk") > MAX_ROWS
     ):
         return "the CUDA transport numbers rows and pairs in int32"
-    return _native_reason()
+    return native.unavailable("moe_ep")
 
 
 # -- one FFI call with the mesh it was lowered for ------------------------------------------------

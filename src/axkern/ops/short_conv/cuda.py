@@ -78,11 +78,7 @@ def supports(spec) -> str | None:
         return f"batch ({spec.dim('batch')}) above the CUDA grid limit {MAX_TILES}"
     if channels > MAX_CHANNELS:
         return f"channels ({channels}) above {MAX_CHANNELS}: the kernels' row offsets within a step are int32"
-    try:
-        native.load(LIBRARY)
-    except Unsupported as e:
-        return str(e)
-    return None
+    return native.unavailable(LIBRARY)
 
 
 def check_blocks(block_sizes: ConvBlockSizes, seq: int) -> None:
