@@ -11,7 +11,8 @@ hold one id), the `custom_vjp` (`flash_vjp`) and the cotangents from the kernels
 
 Last, the non-finite guard of the `cudnn` and `mosaic_gpu` implementations (`guarded`): their
 kernels where `q`, `k`, `v` (and the cotangent) are finite, a rule-following implementation
-where one is not, chosen on the device (`lax.cond`). Neither kernel follows the non-finite rule
+where one is not, chosen on the device (`core.control.flat_cond`: a `lax.cond` whose arrays cross it
+1-D, so that the fallback's transposes stay in its branch). Neither kernel follows the non-finite rule
 alone (a NaN in `v` reaches, through `p v` with `p = 0`, queries that cannot see its key).
 """
 
@@ -23,10 +24,10 @@ import math
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 from axkern import masks as masks_
 from axkern.core.blocks import cdiv
+from axkern.core.control import flat_cond
 from axkern.core.kernels import dot as _dot
 from axkern.core.op import Unsupported, unrecorded
 
@@ -336,8 +337,15 @@ def where_finite(fast, safe, q, k, v, sinks=None, extra=()):
     traced, and under `grad` with respect to the sinks."""
     # the fast kernel runs inside the first branch: its output is the conditional's (a value
     # computed outside and returned by a branch is copied, a whole output's read and write)
-    return lax.cond(
-        all_finite(q, k, v), lambda: fast(q, k, v, sinks, *extra), lambda: safe(q, k, v, sinks, *extra)
+    return flat_cond(
+        all_finite(q, k, v),
+        lambda q, k, v, sinks, extra: fast(q, k, v, sinks, *extra),
+        lambda q, k, v, sinks, extra: safe(q, k, v, sinks, *extra),
+        q,
+        k,
+        v,
+        sinks,
+        extra,
     )
 
 
@@ -346,17 +354,33 @@ def where_finite_fwd(fast, safe, q, k, v, sinks=None, extra=()):
     # cuDNN's forward always runs (its residuals are the only ones kept); the other only where
     # an input is not finite
     fast_out, fast_vjp = jax.vjp(lambda q, k, v, s: fast(q, k, v, s, *extra), q, k, v, sinks)
-    out = lax.cond(ok, lambda: fast_out, lambda: safe(q, k, v, sinks, *extra))
+    out = flat_cond(
+        ok,
+        lambda out, q, k, v, sinks, extra: out,
+        lambda out, q, k, v, sinks, extra: safe(q, k, v, sinks, *extra),
+        fast_out,
+        q,
+        k,
+        v,
+        sinks,
+        extra,
+    )
     return out, (fast_vjp, ok, q, k, v, sinks, extra)
 
 
 def where_finite_bwd(fast, safe, res, d_out):
     fast_vjp, ok, q, k, v, sinks, extra = res
 
-    def recompute(d_out):  # a non-finite input or cotangent: the rule-following backward
+    def recompute(fast_vjp, q, k, v, sinks, extra, d_out):  # a non-finite input or cotangent
         return jax.vjp(lambda q, k, v, s: safe(q, k, v, s, *extra), q, k, v, sinks)[1](d_out)
 
-    return (*lax.cond(ok & jnp.isfinite(d_out).all(), fast_vjp, recompute, d_out), None)
+    def kernels(fast_vjp, q, k, v, sinks, extra, d_out):
+        return fast_vjp(d_out)
+
+    # `fast_vjp` (a pytree of the kernels' residuals) crosses the conditional as an operand,
+    # so that its arrays go in 1-D too (`flat_cond`)
+    ok = ok & jnp.isfinite(d_out).all()
+    return (*flat_cond(ok, kernels, recompute, fast_vjp, q, k, v, sinks, extra, d_out), None)
 
 
 where_finite.defvjp(where_finite_fwd, where_finite_bwd)
