@@ -164,8 +164,11 @@ class Core(typing.Protocol):
     `[b, H, l, R, N]`: a core with `heads_major = True` takes them so)."""
 
     heads_major: bool  # optional (absent: False): `B`, `C` heads first
+    # optional (absent: False): the call takes `diag=` (`[b, l, H]`) and adds
+    # `diag_t (C_t · B_t) x_t` to `y_t` (SISO), so `forward` leaves it the diagonal correction
+    diagonal: bool
 
-    def __call__(self, x, a, s, B, C, seg, initial_state): ...
+    def __call__(self, x, a, s, B, C, seg, initial_state, **diag): ...
 
 
 def kernel_x_dtype(dtype, mimo):
@@ -191,7 +194,7 @@ def kernel_core(layout, *, chunk_size, interpret, dtype, mimo) -> Core:
     reads the state after `(t, r)`: it misses the same token's later ranks, `s_t Σ_{u > r}
     (C_{t,r} · B_{t,u}) x_{t,u}`, which `forward` adds (`later_ranks=True`)."""
 
-    def core(x, a, s, B, C, seg, initial_state):
+    def core(x, a, s, B, C, seg, initial_state, diag=None):
         batch, length, rank, heads, _ = x.shape
         slots = kernel_slots(rank)
 
@@ -217,10 +220,14 @@ def kernel_core(layout, *, chunk_size, interpret, dtype, mimo) -> Core:
             interpret=interpret,
             products=dtype,
             groups_first=True,
+            diag=diag,
         )
         return y.reshape(batch, length, slots, *y.shape[2:])[:, :, :rank], final
 
     core.heads_major = True
+    # SISO: the diagonal correction inside the chunk-scan kernels (`ssd/common/bodies.py`); MIMO's
+    # correction also holds a token's later ranks, which stay in XLA
+    core.diagonal = not mimo
     return core
 
 
@@ -293,6 +300,11 @@ def forward(
     def tokens_major(u):  # a rotated q or k as `prepared` gives it -> [b, l, r, h, n]
         return jnp.transpose(u, (0, 2, 3, 1, 4)) if heads_major else u
 
+    def last_token(u):  # the same, its last position only: [b, r, h, n]
+        # (sliced before the transpose: the backward then pads a small cotangent rather than
+        # transposing a whole array of zeros)
+        return jnp.swapaxes(u[:, :, -1], 1, 2) if heads_major else u[:, -1]
+
     # where the sequential recurrence is non-finite (see the module docstring): `Θ`'s NaN, the
     # masks and the selects run only when some value the recurrence reads may not be finite. The rotated
     # q, k and v ⊙ W_x are bounded from the inputs' sums of magnitudes (one fused read of each
@@ -316,7 +328,9 @@ def forward(
     read = (q, k, v, W_x, q_bias, k_bias, theta, ang, angle0, adt_, dt_, trap_, seg, ssm0, v0r, k0, c, scale)
 
     # each branch forms its large outputs (none passes an operand as large as v through, which
-    # XLA would copy out; the small initial terms and the final state may pass)
+    # XLA would copy out; the small initial terms and the final state may pass), but for `y`
+    # after a core that adds the diagonal correction itself (`kept` hands it on as it came:
+    # at most a copy, in place of the correction's pass over `y` and the rotated `q`, `k`)
     def as_given(theta):
         return vary_like((theta[:, -1], *prepared(theta), f(ssm0), v0r, f(k0)), *read)
 
@@ -333,21 +347,25 @@ def forward(
 
     # the chunk scan outside both conditionals
     g0 = s0c + c[:, 0, :, None, None] * einsum("brhp,brhn->bhpn", v0c, k0c)
-    y, final = core(vc, adt_c, scale, kc, qc, seg, g0)
-    # y_{t,r} -= c_{t+1} Σ_u (q_{t,r} · k_{t,u}) v_{t,u}, and with `later_ranks` += scale_t Σ_{u > r} (..)
+    # y_{t,r} -= c_{t+1} Σ_u (q_{t,r} · k_{t,u}) v_{t,u}, and with `later_ranks` += scale_t Σ_{u > r} (..):
+    # inside the core where it takes the diagonal term (SISO: `-c_{t+1} (q_t · k_t) v_t`)
     rank = vc.shape[2]
+    folded = getattr(core, "diagonal", False) and rank == 1
+    y, final = core(vc, adt_c, scale, kc, qc, seg, g0, **({"diag": -c_next} if folded else {}))
     weight = -c_next[:, :, None, None, :]  # [b, l, r, u, h]
     if later_ranks and rank > 1:
         later = jnp.arange(rank)[:, None] < jnp.arange(rank)[None, :]  # [r, u]: u > r
         weight = weight + jnp.where(later[:, :, None], scale[:, :, None, None, :], 0)
 
     def corrected(y):  # the diagonal correction, in each branch so that both form `y`
+        if folded:
+            return y
         pairs = "bhlrn,bhlun->blruh" if heads_major else "blrhn,bluhn->blruh"
         diag = einsum(pairs, qc, kc) * weight
         return y + einsum("blruh,bluhp->blrhp", diag, vc)
 
     def kept(theta, y, final):  # after `as_given`: `kc` is the rotated k
-        return vary_like((corrected(y), final, tokens_major(kc)[:, -1]), *read)
+        return vary_like((corrected(y), final, last_token(kc)), *read)
 
     def poisoned(theta, y, final):  # NaN where the recurrence is non-finite (the masks)
         qr, kr, vr = prepared(poisoned_angles(theta))  # the rotations again, for the masks

@@ -1,7 +1,8 @@
 """Mamba-3 as Pallas GPU (Triton) kernels: SSD's chunk kernels and its recurrence kernels
 (`ssd/common/kernels.py`, `ssd/common/gpu.py`'s layout) with the per-position log-decay `adt` and
-the trapezoid's input scale, under the chunked form of `common.py` (angles, rotations,
-correction, gate in XLA).
+the trapezoid's input scale, under the chunked form of `common.py` (angles, rotations and gate
+in XLA; SISO's diagonal correction inside the chunk-scan kernels, their diagonal term
+`ssd/common/bodies.py`; MIMO's in XLA).
 
 **Products**: `x` in the inputs' dtype (SISO: `v`) or float32 (MIMO: `v ⊙ W_x`); the rotated
 `q`, `k` in float32, heads first (the kernels' layout, `common.kernel_core`); TF32 tensor cores for 16-bit inputs, exact float32 for float32 inputs, as in

@@ -1,9 +1,12 @@
-"""The Pallas SSD kernels shared by `pallas_gpu` and `pallas_tpu`: kernel bodies, the XLA
-stages between them, and the `custom_vjp` that ties them together (not an implementation;
-each backend supplies a `Layout` and its call parameters).
+"""The Pallas SSD kernels shared by `pallas_gpu` and `pallas_tpu`: the XLA stages between the
+kernels (their bodies in `bodies.py`), the `Layout` that calls them and the `custom_vjp` that
+ties them together (not an implementation; each backend supplies a `Layout` and its call
+parameters).
 
 The kernels take a per-position log-decay `a_t` and input scale `s_t` (`scan`): SSD gives `a =
-dt·A`, `s = dt` (`ssd`), Mamba-3 its decay and the trapezoid's scale (below, `dt`: the scale).
+dt·A`, `s = dt` (`ssd`), Mamba-3 its decay and the trapezoid's scale (below, `dt`: the scale),
+and optionally a diagonal term `d_t (C_t · B_t) x_t` in `y_t` (`scan(..., diag=)`, Mamba-3's
+correction).
 
 **Stages** (chunks of `Q` positions; `cum` the running sum of `a` inside a chunk):
 
@@ -49,152 +52,14 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental import pallas as pl
 
 from axkern.core import kernels
 
+from .bodies import scan_bwd_kernel, scan_kernel, state_bwd_kernel, state_kernel
 from .chunks import layer, zeroed
 from .chunks import recurrence as _recurrence
 from .chunks import recurrence_bwd as _recurrence_bwd
-
-
-def _state_kernel(x_ref, w_ref, b_ref, out_ref, *, lay, dtype):
-    x = x_ref[0, 0].astype(jnp.float32)  # [Q, P]
-    out_ref[0, 0, 0] = lay.dot(x * lay.col(w_ref), b_ref[0, 0], dtype, trans_a=True)  # [P, N]
-
-
-def _decay(cum_col, cum_row, seg_col, seg_row, sums=None):
-    """`Λ[t, s] = exp(cum_t - cum_s)` for `s <= t` in the same segment, else 0 (`[Q, Q]`);
-    `sums` (float32 inputs) replaces the difference by `_segment_sums`."""
-    q = cum_col.shape[0]
-    t = lax.broadcasted_iota(jnp.int32, (q, q), 0)
-    s = lax.broadcasted_iota(jnp.int32, (q, q), 1)
-    visible = (s <= t) & (seg_col == seg_row)
-    return jnp.exp(jnp.where(visible, cum_col - cum_row if sums is None else sums, -jnp.inf))
-
-
-def _triangles(q):
-    """`[r <= t]` (rows t, columns r) and `[r > s]` (rows r, columns s), float32 `[Q, Q]`."""
-    i = lax.broadcasted_iota(jnp.int32, (q, q), 0)
-    j = lax.broadcasted_iota(jnp.int32, (q, q), 1)
-    return (j <= i).astype(jnp.float32), (i > j).astype(jnp.float32)
-
-
-def _segment_sums(a_row, q):
-    """`sum_{s < r <= t} a_r` for every `(t, s)`, each summed on its own: `([r <= t] ∘ a) [r > s]`,
-    an exact float32 product. `cum_t - cum_s` cancels, and the rounding of its gradient, a
-    difference of large sums, put float32 `A` / `dt_bias` gradients outside the oracle rule."""
-    upto, after = _triangles(q)
-    return kernels.dot(upto * a_row.reshape(1, q), after, jnp.float32, precision=lax.Precision.HIGHEST)
-
-
-def _segment_sums_bwd(e, q):
-    """`d a_r = sum_{t >= r > s} e[t, s]` from `e = d sums` (`[Q, Q]`), as a row `[1, Q]`."""
-    upto, after = _triangles(q)
-    g = kernels.dot(e, after, jnp.float32, trans_b=True, precision=lax.Precision.HIGHEST)  # [t, r]
-    return jnp.sum(g * upto, axis=0, keepdims=True)
-
-
-def _scan_kernel(
-    x_ref,
-    dt_ref,
-    cum_ref,
-    cum_row_ref,
-    f_ref,
-    seg_ref,
-    seg_row_ref,
-    b_ref,
-    c_ref,
-    s_ref,
-    y_ref,
-    *,
-    lay,
-    dtype,
-    sums,
-):
-    """`sums`: `cum_row_ref` holds `a = dt A` (float32 inputs: `_segment_sums`), not `cum`."""
-    x = x_ref[0, 0].astype(jnp.float32)  # [Q, P]
-    dt, f = lay.col(dt_ref), lay.col(f_ref)  # [Q, 1]
-    seg = (lay.seg_col(seg_ref), lay.seg_row(seg_row_ref))
-    if sums:
-        decay = _decay(lay.col(cum_ref), 0.0, *seg, _segment_sums(lay.row(cum_row_ref), lay.q))
-    else:
-        decay = _decay(lay.col(cum_ref), lay.row(cum_row_ref), *seg)
-    cm = c_ref[0, 0]  # [Q, N]
-    scores = lay.dot(cm, b_ref[0, 0], dtype, trans_b=True) * decay  # [Q, Q]
-    y = lay.dot(scores, x * dt, dtype)
-    y_ref[0, 0] = y + f * lay.dot(cm, s_ref[0, 0, 0], dtype, trans_b=True)  # + f ∘ C S_in^T: [Q, P]
-
-
-def _scan_bwd_kernel(
-    dy_ref,
-    x_ref,
-    dt_ref,
-    cum_ref,
-    cum_row_ref,
-    f_ref,
-    seg_ref,
-    seg_row_ref,
-    b_ref,
-    c_ref,
-    s_ref,
-    dx_ref,
-    ddt_ref,
-    dcum_ref,
-    dcum_row_ref,
-    df_ref,
-    db_ref,
-    dc_ref,
-    ds_ref,
-    *,
-    lay,
-    sums,
-):
-    """Pull `dy` back through `y = M (dt ∘ x) + f ∘ (C S^T)` with `M = (C B^T) ∘ Λ`. With
-    `sums` (`cum_row_ref` holds `a`), `dcum_row_ref` gets `d a` and `dcum_ref` zeros."""
-    f32 = jnp.float32
-    dy = dy_ref[0, 0]  # [Q, P], float32
-    x = x_ref[0, 0].astype(f32)
-    dt, f = lay.col(dt_ref), lay.col(f_ref)  # [Q, 1]
-    bm, cm = b_ref[0, 0].astype(f32), c_ref[0, 0].astype(f32)  # [Q, N]
-    state = s_ref[0, 0, 0]  # [P, N]
-    seg = (lay.seg_col(seg_ref), lay.seg_row(seg_row_ref))
-    if sums:
-        decay = _decay(lay.col(cum_ref), 0.0, *seg, _segment_sums(lay.row(cum_row_ref), lay.q))
-    else:
-        decay = _decay(lay.col(cum_ref), lay.row(cum_row_ref), *seg)
-    m = lay.dot(cm, bm, f32, trans_b=True) * decay  # [Q, Q]
-    dxd = lay.dot(m, dy, f32, trans_a=True)  # d(dt ∘ x): [Q, P]
-    dx_ref[0, 0] = dxd * dt
-    lay.put_col(ddt_ref, jnp.sum(dxd * x, axis=1, keepdims=True))
-    dm = lay.dot(dy, x * dt, f32, trans_b=True)  # [Q, Q]
-    e = dm * m  # d log Λ
-    if sums:
-        lay.put_col(dcum_ref, jnp.zeros((lay.q, 1), f32))
-        lay.put_row(dcum_row_ref, _segment_sums_bwd(e, lay.q))
-    else:  # d cum through Λ: rows gain (here), columns lose (summed in XLA)
-        lay.put_col(dcum_ref, jnp.sum(e, axis=1, keepdims=True))
-        lay.put_row(dcum_row_ref, jnp.sum(e, axis=0, keepdims=True))
-    dg = dm * decay  # d(C B^T)
-    lay.put_col(df_ref, jnp.sum(dy * lay.dot(cm, state, f32, trans_b=True), axis=1, keepdims=True))
-    dyf = dy * f
-    dc_ref[0, 0] = lay.dot(dg, bm, f32) + lay.dot(dyf, state, f32)
-    db_ref[0, 0] = lay.dot(dg, cm, f32, trans_a=True)
-    ds_ref[0, 0, 0] = lay.dot(dyf, cm, f32, trans_a=True)  # [P, N]
-
-
-def _state_bwd_kernel(x_ref, w_ref, b_ref, ds_ref, dx_ref, dw_ref, db_ref, *, lay):
-    """Pull `dS` back through `S = (w ∘ x)^T B`."""
-    f32 = jnp.float32
-    x = x_ref[0, 0].astype(f32)
-    w = lay.col(w_ref)  # [Q, 1]
-    bm = b_ref[0, 0].astype(f32)
-    ds = ds_ref[0, 0, 0]  # [P, N]
-    dxw = lay.dot(bm, ds, f32, trans_b=True)  # [Q, P]
-    dx_ref[0, 0] = dxw * w
-    lay.put_col(dw_ref, jnp.sum(dxw * x, axis=1, keepdims=True))
-    db_ref[0, 0] = lay.dot(x * w, ds, f32)  # [Q, N]
 
 
 def _weights(ac, scale, sc):
@@ -228,6 +93,9 @@ class Layout:
     # the dtype `y` leaves the forward in (set per call): the Pallas kernels here write float32
     # and XLA rounds; a layout may have its kernels write it
     y_dtype = jnp.dtype(jnp.float32)
+    # whether `forward`, `chunk_scan` and `chunk_scan_bwd` take the diagonal term (`diag`,
+    # `bodies.py`): the Pallas kernels here do; a layout with kernels of its own may not
+    diagonal = True
 
     def __init__(self, xt, bt, *, q, interpret, products=None):
         """`products`: the input dtype whose products' precision the kernels take (`xt`'s unless given)."""
@@ -270,13 +138,29 @@ class Layout:
         return _recurrence_bwd(keep, states_in, d_states_in, d_final)
 
     def forward(
-        self, xt, ac, scale, cum, w, f, keep, sc, bt, ct, initial_state, *, sums, dtype, residuals=True
+        self,
+        xt,
+        ac,
+        scale,
+        cum,
+        w,
+        f,
+        keep,
+        sc,
+        bt,
+        ct,
+        initial_state,
+        *,
+        sums,
+        dtype,
+        residuals=True,
+        **diag,
     ):
         """Stages 2 to 4 in turn: `(y, final state, the states entering the chunks)`;
         `residuals=False`: the last (the backward's residual) may be None where a layout need
-        not form them."""
+        not form them. `diag=` (`[b, h, c, Q]`, where given): the diagonal term's weights."""
         states_in, final = self.recurrence(keep, self.chunk_state(xt, w, bt, dtype=dtype), initial_state)
-        y = self.chunk_scan(xt, scale, cum, ac, f, sc, bt, ct, states_in, sums=sums, dtype=dtype)
+        y = self.chunk_scan(xt, scale, cum, ac, f, sc, bt, ct, states_in, sums=sums, dtype=dtype, **diag)
         return y, final, states_in
 
     def chunk_state(self, xt, w, bt, *, dtype):
@@ -284,7 +168,7 @@ class Layout:
         h, c, Q]` and `B` (the Pallas `_state_kernel` unless a backend has its own)."""
         p, n = self.p, self.n
         return self(
-            functools.partial(_state_kernel, dtype=dtype),
+            functools.partial(state_kernel, dtype=dtype),
             [self.rows(p), self.col_spec, self.grouped(n)],
             [self.out("state")],
             xt,
@@ -292,23 +176,27 @@ class Layout:
             bt,
         )
 
-    def chunk_scan(self, xt, scale, cum, ac, f, sc, bt, ct, states_in, *, sums, dtype):
+    def chunk_scan(self, xt, scale, cum, ac, f, sc, bt, ct, states_in, *, sums, dtype, diag=None):
         """Stage 4, `y [b, h, L, P]` float32 from the chunks' inputs (`[b, h, c, Q]` vectors, `sc
-        [b, c, Q]`) and the states entering them (the Pallas `_scan_kernel` unless a backend has
-        its own)."""
-        specs, args = self._scan_inputs(xt, scale, cum, ac, f, sc, bt, ct, states_in, sums)
-        kernel = functools.partial(_scan_kernel, dtype=dtype, sums=sums)
+        [b, c, Q]`) and the states entering them (the Pallas `scan_kernel` unless a backend has
+        its own); `diag` (`[b, h, c, Q]`): the diagonal term's weights."""
+        specs, args = self._scan_inputs(xt, scale, cum, ac, f, sc, bt, ct, states_in, sums, diag)
+        kernel = functools.partial(scan_kernel, dtype=dtype, sums=sums, diag=diag is not None)
         return self(kernel, specs, [self.out("rows", self.p)], *args)
 
-    def _scan_inputs(self, xt, scale, cum, ac, f, sc, bt, ct, states_in, sums):
+    def _scan_inputs(self, xt, scale, cum, ac, f, sc, bt, ct, states_in, sums, diag=None):
         """The scan kernels' inputs after `dy` and their specs: `x`; `dt`, `cum` as columns,
-        `cum` (or, `sums`, `a`) as a row; `f`; the segment ids both ways; `B`, `C`; the states."""
+        `cum` (or, `sums`, `a`) as a row; `f`; the segment ids both ways; `B`, `C`; the states;
+        the diagonal term's weights as a column where given."""
         p, n = self.p, self.n
         specs = [self.rows(p), self.col_spec, self.col_spec, self.row_spec, self.col_spec]
         specs += [self.seg_col_spec, self.seg_row_spec, self.grouped(n), self.grouped(n), self.state]
         cols = [self.to_col(v) for v in (scale, cum)]
         args = [xt, *cols, self.to_row(ac if sums else cum), self.to_col(f), self.to_col(sc), self.to_row(sc)]
-        return specs, args + [bt, ct, states_in]
+        args += [bt, ct, states_in]
+        if diag is not None:
+            specs, args = specs + [self.col_spec], args + [self.to_col(diag)]
+        return specs, args
 
     def chunk_state_bwd(self, xt, w, bt, d_own, dx_scan):
         """Stage 2's backward, `(dx [b, h, L, P], dw, dB [b, h, L, N])` per head in `out`'s
@@ -316,7 +204,7 @@ class Layout:
         float32, `dx` this stage's part plus `dx_scan` (stage 4's, float32) in `x`'s dtype."""
         p, n = self.p, self.n
         dx, dw, db = self(
-            _state_bwd_kernel,
+            state_bwd_kernel,
             [self.rows(p), self.col_spec, self.grouped(n), self.state],
             [self.out("rows", p), self.out("col"), self.out("rows", n)],
             xt,
@@ -326,14 +214,16 @@ class Layout:
         )
         return (dx + dx_scan).astype(xt.dtype), dw, db
 
-    def chunk_scan_bwd(self, dy, xt, scale, cum, ac, f, sc, bt, ct, states_in, *, sums):
+    def chunk_scan_bwd(self, dy, xt, scale, cum, ac, f, sc, bt, ct, states_in, *, sums, diag=None):
         """Stage 4's backward, `(dx, ddt, dcum, dcum_row, df, dB, dC, dS_in)` per head, float32,
-        in `out`'s layouts (the Pallas `_scan_bwd_kernel` unless a backend has its own)."""
+        in `out`'s layouts (the Pallas `scan_bwd_kernel` unless a backend has its own); with
+        `diag`, the diagonal term's weights' gradient (a column) follows."""
         p, n = self.p, self.n
-        specs, args = self._scan_inputs(xt, scale, cum, ac, f, sc, bt, ct, states_in, sums)
+        specs, args = self._scan_inputs(xt, scale, cum, ac, f, sc, bt, ct, states_in, sums, diag)
         outs = [self.out("rows", p), self.out("col"), self.out("col"), self.out("row"), self.out("col")]
         outs += [self.out("rows", n), self.out("rows", n), self.out("state")]
-        kernel = functools.partial(_scan_bwd_kernel, sums=sums)
+        outs += [self.out("col")] if diag is not None else []
+        kernel = functools.partial(scan_bwd_kernel, sums=sums, diag=diag is not None)
         return self(kernel, [self.rows(p), *specs], outs, dy.astype(jnp.float32), *args)
 
     def state_backward(self, xt, w, bt, keep, states_in, d_states_in, d_final, dx_scan):
@@ -365,7 +255,7 @@ class Layout:
         )(*args)
 
 
-def _core_forward(cfg, xt, ac, scale, bt, ct, sc, initial_state, residuals=True):
+def _core_forward(cfg, xt, ac, scale, bt, ct, sc, initial_state, diag, residuals=True):
     layout, q, interpret, products, y_dtype, clean_x = cfg
     xt = zeroed(xt) if clean_x else xt
     # float32 operands throughout for now: with bf16 operands in the output's products the
@@ -375,8 +265,23 @@ def _core_forward(cfg, xt, ac, scale, bt, ct, sc, initial_state, residuals=True)
     k.y_dtype = jnp.dtype(y_dtype)
     cum, w, f, keep = _weights(ac, scale, sc)
     sums = _uses_segment_sums(products or xt.dtype)
+    extra = {} if diag is None else {"diag": diag}
     y, final, states_in = k.forward(
-        xt, ac, scale, cum, w, f, keep, sc, bt, ct, initial_state, sums=sums, dtype=mm, residuals=residuals
+        xt,
+        ac,
+        scale,
+        cum,
+        w,
+        f,
+        keep,
+        sc,
+        bt,
+        ct,
+        initial_state,
+        sums=sums,
+        dtype=mm,
+        residuals=residuals,
+        **extra,
     )
     return (y.astype(y_dtype), final), states_in
 
@@ -387,27 +292,28 @@ def _uses_segment_sums(dtype) -> bool:
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _core(cfg, xt, ac, scale, bt, ct, sc, initial_state):
+def _core(cfg, xt, ac, scale, bt, ct, sc, initial_state, diag):
     # nothing differentiates this call: no residuals
-    return _core_forward(cfg, xt, ac, scale, bt, ct, sc, initial_state, residuals=False)[0]
+    return _core_forward(cfg, xt, ac, scale, bt, ct, sc, initial_state, diag, residuals=False)[0]
 
 
-def _core_fwd(cfg, xt, ac, scale, bt, ct, sc, initial_state):
-    out, states_in = _core_forward(cfg, xt, ac, scale, bt, ct, sc, initial_state)
-    return out, (xt, ac, scale, bt, ct, sc, states_in)
+def _core_fwd(cfg, xt, ac, scale, bt, ct, sc, initial_state, diag):
+    out, states_in = _core_forward(cfg, xt, ac, scale, bt, ct, sc, initial_state, diag)
+    return out, (xt, ac, scale, bt, ct, sc, states_in, diag)
 
 
 def _core_bwd(cfg, res, cotangents):
     layout, q, interpret, products, _, clean_x = cfg
-    x_in, ac, scale, bt, ct, sc, states_in = res
+    x_in, ac, scale, bt, ct, sc, states_in, diag = res
     xt = zeroed(x_in) if clean_x else x_in
     dy, d_final = cotangents
     k = layout(xt, bt, q=q, interpret=interpret, products=products)
     col, row = k.from_col, k.from_row  # back to [b, h, c, Q]
     (cum, w, f, keep), pull_weights = jax.vjp(lambda ac, scale: _weights(ac, scale, sc), ac, scale)
     sums = _uses_segment_sums(products or xt.dtype)
-    dx_scan, ddt, dcum, dcum_row, df, db_scan, dc, d_states_in = k.chunk_scan_bwd(
-        dy, xt, scale, cum, ac, f, sc, bt, ct, states_in, sums=sums
+    extra = {} if diag is None else {"diag": diag}
+    dx_scan, ddt, dcum, dcum_row, df, db_scan, dc, d_states_in, *d_diag = k.chunk_scan_bwd(
+        dy, xt, scale, cum, ac, f, sc, bt, ct, states_in, sums=sums, **extra
     )
     dx, dw, db_state, d_keep, d_init = k.state_backward(
         xt, w, bt, keep, states_in, d_states_in, d_final.astype(jnp.float32), dx_scan
@@ -430,6 +336,7 @@ def _core_bwd(cfg, res, cotangents):
         dc.astype(ct.dtype),
         None,
         d_init.astype(jnp.float32),
+        None if diag is None else col(d_diag[0]).astype(diag.dtype),
     )
 
 
@@ -452,6 +359,7 @@ def scan(
     y_dtype=None,
     clean_x=False,
     groups_first=False,
+    diag=None,
 ):
     """The chunk scan through the kernels above, `layout` a `Layout` subclass: `x [b, L, H, P]`,
     the per-position log-decay `a` and input scale (`[b, L, H]`, float32), `B, C [b, L, G, N]`
@@ -461,7 +369,11 @@ def scan(
     multiple of the chunk with `a = scale = 0` rows (the state stays). `products`: the input
     dtype whose path the kernels take (products' precision, decay's form; `x`'s unless given).
     `clean_x`: `x`'s non-finite values taken as 0 inside the scan (their gradients NaN), which
-    keeps `x` itself, not a cleaned copy, for the backward."""
+    keeps `x` itself, not a cleaned copy, for the backward. `diag` (`[b, L, H]`, finite, where
+    the layout's kernels take it: `Layout.diagonal`): `y_t += diag_t (C_t · B_t) x_t`, the
+    diagonal term of `bodies.py`, differentiated like the other inputs."""
+    if diag is not None and not layout.diagonal:
+        raise ValueError(f"{layout.__name__}'s kernels take no diagonal term (diag)")
     q = chunk_size
     batch, length, heads, _ = x.shape
     pad = (-length) % q
@@ -482,6 +394,7 @@ def scan(
         rows(C),
         seg.reshape(batch, chunks, q),
         initial_state.astype(jnp.float32),
+        None if diag is None else per_chunk(diag),
     )
     return (y if first else jnp.moveaxis(y, 1, 2))[:, :length], final
 

@@ -159,6 +159,8 @@ class MosaicLayout(GpuLayout):
     """`pallas_gpu`'s layout and recurrence kernels; stages 2 and 4 by `chunk_state`,
     `chunk_scan` and their backward kernels."""
 
+    diagonal = False  # the Mosaic chunk-scan kernels take no diagonal term
+
     def chunk_state(self, xt, w, bt, *, dtype):
         return chunk_state(xt, self.to_col(w), bt, positions_first=self.positions_first)
 

@@ -1,0 +1,69 @@
+"""The chunk-scan kernels' diagonal term (`ssd/common/bodies.py`): `scan(..., diag=d)` adds
+`d_t (C_t · B_t) x_t` to `y_t`, values and every gradient (the weights' own included) equal to
+the scan without it plus that term formed in XLA; Pallas GPU and TPU kernels in interpret mode,
+lengths that are not a multiple of the chunk, segments, groups. Layouts whose kernels lack it
+refuse it by name."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from axkern.ops.ssd.common import kernels as chunk_kernels
+from axkern.ops.ssd.common.gpu import GpuLayout
+from axkern.ops.ssd.pallas_tpu import TpuLayout
+
+
+def _inputs(seed, b=2, length=40, heads=4, groups=2, p=16, n=16):
+    ks = jax.random.split(jax.random.PRNGKey(seed), 8)
+    x = jax.random.normal(ks[0], (b, length, heads, p), jnp.float32)
+    a = -jax.nn.softplus(jax.random.normal(ks[1], (b, length, heads))) * 0.3
+    s = jax.nn.softplus(jax.random.normal(ks[2], (b, length, heads)))
+    B = jax.random.normal(ks[3], (b, length, groups, n), jnp.float32)
+    C = jax.random.normal(ks[4], (b, length, groups, n), jnp.float32)
+    init = jax.random.normal(ks[5], (b, heads, p, n), jnp.float32)
+    d = jax.random.normal(ks[6], (b, length, heads), jnp.float32)
+    seg = jnp.concatenate([jnp.zeros((b, 13), jnp.int32), jnp.ones((b, length - 13), jnp.int32)], axis=1)
+    return x, a, s, B, C, init, d, seg
+
+
+@pytest.mark.parametrize("layout", [GpuLayout, TpuLayout], ids=["gpu", "tpu"])
+@pytest.mark.parametrize("segments", [False, True])
+def test_the_diagonal_term_equals_the_scan_plus_the_term_in_xla(layout, segments):
+    x, a, s, B, C, init, d, seg = _inputs(0)
+    seg = seg if segments else jnp.zeros_like(seg)
+    heads, groups = x.shape[2], B.shape[2]
+    kw = dict(chunk_size=16, interpret=True)
+
+    def with_term(x, a, s, B, C, init, d):
+        return chunk_kernels.scan(layout, x, a, s, B, C, seg, init, diag=d, **kw)
+
+    def in_xla(x, a, s, B, C, init, d):
+        y, final = chunk_kernels.scan(layout, x, a, s, B, C, seg, init, **kw)
+        per_head = lambda u: jnp.repeat(u, heads // groups, axis=2)  # noqa: E731
+        self_scores = jnp.sum(per_head(C) * per_head(B), axis=-1)  # [b, L, H]
+        return y + (d * self_scores)[..., None] * x, final
+
+    args = (x, a, s, B, C, init, d)
+    got, pull_got = jax.vjp(with_term, *args)
+    want, pull_want = jax.vjp(in_xla, *args)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-5, atol=2e-5)
+    # the term changes `y` (a test of nothing otherwise)
+    assert float(jnp.max(jnp.abs(got[0] - chunk_kernels.scan(layout, *args[:5], seg, init, **kw)[0]))) > 0.1
+    ks = jax.random.split(jax.random.PRNGKey(1), 2)
+    cot = (jax.random.normal(ks[0], got[0].shape), jax.random.normal(ks[1], got[1].shape))
+    names = ("x", "a", "s", "B", "C", "initial state", "diag")
+    for name, g, w in zip(names, pull_got(cot), pull_want(cot), strict=True):
+        scale = float(jnp.max(jnp.abs(w)))
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=0, atol=2e-5 * scale, err_msg=name)
+
+
+def test_a_layout_without_the_term_refuses_it():
+    from axkern.ops.ssd.mosaic_gpu import MosaicLayout
+
+    x, a, s, B, C, init, d, seg = _inputs(2)
+    with pytest.raises(ValueError, match="MosaicLayout's kernels take no diagonal term"):
+        chunk_kernels.scan(MosaicLayout, x, a, s, B, C, seg, init, chunk_size=16, interpret=True, diag=d)
