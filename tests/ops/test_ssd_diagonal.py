@@ -67,3 +67,18 @@ def test_a_layout_without_the_term_refuses_it():
     x, a, s, B, C, init, d, seg = _inputs(2)
     with pytest.raises(ValueError, match="MosaicLayout's kernels take no diagonal term"):
         chunk_kernels.scan(MosaicLayout, x, a, s, B, C, seg, init, chunk_size=16, interpret=True, diag=d)
+
+
+def test_mamba3s_kernel_core_takes_the_term_where_its_layout_does():
+    # SISO through the Pallas kernels adds its correction in them; MIMO (later ranks) and the
+    # Mosaic kernels' emulation (no diagonal term) leave it to XLA
+    import jax.numpy as jnp
+
+    from axkern.ops.mamba3.common import kernel_core
+    from axkern.ops.ssd.mosaic_gpu.emulate import EmulatedLayout
+
+    kw = dict(chunk_size=16, interpret=True, dtype=jnp.bfloat16)
+    assert kernel_core(GpuLayout, mimo=False, **kw).diagonal
+    assert kernel_core(TpuLayout, mimo=False, **kw).diagonal
+    assert not kernel_core(GpuLayout, mimo=True, **kw).diagonal
+    assert not kernel_core(EmulatedLayout, mimo=False, **kw).diagonal

@@ -227,7 +227,7 @@ def kernel_core(layout, *, chunk_size, interpret, dtype, mimo) -> Core:
     core.heads_major = True
     # SISO: the diagonal correction inside the chunk-scan kernels (`ssd/common/bodies.py`); MIMO's
     # correction also holds a token's later ranks, which stay in XLA
-    core.diagonal = not mimo
+    core.diagonal = not mimo and layout.diagonal
     return core
 
 

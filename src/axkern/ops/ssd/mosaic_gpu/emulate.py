@@ -142,6 +142,8 @@ class EmulatedLayout(GpuLayout):
     as the Mosaic kernels compute them: the whole layer through the kernels' arithmetic, for the
     CPU tests and `benchmarks/mamba3_operand_precision.py`. 16-bit inputs only (no `sums`)."""
 
+    diagonal = False  # as the Mosaic kernels it emulates
+
     def chunk_state(self, xt, w, bt, *, dtype):
         return emulate_chunk_state(xt, self.to_col(w), bt)
 
