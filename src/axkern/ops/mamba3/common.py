@@ -105,18 +105,19 @@ def _rotated_bwd(halves, repeat, axis, res, g):
     u, bias, theta = res
     w, pull = jax.vjp(functools.partial(_biased, repeat, axis), u, bias)
     # a pair (x0, x1) turns to (x0 cos - x1 sin, x0 sin + x1 cos): its transpose is the turn by
-    # -theta, and d/dtheta is (-r1, r0) for the rotated pair (r0, r1)
+    # -theta, and d/dtheta is g · (-r1, r0) for the rotated pair (r0, r1) = R w, which equals
+    # (R^T g) · (-w1, w0): the turned-back cotangent (needed anyway) against the unrotated pair
     a, pairs = theta.shape[-1], w.shape[-1] // 2
     if a == 0:
         return (*pull(g), jnp.zeros_like(theta))
-    r = rotate(w, theta, halves)
+    back = rotate(g, -theta, halves)
     axis = -2 if halves else -1  # the pair's axis in the view
-    rv, gv = (x.reshape(*x.shape[:-1], *((2, pairs) if halves else (pairs, 2))) for x in (r, g))
-    r0, r1, g0, g1 = (jnp.take(x, i, axis=axis) for x in (rv, gv) for i in (0, 1))
-    d_theta = (g1 * r0 - g0 * r1)[..., :a]
+    wv, bv = (x.reshape(*x.shape[:-1], *((2, pairs) if halves else (pairs, 2))) for x in (w, back))
+    w0, w1, b0, b1 = (jnp.take(x, i, axis=axis) for x in (wv, bv) for i in (0, 1))
+    d_theta = (b1 * w0 - b0 * w1)[..., :a]
     broadcast = tuple(i for i, n in enumerate(theta.shape) if n == 1 < d_theta.shape[i])
     d_theta = jnp.sum(d_theta, axis=broadcast, keepdims=True)
-    return (*pull(rotate(g, -theta, halves)), d_theta.astype(theta.dtype))
+    return (*pull(back), d_theta.astype(theta.dtype))
 
 
 rotated.defvjp(_rotated_fwd, _rotated_bwd)
