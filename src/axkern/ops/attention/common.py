@@ -11,9 +11,10 @@ hold one id), the `custom_vjp` (`flash_vjp`) and the cotangents from the kernels
 
 Last, the non-finite guard of the `cudnn` and `mosaic_gpu` implementations (`guarded`): their
 kernels where `q`, `k`, `v` (and the cotangent) are finite, a rule-following implementation
-where one is not, chosen on the device (`core.control.flat_cond`: a `lax.cond` whose arrays cross it
-1-D where that moves nothing between devices, so that the fallback's transposes stay in its branch). Neither kernel follows the non-finite rule
-alone (a NaN in `v` reaches, through `p v` with `p = 0`, queries that cannot see its key).
+where one is not, chosen on the device (`core.control.flat_cond`: a `lax.cond` whose arrays
+cross it 1-D where that moves nothing between devices, so that the fallback's transposes stay
+in its branch). Neither kernel follows the non-finite rule alone (a NaN in `v` reaches, through
+`p v` with `p = 0`, queries that cannot see its key).
 """
 
 from __future__ import annotations
