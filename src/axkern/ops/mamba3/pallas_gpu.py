@@ -12,8 +12,9 @@ rounded up to a power of two; `common.kernel_core`), so a chunk of `chunk_size` 
 **Constraints**: `head_dim`, `state` and the chunk powers of two and at least 16 (the chunk in
 positions), chunks of at most 128 positions for a 16-bit `x`, 64 for a float32 one (float32
 inputs, MIMO); otherwise the call falls back with the reason. Verified in interpret mode on the
-CPU and compiled against the oracle on an H200, SISO and MIMO (`tests/gpu/test_mamba3_gpu.py`);
-timed there behind mamba_ssm's kernels (docs/ops/mamba3.md), so it is in no default order.
+CPU and compiled against the oracle on an H200, SISO and MIMO (`tests/gpu/test_mamba3_gpu.py`;
+SISO's correction inside the kernels has not yet run on a GPU); timed there behind mamba_ssm's
+kernels (docs/ops/mamba3.md), so it is in no default order.
 """
 
 from __future__ import annotations
