@@ -82,11 +82,11 @@ def scan_kernel(
         decay = _decay(lay.col(cum_ref), 0.0, *seg, _segment_sums(lay.row(cum_row_ref), lay.q))
     else:
         decay = _decay(lay.col(cum_ref), lay.row(cum_row_ref), *seg)
-    cm = c_ref[0, 0]  # [Q, N]
-    scores = lay.dot(cm, b_ref[0, 0], dtype, trans_b=True) * decay  # [Q, Q]
+    cm, bm = c_ref[0, 0], b_ref[0, 0]  # [Q, N] each
+    scores = lay.dot(cm, bm, dtype, trans_b=True) * decay  # [Q, Q]
     y = lay.dot(scores, x * dt, dtype)
     if diag:  # + d_t (C_t · B_t) x_t
-        y = y + lay.col(diag_ref[0]) * _self_scores(cm, b_ref[0, 0]) * x
+        y = y + lay.col(diag_ref[0]) * _self_scores(cm, bm) * x
     y_ref[0, 0] = y + f * lay.dot(cm, s_ref[0, 0, 0], dtype, trans_b=True)  # + f ∘ C S_in^T: [Q, P]
 
 
