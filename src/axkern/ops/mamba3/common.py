@@ -353,14 +353,14 @@ def forward(
     rank = vc.shape[2]
     folded = getattr(core, "diagonal", False) and rank == 1
     y, final = core(vc, adt_c, scale, kc, qc, seg, g0, **({"diag": -c_next} if folded else {}))
-    weight = -c_next[:, :, None, None, :]  # [b, l, r, u, h]
-    if later_ranks and rank > 1:
-        later = jnp.arange(rank)[:, None] < jnp.arange(rank)[None, :]  # [r, u]: u > r
-        weight = weight + jnp.where(later[:, :, None], scale[:, :, None, None, :], 0)
 
     def corrected(y):  # the diagonal correction, in each branch so that both form `y`
         if folded:
             return y
+        weight = -c_next[:, :, None, None, :]  # [b, l, r, u, h]
+        if later_ranks and rank > 1:
+            later = jnp.arange(rank)[:, None] < jnp.arange(rank)[None, :]  # [r, u]: u > r
+            weight = weight + jnp.where(later[:, :, None], scale[:, :, None, None, :], 0)
         pairs = "bhlrn,bhlun->blruh" if heads_major else "blrhn,bluhn->blruh"
         diag = einsum(pairs, qc, kc) * weight
         return y + einsum("blruh,bluhp->blrhp", diag, vc)

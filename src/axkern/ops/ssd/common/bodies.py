@@ -1,7 +1,8 @@
 """The Pallas kernel bodies of the SSD chunk scan (`kernels.py` has the stages around them,
-`Layout` and the `custom_vjp`; its docstring has the math), shared by `pallas_gpu` and
-`pallas_tpu` through a `Layout` (`lay`: how each reads and writes its per-position vectors and
-takes its products).
+`Layout` and the `custom_vjp`; its docstring has the math, the grid `(batch, heads, chunks)`,
+the tiles each program holds and the FLOPs and bytes that bound them), shared by `pallas_gpu`
+and `pallas_tpu` through a `Layout` (`lay`: how each reads and writes its per-position vectors
+and takes its products).
 
 **Diagonal term** (`diag`, optional): the chunk scan adds `d_t (C_t · B_t) x_t` to `y_t`, a
 per-position weight on the score of a position with itself, beside the decayed scores' own
@@ -31,6 +32,14 @@ def _decay(cum_col, cum_row, seg_col, seg_row, sums=None):
     s = lax.broadcasted_iota(jnp.int32, (q, q), 1)
     visible = (s <= t) & (seg_col == seg_row)
     return jnp.exp(jnp.where(visible, cum_col - cum_row if sums is None else sums, -jnp.inf))
+
+
+def _chunk_decay(lay, cum_ref, cum_row_ref, seg_ref, seg_row_ref, sums):
+    """The chunk's `Λ` from the scan kernels' refs: `cum` as a column and (`sums`: `a`) as a row."""
+    seg = (lay.seg_col(seg_ref), lay.seg_row(seg_row_ref))
+    if sums:
+        return _decay(lay.col(cum_ref), 0.0, *seg, _segment_sums(lay.row(cum_row_ref), lay.q))
+    return _decay(lay.col(cum_ref), lay.row(cum_row_ref), *seg)
 
 
 def _triangles(q):
@@ -77,11 +86,7 @@ def scan_kernel(
     *diag_ref, y_ref = rest
     x = x_ref[0, 0].astype(jnp.float32)  # [Q, P]
     dt, f = lay.col(dt_ref), lay.col(f_ref)  # [Q, 1]
-    seg = (lay.seg_col(seg_ref), lay.seg_row(seg_row_ref))
-    if sums:
-        decay = _decay(lay.col(cum_ref), 0.0, *seg, _segment_sums(lay.row(cum_row_ref), lay.q))
-    else:
-        decay = _decay(lay.col(cum_ref), lay.row(cum_row_ref), *seg)
+    decay = _chunk_decay(lay, cum_ref, cum_row_ref, seg_ref, seg_row_ref, sums)
     cm, bm = c_ref[0, 0], b_ref[0, 0]  # [Q, N] each
     scores = lay.dot(cm, bm, dtype, trans_b=True) * decay  # [Q, Q]
     y = lay.dot(scores, x * dt, dtype)
@@ -124,11 +129,7 @@ def scan_bwd_kernel(
     dt, f = lay.col(dt_ref), lay.col(f_ref)  # [Q, 1]
     bm, cm = b_ref[0, 0].astype(f32), c_ref[0, 0].astype(f32)  # [Q, N]
     state = s_ref[0, 0, 0]  # [P, N]
-    seg = (lay.seg_col(seg_ref), lay.seg_row(seg_row_ref))
-    if sums:
-        decay = _decay(lay.col(cum_ref), 0.0, *seg, _segment_sums(lay.row(cum_row_ref), lay.q))
-    else:
-        decay = _decay(lay.col(cum_ref), lay.row(cum_row_ref), *seg)
+    decay = _chunk_decay(lay, cum_ref, cum_row_ref, seg_ref, seg_row_ref, sums)
     m = lay.dot(cm, bm, f32, trans_b=True) * decay  # [Q, Q]
     dxd = lay.dot(m, dy, f32, trans_a=True)  # d(dt ∘ x): [Q, P]
     dx = dxd * dt
