@@ -32,7 +32,8 @@ GPU_DIMS = [(1, 700, 8, 64, 1, 128, 32), (2, 300, 4, 32, 2, 64, 16)]
         for r in (0, 2)
         for dims in GPU_DIMS
     ]
-    + [("pallas_gpu", "bfloat16", 4, GPU_DIMS[1])],
+    + [("pallas_gpu", "bfloat16", 4, GPU_DIMS[1])]
+    + [("pallas_gpu", "float16", r, GPU_DIMS[0]) for r in (0, 2)],
 )
 def test_on_gpu_against_oracle(impl, dtype, rank, dims):
     arrays, seg = make(0, *dims, rank, dtype, segments=True)

@@ -144,6 +144,12 @@ def test_pallas_gpu_refuses_small_tiles_with_the_reason():
         axkern.Unsupported, match=r"chunk_size=256 with bfloat16 inputs: .* above chunks of 128$"
     ):
         ssd(**half, implementation="pallas_gpu", chunk_size=256)
+    # fp16 takes exact float32 products (TF32 rounds as coarsely as fp16), so float32's limit
+    fp16, _ = make(0, 1, 256, 2, 16, 1, 16, "float16", extras=False)
+    with pytest.raises(
+        axkern.Unsupported, match=r"chunk_size=128 with float16 inputs: .* above chunks of 64"
+    ):
+        ssd(**fp16, implementation="pallas_gpu", chunk_size=128)
     # by default (xla first) the call is served
     assert jit(lambda a: ssd(**a, chunk_size=8))(arrays).shape == arrays["x"].shape
 
@@ -320,11 +326,28 @@ def test_sharded_equals_unsharded(mesh_shape, mapping, segments):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-4, atol=2e-4)
 
 
-def test_gpu_order_puts_the_kernels_first_for_16_bit_inputs_only():
+def test_products_are_exact_unless_tf32_is_finer_than_the_inputs():
+    from jax import lax
+
+    from axkern.core import kernels
+
+    assert kernels.products_precision(jnp.bfloat16) is None  # TF32's 10 mantissa bits > bf16's 7
+    for dtype in (jnp.float16, jnp.float32):
+        assert kernels.products_precision(dtype) == lax.Precision.HIGHEST
+    # the kernels' layout takes them: TF32 (the layout's 16-bit precision) for bf16 only
+    from axkern.ops.ssd.common.gpu import GpuLayout
+
+    x, b = jnp.zeros((1, 2, 64, 16)), jnp.zeros((1, 1, 64, 16))
+    got = {d: GpuLayout(x.astype(d), b, q=64, interpret=False).precision for d in ("bfloat16", "float16")}
+    assert got == {"bfloat16": lax.Precision.DEFAULT, "float16": None}
+
+
+def test_gpu_order_puts_the_kernels_first_for_bf16_inputs_only():
     from axkern.ops.ssd.api import OP
 
     order = OP.default_order["gpu"]
     # mosaic_gpu's supports() refuses what it cannot take (fp16, other GPUs, other dims)
     assert order(OP.spec({"length": 64}, "bfloat16")) == ("mosaic_gpu", "pallas_gpu", "xla")
-    assert order(OP.spec({"length": 64}, "float16")) == ("mosaic_gpu", "pallas_gpu", "xla")
+    # fp16 and float32 take exact float32 products, where XLA's are several times faster
+    assert order(OP.spec({"length": 64}, "float16")) == ("xla",)
     assert order(OP.spec({"length": 64}, "float32")) == ("xla",)

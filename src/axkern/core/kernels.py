@@ -5,13 +5,26 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
-__all__ = ["dot", "full_precision", "swizzled_smem"]
+__all__ = ["dot", "full_precision", "products_precision", "swizzled_smem", "tf32_suffices"]
 
 
 def full_precision(dtype):
     """The library's rule for products: `HIGHEST` for 32-bit (and wider) float operands (XLA's
     and Triton's GPU default would be TF32), `None` (the default) for 16-bit ones."""
     return lax.Precision.HIGHEST if jnp.dtype(dtype).itemsize >= 4 else None
+
+
+def tf32_suffices(dtype) -> bool:
+    """Whether float32 products of values computed from inputs of `dtype` may run as TF32 (10
+    mantissa bits): for inputs with fewer (bf16's 7), whose own rounding then dominates; not for
+    fp16 (TF32's 10, its rounding as coarse as the inputs') or float32."""
+    return jnp.finfo(dtype).nmant < 10
+
+
+def products_precision(dtype):
+    """The precision of the float32 products of a computation on inputs of `dtype`: `None` (the
+    platform's default, TF32 on GPU) where `tf32_suffices(dtype)`, else `HIGHEST` (exact)."""
+    return None if tf32_suffices(dtype) else lax.Precision.HIGHEST
 
 
 def dot(a, b, dtype=None, *, trans_a=False, trans_b=False, precision=None):

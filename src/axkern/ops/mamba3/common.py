@@ -261,7 +261,7 @@ def forward(
     `later_ranks`: `core`'s output `(t, r)` holds the same token's ranks `u <= r` only (as
     `kernel_core`'s), and the correction adds `scale_t Σ_{u > r} (q_{t,r} · k_{t,u}) v_{t,u}`."""
     acc = jnp.promote_types(v.dtype, jnp.float32)
-    prec = kernels.full_precision(v.dtype)
+    prec = kernels.products_precision(v.dtype)
     batch, length, heads, _ = v.shape
     groups = q.shape[3]
     mimo = W_x is not None

@@ -5,20 +5,21 @@ in XLA; SISO's diagonal correction inside the chunk-scan kernels, their diagonal
 `ssd/common/bodies.py`; MIMO's in XLA).
 
 **Products**: `x` in the inputs' dtype (SISO: `v`) or float32 (MIMO: `v ⊙ W_x`); the rotated
-`q`, `k` in float32, heads first (the kernels' layout, `common.kernel_core`); TF32 tensor cores for 16-bit inputs, exact float32 for float32 inputs, as in
+`q`, `k` in float32, heads first (the kernels' layout, `common.kernel_core`); TF32 tensor cores for bf16 inputs, exact float32 for fp16 and float32 inputs, as in
 `ssd`. **MIMO**: each token's `R` inputs run as `kernel_slots(R)` consecutive positions (`R`
 rounded up to a power of two; `common.kernel_core`), so a chunk of `chunk_size` tokens is
 `chunk_size · kernel_slots(R)` kernel positions and costs about that many SISO positions.
 **Constraints**: `head_dim`, `state` and the chunk powers of two and at least 16 (the chunk in
-positions), chunks of at most 128 positions for a 16-bit `x`, 64 for a float32 one (float32
+positions), chunks of at most 128 positions for a bf16 `x`, 64 for fp16 and float32 ones (float32
 inputs, MIMO); otherwise the call falls back with the reason. Verified in interpret mode on the
-CPU and compiled against the oracle on an H200, SISO and MIMO (`tests/gpu/test_mamba3_gpu.py`;
-SISO's correction inside the kernels has not yet run on a GPU); timed there behind mamba_ssm's
+CPU and compiled against the oracle on an H200, SISO and MIMO (`tests/gpu/test_mamba3_gpu.py`,
+SISO's correction inside the kernels included; fp16 too); timed there behind mamba_ssm's
 kernels (docs/ops/mamba3.md), so it is in no default order.
 """
 
 from __future__ import annotations
 
+from axkern.core import kernels
 from axkern.core.op import Unsupported
 from axkern.ops.ssd.blocks import GPU_MAX_CHUNK as MAX_CHUNK
 from axkern.ops.ssd.blocks import GPU_MAX_CHUNK_32BIT as MAX_CHUNK_32BIT
@@ -30,8 +31,10 @@ from .common import forward, kernel_core, kernel_x_dtype
 
 
 def _max_chunk(dtype, mimo) -> int:
-    """The largest chunk, in kernel positions, for `x` of `kernel_x_dtype(dtype, mimo)`."""
-    return MAX_CHUNK_32BIT if kernel_x_dtype(dtype, mimo).itemsize > 2 else MAX_CHUNK
+    """The largest chunk, in kernel positions, for `x` of `kernel_x_dtype(dtype, mimo)` and the
+    products' precision (exact for fp16 and float32 inputs)."""
+    wide = kernel_x_dtype(dtype, mimo).itemsize > 2 or not kernels.tf32_suffices(dtype)
+    return MAX_CHUNK_32BIT if wide else MAX_CHUNK
 
 
 def supports(spec) -> str | None:

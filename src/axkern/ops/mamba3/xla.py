@@ -26,10 +26,9 @@ from .common import forward, rotate
 
 def mamba3(*args, block_sizes):
     """`reference.mamba3`'s arguments and results, by chunks of `block_sizes.chunk_size`."""
-    prec = kernels.full_precision(args[2].dtype)
-    core = functools.partial(
-        scan_recompute, chunk_size=block_sizes.chunk_size, precision=prec, sums=prec is not None
-    )
+    prec = kernels.products_precision(args[2].dtype)
+    wide = args[2].dtype.itemsize >= 4
+    core = functools.partial(scan_recompute, chunk_size=block_sizes.chunk_size, precision=prec, sums=wide)
     return forward(core, *args, chunk_size=block_sizes.chunk_size)
 
 

@@ -15,7 +15,7 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
-from axkern.core import named
+from axkern.core import kernels, named
 from axkern.core.blocks import chunk_blocks
 from axkern.core.named import StepResult, WithFinalState
 from axkern.core.op import Implementation, Op, step_op
@@ -47,12 +47,12 @@ NAME = "ssd"
 
 
 def _gpu_order(spec) -> tuple[str, ...]:
-    """16-bit inputs: `mosaic_gpu` (Hopper, bf16, the head dims and states its tiles serve:
-    1.3x `pallas_gpu`'s speed forward, 1.6x forward+backward on the H200), then `pallas_gpu`,
-    then `xla` (the kernels are faster and need less than half the temporary memory); float32
-    inputs: `xla`, as Triton's exact float32 products make `pallas_gpu` several times slower
-    (docs/ops/ssd.md, "Performance", has the figures)."""
-    return ("mosaic_gpu", "pallas_gpu", "xla") if jnp.dtype(spec.dtype).itemsize <= 2 else ("xla",)
+    """bf16 inputs: `mosaic_gpu` (Hopper, the head dims and states its tiles serve: 1.3x
+    `pallas_gpu`'s speed forward, 1.6x forward+backward on the H200), then `pallas_gpu`, then
+    `xla` (the kernels are faster and need less than half the temporary memory); fp16 and
+    float32 inputs: `xla`, as their exact float32 products (TF32 rounds as coarsely as fp16) make
+    `pallas_gpu` several times slower (docs/ops/ssd.md, "Performance", has the figures)."""
+    return ("mosaic_gpu", "pallas_gpu", "xla") if kernels.tf32_suffices(spec.dtype) else ("xla",)
 
 
 def _mosaic_gpu_kernels(spec, block_sizes) -> str:

@@ -7,9 +7,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import ClassVar
 
-import jax.numpy as jnp
-
-from axkern.core import backend
+from axkern.core import backend, kernels
 from axkern.core.blocks import BlockSizes, grid, next_power_of_2
 from axkern.core.op import Spec, Unsupported
 
@@ -120,8 +118,9 @@ def pallas_gpu_heuristic(spec: Spec) -> SSDBlockSizes:
 
 
 def pallas_gpu_space(spec: Spec) -> list[SSDBlockSizes]:
-    """Chunks of 16 up to the largest whose backward fits in shared memory (64 for 32-bit inputs, 128 else)."""
-    wide = jnp.dtype(spec.dtype).itemsize > 2
+    """Chunks of 16 up to the largest whose backward fits in shared memory (128 for bf16 inputs,
+    64 for fp16 and float32: their products are exact)."""
+    wide = not kernels.tf32_suffices(spec.dtype)
     high = GPU_MAX_CHUNK_32BIT if wide else GPU_MAX_CHUNK
     return grid(
         SSDBlockSizes, spec, first=pallas_gpu_heuristic(spec), chunk_size=_chunks(spec, GPU_MIN_DIM, high)

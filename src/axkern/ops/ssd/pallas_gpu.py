@@ -3,14 +3,15 @@
 Vectors (`dt`, `cum`, weights, segment ids) stay `[b, h, L]` (`[b, L]`) and are read as
 `[Q]` blocks, broadcast into columns or rows in registers.
 
-**Products**: float32 operands, TF32 tensor cores for 16-bit inputs, Triton's exact float32
-product for float32 inputs (the library's rule for float32; slower than `xla`'s exact
-products, so the GPU order sends float32 to `xla`). Float32 inputs sum each segment's
+**Products**: float32 operands, TF32 tensor cores for bf16 inputs, Triton's exact float32
+product for fp16 and float32 inputs (the library's rule for float32; TF32 rounds as coarsely
+as fp16, and fp16 missed the oracle rule with it on the H200; slower than `xla`'s exact
+products, so the GPU order sends fp16 and float32 to `xla`). Float32 inputs sum each segment's
 `sum_{s < r <= t} a_r` on its own (`common/kernels.py`), as the rounding of `cum_t - cum_s` would
 put the `A` and `dt_bias` gradients outside the oracle rule (docs/ops/ssd.md, "Accuracy").
 The recurrence between chunks and its reverse are kernels (`common/gpu.py`, `GpuLayout.recurrence`). **Constraints**:
 `P`, `N` and the chunk powers of two and at least 16 (Triton's `dot` tiles), chunks at most
-128 (16-bit inputs) or 64 (float32 inputs: shared memory); otherwise the call falls back
+128 (bf16 inputs) or 64 (fp16 and float32 inputs: shared memory); otherwise the call falls back
 with the reason.
 """
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from axkern.core import kernels
 from axkern.core.op import Unsupported
 
 from .blocks import GPU_MAX_CHUNK as MAX_CHUNK
@@ -41,7 +43,7 @@ def ssd(x, dt, A, B, C, D, z, segment_ids, initial_state, *, block_sizes, interp
     q = block_sizes.chunk_size
     if q < MIN_DIM:
         raise Unsupported(f"chunk_size={q} is below {MIN_DIM} (Triton dot tiles)")
-    wide = jnp.dtype(x.dtype).itemsize > 2
+    wide = not kernels.tf32_suffices(x.dtype)  # exact float32 products
     if q > (MAX_CHUNK_32BIT if wide else MAX_CHUNK):
         raise Unsupported(
             f"chunk_size={q} with {jnp.dtype(x.dtype).name} inputs: the backward kernel's tiles exceed the "

@@ -14,7 +14,9 @@ row sums minus column sums, whose rounding adds up over a sequence and can put t
 `dt_bias` gradients outside the oracle rule. For float32 inputs each `sum_{s < r <= t} a_r`
 is summed on its own (a `[Q, Q]` running sum per chunk and head, as mamba_ssm's minimal
 reference does; docs/ops/ssd.md, "Accuracy", has the errors). 16-bit inputs keep the difference
-(their rounding dominates, and it is cheaper).
+(their rounding dominates, and it is cheaper). **Products**: exact for float32 and fp16 inputs
+(TF32, XLA's GPU default, rounds as coarsely as fp16: fp16 missed the oracle rule with it on the
+H200), TF32 for bf16 ones.
 
 **Non-finite input** (`chunks.guard`, through `chunks.layer_around` only where an input is
 not finite; the scan outside its two conditionals): the chunks compute on the inputs with
@@ -39,9 +41,9 @@ def ssd(x, dt, A, B, C, D, z, segment_ids, initial_state, *, block_sizes):
     refuse_mosaic_gpu_forms(block_sizes)
     acc = jnp.promote_types(x.dtype, jnp.float32)
     rep = x.shape[2] // B.shape[2]
-    # float32 inputs at full precision (XLA's GPU default is TF32); 16-bit inputs' float32
-    # products may run as TF32 (more mantissa than the inputs have)
-    prec = kernels.full_precision(x.dtype)
+    # float32 and fp16 inputs at full precision (XLA's GPU default is TF32, as coarse as fp16);
+    # bf16 inputs' float32 products may run as TF32 (more mantissa than the inputs have)
+    prec = kernels.products_precision(x.dtype)
 
     def prepare(x, dt, A, B, C, initial_state):  # the scan's inputs in the accumulation dtype
         per_head = lambda a: jnp.repeat(a.astype(acc), rep, axis=2)[:, :, None]  # noqa: E731 - [b, l, 1, h, n]
@@ -57,7 +59,7 @@ def ssd(x, dt, A, B, C, D, z, segment_ids, initial_state, *, block_sizes):
 
     def scan_fn(inputs, seg):
         x, a, dt, B, C, initial_state = inputs
-        kw = dict(chunk_size=block_sizes.chunk_size, precision=prec, sums=prec is not None)
+        kw = dict(chunk_size=block_sizes.chunk_size, precision=prec, sums=x.dtype.itemsize >= 4)
         y, final = scan(x, a, dt, B, C, seg, initial_state, **kw)
         return y[:, :, 0], final
 

@@ -31,7 +31,8 @@ FLOPs forward and `4·Q³` backward per chunk and head (`_segment_sums`).
 (`chunks.guard`, through `chunks.layer` only where an input is not finite): the kernels take
 non-finite values as 0; NaN is put where the sequential recurrence is non-finite (never
 earlier in time, never in another segment). Products take float32 operands into float32 (TF32
-for 16-bit inputs on GPU: `Layout.precision_16bit`; bf16 operands missed the oracle rule); `x`,
+for bf16 inputs on GPU: `Layout.precision_16bit`, as fp16's and float32's: `precision_32bit`;
+bf16 operands missed the oracle rule); `x`,
 `B`, `C` as `[batch, heads|groups, length, P|N]` (`x` as `[batch, length, heads, P]` where the
 layout's kernels take the caller's layout: `Layout.positions_first`).
 
@@ -81,8 +82,9 @@ class Layout:
     row `[1, Q]`; `to_col`/`to_row` lay out a `[b, h, L]` (or `[b, L]` for segment ids) array
     for that, `from_col`/`from_row` undo it for outputs. Subclasses fill in the specs."""
 
-    # precision of the float32 products for 16-bit and for float32 inputs when compiled (None:
-    # exact float32); interpret mode always computes exact products (XLA on CPU has no TF32)
+    # precision of the float32 products for bf16 inputs and for the others (fp16, float32:
+    # TF32 would be as coarse as fp16) when compiled (None: exact float32); interpret mode always
+    # computes exact products (XLA on CPU has no TF32)
     precision_16bit = None
     precision_32bit = None
     # `x` and `y` (and their gradients) as `[b, L, H, P]`, the caller's layout, rather than
@@ -100,7 +102,7 @@ class Layout:
     def __init__(self, xt, bt, *, q, interpret, products=None):
         """`products`: the input dtype whose products' precision the kernels take (`xt`'s unless given)."""
         wide = self.precision_32bit if not interpret else None
-        narrow = jnp.dtype(products or xt.dtype).itemsize == 2
+        narrow = kernels.tf32_suffices(products or xt.dtype)
         self.precision = self.precision_16bit if narrow else wide
         self.batch, self.heads, self.lp, self.p = xt.shape
         if self.positions_first:

@@ -73,7 +73,7 @@ products), which the CPU tests carry through the whole layer and its gradients a
 float64 oracle.
 
 **Constraints**: a Hopper GPU (compute capability 9.x), bf16 inputs (fp16's range could not
-hold the 16-bit halves of float32 values such as `M` or the state: fp16 goes to `pallas_gpu`),
+hold the 16-bit halves of float32 values such as `M` or the state: fp16 goes to `xla`),
 chunks of 64, `P` and `N` multiples of 64 whose tiles fit shared memory in all four kernels
 (`kernels.smem_bytes`: 64 and 64, 64 and 128, 128 and 64). Otherwise the call falls back with the
 reason.
@@ -150,7 +150,7 @@ def supports(spec) -> str | None:
     if spec.dtype != "bfloat16":
         return (
             f"the Mosaic GPU kernels take bf16 inputs, not {spec.dtype} (their 16-bit halves of float32 values "
-            "could overflow fp16's range: fp16 goes to pallas_gpu)"
+            "could overflow fp16's range: fp16 goes to xla)"
         )
     return dims_reason(spec.dim("head_dim"), spec.dim("state"))
 
