@@ -30,9 +30,9 @@ FLOPs forward and `4·Q³` backward per chunk and head (`_segment_sums`).
 `Layout.forward` runs stages 2-4 in turn (a backend may fuse them). **Non-finite input**
 (`chunks.guard`, through `chunks.layer` only where an input is not finite): the kernels take
 non-finite values as 0; NaN is put where the sequential recurrence is non-finite (never
-earlier in time, never in another segment). Products take float32 operands into float32 (TF32
-for bf16 inputs on GPU: `Layout.precision_16bit`, as fp16's and float32's: `precision_32bit`;
-bf16 operands missed the oracle rule); `x`,
+earlier in time, never in another segment). Products take float32 operands into float32 (bf16
+operands missed the oracle rule): TF32 for bf16 inputs on GPU (`Layout.precision_16bit`), exact
+for fp16 and float32 inputs (`precision_32bit`: TF32 rounds as coarsely as fp16); `x`,
 `B`, `C` as `[batch, heads|groups, length, P|N]` (`x` as `[batch, length, heads, P]` where the
 layout's kernels take the caller's layout: `Layout.positions_first`).
 
