@@ -14,6 +14,7 @@ import pytest
 from axkern.ops.ssd.common import kernels as chunk_kernels
 from axkern.ops.ssd.common.gpu import GpuLayout
 from axkern.ops.ssd.pallas_tpu import TpuLayout
+from tests.harness import jit
 
 
 def _inputs(seed, b=2, length=40, heads=4, groups=2, p=16, n=16):
@@ -47,16 +48,21 @@ def test_the_diagonal_term_equals_the_scan_plus_the_term_in_xla(layout, segments
         return y + (d * self_scores)[..., None] * x, final
 
     args = (x, a, s, B, C, init, d)
-    got, pull_got = jax.vjp(with_term, *args)
-    want, pull_want = jax.vjp(in_xla, *args)
+    ks = jax.random.split(jax.random.PRNGKey(1), 2)
+    cot = tuple(jax.random.normal(k, o.shape) for k, o in zip(ks, jax.eval_shape(in_xla, *args), strict=True))
+
+    def values_and_gradients(args, cot):  # one compiled program each (interpret mode runs op by op otherwise)
+        (got, pull_got), (want, pull_want) = jax.vjp(with_term, *args), jax.vjp(in_xla, *args)
+        without = chunk_kernels.scan(layout, *args[:5], seg, init, **kw)[0]
+        return got, want, without, pull_got(cot), pull_want(cot)
+
+    got, want, without, grads_got, grads_want = jit(values_and_gradients)(args, cot)
     for g, w in zip(got, want, strict=True):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-5, atol=2e-5)
     # the term changes `y` (a test of nothing otherwise)
-    assert float(jnp.max(jnp.abs(got[0] - chunk_kernels.scan(layout, *args[:5], seg, init, **kw)[0]))) > 0.1
-    ks = jax.random.split(jax.random.PRNGKey(1), 2)
-    cot = (jax.random.normal(ks[0], got[0].shape), jax.random.normal(ks[1], got[1].shape))
+    assert float(jnp.max(jnp.abs(got[0] - without))) > 0.1
     names = ("x", "a", "s", "B", "C", "initial state", "diag")
-    for name, g, w in zip(names, pull_got(cot), pull_want(cot), strict=True):
+    for name, g, w in zip(names, grads_got, grads_want, strict=True):
         scale = float(jnp.max(jnp.abs(w)))
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=0, atol=2e-5 * scale, err_msg=name)
 
