@@ -15,6 +15,7 @@
 # summed and x, y transposed in the kernels; `ssd_mosaic_bench` the layer beside pallas_gpu and the peers; `kernel_times OP PRESET --impl A,B`
 # benchmarks/kernel_times.py (device time per kernel, through PyTorch's profiler); `attention_mosaic_d256` `attention_mosaic_sweep.py
 # --head-dim-256`;
+# `gpu.sh fp16` the fp16 GPU tests of SSD and Mamba-3 and their fp16 benches;
 # `gpu.sh fused_cross_entropy_dw` runs benchmarks/fused_cross_entropy_dw.py (the reduced loss's
 # dw accumulations at llama3's size: time, temporary memory, oracle rule, with the peers).
 # Wheels in an ignored `.whl/` folder (for a machine without network: whatever its image lacks
@@ -121,6 +122,15 @@ ssd_mosaic_forms)  # dB, dC summed, x, y transposed, the state backward fused: a
 ssd_mosaic_bench)  # the layer beside pallas_gpu and the peers
   BENCH_T=420 bench ssd mamba2_2.7b --tokens 4096 --impl pallas_gpu,mosaic_gpu --peers
   ;;
+fp16)  # fp16 against the oracle (SSD's xla and pallas_gpu, Mamba-3's pallas_gpu), then timed at the 2.7B layers
+  step 300 gpu_tests_fp16 env XLA_PYTHON_CLIENT_PREALLOCATE=false $gpu_tests -n 4 --tb=short \
+    tests/gpu/test_ssd_gpu.py tests/gpu/test_mamba3_gpu.py -k "float16 and not bfloat16"
+  mkdir -p "$R/ssd" "$R/mamba3"  # sweep_fp16.json: not the presets' (bf16) tables
+  step 240 bench_ssd_fp16 $axkern bench ssd --preset mamba2_2.7b --tokens 4096 --dtype float16 \
+    --impl pallas_gpu,xla --repeats 5 --json "$R/ssd/sweep_fp16.json"
+  step 300 bench_mamba3_fp16 $axkern bench mamba3 --preset mamba3_2.7b --dtype float16 --only SISO \
+    --impl pallas_gpu,xla --repeats 3 --json "$R/mamba3/sweep_fp16.json"
+  ;;
 kernel_times)  # device time per kernel: gpu.sh kernel_times OP PRESET [--tokens N] --impl A,B
   shift; step 540 "kernel_times_${1:?usage: gpu.sh kernel_times OP PRESET --impl A,B}" \
     env OUT="$R" python3 benchmarks/kernel_times.py "$@"
@@ -135,7 +145,7 @@ tune)
   ;;
 list) $axkern bench --list-presets ;;
 *)
-  echo "usage: gpu.sh attention|attention_peers|attention_mosaic|attention_mosaic_variants|attention_mosaic_d256|cross_entropy|fused_cross_entropy|fused_cross_entropy_dw|mamba3|moe|moe_ep|short_conv|ssd|ssd_mosaic|ssd_mosaic_fused|ssd_mosaic_forms|ssd_mosaic_bench|kernel_times|list, or gpu.sh tune OP [args]"
+  echo "usage: gpu.sh fp16|attention|attention_peers|attention_mosaic|attention_mosaic_variants|attention_mosaic_d256|cross_entropy|fused_cross_entropy|fused_cross_entropy_dw|mamba3|moe|moe_ep|short_conv|ssd|ssd_mosaic|ssd_mosaic_fused|ssd_mosaic_forms|ssd_mosaic_bench|kernel_times|list, or gpu.sh tune OP [args]"
   exit 2
   ;;
 esac
