@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from axkern.core import kernels
 
 from .blocks import refuse_mosaic_gpu_forms
-from .common.chunks import layer_around, skip_and_gate
+from .common.chunks import layer_around, skip_and_gate, uses_segment_sums
 from .common.scan import scan
 
 
@@ -59,7 +59,7 @@ def ssd(x, dt, A, B, C, D, z, segment_ids, initial_state, *, block_sizes):
 
     def scan_fn(inputs, seg):
         x, a, dt, B, C, initial_state = inputs
-        kw = dict(chunk_size=block_sizes.chunk_size, precision=prec, sums=x.dtype.itemsize >= 4)
+        kw = dict(chunk_size=block_sizes.chunk_size, precision=prec, sums=uses_segment_sums(x.dtype))
         y, final = scan(x, a, dt, B, C, seg, initial_state, **kw)
         return y[:, :, 0], final
 

@@ -7,6 +7,13 @@ import jax.numpy as jnp
 from jax import lax
 
 
+def uses_segment_sums(dtype) -> bool:
+    """Whether inputs of `dtype` sum each segment's decay `sum_{s < r <= t} a_r` on its own
+    rather than as `cum_t - cum_s` (float32 and wider: that difference's rounding would put the
+    `A` and `dt_bias` gradients outside the oracle rule; 16-bit inputs' own rounding dominates)."""
+    return jnp.dtype(dtype).itemsize >= 4
+
+
 def skip_and_gate(y, x, D, z):
     """`(y + D x) · silu(z)`, each part only when given, in `y`'s (float32) dtype."""
     acc = y.dtype

@@ -58,7 +58,7 @@ from jax.experimental import pallas as pl
 from axkern.core import kernels
 
 from .bodies import scan_bwd_kernel, scan_kernel, state_bwd_kernel, state_kernel
-from .chunks import layer, zeroed
+from .chunks import layer, uses_segment_sums, zeroed
 from .chunks import recurrence as _recurrence
 from .chunks import recurrence_bwd as _recurrence_bwd
 
@@ -266,7 +266,7 @@ def _core_forward(cfg, xt, ac, scale, bt, ct, sc, initial_state, diag, residuals
     k = layout(xt, bt, q=q, interpret=interpret, products=products)
     k.y_dtype = jnp.dtype(y_dtype)
     cum, w, f, keep = _weights(ac, scale, sc)
-    sums = _uses_segment_sums(products or xt.dtype)
+    sums = uses_segment_sums(products or xt.dtype)
     extra = {} if diag is None else {"diag": diag}
     y, final, states_in = k.forward(
         xt,
@@ -288,11 +288,6 @@ def _core_forward(cfg, xt, ac, scale, bt, ct, sc, initial_state, diag, residuals
     return (y.astype(y_dtype), final), states_in
 
 
-def _uses_segment_sums(dtype) -> bool:
-    """float32 (and wider) inputs sum each segment on its own (`_segment_sums`)."""
-    return jnp.dtype(dtype).itemsize >= 4
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _core(cfg, xt, ac, scale, bt, ct, sc, initial_state, diag):
     # nothing differentiates this call: no residuals
@@ -312,7 +307,7 @@ def _core_bwd(cfg, res, cotangents):
     k = layout(xt, bt, q=q, interpret=interpret, products=products)
     col, row = k.from_col, k.from_row  # back to [b, h, c, Q]
     (cum, w, f, keep), pull_weights = jax.vjp(lambda ac, scale: _weights(ac, scale, sc), ac, scale)
-    sums = _uses_segment_sums(products or xt.dtype)
+    sums = uses_segment_sums(products or xt.dtype)
     extra = {} if diag is None else {"diag": diag}
     dx_scan, ddt, dcum, dcum_row, df, db_scan, dc, d_states_in, *d_diag = k.chunk_scan_bwd(
         dy, xt, scale, cum, ac, f, sc, bt, ct, states_in, sums=sums, **extra
