@@ -124,18 +124,34 @@ def test_property_non_finite_pattern_matches_the_reference(impl, rank, where, va
 
 @pytest.mark.parametrize("impl", [i for i in IMPLS if i != "reference"])
 def test_the_guard_runs_only_where_an_input_is_not_finite(impl):
-    # the selects that clean the scan's inputs (one conditional before the scan), the masks and
-    # the selects that put NaN in its outputs (one after it) sit in the conditionals' branches
-    # for non-finite inputs: outside them, no finiteness test on an array as large as v (only
-    # the small per-position scalars and the one fused check), and the scan outside both
+    # one conditional forms the masks (its branch for finite inputs only boolean zeros) from the
+    # inputs, outside the differentiated program; every large array is formed outside it: the
+    # only finiteness tests as large as v outside it are the scan's inputs' selects (`scrubbed`,
+    # an elementwise select that fuses into the pass forming its input), and the scan runs
+    # outside it
     a, _ = make(0, 1, 32, 2, 16, 1, 16, 2, 0, "float32", segments=False)
     with axkern.use(interpret=INTERPRET), serving(impl):
         jaxpr = jax.make_jaxpr(lambda a: call(impl, a, None, 8))(a).jaxpr
     size = lambda e: max(v.aval.size for v in e.invars)  # noqa: E731
     tests = lambda eqns: [size(e) for e in eqns if e.primitive.name == "is_finite"]  # noqa: E731
-    assert max(tests(equations(jaxpr, into_conds=False))) < a["v"].size
-    conds = [e for e in equations(jaxpr, into_conds=False) if e.primitive.name == "cond"]
-    assert len(conds) == 2
+
+    def bodies(e):  # a custom_vjp's own equations
+        return list(equations(e.params["call_jaxpr"].jaxpr)) if "custom_vjp" in e.primitive.name else []
+
+    def is_scrub(e):  # `scrubbed`: a select of its input by its finiteness and a scalar, nothing more
+        names = {s.primitive.name for s in bodies(e)}
+        allowed = {"is_finite", "or", "select_n", "broadcast_in_dim", "convert_element_type", "jit", "pjit"}
+        return "_scrubbed_bwd" in str(e.params.get("bwd")) and names <= allowed
+
+    outside = list(equations(jaxpr, into_conds=False))
+    scrubs = [e for e in outside if is_scrub(e)]
+    inside_scrubs = {id(s) for e in scrubs for s in bodies(e)}
+    assert len(scrubs) == 3  # the rotated q and k, and v
+    assert max(size(e) for e in scrubs) >= a["v"].size
+    others = [e for e in outside if id(e) not in inside_scrubs]
+    assert max(tests(others)) < a["v"].size
+    conds = [e for e in outside if e.primitive.name == "cond"]
+    assert len(conds) == 1
 
     def scans(eqns):  # the chunk scan: its kernels, or a custom_vjp holding products
         return [
@@ -148,21 +164,15 @@ def test_the_guard_runs_only_where_an_input_is_not_finite(impl):
             )
         ]
 
-    assert scans(equations(jaxpr, into_conds=False))
-    for cond in conds:
-        guarded, plain = (list(equations(b.jaxpr)) for b in cond.params["branches"])  # false, true
-        assert max(tests(guarded)) >= a["v"].size and not tests(plain)
-        assert not scans(guarded + plain)  # the scan runs outside both
-        # no branch passes an operand as large as v out as it came (which XLA copies out
-        # where the other branch forms that output), but for one: where the kernels add the
-        # diagonal correction (SISO on pallas_gpu, pallas_tpu), the second conditional's branch
-        # for finite inputs (`kept`, the second of `branches`) hands `y` on as the scan gave it
-        # (at most its copy, in place of the correction's pass over `y` and the rotated `q`, `k`)
-        folded = impl in ("pallas_gpu", "pallas_tpu") and cond is conds[1]
-        for i, branch in enumerate(cond.params["branches"]):
-            j = branch.jaxpr
-            passed = [v for v in j.outvars if v in j.invars and v.aval.size >= a["v"].size]
-            if folded and i == 1:
-                assert passed == [j.outvars[0]]  # y, and only y: the correction is in the kernels
-            else:
-                assert not passed
+    assert scans(outside)
+    (cond,) = conds
+    guarded, plain = (list(equations(b.jaxpr)) for b in cond.params["branches"])  # false, true
+    assert max(tests(guarded)) >= a["v"].size and not tests(plain)
+    assert not scans(guarded + plain)
+    # the branch for finite inputs forms boolean zeros only: no operand passed out, no float
+    j = cond.params["branches"][1].jaxpr
+    assert all(v.aval.dtype == jnp.bool_ and v not in j.invars for v in j.outvars)
+    # and no gradient flows through the conditional: it reads the inputs as constants
+    with axkern.use(interpret=INTERPRET), serving(impl):
+        grad = jax.make_jaxpr(jax.grad(lambda a: jnp.sum(call(impl, a, None, 8)[0])))(a).jaxpr
+    assert len([e for e in equations(grad, into_conds=False) if e.primitive.name == "cond"]) == 1

@@ -28,14 +28,15 @@ non-finite `v_{t,r}[p]` reaches row `p` of the state and of `y` from `t` to the 
 segment, `k_{t,r}[n]` column `n` of the state (so all of `y`), `adt_t` (unless `t` starts a
 segment), `dt_t` or `trap_t` the whole head, a non-finite rotated `q_{t,r}` only `y_{t,r}`; the
 initial state the first segment. `angles` and `dt` reach `Θ` (and so `q`, `k`) from their position on.
-`Θ`'s NaN and the selects that clean the scan's inputs (one `lax.cond` before the scan), the
-masks and the selects that put NaN in its outputs (one after it) run only when some value the
-recurrence reads may not be finite, one fused read of the inputs deciding (`forward`): finite
-inputs, the common case, skip those passes (under `vmap` the condition is batched and both
-branches run). The scan itself sits outside both conditionals: a conditional's outputs are
-materialised, and a scan differentiated inside one hands every residual of its backward out
-through it, in buffers sized for the larger branch (docs/ops/mamba3.md has the memory it
-cost).
+The masks (where `Θ`, `y`, a rotated `q` and the final state are non-finite) come from one
+`lax.cond` on the inputs, outside the differentiated program, that computes them only when some
+value the recurrence reads may not be finite, one fused read of the inputs deciding (`forward`);
+for finite inputs, the common case, its branch writes boolean zeros (under `vmap` the condition
+is batched and both branches run). Every large array is formed outside it (a conditional's
+outputs are materialised, XLA copies a branch's result into the layout the conditional gives
+it, and the conditional's transpose would instantiate zero cotangents for outputs the caller
+drops): the masks' selects fuse into the passes that read them, and the scan's large inputs
+are `scrubbed` (0 where non-finite unless all is finite: an elementwise select, no mask kept).
 """
 
 from __future__ import annotations
@@ -123,6 +124,27 @@ def _rotated_bwd(halves, repeat, axis, res, g):
 rotated.defvjp(_rotated_fwd, _rotated_bwd)
 
 
+@jax.custom_vjp
+def scrubbed(ok, a):
+    """`a` as it is where `ok` (a boolean scalar) or where `a` is finite, else 0: the scan's large
+    inputs. For finite inputs (`ok`) the select is the identity and fuses into the pass that
+    forms `a`; unlike `clean`, no mask is kept for the backward, whose cotangent passes through
+    (a non-finite value's own gradient is the cotangent of the 0 that replaced it; the outputs it
+    reaches are NaN, and so are the cotangents they send back)."""
+    return jnp.where(ok | jnp.isfinite(a), a, jnp.zeros((), a.dtype))
+
+
+def _scrubbed_fwd(ok, a):
+    return scrubbed(ok, a), None
+
+
+def _scrubbed_bwd(_, g):
+    return None, g
+
+
+scrubbed.defvjp(_scrubbed_fwd, _scrubbed_bwd)
+
+
 def angle_sums(inc, theta0, seg, q):
     """`Θ_t = (Θ_0 [t in the first segment] + Σ_{s <= t in t's segment} inc_s) mod 2π`, `inc
     [b, l, h, a]` finite, `theta0 [b, h, a]`, `seg [b, l]` internal ids; chunks of `q`."""
@@ -168,6 +190,7 @@ class Core(typing.Protocol):
     # optional (absent: False): the call takes `diag=` (`[b, l, H]`) and adds
     # `diag_t (C_t · B_t) x_t` to `y_t` (SISO), so `forward` leaves it the diagonal correction
     diagonal: bool
+    x_dtype: typing.Any  # optional (absent: float32 or wider): the dtype the call takes `x` in
 
     def __call__(self, x, a, s, B, C, seg, initial_state, **diag): ...
 
@@ -226,6 +249,7 @@ def kernel_core(layout, *, chunk_size, interpret, dtype, mimo) -> Core:
         return y.reshape(batch, length, slots, *y.shape[2:])[:, :, :rank], final
 
     core.heads_major = True
+    core.x_dtype = kernel_x_dtype(dtype, mimo)
     # SISO: the diagonal correction inside the chunk-scan kernels (`ssd/common/bodies.py`); MIMO's
     # correction also holds a token's later ranks, which stay in XLA
     core.diagonal = not mimo and layout.diagonal
@@ -282,36 +306,38 @@ def forward(
     inc = math.pi * jnp.tanh(clean(ang)) * dt_c[..., None]
     theta = angle_sums(inc, clean(f(angle0)), seg, chunk_size)
     v0r = f(v0)[:, None] * by_rank(W_x) if mimo else f(v0)[:, None]  # [b, r, h, p]
+    x_dtype = getattr(core, "x_dtype", acc)
 
-    def v_ranks():  # v ⊙ W_x, [b, l, r, h, p]
-        return f(v)[:, :, None] * by_rank(W_x) if mimo else f(v)[:, :, None]
+    def v_ranks(dtype=acc):  # v ⊙ W_x, [b, l, r, h, p]
+        return f(v)[:, :, None] * by_rank(W_x) if mimo else v[:, :, None].astype(dtype)
 
-    def prepared(theta):  # the rotated q, k ([b, l, r, h, n]; `heads_major`: [b, h, l, r, n]), v ⊙ W_x
+    # Θ in the layout the rotation writes (`heads_major`: [b, h, l, a], else [b, l, h, a]), so
+    # that the rotation reads its angles in its own order and writes its output with no transpose
+    own_order = (lambda u: jnp.swapaxes(u, 1, 2)) if heads_major else (lambda u: u)
+    theta = own_order(theta)
+
+    def rotations(theta, last=False):  # the rotated q, k ([b, l, r, h, n]; `heads_major`: [b, h, l, r, n])
+        at = slice(length - 1, length) if last else slice(None)  # `last`: the last position only
         if heads_major:  # the small inputs transposed, so that the rotation writes heads first
-            th = jnp.transpose(theta[:, :, None], (0, 3, 1, 2, 4))  # [b, h, l, 1, a]
-            qr, kr = (
-                rotated(mimo, heads // groups, 1, jnp.transpose(u, (0, 3, 1, 2, 4)), f(b)[:, None], th)
+            th = theta[:, :, at, None]  # [b, h, l, 1, a]
+            return tuple(
+                rotated(mimo, heads // groups, 1, jnp.transpose(u[:, at], (0, 3, 1, 2, 4)), f(b)[:, None], th)
                 for u, b in ((q, q_bias), (k, k_bias))
             )
-        else:
-            qr = rotated(mimo, heads // groups, 3, q, by_rank(q_bias), theta[:, :, None])
-            kr = rotated(mimo, heads // groups, 3, k, by_rank(k_bias), theta[:, :, None])
-        return qr, kr, v_ranks()
+        th = theta[:, at, None]  # [b, l, 1, h, a]
+        return tuple(
+            rotated(mimo, heads // groups, 3, u[:, at], by_rank(b), th) for u, b in ((q, q_bias), (k, k_bias))
+        )
 
-    def tokens_major(u):  # a rotated q or k as `prepared` gives it -> [b, l, r, h, n]
+    def tokens_major(u):  # a rotated q or k as `rotations` gives it -> [b, l, r, h, n]
         return jnp.transpose(u, (0, 2, 3, 1, 4)) if heads_major else u
 
-    def last_token(u):  # the same, its last position only: [b, r, h, n]
-        # (sliced before the transpose: the backward then pads a small cotangent rather than
-        # transposing a whole array of zeros)
-        return jnp.swapaxes(u[:, :, -1], 1, 2) if heads_major else u[:, -1]
-
-    # where the sequential recurrence is non-finite (see the module docstring): `Θ`'s NaN, the
-    # masks and the selects run only when some value the recurrence reads may not be finite. The rotated
-    # q, k and v ⊙ W_x are bounded from the inputs' sums of magnitudes (one fused read of each
-    # input, no prepared array kept for it): |q + q_bias| <= Σ|q| + Σ|q_bias| < 2^126 leaves the
-    # rotation (at most twice that) finite, and Σ|v| · Σ|W_x| < 2^126 bounds v ⊙ W_x; a larger
-    # or non-finite sum takes the exact masks.
+    # where the sequential recurrence is non-finite (see the module docstring): the masks run
+    # only when some value the recurrence reads may not be finite. The rotated q, k and v ⊙ W_x
+    # are bounded from the inputs' sums of magnitudes (one fused read of each input, no
+    # prepared array kept for it): |q + q_bias| <= Σ|q| + Σ|q_bias| < 2^126 leaves the rotation
+    # (at most twice that) finite, and Σ|v| · Σ|W_x| < 2^126 bounds v ⊙ W_x; a larger or
+    # non-finite sum takes the exact masks.
     mass = lambda a: jnp.sum(jnp.abs(lax.stop_gradient(a)), dtype=jnp.float32)  # noqa: E731
     limit = 2.0**126
     finite = (
@@ -325,52 +351,20 @@ def forward(
     c_next = jnp.concatenate([c[:, 1:], jnp.zeros_like(c[:, :1])], axis=1)
     scale = lam * dt_c + c_next
     einsum = lambda *a: jnp.einsum(*a, precision=prec)  # noqa: E731
+    rank = v0r.shape[1]
     # inside `shard_map` both branches must vary over the same mesh axes: those of what they read
-    read = (q, k, v, W_x, q_bias, k_bias, theta, ang, angle0, adt_, dt_, trap_, seg, ssm0, v0r, k0, c, scale)
+    read = (q, k, v, W_x, q_bias, k_bias, theta, ang, angle0, adt_, dt_, trap_, seg, ssm0, v0r, k0)
 
-    # each branch forms its large outputs (none passes an operand as large as v through, which
-    # XLA would copy out; the small initial terms and the final state may pass), but for `y`
-    # after a core that adds the diagonal correction itself (`kept` hands it on as it came:
-    # at most a copy, in place of the correction's pass over `y` and the rotated `q`, `k`)
-    def as_given(theta):
-        return vary_like((theta[:, -1], *prepared(theta), f(ssm0), v0r, f(k0)), *read)
+    def no_masks(theta):  # finite inputs: nothing is masked (small boolean zeros)
+        shapes = (theta.shape, (batch, length, heads, v.shape[-1]), (batch, length, rank, heads), ssm0.shape)
+        return vary_like(tuple(jnp.zeros(s, bool) for s in shapes), *read)
 
-    def poisoned_angles(theta):  # `Θ` with its NaNs
-        theta_bad = reaches(bad(ang) | bad(dt_)[..., None], seg)
-        return poison(theta, theta_bad | (first[:, :, None, None] & bad(angle0)[:, None]))
-
-    def cleaned(theta):  # the scan's inputs with non-finite values as 0
-        theta = poisoned_angles(theta)
-        inputs = (*prepared(theta), f(ssm0), v0r, f(k0))
-        return vary_like((theta[:, -1], *(clean(a) for a in inputs)), *read)
-
-    theta_last, qc, kc, vc, s0c, v0c, k0c = lax.cond(finite, as_given, cleaned, theta)
-
-    # the chunk scan outside both conditionals
-    g0 = s0c + c[:, 0, :, None, None] * einsum("brhp,brhn->bhpn", v0c, k0c)
-    # y_{t,r} -= c_{t+1} Σ_u (q_{t,r} · k_{t,u}) v_{t,u}, and with `later_ranks` += scale_t Σ_{u > r} (..):
-    # inside the core where it takes the diagonal term (SISO: `-c_{t+1} (q_t · k_t) v_t`)
-    rank = vc.shape[2]
-    folded = getattr(core, "diagonal", False) and rank == 1
-    y, final = core(vc, adt_c, scale, kc, qc, seg, g0, **({"diag": -c_next} if folded else {}))
-
-    def corrected(y):  # the diagonal correction, in each branch so that both form `y`
-        if folded:
-            return y
-        weight = -c_next[:, :, None, None, :]  # [b, l, r, u, h]
-        if later_ranks and rank > 1:
-            later = jnp.arange(rank)[:, None] < jnp.arange(rank)[None, :]  # [r, u]: u > r
-            weight = weight + jnp.where(later[:, :, None], scale[:, :, None, None, :], 0)
-        pairs = "bhlrn,bhlun->blruh" if heads_major else "blrhn,bluhn->blruh"
-        diag = einsum(pairs, qc, kc) * weight
-        return y + einsum("blruh,bluhp->blrhp", diag, vc)
-
-    def kept(theta, y, final):  # after `as_given`: `kc` is the rotated k
-        return vary_like((corrected(y), final, last_token(kc)), *read)
-
-    def poisoned(theta, y, final):  # NaN where the recurrence is non-finite (the masks)
-        qr, kr, vr = prepared(poisoned_angles(theta))  # the rotations again, for the masks
-        qr, kr = tokens_major(qr), tokens_major(kr)
+    def masks(theta):  # where the recurrence is non-finite: `Θ`, `y`, a rotated `q`, the final state
+        theta_bad = reaches(bad(ang) | bad(dt_)[..., None], seg) | (
+            first[:, :, None, None] & bad(angle0)[:, None]
+        )
+        qr, kr = (tokens_major(u) for u in rotations(poison(theta, own_order(theta_bad))))
+        vr = v_ranks()
         head_bad = bad(trap_) | bad(dt_) | (bad(adt_) & ~starts[..., None])  # [b, l, h]
         row, col = bad(vr).any(2), bad(kr).any(2)  # [b, l, h, p], [b, l, h, n]
         init_row = bad(ssm0).any(-1) | bad(v0r).any(1) | bad(k0).any((1, 3))[..., None]  # [b, h, p]
@@ -389,12 +383,38 @@ def forward(
                 & (bad(ssm0) | bad(v0r).any(1)[..., None] | bad(k0).any(1)[:, :, None, :])
             )
         )
-        y = poison(poison(corrected(y), y_bad[:, :, None]), q_bad[..., None])
-        return vary_like((y, poison(final, final_bad), kr[:, -1]), *read)
+        return vary_like((own_order(theta_bad), y_bad, q_bad, final_bad), *read)
 
-    # autodiff through the conditionals, as SSD's layer (`ssd.common.chunks.layer`): the backward
-    # takes the forward's branches; `D` and the gate stay outside
-    y, final, k_last = lax.cond(finite, kept, poisoned, theta, y, final)
+    # one conditional, on small arrays and masks only: every large array is formed outside it
+    # (a conditional's outputs are materialised, and XLA copies a branch's result into its
+    # layout), the masks' selects fused into the passes that form them
+    theta_bad, y_bad, q_bad, final_bad = lax.cond(finite, no_masks, masks, lax.stop_gradient(theta))
+    theta = poison(theta, theta_bad)  # `Θ` with its NaNs
+    # the scan's inputs with non-finite values as 0: for finite inputs, the rotations as they are
+    # and `v` in the dtype the core takes it
+    qc, kc = (scrubbed(finite, u) for u in rotations(theta))
+    vc = scrubbed(finite, v_ranks(x_dtype))
+    s0c, v0c, k0c = clean(f(ssm0)), clean(v0r), clean(f(k0))
+    theta_last = theta[:, :, -1] if heads_major else theta[:, -1]  # [b, h, a]
+    k_last = rotations(theta, last=True)[1]
+    k_last = jnp.swapaxes(k_last[:, :, 0], 1, 2) if heads_major else k_last[:, 0]  # [b, r, h, n]
+
+    g0 = s0c + c[:, 0, :, None, None] * einsum("brhp,brhn->bhpn", v0c, k0c)
+    # y_{t,r} -= c_{t+1} Σ_u (q_{t,r} · k_{t,u}) v_{t,u}, and with `later_ranks` += scale_t Σ_{u > r} (..):
+    # inside the core where it takes the diagonal term (SISO: `-c_{t+1} (q_t · k_t) v_t`)
+    folded = getattr(core, "diagonal", False) and rank == 1
+    y, final = core(vc, adt_c, scale, kc, qc, seg, g0, **({"diag": -c_next} if folded else {}))
+    if not folded:
+        weight = -c_next[:, :, None, None, :]  # [b, l, r, u, h]
+        if later_ranks and rank > 1:
+            later = jnp.arange(rank)[:, None] < jnp.arange(rank)[None, :]  # [r, u]: u > r
+            weight = weight + jnp.where(later[:, :, None], scale[:, :, None, None, :], 0)
+        pairs = "bhlrn,bhlun->blruh" if heads_major else "blrhn,bluhn->blruh"
+        diag = einsum(pairs, qc, kc) * weight
+        y = y + einsum("blruh,bluhp->blrhp", diag, vc.astype(acc))
+    # NaN where the recurrence is non-finite
+    y = poison(y, y_bad[:, :, None] | q_bad[..., None])
+    final = poison(final, final_bad)
 
     if D is not None:
         y = y + f(D)[:, None] * v_ranks()
