@@ -88,3 +88,24 @@ def test_mamba3s_kernel_core_takes_the_term_where_its_layout_does():
     assert kernel_core(TpuLayout, mimo=False, **kw).diagonal
     assert not kernel_core(GpuLayout, mimo=True, **kw).diagonal
     assert not kernel_core(EmulatedLayout, mimo=False, **kw).diagonal
+    assert not kernel_core(GpuLayout, mimo=False, diagonal=False, **kw).diagonal
+
+
+def test_mamba3s_pallas_gpu_leaves_the_correction_to_xla(monkeypatch):
+    # the Triton kernels can take the term, but Mamba-3 on pallas_gpu adds its correction in XLA
+    import axkern
+    from axkern.ops.mamba3 import common, pallas_gpu
+    from tests.cases.mamba3 import call, make
+    from tests.harness import serving
+
+    made = []
+
+    def spy(*args, **kw):
+        made.append(common.kernel_core(*args, **kw))
+        return made[-1]
+
+    monkeypatch.setattr(pallas_gpu, "kernel_core", spy)
+    arrays, _ = make(0, 1, 32, 2, 16, 1, 16, 2, 0, "bfloat16", extras=False)
+    with axkern.use(interpret=True), serving("pallas_gpu"):
+        jax.eval_shape(lambda a: call("pallas_gpu", a, chunk_size=16), arrays)
+    assert made and not made[0].diagonal

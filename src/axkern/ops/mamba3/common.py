@@ -201,7 +201,7 @@ def kernel_x_dtype(dtype, mimo):
     return jnp.promote_types(dtype, jnp.float32) if mimo else jnp.dtype(dtype)
 
 
-def kernel_core(layout, *, chunk_size, interpret, dtype, mimo) -> Core:
+def kernel_core(layout, *, chunk_size, interpret, dtype, mimo, diagonal=True) -> Core:
     """SSD's Pallas chunk kernels (`ssd/common/kernels.py`, with `layout` a `Layout` subclass) as a
     `Core` over chunks of `chunk_size` tokens. `x` goes in as `kernel_x_dtype(dtype, mimo)`; the
     kernels take the path of the inputs' `dtype` (the products' precision, the decay's form);
@@ -250,9 +250,9 @@ def kernel_core(layout, *, chunk_size, interpret, dtype, mimo) -> Core:
 
     core.heads_major = True
     core.x_dtype = kernel_x_dtype(dtype, mimo)
-    # SISO: the diagonal correction inside the chunk-scan kernels (`ssd/common/bodies.py`); MIMO's
-    # correction also holds a token's later ranks, which stay in XLA
-    core.diagonal = not mimo and layout.diagonal
+    # SISO with `diagonal`: the diagonal correction inside the chunk-scan kernels
+    # (`ssd/common/bodies.py`); MIMO's correction also holds a token's later ranks, which stay in XLA
+    core.diagonal = diagonal and not mimo and layout.diagonal
     return core
 
 

@@ -1,8 +1,8 @@
 """Mamba-3 as Pallas GPU (Triton) kernels: SSD's chunk kernels and its recurrence kernels
 (`ssd/common/kernels.py`, `ssd/common/gpu.py`'s layout) with the per-position log-decay `adt` and
 the trapezoid's input scale, under the chunked form of `common.py` (angles, rotations and gate
-in XLA; SISO's diagonal correction inside the chunk-scan kernels, their diagonal term
-`ssd/common/bodies.py`; MIMO's in XLA).
+and the diagonal correction in XLA: the kernels can take SISO's as their diagonal term,
+`ssd/common/bodies.py`, which on the H200 cost the backward kernel more than XLA's pass).
 
 **Products**: `x` in the inputs' dtype (SISO: `v`) or float32 (MIMO: `v ⊙ W_x`); the rotated
 `q`, `k` in float32, heads first (the kernels' layout, `common.kernel_core`); TF32 tensor cores for bf16 inputs, exact float32 for fp16 and float32 inputs, as in
@@ -12,8 +12,8 @@ rounded up to a power of two; `common.kernel_core`), so a chunk of `chunk_size` 
 **Constraints**: `head_dim`, `state` and the chunk powers of two and at least 16 (the chunk in
 positions), chunks of at most 128 positions for a bf16 `x`, 64 for fp16 and float32 ones (float32
 inputs, MIMO); otherwise the call falls back with the reason. Verified in interpret mode on the
-CPU and compiled against the oracle on an H200, SISO and MIMO (`tests/gpu/test_mamba3_gpu.py`,
-SISO's correction inside the kernels included; fp16 too); timed there behind mamba_ssm's
+CPU and compiled against the oracle on an H200, SISO and MIMO (`tests/gpu/test_mamba3_gpu.py`;
+fp16 too); timed there behind mamba_ssm's
 kernels (docs/ops/mamba3.md), so it is in no default order.
 """
 
@@ -66,5 +66,9 @@ def mamba3(*args, block_sizes, interpret=False):
             f"{chunk} with {x}: the backward kernel's tiles exceed the H200's 227 KiB of shared "
             f"memory above chunks of {high} positions"
         )
-    core = kernel_core(GpuLayout, chunk_size=q, interpret=bool(interpret), dtype=dtype, mimo=mimo)
+    # the diagonal correction in XLA, not in the kernels (`diagonal=False`): on the H200 the
+    # Triton backward kernel's share of it cost more than XLA's pass (docs/ops/mamba3.md)
+    core = kernel_core(
+        GpuLayout, chunk_size=q, interpret=bool(interpret), dtype=dtype, mimo=mimo, diagonal=False
+    )
     return forward(core, *args, chunk_size=q, later_ranks=True)
