@@ -51,7 +51,8 @@ step() {
   echo "$name rc=$? $((SECONDS - s))s" | tee -a "$R/steps.txt"
 }
 axkern="python3 -m axkern"
-gpu_tests="env AXKERN_TEST_GPU=1 python3 -m pytest -q -p no:cacheprovider -rs"
+# -v: each test named as it ends, so a log cut by its limit shows which ones had not
+gpu_tests="env AXKERN_TEST_GPU=1 python3 -m pytest -q -v -p no:cacheprovider -rs"
 bench() {  # bench OP PRESET [more axkern bench arguments]
   local op=$1 preset=$2; shift 2
   mkdir -p "$R/$op"
