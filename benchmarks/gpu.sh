@@ -52,7 +52,7 @@ step() {
 }
 axkern="python3 -m axkern"
 # -v: each test named as it ends, so a log cut by its limit shows which ones had not
-gpu_tests="env AXKERN_TEST_GPU=1 python3 -m pytest -q -v -p no:cacheprovider -rs"
+gpu_tests="env AXKERN_TEST_GPU=1 python3 -m pytest -v -p no:cacheprovider -rs"
 bench() {  # bench OP PRESET [more axkern bench arguments]
   local op=$1 preset=$2; shift 2
   mkdir -p "$R/$op"
