@@ -52,7 +52,7 @@ from jax import lax
 from axkern.core import kernels
 from axkern.core.compat import vary_like
 from axkern.ops.ssd.common import kernels as chunk_kernels
-from axkern.ops.ssd.common.chunks import all_finite, clean, poison, reaches, segment_starts
+from axkern.ops.ssd.common.chunks import all_finite, clean, poison, reaches, scrubbed, segment_starts
 
 from .blocks import kernel_slots
 
@@ -122,27 +122,6 @@ def _rotated_bwd(halves, repeat, axis, res, g):
 
 
 rotated.defvjp(_rotated_fwd, _rotated_bwd)
-
-
-@jax.custom_vjp
-def scrubbed(ok, a):
-    """`a` as it is where `ok` (a boolean scalar) or where `a` is finite, else 0: the scan's large
-    inputs. For finite inputs (`ok`) the select is the identity and fuses into the pass that
-    forms `a`; unlike `clean`, no mask is kept for the backward, whose cotangent passes through
-    (a non-finite value's own gradient is the cotangent of the 0 that replaced it; the outputs it
-    reaches are NaN, and so are the cotangents they send back)."""
-    return jnp.where(ok | jnp.isfinite(a), a, jnp.zeros((), a.dtype))
-
-
-def _scrubbed_fwd(ok, a):
-    return scrubbed(ok, a), None
-
-
-def _scrubbed_bwd(_, g):
-    return None, g
-
-
-scrubbed.defvjp(_scrubbed_fwd, _scrubbed_bwd)
 
 
 def angle_sums(inc, theta0, seg, q):

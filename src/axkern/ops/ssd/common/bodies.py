@@ -10,9 +10,8 @@ diagonal (`s_t (C_t · B_t) x_t`). Mamba-3's diagonal correction is one (`d = -c
 kernels `C_t · B_t` is the decayed scores' diagonal (`_diagonal`, from the same product) and its
 gradient joins `d(C Bᵀ)` on the diagonal, so the term costs a `[Q, P]` scaling forward and a
 `[Q, P]` row product backward, where XLA would read the per-head `B`, `C` and `y` once more
-forward and their gradients backward. (Its first form, `C_t · B_t` as a `[Q, N]` elementwise
-product summed per row and `d_self ∘ B`, `d_self ∘ C` added to `dC`, `dB`, cost the Triton
-backward kernel 3.1 ms of its 7.5 at Mamba-3's 2.7B layer on the H200.)
+forward and their gradients backward (no `[Q, N]` elementwise work beside the products: a form
+with it slowed the Triton backward kernel far more than its FLOPs, docs/ops/mamba3.md).
 """
 
 from __future__ import annotations
@@ -28,12 +27,15 @@ def state_kernel(x_ref, w_ref, b_ref, out_ref, *, lay, dtype):
     out_ref[0, 0, 0] = lay.dot(x * lay.col(w_ref), b_ref[0, 0], dtype, trans_a=True)  # [P, N]
 
 
+def _positions(q):
+    """The row and column index of every entry of a `[Q, Q]` tile (rows `t`, columns `s`)."""
+    return lax.broadcasted_iota(jnp.int32, (q, q), 0), lax.broadcasted_iota(jnp.int32, (q, q), 1)
+
+
 def _decay(cum_col, cum_row, seg_col, seg_row, sums=None):
     """`Λ[t, s] = exp(cum_t - cum_s)` for `s <= t` in the same segment, else 0 (`[Q, Q]`);
     `sums` (float32 inputs) replaces the difference by `_segment_sums`."""
-    q = cum_col.shape[0]
-    t = lax.broadcasted_iota(jnp.int32, (q, q), 0)
-    s = lax.broadcasted_iota(jnp.int32, (q, q), 1)
+    t, s = _positions(cum_col.shape[0])
     visible = (s <= t) & (seg_col == seg_row)
     return jnp.exp(jnp.where(visible, cum_col - cum_row if sums is None else sums, -jnp.inf))
 
@@ -48,8 +50,7 @@ def _chunk_decay(lay, cum_ref, cum_row_ref, seg_ref, seg_row_ref, sums):
 
 def _triangles(q):
     """`[r <= t]` (rows t, columns r) and `[r > s]` (rows r, columns s), float32 `[Q, Q]`."""
-    i = lax.broadcasted_iota(jnp.int32, (q, q), 0)
-    j = lax.broadcasted_iota(jnp.int32, (q, q), 1)
+    i, j = _positions(q)
     return (j <= i).astype(jnp.float32), (i > j).astype(jnp.float32)
 
 
@@ -100,7 +101,8 @@ def scan_kernel(
 
 
 def _eye(q):
-    return lax.broadcasted_iota(jnp.int32, (q, q), 0) == lax.broadcasted_iota(jnp.int32, (q, q), 1)
+    t, s = _positions(q)
+    return t == s
 
 
 def _diagonal(m):

@@ -137,6 +137,27 @@ clean.defvjp(_clean_fwd, _clean_bwd)
 
 
 @jax.custom_vjp
+def scrubbed(ok, a):
+    """`a` as it is where `ok` (a boolean scalar) or where `a` is finite, else 0: the scan's large
+    inputs. For finite inputs (`ok`) the select is the identity and fuses into the pass that
+    forms `a`; unlike `clean`, no mask is kept for the backward, whose cotangent passes through
+    (a non-finite value's own gradient is the cotangent of the 0 that replaced it; the outputs it
+    reaches are NaN, and so are the cotangents they send back)."""
+    return jnp.where(ok | jnp.isfinite(a), a, jnp.zeros((), a.dtype))
+
+
+def _scrubbed_fwd(ok, a):
+    return scrubbed(ok, a), None
+
+
+def _scrubbed_bwd(_, g):
+    return None, g
+
+
+scrubbed.defvjp(_scrubbed_fwd, _scrubbed_bwd)
+
+
+@jax.custom_vjp
 def poison(y, bad):
     """`y` with NaN where `bad`; the cotangent of those places goes back as NaN, so the inputs
     that reach them get NaN gradients (possibly more of them than the exact recurrence's, never
