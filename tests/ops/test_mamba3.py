@@ -333,3 +333,33 @@ def test_the_rotations_backward_equals_autodiff(halves, heads_first):
     np.testing.assert_array_equal(ours(u, bias, theta), autodiff(u, bias, theta))
     for got, want in zip(loss(ours), loss(autodiff), strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rank", [1, 3])
+def test_the_corrections_pair_products_are_the_rotated_vectors_dot_products(rank):
+    # `common.pair_products` takes the unrotated q, k and biases: a rotation by the same angles
+    # keeps the dot products; its backward expands them into matrix products
+    import importlib
+
+    common = importlib.import_module("axkern.ops.mamba3.common")
+    k = jax.random.split(jax.random.PRNGKey(1), 6)
+    b, l, g, n, h = 2, 5, 2, 12, 4
+    q, kk = (jax.random.normal(k[i], (b, l, rank, g, n)) for i in (0, 1))  # [b, l, r, g, n]
+    bq, bk = (jax.random.normal(k[i], (rank, h, n)) for i in (2, 3))  # [r, h, n]
+    theta = 3 * jax.random.normal(k[4], (b, l, 1, h, 5))  # [b, l, 1, h, a]: 5 of the 6 pairs
+    cot = jax.random.normal(k[5], (b, l, rank, rank, h))
+
+    def rotated_dots(q, kk, bq, bk):
+        qr, kr = (
+            common.rotate(jnp.repeat(u, h // g, axis=3) + w, theta, rank > 1) for u, w in ((q, bq), (kk, bk))
+        )
+        return jnp.einsum("blrhn,bluhn->blruh", qr, kr, precision="highest")
+
+    def loss(fn):
+        return jax.grad(lambda *a: jnp.sum(fn(*a) * cot), argnums=(0, 1, 2, 3))(q, kk, bq, bk)
+
+    np.testing.assert_allclose(
+        common.pair_products(q, kk, bq, bk), rotated_dots(q, kk, bq, bk), rtol=1e-5, atol=1e-4
+    )
+    for got, want in zip(loss(common.pair_products), loss(rotated_dots), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)

@@ -124,6 +124,50 @@ def _rotated_bwd(halves, repeat, axis, res, g):
 rotated.defvjp(_rotated_fwd, _rotated_bwd)
 
 
+def pair_products(q, k, q_bias, k_bias):
+    """`(q_{t,r} · k_{t,u})` of the rotated vectors, `[b, l, r, u, h]` float32, from the unrotated
+    ones: `q`, `k [b, l, r, g, n]`, biases `[r, h, n]`. Position `t`'s `q` and `k` turn by the
+    same `Θ_t` and a rotation keeps dot products, so `(R a) · (R b) = a · b` with `a`, `b` the
+    biased vectors, where the rotated vectors would be read back from memory."""
+    b, l, r, g, n = q.shape
+    heads = q_bias.shape[1]
+    acc = q_bias.dtype
+    per_group = lambda bias: bias.reshape(r, g, heads // g, n)  # noqa: E731
+    out = _pairs(q.astype(acc), k.astype(acc), per_group(q_bias), per_group(k_bias))
+    return out.reshape(b, l, r, r, heads)
+
+
+def _ein(spec, *a):
+    return jnp.einsum(spec, *a, precision=lax.Precision.HIGHEST)
+
+
+@jax.custom_vjp
+def _pairs(q, k, bq, bk):
+    """`Σ_n (q + bq)(k + bk)`, `[b, l, r, u, g, j]`, from `q`, `k [b, l, r, g, n]` and `bq`, `bk
+    [r, g, j, n]` (head `g · J + j`): one reduction XLA fuses with the heads' broadcast (no `[b,
+    l, h, n]` array). Its backward expands the products so that each gradient is a sum over
+    heads or positions of small arrays (matrix products), not a reduction of a broadcast."""
+    a = q[:, :, :, None, :, None] + bq[:, None]  # [b, l, r, 1, g, j, n]
+    c = k[:, :, None, :, :, None] + bk[None]  # [b, l, 1, u, g, j, n]
+    return jnp.sum(a * c, axis=-1)
+
+
+def _pairs_fwd(q, k, bq, bk):
+    return _pairs(q, k, bq, bk), (q, k, bq, bk)
+
+
+def _pairs_bwd(res, d):  # d [b, l, r, u, g, j]
+    q, k, bq, bk = res
+    dq = _ein("blrug,blugn->blrgn", d.sum(-1), k) + _ein("blrugj,ugjn->blrgn", d, bk)
+    dk = _ein("blrug,blrgn->blugn", d.sum(-1), q) + _ein("blrugj,rgjn->blugn", d, bq)
+    dbq = _ein("blrugj,blugn->rgjn", d, k) + _ein("rugj,ugjn->rgjn", d.sum((0, 1)), bk)
+    dbk = _ein("blrugj,blrgn->ugjn", d, q) + _ein("rugj,rgjn->ugjn", d.sum((0, 1)), bq)
+    return dq, dk, dbq, dbk
+
+
+_pairs.defvjp(_pairs_fwd, _pairs_bwd)
+
+
 def angle_sums(inc, theta0, seg, q):
     """`Θ_t = (Θ_0 [t in the first segment] + Σ_{s <= t in t's segment} inc_s) mod 2π`, `inc
     [b, l, h, a]` finite, `theta0 [b, h, a]`, `seg [b, l]` internal ids; chunks of `q`."""
@@ -388,8 +432,12 @@ def forward(
         if later_ranks and rank > 1:
             later = jnp.arange(rank)[:, None] < jnp.arange(rank)[None, :]  # [r, u]: u > r
             weight = weight + jnp.where(later[:, :, None], scale[:, :, None, None, :], 0)
-        pairs = "bhlrn,bhlun->blruh" if heads_major else "blrhn,bluhn->blruh"
-        diag = einsum(pairs, qc, kc) * weight
+        if rank == 1:  # from the unrotated inputs (small), non-finite values as 0 as the scan's
+            diag = pair_products(*(scrubbed(finite, u) for u in (q, k, by_rank(q_bias), by_rank(k_bias))))
+        else:  # MIMO from the rotated ones, the form its GPU tests hold to the oracle rule (docs/ops/mamba3.md)
+            pairs = "bhlrn,bhlun->blruh" if heads_major else "blrhn,bluhn->blruh"
+            diag = einsum(pairs, qc, kc)
+        diag = diag * weight
         y = y + einsum("blruh,bluhp->blrhp", diag, vc.astype(acc))
     # NaN where the recurrence is non-finite
     y = poison(y, y_bad[:, :, None] | q_bad[..., None])
