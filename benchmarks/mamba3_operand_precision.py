@@ -69,8 +69,8 @@ def emulated_layout(rounded):
         def chunk_state(self, xt, w, bt, *, dtype):
             return super().chunk_state(xt, w, bc("state", bt)[0], dtype=dtype)
 
-        def chunk_state_bwd(self, xt, w, bt, d_own):
-            return super().chunk_state_bwd(xt, w, bc("state", bt)[0], d_own)
+        def chunk_state_bwd(self, xt, w, bt, d_own, dx_scan, db_scan):
+            return super().chunk_state_bwd(xt, w, bc("state", bt)[0], d_own, dx_scan, db_scan)
 
         def chunk_scan(self, xt, scale, cum, ac, f, sc, bt, ct, states_in, *, sums, dtype):
             bt, ct = bc("scan", bt, ct)

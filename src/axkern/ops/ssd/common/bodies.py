@@ -171,14 +171,15 @@ def scan_bwd_kernel(
     ds_ref[0, 0, 0] = lay.dot(dyf, cm, f32, trans_a=True)  # [P, N]
 
 
-def state_bwd_kernel(x_ref, w_ref, b_ref, ds_ref, dx_ref, dw_ref, db_ref, *, lay):
-    """Pull `dS` back through `S = (w ∘ x)^T B`."""
+def state_bwd_kernel(x_ref, w_ref, b_ref, ds_ref, dx_scan_ref, db_scan_ref, dx_ref, dw_ref, db_ref, *, lay):
+    """Pull `dS` back through `S = (w ∘ x)^T B`; the chunk scan's `dx`, `dB` (float32) added, `dx`
+    written in its own dtype."""
     f32 = jnp.float32
     x = x_ref[0, 0].astype(f32)
     w = lay.col(w_ref)  # [Q, 1]
     bm = b_ref[0, 0].astype(f32)
     ds = ds_ref[0, 0, 0]  # [P, N]
     dxw = lay.dot(bm, ds, f32, trans_b=True)  # [Q, P]
-    dx_ref[0, 0] = dxw * w
+    dx_ref[0, 0] = (dxw * w + dx_scan_ref[0, 0]).astype(dx_ref.dtype)
     lay.put_col(dw_ref, jnp.sum(dxw * x, axis=1, keepdims=True))
-    db_ref[0, 0] = lay.dot(x * w, ds, f32)  # [Q, N]
+    db_ref[0, 0] = lay.dot(x * w, ds, f32) + db_scan_ref[0, 0]  # [Q, N]

@@ -200,21 +200,24 @@ class Layout:
             specs, args = specs + [self.col_spec], args + [self.to_col(diag)]
         return specs, args
 
-    def chunk_state_bwd(self, xt, w, bt, d_own, dx_scan):
+    def chunk_state_bwd(self, xt, w, bt, d_own, dx_scan, db_scan):
         """Stage 2's backward, `(dx [b, h, L, P], dw, dB [b, h, L, N])` per head in `out`'s
-        layouts (the Pallas `_state_bwd_kernel` unless a backend has its own): `dw`, `dB`
-        float32, `dx` this stage's part plus `dx_scan` (stage 4's, float32) in `x`'s dtype."""
+        layouts (the Pallas `state_bwd_kernel` unless a backend has its own): `dx` this stage's
+        part plus `dx_scan` (stage 4's) in `x`'s dtype, `dB` plus `db_scan` (stage 4's), `dw`,
+        `dB` float32; the Pallas kernel adds both (no float32 `dx` of its own in memory)."""
         p, n = self.p, self.n
-        dx, dw, db = self(
+        dx_spec, dx_shape = self.out("rows", p)
+        return self(
             state_bwd_kernel,
-            [self.rows(p), self.col_spec, self.grouped(n), self.state],
-            [self.out("rows", p), self.out("col"), self.out("rows", n)],
+            [self.rows(p), self.col_spec, self.grouped(n), self.state, self.rows(p), self.rows(n)],
+            [(dx_spec, jax.ShapeDtypeStruct(dx_shape.shape, xt.dtype)), self.out("col"), self.out("rows", n)],
             xt,
             self.to_col(w),
             bt,
             d_own,
+            dx_scan,
+            db_scan,
         )
-        return (dx + dx_scan).astype(xt.dtype), dw, db
 
     def chunk_scan_bwd(self, dy, xt, scale, cum, ac, f, sc, bt, ct, states_in, *, sums, diag=None):
         """Stage 4's backward, `(dx, ddt, dcum, dcum_row, df, dB, dC, dS_in)` per head, float32,
@@ -228,17 +231,17 @@ class Layout:
         kernel = functools.partial(scan_bwd_kernel, sums=sums, diag=diag is not None)
         return self(kernel, [self.rows(p), *specs], outs, dy.astype(jnp.float32), *args)
 
-    def state_backward(self, xt, w, bt, keep, states_in, d_states_in, d_final, dx_scan):
+    def state_backward(self, xt, w, bt, keep, states_in, d_states_in, d_final, dx_scan, db_scan):
         """Stage 3's and stage 2's backward: the reverse recurrence, then the chunk states'
         backward, `(dx, dw, dB, d keep, d initial state)`, `dx` with `dx_scan` added, in `x`'s
-        dtype (a backend may fuse them)."""
+        dtype, `dB` with `db_scan` (a backend may fuse them)."""
         d_own, d_keep, d_init = self.recurrence_bwd(keep, states_in, d_states_in, d_final)
-        return (*self.chunk_state_bwd(xt, w, bt, d_own, dx_scan), d_keep, d_init)
+        return (*self.chunk_state_bwd(xt, w, bt, d_own, dx_scan, db_scan), d_keep, d_init)
 
-    def sum_groups(self, db_scan, db_state, dc):
+    def sum_groups(self, db, dc):
         """`dB`, `dC` per group (`[b, g, L, N]`) from the backward kernels' per-head outputs."""
         per_group = lambda a: a.reshape(self.batch, -1, self.rep, self.lp, self.n).sum(2)  # noqa: E731
-        return per_group(db_scan + db_state), per_group(dc)
+        return per_group(db), per_group(dc)
 
     def dot(self, a, b, dtype=None, *, trans_a=False, trans_b=False):
         return kernels.dot(a, b, dtype, trans_a=trans_a, trans_b=trans_b, precision=self.precision)
@@ -312,8 +315,8 @@ def _core_bwd(cfg, res, cotangents):
     dx_scan, ddt, dcum, dcum_row, df, db_scan, dc, d_states_in, *d_diag = k.chunk_scan_bwd(
         dy, xt, scale, cum, ac, f, sc, bt, ct, states_in, sums=sums, **extra
     )
-    dx, dw, db_state, d_keep, d_init = k.state_backward(
-        xt, w, bt, keep, states_in, d_states_in, d_final.astype(jnp.float32), dx_scan
+    dx, dw, db, d_keep, d_init = k.state_backward(
+        xt, w, bt, keep, states_in, d_states_in, d_final.astype(jnp.float32), dx_scan, db_scan
     )
     if sums:  # the decay's `d a` straight from the kernel; the weights' `d cum` by autodiff
         da = row(dcum_row)
@@ -322,7 +325,7 @@ def _core_bwd(cfg, res, cotangents):
     else:
         d_ac, d_scale = pull_weights((col(dcum) - row(dcum_row), col(dw), col(df), d_keep))
     d_scale = d_scale + col(ddt)
-    db, dc = k.sum_groups(db_scan, db_state, dc)
+    db, dc = k.sum_groups(db, dc)
     if clean_x:  # a non-finite input's gradient is NaN (as `chunks.clean`'s)
         dx = jnp.where(jnp.isfinite(x_in), dx, jnp.nan)
     return (

@@ -171,9 +171,11 @@ class MosaicLayout(GpuLayout):
         args = (xt, c(scale), c(cum), c(f), c(sc), bt, ct, states_in)
         return chunk_scan(*args, positions_first=self.positions_first, y_dtype=self.y_dtype)
 
-    def chunk_state_bwd(self, xt, w, bt, d_own, dx_scan):
+    def chunk_state_bwd(self, xt, w, bt, d_own, dx_scan, db_scan):
         kw = dict(group_sums=self.group_sums, positions_first=self.positions_first)
-        return chunk_state_bwd(xt, self.to_col(w), bt, d_own, dx_scan, **kw)  # dx_scan added in the kernel
+        # dx_scan added in the kernel; db_scan here (per head, or per group with `group_sums`)
+        dx, dw, db = chunk_state_bwd(xt, self.to_col(w), bt, d_own, dx_scan, **kw)
+        return dx, dw, db + db_scan
 
     def chunk_scan_bwd(self, dy, xt, scale, cum, ac, f, sc, bt, ct, states_in, *, sums):
         if sums:
@@ -187,15 +189,17 @@ class MosaicLayout(GpuLayout):
     # the reverse recurrence and the chunk states' backward as one kernel
     fused_backward = False
 
-    def state_backward(self, xt, w, bt, keep, states_in, d_states_in, d_final, dx_scan):
+    def state_backward(self, xt, w, bt, keep, states_in, d_states_in, d_final, dx_scan, db_scan):
         if not self.fused_backward:
-            return super().state_backward(xt, w, bt, keep, states_in, d_states_in, d_final, dx_scan)
+            return super().state_backward(xt, w, bt, keep, states_in, d_states_in, d_final, dx_scan, db_scan)
         kw = dict(group_sums=self.group_sums, positions_first=self.positions_first)
-        dx, *rest = fused_state_bwd(xt, self.to_col(w), bt, keep, states_in, d_states_in, d_final, **kw)
-        return ((dx + dx_scan).astype(xt.dtype), *rest)
+        dx, dw, db, *rest = fused_state_bwd(
+            xt, self.to_col(w), bt, keep, states_in, d_states_in, d_final, **kw
+        )
+        return ((dx + dx_scan).astype(xt.dtype), dw, db + db_scan, *rest)
 
-    def sum_groups(self, db_scan, db_state, dc):
-        return (db_scan + db_state, dc) if self.group_sums else super().sum_groups(db_scan, db_state, dc)
+    def sum_groups(self, db, dc):
+        return (db, dc) if self.group_sums else super().sum_groups(db, dc)
 
 
 class FusedMosaicLayout(MosaicLayout):

@@ -147,9 +147,9 @@ class EmulatedLayout(GpuLayout):
     def chunk_state(self, xt, w, bt, *, dtype):
         return emulate_chunk_state(xt, self.to_col(w), bt)
 
-    def chunk_state_bwd(self, xt, w, bt, d_own, dx_scan):
+    def chunk_state_bwd(self, xt, w, bt, d_own, dx_scan, db_scan):
         dx, dw, db = emulate_chunk_state_bwd(xt, self.to_col(w), bt, d_own)
-        return (dx + dx_scan).astype(xt.dtype), dw, db
+        return (dx + dx_scan).astype(xt.dtype), dw, db + db_scan
 
     def chunk_scan(self, xt, scale, cum, ac, f, sc, bt, ct, states_in, *, sums, dtype):
         assert not sums
