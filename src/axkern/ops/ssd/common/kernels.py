@@ -42,8 +42,9 @@ kernel `chunk_scan_bwd` pulls `dy` back through `y = M (dt ∘ x) + f ∘ (C S_i
 rowsum(dM ∘ M) - colsum(dM ∘ M)` (float32 inputs: `d a` from `_segment_sums_bwd`), `df =
 rowsum(dy ∘ C S_in^T)`, `dS_in = (f ∘ dy)^T C`. The recurrence runs backwards (the gradients of
 each chunk's own state, of the carries, of the initial state); `chunk_state_bwd` pulls those
-through `S = (w ∘ x)^T B`; stage 1's VJP gives `d a`, `d s`. `dB`, `dC` per head (`[b, h, L,
-N]`, float32), summed over each group's heads in XLA. The forward saves the states entering the
+through `S = (w ∘ x)^T B` and adds `chunk_scan_bwd`'s `d x` (written in `x`'s dtype) and `dB`;
+stage 1's VJP gives `d a`, `d s`. `dB`, `dC` per head (`[b, h, L, N]`, float32), summed over
+each group's heads in XLA. The forward saves the states entering the
 chunks (`[b, c, h, P, N]`, float32).
 """
 
