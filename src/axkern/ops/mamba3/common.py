@@ -138,6 +138,7 @@ def pair_products(q, k, q_bias, k_bias):
 
 
 def _ein(spec, *a):
+    """`jnp.einsum` with exact float32 products (no TF32): this file's small sums."""
     return jnp.einsum(spec, *a, precision=lax.Precision.HIGHEST)
 
 
@@ -181,7 +182,7 @@ def angle_sums(inc, theta0, seg, q):
     sc = seg.reshape(batch, -1, q)
     t = jnp.arange(q)
     same = ((sc[:, :, :, None] == sc[:, :, None, :]) & (t[:, None] >= t[None, :])).astype(inc.dtype)
-    local = jnp.einsum("bcts,bcsha->bctha", same, ic, precision=lax.Precision.HIGHEST)
+    local = _ein("bcts,bcsha->bctha", same, ic)
     before = jnp.concatenate([sc[:, :1, 0], sc[:, :-1, -1]], axis=1)  # [b, c]
     whole = sc[:, :, -1] == before  # no segment starts inside the chunk
 

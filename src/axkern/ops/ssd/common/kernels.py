@@ -24,8 +24,10 @@ correction).
 `[Q, Q]` and `[P, N]` tiles. **Cost.** Per chunk and head `2·Q²·N` (`C B^T`) + `2·Q²·P` (scores
 times `x`) + `2·Q·N·P` (incoming state) + `2·Q·P·N` (own state) FLOPs forward, about twice that
 backward; bytes: `x`, `B`, `C` once per pass, the `[b, c, h, P, N]` float32 states written and
-read. Compute bound for Mamba-2 sizes (`Q = 64..256`, `N = 128`). float32 inputs add `2·Q³`
-FLOPs forward and `4·Q³` backward per chunk and head (`_segment_sums`).
+read; backward also the per-head float32 `dx`, `dB` (written by `chunk_scan_bwd`, read by
+`chunk_state_bwd`, which writes `dx` in `x`'s dtype and the summed `dB`) and `dC`. Compute
+bound for Mamba-2 sizes (`Q = 64..256`, `N = 128`). float32 inputs add `2·Q³` FLOPs forward and
+`4·Q³` backward per chunk and head (`_segment_sums`).
 
 `Layout.forward` runs stages 2-4 in turn (a backend may fuse them). **Non-finite input**
 (`chunks.guard`, through `chunks.layer` only where an input is not finite): the kernels take
@@ -44,8 +46,8 @@ rowsum(dy ∘ C S_in^T)`, `dS_in = (f ∘ dy)^T C`. The recurrence runs backward
 each chunk's own state, of the carries, of the initial state); `chunk_state_bwd` pulls those
 through `S = (w ∘ x)^T B` and adds `chunk_scan_bwd`'s `d x` (written in `x`'s dtype) and `dB`;
 stage 1's VJP gives `d a`, `d s`. `dB`, `dC` per head (`[b, h, L, N]`, float32), summed over
-each group's heads in XLA. The forward saves the states entering the
-chunks (`[b, c, h, P, N]`, float32).
+each group's heads in XLA. The forward saves the states entering the chunks (`[b, c, h, P, N]`,
+float32).
 """
 
 from __future__ import annotations
