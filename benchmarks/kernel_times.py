@@ -118,6 +118,7 @@ def main() -> None:
     p.add_argument("--impl", required=True, help="comma-separated implementation names")
     p.add_argument("--calls", type=int, default=3, help="calls under the profiler (default 3)")
     p.add_argument("--hlo", action="store_true", help="write the optimized HLO; name each row's sources")
+    p.add_argument("--only", help="the first case whose label contains this text (default: the preset's first)")
     a = p.parse_args()
     folder = Path(os.environ.get("OUT", "."))
     out = {
@@ -128,13 +129,17 @@ def main() -> None:
             + [f"--impl {a.impl}"]
             + ([f"--calls {a.calls}"] if a.calls != 3 else [])
             + (["--hlo"] if a.hlo else [])
+            + ([f"--only {a.only}"] if a.only else [])
         ),
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "jax": jax.__version__,
         "device": jax.devices()[0].device_kind,
         "runs": [],
     }
-    for case in bench.cases_for(a.op, preset=a.preset, tokens=a.tokens)[:1]:
+    cases = [c for c in bench.cases_for(a.op, preset=a.preset, tokens=a.tokens) if (a.only or "") in c.label]
+    if not cases:
+        raise SystemExit(f"no case of {a.op} {a.preset} has {a.only!r} in its label")
+    for case in cases[:1]:
         args = case.make(jax.random.PRNGKey(0))
         for impl in a.impl.split(","):
             fwd = jax.jit(case.forward_for(impl))
