@@ -137,6 +137,19 @@ def pair_products(q, k, q_bias, k_bias):
     return out.reshape(b, l, r, r, heads)
 
 
+def rank_products(qc, kc, heads_major):
+    """`(q_{t,r} · k_{t,u})`, `[b, l, r, u, h]`, of the rotated `qc`, `kc` (`[b, l, r, h, n]`, or
+    `[b, h, l, r, n]` with `heads_major`): products and a sum over the state in float32, one
+    reduction that reads each rotated vector once where it lies (a matrix product per position
+    and head would be a batched GEMM of `[r, n] x [n, u]` tiles, which XLA fed with transposed
+    copies)."""
+    if heads_major:  # [b, h, l, r, u] -> [b, l, r, u, h]
+        out = jnp.sum(qc[:, :, :, :, None] * kc[:, :, :, None], axis=-1)
+        return jnp.transpose(out, (0, 2, 3, 4, 1))
+    out = jnp.sum(qc[:, :, :, None] * kc[:, :, None], axis=-1)  # [b, l, r, u, h]
+    return out
+
+
 def _ein(spec, *a):
     """`jnp.einsum` with exact float32 products (no TF32): this file's small sums."""
     return jnp.einsum(spec, *a, precision=lax.Precision.HIGHEST)
@@ -435,11 +448,12 @@ def forward(
             weight = weight + jnp.where(later[:, :, None], scale[:, :, None, None, :], 0)
         if rank == 1:  # from the unrotated inputs (small), non-finite values as 0 as the scan's
             diag = pair_products(*(scrubbed(finite, u) for u in (q, k, by_rank(q_bias), by_rank(k_bias))))
-        else:  # MIMO from the rotated ones, the form its GPU tests hold to the oracle rule (docs/ops/mamba3.md)
-            pairs = "bhlrn,bhlun->blruh" if heads_major else "blrhn,bluhn->blruh"
-            diag = einsum(pairs, qc, kc)
+        else:  # MIMO from the rotated ones (docs/ops/mamba3.md), as one reduction over the state
+            diag = rank_products(qc, kc, heads_major)
         diag = diag * weight
-        y = y + einsum("blruh,bluhp->blrhp", diag, vc.astype(acc))
+        # Σ_u over the few ranks as elementwise terms: XLA fuses them into the passes over `y`
+        # (a matrix product of `[r, u] x [u, p]` per position and head would run as a batched GEMM)
+        y = y + sum(diag[:, :, :, u, :, None] * vc[:, :, None, u].astype(acc) for u in range(rank))
     # NaN where the recurrence is non-finite
     y = poison(y, y_bad[:, :, None] | q_bad[..., None])
     final = poison(final, final_bad)
