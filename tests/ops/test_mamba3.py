@@ -363,3 +363,33 @@ def test_the_corrections_pair_products_are_the_rotated_vectors_dot_products(rank
     )
     for got, want in zip(loss(common.pair_products), loss(rotated_dots), strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("heads_major", [False, True])
+def test_the_rank_products_are_every_pair_of_ranks_dot_products(heads_major):
+    # `common.rank_products` (MIMO's correction): `[b, l, r, u, h]` from either layout of the
+    # rotated vectors, equal to the dot products written out, values and gradients
+    import importlib
+
+    common = importlib.import_module("axkern.ops.mamba3.common")
+    k = jax.random.split(jax.random.PRNGKey(2), 3)
+    b, l, r, h, n = 2, 5, 3, 4, 6
+    qc, kc = (jax.random.normal(k[i], (b, l, r, h, n)) for i in (0, 1))  # [b, l, r, h, n]
+    cot = jax.random.normal(k[2], (b, l, r, r, h))
+    to_layout = (lambda u: jnp.transpose(u, (0, 3, 1, 2, 4))) if heads_major else (lambda u: u)
+
+    def written_out(qc, kc):
+        return jnp.stack(
+            [jnp.stack([jnp.sum(qc[:, :, i] * kc[:, :, j], axis=-1) for j in range(r)], 2) for i in range(r)],
+            2,
+        )
+
+    got_fn = lambda qc, kc: common.rank_products(to_layout(qc), to_layout(kc), heads_major)  # noqa: E731
+    np.testing.assert_allclose(got_fn(qc, kc), written_out(qc, kc), rtol=1e-6, atol=1e-6)
+    assert got_fn(qc, kc)[0, 1, 2, 0, 3] != got_fn(qc, kc)[0, 1, 0, 2, 3]  # (r, u) is not symmetric
+
+    def grads(fn):
+        return jax.grad(lambda *a: jnp.sum(fn(*a) * cot), argnums=(0, 1))(qc, kc)
+
+    for got, want in zip(grads(got_fn), grads(written_out), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
