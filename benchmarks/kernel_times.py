@@ -118,7 +118,9 @@ def main() -> None:
     p.add_argument("--impl", required=True, help="comma-separated implementation names")
     p.add_argument("--calls", type=int, default=3, help="calls under the profiler (default 3)")
     p.add_argument("--hlo", action="store_true", help="write the optimized HLO; name each row's sources")
-    p.add_argument("--only", help="the first case whose label contains this text (default: the preset's first)")
+    p.add_argument(
+        "--only", help="the first case whose label contains this text (default: the preset's first)"
+    )
     a = p.parse_args()
     folder = Path(os.environ.get("OUT", "."))
     out = {

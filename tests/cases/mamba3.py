@@ -59,7 +59,12 @@ def call(impl, kw, seg=None, chunk_size=None):
         segment_ids=seg,
         return_final_state=True,
         implementation=impl,
-        chunk_size=chunk_size,
+        # `chunk_size` may be a `Mamba3BlockSizes`
+        **(
+            {"chunk_size": chunk_size}
+            if chunk_size is None or isinstance(chunk_size, int)
+            else {"block_sizes": chunk_size}
+        ),
         **kw,
     )
 

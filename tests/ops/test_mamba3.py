@@ -329,7 +329,7 @@ def test_the_rotations_backward_equals_autodiff(halves, heads_first):
     def loss(fn):
         return jax.grad(lambda *a: jnp.sum(fn(*a) * cot), argnums=(0, 1, 2))(u, bias, theta)
 
-    ours = functools.partial(common.rotated, halves, 2, axis)
+    ours = functools.partial(common.rotated, halves, 2, axis, None)
     np.testing.assert_array_equal(ours(u, bias, theta), autodiff(u, bias, theta))
     for got, want in zip(loss(ours), loss(autodiff), strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)

@@ -9,6 +9,7 @@ import jax
 import pytest
 
 import axkern
+from axkern.ops.mamba3.blocks import Mamba3BlockSizes
 from tests.cases.mamba3 import call, make, run
 from tests.harness import check_rule
 
@@ -20,8 +21,9 @@ from tests.harness import check_rule
         ("pallas_tpu", (2, 37, 4, 3, 2, 6, 2), "float32", 8, 0),
         # MIMO of rank 1: the halves' rotation pairing
         ("pallas_tpu", (1, 21, 2, 3, 1, 6, 2), "bfloat16", 8, 1),
-        # Triton's smallest tiles, P = N = 16, length 37 over chunks of 16
-        ("pallas_gpu", (1, 37, 2, 16, 1, 16, 4), "bfloat16", 16, 0),
+        # Triton's smallest tiles, P = N = 16, length 36 over chunks of 16, the rotation's
+        # backward as its kernel (blocks of 4 positions)
+        ("pallas_gpu", (1, 36, 2, 16, 1, 16, 4), "bfloat16", Mamba3BlockSizes(16, "kernel"), 0),
         # MIMO of rank 2: chunks of 8 tokens (16 kernel positions) over a length of 13, a segment
         # starting inside the first chunk
         ("pallas_tpu", (1, 13, 2, 3, 1, 6, 2), "float32", 8, 2),
@@ -65,6 +67,10 @@ def test_kernels_refuse_small_tiles_and_chunks_with_the_reason():
         call("pallas_gpu", mimo, chunk_size=64)
     with pytest.raises(axkern.Unsupported, match=r"chunk_size=2 \(4 positions, 2 per token\) is below 8"):
         call("pallas_tpu", mimo, chunk_size=2)
+    # the rotation's backward kernel is pallas_gpu's own
+    for impl in ("xla", "pallas_tpu"):
+        with pytest.raises(axkern.Unsupported, match="rotation_backward='kernel': only pallas_gpu"):
+            call(impl, small, chunk_size=Mamba3BlockSizes(16, "kernel"))
     # a token wider than the largest float32 chunk
     wide = jax.ShapeDtypeStruct
     shapes = {
@@ -91,3 +97,56 @@ def test_kernel_heuristics_count_tokens_per_chunk(impl, rank, chunk):
     shapes = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in arrays.items()}
     d = axkern.explain(lambda a: call(impl, a), shapes)
     assert d.implementation == impl and d.block_sizes.chunk_size == chunk
+
+
+@pytest.mark.parametrize(
+    "halves,rank,groups,heads,length,n,a",
+    [
+        (False, 1, 2, 4, 12, 16, 4),  # SISO pairs, two groups, blocks of 4 positions
+        (True, 4, 1, 2, 8, 16, 4),  # MIMO halves, rank 4: blocks of 8 positions (32 rows)
+        (False, 1, 1, 2, 16, 16, 8),  # every column rotated (none passes through)
+    ],
+)
+def test_the_rotation_backward_kernel_equals_xlas(halves, rank, groups, heads, length, n, a):
+    # `pallas_gpu.rotation_backward` (interpret mode) against `common.rotated`'s XLA backward:
+    # the turned-back cotangent summed over heads (`du`, bf16) and positions (`dbias`), and `dΘ`
+    import importlib
+
+    import jax.numpy as jnp
+    import numpy as np
+
+    common = importlib.import_module("axkern.ops.mamba3.common")
+    pg = importlib.import_module("axkern.ops.mamba3.pallas_gpu")
+    k = jax.random.split(jax.random.PRNGKey(0), 4)
+    u = jax.random.normal(k[0], (2, groups, length, rank, n)).astype(jnp.bfloat16)
+    bias = jax.random.normal(k[1], (heads, 1, rank, n))
+    theta = 3 * jax.random.normal(k[2], (2, heads, length, 1, a))
+    g = jax.random.normal(k[3], (2, heads, length, rank, n))
+    got = pg.rotation_backward(halves, u, bias, theta, g, interpret=True)
+    want = common._rotated_bwd(halves, heads // groups, 1, None, (u, bias, theta), g)
+    for x, y in zip(got, want, strict=True):
+        assert x.shape == y.shape and x.dtype == y.dtype
+        np.testing.assert_allclose(np.asarray(x, np.float32), np.asarray(y, np.float32), rtol=2e-6, atol=2e-5)
+
+
+def test_the_rotation_backward_kernel_leaves_other_shapes_to_xla():
+    import importlib
+
+    import jax.numpy as jnp
+
+    pg = importlib.import_module("axkern.ops.mamba3.pallas_gpu")
+
+    def call(rank, length, n, a, halves=False):  # traced only: `None` or the gradients' shapes
+        shapes = [(1, 1, length, rank, n), (2, 1, rank, n), (1, 2, length, 1, a), (1, 2, length, rank, n)]
+        args = [
+            jax.ShapeDtypeStruct(s, d)
+            for s, d in zip(shapes, [jnp.bfloat16] + [jnp.float32] * 3, strict=True)
+        ]
+        return jax.eval_shape(lambda *x: pg.rotation_backward(halves, *x), *args)
+
+    assert call(1, 12, 16, 4) is not None
+    assert call(1, 13, 16, 4) is None  # no block of 4 or more positions divides the length
+    assert call(3, 12, 16, 4) is None  # rank 3: rows of a block not a power of two
+    assert call(1, 12, 16, 3) is None  # 3 angles
+    assert call(2, 12, 16, 4, halves=True) is not None
+    assert call(2, 12, 16, 2, halves=True) is None  # 6 columns of each half pass through

@@ -4,9 +4,11 @@ positions a MIMO token takes in the Pallas kernels."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
+from typing import ClassVar
 
 from axkern.core.blocks import BlockSizes, grid, next_power_of_2
-from axkern.core.op import Spec
+from axkern.core.op import Spec, Unsupported
 from axkern.ops.ssd.blocks import GPU_MIN_DIM, TPU_MIN_CHUNK
 
 __all__ = [
@@ -17,6 +19,7 @@ __all__ = [
     "pallas_gpu_heuristic",
     "pallas_tpu_heuristic",
     "kernel_slots",
+    "refuse_rotation_kernel",
 ]
 
 
@@ -24,14 +27,27 @@ __all__ = [
 class Mamba3BlockSizes(BlockSizes):
     """`chunk_size`: tokens (sequence positions) per chunk, a power of two; the length need not be
     a multiple. The Pallas kernels run a MIMO token as `kernel_slots(rank)` consecutive positions,
-    so their chunks hold `chunk_size · kernel_slots(rank)` positions."""
+    so their chunks hold `chunk_size · kernel_slots(rank)` positions.
+
+    `rotation_backward` (`pallas_gpu` only): `"xla"` (None means this) turns the rotated `q`,
+    `k`'s cotangents back in XLA, `"kernel"` in one Triton kernel that reads each cotangent once
+    (`pallas_gpu.rotation_backward`; XLA's where the kernel's tiles do not fit the shapes)."""
+
+    choices: ClassVar[Mapping[str, tuple[str, ...]]] = {"rotation_backward": ("xla", "kernel")}
 
     chunk_size: int = 64
+    rotation_backward: str | None = None
 
     def check(self, spec):
         if self.chunk_size & (self.chunk_size - 1):
             return f"chunk_size={self.chunk_size} is not a power of two"
         return None
+
+
+def refuse_rotation_kernel(block_sizes: Mamba3BlockSizes) -> None:
+    """Refuse `rotation_backward="kernel"`: an implementation other than `pallas_gpu` has none."""
+    if block_sizes.rotation_backward == "kernel":
+        raise Unsupported("rotation_backward='kernel': only pallas_gpu has the rotation's backward kernel")
 
 
 def bucket(spec: Spec) -> dict:

@@ -84,13 +84,15 @@ def rotate(u, theta, halves):
     return jnp.where(rotated, x * cos + partner * sin, x).reshape(u.shape)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def rotated(halves, repeat, axis, u, bias, theta):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def rotated(halves, repeat, axis, backward, u, bias, theta):
     """`rotate(u + bias, theta, halves)` with `u` repeated `repeat` times over its groups (axis
     `axis`, to heads) in `bias`'s dtype: `u [b, l, r, g, n]`, `bias [r, h, n]`, `theta [b, l, 1,
     h, a]` (axis 3), or heads first, `u [b, g, l, r, n]`, `bias [h, 1, r, n]`, `theta [b, h, l,
     1, a]` (axis 1). The backward keeps only the arguments (`u` in its own dtype) and turns the
-    cotangent back by `-theta`, rather than autodiff's float32 pieces of `u + bias`."""
+    cotangent back by `-theta`, rather than autodiff's float32 pieces of `u + bias`: in XLA, or
+    (heads first) through `backward(halves, u, bias, theta, g)` where it returns the three
+    gradients rather than `None` (a kernel that cannot serve these shapes)."""
     return rotate(_biased(repeat, axis, u, bias), theta, halves)
 
 
@@ -98,12 +100,15 @@ def _biased(repeat, axis, u, bias):
     return jnp.repeat(u.astype(bias.dtype), repeat, axis=axis) + bias
 
 
-def _rotated_fwd(halves, repeat, axis, u, bias, theta):
-    return rotated(halves, repeat, axis, u, bias, theta), (u, bias, theta)
+def _rotated_fwd(halves, repeat, axis, backward, u, bias, theta):
+    return rotated(halves, repeat, axis, backward, u, bias, theta), (u, bias, theta)
 
 
-def _rotated_bwd(halves, repeat, axis, res, g):
+def _rotated_bwd(halves, repeat, axis, backward, res, g):
     u, bias, theta = res
+    grads = backward(halves, u, bias, theta, g) if backward is not None and axis == 1 else None
+    if grads is not None:
+        return grads
     w, pull = jax.vjp(functools.partial(_biased, repeat, axis), u, bias)
     # a pair (x0, x1) turns to (x0 cos - x1 sin, x0 sin + x1 cos): its transpose is the turn by
     # -theta, and d/dtheta is g · (-r1, r0) for the rotated pair (r0, r1) = R w, which equals
@@ -224,6 +229,8 @@ class Core(typing.Protocol):
     `[b, H, l, R, N]`: a core with `heads_major = True` takes them so)."""
 
     heads_major: bool  # optional (absent: False): `B`, `C` heads first
+    # optional (absent: None): the heads-first rotation's backward (`rotated`'s `backward`)
+    rotation_backward: typing.Any
     # optional (absent: False): the call takes `diag=` (`[b, l, H]`) and adds
     # `diag_t (C_t · B_t) x_t` to `y_t` (SISO), so `forward` leaves it the diagonal correction
     diagonal: bool
@@ -238,7 +245,7 @@ def kernel_x_dtype(dtype, mimo):
     return jnp.promote_types(dtype, jnp.float32) if mimo else jnp.dtype(dtype)
 
 
-def kernel_core(layout, *, chunk_size, interpret, dtype, mimo, diagonal=True) -> Core:
+def kernel_core(layout, *, chunk_size, interpret, dtype, mimo, diagonal=True, rotation_backward=None) -> Core:
     """SSD's Pallas chunk kernels (`ssd/common/kernels.py`, with `layout` a `Layout` subclass) as a
     `Core` over chunks of `chunk_size` tokens. `x` goes in as `kernel_x_dtype(dtype, mimo)`; the
     kernels take the path of the inputs' `dtype` (the products' precision, the decay's form);
@@ -286,6 +293,7 @@ def kernel_core(layout, *, chunk_size, interpret, dtype, mimo, diagonal=True) ->
         return y.reshape(batch, length, slots, *y.shape[2:])[:, :, :rank], final
 
     core.heads_major = True
+    core.rotation_backward = rotation_backward
     core.x_dtype = kernel_x_dtype(dtype, mimo)
     # SISO with `diagonal`: the diagonal correction inside the chunk-scan kernels
     # (`ssd/common/bodies.py`); MIMO's correction also holds a token's later ranks, which stay in XLA
@@ -327,6 +335,7 @@ def forward(
     groups = q.shape[3]
     mimo = W_x is not None
     heads_major = getattr(core, "heads_major", False)
+    rotation_backward = getattr(core, "rotation_backward", None)
     f = lambda a: a.astype(acc)  # noqa: E731
     bad = lambda a: ~jnp.isfinite(a)  # noqa: E731
     by_rank = lambda w: jnp.swapaxes(f(w), 0, 1)  # noqa: E731 - [h, r, ..] -> [r, h, ..]
@@ -358,12 +367,21 @@ def forward(
         if heads_major:  # the small inputs transposed, so that the rotation writes heads first
             th = theta[:, :, at, None]  # [b, h, l, 1, a]
             return tuple(
-                rotated(mimo, heads // groups, 1, jnp.transpose(u[:, at], (0, 3, 1, 2, 4)), f(b)[:, None], th)
+                rotated(
+                    mimo,
+                    heads // groups,
+                    1,
+                    rotation_backward,
+                    jnp.transpose(u[:, at], (0, 3, 1, 2, 4)),
+                    f(b)[:, None],
+                    th,
+                )
                 for u, b in ((q, q_bias), (k, k_bias))
             )
         th = theta[:, at, None]  # [b, l, 1, h, a]
         return tuple(
-            rotated(mimo, heads // groups, 3, u[:, at], by_rank(b), th) for u, b in ((q, q_bias), (k, k_bias))
+            rotated(mimo, heads // groups, 3, None, u[:, at], by_rank(b), th)
+            for u, b in ((q, q_bias), (k, k_bias))
         )
 
     def tokens_major(u):  # a rotated q or k as `rotations` gives it -> [b, l, r, h, n]

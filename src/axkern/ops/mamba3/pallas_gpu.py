@@ -14,10 +14,21 @@ positions), chunks of at most 128 positions for a bf16 `x`, 64 for fp16 and floa
 inputs, MIMO); otherwise the call falls back with the reason. Verified in interpret mode on the
 CPU and compiled against the oracle on an H200, SISO and MIMO (`tests/gpu/test_mamba3_gpu.py`;
 fp16 too); timed there behind mamba_ssm's
-kernels (docs/ops/mamba3.md), so it is in no default order.
+kernels (docs/ops/mamba3.md), so it is in no default order. **Rotation backward**:
+`Mamba3BlockSizes(rotation_backward="kernel")` turns the rotated `q`, `k`'s cotangents back in
+one Triton kernel (`rotation_backward`) rather than XLA's three reductions; opt-in (its speed
+against XLA's on the H200 is in docs/ops/mamba3.md).
 """
 
 from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
 
 from axkern.core import kernels
 from axkern.core.op import Unsupported
@@ -28,6 +39,120 @@ from axkern.ops.ssd.common.gpu import GpuLayout
 
 from .blocks import kernel_slots
 from .common import forward, kernel_core, kernel_x_dtype
+
+_ROWS = 32  # rows (token, rank) of `q` or `k` a rotation-backward program turns back per head
+
+
+def _pow2(x: int) -> bool:
+    return x > 0 and x & (x - 1) == 0
+
+
+def _columns(halves: bool, n: int, a: int):
+    """The state's columns as Triton slices: each rotated pair's first and second elements
+    (`(i, i + N/2)` for `halves`, else `(2i, 2i+1)`), then the columns that pass through."""
+    if halves:
+        pairs, rest = (pl.ds(0, a), pl.ds(n // 2, a)), n // 2 - a
+        return pairs, [pl.ds(a, rest), pl.ds(n // 2 + a, rest)] if rest else []
+    pairs, rest = (pl.ds(0, a, stride=2), pl.ds(1, a, stride=2)), n - 2 * a
+    return pairs, [pl.ds(2 * a, rest)] if rest else []
+
+
+def _rotation_bwd_kernel(
+    g_ref, u_ref, bias_ref, th_ref, du_ref, db_ref, dth_ref, *, heads, rank, tokens, halves
+):
+    """One (batch, group, `tokens` positions) block: for each of the group's `heads`, the
+    cotangent `g` of the rotated `u + bias` turned back by `-Θ` (`back`), summed over the heads
+    into `du` (in `u`'s dtype), over this block's rows into `db`, and `dΘ = Σ_r back_1 w_0 -
+    back_0 w_1` against the unrotated pair `w = u + bias`. Blocks: `g [heads, tokens·rank, N]`
+    (rows `(t, r)`, rank `r` every `rank`-th row), `u`, `du [tokens·rank, N]`, `bias`, `db
+    [heads, rank, N]`, `Θ`, `dΘ [heads, tokens, A]`."""
+    n, a = u_ref.shape[-1], th_ref.shape[-1]
+    (c0, c1), rest = _columns(halves, n, a)
+    cols = (c0, c1, *rest)
+    rows = [pl.ds(r, tokens, stride=rank) if rank > 1 else pl.ds(0, tokens) for r in range(rank)]
+    f32 = jnp.float32
+    u = [(u_ref[rows[r], c0].astype(f32), u_ref[rows[r], c1].astype(f32)) for r in range(rank)]
+
+    def head(j, acc):
+        th = th_ref[j]  # [tokens, A]
+        cos, sin = jnp.cos(th), jnp.sin(th)
+        d_th = jnp.zeros_like(th)
+        out = []
+        for r in range(rank):
+            g0, g1 = g_ref[j, rows[r], c0], g_ref[j, rows[r], c1]
+            back0, back1 = g0 * cos + g1 * sin, g1 * cos - g0 * sin  # the turn by -Θ
+            w0 = u[r][0] + bias_ref[j, pl.ds(r, 1), c0]
+            w1 = u[r][1] + bias_ref[j, pl.ds(r, 1), c1]
+            d_th = d_th + back1 * w0 - back0 * w1
+            pieces = (back0, back1, *(g_ref[j, rows[r], c] for c in rest))
+            for c, piece in zip(cols, pieces, strict=True):
+                db_ref[j, pl.ds(r, 1), c] = jnp.sum(piece, axis=0, keepdims=True)
+            out.append(tuple(x + piece for x, piece in zip(acc[r], pieces, strict=True)))
+        dth_ref[j] = d_th
+        return tuple(out)
+
+    zeros = tuple(tuple(jnp.zeros((tokens, c.size), f32) for c in cols) for _ in range(rank))
+    acc = lax.fori_loop(0, heads, head, zeros)
+    for r in range(rank):
+        for c, x in zip(cols, acc[r], strict=True):
+            du_ref[rows[r], c] = x.astype(du_ref.dtype)
+
+
+def rotation_backward(halves, u, bias, theta, g, *, interpret=False):
+    """`common.rotated`'s heads-first backward as one Triton kernel: `u [b, G, L, R, N]`, `bias
+    [H, 1, R, N]`, `theta [b, H, L, 1, A]`, `g [b, H, L, R, N]` float32 -> `(du, dbias, dtheta)`,
+    reading `g` once (XLA's backward reads it once for each of the three). `None` where the
+    kernel's Triton tiles do not fit the shapes (`A` and the columns that pass through, `R` and
+    the positions per program powers of two): the caller then runs XLA's."""
+    batch, groups, length, rank, n = u.shape
+    heads, a = bias.shape[0], theta.shape[-1]
+    rest = (n // 2 - a) if halves else (n - 2 * a)
+    tokens = _ROWS // rank if _pow2(rank) and rank <= _ROWS else 0
+    while tokens > 1 and length % tokens:
+        tokens //= 2
+    if not (_pow2(a) and (rest == 0 or _pow2(rest)) and tokens >= 4):
+        return None
+    per = heads // groups
+    blocks = length // tokens
+    rows = tokens * rank
+    f32 = jnp.float32
+    du, db, dth = pl.pallas_call(
+        functools.partial(_rotation_bwd_kernel, heads=per, rank=rank, tokens=tokens, halves=halves),
+        name="axkern_mamba3_rotation_bwd",
+        grid=(batch, groups, blocks),
+        in_specs=[
+            pl.BlockSpec((None, per, rows, n), lambda b, g, t: (b, g, t, 0)),
+            pl.BlockSpec((None, None, rows, n), lambda b, g, t: (b, g, t, 0)),
+            pl.BlockSpec((per, rank, n), lambda b, g, t: (g, 0, 0)),
+            pl.BlockSpec((None, per, tokens, a), lambda b, g, t: (b, g, t, 0)),
+        ],
+        out_specs=[
+            pl.BlockSpec((None, None, rows, n), lambda b, g, t: (b, g, t, 0)),
+            pl.BlockSpec((None, None, per, rank, n), lambda b, g, t: (b, t, g, 0, 0)),
+            pl.BlockSpec((None, per, tokens, a), lambda b, g, t: (b, g, t, 0)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((batch, groups, length * rank, n), u.dtype),
+            jax.ShapeDtypeStruct((batch, blocks, heads, rank, n), f32),
+            jax.ShapeDtypeStruct((batch, heads, length, a), f32),
+        ],
+        interpret=interpret,
+        compiler_params=pltriton.CompilerParams(),
+    )(
+        g.reshape(batch, heads, length * rank, n),
+        u.reshape(batch, groups, length * rank, n),
+        bias.reshape(heads, rank, n),
+        theta.reshape(batch, heads, length, a),
+    )
+    return (
+        du.reshape(u.shape),
+        db.sum((0, 1)).reshape(bias.shape).astype(bias.dtype),
+        dth.reshape(theta.shape).astype(theta.dtype),
+    )
+
+
+# one object per mode: `common.rotated` takes it as a static (hashed) argument
+_ROTATION_BACKWARD = {i: functools.partial(rotation_backward, interpret=i) for i in (False, True)}
 
 
 def _max_chunk(dtype, mimo) -> int:
@@ -69,6 +194,16 @@ def mamba3(*args, block_sizes, interpret=False):
     # the diagonal correction in XLA, not in the kernels (`diagonal=False`): on the H200 the
     # Triton backward kernel's share of it cost more than XLA's pass (docs/ops/mamba3.md)
     core = kernel_core(
-        GpuLayout, chunk_size=q, interpret=bool(interpret), dtype=dtype, mimo=mimo, diagonal=False
+        GpuLayout,
+        chunk_size=q,
+        interpret=bool(interpret),
+        dtype=dtype,
+        mimo=mimo,
+        diagonal=False,
+        # XLA's by default: on the H200 the kernel took longer than XLA's reductions for SISO
+        # (docs/ops/mamba3.md)
+        rotation_backward=(
+            _ROTATION_BACKWARD[bool(interpret)] if block_sizes.rotation_backward == "kernel" else None
+        ),
     )
     return forward(core, *args, chunk_size=q, later_ranks=True)
