@@ -151,8 +151,7 @@ def rank_products(qc, kc, heads_major):
     if heads_major:  # [b, h, l, r, u] -> [b, l, r, u, h]
         out = jnp.sum(qc[:, :, :, :, None] * kc[:, :, :, None], axis=-1)
         return jnp.transpose(out, (0, 2, 3, 4, 1))
-    out = jnp.sum(qc[:, :, :, None] * kc[:, :, None], axis=-1)  # [b, l, r, u, h]
-    return out
+    return jnp.sum(qc[:, :, :, None] * kc[:, :, None], axis=-1)  # [b, l, r, u, h]
 
 
 def _ein(spec, *a):
@@ -251,6 +250,7 @@ def kernel_core(layout, *, chunk_size, interpret, dtype, mimo, diagonal=True, ro
     kernels take the path of the inputs' `dtype` (the products' precision, the decay's form);
     `B`, `C` (rotated `k`, `q`) per head, heads first (`[b, H, l, R, N]`, the `heads_major` form
     of `forward`: the kernels' layout, so the rotation writes them where the kernels read them).
+    `rotation_backward`: the rotation's backward for `rotated` (None: XLA's).
 
     The kernels take one input per position, so token `t`'s `R` inputs run as `S =
     blocks.kernel_slots(R)` consecutive positions `(t, 0..S-1)` (ranks past `R` zero): the

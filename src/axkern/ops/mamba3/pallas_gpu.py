@@ -100,10 +100,16 @@ def _rotation_bwd_kernel(
 
 def rotation_backward(halves, u, bias, theta, g, *, interpret=False):
     """`common.rotated`'s heads-first backward as one Triton kernel: `u [b, G, L, R, N]`, `bias
-    [H, 1, R, N]`, `theta [b, H, L, 1, A]`, `g [b, H, L, R, N]` float32 -> `(du, dbias, dtheta)`,
-    reading `g` once (XLA's backward reads it once for each of the three). `None` where the
-    kernel's Triton tiles do not fit the shapes (`A` and the columns that pass through, `R` and
-    the positions per program powers of two): the caller then runs XLA's."""
+    [H, 1, R, N]`, `theta [b, H, L, 1, A]`, `g [b, H, L, R, N]` float32 -> `(du, dbias, dtheta)`
+    with `back = R(-Θ) g`: `du = Σ_{heads of the group} back` (in `u`'s dtype), `dbias = Σ_{b, L}
+    back`, `dΘ_i = Σ_r back_{i,1} w_{i,0} - back_{i,0} w_{i,1}` for `w = u + bias`. Grid `(b, G,
+    L / T)` with `T = 32 / R` positions a program (halved until it divides `L`), each program
+    looping over the group's heads; the bias sums go out per program (`[b, L / T, H, R, N]`,
+    float32) and XLA adds them. Memory bound: it reads `g` once (`4·b·H·L·R·N` bytes, where XLA's
+    backward reads it once for each of the three gradients), `u`, `Θ`, and writes `du`, `dΘ` and
+    the bias sums, for about 10 FLOPs per element of `g`. `None` where the kernel's Triton tiles do
+    not fit the shapes (`A` and the columns that pass through, `R` and `T` powers of two, `T >=
+    4`): the caller then runs XLA's."""
     batch, groups, length, rank, n = u.shape
     heads, a = bias.shape[0], theta.shape[-1]
     rest = (n // 2 - a) if halves else (n - 2 * a)
