@@ -5,7 +5,8 @@ sequential scan) in float64 on the CPU; the rule's same-dtype reference is `refe
 test's dtype. Sizes are a Mamba-3 layer cut down in batch, length and heads; the length is not a
 multiple of the chunk. MIMO of rank 2 on every implementation (chunks of 16 tokens: 32 kernel
 positions), and of rank 4 on `pallas_gpu` at the bench's chunk (16 tokens: 64 positions, the
-largest chunk of its float32 `x`).
+largest chunk of its float32 `x`). `mosaic_gpu` (Hopper, SISO, bf16, head dims and states of 64
+and 128) at its own sizes, in both forward forms.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ GPU_DIMS = [(1, 700, 8, 64, 1, 128, 32), (2, 300, 4, 32, 2, 64, 16)]
     [
         (i, d, r, dims)
         for i in implementations("mamba3", "gpu")
+        if i != "mosaic_gpu"  # below: SISO, bf16, feature dims of 64 and 128 only
         for d in ("bfloat16", "float32")
         for r in (0, 2)
         for dims in GPU_DIMS
@@ -44,6 +46,29 @@ def test_on_gpu_against_oracle(impl, dtype, rank, dims):
             impl,
             arrays,
             dtype,
+            "mamba3",
+        )
+
+
+# b, l, h, p, g, n, n_angles: lengths not a multiple of the chunk; the 2.7B layer's P and N, two
+# groups, P 128
+MOSAIC_DIMS = [(1, 700, 8, 64, 1, 128, 32), (2, 300, 4, 64, 2, 64, 16), (1, 300, 2, 128, 1, 64, 16)]
+
+
+@pytest.mark.parametrize(
+    "dims,forward", [(d, None) for d in MOSAIC_DIMS] + [(MOSAIC_DIMS[0], "stages"), (MOSAIC_DIMS[2], "fused")]
+)
+def test_mosaic_gpu_on_gpu_against_oracle(dims, forward):
+    from axkern.ops.mamba3 import Mamba3BlockSizes
+
+    arrays, seg = make(0, *dims, 0, "bfloat16", segments=True)
+    blocks = Mamba3BlockSizes(64, forward=forward)
+    with serving("mosaic_gpu"):
+        check_rule(
+            lambda name, a: run(name, a, seg, None if name == "reference" else blocks),
+            "mosaic_gpu",
+            arrays,
+            "bfloat16",
             "mamba3",
         )
 

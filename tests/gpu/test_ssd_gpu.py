@@ -121,8 +121,9 @@ def test_explicit_pallas_gpu_is_compiled():
     )
 
 
-def _kernel_inputs(kernel, b, h, g, chunks, p, n):
-    """Random arguments of one Mosaic kernel: bf16 rows, positive steps, decays within each chunk."""
+def _kernel_inputs(kernel, b, h, g, chunks, p, n, split=False):
+    """Random arguments of one Mosaic kernel: bf16 rows, positive steps, decays within each chunk;
+    `split`: `B`, `C` float32 (the kernels take them as two bf16 halves, as Mamba-3's `q`, `k`)."""
     import jax.numpy as jnp
 
     from axkern.ops.ssd import mosaic_gpu
@@ -130,7 +131,8 @@ def _kernel_inputs(kernel, b, h, g, chunks, p, n):
     length = chunks * mosaic_gpu.CHUNK
     k = jax.random.split(jax.random.PRNGKey(7), 8)
     x = jax.random.normal(k[0], (b, h, length, p)).astype(jnp.bfloat16)
-    bc = [jax.random.normal(k[i], (b, g, length, n)).astype(jnp.bfloat16) for i in (1, 2)]
+    bc = [jax.random.normal(k[i], (b, g, length, n)) for i in (1, 2)]
+    bc = bc if split else [v.astype(jnp.bfloat16) for v in bc]
     dt = jax.nn.softplus(jax.random.normal(k[3], (b, h, length)))
     a = -dt * jnp.exp(jax.random.normal(k[4], (h,)))[None, :, None]
     cum = jnp.cumsum(a.reshape(b, h, chunks, -1), axis=-1).reshape(b, h, length)
@@ -149,7 +151,8 @@ def _kernel_inputs(kernel, b, h, g, chunks, p, n):
 @pytest.mark.skipif(not _hopper(), reason="the Mosaic GPU kernels need a Hopper GPU")
 @pytest.mark.parametrize("kernel", ["chunk_state", "chunk_scan", "chunk_state_bwd", "chunk_scan_bwd"])
 @pytest.mark.parametrize("dims", [(2, 4, 2, 3, 64, 128), (1, 2, 1, 2, 128, 64), (1, 2, 2, 2, 64, 64)])
-def test_mosaic_gpu_kernels_equal_their_emulation(kernel, dims):
+@pytest.mark.parametrize("split", [False, True])
+def test_mosaic_gpu_kernels_equal_their_emulation(kernel, dims, split):
     # each kernel alone against its arithmetic in XLA (the same roundings, exact products): only
     # the order of float32 sums and the approximate exp may differ; a wrong index or layout
     # shows here before it shows in the layer
@@ -157,7 +160,7 @@ def test_mosaic_gpu_kernels_equal_their_emulation(kernel, dims):
 
     from axkern.ops.ssd import mosaic_gpu
 
-    args = _kernel_inputs(kernel, *dims)
+    args = _kernel_inputs(kernel, *dims, split=split)
     got = jax.jit(getattr(mosaic_gpu, kernel))(*args)
     # the emulation on the CPU: XLA's GPU compiler drops its float32 -> bf16 -> float32 round
     # trips (excess precision), leaving every `lo` half zero
@@ -179,7 +182,8 @@ def test_mosaic_gpu_kernels_equal_their_emulation(kernel, dims):
 @pytest.mark.skipif(not _hopper(), reason="the Mosaic GPU kernels need a Hopper GPU")
 @pytest.mark.parametrize("boundaries", [0.0, 0.003])
 @pytest.mark.parametrize("dims", [(2, 4, 2, 3, 64, 128), (1, 2, 1, 2, 128, 64), (1, 2, 2, 5, 64, 64)])
-def test_mosaic_gpu_fused_forward_equals_the_stages(dims, boundaries):
+@pytest.mark.parametrize("split", [False, True])
+def test_mosaic_gpu_fused_forward_equals_the_stages(dims, boundaries, split):
     # the fused kernel against the three stages (chunk state, recurrence, chunk scan) on the same
     # inputs, with slow decays (each chunk keeps 0.1-0.7 of the state entering it) and no or rare
     # segment boundaries, so the carried state matters: the states entering the chunks and the
@@ -196,7 +200,9 @@ def test_mosaic_gpu_fused_forward_equals_the_stages(dims, boundaries):
     q, length = mosaic_gpu.CHUNK, chunks * mosaic_gpu.CHUNK
     k = jax.random.split(jax.random.PRNGKey(11), 7)
     x = jax.random.normal(k[0], (b, h, length, p)).astype(jnp.bfloat16)
-    bt, ct = (jax.random.normal(k[i], (b, g, length, n)).astype(jnp.bfloat16) for i in (1, 2))
+    # split: B, C float32, taken as two bf16 halves each (Mamba-3's q, k)
+    bt, ct = (jax.random.normal(k[i], (b, g, length, n)) for i in (1, 2))
+    bt, ct = (bt, ct) if split else (bt.astype(jnp.bfloat16), ct.astype(jnp.bfloat16))
     dt = jax.nn.softplus(jax.random.normal(k[3], (b, h, length)))
     ac = (-0.01 * dt * jnp.exp(0.3 * jax.random.normal(k[4], (h,)))[None, :, None]).reshape(b, h, chunks, q)
     seg = jnp.cumsum(jax.random.bernoulli(k[5], boundaries, (b, length)), axis=1).astype(jnp.int32)

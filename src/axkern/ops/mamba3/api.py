@@ -20,11 +20,12 @@ from axkern.core.named import StepResult, WithFinalState
 from axkern.core.op import Implementation, Op, step_op
 from axkern.core.typing import Array, Float, Int, checked
 
-from . import pallas_gpu, pallas_tpu, reference, xla
+from . import mosaic_gpu, pallas_gpu, pallas_tpu, reference, xla
 from .blocks import (
     Mamba3BlockSizes,
     bucket,
     heuristic,
+    mosaic_gpu_heuristic,
     pallas_gpu_heuristic,
     pallas_tpu_heuristic,
     space,
@@ -69,6 +70,16 @@ OP = Op(
             backward="custom_vjp: SSD's chunk-scan, chunk-state and recurrence backward kernels",
         ),
         Implementation(
+            "mosaic_gpu",
+            mosaic_gpu.mamba3,
+            platforms=("gpu",),
+            supports=mosaic_gpu.supports,
+            block_sizes=Mamba3BlockSizes,
+            heuristic=mosaic_gpu_heuristic,
+            backward="custom_vjp: SSD's Mosaic GPU chunk-scan and chunk-state backward kernels (q, k as two bf16 "
+            "halves), pallas_gpu's reverse recurrence",
+        ),
+        Implementation(
             "pallas_tpu",
             pallas_tpu.mamba3,
             platforms=("tpu",),
@@ -88,7 +99,7 @@ OP = Op(
 
 STEP_OP = step_op("mamba3_step", xla.step, reference.step, package=__package__)
 
-Mamba3Implementation = Literal["xla", "pallas_gpu", "pallas_tpu", "reference"]
+Mamba3Implementation = Literal["xla", "mosaic_gpu", "pallas_gpu", "pallas_tpu", "reference"]
 StepImplementation = Literal["xla", "reference"]
 
 

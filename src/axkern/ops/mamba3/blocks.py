@@ -18,8 +18,10 @@ __all__ = [
     "space",
     "pallas_gpu_heuristic",
     "pallas_tpu_heuristic",
+    "mosaic_gpu_heuristic",
     "kernel_slots",
     "refuse_rotation_kernel",
+    "refuse_mosaic_gpu_forward",
 ]
 
 
@@ -31,12 +33,20 @@ class Mamba3BlockSizes(BlockSizes):
 
     `rotation_backward` (`pallas_gpu` only): `"xla"` (None means this) turns the rotated `q`,
     `k`'s cotangents back in XLA, `"kernel"` in one Triton kernel that reads each cotangent once
-    (`pallas_gpu.rotation_backward`; XLA's where the kernel's tiles do not fit the shapes)."""
+    (`pallas_gpu.rotation_backward`; XLA's where the kernel's tiles do not fit the shapes).
 
-    choices: ClassVar[Mapping[str, tuple[str, ...]]] = {"rotation_backward": ("xla", "kernel")}
+    `forward` (`mosaic_gpu` only): `"fused"` (SSD's fused Mosaic GPU forward, one kernel per
+    batch row and head walking its chunks) or `"stages"` (chunk states, recurrence, chunk
+    outputs); None: fused where its tiles fit shared memory, else the stages."""
+
+    choices: ClassVar[Mapping[str, tuple[str, ...]]] = {
+        "rotation_backward": ("xla", "kernel"),
+        "forward": ("stages", "fused"),
+    }
 
     chunk_size: int = 64
     rotation_backward: str | None = None
+    forward: str | None = None
 
     def check(self, spec):
         if self.chunk_size & (self.chunk_size - 1):
@@ -48,6 +58,12 @@ def refuse_rotation_kernel(block_sizes: Mamba3BlockSizes) -> None:
     """Refuse `rotation_backward="kernel"`: an implementation other than `pallas_gpu` has none."""
     if block_sizes.rotation_backward == "kernel":
         raise Unsupported("rotation_backward='kernel': only pallas_gpu has the rotation's backward kernel")
+
+
+def refuse_mosaic_gpu_forward(block_sizes: Mamba3BlockSizes) -> None:
+    """Refuse a `forward` form: only `mosaic_gpu` has more than one."""
+    if block_sizes.forward is not None:
+        raise Unsupported(f"forward={block_sizes.forward!r}: only mosaic_gpu has forward forms")
 
 
 def bucket(spec: Spec) -> dict:
@@ -87,6 +103,12 @@ def pallas_gpu_heuristic(spec: Spec) -> Mamba3BlockSizes:
     """Chunks of 64 positions, as `ssd`'s `pallas_gpu` (at least 16: Triton's dot tiles): 64
     tokens for SISO, `64 / kernel_slots(rank)` for MIMO."""
     return _kernel_chunk(spec, 64, GPU_MIN_DIM)
+
+
+def mosaic_gpu_heuristic(spec: Spec) -> Mamba3BlockSizes:
+    """Chunks of 64 tokens, the only size SSD's Mosaic GPU kernels run (one warpgroup's rows;
+    SISO only); the forward's form left to the call (fused where it fits shared memory)."""
+    return Mamba3BlockSizes(chunk_size=64)
 
 
 def pallas_tpu_heuristic(spec: Spec) -> Mamba3BlockSizes:

@@ -107,13 +107,14 @@ from .emulate import (
     emulate_chunk_state,
     emulate_chunk_state_bwd,
 )
-from .forward import fused_forward, fused_smem_bytes
+from .forward import fused_fits, fused_forward, fused_smem_bytes
 from .kernels import (
     _IMPORT_ERROR,
     CHUNK,
     chunk_scan,
     chunk_state,
     dims_reason,
+    operand_parts,
     smem_bytes,
 )
 from .state_backward import fused_state_bwd, fused_state_bwd_smem_bytes
@@ -139,6 +140,9 @@ __all__ = [
     "fused_smem_bytes",
     "fused_state_bwd",
     "fused_state_bwd_smem_bytes",
+    "fused_fits",
+    "layout_class",
+    "operand_parts",
 ]
 
 
@@ -229,7 +233,7 @@ def ssd(x, dt, A, B, C, D, z, segment_ids, initial_state, *, block_sizes, interp
     reason = dims_reason(x.shape[-1], B.shape[-1])
     if reason:
         raise Unsupported(reason)
-    layout = _layout(
+    layout = layout_class(
         block_sizes.forward == "fused",
         block_sizes.group_sums == "kernels",
         block_sizes.transposes == "kernels",
@@ -241,9 +245,12 @@ def ssd(x, dt, A, B, C, D, z, segment_ids, initial_state, *, block_sizes, interp
 
 
 @functools.cache
-def _layout(fused: bool, group_sums: bool, positions_first: bool, fused_backward: bool) -> type[MosaicLayout]:
+def layout_class(
+    fused: bool, group_sums: bool, positions_first: bool, fused_backward: bool
+) -> type[MosaicLayout]:
     """The layout for the forward's form, where `dB`, `dC` are summed, how `x`, `y` are laid out
-    and the state backward's form."""
+    and the state backward's form (`B`, `C` may enter its kernels as bf16 or float32,
+    `operand_parts`)."""
     base = FusedMosaicLayout if fused else MosaicLayout
     if not (group_sums or positions_first or fused_backward):
         return base

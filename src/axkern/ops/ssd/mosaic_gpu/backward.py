@@ -12,7 +12,21 @@ from jax.experimental import pallas as pl
 
 from axkern.core.compat import mosaic_gpu_load
 
-from .kernels import CHUNK, _check_operands, _decay, _dims, _halves, _launch, _products, _rows_type, plgpu
+from .kernels import (
+    CHUNK,
+    _check_operands,
+    _decay,
+    _dims,
+    _halves,
+    _launch,
+    _part_copies,
+    _products,
+    _rows_type,
+    operand_parts,
+    pairs,
+    parts_of,
+    plgpu,
+)
 
 __all__ = ["chunk_scan_bwd", "chunk_state_bwd"]
 
@@ -48,12 +62,14 @@ def _scan_bwd_kernel(
     dx_smem, dbc_smem, ds_smem, vec_smem = outs
     batch, head, chunk = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("chunks")
     q, p = x_smem.shape
-    n = c_smem.shape[1]
+    n = c_smem.shape[-1]
     rows = pl.ds(chunk * q, q)
     group = lax.div(head, jnp.int32(rep))
-    plgpu.copy_gmem_to_smem(c_ref.at[batch, group, rows], c_smem, loaded.at[0])
-    plgpu.copy_gmem_to_smem(b_ref.at[batch, group, rows], b_smem, loaded.at[1])
-    plgpu.copy_gmem_to_smem(rows_of(x_ref, batch, head, rows), x_smem, loaded.at[2])
+    cs, bs = parts_of(c_smem), parts_of(b_smem)
+    copies = _part_copies(c_ref, cs, batch, group, rows) + _part_copies(b_ref, bs, batch, group, rows)
+    copies.append((rows_of(x_ref, batch, head, rows), x_smem))
+    for i, (src, dst) in enumerate(copies):
+        plgpu.copy_gmem_to_smem(src, dst, loaded.at[i])
 
     f32, wgmma_layout = jnp.float32, plgpu.Layout.WGMMA
     row, col = wgmma_layout.reduce(1), wgmma_layout.reduce(0)
@@ -78,7 +94,7 @@ def _scan_bwd_kernel(
     sh_smem[...], sl_smem[...] = sh, sl
     ah_smem[...], al_smem[...] = _halves(dy, dtype)
     plgpu.commit_smem()
-    for i in range(3):
+    for i in range(len(copies)):
         plgpu.barrier_wait(loaded.at[i])
 
     def put(smem, value, ref, reduction_op=None):
@@ -91,11 +107,11 @@ def _scan_bwd_kernel(
     summed = "add" if add else None
 
     # each result leaves as soon as it is formed (fewer registers live at once): df first
-    inc = _products((q, p), [(c_smem, sh_smem, True), (c_smem, sl_smem, True)])  # C S_inᵀ
+    inc = _products((q, p), pairs(cs, (sh_smem, sl_smem), True))  # C S_inᵀ
     vec_smem.at[2][...] = jnp.sum(dy * inc, axis=1)  # df
 
     # scores and decay, rows t by columns s
-    scores = _products((q, q), [(c_smem, b_smem, True)])
+    scores = _products((q, q), pairs(cs, bs, True))
     decay, on_cols = _decay(cum_t, cum_s, seg_t, seg_s)
     m = scores * decay
     mh, ml = _halves(m, dtype)
@@ -125,25 +141,12 @@ def _scan_bwd_kernel(
     ah_smem[...], al_smem[...] = _halves(dy * lax.broadcast_in_dim(f_t, (q, p), [0]), dtype)
     plgpu.commit_smem()
     # dS_in = (f ∘ dy)ᵀ C
-    ds = _products(
-        (p, n), [(ah_smem.transpose((1, 0)), c_smem, False), (al_smem.transpose((1, 0)), c_smem, False)]
-    )
+    ds = _products((p, n), pairs((ah_smem.transpose((1, 0)), al_smem.transpose((1, 0))), cs))
     put(ds_smem, ds, ds_ref.at[batch, chunk, head])
     # dC = dg B + (f ∘ dy) S_in (rows t), then dB = dgᵀ C (rows s) through the same staging tile
-    dc = _products(
-        (q, n),
-        [
-            (mh_smem, b_smem, False),
-            (ml_smem, b_smem, False),
-            (ah_smem, sh_smem, False),
-            (ah_smem, sl_smem, False),
-            (al_smem, sh_smem, False),
-        ],
-    )
+    dc = _products((q, n), pairs((mh_smem, ml_smem), bs) + pairs((ah_smem, al_smem), (sh_smem, sl_smem)))
     put(dbc_smem, dc, dc_ref.at[per_group], summed)
-    db = _products(
-        (q, n), [(mh_smem.transpose((1, 0)), c_smem, False), (ml_smem.transpose((1, 0)), c_smem, False)]
-    )
+    db = _products((q, n), pairs((mh_smem.transpose((1, 0)), ml_smem.transpose((1, 0))), cs))
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # dC has left the staging tile
     put(dbc_smem, db, db_ref.at[per_group], summed)
     for i, ref in enumerate((ddt_ref, dcum_ref, df_ref, dcum_row_ref)):
@@ -155,7 +158,7 @@ def chunk_scan_bwd(dy, xt, dt, cum, f, seg, bt, ct, states_in, *, group_sums=Fal
     """Stage 4's backward by the Mosaic GPU kernel: `(dx [b, h, L, P], ddt, dcum, dcum_row, df
     [b, h, L], dB, dC [b, h, L, N], dS_in [b, c, h, P, N])`, float32, per head, from the
     cotangent `dy [b, h, L, P]` (float32, or bf16 where the forward gave `y` so) and
-    `chunk_scan`'s arguments. `dcum` holds each row's sum of `dM ∘ M` and `dcum_row` each
+    `chunk_scan`'s arguments (`B`, `C` bf16 or float32, as their `operand_parts`). `dcum` holds each row's sum of `dM ∘ M` and `dcum_row` each
     column's (`common/kernels.py`'s backward). `group_sums`:
     `dB`, `dC` per group (`[b, g, L, N]`), each head's tiles added by TMA reductions (the order
     of the additions, and so the last bits, may vary between runs)."""
@@ -165,9 +168,10 @@ def chunk_scan_bwd(dy, xt, dt, cum, f, seg, bt, ct, states_in, *, group_sums=Fal
 
 
 def _chunk_scan_bwd(dy, xt, dt, cum, f, seg, bt, ct, states_in, *, group_sums, positions_first):
+    bt, ct = operand_parts(bt), operand_parts(ct)
     _check_operands(xt, bt, ct, positions_first=positions_first)
     b, h, lp, p = _dims(xt, positions_first)
-    g, n, f32 = bt.shape[1], bt.shape[-1], jnp.float32
+    g, n, f32 = bt.shape[2], bt.shape[-1], jnp.float32
     vector = jax.ShapeDtypeStruct((b, h, lp), f32)
     states = jax.ShapeDtypeStruct((b, lp // CHUNK, h, p, n), f32)
     bc = jax.ShapeDtypeStruct((b, g if group_sums else h, lp, n), f32)
@@ -177,7 +181,7 @@ def _chunk_scan_bwd(dy, xt, dt, cum, f, seg, bt, ct, states_in, *, group_sums, p
     into = {5: 9, 6: 10} if group_sums else None
     if group_sums:
         args += [jnp.zeros(bc.shape, f32), jnp.zeros(bc.shape, f32)]
-    barrier = plgpu.Barrier(num_barriers=3)
+    barrier = plgpu.Barrier(num_barriers=bt.shape[1] + ct.shape[1] + 1)
     launch = _launch(
         "scan_bwd", _scan_bwd_kernel, out, xt, bt, barrier, into=into, positions_first=positions_first
     )
@@ -193,9 +197,12 @@ def _state_bwd_kernel(*refs, rep, dtype, add, rows_of, adds_dx):
     dx_ref, dw_ref, db_ref, scoped = rest
     (b_smem, dsh_smem, dsl_smem, dx_smem, db_smem, dw_smem), loaded = scoped
     batch, head, chunk = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("chunks")
-    q = b_smem.shape[0]
+    q = b_smem.shape[1]
     rows = pl.ds(chunk * q, q)
-    plgpu.copy_gmem_to_smem(b_ref.at[batch, lax.div(head, jnp.int32(rep)), rows], b_smem, loaded)
+    bs = parts_of(b_smem)
+    copies = _part_copies(b_ref, bs, batch, lax.div(head, jnp.int32(rep)), rows)
+    for i, (src, dst) in enumerate(copies):
+        plgpu.copy_gmem_to_smem(src, dst, loaded.at[i])
     f32, wgmma_layout = jnp.float32, plgpu.Layout.WGMMA
     # dS (float32) as two 16-bit halves in shared memory; w ∘ x's halves in registers
     dsh, dsl = _halves(
@@ -206,32 +213,34 @@ def _state_bwd_kernel(*refs, rep, dtype, add, rows_of, adds_dx):
     w = mosaic_gpu_load(w_ref.at[batch, head, rows], layout=wgmma_layout.reduce(1), optimized=False)
     xw_h, xw_l = _halves(x * lax.broadcast_in_dim(w, x.shape, [0]), dtype)
     plgpu.commit_smem()
-    plgpu.barrier_wait(loaded)
+    for i in range(len(copies)):
+        plgpu.barrier_wait(loaded.at[i])
 
     staging = (dx_smem, db_smem, dw_smem)
     dx_in = None
     if adds_dx:
         dx_in = mosaic_gpu_load(rows_of(dx_in_ref, batch, head, rows), layout=wgmma_layout, optimized=False)
-    _state_grads(b_smem, (dsh_smem, dsl_smem), x, w, (xw_h, xw_l), staging, dx_in)
+    _state_grads(bs, (dsh_smem, dsl_smem), x, w, (xw_h, xw_l), staging, dx_in)
     group = lax.div(head, jnp.int32(rep)) if add else head
     dsts = (rows_of(dx_ref, batch, head, rows), db_ref.at[batch, group, rows], dw_ref.at[batch, head, rows])
     _send_state_grads(staging, dsts, add=add)
     plgpu.wait_smem_to_gmem(0)
 
 
-def _state_grads(b_smem, ds, x, w, xw, staging, dx_in=None):
-    """The chunk state's gradients from `dS`'s halves `ds` (shared memory), `B` (shared memory),
+def _state_grads(bs, ds, x, w, xw, staging, dx_in=None):
+    """The chunk state's gradients from `dS`'s halves `ds` (shared memory), `B`'s parts `bs`
+    (shared memory),
     `x`, `w` and `w ∘ x`'s halves `xw` (registers), into the staging tiles `(dx, dB, dw)`:
     `d(w ∘ x) = B dSᵀ` (rows t), `dx = · w` (plus `dx_in`, float32 registers, if given; in the
     staging tile's dtype), `dw = rowsum(· x)`; `dB = (w ∘ x) dS`, three products (both
     float32)."""
     dx_smem, db_smem, dw_smem = staging
-    (q, n), p = b_smem.shape, ds[0].shape[0]
-    dxw = _products((q, p), [(b_smem, ds[0], True), (b_smem, ds[1], True)])
+    (q, n), p = bs[0].shape, ds[0].shape[0]
+    dxw = _products((q, p), pairs(bs, ds, True))
     dx = dxw * lax.broadcast_in_dim(w, (q, p), [0])
     dx_smem[...] = (dx if dx_in is None else dx + dx_in).astype(dx_smem.dtype)
     dw_smem[...] = jnp.sum(dxw * x, axis=1)
-    db_smem[...] = _products((q, n), [(xw[0], ds[0], False), (xw[0], ds[1], False), (xw[1], ds[0], False)])
+    db_smem[...] = _products((q, n), pairs(xw, ds))
     plgpu.commit_smem()
 
 
@@ -245,7 +254,7 @@ def _send_state_grads(staging, dsts, *, add):
 def chunk_state_bwd(xt, w, bt, d_own, dx_in=None, *, group_sums=False, positions_first=False):
     """Stage 2's backward by the Mosaic GPU kernel, `dS` (`d_own [b, c, h, P, N]`, float32)
     pulled back through `S = (w ∘ x)ᵀ B`: `(dx [b, h, L, P], dw [b, h, L], dB [b, h, L, N])`,
-    float32, per head; `chunk_state`'s other arguments. `dx_in` (float32, `x`'s layout; the
+    float32, per head; `chunk_state`'s other arguments (`B` bf16 or float32). `dx_in` (float32, `x`'s layout; the
     scan's backward's `dx`): added to `dx` in the kernel, which then leaves in `x`'s dtype.
     `group_sums`: `dB` per group (`[b, g, L, N]`) by TMA reductions, as in `chunk_scan_bwd`."""
     body = functools.partial(_chunk_state_bwd, group_sums=group_sums, positions_first=positions_first)
@@ -254,15 +263,17 @@ def chunk_state_bwd(xt, w, bt, d_own, dx_in=None, *, group_sums=False, positions
 
 
 def _chunk_state_bwd(xt, w, bt, d_own, *dx_in, group_sums, positions_first):
+    bt = operand_parts(bt)
     _check_operands(xt, bt, positions_first=positions_first)
     b, h, lp, p = _dims(xt, positions_first)
     f32, rows = jnp.float32, xt.dtype if dx_in else jnp.float32
-    db = jax.ShapeDtypeStruct((b, bt.shape[1] if group_sums else h, lp, bt.shape[-1]), f32)
+    db = jax.ShapeDtypeStruct((b, bt.shape[2] if group_sums else h, lp, bt.shape[-1]), f32)
     out = (_rows_type(b, h, lp, p, positions_first, rows), jax.ShapeDtypeStruct((b, h, lp), f32), db)
     args = [xt, w, bt, d_own, *dx_in] + ([jnp.zeros(db.shape, f32)] if group_sums else [])
     into = {2: len(args) - 1} if group_sums else None
     kw = dict(into=into, positions_first=positions_first, rows_dtype=rows, adds_dx=bool(dx_in))
-    return _launch("state_bwd", _state_bwd_kernel, out, xt, bt, plgpu.Barrier(), **kw)(*args)
+    barrier = plgpu.Barrier(num_barriers=bt.shape[1])
+    return _launch("state_bwd", _state_bwd_kernel, out, xt, bt, barrier, **kw)(*args)
 
 
 def _batch_folding(fn):

@@ -1,6 +1,7 @@
 """The Mosaic GPU SSD kernels' arithmetic in XLA: the same operands rounded as the kernels take
-them (`x`, `B`, `C` as they are; a float32 operand as its two 16-bit halves, three products
-where both operands are float32; the forward scan's incoming state rounded once), products
+them (`x` as it is, `B`, `C` as their `operand_parts`; a float32 operand as its two 16-bit
+halves, three products where both operands are float32; the forward scan's incoming state
+rounded once), products
 exact in float32. Arguments and results as the kernels' (`kernels.py`). The CPU tests carry
 these through the whole layer against the float64 oracle (the kernels have no CPU interpret
 mode) and the GPU tests hold each kernel to its emulation computed on the CPU: XLA's GPU compiler
@@ -15,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from ..common.gpu import GpuLayout
-from .kernels import CHUNK
+from .kernels import CHUNK, operand_parts
 
 __all__ = [
     "emulate_chunk_state",
@@ -52,6 +53,12 @@ class _Chunks:
     def heads(self, a):
         return self.rows(jnp.repeat(a, self.h // self.g, axis=1))
 
+    def parts(self, a):
+        """`B` or `C` as the kernels take it (`operand_parts`): its parts per head, `[b, h, c, Q,
+        N]` each."""
+        parts = operand_parts(a)
+        return tuple(self.heads(parts[:, k]) for k in range(parts.shape[1]))
+
     def vec(self, a):
         return a.reshape(self.b, self.h, self.c, CHUNK)
 
@@ -72,22 +79,26 @@ class _Chunks:
         return jnp.exp(jnp.where(visible, cum_c[..., :, None] - cum_c[..., None, :], -jnp.inf))
 
 
+def _sum(spec, left, right):
+    """`Σ einsum(spec, a, b)` over every pair of parts but `lo · lo` (`kernels.pairs`)."""
+    return sum(_ein(spec, a, b) for i, a in enumerate(left) for j, b in enumerate(right) if i + j <= 1)
+
+
 def emulate_chunk_state(xt, w, bt):
     """`kernels.chunk_state`: `(w ∘ x)ᵀ B` with `w ∘ x` as two halves."""
     k = _Chunks(xt, bt)
-    wh, wl = _halves(k.rows(xt) * k.vec(w)[..., None], xt.dtype)
-    bm = k.heads(bt)
-    return k.state(_ein("bhctp,bhctn->bhcpn", wh, bm) + _ein("bhctp,bhctn->bhcpn", wl, bm))
+    xw = _halves(k.rows(xt) * k.vec(w)[..., None], xt.dtype)
+    return k.state(_sum("bhctp,bhctn->bhcpn", xw, k.parts(bt)))
 
 
 def emulate_chunk_scan(xt, dt, cum, f, seg, bt, ct, states_in):
     """`kernels.chunk_scan`: `M = (C Bᵀ) ∘ Λ ∘ dt_s` as two halves times `x`, plus `f ∘ (C S_inᵀ)`
     with the state rounded once."""
     k, dtype = _Chunks(xt, bt), xt.dtype
-    x, bm, cm = k.rows(xt), k.heads(bt), k.heads(ct)
-    m = _ein("bhctn,bhcsn->bhcts", cm, bm) * k.decay(cum, seg) * k.vec(dt)[..., None, :]
+    x, bm, cm = k.rows(xt), k.parts(bt), k.parts(ct)
+    m = _sum("bhctn,bhcsn->bhcts", cm, bm) * k.decay(cum, seg) * k.vec(dt)[..., None, :]
     mh, ml = _halves(m, dtype)
-    inc = _ein("bhctn,bhcpn->bhctp", cm, _round(k.state(states_in), dtype))
+    inc = _sum("bhctn,bhcpn->bhctp", cm, (_round(k.state(states_in), dtype),))
     y = k.vec(f)[..., None] * inc + _ein("bhcts,bhcsp->bhctp", mh, x) + _ein("bhcts,bhcsp->bhctp", ml, x)
     return k.out_rows(y)
 
@@ -95,36 +106,33 @@ def emulate_chunk_scan(xt, dt, cum, f, seg, bt, ct, states_in):
 def emulate_chunk_state_bwd(xt, w, bt, d_own):
     """`kernels.chunk_state_bwd`: `dS` and `w ∘ x` as two halves, three products for `dB`."""
     k, dtype = _Chunks(xt, bt), xt.dtype
-    x, bm, wc = k.rows(xt), k.heads(bt), k.vec(w)[..., None]
-    dsh, dsl = _halves(k.state(d_own), dtype)
-    dxw = _ein("bhctn,bhcpn->bhctp", bm, dsh) + _ein("bhctn,bhcpn->bhctp", bm, dsl)
-    xwh, xwl = _halves(x * wc, dtype)
-    db = sum(_ein("bhctp,bhcpn->bhctn", a, r) for a, r in ((xwh, dsh), (xwh, dsl), (xwl, dsh)))
+    x, bm, wc = k.rows(xt), k.parts(bt), k.vec(w)[..., None]
+    ds = _halves(k.state(d_own), dtype)
+    dxw = _sum("bhctn,bhcpn->bhctp", bm, ds)
+    db = _sum("bhctp,bhcpn->bhctn", _halves(x * wc, dtype), ds)
     return k.out_rows(dxw * wc), k.out_vec((dxw * x).sum(-1)), k.out_rows(db)
 
 
 def emulate_chunk_scan_bwd(dy, xt, dt, cum, f, seg, bt, ct, states_in):
     """`kernels.chunk_scan_bwd`: every float32 operand as its two halves."""
     k, dtype = _Chunks(xt, bt), xt.dtype
-    x, bm, cm, dyc = k.rows(xt), k.heads(bt), k.heads(ct), k.rows(dy)
+    x, bm, cm, dyc = k.rows(xt), k.parts(bt), k.parts(ct), k.rows(dy)
     dt_c, f_c = k.vec(dt), k.vec(f)
-    sh, sl = _halves(k.state(states_in), dtype)
+    s = _halves(k.state(states_in), dtype)
     dyh, dyl = _halves(dyc, dtype)
     decay = k.decay(cum, seg)
-    m = _ein("bhctn,bhcsn->bhcts", cm, bm) * decay
+    m = _sum("bhctn,bhcsn->bhcts", cm, bm) * decay
     mh, ml = _halves(m, dtype)
     dm = (_ein("bhctp,bhcsp->bhcts", dyh, x) + _ein("bhctp,bhcsp->bhcts", dyl, x)) * dt_c[..., None, :]
     e = dm * m
     mt = lambda a, r: _ein("bhcts,bhctp->bhcsp", a, r)  # noqa: E731 - Mᵀ r
     dxd = mt(mh, dyh) + mt(mh, dyl) + mt(ml, dyh)
-    dgh, dgl = _halves(dm * decay, dtype)
-    dyfh, dyfl = _halves(dyc * f_c[..., None], dtype)
-    dc = _ein("bhcts,bhcsn->bhctn", dgh, bm) + _ein("bhcts,bhcsn->bhctn", dgl, bm)
-    for a, r in ((dyfh, sh), (dyfh, sl), (dyfl, sh)):
-        dc = dc + _ein("bhctp,bhcpn->bhctn", a, r)
-    db = _ein("bhcts,bhctn->bhcsn", dgh, cm) + _ein("bhcts,bhctn->bhcsn", dgl, cm)
-    inc = _ein("bhctn,bhcpn->bhctp", cm, sh) + _ein("bhctn,bhcpn->bhctp", cm, sl)
-    ds = _ein("bhctp,bhctn->bhcpn", dyfh, cm) + _ein("bhctp,bhctn->bhcpn", dyfl, cm)
+    dg = _halves(dm * decay, dtype)
+    dyf = _halves(dyc * f_c[..., None], dtype)
+    dc = _sum("bhcts,bhcsn->bhctn", dg, bm) + _sum("bhctp,bhcpn->bhctn", dyf, s)
+    db = _sum("bhcts,bhctn->bhcsn", dg, cm)
+    inc = _sum("bhctn,bhcpn->bhctp", cm, s)
+    ds = _sum("bhctp,bhctn->bhcpn", dyf, cm)
     return (
         k.out_rows(dxd * dt_c[..., None]),
         k.out_vec((dxd * x).sum(-1)),

@@ -37,28 +37,34 @@ from jax.experimental import pallas as pl
 from axkern.core.compat import mosaic_gpu_load
 
 from .kernels import (
+    _SMEM,
     CHUNK,
     _chunk_output,
     _halves,
     _launch,
+    _part_copies,
     _put_last,
     _rows_type,
     _scan_vectors,
     _walk_setup,
+    operand_parts,
+    pairs,
+    parts_of,
     plgpu,
     tile_bytes,
 )
 
-__all__ = ["fused_forward", "fused_smem_bytes"]
+__all__ = ["fused_forward", "fused_smem_bytes", "fused_fits"]
 
 
-def _tiles(p: int, n: int, dtype=jnp.bfloat16, y_dtype=jnp.float32) -> list:
-    """Shared-memory tiles `(shape, dtype)`: two slots of C, B, x; w ∘ x's halves; the entering
-    state as 16 bits; staging for y (`y_dtype`) and for the float32 state."""
+def _tiles(p: int, n: int, dtype=jnp.bfloat16, y_dtype=jnp.float32, parts=1) -> list:
+    """Shared-memory tiles `(shape, dtype)`: two slots of C, B (each `parts` tiles, slot-major),
+    x; w ∘ x's halves; the entering state as 16 bits; staging for y (`y_dtype`) and for the
+    float32 state."""
     q, f32 = CHUNK, jnp.float32
     return [
-        ((2, q, n), dtype),
-        ((2, q, n), dtype),
+        ((2 * parts, q, n), dtype),
+        ((2 * parts, q, n), dtype),
         ((2, q, p), dtype),
         ((q, p), dtype),
         ((q, p), dtype),
@@ -68,8 +74,13 @@ def _tiles(p: int, n: int, dtype=jnp.bfloat16, y_dtype=jnp.float32) -> list:
     ]
 
 
-def fused_smem_bytes(p: int, n: int) -> int:
-    return tile_bytes(_tiles(p, n))
+def fused_smem_bytes(p: int, n: int, parts: int = 1, y_dtype=jnp.float32) -> int:
+    return tile_bytes(_tiles(p, n, y_dtype=y_dtype, parts=parts))
+
+
+def fused_fits(p: int, n: int, parts: int = 1, y_dtype=jnp.float32) -> bool:
+    """Whether the fused forward's tiles fit a Hopper block's shared memory."""
+    return fused_smem_bytes(p, n, parts, y_dtype) <= _SMEM
 
 
 def _forward_kernel(
@@ -100,16 +111,23 @@ def _forward_kernel(
     head, batch = lax.axis_index("heads"), lax.axis_index("batch")
     q, p = x_smem.shape[1:]
     n = c_smem.shape[-1]
+    parts = c_smem.shape[0] // 2
+    copies = 2 * parts + 1  # a slot's copies: C's and B's parts, x
     group = lax.div(head, jnp.int32(rep))
     f32, wgmma_layout = jnp.float32, plgpu.Layout.WGMMA
     row = wgmma_layout.reduce(1)
 
+    def slot_parts(smem, slot):
+        return parts_of(smem, slot * parts, parts)
+
     def fetch(chunk, slot):
         """The chunk's C, B, x into `slot`, a barrier per copy."""
         rows = pl.ds(chunk * q, q)
-        plgpu.copy_gmem_to_smem(c_ref.at[batch, group, rows], c_smem.at[slot], loaded.at[3 * slot])
-        plgpu.copy_gmem_to_smem(b_ref.at[batch, group, rows], b_smem.at[slot], loaded.at[3 * slot + 1])
-        plgpu.copy_gmem_to_smem(rows_of(x_ref, batch, head, rows), x_smem.at[slot], loaded.at[3 * slot + 2])
+        pieces = _part_copies(c_ref, slot_parts(c_smem, slot), batch, group, rows)
+        pieces += _part_copies(b_ref, slot_parts(b_smem, slot), batch, group, rows)
+        pieces.append((rows_of(x_ref, batch, head, rows), x_smem.at[slot]))
+        for i, (src, dst) in enumerate(pieces):
+            plgpu.copy_gmem_to_smem(src, dst, loaded.at[copies * slot + i])
 
     fetch(0, 0)
 
@@ -135,9 +153,9 @@ def _forward_kernel(
         plgpu.commit_smem()
         if states_ref is not None:
             plgpu.copy_smem_to_gmem(st_smem, states_ref.at[batch, chunk, head])
-        for i in range(3):
-            plgpu.barrier_wait(loaded.at[3 * slot + i])
-        cs, bs, xs = c_smem.at[slot], b_smem.at[slot], x_smem.at[slot]
+        for i in range(copies):
+            plgpu.barrier_wait(loaded.at[copies * slot + i])
+        cs, bs, xs = slot_parts(c_smem, slot), slot_parts(b_smem, slot), x_smem.at[slot]
 
         y = _chunk_output(cs, bs, xs, s16_smem, *vectors, dtype=dtype)  # as `_scan_kernel`
         y_smem[...] = y.astype(y_smem.dtype)
@@ -146,8 +164,8 @@ def _forward_kernel(
 
         # S <- keep S + (w ∘ x)ᵀ B
         def run(acc_ref):
-            plgpu.wgmma(acc_ref, xh_smem.transpose((1, 0)), bs)
-            plgpu.wgmma(acc_ref, xl_smem.transpose((1, 0)), bs)
+            for a, b, _ in pairs((xh_smem.transpose((1, 0)), xl_smem.transpose((1, 0))), bs):
+                plgpu.wgmma(acc_ref, a, b)
 
         # the entering state read back from its staging tile (its copy out only reads it), so
         # that its registers are free while the output is formed; keep: one value along S's rows
@@ -184,14 +202,16 @@ def fused_forward(
 ):
     """`(y [b, h, L, P], final [b, h, P, N], states_in [b, c, h, P, N])`, float32 (`y` in
     `y_dtype`), of the chunks
-    (`xt [b, h, L, P]`, `bt, ct [b, g, L, N]` bf16; `w, dt, cum, f [b, h, L]` float32; `keep [b,
+    (`xt [b, h, L, P]` bf16, `bt, ct [b, g, L, N]` bf16 or float32 (`operand_parts`); `w, dt,
+    cum, f [b, h, L]` float32; `keep [b,
     h, c]`; `seg [b, L]` int32; `initial_state [b, h, P, N]` float32; `L = c · CHUNK`) by the
     fused kernel. `positions_first`: `xt` and `y` are `[b, L, h, P]`; `y_dtype`: `y` rounded to
     it in the kernel; `states=False`: `states_in` is None, the kernel does not write the
     entering states (the backward's residual; `P·N·4` bytes a chunk and head, the largest of
     its writes)."""
     f32, dtype = jnp.float32, xt.dtype
-    tiles = _tiles(xt.shape[-1], bt.shape[-1], dtype, y_dtype)
+    bt, ct = operand_parts(bt), operand_parts(ct)
+    tiles = _tiles(xt.shape[-1], bt.shape[-1], dtype, y_dtype, bt.shape[1])
     setup = _walk_setup(xt, bt, keep, tiles, "the fused forward", ct, positions_first=positions_first)
     b, h, lp, p, n, c, keep_rows = setup
     y_type, final_type = (
@@ -202,7 +222,7 @@ def fused_forward(
         out_type = (y_type, jax.ShapeDtypeStruct((b, c, h, p, n), f32), final_type)
     else:
         out_type = (y_type, final_type)
-    barrier = plgpu.Barrier(num_barriers=6)
+    barrier = plgpu.Barrier(num_barriers=2 * (bt.shape[1] + ct.shape[1] + 1))
     launch = _launch(
         "forward",
         _forward_kernel if states else _without_states,

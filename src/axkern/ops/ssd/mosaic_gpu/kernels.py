@@ -28,6 +28,7 @@ __all__ = [
     "dims_reason",
     "chunk_state",
     "chunk_scan",
+    "operand_parts",
 ]
 
 CHUNK = 64  # positions per chunk: one warpgroup's wgmma rows
@@ -37,18 +38,20 @@ _SMEM = 227 * 1024  # shared memory a Hopper block may take
 _SMEM_EXTRA = 1024 + 2048  # barriers and alignment, rounded up; Mosaic GPU's scratch for cross-warp sums
 
 
-def _tiles(kernel: str, p: int, n: int, dtype=jnp.bfloat16, rows_dtype=jnp.float32) -> list:
+def _tiles(kernel: str, p: int, n: int, dtype=jnp.bfloat16, rows_dtype=jnp.float32, parts=1) -> list:
     """Shared-memory tiles of `kernel` at head dim `p` and state `n` as `(shape, dtype)`, in the
-    order its body takes them (`rows_dtype`: the scan's `y`, the state backward's `dx`)."""
+    order its body takes them (`rows_dtype`: the scan's `y`, the state backward's `dx`; `parts`:
+    `B` and `C` as one 16-bit tile each or two, `operand_parts`)."""
     q, f32 = CHUNK, jnp.float32
+    bc = ((parts, q, n), dtype)
     return {
         # B, w ∘ x's halves, the float32 state
-        "state": [((q, n), dtype), ((q, p), dtype), ((q, p), dtype), ((p, n), f32)],
+        "state": [bc, ((q, p), dtype), ((q, p), dtype), ((p, n), f32)],
         # C, B, x, the incoming state, y
-        "scan": [((q, n), dtype), ((q, n), dtype), ((q, p), dtype), ((p, n), dtype), ((q, p), rows_dtype)],
+        "scan": [bc, bc, ((q, p), dtype), ((p, n), dtype), ((q, p), rows_dtype)],
         # B, dS's halves, dx, float32 dB and dw
         "state_bwd": [
-            ((q, n), dtype),
+            bc,
             ((p, n), dtype),
             ((p, n), dtype),
             ((q, p), rows_dtype),
@@ -57,7 +60,7 @@ def _tiles(kernel: str, p: int, n: int, dtype=jnp.bfloat16, rows_dtype=jnp.float
         ],
         # C, B, x; the halves of the state, of dy (then f ∘ dy), of M (then dg); float32 dx, dB
         # (then dC), dS_in, and the four vectors ddt, dcum, df, dcum_row
-        "scan_bwd": [((q, n), dtype), ((q, n), dtype), ((q, p), dtype)]
+        "scan_bwd": [bc, bc, ((q, p), dtype)]
         + [((p, n), dtype)] * 2
         + [((q, p), dtype)] * 2
         + [((q, q), dtype)] * 2
@@ -72,16 +75,17 @@ def _smem(tiles) -> list:
     return [swizzled_smem(shape, d) if swizzled(shape) else plgpu.SMEM(shape, d) for shape, d in tiles]
 
 
-def smem_bytes(p: int, n: int) -> int:
+def smem_bytes(p: int, n: int, parts: int = 1) -> int:
     """Shared memory of the largest of the four kernels at head dim `p` and state `n` (bf16
-    inputs): their `_tiles` and what Mosaic GPU adds."""
+    inputs; `parts`: `B`, `C` as one tile each or two): their `_tiles` and what Mosaic GPU adds."""
     kernels = ("state", "scan", "state_bwd", "scan_bwd")
-    return max(tile_bytes(_tiles(k, p, n)) for k in kernels)
+    return max(tile_bytes(_tiles(k, p, n, parts=parts)) for k in kernels)
 
 
 def _walk_setup(xt, bt, keep, tiles, what, *rest, positions_first):
     """What a kernel walking one (batch row, head)'s chunks (`forward.py`, `state_backward.py`)
-    does first: its operands checked (`x`, `B`, `rest` bf16) and its `tiles` against shared
+    does first: its operands checked (`x`, `B`, `rest` bf16, `B` and `rest` as `operand_parts`
+    gives them) and its `tiles` against shared
     memory; `(b, h, L, P, N, chunks, keep_rows)`, `keep_rows [b, h, c, P]` float32 the carries
     with one value per row of a `[P, N]` state."""
     _check_operands(xt, bt, *rest, positions_first=positions_first)
@@ -98,15 +102,17 @@ def tile_bytes(tiles) -> int:
     return sum(math.prod(s) * jnp.dtype(d).itemsize for s, d in tiles) + _SMEM_EXTRA
 
 
-def dims_reason(p: int, n: int) -> str | None:
-    """Why the kernels cannot take head dim `p` and state `n`, or None."""
+def dims_reason(p: int, n: int, parts: int = 1) -> str | None:
+    """Why the kernels cannot take head dim `p` and state `n` (`B`, `C` in `parts` tiles each),
+    or None."""
     for name, d in (("head_dim", p), ("state", n)):
         if d % 64 or d > 256:
             return f"{name}={d}: the Mosaic GPU kernels take multiples of 64 up to 256"
-    if smem_bytes(p, n) > _SMEM:
+    if smem_bytes(p, n, parts) > _SMEM:
+        split = f" with B and C as {parts} 16-bit halves each" if parts > 1 else ""
         return (
-            f"head_dim={p}, state={n}: the Mosaic GPU kernels would take {smem_bytes(p, n)} bytes of shared "
-            f"memory, more than a Hopper block's {_SMEM}"
+            f"head_dim={p}, state={n}: the Mosaic GPU kernels{split} would take "
+            f"{smem_bytes(p, n, parts)} bytes of shared memory, more than a Hopper block's {_SMEM}"
         )
     return None
 
@@ -142,17 +148,19 @@ def _scan_kernel(
     group = lax.div(head, jnp.int32(rep))
     rows = pl.ds(base, q)
     # a barrier per copy (each copy arrives on its barrier once, with its bytes)
-    plgpu.copy_gmem_to_smem(c_ref.at[batch, group, rows], c_smem, loaded.at[0])
-    plgpu.copy_gmem_to_smem(b_ref.at[batch, group, rows], b_smem, loaded.at[1])
-    plgpu.copy_gmem_to_smem(rows_of(x_ref, batch, head, rows), x_smem, loaded.at[2])
+    cs, bs = parts_of(c_smem), parts_of(b_smem)
+    copies = _part_copies(c_ref, cs, batch, group, rows) + _part_copies(b_ref, bs, batch, group, rows)
+    copies.append((rows_of(x_ref, batch, head, rows), x_smem))
+    for i, (src, dst) in enumerate(copies):
+        plgpu.copy_gmem_to_smem(src, dst, loaded.at[i])
 
     vectors = _scan_vectors(dt_ref, cum_ref, f_ref, seg_ref, batch, head, rows)
     state = mosaic_gpu_load(s_ref.at[batch, chunk, head], layout=plgpu.Layout.WGMMA, optimized=False)
     s16_smem[...] = state.astype(dtype)  # [P, N]
     plgpu.commit_smem()
-    for i in range(3):
+    for i in range(len(copies)):
         plgpu.barrier_wait(loaded.at[i])
-    y_smem[...] = _chunk_output(c_smem, b_smem, x_smem, s16_smem, *vectors, dtype=dtype).astype(y_smem.dtype)
+    y_smem[...] = _chunk_output(cs, bs, x_smem, s16_smem, *vectors, dtype=dtype).astype(y_smem.dtype)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(y_smem, rows_of(y_ref, batch, head, rows))
     plgpu.wait_smem_to_gmem(0)
@@ -169,16 +177,36 @@ def _scan_vectors(dt_ref, cum_ref, f_ref, seg_ref, batch, head, rows):
     return cum_t, cum_s, dt_s, f_t, seg_t, seg_s
 
 
-def _chunk_output(c_smem, b_smem, x_smem, s16_smem, cum_t, cum_s, dt_s, f_t, seg_t, seg_s, *, dtype):
-    """A chunk's `y` (`[Q, P]` float32) from its tiles in shared memory (`s16_smem` the entering
-    state in 16 bits): `C Bᵀ` and its decayed scores first, then `C S_inᵀ` (fewer registers live
-    at once), `M x` from `M`'s two 16-bit halves."""
+def _part_copies(ref, dsts, batch, group, rows) -> list:
+    """The TMA copies `(source, destination)` of a group's `rows` of `B` or `C` (`ref [b, parts,
+    g, L, N]`) into the tiles `dsts` (`[Q, N]` each, `parts_of`), one per part."""
+    return [(ref.at[batch, k, group, rows], dst) for k, dst in enumerate(dsts)]
+
+
+def parts_of(smem, first=0, parts=None) -> tuple:
+    """The 16-bit tiles of one operand held as `parts` consecutive tiles of `smem` from `first`
+    (all of them where `parts` is None)."""
+    parts = smem.shape[0] if parts is None else parts
+    return tuple(smem.at[first + k] for k in range(parts))
+
+
+def pairs(left, right, trans=False) -> list:
+    """The `wgmma` operands `(left, right, transpose the right?)` of a product whose two operands
+    are each one 16-bit tile or a float32 value's two halves (`hi`, `lo`): every pair of parts
+    but `lo · lo` (its terms are below the float32 rounding of the sum's largest)."""
+    return [(a, b, trans) for i, a in enumerate(left) for j, b in enumerate(right) if i + j <= 1]
+
+
+def _chunk_output(cs, bs, x_smem, s16_smem, cum_t, cum_s, dt_s, f_t, seg_t, seg_s, *, dtype):
+    """A chunk's `y` (`[Q, P]` float32) from its tiles in shared memory (`cs`, `bs`: `C` and `B`
+    as their parts; `s16_smem` the entering state in 16 bits): `C Bᵀ` and its decayed scores
+    first, then `C S_inᵀ` (fewer registers live at once), `M x` from `M`'s two 16-bit halves."""
     q, p = x_smem.shape
-    s = _products((q, q), [(c_smem, b_smem, True)])  # [Q, Q]
+    s = _products((q, q), pairs(cs, bs, True))  # [Q, Q]
     decay, on_cols = _decay(cum_t, cum_s, seg_t, seg_s)
     m = s * decay * on_cols(dt_s)
     m_hi, m_lo = _halves(m, dtype)
-    inc = _products((q, p), [(c_smem, s16_smem, True)])  # [Q, P]
+    inc = _products((q, p), pairs(cs, (s16_smem,), True))  # [Q, P]
     y = _products((q, p), [(m_hi, x_smem, False), (m_lo, x_smem, False)])
     return y + inc * lax.broadcast_in_dim(f_t, (q, p), [0])
 
@@ -186,18 +214,21 @@ def _chunk_output(c_smem, b_smem, x_smem, s16_smem, cum_t, cum_s, dt_s, f_t, seg
 def _state_kernel(x_ref, w_ref, b_ref, own_ref, scoped, *, rep, dtype, add, rows_of):
     (b_smem, xh_smem, xl_smem, own_smem), loaded = scoped
     chunk, head, batch = lax.axis_index("chunks"), lax.axis_index("heads"), lax.axis_index("batch")
-    q = b_smem.shape[0]
+    q = b_smem.shape[1]
     rows = pl.ds(chunk * q, q)
-    plgpu.copy_gmem_to_smem(b_ref.at[batch, lax.div(head, jnp.int32(rep)), rows], b_smem, loaded)
+    copies = _part_copies(b_ref, parts_of(b_smem), batch, lax.div(head, jnp.int32(rep)), rows)
+    for i, (src, dst) in enumerate(copies):
+        plgpu.copy_gmem_to_smem(src, dst, loaded.at[i])
     # w ∘ x in registers (w per row), as two 16-bit halves in shared memory
     x = mosaic_gpu_load(rows_of(x_ref, batch, head, rows), layout=plgpu.Layout.WGMMA, optimized=False)
     w = mosaic_gpu_load(w_ref.at[batch, head, rows], layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
     xh_smem[...], xl_smem[...] = _halves(x.astype(jnp.float32) * lax.broadcast_in_dim(w, x.shape, [0]), dtype)
     plgpu.commit_smem()
-    plgpu.barrier_wait(loaded)
+    for i in range(len(copies)):
+        plgpu.barrier_wait(loaded.at[i])
     # (w ∘ x)ᵀ B: [P, N]
-    pairs = [(xh_smem.transpose((1, 0)), b_smem, False), (xl_smem.transpose((1, 0)), b_smem, False)]
-    own_smem[...] = _products(own_smem.shape, pairs)
+    xw = (xh_smem.transpose((1, 0)), xl_smem.transpose((1, 0)))
+    own_smem[...] = _products(own_smem.shape, pairs(xw, parts_of(b_smem)))
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(own_smem, own_ref.at[batch, chunk, head])
     plgpu.wait_smem_to_gmem(0)
@@ -222,10 +253,12 @@ def _rows_type(b, h, lp, d, positions_first: bool, dtype=jnp.float32):
 
 
 def _check_operands(xt, bt, *rest, positions_first=False):
+    """`x` (`[b, h, L, P]` or `positions_first`) and `B` and `rest` as `operand_parts` gives them
+    (`[b, parts, g, L, N]`), bf16, at a length of whole chunks and dimensions the kernels take."""
     b, h, lp, p = _dims(xt, positions_first)
     if lp % CHUNK:
         raise ValueError(f"length {lp} is not a multiple of the chunk ({CHUNK})")
-    reason = dims_reason(p, bt.shape[-1])
+    reason = dims_reason(p, bt.shape[-1], bt.shape[1])
     if reason:
         raise Unsupported(reason)
     if any(a.dtype != jnp.bfloat16 for a in (xt, bt, *rest)):
@@ -233,26 +266,46 @@ def _check_operands(xt, bt, *rest, positions_first=False):
         raise Unsupported(f"x, B, C are {dtypes}: the Mosaic GPU kernels take bf16")
 
 
+def operand_parts(a):
+    """`B` or `C` (`[b, g, L, N]`) as the kernels take it, `[b, parts, g, L, N]` bf16: a 16-bit
+    array as its one part, a float32 one (Mamba-3's rotated `k`, `q`) as two, `hi` (`a` rounded
+    to bf16) and `lo` (`a - hi` rounded to bf16), so that `hi + lo` holds about 16 of float32's
+    24 bits. `hi` returns to float32 by its bits, not by a conversion: XLA's GPU compiler may
+    drop a float32 -> bf16 -> float32 round trip (excess precision), which would make `lo`
+    zero."""
+    if jnp.dtype(a.dtype).itemsize == 2:
+        return a[:, None]
+    a = a.astype(jnp.float32)
+    hi = a.astype(jnp.bfloat16)
+    bits = lax.bitcast_convert_type(hi, jnp.uint16).astype(jnp.uint32) << 16
+    lo = (a - lax.bitcast_convert_type(bits, jnp.float32)).astype(jnp.bfloat16)
+    return jnp.stack([hi, lo], axis=1)
+
+
 def chunk_state(xt, w, bt, *, positions_first=False):
-    """Each chunk's own state `[b, c, h, P, N]` float32, `(w ∘ x)ᵀ B` (`xt [b, h, L, P]`, `bt [b,
-    g, L, N]` in one 16-bit dtype, `w [b, h, L]` float32, `L = c · CHUNK`) by the Mosaic GPU
-    kernel: `w ∘ x` as two 16-bit halves (`bf16x2`), `B` as it is. `positions_first`: `xt` is
-    `[b, L, h, P]` (here and in the other three kernels: `x`, `y`, `dy`, `dx` so)."""
+    """Each chunk's own state `[b, c, h, P, N]` float32, `(w ∘ x)ᵀ B` (`xt [b, h, L, P]` bf16,
+    `bt [b, g, L, N]` bf16 or float32 (`operand_parts`), `w [b, h, L]` float32, `L = c · CHUNK`)
+    by the Mosaic GPU kernel: `w ∘ x` as two 16-bit halves (`bf16x2`), `B` as its parts.
+    `positions_first`: `xt` is `[b, L, h, P]` (here and in the other three kernels: `x`, `y`,
+    `dy`, `dx` so)."""
+    bt = operand_parts(bt)
     _check_operands(xt, bt, positions_first=positions_first)
     b, h, lp, p = _dims(xt, positions_first)
     out = jax.ShapeDtypeStruct((b, lp // CHUNK, h, p, bt.shape[-1]), jnp.float32)
-    launch = _launch("state", _state_kernel, out, xt, bt, plgpu.Barrier(), positions_first=positions_first)
+    barrier = plgpu.Barrier(num_barriers=bt.shape[1])
+    launch = _launch("state", _state_kernel, out, xt, bt, barrier, positions_first=positions_first)
     return launch(xt, w, bt)
 
 
 def chunk_scan(xt, dt, cum, f, seg, bt, ct, states_in, *, positions_first=False, y_dtype=jnp.float32):
     """`y [b, h, L, P]` (float32, or rounded to `y_dtype` in the kernel) of the chunks (`xt [b,
-    h, L, P]`, `bt, ct [b, g, L, N]` in one 16-bit dtype; `dt, cum, f [b, h, L]` float32; `seg
-    [b, L]` int32; `states_in [b, c, h, P, N]` float32, `L = c · CHUNK`) by the Mosaic GPU
-    kernel."""
+    h, L, P]` bf16, `bt, ct [b, g, L, N]` bf16 or float32 (`operand_parts`); `dt, cum, f [b, h,
+    L]` float32; `seg [b, L]` int32; `states_in [b, c, h, P, N]` float32, `L = c · CHUNK`) by the
+    Mosaic GPU kernel."""
+    bt, ct = operand_parts(bt), operand_parts(ct)
     _check_operands(xt, bt, ct, positions_first=positions_first)
     out = jax.ShapeDtypeStruct(xt.shape, y_dtype)
-    barrier = plgpu.Barrier(num_barriers=3)
+    barrier = plgpu.Barrier(num_barriers=bt.shape[1] + ct.shape[1] + 1)
     kw = dict(positions_first=positions_first, rows_dtype=y_dtype)
     launch = _launch("scan", _scan_kernel, out, xt, bt, barrier, **kw)
     return launch(xt, dt, cum, f, seg.astype(jnp.int32), bt, ct, states_in)
@@ -282,11 +335,11 @@ def _launch(
     `positions_first`: `x`, `y`, `dy`, `dx` are `[b, L, h, d]` (`rows_of`). `tiles`: a fused
     kernel's shared memory, over the grid (batch, heads) (heads on CUDA's x axis: blocks
     launched together share a group's `B` and `C`); `rows_dtype` the output rows' tile (`_tiles`);
-    `kw` more of the body's arguments."""
+    `kw` more of the body's arguments. `bt`: `B` as `operand_parts` gives it."""
     b, h, lp, p = _dims(xt, positions_first)
-    g, n = bt.shape[1], bt.shape[-1]
+    g, n = bt.shape[2], bt.shape[-1]
     skip = set((into or {}).values())
-    scratch = _smem(tiles if tiles is not None else _tiles(kind, p, n, xt.dtype, rows_dtype))
+    scratch = _smem(tiles if tiles is not None else _tiles(kind, p, n, xt.dtype, rows_dtype, bt.shape[1]))
     names = ("batch", "heads") if tiles is not None else ("batch", "heads", "chunks")
     grid = (b, h, lp // CHUNK)[: len(names)]
 
@@ -349,12 +402,12 @@ def _halves(a, dtype):
     return hi, (a - hi.astype(jnp.float32)).astype(dtype)
 
 
-def _products(shape, pairs):
-    """`Σ a @ b` over `pairs` of (left, right, transpose the right?) into a zeroed float32
+def _products(shape, terms):
+    """`Σ a @ b` over `terms` (left, right, transpose the right?) into a zeroed float32
     accumulator of `shape`, waited for."""
 
     def run(acc_ref):
-        for a, b, trans in pairs:
+        for a, b, trans in terms:
             plgpu.wgmma(acc_ref, a, b.transpose((1, 0)) if trans else b)
 
     zeros = plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)

@@ -38,9 +38,12 @@ from .kernels import (
     CHUNK,
     _halves,
     _launch,
+    _part_copies,
     _put_last,
     _rows_type,
     _walk_setup,
+    operand_parts,
+    parts_of,
     plgpu,
     tile_bytes,
 )
@@ -48,12 +51,12 @@ from .kernels import (
 __all__ = ["fused_state_bwd", "fused_state_bwd_smem_bytes"]
 
 
-def _tiles(p: int, n: int, dtype=jnp.bfloat16) -> list:
-    """Shared memory: `B` in two slots; `dS`'s halves; `g` (float32); the staging tiles of `dx`,
-    `dB`; the vectors `dw` and `d keep`'s row sums."""
+def _tiles(p: int, n: int, dtype=jnp.bfloat16, parts=1) -> list:
+    """Shared memory: `B` in two slots (`parts` tiles each, slot-major); `dS`'s halves; `g`
+    (float32); the staging tiles of `dx`, `dB`; the vectors `dw` and `d keep`'s row sums."""
     q, f32 = CHUNK, jnp.float32
     return [
-        ((2, q, n), dtype),
+        ((2 * parts, q, n), dtype),
         ((p, n), dtype),
         ((p, n), dtype),
         ((p, n), f32),
@@ -64,8 +67,8 @@ def _tiles(p: int, n: int, dtype=jnp.bfloat16) -> list:
     ]
 
 
-def fused_state_bwd_smem_bytes(p: int, n: int) -> int:
-    return tile_bytes(_tiles(p, n))
+def fused_state_bwd_smem_bytes(p: int, n: int, parts: int = 1) -> int:
+    return tile_bytes(_tiles(p, n, parts=parts))
 
 
 def _kernel(
@@ -93,12 +96,15 @@ def _kernel(
     head, batch = lax.axis_index("heads"), lax.axis_index("batch")
     q, n = b_smem.shape[1:]
     p = dsh_smem.shape[0]
+    parts = b_smem.shape[0] // 2
     group = lax.div(head, jnp.int32(rep))
     f32, wgmma_layout = jnp.float32, plgpu.Layout.WGMMA
     row = wgmma_layout.reduce(1)
 
     def fetch(chunk, slot):
-        plgpu.copy_gmem_to_smem(b_ref.at[batch, group, pl.ds(chunk * q, q)], b_smem.at[slot], loaded.at[slot])
+        dsts = parts_of(b_smem, slot * parts, parts)
+        for i, (src, dst) in enumerate(_part_copies(b_ref, dsts, batch, group, pl.ds(chunk * q, q))):
+            plgpu.copy_gmem_to_smem(src, dst, loaded.at[slot * parts + i])
 
     fetch(chunks - 1, 0)
 
@@ -122,10 +128,11 @@ def _kernel(
         w = mosaic_gpu_load(w_ref.at[batch, head, rows], layout=row, optimized=False)
         xw_h, xw_l = _halves(x * lax.broadcast_in_dim(w, x.shape, [0]), dtype)
         plgpu.commit_smem()
-        plgpu.barrier_wait(loaded.at[slot])
+        for i in range(parts):
+            plgpu.barrier_wait(loaded.at[slot * parts + i])
         # the chunk state's gradients (as `_state_bwd_kernel`) and d keep's row sums out
         staging = (dx_smem, db_smem, dw_smem)
-        _state_grads(b_smem.at[slot], (dsh_smem, dsl_smem), x, w, (xw_h, xw_l), staging)
+        _state_grads(parts_of(b_smem, slot * parts, parts), (dsh_smem, dsl_smem), x, w, (xw_h, xw_l), staging)
         db_rows = db_ref.at[batch, group if add else head, rows]
         dsts = (rows_of(dx_ref, batch, head, rows), db_rows, dw_ref.at[batch, head, rows])
         _send_state_grads(staging, dsts, add=add)
@@ -145,7 +152,7 @@ def fused_state_bwd(
 ):
     """`(dx [b, h, L, P], dw [b, h, L], dB [b, h, L, N], d keep [b, h, c], d initial state [b, h,
     P, N])`, float32, of the chunk states and the recurrence between them, from `xt [b, h, L, P]`
-    and `bt [b, g, L, N]` (bf16), the weights `w [b, h, L]` and carries `keep [b, h, c]`, the
+    and `bt [b, g, L, N]` (bf16 or float32, `operand_parts`), the weights `w [b, h, L]` and carries `keep [b, h, c]`, the
     states entering the chunks and their gradients (`[b, c, h, P, N]` float32) and the final
     state's gradient (`[b, h, P, N]`), by the fused kernel. `group_sums`: `dB [b, g, L, N]` by TMA
     reductions; `positions_first`: `xt` and `dx` are `[b, L, h, P]`."""
@@ -155,8 +162,9 @@ def fused_state_bwd(
 
 
 def _fused_state_bwd(xt, w, bt, keep, states_in, d_states_in, d_final, *, group_sums, positions_first):
-    f32, dtype, g = jnp.float32, xt.dtype, bt.shape[1]
-    tiles = _tiles(xt.shape[-1], bt.shape[-1], dtype)
+    bt = operand_parts(bt)
+    f32, dtype, g = jnp.float32, xt.dtype, bt.shape[2]
+    tiles = _tiles(xt.shape[-1], bt.shape[-1], dtype, bt.shape[1])
     setup = _walk_setup(xt, bt, keep, tiles, "the fused state backward", positions_first=positions_first)
     b, h, lp, p, n, c, keep_rows = setup
     db = jax.ShapeDtypeStruct((b, g if group_sums else h, lp, n), f32)
@@ -171,7 +179,7 @@ def _fused_state_bwd(xt, w, bt, keep, states_in, d_states_in, d_final, *, group_
     into = {2: len(args)} if group_sums else None  # dB: the zeros passed last
     if group_sums:
         args.append(jnp.zeros(db.shape, f32))
-    barrier = plgpu.Barrier(num_barriers=2)
+    barrier = plgpu.Barrier(num_barriers=2 * bt.shape[1])
     kw = dict(into=into, positions_first=positions_first, tiles=tiles, chunks=c)
     dx, dw, db_out, d_keep_rows, d_init = _launch(
         "state_bwd_fused", _kernel, out_type, xt, bt, barrier, **kw

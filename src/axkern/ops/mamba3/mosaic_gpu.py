@@ -1,0 +1,95 @@
+"""Mamba-3 SISO on Hopper: SSD's Pallas Mosaic GPU chunk kernels (`ssd/mosaic_gpu`: TMA,
+`wgmma` with 16-bit operands into float32 accumulators) under the chunked form of `common.py`,
+with the per-position log-decay `adt` and the trapezoid's input scale (angles, rotations, gate
+and the diagonal correction in XLA, as `pallas_gpu`).
+
+**`q` and `k` as two bf16 halves.** SSD's kernels take `B` and `C` as bf16 inputs; Mamba-3's are
+the rotated, biased `k` and `q`, float32 values. Rounded to bf16 they missed the oracle rule
+(docs/ops/mamba3.md, "Why SSD's Mosaic GPU kernels do not serve Mamba-3 as they are": up to 3.2x
+the bound on gradients). Here each enters the kernels as `hi + lo`, two bf16 arrays
+(`ssd.mosaic_gpu.operand_parts`: `hi` the value rounded to bf16, `lo` what that lost, rounded),
+and every product with `B` or `C` takes both: two `wgmma`s where the other operand is 16-bit,
+three where it is a float32 value's halves too (`lo · lo` left out), so the products are about as
+exact as float32 ones. The halves are formed in XLA beside the rotation (`[b, 2, H, L, N]` bf16,
+the bytes of the float32 values), heads first as the kernels read them.
+
+**Cost** over SSD's kernels at the same shape: `C Bᵀ` three products where SSD has one, `C S_inᵀ`,
+the own state, `dS_in`, `dB`, `dC` and the state's backward twice as many on `B`, `C` (the
+package docstring of `ssd/mosaic_gpu` has SSD's); bytes: `B`, `C` per head (`H / G` times SSD's
+for `G` groups) and twice as wide.
+
+**Constraints**: a Hopper GPU, bf16 inputs (fp16's range could not hold the halves of float32
+values), SISO (MIMO's `v ⊙ W_x` enters the kernels in float32, which SSD's kernels take only as
+bf16 `x`), chunks of 64 tokens, head dim and state multiples of 64 whose tiles, with `B`, `C` as
+two tiles each, fit shared memory (`ssd.mosaic_gpu.dims_reason(..., parts=2)`: 64 and 64, 64 and
+128, 128 and 64). The fused forward where its tiles fit (`Mamba3BlockSizes(forward=...)`).
+
+**Interpret mode**: none (Mosaic GPU's `wgmma` and TMA copies have no CPU rule). CI lowers the
+layer for CUDA and runs it through the kernels' arithmetic (`ssd.mosaic_gpu.EmulatedLayout`, `B`,
+`C` as the same halves) against the float64 oracle; the kernels run on a GPU in
+`tests/gpu/test_mamba3_gpu.py`.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from axkern.core.op import Unsupported
+from axkern.ops.ssd import mosaic_gpu as kernels
+
+from .blocks import refuse_rotation_kernel
+from .common import forward, kernel_core
+
+CHUNK = kernels.CHUNK
+PARTS = 2  # `B`, `C` as two bf16 halves each
+
+_MIMO = (
+    "MIMO: v ⊙ W_x enters the kernels in float32 (rounded to bf16 it missed the oracle rule at rank 3); "
+    "the Mosaic GPU kernels take x only in bf16"
+)
+
+
+def supports(spec) -> str | None:
+    if spec.flag("mimo"):
+        return _MIMO
+    reason = kernels.supports(spec)  # the import, a Hopper GPU, bf16, SSD's head dims and states
+    return reason or kernels.dims_reason(spec.dim("head_dim"), spec.dim("state"), PARTS)
+
+
+def _fused(block_sizes, p: int, n: int) -> bool:
+    """Whether the forward runs fused: asked for, or (None) where its tiles fit."""
+    fits = kernels.fused_fits(p, n, PARTS)
+    if block_sizes.forward == "fused" and not fits:
+        need = kernels.fused_smem_bytes(p, n, PARTS)
+        raise Unsupported(
+            f"forward='fused' at head_dim={p}, state={n}: its tiles with q, k as two halves take {need} bytes of "
+            "shared memory, more than a Hopper block has"
+        )
+    return block_sizes.forward == "fused" or (block_sizes.forward is None and fits)
+
+
+def mamba3(*args, block_sizes, interpret=False):
+    """`reference.mamba3`'s arguments and results, through SSD's Mosaic GPU chunk kernels."""
+    refuse_rotation_kernel(block_sizes)
+    if interpret:
+        raise Unsupported(
+            "the Mosaic GPU kernels have no interpret mode (wgmma and TMA copies have no CPU rule)"
+        )
+    if args[16] is not None:  # W_x
+        raise Unsupported(_MIMO)
+    if block_sizes.chunk_size != CHUNK:
+        raise Unsupported(
+            f"chunk_size={block_sizes.chunk_size}: the Mosaic GPU kernels run chunks of {CHUNK}"
+        )
+    v, q = args[2], args[0]
+    if v.dtype != jnp.bfloat16:
+        raise Unsupported(f"the Mosaic GPU kernels take bf16 inputs, not {v.dtype}")
+    p, n = v.shape[-1], q.shape[-1]
+    reason = kernels.dims_reason(p, n, PARTS)
+    if reason:
+        raise Unsupported(reason)
+    # x (v) and y in the caller's [b, L, H, P] (no transposes); dB, dC per head (B, C are per
+    # head after the rotation: there are no groups to sum)
+    layout = kernels.layout_class(_fused(block_sizes, p, n), False, True, False)
+    core = kernel_core(layout, chunk_size=CHUNK, interpret=False, dtype=v.dtype, mimo=False, diagonal=False)
+    return forward(core, *args, chunk_size=CHUNK, later_ranks=True)

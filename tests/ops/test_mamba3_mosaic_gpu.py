@@ -1,0 +1,190 @@
+"""mamba3 `mosaic_gpu`: SSD's Mosaic GPU kernels with the rotated `q`, `k` as two bf16 halves.
+The kernels have no CPU interpret mode (they run in tests/gpu): here the layer and its gradients
+lower for CUDA in both forward forms, its arithmetic (`ssd.mosaic_gpu.EmulatedLayout`: the
+kernels' roundings, `q`, `k` as the same halves, exact products) holds the oracle rule through the
+whole layer, the halves hold what they should, and the dispatcher refuses what the kernels cannot
+take, with the reason."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import axkern
+from axkern.ops.mamba3 import OP, Mamba3BlockSizes, mosaic_gpu
+from axkern.ops.mamba3 import common as mamba3_common
+from axkern.ops.mamba3 import pallas_gpu as mamba3_pallas_gpu
+from axkern.ops.ssd import mosaic_gpu as ssd_mosaic
+from tests.cases.mamba3 import call, make, run
+from tests.harness import check_rule
+
+needs_mosaic = pytest.mark.skipif(
+    ssd_mosaic.kernels._IMPORT_ERROR is not None,
+    reason=f"Pallas Mosaic GPU: {ssd_mosaic.kernels._IMPORT_ERROR}",
+)
+
+
+def _positional(a, seg):
+    """The implementation's arguments (`reference.mamba3`'s) from `make`'s SISO dict."""
+    return (
+        *(a[n][:, :, None] for n in ("q", "k")),
+        *(a[n] for n in ("v", "adt", "dt", "trap")),
+        *(a[n][:, None] for n in ("q_bias", "k_bias")),
+        a["angles"],
+        a["D"],
+        a["z"],
+        seg,
+        a["angle_state"],
+        a["ssm_state"],
+        a["k_state"][:, None],
+        a["v_state"],
+        None,
+        None,
+        None,
+    )
+
+
+@needs_mosaic
+@pytest.mark.parametrize("forward,kernels", [("stages", 4), ("fused", 3)])
+def test_the_layer_and_its_gradients_lower_for_cuda(forward, kernels):
+    arrays, seg = make(0, 1, 200, 2, 64, 1, 128, 32, 0, "bfloat16")
+
+    def f(a):
+        y, *final = mosaic_gpu.mamba3(*_positional(a, seg), block_sizes=Mamba3BlockSizes(64, forward=forward))
+        return jnp.sum(y.astype(jnp.float32)) + sum(jnp.sum(s) for s in final)
+
+    text = jax.jit(jax.grad(f)).trace(arrays).lower(lowering_platforms=("cuda",)).as_text()
+    # forward: the chunk state and scan, or the fused kernel; backward: the chunk scan's and the
+    # chunk state's (the recurrences are pallas_gpu's Triton kernels)
+    assert len(re.findall(r"stablehlo.custom_call @mosaic_gpu", text)) == kernels
+    assert ("axkern_ssd_mosaic_gpu_forward" in text) == (forward == "fused")
+    # q and k enter as two bf16 halves, the low half formed from the high one's bits
+    assert "stablehlo.bitcast_convert" in text
+
+
+def test_the_halves_hold_the_float32_value():
+    x = jax.random.normal(jax.random.PRNGKey(0), (2, 3, 64, 16)) * jnp.logspace(-3, 3, 16)
+    parts = jax.jit(ssd_mosaic.operand_parts)(x)
+    assert parts.shape == (2, 2, 3, 64, 16) and parts.dtype == jnp.bfloat16
+    hi, lo = (np.asarray(parts[:, k], np.float64) for k in (0, 1))
+    np.testing.assert_array_equal(hi, np.asarray(x.astype(jnp.bfloat16), np.float64))  # rounded
+    # what the rounding lost, itself rounded: hi + lo within 2^-16 of x (bf16 alone: 2^-9)
+    exact = np.asarray(x, np.float64)
+    assert np.all(np.abs(hi + lo - exact) <= 2.0**-16 * np.abs(exact))
+    assert np.count_nonzero(lo) > 0.9 * lo.size
+    # a 16-bit array is its own one part
+    b16 = x.astype(jnp.bfloat16)
+    np.testing.assert_array_equal(np.asarray(ssd_mosaic.operand_parts(b16)[:, 0]), np.asarray(b16))
+
+
+@pytest.mark.parametrize(
+    "dims, segments",
+    [
+        # b, l, h, p, g, n, angles: a length not a multiple of the chunk, 2 groups, segments
+        ((1, 150, 4, 64, 2, 64, 16), True),
+        ((2, 128, 2, 128, 1, 64, 16), False),  # P 128, N 64
+        ((1, 200, 2, 64, 1, 128, 32), True),  # the 2.7B layer's P and N, 32 angles
+    ],
+)
+def test_the_kernels_arithmetic_holds_the_oracle_rule_through_the_layer(monkeypatch, dims, segments):
+    # the layer pallas_gpu runs, with its chunk kernels replaced by the Mosaic kernels' arithmetic
+    # (what `mosaic_gpu` runs, `q` and `k` as their halves): y, the four final states and every
+    # gradient against the float64 oracle
+    arrays, seg = make(0, *dims, 0, "bfloat16", segments=segments)
+    _emulate(monkeypatch, ssd_mosaic.EmulatedLayout)
+    with axkern.use(interpret=True):
+        check_rule(_runner(seg), "pallas_gpu", arrays, "bfloat16", "mamba3", interpret=True)
+
+
+def test_q_and_k_rounded_to_bf16_would_miss_the_rule(monkeypatch):
+    # the same check fails where the kernels take q and k rounded once (SSD's kernels as they
+    # are): what the halves are for
+    class Rounded(ssd_mosaic.EmulatedLayout):
+        def chunk_state(self, xt, w, bt, **kw):
+            return super().chunk_state(xt, w, bt.astype(jnp.bfloat16), **kw)
+
+        def chunk_state_bwd(self, xt, w, bt, *rest):
+            return super().chunk_state_bwd(xt, w, bt.astype(jnp.bfloat16), *rest)
+
+        def chunk_scan(self, xt, scale, cum, ac, f, sc, bt, ct, *rest, **kw):
+            bt, ct = bt.astype(jnp.bfloat16), ct.astype(jnp.bfloat16)
+            return super().chunk_scan(xt, scale, cum, ac, f, sc, bt, ct, *rest, **kw)
+
+        def chunk_scan_bwd(self, dy, xt, scale, cum, ac, f, sc, bt, ct, *rest, **kw):
+            bt, ct = bt.astype(jnp.bfloat16), ct.astype(jnp.bfloat16)
+            return super().chunk_scan_bwd(dy, xt, scale, cum, ac, f, sc, bt, ct, *rest, **kw)
+
+    arrays, seg = make(0, 1, 150, 4, 64, 2, 64, 16, 0, "bfloat16", segments=True)
+    _emulate(monkeypatch, Rounded)
+    with axkern.use(interpret=True), pytest.raises(AssertionError):
+        check_rule(_runner(seg), "pallas_gpu", arrays, "bfloat16", "mamba3", interpret=True)
+
+
+def _emulate(monkeypatch, layout):
+    """`pallas_gpu`'s layer with its chunk kernels replaced by `layout`'s."""
+    original = mamba3_common.kernel_core
+    monkeypatch.setattr(mamba3_pallas_gpu, "kernel_core", lambda _layout, **kw: original(layout, **kw))
+
+
+def _runner(seg):
+    return lambda name, a, **_: run(name, a, seg, None if name == "reference" else 64)
+
+
+def _h200_spec(head_dim=64, state=128, dtype="bfloat16", rank=1, mimo=False):
+    dims = {
+        "batch": 1,
+        "length": 256,
+        "heads": 4,
+        "head_dim": head_dim,
+        "groups": 1,
+        "state": state,
+        "rank": rank,
+        "n_angles": 16,
+    }
+    spec = OP.spec(dims, dtype, segments=False, mimo=mimo)
+    return dataclasses.replace(spec, platform="gpu", device_key="nvidia_h200", device_kind="NVIDIA H200")
+
+
+def test_it_refuses_what_the_kernels_cannot_take_with_the_reason():
+    if ssd_mosaic.kernels._IMPORT_ERROR is None:
+        assert mosaic_gpu.supports(_h200_spec()) is None
+    assert "MIMO" in mosaic_gpu.supports(_h200_spec(rank=2, mimo=True))
+    assert "Hopper" in mosaic_gpu.supports(
+        dataclasses.replace(_h200_spec(), device_key="nvidia_a100", device_kind="A100")
+    )
+    assert "fp16's range" in mosaic_gpu.supports(_h200_spec(dtype="float16"))
+    assert "head_dim=32" in mosaic_gpu.supports(_h200_spec(head_dim=32))
+    # with q, k as two tiles each, the scan backward's tiles fit at the sizes SSD's do
+    sizes = (64, 128, 192, 256)
+    fits = {(p, n) for p in sizes for n in sizes if ssd_mosaic.dims_reason(p, n, 2) is None}
+    assert fits == {(64, 64), (64, 128), (128, 64)}
+    assert "shared memory" in mosaic_gpu.supports(_h200_spec(128, 128))
+    # the fused forward fits at each of them (at P 64, N 128 with no byte to spare)
+    assert all(ssd_mosaic.fused_fits(p, n, 2) for p, n in fits)
+    arrays, seg = make(0, 1, 64, 2, 64, 1, 64, 16, 0, "bfloat16")
+    args = _positional(arrays, seg)
+    for blocks, match in [
+        (Mamba3BlockSizes(32), "chunk_size=32"),
+        (Mamba3BlockSizes(64, rotation_backward="kernel"), "only pallas_gpu"),
+    ]:
+        with pytest.raises(axkern.Unsupported, match=match):
+            mosaic_gpu.mamba3(*args, block_sizes=blocks)
+    with pytest.raises(axkern.Unsupported, match="interpret mode"):
+        mosaic_gpu.mamba3(*args, block_sizes=Mamba3BlockSizes(64), interpret=True)
+    with pytest.raises(axkern.Unsupported, match="MIMO"):
+        mosaic_gpu.mamba3(*args[:16], *[jnp.ones((2, 2, 64))] * 3, block_sizes=Mamba3BlockSizes(64))
+    # the forward's forms are mosaic_gpu's: the others refuse them by name
+    small, _ = make(0, 1, 32, 2, 16, 1, 16, 2, 0, "float32", extras=False)
+    for impl in ("xla", "pallas_gpu"):
+        with pytest.raises(axkern.Unsupported, match="only mosaic_gpu has forward forms"):
+            with axkern.use(interpret=True):
+                call(impl, small, chunk_size=Mamba3BlockSizes(16, forward="fused"))
+    assert "forward must be one of" in Mamba3BlockSizes(64, forward="one").validate(_h200_spec())
+    # not in the GPU's default order (timed behind mamba_ssm: docs/ops/mamba3.md)
+    order = OP.default_order["gpu"]
+    assert "mosaic_gpu" not in (order(_h200_spec()) if callable(order) else order)
