@@ -171,7 +171,7 @@ def _chunk_scan_bwd(dy, xt, dt, cum, f, seg, bt, ct, states_in, *, group_sums, p
     bt, ct = operand_parts(bt), operand_parts(ct)
     _check_operands(xt, bt, ct, positions_first=positions_first)
     b, h, lp, p = _dims(xt, positions_first)
-    g, n, f32 = bt.shape[2], bt.shape[-1], jnp.float32
+    g, n, f32 = bt[0].shape[1], bt[0].shape[-1], jnp.float32
     vector = jax.ShapeDtypeStruct((b, h, lp), f32)
     states = jax.ShapeDtypeStruct((b, lp // CHUNK, h, p, n), f32)
     bc = jax.ShapeDtypeStruct((b, g if group_sums else h, lp, n), f32)
@@ -181,7 +181,7 @@ def _chunk_scan_bwd(dy, xt, dt, cum, f, seg, bt, ct, states_in, *, group_sums, p
     into = {5: 9, 6: 10} if group_sums else None
     if group_sums:
         args += [jnp.zeros(bc.shape, f32), jnp.zeros(bc.shape, f32)]
-    barrier = plgpu.Barrier(num_barriers=bt.shape[1] + ct.shape[1] + 1)
+    barrier = plgpu.Barrier(num_barriers=len(bt) + len(ct) + 1)
     launch = _launch(
         "scan_bwd", _scan_bwd_kernel, out, xt, bt, barrier, into=into, positions_first=positions_first
     )
@@ -267,12 +267,12 @@ def _chunk_state_bwd(xt, w, bt, d_own, *dx_in, group_sums, positions_first):
     _check_operands(xt, bt, positions_first=positions_first)
     b, h, lp, p = _dims(xt, positions_first)
     f32, rows = jnp.float32, xt.dtype if dx_in else jnp.float32
-    db = jax.ShapeDtypeStruct((b, bt.shape[2] if group_sums else h, lp, bt.shape[-1]), f32)
+    db = jax.ShapeDtypeStruct((b, bt[0].shape[1] if group_sums else h, lp, bt[0].shape[-1]), f32)
     out = (_rows_type(b, h, lp, p, positions_first, rows), jax.ShapeDtypeStruct((b, h, lp), f32), db)
     args = [xt, w, bt, d_own, *dx_in] + ([jnp.zeros(db.shape, f32)] if group_sums else [])
     into = {2: len(args) - 1} if group_sums else None
     kw = dict(into=into, positions_first=positions_first, rows_dtype=rows, adds_dx=bool(dx_in))
-    barrier = plgpu.Barrier(num_barriers=bt.shape[1])
+    barrier = plgpu.Barrier(num_barriers=len(bt))
     return _launch("state_bwd", _state_bwd_kernel, out, xt, bt, barrier, **kw)(*args)
 
 

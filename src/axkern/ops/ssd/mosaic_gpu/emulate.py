@@ -56,8 +56,7 @@ class _Chunks:
     def parts(self, a):
         """`B` or `C` as the kernels take it (`operand_parts`): its parts per head, `[b, h, c, Q,
         N]` each."""
-        parts = operand_parts(a)
-        return tuple(self.heads(parts[:, k]) for k in range(parts.shape[1]))
+        return tuple(self.heads(part) for part in operand_parts(a))
 
     def vec(self, a):
         return a.reshape(self.b, self.h, self.c, CHUNK)

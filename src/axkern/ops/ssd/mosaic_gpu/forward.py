@@ -211,7 +211,7 @@ def fused_forward(
     its writes)."""
     f32, dtype = jnp.float32, xt.dtype
     bt, ct = operand_parts(bt), operand_parts(ct)
-    tiles = _tiles(xt.shape[-1], bt.shape[-1], dtype, y_dtype, bt.shape[1])
+    tiles = _tiles(xt.shape[-1], bt[0].shape[-1], dtype, y_dtype, len(bt))
     setup = _walk_setup(xt, bt, keep, tiles, "the fused forward", ct, positions_first=positions_first)
     b, h, lp, p, n, c, keep_rows = setup
     y_type, final_type = (
@@ -222,7 +222,7 @@ def fused_forward(
         out_type = (y_type, jax.ShapeDtypeStruct((b, c, h, p, n), f32), final_type)
     else:
         out_type = (y_type, final_type)
-    barrier = plgpu.Barrier(num_barriers=2 * (bt.shape[1] + ct.shape[1] + 1))
+    barrier = plgpu.Barrier(num_barriers=2 * (len(bt) + len(ct) + 1))
     launch = _launch(
         "forward",
         _forward_kernel if states else _without_states,

@@ -4,6 +4,7 @@ the shared memory of all four (`backward.py` has the backward kernels) and their
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -85,12 +86,11 @@ def smem_bytes(p: int, n: int, parts: int = 1) -> int:
 def _walk_setup(xt, bt, keep, tiles, what, *rest, positions_first):
     """What a kernel walking one (batch row, head)'s chunks (`forward.py`, `state_backward.py`)
     does first: its operands checked (`x`, `B`, `rest` bf16, `B` and `rest` as `operand_parts`
-    gives them) and its `tiles` against shared
-    memory; `(b, h, L, P, N, chunks, keep_rows)`, `keep_rows [b, h, c, P]` float32 the carries
+    gives them) and its `tiles` against shared memory; `(b, h, L, P, N, chunks, keep_rows)`, `keep_rows [b, h, c, P]` float32 the carries
     with one value per row of a `[P, N]` state."""
     _check_operands(xt, bt, *rest, positions_first=positions_first)
     b, h, lp, p = _dims(xt, positions_first)
-    n, c = bt.shape[-1], lp // CHUNK
+    n, c = bt[0].shape[-1], lp // CHUNK
     if tile_bytes(tiles) > _SMEM:
         raise Unsupported(f"head_dim={p}, state={n}: {what}'s tiles exceed shared memory")
     keep_rows = jnp.broadcast_to(keep[..., None], (b, h, c, p)).astype(jnp.float32)
@@ -177,10 +177,10 @@ def _scan_vectors(dt_ref, cum_ref, f_ref, seg_ref, batch, head, rows):
     return cum_t, cum_s, dt_s, f_t, seg_t, seg_s
 
 
-def _part_copies(ref, dsts, batch, group, rows) -> list:
-    """The TMA copies `(source, destination)` of a group's `rows` of `B` or `C` (`ref [b, parts,
-    g, L, N]`) into the tiles `dsts` (`[Q, N]` each, `parts_of`), one per part."""
-    return [(ref.at[batch, k, group, rows], dst) for k, dst in enumerate(dsts)]
+def _part_copies(refs, dsts, batch, group, rows) -> list:
+    """The TMA copies `(source, destination)` of a group's `rows` of `B` or `C` (`refs`: its
+    parts, `[b, g, L, N]` each) into the tiles `dsts` (`[Q, N]` each, `parts_of`), one per part."""
+    return [(ref.at[batch, group, rows], dst) for ref, dst in zip(refs, dsts, strict=True)]
 
 
 def parts_of(smem, first=0, parts=None) -> tuple:
@@ -254,32 +254,35 @@ def _rows_type(b, h, lp, d, positions_first: bool, dtype=jnp.float32):
 
 def _check_operands(xt, bt, *rest, positions_first=False):
     """`x` (`[b, h, L, P]` or `positions_first`) and `B` and `rest` as `operand_parts` gives them
-    (`[b, parts, g, L, N]`), bf16, at a length of whole chunks and dimensions the kernels take."""
+    (tuples of `[b, g, L, N]`), bf16, at a length of whole chunks and dimensions the kernels take."""
     b, h, lp, p = _dims(xt, positions_first)
     if lp % CHUNK:
         raise ValueError(f"length {lp} is not a multiple of the chunk ({CHUNK})")
-    reason = dims_reason(p, bt.shape[-1], bt.shape[1])
+    reason = dims_reason(p, bt[0].shape[-1], len(bt))
     if reason:
         raise Unsupported(reason)
-    if any(a.dtype != jnp.bfloat16 for a in (xt, bt, *rest)):
-        dtypes = ", ".join(str(a.dtype) for a in (xt, bt, *rest))
+    arrays = (xt, *bt, *(a for parts in rest for a in parts))
+    if any(a.dtype != jnp.bfloat16 for a in arrays):
+        dtypes = ", ".join(str(a.dtype) for a in arrays)
         raise Unsupported(f"x, B, C are {dtypes}: the Mosaic GPU kernels take bf16")
 
 
-def operand_parts(a):
-    """`B` or `C` (`[b, g, L, N]`) as the kernels take it, `[b, parts, g, L, N]` bf16: a 16-bit
-    array as its one part, a float32 one (Mamba-3's rotated `k`, `q`) as two, `hi` (`a` rounded
-    to bf16) and `lo` (`a - hi` rounded to bf16), so that `hi + lo` holds about 16 of float32's
-    24 bits. `hi` returns to float32 by its bits, not by a conversion: XLA's GPU compiler may
-    drop a float32 -> bf16 -> float32 round trip (excess precision), which would make `lo`
-    zero."""
+def operand_parts(a) -> tuple:
+    """`B` or `C` (`[b, g, L, N]`) as the kernels take it, a tuple of bf16 arrays of its shape: a
+    16-bit array as its one part, a float32 one (Mamba-3's rotated `k`, `q`) as two, `hi` (`a`
+    rounded to bf16) and `lo` (`a - hi` rounded to bf16), so that `hi + lo` holds about 16 of
+    float32's 24 bits (two arrays, not one stacked: XLA forms both in one pass over `a`, where a
+    stack's concatenation computed `a` once for each). `hi` returns to float32 by its bits, not by
+    a conversion: XLA's GPU compiler may drop a float32 -> bf16 -> float32 round trip (excess
+    precision), which would make `lo` zero."""
+    if isinstance(a, tuple):
+        return a
     if jnp.dtype(a.dtype).itemsize == 2:
-        return a[:, None]
+        return (a,)
     a = a.astype(jnp.float32)
     hi = a.astype(jnp.bfloat16)
     bits = lax.bitcast_convert_type(hi, jnp.uint16).astype(jnp.uint32) << 16
-    lo = (a - lax.bitcast_convert_type(bits, jnp.float32)).astype(jnp.bfloat16)
-    return jnp.stack([hi, lo], axis=1)
+    return hi, (a - lax.bitcast_convert_type(bits, jnp.float32)).astype(jnp.bfloat16)
 
 
 def chunk_state(xt, w, bt, *, positions_first=False):
@@ -291,8 +294,8 @@ def chunk_state(xt, w, bt, *, positions_first=False):
     bt = operand_parts(bt)
     _check_operands(xt, bt, positions_first=positions_first)
     b, h, lp, p = _dims(xt, positions_first)
-    out = jax.ShapeDtypeStruct((b, lp // CHUNK, h, p, bt.shape[-1]), jnp.float32)
-    barrier = plgpu.Barrier(num_barriers=bt.shape[1])
+    out = jax.ShapeDtypeStruct((b, lp // CHUNK, h, p, bt[0].shape[-1]), jnp.float32)
+    barrier = plgpu.Barrier(num_barriers=len(bt))
     launch = _launch("state", _state_kernel, out, xt, bt, barrier, positions_first=positions_first)
     return launch(xt, w, bt)
 
@@ -305,7 +308,7 @@ def chunk_scan(xt, dt, cum, f, seg, bt, ct, states_in, *, positions_first=False,
     bt, ct = operand_parts(bt), operand_parts(ct)
     _check_operands(xt, bt, ct, positions_first=positions_first)
     out = jax.ShapeDtypeStruct(xt.shape, y_dtype)
-    barrier = plgpu.Barrier(num_barriers=bt.shape[1] + ct.shape[1] + 1)
+    barrier = plgpu.Barrier(num_barriers=len(bt) + len(ct) + 1)
     kw = dict(positions_first=positions_first, rows_dtype=y_dtype)
     launch = _launch("scan", _scan_kernel, out, xt, bt, barrier, **kw)
     return launch(xt, dt, cum, f, seg.astype(jnp.int32), bt, ct, states_in)
@@ -335,18 +338,20 @@ def _launch(
     `positions_first`: `x`, `y`, `dy`, `dx` are `[b, L, h, d]` (`rows_of`). `tiles`: a fused
     kernel's shared memory, over the grid (batch, heads) (heads on CUDA's x axis: blocks
     launched together share a group's `B` and `C`); `rows_dtype` the output rows' tile (`_tiles`);
-    `kw` more of the body's arguments. `bt`: `B` as `operand_parts` gives it."""
+    `kw` more of the body's arguments. `bt`: `B`'s parts (`operand_parts`); an argument of the
+    launch that is a tuple of arrays (`B`'s, `C`'s parts) reaches the body as a tuple of refs."""
     b, h, lp, p = _dims(xt, positions_first)
-    g, n = bt.shape[2], bt.shape[-1]
+    g, n = bt[0].shape[1], bt[0].shape[-1]
     skip = set((into or {}).values())
-    scratch = _smem(tiles if tiles is not None else _tiles(kind, p, n, xt.dtype, rows_dtype, bt.shape[1]))
+    scratch = _smem(tiles if tiles is not None else _tiles(kind, p, n, xt.dtype, rows_dtype, len(bt)))
     names = ("batch", "heads") if tiles is not None else ("batch", "heads", "chunks")
     grid = (b, h, lp // CHUNK)[: len(names)]
+    name = f"axkern_ssd_mosaic_gpu_{kind}"
 
-    def entry(*refs):
+    def entry(counts, *refs):
         pl.run_scoped(
             lambda *scoped: body(
-                *refs,
+                *_regroup(refs, counts),
                 scoped,
                 rep=h // g,
                 dtype=xt.dtype,
@@ -358,32 +363,42 @@ def _launch(
             barrier,
         )
 
-    name = f"axkern_ssd_mosaic_gpu_{kind}"
-    if not into:
-        return plgpu.kernel(
-            entry,
-            out_type=out_type,
-            grid=grid,
-            grid_names=names,
-            compiler_params=_params(),
-            kernel_name=name,
-        )
-    launch = pl.kernel(  # every output a ref operand: `plgpu.kernel`'s batching wrapper takes no refs
-        entry,
-        out_type=(),
-        mesh=plgpu.Mesh(grid=grid, grid_names=names, kernel_name=name),
-        compiler_params=_params(),
-        name=name,
-    )
-
     def call(*args):
         inputs = [a for i, a in enumerate(args) if i not in skip]
+        counts = tuple(len(a) if isinstance(a, tuple) else 0 for a in inputs)
+        flat = [x for a in inputs for x in (a if isinstance(a, tuple) else (a,))]
+        if not into:
+            return plgpu.kernel(
+                functools.partial(entry, counts),
+                out_type=out_type,
+                grid=grid,
+                grid_names=names,
+                compiler_params=_params(),
+                kernel_name=name,
+            )(*flat)
+        launch = pl.kernel(  # every output a ref operand: `plgpu.kernel`'s batching wrapper takes no refs
+            functools.partial(entry, counts),
+            out_type=(),
+            mesh=plgpu.Mesh(grid=grid, grid_names=names, kernel_name=name),
+            compiler_params=_params(),
+            name=name,
+        )
         first = tuple(
             args[into[o]] if o in into else lax.empty(t.shape, t.dtype) for o, t in enumerate(out_type)
         )
-        return pl.run_state(lambda refs: launch(*inputs, *refs))(first)
+        return pl.run_state(lambda refs: launch(*flat, *refs))(first)
 
     return call
+
+
+def _regroup(refs, counts) -> list:
+    """The kernel's flat `refs` with the inputs that were tuples (`counts[i]` arrays; 0: one
+    array) as tuples again; the refs past the inputs (outputs) as they are."""
+    out, i = [], 0
+    for c in counts:
+        out.append(refs[i] if c == 0 else tuple(refs[i : i + c]))
+        i += max(c, 1)
+    return out + list(refs[i:])
 
 
 def _put_last(smem, value, ref):

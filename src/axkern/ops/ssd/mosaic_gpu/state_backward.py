@@ -163,8 +163,8 @@ def fused_state_bwd(
 
 def _fused_state_bwd(xt, w, bt, keep, states_in, d_states_in, d_final, *, group_sums, positions_first):
     bt = operand_parts(bt)
-    f32, dtype, g = jnp.float32, xt.dtype, bt.shape[2]
-    tiles = _tiles(xt.shape[-1], bt.shape[-1], dtype, bt.shape[1])
+    f32, dtype, g = jnp.float32, xt.dtype, bt[0].shape[1]
+    tiles = _tiles(xt.shape[-1], bt[0].shape[-1], dtype, len(bt))
     setup = _walk_setup(xt, bt, keep, tiles, "the fused state backward", positions_first=positions_first)
     b, h, lp, p, n, c, keep_rows = setup
     db = jax.ShapeDtypeStruct((b, g if group_sums else h, lp, n), f32)
@@ -179,7 +179,7 @@ def _fused_state_bwd(xt, w, bt, keep, states_in, d_states_in, d_final, *, group_
     into = {2: len(args)} if group_sums else None  # dB: the zeros passed last
     if group_sums:
         args.append(jnp.zeros(db.shape, f32))
-    barrier = plgpu.Barrier(num_barriers=2 * bt.shape[1])
+    barrier = plgpu.Barrier(num_barriers=2 * len(bt))
     kw = dict(into=into, positions_first=positions_first, tiles=tiles, chunks=c)
     dx, dw, db_out, d_keep_rows, d_init = _launch(
         "state_bwd_fused", _kernel, out_type, xt, bt, barrier, **kw
