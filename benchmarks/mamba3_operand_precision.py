@@ -1,15 +1,17 @@
-"""Whether Mamba-3 SISO can run on SSD's Mosaic GPU chunk kernels, by the oracle rule.
+"""How Mamba-3 SISO's `q`, `k` may enter SSD's Mosaic GPU chunk kernels, by the oracle rule.
 
 SSD's `mosaic_gpu` kernels take `B`, `C` (Mamba-3's rotated `k`, `q`) as 16-bit operands. In
 SSD they are bf16 inputs, exact in bf16; in Mamba-3 they are float32 values formed from the
-inputs (biases, rotations), which the kernels would have to round. This runs Mamba-3's chunked
+inputs (biases, rotations), which the kernels take as two bf16 halves each (`mamba3`'s
+`mosaic_gpu`) or would have to round. This runs Mamba-3's chunked
 layer (`common.kernel_core`, the layer `pallas_gpu` runs) on the CPU with the four stage kernels
 replaced by their emulation (`ssd/mosaic_gpu/emulate.py`: the kernels' roundings, exact
 products) and `B`, `C` rounded to bf16 where a variant says so, and reports, for the outputs
 (`y` and the final states) and every gradient, the largest `max|emulated - oracle| / bound`
 of DESIGN.md's rule (over 1: the rule fails). Variants:
 
-- `exact`: `B`, `C` in float32 (as two 16-bit halves would nearly give);
+- `halves`: `B`, `C` as two bf16 halves each (`ssd.mosaic_gpu.operand_parts`: what `mamba3`'s
+  `mosaic_gpu` runs);
 - `state k`: `k` rounded in the chunk state's kernels (forward and backward);
 - `scan q`: `q` rounded in the chunk scan's kernels; `scan q, k`: both there;
 - `all`: both rounded everywhere (the kernels as they are).
@@ -38,7 +40,7 @@ from axkern.ops.mamba3 import pallas_gpu as layer  # noqa: E402
 from axkern.ops.ssd import mosaic_gpu  # noqa: E402
 
 VARIANTS = {
-    "exact": (),
+    "halves": (),
     "state k": ("state_k",),
     "scan q": ("scan_q",),
     "scan q, k": ("scan_q", "scan_k"),

@@ -13,8 +13,8 @@ rounded up to a power of two; `common.kernel_core`), so a chunk of `chunk_size` 
 positions), chunks of at most 128 positions for a bf16 `x`, 64 for fp16 and float32 ones (float32
 inputs, MIMO); otherwise the call falls back with the reason. Verified in interpret mode on the
 CPU and compiled against the oracle on an H200, SISO and MIMO (`tests/gpu/test_mamba3_gpu.py`;
-fp16 too); timed there behind mamba_ssm's
-kernels (docs/ops/mamba3.md), so it is in no default order. **Rotation backward**:
+fp16 too); on GPU second for bf16 inputs, behind `mosaic_gpu` (Hopper, SISO), as it is faster
+than `xla` there (docs/ops/mamba3.md). **Rotation backward**:
 `Mamba3BlockSizes(rotation_backward="kernel")` turns the rotated `q`, `k`'s cotangents back in
 one Triton kernel (`rotation_backward`) rather than XLA's three reductions; opt-in (its speed
 against XLA's on the H200 is in docs/ops/mamba3.md).

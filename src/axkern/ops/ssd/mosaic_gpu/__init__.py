@@ -72,6 +72,13 @@ two halves). `emulate.py` holds the kernels' arithmetic in XLA (the same roundin
 products), which the CPU tests carry through the whole layer and its gradients against the
 float64 oracle.
 
+**`B`, `C` in float32** (Mamba-3's rotated `k`, `q`, `mamba3/mosaic_gpu.py`): every kernel
+takes them as two bf16 arrays each (`operand_parts`: `hi` rounded, `lo` what that lost), copied
+into two tiles, and every product with them runs over both halves (`kernels.pairs`: two `wgmma`s
+where the other operand is 16-bit, three where it is a float32 value's halves, `lo · lo` left
+out), so the scan backward's tiles grow by `2·Q·N` 16-bit values (225 KiB at P 64, N 128) and
+the fused forward's by four (227 KiB there).
+
 **Constraints**: a Hopper GPU (compute capability 9.x), bf16 inputs (fp16's range could not
 hold the 16-bit halves of float32 values such as `M` or the state: fp16 goes to `xla`),
 chunks of 64, `P` and `N` multiples of 64 whose tiles fit shared memory in all four kernels
