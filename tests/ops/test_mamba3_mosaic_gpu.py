@@ -1,6 +1,6 @@
 """mamba3 `mosaic_gpu`: SSD's Mosaic GPU kernels with the rotated `q`, `k` as two bf16 halves.
 The kernels have no CPU interpret mode (they run in tests/gpu): here the layer and its gradients
-lower for CUDA in both forward forms, its arithmetic (`ssd.mosaic_gpu.EmulatedLayout`: the
+lower for CUDA in both forward forms, its arithmetic (`ssd.common.mosaic.EmulatedLayout`: the
 kernels' roundings, `q`, `k` as the same halves, exact products) holds the oracle rule through the
 whole layer, the halves hold what they should, and the dispatcher refuses what the kernels cannot
 take, with the reason."""
@@ -19,7 +19,7 @@ import axkern
 from axkern.ops.mamba3 import OP, Mamba3BlockSizes, mosaic_gpu
 from axkern.ops.mamba3 import common as mamba3_common
 from axkern.ops.mamba3 import pallas_gpu as mamba3_pallas_gpu
-from axkern.ops.ssd import mosaic_gpu as ssd_mosaic
+from axkern.ops.ssd.common import mosaic as ssd_mosaic
 from tests.cases.mamba3 import call, make, run
 from tests.harness import check_rule
 

@@ -81,7 +81,7 @@ def test_mamba3s_kernel_core_takes_the_term_where_its_layout_does():
     import jax.numpy as jnp
 
     from axkern.ops.mamba3.common import kernel_core
-    from axkern.ops.ssd.mosaic_gpu.emulate import EmulatedLayout
+    from axkern.ops.ssd.common.mosaic.emulate import EmulatedLayout
 
     kw = dict(chunk_size=16, interpret=True, dtype=jnp.bfloat16)
     assert kernel_core(GpuLayout, mimo=False, **kw).diagonal

@@ -1,4 +1,4 @@
-"""Mamba-3 SISO on Hopper: SSD's Pallas Mosaic GPU chunk kernels (`ssd/mosaic_gpu`: TMA,
+"""Mamba-3 SISO on Hopper: SSD's Pallas Mosaic GPU chunk kernels (`ssd/common/mosaic`: TMA,
 `wgmma` with 16-bit operands into float32 accumulators) under the chunked form of `common.py`,
 with the per-position log-decay `adt` and the trapezoid's input scale (angles, rotations, gate
 and the diagonal correction in XLA, as `pallas_gpu`).
@@ -7,7 +7,7 @@ and the diagonal correction in XLA, as `pallas_gpu`).
 the rotated, biased `k` and `q`, float32 values. Rounded to bf16 they missed the oracle rule
 (docs/ops/mamba3.md, "Why SSD's Mosaic GPU kernels do not serve Mamba-3 as they are": up to 3.2x
 the bound on gradients). Here each enters the kernels as `hi + lo`, two bf16 arrays
-(`ssd.mosaic_gpu.operand_parts`: `hi` the value rounded to bf16, `lo` what that lost, rounded),
+(`ssd.common.mosaic.operand_parts`: `hi` the value rounded to bf16, `lo` what that lost, rounded),
 and every product with `B` or `C` takes both: two `wgmma`s where the other operand is 16-bit,
 three where it is a float32 value's halves too (`lo · lo` left out), so the products are about as
 exact as float32 ones. The halves are formed in XLA beside the rotation (`[b, 2, H, L, N]` bf16,
@@ -15,17 +15,17 @@ the bytes of the float32 values), heads first as the kernels read them.
 
 **Cost** over SSD's kernels at the same shape: `C Bᵀ` three products where SSD has one, `C S_inᵀ`,
 the own state, `dS_in`, `dB`, `dC` and the state's backward twice as many on `B`, `C` (the
-package docstring of `ssd/mosaic_gpu` has SSD's); bytes: `B`, `C` per head (`H / G` times SSD's
+package docstring of `ssd/common/mosaic` has SSD's); bytes: `B`, `C` per head (`H / G` times SSD's
 for `G` groups) and twice as wide.
 
 **Constraints**: a Hopper GPU, bf16 inputs (fp16's range could not hold the halves of float32
 values), SISO (MIMO's `v ⊙ W_x` enters the kernels in float32, which SSD's kernels take only as
 bf16 `x`), chunks of 64 tokens, head dim and state multiples of 64 whose tiles, with `B`, `C` as
-two tiles each, fit shared memory (`ssd.mosaic_gpu.dims_reason(..., parts=2)`: 64 and 64, 64 and
+two tiles each, fit shared memory (`ssd.common.mosaic.dims_reason(..., parts=2)`: 64 and 64, 64 and
 128, 128 and 64). The fused forward where its tiles fit (`Mamba3BlockSizes(forward=...)`).
 
 **Interpret mode**: none (Mosaic GPU's `wgmma` and TMA copies have no CPU rule). CI lowers the
-layer for CUDA and runs it through the kernels' arithmetic (`ssd.mosaic_gpu.EmulatedLayout`, `B`,
+layer for CUDA and runs it through the kernels' arithmetic (`ssd.common.mosaic.EmulatedLayout`, `B`,
 `C` as the same halves) against the float64 oracle; the kernels run on a GPU in
 `tests/gpu/test_mamba3_gpu.py`.
 """
@@ -35,7 +35,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from axkern.core.op import Unsupported
-from axkern.ops.ssd import mosaic_gpu as kernels
+from axkern.ops.ssd.common import mosaic as kernels
 
 from .blocks import refuse_rotation_kernel
 from .common import forward, kernel_core
@@ -52,7 +52,7 @@ _MIMO = (
 def supports(spec) -> str | None:
     if spec.flag("mimo"):
         return _MIMO
-    reason = kernels.supports(spec)  # the import, a Hopper GPU, bf16, SSD's head dims and states
+    reason = kernels.platform_reason(spec)  # the import, a Hopper GPU, bf16
     return reason or kernels.dims_reason(spec.dim("head_dim"), spec.dim("state"), PARTS)
 
 

@@ -42,7 +42,7 @@ class SSDBlockSizes(BlockSizes):
     """`chunk_size`: positions per chunk (a power of two); the length need not be a multiple.
     `forward` (`mosaic_gpu` only): `"stages"` (the chunk states, the recurrence and the chunk
     outputs as three kernels; None means this) or `"fused"` (one kernel per batch row and head
-    walking its chunks, `mosaic_gpu/forward.py`). `group_sums` (`mosaic_gpu` only): where the
+    walking its chunks, `common/mosaic/forward.py`). `group_sums` (`mosaic_gpu` only): where the
     backward sums `dB` and `dC` over each group's heads: `"xla"` (the kernels write them per
     head, float32; None means this) or `"kernels"` (the kernels add each head's tiles into the
     group's rows by TMA reductions: no per-head arrays, the additions' order free). `transposes`
@@ -51,7 +51,7 @@ class SSDBlockSizes(BlockSizes):
     caller's `[b, L, H, P]`, a strided tile per head). `backward` (`mosaic_gpu` only): `"stages"`
     (the reverse recurrence and the chunk states' backward as two kernels; None means this) or
     `"fused"` (one kernel per batch row and head walking its chunks from the last,
-    `mosaic_gpu/state_backward.py`)."""
+    `common/mosaic/state_backward.py`)."""
 
     choices: ClassVar[Mapping[str, tuple[str, ...]]] = {
         "forward": ("stages", "fused"),

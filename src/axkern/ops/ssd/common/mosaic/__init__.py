@@ -1,6 +1,7 @@
-"""Mamba-2 SSD on Hopper: the chunk state and the chunk scan, forward and backward, as Pallas
-Mosaic GPU kernels, with 16-bit operands into float32 accumulators; the other stages are
-`pallas_gpu`'s.
+"""SSD's chunk state and chunk scan on Hopper, forward and backward, as Pallas Mosaic GPU
+kernels, with 16-bit operands into float32 accumulators; the other stages are `pallas_gpu`'s
+(shared by `ssd`'s `mosaic_gpu` and `mamba3`'s, which feed them their `B`, `C` and
+per-position decay and scale through `MosaicLayout`).
 
 **What runs where.** Stages 1 and 3 (weights, the recurrence between chunks and its reverse)
 are XLA's and `pallas_gpu`'s Triton kernels (`common/kernels.py` has the stages,
@@ -104,8 +105,7 @@ import functools
 from axkern.core import backend
 from axkern.core.op import Unsupported
 
-from ..common import kernels as chunk_kernels
-from ..common.gpu import GpuLayout
+from ..gpu import GpuLayout
 from .backward import chunk_scan_bwd, chunk_state_bwd
 from .emulate import (
     EmulatedLayout,
@@ -127,8 +127,7 @@ from .kernels import (
 from .state_backward import fused_state_bwd, fused_state_bwd_smem_bytes
 
 __all__ = [
-    "supports",
-    "ssd",
+    "platform_reason",
     "chunk_state",
     "chunk_scan",
     "chunk_state_bwd",
@@ -153,7 +152,9 @@ __all__ = [
 ]
 
 
-def supports(spec) -> str | None:
+def platform_reason(spec) -> str | None:
+    """Why the kernels cannot serve a call of `spec` on this platform and dtype (the import, a
+    Hopper GPU, bf16 inputs), or None."""
     if _IMPORT_ERROR is not None:
         return f"jax.experimental.pallas.mosaic_gpu does not import here ({_IMPORT_ERROR})"
     if spec.platform != "gpu" or not backend.is_hopper(spec):
@@ -163,7 +164,7 @@ def supports(spec) -> str | None:
             f"the Mosaic GPU kernels take bf16 inputs, not {spec.dtype} (their 16-bit halves of float32 values "
             "could overflow fp16's range: fp16 goes to xla)"
         )
-    return dims_reason(spec.dim("head_dim"), spec.dim("state"))
+    return None
 
 
 class MosaicLayout(GpuLayout):
@@ -226,29 +227,6 @@ class FusedMosaicLayout(MosaicLayout):
         return fused_forward(
             *args, positions_first=self.positions_first, y_dtype=self.y_dtype, states=residuals
         )
-
-
-def ssd(x, dt, A, B, C, D, z, segment_ids, initial_state, *, block_sizes, interpret=False):
-    if block_sizes.chunk_size != CHUNK:
-        raise Unsupported(
-            f"chunk_size={block_sizes.chunk_size}: the Mosaic GPU kernels run chunks of {CHUNK}"
-        )
-    if interpret:
-        raise Unsupported(
-            "the Mosaic GPU kernels have no interpret mode (wgmma and TMA copies have no CPU rule)"
-        )
-    reason = dims_reason(x.shape[-1], B.shape[-1])
-    if reason:
-        raise Unsupported(reason)
-    layout = layout_class(
-        block_sizes.forward == "fused",
-        block_sizes.group_sums == "kernels",
-        block_sizes.transposes == "kernels",
-        block_sizes.backward == "fused",
-    )
-    return chunk_kernels.ssd(
-        layout, x, dt, A, B, C, D, z, segment_ids, initial_state, chunk_size=CHUNK, interpret=False
-    )
 
 
 @functools.cache

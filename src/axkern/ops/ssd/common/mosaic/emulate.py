@@ -15,7 +15,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from ..common.gpu import GpuLayout
+from ..gpu import GpuLayout
 from .kernels import CHUNK, operand_parts
 
 __all__ = [
