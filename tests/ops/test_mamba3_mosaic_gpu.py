@@ -87,41 +87,17 @@ def test_the_halves_hold_the_float32_value():
     [
         # b, l, h, p, g, n, angles: a length not a multiple of the chunk, 2 groups, segments
         ((1, 150, 4, 64, 2, 64, 16), True),
-        ((2, 128, 2, 128, 1, 64, 16), False),  # P 128, N 64
         ((1, 200, 2, 64, 1, 128, 32), True),  # the 2.7B layer's P and N, 32 angles
     ],
 )
 def test_the_kernels_arithmetic_holds_the_oracle_rule_through_the_layer(monkeypatch, dims, segments):
     # the layer pallas_gpu runs, with its chunk kernels replaced by the Mosaic kernels' arithmetic
     # (what `mosaic_gpu` runs, `q` and `k` as their halves): y, the four final states and every
-    # gradient against the float64 oracle
+    # gradient against the float64 oracle (tests/test_mamba3_operand_precision.py: rounding q
+    # and k to bf16 instead puts them further from it; P 128 in benchmarks/mamba3_operand_precision.py)
     arrays, seg = make(0, *dims, 0, "bfloat16", segments=segments)
     _emulate(monkeypatch, ssd_mosaic.EmulatedLayout)
     with axkern.use(interpret=True):
-        check_rule(_runner(seg), "pallas_gpu", arrays, "bfloat16", "mamba3", interpret=True)
-
-
-def test_q_and_k_rounded_to_bf16_would_miss_the_rule(monkeypatch):
-    # the same check fails where the kernels take q and k rounded once (SSD's kernels as they
-    # are): what the halves are for
-    class Rounded(ssd_mosaic.EmulatedLayout):
-        def chunk_state(self, xt, w, bt, **kw):
-            return super().chunk_state(xt, w, bt.astype(jnp.bfloat16), **kw)
-
-        def chunk_state_bwd(self, xt, w, bt, *rest):
-            return super().chunk_state_bwd(xt, w, bt.astype(jnp.bfloat16), *rest)
-
-        def chunk_scan(self, xt, scale, cum, ac, f, sc, bt, ct, *rest, **kw):
-            bt, ct = bt.astype(jnp.bfloat16), ct.astype(jnp.bfloat16)
-            return super().chunk_scan(xt, scale, cum, ac, f, sc, bt, ct, *rest, **kw)
-
-        def chunk_scan_bwd(self, dy, xt, scale, cum, ac, f, sc, bt, ct, *rest, **kw):
-            bt, ct = bt.astype(jnp.bfloat16), ct.astype(jnp.bfloat16)
-            return super().chunk_scan_bwd(dy, xt, scale, cum, ac, f, sc, bt, ct, *rest, **kw)
-
-    arrays, seg = make(0, 1, 150, 4, 64, 2, 64, 16, 0, "bfloat16", segments=True)
-    _emulate(monkeypatch, Rounded)
-    with axkern.use(interpret=True), pytest.raises(AssertionError):
         check_rule(_runner(seg), "pallas_gpu", arrays, "bfloat16", "mamba3", interpret=True)
 
 

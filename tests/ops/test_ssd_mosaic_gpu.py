@@ -121,12 +121,22 @@ def test_each_kernel_lowers_with_positions_first(kernel):
 
 
 @needs_mosaic
-@pytest.mark.parametrize("backward", [None, "fused"])
-@pytest.mark.parametrize("group_sums", [None, "kernels"])
-@pytest.mark.parametrize("forward", ["stages", "fused"])
+@pytest.mark.parametrize(
+    # every pair of the three choices' values (the whole product lowers alike: 8 forms of 4 s)
+    "forward,group_sums,backward",
+    [
+        ("stages", None, None),
+        ("stages", "kernels", "fused"),
+        ("fused", None, "fused"),
+        ("fused", "kernels", None),
+    ],
+)
 def test_the_layer_lowers_in_every_form(forward, group_sums, backward):
     # with x, y transposed by the kernels, XLA's graph has fewer transposes (the moves of x in
-    # and of y out, forward and backward, in both branches of the guard's conditional)
+    # and of y out, forward and backward, in both branches of the guard's conditional); the
+    # forward's Mosaic kernels (three stages: the chunk state and scan, the recurrence being
+    # Triton's; or the fused one) and the backward's (chunk state and scan), twice: in the
+    # conditional's branch for finite inputs and in the guarded one
     arrays, seg = make(0, 1, 200, 4, 64, 2, 128, "bfloat16")
 
     def text(transposes):
@@ -189,26 +199,6 @@ def test_the_layer_lowers_under_vmap(group_sums, transposes, backward):
     stacked = jax.tree.map(lambda v: jnp.stack([v, v, v]), arrays)
     text = jax.jit(jax.vmap(jax.grad(f))).trace(stacked).lower(lowering_platforms=("cuda",)).as_text()
     assert _kernels(text) == 6
-
-
-@needs_mosaic
-@pytest.mark.parametrize("forward,kernels", [("stages", 8), ("fused", 6)])
-def test_the_layer_and_its_gradients_lower_for_cuda(forward, kernels):
-    # the forward's Mosaic kernels (three stages: the chunk state and scan, the recurrence being
-    # Triton's; or the fused one) and the backward's (chunk state and scan), twice: in the
-    # conditional's branch for finite inputs and in the guarded one
-    arrays, seg = make(0, 1, 200, 4, 64, 2, 128, "bfloat16")
-
-    def f(a):
-        dt = prepared_dt(a["dt"], a["dt_bias"], True, None)
-        y, final = mosaic_gpu.ssd(
-            a["x"], dt, a["A"], a["B"], a["C"], a["D"], a["z"], seg, a["initial_state"],
-            block_sizes=SSDBlockSizes(chunk_size=64, forward=forward),
-        )  # fmt: skip
-        return jnp.sum(y.astype(jnp.float32)) + jnp.sum(final)
-
-    text = jax.jit(jax.grad(f)).trace(arrays).lower(lowering_platforms=("cuda",)).as_text()
-    assert _kernels(text) == kernels
 
 
 @needs_mosaic
