@@ -73,7 +73,7 @@ def test_the_halves_hold_the_float32_value():
     assert [(a.shape, a.dtype) for a in parts] == [(x.shape, jnp.bfloat16)] * 2
     hi, lo = (np.asarray(a, np.float64) for a in parts)
     np.testing.assert_array_equal(hi, np.asarray(x.astype(jnp.bfloat16), np.float64))  # rounded
-    # what the rounding lost, itself rounded: hi + lo within 2^-16 of x (bf16 alone: 2^-9)
+    # what the rounding lost, itself rounded: hi + lo within 2^-16 of x (bf16 alone: 2^-8)
     exact = np.asarray(x, np.float64)
     assert np.all(np.abs(hi + lo - exact) <= 2.0**-16 * np.abs(exact))
     assert np.count_nonzero(lo) > 0.9 * lo.size

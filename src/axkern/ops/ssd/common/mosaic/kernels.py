@@ -86,8 +86,8 @@ def smem_bytes(p: int, n: int, parts: int = 1) -> int:
 def _walk_setup(xt, bt, keep, tiles, what, *rest, positions_first):
     """What a kernel walking one (batch row, head)'s chunks (`forward.py`, `state_backward.py`)
     does first: its operands checked (`x`, `B`, `rest` bf16, `B` and `rest` as `operand_parts`
-    gives them) and its `tiles` against shared memory; `(b, h, L, P, N, chunks, keep_rows)`, `keep_rows [b, h, c, P]` float32 the carries
-    with one value per row of a `[P, N]` state."""
+    gives them) and its `tiles` against shared memory; `(b, h, L, P, N, chunks, keep_rows)`,
+    `keep_rows [b, h, c, P]` float32 the carries with one value per row of a `[P, N]` state."""
     _check_operands(xt, bt, *rest, positions_first=positions_first)
     b, h, lp, p = _dims(xt, positions_first)
     n, c = bt[0].shape[-1], lp // CHUNK
@@ -193,7 +193,7 @@ def parts_of(smem, first=0, parts=None) -> tuple:
 def pairs(left, right, trans=False) -> list:
     """The `wgmma` operands `(left, right, transpose the right?)` of a product whose two operands
     are each one 16-bit tile or a float32 value's two halves (`hi`, `lo`): every pair of parts
-    but `lo · lo` (its terms are below the float32 rounding of the sum's largest)."""
+    but `lo · lo` (`|lo_a lo_b| <= 2^-16 |a b|`, the size of the halves' own rounding)."""
     return [(a, b, trans) for i, a in enumerate(left) for j, b in enumerate(right) if i + j <= 1]
 
 
@@ -270,8 +270,8 @@ def _check_operands(xt, bt, *rest, positions_first=False):
 def operand_parts(a) -> tuple:
     """`B` or `C` (`[b, g, L, N]`) as the kernels take it, a tuple of bf16 arrays of its shape: a
     16-bit array as its one part, a float32 one (Mamba-3's rotated `k`, `q`) as two, `hi` (`a`
-    rounded to bf16) and `lo` (`a - hi` rounded to bf16), so that `hi + lo` holds about 16 of
-    float32's 24 bits (two arrays, not one stacked: XLA forms both in one pass over `a`, where a
+    rounded to bf16) and `lo` (`a - hi` rounded to bf16), so that `hi + lo` is within `2^-16 |a|`
+    of `a` (two arrays, not one stacked: XLA forms both in one pass over `a`, where a
     stack's concatenation computed `a` once for each). `hi` returns to float32 by its bits, not by
     a conversion: XLA's GPU compiler may drop a float32 -> bf16 -> float32 round trip (excess
     precision), which would make `lo` zero."""
