@@ -20,8 +20,7 @@ __all__ = [
     "pallas_tpu_heuristic",
     "mosaic_gpu_heuristic",
     "kernel_slots",
-    "refuse_rotation_kernel",
-    "refuse_mosaic_gpu_forward",
+    "refuse_forms",
 ]
 
 
@@ -37,7 +36,7 @@ class Mamba3BlockSizes(BlockSizes):
 
     `forward` (`mosaic_gpu` only): `"fused"` (SSD's fused Mosaic GPU forward, one kernel per
     batch row and head walking its chunks) or `"stages"` (chunk states, recurrence, chunk
-    outputs); None: fused where its tiles fit shared memory, else the stages."""
+    outputs); None means fused."""
 
     choices: ClassVar[Mapping[str, tuple[str, ...]]] = {
         "rotation_backward": ("xla", "kernel"),
@@ -54,16 +53,21 @@ class Mamba3BlockSizes(BlockSizes):
         return None
 
 
-def refuse_rotation_kernel(block_sizes: Mamba3BlockSizes) -> None:
-    """Refuse `rotation_backward="kernel"`: an implementation other than `pallas_gpu` has none."""
-    if block_sizes.rotation_backward == "kernel":
-        raise Unsupported("rotation_backward='kernel': only pallas_gpu has the rotation's backward kernel")
+# (field, the values only one implementation takes (None: any set value), that implementation,
+# what it has)
+_FORMS = (
+    ("rotation_backward", ("kernel",), "pallas_gpu", "has the rotation's backward kernel"),
+    ("forward", None, "mosaic_gpu", "has forward forms"),
+)
 
 
-def refuse_mosaic_gpu_forward(block_sizes: Mamba3BlockSizes) -> None:
-    """Refuse a `forward` form: only `mosaic_gpu` has more than one."""
-    if block_sizes.forward is not None:
-        raise Unsupported(f"forward={block_sizes.forward!r}: only mosaic_gpu has forward forms")
+def refuse_forms(block_sizes: Mamba3BlockSizes, implementation: str) -> None:
+    """Refuse the forms of `Mamba3BlockSizes` that only another implementation than
+    `implementation` has, by name."""
+    for name, values, owner, what in _FORMS:
+        value = getattr(block_sizes, name)
+        if owner != implementation and value is not None and (values is None or value in values):
+            raise Unsupported(f"{name}={value!r}: only {owner} {what}")
 
 
 def bucket(spec: Spec) -> dict:
@@ -107,7 +111,7 @@ def pallas_gpu_heuristic(spec: Spec) -> Mamba3BlockSizes:
 
 def mosaic_gpu_heuristic(spec: Spec) -> Mamba3BlockSizes:
     """Chunks of 64 tokens, the only size SSD's Mosaic GPU kernels run (one warpgroup's rows;
-    SISO only); the forward's form left to the call (fused where it fits shared memory)."""
+    SISO only); the forward fused (None)."""
     return Mamba3BlockSizes(chunk_size=64)
 
 

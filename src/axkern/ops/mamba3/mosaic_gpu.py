@@ -22,7 +22,8 @@ for `G` groups) and twice as wide.
 values), SISO (MIMO's `v ⊙ W_x` enters the kernels in float32, which SSD's kernels take only as
 bf16 `x`), chunks of 64 tokens, head dim and state multiples of 64 whose tiles, with `B`, `C` as
 two tiles each, fit shared memory (`ssd.common.mosaic.dims_reason(..., parts=2)`: 64 and 64, 64 and
-128, 128 and 64). The fused forward where its tiles fit (`Mamba3BlockSizes(forward=...)`).
+128, 128 and 64). The fused forward by default, the three stages with
+`Mamba3BlockSizes(forward="stages")`.
 
 **Interpret mode**: none (Mosaic GPU's `wgmma` and TMA copies have no CPU rule). CI lowers the
 layer for CUDA and runs it through the kernels' arithmetic (`ssd.common.mosaic.EmulatedLayout`, `B`,
@@ -37,7 +38,7 @@ import jax.numpy as jnp
 from axkern.core.op import Unsupported
 from axkern.ops.ssd.common import mosaic as kernels
 
-from .blocks import refuse_rotation_kernel
+from .blocks import refuse_forms
 from .common import forward, kernel_core
 
 CHUNK = kernels.CHUNK
@@ -56,21 +57,9 @@ def supports(spec) -> str | None:
     return reason or kernels.dims_reason(spec.dim("head_dim"), spec.dim("state"), PARTS)
 
 
-def _fused(block_sizes, p: int, n: int) -> bool:
-    """Whether the forward runs fused: asked for, or (None) where its tiles fit."""
-    fits = kernels.fused_fits(p, n, PARTS)
-    if block_sizes.forward == "fused" and not fits:
-        need = kernels.fused_smem_bytes(p, n, PARTS)
-        raise Unsupported(
-            f"forward='fused' at head_dim={p}, state={n}: its tiles with q, k as two halves take {need} bytes of "
-            "shared memory, more than a Hopper block has"
-        )
-    return block_sizes.forward == "fused" or (block_sizes.forward is None and fits)
-
-
 def mamba3(*args, block_sizes, interpret=False):
     """`reference.mamba3`'s arguments and results, through SSD's Mosaic GPU chunk kernels."""
-    refuse_rotation_kernel(block_sizes)
+    refuse_forms(block_sizes, "mosaic_gpu")
     if interpret:
         raise Unsupported(
             "the Mosaic GPU kernels have no interpret mode (wgmma and TMA copies have no CPU rule)"
@@ -90,6 +79,8 @@ def mamba3(*args, block_sizes, interpret=False):
         raise Unsupported(reason)
     # x (v) and y in the caller's [b, L, H, P] (no transposes); dB, dC per head (B, C are per
     # head after the rotation: there are no groups to sum)
-    layout = kernels.layout_class(_fused(block_sizes, p, n), False, True, False)
+    # the fused forward unless the stages are asked for: its tiles fit wherever `dims_reason`
+    # admits the sizes (`kernels.fused_fits`, held in tests/ops/test_mamba3_mosaic_gpu.py)
+    layout = kernels.layout_class(block_sizes.forward != "stages", False, True, False)
     core = kernel_core(layout, chunk_size=CHUNK, interpret=False, dtype=v.dtype, mimo=False, diagonal=False)
     return forward(core, *args, chunk_size=CHUNK, later_ranks=True)

@@ -37,7 +37,7 @@ from axkern.ops.ssd.blocks import GPU_MAX_CHUNK_32BIT as MAX_CHUNK_32BIT
 from axkern.ops.ssd.blocks import GPU_MIN_DIM as MIN_DIM
 from axkern.ops.ssd.common.gpu import GpuLayout
 
-from .blocks import kernel_slots, refuse_mosaic_gpu_forward
+from .blocks import kernel_slots, refuse_forms
 from .common import forward, kernel_core, kernel_x_dtype
 
 _ROWS = 32  # rows (token, rank) of `q` or `k` a rotation-backward program turns back per head
@@ -184,7 +184,7 @@ def supports(spec) -> str | None:
 
 def mamba3(*args, block_sizes, interpret=False):
     """`reference.mamba3`'s arguments and results, through the GPU chunk kernels."""
-    refuse_mosaic_gpu_forward(block_sizes)
+    refuse_forms(block_sizes, "pallas_gpu")
     q = block_sizes.chunk_size
     dtype, mimo = args[2].dtype, args[16] is not None  # v, W_x
     slots = kernel_slots(args[0].shape[2])

@@ -18,14 +18,13 @@ from axkern.core.op import Unsupported
 from axkern.ops.ssd.blocks import TPU_MIN_CHUNK as MIN_CHUNK
 from axkern.ops.ssd.pallas_tpu import TpuLayout
 
-from .blocks import kernel_slots, refuse_mosaic_gpu_forward, refuse_rotation_kernel
+from .blocks import kernel_slots, refuse_forms
 from .common import forward, kernel_core
 
 
 def mamba3(*args, block_sizes, interpret=False):
     """`reference.mamba3`'s arguments and results, through the TPU chunk kernels."""
-    refuse_rotation_kernel(block_sizes)
-    refuse_mosaic_gpu_forward(block_sizes)
+    refuse_forms(block_sizes, "pallas_tpu")
     q = block_sizes.chunk_size
     slots = kernel_slots(args[0].shape[2])
     if q * slots < MIN_CHUNK:

@@ -22,14 +22,13 @@ from axkern.core import kernels
 from axkern.ops.ssd.common.chunks import uses_segment_sums
 from axkern.ops.ssd.common.scan import scan_recompute
 
-from .blocks import refuse_mosaic_gpu_forward, refuse_rotation_kernel
+from .blocks import refuse_forms
 from .common import forward, rotate
 
 
 def mamba3(*args, block_sizes):
     """`reference.mamba3`'s arguments and results, by chunks of `block_sizes.chunk_size`."""
-    refuse_rotation_kernel(block_sizes)
-    refuse_mosaic_gpu_forward(block_sizes)
+    refuse_forms(block_sizes, "xla")
     prec, sums = kernels.products_precision(args[2].dtype), uses_segment_sums(args[2].dtype)
     core = functools.partial(scan_recompute, chunk_size=block_sizes.chunk_size, precision=prec, sums=sums)
     return forward(core, *args, chunk_size=block_sizes.chunk_size)

@@ -74,13 +74,13 @@ def _tiles(p: int, n: int, dtype=jnp.bfloat16, y_dtype=jnp.float32, parts=1) -> 
     ]
 
 
-def fused_smem_bytes(p: int, n: int, parts: int = 1, y_dtype=jnp.float32) -> int:
-    return tile_bytes(_tiles(p, n, y_dtype=y_dtype, parts=parts))
+def fused_smem_bytes(p: int, n: int, parts: int = 1) -> int:
+    return tile_bytes(_tiles(p, n, parts=parts))
 
 
-def fused_fits(p: int, n: int, parts: int = 1, y_dtype=jnp.float32) -> bool:
-    """Whether the fused forward's tiles fit a Hopper block's shared memory."""
-    return fused_smem_bytes(p, n, parts, y_dtype) <= _SMEM
+def fused_fits(p: int, n: int, parts: int = 1) -> bool:
+    """Whether the fused forward's tiles (float32 `y`) fit a Hopper block's shared memory."""
+    return fused_smem_bytes(p, n, parts) <= _SMEM
 
 
 def _forward_kernel(

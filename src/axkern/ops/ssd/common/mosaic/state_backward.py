@@ -67,8 +67,8 @@ def _tiles(p: int, n: int, dtype=jnp.bfloat16, parts=1) -> list:
     ]
 
 
-def fused_state_bwd_smem_bytes(p: int, n: int, parts: int = 1) -> int:
-    return tile_bytes(_tiles(p, n, parts=parts))
+def fused_state_bwd_smem_bytes(p: int, n: int) -> int:
+    return tile_bytes(_tiles(p, n))
 
 
 def _kernel(
