@@ -56,13 +56,16 @@ MOSAIC_DIMS = [(1, 700, 8, 64, 1, 128, 32), (2, 300, 4, 64, 2, 64, 16), (1, 300,
 
 
 @pytest.mark.parametrize(
-    "dims,forward", [(d, None) for d in MOSAIC_DIMS] + [(MOSAIC_DIMS[0], "stages"), (MOSAIC_DIMS[2], "fused")]
+    "dims,forward,rotation",
+    [(d, None, None) for d in MOSAIC_DIMS]
+    + [(MOSAIC_DIMS[0], "stages", None), (MOSAIC_DIMS[2], "fused", None), (MOSAIC_DIMS[0], None, "xla")],
 )
-def test_mosaic_gpu_on_gpu_against_oracle(dims, forward):
+def test_mosaic_gpu_on_gpu_against_oracle(dims, forward, rotation):
+    # N 128: the fused forward turns q and k itself unless rotation="xla" (or the stages run)
     from axkern.ops.mamba3 import Mamba3BlockSizes
 
     arrays, seg = make(0, *dims, 0, "bfloat16", segments=True)
-    blocks = Mamba3BlockSizes(64, forward=forward)
+    blocks = Mamba3BlockSizes(64, forward=forward, rotation=rotation)
     with serving("mosaic_gpu"):
         check_rule(
             lambda name, a: run(name, a, seg, None if name == "reference" else blocks),
@@ -79,3 +82,26 @@ def test_explicit_pallas_gpu_is_compiled():
     assert d.implementation == "pallas_gpu" and not d.interpret
     y, _ = jax.jit(lambda a: call("pallas_gpu", a, chunk_size=64))(arrays)
     assert y.shape == (1, 256, 2, 64)
+
+
+def test_mosaic_gpu_rotating_forward_matches_xlas_rotation():
+    # the fused forward turning q and k itself (cos and sin on the approximate units) against the
+    # same kernel fed XLA's halves: outputs and final states within a few float32 roundings of
+    # the rotation, here as bf16 `y` steps and float32 states
+    import numpy as np
+
+    from axkern.ops.mamba3 import Mamba3BlockSizes
+
+    arrays, seg = make(1, 2, 320, 4, 64, 2, 128, 32, 0, "bfloat16", segments=True)
+    outs = {}
+    for rotation in ("kernel", "xla"):
+        blocks = Mamba3BlockSizes(64, rotation=rotation)
+        with serving("mosaic_gpu"):
+            outs[rotation] = jax.jit(lambda a, b=blocks: run("mosaic_gpu", a, seg, b))(arrays)
+    flat = [jax.tree.leaves(outs[r]) for r in ("kernel", "xla")]
+    assert len(flat[0]) == len(flat[1]) >= 5
+    for got, want in zip(*flat, strict=True):
+        got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+        scale = np.max(np.abs(want)) + 1e-30
+        assert np.all(np.isfinite(got) == np.isfinite(want))
+        assert np.nanmax(np.abs(got - want)) <= 2**-7 * scale, (np.nanmax(np.abs(got - want)), scale)

@@ -165,3 +165,49 @@ def test_it_refuses_what_the_kernels_cannot_take_with_the_reason():
     # float32 take xla
     assert OP.default_order["gpu"](_h200_spec()) == ("mosaic_gpu", "pallas_gpu", "xla")
     assert OP.default_order["gpu"](_h200_spec(dtype="float16")) == ("xla",)
+
+
+def test_a_rotated_operand_is_the_rotation_and_its_backward_is_autodiffs():
+    # `RotatedOperand` (what the rotating forward kernel forms, and XLA's halves elsewhere):
+    # `rotate(u + bias, Θ)` on the pairs (i, i + N/2), u per group, bias and Θ per head
+    keys = jax.random.split(jax.random.PRNGKey(1), 4)
+    b, g, h, length, n, a = 2, 2, 4, 8, 16, 5
+    u = jax.random.normal(keys[0], (b, g, length, n)).astype(jnp.bfloat16)
+    bias = jax.random.normal(keys[1], (h, n))
+    theta = jax.random.uniform(keys[2], (b, h, length, a), maxval=6.28)
+
+    def plain(u, bias, theta):
+        w = jnp.repeat(u.astype(jnp.float32), h // g, axis=1) + bias[:, None]
+        return mamba3_common.rotate(w, theta, True)
+
+    op = ssd_mosaic.RotatedOperand(u, bias, theta)
+    assert op.shape == (b, h, length, n)
+    np.testing.assert_allclose(op.value(), plain(u, bias, theta), rtol=1e-6, atol=1e-6)
+    cot = jax.random.normal(keys[3], (b, h, length, n))
+    value, pull = op.vjp()
+    got = pull(cot)
+    want = jax.vjp(plain, u, bias, theta)[1](cot)
+    for name, x, y in zip(("du", "dbias", "dtheta"), (got.u, got.bias, got.theta), want, strict=True):
+        np.testing.assert_allclose(
+            np.float32(x), np.float32(y), rtol=2e-2 if name == "du" else 1e-5, atol=1e-5
+        )
+    # the column orders: SISO's neighbouring pairs to halves and back
+    x = jnp.arange(8)
+    np.testing.assert_array_equal(ssd_mosaic.pairs_to_halves(x), [0, 2, 4, 6, 1, 3, 5, 7])
+    np.testing.assert_array_equal(ssd_mosaic.halves_to_pairs(ssd_mosaic.pairs_to_halves(x)), x)
+
+
+def test_the_rotating_forwards_layer_holds_the_oracle_rule(monkeypatch):
+    # what `rotation="kernel"` runs around its kernels (the state's columns reordered, q and k per
+    # group with the biases and angles to the kernels, the backward's halves and rotation's
+    # backward from them), with the kernels' arithmetic in XLA: y, the final states, every gradient
+    arrays, seg = make(0, 1, 150, 4, 64, 2, 128, 32, 0, "bfloat16", segments=True)
+    monkeypatch.setattr(
+        mamba3_pallas_gpu,
+        "kernel_core",
+        lambda _layout, **kw: mosaic_gpu.rotating_core(
+            ssd_mosaic.EmulatedLayout, kw["dtype"], interpret=True
+        ),
+    )
+    with axkern.use(interpret=True):
+        check_rule(_runner(seg), "pallas_gpu", arrays, "bfloat16", "mamba3", interpret=True)

@@ -36,16 +36,23 @@ class Mamba3BlockSizes(BlockSizes):
 
     `forward` (`mosaic_gpu` only): `"fused"` (SSD's fused Mosaic GPU forward, one kernel per
     batch row and head walking its chunks) or `"stages"` (chunk states, recurrence, chunk
-    outputs); None means fused."""
+    outputs); None means fused.
+
+    `rotation` (`mosaic_gpu` only): `"kernel"` (the fused forward turns `q`, `k` itself from the
+    unrotated rows per group, the biases and the angles, `ssd/common/mosaic/rotation.py`; a
+    state that is a multiple of 128) or `"xla"` (XLA forms the rotated values' halves per head);
+    None means the kernel's where it serves."""
 
     choices: ClassVar[Mapping[str, tuple[str, ...]]] = {
         "rotation_backward": ("xla", "kernel"),
         "forward": ("stages", "fused"),
+        "rotation": ("xla", "kernel"),
     }
 
     chunk_size: int = 64
     rotation_backward: str | None = None
     forward: str | None = None
+    rotation: str | None = None
 
     def check(self, spec):
         if self.chunk_size & (self.chunk_size - 1):
@@ -58,6 +65,7 @@ class Mamba3BlockSizes(BlockSizes):
 _FORMS = (
     ("rotation_backward", ("kernel",), "pallas_gpu", "has the rotation's backward kernel"),
     ("forward", None, "mosaic_gpu", "has forward forms"),
+    ("rotation", None, "mosaic_gpu", "chooses where q and k are rotated"),
 )
 
 

@@ -234,6 +234,8 @@ class Core(typing.Protocol):
     # `diag_t (C_t · B_t) x_t` to `y_t` (SISO), so `forward` leaves it the diagonal correction
     diagonal: bool
     x_dtype: typing.Any  # optional (absent: float32 or wider): the dtype the call takes `x` in
+    # optional (absent: False): `B`, `C` are `(k or q [b, l, R, G, N], bias [R, H, N], Θ)`, unrotated
+    rotates: bool
 
     def __call__(self, x, a, s, B, C, seg, initial_state, **diag): ...
 
@@ -447,7 +449,11 @@ def forward(
     theta = poison(theta, theta_bad)  # `Θ` with its NaNs
     # the scan's inputs with non-finite values as 0: for finite inputs, the rotations as they are
     # and `v` in the dtype the core takes it
-    qc, kc = (scrubbed(finite, u) for u in rotations(theta))
+    if getattr(core, "rotates", False):  # the core turns them: (unrotated q or k, its bias, Θ [b, h, l, a])
+        th = scrubbed(finite, theta)
+        qc, kc = ((scrubbed(finite, u), by_rank(b), th) for u, b in ((q, q_bias), (k, k_bias)))
+    else:
+        qc, kc = (scrubbed(finite, u) for u in rotations(theta))
     vc = scrubbed(finite, v_ranks(x_dtype))
     s0c, v0c, k0c = clean(f(ssm0)), clean(v0r), clean(f(k0))
     theta_last = theta[:, :, -1] if heads_major else theta[:, -1]  # [b, h, a]

@@ -36,7 +36,9 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from axkern.core.op import Unsupported
+from axkern.ops.ssd.common import kernels as chunk_kernels
 from axkern.ops.ssd.common import mosaic as kernels
+from axkern.ops.ssd.common.mosaic.rotation import RotatedOperand, halves_to_pairs, pairs_to_halves
 
 from .blocks import refuse_forms
 from .common import forward, kernel_core
@@ -81,6 +83,56 @@ def mamba3(*args, block_sizes, interpret=False):
     # head after the rotation: there are no groups to sum)
     # the fused forward unless the stages are asked for: its tiles fit wherever `dims_reason`
     # admits the sizes (`kernels.fused_fits`, held in tests/ops/test_mamba3_mosaic_gpu.py)
-    layout = kernels.layout_class(block_sizes.forward != "stages", False, True, False)
+    fused = block_sizes.forward != "stages"
+    layout = kernels.layout_class(fused, False, True, False)
+    reason = rotation_reason(block_sizes, p, n, fused, q.dtype, args[1].dtype)
+    if reason is None:
+        return forward(rotating_core(layout, v.dtype), *args, chunk_size=CHUNK, later_ranks=True)
+    if block_sizes.rotation == "kernel":
+        raise Unsupported(f"rotation='kernel': {reason}")
     core = kernel_core(layout, chunk_size=CHUNK, interpret=False, dtype=v.dtype, mimo=False, diagonal=False)
     return forward(core, *args, chunk_size=CHUNK, later_ranks=True)
+
+
+def rotation_reason(block_sizes, p, n, fused, *dtypes) -> str | None:
+    """Why `q`, `k` are not turned in the fused forward kernel (`rotating_core`), or None."""
+    if block_sizes.rotation == "xla":
+        return "rotation='xla' asks for XLA's"
+    if not fused:
+        return "only the fused forward turns q and k itself"
+    if any(d != jnp.bfloat16 for d in dtypes):
+        return "the rotating forward takes q and k in bf16"
+    return kernels.rotation_reason(p, n)
+
+
+def rotating_core(layout, dtype, interpret=False):
+    """A `common.Core` whose forward kernel turns `q` and `k` itself (`rotates`: `B`, `C` come as
+    the unrotated values per group, the biases and `Θ`, `ssd/common/mosaic/rotation.py`). The
+    rotation pairs `(i, i + N/2)`, so the state's columns run evens first, odds next inside the
+    scan (`pairs_to_halves` on `q`, `k`, the biases and the initial state, undone on the final
+    state): no product notices the order. SISO only. `interpret`: the layout's Pallas stages (the
+    recurrences) in interpret mode (an emulating layout's, on the CPU)."""
+
+    def operand(u, bias, theta):  # u [b, l, 1, g, n], bias [1, h, n], theta [b, h, l, a]
+        u = pairs_to_halves(jnp.transpose(u[:, :, 0], (0, 2, 1, 3)))  # [b, g, l, n]
+        return RotatedOperand(u, pairs_to_halves(bias[0]), theta)
+
+    def core(x, a, s, B, C, seg, initial_state):
+        y, final = chunk_kernels.scan(
+            layout,
+            x[:, :, 0].astype(dtype),
+            a,
+            s,
+            operand(*B),
+            operand(*C),
+            seg,
+            pairs_to_halves(initial_state),
+            chunk_size=CHUNK,
+            interpret=interpret,
+            products=dtype,
+            groups_first=True,
+        )
+        return y[:, :, None], halves_to_pairs(final)
+
+    core.heads_major, core.rotates, core.x_dtype, core.diagonal = True, True, jnp.dtype(dtype), False
+    return core

@@ -307,9 +307,10 @@ def _core_fwd(cfg, xt, ac, scale, bt, ct, sc, initial_state, diag):
 
 def _core_bwd(cfg, res, cotangents):
     layout, q, interpret, products, _, clean_x = cfg
-    x_in, ac, scale, bt, ct, sc, states_in, diag = res
+    x_in, ac, scale, bt_in, ct_in, sc, states_in, diag = res
     xt = zeroed(x_in) if clean_x else x_in
     dy, d_final = cotangents
+    (bt, pull_b), (ct, pull_c) = _operand_vjp(bt_in), _operand_vjp(ct_in)
     k = layout(xt, bt, q=q, interpret=interpret, products=products)
     col, row = k.from_col, k.from_row  # back to [b, h, c, Q]
     (cum, w, f, keep), pull_weights = jax.vjp(lambda ac, scale: _weights(ac, scale, sc), ac, scale)
@@ -335,8 +336,8 @@ def _core_bwd(cfg, res, cotangents):
         dx.astype(xt.dtype),
         d_ac.astype(ac.dtype),
         d_scale.astype(scale.dtype),
-        db.astype(bt.dtype),
-        dc.astype(ct.dtype),
+        pull_b(db),
+        pull_c(dc),
         None,
         d_init.astype(jnp.float32),
         None if diag is None else col(d_diag[0]).astype(diag.dtype),
@@ -344,6 +345,15 @@ def _core_bwd(cfg, res, cotangents):
 
 
 _core.defvjp(_core_fwd, _core_bwd)
+
+
+def _operand_vjp(operand):
+    """`B` or `C` as the backward's kernels take it and the map from its cotangent to the
+    input's: an array as it is (the cotangent cast to its dtype), or an operand that forms its
+    value (`vjp()`: Mamba-3's rotation, `mosaic/rotation.py`) formed once here."""
+    if hasattr(operand, "vjp"):
+        return operand.vjp()
+    return operand, lambda d: d.astype(operand.dtype)
 
 
 def scan(
@@ -382,7 +392,12 @@ def scan(
     pad = (-length) % q
     widths = lambda v, at: [(0, 0)] * at + [(0, pad)] + [(0, 0)] * (v.ndim - at - 1)  # noqa: E731
     padded = lambda v, at=1: jnp.pad(v, widths(v, at)) if pad else v  # noqa: E731 - x itself when whole
-    rows = lambda v: padded(v, 2) if groups_first else jnp.moveaxis(padded(v), 2, 1)  # noqa: E731 - [b, G, L, N]
+
+    def rows(v):  # [b, G, L, N]; an operand that pads itself (`RotatedOperand`) as it is
+        if hasattr(v, "padded"):
+            return v.padded(pad)
+        return padded(v, 2) if groups_first else jnp.moveaxis(padded(v), 2, 1)
+
     chunks = (length + pad) // q
     per_chunk = lambda v: jnp.moveaxis(padded(v), 2, 1).reshape(batch, heads, chunks, q)  # noqa: E731
     seg = jnp.concatenate([seg, jnp.broadcast_to(seg[:, -1:], (batch, pad))], axis=1)

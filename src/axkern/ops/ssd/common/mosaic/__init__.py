@@ -114,7 +114,7 @@ from .emulate import (
     emulate_chunk_state,
     emulate_chunk_state_bwd,
 )
-from .forward import fused_fits, fused_forward, fused_smem_bytes
+from .forward import fused_fits, fused_forward, fused_smem_bytes, rotation_reason
 from .kernels import (
     _IMPORT_ERROR,
     CHUNK,
@@ -124,6 +124,7 @@ from .kernels import (
     operand_parts,
     smem_bytes,
 )
+from .rotation import RotatedOperand, halves_to_pairs, pairs_to_halves
 from .state_backward import fused_state_bwd, fused_state_bwd_smem_bytes
 
 __all__ = [
@@ -149,6 +150,10 @@ __all__ = [
     "fused_fits",
     "layout_class",
     "operand_parts",
+    "rotation_reason",
+    "RotatedOperand",
+    "pairs_to_halves",
+    "halves_to_pairs",
 ]
 
 

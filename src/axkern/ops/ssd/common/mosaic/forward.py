@@ -35,11 +35,13 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from axkern.core.compat import mosaic_gpu_load
+from axkern.core.op import Unsupported
 
 from .kernels import (
     _SMEM,
     CHUNK,
     _chunk_output,
+    _dims,
     _halves,
     _launch,
     _part_copies,
@@ -53,34 +55,73 @@ from .kernels import (
     plgpu,
     tile_bytes,
 )
+from .rotation import RotatedOperand
 
-__all__ = ["fused_forward", "fused_smem_bytes", "fused_fits"]
+__all__ = ["fused_forward", "fused_smem_bytes", "fused_fits", "rotation_reason"]
+
+_F32_MAX = float(jnp.finfo(jnp.float32).max)
 
 
-def _tiles(p: int, n: int, dtype=jnp.bfloat16, y_dtype=jnp.float32, parts=1) -> list:
+def _tiles(p: int, n: int, dtype=jnp.bfloat16, y_dtype=jnp.float32, parts=1, rotate=False) -> list:
     """Shared-memory tiles `(shape, dtype)`: two slots of C, B (each `parts` tiles, slot-major),
     x; w ∘ x's halves; the entering state as 16 bits; staging for y (`y_dtype`) and for the
-    float32 state."""
+    float32 state. `rotate` (`rotation.py`): one slot of C's and B's two halves, which the
+    block forms, and the unrotated `q`, `k` rows and the angles they are copied into."""
     q, f32 = CHUNK, jnp.float32
+    extra = [((2, q, n), dtype), ((q, n // 2), f32)] if rotate else []
+    slots = 1 if rotate else 2
     return [
-        ((2 * parts, q, n), dtype),
-        ((2 * parts, q, n), dtype),
+        ((slots * parts, q, n), dtype),
+        ((slots * parts, q, n), dtype),
         ((2, q, p), dtype),
         ((q, p), dtype),
         ((q, p), dtype),
         ((p, n), dtype),
         ((q, p), y_dtype),
         ((p, n), f32),
-    ]
+    ] + extra
 
 
-def fused_smem_bytes(p: int, n: int, parts: int = 1) -> int:
-    return tile_bytes(_tiles(p, n, parts=parts))
+def fused_smem_bytes(p: int, n: int, parts: int = 1, rotate: bool = False) -> int:
+    return tile_bytes(_tiles(p, n, parts=parts, rotate=rotate))
 
 
-def fused_fits(p: int, n: int, parts: int = 1) -> bool:
+def fused_fits(p: int, n: int, parts: int = 1, rotate: bool = False) -> bool:
     """Whether the fused forward's tiles (float32 `y`) fit a Hopper block's shared memory."""
-    return fused_smem_bytes(p, n, parts) <= _SMEM
+    return fused_smem_bytes(p, n, parts, rotate) <= _SMEM
+
+
+def rotation_reason(p: int, n: int) -> str | None:
+    """Why the fused forward cannot rotate `B`, `C` itself at head dim `p` and state `n`, or
+    None: each column half a whole 64-column tile, and the tiles within shared memory."""
+    if n % 128:
+        return f"state={n}: the kernel turns column halves of whole 64-column tiles (a multiple of 128)"
+    if not fused_fits(p, n, 2, True):
+        return f"head_dim={p}, state={n}: the rotating forward's tiles exceed shared memory"
+    return None
+
+
+def _rotated_tiles(u_smem, th_smem, bias_refs, head, dsts, dtype):
+    """`rotation.py`'s turn in registers: for `q` and `k` (`u_smem.at[i]`, `[Q, N]` 16-bit, the
+    angles `th_smem` `[Q, N/2]` float32, the biases `bias_refs[i]` `[h, N]`), the rotated value's
+    two 16-bit halves into `dsts[i]` (`[2, Q, N]`: `hi`, `lo`), column half by column half."""
+    f32, layout = jnp.float32, plgpu.Layout.WGMMA
+    n2 = th_smem.shape[-1]
+    halves = (pl.ds(0, n2), pl.ds(n2, n2))
+    th = mosaic_gpu_load(th_smem, layout=layout, optimized=False)
+    cos, sin = jnp.cos(th), jnp.sin(th)
+    for i, (bias_ref, dst) in enumerate(zip(bias_refs, dsts, strict=True)):
+        w = []
+        for cols in halves:
+            u = mosaic_gpu_load(u_smem.at[i, :, cols], layout=layout, optimized=False).astype(f32)
+            bias = mosaic_gpu_load(bias_ref.at[head, cols], layout=layout.reduce(0), optimized=False)
+            w.append(u + lax.broadcast_in_dim(bias, u.shape, [1]))
+        turned = (w[0] * cos - w[1] * sin, w[0] * sin + w[1] * cos)
+        for cols, r in zip(halves, turned, strict=True):
+            r = jnp.where(jnp.abs(r) <= _F32_MAX, r, 0.0)  # non-finite as 0, as the caller scrubs
+            hi, lo = _halves(r, dtype)
+            dst.at[0, :, cols][...] = hi
+            dst.at[1, :, cols][...] = lo
 
 
 def _forward_kernel(
@@ -104,32 +145,51 @@ def _forward_kernel(
     add,
     rows_of,
     chunks,
+    rotate=False,
 ):
     """`add` (the backward kernels' group sums) is False here; `states_ref` None: the entering
-    states are not written (`_without_states`)."""
-    (c_smem, b_smem, x_smem, xh_smem, xl_smem, s16_smem, y_smem, st_smem), loaded = scoped
+    states are not written (`_without_states`). `rotate`: `b_ref`, `c_ref` are `(u, bias, Θ)`
+    (`rotation.py`), the block forms C's and B's halves in its one slot of them."""
+    (c_smem, b_smem, x_smem, xh_smem, xl_smem, s16_smem, y_smem, st_smem, *raw), loaded = scoped
     head, batch = lax.axis_index("heads"), lax.axis_index("batch")
     q, p = x_smem.shape[1:]
     n = c_smem.shape[-1]
-    parts = c_smem.shape[0] // 2
-    copies = 2 * parts + 1  # a slot's copies: C's and B's parts, x
+    parts = 2 if rotate else c_smem.shape[0] // 2
+    copies = 1 if rotate else 2 * parts + 1  # a slot's copies: (C's and B's parts), x
     group = lax.div(head, jnp.int32(rep))
     f32, wgmma_layout = jnp.float32, plgpu.Layout.WGMMA
     row = wgmma_layout.reduce(1)
 
     def slot_parts(smem, slot):
-        return parts_of(smem, slot * parts, parts)
+        return parts_of(smem, 0 if rotate else slot * parts, parts)
 
     def fetch(chunk, slot):
-        """The chunk's C, B, x into `slot`, a barrier per copy."""
+        """The chunk's (C, B,) x into `slot`, a barrier per copy."""
         rows = pl.ds(chunk * q, q)
-        pieces = _part_copies(c_ref, slot_parts(c_smem, slot), batch, group, rows)
-        pieces += _part_copies(b_ref, slot_parts(b_smem, slot), batch, group, rows)
+        pieces = []
+        if not rotate:
+            pieces += _part_copies(c_ref, slot_parts(c_smem, slot), batch, group, rows)
+            pieces += _part_copies(b_ref, slot_parts(b_smem, slot), batch, group, rows)
         pieces.append((rows_of(x_ref, batch, head, rows), x_smem.at[slot]))
         for i, (src, dst) in enumerate(pieces):
             plgpu.copy_gmem_to_smem(src, dst, loaded.at[copies * slot + i])
 
+    def fetch_raw(chunk):
+        """`rotate`: the chunk's unrotated `q`, `k` rows and the head's angles (one slot,
+        barriers after the two slots')."""
+        rows = pl.ds(chunk * q, q)
+        u_smem, th_smem = raw
+        pieces = [
+            (c_ref[0].at[batch, group, rows], u_smem.at[0]),
+            (b_ref[0].at[batch, group, rows], u_smem.at[1]),
+        ]
+        pieces.append((c_ref[2].at[batch, head, rows], th_smem))
+        for i, (src, dst) in enumerate(pieces):
+            plgpu.copy_gmem_to_smem(src, dst, loaded.at[2 * copies + i])
+
     fetch(0, 0)
+    if rotate:
+        fetch_raw(0)
 
     def step(chunk, state):
         slot = lax.rem(chunk, 2)
@@ -150,7 +210,17 @@ def _forward_kernel(
         st_smem[...] = state
         s16_smem[...] = state.astype(dtype)
         xh_smem[...], xl_smem[...] = _halves(x * lax.broadcast_in_dim(w_t, x.shape, [0]), dtype)
-        plgpu.commit_smem()
+        if rotate:  # C's and B's halves from this chunk's rows, then the next chunk's rows in
+            for i in range(3):
+                plgpu.barrier_wait(loaded.at[2 * copies + i])
+            _rotated_tiles(*raw, (c_ref[1], b_ref[1]), head, (c_smem, b_smem), dtype)
+        plgpu.commit_smem()  # (its warpgroup barrier: every read of the unrotated rows is done)
+        if rotate:
+
+            @pl.when(chunk + 1 < chunks)
+            def _():
+                fetch_raw(chunk + 1)
+
         if states_ref is not None:
             plgpu.copy_smem_to_gmem(st_smem, states_ref.at[batch, chunk, head])
         for i in range(copies):
@@ -202,7 +272,8 @@ def fused_forward(
 ):
     """`(y [b, h, L, P], final [b, h, P, N], states_in [b, c, h, P, N])`, float32 (`y` in
     `y_dtype`), of the chunks
-    (`xt [b, h, L, P]` bf16, `bt, ct [b, g, L, N]` bf16 or float32 (`operand_parts`); `w, dt,
+    (`xt [b, h, L, P]` bf16, `bt, ct [b, g, L, N]` bf16 or float32 (`operand_parts`), or both
+    `RotatedOperand`s, which the kernel turns itself (`rotation.py`); `w, dt,
     cum, f [b, h, L]` float32; `keep [b,
     h, c]`; `seg [b, L]` int32; `initial_state [b, h, P, N]` float32; `L = c · CHUNK`) by the
     fused kernel. `positions_first`: `xt` and `y` are `[b, L, h, P]`; `y_dtype`: `y` rounded to
@@ -210,9 +281,22 @@ def fused_forward(
     entering states (the backward's residual; `P·N·4` bytes a chunk and head, the largest of
     its writes)."""
     f32, dtype = jnp.float32, xt.dtype
-    bt, ct = operand_parts(bt), operand_parts(ct)
-    tiles = _tiles(xt.shape[-1], bt[0].shape[-1], dtype, y_dtype, len(bt))
-    setup = _walk_setup(xt, bt, keep, tiles, "the fused forward", ct, positions_first=positions_first)
+    rotate = isinstance(bt, RotatedOperand)
+    if rotate:  # `(u, bias, Θ)` each; the parts' shapes and dtypes checked as `u`'s
+        p, n = _dims(xt, positions_first)[3], bt.u.shape[-1]
+        reason = rotation_reason(p, n) or _rotation_dtypes(bt, ct)
+        if reason:
+            raise Unsupported(reason)
+        theta = bt.angles()
+        bt, ct, checked = (bt.u, bt.bias, theta), (ct.u, ct.bias, theta), ((bt.u,), (ct.u,))
+    else:
+        bt, ct = operand_parts(bt), operand_parts(ct)
+        checked = (bt, ct)
+    parts = 2 if rotate else len(bt)
+    tiles = _tiles(xt.shape[-1], bt[0].shape[-1], dtype, y_dtype, parts, rotate)
+    setup = _walk_setup(
+        xt, checked[0], keep, tiles, "the fused forward", checked[1], positions_first=positions_first
+    )
     b, h, lp, p, n, c, keep_rows = setup
     y_type, final_type = (
         _rows_type(b, h, lp, p, positions_first, y_dtype),
@@ -222,7 +306,7 @@ def fused_forward(
         out_type = (y_type, jax.ShapeDtypeStruct((b, c, h, p, n), f32), final_type)
     else:
         out_type = (y_type, final_type)
-    barrier = plgpu.Barrier(num_barriers=2 * (len(bt) + len(ct) + 1))
+    barrier = plgpu.Barrier(num_barriers=2 + 3 if rotate else 2 * (len(bt) + len(ct) + 1))
     launch = _launch(
         "forward",
         _forward_kernel if states else _without_states,
@@ -233,6 +317,7 @@ def fused_forward(
         positions_first=positions_first,
         tiles=tiles,
         chunks=c,
+        rotate=rotate,
     )
     out = launch(xt, w, dt, cum, f, keep_rows, seg.astype(jnp.int32), bt, ct, initial_state.astype(f32))
     if states:
@@ -240,3 +325,14 @@ def fused_forward(
         return y, final, states_in
     y, final = out
     return y, final, None
+
+
+def _rotation_dtypes(bt, ct) -> str | None:
+    """Why `bt`, `ct` (`RotatedOperand`s) are not what the rotating kernel takes, or None: `u`
+    bf16, the biases and angles float32, the same angles' shape."""
+    if not isinstance(ct, RotatedOperand) or bt.theta.shape != ct.theta.shape:
+        return "the rotating forward takes B and C both as rotations by the same angles"
+    for name, op in (("B", bt), ("C", ct)):
+        if op.u.dtype != jnp.bfloat16 or op.bias.dtype != jnp.float32 or op.theta.dtype != jnp.float32:
+            return f"{name}'s rotation takes u in bf16 and its bias and angles in float32"
+    return None

@@ -16,6 +16,8 @@ from axkern.core.compat import mosaic_gpu_load
 from axkern.core.kernels import swizzled_smem
 from axkern.core.op import Unsupported
 
+from .rotation import RotatedOperand
+
 try:
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -274,9 +276,11 @@ def operand_parts(a) -> tuple:
     of `a` (two arrays, not one stacked: XLA forms both in one pass over `a`, where a
     stack's concatenation computed `a` once for each). `hi` returns to float32 by its bits, not by
     a conversion: XLA's GPU compiler may drop a float32 -> bf16 -> float32 round trip (excess
-    precision), which would make `lo` zero."""
+    precision), which would make `lo` zero. A `RotatedOperand` is rotated first."""
     if isinstance(a, tuple):
         return a
+    if isinstance(a, RotatedOperand):  # formed in XLA here (the rotating forward forms it itself)
+        a = a.value()
     if jnp.dtype(a.dtype).itemsize == 2:
         return (a,)
     a = a.astype(jnp.float32)

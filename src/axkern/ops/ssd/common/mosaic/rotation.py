@@ -1,0 +1,141 @@
+"""`B` or `C` given as a rotation the kernels form themselves: Mamba-3's rotated, biased `k` and
+`q`, `rotate(u + bias, Θ)`, from the unrotated values per group (`[b, g, L, N]`, 16-bit), the
+biases per head (`[h, N]`) and the angles per head (`[b, h, L, A]`), rather than from the rotated
+values per head in float32 (`[b, h, L, N]`, `h / g` times the bytes, formed and read again).
+
+**The pairs.** Column `i` turns with column `i + N/2` by `Θ_i` (`i < A`; the other columns pass
+through): `(w_i, w_{i+N/2}) -> (w_i cos Θ_i - w_{i+N/2} sin Θ_i, w_i sin Θ_i + w_{i+N/2} cos Θ_i)`,
+`w = u + bias`. Mamba-3 SISO pairs neighbouring columns `(2i, 2i+1)`; the caller reorders the
+state's columns (evens, then odds) around the whole scan, which a scan does not notice (every
+product with `B` or `C` sums over the state, and the states keep the order).
+
+**In the fused forward kernel** (`forward.py`, `state / 2` a multiple of 64): TMA copies each
+chunk's `u` rows of `q` and `k` and the head's `Θ` rows (padded with zero angles to `N/2`
+columns) into shared memory; the warpgroup loads the two column halves of each, adds the bias,
+turns them (`cos`, `sin` on the chip's approximate units, absolute error about `2^-21`), sets
+non-finite results to 0 (as the caller's `scrubbed` does) and stores each rotated value as its
+two bf16 halves (`operand_parts`) in the tiles its products read. Elsewhere (the backward
+kernels, the stages, the emulation) `operand_parts` forms the same halves in XLA from `value`.
+
+**The backward** (`vjp`): the rotated value's cotangent `g` (per head, float32) turned back by
+`-Θ` (`back`), summed over each group's heads (`du`), over batch and positions (`dbias`), and
+`dΘ_i = back_{i+N/2} w_i - back_i w_{i+N/2}` against the unrotated pair, as Mamba-3's own
+rotation backward (`mamba3/common.py`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+__all__ = ["RotatedOperand", "rotate_halves", "pairs_to_halves", "halves_to_pairs"]
+
+_MAX = float(jnp.finfo(jnp.float32).max)
+
+
+def pairs_to_halves(a):
+    """`a [.., N]` with its neighbouring pairs `(2i, 2i+1)` moved to `(i, i + N/2)`."""
+    n = a.shape[-1]
+    return jnp.swapaxes(a.reshape(*a.shape[:-1], n // 2, 2), -1, -2).reshape(a.shape)
+
+
+def halves_to_pairs(a):
+    """`pairs_to_halves` undone."""
+    n = a.shape[-1]
+    return jnp.swapaxes(a.reshape(*a.shape[:-1], 2, n // 2), -1, -2).reshape(a.shape)
+
+
+def rotate_halves(w, cos, sin):
+    """`w [.., N]` (float32) turned on the pairs `(i, i + N/2)` by the angles whose `cos`, `sin`
+    (`[.., N/2]`) are given; non-finite results as 0."""
+    n2 = w.shape[-1] // 2
+    w0, w1 = w[..., :n2], w[..., n2:]
+    out = jnp.concatenate([w0 * cos - w1 * sin, w0 * sin + w1 * cos], axis=-1)
+    return jnp.where(jnp.abs(out) <= _MAX, out, 0)
+
+
+def _padded_angles(theta, n2):
+    return jnp.pad(theta, [(0, 0)] * (theta.ndim - 1) + [(0, n2 - theta.shape[-1])])
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class RotatedOperand:
+    """`B` or `C` (`[b, h, L, N]`, float32) as `rotate_halves(u + bias, Θ)`: `u [b, g, L, N]`
+    16-bit (its group's value for each head), `bias [h, N]` float32, `theta [b, h, L, A]`
+    float32 (`A <= N/2`). A pytree: padding, residuals and cotangents keep this form (a
+    cotangent's leaves are `du`, `dbias`, `dΘ`)."""
+
+    u: jax.Array
+    bias: jax.Array
+    theta: jax.Array
+
+    @property
+    def shape(self) -> tuple:
+        """The rotated value's shape, per head: `(b, h, L, N)`."""
+        b, _, length, n = self.u.shape
+        return (b, self.bias.shape[0], length, n)
+
+    @property
+    def dtype(self):
+        return jnp.dtype(jnp.float32)
+
+    def padded(self, pad: int) -> RotatedOperand:
+        """`pad` more positions (zero `u`, zero angles)."""
+        if not pad:
+            return self
+        rows = lambda a: jnp.pad(a, [(0, 0), (0, 0), (0, pad), (0, 0)])  # noqa: E731
+        return RotatedOperand(rows(self.u), self.bias, rows(self.theta))
+
+    def angles(self):
+        """`Θ` padded with zero angles to `N/2` columns (the kernel's tiles)."""
+        return _padded_angles(self.theta, self.u.shape[-1] // 2)
+
+    def value(self):
+        """The rotated value, `[b, h, L, N]` float32."""
+        return _value(self.u, self.bias, self.theta)
+
+    def vjp(self):
+        """`(value, pull)`: the value and the map from its cotangent (per head, float32) to this
+        operand's (`RotatedOperand(du, dbias, dΘ)`)."""
+        value, pull = jax.vjp(_value, self.u, self.bias, self.theta)
+        return value, lambda g: RotatedOperand(*pull(g.astype(jnp.float32)))
+
+
+def _biased(u, bias):
+    """`u + bias` per head, float32: `u [b, g, L, N]`, `bias [h, N]` -> `[b, h, L, N]`."""
+    rep = bias.shape[0] // u.shape[1]
+    return jnp.repeat(u.astype(jnp.float32), rep, axis=1) + bias[:, None]
+
+
+@jax.custom_vjp
+def _value(u, bias, theta):
+    a = _padded_angles(theta, u.shape[-1] // 2)
+    return rotate_halves(_biased(u, bias), jnp.cos(a), jnp.sin(a))
+
+
+def _value_fwd(u, bias, theta):
+    return _value(u, bias, theta), (u, bias, theta)
+
+
+def _value_bwd(res, g):
+    """The turn back by `-Θ` (the transpose of the turn), the sums over heads and positions, and
+    `dΘ` against the unrotated pair; a non-finite rotated value (set to 0) passes its cotangent
+    on as a finite one would (the caller's guard puts NaN where it belongs)."""
+    u, bias, theta = res
+    b, g_, length, n = u.shape
+    h, n2, a = bias.shape[0], n // 2, theta.shape[-1]
+    w = _biased(u, bias)
+    ang = _padded_angles(theta, n2)
+    cos, sin = jnp.cos(ang), jnp.sin(ang)
+    g0, g1 = g[..., :n2], g[..., n2:]
+    back0, back1 = g0 * cos + g1 * sin, g1 * cos - g0 * sin
+    back = jnp.concatenate([back0, back1], axis=-1)  # [b, h, L, N]
+    du = back.reshape(b, g_, h // g_, length, n).sum(2)
+    d_theta = (back1 * w[..., :n2] - back0 * w[..., n2:])[..., :a]
+    return du.astype(u.dtype), back.sum((0, 2)).astype(bias.dtype), d_theta.astype(theta.dtype)
+
+
+_value.defvjp(_value_fwd, _value_bwd)
