@@ -301,16 +301,19 @@ def _core(cfg, xt, ac, scale, bt, ct, sc, initial_state, diag):
 
 
 def _core_fwd(cfg, xt, ac, scale, bt, ct, sc, initial_state, diag):
-    out, states_in = _core_forward(cfg, xt, ac, scale, bt, ct, sc, initial_state, diag)
-    return out, (xt, ac, scale, bt, ct, sc, states_in, diag)
+    # an operand that forms its value (`parts()`: Mamba-3's rotation, `mosaic/rotation.py`) is
+    # formed once here, for these kernels and the backward's
+    formed = tuple(o.parts() if hasattr(o, "parts") else o for o in (bt, ct))
+    out, states_in = _core_forward(cfg, xt, ac, scale, *formed, sc, initial_state, diag)
+    return out, (xt, ac, scale, (bt, ct), formed, sc, states_in, diag)
 
 
 def _core_bwd(cfg, res, cotangents):
     layout, q, interpret, products, _, clean_x = cfg
-    x_in, ac, scale, bt_in, ct_in, sc, states_in, diag = res
+    x_in, ac, scale, operands, (bt, ct), sc, states_in, diag = res
     xt = zeroed(x_in) if clean_x else x_in
     dy, d_final = cotangents
-    (bt, pull_b), (ct, pull_c) = _operand_vjp(bt_in), _operand_vjp(ct_in)
+    pull_b, pull_c = (_pullback(o) for o in operands)
     k = layout(xt, bt, q=q, interpret=interpret, products=products)
     col, row = k.from_col, k.from_row  # back to [b, h, c, Q]
     (cum, w, f, keep), pull_weights = jax.vjp(lambda ac, scale: _weights(ac, scale, sc), ac, scale)
@@ -347,13 +350,12 @@ def _core_bwd(cfg, res, cotangents):
 _core.defvjp(_core_fwd, _core_bwd)
 
 
-def _operand_vjp(operand):
-    """`B` or `C` as the backward's kernels take it and the map from its cotangent to the
-    input's: an array as it is (the cotangent cast to its dtype), or an operand that forms its
-    value (`vjp()`: Mamba-3's rotation, `mosaic/rotation.py`) formed once here."""
-    if hasattr(operand, "vjp"):
-        return operand.vjp()
-    return operand, lambda d: d.astype(operand.dtype)
+def _pullback(operand):
+    """The map from `B`'s or `C`'s cotangent (per head or group, float32) to the input's: cast
+    to an array's dtype, or an operand's own (`cotangent`: Mamba-3's rotation)."""
+    if hasattr(operand, "cotangent"):
+        return operand.cotangent
+    return lambda d: d.astype(operand.dtype)
 
 
 def scan(

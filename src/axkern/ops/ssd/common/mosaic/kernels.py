@@ -16,7 +16,7 @@ from axkern.core.compat import mosaic_gpu_load
 from axkern.core.kernels import swizzled_smem
 from axkern.core.op import Unsupported
 
-from .rotation import RotatedOperand
+from .rotation import RotatedOperand, SplitOperand
 
 try:
     from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -279,6 +279,8 @@ def operand_parts(a) -> tuple:
     precision), which would make `lo` zero. A `RotatedOperand` is rotated first."""
     if isinstance(a, tuple):
         return a
+    if isinstance(a, SplitOperand):
+        return (a.hi, a.lo)
     if isinstance(a, RotatedOperand):  # formed in XLA here (the rotating forward forms it itself)
         a = a.value()
     if jnp.dtype(a.dtype).itemsize == 2:

@@ -14,10 +14,12 @@ chunk's `u` rows of `q` and `k` and the head's `Θ` rows (padded with zero angle
 columns) into shared memory; the warpgroup loads the two column halves of each, adds the bias,
 turns them (`cos`, `sin` on the chip's approximate units, absolute error about `2^-21`), sets
 non-finite results to 0 (as the caller's `scrubbed` does) and stores each rotated value as its
-two bf16 halves (`operand_parts`) in the tiles its products read. Elsewhere (the backward
-kernels, the stages, the emulation) `operand_parts` forms the same halves in XLA from `value`.
+two bf16 halves (`operand_parts`) in the tiles its products read. That is the forward nothing
+differentiates; a differentiated one forms the halves in XLA (`parts`), runs the kernels on them
+and keeps them for the backward's kernels, which take them as they are (the stages and the
+emulation form them from `value` too).
 
-**The backward** (`vjp`): the rotated value's cotangent `g` (per head, float32) turned back by
+**The backward** (`cotangent`): the rotated value's cotangent `g` (per head, float32) turned back by
 `-Θ` (`back`), summed over each group's heads (`du`), over batch and positions (`dbias`), and
 `dΘ_i = back_{i+N/2} w_i - back_i w_{i+N/2}` against the unrotated pair, as Mamba-3's own
 rotation backward (`mamba3/common.py`).
@@ -30,7 +32,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-__all__ = ["RotatedOperand", "rotate_halves", "pairs_to_halves", "halves_to_pairs"]
+__all__ = ["RotatedOperand", "SplitOperand", "rotate_halves", "pairs_to_halves", "halves_to_pairs"]
 
 _MAX = float(jnp.finfo(jnp.float32).max)
 
@@ -49,10 +51,12 @@ def halves_to_pairs(a):
 
 def rotate_halves(w, cos, sin):
     """`w [.., N]` (float32) turned on the pairs `(i, i + N/2)` by the angles whose `cos`, `sin`
-    (`[.., N/2]`) are given; non-finite results as 0."""
-    n2 = w.shape[-1] // 2
-    w0, w1 = w[..., :n2], w[..., n2:]
-    out = jnp.concatenate([w0 * cos - w1 * sin, w0 * sin + w1 * cos], axis=-1)
+    (`[.., N/2]`, 1 and 0 for the columns that pass through) are given; non-finite results as 0.
+    One elementwise expression over `w` viewed as `[.., 2, N/2]` (each element's partner is the
+    other row of its column): no slices or concatenation for XLA to materialise."""
+    x = w.reshape(*w.shape[:-1], 2, w.shape[-1] // 2)
+    sign = jnp.array([-1, 1], w.dtype)[:, None]  # the pair's first element takes -sin, the second +sin
+    out = (x * cos[..., None, :] + jnp.flip(x, -2) * (sin[..., None, :] * sign)).reshape(w.shape)
     return jnp.where(jnp.abs(out) <= _MAX, out, 0)
 
 
@@ -95,13 +99,38 @@ class RotatedOperand:
 
     def value(self):
         """The rotated value, `[b, h, L, N]` float32."""
-        return _value(self.u, self.bias, self.theta)
+        cos, sin = self._turns()
+        return rotate_halves(_biased(self.u, self.bias), cos, sin)
 
-    def vjp(self):
-        """`(value, pull)`: the value and the map from its cotangent (per head, float32) to this
-        operand's (`RotatedOperand(du, dbias, dΘ)`)."""
-        value, pull = jax.vjp(_value, self.u, self.bias, self.theta)
-        return value, lambda g: RotatedOperand(*pull(g.astype(jnp.float32)))
+    def _turns(self):
+        a = self.angles()
+        return jnp.cos(a), jnp.sin(a)
+
+    def parts(self) -> SplitOperand:
+        """The rotated value as the kernels' two bf16 halves (`operand_parts`), formed in XLA."""
+        from .kernels import operand_parts  # (kernels.py imports this module)
+
+        return SplitOperand(*operand_parts(self.value()))
+
+    def cotangent(self, g) -> RotatedOperand:
+        """This operand's cotangent (`du`, `dbias`, `dΘ`) from the rotated value's `g` (per head,
+        float32): `g` turned back by `-Θ` (the transpose of the turn: `back`), summed over each
+        group's heads and over batch and positions, and `dΘ_i = back_{i+N/2} w_i - back_i w_{i+N/2}`
+        against the unrotated pair `w`. A rotated value set to 0 (non-finite) passes its
+        cotangent on as a finite one would: the caller's guard puts NaN where it belongs."""
+        b, groups, length, n = self.u.shape
+        h, a = self.bias.shape[0], self.theta.shape[-1]
+        cos, sin = self._turns()
+        back = rotate_halves(g.astype(jnp.float32), cos, -sin)
+        du = back.reshape(b, groups, h // groups, length, n).sum(2)
+        w = _biased(self.u, self.bias).reshape(b, h, length, 2, n // 2)
+        bv = back.reshape(b, h, length, 2, n // 2)
+        d_theta = (bv[..., 1, :] * w[..., 0, :] - bv[..., 0, :] * w[..., 1, :])[..., :a]
+        return RotatedOperand(
+            du.astype(self.u.dtype),
+            back.sum((0, 2)).astype(self.bias.dtype),
+            d_theta.astype(self.theta.dtype),
+        )
 
 
 def _biased(u, bias):
@@ -110,32 +139,20 @@ def _biased(u, bias):
     return jnp.repeat(u.astype(jnp.float32), rep, axis=1) + bias[:, None]
 
 
-@jax.custom_vjp
-def _value(u, bias, theta):
-    a = _padded_angles(theta, u.shape[-1] // 2)
-    return rotate_halves(_biased(u, bias), jnp.cos(a), jnp.sin(a))
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SplitOperand:
+    """A float32 `B` or `C` held as its two bf16 halves (`operand_parts`: `hi`, `lo`), with the
+    value's shape and dtype: what `RotatedOperand.parts` forms once for the differentiated
+    forward's kernels and keeps for the backward's."""
 
+    hi: jax.Array
+    lo: jax.Array
 
-def _value_fwd(u, bias, theta):
-    return _value(u, bias, theta), (u, bias, theta)
+    @property
+    def shape(self) -> tuple:
+        return self.hi.shape
 
-
-def _value_bwd(res, g):
-    """The turn back by `-Θ` (the transpose of the turn), the sums over heads and positions, and
-    `dΘ` against the unrotated pair; a non-finite rotated value (set to 0) passes its cotangent
-    on as a finite one would (the caller's guard puts NaN where it belongs)."""
-    u, bias, theta = res
-    b, g_, length, n = u.shape
-    h, n2, a = bias.shape[0], n // 2, theta.shape[-1]
-    w = _biased(u, bias)
-    ang = _padded_angles(theta, n2)
-    cos, sin = jnp.cos(ang), jnp.sin(ang)
-    g0, g1 = g[..., :n2], g[..., n2:]
-    back0, back1 = g0 * cos + g1 * sin, g1 * cos - g0 * sin
-    back = jnp.concatenate([back0, back1], axis=-1)  # [b, h, L, N]
-    du = back.reshape(b, g_, h // g_, length, n).sum(2)
-    d_theta = (back1 * w[..., :n2] - back0 * w[..., n2:])[..., :a]
-    return du.astype(u.dtype), back.sum((0, 2)).astype(bias.dtype), d_theta.astype(theta.dtype)
-
-
-_value.defvjp(_value_fwd, _value_bwd)
+    @property
+    def dtype(self):
+        return jnp.dtype(jnp.float32)
