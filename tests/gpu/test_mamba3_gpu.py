@@ -84,24 +84,32 @@ def test_explicit_pallas_gpu_is_compiled():
     assert y.shape == (1, 256, 2, 64)
 
 
-def test_mosaic_gpu_rotating_forward_matches_xlas_rotation():
-    # the fused forward turning q and k itself (cos and sin on the approximate units) against the
-    # same kernel fed XLA's halves: outputs and final states within a few float32 roundings of
-    # the rotation, here as bf16 `y` steps and float32 states
+@pytest.mark.parametrize("dims", [MOSAIC_DIMS[0], (2, 320, 4, 64, 2, 128, 32)])
+def test_mosaic_gpu_rotating_forward_on_gpu_against_oracle(dims):
+    # the forward nothing differentiates, where the fused kernel turns q and k itself (with
+    # gradients the differentiated forward forms XLA's halves: the tests above): y and the final
+    # states against the float64 oracle, and against the same kernel fed XLA's halves within a
+    # few roundings of the rotation (cos and sin on the approximate units)
     import numpy as np
 
     from axkern.ops.mamba3 import Mamba3BlockSizes
+    from tests.cases.mamba3 import forward
 
-    arrays, seg = make(1, 2, 320, 4, 64, 2, 128, 32, 0, "bfloat16", segments=True)
-    outs = {}
-    for rotation in ("kernel", "xla"):
-        blocks = Mamba3BlockSizes(64, rotation=rotation)
-        with serving("mosaic_gpu"):
-            outs[rotation] = jax.jit(lambda a, b=blocks: run("mosaic_gpu", a, seg, b))(arrays)
-    flat = [jax.tree.leaves(outs[r]) for r in ("kernel", "xla")]
+    arrays, seg = make(1, *dims, 0, "bfloat16", segments=True)
+
+    def values(rotation):
+        def fwd(name, a):
+            blocks = None if name == "reference" else Mamba3BlockSizes(64, rotation=rotation)
+            return forward(name, a, seg, blocks), ()
+
+        return fwd
+
+    with serving("mosaic_gpu"):
+        got = check_rule(values("kernel"), "mosaic_gpu", arrays, "bfloat16", "mamba3")[0]
+        xla = values("xla")("mosaic_gpu", arrays)[0]
+    flat = [jax.tree.leaves(o) for o in (got, xla)]
     assert len(flat[0]) == len(flat[1]) >= 5
-    for got, want in zip(*flat, strict=True):
-        got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-        scale = np.max(np.abs(want)) + 1e-30
-        assert np.all(np.isfinite(got) == np.isfinite(want))
-        assert np.nanmax(np.abs(got - want)) <= 2**-7 * scale, (np.nanmax(np.abs(got - want)), scale)
+    for a, b in zip(*flat, strict=True):
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        assert np.all(np.isfinite(a) == np.isfinite(b))
+        assert np.nanmax(np.abs(a - b)) <= 2**-7 * (np.max(np.abs(b)) + 1e-30), np.nanmax(np.abs(a - b))
