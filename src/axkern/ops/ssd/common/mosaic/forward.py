@@ -116,8 +116,8 @@ def _rotated_tiles(u_smem, th_smem, bias_refs, head, dsts, dtype):
             u = mosaic_gpu_load(u_smem.at[i, :, cols], layout=layout, optimized=False).astype(f32)
             bias = mosaic_gpu_load(bias_ref.at[head, cols], layout=layout.reduce(0), optimized=False)
             w.append(u + lax.broadcast_in_dim(bias, u.shape, [1]))
-        turned = (w[0] * cos - w[1] * sin, w[0] * sin + w[1] * cos)
-        for cols, r in zip(halves, turned, strict=True):
+        for j, cols in enumerate(halves):  # one turned half at a time (fewer registers live)
+            r = w[0] * cos - w[1] * sin if j == 0 else w[0] * sin + w[1] * cos
             r = jnp.where(jnp.abs(r) <= _F32_MAX, r, 0.0)  # non-finite as 0, as the caller scrubs
             hi, lo = _halves(r, dtype)
             dst.at[0, :, cols][...] = hi
