@@ -198,22 +198,26 @@ def _forward_kernel(
         def _():
             fetch(chunk + 1, 1 - slot)
 
+        def state_out():  # the staging tiles' last copies out have been read; the entering state out and in
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            st_smem[...] = state
+            s16_smem[...] = state.astype(dtype)
+
         rows = pl.ds(chunk * q, q)
+        if rotate:  # C's and B's halves from this chunk's rows first, with few registers live
+            # (the state stored first; ptxas spilled registers with the vectors and x loaded too)
+            state_out()
+            for i in range(3):
+                plgpu.barrier_wait(loaded.at[2 * copies + i])
+            _rotated_tiles(*raw, (c_ref[1], b_ref[1]), head, (c_smem, b_smem), dtype)
         vectors = _scan_vectors(dt_ref, cum_ref, f_ref, seg_ref, batch, head, rows)
         w_t = mosaic_gpu_load(w_ref.at[batch, head, rows], layout=row, optimized=False)
         x = mosaic_gpu_load(rows_of(x_ref, batch, head, rows), layout=wgmma_layout, optimized=False).astype(
             f32
         )
-
-        # the staging tiles' last copies out have been read; the entering state out and in
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-        st_smem[...] = state
-        s16_smem[...] = state.astype(dtype)
+        if not rotate:
+            state_out()
         xh_smem[...], xl_smem[...] = _halves(x * lax.broadcast_in_dim(w_t, x.shape, [0]), dtype)
-        if rotate:  # C's and B's halves from this chunk's rows, then the next chunk's rows in
-            for i in range(3):
-                plgpu.barrier_wait(loaded.at[2 * copies + i])
-            _rotated_tiles(*raw, (c_ref[1], b_ref[1]), head, (c_smem, b_smem), dtype)
         plgpu.commit_smem()  # (its warpgroup barrier: every read of the unrotated rows is done)
         if rotate:
 
