@@ -78,7 +78,10 @@ takes them as two bf16 arrays each (`operand_parts`: `hi` rounded, `lo` what tha
 into two tiles, and every product with them runs over both halves (`kernels.pairs`: two `wgmma`s
 where the other operand is 16-bit, three where it is a float32 value's halves, `lo · lo` left
 out), so the scan backward's tiles grow by `2·Q·N` 16-bit values (225 KiB at P 64, N 128) and
-the fused forward's by four (227 KiB there).
+the fused forward's by four (227 KiB there). Or, for the fused forward, as a `RotatedOperand`
+(`rotation.py`): the unrotated values per group, the biases and the angles, which the kernel
+turns and splits itself (one slot of `B`'s and `C`'s halves, the unrotated rows and angles
+copied in beside them: 212 KiB at P 64, N 128).
 
 **Constraints**: a Hopper GPU (compute capability 9.x), bf16 inputs (fp16's range could not
 hold the 16-bit halves of float32 values such as `M` or the state: fp16 goes to `xla`),
