@@ -3,7 +3,10 @@ The kernels have no CPU interpret mode (they run in tests/gpu): here the layer a
 lower for CUDA in both forward forms, its arithmetic (`ssd.common.mosaic.EmulatedLayout`: the
 kernels' roundings, `q`, `k` as the same halves, exact products) holds the oracle rule through the
 whole layer, the halves hold what they should, and the dispatcher refuses what the kernels cannot
-take, with the reason."""
+take, with the reason. The forward nothing differentiates turns q and k in its kernel
+(`ssd/common/mosaic/rotation.py`): it lowers so, and what runs around it (the state's columns
+reordered, the rotation's operand, its halves and backward in XLA) holds the oracle rule with the
+kernels' arithmetic."""
 
 from __future__ import annotations
 
@@ -65,6 +68,22 @@ def test_the_layer_and_its_gradients_lower_for_cuda(forward, kernels):
     assert ("axkern_ssd_mosaic_gpu_forward" in text) == (forward == "fused")
     # q and k enter as two bf16 halves, the low half formed from the high one's bits
     assert "stablehlo.bitcast_convert" in text
+
+
+@needs_mosaic
+@pytest.mark.parametrize("rotation", ["kernel", "xla"])
+def test_the_forward_alone_lowers_with_the_rotation_in_the_kernel_or_xla(rotation):
+    # nothing differentiates it: the fused kernel turns q and k itself (no halves formed in XLA;
+    # XLA still turns the last position's k, the final state's), or with rotation="xla" takes
+    # XLA's halves
+    arrays, seg = make(0, 1, 200, 2, 64, 1, 128, 32, 0, "bfloat16")
+
+    def f(a):
+        return mosaic_gpu.mamba3(*_positional(a, seg), block_sizes=Mamba3BlockSizes(64, rotation=rotation))[0]
+
+    text = jax.jit(f).trace(arrays).lower(lowering_platforms=("cuda",)).as_text()
+    assert len(re.findall(r"stablehlo.custom_call @mosaic_gpu", text)) == 1
+    assert ("stablehlo.bitcast_convert" in text) == (rotation == "xla")
 
 
 def test_the_halves_hold_the_float32_value():
@@ -152,6 +171,15 @@ def test_it_refuses_what_the_kernels_cannot_take_with_the_reason():
             mosaic_gpu.mamba3(*args, block_sizes=blocks)
     with pytest.raises(axkern.Unsupported, match="interpret mode"):
         mosaic_gpu.mamba3(*args, block_sizes=Mamba3BlockSizes(64), interpret=True)
+    # the rotating forward: column halves of whole tiles (N a multiple of 128), within shared
+    # memory (at P 64, N 128 it fits with B's and C's halves in one slot), the fused form, bf16
+    assert ssd_mosaic.rotation_reason(64, 128) is None
+    assert "multiple of 128" in ssd_mosaic.rotation_reason(64, 64)
+    assert "shared memory" in ssd_mosaic.rotation_reason(128, 128)
+    with pytest.raises(axkern.Unsupported, match="rotation='kernel': state=64"):
+        mosaic_gpu.mamba3(*args, block_sizes=Mamba3BlockSizes(64, rotation="kernel"))
+    stages = Mamba3BlockSizes(64, forward="stages", rotation="kernel")
+    assert "only the fused forward" in mosaic_gpu.rotation_reason(stages, 64, 128, False, jnp.bfloat16)
     with pytest.raises(axkern.Unsupported, match="MIMO"):
         mosaic_gpu.mamba3(*args[:16], *[jnp.ones((2, 2, 64))] * 3, block_sizes=Mamba3BlockSizes(64))
     # the forward's forms are mosaic_gpu's: the others refuse them by name
@@ -160,6 +188,9 @@ def test_it_refuses_what_the_kernels_cannot_take_with_the_reason():
         with pytest.raises(axkern.Unsupported, match="only mosaic_gpu has forward forms"):
             with axkern.use(interpret=True):
                 call(impl, small, chunk_size=Mamba3BlockSizes(16, forward="fused"))
+        with pytest.raises(axkern.Unsupported, match="only mosaic_gpu chooses where q and k are rotated"):
+            with axkern.use(interpret=True):
+                call(impl, small, chunk_size=Mamba3BlockSizes(16, rotation="xla"))
     assert "forward must be one of" in Mamba3BlockSizes(64, forward="one").validate(_h200_spec())
     # first in the GPU's order for bf16 inputs, then pallas_gpu (MIMO falls to it); fp16 and
     # float32 take xla
@@ -202,7 +233,7 @@ def test_the_rotating_forwards_layer_holds_the_oracle_rule(monkeypatch):
     # what `rotation="kernel"` runs around its kernels (the state's columns reordered, q and k per
     # group with the biases and angles to the kernels, the backward's halves and rotation's
     # backward from them), with the kernels' arithmetic in XLA: y, the final states, every gradient
-    arrays, seg = make(0, 1, 150, 4, 64, 2, 128, 32, 0, "bfloat16", segments=True)
+    arrays, seg = make(0, 1, 100, 4, 64, 2, 128, 32, 0, "bfloat16", segments=True)
     monkeypatch.setattr(
         mamba3_pallas_gpu,
         "kernel_core",
