@@ -179,6 +179,11 @@ def test_it_refuses_what_the_kernels_cannot_take_with_the_reason():
     with pytest.raises(axkern.Unsupported, match="rotation='kernel': state=64"):
         mosaic_gpu.mamba3(*args, block_sizes=Mamba3BlockSizes(64, rotation="kernel"))
     stages = Mamba3BlockSizes(64, forward="stages", rotation="kernel")
+    # `explain` says where q and k are turned, and why not in the kernel
+    says = OP.implementations["mosaic_gpu"].backward
+    assert "turns q, k itself" in says(_h200_spec(), Mamba3BlockSizes(64))
+    assert "state=64: the kernel turns column halves" in says(_h200_spec(state=64), Mamba3BlockSizes(64))
+    assert "rotation='xla'" in says(_h200_spec(), Mamba3BlockSizes(64, rotation="xla"))
     assert "only the fused forward" in mosaic_gpu.rotation_reason(stages, 64, 128, False, jnp.bfloat16)
     with pytest.raises(axkern.Unsupported, match="MIMO"):
         mosaic_gpu.mamba3(*args[:16], *[jnp.ones((2, 2, 64))] * 3, block_sizes=Mamba3BlockSizes(64))

@@ -86,8 +86,7 @@ OP = Op(
             supports=mosaic_gpu.supports,
             block_sizes=Mamba3BlockSizes,
             heuristic=mosaic_gpu_heuristic,
-            backward="custom_vjp: SSD's Mosaic GPU chunk-scan and chunk-state backward kernels (q, k as two bf16 "
-            "halves), pallas_gpu's reverse recurrence",
+            backward=mosaic_gpu.describe,
         ),
         Implementation(
             "pallas_tpu",

@@ -48,7 +48,7 @@ from axkern.ops.ssd.common import kernels as chunk_kernels
 from axkern.ops.ssd.common import mosaic as kernels
 from axkern.ops.ssd.common.mosaic.rotation import RotatedOperand, halves_to_pairs, pairs_to_halves
 
-from .blocks import refuse_forms
+from .blocks import Mamba3BlockSizes, refuse_forms
 from .common import forward, kernel_core
 
 CHUNK = kernels.CHUNK
@@ -100,6 +100,24 @@ def mamba3(*args, block_sizes, interpret=False):
         raise Unsupported(f"rotation='kernel': {reason}")
     core = kernel_core(layout, chunk_size=CHUNK, interpret=False, dtype=v.dtype, mimo=False, diagonal=False)
     return forward(core, *args, chunk_size=CHUNK, later_ranks=True)
+
+
+def describe(spec, block_sizes) -> str:
+    """How a call of `spec` forms its forward and gradients (`explain`'s backward line): where `q`,
+    `k` are turned, and the backward's kernels."""
+    bs = block_sizes or Mamba3BlockSizes(CHUNK)
+    fused = bs.forward != "stages"
+    reason = rotation_reason(bs, spec.dim("head_dim"), spec.dim("state"), fused, jnp.dtype(spec.dtype))
+    where = (
+        "the fused forward kernel turns q, k itself where nothing differentiates the call, else XLA forms "
+        "their bf16 halves once for the forward's and backward's kernels"
+        if reason is None
+        else f"XLA forms q, k as two bf16 halves ({reason})"
+    )
+    return (
+        f"custom_vjp: {where}; SSD's Mosaic GPU chunk-scan and chunk-state backward kernels, pallas_gpu's "
+        "reverse recurrence"
+    )
 
 
 def rotation_reason(block_sizes, p, n, fused, *dtypes) -> str | None:
