@@ -277,7 +277,8 @@ def fused_forward(
     """`(y [b, h, L, P], final [b, h, P, N], states_in [b, c, h, P, N])`, float32 (`y` in
     `y_dtype`), of the chunks
     (`xt [b, h, L, P]` bf16, `bt, ct [b, g, L, N]` bf16 or float32 (`operand_parts`), or both
-    `RotatedOperand`s, which the kernel turns itself (`rotation.py`); `w, dt,
+    `RotatedOperand`s by the same angles (`bt`'s are read), which the kernel turns itself
+    (`rotation.py`); `w, dt,
     cum, f [b, h, L]` float32; `keep [b,
     h, c]`; `seg [b, L]` int32; `initial_state [b, h, P, N]` float32; `L = c · CHUNK`) by the
     fused kernel. `positions_first`: `xt` and `y` are `[b, L, h, P]`; `y_dtype`: `y` rounded to
