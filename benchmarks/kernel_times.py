@@ -12,7 +12,9 @@ timeline counts the overlap once. Needs torch with CUDA.
 
     OUT=<folder> python3 benchmarks/kernel_times.py ssd mamba2_2.7b --tokens 4096 --impl mosaic_gpu,pallas_gpu
 
-writes `$OUT/kernel_times_<op>_<preset>.json`. `--hlo` also writes each program's optimized HLO
+writes `$OUT/kernel_times_<op>_<preset>.json`. `--blocks IMPL:FIELD=VALUE` runs an implementation
+with those block-size fields over its heuristic's (a form that is not the default, such as
+`mosaic_gpu:rotation=xla` for `mamba3`). `--hlo` also writes each program's optimized HLO
 to `$OUT/hlo/` and gives each row the JAX operations its fusions came from (`sources`: the
 `op_name` metadata XLA keeps on each fusion), so that a fusion's time points at the code.
 """
