@@ -162,12 +162,16 @@ def _ein(spec, *a):
 @jax.custom_vjp
 def _pairs(q, k, bq, bk):
     """`Σ_n (q + bq)(k + bk)`, `[b, l, r, u, g, j]`, from `q`, `k [b, l, r, g, n]` and `bq`, `bk
-    [r, g, j, n]` (head `g · J + j`): one reduction XLA fuses with the heads' broadcast (no `[b,
-    l, h, n]` array). Its backward expands the products so that each gradient is a sum over
-    heads or positions of small arrays (matrix products), not a reduction of a broadcast."""
-    a = q[:, :, :, None, :, None] + bq[:, None]  # [b, l, r, 1, g, j, n]
-    c = k[:, :, None, :, :, None] + bk[None]  # [b, l, 1, u, g, j, n]
-    return jnp.sum(a * c, axis=-1)
+    [r, g, j, n]` (head `g · J + j`), expanded as `q·k + q·bk + bq·k + bq·bk`: matrix products
+    over the state of the positions' `[.., n]` rows with the heads' biases (`[n, j]`), never a
+    reduction over a `[b, l, h, n]` broadcast (one such fused reduction took 0.11 ms at the 2.7B
+    layer). Its backward expands them likewise."""
+    return (
+        _ein("blrgn,blugn->blrug", q, k)[..., None]
+        + _ein("blrgn,ugjn->blrugj", q, bk)
+        + _ein("rgjn,blugn->blrugj", bq, k)
+        + _ein("rgjn,ugjn->rugj", bq, bk)
+    )
 
 
 def _pairs_fwd(q, k, bq, bk):
