@@ -120,6 +120,9 @@ class RotatedOperand:
         cotangent on as a finite one would: the caller's guard puts NaN where it belongs."""
         b, groups, length, n = self.u.shape
         h, a = self.bias.shape[0], self.theta.shape[-1]
+        # the forward's `cos Θ`, `sin Θ` (XLA forms them once, for the forward's halves and this,
+        # and keeps them: `[b, h, L, N/2]` float32 each; computed apart, behind barriers, they took
+        # less memory and more time: benchmarks/mamba3_rotation_forms.py)
         cos, sin = self._turns()
         back = rotate_halves(g.astype(jnp.float32), cos, -sin)
         du = back.reshape(b, groups, h // groups, length, n).sum(2)

@@ -1,0 +1,166 @@
+"""How XLA forms Mamba-3's rotation around the Mosaic GPU kernels in a differentiated call
+(a diagnostic): the forward's halves of the rotated `q`, `k` (`RotatedOperand.parts`) and the
+rotation's backward (`RotatedOperand.cotangent`) in several forms, each timed forward+backward
+at the 2.7B layer as `axkern bench` runs it, with its temporaries and the optimized program's
+large fusions (bytes in and out), so that a form's cost points at what XLA materialises.
+
+    OUT=<folder> python3 benchmarks/mamba3_rotation_forms.py [FORM ...]
+
+writes `$OUT/mamba3_rotation_forms.json`. Forms: `now` (the code's: `cos`, `sin` of the angles
+padded to `N/2` columns, one expression for both operands, forward and backward), `negated`
+(the backward turns by `cos`, `sin` of `-Θ`, another expression), `shared` (`cos`, `sin` of the
+`A` angles, widened after; one expression everywhere), `own` (each operand's forward and backward
+compute them from their own inputs, behind an optimization barrier, so that XLA neither merges
+nor shares them), `own_parts` (`own`'s forward, `shared`'s backward).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import re
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from axkern import bench
+from axkern.ops.ssd.common.mosaic import rotation
+from axkern.ops.ssd.common.mosaic.kernels import operand_parts
+
+R = rotation.RotatedOperand
+
+
+def _trig(theta, n2, sign=1):
+    """`cos`, `sin` of `sign · Θ` on the `A` angles, widened to `N/2` columns (1 and 0)."""
+    a = theta if sign == 1 else -theta
+    widen = [(0, 0)] * (theta.ndim - 1) + [(0, n2 - theta.shape[-1])]
+    return jnp.pad(jnp.cos(a), widen, constant_values=1), jnp.pad(jnp.sin(a), widen)
+
+
+def _cotangent(self, g, u, bias, theta, cos, sin):
+    b, groups, length, n = u.shape
+    h, a = bias.shape[0], theta.shape[-1]
+    back = rotation.rotate_halves(g.astype(jnp.float32), cos, sin)
+    du = back.reshape(b, groups, h // groups, length, n).sum(2)
+    w = rotation._biased(u, bias).reshape(b, h, length, 2, n // 2)
+    bv = back.reshape(b, h, length, 2, n // 2)
+    d_theta = (bv[..., 1, :] * w[..., 0, :] - bv[..., 0, :] * w[..., 1, :])[..., :a]
+    return R(du.astype(u.dtype), back.sum((0, 2)).astype(bias.dtype), d_theta.astype(theta.dtype))
+
+
+def _parts(u, bias, theta):
+    cos, sin = _trig(theta, u.shape[-1] // 2)
+    return rotation.SplitOperand(*operand_parts(rotation.rotate_halves(rotation._biased(u, bias), cos, sin)))
+
+
+def shared_parts(self):
+    return _parts(self.u, self.bias, self.theta)
+
+
+def shared_cotangent(self, g):
+    cos, sin = _trig(self.theta, self.u.shape[-1] // 2)
+    return _cotangent(self, g, self.u, self.bias, self.theta, cos, -sin)
+
+
+def negated_cotangent(self, g):
+    n2 = self.u.shape[-1] // 2
+    pad = [(0, 0)] * (self.theta.ndim - 1) + [(0, n2 - self.theta.shape[-1])]
+    a = -jnp.pad(self.theta, pad)
+    return _cotangent(self, g, self.u, self.bias, self.theta, jnp.cos(a), jnp.sin(a))
+
+
+def own_parts(self):
+    return _parts(*lax.optimization_barrier((self.u, self.bias, self.theta)))
+
+
+def own_cotangent(self, g):
+    g, u, bias, theta = lax.optimization_barrier((g, self.u, self.bias, self.theta))
+    return _cotangent(self, g, u, bias, theta, *_trig(theta, u.shape[-1] // 2, -1))
+
+
+FORMS = {
+    "now": (R.parts, R.cotangent),
+    "negated": (R.parts, negated_cotangent),
+    "shared": (shared_parts, shared_cotangent),
+    "own": (own_parts, own_cotangent),
+    "own_parts": (own_parts, shared_cotangent),
+}
+
+_SHAPE = re.compile(r"(f32|bf16|f16|s32|pred|u32)\[([\d,]*)\]")
+_SIZE = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "pred": 1, "u32": 4}
+
+
+def _bytes(text: str) -> int:
+    total = 0
+    for dt, dims in _SHAPE.findall(text):
+        n = 1
+        for d in filter(None, dims.split(",")):
+            n *= int(d)
+        total += n * _SIZE[dt]
+    return total
+
+
+def large_fusions(hlo: str, floor: float = 250e6) -> list[str]:
+    """The entry computation's instructions that read and write more than `floor` bytes."""
+    entry = hlo[hlo.index("ENTRY") :]
+    entry = entry[: entry.index("\n}\n")]
+    shapes, rows = {}, []
+    for line in entry.splitlines()[1:]:
+        m = re.match(r"\s*(?:ROOT )?%(\S+) = (.*?) ([\w-]+)\((.*)", line)
+        if not m:
+            continue
+        name, shape, op, rest = m.groups()
+        shapes[name] = shape
+        if op in ("bitcast", "get-tuple-element", "tuple", "parameter", "constant"):
+            continue
+        out = _bytes(shape)
+        read = sum(_bytes(shapes.get(a, "")) for a in re.findall(r"%([\w.\-]+)", rest.split(")")[0]))
+        if out + read > floor:
+            source = re.search(r'op_name="([^"]*)"', line)
+            rows.append(
+                f"{name}: out {out / 1e6:.0f} MB, in {read / 1e6:.0f} MB, {shape[:60]} "
+                f"{(source.group(1) if source else '')[-60:]}"
+            )
+    return rows
+
+
+def main() -> None:
+    forms = sys.argv[1:] or list(FORMS)
+    case = next(c for c in bench.cases_for("mamba3", preset="mamba3_2.7b") if "SISO" in c.label)
+    args = case.make(jax.random.PRNGKey(0))
+    cot = bench._cotangent(case, args)
+    out = {
+        "command": "OUT=<folder> python3 benchmarks/mamba3_rotation_forms.py " + " ".join(sys.argv[1:]),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "jax": jax.__version__,
+        "device": jax.devices()[0].device_kind,
+        "case": case.label,
+        "forms": {},
+    }
+    for form in forms:
+        R.parts, R.cotangent = FORMS[form]
+        fn = jax.jit(bench._forward_backward(case, "mosaic_gpu"))
+        compiled = fn.lower(cot, *args).compile()
+        spread = bench.time_spread(fn, (cot, *args), repeats=7)
+        row = {
+            "ms": spread[1],
+            "ms_min": spread[0],
+            "ms_max": spread[2],
+            "temp_gib": compiled.memory_analysis().temp_size_in_bytes / 2**30,
+            "large_fusions": large_fusions(compiled.as_text()),
+        }
+        out["forms"][form] = row
+        print(form, json.dumps({k: v for k, v in row.items() if k != "large_fusions"}), flush=True)
+        for line in row["large_fusions"]:
+            print("   ", line, flush=True)
+    folder = Path(os.environ.get("OUT", "."))
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "mamba3_rotation_forms.json").write_text(json.dumps(out, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
