@@ -177,12 +177,15 @@ def test_head_dim_256_backward_lowers_with_the_heuristics_tiles():
         ("causal", "lean"),
         ("causal", "handoff,overlap"),
         ("documents | window", "handoff,overlap,named_barriers,named_releases"),
+        ("documents | window", "q_major"),
+        ("causal", "handoff,overlap,q_major"),
     ],
 )
 def test_the_forward_variants_lower(mask_name, variant):
     # the compute warpgroups' FA3-style handoff (a barrier each; on hardware named barriers),
     # beside the default rendezvous; the ring's releases on named barriers; non-finite scores
-    # made NaN in the kernel; the lean epilogue; FA3's overlap inside a warpgroup
+    # made NaN in the kernel; the lean epilogue; FA3's overlap inside a warpgroup; the grid's
+    # query blocks launched fastest
     q = jax.ShapeDtypeStruct((2, 600, 2, 128), jnp.bfloat16)
     mask = masks.Causal()
     if mask_name != "causal":

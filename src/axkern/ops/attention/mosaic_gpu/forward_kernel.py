@@ -385,6 +385,7 @@ def forward(
     lean=False,
     overlap=False,
     out_lo=False,
+    q_major=False,
 ):
     """`(out [B, Sq, H, D], lse [B, H, Sq] float32)` of the Mosaic GPU kernel; `sinks [H]`
     join the denominator (and `lse`). `out_lo=True` adds a third output, `lo [B, Sq, H, D]`:
@@ -400,7 +401,8 @@ def forward(
     `bar.sync`, as tokamax's kernel) rather than shared-memory mbarriers; `named_releases`, the
     ring's slots released to the producer on named barriers too (`tiles._stream_kv`); `lean`,
     the epilogue waiting only for its copies to have read shared memory and no shared memory
-    kept for cross-warp reductions (the forward's are within a warp)."""
+    kept for cross-warp reductions (the forward's are within a warp); `q_major`, the grid's query
+    blocks launched fastest rather than its heads (docs/ops/attention.md has its timing)."""
     if (named_barriers or overlap) and not handoff:
         raise ValueError(
             "named_barriers=True and overlap=True are forms of the handoff: pass handoff=True too"
@@ -475,8 +477,11 @@ def forward(
     outs = plgpu.kernel(
         entry,
         out_type=out_type + out_type[:1] if out_lo else out_type,
-        grid=(h, sqp // (COMPUTE_WGS * block_q), b),
-        grid_names=("heads", "q_seq", "batch"),
+        # the grid's first axis is the one the GPU launches fastest: heads, or (`q_major`) query
+        # blocks, so that the blocks running at once share a head's keys and values in L2 (not
+        # faster on the H200: docs/ops/attention.md)
+        grid=(blocks, h, b) if q_major else (h, blocks, b),
+        grid_names=("q_seq", "heads", "batch") if q_major else ("heads", "q_seq", "batch"),
         num_threads=COMPUTE_WGS + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(
