@@ -6,8 +6,10 @@ large fusions (bytes in and out), so that a form's cost points at what XLA mater
 
     OUT=<folder> python3 benchmarks/mamba3_rotation_forms.py [FORM ...]
 
-writes `$OUT/mamba3_rotation_forms.json`. Forms: `now` (the code's: `cos`, `sin` of the angles
-padded to `N/2` columns, one expression for both operands, forward and backward), `negated`
+writes `$OUT/mamba3_rotation_forms.json`. Forms: `now` (the code's: the halves formed in XLA
+from `cos`, `sin` of the angles padded to `N/2` columns, the backward kernels given the angles
+and turning `dB`, `dC` back themselves), `xla_turn` (the halves as `now`, the turn back in XLA
+from the forward's `cos`, `sin`; every form below turns in XLA too), `negated`
 (the backward turns by `cos`, `sin` of `-Θ`, another expression), `shared` (`cos`, `sin` of the
 `A` angles, widened after; one expression everywhere), `own` (each operand's forward and backward
 compute them from their own inputs, behind an optimization barrier, so that XLA neither merges
@@ -42,6 +44,7 @@ def _trig(theta, n2, sign=1):
 
 
 def _cotangent(self, g, u, bias, theta, cos, sin):
+    # (these forms' halves carry no angles: the kernels leave `g` unturned)
     b, groups, length, n = u.shape
     h, a = bias.shape[0], theta.shape[-1]
     back = rotation.rotate_halves(g.astype(jnp.float32), cos, sin)
@@ -57,34 +60,41 @@ def _parts(u, bias, theta):
     return rotation.SplitOperand(*operand_parts(rotation.rotate_halves(rotation._biased(u, bias), cos, sin)))
 
 
-def shared_parts(self):
+def shared_parts(self, angles=False):
     return _parts(self.u, self.bias, self.theta)
 
 
-def shared_cotangent(self, g):
+def shared_cotangent(self, g, turned=False):
     cos, sin = _trig(self.theta, self.u.shape[-1] // 2)
     return _cotangent(self, g, self.u, self.bias, self.theta, cos, -sin)
 
 
-def negated_cotangent(self, g):
+def negated_cotangent(self, g, turned=False):
     n2 = self.u.shape[-1] // 2
     pad = [(0, 0)] * (self.theta.ndim - 1) + [(0, n2 - self.theta.shape[-1])]
     a = -jnp.pad(self.theta, pad)
     return _cotangent(self, g, self.u, self.bias, self.theta, jnp.cos(a), jnp.sin(a))
 
 
-def own_parts(self):
+def own_parts(self, angles=False):
     return _parts(*lax.optimization_barrier((self.u, self.bias, self.theta)))
 
 
-def own_cotangent(self, g):
+def own_cotangent(self, g, turned=False):
     g, u, bias, theta = lax.optimization_barrier((g, self.u, self.bias, self.theta))
     return _cotangent(self, g, u, bias, theta, *_trig(theta, u.shape[-1] // 2, -1))
 
 
+def xla_turn_parts(self, angles=False):
+    return _NOW_PARTS(self)  # no angles: the backward kernels leave the turn to XLA
+
+
+_NOW_PARTS = R.parts
+
 FORMS = {
     "now": (R.parts, R.cotangent),
-    "negated": (R.parts, negated_cotangent),
+    "xla_turn": (xla_turn_parts, R.cotangent),
+    "negated": (xla_turn_parts, negated_cotangent),
     "shared": (shared_parts, shared_cotangent),
     "own": (own_parts, own_cotangent),
     "own_parts": (own_parts, shared_cotangent),

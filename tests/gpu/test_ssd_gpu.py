@@ -8,6 +8,8 @@ in batch and length.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import pytest
 
@@ -177,6 +179,38 @@ def test_mosaic_gpu_kernels_equal_their_emulation(kernel, dims, split):
         assert a.shape == e.shape, (kernel, i, a.shape, e.shape)
         err = np.abs(a - e).max() / max(np.abs(e).max(), 1e-30)
         assert err <= 1e-4, (kernel, i, err)
+
+
+@pytest.mark.skipif(not _hopper(), reason="the Mosaic GPU kernels need a Hopper GPU")
+@pytest.mark.parametrize("kernel", ["chunk_state_bwd", "chunk_scan_bwd"])
+@pytest.mark.parametrize("dims, angles", [((2, 4, 2, 3, 64, 128), 32), ((1, 3, 1, 2, 64, 128), 64)])
+def test_mosaic_gpu_backward_kernels_turn_back_by_the_angles(kernel, dims, angles):
+    # given the angles a rotation turned B and C by (Mamba-3's, `rotation.py`), the two backward
+    # kernels return dB, dC turned back by -Θ: their emulation's, turned in XLA; the other
+    # outputs as without the angles (the columns past the angles' pass through)
+    import jax.numpy as jnp
+    import numpy as np
+
+    from axkern.ops.ssd import mosaic_gpu
+    from axkern.ops.ssd.common.mosaic.rotation import rotate_halves
+
+    args = _kernel_inputs(kernel, *dims, split=True)
+    b, h, _, _, _, n = dims
+    length = args[0].shape[2]
+    theta = jax.random.uniform(jax.random.PRNGKey(3), (b, h, length, angles), maxval=2 * np.pi)
+    got = jax.jit(functools.partial(getattr(mosaic_gpu, kernel), theta=theta))(*args)
+    cpu = jax.devices("cpu")[0]
+    with jax.default_device(cpu):
+        want = list(jax.jit(getattr(mosaic_gpu, f"emulate_{kernel}"))(*jax.device_put(args, cpu)))
+        th = jnp.pad(jax.device_put(theta, cpu), [(0, 0)] * 3 + [(0, n // 2 - angles)])
+        turned = {"chunk_state_bwd": (2,), "chunk_scan_bwd": (5, 6)}[kernel]
+        for i in turned:
+            want[i] = rotate_halves(want[i], jnp.cos(th), -jnp.sin(th))
+    assert len(got) == len(want)
+    for i, (a, e) in enumerate(zip(got, want, strict=True)):
+        a, e = np.asarray(a, np.float64), np.asarray(e, np.float64)
+        err = np.abs(a - e).max() / max(np.abs(e).max(), 1e-30)
+        assert err <= 1e-4, (kernel, i, i in turned, err)
 
 
 @pytest.mark.skipif(not _hopper(), reason="the Mosaic GPU kernels need a Hopper GPU")

@@ -68,6 +68,12 @@ def test_the_layer_and_its_gradients_lower_for_cuda(forward, kernels):
     assert ("axkern_ssd_mosaic_gpu_forward" in text) == (forward == "fused")
     # q and k enter as two bf16 halves, the low half formed from the high one's bits
     assert "stablehlo.bitcast_convert" in text
+    # with the fused forward (the rotating core) both backward kernels take the angles ([b, h, L,
+    # A] float32, 32 angles) and return dB, dC turned back
+    calls = [line for line in text.splitlines() if "custom_call @mosaic_gpu" in line and "_bwd" in line]
+    operands = [line.rsplit(":", 1)[-1].split("->")[0] for line in calls]
+    with_angles = [o for o in operands if "tensor<1x2x256x32xf32>" in o]
+    assert len(with_angles) == (2 if forward == "fused" else 0)
 
 
 @needs_mosaic
@@ -182,6 +188,7 @@ def test_it_refuses_what_the_kernels_cannot_take_with_the_reason():
     # `explain` says where q and k are turned, and why not in the kernel
     says = OP.implementations["mosaic_gpu"].backward
     assert "turns q, k itself" in says(_h200_spec(), Mamba3BlockSizes(64))
+    assert "backward kernels turn dq, dk back" in says(_h200_spec(), Mamba3BlockSizes(64))
     assert "state=64: the kernel turns column halves" in says(_h200_spec(state=64), Mamba3BlockSizes(64))
     assert "rotation='xla'" in says(_h200_spec(), Mamba3BlockSizes(64, rotation="xla"))
     assert "only the fused forward" in mosaic_gpu.rotation_reason(stages, 64, 128, False, jnp.bfloat16)

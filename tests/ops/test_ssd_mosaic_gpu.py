@@ -426,3 +426,28 @@ def test_the_default_form_and_the_deterministic_flags(monkeypatch):
     for flags in ("--xla_gpu_deterministic_ops=false", "--xla_gpu_deterministic_ops_x=true"):
         monkeypatch.setenv("XLA_FLAGS", flags)
         assert heuristic(gpu) == default, flags
+
+
+@pytest.mark.parametrize(
+    "angles, dtype, group_sums, message",
+    [
+        (16, jnp.float32, False, "multiple of 32"),
+        (96, jnp.float32, False, "at most state/2 = 64"),
+        (32, jnp.bfloat16, False, "must be float32"),
+        (32, jnp.float32, True, "with group_sums"),
+    ],
+)
+def test_the_backward_kernels_refuse_angles_they_cannot_turn_by(angles, dtype, group_sums, message):
+    # the angles a rotation turned B and C by (Mamba-3's): whole float32 tiles of the state's
+    # first half, per head; refused by name before anything is traced for the GPU
+    b, h, length, p, n = 1, 2, 128, 64, 128
+    x = jnp.zeros((b, h, length, p), jnp.bfloat16)
+    vec = jnp.zeros((b, h, length), jnp.float32)
+    bc = jnp.zeros((b, 1, length, n), jnp.float32)
+    states = jnp.zeros((b, length // 64, h, p, n), jnp.float32)
+    theta = jnp.zeros((b, h, length, angles), dtype)
+    kw = dict(theta=theta, group_sums=group_sums)
+    with pytest.raises(ValueError, match=message):
+        mosaic_gpu.chunk_scan_bwd(x, x, vec, vec, vec, vec[:, 0], bc, bc, states, **kw)
+    with pytest.raises(ValueError, match=message):
+        mosaic_gpu.chunk_state_bwd(x, vec, bc, states, **kw)

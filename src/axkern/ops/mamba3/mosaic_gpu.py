@@ -18,7 +18,9 @@ the bytes of the float32 values), heads first as the kernels read them.
 `q`, `k`, a state that is a multiple of 128; `rotating_core`): it takes the unrotated `q`, `k` per
 group, the biases and the angles (`ssd/common/mosaic/rotation.py`), and the halves per head never
 cross memory. A differentiated call forms them in XLA once (the scan's `custom_vjp`), runs the
-same kernels on them and keeps them for the backward's. `rotation="xla"`: XLA's halves always.
+same kernels on them and keeps them for the backward's, whose chunk-scan and chunk-state kernels
+also take the angles and return `dq`, `dk` per head turned back (XLA sums them over the heads
+and forms the angles' gradient). `rotation="xla"`: XLA's halves and XLA's rotation backward.
 On the H200 the 2.7B layer's forward took 2.98 ms against 3.54 with XLA's halves in one call
 (2.87 after later changes, another call; docs/ops/mamba3.md).
 
@@ -111,7 +113,8 @@ def describe(spec, block_sizes) -> str:
     reason = rotation_reason(bs, spec.dim("head_dim"), spec.dim("state"), fused, jnp.dtype(spec.dtype))
     where = (
         "the fused forward kernel turns q, k itself where nothing differentiates the call, else XLA forms "
-        "their bf16 halves once for the forward's and backward's kernels"
+        "their bf16 halves once for the forward's and backward's kernels, and the backward kernels turn "
+        "dq, dk back by the angles"
         if reason is None
         else f"XLA forms q, k as two bf16 halves ({reason})"
     )

@@ -133,6 +133,12 @@ class Layout:
     def call_params(self) -> dict:
         return {"interpret": self.interpret}
 
+    @classmethod
+    def turns_back(cls) -> bool:
+        """Whether the backward kernels take a `B`, `C` formed by Mamba-3's rotation with its
+        angles (`mosaic/rotation.py`, `SplitOperand.theta`) and return `dB`, `dC` turned back."""
+        return False
+
     # stage 3 and its reverse: `lax.scan` in XLA unless a backend has a kernel for them
     @staticmethod
     def recurrence(keep, chunk_states, initial_state):
@@ -302,8 +308,10 @@ def _core(cfg, xt, ac, scale, bt, ct, sc, initial_state, diag):
 
 def _core_fwd(cfg, xt, ac, scale, bt, ct, sc, initial_state, diag):
     # an operand that forms its value (`parts()`: Mamba-3's rotation, `mosaic/rotation.py`) is
-    # formed once here, for these kernels and the backward's
-    formed = tuple(o.parts() if hasattr(o, "parts") else o for o in (bt, ct))
+    # formed once here, for these kernels and the backward's (with its angles where the
+    # backward's kernels turn the cotangents back)
+    angles = cfg[0].turns_back()
+    formed = tuple(o.parts(angles) if hasattr(o, "parts") else o for o in (bt, ct))
     out, states_in = _core_forward(cfg, xt, ac, scale, *formed, sc, initial_state, diag)
     return out, (xt, ac, scale, (bt, ct), formed, sc, states_in, diag)
 
@@ -313,7 +321,7 @@ def _core_bwd(cfg, res, cotangents):
     x_in, ac, scale, operands, (bt, ct), sc, states_in, diag = res
     xt = zeroed(x_in) if clean_x else x_in
     dy, d_final = cotangents
-    pull_b, pull_c = (_pullback(o) for o in operands)
+    pull_b, pull_c = (_pullback(o, f) for o, f in zip(operands, (bt, ct), strict=True))
     k = layout(xt, bt, q=q, interpret=interpret, products=products)
     col, row = k.from_col, k.from_row  # back to [b, h, c, Q]
     (cum, w, f, keep), pull_weights = jax.vjp(lambda ac, scale: _weights(ac, scale, sc), ac, scale)
@@ -350,11 +358,12 @@ def _core_bwd(cfg, res, cotangents):
 _core.defvjp(_core_fwd, _core_bwd)
 
 
-def _pullback(operand):
+def _pullback(operand, formed):
     """The map from `B`'s or `C`'s cotangent (per head or group, float32) to the input's: cast
-    to an array's dtype, or an operand's own (`cotangent`: Mamba-3's rotation)."""
+    to an array's dtype, or an operand's own (`cotangent`: Mamba-3's rotation; turned back
+    already where the kernels had its angles, `formed.theta`)."""
     if hasattr(operand, "cotangent"):
-        return operand.cotangent
+        return functools.partial(operand.cotangent, turned=getattr(formed, "theta", None) is not None)
     return lambda d: d.astype(operand.dtype)
 
 

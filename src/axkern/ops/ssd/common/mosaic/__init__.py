@@ -81,7 +81,11 @@ out), so the scan backward's tiles grow by `2·Q·N` 16-bit values (225 KiB at P
 the fused forward's by four (227 KiB there). Or, for the fused forward, as a `RotatedOperand`
 (`rotation.py`): the unrotated values per group, the biases and the angles, which the kernel
 turns and splits itself (one slot of `B`'s and `C`'s halves, the unrotated rows and angles
-copied in beside them: 212 KiB at P 64, N 128).
+copied in beside them: 212 KiB at P 64, N 128). Given the angles too (`theta`, `[b, h, L, A]`
+float32, `A` a multiple of 32; `rotation.SplitOperand.theta` in the layer), the chunk-scan and
+chunk-state backward kernels return `dC`, `dB` turned back by `-Θ` (`backward._turned_back`: in
+the staging tile before its copy out; the angles read into registers while the last products
+run; `2·Q·A` special-function results a chunk), so XLA only sums them.
 
 **Constraints**: a Hopper GPU (compute capability 9.x), bf16 inputs (fp16's range could not
 hold the 16-bit halves of float32 values such as `M` or the state: fp16 goes to `xla`),
@@ -192,7 +196,7 @@ class MosaicLayout(GpuLayout):
         return chunk_scan(*args, positions_first=self.positions_first, y_dtype=self.y_dtype)
 
     def chunk_state_bwd(self, xt, w, bt, d_own, dx_scan, db_scan):
-        kw = dict(group_sums=self.group_sums, positions_first=self.positions_first)
+        kw = dict(group_sums=self.group_sums, positions_first=self.positions_first, theta=_angles(bt))
         # dx_scan added in the kernel; db_scan here (per head, or per group with `group_sums`)
         dx, dw, db = chunk_state_bwd(xt, self.to_col(w), bt, d_own, dx_scan, **kw)
         return dx, dw, db + db_scan
@@ -202,12 +206,20 @@ class MosaicLayout(GpuLayout):
             raise Unsupported("the Mosaic GPU kernels take 16-bit inputs, whose decay is cum_t - cum_s")
         c = self.to_col
         args = (dy, xt, c(scale), c(cum), c(f), c(sc), bt, ct, states_in)
-        return chunk_scan_bwd(*args, group_sums=self.group_sums, positions_first=self.positions_first)
+        kw = dict(group_sums=self.group_sums, positions_first=self.positions_first, theta=_angles(bt))
+        return chunk_scan_bwd(*args, **kw)
 
     # `dB`, `dC` summed over each group's heads in XLA, or (`group_sums`) in the kernels
     group_sums = False
     # the reverse recurrence and the chunk states' backward as one kernel
     fused_backward = False
+
+    @classmethod
+    def turns_back(cls) -> bool:
+        """Whether the backward kernels take `B`, `C` formed by a rotation with its angles
+        (`rotation.SplitOperand.theta`) and return `dB`, `dC` turned back: per head, in the
+        chunk-scan and chunk-state backward kernels."""
+        return not (cls.group_sums or cls.fused_backward)
 
     def state_backward(self, xt, w, bt, keep, states_in, d_states_in, d_final, dx_scan, db_scan):
         if not self.fused_backward:
@@ -220,6 +232,11 @@ class MosaicLayout(GpuLayout):
 
     def sum_groups(self, db, dc):
         return (db, dc) if self.group_sums else super().sum_groups(db, dc)
+
+
+def _angles(operand):
+    """The angles a `SplitOperand` carries for the backward kernels to turn by, or None."""
+    return getattr(operand, "theta", None)
 
 
 class FusedMosaicLayout(MosaicLayout):

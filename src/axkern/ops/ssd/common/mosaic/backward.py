@@ -30,34 +30,16 @@ from .kernels import (
 
 __all__ = ["chunk_scan_bwd", "chunk_state_bwd"]
 
+_F32_MAX = float(jnp.finfo(jnp.float32).max)
 
-def _scan_bwd_kernel(
-    dy_ref,
-    x_ref,
-    dt_ref,
-    cum_ref,
-    f_ref,
-    seg_ref,
-    b_ref,
-    c_ref,
-    s_ref,
-    dx_ref,
-    ddt_ref,
-    dcum_ref,
-    dcum_row_ref,
-    df_ref,
-    db_ref,
-    dc_ref,
-    ds_ref,
-    scoped,
-    *,
-    rep,
-    dtype,
-    add,
-    rows_of,
-):
+
+def _scan_bwd_kernel(*refs, rep, dtype, add, rows_of, turns=False):
     """`add`: `dB`, `dC` added by TMA reductions into the head's group's rows (`[b, g, L, N]`)
-    rather than stored per head."""
+    rather than stored per head. `turns`: a tenth input, the angles `Θ` (`[b, h, L, N/2]`,
+    float32), by which `dB` and `dC` leave turned back (`_turned_back`)."""
+    dy_ref, x_ref, dt_ref, cum_ref, f_ref, seg_ref, b_ref, c_ref, s_ref, *rest = refs
+    theta_ref = rest.pop(0) if turns else None
+    dx_ref, ddt_ref, dcum_ref, dcum_row_ref, df_ref, db_ref, dc_ref, ds_ref, scoped = rest
     (c_smem, b_smem, x_smem, sh_smem, sl_smem, ah_smem, al_smem, mh_smem, ml_smem, *outs), loaded = scoped
     dx_smem, dbc_smem, ds_smem, vec_smem = outs
     batch, head, chunk = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("chunks")
@@ -97,9 +79,12 @@ def _scan_bwd_kernel(
     for i in range(len(copies)):
         plgpu.barrier_wait(loaded.at[i])
 
-    def put(smem, value, ref, reduction_op=None):
-        """`value` out through `smem` by TMA (the copy left in flight)."""
+    def put(smem, value, ref, reduction_op=None, turn=None):
+        """`value` out through `smem` by TMA (the copy left in flight), turned back by `turn`
+        (`cos Θ`, `sin Θ`) where given."""
         smem[...] = value
+        if turn is not None:
+            _turned_back(smem, *turn)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(smem, ref, reduction_op=reduction_op)
 
@@ -140,34 +125,75 @@ def _scan_bwd_kernel(
     mh_smem[...], ml_smem[...] = _halves(dg, dtype)
     ah_smem[...], al_smem[...] = _halves(dy * lax.broadcast_in_dim(f_t, (q, p), [0]), dtype)
     plgpu.commit_smem()
+    # the angles read while the products below run
+    theta = None if theta_ref is None else _angles(theta_ref, batch, head, rows)
     # dS_in = (f ∘ dy)ᵀ C
     ds = _products((p, n), pairs((ah_smem.transpose((1, 0)), al_smem.transpose((1, 0))), cs))
     put(ds_smem, ds, ds_ref.at[batch, chunk, head])
     # dC = dg B + (f ∘ dy) S_in (rows t), then dB = dgᵀ C (rows s) through the same staging tile
     dc = _products((q, n), pairs((mh_smem, ml_smem), bs) + pairs((ah_smem, al_smem), (sh_smem, sl_smem)))
-    put(dbc_smem, dc, dc_ref.at[per_group], summed)
+    turn = None if theta is None else (jnp.cos(theta), jnp.sin(theta))
+    put(dbc_smem, dc, dc_ref.at[per_group], summed, turn)
     db = _products((q, n), pairs((mh_smem.transpose((1, 0)), ml_smem.transpose((1, 0))), cs))
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # dC has left the staging tile
-    put(dbc_smem, db, db_ref.at[per_group], summed)
+    put(dbc_smem, db, db_ref.at[per_group], summed, turn)
     for i, ref in enumerate((ddt_ref, dcum_ref, df_ref, dcum_row_ref)):
         plgpu.copy_smem_to_gmem(vec_smem.at[i], ref.at[batch, head, rows])
     plgpu.wait_smem_to_gmem(0)
 
 
-def chunk_scan_bwd(dy, xt, dt, cum, f, seg, bt, ct, states_in, *, group_sums=False, positions_first=False):
+def _check_angles(kernel, theta, group_sums, n):
+    """A `ValueError` naming the problem where `theta` is not what the backward kernels turn by."""
+    if theta is None:
+        return
+    if group_sums:
+        raise ValueError(f"{kernel}: theta (dB, dC turned back per head) with group_sums")
+    a = theta.shape[-1]
+    if a % 32 or a > n // 2 or theta.dtype != jnp.float32:
+        raise ValueError(
+            f"{kernel}: theta must be float32 with a multiple of 32 angles, at most state/2 = {n // 2}; "
+            f"got {theta.dtype}{list(theta.shape)}"
+        )
+
+
+def _angles(theta_ref, batch, head, rows):
+    """The chunk's angles `Θ` (`[Q, A]`, float32) of the head, read into registers."""
+    return mosaic_gpu_load(theta_ref.at[batch, head, rows], layout=plgpu.Layout.WGMMA, optimized=False)
+
+
+def _turned_back(smem, cos, sin):
+    """The float32 tile `smem` (`[Q, N]`, a rotated value's cotangent, `rotation.py`) turned back
+    by `-Θ` in place, `cos`, `sin` `[Q, A]`: columns `i < A` and `i + N/2` become `(g_i cos +
+    g_{i+N/2} sin, g_{i+N/2} cos - g_i sin)`, non-finite results as 0 (as
+    `rotation.rotate_halves`); the other columns pass through untouched. Each thread reads back
+    what it stored (a column slice of the `wgmma` layout at a multiple of 8 is the same threads'
+    registers), so no barrier comes between. `A` a multiple of 32 (whole swizzled float32 tiles)."""
+    n2, a = smem.shape[-1] // 2, cos.shape[-1]
+    halves = (pl.ds(0, a), pl.ds(n2, a))
+    g0, g1 = (mosaic_gpu_load(smem.at[:, c], layout=plgpu.Layout.WGMMA, optimized=False) for c in halves)
+    for cols, r in zip(halves, (g0 * cos + g1 * sin, g1 * cos - g0 * sin), strict=True):
+        smem.at[:, cols][...] = jnp.where(jnp.abs(r) <= _F32_MAX, r, 0.0)
+
+
+def chunk_scan_bwd(
+    dy, xt, dt, cum, f, seg, bt, ct, states_in, *, group_sums=False, positions_first=False, theta=None
+):
     """Stage 4's backward by the Mosaic GPU kernel: `(dx [b, h, L, P], ddt, dcum, dcum_row, df
     [b, h, L], dB, dC [b, h, L, N], dS_in [b, c, h, P, N])`, float32, per head, from the
     cotangent `dy [b, h, L, P]` (float32, or bf16 where the forward gave `y` so) and
     `chunk_scan`'s arguments (`B`, `C` bf16 or float32, as their `operand_parts`). `dcum` holds each row's sum of `dM ∘ M` and `dcum_row` each
     column's (`common/kernels.py`'s backward). `group_sums`:
     `dB`, `dC` per group (`[b, g, L, N]`), each head's tiles added by TMA reductions (the order
-    of the additions, and so the last bits, may vary between runs)."""
-    args = (dy, xt, dt, cum, f, seg, bt, ct, states_in)
+    of the additions, and so the last bits, may vary between runs). `theta` (`[b, h, L, A]`,
+    float32, `A` a multiple of 32 at most `N/2`; `B`, `C` the values Mamba-3's rotation turned by it, `rotation.py`): `dB`, `dC` leave
+    turned back by `-Θ` (the rotation's transpose; per head only)."""
+    _check_angles("chunk_scan_bwd", theta, group_sums, operand_parts(bt)[0].shape[-1])
+    args = (dy, xt, dt, cum, f, seg, bt, ct, states_in) + (() if theta is None else (theta,))
     body = functools.partial(_chunk_scan_bwd, group_sums=group_sums, positions_first=positions_first)
     return _batch_folding(body)(*args) if group_sums else body(*args)
 
 
-def _chunk_scan_bwd(dy, xt, dt, cum, f, seg, bt, ct, states_in, *, group_sums, positions_first):
+def _chunk_scan_bwd(dy, xt, dt, cum, f, seg, bt, ct, states_in, *theta, group_sums, positions_first):
     bt, ct = operand_parts(bt), operand_parts(ct)
     _check_operands(xt, bt, ct, positions_first=positions_first)
     b, h, lp, p = _dims(xt, positions_first)
@@ -177,23 +203,33 @@ def _chunk_scan_bwd(dy, xt, dt, cum, f, seg, bt, ct, states_in, *, group_sums, p
     bc = jax.ShapeDtypeStruct((b, g if group_sums else h, lp, n), f32)
     out = (_rows_type(b, h, lp, p, positions_first), vector, vector, vector, vector, bc, bc, states)
     dy = dy if dy.dtype == xt.dtype else dy.astype(f32)  # as the forward gave y: bf16 or float32
-    args = [dy, xt, dt, cum, f, seg.astype(jnp.int32), bt, ct, states_in]
+    args = [dy, xt, dt, cum, f, seg.astype(jnp.int32), bt, ct, states_in, *theta]
     into = {5: 9, 6: 10} if group_sums else None
     if group_sums:
         args += [jnp.zeros(bc.shape, f32), jnp.zeros(bc.shape, f32)]
     barrier = plgpu.Barrier(num_barriers=len(bt) + len(ct) + 1)
     launch = _launch(
-        "scan_bwd", _scan_bwd_kernel, out, xt, bt, barrier, into=into, positions_first=positions_first
+        "scan_bwd",
+        _scan_bwd_kernel,
+        out,
+        xt,
+        bt,
+        barrier,
+        into=into,
+        positions_first=positions_first,
+        turns=bool(theta),
     )
     return launch(*args)
 
 
-def _state_bwd_kernel(*refs, rep, dtype, add, rows_of, adds_dx):
+def _state_bwd_kernel(*refs, rep, dtype, add, rows_of, adds_dx, turns=False):
     """`add`: `dB` added by a TMA reduction into the head's group's rows (`[b, g, L, N]`).
     `adds_dx`: a fifth input, the scan's backward's float32 `dx`, added to this `dx` before it
-    is rounded to the output's dtype."""
+    is rounded to the output's dtype. `turns`: one more input, the angles `Θ`, by which `dB`
+    leaves turned back (`_turned_back`)."""
     x_ref, w_ref, b_ref, ds_ref, *rest = refs
     dx_in_ref = rest.pop(0) if adds_dx else None
+    theta_ref = rest.pop(0) if turns else None
     dx_ref, dw_ref, db_ref, scoped = rest
     (b_smem, dsh_smem, dsl_smem, dx_smem, db_smem, dw_smem), loaded = scoped
     batch, head, chunk = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("chunks")
@@ -220,20 +256,21 @@ def _state_bwd_kernel(*refs, rep, dtype, add, rows_of, adds_dx):
     dx_in = None
     if adds_dx:
         dx_in = mosaic_gpu_load(rows_of(dx_in_ref, batch, head, rows), layout=wgmma_layout, optimized=False)
-    _state_grads(bs, (dsh_smem, dsl_smem), x, w, (xw_h, xw_l), staging, dx_in)
+    theta = None if theta_ref is None else _angles(theta_ref, batch, head, rows)
+    _state_grads(bs, (dsh_smem, dsl_smem), x, w, (xw_h, xw_l), staging, dx_in, theta)
     group = lax.div(head, jnp.int32(rep)) if add else head
     dsts = (rows_of(dx_ref, batch, head, rows), db_ref.at[batch, group, rows], dw_ref.at[batch, head, rows])
     _send_state_grads(staging, dsts, add=add)
     plgpu.wait_smem_to_gmem(0)
 
 
-def _state_grads(bs, ds, x, w, xw, staging, dx_in=None):
+def _state_grads(bs, ds, x, w, xw, staging, dx_in=None, theta=None):
     """The chunk state's gradients from `dS`'s halves `ds` (shared memory), `B`'s parts `bs`
     (shared memory),
     `x`, `w` and `w ∘ x`'s halves `xw` (registers), into the staging tiles `(dx, dB, dw)`:
     `d(w ∘ x) = B dSᵀ` (rows t), `dx = · w` (plus `dx_in`, float32 registers, if given; in the
     staging tile's dtype), `dw = rowsum(· x)`; `dB = (w ∘ x) dS`, three products (both
-    float32)."""
+    float32), turned back by the angles `theta` (registers) where given."""
     dx_smem, db_smem, dw_smem = staging
     (q, n), p = bs[0].shape, ds[0].shape[0]
     dxw = _products((q, p), pairs(bs, ds, True))
@@ -241,6 +278,8 @@ def _state_grads(bs, ds, x, w, xw, staging, dx_in=None):
     dx_smem[...] = (dx if dx_in is None else dx + dx_in).astype(dx_smem.dtype)
     dw_smem[...] = jnp.sum(dxw * x, axis=1)
     db_smem[...] = _products((q, n), pairs(xw, ds))
+    if theta is not None:
+        _turned_back(db_smem, jnp.cos(theta), jnp.sin(theta))
     plgpu.commit_smem()
 
 
@@ -251,27 +290,33 @@ def _send_state_grads(staging, dsts, *, add):
         plgpu.copy_smem_to_gmem(smem, dst, reduction_op="add" if add and i == 1 else None)
 
 
-def chunk_state_bwd(xt, w, bt, d_own, dx_in=None, *, group_sums=False, positions_first=False):
+def chunk_state_bwd(xt, w, bt, d_own, dx_in=None, *, group_sums=False, positions_first=False, theta=None):
     """Stage 2's backward by the Mosaic GPU kernel, `dS` (`d_own [b, c, h, P, N]`, float32)
     pulled back through `S = (w ∘ x)ᵀ B`: `(dx [b, h, L, P], dw [b, h, L], dB [b, h, L, N])`,
     float32, per head; `chunk_state`'s other arguments (`B` bf16 or float32). `dx_in` (float32, `x`'s layout; the
     scan's backward's `dx`): added to `dx` in the kernel, which then leaves in `x`'s dtype.
-    `group_sums`: `dB` per group (`[b, g, L, N]`) by TMA reductions, as in `chunk_scan_bwd`."""
-    body = functools.partial(_chunk_state_bwd, group_sums=group_sums, positions_first=positions_first)
+    `group_sums`: `dB` per group (`[b, g, L, N]`) by TMA reductions, as in `chunk_scan_bwd`.
+    `theta`: `dB` turned back by `-Θ`, as in `chunk_scan_bwd`."""
+    _check_angles("chunk_state_bwd", theta, group_sums, operand_parts(bt)[0].shape[-1])
+    body = functools.partial(
+        _chunk_state_bwd, group_sums=group_sums, positions_first=positions_first, turns=theta is not None
+    )
     args = (xt, w, bt, d_own) + (() if dx_in is None else (dx_in.astype(jnp.float32),))
+    args += () if theta is None else (theta,)
     return _batch_folding(body)(*args) if group_sums else body(*args)
 
 
-def _chunk_state_bwd(xt, w, bt, d_own, *dx_in, group_sums, positions_first):
+def _chunk_state_bwd(xt, w, bt, d_own, *more, group_sums, positions_first, turns):
+    dx_in = more[: len(more) - turns]
     bt = operand_parts(bt)
     _check_operands(xt, bt, positions_first=positions_first)
     b, h, lp, p = _dims(xt, positions_first)
     f32, rows = jnp.float32, xt.dtype if dx_in else jnp.float32
     db = jax.ShapeDtypeStruct((b, bt[0].shape[1] if group_sums else h, lp, bt[0].shape[-1]), f32)
     out = (_rows_type(b, h, lp, p, positions_first, rows), jax.ShapeDtypeStruct((b, h, lp), f32), db)
-    args = [xt, w, bt, d_own, *dx_in] + ([jnp.zeros(db.shape, f32)] if group_sums else [])
+    args = [xt, w, bt, d_own, *more] + ([jnp.zeros(db.shape, f32)] if group_sums else [])
     into = {2: len(args) - 1} if group_sums else None
-    kw = dict(into=into, positions_first=positions_first, rows_dtype=rows, adds_dx=bool(dx_in))
+    kw = dict(into=into, positions_first=positions_first, rows_dtype=rows, adds_dx=bool(dx_in), turns=turns)
     barrier = plgpu.Barrier(num_barriers=len(bt))
     return _launch("state_bwd", _state_bwd_kernel, out, xt, bt, barrier, **kw)(*args)
 

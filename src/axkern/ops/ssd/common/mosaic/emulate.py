@@ -17,6 +17,7 @@ import jax.numpy as jnp
 
 from ..gpu import GpuLayout
 from .kernels import CHUNK, operand_parts
+from .rotation import _padded_angles, rotate_halves
 
 __all__ = [
     "emulate_chunk_state",
@@ -151,12 +152,16 @@ class EmulatedLayout(GpuLayout):
 
     diagonal = False  # as the Mosaic kernels it emulates
 
+    @classmethod
+    def turns_back(cls) -> bool:  # as the Mosaic kernels (`MosaicLayout`)
+        return True
+
     def chunk_state(self, xt, w, bt, *, dtype):
         return emulate_chunk_state(xt, self.to_col(w), bt)
 
     def chunk_state_bwd(self, xt, w, bt, d_own, dx_scan, db_scan):
         dx, dw, db = emulate_chunk_state_bwd(xt, self.to_col(w), bt, d_own)
-        return (dx + dx_scan).astype(xt.dtype), dw, db + db_scan
+        return (dx + dx_scan).astype(xt.dtype), dw, _turned_back(bt, db) + db_scan
 
     def chunk_scan(self, xt, scale, cum, ac, f, sc, bt, ct, states_in, *, sums, dtype):
         assert not sums
@@ -166,4 +171,16 @@ class EmulatedLayout(GpuLayout):
     def chunk_scan_bwd(self, dy, xt, scale, cum, ac, f, sc, bt, ct, states_in, *, sums):
         assert not sums
         c = self.to_col
-        return emulate_chunk_scan_bwd(dy, xt, c(scale), c(cum), c(f), c(sc), bt, ct, states_in)
+        out = list(emulate_chunk_scan_bwd(dy, xt, c(scale), c(cum), c(f), c(sc), bt, ct, states_in))
+        out[5], out[6] = _turned_back(bt, out[5]), _turned_back(ct, out[6])  # dB, dC
+        return tuple(out)
+
+
+def _turned_back(operand, g):
+    """`g` (`dB` or `dC` per head) turned back by `-Θ` where `operand` carries its angles
+    (`SplitOperand.theta`), as the backward kernels turn it (`backward._turned_back`)."""
+    theta = getattr(operand, "theta", None)
+    if theta is None:
+        return g
+    theta = _padded_angles(theta, g.shape[-1] // 2)
+    return rotate_halves(g, jnp.cos(theta), -jnp.sin(theta))

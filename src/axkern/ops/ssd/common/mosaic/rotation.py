@@ -22,7 +22,9 @@ emulation form them from `value` too).
 **The backward** (`cotangent`): the rotated value's cotangent `g` (per head, float32) turned back by
 `-Θ` (`back`), summed over each group's heads (`du`), over batch and positions (`dbias`), and
 `dΘ_i = back_{i+N/2} w_i - back_i w_{i+N/2}` against the unrotated pair, as Mamba-3's own
-rotation backward (`mamba3/common.py`).
+rotation backward (`mamba3/common.py`). Where the layout's backward kernels turn (`Mosaic
+GPU's`, `kernels.Layout.turns_back`), the halves carry the angles (`SplitOperand.theta`) and the
+kernels return `back` itself (`backward._turned_back`): XLA only sums.
 """
 
 from __future__ import annotations
@@ -106,25 +108,33 @@ class RotatedOperand:
         a = self.angles()
         return jnp.cos(a), jnp.sin(a)
 
-    def parts(self) -> SplitOperand:
-        """The rotated value as the kernels' two bf16 halves (`operand_parts`), formed in XLA."""
+    def parts(self, angles: bool = False) -> SplitOperand:
+        """The rotated value as the kernels' two bf16 halves (`operand_parts`), formed in XLA;
+        `angles`: with `Θ` (its columns padded with zero angles to a multiple of 32: the
+        kernels turn whole float32 tiles), for backward kernels that return the cotangent turned
+        back (`SplitOperand.theta`)."""
         from .kernels import operand_parts  # (kernels.py imports this module)
 
-        return SplitOperand(*operand_parts(self.value()))
+        theta = _padded_angles(self.theta, -(-self.theta.shape[-1] // 32) * 32) if angles else None
+        return SplitOperand(*operand_parts(self.value()), theta)
 
-    def cotangent(self, g) -> RotatedOperand:
+    def cotangent(self, g, turned: bool = False) -> RotatedOperand:
         """This operand's cotangent (`du`, `dbias`, `dΘ`) from the rotated value's `g` (per head,
-        float32): `g` turned back by `-Θ` (the transpose of the turn: `back`), summed over each
+        float32): `g` turned back by `-Θ` (the transpose of the turn: `back`; `turned`: `g` is
+        `back` already, as backward kernels given the angles return it), summed over each
         group's heads and over batch and positions, and `dΘ_i = back_{i+N/2} w_i - back_i w_{i+N/2}`
         against the unrotated pair `w`. A rotated value set to 0 (non-finite) passes its
         cotangent on as a finite one would: the caller's guard puts NaN where it belongs."""
         b, groups, length, n = self.u.shape
         h, a = self.bias.shape[0], self.theta.shape[-1]
-        # the forward's `cos Θ`, `sin Θ` (XLA forms them once, for the forward's halves and this,
-        # and keeps them: `[b, h, L, N/2]` float32 each; computed apart, behind barriers, they took
-        # less memory and more time: benchmarks/mamba3_rotation_forms.py)
-        cos, sin = self._turns()
-        back = rotate_halves(g.astype(jnp.float32), cos, -sin)
+        if turned:
+            back = g.astype(jnp.float32)
+        else:
+            # the forward's `cos Θ`, `sin Θ` (XLA forms them once, for the forward's halves and
+            # this, and keeps them: `[b, h, L, N/2]` float32 each; computed apart, behind barriers,
+            # they took less memory and more time: benchmarks/mamba3_rotation_forms.py)
+            cos, sin = self._turns()
+            back = rotate_halves(g.astype(jnp.float32), cos, -sin)
         du = back.reshape(b, groups, h // groups, length, n).sum(2)
         w = _biased(self.u, self.bias).reshape(b, h, length, 2, n // 2)
         bv = back.reshape(b, h, length, 2, n // 2)
@@ -147,10 +157,14 @@ def _biased(u, bias):
 class SplitOperand:
     """A float32 `B` or `C` held as its two bf16 halves (`operand_parts`: `hi`, `lo`), with the
     value's shape and dtype: what `RotatedOperand.parts` forms once for the differentiated
-    forward's kernels and keeps for the backward's."""
+    forward's kernels and keeps for the backward's. `theta` (`[b, h, L, A']` float32, `A'` the
+    angles' count padded to a multiple of 32, at most `N/2`; or None): the angles the value was
+    turned by, with which the backward kernels return its cotangent turned back
+    (`kernels.Layout.turns_back`)."""
 
     hi: jax.Array
     lo: jax.Array
+    theta: jax.Array | None = None
 
     @property
     def shape(self) -> tuple:
