@@ -435,6 +435,7 @@ def test_the_default_form_and_the_deterministic_flags(monkeypatch):
         (96, jnp.float32, False, "at most state/2 = 64"),
         (32, jnp.bfloat16, False, "must be float32"),
         (32, jnp.float32, True, "with group_sums"),
+        ((1, 2, 64, 32), jnp.float32, False, r"\[1, 2, 128, A\]"),
     ],
 )
 def test_the_backward_kernels_refuse_angles_they_cannot_turn_by(angles, dtype, group_sums, message):
@@ -445,7 +446,8 @@ def test_the_backward_kernels_refuse_angles_they_cannot_turn_by(angles, dtype, g
     vec = jnp.zeros((b, h, length), jnp.float32)
     bc = jnp.zeros((b, 1, length, n), jnp.float32)
     states = jnp.zeros((b, length // 64, h, p, n), jnp.float32)
-    theta = jnp.zeros((b, h, length, angles), dtype)
+    shape = angles if isinstance(angles, tuple) else (b, h, length, angles)
+    theta = jnp.zeros(shape, dtype)
     kw = dict(theta=theta, group_sums=group_sums)
     with pytest.raises(ValueError, match=message):
         mosaic_gpu.chunk_scan_bwd(x, x, vec, vec, vec, vec[:, 0], bc, bc, states, **kw)

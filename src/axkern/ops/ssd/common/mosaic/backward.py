@@ -35,7 +35,7 @@ _F32_MAX = float(jnp.finfo(jnp.float32).max)
 
 def _scan_bwd_kernel(*refs, rep, dtype, add, rows_of, turns=False):
     """`add`: `dB`, `dC` added by TMA reductions into the head's group's rows (`[b, g, L, N]`)
-    rather than stored per head. `turns`: a tenth input, the angles `Θ` (`[b, h, L, N/2]`,
+    rather than stored per head. `turns`: a tenth input, the angles `Θ` (`[b, h, L, A]`,
     float32), by which `dB` and `dC` leave turned back (`_turned_back`)."""
     dy_ref, x_ref, dt_ref, cum_ref, f_ref, seg_ref, b_ref, c_ref, s_ref, *rest = refs
     theta_ref = rest.pop(0) if turns else None
@@ -142,17 +142,20 @@ def _scan_bwd_kernel(*refs, rep, dtype, add, rows_of, turns=False):
     plgpu.wait_smem_to_gmem(0)
 
 
-def _check_angles(kernel, theta, group_sums, n):
-    """A `ValueError` naming the problem where `theta` is not what the backward kernels turn by."""
+def _check_angles(kernel, theta, group_sums, xt, bt, positions_first):
+    """A `ValueError` naming the problem where `theta` is not what the backward kernels turn by:
+    float32 `[b, h, L, A]` (`x`'s batch, heads and length), `A` a multiple of 32 at most `N/2`."""
     if theta is None:
         return
     if group_sums:
         raise ValueError(f"{kernel}: theta (dB, dC turned back per head) with group_sums")
+    b, h, lp, _ = _dims(xt, positions_first)
+    n = operand_parts(bt)[0].shape[-1]
     a = theta.shape[-1]
-    if a % 32 or a > n // 2 or theta.dtype != jnp.float32:
+    if theta.shape[:-1] != (b, h, lp) or a % 32 or a > n // 2 or theta.dtype != jnp.float32:
         raise ValueError(
-            f"{kernel}: theta must be float32 with a multiple of 32 angles, at most state/2 = {n // 2}; "
-            f"got {theta.dtype}{list(theta.shape)}"
+            f"{kernel}: theta must be float32 [batch, heads, length, angles] = [{b}, {h}, {lp}, A] with A a "
+            f"multiple of 32, at most state/2 = {n // 2}; got {theta.dtype}{list(theta.shape)}"
         )
 
 
@@ -187,7 +190,7 @@ def chunk_scan_bwd(
     of the additions, and so the last bits, may vary between runs). `theta` (`[b, h, L, A]`,
     float32, `A` a multiple of 32 at most `N/2`; `B`, `C` the values Mamba-3's rotation turned by it, `rotation.py`): `dB`, `dC` leave
     turned back by `-Θ` (the rotation's transpose; per head only)."""
-    _check_angles("chunk_scan_bwd", theta, group_sums, operand_parts(bt)[0].shape[-1])
+    _check_angles("chunk_scan_bwd", theta, group_sums, xt, bt, positions_first)
     args = (dy, xt, dt, cum, f, seg, bt, ct, states_in) + (() if theta is None else (theta,))
     body = functools.partial(_chunk_scan_bwd, group_sums=group_sums, positions_first=positions_first)
     return _batch_folding(body)(*args) if group_sums else body(*args)
@@ -297,7 +300,7 @@ def chunk_state_bwd(xt, w, bt, d_own, dx_in=None, *, group_sums=False, positions
     scan's backward's `dx`): added to `dx` in the kernel, which then leaves in `x`'s dtype.
     `group_sums`: `dB` per group (`[b, g, L, N]`) by TMA reductions, as in `chunk_scan_bwd`.
     `theta`: `dB` turned back by `-Θ`, as in `chunk_scan_bwd`."""
-    _check_angles("chunk_state_bwd", theta, group_sums, operand_parts(bt)[0].shape[-1])
+    _check_angles("chunk_state_bwd", theta, group_sums, xt, bt, positions_first)
     body = functools.partial(
         _chunk_state_bwd, group_sums=group_sums, positions_first=positions_first, turns=theta is not None
     )
