@@ -16,7 +16,10 @@ writes `$OUT/kernel_times_<op>_<preset>.json`. `--blocks IMPL:FIELD=VALUE` runs 
 with those block-size fields over its heuristic's (a form that is not the default, such as
 `mosaic_gpu:rotation=xla` for `mamba3`). `--hlo` also writes each program's optimized HLO
 to `$OUT/hlo/` and gives each row the JAX operations its fusions came from (`sources`: the
-`op_name` metadata XLA keeps on each fusion), so that a fusion's time points at the code.
+`op_name` metadata XLA keeps on each fusion), so that a fusion's time points at the code, and
+the bytes its fusions read and write per call (`gb_in`, `gb_out`, at most: an operand read in
+part counts whole) with their rate (`gb_per_s`), so that a row's time can be set against the
+memory's bandwidth.
 """
 
 from __future__ import annotations
@@ -105,6 +108,59 @@ def _key(name: str) -> str:
     return name.replace(".", "_").replace("-", "_")
 
 
+_SHAPE = re.compile(r"\b(f64|f32|bf16|f16|s64|s32|s16|s8|u64|u32|u16|u8|pred)\[([\d,]*)\]")
+_ITEM = {"f64": 8, "s64": 8, "u64": 8, "f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "s16": 2, "u16": 2}
+
+
+def _bytes(shapes: str) -> int:
+    """The bytes of every array shape written in `shapes` (an HLO type, or a tuple of them)."""
+    total = 0
+    for dtype, dims in _SHAPE.findall(shapes):
+        count = 1
+        for d in filter(None, dims.split(",")):
+            count *= int(d)
+        total += count * _ITEM.get(dtype, 1)
+    return total
+
+
+def fusion_bytes(hlo: str) -> dict[str, tuple[int, int]]:
+    """Each kernel of an optimized HLO module's entry computation: the bytes of its
+    instructions' operands and results, `(in, out)`, by `_key` of the kernel's name (an
+    instruction's own, or the `deduplicated_name` under which XLA launches several identical
+    fusions' one kernel: their bytes summed): what the kernel's launches of one call read and
+    write at most (an operand read in part counts whole), so that its time gives a rate."""
+    entry = hlo[hlo.index("ENTRY") :]
+    entry = entry[: entry.find("\n}\n") if "\n}\n" in entry else len(entry)]
+    shapes, found = {}, {}
+    for line in entry.splitlines()[1:]:
+        m = re.match(r"\s*(?:ROOT )?%?([\w.\-]+) = (.*?) ([\w-]+)\((.*)", line)
+        if not m:
+            continue
+        name, shape, op, rest = m.groups()
+        shapes[name] = shape
+        if op in ("parameter", "constant", "get-tuple-element", "tuple", "bitcast"):
+            continue
+        operands = re.findall(r"%([\w.\-]+)", rest.split(")")[0])
+        kernel = re.search(r'deduplicated_name="([^"]+)"', rest)
+        key = _key(kernel.group(1) if kernel else name)
+        read, written = found.get(key, (0, 0))
+        found[key] = (read + sum(_bytes(shapes.get(a, "")) for a in operands), written + _bytes(shape))
+    return found
+
+
+def add_bytes(rows: list[dict], sizes: dict[str, tuple[int, int]]) -> None:
+    """`rows[i]["gb_in"]`, `["gb_out"]`: the bytes (GB) the row's fusions read and write per call,
+    where the HLO names them all, and `["gb_per_s"]` their sum over the row's time."""
+    for r in rows:
+        got = [sizes.get(_key(n)) for n in r["names"]]
+        if not got or None in got:
+            continue
+        r["gb_in"] = sum(g[0] for g in got) / 1e9
+        r["gb_out"] = sum(g[1] for g in got) / 1e9
+        if r.get("ms_per_call"):
+            r["gb_per_s"] = (r["gb_in"] + r["gb_out"]) / (r["ms_per_call"] / 1e3)
+
+
 def add_sources(rows: list[dict], sources: dict[str, str]) -> None:
     """`rows[i]["sources"]`: the operations the row's kernels came from, where the HLO names them."""
     for r in rows:
@@ -132,7 +188,9 @@ def main() -> None:
     p.add_argument("--tokens", type=int)
     p.add_argument("--impl", required=True, help="comma-separated implementation names")
     p.add_argument("--calls", type=int, default=3, help="calls under the profiler (default 3)")
-    p.add_argument("--hlo", action="store_true", help="write the optimized HLO; name each row's sources")
+    p.add_argument(
+        "--hlo", action="store_true", help="write the optimized HLO; name each row's sources and bytes"
+    )
     p.add_argument(
         "--only", help="the first case whose label contains this text (default: the preset's first)"
     )
@@ -182,6 +240,7 @@ def main() -> None:
                         (folder / "hlo").mkdir(parents=True, exist_ok=True)
                         (folder / "hlo" / f"{a.op}_{impl}_{pass_.replace('+', '_')}.txt").write_text(hlo)
                         add_sources(run["kernels"], fusion_sources(hlo))
+                        add_bytes(run["kernels"], fusion_bytes(hlo))
                 except Exception as e:  # noqa: BLE001 - report it and go on
                     run["error"] = f"{type(e).__name__}: {str(e)[:300]}"
                 print(
@@ -189,8 +248,9 @@ def main() -> None:
                 )
                 print("  timeline", json.dumps(run.get("timeline", {})), flush=True)
                 for r in run.get("kernels", [])[:20]:
+                    rate = f"  {r['gb_per_s']:6.0f} GB/s" if "gb_per_s" in r else ""
                     print(
-                        f"  {r['ms_per_call']:8.3f} ms  x{r['launches_per_call']:5.1f}  {r['kernel'][:110]}",
+                        f"  {r['ms_per_call']:8.3f} ms  x{r['launches_per_call']:5.1f}{rate}  {r['kernel'][:110]}",
                         flush=True,
                     )
                     for op in r.get("sources", [])[:6]:

@@ -21,13 +21,13 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import re
 import sys
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+from kernel_times import fusion_bytes, fusion_sources  # (this folder's: run as a script)
 
 from axkern import bench
 from axkern.ops.ssd.common.mosaic import rotation
@@ -100,42 +100,16 @@ FORMS = {
     "own_parts": (own_parts, shared_cotangent),
 }
 
-_SHAPE = re.compile(r"(f32|bf16|f16|s32|pred|u32)\[([\d,]*)\]")
-_SIZE = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "pred": 1, "u32": 4}
-
-
-def _bytes(text: str) -> int:
-    total = 0
-    for dt, dims in _SHAPE.findall(text):
-        n = 1
-        for d in filter(None, dims.split(",")):
-            n *= int(d)
-        total += n * _SIZE[dt]
-    return total
-
 
 def large_fusions(hlo: str, floor: float = 250e6) -> list[str]:
-    """The entry computation's instructions that read and write more than `floor` bytes."""
-    entry = hlo[hlo.index("ENTRY") :]
-    entry = entry[: entry.index("\n}\n")]
-    shapes, rows = {}, []
-    for line in entry.splitlines()[1:]:
-        m = re.match(r"\s*(?:ROOT )?%(\S+) = (.*?) ([\w-]+)\((.*)", line)
-        if not m:
-            continue
-        name, shape, op, rest = m.groups()
-        shapes[name] = shape
-        if op in ("bitcast", "get-tuple-element", "tuple", "parameter", "constant"):
-            continue
-        out = _bytes(shape)
-        read = sum(_bytes(shapes.get(a, "")) for a in re.findall(r"%([\w.\-]+)", rest.split(")")[0]))
-        if out + read > floor:
-            source = re.search(r'op_name="([^"]*)"', line)
-            rows.append(
-                f"{name}: out {out / 1e6:.0f} MB, in {read / 1e6:.0f} MB, {shape[:60]} "
-                f"{(source.group(1) if source else '')[-60:]}"
-            )
-    return rows
+    """The entry computation's kernels that read and write more than `floor` bytes (at most:
+    `kernel_times.fusion_bytes`), with the JAX operation each came from."""
+    sources = fusion_sources(hlo)
+    return [
+        f"{name}: in {read / 1e6:.0f} MB, out {written / 1e6:.0f} MB, {sources.get(name, '')[-60:]}"
+        for name, (read, written) in fusion_bytes(hlo).items()
+        if read + written > floor
+    ]
 
 
 def main() -> None:

@@ -52,3 +52,23 @@ def test_timeline_counts_overlapping_kernels_once_and_finds_the_gaps():
     assert t["longest_gaps"][0] == {"us": 5.0, "before": "a"}
     assert [g["before"] for g in t["longest_gaps"]] == ["a", "c", "c"]
     assert kernel_times.timeline([], calls=3) == {}
+
+
+def test_each_row_gets_the_bytes_its_fusions_read_and_write():
+    def f(x, y):
+        return jnp.tanh(x) * y + 1.0
+
+    x = jnp.ones((256, 128), jnp.float32)
+    y = jnp.ones((256, 128), jnp.bfloat16)
+    hlo = jax.jit(f).lower(x, y).compile().as_text()
+    sizes = kernel_times.fusion_bytes(hlo)
+    name, (read, written) = next((n, s) for n, s in sizes.items() if "fusion" in n)
+    assert read == 256 * 128 * (4 + 2) and written == 256 * 128 * 4
+    rows = [
+        {"kernel": "a", "names": [name], "ms_per_call": 0.001},
+        {"kernel": "b", "names": [name, "not_in_the_program"], "ms_per_call": 0.001},
+    ]
+    kernel_times.add_bytes(rows, sizes)
+    assert rows[0]["gb_in"] == read / 1e9 and rows[0]["gb_out"] == written / 1e9
+    assert abs(rows[0]["gb_per_s"] - (read + written) / 1e9 / 1e-6) < 1e-6
+    assert "gb_in" not in rows[1]  # a row is given bytes only where every kernel of it is found
