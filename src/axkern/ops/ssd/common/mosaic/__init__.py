@@ -85,7 +85,8 @@ copied in beside them: 212 KiB at P 64, N 128). Given the angles too (`theta`, `
 float32, `A` a multiple of 32; `rotation.SplitOperand.theta` in the layer), the chunk-scan and
 chunk-state backward kernels return `dC`, `dB` turned back by `-Θ` (`backward._turned_back`: in
 the staging tile before its copy out; the angles read into registers while the last products
-run; `2·Q·A` special-function results a chunk), so XLA only sums them.
+run; per chunk and head `2·Q·A` special-function results, `4·Q·A` more bytes read and no
+more written), so XLA only sums them.
 
 **Constraints**: a Hopper GPU (compute capability 9.x), bf16 inputs (fp16's range could not
 hold the 16-bit halves of float32 values such as `M` or the state: fp16 goes to `xla`),

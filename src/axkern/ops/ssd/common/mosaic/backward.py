@@ -27,10 +27,9 @@ from .kernels import (
     parts_of,
     plgpu,
 )
+from .rotation import finite_or_zero
 
 __all__ = ["chunk_scan_bwd", "chunk_state_bwd"]
-
-_F32_MAX = float(jnp.finfo(jnp.float32).max)
 
 
 def _scan_bwd_kernel(*refs, rep, dtype, add, rows_of, turns=False):
@@ -175,7 +174,7 @@ def _turned_back(smem, cos, sin):
     halves = (pl.ds(0, a), pl.ds(n2, a))
     g0, g1 = (mosaic_gpu_load(smem.at[:, c], layout=plgpu.Layout.WGMMA, optimized=False) for c in halves)
     for cols, r in zip(halves, (g0 * cos + g1 * sin, g1 * cos - g0 * sin), strict=True):
-        smem.at[:, cols][...] = jnp.where(jnp.abs(r) <= _F32_MAX, r, 0.0)
+        smem.at[:, cols][...] = finite_or_zero(r)
 
 
 def chunk_scan_bwd(

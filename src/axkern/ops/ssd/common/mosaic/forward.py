@@ -66,11 +66,9 @@ from .kernels import (
     plgpu,
     tile_bytes,
 )
-from .rotation import RotatedOperand
+from .rotation import RotatedOperand, finite_or_zero
 
 __all__ = ["fused_forward", "fused_smem_bytes", "fused_fits", "rotation_reason"]
-
-_F32_MAX = float(jnp.finfo(jnp.float32).max)
 
 
 def _tiles(p: int, n: int, dtype=jnp.bfloat16, y_dtype=jnp.float32, parts=1, rotate=False) -> list:
@@ -129,7 +127,7 @@ def _rotated_tiles(u_smem, th_smem, bias_refs, head, dsts, dtype):
             w.append(u + lax.broadcast_in_dim(bias, u.shape, [1]))
         for j, cols in enumerate(halves):  # one turned half at a time (fewer registers live)
             r = w[0] * cos - w[1] * sin if j == 0 else w[0] * sin + w[1] * cos
-            r = jnp.where(jnp.abs(r) <= _F32_MAX, r, 0.0)  # non-finite as 0, as the caller scrubs
+            r = finite_or_zero(r)  # non-finite as 0, as the caller scrubs
             hi, lo = _halves(r, dtype)
             dst.at[0, :, cols][...] = hi
             dst.at[1, :, cols][...] = lo

@@ -59,7 +59,13 @@ def rotate_halves(w, cos, sin):
     x = w.reshape(*w.shape[:-1], 2, w.shape[-1] // 2)
     sign = jnp.array([-1, 1], w.dtype)[:, None]  # the pair's first element takes -sin, the second +sin
     out = (x * cos[..., None, :] + jnp.flip(x, -2) * (sin[..., None, :] * sign)).reshape(w.shape)
-    return jnp.where(jnp.abs(out) <= _MAX, out, 0)
+    return finite_or_zero(out)
+
+
+def finite_or_zero(a):
+    """`a` with its non-finite values (and, from a rotation, overflows) as 0: the rule the
+    rotation and its backward keep in XLA and in the kernels alike."""
+    return jnp.where(jnp.abs(a) <= _MAX, a, 0.0)
 
 
 def _padded_angles(theta, n2):
