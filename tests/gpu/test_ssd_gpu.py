@@ -214,40 +214,6 @@ def test_mosaic_gpu_backward_kernels_turn_back_by_the_angles(kernel, dims, angle
 
 
 @pytest.mark.skipif(not _hopper(), reason="the Mosaic GPU kernels need a Hopper GPU")
-@pytest.mark.parametrize("angles", [0, 32])
-def test_mosaic_gpu_state_backward_adds_the_scans_db(angles):
-    # `db_in` (the chunk-scan backward's dB, per head) added to the kernel's own dB, after the
-    # turn back where the angles are given: the emulation's dB (turned in XLA) plus db_in
-    import jax.numpy as jnp
-    import numpy as np
-
-    from axkern.ops.ssd import mosaic_gpu
-    from axkern.ops.ssd.common.mosaic.rotation import rotate_halves
-
-    b, h, g, chunks, p, n = 2, 4, 2, 3, 64, 128
-    args = _kernel_inputs("chunk_state_bwd", b, h, g, chunks, p, n, split=True)
-    length = args[0].shape[2]
-    db_in = jax.random.normal(jax.random.PRNGKey(5), (b, h, length, n))
-    theta = (
-        jax.random.uniform(jax.random.PRNGKey(3), (b, h, length, angles), maxval=2 * np.pi)
-        if angles
-        else None
-    )
-    got = jax.jit(functools.partial(mosaic_gpu.chunk_state_bwd, theta=theta, db_in=db_in))(*args)
-    cpu = jax.devices("cpu")[0]
-    with jax.default_device(cpu):
-        want = list(jax.jit(mosaic_gpu.emulate_chunk_state_bwd)(*jax.device_put(args, cpu)))
-        if angles:
-            th = jnp.pad(jax.device_put(theta, cpu), [(0, 0)] * 3 + [(0, n // 2 - angles)])
-            want[2] = rotate_halves(want[2], jnp.cos(th), -jnp.sin(th))
-        want[2] = want[2] + jax.device_put(db_in, cpu)
-    for i, (a, e) in enumerate(zip(got, want, strict=True)):
-        a, e = np.asarray(a, np.float64), np.asarray(e, np.float64)
-        err = np.abs(a - e).max() / max(np.abs(e).max(), 1e-30)
-        assert err <= 1e-4, (i, err)
-
-
-@pytest.mark.skipif(not _hopper(), reason="the Mosaic GPU kernels need a Hopper GPU")
 @pytest.mark.parametrize("boundaries", [0.0, 0.003])
 @pytest.mark.parametrize("dims", [(2, 4, 2, 3, 64, 128), (1, 2, 1, 2, 128, 64), (1, 2, 2, 5, 64, 64)])
 @pytest.mark.parametrize("split", [False, True])

@@ -453,10 +453,3 @@ def test_the_backward_kernels_refuse_angles_they_cannot_turn_by(angles, dtype, g
         mosaic_gpu.chunk_scan_bwd(x, x, vec, vec, vec, vec[:, 0], bc, bc, states, **kw)
     with pytest.raises(ValueError, match=message):
         mosaic_gpu.chunk_state_bwd(x, vec, bc, states, **kw)
-
-
-def test_the_state_backward_adds_a_db_per_head_only():
-    x, vec = jnp.zeros((1, 2, 128, 64), jnp.bfloat16), jnp.zeros((1, 2, 128), jnp.float32)
-    bc, states = jnp.zeros((1, 1, 128, 128), jnp.float32), jnp.zeros((1, 2, 2, 64, 128), jnp.float32)
-    with pytest.raises(ValueError, match="db_in .added per head. with group_sums"):
-        mosaic_gpu.chunk_state_bwd(x, vec, bc, states, db_in=jnp.zeros((1, 2, 128, 128)), group_sums=True)

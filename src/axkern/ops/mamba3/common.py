@@ -65,9 +65,10 @@ def rotate(u, theta, halves):
     each element's partner is the same pair's other one (that axis reversed) and the rotation is
     one elementwise expression over all of `u` (no slices and no concatenation to materialise);
     the pairs past `A` pass through as they are."""
-    pairs, a = u.shape[-1] // 2, theta.shape[-1]
+    n, a = u.shape[-1], theta.shape[-1]
     if a == 0:
         return u
+    pairs = n // 2
     widen = [(0, 0)] * (theta.ndim - 1) + [(0, pairs - a)]  # the pairs past `A`: cos 1, sin 0
     cos = jnp.pad(jnp.cos(theta), widen, constant_values=1)  # [.., N/2], each angle's once
     sin = jnp.pad(jnp.sin(theta), widen)
@@ -180,8 +181,7 @@ def _pairs_fwd(q, k, bq, bk):
 def _pairs_bwd(res, d):  # d [b, l, r, u, g, j]
     q, k, bq, bk = res
     dq = _ein("blrug,blugn->blrgn", d.sum(-1), k) + _ein("blrugj,ugjn->blrgn", d, bk)
-    fenced = lax.optimization_barrier(d)  # else XLA merges dk's bias GEMM with dq's: one slow transposed GEMM
-    dk = _ein("blrug,blrgn->blugn", d.sum(-1), q) + _ein("blrugj,rgjn->blugn", fenced, bq)
+    dk = _ein("blrug,blrgn->blugn", d.sum(-1), q) + _ein("blrugj,rgjn->blugn", d, bq)
     dbq = _ein("blrugj,blugn->rgjn", d, k) + _ein("rugj,ugjn->rgjn", d.sum((0, 1)), bk)
     dbk = _ein("blrugj,blrgn->ugjn", d, q) + _ein("rugj,rgjn->ugjn", d.sum((0, 1)), bq)
     return dq, dk, dbq, dbk

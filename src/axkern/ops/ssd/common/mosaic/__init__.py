@@ -198,11 +198,9 @@ class MosaicLayout(GpuLayout):
 
     def chunk_state_bwd(self, xt, w, bt, d_own, dx_scan, db_scan):
         kw = dict(group_sums=self.group_sums, positions_first=self.positions_first, theta=_angles(bt))
-        if self.group_sums:  # dx_scan added in the kernel; db_scan here (per group)
-            dx, dw, db = chunk_state_bwd(xt, self.to_col(w), bt, d_own, dx_scan, **kw)
-            return dx, dw, db + db_scan
-        # both added in the kernel: XLA reads one `dB` per head, not two
-        return chunk_state_bwd(xt, self.to_col(w), bt, d_own, dx_scan, db_in=db_scan, **kw)
+        # dx_scan added in the kernel; db_scan here (per head, or per group with `group_sums`)
+        dx, dw, db = chunk_state_bwd(xt, self.to_col(w), bt, d_own, dx_scan, **kw)
+        return dx, dw, db + db_scan
 
     def chunk_scan_bwd(self, dy, xt, scale, cum, ac, f, sc, bt, ct, states_in, *, sums):
         if sums:

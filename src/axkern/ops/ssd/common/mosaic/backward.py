@@ -224,16 +224,14 @@ def _chunk_scan_bwd(dy, xt, dt, cum, f, seg, bt, ct, states_in, *theta, group_su
     return launch(*args)
 
 
-def _state_bwd_kernel(*refs, rep, dtype, add, rows_of, adds_dx, turns=False, adds_db=False):
+def _state_bwd_kernel(*refs, rep, dtype, add, rows_of, adds_dx, turns=False):
     """`add`: `dB` added by a TMA reduction into the head's group's rows (`[b, g, L, N]`).
     `adds_dx`: a fifth input, the scan's backward's float32 `dx`, added to this `dx` before it
     is rounded to the output's dtype. `turns`: one more input, the angles `Θ`, by which `dB`
-    leaves turned back (`_turned_back`). `adds_db`: one more input, the scan's backward's `dB`
-    (float32, per head, turned back where `turns`), added to this `dB`."""
+    leaves turned back (`_turned_back`)."""
     x_ref, w_ref, b_ref, ds_ref, *rest = refs
     dx_in_ref = rest.pop(0) if adds_dx else None
     theta_ref = rest.pop(0) if turns else None
-    db_in_ref = rest.pop(0) if adds_db else None
     dx_ref, dw_ref, db_ref, scoped = rest
     (b_smem, dsh_smem, dsl_smem, dx_smem, db_smem, dw_smem), loaded = scoped
     batch, head, chunk = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("chunks")
@@ -261,38 +259,29 @@ def _state_bwd_kernel(*refs, rep, dtype, add, rows_of, adds_dx, turns=False, add
     if adds_dx:
         dx_in = mosaic_gpu_load(rows_of(dx_in_ref, batch, head, rows), layout=wgmma_layout, optimized=False)
     theta = None if theta_ref is None else _angles(theta_ref, batch, head, rows)
-    db_in = None
-    if adds_db:
-        db_in = mosaic_gpu_load(db_in_ref.at[batch, head, rows], layout=wgmma_layout, optimized=False)
-    _state_grads(bs, (dsh_smem, dsl_smem), x, w, (xw_h, xw_l), staging, dx_in, theta, db_in)
+    _state_grads(bs, (dsh_smem, dsl_smem), x, w, (xw_h, xw_l), staging, dx_in, theta)
     group = lax.div(head, jnp.int32(rep)) if add else head
     dsts = (rows_of(dx_ref, batch, head, rows), db_ref.at[batch, group, rows], dw_ref.at[batch, head, rows])
     _send_state_grads(staging, dsts, add=add)
     plgpu.wait_smem_to_gmem(0)
 
 
-def _state_grads(bs, ds, x, w, xw, staging, dx_in=None, theta=None, db_in=None):
+def _state_grads(bs, ds, x, w, xw, staging, dx_in=None, theta=None):
     """The chunk state's gradients from `dS`'s halves `ds` (shared memory), `B`'s parts `bs`
     (shared memory),
     `x`, `w` and `w ∘ x`'s halves `xw` (registers), into the staging tiles `(dx, dB, dw)`:
     `d(w ∘ x) = B dSᵀ` (rows t), `dx = · w` (plus `dx_in`, float32 registers, if given; in the
     staging tile's dtype), `dw = rowsum(· x)`; `dB = (w ∘ x) dS`, three products (both
-    float32), turned back by the angles `theta` (registers) where given, plus `db_in` (float32
-    registers) where given."""
+    float32), turned back by the angles `theta` (registers) where given."""
     dx_smem, db_smem, dw_smem = staging
     (q, n), p = bs[0].shape, ds[0].shape[0]
     dxw = _products((q, p), pairs(bs, ds, True))
     dx = dxw * lax.broadcast_in_dim(w, (q, p), [0])
     dx_smem[...] = (dx if dx_in is None else dx + dx_in).astype(dx_smem.dtype)
     dw_smem[...] = jnp.sum(dxw * x, axis=1)
-    db = _products((q, n), pairs(xw, ds))
-    if theta is None:
-        db_smem[...] = db if db_in is None else db + db_in
-    else:  # turned in place, then `db_in` added (the same threads' values: no barrier)
-        db_smem[...] = db
+    db_smem[...] = _products((q, n), pairs(xw, ds))
+    if theta is not None:
         _turned_back(db_smem, jnp.cos(theta), jnp.sin(theta))
-        if db_in is not None:
-            db_smem[...] = mosaic_gpu_load(db_smem, layout=plgpu.Layout.WGMMA, optimized=False) + db_in
     plgpu.commit_smem()
 
 
@@ -303,35 +292,24 @@ def _send_state_grads(staging, dsts, *, add):
         plgpu.copy_smem_to_gmem(smem, dst, reduction_op="add" if add and i == 1 else None)
 
 
-def chunk_state_bwd(
-    xt, w, bt, d_own, dx_in=None, *, group_sums=False, positions_first=False, theta=None, db_in=None
-):
+def chunk_state_bwd(xt, w, bt, d_own, dx_in=None, *, group_sums=False, positions_first=False, theta=None):
     """Stage 2's backward by the Mosaic GPU kernel, `dS` (`d_own [b, c, h, P, N]`, float32)
     pulled back through `S = (w ∘ x)ᵀ B`: `(dx [b, h, L, P], dw [b, h, L], dB [b, h, L, N])`,
     float32, per head; `chunk_state`'s other arguments (`B` bf16 or float32). `dx_in` (float32, `x`'s layout; the
     scan's backward's `dx`): added to `dx` in the kernel, which then leaves in `x`'s dtype.
     `group_sums`: `dB` per group (`[b, g, L, N]`) by TMA reductions, as in `chunk_scan_bwd`.
-    `theta`: `dB` turned back by `-Θ`, as in `chunk_scan_bwd`. `db_in` (`[b, h, L, N]` float32,
-    the scan's backward's `dB`, turned back where `theta` is given): added to `dB` in the kernel
-    (per head: not with `group_sums`)."""
+    `theta`: `dB` turned back by `-Θ`, as in `chunk_scan_bwd`."""
     _check_angles("chunk_state_bwd", theta, group_sums, xt, bt, positions_first)
-    if db_in is not None and group_sums:
-        raise ValueError("chunk_state_bwd: db_in (added per head) with group_sums")
     body = functools.partial(
-        _chunk_state_bwd,
-        group_sums=group_sums,
-        positions_first=positions_first,
-        turns=theta is not None,
-        adds_db=db_in is not None,
+        _chunk_state_bwd, group_sums=group_sums, positions_first=positions_first, turns=theta is not None
     )
     args = (xt, w, bt, d_own) + (() if dx_in is None else (dx_in.astype(jnp.float32),))
     args += () if theta is None else (theta,)
-    args += () if db_in is None else (db_in.astype(jnp.float32),)
     return _batch_folding(body)(*args) if group_sums else body(*args)
 
 
-def _chunk_state_bwd(xt, w, bt, d_own, *more, group_sums, positions_first, turns, adds_db):
-    dx_in = more[: len(more) - turns - adds_db]
+def _chunk_state_bwd(xt, w, bt, d_own, *more, group_sums, positions_first, turns):
+    dx_in = more[: len(more) - turns]
     bt = operand_parts(bt)
     _check_operands(xt, bt, positions_first=positions_first)
     b, h, lp, p = _dims(xt, positions_first)
@@ -340,8 +318,7 @@ def _chunk_state_bwd(xt, w, bt, d_own, *more, group_sums, positions_first, turns
     out = (_rows_type(b, h, lp, p, positions_first, rows), jax.ShapeDtypeStruct((b, h, lp), f32), db)
     args = [xt, w, bt, d_own, *more] + ([jnp.zeros(db.shape, f32)] if group_sums else [])
     into = {2: len(args) - 1} if group_sums else None
-    kw = dict(into=into, positions_first=positions_first, rows_dtype=rows, adds_dx=bool(dx_in))
-    kw.update(turns=turns, adds_db=adds_db)
+    kw = dict(into=into, positions_first=positions_first, rows_dtype=rows, adds_dx=bool(dx_in), turns=turns)
     barrier = plgpu.Barrier(num_barriers=len(bt))
     return _launch("state_bwd", _state_bwd_kernel, out, xt, bt, barrier, **kw)(*args)
 
