@@ -171,9 +171,11 @@ def test_the_guard_runs_only_where_an_input_is_not_finite(impl):
     guarded, plain = (list(equations(b.jaxpr)) for b in cond.params["branches"])  # false, true
     assert max(tests(guarded)) >= a["v"].size and not tests(plain)
     assert not scans(guarded + plain)
-    # the branch for finite inputs forms boolean zeros only: no operand passed out, no float
+    # the branch for finite inputs forms zeros of masks only (boolean, or bits packed 8 to a byte):
+    # no operand passed out, no float
     j = cond.params["branches"][1].jaxpr
-    assert all(v.aval.dtype == jnp.bool_ and v not in j.invars for v in j.outvars)
+    assert all(v.aval.dtype in (jnp.bool_, jnp.uint8) and v not in j.invars for v in j.outvars)
+    assert sum(v.aval.size for v in j.outvars) < a["v"].size  # the large masks packed
     # and no gradient flows through the conditional: it reads the inputs as constants
     with axkern.use(interpret=INTERPRET), serving(impl):
         grad = jax.make_jaxpr(jax.grad(lambda a: jnp.sum(call(impl, a, None, 8)[0])))(a).jaxpr

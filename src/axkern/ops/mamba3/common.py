@@ -29,8 +29,8 @@ initial state the first segment. `angles` and `dt` reach `Θ` (and so `q`, `k`) 
 The masks (where `Θ`, `y`, a rotated `q` and the final state are non-finite) come from one
 `lax.cond` on the inputs, outside the differentiated program, that computes them only when some
 value the recurrence reads may not be finite, one fused read of the inputs deciding (`forward`);
-for finite inputs, the common case, its branch writes boolean zeros (under `vmap` the condition
-is batched and both branches run). Every large array is formed outside it (a conditional's
+for finite inputs, the common case, its branch writes zeros, `Θ`'s and `y`'s masks as bits
+(under `vmap` the condition is batched and both branches run). Every large array is formed outside it (a conditional's
 outputs are materialised, XLA copies a branch's result into the layout the conditional gives
 it, and the conditional's transpose would instantiate zero cotangents for outputs the caller
 drops): the masks' selects fuse into the passes that read them, and the scan's large inputs
@@ -380,9 +380,16 @@ def forward(
     # inside `shard_map` both branches must vary over the same mesh axes: those of what they read
     read = (q, k, v, W_x, q_bias, k_bias, theta, ang, angle0, adt_, dt_, trap_, seg, ssm0, v0r, k0)
 
-    def no_masks(theta):  # finite inputs: nothing is masked (small boolean zeros)
-        shapes = (theta.shape, (batch, length, heads, v.shape[-1]), (batch, length, rank, heads), ssm0.shape)
-        return vary_like(tuple(jnp.zeros(s, bool) for s in shapes), *read)
+    # the two large masks, `Θ`'s and `y`'s, leave the conditional as bits along their last axis,
+    # 8 to a byte (`jnp.packbits`; unpacked in the selects that read them): the finite branch's
+    # zeros are written whole on every call
+    bits = lambda shape: (*shape[:-1], -(-shape[-1] // 8))  # noqa: E731
+
+    def no_masks(theta):  # finite inputs: nothing is masked (small zeros)
+        packed = (bits(theta.shape), bits((batch, length, heads, v.shape[-1])))
+        flags = ((batch, length, rank, heads), ssm0.shape)
+        zeros = [jnp.zeros(s, jnp.uint8) for s in packed] + [jnp.zeros(s, bool) for s in flags]
+        return vary_like(tuple(zeros), *read)
 
     def masks(theta):  # where the recurrence is non-finite: `Θ`, `y`, a rotated `q`, the final state
         theta_bad = reaches(bad(ang) | bad(dt_)[..., None], seg) | (
@@ -408,12 +415,15 @@ def forward(
                 & (bad(ssm0) | bad(v0r).any(1)[..., None] | bad(k0).any(1)[:, :, None, :])
             )
         )
-        return vary_like((own_order(theta_bad), y_bad, q_bad, final_bad), *read)
+        packed = (jnp.packbits(own_order(theta_bad), axis=-1), jnp.packbits(y_bad, axis=-1))
+        return vary_like((*packed, q_bad, final_bad), *read)
 
     # one conditional, on small arrays and masks only: every large array is formed outside it
     # (a conditional's outputs are materialised, and XLA copies a branch's result into its
     # layout), the masks' selects fused into the passes that form them
     theta_bad, y_bad, q_bad, final_bad = lax.cond(finite, no_masks, masks, lax.stop_gradient(theta))
+    unpack = lambda a, n: jnp.unpackbits(a, axis=-1, count=n).astype(bool)  # noqa: E731
+    theta_bad, y_bad = unpack(theta_bad, theta.shape[-1]), unpack(y_bad, v.shape[-1])
     theta = poison(theta, theta_bad)  # `Θ` with its NaNs
     # the scan's inputs with non-finite values as 0: for finite inputs, the rotations as they are
     # and `v` in the dtype the core takes it
