@@ -13,16 +13,14 @@ before each 8 as another: 16 products a position where `product` takes 64).
 
 from __future__ import annotations
 
-import datetime
 import json
-import os
 import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from records import header, write  # (this folder's: run as a script)
 
 from axkern import bench
 from axkern.ops.mamba3 import angles
@@ -58,14 +56,7 @@ def main() -> None:
     inc = jax.random.uniform(jax.random.PRNGKey(1), (b, length, h, a), jnp.float32, -0.2, 0.2)
     seg = jnp.zeros((b, length), jnp.int32)
     want = np.cumsum(np.asarray(inc, np.float64).reshape(b, -1, q, h, a), axis=2)
-    out = {
-        "command": "OUT=<folder> python3 benchmarks/mamba3_angle_sums.py " + " ".join(sys.argv[1:]),
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "jax": jax.__version__,
-        "device": jax.devices()[0].device_kind,
-        "case": case.label,
-        "forms": {},
-    }
+    out = header("mamba3_angle_sums.py", case=case.label, forms={})
     for form in forms:
         angles.within_chunks = FORMS[form]
 
@@ -86,9 +77,7 @@ def main() -> None:
         out["forms"][form] = row
         print(form, json.dumps(row), flush=True)
     angles.within_chunks = _plain
-    folder = Path(os.environ.get("OUT", "."))
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "mamba3_angle_sums.json").write_text(json.dumps(out, indent=1) + "\n")
+    write(out, "mamba3_angle_sums.json")
 
 
 if __name__ == "__main__":

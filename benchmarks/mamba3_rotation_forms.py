@@ -18,16 +18,14 @@ nor shares them), `own_parts` (`own`'s forward, `shared`'s backward).
 
 from __future__ import annotations
 
-import datetime
 import json
-import os
 import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from kernel_times import fusion_bytes, fusion_sources  # (this folder's: run as a script)
+from records import header, write
 
 from axkern import bench
 from axkern.ops.ssd.common.mosaic import rotation
@@ -117,14 +115,7 @@ def main() -> None:
     case = next(c for c in bench.cases_for("mamba3", preset="mamba3_2.7b") if "SISO" in c.label)
     args = case.make(jax.random.PRNGKey(0))
     cot = bench._cotangent(case, args)
-    out = {
-        "command": "OUT=<folder> python3 benchmarks/mamba3_rotation_forms.py " + " ".join(sys.argv[1:]),
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "jax": jax.__version__,
-        "device": jax.devices()[0].device_kind,
-        "case": case.label,
-        "forms": {},
-    }
+    out = header("mamba3_rotation_forms.py", case=case.label, forms={})
     for form in forms:
         R.parts, R.cotangent = FORMS[form]
         fn = jax.jit(bench._forward_backward(case, "mosaic_gpu"))
@@ -141,9 +132,7 @@ def main() -> None:
         print(form, json.dumps({k: v for k, v in row.items() if k != "large_fusions"}), flush=True)
         for line in row["large_fusions"]:
             print("   ", line, flush=True)
-    folder = Path(os.environ.get("OUT", "."))
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "mamba3_rotation_forms.json").write_text(json.dumps(out, indent=1) + "\n")
+    write(out, "mamba3_rotation_forms.json")
 
 
 if __name__ == "__main__":

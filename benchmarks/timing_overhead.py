@@ -14,9 +14,7 @@ writes `$OUT/timing_overhead.json`.
 
 from __future__ import annotations
 
-import datetime
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -29,6 +27,7 @@ from axkern.ops.attention.mosaic_gpu import forward_kernel
 
 sys.path.append(str(Path(__file__).parent))
 from kernel_times import profile  # noqa: E402
+from records import header, write  # noqa: E402
 
 B, S, H, D = 2, 8192, 32, 128
 
@@ -64,13 +63,7 @@ def main():
             (q, k, v),
         ),
     }
-    out = {
-        "command": "OUT=<folder> python3 benchmarks/timing_overhead.py",
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "jax": jax.__version__,
-        "device": jax.devices()[0].device_kind,
-        "rows": [],
-    }
+    out = header("timing_overhead.py", rows=[])
     for name, (fn, args) in calls.items():
         row = {"call": name}
         for batch_s in (0.02, 0.2):
@@ -81,9 +74,7 @@ def main():
         row["window_ms_per_call"] = line["window_ms_per_call"]
         out["rows"].append(row)
         print(json.dumps(row), flush=True)
-    folder = Path(os.environ.get("OUT", "."))
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "timing_overhead.json").write_text(json.dumps(out, indent=1) + "\n")
+    write(out, "timing_overhead.json")
 
 
 if __name__ == "__main__":
