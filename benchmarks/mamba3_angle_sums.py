@@ -23,7 +23,7 @@ from jax import lax
 from records import header, write  # (this folder's: run as a script)
 
 from axkern import bench
-from axkern.ops.mamba3 import angles
+from axkern.ops.mamba3.common import angles
 
 _plain = angles.within_chunks
 

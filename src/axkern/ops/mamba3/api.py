@@ -6,7 +6,7 @@ MIMO `[.., L, R, G, N]`), `v [.., L, H, P]` (x), `adt, dt, trap [.., H, L]`, `q_
 [H, N]` (MIMO `[H, R, N]`), `angles [.., L, H, A]` raw (`π tanh(angles) dt` is added to the angle
 state inside), `D [H]`, `z` like `v`; `mimo=(W_x, W_z, W_o)`, each `[H, R, P]`. The state is a
 `Mamba3State(angle [.., H, A], ssm [.., H, P, N], k [.., H, N] (MIMO [.., R, H, N]), v [.., H, P])`.
-reference.py states the recurrence; common.py the chunked form.
+reference.py states the recurrence; common the chunked form.
 """
 
 from __future__ import annotations

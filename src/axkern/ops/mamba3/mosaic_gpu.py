@@ -1,5 +1,5 @@
 """Mamba-3 SISO on Hopper: SSD's Pallas Mosaic GPU chunk kernels (`ssd/common/mosaic`: TMA,
-`wgmma` with 16-bit operands into float32 accumulators) under the chunked form of `common.py`,
+`wgmma` with 16-bit operands into float32 accumulators) under the chunked form of `common`,
 with the per-position log-decay `adt` and the trapezoid's input scale (angles, rotations, gate
 and the diagonal correction in XLA, as `pallas_gpu`).
 

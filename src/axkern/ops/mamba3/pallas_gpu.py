@@ -1,6 +1,6 @@
 """Mamba-3 as Pallas GPU (Triton) kernels: SSD's chunk kernels and its recurrence kernels
 (`ssd/common/kernels.py`, `ssd/common/gpu.py`'s layout) with the per-position log-decay `adt` and
-the trapezoid's input scale, under the chunked form of `common.py` (angles, rotations and gate
+the trapezoid's input scale, under the chunked form of `common` (angles, rotations and gate
 and the diagonal correction in XLA: the kernels can take SISO's as their diagonal term,
 `ssd/common/bodies.py`, which on the H200 cost the backward kernel more than XLA's pass).
 

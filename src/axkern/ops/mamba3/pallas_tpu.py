@@ -1,6 +1,6 @@
 """Mamba-3 as Pallas TPU (Mosaic) kernels: SSD's chunk kernels (`ssd/common/kernels.py`, in
 `ssd/pallas_tpu.py`'s layout) with the per-position log-decay `adt` and the trapezoid's input
-scale, under the chunked form of `common.py` (angles, rotations and gate in XLA; SISO's diagonal
+scale, under the chunked form of `common` (angles, rotations and gate in XLA; SISO's diagonal
 correction inside the chunk-scan kernels, `ssd/common/bodies.py`; MIMO's in XLA).
 
 **MIMO**: each token's `R` inputs run as `kernel_slots(R)` consecutive

@@ -1,5 +1,5 @@
 """Mamba-3 by chunks in plain JAX: the SSD chunk scan (`ssd/common/scan.py`) with the per-position
-log-decay `adt` and the trapezoid's input scale, plus a diagonal correction (`common.py` has the
+log-decay `adt` and the trapezoid's input scale, plus a diagonal correction (`common` has the
 derivation). The scan is a `custom_vjp` whose backward recomputes each chunk's `[Q, Q]` terms
 from the inputs and the states entering the chunks (`[b, c, H, P, N]`, the only states kept);
 the per-position preparation (angles, weights) and the output's correction, skip, gate and rank

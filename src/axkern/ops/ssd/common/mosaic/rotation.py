@@ -22,7 +22,7 @@ emulation form them from `value` too).
 **The backward** (`cotangent`): the rotated value's cotangent `g` (per head, float32) turned back by
 `-Θ` (`back`), summed over each group's heads (`du`), over batch and positions (`dbias`), and
 `dΘ_i = back_{i+N/2} w_i - back_i w_{i+N/2}` against the unrotated pair, as Mamba-3's own
-rotation backward (`mamba3/common.py`). Where the layout's backward kernels turn (the Mosaic
+rotation backward (`mamba3/common`). Where the layout's backward kernels turn (the Mosaic
 GPU layouts', `kernels.Layout.turns_back`), the halves carry the angles (`SplitOperand.theta`)
 and the kernels return `back` itself (`backward._turned_back`): XLA only sums.
 """

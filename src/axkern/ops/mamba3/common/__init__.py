@@ -52,8 +52,8 @@ from axkern.core.compat import vary_like
 from axkern.ops.ssd.common import kernels as chunk_kernels
 from axkern.ops.ssd.common.chunks import all_finite, clean, poison, reaches, scrubbed, segment_starts
 
+from ..blocks import kernel_slots
 from .angles import angle_sums
-from .blocks import kernel_slots
 
 
 def rotate(u, theta, halves):

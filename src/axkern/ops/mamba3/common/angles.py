@@ -1,7 +1,7 @@
 """Mamba-3's angles `Θ`: running sums of `π tanh(angles) Δ` inside each segment, mod 2π, summed
 inside chunks and carried between chunks by a parallel (associative) scan that takes the
 remainder at every combination, so that its rounding does not grow with the length and no loop
-of one step per chunk runs (`common`'s docstring has the rest of the chunked form)."""
+of one step per chunk runs (the package's docstring has the rest of the chunked form)."""
 
 from __future__ import annotations
 
