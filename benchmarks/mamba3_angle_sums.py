@@ -6,9 +6,10 @@ against a float64 sum.
 
     OUT=<folder> python3 benchmarks/mamba3_angle_sums.py [FORM ...]
 
-writes `$OUT/mamba3_angle_sums.json`. Forms: `product` (the code's: the `[Q, Q]` masked product,
-exact float32 products), `cumsum` (`jnp.cumsum` along the chunk), `blocked` (sums of 8 positions as `[8, 8]` products, then the sums
-before each 8 as another: 16 products a position where `product` takes 64).
+writes `$OUT/mamba3_angle_sums.json`. Forms: `product` (the code's: the `[Q, Q]` masked
+product, exact float32 products), `cumsum` (`jnp.cumsum` along the chunk), `blocked` (sums of 8
+positions as `[8, 8]` products, then the sums before each 8 as another: 16 products a position
+where `product` takes 64).
 """
 
 from __future__ import annotations

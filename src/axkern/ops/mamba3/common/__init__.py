@@ -30,10 +30,10 @@ The masks (where `Θ`, `y`, a rotated `q` and the final state are non-finite) co
 `lax.cond` on the inputs, outside the differentiated program, that computes them only when some
 value the recurrence reads may not be finite, one fused read of the inputs deciding (`forward`);
 for finite inputs, the common case, its branch writes zeros, `Θ`'s and `y`'s masks as bits
-(under `vmap` the condition is batched and both branches run). Every large array is formed outside it (a conditional's
-outputs are materialised, XLA copies a branch's result into the layout the conditional gives
-it, and the conditional's transpose would instantiate zero cotangents for outputs the caller
-drops): the masks' selects fuse into the passes that read them, and the scan's large inputs
+(under `vmap` the condition is batched and both branches run). Every large array is formed
+outside it (a conditional's outputs are materialised, XLA copies a branch's result into the
+layout the conditional gives it, and the conditional's transpose would instantiate zero
+cotangents for outputs the caller drops): the masks' selects fuse into the passes that read them, and the scan's large inputs
 are `scrubbed` (0 where non-finite unless all is finite: an elementwise select, no mask kept).
 """
 
