@@ -102,7 +102,11 @@ class RotatedOperand:
         return RotatedOperand(rows(self.u), self.bias, rows(self.theta))
 
     def angles(self):
-        """`Θ` padded with zero angles to `N/2` columns (the kernel's tiles)."""
+        """`Θ` padded with zero angles to `N/2` columns (the kernel's tiles), in XLA (the pad
+        fuses into the pass that cleans `Θ`): in the kernel a TMA copy fills a whole contiguous
+        tile, not a column slice of a wider one, and Mosaic GPU (jax 0.10-0.11, lane semantics)
+        neither slices a 64-column 16-bit tile at 32 columns nor concatenates register arrays,
+        so the turn takes `cos`, `sin` as wide as a column half."""
         return _padded_angles(self.theta, self.u.shape[-1] // 2)
 
     def value(self):
