@@ -31,6 +31,7 @@ import datetime
 import json
 import os
 import re
+import shlex
 from pathlib import Path
 
 import jax
@@ -210,8 +211,8 @@ def main() -> None:
             + [f"--impl {a.impl}"]
             + ([f"--calls {a.calls}"] if a.calls != 3 else [])
             + (["--hlo"] if a.hlo else [])
-            + ([f"--only {a.only}"] if a.only else [])
-            + ([f"--blocks {a.blocks}"] if a.blocks else [])
+            + ([f"--only {shlex.quote(a.only)}"] if a.only else [])
+            + ([f"--blocks {shlex.quote(a.blocks)}"] if a.blocks else [])
         ),
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "jax": jax.__version__,
