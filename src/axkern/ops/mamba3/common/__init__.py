@@ -33,8 +33,9 @@ for finite inputs, the common case, its branch writes zeros, `Θ`'s and `y`'s ma
 (under `vmap` the condition is batched and both branches run). Every large array is formed
 outside it (a conditional's outputs are materialised, XLA copies a branch's result into the
 layout the conditional gives it, and the conditional's transpose would instantiate zero
-cotangents for outputs the caller drops): the masks' selects fuse into the passes that read them, and the scan's large inputs
-are `scrubbed` (0 where non-finite unless all is finite: an elementwise select, no mask kept).
+cotangents for outputs the caller drops): the masks' selects fuse into the passes that read
+them, and the scan's large inputs are `scrubbed` (0 where non-finite unless all is finite: an
+elementwise select, no mask kept).
 """
 
 from __future__ import annotations

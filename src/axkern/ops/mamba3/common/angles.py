@@ -15,8 +15,8 @@ def within_chunks(ic, sc):
     """`Σ_{s <= t in t's segment} inc_s` inside each chunk (`ic [b, c, Q, h, a]`, `sc [b, c, Q]`)
     as a `[Q, Q]` masked product with exact float32 products. Without segments the product is
     still the fastest form measured on the H200: at the 2.7B layer the layer's forward+backward
-    took 9.62 ms with it, 9.80 with `jnp.cumsum` along the chunk (XLA's windowed sum, 0.36 ms
-    where the product and its transpose take about 0.26) and 10.11 with sums of 8 as products
+    took 9.62 ms with it, 9.80 with `jnp.cumsum` along the chunk (XLA's windowed sum: 0.36 ms in
+    the forward, where the product takes 0.14) and 10.11 with sums of 8 as products
     (`benchmarks/mamba3_angle_sums.py`)."""
     t = jnp.arange(ic.shape[2])
     same = ((sc[..., :, None] == sc[..., None, :]) & (t[:, None] >= t[None, :])).astype(ic.dtype)
