@@ -113,3 +113,33 @@ def test_mosaic_gpu_rotating_forward_on_gpu_against_oracle(dims):
         a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
         assert np.all(np.isfinite(a) == np.isfinite(b))
         assert np.nanmax(np.abs(a - b)) <= 2**-7 * (np.max(np.abs(b)) + 1e-30), np.nanmax(np.abs(a - b))
+
+
+def test_mosaic_gpu_rotating_forward_takes_x_with_non_finite_values():
+    # the forward nothing differentiates reads `v` as it comes and its kernel takes the
+    # non-finite values as 0 (`clean_x`); XLA's halves (rotation="xla") take a cleaned copy:
+    # both put NaN where the oracle does and agree elsewhere
+    import numpy as np
+
+    from axkern.ops.mamba3 import Mamba3BlockSizes
+    from tests.cases.mamba3 import forward
+
+    arrays, seg = make(1, *MOSAIC_DIMS[0], 0, "bfloat16", segments=True)
+    v = np.asarray(arrays["v"], np.float32)
+    v[0, 100, 1, 3], v[0, 400, 5, 60] = np.nan, np.inf
+    arrays = dict(arrays, v=jax.numpy.asarray(v, arrays["v"].dtype))
+
+    def run_with(rotation):
+        blocks = None if rotation is None else Mamba3BlockSizes(64, rotation=rotation)
+        return [
+            np.asarray(o, np.float64) for o in jax.tree.leaves(forward("mosaic_gpu", arrays, seg, blocks))
+        ]
+
+    with serving("mosaic_gpu"):
+        kernel, xla = run_with("kernel"), run_with("xla")
+    want = [np.asarray(o, np.float64) for o in jax.tree.leaves(forward("reference", arrays, seg, None))]
+    assert len(kernel) == len(xla) == len(want) >= 5
+    for a, b, w in zip(kernel, xla, want, strict=True):
+        assert np.all(np.isfinite(a) == np.isfinite(w)) and np.all(np.isfinite(b) == np.isfinite(w))
+        assert np.nanmax(np.abs(a - b), initial=0.0) <= 2**-7 * (np.nanmax(np.abs(b), initial=0.0) + 1e-30)
+    assert not np.isfinite(want[0]).all()

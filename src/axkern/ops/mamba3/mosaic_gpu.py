@@ -140,7 +140,9 @@ def rotating_core(layout, dtype, interpret=False):
     the unrotated values per group, the biases and `Θ`, `ssd/common/mosaic/rotation.py`). The
     rotation pairs `(i, i + N/2)`, so the state's columns run evens first, odds next inside the
     scan (`pairs_to_halves` on `q`, `k`, the biases and the initial state, undone on the final
-    state): no product notices the order. SISO only. `interpret`: the layout's Pallas stages (the
+    state): no product notices the order. SISO only. `x` as it comes (`cleans_x`): the scan
+    takes its non-finite values as 0, in the forward kernel itself when nothing differentiates
+    the call (no cleaned copy written). `interpret`: the layout's Pallas stages (the
     recurrences) in interpret mode (an emulating layout's, on the CPU)."""
 
     def operand(u, bias, theta):  # u [b, l, 1, g, n], bias [1, h, n], theta [b, h, l, a]
@@ -161,8 +163,10 @@ def rotating_core(layout, dtype, interpret=False):
             interpret=interpret,
             products=dtype,
             groups_first=True,
+            clean_x="pass",
         )
         return y[:, :, None], halves_to_pairs(final)
 
     core.heads_major, core.rotates, core.x_dtype, core.diagonal = True, True, jnp.dtype(dtype), False
+    core.cleans_x = True  # `x` may come with non-finite values: the scan takes them as 0
     return core

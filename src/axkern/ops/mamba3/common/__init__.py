@@ -434,6 +434,9 @@ def forward(
     else:
         qc, kc = (scrubbed(finite, u) for u in rotations(theta))
     vc = scrubbed(finite, v_ranks(x_dtype))
+    # a core that takes `x` with non-finite values (`cleans_x`) reads `v` as it is; `vc` (above)
+    # then only feeds XLA's correction, into whose pass its select fuses
+    vx = v_ranks(x_dtype) if getattr(core, "cleans_x", False) else vc
     s0c, v0c, k0c = clean(f(ssm0)), clean(v0r), clean(f(k0))
     theta_last = theta[:, :, -1] if heads_major else theta[:, -1]  # [b, h, a]
     k_last = rotations(theta, last=True)[1]
@@ -443,7 +446,7 @@ def forward(
     # y_{t,r} -= c_{t+1} Σ_u (q_{t,r} · k_{t,u}) v_{t,u}, and with `later_ranks` += scale_t Σ_{u > r} (..):
     # inside the core where it takes the diagonal term (SISO: `-c_{t+1} (q_t · k_t) v_t`)
     folded = getattr(core, "diagonal", False) and rank == 1
-    y, final = core(vc, adt_c, scale, kc, qc, seg, g0, **({"diag": -c_next} if folded else {}))
+    y, final = core(vx, adt_c, scale, kc, qc, seg, g0, **({"diag": -c_next} if folded else {}))
     if not folded:
         weight = -c_next[:, :, None, None, :]  # [b, l, r, u, h]
         if later_ranks and rank > 1:

@@ -271,7 +271,10 @@ class Layout:
 
 def _core_forward(cfg, xt, ac, scale, bt, ct, sc, initial_state, diag, residuals=True):
     layout, q, interpret, products, y_dtype, clean_x = cfg
-    xt = zeroed(xt) if clean_x else xt
+    # with nothing to keep for a backward, a layout whose forward kernel zeroes `x`'s non-finite
+    # values itself (`cleans_x`) reads `x` as it is, where XLA would write a cleaned copy
+    in_kernel = bool(clean_x) and not residuals and getattr(layout, "cleans_x", False)
+    xt = zeroed(xt) if clean_x and not in_kernel else xt
     # float32 operands throughout for now: with bf16 operands in the output's products the
     # gate's gradient (dz, through the pre-gate output) missed the oracle rule in bf16
     mm = jnp.float32
@@ -296,6 +299,7 @@ def _core_forward(cfg, xt, ac, scale, bt, ct, sc, initial_state, diag, residuals
         dtype=mm,
         residuals=residuals,
         **extra,
+        **({"clean_x": True} if in_kernel else {}),
     )
     return (y.astype(y_dtype), final), states_in
 
@@ -312,6 +316,8 @@ def _core_fwd(cfg, xt, ac, scale, bt, ct, sc, initial_state, diag):
     # backward's kernels turn the cotangents back)
     angles = cfg[0].turns_back()
     formed = tuple(o.parts(angles) if hasattr(o, "parts") else o for o in (bt, ct))
+    if cfg[-1] == "pass":  # the cleaned `x` is the residual (the backward passes its cotangent on)
+        xt, cfg = zeroed(xt), (*cfg[:-1], False)
     out, states_in = _core_forward(cfg, xt, ac, scale, *formed, sc, initial_state, diag)
     return out, (xt, ac, scale, (bt, ct), formed, sc, states_in, diag)
 
@@ -319,7 +325,7 @@ def _core_fwd(cfg, xt, ac, scale, bt, ct, sc, initial_state, diag):
 def _core_bwd(cfg, res, cotangents):
     layout, q, interpret, products, _, clean_x = cfg
     x_in, ac, scale, operands, (bt, ct), sc, states_in, diag = res
-    xt = zeroed(x_in) if clean_x else x_in
+    xt = zeroed(x_in) if clean_x is True else x_in  # ("pass": `x_in` is cleaned already)
     dy, d_final = cotangents
     pull_b, pull_c = (_pullback(o, f) for o, f in zip(operands, (bt, ct), strict=True))
     k = layout(xt, bt, q=q, interpret=interpret, products=products)
@@ -341,7 +347,7 @@ def _core_bwd(cfg, res, cotangents):
         d_ac, d_scale = pull_weights((col(dcum) - row(dcum_row), col(dw), col(df), d_keep))
     d_scale = d_scale + col(ddt)
     db, dc = k.sum_groups(db, dc)
-    if clean_x:  # a non-finite input's gradient is NaN (as `chunks.clean`'s)
+    if clean_x is True:  # a non-finite input's gradient is NaN (as `chunks.clean`'s)
         dx = jnp.where(jnp.isfinite(x_in), dx, jnp.nan)
     return (
         dx.astype(xt.dtype),
@@ -393,7 +399,10 @@ def scan(
     multiple of the chunk with `a = scale = 0` rows (the state stays). `products`: the input
     dtype whose path the kernels take (products' precision, decay's form; `x`'s unless given).
     `clean_x`: `x`'s non-finite values taken as 0 inside the scan (their gradients NaN), which
-    keeps `x` itself, not a cleaned copy, for the backward. `diag` (`[b, L, H]`, finite, where
+    keeps `x` itself, not a cleaned copy, for the backward; `"pass"`: taken as 0 likewise, their
+    cotangents passed on (as `chunks.scrubbed`'s), the cleaned copy kept for the backward. Either
+    way a call nothing differentiates reads `x` as it is where the layout's forward kernel cleans
+    it (`cleans_x`). `diag` (`[b, L, H]`, finite, where
     the layout's kernels take it: `Layout.diagonal`): `y_t += diag_t (C_t · B_t) x_t`, the
     diagonal term of `bodies.py`, differentiated like the other inputs."""
     if diag is not None and not layout.diagonal:
@@ -415,7 +424,7 @@ def scan(
     first = layout.positions_first
     names = (None if d is None else jnp.dtype(d).name for d in (products, y_dtype or jnp.float32))
     y, final = _core(
-        (layout, q, interpret, *names, bool(clean_x)),
+        (layout, q, interpret, *names, clean_x if clean_x == "pass" else bool(clean_x)),
         padded(x) if first else jnp.moveaxis(padded(x), 2, 1),  # [b, L, h, P] or [b, h, L, P]
         per_chunk(a),
         per_chunk(scale),

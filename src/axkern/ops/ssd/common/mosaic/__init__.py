@@ -241,17 +241,40 @@ def _angles(operand):
 
 
 class FusedMosaicLayout(MosaicLayout):
-    """`MosaicLayout` with stages 2 to 4 of the forward as one kernel (`forward.py`)."""
+    """`MosaicLayout` with stages 2 to 4 of the forward as one kernel (`forward.py`), which zeroes
+    `x`'s non-finite values itself where asked (`clean_x`)."""
+
+    cleans_x = True
 
     def forward(
-        self, xt, ac, scale, cum, w, f, keep, sc, bt, ct, initial_state, *, sums, dtype, residuals=True
+        self,
+        xt,
+        ac,
+        scale,
+        cum,
+        w,
+        f,
+        keep,
+        sc,
+        bt,
+        ct,
+        initial_state,
+        *,
+        sums,
+        dtype,
+        residuals=True,
+        clean_x=False,
     ):
         if sums:
             raise Unsupported("the Mosaic GPU kernels take 16-bit inputs, whose decay is cum_t - cum_s")
         c = self.to_col
         args = (xt, c(w), c(scale), c(cum), c(f), keep, c(sc), bt, ct, initial_state)
         return fused_forward(
-            *args, positions_first=self.positions_first, y_dtype=self.y_dtype, states=residuals
+            *args,
+            positions_first=self.positions_first,
+            y_dtype=self.y_dtype,
+            states=residuals,
+            clean_x=clean_x,
         )
 
 

@@ -155,10 +155,13 @@ def _forward_kernel(
     rows_of,
     chunks,
     rotate=False,
+    clean_x=False,
 ):
     """`add` (the backward kernels' group sums) is False here; `states_ref` None: the entering
     states are not written (`_without_states`). `rotate`: `b_ref`, `c_ref` are `(u, bias, Θ)`
-    (`rotation.py`), the block forms C's and B's halves in its one slot of them."""
+    (`rotation.py`), the block forms C's and B's halves in its one slot of them. `clean_x`:
+    `x`'s non-finite values as 0 (the register copy the block reads anyway, stored over the
+    chunk's `x` tile before the products read it)."""
     (c_smem, b_smem, x_smem, xh_smem, xl_smem, s16_smem, y_smem, st_smem, *raw), loaded = scoped
     head, batch = lax.axis_index("heads"), lax.axis_index("batch")
     q, p = x_smem.shape[1:]
@@ -224,6 +227,8 @@ def _forward_kernel(
         x = mosaic_gpu_load(rows_of(x_ref, batch, head, rows), layout=wgmma_layout, optimized=False).astype(
             f32
         )
+        if clean_x:
+            x = finite_or_zero(x)
         if not rotate:
             state_out()
         xh_smem[...], xl_smem[...] = _halves(x * lax.broadcast_in_dim(w_t, x.shape, [0]), dtype)
@@ -239,6 +244,9 @@ def _forward_kernel(
         for i in range(copies):
             plgpu.barrier_wait(loaded.at[copies * slot + i])
         cs, bs, xs = slot_parts(c_smem, slot), slot_parts(b_smem, slot), x_smem.at[slot]
+        if clean_x:  # over the tile its copy has filled, before the products read it
+            xs[...] = x.astype(dtype)
+            plgpu.commit_smem()
 
         y = _chunk_output(cs, bs, xs, s16_smem, *vectors, dtype=dtype)  # as `_scan_kernel`
         y_smem[...] = y.astype(y_smem.dtype)
@@ -282,6 +290,7 @@ def fused_forward(
     positions_first=False,
     y_dtype=jnp.float32,
     states=True,
+    clean_x=False,
 ):
     """`(y [b, h, L, P], final [b, h, P, N], states_in [b, c, h, P, N])`, float32 (`y` in
     `y_dtype`), of the chunks
@@ -293,7 +302,7 @@ def fused_forward(
     fused kernel. `positions_first`: `xt` and `y` are `[b, L, h, P]`; `y_dtype`: `y` rounded to
     it in the kernel; `states=False`: `states_in` is None, the kernel does not write the
     entering states (the backward's residual; `P·N·4` bytes a chunk and head, the largest of
-    its writes)."""
+    its writes); `clean_x`: `x`'s non-finite values taken as 0 (no cleaned copy to write)."""
     f32, dtype = jnp.float32, xt.dtype
     rotate = isinstance(bt, RotatedOperand)
     if rotate:  # `(u, bias, Θ)` each; the parts' shapes and dtypes checked as `u`'s
@@ -332,6 +341,7 @@ def fused_forward(
         tiles=tiles,
         chunks=c,
         rotate=rotate,
+        clean_x=clean_x,
     )
     out = launch(xt, w, dt, cum, f, keep_rows, seg.astype(jnp.int32), bt, ct, initial_state.astype(f32))
     if states:
