@@ -8,7 +8,10 @@ Run on a CUDA machine from the repository root: `OUT=<folder> python3 benchmarks
 (writes `sweep_mosaic_backward.json`). With `--head-dim-256`: the head dim 256 backward, the
 Mosaic kernels' one tiling beside `pallas_gpu`'s Triton `dq` and `dk, dv` kernels on the Mosaic
 forward's residuals for each of `TILES_256` (block_q, block_kv, warps, stages per kernel),
-causal H32 (writes `sweep_mosaic_backward_d256.json`)."""
+causal H32 (writes `sweep_mosaic_backward_d256.json`). With `--dq-by-reduction`: the heuristic's
+tiling with `dq` by its own kernel against `dq_by="reduction"` (the `dk, dv` kernel adding each
+tile's `dq` share by TMA reductions), each case of `CASES` (writes
+`sweep_mosaic_dq_by_reduction.json`)."""
 
 from __future__ import annotations
 
@@ -105,6 +108,7 @@ def attend(q, k, v, *, bs, mask, scale):
 
 def main():
     wide = "--head-dim-256" in sys.argv[1:]
+    reduction = "--dq-by-reduction" in sys.argv[1:]
     cases, tilings = ({"causal H32 D256": (32, 256, "causal", True)}, TILES_256) if wide else (CASES, TILES)
     rows = []
     for name, (kvh, d, mask_name, every) in cases.items():
@@ -120,10 +124,15 @@ def main():
             )
 
         fns = {"cudnn": cudnn}
-        for dq, dkv in tilings if every else tilings[:1]:
+        for dq, dkv in tilings if every and not reduction else tilings[2:3] if reduction else tilings[:1]:
             fns[f"mosaic dq {dq} dkv {dkv}"] = functools.partial(
                 attend, bs=blocks(dq, dkv, d), mask=mask, scale=scale
             )
+            if reduction:
+                bs = dataclasses.replace(blocks(dq, dkv, d), dq_by="reduction")
+                fns[f"mosaic dkv {dkv} dq by reduction"] = functools.partial(
+                    attend, bs=bs, mask=mask, scale=scale
+                )
         jitted = {n: jax.jit(lambda q, k, v, do, f=f: jax.vjp(f, q, k, v)[1](do)) for n, f in fns.items()}
         want = jitted["cudnn"](q, k, v, do)
         times = {n: [] for n in jitted}
@@ -158,7 +167,8 @@ def main():
             print(row, flush=True)
     result = {
         "command": "OUT=<folder> python3 benchmarks/attention_mosaic_sweep.py"
-        + (" --head-dim-256" if wide else ""),
+        + (" --head-dim-256" if wide else "")
+        + (" --dq-by-reduction" if reduction else ""),
         "shape": {"batch": B, "length": S, "heads": H, "dtype": "bfloat16"},
         "date": datetime.date.today().isoformat(),
         "device": jax.devices()[0].device_kind,
@@ -166,6 +176,7 @@ def main():
         "rows": rows,
     }
     out = "sweep_mosaic_backward_d256.json" if wide else "sweep_mosaic_backward.json"
+    out = "sweep_mosaic_dq_by_reduction.json" if reduction else out
     with open(os.path.join(os.environ.get("OUT", "."), out), "w") as f:
         json.dump(result, f, indent=1)
 

@@ -393,3 +393,36 @@ def test_nan_scores_put_nan_where_the_reference_does_for_non_finite_q_and_k():
     assert bool(jnp.any(jnp.isnan(want))) and bool(jnp.all(jnp.isnan(out) == jnp.isnan(want)))
     rows = jnp.isnan(want).any(-1).transpose(0, 2, 1)  # [B, H, Sq]
     assert bool(jnp.all(jnp.isnan(lse) == rows))
+
+
+# dq by the dk, dv kernel's TMA reductions (`dq_by="reduction"`): GQA, masks, soft cap, sinks,
+# fp16, lengths no tile divides
+REDUCTION_CASES = [
+    "causal bf16 d128 gqa2",
+    "causal&window150 fp16 d64 ragged",
+    "packed docs causal bf16 d128 gqa2 b2 ragged700",
+    "causal soft cap 5 sinks bf16 d128 gqa2",
+    "prefix-LM & docs soft cap 3 fp16 d64",
+    "packed docs | window40 bf16 d64 b2 gqa8",
+    "full fp16 d64 gqa2 q8191 k64",
+    "causal-20 sinks bf16 d64 q100 k140",
+]
+
+
+@pytest.mark.parametrize("name", REDUCTION_CASES)
+def test_dq_by_reduction_against_oracle(name):
+    case = (*CASES[name], None, False) if name in CASES else MORE_CASES[name]
+    b, sq, sk, h, kvh, d, dtype, mask, blocks, cap, sinks = case
+    a = _inputs([*CASES, *MORE_CASES].index(name), b, sq, sk, h, kvh, d, dtype)
+    blocks = {**(blocks or {}), "dq_by": "reduction"}
+    check_rule(
+        _run,
+        "mosaic_gpu",
+        a,
+        dtype,
+        f"attention {name} dq_by reduction",
+        mask=mask,
+        sinks=sinks,
+        cap=cap,
+        blocks=blocks,
+    )

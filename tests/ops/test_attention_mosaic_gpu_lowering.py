@@ -95,7 +95,49 @@ def test_forward_and_both_backward_kernels_lower_for_cuda(name):
         out, vjp = jax.vjp(fn, q, k, v, s)
         return out, vjp(do)
 
-    assert _kernels(_lowered(f, q, kv, kv, s, q)) == 3  # forward, dq, dk/dv
+    # forward, dq, dk/dv; at head dim 64 dq comes from the dk/dv kernel's reductions by default
+    assert _kernels(_lowered(f, q, kv, kv, s, q)) == (2 if d <= 64 else 3)
+
+
+def test_dq_by_defaults_to_reduction_at_head_dim_64_unless_deterministic(monkeypatch):
+    from axkern.ops.attention.blocks import AttentionBlockSizes, mosaic_gpu_dq_by
+
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    assert [mosaic_gpu_dq_by(d) for d in (64, 128, 256)] == ["reduction", "kernel", "kernel"]
+    unset, given = AttentionBlockSizes(), AttentionBlockSizes(dq_by="kernel")
+    assert mosaic_gpu.dq_by(unset, 64) == "reduction" and mosaic_gpu.dq_by(given, 64) == "kernel"
+    line = OP.implementations["mosaic_gpu"].backward
+    assert "TMA reductions" in line(_spec(d=64), mosaic_gpu_heuristic(_spec(d=64)))
+    assert "TMA reductions" not in line(_spec(d=128), mosaic_gpu_heuristic(_spec(d=128)))
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_deterministic_ops=true")
+    assert mosaic_gpu_dq_by(64) == "kernel"
+    assert "TMA reductions" not in line(_spec(d=64), mosaic_gpu_heuristic(_spec(d=64)))
+    assert "dq_by='reduction' at head dim 256" in mosaic_gpu.check_backward(
+        masks.Causal(), AttentionBlockSizes(dq_by="reduction"), 256
+    )
+    assert AttentionBlockSizes(dq_by="atomics").validate() is not None
+
+
+@pytest.mark.parametrize("name", ["causal bf16 d64 ragged", "prefix | window, & documents d128"])
+def test_dq_by_reduction_lowers_as_two_kernels(name):
+    # dq added by the dk, dv kernel's TMA reductions: no dq kernel (GQA, soft cap, sinks too)
+    import dataclasses
+
+    b, sq, sk, h, kvh, d, dtype, mask, cap, sinks = CASES[name]
+    mask = _mask(mask, b, sq)
+    q = jax.ShapeDtypeStruct((b, sq, h, d), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((b, sk, kvh, d), jnp.bfloat16)
+    s = jax.ShapeDtypeStruct((h,), jnp.float32)
+    bs = dataclasses.replace(mosaic_gpu_heuristic(_spec(jnp.bfloat16, d=d)), dq_by="reduction")
+
+    def f(q, k, v, s, do):
+        fn = lambda q, k, v, s: mosaic_gpu.attention(  # noqa: E731
+            q, k, v, s, mask, scale=d**-0.5, logits_soft_cap=cap or 30.0, block_sizes=bs
+        )
+        out, vjp = jax.vjp(fn, q, k, v, s)
+        return vjp(do)
+
+    assert _kernels(_lowered(f, q, kv, kv, s, q)) == 2  # forward, dk/dv with dq (3 by the dq kernel)
 
 
 @pytest.mark.parametrize("d", [64, 128, 256])

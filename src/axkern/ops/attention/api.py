@@ -98,9 +98,15 @@ def _mosaic_gpu_backward(spec, block_sizes) -> str:
     d = max(spec.dim("head_dim"), spec.dim("v_dim"))
     (bq1, bk1, st1), (bq2, bk2, st2) = mosaic_gpu.backward_blocks(block_sizes, d)
     split = d > mosaic_gpu.SPLIT_ABOVE
-    return (
-        f"Mosaic GPU kernels: dq ({bq1}x{bk1} tiles, {st1} stage{'s' * (st1 > 1)}) and "
+    reduced = mosaic_gpu.dq_by(block_sizes, d) == "reduction"
+    dq = (
+        "dk, dv with dq (one launch; dq's tile shares added by TMA reductions into float32"
+        if reduced
+        else f"dq ({bq1}x{bk1} tiles, {st1} stage{'s' * (st1 > 1)}) and "
         + ("dv, then dk (two launches" if split else "dk, dv (one launch")
+    )
+    return (
+        f"Mosaic GPU kernels: {dq}"
         + f"; {bq2}x{bk2}, {st2} stage{'s' * (st2 > 1)}, the GQA sum in registers) on this forward's "
         "residuals (out, lse); inputs or a cotangent holding NaN or infinity go to pallas_gpu (or xla), "
         "forward and backward"

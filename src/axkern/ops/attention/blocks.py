@@ -53,9 +53,15 @@ class AttentionBlockSizes(BlockSizes):
     as JAX's example kernel; `"handoff"`, FA3's handoff, a barrier each; `"overlap"`, the handoff
     with FA3's overlap inside a warpgroup, one tile's softmax under the previous tile's `p v`;
     `None`: the rendezvous) for its forward, and the `*_dq`, `*_dkv` `block_q`, `block_kv`,
-    `num_stages` for its backward kernels."""
+    `num_stages` for its backward kernels, and `dq_by`: `"kernel"`, `dq` by its own kernel, or
+    `"reduction"`, by the `dk, dv` kernel, which adds each tile's share to float32 zeros by TMA
+    reductions (the order of those additions varies between runs; head dims up to 128); `None`:
+    `mosaic_gpu_dq_by`'s choice."""
 
-    choices: ClassVar[Mapping[str, tuple[str, ...]]] = {"ping_pong": ("rendezvous", "handoff", "overlap")}
+    choices: ClassVar[Mapping[str, tuple[str, ...]]] = {
+        "ping_pong": ("rendezvous", "handoff", "overlap"),
+        "dq_by": ("kernel", "reduction"),
+    }
 
     block_q: int = 128
     block_kv: int = 128
@@ -70,6 +76,7 @@ class AttentionBlockSizes(BlockSizes):
     num_warps_dkv: int | None = None
     num_stages_dkv: int | None = None
     ping_pong: str | None = None
+    dq_by: str | None = None
 
     def kernel(self, name: str) -> AttentionBlockSizes:
         """The forward's four fields for kernel `name` (`"fwd"`, `"dq"` or `"dkv"`), a `None`
@@ -241,12 +248,15 @@ def mosaic_gpu_dq_smem_bytes(
 
 
 def mosaic_gpu_dkv_smem_bytes(
-    block_q: int, block_kv: int, num_stages: int, head_dim: int, itemsize: int = 2
+    block_q: int, block_kv: int, num_stages: int, head_dim: int, itemsize: int = 2, dq: bool = False
 ) -> int:
     """Shared memory of the `mosaic_gpu` `dk, dv` kernel: two warpgroups' key and value tiles,
     `num_stages` query and output-gradient tiles with their `lse` and `delta` rows, and what
-    Mosaic GPU adds."""
+    Mosaic GPU adds; with `dq` (`dq_by="reduction"`) each warpgroup's `ds` tile and float32
+    `dq` staging tile too."""
     tiles = 2 * 2 * block_kv * head_dim * itemsize + num_stages * block_q * (2 * head_dim * itemsize + 8)
+    if dq:
+        tiles += 2 * block_q * (block_kv * itemsize + head_dim * 4)
     return tiles + _MOSAIC_GPU_SMEM_EXTRA
 
 
@@ -288,6 +298,21 @@ def mosaic_gpu_heuristic(spec: Spec) -> AttentionBlockSizes:
         for f, value in zip(("block_q", "block_kv", "num_stages"), tile, strict=True)
     }
     return AttentionBlockSizes(**fwd, **back)
+
+
+def mosaic_gpu_dq_by(head_dim: int) -> str:
+    """How the Mosaic GPU backward forms `dq` where the block sizes leave `dq_by` out:
+    `"reduction"` at head dim 64, `"kernel"` above it and wherever `XLA_FLAGS` asks for
+    deterministic results (`backend.deterministic`: the reductions' order varies). Timed at B2
+    S8192 H32 bf16 causal on an H200, forward+backward beside cuDNN in the same rounds
+    (`benchmarks/attention_mosaic_sweep.py --dq-by-reduction`): at head dim 64 the reduction took
+    0.95x the `dq` kernel's time (4.69 against 4.93 ms; cuDNN 4.81); at 128 1.3-1.4x (11.1
+    against 8.0 ms causal, 20.3 against 16.0 with no mask, 11.2 against 8.0 with 8 kv heads):
+    there each warpgroup holds `dk`'s and `dv`'s float32 accumulators (64 registers a thread
+    each) beside `dq`'s, and its steps wait on one more product and a TMA reduction."""
+    from axkern.core import backend
+
+    return "reduction" if head_dim <= 64 and not backend.deterministic() else "kernel"
 
 
 def mosaic_gpu_backward_tiles(head_dim: int) -> dict[str, tuple[int, int, int]]:

@@ -89,6 +89,16 @@ once for `dk` (`sᵀ`, `dpᵀ`, `dk`): 5 products instead of 4. Their tiles ther
 memory with one ring stage (64 x 64 tiles; a product's contraction runs over whole 128-byte
 swizzle rows, so no tile is narrower than 64).
 
+**`dq` by reduction** (`AttentionBlockSizes(dq_by="reduction")`, the default at head dim 64,
+`blocks.mosaic_gpu_dq_by`): no `dq` kernel; the `dk, dv` kernel stores each step's `ds` in
+shared memory and forms the step's `dq` share `dsᵀ k` (`[block_q, D]`, by column chunks of
+64) beside `dk += ds q`, then adds it to a float32 `[B, Sqp, H, D]` of zeros by a TMA reduction
+(`copy_smem_to_gmem(..., reduction_op="add")`, each chunk through its own staging tile); XLA
+scales and rounds the sum. 10 FLOPs per visible pair and head dim instead of 14, the
+additions' order varying between runs (so `"kernel"` where `XLA_FLAGS` asks for deterministic
+results). Head dims up to 128 (at 256 the kernel already runs twice); timings in
+`mosaic_gpu_dq_by`.
+
 **Sinks' cotangent.** `-Σ exp(sink - lse) · delta` sums `out · d_out` over every row, and
 rounding `out` to 16 bits puts each term off by up to 2⁻⁹ relative: on a 250-row case at head
 dim 256 that alone puts the sum 3.7e-3 off where the oracle rule allows 2.9e-3.
@@ -115,7 +125,8 @@ in `benchmarks/logs/nvidia_h200/`).
 
 **Files.** `schedules.py` (the tables, host and device), `tiles.py` (what the kernels share:
 the configuration, table reads, id loads, the producer of key and value tiles),
-`forward_kernel.py`, `backward_kernels.py`; this file the checks and the `custom_vjp`.
+`forward_kernel.py`, `backward_kernels.py` (the kernels, their checks and operands),
+`backward_launch.py` (their launches); this file the checks and the `custom_vjp`.
 
 **Constraints** (`supports`, or an `Unsupported` at the call): a GPU of compute capability
 9.x, bf16 or fp16, head dims 64, 128 or 256 (`q`, `k`, `v` alike), every mask but `Dense`
@@ -138,15 +149,16 @@ from axkern.core import backend
 from axkern.core.op import Unsupported
 
 from .. import common
-from . import backward_kernels
+from . import backward_launch
 from .backward_kernels import (
     BACKWARD_HEAD_DIMS,
     SPLIT_ABOVE,
-    backward,
     backward_blocks,
     backward_operands,
     check_backward,
+    dq_by,
 )
+from .backward_launch import backward
 from .forward_kernel import _check, forward
 from .schedules import (
     COMPUTE_WGS,
@@ -187,6 +199,7 @@ __all__ = [
     "forward_flags",
     "backward",
     "backward_blocks",
+    "dq_by",
     "backward_operands",
     "attention",
     "HEAD_DIMS",
@@ -285,7 +298,7 @@ def attention(q, k, v, sinks, mask, *, scale, logits_soft_cap, block_sizes, back
     )
     if backward is None:
         backward = functools.partial(
-            backward_kernels.backward, scale=scale, block_sizes=block_sizes, logits_soft_cap=logits_soft_cap
+            backward_launch.backward, scale=scale, block_sizes=block_sizes, logits_soft_cap=logits_soft_cap
         )
     leaves, treedef = jax.tree.flatten(mask)
     rebuild = functools.partial(jax.tree.unflatten, treedef)

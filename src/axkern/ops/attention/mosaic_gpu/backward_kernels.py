@@ -1,30 +1,28 @@
-"""The backward kernels (`backward`): the `dq` kernel and the `dk, dv` kernel, and the
-operands both read (`backward_operands`); their math, grids and costs in `__init__`'s docstring."""
+"""The backward kernels: the `dq` kernel and the `dk, dv` kernel, their checks and the operands
+both read (`backward_operands`); launched by `backward_launch.py`; their math, grids and costs in
+`__init__`'s docstring."""
 
 from __future__ import annotations
 
 import functools
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 
-from axkern.core.blocks import cdiv
 from axkern.core.compat import mosaic_gpu_load
-from axkern.core.kernels import swizzled_smem
 from axkern.core.op import Unsupported
 
 from ..blocks import (
     MOSAIC_GPU_SMEM,
     mosaic_gpu_backward_tiles,
     mosaic_gpu_dkv_smem_bytes,
+    mosaic_gpu_dq_by,
     mosaic_gpu_dq_smem_bytes,
 )
-from .schedules import COMPUTE_WGS, CTA_HI, CTA_LO, lower, operands, schedule_table
+from .schedules import COMPUTE_WGS, CTA_HI, CTA_LO, lower
 from .tiles import (
     LOG2E,
     TileMask,
-    _Cfg,
     _entry_of,
     _iota,
     _stream_kv,
@@ -39,6 +37,7 @@ BACKWARD_HEAD_DIMS = (64, 128, 256)
 # above head dim 128 the dk and dv accumulators together would fill a warpgroup's registers: the
 # dk, dv kernel runs twice, once for dv (s, p, dv += pᵀ d_out) and once for dk (s, dp, dk += dsᵀ q)
 SPLIT_ABOVE = 128
+DQ_COLS = 64  # dq_by="reduction": the columns of one dq product and TMA reduction
 
 
 def backward_blocks(block_sizes, head_dim: int = 128) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
@@ -55,6 +54,11 @@ def backward_blocks(block_sizes, head_dim: int = 128) -> tuple[tuple[int, int, i
         tuple(pick(name, i, f) for i, f in enumerate(("block_q", "block_kv", "num_stages")))
         for name in ("dq", "dkv")
     )
+
+
+def dq_by(block_sizes, head_dim: int) -> str:
+    """How the backward forms `dq` (`AttentionBlockSizes.dq_by`; `None`: `mosaic_gpu_dq_by`'s)."""
+    return getattr(block_sizes, "dq_by", None) or mosaic_gpu_dq_by(head_dim)
 
 
 def _check_backward(mask, block_sizes, d):
@@ -76,6 +80,11 @@ def _check_backward(mask, block_sizes, d):
                 f"num_warps_{name}: the Mosaic GPU kernels run two compute warpgroups and a producer, "
                 "not a number of warps (that field is pallas_gpu's)"
             )
+    reduction = dq_by(block_sizes, d) == "reduction"
+    if reduction and d > SPLIT_ABOVE:
+        raise Unsupported(
+            f"dq_by='reduction' at head dim {d}: the dk, dv kernel adds dq's tiles up to head dim {SPLIT_ABOVE}"
+        )
     low = 1 if d > SPLIT_ABOVE else 2  # one stage: where two do not fit shared memory (head dim 256)
     for name, stages in (("dq", st1), ("dkv", st2)):
         if not low <= stages <= 4:
@@ -84,7 +93,7 @@ def _check_backward(mask, block_sizes, d):
             )
     for name, need in (
         ("dq", mosaic_gpu_dq_smem_bytes(bq1, bk1, st1, d)),
-        ("dk, dv", mosaic_gpu_dkv_smem_bytes(bq2, bk2, st2, d)),
+        ("dk, dv", mosaic_gpu_dkv_smem_bytes(bq2, bk2, st2, d, dq=reduction)),
     ):
         if need > MOSAIC_GPU_SMEM:
             raise Unsupported(f"the Mosaic GPU {name} kernel's tiles need {need} bytes of shared memory")
@@ -208,6 +217,7 @@ def _dkv_kernel(
     mask_refs,
     dk_ref,
     dv_ref,
+    dq_ref,
     scoped,
     *,
     cfg,
@@ -216,13 +226,17 @@ def _dkv_kernel(
     want,
 ):
     """`want`: the gradients this launch forms, `("dk", "dv")`, or one of them (`SPLIT_ABOVE`);
-    `dk_ref`, `dv_ref` are the outputs of those (the other None)."""
+    `dk_ref`, `dv_ref` are the outputs of those (the other None). `dq_ref` (float32 `[B, Sqp, H,
+    D]`, zeros to start, or None): each step's `dq` share `dsᵀ k` added to it by a TMA reduction
+    (`dq_by="reduction"`), `ds` staged in shared memory for that product's transposed operand."""
     bq, bk, stages, groups = cfg.block_q, cfg.block_kv, cfg.stages, cfg.groups
     d = k_ref.shape[-1]
     batch, kv_head = lax.axis_index("batch"), lax.axis_index("heads")
     cta = lax.axis_index("kv_seq")  # causal: the first key blocks see the most queries
     wg = lax.axis_index("wg")
-    (k_smem2, v_smem2, q_smem, do_smem, lse_smem, delta_smem), (kv_loaded, loaded), consumed = scoped
+    (k_smem2, v_smem2, q_smem, do_smem, lse_smem, delta_smem, *dq_tiles), (kv_loaded, loaded), consumed = (
+        scoped
+    )
     at = _entry_of(sched_ref, batch, cfg)
     clo, chi = at(cta, CTA_LO), at(cta, CTA_HI)
     g = jnp.int32(groups)
@@ -232,6 +246,7 @@ def _dkv_kernel(
     def _compute():
         plgpu.set_max_registers(232, action="increase")
         k_smem, v_smem = k_smem2.at[wg], v_smem2.at[wg]
+        ds_smem, dq_smem = (t.at[wg] for t in dq_tiles) if dq_ref is not None else (None, None)
         lo, flo, fhi, hi = warpgroup_bounds(at, cta, wg)
         kv_base = (cta * COMPUTE_WGS + wg) * bk
         tile_mask = TileMask(mask, mask_refs, batch, kv_base, bk, keys_first=True)
@@ -279,9 +294,34 @@ def _dkv_kernel(
                 dp = pl.run_scoped(dp_product, plgpu.ACC((bk, bq), jnp.float32))
                 ds = p * (dp - bcast(delta))
                 ds = (ds if tanh is None else ds * (1.0 - tanh * tanh)).astype(dtype)
-                plgpu.wgmma(dk_acc, ds, q_smem.at[slot])
-                plgpu.wgmma_wait(0)
-                plgpu.barrier_arrive(consumed.at[slot])
+                if dq_ref is None:
+                    plgpu.wgmma(dk_acc, ds, q_smem.at[slot])
+                    plgpu.wgmma_wait(0)
+                    plgpu.barrier_arrive(consumed.at[slot])
+                    return carry
+                ds_smem[...] = ds
+                plgpu.commit_smem()
+                t, head = clo + lax.div(u, g), kv_head * g + lax.rem(u, g)
+                # the dq share [bq, d] = dsᵀ k by column chunks of DQ_COLS (its accumulator
+                # beside dk's and dv's in registers), each chunk's staging tile in turn
+                for c in range(d // DQ_COLS):
+                    cols = pl.ds(c * DQ_COLS, DQ_COLS)
+
+                    def dq_product(acc, c=c, cols=cols):
+                        if c == 0:  # dk += ds q beside the first
+                            plgpu.wgmma(dk_acc, ds, q_smem.at[slot])
+                        plgpu.wgmma(acc, ds_smem.transpose((1, 0)), k_smem.at[:, cols])
+                        return plgpu.wgmma_accumulator_load(acc, wait_n=0)
+
+                    dq = pl.run_scoped(dq_product, plgpu.ACC((bq, DQ_COLS), jnp.float32))
+                    if c == 0:
+                        plgpu.barrier_arrive(consumed.at[slot])
+                    # this chunk's tile is free once the previous step's copy of it has read it
+                    plgpu.wait_smem_to_gmem(d // DQ_COLS - 1, wait_read_only=True)
+                    dq_smem.at[c][...] = dq
+                    plgpu.commit_smem()
+                    dst = dq_ref.at[batch, pl.ds(t * bq, bq), head, cols]
+                    plgpu.copy_smem_to_gmem(dq_smem.at[c], dst, reduction_op="add")
                 return carry
 
             def release(u, carry):  # a query tile only the other warpgroup needs
@@ -333,114 +373,6 @@ def _dkv_kernel(
             plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem.at[slot], loaded.at[slot])
             plgpu.copy_gmem_to_smem(lse_ref.at[cols], lse_smem.at[slot], loaded.at[slot])
             plgpu.copy_gmem_to_smem(delta_ref.at[cols], delta_smem.at[slot], loaded.at[slot])
-
-
-def backward(q, k, v, out, lse, d_out, *, mask, scale, block_sizes, logits_soft_cap=None):
-    """`(dq, dk, dv)` of the forward from its residuals (`out`, `lse` as `forward` returns
-    them) and the cotangent `d_out`, by the `dq` kernel (key tiles streamed past each query
-    block) and the `dk, dv` kernel (query tiles of every query head of the group streamed past
-    each key block: the GQA sum stays in registers)."""
-    b, sq, h, d = q.shape
-    sk, kvh = k.shape[1], k.shape[2]
-    _check_backward(mask, block_sizes, d)
-    (bq1, bk1, st1), (bq2, bk2, st2) = backward_blocks(block_sizes, d)
-    mq, mk = max(COMPUTE_WGS * bq1, bq2), max(bk1, COMPUTE_WGS * bk2)
-    sqp, skp = cdiv(sq, mq) * mq, cdiv(sk, mk) * mk
-    qp, kp, vp, dop, lse2, delta = backward_operands(q, k, v, out, lse, d_out, sqp=sqp, skp=skp)
-    lowered, leaves = lower(mask)
-    mask_ops = operands(leaves, b, sqp, skp)
-    cap = None if logits_soft_cap is None else float(logits_soft_cap)
-    params = plgpu.CompilerParams(approx_math=True)
-    dt = q.dtype
-
-    table = schedule_table(mask, sq, sk, bq1, bk1, b)
-    cfg = _Cfg(bq1, bk1, st1, float(scale), sq, sk, h // kvh, table.shape[-2], bool(leaves), cap)
-    body = functools.partial(_dq_kernel, cfg=cfg, mask=lowered, dtype=dt)
-
-    def dq_entry(*refs):  # 7 inputs, the mask's operands, dq
-        pl.run_scoped(
-            lambda *scoped: body(*refs[:7], tuple(refs[7:-1]), refs[-1], scoped),
-            [
-                swizzled_smem((COMPUTE_WGS, bq1, d), dt),
-                swizzled_smem((COMPUTE_WGS, bq1, d), dt),
-                swizzled_smem((st1, bk1, d), dt),
-                swizzled_smem((st1, bk1, d), dt),
-            ],
-            (
-                plgpu.Barrier(num_barriers=st1),
-                plgpu.Barrier(num_barriers=st1),
-                plgpu.Barrier(num_arrivals=2, num_barriers=COMPUTE_WGS),
-            ),
-            (plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=st1),) * 2,
-            collective_axes="wg",
-        )
-
-    dq = plgpu.kernel(
-        dq_entry,
-        out_type=jax.ShapeDtypeStruct((b, sqp, h, d), dt),
-        grid=(h, table.shape[-2], b),
-        grid_names=("heads", "q_seq", "batch"),
-        num_threads=COMPUTE_WGS + 1,
-        thread_name="wg",
-        compiler_params=params,
-        kernel_name="axkern_attention_mosaic_gpu_dq",
-    )(qp, kp, vp, dop, lse2, delta, table, *mask_ops)
-
-    table = schedule_table(mask, sq, sk, bq2, bk2, b, keys=True)
-    cfg = _Cfg(bq2, bk2, st2, float(scale), sq, sk, h // kvh, table.shape[-2], bool(leaves), cap)
-    wants = (("dk", "dv"),) if d <= SPLIT_ABOVE else (("dv",), ("dk",))
-    grads = {}
-    for want in wants:
-        grads |= dict(
-            zip(
-                want,
-                _dkv_launch(cfg, lowered, want, (qp, kp, vp, dop, lse2, delta, table), mask_ops, params),
-                strict=True,
-            )
-        )
-    return dq[:, :sq], grads["dk"][:, :sk], grads["dv"][:, :sk]
-
-
-def _dkv_launch(cfg, lowered, want, inputs, mask_ops, params):
-    """The `dk, dv` kernel for the gradients of `want` (one launch)."""
-    b, skp, kvh, d = inputs[1].shape
-    dt = inputs[1].dtype
-    bq2, bk2, st2 = cfg.block_q, cfg.block_kv, cfg.stages
-    table = inputs[-1]
-    body = functools.partial(_dkv_kernel, cfg=cfg, mask=lowered, dtype=dt, want=want)
-    n = len(want)
-
-    def dkv_entry(*refs):  # 7 inputs, the mask's operands, the gradients of `want`
-        outs = dict(zip(want, refs[-n:], strict=True))
-        pl.run_scoped(
-            lambda *scoped: body(*refs[:7], tuple(refs[7:-n]), outs.get("dk"), outs.get("dv"), scoped),
-            [
-                swizzled_smem((COMPUTE_WGS, bk2, d), dt),
-                swizzled_smem((COMPUTE_WGS, bk2, d), dt),
-                swizzled_smem((st2, bq2, d), dt),
-                swizzled_smem((st2, bq2, d), dt),
-                plgpu.SMEM((st2, bq2), jnp.float32),
-                plgpu.SMEM((st2, bq2), jnp.float32),
-            ],
-            (
-                plgpu.Barrier(num_arrivals=2, num_barriers=COMPUTE_WGS),
-                plgpu.Barrier(num_arrivals=4, num_barriers=st2),
-            ),
-            plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=st2),
-            collective_axes="wg",
-        )
-
-    kv_shape = jax.ShapeDtypeStruct((b, skp, kvh, d), dt)
-    return plgpu.kernel(
-        dkv_entry,
-        out_type=[kv_shape] * n,
-        grid=(kvh, table.shape[-2], b),
-        grid_names=("heads", "kv_seq", "batch"),
-        num_threads=COMPUTE_WGS + 1,
-        thread_name="wg",
-        compiler_params=params,
-        kernel_name="axkern_attention_mosaic_gpu_" + ("dkv" if len(want) == 2 else want[0]),
-    )(*inputs, *mask_ops)
 
 
 def check_backward(mask, block_sizes, head_dim) -> str | None:
