@@ -81,7 +81,7 @@ def test_pallas_gpu_rows_that_see_nothing_and_combined_masks():
     check(arrays, masks.Causal(offset=-8), "float32", impl="pallas_gpu", sinks=False)  # rows 0-7 see nothing
 
 
-def test_full_tiles_skip_masking_and_stay_exact():
+def test_full_tiles_skip_masking_in_the_schedules():
     from axkern.ops.attention import pallas_gpu as pg
 
     kinds = masks.Causal().block_kinds(64, 64, 16, 16)[0]  # 4x4: FULL below the diagonal
@@ -104,19 +104,28 @@ def test_full_tiles_skip_masking_and_stay_exact():
     assert pg._first_run(jnp.asarray([[0, 1, 1, 0, 1], [0, 0, 0, 0, 0]], bool))[1].tolist() == [3, 0]
     assert pg._longest_run(np.array([1, 1, 0, 1, 1, 1, 0], bool)) == (3, 6)
     assert pg._longest_run(np.zeros(3, bool)) == (0, 0)
+
+
+@pytest.mark.parametrize("impl", ["pallas_gpu", "pallas_tpu", "xla"])
+def test_full_tiles_stay_exact(impl):
     # a window whose band holds FULL tiles between partial ones (and causal rows of FULL
-    # tiles), in float32 and bf16, for every tiled implementation
+    # tiles), in float32 (pallas_tpu: bf16), for every tiled implementation
     # (pallas_gpu's bfloat16 window: test_pallas_gpu_against_float64_oracle)
     # (row blocks 2 and 3 of a window of 40 over 16-tiles: partial, FULL, partial)
-    for impls, dtype in ((["pallas_gpu", "xla"], "float32"), (["pallas_tpu"], "bfloat16")):
-        arrays = _inputs(8, 1, 64, 64, 4, 2, 16, dtype)
-        checks(impls, arrays, masks.SlidingWindow(40), dtype, sinks=True, cap=None)
-    impls = ["pallas_gpu", "pallas_tpu", "xla"]
-    checks(impls, _inputs(9, 1, 64, 64, 2, 1, 16, "float32"), masks.Causal(), "float32", cap=2.0)
-    # long packed documents: tiles inside one document run without masking in pallas_gpu
-    ids = jnp.asarray([[0] * 24 + [1] * 40, [0] * 16 + [1] * 32 + [2] * 16])
-    for mask in (masks.Causal() & masks.Segments(ids, ids), masks.Segments(ids, ids)):
-        check(_inputs(10, 2, 64, 64, 2, 2, 16, "float32"), mask, "float32", impl="pallas_gpu", cap=2.0)
+    dtype = "bfloat16" if impl == "pallas_tpu" else "float32"
+    check(
+        _inputs(8, 1, 64, 64, 4, 2, 16, dtype),
+        masks.SlidingWindow(40),
+        dtype,
+        impl=impl,
+        sinks=True,
+        cap=None,
+    )
+    check(_inputs(9, 1, 64, 64, 2, 1, 16, "float32"), masks.Causal(), "float32", impl=impl, cap=2.0)
+    if impl == "pallas_gpu":  # long packed documents: tiles inside one document run unmasked
+        ids = jnp.asarray([[0] * 24 + [1] * 40, [0] * 16 + [1] * 32 + [2] * 16])
+        for mask in (masks.Causal() & masks.Segments(ids, ids), masks.Segments(ids, ids)):
+            check(_inputs(10, 2, 64, 64, 2, 2, 16, "float32"), mask, "float32", impl="pallas_gpu", cap=2.0)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -187,7 +196,7 @@ def test_pallas_gpu_takes_warps_and_stages_and_explain_shows_them():
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
 
 
-# bfloat16's window: test_full_tiles_skip_masking_and_stay_exact
+# bfloat16's window: test_full_tiles_stay_exact
 @pytest.mark.parametrize("kind,dtype", [*KERNEL_CASES, ("causal&segments", "bfloat16")])
 def test_pallas_tpu_against_float64_oracle(kind, dtype):
     # TPU interpret mode; 16x16 tiles over lengths 37 and 53 (block-sparse schedule: causal and
