@@ -10,6 +10,7 @@ from typing import ClassVar
 import jax.numpy as jnp
 
 from axkern import masks as masks_
+from axkern.core import backend
 from axkern.core.blocks import BlockSizes, grid, next_power_of_2, powers_of_two, unique_valid
 from axkern.core.op import Spec
 
@@ -310,8 +311,6 @@ def mosaic_gpu_dq_by(head_dim: int) -> str:
     against 8.0 ms causal, 20.3 against 16.0 with no mask, 11.2 against 8.0 with 8 kv heads):
     there each warpgroup holds `dk`'s and `dv`'s float32 accumulators (64 registers a thread
     each) beside `dq`'s, and its steps wait on one more product and a TMA reduction."""
-    from axkern.core import backend
-
     return "reduction" if head_dim <= 64 and not backend.deterministic() else "kernel"
 
 

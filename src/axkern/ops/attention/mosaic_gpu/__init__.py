@@ -94,7 +94,9 @@ swizzle rows, so no tile is narrower than 64).
 shared memory and forms the step's `dq` share `dsᵀ k` (`[block_q, D]`, by column chunks of
 64) beside `dk += ds q`, then adds it to a float32 `[B, Sqp, H, D]` of zeros by a TMA reduction
 (`copy_smem_to_gmem(..., reduction_op="add")`, each chunk through its own staging tile); XLA
-scales and rounds the sum. 10 FLOPs per visible pair and head dim instead of 14, the
+scales and rounds the sum. 10 FLOPs per visible pair and head dim instead of 14; bytes: no
+`dq` kernel's reads of `k`, `v`, `q`, `d_out`, and instead each step's share, `4 · block_q · D`
+(`4 · D / block_kv` bytes per visible pair: `D / 16` at 64-key tiles), added in L2, plus the float32 `dq` written as zeros, read and rounded once by XLA; the
 additions' order varying between runs (so `"kernel"` where `XLA_FLAGS` asks for deterministic
 results). Head dims up to 128 (at 256 the kernel already runs twice); timings in
 `mosaic_gpu_dq_by`.
