@@ -4,16 +4,18 @@ rotation's backward (`RotatedOperand.cotangent`) in several forms, each timed fo
 at the 2.7B layer as `axkern bench` runs it, with its temporaries and the optimized program's
 large fusions (bytes in and out), so that a form's cost points at what XLA materialises.
 
-    OUT=<folder> python3 benchmarks/mamba3_rotation_forms.py [FORM ...]
+    OUT=<folder> python3 benchmarks/mamba3_rotation_forms.py [--parts-tiles ROWS,WARPS] [FORM ...]
 
-writes `$OUT/mamba3_rotation_forms.json`. Forms: `now` (the code's: the halves formed in XLA
-from `cos`, `sin` of the angles padded to `N/2` columns, the backward kernels given the angles
-and turning `dB`, `dC` back themselves), `xla_turn` (the halves as `now`, the turn back in XLA
+writes `$OUT/mamba3_rotation_forms.json`. Forms: `now` (the code's: the halves formed by one
+Triton kernel, `rotation.rotated_parts`, the backward kernels given the angles and turning `dB`,
+`dC` back themselves), `xla_parts` (the halves formed in XLA from `cos`, `sin` of the angles
+padded to `N/2` columns, `value()` then `operand_parts`; the backward as `now`), `xla_turn` (the halves as `xla_parts`, the turn back in XLA
 from the forward's `cos`, `sin`; every form below turns in XLA too), `negated`
 (the backward turns by `cos`, `sin` of `-Θ`, another expression), `shared` (`cos`, `sin` of the
 `A` angles, widened after; one expression everywhere), `own` (each operand's forward and backward
 compute them from their own inputs, behind an optimization barrier, so that XLA neither merges
-nor shares them), `own_parts` (`own`'s forward, `shared`'s backward).
+nor shares them), `own_parts` (`own`'s forward, `shared`'s backward). `--parts-tiles`: the
+`rotated_parts` programs' positions and warps (`rotation.PARTS_ROWS`, `PARTS_WARPS`).
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ def _parts(u, bias, theta):
     return rotation.SplitOperand(*operand_parts(rotation.rotate_halves(rotation._biased(u, bias), cos, sin)))
 
 
-def shared_parts(self, angles=False):
+def shared_parts(self, angles=False, **_):
     return _parts(self.u, self.bias, self.theta)
 
 
@@ -74,7 +76,7 @@ def negated_cotangent(self, g, turned=False):
     return _cotangent(self, g, self.u, self.bias, self.theta, jnp.cos(a), jnp.sin(a))
 
 
-def own_parts(self, angles=False):
+def own_parts(self, angles=False, **_):
     return _parts(*lax.optimization_barrier((self.u, self.bias, self.theta)))
 
 
@@ -83,14 +85,24 @@ def own_cotangent(self, g, turned=False):
     return _cotangent(self, g, u, bias, theta, *_trig(theta, u.shape[-1] // 2, -1))
 
 
-def xla_turn_parts(self, angles=False):
+def xla_turn_parts(self, angles=False, **_):
     return _NOW_PARTS(self)  # no angles: the backward kernels leave the turn to XLA
 
 
-_NOW_PARTS = R.parts
+def xla_parts(self, angles=False, **_):
+    return _NOW_PARTS(self, angles)  # XLA's halves (no kernel)
+
+
+def separately(self, other, angles=False, **kw):
+    # each operand's halves by its own `parts` (the form's): no kernel for the pair
+    return self.parts(angles, **kw), other.parts(angles, **kw)
+
+
+_NOW_PARTS, _NOW_PARTS_WITH = R.parts, R.parts_with
 
 FORMS = {
     "now": (R.parts, R.cotangent),
+    "xla_parts": (xla_parts, R.cotangent),
     "xla_turn": (xla_turn_parts, R.cotangent),
     "negated": (xla_turn_parts, negated_cotangent),
     "shared": (shared_parts, shared_cotangent),
@@ -111,13 +123,18 @@ def large_fusions(hlo: str, floor: float = 250e6) -> list[str]:
 
 
 def main() -> None:
-    forms = sys.argv[1:] or list(FORMS)
+    forms = sys.argv[1:]
+    if forms[:1] == ["--parts-tiles"]:
+        rotation.PARTS_ROWS, rotation.PARTS_WARPS = (int(t) for t in forms[1].split(","))
+        forms = forms[2:]
+    forms = forms or list(FORMS)
     case = next(c for c in bench.cases_for("mamba3", preset="mamba3_2.7b") if "SISO" in c.label)
     args = case.make(jax.random.PRNGKey(0))
     cot = bench._cotangent(case, args)
     out = header("mamba3_rotation_forms.py", case=case.label, forms={})
     for form in forms:
         R.parts, R.cotangent = FORMS[form]
+        R.parts_with = _NOW_PARTS_WITH if form == "now" else separately
         fn = jax.jit(bench._forward_backward(case, "mosaic_gpu"))
         compiled = fn.lower(cot, *args).compile()
         spread = bench.time_spread(fn, (cot, *args), repeats=7)

@@ -143,3 +143,36 @@ def test_mosaic_gpu_rotating_forward_takes_x_with_non_finite_values():
         assert np.all(np.isfinite(a) == np.isfinite(w)) and np.all(np.isfinite(b) == np.isfinite(w))
         assert np.nanmax(np.abs(a - b), initial=0.0) <= 2**-7 * (np.nanmax(np.abs(b), initial=0.0) + 1e-30)
     assert not np.isfinite(want[0]).all()
+
+
+@pytest.mark.parametrize("n,angles", [(128, 32), (64, 13)])
+def test_rotated_parts_compiled_forms_xlas_halves(n, angles):
+    # the differentiated forward's halves by the Triton kernel (`rotated_parts`), compiled, against
+    # XLA's `operand_parts(value())` on the same GPU: the high halves equal but for the roundings of
+    # the turn (cos and sin from different libraries), `hi + lo` within 2^-16 of the value's terms
+    import jax.numpy as jnp
+    import numpy as np
+
+    from axkern.ops.ssd.common import mosaic as ssd_mosaic
+
+    keys = jax.random.split(jax.random.PRNGKey(3), 3)
+    b, g, h, length = 2, 2, 8, 320
+    u = jax.random.normal(keys[0], (b, g, length, n)).astype(jnp.bfloat16).at[1, 0, 5, 3].set(jnp.nan)
+    bias = jax.random.normal(keys[1], (h, n))
+    theta = jax.random.uniform(keys[2], (b, h, length, angles), maxval=6.28)
+    op = ssd_mosaic.RotatedOperand(u, bias, theta)
+    hi, lo = (np.float64(x) for x in jax.jit(ssd_mosaic.rotated_parts)(op))
+    pair = [np.float64(x) for x in jax.jit(ssd_mosaic.rotated_parts)(op, op)]  # two operands, one kernel
+    np.testing.assert_array_equal(pair[2], hi)
+    np.testing.assert_array_equal(pair[3], lo)
+    want_hi, _ = (np.float64(x) for x in jax.jit(ssd_mosaic.operand_parts)(op.value()))
+    value = np.float64(jax.jit(op.value)())
+    assert np.all(np.isfinite(hi + lo))
+    np.testing.assert_array_equal(hi == 0, want_hi == 0)
+    assert np.mean(hi == want_hi) > 0.999
+    terms = np.abs(np.float64(jnp.repeat(u.astype(jnp.float32), h // g, axis=1) + bias[:, None]))
+    terms = np.where(np.isfinite(terms), terms, 0)
+    terms = terms + np.flip(terms.reshape(b, h, length, 2, n // 2), -2).reshape(terms.shape)
+    # within 2^-16 of the value, or of the turn's rounding of its terms (cos, sin, products)
+    bound = 2.0**-16 * np.abs(value) + 2.0**-20 * terms
+    assert np.all((np.abs(hi + lo - value) <= bound) | (want_hi == 0))

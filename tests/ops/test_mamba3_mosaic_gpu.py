@@ -66,8 +66,12 @@ def test_the_layer_and_its_gradients_lower_for_cuda(forward, kernels):
     # chunk state's (the recurrences are pallas_gpu's Triton kernels)
     assert len(re.findall(r"stablehlo.custom_call @mosaic_gpu", text)) == kernels
     assert ("axkern_ssd_mosaic_gpu_forward" in text) == (forward == "fused")
-    # q and k enter as two bf16 halves, the low half formed from the high one's bits
-    assert "stablehlo.bitcast_convert" in text
+    # q and k enter as two bf16 halves, the low half formed from the high one's bits: in XLA
+    # with the stages (XLA rotates), with the fused forward (the rotating core) by one Triton
+    # kernel for both q and k from the unrotated values, biases and angles (`rotated_parts`)
+    assert ("stablehlo.bitcast_convert" in text) == (forward == "stages")
+    triton = [line for line in text.splitlines() if "custom_call @__gpu$xla.gpu.triton" in line]
+    assert sum("axkern_ssd_rotated_parts" in line for line in triton) == (forward == "fused")
     # with the fused forward (the rotating core) both backward kernels take the angles ([b, h, L,
     # A] float32, 32 angles) and return dB, dC turned back
     calls = [line for line in text.splitlines() if "custom_call @mosaic_gpu" in line and "_bwd" in line]
@@ -239,6 +243,56 @@ def test_a_rotated_operand_is_the_rotation_and_its_backward_is_autodiffs():
     x = jnp.arange(8)
     np.testing.assert_array_equal(ssd_mosaic.pairs_to_halves(x), [0, 2, 4, 6, 1, 3, 5, 7])
     np.testing.assert_array_equal(ssd_mosaic.halves_to_pairs(ssd_mosaic.pairs_to_halves(x)), x)
+
+
+def test_the_parts_kernel_forms_the_halves_of_the_rotation():
+    # `rotated_parts` (the differentiated forward's halves on the GPU; interpret mode here) against
+    # XLA's `operand_parts(value())`: the same high halves, `hi + lo` within 2^-16 of the rotated
+    # value's terms; an infinite `u` and an overflowing rotation give 0 halves, as XLA's
+    keys = jax.random.split(jax.random.PRNGKey(2), 3)
+    b, g, h, length, n, a = 2, 2, 4, 128, 64, 13
+    u = (jax.random.normal(keys[0], (b, g, length, n)) * jnp.logspace(-2, 2, n)).astype(jnp.bfloat16)
+    u = u.at[0, 1, 3, 5].set(jnp.inf).at[1, 0, 7, 40].set(3e38)
+    bias = jax.random.normal(keys[1], (h, n))
+    theta = jax.random.uniform(keys[2], (b, h, length, a), maxval=6.28)
+    op = ssd_mosaic.RotatedOperand(u, bias, theta, same_angles=True)
+    other = ssd_mosaic.RotatedOperand(u[:, ::-1], bias[::-1] * 2, theta, same_angles=True)
+    assert ssd_mosaic.parts_kernel_reason(op, other) is None
+    # 13 angles turn 16 columns of each half (zero angles past 13), 16 pass through
+    assert (
+        ssd_mosaic.rotation.turned_columns(13, 32) == 16 and ssd_mosaic.rotation.turned_columns(32, 64) == 32
+    )
+    assert (
+        ssd_mosaic.rotation.turned_columns(13, 64) == 32 and ssd_mosaic.rotation.turned_columns(40, 64) == 64
+    )
+    alone = ssd_mosaic.rotated_parts(op, interpret=True)
+    both = ssd_mosaic.rotated_parts(op, other, interpret=True, rows=128, warps=8)
+    for x, y in zip(alone, both[:2], strict=True):  # one operand or two, any tiles: the same halves
+        np.testing.assert_array_equal(np.float32(x), np.float32(y))
+    # one kernel for both where both turn by the same angles (`parts_with`), else each its own
+    paired = op.parts_with(other, True, kernel=True, interpret=True)
+    np.testing.assert_array_equal(np.float32(paired[1].hi), np.float32(both[2]))
+    assert paired[0].theta.shape == (b, h, length, 32)
+    for o, (hi, lo) in ((op, both[:2]), (other, both[2:])):
+        hi, lo = np.float64(hi), np.float64(lo)
+        want_hi = np.float64(ssd_mosaic.operand_parts(o.value())[0])
+        value = np.float64(o.value())
+        terms = np.abs(np.float64(jnp.repeat(o.u.astype(jnp.float32), h // g, axis=1) + o.bias[:, None]))
+        terms = terms + np.flip(terms.reshape(b, h, length, 2, n // 2), -2).reshape(terms.shape)
+        assert np.all(np.isfinite(hi + lo)) and np.count_nonzero(lo) > 0.9 * lo.size
+        np.testing.assert_array_equal(hi == 0, want_hi == 0)  # the zeroed values: non-finite in XLA too
+        assert np.mean(hi == want_hi) > 0.999
+        # within 2^-16 of the value, or of the turn's rounding of its terms (cos, sin, products)
+        bound = 2.0**-16 * np.abs(value) + 2.0**-20 * np.where(np.isfinite(terms), terms, 0)
+        assert np.all((np.abs(hi + lo - value) <= bound) | (want_hi == 0))
+    # what it refuses (XLA forms those)
+    odd = ssd_mosaic.RotatedOperand(u[..., :48], bias[:, :48], theta)
+    assert "power of two" in ssd_mosaic.parts_kernel_reason(odd)
+    assert "multiple of 64" in ssd_mosaic.parts_kernel_reason(
+        ssd_mosaic.RotatedOperand(u[:, :, :100], bias, theta)
+    )
+    f32 = ssd_mosaic.RotatedOperand(u.astype(jnp.float32), bias, theta)
+    assert "16-bit" in ssd_mosaic.parts_kernel_reason(f32)
 
 
 def test_the_rotating_forwards_layer_holds_the_oracle_rule(monkeypatch):

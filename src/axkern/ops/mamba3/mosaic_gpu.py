@@ -147,7 +147,7 @@ def rotating_core(layout, dtype, interpret=False):
 
     def operand(u, bias, theta):  # u [b, l, 1, g, n], bias [1, h, n], theta [b, h, l, a]
         u = pairs_to_halves(jnp.transpose(u[:, :, 0], (0, 2, 1, 3)))  # [b, g, l, n]
-        return RotatedOperand(u, pairs_to_halves(bias[0]), theta)
+        return RotatedOperand(u, pairs_to_halves(bias[0]), theta, same_angles=True)  # q, k: the same Θ
 
     def core(x, a, s, B, C, seg, initial_state):
         y, final = chunk_kernels.scan(

@@ -133,6 +133,10 @@ class Layout:
     def call_params(self) -> dict:
         return {"interpret": self.interpret}
 
+    # whether a `B`, `C` formed by Mamba-3's rotation (`mosaic/rotation.py`) is split into its
+    # halves by a kernel (`rotated_parts`) rather than in XLA
+    parts_kernel = False
+
     @classmethod
     def turns_back(cls) -> bool:
         """Whether the backward kernels take a `B`, `C` formed by Mamba-3's rotation with its
@@ -314,8 +318,15 @@ def _core_fwd(cfg, xt, ac, scale, bt, ct, sc, initial_state, diag):
     # an operand that forms its value (`parts()`: Mamba-3's rotation, `mosaic/rotation.py`) is
     # formed once here, for these kernels and the backward's (with its angles where the
     # backward's kernels turn the cotangents back)
-    angles = cfg[0].turns_back()
-    formed = tuple(o.parts(angles) if hasattr(o, "parts") else o for o in (bt, ct))
+    layout, interpret = cfg[0], cfg[2]
+    angles, kernel = layout.turns_back(), layout.parts_kernel
+    if hasattr(bt, "parts_with"):  # (Mamba-3's q and k turned by the same angles: one kernel for both)
+        formed = bt.parts_with(ct, angles, kernel=kernel, interpret=interpret)
+    else:
+        formed = tuple(
+            o.parts(angles, kernel=kernel, interpret=interpret) if hasattr(o, "parts") else o
+            for o in (bt, ct)
+        )
     if cfg[-1] == "pass":  # the cleaned `x` is the residual (the backward passes its cotangent on)
         xt, cfg = zeroed(xt), (*cfg[:-1], False)
     out, states_in = _core_forward(cfg, xt, ac, scale, *formed, sc, initial_state, diag)

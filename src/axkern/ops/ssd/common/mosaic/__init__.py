@@ -132,7 +132,7 @@ from .kernels import (
     operand_parts,
     smem_bytes,
 )
-from .rotation import RotatedOperand, halves_to_pairs, pairs_to_halves
+from .rotation import RotatedOperand, halves_to_pairs, pairs_to_halves, parts_kernel_reason, rotated_parts
 from .state_backward import fused_state_bwd, fused_state_bwd_smem_bytes
 
 __all__ = [
@@ -162,6 +162,8 @@ __all__ = [
     "RotatedOperand",
     "pairs_to_halves",
     "halves_to_pairs",
+    "parts_kernel_reason",
+    "rotated_parts",
 ]
 
 
@@ -185,6 +187,7 @@ class MosaicLayout(GpuLayout):
     `chunk_scan` and their backward kernels."""
 
     diagonal = False  # the Mosaic chunk-scan kernels take no diagonal term
+    parts_kernel = True  # Mamba-3's halves by `rotation.rotated_parts`
 
     def chunk_state(self, xt, w, bt, *, dtype):
         return chunk_state(xt, self.to_col(w), bt, positions_first=self.positions_first)

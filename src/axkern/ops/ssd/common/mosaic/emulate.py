@@ -151,6 +151,7 @@ class EmulatedLayout(GpuLayout):
     CPU tests and `benchmarks/mamba3_operand_precision.py`. 16-bit inputs only (no `sums`)."""
 
     diagonal = False  # as the Mosaic kernels it emulates
+    parts_kernel = True  # as `MosaicLayout` (`rotated_parts`, in interpret mode on a CPU)
 
     @classmethod
     def turns_back(cls) -> bool:  # as the Mosaic kernels (`MosaicLayout`)

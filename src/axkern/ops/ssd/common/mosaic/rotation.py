@@ -19,6 +19,13 @@ differentiates; a differentiated one forms the halves in XLA (`parts`), runs the
 and keeps them for the backward's kernels, which take them as they are (the stages and the
 emulation form them from `value` too).
 
+**The differentiated forward's halves** (`parts(kernel=True)`, where the layout asks for it:
+the Mosaic GPU layouts): one Pallas Triton kernel (`rotated_parts`) reads `u`, the biases and
+the angles and writes the two bf16 halves per head, 4 bytes a rotated value and 4 an angle
+(padded to `N/2` columns) read per head, nothing else. XLA's form of the same (`value()`, then
+`operand_parts`) kept `cos Θ`, `sin Θ` (`[b, h, L, N/2]` float32 each) and the rotated value
+in float32 in memory between its passes: three writes and three reads more of those sizes.
+
 **The backward** (`cotangent`): the rotated value's cotangent `g` (per head, float32) turned back by
 `-Θ` (`back`), summed over each group's heads (`du`), over batch and positions (`dbias`), and
 `dΘ_i = back_{i+N/2} w_i - back_i w_{i+N/2}` against the unrotated pair, as Mamba-3's own
@@ -30,11 +37,23 @@ and the kernels return `back` itself (`backward._turned_back`): XLA only sums.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
 
-__all__ = ["RotatedOperand", "SplitOperand", "rotate_halves", "pairs_to_halves", "halves_to_pairs"]
+__all__ = [
+    "RotatedOperand",
+    "SplitOperand",
+    "halves_to_pairs",
+    "pairs_to_halves",
+    "parts_kernel_reason",
+    "rotate_halves",
+    "rotated_parts",
+]
 
 _MAX = float(jnp.finfo(jnp.float32).max)
 
@@ -78,11 +97,14 @@ class RotatedOperand:
     """`B` or `C` (`[b, h, L, N]`, float32) as `rotate_halves(u + bias, Θ)`: `u [b, g, L, N]`
     16-bit (its group's value for each head), `bias [h, N]` float32, `theta [b, h, L, A]`
     float32 (`A <= N/2`). A pytree: padding, residuals and cotangents keep this form (a
-    cotangent's leaves are `du`, `dbias`, `dΘ`)."""
+    cotangent's leaves are `du`, `dbias`, `dΘ`). `same_angles`: `theta` is also the other
+    operand's of its scan (Mamba-3's `q` and `k` turn by the same `Θ`), so `parts_with` forms
+    both operands' halves in one kernel, `cos` and `sin` once."""
 
     u: jax.Array
     bias: jax.Array
     theta: jax.Array
+    same_angles: bool = dataclasses.field(default=False, metadata={"static": True})
 
     @property
     def shape(self) -> tuple:
@@ -99,7 +121,7 @@ class RotatedOperand:
         if not pad:
             return self
         rows = lambda a: jnp.pad(a, [(0, 0), (0, 0), (0, pad), (0, 0)])  # noqa: E731
-        return RotatedOperand(rows(self.u), self.bias, rows(self.theta))
+        return dataclasses.replace(self, u=rows(self.u), theta=rows(self.theta))
 
     def angles(self):
         """`Θ` padded with zero angles to `N/2` columns (the kernel's tiles), in XLA (the pad
@@ -118,15 +140,34 @@ class RotatedOperand:
         a = self.angles()
         return jnp.cos(a), jnp.sin(a)
 
-    def parts(self, angles: bool = False) -> SplitOperand:
-        """The rotated value as the kernels' two bf16 halves (`operand_parts`), formed in XLA;
-        `angles`: with `Θ` (its columns padded with zero angles to a multiple of 32: the
-        kernels turn whole float32 tiles), for backward kernels that return the cotangent turned
-        back (`SplitOperand.theta`)."""
+    def parts(self, angles: bool = False, kernel: bool = False, interpret: bool = False) -> SplitOperand:
+        """The rotated value as the kernels' two bf16 halves (`operand_parts`): in XLA, or with
+        `kernel` by `rotated_parts` where it takes the sizes (`parts_kernel_reason`; in interpret
+        mode with `interpret`); `angles`: with `Θ` (its columns padded with zero angles to a
+        multiple of 32: the kernels turn whole float32 tiles), for backward kernels that return
+        the cotangent turned back (`SplitOperand.theta`)."""
         from .kernels import operand_parts  # (kernels.py imports this module)
 
-        theta = _padded_angles(self.theta, -(-self.theta.shape[-1] // 32) * 32) if angles else None
+        theta = self._backward_angles() if angles else None
+        if kernel and parts_kernel_reason(self) is None:
+            return SplitOperand(*rotated_parts(self, interpret=interpret), theta)
         return SplitOperand(*operand_parts(self.value()), theta)
+
+    def parts_with(self, other, angles: bool = False, kernel: bool = False, interpret: bool = False) -> tuple:
+        """`(self.parts(...), other.parts(...))` (`other` as it is where it has no `parts`): with
+        `kernel`, where both turn by the same angles (`same_angles`), by one `rotated_parts`
+        call for both, which reads the angles and forms their `cos`, `sin` once."""
+        pair = isinstance(other, RotatedOperand) and self.same_angles and other.same_angles
+        if kernel and pair and parts_kernel_reason(self, other) is None:
+            theta = self._backward_angles() if angles else None
+            hb, lb, hc, lc = rotated_parts(self, other, interpret=interpret)
+            return SplitOperand(hb, lb, theta), SplitOperand(hc, lc, theta)
+        formed = lambda o: o.parts(angles, kernel, interpret) if hasattr(o, "parts") else o  # noqa: E731
+        return formed(self), formed(other)
+
+    def _backward_angles(self):
+        """`Θ` with its columns padded with zero angles to a multiple of 32 (`SplitOperand.theta`)."""
+        return _padded_angles(self.theta, -(-self.theta.shape[-1] // 32) * 32)
 
     def cotangent(self, g, turned: bool = False) -> RotatedOperand:
         """This operand's cotangent (`du`, `dbias`, `dΘ`) from the rotated value's `g` (per head,
@@ -149,11 +190,123 @@ class RotatedOperand:
         w = _biased(self.u, self.bias).reshape(b, h, length, 2, n // 2)
         bv = back.reshape(b, h, length, 2, n // 2)
         d_theta = (bv[..., 1, :] * w[..., 0, :] - bv[..., 0, :] * w[..., 1, :])[..., :a]
-        return RotatedOperand(
-            du.astype(self.u.dtype),
-            back.sum((0, 2)).astype(self.bias.dtype),
-            d_theta.astype(self.theta.dtype),
+        return dataclasses.replace(
+            self,
+            u=du.astype(self.u.dtype),
+            bias=back.sum((0, 2)).astype(self.bias.dtype),
+            theta=d_theta.astype(self.theta.dtype),
         )
+
+
+# a `rotated_parts` program: positions, and Triton warps
+PARTS_ROWS, PARTS_WARPS = 64, 4
+
+
+def turned_columns(a: int, half: int) -> int:
+    """The columns of each half `rotated_parts` turns: `A` widened (with zero angles) to a power
+    of two whose rest of the half is 0 or a power of two too (Triton's blocks are powers of two),
+    so the pass-through columns are no angles' work."""
+    turned = 1 << max(a - 1, 0).bit_length()
+    while (half - turned) & (half - turned - 1):
+        turned *= 2
+    return turned
+
+
+def parts_kernel_reason(*ops: RotatedOperand, rows: int | None = None) -> str | None:
+    """Why `rotated_parts` cannot form the halves of `ops` (one operand, or two turned by the same
+    angles), or None: Triton's blocks are powers of two (`N/2` columns a half), its rows whole
+    blocks of `rows` positions, `u` 16-bit."""
+    rows = rows or PARTS_ROWS
+    op = ops[0]
+    b, g, length, n = op.u.shape
+    half = n // 2
+    if any(o.u.shape != op.u.shape or o.bias.shape != op.bias.shape for o in ops):
+        return "the operands differ in shape"
+    if op.theta.shape[-1] == 0:
+        return "no angles: nothing to turn"
+    if n % 2 or half & (half - 1) or half < 16:
+        return f"state {n}: the kernel turns column halves of a power of two, at least 16"
+    if length % rows:
+        return f"length {length} is not a multiple of {rows}"
+    if jnp.dtype(op.u.dtype).itemsize != 2:
+        return f"u is {op.u.dtype}, not 16-bit"
+    return None
+
+
+def _parts_kernel(*refs, count):
+    """One (batch, head, rows) block of `count` operands turned by the same angles: `w = u + bias`
+    turned on the pairs `(i, i + N/2)` by `Θ` (`[rows, T]`, `T = turned_columns`), the other
+    columns as they are, non-finite results as 0, each value stored as `hi` (rounded to bf16)
+    and `lo` (what that lost, rounded); `cos`, `sin` once for all the operands."""
+    us, biases, theta_ref, outs = (
+        refs[:count],
+        refs[count : 2 * count],
+        refs[2 * count],
+        refs[2 * count + 1 :],
+    )
+    half, turned = us[0].shape[-1] // 2, theta_ref.shape[-1]
+    f32 = jnp.float32
+    theta = theta_ref[...]
+    cos, sin = jnp.cos(theta), jnp.sin(theta)
+
+    def store(hi_ref, lo_ref, cols, value):
+        value = jnp.where(jnp.abs(value) <= _MAX, value, 0.0)
+        hi = value.astype(jnp.bfloat16)
+        # `hi` back to float32 by its bits (`operand_parts`: a compiler may drop the round trip)
+        back = lax.bitcast_convert_type(
+            lax.bitcast_convert_type(hi, jnp.uint16).astype(jnp.uint32) << 16, f32
+        )
+        hi_ref[:, cols] = hi
+        lo_ref[:, cols] = (value - back).astype(jnp.bfloat16)
+
+    for u_ref, bias_ref, hi_ref, lo_ref in zip(us, biases, outs[::2], outs[1::2], strict=True):
+
+        def w(start, width, u_ref=u_ref, bias_ref=bias_ref):
+            cols = pl.ds(start, width)
+            return cols, u_ref[:, cols].astype(f32) + bias_ref[cols][None, :]
+
+        (c0, w0), (c1, w1) = w(0, turned), w(half, turned)
+        store(hi_ref, lo_ref, c0, w0 * cos - w1 * sin)
+        store(hi_ref, lo_ref, c1, w0 * sin + w1 * cos)
+        if turned < half:  # the columns no angle turns
+            for start in (turned, half + turned):
+                store(hi_ref, lo_ref, *w(start, half - turned))
+
+
+def rotated_parts(*ops: RotatedOperand, interpret: bool = False, rows=None, warps=None) -> tuple:
+    """`operand_parts(op.value())` of each of `ops` (one, or two turned by the same angles:
+    Mamba-3's `q` and `k`), `(hi, lo)` per operand in one tuple, by one Pallas Triton kernel:
+    grid (batch, head, `L / rows`), each program reading its group's `[rows, N]` of each `u`, the
+    head's biases and `[rows, T]` angles (`T = turned_columns(A, N/2)`, `A` widened with zero
+    angles in XLA where it is not such a power of two) and writing `[rows, N]` of each `hi`
+    and `lo` (bf16, `[b, h, L, N]`). Memory bound: per head and position 4 bytes a rotated value
+    written and `4 T` bytes of angles read for all the operands (`u`, per group, is read `h / g`
+    times from the cache); `cos`, `sin` of each angle once. `rows`, `warps`: the programs' tiles
+    (`PARTS_ROWS`, `PARTS_WARPS` unless given)."""
+    rows, warps = rows or PARTS_ROWS, warps or PARTS_WARPS
+    op = ops[0]
+    b, g, length, n = op.u.shape
+    h = op.bias.shape[0]
+    rep, count = h // g, len(ops)
+    turned = turned_columns(op.theta.shape[-1], n // 2)
+    theta = _padded_angles(op.theta.astype(jnp.float32), turned)
+    u_spec = pl.BlockSpec((None, None, rows, n), lambda i, j, c: (i, j // rep, c, 0))
+    out = pl.BlockSpec((None, None, rows, n), lambda i, j, c: (i, j, c, 0))
+    shape = jax.ShapeDtypeStruct((b, h, length, n), jnp.bfloat16)
+    return tuple(
+        pl.pallas_call(
+            functools.partial(_parts_kernel, count=count),
+            name="axkern_ssd_rotated_parts",
+            grid=(b, h, length // rows),
+            in_specs=[u_spec] * count
+            + [pl.BlockSpec((None, n), lambda i, j, c: (j, 0))] * count
+            + [pl.BlockSpec((None, None, rows, turned), lambda i, j, c: (i, j, c, 0))],
+            out_specs=[out] * (2 * count),
+            out_shape=[shape] * (2 * count),
+            interpret=interpret,
+            compiler_params=pltriton.CompilerParams(num_warps=warps, num_stages=1),
+        )(*(o.u for o in ops), *(o.bias.astype(jnp.float32) for o in ops), theta)
+    )
 
 
 def _biased(u, bias):
