@@ -9,8 +9,9 @@ large fusions (bytes in and out), so that a form's cost points at what XLA mater
 writes `$OUT/mamba3_rotation_forms.json`. Forms: `now` (the code's: the halves formed by one
 Triton kernel, `rotation.rotated_parts`, the backward kernels given the angles and turning `dB`,
 `dC` back themselves), `xla_parts` (the halves formed in XLA from `cos`, `sin` of the angles
-padded to `N/2` columns, `value()` then `operand_parts`; the backward as `now`), `xla_turn` (the halves as `xla_parts`, the turn back in XLA
-from the forward's `cos`, `sin`; every form below turns in XLA too), `negated`
+padded to `N/2` columns, `value()` then `operand_parts`; the backward as `now`), `xla_turn` (the
+halves as `xla_parts`, the turn back in XLA from the forward's `cos`, `sin`; every form below
+turns in XLA too), `negated`
 (the backward turns by `cos`, `sin` of `-Θ`, another expression), `shared` (`cos`, `sin` of the
 `A` angles, widened after; one expression everywhere), `own` (each operand's forward and backward
 compute them from their own inputs, behind an optimization barrier, so that XLA neither merges

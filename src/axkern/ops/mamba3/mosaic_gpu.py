@@ -10,16 +10,18 @@ the bound on gradients). Here each enters the kernels as `hi + lo`, two bf16 arr
 (`ssd.common.mosaic.operand_parts`: `hi` the value rounded to bf16, `lo` what that lost, rounded),
 and every product with `B` or `C` takes both: two `wgmma`s where the other operand is 16-bit,
 three where it is a float32 value's halves too (`lo · lo` left out), so the products are about as
-exact as float32 ones. The halves are formed in XLA beside the rotation (`[b, 2, H, L, N]` bf16,
-the bytes of the float32 values), heads first as the kernels read them.
+exact as float32 ones. The halves (`[b, H, L, N]` bf16 each, heads first as the kernels read them)
+are formed beside the rotation: in XLA where XLA turns `q`, `k` (`rotation="xla"`, the stages),
+else by the kernels below.
 
 **The forward kernel turns `q` and `k` itself** where nothing differentiates the call
 (`Mamba3BlockSizes(rotation="kernel")`, None means this where it serves: the fused forward, bf16
 `q`, `k`, a state that is a multiple of 128; `rotating_core`): it takes the unrotated `q`, `k` per
 group, the biases and the angles (`ssd/common/mosaic/rotation.py`), and the halves per head never
-cross memory. A differentiated call forms them in XLA once (the scan's `custom_vjp`), runs the
-same kernels on them and keeps them for the backward's, whose chunk-scan and chunk-state kernels
-also take the angles and return `dq`, `dk` per head turned back (XLA sums them over the heads
+cross memory. A differentiated call forms them once (the scan's `custom_vjp`), by one Pallas
+Triton kernel for both `q` and `k` (`ssd/common/mosaic/rotation.rotated_parts`: `cos`, `sin` once,
+no float32 rotation in memory), runs the same kernels on them and keeps them for the
+backward's, whose chunk-scan and chunk-state kernels also take the angles and return `dq`, `dk` per head turned back (XLA sums them over the heads
 and forms the angles' gradient). `rotation="xla"`: XLA's halves and XLA's rotation backward.
 On the H200 the 2.7B layer's forward took 2.98 ms against 3.54 with XLA's halves in one call
 (2.87 after later changes, another call; docs/ops/mamba3.md).
