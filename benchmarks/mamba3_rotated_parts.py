@@ -8,8 +8,8 @@ alternately in rounds; the kernel's outputs compared with XLA's.
 writes `$OUT/mamba3_rotated_parts.json`: per form the median of each round's time (ms, both
 operands), the bytes the kernel must move (each operand's `hi`, `lo` written and the angles
 read, once for a pair) and the rate against them. Forms: `xla`; `kernel_single` (one call per
-operand, each computing `cos`, `sin`); `kernel_pair_R_W` (one call for both, `R` positions and `W`
-warps a program).
+operand, each computing `cos`, `sin`); `kernel_pair_R_W_S` (one call for both, `R` positions, `W`
+warps and `S` pipeline stages a program).
 """
 
 from __future__ import annotations
@@ -27,7 +27,17 @@ from axkern import bench
 from axkern.ops.ssd.common.mosaic import operand_parts, rotation
 
 B, G, H, L, N, A = 4, 1, 80, 4096, 128, 32
-TILES = [(64, 4), (128, 4), (128, 8), (256, 8)]
+TILES = [
+    (32, 2, 1),
+    (32, 4, 1),
+    (64, 4, 1),
+    (64, 4, 2),
+    (64, 8, 1),
+    (128, 4, 1),
+    (128, 8, 1),
+    (128, 8, 2),
+    (256, 8, 1),
+]
 
 
 def operands():
@@ -44,9 +54,9 @@ def forms() -> dict:
         "xla": lambda q, k: (*operand_parts(q.value()), *operand_parts(k.value())),
         "kernel_single": lambda q, k: (*rotation.rotated_parts(q), *rotation.rotated_parts(k)),
     }
-    for rows, warps in TILES:
-        out[f"kernel_pair_{rows}_{warps}"] = lambda q, k, r=rows, w=warps: rotation.rotated_parts(
-            q, k, rows=r, warps=w
+    for rows, warps, stages in TILES:
+        out[f"kernel_pair_{rows}_{warps}_{stages}"] = lambda q, k, r=rows, w=warps, s=stages: (
+            rotation.rotated_parts(q, k, rows=r, warps=w, stages=s)
         )
     return out
 

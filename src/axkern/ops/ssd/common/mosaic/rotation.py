@@ -273,7 +273,7 @@ def _parts_kernel(*refs, count):
                 store(hi_ref, lo_ref, *w(start, half - turned))
 
 
-def rotated_parts(*ops: RotatedOperand, interpret: bool = False, rows=None, warps=None) -> tuple:
+def rotated_parts(*ops: RotatedOperand, interpret: bool = False, rows=None, warps=None, stages=1) -> tuple:
     """`operand_parts(op.value())` of each of `ops` (one, or two turned by the same angles:
     Mamba-3's `q` and `k`), `(hi, lo)` per operand in one tuple, by one Pallas Triton kernel:
     grid (batch, head, `L / rows`), each program reading its group's `[rows, N]` of each `u`, the
@@ -282,7 +282,7 @@ def rotated_parts(*ops: RotatedOperand, interpret: bool = False, rows=None, warp
     and `lo` (bf16, `[b, h, L, N]`). Memory bound: per head and position 4 bytes a rotated value
     written and `4 T` bytes of angles read for all the operands (`u`, per group, is read `h / g`
     times from the cache); `cos`, `sin` of each angle once. `rows`, `warps`: the programs' tiles
-    (`PARTS_ROWS`, `PARTS_WARPS` unless given)."""
+    (`PARTS_ROWS`, `PARTS_WARPS` unless given), `stages` Triton's pipeline stages."""
     rows, warps = rows or PARTS_ROWS, warps or PARTS_WARPS
     op = ops[0]
     b, g, length, n = op.u.shape
@@ -304,7 +304,7 @@ def rotated_parts(*ops: RotatedOperand, interpret: bool = False, rows=None, warp
             out_specs=[out] * (2 * count),
             out_shape=[shape] * (2 * count),
             interpret=interpret,
-            compiler_params=pltriton.CompilerParams(num_warps=warps, num_stages=1),
+            compiler_params=pltriton.CompilerParams(num_warps=warps, num_stages=stages),
         )(*(o.u for o in ops), *(o.bias.astype(jnp.float32) for o in ops), theta)
     )
 
