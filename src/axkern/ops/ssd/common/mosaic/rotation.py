@@ -199,7 +199,7 @@ class RotatedOperand:
 
 
 # a `rotated_parts` program: positions, and Triton warps
-PARTS_ROWS, PARTS_WARPS = 64, 4
+PARTS_ROWS, PARTS_WARPS = 32, 4
 
 
 def turned_columns(a: int, half: int) -> int:
