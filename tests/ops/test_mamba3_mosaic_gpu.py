@@ -288,7 +288,7 @@ def test_the_parts_kernel_forms_the_halves_of_the_rotation():
     # what it refuses (XLA forms those)
     odd = ssd_mosaic.RotatedOperand(u[..., :48], bias[:, :48], theta)
     assert "power of two" in ssd_mosaic.parts_kernel_reason(odd)
-    assert "multiple of 64" in ssd_mosaic.parts_kernel_reason(
+    assert "not a multiple of 32" in ssd_mosaic.parts_kernel_reason(
         ssd_mosaic.RotatedOperand(u[:, :, :100], bias, theta)
     )
     f32 = ssd_mosaic.RotatedOperand(u.astype(jnp.float32), bias, theta)
