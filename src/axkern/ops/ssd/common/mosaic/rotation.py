@@ -15,16 +15,18 @@ columns) into shared memory; the warpgroup loads the two column halves of each, 
 turns them (`cos`, `sin` on the chip's approximate units, absolute error about `2^-21`), sets
 non-finite results to 0 (as the caller's `scrubbed` does) and stores each rotated value as its
 two bf16 halves (`operand_parts`) in the tiles its products read. That is the forward nothing
-differentiates; a differentiated one forms the halves in XLA (`parts`), runs the kernels on them
-and keeps them for the backward's kernels, which take them as they are (the stages and the
-emulation form them from `value` too).
+differentiates; a differentiated one forms the halves once (`parts`, `parts_with`), runs the
+kernels on them and keeps them for the backward's kernels, which take them as they are.
 
-**The differentiated forward's halves** (`parts(kernel=True)`, where the layout asks for it:
-the Mosaic GPU layouts): one Pallas Triton kernel (`rotated_parts`) reads `u`, the biases and
-the angles and writes the two bf16 halves per head, 4 bytes a rotated value and 4 an angle
-(padded to `N/2` columns) read per head, nothing else. XLA's form of the same (`value()`, then
-`operand_parts`) kept `cos Θ`, `sin Θ` (`[b, h, L, N/2]` float32 each) and the rotated value
-in float32 in memory between its passes: three writes and three reads more of those sizes.
+**The differentiated forward's halves** (`parts_with(kernel=True)`, where the layout asks for it:
+the Mosaic GPU layouts and their emulation): one Pallas Triton kernel (`rotated_parts`) reads
+`q`'s and `k`'s `u` per group, their biases and the angles they share and writes the two bf16
+halves of each per head: per head and position 8 bytes of halves written for each operand and
+4 bytes an angle read (the angles' columns only: the pairs past `A` pass through), nothing else.
+XLA's form of the same (`value()`, then `operand_parts`; the stages and `rotation="xla"` still
+take it) kept `cos Θ`, `sin Θ` (`[b, h, L, N/2]` float32 each) and the rotated values in float32
+in memory between its passes: on the H200 1.77 ms for both operands at the 2.7B layer against
+the kernel's 0.53 (docs/ops/mamba3.md).
 
 **The backward** (`cotangent`): the rotated value's cotangent `g` (per head, float32) turned back by
 `-Θ` (`back`), summed over each group's heads (`du`), over batch and positions (`dbias`), and
