@@ -30,10 +30,8 @@ The masks (where `Θ`, `y`, a rotated `q` and the final state are non-finite) co
 `lax.cond` on the inputs, outside the differentiated program, that computes them only when some
 value the recurrence reads may not be finite, one fused read of the inputs deciding (`forward`);
 for finite inputs, the common case, its branch writes zeros, `Θ`'s and `y`'s masks as bits
-(under `vmap` the condition is batched and both branches run). It takes the inputs only (its
-masks' branch forms `Θ` again from them): an operand of a conditional is materialised, and `Θ`
-as one kept XLA from forming it in the pass that selects and pads it for the kernels. Every
-large array is formed outside it (a conditional's outputs are materialised, XLA copies a branch's result into the
+(under `vmap` the condition is batched and both branches run). Every large array is formed
+outside it (a conditional's outputs are materialised, XLA copies a branch's result into the
 layout the conditional gives it, and the conditional's transpose would instantiate zero
 cotangents for outputs the caller drops): the masks' selects fuse into the passes that read
 them, and the scan's large inputs are `scrubbed` (0 where non-finite unless all is finite: an
@@ -318,14 +316,12 @@ def forward(
 
     # per-position scalars, [b, l, h]
     adt_, dt_, trap_ = (jnp.swapaxes(f(a), 1, 2) for a in (adt, dt, trap))
+    ang = f(angles)
     adt_c, dt_c, lam = clean(adt_), clean(dt_), jax.nn.sigmoid(clean(trap_))
 
     # the angles, then the rotated q, k from `Θ` as the guard below leaves it
-    def angle_state():  # `Θ` (`[b, l, h, a]`) from the inputs
-        inc = math.pi * jnp.tanh(clean(f(angles))) * dt_c[..., None]
-        return angle_sums(inc, clean(f(angle0)), seg, chunk_size)
-
-    theta = angle_state()
+    inc = math.pi * jnp.tanh(clean(ang)) * dt_c[..., None]
+    theta = angle_sums(inc, clean(f(angle0)), seg, chunk_size)
     v0r = f(v0)[:, None] * by_rank(W_x) if mimo else f(v0)[:, None]  # [b, r, h, p]
     x_dtype = getattr(core, "x_dtype", acc)
 
@@ -371,7 +367,7 @@ def forward(
     mass = lambda a: jnp.sum(jnp.abs(lax.stop_gradient(a)), dtype=jnp.float32)  # noqa: E731
     limit = 2.0**126
     finite = (
-        all_finite(angles, dt_, angle0, adt_, trap_, v0r, ssm0, k0)
+        all_finite(ang, dt_, angle0, adt_, trap_, v0r, ssm0, k0)
         & (mass(q) + mass(q_bias) < limit)
         & (mass(k) + mass(k_bias) < limit)
         & (mass(v) * (mass(W_x) if mimo else 1) < limit)
@@ -383,25 +379,21 @@ def forward(
     einsum = lambda *a: jnp.einsum(*a, precision=prec)  # noqa: E731
     rank = v0r.shape[1]
     # inside `shard_map` both branches must vary over the same mesh axes: those of what they read
-    read = (q, k, v, W_x, q_bias, k_bias, angles, angle0, adt_, dt_, trap_, seg, ssm0, v0r, k0)
+    read = (q, k, v, W_x, q_bias, k_bias, theta, ang, angle0, adt_, dt_, trap_, seg, ssm0, v0r, k0)
 
     # the two large masks, `Θ`'s and `y`'s, leave the conditional as bits along their last axis,
     # 8 to a byte (`jnp.packbits`; unpacked in the selects that read them): the finite branch's
     # zeros are written whole on every call
     bits = lambda shape: (*shape[:-1], -(-shape[-1] // 8))  # noqa: E731
 
-    def no_masks():  # finite inputs: nothing is masked (small zeros)
+    def no_masks(theta):  # finite inputs: nothing is masked (small zeros)
         packed = (bits(theta.shape), bits((batch, length, heads, v.shape[-1])))
         flags = ((batch, length, rank, heads), ssm0.shape)
         zeros = [jnp.zeros(s, jnp.uint8) for s in packed] + [jnp.zeros(s, bool) for s in flags]
         return vary_like(tuple(zeros), *read)
 
-    def masks():  # where the recurrence is non-finite: `Θ`, `y`, a rotated `q`, the final state
-        # `Θ` formed again here from the inputs, rather than taken as an operand: an operand of
-        # the conditional is materialised, which kept XLA from forming `Θ` in the pass that
-        # pads and selects it for the kernels
-        theta = own_order(lax.stop_gradient(angle_state()))
-        theta_bad = reaches(bad(angles) | bad(dt_)[..., None], seg) | (
+    def masks(theta):  # where the recurrence is non-finite: `Θ`, `y`, a rotated `q`, the final state
+        theta_bad = reaches(bad(ang) | bad(dt_)[..., None], seg) | (
             first[:, :, None, None] & bad(angle0)[:, None]
         )
         qr, kr = (tokens_major(u) for u in rotations(poison(theta, own_order(theta_bad))))
@@ -430,7 +422,7 @@ def forward(
     # one conditional, on small arrays and masks only: every large array is formed outside it
     # (a conditional's outputs are materialised, and XLA copies a branch's result into its
     # layout), the masks' selects fused into the passes that form them
-    theta_bad, y_bad, q_bad, final_bad = lax.cond(finite, no_masks, masks)
+    theta_bad, y_bad, q_bad, final_bad = lax.cond(finite, no_masks, masks, lax.stop_gradient(theta))
     unpack = lambda a, n: jnp.unpackbits(a, axis=-1, count=n).astype(bool)  # noqa: E731
     theta_bad, y_bad = unpack(theta_bad, theta.shape[-1]), unpack(y_bad, v.shape[-1])
     theta = poison(theta, theta_bad)  # `Θ` with its NaNs
