@@ -162,9 +162,12 @@ def test_rotated_parts_compiled_forms_xlas_halves(n, angles):
     theta = jax.random.uniform(keys[2], (b, h, length, angles), maxval=6.28)
     op = ssd_mosaic.RotatedOperand(u, bias, theta)
     hi, lo = (np.float64(x) for x in jax.jit(ssd_mosaic.rotated_parts)(op))
-    pair = [np.float64(x) for x in jax.jit(ssd_mosaic.rotated_parts)(op, op)]  # two operands, one kernel
-    np.testing.assert_array_equal(pair[2], hi)
-    np.testing.assert_array_equal(pair[3], lo)
+    # two operands, one kernel: each operand's halves as it alone gets them
+    other = ssd_mosaic.RotatedOperand(u[:, ::-1], bias[::-1] * 2, theta)
+    pair = [np.float64(x) for x in jax.jit(ssd_mosaic.rotated_parts)(op, other)]
+    alone = [np.float64(x) for x in jax.jit(ssd_mosaic.rotated_parts)(other)]
+    for got, want in zip(pair, (hi, lo, *alone), strict=True):
+        np.testing.assert_array_equal(got, want)
     want_hi, _ = (np.float64(x) for x in jax.jit(ssd_mosaic.operand_parts)(op.value()))
     value = np.float64(jax.jit(op.value)())
     assert np.all(np.isfinite(hi + lo))

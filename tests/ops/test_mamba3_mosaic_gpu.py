@@ -5,8 +5,8 @@ kernels' roundings, `q`, `k` as the same halves, exact products) holds the oracl
 whole layer, the halves hold what they should, and the dispatcher refuses what the kernels cannot
 take, with the reason. The forward nothing differentiates turns q and k in its kernel
 (`ssd/common/mosaic/rotation.py`): it lowers so, and what runs around it (the state's columns
-reordered, the rotation's operand, its halves and backward in XLA) holds the oracle rule with the
-kernels' arithmetic."""
+reordered, the rotation's operand, its halves by the Triton kernel `rotated_parts` in interpret
+mode, the rotation's backward in XLA) holds the oracle rule with the kernels' arithmetic."""
 
 from __future__ import annotations
 
@@ -245,60 +245,83 @@ def test_a_rotated_operand_is_the_rotation_and_its_backward_is_autodiffs():
     np.testing.assert_array_equal(ssd_mosaic.halves_to_pairs(ssd_mosaic.pairs_to_halves(x)), x)
 
 
-def test_the_parts_kernel_forms_the_halves_of_the_rotation():
+@pytest.mark.parametrize("n,a", [(64, 13), (64, 32)])  # 16 of 32 columns turned; all of them
+def test_the_parts_kernel_forms_the_halves_of_the_rotation(monkeypatch, n, a):
     # `rotated_parts` (the differentiated forward's halves on the GPU; interpret mode here) against
     # XLA's `operand_parts(value())`: the same high halves, `hi + lo` within 2^-16 of the rotated
-    # value's terms; an infinite `u` and an overflowing rotation give 0 halves, as XLA's
+    # value's terms; an infinite `u` (its partner's column too), a turned pair that overflows and
+    # NaN in a column no angle turns give 0 halves, as XLA's
     keys = jax.random.split(jax.random.PRNGKey(2), 3)
-    b, g, h, length, n, a = 2, 2, 4, 128, 64, 13
+    b, g, h, length = 2, 2, 4, 128
+    half = n // 2
     u = (jax.random.normal(keys[0], (b, g, length, n)) * jnp.logspace(-2, 2, n)).astype(jnp.bfloat16)
-    u = u.at[0, 1, 3, 5].set(jnp.inf).at[1, 0, 7, 40].set(3e38)
+    u = u.at[0, 1, 3, 5].set(jnp.inf).at[1, 0, 9, half - 1].set(jnp.nan)
+    u = u.at[1, 0, 7, 2].set(3e38).at[1, 0, 7, half + 2].set(3e38)
     bias = jax.random.normal(keys[1], (h, n))
     theta = jax.random.uniform(keys[2], (b, h, length, a), maxval=6.28)
+    theta = theta.at[1, :2, 7, 2].set(7 * np.pi / 4)  # group 0's heads: the pair turns to ~4.2e38
     op = ssd_mosaic.RotatedOperand(u, bias, theta, same_angles=True)
     other = ssd_mosaic.RotatedOperand(u[:, ::-1], bias[::-1] * 2, theta, same_angles=True)
     assert ssd_mosaic.parts_kernel_reason(op, other) is None
-    # 13 angles turn 16 columns of each half (zero angles past 13), 16 pass through
-    assert (
-        ssd_mosaic.rotation.turned_columns(13, 32) == 16 and ssd_mosaic.rotation.turned_columns(32, 64) == 32
-    )
-    assert (
-        ssd_mosaic.rotation.turned_columns(13, 64) == 32 and ssd_mosaic.rotation.turned_columns(40, 64) == 64
-    )
+    rotation = ssd_mosaic.rotation
+    assert rotation.turned_columns(13, 32) == 16 and rotation.turned_columns(32, 64) == 32
+    assert rotation.turned_columns(13, 64) == 32 and rotation.turned_columns(40, 64) == 64
     alone = ssd_mosaic.rotated_parts(op, interpret=True)
-    both = ssd_mosaic.rotated_parts(op, other, interpret=True, rows=128, warps=8)
+    both = ssd_mosaic.rotated_parts(op, other, interpret=True, rows=64, warps=8)
     for x, y in zip(alone, both[:2], strict=True):  # one operand or two, any tiles: the same halves
         np.testing.assert_array_equal(np.float32(x), np.float32(y))
-    # one kernel for both where both turn by the same angles (`parts_with`), else each its own
+    # one kernel for both where both turn by the same angles (`parts_with`), else one each
+    calls = []
+    original = rotation.rotated_parts
+    monkeypatch.setattr(
+        rotation, "rotated_parts", lambda *o, **kw: calls.append(len(o)) or original(*o, **kw)
+    )
     paired = op.parts_with(other, True, kernel=True, interpret=True)
     np.testing.assert_array_equal(np.float32(paired[1].hi), np.float32(both[2]))
-    assert paired[0].theta.shape == (b, h, length, 32)
+    assert paired[0].theta.shape == (b, h, length, 32) and calls == [2]
+    apart = dataclasses.replace(other, same_angles=False)
+    np.testing.assert_array_equal(
+        np.float32(op.parts_with(apart, kernel=True, interpret=True)[1].lo), np.float32(both[3])
+    )
+    assert calls == [2, 1, 1]
     for o, (hi, lo) in ((op, both[:2]), (other, both[2:])):
         hi, lo = np.float64(hi), np.float64(lo)
         want_hi = np.float64(ssd_mosaic.operand_parts(o.value())[0])
         value = np.float64(o.value())
         terms = np.abs(np.float64(jnp.repeat(o.u.astype(jnp.float32), h // g, axis=1) + o.bias[:, None]))
-        terms = terms + np.flip(terms.reshape(b, h, length, 2, n // 2), -2).reshape(terms.shape)
+        terms = terms + np.flip(terms.reshape(b, h, length, 2, half), -2).reshape(terms.shape)
         assert np.all(np.isfinite(hi + lo)) and np.count_nonzero(lo) > 0.9 * lo.size
         np.testing.assert_array_equal(hi == 0, want_hi == 0)  # the zeroed values: non-finite in XLA too
         assert np.mean(hi == want_hi) > 0.999
         # within 2^-16 of the value, or of the turn's rounding of its terms (cos, sin, products)
         bound = 2.0**-16 * np.abs(value) + 2.0**-20 * np.where(np.isfinite(terms), terms, 0)
         assert np.all((np.abs(hi + lo - value) <= bound) | (want_hi == 0))
-    # what it refuses (XLA forms those)
+    hi = np.float64(both[0])
+    assert np.all(hi[0, 2:, 3, [5, half + 5]] == 0)  # the infinite u and its partner
+    assert np.all(hi[1, :2, 9, [half - 1, n - 1]] == 0)  # NaN past the turned columns, its partner
+    assert np.all(hi[1, :2, 7, 2] == 0)  # w0 cos - w1 sin overflows (its partner cancels: finite)
+    # what it refuses (XLA forms those), and refuses to be called with
     odd = ssd_mosaic.RotatedOperand(u[..., :48], bias[:, :48], theta)
     assert "power of two" in ssd_mosaic.parts_kernel_reason(odd)
-    assert "not a multiple of 32" in ssd_mosaic.parts_kernel_reason(
-        ssd_mosaic.RotatedOperand(u[:, :, :100], bias, theta)
-    )
+    short = ssd_mosaic.RotatedOperand(u[:, :, :100], bias, theta[:, :, :100])
+    assert "not a multiple of 32" in ssd_mosaic.parts_kernel_reason(short)
+    with pytest.raises(ValueError, match="not a multiple of 32"):
+        ssd_mosaic.rotated_parts(short, interpret=True)
     f32 = ssd_mosaic.RotatedOperand(u.astype(jnp.float32), bias, theta)
     assert "16-bit" in ssd_mosaic.parts_kernel_reason(f32)
+    assert "angles are not" in ssd_mosaic.parts_kernel_reason(
+        op, dataclasses.replace(other, theta=theta[..., :4])
+    )
+    assert "at most" in ssd_mosaic.parts_kernel_reason(
+        dataclasses.replace(op, theta=jnp.zeros((b, h, length, half + 1)))
+    )
 
 
 def test_the_rotating_forwards_layer_holds_the_oracle_rule(monkeypatch):
     # what `rotation="kernel"` runs around its kernels (the state's columns reordered, q and k per
-    # group with the biases and angles to the kernels, the backward's halves and rotation's
-    # backward from them), with the kernels' arithmetic in XLA: y, the final states, every gradient
+    # group with the biases and angles to the kernels, the backward's halves by `rotated_parts` in
+    # interpret mode and the rotation's backward from them), with the kernels' arithmetic in XLA:
+    # y, the final states, every gradient
     arrays, seg = make(0, 1, 100, 4, 64, 2, 128, 32, 0, "bfloat16", segments=True)
     monkeypatch.setattr(
         mamba3_pallas_gpu,

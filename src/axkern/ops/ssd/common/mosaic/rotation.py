@@ -21,12 +21,13 @@ kernels on them and keeps them for the backward's kernels, which take them as th
 **The differentiated forward's halves** (`parts_with(kernel=True)`, where the layout asks for it:
 the Mosaic GPU layouts and their emulation): one Pallas Triton kernel (`rotated_parts`) reads
 `q`'s and `k`'s `u` per group, their biases and the angles they share and writes the two bf16
-halves of each per head: per head and position 8 bytes of halves written for each operand and
-4 bytes an angle read (the angles' columns only: the pairs past `A` pass through), nothing else.
-XLA's form of the same (`value()`, then `operand_parts`; the stages and `rotation="xla"` still
-take it) kept `cos Θ`, `sin Θ` (`[b, h, L, N/2]` float32 each) and the rotated values in float32
-in memory between its passes: on the H200 1.77 ms for both operands at the 2.7B layer against
-the kernel's 0.53 (docs/ops/mamba3.md).
+halves of each per head: per head and position `4 N` bytes of halves written for each operand
+and `4 T` bytes of angles read for both (`T = turned_columns(A, N/2)`, the angles' columns
+widened to a power of two; the pairs past them pass through), the group's `u` and the biases
+from the cache. XLA's form of the same (`value()`, then `operand_parts`, which the stages and
+`rotation="xla"` take) keeps `cos Θ`, `sin Θ` (`[b, h, L, N/2]` float32 each) and the rotated
+values in float32 in memory between its passes: on the H200, both operands at the 2.7B layer,
+1.77 ms against the kernel's 0.57 in one run (docs/ops/mamba3.md).
 
 **The backward** (`cotangent`): the rotated value's cotangent `g` (per head, float32) turned back by
 `-Θ` (`back`), summed over each group's heads (`du`), over batch and positions (`dbias`), and
@@ -207,7 +208,9 @@ PARTS_ROWS, PARTS_WARPS = 32, 4
 def turned_columns(a: int, half: int) -> int:
     """The columns of each half `rotated_parts` turns: `A` widened (with zero angles) to a power
     of two whose rest of the half is 0 or a power of two too (Triton's blocks are powers of two),
-    so the pass-through columns are no angles' work."""
+    so the pass-through columns are no angles' work. `half` a power of two, `A <= half`."""
+    if not 0 <= a <= half or half & (half - 1):
+        raise ValueError(f"{a} angles do not fit a half of {half} columns (a power of two)")
     turned = 1 << max(a - 1, 0).bit_length()
     while (half - turned) & (half - turned - 1):
         turned *= 2
@@ -221,13 +224,19 @@ def parts_kernel_reason(*ops: RotatedOperand, rows: int | None = None) -> str | 
     rows = rows or PARTS_ROWS
     op = ops[0]
     b, g, length, n = op.u.shape
-    half = n // 2
+    h, a, half = op.bias.shape[0], op.theta.shape[-1], n // 2
     if any(o.u.shape != op.u.shape or o.bias.shape != op.bias.shape for o in ops):
         return "the operands differ in shape"
-    if op.theta.shape[-1] == 0:
+    if any(o.theta.shape != (b, h, length, a) for o in ops):
+        return f"the angles are not [batch, heads, length, A] = {(b, h, length, a)} for every operand"
+    if h % g:
+        return f"{h} heads are not a multiple of {g} groups"
+    if a == 0:
         return "no angles: nothing to turn"
     if n % 2 or half & (half - 1) or half < 16:
         return f"state {n}: the kernel turns column halves of a power of two, at least 16"
+    if a > half:
+        return f"{a} angles for a state of {n}: at most {half}"
     if length % rows:
         return f"length {length} is not a multiple of {rows}"
     if jnp.dtype(op.u.dtype).itemsize != 2:
@@ -270,9 +279,10 @@ def _parts_kernel(*refs, count):
         (c0, w0), (c1, w1) = w(0, turned), w(half, turned)
         store(hi_ref, lo_ref, c0, w0 * cos - w1 * sin)
         store(hi_ref, lo_ref, c1, w0 * sin + w1 * cos)
-        if turned < half:  # the columns no angle turns
-            for start in (turned, half + turned):
-                store(hi_ref, lo_ref, *w(start, half - turned))
+        if turned < half:  # the columns no angle turns: `w · 1 + partner · 0`, as XLA's turn
+            (c2, w2), (c3, w3) = w(turned, half - turned), w(half + turned, half - turned)
+            store(hi_ref, lo_ref, c2, w2 + w3 * 0.0)  # (NaN, then 0, where the partner is not finite)
+            store(hi_ref, lo_ref, c3, w3 + w2 * 0.0)
 
 
 def rotated_parts(*ops: RotatedOperand, interpret: bool = False, rows=None, warps=None, stages=1) -> tuple:
@@ -286,6 +296,9 @@ def rotated_parts(*ops: RotatedOperand, interpret: bool = False, rows=None, warp
     times from the cache); `cos`, `sin` of each angle once. `rows`, `warps`: the programs' tiles
     (`PARTS_ROWS`, `PARTS_WARPS` unless given), `stages` Triton's pipeline stages."""
     rows, warps = rows or PARTS_ROWS, warps or PARTS_WARPS
+    reason = parts_kernel_reason(*ops, rows=rows)
+    if reason:
+        raise ValueError(f"rotated_parts cannot form these halves: {reason}")
     op = ops[0]
     b, g, length, n = op.u.shape
     h = op.bias.shape[0]
