@@ -315,18 +315,16 @@ def _core(cfg, xt, ac, scale, bt, ct, sc, initial_state, diag):
 
 
 def _core_fwd(cfg, xt, ac, scale, bt, ct, sc, initial_state, diag):
-    # an operand that forms its value (`parts()`: Mamba-3's rotation, `mosaic/rotation.py`) is
+    # operands that form their value (`parts_with`: Mamba-3's rotation, `mosaic/rotation.py`) are
     # formed once here, for these kernels and the backward's (with its angles where the
     # backward's kernels turn the cotangents back)
     layout, interpret = cfg[0], cfg[2]
     angles, kernel = layout.turns_back(), layout.parts_kernel
-    if hasattr(bt, "parts_with"):  # (Mamba-3's q and k turned by the same angles: one kernel for both)
-        formed = bt.parts_with(ct, angles, kernel=kernel, interpret=interpret)
-    else:
-        formed = tuple(
-            o.parts(angles, kernel=kernel, interpret=interpret) if hasattr(o, "parts") else o
-            for o in (bt, ct)
-        )
+    formed = (
+        bt.parts_with(ct, angles, kernel=kernel, interpret=interpret)  # (q, k: one kernel for both)
+        if hasattr(bt, "parts_with")
+        else (bt, ct)
+    )
     if cfg[-1] == "pass":  # the cleaned `x` is the residual (the backward passes its cotangent on)
         xt, cfg = zeroed(xt), (*cfg[:-1], False)
     out, states_in = _core_forward(cfg, xt, ac, scale, *formed, sc, initial_state, diag)
