@@ -179,3 +179,34 @@ def test_rotated_parts_compiled_forms_xlas_halves(n, angles):
     # within 2^-16 of the value, or of the turn's rounding of its terms (cos, sin, products)
     bound = 2.0**-16 * np.abs(value) + 2.0**-20 * terms
     assert np.all((np.abs(hi + lo - value) <= bound) | (want_hi == 0))
+
+
+@pytest.mark.parametrize("a,dtype", [(32, "float32"), (13, "bfloat16")])
+def test_angle_kernel_compiled_forms_xlas_angles_and_gradients(a, dtype):
+    # `Θ` by the Triton kernel (`common.angle_thetas`), compiled, against XLA's passes on the same
+    # GPU: values modulo 2π and the gradients in the angles, Δ and the initial angle (NaN exactly
+    # at the non-finite angles), with segments and a length that is not a multiple of its block
+    import math
+
+    import jax.numpy as jnp
+    import numpy as np
+
+    from axkern.ops.mamba3.common import angle_kernel
+    from tests.ops.test_mamba3_angle_kernel import _inputs, _xla
+
+    (angles, dt, theta0, seg), key = _inputs(2, 1000, 8, a, jnp.dtype(dtype), True, seed=5)
+    got = jax.jit(angle_kernel.angle_thetas)(angles, dt, theta0, seg)
+    want = jax.jit(_xla)(angles, dt, theta0, seg)
+    diff = np.abs(np.float64(got) - np.float64(want))
+    assert np.all(np.minimum(diff, 2 * math.pi - diff) <= 2e-5)
+    g = jax.random.normal(key, got.shape)
+    grads = [
+        jax.jit(jax.grad(lambda *x, f=f: jnp.sum(f(*x, seg) * g), argnums=(0, 1, 2)))(angles, dt, theta0)
+        for f in (angle_kernel.angle_thetas, _xla)
+    ]
+    for got_g, want_g in zip(*grads, strict=True):
+        got_g, want_g = np.float64(got_g), np.float64(want_g)
+        np.testing.assert_array_equal(np.isnan(got_g), np.isnan(want_g))
+        got_g, want_g = np.nan_to_num(got_g), np.nan_to_num(want_g)
+        tol = (2e-2 if dtype == "bfloat16" and got_g.shape == angles.shape else 1e-5) * np.abs(want_g).max()
+        np.testing.assert_allclose(got_g, want_g, rtol=0, atol=tol)

@@ -327,7 +327,7 @@ def test_the_rotating_forwards_layer_holds_the_oracle_rule(monkeypatch):
         mamba3_pallas_gpu,
         "kernel_core",
         lambda _layout, **kw: mosaic_gpu.rotating_core(
-            ssd_mosaic.EmulatedLayout, kw["dtype"], interpret=True
+            ssd_mosaic.EmulatedLayout, kw["dtype"], interpret=True, angle_kernel=kw["angle_kernel"]
         ),
     )
     with axkern.use(interpret=True):

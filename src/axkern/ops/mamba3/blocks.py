@@ -41,18 +41,24 @@ class Mamba3BlockSizes(BlockSizes):
     `rotation` (`mosaic_gpu` only): `"kernel"` (the fused forward turns `q`, `k` itself from the
     unrotated rows per group, the biases and the angles, `ssd/common/mosaic/rotation.py`; a
     state that is a multiple of 128) or `"xla"` (XLA forms the rotated values' halves per head);
-    None means the kernel's where it serves."""
+    None means the kernel's where it serves.
+
+    `angles` (`mosaic_gpu`, `pallas_gpu`): `"kernel"` (None means this) forms `Θ` by one Triton
+    kernel, forward and backward (`common/angle_kernel.py`), `"xla"` by XLA's passes
+    (`common/angles.py`)."""
 
     choices: ClassVar[Mapping[str, tuple[str, ...]]] = {
         "rotation_backward": ("xla", "kernel"),
         "forward": ("stages", "fused"),
         "rotation": ("xla", "kernel"),
+        "angles": ("kernel", "xla"),
     }
 
     chunk_size: int = 64
     rotation_backward: str | None = None
     forward: str | None = None
     rotation: str | None = None
+    angles: str | None = None
 
     def check(self, spec):
         if self.chunk_size & (self.chunk_size - 1):
@@ -60,22 +66,23 @@ class Mamba3BlockSizes(BlockSizes):
         return None
 
 
-# (field, the values only one implementation takes (None: any set value), that implementation,
-# what it has)
+# (field, the values only some implementations take (None: any set value), those
+# implementations, what they have)
 _FORMS = (
-    ("rotation_backward", ("kernel",), "pallas_gpu", "has the rotation's backward kernel"),
-    ("forward", None, "mosaic_gpu", "has forward forms"),
-    ("rotation", None, "mosaic_gpu", "chooses where q and k are rotated"),
+    ("rotation_backward", ("kernel",), ("pallas_gpu",), "has the rotation's backward kernel"),
+    ("forward", None, ("mosaic_gpu",), "has forward forms"),
+    ("rotation", None, ("mosaic_gpu",), "chooses where q and k are rotated"),
+    ("angles", ("kernel",), ("mosaic_gpu", "pallas_gpu"), "have the angles' kernel"),
 )
 
 
 def refuse_forms(block_sizes: Mamba3BlockSizes, implementation: str) -> None:
     """Refuse the forms of `Mamba3BlockSizes` that only another implementation than
     `implementation` has, by name."""
-    for name, values, owner, what in _FORMS:
+    for name, values, owners, what in _FORMS:
         value = getattr(block_sizes, name)
-        if owner != implementation and value is not None and (values is None or value in values):
-            raise Unsupported(f"{name}={value!r}: only {owner} {what}")
+        if implementation not in owners and value is not None and (values is None or value in values):
+            raise Unsupported(f"{name}={value!r}: only {' and '.join(owners)} {what}")
 
 
 def bucket(spec: Spec) -> dict:

@@ -54,7 +54,7 @@ from axkern.ops.ssd.common import mosaic as kernels
 from axkern.ops.ssd.common.mosaic.rotation import RotatedOperand, halves_to_pairs, pairs_to_halves
 
 from .blocks import Mamba3BlockSizes, refuse_forms
-from .common import forward, kernel_core
+from .common import angle_thetas_for, forward, kernel_core
 
 CHUNK = kernels.CHUNK
 PARTS = 2  # `B`, `C` as two bf16 halves each
@@ -99,11 +99,21 @@ def mamba3(*args, block_sizes, interpret=False):
     fused = block_sizes.forward != "stages"
     layout = kernels.layout_class(fused, False, True, False)
     reason = rotation_reason(block_sizes, p, n, fused, q.dtype, args[1].dtype)
+    angle_kernel = block_sizes.angles != "xla"
     if reason is None:
-        return forward(rotating_core(layout, v.dtype), *args, chunk_size=CHUNK, later_ranks=True)
+        core = rotating_core(layout, v.dtype, angle_kernel=angle_kernel)
+        return forward(core, *args, chunk_size=CHUNK, later_ranks=True)
     if block_sizes.rotation == "kernel":
         raise Unsupported(f"rotation='kernel': {reason}")
-    core = kernel_core(layout, chunk_size=CHUNK, interpret=False, dtype=v.dtype, mimo=False, diagonal=False)
+    core = kernel_core(
+        layout,
+        chunk_size=CHUNK,
+        interpret=False,
+        dtype=v.dtype,
+        mimo=False,
+        diagonal=False,
+        angle_kernel=angle_kernel,
+    )
     return forward(core, *args, chunk_size=CHUNK, later_ranks=True)
 
 
@@ -137,7 +147,7 @@ def rotation_reason(block_sizes, p, n, fused, *dtypes) -> str | None:
     return kernels.rotation_reason(p, n)
 
 
-def rotating_core(layout, dtype, interpret=False):
+def rotating_core(layout, dtype, interpret=False, angle_kernel=False):
     """A `common.Core` whose forward kernel turns `q` and `k` itself (`rotates`: `B`, `C` come as
     the unrotated values per group, the biases and `Θ`, `ssd/common/mosaic/rotation.py`). The
     rotation pairs `(i, i + N/2)`, so the state's columns run evens first, odds next inside the
@@ -145,7 +155,8 @@ def rotating_core(layout, dtype, interpret=False):
     state): no product notices the order. SISO only. `x` as it comes (`cleans_x`): the scan
     takes its non-finite values as 0, in the forward kernel itself when nothing differentiates
     the call (no cleaned copy written). `interpret`: the layout's Pallas stages (the
-    recurrences) in interpret mode (an emulating layout's, on the CPU)."""
+    recurrences) in interpret mode (an emulating layout's, on the CPU). `angle_kernel`: `Θ` by
+    the Triton kernel `common.angle_thetas` (`kernel_core`'s)."""
 
     def operand(u, bias, theta):  # u [b, l, 1, g, n], bias [1, h, n], theta [b, h, l, a]
         u = pairs_to_halves(jnp.transpose(u[:, :, 0], (0, 2, 1, 3)))  # [b, g, l, n]
@@ -171,4 +182,5 @@ def rotating_core(layout, dtype, interpret=False):
 
     core.heads_major, core.rotates, core.x_dtype, core.diagonal = True, True, jnp.dtype(dtype), False
     core.cleans_x = True  # `x` may come with non-finite values: the scan takes them as 0
+    core.angle_kernel = angle_thetas_for(interpret) if angle_kernel else None
     return core

@@ -212,5 +212,6 @@ def mamba3(*args, block_sizes, interpret=False):
         rotation_backward=(
             _ROTATION_BACKWARD[bool(interpret)] if block_sizes.rotation_backward == "kernel" else None
         ),
+        angle_kernel=block_sizes.angles != "xla",
     )
     return forward(core, *args, chunk_size=q, later_ranks=True)

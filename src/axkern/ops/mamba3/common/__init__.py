@@ -54,6 +54,7 @@ from axkern.ops.ssd.common import kernels as chunk_kernels
 from axkern.ops.ssd.common.chunks import all_finite, clean, poison, reaches, scrubbed, segment_starts
 
 from ..blocks import kernel_slots
+from .angle_kernel import angle_thetas
 from .angles import angle_sums
 
 
@@ -203,6 +204,9 @@ class Core(typing.Protocol):
     # `diag_t (C_t · B_t) x_t` to `y_t` (SISO), so `forward` leaves it the diagonal correction
     diagonal: bool
     x_dtype: typing.Any  # optional (absent: float32 or wider): the dtype the call takes `x` in
+    # optional (absent: None): `Θ` heads first from the raw angles (`angle_kernel.angle_thetas`'s
+    # arguments and result; a `heads_major` core's), else XLA's `angle_sums`
+    angle_kernel: typing.Any
     # optional (absent: False): `B`, `C` are `(k or q [b, l, R, G, N], bias [R, H, N], Θ)`, unrotated
     rotates: bool
 
@@ -215,13 +219,16 @@ def kernel_x_dtype(dtype, mimo):
     return jnp.promote_types(dtype, jnp.float32) if mimo else jnp.dtype(dtype)
 
 
-def kernel_core(layout, *, chunk_size, interpret, dtype, mimo, diagonal=True, rotation_backward=None) -> Core:
+def kernel_core(
+    layout, *, chunk_size, interpret, dtype, mimo, diagonal=True, rotation_backward=None, angle_kernel=False
+) -> Core:
     """SSD's Pallas chunk kernels (`ssd/common/kernels.py`, with `layout` a `Layout` subclass) as a
     `Core` over chunks of `chunk_size` tokens. `x` goes in as `kernel_x_dtype(dtype, mimo)`; the
     kernels take the path of the inputs' `dtype` (the products' precision, the decay's form);
     `B`, `C` (rotated `k`, `q`) per head, heads first (`[b, H, l, R, N]`, the `heads_major` form
     of `forward`: the kernels' layout, so the rotation writes them where the kernels read them).
-    `rotation_backward`: the rotation's backward for `rotated` (None: XLA's).
+    `rotation_backward`: the rotation's backward for `rotated` (None: XLA's). `angle_kernel`:
+    `Θ` by the Triton kernel `angle_thetas` (a GPU layout's; in interpret mode with `interpret`).
 
     The kernels take one input per position, so token `t`'s `R` inputs run as `S =
     blocks.kernel_slots(R)` consecutive positions `(t, 0..S-1)` (ranks past `R` zero): the
@@ -265,11 +272,17 @@ def kernel_core(layout, *, chunk_size, interpret, dtype, mimo, diagonal=True, ro
 
     core.heads_major = True
     core.rotation_backward = rotation_backward
+    core.angle_kernel = angle_thetas_for(interpret) if angle_kernel else None
     core.x_dtype = kernel_x_dtype(dtype, mimo)
     # SISO with `diagonal`: the diagonal correction inside the chunk-scan kernels
     # (`ssd/common/bodies.py`); MIMO's correction also holds a token's later ranks, which stay in XLA
     core.diagonal = diagonal and not mimo and layout.diagonal
     return core
+
+
+def angle_thetas_for(interpret: bool):
+    """`angle_thetas` compiled, or in interpret mode: a core's `angle_kernel`."""
+    return functools.partial(angle_thetas, interpret=bool(interpret))
 
 
 def forward(
@@ -320,8 +333,12 @@ def forward(
     adt_c, dt_c, lam = clean(adt_), clean(dt_), jax.nn.sigmoid(clean(trap_))
 
     # the angles, then the rotated q, k from `Θ` as the guard below leaves it
-    inc = math.pi * jnp.tanh(clean(ang)) * dt_c[..., None]
-    theta = angle_sums(inc, clean(f(angle0)), seg, chunk_size)
+    angle_kernel = getattr(core, "angle_kernel", None) if heads_major else None
+    if angle_kernel is not None:  # heads first, [b, h, l, a]
+        theta = angle_kernel(angles, clean(f(dt)), clean(f(angle0)), seg)
+    else:
+        inc = math.pi * jnp.tanh(clean(ang)) * dt_c[..., None]
+        theta = angle_sums(inc, clean(f(angle0)), seg, chunk_size)
     v0r = f(v0)[:, None] * by_rank(W_x) if mimo else f(v0)[:, None]  # [b, r, h, p]
     x_dtype = getattr(core, "x_dtype", acc)
 
@@ -331,7 +348,7 @@ def forward(
     # Θ in the layout the rotation writes (`heads_major`: [b, h, l, a], else [b, l, h, a]), so
     # that the rotation reads its angles in its own order and writes its output with no transpose
     own_order = (lambda u: jnp.swapaxes(u, 1, 2)) if heads_major else (lambda u: u)
-    theta = own_order(theta)
+    theta = theta if angle_kernel is not None else own_order(theta)
 
     def rotations(theta, last=False):  # the rotated q, k ([b, l, r, h, n]; `heads_major`: [b, h, l, r, n])
         at = slice(length - 1, length) if last else slice(None)  # `last`: the last position only

@@ -1,0 +1,218 @@
+"""Mamba-3's angles `Θ` by one Pallas Triton kernel, forward and backward (`angle_thetas`), where
+XLA forms them in several passes (`angles.angle_sums`: `π tanh(angles) Δ`, the sums inside
+chunks as a masked product, the carry between chunks, the remainder, the move to heads first).
+
+**Math.** `inc_t = π tanh(angles_t) Δ_t` (non-finite `angles` as 0, `Δ` given clean), `Θ_t =
+(Θ_0 [t in the first segment] + Σ_{s <= t in t's segment} inc_s) mod 2π`. The backward:
+`dinc_t = Σ_{s >= t in t's segment} dΘ_s` (the remainder's derivative is 1), `dangles_t =
+dinc_t π Δ_t (1 - tanh² angles_t)` (NaN where `angles_t` is not finite, as `chunks.clean`
+reports it), `dΔ_t = Σ_a dinc_t π
+tanh angles_t`, `dΘ_0 = dinc_0` (position 0 is always in the first segment).
+
+**Layout and grid.** One program per (batch row, head) walks the positions in blocks of `ROWS`,
+the running angle carried in registers: the sums inside a block are a `[ROWS, ROWS]` 0/1 mask
+(same segment, `s <= t`) times the block's `[ROWS, A]` increments (exact float32 products, as
+XLA's `Precision.HIGHEST` einsum), plus the carried angle where the block's rows continue its
+segment, and the remainder taken per block, as `angle_sums` takes it per chunk: its rounding does
+not grow with the length. The backward walks the blocks from the last, the sums over `s >= t`.
+`angles` are read where they lie (`[b, L, h, A]`, rows of `4 A` bytes), `Θ` written heads first
+(`[b, h, L, A]` float32, where the rotation and the kernels read it), `Δ` read as `[b, h, L]`.
+
+**Bytes** per position and head: forward `angles` read and `Θ` written, `8 A` bytes (float32
+angles); backward `dΘ`, `angles` read and `dangles` written, `12 A`. FLOPs: `2 ROWS A` per
+position for the masked sums, against which the bytes dominate (memory bound).
+
+**Sizes**: `A` is widened to a power of two of at least 16 (Triton's product tiles) with zero
+angles, the length to a multiple of `ROWS` with zeros (both only where needed: a copy in XLA).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from axkern.core.blocks import next_power_of_2
+
+ROWS = 64  # positions per block: the masked product's tile
+WARPS = 4
+_TWO_PI = 2 * math.pi
+_MAX = float(jnp.finfo(jnp.float32).max)
+
+
+def _finite(a):
+    return jnp.abs(a) <= _MAX  # False for NaN and both infinities
+
+
+def _mask(seg, rows, later):
+    """`[rows, rows]` float32: 1 where positions `t` (rows) and `s` (columns) share a segment
+    and `s <= t` (`later`: `s >= t`)."""
+    t = lax.broadcasted_iota(jnp.int32, (rows, rows), 0)
+    s = lax.broadcasted_iota(jnp.int32, (rows, rows), 1)
+    order = s >= t if later else s <= t
+    return ((seg[:, None] == seg[None, :]) & order).astype(jnp.float32)
+
+
+def _row(x, rows, at):
+    """Row `at` of `x` (`[rows, ...]`) as a sum (a Triton tile has no indexing)."""
+    pick = lax.broadcasted_iota(jnp.int32, (rows,), 0) == at
+    if x.ndim == 1:
+        return jnp.sum(jnp.where(pick, x, 0))
+    return jnp.sum(jnp.where(pick[:, None], x, 0.0), axis=0)
+
+
+def _forward_kernel(ang_ref, dt_ref, theta0_ref, seg_ref, theta_ref, *, rows):
+    blocks = seg_ref.shape[0] // rows
+
+    def block(i, carry):
+        theta_c, seg_c = carry
+        at = pl.ds(pl.multiple_of(i * rows, rows), rows)
+        a = ang_ref[at, :].astype(jnp.float32)
+        inc = math.pi * jnp.tanh(jnp.where(_finite(a), a, 0.0)) * dt_ref[at][:, None]
+        seg = seg_ref[at]
+        local = jnp.dot(_mask(seg, rows, False), inc)
+        theta = jnp.mod(local + jnp.where((seg == seg_c)[:, None], theta_c[None, :], 0.0), _TWO_PI)
+        theta_ref[at, :] = theta
+        return _row(theta, rows, rows - 1), _row(seg, rows, rows - 1)
+
+    lax.fori_loop(0, blocks, block, (theta0_ref[...].astype(jnp.float32), jnp.int32(0)))
+
+
+def _backward_kernel(g_ref, ang_ref, dt_ref, seg_ref, dang_ref, ddt_ref, dtheta0_ref, *, rows):
+    blocks = seg_ref.shape[0] // rows
+
+    def block(j, carry):
+        d_c, seg_c = carry
+        at = pl.ds(pl.multiple_of((blocks - 1 - j) * rows, rows), rows)
+        seg = seg_ref[at]
+        d_inc = jnp.dot(_mask(seg, rows, True), g_ref[at, :]) + jnp.where(
+            (seg == seg_c)[:, None], d_c[None, :], 0.0
+        )
+        a = ang_ref[at, :].astype(jnp.float32)
+        ok = _finite(a)
+        th = jnp.tanh(jnp.where(ok, a, 0.0))
+        dt = dt_ref[at]
+        dang_ref[at, :] = jnp.where(ok, d_inc * (math.pi * dt)[:, None] * (1.0 - th * th), jnp.nan).astype(
+            dang_ref.dtype
+        )
+        ddt_ref[at] = jnp.sum(d_inc * th, axis=1) * math.pi
+        return _row(d_inc, rows, 0), _row(seg, rows, 0)
+
+    d0 = jnp.zeros(dtheta0_ref.shape, jnp.float32)
+    d_first, _ = lax.fori_loop(0, blocks, block, (d0, jnp.int32(-1)))
+    dtheta0_ref[...] = d_first
+
+
+def _sizes(ang, rows):
+    length, a = ang.shape[1], ang.shape[-1]
+    return -(-length // rows) * rows, max(16, next_power_of_2(a))
+
+
+def _pad(x, axis, size):
+    widen = [(0, 0)] * x.ndim
+    widen[axis] = (0, size - x.shape[axis])
+    return x if size == x.shape[axis] else jnp.pad(x, widen)
+
+
+def _pad_seg(seg, size):
+    """The ids padded to `size` positions with the last one (the padding continues the last
+    segment, with zero increments)."""
+    b, length = seg.shape
+    if size == length:
+        return seg
+    return jnp.concatenate([seg, jnp.broadcast_to(seg[:, -1:], (b, size - length))], axis=1)
+
+
+def _specs(b_axis_len, lp, ap):
+    del b_axis_len
+    return dict(
+        ang=pl.BlockSpec((None, lp, None, ap), lambda i, j: (i, 0, j, 0)),
+        heads_first=pl.BlockSpec((None, None, lp, ap), lambda i, j: (i, j, 0, 0)),
+        per_head=pl.BlockSpec((None, None, lp), lambda i, j: (i, j, 0)),
+        seg=pl.BlockSpec((None, lp), lambda i, j: (i, 0)),
+        angle0=pl.BlockSpec((None, None, ap), lambda i, j: (i, j, 0)),
+    )
+
+
+def _forward(ang, dt, theta0, seg, rows, interpret):
+    b, length, h, a = ang.shape
+    lp, ap = _sizes(ang, rows)
+    sp = _specs(b, lp, ap)
+    theta = pl.pallas_call(
+        functools.partial(_forward_kernel, rows=rows),
+        name="axkern_mamba3_angles",
+        grid=(b, h),
+        in_specs=[sp["ang"], sp["per_head"], sp["angle0"], sp["seg"]],
+        out_specs=sp["heads_first"],
+        out_shape=jax.ShapeDtypeStruct((b, h, lp, ap), jnp.float32),
+        interpret=interpret,
+        compiler_params=pltriton.CompilerParams(num_warps=WARPS, num_stages=2),
+    )(
+        _pad(_pad(ang, 1, lp), 3, ap),
+        _pad(dt.astype(jnp.float32), 2, lp),
+        _pad(theta0.astype(jnp.float32), 2, ap),
+        _pad_seg(seg, lp),
+    )
+    return theta[:, :, :length, :a]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _thetas(ang, dt, theta0, seg, rows, interpret):
+    return _forward(ang, dt, theta0, seg, rows, interpret)
+
+
+def _thetas_fwd(ang, dt, theta0, seg, rows, interpret):
+    return _forward(ang, dt, theta0, seg, rows, interpret), (ang, dt, theta0, seg)
+
+
+def _thetas_bwd(rows, interpret, res, g):
+    ang, dt, theta0, seg = res
+    b, length, h, a = ang.shape
+    lp, ap = _sizes(ang, rows)
+    sp = _specs(b, lp, ap)
+    dang, ddt, dtheta0 = pl.pallas_call(
+        functools.partial(_backward_kernel, rows=rows),
+        name="axkern_mamba3_angles_bwd",
+        grid=(b, h),
+        in_specs=[sp["heads_first"], sp["ang"], sp["per_head"], sp["seg"]],
+        out_specs=[sp["ang"], sp["per_head"], sp["angle0"]],
+        out_shape=[
+            jax.ShapeDtypeStruct((b, lp, h, ap), ang.dtype),
+            jax.ShapeDtypeStruct((b, h, lp), jnp.float32),
+            jax.ShapeDtypeStruct((b, h, ap), jnp.float32),
+        ],
+        interpret=interpret,
+        compiler_params=pltriton.CompilerParams(num_warps=WARPS, num_stages=2),
+    )(
+        _pad(_pad(g.astype(jnp.float32), 2, lp), 3, ap),
+        _pad(_pad(ang, 1, lp), 3, ap),
+        _pad(dt.astype(jnp.float32), 2, lp),
+        _pad_seg(seg, lp),
+    )
+    seg_zero = jnp.zeros(seg.shape, jax.dtypes.float0)
+    return (
+        dang[:, :length, :, :a],
+        ddt[:, :, :length].astype(dt.dtype),
+        dtheta0[..., :a].astype(theta0.dtype),
+        seg_zero,
+    )
+
+
+_thetas.defvjp(_thetas_fwd, _thetas_bwd)
+
+
+def angle_thetas(angles, dt, theta0, seg, *, rows: int = ROWS, interpret: bool = False):
+    """`Θ`, `[b, h, L, A]` float32 heads first, from `angles [b, L, h, A]` as given (float32 or
+    16-bit; non-finite values taken as 0), `dt [b, h, L]` (`Δ`, finite: the caller cleans it),
+    `theta0 [b, h, A]` (finite) and the internal segment ids `seg [b, L]` (int32, running
+    counts from 0: `chunks.segment_starts`); `angles.angle_sums` by one Pallas Triton kernel
+    (the module docstring), differentiable in `angles`, `dt` and `theta0`."""
+    if angles.shape[-1] == 0:
+        b, length, h, _ = angles.shape
+        return jnp.zeros((b, h, length, 0), jnp.float32)
+    return _thetas(angles, dt, theta0, seg.astype(jnp.int32), rows, interpret)
