@@ -4,20 +4,24 @@
 in shuffled order; and the angles alone (the kernel against `angles.angle_sums` with the move to
 heads first), forward and forward+backward.
 
-    OUT=<folder> python3 benchmarks/mamba3_angle_forms.py [--rounds N] [--mimo]
+    OUT=<folder> python3 benchmarks/mamba3_angle_forms.py [--rounds N] [--mimo] [--tiles R,W ...]
 
 writes `$OUT/mamba3_angle_forms.json`. `--mimo`: the MIMO rank-4 case (`pallas_gpu`) too.
+`--tiles`: the kernel alone also with these positions per block and warps (`angle_thetas`'
+`rows`, `warps`), each row with its largest distance from XLA's `Θ` (modulo 2π).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import random
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from records import header, write  # (this folder's: run as a script)
 
 from axkern import bench
@@ -44,6 +48,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--mimo", action="store_true")
+    parser.add_argument("--tiles", nargs="*", default=[])
     opts = parser.parse_args()
     cases = [(c, "mosaic_gpu") for c in bench.cases_for("mamba3", preset="mamba3_2.7b") if "SISO" in c.label]
     if opts.mimo:
@@ -75,7 +80,17 @@ def main() -> None:
         jnp.zeros((b, length), jnp.int32),
     )
     g = jax.random.normal(keys[3], (b, h, length, a))
-    for form, f in (("kernel", angle_kernel.angle_thetas), ("xla", _xla_thetas)):
+    forms = [("kernel", angle_kernel.angle_thetas), ("xla", _xla_thetas)]
+    for tiles in opts.tiles:
+        rows, warps = (int(t) for t in tiles.split(","))
+        forms.append(
+            (f"kernel {rows}x{warps}", functools.partial(angle_kernel.angle_thetas, rows=rows, warps=warps))
+        )
+    want = np.float64(jax.jit(_xla_thetas)(*alone))
+    distance = {}
+    for form, f in forms:
+        diff = np.abs(np.float64(jax.jit(f)(*alone)) - want)
+        distance[form] = float(np.max(np.minimum(diff, 2 * math.pi - diff)))
         fns[("angles alone", "-", form, "fwd")] = (jax.jit(f), alone)
         grad = jax.jit(jax.grad(lambda *x, f=f: jnp.sum(f(*x, alone[3]) * g), argnums=(0, 1, 2)))
         fns[("angles alone", "-", form, "fwd+bwd")] = (grad, alone[:3])
@@ -89,6 +104,8 @@ def main() -> None:
     for (label, impl, form, pass_), ms in times.items():
         ms = sorted(ms)
         row = {"case": label, "implementation": impl, "angles": form, "pass": pass_}
+        if label == "angles alone":
+            row["max_distance_from_xla"] = distance[form]
         row |= {"ms": ms[len(ms) // 2], "ms_min": ms[0], "ms_max": ms[-1]}
         out["rows"].append(row)
         print(json.dumps(row), flush=True)

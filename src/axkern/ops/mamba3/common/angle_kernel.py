@@ -11,8 +11,8 @@ tanh angles_t`, `dΘ_0 = dinc_0` (position 0 is always in the first segment).
 
 **Layout and grid.** One program per (batch row, head) walks the positions in blocks of `ROWS`,
 the running angle carried in registers: the sums inside a block are a `[ROWS, ROWS]` 0/1 mask
-(same segment, `s <= t`) times the block's `[ROWS, A]` increments (exact float32 products, as
-XLA's `Precision.HIGHEST` einsum), plus the carried angle where the block's rows continue its
+(same segment, `s <= t`) times the block's `[ROWS, A]` increments (products about as exact as
+float32 ones, `_exact`, as XLA's `Precision.HIGHEST` einsum), plus the carried angle where the block's rows continue its
 segment, and the remainder taken per block, as `angle_sums` takes it per chunk: its rounding does
 not grow with the length. The backward walks the blocks from the last, the sums over `s >= t`.
 `angles` are read where they lie (`[b, L, h, A]`, rows of `4 A` bytes), `Θ` written heads first
@@ -45,6 +45,14 @@ _TWO_PI = 2 * math.pi
 _MAX = float(jnp.finfo(jnp.float32).max)
 
 
+def _exact(interpret):
+    """The masked sums' precision: float32 products exact enough (Triton's default for float32
+    is TF32, whose 10-bit increments lost up to 5e-3 of `Θ` over 1000 positions on the H200):
+    three TF32 products on the GPU (the 0/1 mask is exact in TF32, the increments' low part
+    keeps what their TF32 rounding loses), `HIGHEST` in interpret mode (the CPU has no TF32)."""
+    return lax.Precision.HIGHEST if interpret else lax.DotAlgorithmPreset.TF32_TF32_F32_X3
+
+
 def _finite(a):
     return jnp.abs(a) <= _MAX  # False for NaN and both infinities
 
@@ -66,7 +74,7 @@ def _row(x, rows, at):
     return jnp.sum(jnp.where(pick[:, None], x, 0.0), axis=0)
 
 
-def _forward_kernel(ang_ref, dt_ref, theta0_ref, seg_ref, theta_ref, *, rows):
+def _forward_kernel(ang_ref, dt_ref, theta0_ref, seg_ref, theta_ref, *, rows, exact):
     blocks = seg_ref.shape[0] // rows
 
     def block(i, carry):
@@ -75,7 +83,7 @@ def _forward_kernel(ang_ref, dt_ref, theta0_ref, seg_ref, theta_ref, *, rows):
         a = ang_ref[at, :].astype(jnp.float32)
         inc = math.pi * jnp.tanh(jnp.where(_finite(a), a, 0.0)) * dt_ref[at][:, None]
         seg = seg_ref[at]
-        local = jnp.dot(_mask(seg, rows, False), inc)
+        local = jnp.dot(_mask(seg, rows, False), inc, precision=exact)
         theta = jnp.mod(local + jnp.where((seg == seg_c)[:, None], theta_c[None, :], 0.0), _TWO_PI)
         theta_ref[at, :] = theta
         return _row(theta, rows, rows - 1), _row(seg, rows, rows - 1)
@@ -83,14 +91,14 @@ def _forward_kernel(ang_ref, dt_ref, theta0_ref, seg_ref, theta_ref, *, rows):
     lax.fori_loop(0, blocks, block, (theta0_ref[...].astype(jnp.float32), jnp.int32(0)))
 
 
-def _backward_kernel(g_ref, ang_ref, dt_ref, seg_ref, dang_ref, ddt_ref, dtheta0_ref, *, rows):
+def _backward_kernel(g_ref, ang_ref, dt_ref, seg_ref, dang_ref, ddt_ref, dtheta0_ref, *, rows, exact):
     blocks = seg_ref.shape[0] // rows
 
     def block(j, carry):
         d_c, seg_c = carry
         at = pl.ds(pl.multiple_of((blocks - 1 - j) * rows, rows), rows)
         seg = seg_ref[at]
-        d_inc = jnp.dot(_mask(seg, rows, True), g_ref[at, :]) + jnp.where(
+        d_inc = jnp.dot(_mask(seg, rows, True), g_ref[at, :], precision=exact) + jnp.where(
             (seg == seg_c)[:, None], d_c[None, :], 0.0
         )
         a = ang_ref[at, :].astype(jnp.float32)
@@ -139,19 +147,19 @@ def _specs(b_axis_len, lp, ap):
     )
 
 
-def _forward(ang, dt, theta0, seg, rows, interpret):
-    b, length, h, a = ang.shape
+def _forward(ang, dt, theta0, seg, tiles, interpret):
+    (rows, warps), b, (length, h, a) = tiles, ang.shape[0], ang.shape[1:]
     lp, ap = _sizes(ang, rows)
     sp = _specs(b, lp, ap)
     theta = pl.pallas_call(
-        functools.partial(_forward_kernel, rows=rows),
+        functools.partial(_forward_kernel, rows=rows, exact=_exact(interpret)),
         name="axkern_mamba3_angles",
         grid=(b, h),
         in_specs=[sp["ang"], sp["per_head"], sp["angle0"], sp["seg"]],
         out_specs=sp["heads_first"],
         out_shape=jax.ShapeDtypeStruct((b, h, lp, ap), jnp.float32),
         interpret=interpret,
-        compiler_params=pltriton.CompilerParams(num_warps=WARPS, num_stages=2),
+        compiler_params=pltriton.CompilerParams(num_warps=warps, num_stages=2),
     )(
         _pad(_pad(ang, 1, lp), 3, ap),
         _pad(dt.astype(jnp.float32), 2, lp),
@@ -162,21 +170,21 @@ def _forward(ang, dt, theta0, seg, rows, interpret):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _thetas(ang, dt, theta0, seg, rows, interpret):
-    return _forward(ang, dt, theta0, seg, rows, interpret)
+def _thetas(ang, dt, theta0, seg, tiles, interpret):
+    return _forward(ang, dt, theta0, seg, tiles, interpret)
 
 
-def _thetas_fwd(ang, dt, theta0, seg, rows, interpret):
-    return _forward(ang, dt, theta0, seg, rows, interpret), (ang, dt, theta0, seg)
+def _thetas_fwd(ang, dt, theta0, seg, tiles, interpret):
+    return _forward(ang, dt, theta0, seg, tiles, interpret), (ang, dt, theta0, seg)
 
 
-def _thetas_bwd(rows, interpret, res, g):
+def _thetas_bwd(tiles, interpret, res, g):
     ang, dt, theta0, seg = res
-    b, length, h, a = ang.shape
+    (rows, warps), b, (length, h, a) = tiles, ang.shape[0], ang.shape[1:]
     lp, ap = _sizes(ang, rows)
     sp = _specs(b, lp, ap)
     dang, ddt, dtheta0 = pl.pallas_call(
-        functools.partial(_backward_kernel, rows=rows),
+        functools.partial(_backward_kernel, rows=rows, exact=_exact(interpret)),
         name="axkern_mamba3_angles_bwd",
         grid=(b, h),
         in_specs=[sp["heads_first"], sp["ang"], sp["per_head"], sp["seg"]],
@@ -187,7 +195,7 @@ def _thetas_bwd(rows, interpret, res, g):
             jax.ShapeDtypeStruct((b, h, ap), jnp.float32),
         ],
         interpret=interpret,
-        compiler_params=pltriton.CompilerParams(num_warps=WARPS, num_stages=2),
+        compiler_params=pltriton.CompilerParams(num_warps=warps, num_stages=2),
     )(
         _pad(_pad(g.astype(jnp.float32), 2, lp), 3, ap),
         _pad(_pad(ang, 1, lp), 3, ap),
@@ -206,13 +214,14 @@ def _thetas_bwd(rows, interpret, res, g):
 _thetas.defvjp(_thetas_fwd, _thetas_bwd)
 
 
-def angle_thetas(angles, dt, theta0, seg, *, rows: int = ROWS, interpret: bool = False):
+def angle_thetas(angles, dt, theta0, seg, *, rows: int = ROWS, warps: int = WARPS, interpret: bool = False):
     """`Θ`, `[b, h, L, A]` float32 heads first, from `angles [b, L, h, A]` as given (float32 or
     16-bit; non-finite values taken as 0), `dt [b, h, L]` (`Δ`, finite: the caller cleans it),
     `theta0 [b, h, A]` (finite) and the internal segment ids `seg [b, L]` (int32, running
     counts from 0: `chunks.segment_starts`); `angles.angle_sums` by one Pallas Triton kernel
-    (the module docstring), differentiable in `angles`, `dt` and `theta0`."""
+    (the module docstring), differentiable in `angles`, `dt` and `theta0`. `rows`, `warps`: the
+    blocks' positions and the programs' warps."""
     if angles.shape[-1] == 0:
         b, length, h, _ = angles.shape
         return jnp.zeros((b, h, length, 0), jnp.float32)
-    return _thetas(angles, dt, theta0, seg.astype(jnp.int32), rows, interpret)
+    return _thetas(angles, dt, theta0, seg.astype(jnp.int32), (rows, warps), interpret)
