@@ -4,11 +4,11 @@
 in shuffled order; and the angles alone (the kernel against `angles.angle_sums` with the move to
 heads first), forward and forward+backward.
 
-    OUT=<folder> python3 benchmarks/mamba3_angle_forms.py [--rounds N] [--mimo] [--tiles R,W ...]
+    OUT=<folder> python3 benchmarks/mamba3_angle_forms.py [--rounds N] [--mimo] [--tiles R,W,C,S ...]
 
 writes `$OUT/mamba3_angle_forms.json`. `--mimo`: the MIMO rank-4 case (`pallas_gpu`) too.
-`--tiles`: the kernel alone also with these positions per block and warps (`angle_thetas`'
-`rows`, `warps`), each row with its largest distance from XLA's `Θ` (modulo 2π).
+`--tiles`: the kernel alone also with these positions per block, warps, angles per program and
+pipeline stages (`angle_thetas`' `rows`, `warps`, `cols`, `stages`; C 0 for all), each row with its largest distance from XLA's `Θ` (modulo 2π).
 """
 
 from __future__ import annotations
@@ -82,10 +82,9 @@ def main() -> None:
     g = jax.random.normal(keys[3], (b, h, length, a))
     forms = [("kernel", angle_kernel.angle_thetas), ("xla", _xla_thetas)]
     for tiles in opts.tiles:
-        rows, warps = (int(t) for t in tiles.split(","))
-        forms.append(
-            (f"kernel {rows}x{warps}", functools.partial(angle_kernel.angle_thetas, rows=rows, warps=warps))
-        )
+        rows, warps, cols, stages = (int(t) for t in tiles.split(","))
+        tile = dict(rows=rows, warps=warps, cols=cols or None, stages=stages)
+        forms.append((f"kernel {tiles}", functools.partial(angle_kernel.angle_thetas, **tile)))
     want = np.float64(jax.jit(_xla_thetas)(*alone))
     distance = {}
     for form, f in forms:

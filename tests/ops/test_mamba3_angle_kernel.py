@@ -117,3 +117,21 @@ def test_the_kernels_form_is_refused_where_no_kernel_runs_it(impl):
     with pytest.raises(axkern.Unsupported, match="angles='kernel': only mosaic_gpu and pallas_gpu"):
         with axkern.use(interpret=True):
             call(impl, arrays, seg, Mamba3BlockSizes(16, angles="kernel"))
+
+
+def test_programs_of_some_angles_each_form_the_same():
+    # `cols=16`: two programs for 32 angles (each its columns; `dΔ` summed over them after)
+    (angles, dt, theta0, seg), key = _inputs(1, 150, 2, 32, jnp.float32, True)
+    g = jax.random.normal(key, (1, 2, 150, 32))
+    outs = []
+    for cols in (None, 16):
+        f = lambda *x, cols=cols: angle_kernel.angle_thetas(*x, seg, cols=cols, interpret=True)  # noqa: E731
+        outs.append(
+            (
+                f(angles, dt, theta0),
+                *jax.grad(lambda *x, f=f: jnp.sum(f(*x) * g), (0, 1, 2))(angles, dt, theta0),
+            )
+        )
+    for a, b in zip(*outs, strict=True):  # (the products' sums may group differently)
+        a, b = np.float64(a), np.float64(b)
+        np.testing.assert_allclose(a, b, rtol=0, atol=4e-6 * np.nanmax(np.abs(b)))

@@ -41,6 +41,8 @@ from axkern.core.blocks import next_power_of_2
 
 ROWS = 64  # positions per block: the masked product's tile
 WARPS = 4
+COLS = None  # angles per program (None: all of them)
+STAGES = 2
 _TWO_PI = 2 * math.pi
 _MAX = float(jnp.finfo(jnp.float32).max)
 
@@ -136,30 +138,38 @@ def _pad_seg(seg, size):
     return jnp.concatenate([seg, jnp.broadcast_to(seg[:, -1:], (b, size - length))], axis=1)
 
 
-def _specs(b_axis_len, lp, ap):
-    del b_axis_len
+def _specs(lp, cols):
+    """Block specs over the grid (batch, head, column block of `cols` angles)."""
     return dict(
-        ang=pl.BlockSpec((None, lp, None, ap), lambda i, j: (i, 0, j, 0)),
-        heads_first=pl.BlockSpec((None, None, lp, ap), lambda i, j: (i, j, 0, 0)),
-        per_head=pl.BlockSpec((None, None, lp), lambda i, j: (i, j, 0)),
-        seg=pl.BlockSpec((None, lp), lambda i, j: (i, 0)),
-        angle0=pl.BlockSpec((None, None, ap), lambda i, j: (i, j, 0)),
+        ang=pl.BlockSpec((None, lp, None, cols), lambda i, j, k: (i, 0, j, k)),
+        heads_first=pl.BlockSpec((None, None, lp, cols), lambda i, j, k: (i, j, 0, k)),
+        per_head=pl.BlockSpec((None, None, lp), lambda i, j, k: (i, j, 0)),
+        per_block=pl.BlockSpec((None, None, None, lp), lambda i, j, k: (i, j, k, 0)),
+        seg=pl.BlockSpec((None, lp), lambda i, j, k: (i, 0)),
+        angle0=pl.BlockSpec((None, None, cols), lambda i, j, k: (i, j, k)),
     )
 
 
+def _tiles(tiles, ap):
+    """`(rows, warps, cols, stages)` with `cols` (None: all) at most the widened angle count."""
+    rows, warps, cols, stages = tiles
+    return rows, warps, min(cols or ap, ap), stages
+
+
 def _forward(ang, dt, theta0, seg, tiles, interpret):
-    (rows, warps), b, (length, h, a) = tiles, ang.shape[0], ang.shape[1:]
-    lp, ap = _sizes(ang, rows)
-    sp = _specs(b, lp, ap)
+    b, length, h, a = ang.shape
+    lp, ap = _sizes(ang, tiles[0])
+    rows, warps, cols, stages = _tiles(tiles, ap)
+    sp = _specs(lp, cols)
     theta = pl.pallas_call(
         functools.partial(_forward_kernel, rows=rows, exact=_exact(interpret)),
         name="axkern_mamba3_angles",
-        grid=(b, h),
+        grid=(b, h, ap // cols),
         in_specs=[sp["ang"], sp["per_head"], sp["angle0"], sp["seg"]],
         out_specs=sp["heads_first"],
         out_shape=jax.ShapeDtypeStruct((b, h, lp, ap), jnp.float32),
         interpret=interpret,
-        compiler_params=pltriton.CompilerParams(num_warps=warps, num_stages=2),
+        compiler_params=pltriton.CompilerParams(num_warps=warps, num_stages=stages),
     )(
         _pad(_pad(ang, 1, lp), 3, ap),
         _pad(dt.astype(jnp.float32), 2, lp),
@@ -180,22 +190,23 @@ def _thetas_fwd(ang, dt, theta0, seg, tiles, interpret):
 
 def _thetas_bwd(tiles, interpret, res, g):
     ang, dt, theta0, seg = res
-    (rows, warps), b, (length, h, a) = tiles, ang.shape[0], ang.shape[1:]
-    lp, ap = _sizes(ang, rows)
-    sp = _specs(b, lp, ap)
+    b, length, h, a = ang.shape
+    lp, ap = _sizes(ang, tiles[0])
+    rows, warps, cols, stages = _tiles(tiles, ap)
+    sp = _specs(lp, cols)
     dang, ddt, dtheta0 = pl.pallas_call(
         functools.partial(_backward_kernel, rows=rows, exact=_exact(interpret)),
         name="axkern_mamba3_angles_bwd",
-        grid=(b, h),
+        grid=(b, h, ap // cols),
         in_specs=[sp["heads_first"], sp["ang"], sp["per_head"], sp["seg"]],
-        out_specs=[sp["ang"], sp["per_head"], sp["angle0"]],
+        out_specs=[sp["ang"], sp["per_block"], sp["angle0"]],
         out_shape=[
             jax.ShapeDtypeStruct((b, lp, h, ap), ang.dtype),
-            jax.ShapeDtypeStruct((b, h, lp), jnp.float32),
+            jax.ShapeDtypeStruct((b, h, ap // cols, lp), jnp.float32),  # each column block's share
             jax.ShapeDtypeStruct((b, h, ap), jnp.float32),
         ],
         interpret=interpret,
-        compiler_params=pltriton.CompilerParams(num_warps=warps, num_stages=2),
+        compiler_params=pltriton.CompilerParams(num_warps=warps, num_stages=stages),
     )(
         _pad(_pad(g.astype(jnp.float32), 2, lp), 3, ap),
         _pad(_pad(ang, 1, lp), 3, ap),
@@ -205,7 +216,7 @@ def _thetas_bwd(tiles, interpret, res, g):
     seg_zero = jnp.zeros(seg.shape, jax.dtypes.float0)
     return (
         dang[:, :length, :, :a],
-        ddt[:, :, :length].astype(dt.dtype),
+        ddt.sum(2)[:, :, :length].astype(dt.dtype),
         dtheta0[..., :a].astype(theta0.dtype),
         seg_zero,
     )
@@ -214,14 +225,26 @@ def _thetas_bwd(tiles, interpret, res, g):
 _thetas.defvjp(_thetas_fwd, _thetas_bwd)
 
 
-def angle_thetas(angles, dt, theta0, seg, *, rows: int = ROWS, warps: int = WARPS, interpret: bool = False):
+def angle_thetas(
+    angles,
+    dt,
+    theta0,
+    seg,
+    *,
+    rows: int = ROWS,
+    warps: int = WARPS,
+    cols: int | None = COLS,
+    stages: int = STAGES,
+    interpret: bool = False,
+):
     """`Θ`, `[b, h, L, A]` float32 heads first, from `angles [b, L, h, A]` as given (float32 or
     16-bit; non-finite values taken as 0), `dt [b, h, L]` (`Δ`, finite: the caller cleans it),
     `theta0 [b, h, A]` (finite) and the internal segment ids `seg [b, L]` (int32, running
     counts from 0: `chunks.segment_starts`); `angles.angle_sums` by one Pallas Triton kernel
     (the module docstring), differentiable in `angles`, `dt` and `theta0`. `rows`, `warps`: the
-    blocks' positions and the programs' warps."""
+    blocks' positions and the programs' warps, `cols` the angles a program takes (None: all; a
+    power of two of at least 16), `stages` Triton's pipeline stages."""
     if angles.shape[-1] == 0:
         b, length, h, _ = angles.shape
         return jnp.zeros((b, h, length, 0), jnp.float32)
-    return _thetas(angles, dt, theta0, seg.astype(jnp.int32), (rows, warps), interpret)
+    return _thetas(angles, dt, theta0, seg.astype(jnp.int32), (rows, warps, cols, stages), interpret)
