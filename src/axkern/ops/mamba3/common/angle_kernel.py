@@ -41,8 +41,8 @@ from axkern.core.blocks import next_power_of_2
 
 ROWS = 64  # positions per block: the masked product's tile
 WARPS = 4
-COLS = None  # angles per program (None: all of them)
-STAGES = 2
+COLS = 16  # angles per program (None: all of them)
+STAGES = 3
 _TWO_PI = 2 * math.pi
 _MAX = float(jnp.finfo(jnp.float32).max)
 
