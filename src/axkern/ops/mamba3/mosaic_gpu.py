@@ -1,7 +1,8 @@
 """Mamba-3 SISO on Hopper: SSD's Pallas Mosaic GPU chunk kernels (`ssd/common/mosaic`: TMA,
 `wgmma` with 16-bit operands into float32 accumulators) under the chunked form of `common`,
-with the per-position log-decay `adt` and the trapezoid's input scale (angles, rotations, gate
-and the diagonal correction in XLA, as `pallas_gpu`).
+with the per-position log-decay `adt` and the trapezoid's input scale (the angles by one Triton
+kernel, `common/angle_kernel.py`; rotations, gate and the diagonal correction in XLA, as
+`pallas_gpu`).
 
 **`q` and `k` as two bf16 halves.** SSD's kernels take `B` and `C` as bf16 inputs; Mamba-3's are
 the rotated, biased `k` and `q`, float32 values. Rounded to bf16 they missed the oracle rule

@@ -1,7 +1,7 @@
 """Mamba-3 as Pallas GPU (Triton) kernels: SSD's chunk kernels and its recurrence kernels
 (`ssd/common/kernels.py`, `ssd/common/gpu.py`'s layout) with the per-position log-decay `adt` and
-the trapezoid's input scale, under the chunked form of `common` (angles, rotations and gate
-and the diagonal correction in XLA: the kernels can take SISO's as their diagonal term,
+the trapezoid's input scale, under the chunked form of `common` (the angles by one Triton kernel,
+`common/angle_kernel.py`; rotations, gate and the diagonal correction in XLA: the kernels can take SISO's as their diagonal term,
 `ssd/common/bodies.py`, which on the H200 cost the backward kernel more than XLA's pass).
 
 **Products**: `x` in the inputs' dtype (SISO: `v`) or float32 (MIMO: `v ⊙ W_x`); the rotated
