@@ -195,6 +195,11 @@ def test_it_refuses_what_the_kernels_cannot_take_with_the_reason():
     assert "backward kernels turn dq, dk back" in says(_h200_spec(), Mamba3BlockSizes(64))
     assert "state=64: the kernel turns column halves" in says(_h200_spec(state=64), Mamba3BlockSizes(64))
     assert "rotation='xla'" in says(_h200_spec(), Mamba3BlockSizes(64, rotation="xla"))
+    # and how it forms the angles: one Triton kernel unless XLA's passes are asked for
+    assert "Θ by one Triton kernel" in says(_h200_spec(), Mamba3BlockSizes(64))
+    assert "Θ by XLA's passes (angles='xla')" in says(_h200_spec(), Mamba3BlockSizes(64, angles="xla"))
+    gpu_says = OP.implementations["pallas_gpu"].backward
+    assert "Θ by one Triton kernel" in gpu_says(_h200_spec(), Mamba3BlockSizes(64))
     assert "only the fused forward" in mosaic_gpu.rotation_reason(stages, 64, 128, False, jnp.bfloat16)
     with pytest.raises(axkern.Unsupported, match="MIMO"):
         mosaic_gpu.mamba3(*args[:16], *[jnp.ones((2, 2, 64))] * 3, block_sizes=Mamba3BlockSizes(64))

@@ -24,6 +24,7 @@ from axkern.core.typing import Array, Float, Int, checked
 from . import mosaic_gpu, pallas_gpu, pallas_tpu, reference, xla
 from .blocks import (
     Mamba3BlockSizes,
+    angles_form,
     bucket,
     heuristic,
     mosaic_gpu_heuristic,
@@ -77,7 +78,9 @@ OP = Op(
             block_sizes=Mamba3BlockSizes,
             heuristic=pallas_gpu_heuristic,
             interpretable=True,
-            backward="custom_vjp: SSD's chunk-scan, chunk-state and recurrence backward kernels",
+            backward=lambda spec, block_sizes: (
+                f"custom_vjp: SSD's chunk-scan, chunk-state and recurrence backward kernels; {angles_form(block_sizes)}"
+            ),
         ),
         Implementation(
             "mosaic_gpu",

@@ -21,6 +21,7 @@ __all__ = [
     "mosaic_gpu_heuristic",
     "kernel_slots",
     "refuse_forms",
+    "angles_form",
 ]
 
 
@@ -74,6 +75,13 @@ _FORMS = (
     ("rotation", None, ("mosaic_gpu",), "chooses where q and k are rotated"),
     ("angles", ("kernel",), ("mosaic_gpu", "pallas_gpu"), "have the angles' kernel"),
 )
+
+
+def angles_form(block_sizes: Mamba3BlockSizes | None) -> str:
+    """How a GPU kernel implementation forms `Θ` with these block sizes (`explain`'s words)."""
+    if block_sizes is not None and block_sizes.angles == "xla":
+        return "Θ by XLA's passes (angles='xla')"
+    return "Θ by one Triton kernel, forward and backward (common/angle_kernel.py)"
 
 
 def refuse_forms(block_sizes: Mamba3BlockSizes, implementation: str) -> None:

@@ -54,7 +54,7 @@ from axkern.ops.ssd.common import kernels as chunk_kernels
 from axkern.ops.ssd.common import mosaic as kernels
 from axkern.ops.ssd.common.mosaic.rotation import RotatedOperand, halves_to_pairs, pairs_to_halves
 
-from .blocks import Mamba3BlockSizes, refuse_forms
+from .blocks import Mamba3BlockSizes, angles_form, refuse_forms
 from .common import angle_thetas_for, forward, kernel_core
 
 CHUNK = kernels.CHUNK
@@ -125,15 +125,15 @@ def describe(spec, block_sizes) -> str:
     fused = bs.forward != "stages"
     reason = rotation_reason(bs, spec.dim("head_dim"), spec.dim("state"), fused, jnp.dtype(spec.dtype))
     where = (
-        "the fused forward kernel turns q, k itself where nothing differentiates the call, else XLA forms "
-        "their bf16 halves once for the forward's and backward's kernels, and the backward kernels turn "
-        "dq, dk back by the angles"
+        "the fused forward kernel turns q, k itself where nothing differentiates the call, else one Triton "
+        "kernel (rotated_parts) forms their bf16 halves once for the forward's and backward's kernels, and "
+        "the backward kernels turn dq, dk back by the angles"
         if reason is None
         else f"XLA forms q, k as two bf16 halves ({reason})"
     )
     return (
-        f"custom_vjp: {where}; SSD's Mosaic GPU chunk-scan and chunk-state backward kernels, pallas_gpu's "
-        "reverse recurrence"
+        f"custom_vjp: {where}; {angles_form(bs)}; SSD's Mosaic GPU chunk-scan and chunk-state backward "
+        "kernels, pallas_gpu's reverse recurrence"
     )
 
 
