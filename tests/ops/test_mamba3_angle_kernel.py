@@ -135,3 +135,13 @@ def test_programs_of_some_angles_each_form_the_same():
     for a, b in zip(*outs, strict=True):  # (the products' sums may group differently)
         a, b = np.float64(a), np.float64(b)
         np.testing.assert_allclose(a, b, rtol=0, atol=4e-6 * np.nanmax(np.abs(b)))
+
+
+def test_tiles_that_triton_cannot_take_are_refused():
+    (angles, dt, theta0, seg), _ = _inputs(1, 70, 2, 32, jnp.float32, False)
+    for bad in (dict(cols=24), dict(cols=8), dict(rows=48), dict(rows=8)):
+        with pytest.raises(ValueError, match="power of two of at least 16"):
+            angle_kernel.angle_thetas(angles, dt, theta0, seg, interpret=True, **bad)
+    # no positions: nothing to sum
+    empty = angle_kernel.angle_thetas(angles[:, :0], dt[:, :, :0], theta0, seg[:, :0], interpret=True)
+    assert empty.shape == (1, 2, 0, 32)

@@ -6,21 +6,26 @@ chunks as a masked product, the carry between chunks, the remainder, the move to
 (Θ_0 [t in the first segment] + Σ_{s <= t in t's segment} inc_s) mod 2π`. The backward:
 `dinc_t = Σ_{s >= t in t's segment} dΘ_s` (the remainder's derivative is 1), `dangles_t =
 dinc_t π Δ_t (1 - tanh² angles_t)` (NaN where `angles_t` is not finite, as `chunks.clean`
-reports it), `dΔ_t = Σ_a dinc_t π
-tanh angles_t`, `dΘ_0 = dinc_0` (position 0 is always in the first segment).
+reports it), `dΔ_t = Σ_a dinc_t π tanh angles_t`, `dΘ_0 = dinc_0` (position 0 is always in the
+first segment). A NaN cotangent `dΘ_s` reaches every earlier position of its block through the
+masked product's zeros (`0 · NaN`), other segments' too: NaN gradients there where the
+recurrence's are numbers (never the reverse; XLA's `angle_sums` does the same within its
+chunks).
 
-**Layout and grid.** One program per (batch row, head) walks the positions in blocks of `ROWS`,
-the running angle carried in registers: the sums inside a block are a `[ROWS, ROWS]` 0/1 mask
-(same segment, `s <= t`) times the block's `[ROWS, A]` increments (products about as exact as
-float32 ones, `_exact`, as XLA's `Precision.HIGHEST` einsum), plus the carried angle where the block's rows continue its
-segment, and the remainder taken per block, as `angle_sums` takes it per chunk: its rounding does
-not grow with the length. The backward walks the blocks from the last, the sums over `s >= t`.
-`angles` are read where they lie (`[b, L, h, A]`, rows of `4 A` bytes), `Θ` written heads first
+**Layout and grid.** One program per (batch row, head, group of `COLS` angles) walks the
+positions in blocks of `ROWS`, the running angle carried in registers: the sums inside a block
+are a `[ROWS, ROWS]` 0/1 mask (same segment, `s <= t`) times the block's `[ROWS, COLS]`
+increments (products about as exact as float32 ones, `_exact`, as XLA's `Precision.HIGHEST`
+einsum), plus the carried angle where the block's rows continue its segment, and the remainder
+taken per block, as `angle_sums` takes it per chunk: its rounding does not grow with the length.
+The backward walks the blocks from the last, the sums over `s >= t`; each group's share of `dΔ`
+is summed in XLA. `angles` are read where they lie (`[b, L, h, A]`), `Θ` written heads first
 (`[b, h, L, A]` float32, where the rotation and the kernels read it), `Δ` read as `[b, h, L]`.
 
 **Bytes** per position and head: forward `angles` read and `Θ` written, `8 A` bytes (float32
-angles); backward `dΘ`, `angles` read and `dangles` written, `12 A`. FLOPs: `2 ROWS A` per
-position for the masked sums, against which the bytes dominate (memory bound).
+angles); backward `dΘ`, `angles` read and `dangles` written, `12 A`. FLOPs: `6 ROWS A` per
+position for the masked sums (three TF32 products). On the H200 the kernel is bound by latency,
+not by these bytes (docs/ops/mamba3.md): each program walks its blocks in turn.
 
 **Sizes**: `A` is widened to a power of two of at least 16 (Triton's product tiles) with zero
 angles, the length to a multiple of `ROWS` with zeros (both only where needed: a copy in XLA).
@@ -240,11 +245,16 @@ def angle_thetas(
     """`Θ`, `[b, h, L, A]` float32 heads first, from `angles [b, L, h, A]` as given (float32 or
     16-bit; non-finite values taken as 0), `dt [b, h, L]` (`Δ`, finite: the caller cleans it),
     `theta0 [b, h, A]` (finite) and the internal segment ids `seg [b, L]` (int32, running
-    counts from 0: `chunks.segment_starts`); `angles.angle_sums` by one Pallas Triton kernel
+    counts from 0, `chunks.segment_starts`: `Θ_0` joins the segment of id 0); `angles.angle_sums` by one Pallas Triton kernel
     (the module docstring), differentiable in `angles`, `dt` and `theta0`. `rows`, `warps`: the
     blocks' positions and the programs' warps, `cols` the angles a program takes (None: all; a
     power of two of at least 16), `stages` Triton's pipeline stages."""
-    if angles.shape[-1] == 0:
-        b, length, h, _ = angles.shape
-        return jnp.zeros((b, h, length, 0), jnp.float32)
+    for name, n in (("rows", rows), ("cols", cols or 16)):
+        if n < 16 or n & (n - 1):
+            raise ValueError(
+                f"angle_thetas: {name}={n} is not a power of two of at least 16 (Triton's product tiles)"
+            )
+    b, length, h, a = angles.shape
+    if a == 0 or length == 0:
+        return jnp.zeros((b, h, length, a), jnp.float32)
     return _thetas(angles, dt, theta0, seg.astype(jnp.int32), (rows, warps, cols, stages), interpret)
