@@ -11,7 +11,9 @@ forward's residuals for each of `TILES_256` (block_q, block_kv, warps, stages pe
 causal H32 (writes `sweep_mosaic_backward_d256.json`). With `--dq-by-reduction`: the heuristic's
 tiling with `dq` by its own kernel against `dq_by="reduction"` (the `dk, dv` kernel adding each
 tile's `dq` share by TMA reductions), each case of `CASES` (writes
-`sweep_mosaic_dq_by_reduction.json`)."""
+`sweep_mosaic_dq_by_reduction.json`); with `--kv-major` too, both also with the `dk, dv` grid
+launched key blocks first (`backward(..., kv_major=True)`: the blocks running at once add into a
+few heads' `dq` rows, which the L2 cache can hold; writes `sweep_mosaic_kv_major.json`)."""
 
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ from axkern import masks
 from axkern.bench import time_spread
 from axkern.ops.attention import mosaic_gpu, pallas_gpu
 from axkern.ops.attention.blocks import AttentionBlockSizes
+from axkern.ops.attention.mosaic_gpu import backward_launch
 
 B, S, H = 2, 8192, 32
 # (dq: block_q, block_kv, stages), (dk, dv: block_q, block_kv, stages)
@@ -109,6 +112,7 @@ def attend(q, k, v, *, bs, mask, scale):
 def main():
     wide = "--head-dim-256" in sys.argv[1:]
     reduction = "--dq-by-reduction" in sys.argv[1:]
+    kv_major = "--kv-major" in sys.argv[1:]
     cases, tilings = ({"causal H32 D256": (32, 256, "causal", True)}, TILES_256) if wide else (CASES, TILES)
     rows = []
     for name, (kvh, d, mask_name, every) in cases.items():
@@ -133,6 +137,21 @@ def main():
                 fns[f"mosaic dkv {dkv} dq by reduction"] = functools.partial(
                     attend, bs=bs, mask=mask, scale=scale
                 )
+            if reduction and kv_major:
+                for by in ("kernel", "reduction"):
+                    bs = dataclasses.replace(blocks(dq, dkv, d), dq_by=by)
+                    back = functools.partial(
+                        backward_launch.backward, scale=scale, block_sizes=bs, kv_major=True
+                    )
+                    fns[f"mosaic dq by {by}, dk dv key blocks first"] = functools.partial(
+                        mosaic_gpu.attention,
+                        sinks=None,
+                        mask=mask,
+                        scale=scale,
+                        logits_soft_cap=None,
+                        block_sizes=bs,
+                        backward=back,
+                    )
         jitted = {n: jax.jit(lambda q, k, v, do, f=f: jax.vjp(f, q, k, v)[1](do)) for n, f in fns.items()}
         want = jitted["cudnn"](q, k, v, do)
         times = {n: [] for n in jitted}
@@ -168,7 +187,8 @@ def main():
     result = {
         "command": "OUT=<folder> python3 benchmarks/attention_mosaic_sweep.py"
         + (" --head-dim-256" if wide else "")
-        + (" --dq-by-reduction" if reduction else ""),
+        + (" --dq-by-reduction" if reduction else "")
+        + (" --kv-major" if kv_major else ""),
         "shape": {"batch": B, "length": S, "heads": H, "dtype": "bfloat16"},
         "date": datetime.date.today().isoformat(),
         "device": jax.devices()[0].device_kind,
@@ -177,6 +197,7 @@ def main():
     }
     out = "sweep_mosaic_backward_d256.json" if wide else "sweep_mosaic_backward.json"
     out = "sweep_mosaic_dq_by_reduction.json" if reduction else out
+    out = "sweep_mosaic_kv_major.json" if reduction and kv_major else out
     with open(os.path.join(os.environ.get("OUT", "."), out), "w") as f:
         json.dump(result, f, indent=1)
 

@@ -140,6 +140,33 @@ def test_dq_by_reduction_lowers_as_two_kernels(name):
     assert _kernels(_lowered(f, q, kv, kv, s, q)) == 2  # forward, dk/dv with dq (3 by the dq kernel)
 
 
+@pytest.mark.parametrize("dq_by", ["kernel", "reduction"])
+def test_the_key_major_backward_form_lowers(dq_by):
+    # `backward(..., kv_major=True)` (a sweep's form): the dk, dv grid launched key blocks first
+    import dataclasses
+    import functools
+
+    from axkern.ops.attention.mosaic_gpu import backward_launch
+
+    b, sq, sk, h, kvh, d, dtype, mask, cap, sinks = CASES["causal bf16 d64 ragged"]
+    q = jax.ShapeDtypeStruct((b, sq, h, d), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((b, sk, kvh, d), jnp.bfloat16)
+    bs = dataclasses.replace(mosaic_gpu_heuristic(_spec(jnp.bfloat16, d=d)), dq_by=dq_by)
+    texts = []
+    for kv_major in (False, True):
+        back = functools.partial(backward_launch.backward, scale=d**-0.5, block_sizes=bs, kv_major=kv_major)
+
+        def f(q, k, v, do, back=back):
+            fn = lambda q, k, v: mosaic_gpu.attention(  # noqa: E731
+                q, k, v, None, mask, scale=d**-0.5, logits_soft_cap=None, block_sizes=bs, backward=back
+            )
+            return jax.vjp(fn, q, k, v)[1](do)
+
+        texts.append(_lowered(f, q, kv, kv, q))
+        assert _kernels(texts[-1]) == (2 if dq_by == "reduction" else 3)
+    assert texts[0] != texts[1]  # (the grids differ)
+
+
 @pytest.mark.parametrize("d", [64, 128, 256])
 def test_every_forward_tile_candidate_lowers(d):
     # the tuning space (and so the shipped table's tiles) at each head dim, causal, each tile in

@@ -26,12 +26,17 @@ from .schedules import COMPUTE_WGS, lower, operands, schedule_table
 from .tiles import _Cfg, pl, plgpu
 
 
-def backward(q, k, v, out, lse, d_out, *, mask, scale, block_sizes, logits_soft_cap=None):
+def backward(q, k, v, out, lse, d_out, *, mask, scale, block_sizes, logits_soft_cap=None, kv_major=False):
     """`(dq, dk, dv)` of the forward from its residuals (`out`, `lse` as `forward` returns
     them) and the cotangent `d_out`, by the `dq` kernel (key tiles streamed past each query
     block) and the `dk, dv` kernel (query tiles of every query head of the group streamed past
     each key block: the GQA sum stays in registers); with `dq_by="reduction"` the `dk, dv`
-    kernel alone, adding each tile's `dq` share into float32 zeros (`_dkv_kernel`)."""
+    kernel alone, adding each tile's `dq` share into float32 zeros (`_dkv_kernel`).
+
+    `kv_major` (a form for the sweeps, not the default): the `dk, dv` grid's fastest axis is the
+    key blocks rather than the heads, so the blocks running at once walk one or two heads and,
+    with `dq_by="reduction"`, add into those heads' `dq` rows only (a few MB the L2 cache can
+    hold) rather than into every head's."""
     b, sq, h, d = q.shape
     sk, kvh = k.shape[1], k.shape[2]
     _check_backward(mask, block_sizes, d)
@@ -55,7 +60,9 @@ def backward(q, k, v, out, lse, d_out, *, mask, scale, block_sizes, logits_soft_
     wants = (("dk", "dv"),) if d <= SPLIT_ABOVE else (("dv",), ("dk",))
     grads = {}
     for want in wants:
-        grads |= _dkv_launch(cfg, lowered, want, (*inputs, table), mask_ops, params, dq=reduction)
+        grads |= _dkv_launch(
+            cfg, lowered, want, (*inputs, table), mask_ops, params, dq=reduction, kv_major=kv_major
+        )
     if reduction:  # the float32 sum of every key block's share
         dq = (grads["dq"] * scale).astype(q.dtype)
     return dq[:, :sq], grads["dk"][:, :sk], grads["dv"][:, :sk]
@@ -99,7 +106,7 @@ def _dq_launch(cfg, lowered, inputs, mask_ops, params):
     )(*inputs, *mask_ops)
 
 
-def _dkv_launch(cfg, lowered, want, inputs, mask_ops, params, dq=False) -> dict:
+def _dkv_launch(cfg, lowered, want, inputs, mask_ops, params, dq=False, kv_major=False) -> dict:
     """The `dk, dv` kernel for the gradients of `want` (one launch), `{name: gradient}`; with `dq`
     also `"dq"`, float32 and unscaled, the kernel's TMA reductions into zeros (`pl.kernel` over
     refs, as `plgpu.kernel` takes no aliases)."""
@@ -142,9 +149,10 @@ def _dkv_launch(cfg, lowered, want, inputs, mask_ops, params, dq=False) -> dict:
     kernel_name = (
         "axkern_attention_mosaic_gpu_" + ("dkv" if len(want) == 2 else want[0]) + ("_dq" if dq else "")
     )
+    # the grid's first axis is the one the GPU launches fastest: heads, or (`kv_major`) key blocks
     mesh = dict(
-        grid=(kvh, table.shape[-2], b),
-        grid_names=("heads", "kv_seq", "batch"),
+        grid=(table.shape[-2], kvh, b) if kv_major else (kvh, table.shape[-2], b),
+        grid_names=("kv_seq", "heads", "batch") if kv_major else ("heads", "kv_seq", "batch"),
         num_threads=COMPUTE_WGS + 1,
         thread_name="wg",
     )
