@@ -4,13 +4,15 @@
 in shuffled order; and the angles alone (the kernel against `angles.angle_sums` with the move to
 heads first), forward and forward+backward.
 
-    OUT=<folder> python3 benchmarks/mamba3_angle_forms.py [--rounds N] [--mimo] [--chain]
+    OUT=<folder> python3 benchmarks/mamba3_angle_forms.py [--rounds N] [--mimo] [--chain] [--sums]
         [--tiles R,W,C,S ...]
 
 writes `$OUT/mamba3_angle_forms.json`. `--mimo`: the MIMO rank-4 case (`pallas_gpu`) too.
 `--chain`: also the form `chain`, the kernel with the carried angle formed from the block's last
 row of sums before the remainder (`_forward_chain`, `_backward_chain`: the same arithmetic, so
-the same values; the row's reduction leaves the chain of steps one block waits on). `--tiles`:
+the same values; the row's reduction leaves the chain of steps one block waits on). `--sums`:
+also the layer (`mosaic_gpu`) with the backward's sums of the turned-back cotangents of `q`, `k`
+by one Triton kernel (`Mamba3BlockSizes(rotation_backward="kernel")`). `--tiles`:
 the kernel alone also with these positions per block, warps, angles per program and pipeline
 stages (`angle_thetas`' `rows`, `warps`, `cols`, `stages`; C 0 for all), each row with its
 largest distance from XLA's `Θ` (modulo 2π).
@@ -87,13 +89,22 @@ def _backward_chain(g_ref, ang_ref, dt_ref, seg_ref, dang_ref, ddt_ref, dtheta0_
     dtheta0_ref[...] = d_first
 
 
+_ROTATING_CORE = mosaic_gpu.rotating_core
+
+
+def _with_sums_kernel(*args, **kw):
+    return _ROTATING_CORE(*args, **(kw | {"cotangent_kernel": True}))
+
+
 def _form(name):
     """Make the cores built from now on take `Θ` from the kernel (`chain`: its variant above)
-    or from XLA."""
+    or from XLA; `sums`: the kernel, and the rotating core's backward sums of the turned-back
+    cotangents of `q`, `k` by one Triton kernel (`rotation_backward="kernel"`)."""
     pick = (lambda interpret: None) if name == "xla" else _KERNEL
     common.angle_thetas_for = mosaic_gpu.angle_thetas_for = pick
     bodies = (_forward_chain, _backward_chain) if name == "chain" else _BODIES
     angle_kernel._forward_kernel, angle_kernel._backward_kernel = bodies
+    mosaic_gpu.rotating_core = _with_sums_kernel if name == "sums" else _ROTATING_CORE
 
 
 def _xla_thetas(angles, dt, theta0, seg):
@@ -107,6 +118,7 @@ def main() -> None:
     parser.add_argument("--mimo", action="store_true")
     parser.add_argument("--tiles", nargs="*", default=[])
     parser.add_argument("--chain", action="store_true")
+    parser.add_argument("--sums", action="store_true")
     opts = parser.parse_args()
     cases = [(c, "mosaic_gpu") for c in bench.cases_for("mamba3", preset="mamba3_2.7b") if "SISO" in c.label]
     if opts.mimo:
@@ -119,13 +131,15 @@ def main() -> None:
         args = case.make(jax.random.PRNGKey(0))
         cot = bench._cotangent(case, args)
         texts = {}
-        for form in ("kernel", "xla", *(("chain",) if opts.chain else ())):
+        extra = (("chain",) if opts.chain else ()) + (("sums",) if opts.sums and impl == "mosaic_gpu" else ())
+        for form in ("kernel", "xla", *extra):
             _form(form)
             fwd = jax.jit(case.forward_for(impl))
             both = jax.jit(bench._forward_backward(case, impl))
             fwd(*args), both(cot, *args)  # compiled now, with this form's cores
             texts[form] = text = both.lower(cot, *args).as_text()
             assert ("axkern_mamba3_angles" in text) == (form != "xla"), (case.label, form)
+            assert ("axkern_ssd_rotation_cotangents" in text) == (form == "sums"), (case.label, form)
             fns[(case.label, impl, form, "fwd")] = (fwd, args)
             fns[(case.label, impl, form, "fwd+bwd")] = (both, (cot, *args))
         _form("kernel")
