@@ -13,7 +13,9 @@ tiling with `dq` by its own kernel against `dq_by="reduction"` (the `dk, dv` ker
 tile's `dq` share by TMA reductions), each case of `CASES` (writes
 `sweep_mosaic_dq_by_reduction.json`); with `--kv-major` too, both also with the `dk, dv` grid
 launched key blocks first (`backward(..., kv_major=True)`: the blocks running at once add into a
-few heads' `dq` rows, which the L2 cache can hold; writes `sweep_mosaic_kv_major.json`)."""
+few heads' `dq` rows, which the L2 cache can hold; writes `sweep_mosaic_kv_major.json`), and the
+`dq` kernel's form with the `dk, dv` kernel's steps leaving their `dk`, `dv` products running
+into the next (`backward(..., defer=True)`)."""
 
 from __future__ import annotations
 
@@ -138,12 +140,13 @@ def main():
                     attend, bs=bs, mask=mask, scale=scale
                 )
             if reduction and kv_major:
-                for by in ("kernel", "reduction"):
+                for by, form in (("kernel", "kv_major"), ("reduction", "kv_major"), ("kernel", "defer")):
                     bs = dataclasses.replace(blocks(dq, dkv, d), dq_by=by)
                     back = functools.partial(
-                        backward_launch.backward, scale=scale, block_sizes=bs, kv_major=True
+                        backward_launch.backward, scale=scale, block_sizes=bs, **{form: True}
                     )
-                    fns[f"mosaic dq by {by}, dk dv key blocks first"] = functools.partial(
+                    what = "key blocks first" if form == "kv_major" else "products deferred"
+                    fns[f"mosaic dq by {by}, dk dv {what}"] = functools.partial(
                         mosaic_gpu.attention,
                         sinks=None,
                         mask=mask,

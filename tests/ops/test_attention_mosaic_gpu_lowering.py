@@ -140,9 +140,12 @@ def test_dq_by_reduction_lowers_as_two_kernels(name):
     assert _kernels(_lowered(f, q, kv, kv, s, q)) == 2  # forward, dk/dv with dq (3 by the dq kernel)
 
 
-@pytest.mark.parametrize("dq_by", ["kernel", "reduction"])
-def test_the_key_major_backward_form_lowers(dq_by):
-    # `backward(..., kv_major=True)` (a sweep's form): the dk, dv grid launched key blocks first
+@pytest.mark.parametrize(
+    "dq_by,form", [("kernel", "kv_major"), ("reduction", "kv_major"), ("kernel", "defer")]
+)
+def test_the_sweeps_backward_forms_lower(dq_by, form):
+    # `backward(..., kv_major=True)` (a sweep's form): the dk, dv grid launched key blocks first;
+    # `defer=True`: its steps leave their dk, dv products running into the next
     import dataclasses
     import functools
 
@@ -153,8 +156,8 @@ def test_the_key_major_backward_form_lowers(dq_by):
     kv = jax.ShapeDtypeStruct((b, sk, kvh, d), jnp.bfloat16)
     bs = dataclasses.replace(mosaic_gpu_heuristic(_spec(jnp.bfloat16, d=d)), dq_by=dq_by)
     texts = []
-    for kv_major in (False, True):
-        back = functools.partial(backward_launch.backward, scale=d**-0.5, block_sizes=bs, kv_major=kv_major)
+    for on in (False, True):
+        back = functools.partial(backward_launch.backward, scale=d**-0.5, block_sizes=bs, **{form: on})
 
         def f(q, k, v, do, back=back):
             fn = lambda q, k, v: mosaic_gpu.attention(  # noqa: E731
@@ -164,7 +167,7 @@ def test_the_key_major_backward_form_lowers(dq_by):
 
         texts.append(_lowered(f, q, kv, kv, q))
         assert _kernels(texts[-1]) == (2 if dq_by == "reduction" else 3)
-    assert texts[0] != texts[1]  # (the grids differ)
+    assert texts[0] != texts[1]  # (the grids, or the kernels' waits, differ)
 
 
 @pytest.mark.parametrize("d", [64, 128, 256])

@@ -26,7 +26,9 @@ from .schedules import COMPUTE_WGS, lower, operands, schedule_table
 from .tiles import _Cfg, pl, plgpu
 
 
-def backward(q, k, v, out, lse, d_out, *, mask, scale, block_sizes, logits_soft_cap=None, kv_major=False):
+def backward(
+    q, k, v, out, lse, d_out, *, mask, scale, block_sizes, logits_soft_cap=None, kv_major=False, defer=False
+):
     """`(dq, dk, dv)` of the forward from its residuals (`out`, `lse` as `forward` returns
     them) and the cotangent `d_out`, by the `dq` kernel (key tiles streamed past each query
     block) and the `dk, dv` kernel (query tiles of every query head of the group streamed past
@@ -36,7 +38,9 @@ def backward(q, k, v, out, lse, d_out, *, mask, scale, block_sizes, logits_soft_
     `kv_major` (a form for the sweeps, not the default): the `dk, dv` grid's fastest axis is the
     key blocks rather than the heads, so the blocks running at once walk one or two heads and,
     with `dq_by="reduction"`, add into those heads' `dq` rows only (a few MB the L2 cache can
-    hold) rather than into every head's."""
+    hold) rather than into every head's. `defer` (another sweep's form): the `dk, dv` kernel's steps
+    leave their `dk`, `dv` products running into the next step (`_dkv_kernel`; with the `dq`
+    kernel, at head dims up to `SPLIT_ABOVE`)."""
     b, sq, h, d = q.shape
     sk, kvh = k.shape[1], k.shape[2]
     _check_backward(mask, block_sizes, d)
@@ -61,7 +65,15 @@ def backward(q, k, v, out, lse, d_out, *, mask, scale, block_sizes, logits_soft_
     grads = {}
     for want in wants:
         grads |= _dkv_launch(
-            cfg, lowered, want, (*inputs, table), mask_ops, params, dq=reduction, kv_major=kv_major
+            cfg,
+            lowered,
+            want,
+            (*inputs, table),
+            mask_ops,
+            params,
+            dq=reduction,
+            kv_major=kv_major,
+            defer=defer and not reduction and want == ("dk", "dv"),
         )
     if reduction:  # the float32 sum of every key block's share
         dq = (grads["dq"] * scale).astype(q.dtype)
@@ -106,7 +118,7 @@ def _dq_launch(cfg, lowered, inputs, mask_ops, params):
     )(*inputs, *mask_ops)
 
 
-def _dkv_launch(cfg, lowered, want, inputs, mask_ops, params, dq=False, kv_major=False) -> dict:
+def _dkv_launch(cfg, lowered, want, inputs, mask_ops, params, dq=False, kv_major=False, defer=False) -> dict:
     """The `dk, dv` kernel for the gradients of `want` (one launch), `{name: gradient}`; with `dq`
     also `"dq"`, float32 and unscaled, the kernel's TMA reductions into zeros (`pl.kernel` over
     refs, as `plgpu.kernel` takes no aliases)."""
@@ -115,7 +127,7 @@ def _dkv_launch(cfg, lowered, want, inputs, mask_ops, params, dq=False, kv_major
     dt = inputs[1].dtype
     bq2, bk2, st2 = cfg.block_q, cfg.block_kv, cfg.stages
     table = inputs[-1]
-    body = functools.partial(_dkv_kernel, cfg=cfg, mask=lowered, dtype=dt, want=want)
+    body = functools.partial(_dkv_kernel, cfg=cfg, mask=lowered, dtype=dt, want=want, defer=defer)
     names = want + (("dq",) if dq else ())
     n = len(names)
     extra = [
