@@ -426,3 +426,44 @@ def test_dq_by_reduction_against_oracle(name):
         cap=cap,
         blocks=blocks,
     )
+
+
+@pytest.mark.parametrize("kvh,d", [(32, 128), (8, 128), (4, 64)])
+def test_the_sweeps_backward_forms_equal_the_default(kvh, d):
+    # `backward(..., defer=True)` (the dk, dv steps leaving their products running) and
+    # `kv_major=True` with the dq kernel (the dk, dv grid's order) change no arithmetic: their
+    # gradients equal the default's bit for bit; with dq by reduction, the key-major order adds
+    # the same shares in another order (float32 sums, then one rounding to the input dtype)
+    import dataclasses
+
+    from axkern.ops.attention.blocks import mosaic_gpu_heuristic
+    from axkern.ops.attention.mosaic_gpu import backward_launch
+    from tests.ops.test_attention_mosaic_gpu import _spec
+
+    b, s, h = 1, 1000, 32
+    keys = jax.random.split(jax.random.PRNGKey(11), 4)
+    q, do = (jax.random.normal(k, (b, s, h, d), jnp.bfloat16) for k in keys[:2])
+    k, v = (jax.random.normal(kk, (b, s, kvh, d), jnp.bfloat16) for kk in keys[2:])
+    base = mosaic_gpu_heuristic(_spec(jnp.bfloat16, d=d))
+
+    def grads(by, **form):
+        bs = dataclasses.replace(base, dq_by=by)
+        back = functools.partial(backward_launch.backward, scale=d**-0.5, block_sizes=bs, **form)
+        fn = functools.partial(
+            mosaic_gpu.attention,
+            sinks=None,
+            mask=masks.Causal(),
+            scale=d**-0.5,
+            logits_soft_cap=None,
+            block_sizes=bs,
+            backward=back,
+        )
+        return [np.asarray(g, np.float64) for g in jax.jit(lambda *x: jax.vjp(fn, *x)[1](do))(q, k, v)]
+
+    default = grads("kernel")
+    for form in (dict(defer=True), dict(kv_major=True)):
+        for got, want in zip(grads("kernel", **form), default, strict=True):
+            np.testing.assert_array_equal(got, want)
+    reduced, reduced_kv = grads("reduction"), grads("reduction", kv_major=True)
+    for got, want in zip(reduced_kv, reduced, strict=True):
+        np.testing.assert_allclose(got, want, rtol=0, atol=2**-7 * np.abs(want).max())
