@@ -168,6 +168,18 @@ def test_the_sweeps_backward_forms_lower(dq_by, form):
         texts.append(_lowered(f, q, kv, kv, q))
         assert _kernels(texts[-1]) == (2 if dq_by == "reduction" else 3)
     assert texts[0] != texts[1]  # (the grids, or the kernels' waits, differ)
+    if form == "defer":  # only where a step's own tile is not released by the step itself
+        reduced = dataclasses.replace(bs, dq_by="reduction")
+        back = functools.partial(backward_launch.backward, scale=d**-0.5, block_sizes=reduced, defer=True)
+
+        def g(q, k, v, do):
+            fn = lambda q, k, v: mosaic_gpu.attention(  # noqa: E731
+                q, k, v, None, mask, scale=d**-0.5, logits_soft_cap=None, block_sizes=reduced, backward=back
+            )
+            return jax.vjp(fn, q, k, v)[1](do)
+
+        with pytest.raises(ValueError, match="defer=True: the dk, dv kernel defers"):
+            _lowered(g, q, kv, kv, q)
 
 
 @pytest.mark.parametrize("d", [64, 128, 256])

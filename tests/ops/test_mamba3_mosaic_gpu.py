@@ -362,10 +362,18 @@ def test_the_cotangents_kernel_forms_xlas_sums():
         np.float64(got[0].theta), np.float64(want[0].theta + want[1].theta), rtol=1e-5, atol=1e-5
     )
     assert not np.any(np.float64(got[1].theta))  # the shared dΘ is the first's
-    # without the kernel's form (or not turned back) each by `cotangent`
-    plain = [dataclasses.replace(op, cotangent_kernel=False) for op in ops]
-    alone = plain[0].cotangents_with(plain[1], *backs, turned=True)
-    np.testing.assert_array_equal(np.float64(alone[1].theta), np.float64(want[1].theta))
+    # without the kernel's form on both, or not turned back, each by `cotangent` (its own dΘ)
+    half = [ops[0], dataclasses.replace(ops[1], cotangent_kernel=False)]
+    for pair, turned in ((half, True), (ops, False)):
+        alone = pair[0].cotangents_with(pair[1], *backs, turned=turned, interpret=True)
+        own = pair[1].cotangent(backs[1], turned).theta
+        np.testing.assert_array_equal(np.float64(alone[1].theta), np.float64(own))
+        assert np.any(np.float64(alone[1].theta))
+    # tiles Triton cannot take are refused by name
+    from axkern.ops.ssd.common.mosaic import rotation_cotangents
+
+    assert "power of two" in rotation_cotangents.reason(us[0].shape, h, a, rows=6)
+    assert rotation_cotangents.reason((b, g, 0, n), h, a) == "no positions"
 
 
 def test_the_rotating_forwards_layer_with_the_cotangents_kernel_holds_the_oracle_rule(monkeypatch):

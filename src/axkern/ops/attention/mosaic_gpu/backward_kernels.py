@@ -234,6 +234,9 @@ def _dkv_kernel(
     products running and the next step's `q kᵀ` waits for them, releasing the tile they read
     there (the last step's after the loops), rather than each step waiting for its own."""
     bq, bk, stages, groups = cfg.block_q, cfg.block_kv, cfg.stages, cfg.groups
+    if defer and (dq_ref is not None or want != ("dk", "dv") or stages < 2):
+        # (a step that releases its own tile would release it twice; one stage would deadlock)
+        raise ValueError("defer: both gradients in one launch, no dq reductions and two ring stages or more")
     d = k_ref.shape[-1]
     batch, kv_head = lax.axis_index("batch"), lax.axis_index("heads")
     cta = lax.axis_index("kv_seq")  # causal: the first key blocks see the most queries
@@ -346,10 +349,10 @@ def _dkv_kernel(
             lax.fori_loop(item(flo), item(fhi), functools.partial(step, masked=False), None)
             lax.fori_loop(item(fhi), item(hi), functools.partial(step, masked=True), None)
             if defer:  # the last step's products, then its tile
+                plgpu.wgmma_wait(0)
 
                 @pl.when(hi > lo)
                 def _():
-                    plgpu.wgmma_wait(0)
                     plgpu.barrier_arrive(consumed.at[lax.rem(item(hi) - 1, jnp.int32(stages))])
 
             lax.fori_loop(item(hi), item(chi), release, None)

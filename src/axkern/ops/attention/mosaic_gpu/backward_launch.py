@@ -62,6 +62,12 @@ def backward(
     table = schedule_table(mask, sq, sk, bq2, bk2, b, keys=True)
     cfg = config(bq2, bk2, st2, table)
     wants = (("dk", "dv"),) if d <= SPLIT_ABOVE else (("dv",), ("dk",))
+    if defer and (reduction or d > SPLIT_ABOVE or st2 < 2):
+        raise ValueError(
+            f"defer=True: the dk, dv kernel defers its products with the dq kernel, head dims up to "
+            f"{SPLIT_ABOVE} and two ring stages or more (dq_by={dq_by(block_sizes, d)!r}, head dim {d}, "
+            f"{st2} stages)"
+        )
     grads = {}
     for want in wants:
         grads |= _dkv_launch(
@@ -73,7 +79,7 @@ def backward(
             params,
             dq=reduction,
             kv_major=kv_major,
-            defer=defer and not reduction and want == ("dk", "dv"),
+            defer=defer,
         )
     if reduction:  # the float32 sum of every key block's share
         dq = (grads["dq"] * scale).astype(q.dtype)

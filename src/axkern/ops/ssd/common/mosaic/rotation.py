@@ -215,9 +215,8 @@ class RotatedOperand:
             o.same_angles and o.cotangent_kernel for o in (self, other)
         )
         a = self.theta.shape[-1]
-        if not (pair and turned and other.u.shape == self.u.shape) or rc.reason(
-            self.u.shape, self.bias.shape[0], a
-        ):
+        same = pair and all(getattr(other, f).shape == getattr(self, f).shape for f in ("u", "bias", "theta"))
+        if not (same and turned) or rc.reason(self.u.shape, self.bias.shape[0], a):
             return self.cotangent(g, turned), other.cotangent(g_other, turned)
         du, db, du_o, db_o, d_theta = rc.turned_cotangents(
             self.u, other.u, self.bias, other.bias, a, g, g_other, interpret=interpret

@@ -46,15 +46,20 @@ def rows_for(length: int, rows: int = ROWS) -> int:
     return rows if rows >= 4 else 0
 
 
-def reason(u_shape, heads: int, a: int) -> str | None:
-    """Why the kernel cannot form these cotangents (`u [b, G, L, N]`, `heads`, `A` angles), or
-    None."""
+def reason(u_shape, heads: int, a: int, rows: int = ROWS) -> str | None:
+    """Why the kernel cannot form these cotangents (`u [b, G, L, N]`, `heads`, `A` angles,
+    programs of up to `rows` positions), or None."""
     _, groups, length, n = u_shape
+    if rows < 4 or not _pow2(rows):
+        return f"rows={rows} is not a power of two of at least 4 (Triton's tiles)"
+    if length == 0:
+        return "no positions"
+
     if heads % groups:
         return f"{heads} heads are not a multiple of {groups} groups"
     if n % 2 or not _pow2(n // 2) or not _pow2(a) or a > n // 2:
         return f"state {n} with {a} angles: the kernel takes powers of two, A <= N/2"
-    if not rows_for(length):
+    if not rows_for(length, rows):
         return f"length {length} has no block of at least 4 positions that divides it"
     return None
 
@@ -95,7 +100,7 @@ def turned_cotangents(uq, uk, bias_q, bias_k, a: int, back_q, back_k, *, interpr
     """`(du_q, dbias_q, du_k, dbias_k, dΘ)` from `u* [b, G, L, N]` (16-bit), `bias* [H, N]`, the
     angles' count `A` and `back* [b, H, L, N]` float32 (the module docstring): `du*` in `u`'s
     dtype, `dbias*` float32 `[H, N]`, `dΘ` float32 `[b, H, L, A]`, both operands' share."""
-    why = reason(uq.shape, bias_q.shape[0], a)
+    why = reason(uq.shape, bias_q.shape[0], a, rows)
     if why:
         raise ValueError(f"turned_cotangents cannot form these sums: {why}")
     b, groups, length, n = uq.shape
