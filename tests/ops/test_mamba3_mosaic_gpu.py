@@ -376,32 +376,23 @@ def test_the_cotangents_kernel_forms_xlas_sums():
     assert rotation_cotangents.reason((b, g, 0, n), h, a) == "no positions"
 
 
-def test_the_rotating_forwards_layer_with_the_cotangents_kernel_holds_the_oracle_rule(monkeypatch):
-    # as below, with `rotation_backward="kernel"`: the backward's sums of the turned-back
-    # cotangents by `rotation_cotangents` (interpret mode)
-    arrays, seg = make(0, 1, 100, 4, 64, 2, 128, 32, 0, "bfloat16", segments=True)
-    monkeypatch.setattr(
-        mamba3_pallas_gpu,
-        "kernel_core",
-        lambda _layout, **kw: mosaic_gpu.rotating_core(
-            ssd_mosaic.EmulatedLayout, kw["dtype"], interpret=True, angle_kernel=True, cotangent_kernel=True
-        ),
-    )
-    with axkern.use(interpret=True):
-        check_rule(_runner(seg), "pallas_gpu", arrays, "bfloat16", "mamba3", interpret=True)
-
-
-def test_the_rotating_forwards_layer_holds_the_oracle_rule(monkeypatch):
+@pytest.mark.parametrize("sums_kernel", [False, True])
+def test_the_rotating_forwards_layer_holds_the_oracle_rule(monkeypatch, sums_kernel):
     # what `rotation="kernel"` runs around its kernels (the state's columns reordered, q and k per
     # group with the biases and angles to the kernels, the backward's halves by `rotated_parts` in
     # interpret mode and the rotation's backward from them), with the kernels' arithmetic in XLA:
-    # y, the final states, every gradient
+    # y, the final states, every gradient; `sums_kernel` (`rotation_backward="kernel"`): the
+    # backward's sums of the turned-back cotangents by `rotation_cotangents` (interpret mode)
     arrays, seg = make(0, 1, 100, 4, 64, 2, 128, 32, 0, "bfloat16", segments=True)
     monkeypatch.setattr(
         mamba3_pallas_gpu,
         "kernel_core",
         lambda _layout, **kw: mosaic_gpu.rotating_core(
-            ssd_mosaic.EmulatedLayout, kw["dtype"], interpret=True, angle_kernel=kw["angle_kernel"]
+            ssd_mosaic.EmulatedLayout,
+            kw["dtype"],
+            interpret=True,
+            angle_kernel=kw["angle_kernel"],
+            cotangent_kernel=sums_kernel,
         ),
     )
     with axkern.use(interpret=True):

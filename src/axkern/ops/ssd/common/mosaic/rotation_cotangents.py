@@ -14,8 +14,10 @@ program reads its group's `u` rows of both operands once and loops over the grou
 reading each head's `back` rows of both (`[T, N]` float32), adding them into the two `du`
 accumulators (registers), writing the head's `dΘ` rows and each operand's bias sums over its
 rows (per program, `[b, L / T, H, N]` float32, which XLA adds). Memory bound: per head and
-position `8 N` bytes read (the two `back`) and `4 A` written (`dΘ`), against XLA's passes,
-which read each `back` for the head sums, the bias sums and `dΘ` in turn.
+position `8 N` bytes read (the two `back`) and `4 A` written (`dΘ`) against about `4 N + 12 A`
+FLOPs (the two sums of each `back`, and for `dΘ` each operand's `w`, two products and their
+difference), where XLA's passes read each `back` for the head sums, the bias sums and `dΘ` in
+turn.
 
 **Sizes** it takes (`reason`): `A` and `N/2` powers of two (Triton's slices), `A <= N/2`,
 heads a multiple of the groups, `T >= 4` dividing `L`; otherwise the caller runs XLA's sums.
