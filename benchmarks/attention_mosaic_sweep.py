@@ -11,11 +11,7 @@ forward's residuals for each of `TILES_256` (block_q, block_kv, warps, stages pe
 causal H32 (writes `sweep_mosaic_backward_d256.json`). With `--dq-by-reduction`: the heuristic's
 tiling with `dq` by its own kernel against `dq_by="reduction"` (the `dk, dv` kernel adding each
 tile's `dq` share by TMA reductions), each case of `CASES` (writes
-`sweep_mosaic_dq_by_reduction.json`); with `--kv-major` too, both also with the `dk, dv` grid
-launched key blocks first (`backward(..., kv_major=True)`: the blocks running at once add into a
-few heads' `dq` rows, which the L2 cache can hold; writes `sweep_mosaic_kv_major.json`), and the
-`dq` kernel's form with the `dk, dv` kernel's steps leaving their `dk`, `dv` products running
-into the next (`backward(..., defer=True)`)."""
+`sweep_mosaic_dq_by_reduction.json`)."""
 
 from __future__ import annotations
 
@@ -33,7 +29,6 @@ from axkern import masks
 from axkern.bench import time_spread
 from axkern.ops.attention import mosaic_gpu, pallas_gpu
 from axkern.ops.attention.blocks import AttentionBlockSizes
-from axkern.ops.attention.mosaic_gpu import backward_launch
 
 B, S, H = 2, 8192, 32
 # (dq: block_q, block_kv, stages), (dk, dv: block_q, block_kv, stages)
@@ -114,7 +109,6 @@ def attend(q, k, v, *, bs, mask, scale):
 def main():
     wide = "--head-dim-256" in sys.argv[1:]
     reduction = "--dq-by-reduction" in sys.argv[1:]
-    kv_major = "--kv-major" in sys.argv[1:]
     cases, tilings = ({"causal H32 D256": (32, 256, "causal", True)}, TILES_256) if wide else (CASES, TILES)
     rows = []
     for name, (kvh, d, mask_name, every) in cases.items():
@@ -139,22 +133,6 @@ def main():
                 fns[f"mosaic dkv {dkv} dq by reduction"] = functools.partial(
                     attend, bs=bs, mask=mask, scale=scale
                 )
-            if reduction and kv_major:
-                for by, form in (("kernel", "kv_major"), ("reduction", "kv_major"), ("kernel", "defer")):
-                    bs = dataclasses.replace(blocks(dq, dkv, d), dq_by=by)
-                    back = functools.partial(
-                        backward_launch.backward, scale=scale, block_sizes=bs, **{form: True}
-                    )
-                    what = "key blocks first" if form == "kv_major" else "products deferred"
-                    fns[f"mosaic dq by {by}, dk dv {what}"] = functools.partial(
-                        mosaic_gpu.attention,
-                        sinks=None,
-                        mask=mask,
-                        scale=scale,
-                        logits_soft_cap=None,
-                        block_sizes=bs,
-                        backward=back,
-                    )
         jitted = {n: jax.jit(lambda q, k, v, do, f=f: jax.vjp(f, q, k, v)[1](do)) for n, f in fns.items()}
         want = jitted["cudnn"](q, k, v, do)
         times = {n: [] for n in jitted}
@@ -190,8 +168,7 @@ def main():
     result = {
         "command": "OUT=<folder> python3 benchmarks/attention_mosaic_sweep.py"
         + (" --head-dim-256" if wide else "")
-        + (" --dq-by-reduction" if reduction else "")
-        + (" --kv-major" if kv_major else ""),
+        + (" --dq-by-reduction" if reduction else ""),
         "shape": {"batch": B, "length": S, "heads": H, "dtype": "bfloat16"},
         "date": datetime.date.today().isoformat(),
         "device": jax.devices()[0].device_kind,
@@ -200,7 +177,6 @@ def main():
     }
     out = "sweep_mosaic_backward_d256.json" if wide else "sweep_mosaic_backward.json"
     out = "sweep_mosaic_dq_by_reduction.json" if reduction else out
-    out = "sweep_mosaic_kv_major.json" if reduction and kv_major else out
     with open(os.path.join(os.environ.get("OUT", "."), out), "w") as f:
         json.dump(result, f, indent=1)
 

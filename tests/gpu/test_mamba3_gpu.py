@@ -56,18 +56,16 @@ MOSAIC_DIMS = [(1, 700, 8, 64, 1, 128, 32), (2, 300, 4, 64, 2, 64, 16), (1, 300,
 
 
 @pytest.mark.parametrize(
-    "dims,forward,rotation,sums",
-    [(d, None, None, None) for d in MOSAIC_DIMS]
-    + [(MOSAIC_DIMS[0], "stages", None, None), (MOSAIC_DIMS[2], "fused", None, None)]
-    + [(MOSAIC_DIMS[0], None, "xla", None), (MOSAIC_DIMS[0], None, None, "kernel")],
+    "dims,forward,rotation",
+    [(d, None, None) for d in MOSAIC_DIMS]
+    + [(MOSAIC_DIMS[0], "stages", None), (MOSAIC_DIMS[2], "fused", None), (MOSAIC_DIMS[0], None, "xla")],
 )
-def test_mosaic_gpu_on_gpu_against_oracle(dims, forward, rotation, sums):
-    # N 128: the fused forward turns q and k itself unless rotation="xla" (or the stages run);
-    # `sums`: rotation_backward="kernel", the turned-back cotangents' sums by one Triton kernel
+def test_mosaic_gpu_on_gpu_against_oracle(dims, forward, rotation):
+    # N 128: the fused forward turns q and k itself unless rotation="xla" (or the stages run)
     from axkern.ops.mamba3 import Mamba3BlockSizes
 
     arrays, seg = make(0, *dims, 0, "bfloat16", segments=True)
-    blocks = Mamba3BlockSizes(64, forward=forward, rotation=rotation, rotation_backward=sums)
+    blocks = Mamba3BlockSizes(64, forward=forward, rotation=rotation)
     with serving("mosaic_gpu"):
         check_rule(
             lambda name, a: run(name, a, seg, None if name == "reference" else blocks),

@@ -140,48 +140,6 @@ def test_dq_by_reduction_lowers_as_two_kernels(name):
     assert _kernels(_lowered(f, q, kv, kv, s, q)) == 2  # forward, dk/dv with dq (3 by the dq kernel)
 
 
-@pytest.mark.parametrize(
-    "dq_by,form", [("kernel", "kv_major"), ("reduction", "kv_major"), ("kernel", "defer")]
-)
-def test_the_sweeps_backward_forms_lower(dq_by, form):
-    # `backward(..., kv_major=True)` (a sweep's form): the dk, dv grid launched key blocks first;
-    # `defer=True`: its steps leave their dk, dv products running into the next
-    import dataclasses
-    import functools
-
-    from axkern.ops.attention.mosaic_gpu import backward_launch
-
-    b, sq, sk, h, kvh, d, dtype, mask, cap, sinks = CASES["causal bf16 d64 ragged"]
-    q = jax.ShapeDtypeStruct((b, sq, h, d), jnp.bfloat16)
-    kv = jax.ShapeDtypeStruct((b, sk, kvh, d), jnp.bfloat16)
-    bs = dataclasses.replace(mosaic_gpu_heuristic(_spec(jnp.bfloat16, d=d)), dq_by=dq_by)
-    texts = []
-    for on in (False, True):
-        back = functools.partial(backward_launch.backward, scale=d**-0.5, block_sizes=bs, **{form: on})
-
-        def f(q, k, v, do, back=back):
-            fn = lambda q, k, v: mosaic_gpu.attention(  # noqa: E731
-                q, k, v, None, mask, scale=d**-0.5, logits_soft_cap=None, block_sizes=bs, backward=back
-            )
-            return jax.vjp(fn, q, k, v)[1](do)
-
-        texts.append(_lowered(f, q, kv, kv, q))
-        assert _kernels(texts[-1]) == (2 if dq_by == "reduction" else 3)
-    assert texts[0] != texts[1]  # (the grids, or the kernels' waits, differ)
-    if form == "defer":  # only where a step's own tile is not released by the step itself
-        reduced = dataclasses.replace(bs, dq_by="reduction")
-        back = functools.partial(backward_launch.backward, scale=d**-0.5, block_sizes=reduced, defer=True)
-
-        def g(q, k, v, do):
-            fn = lambda q, k, v: mosaic_gpu.attention(  # noqa: E731
-                q, k, v, None, mask, scale=d**-0.5, logits_soft_cap=None, block_sizes=reduced, backward=back
-            )
-            return jax.vjp(fn, q, k, v)[1](do)
-
-        with pytest.raises(ValueError, match="defer=True: the dk, dv kernel defers"):
-            _lowered(g, q, kv, kv, q)
-
-
 @pytest.mark.parametrize("d", [64, 128, 256])
 def test_every_forward_tile_candidate_lowers(d):
     # the tuning space (and so the shipped table's tiles) at each head dim, causal, each tile in

@@ -67,11 +67,9 @@ def test_kernels_refuse_small_tiles_and_chunks_with_the_reason():
         call("pallas_gpu", mimo, chunk_size=64)
     with pytest.raises(axkern.Unsupported, match=r"chunk_size=2 \(4 positions, 2 per token\) is below 8"):
         call("pallas_tpu", mimo, chunk_size=2)
-    # the rotation's backward kernels are pallas_gpu's and mosaic_gpu's
+    # the rotation's backward kernel is pallas_gpu's own
     for impl in ("xla", "pallas_tpu"):
-        with pytest.raises(
-            axkern.Unsupported, match="rotation_backward='kernel': only pallas_gpu and mosaic_gpu"
-        ):
+        with pytest.raises(axkern.Unsupported, match="rotation_backward='kernel': only pallas_gpu"):
             call(impl, small, chunk_size=Mamba3BlockSizes(16, "kernel"))
     # a token wider than the largest float32 chunk
     wide = jax.ShapeDtypeStruct

@@ -175,8 +175,7 @@ def test_it_refuses_what_the_kernels_cannot_take_with_the_reason():
     args = _positional(arrays, seg)
     for blocks, match in [
         (Mamba3BlockSizes(32), "chunk_size=32"),
-        # (the kernel sums the rotating form's cotangents: a state of 128 and more)
-        (Mamba3BlockSizes(64, rotation_backward="kernel"), "mosaic_gpu's kernel sums the rotating form's"),
+        (Mamba3BlockSizes(64, rotation_backward="kernel"), "only pallas_gpu"),
     ]:
         with pytest.raises(axkern.Unsupported, match=match):
             mosaic_gpu.mamba3(*args, block_sizes=blocks)
@@ -323,76 +322,17 @@ def test_the_parts_kernel_forms_the_halves_of_the_rotation(monkeypatch, n, a):
     )
 
 
-@needs_mosaic
-def test_the_cotangents_kernel_lowers_in_the_layers_gradient():
-    # rotation_backward="kernel": one Triton call forms both operands' sums in the backward
-    arrays, seg = make(0, 1, 200, 2, 64, 1, 128, 32, 0, "bfloat16")
-    texts = []
-    for form in (None, "kernel"):
-
-        def f(a, form=form):
-            bs = Mamba3BlockSizes(64, rotation_backward=form)
-            y, *final = mosaic_gpu.mamba3(*_positional(a, seg), block_sizes=bs)
-            return jnp.sum(y.astype(jnp.float32)) + sum(jnp.sum(s) for s in final)
-
-        texts.append(jax.jit(jax.grad(f)).trace(arrays).lower(lowering_platforms=("cuda",)).as_text())
-    assert [t.count("axkern_ssd_rotation_cotangents") > 0 for t in texts] == [False, True]
-
-
-def test_the_cotangents_kernel_forms_xlas_sums():
-    # `rotation_cotangents.turned_cotangents` (interpret mode) against each operand's
-    # `cotangent(back, turned=True)` in XLA: du, dbias each, dΘ their sum (two groups; 8 angles
-    # of a half of 32 columns; a length whose block is 16 positions)
-    keys = jax.random.split(jax.random.PRNGKey(4), 6)
-    b, g, h, length, n, a = 2, 2, 6, 48, 64, 8
-    us = [jax.random.normal(k, (b, g, length, n)).astype(jnp.bfloat16) for k in keys[:2]]
-    biases = [jax.random.normal(k, (h, n)) for k in keys[2:4]]
-    theta = jax.random.uniform(keys[4], (b, h, length, a), maxval=6.28)
-    backs = list(jax.random.normal(keys[5], (2, b, h, length, n)))
-    ops = [
-        ssd_mosaic.RotatedOperand(u, bias, theta, same_angles=True, cotangent_kernel=True)
-        for u, bias in zip(us, biases, strict=True)
-    ]
-    got = ops[0].cotangents_with(ops[1], *backs, turned=True, interpret=True)
-    want = [op.cotangent(back, turned=True) for op, back in zip(ops, backs, strict=True)]
-    for x, y in zip(got, want, strict=True):
-        np.testing.assert_allclose(np.float64(x.u), np.float64(y.u), rtol=1e-2, atol=1e-2)  # (bf16)
-        np.testing.assert_allclose(np.float64(x.bias), np.float64(y.bias), rtol=1e-5, atol=1e-4)
-    np.testing.assert_allclose(
-        np.float64(got[0].theta), np.float64(want[0].theta + want[1].theta), rtol=1e-5, atol=1e-5
-    )
-    assert not np.any(np.float64(got[1].theta))  # the shared dΘ is the first's
-    # without the kernel's form on both, or not turned back, each by `cotangent` (its own dΘ)
-    half = [ops[0], dataclasses.replace(ops[1], cotangent_kernel=False)]
-    for pair, turned in ((half, True), (ops, False)):
-        alone = pair[0].cotangents_with(pair[1], *backs, turned=turned, interpret=True)
-        own = pair[1].cotangent(backs[1], turned).theta
-        np.testing.assert_array_equal(np.float64(alone[1].theta), np.float64(own))
-        assert np.any(np.float64(alone[1].theta))
-    # tiles Triton cannot take are refused by name
-    from axkern.ops.ssd.common.mosaic import rotation_cotangents
-
-    assert "power of two" in rotation_cotangents.reason(us[0].shape, h, a, rows=6)
-    assert rotation_cotangents.reason((b, g, 0, n), h, a) == "no positions"
-
-
-@pytest.mark.parametrize("sums_kernel", [False, True])
-def test_the_rotating_forwards_layer_holds_the_oracle_rule(monkeypatch, sums_kernel):
+def test_the_rotating_forwards_layer_holds_the_oracle_rule(monkeypatch):
     # what `rotation="kernel"` runs around its kernels (the state's columns reordered, q and k per
     # group with the biases and angles to the kernels, the backward's halves by `rotated_parts` in
     # interpret mode and the rotation's backward from them), with the kernels' arithmetic in XLA:
-    # y, the final states, every gradient; `sums_kernel` (`rotation_backward="kernel"`): the
-    # backward's sums of the turned-back cotangents by `rotation_cotangents` (interpret mode)
+    # y, the final states, every gradient
     arrays, seg = make(0, 1, 100, 4, 64, 2, 128, 32, 0, "bfloat16", segments=True)
     monkeypatch.setattr(
         mamba3_pallas_gpu,
         "kernel_core",
         lambda _layout, **kw: mosaic_gpu.rotating_core(
-            ssd_mosaic.EmulatedLayout,
-            kw["dtype"],
-            interpret=True,
-            angle_kernel=kw["angle_kernel"],
-            cotangent_kernel=sums_kernel,
+            ssd_mosaic.EmulatedLayout, kw["dtype"], interpret=True, angle_kernel=kw["angle_kernel"]
         ),
     )
     with axkern.use(interpret=True):

@@ -31,11 +31,9 @@ class Mamba3BlockSizes(BlockSizes):
     a multiple. The Pallas kernels run a MIMO token as `kernel_slots(rank)` consecutive positions,
     so their chunks hold `chunk_size · kernel_slots(rank)` positions.
 
-    `rotation_backward` (`pallas_gpu`, `mosaic_gpu`): `"xla"` (None means this) turns the rotated
-    `q`, `k`'s cotangents back in XLA, `"kernel"` in one Triton kernel that reads each cotangent
-    once (`pallas_gpu.rotation_backward`; XLA's where the kernel's tiles do not fit the shapes);
-    on `mosaic_gpu`, whose backward kernels return them turned back, one Triton kernel forms both
-    operands' sums (`ssd/common/mosaic/rotation_cotangents.py`; the rotating form only).
+    `rotation_backward` (`pallas_gpu` only): `"xla"` (None means this) turns the rotated `q`,
+    `k`'s cotangents back in XLA, `"kernel"` in one Triton kernel that reads each cotangent once
+    (`pallas_gpu.rotation_backward`; XLA's where the kernel's tiles do not fit the shapes).
 
     `forward` (`mosaic_gpu` only): `"fused"` (SSD's fused Mosaic GPU forward, one kernel per
     batch row and head walking its chunks) or `"stages"` (chunk states, recurrence, chunk
@@ -72,7 +70,7 @@ class Mamba3BlockSizes(BlockSizes):
 # (field, the values only some implementations take (None: any set value), those
 # implementations, what they have)
 _FORMS = (
-    ("rotation_backward", ("kernel",), ("pallas_gpu", "mosaic_gpu"), "have the rotation's backward kernel"),
+    ("rotation_backward", ("kernel",), ("pallas_gpu",), "has the rotation's backward kernel"),
     ("forward", None, ("mosaic_gpu",), "has forward forms"),
     ("rotation", None, ("mosaic_gpu",), "chooses where q and k are rotated"),
     ("angles", ("kernel",), ("mosaic_gpu", "pallas_gpu"), "have the angles' kernel"),

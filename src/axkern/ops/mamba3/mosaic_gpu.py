@@ -101,16 +101,11 @@ def mamba3(*args, block_sizes, interpret=False):
     layout = kernels.layout_class(fused, False, True, False)
     reason = rotation_reason(block_sizes, p, n, fused, q.dtype, args[1].dtype)
     angle_kernel = block_sizes.angles != "xla"
-    sums_kernel = block_sizes.rotation_backward == "kernel"
     if reason is None:
-        core = rotating_core(layout, v.dtype, angle_kernel=angle_kernel, cotangent_kernel=sums_kernel)
+        core = rotating_core(layout, v.dtype, angle_kernel=angle_kernel)
         return forward(core, *args, chunk_size=CHUNK, later_ranks=True)
     if block_sizes.rotation == "kernel":
         raise Unsupported(f"rotation='kernel': {reason}")
-    if sums_kernel:
-        raise Unsupported(
-            f"rotation_backward='kernel': mosaic_gpu's kernel sums the rotating form's cotangents ({reason})"
-        )
     core = kernel_core(
         layout,
         chunk_size=CHUNK,
@@ -153,7 +148,7 @@ def rotation_reason(block_sizes, p, n, fused, *dtypes) -> str | None:
     return kernels.rotation_reason(p, n)
 
 
-def rotating_core(layout, dtype, interpret=False, angle_kernel=False, cotangent_kernel=False):
+def rotating_core(layout, dtype, interpret=False, angle_kernel=False):
     """A `common.Core` whose forward kernel turns `q` and `k` itself (`rotates`: `B`, `C` come as
     the unrotated values per group, the biases and `Θ`, `ssd/common/mosaic/rotation.py`). The
     rotation pairs `(i, i + N/2)`, so the state's columns run evens first, odds next inside the
@@ -162,16 +157,11 @@ def rotating_core(layout, dtype, interpret=False, angle_kernel=False, cotangent_
     takes its non-finite values as 0, in the forward kernel itself when nothing differentiates
     the call (no cleaned copy written). `interpret`: the layout's Pallas stages (the
     recurrences) in interpret mode (an emulating layout's, on the CPU). `angle_kernel`: `Θ` by
-    the Triton kernel `common.angle_thetas` (`kernel_core`'s). `cotangent_kernel`: the backward's
-    sums of the turned-back cotangents of `q` and `k` by one Triton kernel
-    (`RotatedOperand.cotangents_with`)."""
+    the Triton kernel `common.angle_thetas` (`kernel_core`'s)."""
 
     def operand(u, bias, theta):  # u [b, l, 1, g, n], bias [1, h, n], theta [b, h, l, a]
         u = pairs_to_halves(jnp.transpose(u[:, :, 0], (0, 2, 1, 3)))  # [b, g, l, n]
-        # q, k: the same Θ
-        return RotatedOperand(
-            u, pairs_to_halves(bias[0]), theta, same_angles=True, cotangent_kernel=cotangent_kernel
-        )
+        return RotatedOperand(u, pairs_to_halves(bias[0]), theta, same_angles=True)  # q, k: the same Θ
 
     def core(x, a, s, B, C, seg, initial_state):
         y, final = chunk_kernels.scan(

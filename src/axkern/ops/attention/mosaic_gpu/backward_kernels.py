@@ -224,19 +224,12 @@ def _dkv_kernel(
     mask,
     dtype,
     want,
-    defer=False,
 ):
     """`want`: the gradients this launch forms, `("dk", "dv")`, or one of them (`SPLIT_ABOVE`);
     `dk_ref`, `dv_ref` are the outputs of those (the other None). `dq_ref` (float32 `[B, Sqp, H,
     D]`, zeros to start, or None): each step's `dq` share `dsᵀ k` added to it by a TMA reduction
-    (`dq_by="reduction"`), `ds` staged in shared memory for that product's transposed operand.
-    `defer` (a sweep's form, with both gradients and no `dq_ref`): a step leaves its `dk`, `dv`
-    products running and the next step's `q kᵀ` waits for them, releasing the tile they read
-    there (the last step's after the loops), rather than each step waiting for its own."""
+    (`dq_by="reduction"`), `ds` staged in shared memory for that product's transposed operand."""
     bq, bk, stages, groups = cfg.block_q, cfg.block_kv, cfg.stages, cfg.groups
-    if defer and (dq_ref is not None or want != ("dk", "dv") or stages < 2):
-        # (a step that releases its own tile would release it twice; one stage would deadlock)
-        raise ValueError("defer: both gradients in one launch, no dq reductions and two ring stages or more")
     d = k_ref.shape[-1]
     batch, kv_head = lax.axis_index("batch"), lax.axis_index("heads")
     cta = lax.axis_index("kv_seq")  # causal: the first key blocks see the most queries
@@ -274,12 +267,6 @@ def _dkv_kernel(
                     return acc[...]
 
                 s = pl.run_scoped(s_product, plgpu.ACC((bk, bq), jnp.float32))  # keys by queries
-                if defer:  # the previous step's dk, dv products are done with its tile (read above)
-
-                    @pl.when(u > item(lo))
-                    def _():
-                        plgpu.barrier_arrive(consumed.at[lax.rem(u - 1, jnp.int32(stages))])
-
                 lse = mosaic_gpu_load(lse_smem.at[slot], layout=column)
                 delta = mosaic_gpu_load(delta_smem.at[slot], layout=column) if "dk" in want else None
                 s, c, tanh = base2_scores(s, cfg)
@@ -309,9 +296,8 @@ def _dkv_kernel(
                 ds = (ds if tanh is None else ds * (1.0 - tanh * tanh)).astype(dtype)
                 if dq_ref is None:
                     plgpu.wgmma(dk_acc, ds, q_smem.at[slot])
-                    if not defer:
-                        plgpu.wgmma_wait(0)
-                        plgpu.barrier_arrive(consumed.at[slot])
+                    plgpu.wgmma_wait(0)
+                    plgpu.barrier_arrive(consumed.at[slot])
                     return carry
                 ds_smem[...] = ds
                 plgpu.commit_smem()
@@ -348,13 +334,6 @@ def _dkv_kernel(
             lax.fori_loop(item(lo), item(flo), functools.partial(step, masked=True), None)
             lax.fori_loop(item(flo), item(fhi), functools.partial(step, masked=False), None)
             lax.fori_loop(item(fhi), item(hi), functools.partial(step, masked=True), None)
-            if defer:  # the last step's products, then its tile
-                plgpu.wgmma_wait(0)
-
-                @pl.when(hi > lo)
-                def _():
-                    plgpu.barrier_arrive(consumed.at[lax.rem(item(hi) - 1, jnp.int32(stages))])
-
             lax.fori_loop(item(hi), item(chi), release, None)
             return tuple(a[...] for a in (dk_acc, dv_acc) if a is not None)
 

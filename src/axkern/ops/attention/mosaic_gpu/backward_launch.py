@@ -26,21 +26,12 @@ from .schedules import COMPUTE_WGS, lower, operands, schedule_table
 from .tiles import _Cfg, pl, plgpu
 
 
-def backward(
-    q, k, v, out, lse, d_out, *, mask, scale, block_sizes, logits_soft_cap=None, kv_major=False, defer=False
-):
+def backward(q, k, v, out, lse, d_out, *, mask, scale, block_sizes, logits_soft_cap=None):
     """`(dq, dk, dv)` of the forward from its residuals (`out`, `lse` as `forward` returns
     them) and the cotangent `d_out`, by the `dq` kernel (key tiles streamed past each query
     block) and the `dk, dv` kernel (query tiles of every query head of the group streamed past
     each key block: the GQA sum stays in registers); with `dq_by="reduction"` the `dk, dv`
-    kernel alone, adding each tile's `dq` share into float32 zeros (`_dkv_kernel`).
-
-    `kv_major` (a form for the sweeps, not the default): the `dk, dv` grid's fastest axis is the
-    key blocks rather than the heads, so the blocks running at once walk one or two heads and,
-    with `dq_by="reduction"`, add into those heads' `dq` rows only (a few MB the L2 cache can
-    hold) rather than into every head's. `defer` (another sweep's form): the `dk, dv` kernel's steps
-    leave their `dk`, `dv` products running into the next step (`_dkv_kernel`; with the `dq`
-    kernel, at head dims up to `SPLIT_ABOVE`)."""
+    kernel alone, adding each tile's `dq` share into float32 zeros (`_dkv_kernel`)."""
     b, sq, h, d = q.shape
     sk, kvh = k.shape[1], k.shape[2]
     _check_backward(mask, block_sizes, d)
@@ -62,25 +53,9 @@ def backward(
     table = schedule_table(mask, sq, sk, bq2, bk2, b, keys=True)
     cfg = config(bq2, bk2, st2, table)
     wants = (("dk", "dv"),) if d <= SPLIT_ABOVE else (("dv",), ("dk",))
-    if defer and (reduction or d > SPLIT_ABOVE or st2 < 2):
-        raise ValueError(
-            f"defer=True: the dk, dv kernel defers its products with the dq kernel, head dims up to "
-            f"{SPLIT_ABOVE} and two ring stages or more (dq_by={dq_by(block_sizes, d)!r}, head dim {d}, "
-            f"{st2} stages)"
-        )
     grads = {}
     for want in wants:
-        grads |= _dkv_launch(
-            cfg,
-            lowered,
-            want,
-            (*inputs, table),
-            mask_ops,
-            params,
-            dq=reduction,
-            kv_major=kv_major,
-            defer=defer,
-        )
+        grads |= _dkv_launch(cfg, lowered, want, (*inputs, table), mask_ops, params, dq=reduction)
     if reduction:  # the float32 sum of every key block's share
         dq = (grads["dq"] * scale).astype(q.dtype)
     return dq[:, :sq], grads["dk"][:, :sk], grads["dv"][:, :sk]
@@ -124,7 +99,7 @@ def _dq_launch(cfg, lowered, inputs, mask_ops, params):
     )(*inputs, *mask_ops)
 
 
-def _dkv_launch(cfg, lowered, want, inputs, mask_ops, params, dq=False, kv_major=False, defer=False) -> dict:
+def _dkv_launch(cfg, lowered, want, inputs, mask_ops, params, dq=False) -> dict:
     """The `dk, dv` kernel for the gradients of `want` (one launch), `{name: gradient}`; with `dq`
     also `"dq"`, float32 and unscaled, the kernel's TMA reductions into zeros (`pl.kernel` over
     refs, as `plgpu.kernel` takes no aliases)."""
@@ -133,7 +108,7 @@ def _dkv_launch(cfg, lowered, want, inputs, mask_ops, params, dq=False, kv_major
     dt = inputs[1].dtype
     bq2, bk2, st2 = cfg.block_q, cfg.block_kv, cfg.stages
     table = inputs[-1]
-    body = functools.partial(_dkv_kernel, cfg=cfg, mask=lowered, dtype=dt, want=want, defer=defer)
+    body = functools.partial(_dkv_kernel, cfg=cfg, mask=lowered, dtype=dt, want=want)
     names = want + (("dq",) if dq else ())
     n = len(names)
     extra = [
@@ -167,10 +142,9 @@ def _dkv_launch(cfg, lowered, want, inputs, mask_ops, params, dq=False, kv_major
     kernel_name = (
         "axkern_attention_mosaic_gpu_" + ("dkv" if len(want) == 2 else want[0]) + ("_dq" if dq else "")
     )
-    # the grid's first axis is the one the GPU launches fastest: heads, or (`kv_major`) key blocks
     mesh = dict(
-        grid=(table.shape[-2], kvh, b) if kv_major else (kvh, table.shape[-2], b),
-        grid_names=("kv_seq", "heads", "batch") if kv_major else ("heads", "kv_seq", "batch"),
+        grid=(kvh, table.shape[-2], b),
+        grid_names=("heads", "kv_seq", "batch"),
         num_threads=COMPUTE_WGS + 1,
         thread_name="wg",
     )

@@ -336,7 +336,7 @@ def _core_bwd(cfg, res, cotangents):
     x_in, ac, scale, operands, (bt, ct), sc, states_in, diag = res
     xt = zeroed(x_in) if clean_x is True else x_in  # ("pass": `x_in` is cleaned already)
     dy, d_final = cotangents
-    pull = _pullbacks(operands, (bt, ct), interpret)
+    pull_b, pull_c = (_pullback(o, f) for o, f in zip(operands, (bt, ct), strict=True))
     k = layout(xt, bt, q=q, interpret=interpret, products=products)
     col, row = k.from_col, k.from_row  # back to [b, h, c, Q]
     (cum, w, f, keep), pull_weights = jax.vjp(lambda ac, scale: _weights(ac, scale, sc), ac, scale)
@@ -362,7 +362,8 @@ def _core_bwd(cfg, res, cotangents):
         dx.astype(xt.dtype),
         d_ac.astype(ac.dtype),
         d_scale.astype(scale.dtype),
-        *pull(db, dc),
+        pull_b(db),
+        pull_c(dc),
         None,
         d_init.astype(jnp.float32),
         None if diag is None else col(d_diag[0]).astype(diag.dtype),
@@ -370,17 +371,6 @@ def _core_bwd(cfg, res, cotangents):
 
 
 _core.defvjp(_core_fwd, _core_bwd)
-
-
-def _pullbacks(operands, formed, interpret):
-    """`(dB, dC) -> (B's cotangent, C's)`: each by `_pullback`, or both at once where `B` forms
-    them with `C` (`cotangents_with`: Mamba-3's `k` and `q`, one kernel for both)."""
-    (ob, oc), (fb, fc) = operands, formed
-    tb, tc = (getattr(f, "theta", None) is not None for f in formed)
-    if hasattr(ob, "cotangents_with") and getattr(ob, "cotangent_kernel", False) and tb == tc:
-        return lambda db, dc: ob.cotangents_with(oc, db, dc, turned=tb, interpret=interpret)
-    pull_b, pull_c = _pullback(ob, fb), _pullback(oc, fc)
-    return lambda db, dc: (pull_b(db), pull_c(dc))
 
 
 def _pullback(operand, formed):

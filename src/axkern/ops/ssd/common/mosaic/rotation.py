@@ -102,15 +102,12 @@ class RotatedOperand:
     float32 (`A <= N/2`). A pytree: padding, residuals and cotangents keep this form (a
     cotangent's leaves are `du`, `dbias`, `dΘ`). `same_angles`: `theta` is also the other
     operand's of its scan (Mamba-3's `q` and `k` turn by the same `Θ`), so `parts_with` forms
-    both operands' halves in one kernel, `cos` and `sin` once. `cotangent_kernel`: with
-    `same_angles`, `cotangents_with` forms both operands' cotangents from their turned-back
-    ones by one Triton kernel (`rotation_cotangents.py`) rather than by XLA's sums."""
+    both operands' halves in one kernel, `cos` and `sin` once."""
 
     u: jax.Array
     bias: jax.Array
     theta: jax.Array
     same_angles: bool = dataclasses.field(default=False, metadata={"static": True})
-    cotangent_kernel: bool = dataclasses.field(default=False, metadata={"static": True})
 
     @property
     def shape(self) -> tuple:
@@ -202,32 +199,6 @@ class RotatedOperand:
             bias=back.sum((0, 2)).astype(self.bias.dtype),
             theta=d_theta.astype(self.theta.dtype),
         )
-
-    def cotangents_with(self, other, g, g_other, turned: bool = False, interpret: bool = False) -> tuple:
-        """`(self.cotangent(g, turned), other.cotangent(g_other, turned))`: by one Triton kernel
-        (`rotation_cotangents.turned_cotangents`) where both ask for it (`cotangent_kernel`),
-        share the angles (`same_angles`), come turned back and take its sizes, the shared `dΘ`
-        given to `self` whole (and zeros to `other`: the angles' cotangent is their sum); else
-        each by `cotangent`."""
-        from . import rotation_cotangents as rc
-
-        pair = isinstance(other, RotatedOperand) and all(
-            o.same_angles and o.cotangent_kernel for o in (self, other)
-        )
-        a = self.theta.shape[-1]
-        same = pair and all(getattr(other, f).shape == getattr(self, f).shape for f in ("u", "bias", "theta"))
-        if not (same and turned) or rc.reason(self.u.shape, self.bias.shape[0], a):
-            return self.cotangent(g, turned), other.cotangent(g_other, turned)
-        du, db, du_o, db_o, d_theta = rc.turned_cotangents(
-            self.u, other.u, self.bias, other.bias, a, g, g_other, interpret=interpret
-        )
-        mine = dataclasses.replace(
-            self, u=du, bias=db.astype(self.bias.dtype), theta=d_theta.astype(self.theta.dtype)
-        )
-        theirs = dataclasses.replace(
-            other, u=du_o, bias=db_o.astype(other.bias.dtype), theta=jnp.zeros_like(other.theta)
-        )
-        return mine, theirs
 
 
 # a `rotated_parts` program: positions, and Triton warps
