@@ -211,6 +211,62 @@ def test_decode_steps_chained_equal_the_scan():
     np.testing.assert_allclose(state, final, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("impl", ["xla", "reference"])
+def test_dt_limit_equals_dt_clamped_by_hand(impl):
+    # dt_limit clamps dt after its bias and softplus: the same call on dt clamped by hand (and
+    # no dt_limit) gives the same outputs and gradients, and dt's gradient is zero where a bound
+    # binds. N(0, 1) dt puts about a fifth of softplus(dt + dt_bias) below 0.4 and above 1.2.
+    lo, hi = 0.4, 1.2
+    arrays, seg = make(5, 2, 37, 3, 5, 1, 4, "float32")
+    chunk = 8 if impl != "reference" else None
+    k1, k2 = jax.random.split(jax.random.PRNGKey(6))
+    cot_y = jax.random.normal(k1, arrays["x"].shape)
+    cot_s = jax.random.normal(k2, arrays["initial_state"].shape)
+
+    def by_hand(dt, dt_bias):
+        # a clamp written without jnp.clip: the bound where it binds (gradient zero), dt elsewhere
+        v = jax.nn.softplus(dt + dt_bias)
+        return jnp.where(v < lo, lo, jnp.where(v > hi, hi, v))
+
+    def loss(a, hand):
+        a = dict(a)
+        x, dt, A, B, C = (a.pop(k) for k in ("x", "dt", "A", "B", "C"))
+        if hand:
+            dt, options = by_hand(dt, a.pop("dt_bias")), {}
+        else:
+            options = dict(dt_softplus=True, dt_limit=(lo, hi))
+        y, final = ssd(
+            x,
+            dt,
+            A,
+            B,
+            C,
+            segment_ids=seg,
+            return_final_state=True,
+            implementation=impl,
+            chunk_size=chunk,
+            **a,
+            **options,
+        )
+        return jnp.sum(y * cot_y) + jnp.sum(final * cot_s), (y, final)
+
+    grad = jit(jax.grad(loss, has_aux=True), static_argnums=1)
+    got_grads, got = grad(arrays, False)
+    want_grads, want = grad(arrays, True)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+    assert set(got_grads) == set(arrays)
+    for name in arrays:
+        np.testing.assert_allclose(got_grads[name], want_grads[name], rtol=1e-5, atol=1e-6, err_msg=name)
+
+    v = np.asarray(jax.nn.softplus(arrays["dt"] + arrays["dt_bias"]))
+    below, above = v < lo, v > hi
+    assert below.sum() > 10 and above.sum() > 10 and (~below & ~above).sum() > 10
+    g_dt = np.asarray(got_grads["dt"])
+    assert np.all(g_dt[below | above] == 0)
+    assert np.count_nonzero(g_dt[~below & ~above]) > 0.9 * (~below & ~above).sum()
+
+
 def test_bad_input():
     arrays, _ = make(2, 1, 8, 3, 2, 2, 4, "float32", extras=False)
     with pytest.raises(ValueError, match="heads=3 is not divisible by groups=2"):
