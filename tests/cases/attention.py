@@ -1,6 +1,7 @@
 """Attention's cases, shared by the CPU tests (tests/ops/test_attention.py) and the GPU tests
 (tests/gpu/test_attention_gpu.py): random inputs, and a runner returning the output and the
-gradients of `q`, `k`, `v` (and the sinks)."""
+gradients of `q`, `k`, `v` (and the sinks); with `lse=True` the output is `(out, lse where
+finite else 0, 1 where lse is -inf)` and the loss weighs `lse` too."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ def inputs(seed, b, sq, sk, h, kvh, d, dtype):
 
 
 @functools.cache
-def _runner(impl, sinks, cap, blocks, interpret):
+def _runner(impl, sinks, cap, blocks, interpret, lse=False):
     """`(out, grads)` of `impl` as one jitted function of `(arrays, mask)`: the cases of one
     shape, dtype and mask kind compile once (the interpret setting is read while tracing, so it
     is part of the key)."""
@@ -42,9 +43,17 @@ def _runner(impl, sinks, cap, blocks, interpret):
             logits_soft_cap=cap,
             implementation=impl,
             block_sizes=block_sizes,
+            return_lse=lse,
         )
+        o, l = o if lse else (o, None)
         cot = jnp.cos(jnp.arange(o.size, dtype=jnp.float32).reshape(o.shape))
-        return jnp.sum(o.astype(jnp.float32) * cot), o
+        loss = jnp.sum(o.astype(jnp.float32) * cot)
+        if not lse:
+            return loss, o
+        seen = jnp.isfinite(l)
+        l_cot = jnp.sin(jnp.arange(l.size, dtype=jnp.float32).reshape(l.shape))
+        finite = jnp.where(seen, l, 0.0)
+        return loss + jnp.sum(finite * l_cot), (o, finite, jnp.isneginf(l).astype(jnp.float32))
 
     def g(a, mask):
         (_, out), grads = jax.value_and_grad(f, argnums=(0, 1, 2, 3), has_aux=True)(
@@ -55,9 +64,9 @@ def _runner(impl, sinks, cap, blocks, interpret):
     return jit(g)
 
 
-def run(impl, arrays, mask, *, sinks=True, cap=None, blocks=(16, 16)):
+def run(impl, arrays, mask, *, sinks=True, cap=None, blocks=(16, 16), lse=False):
     if blocks is not None and not isinstance(blocks, dict):
         blocks = dict(block_q=blocks[0], block_kv=blocks[1])
     blocked = impl in ("xla", "pallas_gpu", "pallas_tpu", "mosaic_gpu")  # the others take no block sizes
     key = tuple(sorted(blocks.items())) if blocks is not None and blocked else None
-    return _runner(impl, sinks, cap, key, config.current().interpret)(arrays, mask)
+    return _runner(impl, sinks, cap, key, config.current().interpret, lse)(arrays, mask)

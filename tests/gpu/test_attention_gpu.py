@@ -1,6 +1,8 @@
 """attention on a real GPU: xla, pallas_gpu and the cuDNN wrapper against the oracle rule; the GPU order.
 
-Run with `AXKERN_TEST_GPU=1 python -m pytest tests/gpu -m gpu`.
+Run with `AXKERN_TEST_GPU=1 python -m pytest tests/gpu -m gpu`. The float64 oracle of
+`test_against_oracle` (2 x 1024 x 1024 positions, 8 heads, head dim 64) holds tens of GB of host
+memory: with pytest-xdist, at most three workers on a 128 GB machine (eight ran out of it).
 """
 
 from __future__ import annotations

@@ -231,6 +231,34 @@ MORE_CASES = {
         8.0,
         True,
     ),
+    # the model's head counts: 32 query heads over 8 and over 4 kv heads (short lengths keep the
+    # oracle's [B, KVH, G, Sq, Sk, D] near 40M elements)
+    "causal bf16 d64 gqa 32/8 ragged130": (
+        1,
+        130,
+        130,
+        32,
+        8,
+        64,
+        "bfloat16",
+        masks.Causal(),
+        None,
+        None,
+        False,
+    ),
+    "docs causal sinks fp16 d128 gqa 32/4 96": (
+        1,
+        96,
+        96,
+        32,
+        4,
+        128,
+        "float16",
+        masks.Causal() & masks.Segments(_docs(1, 96, 40), _docs(1, 96, 40)),
+        None,
+        None,
+        True,
+    ),
 }
 
 
@@ -241,6 +269,35 @@ def test_against_oracle(name):
     a = _inputs([*CASES, *MORE_CASES].index(name), b, sq, sk, h, kvh, d, dtype)
     check_rule(
         _run, "mosaic_gpu", a, dtype, f"attention {name}", mask=mask, sinks=sinks, cap=cap, blocks=blocks
+    )
+
+
+# return_lse through the dispatcher (the guard passes `lse` and its cotangent): name, case
+LSE_CASES = [
+    "causal soft cap 5 sinks bf16 d128 gqa2",
+    "causal-20 sinks bf16 d64 q100 k140",
+    "packed docs | window40 bf16 d64 b2 gqa8",
+    "window100 soft cap 8 sinks bf16 d256 ragged",
+    "causal bf16 d64 gqa4 ragged1000",
+]
+
+
+@pytest.mark.parametrize("name", LSE_CASES)
+def test_lse_against_oracle(name):
+    case = (*CASES[name], None, False) if name in CASES else MORE_CASES[name]
+    b, sq, sk, h, kvh, d, dtype, mask, blocks, cap, sinks = case
+    a = _inputs(40 + LSE_CASES.index(name), b, sq, sk, h, kvh, d, dtype)
+    check_rule(
+        _run,
+        "mosaic_gpu",
+        a,
+        dtype,
+        f"attention lse {name}",
+        mask=mask,
+        sinks=sinks,
+        cap=cap,
+        blocks=blocks,
+        lse=True,
     )
 
 

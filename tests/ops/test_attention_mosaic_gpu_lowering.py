@@ -99,6 +99,29 @@ def test_forward_and_both_backward_kernels_lower_for_cuda(name):
     assert _kernels(_lowered(f, q, kv, kv, s, q)) == (2 if d <= 64 else 3)
 
 
+@pytest.mark.parametrize("d", [64, 128])
+def test_lse_and_its_cotangent_lower_for_cuda(d):
+    # return_lse: the same three kernels (two at head dim 64), lse's cotangent joining delta in XLA
+    q = jax.ShapeDtypeStruct((1, 300, 4, d), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((1, 300, 2, d), jnp.bfloat16)
+    s = jax.ShapeDtypeStruct((4,), jnp.float32)
+    dl = jax.ShapeDtypeStruct((1, 300, 4), jnp.float32)
+    bs = mosaic_gpu_heuristic(_spec(jnp.bfloat16, d=d))
+
+    def f(q, k, v, s, do, dl):
+        def fn(q, k, v, s):
+            return mosaic_gpu.attention(
+                q, k, v, s, masks.Causal(), scale=0.1, logits_soft_cap=None, block_sizes=bs, return_lse=True
+            )
+
+        (out, lse), vjp = jax.vjp(fn, q, k, v, s)
+        return out, lse, vjp((do, dl))
+
+    out = jax.eval_shape(f, q, kv, kv, s, q, dl)
+    assert out[1].shape == (1, 300, 4) and out[1].dtype == jnp.float32
+    assert _kernels(_lowered(f, q, kv, kv, s, q, dl)) == (2 if d <= 64 else 3)
+
+
 def test_dq_by_defaults_to_reduction_at_head_dim_64_unless_deterministic(monkeypatch):
     from axkern.ops.attention.blocks import AttentionBlockSizes, mosaic_gpu_dq_by
 

@@ -47,7 +47,7 @@ __all__ = ["attention", "attention_positional", "OP", "AttentionBlockSizes"]
 NAME = "attention"
 
 
-def _cudnn_where_finite(q, k, v, sinks, mask, *, scale, logits_soft_cap):
+def _cudnn_where_finite(q, k, v, sinks, mask, *, scale, logits_soft_cap, return_lse=False):
     """cuDNN's kernel where `q`, `k`, `v` (and, for the gradients, the cotangent) are all finite;
     where one is not, `pallas_gpu` (else `xla`) serves the call, chosen on the device
     (`lax.cond`).
@@ -57,12 +57,14 @@ def _cudnn_where_finite(q, k, v, sinks, mask, *, scale, logits_soft_cap):
     queries that cannot see its key. The check reads the inputs once more (and the cotangent
     in the backward); only cuDNN's residuals are kept, and the other implementation's forward
     and backward run only where something is not finite."""
+    if return_lse:
+        raise Unsupported(cudnn.LSE_REASON)
     kw = dict(scale=scale, logits_soft_cap=logits_soft_cap)
     fast = lambda q, k, v, sinks, mask: cudnn.attention(q, k, v, sinks=sinks, mask=mask, **kw)  # noqa: E731
     return tiles_common.guarded(fast, q, k, v, sinks, mask, order=_safe_order(mask), **kw)
 
 
-def _mosaic_gpu_where_finite(q, k, v, sinks, mask, *, scale, logits_soft_cap, block_sizes):
+def _mosaic_gpu_where_finite(q, k, v, sinks, mask, *, scale, logits_soft_cap, block_sizes, return_lse=False):
     """The Mosaic GPU forward and backward kernels where `q`, `k`, `v` (and the cotangent) are
     finite; elsewhere `pallas_gpu` (else `xla`: `_safe_order`), chosen on the device as for
     cuDNN: the kernel's `p v` product would carry a NaN of `v` to rows that cannot see its key."""
@@ -72,9 +74,10 @@ def _mosaic_gpu_where_finite(q, k, v, sinks, mask, *, scale, logits_soft_cap, bl
     if why is not None:
         raise Unsupported(why)  # backward tiles that do not fit: the dispatcher moves on
     kw = dict(scale=scale, logits_soft_cap=logits_soft_cap)
-    attend = functools.partial(mosaic_gpu.attention, block_sizes=block_sizes, **kw)
+    attend = functools.partial(mosaic_gpu.attention, block_sizes=block_sizes, return_lse=return_lse, **kw)
     fast = lambda q, k, v, sinks, mask: attend(q, k, v, sinks, mask)  # noqa: E731
-    return tiles_common.guarded(fast, q, k, v, sinks, mask, order=_safe_order(mask), **kw)
+    order = _safe_order(mask)
+    return tiles_common.guarded(fast, q, k, v, sinks, mask, order=order, return_lse=return_lse, **kw)
 
 
 def _safe_order(mask) -> tuple[str, ...]:
@@ -204,7 +207,11 @@ def attention_positional(
     sinks: Float[Array, " heads"] | None = None,
     implementation: AttentionImplementation | tuple[AttentionImplementation, ...] | None = None,
     block_sizes: AttentionBlockSizes | dict | None = None,
-) -> Float[Array, "batch q_len heads v_dim"]:
+    return_lse: bool = False,
+) -> (
+    Float[Array, "batch q_len heads v_dim"]
+    | tuple[Float[Array, "batch q_len heads v_dim"], Float[Array, "batch q_len heads"]]
+):
     """Attention on plain arrays, laid out as `jax.nn.dot_product_attention`'s (`BTNH`).
 
     **Arguments:**
@@ -216,10 +223,15 @@ def attention_positional(
     - `scale`: default `head_dim ** -0.5`.
     - `logits_soft_cap`: `c` in `c · tanh(s / c)`, or None.
     - `sinks`: `[heads]` sink logits, or None.
+    - `return_lse`: also return each query's log-sum-exp of its visible scores (after scale
+      and soft cap; the sink's logit too), differentiable: for merging partial attentions
+      (split keys, ring attention) or a z-loss.
 
-    **Returns:** `[batch, q_len, heads, v_dim]` in `q`'s dtype. Empty `batch`, `q_len` or
-    `heads` give an empty result, an empty `kv_len` zeros (no query sees a key); an empty
-    `head_dim` or `v_dim` is a `ValueError`. Non-finite input: see the guide's rule.
+    **Returns:** `[batch, q_len, heads, v_dim]` in `q`'s dtype; with `return_lse`, `(out, lse)`,
+    `lse` `[batch, q_len, heads]` float32 (natural log; `-inf` for a query that sees no key and
+    has no sink). Empty `batch`, `q_len` or `heads` give an empty result, an empty `kv_len` zeros
+    (no query sees a key); an empty `head_dim` or `v_dim` is a `ValueError`. Non-finite input:
+    see the guide's rule (`lse` is NaN exactly where the output's row is).
 
     **Example:**
 
@@ -241,7 +253,8 @@ def attention_positional(
         if n == 0:
             raise ValueError(f"{NAME}: {axis} must be at least 1, got 0")
     if 0 in (b, sq, sk, h):  # nothing to attend: empty, or queries that see no key (zeros)
-        return jnp.zeros((b, sq, h, v.shape[3]), q.dtype)
+        out = jnp.zeros((b, sq, h, v.shape[3]), q.dtype)
+        return (out, jnp.full((b, sq, h), -jnp.inf, jnp.float32)) if return_lse else out
     if logits_soft_cap is not None and not 0 < float(logits_soft_cap) < math.inf:
         raise ValueError(
             f"{NAME}: logits_soft_cap must be a finite number > 0 or None, got {logits_soft_cap!r}"
@@ -267,6 +280,7 @@ def attention_positional(
         sinks=sinks is not None,
         mask=type(mask).__name__,
         mask_kind=mask_kind(mask),
+        **({"lse": True} if return_lse else {}),
     )
     return OP(
         spec,
@@ -279,6 +293,7 @@ def attention_positional(
         block_sizes=block_sizes,
         scale=scale,
         logits_soft_cap=logits_soft_cap,
+        return_lse=bool(return_lse),
     )
 
 
@@ -365,7 +380,8 @@ def attention(
     sinks: NamedArray | Array | None = None,
     implementation: AttentionImplementation | tuple[AttentionImplementation, ...] | None = None,
     block_sizes: AttentionBlockSizes | dict | None = None,
-) -> NamedArray:
+    return_lse: bool = False,
+) -> NamedArray | tuple[NamedArray, NamedArray]:
     """Attention over named axes.
 
     `q` has batch axes, `QPos`, `Heads` and `HeadDim`; `k` and `v` the same batch axes,
@@ -387,7 +403,9 @@ def attention(
     Under a haliax axis mapping with a mesh, batch axes and heads run in parallel (`KVHeads`
     mapped like `Heads`, or a single kv head); positions and head dims are gathered.
 
-    **Returns:** the batch axes, `QPos`, `Heads` and `v`'s `HeadDim`, in `q`'s axis order.
+    **Returns:** the batch axes, `QPos`, `Heads` and `v`'s `HeadDim`, in `q`'s axis order; with
+    `return_lse=True`, `(out, lse)`: `lse` over the batch axes, `QPos` and `Heads` (in `q`'s
+    order, float32), each query's log-sum-exp of its visible scores (as `attention_positional`'s).
 
     **Example:**
 
@@ -427,7 +445,10 @@ def attention(
             logits_soft_cap=logits_soft_cap,
             implementation=implementation,
             block_sizes=block_sizes,
+            return_lse=return_lse,
         )
 
     out = named.Out(("batch", "QPos", "Heads", "VDim"), like="q", swap={"HeadDim": "VDim"})
+    if return_lse:
+        return bound.run(body, sharding, (out, named.Out(("batch", "QPos", "Heads"), like="q")), extra=extra)
     return bound.run(body, sharding, out, extra=extra)

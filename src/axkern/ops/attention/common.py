@@ -220,21 +220,50 @@ def prepare(mask, block_sizes, scale, logits_soft_cap, interpret, per_kernel=Fal
 def flash_vjp(forward, backward):
     """The `custom_vjp` both backends wrap their kernels in: `forward(cfg, q, k, v, sinks,
     seg_ids, mask, *, lo) -> (o [B, H, Sqp, Dv], lse, lo or None)` and `backward(cfg, mask,
-    residuals, d_out)`. `lo`: whether the forward also writes what rounding `o` lost, asked for
-    the residuals when there are sinks and `o` has 16 bits (`unrounded`)."""
+    residuals, d_out, d_lse)` (`d_lse` `[B, H, Sqp]` float32, 0 on the padding:
+    `lse_cotangent`). The function returns `(out [B, Sq, H, Dv], lse [B, Sq, H])` (`public_lse`).
+    `lo`: whether the forward also writes what rounding `o` lost, asked for the residuals when
+    there are sinks and `o` has 16 bits (`unrounded`)."""
 
     @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 6))
     def fn(cfg, q, k, v, sinks, seg_ids, mask):
-        o, _, _ = forward(cfg, q, k, v, sinks, seg_ids, mask, lo=False)
-        return jnp.swapaxes(o, 1, 2)[:, : q.shape[1]]
+        o, lse, _ = forward(cfg, q, k, v, sinks, seg_ids, mask, lo=False)
+        return jnp.swapaxes(o, 1, 2)[:, : q.shape[1]], public_lse(lse, q.shape[1])
 
     def fwd(cfg, q, k, v, sinks, seg_ids, mask):
         want_lo = sinks is not None and jnp.dtype(q.dtype).itemsize < 4  # float32 loses nothing
         o, lse, lo = forward(cfg, q, k, v, sinks, seg_ids, mask, lo=want_lo)
-        return jnp.swapaxes(o, 1, 2)[:, : q.shape[1]], (q, k, v, sinks, seg_ids, o, lse, lo)
+        out = (jnp.swapaxes(o, 1, 2)[:, : q.shape[1]], public_lse(lse, q.shape[1]))
+        return out, (q, k, v, sinks, seg_ids, o, lse, lo)
 
-    fn.defvjp(fwd, backward)
+    def bwd(cfg, mask, res, cts):
+        d_out, d_lse = cts
+        return backward(cfg, mask, res, d_out, lse_cotangent(d_lse, res[5].shape[2]))
+
+    fn.defvjp(fwd, bwd)
     return fn
+
+
+def public_lse(lse, sq):
+    """A kernel's `lse` (`[B, H, Sqp]`, or `[B, H, Sqp, 1]`) as the API returns it: `[B, Sq, H]`
+    float32, natural log."""
+    if lse.ndim == 4:
+        lse = lse[..., 0]
+    return jnp.swapaxes(lse[:, :, :sq], 1, 2).astype(jnp.float32)
+
+
+def lse_cotangent(d_lse, rows):
+    """The cotangent of `lse` (`[B, Sq, H]`) as the backward kernels' rows take it: `[B, H,
+    rows]` float32, 0 on the padding. `lse = log Σ_j exp(s_j)` (the sink's term too) has
+    `∂lse/∂s_j = p_j`, so it joins each row's `delta`: `ds = p (dp - (delta - d_lse))`, and the
+    sinks' `-Σ exp(sink - lse) (delta - d_lse)`."""
+    d = jnp.swapaxes(d_lse.astype(jnp.float32), 1, 2)
+    return jnp.pad(d, [(0, 0), (0, 0), (0, rows - d.shape[2])])
+
+
+def maybe_lse(result, return_lse):
+    """`(out, lse)` or `out` alone, as the caller asked."""
+    return result if return_lse else result[0]
 
 
 def unrounded(o, lo):
@@ -284,20 +313,22 @@ def finish_grads(q, k, v, sinks, dq, dk, dv, lse, delta):
 # -- the non-finite guard ----------------------------------------------------------------------
 
 
-def guarded(fast, q, k, v, sinks, mask, *, scale, logits_soft_cap, order):
+def guarded(fast, q, k, v, sinks, mask, *, scale, logits_soft_cap, order, return_lse=False):
     """`fast(q, k, v, sinks, mask)` behind the non-finite guard (`where_finite`), the first of
     `order` serving where something is not finite; the sinks and the mask's arrays pass through
-    as arguments (closed over, a traced one would leak out of the guard's `custom_vjp`)."""
+    as arguments (closed over, a traced one would leak out of the guard's `custom_vjp`).
+    `return_lse`: `fast` returns `(out, lse)`, and so does the implementation that serves
+    instead."""
     leaves, treedef = jax.tree.flatten(mask)
 
     def fast_fn(q, k, v, sinks, *leaves):
         return fast(q, k, v, sinks, jax.tree.unflatten(treedef, leaves))
 
-    safe_fn = rule_following(mask, scale, logits_soft_cap, order)
+    safe_fn = rule_following(mask, scale, logits_soft_cap, order, return_lse)
     return where_finite(fast_fn, safe_fn, q, k, v, sinks, tuple(leaves))
 
 
-def rule_following(mask, scale, logits_soft_cap, order):
+def rule_following(mask, scale, logits_soft_cap, order, return_lse=False):
     """`(q, k, v, sinks, *mask arrays) -> out` by the first of `order` that serves the call: what a
     guarded implementation runs where an input is not finite (`mask`'s arrays come back as
     arguments, `where_finite`'s `extra`). Unrecorded, so `explain` reports the guarded
@@ -318,6 +349,7 @@ def rule_following(mask, scale, logits_soft_cap, order):
                 logits_soft_cap=logits_soft_cap,
                 sinks=sinks,
                 implementation=order,
+                return_lse=return_lse,
             )
 
     return safe_fn
@@ -380,7 +412,8 @@ def where_finite_bwd(fast, safe, res, d_out):
 
     # `fast_vjp` (a pytree of the kernels' residuals) crosses the conditional as an operand,
     # so that its arrays go in 1-D too (`flat_cond`)
-    ok = ok & jnp.isfinite(d_out).all()
+    for d in jax.tree.leaves(d_out):  # the output's cotangent, and `lse`'s where it is returned
+        ok = ok & jnp.isfinite(d).all()
     return (*flat_cond(ok, kernels, recompute, fast_vjp, q, k, v, sinks, extra, d_out), None)
 
 

@@ -31,6 +31,9 @@ def _mask_args(mask):
     return None
 
 
+LSE_REASON = "jax.nn.dot_product_attention does not return the log-sum-exp (return_lse=True)"
+
+
 def supports(spec) -> str | None:
     if spec.platform != "gpu":
         return "cuDNN attention needs a CUDA GPU"
@@ -40,6 +43,8 @@ def supports(spec) -> str | None:
         return "cuDNN attention through jax.nn.dot_product_attention has no logit soft cap"
     if spec.flag("sinks"):
         return "cuDNN attention through jax.nn.dot_product_attention has no sinks"
+    if spec.flag("lse"):
+        return LSE_REASON
     if spec.flag("mask") not in ("Causal", "SlidingWindow", "Full"):
         return f"mask {spec.flag('mask')} is not expressible through jax.nn.dot_product_attention"
     d = spec.dim("head_dim")
@@ -48,8 +53,10 @@ def supports(spec) -> str | None:
     return None
 
 
-def attention(q, k, v, sinks, mask, *, scale, logits_soft_cap):
+def attention(q, k, v, sinks, mask, *, scale, logits_soft_cap, return_lse=False):
     del sinks, logits_soft_cap  # refused by supports()
+    if return_lse:
+        raise Unsupported(LSE_REASON)
     args = _mask_args(mask)
     if args is None:
         raise Unsupported(f"{mask!r} is not expressible through jax.nn.dot_product_attention")

@@ -373,16 +373,18 @@ def _check_blocks(block_sizes, kernels=("fwd", "dq", "dkv")):
                 raise Unsupported(f"{name}{suffix}={n}: Triton tiles need a power of two >= {MIN}")
 
 
-def attention(q, k, v, sinks, mask, *, scale, logits_soft_cap, block_sizes, interpret=False):
+def attention(
+    q, k, v, sinks, mask, *, scale, logits_soft_cap, block_sizes, interpret=False, return_lse=False
+):
     tiles.refuse_ping_pong(block_sizes, "pallas_gpu")
     _check_blocks(block_sizes)
     cfg, seg_ids, static = tiles.prepare(
         mask, block_sizes, scale, logits_soft_cap, interpret, per_kernel=True
     )
-    return _attention(cfg, q, k, v, sinks, seg_ids, static)
+    return tiles.maybe_lse(_attention(cfg, q, k, v, sinks, seg_ids, static), return_lse)
 
 
-def _attention_bwd(cfg, mask, res, d_out):
+def _attention_bwd(cfg, mask, res, d_out, d_lse):
     q, k, v, sinks, seg_ids, o, lse, lo = res
     qt, kt, vt, (b, sq, sk, h, kvh, sqp, skp) = tiles.layout(q, k, v, cfg)
     lse = tiles.padded_rows(lse, sq, -jnp.inf)
@@ -391,7 +393,7 @@ def _attention_bwd(cfg, mask, res, d_out):
     segments = seg_ids is not None
     do = jnp.pad(jnp.swapaxes(d_out, 1, 2), [(0, 0), (0, 0), (0, sqp - sq), (0, 0)]).astype(q.dtype)
     delta = jnp.sum(do.astype(jnp.float32) * tiles.unrounded(o, lo), axis=-1)  # [B, H, Sqp]
-    delta = tiles.padded_rows(delta, sq, 0.0)
+    delta = tiles.padded_rows(delta, sq, 0.0) - d_lse  # `lse`'s cotangent joins delta
     _, cq, ckv = cfg.kernels()  # the dq kernel's and the dk, dv kernel's own blocks
     bq, bk = cq.block_q, cq.block_kv
     q_bounds = _tile_bounds(mask, seg_ids, sq, sk, sqp, skp, bq, bk, 0, b)
@@ -477,10 +479,12 @@ def _attention_bwd(cfg, mask, res, d_out):
 _attention = tiles.flash_vjp(_forward, _attention_bwd)
 
 
-def backward(q, k, v, out, lse, d_out, *, mask, scale, block_sizes, logits_soft_cap=None, interpret=False):
+def backward(
+    q, k, v, out, lse, d_out, *, mask, scale, block_sizes, logits_soft_cap=None, interpret=False, d_lse=None
+):
     """`(dq, dk, dv)` of attention from another forward's residuals, `out [B, Sq, H, Dv]` and
     `lse [B, H, Sq]` (float32, natural log; with sinks it holds them, and their own cotangent
-    is the caller's), through this file's `dq` and `dk, dv` kernels with `block_sizes`' `*_dq`
+    is the caller's), and the cotangents `d_out` and `d_lse` (`[B, Sq, H]` or None), through this file's `dq` and `dk, dv` kernels with `block_sizes`' `*_dq`
     and `*_dkv` tiles (the backward sweep times them under the `mosaic_gpu` forward)."""
     _check_blocks(block_sizes, ("dq", "dkv"))
     cfg, seg_ids, static = tiles.prepare(
@@ -490,5 +494,7 @@ def backward(q, k, v, out, lse, d_out, *, mask, scale, block_sizes, logits_soft_
     sqp = -(-sq // cfg.pad_q) * cfg.pad_q
     o = jnp.pad(jnp.swapaxes(out, 1, 2), [(0, 0), (0, 0), (0, sqp - sq), (0, 0)])
     lse = jnp.pad(lse, [(0, 0), (0, 0), (0, sqp - sq)])
-    dq, dk, dv, _, _ = _attention_bwd(cfg, static, (q, k, v, None, seg_ids, o, lse, None), d_out)
+    d_lse = jnp.zeros((q.shape[0], sq, q.shape[2]), jnp.float32) if d_lse is None else d_lse
+    res = (q, k, v, None, seg_ids, o, lse, None)
+    dq, dk, dv, _, _ = _attention_bwd(cfg, static, res, d_out, tiles.lse_cotangent(d_lse, sqp))
     return dq, dk, dv

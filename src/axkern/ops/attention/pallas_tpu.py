@@ -361,16 +361,18 @@ def _forward(cfg, q, k, v, sinks, seg_ids, mask, *, lo=False):
     return o, lse, (lo_out[0] if lo else None)
 
 
-def attention(q, k, v, sinks, mask, *, scale, logits_soft_cap, block_sizes, interpret=False):
+def attention(
+    q, k, v, sinks, mask, *, scale, logits_soft_cap, block_sizes, interpret=False, return_lse=False
+):
     tiles.refuse_ping_pong(block_sizes, "pallas_tpu")
     for name, n in (("block_q", block_sizes.block_q), ("block_kv", block_sizes.block_kv)):
         if n % SUBLANES:
             raise Unsupported(f"{name}={n}: TPU blocks need a multiple of {SUBLANES} (sublanes)")
     cfg, seg_ids, static = tiles.prepare(mask, block_sizes, scale, logits_soft_cap, interpret)
-    return _attention(cfg, q, k, v, sinks, seg_ids, static)
+    return tiles.maybe_lse(_attention(cfg, q, k, v, sinks, seg_ids, static), return_lse)
 
 
-def _attention_bwd(cfg, mask, res, d_out):
+def _attention_bwd(cfg, mask, res, d_out, d_lse):
     q, k, v, sinks, seg_ids, o, lse, lo = res
     qt, kt, vt, (b, sq, sk, h, kvh, sqp, skp) = tiles.layout(q, k, v, cfg)
     lse = tiles.padded_rows(lse, sq, -jnp.inf)
@@ -380,7 +382,7 @@ def _attention_bwd(cfg, mask, res, d_out):
     segments = seg_ids is not None
     do = jnp.pad(jnp.swapaxes(d_out, 1, 2), [(0, 0), (0, 0), (0, sqp - sq), (0, 0)]).astype(q.dtype)
     delta = jnp.sum(do.astype(jnp.float32) * tiles.unrounded(o, lo), axis=-1, keepdims=True)  # [B, H, Sqp, 1]
-    delta = tiles.padded_rows(delta, sq, 0.0)
+    delta = tiles.padded_rows(delta, sq, 0.0) - d_lse[..., None]  # `lse`'s cotangent joins delta
     own = lambda n, w: pl.BlockSpec((None, None, n, w), lambda b_, h_, x, s, t, c: (b_, h_, x, 0))  # noqa: E731
 
     q_table, q_counts, q_steps = _plan(cfg, mask, seg_ids, b, sq, sk, sqp, skp, 0)

@@ -6,8 +6,10 @@ import jax.numpy as jnp
 from jax import lax
 
 
-def attention(q, k, v, sinks, mask, *, scale, logits_soft_cap):
+def attention(q, k, v, sinks, mask, *, scale, logits_soft_cap, return_lse=False):
     """`q [B, Sq, H, D]`, `k [B, Sk, KVH, D]`, `v [B, Sk, KVH, Dv]`, `sinks [H]` or None.
+    `return_lse`: also `lse [B, Sq, H]` (float32, or float64), `log Σ exp(s)` over the visible
+    keys and the sink, `-inf` for a query that sees nothing.
 
     Query head `h` reads kv head `h // (H // KVH)`. A sink is one more logit per head in the
     softmax's denominator with no value. A query that sees no key (and has no sink) gets 0.
@@ -43,4 +45,8 @@ def attention(q, k, v, sinks, mask, *, scale, logits_soft_cap):
     out = jnp.sum(pairs(p[..., None]) * pairs(vg), axis=-2)
     seen = denom != 0  # 0: no key and no sink; a NaN stays NaN
     out = jnp.where(seen[..., None], out / jnp.where(seen, denom, 1)[..., None], 0)
-    return out.transpose(0, 3, 1, 2, 4).reshape(b, sq, h, -1).astype(q.dtype)
+    out = out.transpose(0, 3, 1, 2, 4).reshape(b, sq, h, -1).astype(q.dtype)
+    if not return_lse:
+        return out
+    lse = jnp.where(seen, m + jnp.log(jnp.where(seen, denom, 1)), -jnp.inf)  # [B, KVH, G, Sq]
+    return out, jnp.moveaxis(lse.reshape(b, h, sq), 2, 1)

@@ -47,14 +47,21 @@ class _Static:
     soft_cap: float | None
 
 
-def attention(q, k, v, sinks, mask, *, scale, logits_soft_cap, block_sizes):
+def attention(q, k, v, sinks, mask, *, scale, logits_soft_cap, block_sizes, return_lse=False):
     cfg = _Static(
         block_q=min(block_sizes.block_q, q.shape[1]),
         block_kv=min(block_sizes.block_kv, k.shape[1]),
         scale=float(scale),
         soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
     )
-    return _attention(cfg, q, k, v, sinks, mask)
+    out, lse = _attention(cfg, q, k, v, sinks, mask)
+    return (out, lse) if return_lse else out
+
+
+def _public_lse(lse):
+    """`[B, KVH, G, Sq]` as the API returns it: `[B, Sq, H]`."""
+    b, kvh, g, sq = lse.shape
+    return jnp.moveaxis(lse.reshape(b, kvh * g, sq), 2, 1)
 
 
 def _pad(a, axis, to):
@@ -197,24 +204,26 @@ def _forward(cfg: _Static, q, k, v, sinks, mask):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _attention(cfg: _Static, q, k, v, sinks, mask):
-    out, _ = _forward(cfg, q, k, v, sinks, mask)
-    return _ungrouped(out).astype(q.dtype)
+    out, lse = _forward(cfg, q, k, v, sinks, mask)
+    return _ungrouped(out).astype(q.dtype), _public_lse(lse)
 
 
 def _attention_fwd(cfg, q, k, v, sinks, mask):
     out, lse = _forward(cfg, q, k, v, sinks, mask)
-    return _ungrouped(out).astype(q.dtype), (q, k, v, sinks, mask, out, lse)
+    return (_ungrouped(out).astype(q.dtype), _public_lse(lse)), (q, k, v, sinks, mask, out, lse)
 
 
-def _attention_bwd(cfg: _Static, res, d_out):
-    q, k, v, sinks, mask, out, lse = res
+def _attention_bwd(cfg: _Static, res, cts):
+    (d_out, d_lse), (q, k, v, sinks, mask, out, lse) = cts, res
     b, sq, h, d = q.shape
     sk, kvh = k.shape[1], k.shape[2]
     g = h // kvh
     bq, bk = cfg.block_q, cfg.block_kv
     nq, nk = cdiv(sq, bq), cdiv(sk, bk)
     do = _grouped(d_out, kvh)  # [B, KVH, G, Sq, Dv]
-    delta = jnp.sum(do.astype(jnp.float32) * out, axis=-1)  # [B, KVH, G, Sq]
+    # `lse`'s cotangent joins delta (`common.lse_cotangent`)
+    d_lse = jnp.moveaxis(d_lse.astype(jnp.float32), 1, 2).reshape(lse.shape)
+    delta = jnp.sum(do.astype(jnp.float32) * out, axis=-1) - d_lse  # [B, KVH, G, Sq]
     qg, do_p = _pad(_grouped(q, kvh), 3, nq * bq), _pad(do, 3, nq * bq)
     delta_p = _pad(delta, 3, nq * bq)
     # padded query rows see no key in the backward: a NaN key cannot reach dk, dv through them

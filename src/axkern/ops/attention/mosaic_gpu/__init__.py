@@ -281,9 +281,13 @@ def check_inputs(q, k, v) -> None:
         )
 
 
-def attention(q, k, v, sinks, mask, *, scale, logits_soft_cap, block_sizes, backward=None):  # noqa: F811
+def attention(  # noqa: F811
+    q, k, v, sinks, mask, *, scale, logits_soft_cap, block_sizes, backward=None, return_lse=False
+):
     """The forward kernel under a `custom_vjp` whose backward is the Mosaic GPU `dq` and `dk, dv`
-    kernels, or `backward(q, k, v, out, lse, d_out, *, mask) -> (dq, dk, dv)` when one is given
+    kernels, or `backward(q, k, v, out, lse, d_out, *, mask, d_lse) -> (dq, dk, dv)` when one is
+    given; `return_lse`: `(out, lse [B, Sq, H] float32)`, `lse`'s cotangent joining `delta`
+    (`common.lse_cotangent`)
     (the backward sweep times `pallas_gpu`'s kernels so). `sinks [H]` join each row's
     denominator in the forward (so `lse` holds them and the backward kernels need nothing
     more); their cotangent is `-Σ exp(sink - lse) · delta` over the rows, formed in XLA from
@@ -307,23 +311,24 @@ def attention(q, k, v, sinks, mask, *, scale, logits_soft_cap, block_sizes, back
 
     @jax.custom_vjp
     def fn(q, k, v, sinks, leaves):
-        return fwd(q, k, v, rebuild(leaves), sinks=sinks)[0]
+        out, lse = fwd(q, k, v, rebuild(leaves), sinks=sinks)[:2]
+        return out, common.public_lse(lse, q.shape[1])
 
     def fn_fwd(q, k, v, sinks, leaves):
         out, lse, *lo = fwd(q, k, v, rebuild(leaves), sinks=sinks, out_lo=sinks is not None)
-        return out, (q, k, v, sinks, out, lse, lo, leaves)
+        return (out, common.public_lse(lse, q.shape[1])), (q, k, v, sinks, out, lse, lo, leaves)
 
-    def fn_bwd(res, d_out):
-        q, k, v, sinks, out, lse, lo, leaves = res
+    def fn_bwd(res, cts):
+        (d_out, d_lse), (q, k, v, sinks, out, lse, lo, leaves) = cts, res
         # with sinks `out + lo` in float32, the output before its rounding, as their sum needs
         # (the kernels read `out` only through `delta`, which takes it too: `common.unrounded`)
         out = common.unrounded(out, lo[0]) if lo else out
-        dq, dk, dv = backward(q, k, v, out, lse, d_out, mask=rebuild(leaves))
+        dq, dk, dv = backward(q, k, v, out, lse, d_out, mask=rebuild(leaves), d_lse=d_lse)
         d_sinks = None
         if sinks is not None:
             delta = jnp.einsum("bqhd,bqhd->bhq", out, d_out.astype(jnp.float32))
-            d_sinks = common.sink_grad(sinks, lse, delta)
+            d_sinks = common.sink_grad(sinks, lse, delta - jnp.swapaxes(d_lse.astype(jnp.float32), 1, 2))
         return dq, dk, dv, d_sinks, None
 
     fn.defvjp(fn_fwd, fn_bwd)
-    return fn(q, k, v, sinks, leaves)
+    return common.maybe_lse(fn(q, k, v, sinks, leaves), return_lse)

@@ -100,13 +100,16 @@ def _check_backward(mask, block_sizes, d):
     lower(mask)
 
 
-def backward_operands(q, k, v, out, lse, d_out, *, sqp, skp):
+def backward_operands(q, k, v, out, lse, d_out, *, sqp, skp, d_lse=None):
     """What both backward kernels read: `q`, `d_out` padded to `sqp` rows and `k`, `v` to `skp`
     (zeros), `lse` in base-2 units with `+inf` for rows that saw no key and for the padding
     (so every `p = exp2(s · scale · log2 e - lse2)` there is 0), and `delta = Σ_d out · d_out`
-    (float32, 0 on the padding), `[B, H, sqp]` each."""
+    less `lse`'s cotangent `d_lse` (`[B, Sq, H]` or None: `common.lse_cotangent`; float32, 0 on
+    the padding), `[B, H, sqp]` each."""
     sq = q.shape[1]
     delta = jnp.einsum("bqhd,bqhd->bhq", out.astype(jnp.float32), d_out.astype(jnp.float32))
+    if d_lse is not None:
+        delta = delta - jnp.swapaxes(d_lse.astype(jnp.float32), 1, 2)
     lse2 = jnp.where(lse == -jnp.inf, jnp.inf, lse.astype(jnp.float32) * LOG2E)
     rows = lambda a, n: jnp.pad(a, [(0, 0), (0, n - a.shape[1]), (0, 0), (0, 0)])  # noqa: E731
     cols = lambda a, value: jnp.pad(a, [(0, 0), (0, 0), (0, sqp - sq)], constant_values=value)  # noqa: E731

@@ -26,9 +26,9 @@ from .schedules import COMPUTE_WGS, lower, operands, schedule_table
 from .tiles import _Cfg, pl, plgpu
 
 
-def backward(q, k, v, out, lse, d_out, *, mask, scale, block_sizes, logits_soft_cap=None):
+def backward(q, k, v, out, lse, d_out, *, mask, scale, block_sizes, logits_soft_cap=None, d_lse=None):
     """`(dq, dk, dv)` of the forward from its residuals (`out`, `lse` as `forward` returns
-    them) and the cotangent `d_out`, by the `dq` kernel (key tiles streamed past each query
+    them) and the cotangents `d_out` and `d_lse` (`lse`'s, `[B, Sq, H]`, or None), by the `dq` kernel (key tiles streamed past each query
     block) and the `dk, dv` kernel (query tiles of every query head of the group streamed past
     each key block: the GQA sum stays in registers); with `dq_by="reduction"` the `dk, dv`
     kernel alone, adding each tile's `dq` share into float32 zeros (`_dkv_kernel`)."""
@@ -38,7 +38,7 @@ def backward(q, k, v, out, lse, d_out, *, mask, scale, block_sizes, logits_soft_
     (bq1, bk1, st1), (bq2, bk2, st2) = backward_blocks(block_sizes, d)
     mq, mk = max(COMPUTE_WGS * bq1, bq2), max(bk1, COMPUTE_WGS * bk2)
     sqp, skp = cdiv(sq, mq) * mq, cdiv(sk, mk) * mk
-    inputs = backward_operands(q, k, v, out, lse, d_out, sqp=sqp, skp=skp)
+    inputs = backward_operands(q, k, v, out, lse, d_out, sqp=sqp, skp=skp, d_lse=d_lse)
     lowered, leaves = lower(mask)
     mask_ops = operands(leaves, b, sqp, skp)
     cap = None if logits_soft_cap is None else float(logits_soft_cap)
