@@ -213,51 +213,6 @@ def test_sharded_equals_unsharded():
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-4, atol=2e-4)
 
 
-@pytest.mark.parametrize("rank", [0, 2])
-def test_against_levanters_direct_recurrence(rank):
-    # Levanter's Mamba-3 oracles (real-valued: no angles, no biases) on shared inputs, where
-    # levanter is importable (its wheel is not a dependency: elsewhere this is a skip)
-    lev = pytest.importorskip("levanter.kernels.pallas.mamba3.reference")
-    H, K, C, P, N = 3, 4, 8, 5, 6
-    k = jax.random.split(jax.random.PRNGKey(0), 12)
-    dt = jax.nn.softplus(jax.random.normal(k[0], (H, K, C)))
-    lam = jax.nn.sigmoid(jax.random.normal(k[1], (H, K, C)))
-    A = jnp.broadcast_to(-jnp.exp(jax.random.normal(k[2], (H,)))[:, None, None], dt.shape)
-    x = jax.random.normal(k[5], (H, K, C, P))
-    flat = lambda a: jnp.moveaxis(a.reshape(H, K * C, *a.shape[3:]), 0, 1)[None]  # noqa: E731 - [1, L, H, ..]
-    scalars = lambda a: a.reshape(1, H, K * C)  # noqa: E731
-    args = (flat(x), scalars(A * dt), scalars(dt), scalars(jnp.log(lam / (1 - lam))))
-    no_angles = jnp.zeros((1, K * C, H, 0))
-    if not rank:
-        b, c = jax.random.normal(k[3], (H, K, C, N)), jax.random.normal(k[4], (H, K, C, N))
-        y_lev, h_lev = lev.mamba3_direct_recurrence_reference_batched(dt, lam, A, b, c, x)
-        zeros = jnp.zeros((H, N))
-        y, final = mamba3(flat(c), flat(b), *args, zeros, zeros, no_angles, return_final_state=True)
-    else:
-        b, c = (jax.random.normal(k[i], (H, K, C, N, rank)) for i in (6, 7))
-        w_x, w_z, w_o = (jax.random.normal(k[i], (H, P, rank)) for i in (8, 9, 10))
-        z = jax.random.normal(k[11], (H, K, C, P))
-        y_lev, h_lev = lev.mamba3_mimo_direct_recurrence_reference_batched(
-            dt, lam, A, b, c, x, z, w_x, w_z, w_o
-        )
-        by_rank = lambda a: jnp.moveaxis(flat(a), -1, 2)  # noqa: E731 - [1, L, R, H, N]
-        zeros = jnp.zeros((H, rank, N))
-        mimo = tuple(jnp.swapaxes(w, 1, 2) for w in (w_x, w_z, w_o))
-        y, final = mamba3(
-            by_rank(c),
-            by_rank(b),
-            *args,
-            zeros,
-            zeros,
-            no_angles,
-            z=flat(z),
-            mimo=mimo,
-            return_final_state=True,
-        )
-    np.testing.assert_allclose(y, flat(y_lev), rtol=1e-4, atol=1e-4)
-    np.testing.assert_allclose(final.ssm[0], h_lev, rtol=1e-4, atol=1e-4)
-
-
 def test_the_chunk_scan_backward_keeps_only_inputs_and_chunk_states():
     # `scan_recompute` (xla's chunk scan) saves its inputs and the state entering each chunk;
     # autodiff through `scan` keeps each chunk's [Q, Q] terms as well
