@@ -90,7 +90,9 @@ def levanter_forward(x, dt, A, B, C, *, chunk_size):
 
 
 def _levanter_peer(chunk, length):
-    """Levanter's chunked XLA path as a bench peer, or why it cannot run the case."""
+    """Levanter's chunked XLA path as a bench peer, or why it cannot run the case. Its output is
+    NaN at the presets' inputs (its error column too): it scales `x` by `exp(-Σ dt·A)` within a
+    chunk, which overflows float32 once a chunk of 256 decays past `e^-88` (docs/ops/ssd.md)."""
     if importlib.util.find_spec("levanter") is None:
         return "levanter is not installed"
     if length % chunk:
