@@ -61,6 +61,17 @@ def test_default_order_on_gpu_is_cudnn_then_mosaic_gpu_on_hopper_then_pallas_gpu
     assert d.implementation == "xla", d
 
 
+@pytest.mark.parametrize("impl", ["xla", "pallas_gpu"])
+def test_lse_against_oracle(impl):
+    # return_lse compiled: lse and the gradients through it, rows that see nothing (the first 20)
+    # with sinks, soft cap, GQA 2, a ragged length
+    a = _inputs(3, 1, 300, 300, 4, 2, 64, "bfloat16")
+    mask = masks.Causal(offset=-20)
+    check_rule(
+        _run, impl, a, "bfloat16", "attention lse", mask=mask, sinks=True, cap=30.0, blocks=(64, 64), lse=True
+    )
+
+
 @pytest.mark.parametrize("opts", [dict(cap=30.0), dict(sinks=True), dict(cap=20.0, sinks=True)])
 def test_pallas_gpu_soft_cap_and_sinks_against_oracle(opts):
     a = _inputs(1, 2, 1024, 1024, 8, 2, 64, "bfloat16")

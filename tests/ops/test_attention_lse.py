@@ -37,8 +37,9 @@ CASES = {
         True,
         None,
     ),
-    # the first 6 rows see no key and, without sinks, have lse -inf
+    # the first 6 rows see no key and, without sinks, have lse -inf; with sinks, the sink's logit
     "rows that see nothing": (1, 30, 30, 2, 1, masks.Causal(offset=-6), False, None),
+    "rows that see nothing, sinks": (1, 30, 30, 4, 2, masks.Causal(offset=-6), True, None),
 }
 
 
@@ -54,6 +55,9 @@ def test_lse_and_its_gradient_against_the_oracle(case, dtype):
     assert nothing.any() == (case == "rows that see nothing")
     if nothing.any():
         assert nothing[0, :6].all() and not nothing[0, 6:].any()
+    if case == "rows that see nothing, sinks":  # log Σ over the sink alone
+        lse = np.asarray(got["xla"][0][1])[0, :6]
+        np.testing.assert_allclose(lse, np.broadcast_to(np.asarray(arrays["sinks"]), lse.shape), rtol=1e-6)
 
 
 def test_merging_two_halves_of_the_keys_by_their_lse_gives_the_whole():
@@ -110,12 +114,64 @@ def test_cudnn_refuses_lse_by_name():
         cudnn.attention(q, q, q, None, masks.Causal(), scale=1.0, logits_soft_cap=None, return_lse=True)
 
 
-def test_empty_kv_gives_zeros_and_minus_infinity():
+def test_empty_kv_gives_zeros_and_minus_infinity_or_the_sink():
     q = jnp.ones((1, 3, 2, 8))
     k = jnp.ones((1, 0, 2, 8))
     out, lse = attention(q, k, k, return_lse=True)
     assert out.shape == (1, 3, 2, 8) and not np.asarray(out).any()
     assert lse.shape == (1, 3, 2) and np.isneginf(np.asarray(lse)).all()
+    sinks = jnp.array([0.5, -1.0])
+    total, d_sinks = jax.value_and_grad(lambda s: attention(q, k, k, sinks=s, return_lse=True)[1].sum())(
+        sinks
+    )
+    np.testing.assert_allclose(total, 3 * sinks.sum())
+    np.testing.assert_allclose(d_sinks, [3.0, 3.0])
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_a_nan_of_v_reaches_the_output_not_lse(impl):
+    a = _inputs(9, 1, 24, 24, 2, 1, 16, "float32")
+    v = poke(a["v"], (0, 10, 0, 2), np.nan)  # key 10: the causal rows 10.. see it
+    with axkern.use(interpret=True):
+        out, lse = attention(a["q"], a["k"], v, mask=masks.Causal(), implementation=impl, return_lse=True)
+    assert np.isnan(np.asarray(out)[0, 10:, :, 2]).all() and np.isfinite(np.asarray(out)[0, :10]).all()
+    assert np.isfinite(np.asarray(lse)).all()
+
+
+def test_the_guard_keeps_a_nan_lse_cotangent_on_rows_that_see_nothing_on_the_fast_path():
+    # a z-loss's cotangent `2 · lse · 0` is NaN where lse is -inf: it reaches no score, so the
+    # backward stays the fast path's (a stand-in that computes something else: q doubled)
+    from axkern.ops.attention import common
+
+    mask = masks.Causal(offset=-4)  # rows 0..3 see nothing
+    kw = dict(scale=0.25, logits_soft_cap=None)
+
+    def fast(q, k, v, s, m):
+        return attention(2 * q, k, v, mask=m, implementation="xla", return_lse=True, **kw)
+
+    def guarded(q, k, v):
+        return common.guarded(fast, q, k, v, None, mask, order=("reference",), return_lse=True, **kw)
+
+    a = _inputs(10, 1, 24, 24, 2, 1, 16, "float32")
+    args = (a["q"], a["k"], a["v"])
+    cot = (jnp.ones((1, 24, 2, 16)), jnp.ones((1, 24, 2)).at[0, :4].set(jnp.nan))
+    got = jax.vjp(jax.jit(guarded), *args)[1](cot)
+    want = jax.vjp(lambda q, k, v: fast(q, k, v, None, mask), *args)[1]((cot[0], jnp.nan_to_num(cot[1])))
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-6)
+
+
+def test_named_lse_with_kv_heads_apart():
+    Batch, Pos, KPos = hax.Axis("batch", 1), hax.Axis("position", 20), hax.Axis("key_position", 20)
+    Heads, KVHeads, HeadDim = hax.Axis("heads", 4), hax.Axis("kv_heads", 2), hax.Axis("head_size", 8)
+    a = _inputs(11, 1, 20, 20, 4, 2, 8, "float32")
+    q = hax.named(a["q"], (Batch, Pos, Heads, HeadDim))
+    k = hax.named(a["k"], (Batch, KPos, KVHeads, HeadDim))
+    v = hax.named(a["v"], (Batch, KPos, KVHeads, HeadDim))
+    _, lse = axkern.attention(q, k, v, mask=masks.Causal(), return_lse=True)
+    _, want = attention(a["q"], a["k"], a["v"], mask=masks.Causal(), return_lse=True)
+    assert [ax.name for ax in lse.axes] == ["batch", "position", "heads"]
+    np.testing.assert_allclose(np.asarray(lse.array), want, rtol=1e-6)
 
 
 def test_the_guard_passes_lse_and_its_cotangent_through_either_path():

@@ -231,7 +231,8 @@ def attention_positional(
     `lse` `[batch, q_len, heads]` float32 (natural log; `-inf` for a query that sees no key and
     has no sink). Empty `batch`, `q_len` or `heads` give an empty result, an empty `kv_len` zeros
     (no query sees a key); an empty `head_dim` or `v_dim` is a `ValueError`. Non-finite input:
-    see the guide's rule (`lse` is NaN exactly where the output's row is).
+    see the guide's rule (`lse` is NaN where a visible score or the sink is, not for a NaN of
+    `v`, which reaches the output only).
 
     **Example:**
 
@@ -254,7 +255,11 @@ def attention_positional(
             raise ValueError(f"{NAME}: {axis} must be at least 1, got 0")
     if 0 in (b, sq, sk, h):  # nothing to attend: empty, or queries that see no key (zeros)
         out = jnp.zeros((b, sq, h, v.shape[3]), q.dtype)
-        return (out, jnp.full((b, sq, h), -jnp.inf, jnp.float32)) if return_lse else out
+        if not return_lse:
+            return out
+        # log Σ over no key: -inf, or the sink's logit alone
+        none = jnp.full((b, sq, h), -jnp.inf, jnp.float32)
+        return out, none if sinks is None else jnp.broadcast_to(sinks.astype(jnp.float32), (b, sq, h))
     if logits_soft_cap is not None and not 0 < float(logits_soft_cap) < math.inf:
         raise ValueError(
             f"{NAME}: logits_soft_cap must be a finite number > 0 or None, got {logits_soft_cap!r}"

@@ -398,11 +398,16 @@ def where_finite_fwd(fast, safe, q, k, v, sinks=None, extra=()):
         sinks,
         extra,
     )
-    return out, (fast_vjp, ok, q, k, v, sinks, extra)
+    # with `lse` among the outputs, the rows that see nothing (`-inf`): their `lse` cotangent
+    # reaches no score, so a NaN there (a z-loss's `2 · lse · 0`) leaves the kernels' backward
+    unseen = out[1] == -jnp.inf if isinstance(out, tuple) else None
+    return out, (fast_vjp, ok, q, k, v, sinks, extra, unseen)
 
 
 def where_finite_bwd(fast, safe, res, d_out):
-    fast_vjp, ok, q, k, v, sinks, extra = res
+    fast_vjp, ok, q, k, v, sinks, extra, unseen = res
+    if unseen is not None:
+        d_out = (d_out[0], jnp.where(unseen, 0.0, d_out[1]))
 
     def recompute(fast_vjp, q, k, v, sinks, extra, d_out):  # a non-finite input or cotangent
         return jax.vjp(lambda q, k, v, s: safe(q, k, v, s, *extra), q, k, v, sinks)[1](d_out)
