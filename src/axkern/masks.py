@@ -29,6 +29,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from axkern.core import compat
+
 __all__ = [
     "Mask",
     "Full",
@@ -373,5 +375,7 @@ def static_block_kinds(mask: Mask, q_len: int, kv_len: int, block_q: int, block_
     """`block_kinds` as a numpy array when the mask is static, else None."""
     if not is_static(mask):
         return None
-    with jax.ensure_compile_time_eval():  # constants, even while tracing a jitted function
+    # constants, even while tracing a jitted function, and outside the caller's mesh
+    # (`compat.no_mesh`: under `shard_map` with a static mask they failed)
+    with jax.ensure_compile_time_eval(), compat.no_mesh():
         return np.asarray(mask.block_kinds(q_len, kv_len, block_q, block_kv))

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from .bench import Case, Row, measure
-from .core import tuning
+from .core import compat, tuning
 from .core.blocks import BlockSizes, unique_valid
 from .core.op import Decision, Implementation, Op, Spec, explain, get_op
 
@@ -222,7 +222,8 @@ def autotune(op: Op, impl: Implementation, spec: Spec, arrays: tuple, options: d
         return None
     leaves, treedef = jax.tree.flatten((arrays, options))
     dynamic = [i for i, x in enumerate(leaves) if _is_array(x)]
-    with jax.ensure_compile_time_eval():  # run the sweep now, even inside the caller's trace
+    # run the sweep now, even inside the caller's trace, and outside its mesh (`compat.no_mesh`)
+    with jax.ensure_compile_time_eval(), compat.no_mesh():
         keys = jax.random.split(jax.random.PRNGKey(0), max(1, len(dynamic)))
         inputs = tuple(_concrete(leaves[i], k) for i, k in zip(dynamic, keys, strict=False))
         floating = tuple(n for n, x in enumerate(inputs) if jnp.issubdtype(x.dtype, jnp.floating))

@@ -191,6 +191,29 @@ def test_autotune_is_off_by_default_and_tunes_a_miss_when_asked(toy, cache):
     assert axkern.explain(call, x).block_source == "cache"
 
 
+def test_autotune_runs_inside_a_sharded_named_call(cache):
+    # the sweep runs eagerly inside the caller's shard_map trace, outside its mesh
+    import haliax as hax
+    import numpy as np
+    from jax.sharding import Mesh
+
+    from axkern import masks
+
+    Batch, Pos, Heads, HeadDim = (
+        hax.Axis(n, s) for n, s in (("batch", 4), ("position", 32), ("heads", 8), ("head_size", 8))
+    )
+    q = hax.random.normal(jax.random.PRNGKey(0), (Batch, Pos, Heads, HeadDim))
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "model"))
+    call = lambda q: axkern.attention(q, q, q, mask=masks.Causal(), implementation="xla")  # noqa: E731
+    want = call(q)
+    with axkern.use(autotune=True), hax.partitioning.set_mesh(mesh):
+        with hax.axis_mapping({"batch": "data", "heads": "model"}):
+            got = jax.jit(call)(q)
+    np.testing.assert_allclose(np.asarray(got.array), np.asarray(want.array), rtol=1e-5, atol=1e-5)
+    (e,) = json.loads((cache / "cpu.json").read_text())["entries"]
+    assert e["op"] == "attention" and e["implementation"] == "xla"
+
+
 def test_autotune_reads_the_environment(monkeypatch):
     monkeypatch.setenv("AXKERN_AUTOTUNE", "1")
     assert axkern.core.config.current().autotune is True

@@ -206,3 +206,31 @@ def test_the_guard_passes_lse_and_its_cotangent_through_either_path():
             g, w = np.asarray(g), np.asarray(w)
             np.testing.assert_array_equal(np.isnan(g), np.isnan(w))
             np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
+
+
+def test_named_lse_sharded_equals_unsharded():
+    # batch over "data", heads (and kv heads) over "model": lse comes back sharded like out
+    from jax.sharding import Mesh
+
+    Batch, Pos, KPos = hax.Axis("batch", 4), hax.Axis("position", 16), hax.Axis("key_position", 16)
+    Heads, KVHeads, HeadDim = hax.Axis("heads", 8), hax.Axis("kv_heads", 4), hax.Axis("head_size", 8)
+    a = _inputs(12, 4, 16, 16, 8, 4, 8, "float32")
+    q = hax.named(a["q"], (Batch, Pos, Heads, HeadDim))
+    k = hax.named(a["k"], (Batch, KPos, KVHeads, HeadDim))
+    v = hax.named(a["v"], (Batch, KPos, KVHeads, HeadDim))
+
+    def f(q, k, v):
+        out, lse = axkern.attention(q, k, v, mask=masks.Causal(), return_lse=True)
+        return (hax.sum(out * out) + hax.sum(lse * lse)).array, (out, lse)
+
+    want = jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True))(q, k, v)
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "model"))
+    mapping = {"batch": "data", "heads": "model", "kv_heads": "model"}
+    with hax.partitioning.set_mesh(mesh), hax.axis_mapping(mapping):
+        fn = jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True))
+        got = fn(q, k, v)
+        text = fn.lower(q, k, v).as_text()
+        assert "manual_computation" in text or "shard_map" in text
+    assert [ax.name for ax in got[0][1][1].axes] == ["batch", "position", "heads"]
+    for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-5)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Any
 
@@ -56,6 +57,16 @@ def shard_map(f, *, mesh, in_specs, out_specs, check: bool = True):
     from jax.experimental.shard_map import shard_map as _sm  # pragma: no cover - old jax
 
     return _sm(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_rep=check)
+
+
+def no_mesh():
+    """A context outside any mesh the caller runs in (`jax.sharding.use_abstract_mesh` with an
+    empty mesh), for eager constants computed while tracing: inside `shard_map` the context's
+    abstract mesh has manual axes, whose shardings eager operations would take."""
+    use = getattr(jax.sharding, "use_abstract_mesh", None)
+    if use is None:  # pragma: no cover - older jax: no abstract mesh context
+        return contextlib.nullcontext()
+    return use(jax.sharding.AbstractMesh((), ()))
 
 
 def current_mesh() -> Any | None:
