@@ -64,9 +64,10 @@ def no_mesh():
     empty mesh), for eager constants computed while tracing: inside `shard_map` the context's
     abstract mesh has manual axes, whose shardings eager operations would take."""
     use = getattr(jax.sharding, "use_abstract_mesh", None)
-    if use is None:  # pragma: no cover - older jax: no abstract mesh context
+    try:
+        return use(jax.sharding.AbstractMesh((), ()))
+    except (TypeError, ValueError, AttributeError):  # pragma: no cover - a jax without this context
         return contextlib.nullcontext()
-    return use(jax.sharding.AbstractMesh((), ()))
 
 
 def current_mesh() -> Any | None:
