@@ -135,7 +135,8 @@ class Causal(Mask):
 @dataclasses.dataclass(frozen=True)
 class SlidingWindow(Mask):
     """Causal within a window: key `j` visible to query `i` when `i - size < j <= i` (with
-    `offset` as in `Causal`)."""
+    `offset` as in `Causal`). A two-sided window of `w` keys either side of the query's own:
+    `SlidingWindow(2 * w + 1, offset=w)`."""
 
     size: int
     offset: int = 0

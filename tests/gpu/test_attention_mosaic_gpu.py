@@ -231,6 +231,20 @@ MORE_CASES = {
         8.0,
         True,
     ),
+    # a two-sided window: 32 keys either side of the query's own
+    "two-sided window65 bf16 d128 gqa2 ragged333": (
+        1,
+        333,
+        333,
+        4,
+        2,
+        128,
+        "bfloat16",
+        masks.SlidingWindow(65, offset=32),
+        None,
+        None,
+        False,
+    ),
     # the model's head counts: 32 query heads over 8 and over 4 kv heads (short lengths keep the
     # oracle's [B, KVH, G, Sq, Sk, D] near 40M elements)
     "causal bf16 d64 gqa 32/8 ragged130": (

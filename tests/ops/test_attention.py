@@ -30,6 +30,8 @@ def _mask(kind, b, sq, sk):
         "causal": masks.Causal(offset=sk - sq),
         "full": masks.Full(),
         "window": masks.SlidingWindow(7, offset=sk - sq),
+        # two-sided: 9 keys before and 9 after the query's own (the aligned position)
+        "two-sided window": masks.SlidingWindow(19, offset=sk - sq + 9),
         "segments": masks.Segments(seg_q, seg_k),
         "prefix": masks.PrefixLM(jnp.array([3, 20][:b])),
         "causal&segments": masks.Causal(offset=sk - sq) & masks.Segments(seg_q, seg_k),
@@ -46,7 +48,16 @@ def checks(impls, arrays, mask, dtype, **kw):
     return check_rules(_run, impls, arrays, dtype, "attention", interpret=True, mask=mask, **kw)
 
 
-MASKS = ["causal", "full", "window", "segments", "prefix", "causal&segments", "window|prefix"]
+MASKS = [
+    "causal",
+    "full",
+    "window",
+    "segments",
+    "prefix",
+    "causal&segments",
+    "window|prefix",
+    "two-sided window",
+]
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -61,7 +72,10 @@ def test_against_float64_oracle(kind, dtype):
 
 # every mask in float32; bfloat16 where the band (window) and the run-time tile lists
 # (causal&segments) make the most tiles partial
-KERNEL_CASES = [(kind, "float32") for kind in ["causal", "full", "window", "segments", "causal&segments"]]
+KERNEL_CASES = [
+    (kind, "float32")
+    for kind in ["causal", "full", "window", "segments", "causal&segments", "two-sided window"]
+]
 
 
 @pytest.mark.parametrize(

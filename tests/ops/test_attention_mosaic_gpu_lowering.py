@@ -51,6 +51,18 @@ CASES = {
         False,
     ),
     "documents & causal d64": (2, 700, 700, 4, 2, 64, "bfloat16", "docs", None, True),
+    "two-sided window d64": (
+        1,
+        333,
+        333,
+        4,
+        2,
+        64,
+        "bfloat16",
+        masks.SlidingWindow(65, offset=32),
+        None,
+        False,
+    ),
     "prefix | window, & documents d128": (
         2,
         500,
