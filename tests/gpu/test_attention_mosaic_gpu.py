@@ -276,10 +276,14 @@ MORE_CASES = {
 }
 
 
+def _case(name):
+    """A case of `CASES` (no soft cap, no sinks) or `MORE_CASES`, as the latter's 11 fields."""
+    return (*CASES[name], None, False) if name in CASES else MORE_CASES[name]
+
+
 @pytest.mark.parametrize("name", list(CASES) + list(MORE_CASES))
 def test_against_oracle(name):
-    case = (*CASES[name], None, False) if name in CASES else MORE_CASES[name]
-    b, sq, sk, h, kvh, d, dtype, mask, blocks, cap, sinks = case
+    b, sq, sk, h, kvh, d, dtype, mask, blocks, cap, sinks = _case(name)
     a = _inputs([*CASES, *MORE_CASES].index(name), b, sq, sk, h, kvh, d, dtype)
     check_rule(
         _run, "mosaic_gpu", a, dtype, f"attention {name}", mask=mask, sinks=sinks, cap=cap, blocks=blocks
@@ -298,8 +302,7 @@ LSE_CASES = [
 
 @pytest.mark.parametrize("name", LSE_CASES)
 def test_lse_against_oracle(name):
-    case = (*CASES[name], None, False) if name in CASES else MORE_CASES[name]
-    b, sq, sk, h, kvh, d, dtype, mask, blocks, cap, sinks = case
+    b, sq, sk, h, kvh, d, dtype, mask, blocks, cap, sinks = _case(name)
     a = _inputs(40 + LSE_CASES.index(name), b, sq, sk, h, kvh, d, dtype)
     check_rule(
         _run,
@@ -482,8 +485,7 @@ REDUCTION_CASES = [
 
 @pytest.mark.parametrize("name", REDUCTION_CASES)
 def test_dq_by_reduction_against_oracle(name):
-    case = (*CASES[name], None, False) if name in CASES else MORE_CASES[name]
-    b, sq, sk, h, kvh, d, dtype, mask, blocks, cap, sinks = case
+    b, sq, sk, h, kvh, d, dtype, mask, blocks, cap, sinks = _case(name)
     a = _inputs([*CASES, *MORE_CASES].index(name), b, sq, sk, h, kvh, d, dtype)
     blocks = {**(blocks or {}), "dq_by": "reduction"}
     check_rule(

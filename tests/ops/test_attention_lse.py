@@ -161,13 +161,18 @@ def test_the_guard_keeps_a_nan_lse_cotangent_on_rows_that_see_nothing_on_the_fas
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-6)
 
 
+def _named(a, Batch, Pos, KPos, Heads, KVHeads, HeadDim):
+    """`q`, `k`, `v` of `a` as NamedArrays, the keys on `KPos` and `KVHeads`."""
+    q = hax.named(a["q"], (Batch, Pos, Heads, HeadDim))
+    k, v = (hax.named(a[n], (Batch, KPos, KVHeads, HeadDim)) for n in "kv")
+    return q, k, v
+
+
 def test_named_lse_with_kv_heads_apart():
     Batch, Pos, KPos = hax.Axis("batch", 1), hax.Axis("position", 20), hax.Axis("key_position", 20)
     Heads, KVHeads, HeadDim = hax.Axis("heads", 4), hax.Axis("kv_heads", 2), hax.Axis("head_size", 8)
     a = _inputs(11, 1, 20, 20, 4, 2, 8, "float32")
-    q = hax.named(a["q"], (Batch, Pos, Heads, HeadDim))
-    k = hax.named(a["k"], (Batch, KPos, KVHeads, HeadDim))
-    v = hax.named(a["v"], (Batch, KPos, KVHeads, HeadDim))
+    q, k, v = _named(a, Batch, Pos, KPos, Heads, KVHeads, HeadDim)
     _, lse = axkern.attention(q, k, v, mask=masks.Causal(), return_lse=True)
     _, want = attention(a["q"], a["k"], a["v"], mask=masks.Causal(), return_lse=True)
     assert [ax.name for ax in lse.axes] == ["batch", "position", "heads"]
@@ -215,9 +220,7 @@ def test_named_lse_sharded_equals_unsharded():
     Batch, Pos, KPos = hax.Axis("batch", 4), hax.Axis("position", 16), hax.Axis("key_position", 16)
     Heads, KVHeads, HeadDim = hax.Axis("heads", 8), hax.Axis("kv_heads", 4), hax.Axis("head_size", 8)
     a = _inputs(12, 4, 16, 16, 8, 4, 8, "float32")
-    q = hax.named(a["q"], (Batch, Pos, Heads, HeadDim))
-    k = hax.named(a["k"], (Batch, KPos, KVHeads, HeadDim))
-    v = hax.named(a["v"], (Batch, KPos, KVHeads, HeadDim))
+    q, k, v = _named(a, Batch, Pos, KPos, Heads, KVHeads, HeadDim)
 
     def f(q, k, v):
         out, lse = axkern.attention(q, k, v, mask=masks.Causal(), return_lse=True)
