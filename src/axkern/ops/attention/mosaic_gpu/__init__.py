@@ -74,7 +74,8 @@ warpgroup streaming tiles through a TMA ring past two compute warpgroups), on th
 residuals: `lse` goes in base-2 units with `+inf` for rows that saw no key (every `p` there is
 0; with sinks `lse` holds them, so the kernels need nothing more, and the sinks' own
 cotangent `-Σ exp(sink - lse) · delta` is formed in XLA) and `delta = Σ out · d_out` is formed
-in XLA. With a soft cap both kernels recompute `t = tanh(s · scale / cap)` and multiply `ds` by
+in XLA, less `lse`'s cotangent where the caller asked for `lse` (`∂lse/∂s = p`: the kernels
+need nothing more for it). With a soft cap both kernels recompute `t = tanh(s · scale / cap)` and multiply `ds` by
 `1 - t²`. The `dq` kernel (grid `(H, query blocks, B)`)
 holds each warpgroup's query and `d_out` tiles and streams key and value tiles (the forward's
 schedule): `dp = d_out vᵀ` and `s = q kᵀ` in one `wgmma` group, `p = exp2(s · scale · log2 e −
