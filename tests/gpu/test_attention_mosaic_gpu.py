@@ -273,6 +273,34 @@ MORE_CASES = {
         None,
         True,
     ),
+    # the keys just behind each query and those far behind: a gap of empty tiles between the
+    # two parts, which the blocks' tile lists skip (forward, dq, dk/dv; at d64 dq by reductions)
+    "window64 | far keys bf16 d128 gqa2 ragged1200": (
+        1,
+        1200,
+        1200,
+        4,
+        2,
+        128,
+        "bfloat16",
+        masks.SlidingWindow(64) | masks.Causal(offset=-700),
+        None,
+        None,
+        False,
+    ),
+    "window40 | far keys sinks fp16 d64 900": (
+        1,
+        900,
+        900,
+        2,
+        1,
+        64,
+        "float16",
+        masks.SlidingWindow(40) | masks.Causal(offset=-500),
+        None,
+        None,
+        True,
+    ),
 }
 
 

@@ -38,7 +38,16 @@ SCHEDULE_MASKS = {
     "causal&window13": masks.Causal() & masks.SlidingWindow(13),
     "window3|causal-30": masks.SlidingWindow(3) | masks.Causal(offset=-30),
     "causal-40|full": masks.Causal(offset=-40) | masks.Full(),
+    # the keys just behind each query and those more than 40 behind: a gap between them
+    "window8|causal-40": masks.SlidingWindow(8) | masks.Causal(offset=-40),
 }
+
+
+def _steps(row, nk):
+    """A table row's step -> tile map: its tile list where the table has one, else the tiles."""
+    if row.size > mosaic_gpu.LIST:
+        return row[mosaic_gpu.LIST :]
+    return np.arange(nk)
 
 
 def _longest_run(flags) -> int:
@@ -71,9 +80,21 @@ def test_schedule_against_brute_force(name, sq, sk, bq, bk):
     mask = SCHEDULE_MASKS[name]
     table = mosaic_gpu.mask_schedule(mask, sq, sk, bq, bk)
     any_, all_ = _brute_force(mask, sq, sk, bq, bk)
-    assert table.dtype == np.int32 and table.shape == (any_.shape[0] // WGS, 2 + 4 * WGS)
+    _check_table(table, any_, all_)
+
+
+def _check_table(table, any_, all_):
+    # steps are tiles, or with a tile list (where a block's seen tiles leave a gap) the block's
+    # seen tiles in order; the bounds count steps
+    nk = any_.shape[1]
+    gaps = mosaic_gpu.has_gaps(any_.astype(int))
+    assert table.dtype == np.int32 and table.shape == (any_.shape[0] // WGS, 2 + 4 * WGS + nk * gaps)
     for c, row in enumerate(table):
         clo, chi = row[mosaic_gpu.CTA_LO], row[mosaic_gpu.CTA_HI]
+        steps = _steps(row, nk)
+        block = any_[c * WGS : (c + 1) * WGS].any(0)
+        if gaps:  # the producer loads exactly the tiles its warpgroups see, nothing between
+            assert (clo, chi) == (0, block.sum()) and list(steps[:chi]) == list(np.flatnonzero(block)), row
         live = []
         for w in range(WGS):
             i = c * WGS + w
@@ -85,16 +106,31 @@ def test_schedule_against_brute_force(name, sq, sk, bq, bk):
                 assert lo == hi, (c, w, row)
                 continue
             live.append((lo, hi))
-            # the visited tiles run from the first tile with a visible pair to the last one
-            assert (lo, hi) == (seen[0], seen[-1] + 1), (c, w, row)
+            # the visited steps run from the first tile with a visible pair to the last one
+            assert (steps[lo], steps[hi - 1]) == (seen[0], seen[-1]), (c, w, row)
             # the unmasked run holds only fully visible tiles, and it is the longest such run
-            assert all_[i, flo:fhi].all(), (c, w, row)
-            assert fhi - flo == _longest_run(all_[i, lo:hi]), (c, w, row)
+            assert all_[i, steps[flo:fhi]].all(), (c, w, row)
+            assert fhi - flo == _longest_run(all_[i, steps[lo:hi]]), (c, w, row)
         # the producer loads exactly the union of its warpgroups' ranges (nothing when empty)
         if live:
             assert (clo, chi) == (min(r[0] for r in live), max(r[1] for r in live)), row
         else:
             assert clo == chi, row
+
+
+def test_a_gap_between_seen_tiles_is_never_loaded():
+    # each query sees the 8 keys up to it and every key 40 or more behind it: in 8 x 8 tiles
+    # the blocks' rows leave empty tiles between the two parts, which the tile list skips
+    mask = SCHEDULE_MASKS["window8|causal-40"]
+    table = mosaic_gpu.mask_schedule(mask, 128, 128, 8, 8)
+    assert table.shape == (8, mosaic_gpu.LIST + 16)
+    any_, _ = _brute_force(mask, 128, 128, 8, 8)
+    loaded = sum(int(r[mosaic_gpu.CTA_HI] - r[mosaic_gpu.CTA_LO]) for r in table)
+    assert loaded == sum(any_[2 * c : 2 * c + 2].any(0).sum() for c in range(8)) < 72  # 72: ranges
+    # the last block: query tiles 14, 15 see key tiles 0-10 and 13-15; 11 and 12 are not loaded
+    assert list(table[-1][mosaic_gpu.LIST :][: table[-1][1]]) == [*range(11), 13, 14, 15]
+    # no gap, no list: the causal table keeps its ranges
+    assert mosaic_gpu.mask_schedule(masks.Causal(), 128, 128, 8, 8).shape == (8, mosaic_gpu.LIST)
 
 
 def test_schedule_skips_empty_tiles_and_masking_work_for_causal():
@@ -335,18 +371,9 @@ def test_key_schedule_against_brute_force(name, sq, sk, bq, bk):
     table = mosaic_gpu.key_schedule(mask, sq, sk, bq, bk)
     any_, all_ = _brute_force(mask, sq, sk, bq, bk)
     nq = -(-sq // bq)
-    any_, all_ = any_[:nq].T, all_[:nq].T  # key tiles by query tiles
-    assert table.shape[0] == -(-any_.shape[0] // WGS)
-    for c, row in enumerate(table):
-        for w in range(WGS):
-            i = c * WGS + w
-            lo, flo, fhi, hi = row[2 + 4 * w : 6 + 4 * w]
-            assert row[0] <= lo <= flo <= fhi <= hi <= row[1], (c, w, row)
-            seen = np.flatnonzero(any_[i]) if i < any_.shape[0] else np.array([], int)
-            if seen.size == 0:
-                assert lo == hi
-                continue
-            assert (lo, hi) == (seen[0], seen[-1] + 1) and all_[i, flo:fhi].all(), (c, w, row)
+    nk = -(-any_.shape[1] // WGS) * WGS  # key tiles by query tiles, in whole blocks
+    pad = lambda a: np.pad(a[:nq].T, [(0, nk - a.shape[1]), (0, 0)])  # noqa: E731
+    _check_table(table, pad(any_), pad(all_))
 
 
 def _table(mask, *args, **kw):
@@ -407,10 +434,11 @@ def _emulated_backward(q, k, v, out, lse, d_out, mask, scale, blocks, soft_cap=N
         rows = [(None, table)] if table.ndim == 2 else list(enumerate(table))
         for r, t in rows:
             for blk, row in enumerate(t):
+                steps = _steps(row, row[mosaic_gpu.CTA_HI])
                 for w in range(WGS):
                     lo, flo, fhi, hi = row[2 + 4 * w : 6 + 4 * w]
                     for i in range(lo, hi):
-                        yield r, blk * WGS + w, i, not flo <= i < fhi
+                        yield r, blk * WGS + w, steps[i], not flo <= i < fhi
 
     def at(a, r):  # one batch row (kept as a batch of one) or all
         return a if r is None else a[r : r + 1]
@@ -435,6 +463,8 @@ _PREFIX = masks.PrefixLM(jnp.array([70, 9]))
         (masks.Causal(), 150, 150, {}),
         (masks.Causal(offset=-20), 100, 140, {}),  # the first 20 queries see no key
         (masks.SlidingWindow(40) & masks.Causal(), 200, 200, {}),
+        # a gap between the seen key tiles: the tables' tile lists (the dk, dv kernel's too)
+        (masks.SlidingWindow(20) | masks.Causal(offset=-400), 700, 700, {"soft_cap": 2.0}),
         (masks.Full(), 70, 190, {}),
         ("docs", 140, 140, {}),  # packed documents, causal, a run-time schedule per batch row
         ("docs-only", 110, 110, {}),

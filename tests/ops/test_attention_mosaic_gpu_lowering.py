@@ -75,6 +75,20 @@ CASES = {
         8.0,
         False,
     ),
+    # the keys just behind each query and those 700 or more behind: the blocks' tile lists skip
+    # the empty key (query) tiles between the two parts
+    "window | far keys (a gap) d128": (
+        1,
+        1200,
+        1200,
+        4,
+        2,
+        128,
+        "bfloat16",
+        masks.SlidingWindow(64) | masks.Causal(offset=-700),
+        None,
+        True,
+    ),
 }
 
 
@@ -153,7 +167,9 @@ def test_dq_by_defaults_to_reduction_at_head_dim_64_unless_deterministic(monkeyp
     assert AttentionBlockSizes(dq_by="atomics").validate() is not None
 
 
-@pytest.mark.parametrize("name", ["causal bf16 d64 ragged", "prefix | window, & documents d128"])
+@pytest.mark.parametrize(
+    "name", ["causal bf16 d64 ragged", "prefix | window, & documents d128", "window | far keys (a gap) d128"]
+)
 def test_dq_by_reduction_lowers_as_two_kernels(name):
     # dq added by the dk, dv kernel's TMA reductions: no dq kernel (GQA, soft cap, sinks too)
     import dataclasses

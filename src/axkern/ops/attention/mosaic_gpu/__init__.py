@@ -40,7 +40,12 @@ query tiles' visible ranges) and each compute warpgroup four bounds `lo <= flo <
 tiles `[flo, fhi)` (the longest run of `FULL` tiles) run without any masking work, the rest
 of `[lo, hi)` mask by position (`visible` on the tile's indices and the key length), and the
 tiles of `[clo, chi)` outside `[lo, hi)` are only released (the other warpgroup needs them).
-Fully masked tiles are never loaded. The table is a constant `int32 [blocks, 10]` input.
+Fully masked tiles are never loaded: where a block's seen tiles leave a gap (`|` of masks
+apart, such as a window and the keys far behind; `has_gaps`) the table carries a tile list
+(`schedule(..., tiles=True)`): a block walks steps over the tiles it sees, step `s` loading
+the tile at column `LIST + s`, and the bounds count steps (the kernels read a step's tile only
+to address its copy and to mask it). The table is a constant `int32 [blocks, 10]` input
+(`[blocks, 10 + key tiles]` with a tile list).
 Masks holding arrays (`Segments`, `PrefixLM`, and `&`, `|` of them with each other and with
 static masks; `schedules.lower` swaps each such leaf for a `Dynamic` placeholder naming its
 kernel operands): the block kinds are computed on the device per batch row
@@ -48,7 +53,8 @@ kernel operands): the block kinds are computed on the device per batch row
 blocks hold one same id; `PrefixLM` full where every key of the tile is at or before every
 query or inside the prefix, empty where every key is after every query and past it; `&` the
 smaller kind, `|` the larger), the table is `[B, blocks, 10]` (`schedule_rows` is `schedule`
-in jnp), and a partial tile evaluates the lowered mask (`tiles.TileMask`: a warpgroup's rows'
+in jnp; ranges, no tile list: a gap there, ids that come back after other ids, is loaded and
+masked), and a partial tile evaluates the lowered mask (`tiles.TileMask`: a warpgroup's rows'
 ids and prefix lengths read once, each tile's columns' ids read as it comes).
 
 **Math.** Scores `s = q k^T` in float32 on the tensor cores; the running max is kept in
@@ -170,10 +176,12 @@ from .schedules import (
     FHI,
     FLO,
     HI,
+    LIST,
     LO,
     Dynamic,
     _visible_or_none,
     device_kinds,
+    has_gaps,
     key_schedule,
     lower,
     mask_schedule,
@@ -195,6 +203,7 @@ __all__ = [
     "schedule_rows",
     "schedule_table",
     "device_kinds",
+    "has_gaps",
     "lower",
     "operands",
     "Dynamic",
@@ -215,6 +224,7 @@ __all__ = [
     "FLO",
     "FHI",
     "HI",
+    "LIST",
     "_visible_or_none",
 ]
 

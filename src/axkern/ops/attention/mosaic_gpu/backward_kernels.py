@@ -29,6 +29,7 @@ from .tiles import (
     base2_scores,
     pl,
     plgpu,
+    tile_of,
     times,
     warpgroup_bounds,
 )
@@ -134,6 +135,7 @@ def _dq_kernel(
     (q_smem2, do_smem2, k_smem, v_smem), (k_loaded, v_loaded, qd_loaded), (k_consumed, v_consumed) = scoped
     at = _entry_of(sched_ref, batch, cfg)
     clo, chi = at(cta, CTA_LO), at(cta, CTA_HI)
+    tile = tile_of(at, cta, cfg)  # the key tile of step t
     slot_of = lambda t: lax.rem(t - clo, jnp.int32(stages))  # noqa: E731
 
     @pl.when(wg < COMPUTE_WGS)
@@ -169,7 +171,8 @@ def _dq_kernel(
             if masked:
                 iota = functools.partial(_iota, (bq, bk))
                 key_len = cfg.sk if cfg.sk % bk else None
-                vis = tile_mask.visible(q_base + iota(0), t * bk + iota(1), t * bk, bk, key_len)
+                k0 = tile(t) * bk
+                vis = tile_mask.visible(q_base + iota(0), k0 + iota(1), k0, bk, key_len)
                 if vis is not None:
                     s = jnp.where(vis, s, -jnp.inf)
             bcast = lambda x: lax.broadcast_in_dim(x, s.shape, [0])  # noqa: E731
@@ -205,7 +208,7 @@ def _dq_kernel(
 
     ring = (k_smem, v_smem, (k_loaded, v_loaded), (k_consumed, v_consumed))
     pl.when(wg == COMPUTE_WGS)(
-        functools.partial(_stream_kv, cfg, (batch, head, clo, chi), k_ref, v_ref, *ring)
+        functools.partial(_stream_kv, cfg, (batch, head, clo, chi, tile), k_ref, v_ref, *ring)
     )
 
 
@@ -242,8 +245,10 @@ def _dkv_kernel(
     )
     at = _entry_of(sched_ref, batch, cfg)
     clo, chi = at(cta, CTA_LO), at(cta, CTA_HI)
+    tile = tile_of(at, cta, cfg)  # the query tile of step t
     g = jnp.int32(groups)
-    # the ring's items: query tile clo + u // groups of the group's query head u % groups
+    # the ring's items: step clo + u // groups (query tile `tile` of it) of the group's query
+    # head u % groups
 
     @pl.when(wg < COMPUTE_WGS)
     def _compute():
@@ -275,7 +280,7 @@ def _dkv_kernel(
                 s, c, tanh = base2_scores(s, cfg)
                 if masked:
                     iota = functools.partial(_iota, (bk, bq))
-                    q_base = (clo + lax.div(u, g)) * bq
+                    q_base = tile(clo + lax.div(u, g)) * bq
                     vis = tile_mask.visible(q_base + iota(1), kv_base + iota(0), q_base, bq)
                     if vis is not None:
                         s = jnp.where(vis, s, -jnp.inf)
@@ -304,7 +309,7 @@ def _dkv_kernel(
                     return carry
                 ds_smem[...] = ds
                 plgpu.commit_smem()
-                t, head = clo + lax.div(u, g), kv_head * g + lax.rem(u, g)
+                t, head = tile(clo + lax.div(u, g)), kv_head * g + lax.rem(u, g)
                 # the dq share [bq, d] = dsᵀ k by column chunks of DQ_COLS (its accumulator
                 # beside dk's and dv's in registers), each chunk's staging tile in turn
                 for c in range(d // DQ_COLS):
@@ -365,7 +370,7 @@ def _dkv_kernel(
         @pl.loop(0, (chi - clo) * g)
         def _(u):
             slot = lax.rem(u, jnp.int32(stages))
-            t, head = clo + lax.div(u, g), kv_head * g + lax.rem(u, g)
+            t, head = tile(clo + lax.div(u, g)), kv_head * g + lax.rem(u, g)
             rows, cols = (batch, pl.ds(t * bq, bq), head), (batch, head, pl.ds(t * bq, bq))
 
             @pl.when(u >= stages)

@@ -22,7 +22,7 @@ from .backward_kernels import (
     backward_operands,
     dq_by,
 )
-from .schedules import COMPUTE_WGS, lower, operands, schedule_table
+from .schedules import COMPUTE_WGS, LIST, lower, operands, schedule_table
 from .tiles import _Cfg, pl, plgpu
 
 
@@ -44,7 +44,17 @@ def backward(q, k, v, out, lse, d_out, *, mask, scale, block_sizes, logits_soft_
     cap = None if logits_soft_cap is None else float(logits_soft_cap)
     params = plgpu.CompilerParams(approx_math=True)
     config = lambda bq, bk, st, table: _Cfg(  # noqa: E731
-        bq, bk, st, float(scale), sq, sk, h // kvh, table.shape[-2], bool(leaves), cap
+        bq,
+        bk,
+        st,
+        float(scale),
+        sq,
+        sk,
+        h // kvh,
+        table.shape[-2],
+        bool(leaves),
+        cap,
+        tiles=table.shape[-1] > LIST,
     )
     reduction = dq_by(block_sizes, d) == "reduction"
     if not reduction:

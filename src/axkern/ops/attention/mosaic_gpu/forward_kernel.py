@@ -15,7 +15,7 @@ from axkern.core.op import Unsupported
 
 from .. import common
 from ..blocks import MOSAIC_GPU_SMEM, mosaic_gpu_smem_bytes
-from .schedules import COMPUTE_WGS, CTA_HI, CTA_LO, lower, operands, schedule_table
+from .schedules import COMPUTE_WGS, CTA_HI, CTA_LO, LIST, lower, operands, schedule_table
 from .tiles import (
     LOG2E,
     NAMED_BARRIER_BASE,
@@ -30,6 +30,7 @@ from .tiles import (
     named_barrier,
     pl,
     plgpu,
+    tile_of,
     times,
     warpgroup_bounds,
 )
@@ -90,6 +91,7 @@ def _kernel(
     k_consumed, v_consumed = consumed
     at = _entry_of(sched_ref, batch, cfg)
     clo, chi = at(cta, CTA_LO), at(cta, CTA_HI)
+    tile = tile_of(at, cta, cfg)  # the key tile of step t (the loops below run over steps)
     slot_of = lambda t: lax.rem(t - clo, jnp.int32(stages))  # noqa: E731
 
     # The ping-pong between the two compute warpgroups, in one of two forms. Rendezvous (JAX's
@@ -179,8 +181,9 @@ def _kernel(
             s, c, _ = base2_scores(s, cfg)  # s · c in base-2 units
             if masked:
                 iota = functools.partial(_iota, (bq, bk))
-                qi, kj = q_base + iota(0), t * bk + iota(1)
-                vis = tile_mask.visible(qi, kj, t * bk, bk, cfg.sk if cfg.sk % bk else None)
+                k0 = tile(t) * bk
+                qi, kj = q_base + iota(0), k0 + iota(1)
+                vis = tile_mask.visible(qi, kj, k0, bk, cfg.sk if cfg.sk % bk else None)
                 if vis is not None:
                     s = jnp.where(vis, s, -jnp.inf)
             m_new = jnp.maximum(m_i, times(s.max(axis=1), c))
@@ -361,7 +364,7 @@ def _kernel(
     ring = (k_smem, v_smem, (k_loaded, v_loaded), (k_consumed, v_consumed))
     pl.when(wg == COMPUTE_WGS)(
         functools.partial(
-            _stream_kv, cfg, (batch, head, clo, chi), k_ref, v_ref, *ring, named_releases=named_releases
+            _stream_kv, cfg, (batch, head, clo, chi, tile), k_ref, v_ref, *ring, named_releases=named_releases
         )
     )
 
@@ -435,6 +438,7 @@ def forward(
         bool(leaves),
         cap,
         sinks is not None,
+        tiles=table.shape[-1] > LIST,
     )
     body = functools.partial(
         _kernel,

@@ -22,6 +22,9 @@ COMPUTE_WGS = 2  # compute warpgroups per block, each with its own query (or key
 # four bounds at 2 + 4 w + (0, 1, 2, 3)
 CTA_LO, CTA_HI = 0, 1
 LO, FLO, FHI, HI = 0, 1, 2, 3
+# a table with a tile list (`schedule(..., tiles=True)`): step s of a block loads the tile at
+# column LIST + s
+LIST = 2 + 4 * COMPUTE_WGS
 
 
 def _longest_run(flags) -> tuple[int, int]:
@@ -37,11 +40,22 @@ def _longest_run(flags) -> tuple[int, int]:
     return best
 
 
-def schedule(kinds, wgs: int = COMPUTE_WGS) -> np.ndarray:
+def has_gaps(kinds, wgs: int = COMPUTE_WGS) -> bool:
+    """Whether some block of `wgs` query tiles (rows of `kinds [nq, nk]`) leaves an empty key
+    tile between two that it sees (a `|` of masks with a gap between them)."""
+    kinds = np.asarray(kinds)
+    used = (kinds != masks_.EMPTY).reshape(kinds.shape[0] // wgs, wgs, -1).any(1)
+    count = used.sum(1)
+    first, last = used.argmax(1), used.shape[1] - used[:, ::-1].argmax(1)
+    return bool(((count > 0) & (last - first > count)).any())
+
+
+def schedule(kinds, wgs: int = COMPUTE_WGS, tiles: bool = False) -> np.ndarray:
     """The kernel's tile schedule from a static mask's block kinds.
 
     **Arguments:** `kinds`: int `[nq, nk]` (`masks.EMPTY`, `PARTIAL`, `FULL` per query tile by
-    key tile), `nq` a multiple of `wgs`; block `c` owns query tiles `c · wgs + w`.
+    key tile), `nq` a multiple of `wgs`; block `c` owns query tiles `c · wgs + w`. `tiles`: a
+    tile list per block (below).
 
     **Returns:** int32 `[nq / wgs, 2 + 4 · wgs]`: per block the key tiles its producer loads,
     `[clo, chi)` (the union of its query tiles' ranges; `clo == chi` when all are empty),
@@ -49,16 +63,26 @@ def schedule(kinds, wgs: int = COMPUTE_WGS) -> np.ndarray:
     first to the last non-empty one, and inside them the longest run of `FULL` tiles
     `[flo, fhi)`, visited without masking (`flo == fhi == hi` when none). A warpgroup whose
     row is empty gets `lo = flo = fhi = hi = clo`.
+
+    With `tiles=True`, `[nq / wgs, 2 + 4 · wgs + nk]`: a block walks steps, not tiles. Its
+    steps `[0, n)` are the `n` key tiles that any of its query tiles sees, in order, their
+    indices at columns `2 + 4 · wgs + s` (`LIST`; zeros after), and every bound above counts
+    steps: no empty tile between two seen ones is loaded (`has_gaps`).
     """
     kinds = np.asarray(kinds)
-    nq, _ = kinds.shape
+    nq, nk = kinds.shape
     if nq % wgs:
         raise ValueError(f"schedule: {nq} query tiles are not a multiple of {wgs} warpgroups")
-    table = np.zeros((nq // wgs, 2 + 4 * wgs), np.int32)
+    table = np.zeros((nq // wgs, 2 + 4 * wgs + (nk if tiles else 0)), np.int32)
     for c in range(nq // wgs):
+        block = kinds[c * wgs : (c + 1) * wgs]
+        if tiles:
+            used = np.flatnonzero((block != masks_.EMPTY).any(0))
+            table[c, 2 + 4 * wgs : 2 + 4 * wgs + used.size] = used
+            block = block[:, used]
         rows = []
         for w in range(wgs):
-            row = kinds[c * wgs + w]
+            row = block[w]
             seen = np.flatnonzero(row != masks_.EMPTY)
             if seen.size == 0:
                 rows.append(None)
@@ -80,8 +104,15 @@ def mask_schedule(mask, sq: int, sk: int, block_q: int, block_kv: int) -> np.nda
     """`schedule` of a static mask over `sq` queries and `sk` keys in `block_q x block_kv`
     tiles, the query tiles padded with empty ones to whole blocks of `COMPUTE_WGS`."""
     kinds = masks_.static_block_kinds(mask, sq, sk, block_q, block_kv)[0]
-    nq = cdiv(kinds.shape[0], COMPUTE_WGS) * COMPUTE_WGS
-    return schedule(np.pad(kinds, [(0, nq - kinds.shape[0]), (0, 0)], constant_values=masks_.EMPTY))
+    return _static_schedule(kinds)
+
+
+def _static_schedule(kinds) -> np.ndarray:
+    """`schedule` of a static mask's kinds padded with empty rows to whole blocks, with a tile
+    list where a block would otherwise load an empty tile between two it sees."""
+    n = cdiv(kinds.shape[0], COMPUTE_WGS) * COMPUTE_WGS
+    kinds = np.pad(kinds, [(0, n - kinds.shape[0]), (0, 0)], constant_values=masks_.EMPTY)
+    return schedule(kinds, tiles=has_gaps(kinds))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -219,8 +250,10 @@ def schedule_table(mask, sq: int, sk: int, block_q: int, block_kv: int, batch: i
     """The kernels' schedule: per block of `COMPUTE_WGS` query tiles, the key tiles it walks
     (`keys=False`: the forward and `dq`), or per block of key tiles, the query tiles
     (`keys=True`: `dk, dv`). A static mask gives the constant `[n, cols]` of `mask_schedule` /
-    `key_schedule`; a mask holding arrays (`Segments`, `PrefixLM`) has its kinds computed on
-    the device (`device_kinds`) and the table per batch row, `[batch, n, cols]`."""
+    `key_schedule` (with a tile list where some block's seen tiles leave a gap); a mask holding
+    arrays (`Segments`, `PrefixLM`) has its kinds computed on the device (`device_kinds`) and
+    the table per batch row, `[batch, n, cols]`, ranges without a tile list (a gap there, ids
+    that repeat after other ids, is loaded and masked)."""
     if masks_.is_static(mask):
         table = (key_schedule if keys else mask_schedule)(mask, sq, sk, block_q, block_kv)
         return jnp.asarray(table)
@@ -238,9 +271,7 @@ def key_schedule(mask, sq: int, sk: int, block_q: int, block_kv: int) -> np.ndar
     """`schedule` of the transposed mask for the `dk, dv` kernel: per block of `COMPUTE_WGS`
     key tiles (`block_kv` keys each), the query tiles (`block_q` rows) its producer loads and
     each compute warpgroup's four bounds, in query tiles."""
-    kinds = masks_.static_block_kinds(mask, sq, sk, block_q, block_kv)[0].T
-    nk = cdiv(kinds.shape[0], COMPUTE_WGS) * COMPUTE_WGS
-    return schedule(np.pad(kinds, [(0, nk - kinds.shape[0]), (0, 0)], constant_values=masks_.EMPTY))
+    return _static_schedule(masks_.static_block_kinds(mask, sq, sk, block_q, block_kv)[0].T)
 
 
 def _visible_or_none(mask, qi, kj, sk, bk, dynamic=None):

@@ -14,7 +14,7 @@ from jax import lax
 from axkern import masks as masks_
 from axkern.core.compat import mosaic_gpu_load
 
-from .schedules import COMPUTE_WGS, Dynamic, _grid_visible
+from .schedules import COMPUTE_WGS, LIST, Dynamic, _grid_visible
 
 try:  # the kernel runs only on a Hopper GPU; importing it must never break a CPU install
     from jax.experimental import pallas as pl
@@ -74,6 +74,7 @@ class _Cfg:
     dynamic: bool = False  # a mask holding arrays: per-batch-row schedule tables, mask operands
     soft_cap: float | None = None
     sinks: bool = False
+    tiles: bool = False  # the schedule table has a tile list (`schedules.schedule`): steps are not tiles
 
 
 def base2_scores(s, cfg):
@@ -102,6 +103,14 @@ def _entry_of(sched_ref, batch, cfg):
 def dynamic_leaves(mask) -> list:
     """The `schedules.Dynamic` leaves of a lowered mask, in order."""
     return [m for m in masks_.leaves(mask) if isinstance(m, Dynamic)]
+
+
+def tile_of(at, cta, cfg):
+    """`step -> tile` of block `cta` (`at`: `_entry_of`'s reader): the table's tile list where
+    it has one (`cfg.tiles`), else the step itself."""
+    if not cfg.tiles:
+        return lambda t: t
+    return lambda t: at(cta, LIST + t)
 
 
 def warpgroup_bounds(at, cta, wg):
@@ -159,8 +168,9 @@ def _stream_kv(cfg, where, k_ref, v_ref, k_smem, v_smem, loaded, consumed, named
     of `head`'s kv head into the ring, each slot reused once both compute warpgroups have
     released it (on its `consumed` mbarrier, or with `named_releases` on its named barrier:
     `NAMED_RELEASE_BASE` + slot for keys, + stages + slot for values, the two compute
-    warpgroups arriving and this one waiting). `where`: `(batch, query head, clo, chi)`."""
-    batch, head, clo, chi = where
+    warpgroups arriving and this one waiting). `where`: `(batch, query head, clo, chi, tile)`,
+    the steps `[clo, chi)` and `tile` (`tile_of`) the key tile of a step."""
+    batch, head, clo, chi, tile = where
     plgpu.set_max_registers(40, action="decrease")
     kv_head = lax.div(head, jnp.int32(cfg.groups))
     bk, stages = cfg.block_kv, cfg.stages
@@ -168,7 +178,7 @@ def _stream_kv(cfg, where, k_ref, v_ref, k_smem, v_smem, loaded, consumed, named
     @pl.loop(clo, chi)
     def _(t):
         slot, reuse = lax.rem(t - clo, jnp.int32(stages)), t - clo >= stages
-        rows = (batch, pl.ds(t * bk, bk), kv_head)
+        rows = (batch, pl.ds(tile(t) * bk, bk), kv_head)
         for i, (ref, smem, ready, free) in enumerate(
             zip((k_ref, v_ref), (k_smem, v_smem), loaded, consumed, strict=True)
         ):
