@@ -17,6 +17,7 @@ import axkern
 from axkern.positional import mamba3, mamba3_step
 from tests.cases.mamba3 import STATE, call, forward, make, run
 from tests.harness import check_rule, jit
+from tests.helpers import to64, x64
 
 
 def check(seed, dims, dtype, chunk, **kw):
@@ -73,6 +74,52 @@ def test_decode_steps_chained_equal_the_scan(rank):
         np.testing.assert_allclose(y_t, y[:, t], rtol=1e-4, atol=1e-4)
     for got, want in zip(state, final, strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("impl,rank", [("xla", 0), ("xla", 2), ("reference", 0)])
+def test_decode_steps_gradients_equal_the_oracle_layers(impl, rank):
+    # every gradient through five chained steps, the initial state's among them, against the
+    # float64 sequential layer's (the oracle) over the same positions, of the same loss
+    arrays, _ = make(4, 2, 5, 4, 3, 2, 6, 2, rank, "float32", segments=False)
+    names = sorted(arrays)
+
+    def loss(y, state):  # [b, l, h, p] and the final state
+        return jnp.sum(y * jnp.cos(jnp.arange(y.size, dtype=y.dtype).reshape(y.shape))) + sum(
+            jnp.sum(jnp.sin(s)) for s in state
+        )
+
+    def layer(*vals):
+        return loss(*call("reference", dict(zip(names, vals, strict=True))))
+
+    def steps(*vals):
+        a = dict(zip(names, vals, strict=True))
+        state = tuple(a[s] for s in STATE)
+        mimo = tuple(a[w] for w in ("W_x", "W_z", "W_o")) if rank else None
+        ys = []
+        for t in range(5):
+            y_t, state = mamba3_step(
+                *(a[n][:, t] for n in ("q", "k", "v")),
+                *(a[n][..., t] for n in ("adt", "dt", "trap")),
+                a["q_bias"],
+                a["k_bias"],
+                a["angles"][:, t],
+                state,
+                D=a["D"],
+                z_t=a["z"][:, t],
+                mimo=mimo,
+                implementation=impl,
+            )
+            ys.append(y_t)
+        return loss(jnp.stack(ys, axis=1), state)
+
+    with x64():
+        a64 = {n: jnp.asarray(v, jnp.float64) for n, v in to64(arrays).items()}
+        got, want = (
+            jax.jit(jax.grad(f, argnums=tuple(range(len(names)))))(*(a64[n] for n in names))
+            for f in (steps, layer)
+        )
+    for name, g, w in zip(names, got, want, strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-9, atol=1e-9, err_msg=name)
 
 
 def test_a_segment_starts_from_a_zero_state():
