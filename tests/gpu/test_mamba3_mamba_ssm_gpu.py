@@ -10,6 +10,9 @@ layouts) would show as errors of order one. Each of mamba_ssm's autotuned kernel
 first configuration only: their full spaces take minutes to compile, and a configuration changes
 speed, not values.
 
+mamba_ssm's torch reference of the recurrence is held to the same oracle on the CPU:
+tests/test_mamba_ssm_reference.py.
+
 Run with `AXKERN_TEST_GPU=1 python -m pytest tests/gpu -m gpu`.
 """
 
@@ -89,15 +92,16 @@ def _ours(impl, arrays):
     return out | {f"grad_{n}": g for n, g in zip(names, grads, strict=True)}
 
 
-def _theirs(arrays, tmp_path):
+def _theirs(arrays, tmp_path, script=_SCRIPT, what="mamba_ssm's Triton kernels", python=sys.executable):
     src, dst = tmp_path / "inputs.npz", tmp_path / "outputs.npz"
     np.savez(src, **{n: np.asarray(a, np.float32) for n, a in arrays.items()})
-    cmd = [sys.executable, "-c", _SCRIPT, str(src), str(dst), json.dumps(ARGS), json.dumps(STATE), str(CHUNK)]
-    proc = subprocess.run([*cmd, json.dumps(SIXTEEN_BIT)], capture_output=True, text=True, timeout=600)
+    cmd = [python, "-c", script, str(src), str(dst), json.dumps(ARGS), json.dumps(STATE)]
+    extra = [str(CHUNK), json.dumps(SIXTEEN_BIT)] if script is _SCRIPT else []
+    proc = subprocess.run([*cmd, *extra], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     status = json.loads(proc.stdout.strip().splitlines()[-1])
     if "skip" in status:
-        pytest.skip(f"mamba_ssm's Triton kernels did not import: {status['skip']}")
+        pytest.skip(f"{what} did not import: {status['skip']}")
     return dict(np.load(dst))
 
 
