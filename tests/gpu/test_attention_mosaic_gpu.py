@@ -444,7 +444,7 @@ def test_packed_documents_with_traced_ids_differentiate_under_jit():
         "overlap+named_barriers+named_releases",
     ],
 )
-@pytest.mark.parametrize("mask_name", ["causal", "docs | window"])
+@pytest.mark.parametrize("mask_name", ["causal", "docs | window", "window | far keys"])
 def test_the_handoff_ping_pong_computes_what_the_rendezvous_does(mask_name, form):
     # the same arithmetic in the same order: outputs and lse agree exactly (and the rendezvous
     # form is the one the oracle tests above check); the handoff on mbarriers or on hardware
@@ -452,11 +452,11 @@ def test_the_handoff_ping_pong_computes_what_the_rendezvous_does(mask_name, form
     # overlap runs the same sums in the same order a turn later; only a multiply-add contracted
     # otherwise in the running sum could move an output by its rounding
     a = _inputs(11, 2, 700, 700, 4, 2, 128, "bfloat16")
-    mask = (
-        masks.Causal()
-        if mask_name == "causal"
-        else masks.Segments(_DOCS700, _DOCS700) | masks.SlidingWindow(64)
-    )
+    mask = {
+        "causal": masks.Causal(),
+        "docs | window": masks.Segments(_DOCS700, _DOCS700) | masks.SlidingWindow(64),
+        "window | far keys": masks.SlidingWindow(64) | masks.Causal(offset=-400),  # a tile list
+    }[mask_name]
 
     def run(**flags):
         fn = lambda q, k, v: mosaic_gpu.forward(  # noqa: E731

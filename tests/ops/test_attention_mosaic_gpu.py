@@ -88,7 +88,8 @@ def _check_table(table, any_, all_):
     # seen tiles in order; the bounds count steps
     nk = any_.shape[1]
     gaps = mosaic_gpu.has_gaps(any_.astype(int))
-    assert table.dtype == np.int32 and table.shape == (any_.shape[0] // WGS, 2 + 4 * WGS + nk * gaps)
+    width = max(1, any_.reshape(-1, WGS, nk).any(1).sum(1).max()) if gaps else 0  # the longest list
+    assert table.dtype == np.int32 and table.shape == (any_.shape[0] // WGS, 2 + 4 * WGS + width)
     for c, row in enumerate(table):
         clo, chi = row[mosaic_gpu.CTA_LO], row[mosaic_gpu.CTA_HI]
         steps = _steps(row, nk)
@@ -123,7 +124,7 @@ def test_a_gap_between_seen_tiles_is_never_loaded():
     # the blocks' rows leave empty tiles between the two parts, which the tile list skips
     mask = SCHEDULE_MASKS["window8|causal-40"]
     table = mosaic_gpu.mask_schedule(mask, 128, 128, 8, 8)
-    assert table.shape == (8, mosaic_gpu.LIST + 16)
+    assert table.shape == (8, mosaic_gpu.LIST + 14)  # the last block sees 14 of the 16 key tiles
     any_, _ = _brute_force(mask, 128, 128, 8, 8)
     loaded = sum(int(r[mosaic_gpu.CTA_HI] - r[mosaic_gpu.CTA_LO]) for r in table)
     assert loaded == sum(any_[2 * c : 2 * c + 2].any(0).sum() for c in range(8)) < 72  # 72: ranges

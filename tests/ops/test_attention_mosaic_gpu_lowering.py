@@ -191,6 +191,24 @@ def test_dq_by_reduction_lowers_as_two_kernels(name):
     assert _kernels(_lowered(f, q, kv, kv, s, q)) == 2  # forward, dk/dv with dq (3 by the dq kernel)
 
 
+@pytest.mark.parametrize(
+    "flags", [{}, {"handoff": True}, {"handoff": True, "named_barriers": True, "named_releases": True}]
+)
+def test_the_forward_forms_lower_with_a_tile_list(flags):
+    # the ping-pong forms other than the overlap (which the cases above take at head dim 128),
+    # under a mask whose blocks walk a tile list
+    q = jax.ShapeDtypeStruct((1, 1200, 2, 128), jnp.bfloat16)
+    mask = CASES["window | far keys (a gap) d128"][7]
+    assert mosaic_gpu.mask_schedule(mask, 1200, 1200, 64, 128).shape[1] > mosaic_gpu.LIST
+
+    def f(q, k, v):
+        return mosaic_gpu.forward(q, k, v, mask, scale=0.1, block_q=64, block_kv=128, num_stages=2, **flags)[
+            0
+        ]
+
+    assert _kernels(_lowered(f, q, q, q)) == 1
+
+
 @pytest.mark.parametrize("d", [64, 128, 256])
 def test_every_forward_tile_candidate_lowers(d):
     # the tuning space (and so the shipped table's tiles) at each head dim, causal, each tile in

@@ -44,8 +44,9 @@ Fully masked tiles are never loaded: where a block's seen tiles leave a gap (`|`
 apart, such as a window and the keys far behind; `has_gaps`) the table carries a tile list
 (`schedule(..., tiles=True)`): a block walks steps over the tiles it sees, step `s` loading
 the tile at column `LIST + s`, and the bounds count steps (the kernels read a step's tile only
-to address its copy and to mask it). The table is a constant `int32 [blocks, 10]` input
-(`[blocks, 10 + key tiles]` with a tile list).
+to address its copies, `dq`'s reductions and its mask, before the step's waits). The table is a
+constant `int32 [blocks, 10]` input (`[blocks, 10 + the most tiles a block sees]` with a tile
+list; `[clo, chi)` then counts steps, `[0, n)`).
 Masks holding arrays (`Segments`, `PrefixLM`, and `&`, `|` of them with each other and with
 static masks; `schedules.lower` swaps each such leaf for a `Dynamic` placeholder naming its
 kernel operands): the block kinds are computed on the device per batch row

@@ -154,7 +154,7 @@ def _dq_kernel(
         plgpu.barrier_wait(qd_loaded.at[wg])
 
         def step(t, dq, masked):
-            slot = slot_of(t)
+            slot, k0 = slot_of(t), tile(t) * bk  # (the step's key tile read before its waits)
             plgpu.barrier_wait(k_loaded.at[slot])
             plgpu.barrier_wait(v_loaded.at[slot])
 
@@ -171,7 +171,6 @@ def _dq_kernel(
             if masked:
                 iota = functools.partial(_iota, (bq, bk))
                 key_len = cfg.sk if cfg.sk % bk else None
-                k0 = tile(t) * bk
                 vis = tile_mask.visible(q_base + iota(0), k0 + iota(1), k0, bk, key_len)
                 if vis is not None:
                     s = jnp.where(vis, s, -jnp.inf)
@@ -268,6 +267,7 @@ def _dkv_kernel(
         def accumulate(dk_acc, dv_acc):
             def step(u, carry, masked):
                 slot = lax.rem(u, jnp.int32(stages))
+                q_base = tile(clo + lax.div(u, g)) * bq  # (read before the step's wait)
                 plgpu.barrier_wait(loaded.at[slot])
 
                 def s_product(acc):
@@ -280,7 +280,6 @@ def _dkv_kernel(
                 s, c, tanh = base2_scores(s, cfg)
                 if masked:
                     iota = functools.partial(_iota, (bk, bq))
-                    q_base = tile(clo + lax.div(u, g)) * bq
                     vis = tile_mask.visible(q_base + iota(1), kv_base + iota(0), q_base, bq)
                     if vis is not None:
                         s = jnp.where(vis, s, -jnp.inf)
@@ -309,7 +308,7 @@ def _dkv_kernel(
                     return carry
                 ds_smem[...] = ds
                 plgpu.commit_smem()
-                t, head = tile(clo + lax.div(u, g)), kv_head * g + lax.rem(u, g)
+                head = kv_head * g + lax.rem(u, g)
                 # the dq share [bq, d] = dsᵀ k by column chunks of DQ_COLS (its accumulator
                 # beside dk's and dv's in registers), each chunk's staging tile in turn
                 for c in range(d // DQ_COLS):
@@ -328,7 +327,7 @@ def _dkv_kernel(
                     plgpu.wait_smem_to_gmem(d // DQ_COLS - 1, wait_read_only=True)
                     dq_smem.at[c][...] = dq
                     plgpu.commit_smem()
-                    dst = dq_ref.at[batch, pl.ds(t * bq, bq), head, cols]
+                    dst = dq_ref.at[batch, pl.ds(q_base, bq), head, cols]
                     plgpu.copy_smem_to_gmem(dq_smem.at[c], dst, reduction_op="add")
                 return carry
 

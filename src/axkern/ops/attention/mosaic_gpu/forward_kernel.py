@@ -173,15 +173,18 @@ def _kernel(
         else:
             pl.when(wg == 1)(rendezvous)
 
-        def probs(s, m_i, t, masked):
-            """`(m_new, alpha, p)` of tile `t`'s scores `s` (float32, unscaled): the new running
-            max, the factor that rescales what came before, the probabilities in base 2."""
+        def key_offset(t, masked):  # a masked step's first key, read before its scores wait
+            return tile(t) * bk if masked else None
+
+        def probs(s, m_i, k0, masked):
+            """`(m_new, alpha, p)` of the scores `s` (float32, unscaled) of the tile whose keys
+            start at `k0`: the new running max, the factor that rescales what came before, the
+            probabilities in base 2."""
             if nan_scores:  # a non-finite score is NaN (before a soft cap's tanh): its row's output is
                 s = jnp.where(jnp.abs(s) < jnp.inf, s, jnp.nan)
             s, c, _ = base2_scores(s, cfg)  # s · c in base-2 units
             if masked:
                 iota = functools.partial(_iota, (bq, bk))
-                k0 = tile(t) * bk
                 qi, kj = q_base + iota(0), k0 + iota(1)
                 vis = tile_mask.visible(qi, kj, k0, bk, cfg.sk if cfg.sk % bk else None)
                 if vis is not None:
@@ -208,8 +211,8 @@ def _kernel(
 
         def step(t, carry, masked):
             acc, m_i, l_i = carry
-            slot = slot_of(t)
-            m_new, alpha, p = probs(scores(slot), m_i, t, masked)
+            slot, k0 = slot_of(t), key_offset(t, masked)
+            m_new, alpha, p = probs(scores(slot), m_i, k0, masked)
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
             l_i = l_i * alpha
             p16 = p.astype(dtype)
@@ -254,8 +257,8 @@ def _kernel(
         # that value tile's slot for one of theirs.
         def first_turn(carry):
             acc, m_i, l_i, p16 = carry
-            slot = slot_of(lo)
-            m_new, alpha, p = probs(scores(slot), m_i, lo, True)  # (the accumulator is still zeros)
+            slot, k0 = slot_of(lo), key_offset(lo, True)
+            m_new, alpha, p = probs(scores(slot), m_i, k0, True)  # (the accumulator is still zeros)
             plgpu.barrier_wait(v_loaded.at[slot])
             wait_next(lo)
             wait_own()
@@ -263,7 +266,7 @@ def _kernel(
 
         def ostep(t, carry, masked):
             acc, m_i, l_i, p16 = carry
-            slot, pslot = slot_of(t), slot_of(t - 1)
+            slot, pslot, k0 = slot_of(t), slot_of(t - 1), key_offset(t, masked)
 
             def body(refs):
                 acc_ref, m_ref, l_ref, p_ref, alpha_ref = refs
@@ -276,7 +279,7 @@ def _kernel(
 
                 s = pl.run_scoped(products, plgpu.ACC((bq, bk), jnp.float32))
                 free(0, slot)
-                m_new, alpha, p = probs(s, m_i, t, masked)
+                m_new, alpha, p = probs(s, m_i, k0, masked)
                 m_ref[...] = m_new
                 l_ref[...] = l_i * alpha + p.sum(axis=1)
                 p_ref[...] = p.astype(dtype)

@@ -41,8 +41,9 @@ def _longest_run(flags) -> tuple[int, int]:
 
 
 def has_gaps(kinds, wgs: int = COMPUTE_WGS) -> bool:
-    """Whether some block of `wgs` query tiles (rows of `kinds [nq, nk]`) leaves an empty key
-    tile between two that it sees (a `|` of masks with a gap between them)."""
+    """Whether some block of `wgs` query tiles (rows of `kinds [nq, nk]`, `nq` a multiple of
+    `wgs`) leaves an empty key tile between two that it sees (a `|` of masks with a gap between
+    them)."""
     kinds = np.asarray(kinds)
     used = (kinds != masks_.EMPTY).reshape(kinds.shape[0] // wgs, wgs, -1).any(1)
     count = used.sum(1)
@@ -64,16 +65,18 @@ def schedule(kinds, wgs: int = COMPUTE_WGS, tiles: bool = False) -> np.ndarray:
     `[flo, fhi)`, visited without masking (`flo == fhi == hi` when none). A warpgroup whose
     row is empty gets `lo = flo = fhi = hi = clo`.
 
-    With `tiles=True`, `[nq / wgs, 2 + 4 · wgs + nk]`: a block walks steps, not tiles. Its
+    With `tiles=True`, `[nq / wgs, 2 + 4 · wgs + m]`: a block walks steps, not tiles. Its
     steps `[0, n)` are the `n` key tiles that any of its query tiles sees, in order, their
-    indices at columns `2 + 4 · wgs + s` (`LIST`; zeros after), and every bound above counts
-    steps: no empty tile between two seen ones is loaded (`has_gaps`).
+    indices at columns `2 + 4 · wgs + s` (`LIST`; zeros after; `m` the largest `n`, at least
+    1), and every bound above counts steps: no empty tile between two seen ones is loaded
+    (`has_gaps`).
     """
     kinds = np.asarray(kinds)
     nq, nk = kinds.shape
     if nq % wgs:
         raise ValueError(f"schedule: {nq} query tiles are not a multiple of {wgs} warpgroups")
-    table = np.zeros((nq // wgs, 2 + 4 * wgs + (nk if tiles else 0)), np.int32)
+    width = max(1, int((kinds != masks_.EMPTY).reshape(nq // wgs, wgs, nk).any(1).sum(1).max(initial=0)))
+    table = np.zeros((nq // wgs, 2 + 4 * wgs + (width if tiles else 0)), np.int32)
     for c in range(nq // wgs):
         block = kinds[c * wgs : (c + 1) * wgs]
         if tiles:
