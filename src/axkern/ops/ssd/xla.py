@@ -14,9 +14,9 @@ row sums minus column sums, whose rounding adds up over a sequence and can put t
 `dt_bias` gradients outside the oracle rule. For float32 inputs each `sum_{s < r <= t} a_r`
 is summed on its own (a `[Q, Q]` running sum per chunk and head, as mamba_ssm's minimal
 reference does; docs/ops/ssd.md, "Accuracy", has the errors). 16-bit inputs keep the difference
-(their rounding dominates, and it is cheaper). **Products**: exact for float32 and fp16 inputs
-(TF32, XLA's GPU default, rounds as coarsely as fp16: fp16 missed the oracle rule with it on the
-H200), TF32 for bf16 ones.
+(their rounding dominates, and it is cheaper). **Products**: exact for every input dtype (TF32,
+XLA's GPU default, rounds as coarsely as fp16: fp16 missed the oracle rule with it on the H200,
+and bf16 one case's `dA` by 5 %).
 
 **Non-finite input** (`chunks.guard`, through `chunks.layer_around` only where an input is
 not finite; the scan outside its two conditionals): the chunks compute on the inputs with
