@@ -17,7 +17,8 @@ The references live in upstream's `tests/ops/triton/test_mamba3_siso.py` and
 peers: put the folders holding those files, and the `mamba_ssm` package the first imports
 (`../shared/peers/mamba_ssm_triton`), on `PYTHONPATH`. It runs in a subprocess of the
 interpreter named by `MAMBA_SSM_PYTHON` (one with torch, einops and triton; the CPU build of
-torch serves), else this one; the test skips, saying why, when the import fails.
+torch serves), else this one. Where torch or a reference's file is missing the test skips,
+saying why (as in CI), or fails when `MAMBA_SSM_PYTHON` is set; any other error fails.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import sys
 import textwrap
 
 import numpy as np
+import pytest
 
 from tests.cases.mamba3 import make
 from tests.gpu.test_mamba3_mamba_ssm_gpu import ARGS, STATE, _ours, _theirs
@@ -41,7 +43,7 @@ _SCRIPT = textwrap.dedent(
     try:
         import torch
         from test_mamba3_siso import mamba3_siso_step_ref
-    except Exception as e:
+    except ModuleNotFoundError as e:  # torch, or the reference's file (anything else fails)
         print(json.dumps({"skip": f"{type(e).__name__}: {e}"}))
         sys.exit(0)
     src, dst, args, states = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), json.loads(sys.argv[4])
@@ -65,7 +67,7 @@ _MIMO_SCRIPT = textwrap.dedent(
     try:
         import torch
         from test_mamba3_mimo import mamba3_MIMO_step_ref
-    except Exception as e:
+    except ModuleNotFoundError as e:  # torch, or the reference's file (anything else fails)
         print(json.dumps({"skip": f"{type(e).__name__}: {e}"}))
         sys.exit(0)
     src, dst = sys.argv[1], sys.argv[2]
@@ -103,24 +105,37 @@ _MIMO_SCRIPT = textwrap.dedent(
 def test_mamba_ssms_torch_reference_agrees_with_the_oracle(tmp_path):
     # the GPU comparison's inputs: B1 L256 H4 P64 N128, 32 angles, D, z and all four states
     arrays, _ = make(3, 1, 256, 4, 64, 1, 128, 32, 0, "bfloat16", segments=False)
-    python = os.environ.get("MAMBA_SSM_PYTHON", sys.executable)
-    theirs = _theirs(arrays, tmp_path, _SCRIPT, "mamba_ssm's torch reference (test_mamba3_siso)", python)
+    theirs = _reference(arrays, tmp_path, _SCRIPT, "mamba_ssm's torch reference (test_mamba3_siso)")
     want = oracle(_ours, arrays)
-    assert {f"grad_{n}" for n in (*ARGS, *STATE)} | {"y"} <= set(theirs), sorted(theirs)
+    assert {f"grad_{n}" for n in (*ARGS, *STATE)} | {"y"} | {f"final_{s}" for s in STATE} <= set(theirs), (
+        sorted(theirs)
+    )
     _compare(want, theirs, "SISO")
 
 
 def test_mamba_ssms_torch_mimo_reference_agrees_with_the_oracle(tmp_path):
     # MIMO of rank 3, 8 angles of a 32-dim state (dims 8-15 and 24-31 not rotated), length 50
     arrays, _ = make(5, 1, 50, 4, 16, 1, 32, 8, 3, "float32", segments=False)
-    python = os.environ.get("MAMBA_SSM_PYTHON", sys.executable)
-    theirs = _theirs(arrays, tmp_path, _MIMO_SCRIPT, "mamba_ssm's torch reference (test_mamba3_mimo)", python)
+    theirs = _reference(arrays, tmp_path, _MIMO_SCRIPT, "mamba_ssm's torch reference (test_mamba3_mimo)")
     want = oracle(_ours, arrays)
     want["final_v_state_times_W_x"] = (
         want.pop("final_v_state")[:, :, None, :] * np.asarray(arrays["W_x"])[None]
     )
-    assert {f"grad_{n}" for n in arrays} | {"y"} <= set(theirs), sorted(theirs)
+    finals = {"final_angle_state", "final_ssm_state", "final_k_state", "final_v_state_times_W_x"}
+    assert {f"grad_{n}" for n in arrays} | {"y"} | finals <= set(theirs), sorted(theirs)
     _compare(want, theirs, "MIMO rank 3")
+
+
+def _reference(arrays, tmp_path, script, what):
+    """The reference's outputs by `script`; a missing module skips, unless `MAMBA_SSM_PYTHON`
+    names the interpreter (then it fails)."""
+    python = os.environ.get("MAMBA_SSM_PYTHON")
+    try:
+        return _theirs(arrays, tmp_path, script, what, python or sys.executable)
+    except pytest.skip.Exception as e:
+        if python:
+            pytest.fail(f"MAMBA_SSM_PYTHON={python}: {e}")
+        raise
 
 
 def _compare(want, theirs, what):

@@ -28,8 +28,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import axkern
 from tests.cases.mamba3 import STATE, call, make
-from tests.harness import jit, oracle, serving
+from tests.harness import jit, oracle
 
 pytestmark = pytest.mark.gpu
 
@@ -112,25 +113,30 @@ def test_mamba3_and_mamba_ssm_agree_with_the_oracle(tmp_path):
     arrays = {n: a.astype(jnp.bfloat16).astype(a.dtype) if n in SIXTEEN_BIT else a for n, a in arrays.items()}
     want = oracle(_ours, arrays)
     theirs = _theirs(arrays, tmp_path)
-    ours = {}
-    for impl in IMPLS:  # axkern's chunked XLA and its GPU kernels, each served explicitly
-        with serving(impl):
+    ours, refused = {}, {}
+    for impl in IMPLS:  # axkern's chunked XLA and its GPU kernels, each asked for explicitly
+        try:
             ours[impl] = {k: np.asarray(v, np.float64) for k, v in _ours(impl, arrays).items()}
-    assert {f"grad_{n}" for n in ARGS} <= set(theirs), sorted(theirs)
+        except axkern.Unsupported as e:  # (mosaic_gpu off Hopper): the others are still held
+            refused[impl] = str(e)
+    assert "xla" in ours, refused
+    assert {f"grad_{n}" for n in ARGS} | {"y"} <= set(theirs), sorted(theirs)
     report = {}
-    for name, w in want.items():
-        if name not in theirs:
-            continue
+    for name, w in want.items():  # every output for axkern, mamba_ssm's where it returns one
         w = np.asarray(w, np.float64)
         scale = max(np.abs(w).max(), 1e-30)
         errs = {
             who: np.abs(np.asarray(got[name], np.float64) - w).max() / scale
             for who, got in (("mamba_ssm", theirs), *ours.items())
+            if name in got
         }
         report[name] = errs
-        assert np.isfinite(np.asarray(theirs[name])).all(), name
+        if name in theirs:
+            assert np.isfinite(np.asarray(theirs[name])).all(), name
         bad = {who: f"{e:.2e}" for who, e in errs.items() if not e <= RTOL}
         assert not bad, f"{name}: beyond {RTOL} of the oracle's largest magnitude: {bad}"
     print("\nrelative error against the float64 oracle:")
     for name, errs in report.items():
         print(f"  {name}: " + ", ".join(f"{who} {e:.2e}" for who, e in errs.items()))
+    for impl, why in refused.items():
+        print(f"  {impl} refused the case: {why}")
