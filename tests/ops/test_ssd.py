@@ -407,3 +407,17 @@ def test_gpu_order_puts_the_kernels_first_for_bf16_inputs_only():
     # fp16 and float32 take exact float32 products, where XLA's are several times faster
     assert order(OP.spec({"length": 64}, "float16")) == ("xla",)
     assert order(OP.spec({"length": 64}, "float32")) == ("xla",)
+
+
+def test_xlas_products_are_exact_for_bf16_inputs_too():
+    # TF32 (the GPU's default for float32 products) missed the oracle rule's dA for bf16 inputs
+    # on the H200: every product of SSD's `xla` asks for HIGHEST, whatever the inputs' dtype
+    import re
+
+    arrays, seg = make(0, 1, 64, 2, 16, 1, 16, "bfloat16", segments=False)
+    from tests.cases.ssd import _runner
+
+    names = tuple(sorted(arrays))
+    text = _runner("xla", 16, names, False, None).lower(arrays, seg).as_text()  # values and gradients
+    dots = re.findall(r"stablehlo\.dot_general.*", text)
+    assert dots and all("HIGHEST" in d for d in dots), [d for d in dots if "HIGHEST" not in d][:3]
