@@ -52,9 +52,9 @@ class Mamba3State(NamedTuple):
 
 def _gpu_order(spec) -> tuple[str, ...]:
     """bf16 inputs: `mosaic_gpu` (Hopper, SISO, the head dims and states its tiles serve), then
-    `pallas_gpu`, then `xla`: on the H200 at the 2.7B layer SISO forward+backward took 8.19 ms
-    with `mosaic_gpu` (the table's run), 11.9 with `pallas_gpu` and 28.6 with `xla` (earlier
-    runs), and MIMO of rank 4 52.2 ms with `pallas_gpu` where `xla` ran out of memory (docs/ops/mamba3.md has the tables). fp16 and
+    `pallas_gpu`, then `xla`: on the H200 at the 2.7B layer SISO forward+backward took 8.16 ms
+    with `mosaic_gpu`, 11.8 with `pallas_gpu` and 17.5 with `xla` (one run), and MIMO of rank 4
+    52.1 ms with `pallas_gpu` and 76.5 with `xla` (docs/ops/mamba3.md has the tables). fp16 and
     float32 inputs: `xla` (the kernels' exact float32 products for them are untimed)."""
     return ("mosaic_gpu", "pallas_gpu", "xla") if kernels.tf32_suffices(spec.dtype) else ("xla",)
 
