@@ -172,7 +172,8 @@ OP = Op(
         Implementation("reference", reference.attention, backward="autodiff through materialised scores"),
     ],
     # GPU: cuDNN where its supports() holds (static causal, window and full masks, no soft cap,
-    # no sinks: guarded, it ran 1-10% faster forward+backward than mosaic_gpu on the H200),
+    # no sinks: guarded, it ran 1-11% faster forward+backward than mosaic_gpu at head dim 128 and
+    # 35% at 256 on the H200; at 64 mosaic_gpu ran 4% faster, one case measured),
     # then mosaic_gpu on Hopper for what cuDNN cannot express through JAX (packed documents,
     # prefix-LM, `|` masks, soft cap, sinks; its supports() refuses other GPUs, float32 and
     # Dense), then pallas_gpu (other GPUs), then xla; pallas_tpu is explicit only (figures:
