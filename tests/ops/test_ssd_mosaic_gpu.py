@@ -286,7 +286,7 @@ def test_the_conditional_passes_x_out_as_it_came():
     )
 
 
-def _emulated_runner(names):
+def _emulated_runner(names, chunk=mosaic_gpu.CHUNK):
     def f(seg, *vals):
         a = dict(zip(names, vals, strict=True))
         dt = prepared_dt(a["dt"], a.get("dt_bias"), True, None)
@@ -296,9 +296,7 @@ def _emulated_runner(names):
                 (*a["x"].shape[:1], a["x"].shape[2], a["x"].shape[3], a["B"].shape[3]), jnp.float32
             )
         args = (a["x"], dt, a["A"], a["B"], a["C"], a.get("D"), a.get("z"), seg, s0)
-        y, final = chunk_kernels.ssd(
-            mosaic_gpu.EmulatedLayout, *args, chunk_size=mosaic_gpu.CHUNK, interpret=True
-        )
+        y, final = chunk_kernels.ssd(mosaic_gpu.EmulatedLayout, *args, chunk_size=chunk, interpret=True)
         cot = jnp.round(64 * jnp.cos(jnp.arange(y.size, dtype=jnp.float32).reshape(y.shape))) / 64
         return jnp.sum(y.astype(jnp.float32) * cot) + jnp.sum(jnp.sin(final.astype(jnp.float32))), (y, final)
 
@@ -335,6 +333,34 @@ def test_the_kernels_arithmetic_holds_the_oracle_rule_through_the_layer(dtype, d
         return emulated(a, seg)
 
     check_rule(runner, "emulated mosaic_gpu", arrays, dtype, "ssd")
+
+
+@pytest.mark.parametrize("chunk", [128, 256])
+@pytest.mark.parametrize(
+    "dims, segments, extras",
+    [
+        ((1, 600, 4, 64, 2, 64), True, True),  # two and a half chunks of 256 (padded), segments, groups
+        ((1, 512, 2, 64, 1, 64), None, True),  # A / 100: the state carried across chunks
+        ((1, 600, 2, 64, 1, 64), True, False),  # no D, gate: y leaves the scan in bf16
+    ],
+)
+def test_the_kernels_arithmetic_at_larger_chunks_holds_the_oracle_rule(chunk, dims, segments, extras):
+    # the 16-bit operands' roundings (M, dS, dy, w ∘ x as halves; the entering state rounded once)
+    # over chunks of 128 and 256 positions: values, final state and every gradient (dA and
+    # dt_bias sum the decay's gradient over a whole chunk) against the float64 oracle; what the
+    # Mosaic kernels would compute at those chunks, were they tiled to them
+    arrays, seg = make(5, *dims, "bfloat16", segments=bool(segments), extras=extras)
+    if segments is None:
+        arrays["A"] = arrays["A"] / 100
+    names = tuple(sorted(arrays))
+    emulated = _emulated_runner(names, chunk)
+
+    def runner(name, a, **_):
+        if name == "reference":
+            return run("reference", a, seg)
+        return emulated(a, seg)
+
+    check_rule(runner, f"emulated mosaic_gpu chunk {chunk}", arrays, "bfloat16", "ssd")
 
 
 def _h200_spec(head_dim, state):

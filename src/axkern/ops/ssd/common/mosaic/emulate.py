@@ -41,15 +41,15 @@ def _halves(a, dtype):
 
 
 class _Chunks:
-    """Views of one call's arrays per chunk: rows `[b, h, c, Q, d]` (groups repeated over their
-    heads), vectors `[b, h, c, Q]`, states `[b, h, c, P, N]`, and back."""
+    """Views of one call's arrays per chunk of `q` positions: rows `[b, h, c, Q, d]` (groups
+    repeated over their heads), vectors `[b, h, c, Q]`, states `[b, h, c, P, N]`, and back."""
 
-    def __init__(self, xt, bt):
+    def __init__(self, xt, bt, q):
         self.b, self.h, self.lp, self.p = xt.shape
-        self.g, self.c = bt.shape[1], self.lp // CHUNK
+        self.g, self.q, self.c = bt.shape[1], q, self.lp // q
 
     def rows(self, a):
-        return a.astype(jnp.float32).reshape(self.b, self.h, self.c, CHUNK, a.shape[-1])
+        return a.astype(jnp.float32).reshape(self.b, self.h, self.c, self.q, a.shape[-1])
 
     def heads(self, a):
         return self.rows(jnp.repeat(a, self.h // self.g, axis=1))
@@ -60,7 +60,7 @@ class _Chunks:
         return tuple(self.heads(part) for part in operand_parts(a))
 
     def vec(self, a):
-        return a.reshape(self.b, self.h, self.c, CHUNK)
+        return a.reshape(self.b, self.h, self.c, self.q)
 
     def state(self, a):
         return jnp.moveaxis(a, 1, 2)
@@ -73,8 +73,8 @@ class _Chunks:
 
     def decay(self, cum, seg):
         """`Λ[t, s] = exp(cum_t - cum_s)` for `s <= t` in one segment, else 0: `[b, h, c, Q, Q]`."""
-        cum_c, seg_c = self.vec(cum), seg.reshape(self.b, 1, self.c, CHUNK)
-        t_idx, s_idx = jnp.arange(CHUNK)[:, None], jnp.arange(CHUNK)[None, :]
+        cum_c, seg_c = self.vec(cum), seg.reshape(self.b, 1, self.c, self.q)
+        t_idx, s_idx = jnp.arange(self.q)[:, None], jnp.arange(self.q)[None, :]
         visible = (s_idx <= t_idx) & (seg_c[..., :, None] == seg_c[..., None, :])
         return jnp.exp(jnp.where(visible, cum_c[..., :, None] - cum_c[..., None, :], -jnp.inf))
 
@@ -84,17 +84,17 @@ def _sum(spec, left, right):
     return sum(_ein(spec, a, b) for i, a in enumerate(left) for j, b in enumerate(right) if i + j <= 1)
 
 
-def emulate_chunk_state(xt, w, bt):
-    """`kernels.chunk_state`: `(w ∘ x)ᵀ B` with `w ∘ x` as two halves."""
-    k = _Chunks(xt, bt)
+def emulate_chunk_state(xt, w, bt, q=CHUNK):
+    """`kernels.chunk_state`: `(w ∘ x)ᵀ B` with `w ∘ x` as two halves (chunks of `q`)."""
+    k = _Chunks(xt, bt, q)
     xw = _halves(k.rows(xt) * k.vec(w)[..., None], xt.dtype)
     return k.state(_sum("bhctp,bhctn->bhcpn", xw, k.parts(bt)))
 
 
-def emulate_chunk_scan(xt, dt, cum, f, seg, bt, ct, states_in):
+def emulate_chunk_scan(xt, dt, cum, f, seg, bt, ct, states_in, q=CHUNK):
     """`kernels.chunk_scan`: `M = (C Bᵀ) ∘ Λ ∘ dt_s` as two halves times `x`, plus `f ∘ (C S_inᵀ)`
     with the state rounded once."""
-    k, dtype = _Chunks(xt, bt), xt.dtype
+    k, dtype = _Chunks(xt, bt, q), xt.dtype
     x, bm, cm = k.rows(xt), k.parts(bt), k.parts(ct)
     m = _sum("bhctn,bhcsn->bhcts", cm, bm) * k.decay(cum, seg) * k.vec(dt)[..., None, :]
     mh, ml = _halves(m, dtype)
@@ -103,9 +103,9 @@ def emulate_chunk_scan(xt, dt, cum, f, seg, bt, ct, states_in):
     return k.out_rows(y)
 
 
-def emulate_chunk_state_bwd(xt, w, bt, d_own):
+def emulate_chunk_state_bwd(xt, w, bt, d_own, q=CHUNK):
     """`kernels.chunk_state_bwd`: `dS` and `w ∘ x` as two halves, three products for `dB`."""
-    k, dtype = _Chunks(xt, bt), xt.dtype
+    k, dtype = _Chunks(xt, bt, q), xt.dtype
     x, bm, wc = k.rows(xt), k.parts(bt), k.vec(w)[..., None]
     ds = _halves(k.state(d_own), dtype)
     dxw = _sum("bhctn,bhcpn->bhctp", bm, ds)
@@ -113,9 +113,9 @@ def emulate_chunk_state_bwd(xt, w, bt, d_own):
     return k.out_rows(dxw * wc), k.out_vec((dxw * x).sum(-1)), k.out_rows(db)
 
 
-def emulate_chunk_scan_bwd(dy, xt, dt, cum, f, seg, bt, ct, states_in):
+def emulate_chunk_scan_bwd(dy, xt, dt, cum, f, seg, bt, ct, states_in, q=CHUNK):
     """`kernels.chunk_scan_bwd`: every float32 operand as its two halves."""
-    k, dtype = _Chunks(xt, bt), xt.dtype
+    k, dtype = _Chunks(xt, bt, q), xt.dtype
     x, bm, cm, dyc = k.rows(xt), k.parts(bt), k.parts(ct), k.rows(dy)
     dt_c, f_c = k.vec(dt), k.vec(f)
     s = _halves(k.state(states_in), dtype)
@@ -158,21 +158,21 @@ class EmulatedLayout(GpuLayout):
         return True
 
     def chunk_state(self, xt, w, bt, *, dtype):
-        return emulate_chunk_state(xt, self.to_col(w), bt)
+        return emulate_chunk_state(xt, self.to_col(w), bt, self.q)
 
     def chunk_state_bwd(self, xt, w, bt, d_own, dx_scan, db_scan):
-        dx, dw, db = emulate_chunk_state_bwd(xt, self.to_col(w), bt, d_own)
+        dx, dw, db = emulate_chunk_state_bwd(xt, self.to_col(w), bt, d_own, self.q)
         return (dx + dx_scan).astype(xt.dtype), dw, _turned_back(bt, db) + db_scan
 
     def chunk_scan(self, xt, scale, cum, ac, f, sc, bt, ct, states_in, *, sums, dtype):
         assert not sums
         c = self.to_col
-        return emulate_chunk_scan(xt, c(scale), c(cum), c(f), c(sc), bt, ct, states_in)
+        return emulate_chunk_scan(xt, c(scale), c(cum), c(f), c(sc), bt, ct, states_in, self.q)
 
     def chunk_scan_bwd(self, dy, xt, scale, cum, ac, f, sc, bt, ct, states_in, *, sums):
         assert not sums
         c = self.to_col
-        out = list(emulate_chunk_scan_bwd(dy, xt, c(scale), c(cum), c(f), c(sc), bt, ct, states_in))
+        out = list(emulate_chunk_scan_bwd(dy, xt, c(scale), c(cum), c(f), c(sc), bt, ct, states_in, self.q))
         out[5], out[6] = _turned_back(bt, out[5]), _turned_back(ct, out[6])  # dB, dC
         return tuple(out)
 
