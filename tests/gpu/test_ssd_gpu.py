@@ -123,20 +123,22 @@ def test_explicit_pallas_gpu_is_compiled():
     )
 
 
-def _kernel_inputs(kernel, b, h, g, chunks, p, n, split=False):
+def _kernel_inputs(kernel, b, h, g, chunks, p, n, split=False, chunk=None, slow=False):
     """Random arguments of one Mosaic kernel: bf16 rows, positive steps, decays within each chunk;
-    `split`: `B`, `C` float32 (the kernels take them as two bf16 halves, as Mamba-3's `q`, `k`)."""
+    `split`: `B`, `C` float32 (the kernels take them as two bf16 halves, as Mamba-3's `q`, `k`);
+    `chunk` positions a chunk (64 where None); `slow`: decays a hundredth as fast, so that a
+    chunk's early positions still reach its late ones."""
     import jax.numpy as jnp
 
     from axkern.ops.ssd import mosaic_gpu
 
-    length = chunks * mosaic_gpu.CHUNK
+    length = chunks * (chunk or mosaic_gpu.CHUNK)
     k = jax.random.split(jax.random.PRNGKey(7), 8)
     x = jax.random.normal(k[0], (b, h, length, p)).astype(jnp.bfloat16)
     bc = [jax.random.normal(k[i], (b, g, length, n)) for i in (1, 2)]
     bc = bc if split else [v.astype(jnp.bfloat16) for v in bc]
     dt = jax.nn.softplus(jax.random.normal(k[3], (b, h, length)))
-    a = -dt * jnp.exp(jax.random.normal(k[4], (h,)))[None, :, None]
+    a = -dt * jnp.exp(jax.random.normal(k[4], (h,)))[None, :, None] / (100 if slow else 1)
     cum = jnp.cumsum(a.reshape(b, h, chunks, -1), axis=-1).reshape(b, h, length)
     seg = jnp.cumsum(jax.random.bernoulli(k[5], 0.05, (b, length)), axis=1).astype(jnp.int32)
     states = jax.random.normal(k[6], (b, chunks, h, p, n))
@@ -148,6 +150,42 @@ def _kernel_inputs(kernel, b, h, g, chunks, p, n, split=False):
     if kernel == "chunk_scan":
         return scan
     return (jax.random.normal(k[7], (b, h, length, p)), *scan)
+
+
+@pytest.mark.skipif(not _hopper(), reason="the Mosaic GPU kernels need a Hopper GPU")
+@pytest.mark.parametrize(
+    "kernel, chunk, dims",
+    [
+        (kernel, chunk, dims)
+        for kernel in ("chunk_state", "chunk_scan", "chunk_state_bwd")
+        for chunk in (128, 256)
+        for dims in ((2, 4, 2, 3, 64, 128), (1, 2, 2, 2, 64, 64))
+        if not (kernel == "chunk_scan" and chunk == 256 and dims[5] == 128)  # its tiles exceed smem
+    ],
+)
+def test_mosaic_gpu_kernels_at_larger_chunks_equal_their_emulation(kernel, chunk, dims):
+    # chunks of 128 and 256: the state kernel's product over the whole chunk, the scan's tiles of
+    # 64 rows walking the columns up to the diagonal, the state backward's blocks of 64 rows;
+    # slow decays, so that every tile below the diagonal carries weight
+    import functools
+
+    import numpy as np
+
+    from axkern.ops.ssd import mosaic_gpu
+
+    args = _kernel_inputs(kernel, *dims, chunk=chunk, slow=True)
+    got = jax.jit(functools.partial(getattr(mosaic_gpu, kernel), chunk=chunk))(*args)
+    cpu = jax.devices("cpu")[0]
+    with jax.default_device(cpu):
+        emulate = functools.partial(getattr(mosaic_gpu, f"emulate_{kernel}"), q=chunk)
+        want = jax.jit(emulate)(*jax.device_put(args, cpu))
+    got, want = jax.tree.leaves(got), jax.tree.leaves(want)
+    assert len(got) == len(want)
+    for i, (a, e) in enumerate(zip(got, want, strict=True)):
+        a, e = np.asarray(a, np.float64), np.asarray(e, np.float64)
+        assert a.shape == e.shape, (kernel, i, a.shape, e.shape)
+        err = np.abs(a - e).max() / max(np.abs(e).max(), 1e-30)
+        assert err <= 1e-4, (kernel, i, err)
 
 
 @pytest.mark.skipif(not _hopper(), reason="the Mosaic GPU kernels need a Hopper GPU")

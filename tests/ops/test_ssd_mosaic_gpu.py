@@ -58,6 +58,38 @@ def test_each_kernel_lowers_for_cuda(kernel, dims):
 
 
 @needs_mosaic
+@pytest.mark.parametrize("chunk", [128, 256])
+@pytest.mark.parametrize("kernel", ["chunk_state", "chunk_scan", "chunk_state_bwd"])
+@pytest.mark.parametrize("dims", [(2, 4, 2, 3, 64, 128), (1, 2, 1, 2, 128, 64), (1, 2, 2, 1, 64, 64)])
+def test_the_kernels_lower_at_larger_chunks(kernel, chunk, dims):
+    # chunks of 128 and 256 positions (the scan by tiles of 64 rows, the state backward by blocks
+    # of 64 rows): one kernel, the chunk's states `[b, L / chunk, h, P, N]`; a scan whose tiles
+    # would exceed shared memory is refused with the sizes
+    b, h, g, c, p, n = dims
+    args = list(_kernel_args(kernel, b, h, g, c * chunk // mosaic_gpu.CHUNK, p, n))
+    states = jax.ShapeDtypeStruct((b, c, h, p, n), jnp.float32)
+    if kernel != "chunk_state":
+        args[3 if kernel == "chunk_state_bwd" else 7] = states
+    fn = functools.partial(getattr(mosaic_gpu, kernel), chunk=chunk)
+    if kernel == "chunk_scan" and chunk == 256 and max(p, n) > 64:
+        with pytest.raises(axkern.Unsupported, match="chunk=256.*shared memory"):
+            jax.eval_shape(fn, *args)
+        return
+    outs = jax.eval_shape(fn, *args)
+    if kernel == "chunk_state":
+        assert outs.shape == states.shape
+    text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert _kernels(text) == 1
+
+
+@needs_mosaic
+def test_a_chunk_not_a_multiple_of_64_is_refused():
+    args = _kernel_args("chunk_state", 1, 2, 1, 3, 64, 64)
+    with pytest.raises(ValueError, match="chunk=96"):
+        mosaic_gpu.chunk_state(*args, chunk=96)
+
+
+@needs_mosaic
 @pytest.mark.parametrize("group_sums", [False, True])
 @pytest.mark.parametrize("positions_first", [False, True])
 def test_the_state_backward_kernel_adds_the_scans_dx(group_sums, positions_first):

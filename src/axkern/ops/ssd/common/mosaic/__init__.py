@@ -10,6 +10,15 @@ are XLA's and `pallas_gpu`'s Triton kernels (`common/kernels.py` has the stages,
 4, the output `y = ((C Bᵀ) ∘ Λ ∘ dt)(x) + f ∘ (C S_inᵀ)` of every chunk, `_scan_kernel` and its
 backward `_scan_bwd_kernel`. Each: one warpgroup per (batch row, head, chunk of 64 positions).
 
+**Chunks of `64 r`** (`chunk=` of `chunk_state`, `chunk_scan`, `chunk_state_bwd`): the state
+kernel takes the chunk's rows in one product; the scan kernel walks tiles of 64 rows, each with
+the column tiles up to the diagonal (`_chunk_output_tiled`: the causal mask on the diagonal
+tile only, the segments' on every tile); the state backward runs a block per 64 rows (its
+gradients are row by row), each reading its chunk's `dS`. At chunks of 64 the code is the same
+as before they existed. Lowered for CUDA on the CPU at 128 and 256 (the scan at 256 only where
+its tiles fit, P and N 64); not yet run on a GPU, and not yet used by the layer: the scan's
+backward and the fused forward take chunks of 64 only.
+
 **The fused forward** (`SSDBlockSizes(forward="fused")`, `forward.py`): stages 2 to 4 as one
 kernel per (batch row, head) walking its chunks, the state carried in registers, so the own
 states never cross memory; the default (`blocks.mosaic_gpu_heuristic` has the timing),

@@ -224,19 +224,22 @@ def _chunk_scan_bwd(dy, xt, dt, cum, f, seg, bt, ct, states_in, *theta, group_su
     return launch(*args)
 
 
-def _state_bwd_kernel(*refs, rep, dtype, add, rows_of, adds_dx, turns=False):
+def _state_bwd_kernel(*refs, rep, dtype, add, rows_of, adds_dx, turns=False, blocks=1):
     """`add`: `dB` added by a TMA reduction into the head's group's rows (`[b, g, L, N]`).
     `adds_dx`: a fifth input, the scan's backward's float32 `dx`, added to this `dx` before it
     is rounded to the output's dtype. `turns`: one more input, the angles `Θ`, by which `dB`
-    leaves turned back (`_turned_back`)."""
+    leaves turned back (`_turned_back`). `blocks`: the blocks a chunk's rows take (chunks of
+    `64 · blocks`; each block its 64 rows, the chunk's `dS` read by each: the gradients are row
+    by row)."""
     x_ref, w_ref, b_ref, ds_ref, *rest = refs
     dx_in_ref = rest.pop(0) if adds_dx else None
     theta_ref = rest.pop(0) if turns else None
     dx_ref, dw_ref, db_ref, scoped = rest
     (b_smem, dsh_smem, dsl_smem, dx_smem, db_smem, dw_smem), loaded = scoped
-    batch, head, chunk = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("chunks")
+    batch, head, block = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("chunks")
+    chunk = block if blocks == 1 else lax.div(block, jnp.int32(blocks))
     q = b_smem.shape[1]
-    rows = pl.ds(chunk * q, q)
+    rows = pl.ds(block * q, q)
     bs = parts_of(b_smem)
     copies = _part_copies(b_ref, bs, batch, lax.div(head, jnp.int32(rep)), rows)
     for i, (src, dst) in enumerate(copies):
@@ -292,26 +295,33 @@ def _send_state_grads(staging, dsts, *, add):
         plgpu.copy_smem_to_gmem(smem, dst, reduction_op="add" if add and i == 1 else None)
 
 
-def chunk_state_bwd(xt, w, bt, d_own, dx_in=None, *, group_sums=False, positions_first=False, theta=None):
+def chunk_state_bwd(
+    xt, w, bt, d_own, dx_in=None, *, group_sums=False, positions_first=False, theta=None, chunk=CHUNK
+):
     """Stage 2's backward by the Mosaic GPU kernel, `dS` (`d_own [b, c, h, P, N]`, float32)
     pulled back through `S = (w ∘ x)ᵀ B`: `(dx [b, h, L, P], dw [b, h, L], dB [b, h, L, N])`,
     float32, per head; `chunk_state`'s other arguments (`B` bf16 or float32). `dx_in` (float32, `x`'s layout; the
     scan's backward's `dx`): added to `dx` in the kernel, which then leaves in `x`'s dtype.
     `group_sums`: `dB` per group (`[b, g, L, N]`) by TMA reductions, as in `chunk_scan_bwd`.
-    `theta`: `dB` turned back by `-Θ`, as in `chunk_scan_bwd`."""
+    `theta`: `dB` turned back by `-Θ`, as in `chunk_scan_bwd`. `chunk`: a multiple of 64
+    (`d_own [b, L / chunk, h, P, N]`), a block per 64 rows whatever the chunk."""
     _check_angles("chunk_state_bwd", theta, group_sums, xt, bt, positions_first)
     body = functools.partial(
-        _chunk_state_bwd, group_sums=group_sums, positions_first=positions_first, turns=theta is not None
+        _chunk_state_bwd,
+        group_sums=group_sums,
+        positions_first=positions_first,
+        turns=theta is not None,
+        chunk=chunk,
     )
     args = (xt, w, bt, d_own) + (() if dx_in is None else (dx_in.astype(jnp.float32),))
     args += () if theta is None else (theta,)
     return _batch_folding(body)(*args) if group_sums else body(*args)
 
 
-def _chunk_state_bwd(xt, w, bt, d_own, *more, group_sums, positions_first, turns):
+def _chunk_state_bwd(xt, w, bt, d_own, *more, group_sums, positions_first, turns, chunk):
     dx_in = more[: len(more) - turns]
     bt = operand_parts(bt)
-    _check_operands(xt, bt, positions_first=positions_first)
+    _check_operands(xt, bt, positions_first=positions_first, chunk=chunk)
     b, h, lp, p = _dims(xt, positions_first)
     f32, rows = jnp.float32, xt.dtype if dx_in else jnp.float32
     db = jax.ShapeDtypeStruct((b, bt[0].shape[1] if group_sums else h, lp, bt[0].shape[-1]), f32)
@@ -319,6 +329,8 @@ def _chunk_state_bwd(xt, w, bt, d_own, *more, group_sums, positions_first, turns
     args = [xt, w, bt, d_own, *more] + ([jnp.zeros(db.shape, f32)] if group_sums else [])
     into = {2: len(args) - 1} if group_sums else None
     kw = dict(into=into, positions_first=positions_first, rows_dtype=rows, adds_dx=bool(dx_in), turns=turns)
+    if chunk != CHUNK:
+        kw["blocks"] = chunk // CHUNK
     barrier = plgpu.Barrier(num_barriers=len(bt))
     return _launch("state_bwd", _state_bwd_kernel, out, xt, bt, barrier, **kw)(*args)
 

@@ -41,11 +41,11 @@ _SMEM = 227 * 1024  # shared memory a Hopper block may take
 _SMEM_EXTRA = 1024 + 2048  # barriers and alignment, rounded up; Mosaic GPU's scratch for cross-warp sums
 
 
-def _tiles(kernel: str, p: int, n: int, dtype=jnp.bfloat16, rows_dtype=jnp.float32, parts=1) -> list:
+def _tiles(kernel: str, p: int, n: int, dtype=jnp.bfloat16, rows_dtype=jnp.float32, parts=1, q=CHUNK) -> list:
     """Shared-memory tiles of `kernel` at head dim `p` and state `n` as `(shape, dtype)`, in the
     order its body takes them (`rows_dtype`: the scan's `y`, the state backward's `dx`; `parts`:
-    `B` and `C` as one 16-bit tile each or two, `operand_parts`)."""
-    q, f32 = CHUNK, jnp.float32
+    `B` and `C` as one 16-bit tile each or two, `operand_parts`; `q`: the rows a block takes)."""
+    f32 = jnp.float32
     bc = ((parts, q, n), dtype)
     return {
         # B, w ∘ x's halves, the float32 state
@@ -126,17 +126,22 @@ def _params():
     return plgpu.CompilerParams(approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane)
 
 
-def _decay(cum_t, cum_s, seg_t, seg_s):
+def _decay(cum_t, cum_s, seg_t, seg_s, diagonal=True):
     """`Λ[t, s] = exp(cum_t - cum_s)` for `s <= t` in one segment, else 0 (`[Q, Q]`, WGMMA
     layout, from per-row `_t` and per-column `_s` vectors), and the broadcast of a per-column
-    vector onto it."""
+    vector onto it. `diagonal=False`: a tile whose columns all precede its rows (only the
+    segments mask)."""
     q = cum_t.shape[0]
     shape, layout = (q, q), plgpu.Layout.WGMMA
-    t_idx = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=layout)
-    s_idx = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=layout)
+    if diagonal:
+        t_idx = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=layout)
+        s_idx = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=layout)
     on_rows = lambda v: lax.broadcast_in_dim(v, shape, [0])  # noqa: E731
     on_cols = lambda v: lax.broadcast_in_dim(v, shape, [1])  # noqa: E731
-    visible = (s_idx <= t_idx) & (on_rows(seg_t) == on_cols(seg_s))
+    if diagonal:
+        visible = (s_idx <= t_idx) & (on_rows(seg_t) == on_cols(seg_s))
+    else:
+        visible = on_rows(seg_t) == on_cols(seg_s)
     return jnp.exp(jnp.where(visible, on_rows(cum_t) - on_cols(cum_s), -jnp.inf)), on_cols
 
 
@@ -156,13 +161,18 @@ def _scan_kernel(
     for i, (src, dst) in enumerate(copies):
         plgpu.copy_gmem_to_smem(src, dst, loaded.at[i])
 
-    vectors = _scan_vectors(dt_ref, cum_ref, f_ref, seg_ref, batch, head, rows)
+    if q == CHUNK:
+        vectors = _scan_vectors(dt_ref, cum_ref, f_ref, seg_ref, batch, head, rows)
     state = mosaic_gpu_load(s_ref.at[batch, chunk, head], layout=plgpu.Layout.WGMMA, optimized=False)
     s16_smem[...] = state.astype(dtype)  # [P, N]
     plgpu.commit_smem()
     for i in range(len(copies)):
         plgpu.barrier_wait(loaded.at[i])
-    y_smem[...] = _chunk_output(cs, bs, x_smem, s16_smem, *vectors, dtype=dtype).astype(y_smem.dtype)
+    if q == CHUNK:
+        y_smem[...] = _chunk_output(cs, bs, x_smem, s16_smem, *vectors, dtype=dtype).astype(y_smem.dtype)
+    else:
+        refs = (dt_ref, cum_ref, f_ref, seg_ref)
+        _chunk_output_tiled(cs, bs, x_smem, s16_smem, y_smem, refs, batch, head, base, dtype=dtype)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(y_smem, rows_of(y_ref, batch, head, rows))
     plgpu.wait_smem_to_gmem(0)
@@ -213,6 +223,39 @@ def _chunk_output(cs, bs, x_smem, s16_smem, cum_t, cum_s, dt_s, f_t, seg_t, seg_
     return y + inc * lax.broadcast_in_dim(f_t, (q, p), [0])
 
 
+def _chunk_output_tiled(cs, bs, x_smem, s16_smem, y_smem, refs, batch, head, base, *, dtype):
+    """`_chunk_output` of a chunk of `Q = 64 r` positions by tiles of 64 (one warpgroup's
+    `wgmma` rows), into `y_smem`: for row block `i`, `f ∘ (C_i S_inᵀ)` then, for each column
+    block `j <= i`, `M_ij = (C_i B_jᵀ) ∘ Λ_ij ∘ dt_j` as two 16-bit halves times `x_j` (the causal
+    mask on the diagonal tile only, the segments' on every tile). The same roundings as
+    `_chunk_output` (per element), the float32 sums in another order. `refs`: `dt`, `cum`, `f`,
+    the segment ids; `base` the chunk's first position."""
+    dt_ref, cum_ref, f_ref, seg_ref = refs
+    (q, p), t = x_smem.shape, CHUNK
+    row, col = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
+    load = lambda ref, rows, layout: mosaic_gpu_load(ref.at[rows], layout=layout, optimized=False)  # noqa: E731
+    tile = lambda refs, k: tuple(r.at[pl.ds(k * t, t)] for r in refs)  # noqa: E731
+    for i in range(q // t):
+        rows_i = pl.ds(base + i * t, t)
+        cum_t, f_t = load(cum_ref.at[batch, head], rows_i, row), load(f_ref.at[batch, head], rows_i, row)
+        seg_t = load(seg_ref.at[batch], rows_i, row)
+        c_i = tile(cs, i)
+        y = _products((t, p), pairs(c_i, (s16_smem,), True)) * lax.broadcast_in_dim(f_t, (t, p), [0])
+        for j in range(i + 1):
+            rows_j = pl.ds(base + j * t, t)
+            cum_s, dt_s = (
+                load(cum_ref.at[batch, head], rows_j, col),
+                load(dt_ref.at[batch, head], rows_j, col),
+            )
+            seg_s = load(seg_ref.at[batch], rows_j, col)
+            s = _products((t, t), pairs(c_i, tile(bs, j), True))
+            decay, on_cols = _decay(cum_t, cum_s, seg_t, seg_s, diagonal=i == j)
+            m_hi, m_lo = _halves(s * decay * on_cols(dt_s), dtype)
+            (x_j,) = tile((x_smem,), j)
+            y = y + _products((t, p), [(m_hi, x_j, False), (m_lo, x_j, False)])
+        tile((y_smem,), i)[0][...] = y.astype(y_smem.dtype)
+
+
 def _state_kernel(x_ref, w_ref, b_ref, own_ref, scoped, *, rep, dtype, add, rows_of):
     (b_smem, xh_smem, xl_smem, own_smem), loaded = scoped
     chunk, head, batch = lax.axis_index("chunks"), lax.axis_index("heads"), lax.axis_index("batch")
@@ -254,12 +297,14 @@ def _rows_type(b, h, lp, d, positions_first: bool, dtype=jnp.float32):
     return jax.ShapeDtypeStruct((b, lp, h, d) if positions_first else (b, h, lp, d), dtype)
 
 
-def _check_operands(xt, bt, *rest, positions_first=False):
+def _check_operands(xt, bt, *rest, positions_first=False, chunk=CHUNK):
     """`x` (`[b, h, L, P]` or `positions_first`) and `B` and `rest` as `operand_parts` gives them
     (tuples of `[b, g, L, N]`), bf16, at a length of whole chunks and dimensions the kernels take."""
     b, h, lp, p = _dims(xt, positions_first)
-    if lp % CHUNK:
-        raise ValueError(f"length {lp} is not a multiple of the chunk ({CHUNK})")
+    if chunk % CHUNK:
+        raise ValueError(f"chunk={chunk}: the Mosaic GPU kernels take chunks of a multiple of {CHUNK}")
+    if lp % chunk:
+        raise ValueError(f"length {lp} is not a multiple of the chunk ({chunk})")
     reason = dims_reason(p, bt[0].shape[-1], len(bt))
     if reason:
         raise Unsupported(reason)
@@ -291,31 +336,49 @@ def operand_parts(a) -> tuple:
     return hi, (a - lax.bitcast_convert_type(bits, jnp.float32)).astype(jnp.bfloat16)
 
 
-def chunk_state(xt, w, bt, *, positions_first=False):
+def chunk_state(xt, w, bt, *, positions_first=False, chunk=CHUNK):
     """Each chunk's own state `[b, c, h, P, N]` float32, `(w ∘ x)ᵀ B` (`xt [b, h, L, P]` bf16,
-    `bt [b, g, L, N]` bf16 or float32 (`operand_parts`), `w [b, h, L]` float32, `L = c · CHUNK`)
+    `bt [b, g, L, N]` bf16 or float32 (`operand_parts`), `w [b, h, L]` float32, `L = c · chunk`)
     by the Mosaic GPU kernel: `w ∘ x` as two 16-bit halves (`bf16x2`), `B` as its parts.
     `positions_first`: `xt` is `[b, L, h, P]` (here and in the other three kernels: `x`, `y`,
-    `dy`, `dx` so)."""
+    `dy`, `dx` so). `chunk`: a multiple of 64, the block's product taking the chunk's rows at once
+    (its tiles within shared memory)."""
     bt = operand_parts(bt)
-    _check_operands(xt, bt, positions_first=positions_first)
+    _check_operands(xt, bt, positions_first=positions_first, chunk=chunk)
     b, h, lp, p = _dims(xt, positions_first)
-    out = jax.ShapeDtypeStruct((b, lp // CHUNK, h, p, bt[0].shape[-1]), jnp.float32)
+    _check_tiles("state", p, bt, chunk)
+    out = jax.ShapeDtypeStruct((b, lp // chunk, h, p, bt[0].shape[-1]), jnp.float32)
     barrier = plgpu.Barrier(num_barriers=len(bt))
-    launch = _launch("state", _state_kernel, out, xt, bt, barrier, positions_first=positions_first)
+    launch = _launch(
+        "state", _state_kernel, out, xt, bt, barrier, positions_first=positions_first, rows=chunk
+    )
     return launch(xt, w, bt)
 
 
-def chunk_scan(xt, dt, cum, f, seg, bt, ct, states_in, *, positions_first=False, y_dtype=jnp.float32):
+def _check_tiles(kind: str, p: int, bt, chunk: int) -> None:
+    """`Unsupported` where `kind`'s tiles at chunks of `chunk` exceed shared memory (64: `dims_reason`)."""
+    if chunk != CHUNK:
+        n, used = bt[0].shape[-1], tile_bytes(_tiles(kind, p, bt[0].shape[-1], parts=len(bt), q=chunk))
+        if used > _SMEM:
+            raise Unsupported(
+                f"chunk={chunk}, head_dim={p}, state={n}: the {kind} kernel's tiles take {used} bytes "
+                f"of shared memory, more than a Hopper block's {_SMEM}"
+            )
+
+
+def chunk_scan(
+    xt, dt, cum, f, seg, bt, ct, states_in, *, positions_first=False, y_dtype=jnp.float32, chunk=CHUNK
+):
     """`y [b, h, L, P]` (float32, or rounded to `y_dtype` in the kernel) of the chunks (`xt [b,
     h, L, P]` bf16, `bt, ct [b, g, L, N]` bf16 or float32 (`operand_parts`); `dt, cum, f [b, h,
-    L]` float32; `seg [b, L]` int32; `states_in [b, c, h, P, N]` float32, `L = c · CHUNK`) by the
-    Mosaic GPU kernel."""
+    L]` float32; `seg [b, L]` int32; `states_in [b, c, h, P, N]` float32, `L = c · chunk`) by the
+    Mosaic GPU kernel. `chunk`: as in `chunk_state` (the `[Q, Q]` products at once)."""
     bt, ct = operand_parts(bt), operand_parts(ct)
-    _check_operands(xt, bt, ct, positions_first=positions_first)
+    _check_operands(xt, bt, ct, positions_first=positions_first, chunk=chunk)
+    _check_tiles("scan", _dims(xt, positions_first)[3], bt, chunk)
     out = jax.ShapeDtypeStruct(xt.shape, y_dtype)
     barrier = plgpu.Barrier(num_barriers=len(bt) + len(ct) + 1)
-    kw = dict(positions_first=positions_first, rows_dtype=y_dtype)
+    kw = dict(positions_first=positions_first, rows_dtype=y_dtype, rows=chunk)
     launch = _launch("scan", _scan_kernel, out, xt, bt, barrier, **kw)
     return launch(xt, dt, cum, f, seg.astype(jnp.int32), bt, ct, states_in)
 
@@ -332,6 +395,7 @@ def _launch(
     positions_first=False,
     tiles=None,
     rows_dtype=jnp.float32,
+    rows=CHUNK,
     **kw,
 ):
     """The Mosaic GPU kernel `body` of `kind` ("state", "scan", ...) over the grid (batch, heads,
@@ -344,14 +408,15 @@ def _launch(
     `positions_first`: `x`, `y`, `dy`, `dx` are `[b, L, h, d]` (`rows_of`). `tiles`: a fused
     kernel's shared memory, over the grid (batch, heads) (heads on CUDA's x axis: blocks
     launched together share a group's `B` and `C`); `rows_dtype` the output rows' tile (`_tiles`);
-    `kw` more of the body's arguments. `bt`: `B`'s parts (`operand_parts`); an argument of the
+    `kw` more of the body's arguments. `rows`: the positions a block of the grid over chunks
+    takes (the grid's last axis `L / rows`). `bt`: `B`'s parts (`operand_parts`); an argument of the
     launch that is a tuple of arrays (`B`'s, `C`'s parts) reaches the body as a tuple of refs."""
     b, h, lp, p = _dims(xt, positions_first)
     g, n = bt[0].shape[1], bt[0].shape[-1]
     skip = set((into or {}).values())
-    scratch = _smem(tiles if tiles is not None else _tiles(kind, p, n, xt.dtype, rows_dtype, len(bt)))
+    scratch = _smem(tiles if tiles is not None else _tiles(kind, p, n, xt.dtype, rows_dtype, len(bt), rows))
     names = ("batch", "heads") if tiles is not None else ("batch", "heads", "chunks")
-    grid = (b, h, lp // CHUNK)[: len(names)]
+    grid = (b, h, lp // rows)[: len(names)]
     name = f"axkern_ssd_mosaic_gpu_{kind}"
 
     def entry(counts, *refs):
