@@ -157,16 +157,18 @@ def _kernel_inputs(kernel, b, h, g, chunks, p, n, split=False, chunk=None, slow=
     "kernel, chunk, dims",
     [
         (kernel, chunk, dims)
-        for kernel in ("chunk_state", "chunk_scan", "chunk_state_bwd")
+        for kernel in ("chunk_state", "chunk_scan", "chunk_state_bwd", "chunk_scan_bwd")
         for chunk in (128, 256)
         for dims in ((2, 4, 2, 3, 64, 128), (1, 2, 2, 2, 64, 64))
-        if not (kernel == "chunk_scan" and chunk == 256 and dims[5] == 128)  # its tiles exceed smem
+        # the scan's and its backward's tiles exceed shared memory at 256 with N 128
+        if not (kernel in ("chunk_scan", "chunk_scan_bwd") and chunk == 256 and dims[5] == 128)
     ],
 )
 def test_mosaic_gpu_kernels_at_larger_chunks_equal_their_emulation(kernel, chunk, dims):
     # chunks of 128 and 256: the state kernel's product over the whole chunk, the scan's tiles of
-    # 64 rows walking the columns up to the diagonal, the state backward's blocks of 64 rows;
-    # slow decays, so that every tile below the diagonal carries weight
+    # 64 rows walking the columns up to the diagonal, its backward's two phases, the state
+    # backward's blocks of 64 rows; slow decays, so that every tile below the diagonal carries
+    # weight
     import functools
 
     import numpy as np

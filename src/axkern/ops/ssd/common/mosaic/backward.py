@@ -15,6 +15,7 @@ from axkern.core.compat import mosaic_gpu_load
 from .kernels import (
     CHUNK,
     _check_operands,
+    _check_tiles,
     _decay,
     _dims,
     _halves,
@@ -28,14 +29,18 @@ from .kernels import (
     plgpu,
 )
 from .rotation import finite_or_zero
+from .tiled import scan_bwd_tiled
 
 __all__ = ["chunk_scan_bwd", "chunk_state_bwd"]
 
 
-def _scan_bwd_kernel(*refs, rep, dtype, add, rows_of, turns=False):
+def _scan_bwd_kernel(*refs, rep, dtype, add, rows_of, turns=False, tiled=False):
     """`add`: `dB`, `dC` added by TMA reductions into the head's group's rows (`[b, g, L, N]`)
     rather than stored per head. `turns`: a tenth input, the angles `Θ` (`[b, h, L, A]`,
-    float32), by which `dB` and `dC` leave turned back (`_turned_back`)."""
+    float32), by which `dB` and `dC` leave turned back (`_turned_back`). `tiled`: a chunk of
+    more than 64 positions, by tiles (`tiled.py`)."""
+    if tiled:
+        return scan_bwd_tiled(refs[:-1], refs[-1], rep=rep, dtype=dtype, add=add, rows_of=rows_of)
     dy_ref, x_ref, dt_ref, cum_ref, f_ref, seg_ref, b_ref, c_ref, s_ref, *rest = refs
     theta_ref = rest.pop(0) if turns else None
     dx_ref, ddt_ref, dcum_ref, dcum_row_ref, df_ref, db_ref, dc_ref, ds_ref, scoped = rest
@@ -178,7 +183,20 @@ def _turned_back(smem, cos, sin):
 
 
 def chunk_scan_bwd(
-    dy, xt, dt, cum, f, seg, bt, ct, states_in, *, group_sums=False, positions_first=False, theta=None
+    dy,
+    xt,
+    dt,
+    cum,
+    f,
+    seg,
+    bt,
+    ct,
+    states_in,
+    *,
+    group_sums=False,
+    positions_first=False,
+    theta=None,
+    chunk=CHUNK,
 ):
     """Stage 4's backward by the Mosaic GPU kernel: `(dx [b, h, L, P], ddt, dcum, dcum_row, df
     [b, h, L], dB, dC [b, h, L, N], dS_in [b, c, h, P, N])`, float32, per head, from the
@@ -188,20 +206,27 @@ def chunk_scan_bwd(
     `dB`, `dC` per group (`[b, g, L, N]`), each head's tiles added by TMA reductions (the order
     of the additions, and so the last bits, may vary between runs). `theta` (`[b, h, L, A]`,
     float32, `A` a multiple of 32 at most `N/2`; `B`, `C` the values Mamba-3's rotation turned by it, `rotation.py`): `dB`, `dC` leave
-    turned back by `-Θ` (the rotation's transpose; per head only)."""
+    turned back by `-Θ` (the rotation's transpose; per head only). `chunk`: a multiple of 64
+    (`dS_in [b, L / chunk, h, P, N]`); above 64 by tiles of 64 rows in two phases (`tiled.py`),
+    without `theta`."""
     _check_angles("chunk_scan_bwd", theta, group_sums, xt, bt, positions_first)
+    if theta is not None and chunk != CHUNK:
+        raise ValueError(f"chunk_scan_bwd: theta (dB, dC turned back) at chunks of {CHUNK} only, not {chunk}")
     args = (dy, xt, dt, cum, f, seg, bt, ct, states_in) + (() if theta is None else (theta,))
-    body = functools.partial(_chunk_scan_bwd, group_sums=group_sums, positions_first=positions_first)
+    body = functools.partial(
+        _chunk_scan_bwd, group_sums=group_sums, positions_first=positions_first, chunk=chunk
+    )
     return _batch_folding(body)(*args) if group_sums else body(*args)
 
 
-def _chunk_scan_bwd(dy, xt, dt, cum, f, seg, bt, ct, states_in, *theta, group_sums, positions_first):
+def _chunk_scan_bwd(dy, xt, dt, cum, f, seg, bt, ct, states_in, *theta, group_sums, positions_first, chunk):
     bt, ct = operand_parts(bt), operand_parts(ct)
-    _check_operands(xt, bt, ct, positions_first=positions_first)
+    _check_operands(xt, bt, ct, positions_first=positions_first, chunk=chunk)
     b, h, lp, p = _dims(xt, positions_first)
+    _check_tiles("scan_bwd", p, bt, chunk)
     g, n, f32 = bt[0].shape[1], bt[0].shape[-1], jnp.float32
     vector = jax.ShapeDtypeStruct((b, h, lp), f32)
-    states = jax.ShapeDtypeStruct((b, lp // CHUNK, h, p, n), f32)
+    states = jax.ShapeDtypeStruct((b, lp // chunk, h, p, n), f32)
     bc = jax.ShapeDtypeStruct((b, g if group_sums else h, lp, n), f32)
     out = (_rows_type(b, h, lp, p, positions_first), vector, vector, vector, vector, bc, bc, states)
     dy = dy if dy.dtype == xt.dtype else dy.astype(f32)  # as the forward gave y: bf16 or float32
@@ -220,6 +245,8 @@ def _chunk_scan_bwd(dy, xt, dt, cum, f, seg, bt, ct, states_in, *theta, group_su
         into=into,
         positions_first=positions_first,
         turns=bool(theta),
+        rows=chunk,
+        **({"tiled": True} if chunk != CHUNK else {}),
     )
     return launch(*args)
 

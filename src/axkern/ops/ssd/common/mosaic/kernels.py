@@ -66,8 +66,11 @@ def _tiles(kernel: str, p: int, n: int, dtype=jnp.bfloat16, rows_dtype=jnp.float
         "scan_bwd": [bc, bc, ((q, p), dtype)]
         + [((p, n), dtype)] * 2
         + [((q, p), dtype)] * 2
-        + [((q, q), dtype)] * 2
-        + [((q, p), f32), ((q, n), f32), ((p, n), f32), ((4, q), f32)],
+        + (
+            [((q, q), dtype)] * 2 + [((q, p), f32), ((q, n), f32), ((p, n), f32), ((4, q), f32)]
+            if q == CHUNK  # above: staging by tiles of 64 rows (`tiled.py`), dB, dC and dS_in in one
+            else [((CHUNK, p), f32), ((max(CHUNK, p), n), f32), ((4, q), f32)]
+        ),
     }[kernel]
 
 
@@ -171,8 +174,10 @@ def _scan_kernel(
     if q == CHUNK:
         y_smem[...] = _chunk_output(cs, bs, x_smem, s16_smem, *vectors, dtype=dtype).astype(y_smem.dtype)
     else:
+        from .tiled import chunk_output_tiled  # noqa: PLC0415 - tiled.py builds on this module
+
         refs = (dt_ref, cum_ref, f_ref, seg_ref)
-        _chunk_output_tiled(cs, bs, x_smem, s16_smem, y_smem, refs, batch, head, base, dtype=dtype)
+        chunk_output_tiled(cs, bs, x_smem, s16_smem, y_smem, refs, batch, head, base, dtype=dtype)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(y_smem, rows_of(y_ref, batch, head, rows))
     plgpu.wait_smem_to_gmem(0)
@@ -221,39 +226,6 @@ def _chunk_output(cs, bs, x_smem, s16_smem, cum_t, cum_s, dt_s, f_t, seg_t, seg_
     inc = _products((q, p), pairs(cs, (s16_smem,), True))  # [Q, P]
     y = _products((q, p), [(m_hi, x_smem, False), (m_lo, x_smem, False)])
     return y + inc * lax.broadcast_in_dim(f_t, (q, p), [0])
-
-
-def _chunk_output_tiled(cs, bs, x_smem, s16_smem, y_smem, refs, batch, head, base, *, dtype):
-    """`_chunk_output` of a chunk of `Q = 64 r` positions by tiles of 64 (one warpgroup's
-    `wgmma` rows), into `y_smem`: for row block `i`, `f ∘ (C_i S_inᵀ)` then, for each column
-    block `j <= i`, `M_ij = (C_i B_jᵀ) ∘ Λ_ij ∘ dt_j` as two 16-bit halves times `x_j` (the causal
-    mask on the diagonal tile only, the segments' on every tile). The same roundings as
-    `_chunk_output` (per element), the float32 sums in another order. `refs`: `dt`, `cum`, `f`,
-    the segment ids; `base` the chunk's first position."""
-    dt_ref, cum_ref, f_ref, seg_ref = refs
-    (q, p), t = x_smem.shape, CHUNK
-    row, col = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
-    load = lambda ref, rows, layout: mosaic_gpu_load(ref.at[rows], layout=layout, optimized=False)  # noqa: E731
-    tile = lambda refs, k: tuple(r.at[pl.ds(k * t, t)] for r in refs)  # noqa: E731
-    for i in range(q // t):
-        rows_i = pl.ds(base + i * t, t)
-        cum_t, f_t = load(cum_ref.at[batch, head], rows_i, row), load(f_ref.at[batch, head], rows_i, row)
-        seg_t = load(seg_ref.at[batch], rows_i, row)
-        c_i = tile(cs, i)
-        y = _products((t, p), pairs(c_i, (s16_smem,), True)) * lax.broadcast_in_dim(f_t, (t, p), [0])
-        for j in range(i + 1):
-            rows_j = pl.ds(base + j * t, t)
-            cum_s, dt_s = (
-                load(cum_ref.at[batch, head], rows_j, col),
-                load(dt_ref.at[batch, head], rows_j, col),
-            )
-            seg_s = load(seg_ref.at[batch], rows_j, col)
-            s = _products((t, t), pairs(c_i, tile(bs, j), True))
-            decay, on_cols = _decay(cum_t, cum_s, seg_t, seg_s, diagonal=i == j)
-            m_hi, m_lo = _halves(s * decay * on_cols(dt_s), dtype)
-            (x_j,) = tile((x_smem,), j)
-            y = y + _products((t, p), [(m_hi, x_j, False), (m_lo, x_j, False)])
-        tile((y_smem,), i)[0][...] = y.astype(y_smem.dtype)
 
 
 def _state_kernel(x_ref, w_ref, b_ref, own_ref, scoped, *, rep, dtype, add, rows_of):

@@ -1,0 +1,189 @@
+"""The chunk scan's output and backward for chunks of `Q = 64 r` positions (`r > 1`), by tiles of
+64 rows (one warpgroup's `wgmma` rows): a tile `(i, j)` pairs the chunk's row block `i` (positions
+`t`) with its column block `j <= i` (positions `s`); the causal mask acts on the diagonal tile
+only, the segments' on every tile. Each tile computes what `_chunk_output` and
+`_scan_bwd_kernel` compute for the whole chunk of 64 (the same roundings, element by element);
+the float32 sums run in another order.
+
+**The backward in two phases**, as flash attention's: phase C, for each column block `j`, walks
+the row blocks `i >= j` with the tiles transposed (rows `s`, columns `t`: `Mᵀ = (B_j C_iᵀ) ∘ Λᵀ`,
+`dMᵀ = (x_j dy_iᵀ) ∘ dt_s`), accumulating `d(dt ∘ x)_j = Σ_i Mᵀ dy_i` and `dB_j = Σ_i dgᵀ C_i`
+in registers, with `dcum_row`'s column sums; phase R, for each row block `i`, walks the column
+blocks `j <= i`, accumulating `dC_i = Σ_j dg B_j + (f ∘ dy)_i S_in` and `dcum`'s row sums, with
+`df`; then `dS_in = (f ∘ dy)ᵀ C` over the whole chunk. The scores and `dM` are formed in both
+phases (about a quarter more tensor-core work than one pass), so that no `[Q, Q]` tile and no
+partial sum leaves registers. Shared memory: the chunk's `C`, `B`, `x`, `dy`'s halves, the
+state's halves, and staging tiles of 64 rows for `dx` and for `dB`, `dC`, `dS_in` in turn.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from axkern.core.compat import mosaic_gpu_load
+
+from .kernels import CHUNK, _decay, _halves, _part_copies, _products, pairs, parts_of, plgpu
+
+__all__ = ["chunk_output_tiled", "scan_bwd_tiled"]
+
+_T = CHUNK  # rows of a tile
+_ROW, _COL = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
+
+
+def _tile(refs, k):
+    """Row block `k` of each shared-memory tile in `refs`."""
+    return tuple(r.at[pl.ds(k * _T, _T)] for r in refs)
+
+
+def _load(ref, rows, layout):
+    return mosaic_gpu_load(ref.at[rows], layout=layout, optimized=False)
+
+
+def _plus(total, part):
+    """A running sum in registers (the first part as it is: no zeros to lay out)."""
+    return part if total is None else total + part
+
+
+def chunk_output_tiled(cs, bs, x_smem, s16_smem, y_smem, refs, batch, head, base, *, dtype):
+    """`_chunk_output` of a chunk of `Q = 64 r` positions into `y_smem`: for row block `i`,
+    `f ∘ (C_i S_inᵀ)` then, for each column block `j <= i`, `M_ij = (C_i B_jᵀ) ∘ Λ_ij ∘ dt_j` as
+    two 16-bit halves times `x_j`. `refs`: `dt`, `cum`, `f`, the segment ids; `base` the chunk's
+    first position."""
+    dt_ref, cum_ref, f_ref, seg_ref = refs
+    q, p = x_smem.shape
+    for i in range(q // _T):
+        rows_i = pl.ds(base + i * _T, _T)
+        cum_t, f_t = _load(cum_ref.at[batch, head], rows_i, _ROW), _load(f_ref.at[batch, head], rows_i, _ROW)
+        seg_t = _load(seg_ref.at[batch], rows_i, _ROW)
+        c_i = _tile(cs, i)
+        y = _products((_T, p), pairs(c_i, (s16_smem,), True)) * lax.broadcast_in_dim(f_t, (_T, p), [0])
+        for j in range(i + 1):
+            rows_j = pl.ds(base + j * _T, _T)
+            cum_s, dt_s = (
+                _load(cum_ref.at[batch, head], rows_j, _COL),
+                _load(dt_ref.at[batch, head], rows_j, _COL),
+            )
+            seg_s = _load(seg_ref.at[batch], rows_j, _COL)
+            s = _products((_T, _T), pairs(c_i, _tile(bs, j), True))
+            decay, on_cols = _decay(cum_t, cum_s, seg_t, seg_s, diagonal=i == j)
+            m_hi, m_lo = _halves(s * decay * on_cols(dt_s), dtype)
+            (x_j,) = _tile((x_smem,), j)
+            y = y + _products((_T, p), [(m_hi, x_j, False), (m_lo, x_j, False)])
+        _tile((y_smem,), i)[0][...] = y.astype(y_smem.dtype)
+
+
+def _decay_transposed(cum_s, cum_t, seg_s, seg_t, diagonal):
+    """`Λᵀ[s, t] = exp(cum_t - cum_s)` for `s <= t` in one segment, else 0 (rows `s` from row
+    vectors `_s`, columns `t` from column vectors `_t`), and the broadcast of a per-row vector."""
+    shape, layout = (_T, _T), plgpu.Layout.WGMMA
+    on_rows = lambda v: lax.broadcast_in_dim(v, shape, [0])  # noqa: E731
+    on_cols = lambda v: lax.broadcast_in_dim(v, shape, [1])  # noqa: E731
+    visible = on_rows(seg_s) == on_cols(seg_t)
+    if diagonal:
+        s_idx = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=layout)
+        t_idx = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=layout)
+        visible = (s_idx <= t_idx) & visible
+    return jnp.exp(jnp.where(visible, on_cols(cum_t) - on_rows(cum_s), -jnp.inf)), on_rows
+
+
+def scan_bwd_tiled(refs, scoped, *, rep, dtype, add, rows_of):
+    """`_scan_bwd_kernel`'s results for a chunk of `Q = 64 r` positions (the module docstring has
+    the phases; the grid and the arguments as there, without the angles)."""
+    dy_ref, x_ref, dt_ref, cum_ref, f_ref, seg_ref, b_ref, c_ref, s_ref, *outs = refs
+    dx_ref, ddt_ref, dcum_ref, dcum_row_ref, df_ref, db_ref, dc_ref, ds_ref = outs
+    (c_smem, b_smem, x_smem, sh_smem, sl_smem, ah_smem, al_smem, dx_smem, dbc_smem, vec_smem), loaded = scoped
+    batch, head, chunk = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("chunks")
+    (q, p), n = x_smem.shape, c_smem.shape[-1]
+    base, group = chunk * q, lax.div(head, jnp.int32(rep))
+    rows = pl.ds(base, q)
+    cs, bs = parts_of(c_smem), parts_of(b_smem)
+    copies = _part_copies(c_ref, cs, batch, group, rows) + _part_copies(b_ref, bs, batch, group, rows)
+    copies.append((rows_of(x_ref, batch, head, rows), x_smem))
+    for i, (src, dst) in enumerate(copies):
+        plgpu.copy_gmem_to_smem(src, dst, loaded.at[i])
+    f32, wgmma_layout = jnp.float32, plgpu.Layout.WGMMA
+    wide_dy = jnp.dtype(dy_ref.dtype).itemsize > 2
+    load_rows = lambda ref, r: mosaic_gpu_load(  # noqa: E731
+        rows_of(ref, batch, head, r), layout=wgmma_layout, optimized=False
+    ).astype(f32)
+    vec = lambda ref, r, layout: _load(ref.at[batch, head], r, layout)  # noqa: E731
+    seg = lambda r, layout: _load(seg_ref.at[batch], r, layout)  # noqa: E731
+    # the state and dy (the whole chunk) as two 16-bit halves in shared memory
+    state = mosaic_gpu_load(s_ref.at[batch, chunk, head], layout=wgmma_layout, optimized=False)
+    sh_smem[...], sl_smem[...] = _halves(state, dtype)
+    for i in range(q // _T):
+        rows_i = pl.ds(base + i * _T, _T)
+        _tile((ah_smem,), i)[0][...], _tile((al_smem,), i)[0][...] = _halves(load_rows(dy_ref, rows_i), dtype)
+    plgpu.commit_smem()
+    for i in range(len(copies)):
+        plgpu.barrier_wait(loaded.at[i])
+
+    per_rows = lambda ref, r: ref.at[(batch, group, r) if add else (batch, head, r)]  # noqa: E731
+    summed = "add" if add else None
+
+    def put(smem, value, dst, reduction_op=None):
+        """`value` out through `smem` by TMA, once every copy before has left the staging tiles."""
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        smem[...] = value
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(smem, dst, reduction_op=reduction_op)
+
+    blocks = q // _T
+    db_stage = dbc_smem.at[pl.ds(0, _T)]
+    # phase C: column blocks j (positions s), the row blocks i >= j (positions t), tiles transposed
+    for j in range(blocks):
+        rows_j = pl.ds(base + j * _T, _T)
+        cum_s, dt_s, seg_s = vec(cum_ref, rows_j, _ROW), vec(dt_ref, rows_j, _ROW), seg(rows_j, _ROW)
+        (x_j,), b_j = _tile((x_smem,), j), _tile(bs, j)
+        dxd = db = dcum_row = None
+        for i in range(j, blocks):
+            rows_i = pl.ds(base + i * _T, _T)
+            cum_t, seg_t = vec(cum_ref, rows_i, _COL), seg(rows_i, _COL)
+            c_i, (ah_i,), (al_i,) = _tile(cs, i), _tile((ah_smem,), i), _tile((al_smem,), i)
+            decay, on_rows = _decay_transposed(cum_s, cum_t, seg_s, seg_t, diagonal=i == j)
+            m = _products((_T, _T), pairs(b_j, c_i, True)) * decay  # Mᵀ: B_j C_iᵀ
+            mh, ml = _halves(m, dtype)
+            low = [(mh, al_i, False)] * wide_dy
+            dxd = _plus(dxd, _products((_T, p), [(mh, ah_i, False), *low, (ml, ah_i, False)]))
+            dm = _products((_T, _T), [(x_j, ah_i, True)] + [(x_j, al_i, True)] * wide_dy) * on_rows(dt_s)
+            dcum_row = _plus(dcum_row, jnp.sum(dm * m, axis=1))
+            db = _plus(db, _products((_T, n), pairs(_halves(dm * decay, dtype), c_i)))
+        x = load_rows(x_ref, rows_j)
+        vec_smem.at[0, pl.ds(j * _T, _T)][...] = jnp.sum(dxd * x, axis=1)  # ddt
+        vec_smem.at[3, pl.ds(j * _T, _T)][...] = dcum_row
+        put(dx_smem, dxd * lax.broadcast_in_dim(dt_s, (_T, p), [0]), rows_of(dx_ref, batch, head, rows_j))
+        put(db_stage, db, per_rows(db_ref, rows_j), summed)
+    # phase R: row blocks i (positions t), the column blocks j <= i
+    for i in range(blocks):
+        rows_i = pl.ds(base + i * _T, _T)
+        cum_t, f_t, seg_t = vec(cum_ref, rows_i, _ROW), vec(f_ref, rows_i, _ROW), seg(rows_i, _ROW)
+        c_i = _tile(cs, i)
+        dy = load_rows(dy_ref, rows_i)
+        inc = _products((_T, p), pairs(c_i, (sh_smem, sl_smem), True))  # C_i S_inᵀ
+        vec_smem.at[2, pl.ds(i * _T, _T)][...] = jnp.sum(dy * inc, axis=1)  # df
+        dyh, dyl = _halves(dy, dtype)
+        fdy = _halves(dy * lax.broadcast_in_dim(f_t, (_T, p), [0]), dtype)
+        dc = _products((_T, n), pairs(fdy, (sh_smem, sl_smem)))
+        dcum = None
+        for j in range(i + 1):
+            rows_j = pl.ds(base + j * _T, _T)
+            cum_s, dt_s, seg_s = vec(cum_ref, rows_j, _COL), vec(dt_ref, rows_j, _COL), seg(rows_j, _COL)
+            (x_j,), b_j = _tile((x_smem,), j), _tile(bs, j)
+            decay, on_cols = _decay(cum_t, cum_s, seg_t, seg_s, diagonal=i == j)
+            m = _products((_T, _T), pairs(c_i, b_j, True)) * decay
+            dm = _products((_T, _T), [(dyh, x_j, True)] + [(dyl, x_j, True)] * wide_dy) * on_cols(dt_s)
+            dcum = _plus(dcum, jnp.sum(dm * m, axis=1))
+            dc = dc + _products((_T, n), pairs(_halves(dm * decay, dtype), b_j))
+        vec_smem.at[1, pl.ds(i * _T, _T)][...] = dcum
+        put(db_stage, dc, per_rows(dc_ref, rows_i), summed)
+        # f ∘ dy's halves take dy's place (phase C, which read dy's, is done) for dS_in below
+        _tile((ah_smem,), i)[0][...], _tile((al_smem,), i)[0][...] = fdy
+    plgpu.commit_smem()
+    # dS_in = (f ∘ dy)ᵀ C over the whole chunk
+    ds = _products((p, n), pairs((ah_smem.transpose((1, 0)), al_smem.transpose((1, 0))), cs))
+    put(dbc_smem.at[pl.ds(0, p)], ds, ds_ref.at[batch, chunk, head])
+    for k, ref in enumerate((ddt_ref, dcum_ref, df_ref, dcum_row_ref)):
+        plgpu.copy_smem_to_gmem(vec_smem.at[k], ref.at[batch, head, rows])
+    plgpu.wait_smem_to_gmem(0)
