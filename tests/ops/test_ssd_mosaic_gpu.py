@@ -515,3 +515,121 @@ def test_the_backward_kernels_refuse_angles_they_cannot_turn_by(angles, dtype, g
         mosaic_gpu.chunk_scan_bwd(x, x, vec, vec, vec, vec[:, 0], bc, bc, states, **kw)
     with pytest.raises(ValueError, match=message):
         mosaic_gpu.chunk_state_bwd(x, vec, bc, states, **kw)
+
+
+def _block(a, i, *, t):
+    return a[i * t : (i + 1) * t]
+
+
+def _tile_decay(cum, seg, i, j, *, t):
+    """`Λ` of tile `(i, j)`: rows of block `i`, columns of block `j`; causal on the diagonal."""
+    vis = _block(seg, i, t=t)[:, None] == _block(seg, j, t=t)[None, :]
+    if i == j:
+        vis &= jnp.arange(t)[None, :] <= jnp.arange(t)[:, None]
+    diff = _block(cum, i, t=t)[:, None] - _block(cum, j, t=t)[None, :]
+    return jnp.exp(jnp.where(vis, diff, -jnp.inf))
+
+
+def _tiled_mirror(dy, xt, dt, cum, f, seg, bt, ct, states_in, q):
+    """`tiled.py`'s forward and two-phase backward in XLA, tile for tile (one chunk of `q`
+    positions at a time, tiles of 64, the same 16-bit halves, exact products): `(y, dx, ddt,
+    dcum, dcum_row, df, dB, dC, dS_in)` as the emulation gives them. One batch row, head and
+    group per call (the test loops)."""
+    e = functools.partial(jnp.einsum, precision=jax.lax.Precision.HIGHEST)
+    bf = jnp.bfloat16
+
+    def halves(a):
+        hi = a.astype(bf).astype(jnp.float32)
+        return hi, (a - hi).astype(bf).astype(jnp.float32)
+
+    t, f32 = 64, jnp.float32
+    x, b, c, dyf = (a.astype(f32) for a in (xt, bt, ct, dy))
+    out = {k: [] for k in ("y", "dx", "ddt", "dcum", "dcum_row", "df", "db", "dc", "ds")}
+    for k in range(x.shape[0] // q):
+        sl = slice(k * q, (k + 1) * q)
+        xk, bk, ck, dyk, cumk, dtk, fk, segk = x[sl], b[sl], c[sl], dyf[sl], cum[sl], dt[sl], f[sl], seg[sl]
+        s_in = states_in[k]
+        blk = functools.partial(_block, t=t)
+        decay = functools.partial(_tile_decay, cumk, segk, t=t)
+
+        r = q // t
+        s16 = s_in.astype(bf).astype(f32)
+        sh, sl_ = halves(s_in)
+        ah, al = halves(dyk)
+        y, dx, ddt, dcr, dcum, df, db, dc = ([None] * r for _ in range(8))
+        for i in range(r):
+            yi = blk(fk, i)[:, None] * e("tn,pn->tp", blk(ck, i), s16)
+            for j in range(i + 1):
+                m = e("tn,sn->ts", blk(ck, i), blk(bk, j)) * decay(i, j) * blk(dtk, j)[None, :]
+                mh, ml = halves(m)
+                yi = yi + e("ts,sp->tp", mh, blk(xk, j)) + e("ts,sp->tp", ml, blk(xk, j))
+            y[i] = yi
+        for j in range(r):  # phase C, tiles transposed: rows s (block j), columns t (block i)
+            dxd, dbj, dcrj = 0, 0, 0
+            for i in range(j, r):
+                mt = e("sn,tn->st", blk(bk, j), blk(ck, i)) * decay(i, j).T
+                mh, ml = halves(mt)
+                dxd = dxd + e("st,tp->sp", mh, blk(ah, i)) + e("st,tp->sp", mh, blk(al, i))
+                dxd = dxd + e("st,tp->sp", ml, blk(ah, i))
+                dmt = e("sp,tp->st", blk(xk, j), blk(ah, i)) + e("sp,tp->st", blk(xk, j), blk(al, i))
+                dmt = dmt * blk(dtk, j)[:, None]
+                dcrj = dcrj + (dmt * mt).sum(1)
+                gh, gl = halves(dmt * decay(i, j).T)
+                dbj = dbj + e("st,tn->sn", gh, blk(ck, i)) + e("st,tn->sn", gl, blk(ck, i))
+            ddt[j], dcr[j] = (dxd * blk(xk, j)).sum(1), dcrj
+            dx[j], db[j] = dxd * blk(dtk, j)[:, None], dbj
+        for i in range(r):  # phase R
+            inc = e("tn,pn->tp", blk(ck, i), sh) + e("tn,pn->tp", blk(ck, i), sl_)
+            df[i] = (blk(dyk, i) * inc).sum(1)
+            dyh, dyl = halves(blk(dyk, i))
+            fh, fl = halves(blk(dyk, i) * blk(fk, i)[:, None])
+            dci = e("tp,pn->tn", fh, sh) + e("tp,pn->tn", fh, sl_) + e("tp,pn->tn", fl, sh)
+            dcumi = 0
+            for j in range(i + 1):
+                m = e("tn,sn->ts", blk(ck, i), blk(bk, j)) * decay(i, j)
+                dm = (e("tp,sp->ts", dyh, blk(xk, j)) + e("tp,sp->ts", dyl, blk(xk, j))) * blk(dtk, j)[
+                    None, :
+                ]
+                dcumi = dcumi + (dm * m).sum(1)
+                gh, gl = halves(dm * decay(i, j))
+                dci = dci + e("ts,sn->tn", gh, blk(bk, j)) + e("ts,sn->tn", gl, blk(bk, j))
+            dcum[i], dc[i] = dcumi, dci
+        fdh, fdl = halves(dyk * fk[:, None])
+        out["ds"].append(e("tp,tn->pn", fdh, ck) + e("tp,tn->pn", fdl, ck))
+        names = ("y", "dx", "ddt", "dcum", "dcum_row", "df", "db", "dc")
+        for name, v in zip(names, (y, dx, ddt, dcum, dcr, df, db, dc), strict=True):
+            out[name].append(jnp.concatenate(v))
+    return {k: jnp.concatenate(v) if k != "ds" else jnp.stack(v) for k, v in out.items()}
+
+
+@pytest.mark.parametrize("q", [128, 256])
+def test_the_tiled_kernels_algebra_equals_the_whole_chunk_emulation(q):
+    # the tiles' loops (the causal mask on the diagonal tile only, the segments' on every tile,
+    # the backward's transposed phase) as `tiled.py` walks them, against the emulation of the
+    # whole chunk at once; slow decays and segment boundaries inside and between tiles, so that
+    # every tile carries weight
+    from axkern.ops.ssd.common.mosaic import emulate
+
+    length, p, n = 2 * q, 64, 64
+    k = jax.random.split(jax.random.PRNGKey(11), 8)
+    x = jax.random.normal(k[0], (1, 1, length, p)).astype(jnp.bfloat16)
+    b, c = (jax.random.normal(k[i], (1, 1, length, n)).astype(jnp.bfloat16) for i in (1, 2))
+    dt = jax.nn.softplus(jax.random.normal(k[3], (1, 1, length)))
+    a = -dt * 0.01
+    cum = jnp.cumsum(a.reshape(1, 1, 2, q), axis=-1).reshape(1, 1, length)
+    ids = jnp.zeros((1, length), jnp.int32).at[:, 63:].add(1).at[:, 64 + 100 :].add(1).at[:, q + 30 :].add(1)
+    states = jax.random.normal(k[6], (1, 2, 1, p, n))
+    dy = jax.random.normal(k[7], (1, 1, length, p))
+    f = jnp.exp(cum)
+    y_want = emulate.emulate_chunk_scan(x, dt, cum, f, ids, b, c, states, q)
+    want = emulate.emulate_chunk_scan_bwd(dy, x, dt, cum, f, ids, b, c, states, q)
+    got = _tiled_mirror(
+        dy[0, 0], x[0, 0], dt[0, 0], cum[0, 0], f[0, 0], ids[0], b[0, 0], c[0, 0], states[0, :, 0], q
+    )
+    names = ("dx", "ddt", "dcum", "dcum_row", "df", "db", "dc")
+    pairs_ = [("y", y_want[0, 0])] + [(nm, w[0, 0]) for nm, w in zip(names, want[:7], strict=True)]
+    pairs_.append(("ds", want[7][0, :, 0]))
+    for name, w in pairs_:
+        g = got[name]
+        err = float(jnp.abs(g - w).max() / jnp.abs(w).max())
+        assert err <= 1e-5, (name, err)
