@@ -194,6 +194,28 @@ def test_the_layer_lowers_in_every_form(forward, group_sums, backward):
 
 
 @needs_mosaic
+@pytest.mark.parametrize("group_sums", [None, "kernels"])
+@pytest.mark.parametrize("chunk, state", [(128, 128), (256, 64)])
+def test_the_layer_lowers_at_larger_chunks(chunk, state, group_sums):
+    # the three stages' kernels and their backward at chunks of 128 and 256 through the layer
+    # (a length not a multiple of the chunk, groups, the caller's layout): the same eight kernels
+    # as at 64, the recurrence's Triton kernels over half or a quarter of the chunks
+    arrays, seg = make(0, 1, 300, 4, 64, 2, state, "bfloat16")
+
+    def f(a):
+        dt = prepared_dt(a["dt"], a["dt_bias"], True, None)
+        blocks = SSDBlockSizes(chunk, "stages", group_sums, "kernels")
+        y, final = mosaic_gpu.ssd(
+            a["x"], dt, a["A"], a["B"], a["C"], a["D"], a["z"], seg, a["initial_state"], block_sizes=blocks
+        )  # fmt: skip
+        return jnp.sum(y.astype(jnp.float32)) + jnp.sum(final)
+
+    text = jax.jit(jax.grad(f)).trace(arrays).lower(lowering_platforms=("cuda",)).as_text()
+    assert _kernels(text) == 8
+    assert "axkern_ssd_gpu_recurrence_bwd" in text
+
+
+@needs_mosaic
 @pytest.mark.parametrize("group_sums", [False, True])
 @pytest.mark.parametrize("dims", [(2, 4, 2, 3, 64, 128), (1, 2, 1, 2, 128, 64), (1, 2, 2, 1, 64, 64)])
 def test_the_fused_state_backward_lowers(dims, group_sums):
@@ -423,10 +445,16 @@ def test_dispatch_skips_it_off_hopper_with_the_reason():
     fits = {(p, n) for p in sizes for n in sizes if mosaic_gpu.dims_reason(p, n) is None}
     assert fits == {(64, 64), (64, 128), (128, 64)}
     assert "head_dim=32" in mosaic_gpu.supports(_h200_spec(32, 128)[1])
-    # first in the GPU order for 16-bit inputs; other chunk sizes it refuses (the call falls back)
+    # first in the GPU order for 16-bit inputs; chunks not a multiple of 64, and the fused forms
+    # above 64, it refuses (the call falls back)
     assert OP.default_order["gpu"](gpu)[0] == "mosaic_gpu"
-    with pytest.raises(axkern.Unsupported, match="chunk_size=128"):
-        mosaic_gpu.ssd(*[None] * 9, block_sizes=SSDBlockSizes(chunk_size=128))
+    with pytest.raises(axkern.Unsupported, match="chunk_size=96"):
+        mosaic_gpu.ssd(*[None] * 9, block_sizes=SSDBlockSizes(chunk_size=96))
+    with pytest.raises(axkern.Unsupported, match="chunk_size=128: the fused forward"):
+        mosaic_gpu.ssd(*[None] * 9, block_sizes=SSDBlockSizes(chunk_size=128, forward="fused"))
+    assert mosaic_gpu.chunk_reason(64, 128, 128) is None and mosaic_gpu.chunk_reason(64, 64, 256) is None
+    assert "scan_bwd kernel's tiles" in mosaic_gpu.chunk_reason(128, 64, 128)
+    assert "scan kernel's tiles" in mosaic_gpu.chunk_reason(64, 128, 256)
     # the fused forward: mosaic_gpu's tuning space holds it; the others refuse it, and an unknown
     # form is refused by name
     assert SSDBlockSizes(chunk_size=64, forward="fused") in OP.implementations["mosaic_gpu"].space(gpu)
@@ -473,8 +501,10 @@ def test_the_default_form_and_the_deterministic_flags(monkeypatch):
     default = SSDBlockSizes(64, forward="fused", group_sums="kernels", transposes="kernels")
     assert heuristic(gpu) == default
     forms = space(gpu)
-    assert forms[0] == default and len(set(forms)) == len(forms) == 6
+    assert forms[0] == default and len(set(forms)) == len(forms) == 7
     assert SSDBlockSizes(64, forward="stages") in forms
+    # the three stages at chunks of 128 (at P 64, N 128 the scan's tiles at 256 exceed shared memory)
+    assert forms[-1] == dataclasses.replace(default, chunk_size=128, forward="stages")
     assert dataclasses.replace(default, backward="fused") in forms
     for flags in (
         "--xla_gpu_deterministic_ops=true",

@@ -12,7 +12,14 @@ from axkern.core.op import Unsupported
 from .common import kernels as chunk_kernels
 from .common import mosaic
 from .common.mosaic import *  # noqa: F403 - the kernels' names, as `mosaic_gpu.<name>`
-from .common.mosaic import _IMPORT_ERROR, CHUNK, dims_reason, layout_class, platform_reason  # noqa: F401
+from .common.mosaic import (  # noqa: F401
+    _IMPORT_ERROR,
+    CHUNK,
+    chunk_reason,
+    dims_reason,
+    layout_class,
+    platform_reason,
+)
 
 __all__ = ["supports", "ssd", *mosaic.__all__]
 
@@ -22,10 +29,22 @@ def supports(spec) -> str | None:
 
 
 def ssd(x, dt, A, B, C, D, z, segment_ids, initial_state, *, block_sizes, interpret=False):
-    if block_sizes.chunk_size != CHUNK:
-        raise Unsupported(
-            f"chunk_size={block_sizes.chunk_size}: the Mosaic GPU kernels run chunks of {CHUNK}"
-        )
+    chunk = block_sizes.chunk_size
+    if chunk != CHUNK:
+        # above 64: the three stages' kernels by tiles of 64 rows (`common/mosaic/tiled.py`); the
+        # fused forward and the fused state backward walk chunks of 64 only
+        if chunk % CHUNK or chunk < CHUNK:
+            raise Unsupported(
+                f"chunk_size={chunk}: the Mosaic GPU kernels run chunks of a multiple of {CHUNK}"
+            )
+        if block_sizes.forward == "fused" or block_sizes.backward == "fused":
+            raise Unsupported(
+                f"chunk_size={chunk}: the fused forward and the fused state backward run chunks of {CHUNK} "
+                "(forward='stages' and backward='stages' take larger chunks)"
+            )
+        reason = chunk_reason(x.shape[-1], B.shape[-1], chunk)
+        if reason:
+            raise Unsupported(reason)
     if interpret:
         raise Unsupported(
             "the Mosaic GPU kernels have no interpret mode (wgmma and TMA copies have no CPU rule)"
@@ -40,5 +59,5 @@ def ssd(x, dt, A, B, C, D, z, segment_ids, initial_state, *, block_sizes, interp
         block_sizes.backward == "fused",
     )
     return chunk_kernels.ssd(
-        layout, x, dt, A, B, C, D, z, segment_ids, initial_state, chunk_size=CHUNK, interpret=False
+        layout, x, dt, A, B, C, D, z, segment_ids, initial_state, chunk_size=chunk, interpret=False
     )

@@ -10,14 +10,15 @@ are XLA's and `pallas_gpu`'s Triton kernels (`common/kernels.py` has the stages,
 4, the output `y = ((C Bᵀ) ∘ Λ ∘ dt)(x) + f ∘ (C S_inᵀ)` of every chunk, `_scan_kernel` and its
 backward `_scan_bwd_kernel`. Each: one warpgroup per (batch row, head, chunk of 64 positions).
 
-**Chunks of `64 r`** (`chunk=` of `chunk_state`, `chunk_scan`, `chunk_state_bwd`): the state
-kernel takes the chunk's rows in one product; the scan kernel walks tiles of 64 rows, each with
-the column tiles up to the diagonal (`_chunk_output_tiled`: the causal mask on the diagonal
-tile only, the segments' on every tile); the state backward runs a block per 64 rows (its
-gradients are row by row), each reading its chunk's `dS`. At chunks of 64 the code is the same
-as before they existed. Lowered for CUDA on the CPU at 128 and 256 (the scan at 256 only where
-its tiles fit, P and N 64); not yet run on a GPU, and not yet used by the layer: the scan's
-backward and the fused forward take chunks of 64 only.
+**Chunks of `64 r`** (`chunk=` of the four kernels; `SSDBlockSizes(chunk_size=128 or 256,
+forward="stages")`): the state kernel takes the chunk's rows in one product; the scan kernel and
+its backward walk tiles of 64 rows (`tiled.py`: the causal mask on the diagonal tile only, the
+segments' on every tile; the backward in two phases); the state backward runs a block per 64
+rows (its gradients are row by row), each reading its chunk's `dS`. At chunks of 64 the kernels
+are the same as before (their lowered text identical). `chunk_reason` says where the tiles fit
+(128 at P 64 with N 64 or 128; 256 at P and N 64). The fused forward and the fused state backward
+walk chunks of 64 only. Lowered for CUDA on the CPU; the tiles' algebra mirrored in XLA against
+the emulation; not yet run on a GPU, so the default stays at 64.
 
 **The fused forward** (`SSDBlockSizes(forward="fused")`, `forward.py`): stages 2 to 4 as one
 kernel per (batch row, head) walking its chunks, the state carried in registers, so the own
@@ -99,7 +100,7 @@ more written), so XLA only sums them.
 
 **Constraints**: a Hopper GPU (compute capability 9.x), bf16 inputs (fp16's range could not
 hold the 16-bit halves of float32 values such as `M` or the state: fp16 goes to `xla`),
-chunks of 64, `P` and `N` multiples of 64 whose tiles fit shared memory in all four kernels
+chunks of 64 (or of 128 and 256, above), `P` and `N` multiples of 64 whose tiles fit shared memory in all four kernels
 (`kernels.smem_bytes`: 64 and 64, 64 and 128, 128 and 64). Otherwise the call falls back with the
 reason.
 
@@ -143,6 +144,7 @@ from .kernels import (
 )
 from .rotation import RotatedOperand, halves_to_pairs, pairs_to_halves, parts_kernel_reason, rotated_parts
 from .state_backward import fused_state_bwd, fused_state_bwd_smem_bytes
+from .tiled import chunk_reason
 
 __all__ = [
     "platform_reason",
@@ -156,6 +158,7 @@ __all__ = [
     "emulate_chunk_scan_bwd",
     "EmulatedLayout",
     "dims_reason",
+    "chunk_reason",
     "smem_bytes",
     "CHUNK",
     "MosaicLayout",
@@ -199,19 +202,19 @@ class MosaicLayout(GpuLayout):
     parts_kernel = True  # Mamba-3's halves by `rotation.rotated_parts`
 
     def chunk_state(self, xt, w, bt, *, dtype):
-        return chunk_state(xt, self.to_col(w), bt, positions_first=self.positions_first)
+        return chunk_state(xt, self.to_col(w), bt, positions_first=self.positions_first, chunk=self.q)
 
     def chunk_scan(self, xt, scale, cum, ac, f, sc, bt, ct, states_in, *, sums, dtype):
         if sums:
             raise Unsupported("the Mosaic GPU kernels take 16-bit inputs, whose decay is cum_t - cum_s")
         c = self.to_col
         args = (xt, c(scale), c(cum), c(f), c(sc), bt, ct, states_in)
-        return chunk_scan(*args, positions_first=self.positions_first, y_dtype=self.y_dtype)
+        return chunk_scan(*args, positions_first=self.positions_first, y_dtype=self.y_dtype, chunk=self.q)
 
     def chunk_state_bwd(self, xt, w, bt, d_own, dx_scan, db_scan):
         kw = dict(group_sums=self.group_sums, positions_first=self.positions_first, theta=_angles(bt))
         # dx_scan added in the kernel; db_scan here (per head, or per group with `group_sums`)
-        dx, dw, db = chunk_state_bwd(xt, self.to_col(w), bt, d_own, dx_scan, **kw)
+        dx, dw, db = chunk_state_bwd(xt, self.to_col(w), bt, d_own, dx_scan, chunk=self.q, **kw)
         return dx, dw, db + db_scan
 
     def chunk_scan_bwd(self, dy, xt, scale, cum, ac, f, sc, bt, ct, states_in, *, sums):
@@ -220,7 +223,7 @@ class MosaicLayout(GpuLayout):
         c = self.to_col
         args = (dy, xt, c(scale), c(cum), c(f), c(sc), bt, ct, states_in)
         kw = dict(group_sums=self.group_sums, positions_first=self.positions_first, theta=_angles(bt))
-        return chunk_scan_bwd(*args, **kw)
+        return chunk_scan_bwd(*args, chunk=self.q, **kw)
 
     # `dB`, `dC` summed over each group's heads in XLA, or (`group_sums`) in the kernels
     group_sums = False

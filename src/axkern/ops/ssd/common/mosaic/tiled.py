@@ -24,12 +24,46 @@ from jax.experimental import pallas as pl
 
 from axkern.core.compat import mosaic_gpu_load
 
-from .kernels import CHUNK, _decay, _halves, _part_copies, _products, pairs, parts_of, plgpu
+from .kernels import (
+    _SMEM,
+    CHUNK,
+    _decay,
+    _halves,
+    _part_copies,
+    _products,
+    _tiles,
+    pairs,
+    parts_of,
+    plgpu,
+    tile_bytes,
+)
 
-__all__ = ["chunk_output_tiled", "scan_bwd_tiled"]
+__all__ = ["chunk_output_tiled", "scan_bwd_tiled", "chunk_reason"]
+
+
+def chunk_reason(p: int, n: int, chunk: int, parts: int = 1) -> str | None:
+    """Why the layer's kernels (chunk state, chunk scan, their backward) cannot run chunks of
+    `chunk` positions at head dim `p` and state `n`, or None: a multiple of 64 whose tiles fit a
+    Hopper block's shared memory (the state backward's are those of 64)."""
+    if chunk % CHUNK or chunk < CHUNK:
+        return f"chunk_size={chunk}: the Mosaic GPU kernels run chunks of a multiple of {CHUNK}"
+    for kind in ("state", "scan", "scan_bwd"):
+        used = tile_bytes(_tiles(kind, p, n, parts=parts, q=chunk))
+        if used > _SMEM:
+            return (
+                f"chunk_size={chunk}, head_dim={p}, state={n}: the {kind} kernel's tiles take {used} bytes "
+                f"of shared memory, more than a Hopper block's {_SMEM}"
+            )
+    return None
+
 
 _T = CHUNK  # rows of a tile
-_ROW, _COL = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
+
+
+def _row_col():
+    """The layouts of a per-row and a per-column vector of a tile (`plgpu` is None where Mosaic
+    GPU does not import: read at trace time)."""
+    return plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
 
 
 def _tile(refs, k):
@@ -53,6 +87,7 @@ def chunk_output_tiled(cs, bs, x_smem, s16_smem, y_smem, refs, batch, head, base
     first position."""
     dt_ref, cum_ref, f_ref, seg_ref = refs
     q, p = x_smem.shape
+    _ROW, _COL = _row_col()
     for i in range(q // _T):
         rows_i = pl.ds(base + i * _T, _T)
         cum_t, f_t = _load(cum_ref.at[batch, head], rows_i, _ROW), _load(f_ref.at[batch, head], rows_i, _ROW)
@@ -92,6 +127,7 @@ def scan_bwd_tiled(refs, scoped, *, rep, dtype, add, rows_of):
     """`_scan_bwd_kernel`'s results for a chunk of `Q = 64 r` positions (the module docstring has
     the phases; the grid and the arguments as there, without the angles)."""
     dy_ref, x_ref, dt_ref, cum_ref, f_ref, seg_ref, b_ref, c_ref, s_ref, *outs = refs
+    _ROW, _COL = _row_col()
     dx_ref, ddt_ref, dcum_ref, dcum_row_ref, df_ref, db_ref, dc_ref, ds_ref = outs
     (c_smem, b_smem, x_smem, sh_smem, sl_smem, ah_smem, al_smem, dx_smem, dbc_smem, vec_smem), loaded = scoped
     batch, head, chunk = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("chunks")
