@@ -82,6 +82,33 @@ def test_mosaic_gpu_against_oracle(segments, slow, dims, form):
 
 
 @pytest.mark.skipif(not _hopper(), reason="the Mosaic GPU kernels need a Hopper GPU")
+@pytest.mark.parametrize(
+    "chunk, dims, segments, sums",
+    [
+        (128, (1, 1500, 8, 64, 1, 128), True, "kernels"),  # not a multiple of the chunk
+        (128, (2, 512, 8, 64, 8, 64), False, None),  # groups of one head
+        (256, (1, 1500, 4, 64, 2, 64), True, "kernels"),
+    ],
+)
+def test_mosaic_gpu_at_larger_chunks_against_oracle(chunk, dims, segments, sums):
+    # the three stages at chunks of 128 and 256 (tiles of 64 rows): values and every gradient,
+    # with D, z, dt_bias and an initial state; A / 100, so that a chunk's early positions reach
+    # its late ones and the states carry across chunks
+    from axkern.ops.ssd import SSDBlockSizes
+
+    arrays, seg = make(2, *dims, "bfloat16", segments=segments)
+    arrays["A"] = arrays["A"] / 100
+    blocks = SSDBlockSizes(chunk, "stages", sums, "kernels")
+    check_rule(
+        lambda name, a: run(name, a, seg) if name == "reference" else run(name, a, seg, block_sizes=blocks),
+        "mosaic_gpu",
+        arrays,
+        "bfloat16",
+        "ssd",
+    )
+
+
+@pytest.mark.skipif(not _hopper(), reason="the Mosaic GPU kernels need a Hopper GPU")
 @pytest.mark.parametrize("forward", ["stages", "fused"])
 @pytest.mark.parametrize("dims", MOSAIC_DIMS)
 def test_mosaic_gpu_without_d_and_the_gate_against_oracle(dims, forward):

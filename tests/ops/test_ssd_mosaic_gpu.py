@@ -490,6 +490,9 @@ def test_dispatch_skips_it_off_hopper_with_the_reason():
     assert "fused Mosaic GPU kernel for the reverse recurrence" in every and "reverse recurrence" in every
     assert "summed over heads in the kernels" in every and "caller's layout" in every
     assert "pallas_gpu's reverse recurrence" not in every
+    assert "chunks of 64;" in every and "chunks of 128, by tiles of 64 rows" in kernels(
+        gpu, SSDBlockSizes(128, forward="stages")
+    )
 
 
 def test_the_default_form_and_the_deterministic_flags(monkeypatch):
