@@ -237,9 +237,20 @@ def _state_kernel(x_ref, w_ref, b_ref, own_ref, scoped, *, rep, dtype, add, rows
     for i, (src, dst) in enumerate(copies):
         plgpu.copy_gmem_to_smem(src, dst, loaded.at[i])
     # w ∘ x in registers (w per row), as two 16-bit halves in shared memory
-    x = mosaic_gpu_load(rows_of(x_ref, batch, head, rows), layout=plgpu.Layout.WGMMA, optimized=False)
-    w = mosaic_gpu_load(w_ref.at[batch, head, rows], layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
-    xh_smem[...], xl_smem[...] = _halves(x.astype(jnp.float32) * lax.broadcast_in_dim(w, x.shape, [0]), dtype)
+    for k in (
+        range(q // CHUNK) if q > CHUNK else ()
+    ):  # by 64 rows: [64, P] in registers at a time whatever the chunk
+        r = pl.ds(chunk * q + k * CHUNK, CHUNK)
+        x = mosaic_gpu_load(rows_of(x_ref, batch, head, r), layout=plgpu.Layout.WGMMA, optimized=False)
+        w = mosaic_gpu_load(w_ref.at[batch, head, r], layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
+        xw = _halves(x.astype(jnp.float32) * lax.broadcast_in_dim(w, x.shape, [0]), dtype)
+        xh_smem.at[pl.ds(k * CHUNK, CHUNK)][...], xl_smem.at[pl.ds(k * CHUNK, CHUNK)][...] = xw
+    if q == CHUNK:
+        x = mosaic_gpu_load(rows_of(x_ref, batch, head, rows), layout=plgpu.Layout.WGMMA, optimized=False)
+        w = mosaic_gpu_load(w_ref.at[batch, head, rows], layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
+        xh_smem[...], xl_smem[...] = _halves(
+            x.astype(jnp.float32) * lax.broadcast_in_dim(w, x.shape, [0]), dtype
+        )
     plgpu.commit_smem()
     for i in range(len(copies)):
         plgpu.barrier_wait(loaded.at[i])
@@ -460,13 +471,14 @@ def _halves(a, dtype):
     return hi, (a - hi.astype(jnp.float32)).astype(dtype)
 
 
-def _products(shape, terms):
+def _products(shape, terms, acc=None):
     """`Σ a @ b` over `terms` (left, right, transpose the right?) into a zeroed float32
-    accumulator of `shape`, waited for."""
+    accumulator of `shape` (or `acc`, a running sum in registers, added in place), waited for."""
 
     def run(acc_ref):
         for a, b, trans in terms:
             plgpu.wgmma(acc_ref, a, b.transpose((1, 0)) if trans else b)
 
-    zeros = plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)
-    return pl.run_state(run)(plgpu.ACC.init(zeros))
+    if acc is None:
+        acc = plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)
+    return pl.run_state(run)(plgpu.ACC.init(acc))

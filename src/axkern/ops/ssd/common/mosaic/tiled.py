@@ -105,7 +105,7 @@ def chunk_output_tiled(cs, bs, x_smem, s16_smem, y_smem, refs, batch, head, base
             decay, on_cols = _decay(cum_t, cum_s, seg_t, seg_s, diagonal=i == j)
             m_hi, m_lo = _halves(s * decay * on_cols(dt_s), dtype)
             (x_j,) = _tile((x_smem,), j)
-            y = y + _products((_T, p), [(m_hi, x_j, False), (m_lo, x_j, False)])
+            y = _products((_T, p), [(m_hi, x_j, False), (m_lo, x_j, False)], acc=y)
         _tile((y_smem,), i)[0][...] = y.astype(y_smem.dtype)
 
 
@@ -159,9 +159,10 @@ def scan_bwd_tiled(refs, scoped, *, rep, dtype, add, rows_of):
     per_rows = lambda ref, r: ref.at[(batch, group, r) if add else (batch, head, r)]  # noqa: E731
     summed = "add" if add else None
 
-    def put(smem, value, dst, reduction_op=None):
-        """`value` out through `smem` by TMA, once every copy before has left the staging tiles."""
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    def put(smem, value, dst, reduction_op=None, allow=0):
+        """`value` out through `smem` by TMA, once the copies before but the last `allow` have
+        left the staging tiles (phase C alternates two tiles: the last copy read the other)."""
+        plgpu.wait_smem_to_gmem(allow, wait_read_only=True)
         smem[...] = value
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(smem, dst, reduction_op=reduction_op)
@@ -180,17 +181,23 @@ def scan_bwd_tiled(refs, scoped, *, rep, dtype, add, rows_of):
             c_i, (ah_i,), (al_i,) = _tile(cs, i), _tile((ah_smem,), i), _tile((al_smem,), i)
             decay, on_rows = _decay_transposed(cum_s, cum_t, seg_s, seg_t, diagonal=i == j)
             m = _products((_T, _T), pairs(b_j, c_i, True)) * decay  # Mᵀ: B_j C_iᵀ
-            mh, ml = _halves(m, dtype)
-            low = [(mh, al_i, False)] * wide_dy
-            dxd = _plus(dxd, _products((_T, p), [(mh, ah_i, False), *low, (ml, ah_i, False)]))
             dm = _products((_T, _T), [(x_j, ah_i, True)] + [(x_j, al_i, True)] * wide_dy) * on_rows(dt_s)
             dcum_row = _plus(dcum_row, jnp.sum(dm * m, axis=1))
-            db = _plus(db, _products((_T, n), pairs(_halves(dm * decay, dtype), c_i)))
+            dg = _halves(dm * decay, dtype)  # dm, decay die here
+            mh, ml = _halves(m, dtype)  # m dies here
+            low = [(mh, al_i, False)] * wide_dy
+            dxd = _products((_T, p), [(mh, ah_i, False), *low, (ml, ah_i, False)], acc=dxd)
+            db = _products((_T, n), pairs(dg, c_i), acc=db)
         x = load_rows(x_ref, rows_j)
         vec_smem.at[0, pl.ds(j * _T, _T)][...] = jnp.sum(dxd * x, axis=1)  # ddt
         vec_smem.at[3, pl.ds(j * _T, _T)][...] = dcum_row
-        put(dx_smem, dxd * lax.broadcast_in_dim(dt_s, (_T, p), [0]), rows_of(dx_ref, batch, head, rows_j))
-        put(db_stage, db, per_rows(db_ref, rows_j), summed)
+        put(
+            dx_smem,
+            dxd * lax.broadcast_in_dim(dt_s, (_T, p), [0]),
+            rows_of(dx_ref, batch, head, rows_j),
+            allow=1,
+        )
+        put(db_stage, db, per_rows(db_ref, rows_j), summed, allow=1)
     # phase R: row blocks i (positions t), the column blocks j <= i
     for i in range(blocks):
         rows_i = pl.ds(base + i * _T, _T)
@@ -199,22 +206,22 @@ def scan_bwd_tiled(refs, scoped, *, rep, dtype, add, rows_of):
         dy = load_rows(dy_ref, rows_i)
         inc = _products((_T, p), pairs(c_i, (sh_smem, sl_smem), True))  # C_i S_inᵀ
         vec_smem.at[2, pl.ds(i * _T, _T)][...] = jnp.sum(dy * inc, axis=1)  # df
-        dyh, dyl = _halves(dy, dtype)
-        fdy = _halves(dy * lax.broadcast_in_dim(f_t, (_T, p), [0]), dtype)
-        dc = _products((_T, n), pairs(fdy, (sh_smem, sl_smem)))
-        dcum = None
+        (ah_i,), (al_i,) = _tile((ah_smem,), i), _tile((al_smem,), i)  # dy's halves (phase C's)
+        dc = dcum = None
         for j in range(i + 1):
             rows_j = pl.ds(base + j * _T, _T)
             cum_s, dt_s, seg_s = vec(cum_ref, rows_j, _COL), vec(dt_ref, rows_j, _COL), seg(rows_j, _COL)
             (x_j,), b_j = _tile((x_smem,), j), _tile(bs, j)
             decay, on_cols = _decay(cum_t, cum_s, seg_t, seg_s, diagonal=i == j)
             m = _products((_T, _T), pairs(c_i, b_j, True)) * decay
-            dm = _products((_T, _T), [(dyh, x_j, True)] + [(dyl, x_j, True)] * wide_dy) * on_cols(dt_s)
+            dm = _products((_T, _T), [(ah_i, x_j, True)] + [(al_i, x_j, True)] * wide_dy) * on_cols(dt_s)
             dcum = _plus(dcum, jnp.sum(dm * m, axis=1))
-            dc = dc + _products((_T, n), pairs(_halves(dm * decay, dtype), b_j))
+            dc = _products((_T, n), pairs(_halves(dm * decay, dtype), b_j), acc=dc)
+        fdy = _halves(load_rows(dy_ref, rows_i) * lax.broadcast_in_dim(f_t, (_T, p), [0]), dtype)
+        dc = _products((_T, n), pairs(fdy, (sh_smem, sl_smem)), acc=dc)
         vec_smem.at[1, pl.ds(i * _T, _T)][...] = dcum
         put(db_stage, dc, per_rows(dc_ref, rows_i), summed)
-        # f ∘ dy's halves take dy's place (phase C, which read dy's, is done) for dS_in below
+        # f ∘ dy's halves take dy's place (phase C, and this row block's dM above, read dy's) for dS_in
         _tile((ah_smem,), i)[0][...], _tile((al_smem,), i)[0][...] = fdy
     plgpu.commit_smem()
     # dS_in = (f ∘ dy)ᵀ C over the whole chunk
