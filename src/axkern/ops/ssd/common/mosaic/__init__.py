@@ -18,7 +18,9 @@ rows (its gradients are row by row), each reading its chunk's `dS`. At chunks of
 are the same as before (their lowered text identical). `chunk_reason` says where the tiles fit
 (128 at P 64 with N 64 or 128; 256 at P and N 64). The fused forward and the fused state backward
 walk chunks of 64 only. Lowered for CUDA on the CPU; the tiles' algebra mirrored in XLA against
-the emulation; not yet run on a GPU, so the default stays at 64.
+the emulation; the kernels' own bodies run on the CPU through a shim of the Mosaic GPU calls
+(`tests/ops/test_ssd_mosaic_bodies.py`: values against the emulation, and layouts, commits, waits
+and in-flight stores checked); not yet run on a GPU, so the default stays at 64.
 
 **The fused forward** (`SSDBlockSizes(forward="fused")`, `forward.py`): stages 2 to 4 as one
 kernel per (batch row, head) walking its chunks, the state carried in registers, so the own
