@@ -57,6 +57,17 @@ def _hopper() -> bool:
 FORMS = [("stages",), ("fused",), ("fused", "kernels", "kernels"), ("fused", "kernels", "kernels", "fused")]
 
 
+def _check_mosaic(arrays, seg, blocks):
+    """`mosaic_gpu` in the form `blocks` against the oracle rule (bf16), values and every gradient."""
+    check_rule(
+        lambda name, a: run(name, a, seg) if name == "reference" else run(name, a, seg, block_sizes=blocks),
+        "mosaic_gpu",
+        arrays,
+        "bfloat16",
+        "ssd",
+    )
+
+
 @pytest.mark.skipif(not _hopper(), reason="the Mosaic GPU kernels need a Hopper GPU")
 @pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("segments,slow", [(False, False), (True, False), (False, True)])
@@ -72,13 +83,7 @@ def test_mosaic_gpu_against_oracle(segments, slow, dims, form):
     if slow:
         arrays["A"] = arrays["A"] / 100
     blocks = SSDBlockSizes(64, *form)
-    check_rule(
-        lambda name, a: run(name, a, seg) if name == "reference" else run(name, a, seg, block_sizes=blocks),
-        "mosaic_gpu",
-        arrays,
-        dtype,
-        "ssd",
-    )
+    _check_mosaic(arrays, seg, blocks)
 
 
 @pytest.mark.skipif(not _hopper(), reason="the Mosaic GPU kernels need a Hopper GPU")
@@ -99,13 +104,7 @@ def test_mosaic_gpu_at_larger_chunks_against_oracle(chunk, dims, segments, sums)
     arrays, seg = make(2, *dims, "bfloat16", segments=segments)
     arrays["A"] = arrays["A"] / 100
     blocks = SSDBlockSizes(chunk, "stages", sums, "kernels")
-    check_rule(
-        lambda name, a: run(name, a, seg) if name == "reference" else run(name, a, seg, block_sizes=blocks),
-        "mosaic_gpu",
-        arrays,
-        "bfloat16",
-        "ssd",
-    )
+    _check_mosaic(arrays, seg, blocks)
 
 
 @pytest.mark.skipif(not _hopper(), reason="the Mosaic GPU kernels need a Hopper GPU")
@@ -118,13 +117,7 @@ def test_mosaic_gpu_without_d_and_the_gate_against_oracle(dims, forward):
 
     arrays, seg = make(1, *dims, "bfloat16", segments=True, extras=False)
     blocks = SSDBlockSizes(64, forward, "kernels", "kernels")
-    check_rule(
-        lambda name, a: run(name, a, seg) if name == "reference" else run(name, a, seg, block_sizes=blocks),
-        "mosaic_gpu",
-        arrays,
-        "bfloat16",
-        "ssd",
-    )
+    _check_mosaic(arrays, seg, blocks)
 
 
 @pytest.mark.skipif(not _hopper(), reason="the default order on a Hopper GPU")
@@ -179,6 +172,32 @@ def _kernel_inputs(kernel, b, h, g, chunks, p, n, split=False, chunk=None, slow=
     return (jax.random.normal(k[7], (b, h, length, p)), *scan)
 
 
+def _against_emulation(kernel, args, chunk=None):
+    """One Mosaic kernel (at chunks of `chunk`, 64 where None) against its emulation, each output
+    within 1e-4 of the emulation's largest magnitude."""
+    import functools
+
+    import numpy as np
+
+    from axkern.ops.ssd import mosaic_gpu
+
+    kw, emulated = ({}, {}) if chunk is None else ({"chunk": chunk}, {"q": chunk})
+    got = jax.jit(functools.partial(getattr(mosaic_gpu, kernel), **kw))(*args)
+    # the emulation on the CPU: XLA's GPU compiler drops its float32 -> bf16 -> float32 round
+    # trips (excess precision), leaving every `lo` half zero
+    cpu = jax.devices("cpu")[0]
+    with jax.default_device(cpu):
+        emulate = functools.partial(getattr(mosaic_gpu, f"emulate_{kernel}"), **emulated)
+        want = jax.jit(emulate)(*jax.device_put(args, cpu))
+    got, want = jax.tree.leaves(got), jax.tree.leaves(want)
+    assert len(got) == len(want)
+    for i, (a, e) in enumerate(zip(got, want, strict=True)):
+        a, e = np.asarray(a, np.float64), np.asarray(e, np.float64)
+        assert a.shape == e.shape, (kernel, i, a.shape, e.shape)
+        err = np.abs(a - e).max() / max(np.abs(e).max(), 1e-30)
+        assert err <= 1e-4, (kernel, i, err)
+
+
 @pytest.mark.skipif(not _hopper(), reason="the Mosaic GPU kernels need a Hopper GPU")
 @pytest.mark.parametrize(
     "kernel, chunk, dims",
@@ -196,25 +215,7 @@ def test_mosaic_gpu_kernels_at_larger_chunks_equal_their_emulation(kernel, chunk
     # 64 rows walking the columns up to the diagonal, its backward's two phases, the state
     # backward's blocks of 64 rows; slow decays, so that every tile below the diagonal carries
     # weight
-    import functools
-
-    import numpy as np
-
-    from axkern.ops.ssd import mosaic_gpu
-
-    args = _kernel_inputs(kernel, *dims, chunk=chunk, slow=True)
-    got = jax.jit(functools.partial(getattr(mosaic_gpu, kernel), chunk=chunk))(*args)
-    cpu = jax.devices("cpu")[0]
-    with jax.default_device(cpu):
-        emulate = functools.partial(getattr(mosaic_gpu, f"emulate_{kernel}"), q=chunk)
-        want = jax.jit(emulate)(*jax.device_put(args, cpu))
-    got, want = jax.tree.leaves(got), jax.tree.leaves(want)
-    assert len(got) == len(want)
-    for i, (a, e) in enumerate(zip(got, want, strict=True)):
-        a, e = np.asarray(a, np.float64), np.asarray(e, np.float64)
-        assert a.shape == e.shape, (kernel, i, a.shape, e.shape)
-        err = np.abs(a - e).max() / max(np.abs(e).max(), 1e-30)
-        assert err <= 1e-4, (kernel, i, err)
+    _against_emulation(kernel, _kernel_inputs(kernel, *dims, chunk=chunk, slow=True), chunk)
 
 
 @pytest.mark.skipif(not _hopper(), reason="the Mosaic GPU kernels need a Hopper GPU")
@@ -225,27 +226,7 @@ def test_mosaic_gpu_kernels_equal_their_emulation(kernel, dims, split):
     # each kernel alone against its arithmetic in XLA (the same roundings, exact products): only
     # the order of float32 sums and the approximate exp may differ; a wrong index or layout
     # shows here before it shows in the layer
-    import numpy as np
-
-    from axkern.ops.ssd import mosaic_gpu
-
-    args = _kernel_inputs(kernel, *dims, split=split)
-    got = jax.jit(getattr(mosaic_gpu, kernel))(*args)
-    # the emulation on the CPU: XLA's GPU compiler drops its float32 -> bf16 -> float32 round
-    # trips (excess precision), leaving every `lo` half zero
-    cpu = jax.devices("cpu")[0]
-    with jax.default_device(cpu):
-        want = jax.jit(getattr(mosaic_gpu, f"emulate_{kernel}"))(*jax.device_put(args, cpu))
-    got, want = (
-        (got,) if not isinstance(got, tuple) else got,
-        (want,) if not isinstance(want, tuple) else want,
-    )
-    assert len(got) == len(want)
-    for i, (a, e) in enumerate(zip(got, want, strict=True)):
-        a, e = np.asarray(a, np.float64), np.asarray(e, np.float64)
-        assert a.shape == e.shape, (kernel, i, a.shape, e.shape)
-        err = np.abs(a - e).max() / max(np.abs(e).max(), 1e-30)
-        assert err <= 1e-4, (kernel, i, err)
+    _against_emulation(kernel, _kernel_inputs(kernel, *dims, split=split))
 
 
 @pytest.mark.skipif(not _hopper(), reason="the Mosaic GPU kernels need a Hopper GPU")

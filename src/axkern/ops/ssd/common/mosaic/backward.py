@@ -16,6 +16,7 @@ from .kernels import (
     CHUNK,
     _check_operands,
     _check_tiles,
+    _copy_chunk_in,
     _decay,
     _dims,
     _halves,
@@ -52,10 +53,9 @@ def _scan_bwd_kernel(*refs, rep, dtype, add, rows_of, turns=False, tiled=False):
     rows = pl.ds(chunk * q, q)
     group = lax.div(head, jnp.int32(rep))
     cs, bs = parts_of(c_smem), parts_of(b_smem)
-    copies = _part_copies(c_ref, cs, batch, group, rows) + _part_copies(b_ref, bs, batch, group, rows)
-    copies.append((rows_of(x_ref, batch, head, rows), x_smem))
-    for i, (src, dst) in enumerate(copies):
-        plgpu.copy_gmem_to_smem(src, dst, loaded.at[i])
+    copies = _copy_chunk_in(
+        (c_ref, cs), (b_ref, bs), (x_ref, x_smem), batch, group, head, rows, rows_of, loaded
+    )
 
     f32, wgmma_layout = jnp.float32, plgpu.Layout.WGMMA
     row, col = wgmma_layout.reduce(1), wgmma_layout.reduce(0)
@@ -80,7 +80,7 @@ def _scan_bwd_kernel(*refs, rep, dtype, add, rows_of, turns=False, tiled=False):
     sh_smem[...], sl_smem[...] = sh, sl
     ah_smem[...], al_smem[...] = _halves(dy, dtype)
     plgpu.commit_smem()
-    for i in range(len(copies)):
+    for i in range(copies):
         plgpu.barrier_wait(loaded.at[i])
 
     def put(smem, value, ref, reduction_op=None, turn=None):

@@ -157,19 +157,17 @@ def _scan_kernel(
     base = chunk * q
     group = lax.div(head, jnp.int32(rep))
     rows = pl.ds(base, q)
-    # a barrier per copy (each copy arrives on its barrier once, with its bytes)
     cs, bs = parts_of(c_smem), parts_of(b_smem)
-    copies = _part_copies(c_ref, cs, batch, group, rows) + _part_copies(b_ref, bs, batch, group, rows)
-    copies.append((rows_of(x_ref, batch, head, rows), x_smem))
-    for i, (src, dst) in enumerate(copies):
-        plgpu.copy_gmem_to_smem(src, dst, loaded.at[i])
+    copies = _copy_chunk_in(
+        (c_ref, cs), (b_ref, bs), (x_ref, x_smem), batch, group, head, rows, rows_of, loaded
+    )
 
     if q == CHUNK:
         vectors = _scan_vectors(dt_ref, cum_ref, f_ref, seg_ref, batch, head, rows)
     state = mosaic_gpu_load(s_ref.at[batch, chunk, head], layout=plgpu.Layout.WGMMA, optimized=False)
     s16_smem[...] = state.astype(dtype)  # [P, N]
     plgpu.commit_smem()
-    for i in range(len(copies)):
+    for i in range(copies):
         plgpu.barrier_wait(loaded.at[i])
     if q == CHUNK:
         y_smem[...] = _chunk_output(cs, bs, x_smem, s16_smem, *vectors, dtype=dtype).astype(y_smem.dtype)
@@ -192,6 +190,17 @@ def _scan_vectors(dt_ref, cum_ref, f_ref, seg_ref, batch, head, rows):
     seg_t = mosaic_gpu_load(seg_ref.at[batch, rows], layout=row, optimized=False)
     seg_s = mosaic_gpu_load(seg_ref.at[batch, rows], layout=col, optimized=False)
     return cum_t, cum_s, dt_s, f_t, seg_t, seg_s
+
+
+def _copy_chunk_in(c, b, x, batch, group, head, rows, rows_of, loaded) -> int:
+    """TMA copies of a chunk's `rows` of `C` and `B` (`(refs, tiles)`: their parts, the head's
+    group) and `x` (`(ref, tile)`) into shared memory, a barrier each (each copy arrives on its
+    barrier once, with its bytes); how many."""
+    copies = _part_copies(*c, batch, group, rows) + _part_copies(*b, batch, group, rows)
+    copies.append((rows_of(x[0], batch, head, rows), x[1]))
+    for i, (src, dst) in enumerate(copies):
+        plgpu.copy_gmem_to_smem(src, dst, loaded.at[i])
+    return len(copies)
 
 
 def _part_copies(refs, dsts, batch, group, rows) -> list:

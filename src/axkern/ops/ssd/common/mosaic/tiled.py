@@ -27,9 +27,9 @@ from axkern.core.compat import mosaic_gpu_load
 from .kernels import (
     _SMEM,
     CHUNK,
+    _copy_chunk_in,
     _decay,
     _halves,
-    _part_copies,
     _products,
     _tiles,
     pairs,
@@ -135,10 +135,9 @@ def scan_bwd_tiled(refs, scoped, *, rep, dtype, add, rows_of):
     base, group = chunk * q, lax.div(head, jnp.int32(rep))
     rows = pl.ds(base, q)
     cs, bs = parts_of(c_smem), parts_of(b_smem)
-    copies = _part_copies(c_ref, cs, batch, group, rows) + _part_copies(b_ref, bs, batch, group, rows)
-    copies.append((rows_of(x_ref, batch, head, rows), x_smem))
-    for i, (src, dst) in enumerate(copies):
-        plgpu.copy_gmem_to_smem(src, dst, loaded.at[i])
+    copies = _copy_chunk_in(
+        (c_ref, cs), (b_ref, bs), (x_ref, x_smem), batch, group, head, rows, rows_of, loaded
+    )
     f32, wgmma_layout = jnp.float32, plgpu.Layout.WGMMA
     wide_dy = jnp.dtype(dy_ref.dtype).itemsize > 2
     load_rows = lambda ref, r: mosaic_gpu_load(  # noqa: E731
@@ -153,7 +152,7 @@ def scan_bwd_tiled(refs, scoped, *, rep, dtype, add, rows_of):
         rows_i = pl.ds(base + i * _T, _T)
         _tile((ah_smem,), i)[0][...], _tile((al_smem,), i)[0][...] = _halves(load_rows(dy_ref, rows_i), dtype)
     plgpu.commit_smem()
-    for i in range(len(copies)):
+    for i in range(copies):
         plgpu.barrier_wait(loaded.at[i])
 
     per_rows = lambda ref, r: ref.at[(batch, group, r) if add else (batch, head, r)]  # noqa: E731
