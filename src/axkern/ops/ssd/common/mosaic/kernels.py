@@ -364,7 +364,7 @@ def chunk_scan(
     """`y [b, h, L, P]` (float32, or rounded to `y_dtype` in the kernel) of the chunks (`xt [b,
     h, L, P]` bf16, `bt, ct [b, g, L, N]` bf16 or float32 (`operand_parts`); `dt, cum, f [b, h,
     L]` float32; `seg [b, L]` int32; `states_in [b, c, h, P, N]` float32, `L = c · chunk`) by the
-    Mosaic GPU kernel. `chunk`: as in `chunk_state` (the `[Q, Q]` products at once)."""
+    Mosaic GPU kernel. `chunk`: a multiple of 64, above 64 by tiles of 64 rows (`tiled.py`)."""
     bt, ct = operand_parts(bt), operand_parts(ct)
     _check_operands(xt, bt, ct, positions_first=positions_first, chunk=chunk)
     _check_tiles("scan", _dims(xt, positions_first)[3], bt, chunk)
