@@ -87,20 +87,23 @@ def chunk_output_tiled(cs, bs, x_smem, s16_smem, y_smem, refs, batch, head, base
     first position."""
     dt_ref, cum_ref, f_ref, seg_ref = refs
     q, p = x_smem.shape
-    _ROW, _COL = _row_col()
+    per_row, per_col = _row_col()
     for i in range(q // _T):
         rows_i = pl.ds(base + i * _T, _T)
-        cum_t, f_t = _load(cum_ref.at[batch, head], rows_i, _ROW), _load(f_ref.at[batch, head], rows_i, _ROW)
-        seg_t = _load(seg_ref.at[batch], rows_i, _ROW)
+        cum_t, f_t = (
+            _load(cum_ref.at[batch, head], rows_i, per_row),
+            _load(f_ref.at[batch, head], rows_i, per_row),
+        )
+        seg_t = _load(seg_ref.at[batch], rows_i, per_row)
         c_i = _tile(cs, i)
         y = _products((_T, p), pairs(c_i, (s16_smem,), True)) * lax.broadcast_in_dim(f_t, (_T, p), [0])
         for j in range(i + 1):
             rows_j = pl.ds(base + j * _T, _T)
             cum_s, dt_s = (
-                _load(cum_ref.at[batch, head], rows_j, _COL),
-                _load(dt_ref.at[batch, head], rows_j, _COL),
+                _load(cum_ref.at[batch, head], rows_j, per_col),
+                _load(dt_ref.at[batch, head], rows_j, per_col),
             )
-            seg_s = _load(seg_ref.at[batch], rows_j, _COL)
+            seg_s = _load(seg_ref.at[batch], rows_j, per_col)
             s = _products((_T, _T), pairs(c_i, _tile(bs, j), True))
             decay, on_cols = _decay(cum_t, cum_s, seg_t, seg_s, diagonal=i == j)
             m_hi, m_lo = _halves(s * decay * on_cols(dt_s), dtype)
@@ -127,7 +130,7 @@ def scan_bwd_tiled(refs, scoped, *, rep, dtype, add, rows_of):
     """`_scan_bwd_kernel`'s results for a chunk of `Q = 64 r` positions (the module docstring has
     the phases; the grid and the arguments as there, without the angles)."""
     dy_ref, x_ref, dt_ref, cum_ref, f_ref, seg_ref, b_ref, c_ref, s_ref, *outs = refs
-    _ROW, _COL = _row_col()
+    per_row, per_col = _row_col()
     dx_ref, ddt_ref, dcum_ref, dcum_row_ref, df_ref, db_ref, dc_ref, ds_ref = outs
     (c_smem, b_smem, x_smem, sh_smem, sl_smem, ah_smem, al_smem, dx_smem, dbc_smem, vec_smem), loaded = scoped
     batch, head, chunk = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("chunks")
@@ -171,12 +174,12 @@ def scan_bwd_tiled(refs, scoped, *, rep, dtype, add, rows_of):
     # phase C: column blocks j (positions s), the row blocks i >= j (positions t), tiles transposed
     for j in range(blocks):
         rows_j = pl.ds(base + j * _T, _T)
-        cum_s, dt_s, seg_s = vec(cum_ref, rows_j, _ROW), vec(dt_ref, rows_j, _ROW), seg(rows_j, _ROW)
+        cum_s, dt_s, seg_s = vec(cum_ref, rows_j, per_row), vec(dt_ref, rows_j, per_row), seg(rows_j, per_row)
         (x_j,), b_j = _tile((x_smem,), j), _tile(bs, j)
         dxd = db = dcum_row = None
         for i in range(j, blocks):
             rows_i = pl.ds(base + i * _T, _T)
-            cum_t, seg_t = vec(cum_ref, rows_i, _COL), seg(rows_i, _COL)
+            cum_t, seg_t = vec(cum_ref, rows_i, per_col), seg(rows_i, per_col)
             c_i, (ah_i,), (al_i,) = _tile(cs, i), _tile((ah_smem,), i), _tile((al_smem,), i)
             decay, on_rows = _decay_transposed(cum_s, cum_t, seg_s, seg_t, diagonal=i == j)
             m = _products((_T, _T), pairs(b_j, c_i, True)) * decay  # Mᵀ: B_j C_iᵀ
@@ -200,7 +203,7 @@ def scan_bwd_tiled(refs, scoped, *, rep, dtype, add, rows_of):
     # phase R: row blocks i (positions t), the column blocks j <= i
     for i in range(blocks):
         rows_i = pl.ds(base + i * _T, _T)
-        cum_t, f_t, seg_t = vec(cum_ref, rows_i, _ROW), vec(f_ref, rows_i, _ROW), seg(rows_i, _ROW)
+        cum_t, f_t, seg_t = vec(cum_ref, rows_i, per_row), vec(f_ref, rows_i, per_row), seg(rows_i, per_row)
         c_i = _tile(cs, i)
         dy = load_rows(dy_ref, rows_i)
         inc = _products((_T, p), pairs(c_i, (sh_smem, sl_smem), True))  # C_i S_inᵀ
@@ -209,7 +212,11 @@ def scan_bwd_tiled(refs, scoped, *, rep, dtype, add, rows_of):
         dc = dcum = None
         for j in range(i + 1):
             rows_j = pl.ds(base + j * _T, _T)
-            cum_s, dt_s, seg_s = vec(cum_ref, rows_j, _COL), vec(dt_ref, rows_j, _COL), seg(rows_j, _COL)
+            cum_s, dt_s, seg_s = (
+                vec(cum_ref, rows_j, per_col),
+                vec(dt_ref, rows_j, per_col),
+                seg(rows_j, per_col),
+            )
             (x_j,), b_j = _tile((x_smem,), j), _tile(bs, j)
             decay, on_cols = _decay(cum_t, cum_s, seg_t, seg_s, diagonal=i == j)
             m = _products((_T, _T), pairs(c_i, b_j, True)) * decay
