@@ -11,6 +11,8 @@ from axkern.core import backend, kernels
 from axkern.core.blocks import BlockSizes, grid, next_power_of_2
 from axkern.core.op import Spec, Unsupported
 
+from .common.mosaic import chunk_reason
+
 __all__ = [
     "SSDBlockSizes",
     "bucket",
@@ -156,8 +158,6 @@ def mosaic_gpu_space(spec: Spec) -> list[SSDBlockSizes]:
     """The default, then its parts taken back one at a time, the fused state backward added,
     and the three stages with none of them; then the three stages at chunks of 128 and 256
     where their tiles fit (`axkern tune` times each)."""
-    from .common.mosaic import chunk_reason  # noqa: PLC0415 - the Mosaic package imports jax's GPU Pallas
-
     best = mosaic_gpu_heuristic(spec)
     forms = [
         best,

@@ -138,6 +138,7 @@ from .forward import fused_fits, fused_forward, fused_smem_bytes, rotation_reaso
 from .kernels import (
     _IMPORT_ERROR,
     CHUNK,
+    chunk_reason,
     chunk_scan,
     chunk_state,
     dims_reason,
@@ -146,7 +147,6 @@ from .kernels import (
 )
 from .rotation import RotatedOperand, halves_to_pairs, pairs_to_halves, parts_kernel_reason, rotated_parts
 from .state_backward import fused_state_bwd, fused_state_bwd_smem_bytes
-from .tiled import chunk_reason
 
 __all__ = [
     "platform_reason",

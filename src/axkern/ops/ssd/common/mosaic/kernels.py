@@ -193,9 +193,8 @@ def _scan_vectors(dt_ref, cum_ref, f_ref, seg_ref, batch, head, rows):
 
 
 def _copy_chunk_in(c, b, x, batch, group, head, rows, rows_of, loaded) -> int:
-    """TMA copies of a chunk's `rows` of `C` and `B` (`(refs, tiles)`: their parts, the head's
-    group) and `x` (`(ref, tile)`) into shared memory, a barrier each (each copy arrives on its
-    barrier once, with its bytes); how many."""
+    """TMA copies of a chunk's `rows` of `C`, `B` (`(refs, tiles)`: their parts, the head's group) and
+    `x` (`(ref, tile)`) into shared memory, a barrier each (arrived on once, with its bytes); how many."""
     copies = _part_copies(*c, batch, group, rows) + _part_copies(*b, batch, group, rows)
     copies.append((rows_of(x[0], batch, head, rows), x[1]))
     for i, (src, dst) in enumerate(copies):
@@ -347,15 +346,23 @@ def chunk_state(xt, w, bt, *, positions_first=False, chunk=CHUNK):
     return launch(xt, w, bt)
 
 
-def _check_tiles(kind: str, p: int, bt, chunk: int) -> None:
-    """`Unsupported` where `kind`'s tiles at chunks of `chunk` exceed shared memory (64: `dims_reason`)."""
-    if chunk != CHUNK:
-        n, used = bt[0].shape[-1], tile_bytes(_tiles(kind, p, bt[0].shape[-1], parts=len(bt), q=chunk))
+def chunk_reason(p, n, chunk, parts=1, kinds=("state", "scan", "scan_bwd")) -> str | None:
+    """Why the `kinds` of kernel cannot run chunks of `chunk` (a multiple of 64) at head dim `p`, state
+    `n`, or None: their tiles exceed shared memory (the state backward's are 64's at any chunk)."""
+    for kind in kinds:
+        used = tile_bytes(_tiles(kind, p, n, parts=parts, q=chunk))
         if used > _SMEM:
-            raise Unsupported(
+            return (
                 f"chunk={chunk}, head_dim={p}, state={n}: the {kind} kernel's tiles take {used} bytes "
                 f"of shared memory, more than a Hopper block's {_SMEM}"
             )
+    return None
+
+
+def _check_tiles(kind: str, p: int, bt, chunk: int) -> None:
+    """`Unsupported` where `kind`'s tiles at chunks of `chunk` exceed shared memory (64: `dims_reason`)."""
+    if chunk != CHUNK and (reason := chunk_reason(p, bt[0].shape[-1], chunk, len(bt), (kind,))):
+        raise Unsupported(reason)
 
 
 def chunk_scan(

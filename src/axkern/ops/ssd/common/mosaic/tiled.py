@@ -14,6 +14,22 @@ blocks `j <= i`, accumulating `dC_i = Σ_j dg B_j + (f ∘ dy)_i S_in` and `dcum
 phases (about a quarter more tensor-core work than one pass), so that no `[Q, Q]` tile and no
 partial sum leaves registers. Shared memory: the chunk's `C`, `B`, `x`, `dy`'s halves, the
 state's halves, and staging tiles of 64 rows for `dx` and for `dB`, `dC`, `dS_in` in turn.
+
+**Grid and layout** as the whole-chunk kernels': one warpgroup per (batch row, head, chunk of
+`Q`), the chunk's rows of `C`, `B` (the head's group), `x` copied whole by TMA; a tile is a row
+slice of those tiles; vectors (`dt`, `cum`, `f`, the segment ids) read per tile, per row
+(`WGMMA.reduce(1)`) or per column (`reduce(0)`).
+
+**Cost** per chunk and head, `T = 64`, `r = Q / T`, `k = r (r + 1) / 2` tiles on or below the
+diagonal, in tensor-core FLOPs (halves counted as products): forward `k (2 T² N + 4 T² P) +
+r · 4 T P N` (`C Bᵀ`, `M x`; `C S_inᵀ` per row block); backward `k (4 T² N + 4 T² P (1 + w) +
+6 T² P + 8 T² N) + r · 10 T P N + 4 Q P N` (`C Bᵀ` and `dM` in both phases, `w` = 1 for a
+float32 cotangent; `Mᵀ dy`; `dgᵀ C`, `dg B`; `C S_inᵀ` and `(f ∘ dy) S_in` per row block;
+`dS_in`), against the whole chunk's `Q² (10 N + 10 P) + 14 Q P N`: the quadratic part grows
+with `Q` and by the phases' recomputation, while the float32 states between chunks (`P N · 4`
+bytes each, written and read by the recurrence) fall as `1 / Q`. Bytes a chunk: `x`, `B`, `C`
+rows once (16-bit), `dy` three times (setup, `df`, `f ∘ dy`; the later reads mostly from L2),
+the state once, the outputs once.
 """
 
 from __future__ import annotations
@@ -25,36 +41,17 @@ from jax.experimental import pallas as pl
 from axkern.core.compat import mosaic_gpu_load
 
 from .kernels import (
-    _SMEM,
     CHUNK,
     _copy_chunk_in,
     _decay,
     _halves,
     _products,
-    _tiles,
     pairs,
     parts_of,
     plgpu,
-    tile_bytes,
 )
 
-__all__ = ["chunk_output_tiled", "scan_bwd_tiled", "chunk_reason"]
-
-
-def chunk_reason(p: int, n: int, chunk: int, parts: int = 1) -> str | None:
-    """Why the layer's kernels (chunk state, chunk scan, their backward) cannot run chunks of
-    `chunk` positions at head dim `p` and state `n`, or None: a multiple of 64 whose tiles fit a
-    Hopper block's shared memory (the state backward's are those of 64)."""
-    if chunk % CHUNK or chunk < CHUNK:
-        return f"chunk_size={chunk}: the Mosaic GPU kernels run chunks of a multiple of {CHUNK}"
-    for kind in ("state", "scan", "scan_bwd"):
-        used = tile_bytes(_tiles(kind, p, n, parts=parts, q=chunk))
-        if used > _SMEM:
-            return (
-                f"chunk_size={chunk}, head_dim={p}, state={n}: the {kind} kernel's tiles take {used} bytes "
-                f"of shared memory, more than a Hopper block's {_SMEM}"
-            )
-    return None
+__all__ = ["chunk_output_tiled", "scan_bwd_tiled"]
 
 
 _T = CHUNK  # rows of a tile
