@@ -6,8 +6,8 @@ magnitude. Forms: `stages`, `fused`, `fused_group_sums` (the fused forward, `dB`
 summed in the backward kernels), `fused_transposes` (`x`, `y`, `dy`, `dx` in the caller's layout
 in the kernels), `fused_backward` (the reverse recurrence and the chunk states' backward as one
 kernel), `fused_sums_transposes` (the first two: the default), `fused_all` (all three),
-`stages_sums_transposes` (the three stages with the first two), `chunk128` (the same at chunks
-of 128, by tiles of 64 rows).
+`stages_sums_transposes` (the three stages with the first two), `chunk128` (the default at chunks
+of 128, by tiles of 64 rows), `chunk128_stages` (`stages_sums_transposes` at chunks of 128).
 
     OUT=<folder> python3 benchmarks/ssd_mosaic_forward.py [--lengths 2048,4096,16384] [--rounds 5]
         [--forms stages,fused]
@@ -42,7 +42,8 @@ FORMS = {
     "fused_sums_transposes": SSDBlockSizes(64, "fused", group_sums="kernels", transposes="kernels"),
     "fused_all": SSDBlockSizes(64, "fused", group_sums="kernels", transposes="kernels", backward="fused"),
     "stages_sums_transposes": SSDBlockSizes(64, "stages", group_sums="kernels", transposes="kernels"),
-    "chunk128": SSDBlockSizes(128, "stages", group_sums="kernels", transposes="kernels"),
+    "chunk128": SSDBlockSizes(128, "fused", group_sums="kernels", transposes="kernels"),
+    "chunk128_stages": SSDBlockSizes(128, "stages", group_sums="kernels", transposes="kernels"),
 }
 
 

@@ -88,22 +88,24 @@ def test_mosaic_gpu_against_oracle(segments, slow, dims, form):
 
 @pytest.mark.skipif(not _hopper(), reason="the Mosaic GPU kernels need a Hopper GPU")
 @pytest.mark.parametrize(
-    "chunk, dims, segments, sums",
+    "chunk, dims, segments, sums, forward",
     [
-        (128, (1, 1500, 8, 64, 1, 128), True, "kernels"),  # not a multiple of the chunk
-        (128, (2, 512, 8, 64, 8, 64), False, None),  # groups of one head
-        (256, (1, 1500, 4, 64, 2, 64), True, "kernels"),
+        (128, (1, 1500, 8, 64, 1, 128), True, "kernels", "stages"),  # not a multiple of the chunk
+        (128, (2, 512, 8, 64, 8, 64), False, None, "stages"),  # groups of one head
+        (256, (1, 1500, 4, 64, 2, 64), True, "kernels", "stages"),
+        (128, (1, 1500, 8, 64, 1, 128), True, "kernels", "fused"),
+        (256, (1, 1500, 4, 64, 2, 64), True, "kernels", "fused"),
     ],
 )
-def test_mosaic_gpu_at_larger_chunks_against_oracle(chunk, dims, segments, sums):
-    # the three stages at chunks of 128 and 256 (tiles of 64 rows): values and every gradient,
-    # with D, z, dt_bias and an initial state; A / 100, so that a chunk's early positions reach
-    # its late ones and the states carry across chunks
+def test_mosaic_gpu_at_larger_chunks_against_oracle(chunk, dims, segments, sums, forward):
+    # chunks of 128 and 256 (tiles of 64 rows), the forward in three stages or fused: values and
+    # every gradient, with D, z, dt_bias and an initial state; A / 100, so that a chunk's early
+    # positions reach its late ones and the states carry across chunks
     from axkern.ops.ssd import SSDBlockSizes
 
     arrays, seg = make(2, *dims, "bfloat16", segments=segments)
     arrays["A"] = arrays["A"] / 100
-    blocks = SSDBlockSizes(chunk, "stages", sums, "kernels")
+    blocks = SSDBlockSizes(chunk, forward, sums, "kernels")
     _check_mosaic(arrays, seg, blocks)
 
 
@@ -272,6 +274,25 @@ def test_mosaic_gpu_fused_forward_equals_the_stages(dims, boundaries, split):
     # final state against the stages' (only the order of float32 sums differs: the own state is
     # accumulated onto the kept state), y against the chunk scan kernel on the fused states (a
     # one-ulp difference in a state may round its 16-bit copy the other way)
+    _fused_against_stages(dims, boundaries, split)
+
+
+@pytest.mark.skipif(not _hopper(), reason="the Mosaic GPU kernels need a Hopper GPU")
+@pytest.mark.parametrize(
+    "chunk, dims, boundaries",
+    [
+        (128, (2, 4, 2, 3, 64, 128), 0.003),
+        (128, (1, 2, 2, 4, 64, 64), 0.0),
+        (256, (1, 2, 2, 3, 64, 64), 0.003),
+    ],
+)
+def test_mosaic_gpu_fused_forward_at_larger_chunks_equals_the_stages(chunk, dims, boundaries):
+    # chunks of 128 and 256: the fused kernel's tiles of 64 rows (one slot of C's row blocks, each
+    # refilled as soon as read; two of B's and x's), against the three stages at the same chunk
+    _fused_against_stages(dims, boundaries, False, chunk)
+
+
+def _fused_against_stages(dims, boundaries, split, chunk=64):
     import jax.numpy as jnp
     import numpy as np
 
@@ -279,7 +300,7 @@ def test_mosaic_gpu_fused_forward_equals_the_stages(dims, boundaries, split):
     from axkern.ops.ssd.common.kernels import _weights
 
     b, h, g, chunks, p, n = dims
-    q, length = mosaic_gpu.CHUNK, chunks * mosaic_gpu.CHUNK
+    q, length = chunk, chunks * chunk
     k = jax.random.split(jax.random.PRNGKey(11), 7)
     x = jax.random.normal(k[0], (b, h, length, p)).astype(jnp.bfloat16)
     # split: B, C float32, taken as two bf16 halves each (Mamba-3's q, k)
@@ -295,10 +316,12 @@ def test_mosaic_gpu_fused_forward_equals_the_stages(dims, boundaries, split):
     layout = mosaic_gpu.MosaicLayout(x, bt, q=q, interpret=False, products=jnp.bfloat16)
     args = (x, ac, dt.reshape(b, h, chunks, q), cum, w, f, keep, seg.reshape(b, chunks, q), bt, ct, s0)
     _, final_want, states_want = jax.jit(lambda *a: layout.forward(*a, sums=False, dtype=jnp.float32))(*args)
-    y, final, states_in = jax.jit(mosaic_gpu.fused_forward)(
+    y, final, states_in = jax.jit(functools.partial(mosaic_gpu.fused_forward, chunk=q))(
         x, col(w), dt, col(cum), col(f), keep, seg, bt, ct, s0
     )
-    y_want = jax.jit(mosaic_gpu.chunk_scan)(x, dt, col(cum), col(f), seg, bt, ct, states_in)
+    y_want = jax.jit(functools.partial(mosaic_gpu.chunk_scan, chunk=q))(
+        x, dt, col(cum), col(f), seg, bt, ct, states_in
+    )
 
     def close(got, want, tol, what):
         got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)

@@ -1,11 +1,13 @@
 """The SSD Mosaic GPU kernels' own Python bodies run on the CPU through a shim of the Mosaic GPU
-calls they make (`plgpu`, `pl.ds`, `lax.axis_index`, loads and `wgmma` sums on numpy arrays),
-block by block over the grid, against the kernels' emulation (`emulate.py`). Beside the values,
-the shim checks what the GPU would get wrong silently: a per-row vector broadcast along columns
-(or the reverse), shared memory read by `wgmma` or a TMA store after a write from registers
-without `commit_smem`, shared memory read before its TMA load's barrier was waited, shared
-memory written while a TMA store may still read it, and a kernel ending with stores in flight.
-It does not model registers, swizzling or timing: the GPU tests carry those."""
+calls they make (`plgpu`, `pl.ds`, `pl.when`, `lax.axis_index`, `lax.fori_loop`, loads and
+`wgmma` sums on numpy arrays), block by block over the grid, against the kernels' emulation
+(`emulate.py`). Beside the values, the shim checks what the GPU would get wrong silently (or
+hang on): a per-row vector broadcast along columns (or the reverse), shared memory read by
+`wgmma` or a TMA store after a write from registers without `commit_smem`, shared memory read
+before its TMA load's barrier was waited, shared memory written (from registers or by a TMA
+load) while a TMA store may still read it, a barrier armed by a second copy before the first was
+waited, a wait on a barrier no copy armed, and a kernel ending with stores in flight or loads
+never waited. It does not model registers, swizzling or timing: the GPU tests carry those."""
 
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ import pytest
 
 from axkern.ops.ssd.common.mosaic import backward as B
 from axkern.ops.ssd.common.mosaic import emulate as E
+from axkern.ops.ssd.common.mosaic import forward as F
 from axkern.ops.ssd.common.mosaic import kernels as K
 from axkern.ops.ssd.common.mosaic import tiled as T
 
@@ -165,16 +168,44 @@ class _Plgpu:
 
     @staticmethod
     def copy_gmem_to_smem(src, dst, barrier):
+        if any(b == barrier for _, b in ST.loading):
+            ST.hazard(f"{barrier} armed again before its first copy was waited")
+        if any(np.shares_memory(s, dst.a) for s, _ in ST.pending):
+            ST.hazard(f"a TMA load into {dst.name} while a TMA store may read it")
         dst.a[...] = src.a
         ST.loading.append((dst.a, barrier))
 
     @staticmethod
     def barrier_wait(barrier):
+        if not any(b == barrier for _, b in ST.loading):
+            ST.hazard(f"a wait on {barrier}, which no copy armed")
         ST.loading[:] = [x for x in ST.loading if x[1] != barrier]
 
     @staticmethod
     def layout_cast(x, layout):
         return x
+
+    class ACC:
+        @staticmethod
+        def init(value):
+            return np.asarray(value, np.float64).copy()
+
+    @staticmethod
+    def wgmma(acc, a, b):
+        acc.a[...] = _products(acc.a.shape, [(a, b, False)], acc=acc.a)
+
+
+def _run_state(fn):
+    def run(init):
+        ref = _Ref(np.asarray(init, np.float64).copy())
+        fn(ref)
+        return ref.a.astype(np.float32)
+
+    return run
+
+
+def _when(cond):
+    return lambda fn: fn() if cond else None
 
 
 class _Barriers:
@@ -191,12 +222,16 @@ def shim(monkeypatch):
     global ST
     ST = _State()
     lax_shim = types.SimpleNamespace(
-        axis_index=lambda name: ST.grid[name], div=lambda a, b: int(a) // int(b), broadcast_in_dim=_broadcast
+        axis_index=lambda name: ST.grid[name],
+        div=lambda a, b: int(a) // int(b),
+        rem=lambda a, b: int(a) % int(b),
+        broadcast_in_dim=_broadcast,
+        fori_loop=lambda lo, hi, body, init: functools.reduce(lambda v, i: body(i, v), range(lo, hi), init),
     )
-    for m in (K, T, B):
+    for m in (K, T, B, F):
         monkeypatch.setattr(m, "plgpu", _Plgpu)
         monkeypatch.setattr(m, "lax", lax_shim)
-        monkeypatch.setattr(m, "pl", types.SimpleNamespace(ds=_DS))
+        monkeypatch.setattr(m, "pl", types.SimpleNamespace(ds=_DS, when=_when, run_state=_run_state))
         for name, fn in (("mosaic_gpu_load", _load), ("_products", _products)):
             if hasattr(m, name):
                 monkeypatch.setattr(m, name, fn)
@@ -224,6 +259,8 @@ def _run(body, ins, outs, tiles, grid):
         body(*refs, *out_refs, (_smem(tiles), _Barriers()))
         if ST.pending:
             ST.hazard(f"a kernel ends with {len(ST.pending)} TMA stores in flight")
+        if ST.loading:
+            ST.hazard(f"a kernel ends with {len(ST.loading)} TMA loads never waited")
     return [o.a for o in out_refs]
 
 
@@ -321,3 +358,77 @@ def test_the_shim_sees_a_planted_error(shim, monkeypatch):
     monkeypatch.setattr(_Plgpu, "commit_smem", staticmethod(lambda: None))
     _errors(q=128)
     assert any("without commit_smem" in h for h in shim.hazards)
+
+
+def _fused_errors(q, b=1, h=2, g=1, c=3, p=64, n=64, positions_first=False, clean_x=False, states=True):
+    """The fused forward's largest differences (relative to the largest magnitude) from the three
+    stages' emulation at chunks of `q`: the entering states against the recurrence over the
+    emulated own states, `y` against the emulated scan of the kernel's own entering states (a
+    state differing in its last float32 bit may round to another bf16 value), the final state."""
+    length, f32, bf16 = c * q, np.float32, jnp.bfloat16
+    k = jax.random.split(jax.random.PRNGKey(1), 9)
+    x = jax.random.normal(k[0], (b, h, length, p)).astype(bf16)
+    if clean_x:  # non-finite values the kernel takes as 0
+        x = x.at[0, 0, 5, 3].set(jnp.nan).at[0, -1, length - 1, 0].set(jnp.inf)
+    bt, ct = (jax.random.normal(k[i], (b, g, length, n)).astype(bf16) for i in (1, 2))
+    dt = jax.nn.softplus(jax.random.normal(k[3], (b, h, length)))
+    cum = jnp.cumsum((-dt * 0.01).reshape(b, h, c, q), -1).reshape(b, h, length)
+    seg = jnp.cumsum(jax.random.bernoulli(k[5], 0.03, (b, length)), axis=1).astype(jnp.int32)
+    s0 = jax.random.normal(k[6], (b, h, p, n))
+    keep = jnp.exp(cum.reshape(b, h, c, q)[..., -1])
+    f, w = jnp.exp(cum), jnp.exp(cum) * dt
+    keep_rows = jnp.broadcast_to(keep[..., None], (b, h, c, p))
+    rows = lambda a: jnp.swapaxes(a, 1, 2) if positions_first else a  # noqa: E731
+    y_shape = (b, length, h, p) if positions_first else (b, h, length, p)
+    outs = (
+        [np.zeros(y_shape, f32)] + [np.zeros((b, c, h, p, n), f32)] * states + [np.zeros((b, h, p, n), f32)]
+    )
+    kernel = F.forward_tiled_kernel if q != 64 else F._forward_kernel
+    body = functools.partial(kernel if states else functools.partial(F._without_states, kernel=kernel))
+    got = _run(
+        functools.partial(
+            body,
+            rep=h // g,
+            dtype=bf16,
+            add=False,
+            rows_of=K._indexer(positions_first),
+            chunks=c,
+            clean_x=clean_x,
+        ),
+        (rows(x), w, dt, cum, f, keep_rows, seg, (bt,), (ct,), s0),
+        outs,
+        F._tiles(p, n, q=q),
+        (b, h, 1),
+    )
+    y, final = rows(got[0]), got[-1]
+    x_clean = jnp.where(jnp.isfinite(x), x, 0)
+    own = np.asarray(E.emulate_chunk_state(x_clean, w, bt, q))
+    want_states, state = [], np.asarray(s0)
+    for i in range(c):
+        want_states.append(state)
+        state = np.asarray(keep)[:, :, i, None, None] * state + own[:, i]
+    have, want = {"final": final}, {"final": state}
+    if states:  # (without them, `y` is the same body's; the scan's emulation takes the entering states)
+        have["states"], want["states"] = got[1], np.stack(want_states, 1)
+        have["y"], want["y"] = y, E.emulate_chunk_scan(x_clean, dt, cum, f, seg, bt, ct, got[1], q)
+    rel = lambda a, e: float(np.abs(np.asarray(a, np.float64) - e).max() / np.abs(e).max())  # noqa: E731
+    return {name: rel(have[name], np.asarray(want[name], np.float64)) for name in have}
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        dict(q=64),
+        dict(q=128),
+        dict(q=256),
+        dict(q=128, n=128, h=4, g=2),  # groups: a head's rows of its group's B, C
+        dict(q=128, p=128),
+        dict(q=128, positions_first=True, clean_x=True),
+        dict(q=128, states=False),
+    ],
+    ids=str,
+)
+def test_the_fused_forward_body_computes_the_stages_emulation_without_hazards(shim, case):
+    errors = _fused_errors(**case)
+    assert max(errors.values()) <= 1e-5, errors
+    assert not shim.hazards, sorted(set(shim.hazards))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import re
 
 import jax
@@ -59,20 +60,25 @@ def test_each_kernel_lowers_for_cuda(kernel, dims):
 
 @needs_mosaic
 @pytest.mark.parametrize("chunk", [128, 256])
-@pytest.mark.parametrize("kernel", ["chunk_state", "chunk_scan", "chunk_state_bwd", "chunk_scan_bwd"])
+@pytest.mark.parametrize(
+    "kernel", ["chunk_state", "chunk_scan", "chunk_state_bwd", "chunk_scan_bwd", "fused_forward"]
+)
 @pytest.mark.parametrize("dims", [(2, 4, 2, 3, 64, 128), (1, 2, 1, 2, 128, 64), (1, 2, 2, 1, 64, 64)])
 def test_the_kernels_lower_at_larger_chunks(kernel, chunk, dims):
-    # chunks of 128 and 256 positions (the scan and its backward by tiles of 64 rows, the state
-    # backward by blocks of 64 rows): one kernel, the chunk's states `[b, L / chunk, h, P, N]`; a
-    # kernel whose tiles would exceed shared memory is refused with the sizes (the scan's at 256
-    # but at P and N 64; its backward's also at 128 with P 128, by 2 KiB)
+    # chunks of 128 and 256 positions (the scan, its backward and the fused forward by tiles of 64
+    # rows, the state backward by blocks of 64 rows): one kernel, the chunk's states `[b, L /
+    # chunk, h, P, N]`; a kernel whose tiles would exceed shared memory is refused with the sizes
+    # (the scan's and the fused forward's at 256 but at P and N 64; the scan backward's also at
+    # 128 with P 128, by 2 KiB)
     b, h, g, c, p, n = dims
     args = list(_kernel_args(kernel, b, h, g, c * chunk // mosaic_gpu.CHUNK, p, n))
     states = jax.ShapeDtypeStruct((b, c, h, p, n), jnp.float32)
-    if kernel != "chunk_state":
+    if kernel == "fused_forward":  # a carry per chunk
+        args[5] = jax.ShapeDtypeStruct((b, h, c), jnp.float32)
+    elif kernel != "chunk_state":
         args[{"chunk_state_bwd": 3, "chunk_scan": 7, "chunk_scan_bwd": 8}[kernel]] = states
     fn = functools.partial(getattr(mosaic_gpu, kernel), chunk=chunk)
-    too_big = kernel in ("chunk_scan", "chunk_scan_bwd") and chunk == 256 and max(p, n) > 64
+    too_big = kernel in ("chunk_scan", "chunk_scan_bwd", "fused_forward") and chunk == 256 and max(p, n) > 64
     if too_big or (kernel == "chunk_scan_bwd" and chunk == 128 and p == 128):
         with pytest.raises(axkern.Unsupported, match=f"chunk={chunk}.*shared memory"):
             jax.eval_shape(fn, *args)
@@ -80,8 +86,8 @@ def test_the_kernels_lower_at_larger_chunks(kernel, chunk, dims):
     outs = jax.eval_shape(fn, *args)
     if kernel == "chunk_state":
         assert outs.shape == states.shape
-    if kernel == "chunk_scan_bwd":
-        assert outs[7].shape == states.shape  # dS_in
+    if kernel in ("chunk_scan_bwd", "fused_forward"):
+        assert outs[{"chunk_scan_bwd": 7, "fused_forward": 2}[kernel]].shape == states.shape  # dS_in, S_in
     text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert _kernels(text) == 1
 
@@ -194,24 +200,26 @@ def test_the_layer_lowers_in_every_form(forward, group_sums, backward):
 
 
 @needs_mosaic
-@pytest.mark.parametrize("group_sums", [None, "kernels"])
+@pytest.mark.parametrize(
+    "forward, group_sums", [("stages", None), ("stages", "kernels"), ("fused", "kernels")]
+)
 @pytest.mark.parametrize("chunk, state", [(128, 128), (256, 64)])
-def test_the_layer_lowers_at_larger_chunks(chunk, state, group_sums):
-    # the three stages' kernels and their backward at chunks of 128 and 256 through the layer
-    # (a length not a multiple of the chunk, groups, the caller's layout): the same eight kernels
-    # as at 64, the recurrence's Triton kernels over half or a quarter of the chunks
+def test_the_layer_lowers_at_larger_chunks(chunk, state, forward, group_sums):
+    # the forward (three stages, or fused) and the backward's kernels at chunks of 128 and 256
+    # through the layer (a length not a multiple of the chunk, groups, the caller's layout): the
+    # same kernels as at 64, the recurrence's Triton kernels over half or a quarter of the chunks
     arrays, seg = make(0, 1, 300, 4, 64, 2, state, "bfloat16")
 
     def f(a):
         dt = prepared_dt(a["dt"], a["dt_bias"], True, None)
-        blocks = SSDBlockSizes(chunk, "stages", group_sums, "kernels")
+        blocks = SSDBlockSizes(chunk, forward, group_sums, "kernels")
         y, final = mosaic_gpu.ssd(
             a["x"], dt, a["A"], a["B"], a["C"], a["D"], a["z"], seg, a["initial_state"], block_sizes=blocks
         )  # fmt: skip
         return jnp.sum(y.astype(jnp.float32)) + jnp.sum(final)
 
     text = jax.jit(jax.grad(f)).trace(arrays).lower(lowering_platforms=("cuda",)).as_text()
-    assert _kernels(text) == 8
+    assert _kernels(text) == (8 if forward == "stages" else 6)
     assert "axkern_ssd_gpu_recurrence_bwd" in text
 
 
@@ -445,14 +453,19 @@ def test_dispatch_skips_it_off_hopper_with_the_reason():
     fits = {(p, n) for p in sizes for n in sizes if mosaic_gpu.dims_reason(p, n) is None}
     assert fits == {(64, 64), (64, 128), (128, 64)}
     assert "head_dim=32" in mosaic_gpu.supports(_h200_spec(32, 128)[1])
-    # first in the GPU order for 16-bit inputs; chunks not a multiple of 64, and the fused forms
-    # above 64, it refuses (the call falls back)
+    # first in the GPU order for 16-bit inputs; chunks not a multiple of 64, and the fused state
+    # backward above 64, it refuses (the call falls back)
     assert OP.default_order["gpu"](gpu)[0] == "mosaic_gpu"
     with pytest.raises(axkern.Unsupported, match="chunk_size=96"):
         mosaic_gpu.ssd(*[None] * 9, block_sizes=SSDBlockSizes(chunk_size=96))
-    with pytest.raises(axkern.Unsupported, match="chunk_size=128: the fused forward"):
-        mosaic_gpu.ssd(*[None] * 9, block_sizes=SSDBlockSizes(chunk_size=128, forward="fused"))
+    with pytest.raises(axkern.Unsupported, match="chunk_size=128: the fused state backward"):
+        mosaic_gpu.ssd(*[None] * 9, block_sizes=SSDBlockSizes(chunk_size=128, backward="fused"))
     assert mosaic_gpu.chunk_reason(64, 128, 128) is None and mosaic_gpu.chunk_reason(64, 64, 256) is None
+    # where the three stages' tiles fit at a larger chunk, the fused forward's do too
+    for (p, n), q in itertools.product(fits, (128, 256)):
+        if mosaic_gpu.chunk_reason(p, n, q) is None:
+            assert mosaic_gpu.fused_fits(p, n, chunk=q), (p, n, q)
+    assert not mosaic_gpu.fused_fits(64, 128, chunk=256)
     assert "scan_bwd kernel's tiles" in mosaic_gpu.chunk_reason(128, 64, 128)
     assert "scan kernel's tiles" in mosaic_gpu.chunk_reason(64, 128, 256)
     # the fused forward: mosaic_gpu's tuning space holds it; the others refuse it, and an unknown
@@ -504,10 +517,13 @@ def test_the_default_form_and_the_deterministic_flags(monkeypatch):
     default = SSDBlockSizes(64, forward="fused", group_sums="kernels", transposes="kernels")
     assert heuristic(gpu) == default
     forms = space(gpu)
-    assert forms[0] == default and len(set(forms)) == len(forms) == 7
+    assert forms[0] == default and len(set(forms)) == len(forms) == 8
     assert SSDBlockSizes(64, forward="stages") in forms
-    # the three stages at chunks of 128 (at P 64, N 128 the scan's tiles at 256 exceed shared memory)
-    assert forms[-1] == dataclasses.replace(default, chunk_size=128, forward="stages")
+    # the default and its three stages at chunks of 128 (at P 64, N 128 the scan's tiles at 256
+    # exceed shared memory)
+    assert forms[-2:] == [
+        dataclasses.replace(default, chunk_size=128, forward=f) for f in ("fused", "stages")
+    ]
     assert dataclasses.replace(default, backward="fused") in forms
     for flags in (
         "--xla_gpu_deterministic_ops=true",

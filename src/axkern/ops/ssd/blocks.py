@@ -140,8 +140,8 @@ def pallas_tpu_space(spec: Spec) -> list[SSDBlockSizes]:
 
 
 def mosaic_gpu_heuristic(spec: Spec) -> SSDBlockSizes:
-    """`mosaic_gpu`: chunks of 64 (one warpgroup's rows; larger chunks run the three stages by
-    tiles of 64 rows, not yet timed), the forward fused, `dB` and `dC` summed over each group's heads and `x`, `y` read and written in
+    """`mosaic_gpu`: chunks of 64 (one warpgroup's rows; larger chunks run the kernels by tiles
+    of 64 rows, not yet timed), the forward fused, `dB` and `dC` summed over each group's heads and `x`, `y` read and written in
     the caller's layout in the kernels; the state backward as two kernels. On the H200 at the
     2.7B layer (`benchmarks/ssd_mosaic_forward.py`, L 4096): the fused forward 0.89x the three
     stages' forward time (0.86-0.89x at L 2048 to 16384), 0.96x forward+backward; against the
@@ -156,8 +156,8 @@ def mosaic_gpu_heuristic(spec: Spec) -> SSDBlockSizes:
 
 def mosaic_gpu_space(spec: Spec) -> list[SSDBlockSizes]:
     """The default, then its parts taken back one at a time, the fused state backward added,
-    and the three stages with none of them; then the three stages at chunks of 128 and 256
-    where their tiles fit (`axkern tune` times each)."""
+    and the three stages with none of them; then the default and its three stages at chunks of
+    128 and 256 where their tiles fit (`axkern tune` times each)."""
     best = mosaic_gpu_heuristic(spec)
     forms = [
         best,
@@ -169,5 +169,9 @@ def mosaic_gpu_space(spec: Spec) -> list[SSDBlockSizes]:
     ]
     p, n = spec.dim("head_dim"), spec.dim("state")
     larger = [q for q in (128, 256) if q <= next_power_of_2(spec.dim("length")) and not chunk_reason(p, n, q)]
-    forms += [dataclasses.replace(best, chunk_size=q, forward="stages") for q in larger]
+    for q in larger:
+        forms += [
+            dataclasses.replace(best, chunk_size=q),
+            dataclasses.replace(best, chunk_size=q, forward="stages"),
+        ]
     return list(dict.fromkeys(forms))

@@ -31,17 +31,18 @@ def supports(spec) -> str | None:
 def ssd(x, dt, A, B, C, D, z, segment_ids, initial_state, *, block_sizes, interpret=False):
     chunk = block_sizes.chunk_size
     if chunk != CHUNK:
-        # above 64: the three stages' kernels by tiles of 64 rows (`common/mosaic/tiled.py`); the
-        # fused forward and the fused state backward walk chunks of 64 only
+        # above 64: the kernels by tiles of 64 rows (`common/mosaic/tiled.py`); the fused state
+        # backward walks chunks of 64 only
         if chunk % CHUNK or chunk < CHUNK:
             raise Unsupported(
                 f"chunk_size={chunk}: the Mosaic GPU kernels run chunks of a multiple of {CHUNK}"
             )
-        if block_sizes.forward == "fused" or block_sizes.backward == "fused":
+        if block_sizes.backward == "fused":
             raise Unsupported(
-                f"chunk_size={chunk}: the fused forward and the fused state backward run chunks of {CHUNK} "
-                "(forward='stages' and backward='stages' take larger chunks)"
+                f"chunk_size={chunk}: the fused state backward runs chunks of {CHUNK} "
+                "(backward='stages' takes larger chunks)"
             )
+        # (where the three stages' tiles fit, the fused forward's do: `fused_forward` checks)
         reason = chunk_reason(x.shape[-1], B.shape[-1], chunk)
         if reason:
             raise Unsupported(reason)

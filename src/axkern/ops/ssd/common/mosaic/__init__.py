@@ -10,14 +10,15 @@ are XLA's and `pallas_gpu`'s Triton kernels (`common/kernels.py` has the stages,
 4, the output `y = ((C Bᵀ) ∘ Λ ∘ dt)(x) + f ∘ (C S_inᵀ)` of every chunk, `_scan_kernel` and its
 backward `_scan_bwd_kernel`. Each: one warpgroup per (batch row, head, chunk of 64 positions).
 
-**Chunks of `64 r`** (`chunk=` of the four kernels; `SSDBlockSizes(chunk_size=128 or 256,
-forward="stages")`): the state kernel takes the chunk's rows in one product; the scan kernel and
-its backward walk tiles of 64 rows (`tiled.py`: the causal mask on the diagonal tile only, the
-segments' on every tile; the backward in two phases); the state backward runs a block per 64
-rows (its gradients are row by row), each reading its chunk's `dS`. At chunks of 64 the kernels
-are the same as before (their lowered text identical). `chunk_reason` says where the tiles fit
-(128 at P 64 with N 64 or 128; 256 at P and N 64). The fused forward and the fused state backward
-walk chunks of 64 only. Lowered for CUDA on the CPU; the tiles' algebra mirrored in XLA against
+**Chunks of `64 r`** (`chunk=` of the four kernels and the fused forward;
+`SSDBlockSizes(chunk_size=128 or 256)`): the state kernel takes the chunk's rows in one product;
+the scan kernel, its backward and the fused forward walk tiles of 64 rows (`tiled.py`: the
+causal mask on the diagonal tile only, the segments' on every tile; the backward in two phases;
+the fused forward's shared memory in tiles of 64 rows, `C`'s refilled row block by row block);
+the state backward runs a block per 64 rows (its gradients are row by row), each reading its
+chunk's `dS`. At chunks of 64 the kernels are the same as before (their lowered text
+identical). `chunk_reason` says where the tiles fit (128 at P 64 with N 64 or 128; 256 at P and
+N 64). The fused state backward walks chunks of 64 only. Lowered for CUDA on the CPU; the tiles' algebra mirrored in XLA against
 the emulation; the kernels' own bodies run on the CPU through a shim of the Mosaic GPU calls
 (`tests/ops/test_ssd_mosaic_bodies.py`: values against the emulation, and layouts, commits, waits
 and in-flight stores checked); not yet run on a GPU, so the default stays at 64.
@@ -292,6 +293,7 @@ class FusedMosaicLayout(MosaicLayout):
             y_dtype=self.y_dtype,
             states=residuals,
             clean_x=clean_x,
+            chunk=self.q,
         )
 
 

@@ -40,6 +40,8 @@ halves (docs/ops/mamba3.md).
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -67,15 +69,27 @@ from .kernels import (
     tile_bytes,
 )
 from .rotation import RotatedOperand, finite_or_zero
+from .tiled import forward_tiled_kernel
 
 __all__ = ["fused_forward", "fused_smem_bytes", "fused_fits", "rotation_reason"]
 
 
-def _tiles(p: int, n: int, dtype=jnp.bfloat16, y_dtype=jnp.float32, parts=1, rotate=False) -> list:
+def _tiles(p: int, n: int, dtype=jnp.bfloat16, y_dtype=jnp.float32, parts=1, rotate=False, q=CHUNK) -> list:
     """Shared-memory tiles `(shape, dtype)`: two slots of C, B (each `parts` tiles, slot-major),
     x; w ∘ x's halves; the entering state as 16 bits; staging for y (`y_dtype`) and for the
     float32 state. `rotate` (`rotation.py`): one slot of C's and B's two halves, which the
-    block forms, and the unrotated `q`, `k` rows and the angles they are copied into."""
+    block forms, and the unrotated `q`, `k` rows and the angles they are copied into. Chunks of
+    `q = 64 r` (`forward_tiled_kernel`): tiles of 64 rows, one slot of C's `r` row blocks (each
+    refilled as soon as the chunk's output has read it), two of B's and x's; w ∘ x's halves and
+    y's staging for one row block."""
+    if q != CHUNK:
+        r, t, f32 = q // CHUNK, CHUNK, jnp.float32
+        bc = lambda slots: ((slots * r * parts, t, n), dtype)  # noqa: E731
+        return [bc(1), bc(2), ((2 * r, t, p), dtype), ((t, p), dtype), ((t, p), dtype)] + [
+            ((p, n), dtype),
+            ((t, p), y_dtype),
+            ((p, n), f32),
+        ]
     q, f32 = CHUNK, jnp.float32
     extra = [((2, q, n), dtype), ((q, n // 2), f32)] if rotate else []
     slots = 1 if rotate else 2
@@ -91,13 +105,14 @@ def _tiles(p: int, n: int, dtype=jnp.bfloat16, y_dtype=jnp.float32, parts=1, rot
     ] + extra
 
 
-def fused_smem_bytes(p: int, n: int, parts: int = 1, rotate: bool = False) -> int:
-    return tile_bytes(_tiles(p, n, parts=parts, rotate=rotate))
+def fused_smem_bytes(p: int, n: int, parts: int = 1, rotate: bool = False, chunk: int = CHUNK) -> int:
+    return tile_bytes(_tiles(p, n, parts=parts, rotate=rotate, q=chunk))
 
 
-def fused_fits(p: int, n: int, parts: int = 1, rotate: bool = False) -> bool:
-    """Whether the fused forward's tiles (float32 `y`) fit a Hopper block's shared memory."""
-    return fused_smem_bytes(p, n, parts, rotate) <= _SMEM
+def fused_fits(p: int, n: int, parts: int = 1, rotate: bool = False, chunk: int = CHUNK) -> bool:
+    """Whether the fused forward's tiles (float32 `y`) at chunks of `chunk` fit a Hopper block's
+    shared memory."""
+    return fused_smem_bytes(p, n, parts, rotate, chunk) <= _SMEM
 
 
 def rotation_reason(p: int, n: int) -> str | None:
@@ -268,11 +283,11 @@ def _forward_kernel(
     _put_last(st_smem, lax.fori_loop(0, chunks, step, s0), final_ref.at[batch, head])
 
 
-def _without_states(*refs, **kw):
-    """`_forward_kernel` with no entering states' output (refs: the inputs, `y`, `final`, the
-    scoped tiles)."""
+def _without_states(*refs, kernel=_forward_kernel, **kw):
+    """`kernel` with no entering states' output (refs: the inputs, `y`, `final`, the scoped
+    tiles)."""
     *inputs, y_ref, final_ref, scoped = refs
-    _forward_kernel(*inputs, y_ref, None, final_ref, scoped, **kw)
+    kernel(*inputs, y_ref, None, final_ref, scoped, **kw)
 
 
 def fused_forward(
@@ -291,6 +306,7 @@ def fused_forward(
     y_dtype=jnp.float32,
     states=True,
     clean_x=False,
+    chunk=CHUNK,
 ):
     """`(y [b, h, L, P], final [b, h, P, N], states_in [b, c, h, P, N])`, float32 (`y` in
     `y_dtype`), of the chunks
@@ -298,13 +314,16 @@ def fused_forward(
     `RotatedOperand`s by the same angles (`bt`'s are read), which the kernel turns itself
     (`rotation.py`); `w, dt,
     cum, f [b, h, L]` float32; `keep [b,
-    h, c]`; `seg [b, L]` int32; `initial_state [b, h, P, N]` float32; `L = c · CHUNK`) by the
+    h, c]`; `seg [b, L]` int32; `initial_state [b, h, P, N]` float32; `L = c · chunk`) by the
     fused kernel. `positions_first`: `xt` and `y` are `[b, L, h, P]`; `y_dtype`: `y` rounded to
     it in the kernel; `states=False`: `states_in` is None, the kernel does not write the
     entering states (the backward's residual; `P·N·4` bytes a chunk and head, the largest of
-    its writes); `clean_x`: `x`'s non-finite values taken as 0 (no cleaned copy to write)."""
+    its writes); `clean_x`: `x`'s non-finite values taken as 0 (no cleaned copy to write).
+    `chunk`: 64, or a multiple of 64 by tiles of 64 rows (`forward_tiled_kernel`; not rotating)."""
     f32, dtype = jnp.float32, xt.dtype
     rotate = isinstance(bt, RotatedOperand)
+    if rotate and chunk != CHUNK:
+        raise Unsupported(f"chunk_size={chunk}: the rotating forward runs chunks of {CHUNK}")
     if rotate:  # `(u, bias, Θ)` each; the parts' shapes and dtypes checked as `u`'s
         p, n = _dims(xt, positions_first)[3], bt.u.shape[-1]
         reason = rotation_reason(p, n) or _rotation_dtypes(bt, ct)
@@ -316,9 +335,16 @@ def fused_forward(
         bt, ct = operand_parts(bt), operand_parts(ct)
         checked = (bt, ct)
     parts = 2 if rotate else len(bt)
-    tiles = _tiles(xt.shape[-1], bt[0].shape[-1], dtype, y_dtype, parts, rotate)
+    tiles = _tiles(xt.shape[-1], bt[0].shape[-1], dtype, y_dtype, parts, rotate, chunk)
     setup = _walk_setup(
-        xt, checked[0], keep, tiles, "the fused forward", checked[1], positions_first=positions_first
+        xt,
+        checked[0],
+        keep,
+        tiles,
+        "the fused forward",
+        checked[1],
+        positions_first=positions_first,
+        chunk=chunk,
     )
     b, h, lp, p, n, c, keep_rows = setup
     y_type, final_type = (
@@ -329,10 +355,19 @@ def fused_forward(
         out_type = (y_type, jax.ShapeDtypeStruct((b, c, h, p, n), f32), final_type)
     else:
         out_type = (y_type, final_type)
-    barrier = plgpu.Barrier(num_barriers=2 + 3 if rotate else 2 * (len(bt) + len(ct) + 1))
+    if chunk != CHUNK:  # C's row blocks, then each slot's row blocks of B's parts and x
+        r = chunk // CHUNK
+        barrier, kernel, kw = (
+            plgpu.Barrier(num_barriers=r * parts + 2 * r * (parts + 1)),
+            forward_tiled_kernel,
+            {},
+        )
+    else:
+        barrier = plgpu.Barrier(num_barriers=2 + 3 if rotate else 2 * (len(bt) + len(ct) + 1))
+        kernel, kw = _forward_kernel, {"rotate": rotate}
     launch = _launch(
         "forward",
-        _forward_kernel if states else _without_states,
+        kernel if states else functools.partial(_without_states, kernel=kernel),
         out_type,
         xt,
         bt,
@@ -340,8 +375,8 @@ def fused_forward(
         positions_first=positions_first,
         tiles=tiles,
         chunks=c,
-        rotate=rotate,
         clean_x=clean_x,
+        **kw,
     )
     out = launch(xt, w, dt, cum, f, keep_rows, seg.astype(jnp.int32), bt, ct, initial_state.astype(f32))
     if states:

@@ -88,16 +88,16 @@ def smem_bytes(p: int, n: int, parts: int = 1) -> int:
     return max(tile_bytes(_tiles(k, p, n, parts=parts)) for k in kernels)
 
 
-def _walk_setup(xt, bt, keep, tiles, what, *rest, positions_first):
+def _walk_setup(xt, bt, keep, tiles, what, *rest, positions_first, chunk=CHUNK):
     """What a kernel walking one (batch row, head)'s chunks (`forward.py`, `state_backward.py`)
     does first: its operands checked (`x`, `B`, `rest` bf16, `B` and `rest` as `operand_parts`
     gives them) and its `tiles` against shared memory; `(b, h, L, P, N, chunks, keep_rows)`,
     `keep_rows [b, h, c, P]` float32 the carries with one value per row of a `[P, N]` state."""
-    _check_operands(xt, bt, *rest, positions_first=positions_first)
+    _check_operands(xt, bt, *rest, positions_first=positions_first, chunk=chunk)
     b, h, lp, p = _dims(xt, positions_first)
-    n, c = bt[0].shape[-1], lp // CHUNK
+    n, c = bt[0].shape[-1], lp // chunk
     if tile_bytes(tiles) > _SMEM:
-        raise Unsupported(f"head_dim={p}, state={n}: {what}'s tiles exceed shared memory")
+        raise Unsupported(f"head_dim={p}, state={n}, chunk={chunk}: {what}'s tiles exceed shared memory")
     keep_rows = jnp.broadcast_to(keep[..., None], (b, h, c, p)).astype(jnp.float32)
     return b, h, lp, p, n, c, keep_rows
 
@@ -172,10 +172,10 @@ def _scan_kernel(
     if q == CHUNK:
         y_smem[...] = _chunk_output(cs, bs, x_smem, s16_smem, *vectors, dtype=dtype).astype(y_smem.dtype)
     else:
-        from .tiled import chunk_output_tiled  # noqa: PLC0415 - tiled.py builds on this module
+        from .tiled import chunk_output_tiled, chunk_tiles, into_rows  # noqa: PLC0415 - builds on this module
 
-        refs = (dt_ref, cum_ref, f_ref, seg_ref)
-        chunk_output_tiled(cs, bs, x_smem, s16_smem, y_smem, refs, batch, head, base, dtype=dtype)
+        refs, tiles = (dt_ref, cum_ref, f_ref, seg_ref), chunk_tiles(cs, bs, x_smem)
+        chunk_output_tiled(tiles, s16_smem, into_rows(y_smem), refs, batch, head, base, dtype=dtype)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(y_smem, rows_of(y_ref, batch, head, rows))
     plgpu.wait_smem_to_gmem(0)

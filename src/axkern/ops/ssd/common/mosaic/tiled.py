@@ -1,7 +1,7 @@
-"""The chunk scan's output and backward for chunks of `Q = 64 r` positions (`r > 1`), by tiles of
-64 rows (one warpgroup's `wgmma` rows): a tile `(i, j)` pairs the chunk's row block `i` (positions
-`t`) with its column block `j <= i` (positions `s`); the causal mask acts on the diagonal tile
-only, the segments' on every tile. Each tile computes what `_chunk_output` and
+"""The chunk scan's output and backward, and the fused forward, for chunks of `Q = 64 r`
+positions (`r > 1`), by tiles of 64 rows (one warpgroup's `wgmma` rows): a tile `(i, j)` pairs
+the chunk's row block `i` (positions `t`) with its column block `j <= i` (positions `s`); the
+causal mask acts on the diagonal tile only, the segments' on every tile. Each tile computes what `_chunk_output` and
 `_scan_bwd_kernel` compute for the whole chunk of 64 (the same roundings, element by element);
 the float32 sums run in another order.
 
@@ -34,6 +34,8 @@ the state once, the outputs once.
 
 from __future__ import annotations
 
+import itertools
+
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -45,13 +47,16 @@ from .kernels import (
     _copy_chunk_in,
     _decay,
     _halves,
+    _part_copies,
     _products,
+    _put_last,
     pairs,
     parts_of,
     plgpu,
 )
+from .rotation import finite_or_zero
 
-__all__ = ["chunk_output_tiled", "scan_bwd_tiled"]
+__all__ = ["chunk_tiles", "into_rows", "chunk_output_tiled", "scan_bwd_tiled", "forward_tiled_kernel"]
 
 
 _T = CHUNK  # rows of a tile
@@ -77,22 +82,46 @@ def _plus(total, part):
     return part if total is None else total + part
 
 
-def chunk_output_tiled(cs, bs, x_smem, s16_smem, y_smem, refs, batch, head, base, *, dtype):
-    """`_chunk_output` of a chunk of `Q = 64 r` positions into `y_smem`: for row block `i`,
-    `f ∘ (C_i S_inᵀ)` then, for each column block `j <= i`, `M_ij = (C_i B_jᵀ) ∘ Λ_ij ∘ dt_j` as
-    two 16-bit halves times `x_j`. `refs`: `dt`, `cum`, `f`, the segment ids; `base` the chunk's
-    first position."""
+def chunk_tiles(cs, bs, x_smem) -> tuple:
+    """Row blocks of a chunk's whole tiles in shared memory: `C`'s and `B`'s (`cs`, `bs`: their
+    parts) and `x`'s, as `chunk_output_tiled` takes them."""
+    blocks = range(x_smem.shape[0] // _T)
+    return (
+        [_tile(cs, i) for i in blocks],
+        [_tile(bs, j) for j in blocks],
+        [_tile((x_smem,), j)[0] for j in blocks],
+    )
+
+
+def into_rows(smem):
+    """An `emit` for `chunk_output_tiled` that stores row block `i`'s output into rows `i` of `smem`."""
+
+    def emit(i, y):
+        _tile((smem,), i)[0][...] = y.astype(smem.dtype)
+
+    return emit
+
+
+def chunk_output_tiled(tiles, s16_smem, emit, refs, batch, head, base, *, dtype, ready=None):
+    """`_chunk_output` of a chunk of `Q = 64 r` positions, row block by row block: for row block
+    `i`, `f ∘ (C_i S_inᵀ)` then, for each column block `j <= i`, `M_ij = (C_i B_jᵀ) ∘ Λ_ij ∘ dt_j`
+    as two 16-bit halves times `x_j`; `emit(i, y_i)` takes the block's `[64, P]` float32 output.
+    `tiles`: the row blocks of `C`, `B` (each as its parts) and `x` (`chunk_tiles`, or a fused
+    kernel's tiles of 64 rows); `ready(i)`, where given, runs before row block `i` reads `C_i`.
+    `refs`: `dt`, `cum`, `f`, the segment ids; `base` the chunk's first position."""
     dt_ref, cum_ref, f_ref, seg_ref = refs
-    q, p = x_smem.shape
+    c_tiles, b_tiles, x_tiles = tiles
+    p = x_tiles[0].shape[-1]
     per_row, per_col = _row_col()
-    for i in range(q // _T):
+    for i, c_i in enumerate(c_tiles):
         rows_i = pl.ds(base + i * _T, _T)
         cum_t, f_t = (
             _load(cum_ref.at[batch, head], rows_i, per_row),
             _load(f_ref.at[batch, head], rows_i, per_row),
         )
         seg_t = _load(seg_ref.at[batch], rows_i, per_row)
-        c_i = _tile(cs, i)
+        if ready is not None:
+            ready(i)
         y = _products((_T, p), pairs(c_i, (s16_smem,), True)) * lax.broadcast_in_dim(f_t, (_T, p), [0])
         for j in range(i + 1):
             rows_j = pl.ds(base + j * _T, _T)
@@ -101,12 +130,11 @@ def chunk_output_tiled(cs, bs, x_smem, s16_smem, y_smem, refs, batch, head, base
                 _load(dt_ref.at[batch, head], rows_j, per_col),
             )
             seg_s = _load(seg_ref.at[batch], rows_j, per_col)
-            s = _products((_T, _T), pairs(c_i, _tile(bs, j), True))
+            s = _products((_T, _T), pairs(c_i, b_tiles[j], True))
             decay, on_cols = _decay(cum_t, cum_s, seg_t, seg_s, diagonal=i == j)
             m_hi, m_lo = _halves(s * decay * on_cols(dt_s), dtype)
-            (x_j,) = _tile((x_smem,), j)
-            y = _products((_T, p), [(m_hi, x_j, False), (m_lo, x_j, False)], acc=y)
-        _tile((y_smem,), i)[0][...] = y.astype(y_smem.dtype)
+            y = _products((_T, p), [(m_hi, x_tiles[j], False), (m_lo, x_tiles[j], False)], acc=y)
+        emit(i, y)
 
 
 def _decay_transposed(cum_s, cum_t, seg_s, seg_t, diagonal):
@@ -233,3 +261,121 @@ def scan_bwd_tiled(refs, scoped, *, rep, dtype, add, rows_of):
     for k, ref in enumerate((ddt_ref, dcum_ref, df_ref, dcum_row_ref)):
         plgpu.copy_smem_to_gmem(vec_smem.at[k], ref.at[batch, head, rows])
     plgpu.wait_smem_to_gmem(0)
+
+
+def forward_tiled_kernel(
+    x_ref,
+    w_ref,
+    dt_ref,
+    cum_ref,
+    f_ref,
+    keep_ref,
+    seg_ref,
+    b_ref,
+    c_ref,
+    s0_ref,
+    y_ref,
+    states_ref,
+    final_ref,
+    scoped,
+    *,
+    rep,
+    dtype,
+    add,
+    rows_of,
+    chunks,
+    clean_x=False,
+):
+    """`forward._forward_kernel` at chunks of `Q = 64 r` (`r > 1`), by tiles of 64 rows (`tiled.py`):
+    a chunk's output row block by row block (`chunk_output_tiled`), each out by TMA through one
+    staging tile, the next chunk's `C` rows of that block copied into its tile as soon as the
+    block has read them; then `S ← keep · S + Σ_j (w ∘ x)_jᵀ B_j`, a row block's `w ∘ x` halves
+    at a time, formed from the `x` tile in shared memory. The next chunk's `B`, `x` go into the
+    second of two slots while the block computes on the first. Barriers: `C`'s row blocks
+    (`r · parts`), then each slot's row blocks of `B`'s parts and `x`."""
+    (c_smem, b_smem, x_smem, xh_smem, xl_smem, s16_smem, y_smem, st_smem), loaded = scoped
+    head, batch = lax.axis_index("heads"), lax.axis_index("batch")
+    r, (t, p) = x_smem.shape[0] // 2, x_smem.shape[1:]
+    parts, q, n = c_smem.shape[0] // r, r * x_smem.shape[1], c_smem.shape[-1]
+    group = lax.div(head, jnp.int32(rep))
+    f32, wgmma_layout = jnp.float32, plgpu.Layout.WGMMA
+    row = wgmma_layout.reduce(1)
+    c_tile = lambda i: parts_of(c_smem, i * parts, parts)  # noqa: E731
+    b_tile = lambda slot, j: parts_of(b_smem, (slot * r + j) * parts, parts)  # noqa: E731
+    block_rows = lambda chunk, i: pl.ds(chunk * q + i * t, t)  # noqa: E731
+    bx_barrier = lambda slot, j, k: loaded.at[r * parts + (slot * r + j) * (parts + 1) + k]  # noqa: E731
+
+    def fetch_c(chunk, i):
+        for k, (src, dst) in enumerate(_part_copies(c_ref, c_tile(i), batch, group, block_rows(chunk, i))):
+            plgpu.copy_gmem_to_smem(src, dst, loaded.at[i * parts + k])
+
+    def fetch_bx(chunk, slot):
+        for j in range(r):
+            rows = block_rows(chunk, j)
+            pieces = _part_copies(b_ref, b_tile(slot, j), batch, group, rows)
+            pieces.append((rows_of(x_ref, batch, head, rows), x_smem.at[slot * r + j]))
+            for k, (src, dst) in enumerate(pieces):
+                plgpu.copy_gmem_to_smem(src, dst, bx_barrier(slot, j, k))
+
+    for i in range(r):
+        fetch_c(0, i)
+    fetch_bx(0, 0)
+
+    def step(chunk, state):
+        slot, more = lax.rem(chunk, 2), chunk + 1 < chunks
+
+        @pl.when(more)
+        def _():
+            fetch_bx(chunk + 1, 1 - slot)
+
+        # the staging tiles' last copies out have been read; the entering state out and in
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        st_smem[...] = state
+        s16_smem[...] = state.astype(dtype)
+        plgpu.commit_smem()
+        if states_ref is not None:
+            plgpu.copy_smem_to_gmem(st_smem, states_ref.at[batch, chunk, head])
+        xs = [x_smem.at[slot * r + j] for j in range(r)]
+        for j, k in itertools.product(range(r), range(parts + 1)):
+            plgpu.barrier_wait(bx_barrier(slot, j, k))
+        if clean_x:  # over the tiles their copies have filled, before the products read them
+            for x_j in xs:
+                x_j[...] = finite_or_zero(_read(x_j, wgmma_layout).astype(f32)).astype(dtype)
+            plgpu.commit_smem()
+
+        def ready(i):
+            for k in range(parts):
+                plgpu.barrier_wait(loaded.at[i * parts + k])
+
+        def emit(i, y):
+            @pl.when(more)  # C_i's products are done: the next chunk's rows into its tile
+            def _():
+                fetch_c(chunk + 1, i)
+
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            y_smem[...] = y.astype(y_smem.dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(y_smem, rows_of(y_ref, batch, head, block_rows(chunk, i)))
+
+        tiles = [c_tile(i) for i in range(r)], [b_tile(slot, j) for j in range(r)], xs
+        refs = (dt_ref, cum_ref, f_ref, seg_ref)
+        chunk_output_tiled(tiles, s16_smem, emit, refs, batch, head, chunk * q, dtype=dtype, ready=ready)
+
+        # S <- keep S + Σ_j (w ∘ x)_jᵀ B_j, the entering state read back from its staging tile
+        keep = _read(keep_ref.at[batch, head, chunk], row)
+        acc = st_smem[...] * lax.broadcast_in_dim(keep, (p, n), [0])
+        halves = (xh_smem.transpose((1, 0)), xl_smem.transpose((1, 0)))
+        for j, x_j in enumerate(xs):
+            w_t = _read(w_ref.at[batch, head, block_rows(chunk, j)], row)
+            x = _read(x_j, wgmma_layout).astype(f32)
+            xh_smem[...], xl_smem[...] = _halves(x * lax.broadcast_in_dim(w_t, x.shape, [0]), dtype)
+            plgpu.commit_smem()
+            acc = _products((p, n), pairs(halves, b_tile(slot, j)), acc=acc)
+        return acc
+
+    s0 = _read(s0_ref.at[batch, head], wgmma_layout)
+    _put_last(st_smem, lax.fori_loop(0, chunks, step, s0), final_ref.at[batch, head])
+
+
+def _read(ref, layout):
+    return mosaic_gpu_load(ref, layout=layout, optimized=False)
