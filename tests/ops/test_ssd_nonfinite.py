@@ -213,3 +213,26 @@ def test_the_guard_runs_only_where_an_input_is_not_finite(impl):
         assert "cummax" not in plain and "is_finite" not in plain
         if impl == "xla":  # the scan's products outside both
             assert "dot_general" not in guarded and "dot_general" not in plain
+
+
+def test_the_poisoned_outputs_mask_crosses_a_conditional_as_bits():
+    # `poison` keeps its mask for the backward as bits along the last axis: differentiated
+    # inside a conditional (as `chunks.layer` runs the guarded branch), the slot the other branch
+    # fills with zeros is `uint8 [..., P / 8]`, not a byte a value; the cotangent is NaN exactly
+    # where the mask is set, at a last axis not a multiple of 8
+    from jax import lax
+
+    from axkern.ops.ssd.common.chunks import poison
+
+    y = jax.random.normal(jax.random.PRNGKey(0), (3, 5, 20))
+    bad = y > 1.5
+
+    def f(y, flag):
+        return jnp.sum(lax.cond(flag, lambda y: y * 2, lambda y: poison(y, y > 1.5), y))
+
+    text = jax.jit(jax.grad(f)).lower(y, True).as_text()
+    results = [line for line in text.splitlines() if "(tensor<i32>) ->" in line]  # the conditionals'
+    assert any("tensor<3x5x3xui8>" in r for r in results) and not any("xi1>" in r for r in results), results
+    g = jax.grad(f)(y, False)
+    np.testing.assert_array_equal(np.isnan(g), bad)
+    np.testing.assert_array_equal(np.asarray(g)[~bad], 1.0)
