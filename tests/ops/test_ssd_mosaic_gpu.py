@@ -632,7 +632,7 @@ def _tiled_mirror(dy, xt, dt, cum, f, seg, bt, ct, states_in, q):
             df[i] = (blk(dyk, i) * inc).sum(1)
             dyh, dyl = halves(blk(dyk, i))
             fh, fl = halves(blk(dyk, i) * blk(fk, i)[:, None])
-            dci = e("tp,pn->tn", fh, sh) + e("tp,pn->tn", fh, sl_) + e("tp,pn->tn", fl, sh)
+            dci = e("tp,pn->tn", fh, sh)  # rounded once: 16-bit B, C (`tiled.rounds_once`)
             dcumi = 0
             for j in range(i + 1):
                 m = e("tn,sn->ts", blk(ck, i), blk(bk, j)) * decay(i, j)

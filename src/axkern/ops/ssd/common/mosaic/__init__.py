@@ -66,7 +66,8 @@ accumulator starts at `f_t · (C S_inᵀ)` and takes `M_hi x` and `M_lo x` (two 
 their left operand in registers). `y` (float32) goes back through shared memory by TMA.
 
 **The state's backward**: `d(w ∘ x) = B dSᵀ` (`dS`, float32, as two halves in shared memory),
-giving `dx` and `dw`, and `dB = (w ∘ x) dS` (three products: both operands float32).
+giving `dx` and `dw`, and `dB = (w ∘ x) dS` (three products: both operands float32; one of
+their high halves where `B`, `C` are 16-bit: Precision, below).
 
 **The scan's backward** (the Triton `_scan_bwd_kernel`'s sums, `common/kernels.py`), each
 result stored and sent out by TMA as soon as it is formed: `df` from `C S_inᵀ`; `C Bᵀ` and its
@@ -76,13 +77,21 @@ shared memory and read transposed, times `dy`'s halves there (three products: hi
 lo·hi), giving `dx` and `ddt`; then the halves of `dg = dM ∘ Λ` and of `f ∘ dy` take `M`'s and
 `dy`'s places in shared memory for `dS_in = (f ∘ dy)ᵀ C`, `dC = dg B + (f ∘ dy) S_in` and
 `dB = dgᵀ C`. Every float32 operand is taken as its two 16-bit halves (the state's too), so
-the products are about as exact as float32 ones.
+the products are about as exact as float32 ones (but `(f ∘ dy) S_in`'s two, each rounded
+once where `B`, `C` are 16-bit: Precision, below).
 
 **Precision** (`benchmarks/ssd_operand_precision.py`, float64 emulation on the CPU, tables in
 docs/ops/ssd.md "Accuracy"): `C Bᵀ` and `C S_inᵀ` with 16-bit operands kept `y` and the final
 state inside DESIGN.md's rule; `M x` with `M` rounded to bf16 once did not (1.08x the bound),
 as two bf16 halves it did (0.13x); the state product likewise (1.25x rounded once, inside as
-two halves). `emulate.py` holds the kernels' arithmetic in XLA (the same roundings, exact
+two halves). In the backward (`benchmarks/ssd_backward_precision.py`, the whole layer's
+gradients through the kernels' emulation, chunks of 64 and 128, six cases), rounding once `M`
+or `dy` in `Mᵀ dy` took the gradients to 3.4x and 2.9x the bound, `f ∘ dy` in `dS_in` to 1.5x,
+`dS` in `B dSᵀ` to 0.68x, `dy` in `dM` to 0.98x; rounding once both operands of `(f ∘ dy) S_in`
+and of the state backward's `(w ∘ x) dS` kept every gradient within 0.49x of the bound (0.41x
+with every operand as halves), and saves `4·Q·P·N` tensor-core FLOPs in each kernel: so the
+kernels do where `B`, `C` are 16-bit (`tiled.rounds_once`). Mamba-3's float32 `B`, `C` (its
+rotated `k`, `q`) keep every half: there the second took `dk` to 0.93x the bound. `emulate.py` holds the kernels' arithmetic in XLA (the same roundings, exact
 products), which the CPU tests carry through the whole layer and its gradients against the
 float64 oracle.
 
@@ -112,9 +121,11 @@ the kernels for CUDA (`tests/ops/test_ssd_mosaic_gpu.py`) and runs their emulati
 themselves are tested on a GPU (`tests/gpu/test_ssd_gpu.py`).
 
 **Cost** per chunk and head (Q = 64 positions), in tensor-core FLOPs: the state `4·Q·P·N` (two
-halves), its backward `10·Q·P·N`; the scan `2·Q²·N` (`C Bᵀ`) + `4·Q²·P` (`M x`, two halves) + `2·Q·P·N` (`C S_inᵀ`); its
-backward `10·Q²·(N + P) + 14·Q·P·N` (`C Bᵀ`; `dM` and `Mᵀ dy` with two and three products;
-`dg B`, `dgᵀ C` with two each; `f∘dy S_in` with three; `C S_inᵀ`, `dS_in` with two each).
+halves), its backward `6·Q·P·N` (`B dSᵀ` with two products, `(w ∘ x) dS` with one); the scan
+`2·Q²·N` (`C Bᵀ`) + `4·Q²·P` (`M x`, two halves) + `2·Q·P·N` (`C S_inᵀ`); its backward
+`10·Q²·(N + P) + 10·Q·P·N` (`C Bᵀ`; `dM` and `Mᵀ dy` with two and three products; `dg B`,
+`dgᵀ C` with two each; `f∘dy S_in` with one; `C S_inᵀ`, `dS_in` with two each; a 16-bit
+cotangent leaves out `dy`'s low half: `dM` one product, `Mᵀ dy` two), with 16-bit `B`, `C`.
 Bytes: `x`, `B`, `C` rows once a kernel, the float32 state `P·N·4` written (state) and read
 (scan, backward), `y`, `dy`, `dx`, `dB`, `dC` float32.
 """

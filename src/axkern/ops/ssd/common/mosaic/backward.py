@@ -30,7 +30,7 @@ from .kernels import (
     plgpu,
 )
 from .rotation import finite_or_zero
-from .tiled import scan_bwd_tiled
+from .tiled import rounds_once, scan_bwd_tiled
 
 __all__ = ["chunk_scan_bwd", "chunk_state_bwd"]
 
@@ -134,8 +134,14 @@ def _scan_bwd_kernel(*refs, rep, dtype, add, rows_of, turns=False, tiled=False):
     # dS_in = (f ∘ dy)ᵀ C
     ds = _products((p, n), pairs((ah_smem.transpose((1, 0)), al_smem.transpose((1, 0))), cs))
     put(ds_smem, ds, ds_ref.at[batch, chunk, head])
-    # dC = dg B + (f ∘ dy) S_in (rows t), then dB = dgᵀ C (rows s) through the same staging tile
-    dc = _products((q, n), pairs((mh_smem, ml_smem), bs) + pairs((ah_smem, al_smem), (sh_smem, sl_smem)))
+    # dC = dg B + (f ∘ dy) S_in (rows t), then dB = dgᵀ C (rows s) through the same staging tile;
+    # (f ∘ dy) S_in with both operands rounded once where `rounds_once`
+    fs = (
+        pairs((ah_smem,), (sh_smem,))
+        if rounds_once(len(bs))
+        else pairs((ah_smem, al_smem), (sh_smem, sl_smem))
+    )
+    dc = _products((q, n), pairs((mh_smem, ml_smem), bs) + fs)
     turn = None if theta is None else (jnp.cos(theta), jnp.sin(theta))
     put(dbc_smem, dc, dc_ref.at[per_group], summed, turn)
     db = _products((q, n), pairs((mh_smem.transpose((1, 0)), ml_smem.transpose((1, 0))), cs))
@@ -301,15 +307,16 @@ def _state_grads(bs, ds, x, w, xw, staging, dx_in=None, theta=None):
     (shared memory),
     `x`, `w` and `w ∘ x`'s halves `xw` (registers), into the staging tiles `(dx, dB, dw)`:
     `d(w ∘ x) = B dSᵀ` (rows t), `dx = · w` (plus `dx_in`, float32 registers, if given; in the
-    staging tile's dtype), `dw = rowsum(· x)`; `dB = (w ∘ x) dS`, three products (both
-    float32), turned back by the angles `theta` (registers) where given."""
+    staging tile's dtype), `dw = rowsum(· x)`; `dB = (w ∘ x) dS`, three products of halves (one
+    of the high halves where `rounds_once`), turned back by the angles `theta` (registers) where
+    given."""
     dx_smem, db_smem, dw_smem = staging
     (q, n), p = bs[0].shape, ds[0].shape[0]
     dxw = _products((q, p), pairs(bs, ds, True))
     dx = dxw * lax.broadcast_in_dim(w, (q, p), [0])
     dx_smem[...] = (dx if dx_in is None else dx + dx_in).astype(dx_smem.dtype)
     dw_smem[...] = jnp.sum(dxw * x, axis=1)
-    db_smem[...] = _products((q, n), pairs(xw, ds))
+    db_smem[...] = _products((q, n), pairs(xw[:1], ds[:1]) if rounds_once(len(bs)) else pairs(xw, ds))
     if theta is not None:
         _turned_back(db_smem, jnp.cos(theta), jnp.sin(theta))
     plgpu.commit_smem()

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from ..gpu import GpuLayout
 from .kernels import CHUNK, operand_parts
 from .rotation import _padded_angles, rotate_halves
+from .tiled import rounds_once
 
 __all__ = [
     "emulate_chunk_state",
@@ -104,17 +105,20 @@ def emulate_chunk_scan(xt, dt, cum, f, seg, bt, ct, states_in, q=CHUNK):
 
 
 def emulate_chunk_state_bwd(xt, w, bt, d_own, q=CHUNK):
-    """`kernels.chunk_state_bwd`: `dS` and `w ∘ x` as two halves, three products for `dB`."""
+    """`kernels.chunk_state_bwd`: `dS` and `w ∘ x` as two halves, three products for `dB` (one,
+    each rounded once, where `tiled.rounds_once`)."""
     k, dtype = _Chunks(xt, bt, q), xt.dtype
     x, bm, wc = k.rows(xt), k.parts(bt), k.vec(w)[..., None]
     ds = _halves(k.state(d_own), dtype)
     dxw = _sum("bhctn,bhcpn->bhctp", bm, ds)
-    db = _sum("bhctp,bhcpn->bhctn", _halves(x * wc, dtype), ds)
+    xw, once = _halves(x * wc, dtype), rounds_once(len(bm))
+    db = _sum("bhctp,bhcpn->bhctn", xw[:1], ds[:1]) if once else _sum("bhctp,bhcpn->bhctn", xw, ds)
     return k.out_rows(dxw * wc), k.out_vec((dxw * x).sum(-1)), k.out_rows(db)
 
 
 def emulate_chunk_scan_bwd(dy, xt, dt, cum, f, seg, bt, ct, states_in, q=CHUNK):
-    """`kernels.chunk_scan_bwd`: every float32 operand as its two halves."""
+    """`kernels.chunk_scan_bwd`: every float32 operand as its two halves (but `(f ∘ dy) S_in`'s,
+    each rounded once, where `tiled.rounds_once`)."""
     k, dtype = _Chunks(xt, bt, q), xt.dtype
     x, bm, cm, dyc = k.rows(xt), k.parts(bt), k.parts(ct), k.rows(dy)
     dt_c, f_c = k.vec(dt), k.vec(f)
@@ -129,7 +133,12 @@ def emulate_chunk_scan_bwd(dy, xt, dt, cum, f, seg, bt, ct, states_in, q=CHUNK):
     dxd = mt(mh, dyh) + mt(mh, dyl) + mt(ml, dyh)
     dg = _halves(dm * decay, dtype)
     dyf = _halves(dyc * f_c[..., None], dtype)
-    dc = _sum("bhcts,bhcsn->bhctn", dg, bm) + _sum("bhctp,bhcpn->bhctn", dyf, s)
+    fs = (
+        _sum("bhctp,bhcpn->bhctn", dyf[:1], s[:1])
+        if rounds_once(len(bm))
+        else _sum("bhctp,bhcpn->bhctn", dyf, s)
+    )
+    dc = _sum("bhcts,bhcsn->bhctn", dg, bm) + fs
     db = _sum("bhcts,bhctn->bhcsn", dg, cm)
     inc = _sum("bhctn,bhcpn->bhctp", cm, s)
     ds = _sum("bhctp,bhctn->bhcpn", dyf, cm)

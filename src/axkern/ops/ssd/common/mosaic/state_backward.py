@@ -12,11 +12,12 @@ second of two slots while the block computes on the first.
 shared memory as two 16-bit halves (`dS`), and as float32 (read back after the products, so
 that its registers are free while they run); `d keep_c`'s row sums `Σ_n g ∘ S_in` (the states
 entering the chunks, the forward's residual); `d(w ∘ x) = B dSᵀ`, giving `dx = · w` and `dw =
-rowsum(· x)`; `dB = (w ∘ x) dS` (both float32: three products of halves, as `_state_bwd_kernel`);
+rowsum(· x)`; `dB = (w ∘ x) dS` (as `_state_bwd_kernel`: three products of halves, or one);
 then `g ← keep_c g + dS_in,c` (the scan backward's gradient of the state entering the chunk).
 After chunk 0, `g` is the initial state's gradient.
 
-**Cost** per chunk and head: `4·Q·P·N` FLOPs (`B dSᵀ`, two halves) + `6·Q·P·N` (`dB`, three);
+**Cost** per chunk and head: `4·Q·P·N` FLOPs (`B dSᵀ`, two halves) + `2·Q·P·N` (`dB`, one with
+16-bit `B`, three products with float32 `B`);
 bytes: `B`, `x` rows and `w` read, the float32 states entering and their gradients read (`2 · P ·
 N · 4`), `dx`, `dw`, `dB` written (`dB` per head, or added into the group's rows with
 `group_sums`), `d keep`'s `P` row sums written.

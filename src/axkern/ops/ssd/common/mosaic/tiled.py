@@ -22,10 +22,10 @@ slice of those tiles; vectors (`dt`, `cum`, `f`, the segment ids) read per tile,
 
 **Cost** per chunk and head, `T = 64`, `r = Q / T`, `k = r (r + 1) / 2` tiles on or below the
 diagonal, in tensor-core FLOPs (halves counted as products): forward `k (2 T² N + 4 T² P) +
-r · 4 T P N` (`C Bᵀ`, `M x`; `C S_inᵀ` per row block); backward `k (4 T² N + 4 T² P (1 + w) +
-6 T² P + 8 T² N) + r · 10 T P N + 4 Q P N` (`C Bᵀ` and `dM` in both phases, `w` = 1 for a
+r · 2 T P N` (`C Bᵀ`, `M x`; `C S_inᵀ` per row block); backward `k (4 T² N + 4 T² P (1 + w) +
+6 T² P + 8 T² N) + r · 6 T P N + 4 Q P N` (`C Bᵀ` and `dM` in both phases, `w` = 1 for a
 float32 cotangent; `Mᵀ dy`; `dgᵀ C`, `dg B`; `C S_inᵀ` and `(f ∘ dy) S_in` per row block;
-`dS_in`), against the whole chunk's `Q² (10 N + 10 P) + 14 Q P N`: the quadratic part grows
+`dS_in`), against the whole chunk's `Q² (10 N + 10 P) + 10 Q P N`: the quadratic part grows
 with `Q` and by the phases' recomputation, while the float32 states between chunks (`P N · 4`
 bytes each, written and read by the recurrence) fall as `1 / Q`. Bytes a chunk: `x`, `B`, `C`
 rows once (16-bit), `dy` three times (setup, `df`, `f ∘ dy`; the later reads mostly from L2),
@@ -56,10 +56,28 @@ from .kernels import (
 )
 from .rotation import finite_or_zero
 
-__all__ = ["chunk_tiles", "into_rows", "chunk_output_tiled", "scan_bwd_tiled", "forward_tiled_kernel"]
+__all__ = [
+    "chunk_tiles",
+    "into_rows",
+    "chunk_output_tiled",
+    "scan_bwd_tiled",
+    "forward_tiled_kernel",
+    "rounds_once",
+]
 
 
 _T = CHUNK  # rows of a tile
+
+
+def rounds_once(parts: int) -> bool:
+    """Whether the backward kernels take the operands of `(f ∘ dy) S_in` (the chunk scan's) and
+    of `(w ∘ x) dS` (the chunk state's) each rounded once to 16 bits, one product where their
+    halves take three: where `B`, `C` come as one 16-bit part (SSD's; every gradient within
+    0.49x of the oracle rule's bound over `benchmarks/ssd_backward_precision.py`'s cases, 0.41x
+    with the halves). Where they come as float32 halves (Mamba-3's rotated `k`, `q`), both keep
+    their halves: the second rounded once took Mamba-3's `dk` to 0.93x the bound, the first
+    another gradient from 0.32x to 0.60x."""
+    return parts == 1
 
 
 def _row_col():
@@ -249,7 +267,10 @@ def scan_bwd_tiled(refs, scoped, *, rep, dtype, add, rows_of):
             dcum = _plus(dcum, jnp.sum(dm * m, axis=1))
             dc = _products((_T, n), pairs(_halves(dm * decay, dtype), b_j), acc=dc)
         fdy = _halves(load_rows(dy_ref, rows_i) * lax.broadcast_in_dim(f_t, (_T, p), [0]), dtype)
-        dc = _products((_T, n), pairs(fdy, (sh_smem, sl_smem)), acc=dc)
+        once = rounds_once(len(bs))
+        dc = _products(
+            (_T, n), pairs(fdy[:1], (sh_smem,)) if once else pairs(fdy, (sh_smem, sl_smem)), acc=dc
+        )
         vec_smem.at[1, pl.ds(i * _T, _T)][...] = dcum
         put(db_stage, dc, per_rows(dc_ref, rows_i), summed)
         # f ∘ dy's halves take dy's place (phase C, and this row block's dM above, read dy's) for dS_in

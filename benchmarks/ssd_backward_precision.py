@@ -1,0 +1,246 @@
+"""Which of the `mosaic_gpu` backward kernels' float32 operands need their two 16-bit halves, by
+the oracle rule through the whole layer.
+
+The chunk-scan and chunk-state backward kernels take every float32 operand as two bf16 halves
+(`hi + lo`, the products over both: `emulate.py`), which costs two or three `wgmma`s a
+product. Here each such operand may instead be rounded to bf16 once (one product where it was
+two, two where it was three). The layer runs through the kernels' emulation
+(`EmulatedLayout`, the forward as the kernels compute it) with the backward's roundings as a
+plan gives them, on the CPU; the outputs and every gradient are held to DESIGN.md's rule
+against the float64 oracle (`reference`), and each leaf's `max|emulated - oracle| / bound` is
+recorded. Operands (product: operand):
+
+    dM: dy        dM = (dy xᵀ) ∘ dt_s          (the cotangent dy is float32 with D or the gate)
+    Mdy: M, dy    d(dt ∘ x) = Mᵀ dy
+    dgB: dg       dC += dg B
+    dgC: dg       dB = dgᵀ C
+    fS: fdy, S    dC += (f ∘ dy) S_in
+    CS: S         df = rowsum(dy ∘ (C S_inᵀ))
+    dS: fdy       dS_in = (f ∘ dy)ᵀ C
+    BdS: dS       d(w ∘ x) = B dSᵀ              (the chunk-state backward)
+    wdS: wx, dS   dB += (w ∘ x) dS
+
+First every operand alone rounded once, then the plan rounding every operand that passed
+alone with its gradients' largest ratio at most `--margin` of the bound (the outputs do not
+depend on the backward), then that plan with each of its operands restored, so that a failure
+of the combination shows which operand it needs.
+
+    OUT=<folder> python3 benchmarks/ssd_backward_precision.py [--chunks 64,128] [--margin 0.5]
+
+writes `$OUT/sweep_backward_precision.json` (on the CPU; a few minutes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import json
+import os
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from axkern.ops.ssd.api import prepared_dt  # noqa: E402
+from axkern.ops.ssd.common import kernels as chunk_kernels  # noqa: E402
+from axkern.ops.ssd.common.mosaic import emulate as E  # noqa: E402
+from tests.cases.ssd import make, run  # noqa: E402
+from tests.harness import jit, oracle  # noqa: E402
+from tests.helpers import ATOL  # noqa: E402
+
+OPERANDS = ("dM:dy", "Mdy:M", "Mdy:dy", "dgB:dg", "dgC:dg", "fS:fdy", "fS:S", "CS:S", "dS:fdy", "BdS:dS")
+OPERANDS += ("wdS:wx", "wdS:dS")
+
+# (dims b, l, h, p, g, n; segments: True, False or None (no segments, A / 100); D and the gate)
+CASES = [
+    ((1, 150, 4, 64, 2, 64), True, True),
+    ((2, 128, 2, 128, 1, 64), False, True),
+    ((1, 192, 2, 64, 1, 64), None, True),
+    ((1, 150, 4, 64, 2, 64), True, False),
+    ((1, 600, 2, 64, 1, 128), True, True),
+    ((1, 512, 2, 64, 1, 64), None, False),
+]
+
+
+def _parts(a, dtype, whole: bool):
+    """`a` (float32) as the kernel takes it: two halves, or (`whole` False) rounded once."""
+    hi, lo = E._halves(a, dtype)
+    return (hi, lo) if whole else (hi,)
+
+
+def _products(spec, left, right):
+    """`Σ einsum(spec, a, b)` over the parts' pairs but `lo · lo`."""
+    return sum(E._ein(spec, a, b) for i, a in enumerate(left) for j, b in enumerate(right) if i + j <= 1)
+
+
+def scan_bwd(single, dy, xt, dt, cum, f, seg, bt, ct, states_in, q):
+    """`emulate.emulate_chunk_scan_bwd` with the operands in `single` rounded once."""
+    k, dtype = E._Chunks(xt, bt, q), xt.dtype
+    keep = lambda name: name not in single  # noqa: E731
+    x, bm, cm, dyc = k.rows(xt), k.parts(bt), k.parts(ct), k.rows(dy)
+    dt_c, f_c = k.vec(dt), k.vec(f)
+    state = k.state(states_in)
+    decay = k.decay(cum, seg)
+    m = E._sum("bhctn,bhcsn->bhcts", cm, bm) * decay
+    dm = _products("bhctp,bhcsp->bhcts", _parts(dyc, dtype, keep("dM:dy")), (x,)) * dt_c[..., None, :]
+    e = dm * m
+    dxd = _products("bhcts,bhctp->bhcsp", _parts(m, dtype, keep("Mdy:M")), _parts(dyc, dtype, keep("Mdy:dy")))
+    dg = dm * decay
+    fdy = dyc * f_c[..., None]
+    dc = _products("bhcts,bhcsn->bhctn", _parts(dg, dtype, keep("dgB:dg")), bm)
+    dc = dc + _products(
+        "bhctp,bhcpn->bhctn", _parts(fdy, dtype, keep("fS:fdy")), _parts(state, dtype, keep("fS:S"))
+    )
+    db = _products("bhcts,bhctn->bhcsn", _parts(dg, dtype, keep("dgC:dg")), cm)
+    inc = _products("bhctn,bhcpn->bhctp", cm, _parts(state, dtype, keep("CS:S")))
+    ds = _products("bhctp,bhctn->bhcpn", _parts(fdy, dtype, keep("dS:fdy")), cm)
+    return (
+        k.out_rows(dxd * dt_c[..., None]),
+        k.out_vec((dxd * x).sum(-1)),
+        k.out_vec(e.sum(-1)),
+        k.out_vec(e.sum(-2)),
+        k.out_vec((dyc * inc).sum(-1)),
+        k.out_rows(db),
+        k.out_rows(dc),
+        k.state(ds),
+    )
+
+
+def state_bwd(single, xt, w, bt, d_own, q):
+    """`emulate.emulate_chunk_state_bwd` with the operands in `single` rounded once."""
+    k, dtype = E._Chunks(xt, bt, q), xt.dtype
+    keep = lambda name: name not in single  # noqa: E731
+    x, bm, wc = k.rows(xt), k.parts(bt), k.vec(w)[..., None]
+    ds = k.state(d_own)
+    dxw = _products("bhctn,bhcpn->bhctp", bm, _parts(ds, dtype, keep("BdS:dS")))
+    db = _products(
+        "bhctp,bhcpn->bhctn", _parts(x * wc, dtype, keep("wdS:wx")), _parts(ds, dtype, keep("wdS:dS"))
+    )
+    return k.out_rows(dxw * wc), k.out_vec((dxw * x).sum(-1)), k.out_rows(db)
+
+
+@functools.cache
+def layout(single: frozenset):
+    class Planned(E.EmulatedLayout):
+        def chunk_state_bwd(self, xt, w, bt, d_own, dx_scan, db_scan):
+            dx, dw, db = state_bwd(single, xt, self.to_col(w), bt, d_own, self.q)
+            return (dx + dx_scan).astype(xt.dtype), dw, db + db_scan
+
+        def chunk_scan_bwd(self, dy, xt, scale, cum, ac, f, sc, bt, ct, states_in, *, sums):
+            c = self.to_col
+            return scan_bwd(single, dy, xt, c(scale), c(cum), c(f), c(sc), bt, ct, states_in, self.q)
+
+    return Planned
+
+
+@functools.cache
+def runner(single: frozenset, names, chunk):
+    def f(seg, *vals):
+        a = dict(zip(names, vals, strict=True))
+        dt = prepared_dt(a["dt"], a.get("dt_bias"), True, None)
+        s0 = a.get("initial_state")
+        if s0 is None:
+            s0 = jnp.zeros((a["x"].shape[0], a["x"].shape[2], a["x"].shape[3], a["B"].shape[3]), jnp.float32)
+        args = (a["x"], dt, a["A"], a["B"], a["C"], a.get("D"), a.get("z"), seg, s0)
+        y, final = chunk_kernels.ssd(layout(single), *args, chunk_size=chunk, interpret=True)
+        cot = jnp.round(64 * jnp.cos(jnp.arange(y.size, dtype=jnp.float32).reshape(y.shape))) / 64
+        return jnp.sum(y.astype(jnp.float32) * cot) + jnp.sum(jnp.sin(final.astype(jnp.float32))), (y, final)
+
+    def g(arrays, seg):
+        argnums = tuple(range(1, len(names) + 1))
+        (_, out), grads = jax.value_and_grad(f, argnums=argnums, has_aux=True)(
+            seg, *[arrays[k] for k in names]
+        )
+        return out, grads
+
+    return jit(g)
+
+
+def ratios(got, same, want, names):
+    """Per leaf `max|got - oracle| / bound` (outputs `y`, `final`; gradients by input name)."""
+    out = {}
+    labels = ["y", "final"] + [f"d{n}" for n in names]
+    leaves = jax.tree.leaves(got[0]) + jax.tree.leaves(got[1])
+    refs = jax.tree.leaves(same[0]) + jax.tree.leaves(same[1])
+    oracles = jax.tree.leaves(want[0]) + jax.tree.leaves(want[1])
+    for label, g, r, o in zip(labels, leaves, refs, oracles, strict=True):
+        g, r, o = (np.asarray(v, np.float64) for v in (g, r, o))
+        scale = max(np.abs(o).max(initial=0.0), 1e-30)
+        bound = 2 * np.abs(r - o).max(initial=0.0) + ATOL["bfloat16"] * scale
+        err = np.abs(g - o).max(initial=0.0)
+        out[label] = float("inf") if np.isnan(g).any() else float(err / bound)
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--chunks", default="64,128")
+    p.add_argument("--margin", type=float, default=0.5)
+    p.add_argument("--plans", help="only these plans, `;`-separated, each `,`-separated operands")
+    a = p.parse_args()
+    prepared = []
+    for chunk in (int(c) for c in a.chunks.split(",")):
+        for seed, (dims, segments, extras) in enumerate(CASES):
+            arrays, seg = make(3 + seed, *dims, "bfloat16", segments=bool(segments), extras=extras)
+            if segments is None:
+                arrays["A"] = arrays["A"] / 100
+            names = tuple(sorted(arrays))
+            want = oracle(lambda name, arr, seg=seg: run(name, arr, seg), arrays)
+            same = run("reference", arrays, seg)
+            label = (
+                f"chunk {chunk} L={dims[1]} H={dims[2]} P={dims[3]} G={dims[4]} N={dims[5]} "
+                + ("segments" if segments else ("A/100" if segments is None else ""))
+                + (" D, gate" if extras else " no D, gate")
+            )
+            prepared.append((label, chunk, arrays, seg, names, want, same))
+
+    def evaluate(single):
+        rows = {}
+        for label, chunk, arrays, seg, names, want, same in prepared:
+            rows[label] = ratios(runner(frozenset(single), names, chunk)(arrays, seg), same, want, names)
+        worst = max(max(r.values()) for r in rows.values())
+        grads = max(v for r in rows.values() for k, v in r.items() if k not in ("y", "final"))
+        print(f"{sorted(single)}: worst {worst:.3f}, of the gradients {grads:.3f}", flush=True)
+        runner.cache_clear(), layout.cache_clear(), jax.clear_caches()  # each plan compiles anew
+        return {"single": sorted(single), "worst": worst, "gradients_worst": grads, "cases": rows}
+
+    results = [evaluate(())]
+    if a.plans:
+        results += [evaluate(tuple(plan.split(","))) for plan in a.plans.split(";")]
+        _write(a, None, results)
+        return
+    alone = {op: evaluate((op,)) for op in OPERANDS}
+    results += list(alone.values())
+    plan = [op for op in OPERANDS if alone[op]["gradients_worst"] <= a.margin]
+    combined = evaluate(plan)
+    results.append(combined)
+    for op in plan:
+        results.append(evaluate([o for o in plan if o != op]))
+    _write(a, plan, results)
+
+
+def _write(a, plan, results) -> None:
+    extra = f" --plans '{a.plans}'" if a.plans else ""
+    out = {
+        "command": "OUT=<folder> python3 benchmarks/ssd_backward_precision.py "
+        + f"--chunks {a.chunks} --margin {a.margin}{extra}",
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "jax": jax.__version__,
+        "device": "CPU (the kernels' emulation against the float64 oracle)",
+        "margin": a.margin,
+        "passed_alone": plan,
+        "rows": results,
+    }
+    folder = Path(os.environ.get("OUT", "."))
+    folder.mkdir(parents=True, exist_ok=True)
+    name = "sweep_backward_precision" + ("_plans" if a.plans else "")
+    (folder / f"{name}.json").write_text(json.dumps(out, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
