@@ -284,29 +284,7 @@ def scan_bwd_tiled(refs, scoped, *, rep, dtype, add, rows_of):
     plgpu.wait_smem_to_gmem(0)
 
 
-def forward_tiled_kernel(
-    x_ref,
-    w_ref,
-    dt_ref,
-    cum_ref,
-    f_ref,
-    keep_ref,
-    seg_ref,
-    b_ref,
-    c_ref,
-    s0_ref,
-    y_ref,
-    states_ref,
-    final_ref,
-    scoped,
-    *,
-    rep,
-    dtype,
-    add,
-    rows_of,
-    chunks,
-    clean_x=False,
-):
+def forward_tiled_kernel(*refs, rep, dtype, add, rows_of, chunks, clean_x=False):
     """`forward._forward_kernel` at chunks of `Q = 64 r` (`r > 1`), by tiles of 64 rows (`tiled.py`):
     a chunk's output row block by row block (`chunk_output_tiled`), each out by TMA through one
     staging tile, the next chunk's `C` rows of that block copied into its tile as soon as the
@@ -314,6 +292,8 @@ def forward_tiled_kernel(
     at a time, formed from the `x` tile in shared memory. The next chunk's `B`, `x` go into the
     second of two slots while the block computes on the first. Barriers: `C`'s row blocks
     (`r · parts`), then each slot's row blocks of `B`'s parts and `x`."""
+    x_ref, w_ref, dt_ref, cum_ref, f_ref, keep_ref, seg_ref, b_ref, c_ref, s0_ref, *outs, scoped = refs
+    y_ref, states_ref, final_ref = outs  # (the refs `forward._forward_kernel` takes, in its order)
     (c_smem, b_smem, x_smem, xh_smem, xl_smem, s16_smem, y_smem, st_smem), loaded = scoped
     head, batch = lax.axis_index("heads"), lax.axis_index("batch")
     r, (t, p) = x_smem.shape[0] // 2, x_smem.shape[1:]
