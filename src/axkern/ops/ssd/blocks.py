@@ -141,10 +141,10 @@ def pallas_tpu_space(spec: Spec) -> list[SSDBlockSizes]:
 
 def mosaic_gpu_heuristic(spec: Spec) -> SSDBlockSizes:
     """`mosaic_gpu`: chunks of 64 (one warpgroup's rows; larger chunks run the kernels by tiles
-    of 64 rows, not yet timed), the forward fused, `dB` and `dC` summed over each group's heads and `x`, `y` read and written in
-    the caller's layout in the kernels; the state backward as two kernels. On the H200 at the
-    2.7B layer (`benchmarks/ssd_mosaic_forward.py`, L 4096): the fused forward 0.89x the three
-    stages' forward time (0.86-0.89x at L 2048 to 16384), 0.96x forward+backward; against the
+    of 64 rows, not yet timed), the forward fused, `dB` and `dC` summed over each group's heads
+    and `x`, `y` read and written in the caller's layout in the kernels; the state backward as
+    two kernels. On the H200 at the 2.7B layer (`benchmarks/ssd_mosaic_forward.py`, L 4096):
+    the fused forward 0.89x the three stages' forward time (0.86-0.89x at L 2048 to 16384), 0.96x forward+backward; against the
     fused forward alone, the group sums 0.90x forward+backward, the transposes 0.92x forward
     and 1.00x forward+backward, the fused state backward 1.03x forward+backward (slower: not
     chosen). The group sums' additions come in any order, so `dB`, `dC` may differ in their
