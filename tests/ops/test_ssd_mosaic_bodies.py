@@ -227,6 +227,7 @@ def shim(monkeypatch):
         rem=lambda a, b: int(a) % int(b),
         broadcast_in_dim=_broadcast,
         fori_loop=lambda lo, hi, body, init: functools.reduce(lambda v, i: body(i, v), range(lo, hi), init),
+        bitcast_convert_type=jax.lax.bitcast_convert_type,  # `operand_parts`, outside the kernels
     )
     for m in (K, T, B, F):
         monkeypatch.setattr(m, "plgpu", _Plgpu)
@@ -264,13 +265,17 @@ def _run(body, ins, outs, tiles, grid):
     return [o.a for o in out_refs]
 
 
-def _errors(q, b=1, h=2, g=1, c=2, p=64, n=64, wide=True, add=False):
+def _errors(q, b=1, h=2, g=1, c=2, p=64, n=64, wide=True, add=False, split=False):
     """Each kernel's largest difference from its emulation (relative to the emulation's largest
-    magnitude) at chunks of `q`: the scan, its backward, the state and the state backward."""
+    magnitude) at chunks of `q`: the scan, its backward, the state and the state backward.
+    `split`: `B`, `C` float32, which the kernels take as two bf16 halves each (Mamba-3's)."""
     length, f32, bf16 = c * q, np.float32, jnp.bfloat16
     k = jax.random.split(jax.random.PRNGKey(0), 8)
     x = jax.random.normal(k[0], (b, h, length, p)).astype(bf16)
-    bt, ct = (jax.random.normal(k[i], (b, g, length, n)).astype(bf16) for i in (1, 2))
+    bt, ct = (jax.random.normal(k[i], (b, g, length, n)) for i in (1, 2))
+    bt, ct = (bt, ct) if split else (bt.astype(bf16), ct.astype(bf16))
+    bp, cp = K.operand_parts(bt), K.operand_parts(ct)  # the kernels' parts
+    parts = len(bp)
     dt = jax.nn.softplus(jax.random.normal(k[3], (b, h, length)))
     cum = jnp.cumsum((-dt * 0.01).reshape(b, h, c, q), -1).reshape(b, h, length)  # slow: every tile weighs
     seg = jnp.cumsum(jax.random.bernoulli(k[5], 0.03, (b, length)), axis=1).astype(jnp.int32)
@@ -282,9 +287,9 @@ def _errors(q, b=1, h=2, g=1, c=2, p=64, n=64, wide=True, add=False):
     got, want = {}, {}
     (got["y"],) = _run(
         functools.partial(K._scan_kernel, add=False, **kw),
-        (x, dt, cum, f, seg, (bt,), (ct,), states),
+        (x, dt, cum, f, seg, bp, cp, states),
         [np.zeros((b, h, length, p), f32)],
-        K._tiles("scan", p, n, q=q),
+        K._tiles("scan", p, n, parts=parts, q=q),
         (b, h, c),
     )
     want["y"] = E.emulate_chunk_scan(x, dt, cum, f, seg, bt, ct, states, q)
@@ -293,7 +298,11 @@ def _errors(q, b=1, h=2, g=1, c=2, p=64, n=64, wide=True, add=False):
     outs += [np.zeros((b, heads_out, length, n), f32) for _ in range(2)] + [np.zeros((b, c, h, p, n), f32)]
     body = functools.partial(B._scan_bwd_kernel, add=add, **kw, **({"tiled": True} if q != 64 else {}))
     grads = _run(
-        body, (dy, x, dt, cum, f, seg, (bt,), (ct,), states), outs, K._tiles("scan_bwd", p, n, q=q), (b, h, c)
+        body,
+        (dy, x, dt, cum, f, seg, bp, cp, states),
+        outs,
+        K._tiles("scan_bwd", p, n, parts=parts, q=q),
+        (b, h, c),
     )
     emulated = E.emulate_chunk_scan_bwd(dy.astype(jnp.float32), x, dt, cum, f, seg, bt, ct, states, q)
     for i, name in enumerate(("dx", "ddt", "dcum", "dcum_row", "df", "db", "dc", "ds")):
@@ -306,7 +315,8 @@ def _errors(q, b=1, h=2, g=1, c=2, p=64, n=64, wide=True, add=False):
     body = functools.partial(
         B._state_bwd_kernel, add=False, adds_dx=False, **kw, **({"blocks": q // 64} if q != 64 else {})
     )
-    state_grads = _run(body, (x, w, (bt,), states), outs, K._tiles("state_bwd", p, n), (b, h, length // 64))
+    tiles = K._tiles("state_bwd", p, n, parts=parts)
+    state_grads = _run(body, (x, w, bp, states), outs, tiles, (b, h, length // 64))
     for name, gv, wv in zip(
         ("state dx", "state dw", "state dB"),
         state_grads,
@@ -316,9 +326,9 @@ def _errors(q, b=1, h=2, g=1, c=2, p=64, n=64, wide=True, add=False):
         got[name], want[name] = gv, wv
     (got["state"],) = _run(
         functools.partial(K._state_kernel, add=False, **kw),
-        (x, w, (bt,)),
+        (x, w, bp),
         [np.zeros((b, c, h, p, n), f32)],
-        K._tiles("state", p, n, q=q),
+        K._tiles("state", p, n, parts=parts, q=q),
         (b, h, c),
     )
     want["state"] = E.emulate_chunk_state(x, w, bt, q)
@@ -339,6 +349,8 @@ def _errors(q, b=1, h=2, g=1, c=2, p=64, n=64, wide=True, add=False):
         dict(q=128, n=128),
         dict(q=128, wide=False),  # a bf16 cotangent: its low half left out
         dict(q=128, h=4, g=2, add=True),  # dB, dC added into each group's rows
+        dict(q=64, split=True),  # float32 B, C as halves: every product over both (`rounds_once`)
+        dict(q=64, split=True, n=128, wide=False),
     ],
     ids=str,
 )
