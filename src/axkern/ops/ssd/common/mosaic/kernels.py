@@ -244,21 +244,19 @@ def _state_kernel(x_ref, w_ref, b_ref, own_ref, scoped, *, rep, dtype, add, rows
     copies = _part_copies(b_ref, parts_of(b_smem), batch, lax.div(head, jnp.int32(rep)), rows)
     for i, (src, dst) in enumerate(copies):
         plgpu.copy_gmem_to_smem(src, dst, loaded.at[i])
-    # w ∘ x in registers (w per row), as two 16-bit halves in shared memory
-    for k in (
-        range(q // CHUNK) if q > CHUNK else ()
-    ):  # by 64 rows: [64, P] in registers at a time whatever the chunk
-        r = pl.ds(chunk * q + k * CHUNK, CHUNK)
+    # w ∘ x in registers (w per row), as two 16-bit halves in shared memory, 64 rows at a time
+    # (the whole tiles at chunks of 64)
+    blocks = [(rows, xh_smem, xl_smem)]
+    if q > CHUNK:
+        at = lambda k: pl.ds(k * CHUNK, CHUNK)  # noqa: E731
+        blocks = [
+            (pl.ds(chunk * q + k * CHUNK, CHUNK), xh_smem.at[at(k)], xl_smem.at[at(k)])
+            for k in range(q // CHUNK)
+        ]
+    for r, xh, xl in blocks:
         x = mosaic_gpu_load(rows_of(x_ref, batch, head, r), layout=plgpu.Layout.WGMMA, optimized=False)
         w = mosaic_gpu_load(w_ref.at[batch, head, r], layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
-        xw = _halves(x.astype(jnp.float32) * lax.broadcast_in_dim(w, x.shape, [0]), dtype)
-        xh_smem.at[pl.ds(k * CHUNK, CHUNK)][...], xl_smem.at[pl.ds(k * CHUNK, CHUNK)][...] = xw
-    if q == CHUNK:
-        x = mosaic_gpu_load(rows_of(x_ref, batch, head, rows), layout=plgpu.Layout.WGMMA, optimized=False)
-        w = mosaic_gpu_load(w_ref.at[batch, head, rows], layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
-        xh_smem[...], xl_smem[...] = _halves(
-            x.astype(jnp.float32) * lax.broadcast_in_dim(w, x.shape, [0]), dtype
-        )
+        xh[...], xl[...] = _halves(x.astype(jnp.float32) * lax.broadcast_in_dim(w, x.shape, [0]), dtype)
     plgpu.commit_smem()
     for i in range(len(copies)):
         plgpu.barrier_wait(loaded.at[i])
