@@ -291,7 +291,11 @@ def forward_tiled_kernel(*refs, rep, dtype, add, rows_of, chunks, clean_x=False)
     block has read them; then `S ← keep · S + Σ_j (w ∘ x)_jᵀ B_j`, a row block's `w ∘ x` halves
     at a time, formed from the `x` tile in shared memory. The next chunk's `B`, `x` go into the
     second of two slots while the block computes on the first. Barriers: `C`'s row blocks
-    (`r · parts`), then each slot's row blocks of `B`'s parts and `x`."""
+    (`r · parts`), then each slot's row blocks of `B`'s parts and `x`. Grid `(batch, heads)`,
+    one warpgroup a block, as at 64. Cost per chunk and head: the tiled output's FLOPs (the
+    module docstring) plus the state's `4·Q·P·N`; bytes: `x`, `B`, `C` read once, `y` written,
+    the entering state written once (`P·N·4`, the backward's residual; not without `states_ref`),
+    so the states' bytes a position fall as `1 / Q`."""
     x_ref, w_ref, dt_ref, cum_ref, f_ref, keep_ref, seg_ref, b_ref, c_ref, s0_ref, *outs, scoped = refs
     y_ref, states_ref, final_ref = outs  # (the refs `forward._forward_kernel` takes, in its order)
     (c_smem, b_smem, x_smem, xh_smem, xl_smem, s16_smem, y_smem, st_smem), loaded = scoped
