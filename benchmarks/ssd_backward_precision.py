@@ -1,12 +1,12 @@
 """Which of the `mosaic_gpu` backward kernels' float32 operands need their two 16-bit halves, by
 the oracle rule through the whole layer.
 
-The chunk-scan and chunk-state backward kernels take every float32 operand as two bf16 halves
-(`hi + lo`, the products over both: `emulate.py`), which costs two or three `wgmma`s a
-product. Here each such operand may instead be rounded to bf16 once (one product where it was
-two, two where it was three). The layer runs through the kernels' emulation
-(`EmulatedLayout`, the forward as the kernels compute it) with the backward's roundings as a
-plan gives them, on the CPU; the outputs and every gradient are held to DESIGN.md's rule
+The chunk-scan and chunk-state backward kernels can take each float32 operand as two bf16
+halves (`hi + lo`, the products over both), which costs two or three `wgmma`s a product, or
+rounded to bf16 once (one product where it was two, two where it was three). The baseline here
+takes every operand as halves; then each is rounded once in turn. The layer runs through the
+kernels' emulation (`emulate.EmulatedLayout` with `single`, the operands rounded once; the
+forward as the kernels compute it), on the CPU; the outputs and every gradient are held to DESIGN.md's rule
 against the float64 oracle (`reference`), and each leaf's `max|emulated - oracle| / bound` is
 recorded. Operands (product: operand):
 
@@ -53,8 +53,7 @@ from tests.cases.ssd import make, run  # noqa: E402
 from tests.harness import jit, oracle  # noqa: E402
 from tests.helpers import ATOL  # noqa: E402
 
-OPERANDS = ("dM:dy", "Mdy:M", "Mdy:dy", "dgB:dg", "dgC:dg", "fS:fdy", "fS:S", "CS:S", "dS:fdy", "BdS:dS")
-OPERANDS += ("wdS:wx", "wdS:dS")
+OPERANDS = E.OPERANDS
 
 # (dims b, l, h, p, g, n; segments: True, False or None (no segments, A / 100); D and the gate)
 CASES = [
@@ -67,75 +66,10 @@ CASES = [
 ]
 
 
-def _parts(a, dtype, whole: bool):
-    """`a` (float32) as the kernel takes it: two halves, or (`whole` False) rounded once."""
-    hi, lo = E._halves(a, dtype)
-    return (hi, lo) if whole else (hi,)
-
-
-def _products(spec, left, right):
-    """`Σ einsum(spec, a, b)` over the parts' pairs but `lo · lo`."""
-    return sum(E._ein(spec, a, b) for i, a in enumerate(left) for j, b in enumerate(right) if i + j <= 1)
-
-
-def scan_bwd(single, dy, xt, dt, cum, f, seg, bt, ct, states_in, q):
-    """`emulate.emulate_chunk_scan_bwd` with the operands in `single` rounded once."""
-    k, dtype = E._Chunks(xt, bt, q), xt.dtype
-    keep = lambda name: name not in single  # noqa: E731
-    x, bm, cm, dyc = k.rows(xt), k.parts(bt), k.parts(ct), k.rows(dy)
-    dt_c, f_c = k.vec(dt), k.vec(f)
-    state = k.state(states_in)
-    decay = k.decay(cum, seg)
-    m = E._sum("bhctn,bhcsn->bhcts", cm, bm) * decay
-    dm = _products("bhctp,bhcsp->bhcts", _parts(dyc, dtype, keep("dM:dy")), (x,)) * dt_c[..., None, :]
-    e = dm * m
-    dxd = _products("bhcts,bhctp->bhcsp", _parts(m, dtype, keep("Mdy:M")), _parts(dyc, dtype, keep("Mdy:dy")))
-    dg = dm * decay
-    fdy = dyc * f_c[..., None]
-    dc = _products("bhcts,bhcsn->bhctn", _parts(dg, dtype, keep("dgB:dg")), bm)
-    dc = dc + _products(
-        "bhctp,bhcpn->bhctn", _parts(fdy, dtype, keep("fS:fdy")), _parts(state, dtype, keep("fS:S"))
-    )
-    db = _products("bhcts,bhctn->bhcsn", _parts(dg, dtype, keep("dgC:dg")), cm)
-    inc = _products("bhctn,bhcpn->bhctp", cm, _parts(state, dtype, keep("CS:S")))
-    ds = _products("bhctp,bhctn->bhcpn", _parts(fdy, dtype, keep("dS:fdy")), cm)
-    return (
-        k.out_rows(dxd * dt_c[..., None]),
-        k.out_vec((dxd * x).sum(-1)),
-        k.out_vec(e.sum(-1)),
-        k.out_vec(e.sum(-2)),
-        k.out_vec((dyc * inc).sum(-1)),
-        k.out_rows(db),
-        k.out_rows(dc),
-        k.state(ds),
-    )
-
-
-def state_bwd(single, xt, w, bt, d_own, q):
-    """`emulate.emulate_chunk_state_bwd` with the operands in `single` rounded once."""
-    k, dtype = E._Chunks(xt, bt, q), xt.dtype
-    keep = lambda name: name not in single  # noqa: E731
-    x, bm, wc = k.rows(xt), k.parts(bt), k.vec(w)[..., None]
-    ds = k.state(d_own)
-    dxw = _products("bhctn,bhcpn->bhctp", bm, _parts(ds, dtype, keep("BdS:dS")))
-    db = _products(
-        "bhctp,bhcpn->bhctn", _parts(x * wc, dtype, keep("wdS:wx")), _parts(ds, dtype, keep("wdS:dS"))
-    )
-    return k.out_rows(dxw * wc), k.out_vec((dxw * x).sum(-1)), k.out_rows(db)
-
-
 @functools.cache
 def layout(single: frozenset):
-    class Planned(E.EmulatedLayout):
-        def chunk_state_bwd(self, xt, w, bt, d_own, dx_scan, db_scan):
-            dx, dw, db = state_bwd(single, xt, self.to_col(w), bt, d_own, self.q)
-            return (dx + dx_scan).astype(xt.dtype), dw, db + db_scan
-
-        def chunk_scan_bwd(self, dy, xt, scale, cum, ac, f, sc, bt, ct, states_in, *, sums):
-            c = self.to_col
-            return scan_bwd(single, dy, xt, c(scale), c(cum), c(f), c(sc), bt, ct, states_in, self.q)
-
-    return Planned
+    """The emulated layout with `single` rounded once in the backward (`emulate.OPERANDS`)."""
+    return type("Planned", (E.EmulatedLayout,), {"single": single})
 
 
 @functools.cache

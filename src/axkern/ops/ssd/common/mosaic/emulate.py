@@ -26,6 +26,8 @@ __all__ = [
     "emulate_chunk_state_bwd",
     "emulate_chunk_scan_bwd",
     "EmulatedLayout",
+    "OPERANDS",
+    "ROUNDED_ONCE",
 ]
 
 _ein = functools.partial(jnp.einsum, precision=jax.lax.Precision.HIGHEST)
@@ -104,44 +106,60 @@ def emulate_chunk_scan(xt, dt, cum, f, seg, bt, ct, states_in, q=CHUNK):
     return k.out_rows(y)
 
 
-def emulate_chunk_state_bwd(xt, w, bt, d_own, q=CHUNK):
+# The backward's float32 operands, `product:operand` (`benchmarks/ssd_backward_precision.py`
+# rounds each once in turn): `dM = (dy xᵀ) ∘ dt`, `Mᵀ dy`, `dg B`, `dgᵀ C`, `(f ∘ dy) S_in`,
+# `C S_inᵀ`, `dS_in = (f ∘ dy)ᵀ C`; the chunk state's `B dSᵀ`, `(w ∘ x) dS`.
+OPERANDS = ("dM:dy", "Mdy:M", "Mdy:dy", "dgB:dg", "dgC:dg", "fS:fdy", "fS:S", "CS:S", "dS:fdy")
+OPERANDS += ("BdS:dS", "wdS:wx", "wdS:dS")
+# those the kernels round once where `tiled.rounds_once` (16-bit `B`, `C`)
+ROUNDED_ONCE = frozenset({"fS:fdy", "fS:S", "wdS:wx", "wdS:dS"})
+
+
+def _once(single, bt) -> frozenset:
+    """The operands rounded once: `single`, or (None) the kernels' choice for `B`'s parts."""
+    if single is not None:
+        return frozenset(single)
+    return ROUNDED_ONCE if rounds_once(len(operand_parts(bt))) else frozenset()
+
+
+def _taken(a, dtype, operand, single):
+    """`a` (float32) as the kernel takes it as `operand`: its two halves, or rounded once."""
+    hi, lo = _halves(a, dtype)
+    return (hi,) if operand in single else (hi, lo)
+
+
+def emulate_chunk_state_bwd(xt, w, bt, d_own, q=CHUNK, single=None):
     """`kernels.chunk_state_bwd`: `dS` and `w ∘ x` as two halves, three products for `dB` (one,
-    each rounded once, where `tiled.rounds_once`)."""
-    k, dtype = _Chunks(xt, bt, q), xt.dtype
+    each rounded once, where `tiled.rounds_once`). `single`: the `OPERANDS` rounded once instead
+    (None: the kernels' choice)."""
+    k, dtype, one = _Chunks(xt, bt, q), xt.dtype, _once(single, bt)
     x, bm, wc = k.rows(xt), k.parts(bt), k.vec(w)[..., None]
-    ds = _halves(k.state(d_own), dtype)
-    dxw = _sum("bhctn,bhcpn->bhctp", bm, ds)
-    xw, once = _halves(x * wc, dtype), rounds_once(len(bm))
-    db = _sum("bhctp,bhcpn->bhctn", xw[:1], ds[:1]) if once else _sum("bhctp,bhcpn->bhctn", xw, ds)
+    ds = k.state(d_own)
+    dxw = _sum("bhctn,bhcpn->bhctp", bm, _taken(ds, dtype, "BdS:dS", one))
+    db = _sum("bhctp,bhcpn->bhctn", _taken(x * wc, dtype, "wdS:wx", one), _taken(ds, dtype, "wdS:dS", one))
     return k.out_rows(dxw * wc), k.out_vec((dxw * x).sum(-1)), k.out_rows(db)
 
 
-def emulate_chunk_scan_bwd(dy, xt, dt, cum, f, seg, bt, ct, states_in, q=CHUNK):
+def emulate_chunk_scan_bwd(dy, xt, dt, cum, f, seg, bt, ct, states_in, q=CHUNK, single=None):
     """`kernels.chunk_scan_bwd`: every float32 operand as its two halves (but `(f ∘ dy) S_in`'s,
-    each rounded once, where `tiled.rounds_once`)."""
-    k, dtype = _Chunks(xt, bt, q), xt.dtype
+    each rounded once, where `tiled.rounds_once`). `single`: the `OPERANDS` rounded once instead
+    (None: the kernels' choice)."""
+    k, dtype, one = _Chunks(xt, bt, q), xt.dtype, _once(single, bt)
     x, bm, cm, dyc = k.rows(xt), k.parts(bt), k.parts(ct), k.rows(dy)
     dt_c, f_c = k.vec(dt), k.vec(f)
-    s = _halves(k.state(states_in), dtype)
-    dyh, dyl = _halves(dyc, dtype)
+    state = k.state(states_in)
     decay = k.decay(cum, seg)
     m = _sum("bhctn,bhcsn->bhcts", cm, bm) * decay
-    mh, ml = _halves(m, dtype)
-    dm = (_ein("bhctp,bhcsp->bhcts", dyh, x) + _ein("bhctp,bhcsp->bhcts", dyl, x)) * dt_c[..., None, :]
+    dm = _sum("bhctp,bhcsp->bhcts", _taken(dyc, dtype, "dM:dy", one), (x,)) * dt_c[..., None, :]
     e = dm * m
-    mt = lambda a, r: _ein("bhcts,bhctp->bhcsp", a, r)  # noqa: E731 - Mᵀ r
-    dxd = mt(mh, dyh) + mt(mh, dyl) + mt(ml, dyh)
-    dg = _halves(dm * decay, dtype)
-    dyf = _halves(dyc * f_c[..., None], dtype)
-    fs = (
-        _sum("bhctp,bhcpn->bhctn", dyf[:1], s[:1])
-        if rounds_once(len(bm))
-        else _sum("bhctp,bhcpn->bhctn", dyf, s)
-    )
-    dc = _sum("bhcts,bhcsn->bhctn", dg, bm) + fs
-    db = _sum("bhcts,bhctn->bhcsn", dg, cm)
-    inc = _sum("bhctn,bhcpn->bhctp", cm, s)
-    ds = _sum("bhctp,bhctn->bhcpn", dyf, cm)
+    mdy = (_taken(m, dtype, "Mdy:M", one), _taken(dyc, dtype, "Mdy:dy", one))
+    dxd = _sum("bhcts,bhctp->bhcsp", *mdy)  # Mᵀ dy
+    dg, dyf = dm * decay, dyc * f_c[..., None]
+    fs = _sum("bhctp,bhcpn->bhctn", _taken(dyf, dtype, "fS:fdy", one), _taken(state, dtype, "fS:S", one))
+    dc = _sum("bhcts,bhcsn->bhctn", _taken(dg, dtype, "dgB:dg", one), bm) + fs
+    db = _sum("bhcts,bhctn->bhcsn", _taken(dg, dtype, "dgC:dg", one), cm)
+    inc = _sum("bhctn,bhcpn->bhctp", cm, _taken(state, dtype, "CS:S", one))
+    ds = _sum("bhctp,bhctn->bhcpn", _taken(dyf, dtype, "dS:fdy", one), cm)
     return (
         k.out_rows(dxd * dt_c[..., None]),
         k.out_vec((dxd * x).sum(-1)),
@@ -157,9 +175,12 @@ def emulate_chunk_scan_bwd(dy, xt, dt, cum, f, seg, bt, ct, states_in, q=CHUNK):
 class EmulatedLayout(GpuLayout):
     """`pallas_gpu`'s layout (its recurrence kernels; interpret mode on a CPU) with stages 2 and 4
     as the Mosaic kernels compute them: the whole layer through the kernels' arithmetic, for the
-    CPU tests and `benchmarks/mamba3_operand_precision.py`. 16-bit inputs only (no `sums`)."""
+    CPU tests and `benchmarks/mamba3_operand_precision.py`. 16-bit inputs only (no `sums`).
+    `single`: the backward's `OPERANDS` rounded once (None: the kernels' choice; a subclass sets
+    others, `benchmarks/ssd_backward_precision.py`)."""
 
     diagonal = False  # as the Mosaic kernels it emulates
+    single = None
     parts_kernel = True  # as `MosaicLayout` (`rotated_parts`, in interpret mode on a CPU)
 
     @classmethod
@@ -170,7 +191,7 @@ class EmulatedLayout(GpuLayout):
         return emulate_chunk_state(xt, self.to_col(w), bt, self.q)
 
     def chunk_state_bwd(self, xt, w, bt, d_own, dx_scan, db_scan):
-        dx, dw, db = emulate_chunk_state_bwd(xt, self.to_col(w), bt, d_own, self.q)
+        dx, dw, db = emulate_chunk_state_bwd(xt, self.to_col(w), bt, d_own, self.q, self.single)
         return (dx + dx_scan).astype(xt.dtype), dw, _turned_back(bt, db) + db_scan
 
     def chunk_scan(self, xt, scale, cum, ac, f, sc, bt, ct, states_in, *, sums, dtype):
@@ -181,7 +202,8 @@ class EmulatedLayout(GpuLayout):
     def chunk_scan_bwd(self, dy, xt, scale, cum, ac, f, sc, bt, ct, states_in, *, sums):
         assert not sums
         c = self.to_col
-        out = list(emulate_chunk_scan_bwd(dy, xt, c(scale), c(cum), c(f), c(sc), bt, ct, states_in, self.q))
+        args = (dy, xt, c(scale), c(cum), c(f), c(sc), bt, ct, states_in, self.q, self.single)
+        out = list(emulate_chunk_scan_bwd(*args))
         out[5], out[6] = _turned_back(bt, out[5]), _turned_back(ct, out[6])  # dB, dC
         return tuple(out)
 
