@@ -27,7 +27,21 @@ of the combination shows which operand it needs.
 
     OUT=<folder> python3 benchmarks/ssd_backward_precision.py [--chunks 64,128] [--margin 0.5]
 
-writes `$OUT/sweep_backward_precision.json` (on the CPU; a few minutes).
+writes `$OUT/sweep_backward_precision.json` (on the CPU; a few minutes). `--plans` evaluates
+only the plans it names (`sweep_backward_precision_plans.json`).
+
+`--stored` asks the same of the float32 arrays the kernels pass each other through memory,
+each kept in the input dtype instead (mamba_ssm keeps its chunk states and their gradients in
+it), with the kernels' own operands (`emulate.ROUNDED_ONCE`):
+
+    S_in     the states entering each chunk: the forward's residual, read by the chunk-scan
+             backward and by the reverse recurrence (`d keep = Σ g ∘ S_in`)
+    dS_in    the chunk-scan backward's gradient of the entering state, into the reverse recurrence
+    d_own    the reverse recurrence's gradient of each chunk's own state, into the chunk-state backward
+
+    OUT=<folder> python3 benchmarks/ssd_backward_precision.py --stored 'S_in;dS_in;d_own;S_in,d_own'
+
+writes `$OUT/sweep_backward_precision_stored.json`.
 """
 
 from __future__ import annotations
@@ -66,14 +80,45 @@ CASES = [
 ]
 
 
-@functools.cache
-def layout(single: frozenset):
-    """The emulated layout with `single` rounded once in the backward (`emulate.OPERANDS`)."""
-    return type("Planned", (E.EmulatedLayout,), {"single": single})
+STORED = ("S_in", "dS_in", "d_own")
+
+
+def _stored(a):
+    """`a` (float32) kept in bf16 (every case here is bf16) and read back."""
+    return a.astype(jnp.bfloat16).astype(jnp.float32)
 
 
 @functools.cache
-def runner(single: frozenset, names, chunk):
+def layout(single: frozenset | None, stored: frozenset = frozenset()):
+    """The emulated layout with `single` rounded once in the backward (`emulate.OPERANDS`; None:
+    the kernels' choice) and the arrays `stored` (`STORED`) kept in bf16 between the kernels."""
+    base, methods = E.EmulatedLayout, {"single": single}
+    if "S_in" in stored:
+
+        def recurrence(self, keep, own, initial):
+            states_in, final = base.recurrence(self, keep, own, initial)
+            return _stored(states_in), final
+
+        methods["recurrence"] = recurrence
+    if "dS_in" in stored:
+
+        def chunk_scan_bwd(self, *args, **kwargs):
+            *grads, d_states_in = base.chunk_scan_bwd(self, *args, **kwargs)
+            return (*grads, _stored(d_states_in))
+
+        methods["chunk_scan_bwd"] = chunk_scan_bwd
+    if "d_own" in stored:
+
+        def recurrence_bwd(self, keep, states_in, d_states_in, d_final):
+            d_own, d_keep, d_init = base.recurrence_bwd(self, keep, states_in, d_states_in, d_final)
+            return _stored(d_own), d_keep, d_init
+
+        methods["recurrence_bwd"] = recurrence_bwd
+    return type("Planned", (base,), methods)
+
+
+@functools.cache
+def runner(single: frozenset | None, names, chunk, stored: frozenset = frozenset()):
     def f(seg, *vals):
         a = dict(zip(names, vals, strict=True))
         dt = prepared_dt(a["dt"], a.get("dt_bias"), True, None)
@@ -81,7 +126,7 @@ def runner(single: frozenset, names, chunk):
         if s0 is None:
             s0 = jnp.zeros((a["x"].shape[0], a["x"].shape[2], a["x"].shape[3], a["B"].shape[3]), jnp.float32)
         args = (a["x"], dt, a["A"], a["B"], a["C"], a.get("D"), a.get("z"), seg, s0)
-        y, final = chunk_kernels.ssd(layout(single), *args, chunk_size=chunk, interpret=True)
+        y, final = chunk_kernels.ssd(layout(single, stored), *args, chunk_size=chunk, interpret=True)
         cot = jnp.round(64 * jnp.cos(jnp.arange(y.size, dtype=jnp.float32).reshape(y.shape))) / 64
         return jnp.sum(y.astype(jnp.float32) * cot) + jnp.sum(jnp.sin(final.astype(jnp.float32))), (y, final)
 
@@ -116,6 +161,7 @@ def main() -> None:
     p.add_argument("--chunks", default="64,128")
     p.add_argument("--margin", type=float, default=0.5)
     p.add_argument("--plans", help="only these plans, `;`-separated, each `,`-separated operands")
+    p.add_argument("--stored", help="arrays kept in bf16 (`STORED`), `;`-separated sets, each `,`-separated")
     a = p.parse_args()
     prepared = []
     for chunk in (int(c) for c in a.chunks.split(",")):
@@ -133,16 +179,26 @@ def main() -> None:
             )
             prepared.append((label, chunk, arrays, seg, names, want, same))
 
-    def evaluate(single):
+    def evaluate(single, stored=()):
         rows = {}
+        plan = None if single is None else frozenset(single)
         for label, chunk, arrays, seg, names, want, same in prepared:
-            rows[label] = ratios(runner(frozenset(single), names, chunk)(arrays, seg), same, want, names)
+            run_plan = runner(plan, names, chunk, frozenset(stored))
+            rows[label] = ratios(run_plan(arrays, seg), same, want, names)
         worst = max(max(r.values()) for r in rows.values())
         grads = max(v for r in rows.values() for k, v in r.items() if k not in ("y", "final"))
-        print(f"{sorted(single)}: worst {worst:.3f}, of the gradients {grads:.3f}", flush=True)
+        named = sorted(E.ROUNDED_ONCE if single is None else single)
+        print(f"{named} stored {sorted(stored)}: worst {worst:.3f}, of the gradients {grads:.3f}", flush=True)
         runner.cache_clear(), layout.cache_clear(), jax.clear_caches()  # each plan compiles anew
-        return {"single": sorted(single), "worst": worst, "gradients_worst": grads, "cases": rows}
+        out = {"single": named, "worst": worst, "gradients_worst": grads, "cases": rows}
+        return out | ({"stored": sorted(stored)} if stored else {})
 
+    if a.stored:
+        sets = [tuple(s.split(",")) for s in a.stored.split(";")]
+        for name in {n for s in sets for n in s} - set(STORED):
+            raise SystemExit(f"--stored: unknown array {name!r}; arrays are {', '.join(STORED)}")
+        _write(a, None, [evaluate(None)] + [evaluate(None, s) for s in sets])
+        return
     results = [evaluate(())]
     if a.plans:
         results += [evaluate(tuple(plan.split(","))) for plan in a.plans.split(";")]
@@ -160,6 +216,7 @@ def main() -> None:
 
 def _write(a, plan, results) -> None:
     extra = f" --plans '{a.plans}'" if a.plans else ""
+    extra += f" --stored '{a.stored}'" if a.stored else ""
     out = {
         "command": "OUT=<folder> python3 benchmarks/ssd_backward_precision.py "
         + f"--chunks {a.chunks} --margin {a.margin}{extra}",
@@ -172,7 +229,7 @@ def _write(a, plan, results) -> None:
     }
     folder = Path(os.environ.get("OUT", "."))
     folder.mkdir(parents=True, exist_ok=True)
-    name = "sweep_backward_precision" + ("_plans" if a.plans else "")
+    name = "sweep_backward_precision" + ("_plans" if a.plans else "") + ("_stored" if a.stored else "")
     (folder / f"{name}.json").write_text(json.dumps(out, indent=1) + "\n")
 
 
