@@ -44,6 +44,7 @@ FORMS = {
     "stages_sums_transposes": SSDBlockSizes(64, "stages", group_sums="kernels", transposes="kernels"),
     "chunk128": SSDBlockSizes(128, "fused", group_sums="kernels", transposes="kernels"),
     "chunk128_stages": SSDBlockSizes(128, "stages", group_sums="kernels", transposes="kernels"),
+    "lean": SSDBlockSizes(64, "fused", group_sums="kernels", transposes="kernels", scan_backward="lean"),
 }
 
 

@@ -53,8 +53,14 @@ def _hopper() -> bool:
 
 
 # mosaic_gpu's forms (SSDBlockSizes after the chunk): the forward, where dB and dC are summed,
-# who transposes x and y, the state backward (the default: the third)
-FORMS = [("stages",), ("fused",), ("fused", "kernels", "kernels"), ("fused", "kernels", "kernels", "fused")]
+# who transposes x and y, the state backward, the chunk-scan backward (the default: the third)
+FORMS = [
+    ("stages",),
+    ("fused",),
+    ("fused", "kernels", "kernels"),
+    ("fused", "kernels", "kernels", "fused"),
+    ("fused", "kernels", "kernels", None, "lean"),
+]
 
 
 def _check_mosaic(arrays, seg, blocks):
@@ -174,16 +180,20 @@ def _kernel_inputs(kernel, b, h, g, chunks, p, n, split=False, chunk=None, slow=
     return (jax.random.normal(k[7], (b, h, length, p)), *scan)
 
 
-def _against_emulation(kernel, args, chunk=None):
-    """One Mosaic kernel (at chunks of `chunk`, 64 where None) against its emulation, each output
-    within 1e-4 of the emulation's largest magnitude."""
+def _against_emulation(kernel, args, chunk=None, lean=False):
+    """One Mosaic kernel (at chunks of `chunk`, 64 where None; `lean`: the lean chunk-scan
+    backward) against its emulation, each output within 1e-4 of the emulation's largest
+    magnitude."""
     import functools
 
     import numpy as np
 
     from axkern.ops.ssd import mosaic_gpu
+    from axkern.ops.ssd.common.mosaic.emulate import LEAN_ROUNDED_ONCE
 
     kw, emulated = ({}, {}) if chunk is None else ({"chunk": chunk}, {"q": chunk})
+    if lean:
+        kw, emulated = kw | {"lean": True}, emulated | {"single": LEAN_ROUNDED_ONCE}
     got = jax.jit(functools.partial(getattr(mosaic_gpu, kernel), **kw))(*args)
     # the emulation on the CPU: XLA's GPU compiler drops its float32 -> bf16 -> float32 round
     # trips (excess precision), leaving every `lo` half zero
@@ -229,6 +239,15 @@ def test_mosaic_gpu_kernels_equal_their_emulation(kernel, dims, split):
     # the order of float32 sums and the approximate exp may differ; a wrong index or layout
     # shows here before it shows in the layer
     _against_emulation(kernel, _kernel_inputs(kernel, *dims, split=split))
+
+
+@pytest.mark.skipif(not _hopper(), reason="the Mosaic GPU kernels need a Hopper GPU")
+@pytest.mark.parametrize("dims", [(2, 4, 2, 3, 64, 128), (1, 2, 1, 2, 128, 64), (1, 2, 2, 2, 64, 64)])
+@pytest.mark.parametrize("slow", [False, True])
+def test_mosaic_gpu_lean_scan_backward_equals_its_emulation(dims, slow):
+    # the lean chunk-scan backward (every result through one 64 x 64 staging tile, the state
+    # rounded once in C S_inᵀ too) against its arithmetic in XLA
+    _against_emulation("chunk_scan_bwd", _kernel_inputs("chunk_scan_bwd", *dims, slow=slow), lean=True)
 
 
 @pytest.mark.skipif(not _hopper(), reason="the Mosaic GPU kernels need a Hopper GPU")

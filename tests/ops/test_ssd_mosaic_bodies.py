@@ -265,10 +265,11 @@ def _run(body, ins, outs, tiles, grid):
     return [o.a for o in out_refs]
 
 
-def _errors(q, b=1, h=2, g=1, c=2, p=64, n=64, wide=True, add=False, split=False):
+def _errors(q, b=1, h=2, g=1, c=2, p=64, n=64, wide=True, add=False, split=False, lean=False):
     """Each kernel's largest difference from its emulation (relative to the emulation's largest
     magnitude) at chunks of `q`: the scan, its backward, the state and the state backward.
-    `split`: `B`, `C` float32, which the kernels take as two bf16 halves each (Mamba-3's)."""
+    `split`: `B`, `C` float32, which the kernels take as two bf16 halves each (Mamba-3's).
+    `lean`: the lean scan backward (`backward.lean_reason`)."""
     length, f32, bf16 = c * q, np.float32, jnp.bfloat16
     k = jax.random.split(jax.random.PRNGKey(0), 8)
     x = jax.random.normal(k[0], (b, h, length, p)).astype(bf16)
@@ -296,15 +297,17 @@ def _errors(q, b=1, h=2, g=1, c=2, p=64, n=64, wide=True, add=False, split=False
     heads_out = g if add else h
     outs = [np.zeros((b, h, length, p), f32)] + [np.zeros((b, h, length), f32) for _ in range(4)]
     outs += [np.zeros((b, heads_out, length, n), f32) for _ in range(2)] + [np.zeros((b, c, h, p, n), f32)]
-    body = functools.partial(B._scan_bwd_kernel, add=add, **kw, **({"tiled": True} if q != 64 else {}))
+    form = {"tiled": True} if q != 64 else ({"lean": True} if lean else {})
+    body = functools.partial(B._scan_bwd_kernel, add=add, **kw, **form)
     grads = _run(
         body,
         (dy, x, dt, cum, f, seg, bp, cp, states),
         outs,
-        K._tiles("scan_bwd", p, n, parts=parts, q=q),
+        K._tiles("scan_bwd_lean" if lean else "scan_bwd", p, n, parts=parts, q=q),
         (b, h, c),
     )
-    emulated = E.emulate_chunk_scan_bwd(dy.astype(jnp.float32), x, dt, cum, f, seg, bt, ct, states, q)
+    single = E.LEAN_ROUNDED_ONCE if lean else None
+    emulated = E.emulate_chunk_scan_bwd(dy.astype(jnp.float32), x, dt, cum, f, seg, bt, ct, states, q, single)
     for i, name in enumerate(("dx", "ddt", "dcum", "dcum_row", "df", "db", "dc", "ds")):
         e = np.asarray(emulated[i])
         got[name], want[name] = (
@@ -351,6 +354,11 @@ def _errors(q, b=1, h=2, g=1, c=2, p=64, n=64, wide=True, add=False, split=False
         dict(q=128, h=4, g=2, add=True),  # dB, dC added into each group's rows
         dict(q=64, split=True),  # float32 B, C as halves: every product over both (`rounds_once`)
         dict(q=64, split=True, n=128, wide=False),
+        # the lean scan backward: every result through one 64 x 64 staging tile
+        dict(q=64, lean=True),
+        dict(q=64, lean=True, n=128, wide=False),
+        dict(q=64, lean=True, p=128),
+        dict(q=64, lean=True, h=4, g=2, add=True),
     ],
     ids=str,
 )
@@ -370,6 +378,14 @@ def test_the_shim_sees_a_planted_error(shim, monkeypatch):
     monkeypatch.setattr(_Plgpu, "commit_smem", staticmethod(lambda: None))
     _errors(q=128)
     assert any("without commit_smem" in h for h in shim.hazards)
+
+
+def test_the_shim_sees_the_lean_staging_tile_rewritten_in_flight(shim, monkeypatch):
+    # the lean scan backward's waits for each block's copy left out: its next block overwrites
+    # the staging tile the copy may still read
+    monkeypatch.setattr(_Plgpu, "wait_smem_to_gmem", staticmethod(lambda n, wait_read_only=False: None))
+    _errors(q=64, lean=True)
+    assert any("while a TMA store may read it" in h for h in shim.hazards)
 
 
 def _fused_errors(q, b=1, h=2, g=1, c=3, p=64, n=64, positions_first=False, clean_x=False, states=True):

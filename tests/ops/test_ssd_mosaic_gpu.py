@@ -19,6 +19,8 @@ import axkern
 from axkern.ops.ssd import OP, SSDBlockSizes, mosaic_gpu
 from axkern.ops.ssd.api import prepared_dt
 from axkern.ops.ssd.common import kernels as chunk_kernels
+from axkern.ops.ssd.common.mosaic import kernels as mosaic_kernels
+from axkern.ops.ssd.common.mosaic.emulate import LEAN_ROUNDED_ONCE
 from tests.cases.ssd import make, run
 from tests.harness import check_rule, jit
 from tests.helpers import equations
@@ -165,15 +167,16 @@ def test_each_kernel_lowers_with_positions_first(kernel):
 @needs_mosaic
 @pytest.mark.parametrize(
     # every pair of the three choices' values (the whole product lowers alike: 8 forms of 4 s)
-    "forward,group_sums,backward",
+    "forward,group_sums,backward,scan_backward",
     [
-        ("stages", None, None),
-        ("stages", "kernels", "fused"),
-        ("fused", None, "fused"),
-        ("fused", "kernels", None),
+        ("stages", None, None, None),
+        ("stages", "kernels", "fused", None),
+        ("fused", None, "fused", "lean"),
+        ("fused", "kernels", None, None),
+        ("fused", "kernels", None, "lean"),
     ],
 )
-def test_the_layer_lowers_in_every_form(forward, group_sums, backward):
+def test_the_layer_lowers_in_every_form(forward, group_sums, backward, scan_backward):
     # with x, y transposed by the kernels, XLA's graph has fewer transposes (the moves of x in
     # and of y out, forward and backward, in both branches of the guard's conditional); the
     # forward's Mosaic kernels (three stages: the chunk state and scan, the recurrence being
@@ -184,7 +187,7 @@ def test_the_layer_lowers_in_every_form(forward, group_sums, backward):
     def text(transposes):
         def f(a):
             dt = prepared_dt(a["dt"], a["dt_bias"], True, None)
-            blocks = SSDBlockSizes(64, forward, group_sums, transposes, backward)
+            blocks = SSDBlockSizes(64, forward, group_sums, transposes, backward, scan_backward)
             y, final = mosaic_gpu.ssd(
                 a["x"], dt, a["A"], a["B"], a["C"], a["D"], a["z"], seg, a["initial_state"], block_sizes=blocks
             )  # fmt: skip
@@ -197,6 +200,41 @@ def test_the_layer_lowers_in_every_form(forward, group_sums, backward):
     assert moved.count("stablehlo.transpose") < plain.count("stablehlo.transpose")
     # the fused state backward takes the place of the reverse recurrence's Triton kernel
     assert ("axkern_ssd_gpu_recurrence_bwd" in plain) == (backward is None)
+    if group_sums is None:  # (the kernels' names show where no output is added into)
+        assert ("axkern_ssd_mosaic_gpu_scan_bwd_lean" in plain) == (scan_backward == "lean")
+
+
+LEAN_WHOLE = ("scan_bwd_lean", "scan_bwd")
+
+
+@needs_mosaic
+@pytest.mark.parametrize("dims", [(2, 4, 2, 3, 64, 128), (1, 2, 1, 2, 128, 64), (1, 2, 2, 1, 64, 64)])
+@pytest.mark.parametrize("group_sums", [False, True])
+def test_the_lean_scan_backward_lowers_in_less_shared_memory(dims, group_sums):
+    # one kernel, the same outputs as the whole kernel's; its tiles 108 KiB at P 64, N 128 (two
+    # blocks an SM) where the whole kernel's take 188; refused with float32 B, C (their halves)
+    args = _kernel_args("chunk_scan_bwd", *dims)
+    fn = functools.partial(mosaic_gpu.chunk_scan_bwd, group_sums=group_sums)
+    whole, lean = (jax.eval_shape(functools.partial(fn, lean=v), *args) for v in (False, True))
+    assert whole == lean
+    text = (
+        jax.jit(functools.partial(fn, lean=True)).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    )
+    assert _kernels(text) == 1
+    # (the kernel's name shows in the text where no output is added into: `plgpu.kernel`)
+    assert group_sums or "axkern_ssd_mosaic_gpu_scan_bwd_lean" in text
+    p, n = dims[-2:]
+    lean_bytes, whole_bytes = (mosaic_kernels.tile_bytes(mosaic_kernels._tiles(k, p, n)) for k in LEAN_WHOLE)
+    assert lean_bytes < whole_bytes
+    # two blocks in an H200 SM's 228 KiB (each with 1 KiB the system keeps) but at P 128, N 64;
+    # one block of the whole kernel
+    assert (2 * (lean_bytes + 1024) <= 228 * 1024) == (p == 64)
+    assert 2 * (whole_bytes + 1024) > 228 * 1024
+    assert (p, n) != (64, 128) or (lean_bytes, whole_bytes) == (108 * 1024, 188 * 1024)
+    wide = list(args)
+    wide[6] = jax.ShapeDtypeStruct(args[6].shape, jnp.float32)
+    with pytest.raises(ValueError, match="lean: B and C as float32 halves"):
+        jax.eval_shape(functools.partial(fn, lean=True), *wide)
 
 
 @needs_mosaic
@@ -352,7 +390,11 @@ def test_the_conditional_passes_x_out_as_it_came():
     )
 
 
-def _emulated_runner(names, chunk=mosaic_gpu.CHUNK):
+# the kernels' arithmetic with the lean chunk-scan backward (`backward.lean_reason`)
+LeanEmulatedLayout = type("LeanEmulatedLayout", (mosaic_gpu.EmulatedLayout,), {"single": LEAN_ROUNDED_ONCE})
+
+
+def _emulated_runner(names, chunk=mosaic_gpu.CHUNK, layout=mosaic_gpu.EmulatedLayout):
     def f(seg, *vals):
         a = dict(zip(names, vals, strict=True))
         dt = prepared_dt(a["dt"], a.get("dt_bias"), True, None)
@@ -362,7 +404,7 @@ def _emulated_runner(names, chunk=mosaic_gpu.CHUNK):
                 (*a["x"].shape[:1], a["x"].shape[2], a["x"].shape[3], a["B"].shape[3]), jnp.float32
             )
         args = (a["x"], dt, a["A"], a["B"], a["C"], a.get("D"), a.get("z"), seg, s0)
-        y, final = chunk_kernels.ssd(mosaic_gpu.EmulatedLayout, *args, chunk_size=chunk, interpret=True)
+        y, final = chunk_kernels.ssd(layout, *args, chunk_size=chunk, interpret=True)
         cot = jnp.round(64 * jnp.cos(jnp.arange(y.size, dtype=jnp.float32).reshape(y.shape))) / 64
         return jnp.sum(y.astype(jnp.float32) * cot) + jnp.sum(jnp.sin(final.astype(jnp.float32))), (y, final)
 
@@ -384,14 +426,16 @@ def _emulated_runner(names, chunk=mosaic_gpu.CHUNK):
         ("bfloat16", (1, 150, 4, 64, 2, 64), True, False),  # no D, gate: y leaves the scan in bf16
     ],
 )
-def test_the_kernels_arithmetic_holds_the_oracle_rule_through_the_layer(dtype, dims, segments, extras):
+@pytest.mark.parametrize("lean", [False, True], ids=["whole", "lean"])
+def test_the_kernels_arithmetic_holds_the_oracle_rule_through_the_layer(dtype, dims, segments, extras, lean):
     # y (through D and the silu(z) gate, so dz sees the kernel's rounding), the final state and
-    # every gradient (x, dt, A, B, C, D, z, dt_bias, the initial state) against the float64 oracle
+    # every gradient (x, dt, A, B, C, D, z, dt_bias, the initial state) against the float64 oracle;
+    # `lean`: the lean chunk-scan backward's arithmetic (the state rounded once in C S_inᵀ too)
     arrays, seg = make(3, *dims, dtype, segments=bool(segments), extras=extras)
     if segments is None:
         arrays["A"] = arrays["A"] / 100
     names = tuple(sorted(arrays))
-    emulated = _emulated_runner(names)
+    emulated = _emulated_runner(names, layout=LeanEmulatedLayout if lean else mosaic_gpu.EmulatedLayout)
 
     def runner(name, a, **_):
         if name == "reference":
@@ -494,6 +538,16 @@ def test_dispatch_skips_it_off_hopper_with_the_reason():
             axkern.positional.ssd(
                 **arrays, implementation=impl, block_sizes=SSDBlockSizes(16, transposes="kernels")
             )
+        with pytest.raises(axkern.Unsupported, match="only mosaic_gpu has a lean chunk-scan backward"):
+            axkern.positional.ssd(
+                **arrays, implementation=impl, block_sizes=SSDBlockSizes(16, scan_backward="lean")
+            )
+    # the lean chunk-scan backward: chunks of 64 only, 16-bit B and C, no angles
+    with pytest.raises(axkern.Unsupported, match="scan_backward='lean': chunk_size=128"):
+        mosaic_gpu.ssd(*[None] * 9, block_sizes=SSDBlockSizes(chunk_size=128, scan_backward="lean"))
+    assert "float32 halves" in mosaic_gpu.lean_reason(2)
+    assert "theta" in mosaic_gpu.lean_reason(1, 64, True)
+    assert "scan_backward must be one of" in SSDBlockSizes(64, scan_backward="thin").validate(spec)
     assert mosaic_gpu.fused_smem_bytes(128, 64) <= 227 * 1024
     # explain names the kernels of the form chosen
     kernels = OP.implementations["mosaic_gpu"].backward
@@ -506,6 +560,8 @@ def test_dispatch_skips_it_off_hopper_with_the_reason():
     assert "chunks of 64;" in every and "chunks of 128, by tiles of 64 rows" in kernels(
         gpu, SSDBlockSizes(128, forward="stages")
     )
+    assert "lean chunk-scan backward" in kernels(gpu, SSDBlockSizes(64, scan_backward="lean"))
+    assert "lean" not in every
 
 
 def test_the_default_form_and_the_deterministic_flags(monkeypatch):
@@ -517,7 +573,7 @@ def test_the_default_form_and_the_deterministic_flags(monkeypatch):
     default = SSDBlockSizes(64, forward="fused", group_sums="kernels", transposes="kernels")
     assert heuristic(gpu) == default
     forms = space(gpu)
-    assert forms[0] == default and len(set(forms)) == len(forms) == 8
+    assert forms[0] == default and len(set(forms)) == len(forms) == 9
     assert SSDBlockSizes(64, forward="stages") in forms
     # the default and its three stages at chunks of 128 (at P 64, N 128 the scan's tiles at 256
     # exceed shared memory)
@@ -525,6 +581,7 @@ def test_the_default_form_and_the_deterministic_flags(monkeypatch):
         dataclasses.replace(default, chunk_size=128, forward=f) for f in ("fused", "stages")
     ]
     assert dataclasses.replace(default, backward="fused") in forms
+    assert dataclasses.replace(default, scan_backward="lean") in forms
     for flags in (
         "--xla_gpu_deterministic_ops=true",
         "--xla_dump_to=/tmp --xla_gpu_exclude_nondeterministic_ops",

@@ -71,6 +71,7 @@ def _mosaic_gpu_kernels(spec, block_sizes) -> str:
     )
     extras = [("dB, dC summed over heads in the kernels", bs.group_sums == "kernels")]
     extras += [("x, y in the caller's layout in the kernels", bs.transposes == "kernels")]
+    extras += [("the lean chunk-scan backward (two blocks an SM)", bs.scan_backward == "lean")]
     notes = "".join(f"; {text}" for text, on in extras if on)
     tiles = ", by tiles of 64 rows" if bs.chunk_size > 64 else ""
     return f"custom_vjp: {backward} (forward: {forward}; chunks of {bs.chunk_size}{tiles}{notes})"

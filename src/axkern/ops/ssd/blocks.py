@@ -53,13 +53,18 @@ class SSDBlockSizes(BlockSizes):
     caller's `[b, L, H, P]`, a strided tile per head). `backward` (`mosaic_gpu` only): `"stages"`
     (the reverse recurrence and the chunk states' backward as two kernels; None means this) or
     `"fused"` (one kernel per batch row and head walking its chunks from the last,
-    `common/mosaic/state_backward.py`)."""
+    `common/mosaic/state_backward.py`). `scan_backward` (`mosaic_gpu` only, chunks of 64):
+    `"whole"` (None means this) or `"lean"` (the chunk-scan backward in 108 KiB of shared memory
+    at P 64, N 128 rather than 188, so that two blocks share an SM: the entering state rounded
+    once in `C S_inᵀ` as well, every result out through one 64 × 64 float32 staging tile;
+    `common/mosaic/backward.py`)."""
 
     choices: ClassVar[Mapping[str, tuple[str, ...]]] = {
         "forward": ("stages", "fused"),
         "group_sums": ("xla", "kernels"),
         "transposes": ("xla", "kernels"),
         "backward": ("stages", "fused"),
+        "scan_backward": ("whole", "lean"),
     }
 
     chunk_size: int = 64
@@ -67,6 +72,7 @@ class SSDBlockSizes(BlockSizes):
     group_sums: str | None = None
     transposes: str | None = None
     backward: str | None = None
+    scan_backward: str | None = None
 
     def check(self, spec):
         if self.chunk_size & (self.chunk_size - 1):
@@ -80,6 +86,7 @@ MOSAIC_GPU_FORMS = (
     ("group_sums", "kernels", "sums dB and dC in its kernels"),
     ("backward", "fused", "has a fused state backward"),
     ("transposes", "kernels", "reads x in the caller's layout"),
+    ("scan_backward", "lean", "has a lean chunk-scan backward"),
 )
 
 
@@ -155,8 +162,8 @@ def mosaic_gpu_heuristic(spec: Spec) -> SSDBlockSizes:
 
 
 def mosaic_gpu_space(spec: Spec) -> list[SSDBlockSizes]:
-    """The default, then its parts taken back one at a time, the fused state backward added,
-    and the three stages with none of them; then the default and its three stages at chunks of
+    """The default, then its parts taken back one at a time, the fused state backward or the
+    lean chunk-scan backward added, and the three stages with none of them; then the default and its three stages at chunks of
     128 and 256 where their tiles fit (`axkern tune` times each)."""
     best = mosaic_gpu_heuristic(spec)
     forms = [
@@ -164,6 +171,7 @@ def mosaic_gpu_space(spec: Spec) -> list[SSDBlockSizes]:
         dataclasses.replace(best, group_sums="xla"),
         dataclasses.replace(best, transposes="xla"),
         dataclasses.replace(best, backward="fused"),
+        dataclasses.replace(best, scan_backward="lean"),
         SSDBlockSizes(chunk_size=64, forward="fused"),
         SSDBlockSizes(chunk_size=64, forward="stages"),
     ]

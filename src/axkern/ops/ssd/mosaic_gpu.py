@@ -18,6 +18,7 @@ from .common.mosaic import (  # noqa: F401
     chunk_reason,
     dims_reason,
     layout_class,
+    lean_reason,
     platform_reason,
 )
 
@@ -30,6 +31,10 @@ def supports(spec) -> str | None:
 
 def ssd(x, dt, A, B, C, D, z, segment_ids, initial_state, *, block_sizes, interpret=False):
     chunk = block_sizes.chunk_size
+    lean = block_sizes.scan_backward == "lean"
+    reason = lean and lean_reason(1, chunk)  # (`ssd`'s B, C are 16-bit here)
+    if reason:
+        raise Unsupported(f"scan_backward='lean': {reason}")
     if chunk != CHUNK:
         # above 64: the kernels by tiles of 64 rows (`common/mosaic/tiled.py`); the fused state
         # backward walks chunks of 64 only
@@ -58,6 +63,7 @@ def ssd(x, dt, A, B, C, D, z, segment_ids, initial_state, *, block_sizes, interp
         block_sizes.group_sums == "kernels",
         block_sizes.transposes == "kernels",
         block_sizes.backward == "fused",
+        lean,
     )
     return chunk_kernels.ssd(
         layout, x, dt, A, B, C, D, z, segment_ids, initial_state, chunk_size=chunk, interpret=False

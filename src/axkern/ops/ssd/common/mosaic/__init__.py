@@ -80,6 +80,12 @@ lo·hi), giving `dx` and `ddt`; then the halves of `dg = dM ∘ Λ` and of `f �
 the products are about as exact as float32 ones (but `(f ∘ dy) S_in`'s two, each rounded
 once where `B`, `C` are 16-bit: Precision, below).
 
+**The lean scan backward** (`SSDBlockSizes(scan_backward="lean")`, `backward.lean_reason`:
+chunks of 64, 16-bit `B`, `C`, no angles): the same kernel in 108 KiB of shared memory at P 64,
+N 128 (188 whole), two blocks an SM: the state rounded once (one tile, and one product for
+`C S_inᵀ`), every result out through one `[64, 64]` float32 staging tile block by block
+(`backward._staged`). Not yet run on a GPU; in the tuning space.
+
 **Precision** (`benchmarks/ssd_operand_precision.py`, float64 emulation on the CPU, tables in
 docs/ops/ssd.md "Accuracy"): `C Bᵀ` and `C S_inᵀ` with 16-bit operands kept `y` and the final
 state inside DESIGN.md's rule; `M x` with `M` rounded to bf16 once did not (1.08x the bound),
@@ -138,7 +144,7 @@ from axkern.core import backend
 from axkern.core.op import Unsupported
 
 from ..gpu import GpuLayout
-from .backward import chunk_scan_bwd, chunk_state_bwd
+from .backward import chunk_scan_bwd, chunk_state_bwd, lean_reason
 from .emulate import (
     EmulatedLayout,
     emulate_chunk_scan,
@@ -166,6 +172,7 @@ __all__ = [
     "chunk_scan",
     "chunk_state_bwd",
     "chunk_scan_bwd",
+    "lean_reason",
     "emulate_chunk_state",
     "emulate_chunk_scan",
     "emulate_chunk_state_bwd",
@@ -237,12 +244,14 @@ class MosaicLayout(GpuLayout):
         c = self.to_col
         args = (dy, xt, c(scale), c(cum), c(f), c(sc), bt, ct, states_in)
         kw = dict(group_sums=self.group_sums, positions_first=self.positions_first, theta=_angles(bt))
-        return chunk_scan_bwd(*args, chunk=self.q, **kw)
+        return chunk_scan_bwd(*args, chunk=self.q, lean=self.lean_scan_backward, **kw)
 
     # `dB`, `dC` summed over each group's heads in XLA, or (`group_sums`) in the kernels
     group_sums = False
     # the reverse recurrence and the chunk states' backward as one kernel
     fused_backward = False
+    # the chunk-scan backward in less shared memory (`backward.lean_reason`)
+    lean_scan_backward = False
 
     @classmethod
     def turns_back(cls) -> bool:
@@ -310,15 +319,15 @@ class FusedMosaicLayout(MosaicLayout):
 
 @functools.cache
 def layout_class(
-    fused: bool, group_sums: bool, positions_first: bool, fused_backward: bool
+    fused: bool, group_sums: bool, positions_first: bool, fused_backward: bool, lean: bool = False
 ) -> type[MosaicLayout]:
-    """The layout for the forward's form, where `dB`, `dC` are summed, how `x`, `y` are laid out
-    and the state backward's form (`B`, `C` may enter its kernels as bf16 or float32,
-    `operand_parts`)."""
+    """The layout for the forward's form, where `dB`, `dC` are summed, how `x`, `y` are laid out,
+    the state backward's form (`B`, `C` may enter its kernels as bf16 or float32,
+    `operand_parts`) and whether the chunk-scan backward is the lean one."""
     base = FusedMosaicLayout if fused else MosaicLayout
-    if not (group_sums or positions_first or fused_backward):
+    if not (group_sums or positions_first or fused_backward or lean):
         return base
     name = base.__name__ + "GroupSums" * group_sums + "PositionsFirst" * positions_first
-    name += "FusedBackward" * fused_backward
+    name += "FusedBackward" * fused_backward + "LeanScanBackward" * lean
     attrs = {"group_sums": group_sums, "positions_first": positions_first, "fused_backward": fused_backward}
-    return type(name, (base,), attrs)
+    return type(name, (base,), attrs | {"lean_scan_backward": lean})

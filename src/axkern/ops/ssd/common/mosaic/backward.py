@@ -32,21 +32,30 @@ from .kernels import (
 from .rotation import finite_or_zero
 from .tiled import rounds_once, scan_bwd_tiled
 
-__all__ = ["chunk_scan_bwd", "chunk_state_bwd"]
+__all__ = ["chunk_scan_bwd", "chunk_state_bwd", "lean_reason"]
 
 
-def _scan_bwd_kernel(*refs, rep, dtype, add, rows_of, turns=False, tiled=False):
+def _scan_bwd_kernel(*refs, rep, dtype, add, rows_of, turns=False, tiled=False, lean=False):
     """`add`: `dB`, `dC` added by TMA reductions into the head's group's rows (`[b, g, L, N]`)
     rather than stored per head. `turns`: a tenth input, the angles `Θ` (`[b, h, L, A]`,
     float32), by which `dB` and `dC` leave turned back (`_turned_back`). `tiled`: a chunk of
-    more than 64 positions, by tiles (`tiled.py`)."""
+    more than 64 positions, by tiles (`tiled.py`). `lean` (16-bit `B`, `C`; neither `turns` nor
+    `tiled`): the state rounded once in `C S_inᵀ` too, and every result out through one
+    float32 staging tile, `[64, 64]` block by block (`_tiles("scan_bwd_lean")`)."""
     if tiled:
         return scan_bwd_tiled(refs[:-1], refs[-1], rep=rep, dtype=dtype, add=add, rows_of=rows_of)
     dy_ref, x_ref, dt_ref, cum_ref, f_ref, seg_ref, b_ref, c_ref, s_ref, *rest = refs
     theta_ref = rest.pop(0) if turns else None
     dx_ref, ddt_ref, dcum_ref, dcum_row_ref, df_ref, db_ref, dc_ref, ds_ref, scoped = rest
-    (c_smem, b_smem, x_smem, sh_smem, sl_smem, ah_smem, al_smem, mh_smem, ml_smem, *outs), loaded = scoped
-    dx_smem, dbc_smem, ds_smem, vec_smem = outs
+    if lean:
+        (c_smem, b_smem, x_smem, sh_smem, ah_smem, al_smem, mh_smem, ml_smem, stage, vec_smem), loaded = (
+            scoped
+        )
+        s_parts = (sh_smem,)
+    else:
+        (c_smem, b_smem, x_smem, sh_smem, sl_smem, ah_smem, al_smem, mh_smem, ml_smem, *outs), loaded = scoped
+        dx_smem, dbc_smem, ds_smem, vec_smem = outs
+        s_parts = (sh_smem, sl_smem)
     batch, head, chunk = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("chunks")
     q, p = x_smem.shape
     n = c_smem.shape[-1]
@@ -73,11 +82,13 @@ def _scan_bwd_kernel(*refs, rep, dtype, add, rows_of, turns=False, tiled=False):
         f32
     )  # [Q, P], from float32 or bf16
     # the state and the cotangent as two 16-bit halves in shared memory (every product with
-    # a float32 operand takes its halves: bf16x2, or three products when both are float32)
-    sh, sl = _halves(
-        mosaic_gpu_load(s_ref.at[batch, chunk, head], layout=wgmma_layout, optimized=False), dtype
-    )
-    sh_smem[...], sl_smem[...] = sh, sl
+    # a float32 operand takes its halves: bf16x2, or three products when both are float32);
+    # the lean form's state rounded once
+    state = mosaic_gpu_load(s_ref.at[batch, chunk, head], layout=wgmma_layout, optimized=False)
+    if lean:
+        sh_smem[...] = state.astype(dtype)
+    else:
+        sh_smem[...], sl_smem[...] = _halves(state, dtype)
     ah_smem[...], al_smem[...] = _halves(dy, dtype)
     plgpu.commit_smem()
     for i in range(copies):
@@ -94,9 +105,10 @@ def _scan_bwd_kernel(*refs, rep, dtype, add, rows_of, turns=False, tiled=False):
 
     per_group = (batch, group, rows) if add else (batch, head, rows)
     summed = "add" if add else None
+    send = _staged(stage) if lean else None
 
     # each result leaves as soon as it is formed (fewer registers live at once): df first
-    inc = _products((q, p), pairs(cs, (sh_smem, sl_smem), True))  # C S_inᵀ
+    inc = _products((q, p), pairs(cs, s_parts, True))  # C S_inᵀ
     vec_smem.at[2][...] = jnp.sum(dy * inc, axis=1)  # df
 
     # scores and decay, rows t by columns s
@@ -123,7 +135,11 @@ def _scan_bwd_kernel(*refs, rep, dtype, add, rows_of, turns=False, tiled=False):
     dxd = _products((q, p), [(m_t[0], ah_smem, False), *low, (m_t[1], ah_smem, False)])
     x = mosaic_gpu_load(rows_of(x_ref, batch, head, rows), layout=wgmma_layout, optimized=False).astype(f32)
     vec_smem.at[0][...] = jnp.sum(dxd * x, axis=1)  # ddt
-    put(dx_smem, dxd * lax.broadcast_in_dim(dt_t, (q, p), [0]), rows_of(dx_ref, batch, head, rows))
+    dx = dxd * lax.broadcast_in_dim(dt_t, (q, p), [0])
+    if lean:
+        send(dx, lambda r, cols: rows_of(dx_ref, batch, head, rows, cols))
+    else:
+        put(dx_smem, dx, rows_of(dx_ref, batch, head, rows))
 
     # dg's halves take M's place in shared memory and f ∘ dy's take dy's (their products are done)
     mh_smem[...], ml_smem[...] = _halves(dg, dtype)
@@ -133,7 +149,10 @@ def _scan_bwd_kernel(*refs, rep, dtype, add, rows_of, turns=False, tiled=False):
     theta = None if theta_ref is None else _angles(theta_ref, batch, head, rows)
     # dS_in = (f ∘ dy)ᵀ C
     ds = _products((p, n), pairs((ah_smem.transpose((1, 0)), al_smem.transpose((1, 0))), cs))
-    put(ds_smem, ds, ds_ref.at[batch, chunk, head])
+    if lean:
+        send(ds, lambda r, cols: ds_ref.at[batch, chunk, head, pl.ds(r, CHUNK), cols])
+    else:
+        put(ds_smem, ds, ds_ref.at[batch, chunk, head])
     # dC = dg B + (f ∘ dy) S_in (rows t), then dB = dgᵀ C (rows s) through the same staging tile;
     # (f ∘ dy) S_in with both operands rounded once where `rounds_once`
     fs = (
@@ -142,14 +161,41 @@ def _scan_bwd_kernel(*refs, rep, dtype, add, rows_of, turns=False, tiled=False):
         else pairs((ah_smem, al_smem), (sh_smem, sl_smem))
     )
     dc = _products((q, n), pairs((mh_smem, ml_smem), bs) + fs)
-    turn = None if theta is None else (jnp.cos(theta), jnp.sin(theta))
-    put(dbc_smem, dc, dc_ref.at[per_group], summed, turn)
-    db = _products((q, n), pairs((mh_smem.transpose((1, 0)), ml_smem.transpose((1, 0))), cs))
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # dC has left the staging tile
-    put(dbc_smem, db, db_ref.at[per_group], summed, turn)
+    if lean:
+        send(dc, lambda r, cols: dc_ref.at[(*per_group, cols)], summed)
+        db = _products((q, n), pairs((mh_smem.transpose((1, 0)), ml_smem.transpose((1, 0))), cs))
+        send(db, lambda r, cols: db_ref.at[(*per_group, cols)], summed)
+    else:
+        turn = None if theta is None else (jnp.cos(theta), jnp.sin(theta))
+        put(dbc_smem, dc, dc_ref.at[per_group], summed, turn)
+        db = _products((q, n), pairs((mh_smem.transpose((1, 0)), ml_smem.transpose((1, 0))), cs))
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # dC has left the staging tile
+        put(dbc_smem, db, db_ref.at[per_group], summed, turn)
     for i, ref in enumerate((ddt_ref, dcum_ref, df_ref, dcum_row_ref)):
         plgpu.copy_smem_to_gmem(vec_smem.at[i], ref.at[batch, head, rows])
     plgpu.wait_smem_to_gmem(0)
+
+
+def _staged(stage):
+    """`send(value, dst, reduction_op=None)`: a float32 result in registers (`[R, C]`, WGMMA
+    layout, `R` and `C` multiples of 64) out through the one `[64, 64]` staging tile `stage` by
+    TMA, block by block, `dst(r, cols)` the gmem view of the block at row `r` and columns
+    `cols`; each block waits for the previous one's copy to have read the tile (the last copy
+    left in flight)."""
+    sent = []
+
+    def send(value, dst, reduction_op=None):
+        rows, cols = value.shape
+        for r in range(0, rows, CHUNK):
+            for c in range(0, cols, CHUNK):
+                if sent:
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                stage[...] = value[r : r + CHUNK, c : c + CHUNK]
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(stage, dst(r, pl.ds(c, CHUNK)), reduction_op=reduction_op)
+                sent.append(None)
+
+    return send
 
 
 def _check_angles(kernel, theta, group_sums, xt, bt, positions_first):
@@ -203,6 +249,7 @@ def chunk_scan_bwd(
     positions_first=False,
     theta=None,
     chunk=CHUNK,
+    lean=False,
 ):
     """Stage 4's backward by the Mosaic GPU kernel: `(dx [b, h, L, P], ddt, dcum, dcum_row, df
     [b, h, L], dB, dC [b, h, L, N], dS_in [b, c, h, P, N])`, float32, per head, from the
@@ -214,18 +261,38 @@ def chunk_scan_bwd(
     float32, `A` a multiple of 32 at most `N/2`; `B`, `C` the values Mamba-3's rotation turned by it, `rotation.py`): `dB`, `dC` leave
     turned back by `-Θ` (the rotation's transpose; per head only). `chunk`: a multiple of 64
     (`dS_in [b, L / chunk, h, P, N]`); above 64 by tiles of 64 rows in two phases (`tiled.py`),
-    without `theta`."""
+    without `theta`. `lean`: the kernel in less shared memory (`lean_reason`), the state rounded
+    once in `C S_inᵀ` too (`emulate.LEAN_ROUNDED_ONCE`)."""
     _check_angles("chunk_scan_bwd", theta, group_sums, xt, bt, positions_first)
     if theta is not None and chunk != CHUNK:
         raise ValueError(f"chunk_scan_bwd: theta (dB, dC turned back) at chunks of {CHUNK} only, not {chunk}")
+    reason = lean and lean_reason(len(operand_parts(bt)), chunk, theta is not None)
+    if reason:
+        raise ValueError(f"chunk_scan_bwd: lean: {reason}")
     args = (dy, xt, dt, cum, f, seg, bt, ct, states_in) + (() if theta is None else (theta,))
     body = functools.partial(
-        _chunk_scan_bwd, group_sums=group_sums, positions_first=positions_first, chunk=chunk
+        _chunk_scan_bwd, group_sums=group_sums, positions_first=positions_first, chunk=chunk, lean=lean
     )
     return _batch_folding(body)(*args) if group_sums else body(*args)
 
 
-def _chunk_scan_bwd(dy, xt, dt, cum, f, seg, bt, ct, states_in, *theta, group_sums, positions_first, chunk):
+def lean_reason(parts: int, chunk: int = CHUNK, turns: bool = False) -> str | None:
+    """Why the lean chunk-scan backward cannot serve (`B`, `C` in `parts` tiles each, chunks of
+    `chunk`, `dB`, `dC` turned back by angles), or None: it rounds the state once, which the
+    rule was shown to allow with 16-bit `B`, `C` (`benchmarks/ssd_backward_precision.py`), at
+    chunks of 64."""
+    if parts != 1:
+        return "B and C as float32 halves keep the state's two halves (the lean form takes 16-bit B, C)"
+    if chunk != CHUNK:
+        return f"chunk_size={chunk}: the lean form runs chunks of {CHUNK}"
+    if turns:
+        return "theta: the lean form does not turn dB, dC back"
+    return None
+
+
+def _chunk_scan_bwd(
+    dy, xt, dt, cum, f, seg, bt, ct, states_in, *theta, group_sums, positions_first, chunk, lean=False
+):
     bt, ct = operand_parts(bt), operand_parts(ct)
     _check_operands(xt, bt, ct, positions_first=positions_first, chunk=chunk)
     b, h, lp, p = _dims(xt, positions_first)
@@ -242,7 +309,7 @@ def _chunk_scan_bwd(dy, xt, dt, cum, f, seg, bt, ct, states_in, *theta, group_su
         args += [jnp.zeros(bc.shape, f32), jnp.zeros(bc.shape, f32)]
     barrier = plgpu.Barrier(num_barriers=len(bt) + len(ct) + 1)
     launch = _launch(
-        "scan_bwd",
+        "scan_bwd_lean" if lean else "scan_bwd",
         _scan_bwd_kernel,
         out,
         xt,
@@ -253,6 +320,7 @@ def _chunk_scan_bwd(dy, xt, dt, cum, f, seg, bt, ct, states_in, *theta, group_su
         turns=bool(theta),
         rows=chunk,
         **({"tiled": True} if chunk != CHUNK else {}),
+        **({"lean": True} if lean else {}),
     )
     return launch(*args)
 

@@ -17,6 +17,7 @@ from axkern.core.kernels import swizzled_smem
 from axkern.core.op import Unsupported
 
 from .rotation import RotatedOperand, SplitOperand
+from .rows import _dims, _indexer, _rows_type  # noqa: F401 - the kernels' modules take them from here
 
 try:
     from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -71,6 +72,11 @@ def _tiles(kernel: str, p: int, n: int, dtype=jnp.bfloat16, rows_dtype=jnp.float
             if q == CHUNK  # above: staging by tiles of 64 rows (`tiled.py`), dB, dC and dS_in in one
             else [((CHUNK, p), f32), ((max(CHUNK, p), n), f32), ((4, q), f32)]
         ),
+        # the lean form (chunks of 64): as above with the state rounded once, and one float32
+        # staging tile for every result's 64 × 64 blocks
+        "scan_bwd_lean": [bc, bc, ((q, p), dtype), ((p, n), dtype), *[((q, p), dtype)] * 2]
+        + [((q, q), dtype)] * 2
+        + [((CHUNK, CHUNK), f32), ((4, q), f32)],
     }[kernel]
 
 
@@ -266,24 +272,6 @@ def _state_kernel(x_ref, w_ref, b_ref, own_ref, scoped, *, rep, dtype, add, rows
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(own_smem, own_ref.at[batch, chunk, head])
     plgpu.wait_smem_to_gmem(0)
-
-
-def _indexer(positions_first: bool):
-    """A head's rows of a `[b, h, L, d]` array's ref, or (`positions_first`) of a `[b, L, h, d]`
-    one: TMA copies and loads take the strided tile as they take the contiguous one."""
-    if positions_first:
-        return lambda ref, batch, head, rows: ref.at[batch, rows, head]
-    return lambda ref, batch, head, rows: ref.at[batch, head, rows]
-
-
-def _dims(xt, positions_first: bool):
-    """`(b, h, L, P)` of `xt`, `[b, h, L, P]` or (`positions_first`) `[b, L, h, P]`."""
-    b, one, two, p = xt.shape
-    return (b, two, one, p) if positions_first else (b, one, two, p)
-
-
-def _rows_type(b, h, lp, d, positions_first: bool, dtype=jnp.float32):
-    return jax.ShapeDtypeStruct((b, lp, h, d) if positions_first else (b, h, lp, d), dtype)
 
 
 def _check_operands(xt, bt, *rest, positions_first=False, chunk=CHUNK):
