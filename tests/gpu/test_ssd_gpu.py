@@ -75,7 +75,7 @@ def _check_mosaic(arrays, seg, blocks):
 
 
 @pytest.mark.skipif(not _hopper(), reason="the Mosaic GPU kernels need a Hopper GPU")
-@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("form", FORMS, ids=["stages", "fused", "default", "fused_backward", "lean"])
 @pytest.mark.parametrize("segments,slow", [(False, False), (True, False), (False, True)])
 @pytest.mark.parametrize("dims", MOSAIC_DIMS)
 def test_mosaic_gpu_against_oracle(segments, slow, dims, form):
