@@ -228,7 +228,7 @@ def test_the_lean_scan_backward_lowers_in_less_shared_memory(dims, group_sums):
     assert lean_bytes < whole_bytes
     # two blocks in an H200 SM's 228 KiB (each with 1 KiB the system keeps) but at P 128, N 64;
     # one block of the whole kernel
-    assert (2 * (lean_bytes + 1024) <= 228 * 1024) == (p == 64)
+    assert (2 * (lean_bytes + 1024) <= 228 * 1024) == (p == 64) == mosaic_gpu.lean_shares_an_sm(p, n)
     assert 2 * (whole_bytes + 1024) > 228 * 1024
     assert (p, n) != (64, 128) or (lean_bytes, whole_bytes) == (108 * 1024, 188 * 1024)
     wide = list(args)
@@ -582,6 +582,8 @@ def test_the_default_form_and_the_deterministic_flags(monkeypatch):
     ]
     assert dataclasses.replace(default, backward="fused") in forms
     assert dataclasses.replace(default, scan_backward="lean") in forms
+    # (where two of its blocks share an SM: not at P 128, N 64)
+    assert all(f.scan_backward is None for f in space(_h200_spec(128, 64)[1]))
     for flags in (
         "--xla_gpu_deterministic_ops=true",
         "--xla_dump_to=/tmp --xla_gpu_exclude_nondeterministic_ops",

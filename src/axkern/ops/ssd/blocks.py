@@ -11,7 +11,7 @@ from axkern.core import backend, kernels
 from axkern.core.blocks import BlockSizes, grid, next_power_of_2
 from axkern.core.op import Spec, Unsupported
 
-from .common.mosaic import chunk_reason
+from .common.mosaic import chunk_reason, lean_shares_an_sm
 
 __all__ = [
     "SSDBlockSizes",
@@ -162,20 +162,21 @@ def mosaic_gpu_heuristic(spec: Spec) -> SSDBlockSizes:
 
 
 def mosaic_gpu_space(spec: Spec) -> list[SSDBlockSizes]:
-    """The default, then its parts taken back one at a time, the fused state backward or the
-    lean chunk-scan backward added, and the three stages with none of them; then the default and its three stages at chunks of
+    """The default, then its parts taken back one at a time, the fused state backward or (where
+    two of its blocks share an SM) the lean chunk-scan backward added, and the three stages with
+    none of them; then the default and its three stages at chunks of
     128 and 256 where their tiles fit (`axkern tune` times each)."""
     best = mosaic_gpu_heuristic(spec)
+    p, n = spec.dim("head_dim"), spec.dim("state")
     forms = [
         best,
         dataclasses.replace(best, group_sums="xla"),
         dataclasses.replace(best, transposes="xla"),
         dataclasses.replace(best, backward="fused"),
-        dataclasses.replace(best, scan_backward="lean"),
+        *([dataclasses.replace(best, scan_backward="lean")] if lean_shares_an_sm(p, n) else []),
         SSDBlockSizes(chunk_size=64, forward="fused"),
         SSDBlockSizes(chunk_size=64, forward="stages"),
     ]
-    p, n = spec.dim("head_dim"), spec.dim("state")
     larger = [q for q in (128, 256) if q <= next_power_of_2(spec.dim("length")) and not chunk_reason(p, n, q)]
     for q in larger:
         forms += [

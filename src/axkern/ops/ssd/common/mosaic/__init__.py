@@ -144,7 +144,7 @@ from axkern.core import backend
 from axkern.core.op import Unsupported
 
 from ..gpu import GpuLayout
-from .backward import chunk_scan_bwd, chunk_state_bwd, lean_reason
+from .backward import chunk_scan_bwd, chunk_state_bwd, lean_reason, lean_shares_an_sm
 from .emulate import (
     EmulatedLayout,
     emulate_chunk_scan,
@@ -173,6 +173,7 @@ __all__ = [
     "chunk_state_bwd",
     "chunk_scan_bwd",
     "lean_reason",
+    "lean_shares_an_sm",
     "emulate_chunk_state",
     "emulate_chunk_scan",
     "emulate_chunk_state_bwd",

@@ -24,15 +24,17 @@ from .kernels import (
     _part_copies,
     _products,
     _rows_type,
+    _tiles,
     operand_parts,
     pairs,
     parts_of,
     plgpu,
+    tile_bytes,
 )
 from .rotation import finite_or_zero
 from .tiled import rounds_once, scan_bwd_tiled
 
-__all__ = ["chunk_scan_bwd", "chunk_state_bwd", "lean_reason"]
+__all__ = ["chunk_scan_bwd", "chunk_state_bwd", "lean_reason", "lean_shares_an_sm"]
 
 
 def _scan_bwd_kernel(*refs, rep, dtype, add, rows_of, turns=False, tiled=False, lean=False):
@@ -288,6 +290,13 @@ def lean_reason(parts: int, chunk: int = CHUNK, turns: bool = False) -> str | No
     if turns:
         return "theta: the lean form does not turn dB, dC back"
     return None
+
+
+def lean_shares_an_sm(p: int, n: int) -> bool:
+    """Whether two blocks of the lean chunk-scan backward fit a Hopper SM's 228 KiB of shared
+    memory (each with the 1 KiB the system keeps a block) at head dim `p` and state `n`, where
+    the whole kernel's one does not: at P 64 (84 KiB at N 64, 108 at N 128), not at P 128 (116)."""
+    return 2 * (tile_bytes(_tiles("scan_bwd_lean", p, n)) + 1024) <= 228 * 1024
 
 
 def _chunk_scan_bwd(
