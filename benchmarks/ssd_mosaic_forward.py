@@ -45,6 +45,8 @@ FORMS = {
     "chunk128": SSDBlockSizes(128, "fused", group_sums="kernels", transposes="kernels"),
     "chunk128_stages": SSDBlockSizes(128, "stages", group_sums="kernels", transposes="kernels"),
     "lean": SSDBlockSizes(64, "fused", group_sums="kernels", transposes="kernels", scan_backward="lean"),
+    "lean_forward": SSDBlockSizes(64, "lean", group_sums="kernels", transposes="kernels"),
+    "lean_both": SSDBlockSizes(64, "lean", group_sums="kernels", transposes="kernels", scan_backward="lean"),
 }
 
 

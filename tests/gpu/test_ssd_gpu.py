@@ -60,6 +60,7 @@ FORMS = [
     ("fused", "kernels", "kernels"),
     ("fused", "kernels", "kernels", "fused"),
     ("fused", "kernels", "kernels", None, "lean"),
+    ("lean", "kernels", "kernels"),
 ]
 
 
@@ -75,7 +76,9 @@ def _check_mosaic(arrays, seg, blocks):
 
 
 @pytest.mark.skipif(not _hopper(), reason="the Mosaic GPU kernels need a Hopper GPU")
-@pytest.mark.parametrize("form", FORMS, ids=["stages", "fused", "default", "fused_backward", "lean"])
+@pytest.mark.parametrize(
+    "form", FORMS, ids=["stages", "fused", "default", "fused_backward", "lean", "lean_forward"]
+)
 @pytest.mark.parametrize("segments,slow", [(False, False), (True, False), (False, True)])
 @pytest.mark.parametrize("dims", MOSAIC_DIMS)
 def test_mosaic_gpu_against_oracle(segments, slow, dims, form):
@@ -311,7 +314,15 @@ def test_mosaic_gpu_fused_forward_at_larger_chunks_equals_the_stages(chunk, dims
     _fused_against_stages(dims, boundaries, False, chunk)
 
 
-def _fused_against_stages(dims, boundaries, split, chunk=64):
+@pytest.mark.skipif(not _hopper(), reason="the Mosaic GPU kernels need a Hopper GPU")
+@pytest.mark.parametrize("boundaries", [0.0, 0.003])
+@pytest.mark.parametrize("dims", [(2, 4, 2, 3, 64, 128), (1, 2, 1, 2, 128, 64), (1, 2, 2, 5, 64, 64)])
+def test_mosaic_gpu_lean_forward_equals_the_stages(dims, boundaries):
+    # the lean fused forward (one slot of tiles, the state out by 64 x 64 blocks) as the fused one
+    _fused_against_stages(dims, boundaries, False, lean=True)
+
+
+def _fused_against_stages(dims, boundaries, split, chunk=64, lean=False):
     import jax.numpy as jnp
     import numpy as np
 
@@ -335,7 +346,7 @@ def _fused_against_stages(dims, boundaries, split, chunk=64):
     layout = mosaic_gpu.MosaicLayout(x, bt, q=q, interpret=False, products=jnp.bfloat16)
     args = (x, ac, dt.reshape(b, h, chunks, q), cum, w, f, keep, seg.reshape(b, chunks, q), bt, ct, s0)
     _, final_want, states_want = jax.jit(lambda *a: layout.forward(*a, sums=False, dtype=jnp.float32))(*args)
-    y, final, states_in = jax.jit(functools.partial(mosaic_gpu.fused_forward, chunk=q))(
+    y, final, states_in = jax.jit(functools.partial(mosaic_gpu.fused_forward, chunk=q, lean=lean))(
         x, col(w), dt, col(cum), col(f), keep, seg, bt, ct, s0
     )
     y_want = jax.jit(functools.partial(mosaic_gpu.chunk_scan, chunk=q))(

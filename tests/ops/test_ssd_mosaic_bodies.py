@@ -24,6 +24,7 @@ import pytest
 from axkern.ops.ssd.common.mosaic import backward as B
 from axkern.ops.ssd.common.mosaic import emulate as E
 from axkern.ops.ssd.common.mosaic import forward as F
+from axkern.ops.ssd.common.mosaic import forward_lean as FL
 from axkern.ops.ssd.common.mosaic import kernels as K
 from axkern.ops.ssd.common.mosaic import tiled as T
 
@@ -229,7 +230,7 @@ def shim(monkeypatch):
         fori_loop=lambda lo, hi, body, init: functools.reduce(lambda v, i: body(i, v), range(lo, hi), init),
         bitcast_convert_type=jax.lax.bitcast_convert_type,  # `operand_parts`, outside the kernels
     )
-    for m in (K, T, B, F):
+    for m in (K, T, B, F, FL):
         monkeypatch.setattr(m, "plgpu", _Plgpu)
         monkeypatch.setattr(m, "lax", lax_shim)
         monkeypatch.setattr(m, "pl", types.SimpleNamespace(ds=_DS, when=_when, run_state=_run_state))
@@ -388,11 +389,14 @@ def test_the_shim_sees_the_lean_staging_tile_rewritten_in_flight(shim, monkeypat
     assert any("while a TMA store may read it" in h for h in shim.hazards)
 
 
-def _fused_errors(q, b=1, h=2, g=1, c=3, p=64, n=64, positions_first=False, clean_x=False, states=True):
+def _fused_errors(
+    q, b=1, h=2, g=1, c=3, p=64, n=64, positions_first=False, clean_x=False, states=True, lean=False
+):
     """The fused forward's largest differences (relative to the largest magnitude) from the three
     stages' emulation at chunks of `q`: the entering states against the recurrence over the
     emulated own states, `y` against the emulated scan of the kernel's own entering states (a
-    state differing in its last float32 bit may round to another bf16 value), the final state."""
+    state differing in its last float32 bit may round to another bf16 value), the final state.
+    `lean`: the lean fused forward (`forward_lean.py`)."""
     length, f32, bf16 = c * q, np.float32, jnp.bfloat16
     k = jax.random.split(jax.random.PRNGKey(1), 9)
     x = jax.random.normal(k[0], (b, h, length, p)).astype(bf16)
@@ -411,7 +415,7 @@ def _fused_errors(q, b=1, h=2, g=1, c=3, p=64, n=64, positions_first=False, clea
     outs = (
         [np.zeros(y_shape, f32)] + [np.zeros((b, c, h, p, n), f32)] * states + [np.zeros((b, h, p, n), f32)]
     )
-    kernel = F.forward_tiled_kernel if q != 64 else F._forward_kernel
+    kernel = F.forward_tiled_kernel if q != 64 else (FL.forward_lean_kernel if lean else F._forward_kernel)
     body = functools.partial(kernel if states else functools.partial(F._without_states, kernel=kernel))
     got = _run(
         functools.partial(
@@ -425,7 +429,7 @@ def _fused_errors(q, b=1, h=2, g=1, c=3, p=64, n=64, positions_first=False, clea
         ),
         (rows(x), w, dt, cum, f, keep_rows, seg, (bt,), (ct,), s0),
         outs,
-        F._tiles(p, n, q=q),
+        FL.lean_forward_tiles(p, n) if lean else F._tiles(p, n, q=q),
         (b, h, 1),
     )
     y, final = rows(got[0]), got[-1]
@@ -453,6 +457,12 @@ def _fused_errors(q, b=1, h=2, g=1, c=3, p=64, n=64, positions_first=False, clea
         dict(q=128, p=128),
         dict(q=128, positions_first=True, clean_x=True),
         dict(q=128, states=False),
+        # the lean fused forward: one slot of tiles, the state out by 64 x 64 blocks
+        dict(q=64, lean=True),
+        dict(q=64, lean=True, n=128, h=4, g=2),
+        dict(q=64, lean=True, p=128),
+        dict(q=64, lean=True, positions_first=True, clean_x=True),
+        dict(q=64, lean=True, states=False),
     ],
     ids=str,
 )
@@ -460,3 +470,25 @@ def test_the_fused_forward_body_computes_the_stages_emulation_without_hazards(sh
     errors = _fused_errors(**case)
     assert max(errors.values()) <= 1e-5, errors
     assert not shim.hazards, sorted(set(shim.hazards))
+
+
+def test_the_shim_sees_errors_planted_in_the_lean_forward(shim, monkeypatch):
+    # the waits for the copies out left out: the staging tiles overwritten in flight
+    wait = _Plgpu.wait_smem_to_gmem
+    monkeypatch.setattr(_Plgpu, "wait_smem_to_gmem", staticmethod(lambda n, wait_read_only=False: None))
+    _fused_errors(q=64, lean=True, n=128)
+    assert any("while a TMA store may read it" in h for h in shim.hazards)
+    monkeypatch.setattr(_Plgpu, "wait_smem_to_gmem", wait)
+    shim.hazards.clear()
+    # B's tile refilled (here: zeroed) once the output is formed, before the state's update has
+    # read it: the states go wrong
+    output = FL._chunk_output
+
+    def refilled_early(cs, bs, *args, **kwargs):
+        y = output(cs, bs, *args, **kwargs)
+        bs[0].a[...] = 0
+        return y
+
+    monkeypatch.setattr(FL, "_chunk_output", refilled_early)
+    errors = _fused_errors(q=64, lean=True)
+    assert errors["final"] > 1e-3 and errors["states"] > 1e-3, errors

@@ -19,8 +19,10 @@ import axkern
 from axkern.ops.ssd import OP, SSDBlockSizes, mosaic_gpu
 from axkern.ops.ssd.api import prepared_dt
 from axkern.ops.ssd.common import kernels as chunk_kernels
+from axkern.ops.ssd.common.mosaic import forward as mosaic_forward
 from axkern.ops.ssd.common.mosaic import kernels as mosaic_kernels
 from axkern.ops.ssd.common.mosaic.emulate import LEAN_ROUNDED_ONCE
+from axkern.ops.ssd.common.mosaic.forward_lean import lean_forward_tiles
 from tests.cases.ssd import make, run
 from tests.harness import check_rule, jit
 from tests.helpers import equations
@@ -174,6 +176,7 @@ def test_each_kernel_lowers_with_positions_first(kernel):
         ("fused", None, "fused", "lean"),
         ("fused", "kernels", None, None),
         ("fused", "kernels", None, "lean"),
+        ("lean", None, None, "lean"),
     ],
 )
 def test_the_layer_lowers_in_every_form(forward, group_sums, backward, scan_backward):
@@ -197,14 +200,44 @@ def test_the_layer_lowers_in_every_form(forward, group_sums, backward, scan_back
 
     plain, moved = text(None), text("kernels")
     assert _kernels(plain) == _kernels(moved) == (8 if forward == "stages" else 6)
+
     assert moved.count("stablehlo.transpose") < plain.count("stablehlo.transpose")
     # the fused state backward takes the place of the reverse recurrence's Triton kernel
     assert ("axkern_ssd_gpu_recurrence_bwd" in plain) == (backward is None)
     if group_sums is None:  # (the kernels' names show where no output is added into)
         assert ("axkern_ssd_mosaic_gpu_scan_bwd_lean" in plain) == (scan_backward == "lean")
+    assert ("axkern_ssd_mosaic_gpu_forward_lean" in plain) == (forward == "lean")
 
 
 LEAN_WHOLE = ("scan_bwd_lean", "scan_bwd")
+
+
+@needs_mosaic
+@pytest.mark.parametrize("dims", [(2, 4, 2, 3, 64, 128), (1, 2, 1, 2, 128, 64), (1, 2, 2, 1, 64, 64)])
+@pytest.mark.parametrize("states", [False, True])
+def test_the_lean_forward_lowers_in_less_shared_memory(dims, states):
+    # one kernel with the fused forward's outputs; its tiles 96 KiB at P 64, N 128 with bf16 y
+    # (104 with float32 y) where the fused one's take 152 (160): two blocks an SM at P 64 (where
+    # N 64 has two of the fused one's too), not at P 128; refused with float32 B, C
+    args = _kernel_args("fused_forward", *dims)
+    fn = functools.partial(mosaic_gpu.fused_forward, states=states, y_dtype=jnp.bfloat16)
+    fused, lean = (jax.eval_shape(functools.partial(fn, lean=v), *args) for v in (False, True))
+    assert fused == lean
+    text = (
+        jax.jit(functools.partial(fn, lean=True)).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    )
+    assert _kernels(text) == 1 and "axkern_ssd_mosaic_gpu_forward_lean" in text
+    p, n = dims[-2:]
+    for y_dtype in (jnp.bfloat16, jnp.float32):
+        lean_bytes = mosaic_kernels.tile_bytes(lean_forward_tiles(p, n, y_dtype=y_dtype))
+        fused_bytes = mosaic_kernels.tile_bytes(mosaic_forward._tiles(p, n, y_dtype=y_dtype))
+        assert lean_bytes < fused_bytes
+        assert (2 * (fused_bytes + 1024) > 228 * 1024) == ((p, n) != (64, 64))  # the fused one's one block
+        assert mosaic_gpu.lean_forward_shares_an_sm(p, n, y_dtype) == (p == 64)
+    wide = list(args)
+    wide[7] = jax.ShapeDtypeStruct(args[7].shape, jnp.float32)
+    with pytest.raises(axkern.Unsupported, match="lean fused forward: B and C as float32 halves"):
+        jax.eval_shape(functools.partial(fn, lean=True), *wide)
 
 
 @needs_mosaic
@@ -542,6 +575,14 @@ def test_dispatch_skips_it_off_hopper_with_the_reason():
             axkern.positional.ssd(
                 **arrays, implementation=impl, block_sizes=SSDBlockSizes(16, scan_backward="lean")
             )
+        with pytest.raises(axkern.Unsupported, match="only mosaic_gpu has a lean fused forward"):
+            axkern.positional.ssd(
+                **arrays, implementation=impl, block_sizes=SSDBlockSizes(16, forward="lean")
+            )
+    with pytest.raises(axkern.Unsupported, match="forward='lean': chunk_size=128"):
+        mosaic_gpu.ssd(*[None] * 9, block_sizes=SSDBlockSizes(chunk_size=128, forward="lean"))
+    assert "float32 halves" in mosaic_gpu.lean_forward_reason(2)
+    assert "rotations" in mosaic_gpu.lean_forward_reason(1, 64, True)
     # the lean chunk-scan backward: chunks of 64 only, 16-bit B and C, no angles
     with pytest.raises(axkern.Unsupported, match="scan_backward='lean': chunk_size=128"):
         mosaic_gpu.ssd(*[None] * 9, block_sizes=SSDBlockSizes(chunk_size=128, scan_backward="lean"))
@@ -562,6 +603,7 @@ def test_dispatch_skips_it_off_hopper_with_the_reason():
     )
     assert "lean chunk-scan backward" in kernels(gpu, SSDBlockSizes(64, scan_backward="lean"))
     assert "lean" not in every
+    assert "one slot of tiles" in kernels(gpu, SSDBlockSizes(64, forward="lean"))
 
 
 def test_the_default_form_and_the_deterministic_flags(monkeypatch):
@@ -573,7 +615,7 @@ def test_the_default_form_and_the_deterministic_flags(monkeypatch):
     default = SSDBlockSizes(64, forward="fused", group_sums="kernels", transposes="kernels")
     assert heuristic(gpu) == default
     forms = space(gpu)
-    assert forms[0] == default and len(set(forms)) == len(forms) == 9
+    assert forms[0] == default and len(set(forms)) == len(forms) == 10
     assert SSDBlockSizes(64, forward="stages") in forms
     # the default and its three stages at chunks of 128 (at P 64, N 128 the scan's tiles at 256
     # exceed shared memory)
@@ -582,8 +624,9 @@ def test_the_default_form_and_the_deterministic_flags(monkeypatch):
     ]
     assert dataclasses.replace(default, backward="fused") in forms
     assert dataclasses.replace(default, scan_backward="lean") in forms
+    assert dataclasses.replace(default, forward="lean") in forms
     # (where two of its blocks share an SM: not at P 128, N 64)
-    assert all(f.scan_backward is None for f in space(_h200_spec(128, 64)[1]))
+    assert all(f.scan_backward is None and f.forward != "lean" for f in space(_h200_spec(128, 64)[1]))
     for flags in (
         "--xla_gpu_deterministic_ops=true",
         "--xla_dump_to=/tmp --xla_gpu_exclude_nondeterministic_ops",

@@ -60,9 +60,10 @@ def _mosaic_gpu_kernels(spec, block_sizes) -> str:
     bs = block_sizes or SSDBlockSizes()
     forward = (
         "one fused Mosaic GPU kernel (chunk states, recurrence, chunk outputs)"
-        if bs.forward == "fused"
+        if bs.forward in ("fused", "lean")
         else "Mosaic GPU chunk-state and chunk-scan kernels, pallas_gpu's recurrence between them"
     )
+    forward += " in one slot of tiles (two blocks an SM)" * (bs.forward == "lean")
     backward = (
         "Mosaic GPU chunk-scan backward kernel, one fused Mosaic GPU kernel for the reverse recurrence and the "
         "chunk-state backward"

@@ -11,7 +11,7 @@ from axkern.core import backend, kernels
 from axkern.core.blocks import BlockSizes, grid, next_power_of_2
 from axkern.core.op import Spec, Unsupported
 
-from .common.mosaic import chunk_reason, lean_shares_an_sm
+from .common.mosaic import chunk_reason, lean_forward_shares_an_sm, lean_shares_an_sm
 
 __all__ = [
     "SSDBlockSizes",
@@ -44,7 +44,9 @@ class SSDBlockSizes(BlockSizes):
     """`chunk_size`: positions per chunk (a power of two); the length need not be a multiple.
     `forward` (`mosaic_gpu` only): `"stages"` (the chunk states, the recurrence and the chunk
     outputs as three kernels; None means this) or `"fused"` (one kernel per batch row and head
-    walking its chunks, `common/mosaic/forward.py`). `group_sums` (`mosaic_gpu` only): where the
+    walking its chunks, `common/mosaic/forward.py`) or `"lean"` (the fused one in one slot of
+    tiles, 96 KiB at P 64, N 128 where the fused one takes 152, so that two blocks share an SM;
+    chunks of 64; `common/mosaic/forward_lean.py`). `group_sums` (`mosaic_gpu` only): where the
     backward sums `dB` and `dC` over each group's heads: `"xla"` (the kernels write them per
     head, float32; None means this) or `"kernels"` (the kernels add each head's tiles into the
     group's rows by TMA reductions: no per-head arrays, the additions' order free). `transposes`
@@ -60,7 +62,7 @@ class SSDBlockSizes(BlockSizes):
     `common/mosaic/backward.py`)."""
 
     choices: ClassVar[Mapping[str, tuple[str, ...]]] = {
-        "forward": ("stages", "fused"),
+        "forward": ("stages", "fused", "lean"),
         "group_sums": ("xla", "kernels"),
         "transposes": ("xla", "kernels"),
         "backward": ("stages", "fused"),
@@ -83,6 +85,7 @@ class SSDBlockSizes(BlockSizes):
 # `mosaic_gpu`'s forms: the field, its value and what only `mosaic_gpu` does with it
 MOSAIC_GPU_FORMS = (
     ("forward", "fused", "has a fused forward"),
+    ("forward", "lean", "has a lean fused forward"),
     ("group_sums", "kernels", "sums dB and dC in its kernels"),
     ("backward", "fused", "has a fused state backward"),
     ("transposes", "kernels", "reads x in the caller's layout"),
@@ -163,8 +166,8 @@ def mosaic_gpu_heuristic(spec: Spec) -> SSDBlockSizes:
 
 def mosaic_gpu_space(spec: Spec) -> list[SSDBlockSizes]:
     """The default, then its parts taken back one at a time, the fused state backward or (where
-    two of its blocks share an SM) the lean chunk-scan backward added, and the three stages with
-    none of them; then the default and its three stages at chunks of
+    two of their blocks share an SM) the lean chunk-scan backward or the lean fused forward
+    added, and the three stages with none of them; then the default and its three stages at chunks of
     128 and 256 where their tiles fit (`axkern tune` times each)."""
     best = mosaic_gpu_heuristic(spec)
     p, n = spec.dim("head_dim"), spec.dim("state")
@@ -174,6 +177,7 @@ def mosaic_gpu_space(spec: Spec) -> list[SSDBlockSizes]:
         dataclasses.replace(best, transposes="xla"),
         dataclasses.replace(best, backward="fused"),
         *([dataclasses.replace(best, scan_backward="lean")] if lean_shares_an_sm(p, n) else []),
+        *([dataclasses.replace(best, forward="lean")] if lean_forward_shares_an_sm(p, n) else []),
         SSDBlockSizes(chunk_size=64, forward="fused"),
         SSDBlockSizes(chunk_size=64, forward="stages"),
     ]

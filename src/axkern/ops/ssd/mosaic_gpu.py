@@ -18,6 +18,7 @@ from .common.mosaic import (  # noqa: F401
     chunk_reason,
     dims_reason,
     layout_class,
+    lean_forward_reason,
     lean_reason,
     platform_reason,
 )
@@ -35,6 +36,10 @@ def ssd(x, dt, A, B, C, D, z, segment_ids, initial_state, *, block_sizes, interp
     reason = lean and lean_reason(1, chunk)  # (`ssd`'s B, C are 16-bit here)
     if reason:
         raise Unsupported(f"scan_backward='lean': {reason}")
+    lean_forward = block_sizes.forward == "lean"
+    reason = lean_forward and lean_forward_reason(1, chunk)  # (`ssd`'s B, C are 16-bit here)
+    if reason:
+        raise Unsupported(f"forward='lean': {reason}")
     if chunk != CHUNK:
         # above 64: the kernels by tiles of 64 rows (`common/mosaic/tiled.py`); the fused state
         # backward walks chunks of 64 only
@@ -59,11 +64,12 @@ def ssd(x, dt, A, B, C, D, z, segment_ids, initial_state, *, block_sizes, interp
     if reason:
         raise Unsupported(reason)
     layout = layout_class(
-        block_sizes.forward == "fused",
+        block_sizes.forward in ("fused", "lean"),
         block_sizes.group_sums == "kernels",
         block_sizes.transposes == "kernels",
         block_sizes.backward == "fused",
         lean,
+        lean_forward,
     )
     return chunk_kernels.ssd(
         layout, x, dt, A, B, C, D, z, segment_ids, initial_state, chunk_size=chunk, interpret=False

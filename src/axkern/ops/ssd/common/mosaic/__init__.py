@@ -84,7 +84,9 @@ once where `B`, `C` are 16-bit: Precision, below).
 chunks of 64, 16-bit `B`, `C`, no angles): the same kernel in 108 KiB of shared memory at P 64,
 N 128 (188 whole), two blocks an SM: the state rounded once (one tile, and one product for
 `C S_inᵀ`), every result out through one `[64, 64]` float32 staging tile block by block
-(`backward._staged`). Not yet run on a GPU; in the tuning space.
+(`backward._staged`). Not yet run on a GPU; in the tuning space. The fused forward likewise
+(`SSDBlockSizes(forward="lean")`, `forward_lean.py`): one slot of tiles, the entering state out
+through the one staging tile, 96 KiB at P 64, N 128 (152 fused).
 
 **Precision** (`benchmarks/ssd_operand_precision.py`, float64 emulation on the CPU, tables in
 docs/ops/ssd.md "Accuracy"): `C Bᵀ` and `C S_inᵀ` with 16-bit operands kept `y` and the final
@@ -153,6 +155,7 @@ from .emulate import (
     emulate_chunk_state_bwd,
 )
 from .forward import fused_fits, fused_forward, fused_smem_bytes, rotation_reason
+from .forward_lean import lean_forward_reason, lean_forward_shares_an_sm
 from .kernels import (
     _IMPORT_ERROR,
     CHUNK,
@@ -174,6 +177,8 @@ __all__ = [
     "chunk_scan_bwd",
     "lean_reason",
     "lean_shares_an_sm",
+    "lean_forward_reason",
+    "lean_forward_shares_an_sm",
     "emulate_chunk_state",
     "emulate_chunk_scan",
     "emulate_chunk_state_bwd",
@@ -284,6 +289,8 @@ class FusedMosaicLayout(MosaicLayout):
     `x`'s non-finite values itself where asked (`clean_x`)."""
 
     cleans_x = True
+    # the fused forward in one slot of tiles (`forward_lean.py`)
+    lean_forward = False
 
     def forward(
         self,
@@ -315,20 +322,28 @@ class FusedMosaicLayout(MosaicLayout):
             states=residuals,
             clean_x=clean_x,
             chunk=self.q,
+            lean=self.lean_forward,
         )
 
 
 @functools.cache
 def layout_class(
-    fused: bool, group_sums: bool, positions_first: bool, fused_backward: bool, lean: bool = False
+    fused: bool,
+    group_sums: bool,
+    positions_first: bool,
+    fused_backward: bool,
+    lean: bool = False,
+    lean_forward: bool = False,
 ) -> type[MosaicLayout]:
     """The layout for the forward's form, where `dB`, `dC` are summed, how `x`, `y` are laid out,
     the state backward's form (`B`, `C` may enter its kernels as bf16 or float32,
-    `operand_parts`) and whether the chunk-scan backward is the lean one."""
+    `operand_parts`), whether the chunk-scan backward is the lean one and (`fused`) whether the
+    fused forward is."""
     base = FusedMosaicLayout if fused else MosaicLayout
-    if not (group_sums or positions_first or fused_backward or lean):
+    if not (group_sums or positions_first or fused_backward or lean or lean_forward):
         return base
     name = base.__name__ + "GroupSums" * group_sums + "PositionsFirst" * positions_first
-    name += "FusedBackward" * fused_backward + "LeanScanBackward" * lean
+    name += "FusedBackward" * fused_backward + "LeanScanBackward" * lean + "LeanForward" * lean_forward
     attrs = {"group_sums": group_sums, "positions_first": positions_first, "fused_backward": fused_backward}
-    return type(name, (base,), attrs | {"lean_scan_backward": lean})
+    attrs |= {"lean_scan_backward": lean} | ({"lean_forward": True} if lean_forward else {})
+    return type(name, (base,), attrs)

@@ -50,6 +50,7 @@ from jax.experimental import pallas as pl
 from axkern.core.compat import mosaic_gpu_load
 from axkern.core.op import Unsupported
 
+from .forward_lean import forward_lean_kernel, lean_forward_reason, lean_forward_tiles
 from .kernels import (
     _SMEM,
     CHUNK,
@@ -307,6 +308,7 @@ def fused_forward(
     states=True,
     clean_x=False,
     chunk=CHUNK,
+    lean=False,
 ):
     """`(y [b, h, L, P], final [b, h, P, N], states_in [b, c, h, P, N])`, float32 (`y` in
     `y_dtype`), of the chunks
@@ -319,7 +321,8 @@ def fused_forward(
     it in the kernel; `states=False`: `states_in` is None, the kernel does not write the
     entering states (the backward's residual; `P·N·4` bytes a chunk and head, the largest of
     its writes); `clean_x`: `x`'s non-finite values taken as 0 (no cleaned copy to write).
-    `chunk`: 64, or a multiple of 64 by tiles of 64 rows (`forward_tiled_kernel`; not rotating)."""
+    `chunk`: 64, or a multiple of 64 by tiles of 64 rows (`forward_tiled_kernel`; not rotating).
+    `lean`: in one slot of tiles (`forward_lean.py`; chunks of 64, 16-bit `B`, `C`)."""
     f32, dtype = jnp.float32, xt.dtype
     rotate = isinstance(bt, RotatedOperand)
     if rotate and chunk != CHUNK:
@@ -335,7 +338,13 @@ def fused_forward(
         bt, ct = operand_parts(bt), operand_parts(ct)
         checked = (bt, ct)
     parts = 2 if rotate else len(bt)
-    tiles = _tiles(xt.shape[-1], bt[0].shape[-1], dtype, y_dtype, parts, rotate, chunk)
+    reason = lean and lean_forward_reason(parts, chunk, rotate)
+    if reason:
+        raise Unsupported(f"the lean fused forward: {reason}")
+    if lean:
+        tiles = lean_forward_tiles(xt.shape[-1], bt[0].shape[-1], dtype, y_dtype)
+    else:
+        tiles = _tiles(xt.shape[-1], bt[0].shape[-1], dtype, y_dtype, parts, rotate, chunk)
     setup = _walk_setup(
         xt,
         checked[0],
@@ -355,7 +364,9 @@ def fused_forward(
         out_type = (y_type, jax.ShapeDtypeStruct((b, c, h, p, n), f32), final_type)
     else:
         out_type = (y_type, final_type)
-    if chunk != CHUNK:  # C's row blocks, then each slot's row blocks of B's parts and x
+    if lean:  # C, x, B: one barrier each
+        barrier, kernel, kw = plgpu.Barrier(num_barriers=3), forward_lean_kernel, {}
+    elif chunk != CHUNK:  # C's row blocks, then each slot's row blocks of B's parts and x
         r = chunk // CHUNK
         barrier, kernel, kw = (
             plgpu.Barrier(num_barriers=r * parts + 2 * r * (parts + 1)),
@@ -366,7 +377,7 @@ def fused_forward(
         barrier = plgpu.Barrier(num_barriers=2 + 3 if rotate else 2 * (len(bt) + len(ct) + 1))
         kernel, kw = _forward_kernel, {"rotate": rotate}
     launch = _launch(
-        "forward",
+        "forward_lean" if lean else "forward",
         kernel if states else functools.partial(_without_states, kernel=kernel),
         out_type,
         xt,

@@ -1,0 +1,177 @@
+"""The fused forward in less shared memory (`SSDBlockSizes(forward="lean")`): the fused
+forward's walk (`forward.py`: one block per batch row and head, its chunks of 64 in order, the
+state carried in registers) with one slot of each chunk tile where the fused kernel keeps two,
+and the entering state sent out through one float32 `[64, 64]` staging tile block by block,
+where the fused kernel stages it whole.
+
+**Why.** At P 64, N 128 the fused kernel's tiles take 152 KiB (bf16 `y`; 160 with float32 `y`),
+so one block runs per SM, one warpgroup with nothing to overlap its waits, and its 320 blocks at
+the 2.7B layer fill the H200's 132 SMs in three rounds. These tiles take 96 KiB (104), so two
+blocks share an SM (`lean_forward_shares_an_sm`): each hides the other's waits, and the blocks
+take two rounds of 264.
+
+**A chunk's step**, `S` (`[P, N]` float32, registers) the state entering it: the copies out of
+the previous chunk waited for having read their tiles; `S` into shared memory in 16 bits (for
+`C S_inᵀ`) and, where the entering states are written, block by block through the staging
+tile; `w ∘ x`'s halves stored; the chunk's `C`, `x`, `B` copies waited; `y` as `_scan_kernel`
+computes it, out by TMA; as soon as its products are done (the last reads of `C` and `x`), the
+next chunk's `C` and `x` are copied in; then `S ← keep · S + (w ∘ x)ᵀ B`, after which the next
+chunk's `B` is copied in. What the one slot costs: the next chunk's `B` copy starts at the end
+of a step and is waited at the start of the next (from L2 where a group's heads share it), its
+`C` and `x` copies overlap only the state update; the other block on the SM is what hides them.
+The entering state stays in registers through the output (the fused kernel reads it back from
+its float32 staging tile instead).
+
+**Cost** as the fused forward's (`forward.py`), the arithmetic the same (results equal to the
+last bit but the order of float32 sums). Chunks of 64, 16-bit `B` and `C`, not rotating
+(`lean_forward_reason`).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from axkern.core.compat import mosaic_gpu_load
+
+from .backward import _staged
+from .kernels import CHUNK, _chunk_output, _halves, _scan_vectors, pairs, plgpu, tile_bytes
+from .rotation import finite_or_zero
+
+__all__ = ["lean_forward_tiles", "lean_forward_reason", "lean_forward_shares_an_sm", "forward_lean_kernel"]
+
+
+def lean_forward_tiles(p: int, n: int, dtype=jnp.bfloat16, y_dtype=jnp.float32) -> list:
+    """Shared-memory tiles `(shape, dtype)`: one slot of C, B, x; w ∘ x's halves; the entering
+    state in 16 bits; staging for y (`y_dtype`) and the float32 staging tile for the state's
+    64 × 64 blocks."""
+    q, f32 = CHUNK, jnp.float32
+    return [
+        ((1, q, n), dtype),
+        ((1, q, n), dtype),
+        ((q, p), dtype),
+        ((q, p), dtype),
+        ((q, p), dtype),
+        ((p, n), dtype),
+        ((q, p), y_dtype),
+        ((CHUNK, CHUNK), f32),
+    ]
+
+
+def lean_forward_reason(parts: int, chunk: int = CHUNK, rotate: bool = False) -> str | None:
+    """Why the lean fused forward cannot serve (`B`, `C` in `parts` tiles each, chunks of `chunk`,
+    `B`, `C` formed by a rotation in the kernel), or None."""
+    if parts != 1:
+        return "B and C as float32 halves: the lean forward takes 16-bit B, C"
+    if chunk != CHUNK:
+        return f"chunk_size={chunk}: the lean forward runs chunks of {CHUNK}"
+    if rotate:
+        return "B, C as rotations: the lean forward does not turn them"
+    return None
+
+
+def lean_forward_shares_an_sm(p: int, n: int, y_dtype=jnp.float32) -> bool:
+    """Whether two blocks of the lean fused forward fit a Hopper SM's 228 KiB of shared memory
+    (each with the 1 KiB the system keeps a block) at head dim `p`, state `n`: at P 64, not at
+    P 128 (where the fused kernel's one block does as well)."""
+    return 2 * (tile_bytes(lean_forward_tiles(p, n, y_dtype=y_dtype)) + 1024) <= 228 * 1024
+
+
+def forward_lean_kernel(
+    x_ref,
+    w_ref,
+    dt_ref,
+    cum_ref,
+    f_ref,
+    keep_ref,
+    seg_ref,
+    b_ref,
+    c_ref,
+    s0_ref,
+    y_ref,
+    states_ref,
+    final_ref,
+    scoped,
+    *,
+    rep,
+    dtype,
+    add,
+    rows_of,
+    chunks,
+    clean_x=False,
+):
+    """`forward._forward_kernel`'s walk in one slot of tiles (the module's docstring); `b_ref`,
+    `c_ref` one 16-bit part each; `states_ref` None: the entering states are not written.
+    Barriers: `C`, `x`, `B`, each armed and waited once a chunk."""
+    (c_smem, b_smem, x_smem, xh_smem, xl_smem, s16_smem, y_smem, stage), loaded = scoped
+    (b_ref,), (c_ref,) = b_ref, c_ref
+    head, batch = lax.axis_index("heads"), lax.axis_index("batch")
+    q, p = x_smem.shape
+    group = lax.div(head, jnp.int32(rep))
+    f32, wgmma_layout = jnp.float32, plgpu.Layout.WGMMA
+    row = wgmma_layout.reduce(1)
+    cs, bs = (c_smem.at[0],), (b_smem.at[0],)
+
+    def fetch_c_x(chunk):
+        rows = pl.ds(chunk * q, q)
+        plgpu.copy_gmem_to_smem(c_ref.at[batch, group, rows], cs[0], loaded.at[0])
+        plgpu.copy_gmem_to_smem(rows_of(x_ref, batch, head, rows), x_smem, loaded.at[1])
+
+    def fetch_b(chunk):
+        plgpu.copy_gmem_to_smem(b_ref.at[batch, group, pl.ds(chunk * q, q)], bs[0], loaded.at[2])
+
+    fetch_c_x(0)
+    fetch_b(0)
+
+    def step(chunk, state):
+        rows = pl.ds(chunk * q, q)
+        vectors = _scan_vectors(dt_ref, cum_ref, f_ref, seg_ref, batch, head, rows)
+        w_t = mosaic_gpu_load(w_ref.at[batch, head, rows], layout=row, optimized=False)
+        x = mosaic_gpu_load(rows_of(x_ref, batch, head, rows), layout=wgmma_layout, optimized=False).astype(
+            f32
+        )
+        if clean_x:
+            x = finite_or_zero(x)
+        # the previous chunk's copies out have read the y and staging tiles; its products, which
+        # read the 16-bit state and w ∘ x's halves, were waited for
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        s16_smem[...] = state.astype(dtype)
+        xh_smem[...], xl_smem[...] = _halves(x * lax.broadcast_in_dim(w_t, x.shape, [0]), dtype)
+        plgpu.commit_smem()
+        if states_ref is not None:
+            _staged(stage)(state, lambda r, cols: states_ref.at[batch, chunk, head, pl.ds(r, CHUNK), cols])
+        for i in range(3):
+            plgpu.barrier_wait(loaded.at[i])
+        if clean_x:  # over the tile its copy has filled, before the products read it
+            x_smem[...] = x.astype(dtype)
+            plgpu.commit_smem()
+        y = _chunk_output(cs, bs, x_smem, s16_smem, *vectors, dtype=dtype)  # as `_scan_kernel`
+
+        @pl.when(chunk + 1 < chunks)
+        def _():  # C's and x's last readers (the output's products) are done
+            fetch_c_x(chunk + 1)
+
+        y_smem[...] = y.astype(y_smem.dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(y_smem, rows_of(y_ref, batch, head, rows))
+
+        # S <- keep S + (w ∘ x)ᵀ B
+        def run(acc_ref):
+            for a, b, _ in pairs((xh_smem.transpose((1, 0)), xl_smem.transpose((1, 0))), bs):
+                plgpu.wgmma(acc_ref, a, b)
+
+        keep = mosaic_gpu_load(keep_ref.at[batch, head, chunk], layout=row, optimized=False)
+        state = pl.run_state(run)(plgpu.ACC.init(state * lax.broadcast_in_dim(keep, state.shape, [0])))
+
+        @pl.when(chunk + 1 < chunks)
+        def _():  # B's last reader (the state's update) is done
+            fetch_b(chunk + 1)
+
+        return state
+
+    s0 = mosaic_gpu_load(s0_ref.at[batch, head], layout=wgmma_layout, optimized=False)
+    final = lax.fori_loop(0, chunks, step, s0)
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    _staged(stage)(final, lambda r, cols: final_ref.at[batch, head, pl.ds(r, CHUNK), cols])
+    plgpu.wait_smem_to_gmem(0)
