@@ -50,7 +50,7 @@ from jax.experimental import pallas as pl
 from axkern.core.compat import mosaic_gpu_load
 from axkern.core.op import Unsupported
 
-from .forward_lean import forward_lean_kernel, lean_forward_reason, lean_forward_tiles
+from .forward_lean import chunk_rows, forward_lean_kernel, lean_forward_reason, lean_forward_tiles, own_onto
 from .kernels import (
     _SMEM,
     CHUNK,
@@ -61,10 +61,8 @@ from .kernels import (
     _part_copies,
     _put_last,
     _rows_type,
-    _scan_vectors,
     _walk_setup,
     operand_parts,
-    pairs,
     parts_of,
     plgpu,
     tile_bytes,
@@ -185,7 +183,7 @@ def _forward_kernel(
     parts = 2 if rotate else c_smem.shape[0] // 2
     copies = 1 if rotate else 2 * parts + 1  # a slot's copies: (C's and B's parts), x
     group = lax.div(head, jnp.int32(rep))
-    f32, wgmma_layout = jnp.float32, plgpu.Layout.WGMMA
+    wgmma_layout = plgpu.Layout.WGMMA
     row = wgmma_layout.reduce(1)
 
     def slot_parts(smem, slot):
@@ -238,13 +236,9 @@ def _forward_kernel(
             for i in range(3):
                 plgpu.barrier_wait(loaded.at[2 * copies + i])
             _rotated_tiles(*raw, (c_ref[1], b_ref[1]), head, (c_smem, b_smem), dtype)
-        vectors = _scan_vectors(dt_ref, cum_ref, f_ref, seg_ref, batch, head, rows)
-        w_t = mosaic_gpu_load(w_ref.at[batch, head, rows], layout=row, optimized=False)
-        x = mosaic_gpu_load(rows_of(x_ref, batch, head, rows), layout=wgmma_layout, optimized=False).astype(
-            f32
+        vectors, w_t, x = chunk_rows(
+            (x_ref, w_ref, dt_ref, cum_ref, f_ref, seg_ref), batch, head, rows, rows_of, clean_x
         )
-        if clean_x:
-            x = finite_or_zero(x)
         if not rotate:
             state_out()
         xh_smem[...], xl_smem[...] = _halves(x * lax.broadcast_in_dim(w_t, x.shape, [0]), dtype)
@@ -269,16 +263,11 @@ def _forward_kernel(
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(y_smem, rows_of(y_ref, batch, head, rows))
 
-        # S <- keep S + (w ∘ x)ᵀ B
-        def run(acc_ref):
-            for a, b, _ in pairs((xh_smem.transpose((1, 0)), xl_smem.transpose((1, 0))), bs):
-                plgpu.wgmma(acc_ref, a, b)
-
-        # the entering state read back from its staging tile (its copy out only reads it), so
-        # that its registers are free while the output is formed; keep: one value along S's rows
+        # S <- keep S + (w ∘ x)ᵀ B, the entering state read back from its staging tile (its copy
+        # out only reads it), so that its registers are free while the output is formed; keep:
+        # one value along S's rows
         keep = mosaic_gpu_load(keep_ref.at[batch, head, chunk], layout=row, optimized=False)
-        kept = st_smem[...] * lax.broadcast_in_dim(keep, (p, n), [0])
-        return pl.run_state(run)(plgpu.ACC.init(kept))
+        return own_onto(st_smem[...] * lax.broadcast_in_dim(keep, (p, n), [0]), xh_smem, xl_smem, bs)
 
     s0 = mosaic_gpu_load(s0_ref.at[batch, head], layout=wgmma_layout, optimized=False)
     _put_last(st_smem, lax.fori_loop(0, chunks, step, s0), final_ref.at[batch, head])

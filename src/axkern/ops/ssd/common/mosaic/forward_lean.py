@@ -78,38 +78,41 @@ def lean_forward_shares_an_sm(p: int, n: int, y_dtype=jnp.float32) -> bool:
     return 2 * (tile_bytes(lean_forward_tiles(p, n, y_dtype=y_dtype)) + 1024) <= 228 * 1024
 
 
-def forward_lean_kernel(
-    x_ref,
-    w_ref,
-    dt_ref,
-    cum_ref,
-    f_ref,
-    keep_ref,
-    seg_ref,
-    b_ref,
-    c_ref,
-    s0_ref,
-    y_ref,
-    states_ref,
-    final_ref,
-    scoped,
-    *,
-    rep,
-    dtype,
-    add,
-    rows_of,
-    chunks,
-    clean_x=False,
-):
-    """`forward._forward_kernel`'s walk in one slot of tiles (the module's docstring); `b_ref`,
-    `c_ref` one 16-bit part each; `states_ref` None: the entering states are not written.
-    Barriers: `C`, `x`, `B`, each armed and waited once a chunk."""
+def chunk_rows(refs, batch, head, rows, rows_of, clean_x):
+    """A walking forward's per-chunk reads into registers (`refs`: `x`, `w`, `dt`, `cum`, `f`, the
+    segment ids): the output's vectors (`_scan_vectors`), `w` along rows and `x` (`[Q, P]`
+    float32, WGMMA layout; non-finite values as 0 where `clean_x`)."""
+    x_ref, w_ref, dt_ref, cum_ref, f_ref, seg_ref = refs
+    layout = plgpu.Layout.WGMMA
+    vectors = _scan_vectors(dt_ref, cum_ref, f_ref, seg_ref, batch, head, rows)
+    w_t = mosaic_gpu_load(w_ref.at[batch, head, rows], layout=layout.reduce(1), optimized=False)
+    x = mosaic_gpu_load(rows_of(x_ref, batch, head, rows), layout=layout, optimized=False).astype(jnp.float32)
+    return vectors, w_t, finite_or_zero(x) if clean_x else x
+
+
+def own_onto(kept, xh_smem, xl_smem, bs):
+    """`kept + (w ∘ x)ᵀ B` (`[P, N]` float32, registers), `w ∘ x` as its two halves in shared
+    memory (transposed as the left operand), `B` as its parts `bs`; the products waited for."""
+
+    def run(acc_ref):
+        for a, b, _ in pairs((xh_smem.transpose((1, 0)), xl_smem.transpose((1, 0))), bs):
+            plgpu.wgmma(acc_ref, a, b)
+
+    return pl.run_state(run)(plgpu.ACC.init(kept))
+
+
+def forward_lean_kernel(*refs, rep, dtype, add, rows_of, chunks, clean_x=False):
+    """`forward._forward_kernel`'s walk in one slot of tiles (the module's docstring), with its
+    refs (`b_ref`, `c_ref` one 16-bit part each; `states_ref` None: the entering states are not
+    written). Barriers: `C`, `x`, `B`, each armed and waited once a chunk."""
+    x_ref, w_ref, dt_ref, cum_ref, f_ref, keep_ref, seg_ref, b_ref, c_ref, s0_ref, *outs, scoped = refs
+    y_ref, states_ref, final_ref = outs
     (c_smem, b_smem, x_smem, xh_smem, xl_smem, s16_smem, y_smem, stage), loaded = scoped
     (b_ref,), (c_ref,) = b_ref, c_ref
     head, batch = lax.axis_index("heads"), lax.axis_index("batch")
     q, p = x_smem.shape
     group = lax.div(head, jnp.int32(rep))
-    f32, wgmma_layout = jnp.float32, plgpu.Layout.WGMMA
+    wgmma_layout = plgpu.Layout.WGMMA
     row = wgmma_layout.reduce(1)
     cs, bs = (c_smem.at[0],), (b_smem.at[0],)
 
@@ -126,13 +129,9 @@ def forward_lean_kernel(
 
     def step(chunk, state):
         rows = pl.ds(chunk * q, q)
-        vectors = _scan_vectors(dt_ref, cum_ref, f_ref, seg_ref, batch, head, rows)
-        w_t = mosaic_gpu_load(w_ref.at[batch, head, rows], layout=row, optimized=False)
-        x = mosaic_gpu_load(rows_of(x_ref, batch, head, rows), layout=wgmma_layout, optimized=False).astype(
-            f32
+        vectors, w_t, x = chunk_rows(
+            (x_ref, w_ref, dt_ref, cum_ref, f_ref, seg_ref), batch, head, rows, rows_of, clean_x
         )
-        if clean_x:
-            x = finite_or_zero(x)
         # the previous chunk's copies out have read the y and staging tiles; its products, which
         # read the 16-bit state and w ∘ x's halves, were waited for
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -157,12 +156,8 @@ def forward_lean_kernel(
         plgpu.copy_smem_to_gmem(y_smem, rows_of(y_ref, batch, head, rows))
 
         # S <- keep S + (w ∘ x)ᵀ B
-        def run(acc_ref):
-            for a, b, _ in pairs((xh_smem.transpose((1, 0)), xl_smem.transpose((1, 0))), bs):
-                plgpu.wgmma(acc_ref, a, b)
-
         keep = mosaic_gpu_load(keep_ref.at[batch, head, chunk], layout=row, optimized=False)
-        state = pl.run_state(run)(plgpu.ACC.init(state * lax.broadcast_in_dim(keep, state.shape, [0])))
+        state = own_onto(state * lax.broadcast_in_dim(keep, state.shape, [0]), xh_smem, xl_smem, bs)
 
         @pl.when(chunk + 1 < chunks)
         def _():  # B's last reader (the state's update) is done
