@@ -480,15 +480,13 @@ def test_the_shim_sees_errors_planted_in_the_lean_forward(shim, monkeypatch):
     assert any("while a TMA store may read it" in h for h in shim.hazards)
     monkeypatch.setattr(_Plgpu, "wait_smem_to_gmem", wait)
     shim.hazards.clear()
-    # B's tile refilled (here: zeroed) once the output is formed, before the state's update has
-    # read it: the states go wrong
-    output = FL._chunk_output
+    # B's tile refilled (here: zeroed) before the state's update has read it: the states go wrong
+    update = FL.own_onto
 
-    def refilled_early(cs, bs, *args, **kwargs):
-        y = output(cs, bs, *args, **kwargs)
+    def refilled_early(kept, xh, xl, bs):
         bs[0].a[...] = 0
-        return y
+        return update(kept, xh, xl, bs)
 
-    monkeypatch.setattr(FL, "_chunk_output", refilled_early)
+    monkeypatch.setattr(FL, "own_onto", refilled_early)
     errors = _fused_errors(q=64, lean=True)
     assert errors["final"] > 1e-3 and errors["states"] > 1e-3, errors

@@ -13,14 +13,14 @@ take two rounds of 264.
 **A chunk's step**, `S` (`[P, N]` float32, registers) the state entering it: the copies out of
 the previous chunk waited for having read their tiles; `S` into shared memory in 16 bits (for
 `C S_inᵀ`) and, where the entering states are written, block by block through the staging
-tile; `w ∘ x`'s halves stored; the chunk's `C`, `x`, `B` copies waited; `y` as `_scan_kernel`
-computes it, out by TMA; as soon as its products are done (the last reads of `C` and `x`), the
-next chunk's `C` and `x` are copied in; then `S ← keep · S + (w ∘ x)ᵀ B`, after which the next
-chunk's `B` is copied in. What the one slot costs: the next chunk's `B` copy starts at the end
-of a step and is waited at the start of the next (from L2 where a group's heads share it), its
-`C` and `x` copies overlap only the state update; the other block on the SM is what hides them.
-The entering state stays in registers through the output (the fused kernel reads it back from
-its float32 staging tile instead).
+tile; `w ∘ x`'s halves stored; the chunk's `C`, `x`, `B` copies waited; `B`'s two readers
+first, `C Bᵀ` and `S ← keep · S + (w ∘ x)ᵀ B`, after which the next chunk's `B` is copied in
+while the rest of `y` is formed as `_scan_kernel` forms it (the decay, `C S_inᵀ` from the
+16-bit entering state, `M x`); then the next chunk's `C` and `x`; `y` out by TMA. What the one
+slot costs: the next chunk's `C` and `x` copies start at the end of a step's products and are
+waited near the start of the next (`B`'s overlap the output's products); the other block on the
+SM is what hides them. The state stays in registers through the output (the fused kernel reads
+it back from its float32 staging tile instead).
 
 **Cost** as the fused forward's (`forward.py`), the arithmetic the same (results equal to the
 last bit but the order of float32 sums). Chunks of 64, 16-bit `B` and `C`, not rotating
@@ -36,7 +36,7 @@ from jax.experimental import pallas as pl
 from axkern.core.compat import mosaic_gpu_load
 
 from .backward import _staged
-from .kernels import CHUNK, _chunk_output, _halves, _scan_vectors, pairs, plgpu, tile_bytes
+from .kernels import CHUNK, _chunk_output, _halves, _products, _scan_vectors, pairs, plgpu, tile_bytes
 from .rotation import finite_or_zero
 
 __all__ = ["lean_forward_tiles", "lean_forward_reason", "lean_forward_shares_an_sm", "forward_lean_kernel"]
@@ -132,6 +132,7 @@ def forward_lean_kernel(*refs, rep, dtype, add, rows_of, chunks, clean_x=False):
         vectors, w_t, x = chunk_rows(
             (x_ref, w_ref, dt_ref, cum_ref, f_ref, seg_ref), batch, head, rows, rows_of, clean_x
         )
+        keep = mosaic_gpu_load(keep_ref.at[batch, head, chunk], layout=row, optimized=False)
         # the previous chunk's copies out have read the y and staging tiles; its products, which
         # read the 16-bit state and w ∘ x's halves, were waited for
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -145,7 +146,17 @@ def forward_lean_kernel(*refs, rep, dtype, add, rows_of, chunks, clean_x=False):
         if clean_x:  # over the tile its copy has filled, before the products read it
             x_smem[...] = x.astype(dtype)
             plgpu.commit_smem()
-        y = _chunk_output(cs, bs, x_smem, s16_smem, *vectors, dtype=dtype)  # as `_scan_kernel`
+        # B's two readers first, C Bᵀ and the state's update S <- keep S + (w ∘ x)ᵀ B (the entering
+        # state is in the 16-bit tile for C S_inᵀ), so that the next chunk's B is copied in while
+        # the output is formed
+        scores = _products((q, q), pairs(cs, bs, True))
+        state = own_onto(state * lax.broadcast_in_dim(keep, state.shape, [0]), xh_smem, xl_smem, bs)
+
+        @pl.when(chunk + 1 < chunks)
+        def _():
+            fetch_b(chunk + 1)
+
+        y = _chunk_output(cs, bs, x_smem, s16_smem, *vectors, dtype=dtype, scores=scores)  # as `_scan_kernel`
 
         @pl.when(chunk + 1 < chunks)
         def _():  # C's and x's last readers (the output's products) are done
@@ -154,15 +165,6 @@ def forward_lean_kernel(*refs, rep, dtype, add, rows_of, chunks, clean_x=False):
         y_smem[...] = y.astype(y_smem.dtype)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(y_smem, rows_of(y_ref, batch, head, rows))
-
-        # S <- keep S + (w ∘ x)ᵀ B
-        keep = mosaic_gpu_load(keep_ref.at[batch, head, chunk], layout=row, optimized=False)
-        state = own_onto(state * lax.broadcast_in_dim(keep, state.shape, [0]), xh_smem, xl_smem, bs)
-
-        @pl.when(chunk + 1 < chunks)
-        def _():  # B's last reader (the state's update) is done
-            fetch_b(chunk + 1)
-
         return state
 
     s0 = mosaic_gpu_load(s0_ref.at[batch, head], layout=wgmma_layout, optimized=False)
