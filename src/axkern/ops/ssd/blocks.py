@@ -45,7 +45,7 @@ class SSDBlockSizes(BlockSizes):
     `forward` (`mosaic_gpu` only): `"stages"` (the chunk states, the recurrence and the chunk
     outputs as three kernels; None means this) or `"fused"` (one kernel per batch row and head
     walking its chunks, `common/mosaic/forward.py`) or `"lean"` (the fused one in one slot of
-    tiles, 96 KiB at P 64, N 128 where the fused one takes 152, so that two blocks share an SM;
+    tiles, 99 KiB at P 64, N 128 where the fused one takes 155, so that two blocks share an SM;
     chunks of 64; `common/mosaic/forward_lean.py`). `group_sums` (`mosaic_gpu` only): where the
     backward sums `dB` and `dC` over each group's heads: `"xla"` (the kernels write them per
     head, float32; None means this) or `"kernels"` (the kernels add each head's tiles into the

@@ -86,7 +86,7 @@ N 128 (188 whole), two blocks an SM: the state rounded once (one tile, and one p
 `C S_inᵀ`), every result out through one `[64, 64]` float32 staging tile block by block
 (`backward._staged`). Not yet run on a GPU; in the tuning space. The fused forward likewise
 (`SSDBlockSizes(forward="lean")`, `forward_lean.py`): one slot of tiles, the entering state out
-through the one staging tile, 96 KiB at P 64, N 128 (152 fused).
+through the one staging tile, 99 KiB at P 64, N 128 (155 fused).
 
 **Precision** (`benchmarks/ssd_operand_precision.py`, float64 emulation on the CPU, tables in
 docs/ops/ssd.md "Accuracy"): `C Bᵀ` and `C S_inᵀ` with 16-bit operands kept `y` and the final

@@ -4,11 +4,11 @@ state carried in registers) with one slot of each chunk tile where the fused ker
 and the entering state sent out through one float32 `[64, 64]` staging tile block by block,
 where the fused kernel stages it whole.
 
-**Why.** At P 64, N 128 the fused kernel's tiles take 152 KiB (bf16 `y`; 160 with float32 `y`),
-so one block runs per SM, one warpgroup with nothing to overlap its waits, and its 320 blocks at
-the 2.7B layer fill the H200's 132 SMs in three rounds. These tiles take 96 KiB (104), so two
-blocks share an SM (`lean_forward_shares_an_sm`): each hides the other's waits, and the blocks
-take two rounds of 264.
+**Why.** At P 64, N 128 the fused kernel's shared memory is 155 KiB (`tile_bytes`; bf16 `y`, 163
+with float32 `y`), so one block runs per SM, one warpgroup with nothing to overlap its waits, and
+its 320 blocks at the 2.7B layer fill the H200's 132 SMs in three rounds. These tiles take 99 KiB
+(107), so two blocks share an SM (`lean_forward_shares_an_sm`): each hides the other's waits,
+and the blocks take two rounds of 264.
 
 **A chunk's step**, `S` (`[P, N]` float32, registers) the state entering it: the copies out of
 the previous chunk waited for having read their tiles; `S` into shared memory in 16 bits (for
