@@ -315,14 +315,15 @@ def test_mosaic_gpu_fused_forward_at_larger_chunks_equals_the_stages(chunk, dims
 
 
 @pytest.mark.skipif(not _hopper(), reason="the Mosaic GPU kernels need a Hopper GPU")
-@pytest.mark.parametrize("boundaries", [0.0, 0.003])
+@pytest.mark.parametrize("boundaries, y16", [(0.0, False), (0.003, False), (0.003, True)])
 @pytest.mark.parametrize("dims", [(2, 4, 2, 3, 64, 128), (1, 2, 1, 2, 128, 64), (1, 2, 2, 5, 64, 64)])
-def test_mosaic_gpu_lean_forward_equals_the_stages(dims, boundaries):
-    # the lean fused forward (one slot of tiles, the state out by 64 x 64 blocks) as the fused one
-    _fused_against_stages(dims, boundaries, False, lean=True)
+def test_mosaic_gpu_lean_forward_equals_the_stages(dims, boundaries, y16):
+    # the lean fused forward (one slot of tiles; the state and y out by 64 x 64 blocks, y through
+    # the state's float32 staging tile or, `y16`, its own bf16 one) as the fused one
+    _fused_against_stages(dims, boundaries, False, lean=True, y16=y16)
 
 
-def _fused_against_stages(dims, boundaries, split, chunk=64, lean=False):
+def _fused_against_stages(dims, boundaries, split, chunk=64, lean=False, y16=False):
     import jax.numpy as jnp
     import numpy as np
 
@@ -346,9 +347,9 @@ def _fused_against_stages(dims, boundaries, split, chunk=64, lean=False):
     layout = mosaic_gpu.MosaicLayout(x, bt, q=q, interpret=False, products=jnp.bfloat16)
     args = (x, ac, dt.reshape(b, h, chunks, q), cum, w, f, keep, seg.reshape(b, chunks, q), bt, ct, s0)
     _, final_want, states_want = jax.jit(lambda *a: layout.forward(*a, sums=False, dtype=jnp.float32))(*args)
-    y, final, states_in = jax.jit(functools.partial(mosaic_gpu.fused_forward, chunk=q, lean=lean))(
-        x, col(w), dt, col(cum), col(f), keep, seg, bt, ct, s0
-    )
+    y_dtype = jnp.bfloat16 if y16 else jnp.float32
+    fused = functools.partial(mosaic_gpu.fused_forward, chunk=q, lean=lean, y_dtype=y_dtype)
+    y, final, states_in = jax.jit(fused)(x, col(w), dt, col(cum), col(f), keep, seg, bt, ct, s0)
     y_want = jax.jit(functools.partial(mosaic_gpu.chunk_scan, chunk=q))(
         x, dt, col(cum), col(f), seg, bt, ct, states_in
     )
@@ -361,7 +362,8 @@ def _fused_against_stages(dims, boundaries, split, chunk=64, lean=False):
 
     close(states_in, states_want, 1e-5, "states entering the chunks")
     close(final, final_want, 1e-5, "final state")
-    close(y, y_want, 1e-5, "y")
+    # (y in bf16: within one bf16 step of the float32 y rounded)
+    close(y, y_want.astype(y_dtype), 2.0**-8 if y16 else 1e-5, "y")
 
 
 @pytest.mark.skipif(not _hopper(), reason="the Mosaic GPU kernels need a Hopper GPU")

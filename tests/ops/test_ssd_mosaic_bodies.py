@@ -390,13 +390,25 @@ def test_the_shim_sees_the_lean_staging_tile_rewritten_in_flight(shim, monkeypat
 
 
 def _fused_errors(
-    q, b=1, h=2, g=1, c=3, p=64, n=64, positions_first=False, clean_x=False, states=True, lean=False
+    q,
+    b=1,
+    h=2,
+    g=1,
+    c=3,
+    p=64,
+    n=64,
+    positions_first=False,
+    clean_x=False,
+    states=True,
+    lean=False,
+    y16=False,
 ):
     """The fused forward's largest differences (relative to the largest magnitude) from the three
     stages' emulation at chunks of `q`: the entering states against the recurrence over the
     emulated own states, `y` against the emulated scan of the kernel's own entering states (a
     state differing in its last float32 bit may round to another bf16 value), the final state.
-    `lean`: the lean fused forward (`forward_lean.py`)."""
+    `lean`: the lean fused forward (`forward_lean.py`); `y16`: `y` in bf16 (against the
+    emulation's float32 `y` rounded to bf16, within one bf16 step of it)."""
     length, f32, bf16 = c * q, np.float32, jnp.bfloat16
     k = jax.random.split(jax.random.PRNGKey(1), 9)
     x = jax.random.normal(k[0], (b, h, length, p)).astype(bf16)
@@ -412,9 +424,8 @@ def _fused_errors(
     keep_rows = jnp.broadcast_to(keep[..., None], (b, h, c, p))
     rows = lambda a: jnp.swapaxes(a, 1, 2) if positions_first else a  # noqa: E731
     y_shape = (b, length, h, p) if positions_first else (b, h, length, p)
-    outs = (
-        [np.zeros(y_shape, f32)] + [np.zeros((b, c, h, p, n), f32)] * states + [np.zeros((b, h, p, n), f32)]
-    )
+    y_out = np.zeros(y_shape, ml_dtypes.bfloat16 if y16 else f32)
+    outs = [y_out] + [np.zeros((b, c, h, p, n), f32)] * states + [np.zeros((b, h, p, n), f32)]
     kernel = F.forward_tiled_kernel if q != 64 else (FL.forward_lean_kernel if lean else F._forward_kernel)
     body = functools.partial(kernel if states else functools.partial(F._without_states, kernel=kernel))
     got = _run(
@@ -429,7 +440,7 @@ def _fused_errors(
         ),
         (rows(x), w, dt, cum, f, keep_rows, seg, (bt,), (ct,), s0),
         outs,
-        FL.lean_forward_tiles(p, n) if lean else F._tiles(p, n, q=q),
+        FL.lean_forward_tiles(p, n, y_dtype=bf16 if y16 else f32) if lean else F._tiles(p, n, q=q),
         (b, h, 1),
     )
     y, final = rows(got[0]), got[-1]
@@ -442,7 +453,8 @@ def _fused_errors(
     have, want = {"final": final}, {"final": state}
     if states:  # (without them, `y` is the same body's; the scan's emulation takes the entering states)
         have["states"], want["states"] = got[1], np.stack(want_states, 1)
-        have["y"], want["y"] = y, E.emulate_chunk_scan(x_clean, dt, cum, f, seg, bt, ct, got[1], q)
+        y_want = E.emulate_chunk_scan(x_clean, dt, cum, f, seg, bt, ct, got[1], q)
+        have["y"], want["y"] = y, (y_want.astype(bf16) if y16 else y_want)
     rel = lambda a, e: float(np.abs(np.asarray(a, np.float64) - e).max() / np.abs(e).max())  # noqa: E731
     return {name: rel(have[name], np.asarray(want[name], np.float64)) for name in have}
 
@@ -463,11 +475,15 @@ def _fused_errors(
         dict(q=64, lean=True, p=128),
         dict(q=64, lean=True, positions_first=True, clean_x=True),
         dict(q=64, lean=True, states=False),
+        dict(q=64, lean=True, p=128, y16=True),  # y by 64-column blocks through its own bf16 tile
+        dict(q=64, lean=True, n=128, y16=True),
     ],
     ids=str,
 )
 def test_the_fused_forward_body_computes_the_stages_emulation_without_hazards(shim, case):
     errors = _fused_errors(**case)
+    if case.get("y16"):  # y within one bf16 step (2^-8) of the emulation's rounded y
+        assert errors.pop("y") <= 2.0**-8, errors
     assert max(errors.values()) <= 1e-5, errors
     assert not shim.hazards, sorted(set(shim.hazards))
 

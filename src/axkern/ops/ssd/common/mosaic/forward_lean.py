@@ -7,8 +7,9 @@ where the fused kernel stages it whole.
 **Why.** At P 64, N 128 the fused kernel's shared memory is 155 KiB (`tile_bytes`; bf16 `y`, 163
 with float32 `y`), so one block runs per SM, one warpgroup with nothing to overlap its waits, and
 its 320 blocks at the 2.7B layer fill the H200's 132 SMs in three rounds. These tiles take 99 KiB
-(107), so two blocks share an SM (`lean_forward_shares_an_sm`): each hides the other's waits,
-and the blocks take two rounds of 264.
+(91), so two blocks share an SM (`lean_forward_shares_an_sm`; at P 128, N 64 107 and 99 KiB
+where the fused kernel's take 163 and 179): each hides the other's waits, and the blocks take two
+rounds of 264.
 
 **A chunk's step**, `S` (`[P, N]` float32, registers) the state entering it: the copies out of
 the previous chunk waited for having read their tiles; `S` into shared memory in 16 bits (for
@@ -22,8 +23,9 @@ waited near the start of the next (`B`'s overlap the output's products); the oth
 SM is what hides them. The state stays in registers through the output (the fused kernel reads
 it back from its float32 staging tile instead).
 
-**Cost** as the fused forward's (`forward.py`), the arithmetic the same (results equal to the
-last bit but the order of float32 sums). Chunks of 64, 16-bit `B` and `C`, not rotating
+**Cost** as the fused forward's (`forward.py`), the roundings the same (`M x` accumulated onto
+`f ∘ (C S_inᵀ)`: the float32 sums in another order). `y` leaves by 64-column blocks, through the
+state's staging tile where it is float32. Chunks of 64, 16-bit `B` and `C`, not rotating
 (`lean_forward_reason`).
 """
 
@@ -44,9 +46,10 @@ __all__ = ["lean_forward_tiles", "lean_forward_reason", "lean_forward_shares_an_
 
 def lean_forward_tiles(p: int, n: int, dtype=jnp.bfloat16, y_dtype=jnp.float32) -> list:
     """Shared-memory tiles `(shape, dtype)`: one slot of C, B, x; w ∘ x's halves; the entering
-    state in 16 bits; staging for y (`y_dtype`) and the float32 staging tile for the state's
-    64 × 64 blocks."""
+    state in 16 bits; the float32 staging tile for the state's 64 × 64 blocks, which `y`'s
+    blocks share when `y` is float32, and otherwise a 64 × 64 staging tile in `y_dtype`."""
     q, f32 = CHUNK, jnp.float32
+    y_stage = [] if jnp.dtype(y_dtype) == f32 else [((CHUNK, CHUNK), y_dtype)]
     return [
         ((1, q, n), dtype),
         ((1, q, n), dtype),
@@ -54,8 +57,8 @@ def lean_forward_tiles(p: int, n: int, dtype=jnp.bfloat16, y_dtype=jnp.float32) 
         ((q, p), dtype),
         ((q, p), dtype),
         ((p, n), dtype),
-        ((q, p), y_dtype),
         ((CHUNK, CHUNK), f32),
+        *y_stage,
     ]
 
 
@@ -73,8 +76,8 @@ def lean_forward_reason(parts: int, chunk: int = CHUNK, rotate: bool = False) ->
 
 def lean_forward_shares_an_sm(p: int, n: int, y_dtype=jnp.float32) -> bool:
     """Whether two blocks of the lean fused forward fit a Hopper SM's 228 KiB of shared memory
-    (each with the 1 KiB the system keeps a block) at head dim `p`, state `n`: at P 64, not at
-    P 128 (where the fused kernel's one block does as well)."""
+    (each with the 1 KiB the system keeps a block) at head dim `p`, state `n`: at the three
+    sizes the kernels take, where the fused kernel's tiles leave one a SM but at P and N 64."""
     return 2 * (tile_bytes(lean_forward_tiles(p, n, y_dtype=y_dtype)) + 1024) <= 228 * 1024
 
 
@@ -107,7 +110,7 @@ def forward_lean_kernel(*refs, rep, dtype, add, rows_of, chunks, clean_x=False):
     written). Barriers: `C`, `x`, `B`, each armed and waited once a chunk."""
     x_ref, w_ref, dt_ref, cum_ref, f_ref, keep_ref, seg_ref, b_ref, c_ref, s0_ref, *outs, scoped = refs
     y_ref, states_ref, final_ref = outs
-    (c_smem, b_smem, x_smem, xh_smem, xl_smem, s16_smem, y_smem, stage), loaded = scoped
+    (c_smem, b_smem, x_smem, xh_smem, xl_smem, s16_smem, stage, *y_stage), loaded = scoped
     (b_ref,), (c_ref,) = b_ref, c_ref
     head, batch = lax.axis_index("heads"), lax.axis_index("batch")
     q, p = x_smem.shape
@@ -139,8 +142,9 @@ def forward_lean_kernel(*refs, rep, dtype, add, rows_of, chunks, clean_x=False):
         s16_smem[...] = state.astype(dtype)
         xh_smem[...], xl_smem[...] = _halves(x * lax.broadcast_in_dim(w_t, x.shape, [0]), dtype)
         plgpu.commit_smem()
+        send = _staged(stage)  # (its first block's tile read: waited above)
         if states_ref is not None:
-            _staged(stage)(state, lambda r, cols: states_ref.at[batch, chunk, head, pl.ds(r, CHUNK), cols])
+            send(state, lambda r, cols: states_ref.at[batch, chunk, head, pl.ds(r, CHUNK), cols])
         for i in range(3):
             plgpu.barrier_wait(loaded.at[i])
         if clean_x:  # over the tile its copy has filled, before the products read it
@@ -156,15 +160,16 @@ def forward_lean_kernel(*refs, rep, dtype, add, rows_of, chunks, clean_x=False):
         def _():
             fetch_b(chunk + 1)
 
-        y = _chunk_output(cs, bs, x_smem, s16_smem, *vectors, dtype=dtype, scores=scores)  # as `_scan_kernel`
+        # as `_scan_kernel`, M x accumulated onto f ∘ (C S_inᵀ)
+        y = _chunk_output(cs, bs, x_smem, s16_smem, *vectors, dtype=dtype, scores=scores, onto=True)
 
         @pl.when(chunk + 1 < chunks)
         def _():  # C's and x's last readers (the output's products) are done
             fetch_c_x(chunk + 1)
 
-        y_smem[...] = y.astype(y_smem.dtype)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(y_smem, rows_of(y_ref, batch, head, rows))
+        # y out by 64-column blocks: through the state's staging tile where float32, else its own
+        y_send = _staged(y_stage[0]) if y_stage else send
+        y_send(y.astype(y_ref.dtype), lambda r, cols: rows_of(y_ref, batch, head, rows, cols))
         return state
 
     s0 = mosaic_gpu_load(s0_ref.at[batch, head], layout=wgmma_layout, optimized=False)

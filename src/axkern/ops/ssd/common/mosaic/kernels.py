@@ -228,18 +228,24 @@ def pairs(left, right, trans=False) -> list:
     return [(a, b, trans) for i, a in enumerate(left) for j, b in enumerate(right) if i + j <= 1]
 
 
-def _chunk_output(cs, bs, x_smem, s16_smem, cum_t, cum_s, dt_s, f_t, seg_t, seg_s, *, dtype, scores=None):
+def _chunk_output(
+    cs, bs, x_smem, s16_smem, cum_t, cum_s, dt_s, f_t, seg_t, seg_s, *, dtype, scores=None, onto=False
+):
     """A chunk's `y` (`[Q, P]` float32) from its tiles in shared memory (`cs`, `bs`: `C` and `B`
     as their parts; `s16_smem` the entering state in 16 bits): `C Bᵀ` (or `scores`, formed
     before) and its decayed scores first, then `C S_inᵀ` (fewer registers live at once), `M x`
-    from `M`'s two 16-bit halves."""
+    from `M`'s two 16-bit halves (`onto`: accumulated onto `f ∘ (C S_inᵀ)`, one `[Q, P]` float32
+    value fewer live)."""
     q, p = x_smem.shape
     s = _products((q, q), pairs(cs, bs, True)) if scores is None else scores  # [Q, Q]
     decay, on_cols = _decay(cum_t, cum_s, seg_t, seg_s)
     m = s * decay * on_cols(dt_s)
     m_hi, m_lo = _halves(m, dtype)
     inc = _products((q, p), pairs(cs, (s16_smem,), True))  # [Q, P]
-    y = _products((q, p), [(m_hi, x_smem, False), (m_lo, x_smem, False)])
+    terms = [(m_hi, x_smem, False), (m_lo, x_smem, False)]
+    if onto:
+        return _products((q, p), terms, acc=inc * lax.broadcast_in_dim(f_t, (q, p), [0]))
+    y = _products((q, p), terms)
     return y + inc * lax.broadcast_in_dim(f_t, (q, p), [0])
 
 
