@@ -332,7 +332,7 @@ def layout_class(
     group_sums: bool,
     positions_first: bool,
     fused_backward: bool,
-    lean: bool = False,
+    lean_scan_backward: bool = False,
     lean_forward: bool = False,
 ) -> type[MosaicLayout]:
     """The layout for the forward's form, where `dB`, `dC` are summed, how `x`, `y` are laid out,
@@ -340,10 +340,15 @@ def layout_class(
     `operand_parts`), whether the chunk-scan backward is the lean one and (`fused`) whether the
     fused forward is."""
     base = FusedMosaicLayout if fused else MosaicLayout
-    if not (group_sums or positions_first or fused_backward or lean or lean_forward):
+    flags = {
+        "group_sums": group_sums,
+        "positions_first": positions_first,
+        "fused_backward": fused_backward,
+        "lean_scan_backward": lean_scan_backward,
+        "lean_forward": lean_forward,
+    }
+    if not any(flags.values()):
         return base
-    name = base.__name__ + "GroupSums" * group_sums + "PositionsFirst" * positions_first
-    name += "FusedBackward" * fused_backward + "LeanScanBackward" * lean + "LeanForward" * lean_forward
-    attrs = {"group_sums": group_sums, "positions_first": positions_first, "fused_backward": fused_backward}
-    attrs |= {"lean_scan_backward": lean} | ({"lean_forward": True} if lean_forward else {})
-    return type(name, (base,), attrs)
+    words = ("GroupSums", "PositionsFirst", "FusedBackward", "LeanScanBackward", "LeanForward")
+    name = base.__name__ + "".join(w for w, on in zip(words, flags.values(), strict=True) if on)
+    return type(name, (base,), flags)

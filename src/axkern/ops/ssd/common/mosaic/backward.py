@@ -25,11 +25,11 @@ from .kernels import (
     _products,
     _rows_type,
     _tiles,
+    blocks_per_sm,
     operand_parts,
     pairs,
     parts_of,
     plgpu,
-    tile_bytes,
 )
 from .rotation import finite_or_zero
 from .tiled import rounds_once, scan_bwd_tiled
@@ -296,7 +296,7 @@ def lean_shares_an_sm(p: int, n: int) -> bool:
     """Whether two blocks of the lean chunk-scan backward fit a Hopper SM's 228 KiB of shared
     memory (each with the 1 KiB the system keeps a block) at head dim `p` and state `n`, where
     the whole kernel's one does not: at P 64 (84 KiB at N 64, 108 at N 128), not at P 128 (116)."""
-    return 2 * (tile_bytes(_tiles("scan_bwd_lean", p, n)) + 1024) <= 228 * 1024
+    return blocks_per_sm(_tiles("scan_bwd_lean", p, n)) >= 2
 
 
 def _chunk_scan_bwd(

@@ -38,7 +38,7 @@ from jax.experimental import pallas as pl
 from axkern.core.compat import mosaic_gpu_load
 
 from .backward import _staged
-from .kernels import CHUNK, _chunk_output, _halves, _products, _scan_vectors, pairs, plgpu, tile_bytes
+from .kernels import CHUNK, _chunk_output, _halves, _products, _scan_vectors, blocks_per_sm, pairs, plgpu
 from .rotation import finite_or_zero
 
 __all__ = ["lean_forward_tiles", "lean_forward_reason", "lean_forward_shares_an_sm", "forward_lean_kernel"]
@@ -78,7 +78,7 @@ def lean_forward_shares_an_sm(p: int, n: int, y_dtype=jnp.float32) -> bool:
     """Whether two blocks of the lean fused forward fit a Hopper SM's 228 KiB of shared memory
     (each with the 1 KiB the system keeps a block) at head dim `p`, state `n`: at the three
     sizes the kernels take, where the fused kernel's tiles leave one a SM but at P and N 64."""
-    return 2 * (tile_bytes(lean_forward_tiles(p, n, y_dtype=y_dtype)) + 1024) <= 228 * 1024
+    return blocks_per_sm(lean_forward_tiles(p, n, y_dtype=y_dtype)) >= 2
 
 
 def chunk_rows(refs, batch, head, rows, rows_of, clean_x):

@@ -113,6 +113,12 @@ def tile_bytes(tiles) -> int:
     return sum(math.prod(s) * jnp.dtype(d).itemsize for s, d in tiles) + _SMEM_EXTRA
 
 
+def blocks_per_sm(tiles) -> int:
+    """How many blocks of `tiles` a Hopper SM's 228 KiB of shared memory hold at once (the
+    system keeps 1 KiB of it a block)."""
+    return 228 * 1024 // (tile_bytes(tiles) + 1024)
+
+
 def dims_reason(p: int, n: int, parts: int = 1) -> str | None:
     """Why the kernels cannot take head dim `p` and state `n` (`B`, `C` in `parts` tiles each),
     or None."""
