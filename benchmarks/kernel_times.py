@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import argparse
 import collections
-import dataclasses
+import contextlib
 import datetime
 import json
 import os
@@ -170,18 +170,6 @@ def add_sources(rows: list[dict], sources: dict[str, str]) -> None:
             r["sources"] = sorted(ops)
 
 
-def override_blocks(op_name: str, text: str) -> None:
-    """`--blocks`: the implementation's heuristic with the named fields replaced (integers where
-    they are digits), so that a form that is not the default runs in the same script."""
-    from axkern.core.op import registered_ops
-
-    impl_name, fields = text.split(":", 1)
-    impl = registered_ops()[op_name].implementations[impl_name]
-    kw = {k: int(v) if v.isdigit() else v for k, v in (f.split("=", 1) for f in fields.split(","))}
-    heuristic = impl.heuristic
-    object.__setattr__(impl, "heuristic", lambda spec: dataclasses.replace(heuristic(spec), **kw))
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("op")
@@ -200,8 +188,11 @@ def main() -> None:
         help="IMPL:FIELD=VALUE[,FIELD=VALUE]: those fields over the implementation's heuristic block sizes",
     )
     a = p.parse_args()
-    if a.blocks:
-        override_blocks(a.op, a.blocks)
+    with bench.heuristic_with(a.op, a.blocks) if a.blocks else contextlib.nullcontext():
+        run(a)
+
+
+def run(a) -> None:
     folder = Path(os.environ.get("OUT", "."))
     out = {
         "command": "OUT=<folder> python3 benchmarks/kernel_times.py "

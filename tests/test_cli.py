@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 
+import jax
 import pytest
 
 import axkern
@@ -98,6 +99,18 @@ def test_bench_levanter_peer_absent_is_a_row_that_says_so(tmp_path, monkeypatch)
     rows = [r for r in json.loads(out.read_text())["rows"] if r["implementation"] == "peer:levanter"]
     assert {r["pass"] for r in rows} == {"fwd", "fwd+bwd"}
     assert all(r["ms"] is None and r["note"] == "unsupported: levanter is not installed" for r in rows)
+
+
+def test_bench_only_runs_the_torch_peers_of_the_cases_it_times(monkeypatch):
+    import axkern.bench
+    from axkern import peers
+
+    ran = []
+    monkeypatch.setattr(peers, "run", lambda op, dims, dtype, **kw: ran.append(dims["length"]) or [])
+    monkeypatch.setattr(axkern.bench, "measure", lambda case, impls, **kw: [])
+    argv = ["bench", "ssd", "--preset", "mamba2_2.7b", "--impl", "xla", "--peers", "--only", "L=2048"]
+    assert cli.main(argv) == 0
+    assert ran == [2048]  # not the preset's other three shapes
 
 
 def test_bench_tokamax_peers_absent_are_rows_that_say_so(tmp_path, monkeypatch):
@@ -193,6 +206,11 @@ def _usage_error(argv, capsys) -> str:
             ["bench", "short_conv", "--only", "no-such-case"],
             "--only: expected parts of these case labels: B=2",
         ),
+        (["bench", "--blocks", "xla:chunk_size=32"], "--blocks: expected one OP"),
+        (["bench", "ssd", "--blocks", "chunk_size=32"], "--blocks: ssd: expected IMPL:FIELD=VALUE"),
+        (["bench", "ssd", "--blocks", "bogus:chunk_size=32"], "with IMPL one of xla, pallas_gpu, mosaic_gpu"),
+        (["bench", "ssd", "--blocks", "xla:chunk=32"], "expected FIELD=VALUE with FIELD one of chunk_size"),
+        (["bench", "ssd", "--blocks", "xla:chunk_size"], "got 'chunk_size'"),
     ],
 )
 def test_bench_usage_errors_exit_2_before_measuring(argv, expected, capsys, monkeypatch):
@@ -213,6 +231,30 @@ def test_bench_only_times_the_cases_whose_label_holds_one_of_its_parts(tmp_path,
         "B=2 S=256 C=256 W=4 silu float32",
         "B=4 C=256 W=4 silu float32",
     ]
+
+
+def test_bench_blocks_replace_the_heuristic_fields_while_it_measures(monkeypatch):
+    import axkern.bench
+    from axkern.core.op import get_op
+
+    impl = get_op("ssd").implementations["pallas_gpu"]  # the bench's xla case names its chunk
+    before = impl.heuristic
+    chosen = []
+
+    def measure(case, impls, **kw):
+        decision = axkern.explain(case.forward_for("pallas_gpu"), *case.make(jax.random.PRNGKey(0)))
+        chosen.append(decision.block_sizes.chunk_size)
+        return []
+
+    monkeypatch.setattr(axkern.bench, "measure", measure)
+    argv = ["bench", "ssd", "--quick", "--impl", "pallas_gpu", "--blocks", "pallas_gpu:chunk_size=16"]
+    assert cli.main(argv) == 0
+    assert chosen and set(chosen) == {16}  # the heuristic's 64 replaced in every case
+    assert impl.heuristic is before  # and restored after
+    with pytest.raises(RuntimeError), axkern.bench.heuristic_with("ssd", "pallas_gpu:chunk_size=32"):
+        assert impl.heuristic is not before
+        raise RuntimeError
+    assert impl.heuristic is before  # restored when the body raises too
 
 
 def test_bench_json_path_that_is_a_directory_is_a_usage_error(tmp_path, capsys, monkeypatch):

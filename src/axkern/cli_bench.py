@@ -3,6 +3,7 @@ peers), and print or save the rows."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -78,6 +79,12 @@ def add_parser(sub) -> None:
         "--only",
         help=ONLY_HELP,
     )
+    b.add_argument(
+        "--blocks",
+        metavar="IMPL:FIELD=VALUE[,...]",
+        help="with one OP: that implementation's heuristic block sizes with these fields replaced, "
+        "e.g. mosaic_gpu:forward=lean for ssd (a form that is not the default, timed as the default is)",
+    )
     b.set_defaults(fn=bench)
 
 
@@ -87,13 +94,14 @@ def bench(args) -> int:
     work, passes = _plan(args)  # every argument checked before anything is measured
     import jax
 
-    from axkern.bench import DEFAULT_PRESET, copy_bandwidth, matmul_ceiling, measure
+    from axkern.bench import DEFAULT_PRESET, copy_bandwidth, heuristic_with, matmul_ceiling, measure
     from axkern.core import backend
 
     repeats = args.repeats or (3 if args.quick else 20)
     preset = args.preset
     ops = sorted({c.op for c, _ in work if not args.cases})
-    peer_rows = _peers(args, ops, preset, repeats) if args.peers else []  # before JAX takes the GPU
+    labels = {c.label for c, _ in work}
+    peer_rows = _peers(args, ops, preset, repeats, labels) if args.peers else []  # before JAX takes the GPU
     device = jax.devices()[0].device_kind
     # On a CPU one matmul's or one copy's rate bounds nothing else: caches, threads and
     # shapes change the rate by more than the kernels differ, so no ceiling is measured.
@@ -117,7 +125,8 @@ def bench(args) -> int:
             bandwidth=bandwidth,
         )
 
-    with Progress(console=status, transient=True) as progress:
+    blocks = heuristic_with(args.op, args.blocks) if args.blocks else contextlib.nullcontext()
+    with blocks, Progress(console=status, transient=True) as progress:
         task = progress.add_task(
             "benchmarking", total=sum(len(i) * len([p for p in passes if p in c.passes]) for c, i in work)
         )
@@ -209,6 +218,18 @@ def _plan(args) -> tuple[list, tuple[str, ...]]:
         raise UsageError(
             f"--preset: expected an OP too (presets belong to one op), got --preset {args.preset!r} alone"
         )
+    if args.blocks is not None:
+        if not args.op:
+            raise UsageError(
+                f"--blocks: expected one OP (block sizes belong to one op), got --blocks {args.blocks!r}"
+            )
+        from axkern.bench import heuristic_with
+
+        try:
+            with heuristic_with(args.op, args.blocks):
+                pass
+        except ValueError as e:
+            raise UsageError(f"--blocks: {e}") from None
     dtype = args.dtype = canonical_dtype(args.dtype)  # the canonical name, for the peers too
     _json_path(args.json)
     if args.save is not None and Path(args.save).exists() and not Path(args.save).is_dir():
@@ -286,8 +307,9 @@ def _file_cases(path: str, preset, tokens, dtype) -> list:
     return module.cases(preset=preset, tokens=tokens, dtype=dtype)
 
 
-def _peers(args, ops, preset, repeats) -> list[tuple]:
-    """`(case, peer result)` for every case of the ops that have peers (`axkern.peers`)."""
+def _peers(args, ops, preset, repeats, labels) -> list[tuple]:
+    """`(case, peer result)` for every case to be timed (`labels`, after `--only`) of the ops that
+    have peers (`axkern.peers`)."""
     from axkern import peers
     from axkern.bench import cases_for
 
@@ -296,6 +318,8 @@ def _peers(args, ops, preset, repeats) -> list[tuple]:
         if op not in peers.PEERS:
             continue
         for c in cases_for(op, preset=preset, tokens=args.tokens, dtype=args.dtype):
+            if c.label not in labels:
+                continue
             key = (peers.PEERS[op], tuple(sorted(c.dims.items())), c.dtype)  # one peers' run per shape
             if key not in timed:
                 console.print(f"timing the torch peers of {op} on {c.label} (subprocess) ...")
