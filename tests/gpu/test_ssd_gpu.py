@@ -53,7 +53,8 @@ def _hopper() -> bool:
 
 
 # mosaic_gpu's forms (SSDBlockSizes after the chunk): the forward, where dB and dC are summed,
-# who transposes x and y, the state backward, the chunk-scan backward (the default: the third)
+# who transposes x and y, the state backward, the chunk-scan backward (the default at P 64: the
+# last; at P 128 the lean forward alone)
 FORMS = [
     ("stages",),
     ("fused",),
@@ -61,6 +62,7 @@ FORMS = [
     ("fused", "kernels", "kernels", "fused"),
     ("fused", "kernels", "kernels", None, "lean"),
     ("lean", "kernels", "kernels"),
+    ("lean", "kernels", "kernels", None, "lean"),
 ]
 
 
@@ -77,7 +79,7 @@ def _check_mosaic(arrays, seg, blocks):
 
 @pytest.mark.skipif(not _hopper(), reason="the Mosaic GPU kernels need a Hopper GPU")
 @pytest.mark.parametrize(
-    "form", FORMS, ids=["stages", "fused", "default", "fused_backward", "lean", "lean_forward"]
+    "form", FORMS, ids=["stages", "fused", "whole", "fused_backward", "lean", "lean_forward", "default"]
 )
 @pytest.mark.parametrize("segments,slow", [(False, False), (True, False), (False, True)])
 @pytest.mark.parametrize("dims", MOSAIC_DIMS)
@@ -119,7 +121,7 @@ def test_mosaic_gpu_at_larger_chunks_against_oracle(chunk, dims, segments, sums,
 
 
 @pytest.mark.skipif(not _hopper(), reason="the Mosaic GPU kernels need a Hopper GPU")
-@pytest.mark.parametrize("forward", ["stages", "fused"])
+@pytest.mark.parametrize("forward", ["stages", "fused", "lean"])
 @pytest.mark.parametrize("dims", MOSAIC_DIMS)
 def test_mosaic_gpu_without_d_and_the_gate_against_oracle(dims, forward):
     # no D, no gate: the kernels write y in bf16 and the scan's backward reads the bf16
@@ -516,8 +518,13 @@ def test_mosaic_gpu_fused_state_backward_equals_the_two_kernels(dims, group_sums
         got[0] = jnp.swapaxes(got[0], 1, 2)
     if group_sums:
         want[2] = want[2].reshape(b, g, h // g, length, n).sum(2)
+    # dB = (w ∘ x) dS takes dS rounded once to bf16 (`tiled.rounds_once`): the two routes' dS
+    # differ in float32's last bits (their recurrences add in other orders), so an element may
+    # round the other way and move dB by a bf16 step of one term (measured on the H200: 1.1e-5
+    # of dB's largest value); the other gradients take dS as two halves
+    bound = {"dB": 1e-4}
     for what, a, e in zip(("dx", "dw", "dB", "d keep", "d initial state"), got, want, strict=True):
         a, e = np.asarray(a, np.float64), np.asarray(e, np.float64)
         assert a.shape == e.shape, (what, a.shape, e.shape)
         err = np.abs(a - e).max() / max(np.abs(e).max(), 1e-30)
-        assert err <= 1e-5, (what, err)
+        assert err <= bound.get(what, 1e-5), (what, err)

@@ -608,27 +608,36 @@ def test_dispatch_skips_it_off_hopper_with_the_reason():
 
 
 def test_the_default_form_and_the_deterministic_flags(monkeypatch):
-    # the fused forward, dB and dC summed and x, y read and written in place in the kernels; the
-    # sums by XLA where XLA_FLAGS asks for run-to-run identical results
+    # the lean fused forward and (where two of its blocks share an SM: P 64) the lean chunk-scan
+    # backward, dB and dC summed and x, y read and written in place in the kernels; the sums by
+    # XLA where XLA_FLAGS asks for run-to-run identical results
     _, gpu = _h200_spec(64, 128)
     heuristic, space = (getattr(OP.implementations["mosaic_gpu"], k) for k in ("heuristic", "space"))
     monkeypatch.delenv("XLA_FLAGS", raising=False)
-    default = SSDBlockSizes(64, forward="fused", group_sums="kernels", transposes="kernels")
+    whole = SSDBlockSizes(64, forward="fused", group_sums="kernels", transposes="kernels")
+    default = dataclasses.replace(whole, forward="lean", scan_backward="lean")
     assert heuristic(gpu) == default
     forms = space(gpu)
-    assert forms[0] == default and len(set(forms)) == len(forms) == 10
+    assert forms[0] == default and len(set(forms)) == len(forms) == 11
     assert SSDBlockSizes(64, forward="stages") in forms
-    # the default and its three stages at chunks of 128 (at P 64, N 128 the scan's tiles at 256
-    # exceed shared memory)
-    assert forms[-2:] == [
-        dataclasses.replace(default, chunk_size=128, forward=f) for f in ("fused", "stages")
-    ]
-    assert dataclasses.replace(default, backward="fused") in forms
-    assert dataclasses.replace(default, scan_backward="lean") in forms
-    assert dataclasses.replace(default, forward="lean") in forms
-    # (where two of its blocks share an SM: not at P 128, N 64)
+    # each lean kernel taken back alone, both (the whole kernels' form), the fused state backward
+    # with the whole kernels
+    for form in (
+        dataclasses.replace(default, forward="fused"),
+        dataclasses.replace(default, scan_backward=None),
+        whole,
+        dataclasses.replace(whole, backward="fused"),
+    ):
+        assert form in forms, form
+    # the whole kernels' form and its three stages at chunks of 128 (at P 64, N 128 the scan's
+    # tiles at 256 exceed shared memory; the lean kernels run chunks of 64)
+    assert forms[-2:] == [dataclasses.replace(whole, chunk_size=128, forward=f) for f in ("fused", "stages")]
+    assert all(f.chunk_size == 64 for f in forms if "lean" in (f.forward, f.scan_backward))
+    # the lean chunk-scan backward where two of its blocks share an SM: not at P 128, N 64
     p128 = space(_h200_spec(128, 64)[1])
-    assert all(f.scan_backward is None for f in p128) and dataclasses.replace(default, forward="lean") in p128
+    assert heuristic(_h200_spec(128, 64)[1]) == dataclasses.replace(whole, forward="lean")
+    assert all(f.scan_backward is None for f in p128) and whole in p128
+    assert heuristic(_h200_spec(64, 64)[1]) == default
     for flags in (
         "--xla_gpu_deterministic_ops=true",
         "--xla_dump_to=/tmp --xla_gpu_exclude_nondeterministic_ops",

@@ -7,6 +7,8 @@ import dataclasses
 from collections.abc import Mapping
 from typing import ClassVar
 
+import jax.numpy as jnp
+
 from axkern.core import backend, kernels
 from axkern.core.blocks import BlockSizes, grid, next_power_of_2
 from axkern.core.op import Spec, Unsupported
@@ -151,40 +153,51 @@ def pallas_tpu_space(spec: Spec) -> list[SSDBlockSizes]:
 
 def mosaic_gpu_heuristic(spec: Spec) -> SSDBlockSizes:
     """`mosaic_gpu`: chunks of 64 (one warpgroup's rows; larger chunks run the kernels by tiles
-    of 64 rows, not yet timed), the forward fused, `dB` and `dC` summed over each group's heads
-    and `x`, `y` read and written in the caller's layout in the kernels; the state backward as
-    two kernels. On the H200 at the 2.7B layer (`benchmarks/ssd_mosaic_forward.py`, L 4096):
-    the fused forward 0.89x the three stages' forward time (0.86-0.89x at L 2048 to 16384), 0.96x forward+backward; against the
-    fused forward alone, the group sums 0.90x forward+backward, the transposes 0.92x forward
-    and 1.00x forward+backward, the fused state backward 1.03x forward+backward (slower: not
-    chosen). The group sums' additions come in any order, so `dB`, `dC` may differ in their
-    last bits between runs: where `XLA_FLAGS` asks for deterministic results
+    of 64 rows), the lean fused forward and (where two of its blocks share an SM: P 64) the lean
+    chunk-scan backward, `dB` and `dC` summed over each group's heads and `x`, `y` read and
+    written in the caller's layout in the kernels; the state backward as two kernels. On the
+    H200 at the 2.7B layer (`benchmarks/ssd_mosaic_forward.py`, L 4096): the fused forward 0.89x
+    the three stages' forward time (0.86-0.89x at L 2048 to 16384), 0.96x forward+backward;
+    against the fused forward alone, the group sums 0.90x forward+backward, the transposes 0.92x
+    forward and 1.00x forward+backward, the fused state backward 1.03x forward+backward (slower:
+    not chosen); against those (`fused_sums_transposes`), the two lean kernels 0.83x forward and
+    0.91x forward+backward. The group sums' additions come in any order, so `dB`, `dC` may
+    differ in their last bits between runs: where `XLA_FLAGS` asks for deterministic results
     (`backend.deterministic`) XLA sums them."""
     sums = "xla" if backend.deterministic() else "kernels"
-    return SSDBlockSizes(chunk_size=64, forward="fused", group_sums=sums, transposes="kernels")
+    p, n = spec.dim("head_dim"), spec.dim("state")
+    return SSDBlockSizes(
+        chunk_size=64,
+        forward="lean" if lean_forward_shares_an_sm(p, n, jnp.bfloat16) else "fused",
+        group_sums=sums,
+        transposes="kernels",
+        scan_backward="lean" if lean_shares_an_sm(p, n) else None,
+    )
 
 
 def mosaic_gpu_space(spec: Spec) -> list[SSDBlockSizes]:
-    """The default, then its parts taken back one at a time, the fused state backward or (where
-    two of their blocks share an SM) the lean chunk-scan backward or the lean fused forward
-    added, and the three stages with none of them; then the default and its three stages at chunks of
-    128 and 256 where their tiles fit (`axkern tune` times each)."""
+    """The default, then its parts taken back one at a time (each lean kernel for the whole
+    one), the fused state backward added to the whole kernels' form, and the three stages with
+    none of them; then the whole kernels' form and its three stages at chunks of 128 and 256
+    where their tiles fit (`axkern tune` times each)."""
     best = mosaic_gpu_heuristic(spec)
-    p, n = spec.dim("head_dim"), spec.dim("state")
+    whole = dataclasses.replace(best, forward="fused", scan_backward=None)
     forms = [
         best,
         dataclasses.replace(best, group_sums="xla"),
         dataclasses.replace(best, transposes="xla"),
-        dataclasses.replace(best, backward="fused"),
-        *([dataclasses.replace(best, scan_backward="lean")] if lean_shares_an_sm(p, n) else []),
-        *([dataclasses.replace(best, forward="lean")] if lean_forward_shares_an_sm(p, n) else []),
+        dataclasses.replace(best, forward="fused"),
+        dataclasses.replace(best, scan_backward=None),
+        whole,
+        dataclasses.replace(whole, backward="fused"),
         SSDBlockSizes(chunk_size=64, forward="fused"),
         SSDBlockSizes(chunk_size=64, forward="stages"),
     ]
+    p, n = spec.dim("head_dim"), spec.dim("state")
     larger = [q for q in (128, 256) if q <= next_power_of_2(spec.dim("length")) and not chunk_reason(p, n, q)]
     for q in larger:
         forms += [
-            dataclasses.replace(best, chunk_size=q),
-            dataclasses.replace(best, chunk_size=q, forward="stages"),
+            dataclasses.replace(whole, chunk_size=q),
+            dataclasses.replace(whole, chunk_size=q, forward="stages"),
         ]
     return list(dict.fromkeys(forms))

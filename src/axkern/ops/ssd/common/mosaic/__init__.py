@@ -21,12 +21,13 @@ identical). `chunk_reason` says where the tiles fit (128 at P 64 with N 64 or 12
 N 64). The fused state backward walks chunks of 64 only. Lowered for CUDA on the CPU; the tiles' algebra mirrored in XLA against
 the emulation; the kernels' own bodies run on the CPU through a shim of the Mosaic GPU calls
 (`tests/ops/test_ssd_mosaic_bodies.py`: values against the emulation, and layouts, commits, waits
-and in-flight stores checked); not yet run on a GPU, so the default stays at 64.
+and in-flight stores checked); on the H200 they equal their emulation; not yet timed, so the
+default stays at 64.
 
 **The fused forward** (`SSDBlockSizes(forward="fused")`, `forward.py`): stages 2 to 4 as one
 kernel per (batch row, head) walking its chunks, the state carried in registers, so the own
-states never cross memory; the default (`blocks.mosaic_gpu_heuristic` has the timing),
-`forward="stages"` the three stages.
+states never cross memory; the default in its lean form (below; `blocks.mosaic_gpu_heuristic`
+has the timing), `forward="stages"` the three stages.
 
 **Group sums** (`SSDBlockSizes(group_sums="kernels")`): the two backward kernels add each
 head's `dB` (and `dC`) tile into its group's rows by TMA reductions (`copy_smem_to_gmem(...,
@@ -86,9 +87,10 @@ N 128 (188 whole), two blocks an SM: the state rounded once (one tile, and one p
 `C S_inᵀ`), every result out through one `[64, 64]` float32 staging tile block by block
 (`backward._staged`; `P/64 · (1 + N/64) + 2 · N/64` copies a block, seven at P 64, N 128). Grid and
 bytes as the whole kernel's; tensor-core FLOPs `2·Q·P·N` fewer a chunk and head (one `C S_inᵀ`
-product). Not yet run on a GPU; in the tuning space. The fused forward likewise
-(`SSDBlockSizes(forward="lean")`, `forward_lean.py`): one slot of tiles, the entering state out
-through the one staging tile, 99 KiB at P 64, N 128 (155 fused).
+product). The fused forward likewise (`SSDBlockSizes(forward="lean")`, `forward_lean.py`): one
+slot of tiles, the entering state out through the one staging tile, 99 KiB at P 64, N 128 (155
+fused). Both the default where two of their blocks share an SM (`blocks.mosaic_gpu_heuristic`
+has the timing).
 
 **Precision** (`benchmarks/ssd_operand_precision.py`, float64 emulation on the CPU, tables in
 docs/ops/ssd.md "Accuracy"): `C Bᵀ` and `C S_inᵀ` with 16-bit operands kept `y` and the final
