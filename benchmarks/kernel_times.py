@@ -13,8 +13,8 @@ timeline counts the overlap once. Needs torch with CUDA.
     OUT=<folder> python3 benchmarks/kernel_times.py ssd mamba2_2.7b --tokens 4096 --impl mosaic_gpu,pallas_gpu
 
 writes `$OUT/kernel_times_<op>_<preset>.json`. `--blocks IMPL:FIELD=VALUE` runs an implementation
-with those block-size fields over its heuristic's (a form that is not the default, such as
-`mosaic_gpu:rotation=xla` for `mamba3`). `--hlo` also writes each program's optimized HLO
+with those block-size fields over those the dispatcher picks (`bench.replaced_blocks`: a form
+that is not the default, such as `mosaic_gpu:rotation=xla` for `mamba3`). `--hlo` also writes each program's optimized HLO
 to `$OUT/hlo/` and gives each row the JAX operations its fusions came from (`sources`: the
 `op_name` metadata XLA keeps on each fusion), so that a fusion's time points at the code, and
 the bytes its fusions read and write per call (`gb_in`, `gb_out`, at most: an operand read in
@@ -185,14 +185,14 @@ def main() -> None:
     )
     p.add_argument(
         "--blocks",
-        help="IMPL:FIELD=VALUE[,FIELD=VALUE]: those fields over the implementation's heuristic block sizes",
+        help="IMPL:FIELD=VALUE[,FIELD=VALUE]: those fields over the block sizes the dispatcher picks",
     )
     a = p.parse_args()
-    with bench.heuristic_with(a.op, a.blocks) if a.blocks else contextlib.nullcontext():
-        run(a)
+    with bench.replaced_blocks(a.op, a.blocks) if a.blocks else contextlib.nullcontext():
+        measure_op(a)
 
 
-def run(a) -> None:
+def measure_op(a) -> None:
     folder = Path(os.environ.get("OUT", "."))
     out = {
         "command": "OUT=<folder> python3 benchmarks/kernel_times.py "

@@ -13,6 +13,7 @@ import pytest
 
 import axkern
 from axkern import bench_format, cli, cli_bench
+from axkern.core import tuning
 from tests.cluster import launch
 
 
@@ -211,6 +212,8 @@ def _usage_error(argv, capsys) -> str:
         (["bench", "ssd", "--blocks", "bogus:chunk_size=32"], "with IMPL one of xla, pallas_gpu, mosaic_gpu"),
         (["bench", "ssd", "--blocks", "xla:chunk=32"], "expected FIELD=VALUE with FIELD one of chunk_size"),
         (["bench", "ssd", "--blocks", "xla:chunk_size"], "got 'chunk_size'"),
+        (["bench", "ssd", "--blocks", "mosaic_gpu:forward=lena"], "forward must be one of 'stages'"),
+        (["bench", "ssd", "--blocks", "xla:chunk_size=0"], "chunk_size must be a positive int, got 0"),
     ],
 )
 def test_bench_usage_errors_exit_2_before_measuring(argv, expected, capsys, monkeypatch):
@@ -233,28 +236,25 @@ def test_bench_only_times_the_cases_whose_label_holds_one_of_its_parts(tmp_path,
     ]
 
 
-def test_bench_blocks_replace_the_heuristic_fields_while_it_measures(monkeypatch):
+def test_bench_blocks_replace_the_dispatchers_fields_while_it_measures(monkeypatch):
     import axkern.bench
-    from axkern.core.op import get_op
 
-    impl = get_op("ssd").implementations["pallas_gpu"]  # the bench's xla case names its chunk
-    before = impl.heuristic
     chosen = []
 
-    def measure(case, impls, **kw):
+    def measure(case, impls, **kw):  # the bench's xla case names its chunk: pallas_gpu's does not
         decision = axkern.explain(case.forward_for("pallas_gpu"), *case.make(jax.random.PRNGKey(0)))
-        chosen.append(decision.block_sizes.chunk_size)
+        chosen.append((decision.block_source, decision.block_sizes.chunk_size))
         return []
 
     monkeypatch.setattr(axkern.bench, "measure", measure)
     argv = ["bench", "ssd", "--quick", "--impl", "pallas_gpu", "--blocks", "pallas_gpu:chunk_size=16"]
     assert cli.main(argv) == 0
-    assert chosen and set(chosen) == {16}  # the heuristic's 64 replaced in every case
-    assert impl.heuristic is before  # and restored after
-    with pytest.raises(RuntimeError), axkern.bench.heuristic_with("ssd", "pallas_gpu:chunk_size=32"):
-        assert impl.heuristic is not before
-        raise RuntimeError
-    assert impl.heuristic is before  # restored when the body raises too
+    assert chosen and set(chosen) == {("replaced", 16)}  # the heuristic's 64 replaced in every case
+    chosen.clear()
+    assert cli.main(argv[:-2]) == 0
+    assert set(chosen) == {("heuristic", 64)}  # and only while it measured
+    with axkern.bench.replaced_blocks("ssd", "mosaic_gpu:scan_backward=none,forward=fused"):
+        assert tuning.replaced_fields("ssd", "mosaic_gpu") == {"scan_backward": None, "forward": "fused"}
 
 
 def test_bench_json_path_that_is_a_directory_is_a_usage_error(tmp_path, capsys, monkeypatch):

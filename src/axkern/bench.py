@@ -11,18 +11,17 @@ the row's `ms`, the fastest and slowest repeat its `ms_min` and `ms_max`).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import statistics
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from .core import backend, config
+from .core import backend, config, tuning
 from .core.op import Unsupported, get_op
 
 __all__ = [
@@ -38,7 +37,7 @@ __all__ = [
     "presets_for",
     "DEFAULT_PRESET",
     "runs_interpreted",
-    "heuristic_with",
+    "replaced_blocks",
 ]
 
 DEFAULT_PRESET = "quick"  # the shapes of `axkern bench OP` without --preset: small, seconds on a CPU
@@ -332,38 +331,34 @@ def runs_interpreted(op: str, implementation: str) -> bool:
     )
 
 
-@contextlib.contextmanager
-def heuristic_with(op: str, text: str) -> Iterator[None]:
-    """Within: `op`'s implementation named by `text` (`IMPL:FIELD=VALUE[,FIELD=VALUE]`) picks its
-    heuristic's block sizes with those fields replaced (integers where the value is digits), so
-    that a form other than the default runs through the same dispatcher, `explain` included.
-    A `ValueError` names an unknown implementation or field; the values are checked where the
-    dispatcher validates the block sizes."""
+def replaced_blocks(op: str, text: str):
+    """A context (`tuning.replaced`) inside which the dispatcher gives `op`'s implementation named
+    by `text` (`IMPL:FIELD=VALUE[,FIELD=VALUE]`) the block sizes it would pick with those fields
+    replaced (integers where the value is digits, None where it is `none`), so that a form that
+    is not the default runs through the same dispatcher, `explain` included. A `ValueError`
+    names an unknown implementation or field, or a value no call could take."""
     impl_name, sep, fields = text.partition(":")
     impls = get_op(op).implementations
     if not sep or impl_name not in impls:
         raise ValueError(
             f"{op}: expected IMPL:FIELD=VALUE[,...] with IMPL one of {', '.join(impls)}, got {text!r}"
         )
-    impl = impls[impl_name]
-    if impl.block_sizes is None:
+    cls = impls[impl_name].block_sizes
+    if cls is None:
         raise ValueError(f"{op}: implementation {impl_name!r} has no block sizes to replace")
-    names = [f.name for f in dataclasses.fields(impl.block_sizes)]
-    kw = {}
+    names = [f.name for f in dataclasses.fields(cls)]
+    kw: dict[str, Any] = {}
     for part in fields.split(","):
         name, eq, value = (s.strip() for s in part.partition("="))
         if not eq or name not in names or not value:
             raise ValueError(
                 f"{op}: {impl_name}: expected FIELD=VALUE with FIELD one of {', '.join(names)}, got {part!r}"
             )
-        kw[name] = int(value) if value.isdigit() else value
-    original = impl.heuristic
-    base = original or (lambda spec: impl.block_sizes())
-    object.__setattr__(impl, "heuristic", lambda spec: dataclasses.replace(base(spec), **kw))
-    try:
-        yield
-    finally:
-        object.__setattr__(impl, "heuristic", original)
+        kw[name] = int(value) if value.isdigit() else None if value.lower() == "none" else value
+    reason = dataclasses.replace(cls(), **kw).fields_reason()
+    if reason is not None:
+        raise ValueError(f"{op}: {impl_name}: {reason}")
+    return tuning.replaced(op, impl_name, kw)
 
 
 def _arg_specs(op: str):

@@ -82,7 +82,8 @@ def add_parser(sub) -> None:
     b.add_argument(
         "--blocks",
         metavar="IMPL:FIELD=VALUE[,...]",
-        help="with one OP: that implementation's heuristic block sizes with these fields replaced, "
+        help="with one OP: the block sizes the dispatcher picks for that implementation (tuning cache, "
+        "table or heuristic) with these fields replaced (none for None), "
         "e.g. mosaic_gpu:forward=lean for ssd (a form that is not the default, timed as the default is)",
     )
     b.set_defaults(fn=bench)
@@ -94,7 +95,7 @@ def bench(args) -> int:
     work, passes = _plan(args)  # every argument checked before anything is measured
     import jax
 
-    from axkern.bench import DEFAULT_PRESET, copy_bandwidth, heuristic_with, matmul_ceiling, measure
+    from axkern.bench import DEFAULT_PRESET, copy_bandwidth, matmul_ceiling, measure, replaced_blocks
     from axkern.core import backend
 
     repeats = args.repeats or (3 if args.quick else 20)
@@ -125,7 +126,7 @@ def bench(args) -> int:
             bandwidth=bandwidth,
         )
 
-    blocks = heuristic_with(args.op, args.blocks) if args.blocks else contextlib.nullcontext()
+    blocks = replaced_blocks(args.op, args.blocks) if args.blocks else contextlib.nullcontext()
     with blocks, Progress(console=status, transient=True) as progress:
         task = progress.add_task(
             "benchmarking", total=sum(len(i) * len([p for p in passes if p in c.passes]) for c, i in work)
@@ -223,10 +224,10 @@ def _plan(args) -> tuple[list, tuple[str, ...]]:
             raise UsageError(
                 f"--blocks: expected one OP (block sizes belong to one op), got --blocks {args.blocks!r}"
             )
-        from axkern.bench import heuristic_with
+        from axkern.bench import replaced_blocks
 
         try:
-            with heuristic_with(args.op, args.blocks):
+            with replaced_blocks(args.op, args.blocks):
                 pass
         except ValueError as e:
             raise UsageError(f"--blocks: {e}") from None

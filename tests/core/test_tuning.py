@@ -15,7 +15,7 @@ import pytest
 import axkern
 from axkern import cli, tune
 from axkern.bench import Case
-from axkern.core import blocks, op, tuning
+from axkern.core import blocks, compat, op, tuning
 from axkern.core.op import Implementation, Op
 
 
@@ -176,6 +176,39 @@ def test_a_sweeps_candidate_wins_over_the_cases_own_block_sizes(toy):
     with tuning.forced("tuning_toy", "xla", {"block": 8}):
         d = axkern.explain(explicit, x)
     assert (d.block_source, d.block_sizes) == ("tuning", _Blocks(block=8))
+
+
+def test_replaced_fields_go_over_the_cache_and_the_heuristic_not_an_argument(toy):
+    toy_op, call = toy
+    x = jnp.ones((16, 4))
+    with tuning.replaced("tuning_toy", "xla", {"block": 2}):
+        d = axkern.explain(call, x)
+        assert (d.block_source, d.block_sizes) == ("replaced", _Blocks(block=2))
+        assert "(from replaced)" in str(d)
+    bucket = {"n": 16, "d": 4, "dtype": "float32"}
+    tuning.store("cpu", [_entry("tuning_toy", "xla", bucket, {"block": 8})])
+    assert axkern.explain(call, x).block_sizes == _Blocks(block=8)
+    with tuning.replaced("tuning_toy", "xla", {"block": 2}):  # over the cache's 8 too
+        assert axkern.explain(call, x).block_sizes == _Blocks(block=2)
+        explicit = lambda x: toy_op(toy_op.spec({"n": 16, "d": 4}, x.dtype), x, block_sizes={"block": 4})  # noqa: E731
+        assert axkern.explain(explicit, x).block_sizes == _Blocks(block=4)  # an argument stays
+    with tuning.replaced("tuning_toy", "reference", {"block": 2}):  # another implementation's
+        assert axkern.explain(call, x).block_sizes == _Blocks(block=8)
+    assert tuning.replaced_fields("tuning_toy", "xla") is None
+
+
+def test_a_function_jitted_outside_a_replacement_is_traced_again_inside(toy):
+    toy_op, call = toy
+    traced = []
+    f = jax.jit(lambda x: traced.append(axkern.explain(call, x).block_sizes.block) or call(x))
+    x = jnp.ones((16, 4))
+    f(x)
+    with tuning.replaced("tuning_toy", "xla", {"block": 3}):  # the broken block size: seen in the value
+        got = f(x)
+    f(x)
+    if compat.jit_context(None) is None:  # pragma: no cover - a jax without user contexts
+        pytest.skip("this jax has no jit cache context")
+    assert traced == [4, 3] and float(got[0]) == 17.0 and float(f(x)[0]) == 16.0
 
 
 def test_autotune_is_off_by_default_and_tunes_a_miss_when_asked(toy, cache):

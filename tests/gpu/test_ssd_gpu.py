@@ -54,7 +54,8 @@ def _hopper() -> bool:
 
 # mosaic_gpu's forms (SSDBlockSizes after the chunk): the forward, where dB and dC are summed,
 # who transposes x and y, the state backward, the chunk-scan backward (the default at P 64: the
-# last; at P 128 the lean forward alone)
+# seventh, the eighth where XLA_FLAGS asks for deterministic results; at P 128 the lean forward
+# alone)
 FORMS = [
     ("stages",),
     ("fused",),
@@ -63,6 +64,7 @@ FORMS = [
     ("fused", "kernels", "kernels", None, "lean"),
     ("lean", "kernels", "kernels"),
     ("lean", "kernels", "kernels", None, "lean"),
+    ("lean", None, "kernels", None, "lean"),
 ]
 
 
@@ -79,7 +81,9 @@ def _check_mosaic(arrays, seg, blocks):
 
 @pytest.mark.skipif(not _hopper(), reason="the Mosaic GPU kernels need a Hopper GPU")
 @pytest.mark.parametrize(
-    "form", FORMS, ids=["stages", "fused", "whole", "fused_backward", "lean", "lean_forward", "default"]
+    "form",
+    FORMS,
+    ids=["stages", "fused", "whole", "fused_backward", "lean", "lean_forward", "default", "deterministic"],
 )
 @pytest.mark.parametrize("segments,slow", [(False, False), (True, False), (False, True)])
 @pytest.mark.parametrize("dims", MOSAIC_DIMS)

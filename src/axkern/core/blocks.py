@@ -54,6 +54,11 @@ class BlockSizes:
 
     def validate(self, spec: Any = None) -> str | None:
         """`None` if these block sizes can serve `spec`, else the reason they cannot."""
+        return self.fields_reason() or self.check(spec)
+
+    def fields_reason(self) -> str | None:
+        """Why a field holds a value no call could take (not one of its `choices`, not a positive
+        int), or None."""
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
             if v is None:
@@ -65,7 +70,7 @@ class BlockSizes:
                 continue
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 return f"{type(self).__name__}.{f.name} must be a positive int, got {v!r}"
-        return self.check(spec)
+        return None
 
     def check(self, spec: Any) -> str | None:
         return None

@@ -91,6 +91,7 @@ class Decision:
     implementation: str
     block_sizes: blocks.BlockSizes | None
     # "tuning" | "argument" | "cache" | "table" | "autotune" | "heuristic" | "default" | "none"
+    # | "replaced" (`tuning.replaced`: fields replaced over any of the five before "none")
     block_source: str
     rejected: tuple[Rejection, ...]
     spec: Spec
@@ -260,7 +261,8 @@ class Op:
         The order: the candidate a sweep is measuring ("tuning"); an explicit argument; the
         per-user tuning cache ("cache"); the shipped table ("table"); with autotuning on and
         the call's `(arrays, options)` given, a sweep now ("autotune", stored in the cache);
-        the heuristic.
+        the heuristic; the defaults. Under `tuning.replaced` the fields it names replace those
+        of any of the last five ("replaced").
         """
         cls = impl.block_sizes
         if cls is None:
@@ -290,6 +292,9 @@ class Op:
             bs, source = impl.heuristic(spec), "heuristic"
         else:
             bs, source = cls(), "default"
+        fields = tuning.replaced_fields(self.name, impl.name)
+        if fields is not None:
+            bs, source = dataclasses.replace(bs, **fields), "replaced"
         return bs, source, bs.validate(spec)
 
     def _autotunes(self, impl: Implementation, spec: Spec) -> bool:

@@ -21,7 +21,9 @@ whole, and reread it only when its modification time changes.
 
 The dispatcher reads this cache before the shipped tables. While `axkern tune` sweeps a
 block-size space, `forced(...)` makes the dispatcher use one candidate for one op and
-implementation (its source reads "tuning").
+implementation (its source reads "tuning"). `replaced(...)` makes it replace some fields of
+whatever block sizes it finds for one op and implementation (`axkern bench --blocks`: a form
+that is not the default, timed through the same dispatcher; its source reads "replaced").
 """
 
 from __future__ import annotations
@@ -50,6 +52,8 @@ __all__ = [
     "forced",
     "forced_blocks",
     "tuning_active",
+    "replaced",
+    "replaced_fields",
 ]
 
 
@@ -221,3 +225,37 @@ def forced_blocks(op: str, implementation: str) -> dict | None:
 def tuning_active() -> bool:
     """Whether a sweep is measuring a candidate right now."""
     return _forced.get() is not None
+
+
+# -- fields replaced over what the dispatcher finds ------------------------------------------------
+
+_replaced: contextvars.ContextVar[tuple[str, str, dict] | None] = contextvars.ContextVar(
+    "axkern_replaced_fields", default=None
+)
+_replaced_key = compat.jit_context(None)  # the replacement, as part of jax.jit's cache key
+
+
+@contextlib.contextmanager
+def replaced(op: str, implementation: str, fields: Mapping[str, Any]) -> Iterator[None]:
+    """Inside, the dispatcher gives `op`'s `implementation` the block sizes it would have picked
+    (cache, table, autotuning, heuristic or the defaults) with `fields` replaced; block sizes passed as an
+    argument, or a sweep's candidate, stay as they are. A function jitted outside is traced
+    again inside, and the other way round."""
+    value = (op, implementation, dict(fields))
+    token = _replaced.set(value)
+    try:
+        if _replaced_key is None:
+            yield
+        else:
+            with _replaced_key(json.dumps(value, sort_keys=True)):
+                yield
+    finally:
+        _replaced.reset(token)
+
+
+def replaced_fields(op: str, implementation: str) -> dict | None:
+    """The fields `replaced(...)` set for this op and implementation, if any."""
+    r = _replaced.get()
+    if r is not None and r[0] == op and r[1] == implementation:
+        return dict(r[2])
+    return None
