@@ -190,72 +190,68 @@ def store(device_key: str, entries: list[dict], *, timeout_s: float = 60.0) -> P
     return path
 
 
-# -- the candidate under measurement -------------------------------------------------------------
-
-_forced: contextvars.ContextVar[tuple[str, str, dict] | None] = contextvars.ContextVar(
-    "axkern_forced_blocks", default=None
-)
-_jit_key = compat.jit_context(None)  # the candidate, as part of jax.jit's cache key
+# -- block sizes set for one op and implementation within a context -----------------------------
 
 
-@contextlib.contextmanager
-def forced(op: str, implementation: str, block_sizes: Mapping[str, Any]) -> Iterator[None]:
-    """Make the dispatcher give `op`'s `implementation` these block sizes (a sweep's candidate);
-    inside, autotuning is off (a sweep never starts another)."""
-    value = (op, implementation, dict(block_sizes))
-    token = _forced.set(value)
-    try:
-        if _jit_key is None:
-            yield
-        else:
-            with _jit_key(json.dumps(value, sort_keys=True)):
+class _Scoped:
+    """`(op, implementation, fields)` set within a context (a context variable), and part of
+    `jax.jit`'s cache key there, so that a function jitted outside is traced again inside."""
+
+    def __init__(self, name: str):
+        self._var: contextvars.ContextVar[tuple[str, str, dict] | None] = contextvars.ContextVar(
+            name, default=None
+        )
+        self._jit_key = compat.jit_context(None)
+
+    @contextlib.contextmanager
+    def set(self, op: str, implementation: str, fields: Mapping[str, Any]) -> Iterator[None]:
+        value = (op, implementation, dict(fields))
+        token = self._var.set(value)
+        try:
+            if self._jit_key is None:
                 yield
-    finally:
-        _forced.reset(token)
+            else:
+                with self._jit_key(json.dumps(value, sort_keys=True)):
+                    yield
+        finally:
+            self._var.reset(token)
+
+    def get(self, op: str, implementation: str) -> dict | None:
+        v = self._var.get()
+        return dict(v[2]) if v is not None and v[0] == op and v[1] == implementation else None
+
+    def active(self) -> bool:
+        return self._var.get() is not None
+
+
+_forced = _Scoped("axkern_forced_blocks")  # the candidate under measurement
+_replaced = _Scoped("axkern_replaced_fields")  # fields replaced over what the dispatcher finds
+
+
+def forced(op: str, implementation: str, block_sizes: Mapping[str, Any]):
+    """A context in which the dispatcher gives `op`'s `implementation` these block sizes (a
+    sweep's candidate); inside, autotuning is off (a sweep never starts another)."""
+    return _forced.set(op, implementation, block_sizes)
 
 
 def forced_blocks(op: str, implementation: str) -> dict | None:
     """The candidate `forced(...)` set for this op and implementation, if any."""
-    f = _forced.get()
-    if f is not None and f[0] == op and f[1] == implementation:
-        return dict(f[2])
-    return None
+    return _forced.get(op, implementation)
 
 
 def tuning_active() -> bool:
     """Whether a sweep is measuring a candidate right now."""
-    return _forced.get() is not None
+    return _forced.active()
 
 
-# -- fields replaced over what the dispatcher finds ------------------------------------------------
-
-_replaced: contextvars.ContextVar[tuple[str, str, dict] | None] = contextvars.ContextVar(
-    "axkern_replaced_fields", default=None
-)
-_replaced_key = compat.jit_context(None)  # the replacement, as part of jax.jit's cache key
-
-
-@contextlib.contextmanager
-def replaced(op: str, implementation: str, fields: Mapping[str, Any]) -> Iterator[None]:
-    """Inside, the dispatcher gives `op`'s `implementation` the block sizes it would have picked
-    (cache, table, autotuning, heuristic or the defaults) with `fields` replaced; block sizes passed as an
-    argument, or a sweep's candidate, stay as they are. A function jitted outside is traced
-    again inside, and the other way round."""
-    value = (op, implementation, dict(fields))
-    token = _replaced.set(value)
-    try:
-        if _replaced_key is None:
-            yield
-        else:
-            with _replaced_key(json.dumps(value, sort_keys=True)):
-                yield
-    finally:
-        _replaced.reset(token)
+def replaced(op: str, implementation: str, fields: Mapping[str, Any]):
+    """A context in which the dispatcher gives `op`'s `implementation` the block sizes it would
+    have picked (cache, table, autotuning, heuristic or the defaults) with `fields` replaced;
+    block sizes passed as an argument, or a sweep's candidate, stay as they are. A function
+    jitted outside is traced again inside, and the other way round."""
+    return _replaced.set(op, implementation, fields)
 
 
 def replaced_fields(op: str, implementation: str) -> dict | None:
     """The fields `replaced(...)` set for this op and implementation, if any."""
-    r = _replaced.get()
-    if r is not None and r[0] == op and r[1] == implementation:
-        return dict(r[2])
-    return None
+    return _replaced.get(op, implementation)
