@@ -83,8 +83,9 @@ def add_parser(sub) -> None:
         "--blocks",
         metavar="IMPL:FIELD=VALUE[,...]",
         help="with one OP: the block sizes the dispatcher picks for that implementation (tuning cache, "
-        "table or heuristic) with these fields replaced (none for None), "
-        "e.g. mosaic_gpu:forward=lean for ssd (a form that is not the default, timed as the default is)",
+        "table or heuristic) with these fields replaced (none for None), e.g. "
+        "mosaic_gpu:forward=fused,scan_backward=whole for ssd: a form that is not the default, timed as "
+        "the default is",
     )
     b.set_defaults(fn=bench)
 
