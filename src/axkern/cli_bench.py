@@ -228,8 +228,7 @@ def _plan(args) -> tuple[list, tuple[str, ...]]:
         from axkern.bench import replaced_blocks
 
         try:
-            with replaced_blocks(args.op, args.blocks):
-                pass
+            replaced_blocks(args.op, args.blocks)  # checks the text; entered while measuring
         except ValueError as e:
             raise UsageError(f"--blocks: {e}") from None
     dtype = args.dtype = canonical_dtype(args.dtype)  # the canonical name, for the peers too
