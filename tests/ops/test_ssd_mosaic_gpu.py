@@ -424,14 +424,8 @@ def test_the_conditional_passes_x_out_as_it_came():
     )
 
 
-# the kernels' arithmetic with the lean fused forward's 16-bit entering states (`forward_lean.py`),
-# and with the lean chunk-scan backward too (`backward.lean_reason`): the default's two forms
-LeanForwardEmulatedLayout = type(
-    "LeanForwardEmulatedLayout", (mosaic_gpu.EmulatedLayout,), {"states_16bit": True}
-)
-LeanEmulatedLayout = type(
-    "LeanEmulatedLayout", (mosaic_gpu.EmulatedLayout,), {"single": LEAN_ROUNDED_ONCE, "states_16bit": True}
-)
+# the kernels' arithmetic with the lean chunk-scan backward (`backward.lean_reason`)
+LeanEmulatedLayout = type("LeanEmulatedLayout", (mosaic_gpu.EmulatedLayout,), {"single": LEAN_ROUNDED_ONCE})
 
 
 def _emulated_runner(names, chunk=mosaic_gpu.CHUNK, layout=mosaic_gpu.EmulatedLayout):
@@ -457,40 +451,25 @@ def _emulated_runner(names, chunk=mosaic_gpu.CHUNK, layout=mosaic_gpu.EmulatedLa
     return jit(g)
 
 
-_LAYER_CASES = [
-    ("bfloat16", (1, 150, 4, 64, 2, 64), True, True),  # a length not a multiple of the chunk, groups
-    ("bfloat16", (2, 128, 2, 128, 1, 64), False, True),
-    ("bfloat16", (1, 192, 2, 64, 1, 64), None, True),  # A / 100: the state carried across chunks
-    ("bfloat16", (1, 150, 4, 64, 2, 64), True, False),  # no D, gate: y leaves the scan in bf16
-]
-
-
 @pytest.mark.parametrize(
-    "dtype, dims, segments, extras, lean",
+    "dtype, dims, segments, extras",
     [
-        pytest.param(*case, lean, id=f"{i}-{name}")
-        for lean, name in ((False, "whole"), ("forward", "lean_forward"), (True, "lean"))
-        for i, case in enumerate(_LAYER_CASES)
-        # the lean forward with the whole chunk-scan backward: the default at P 128 only
-        if lean != "forward" or case[1][3] == 128
+        ("bfloat16", (1, 150, 4, 64, 2, 64), True, True),  # a length not a multiple of the chunk, groups
+        ("bfloat16", (2, 128, 2, 128, 1, 64), False, True),
+        ("bfloat16", (1, 192, 2, 64, 1, 64), None, True),  # A / 100: the state carried across chunks
+        ("bfloat16", (1, 150, 4, 64, 2, 64), True, False),  # no D, gate: y leaves the scan in bf16
     ],
 )
+@pytest.mark.parametrize("lean", [False, True], ids=["whole", "lean"])
 def test_the_kernels_arithmetic_holds_the_oracle_rule_through_the_layer(dtype, dims, segments, extras, lean):
     # y (through D and the silu(z) gate, so dz sees the kernel's rounding), the final state and
     # every gradient (x, dt, A, B, C, D, z, dt_bias, the initial state) against the float64 oracle;
-    # `lean`: the lean fused forward's arithmetic (the entering states kept in bf16 for the
-    # backward: the reverse recurrence's d keep from them) and (True) the lean chunk-scan
-    # backward's (the state rounded once in C S_inᵀ too)
+    # `lean`: the lean chunk-scan backward's arithmetic (the state rounded once in C S_inᵀ too)
     arrays, seg = make(3, *dims, dtype, segments=bool(segments), extras=extras)
     if segments is None:
         arrays["A"] = arrays["A"] / 100
     names = tuple(sorted(arrays))
-    layout = {
-        False: mosaic_gpu.EmulatedLayout,
-        "forward": LeanForwardEmulatedLayout,
-        True: LeanEmulatedLayout,
-    }
-    emulated = _emulated_runner(names, layout=layout[lean])
+    emulated = _emulated_runner(names, layout=LeanEmulatedLayout if lean else mosaic_gpu.EmulatedLayout)
 
     def runner(name, a, **_):
         if name == "reference":

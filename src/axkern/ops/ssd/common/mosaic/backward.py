@@ -85,8 +85,8 @@ def _scan_bwd_kernel(*refs, rep, dtype, add, rows_of, turns=False, tiled=False, 
     )  # [Q, P], from float32 or bf16
     # the state and the cotangent as two 16-bit halves in shared memory (every product with
     # a float32 operand takes its halves: bf16x2, or three products when both are float32);
-    # the lean form's state rounded once; the state float32, or 16-bit as the lean forward writes it
-    state = mosaic_gpu_load(s_ref.at[batch, chunk, head], layout=wgmma_layout, optimized=False).astype(f32)
+    # the lean form's state rounded once
+    state = mosaic_gpu_load(s_ref.at[batch, chunk, head], layout=wgmma_layout, optimized=False)
     if lean:
         sh_smem[...] = state.astype(dtype)
     else:

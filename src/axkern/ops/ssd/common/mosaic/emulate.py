@@ -67,7 +67,7 @@ class _Chunks:
         return a.reshape(self.b, self.h, self.c, self.q)
 
     def state(self, a):
-        return jnp.moveaxis(a, 1, 2).astype(jnp.float32)
+        return jnp.moveaxis(a, 1, 2)
 
     def out_rows(self, a):
         return a.reshape(self.b, self.h, self.lp, a.shape[-1])
@@ -181,24 +181,15 @@ class EmulatedLayout(GpuLayout):
     as the Mosaic kernels compute them: the whole layer through the kernels' arithmetic, for the
     CPU tests and `benchmarks/mamba3_operand_precision.py`. 16-bit inputs only (no `sums`).
     `single`: the backward's `OPERANDS` rounded once (None: the kernels' choice; a subclass sets
-    others, `benchmarks/ssd_backward_precision.py`). `states_16bit`: the entering states kept
-    for the backward in the input dtype, as the lean fused forward writes them
-    (`forward_lean.py`)."""
+    others, `benchmarks/ssd_backward_precision.py`)."""
 
     diagonal = False  # as the Mosaic kernels it emulates
     single = None
-    states_16bit = False
     parts_kernel = True  # as `MosaicLayout` (`rotated_parts`, in interpret mode on a CPU)
 
     @classmethod
     def turns_back(cls) -> bool:  # as the Mosaic kernels (`MosaicLayout`)
         return True
-
-    def forward(self, xt, *args, **kw):
-        y, final, states_in = super().forward(xt, *args, **kw)
-        if self.states_16bit and states_in is not None:
-            states_in = states_in.astype(xt.dtype)
-        return y, final, states_in
 
     def chunk_state(self, xt, w, bt, *, dtype):
         return emulate_chunk_state(xt, self.to_col(w), bt, self.q)

@@ -300,7 +300,7 @@ def fused_forward(
     lean=False,
 ):
     """`(y [b, h, L, P], final [b, h, P, N], states_in [b, c, h, P, N])`, float32 (`y` in
-    `y_dtype`; `states_in` in `xt`'s dtype where `lean`), of the chunks
+    `y_dtype`), of the chunks
     (`xt [b, h, L, P]` bf16, `bt, ct [b, g, L, N]` bf16 or float32 (`operand_parts`), or both
     `RotatedOperand`s by the same angles (`bt`'s are read), which the kernel turns itself
     (`rotation.py`); `w, dt,
@@ -349,8 +349,8 @@ def fused_forward(
         _rows_type(b, h, lp, p, positions_first, y_dtype),
         jax.ShapeDtypeStruct((b, h, p, n), f32),
     )
-    if states:  # the lean kernel's in 16 bits (`forward_lean.py`)
-        out_type = (y_type, jax.ShapeDtypeStruct((b, c, h, p, n), dtype if lean else f32), final_type)
+    if states:
+        out_type = (y_type, jax.ShapeDtypeStruct((b, c, h, p, n), f32), final_type)
     else:
         out_type = (y_type, final_type)
     if lean:  # C, x, B: one barrier each

@@ -1,8 +1,8 @@
 """The fused forward in less shared memory (`SSDBlockSizes(forward="lean")`): the fused
 forward's walk (`forward.py`: one block per batch row and head, its chunks of 64 in order, the
 state carried in registers) with one slot of each chunk tile where the fused kernel keeps two,
-and the entering state written in 16 bits straight from the tile its products read, where the
-fused kernel stages it whole in float32.
+and the entering state sent out through one float32 `[64, 64]` staging tile block by block,
+where the fused kernel stages it whole.
 
 **Why.** At P 64, N 128 the fused kernel's shared memory is 155 KiB (`tile_bytes`; bf16 `y`, 163
 with float32 `y`), so one block runs per SM, one warpgroup with nothing to overlap its waits, and
@@ -13,8 +13,8 @@ rounds of 264.
 
 **A chunk's step**, `S` (`[P, N]` float32, registers) the state entering it: the copies out of
 the previous chunk waited for having read their tiles; `S` into shared memory in 16 bits (for
-`C S_inᵀ`), which TMA copies out where the entering states are written; `w ∘ x`'s halves
-stored; the chunk's `C`, `x`, `B` copies waited; `B`'s two readers
+`C S_inᵀ`) and, where the entering states are written, block by block through the staging
+tile; `w ∘ x`'s halves stored; the chunk's `C`, `x`, `B` copies waited; `B`'s two readers
 first, `C Bᵀ` and `S ← keep · S + (w ∘ x)ᵀ B`, after which the next chunk's `B` is copied in
 while the rest of `y` is formed as `_scan_kernel` forms it (the decay, `C S_inᵀ` from the
 16-bit entering state, `M x`); then the next chunk's `C` and `x`; `y` out by TMA. What the one
@@ -23,18 +23,10 @@ waited near the start of the next (`B`'s overlap the output's products); the oth
 SM is what hides them. The state stays in registers through the output (the fused kernel reads
 it back from its float32 staging tile instead).
 
-**The entering states in 16 bits** (`[b, c, h, P, N]` in the input dtype, the backward's
-residual): the value `C S_inᵀ` took in the forward, which the lean chunk-scan backward rounds
-to anyway (`C S_inᵀ`, `(f ∘ dy) S_in`) and the whole one in `(f ∘ dy) S_in` (`tiled.rounds_once`);
-only the reverse recurrence's `d keep_c = Σ dS_c ∘ S_c` takes it where it took the float32
-state (within the rule through the whole layer: `emulate.EmulatedLayout.states_dtype`, the CPU
-tests). Half the bytes of the forward's largest write and of two backward kernels' reads:
-`P·N·2` a chunk and head, where the fused kernel's are `P·N·4`.
-
 **Cost** as the fused forward's (`forward.py`), the roundings the same (`M x` accumulated onto
-`f ∘ (C S_inᵀ)`: the float32 sums in another order) but the states'. `y` leaves by 64-column
-blocks, through the float32 staging tile (the final state's) where it is float32, else its own.
-Chunks of 64, 16-bit `B` and `C`, not rotating (`lean_forward_reason`).
+`f ∘ (C S_inᵀ)`: the float32 sums in another order). `y` leaves by 64-column blocks, through the
+state's staging tile where it is float32. Chunks of 64, 16-bit `B` and `C`, not rotating
+(`lean_forward_reason`).
 """
 
 from __future__ import annotations
@@ -54,9 +46,8 @@ __all__ = ["lean_forward_tiles", "lean_forward_reason", "lean_forward_shares_an_
 
 def lean_forward_tiles(p: int, n: int, dtype=jnp.bfloat16, y_dtype=jnp.float32) -> list:
     """Shared-memory tiles `(shape, dtype)`: one slot of C, B, x; w ∘ x's halves; the entering
-    state in 16 bits (which the entering states leave from); the float32 staging tile for the
-    final state's 64 × 64 blocks, which `y`'s blocks share when `y` is float32, and otherwise a
-    64 × 64 staging tile in `y_dtype`."""
+    state in 16 bits; the float32 staging tile for the state's 64 × 64 blocks, which `y`'s
+    blocks share when `y` is float32, and otherwise a 64 × 64 staging tile in `y_dtype`."""
     q, f32 = CHUNK, jnp.float32
     y_stage = [] if jnp.dtype(y_dtype) == f32 else [((CHUNK, CHUNK), y_dtype)]
     return [
@@ -115,8 +106,8 @@ def own_onto(kept, xh_smem, xl_smem, bs):
 
 def forward_lean_kernel(*refs, rep, dtype, add, rows_of, chunks, clean_x=False):
     """`forward._forward_kernel`'s walk in one slot of tiles (the module's docstring), with its
-    refs (`b_ref`, `c_ref` one 16-bit part each; `states_ref` in the input dtype, or None: the
-    entering states are not written). Barriers: `C`, `x`, `B`, each armed and waited once a chunk."""
+    refs (`b_ref`, `c_ref` one 16-bit part each; `states_ref` None: the entering states are not
+    written). Barriers: `C`, `x`, `B`, each armed and waited once a chunk."""
     x_ref, w_ref, dt_ref, cum_ref, f_ref, keep_ref, seg_ref, b_ref, c_ref, s0_ref, *outs, scoped = refs
     y_ref, states_ref, final_ref = outs
     (c_smem, b_smem, x_smem, xh_smem, xl_smem, s16_smem, stage, *y_stage), loaded = scoped
@@ -151,8 +142,9 @@ def forward_lean_kernel(*refs, rep, dtype, add, rows_of, chunks, clean_x=False):
         s16_smem[...] = state.astype(dtype)
         xh_smem[...], xl_smem[...] = _halves(x * lax.broadcast_in_dim(w_t, x.shape, [0]), dtype)
         plgpu.commit_smem()
-        if states_ref is not None:  # the entering state out in 16 bits, from the products' own tile
-            plgpu.copy_smem_to_gmem(s16_smem, states_ref.at[batch, chunk, head])
+        send = _staged(stage)  # (its first block's tile read: waited above)
+        if states_ref is not None:
+            send(state, lambda r, cols: states_ref.at[batch, chunk, head, pl.ds(r, CHUNK), cols])
         for i in range(3):
             plgpu.barrier_wait(loaded.at[i])
         if clean_x:  # over the tile its copy has filled, before the products read it
@@ -175,8 +167,8 @@ def forward_lean_kernel(*refs, rep, dtype, add, rows_of, chunks, clean_x=False):
         def _():  # C's and x's last readers (the output's products) are done
             fetch_c_x(chunk + 1)
 
-        # y out by 64-column blocks: through the float32 staging tile where float32, else its own
-        y_send = _staged(y_stage[0] if y_stage else stage)  # (the tiles' last copies waited above)
+        # y out by 64-column blocks: through the state's staging tile where float32, else its own
+        y_send = _staged(y_stage[0]) if y_stage else send
         y_send(y.astype(y_ref.dtype), lambda r, cols: rows_of(y_ref, batch, head, rows, cols))
         return state
 

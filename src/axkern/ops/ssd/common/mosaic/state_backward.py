@@ -120,7 +120,7 @@ def _kernel(
         # the staging tiles' last copies out have been read; g out as halves and whole before
         # x is loaded (g, the state entering and x's halves together would crowd the registers)
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-        s_in = mosaic_gpu_load(s_ref.at[batch, chunk, head], layout=wgmma_layout, optimized=False).astype(f32)
+        s_in = mosaic_gpu_load(s_ref.at[batch, chunk, head], layout=wgmma_layout, optimized=False)
         dk_smem[...] = jnp.sum(g * s_in, axis=1)  # d keep_c's row sums
         g_smem[...] = g
         dsh_smem[...], dsl_smem[...] = _halves(g, dtype)

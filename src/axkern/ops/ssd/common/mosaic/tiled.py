@@ -192,7 +192,7 @@ def scan_bwd_tiled(refs, scoped, *, rep, dtype, add, rows_of):
     vec = lambda ref, r, layout: _load(ref.at[batch, head], r, layout)  # noqa: E731
     seg = lambda r, layout: _load(seg_ref.at[batch], r, layout)  # noqa: E731
     # the state and dy (the whole chunk) as two 16-bit halves in shared memory
-    state = mosaic_gpu_load(s_ref.at[batch, chunk, head], layout=wgmma_layout, optimized=False).astype(f32)
+    state = mosaic_gpu_load(s_ref.at[batch, chunk, head], layout=wgmma_layout, optimized=False)
     sh_smem[...], sl_smem[...] = _halves(state, dtype)
     for i in range(q // _T):
         rows_i = pl.ds(base + i * _T, _T)
