@@ -42,15 +42,15 @@ def _scan_bwd_kernel(*refs, rep, dtype, add, rows_of, turns=False, tiled=False, 
     rather than stored per head. `turns`: a tenth input, the angles `Θ` (`[b, h, L, A]`,
     float32), by which `dB` and `dC` leave turned back (`_turned_back`). `tiled`: a chunk of
     more than 64 positions, by tiles (`tiled.py`). `lean` (16-bit `B`, `C`; neither `turns` nor
-    `tiled`): the state rounded once in `C S_inᵀ` too, and every result out through one
-    float32 staging tile, `[64, 64]` block by block (`_tiles("scan_bwd_lean")`)."""
+    `tiled`): the state rounded once in `C S_inᵀ` too, and every result out through two float32
+    staging tiles in turn, `[64, 32]` block by block (`_tiles("scan_bwd_lean")`, `_staged`)."""
     if tiled:
         return scan_bwd_tiled(refs[:-1], refs[-1], rep=rep, dtype=dtype, add=add, rows_of=rows_of)
     dy_ref, x_ref, dt_ref, cum_ref, f_ref, seg_ref, b_ref, c_ref, s_ref, *rest = refs
     theta_ref = rest.pop(0) if turns else None
     dx_ref, ddt_ref, dcum_ref, dcum_row_ref, df_ref, db_ref, dc_ref, ds_ref, scoped = rest
     if lean:
-        (c_smem, b_smem, x_smem, sh_smem, ah_smem, al_smem, mh_smem, ml_smem, stage, vec_smem), loaded = (
+        (c_smem, b_smem, x_smem, sh_smem, ah_smem, al_smem, mh_smem, ml_smem, *stages, vec_smem), loaded = (
             scoped
         )
         s_parts = (sh_smem,)
@@ -107,7 +107,7 @@ def _scan_bwd_kernel(*refs, rep, dtype, add, rows_of, turns=False, tiled=False, 
 
     per_group = (batch, group, rows) if add else (batch, head, rows)
     summed = "add" if add else None
-    send = _staged(stage) if lean else None
+    send = _staged(stages) if lean else None
 
     # each result leaves as soon as it is formed (fewer registers live at once): df first
     inc = _products((q, p), pairs(cs, s_parts, True))  # C S_inᵀ
@@ -178,23 +178,27 @@ def _scan_bwd_kernel(*refs, rep, dtype, add, rows_of, turns=False, tiled=False, 
     plgpu.wait_smem_to_gmem(0)
 
 
-def _staged(stage):
-    """`send(value, dst, reduction_op=None)`: a float32 result in registers (`[R, C]`, WGMMA
-    layout, `R` and `C` multiples of 64) out through the one `[64, 64]` staging tile `stage` by
-    TMA, block by block, `dst(r, cols)` the gmem view of the block at row `r` and columns
-    `cols`; each block waits for the previous one's copy to have read the tile (the last copy
-    left in flight)."""
+def _staged(stages):
+    """`send(value, dst, reduction_op=None)`: a result in registers (`[R, C]`, WGMMA layout, `R`
+    a multiple of 64, `C` of the tiles' width) out by TMA through the staging tiles `stages`
+    (`[64, W]` each) in turn, block by block, `dst(r, cols)` the gmem view of the block at row
+    `r` and columns `cols`. Before a tile is written again, the copies but the last `len(stages)
+    - 1` have read their tiles (the copy that read it is among them), so that a block's store
+    overlaps the copies of the blocks before it; the tiles are free when `send` is made (the
+    caller waited) and the last copies left in flight."""
     sent = []
+    width = stages[0].shape[1]
 
     def send(value, dst, reduction_op=None):
         rows, cols = value.shape
         for r in range(0, rows, CHUNK):
-            for c in range(0, cols, CHUNK):
-                if sent:
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                stage[...] = value[r : r + CHUNK, c : c + CHUNK]
+            for c in range(0, cols, width):
+                tile = stages[len(sent) % len(stages)]
+                if len(sent) >= len(stages):
+                    plgpu.wait_smem_to_gmem(len(stages) - 1, wait_read_only=True)
+                tile[...] = value[r : r + CHUNK, c : c + width]
                 plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(stage, dst(r, pl.ds(c, CHUNK)), reduction_op=reduction_op)
+                plgpu.copy_smem_to_gmem(tile, dst(r, pl.ds(c, width)), reduction_op=reduction_op)
                 sent.append(None)
 
     return send

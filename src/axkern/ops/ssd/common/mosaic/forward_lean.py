@@ -38,7 +38,17 @@ from jax.experimental import pallas as pl
 from axkern.core.compat import mosaic_gpu_load
 
 from .backward import _staged
-from .kernels import CHUNK, _chunk_output, _halves, _products, _scan_vectors, blocks_per_sm, pairs, plgpu
+from .kernels import (
+    CHUNK,
+    STAGES,
+    _chunk_output,
+    _halves,
+    _products,
+    _scan_vectors,
+    blocks_per_sm,
+    pairs,
+    plgpu,
+)
 from .rotation import finite_or_zero
 
 __all__ = ["lean_forward_tiles", "lean_forward_reason", "lean_forward_shares_an_sm", "forward_lean_kernel"]
@@ -46,8 +56,9 @@ __all__ = ["lean_forward_tiles", "lean_forward_reason", "lean_forward_shares_an_
 
 def lean_forward_tiles(p: int, n: int, dtype=jnp.bfloat16, y_dtype=jnp.float32) -> list:
     """Shared-memory tiles `(shape, dtype)`: one slot of C, B, x; w ∘ x's halves; the entering
-    state in 16 bits; the float32 staging tile for the state's 64 × 64 blocks, which `y`'s
-    blocks share when `y` is float32, and otherwise a 64 × 64 staging tile in `y_dtype`."""
+    state in 16 bits; the two float32 staging tiles for the state's 64 × 32 blocks (`STAGES`),
+    which `y`'s blocks share when `y` is float32, and otherwise a 64 × 64 staging tile in
+    `y_dtype`."""
     q, f32 = CHUNK, jnp.float32
     y_stage = [] if jnp.dtype(y_dtype) == f32 else [((CHUNK, CHUNK), y_dtype)]
     return [
@@ -57,7 +68,7 @@ def lean_forward_tiles(p: int, n: int, dtype=jnp.bfloat16, y_dtype=jnp.float32) 
         ((q, p), dtype),
         ((q, p), dtype),
         ((p, n), dtype),
-        ((CHUNK, CHUNK), f32),
+        *STAGES,
         *y_stage,
     ]
 
@@ -110,7 +121,8 @@ def forward_lean_kernel(*refs, rep, dtype, add, rows_of, chunks, clean_x=False):
     written). Barriers: `C`, `x`, `B`, each armed and waited once a chunk."""
     x_ref, w_ref, dt_ref, cum_ref, f_ref, keep_ref, seg_ref, b_ref, c_ref, s0_ref, *outs, scoped = refs
     y_ref, states_ref, final_ref = outs
-    (c_smem, b_smem, x_smem, xh_smem, xl_smem, s16_smem, stage, *y_stage), loaded = scoped
+    (c_smem, b_smem, x_smem, xh_smem, xl_smem, s16_smem, *rest), loaded = scoped
+    stages, y_stage = tuple(rest[: len(STAGES)]), rest[len(STAGES) :]
     (b_ref,), (c_ref,) = b_ref, c_ref
     head, batch = lax.axis_index("heads"), lax.axis_index("batch")
     q, p = x_smem.shape
@@ -142,7 +154,7 @@ def forward_lean_kernel(*refs, rep, dtype, add, rows_of, chunks, clean_x=False):
         s16_smem[...] = state.astype(dtype)
         xh_smem[...], xl_smem[...] = _halves(x * lax.broadcast_in_dim(w_t, x.shape, [0]), dtype)
         plgpu.commit_smem()
-        send = _staged(stage)  # (its first block's tile read: waited above)
+        send = _staged(stages)  # (the tiles' copies read: waited above)
         if states_ref is not None:
             send(state, lambda r, cols: states_ref.at[batch, chunk, head, pl.ds(r, CHUNK), cols])
         for i in range(3):
@@ -168,12 +180,12 @@ def forward_lean_kernel(*refs, rep, dtype, add, rows_of, chunks, clean_x=False):
             fetch_c_x(chunk + 1)
 
         # y out by 64-column blocks: through the state's staging tile where float32, else its own
-        y_send = _staged(y_stage[0]) if y_stage else send
+        y_send = _staged(tuple(y_stage)) if y_stage else send
         y_send(y.astype(y_ref.dtype), lambda r, cols: rows_of(y_ref, batch, head, rows, cols))
         return state
 
     s0 = mosaic_gpu_load(s0_ref.at[batch, head], layout=wgmma_layout, optimized=False)
     final = lax.fori_loop(0, chunks, step, s0)
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-    _staged(stage)(final, lambda r, cols: final_ref.at[batch, head, pl.ds(r, CHUNK), cols])
+    _staged(stages)(final, lambda r, cols: final_ref.at[batch, head, pl.ds(r, CHUNK), cols])
     plgpu.wait_smem_to_gmem(0)

@@ -36,6 +36,9 @@ __all__ = [
 ]
 
 CHUNK = 64  # positions per chunk: one warpgroup's wgmma rows
+# the lean kernels' float32 staging tiles: two of 64 rows by 32 columns (one swizzled tile's
+# width), which results leave through in turn (`backward._staged`)
+STAGES = [((CHUNK, CHUNK // 2), jnp.float32)] * 2
 
 
 _SMEM = 227 * 1024  # shared memory a Hopper block may take
@@ -76,7 +79,7 @@ def _tiles(kernel: str, p: int, n: int, dtype=jnp.bfloat16, rows_dtype=jnp.float
         # staging tile for every result's 64 × 64 blocks
         "scan_bwd_lean": [bc, bc, ((q, p), dtype), ((p, n), dtype), *[((q, p), dtype)] * 2]
         + [((q, q), dtype)] * 2
-        + [((CHUNK, CHUNK), f32), ((4, q), f32)],
+        + [*STAGES, ((4, q), f32)],
     }[kernel]
 
 
