@@ -84,11 +84,12 @@ once where `B`, `C` are 16-bit: Precision, below).
 **The lean scan backward** (`SSDBlockSizes(scan_backward="lean")`, `backward.lean_reason`:
 chunks of 64, 16-bit `B`, `C`, no angles): the same kernel in 108 KiB of shared memory at P 64,
 N 128 (188 whole), two blocks an SM: the state rounded once (one tile, and one product for
-`C S_inᵀ`), every result out through one `[64, 64]` float32 staging tile block by block
-(`backward._staged`; `P/64 · (1 + N/64) + 2 · N/64` copies a block, seven at P 64, N 128). Grid and
+`C S_inᵀ`), every result out through two `[64, 32]` float32 staging tiles in turn, block by
+block, a block's store overlapping the copy of the one before (`backward._staged`; `P/32 · (1 +
+N/64) + 4 · N/64` copies a block, fourteen at P 64, N 128). Grid and
 bytes as the whole kernel's; tensor-core FLOPs `2·Q·P·N` fewer a chunk and head (one `C S_inᵀ`
 product). The fused forward likewise (`SSDBlockSizes(forward="lean")`, `forward_lean.py`): one
-slot of tiles, the entering state out through the one staging tile, 99 KiB at P 64, N 128 (155
+slot of tiles, the entering state out through the two staging tiles, 99 KiB at P 64, N 128 (155
 fused). Both the default where two of their blocks share an SM (`blocks.mosaic_gpu_heuristic`
 has the timing).
 

@@ -1,8 +1,8 @@
 """The fused forward in less shared memory (`SSDBlockSizes(forward="lean")`): the fused
 forward's walk (`forward.py`: one block per batch row and head, its chunks of 64 in order, the
 state carried in registers) with one slot of each chunk tile where the fused kernel keeps two,
-and the entering state sent out through one float32 `[64, 64]` staging tile block by block,
-where the fused kernel stages it whole.
+and the entering state sent out through two float32 `[64, 32]` staging tiles in turn, block by
+block (`backward._staged`), where the fused kernel stages it whole.
 
 **Why.** At P 64, N 128 the fused kernel's shared memory is 155 KiB (`tile_bytes`; bf16 `y`, 163
 with float32 `y`), so one block runs per SM, one warpgroup with nothing to overlap its waits, and
@@ -25,7 +25,7 @@ it back from its float32 staging tile instead).
 
 **Cost** as the fused forward's (`forward.py`), the roundings the same (`M x` accumulated onto
 `f ∘ (C S_inᵀ)`: the float32 sums in another order). `y` leaves by 64-column blocks, through the
-state's staging tile where it is float32. Chunks of 64, 16-bit `B` and `C`, not rotating
+state's staging tiles where it is float32. Chunks of 64, 16-bit `B` and `C`, not rotating
 (`lean_forward_reason`).
 """
 
@@ -179,7 +179,7 @@ def forward_lean_kernel(*refs, rep, dtype, add, rows_of, chunks, clean_x=False):
         def _():  # C's and x's last readers (the output's products) are done
             fetch_c_x(chunk + 1)
 
-        # y out by 64-column blocks: through the state's staging tile where float32, else its own
+        # y out by blocks: through the state's staging tiles where float32, else its own
         y_send = _staged(tuple(y_stage)) if y_stage else send
         y_send(y.astype(y_ref.dtype), lambda r, cols: rows_of(y_ref, batch, head, rows, cols))
         return state

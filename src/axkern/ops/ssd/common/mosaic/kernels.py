@@ -76,7 +76,7 @@ def _tiles(kernel: str, p: int, n: int, dtype=jnp.bfloat16, rows_dtype=jnp.float
             else [((CHUNK, p), f32), ((max(CHUNK, p), n), f32), ((4, q), f32)]
         ),
         # the lean form (chunks of 64): as above with the state rounded once, and one float32
-        # staging tile for every result's 64 × 64 blocks
+        # staging tiles for every result's 64 × 32 blocks (`STAGES`)
         "scan_bwd_lean": [bc, bc, ((q, p), dtype), ((p, n), dtype), *[((q, p), dtype)] * 2]
         + [((q, q), dtype)] * 2
         + [*STAGES, ((4, q), f32)],
