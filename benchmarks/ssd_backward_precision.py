@@ -41,7 +41,12 @@ it), with the kernels' own operands (`emulate.ROUNDED_ONCE`):
 
     OUT=<folder> python3 benchmarks/ssd_backward_precision.py --stored 'S_in;dS_in;d_own;S_in,d_own'
 
-writes `$OUT/sweep_backward_precision_stored.json`.
+writes `$OUT/sweep_backward_precision_stored.json`. `--cases long` takes `LONG_CASES` instead
+(lengths 2048 and 16384 at P 64, N 128, several seeds; `_long` in the file's name), `--lean` the
+kernels' operands with the lean chunk-scan backward's (`emulate.LEAN_ROUNDED_ONCE`, the default
+form at P 64; `_lean`):
+
+    OUT=<folder> python3 benchmarks/ssd_backward_precision.py --chunks 64 --cases long --lean --stored S_in
 """
 
 from __future__ import annotations
@@ -69,14 +74,26 @@ from tests.helpers import ATOL  # noqa: E402
 
 OPERANDS = E.OPERANDS
 
-# (dims b, l, h, p, g, n; segments: True, False or None (no segments, A / 100); D and the gate)
+# (seed; dims b, l, h, p, g, n; segments: True, False or None (no segments, A / 100); D and the gate)
 CASES = [
-    ((1, 150, 4, 64, 2, 64), True, True),
-    ((2, 128, 2, 128, 1, 64), False, True),
-    ((1, 192, 2, 64, 1, 64), None, True),
-    ((1, 150, 4, 64, 2, 64), True, False),
-    ((1, 600, 2, 64, 1, 128), True, True),
-    ((1, 512, 2, 64, 1, 64), None, False),
+    (3, (1, 150, 4, 64, 2, 64), True, True),
+    (4, (2, 128, 2, 128, 1, 64), False, True),
+    (5, (1, 192, 2, 64, 1, 64), None, True),
+    (6, (1, 150, 4, 64, 2, 64), True, False),
+    (7, (1, 600, 2, 64, 1, 128), True, True),
+    (8, (1, 512, 2, 64, 1, 64), None, False),
+]
+# `--cases long`: the 2.7B layer's head and state sizes over longer sequences and several seeds,
+# where a rounding of each chunk's state adds up over the chunks (`d keep` into `dA`)
+LONG_CASES = [
+    (seed, dims, segments, True)
+    for dims, seeds in (
+        ((1, 2048, 2, 64, 1, 128), 6),
+        ((2, 2048, 4, 64, 1, 128), 6),
+        ((1, 16384, 1, 64, 1, 128), 2),
+    )
+    for seed in range(seeds)
+    for segments in (None, True)
 ]
 
 
@@ -162,18 +179,22 @@ def main() -> None:
     p.add_argument("--margin", type=float, default=0.5)
     p.add_argument("--plans", help="only these plans, `;`-separated, each `,`-separated operands")
     p.add_argument("--stored", help="arrays kept in bf16 (`STORED`), `;`-separated sets, each `,`-separated")
+    p.add_argument("--cases", choices=("short", "long"), default="short", help="`CASES` or `LONG_CASES`")
+    p.add_argument(
+        "--lean", action="store_true", help="the kernels' operands with the lean chunk-scan backward's"
+    )
     a = p.parse_args()
     prepared = []
     for chunk in (int(c) for c in a.chunks.split(",")):
-        for seed, (dims, segments, extras) in enumerate(CASES):
-            arrays, seg = make(3 + seed, *dims, "bfloat16", segments=bool(segments), extras=extras)
+        for seed, dims, segments, extras in CASES if a.cases == "short" else LONG_CASES:
+            arrays, seg = make(seed, *dims, "bfloat16", segments=bool(segments), extras=extras)
             if segments is None:
                 arrays["A"] = arrays["A"] / 100
             names = tuple(sorted(arrays))
             want = oracle(lambda name, arr, seg=seg: run(name, arr, seg), arrays)
             same = run("reference", arrays, seg)
             label = (
-                f"chunk {chunk} L={dims[1]} H={dims[2]} P={dims[3]} G={dims[4]} N={dims[5]} "
+                f"chunk {chunk} seed {seed} B={dims[0]} L={dims[1]} H={dims[2]} P={dims[3]} G={dims[4]} N={dims[5]} "
                 + ("segments" if segments else ("A/100" if segments is None else ""))
                 + (" D, gate" if extras else " no D, gate")
             )
@@ -181,13 +202,14 @@ def main() -> None:
 
     def evaluate(single, stored=()):
         rows = {}
-        plan = None if single is None else frozenset(single)
+        kernels = E.LEAN_ROUNDED_ONCE if a.lean else None  # (None: `emulate.ROUNDED_ONCE`)
+        plan = kernels if single is None else frozenset(single)
         for label, chunk, arrays, seg, names, want, same in prepared:
             run_plan = runner(plan, names, chunk, frozenset(stored))
             rows[label] = ratios(run_plan(arrays, seg), same, want, names)
         worst = max(max(r.values()) for r in rows.values())
         grads = max(v for r in rows.values() for k, v in r.items() if k not in ("y", "final"))
-        named = sorted(E.ROUNDED_ONCE if single is None else single)
+        named = sorted((plan or E.ROUNDED_ONCE) if single is None else single)
         print(f"{named} stored {sorted(stored)}: worst {worst:.3f}, of the gradients {grads:.3f}", flush=True)
         runner.cache_clear(), layout.cache_clear(), jax.clear_caches()  # each plan compiles anew
         out = {"single": named, "worst": worst, "gradients_worst": grads, "cases": rows}
@@ -217,6 +239,8 @@ def main() -> None:
 def _write(a, plan, results) -> None:
     extra = f" --plans '{a.plans}'" if a.plans else ""
     extra += f" --stored '{a.stored}'" if a.stored else ""
+    extra += f" --cases {a.cases}" if a.cases != "short" else ""
+    extra += " --lean" if a.lean else ""
     out = {
         "command": "OUT=<folder> python3 benchmarks/ssd_backward_precision.py "
         + f"--chunks {a.chunks} --margin {a.margin}{extra}",
@@ -230,6 +254,7 @@ def _write(a, plan, results) -> None:
     folder = Path(os.environ.get("OUT", "."))
     folder.mkdir(parents=True, exist_ok=True)
     name = "sweep_backward_precision" + ("_plans" if a.plans else "") + ("_stored" if a.stored else "")
+    name += ("_long" if a.cases == "long" else "") + ("_lean" if a.lean else "")
     (folder / f"{name}.json").write_text(json.dumps(out, indent=1) + "\n")
 
 
