@@ -43,8 +43,8 @@ it), with the kernels' own operands (`emulate.ROUNDED_ONCE`):
 
 writes `$OUT/sweep_backward_precision_stored.json`. `--cases long` takes `LONG_CASES` instead
 (lengths 2048 and 16384 at P 64, N 128, several seeds; `_long` in the file's name), `--lean` the
-kernels' operands with the lean chunk-scan backward's (`emulate.LEAN_ROUNDED_ONCE`, the default
-form at P 64; `_lean`):
+kernels' operands and the state in `C S_inᵀ` rounded once (`LEAN_ROUNDED_ONCE`: as the lean
+chunk-scan backward took it before it kept the state's low half; `_lean`):
 
     OUT=<folder> python3 benchmarks/ssd_backward_precision.py --chunks 64 --cases long --lean --stored S_in
 """
@@ -98,6 +98,8 @@ LONG_CASES = [
 
 
 STORED = ("S_in", "dS_in", "d_own")
+# the kernels' operands rounded once with the state in `C S_inᵀ` too (`--lean`)
+LEAN_ROUNDED_ONCE = E.ROUNDED_ONCE | {"CS:S"}
 
 
 def _stored(a):
@@ -202,7 +204,7 @@ def main() -> None:
 
     def evaluate(single, stored=()):
         rows = {}
-        kernels = E.LEAN_ROUNDED_ONCE if a.lean else None  # (None: `emulate.ROUNDED_ONCE`)
+        kernels = LEAN_ROUNDED_ONCE if a.lean else None  # (None: `emulate.ROUNDED_ONCE`)
         plan = kernels if single is None else frozenset(single)
         for label, chunk, arrays, seg, names, want, same in prepared:
             run_plan = runner(plan, names, chunk, frozenset(stored))

@@ -307,8 +307,7 @@ def _errors(q, b=1, h=2, g=1, c=2, p=64, n=64, wide=True, add=False, split=False
         K._tiles("scan_bwd_lean" if lean else "scan_bwd", p, n, parts=parts, q=q),
         (b, h, c),
     )
-    single = E.LEAN_ROUNDED_ONCE if lean else None
-    emulated = E.emulate_chunk_scan_bwd(dy.astype(jnp.float32), x, dt, cum, f, seg, bt, ct, states, q, single)
+    emulated = E.emulate_chunk_scan_bwd(dy.astype(jnp.float32), x, dt, cum, f, seg, bt, ct, states, q)
     for i, name in enumerate(("dx", "ddt", "dcum", "dcum_row", "df", "db", "dc", "ds")):
         e = np.asarray(emulated[i])
         got[name], want[name] = (
@@ -355,10 +354,11 @@ def _errors(q, b=1, h=2, g=1, c=2, p=64, n=64, wide=True, add=False, split=False
         dict(q=128, h=4, g=2, add=True),  # dB, dC added into each group's rows
         dict(q=64, split=True),  # float32 B, C as halves: every product over both (`rounds_once`)
         dict(q=64, split=True, n=128, wide=False),
-        # the lean scan backward: every result through one 64 x 64 staging tile
+        # the lean scan backward: every result through two 64 x 32 staging tiles in turn, the
+        # state's low half in M's tiles
         dict(q=64, lean=True),
         dict(q=64, lean=True, n=128, wide=False),
-        dict(q=64, lean=True, p=128),
+        dict(q=64, lean=True, n=128, h=4, g=2, add=True),
         dict(q=64, lean=True, h=4, g=2, add=True),
     ],
     ids=str,

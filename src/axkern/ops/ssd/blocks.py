@@ -59,8 +59,8 @@ class SSDBlockSizes(BlockSizes):
     `"fused"` (one kernel per batch row and head walking its chunks from the last,
     `common/mosaic/state_backward.py`). `scan_backward` (`mosaic_gpu` only, chunks of 64):
     `"whole"` (None means this) or `"lean"` (the chunk-scan backward in 108 KiB of shared memory
-    at P 64, N 128 rather than 188, so that two blocks share an SM: the entering state rounded
-    once in `C S_inᵀ` as well, every result out through two 64 × 32 float32 staging tiles;
+    at P 64, N 128 rather than 188, so that two blocks share an SM: P 64 only, the entering
+    state's low half in `M`'s tiles, every result out through two 64 × 32 float32 staging tiles;
     `common/mosaic/backward.py`)."""
 
     choices: ClassVar[Mapping[str, tuple[str, ...]]] = {

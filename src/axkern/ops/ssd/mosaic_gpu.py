@@ -33,7 +33,7 @@ def supports(spec) -> str | None:
 def ssd(x, dt, A, B, C, D, z, segment_ids, initial_state, *, block_sizes, interpret=False):
     chunk = block_sizes.chunk_size
     lean = block_sizes.scan_backward == "lean"
-    reason = lean and lean_reason(1, chunk)  # (`ssd`'s B, C are 16-bit here)
+    reason = lean and lean_reason(1, chunk, p=x.shape[-1])  # (`ssd`'s B, C are 16-bit here)
     if reason:
         raise Unsupported(f"scan_backward='lean': {reason}")
     lean_forward = block_sizes.forward == "lean"

@@ -42,8 +42,8 @@ def _scan_bwd_kernel(*refs, rep, dtype, add, rows_of, turns=False, tiled=False, 
     rather than stored per head. `turns`: a tenth input, the angles `Θ` (`[b, h, L, A]`,
     float32), by which `dB` and `dC` leave turned back (`_turned_back`). `tiled`: a chunk of
     more than 64 positions, by tiles (`tiled.py`). `lean` (16-bit `B`, `C`; neither `turns` nor
-    `tiled`): the state rounded once in `C S_inᵀ` too, and every result out through two float32
-    staging tiles in turn, `[64, 32]` block by block (`_tiles("scan_bwd_lean")`, `_staged`)."""
+    `tiled`; `P` 64): the state's low half in `M`'s tiles until `C S_inᵀ` has read it, and
+    every result out through two float32 staging tiles in turn, `[64, 32]` block by block (`_tiles("scan_bwd_lean")`, `_staged`)."""
     if tiled:
         return scan_bwd_tiled(refs[:-1], refs[-1], rep=rep, dtype=dtype, add=add, rows_of=rows_of)
     dy_ref, x_ref, dt_ref, cum_ref, f_ref, seg_ref, b_ref, c_ref, s_ref, *rest = refs
@@ -85,12 +85,16 @@ def _scan_bwd_kernel(*refs, rep, dtype, add, rows_of, turns=False, tiled=False, 
     )  # [Q, P], from float32 or bf16
     # the state and the cotangent as two 16-bit halves in shared memory (every product with
     # a float32 operand takes its halves: bf16x2, or three products when both are float32);
-    # the lean form's state rounded once
+    # the lean form's low half of the state in M's two tiles, by 64 of its columns (`P` 64),
+    # until C S_inᵀ has read it
     state = mosaic_gpu_load(s_ref.at[batch, chunk, head], layout=wgmma_layout, optimized=False)
+    sh, sl = _halves(state, dtype)
+    sh_smem[...] = sh
     if lean:
-        sh_smem[...] = state.astype(dtype)
+        for j, tile in enumerate((mh_smem, ml_smem)[: n // q]):
+            tile[...] = sl[:, j * q : (j + 1) * q]
     else:
-        sh_smem[...], sl_smem[...] = _halves(state, dtype)
+        sl_smem[...] = sl
     ah_smem[...], al_smem[...] = _halves(dy, dtype)
     plgpu.commit_smem()
     for i in range(copies):
@@ -110,7 +114,13 @@ def _scan_bwd_kernel(*refs, rep, dtype, add, rows_of, turns=False, tiled=False, 
     send = _staged(stages) if lean else None
 
     # each result leaves as soon as it is formed (fewer registers live at once): df first
-    inc = _products((q, p), pairs(cs, s_parts, True))  # C S_inᵀ
+    if lean:  # C S_inᵀ: the low half by blocks of 64 of C's columns
+        low = [
+            (cs[0].at[:, pl.ds(j * q, q)], tile, True) for j, tile in enumerate((mh_smem, ml_smem)[: n // q])
+        ]
+        inc = _products((q, p), pairs(cs, s_parts, True) + low)
+    else:
+        inc = _products((q, p), pairs(cs, s_parts, True))  # C S_inᵀ
     vec_smem.at[2][...] = jnp.sum(dy * inc, axis=1)  # df
 
     # scores and decay, rows t by columns s
@@ -267,12 +277,13 @@ def chunk_scan_bwd(
     float32, `A` a multiple of 32 at most `N/2`; `B`, `C` the values Mamba-3's rotation turned by it, `rotation.py`): `dB`, `dC` leave
     turned back by `-Θ` (the rotation's transpose; per head only). `chunk`: a multiple of 64
     (`dS_in [b, L / chunk, h, P, N]`); above 64 by tiles of 64 rows in two phases (`tiled.py`),
-    without `theta`. `lean`: the kernel in less shared memory (`lean_reason`), the state rounded
-    once in `C S_inᵀ` too (`emulate.LEAN_ROUNDED_ONCE`)."""
+    without `theta`. `lean`: the kernel in less shared memory (`lean_reason`), the same
+    arithmetic."""
     _check_angles("chunk_scan_bwd", theta, group_sums, xt, bt, positions_first)
     if theta is not None and chunk != CHUNK:
         raise ValueError(f"chunk_scan_bwd: theta (dB, dC turned back) at chunks of {CHUNK} only, not {chunk}")
-    reason = lean and lean_reason(len(operand_parts(bt)), chunk, theta is not None)
+    p = _dims(xt, positions_first)[3]
+    reason = lean and lean_reason(len(operand_parts(bt)), chunk, theta is not None, p)
     if reason:
         raise ValueError(f"chunk_scan_bwd: lean: {reason}")
     args = (dy, xt, dt, cum, f, seg, bt, ct, states_in) + (() if theta is None else (theta,))
@@ -282,25 +293,30 @@ def chunk_scan_bwd(
     return _batch_folding(body)(*args) if group_sums else body(*args)
 
 
-def lean_reason(parts: int, chunk: int = CHUNK, turns: bool = False) -> str | None:
+def lean_reason(parts: int, chunk: int = CHUNK, turns: bool = False, p: int = CHUNK) -> str | None:
     """Why the lean chunk-scan backward cannot serve (`B`, `C` in `parts` tiles each, chunks of
-    `chunk`, `dB`, `dC` turned back by angles), or None: it rounds the state once, which the
-    rule was shown to allow with 16-bit `B`, `C` (`benchmarks/ssd_backward_precision.py`), at
-    chunks of 64."""
+    `chunk`, `dB`, `dC` turned back by angles, head dim `p`), or None: it takes 16-bit `B`, `C`
+    (one tile each), chunks of 64, and keeps the state's low half in `M`'s two `[64, 64]` tiles
+    until `C S_inᵀ` has read it, so `P` 64 (with `N` 64 or 128)."""
     if parts != 1:
-        return "B and C as float32 halves keep the state's two halves (the lean form takes 16-bit B, C)"
+        return "B and C as float32 halves (the lean form takes 16-bit B, C)"
     if chunk != CHUNK:
         return f"chunk_size={chunk}: the lean form runs chunks of {CHUNK}"
     if turns:
         return "theta: the lean form does not turn dB, dC back"
+    if p != CHUNK:
+        return (
+            f"head_dim={p}: the lean form keeps the state's low half in M's tiles, at head_dim {CHUNK} only"
+        )
     return None
 
 
 def lean_shares_an_sm(p: int, n: int) -> bool:
     """Whether two blocks of the lean chunk-scan backward fit a Hopper SM's 228 KiB of shared
     memory (each with the 1 KiB the system keeps a block) at head dim `p` and state `n`, where
-    the whole kernel's one does not: at P 64 (84 KiB at N 64, 108 at N 128), not at P 128 (116)."""
-    return blocks_per_sm(_tiles("scan_bwd_lean", p, n)) >= 2
+    the whole kernel's one does not: at P 64 (84 KiB at N 64, 108 at N 128), which it takes
+    alone (`lean_reason`; its tiles would take 116 KiB at P 128)."""
+    return lean_reason(1, p=p) is None and blocks_per_sm(_tiles("scan_bwd_lean", p, n)) >= 2
 
 
 def _chunk_scan_bwd(

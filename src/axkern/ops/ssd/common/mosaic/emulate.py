@@ -28,7 +28,6 @@ __all__ = [
     "EmulatedLayout",
     "OPERANDS",
     "ROUNDED_ONCE",
-    "LEAN_ROUNDED_ONCE",
 ]
 
 _ein = functools.partial(jnp.einsum, precision=jax.lax.Precision.HIGHEST)
@@ -114,9 +113,6 @@ OPERANDS = ("dM:dy", "Mdy:M", "Mdy:dy", "dgB:dg", "dgC:dg", "fS:fdy", "fS:S", "C
 OPERANDS += ("BdS:dS", "wdS:wx", "wdS:dS")
 # those the kernels round once where `tiled.rounds_once` (16-bit `B`, `C`)
 ROUNDED_ONCE = frozenset({"fS:fdy", "fS:S", "wdS:wx", "wdS:dS"})
-# and those the lean chunk-scan backward rounds once (`backward.lean_reason`): the state in
-# `C S_inᵀ` too
-LEAN_ROUNDED_ONCE = ROUNDED_ONCE | {"CS:S"}
 
 
 def _once(single, bt) -> frozenset:

@@ -75,8 +75,8 @@ def _tiles(kernel: str, p: int, n: int, dtype=jnp.bfloat16, rows_dtype=jnp.float
             if q == CHUNK  # above: staging by tiles of 64 rows (`tiled.py`), dB, dC and dS_in in one
             else [((CHUNK, p), f32), ((max(CHUNK, p), n), f32), ((4, q), f32)]
         ),
-        # the lean form (chunks of 64): as above with the state rounded once, and one float32
-        # staging tiles for every result's 64 × 32 blocks (`STAGES`)
+        # the lean form (chunks of 64, P 64): as above with one tile of the state (its low half
+        # in M's two), and two float32 staging tiles for every result's 64 × 32 blocks (`STAGES`)
         "scan_bwd_lean": [bc, bc, ((q, p), dtype), ((p, n), dtype), *[((q, p), dtype)] * 2]
         + [((q, q), dtype)] * 2
         + [*STAGES, ((4, q), f32)],
