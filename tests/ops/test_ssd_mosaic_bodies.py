@@ -381,6 +381,24 @@ def test_the_shim_sees_a_planted_error(shim, monkeypatch):
     assert any("without commit_smem" in h for h in shim.hazards)
 
 
+@pytest.mark.parametrize("case", [dict(n=128), dict(n=128, h=4, g=2, add=True), dict(n=64)], ids=str)
+def test_the_lean_kernels_send_through_two_staging_tiles_in_turn(shim, monkeypatch, case):
+    # `_staged` with two 64 x 32 tiles (`kernels.STAGES` holds one 64 x 64): a block's store
+    # while the copy before it is in flight, each tile waited for before it is written again
+    monkeypatch.setattr(K, "STAGES", [((64, 32), np.float32)] * 2)
+    monkeypatch.setattr(FL, "STAGES", K.STAGES)
+    errors = _errors(q=64, lean=True, **case)
+    assert max(errors.values()) <= 1e-5, errors
+    assert not shim.hazards, sorted(set(shim.hazards))
+    fused = _fused_errors(q=64, lean=True, **{k: v for k, v in case.items() if k != "add"})
+    assert max(fused.values()) <= 1e-5, fused
+    assert not shim.hazards, sorted(set(shim.hazards))
+    # with every wait left out, a tile is written while its copy may still read it
+    monkeypatch.setattr(_Plgpu, "wait_smem_to_gmem", staticmethod(lambda n, wait_read_only=False: None))
+    _errors(q=64, lean=True, **case)
+    assert any("while a TMA store may read it" in h for h in shim.hazards)
+
+
 def test_the_shim_sees_the_lean_staging_tile_rewritten_in_flight(shim, monkeypatch):
     # the lean scan backward's waits for each block's copy left out: its next block overwrites
     # the staging tile the copy may still read

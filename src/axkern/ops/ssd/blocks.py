@@ -13,7 +13,7 @@ from axkern.core import backend, kernels
 from axkern.core.blocks import BlockSizes, grid, next_power_of_2
 from axkern.core.op import Spec, Unsupported
 
-from .common.mosaic import chunk_reason, lean_forward_shares_an_sm, lean_shares_an_sm
+from .common.mosaic import chunk_reason, lean_forward_shares_an_sm
 
 __all__ = [
     "SSDBlockSizes",
@@ -60,7 +60,7 @@ class SSDBlockSizes(BlockSizes):
     `common/mosaic/state_backward.py`). `scan_backward` (`mosaic_gpu` only, chunks of 64):
     `"whole"` (None means this) or `"lean"` (the chunk-scan backward in 108 KiB of shared memory
     at P 64, N 128 rather than 188, so that two blocks share an SM: P 64 only, the entering
-    state's low half in `M`'s tiles, every result out through two 64 × 32 float32 staging tiles;
+    state's low half in `M`'s tiles, every result out through one 64 × 64 float32 staging tile;
     `common/mosaic/backward.py`)."""
 
     choices: ClassVar[Mapping[str, tuple[str, ...]]] = {
@@ -153,9 +153,12 @@ def pallas_tpu_space(spec: Spec) -> list[SSDBlockSizes]:
 
 def mosaic_gpu_heuristic(spec: Spec) -> SSDBlockSizes:
     """`mosaic_gpu`: chunks of 64 (one warpgroup's rows; larger chunks run the kernels by tiles
-    of 64 rows), the lean fused forward and (where two of its blocks share an SM: P 64) the lean
-    chunk-scan backward, `dB` and `dC` summed over each group's heads and `x`, `y` read and
-    written in the caller's layout in the kernels; the state backward as two kernels. On the
+    of 64 rows), the lean fused forward and the whole chunk-scan backward, `dB` and `dC` summed
+    over each group's heads and `x`, `y` read and written in the caller's layout in the kernels;
+    the state backward as two kernels. The lean chunk-scan backward (P 64, two blocks an SM) is
+    neither the default nor in the space: its arithmetic changed (the state's two halves, where
+    rounding it once missed the rule over long sequences) after it was timed, and the changed
+    kernel has not yet run on a GPU (docs/ops/ssd.md, Performance). On the
     H200 at the 2.7B layer (`benchmarks/ssd_mosaic_forward.py`, L 4096): the fused forward 0.89x
     the three stages' forward time (0.86-0.89x at L 2048 to 16384), 0.96x forward+backward;
     against the fused forward alone, the group sums 0.90x forward+backward, the transposes 0.92x
@@ -171,23 +174,20 @@ def mosaic_gpu_heuristic(spec: Spec) -> SSDBlockSizes:
         forward="lean" if lean_forward_shares_an_sm(p, n, jnp.bfloat16) else "fused",
         group_sums=sums,
         transposes="kernels",
-        scan_backward="lean" if lean_shares_an_sm(p, n) else None,
     )
 
 
 def mosaic_gpu_space(spec: Spec) -> list[SSDBlockSizes]:
-    """The default, then its parts taken back one at a time (each lean kernel for the whole
+    """The default, then its parts taken back one at a time (the lean forward for the fused
     one), the fused state backward added to the whole kernels' form, and the three stages with
     none of them; then the whole kernels' form and its three stages at chunks of 128 and 256
     where their tiles fit (`axkern tune` times each)."""
     best = mosaic_gpu_heuristic(spec)
-    whole = dataclasses.replace(best, forward="fused", scan_backward=None)
+    whole = dataclasses.replace(best, forward="fused")
     forms = [
         best,
         dataclasses.replace(best, group_sums="xla"),
         dataclasses.replace(best, transposes="xla"),
-        dataclasses.replace(best, forward="fused"),
-        dataclasses.replace(best, scan_backward=None),
         whole,
         dataclasses.replace(whole, backward="fused"),
         SSDBlockSizes(chunk_size=64, forward="fused"),

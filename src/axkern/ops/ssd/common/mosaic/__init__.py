@@ -86,13 +86,13 @@ chunks of 64, 16-bit `B`, `C`, no angles, P 64): the same kernel and arithmetic 
 shared memory at N 128 (188 whole), two blocks an SM: the state's high half in its own tile and
 its low half in `M`'s two `[64, 64]` tiles by 64 of its columns until `C S_inᵀ` has read it
 (`C S_inᵀ` over both halves, the low one by blocks of 64 of `C`'s columns), every result out
-through two `[64, 32]` float32 staging tiles in turn, block by block, a block's store
-overlapping the copy of the one before (`backward._staged`; `P/32 · (1 + N/64) + 4 · N/64`
-copies a block, fourteen at P 64, N 128). Grid, bytes and tensor-core FLOPs as the whole
+through the float32 staging tiles in turn, block by block (`kernels.STAGES`: one `[64, 64]`,
+each block waiting for the copy before it; `backward._staged` takes two `[64, 32]` as well;
+`P/64 · (1 + N/64) + 2 · N/64` copies a block with the one, seven at P 64, N 128). Grid, bytes and tensor-core FLOPs as the whole
 kernel's. (Rounding the state once in `C S_inᵀ` instead, as this kernel first did, took
 `d dt_bias` to 1.19x its bound over 32 chunks: `benchmarks/ssd_backward_precision.py --cases
 long --lean`.) The fused forward likewise (`SSDBlockSizes(forward="lean")`, `forward_lean.py`): one
-slot of tiles, the entering state out through the two staging tiles, 99 KiB at P 64, N 128 (155
+slot of tiles, the entering state out through the staging tiles, 99 KiB at P 64, N 128 (155
 fused). Both the default where two of their blocks share an SM (`blocks.mosaic_gpu_heuristic`
 has the timing).
 

@@ -43,7 +43,8 @@ def _scan_bwd_kernel(*refs, rep, dtype, add, rows_of, turns=False, tiled=False, 
     float32), by which `dB` and `dC` leave turned back (`_turned_back`). `tiled`: a chunk of
     more than 64 positions, by tiles (`tiled.py`). `lean` (16-bit `B`, `C`; neither `turns` nor
     `tiled`; `P` 64): the state's low half in `M`'s tiles until `C S_inᵀ` has read it, and
-    every result out through two float32 staging tiles in turn, `[64, 32]` block by block (`_tiles("scan_bwd_lean")`, `_staged`)."""
+    every result out through the float32 staging tiles in turn, block by block (`STAGES`,
+    `_staged`)."""
     if tiled:
         return scan_bwd_tiled(refs[:-1], refs[-1], rep=rep, dtype=dtype, add=add, rows_of=rows_of)
     dy_ref, x_ref, dt_ref, cum_ref, f_ref, seg_ref, b_ref, c_ref, s_ref, *rest = refs

@@ -1,8 +1,8 @@
 """The fused forward in less shared memory (`SSDBlockSizes(forward="lean")`): the fused
 forward's walk (`forward.py`: one block per batch row and head, its chunks of 64 in order, the
 state carried in registers) with one slot of each chunk tile where the fused kernel keeps two,
-and the entering state sent out through two float32 `[64, 32]` staging tiles in turn, block by
-block (`backward._staged`), where the fused kernel stages it whole.
+and the entering state sent out through the float32 staging tiles (`kernels.STAGES`: one `[64,
+64]`) block by block (`backward._staged`), where the fused kernel stages it whole.
 
 **Why.** At P 64, N 128 the fused kernel's shared memory is 155 KiB (`tile_bytes`; bf16 `y`, 163
 with float32 `y`), so one block runs per SM, one warpgroup with nothing to overlap its waits, and
@@ -56,7 +56,7 @@ __all__ = ["lean_forward_tiles", "lean_forward_reason", "lean_forward_shares_an_
 
 def lean_forward_tiles(p: int, n: int, dtype=jnp.bfloat16, y_dtype=jnp.float32) -> list:
     """Shared-memory tiles `(shape, dtype)`: one slot of C, B, x; w ∘ x's halves; the entering
-    state in 16 bits; the two float32 staging tiles for the state's 64 × 32 blocks (`STAGES`),
+    state in 16 bits; the float32 staging tiles for the state's blocks (`STAGES`),
     which `y`'s blocks share when `y` is float32, and otherwise a 64 × 64 staging tile in
     `y_dtype`."""
     q, f32 = CHUNK, jnp.float32
