@@ -8,9 +8,10 @@ Left out (by replacing `backward._staged`, through which the lean kernels send t
 while the kernel is traced): `no_waits`, the waits before a staging tile is written again (its
 copy out may still be reading it: the results may be wrong); `no_dbdc`, the chunk-scan
 backward's `dB`, `dC` copies (its TMA reductions; the others kept). Also the whole chunk-scan
-backward kernel and the forward without the entering states (`states=False`, the forward
-alone's form). These are measures of a part's cost, not forms: the variants' results are not
-checked and are wrong by design.
+backward kernel, the forward without the entering states (`states=False`, the forward
+alone's form), and both lean kernels with two `[64, 32]` staging tiles in turn (`two_tiles`:
+`kernels.STAGES` replaced; a form whose results the CPU shim checks, not these runs). The
+others are measures of a part's cost, not forms: their results are wrong by design.
 
     OUT=<folder> python3 benchmarks/ssd_lean_costs.py [--rounds 7]
 
@@ -33,7 +34,7 @@ from jax.experimental import pallas as pl
 
 from axkern import bench
 from axkern.ops.ssd import mosaic_gpu
-from axkern.ops.ssd.common.mosaic import backward, forward_lean
+from axkern.ops.ssd.common.mosaic import backward, forward_lean, kernels
 from axkern.ops.ssd.common.mosaic.kernels import CHUNK, plgpu
 
 B, H, G, L, P, N = 4, 80, 1, 4096, 64, 128
@@ -83,15 +84,19 @@ def _staged_without(waits=True, dbdc=True):
     return staged
 
 
-def _compiled(fn, args, **without):
-    """`fn` jitted and compiled on `args` with `_staged` replaced as `without` asks."""
-    staged = backward._staged
+def _compiled(fn, args, two_tiles=False, **without):
+    """`fn` jitted and compiled on `args` with `_staged` replaced as `without` asks, or
+    (`two_tiles`) the staging tiles two of 64 x 32."""
+    staged, stages = backward._staged, kernels.STAGES
     if without:
         backward._staged = forward_lean._staged = _staged_without(**without)
-    try:
-        run = jax.jit(fn).lower(*args).compile()
+    if two_tiles:
+        kernels.STAGES = forward_lean.STAGES = [((CHUNK, CHUNK // 2), jnp.float32)] * 2
+    try:  # (a fresh callable: `jax.jit` would reuse the trace it holds for `fn`)
+        run = jax.jit(functools.partial(fn)).lower(*args).compile()
     finally:
         backward._staged = forward_lean._staged = staged
+        kernels.STAGES = forward_lean.STAGES = stages
     jax.block_until_ready(run(*args))
     return run
 
@@ -113,9 +118,14 @@ def main() -> None:
             _compiled(functools.partial(scan, lean=True), scan_args, dbdc=False),
             scan_args,
         ),
+        "scan_bwd_lean_two_tiles": (
+            _compiled(functools.partial(scan, lean=True), scan_args, two_tiles=True),
+            scan_args,
+        ),
         "scan_bwd_whole": (_compiled(scan, scan_args), scan_args),
         "forward_lean": (_compiled(fwd, fwd_args), fwd_args),
         "forward_lean_no_waits": (_compiled(fwd, fwd_args, waits=False), fwd_args),
+        "forward_lean_two_tiles": (_compiled(fwd, fwd_args, two_tiles=True), fwd_args),
         "forward_lean_no_states": (_compiled(functools.partial(fwd, states=False), fwd_args), fwd_args),
     }
     # one argument list for `time_rounds`: each function closes over its own arguments

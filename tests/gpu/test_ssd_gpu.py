@@ -53,9 +53,9 @@ def _hopper() -> bool:
 
 
 # mosaic_gpu's forms (SSDBlockSizes after the chunk): the forward, where dB and dC are summed,
-# who transposes x and y, the state backward, the chunk-scan backward (the default at P 64: the
-# seventh, the eighth where XLA_FLAGS asks for deterministic results; at P 128 the lean forward
-# alone: the lean chunk-scan backward takes P 64 only, the tests give the others the whole one)
+# who transposes x and y, the state backward, the chunk-scan backward (the default: the sixth,
+# the seventh where XLA_FLAGS asks for deterministic results; the last with the lean chunk-scan
+# backward too, which takes P 64 only: the tests give the others the whole one)
 FORMS = [
     ("stages",),
     ("fused",),
@@ -63,8 +63,8 @@ FORMS = [
     ("fused", "kernels", "kernels", "fused"),
     ("fused", "kernels", "kernels", None, "lean"),
     ("lean", "kernels", "kernels"),
+    ("lean", None, "kernels"),
     ("lean", "kernels", "kernels", None, "lean"),
-    ("lean", None, "kernels", None, "lean"),
 ]
 
 
@@ -83,7 +83,7 @@ def _check_mosaic(arrays, seg, blocks):
 @pytest.mark.parametrize(
     "form",
     FORMS,
-    ids=["stages", "fused", "whole", "fused_backward", "lean", "lean_forward", "default", "deterministic"],
+    ids=["stages", "fused", "whole", "fused_backward", "lean", "default", "deterministic", "lean_both"],
 )
 @pytest.mark.parametrize("segments,slow", [(False, False), (True, False), (False, True)])
 @pytest.mark.parametrize("dims", MOSAIC_DIMS)
