@@ -186,6 +186,8 @@ def main() -> None:
         "--lean", action="store_true", help="the kernels' operands with the lean chunk-scan backward's"
     )
     a = p.parse_args()
+    if a.lean and not a.stored:
+        raise SystemExit("--lean: with --stored (the plans and the operands alone name their own roundings)")
     prepared = []
     for chunk in (int(c) for c in a.chunks.split(",")):
         for seed, dims, segments, extras in CASES if a.cases == "short" else LONG_CASES:

@@ -257,7 +257,7 @@ def test_mosaic_gpu_kernels_equal_their_emulation(kernel, dims, split):
 @pytest.mark.parametrize("dims", [(2, 4, 2, 3, 64, 128), (1, 2, 1, 2, 64, 128), (1, 2, 2, 2, 64, 64)])
 @pytest.mark.parametrize("slow", [False, True])
 def test_mosaic_gpu_lean_scan_backward_equals_its_emulation(dims, slow):
-    # the lean chunk-scan backward (every result through two 64 x 32 staging tiles in turn, the
+    # the lean chunk-scan backward (every result through the staging tile, `kernels.STAGES`, the
     # state's low half in M's tiles until C S_inᵀ has read it) against its arithmetic in XLA
     _against_emulation("chunk_scan_bwd", _kernel_inputs("chunk_scan_bwd", *dims, slow=slow), lean=True)
 

@@ -354,8 +354,8 @@ def _errors(q, b=1, h=2, g=1, c=2, p=64, n=64, wide=True, add=False, split=False
         dict(q=128, h=4, g=2, add=True),  # dB, dC added into each group's rows
         dict(q=64, split=True),  # float32 B, C as halves: every product over both (`rounds_once`)
         dict(q=64, split=True, n=128, wide=False),
-        # the lean scan backward: every result through two 64 x 32 staging tiles in turn, the
-        # state's low half in M's tiles
+        # the lean scan backward: every result through the staging tile (`kernels.STAGES`: one
+        # 64 x 64; two 64 x 32 in the test below), the state's low half in M's tiles
         dict(q=64, lean=True),
         dict(q=64, lean=True, n=128, wide=False),
         dict(q=64, lean=True, n=128, h=4, g=2, add=True),

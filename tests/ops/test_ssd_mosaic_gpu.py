@@ -267,8 +267,8 @@ def test_the_lean_scan_backward_lowers_in_less_shared_memory(dims, group_sums):
     p, n = dims[-2:]
     lean_bytes, whole_bytes = (mosaic_kernels.tile_bytes(mosaic_kernels._tiles(k, p, n)) for k in LEAN_WHOLE)
     assert lean_bytes < whole_bytes
-    # two blocks in an H200 SM's 228 KiB (each with 1 KiB the system keeps) but at P 128, N 64;
-    # one block of the whole kernel
+    # two blocks in an H200 SM's 228 KiB (each with 1 KiB the system keeps; P 64 here); one
+    # block of the whole kernel
     assert (2 * (lean_bytes + 1024) <= 228 * 1024) == (p == 64) == mosaic_gpu.lean_shares_an_sm(p, n)
     assert 2 * (whole_bytes + 1024) > 228 * 1024
     assert (p, n) != (64, 128) or (lean_bytes, whole_bytes) == (108 * 1024, 188 * 1024)
@@ -601,6 +601,7 @@ def test_dispatch_skips_it_off_hopper_with_the_reason():
     assert "float32 halves" in mosaic_gpu.lean_reason(2)
     assert "theta" in mosaic_gpu.lean_reason(1, 64, True)
     assert mosaic_gpu.lean_reason(1, 64, False, 64) is None
+    assert "state=256" in mosaic_gpu.lean_reason(1, 64, False, 64, 256)
     assert "scan_backward must be one of" in SSDBlockSizes(64, scan_backward="thin").validate(spec)
     assert mosaic_gpu.fused_smem_bytes(128, 64) <= 227 * 1024
     # explain names the kernels of the form chosen
@@ -620,9 +621,9 @@ def test_dispatch_skips_it_off_hopper_with_the_reason():
 
 
 def test_the_default_form_and_the_deterministic_flags(monkeypatch):
-    # the lean fused forward and (where two of its blocks share an SM: P 64) the lean chunk-scan
-    # backward, dB and dC summed and x, y read and written in place in the kernels; the sums by
-    # XLA where XLA_FLAGS asks for run-to-run identical results
+    # the lean fused forward and the whole chunk-scan backward, dB and dC summed and x, y read and
+    # written in place in the kernels; the sums by XLA where XLA_FLAGS asks for run-to-run
+    # identical results
     _, gpu = _h200_spec(64, 128)
     heuristic, space = (getattr(OP.implementations["mosaic_gpu"], k) for k in ("heuristic", "space"))
     monkeypatch.delenv("XLA_FLAGS", raising=False)

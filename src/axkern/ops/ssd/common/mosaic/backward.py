@@ -283,8 +283,8 @@ def chunk_scan_bwd(
     _check_angles("chunk_scan_bwd", theta, group_sums, xt, bt, positions_first)
     if theta is not None and chunk != CHUNK:
         raise ValueError(f"chunk_scan_bwd: theta (dB, dC turned back) at chunks of {CHUNK} only, not {chunk}")
-    p = _dims(xt, positions_first)[3]
-    reason = lean and lean_reason(len(operand_parts(bt)), chunk, theta is not None, p)
+    p, n = _dims(xt, positions_first)[3], operand_parts(bt)[0].shape[-1]
+    reason = lean and lean_reason(len(operand_parts(bt)), chunk, theta is not None, p, n)
     if reason:
         raise ValueError(f"chunk_scan_bwd: lean: {reason}")
     args = (dy, xt, dt, cum, f, seg, bt, ct, states_in) + (() if theta is None else (theta,))
@@ -294,11 +294,13 @@ def chunk_scan_bwd(
     return _batch_folding(body)(*args) if group_sums else body(*args)
 
 
-def lean_reason(parts: int, chunk: int = CHUNK, turns: bool = False, p: int = CHUNK) -> str | None:
+def lean_reason(
+    parts: int, chunk: int = CHUNK, turns: bool = False, p: int = CHUNK, n: int = 2 * CHUNK
+) -> str | None:
     """Why the lean chunk-scan backward cannot serve (`B`, `C` in `parts` tiles each, chunks of
-    `chunk`, `dB`, `dC` turned back by angles, head dim `p`), or None: it takes 16-bit `B`, `C`
-    (one tile each), chunks of 64, and keeps the state's low half in `M`'s two `[64, 64]` tiles
-    until `C S_inᵀ` has read it, so `P` 64 (with `N` 64 or 128)."""
+    `chunk`, `dB`, `dC` turned back by angles, head dim `p`, state `n`), or None: it takes 16-bit
+    `B`, `C` (one tile each), chunks of 64, and keeps the state's low half in `M`'s two `[64,
+    64]` tiles until `C S_inᵀ` has read it, so `P` 64 and `N` 64 or 128."""
     if parts != 1:
         return "B and C as float32 halves (the lean form takes 16-bit B, C)"
     if chunk != CHUNK:
@@ -309,6 +311,10 @@ def lean_reason(parts: int, chunk: int = CHUNK, turns: bool = False, p: int = CH
         return (
             f"head_dim={p}: the lean form keeps the state's low half in M's tiles, at head_dim {CHUNK} only"
         )
+    if n > 2 * CHUNK:
+        return (
+            f"state={n}: the lean form keeps the state's low half in M's two tiles, at state <= {2 * CHUNK}"
+        )
     return None
 
 
@@ -317,7 +323,7 @@ def lean_shares_an_sm(p: int, n: int) -> bool:
     memory (each with the 1 KiB the system keeps a block) at head dim `p` and state `n`, where
     the whole kernel's one does not: at P 64 (84 KiB at N 64, 108 at N 128), which it takes
     alone (`lean_reason`; its tiles would take 116 KiB at P 128)."""
-    return lean_reason(1, p=p) is None and blocks_per_sm(_tiles("scan_bwd_lean", p, n)) >= 2
+    return lean_reason(1, p=p, n=n) is None and blocks_per_sm(_tiles("scan_bwd_lean", p, n)) >= 2
 
 
 def _chunk_scan_bwd(

@@ -24,8 +24,9 @@ SM is what hides them. The state stays in registers through the output (the fuse
 it back from its float32 staging tile instead).
 
 **Cost** as the fused forward's (`forward.py`), the roundings the same (`M x` accumulated onto
-`f ∘ (C S_inᵀ)`: the float32 sums in another order). `y` leaves by 64-column blocks, through the
-state's staging tiles where it is float32. Chunks of 64, 16-bit `B` and `C`, not rotating
+`f ∘ (C S_inᵀ)`: the float32 sums in another order). `y` leaves by blocks of the staging tiles'
+width, through the state's staging tiles where it is float32 (else by 64-column blocks through
+its own). Chunks of 64, 16-bit `B` and `C`, not rotating
 (`lean_forward_reason`).
 """
 
