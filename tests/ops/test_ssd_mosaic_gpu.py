@@ -634,7 +634,7 @@ def test_the_default_form_and_the_deterministic_flags(monkeypatch):
     assert forms[0] == default and len(set(forms)) == len(forms) == 9
     assert SSDBlockSizes(64, forward="stages") in forms
     # the lean forward taken back (the whole kernels' form), the fused state backward with the
-    # whole kernels; the lean chunk-scan backward in none (not yet run on a GPU as it is)
+    # whole kernels; the lean chunk-scan backward in none (docs/ops/ssd.md says why)
     for form in (whole, dataclasses.replace(whole, backward="fused")):
         assert form in forms, form
     assert all(f.scan_backward is None for f in forms)

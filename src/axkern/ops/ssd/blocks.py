@@ -156,9 +156,7 @@ def mosaic_gpu_heuristic(spec: Spec) -> SSDBlockSizes:
     of 64 rows), the lean fused forward and the whole chunk-scan backward, `dB` and `dC` summed
     over each group's heads and `x`, `y` read and written in the caller's layout in the kernels;
     the state backward as two kernels. The lean chunk-scan backward (P 64, two blocks an SM) is
-    neither the default nor in the space: its arithmetic changed (the state's two halves, where
-    rounding it once missed the rule over long sequences) after it was timed, and the changed
-    kernel has not yet run on a GPU (docs/ops/ssd.md, Performance). On the
+    neither the default nor in the space: docs/ops/ssd.md (Performance) says why. On the
     H200 at the 2.7B layer (`benchmarks/ssd_mosaic_forward.py`, L 4096): the fused forward 0.89x
     the three stages' forward time (0.86-0.89x at L 2048 to 16384), 0.96x forward+backward;
     against the fused forward alone, the group sums 0.90x forward+backward, the transposes 0.92x

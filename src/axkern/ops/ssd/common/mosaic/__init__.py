@@ -94,8 +94,8 @@ kernel's. (Rounding the state once in `C S_inᵀ` instead, as this kernel first 
 long --lean`.) The fused forward likewise (`SSDBlockSizes(forward="lean")`, `forward_lean.py`): one
 slot of tiles, the entering state out through the staging tiles, 99 KiB at P 64, N 128 (155
 fused). The lean forward is the default (two of its blocks share an SM at the three sizes);
-the lean chunk-scan backward is not (`blocks.mosaic_gpu_heuristic` says why and has the
-timings).
+the lean chunk-scan backward is not (docs/ops/ssd.md, Performance, says why;
+`blocks.mosaic_gpu_heuristic` has the timings).
 
 **Precision** (`benchmarks/ssd_operand_precision.py`, float64 emulation on the CPU, tables in
 docs/ops/ssd.md "Accuracy"): `C Bᵀ` and `C S_inᵀ` with 16-bit operands kept `y` and the final
