@@ -43,8 +43,8 @@ it), with the kernels' own operands (`emulate.ROUNDED_ONCE`):
 
 writes `$OUT/sweep_backward_precision_stored.json`. `--cases long` takes `LONG_CASES` instead
 (lengths 2048 and 16384 at P 64, N 128, several seeds; `_long` in the file's name), `--lean` the
-kernels' operands and the state in `C S_inᵀ` rounded once (`LEAN_ROUNDED_ONCE`: as the lean
-chunk-scan backward took it before it kept the state's low half; `_lean`):
+kernels' operands and the state in `C S_inᵀ` rounded once (`LEAN_ROUNDED_ONCE`: the lean
+chunk-scan backward in one tile of the state, were it not to keep the low half; `_lean`):
 
     OUT=<folder> python3 benchmarks/ssd_backward_precision.py --chunks 64 --cases long --lean --stored S_in
 """

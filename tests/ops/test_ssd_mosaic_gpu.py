@@ -462,8 +462,8 @@ def _emulated_runner(names, chunk=mosaic_gpu.CHUNK, layout=mosaic_gpu.EmulatedLa
         ("bfloat16", (1, 192, 2, 64, 1, 64), None, True, 3),  # A / 100: the state carried across chunks
         ("bfloat16", (1, 150, 4, 64, 2, 64), True, False, 3),  # no D, gate: y leaves the scan in bf16
         # 32 chunks at the 2.7B layer's P and N, A / 100: with the state rounded once in C S_inᵀ
-        # (as the lean form took it before it kept the low half) d dt_bias reached 1.19x its
-        # bound here (`ssd_backward_precision.py --cases long --lean`)
+        # too (one tile of it in the lean chunk-scan backward's shared memory, not two), d dt_bias
+        # reached 1.19x its bound here (`ssd_backward_precision.py --cases long --lean`)
         ("bfloat16", (1, 2048, 2, 64, 1, 128), None, True, 5),
     ],
 )

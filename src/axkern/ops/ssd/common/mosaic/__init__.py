@@ -89,7 +89,7 @@ its low half in `M`'s two `[64, 64]` tiles by 64 of its columns until `C S_inᵀ
 through the float32 staging tiles in turn, block by block (`kernels.STAGES`: one `[64, 64]`,
 each block waiting for the copy before it; `backward._staged` takes two `[64, 32]` as well;
 `P/64 · (1 + N/64) + 2 · N/64` copies a block with the one, seven at P 64, N 128). Grid, bytes and tensor-core FLOPs as the whole
-kernel's. (Rounding the state once in `C S_inᵀ` instead, as this kernel first did, took
+kernel's. (Rounding the state once in `C S_inᵀ` instead, one tile and one product fewer, took
 `d dt_bias` to 1.19x its bound over 32 chunks: `benchmarks/ssd_backward_precision.py --cases
 long --lean`.) The fused forward likewise (`SSDBlockSizes(forward="lean")`, `forward_lean.py`): one
 slot of tiles, the entering state out through the staging tiles, 99 KiB at P 64, N 128 (155
