@@ -30,7 +30,6 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-from jax.experimental import pallas as pl
 
 from axkern import bench
 from axkern.ops.ssd import mosaic_gpu
@@ -38,6 +37,7 @@ from axkern.ops.ssd.common.mosaic import backward, forward_lean, kernels
 from axkern.ops.ssd.common.mosaic.kernels import CHUNK, plgpu
 
 B, H, G, L, P, N = 4, 80, 1, 4096, 64, 128
+_STAGED = backward._staged  # the kernels' own, which the variants wrap
 
 
 def _inputs():
@@ -57,27 +57,33 @@ def _inputs():
     return scan_bwd, forward
 
 
+class _NoWaits:
+    """`plgpu` with `wait_smem_to_gmem` doing nothing."""
+
+    def __getattr__(self, name):
+        return getattr(plgpu, name)
+
+    @staticmethod
+    def wait_smem_to_gmem(*args, **kwargs):
+        return None
+
+
 def _staged_without(waits=True, dbdc=True):
-    """`backward._staged` with its waits (`waits=False`) or its reductions' copies (`dbdc=False`)
-    left out."""
+    """`backward._staged` with its waits (`waits=False`: `plgpu` replaced while it sends) or its
+    reductions' copies (`dbdc=False`) left out."""
 
     def staged(stages):
-        sent = []
-        width = stages[0].shape[1]
+        inner = _STAGED(stages)
 
         def send(value, dst, reduction_op=None):
             if reduction_op is not None and not dbdc:
                 return
-            rows, cols = value.shape
-            for r in range(0, rows, CHUNK):
-                for c in range(0, cols, width):
-                    tile = stages[len(sent) % len(stages)]
-                    if waits and len(sent) >= len(stages):
-                        plgpu.wait_smem_to_gmem(len(stages) - 1, wait_read_only=True)
-                    tile[...] = value[r : r + CHUNK, c : c + width]
-                    plgpu.commit_smem()
-                    plgpu.copy_smem_to_gmem(tile, dst(r, pl.ds(c, width)), reduction_op=reduction_op)
-                    sent.append(None)
+            if not waits:
+                backward.plgpu = _NoWaits()
+            try:
+                inner(value, dst, reduction_op)
+            finally:
+                backward.plgpu = plgpu
 
         return send
 

@@ -91,10 +91,10 @@ def _scan_bwd_kernel(*refs, rep, dtype, add, rows_of, turns=False, tiled=False, 
     state = mosaic_gpu_load(s_ref.at[batch, chunk, head], layout=wgmma_layout, optimized=False)
     sh, sl = _halves(state, dtype)
     sh_smem[...] = sh
-    if lean:
-        for j, tile in enumerate((mh_smem, ml_smem)[: n // q]):
-            tile[...] = sl[:, j * q : (j + 1) * q]
-    else:
+    lows = (mh_smem, ml_smem)[: n // q] if lean else ()
+    for j, tile in enumerate(lows):
+        tile[...] = sl[:, j * q : (j + 1) * q]
+    if not lean:
         sl_smem[...] = sl
     ah_smem[...], al_smem[...] = _halves(dy, dtype)
     plgpu.commit_smem()
@@ -115,13 +115,9 @@ def _scan_bwd_kernel(*refs, rep, dtype, add, rows_of, turns=False, tiled=False, 
     send = _staged(stages) if lean else None
 
     # each result leaves as soon as it is formed (fewer registers live at once): df first
-    if lean:  # C S_inᵀ: the low half by blocks of 64 of C's columns
-        low = [
-            (cs[0].at[:, pl.ds(j * q, q)], tile, True) for j, tile in enumerate((mh_smem, ml_smem)[: n // q])
-        ]
-        inc = _products((q, p), pairs(cs, s_parts, True) + low)
-    else:
-        inc = _products((q, p), pairs(cs, s_parts, True))  # C S_inᵀ
+    # C S_inᵀ (the lean form's low half by blocks of 64 of C's columns)
+    low = [(cs[0].at[:, pl.ds(j * q, q)], tile, True) for j, tile in enumerate(lows)]
+    inc = _products((q, p), pairs(cs, s_parts, True) + low)
     vec_smem.at[2][...] = jnp.sum(dy * inc, axis=1)  # df
 
     # scores and decay, rows t by columns s

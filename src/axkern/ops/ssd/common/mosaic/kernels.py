@@ -36,10 +36,7 @@ __all__ = [
 ]
 
 CHUNK = 64  # positions per chunk: one warpgroup's wgmma rows
-# the lean kernels' float32 staging tiles, which results leave through in turn, block by block
-# (`backward._staged`): one of 64 x 64, each block waiting for the copy before it; `_staged`
-# takes two of 64 x 32 (a swizzled float32 tile's width) as well, a block's store then
-# overlapping the copy before it (`tests/ops/test_ssd_mosaic_bodies.py` runs both)
+# the lean kernels' staging tiles (`backward._staged`: through them in turn; two 64 x 32 work too)
 STAGES = [((CHUNK, CHUNK), jnp.float32)]
 
 
@@ -77,8 +74,7 @@ def _tiles(kernel: str, p: int, n: int, dtype=jnp.bfloat16, rows_dtype=jnp.float
             if q == CHUNK  # above: staging by tiles of 64 rows (`tiled.py`), dB, dC and dS_in in one
             else [((CHUNK, p), f32), ((max(CHUNK, p), n), f32), ((4, q), f32)]
         ),
-        # the lean form (chunks of 64, P 64): as above with one tile of the state (its low half
-        # in M's two), and the float32 staging tiles for every result's blocks (`STAGES`)
+        # the lean form (chunks of 64, P 64): one tile of the state (its low half in M's), `STAGES`
         "scan_bwd_lean": [bc, bc, ((q, p), dtype), ((p, n), dtype), *[((q, p), dtype)] * 2]
         + [((q, q), dtype)] * 2
         + [*STAGES, ((4, q), f32)],
