@@ -7,7 +7,10 @@ summed in the backward kernels), `fused_transposes` (`x`, `y`, `dy`, `dx` in the
 in the kernels), `fused_backward` (the reverse recurrence and the chunk states' backward as one
 kernel), `fused_sums_transposes` (the first two: the default), `fused_all` (all three),
 `stages_sums_transposes` (the three stages with the first two), `chunk128` (the default at chunks
-of 128, by tiles of 64 rows), `chunk128_stages` (`stages_sums_transposes` at chunks of 128).
+of 128, by tiles of 64 rows), `chunk128_stages` (`stages_sums_transposes` at chunks of 128),
+`lean` (the lean chunk-scan backward), `lean_forward` (the lean fused forward), `lean_both` (the
+two), `lean_state_backward` (the lean forward and the lean fused state backward), `lean_all`
+(the three lean kernels).
 
     OUT=<folder> python3 benchmarks/ssd_mosaic_forward.py [--lengths 2048,4096,16384] [--rounds 5]
         [--forms stages,fused]
@@ -47,6 +50,10 @@ FORMS = {
     "lean": SSDBlockSizes(64, "fused", group_sums="kernels", transposes="kernels", scan_backward="lean"),
     "lean_forward": SSDBlockSizes(64, "lean", group_sums="kernels", transposes="kernels"),
     "lean_both": SSDBlockSizes(64, "lean", group_sums="kernels", transposes="kernels", scan_backward="lean"),
+    "lean_state_backward": SSDBlockSizes(
+        64, "lean", group_sums="kernels", transposes="kernels", backward="lean"
+    ),
+    "lean_all": SSDBlockSizes(64, "lean", "kernels", "kernels", backward="lean", scan_backward="lean"),
 }
 
 

@@ -54,8 +54,9 @@ def _hopper() -> bool:
 
 # mosaic_gpu's forms (SSDBlockSizes after the chunk): the forward, where dB and dC are summed,
 # who transposes x and y, the state backward, the chunk-scan backward (the default: the sixth,
-# the seventh where XLA_FLAGS asks for deterministic results; the last with the lean chunk-scan
-# backward too, which takes P 64 only: the tests give the others the whole one)
+# the seventh where XLA_FLAGS asks for deterministic results; the eighth with the lean chunk-scan
+# backward too, which takes P 64 only: the tests give the others the whole one; the last with
+# the lean fused state backward)
 FORMS = [
     ("stages",),
     ("fused",),
@@ -65,6 +66,7 @@ FORMS = [
     ("lean", "kernels", "kernels"),
     ("lean", None, "kernels"),
     ("lean", "kernels", "kernels", None, "lean"),
+    ("lean", "kernels", "kernels", "lean"),
 ]
 
 
@@ -83,7 +85,17 @@ def _check_mosaic(arrays, seg, blocks):
 @pytest.mark.parametrize(
     "form",
     FORMS,
-    ids=["stages", "fused", "whole", "fused_backward", "lean", "default", "deterministic", "lean_both"],
+    ids=[
+        "stages",
+        "fused",
+        "whole",
+        "fused_backward",
+        "lean",
+        "default",
+        "deterministic",
+        "lean_both",
+        "lean_state_backward",
+    ],
 )
 @pytest.mark.parametrize("segments,slow", [(False, False), (True, False), (False, True)])
 @pytest.mark.parametrize("dims", MOSAIC_DIMS)
@@ -488,12 +500,14 @@ def test_mosaic_gpu_forward_alone_equals_the_differentiated_one(dims, extras):
 
 
 @pytest.mark.skipif(not _hopper(), reason="the Mosaic GPU kernels need a Hopper GPU")
+@pytest.mark.parametrize("lean", [False, True], ids=["fused", "lean"])
 @pytest.mark.parametrize("group_sums,positions_first", [(False, False), (True, False), (False, True)])
 @pytest.mark.parametrize("dims", [(2, 4, 2, 3, 64, 128), (1, 2, 1, 1, 128, 64), (1, 4, 1, 5, 64, 64)])
-def test_mosaic_gpu_fused_state_backward_equals_the_two_kernels(dims, group_sums, positions_first):
-    # the fused kernel against the reverse recurrence (Triton) and the chunk-state backward
-    # (Mosaic) on the same random inputs, with carries of 0.1-0.9 so that the gradient crossing
-    # chunk boundaries matters; one chunk, x in the caller's layout, dB summed per group
+def test_mosaic_gpu_fused_state_backward_equals_the_two_kernels(dims, group_sums, positions_first, lean):
+    # the fused kernel (or its lean form) against the reverse recurrence (Triton) and the
+    # chunk-state backward (Mosaic) on the same random inputs, with carries of 0.1-0.9 so that
+    # the gradient crossing chunk boundaries matters; one chunk, x in the caller's layout, dB
+    # summed per group
     import jax.numpy as jnp
     import numpy as np
 
@@ -518,7 +532,9 @@ def test_mosaic_gpu_fused_state_backward_equals_the_two_kernels(dims, group_sums
     want = list(jax.jit(two_kernels)(x, w, bt, keep, states_in, d_states_in, d_final))
     xs = jnp.swapaxes(x, 1, 2) if positions_first else x
     fused = jax.jit(
-        lambda *a: mosaic_gpu.fused_state_bwd(*a, group_sums=group_sums, positions_first=positions_first)
+        lambda *a: mosaic_gpu.fused_state_bwd(
+            *a, group_sums=group_sums, positions_first=positions_first, lean=lean
+        )
     )
     got = list(fused(xs, w, bt, keep, states_in, d_states_in, d_final))
     if positions_first:

@@ -217,9 +217,9 @@ class _Barriers:
     at = _At()
 
 
-@pytest.fixture
-def shim(monkeypatch):
-    """The kernels' modules with the shim in place of Mosaic GPU (restored after the test)."""
+def install_shim(monkeypatch, modules=(K, T, B, F, FL)):
+    """The shim in place of Mosaic GPU in the kernels' `modules` (restored by `monkeypatch`);
+    the shim's state, fresh."""
     global ST
     ST = _State()
     lax_shim = types.SimpleNamespace(
@@ -230,7 +230,7 @@ def shim(monkeypatch):
         fori_loop=lambda lo, hi, body, init: functools.reduce(lambda v, i: body(i, v), range(lo, hi), init),
         bitcast_convert_type=jax.lax.bitcast_convert_type,  # `operand_parts`, outside the kernels
     )
-    for m in (K, T, B, F, FL):
+    for m in modules:
         monkeypatch.setattr(m, "plgpu", _Plgpu)
         monkeypatch.setattr(m, "lax", lax_shim)
         monkeypatch.setattr(m, "pl", types.SimpleNamespace(ds=_DS, when=_when, run_state=_run_state))
@@ -239,6 +239,12 @@ def shim(monkeypatch):
                 monkeypatch.setattr(m, name, fn)
     monkeypatch.setattr(T, "_load", lambda ref, rows, layout: _load(ref.at[rows], layout=layout))
     return ST
+
+
+@pytest.fixture
+def shim(monkeypatch):
+    """The kernels' modules with the shim in place of Mosaic GPU (restored after the test)."""
+    return install_shim(monkeypatch)
 
 
 def _smem(tiles):

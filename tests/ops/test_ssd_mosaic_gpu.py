@@ -176,6 +176,8 @@ def test_each_kernel_lowers_with_positions_first(kernel):
         ("fused", "kernels", None, None),
         ("fused", "kernels", None, "lean"),
         ("lean", None, None, "lean"),
+        ("lean", "kernels", "lean", None),
+        ("lean", None, "lean", None),
     ],
 )
 def test_the_layer_lowers_in_every_form(forward, group_sums, backward, scan_backward):
@@ -205,6 +207,7 @@ def test_the_layer_lowers_in_every_form(forward, group_sums, backward, scan_back
     assert ("axkern_ssd_gpu_recurrence_bwd" in plain) == (backward is None)
     if group_sums is None:  # (the kernels' names show where no output is added into)
         assert ("axkern_ssd_mosaic_gpu_scan_bwd_lean" in plain) == (scan_backward == "lean")
+        assert ("axkern_ssd_mosaic_gpu_state_bwd_fused_lean" in plain) == (backward == "lean")
     assert ("axkern_ssd_mosaic_gpu_forward_lean" in plain) == (forward == "lean")
 
 
@@ -303,24 +306,29 @@ def test_the_layer_lowers_at_larger_chunks(chunk, state, forward, group_sums):
 
 
 @needs_mosaic
+@pytest.mark.parametrize("lean", [False, True], ids=["fused", "lean"])
 @pytest.mark.parametrize("group_sums", [False, True])
 @pytest.mark.parametrize("dims", [(2, 4, 2, 3, 64, 128), (1, 2, 1, 2, 128, 64), (1, 2, 2, 1, 64, 64)])
-def test_the_fused_state_backward_lowers(dims, group_sums):
+def test_the_fused_state_backward_lowers(dims, group_sums, lean):
     # the reverse recurrence and the chunk states' backward as one kernel: dx, dw, dB (per head
-    # or per group), d keep [b, h, c], the initial state's gradient
+    # or per group), d keep [b, h, c], the initial state's gradient; the lean form in one slot of
+    # B and one staging tile, two blocks an SM
     b, h, g, chunks, p, n = dims
     x, w, bt, states = _kernel_args("chunk_state_bwd", *dims)
     keep = jax.ShapeDtypeStruct((b, h, chunks), jnp.float32)
     final = jax.ShapeDtypeStruct((b, h, p, n), jnp.float32)
     args = (x, w, bt, keep, states, states, final)
-    fn = functools.partial(mosaic_gpu.fused_state_bwd, group_sums=group_sums)
+    fn = functools.partial(mosaic_gpu.fused_state_bwd, group_sums=group_sums, lean=lean)
     shapes = [o.shape for o in jax.eval_shape(fn, *args)]
     length = chunks * mosaic_gpu.CHUNK
     db = (b, g if group_sums else h, length, n)
     assert shapes == [(b, h, length, p), (b, h, length), db, (b, h, chunks), (b, h, p, n)]
     text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert _kernels(text) == 1
-    assert mosaic_gpu.fused_state_bwd_smem_bytes(p, n) <= 227 * 1024
+    if not group_sums:  # (the kernels' names show where no output is added into)
+        assert ("axkern_ssd_mosaic_gpu_state_bwd_fused_lean" in text) == lean
+    assert mosaic_gpu.fused_state_bwd_smem_bytes(p, n, lean) <= 227 * 1024
+    assert mosaic_gpu.lean_state_bwd_shares_an_sm(p, n)
 
 
 @needs_mosaic
@@ -544,6 +552,8 @@ def test_dispatch_skips_it_off_hopper_with_the_reason():
         mosaic_gpu.ssd(*[None] * 9, block_sizes=SSDBlockSizes(chunk_size=96))
     with pytest.raises(axkern.Unsupported, match="chunk_size=128: the fused state backward"):
         mosaic_gpu.ssd(*[None] * 9, block_sizes=SSDBlockSizes(chunk_size=128, backward="fused"))
+    with pytest.raises(axkern.Unsupported, match="chunk_size=128: the fused state backward"):
+        mosaic_gpu.ssd(*[None] * 9, block_sizes=SSDBlockSizes(chunk_size=128, backward="lean"))
     assert mosaic_gpu.chunk_reason(64, 128, 128) is None and mosaic_gpu.chunk_reason(64, 64, 256) is None
     # where the three stages' tiles fit at a larger chunk, the fused forward's do too
     for (p, n), q in itertools.product(fits, (128, 256)):
@@ -618,6 +628,8 @@ def test_dispatch_skips_it_off_hopper_with_the_reason():
     assert "lean chunk-scan backward" in kernels(gpu, SSDBlockSizes(64, scan_backward="lean"))
     assert "lean" not in every
     assert "one slot of tiles" in kernels(gpu, SSDBlockSizes(64, forward="lean"))
+    lean_state = kernels(gpu, SSDBlockSizes(64, backward="lean"))
+    assert "reverse recurrence and the chunk-state backward in one slot of B" in lean_state
 
 
 def test_the_default_form_and_the_deterministic_flags(monkeypatch):
@@ -631,11 +643,16 @@ def test_the_default_form_and_the_deterministic_flags(monkeypatch):
     default = dataclasses.replace(whole, forward="lean")
     assert heuristic(gpu) == default
     forms = space(gpu)
-    assert forms[0] == default and len(set(forms)) == len(forms) == 9
+    assert forms[0] == default and len(set(forms)) == len(forms) == 10
     assert SSDBlockSizes(64, forward="stages") in forms
     # the lean forward taken back (the whole kernels' form), the fused state backward with the
-    # whole kernels; the lean chunk-scan backward in none (docs/ops/ssd.md says why)
-    for form in (whole, dataclasses.replace(whole, backward="fused")):
+    # whole kernels, the lean one with the default; the lean chunk-scan backward in none
+    # (docs/ops/ssd.md says why)
+    for form in (
+        whole,
+        dataclasses.replace(whole, backward="fused"),
+        dataclasses.replace(default, backward="lean"),
+    ):
         assert form in forms, form
     assert all(f.scan_backward is None for f in forms)
     # the whole kernels' form and its three stages at chunks of 128 (at P 64, N 128 the scan's

@@ -13,7 +13,7 @@ from axkern.core import backend, kernels
 from axkern.core.blocks import BlockSizes, grid, next_power_of_2
 from axkern.core.op import Spec, Unsupported
 
-from .common.mosaic import chunk_reason, lean_forward_shares_an_sm
+from .common.mosaic import chunk_reason, lean_forward_shares_an_sm, lean_state_bwd_shares_an_sm
 
 __all__ = [
     "SSDBlockSizes",
@@ -57,7 +57,9 @@ class SSDBlockSizes(BlockSizes):
     caller's `[b, L, H, P]`, a strided tile per head). `backward` (`mosaic_gpu` only): `"stages"`
     (the reverse recurrence and the chunk states' backward as two kernels; None means this) or
     `"fused"` (one kernel per batch row and head walking its chunks from the last,
-    `common/mosaic/state_backward.py`). `scan_backward` (`mosaic_gpu` only, chunks of 64):
+    `common/mosaic/state_backward.py`) or `"lean"` (the fused one in one slot of `B` and one
+    staging tile, 99 KiB at P 64, N 128 where the fused one takes 148, so that two blocks share
+    an SM). `scan_backward` (`mosaic_gpu` only, chunks of 64):
     `"whole"` (None means this) or `"lean"` (the chunk-scan backward in 108 KiB of shared memory
     at P 64, N 128 rather than 188, so that two blocks share an SM: P 64 only, the entering
     state's low half in `M`'s tiles, every result out through one 64 × 64 float32 staging tile;
@@ -67,7 +69,7 @@ class SSDBlockSizes(BlockSizes):
         "forward": ("stages", "fused", "lean"),
         "group_sums": ("xla", "kernels"),
         "transposes": ("xla", "kernels"),
-        "backward": ("stages", "fused"),
+        "backward": ("stages", "fused", "lean"),
         "scan_backward": ("whole", "lean"),
     }
 
@@ -90,6 +92,7 @@ MOSAIC_GPU_FORMS = (
     ("forward", "lean", "has a lean fused forward"),
     ("group_sums", "kernels", "sums dB and dC in its kernels"),
     ("backward", "fused", "has a fused state backward"),
+    ("backward", "lean", "has a lean fused state backward"),
     ("transposes", "kernels", "reads x in the caller's layout"),
     ("scan_backward", "lean", "has a lean chunk-scan backward"),
 )
@@ -177,21 +180,23 @@ def mosaic_gpu_heuristic(spec: Spec) -> SSDBlockSizes:
 
 def mosaic_gpu_space(spec: Spec) -> list[SSDBlockSizes]:
     """The default, then its parts taken back one at a time (the lean forward for the fused
-    one), the fused state backward added to the whole kernels' form, and the three stages with
-    none of them; then the whole kernels' form and its three stages at chunks of 128 and 256
-    where their tiles fit (`axkern tune` times each)."""
+    one), the lean fused state backward added to the default (where two of its blocks share an
+    SM) and the fused one to the whole kernels' form, and the three stages with none of them;
+    then the whole kernels' form and its three stages at chunks of 128 and 256 where their
+    tiles fit (`axkern tune` times each)."""
     best = mosaic_gpu_heuristic(spec)
     whole = dataclasses.replace(best, forward="fused")
+    p, n = spec.dim("head_dim"), spec.dim("state")
     forms = [
         best,
         dataclasses.replace(best, group_sums="xla"),
         dataclasses.replace(best, transposes="xla"),
+        *[dataclasses.replace(best, backward="lean")] * lean_state_bwd_shares_an_sm(p, n),
         whole,
         dataclasses.replace(whole, backward="fused"),
         SSDBlockSizes(chunk_size=64, forward="fused"),
         SSDBlockSizes(chunk_size=64, forward="stages"),
     ]
-    p, n = spec.dim("head_dim"), spec.dim("state")
     larger = [q for q in (128, 256) if q <= next_power_of_2(spec.dim("length")) and not chunk_reason(p, n, q)]
     for q in larger:
         forms += [

@@ -39,10 +39,11 @@ the kernels read `x`, `dy` and write `y`, `dx` as `[b, L, h, P]`, the caller's l
 contiguous one), where XLA otherwise moves them to `[b, h, L, P]` and back. **The fused state backward**
 (`SSDBlockSizes(backward="fused")`, `state_backward.py`): the reverse recurrence and the chunk
 states' backward as one kernel per (batch row, head) walking its chunks from the last, the
-state's gradient in registers. The group sums and the transposes are the default (XLA sums
-where `XLA_FLAGS` asks for deterministic results, `backend.deterministic`); the fused state
-backward, no faster on the H200, is in the tuning space only (`blocks.mosaic_gpu_heuristic`
-has the timings).
+state's gradient in registers; `backward="lean"` the same in one slot of `B` and one staging
+tile, so that two blocks share an SM. The group sums and the transposes are the default (XLA
+sums where `XLA_FLAGS` asks for deterministic results, `backend.deterministic`); the fused
+state backward, no faster on the H200, is in the tuning space only (`blocks.mosaic_gpu_heuristic`
+has the timings), the lean one too (not yet timed).
 
 **`y` in the input dtype.** Without `D` and the gate (`common/kernels.ssd`), the scan and
 fused kernels round `y` to bf16 themselves (`Layout.y_dtype`) and the scan's backward kernel
@@ -176,7 +177,7 @@ from .kernels import (
     smem_bytes,
 )
 from .rotation import RotatedOperand, halves_to_pairs, pairs_to_halves, parts_kernel_reason, rotated_parts
-from .state_backward import fused_state_bwd, fused_state_bwd_smem_bytes
+from .state_backward import fused_state_bwd, fused_state_bwd_smem_bytes, lean_state_bwd_shares_an_sm
 
 __all__ = [
     "platform_reason",
@@ -203,6 +204,7 @@ __all__ = [
     "fused_smem_bytes",
     "fused_state_bwd",
     "fused_state_bwd_smem_bytes",
+    "lean_state_bwd_shares_an_sm",
     "fused_fits",
     "layout_class",
     "operand_parts",
@@ -267,6 +269,8 @@ class MosaicLayout(GpuLayout):
     fused_backward = False
     # the chunk-scan backward in less shared memory (`backward.lean_reason`)
     lean_scan_backward = False
+    # the fused state backward in less shared memory (`state_backward.py`)
+    lean_state_backward = False
 
     @classmethod
     def turns_back(cls) -> bool:
@@ -278,7 +282,9 @@ class MosaicLayout(GpuLayout):
     def state_backward(self, xt, w, bt, keep, states_in, d_states_in, d_final, dx_scan, db_scan):
         if not self.fused_backward:
             return super().state_backward(xt, w, bt, keep, states_in, d_states_in, d_final, dx_scan, db_scan)
-        kw = dict(group_sums=self.group_sums, positions_first=self.positions_first)
+        kw = dict(
+            group_sums=self.group_sums, positions_first=self.positions_first, lean=self.lean_state_backward
+        )
         dx, dw, db, *rest = fused_state_bwd(
             xt, self.to_col(w), bt, keep, states_in, d_states_in, d_final, **kw
         )
@@ -343,11 +349,12 @@ def layout_class(
     fused_backward: bool,
     lean_scan_backward: bool = False,
     lean_forward: bool = False,
+    lean_state_backward: bool = False,
 ) -> type[MosaicLayout]:
     """The layout for the forward's form, where `dB`, `dC` are summed, how `x`, `y` are laid out,
     the state backward's form (`B`, `C` may enter its kernels as bf16 or float32,
-    `operand_parts`), whether the chunk-scan backward is the lean one and (`fused`) whether the
-    fused forward is."""
+    `operand_parts`), whether the chunk-scan backward is the lean one, (`fused`) whether the
+    fused forward is and (`fused_backward`) whether the fused state backward is."""
     base = FusedMosaicLayout if fused else MosaicLayout
     flags = {
         "group_sums": group_sums,
@@ -355,9 +362,17 @@ def layout_class(
         "fused_backward": fused_backward,
         "lean_scan_backward": lean_scan_backward,
         "lean_forward": lean_forward,
+        "lean_state_backward": lean_state_backward,
     }
     if not any(flags.values()):
         return base
-    words = ("GroupSums", "PositionsFirst", "FusedBackward", "LeanScanBackward", "LeanForward")
+    words = (
+        "GroupSums",
+        "PositionsFirst",
+        "FusedBackward",
+        "LeanScanBackward",
+        "LeanForward",
+        "LeanStateBackward",
+    )
     name = base.__name__ + "".join(w for w, on in zip(words, flags.values(), strict=True) if on)
     return type(name, (base,), flags)

@@ -16,6 +16,14 @@ rowsum(· x)`; `dB = (w ∘ x) dS` (as `_state_bwd_kernel`: three products of ha
 then `g ← keep_c g + dS_in,c` (the scan backward's gradient of the state entering the chunk).
 After chunk 0, `g` is the initial state's gradient.
 
+**The lean form** (`SSDBlockSizes(backward="lean")`, 16-bit `B`): one slot of `B`, copied in
+for the next chunk once `B dSᵀ`, its one reader, is done (so the copy overlaps `dB`, the
+sends and `g`'s update rather than the whole step), and `dx`, `dB` out through the staging tiles
+`kernels.STAGES` block by block (`backward._staged`) where the fused kernel stages them whole:
+99 KiB at P 64, N 128 where the fused kernel takes 148, so that two blocks share an SM
+(`lean_state_bwd_shares_an_sm`) and the 2.7B layer's 320 blocks fill an H200's 132 SMs in two
+rounds of 264 rather than three of 132. The arithmetic is the fused kernel's.
+
 **Cost** per chunk and head: `4·Q·P·N` FLOPs (`B dSᵀ`, two halves) + `2·Q·P·N` (`dB`, one with
 16-bit `B`, three products with float32 `B`);
 bytes: `B`, `x` rows and `w` read, the float32 states entering and their gradients read (`2 · P ·
@@ -33,43 +41,57 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from axkern.core.compat import mosaic_gpu_load
+from axkern.core.op import Unsupported
 
-from .backward import _batch_folding, _send_state_grads, _state_grads
+from .backward import _batch_folding, _send_state_grads, _staged, _state_grads
 from .kernels import (
     CHUNK,
+    STAGES,
     _halves,
     _launch,
     _part_copies,
+    _products,
     _put_last,
     _rows_type,
     _walk_setup,
+    blocks_per_sm,
     operand_parts,
+    pairs,
     parts_of,
     plgpu,
     tile_bytes,
 )
 
-__all__ = ["fused_state_bwd", "fused_state_bwd_smem_bytes"]
+__all__ = ["fused_state_bwd", "fused_state_bwd_smem_bytes", "lean_state_bwd_shares_an_sm"]
 
 
-def _tiles(p: int, n: int, dtype=jnp.bfloat16, parts=1) -> list:
-    """Shared memory: `B` in two slots (`parts` tiles each, slot-major); `dS`'s halves; `g`
-    (float32); the staging tiles of `dx`, `dB`; the vectors `dw` and `d keep`'s row sums."""
+def _tiles(p: int, n: int, dtype=jnp.bfloat16, parts=1, lean=False) -> list:
+    """Shared memory: `B` in two slots (`lean`: one; `parts` tiles each, slot-major); `dS`'s
+    halves; `g` (float32); the staging tiles of `dx`, `dB` (`lean`: `STAGES`, which both go
+    through in turn); the vectors `dw` and `d keep`'s row sums."""
     q, f32 = CHUNK, jnp.float32
+    staging = list(STAGES) if lean else [((q, p), f32), ((q, n), f32)]
     return [
-        ((2 * parts, q, n), dtype),
+        (((1 if lean else 2) * parts, q, n), dtype),
         ((p, n), dtype),
         ((p, n), dtype),
         ((p, n), f32),
-        ((q, p), f32),
-        ((q, n), f32),
+        *staging,
         ((q,), f32),
         ((p,), f32),
     ]
 
 
-def fused_state_bwd_smem_bytes(p: int, n: int) -> int:
-    return tile_bytes(_tiles(p, n))
+def fused_state_bwd_smem_bytes(p: int, n: int, lean: bool = False) -> int:
+    return tile_bytes(_tiles(p, n, lean=lean))
+
+
+def lean_state_bwd_shares_an_sm(p: int, n: int) -> bool:
+    """Whether two blocks of the lean fused state backward fit a Hopper SM's 228 KiB of shared
+    memory (each with the 1 KiB the system keeps a block) at head dim `p` and state `n`: 99 KiB
+    at P 64, N 128 and 92 at P 128, N 64 (the fused kernel's 148 and 132 leave one a SM), 60 at
+    P and N 64 (three a SM, the fused kernel's 84 two)."""
+    return blocks_per_sm(_tiles(p, n, lean=True)) >= 2
 
 
 def _kernel(
@@ -92,12 +114,13 @@ def _kernel(
     chunks,
     add,
     rows_of,
+    lean=False,
 ):
-    (b_smem, dsh_smem, dsl_smem, g_smem, dx_smem, db_smem, dw_smem, dk_smem), loaded = scoped
+    (b_smem, dsh_smem, dsl_smem, g_smem, *staging, dw_smem, dk_smem), loaded = scoped
     head, batch = lax.axis_index("heads"), lax.axis_index("batch")
     q, n = b_smem.shape[1:]
     p = dsh_smem.shape[0]
-    parts = b_smem.shape[0] // 2
+    parts = b_smem.shape[0] // (1 if lean else 2)
     group = lax.div(head, jnp.int32(rep))
     f32, wgmma_layout = jnp.float32, plgpu.Layout.WGMMA
     row = wgmma_layout.reduce(1)
@@ -110,11 +133,13 @@ def _kernel(
     fetch(chunks - 1, 0)
 
     def step(i, g):
-        chunk, slot = chunks - 1 - i, lax.rem(i, 2)
+        chunk, slot = chunks - 1 - i, 0 if lean else lax.rem(i, 2)
 
-        @pl.when(chunk > 0)
-        def _():
-            fetch(chunk - 1, 1 - slot)
+        if not lean:  # the next chunk's B into the other slot while this one's runs
+
+            @pl.when(chunk > 0)
+            def _():
+                fetch(chunk - 1, 1 - slot)
 
         rows = pl.ds(chunk * q, q)
         # the staging tiles' last copies out have been read; g out as halves and whole before
@@ -132,11 +157,25 @@ def _kernel(
         for i in range(parts):
             plgpu.barrier_wait(loaded.at[slot * parts + i])
         # the chunk state's gradients (as `_state_bwd_kernel`) and d keep's row sums out
-        staging = (dx_smem, db_smem, dw_smem)
-        _state_grads(parts_of(b_smem, slot * parts, parts), (dsh_smem, dsl_smem), x, w, (xw_h, xw_l), staging)
+        bs, ds = parts_of(b_smem, slot * parts, parts), (dsh_smem, dsl_smem)
         db_rows = db_ref.at[batch, group if add else head, rows]
         dsts = (rows_of(dx_ref, batch, head, rows), db_rows, dw_ref.at[batch, head, rows])
-        _send_state_grads(staging, dsts, add=add)
+        if lean:  # B's one reader first, then the previous chunk's B into the slot
+            dxw = _products((q, p), pairs(bs, ds, True))
+
+            @pl.when(chunk > 0)
+            def _():
+                fetch(chunk - 1, 0)
+
+            dsts = (  # (the gradients' rows are the chunk's: one block of 64 rows each)
+                lambda _, cols: rows_of(dx_ref, batch, head, rows, cols),
+                lambda _, cols: db_ref.at[batch, group if add else head, rows, cols],
+                dw_ref.at[batch, head, rows],
+            )
+            _lean_state_grads(dxw, ds, x, w, (xw_h, xw_l), (tuple(staging), dw_smem), dsts, add=add)
+        else:
+            _state_grads(bs, ds, x, w, (xw_h, xw_l), (*staging, dw_smem))
+            _send_state_grads((*staging, dw_smem), dsts, add=add)
         plgpu.copy_smem_to_gmem(dk_smem, d_keep_ref.at[batch, head, chunk])
 
         # g <- keep_c g + dS_in,c (keep: one value along g's rows)
@@ -148,24 +187,44 @@ def _kernel(
     _put_last(g_smem, lax.fori_loop(0, chunks, step, g), d_init_ref.at[batch, head])
 
 
+def _lean_state_grads(dxw, ds, x, w, xw, staging, dsts, *, add):
+    """`_state_grads` and `_send_state_grads` from `d(w ∘ x) = B dSᵀ` (`dxw`, registers) with
+    the staging tiles `(stages, dw)`: `dx`, then `dB`, out through `stages` block by block
+    (`backward._staged`; `dsts`: `dx`'s and `dB`'s `dst(r, cols)`, `dw`'s ref), `dB` added
+    (`add`: a group's rows) or stored; `dw` through its own tile. `dB = (w ∘ x) dS` with both
+    operands rounded once (`rounds_once`: the lean form takes 16-bit `B`)."""
+    stages, dw_smem = staging
+    (q, p), n = dxw.shape, ds[0].shape[1]
+    dx_dst, db_dst, dw_dst = dsts
+    dw_smem[...] = jnp.sum(dxw * x, axis=1)
+    send = _staged(stages)  # (the tiles' copies read: waited by the caller)
+    send(dxw * lax.broadcast_in_dim(w, (q, p), [0]), dx_dst)
+    send(_products((q, n), pairs(xw[:1], ds[:1])), db_dst, reduction_op="add" if add else None)
+    plgpu.copy_smem_to_gmem(dw_smem, dw_dst)  # (committed by the sends)
+
+
 def fused_state_bwd(
-    xt, w, bt, keep, states_in, d_states_in, d_final, *, group_sums=False, positions_first=False
+    xt, w, bt, keep, states_in, d_states_in, d_final, *, group_sums=False, positions_first=False, lean=False
 ):
     """`(dx [b, h, L, P], dw [b, h, L], dB [b, h, L, N], d keep [b, h, c], d initial state [b, h,
     P, N])`, float32, of the chunk states and the recurrence between them, from `xt [b, h, L, P]`
     and `bt [b, g, L, N]` (bf16 or float32, `operand_parts`), the weights `w [b, h, L]` and carries `keep [b, h, c]`, the
     states entering the chunks and their gradients (`[b, c, h, P, N]` float32) and the final
     state's gradient (`[b, h, P, N]`), by the fused kernel. `group_sums`: `dB [b, g, L, N]` by TMA
-    reductions; `positions_first`: `xt` and `dx` are `[b, L, h, P]`."""
-    body = functools.partial(_fused_state_bwd, group_sums=group_sums, positions_first=positions_first)
+    reductions; `positions_first`: `xt` and `dx` are `[b, L, h, P]`; `lean`: the kernel in one
+    slot of `B` and the staging tiles `STAGES` (16-bit `B` only)."""
+    kw = dict(group_sums=group_sums, positions_first=positions_first, lean=lean)
+    body = functools.partial(_fused_state_bwd, **kw)
     args = (xt, w, bt, keep, states_in, d_states_in, d_final)
     return _batch_folding(body)(*args) if group_sums else body(*args)
 
 
-def _fused_state_bwd(xt, w, bt, keep, states_in, d_states_in, d_final, *, group_sums, positions_first):
+def _fused_state_bwd(xt, w, bt, keep, states_in, d_states_in, d_final, *, group_sums, positions_first, lean):
     bt = operand_parts(bt)
+    if lean and len(bt) != 1:
+        raise Unsupported("the lean fused state backward takes 16-bit B (its dB rounds dS once)")
     f32, dtype, g = jnp.float32, xt.dtype, bt[0].shape[1]
-    tiles = _tiles(xt.shape[-1], bt[0].shape[-1], dtype, len(bt))
+    tiles = _tiles(xt.shape[-1], bt[0].shape[-1], dtype, len(bt), lean)
     setup = _walk_setup(xt, bt, keep, tiles, "the fused state backward", positions_first=positions_first)
     b, h, lp, p, n, c, keep_rows = setup
     db = jax.ShapeDtypeStruct((b, g if group_sums else h, lp, n), f32)
@@ -180,9 +239,8 @@ def _fused_state_bwd(xt, w, bt, keep, states_in, d_states_in, d_final, *, group_
     into = {2: len(args)} if group_sums else None  # dB: the zeros passed last
     if group_sums:
         args.append(jnp.zeros(db.shape, f32))
-    barrier = plgpu.Barrier(num_barriers=2 * len(bt))
-    kw = dict(into=into, positions_first=positions_first, tiles=tiles, chunks=c)
-    dx, dw, db_out, d_keep_rows, d_init = _launch(
-        "state_bwd_fused", _kernel, out_type, xt, bt, barrier, **kw
-    )(*args)
+    barrier = plgpu.Barrier(num_barriers=(1 if lean else 2) * len(bt))
+    kw = dict(into=into, positions_first=positions_first, tiles=tiles, chunks=c, lean=lean)
+    kind = "state_bwd_fused_lean" if lean else "state_bwd_fused"
+    dx, dw, db_out, d_keep_rows, d_init = _launch(kind, _kernel, out_type, xt, bt, barrier, **kw)(*args)
     return dx, dw, db_out, d_keep_rows.sum(-1), d_init

@@ -1,0 +1,127 @@
+"""The fused state backward's kernel body (`state_backward.py`, its fused and lean forms) run on the
+CPU through the Mosaic GPU shim of `test_ssd_mosaic_bodies.py`, block by block over (batch row,
+head), against the reverse recurrence (float32, in the kernel's order) and the chunk state
+backward's emulation: values, and the hazards the shim checks (commits, waits, TMA stores in
+flight, loads never waited)."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from axkern.ops.ssd.common.mosaic import emulate as E
+from axkern.ops.ssd.common.mosaic import kernels as K
+from axkern.ops.ssd.common.mosaic import state_backward as S
+from tests.ops import test_ssd_mosaic_bodies as bodies
+
+
+@pytest.fixture
+def shim(monkeypatch):
+    """`test_ssd_mosaic_bodies`' shim, in `state_backward.py` too."""
+    return bodies.install_shim(monkeypatch, (K, bodies.T, bodies.B, bodies.F, bodies.FL, S))
+
+
+def _errors(b=1, h=2, g=1, c=3, p=64, n=64, add=False, lean=False, positions_first=False):
+    """The kernel's largest differences (relative to the largest magnitude) from the recurrence's
+    and the chunk state backward's emulation: `dx`, `dw`, `dB` (per head, or `add`: summed into
+    each group's rows), `d keep`'s row sums and the initial state's gradient."""
+    q, f32, bf16 = K.CHUNK, np.float32, jnp.bfloat16
+    length = c * q
+    k = jax.random.split(jax.random.PRNGKey(2), 7)
+    x = jax.random.normal(k[0], (b, h, length, p)).astype(bf16)
+    bt = jax.random.normal(k[1], (b, g, length, n)).astype(bf16)
+    w = np.asarray(jax.nn.softplus(jax.random.normal(k[2], (b, h, length))), f32)
+    keep = np.asarray(jax.random.uniform(k[3], (b, h, c), minval=0.1, maxval=0.9), f32)
+    states_in, d_states_in = (np.asarray(jax.random.normal(k[i], (b, c, h, p, n)), f32) for i in (4, 5))
+    d_final = np.asarray(jax.random.normal(k[6], (b, h, p, n)), f32)
+    keep_rows = np.broadcast_to(keep[..., None], (b, h, c, p)).astype(f32)
+
+    # the reverse recurrence in float32, in the kernel's order
+    g_run, d_own, d_keep_rows = d_final.copy(), np.zeros_like(states_in), np.zeros((b, h, c, p), f32)
+    for i in reversed(range(c)):
+        d_own[:, i] = g_run
+        d_keep_rows[:, :, i] = (g_run * states_in[:, i]).sum(-1)
+        g_run = g_run * keep[:, :, i, None, None] + d_states_in[:, i]
+    want = dict(zip(("dx", "dw", "dB"), E.emulate_chunk_state_bwd(x, w, bt, d_own, q), strict=True))
+    want |= {"d keep rows": d_keep_rows, "d initial": g_run}
+    if add:
+        want["dB"] = np.asarray(want["dB"]).reshape(b, g, h // g, length, n).sum(2)
+
+    rows = lambda a: np.swapaxes(np.asarray(a), 1, 2) if positions_first else np.asarray(a)  # noqa: E731
+    outs = [
+        rows(np.zeros((b, h, length, p), f32)),
+        np.zeros((b, h, length), f32),
+        np.zeros((b, g if add else h, length, n), f32),
+        np.zeros((b, h, c, p), f32),
+        np.zeros((b, h, p, n), f32),
+    ]
+    body = functools.partial(
+        S._kernel, rep=h // g, dtype=bf16, chunks=c, add=add, rows_of=K._indexer(positions_first), lean=lean
+    )
+    args = (rows(x), w, (bt,), keep_rows, states_in, d_states_in, d_final)
+    got = bodies._run(body, args, outs, S._tiles(p, n, lean=lean), (b, h, 1))
+    got[0] = rows(got[0])
+    errors = {}
+    for name, a in zip(want, got, strict=True):
+        a, e = np.asarray(a, np.float64), np.asarray(want[name], np.float64)
+        assert a.shape == e.shape, (name, a.shape, e.shape)
+        errors[name] = float(np.abs(a - e).max() / np.abs(e).max())
+    return errors
+
+
+CASES = [
+    dict(),
+    dict(n=128),
+    dict(p=128),
+    dict(n=128, h=4, g=2, add=True),  # dB added into each group's rows
+    dict(positions_first=True),
+]
+
+
+@pytest.mark.parametrize("lean", [False, True], ids=["fused", "lean"])
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_the_fused_state_backward_body_computes_its_emulation_without_hazards(shim, case, lean):
+    errors = _errors(lean=lean, **case)
+    # dB = (w ∘ x) dS rounds dS once to bf16: the recurrence here and the kernel's may differ in
+    # float32's last bit (the kernel's sums run through jax on the shim), which can move one
+    # term of dB by a bf16 step; the other gradients take dS as two halves
+    assert errors.pop("dB") <= 1e-4, errors
+    assert max(errors.values()) <= 1e-5, errors
+    assert not shim.hazards, sorted(set(shim.hazards))
+
+
+def test_the_shim_sees_errors_planted_in_the_lean_state_backward(shim, monkeypatch):
+    # the waits for the copies out left out: the staging tile rewritten while a copy reads it
+    wait = bodies._Plgpu.wait_smem_to_gmem
+    monkeypatch.setattr(
+        bodies._Plgpu, "wait_smem_to_gmem", staticmethod(lambda n, wait_read_only=False: None)
+    )
+    _errors(lean=True, n=128)
+    assert any("while a TMA store may read it" in h for h in shim.hazards)
+    monkeypatch.setattr(bodies._Plgpu, "wait_smem_to_gmem", wait)
+    shim.hazards.clear()
+    # a chunk's B read before its copy was waited for: seen
+    monkeypatch.setattr(bodies._Plgpu, "barrier_wait", staticmethod(lambda barrier: None))
+    _errors(lean=True)
+    assert any("before its TMA load was waited" in h for h in shim.hazards)
+
+
+def test_the_lean_form_shares_an_sm_where_the_fused_one_does_not():
+    assert S.lean_state_bwd_shares_an_sm(64, 128) and S.lean_state_bwd_shares_an_sm(128, 64)
+    fused, lean = (K.blocks_per_sm(S._tiles(64, 128, lean=v)) for v in (False, True))
+    assert (fused, lean) == (1, 2)
+    assert S.fused_state_bwd_smem_bytes(64, 128, lean=True) < S.fused_state_bwd_smem_bytes(64, 128)
+
+
+def test_the_lean_form_refuses_float32_b():
+    from axkern.core.op import Unsupported
+
+    x, w = jnp.zeros((1, 1, 64, 64), jnp.bfloat16), jnp.ones((1, 1, 64))
+    bt = jnp.zeros((1, 1, 64, 64), jnp.float32)  # Mamba-3's: taken as two bf16 halves
+    keep, s = jnp.ones((1, 1, 1)), jnp.zeros((1, 1, 1, 64, 64))
+    with pytest.raises(Unsupported, match="16-bit B"):
+        S.fused_state_bwd(x, w, bt, keep, s, s, s[:, 0], lean=True)
