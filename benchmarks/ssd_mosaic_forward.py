@@ -10,7 +10,8 @@ kernel), `fused_sums_transposes` (the first two: the default), `fused_all` (all 
 of 128, by tiles of 64 rows), `chunk128_stages` (`stages_sums_transposes` at chunks of 128),
 `lean` (the lean chunk-scan backward), `lean_forward` (the lean fused forward), `lean_both` (the
 two), `lean_state_backward` (the lean forward and the lean fused state backward), `lean_all`
-(the three lean kernels).
+(the three lean kernels), `state_columns` (the lean forward and the lean fused state backward a
+block per 64 of the state's columns).
 
     OUT=<folder> python3 benchmarks/ssd_mosaic_forward.py [--lengths 2048,4096,16384] [--rounds 5]
         [--forms stages,fused]
@@ -54,6 +55,9 @@ FORMS = {
         64, "lean", group_sums="kernels", transposes="kernels", backward="lean"
     ),
     "lean_all": SSDBlockSizes(64, "lean", "kernels", "kernels", backward="lean", scan_backward="lean"),
+    "state_columns": SSDBlockSizes(
+        64, "lean", group_sums="kernels", transposes="kernels", backward="columns"
+    ),
 }
 
 

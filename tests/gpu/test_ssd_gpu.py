@@ -55,8 +55,8 @@ def _hopper() -> bool:
 # mosaic_gpu's forms (SSDBlockSizes after the chunk): the forward, where dB and dC are summed,
 # who transposes x and y, the state backward, the chunk-scan backward (the default: the sixth,
 # the seventh where XLA_FLAGS asks for deterministic results; the eighth with the lean chunk-scan
-# backward too, which takes P 64 only: the tests give the others the whole one; the last with
-# the lean fused state backward)
+# backward too, which takes P 64 only: the tests give the others the whole one; the last two
+# with the lean fused state backward, whole and over the state's columns)
 FORMS = [
     ("stages",),
     ("fused",),
@@ -67,6 +67,7 @@ FORMS = [
     ("lean", None, "kernels"),
     ("lean", "kernels", "kernels", None, "lean"),
     ("lean", "kernels", "kernels", "lean"),
+    ("lean", "kernels", "kernels", "columns"),
 ]
 
 
@@ -95,6 +96,7 @@ def _check_mosaic(arrays, seg, blocks):
         "deterministic",
         "lean_both",
         "lean_state_backward",
+        "state_columns",
     ],
 )
 @pytest.mark.parametrize("segments,slow", [(False, False), (True, False), (False, True)])
@@ -500,14 +502,14 @@ def test_mosaic_gpu_forward_alone_equals_the_differentiated_one(dims, extras):
 
 
 @pytest.mark.skipif(not _hopper(), reason="the Mosaic GPU kernels need a Hopper GPU")
-@pytest.mark.parametrize("lean", [False, True], ids=["fused", "lean"])
+@pytest.mark.parametrize("form", ["fused", "lean", "columns"])
 @pytest.mark.parametrize("group_sums,positions_first", [(False, False), (True, False), (False, True)])
 @pytest.mark.parametrize("dims", [(2, 4, 2, 3, 64, 128), (1, 2, 1, 1, 128, 64), (1, 4, 1, 5, 64, 64)])
-def test_mosaic_gpu_fused_state_backward_equals_the_two_kernels(dims, group_sums, positions_first, lean):
-    # the fused kernel (or its lean form) against the reverse recurrence (Triton) and the
-    # chunk-state backward (Mosaic) on the same random inputs, with carries of 0.1-0.9 so that
-    # the gradient crossing chunk boundaries matters; one chunk, x in the caller's layout, dB
-    # summed per group
+def test_mosaic_gpu_fused_state_backward_equals_the_two_kernels(dims, group_sums, positions_first, form):
+    # the fused kernel (or its lean form, or the lean one a block per 64 of the state's columns,
+    # adding dx onto a given one) against the reverse recurrence (Triton) and the chunk-state
+    # backward (Mosaic) on the same random inputs, with carries of 0.1-0.9 so that the gradient
+    # crossing chunk boundaries matters; one chunk, x in the caller's layout, dB summed per group
     import jax.numpy as jnp
     import numpy as np
 
@@ -530,13 +532,17 @@ def test_mosaic_gpu_fused_state_backward_equals_the_two_kernels(dims, group_sums
         return dx, dw, db, d_keep, d_init
 
     want = list(jax.jit(two_kernels)(x, w, bt, keep, states_in, d_states_in, d_final))
+    dx_in = jax.random.normal(k[0], (b, h, length, p))
+    want[0] = want[0] + dx_in
     xs = jnp.swapaxes(x, 1, 2) if positions_first else x
+    kw = dict(lean=form != "fused", columns=n // 64 if form == "columns" else 1)
     fused = jax.jit(
         lambda *a: mosaic_gpu.fused_state_bwd(
-            *a, group_sums=group_sums, positions_first=positions_first, lean=lean
+            *a, group_sums=group_sums, positions_first=positions_first, **kw
         )
     )
-    got = list(fused(xs, w, bt, keep, states_in, d_states_in, d_final))
+    dx_in = jnp.swapaxes(dx_in, 1, 2) if positions_first else dx_in
+    got = list(fused(xs, w, bt, keep, states_in, d_states_in, d_final, dx_in))
     if positions_first:
         got[0] = jnp.swapaxes(got[0], 1, 2)
     if group_sums:

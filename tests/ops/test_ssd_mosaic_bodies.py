@@ -255,14 +255,14 @@ def _smem(tiles):
     )
 
 
-def _run(body, ins, outs, tiles, grid):
-    """`body` over the grid (batch, heads, chunks), block by block; the outputs' arrays."""
+def _run(body, ins, outs, tiles, grid, names=("batch", "heads", "chunks")):
+    """`body` over the grid (`names`), block by block; the outputs' arrays."""
     refs = [
         tuple(_Ref(np.asarray(x)) for x in a) if isinstance(a, tuple) else _Ref(np.asarray(a)) for a in ins
     ]
     out_refs = [_Ref(o) for o in outs]
-    for b, h, c in itertools.product(*map(range, grid)):
-        ST.grid.update(batch=b, heads=h, chunks=c)
+    for index in itertools.product(*map(range, grid)):
+        ST.grid.update(zip(names, index, strict=True))
         ST.dirty.clear(), ST.pending.clear(), ST.loading.clear()
         body(*refs, *out_refs, (_smem(tiles), _Barriers()))
         if ST.pending:

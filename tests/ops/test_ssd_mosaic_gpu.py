@@ -178,6 +178,7 @@ def test_each_kernel_lowers_with_positions_first(kernel):
         ("lean", None, None, "lean"),
         ("lean", "kernels", "lean", None),
         ("lean", None, "lean", None),
+        ("lean", "kernels", "columns", None),
     ],
 )
 def test_the_layer_lowers_in_every_form(forward, group_sums, backward, scan_backward):
@@ -306,29 +307,32 @@ def test_the_layer_lowers_at_larger_chunks(chunk, state, forward, group_sums):
 
 
 @needs_mosaic
-@pytest.mark.parametrize("lean", [False, True], ids=["fused", "lean"])
+@pytest.mark.parametrize("form", ["fused", "lean", "columns"])
 @pytest.mark.parametrize("group_sums", [False, True])
 @pytest.mark.parametrize("dims", [(2, 4, 2, 3, 64, 128), (1, 2, 1, 2, 128, 64), (1, 2, 2, 1, 64, 64)])
-def test_the_fused_state_backward_lowers(dims, group_sums, lean):
+def test_the_fused_state_backward_lowers(dims, group_sums, form):
     # the reverse recurrence and the chunk states' backward as one kernel: dx, dw, dB (per head
     # or per group), d keep [b, h, c], the initial state's gradient; the lean form in one slot of
-    # B and one staging tile, two blocks an SM
+    # B and one staging tile, two blocks an SM; over the state's columns, a block per 64 of them
+    # adding its parts of dx (onto a given one) and dw
     b, h, g, chunks, p, n = dims
+    lean, columns = form != "fused", n // 64 if form == "columns" else 1
     x, w, bt, states = _kernel_args("chunk_state_bwd", *dims)
     keep = jax.ShapeDtypeStruct((b, h, chunks), jnp.float32)
     final = jax.ShapeDtypeStruct((b, h, p, n), jnp.float32)
-    args = (x, w, bt, keep, states, states, final)
-    fn = functools.partial(mosaic_gpu.fused_state_bwd, group_sums=group_sums, lean=lean)
+    dx_in = jax.ShapeDtypeStruct((b, h, chunks * 64, p), jnp.float32)
+    args = (x, w, bt, keep, states, states, final, dx_in)
+    fn = functools.partial(mosaic_gpu.fused_state_bwd, group_sums=group_sums, lean=lean, columns=columns)
     shapes = [o.shape for o in jax.eval_shape(fn, *args)]
     length = chunks * mosaic_gpu.CHUNK
     db = (b, g if group_sums else h, length, n)
     assert shapes == [(b, h, length, p), (b, h, length), db, (b, h, chunks), (b, h, p, n)]
     text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert _kernels(text) == 1
-    if not group_sums:  # (the kernels' names show where no output is added into)
+    if not group_sums and columns == 1:  # (the kernels' names show where no output is added into)
         assert ("axkern_ssd_mosaic_gpu_state_bwd_fused_lean" in text) == lean
-    assert mosaic_gpu.fused_state_bwd_smem_bytes(p, n, lean) <= 227 * 1024
-    assert mosaic_gpu.lean_state_bwd_shares_an_sm(p, n)
+    assert mosaic_gpu.fused_state_bwd_smem_bytes(p, n, lean, columns) <= 227 * 1024
+    assert mosaic_gpu.lean_state_bwd_shares_an_sm(p, n, columns)
 
 
 @needs_mosaic
@@ -552,8 +556,9 @@ def test_dispatch_skips_it_off_hopper_with_the_reason():
         mosaic_gpu.ssd(*[None] * 9, block_sizes=SSDBlockSizes(chunk_size=96))
     with pytest.raises(axkern.Unsupported, match="chunk_size=128: the fused state backward"):
         mosaic_gpu.ssd(*[None] * 9, block_sizes=SSDBlockSizes(chunk_size=128, backward="fused"))
-    with pytest.raises(axkern.Unsupported, match="chunk_size=128: the fused state backward"):
-        mosaic_gpu.ssd(*[None] * 9, block_sizes=SSDBlockSizes(chunk_size=128, backward="lean"))
+    for form in ("lean", "columns"):
+        with pytest.raises(axkern.Unsupported, match="chunk_size=128: the fused state backward"):
+            mosaic_gpu.ssd(*[None] * 9, block_sizes=SSDBlockSizes(chunk_size=128, backward=form))
     assert mosaic_gpu.chunk_reason(64, 128, 128) is None and mosaic_gpu.chunk_reason(64, 64, 256) is None
     # where the three stages' tiles fit at a larger chunk, the fused forward's do too
     for (p, n), q in itertools.product(fits, (128, 256)):
@@ -630,6 +635,7 @@ def test_dispatch_skips_it_off_hopper_with_the_reason():
     assert "one slot of tiles" in kernels(gpu, SSDBlockSizes(64, forward="lean"))
     lean_state = kernels(gpu, SSDBlockSizes(64, backward="lean"))
     assert "reverse recurrence and the chunk-state backward in one slot of B" in lean_state
+    assert "a block per 64 of the state's columns" in kernels(gpu, SSDBlockSizes(64, backward="columns"))
 
 
 def test_the_default_form_and_the_deterministic_flags(monkeypatch):
@@ -643,17 +649,16 @@ def test_the_default_form_and_the_deterministic_flags(monkeypatch):
     default = dataclasses.replace(whole, forward="lean")
     assert heuristic(gpu) == default
     forms = space(gpu)
-    assert forms[0] == default and len(set(forms)) == len(forms) == 10
+    assert forms[0] == default and len(set(forms)) == len(forms) == 11
     assert SSDBlockSizes(64, forward="stages") in forms
     # the lean forward taken back (the whole kernels' form), the fused state backward with the
     # whole kernels, the lean one with the default; the lean chunk-scan backward in none
     # (docs/ops/ssd.md says why)
-    for form in (
-        whole,
-        dataclasses.replace(whole, backward="fused"),
-        dataclasses.replace(default, backward="lean"),
-    ):
+    for form in (whole, dataclasses.replace(whole, backward="fused")):
         assert form in forms, form
+    for state_backward in ("lean", "columns"):  # (over the state's columns where N > 64)
+        assert dataclasses.replace(default, backward=state_backward) in forms
+    assert dataclasses.replace(default, backward="columns") not in space(_h200_spec(128, 64)[1])
     assert all(f.scan_backward is None for f in forms)
     # the whole kernels' form and its three stages at chunks of 128 (at P 64, N 128 the scan's
     # tiles at 256 exceed shared memory; the lean kernels run chunks of 64)

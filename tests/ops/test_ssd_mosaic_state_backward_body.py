@@ -25,10 +25,12 @@ def shim(monkeypatch):
     return bodies.install_shim(monkeypatch, (K, bodies.T, bodies.B, bodies.F, bodies.FL, S))
 
 
-def _errors(b=1, h=2, g=1, c=3, p=64, n=64, add=False, lean=False, positions_first=False):
+def _errors(b=1, h=2, g=1, c=3, p=64, n=64, add=False, lean=False, positions_first=False, columns=1):
     """The kernel's largest differences (relative to the largest magnitude) from the recurrence's
     and the chunk state backward's emulation: `dx`, `dw`, `dB` (per head, or `add`: summed into
-    each group's rows), `d keep`'s row sums and the initial state's gradient."""
+    each group's rows), `d keep`'s row sums and the initial state's gradient. `columns`: the
+    lean kernel a block per `n / columns` of the state's columns, adding `dx` onto a given one
+    (`dx_in`) and `dw` onto zeros."""
     q, f32, bf16 = K.CHUNK, np.float32, jnp.bfloat16
     length = c * q
     k = jax.random.split(jax.random.PRNGKey(2), 7)
@@ -48,23 +50,26 @@ def _errors(b=1, h=2, g=1, c=3, p=64, n=64, add=False, lean=False, positions_fir
         g_run = g_run * keep[:, :, i, None, None] + d_states_in[:, i]
     want = dict(zip(("dx", "dw", "dB"), E.emulate_chunk_state_bwd(x, w, bt, d_own, q), strict=True))
     want |= {"d keep rows": d_keep_rows, "d initial": g_run}
+    dx_in = np.asarray(jax.random.normal(k[0], (b, h, length, p)), f32) if columns > 1 else 0
+    want["dx"] = np.asarray(want["dx"]) + dx_in
     if add:
         want["dB"] = np.asarray(want["dB"]).reshape(b, g, h // g, length, n).sum(2)
 
     rows = lambda a: np.swapaxes(np.asarray(a), 1, 2) if positions_first else np.asarray(a)  # noqa: E731
     outs = [
-        rows(np.zeros((b, h, length, p), f32)),
+        rows(np.zeros((b, h, length, p), f32) + dx_in),
         np.zeros((b, h, length), f32),
         np.zeros((b, g if add else h, length, n), f32),
-        np.zeros((b, h, c, p), f32),
+        np.zeros((b, h, c, columns * p), f32),
         np.zeros((b, h, p, n), f32),
     ]
-    body = functools.partial(
-        S._kernel, rep=h // g, dtype=bf16, chunks=c, add=add, rows_of=K._indexer(positions_first), lean=lean
-    )
+    kw = dict(rep=h // g, dtype=bf16, chunks=c, add=add, rows_of=K._indexer(positions_first), lean=lean)
+    body = functools.partial(S._kernel, **kw, column_blocks=columns)
     args = (rows(x), w, (bt,), keep_rows, states_in, d_states_in, d_final)
-    got = bodies._run(body, args, outs, S._tiles(p, n, lean=lean), (b, h, 1))
+    names = ("batch", "heads", "columns")
+    got = bodies._run(body, args, outs, S._tiles(p, n // columns, lean=lean), (b, h, columns), names)
     got[0] = rows(got[0])
+    got[3] = got[3].reshape(b, h, c, columns, p).sum(3)
     errors = {}
     for name, a in zip(want, got, strict=True):
         a, e = np.asarray(a, np.float64), np.asarray(want[name], np.float64)
@@ -80,10 +85,19 @@ CASES = [
     dict(n=128, h=4, g=2, add=True),  # dB added into each group's rows
     dict(positions_first=True),
 ]
+# the lean kernel a block per 64 of the state's columns
+COLUMNS = [
+    dict(n=128, columns=2),
+    dict(n=128, columns=2, h=4, g=2, add=True, positions_first=True),
+    dict(p=128, n=128, columns=2),
+]
 
 
-@pytest.mark.parametrize("lean", [False, True], ids=["fused", "lean"])
-@pytest.mark.parametrize("case", CASES, ids=str)
+@pytest.mark.parametrize(
+    "lean,case",
+    [(False, c) for c in CASES] + [(True, c) for c in CASES + COLUMNS],
+    ids=lambda v: str(v) if isinstance(v, dict) else ("lean" if v else "fused"),
+)
 def test_the_fused_state_backward_body_computes_its_emulation_without_hazards(shim, case, lean):
     errors = _errors(lean=lean, **case)
     # dB = (w ∘ x) dS rounds dS once to bf16: the recurrence here and the kernel's may differ in

@@ -67,10 +67,11 @@ def _mosaic_gpu_kernels(spec, block_sizes) -> str:
     backward = (
         "Mosaic GPU chunk-scan backward kernel, one fused Mosaic GPU kernel for the reverse recurrence and the "
         "chunk-state backward"
-        if bs.backward in ("fused", "lean")
+        if bs.backward in ("fused", "lean", "columns")
         else "Mosaic GPU chunk-scan and chunk-state backward kernels, pallas_gpu's reverse recurrence"
     )
     backward += " in one slot of B (two blocks an SM)" * (bs.backward == "lean")
+    backward += " in one slot of B, a block per 64 of the state's columns" * (bs.backward == "columns")
     extras = [("dB, dC summed over heads in the kernels", bs.group_sums == "kernels")]
     extras += [("x, y in the caller's layout in the kernels", bs.transposes == "kernels")]
     extras += [("the lean chunk-scan backward (two blocks an SM)", bs.scan_backward == "lean")]

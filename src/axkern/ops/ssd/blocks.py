@@ -59,7 +59,8 @@ class SSDBlockSizes(BlockSizes):
     `"fused"` (one kernel per batch row and head walking its chunks from the last,
     `common/mosaic/state_backward.py`) or `"lean"` (the fused one in one slot of `B` and one
     staging tile, 99 KiB at P 64, N 128 where the fused one takes 148, so that two blocks share
-    an SM). `scan_backward` (`mosaic_gpu` only, chunks of 64):
+    an SM) or `"columns"` (the lean one a block per 64 of the state's columns, adding their
+    parts of `dx` and `dw`: 60 KiB at P 64, N 128, three blocks an SM, twice the blocks). `scan_backward` (`mosaic_gpu` only, chunks of 64):
     `"whole"` (None means this) or `"lean"` (the chunk-scan backward in 108 KiB of shared memory
     at P 64, N 128 rather than 188, so that two blocks share an SM: P 64 only, the entering
     state's low half in `M`'s tiles, every result out through one 64 × 64 float32 staging tile;
@@ -69,7 +70,7 @@ class SSDBlockSizes(BlockSizes):
         "forward": ("stages", "fused", "lean"),
         "group_sums": ("xla", "kernels"),
         "transposes": ("xla", "kernels"),
-        "backward": ("stages", "fused", "lean"),
+        "backward": ("stages", "fused", "lean", "columns"),
         "scan_backward": ("whole", "lean"),
     }
 
@@ -93,6 +94,7 @@ MOSAIC_GPU_FORMS = (
     ("group_sums", "kernels", "sums dB and dC in its kernels"),
     ("backward", "fused", "has a fused state backward"),
     ("backward", "lean", "has a lean fused state backward"),
+    ("backward", "columns", "has a lean fused state backward over the state's columns"),
     ("transposes", "kernels", "reads x in the caller's layout"),
     ("scan_backward", "lean", "has a lean chunk-scan backward"),
 )
@@ -181,7 +183,8 @@ def mosaic_gpu_heuristic(spec: Spec) -> SSDBlockSizes:
 def mosaic_gpu_space(spec: Spec) -> list[SSDBlockSizes]:
     """The default, then its parts taken back one at a time (the lean forward for the fused
     one), the lean fused state backward added to the default (where two of its blocks share an
-    SM) and the fused one to the whole kernels' form, and the three stages with none of them;
+    SM; over the state's columns where N > 64) and the fused one to the whole kernels' form, and
+    the three stages with none of them;
     then the whole kernels' form and its three stages at chunks of 128 and 256 where their
     tiles fit (`axkern tune` times each)."""
     best = mosaic_gpu_heuristic(spec)
@@ -192,6 +195,7 @@ def mosaic_gpu_space(spec: Spec) -> list[SSDBlockSizes]:
         dataclasses.replace(best, group_sums="xla"),
         dataclasses.replace(best, transposes="xla"),
         *[dataclasses.replace(best, backward="lean")] * lean_state_bwd_shares_an_sm(p, n),
+        *[dataclasses.replace(best, backward="columns")] * (n > 64),
         whole,
         dataclasses.replace(whole, backward="fused"),
         SSDBlockSizes(chunk_size=64, forward="fused"),

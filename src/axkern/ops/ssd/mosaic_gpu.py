@@ -47,7 +47,7 @@ def ssd(x, dt, A, B, C, D, z, segment_ids, initial_state, *, block_sizes, interp
             raise Unsupported(
                 f"chunk_size={chunk}: the Mosaic GPU kernels run chunks of a multiple of {CHUNK}"
             )
-        if block_sizes.backward in ("fused", "lean"):
+        if block_sizes.backward in ("fused", "lean", "columns"):
             raise Unsupported(
                 f"chunk_size={chunk}: the fused state backward runs chunks of {CHUNK} "
                 "(backward='stages' takes larger chunks)"
@@ -67,10 +67,11 @@ def ssd(x, dt, A, B, C, D, z, segment_ids, initial_state, *, block_sizes, interp
         block_sizes.forward in ("fused", "lean"),
         block_sizes.group_sums == "kernels",
         block_sizes.transposes == "kernels",
-        block_sizes.backward in ("fused", "lean"),
+        block_sizes.backward in ("fused", "lean", "columns"),
         lean,
         lean_forward,
-        block_sizes.backward == "lean",
+        block_sizes.backward in ("lean", "columns"),
+        B.shape[-1] // CHUNK if block_sizes.backward == "columns" else 1,
     )
     return chunk_kernels.ssd(
         layout, x, dt, A, B, C, D, z, segment_ids, initial_state, chunk_size=chunk, interpret=False

@@ -269,8 +269,10 @@ class MosaicLayout(GpuLayout):
     fused_backward = False
     # the chunk-scan backward in less shared memory (`backward.lean_reason`)
     lean_scan_backward = False
-    # the fused state backward in less shared memory (`state_backward.py`)
+    # the fused state backward in less shared memory (`state_backward.py`), a block per
+    # `N / state_columns` of the state's columns
     lean_state_backward = False
+    state_columns = 1
 
     @classmethod
     def turns_back(cls) -> bool:
@@ -282,13 +284,11 @@ class MosaicLayout(GpuLayout):
     def state_backward(self, xt, w, bt, keep, states_in, d_states_in, d_final, dx_scan, db_scan):
         if not self.fused_backward:
             return super().state_backward(xt, w, bt, keep, states_in, d_states_in, d_final, dx_scan, db_scan)
-        kw = dict(
-            group_sums=self.group_sums, positions_first=self.positions_first, lean=self.lean_state_backward
-        )
-        dx, dw, db, *rest = fused_state_bwd(
-            xt, self.to_col(w), bt, keep, states_in, d_states_in, d_final, **kw
-        )
-        return ((dx + dx_scan).astype(xt.dtype), dw, db + db_scan, *rest)
+        kw = dict(group_sums=self.group_sums, positions_first=self.positions_first)
+        kw |= dict(lean=self.lean_state_backward, columns=self.state_columns)
+        args = (xt, self.to_col(w), bt, keep, states_in, d_states_in, d_final, dx_scan)
+        dx, dw, db, *rest = fused_state_bwd(*args, **kw)  # (dx_scan added to dx)
+        return (dx.astype(xt.dtype), dw, db + db_scan, *rest)
 
     def sum_groups(self, db, dc):
         return (db, dc) if self.group_sums else super().sum_groups(db, dc)
@@ -350,11 +350,13 @@ def layout_class(
     lean_scan_backward: bool = False,
     lean_forward: bool = False,
     lean_state_backward: bool = False,
+    state_columns: int = 1,
 ) -> type[MosaicLayout]:
     """The layout for the forward's form, where `dB`, `dC` are summed, how `x`, `y` are laid out,
     the state backward's form (`B`, `C` may enter its kernels as bf16 or float32,
     `operand_parts`), whether the chunk-scan backward is the lean one, (`fused`) whether the
-    fused forward is and (`fused_backward`) whether the fused state backward is."""
+    fused forward is and (`fused_backward`) whether the fused state backward is (lean, over
+    `state_columns` blocks of the state's columns)."""
     base = FusedMosaicLayout if fused else MosaicLayout
     flags = {
         "group_sums": group_sums,
@@ -363,6 +365,7 @@ def layout_class(
         "lean_scan_backward": lean_scan_backward,
         "lean_forward": lean_forward,
         "lean_state_backward": lean_state_backward,
+        "state_columns": state_columns > 1,
     }
     if not any(flags.values()):
         return base
@@ -373,6 +376,7 @@ def layout_class(
         "LeanScanBackward",
         "LeanForward",
         "LeanStateBackward",
+        f"StateColumns{state_columns}",
     )
     name = base.__name__ + "".join(w for w, on in zip(words, flags.values(), strict=True) if on)
-    return type(name, (base,), flags)
+    return type(name, (base,), flags | {"state_columns": state_columns})

@@ -26,14 +26,7 @@ try:
 except Exception as e:  # noqa: BLE001 - any import failure means the kernels cannot serve
     plgpu, _IMPORT_ERROR = None, e
 
-__all__ = [
-    "CHUNK",
-    "smem_bytes",
-    "dims_reason",
-    "chunk_state",
-    "chunk_scan",
-    "operand_parts",
-]
+__all__ = ["CHUNK", "smem_bytes", "dims_reason", "chunk_state", "chunk_scan", "operand_parts"]
 
 CHUNK = 64  # positions per chunk: one warpgroup's wgmma rows
 # the lean kernels' staging tiles (`backward._staged`: through them in turn; two 64 x 32 work too)
@@ -395,6 +388,7 @@ def _launch(
     tiles=None,
     rows_dtype=jnp.float32,
     rows=CHUNK,
+    columns=1,
     **kw,
 ):
     """The Mosaic GPU kernel `body` of `kind` ("state", "scan", ...) over the grid (batch, heads,
@@ -406,7 +400,8 @@ def _launch(
     lowers `pallas_call` to Mosaic GPU.
     `positions_first`: `x`, `y`, `dy`, `dx` are `[b, L, h, d]` (`rows_of`). `tiles`: a fused
     kernel's shared memory, over the grid (batch, heads) (heads on CUDA's x axis: blocks
-    launched together share a group's `B` and `C`); `rows_dtype` the output rows' tile (`_tiles`);
+    launched together share a group's `B` and `C`), or (batch, heads, `columns`) where `columns`
+    > 1 (a block a part of the state's columns); `rows_dtype` the output rows' tile (`_tiles`);
     `kw` more of the body's arguments. `rows`: the positions a block of the grid over chunks
     takes (the grid's last axis `L / rows`). `bt`: `B`'s parts (`operand_parts`); an argument of the
     launch that is a tuple of arrays (`B`'s, `C`'s parts) reaches the body as a tuple of refs."""
@@ -414,8 +409,12 @@ def _launch(
     g, n = bt[0].shape[1], bt[0].shape[-1]
     skip = set((into or {}).values())
     scratch = _smem(tiles if tiles is not None else _tiles(kind, p, n, xt.dtype, rows_dtype, len(bt), rows))
-    names = ("batch", "heads") if tiles is not None else ("batch", "heads", "chunks")
-    grid = (b, h, lp // rows)[: len(names)]
+    names = (
+        ("batch", "heads", "columns")[: 2 + (columns > 1)]
+        if tiles is not None
+        else ("batch", "heads", "chunks")
+    )
+    grid = (b, h, lp // rows if tiles is None else columns)[: len(names)]
     name = f"axkern_ssd_mosaic_gpu_{kind}"
 
     def entry(counts, *refs):

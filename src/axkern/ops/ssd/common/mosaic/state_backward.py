@@ -49,7 +49,6 @@ from .kernels import (
     STAGES,
     _halves,
     _launch,
-    _part_copies,
     _products,
     _put_last,
     _rows_type,
@@ -82,16 +81,29 @@ def _tiles(p: int, n: int, dtype=jnp.bfloat16, parts=1, lean=False) -> list:
     ]
 
 
-def fused_state_bwd_smem_bytes(p: int, n: int, lean: bool = False) -> int:
-    return tile_bytes(_tiles(p, n, lean=lean))
+def fused_state_bwd_smem_bytes(p: int, n: int, lean: bool = False, columns: int = 1) -> int:
+    return tile_bytes(_tiles(p, n // columns, lean=lean))
 
 
-def lean_state_bwd_shares_an_sm(p: int, n: int) -> bool:
-    """Whether two blocks of the lean fused state backward fit a Hopper SM's 228 KiB of shared
-    memory (each with the 1 KiB the system keeps a block) at head dim `p` and state `n`: 99 KiB
-    at P 64, N 128 and 92 at P 128, N 64 (the fused kernel's 148 and 132 leave one a SM), 60 at
-    P and N 64 (three a SM, the fused kernel's 84 two)."""
-    return blocks_per_sm(_tiles(p, n, lean=True)) >= 2
+def lean_state_bwd_shares_an_sm(p: int, n: int, columns: int = 1) -> bool:
+    """Whether two blocks of the lean fused state backward (a block `n / columns` of the state's
+    columns) fit a Hopper SM's 228 KiB of shared memory (each with the 1 KiB the system keeps a
+    block) at head dim `p` and state `n`: 99 KiB at P 64, N 128 and 92 at P 128, N 64 (the fused
+    kernel's 148 and 132 leave one a SM), 60 at P and N 64 and at P 64, N 128 in two column
+    blocks (three a SM; the fused kernel's 84 at P and N 64, two)."""
+    return blocks_per_sm(_tiles(p, n // columns, lean=True)) >= 2
+
+
+def columns_reason(n: int, columns: int, lean: bool) -> str | None:
+    """Why the fused state backward cannot split the state's `n` columns over `columns` blocks
+    (the lean form only, 64 columns a block or more), or None."""
+    if columns == 1:
+        return None
+    if not lean:
+        return "the state's columns split over blocks in the lean form only"
+    if n % columns or (n // columns) % CHUNK:
+        return f"state={n}: {columns} column blocks must take a multiple of {CHUNK} columns each"
+    return None
 
 
 def _kernel(
@@ -115,20 +127,27 @@ def _kernel(
     add,
     rows_of,
     lean=False,
+    column_blocks=1,
 ):
     (b_smem, dsh_smem, dsl_smem, g_smem, *staging, dw_smem, dk_smem), loaded = scoped
     head, batch = lax.axis_index("heads"), lax.axis_index("batch")
-    q, n = b_smem.shape[1:]
+    q, n = b_smem.shape[1:]  # (n: the block's columns of the state)
     p = dsh_smem.shape[0]
     parts = b_smem.shape[0] // (1 if lean else 2)
     group = lax.div(head, jnp.int32(rep))
     f32, wgmma_layout = jnp.float32, plgpu.Layout.WGMMA
     row = wgmma_layout.reduce(1)
+    split = column_blocks > 1  # a block of the state's columns: dx, dw added over the blocks
+    first = lax.axis_index("columns") * n if split else 0
+
+    def state_at(ref, *index):  # the block's columns of a state-shaped ref
+        return ref.at[(*index, slice(None), pl.ds(first, n))] if split else ref.at[index]
 
     def fetch(chunk, slot):
         dsts = parts_of(b_smem, slot * parts, parts)
-        for i, (src, dst) in enumerate(_part_copies(b_ref, dsts, batch, group, pl.ds(chunk * q, q))):
-            plgpu.copy_gmem_to_smem(src, dst, loaded.at[slot * parts + i])
+        index = (batch, group, pl.ds(chunk * q, q)) + ((pl.ds(first, n),) if split else ())
+        for i, (ref, dst) in enumerate(zip(b_ref, dsts, strict=True)):
+            plgpu.copy_gmem_to_smem(ref.at[index], dst, loaded.at[slot * parts + i])
 
     fetch(chunks - 1, 0)
 
@@ -145,8 +164,8 @@ def _kernel(
         # the staging tiles' last copies out have been read; g out as halves and whole before
         # x is loaded (g, the state entering and x's halves together would crowd the registers)
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-        s_in = mosaic_gpu_load(s_ref.at[batch, chunk, head], layout=wgmma_layout, optimized=False)
-        dk_smem[...] = jnp.sum(g * s_in, axis=1)  # d keep_c's row sums
+        s_in = mosaic_gpu_load(state_at(s_ref, batch, chunk, head), layout=wgmma_layout, optimized=False)
+        dk_smem[...] = jnp.sum(g * s_in, axis=1)  # d keep_c's row sums (over the block's columns)
         g_smem[...] = g
         dsh_smem[...], dsl_smem[...] = _halves(g, dtype)
         x = mosaic_gpu_load(rows_of(x_ref, batch, head, rows), layout=wgmma_layout, optimized=False)
@@ -169,62 +188,88 @@ def _kernel(
 
             dsts = (  # (the gradients' rows are the chunk's: one block of 64 rows each)
                 lambda _, cols: rows_of(dx_ref, batch, head, rows, cols),
-                lambda _, cols: db_ref.at[batch, group if add else head, rows, cols],
-                dw_ref.at[batch, head, rows],
+                lambda _, cols: db_ref.at[
+                    batch, group if add else head, rows, pl.ds(first + cols.start, cols.size)
+                ],
+                dsts[2],
             )
-            _lean_state_grads(dxw, ds, x, w, (xw_h, xw_l), (tuple(staging), dw_smem), dsts, add=add)
+            tiles = (tuple(staging), dw_smem)
+            _lean_state_grads(dxw, ds, x, w, (xw_h, xw_l), tiles, dsts, add=add, split=split)
         else:
             _state_grads(bs, ds, x, w, (xw_h, xw_l), (*staging, dw_smem))
             _send_state_grads((*staging, dw_smem), dsts, add=add)
-        plgpu.copy_smem_to_gmem(dk_smem, d_keep_ref.at[batch, head, chunk])
+        keep_rows = (pl.ds(lax.axis_index("columns") * p, p),) if split else ()
+        plgpu.copy_smem_to_gmem(dk_smem, d_keep_ref.at[(batch, head, chunk, *keep_rows)])
 
         # g <- keep_c g + dS_in,c (keep: one value along g's rows)
         keep = mosaic_gpu_load(keep_ref.at[batch, head, chunk], layout=row, optimized=False)
-        ds_in = mosaic_gpu_load(ds_in_ref.at[batch, chunk, head], layout=wgmma_layout, optimized=False)
+        ds_in = mosaic_gpu_load(state_at(ds_in_ref, batch, chunk, head), layout=wgmma_layout, optimized=False)
         return g_smem[...] * lax.broadcast_in_dim(keep, (p, n), [0]) + ds_in
 
-    g = mosaic_gpu_load(d_final_ref.at[batch, head], layout=wgmma_layout, optimized=False)
-    _put_last(g_smem, lax.fori_loop(0, chunks, step, g), d_init_ref.at[batch, head])
+    g = mosaic_gpu_load(state_at(d_final_ref, batch, head), layout=wgmma_layout, optimized=False)
+    _put_last(g_smem, lax.fori_loop(0, chunks, step, g), state_at(d_init_ref, batch, head))
 
 
-def _lean_state_grads(dxw, ds, x, w, xw, staging, dsts, *, add):
+def _lean_state_grads(dxw, ds, x, w, xw, staging, dsts, *, add, split=False):
     """`_state_grads` and `_send_state_grads` from `d(w ∘ x) = B dSᵀ` (`dxw`, registers) with
     the staging tiles `(stages, dw)`: `dx`, then `dB`, out through `stages` block by block
     (`backward._staged`; `dsts`: `dx`'s and `dB`'s `dst(r, cols)`, `dw`'s ref), `dB` added
-    (`add`: a group's rows) or stored; `dw` through its own tile. `dB = (w ∘ x) dS` with both
-    operands rounded once (`rounds_once`: the lean form takes 16-bit `B`)."""
+    (`add`: a group's rows) or stored, `dx` and `dw` added where `split` (a block of the state's
+    columns gives a part of each) or stored; `dw` through its own tile. `dB = (w ∘ x) dS` with
+    both operands rounded once (`rounds_once`: the lean form takes 16-bit `B`)."""
     stages, dw_smem = staging
     (q, p), n = dxw.shape, ds[0].shape[1]
     dx_dst, db_dst, dw_dst = dsts
+    adds = "add" if split else None
     dw_smem[...] = jnp.sum(dxw * x, axis=1)
     send = _staged(stages)  # (the tiles' copies read: waited by the caller)
-    send(dxw * lax.broadcast_in_dim(w, (q, p), [0]), dx_dst)
+    send(dxw * lax.broadcast_in_dim(w, (q, p), [0]), dx_dst, reduction_op=adds)
     send(_products((q, n), pairs(xw[:1], ds[:1])), db_dst, reduction_op="add" if add else None)
-    plgpu.copy_smem_to_gmem(dw_smem, dw_dst)  # (committed by the sends)
+    plgpu.copy_smem_to_gmem(dw_smem, dw_dst, reduction_op=adds)  # (committed by the sends)
 
 
 def fused_state_bwd(
-    xt, w, bt, keep, states_in, d_states_in, d_final, *, group_sums=False, positions_first=False, lean=False
+    xt,
+    w,
+    bt,
+    keep,
+    states_in,
+    d_states_in,
+    d_final,
+    dx_in=None,
+    *,
+    group_sums=False,
+    positions_first=False,
+    lean=False,
+    columns=1,
 ):
     """`(dx [b, h, L, P], dw [b, h, L], dB [b, h, L, N], d keep [b, h, c], d initial state [b, h,
     P, N])`, float32, of the chunk states and the recurrence between them, from `xt [b, h, L, P]`
-    and `bt [b, g, L, N]` (bf16 or float32, `operand_parts`), the weights `w [b, h, L]` and carries `keep [b, h, c]`, the
-    states entering the chunks and their gradients (`[b, c, h, P, N]` float32) and the final
-    state's gradient (`[b, h, P, N]`), by the fused kernel. `group_sums`: `dB [b, g, L, N]` by TMA
+    and `bt [b, g, L, N]` (bf16 or float32, `operand_parts`), the weights `w [b, h, L]` and
+    carries `keep [b, h, c]`, the states entering the chunks and their gradients (`[b, c, h, P,
+    N]` float32) and the final state's gradient (`[b, h, P, N]`), by the fused kernel; `dx_in`
+    (float32, `dx`'s shape) added to `dx` where given. `group_sums`: `dB [b, g, L, N]` by TMA
     reductions; `positions_first`: `xt` and `dx` are `[b, L, h, P]`; `lean`: the kernel in one
-    slot of `B` and the staging tiles `STAGES` (16-bit `B` only)."""
-    kw = dict(group_sums=group_sums, positions_first=positions_first, lean=lean)
+    slot of `B` and the staging tiles `STAGES` (16-bit `B` only); `columns`: the lean kernel a
+    block per `N / columns` of the state's columns, each adding its part of `dx` (onto `dx_in`)
+    and `dw` by TMA reductions (`columns_reason`)."""
+    reason = columns_reason(operand_parts(bt)[0].shape[-1], columns, lean)
+    if reason:
+        raise Unsupported(f"columns={columns}: {reason}")
+    kw = dict(group_sums=group_sums, positions_first=positions_first, lean=lean, columns=columns)
     body = functools.partial(_fused_state_bwd, **kw)
-    args = (xt, w, bt, keep, states_in, d_states_in, d_final)
-    return _batch_folding(body)(*args) if group_sums else body(*args)
+    args = (xt, w, bt, keep, states_in, d_states_in, d_final) + (() if dx_in is None else (dx_in,))
+    return _batch_folding(body)(*args) if group_sums or columns > 1 else body(*args)
 
 
-def _fused_state_bwd(xt, w, bt, keep, states_in, d_states_in, d_final, *, group_sums, positions_first, lean):
+def _fused_state_bwd(
+    xt, w, bt, keep, states_in, d_states_in, d_final, *dx_in, group_sums, positions_first, lean, columns
+):
     bt = operand_parts(bt)
     if lean and len(bt) != 1:
         raise Unsupported("the lean fused state backward takes 16-bit B (its dB rounds dS once)")
     f32, dtype, g = jnp.float32, xt.dtype, bt[0].shape[1]
-    tiles = _tiles(xt.shape[-1], bt[0].shape[-1], dtype, len(bt), lean)
+    tiles = _tiles(xt.shape[-1], bt[0].shape[-1] // columns, dtype, len(bt), lean)
     setup = _walk_setup(xt, bt, keep, tiles, "the fused state backward", positions_first=positions_first)
     b, h, lp, p, n, c, keep_rows = setup
     db = jax.ShapeDtypeStruct((b, g if group_sums else h, lp, n), f32)
@@ -232,15 +277,21 @@ def _fused_state_bwd(xt, w, bt, keep, states_in, d_states_in, d_final, *, group_
         _rows_type(b, h, lp, p, positions_first),
         jax.ShapeDtypeStruct((b, h, lp), f32),
         db,
-        jax.ShapeDtypeStruct((b, h, c, p), f32),
+        jax.ShapeDtypeStruct((b, h, c, columns * p), f32),
         jax.ShapeDtypeStruct((b, h, p, n), f32),
     )
     args = [xt, w, bt, keep_rows, states_in, d_states_in, d_final.astype(f32)]
-    into = {2: len(args)} if group_sums else None  # dB: the zeros passed last
-    if group_sums:
-        args.append(jnp.zeros(db.shape, f32))
+    # outputs the kernel adds into: dB with the group sums; dx (onto dx_in) and dw over column blocks
+    into = {}
+    for o in ((0, 1) if columns > 1 else ()) + ((2,) if group_sums else ()):
+        into[o] = len(args)
+        args.append(dx_in[0].astype(f32) if o == 0 and dx_in else jnp.zeros(out_type[o].shape, f32))
     barrier = plgpu.Barrier(num_barriers=(1 if lean else 2) * len(bt))
-    kw = dict(into=into, positions_first=positions_first, tiles=tiles, chunks=c, lean=lean)
-    kind = "state_bwd_fused_lean" if lean else "state_bwd_fused"
-    dx, dw, db_out, d_keep_rows, d_init = _launch(kind, _kernel, out_type, xt, bt, barrier, **kw)(*args)
+    kw = dict(into=into or None, positions_first=positions_first, tiles=tiles, chunks=c, lean=lean)
+    kw |= dict(column_blocks=columns)
+    kind = "state_bwd_fused" + "_lean" * lean + "_columns" * (columns > 1)
+    launch = _launch(kind, _kernel, out_type, xt, bt, barrier, columns=columns, **kw)
+    dx, dw, db_out, d_keep_rows, d_init = launch(*args)
+    if dx_in and columns == 1:
+        dx = dx + dx_in[0]
     return dx, dw, db_out, d_keep_rows.sum(-1), d_init
