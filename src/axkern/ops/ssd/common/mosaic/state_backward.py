@@ -24,6 +24,15 @@ sends and `g`'s update rather than the whole step), and `dx`, `dB` out through t
 (`lean_state_bwd_shares_an_sm`) and the 2.7B layer's 320 blocks fill an H200's 132 SMs in two
 rounds of 264 rather than three of 132. The arithmetic is the fused kernel's.
 
+**Over the state's columns** (`SSDBlockSizes(backward="columns")`, `columns=N / 64` here): the
+lean kernel a block per (batch row, head, 64 of the state's `N` columns), each carrying its
+columns of `g` (the recurrence is elementwise in the state), copying in its columns of `B`, and
+forming its columns of `dB` whole but its part of `d(w ∘ x) = B dSᵀ` (a sum over the state's
+columns): its `dx` goes out added by TMA reductions onto the chunk-scan backward's (`dx_in`, so
+XLA adds nothing after) and its `dw` onto zeros, its `d keep` row sums to its own slots for XLA
+to sum. 60 KiB at P 64, N 128: three blocks an SM, twice the blocks (640 at the 2.7B layer, two
+rounds of 396), each step half the products; `x` is read once per column block.
+
 **Cost** per chunk and head: `4·Q·P·N` FLOPs (`B dSᵀ`, two halves) + `2·Q·P·N` (`dB`, one with
 16-bit `B`, three products with float32 `B`);
 bytes: `B`, `x` rows and `w` read, the float32 states entering and their gradients read (`2 · P ·
