@@ -11,7 +11,8 @@ of 128, by tiles of 64 rows), `chunk128_stages` (`stages_sums_transposes` at chu
 `lean` (the lean chunk-scan backward), `lean_forward` (the lean fused forward), `lean_both` (the
 two), `lean_state_backward` (the lean forward and the lean fused state backward), `lean_all`
 (the three lean kernels), `state_columns` (the lean forward and the lean fused state backward a
-block per 64 of the state's columns).
+block per 64 of the state's columns), `group_scores` (`lean_both` with `dg` summed per group in
+the chunk-scan backward), `scores_columns` (that with `state_columns`' state backward).
 
     OUT=<folder> python3 benchmarks/ssd_mosaic_forward.py [--lengths 2048,4096,16384] [--rounds 5]
         [--forms stages,fused]
@@ -55,8 +56,10 @@ FORMS = {
         64, "lean", group_sums="kernels", transposes="kernels", backward="lean"
     ),
     "lean_all": SSDBlockSizes(64, "lean", "kernels", "kernels", backward="lean", scan_backward="lean"),
-    "state_columns": SSDBlockSizes(
-        64, "lean", group_sums="kernels", transposes="kernels", backward="columns"
+    "state_columns": SSDBlockSizes(64, "lean", "kernels", "kernels", backward="columns"),
+    "group_scores": SSDBlockSizes(64, "lean", "scores", "kernels", scan_backward="lean"),
+    "scores_columns": SSDBlockSizes(
+        64, "lean", "scores", "kernels", backward="columns", scan_backward="lean"
     ),
 }
 

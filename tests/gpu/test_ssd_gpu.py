@@ -55,8 +55,9 @@ def _hopper() -> bool:
 # mosaic_gpu's forms (SSDBlockSizes after the chunk): the forward, where dB and dC are summed,
 # who transposes x and y, the state backward, the chunk-scan backward (the default: the sixth,
 # the seventh where XLA_FLAGS asks for deterministic results; the eighth with the lean chunk-scan
-# backward too, which takes P 64 only: the tests give the others the whole one; the last two
-# with the lean fused state backward, whole and over the state's columns)
+# backward too, which takes P 64 only: the tests give the others the whole one; then two with
+# the lean fused state backward, whole and over the state's columns; the last with dg summed per
+# group, with the lean chunk-scan backward, whose dims without it take the group sums)
 FORMS = [
     ("stages",),
     ("fused",),
@@ -68,6 +69,7 @@ FORMS = [
     ("lean", "kernels", "kernels", None, "lean"),
     ("lean", "kernels", "kernels", "lean"),
     ("lean", "kernels", "kernels", "columns"),
+    ("lean", "scores", "kernels", None, "lean"),
 ]
 
 
@@ -97,6 +99,7 @@ def _check_mosaic(arrays, seg, blocks):
         "lean_both",
         "lean_state_backward",
         "state_columns",
+        "group_scores",
     ],
 )
 @pytest.mark.parametrize("segments,slow", [(False, False), (True, False), (False, True)])
@@ -115,7 +118,8 @@ def test_mosaic_gpu_against_oracle(segments, slow, dims, form):
         arrays["A"] = arrays["A"] / 100
     blocks = SSDBlockSizes(64, *form)
     if dims[3] != 64:  # the lean chunk-scan backward takes P 64 only (the default's whole one here)
-        blocks = dataclasses.replace(blocks, scan_backward=None)
+        sums = "kernels" if blocks.group_sums == "scores" else blocks.group_sums  # (with the lean one only)
+        blocks = dataclasses.replace(blocks, scan_backward=None, group_sums=sums)
     _check_mosaic(arrays, seg, blocks)
 
 
@@ -207,10 +211,10 @@ def _kernel_inputs(kernel, b, h, g, chunks, p, n, split=False, chunk=None, slow=
     return (jax.random.normal(k[7], (b, h, length, p)), *scan)
 
 
-def _against_emulation(kernel, args, chunk=None, lean=False):
+def _against_emulation(kernel, args, chunk=None, lean=False, scores=False):
     """One Mosaic kernel (at chunks of `chunk`, 64 where None; `lean`: the lean chunk-scan
-    backward) against its emulation, each output within 1e-4 of the emulation's largest
-    magnitude."""
+    backward; `scores`: with `dg` summed per group, `group_sums`) against its emulation, each
+    output within 1e-4 of the emulation's largest magnitude."""
     import functools
 
     import numpy as np
@@ -220,6 +224,8 @@ def _against_emulation(kernel, args, chunk=None, lean=False):
     kw, emulated = ({}, {}) if chunk is None else ({"chunk": chunk}, {"q": chunk})
     if lean:  # (the same arithmetic as the whole kernel's)
         kw = kw | {"lean": True}
+    if scores:
+        kw, emulated = kw | {"scores": True, "group_sums": True}, emulated | {"scores": True}
     got = jax.jit(functools.partial(getattr(mosaic_gpu, kernel), **kw))(*args)
     # the emulation on the CPU: XLA's GPU compiler drops its float32 -> bf16 -> float32 round
     # trips (excess precision), leaving every `lo` half zero
@@ -270,10 +276,13 @@ def test_mosaic_gpu_kernels_equal_their_emulation(kernel, dims, split):
 @pytest.mark.skipif(not _hopper(), reason="the Mosaic GPU kernels need a Hopper GPU")
 @pytest.mark.parametrize("dims", [(2, 4, 2, 3, 64, 128), (1, 2, 1, 2, 64, 128), (1, 2, 2, 2, 64, 64)])
 @pytest.mark.parametrize("slow", [False, True])
-def test_mosaic_gpu_lean_scan_backward_equals_its_emulation(dims, slow):
+@pytest.mark.parametrize("scores", [False, True], ids=["whole_sums", "scores"])
+def test_mosaic_gpu_lean_scan_backward_equals_its_emulation(dims, slow, scores):
     # the lean chunk-scan backward (every result through the staging tile, `kernels.STAGES`, the
-    # state's low half in M's tiles until C S_inᵀ has read it) against its arithmetic in XLA
-    _against_emulation("chunk_scan_bwd", _kernel_inputs("chunk_scan_bwd", *dims, slow=slow), lean=True)
+    # state's low half in M's tiles until C S_inᵀ has read it) against its arithmetic in XLA;
+    # `scores`: dg summed over each group's heads in dB's place, dC without dg B, per group
+    args = _kernel_inputs("chunk_scan_bwd", *dims, slow=slow)
+    _against_emulation("chunk_scan_bwd", args, lean=True, scores=scores)
 
 
 @pytest.mark.skipif(not _hopper(), reason="the Mosaic GPU kernels need a Hopper GPU")

@@ -272,11 +272,12 @@ def _run(body, ins, outs, tiles, grid, names=("batch", "heads", "chunks")):
     return [o.a for o in out_refs]
 
 
-def _errors(q, b=1, h=2, g=1, c=2, p=64, n=64, wide=True, add=False, split=False, lean=False):
+def _errors(q, b=1, h=2, g=1, c=2, p=64, n=64, wide=True, add=False, split=False, lean=False, scores=False):
     """Each kernel's largest difference from its emulation (relative to the emulation's largest
     magnitude) at chunks of `q`: the scan, its backward, the state and the state backward.
     `split`: `B`, `C` float32, which the kernels take as two bf16 halves each (Mamba-3's).
-    `lean`: the lean scan backward (`backward.lean_reason`)."""
+    `lean`: the lean scan backward (`backward.lean_reason`); `scores` (lean, `add`): `dg` summed per
+    group in `dB`'s place, `dC` without `dg B` (`group_scores.py`)."""
     length, f32, bf16 = c * q, np.float32, jnp.bfloat16
     k = jax.random.split(jax.random.PRNGKey(0), 8)
     x = jax.random.normal(k[0], (b, h, length, p)).astype(bf16)
@@ -304,7 +305,9 @@ def _errors(q, b=1, h=2, g=1, c=2, p=64, n=64, wide=True, add=False, split=False
     heads_out = g if add else h
     outs = [np.zeros((b, h, length, p), f32)] + [np.zeros((b, h, length), f32) for _ in range(4)]
     outs += [np.zeros((b, heads_out, length, n), f32) for _ in range(2)] + [np.zeros((b, c, h, p, n), f32)]
-    form = {"tiled": True} if q != 64 else ({"lean": True} if lean else {})
+    if scores:
+        outs[5] = np.zeros((b, g, c, q, q), f32)
+    form = {"tiled": True} if q != 64 else ({"lean": True, "dg_sums": scores} if lean else {})
     body = functools.partial(B._scan_bwd_kernel, add=add, **kw, **form)
     grads = _run(
         body,
@@ -313,13 +316,13 @@ def _errors(q, b=1, h=2, g=1, c=2, p=64, n=64, wide=True, add=False, split=False
         K._tiles("scan_bwd_lean" if lean else "scan_bwd", p, n, parts=parts, q=q),
         (b, h, c),
     )
-    emulated = E.emulate_chunk_scan_bwd(dy.astype(jnp.float32), x, dt, cum, f, seg, bt, ct, states, q)
+    emulated = E.emulate_chunk_scan_bwd(
+        dy.astype(jnp.float32), x, dt, cum, f, seg, bt, ct, states, q, scores=scores
+    )
     for i, name in enumerate(("dx", "ddt", "dcum", "dcum_row", "df", "db", "dc", "ds")):
         e = np.asarray(emulated[i])
-        got[name], want[name] = (
-            grads[i],
-            (e.reshape(b, g, h // g, length, n).sum(2) if add and name in ("db", "dc") else e),
-        )
+        summed = add and not scores and name in ("db", "dc")  # (the scores' emulation sums per group)
+        got[name], want[name] = (grads[i], (e.reshape(b, g, h // g, length, n).sum(2) if summed else e))
     outs = [np.zeros((b, h, length, p), f32), np.zeros((b, h, length), f32), np.zeros((b, h, length, n), f32)]
     body = functools.partial(
         B._state_bwd_kernel, add=False, adds_dx=False, **kw, **({"blocks": q // 64} if q != 64 else {})
@@ -366,6 +369,9 @@ def _errors(q, b=1, h=2, g=1, c=2, p=64, n=64, wide=True, add=False, split=False
         dict(q=64, lean=True, n=128, wide=False),
         dict(q=64, lean=True, n=128, h=4, g=2, add=True),
         dict(q=64, lean=True, h=4, g=2, add=True),
+        # dg summed per group in dB's place, dC without dg B
+        dict(q=64, lean=True, h=4, g=2, add=True, scores=True),
+        dict(q=64, lean=True, n=128, h=4, g=1, add=True, scores=True, wide=False),
     ],
     ids=str,
 )

@@ -13,6 +13,7 @@ import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import axkern
@@ -179,6 +180,7 @@ def test_each_kernel_lowers_with_positions_first(kernel):
         ("lean", "kernels", "lean", None),
         ("lean", None, "lean", None),
         ("lean", "kernels", "columns", None),
+        ("lean", "scores", None, "lean"),
     ],
 )
 def test_the_layer_lowers_in_every_form(forward, group_sums, backward, scan_backward):
@@ -497,6 +499,42 @@ def test_the_kernels_arithmetic_holds_the_oracle_rule_through_the_layer(dtype, d
     check_rule(runner, "emulated mosaic_gpu", arrays, dtype, "ssd")
 
 
+class _ScoresLayout(mosaic_gpu.EmulatedLayout):
+    group_scores = True
+
+
+@pytest.mark.parametrize(
+    "dims, segments, extras",
+    [
+        ((1, 150, 4, 64, 2, 64), True, True),  # groups of two heads, segments, a partial chunk
+        ((1, 192, 4, 64, 1, 128), None, True),  # one group of four, A / 100
+        ((1, 150, 4, 64, 2, 64), True, False),  # no D, gate
+    ],
+)
+def test_the_group_scores_arithmetic_holds_the_oracle_rule_through_the_layer(dims, segments, extras):
+    # `group_sums="scores"`: dg summed over each group's heads, dB = Σdgᵀ C and dC's Σdg B by XLA
+    # in float32; values and every gradient against the float64 oracle
+    arrays, seg = make(3, *dims, "bfloat16", segments=bool(segments), extras=extras)
+    if segments is None:
+        arrays["A"] = arrays["A"] / 100
+    names = tuple(sorted(arrays))
+    emulated = _emulated_runner(names, layout=_ScoresLayout)
+
+    def runner(name, a, **_):
+        return run("reference", a, seg) if name == "reference" else emulated(a, seg)
+
+    check_rule(runner, "emulated mosaic_gpu (group scores)", arrays, "bfloat16", "ssd")
+    # the two layouts' gradients of B and C differ (exact products of the sums against halves of
+    # each head's) and agree within bf16's step
+    whole, scores = (
+        _emulated_runner(names, layout=k)(arrays, seg)[1] for k in (mosaic_gpu.EmulatedLayout, _ScoresLayout)
+    )
+    for name in ("B", "C"):
+        i = names.index(name)
+        a, e = (np.asarray(v[i], np.float64) for v in (scores, whole))
+        assert 0 < np.abs(a - e).max() <= 2.0**-7 * np.abs(e).max(), name
+
+
 @pytest.mark.parametrize("chunk", [128, 256])
 @pytest.mark.parametrize(
     "dims, segments, extras",
@@ -636,6 +674,11 @@ def test_dispatch_skips_it_off_hopper_with_the_reason():
     lean_state = kernels(gpu, SSDBlockSizes(64, backward="lean"))
     assert "reverse recurrence and the chunk-state backward in one slot of B" in lean_state
     assert "a block per 64 of the state's columns" in kernels(gpu, SSDBlockSizes(64, backward="columns"))
+    assert "dg summed over heads" in kernels(
+        gpu, SSDBlockSizes(64, group_sums="scores", scan_backward="lean")
+    )
+    with pytest.raises(axkern.Unsupported, match="group_sums='scores': with the lean chunk-scan backward"):
+        mosaic_gpu.ssd(x, *[None] * 8, block_sizes=SSDBlockSizes(64, group_sums="scores"))
 
 
 def test_the_default_form_and_the_deterministic_flags(monkeypatch):

@@ -51,7 +51,9 @@ class SSDBlockSizes(BlockSizes):
     chunks of 64; `common/mosaic/forward_lean.py`). `group_sums` (`mosaic_gpu` only): where the
     backward sums `dB` and `dC` over each group's heads: `"xla"` (the kernels write them per
     head, float32; None means this) or `"kernels"` (the kernels add each head's tiles into the
-    group's rows by TMA reductions: no per-head arrays, the additions' order free). `transposes`
+    group's rows by TMA reductions: no per-head arrays, the additions' order free) or `"scores"`
+    (with the lean chunk-scan backward: each head's `[Q, Q]` `dg` added into its group's sum in
+    place of `dB` and `dC`'s `dg B`, which XLA forms from the sums, `common/mosaic/group_scores.py`). `transposes`
     (`mosaic_gpu` only): `"xla"` (XLA moves `x` to `[b, H, L, P]` for the kernels and `y` back;
     None means this) or `"kernels"` (the kernels read `x`, `dy` and write `y`, `dx` in the
     caller's `[b, L, H, P]`, a strided tile per head). `backward` (`mosaic_gpu` only): `"stages"`
@@ -68,7 +70,7 @@ class SSDBlockSizes(BlockSizes):
 
     choices: ClassVar[Mapping[str, tuple[str, ...]]] = {
         "forward": ("stages", "fused", "lean"),
-        "group_sums": ("xla", "kernels"),
+        "group_sums": ("xla", "kernels", "scores"),
         "transposes": ("xla", "kernels"),
         "backward": ("stages", "fused", "lean", "columns"),
         "scan_backward": ("whole", "lean"),
@@ -92,6 +94,7 @@ MOSAIC_GPU_FORMS = (
     ("forward", "fused", "has a fused forward"),
     ("forward", "lean", "has a lean fused forward"),
     ("group_sums", "kernels", "sums dB and dC in its kernels"),
+    ("group_sums", "scores", "sums dg in its kernels"),
     ("backward", "fused", "has a fused state backward"),
     ("backward", "lean", "has a lean fused state backward"),
     ("backward", "columns", "has a lean fused state backward over the state's columns"),

@@ -36,6 +36,10 @@ def ssd(x, dt, A, B, C, D, z, segment_ids, initial_state, *, block_sizes, interp
     reason = lean and lean_reason(1, chunk, p=x.shape[-1])  # (`ssd`'s B, C are 16-bit here)
     if reason:
         raise Unsupported(f"scan_backward='lean': {reason}")
+    if block_sizes.group_sums == "scores" and not lean:
+        raise Unsupported(
+            "group_sums='scores': with the lean chunk-scan backward only (scan_backward='lean')"
+        )
     lean_forward = block_sizes.forward == "lean"
     reason = lean_forward and lean_forward_reason(1, chunk)  # (`ssd`'s B, C are 16-bit here)
     if reason:
@@ -65,13 +69,14 @@ def ssd(x, dt, A, B, C, D, z, segment_ids, initial_state, *, block_sizes, interp
         raise Unsupported(reason)
     layout = layout_class(
         block_sizes.forward in ("fused", "lean"),
-        block_sizes.group_sums == "kernels",
+        block_sizes.group_sums in ("kernels", "scores"),
         block_sizes.transposes == "kernels",
         block_sizes.backward in ("fused", "lean", "columns"),
         lean,
         lean_forward,
         block_sizes.backward in ("lean", "columns"),
         B.shape[-1] // CHUNK if block_sizes.backward == "columns" else 1,
+        block_sizes.group_sums == "scores",
     )
     return chunk_kernels.ssd(
         layout, x, dt, A, B, C, D, z, segment_ids, initial_state, chunk_size=chunk, interpret=False

@@ -123,7 +123,7 @@ the fused forward's by four (227 KiB there). Or, for the fused forward, as a `Ro
 turns and splits itself (one slot of `B`'s and `C`'s halves, the unrotated rows and angles
 copied in beside them: 212 KiB at P 64, N 128). Given the angles too (`theta`, `[b, h, L, A]`
 float32, `A` a multiple of 32; `rotation.SplitOperand.theta` in the layer), the chunk-scan and
-chunk-state backward kernels return `dC`, `dB` turned back by `-Θ` (`backward._turned_back`: in
+chunk-state backward kernels return `dC`, `dB` turned back by `-Θ` (`angles._turned_back`: in
 the staging tile before its copy out; the angles read into registers while the last products
 run; per chunk and head `2·Q·A` special-function results, `4·Q·A` more bytes read and no
 more written), so XLA only sums them.
@@ -166,6 +166,7 @@ from .emulate import (
 )
 from .forward import fused_fits, fused_forward, fused_smem_bytes, rotation_reason
 from .forward_lean import lean_forward_reason, lean_forward_shares_an_sm
+from .group_scores import group_scores_grads
 from .kernels import (
     _IMPORT_ERROR,
     CHUNK,
@@ -261,10 +262,20 @@ class MosaicLayout(GpuLayout):
         c = self.to_col
         args = (dy, xt, c(scale), c(cum), c(f), c(sc), bt, ct, states_in)
         kw = dict(group_sums=self.group_sums, positions_first=self.positions_first, theta=_angles(bt))
-        return chunk_scan_bwd(*args, chunk=self.q, lean=self.lean_scan_backward, **kw)
+        out = chunk_scan_bwd(
+            *args, chunk=self.q, lean=self.lean_scan_backward, scores=self.group_scores, **kw
+        )
+        if not self.group_scores:
+            return out
+        out = list(out)  # dB and dC's dg B from dg summed per group (`group_scores.py`)
+        out[5], dc = group_scores_grads(out[5], bt, ct)
+        out[6] = out[6] + dc
+        return tuple(out)
 
-    # `dB`, `dC` summed over each group's heads in XLA, or (`group_sums`) in the kernels
+    # `dB`, `dC` summed over each group's heads in XLA, or (`group_sums`) in the kernels, or
+    # (`group_scores` too) `dC`'s `(f ∘ dy) S_in` and `dg` in the kernels (`group_scores.py`)
     group_sums = False
+    group_scores = False
     # the reverse recurrence and the chunk states' backward as one kernel
     fused_backward = False
     # the chunk-scan backward in less shared memory (`backward.lean_reason`)
@@ -351,12 +362,13 @@ def layout_class(
     lean_forward: bool = False,
     lean_state_backward: bool = False,
     state_columns: int = 1,
+    group_scores: bool = False,
 ) -> type[MosaicLayout]:
     """The layout for the forward's form, where `dB`, `dC` are summed, how `x`, `y` are laid out,
     the state backward's form (`B`, `C` may enter its kernels as bf16 or float32,
     `operand_parts`), whether the chunk-scan backward is the lean one, (`fused`) whether the
     fused forward is and (`fused_backward`) whether the fused state backward is (lean, over
-    `state_columns` blocks of the state's columns)."""
+    `state_columns` blocks of the state's columns); `group_scores`: `dg` summed per group."""
     base = FusedMosaicLayout if fused else MosaicLayout
     flags = {
         "group_sums": group_sums,
@@ -366,6 +378,7 @@ def layout_class(
         "lean_forward": lean_forward,
         "lean_state_backward": lean_state_backward,
         "state_columns": state_columns > 1,
+        "group_scores": group_scores,
     }
     if not any(flags.values()):
         return base
@@ -377,6 +390,7 @@ def layout_class(
         "LeanForward",
         "LeanStateBackward",
         f"StateColumns{state_columns}",
+        "GroupScores",
     )
     name = base.__name__ + "".join(w for w, on in zip(words, flags.values(), strict=True) if on)
     return type(name, (base,), flags | {"state_columns": state_columns})

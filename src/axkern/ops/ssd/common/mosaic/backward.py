@@ -12,6 +12,7 @@ from jax.experimental import pallas as pl
 
 from axkern.core.compat import mosaic_gpu_load
 
+from .angles import _angles, _check_angles, _turned_back
 from .kernels import (
     CHUNK,
     _check_operands,
@@ -31,15 +32,15 @@ from .kernels import (
     parts_of,
     plgpu,
 )
-from .rotation import finite_or_zero
 from .tiled import rounds_once, scan_bwd_tiled
 
 __all__ = ["chunk_scan_bwd", "chunk_state_bwd", "lean_reason", "lean_shares_an_sm"]
 
 
-def _scan_bwd_kernel(*refs, rep, dtype, add, rows_of, turns=False, tiled=False, lean=False):
+def _scan_bwd_kernel(*refs, rep, dtype, add, rows_of, turns=False, tiled=False, lean=False, dg_sums=False):
     """`add`: `dB`, `dC` added by TMA reductions into the head's group's rows (`[b, g, L, N]`)
-    rather than stored per head. `turns`: a tenth input, the angles `Θ` (`[b, h, L, A]`,
+    rather than stored per head (`dg_sums`, lean and `add` only: `dg` added into its group's
+    chunk's `[Q, Q]` in `dB`'s place, `dC` without `dg B`: `group_scores.py`). `turns`: a tenth input, the angles `Θ` (`[b, h, L, A]`,
     float32), by which `dB` and `dC` leave turned back (`_turned_back`). `tiled`: a chunk of
     more than 64 positions, by tiles (`tiled.py`). `lean` (16-bit `B`, `C`; neither `turns` nor
     `tiled`; `P` 64): the state's low half in `M`'s tiles until `C S_inᵀ` has read it, and
@@ -137,6 +138,8 @@ def _scan_bwd_kernel(*refs, rep, dtype, add, rows_of, turns=False, tiled=False, 
     vec_smem.at[1][...] = jnp.sum(e, axis=1)  # dcum: rows t
     vec_smem.at[3][...] = jnp.sum(e, axis=0)  # dcum_row: columns s
     dg = dm * decay
+    if dg_sums:
+        send(dg, lambda r, cols: db_ref.at[batch, group, chunk, pl.ds(r, CHUNK), cols], "add")
 
     # d(dt ∘ x) = Mᵀ dy, rows s: M's halves transposed from shared memory, dy's halves
     m_t = (mh_smem.transpose((1, 0)), ml_smem.transpose((1, 0)))
@@ -151,7 +154,8 @@ def _scan_bwd_kernel(*refs, rep, dtype, add, rows_of, turns=False, tiled=False, 
         put(dx_smem, dx, rows_of(dx_ref, batch, head, rows))
 
     # dg's halves take M's place in shared memory and f ∘ dy's take dy's (their products are done)
-    mh_smem[...], ml_smem[...] = _halves(dg, dtype)
+    if not dg_sums:
+        mh_smem[...], ml_smem[...] = _halves(dg, dtype)
     ah_smem[...], al_smem[...] = _halves(dy * lax.broadcast_in_dim(f_t, (q, p), [0]), dtype)
     plgpu.commit_smem()
     # the angles read while the products below run
@@ -169,11 +173,12 @@ def _scan_bwd_kernel(*refs, rep, dtype, add, rows_of, turns=False, tiled=False, 
         if rounds_once(len(bs))
         else pairs((ah_smem, al_smem), (sh_smem, sl_smem))
     )
-    dc = _products((q, n), pairs((mh_smem, ml_smem), bs) + fs)
+    dc = _products((q, n), ([] if dg_sums else pairs((mh_smem, ml_smem), bs)) + fs)
     if lean:
         send(dc, lambda r, cols: dc_ref.at[(*per_group, cols)], summed)
-        db = _products((q, n), pairs((mh_smem.transpose((1, 0)), ml_smem.transpose((1, 0))), cs))
-        send(db, lambda r, cols: db_ref.at[(*per_group, cols)], summed)
+        if not dg_sums:
+            db = _products((q, n), pairs((mh_smem.transpose((1, 0)), ml_smem.transpose((1, 0))), cs))
+            send(db, lambda r, cols: db_ref.at[(*per_group, cols)], summed)
     else:
         turn = None if theta is None else (jnp.cos(theta), jnp.sin(theta))
         put(dbc_smem, dc, dc_ref.at[per_group], summed, turn)
@@ -211,42 +216,6 @@ def _staged(stages):
     return send
 
 
-def _check_angles(kernel, theta, group_sums, xt, bt, positions_first):
-    """A `ValueError` naming the problem where `theta` is not what the backward kernels turn by:
-    float32 `[b, h, L, A]` (`x`'s batch, heads and length), `A` a multiple of 32 at most `N/2`."""
-    if theta is None:
-        return
-    if group_sums:
-        raise ValueError(f"{kernel}: theta (dB, dC turned back per head) with group_sums")
-    b, h, lp, _ = _dims(xt, positions_first)
-    n = operand_parts(bt)[0].shape[-1]
-    a = theta.shape[-1]
-    if theta.shape[:-1] != (b, h, lp) or a % 32 or a > n // 2 or theta.dtype != jnp.float32:
-        raise ValueError(
-            f"{kernel}: theta must be float32 [batch, heads, length, angles] = [{b}, {h}, {lp}, A] with A a "
-            f"multiple of 32, at most state/2 = {n // 2}; got {theta.dtype}{list(theta.shape)}"
-        )
-
-
-def _angles(theta_ref, batch, head, rows):
-    """The chunk's angles `Θ` (`[Q, A]`, float32) of the head, read into registers."""
-    return mosaic_gpu_load(theta_ref.at[batch, head, rows], layout=plgpu.Layout.WGMMA, optimized=False)
-
-
-def _turned_back(smem, cos, sin):
-    """The float32 tile `smem` (`[Q, N]`, a rotated value's cotangent, `rotation.py`) turned back
-    by `-Θ` in place, `cos`, `sin` `[Q, A]`: columns `i < A` and `i + N/2` become `(g_i cos +
-    g_{i+N/2} sin, g_{i+N/2} cos - g_i sin)`, non-finite results as 0 (as
-    `rotation.rotate_halves`); the other columns pass through untouched. Each thread reads back
-    what it stored (a column slice of the `wgmma` layout at a multiple of 8 is the same threads'
-    registers), so no barrier comes between. `A` a multiple of 32 (whole swizzled float32 tiles)."""
-    n2, a = smem.shape[-1] // 2, cos.shape[-1]
-    halves = (pl.ds(0, a), pl.ds(n2, a))
-    g0, g1 = (mosaic_gpu_load(smem.at[:, c], layout=plgpu.Layout.WGMMA, optimized=False) for c in halves)
-    for cols, r in zip(halves, (g0 * cos + g1 * sin, g1 * cos - g0 * sin), strict=True):
-        smem.at[:, cols][...] = finite_or_zero(r)
-
-
 def chunk_scan_bwd(
     dy,
     xt,
@@ -263,6 +232,7 @@ def chunk_scan_bwd(
     theta=None,
     chunk=CHUNK,
     lean=False,
+    scores=False,
 ):
     """Stage 4's backward by the Mosaic GPU kernel: `(dx [b, h, L, P], ddt, dcum, dcum_row, df
     [b, h, L], dB, dC [b, h, L, N], dS_in [b, c, h, P, N])`, float32, per head, from the
@@ -275,7 +245,10 @@ def chunk_scan_bwd(
     turned back by `-Θ` (the rotation's transpose; per head only). `chunk`: a multiple of 64
     (`dS_in [b, L / chunk, h, P, N]`); above 64 by tiles of 64 rows in two phases (`tiled.py`),
     without `theta`. `lean`: the kernel in less shared memory (`lean_reason`), the same
-    arithmetic."""
+    arithmetic. `scores` (lean, `group_sums`): `dg` summed per group in `dB`'s place (`[b, g, c,
+    Q, Q]`), `dC` without `dg B` (`group_scores.group_scores_grads` forms both)."""
+    if scores and not (lean and group_sums):
+        raise ValueError("chunk_scan_bwd: scores (dg summed per group) with lean and group_sums only")
     _check_angles("chunk_scan_bwd", theta, group_sums, xt, bt, positions_first)
     if theta is not None and chunk != CHUNK:
         raise ValueError(f"chunk_scan_bwd: theta (dB, dC turned back) at chunks of {CHUNK} only, not {chunk}")
@@ -284,9 +257,8 @@ def chunk_scan_bwd(
     if reason:
         raise ValueError(f"chunk_scan_bwd: lean: {reason}")
     args = (dy, xt, dt, cum, f, seg, bt, ct, states_in) + (() if theta is None else (theta,))
-    body = functools.partial(
-        _chunk_scan_bwd, group_sums=group_sums, positions_first=positions_first, chunk=chunk, lean=lean
-    )
+    kw = dict(group_sums=group_sums, positions_first=positions_first, chunk=chunk, lean=lean, scores=scores)
+    body = functools.partial(_chunk_scan_bwd, **kw)
     return _batch_folding(body)(*args) if group_sums else body(*args)
 
 
@@ -323,7 +295,21 @@ def lean_shares_an_sm(p: int, n: int) -> bool:
 
 
 def _chunk_scan_bwd(
-    dy, xt, dt, cum, f, seg, bt, ct, states_in, *theta, group_sums, positions_first, chunk, lean=False
+    dy,
+    xt,
+    dt,
+    cum,
+    f,
+    seg,
+    bt,
+    ct,
+    states_in,
+    *theta,
+    group_sums,
+    positions_first,
+    chunk,
+    lean=False,
+    scores=False,
 ):
     bt, ct = operand_parts(bt), operand_parts(ct)
     _check_operands(xt, bt, ct, positions_first=positions_first, chunk=chunk)
@@ -333,12 +319,22 @@ def _chunk_scan_bwd(
     vector = jax.ShapeDtypeStruct((b, h, lp), f32)
     states = jax.ShapeDtypeStruct((b, lp // chunk, h, p, n), f32)
     bc = jax.ShapeDtypeStruct((b, g if group_sums else h, lp, n), f32)
-    out = (_rows_type(b, h, lp, p, positions_first), vector, vector, vector, vector, bc, bc, states)
+    dg = jax.ShapeDtypeStruct((b, g, lp // chunk, chunk, chunk), f32)  # (`scores`: in dB's place)
+    out = (
+        _rows_type(b, h, lp, p, positions_first),
+        vector,
+        vector,
+        vector,
+        vector,
+        dg if scores else bc,
+        bc,
+        states,
+    )
     dy = dy if dy.dtype == xt.dtype else dy.astype(f32)  # as the forward gave y: bf16 or float32
     args = [dy, xt, dt, cum, f, seg.astype(jnp.int32), bt, ct, states_in, *theta]
     into = {5: 9, 6: 10} if group_sums else None
     if group_sums:
-        args += [jnp.zeros(bc.shape, f32), jnp.zeros(bc.shape, f32)]
+        args += [jnp.zeros(out[5].shape, f32), jnp.zeros(bc.shape, f32)]
     barrier = plgpu.Barrier(num_barriers=len(bt) + len(ct) + 1)
     launch = _launch(
         "scan_bwd_lean" if lean else "scan_bwd",
@@ -353,6 +349,7 @@ def _chunk_scan_bwd(
         rows=chunk,
         **({"tiled": True} if chunk != CHUNK else {}),
         **({"lean": True} if lean else {}),
+        **({"dg_sums": True} if scores else {}),
     )
     return launch(*args)
 

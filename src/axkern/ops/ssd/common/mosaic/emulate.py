@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from ..gpu import GpuLayout
+from .group_scores import group_scores_grads
 from .kernels import CHUNK, operand_parts
 from .rotation import _padded_angles, rotate_halves
 from .tiled import rounds_once
@@ -140,10 +141,11 @@ def emulate_chunk_state_bwd(xt, w, bt, d_own, q=CHUNK, single=None):
     return k.out_rows(dxw * wc), k.out_vec((dxw * x).sum(-1)), k.out_rows(db)
 
 
-def emulate_chunk_scan_bwd(dy, xt, dt, cum, f, seg, bt, ct, states_in, q=CHUNK, single=None):
+def emulate_chunk_scan_bwd(dy, xt, dt, cum, f, seg, bt, ct, states_in, q=CHUNK, single=None, scores=False):
     """`kernels.chunk_scan_bwd`: every float32 operand as its two halves (but `(f ∘ dy) S_in`'s,
     each rounded once, where `tiled.rounds_once`). `single`: the `OPERANDS` rounded once instead
-    (None: the kernels' choice)."""
+    (None: the kernels' choice). `scores`: as `chunk_scan_bwd(..., scores=True)`, `dg` summed per
+    group (`[b, g, c, Q, Q]`) in `dB`'s place and `dC` (per group) without `dg B`."""
     k, dtype, one = _Chunks(xt, bt, q), xt.dtype, _once(single, bt)
     x, bm, cm, dyc = k.rows(xt), k.parts(bt), k.parts(ct), k.rows(dy)
     dt_c, f_c = k.vec(dt), k.vec(f)
@@ -156,8 +158,12 @@ def emulate_chunk_scan_bwd(dy, xt, dt, cum, f, seg, bt, ct, states_in, q=CHUNK, 
     dxd = _sum("bhcts,bhctp->bhcsp", *mdy)  # Mᵀ dy
     dg, dyf = dm * decay, dyc * f_c[..., None]
     fs = _sum("bhctp,bhcpn->bhctn", _taken(dyf, dtype, "fS:fdy", one), _taken(state, dtype, "fS:S", one))
-    dc = _sum("bhcts,bhcsn->bhctn", _taken(dg, dtype, "dgB:dg", one), bm) + fs
-    db = _sum("bhcts,bhctn->bhcsn", _taken(dg, dtype, "dgC:dg", one), cm)
+    if scores:
+        per_group = lambda a: a.reshape(k.b, k.g, k.h // k.g, *a.shape[2:]).sum(2)  # noqa: E731
+        db, dc = per_group(dg), per_group(fs).reshape(k.b, k.g, k.lp, -1)
+    else:
+        dc = k.out_rows(_sum("bhcts,bhcsn->bhctn", _taken(dg, dtype, "dgB:dg", one), bm) + fs)
+        db = k.out_rows(_sum("bhcts,bhctn->bhcsn", _taken(dg, dtype, "dgC:dg", one), cm))
     inc = _sum("bhctn,bhcpn->bhctp", cm, _taken(state, dtype, "CS:S", one))
     ds = _sum("bhctp,bhctn->bhcpn", _taken(dyf, dtype, "dS:fdy", one), cm)
     return (
@@ -166,8 +172,8 @@ def emulate_chunk_scan_bwd(dy, xt, dt, cum, f, seg, bt, ct, states_in, q=CHUNK, 
         k.out_vec(e.sum(-1)),
         k.out_vec(e.sum(-2)),
         k.out_vec((dyc * inc).sum(-1)),
-        k.out_rows(db),
-        k.out_rows(dc),
+        db,
+        dc,
         k.state(ds),
     )
 
@@ -181,6 +187,7 @@ class EmulatedLayout(GpuLayout):
 
     diagonal = False  # as the Mosaic kernels it emulates
     single = None
+    group_scores = False  # `dg` summed per group, `dB`, `dC` per group (`group_scores.py`)
     parts_kernel = True  # as `MosaicLayout` (`rotated_parts`, in interpret mode on a CPU)
 
     @classmethod
@@ -192,7 +199,10 @@ class EmulatedLayout(GpuLayout):
 
     def chunk_state_bwd(self, xt, w, bt, d_own, dx_scan, db_scan):
         dx, dw, db = emulate_chunk_state_bwd(xt, self.to_col(w), bt, d_own, self.q, self.single)
-        return (dx + dx_scan).astype(xt.dtype), dw, _turned_back(bt, db) + db_scan
+        db = _turned_back(bt, db)
+        if self.group_scores:  # (the scan's dB per group)
+            db = db.reshape(self.batch, -1, self.rep, *db.shape[2:]).sum(2)
+        return (dx + dx_scan).astype(xt.dtype), dw, db + db_scan
 
     def chunk_scan(self, xt, scale, cum, ac, f, sc, bt, ct, states_in, *, sums, dtype):
         assert not sums
@@ -203,14 +213,21 @@ class EmulatedLayout(GpuLayout):
         assert not sums
         c = self.to_col
         args = (dy, xt, c(scale), c(cum), c(f), c(sc), bt, ct, states_in, self.q, self.single)
-        out = list(emulate_chunk_scan_bwd(*args))
+        out = list(emulate_chunk_scan_bwd(*args, scores=self.group_scores))
+        if self.group_scores:
+            out[5], dc = group_scores_grads(out[5], bt, ct)
+            out[6] = out[6] + dc
+            return tuple(out)
         out[5], out[6] = _turned_back(bt, out[5]), _turned_back(ct, out[6])  # dB, dC
         return tuple(out)
+
+    def sum_groups(self, db, dc):
+        return (db, dc) if self.group_scores else super().sum_groups(db, dc)
 
 
 def _turned_back(operand, g):
     """`g` (`dB` or `dC` per head) turned back by `-Θ` where `operand` carries its angles
-    (`SplitOperand.theta`), as the backward kernels turn it (`backward._turned_back`)."""
+    (`SplitOperand.theta`), as the backward kernels turn it (`angles._turned_back`)."""
     theta = getattr(operand, "theta", None)
     if theta is None:
         return g

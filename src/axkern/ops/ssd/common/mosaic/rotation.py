@@ -34,7 +34,7 @@ values in float32 in memory between its passes: on the H200, both operands at th
 `dΘ_i = back_{i+N/2} w_i - back_i w_{i+N/2}` against the unrotated pair, as Mamba-3's own
 rotation backward (`mamba3/common`). Where the layout's backward kernels turn (the Mosaic
 GPU layouts', `kernels.Layout.turns_back`), the halves carry the angles (`SplitOperand.theta`)
-and the kernels return `back` itself (`backward._turned_back`): XLA only sums.
+and the kernels return `back` itself (`angles._turned_back`): XLA only sums.
 """
 
 from __future__ import annotations
