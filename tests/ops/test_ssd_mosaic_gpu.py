@@ -719,6 +719,7 @@ def test_the_default_form_and_the_deterministic_flags(monkeypatch):
         monkeypatch.setenv("XLA_FLAGS", flags)
         assert heuristic(gpu) == dataclasses.replace(default, group_sums="xla"), flags
         assert all(f.group_sums != "kernels" for f in space(gpu)), flags
+        assert all(f.backward != "columns" for f in space(gpu)), flags  # (its dx, dw sums)
     monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_deterministic_ops=True")
     assert heuristic(gpu).group_sums == "xla"
     for flags in ("--xla_gpu_deterministic_ops=false", "--xla_gpu_deterministic_ops_x=true"):

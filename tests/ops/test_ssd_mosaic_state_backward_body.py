@@ -63,8 +63,9 @@ def _errors(b=1, h=2, g=1, c=3, p=64, n=64, add=False, lean=False, positions_fir
         np.zeros((b, h, c, columns * p), f32),
         np.zeros((b, h, p, n), f32),
     ]
-    kw = dict(rep=h // g, dtype=bf16, chunks=c, add=add, rows_of=K._indexer(positions_first), lean=lean)
-    body = functools.partial(S._kernel, **kw, column_blocks=columns)
+    # (`add` as `_launch` gives it: some output added into; `sums`: dB into its group's rows)
+    kw = dict(rep=h // g, dtype=bf16, chunks=c, add=add or columns > 1, rows_of=K._indexer(positions_first))
+    body = functools.partial(S._kernel, **kw, lean=lean, column_blocks=columns, sums=add)
     args = (rows(x), w, (bt,), keep_rows, states_in, d_states_in, d_final)
     names = ("batch", "heads", "columns")
     got = bodies._run(body, args, outs, S._tiles(p, n // columns, lean=lean), (b, h, columns), names)
@@ -89,7 +90,7 @@ CASES = [
 COLUMNS = [
     dict(n=128, columns=2),
     dict(n=128, columns=2, h=4, g=2, add=True, positions_first=True),
-    dict(p=128, n=128, columns=2),
+    dict(n=128, columns=2, c=1),
 ]
 
 
@@ -122,6 +123,33 @@ def test_the_shim_sees_errors_planted_in_the_lean_state_backward(shim, monkeypat
     monkeypatch.setattr(bodies._Plgpu, "barrier_wait", staticmethod(lambda barrier: None))
     _errors(lean=True)
     assert any("before its TMA load was waited" in h for h in shim.hazards)
+
+
+@pytest.mark.skipif(K._IMPORT_ERROR is not None, reason="jax.experimental.pallas.mosaic_gpu does not import")
+@pytest.mark.parametrize("group_sums", [False, True])
+@pytest.mark.parametrize("form", ["fused", "lean", "columns"])
+def test_the_launch_gives_the_kernel_the_group_sums_flag(monkeypatch, form, group_sums):
+    # the kernel adds dB into its group's rows exactly where the group sums ask: the columns
+    # form adds dx and dw into buffers without them (`_launch`'s `add` then says so)
+    seen = []
+    kernel = S._kernel
+
+    def recording(*refs, **kw):
+        seen.append((kw["add"] if kw.get("sums") is None else kw["sums"], kw["add"]))
+        return kernel(*refs, **kw)
+
+    monkeypatch.setattr(S, "_kernel", recording)
+    b, h, g, c, p, n = 1, 2, 1, 2, 64, 128
+    x, bt = (
+        jax.ShapeDtypeStruct((b, h, c * 64, p), jnp.bfloat16),
+        jax.ShapeDtypeStruct((b, g, c * 64, n), jnp.bfloat16),
+    )
+    f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
+    args = (x, f32(b, h, c * 64), bt, f32(b, h, c), f32(b, c, h, p, n), f32(b, c, h, p, n), f32(b, h, p, n))
+    kw = dict(group_sums=group_sums, lean=form != "fused", columns=2 if form == "columns" else 1)
+    jax.jit(functools.partial(S.fused_state_bwd, **kw)).trace(*args).lower(lowering_platforms=("cuda",))
+    assert seen and all(dB_added == group_sums for dB_added, _ in seen), seen
+    assert all(added == (group_sums or form == "columns") for _, added in seen), seen
 
 
 def test_the_lean_form_shares_an_sm_where_the_fused_one_does_not():

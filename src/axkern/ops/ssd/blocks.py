@@ -186,7 +186,8 @@ def mosaic_gpu_heuristic(spec: Spec) -> SSDBlockSizes:
 def mosaic_gpu_space(spec: Spec) -> list[SSDBlockSizes]:
     """The default, then its parts taken back one at a time (the lean forward for the fused
     one), the lean fused state backward added to the default (where two of its blocks share an
-    SM; over the state's columns where N > 64) and the fused one to the whole kernels' form, and
+    SM; over the state's columns where N > 64 and `XLA_FLAGS` does not ask for deterministic
+    results) and the fused one to the whole kernels' form, and
     the three stages with none of them;
     then the whole kernels' form and its three stages at chunks of 128 and 256 where their
     tiles fit (`axkern tune` times each)."""
@@ -198,7 +199,8 @@ def mosaic_gpu_space(spec: Spec) -> list[SSDBlockSizes]:
         dataclasses.replace(best, group_sums="xla"),
         dataclasses.replace(best, transposes="xla"),
         *[dataclasses.replace(best, backward="lean")] * lean_state_bwd_shares_an_sm(p, n),
-        *[dataclasses.replace(best, backward="columns")] * (n > 64),
+        # (its blocks add their parts of dx and dw in any order: not where results must repeat)
+        *[dataclasses.replace(best, backward="columns")] * (n > 64 and not backend.deterministic()),
         whole,
         dataclasses.replace(whole, backward="fused"),
         SSDBlockSizes(chunk_size=64, forward="fused"),

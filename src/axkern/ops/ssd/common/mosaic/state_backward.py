@@ -137,7 +137,11 @@ def _kernel(
     rows_of,
     lean=False,
     column_blocks=1,
+    sums=None,
 ):
+    # `add` (from `_launch`): some output is added into; `sums`: dB is, into each group's rows
+    # (where None, `add`: dB is the only output added into but over the state's columns)
+    add = add if sums is None else sums
     (b_smem, dsh_smem, dsl_smem, g_smem, *staging, dw_smem, dk_smem), loaded = scoped
     head, batch = lax.axis_index("heads"), lax.axis_index("batch")
     q, n = b_smem.shape[1:]  # (n: the block's columns of the state)
@@ -297,7 +301,7 @@ def _fused_state_bwd(
         args.append(dx_in[0].astype(f32) if o == 0 and dx_in else jnp.zeros(out_type[o].shape, f32))
     barrier = plgpu.Barrier(num_barriers=(1 if lean else 2) * len(bt))
     kw = dict(into=into or None, positions_first=positions_first, tiles=tiles, chunks=c, lean=lean)
-    kw |= dict(column_blocks=columns)
+    kw |= dict(column_blocks=columns, sums=group_sums)
     kind = "state_bwd_fused" + "_lean" * lean + "_columns" * (columns > 1)
     launch = _launch(kind, _kernel, out_type, xt, bt, barrier, columns=columns, **kw)
     dx, dw, db_out, d_keep_rows, d_init = launch(*args)
