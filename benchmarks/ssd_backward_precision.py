@@ -47,6 +47,12 @@ kernels' operands and the state in `C S_inᵀ` rounded once (`LEAN_ROUNDED_ONCE`
 chunk-scan backward in one tile of the state, were it not to keep the low half; `_lean`):
 
     OUT=<folder> python3 benchmarks/ssd_backward_precision.py --chunks 64 --cases long --lean --stored S_in
+
+`--scores` runs the layer with `dg` summed per group (`SSDBlockSizes(group_sums="scores")`:
+`dB` and `dC`'s `dg B` from the sums in float32, `group_scores.py`), alone the kernels' operands
+(`_scores`):
+
+    OUT=<folder> python3 benchmarks/ssd_backward_precision.py --chunks 64 --cases long --scores
 """
 
 from __future__ import annotations
@@ -108,10 +114,11 @@ def _stored(a):
 
 
 @functools.cache
-def layout(single: frozenset | None, stored: frozenset = frozenset()):
+def layout(single: frozenset | None, stored: frozenset = frozenset(), scores: bool = False):
     """The emulated layout with `single` rounded once in the backward (`emulate.OPERANDS`; None:
-    the kernels' choice) and the arrays `stored` (`STORED`) kept in bf16 between the kernels."""
-    base, methods = E.EmulatedLayout, {"single": single}
+    the kernels' choice) and the arrays `stored` (`STORED`) kept in bf16 between the kernels;
+    `scores`: `dg` summed per group (`EmulatedLayout.group_scores`)."""
+    base, methods = E.EmulatedLayout, {"single": single, "group_scores": scores}
     if "S_in" in stored:
 
         def recurrence(self, keep, own, initial):
@@ -137,7 +144,7 @@ def layout(single: frozenset | None, stored: frozenset = frozenset()):
 
 
 @functools.cache
-def runner(single: frozenset | None, names, chunk, stored: frozenset = frozenset()):
+def runner(single: frozenset | None, names, chunk, stored: frozenset = frozenset(), scores: bool = False):
     def f(seg, *vals):
         a = dict(zip(names, vals, strict=True))
         dt = prepared_dt(a["dt"], a.get("dt_bias"), True, None)
@@ -145,7 +152,7 @@ def runner(single: frozenset | None, names, chunk, stored: frozenset = frozenset
         if s0 is None:
             s0 = jnp.zeros((a["x"].shape[0], a["x"].shape[2], a["x"].shape[3], a["B"].shape[3]), jnp.float32)
         args = (a["x"], dt, a["A"], a["B"], a["C"], a.get("D"), a.get("z"), seg, s0)
-        y, final = chunk_kernels.ssd(layout(single, stored), *args, chunk_size=chunk, interpret=True)
+        y, final = chunk_kernels.ssd(layout(single, stored, scores), *args, chunk_size=chunk, interpret=True)
         cot = jnp.round(64 * jnp.cos(jnp.arange(y.size, dtype=jnp.float32).reshape(y.shape))) / 64
         return jnp.sum(y.astype(jnp.float32) * cot) + jnp.sum(jnp.sin(final.astype(jnp.float32))), (y, final)
 
@@ -185,6 +192,7 @@ def main() -> None:
     p.add_argument(
         "--lean", action="store_true", help="the kernels' operands with the lean chunk-scan backward's"
     )
+    p.add_argument("--scores", action="store_true", help="dg summed per group (group_sums='scores')")
     a = p.parse_args()
     if a.lean and not a.stored:
         raise SystemExit("--lean: with --stored (the plans and the operands alone name their own roundings)")
@@ -209,7 +217,7 @@ def main() -> None:
         kernels = LEAN_ROUNDED_ONCE if a.lean else None  # (None: `emulate.ROUNDED_ONCE`)
         plan = kernels if single is None else frozenset(single)
         for label, chunk, arrays, seg, names, want, same in prepared:
-            run_plan = runner(plan, names, chunk, frozenset(stored))
+            run_plan = runner(plan, names, chunk, frozenset(stored), a.scores)
             rows[label] = ratios(run_plan(arrays, seg), same, want, names)
         worst = max(max(r.values()) for r in rows.values())
         grads = max(v for r in rows.values() for k, v in r.items() if k not in ("y", "final"))
@@ -219,6 +227,9 @@ def main() -> None:
         out = {"single": named, "worst": worst, "gradients_worst": grads, "cases": rows}
         return out | ({"stored": sorted(stored)} if stored else {})
 
+    if a.scores and not (a.stored or a.plans):  # the kernels' operands alone
+        _write(a, None, [evaluate(None)])
+        return
     if a.stored:
         sets = [tuple(s.split(",")) for s in a.stored.split(";")]
         for name in {n for s in sets for n in s} - set(STORED):
@@ -245,6 +256,7 @@ def _write(a, plan, results) -> None:
     extra += f" --stored '{a.stored}'" if a.stored else ""
     extra += f" --cases {a.cases}" if a.cases != "short" else ""
     extra += " --lean" if a.lean else ""
+    extra += " --scores" if a.scores else ""
     out = {
         "command": "OUT=<folder> python3 benchmarks/ssd_backward_precision.py "
         + f"--chunks {a.chunks} --margin {a.margin}{extra}",
@@ -258,7 +270,9 @@ def _write(a, plan, results) -> None:
     folder = Path(os.environ.get("OUT", "."))
     folder.mkdir(parents=True, exist_ok=True)
     name = "sweep_backward_precision" + ("_plans" if a.plans else "") + ("_stored" if a.stored else "")
-    name += ("_long" if a.cases == "long" else "") + ("_lean" if a.lean else "")
+    name += (
+        ("_long" if a.cases == "long" else "") + ("_lean" if a.lean else "") + ("_scores" if a.scores else "")
+    )
     (folder / f"{name}.json").write_text(json.dumps(out, indent=1) + "\n")
 
 
