@@ -17,13 +17,16 @@ the chunk-scan backward), `scores_columns` (that with `state_columns`' state bac
     OUT=<folder> python3 benchmarks/ssd_mosaic_forward.py [--lengths 2048,4096,16384] [--rounds 5]
         [--forms stages,fused]
 
-writes `$OUT/sweep_mosaic_forward.json` (other forms: `sweep_mosaic_<base>_<new>.json`).
+writes `$OUT/sweep_mosaic_forward.json` (other forms: `sweep_mosaic_<base>_<new>.json`; `--forms`
+may name more than two, each timed against the first in the same shuffled rounds,
+`sweep_mosaic_<base>_<new>_<new>....json`).
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import json
 import os
 import statistics
@@ -68,10 +71,12 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--lengths", default="4096")
     p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--forms", default="stages,fused", help="the base form, then the one timed against it")
+    p.add_argument("--forms", default="stages,fused", help="the base form, then those timed against it")
     a = p.parse_args()
-    base, new = a.forms.split(",")
-    forms = (base, new)
+    forms = tuple(a.forms.split(","))
+    base, others = forms[0], forms[1:]
+    if len(forms) < 2 or len(set(forms)) < len(forms) or set(forms) - set(FORMS):
+        raise SystemExit(f"--forms: a base and at least one other, each once, of {', '.join(FORMS)}")
     out = {
         "command": f"OUT=<folder> python3 benchmarks/ssd_mosaic_forward.py --lengths {a.lengths} --rounds {a.rounds}"
         + ("" if a.forms == "stages,fused" else f" --forms {a.forms}"),
@@ -103,11 +108,11 @@ def main() -> None:
         fns = {(form, "fwd"): jax.jit(forward(form)) for form in forms}
         fns |= {(form, "fwd+bwd"): jax.jit(both(form)) for form in forms}
         diff = {}
-        for pass_ in ("fwd", "fwd+bwd"):
+        for pass_, new in itertools.product(("fwd", "fwd+bwd"), others):
             fn_args = args if pass_ == "fwd" else (ct, *args)
             got = jax.tree.leaves(fns[new, pass_](*fn_args))
             want = jax.tree.leaves(fns[base, pass_](*fn_args))
-            diff[pass_] = max(
+            diff[pass_, new] = max(
                 float(np.abs(np.asarray(g, np.float64) - np.asarray(w, np.float64)).max())
                 / max(float(np.abs(np.asarray(w, np.float64)).max()), 1e-30)
                 for g, w in zip(got, want, strict=True)
@@ -116,21 +121,19 @@ def main() -> None:
             fn_args = args if pass_ == "fwd" else (ct, *args)
             keyed = {form: fns[form, pass_] for form in forms}
             samples, medians = bench.time_rounds(keyed, fn_args, rounds=a.rounds)
-            ratio = statistics.median(f / s for f, s in zip(medians[new], medians[base], strict=True))
-            row = {
-                "case": c.label,
-                "pass": pass_,
-                f"{base}_ms": statistics.median(medians[base]),
-                f"{new}_ms": statistics.median(medians[new]),
-                f"{new}_over_{base}": ratio,
-                "max_rel_diff": diff[pass_],
-                "samples_ms": {form: samples[form] for form in keyed},
-            }
+            row = {"case": c.label, "pass": pass_} | {f"{f}_ms": statistics.median(medians[f]) for f in forms}
+            for new in others:  # (each round's ratio, their median)
+                ratios = (f / s for f, s in zip(medians[new], medians[base], strict=True))
+                row[f"{new}_over_{base}"] = statistics.median(ratios)
+            # the largest difference from the base form's outputs (and gradients): one form's, or each's
+            diffs = {new: diff[pass_, new] for new in others}
+            row["max_rel_diff"] = diffs[others[0]] if len(others) == 1 else diffs
+            row["samples_ms"] = {form: samples[form] for form in keyed}
             print(json.dumps({k: v for k, v in row.items() if k != "samples_ms"}), flush=True)
             out["rows"].append(row)
     folder = Path(os.environ.get("OUT", "."))
     folder.mkdir(parents=True, exist_ok=True)
-    name = "sweep_mosaic_forward" if a.forms == "stages,fused" else f"sweep_mosaic_{base}_{new}"
+    name = "sweep_mosaic_forward" if a.forms == "stages,fused" else "sweep_mosaic_" + "_".join(forms)
     (folder / f"{name}.json").write_text(json.dumps(out, indent=1) + "\n")
 
 
