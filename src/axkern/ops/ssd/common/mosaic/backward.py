@@ -294,23 +294,8 @@ def lean_shares_an_sm(p: int, n: int) -> bool:
     return lean_reason(1, p=p, n=n) is None and blocks_per_sm(_tiles("scan_bwd_lean", p, n)) >= 2
 
 
-def _chunk_scan_bwd(
-    dy,
-    xt,
-    dt,
-    cum,
-    f,
-    seg,
-    bt,
-    ct,
-    states_in,
-    *theta,
-    group_sums,
-    positions_first,
-    chunk,
-    lean=False,
-    scores=False,
-):
+def _chunk_scan_bwd(*args, group_sums, positions_first, chunk, lean=False, scores=False):
+    dy, xt, dt, cum, f, seg, bt, ct, states_in, *theta = args
     bt, ct = operand_parts(bt), operand_parts(ct)
     _check_operands(xt, bt, ct, positions_first=positions_first, chunk=chunk)
     b, h, lp, p = _dims(xt, positions_first)
