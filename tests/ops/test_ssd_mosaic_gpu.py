@@ -339,14 +339,20 @@ def test_the_fused_state_backward_lowers(dims, group_sums, form):
 
 @needs_mosaic
 @pytest.mark.parametrize(
-    "group_sums,transposes,backward",
-    [(None, None, None), ("kernels", None, None), ("kernels", "kernels", "fused")],
+    "group_sums,transposes,backward,scan_backward",
+    [
+        (None, None, None, None),
+        ("kernels", None, None, None),
+        ("kernels", "kernels", "fused", None),
+        (None, None, "columns", None),  # (dx, dw added into: folded too)
+        ("scores", "kernels", "lean", "lean"),
+    ],
 )
-def test_the_layer_lowers_under_vmap(group_sums, transposes, backward):
+def test_the_layer_lowers_under_vmap(group_sums, transposes, backward, scan_backward):
     # the group sums' pallas_call has no batching rule in Mosaic GPU: the mapped axis is folded
     # into the kernels' batch axis (plgpu.kernel batches by itself)
     arrays, seg = make(0, 1, 128, 4, 64, 2, 128, "bfloat16")
-    blocks = SSDBlockSizes(64, "fused", group_sums, transposes, backward)
+    blocks = SSDBlockSizes(64, "fused", group_sums, transposes, backward, scan_backward)
 
     def f(a):
         dt = prepared_dt(a["dt"], a["dt_bias"], True, None)
