@@ -55,9 +55,10 @@ def _hopper() -> bool:
 # mosaic_gpu's forms (SSDBlockSizes after the chunk): the forward, where dB and dC are summed,
 # who transposes x and y, the state backward, the chunk-scan backward (the default: the sixth,
 # the seventh where XLA_FLAGS asks for deterministic results; the eighth with the lean chunk-scan
-# backward too, which takes P 64 only: the tests give the others the whole one; then two with
-# the lean fused state backward, whole and over the state's columns; the last with dg summed per
-# group, with the lean chunk-scan backward, whose dims without it take the group sums)
+# backward too, which takes P 64 only: the tests give the others the whole one; then three with
+# the lean fused state backward, whole and over the state's columns (with the group sums and
+# without); the last with dg summed per group, with the lean chunk-scan backward, whose dims
+# without it take the group sums)
 FORMS = [
     ("stages",),
     ("fused",),
@@ -69,6 +70,7 @@ FORMS = [
     ("lean", "kernels", "kernels", None, "lean"),
     ("lean", "kernels", "kernels", "lean"),
     ("lean", "kernels", "kernels", "columns"),
+    ("lean", None, "kernels", "columns"),
     ("lean", "scores", "kernels", None, "lean"),
 ]
 
@@ -99,6 +101,7 @@ def _check_mosaic(arrays, seg, blocks):
         "lean_both",
         "lean_state_backward",
         "state_columns",
+        "state_columns_head_sums",
         "group_scores",
     ],
 )

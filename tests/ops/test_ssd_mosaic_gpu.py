@@ -680,7 +680,7 @@ def test_dispatch_skips_it_off_hopper_with_the_reason():
     lean_state = kernels(gpu, SSDBlockSizes(64, backward="lean"))
     assert "reverse recurrence and the chunk-state backward in one slot of B" in lean_state
     assert "a block per 64 of the state's columns" in kernels(gpu, SSDBlockSizes(64, backward="columns"))
-    assert "dg summed over heads" in kernels(
+    assert "dg and dC's (f ∘ dy) S_in summed over heads" in kernels(
         gpu, SSDBlockSizes(64, group_sums="scores", scan_backward="lean")
     )
     with pytest.raises(axkern.Unsupported, match="group_sums='scores': with the lean chunk-scan backward"):

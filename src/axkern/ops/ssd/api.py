@@ -73,9 +73,8 @@ def _mosaic_gpu_kernels(spec, block_sizes) -> str:
     backward += " in one slot of B (two blocks an SM)" * (bs.backward == "lean")
     backward += " in one slot of B, a block per 64 of the state's columns" * (bs.backward == "columns")
     extras = [("dB, dC summed over heads in the kernels", bs.group_sums == "kernels")]
-    extras += [
-        ("dg summed over heads in the kernels, dB and dC's dg B from the sums", bs.group_sums == "scores")
-    ]
+    scores = "dg and dC's (f ∘ dy) S_in summed over heads in the kernels, dB and dC's dg B from the sums"
+    extras += [(scores, bs.group_sums == "scores")]
     extras += [("x, y in the caller's layout in the kernels", bs.transposes == "kernels")]
     extras += [("the lean chunk-scan backward (two blocks an SM)", bs.scan_backward == "lean")]
     notes = "".join(f"; {text}" for text, on in extras if on)

@@ -191,8 +191,8 @@ class EmulatedLayout(GpuLayout):
     parts_kernel = True  # as `MosaicLayout` (`rotated_parts`, in interpret mode on a CPU)
 
     @classmethod
-    def turns_back(cls) -> bool:  # as the Mosaic kernels (`MosaicLayout`)
-        return True
+    def turns_back(cls) -> bool:  # as the Mosaic kernels (`MosaicLayout`: not with the group sums)
+        return not cls.group_scores
 
     def chunk_state(self, xt, w, bt, *, dtype):
         return emulate_chunk_state(xt, self.to_col(w), bt, self.q)
