@@ -1,0 +1,168 @@
+"""`mosaic_gpu.ssd` on the CPU with its Mosaic GPU kernels replaced by their emulations
+(`emulate.py`, the recurrences by `chunks.py`): the block sizes' mapping to a layout and
+`MosaicLayout`'s glue between the kernels (which outputs are per head or per group, where the
+chunk-scan backward's `dx` is added, the dg sums' products, the caller's layout) run as on the
+GPU, through the whole layer and its gradients. Each stand-in checks its outputs' shapes and
+dtypes against `jax.eval_shape` of the kernel it replaces, called with the same arguments. The
+layer must then equal the emulated layout's (`EmulatedLayout`, or with the dg sums, which
+`test_ssd_mosaic_gpu.py`'s oracle tests hold to the rule)."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from axkern.ops.ssd import SSDBlockSizes, mosaic_gpu
+from axkern.ops.ssd.api import prepared_dt
+from axkern.ops.ssd.common import chunks
+from axkern.ops.ssd.common import kernels as chunk_kernels
+from axkern.ops.ssd.common import mosaic as M
+from axkern.ops.ssd.common.mosaic import emulate as E
+from tests.cases.ssd import make
+from tests.harness import jit
+
+needs_mosaic = pytest.mark.skipif(
+    mosaic_gpu._IMPORT_ERROR is not None, reason=f"Pallas Mosaic GPU: {mosaic_gpu._IMPORT_ERROR}"
+)
+REAL = {k: getattr(M, k) for k in ("chunk_scan_bwd", "chunk_state_bwd", "fused_state_bwd", "fused_forward")}
+
+
+def _heads(a, first):  # the caller's [b, L, h, d] as the kernels' [b, h, L, d]
+    return jnp.moveaxis(a, 1, 2) if first else a
+
+
+def _back(a, first):
+    return jnp.moveaxis(a, 2, 1) if first else a
+
+
+def _per_group(a, bt):
+    g = M.operand_parts(bt)[0].shape[1]
+    return a.reshape(a.shape[0], g, a.shape[1] // g, *a.shape[2:]).sum(2)
+
+
+def _checked(name, out, args, kw):
+    want = jax.eval_shape(functools.partial(REAL[name], **kw), *args)
+    spec = lambda t: [None if o is None else (o.shape, jnp.dtype(o.dtype)) for o in t]  # noqa: E731
+    assert spec(out) == spec(want), (name, kw)
+    return out
+
+
+def _fused_forward(xt, w, dt, cum, f, keep, seg, bt, ct, s0, *, positions_first=False, **kw):
+    x = _heads(xt, positions_first)
+    x = jnp.where(jnp.isfinite(x), x, 0).astype(x.dtype) if kw.get("clean_x") else x
+    states_in, final = chunks.recurrence(keep, E.emulate_chunk_state(x, w, bt, 64), s0.astype(jnp.float32))
+    y = E.emulate_chunk_scan(x, dt, cum, f, seg, bt, ct, states_in, 64).astype(kw.get("y_dtype", jnp.float32))
+    out = (_back(y, positions_first), final, states_in if kw.get("states", True) else None)
+    args = (xt, w, dt, cum, f, keep, seg, bt, ct, s0)
+    return _checked("fused_forward", out, args, kw | {"positions_first": positions_first})
+
+
+def _chunk_scan_bwd(dy, xt, *rest, group_sums=False, positions_first=False, scores=False, **kw):
+    first = positions_first
+    out = list(E.emulate_chunk_scan_bwd(_heads(dy, first), _heads(xt, first), *rest, scores=scores))
+    out[0] = _back(out[0], first)
+    if group_sums and not scores:
+        out[5], out[6] = _per_group(out[5], rest[5]), _per_group(out[6], rest[5])
+    kw |= dict(group_sums=group_sums, positions_first=first, scores=scores)
+    return tuple(_checked("chunk_scan_bwd", out, (dy, xt, *rest), kw))
+
+
+def _chunk_state_bwd(xt, w, bt, d_own, dx_in=None, *, group_sums=False, positions_first=False, **kw):
+    dx, dw, db = E.emulate_chunk_state_bwd(_heads(xt, positions_first), w, bt, d_own, 64)
+    if dx_in is not None:  # (the kernel adds it and writes dx in the input dtype)
+        dx = (dx + _heads(dx_in, positions_first).astype(jnp.float32)).astype(xt.dtype)
+    out = (_back(dx, positions_first), dw, _per_group(db, bt) if group_sums else db)
+    args = (xt, w, bt, d_own) + (() if dx_in is None else (dx_in,))
+    return _checked(
+        "chunk_state_bwd", out, args, kw | dict(group_sums=group_sums, positions_first=positions_first)
+    )
+
+
+def _fused_state_bwd(
+    xt, w, bt, keep, s, ds, d_final, dx_in=None, *, group_sums=False, positions_first=False, **kw
+):
+    d_own, d_keep, d_init = chunks.recurrence_bwd(keep, s, ds, d_final.astype(jnp.float32))
+    dx, dw, db = E.emulate_chunk_state_bwd(_heads(xt, positions_first), w, bt, d_own, 64)
+    dx = dx if dx_in is None else dx + _heads(dx_in, positions_first)
+    out = (_back(dx, positions_first), dw, _per_group(db, bt) if group_sums else db, d_keep, d_init)
+    args = (xt, w, bt, keep, s, ds, d_final) + (() if dx_in is None else (dx_in,))
+    return _checked(
+        "fused_state_bwd", out, args, kw | dict(group_sums=group_sums, positions_first=positions_first)
+    )
+
+
+@pytest.fixture
+def emulated_kernels(monkeypatch):
+    """`MosaicLayout`'s kernels as their emulations; `mosaic_gpu.ssd`'s recurrence kernels in
+    interpret mode (the implementation refuses `interpret=True` itself)."""
+    fakes = dict(
+        fused_forward=_fused_forward,
+        chunk_scan_bwd=_chunk_scan_bwd,
+        chunk_state_bwd=_chunk_state_bwd,
+        fused_state_bwd=_fused_state_bwd,
+    )
+    for name, fake in fakes.items():
+        monkeypatch.setattr(M, name, fake)
+    ssd = chunk_kernels.ssd
+    monkeypatch.setattr(
+        mosaic_gpu.chunk_kernels, "ssd", lambda *a, interpret, **kw: ssd(*a, interpret=True, **kw)
+    )
+
+
+def _runner(names, blocks=None, layout=None):
+    def f(seg, *vals):
+        a = dict(zip(names, vals, strict=True))
+        dt = prepared_dt(a["dt"], a.get("dt_bias"), True, None)
+        args = (a["x"], dt, a["A"], a["B"], a["C"], a.get("D"), a.get("z"), seg, a["initial_state"])
+        if layout is None:
+            y, final = mosaic_gpu.ssd(*args, block_sizes=blocks)
+        else:
+            y, final = chunk_kernels.ssd(layout, *args, chunk_size=64, interpret=True)
+        cot = jnp.round(64 * jnp.cos(jnp.arange(y.size, dtype=jnp.float32).reshape(y.shape))) / 64
+        return jnp.sum(y.astype(jnp.float32) * cot) + jnp.sum(jnp.sin(final.astype(jnp.float32))), (y, final)
+
+    def g(arrays, seg):
+        argnums = tuple(range(1, len(names) + 1))
+        (_, out), grads = jax.value_and_grad(f, argnums=argnums, has_aux=True)(
+            seg, *[arrays[k] for k in names]
+        )
+        return out, grads
+
+    return jit(g)
+
+
+class _Scores(E.EmulatedLayout):
+    group_scores = True
+
+
+@needs_mosaic
+@pytest.mark.parametrize(
+    "form",
+    [
+        dict(forward="lean", group_sums="kernels", transposes="kernels"),  # the default
+        dict(forward="lean", backward="columns"),  # dx, dw added over the column blocks, dB per head
+        dict(forward="lean", group_sums="kernels", transposes="kernels", backward="columns"),
+        dict(forward="fused", group_sums="kernels", backward="lean"),
+        dict(forward="lean", group_sums="scores", transposes="kernels", scan_backward="lean"),
+        dict(forward="lean", group_sums="scores", backward="columns", scan_backward="lean"),
+    ],
+    ids=str,
+)
+@pytest.mark.parametrize("dims", [(1, 150, 4, 64, 2, 64), (1, 192, 4, 64, 1, 128)], ids=str)
+def test_the_layouts_glue_gives_the_emulated_layouts_layer(emulated_kernels, form, dims):
+    arrays, seg = make(3, *dims, "bfloat16", segments=True)
+    names = tuple(sorted(arrays))
+    got = _runner(names, blocks=SSDBlockSizes(64, **form))(arrays, seg)
+    layout = _Scores if form.get("group_sums") == "scores" else E.EmulatedLayout
+    want = _runner(names, layout=layout)(arrays, seg)
+    # equal but for float32 sums in another order (the stand-ins' recurrence is XLA's, the emulated
+    # layout's the Triton kernel's in interpret mode), which may move a bf16 result by one step
+    for a, e in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        rtol = 2.0**-7 if a.dtype == jnp.bfloat16 else 0
+        a, e = np.asarray(a, np.float64), np.asarray(e, np.float64)
+        assert a.shape == e.shape
+        np.testing.assert_allclose(a, e, rtol=rtol, atol=1e-5 * max(np.abs(e).max(), 1e-30))
