@@ -33,7 +33,9 @@ has the timing), `forward="stages"` the three stages.
 head's `dB` (and `dC`) tile into its group's rows by TMA reductions (`copy_smem_to_gmem(...,
 reduction_op="add")`) into zeros the kernel takes as a ref it writes in place (`pl.run_state`
 over `pl.kernel`, as `plgpu.kernel` takes no aliases), where otherwise they write `[b, h, L,
-N]` float32 per head for XLA to sum. **Transposes** (`SSDBlockSizes(transposes="kernels")`):
+N]` float32 per head for XLA to sum; with the lean chunk-scan backward, `group_sums="scores"`
+adds each head's `[Q, Q]` `dg` instead of `dB` and `dg B`'s share of `dC`, which XLA forms
+from the sums (`group_scores.py`). **Transposes** (`SSDBlockSizes(transposes="kernels")`):
 the kernels read `x`, `dy` and write `y`, `dx` as `[b, L, h, P]`, the caller's layout
 (`kernels._indexer`: a strided tile per head, which TMA copies and loads take as they take a
 contiguous one), where XLA otherwise moves them to `[b, h, L, P]` and back. **The fused state backward**
@@ -43,7 +45,8 @@ state's gradient in registers; `backward="lean"` the same in one slot of `B` and
 tile, so that two blocks share an SM. The group sums and the transposes are the default (XLA
 sums where `XLA_FLAGS` asks for deterministic results, `backend.deterministic`); the fused
 state backward, no faster on the H200, is in the tuning space only (`blocks.mosaic_gpu_heuristic`
-has the timings), the lean one too (not yet timed).
+has the timings), the lean one and its form over the state's columns (`backward="columns"`)
+too, not yet timed.
 
 **`y` in the input dtype.** Without `D` and the gate (`common/kernels.ssd`), the scan and
 fused kernels round `y` to bf16 themselves (`Layout.y_dtype`) and the scan's backward kernel
