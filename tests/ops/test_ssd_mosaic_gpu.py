@@ -451,7 +451,10 @@ def test_the_conditional_passes_x_out_as_it_came():
     )
 
 
-def _emulated_runner(names, chunk=mosaic_gpu.CHUNK, layout=mosaic_gpu.EmulatedLayout):
+def _emulated_runner(names, chunk=mosaic_gpu.CHUNK, layout=mosaic_gpu.EmulatedLayout, call=None):
+    """The layer's outputs and every gradient of a loss of them (jitted `(arrays, seg)`), through
+    `layout`'s kernels, or `call(args)` where given (`ssd`'s positional arguments)."""
+
     def f(seg, *vals):
         a = dict(zip(names, vals, strict=True))
         dt = prepared_dt(a["dt"], a.get("dt_bias"), True, None)
@@ -461,7 +464,10 @@ def _emulated_runner(names, chunk=mosaic_gpu.CHUNK, layout=mosaic_gpu.EmulatedLa
                 (*a["x"].shape[:1], a["x"].shape[2], a["x"].shape[3], a["B"].shape[3]), jnp.float32
             )
         args = (a["x"], dt, a["A"], a["B"], a["C"], a.get("D"), a.get("z"), seg, s0)
-        y, final = chunk_kernels.ssd(layout, *args, chunk_size=chunk, interpret=True)
+        if call is not None:
+            y, final = call(args)
+        else:
+            y, final = chunk_kernels.ssd(layout, *args, chunk_size=chunk, interpret=True)
         cot = jnp.round(64 * jnp.cos(jnp.arange(y.size, dtype=jnp.float32).reshape(y.shape))) / 64
         return jnp.sum(y.astype(jnp.float32) * cot) + jnp.sum(jnp.sin(final.astype(jnp.float32))), (y, final)
 

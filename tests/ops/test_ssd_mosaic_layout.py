@@ -17,13 +17,12 @@ import numpy as np
 import pytest
 
 from axkern.ops.ssd import SSDBlockSizes, mosaic_gpu
-from axkern.ops.ssd.api import prepared_dt
 from axkern.ops.ssd.common import chunks
 from axkern.ops.ssd.common import kernels as chunk_kernels
 from axkern.ops.ssd.common import mosaic as M
 from axkern.ops.ssd.common.mosaic import emulate as E
 from tests.cases.ssd import make
-from tests.harness import jit
+from tests.ops.test_ssd_mosaic_gpu import _emulated_runner
 
 needs_mosaic = pytest.mark.skipif(
     mosaic_gpu._IMPORT_ERROR is not None, reason=f"Pallas Mosaic GPU: {mosaic_gpu._IMPORT_ERROR}"
@@ -113,28 +112,6 @@ def emulated_kernels(monkeypatch):
     )
 
 
-def _runner(names, blocks=None, layout=None):
-    def f(seg, *vals):
-        a = dict(zip(names, vals, strict=True))
-        dt = prepared_dt(a["dt"], a.get("dt_bias"), True, None)
-        args = (a["x"], dt, a["A"], a["B"], a["C"], a.get("D"), a.get("z"), seg, a["initial_state"])
-        if layout is None:
-            y, final = mosaic_gpu.ssd(*args, block_sizes=blocks)
-        else:
-            y, final = chunk_kernels.ssd(layout, *args, chunk_size=64, interpret=True)
-        cot = jnp.round(64 * jnp.cos(jnp.arange(y.size, dtype=jnp.float32).reshape(y.shape))) / 64
-        return jnp.sum(y.astype(jnp.float32) * cot) + jnp.sum(jnp.sin(final.astype(jnp.float32))), (y, final)
-
-    def g(arrays, seg):
-        argnums = tuple(range(1, len(names) + 1))
-        (_, out), grads = jax.value_and_grad(f, argnums=argnums, has_aux=True)(
-            seg, *[arrays[k] for k in names]
-        )
-        return out, grads
-
-    return jit(g)
-
-
 class _Scores(E.EmulatedLayout):
     group_scores = True
 
@@ -156,9 +133,10 @@ class _Scores(E.EmulatedLayout):
 def test_the_layouts_glue_gives_the_emulated_layouts_layer(emulated_kernels, form, dims):
     arrays, seg = make(3, *dims, "bfloat16", segments=True)
     names = tuple(sorted(arrays))
-    got = _runner(names, blocks=SSDBlockSizes(64, **form))(arrays, seg)
+    blocks = SSDBlockSizes(64, **form)
+    got = _emulated_runner(names, call=lambda args: mosaic_gpu.ssd(*args, block_sizes=blocks))(arrays, seg)
     layout = _Scores if form.get("group_sums") == "scores" else E.EmulatedLayout
-    want = _runner(names, layout=layout)(arrays, seg)
+    want = _emulated_runner(names, layout=layout)(arrays, seg)
     # equal but for float32 sums in another order (the stand-ins' recurrence is XLA's, the emulated
     # layout's the Triton kernel's in interpret mode), which may move a bf16 result by one step
     for a, e in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
