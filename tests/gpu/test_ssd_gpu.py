@@ -53,12 +53,12 @@ def _hopper() -> bool:
 
 
 # mosaic_gpu's forms (SSDBlockSizes after the chunk): the forward, where dB and dC are summed,
-# who transposes x and y, the state backward, the chunk-scan backward (the default: the sixth,
-# the seventh where XLA_FLAGS asks for deterministic results; the eighth with the lean chunk-scan
-# backward too, which takes P 64 only: the tests give the others the whole one; then three with
-# the lean fused state backward, whole and over the state's columns (with the group sums and
-# without); the last with dg summed per group, with the lean chunk-scan backward, whose dims
-# without it take the group sums)
+# who transposes x and y, the state backward, the chunk-scan backward (the default at P 128: the
+# sixth, the seventh where XLA_FLAGS asks for deterministic results; the eighth with the lean
+# chunk-scan backward too, which takes P 64 only: the tests give the others the whole one; then
+# three with the lean fused state backward, whole and over the state's columns (with the group
+# sums and without); the last, the default at P 64, with dg summed per group and the lean
+# chunk-scan backward, whose dims without it take the sixth)
 FORMS = [
     ("stages",),
     ("fused",),

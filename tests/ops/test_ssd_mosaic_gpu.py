@@ -694,43 +694,46 @@ def test_dispatch_skips_it_off_hopper_with_the_reason():
 
 
 def test_the_default_form_and_the_deterministic_flags(monkeypatch):
-    # the lean fused forward and the whole chunk-scan backward, dB and dC summed and x, y read and
-    # written in place in the kernels; the sums by XLA where XLA_FLAGS asks for run-to-run
-    # identical results
+    # the lean fused forward, x, y read and written in place in the kernels; at P 64 the lean
+    # chunk-scan backward with dg summed per group, else the whole one with dB and dC summed in
+    # the kernels; where XLA_FLAGS asks for run-to-run identical results, the whole one with the
+    # sums by XLA
     _, gpu = _h200_spec(64, 128)
     heuristic, space = (getattr(OP.implementations["mosaic_gpu"], k) for k in ("heuristic", "space"))
     monkeypatch.delenv("XLA_FLAGS", raising=False)
     whole = SSDBlockSizes(64, forward="fused", group_sums="kernels", transposes="kernels")
-    default = dataclasses.replace(whole, forward="lean")
+    lean_forward = dataclasses.replace(whole, forward="lean")
+    default = dataclasses.replace(lean_forward, group_sums="scores", scan_backward="lean")
     assert heuristic(gpu) == default
     forms = space(gpu)
-    assert forms[0] == default and len(set(forms)) == len(forms) == 11
+    assert forms[0] == default and len(set(forms)) == len(forms) == 13
     assert SSDBlockSizes(64, forward="stages") in forms
-    # the lean forward taken back (the whole kernels' form), the fused state backward with the
-    # whole kernels, the lean one with the default; the lean chunk-scan backward in none
-    # (docs/ops/ssd.md says why)
-    for form in (whole, dataclasses.replace(whole, backward="fused")):
+    # the dg sums taken back (dB, dC summed in the kernels), then the lean chunk-scan backward,
+    # then the lean forward (the whole kernels' form); the fused state backward with the whole
+    # kernels, the lean one with the default
+    for form in (dataclasses.replace(default, group_sums="kernels"), lean_forward, whole):
         assert form in forms, form
+    assert dataclasses.replace(whole, backward="fused") in forms
     for state_backward in ("lean", "columns"):  # (over the state's columns where N > 64)
         assert dataclasses.replace(default, backward=state_backward) in forms
     assert dataclasses.replace(default, backward="columns") not in space(_h200_spec(128, 64)[1])
-    assert all(f.scan_backward is None for f in forms)
+    assert all(f.group_sums != "scores" or f.scan_backward == "lean" for f in forms)
     # the whole kernels' form and its three stages at chunks of 128 (at P 64, N 128 the scan's
     # tiles at 256 exceed shared memory; the lean kernels run chunks of 64)
     assert forms[-2:] == [dataclasses.replace(whole, chunk_size=128, forward=f) for f in ("fused", "stages")]
     assert all(f.chunk_size == 64 for f in forms if "lean" in (f.forward, f.scan_backward))
-    # the lean forward at the three sizes
+    # at P 128 the lean forward with the whole chunk-scan backward (the lean one takes P 64)
     p128 = space(_h200_spec(128, 64)[1])
-    assert heuristic(_h200_spec(128, 64)[1]) == dataclasses.replace(whole, forward="lean")
-    assert whole in p128
+    assert heuristic(_h200_spec(128, 64)[1]) == lean_forward
+    assert whole in p128 and all(f.scan_backward is None for f in p128)
     assert heuristic(_h200_spec(64, 64)[1]) == default
     for flags in (
         "--xla_gpu_deterministic_ops=true",
         "--xla_dump_to=/tmp --xla_gpu_exclude_nondeterministic_ops",
     ):
         monkeypatch.setenv("XLA_FLAGS", flags)
-        assert heuristic(gpu) == dataclasses.replace(default, group_sums="xla"), flags
-        assert all(f.group_sums != "kernels" for f in space(gpu)), flags
+        assert heuristic(gpu) == dataclasses.replace(lean_forward, group_sums="xla"), flags
+        assert all(f.group_sums not in ("kernels", "scores") for f in space(gpu)), flags
         assert all(f.backward != "columns" for f in space(gpu)), flags  # (its dx, dw sums)
     monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_deterministic_ops=True")
     assert heuristic(gpu).group_sums == "xla"

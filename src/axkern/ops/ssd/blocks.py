@@ -13,7 +13,12 @@ from axkern.core import backend, kernels
 from axkern.core.blocks import BlockSizes, grid, next_power_of_2
 from axkern.core.op import Spec, Unsupported
 
-from .common.mosaic import chunk_reason, lean_forward_shares_an_sm, lean_state_bwd_shares_an_sm
+from .common.mosaic import (
+    chunk_reason,
+    lean_forward_shares_an_sm,
+    lean_shares_an_sm,
+    lean_state_bwd_shares_an_sm,
+)
 
 __all__ = [
     "SSDBlockSizes",
@@ -161,41 +166,49 @@ def pallas_tpu_space(spec: Spec) -> list[SSDBlockSizes]:
 
 def mosaic_gpu_heuristic(spec: Spec) -> SSDBlockSizes:
     """`mosaic_gpu`: chunks of 64 (one warpgroup's rows; larger chunks run the kernels by tiles
-    of 64 rows), the lean fused forward and the whole chunk-scan backward, `dB` and `dC` summed
-    over each group's heads and `x`, `y` read and written in the caller's layout in the kernels;
-    the state backward as two kernels. The lean chunk-scan backward (P 64, two blocks an SM) is
-    neither the default nor in the space: docs/ops/ssd.md (Performance) says why. On the
-    H200 at the 2.7B layer (`benchmarks/ssd_mosaic_forward.py`, L 4096): the fused forward 0.89x
-    the three stages' forward time (0.86-0.89x at L 2048 to 16384), 0.96x forward+backward;
-    against the fused forward alone, the group sums 0.90x forward+backward, the transposes 0.92x
-    forward and 1.00x forward+backward, the fused state backward 1.03x forward+backward (slower:
-    not chosen); against those (`fused_sums_transposes`), the two lean kernels 0.83x forward and
-    0.91x forward+backward. The group sums' additions come in any order, so `dB`, `dC` may
-    differ in their last bits between runs: where `XLA_FLAGS` asks for deterministic results
-    (`backend.deterministic`) XLA sums them."""
-    sums = "xla" if backend.deterministic() else "kernels"
+    of 64 rows), the lean fused forward, `x`, `y` read and written in the caller's layout in the
+    kernels, and the state backward as two kernels; at P 64 (`lean_shares_an_sm`) the lean
+    chunk-scan backward with `dg` summed over each group's heads (`group_sums="scores"`), else
+    the whole one with `dB` and `dC` summed in the kernels. On the H100 at the 2.7B layer, L 4096
+    (`benchmarks/ssd_mosaic_forward.py`, all forms in one run, `nvidia_h100/ssd/sweep_mosaic_forms.json`),
+    against the lean forward with the whole chunk-scan backward: forward+backward 0.95x with the
+    lean one, 0.92x with it and the dg sums, 0.91x with those and the fused state backward over
+    the state's columns (its `dx` sums in any order), 1.04x with the lean fused state backward.
+    Earlier, on the H200: the fused forward 0.89x the three stages' forward time, the group sums
+    0.90x forward+backward, the transposes 0.92x forward, the fused state backward 1.03x
+    forward+backward (`sweep_mosaic_*.json` there). The group sums' additions come in any order,
+    so `dB`, `dC` may differ in their last bits between runs: where `XLA_FLAGS` asks for
+    deterministic results (`backend.deterministic`) XLA sums them, after the whole chunk-scan
+    backward."""
+    deterministic = backend.deterministic()
     p, n = spec.dim("head_dim"), spec.dim("state")
+    lean = lean_shares_an_sm(p, n) and not deterministic
     return SSDBlockSizes(
         chunk_size=64,
         forward="lean" if lean_forward_shares_an_sm(p, n, jnp.bfloat16) else "fused",
-        group_sums=sums,
+        group_sums="scores" if lean else ("xla" if deterministic else "kernels"),
         transposes="kernels",
+        scan_backward="lean" if lean else None,
     )
 
 
 def mosaic_gpu_space(spec: Spec) -> list[SSDBlockSizes]:
-    """The default, then its parts taken back one at a time (the lean forward for the fused
-    one), the lean fused state backward added to the default (where two of its blocks share an
-    SM; over the state's columns where N > 64 and `XLA_FLAGS` does not ask for deterministic
-    results) and the fused one to the whole kernels' form, and
-    the three stages with none of them;
-    then the whole kernels' form and its three stages at chunks of 128 and 256 where their
-    tiles fit (`axkern tune` times each)."""
+    """The default, then its parts taken back one at a time (the dg sums for the group sums,
+    then the lean chunk-scan backward, the lean forward for the fused one), the lean fused state
+    backward added to the default (where two of its blocks share an SM; over the state's columns
+    where N > 64 and `XLA_FLAGS` does not ask for deterministic results) and the fused one to the
+    whole kernels' form, and the three stages with none of them; then the whole kernels' form
+    and its three stages at chunks of 128 and 256 where their tiles fit (`axkern tune` times
+    each)."""
     best = mosaic_gpu_heuristic(spec)
-    whole = dataclasses.replace(best, forward="fused")
+    sums = "xla" if backend.deterministic() else "kernels"
+    lean_forward = dataclasses.replace(best, group_sums=sums, scan_backward=None)
+    whole = dataclasses.replace(lean_forward, forward="fused")
     p, n = spec.dim("head_dim"), spec.dim("state")
     forms = [
         best,
+        dataclasses.replace(best, group_sums=sums),
+        lean_forward,
         dataclasses.replace(best, group_sums="xla"),
         dataclasses.replace(best, transposes="xla"),
         *[dataclasses.replace(best, backward="lean")] * lean_state_bwd_shares_an_sm(p, n),
