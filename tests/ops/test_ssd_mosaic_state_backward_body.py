@@ -17,6 +17,7 @@ from axkern.ops.ssd.common.mosaic import emulate as E
 from axkern.ops.ssd.common.mosaic import kernels as K
 from axkern.ops.ssd.common.mosaic import state_backward as S
 from tests.ops import test_ssd_mosaic_bodies as bodies
+from tests.ops.test_ssd_mosaic_gpu import needs_mosaic
 
 
 @pytest.fixture
@@ -125,7 +126,7 @@ def test_the_shim_sees_errors_planted_in_the_lean_state_backward(shim, monkeypat
     assert any("before its TMA load was waited" in h for h in shim.hazards)
 
 
-@pytest.mark.skipif(K._IMPORT_ERROR is not None, reason="jax.experimental.pallas.mosaic_gpu does not import")
+@needs_mosaic
 @pytest.mark.parametrize("group_sums", [False, True])
 @pytest.mark.parametrize("form", ["fused", "lean", "columns"])
 def test_the_launch_gives_the_kernel_the_group_sums_flag(monkeypatch, form, group_sums):
@@ -135,7 +136,7 @@ def test_the_launch_gives_the_kernel_the_group_sums_flag(monkeypatch, form, grou
     kernel = S._kernel
 
     def recording(*refs, **kw):
-        seen.append((kw["add"] if kw.get("sums") is None else kw["sums"], kw["add"]))
+        seen.append((kw["sums"], kw["add"]))
         return kernel(*refs, **kw)
 
     monkeypatch.setattr(S, "_kernel", recording)

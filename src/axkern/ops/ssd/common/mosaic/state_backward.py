@@ -137,11 +137,10 @@ def _kernel(
     rows_of,
     lean=False,
     column_blocks=1,
-    sums=None,
+    sums,
 ):
     # `add` (from `_launch`): some output is added into; `sums`: dB is, into each group's rows
-    # (where None, `add`: dB is the only output added into but over the state's columns)
-    add = add if sums is None else sums
+    add = sums
     (b_smem, dsh_smem, dsl_smem, g_smem, *staging, dw_smem, dk_smem), loaded = scoped
     head, batch = lax.axis_index("heads"), lax.axis_index("batch")
     q, n = b_smem.shape[1:]  # (n: the block's columns of the state)
