@@ -99,7 +99,8 @@ def main() -> None:
     if len(forms) < 2 or len(set(forms)) < len(forms) or set(forms) - set(FORMS):
         raise SystemExit(f"--forms: a base and at least one other, each once, of {', '.join(FORMS)}")
     out = {
-        "command": f"OUT=<folder> python3 benchmarks/ssd_mosaic_forward.py --lengths {a.lengths} --rounds {a.rounds}"
+        "command": (f"XLA_FLAGS={os.environ['XLA_FLAGS']!r} " if os.environ.get("XLA_FLAGS") else "")
+        + f"OUT=<folder> python3 benchmarks/ssd_mosaic_forward.py --lengths {a.lengths} --rounds {a.rounds}"
         + ("" if a.forms == "stages,fused" else f" --forms {a.forms}"),
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "jax": jax.__version__,
