@@ -200,8 +200,8 @@ def mosaic_gpu_space(spec: Spec) -> list[SSDBlockSizes]:
     whole kernels' form, and the three stages with none of them; then the whole kernels' form
     and its three stages at chunks of 128 and 256 where their tiles fit (`axkern tune` times
     each)."""
-    best = mosaic_gpu_heuristic(spec)
-    sums = "xla" if backend.deterministic() else "kernels"
+    best, deterministic = mosaic_gpu_heuristic(spec), backend.deterministic()
+    sums = "xla" if deterministic else "kernels"
     lean_forward = dataclasses.replace(best, group_sums=sums, scan_backward=None)
     whole = dataclasses.replace(lean_forward, forward="fused")
     p, n = spec.dim("head_dim"), spec.dim("state")
@@ -213,7 +213,7 @@ def mosaic_gpu_space(spec: Spec) -> list[SSDBlockSizes]:
         dataclasses.replace(best, transposes="xla"),
         *[dataclasses.replace(best, backward="lean")] * lean_state_bwd_shares_an_sm(p, n),
         # (its blocks add their parts of dx and dw in any order: not where results must repeat)
-        *[dataclasses.replace(best, backward="columns")] * (n > 64 and not backend.deterministic()),
+        *[dataclasses.replace(best, backward="columns")] * (n > 64 and not deterministic),
         whole,
         dataclasses.replace(whole, backward="fused"),
         SSDBlockSizes(chunk_size=64, forward="fused"),

@@ -169,7 +169,7 @@ from .emulate import (
 )
 from .forward import fused_fits, fused_forward, fused_smem_bytes, rotation_reason
 from .forward_lean import lean_forward_reason, lean_forward_shares_an_sm
-from .group_scores import group_scores_grads
+from .group_scores import with_group_scores
 from .kernels import (
     _IMPORT_ERROR,
     CHUNK,
@@ -268,12 +268,7 @@ class MosaicLayout(GpuLayout):
         out = chunk_scan_bwd(
             *args, chunk=self.q, lean=self.lean_scan_backward, scores=self.group_scores, **kw
         )
-        if not self.group_scores:
-            return out
-        out = list(out)  # dB and dC's dg B from dg summed per group (`group_scores.py`)
-        out[5], dc = group_scores_grads(out[5], bt, ct)
-        out[6] = out[6] + dc
-        return tuple(out)
+        return with_group_scores(out, bt, ct) if self.group_scores else out
 
     # `dB`, `dC` summed over each group's heads in XLA, or (`group_sums`) in the kernels, or
     # (`group_scores` too) `dC`'s `(f ∘ dy) S_in` and `dg` in the kernels (`group_scores.py`)

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from ..gpu import GpuLayout
-from .group_scores import group_scores_grads
+from .group_scores import with_group_scores
 from .kernels import CHUNK, operand_parts
 from .rotation import _padded_angles, rotate_halves
 from .tiled import rounds_once
@@ -215,9 +215,7 @@ class EmulatedLayout(GpuLayout):
         args = (dy, xt, c(scale), c(cum), c(f), c(sc), bt, ct, states_in, self.q, self.single)
         out = list(emulate_chunk_scan_bwd(*args, scores=self.group_scores))
         if self.group_scores:
-            out[5], dc = group_scores_grads(out[5], bt, ct)
-            out[6] = out[6] + dc
-            return tuple(out)
+            return with_group_scores(out, bt, ct)
         out[5], out[6] = _turned_back(bt, out[5]), _turned_back(ct, out[6])  # dB, dC
         return tuple(out)
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
-__all__ = ["group_scores_grads"]
+__all__ = ["group_scores_grads", "with_group_scores"]
 
 
 def group_scores_grads(dg, bt, ct):
@@ -35,3 +35,12 @@ def group_scores_grads(dg, bt, ct):
     db = jnp.einsum("bgcts,bgctn->bgcsn", dg, rows(ct), precision=exact)
     dc = jnp.einsum("bgcts,bgcsn->bgctn", dg, rows(bt), precision=exact)
     return db.reshape(b, g, c * q, -1), dc.reshape(b, g, c * q, -1)
+
+
+def with_group_scores(out, bt, ct):
+    """The chunk-scan backward's outputs (`chunk_scan_bwd(..., scores=True)` or its emulation:
+    `dg` summed per group in `dB`'s place, `dC` without `dg B`) with `dB` and `dC` whole."""
+    out = list(out)
+    out[5], dc = group_scores_grads(out[5], bt, ct)
+    out[6] = out[6] + dc
+    return tuple(out)
