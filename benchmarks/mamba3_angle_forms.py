@@ -28,7 +28,7 @@ from axkern import bench
 from axkern.ops.mamba3 import common, mosaic_gpu
 from axkern.ops.mamba3.common import angle_kernel
 from axkern.ops.mamba3.common.angles import angle_sums
-from axkern.ops.ssd.common.chunks import clean
+from axkern.ops.chunked.chunks import clean
 
 _KERNEL = common.angle_thetas_for
 

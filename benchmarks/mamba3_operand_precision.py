@@ -5,12 +5,12 @@ SSD they are bf16 inputs, exact in bf16; in Mamba-3 they are float32 values form
 inputs (biases, rotations), which the kernels take as two bf16 halves each (`mamba3`'s
 `mosaic_gpu`) or would have to round. This runs Mamba-3's chunked
 layer (`common.kernel_core`, the layer `pallas_gpu` runs) on the CPU with the four stage kernels
-replaced by their emulation (`ssd/common/mosaic/emulate.py`: the kernels' roundings, exact
+replaced by their emulation (`chunked/mosaic_gpu/emulate.py`: the kernels' roundings, exact
 products) and `B`, `C` rounded to bf16 where a variant says so, and reports, for the outputs
 (`y` and the final states) and every gradient, the largest `max|emulated - oracle| / bound`
 of DESIGN.md's rule (over 1: the rule fails). Variants:
 
-- `halves`: `B`, `C` as two bf16 halves each (`ssd.common.mosaic.operand_parts`: what `mamba3`'s
+- `halves`: `B`, `C` as two bf16 halves each (`chunked.mosaic_gpu.operand_parts`: what `mamba3`'s
   `mosaic_gpu` runs);
 - `state k`: `k` rounded in the chunk state's kernels (forward and backward);
 - `scan q`: `q` rounded in the chunk scan's kernels; `scan q, k`: both there;

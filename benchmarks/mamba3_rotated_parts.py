@@ -24,7 +24,7 @@ import numpy as np
 from records import header, write
 
 from axkern import bench
-from axkern.ops.ssd.common.mosaic import operand_parts, rotation
+from axkern.ops.chunked.mosaic_gpu import operand_parts, rotation
 
 B, G, H, L, N, A = 4, 1, 80, 4096, 128, 32
 TILES = [

@@ -31,8 +31,8 @@ from kernel_times import fusion_bytes, fusion_sources  # (this folder's: run as 
 from records import header, write
 
 from axkern import bench
-from axkern.ops.ssd.common.mosaic import rotation
-from axkern.ops.ssd.common.mosaic.kernels import operand_parts
+from axkern.ops.chunked.mosaic_gpu import rotation
+from axkern.ops.chunked.mosaic_gpu.kernels import operand_parts
 
 R = rotation.RotatedOperand
 

@@ -72,8 +72,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from axkern.ops.ssd.api import prepared_dt  # noqa: E402
-from axkern.ops.ssd.common import kernels as chunk_kernels  # noqa: E402
-from axkern.ops.ssd.common.mosaic import emulate as E  # noqa: E402
+from axkern.ops.chunked import kernels as chunk_kernels  # noqa: E402
+from axkern.ops.chunked.mosaic_gpu import emulate as E  # noqa: E402
 from tests.cases.ssd import make, run  # noqa: E402
 from tests.harness import jit, oracle  # noqa: E402
 from tests.helpers import ATOL  # noqa: E402

@@ -33,8 +33,8 @@ import jax.numpy as jnp
 
 from axkern import bench
 from axkern.ops.ssd import mosaic_gpu
-from axkern.ops.ssd.common.mosaic import backward, forward_lean, kernels
-from axkern.ops.ssd.common.mosaic.kernels import CHUNK, plgpu
+from axkern.ops.chunked.mosaic_gpu import backward, forward_lean, kernels
+from axkern.ops.chunked.mosaic_gpu.kernels import CHUNK, plgpu
 
 B, H, G, L, P, N = 4, 80, 1, 4096, 64, 128
 _STAGED = backward._staged  # the kernels' own, which the variants wrap

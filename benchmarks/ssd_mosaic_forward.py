@@ -43,7 +43,7 @@ import numpy as np
 from axkern import bench
 from axkern.ops.ssd import SSDBlockSizes
 from axkern.ops.ssd.arg_specs import case
-from axkern.ops.ssd.common import chunks
+from axkern.ops.chunked import chunks
 from axkern.positional import ssd
 
 FORMS = {

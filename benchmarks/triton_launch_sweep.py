@@ -1,5 +1,5 @@
 """The Triton launch parameters (`num_warps`, `num_stages`) of the SSD chunk kernels and their
-recurrence kernels (`ssd/common/kernels.py`, `ssd/common/gpu.py`), kernel by kernel, as one
+recurrence kernels (`chunked/kernels.py`, `chunked/pallas_gpu.py`), kernel by kernel, as one
 implementation's forward and backward launch them at a bench preset: Mamba-3's `pallas_gpu`
 (rotated `q`, `k` in float32, TF32 products) and SSD's `pallas_gpu` (16-bit `B`, `C`).
 

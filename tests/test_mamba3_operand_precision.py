@@ -1,5 +1,5 @@
 """benchmarks/mamba3_operand_precision.py on a small case: Mamba-3's layer through the emulated
-Mosaic GPU kernels (`ssd/common/mosaic/emulate.py`) with `q`, `k` as two bf16 halves holds the
+Mosaic GPU kernels (`chunked/mosaic_gpu/emulate.py`) with `q`, `k` as two bf16 halves holds the
 oracle rule, and rounding them to bf16 in every kernel puts the gradients further from it."""
 
 from __future__ import annotations

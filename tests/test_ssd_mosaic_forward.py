@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from axkern.ops.ssd.arg_specs import case
-from axkern.ops.ssd.common import chunks
+from axkern.ops.chunked import chunks
 from axkern.positional import ssd
 
 _PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "ssd_mosaic_forward.py"

@@ -153,7 +153,7 @@ def test_rotated_parts_compiled_forms_xlas_halves(n, angles):
     import jax.numpy as jnp
     import numpy as np
 
-    from axkern.ops.ssd.common import mosaic as ssd_mosaic
+    from axkern.ops.chunked import mosaic_gpu as ssd_mosaic
 
     keys = jax.random.split(jax.random.PRNGKey(3), 3)
     b, g, h, length = 2, 2, 8, 320

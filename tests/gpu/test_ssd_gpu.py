@@ -299,7 +299,7 @@ def test_mosaic_gpu_backward_kernels_turn_back_by_the_angles(kernel, dims, angle
     import numpy as np
 
     from axkern.ops.ssd import mosaic_gpu
-    from axkern.ops.ssd.common.mosaic.rotation import rotate_halves
+    from axkern.ops.chunked.mosaic_gpu.rotation import rotate_halves
 
     args = _kernel_inputs(kernel, *dims, split=True)
     b, h, _, _, _, n = dims
@@ -363,7 +363,7 @@ def _fused_against_stages(dims, boundaries, split, chunk=64, lean=False, y16=Fal
     import numpy as np
 
     from axkern.ops.ssd import mosaic_gpu
-    from axkern.ops.ssd.common.kernels import _weights
+    from axkern.ops.chunked.kernels import _weights
 
     b, h, g, chunks, p, n = dims
     q, length = chunk, chunks * chunk

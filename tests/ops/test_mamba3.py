@@ -265,7 +265,7 @@ def test_the_chunk_scan_backward_keeps_only_inputs_and_chunk_states():
     # autodiff through `scan` keeps each chunk's [Q, Q] terms as well
     from jax._src.ad_checkpoint import saved_residuals
 
-    from axkern.ops.ssd.common import scan
+    from axkern.ops.chunked import scan
 
     b, l, r, h, p, n, q = 1, 64, 2, 2, 4, 4, 32
     k = jax.random.split(jax.random.PRNGKey(0), 5)

@@ -18,7 +18,7 @@ import axkern
 from axkern.ops.mamba3.blocks import Mamba3BlockSizes
 from axkern.ops.mamba3.common import angle_kernel
 from axkern.ops.mamba3.common.angles import angle_sums
-from axkern.ops.ssd.common.chunks import clean, segment_starts
+from axkern.ops.chunked.chunks import clean, segment_starts
 from tests.cases.mamba3 import call, make
 
 

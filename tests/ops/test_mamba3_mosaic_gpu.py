@@ -1,10 +1,10 @@
 """mamba3 `mosaic_gpu`: SSD's Mosaic GPU kernels with the rotated `q`, `k` as two bf16 halves.
 The kernels have no CPU interpret mode (they run in tests/gpu): here the layer and its gradients
-lower for CUDA in both forward forms, its arithmetic (`ssd.common.mosaic.EmulatedLayout`: the
+lower for CUDA in both forward forms, its arithmetic (`chunked.mosaic_gpu.EmulatedLayout`: the
 kernels' roundings, `q`, `k` as the same halves, exact products) holds the oracle rule through the
 whole layer, the halves hold what they should, and the dispatcher refuses what the kernels cannot
 take, with the reason. The forward nothing differentiates turns q and k in its kernel
-(`ssd/common/mosaic/rotation.py`): it lowers so, and what runs around it (the state's columns
+(`chunked/mosaic_gpu/rotation.py`): it lowers so, and what runs around it (the state's columns
 reordered, the rotation's operand, its halves by the Triton kernel `rotated_parts` in interpret
 mode, the rotation's backward in XLA) holds the oracle rule with the kernels' arithmetic."""
 
@@ -22,7 +22,7 @@ import axkern
 from axkern.ops.mamba3 import OP, Mamba3BlockSizes, mosaic_gpu
 from axkern.ops.mamba3 import common as mamba3_common
 from axkern.ops.mamba3 import pallas_gpu as mamba3_pallas_gpu
-from axkern.ops.ssd.common import mosaic as ssd_mosaic
+from axkern.ops.chunked import mosaic_gpu as ssd_mosaic
 from tests.cases.mamba3 import call, make, run
 from tests.harness import check_rule
 

@@ -103,7 +103,7 @@ def test_pallas_gpu_recurrence_kernels_equal_the_scans():
     # the state-passing kernels (interpret mode) against `lax.scan`: 5 chunks (keep padded to
     # 8), P=64 N=128 (two programs of 32 state rows per head), values and every gradient
     from axkern.ops.ssd import pallas_gpu
-    from axkern.ops.ssd.common import kernels as chunk_kernels
+    from axkern.ops.chunked import kernels as chunk_kernels
 
     b, c, h, p, n = 2, 5, 3, 64, 128
     keys = jax.random.split(jax.random.PRNGKey(3), 6)
@@ -391,7 +391,7 @@ def test_products_are_exact_unless_tf32_is_finer_than_the_inputs():
     for dtype in (jnp.float16, jnp.float32):
         assert kernels.products_precision(dtype) == lax.Precision.HIGHEST
     # the kernels' layout takes them: TF32 (the layout's 16-bit precision) for bf16 only
-    from axkern.ops.ssd.common.gpu import GpuLayout
+    from axkern.ops.chunked.pallas_gpu import GpuLayout
 
     x, b = jnp.zeros((1, 2, 64, 16)), jnp.zeros((1, 1, 64, 16))
     got = {d: GpuLayout(x.astype(d), b, q=64, interpret=False).precision for d in ("bfloat16", "float16")}

@@ -1,4 +1,4 @@
-"""The chunk-scan kernels' diagonal term (`ssd/common/bodies.py`): `scan(..., diag=d)` adds
+"""The chunk-scan kernels' diagonal term (`chunked/bodies.py`): `scan(..., diag=d)` adds
 `d_t (C_t · B_t) x_t` to `y_t`, values and every gradient (the weights' own included) equal to
 the scan without it plus that term formed in XLA; Pallas GPU and TPU kernels in interpret mode,
 lengths that are not a multiple of the chunk, segments, groups. Layouts whose kernels lack it
@@ -11,8 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from axkern.ops.ssd.common import kernels as chunk_kernels
-from axkern.ops.ssd.common.gpu import GpuLayout
+from axkern.ops.chunked import kernels as chunk_kernels
+from axkern.ops.chunked.pallas_gpu import GpuLayout
 from axkern.ops.ssd.pallas_tpu import TpuLayout
 from tests.harness import jit
 
@@ -81,7 +81,7 @@ def test_mamba3s_kernel_core_takes_the_term_where_its_layout_does():
     import jax.numpy as jnp
 
     from axkern.ops.mamba3.common import kernel_core
-    from axkern.ops.ssd.common.mosaic.emulate import EmulatedLayout
+    from axkern.ops.chunked.mosaic_gpu.emulate import EmulatedLayout
 
     kw = dict(chunk_size=16, interpret=True, dtype=jnp.bfloat16)
     assert kernel_core(GpuLayout, mimo=False, **kw).diagonal

@@ -21,12 +21,12 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from axkern.ops.ssd.common.mosaic import backward as B
-from axkern.ops.ssd.common.mosaic import emulate as E
-from axkern.ops.ssd.common.mosaic import forward as F
-from axkern.ops.ssd.common.mosaic import forward_lean as FL
-from axkern.ops.ssd.common.mosaic import kernels as K
-from axkern.ops.ssd.common.mosaic import tiled as T
+from axkern.ops.chunked.mosaic_gpu import backward as B
+from axkern.ops.chunked.mosaic_gpu import emulate as E
+from axkern.ops.chunked.mosaic_gpu import forward as F
+from axkern.ops.chunked.mosaic_gpu import forward_lean as FL
+from axkern.ops.chunked.mosaic_gpu import kernels as K
+from axkern.ops.chunked.mosaic_gpu import tiled as T
 
 
 class _State:

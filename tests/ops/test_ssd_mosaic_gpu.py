@@ -19,10 +19,10 @@ import pytest
 import axkern
 from axkern.ops.ssd import OP, SSDBlockSizes, mosaic_gpu
 from axkern.ops.ssd.api import prepared_dt
-from axkern.ops.ssd.common import kernels as chunk_kernels
-from axkern.ops.ssd.common.mosaic import forward as mosaic_forward
-from axkern.ops.ssd.common.mosaic import kernels as mosaic_kernels
-from axkern.ops.ssd.common.mosaic.forward_lean import lean_forward_tiles
+from axkern.ops.chunked import kernels as chunk_kernels
+from axkern.ops.chunked.mosaic_gpu import forward as mosaic_forward
+from axkern.ops.chunked.mosaic_gpu import kernels as mosaic_kernels
+from axkern.ops.chunked.mosaic_gpu.forward_lean import lean_forward_tiles
 from tests.cases.ssd import make, run
 from tests.harness import check_rule, jit
 from tests.helpers import equations
@@ -860,7 +860,7 @@ def test_the_tiled_kernels_algebra_equals_the_whole_chunk_emulation(q):
     # the backward's transposed phase) as `tiled.py` walks them, against the emulation of the
     # whole chunk at once; slow decays and segment boundaries inside and between tiles, so that
     # every tile carries weight
-    from axkern.ops.ssd.common.mosaic import emulate
+    from axkern.ops.chunked.mosaic_gpu import emulate
 
     length, p, n = 2 * q, 64, 64
     k = jax.random.split(jax.random.PRNGKey(11), 8)

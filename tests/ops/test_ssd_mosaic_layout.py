@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 
 from axkern.ops.ssd import SSDBlockSizes, mosaic_gpu
-from axkern.ops.ssd.common import chunks
-from axkern.ops.ssd.common import kernels as chunk_kernels
-from axkern.ops.ssd.common import mosaic as M
-from axkern.ops.ssd.common.mosaic import emulate as E
+from axkern.ops.chunked import chunks
+from axkern.ops.chunked import kernels as chunk_kernels
+from axkern.ops.chunked import mosaic_gpu as M
+from axkern.ops.chunked.mosaic_gpu import emulate as E
 from tests.cases.ssd import make
 from tests.ops.test_ssd_mosaic_gpu import _emulated_runner, needs_mosaic
 

@@ -13,9 +13,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from axkern.ops.ssd.common.mosaic import emulate as E
-from axkern.ops.ssd.common.mosaic import kernels as K
-from axkern.ops.ssd.common.mosaic import state_backward as S
+from axkern.ops.chunked.mosaic_gpu import emulate as E
+from axkern.ops.chunked.mosaic_gpu import kernels as K
+from axkern.ops.chunked.mosaic_gpu import state_backward as S
 from tests.ops import test_ssd_mosaic_bodies as bodies
 from tests.ops.test_ssd_mosaic_gpu import needs_mosaic
 

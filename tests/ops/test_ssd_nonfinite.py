@@ -222,7 +222,7 @@ def test_the_poisoned_outputs_mask_crosses_a_conditional_as_bits():
     # where the mask is set, at a last axis not a multiple of 8
     from jax import lax
 
-    from axkern.ops.ssd.common.chunks import poison
+    from axkern.ops.chunked.chunks import poison
 
     y = jax.random.normal(jax.random.PRNGKey(0), (3, 5, 20))
     bad = y > 1.5

@@ -40,7 +40,7 @@ class Mamba3BlockSizes(BlockSizes):
     outputs); None means fused.
 
     `rotation` (`mosaic_gpu` only): `"kernel"` (the fused forward turns `q`, `k` itself from the
-    unrotated rows per group, the biases and the angles, `ssd/common/mosaic/rotation.py`; a
+    unrotated rows per group, the biases and the angles, `chunked/mosaic_gpu/rotation.py`; a
     state that is a multiple of 128) or `"xla"` (XLA forms the rotated values' halves per head);
     None means the kernel's where it serves.
 

@@ -1,4 +1,4 @@
-"""Mamba-3 SISO on Hopper: SSD's Pallas Mosaic GPU chunk kernels (`ssd/common/mosaic`: TMA,
+"""Mamba-3 SISO on Hopper: SSD's Pallas Mosaic GPU chunk kernels (`chunked/mosaic_gpu`: TMA,
 `wgmma` with 16-bit operands into float32 accumulators) under the chunked form of `common`,
 with the per-position log-decay `adt` and the trapezoid's input scale (the angles by one Triton
 kernel, `common/angle_kernel.py`; rotations, gate and the diagonal correction in XLA, as
@@ -8,7 +8,7 @@ kernel, `common/angle_kernel.py`; rotations, gate and the diagonal correction in
 the rotated, biased `k` and `q`, float32 values. Rounded to bf16 they missed the oracle rule
 (docs/ops/mamba3.md, "Why SSD's Mosaic GPU kernels do not serve Mamba-3 as they are": up to 3.2x
 the bound on gradients). Here each enters the kernels as `hi + lo`, two bf16 arrays
-(`ssd.common.mosaic.operand_parts`: `hi` the value rounded to bf16, `lo` what that lost, rounded),
+(`chunked.mosaic_gpu.operand_parts`: `hi` the value rounded to bf16, `lo` what that lost, rounded),
 and every product with `B` or `C` takes both: two `wgmma`s where the other operand is 16-bit,
 three where it is a float32 value's halves too (`lo · lo` left out), so the products are about as
 exact as float32 ones. The halves (`[b, H, L, N]` bf16 each, heads first as the kernels read them)
@@ -18,9 +18,9 @@ else by the kernels below.
 **The forward kernel turns `q` and `k` itself** where nothing differentiates the call
 (`Mamba3BlockSizes(rotation="kernel")`, None means this where it serves: the fused forward, bf16
 `q`, `k`, a state that is a multiple of 128; `rotating_core`): it takes the unrotated `q`, `k` per
-group, the biases and the angles (`ssd/common/mosaic/rotation.py`), and the halves per head never
+group, the biases and the angles (`chunked/mosaic_gpu/rotation.py`), and the halves per head never
 cross memory. A differentiated call forms them once (the scan's `custom_vjp`), by one Pallas
-Triton kernel for both `q` and `k` (`ssd/common/mosaic/rotation.rotated_parts`: `cos`, `sin` once,
+Triton kernel for both `q` and `k` (`chunked/mosaic_gpu/rotation.rotated_parts`: `cos`, `sin` once,
 no float32 rotation in memory), runs the same kernels on them and keeps them for the
 backward's, whose chunk-scan and chunk-state kernels also take the angles and return `dq`, `dk`
 per head turned back (XLA sums them over the heads and forms the angles' gradient). `rotation="xla"`: XLA's halves and XLA's rotation backward.
@@ -29,18 +29,18 @@ On the H200 the 2.7B layer's forward took 2.98 ms against 3.54 with XLA's halves
 
 **Cost** over SSD's kernels at the same shape: `C Bᵀ` three products where SSD has one, `C S_inᵀ`,
 the own state, `dS_in`, `dB`, `dC` and the state's backward twice as many on `B`, `C` (the
-package docstring of `ssd/common/mosaic` has SSD's); bytes: `B`, `C` per head (`H / G` times SSD's
+package docstring of `chunked/mosaic_gpu` has SSD's); bytes: `B`, `C` per head (`H / G` times SSD's
 for `G` groups) and twice as wide.
 
 **Constraints**: a Hopper GPU, bf16 inputs (fp16's range could not hold the halves of float32
 values), SISO (MIMO's `v ⊙ W_x` enters the kernels in float32, which SSD's kernels take only as
 bf16 `x`), chunks of 64 tokens, head dim and state multiples of 64 whose tiles, with `B`, `C` as
-two tiles each, fit shared memory (`ssd.common.mosaic.dims_reason(..., parts=2)`: 64 and 64, 64 and
+two tiles each, fit shared memory (`chunked.mosaic_gpu.dims_reason(..., parts=2)`: 64 and 64, 64 and
 128, 128 and 64). The fused forward by default, the three stages with
 `Mamba3BlockSizes(forward="stages")`.
 
 **Interpret mode**: none (Mosaic GPU's `wgmma` and TMA copies have no CPU rule). CI lowers the
-layer for CUDA and runs it through the kernels' arithmetic (`ssd.common.mosaic.EmulatedLayout`, `B`,
+layer for CUDA and runs it through the kernels' arithmetic (`chunked.mosaic_gpu.EmulatedLayout`, `B`,
 `C` as the same halves) against the float64 oracle; the kernels run on a GPU in
 `tests/gpu/test_mamba3_gpu.py`.
 """
@@ -50,9 +50,9 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from axkern.core.op import Unsupported
-from axkern.ops.ssd.common import kernels as chunk_kernels
-from axkern.ops.ssd.common import mosaic as kernels
-from axkern.ops.ssd.common.mosaic.rotation import RotatedOperand, halves_to_pairs, pairs_to_halves
+from axkern.ops.chunked import kernels as chunk_kernels
+from axkern.ops.chunked import mosaic_gpu as kernels
+from axkern.ops.chunked.mosaic_gpu.rotation import RotatedOperand, halves_to_pairs, pairs_to_halves
 
 from .blocks import Mamba3BlockSizes, angles_form, refuse_forms
 from .common import angle_thetas_for, forward, kernel_core
@@ -150,7 +150,7 @@ def rotation_reason(block_sizes, p, n, fused, *dtypes) -> str | None:
 
 def rotating_core(layout, dtype, interpret=False, angle_kernel=False):
     """A `common.Core` whose forward kernel turns `q` and `k` itself (`rotates`: `B`, `C` come as
-    the unrotated values per group, the biases and `Θ`, `ssd/common/mosaic/rotation.py`). The
+    the unrotated values per group, the biases and `Θ`, `chunked/mosaic_gpu/rotation.py`). The
     rotation pairs `(i, i + N/2)`, so the state's columns run evens first, odds next inside the
     scan (`pairs_to_halves` on `q`, `k`, the biases and the initial state, undone on the final
     state): no product notices the order. SISO only. `x` as it comes (`cleans_x`): the scan

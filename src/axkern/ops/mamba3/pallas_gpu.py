@@ -1,8 +1,8 @@
 """Mamba-3 as Pallas GPU (Triton) kernels: SSD's chunk kernels and its recurrence kernels
-(`ssd/common/kernels.py`, `ssd/common/gpu.py`'s layout) with the per-position log-decay `adt` and
+(`chunked/kernels.py`, `chunked/pallas_gpu.py`'s layout) with the per-position log-decay `adt` and
 the trapezoid's input scale, under the chunked form of `common` (the angles by one Triton kernel,
 `common/angle_kernel.py`; rotations, gate and the diagonal correction in XLA: the kernels can take SISO's as their diagonal term,
-`ssd/common/bodies.py`, which on the H200 cost the backward kernel more than XLA's pass).
+`chunked/bodies.py`, which on the H200 cost the backward kernel more than XLA's pass).
 
 **Products**: `x` in the inputs' dtype (SISO: `v`) or float32 (MIMO: `v ⊙ W_x`); the rotated
 `q`, `k` in float32, heads first (the kernels' layout, `common.kernel_core`); TF32 tensor cores for bf16 inputs, exact float32 for fp16 and float32 inputs, as in
@@ -35,7 +35,7 @@ from axkern.core.op import Unsupported
 from axkern.ops.ssd.blocks import GPU_MAX_CHUNK as MAX_CHUNK
 from axkern.ops.ssd.blocks import GPU_MAX_CHUNK_32BIT as MAX_CHUNK_32BIT
 from axkern.ops.ssd.blocks import GPU_MIN_DIM as MIN_DIM
-from axkern.ops.ssd.common.gpu import GpuLayout
+from axkern.ops.chunked.pallas_gpu import GpuLayout
 
 from .blocks import kernel_slots, refuse_forms
 from .common import forward, kernel_core, kernel_x_dtype

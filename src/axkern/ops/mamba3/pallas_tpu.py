@@ -1,7 +1,7 @@
-"""Mamba-3 as Pallas TPU (Mosaic) kernels: SSD's chunk kernels (`ssd/common/kernels.py`, in
+"""Mamba-3 as Pallas TPU (Mosaic) kernels: SSD's chunk kernels (`chunked/kernels.py`, in
 `ssd/pallas_tpu.py`'s layout) with the per-position log-decay `adt` and the trapezoid's input
 scale, under the chunked form of `common` (angles, rotations and gate in XLA; SISO's diagonal
-correction inside the chunk-scan kernels, `ssd/common/bodies.py`; MIMO's in XLA).
+correction inside the chunk-scan kernels, `chunked/bodies.py`; MIMO's in XLA).
 
 **MIMO**: each token's `R` inputs run as `kernel_slots(R)` consecutive
 positions (`R` rounded up to a power of two; `common.kernel_core`), so a chunk of `chunk_size`

@@ -1,4 +1,4 @@
-"""Mamba-3 by chunks in plain JAX: the SSD chunk scan (`ssd/common/scan.py`) with the per-position
+"""Mamba-3 by chunks in plain JAX: the SSD chunk scan (`chunked/scan.py`) with the per-position
 log-decay `adt` and the trapezoid's input scale, plus a diagonal correction (`common` has the
 derivation). The scan is a `custom_vjp` whose backward recomputes each chunk's `[Q, Q]` terms
 from the inputs and the states entering the chunks (`[b, c, H, P, N]`, the only states kept);
@@ -19,8 +19,8 @@ import jax
 import jax.numpy as jnp
 
 from axkern.core import kernels
-from axkern.ops.ssd.common.chunks import uses_segment_sums
-from axkern.ops.ssd.common.scan import scan_recompute
+from axkern.ops.chunked.chunks import uses_segment_sums
+from axkern.ops.chunked.scan import scan_recompute
 
 from .blocks import refuse_forms
 from .common import forward, rotate

@@ -13,7 +13,7 @@ from axkern.core import backend, kernels
 from axkern.core.blocks import BlockSizes, grid, next_power_of_2
 from axkern.core.op import Spec, Unsupported
 
-from .common.mosaic import (
+from axkern.ops.chunked.mosaic_gpu import (
     chunk_reason,
     lean_forward_shares_an_sm,
     lean_shares_an_sm,
@@ -51,27 +51,27 @@ class SSDBlockSizes(BlockSizes):
     """`chunk_size`: positions per chunk (a power of two); the length need not be a multiple.
     `forward` (`mosaic_gpu` only): `"stages"` (the chunk states, the recurrence and the chunk
     outputs as three kernels; None means this) or `"fused"` (one kernel per batch row and head
-    walking its chunks, `common/mosaic/forward.py`) or `"lean"` (the fused one in one slot of
+    walking its chunks, `chunked/mosaic_gpu/forward.py`) or `"lean"` (the fused one in one slot of
     tiles, 99 KiB at P 64, N 128 where the fused one takes 155, so that two blocks share an SM;
-    chunks of 64; `common/mosaic/forward_lean.py`). `group_sums` (`mosaic_gpu` only): where the
+    chunks of 64; `chunked/mosaic_gpu/forward_lean.py`). `group_sums` (`mosaic_gpu` only): where the
     backward sums `dB` and `dC` over each group's heads: `"xla"` (the kernels write them per
     head, float32; None means this) or `"kernels"` (the kernels add each head's tiles into the
     group's rows by TMA reductions: no per-head arrays, the additions' order free) or `"scores"`
     (with the lean chunk-scan backward: each head's `[Q, Q]` `dg` added into its group's sum in
-    place of `dB` and `dC`'s `dg B`, which XLA forms from the sums, `common/mosaic/group_scores.py`). `transposes`
+    place of `dB` and `dC`'s `dg B`, which XLA forms from the sums, `chunked/mosaic_gpu/group_scores.py`). `transposes`
     (`mosaic_gpu` only): `"xla"` (XLA moves `x` to `[b, H, L, P]` for the kernels and `y` back;
     None means this) or `"kernels"` (the kernels read `x`, `dy` and write `y`, `dx` in the
     caller's `[b, L, H, P]`, a strided tile per head). `backward` (`mosaic_gpu` only): `"stages"`
     (the reverse recurrence and the chunk states' backward as two kernels; None means this) or
     `"fused"` (one kernel per batch row and head walking its chunks from the last,
-    `common/mosaic/state_backward.py`) or `"lean"` (the fused one in one slot of `B` and one
+    `chunked/mosaic_gpu/state_backward.py`) or `"lean"` (the fused one in one slot of `B` and one
     staging tile, 99 KiB at P 64, N 128 where the fused one takes 148, so that two blocks share
     an SM) or `"columns"` (the lean one a block per 64 of the state's columns, adding their
     parts of `dx` and `dw`: 60 KiB at P 64, N 128, three blocks an SM, twice the blocks). `scan_backward` (`mosaic_gpu` only, chunks of 64):
     `"whole"` (None means this) or `"lean"` (the chunk-scan backward in 108 KiB of shared memory
     at P 64, N 128 rather than 188, so that two blocks share an SM: P 64 only, the entering
     state's low half in `M`'s tiles, every result out through one 64 × 64 float32 staging tile;
-    `common/mosaic/backward.py`)."""
+    `chunked/mosaic_gpu/backward.py`)."""
 
     choices: ClassVar[Mapping[str, tuple[str, ...]]] = {
         "forward": ("stages", "fused", "lean"),

@@ -1,18 +1,18 @@
 """Mamba-2 SSD on Hopper: `pallas_gpu`'s chunked layer with the chunk state and the chunk scan,
-forward and backward, as Pallas Mosaic GPU kernels (`common/mosaic`: their math, layout, grid,
+forward and backward, as Pallas Mosaic GPU kernels (`chunked/mosaic_gpu`: their math, layout, grid,
 precision and cost), 16-bit operands into float32 accumulators; the recurrence between chunks
 and its reverse are `pallas_gpu`'s Triton kernels. This module is the implementation: what it
 serves (`supports`) and the layer in the form `SSDBlockSizes` names (`ssd`); the kernels'
-names are re-exported from `common/mosaic` for the tests and benchmarks."""
+names are re-exported from `chunked/mosaic_gpu` for the tests and benchmarks."""
 
 from __future__ import annotations
 
 from axkern.core.op import Unsupported
 
-from .common import kernels as chunk_kernels
-from .common import mosaic
-from .common.mosaic import *  # noqa: F403 - the kernels' names, as `mosaic_gpu.<name>`
-from .common.mosaic import (  # noqa: F401
+from axkern.ops.chunked import kernels as chunk_kernels
+from axkern.ops.chunked import mosaic_gpu as mosaic
+from axkern.ops.chunked.mosaic_gpu import *  # noqa: F403 - the kernels' names, as `mosaic_gpu.<name>`
+from axkern.ops.chunked.mosaic_gpu import (  # noqa: F401
     _IMPORT_ERROR,
     CHUNK,
     chunk_reason,
@@ -45,7 +45,7 @@ def ssd(x, dt, A, B, C, D, z, segment_ids, initial_state, *, block_sizes, interp
     if reason:
         raise Unsupported(f"forward='lean': {reason}")
     if chunk != CHUNK:
-        # above 64: the kernels by tiles of 64 rows (`common/mosaic/tiled.py`); the fused state
+        # above 64: the kernels by tiles of 64 rows (`chunked/mosaic_gpu/tiled.py`); the fused state
         # backward walks chunks of 64 only
         if chunk % CHUNK or chunk < CHUNK:
             raise Unsupported(

@@ -9,7 +9,7 @@ as fp16, and fp16 missed the oracle rule with it on the H200; slower than `xla`'
 products, so the GPU order sends fp16 and float32 to `xla`). Float32 inputs sum each segment's
 `sum_{s < r <= t} a_r` on its own (`common/kernels.py`), as the rounding of `cum_t - cum_s` would
 put the `A` and `dt_bias` gradients outside the oracle rule (docs/ops/ssd.md, "Accuracy").
-The recurrence between chunks and its reverse are kernels (`common/gpu.py`, `GpuLayout.recurrence`). **Constraints**:
+The recurrence between chunks and its reverse are kernels (`chunked/pallas_gpu.py`, `GpuLayout.recurrence`). **Constraints**:
 `P`, `N` and the chunk powers of two and at least 16 (Triton's `dot` tiles), chunks at most
 128 (bf16 inputs) or 64 (fp16 and float32 inputs: shared memory); otherwise the call falls back
 with the reason.
@@ -26,8 +26,8 @@ from .blocks import GPU_MAX_CHUNK as MAX_CHUNK
 from .blocks import GPU_MAX_CHUNK_32BIT as MAX_CHUNK_32BIT
 from .blocks import GPU_MIN_DIM as MIN_DIM
 from .blocks import refuse_mosaic_gpu_forms
-from .common import kernels as chunk_kernels
-from .common.gpu import GpuLayout
+from axkern.ops.chunked import kernels as chunk_kernels
+from axkern.ops.chunked.pallas_gpu import GpuLayout
 
 
 def supports(spec) -> str | None:

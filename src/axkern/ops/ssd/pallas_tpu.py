@@ -23,7 +23,7 @@ from axkern.core.op import Unsupported
 
 from .blocks import TPU_MIN_CHUNK as MIN_CHUNK
 from .blocks import refuse_mosaic_gpu_forms
-from .common import kernels as chunk_kernels
+from axkern.ops.chunked import kernels as chunk_kernels
 
 
 class TpuLayout(chunk_kernels.Layout):

@@ -34,8 +34,8 @@ from jax import lax
 from axkern.core import kernels
 
 from .blocks import refuse_mosaic_gpu_forms
-from .common.chunks import layer_around, skip_and_gate, uses_segment_sums
-from .common.scan import scan
+from axkern.ops.chunked.chunks import layer_around, skip_and_gate, uses_segment_sums
+from axkern.ops.chunked.scan import scan
 
 
 def ssd(x, dt, A, B, C, D, z, segment_ids, initial_state, *, block_sizes):

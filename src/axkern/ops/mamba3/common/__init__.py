@@ -50,8 +50,8 @@ from jax import lax
 
 from axkern.core import kernels
 from axkern.core.compat import vary_like
-from axkern.ops.ssd.common import kernels as chunk_kernels
-from axkern.ops.ssd.common.chunks import all_finite, clean, poison, reaches, scrubbed, segment_starts
+from axkern.ops.chunked import kernels as chunk_kernels
+from axkern.ops.chunked.chunks import all_finite, clean, poison, reaches, scrubbed, segment_starts
 
 from ..blocks import kernel_slots
 from .angle_kernel import angle_thetas
@@ -193,7 +193,7 @@ _pairs.defvjp(_pairs_fwd, _pairs_bwd)
 
 class Core(typing.Protocol):
     """A chunk scan: `(x [b, l, R, H, P], a, s [b, l, H], B, C [b, l, R, H, N], seg [b, l],
-    initial_state [b, H, P, N]) -> (y [b, l, R, H, P], final_state)` (`ssd.common.scan`; or
+    initial_state [b, H, P, N]) -> (y [b, l, R, H, P], final_state)` (`chunked.scan`; or
     `kernel_core`, whose `y_{t,r}` holds token `t`'s ranks `u <= r` only and whose `B`, `C` are
     `[b, H, l, R, N]`: a core with `heads_major = True` takes them so)."""
 
@@ -222,7 +222,7 @@ def kernel_x_dtype(dtype, mimo):
 def kernel_core(
     layout, *, chunk_size, interpret, dtype, mimo, diagonal=True, rotation_backward=None, angle_kernel=False
 ) -> Core:
-    """SSD's Pallas chunk kernels (`ssd/common/kernels.py`, with `layout` a `Layout` subclass) as a
+    """SSD's Pallas chunk kernels (`chunked/kernels.py`, with `layout` a `Layout` subclass) as a
     `Core` over chunks of `chunk_size` tokens. `x` goes in as `kernel_x_dtype(dtype, mimo)`; the
     kernels take the path of the inputs' `dtype` (the products' precision, the decay's form);
     `B`, `C` (rotated `k`, `q`) per head, heads first (`[b, H, l, R, N]`, the `heads_major` form
@@ -275,7 +275,7 @@ def kernel_core(
     core.angle_kernel = angle_thetas_for(interpret) if angle_kernel else None
     core.x_dtype = kernel_x_dtype(dtype, mimo)
     # SISO with `diagonal`: the diagonal correction inside the chunk-scan kernels
-    # (`ssd/common/bodies.py`); MIMO's correction also holds a token's later ranks, which stay in XLA
+    # (`chunked/bodies.py`); MIMO's correction also holds a token's later ranks, which stay in XLA
     core.diagonal = diagonal and not mimo and layout.diagonal
     return core
 

@@ -15,7 +15,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from ..gpu import GpuLayout
+from ..pallas_gpu import GpuLayout
 from .group_scores import with_group_scores
 from .kernels import CHUNK, operand_parts
 from .rotation import _padded_angles, rotate_halves

@@ -5,7 +5,7 @@ per-position decay and scale through `MosaicLayout`).
 
 **What runs where.** Stages 1 and 3 (weights, the recurrence between chunks and its reverse)
 are XLA's and `pallas_gpu`'s Triton kernels (`common/kernels.py` has the stages,
-`common/gpu.py` the recurrence). Stage 2, each chunk's own state `(w ∘ x)ᵀ B`, is
+`chunked/pallas_gpu.py` the recurrence). Stage 2, each chunk's own state `(w ∘ x)ᵀ B`, is
 `_state_kernel` in `kernels.py` and its backward `_state_bwd_kernel` in `backward.py`; stage
 4, the output `y = ((C Bᵀ) ∘ Λ ∘ dt)(x) + f ∘ (C S_inᵀ)` of every chunk, `_scan_kernel` and its
 backward `_scan_bwd_kernel`. Each: one warpgroup per (batch row, head, chunk of 64 positions).
@@ -158,7 +158,7 @@ import functools
 from axkern.core import backend
 from axkern.core.op import Unsupported
 
-from ..gpu import GpuLayout
+from ..pallas_gpu import GpuLayout
 from .backward import chunk_scan_bwd, chunk_state_bwd, lean_reason, lean_shares_an_sm
 from .emulate import (
     EmulatedLayout,
