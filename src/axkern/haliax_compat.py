@@ -19,7 +19,7 @@ from haliax import NamedArray
 from . import masks
 from .core import caller
 from .core.op import FallbackWarning
-from .ops.attention.api import attention
+from .ops.attention import attention
 
 __all__ = ["dot_product_attention"]
 

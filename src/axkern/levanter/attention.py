@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from haliax import NamedArray
 
 from .. import masks
-from ..ops.attention.api import attention
+from ..ops.attention import attention
 
 
 class AttentionMask(eqx.Module):

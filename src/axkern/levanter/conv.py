@@ -7,7 +7,7 @@ from typing import Any
 
 import jax
 
-from ..ops.short_conv.api import short_conv_positional
+from ..ops.short_conv import short_conv_positional
 from .common import map_impl
 
 _CONV_IMPLS = {"reference": "reference", "triton_gpu": "pallas_gpu"}

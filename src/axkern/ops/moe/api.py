@@ -1,5 +1,5 @@
-"""MoE routing ops: `moe_layout`, `moe_dispatch`, `moe_combine` (DeepEP-style): the positional
-functions, their Ops, result types and role tables (the named functions are in `named.py`).
+"""MoE routing ops: `moe_layout`, `moe_dispatch`, `moe_combine` (DeepEP-style): their Ops, result
+types and positional functions (the named functions and their role tables are in `named.py`).
 
 Pairs `(token t, slot k)` of `topk_idx: [tokens, topk]` go to expert `topk_idx[t, k]`.
 `moe_dispatch` copies rows of `x` into expert-major order (experts contiguous, stable by
@@ -20,7 +20,6 @@ import jax.numpy as jnp
 import numpy as np
 from haliax import NamedArray
 
-from axkern.core import named
 from axkern.core.op import Implementation, Op
 from axkern.core.typing import Array, Float, Shaped, checked
 
@@ -35,18 +34,16 @@ __all__ = [
     "moe_combine_positional",
 ]
 
-# GPU: the CUDA kernels (faster than xla: docs/ops/moe.md, "Performance"); xla wherever they
-# cannot serve (no nvcc, top-k > 16, ...)
+# GPU: the CUDA kernels (docs/ops/moe.md, "Performance", has their times beside xla's); xla
+# wherever they cannot serve (no nvcc, top-k > 16, ...)
 _ORDER = {"cpu": ("xla",), "gpu": ("cuda", "xla"), "tpu": ("xla",)}
 _BUCKET = lambda spec: dict(spec.dims)  # noqa: E731 - no tuned tables yet
 
 LAYOUT = Op(
     "moe_layout",
     [
-        Implementation("xla", xla.layout, backward="none (integer outputs)"),
-        Implementation(
-            "cuda", cuda.layout, platforms=("gpu",), supports=cuda.layout_supports, backward="none"
-        ),
+        xla.LAYOUT_IMPLEMENTATION,
+        cuda.LAYOUT_IMPLEMENTATION,
         Implementation("reference", reference.layout, backward="none (integer outputs)"),
     ],
     _ORDER,
@@ -56,14 +53,8 @@ LAYOUT = Op(
 DISPATCH = Op(
     "moe_dispatch",
     [
-        Implementation("xla", xla.dispatch, backward="custom_vjp: gather back and sum over top-k"),
-        Implementation(
-            "cuda",
-            cuda.dispatch,
-            platforms=("gpu",),
-            supports=cuda.supports,
-            backward="custom_vjp: the CUDA gather-sum kernel",
-        ),
+        xla.DISPATCH_IMPLEMENTATION,
+        cuda.DISPATCH_IMPLEMENTATION,
         Implementation("reference", reference.dispatch, backward="autodiff (scatter)"),
     ],
     _ORDER,
@@ -73,14 +64,8 @@ DISPATCH = Op(
 COMBINE = Op(
     "moe_combine",
     [
-        Implementation("xla", xla.combine, backward="custom_vjp: dispatch-like gather + weight grads"),
-        Implementation(
-            "cuda",
-            cuda.combine,
-            platforms=("gpu",),
-            supports=cuda.supports,
-            backward="custom_vjp: the CUDA row-gather kernel, weight grads in XLA",
-        ),
+        xla.COMBINE_IMPLEMENTATION,
+        cuda.COMBINE_IMPLEMENTATION,
         Implementation("reference", reference.combine, backward="autodiff (scatter)"),
     ],
     _ORDER,
@@ -283,33 +268,3 @@ def moe_combine_positional(
         block_sizes=block_sizes,
         num_experts=routing.num_experts,
     )
-
-
-# -- the named layer's role tables and sharding rule (its functions: named.py) -----------------
-
-# Token axes are the batch axes of each table: every axis of `topk_idx` (or `topk_weights`) but TopK.
-LAYOUT_ROLES = named.Roles(
-    "moe_layout", {"topk_idx": named.Arg(("batch", "TopK"), describe="token axes + TopK")}
-)
-DISPATCH_ROLES = named.Roles(
-    "moe_dispatch",
-    {
-        "topk_idx": named.Arg(("batch", "TopK"), describe="token axes + TopK"),
-        "x": named.Arg(("batch", "Embed"), describe="topk_idx's token axes + Embed"),
-    },
-)
-COMBINE_ROLES = named.Roles(
-    "moe_combine",
-    {
-        # the routing first: its token axes' order fixed the dispatched blocks' order
-        "rows": named.Arg(("batch", "TopK")),
-        "topk_idx": named.Arg(("batch", "TopK")),
-        "topk_weights": named.Arg(("batch", "TopK"), describe="the routing's token axes + TopK"),
-        "expert_y": named.Arg(("Dispatched", "Out"), describe="Dispatched + one output axis"),
-    },
-)
-SHARDING = named.Sharding(
-    with_batch=("Dispatched", "Blocks"),
-    describe="token parallel: each shard routes its own tokens (its block of the dispatched rows is "
-    "expert-major on its own; per-shard counts psummed); no other communication",
-)

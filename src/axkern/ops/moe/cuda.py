@@ -18,8 +18,7 @@ float32 accumulation. Validity travels beside the weights (a `bool` per pair): a
 is selected away (its row is not loaded, its weight not read), and every valid pair is
 multiplied by its weight, so a routed pair of weight exactly 0 on a NaN row gives NaN, as
 `reference` does. A token's `K` rows, weights and validity are read into registers once
-and the `K` loads of a vector are issued together (with one load in flight per thread it ran at 83%
-of the copy rate against XLA's 101% on the e64 preset). Its backward (`AxkernMoeCombineBwd`)
+and the `K` loads of a vector are issued together. Its backward (`AxkernMoeCombineBwd`)
 writes `w[t, k] · dy[t]` to each valid pair's row (zeros to a dropped pair's) and reduces
 `<dy[t], expert_y[row]>` for the weights' gradient (0 for a dropped pair) in the same pass
 over `expert_y`.
@@ -27,8 +26,8 @@ over `expert_y`.
 **Grid.** Gather and combine kernels: one block of 128 threads per token (grid-stride, at most 16 blocks
 per SM), threads across the row; outputs use streaming stores. **Bound.** Memory: dispatch
 reads `T·D` and writes `T·K·D` elements; combine reads `T·K·D` and writes `T·D`. The library
-is built by `axkern.core.native` on first use. First in the GPU order (its times beside
-XLA's: docs/ops/moe.md, "Performance").
+is built by `axkern.core.native` on first use. First in the GPU order (docs/ops/moe.md,
+"Performance", has its times beside XLA's).
 """
 
 from __future__ import annotations
@@ -41,6 +40,7 @@ import numpy as np
 
 from axkern.core import native
 from axkern.core.blocks import cdiv
+from axkern.core.op import Implementation
 
 CHUNK = 1024  # pairs per routing chunk (one warp places them)
 MAX_TOPK = 16  # a token's K rows and weights are held in registers (moe.cu)
@@ -178,3 +178,22 @@ def _combine_bwd(res, dy):
 
 
 _combine.defvjp(_combine_fwd, _combine_bwd)
+
+
+LAYOUT_IMPLEMENTATION = Implementation(
+    "cuda", layout, platforms=("gpu",), supports=layout_supports, backward="none"
+)
+DISPATCH_IMPLEMENTATION = Implementation(
+    "cuda",
+    dispatch,
+    platforms=("gpu",),
+    supports=supports,
+    backward="custom_vjp: the CUDA gather-sum kernel",
+)
+COMBINE_IMPLEMENTATION = Implementation(
+    "cuda",
+    combine,
+    platforms=("gpu",),
+    supports=supports,
+    backward="custom_vjp: the CUDA row-gather kernel, weight grads in XLA",
+)

@@ -1,5 +1,5 @@
-"""`moe_layout`, `moe_dispatch` and `moe_combine` over named axes: the role tables of `api.py`
-bound to the caller's token axes, token parallel under a haliax axis mapping."""
+"""`moe_layout`, `moe_dispatch` and `moe_combine` over named axes: their role tables bound to the
+caller's token axes, token parallel under a haliax axis mapping."""
 
 from __future__ import annotations
 
@@ -12,10 +12,6 @@ from haliax import NamedArray
 from axkern.core import compat, named
 
 from .api import (
-    COMBINE_ROLES,
-    DISPATCH_ROLES,
-    LAYOUT_ROLES,
-    SHARDING,
     MoeDispatch,
     MoeImplementation,
     MoeLayout,
@@ -28,6 +24,33 @@ from .api import (
 __all__ = ["moe_layout", "moe_dispatch", "moe_combine"]
 
 EXPERTS, RANKS, DISPATCHED = "experts", "ranks", "dispatched"
+
+# Token axes are the batch axes of each table: every axis of `topk_idx` (or `topk_weights`) but TopK.
+LAYOUT_ROLES = named.Roles(
+    "moe_layout", {"topk_idx": named.Arg(("batch", "TopK"), describe="token axes + TopK")}
+)
+DISPATCH_ROLES = named.Roles(
+    "moe_dispatch",
+    {
+        "topk_idx": named.Arg(("batch", "TopK"), describe="token axes + TopK"),
+        "x": named.Arg(("batch", "Embed"), describe="topk_idx's token axes + Embed"),
+    },
+)
+COMBINE_ROLES = named.Roles(
+    "moe_combine",
+    {
+        # the routing first: its token axes' order fixed the dispatched blocks' order
+        "rows": named.Arg(("batch", "TopK")),
+        "topk_idx": named.Arg(("batch", "TopK")),
+        "topk_weights": named.Arg(("batch", "TopK"), describe="the routing's token axes + TopK"),
+        "expert_y": named.Arg(("Dispatched", "Out"), describe="Dispatched + one output axis"),
+    },
+)
+SHARDING = named.Sharding(
+    with_batch=("Dispatched", "Blocks"),
+    describe="token parallel: each shard routes its own tokens (its block of the dispatched rows is "
+    "expert-major on its own; per-shard counts psummed); no other communication",
+)
 
 
 def _psum_over(ctx, value):
@@ -59,7 +82,7 @@ def moe_layout(
 
     ```
     """
-    bound = LAYOUT_ROLES.bind(locals())
+    bound = LAYOUT_ROLES.bind({"topk_idx": topk_idx}, TopK=TopK)
     bound.create("Experts", Experts, num_experts)
     bound.create("Ranks", Ranks, num_ranks)
 
@@ -125,7 +148,7 @@ def moe_dispatch(
 
     ```
     """
-    bound = DISPATCH_ROLES.bind(locals())
+    bound = DISPATCH_ROLES.bind({"topk_idx": topk_idx, "x": x}, TopK=TopK, Embed=Embed)
     tokens = math.prod(a.size for a in bound.batch)
     dispatched = bound.create("Dispatched", Dispatched, tokens * bound.axis("TopK").size)
     bound.create("Experts", Experts, num_experts)

@@ -18,6 +18,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from axkern.core.op import Implementation
+
 
 def sort_pairs(topk_idx, num_experts):
     """`(order, rows, counts, valid)` for the `T·K` pairs, expert-major and stable by pair.
@@ -117,3 +119,12 @@ def _combine_bwd(res, dy):
 
 
 _combine.defvjp(_combine_fwd, _combine_bwd)
+
+
+LAYOUT_IMPLEMENTATION = Implementation("xla", layout, backward="none (integer outputs)")
+DISPATCH_IMPLEMENTATION = Implementation(
+    "xla", dispatch, backward="custom_vjp: gather back and sum over top-k"
+)
+COMBINE_IMPLEMENTATION = Implementation(
+    "xla", combine, backward="custom_vjp: dispatch-like gather + weight grads"
+)

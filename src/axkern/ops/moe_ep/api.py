@@ -32,7 +32,6 @@ from haliax import NamedArray
 from jax import lax
 from jax.sharding import PartitionSpec
 
-from axkern.core import named
 from axkern.core.op import Implementation, Op
 from axkern.core.typing import Array, Float, Shaped, checked
 
@@ -48,47 +47,33 @@ __all__ = [
 ]
 
 EpImplementation = Literal["xla", "xla_ragged", "cuda", "reference"]
-# xla_ragged is explicit only: slower than xla's dense all_to_all where measured (its docstring);
-# cuda is explicit only until it has run across two or more GPUs (its docstring)
+# xla everywhere; xla_ragged and cuda explicit only (docs/ops/moe_ep.md, "Implementations", says why)
 _ORDER = {"cpu": ("xla",), "gpu": ("xla",), "tpu": ("xla",)}
 _BUCKET = lambda spec: dict(spec.dims)  # noqa: E731 - no tuned tables
 
-
-def _op(name: str, xla_fn, ragged_fn, cuda_fn, reference_fn, exchange: str) -> Op:
-    return Op(
-        name,
-        [
-            Implementation(
-                "xla", xla_fn, backward=f"JAX's: the transposed all_to_all (a {exchange} exchange)"
-            ),
-            Implementation(
-                "xla_ragged",
-                ragged_fn,
-                platforms=("gpu", "tpu"),
-                why_platforms=xla_ragged.WHY_PLATFORMS,
-                backward=f"JAX's: the transposed ragged_all_to_all (a {exchange} exchange)",
-            ),
-            Implementation(
-                "cuda",
-                cuda_fn,
-                platforms=("gpu",),
-                supports=cuda.supports,
-                why_platforms=cuda.WHY_PLATFORMS,
-                backward=f"its own: a {exchange} pass of the CUDA transport",
-            ),
-            Implementation("reference", reference_fn, backward="JAX's, through the all-gathers"),
-        ],
-        _ORDER,
-        package=__package__,
-        bucket=_BUCKET,
-    )
-
-
-DISPATCH = _op(
-    "moe_ep_dispatch", xla.dispatch, xla_ragged.dispatch, cuda.dispatch, reference.dispatch, "combine-like"
+DISPATCH = Op(
+    "moe_ep_dispatch",
+    [
+        xla.DISPATCH_IMPLEMENTATION,
+        xla_ragged.DISPATCH_IMPLEMENTATION,
+        cuda.DISPATCH_IMPLEMENTATION,
+        Implementation("reference", reference.dispatch, backward="JAX's, through the all-gathers"),
+    ],
+    _ORDER,
+    package=__package__,
+    bucket=_BUCKET,
 )
-COMBINE = _op(
-    "moe_ep_combine", xla.combine, xla_ragged.combine, cuda.combine, reference.combine, "dispatch-like"
+COMBINE = Op(
+    "moe_ep_combine",
+    [
+        xla.COMBINE_IMPLEMENTATION,
+        xla_ragged.COMBINE_IMPLEMENTATION,
+        cuda.COMBINE_IMPLEMENTATION,
+        Implementation("reference", reference.combine, backward="JAX's, through the all-gathers"),
+    ],
+    _ORDER,
+    package=__package__,
+    bucket=_BUCKET,
 )
 
 
@@ -275,33 +260,3 @@ def moe_ep_combine_positional(
         ranks=layout.ranks,
         capacity=layout.capacity,
     )
-
-
-# -- the named layer's role tables and sharding rule (its functions: named.py) -----------------
-
-# Token axes are the batch axes of each table: every axis of `topk_idx` (or the layout's) but TopK.
-DISPATCH_ROLES = named.Roles(
-    "moe_ep_dispatch",
-    {
-        "topk_idx": named.Arg(("batch", "TopK"), describe="token axes + TopK"),
-        "x": named.Arg(("batch", "Embed"), describe="topk_idx's token axes + Embed"),
-    },
-)
-COMBINE_ROLES = named.Roles(
-    "moe_ep_combine",
-    {
-        "dst": named.Arg(("batch", "TopK"), name="layout.dst"),
-        "slot": named.Arg(("batch", "TopK"), name="layout.slot"),
-        "sent": named.Arg(("batch", "TopK"), name="layout.sent"),
-        "topk_weights": named.Arg(("batch", "TopK"), describe="the layout's token axes + TopK"),
-        "order": named.Arg(("Dispatched",), name="layout.order"),
-        "expert_y": named.Arg(("Dispatched", "Out"), describe="Dispatched + one output axis"),
-    },
-)
-SHARDING = named.Sharding(
-    parallel=("Experts",),
-    with_batch=("Dispatched", "Blocks"),
-    describe="expert parallel: the token axes split over the experts' mesh axis (and any others); "
-    "rows exchanged by all_to_all over the experts' mesh axis; dispatched rows one block per token "
-    "shard, counts over (blocks of the other token mesh axes, Experts)",
-)

@@ -39,9 +39,8 @@ rows of f32, bf16 or f16 (the gathers' element types; the dispatch's backward is
 `shard_map` over a mesh of devices only: under `vmap` or outside `shard_map` the call is an
 error that says so.
 
-**Verified** on one H200 (a mesh of one GPU: every kernel and both barriers, against `xla`,
-values and gradients, `tests/gpu/test_moe_ep_gpu.py`). Not yet run across two or more GPUs: it
-is explicit only (`implementation="cuda"`), in no default order, until that runs.
+Explicit only (`implementation="cuda"`), in no default order, until it has run across two or
+more GPUs (docs/ops/moe_ep.md, "The CUDA transport", says where it has run).
 """
 
 from __future__ import annotations
@@ -56,6 +55,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir
 
 from axkern.core import compat, native
+from axkern.core.op import Implementation
 
 from . import common
 
@@ -254,3 +254,21 @@ def combine(expert_y, topk_weights, order, dst, slot, sent, *, axis_name, ranks,
     )
     w = topk_weights.astype(jnp.float32)
     return _combine(expert_y, w, order, dst, slot, sent, axis_name, ranks, capacity)
+
+
+DISPATCH_IMPLEMENTATION = Implementation(
+    "cuda",
+    dispatch,
+    platforms=("gpu",),
+    supports=supports,
+    why_platforms=WHY_PLATFORMS,
+    backward="its own: a combine-like pass of the CUDA transport",
+)
+COMBINE_IMPLEMENTATION = Implementation(
+    "cuda",
+    combine,
+    platforms=("gpu",),
+    supports=supports,
+    why_platforms=WHY_PLATFORMS,
+    backward="its own: a dispatch-like pass of the CUDA transport",
+)

@@ -19,9 +19,6 @@ from axkern.core import compat, named
 from axkern.core.mesh import mesh_axes_for
 
 from .api import (
-    COMBINE_ROLES,
-    DISPATCH_ROLES,
-    SHARDING,
     EpDispatch,
     EpImplementation,
     EpLayout,
@@ -33,6 +30,33 @@ from .api import (
 __all__ = ["moe_ep_dispatch", "moe_ep_combine"]
 
 EXPERTS, DISPATCHED, BLOCKS = "experts", "dispatched", "dispatch_blocks"
+
+# Token axes are the batch axes of each table: every axis of `topk_idx` (or the layout's) but TopK.
+DISPATCH_ROLES = named.Roles(
+    "moe_ep_dispatch",
+    {
+        "topk_idx": named.Arg(("batch", "TopK"), describe="token axes + TopK"),
+        "x": named.Arg(("batch", "Embed"), describe="topk_idx's token axes + Embed"),
+    },
+)
+COMBINE_ROLES = named.Roles(
+    "moe_ep_combine",
+    {
+        "dst": named.Arg(("batch", "TopK"), name="layout.dst"),
+        "slot": named.Arg(("batch", "TopK"), name="layout.slot"),
+        "sent": named.Arg(("batch", "TopK"), name="layout.sent"),
+        "topk_weights": named.Arg(("batch", "TopK"), describe="the layout's token axes + TopK"),
+        "order": named.Arg(("Dispatched",), name="layout.order"),
+        "expert_y": named.Arg(("Dispatched", "Out"), describe="Dispatched + one output axis"),
+    },
+)
+SHARDING = named.Sharding(
+    parallel=("Experts",),
+    with_batch=("Dispatched", "Blocks"),
+    describe="expert parallel: the token axes split over the experts' mesh axis (and any others); "
+    "rows exchanged by all_to_all over the experts' mesh axis; dispatched rows one block per token "
+    "shard, counts over (blocks of the other token mesh axes, Experts)",
+)
 
 
 def _expert_mesh_axis(op: str, bound: named.Bound) -> str:
@@ -105,7 +129,7 @@ def moe_ep_dispatch(
     ```
     """
     op = "moe_ep_dispatch"
-    bound = DISPATCH_ROLES.bind(locals())
+    bound = DISPATCH_ROLES.bind({"topk_idx": topk_idx, "x": x}, TopK=TopK, Embed=Embed)
     if not isinstance(num_experts, int) or num_experts < 1:
         raise ValueError(f"{op}: num_experts must be a positive int, got {num_experts!r}")
     bound.create("Experts", Experts, num_experts)

@@ -25,6 +25,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
+from axkern.core.op import Implementation
+
 from . import common
 
 
@@ -51,3 +53,11 @@ def combine(expert_y, topk_weights, order, dst, slot, sent, *, axis_name, ranks,
     back = jnp.zeros_like(expert_y).at[order].set(expert_y)  # received order
     back = lax.all_to_all(back.reshape(ranks, capacity, -1), axis_name, 0, 0).reshape(ranks * capacity, -1)
     return common.weighted_sum(back, topk_weights, dst * capacity + slot, sent, expert_y.dtype)
+
+
+DISPATCH_IMPLEMENTATION = Implementation(
+    "xla", dispatch, backward="JAX's: the transposed all_to_all (a combine-like exchange)"
+)
+COMBINE_IMPLEMENTATION = Implementation(
+    "xla", combine, backward="JAX's: the transposed all_to_all (a dispatch-like exchange)"
+)

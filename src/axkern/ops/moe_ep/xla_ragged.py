@@ -19,18 +19,17 @@ combine's a dispatch-like one.
 **Bytes.** Each exchange moves only the routed rows (at most `T·K·D` elements per device) but
 receives into a buffer of `R·C` rows, like `xla`.
 
-**Speed.** Measured on two H200s of one host (one process, jax 0.11.2): `ragged_all_to_all` ran
-at 2.6 GB/s by default and 99–110 GB/s with XLA's ragged all-to-all decomposer
-(`XLA_FLAGS=--xla_gpu_unsupported_enable_ragged_all_to_all_decomposer=true`, which rewrites it
-as a dense all-to-all), against 327 GB/s for `lax.all_to_all` (`xla`) at 537 MB. It is
-therefore explicit only (`implementation="xla_ragged"`), never in the default order. XLA:CPU
-cannot compile `ragged-all-to-all` (jax 0.10.2), so it runs on GPUs and TPUs.
+Explicit only (`implementation="xla_ragged"`), never in the default order: on GPUs the
+exchange ran well below `lax.all_to_all`'s rate (docs/ops/moe_ep.md, "Implementations", has
+the figures). XLA:CPU cannot compile `ragged-all-to-all`, so it runs on GPUs and TPUs.
 """
 
 from __future__ import annotations
 
 import jax.numpy as jnp
 from jax import lax
+
+from axkern.core.op import Implementation
 
 from . import common
 
@@ -103,3 +102,19 @@ def combine(expert_y, topk_weights, order, dst, slot, sent, *, axis_name, ranks,
     )
     row = (starts[dst] + slot).reshape(tokens, topk)
     return common.weighted_sum(packed, topk_weights, row, sent.reshape(tokens, topk), expert_y.dtype)
+
+
+DISPATCH_IMPLEMENTATION = Implementation(
+    "xla_ragged",
+    dispatch,
+    platforms=("gpu", "tpu"),
+    why_platforms=WHY_PLATFORMS,
+    backward="JAX's: the transposed ragged_all_to_all (a combine-like exchange)",
+)
+COMBINE_IMPLEMENTATION = Implementation(
+    "xla_ragged",
+    combine,
+    platforms=("gpu", "tpu"),
+    why_platforms=WHY_PLATFORMS,
+    backward="JAX's: the transposed ragged_all_to_all (a dispatch-like exchange)",
+)
