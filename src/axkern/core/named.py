@@ -9,7 +9,8 @@ ROLES = named.Roles("short_conv", {
     "weight": ("Width", "Channel"),
     "bias": named.Arg(("Channel",), optional=True),
 })
-bound = ROLES.bind(locals())   # the arguments by name, the axis selectors by role
+# the arrays by argument, then each role's axis selector
+bound = ROLES.bind({"x": x, "weight": weight, "bias": bias}, Pos=Pos, Width=Width, Channel=Channel)
 y = bound.run(body, SHARDING, named.Out(("batch", "Pos", "Channel"), like="x"))
 ```
 
@@ -224,9 +225,9 @@ class Roles:
         self.batch_arg = next(iter(self.args))
 
     def bind(self, scope: Mapping[str, Any], **overrides: Any) -> Bound:
-        """Resolve one call: `scope` (the named function's `locals()`) holds each argument of the
-        table by its name and each role's axis selector by the role's name; `overrides` replace
-        or add entries (an argument split in two, a selector shared by two roles)."""
+        """Resolve one call: `scope` maps each argument of the table to its array (or `None` for an
+        absent optional one); `overrides` give each role's axis selector by the role's name, and
+        may replace or add entries (an argument split in two, a selector shared by two roles)."""
         op = self.op
         selectors = {**scope, **overrides}
         arrays = {arg: selectors.get(arg) for arg in self.args}

@@ -54,7 +54,7 @@ __all__ = [
     "status",
 ]
 
-DEFAULT_TIMEOUT = 600.0  # seconds; a full build of a library takes about a minute on two cores
+DEFAULT_TIMEOUT = 600.0  # seconds; stops a hung compiler (docs/decisions.md, "MoE and core")
 
 
 @dataclasses.dataclass(frozen=True)
