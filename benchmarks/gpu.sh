@@ -8,16 +8,12 @@
 #
 # OP is an op folder: attention, cross_entropy, fused_cross_entropy, mamba3, moe, moe_ep, short_conv, ssd;
 # `gpu.sh attention_peers` runs attention's GPU preset with `--peers` (tokamax); `gpu.sh attention_mosaic`
-# the Mosaic GPU kernels' tests; `attention_mosaic_variants` the forward's forms' tests, then
-# `attention_mosaic_forward_sweep.py --variants`; `ssd_mosaic` the SSD Mosaic GPU kernels' tests,
-# `ssd_mosaic_fused` the fused forward's tests, then
-# benchmarks/ssd_mosaic_forward.py (stages against fused); `ssd_mosaic_forms` likewise for dB, dC
-# summed and x, y transposed in the kernels; `ssd_mosaic_bench` the layer beside pallas_gpu and the peers; `kernel_times OP PRESET --impl A,B`
-# benchmarks/kernel_times.py (device time per kernel, through PyTorch's profiler); `attention_mosaic_d256` `attention_mosaic_sweep.py
-# --head-dim-256`;
-# `gpu.sh fp16` the fp16 GPU tests of SSD and Mamba-3 and their fp16 benches;
-# `gpu.sh fused_cross_entropy_dw` runs benchmarks/fused_cross_entropy_dw.py (the reduced loss's
-# dw accumulations at llama3's size: time, temporary memory, oracle rule, with the peers).
+# the Mosaic GPU kernels' tests; `ssd_mosaic` the SSD Mosaic GPU kernels' tests; `ssd_mosaic_bench` the
+# layer beside pallas_gpu and the peers; `gpu.sh fp16` the fp16 GPU tests of SSD and Mamba-3 and their fp16
+# benches; `gpu.sh kernel_times OP PRESET --impl A,B` runs benchmarks/diagnostics/kernel_times.py (device
+# time per kernel, through PyTorch's profiler); `gpu.sh fused_cross_entropy_dw` runs
+# benchmarks/diagnostics/fused_cross_entropy_dw.py (the reduced loss's dw accumulations at llama3's size:
+# time, temporary memory, oracle rule, with the peers).
 # Wheels in an ignored `.whl/` folder (for a machine without network: whatever its image lacks
 # of the dependencies, e.g. haliax, beartype, cffi, platformdirs, filelock; `.whl/peers/` for
 # the peers, with `.whl/peers/levanter/` (its wheel and small dependencies) and `.whl/levanter_stubs/` for Levanter and `.whl/mamba_ssm_triton/` for mamba_ssm's
@@ -67,18 +63,6 @@ attention_peers) BENCH_T=540 bench attention h200 --peers ;;  # beside tokamax's
 attention_mosaic)  # the Mosaic GPU kernels' GPU tests (four processes share the GPU; memory grows as needed)
   step 420 gpu_tests_attention_mosaic_gpu env XLA_PYTHON_CLIENT_PREALLOCATE=false $gpu_tests -n 4 tests/gpu/test_attention_mosaic_gpu.py
   ;;
-attention_mosaic_variants)  # the forward's forms: against the default first, under a short limit (a
-  # barrier that never completes hangs its kernel), then timed only where they all passed
-  step 150 gpu_tests_attention_mosaic_variants $gpu_tests tests/gpu/test_attention_mosaic_gpu.py -k ping_pong
-  if [ "$(tail -n 1 "$R/steps.txt" | sed 's/.* rc=\([0-9]*\).*/\1/')" = 0 ]; then
-    step 420 sweep_mosaic_variants env OUT="$R" python3 benchmarks/attention_mosaic_forward_sweep.py --variants
-  else
-    echo "sweep_mosaic_variants skipped: the variants' tests did not pass" | tee -a "$R/steps.txt"
-  fi
-  ;;
-attention_mosaic_d256)  # head dim 256's backward: the Mosaic kernels beside pallas_gpu's tilings and cuDNN
-  step 300 sweep_mosaic_backward_d256 env OUT="$R" python3 benchmarks/attention_mosaic_sweep.py --head-dim-256
-  ;;
 cross_entropy) bench cross_entropy llama3 ;;
 fused_cross_entropy)
   tests test_fused_cross_entropy_gpu.py
@@ -86,7 +70,7 @@ fused_cross_entropy)
   bench fused_cross_entropy_loss llama3 --tokens 16384
   ;;
 fused_cross_entropy_dw)  # the reduced loss's dw accumulations at llama3's size, beside the peers
-  step 300 fused_cross_entropy_dw python3 benchmarks/fused_cross_entropy_dw.py --peers --json "$R/fused_cross_entropy_dw.json"
+  step 300 fused_cross_entropy_dw python3 benchmarks/diagnostics/fused_cross_entropy_dw.py --peers --json "$R/fused_cross_entropy_dw.json"
   ;;
 mamba3) tests test_mamba3_gpu.py; BENCH_T=540 bench mamba3 mamba3_2.7b --peers ;;
 moe) tests test_moe_gpu.py; bench moe_dispatch dsv3; bench moe_combine dsv3 ;;
@@ -98,27 +82,6 @@ ssd_mosaic)  # the Mosaic GPU kernels' GPU tests: each kernel against its emulat
   step 150 gpu_tests_ssd_mosaic_kernels $gpu_tests --tb=short tests/gpu/test_ssd_gpu.py -k emulation
   step 420 gpu_tests_ssd_mosaic_gpu env XLA_PYTHON_CLIENT_PREALLOCATE=false $gpu_tests -n 4 --tb=short \
     tests/gpu/test_ssd_gpu.py -k "mosaic_gpu_against_oracle or without_d_and_the_gate or non_finite_rule or default_is"
-  ;;
-ssd_mosaic_fused)  # the fused forward against the stages and the oracle, then timed against them
-  step 300 gpu_tests_ssd_mosaic_fused env XLA_PYTHON_CLIENT_PREALLOCATE=false $gpu_tests -n 4 --tb=short \
-    tests/gpu/test_ssd_gpu.py -k "fused"
-  if [ "$(tail -n 1 "$R/steps.txt" | sed 's/.* rc=\([0-9]*\).*/\1/')" = 0 ]; then
-    step 420 sweep_mosaic_forward env OUT="$R" python3 benchmarks/ssd_mosaic_forward.py --lengths 2048,4096,16384
-  else
-    echo "sweep_mosaic_forward skipped: the fused forward's tests did not pass" | tee -a "$R/steps.txt"
-  fi
-  ;;
-ssd_mosaic_forms)  # dB, dC summed, x, y transposed, the state backward fused: against the plain forms, timed
-  step 300 gpu_tests_ssd_mosaic_forms env XLA_PYTHON_CLIENT_PREALLOCATE=false $gpu_tests -n 4 --tb=short \
-    tests/gpu/test_ssd_gpu.py -k "forms_equal or fused_state_backward"
-  if [ "$(tail -n 1 "$R/steps.txt" | sed 's/.* rc=\([0-9]*\).*/\1/')" = 0 ]; then
-    for new in fused_group_sums fused_transposes fused_backward fused_sums_transposes fused_all; do
-      step 150 "sweep_mosaic_$new" env OUT="$R" python3 benchmarks/ssd_mosaic_forward.py --lengths 4096 \
-        --forms "fused,$new"
-    done
-  else
-    echo "sweep_mosaic_forms skipped: the forms' tests did not pass" | tee -a "$R/steps.txt"
-  fi
   ;;
 ssd_mosaic_bench)  # the layer beside pallas_gpu and the peers
   BENCH_T=420 bench ssd mamba2_2.7b --tokens 4096 --impl pallas_gpu,mosaic_gpu --peers
@@ -134,7 +97,7 @@ fp16)  # fp16 against the oracle (SSD's xla and pallas_gpu, Mamba-3's pallas_gpu
   ;;
 kernel_times)  # device time per kernel: gpu.sh kernel_times OP PRESET [--tokens N] --impl A,B
   shift; step 540 "kernel_times_${1:?usage: gpu.sh kernel_times OP PRESET --impl A,B}" \
-    env OUT="$R" python3 benchmarks/kernel_times.py "$@"
+    env OUT="$R" python3 benchmarks/diagnostics/kernel_times.py "$@"
   ;;
 tune)
   op=${2:?usage: gpu.sh tune OP [axkern tune arguments]}; shift 2
@@ -146,7 +109,7 @@ tune)
   ;;
 list) $axkern bench --list-presets ;;
 *)
-  echo "usage: gpu.sh fp16|attention|attention_peers|attention_mosaic|attention_mosaic_variants|attention_mosaic_d256|cross_entropy|fused_cross_entropy|fused_cross_entropy_dw|mamba3|moe|moe_ep|short_conv|ssd|ssd_mosaic|ssd_mosaic_fused|ssd_mosaic_forms|ssd_mosaic_bench|kernel_times|list, or gpu.sh tune OP [args]"
+  echo "usage: gpu.sh fp16|attention|attention_peers|attention_mosaic|cross_entropy|fused_cross_entropy|fused_cross_entropy_dw|mamba3|moe|moe_ep|short_conv|ssd|ssd_mosaic|ssd_mosaic_bench|kernel_times|list, or gpu.sh tune OP [args]"
   exit 2
   ;;
 esac

@@ -1,4 +1,4 @@
-"""benchmarks/kernel_times.py's HLO reading (each fusion of a compiled program named with the JAX
+"""benchmarks/diagnostics/kernel_times.py's HLO reading (each fusion of a compiled program named with the JAX
 operation it came from, under the names the profiler reports its kernels by) and its timeline of
 kernel spans."""
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "kernel_times.py"
+_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "diagnostics" / "kernel_times.py"
 _spec = importlib.util.spec_from_file_location("kernel_times", _PATH)
 kernel_times = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(kernel_times)

@@ -1,4 +1,4 @@
-"""benchmarks/mamba3_operand_precision.py on a small case: Mamba-3's layer through the emulated
+"""benchmarks/diagnostics/mamba3_operand_precision.py on a small case: Mamba-3's layer through the emulated
 Mosaic GPU kernels (`chunked/mosaic_gpu/emulate.py`) with `q`, `k` as two bf16 halves holds the
 oracle rule, and rounding them to bf16 in every kernel puts the gradients further from it."""
 
@@ -11,7 +11,7 @@ import axkern
 from tests.cases.mamba3 import make, run
 from tests.harness import oracle
 
-_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "mamba3_operand_precision.py"
+_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "diagnostics" / "mamba3_operand_precision.py"
 _spec = importlib.util.spec_from_file_location("mamba3_operand_precision", _PATH)
 script = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(script)
@@ -24,7 +24,7 @@ def test_halves_hold_the_rule_and_rounded_operands_lose_accuracy():
         return run(name, a, seg, None if name == "reference" else 64)
 
     want, same = oracle(runner, arrays), runner("reference", arrays)
-    original = script.common.kernel_core
+    original = script.layer.kernel_core
     ratios = {}
     for label in ("halves", "all"):
         rounded = script.VARIANTS[label]

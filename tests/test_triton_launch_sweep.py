@@ -1,4 +1,4 @@
-"""benchmarks/triton_launch_sweep.py's capture: tracing an implementation's forward+backward keeps
+"""benchmarks/diagnostics/triton_launch_sweep.py's capture: tracing an implementation's forward+backward keeps
 each SSD kernel's `pallas_call` (kernel, keywords, operand shapes), and a kept call relaunched
 with other Triton parameters is the same call."""
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import jax
 import pytest
 
-_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "triton_launch_sweep.py"
+_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "diagnostics" / "triton_launch_sweep.py"
 _spec = importlib.util.spec_from_file_location("triton_launch_sweep", _PATH)
 sweep = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(sweep)

@@ -14,7 +14,7 @@ import pytest
 
 from axkern import masks
 from axkern.ops.attention import OP, mosaic_gpu
-from axkern.ops.attention.blocks import mosaic_gpu_heuristic, mosaic_gpu_space
+from axkern.ops.attention.blocks import AttentionBlockSizes, mosaic_gpu_heuristic, mosaic_gpu_space
 from axkern.ops.attention.mosaic_gpu.tiles import _IMPORT_ERROR
 from tests.ops.test_attention_mosaic_gpu import _spec
 
@@ -233,13 +233,31 @@ def test_every_forward_tile_candidate_lowers(d):
         assert _kernels(_lowered(f, q, q, q)) == 1, c
 
 
-def test_backward_tilings_of_the_sweep_lower():
-    # the backward tilings benchmarks/attention_mosaic_sweep.py times (head dims 64 and 128)
-    from benchmarks.attention_mosaic_sweep import TILES, blocks
+# backward tilings (block_q, block_kv, stages) of dq and of dk, dv beside the heuristic's
+# (64, 64, 2) each, as the H200's backward sweep timed them at head dims 64 and 128
+BACKWARD_TILES = [
+    ((64, 64, 3), (64, 64, 2)),
+    ((64, 128, 2), (64, 64, 2)),
+    ((64, 64, 2), (128, 64, 2)),
+    ((64, 64, 2), (64, 64, 3)),
+    ((64, 128, 2), (128, 64, 2)),
+]
 
+
+def test_backward_tilings_of_the_sweep_lower():
     q = jax.ShapeDtypeStruct((1, 512, 2, 128), jnp.bfloat16)
-    for dq, dkv in TILES[1:]:
-        bs = blocks(dq, dkv)
+    for dq, dkv in BACKWARD_TILES:
+        bs = AttentionBlockSizes(
+            block_q=64,
+            block_kv=128,
+            num_stages=2,
+            block_q_dq=dq[0],
+            block_kv_dq=dq[1],
+            num_stages_dq=dq[2],
+            block_q_dkv=dkv[0],
+            block_kv_dkv=dkv[1],
+            num_stages_dkv=dkv[2],
+        )
 
         def f(q, k, v, do, bs=bs):
             out, vjp = jax.vjp(

@@ -123,7 +123,8 @@ def test_the_kernels_arithmetic_holds_the_oracle_rule_through_the_layer(monkeypa
     # the layer pallas_gpu runs, with its chunk kernels replaced by the Mosaic kernels' arithmetic
     # (what `mosaic_gpu` runs, `q` and `k` as their halves): y, the four final states and every
     # gradient against the float64 oracle (tests/test_mamba3_operand_precision.py: rounding q
-    # and k to bf16 instead puts them further from it; P 128 in benchmarks/mamba3_operand_precision.py)
+    # and k to bf16 instead puts them further from it; P 128 in
+    # benchmarks/diagnostics/mamba3_operand_precision.py)
     arrays, seg = make(0, *dims, 0, "bfloat16", segments=segments)
     _emulate(monkeypatch, ssd_mosaic.EmulatedLayout)
     with axkern.use(interpret=True):
