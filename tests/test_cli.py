@@ -12,7 +12,9 @@ import jax
 import pytest
 
 import axkern
-from axkern import bench_format, cli, cli_bench
+from axkern import cli
+from axkern.bench import format as bench_format
+from axkern.cli import bench as cli_bench
 from axkern.core import tuning
 from tests.cluster import launch
 
@@ -29,7 +31,7 @@ def test_info_runs_and_reports_each_op(capsys):
 def test_info_joins_a_cluster_and_counts_its_processes_and_devices(tmp_path):
     def command(process_id, coordinator):
         flags = f"--coordinator {coordinator} --num-processes 2 --process-id {process_id}"
-        return [sys.executable, "-m", "axkern.cli", "info", *flags.split()]
+        return [sys.executable, "-m", "axkern", "info", *flags.split()]
 
     run = launch(command, 2, tmp_path, local_devices=3, timeout_s=240)
     assert run.returncodes == [0, 0], run.tail(0) + run.tail(1)
@@ -62,11 +64,11 @@ def test_bench_quick_writes_every_implementation(tmp_path):
 
 def test_bench_rejects_unknown_op_and_preset():
     proc = subprocess.run(
-        [sys.executable, "-m", "axkern.cli", "bench", "no_such_op"], capture_output=True, text=True
+        [sys.executable, "-m", "axkern", "bench", "no_such_op"], capture_output=True, text=True
     )
     assert proc.returncode != 0 and "unknown op 'no_such_op'" in proc.stderr
     proc = subprocess.run(
-        [sys.executable, "-m", "axkern.cli", "bench", "fused_cross_entropy", "--preset", "nope"],
+        [sys.executable, "-m", "axkern", "bench", "fused_cross_entropy", "--preset", "nope"],
         capture_output=True,
         text=True,
     )
@@ -104,7 +106,7 @@ def test_bench_levanter_peer_absent_is_a_row_that_says_so(tmp_path, monkeypatch)
 
 def test_bench_only_runs_the_torch_peers_of_the_cases_it_times(monkeypatch):
     import axkern.bench
-    from axkern import peers
+    from axkern.bench import peers
 
     ran = []
     monkeypatch.setattr(peers, "run", lambda op, dims, dtype, **kw: ran.append(dims["length"]) or [])
@@ -128,8 +130,7 @@ def test_bench_tokamax_peers_absent_are_rows_that_say_so(tmp_path, monkeypatch):
 
 
 def test_mamba3_cases_carry_what_its_torch_peer_reads():
-    from axkern import peers
-    from axkern.bench import cases_for
+    from axkern.bench import cases_for, peers
 
     siso, mimo = cases_for("mamba3", preset="mamba3_2.7b")
     for c in (siso, mimo):

@@ -9,7 +9,8 @@ import inspect
 import pytest
 
 import axkern
-from axkern import haliax_compat, levanter, positional, results
+from axkern import haliax_compat, levanter, positional
+from axkern.bench import results
 
 
 def _public() -> dict[str, object]:
@@ -17,7 +18,7 @@ def _public() -> dict[str, object]:
         f"axkern.{n}": getattr(axkern, n) for n in axkern.__all__ if inspect.isfunction(getattr(axkern, n))
     }
     out |= {f"axkern.positional.{n}": getattr(positional, n) for n in positional.__all__}
-    out |= {f"axkern.results.{n}": getattr(results, n) for n in ("versions", "path_for")}
+    out |= {f"axkern.bench.results.{n}": getattr(results, n) for n in ("versions", "path_for")}
     out |= {f"axkern.levanter.{n}": getattr(levanter, n) for n in levanter.__all__ if n != "AttentionMask"}
     out |= {"axkern.haliax_compat.dot_product_attention": haliax_compat.dot_product_attention}
     return out

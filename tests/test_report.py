@@ -8,7 +8,8 @@ import shutil
 
 import pytest
 
-from axkern import cli, report, results
+from axkern import cli
+from axkern.bench import report, results
 from tests.test_readme import REPO
 
 RESULTS = REPO / "benchmarks" / "results"
@@ -105,7 +106,7 @@ def test_report_command_writes_into_the_given_folders(tmp_path, capsys):
 
 
 def test_a_run_cut_short_says_which_cases_have_no_rows():
-    from axkern import report
+    from axkern.bench import report
 
     run = {
         "command": "axkern bench attention --preset h200",

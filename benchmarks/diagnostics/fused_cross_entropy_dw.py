@@ -15,7 +15,7 @@ Run on a CUDA machine from the repository root (about 3 minutes on an H200 with 
     PYTHONPATH=src python3 benchmarks/diagnostics/fused_cross_entropy_dw.py --peers --json dw.json
 
 or `bash benchmarks/gpu.sh fused_cross_entropy_dw`. `--peers` also times Liger-Kernel,
-cut-cross-entropy and PyTorch (`axkern.peers`, in a subprocess started before JAX takes the
+cut-cross-entropy and PyTorch (`axkern.bench.peers`, in a subprocess started before JAX takes the
 GPU) and Levanter (in this process) on the same shape.
 """
 
@@ -54,7 +54,7 @@ def main(argv=None) -> int:
 
     torch_peers = []
     if a.peers:  # before JAX takes the GPU
-        from axkern import peers
+        from axkern.bench import peers
 
         torch_peers = peers.run("fused_cross_entropy_loss", dims, "bfloat16", repeats=a.repeats)
 

@@ -22,8 +22,20 @@ from .ops.ssd import SSDBlockSizes, ssd, ssd_step
 
 # after the op packages: the function, not the `axkern.ops` subpackage, is `axkern.ops`
 from .core.op import implementations, ops  # noqa: E402  isort: skip
+from .core.tuning import register_autotuner  # noqa: E402  isort: skip
 
 __version__ = "0.1.0"
+
+
+def _autotune(op, implementation, spec, arrays, options):
+    """The sweep the dispatcher runs on a tuning miss under `use(autotune=True)`: the benchmark
+    harness's `autotune`, imported on the first such call."""
+    from .bench.tune import autotune
+
+    return autotune(op, implementation, spec, arrays, options)
+
+
+register_autotuner(_autotune)
 
 __all__ = [
     "attention",

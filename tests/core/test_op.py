@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import pytest
 
 import axkern
-from axkern.core import blocks, op
+from axkern.core import blocks, op, registry
 from axkern.core.blocks import BlockSizes
 from axkern.core.op import Implementation, Op, Unsupported
 
@@ -80,7 +80,7 @@ def toy():
         return o(spec, x, **kw)
 
     yield o, call
-    op._OPS.pop("toy_op", None)
+    registry.OPS.pop("toy_op", None)
 
 
 def test_default_order_picks_first_that_serves(toy):

@@ -1,4 +1,4 @@
-"""`axkern.peers`' timing logic against a stand-in `torch` (no GPU here): the faster of
+"""`axkern.bench.peers`' timing logic against a stand-in `torch` (no GPU here): the faster of
 back-to-back eager calls and a CUDA graph's replays, and what the note says."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import types
 
 import pytest
 
-from axkern import peers
+from axkern.bench import peers
 
 
 def _fake_torch(eager_ms, graph_ms, capture_fails=False):

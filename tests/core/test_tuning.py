@@ -13,9 +13,9 @@ import jax.numpy as jnp
 import pytest
 
 import axkern
-from axkern import cli, tune
-from axkern.bench import Case
-from axkern.core import blocks, compat, op, tuning
+from axkern import cli
+from axkern.bench import Case, tune
+from axkern.core import blocks, compat, op, registry, tuning
 from axkern.core.op import Implementation, Op
 
 
@@ -119,7 +119,7 @@ def toy(cache):
         )
 
     yield toy_op, call
-    op._OPS.pop("tuning_toy", None)
+    registry.OPS.pop("tuning_toy", None)
 
 
 def _toy_case(call):
@@ -222,6 +222,18 @@ def test_autotune_is_off_by_default_and_tunes_a_miss_when_asked(toy, cache):
     (e,) = json.loads((cache / "cpu.json").read_text())["entries"]
     assert e["op"] == "tuning_toy" and e["block_sizes"]["block"] != 3
     assert axkern.explain(call, x).block_source == "cache"
+
+
+def test_autotune_without_a_registered_autotuner_says_so(toy, cache):
+    toy_op, call = toy
+    registered = tuning.autotuner()  # `import axkern` registers one
+    tuning.register_autotuner(None)
+    try:
+        with axkern.use(autotune=True), pytest.raises(RuntimeError, match="no autotuner is registered"):
+            call(jnp.ones((16, 4)))
+    finally:
+        tuning.register_autotuner(registered)
+    assert not (cache / "cpu.json").exists()
 
 
 def test_autotune_runs_inside_a_sharded_named_call(cache):

@@ -21,7 +21,7 @@ import os
 import warnings
 from collections.abc import Iterator
 
-from . import caller, compat
+from . import caller, compat, registry
 
 __all__ = ["Settings", "use", "current", "implementation_override"]
 
@@ -60,9 +60,7 @@ def _check_variables() -> None:
     unknown = [k for k in os.environ if k.startswith("AXKERN_") and k not in _warned_variables]
     if not unknown:
         return
-    from .op import registered_ops  # local: op.py imports this module
-
-    known = list(_KNOWN_VARIABLES) + [f"AXKERN_IMPL_{op.upper()}" for op in registered_ops()]
+    known = list(_KNOWN_VARIABLES) + [f"AXKERN_IMPL_{op.upper()}" for op in registry.ops()]
     for name in unknown:
         if name in known:
             continue
@@ -150,9 +148,7 @@ def use(
 
     ```
     """
-    from .op import registered_ops  # local: op.py imports this module
-
-    known = registered_ops()
+    known = registry.ops()
     for op in implementations:
         if known and op not in known:
             raise ValueError(f"use(): unknown op {op!r}; known ops are {sorted(known)}")

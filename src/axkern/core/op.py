@@ -26,7 +26,8 @@ from typing import Any
 
 import jax
 
-from . import backend, blocks, caller, compat, config, tuning
+from . import backend, blocks, caller, compat, config, registry, tuning
+from .registry import get_op, implementations, ops, registered_ops
 
 __all__ = [
     "Unsupported",
@@ -137,47 +138,8 @@ class Implementation:
     why_platforms: str = ""  # why it runs on its platforms alone (said when it is refused elsewhere)
 
 
-_OPS: dict[str, Op] = {}
 _warned: set[tuple[str, str, str]] = set()
 _explaining: contextvars.ContextVar[list | None] = contextvars.ContextVar("axkern_explaining", default=None)
-
-
-def registered_ops() -> dict[str, Op]:
-    return dict(_OPS)
-
-
-def get_op(name: str) -> Op:
-    try:
-        return _OPS[name]
-    except KeyError:
-        raise ValueError(f"unknown op {name!r}; known ops are {sorted(_OPS)}") from None
-
-
-def ops() -> list[str]:
-    """Names of the registered ops (`axkern.ops()`), sorted.
-
-    ```python
-    >>> import axkern
-    >>> [name for name in axkern.ops() if name.startswith("moe_")]
-    ['moe_combine', 'moe_dispatch', 'moe_ep_combine', 'moe_ep_dispatch', 'moe_layout']
-
-    ```
-    """
-    return sorted(_OPS)
-
-
-def implementations(op: str) -> dict[str, tuple[str, ...]]:
-    """An op's implementations and the platforms each runs on, in registration order
-    (`axkern.implementations("ssd")`); an unknown op is a `ValueError` naming the known ones.
-
-    ```python
-    >>> import axkern
-    >>> axkern.implementations("cross_entropy")
-    {'xla': ('cpu', 'gpu', 'tpu'), 'reference': ('cpu', 'gpu', 'tpu')}
-
-    ```
-    """
-    return {name: impl.platforms for name, impl in get_op(op).implementations.items()}
 
 
 def reset_warnings() -> None:
@@ -202,7 +164,7 @@ class Op:
         self.default_order = dict(default_order)
         self.package = package
         self.bucket = bucket
-        _OPS[name] = self
+        registry.register(self)
 
     def spec(self, dims: Mapping[str, int], dtype: Any, **flags: Any) -> Spec:
         return Spec(
@@ -283,9 +245,7 @@ class Op:
             found = blocks.lookup(self.package, spec.device_key, impl.name, bucket, op=self.name)
             source = "table"
         if found is None and call is not None and self._autotunes(impl, spec):
-            from axkern import tune  # local: the sweep is built on the benchmark harness
-
-            found, source = tune.autotune(self, impl, spec, *call), "autotune"
+            found, source = tuning.autotuner()(self, impl, spec, *call), "autotune"
         if found is not None:
             bs = found if isinstance(found, cls) else cls.from_dict(found)
         elif impl.heuristic is not None:

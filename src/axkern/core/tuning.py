@@ -24,6 +24,11 @@ block-size space, `forced(...)` makes the dispatcher use one candidate for one o
 implementation (its source reads "tuning"). `replaced(...)` makes it replace some fields of
 whatever block sizes it finds for one op and implementation (`axkern bench --blocks`: a form
 that is not the default, timed through the same dispatcher; its source reads "replaced").
+
+Autotuning (`axkern.use(autotune=True)`) sweeps block sizes with the benchmark harness, which
+sits above the core: the dispatcher reaches it through `autotuner()`, the function that
+`register_autotuner` was given (`import axkern` registers one that loads `axkern.bench.tune`
+on first use).
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ import datetime
 import json
 import os
 import tempfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +59,8 @@ __all__ = [
     "tuning_active",
     "replaced",
     "replaced_fields",
+    "register_autotuner",
+    "autotuner",
 ]
 
 
@@ -255,3 +262,26 @@ def replaced(op: str, implementation: str, fields: Mapping[str, Any]):
 def replaced_fields(op: str, implementation: str) -> dict | None:
     """The fields `replaced(...)` set for this op and implementation, if any."""
     return _replaced.get(op, implementation)
+
+
+# -- the autotuner, registered by the tooling ---------------------------------------------------
+
+_autotuner: Callable[..., dict | None] | None = None
+
+
+def register_autotuner(fn: Callable[..., dict | None] | None) -> None:
+    """Make `fn(op, implementation, spec, arrays, options) -> block sizes dict | None` the sweep the
+    dispatcher runs on a tuning miss under `axkern.use(autotune=True)`; `None` removes it."""
+    global _autotuner
+    _autotuner = fn
+
+
+def autotuner() -> Callable[..., dict | None]:
+    """The registered autotuner; a `RuntimeError` saying how to register one when there is none."""
+    if _autotuner is None:
+        raise RuntimeError(
+            "axkern: autotuning is on (axkern.use(autotune=True) or AXKERN_AUTOTUNE=1) but no autotuner "
+            "is registered; `import axkern` registers one (or call "
+            "axkern.core.tuning.register_autotuner(axkern.bench.tune.autotune))"
+        )
+    return _autotuner

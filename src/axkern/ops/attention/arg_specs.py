@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from axkern import masks
-from axkern.bench import Case
+from axkern.core.cases import Case
 from axkern.core.op import Unsupported
 
 from .api import attention_positional

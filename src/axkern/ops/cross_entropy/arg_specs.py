@@ -11,7 +11,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from axkern.bench import Case
+from axkern.core.cases import Case
 
 from .api import NAME, cross_entropy_positional
 

@@ -23,7 +23,7 @@ import importlib.util
 import jax
 import jax.numpy as jnp
 
-from axkern.bench import Case
+from axkern.core.cases import Case
 from axkern.core.op import Unsupported
 
 from .api import LOSS_NAME, NAME, fused_cross_entropy_loss_positional, fused_cross_entropy_positional

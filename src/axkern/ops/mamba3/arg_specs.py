@@ -14,7 +14,7 @@ import importlib.util
 import jax
 import jax.numpy as jnp
 
-from axkern.bench import Case
+from axkern.core.cases import Case
 
 from .api import mamba3_positional
 

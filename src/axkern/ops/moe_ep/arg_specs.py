@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
-from axkern.bench import Case
+from axkern.core.cases import Case
 from axkern.core import compat
 
 from .api import capacity_for, moe_ep_combine_positional, moe_ep_dispatch_positional

@@ -18,7 +18,7 @@ import importlib.util
 import jax
 import jax.numpy as jnp
 
-from axkern.bench import Case
+from axkern.core.cases import Case
 
 from .api import short_conv_positional
 

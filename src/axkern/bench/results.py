@@ -15,8 +15,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # the CLI imports this module before jax
-    from .bench import Case, Row
+if TYPE_CHECKING:
+    from ..core.cases import Case
+    from .harness import Row
 
 __all__ = ["DEFAULT_ROOT", "NOTE", "document", "path_for", "save", "load", "versions"]
 
@@ -32,7 +33,7 @@ def versions() -> dict[str, str]:
     """The versions a result records: axkern, jax, jaxlib, haliax, equinox and Python.
 
     ```python
-    >>> from axkern.results import versions
+    >>> from axkern.bench.results import versions
     >>> sorted(versions())
     ['axkern', 'equinox', 'haliax', 'jax', 'jaxlib', 'python']
 
@@ -89,7 +90,7 @@ def path_for(root: Path | str, device_key: str, op: str, preset: str) -> Path:
     """Where the run of `op` at `preset` on `device_key` lives.
 
     ```python
-    >>> from axkern.results import path_for
+    >>> from axkern.bench.results import path_for
     >>> path_for("benchmarks/results", "nvidia_h200", "ssd", "mamba2_2.7b").as_posix()
     'benchmarks/results/nvidia_h200/ssd/mamba2_2.7b.json'
 

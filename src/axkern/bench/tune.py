@@ -2,7 +2,7 @@
 
 For one benchmark case (`ops/<op>/arg_specs.py`) and one implementation, every candidate of
 the implementation's space (`space(spec)` beside its heuristic in the op's `blocks.py`) runs
-through `bench.measure` with the dispatcher held to that candidate (`tuning.forced`): one
+through `harness.measure` with the dispatcher held to that candidate (`tuning.forced`): one
 compile, a check of the outputs and gradients against the `reference` implementation, and
 timed repeats. The pass timed is the forward+backward where the case has one, else the
 forward.
@@ -30,10 +30,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from .bench import Case, Row, measure
-from .core import compat, tuning
-from .core.blocks import BlockSizes, unique_valid
-from .core.op import Decision, Implementation, Op, Spec, explain, get_op
+from ..core import blocks, compat, tuning
+from ..core.blocks import BlockSizes, unique_valid
+from ..core.cases import Case
+from ..core.op import Decision, Implementation, Op, Spec, explain, get_op
+from .harness import Row, measure
 
 __all__ = [
     "Result",
@@ -189,8 +190,6 @@ def write_table(
             table["entries"] = tuning.merge(list(table.get("entries", [])), [e], default_op=table.get("op"))
             tuning.write_json(path, table)
         written.append(path)
-    from .core import blocks
-
     blocks.load_table.cache_clear()
     return written
 

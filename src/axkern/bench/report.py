@@ -1,7 +1,7 @@
 """`axkern report`: tables and plots from the committed results.
 
 Reads every run under `benchmarks/results/<device_key>/<op>/<preset>.json` (see
-`axkern.results`) and writes, per device and op, a markdown table (time, rate, fraction of
+`axkern.bench.results`) and writes, per device and op, a markdown table (time, rate, fraction of
 the ceiling measured in the same run, temporary memory and error, for every implementation
 and peer) and one plot of the times. The tables go between the report markers of
 `docs/benchmarks.md`; an overview plot of every op's fraction of the ceiling goes between the

@@ -9,7 +9,7 @@ import sys
 from rich.console import Console
 from rich.table import Table
 
-from .bench import Row
+from .harness import Row
 
 __all__ = ["print_rows", "row_line", "columns"]
 

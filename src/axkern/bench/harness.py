@@ -1,8 +1,6 @@
 """The harness behind `axkern bench`: time every implementation of an op on a set of shapes.
 
-Each op supplies `Case`s (in `ops/<op>/arg_specs.py`): how to make inputs, the forward and
-the scalar loss whose gradient is the backward (or none: then a random cotangent of the
-output is pulled back), and the FLOPs and bytes each pass must do. For each
+Each op supplies `Case`s (`axkern.core.cases`, built in `ops/<op>/arg_specs.py`). For each
 case and implementation we compile once, report peak temporary memory from
 `compiled.memory_analysis()`, check the outputs against the `reference` implementation on
 the same inputs, then time device-synchronised calls (warm-up, then repeats: the median is
@@ -12,7 +10,6 @@ the row's `ms`, the fastest and slowest repeat its `ms_min` and `ms_max`).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -21,8 +18,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from .core import backend, config, tuning
-from .core.op import Unsupported, get_op
+from ..core import backend, config, tuning
+from ..core.cases import Case
+from ..core.op import Unsupported, get_op
 
 __all__ = [
     "Case",
@@ -33,6 +31,8 @@ __all__ = [
     "time_rounds",
     "matmul_ceiling",
     "copy_bandwidth",
+    "cotangent",
+    "forward_backward",
     "cases_for",
     "presets_for",
     "DEFAULT_PRESET",
@@ -41,46 +41,6 @@ __all__ = [
 ]
 
 DEFAULT_PRESET = "quick"  # the shapes of `axkern bench OP` without --preset: small, seconds on a CPU
-
-
-@dataclasses.dataclass(frozen=True)
-class Case:
-    op: str
-    label: str
-    dims: dict[str, int]
-    dtype: str
-    make: Callable[[jax.Array], tuple]  # PRNG key -> inputs
-    forward: Callable[..., Any]  # (implementation, *inputs) -> outputs
-    # (implementation, *inputs) -> scalar whose gradient is the backward; None: the backward
-    # pulls a fixed random cotangent of the forward's output back (`jax.vjp`), and the pass
-    # returns the output too, so "fwd+bwd" moves exactly the forward's and backward's bytes
-    loss: Callable[..., jax.Array] | None
-    grad_argnums: tuple[int, ...]
-    flops_forward: float
-    flops_backward: float  # model FLOPs of the backward alone (not counting recomputation)
-    bytes_forward: float = 0.0  # the fewest bytes the forward must move (memory-bound ops)
-    bytes_backward: float = 0.0
-    bound: str = "compute"  # "compute": held to the matmul ceiling; "memory": to the copy bandwidth
-    passes: tuple[str, ...] = ("fwd", "fwd+bwd")  # e.g. ("fwd",) for ops with integer outputs
-    calls: int = 1  # op calls per forward (a loop inside jit, for ops faster than host dispatch)
-    # JAX peers timed in this process beside the implementations (rows "peer:<name>", with
-    # `axkern bench --peers`): name -> callable taking the case's inputs like `forward`, or a
-    # string saying why the peer cannot take this case; a peer callable with an attribute
-    # `incomparable` (a string: why) computes something else on the inputs (e.g. a simpler
-    # variant of the op) and is timed but not checked against the reference
-    peers: dict[str, Callable[..., Any] | str] = dataclasses.field(default_factory=dict)
-    # the implementation each row's error is taken against: the op's `reference`, or for a case
-    # too large for it (a sequential scan's backward keeps every step's state) a float32 one
-    reference: str = "reference"
-
-    def forward_for(self, implementation: str) -> Callable[..., Any]:
-        """`(*inputs) -> outputs` for an implementation name or "peer:<name>"."""
-        if implementation.startswith("peer:"):
-            peer = self.peers[implementation.removeprefix("peer:")]
-            if isinstance(peer, str):
-                raise Unsupported(peer)
-            return peer
-        return functools.partial(self.forward, implementation)
 
 
 @dataclasses.dataclass
@@ -194,7 +154,7 @@ def _temp_gib(jitted, args) -> float | None:
     return stats.temp_size_in_bytes / 2**30
 
 
-def _cotangent(case: Case, args):
+def cotangent(case: Case, args):
     """A random cotangent shaped like the forward's output (the same for every implementation)."""
     shapes = jax.eval_shape(lambda *a: case.forward("reference", *a), *args)
     leaves, tree = jax.tree.flatten(shapes)
@@ -207,7 +167,7 @@ def _cotangent(case: Case, args):
     )
 
 
-def _forward_backward(case: Case, impl: str):
+def forward_backward(case: Case, impl: str):
     """`(ct, *inputs) -> (output, gradients of <output, ct> for case.grad_argnums)`."""
 
     def run(ct, *args):
@@ -257,8 +217,8 @@ def measure(
             jax.value_and_grad(lambda *a: case.loss(impl, *a), argnums=case.grad_argnums)
         )
     elif "fwd+bwd" in case.passes and "fwd+bwd" in passes:
-        fns["fwd+bwd"] = lambda impl: jax.jit(_forward_backward(case, impl))
-        pass_args["fwd+bwd"] = (_cotangent(case, args), *args)
+        fns["fwd+bwd"] = lambda impl: jax.jit(forward_backward(case, impl))
+        pass_args["fwd+bwd"] = (cotangent(case, args), *args)
     jitted: dict[tuple[str, str], Callable] = {}
 
     def fn_for(pass_: str, impl: str) -> Callable:

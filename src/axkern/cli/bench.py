@@ -12,9 +12,10 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import Progress
 
-from . import results
-from .bench_format import print_rows, row_line
-from .cli_args import ONLY_HELP, UsageError, canonical_dtype, only_cases, positive_int
+from axkern.bench import results
+from axkern.bench.format import print_rows, row_line
+
+from .args import ONLY_HELP, UsageError, canonical_dtype, only_cases, positive_int
 
 console = Console()  # results
 status = Console(stderr=True)  # progress and rows as they are measured: stdout keeps only the results
@@ -310,9 +311,8 @@ def _file_cases(path: str, preset, tokens, dtype) -> list:
 
 def _peers(args, ops, preset, repeats, labels) -> list[tuple]:
     """`(case, peer result)` for every case to be timed (`labels`, after `--only`) of the ops that
-    have peers (`axkern.peers`)."""
-    from axkern import peers
-    from axkern.bench import cases_for
+    have peers (`axkern.bench.peers`)."""
+    from axkern.bench import cases_for, peers
 
     out, timed = [], {}
     for op in ops:

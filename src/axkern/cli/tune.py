@@ -1,4 +1,4 @@
-"""`axkern tune OP`: sweep block sizes on this device and keep the winners (see `axkern.tune`)."""
+"""`axkern tune OP`: sweep block sizes on this device and keep the winners (see `axkern.bench.tune`)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 from rich.console import Console
 from rich.table import Table
 
-from .cli_args import ONLY_HELP, UsageError, canonical_dtype, only_cases, positive_int
+from .args import ONLY_HELP, UsageError, canonical_dtype, only_cases, positive_int
 
 console = Console()
 status = Console(stderr=True)
@@ -52,9 +52,9 @@ def add_parser(sub) -> None:
 
 
 def _implementations(op: str, explicit: str | None) -> list[str]:
+    from axkern.bench.tune import tunable
     from axkern.core import backend
     from axkern.core.op import get_op
-    from axkern.tune import tunable
 
     impls = get_op(op).implementations
     names = tunable(op)
@@ -98,8 +98,8 @@ def _print(result) -> None:
 
 
 def tune(args) -> int:
-    from axkern import tune as tune_
     from axkern.bench import cases_for
+    from axkern.bench import tune as tune_
     from axkern.core.op import get_op
 
     try:

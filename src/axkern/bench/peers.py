@@ -4,7 +4,7 @@ same shapes in the same command, so ratios come from one run.
 The peers run in a subprocess started before JAX takes the GPU (JAX preallocates most of its
 memory), one JSON object per line on stdout:
 
-    python -m axkern.peers fused_cross_entropy --dims '{"tokens": 16384, ...}' --dtype bfloat16
+    python -m axkern.bench.peers fused_cross_entropy --dims '{"tokens": 16384, ...}' --dtype bfloat16
 
 `fused_cross_entropy` peers: Liger-Kernel's `LigerFusedLinearCrossEntropyLoss`,
 cut-cross-entropy's `linear_cross_entropy`, and plain PyTorch (`F.cross_entropy` on
@@ -279,7 +279,7 @@ _RUNNERS = {
 
 
 def _main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m axkern.peers")
+    p = argparse.ArgumentParser(prog="python -m axkern.bench.peers")
     p.add_argument("op", choices=sorted(PEERS))
     p.add_argument("--dims", required=True, help="the case's dims as JSON")
     p.add_argument("--dtype", default="bfloat16")
@@ -300,7 +300,7 @@ def run(op: str, dims: dict, dtype: str, *, repeats: int = 10, timeout: float = 
     """Time `op`'s peers on `dims` in a subprocess; `[]` when the op has none."""
     if op not in PEERS:
         return []
-    cmd = [sys.executable, "-m", "axkern.peers", op, "--dims", json.dumps(dims), "--dtype", dtype]
+    cmd = [sys.executable, "-m", "axkern.bench.peers", op, "--dims", json.dumps(dims), "--dtype", dtype]
     cmd += ["--repeats", str(repeats)]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)

@@ -1,0 +1,136 @@
+"""`axkern info`: the platform, versions, processes, nvcc, and what each op picks here."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+
+from rich.console import Console
+from rich.table import Table
+
+from axkern.bench import results
+
+console = Console()
+
+__all__ = ["add_parser", "info"]
+
+
+def add_parser(sub) -> None:
+    i = sub.add_parser("info", help="platform, versions, processes, nvcc, and what each op picks here")
+    i.add_argument("--json", action="store_true", help="print the same facts as JSON")
+    i.add_argument("--coordinator", help="HOST:PORT of process 0: join that jax.distributed cluster first")
+    i.add_argument("--num-processes", type=int, help="processes in the cluster (with --coordinator)")
+    i.add_argument("--process-id", type=int, help="this process's index in the cluster (with --coordinator)")
+    i.add_argument(
+        "--distributed",
+        action="store_true",
+        help="join the cluster that JAX detects (SLURM, Open MPI, Kubernetes, Cloud TPU)",
+    )
+    i.set_defaults(fn=info)
+
+
+def _nvcc() -> str:
+    path = shutil.which("nvcc")
+    if path is None:
+        return "not found"
+    try:
+        out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=30).stdout
+        release = [line for line in out.splitlines() if "release" in line]
+        return f"{path} ({release[-1].strip() if release else 'version unknown'})"
+    except (OSError, subprocess.SubprocessError) as e:
+        return f"{path} (failed to run: {e})"
+
+
+def _typical_decision(op: str):
+    """The dispatcher's choice for the op's quick benchmark shape, from `explain`."""
+    import jax
+
+    import axkern
+    from axkern.bench import cases_for
+
+    c = cases_for(op)[0]
+    shapes = jax.eval_shape(c.make, jax.random.PRNGKey(0))
+    decisions = axkern.explain(lambda *a: c.forward(None, *a), *shapes)
+    if isinstance(decisions, tuple):  # the case calls other ops too (e.g. a dispatch before a combine)
+        decisions = next((d for d in decisions if d.op == op), decisions[-1])
+    return c.label, decisions
+
+
+def _join_cluster(args) -> None:
+    """`jax.distributed.initialize` when the command line asks for it: with `--coordinator`,
+    `--num-processes`, `--process-id`, or `--distributed` alone to let JAX detect them (SLURM,
+    Open MPI, Kubernetes, Cloud TPU). Before any other JAX call, as JAX requires."""
+    given = (args.coordinator, args.num_processes, args.process_id)
+    if not args.distributed and all(v is None for v in given):
+        return
+    import jax
+
+    jax.distributed.initialize(
+        coordinator_address=args.coordinator, num_processes=args.num_processes, process_id=args.process_id
+    )
+
+
+def _info_data() -> dict:
+    """What `axkern info` reports, as plain data (`--json` prints it as is)."""
+    import jax
+
+    import axkern
+    from axkern.core import backend, native
+
+    cc = backend.compute_capability()
+    ops = {}
+    for op in axkern.ops():
+        label, decision = _typical_decision(op)
+        ops[op] = {
+            "implementations": {n: list(p) for n, p in axkern.implementations(op).items()},
+            "typical_case": label,
+            "typical_choice": decision.implementation,
+            "typical_decision": str(decision),
+        }
+    return {
+        "versions": results.versions(),
+        "platform": backend.platform(),
+        "device": backend.device_kind(),
+        "local_devices": jax.local_device_count(),
+        "processes": jax.process_count(),
+        "process_index": jax.process_index(),
+        "global_devices": jax.device_count(),
+        "compute_capability": None if cc is None else f"{cc[0]}.{cc[1]}",
+        "tuned_table_key": backend.device_key(),
+        "nvcc": _nvcc(),
+        "native": native.status(),
+        "ops": ops,
+    }
+
+
+def info(args) -> int:
+    _join_cluster(args)
+    data = _info_data()
+    if args.json:
+        print(json.dumps(data, indent=2))
+        return 0
+    t = Table(title="axkern info", show_header=False)
+    t.add_column("what")
+    t.add_column("value")
+    for k, v in data["versions"].items():
+        t.add_row(k, v)
+    t.add_row("platform", data["platform"])
+    t.add_row("device", f"{data['device']} x{data['local_devices']} in this process")
+    t.add_row("processes", f"{data['processes']} (this is process {data['process_index']})")
+    t.add_row("global devices", str(data["global_devices"]))
+    t.add_row("compute capability", data["compute_capability"] or "n/a")
+    t.add_row("tuned-table key", data["tuned_table_key"])
+    t.add_row("nvcc", data["nvcc"])
+    for name, line in data["native"].items():
+        t.add_row(f"native: {name}", line)
+    console.print(t)
+    for op, d in data["ops"].items():
+        ops_t = Table(title=f"{op}")
+        ops_t.add_column("implementation")
+        ops_t.add_column("platforms")
+        for name, plats in d["implementations"].items():
+            ops_t.add_row(name, "/".join(plats))
+        console.print(ops_t)
+        console.print(f"{d['typical_case']} gets:\n{d['typical_decision']}\n", markup=False, highlight=False)
+    return 0
