@@ -18,7 +18,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from axkern.bench import Case
+from axkern.core.cases import Case
 
 from .api import moe_combine_positional, moe_dispatch_positional, moe_layout_positional
 
