@@ -46,11 +46,8 @@ def mosaic_gpu_refusal(impl, d, v, dtype) -> str | None:
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("n,d,v,options", GPU_CASES)
-@pytest.mark.parametrize("impl", implementations("fused_cross_entropy", "gpu") + ["mosaic_gpu:gathered"])
-def test_on_gpu_against_oracle(monkeypatch, impl, n, d, v, options, dtype):
-    if impl == "mosaic_gpu:gathered":  # the label's logit from a gathered `w` column outside the kernel
-        monkeypatch.setattr(mosaic_gpu, "LABELS_IN_KERNEL", False)
-        impl = "mosaic_gpu"
+@pytest.mark.parametrize("impl", implementations("fused_cross_entropy", "gpu"))
+def test_on_gpu_against_oracle(impl, n, d, v, options, dtype):
     assert jax.devices()[0].platform == "gpu"
     arrays, options = make(n, n, d, v, dtype, options, logit_scale=4.0)
     what = f"fused_cross_entropy N={n}"
@@ -123,38 +120,29 @@ def test_h200_table_and_memory_at_llama3_size():
 # a vocabulary with columns past the last whole tile, fp16, the soft cap, the logit sums and the
 # label's logit picked in the epilogue (labels outside the vocabulary and in the tail among them)
 @pytest.mark.parametrize(
-    "n,d,v,dtype,soft_cap,with_sum,block_sizes,with_labels,forms",
+    "n,d,v,dtype,soft_cap,with_sum,block_sizes",
     [
-        (1000, 512, 4160, "bfloat16", None, False, (256, 128, 64, 4), True, {}),
-        (4096, 2048, 32000, "bfloat16", 30.0, True, (256, 128, 64, 4), True, {}),
-        (777, 1536, 50304, "float16", None, True, (128, 256, 64, 3), True, {}),
-        (2048, 4096, 128256, "bfloat16", None, False, (256, 128, 64, 3), False, {}),
-        # the forms kept for timing, with the label's logit picked
-        (1000, 512, 4160, "bfloat16", 30.0, True, (256, 128, 64, 4), True, {"CLUSTER": 2}),
-        (4096, 2048, 32000, "bfloat16", None, False, (256, 128, 64, 4), True, {"PIPELINED": True}),
+        (1000, 512, 4160, "bfloat16", None, False, (256, 128, 64, 4)),
+        (4096, 2048, 32000, "bfloat16", 30.0, True, (256, 128, 64, 4)),
+        (777, 1536, 50304, "float16", None, True, (128, 256, 64, 3)),
+        (2048, 4096, 128256, "bfloat16", None, False, (256, 128, 64, 3)),
     ],
 )
-def test_mosaic_gpu_kernel_matches_its_emulation(
-    monkeypatch, n, d, v, dtype, soft_cap, with_sum, block_sizes, with_labels, forms
-):
-    for name, value in forms.items():
-        monkeypatch.setattr(mosaic_gpu, name, value)
+def test_mosaic_gpu_kernel_matches_its_emulation(n, d, v, dtype, soft_cap, with_sum, block_sizes):
     bt, bv, bd, stages = block_sizes
     bs = CrossEntropyBlockSizes(block_tokens=bt, block_vocab=bv, block_embed=bd, num_stages=stages)
     arrays, _ = make(n, n, d, v, dtype, logit_scale=4.0)
     x, w = arrays["x"], arrays["w"]
-    cfg = mosaic_gpu._config(x, w, bs, soft_cap, with_sum, False, labels=with_labels)
+    cfg = mosaic_gpu.kernel_config(x, w, bs, soft_cap, with_sum, False)
     rows = -(-n // bt) * bt
     xp = jnp.pad(x, ((0, rows - n), (0, 0)))
     n_tiles = mosaic_gpu.kernel_tiles(cfg, v)
-    labels = None
-    if with_labels:
-        labels = (
-            jnp.pad(arrays["labels"], (0, rows - n), constant_values=-1).at[:3].set(jnp.array([-1, v, v - 1]))
-        )
-    got = jax.jit(lambda x, w, l: mosaic_gpu._tile_stats(cfg, x, w, n_tiles, l))(xp, w, labels)
+    labels = (
+        jnp.pad(arrays["labels"], (0, rows - n), constant_values=-1).at[:3].set(jnp.array([-1, v, v - 1]))
+    )
+    got = jax.jit(lambda x, w, l: mosaic_gpu.tile_stats(cfg, x, w, n_tiles, l))(xp, w, labels)
     want = jax.jit(lambda x, w, l: mosaic_gpu.emulate_tile_stats(cfg, x, w, n_tiles, l))(xp, w, labels)
-    names = ["max", "sum exp"] + (["sum"] if with_sum else []) + (["label logit"] if with_labels else [])
+    names = ["max", "sum exp"] + (["sum"] if with_sum else []) + ["label logit"]
     assert len(got) == len(want) == len(names)
     for name, g, e in zip(names, got, want, strict=True):
         g, e = np.asarray(g), np.asarray(e)
@@ -166,11 +154,7 @@ def test_mosaic_gpu_kernel_matches_its_emulation(
 
 @pytest.mark.parametrize("n,d,v,options", GPU_CASES[::2])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-@pytest.mark.parametrize("labels_in_kernel", [False, True])
-def test_loss_value_by_the_mosaic_gpu_kernel_against_oracle(
-    monkeypatch, n, d, v, options, dtype, labels_in_kernel
-):
-    monkeypatch.setattr(mosaic_gpu, "LABELS_IN_KERNEL", labels_in_kernel)
+def test_loss_value_by_the_mosaic_gpu_kernel_against_oracle(n, d, v, options, dtype):
     arrays, options = make(n, n, d, v, dtype, options, logit_scale=4.0)
 
     def value(impl, arrays):

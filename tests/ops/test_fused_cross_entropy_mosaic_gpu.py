@@ -66,20 +66,14 @@ def run_stats(impl, arrays, *, soft_cap=None, with_sum=False, block_sizes=TILES)
     ],
 )
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-@pytest.mark.parametrize("labels_in_kernel", [False, True])
-def test_kernel_path_against_oracle(
-    monkeypatch, n, d, v, soft_cap, with_sum, block_vocab, dtype, labels_in_kernel
-):
-    monkeypatch.setattr(mosaic_gpu, "LABELS_IN_KERNEL", labels_in_kernel)
+def test_kernel_path_against_oracle(n, d, v, soft_cap, with_sum, block_vocab, dtype):
     arrays, _ = make(0, n, d, v, dtype, logit_scale=4.0)
     bs = CrossEntropyBlockSizes(block_tokens=128, block_vocab=block_vocab, block_embed=32, num_stages=3)
     kw = dict(soft_cap=soft_cap, with_sum=with_sum, block_sizes=bs)
     check_rules(run_stats, ["mosaic_gpu"], arrays, dtype, f"mosaic_gpu stats N={n} V={v}", **kw)
 
 
-@pytest.mark.parametrize("labels_in_kernel", [False, True])
-def test_labels_outside_the_vocabulary_give_a_zero_label_logit(monkeypatch, labels_in_kernel):
-    monkeypatch.setattr(mosaic_gpu, "LABELS_IN_KERNEL", labels_in_kernel)
+def test_labels_outside_the_vocabulary_give_a_zero_label_logit():
     arrays, _ = make(1, 130, 32, 192, "bfloat16")  # one vocab tile of 128 and a tail of 64 columns
     labels = (
         arrays["labels"]
@@ -220,42 +214,15 @@ def _lowered(n, d, v, dtype, soft_cap, with_sum, block_sizes) -> str:
 
 @pytest.mark.skipif(mosaic_gpu._IMPORT_ERROR is not None, reason="Pallas Mosaic GPU does not import")
 @pytest.mark.parametrize(
-    "n,d,v,dtype,soft_cap,with_sum,tiles,forms",
+    "n,d,v,dtype,soft_cap,with_sum,tiles",
     [
         # the heuristic's tiles, a vocabulary tail
-        (1000, 512, 4160, jnp.bfloat16, None, False, (256, 128, 64, 4), {}),
-        (777, 1536, 50304, jnp.float16, 30.0, True, (128, 256, 64, 3), {}),
-        # the forms to time against the default: CTA pairs sharing x, a CTA's tiles as one pipeline
-        (300, 96, 640, jnp.bfloat16, 20.0, True, (128, 64, 32, 3), {"CLUSTER": 2}),
-        (4096, 512, 32000, jnp.bfloat16, None, False, (256, 128, 64, 4), {"CLUSTER": 2, "PIPELINED": True}),
-        # the label's logit from a gathered `w` column outside the kernel (LABELS_IN_KERNEL off)
-        (1000, 512, 4160, jnp.bfloat16, 30.0, True, (256, 128, 64, 4), {"LABELS_IN_KERNEL": False}),
-        (
-            777,
-            1536,
-            50304,
-            jnp.float16,
-            None,
-            False,
-            (128, 256, 64, 3),
-            {"LABELS_IN_KERNEL": False, "CLUSTER": 2},
-        ),
-        (
-            4096,
-            512,
-            32000,
-            jnp.bfloat16,
-            None,
-            True,
-            (256, 128, 64, 4),
-            {"LABELS_IN_KERNEL": False, "PIPELINED": True},
-        ),
+        (1000, 512, 4160, jnp.bfloat16, None, False, (256, 128, 64, 4)),
+        (777, 1536, 50304, jnp.float16, 30.0, True, (128, 256, 64, 3)),
     ],
 )
-def test_kernel_lowers_for_a_cuda_gpu(monkeypatch, n, d, v, dtype, soft_cap, with_sum, tiles, forms):
+def test_kernel_lowers_for_a_cuda_gpu(monkeypatch, n, d, v, dtype, soft_cap, with_sum, tiles):
     monkeypatch.setattr(mosaic_gpu, "_sm_count", lambda: 132)  # no GPU here to ask
-    for name, value in forms.items():
-        monkeypatch.setattr(mosaic_gpu, name, value)
     bt, bv, bd, stages = tiles
     bs = CrossEntropyBlockSizes(block_tokens=bt, block_vocab=bv, block_embed=bd, num_stages=stages)
     text = _lowered(n, d, v, dtype, soft_cap, with_sum, bs)

@@ -1,4 +1,5 @@
-"""`cross_entropy`: cross-entropy from precomputed logits, named and positional, and the `Op` behind them.
+"""`cross_entropy`: cross-entropy from precomputed logits: the positional function and the `Op`
+behind it (the named function is in `named.py`).
 
 Per token, for `z = softcap(logits)`:
 
@@ -15,12 +16,8 @@ from __future__ import annotations
 
 from typing import Literal
 
-import haliax as hax
-import jax
 import jax.numpy as jnp
-from haliax import NamedArray
 
-from axkern.core import named
 from axkern.core.loss import (
     CrossEntropyOutput,
     check_features,
@@ -35,19 +32,14 @@ from axkern.core.typing import Array, Bool, Float, Int, checked
 
 from . import reference, xla
 
-__all__ = ["cross_entropy", "cross_entropy_positional", "CrossEntropyOutput", "OP"]
+__all__ = ["cross_entropy_positional", "CrossEntropyOutput", "OP"]
 
 NAME = "cross_entropy"
 
 OP = Op(
     NAME,
     [
-        Implementation(
-            "xla",
-            xla.cross_entropy,
-            backward="custom_vjp: the gradient formed in the forward, in place of the softmax "
-            "(one [tokens, vocab] residual in the logits' dtype; the backward scales it)",
-        ),
+        xla.IMPLEMENTATION,
         Implementation("reference", reference.cross_entropy, backward="autodiff through the softmax"),
     ],
     default_order={"cpu": ("xla",), "gpu": ("xla",), "tpu": ("xla",)},
@@ -148,96 +140,4 @@ def cross_entropy_positional(
     )
     if reduction is not None:
         loss = reduce_loss(loss, keep, reduction)
-    return CrossEntropyOutput(loss, lse) if return_lse else loss
-
-
-# -- named layer -------------------------------------------------------------------------------
-
-ROLES = named.Roles(
-    NAME,
-    {
-        "logits": named.Arg(("batch", "Vocab"), describe="batch axes + Vocab"),
-        "labels": named.Arg(("batch",), describe="logits' batch axes"),
-        "where": named.Arg(("batch",), optional=True, subset=True, describe="logits' batch axes"),
-    },
-)
-SHARDING = named.Sharding(describe="batch axes data parallel; Vocab gathered")
-
-
-def cross_entropy(
-    logits: NamedArray,
-    labels: NamedArray,
-    *,
-    Vocab: named.AxisSelector = "vocab",
-    reduction: str | None | object = "mean",
-    where: NamedArray | None = None,
-    ignore_index: int | None = None,
-    logits_soft_cap: float | None = None,
-    logsumexp_weight: float = 0.0,
-    label_smoothing: float = 0.0,
-    return_lse: bool = False,
-    check_labels: bool = False,
-    implementation: CrossEntropyImplementation | tuple[CrossEntropyImplementation, ...] | None = None,
-    block_sizes: None = None,
-) -> jax.Array | NamedArray | CrossEntropyOutput:
-    """Cross-entropy of named logits against integer labels.
-
-    **Arguments:**
-
-    - `logits`: axis `Vocab` plus any batch axes (e.g. `batch, position, vocab`).
-    - `labels`: integer targets with exactly `logits`' batch axes, in any order.
-    - `Vocab`: an axis name or `hax.Axis`.
-    - `reduction`, `where`, `ignore_index`, `logits_soft_cap`, `logsumexp_weight`,
-      `label_smoothing`, `return_lse`, `check_labels`, `implementation`, `block_sizes`: as in
-      `axkern.positional.cross_entropy`; `where` may carry a subset of the batch axes, and
-      per-token results are `NamedArray`s with `logits`' batch axes in its order.
-
-    **Returns:** the loss (a float32 scalar `jax.Array`, or a `NamedArray` of per-token losses
-    when `reduction=None`), or `CrossEntropyOutput(loss, lse)` with `return_lse`.
-
-    ```python
-    loss = axkern.cross_entropy(logits, labels)              # logits [batch, vocab], labels [batch]
-    ```
-
-    **Example:**
-
-    ```python
-    >>> import haliax as hax, jax, jax.numpy as jnp, axkern
-    >>> Batch, Vocab = hax.Axis("batch", 4), hax.Axis("vocab", 10)
-    >>> logits, labels = hax.zeros((Batch, Vocab)), hax.zeros(Batch, dtype=jnp.int32)
-    >>> round(float(axkern.cross_entropy(logits, labels)), 4)  # uniform logits: log(10)
-    2.3026
-
-    ```
-    """
-    reduction = reduction_name(NAME, reduction)
-    check_options(NAME, logits_soft_cap, logsumexp_weight, label_smoothing)
-    bound = ROLES.bind(locals())
-    if not bound.batch:
-        raise ValueError(
-            f"{NAME}: logits has no batch axes besides its Vocab axis: {named.axes_str(logits.axes)}"
-        )
-
-    options = dict(
-        ignore_index=ignore_index,
-        logits_soft_cap=logits_soft_cap,
-        logsumexp_weight=logsumexp_weight,
-        label_smoothing=label_smoothing,
-        return_lse=return_lse,
-        check_labels=check_labels,
-        implementation=implementation,
-        block_sizes=block_sizes,
-    )
-
-    def body(ctx, zs, ls, whs):
-        return cross_entropy_positional(zs, ls, reduction=None, where=whs, **options)
-
-    per_token = named.Out(("batch",), like="logits")
-    if return_lse:
-        loss, lse = bound.run(body, SHARDING, (per_token, per_token))
-    else:
-        loss, lse = bound.run(body, SHARDING, per_token), None
-    if reduction is not None:
-        keep = hax.named(kept(bound.data("labels"), bound.data("where"), ignore_index), bound.batch)
-        loss = reduce_loss(loss.array, keep.rearrange(loss.axes).array, reduction)
     return CrossEntropyOutput(loss, lse) if return_lse else loss

@@ -1,5 +1,5 @@
-"""`fused_cross_entropy`: the positional functions, the `Op`s behind them and the role table (the
-named function over it is in `named.py`).
+"""`fused_cross_entropy`: the positional functions and the `Op`s behind them (the named function is
+in `named.py`).
 
 The op's implementations compute three per-token statistics of `z = softcap(x @ w)`:
 `lse`, `label_logit = z[label]` and `sum_logits` (only with label smoothing). Everything
@@ -34,20 +34,7 @@ from axkern.core.op import Implementation, Op
 from axkern.core.typing import Array, Bool, Float, Int, checked
 
 from . import mosaic_gpu, pallas_gpu, pallas_tpu, reference, xla
-from .blocks import (
-    CrossEntropyBlockSizes,
-    bucket,
-    heuristic,
-    loss_heuristic,
-    loss_space,
-    mosaic_gpu_heuristic,
-    mosaic_gpu_space,
-    pallas_gpu_heuristic,
-    pallas_gpu_space,
-    pallas_tpu_heuristic,
-    pallas_tpu_space,
-    space,
-)
+from .blocks import CrossEntropyBlockSizes, bucket, loss_heuristic, loss_space
 from .common import token_losses
 
 __all__ = [
@@ -80,46 +67,10 @@ def _loss_gpu_order(spec) -> tuple[str, ...]:
 OP = Op(
     NAME,
     [
-        Implementation(
-            "xla",
-            xla.stats,
-            block_sizes=CrossEntropyBlockSizes,
-            heuristic=heuristic,
-            space=space,
-            backward="custom_vjp: recomputes each logits tile (streamed, no [tokens, vocab] buffer)",
-        ),
-        Implementation(
-            "pallas_gpu",
-            pallas_gpu.stats,
-            platforms=("gpu",),
-            supports=pallas_gpu.supports,
-            block_sizes=CrossEntropyBlockSizes,
-            heuristic=pallas_gpu_heuristic,
-            space=pallas_gpu_space,
-            interpretable=True,
-            backward="custom_vjp: recomputes the logits in XLA (streamed tiles, as xla)",
-        ),
-        Implementation(
-            "mosaic_gpu",
-            mosaic_gpu.stats,
-            platforms=("gpu",),
-            supports=mosaic_gpu.supports,
-            block_sizes=CrossEntropyBlockSizes,
-            heuristic=mosaic_gpu_heuristic,
-            space=mosaic_gpu_space,
-            backward="custom_vjp: recomputes the logits in XLA (streamed tiles, as xla)",
-        ),
-        Implementation(
-            "pallas_tpu",
-            pallas_tpu.stats,
-            platforms=("tpu",),
-            supports=pallas_tpu.supports,
-            block_sizes=CrossEntropyBlockSizes,
-            heuristic=pallas_tpu_heuristic,
-            space=pallas_tpu_space,
-            interpretable=True,
-            backward="custom_vjp: recomputes the logits in XLA (streamed tiles, as xla)",
-        ),
+        xla.IMPLEMENTATION,
+        pallas_gpu.IMPLEMENTATION,
+        mosaic_gpu.IMPLEMENTATION,
+        pallas_tpu.IMPLEMENTATION,
         Implementation(
             "reference",
             reference.stats,
@@ -134,27 +85,24 @@ OP = Op(
 
 LOSS_NAME = "fused_cross_entropy_loss"
 
+# the reduced loss by `xla`'s gradients-in-forward path, its undifferentiated value by the
+# Hopper kernel (the gradients are the same whichever computes the value)
+MOSAIC_GPU_LOSS_IMPLEMENTATION = Implementation(
+    "mosaic_gpu",
+    functools.partial(xla.loss, value_stats=mosaic_gpu.value_stats),
+    platforms=("gpu",),
+    supports=mosaic_gpu.supports,
+    block_sizes=CrossEntropyBlockSizes,
+    heuristic=loss_heuristic,
+    space=loss_space,
+    backward=xla.describe_loss,
+)
+
 LOSS_OP = Op(
     LOSS_NAME,
     [
-        Implementation(
-            "xla",
-            xla.loss,
-            block_sizes=CrossEntropyBlockSizes,
-            heuristic=loss_heuristic,
-            space=loss_space,
-            backward=xla.describe_loss,  # the dw accumulation and temporary memory of the call
-        ),
-        Implementation(
-            "mosaic_gpu",
-            functools.partial(xla.loss, value_stats=mosaic_gpu.value_stats),
-            platforms=("gpu",),
-            supports=mosaic_gpu.supports,
-            block_sizes=CrossEntropyBlockSizes,
-            heuristic=loss_heuristic,
-            space=loss_space,
-            backward=xla.describe_loss,
-        ),
+        xla.LOSS_IMPLEMENTATION,
+        MOSAIC_GPU_LOSS_IMPLEMENTATION,
         Implementation(
             "reference",
             reference.loss,
@@ -406,21 +354,3 @@ def _loss_op_request(implementation):
         return None
     names = (requested,) if isinstance(requested, str) else tuple(requested)
     return requested if all(n in LOSS_OP.implementations for n in names) else False
-
-
-# -- the named layer's role table and sharding rule (its function: named.py) -------------------
-
-ROLES = named.Roles(
-    NAME,
-    {
-        "x": named.Arg(("batch", "Embed"), describe="batch axes + Embed"),
-        "lm_head": named.Arg(("Embed", "Vocab"), describe="Embed + Vocab"),
-        "labels": named.Arg(("batch",), describe="x's batch axes"),
-        "where": named.Arg(("batch",), optional=True, subset=True, describe="x's batch axes"),
-    },
-)
-SHARDING = named.Sharding(
-    parallel=("Vocab",),
-    describe="batch axes data parallel; Vocab vocab parallel (each shard's lse, label logit and "
-    "logit sum per token combined with one pmax and three psums of [tokens] float32); Embed gathered",
-)

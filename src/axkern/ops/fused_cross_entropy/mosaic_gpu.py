@@ -12,34 +12,27 @@ never leaves the registers: the soft cap, then per row the tile's max `m`,
 memory and written by TMA as one float32 value per row and vocab tile. XLA merges the tiles
 (`common.merge_tiles`: `lse = max_j m_j + log sum_j s_j exp(m_j - max_j m_j)`).
 
-**Forms** (module constants, for timing them against each other:
-benchmarks/fused_cross_entropy_mosaic_forms.py): `CLUSTER = 2` pairs CTAs on neighbouring vocab
-tiles of the same rows in a cluster, their `x` slices loaded once for both by TMA multicast;
-`PIPELINED = True` runs a CTA's tiles as one pipeline of pipelines, the producer loading the next
-tile while the consumers finish one. Both are off by default (docs/decisions.md says why). Each
-step waits for its `wgmma` before its ring slot is released: with a group left in flight
+Each step waits for its `wgmma` before its ring slot is released: with a group left in flight
 (`delay_release`), the last step's slot of a tile is never released, and the next tile's first
 loads, into the ring the tiles share, could overwrite it under a product still reading it.
 
 **The label's logit.** The kernel reads each row's label and its epilogue picks the logit
 from the tile holding that column: one more float32 value per row and vocab tile, zero in the
-other tiles, that XLA sums. With `LABELS_IN_KERNEL = False` (a form kept to time against) it
-is instead one `D`-long product per token outside the kernel, `x_t · w[:, label_t]` (the
-label's column gathered, float32 accumulation, soft-capped like the tile).
+other tiles, that XLA sums.
 
 **Outside the kernel.** XLA merges the per-tile statistics. Columns past the last whole vocab
 tile (`V mod tile_n` of them) are one `[N, V mod tile_n]` XLA product folded in as one more
-tile; token rows are padded to a whole CTA tile (with a copy of `x` only when `N` is not a
-multiple of `2·tile_m`).
+tile (the label's logit of a label among them picked there); token rows are padded to a whole
+CTA tile (with a copy of `x` only when `N` is not a multiple of `2·tile_m`).
 
 **Backward: recomputation in XLA** (`common.recomputing`), as `pallas_gpu`'s. The reduced
 loss (`fused_cross_entropy_loss`) calls the same kernel for its undifferentiated value (its
 gradients are formed in its forward pass by XLA, `6·N·D·V` FLOPs).
 
 **Cost.** `2·N·D·V` tensor-core FLOPs; bytes: `x` once per vocab tile and `w` once per token
-tile, mostly from L2 (the snake keeps `RASTER` token tiles' rows and about `132 / RASTER`
-vocab tiles' columns in flight), plus `4·N·V / tile_n` bytes of statistics per value (the
-label's logit one of them) and, with the label's logit, `4·N` bytes of labels per vocab tile.
+tile, mostly from L2 (the snake keeps `RASTER` token tiles' rows and about
+`multiprocessors / RASTER` vocab tiles' columns in flight), plus `4·N·V / tile_n` bytes of
+statistics per value (the label's logit one of them) and `4·N` bytes of labels per vocab tile.
 
 **Constraints.** bf16 or fp16 `x` and `w` (`wgmma` operands), `D` a multiple of `tile_k`,
 `V` a multiple of 64 (the TMA copies of `w` take 128-byte swizzled tiles), a Hopper GPU. **Interpret mode:**
@@ -63,11 +56,11 @@ from jax import lax
 from axkern.core import backend
 from axkern.core.blocks import cdiv
 from axkern.core.compat import mosaic_gpu_load
-from axkern.core.op import Unsupported
+from axkern.core.op import Implementation, Unsupported
 
 from . import common
 from .blocks import MOSAIC_GPU_SMEM as SMEM_LIMIT
-from .blocks import CrossEntropyBlockSizes, mosaic_gpu_heuristic
+from .blocks import CrossEntropyBlockSizes, mosaic_gpu_heuristic, mosaic_gpu_space
 from .blocks import mosaic_gpu_smem_bytes as smem_bytes
 
 try:
@@ -80,10 +73,15 @@ except Exception as e:  # noqa: BLE001 - any import failure means the kernel can
     _IMPORT_ERROR = e
 
 __all__ = [
+    "IMPLEMENTATION",
+    "KernelConfig",
     "supports",
     "stats",
     "value_stats",
     "emulated_value_stats",
+    "kernel_config",
+    "kernel_tiles",
+    "tile_stats",
     "emulate_tile_stats",
     "smem_bytes",
     "SMEM_LIMIT",
@@ -91,29 +89,17 @@ __all__ = [
 
 COMPUTE_WGS = 2  # consumer warpgroups, each its own tile_m rows of the CTA tile
 RASTER = 8  # token tiles per band of the snake over output tiles
-# CTAs of a cluster: 2 pairs CTAs on neighbouring vocab tiles of the same rows, their x slices
-# loaded once for both (TMA multicast), halving x's traffic from L2
-CLUSTER = 1
-# True: a CTA's tiles run as one pipeline of pipelines (`PipelinePipeline` states), the
-# producer loading the next tile's first slices while the consumers finish a tile; needs the
-# steps a tile a multiple of the ring's slots and no wgmma group left in flight
-PIPELINED = False
-# True: the epilogue also picks each row's label logit from the tile holding its column (one
-# more float32 value per row and vocab tile, summed over tiles by XLA); False: a gathered `w`
-# column and a D-long product per token outside the kernel
-LABELS_IN_KERNEL = True
 _LOG2E = math.log2(math.e)
 
 
 @dataclasses.dataclass(frozen=True)
-class _Cfg:
+class KernelConfig:
     tile_m: int  # rows per consumer warpgroup (the CTA tile is COMPUTE_WGS times as many)
     tile_n: int  # vocab columns per tile
     tile_k: int  # embedding step per pipeline stage
     stages: int
     soft_cap: float | None
     with_sum: bool
-    labels: bool  # the kernel also picks each row's label logit (LABELS_IN_KERNEL)
     emulate: bool  # the kernel's outputs from `emulate_tile_stats` (tests on a machine without one)
 
 
@@ -131,14 +117,12 @@ def supports(spec) -> str | None:
     )
 
 
-def _config(
-    x, w, block_sizes: CrossEntropyBlockSizes, logits_soft_cap, with_sum, emulate, labels=None
-) -> _Cfg:
+def kernel_config(
+    x, w, block_sizes: CrossEntropyBlockSizes, logits_soft_cap, with_sum, emulate
+) -> KernelConfig:
     """The kernel's tiles from the block sizes: `block_tokens` is the CTA tile's rows (two
     warpgroups' worth), `block_vocab` its columns, `block_embed` the pipeline step,
-    `num_stages` the ring's slots; `labels`: whether the kernel picks the label's logit
-    (default: `LABELS_IN_KERNEL`)."""
-    labels = LABELS_IN_KERNEL if labels is None else bool(labels)
+    `num_stages` the ring's slots."""
     if x.dtype != w.dtype or x.dtype not in (jnp.bfloat16, jnp.float16):
         raise Unsupported(f"the Mosaic GPU kernel takes bf16 or fp16 x and w, not {x.dtype} and {w.dtype}")
     bt, bv = block_sizes.block_tokens, block_sizes.block_vocab
@@ -158,7 +142,7 @@ def _config(
         )
     if not 2 <= stages <= 6:
         raise Unsupported(f"num_stages={stages}: the Mosaic GPU kernel's ring holds 2 to 6 slots")
-    stats_staged = (3 if with_sum else 2) + labels
+    stats_staged = 4 if with_sum else 3  # max, sum of exponentials, [sum,] the label's logit
     need = smem_bytes(bt // COMPUTE_WGS, bv, bd, stages, x.dtype.itemsize, stats_staged)
     if need > SMEM_LIMIT:
         raise Unsupported(
@@ -168,14 +152,13 @@ def _config(
     reason = _dims_reason(x.shape[1], w.shape[1], bd)
     if reason:
         raise Unsupported(reason)
-    return _Cfg(
+    return KernelConfig(
         tile_m=bt // COMPUTE_WGS,
         tile_n=bv,
         tile_k=bd,
         stages=stages,
         soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
         with_sum=bool(with_sum),
-        labels=labels,
         emulate=bool(emulate),
     )
 
@@ -192,10 +175,9 @@ def _kernel_capped(z, soft_cap):
     return soft_cap - (2.0 * soft_cap) / (jnp.exp2(z * (2.0 * _LOG2E / soft_cap)) + 1.0)
 
 
-def _kernel(x_gmem, w_gmem, *refs, cfg: _Cfg, n_tiles: int):
-    """`n_tiles` vocab tiles (a multiple of `CLUSTER`) of every row of `x`; with `cfg.labels` (a
-    `[rows]` int32 ref before the outputs) also each row's label logit where its tile holds it."""
-    labels_gmem, stat_gmem = (refs[0], refs[1:]) if cfg.labels else (None, refs)
+def _kernel(x_gmem, w_gmem, labels_gmem, *stat_gmem, cfg: KernelConfig, n_tiles: int):
+    """`n_tiles` vocab tiles of every row of `x`: per row and tile the statistics, and the row's
+    label logit where the tile holds its label (`labels_gmem`: `[rows]` int32)."""
     tm, tn, tk = cfg.tile_m, cfg.tile_n, cfg.tile_k
     cta_m = COMPUTE_WGS * tm
     rows, d = x_gmem.shape
@@ -204,25 +186,20 @@ def _kernel(x_gmem, w_gmem, *refs, cfg: _Cfg, n_tiles: int):
     swizzle = plgpu.find_swizzle(tk * itemsize * 8)
     transforms = (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
 
-    def pipeline(body, context, state=None):
+    def pipeline(body, context):
         spec = functools.partial(plgpu.BlockSpec, transforms=transforms, memory_space=plgpu.SMEM)
         return plgpu.emit_pipeline_warp_specialized(
             body,
             grid=(k_iters,),
             memory_registers=40,
-            in_specs=[
-                spec((cta_m, tk), lambda k: (0, k), collective_axes=("cluster",) if CLUSTER > 1 else ()),
-                spec((tk, tn), lambda k: (k, 0)),
-            ],
+            in_specs=[spec((cta_m, tk), lambda k: (0, k)), spec((tk, tn), lambda k: (k, 0))],
             wg_axis="wg",
             num_compute_wgs=COMPUTE_WGS,
             max_concurrent_steps=cfg.stages,
             compute_context=context,
-            pipeline_state=state,
         )
 
     ignore = lambda *_, **__: None  # noqa: E731 - the allocations depend on neither function
-    chained = PIPELINED and k_iters % cfg.stages == 0
 
     @functools.partial(
         pl.run_scoped,
@@ -233,39 +210,34 @@ def _kernel(x_gmem, w_gmem, *refs, cfg: _Cfg, n_tiles: int):
     def _scope(allocations, staged):
         wg = lax.axis_index("wg")
 
-        pairs = n_tiles // CLUSTER
-
-        @plgpu.nd_loop((m_iters * pairs,), collective_axes="cluster_grid")
+        @plgpu.nd_loop((m_iters * n_tiles,), collective_axes="cta")
         def _tiles(info):
             (lin,) = info.index
-            m_idx, n_pair = plgpu.planar_snake(lin, (m_iters, pairs), 0, min(RASTER, m_iters))
-            n_idx = n_pair * CLUSTER + lax.axis_index("cluster")
+            m_idx, n_idx = plgpu.planar_snake(lin, (m_iters, n_tiles), 0, min(RASTER, m_iters))
             row0 = m_idx * cta_m + wg * tm
 
             def context(eval_pipeline):
                 @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tm, tn), jnp.float32))
                 def _acc(acc_ref):
                     wgmma = plgpu.Layout.WGMMA
-                    if labels_gmem is not None:  # loaded before the products: its latency hides there
-                        # a row's label as a column of this tile (outside [0, tn): none of them)
-                        lab = (
-                            mosaic_gpu_load(
-                                labels_gmem.at[pl.ds(row0, tm)], layout=wgmma.reduce(1), optimized=False
-                            )
-                            - n_idx * tn
+                    # loaded before the products, where its latency hides: a row's label as a
+                    # column of this tile (outside [0, tn): none of them)
+                    lab = (
+                        mosaic_gpu_load(
+                            labels_gmem.at[pl.ds(row0, tm)], layout=wgmma.reduce(1), optimized=False
                         )
+                        - n_idx * tn
+                    )
                     eval_pipeline(acc_ref)
                     z = _kernel_capped(acc_ref[...], cfg.soft_cap)
-                    picked = []
-                    if labels_gmem is not None:
-                        col = plgpu.broadcasted_iota(jnp.int32, (tm, tn), 1, layout=wgmma)
-                        hit = col == lax.broadcast_in_dim(lab, (tm, tn), [0])
-                        picked.append(jnp.where(hit, z, 0.0).sum(axis=1))
+                    col = plgpu.broadcasted_iota(jnp.int32, (tm, tn), 1, layout=wgmma)
+                    hit = col == lax.broadcast_in_dim(lab, (tm, tn), [0])
+                    picked = jnp.where(hit, z, 0.0).sum(axis=1)
                     top = z.max(axis=1)
                     values = [top] + ([z.sum(axis=1)] if cfg.with_sum else [])
                     p = jnp.exp2(z * _LOG2E - lax.broadcast_in_dim(top * _LOG2E, z.shape, [0]))
                     values.insert(1, p.sum(axis=1))
-                    values += picked
+                    values.append(picked)
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's rows have left
                     for buf, value in zip(staged, values, strict=True):
                         buf.at[wg][...] = value
@@ -279,17 +251,7 @@ def _kernel(x_gmem, w_gmem, *refs, cfg: _Cfg, n_tiles: int):
                 return acc_ref
 
             refs = (x_gmem.at[pl.ds(m_idx * cta_m, cta_m), :], w_gmem.at[:, pl.ds(n_idx * tn, tn)])
-            if not chained:
-                pipeline(product, context)(*refs, allocations=allocations)
-                return
-            # the first tile of the CTA fills the ring, the last drains it; a CTA of one tile
-            # runs it alone
-            states = plgpu.PipelinePipeline
-            first, last = info.local_index == 0, info.local_index == info.num_local_steps - 1
-            state = jnp.where(first, states.START, jnp.where(last, states.STOP, states.STEADY))
-            alone = first & last
-            pl.when(alone)(lambda: pipeline(product, context)(*refs, allocations=allocations))
-            pl.when(~alone)(lambda: pipeline(product, context, state)(*refs, allocations=allocations))
+            pipeline(product, context)(*refs, allocations=allocations)
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
@@ -298,27 +260,20 @@ def _sm_count() -> int:
     return getattr(jax.devices()[0], "core_count", None) or 132
 
 
-def _tile_stats(cfg: _Cfg, x, w, n_tiles: int, labels=None):
-    """`(m, s[, sum][, pick])`, each `[n_tiles, rows]` float32: the kernel's statistics of vocab
-    tiles `0 .. n_tiles - 1` (`x` rows a whole number of CTA tiles); with `labels` (`[rows]`
-    ints, given exactly when `cfg.labels`) also each row's label logit in the tile holding its
-    column, 0 in the others."""
-    if (labels is not None) != cfg.labels:
-        raise ValueError(
-            f"labels {'given' if labels is not None else 'missing'}: the config says {cfg.labels}"
-        )
-    if labels is not None:
-        labels = labels.astype(jnp.int32)
+def tile_stats(cfg: KernelConfig, x, w, n_tiles: int, labels):
+    """`(m, s[, sum], pick)`, each `[n_tiles, rows]` float32: the kernel's statistics of vocab
+    tiles `0 .. n_tiles - 1` (`x` rows a whole number of CTA tiles, `labels` `[rows]` ints):
+    per row and tile the max, the sum of exponentials, (with `cfg.with_sum`) the sum of the
+    logits, and the row's label logit in the tile holding its column, 0 in the others."""
+    labels = labels.astype(jnp.int32)
     if cfg.emulate:
         return emulate_tile_stats(cfg, x, w, n_tiles, labels)
     out = jax.ShapeDtypeStruct((n_tiles, x.shape[0]), jnp.float32)
     kernel = plgpu.kernel(
         functools.partial(_kernel, cfg=cfg, n_tiles=n_tiles),
-        out_type=[out] * ((3 if cfg.with_sum else 2) + cfg.labels),
-        grid=(_sm_count() // CLUSTER,),
-        grid_names=("cluster_grid",),
-        cluster=(CLUSTER,),
-        cluster_names=("cluster",),
+        out_type=[out] * (4 if cfg.with_sum else 3),
+        grid=(_sm_count(),),
+        grid_names=("cta",),
         num_threads=COMPUTE_WGS + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(
@@ -326,54 +281,41 @@ def _tile_stats(cfg: _Cfg, x, w, n_tiles: int, labels=None):
         ),
         kernel_name="axkern_fused_cross_entropy_mosaic_gpu_forward",
     )
-    return tuple(kernel(x, w, labels) if cfg.labels else kernel(x, w))
+    return tuple(kernel(x, w, labels))
 
 
-def emulate_tile_stats(cfg: _Cfg, x, w, n_tiles: int, labels=None):
+def emulate_tile_stats(cfg: KernelConfig, x, w, n_tiles: int, labels):
     """The kernel's outputs in XLA: per vocab tile `j` and row, the max of the soft-capped
-    logits, the sum of `exp(z - max)`, (with label smoothing) the sum of the logits and (with
-    `labels`) the label's logit where the tile holds its column, else 0."""
+    logits, the sum of `exp(z - max)`, (with label smoothing) the sum of the logits and the
+    label's logit where the tile holds its column, else 0."""
     cols = n_tiles * cfg.tile_n
     z = lax.dot_general(x, w[:, :cols], (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
     z = _kernel_capped(z, cfg.soft_cap).reshape(x.shape[0], n_tiles, cfg.tile_n)
     top = z.max(axis=2)
     out = [top.T, jnp.exp(z - top[:, :, None]).sum(axis=2).T]
     out += [z.sum(axis=2).T] if cfg.with_sum else []
-    if labels is not None:
-        col = jnp.arange(cols, dtype=jnp.int32).reshape(n_tiles, cfg.tile_n)
-        hit = col[None] == labels[:, None, None]
-        out.append(jnp.where(hit, z, 0.0).sum(axis=2).T)
+    col = jnp.arange(cols, dtype=jnp.int32).reshape(n_tiles, cfg.tile_n)
+    hit = col[None] == labels[:, None, None]
+    out.append(jnp.where(hit, z, 0.0).sum(axis=2).T)
     return tuple(out)
 
 
-def _label_logits(cfg: _Cfg, x, w, labels):
-    """`softcap(x_t · w[:, label_t])` (float32; 0 for a label outside `[0, V)`, which the op
-    turns into NaN or drops)."""
-    v = w.shape[1]
-    ok = (labels >= 0) & (labels < v)
-    cols = jnp.take(w, jnp.where(ok, labels, 0), axis=1)  # [D, N]
-    z = jnp.einsum("nd,dn->n", x, cols, preferred_element_type=jnp.float32)
-    return jnp.where(ok, _capped(z, cfg.soft_cap), 0.0)
+def kernel_tiles(cfg: KernelConfig, vocab: int) -> int:
+    """The vocab tiles the kernel computes (the whole ones); XLA takes the columns after them."""
+    return vocab // cfg.tile_n
 
 
-def kernel_tiles(cfg: _Cfg, vocab: int) -> int:
-    """The vocab tiles the kernel computes (whole tiles, a whole number of clusters); XLA takes
-    the columns after them."""
-    return vocab // cfg.tile_n // CLUSTER * CLUSTER
-
-
-def _forward(cfg: _Cfg, x, w, labels):
+def _forward(cfg: KernelConfig, x, w, labels):
     n, v = x.shape[0], w.shape[1]
     cta_m = COMPUTE_WGS * cfg.tile_m
     rows = cdiv(max(n, 1), cta_m) * cta_m
     xp = x if rows == n else jnp.pad(x, ((0, rows - n), (0, 0)))
     n_tiles = kernel_tiles(cfg, v)
-    pick = cfg.labels and n_tiles > 0
-    lp = None
-    if pick:  # labels outside the vocabulary as -1, like the padded rows: no column matches
+    parts, picked = [], jnp.zeros((n,), jnp.float32)
+    if n_tiles:  # labels outside the vocabulary as -1, like the padded rows: no column matches
         lp = jnp.pad(jnp.where((labels >= 0) & (labels < v), labels, -1), (0, rows - n), constant_values=-1)
-    parts = list(_tile_stats(cfg, xp, w, n_tiles, lp)) if n_tiles else []
-    picked = parts.pop()[:, :n].sum(axis=0) if pick else None
+        parts = list(tile_stats(cfg, xp, w, n_tiles, lp))
+        picked = parts.pop()[:, :n].sum(axis=0)
     tail = v - n_tiles * cfg.tile_n
     if tail:  # the last columns, one more tile of the merge
         z = lax.dot_general(x, w[:, v - tail :], (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
@@ -382,12 +324,11 @@ def _forward(cfg: _Cfg, x, w, labels):
         extra = [top, jnp.exp(z - top[:, None]).sum(axis=1)] + ([z.sum(axis=1)] if cfg.with_sum else [])
         extra = [jnp.pad(e, (0, rows - n))[None] for e in extra]
         parts = [jnp.concatenate([p, e]) for p, e in zip(parts, extra, strict=True)] if parts else extra
-        if pick:
-            hit = jnp.arange(v - tail, v, dtype=jnp.int32)[None] == labels[:, None]
-            picked = picked + jnp.where(hit, z, 0.0).sum(axis=1)
+        hit = jnp.arange(v - tail, v, dtype=jnp.int32)[None] == labels[:, None]
+        picked = picked + jnp.where(hit, z, 0.0).sum(axis=1)
     m, s, *sm = (p[:, :n] for p in parts)
     lse, sum_logits = common.merge_tiles(m, s, sm[0] if sm else None)
-    return lse, picked if pick else _label_logits(cfg, x, w, labels), sum_logits
+    return lse, picked, sum_logits
 
 
 def stats(
@@ -396,7 +337,7 @@ def stats(
     """Per-token `(lse, label_logit, sum_logits)` (float32) by the Mosaic GPU kernel; backward in
     XLA. `emulate=True` puts `emulate_tile_stats` in the kernel's place (for tests without a
     Hopper GPU)."""
-    cfg = _config(x, w, block_sizes, logits_soft_cap, with_sum, emulate)
+    cfg = kernel_config(x, w, block_sizes, logits_soft_cap, with_sum, emulate)
     return _stats(cfg, x, w, labels)
 
 
@@ -416,3 +357,15 @@ def emulated_value_stats(x, w, labels, *, logits_soft_cap=None, with_sum=False):
     return stats(
         x, w, labels, block_sizes=tiles, logits_soft_cap=logits_soft_cap, with_sum=with_sum, emulate=True
     )
+
+
+IMPLEMENTATION = Implementation(
+    "mosaic_gpu",
+    stats,
+    platforms=("gpu",),
+    supports=supports,
+    block_sizes=CrossEntropyBlockSizes,
+    heuristic=mosaic_gpu_heuristic,
+    space=mosaic_gpu_space,
+    backward="custom_vjp: recomputes the logits in XLA (streamed tiles, as xla)",
+)

@@ -1,5 +1,5 @@
-"""`fused_cross_entropy` over named axes: the role table of `api.py` bound to the caller's axes,
-and Vocab parallel by combining each shard's statistics with collectives."""
+"""`fused_cross_entropy` over named axes: its role table and sharding rule, bound to the caller's
+axes; Vocab parallel by combining each shard's statistics with collectives."""
 
 from __future__ import annotations
 
@@ -21,8 +21,6 @@ from axkern.core.loss import reduce as reduce_loss
 
 from .api import (
     NAME,
-    ROLES,
-    SHARDING,
     CrossEntropyBlockSizes,
     CrossEntropyImplementation,
     fused_cross_entropy_positional,
@@ -32,6 +30,21 @@ from .api import (
 from .common import token_losses
 
 __all__ = ["fused_cross_entropy"]
+
+ROLES = named.Roles(
+    NAME,
+    {
+        "x": named.Arg(("batch", "Embed"), describe="batch axes + Embed"),
+        "lm_head": named.Arg(("Embed", "Vocab"), describe="Embed + Vocab"),
+        "labels": named.Arg(("batch",), describe="x's batch axes"),
+        "where": named.Arg(("batch",), optional=True, subset=True, describe="x's batch axes"),
+    },
+)
+SHARDING = named.Sharding(
+    parallel=("Vocab",),
+    describe="batch axes data parallel; Vocab vocab parallel (each shard's lse, label logit and "
+    "logit sum per token combined with one pmax and three psums of [tokens] float32); Embed gathered",
+)
 
 
 def _combine_over(mesh_axes, lse, label_logit, sum_logits):
@@ -107,7 +120,9 @@ def fused_cross_entropy(
         NAME, "logit_soft_cap", "logits_soft_cap", logit_soft_cap, logits_soft_cap, None
     )
     check_options(NAME, logits_soft_cap, logsumexp_weight, label_smoothing)
-    bound = ROLES.bind(locals())
+    bound = ROLES.bind(
+        {"x": x, "lm_head": lm_head, "labels": labels, "where": where}, Embed=Embed, Vocab=Vocab
+    )
     if not bound.batch:
         raise ValueError(f"{NAME}: x has no batch axes besides its Embed axis: {named.axes_str(x.axes)}")
     vocab = bound.axis("Vocab")

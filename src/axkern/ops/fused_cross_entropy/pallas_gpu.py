@@ -36,13 +36,13 @@ from jax.experimental.pallas import triton as plgpu
 
 from axkern.core.blocks import cdiv
 from axkern.core.kernels import dot as _dot
-from axkern.core.op import Unsupported
+from axkern.core.op import Implementation, Unsupported
 
 from . import common
-from .blocks import CrossEntropyBlockSizes
+from .blocks import CrossEntropyBlockSizes, pallas_gpu_heuristic, pallas_gpu_space
 
 MIN = 16
-_SMS = 132  # H100/H200 multiprocessors: the vocab splits aim to fill them
+_SMS = 132  # a Hopper GPU's multiprocessors: the vocab splits aim to fill them
 
 
 def _pow2(n) -> bool:
@@ -177,3 +177,16 @@ def stats(
 
 
 _stats = common.recomputing(_forward)
+
+
+IMPLEMENTATION = Implementation(
+    "pallas_gpu",
+    stats,
+    platforms=("gpu",),
+    supports=supports,
+    block_sizes=CrossEntropyBlockSizes,
+    heuristic=pallas_gpu_heuristic,
+    space=pallas_gpu_space,
+    interpretable=True,
+    backward="custom_vjp: recomputes the logits in XLA (streamed tiles, as xla)",
+)

@@ -38,10 +38,10 @@ from jax.experimental.pallas import tpu as pltpu
 
 from axkern.core.blocks import cdiv
 from axkern.core.kernels import dot as _dot
-from axkern.core.op import Unsupported
+from axkern.core.op import Implementation, Unsupported
 
 from . import common
-from .blocks import CrossEntropyBlockSizes
+from .blocks import CrossEntropyBlockSizes, pallas_tpu_heuristic, pallas_tpu_space
 
 VMEM_BUDGET = 16 << 20  # the scoped VMEM Mosaic grants a kernel by default (v4/v5e; v5p/v6e have more)
 
@@ -191,3 +191,16 @@ def stats(
 
 
 _stats = common.recomputing(_forward)
+
+
+IMPLEMENTATION = Implementation(
+    "pallas_tpu",
+    stats,
+    platforms=("tpu",),
+    supports=supports,
+    block_sizes=CrossEntropyBlockSizes,
+    heuristic=pallas_tpu_heuristic,
+    space=pallas_tpu_space,
+    interpretable=True,
+    backward="custom_vjp: recomputes the logits in XLA (streamed tiles, as xla)",
+)

@@ -12,8 +12,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from axkern.core.blocks import for_each_block
+from axkern.core.op import Implementation
 
-from .blocks import CrossEntropyBlockSizes
+from .blocks import CrossEntropyBlockSizes, heuristic, loss_heuristic, loss_space, space
 from .common import (
     Static,
     acc_dtype,
@@ -303,3 +304,22 @@ def _loss_bwd(cfg: _LossStatic, residuals, g):
 
 
 _loss.defvjp(_loss_fwd, _loss_bwd)
+
+
+IMPLEMENTATION = Implementation(
+    "xla",
+    stats,
+    block_sizes=CrossEntropyBlockSizes,
+    heuristic=heuristic,
+    space=space,
+    backward="custom_vjp: recomputes each logits tile (streamed, no [tokens, vocab] buffer)",
+)
+
+LOSS_IMPLEMENTATION = Implementation(
+    "xla",
+    loss,
+    block_sizes=CrossEntropyBlockSizes,
+    heuristic=loss_heuristic,
+    space=loss_space,
+    backward=describe_loss,  # the dw accumulation and temporary memory of the call
+)

@@ -35,8 +35,7 @@ multiply-adds; only steps near a boundary select.
 **One kernel a pass.** The weight and bias are read in their own dtype (float32, bfloat16 or
 float16; others are converted first), and without an initial state the kernels take the rows
 before position 0 as zeros instead of reading a zero array: each XLA operation around a
-kernel costs a launch (a few microseconds against a forward of about 0.14 ms at B=8 S=4096
-C=4096).
+kernel costs a launch (docs/ops/short_conv.md has what each cost).
 
 bf16 and float32 inputs whose channel count is a multiple of 16 bytes. SiLU on 16-bit inputs
 uses the MUFU `tanh.approx` sigmoid, float32 the exact one.
@@ -52,9 +51,9 @@ import numpy as np
 
 from axkern.core import native
 from axkern.core.blocks import cdiv
-from axkern.core.op import Unsupported
+from axkern.core.op import Implementation, Unsupported
 
-from .blocks import ConvBlockSizes
+from .blocks import ConvBlockSizes, cuda_heuristic, cuda_space
 from .common import state_grad
 
 LIBRARY = "short_conv"
@@ -159,3 +158,15 @@ def _bwd(cfg, residuals, dy):
 
 
 _conv.defvjp(_fwd, _bwd)
+
+
+IMPLEMENTATION = Implementation(
+    "cuda",
+    conv,
+    platforms=("gpu",),
+    supports=supports,
+    block_sizes=ConvBlockSizes,
+    heuristic=cuda_heuristic,
+    space=cuda_space,
+    backward="custom_vjp: one CUDA pass (dx, partial dw/dbias per tile), state grad in JAX",
+)

@@ -27,9 +27,9 @@ FLOPs are `O(W)` per element.
 interpret mode (no PTX there) and not for float32.
 
 `g` is written once by the forward rather than recomputed inside the `dx` kernel, whose `W`
-live pre-activations would spill registers. First on the GPU: faster than XLA in every case
-of the benchmark preset (docs/ops/short_conv.md, "Performance", with the alternatives
-measured; docs/decisions.md).
+live pre-activations would spill registers. Second on the GPU, after `cuda` (where the CUDA
+library cannot be built or the channels are not a multiple of its vector); the alternatives
+measured are in docs/ops/short_conv.md ("Performance") and docs/decisions.md.
 """
 
 from __future__ import annotations
@@ -41,7 +41,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from .blocks import ConvBlockSizes
+from axkern.core.op import Implementation
+
+from .blocks import ConvBlockSizes, heuristic, pallas_gpu_space
 from .common import activate as _act
 from .common import activation_grad as _act_grad
 from .common import segment_runs, state_grad, zero_state
@@ -338,3 +340,15 @@ def _bwd(cfg, residuals, dy):
 
 
 _conv.defvjp(_fwd, _bwd)
+
+
+IMPLEMENTATION = Implementation(
+    "pallas_gpu",
+    conv,
+    platforms=("gpu",),
+    block_sizes=ConvBlockSizes,
+    heuristic=heuristic,
+    space=pallas_gpu_space,
+    interpretable=True,
+    backward="custom_vjp: one Pallas kernel (dx, partial dw/dbias), state grad in JAX",
+)

@@ -31,7 +31,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from .blocks import ConvBlockSizes
+from axkern.core.op import Implementation
+
+from .blocks import ConvBlockSizes, heuristic, pallas_tpu_space
 from .common import activate as _act
 from .common import activation_grad as _act_grad
 from .common import segment_runs, state_grad, zero_state
@@ -294,3 +296,15 @@ def _bwd(cfg, residuals, dy):
 
 
 _conv.defvjp(_fwd, _bwd)
+
+
+IMPLEMENTATION = Implementation(
+    "pallas_tpu",
+    conv,
+    platforms=("tpu",),
+    block_sizes=ConvBlockSizes,
+    heuristic=heuristic,
+    space=pallas_tpu_space,
+    interpretable=True,
+    backward="custom_vjp: Pallas TPU kernels (verified in interpret mode only)",
+)

@@ -20,6 +20,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from axkern.core.op import Implementation
+
 from .common import activate, activation_grad, extended, pre_activation, segment_runs, zero_state
 
 
@@ -82,3 +84,6 @@ def step(x_t, state, weight, bias, *, activation=None):
     if activation == "silu":
         y = jax.nn.silu(y)
     return y.astype(x_t.dtype), window[:, 1:]
+
+
+IMPLEMENTATION = Implementation("xla", conv, backward="custom_vjp: shifted sums (fused by XLA)")
