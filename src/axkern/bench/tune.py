@@ -15,7 +15,8 @@ per-user tuning cache (`core/tuning.py`), and with `write_table` also into the s
 
 `autotune` does the same for a call the dispatcher has no tuned entry for, when
 `axkern.use(autotune=True)` (or `AXKERN_AUTOTUNE=1`) asks for it: its inputs are random
-arrays of the call's shapes (normal floats, zero integers, true booleans).
+arrays of the call's shapes (normal floats, zero integers, true booleans). The dispatcher
+reaches it through the hook in `core/tuning.py` (`autotuner()`), which `import axkern` fills.
 """
 
 from __future__ import annotations
