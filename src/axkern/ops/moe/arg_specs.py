@@ -5,9 +5,8 @@ Dispatch reads `x` (`T·D`) and writes `T·K·D` elements; its backward reads `T
 writes `T·K·D`. The fwd+bwd rows return the output and pull a fixed random cotangent back
 (no loss whose cotangent XLA could fuse away), so they move exactly these bytes.
 
-Layout is a few microseconds of work, less than JAX's dispatch of one call, so its forward
-runs the op 20 times inside one jitted loop (ids shifted each time) and reports the time
-per call.
+Layout is less work than JAX's dispatch of one call, so its forward runs the op 20 times
+inside one jitted loop (ids shifted each time) and reports the time per call.
 
 Presets: `e64` is 32768 tokens, hidden 4096, 64 experts, top-8; `dsv3` is
 DeepSeek-V3-like (8192 tokens, hidden 7168, 256 experts, top-8).
