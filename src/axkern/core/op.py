@@ -349,8 +349,8 @@ def _jitted(fn: Callable[..., Any], key: tuple, options: tuple) -> Callable[...,
 
 def _compiled_when_eager(fn: Callable[..., Any], arrays: tuple, kwargs: dict) -> Callable[..., Any]:
     """`fn` with `kwargs` bound: compiled as one program when called eagerly on concrete arrays
-    (run op by op, a chunked scan's hundreds of small operations each compile and dispatch on
-    their own, seconds for a small case); as it is under a trace (`jit`, `grad`, `vmap`,
+    (run op by op, a chunked scan's hundreds of small operations would each compile and
+    dispatch on their own); as it is under a trace (`jit`, `grad`, `vmap`,
     `shard_map`), which compiles it with the rest, or when an option is not a plain value."""
     leaves = jax.tree.leaves(arrays)
     eager = all(isinstance(a, jax.Array) and not isinstance(a, jax.core.Tracer) for a in leaves)
