@@ -19,7 +19,7 @@ import pytest
 import axkern
 from axkern import CrossEntropyBlockSizes
 from axkern.core.op import Unsupported
-from axkern.ops.fused_cross_entropy import mosaic_gpu, reference, xla
+from axkern.ops.fused_cross_entropy import common, mosaic_gpu, reference
 from axkern.ops.fused_cross_entropy.blocks import mosaic_gpu_heuristic, mosaic_gpu_space
 from tests.cases.fused_cross_entropy import make
 from tests.harness import check_rules, jit
@@ -103,19 +103,19 @@ def test_reduced_loss_value_through_the_kernel_path():
     args = (arrays["x"], arrays["w"], arrays["labels"], keep, 1.0 / 240)
     kw = dict(logits_soft_cap=30.0, label_smoothing=0.1, logsumexp_weight=1e-4)
     bs = CrossEntropyBlockSizes(block_tokens=64, block_vocab=256)
-    streamed = xla.loss(*args, block_sizes=bs, **kw)
-    kernel = xla.loss(*args, block_sizes=bs, value_stats=mosaic_gpu.emulated_value_stats, **kw)
+    streamed = common.loss(*args, block_sizes=bs, **kw)
+    kernel = common.loss(*args, block_sizes=bs, value_stats=mosaic_gpu.emulated_value_stats, **kw)
     want = reference.loss(*args, **kw)
     assert abs(float(kernel) - float(want)) <= 2e-6 * abs(float(want)) + 1e-6
     assert abs(float(kernel) - float(streamed)) <= 2e-6 * abs(float(want)) + 1e-6
     # the gradients are formed by the same XLA path whichever computes the value
     g_kernel = jax.grad(
-        lambda x, w: xla.loss(
+        lambda x, w: common.loss(
             x, w, *args[2:], block_sizes=bs, value_stats=mosaic_gpu.emulated_value_stats, **kw
         ),
         (0, 1),
     )
-    g_stream = jax.grad(lambda x, w: xla.loss(x, w, *args[2:], block_sizes=bs, **kw), (0, 1))
+    g_stream = jax.grad(lambda x, w: common.loss(x, w, *args[2:], block_sizes=bs, **kw), (0, 1))
     for a, b in zip(g_kernel(*args[:2]), g_stream(*args[:2]), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 

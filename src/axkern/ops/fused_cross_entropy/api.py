@@ -15,7 +15,6 @@ collectives (`lse` by a stable log-sum-exp across shards, the other two by `psum
 
 from __future__ import annotations
 
-import functools
 from typing import Literal
 
 import jax.numpy as jnp
@@ -34,7 +33,7 @@ from axkern.core.op import Implementation, Op
 from axkern.core.typing import Array, Bool, Float, Int, checked
 
 from . import mosaic_gpu, pallas_gpu, pallas_tpu, reference, xla
-from .blocks import CrossEntropyBlockSizes, bucket, loss_heuristic, loss_space
+from .blocks import CrossEntropyBlockSizes, bucket
 from .common import token_losses
 
 __all__ = [
@@ -85,24 +84,11 @@ OP = Op(
 
 LOSS_NAME = "fused_cross_entropy_loss"
 
-# the reduced loss by `xla`'s gradients-in-forward path, its undifferentiated value by the
-# Hopper kernel (the gradients are the same whichever computes the value)
-MOSAIC_GPU_LOSS_IMPLEMENTATION = Implementation(
-    "mosaic_gpu",
-    functools.partial(xla.loss, value_stats=mosaic_gpu.value_stats),
-    platforms=("gpu",),
-    supports=mosaic_gpu.supports,
-    block_sizes=CrossEntropyBlockSizes,
-    heuristic=loss_heuristic,
-    space=loss_space,
-    backward=xla.describe_loss,
-)
-
 LOSS_OP = Op(
     LOSS_NAME,
     [
         xla.LOSS_IMPLEMENTATION,
-        MOSAIC_GPU_LOSS_IMPLEMENTATION,
+        mosaic_gpu.LOSS_IMPLEMENTATION,
         Implementation(
             "reference",
             reference.loss,

@@ -6,12 +6,17 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
+import jax.numpy as jnp
+
 from axkern.core.blocks import BlockSizes, grid, next_power_of_2, powers_of_two
 from axkern.core.op import Spec
 
 __all__ = [
     "CrossEntropyBlockSizes",
     "DW_ACCUMULATIONS",
+    "dw_strategy",
+    "dw_temporary_bytes",
+    "describe_loss",
     "bucket",
     "heuristic",
     "loss_heuristic",
@@ -218,4 +223,64 @@ def pallas_tpu_space(spec: Spec) -> list[CrossEntropyBlockSizes]:
         block_tokens=(256, 512),
         block_vocab=(512, 1024, 2048),
         block_embed=(256, 512),
+    )
+
+
+# -- how the reduced loss accumulates dw, and what explain says of it --------------------------
+
+
+def dw_strategy(w_dtype, requested: str | None) -> str:
+    """The accumulation that runs for a `w` of `w_dtype` when `requested` (`None`: the
+    default): "gradient" for a `w` of 32 bits or more (it is its own accumulator), else the
+    request or "float32" (the one timed on a GPU at a model's size, docs/decisions.md)."""
+    if jnp.dtype(w_dtype).itemsize >= 4:
+        return "gradient"
+    return requested or "float32"
+
+
+def dw_temporary_bytes(strategy: str, embed: int, vocab: int, slab: int, w_dtype) -> int:
+    """Bytes the dw accumulation holds beside the gradient: the compensation or the float32
+    accumulator (`[D, V]`), and the float32 share of one slab (`[D, slab]`)."""
+    w_bytes = jnp.dtype(w_dtype).itemsize
+    slab_share = embed * min(slab, vocab) * max(4, w_bytes)
+    return {
+        "compensated": embed * vocab * w_bytes + slab_share,
+        "compensated_int8": embed * vocab + slab_share,
+        "float32": embed * vocab * 4,
+        "plain": slab_share,
+        "gradient": slab_share,
+    }[strategy]
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+_DW_WORDS = {
+    "compensated": "accumulated in w's {w} with a {w} [D, V] compensation (Kahan), {slab}-column slabs",
+    "compensated_int8": "accumulated in w's {w} with an int8 [D, V] compensation (Kahan, 1/256ths of an ulp), "
+    "{slab}-column slabs",
+    "float32": "accumulated in a float32 [D, V] buffer, each block's share formed whole",
+    "plain": "accumulated in w's {w} without compensation (measurement only: misses the oracle rule)",
+    "gradient": "accumulated in the {w} gradient itself, {slab}-column slabs",
+}
+
+
+def describe_loss(spec, block_sizes) -> str:
+    """`explain`'s backward line for the reduced loss: how `dw` is accumulated and the
+    temporary memory of one logits block and of that accumulation."""
+    tokens, embed, vocab = spec.dim("tokens"), spec.dim("embed"), spec.dim("vocab")
+    w_dtype = spec.flag("w_dtype", spec.dtype)
+    strategy = dw_strategy(w_dtype, block_sizes.dw_accumulation)
+    rows = min(block_sizes.block_tokens, max(1, tokens))
+    slab = min(block_sizes.block_vocab, vocab)
+    block = rows * vocab * 4 + rows * min(slab, vocab) * 2  # float32 logits block, a slab of dz
+    if strategy == "float32":
+        block = rows * vocab * (4 + 2)  # and the whole block's dz
+    dw_bytes = dw_temporary_bytes(strategy, embed, vocab, slab, w_dtype)
+    words = _DW_WORDS[strategy].format(w=jnp.dtype(w_dtype).name, slab=slab)
+    return (
+        "gradients formed in the forward, one [block_tokens, vocab] logits block at a time "
+        f"(6·N·D·V FLOPs; the backward scales them); dw {words}; temporary memory up to "
+        f"{_gib(block + dw_bytes)} (logits block {_gib(block)}, dw accumulation {_gib(dw_bytes)})"
     )

@@ -60,7 +60,14 @@ from axkern.core.op import Implementation, Unsupported
 
 from . import common
 from .blocks import MOSAIC_GPU_SMEM as SMEM_LIMIT
-from .blocks import CrossEntropyBlockSizes, mosaic_gpu_heuristic, mosaic_gpu_space
+from .blocks import (
+    CrossEntropyBlockSizes,
+    describe_loss,
+    loss_heuristic,
+    loss_space,
+    mosaic_gpu_heuristic,
+    mosaic_gpu_space,
+)
 from .blocks import mosaic_gpu_smem_bytes as smem_bytes
 
 try:
@@ -74,6 +81,7 @@ except Exception as e:  # noqa: BLE001 - any import failure means the kernel can
 
 __all__ = [
     "IMPLEMENTATION",
+    "LOSS_IMPLEMENTATION",
     "KernelConfig",
     "supports",
     "stats",
@@ -346,7 +354,7 @@ _stats = common.recomputing(_forward)
 
 def value_stats(x, w, labels, *, logits_soft_cap=None, with_sum=False):
     """`stats` with the heuristic's tiles: the reduced loss's undifferentiated value
-    (`xla.loss(..., value_stats=value_stats)`)."""
+    (`LOSS_IMPLEMENTATION`)."""
     tiles = mosaic_gpu_heuristic(None)
     return stats(x, w, labels, block_sizes=tiles, logits_soft_cap=logits_soft_cap, with_sum=with_sum)
 
@@ -368,4 +376,18 @@ IMPLEMENTATION = Implementation(
     heuristic=mosaic_gpu_heuristic,
     space=mosaic_gpu_space,
     backward="custom_vjp: recomputes the logits in XLA (streamed tiles, as xla)",
+)
+
+# the reduced loss (`fused_cross_entropy_loss`): its undifferentiated value by the kernel; under a
+# gradient the gradients-in-forward path of `common.loss`, as `xla`'s (the statistics kernel
+# forms no `dx` or `dw`)
+LOSS_IMPLEMENTATION = Implementation(
+    "mosaic_gpu",
+    functools.partial(common.loss, value_stats=value_stats),
+    platforms=("gpu",),
+    supports=supports,
+    block_sizes=CrossEntropyBlockSizes,
+    heuristic=loss_heuristic,
+    space=loss_space,
+    backward=describe_loss,
 )
