@@ -149,8 +149,11 @@ def test_the_guard_keeps_a_nan_lse_cotangent_on_rows_that_see_nothing_on_the_fas
     def fast(q, k, v, s, m):
         return attention(2 * q, k, v, mask=m, implementation="xla", return_lse=True, **kw)
 
+    def safe(q, k, v, s, m):
+        return attention(q, k, v, mask=m, sinks=s, implementation="reference", return_lse=True, **kw)
+
     def guarded(q, k, v):
-        return common.guarded(fast, q, k, v, None, mask, order=("reference",), return_lse=True, **kw)
+        return common.guarded(fast, safe, q, k, v, None, mask)
 
     a = _inputs(10, 1, 24, 24, 2, 1, 16, "float32")
     args = (a["q"], a["k"], a["v"])
@@ -181,16 +184,17 @@ def test_named_lse_with_kv_heads_apart():
 
 def test_the_guard_passes_lse_and_its_cotangent_through_either_path():
     # `common.guarded` (what `cudnn` and `mosaic_gpu` run behind) with `return_lse`: a stand-in
-    # fast path (`xla`) and the rule-following one (`reference` through the dispatcher); a NaN
-    # in `lse`'s cotangent alone sends the backward to the rule-following path
+    # fast path (`xla`) and the rule-following one (`reference`); a NaN in `lse`'s cotangent
+    # alone sends the backward to the rule-following path
     from axkern.ops.attention import common
 
     mask = masks.Causal()
     kw = dict(scale=0.25, logits_soft_cap=None)
     fast = lambda q, k, v, s, m: attention(q, k, v, mask=m, implementation="xla", return_lse=True, **kw)  # noqa: E731
+    safe = lambda q, k, v, s, m: attention(q, k, v, mask=m, implementation="reference", return_lse=True, **kw)  # noqa: E731
 
     def guarded(q, k, v):
-        return common.guarded(fast, q, k, v, None, mask, order=("reference",), return_lse=True, **kw)
+        return common.guarded(fast, safe, q, k, v, None, mask)
 
     def ref(q, k, v):
         return attention(q, k, v, mask=mask, implementation="reference", return_lse=True, **kw)

@@ -1,7 +1,8 @@
 """attention's `mosaic_gpu` implementation on the CPU: its block-sparse tile schedule against brute
 force over the mask, its refusals (`supports`, `check`) and its place in the dispatcher, its
-block sizes, and the `pallas_gpu` backward it borrows fed with another forward's residuals
-(interpret mode). The kernel itself needs a Hopper GPU: tests/gpu/test_attention_mosaic_gpu.py."""
+block sizes, the backward kernels' tile loops emulated in numpy, and the non-finite guard around
+it (its checks run once, its other branch without the dispatcher). The kernel itself needs a
+Hopper GPU: tests/gpu/test_attention_mosaic_gpu.py."""
 
 from __future__ import annotations
 
@@ -213,11 +214,11 @@ def test_check_refuses_masks_and_blocks_it_cannot_take():
     with pytest.raises(axkern.Unsupported, match="one dtype"):
         mosaic_gpu.check_inputs(q, q.astype(jnp.float16), q)
     # where an input is not finite, the guard's other branch: pallas_gpu only for the masks it takes
-    from axkern.ops.attention import api
+    from axkern.ops.attention import common
 
-    assert api._pallas_mask(masks.Causal() & masks.Segments(ids, ids))
-    assert not api._pallas_mask(masks.PrefixLM(jnp.array([3])))
-    assert not api._pallas_mask(masks.Causal() | masks.Segments(ids, ids))
+    assert common.pallas_mask(masks.Causal() & masks.Segments(ids, ids))
+    assert not common.pallas_mask(masks.PrefixLM(jnp.array([3])))
+    assert not common.pallas_mask(masks.Causal() | masks.Segments(ids, ids))
     with pytest.raises(axkern.Unsupported, match="block_q=32"):
         mosaic_gpu.check(masks.Causal(), dataclasses.replace(bs, block_q=32), 128)
     with pytest.raises(axkern.Unsupported, match="num_stages=5"):
@@ -247,6 +248,10 @@ def test_heuristic_and_space_fit_shared_memory():
         for c in space:
             assert mosaic_gpu_smem_bytes(c.block_q, c.block_kv, c.num_stages, d) <= MOSAIC_GPU_SMEM
             mosaic_gpu.check(masks.Causal(), c, d)
+            assert mosaic_gpu.check_backward(masks.Causal(), c, d) is None, c
+        # the backward's forms too: its tilings and dq by the other of its kernel and the reductions
+        backward = {(mosaic_gpu.backward_blocks(c, d), mosaic_gpu.dq_by(c, d)) for c in space}
+        assert len(backward) == (1 if d == 256 else 4 if d == 64 else 7), backward
 
 
 def test_ping_pong_is_the_overlap_where_it_was_faster_and_bad_forms_refuse():
@@ -268,17 +273,11 @@ def test_ping_pong_is_the_overlap_where_it_was_faster_and_bad_forms_refuse():
     assert len(tiles) >= 4 and got == {(*t, f) for t in tiles for f in ("rendezvous", "overlap")}
     # each form's flags for the forward; None is the rendezvous
     flags = {
-        f: mosaic_gpu.forward_flags(AttentionBlockSizes(ping_pong=f))
-        for f in (None, "rendezvous", "handoff", "overlap")
+        f: mosaic_gpu.forward_flags(AttentionBlockSizes(ping_pong=f)) for f in (None, "rendezvous", "overlap")
     }
-    assert flags == {
-        None: {},
-        "rendezvous": {},
-        "handoff": {"handoff": True},
-        "overlap": {"handoff": True, "overlap": True},
-    }
+    assert flags == {None: {}, "rendezvous": {}, "overlap": {"overlap": True}}
     bad = AttentionBlockSizes(block_q=64, block_kv=128, num_stages=2, ping_pong="pingpong")
-    assert "ping_pong must be one of 'rendezvous', 'handoff', 'overlap'" in bad.validate()
+    assert "ping_pong must be one of 'rendezvous', 'overlap'" in bad.validate()
     with pytest.raises(axkern.Unsupported, match="ping_pong='pingpong'"):
         mosaic_gpu.check(masks.Causal(), bad, 128)
     # the Triton and TPU kernels refuse the field rather than ignore it
@@ -337,33 +336,6 @@ def test_dispatch_on_cpu_skips_it_with_the_reason():
     )
 
 
-@pytest.mark.parametrize("mask", [masks.SlidingWindow(24)])
-def test_borrowed_backward_from_residuals_matches_autodiff(mask):
-    # out and lse of the reference stand in for the Mosaic forward's; pallas_gpu's backward (the backward
-    # sweep times it under the Mosaic forward) in interpret mode must give the reference's gradients, GQA 2,
-    # ragged lengths
-    a = _inputs(7, 1, 50, 50, 4, 2, 16, "float32")
-    q, k, v = a["q"], a["k"], a["v"]
-    scale = 0.3
-
-    def ref(q, k, v):
-        return attention(q, k, v, mask=mask, scale=scale, implementation="reference")
-
-    out, vjp = jax.vjp(ref, q, k, v)
-    s = jnp.einsum("bqhd,bkhd->bhqk", q, jnp.repeat(k, 2, axis=2)) * scale
-    s = jnp.where(mask.dense(50, 50)[:, None], s, -jnp.inf)
-    lse = jax.nn.logsumexp(s, axis=-1)
-    d_out = jnp.cos(jnp.arange(out.size, dtype=jnp.float32)).reshape(out.shape)
-    bs = AttentionBlockSizes(
-        block_q=64, block_kv=128, num_stages=2, block_q_dq=16, block_kv_dq=16, block_q_dkv=16, block_kv_dkv=16
-    )
-    got = pallas_gpu.backward(
-        q, k, v, out, lse, d_out, mask=mask, scale=scale, block_sizes=bs, interpret=True
-    )
-    for g, w in zip(got, vjp(d_out), strict=True):
-        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-4, atol=2e-4)
-
-
 @pytest.mark.parametrize("name", list(SCHEDULE_MASKS))
 @pytest.mark.parametrize("sq,sk,bq,bk", [(64, 64, 8, 8), (61, 77, 8, 16), (100, 37, 16, 8)])
 def test_key_schedule_against_brute_force(name, sq, sk, bq, bk):
@@ -418,7 +390,9 @@ def _emulated_backward(q, k, v, out, lse, d_out, mask, scale, blocks, soft_cap=N
             s = t * soft_cap * np.log2(np.e)
         if masked:
             qi, kj = np.meshgrid(np.arange(q0, q0 + bq), np.arange(k0, k0 + bk), indexing="ij")
-            vis = mosaic_gpu._visible_or_none(lowered, qi, kj, sk, bk, dynamic)
+            vis = mosaic_gpu.grid_visible(lowered, qi, kj, dynamic)  # as the kernels' TileMask.visible
+            if sk % bk:  # keys past the length
+                vis = kj < sk if vis is None else vis & (kj < sk)
             if vis is not None:
                 vis = vis[:, None] if np.ndim(vis) == 3 else vis  # over heads
                 s = np.where(vis, s, -np.inf)
@@ -518,12 +492,10 @@ def test_emulated_backward_tiles_give_the_gradients(mask, sq, sk, extra):
 def test_backward_tiles_that_do_not_fit_refuse_the_call():
     # up to head dim 128 the backward is Mosaic's own: tiles it cannot take refuse the whole
     # implementation (the dispatcher moves on) rather than reaching another kernel
-    from axkern.ops.attention import api
-
     a = _inputs(0, 1, 256, 256, 2, 2, 128, "bfloat16")
     bs = AttentionBlockSizes(block_q=64, block_kv=128, num_stages=2, block_kv_dq=128, num_stages_dq=3)
     with pytest.raises(axkern.Unsupported, match="dq kernel's tiles need 266240 bytes"):
-        api._mosaic_gpu_where_finite(
+        OP.implementations["mosaic_gpu"].fn(
             a["q"], a["k"], a["v"], None, masks.Causal(), scale=0.1, logits_soft_cap=None, block_sizes=bs
         )
     with pytest.raises(axkern.Unsupported, match="dk, dv tiles 64x128"):
@@ -581,3 +553,37 @@ def test_run_time_schedule_covers_every_visible_pair_and_runs_only_full_tiles():
                                 assert lo <= t < hi, (keys, r, i, t, row)
                             if flo <= t < fhi:
                                 assert tile.size == b_row * b_col and tile.all(), (keys, r, i, t, row)
+
+
+def test_the_guarded_call_checks_once_and_its_other_branch_skips_the_dispatcher(monkeypatch):
+    # the registered implementation traced as the dispatcher runs it (forward and backward):
+    # the Mosaic checks run once, and the branch for inputs that are not finite (here `xla`'s:
+    # the mask is not pallas_gpu's) is called directly, not through the dispatcher a second time
+    if mosaic_gpu.IMPORT_ERROR is not None:
+        pytest.skip(f"Pallas Mosaic GPU: {mosaic_gpu.IMPORT_ERROR}")
+    calls = {"check": 0, "dispatch": 0}
+
+    def counting(name, fn):
+        def wrapped(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+
+        return wrapped
+
+    monkeypatch.setattr(mosaic_gpu, "check", counting("check", mosaic_gpu.check))
+    monkeypatch.setattr(type(OP), "__call__", counting("dispatch", type(OP).__call__))
+    q = jax.ShapeDtypeStruct((1, 256, 2, 64), jnp.bfloat16)
+    ids = jnp.zeros((1, 256), jnp.int32).at[:, 100:].set(1)
+    mask = masks.PrefixLM(jnp.array([30])) | masks.Segments(ids, ids)
+    bs = mosaic_gpu_heuristic(_spec(d=64))
+
+    def loss(q, k, v):
+        out = OP.implementations["mosaic_gpu"].fn(
+            q, k, v, None, mask, scale=0.125, logits_soft_cap=None, block_sizes=bs
+        )
+        return jnp.sum(out.astype(jnp.float32))
+
+    jax.eval_shape(jax.grad(loss, argnums=(0, 1, 2)), q, q, q)
+    assert calls == {"check": 1, "dispatch": 0}, calls
+    jax.eval_shape(loss, q, q, q)  # the forward alone
+    assert calls == {"check": 2, "dispatch": 0}, calls

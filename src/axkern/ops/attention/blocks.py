@@ -26,6 +26,8 @@ __all__ = [
     "mosaic_gpu_heuristic",
     "mosaic_gpu_ping_pong",
     "mosaic_gpu_backward_tiles",
+    "mosaic_gpu_dq_by",
+    "MOSAIC_GPU_BACKWARD_TILINGS",
     "mosaic_gpu_space",
     "mosaic_gpu_smem_bytes",
     "mosaic_gpu_dq_smem_bytes",
@@ -48,19 +50,19 @@ class AttentionBlockSizes(BlockSizes):
     that walks key tiles per query block (`dq`), `*_dkv` for the one that walks query tiles
     per key block (`dk`, `dv`); a `None` there takes the forward's value. `pallas_tpu`, `xla`
     use `block_q`, `block_kv` for every pass. `mosaic_gpu` reads `block_q` (query rows per
-    compute warpgroup; a block holds two), `block_kv` and `num_stages` (the depth of its
+    compute warpgroup; a block holds two), `block_kv`, `num_stages` (the depth of its
     shared-memory ring of key and value tiles) and `ping_pong` (how its two compute warpgroups
     share the tensor cores: `"rendezvous"`, both meeting after each `q kᵀ` and before each `p v`,
-    as JAX's example kernel; `"handoff"`, FA3's handoff, a barrier each; `"overlap"`, the handoff
-    with FA3's overlap inside a warpgroup, one tile's softmax under the previous tile's `p v`;
-    `None`: the rendezvous) for its forward, and the `*_dq`, `*_dkv` `block_q`, `block_kv`,
-    `num_stages` for its backward kernels, and `dq_by`: `"kernel"`, `dq` by its own kernel, or
-    `"reduction"`, by the `dk, dv` kernel, which adds each tile's share to float32 zeros by TMA
-    reductions (the order of those additions varies between runs; head dims up to 128); `None`:
+    as JAX's example kernel; `"overlap"`, FA3's overlap inside a warpgroup, one tile's softmax
+    under the previous tile's `p v`, the turns handed over on a barrier each; `None`: the
+    rendezvous) for its forward, and the `*_dq`, `*_dkv` `block_q`, `block_kv`, `num_stages` for
+    its backward kernels, and `dq_by`: `"kernel"`, `dq` by its own kernel, or `"reduction"`, by
+    the `dk, dv` kernel, which adds each tile's share to float32 zeros by TMA reductions (the
+    order of those additions varies between runs; head dims up to 128); `None`:
     `mosaic_gpu_dq_by`'s choice."""
 
     choices: ClassVar[Mapping[str, tuple[str, ...]]] = {
-        "ping_pong": ("rendezvous", "handoff", "overlap"),
+        "ping_pong": ("rendezvous", "overlap"),
         "dq_by": ("kernel", "reduction"),
     }
 
@@ -146,8 +148,8 @@ _HOPPER = ("nvidia_h100", "nvidia_h200", "nvidia_h800", "nvidia_gh200")
 def pallas_gpu_heuristic(spec: Spec) -> AttentionBlockSizes:
     """Each Triton kernel its own tiles. On Hopper (227 KiB of shared memory a block) with
     16-bit inputs and head dims up to 128: forward 128x64 with 8 warps and 3 stages, `dq`
-    128x32 with 4 and 3, `dk, dv` 64x64 with 4 and 2 (docs/ops/attention.md, "Performance",
-    has the sweep behind them). Other GPUs: 64x64 tiles and Triton's defaults (larger tiles'
+    128x32 with 4 and 3, `dk, dv` 64x64 with 4 and 2 (docs/decisions.md, "Attention", has the
+    sweep behind them). Other GPUs: 64x64 tiles and Triton's defaults (larger tiles'
     pipelined operands would outgrow shared memory). Head dims above 128: 64x64 tiles and a
     forward of two stages (three ask for 237568 bytes of shared memory at head dim 256, more
     than a Hopper block's 232448). 32-bit inputs:
@@ -225,8 +227,8 @@ def pallas_tpu_space(spec: Spec) -> list[AttentionBlockSizes]:
 MOSAIC_GPU_SMEM = 227 * 1024  # shared memory a Hopper block may take
 
 
-# what Mosaic GPU adds to the tiles (barriers, alignment, reduction scratch): 2680 bytes at
-# 64 x 128 x 3 and head dim 128 on an H200 (232568 asked of 232448), rounded up
+# what Mosaic GPU adds to the tiles (barriers, alignment, reduction scratch), rounded up from
+# what a compile asked beyond them (docs/ops/attention.md)
 _MOSAIC_GPU_SMEM_EXTRA = 4096
 
 
@@ -263,12 +265,9 @@ def mosaic_gpu_dkv_smem_bytes(
 
 def mosaic_gpu_ping_pong(spec: Spec) -> str:
     """The forward's `ping_pong` (`AttentionBlockSizes`): `"overlap"` from head dim 128 up under
-    a causal mask or none, else `"rendezvous"`. Timed at B2 S8192 H32 bf16 on an H200 against the
-    rendezvous in the same rounds (`sweep_mosaic_variants.json`, noise floor about 1 %), the
-    overlap took 0.93 of its time causal at head dim 128, 0.96 with no mask, 0.97 causal with GQA
-    32/8 and 0.96 causal at 256, but 1.04 causal and 1.32 with no mask at 64 (its 64 x 256 tiles)
-    and 1.03 under a 1024 window, 1.11 on 1024-token documents (rows with few key tiles: the
-    overlap's first and last turns run alone)."""
+    a causal mask or none, else `"rendezvous"` (where each was faster: docs/decisions.md,
+    "Attention"). Rows with few key tiles (a window, short documents, head dim 64's 64 x 256
+    tiles) favour the rendezvous: the overlap's first and last turns run alone."""
     d = max(spec.dim("head_dim"), spec.dim("v_dim"))
     kind = spec.flag("mask_kind") or "full"
     return "overlap" if d >= 128 and kind in ("causal", "full") else "rendezvous"
@@ -276,15 +275,9 @@ def mosaic_gpu_ping_pong(spec: Spec) -> str:
 
 def mosaic_gpu_heuristic(spec: Spec) -> AttentionBlockSizes:
     """Forward: 64 query rows per compute warpgroup (128 a block) by 128 keys for head dims up
-    to 128, 64 keys at 256, two ring stages (the fastest of the forward's tiles timed at B2
-    S8192 H32 D128 bf16 on an H200, causal and no mask: docs/ops/attention.md), the ping-pong of
-    `mosaic_gpu_ping_pong`. Backward fields,
-    the Mosaic GPU kernels': up to head dim 128 `dq` 64 query rows per warpgroup by 128 keys and
-    `dk, dv` 64 keys per warpgroup by 64 query rows, two stages each (the fastest of six tilings
-    timed at the same shape, benchmarks/attention_mosaic_sweep.py); at 256 the only tiles that
-    fit shared memory, 64 x 64 with one stage each (26.1 ms forward+backward at B2 S8192 H32
-    causal against 31.9 for the fastest of the 10 tilings of `pallas_gpu`'s kernels timed beside
-    them: `--head-dim-256`)."""
+    to 128, 64 keys at 256, two ring stages, the ping-pong of `mosaic_gpu_ping_pong`; the backward
+    fields `mosaic_gpu_backward_tiles`' (docs/decisions.md, "Attention", has the sweeps behind
+    both)."""
     d = max(spec.dim("head_dim"), spec.dim("v_dim"))
     fwd = dict(
         block_q=64,
@@ -304,29 +297,43 @@ def mosaic_gpu_heuristic(spec: Spec) -> AttentionBlockSizes:
 def mosaic_gpu_dq_by(head_dim: int) -> str:
     """How the Mosaic GPU backward forms `dq` where the block sizes leave `dq_by` out:
     `"reduction"` at head dim 64, `"kernel"` above it and wherever `XLA_FLAGS` asks for
-    deterministic results (`backend.deterministic`: the reductions' order varies). Timed at B2
-    S8192 H32 bf16 causal on an H200, forward+backward beside cuDNN in the same rounds
-    (`benchmarks/attention_mosaic_sweep.py --dq-by-reduction`): at head dim 64 the reduction took
-    0.95x the `dq` kernel's time (4.69 against 4.93 ms; cuDNN 4.81); at 128 1.3-1.4x (11.1
-    against 8.0 ms causal, 20.3 against 16.0 with no mask, 11.2 against 8.0 with 8 kv heads):
-    there each warpgroup holds `dk`'s and `dv`'s float32 accumulators (64 registers a thread
-    each) beside `dq`'s, and its steps wait on one more product and a TMA reduction."""
+    deterministic results (`backend.deterministic`: the reductions' order varies). Above 64
+    each warpgroup holds `dk`'s and `dv`'s float32 accumulators (64 registers a thread each)
+    beside `dq`'s, and its steps wait on one more product and a TMA reduction (the timings:
+    docs/decisions.md, "Attention")."""
     return "reduction" if head_dim <= 64 and not backend.deterministic() else "kernel"
 
 
 def mosaic_gpu_backward_tiles(head_dim: int) -> dict[str, tuple[int, int, int]]:
     """The Mosaic GPU backward kernels' tiles, `{"dq": ..., "dkv": ...}` as `(block_q, block_kv,
     num_stages)`, where the block sizes leave them out (`mosaic_gpu_heuristic`'s backward fields):
-    `mosaic_gpu_heuristic`'s docstring says where they come from."""
+    up to head dim 128 `dq` 64 query rows per warpgroup by 128 keys and `dk, dv` 64 keys per
+    warpgroup by 64 query rows, two stages each; at 256 the only tiles that fit shared memory,
+    64 x 64 with one stage each."""
     if head_dim <= 128:
         return {"dq": (64, 128, 2), "dkv": (64, 64, 2)}
     return {"dq": (64, 64, 1), "dkv": (64, 64, 1)}
 
 
+# the backward tilings `mosaic_gpu_space` tries, `((block_q, block_kv, num_stages) of dq, (...) of
+# dk, dv)`, up to head dim 128 (at 256 only the heuristic's fit)
+MOSAIC_GPU_BACKWARD_TILINGS = (
+    ((64, 64, 2), (64, 64, 2)),
+    ((64, 64, 3), (64, 64, 2)),
+    ((64, 128, 2), (64, 64, 2)),
+    ((64, 64, 2), (128, 64, 2)),
+    ((64, 64, 2), (64, 64, 3)),
+    ((64, 128, 2), (128, 64, 2)),
+)
+
+
 def mosaic_gpu_space(spec: Spec) -> list[AttentionBlockSizes]:
     """The forward's tiles around the heuristic: 64 or 128 rows per warpgroup, 64 to 256 keys,
     2 to 4 stages, where they fit shared memory, each with the rendezvous and the overlap
-    ping-pong (the backward fields kept)."""
+    ping-pong (the backward fields kept); then the backward's around the heuristic (its forward
+    kept): each of `MOSAIC_GPU_BACKWARD_TILINGS` up to head dim 128 (their `dk, dv` tiles alone
+    where `dq` is the `dk, dv` kernel's reductions), and `dq` by the other of its kernel and those
+    reductions where both serve (`mosaic_gpu_dq_by`)."""
     base = mosaic_gpu_heuristic(spec)
     d = max(spec.dim("head_dim"), spec.dim("v_dim"))
     out = [base]
@@ -340,4 +347,18 @@ def mosaic_gpu_space(spec: Spec) -> list[AttentionBlockSizes]:
                                 base, block_q=bq, block_kv=bk, num_stages=stages, ping_pong=form
                             )
                         )
+    if d <= 128:
+        reduction = mosaic_gpu_dq_by(d) == "reduction"
+        for dq, dkv in MOSAIC_GPU_BACKWARD_TILINGS:
+            if reduction:  # no dq kernel runs: only the dk, dv tiles matter
+                dq = (base.block_q_dq, base.block_kv_dq, base.num_stages_dq)
+            fields = {
+                f"{f}_{name}": value
+                for name, tile in (("dq", dq), ("dkv", dkv))
+                for f, value in zip(("block_q", "block_kv", "num_stages"), tile, strict=True)
+            }
+            out.append(dataclasses.replace(base, **fields))
+        if not backend.deterministic():
+            other = "kernel" if mosaic_gpu_dq_by(d) == "reduction" else "reduction"
+            out.append(dataclasses.replace(base, dq_by=other))
     return unique_valid(out, spec)

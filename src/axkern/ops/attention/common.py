@@ -9,12 +9,12 @@ documents block summaries (`segment_overlap`: id ranges meet; `segment_uniform`:
 hold one id), the `custom_vjp` (`flash_vjp`) and the cotangents from the kernels' outputs
 (`finish_grads`: `dq` cut, `dk`, `dv` summed over each GQA group, `dsink`).
 
-Last, the non-finite guard of the `cudnn` and `mosaic_gpu` implementations (`guarded`): their
-kernels where `q`, `k`, `v` (and the cotangent) are finite, a rule-following implementation
-where one is not, chosen on the device (`core.control.flat_cond`: a `lax.cond` whose arrays
-cross it 1-D where that moves nothing between devices, so that the fallback's transposes stay
-in its branch). Neither kernel follows the non-finite rule alone (a NaN in `v` reaches, through
-`p v` with `p = 0`, queries that cannot see its key).
+Last, the non-finite guard `api.py` puts the `cudnn` and `mosaic_gpu` implementations behind
+(`guarded`): their kernels where `q`, `k`, `v` (and the cotangent) are finite, a rule-following
+implementation where one is not, chosen on the device (`core.control.flat_cond`: a `lax.cond`
+whose arrays cross it 1-D where that moves nothing between devices, so that the fallback's
+transposes stay in its branch). Neither kernel follows the non-finite rule alone (a NaN in `v`
+reaches, through `p v` with `p = 0`, queries that cannot see its key).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from axkern import masks as masks_
 from axkern.core.blocks import cdiv
 from axkern.core.control import flat_cond
 from axkern.core.kernels import dot as _dot
-from axkern.core.op import Unsupported, unrecorded
+from axkern.core.op import Unsupported
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,6 +79,15 @@ def split_segments(mask):
     raise Unsupported(
         f"{mask!r} holds arrays; the Pallas kernels take static masks and Segments & a static mask"
     )
+
+
+def pallas_mask(mask) -> bool:
+    """Whether the Pallas kernels take the mask (static, `Segments`, `Segments & static`)."""
+    try:
+        split_segments(mask)
+    except Unsupported:
+        return False
+    return True
 
 
 def segment_overlap(seg_ids, sqp, skp, bq, bk):
@@ -313,46 +322,20 @@ def finish_grads(q, k, v, sinks, dq, dk, dv, lse, delta):
 # -- the non-finite guard ----------------------------------------------------------------------
 
 
-def guarded(fast, q, k, v, sinks, mask, *, scale, logits_soft_cap, order, return_lse=False):
-    """`fast(q, k, v, sinks, mask)` behind the non-finite guard (`where_finite`), the first of
-    `order` serving where something is not finite; the sinks and the mask's arrays pass through
-    as arguments (closed over, a traced one would leak out of the guard's `custom_vjp`).
-    `return_lse`: `fast` returns `(out, lse)`, and so does the implementation that serves
-    instead."""
+def guarded(fast, safe, q, k, v, sinks, mask):
+    """`fast(q, k, v, sinks, mask)` behind the non-finite guard (`where_finite`), `safe(q, k, v,
+    sinks, mask)` (a rule-following implementation) where something is not finite; both return
+    `out`, or both `(out, lse)`. The sinks and the mask's arrays pass through as arguments
+    (closed over, a traced one would leak out of the guard's `custom_vjp`)."""
     leaves, treedef = jax.tree.flatten(mask)
 
     def fast_fn(q, k, v, sinks, *leaves):
         return fast(q, k, v, sinks, jax.tree.unflatten(treedef, leaves))
 
-    safe_fn = rule_following(mask, scale, logits_soft_cap, order, return_lse)
-    return where_finite(fast_fn, safe_fn, q, k, v, sinks, tuple(leaves))
-
-
-def rule_following(mask, scale, logits_soft_cap, order, return_lse=False):
-    """`(q, k, v, sinks, *mask arrays) -> out` by the first of `order` that serves the call: what a
-    guarded implementation runs where an input is not finite (`mask`'s arrays come back as
-    arguments, `where_finite`'s `extra`). Unrecorded, so `explain` reports the guarded
-    implementation's decision only."""
-    treedef = jax.tree.structure(mask)
-
     def safe_fn(q, k, v, sinks, *leaves):
-        mask = jax.tree.unflatten(treedef, leaves)
-        with unrecorded():
-            from .api import attention_positional  # the public entry; api imports this module
+        return safe(q, k, v, sinks, jax.tree.unflatten(treedef, leaves))
 
-            return attention_positional(
-                q,
-                k,
-                v,
-                mask=mask,
-                scale=scale,
-                logits_soft_cap=logits_soft_cap,
-                sinks=sinks,
-                implementation=order,
-                return_lse=return_lse,
-            )
-
-    return safe_fn
+    return where_finite(fast_fn, safe_fn, q, k, v, sinks, tuple(leaves))
 
 
 def all_finite(*arrays) -> jax.Array:
@@ -384,7 +367,7 @@ def where_finite(fast, safe, q, k, v, sinks=None, extra=()):
 
 def where_finite_fwd(fast, safe, q, k, v, sinks=None, extra=()):
     ok = all_finite(q, k, v)
-    # cuDNN's forward always runs (its residuals are the only ones kept); the other only where
+    # the fast forward always runs (its residuals are the only ones kept); the other only where
     # an input is not finite
     fast_out, fast_vjp = jax.vjp(lambda q, k, v, s: fast(q, k, v, s, *extra), q, k, v, sinks)
     out = flat_cond(

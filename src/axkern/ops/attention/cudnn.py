@@ -5,8 +5,8 @@ Offered only where that call can serve (`supports`): a CUDA GPU, bf16 or f16, a 
 or full mask, no soft cap, no sinks, head dims equal and a multiple of 8 up to 256 (cuDNN's
 limits as JAX checks them). Masks holding arrays (`Segments`, `PrefixLM`) are not
 expressible through JAX's public API (it has no segment ids), hence refused. Forward and
-backward are cuDNN's (JAX's own `custom_vjp`); the registered implementation wraps this in a
-guard (`api._cudnn_where_finite`) that serves inputs holding NaN or infinity with
+backward are cuDNN's (JAX's own `custom_vjp`); `api.py` registers this implementation behind the
+non-finite guard (`common.guarded`), which serves inputs holding NaN or infinity with
 `pallas_gpu` (else `xla`), since cuDNN's kernel does not follow the non-finite rule.
 """
 
@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from axkern import masks as masks_
-from axkern.core.op import Unsupported
+from axkern.core.op import Implementation, Unsupported
 
 
 def _mask_args(mask):
@@ -67,3 +67,15 @@ def attention(q, k, v, sinks, mask, *, scale, logits_soft_cap, return_lse=False)
         # the dispatcher move on (first in the GPU order, this must never break a call)
         raise Unsupported(f"jax.nn.dot_product_attention(implementation='cudnn') refused: {e}") from e
     return out.astype(jnp.result_type(q))
+
+
+IMPLEMENTATION = Implementation(
+    "cudnn",
+    attention,
+    platforms=("gpu",),
+    supports=supports,
+    backward=(
+        "cuDNN's (jax.nn.dot_product_attention's custom_vjp) where q, k, v and the cotangent "
+        "are finite, else pallas_gpu's (or xla's)"
+    ),
+)

@@ -40,8 +40,7 @@ blocks powers of two >= 16 (Triton tiles), static masks or `Segments` `&` a stat
 (`PrefixLM`, `Dense` fall back to `xla`). Block sizes: `block_q`, `block_kv`, and Triton's
 `num_warps`, `num_stages` (`None`: Triton's defaults) for the forward, and the same four of
 each backward kernel (`*_dq`, `*_dkv`; `None`: the forward's); the lengths are padded to the
-largest block of the three. Second in the GPU order, after `cudnn`, which cannot express
-packed documents or block-sparse masks through JAX (docs/ops/attention.md, "Performance").
+largest block of the three.
 """
 
 from __future__ import annotations
@@ -58,10 +57,11 @@ from jax.experimental.pallas import triton as plgpu
 from axkern import masks as masks_
 from axkern.core.blocks import next_power_of_2
 from axkern.core.kernels import dot as _dot
-from axkern.core.op import Unsupported
+from axkern.core.op import Implementation, Unsupported
 
 from . import common as tiles
 from .blocks import GPU_MIN_BLOCK as MIN
+from .blocks import AttentionBlockSizes, pallas_gpu_heuristic, pallas_gpu_space
 
 
 def supports(spec) -> str | None:
@@ -479,22 +479,14 @@ def _attention_bwd(cfg, mask, res, d_out, d_lse):
 _attention = tiles.flash_vjp(_forward, _attention_bwd)
 
 
-def backward(
-    q, k, v, out, lse, d_out, *, mask, scale, block_sizes, logits_soft_cap=None, interpret=False, d_lse=None
-):
-    """`(dq, dk, dv)` of attention from another forward's residuals, `out [B, Sq, H, Dv]` and
-    `lse [B, H, Sq]` (float32, natural log; with sinks it holds them, and their own cotangent
-    is the caller's), and the cotangents `d_out` and `d_lse` (`[B, Sq, H]` or None), through this file's `dq` and `dk, dv` kernels with `block_sizes`' `*_dq`
-    and `*_dkv` tiles (the backward sweep times them under the `mosaic_gpu` forward)."""
-    _check_blocks(block_sizes, ("dq", "dkv"))
-    cfg, seg_ids, static = tiles.prepare(
-        mask, block_sizes, scale, logits_soft_cap, interpret, per_kernel=True
-    )
-    sq = q.shape[1]
-    sqp = -(-sq // cfg.pad_q) * cfg.pad_q
-    o = jnp.pad(jnp.swapaxes(out, 1, 2), [(0, 0), (0, 0), (0, sqp - sq), (0, 0)])
-    lse = jnp.pad(lse, [(0, 0), (0, 0), (0, sqp - sq)])
-    d_lse = jnp.zeros((q.shape[0], sq, q.shape[2]), jnp.float32) if d_lse is None else d_lse
-    res = (q, k, v, None, seg_ids, o, lse, None)
-    dq, dk, dv, _, _ = _attention_bwd(cfg, static, res, d_out, tiles.lse_cotangent(d_lse, sqp))
-    return dq, dk, dv
+IMPLEMENTATION = Implementation(
+    "pallas_gpu",
+    attention,
+    platforms=("gpu",),
+    supports=supports,
+    block_sizes=AttentionBlockSizes,
+    heuristic=pallas_gpu_heuristic,
+    space=pallas_gpu_space,
+    interpretable=True,
+    backward="custom_vjp: Pallas dq and dk/dv kernels, each with its own tiles",
+)

@@ -50,10 +50,11 @@ from jax.experimental.pallas import tpu as pltpu
 
 from axkern import masks as masks_
 from axkern.core.kernels import dot as _dot
-from axkern.core.op import Unsupported
+from axkern.core.op import Implementation, Unsupported
 
 from . import common as tiles
 from .blocks import TPU_SUBLANES as SUBLANES
+from .blocks import AttentionBlockSizes, pallas_tpu_heuristic, pallas_tpu_space
 
 
 def _schedule(kinds, axis, batch, overlap=None):
@@ -446,3 +447,15 @@ def _attention_bwd(cfg, mask, res, d_out, d_lse):
 
 
 _attention = tiles.flash_vjp(_forward, _attention_bwd)
+
+
+IMPLEMENTATION = Implementation(
+    "pallas_tpu",
+    attention,
+    platforms=("tpu",),
+    block_sizes=AttentionBlockSizes,
+    heuristic=pallas_tpu_heuristic,
+    space=pallas_tpu_space,
+    interpretable=True,
+    backward="custom_vjp: block-sparse Pallas dq and dk/dv kernels (TPU interpret mode only)",
+)

@@ -37,6 +37,9 @@ from jax import lax
 from axkern import masks as masks_
 from axkern.core import compat
 from axkern.core.blocks import cdiv
+from axkern.core.op import Implementation
+
+from .blocks import AttentionBlockSizes, heuristic, space
 
 
 @dataclasses.dataclass(frozen=True)
@@ -288,3 +291,13 @@ def _attention_bwd(cfg: _Static, res, cts):
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+IMPLEMENTATION = Implementation(
+    "xla",
+    attention,
+    block_sizes=AttentionBlockSizes,
+    heuristic=heuristic,
+    space=space,
+    backward="custom_vjp: flash-style recomputation per tile (float32 dk/dv accumulators)",
+)

@@ -6,40 +6,27 @@ shared memory. `Sq` is padded to whole `2 · block_q` and `Sk` to whole `block_k
 they are not). The kernel writes `[B, Sqp, H, D]` and `lse [B, H, Sqp]` (float32, natural
 log); `forward` returns them cut to `Sq`.
 
-**Grid.** `(H, Sqp / (2 · block_q), B)`, the query-tile axis walked last to first (the
-heaviest causal rows start first). A block holds three warpgroups: two compute warpgroups,
-each owning `block_q` query rows (registers raised to 232 a thread), and one producer
-warpgroup (registers lowered to 40) that streams the key and value tiles into a ring of
-`num_stages` shared-memory slots with TMA, each slot guarded by a "loaded" barrier and a
-"consumed" barrier (both compute warpgroups arrive). The two compute warpgroups alternate on
-the tensor cores through a schedule barrier: one runs its `q k^T` and `p v` `wgmma`s while the
-other does its softmax (FA3's ping-pong), in one of three forms (`AttentionBlockSizes.ping_pong`,
-`forward_flags`): `"rendezvous"`, as JAX's `attention_mgpu.py`, both warpgroups meeting after
-each `q k^T` and before each `p v` (`forward`'s default); `"handoff"` (`handoff=True`), a
-barrier each, as FA3 and tokamax; `"overlap"` (`handoff=True, overlap=True`), FA3's overlap
-inside a warpgroup: a turn issues tile t's `q kᵀ` and the previous tile's `p v` together and
-runs tile t's softmax under that `p v`. On an H200 the overlap took 0.93-0.97 of the
-rendezvous's time from head dim 128 up under a causal mask or none and 1.03-1.32 at head dim 64,
-under a window and on packed documents, so `mosaic_gpu_ping_pong` (the heuristic) and the H200
-table take it there; the handoff alone was within 3 % of the rendezvous either way
-(`sweep_mosaic_variants.json`). `forward(..., nan_scores=True)` makes every visible score that
-is not finite NaN (`|s| < inf` and a select per score, before a soft cap), so its row's output
-and `lse` are NaN: the non-finite rule's part for `q` and `k`; it costs up to 13 % (25 % at head
-dim 64 without a mask) and is off by default. Three more forms, exact, at best 4 % faster than
-the rendezvous (all three with the handoff, causal head dim 128), less than the overlap
-wherever they gained, and up to 7 % slower elsewhere: `named_barriers=True` (with `handoff`), the handoff's signals as hardware
-named barriers (`bar.arrive` / `bar.sync`, one instruction per warp, as tokamax's kernel
-signals) rather than shared-memory mbarriers (128 arrivals each); `named_releases=True`, the
-ring's slots handed back to the producer on named barriers too; `lean=True`, the epilogue
-waiting only for its copies to have read shared memory.
+**Grid.** `(H, Sqp / (2 · block_q), B)`, the heads launched fastest and the query-tile axis
+walked last to first (the heaviest causal rows start first). A block holds three warpgroups:
+two compute warpgroups, each owning `block_q` query rows (registers raised to 232 a thread), and
+one producer warpgroup (registers lowered to 40) that streams the key and value tiles into a
+ring of `num_stages` shared-memory slots with TMA, each slot guarded by a "loaded" barrier and a
+"consumed" barrier (both compute warpgroups arrive). The two compute warpgroups alternate on the
+tensor cores (FA3's ping-pong: one runs its `q kᵀ` and `p v` `wgmma`s while the other does its
+softmax), in one of two forms (`AttentionBlockSizes.ping_pong`, `forward_flags`):
+`"rendezvous"`, as JAX's `attention_mgpu.py`, both warpgroups meeting on one barrier after each
+`q kᵀ` and before each `p v`; `"overlap"` (`overlap=True`), FA3's overlap inside a warpgroup, the
+tensor cores handed over on a barrier per warpgroup: a turn issues tile t's `q kᵀ` and the
+previous tile's `p v` together and runs tile t's softmax under that `p v`
+(`blocks.mosaic_gpu_ping_pong` chooses; docs/ops/attention.md has the timings).
 
 **Block-sparse schedule** (`schedule`, pure numpy, tested on the CPU against brute force).
 From the static mask's block kinds (`EMPTY` / `PARTIAL` / `FULL` per `block_q x block_kv`
 tile) each block gets the key tiles `[clo, chi)` its producer loads (the union of its two
 query tiles' visible ranges) and each compute warpgroup four bounds `lo <= flo <= fhi <= hi`:
 tiles `[flo, fhi)` (the longest run of `FULL` tiles) run without any masking work, the rest
-of `[lo, hi)` mask by position (`visible` on the tile's indices and the key length), and the
-tiles of `[clo, chi)` outside `[lo, hi)` are only released (the other warpgroup needs them).
+of `[lo, hi)` mask by position (`grid_visible` on the tile's indices and the key length), and
+the tiles of `[clo, chi)` outside `[lo, hi)` are only released (the other warpgroup needs them).
 Fully masked tiles are never loaded: where a block's seen tiles leave a gap (`|` of masks
 apart, such as a window and the keys far behind; `has_gaps`) the table carries a tile list
 (`schedule(..., tiles=True)`): a block walks steps over the tiles it sees, step `s` loading
@@ -58,7 +45,7 @@ in jnp; ranges, no tile list: a gap there, ids that come back after other ids, i
 masked), and a partial tile evaluates the lowered mask (`tiles.TileMask`: a warpgroup's rows'
 ids and prefix lengths read once, each tile's columns' ids read as it comes).
 
-**Math.** Scores `s = q k^T` in float32 on the tensor cores; the running max is kept in
+**Math.** Scores `s = q kᵀ` in float32 on the tensor cores; the running max is kept in
 base-2 units (`s · scale · log2 e`) so `p = exp2(s · c - m)` is one fused multiply-add and an
 `ex2`; with a soft cap the scores are `tanh(s · scale / cap) · cap · log2 e` (MUFU `tanh`, one
 more per score). `p` is cast to the input dtype for `p v`. A row that has seen no key yet
@@ -70,11 +57,12 @@ there).
 **Cost.** `4 · B · H · D` FLOPs per visible (query, key) pair, tensor-core bound at these sizes;
 `k`, `v` read once per query block that sees them (GQA: once per query head; L2 serves the
 group); `q` read and `out` written once (with sinks, for the backward, `lo` written too: one
-more output's bytes), `lse` 4 bytes a row.
+more output's bytes), `lse` 4 bytes a row. Shared memory: `blocks.mosaic_gpu_smem_bytes`.
 
 **Non-finite input.** `p v` multiplies a masked entry's `p = 0` by `v`, so a NaN in `v`
-would reach rows that cannot see its key: the registered implementation serves inputs holding
-NaN or infinity with another implementation (`api._mosaic_gpu_where_finite`).
+would reach rows that cannot see its key: `api.py` runs this implementation behind the
+non-finite guard (`common.guarded`), which serves inputs holding NaN or infinity with a
+rule-following implementation.
 
 **Backward** (`backward`, head dims 64, 128 and 256), two kernels of the same shape (a producer
 warpgroup streaming tiles through a TMA ring past two compute warpgroups), on the forward's
@@ -82,14 +70,14 @@ residuals: `lse` goes in base-2 units with `+inf` for rows that saw no key (ever
 0; with sinks `lse` holds them, so the kernels need nothing more, and the sinks' own
 cotangent `-Σ exp(sink - lse) · delta` is formed in XLA) and `delta = Σ out · d_out` is formed
 in XLA, less `lse`'s cotangent where the caller asked for `lse` (`∂lse/∂s = p`: the kernels
-need nothing more for it). With a soft cap both kernels recompute `t = tanh(s · scale / cap)` and multiply `ds` by
-`1 - t²`. The `dq` kernel (grid `(H, query blocks, B)`)
+need nothing more for it). With a soft cap both kernels recompute `t = tanh(s · scale / cap)`
+and multiply `ds` by `1 - t²`. The `dq` kernel (`backward_dq.py`, grid `(H, query blocks, B)`)
 holds each warpgroup's query and `d_out` tiles and streams key and value tiles (the forward's
 schedule): `dp = d_out vᵀ` and `s = q kᵀ` in one `wgmma` group, `p = exp2(s · scale · log2 e −
-lse)`, `ds = p (dp − delta)`, `dq += ds k`. The `dk, dv` kernel (grid `(KVH, key blocks, B)`)
-holds each warpgroup's key and value tiles and streams, for every query tile of
-`key_schedule` (the transposed mask's), the query tiles, `d_out` tiles, `lse` and `delta` rows
-of each query head of the group: `sᵀ = k qᵀ`, `dv += pᵀ d_out`, `dpᵀ = v d_outᵀ`,
+lse)`, `ds = p (dp − delta)`, `dq += ds k`. The `dk, dv` kernel (`backward_dkv.py`, grid
+`(KVH, key blocks, B)`) holds each warpgroup's key and value tiles and streams, for every query
+tile of `key_schedule` (the transposed mask's), the query tiles, `d_out` tiles, `lse` and
+`delta` rows of each query head of the group: `sᵀ = k qᵀ`, `dv += pᵀ d_out`, `dpᵀ = v d_outᵀ`,
 `dk += dsᵀ q`, so the GQA sum stays in registers and `dk`, `dv` are written once. Only partial
 tiles mask. At head dim 256 the `dk` and `dv` accumulators together would fill a warpgroup's
 registers, so the kernel runs twice (`SPLIT_ABOVE`): once for `dv` (`sᵀ`, `dv += pᵀ d_out`),
@@ -104,17 +92,16 @@ shared memory and forms the step's `dq` share `dsᵀ k` (`[block_q, D]`, by colu
 (`copy_smem_to_gmem(..., reduction_op="add")`, each chunk through its own staging tile); XLA
 scales and rounds the sum. 10 FLOPs per visible pair and head dim instead of 14; bytes: no
 `dq` kernel's reads of `k`, `v`, `q`, `d_out`, and instead each step's share, `4 · block_q · D`
-(`4 · D / block_kv` bytes per visible pair: `D / 16` at 64-key tiles), added in L2, plus the float32 `dq` written as zeros, read and rounded once by XLA; the
-additions' order varying between runs (so `"kernel"` where `XLA_FLAGS` asks for deterministic
-results). Head dims up to 128 (at 256 the kernel already runs twice); timings in
-`mosaic_gpu_dq_by`.
+(`4 · D / block_kv` bytes per visible pair: `D / 16` at 64-key tiles), added in L2, plus the
+float32 `dq` written as zeros, read and rounded once by XLA; the additions' order varies between
+runs (so `"kernel"` where `XLA_FLAGS` asks for deterministic results). Head dims up to 128 (at
+256 the kernel already runs twice).
 
 **Sinks' cotangent.** `-Σ exp(sink - lse) · delta` sums `out · d_out` over every row, and
-rounding `out` to 16 bits puts each term off by up to 2⁻⁹ relative: on a 250-row case at head
-dim 256 that alone puts the sum 3.7e-3 off where the oracle rule allows 2.9e-3.
-With sinks the forward also writes `lo`, what the rounding lost, and `delta` takes
-`out + lo` (for the sum and for the backward kernels alike); without them nothing more is
-written.
+rounding `out` to 16 bits puts each term off by up to 2⁻⁹ relative, which over many rows can
+exceed the oracle rule's bound. With sinks the forward also writes `lo`, what the rounding
+lost, and `delta` takes `out + lo` (for the sum and for the backward kernels alike); without
+them nothing more is written.
 
 **Backward cost.** `14 · B · H · D` FLOPs per visible (query, key) pair, 3.5 times the
 forward's: the `dq` kernel's three products (`s`, `dp`, `dq`) and the `dk, dv` kernel's four
@@ -126,26 +113,26 @@ dim 256 the `dk, dv` kernel's two launches each read `k`, `v`, `q`, `d_out` and 
 (`delta` only for `dk`): 16 FLOPs per visible pair and head dim instead of 14.
 
 **Testing.** The kernels cannot run in interpret mode on a CPU (Pallas Mosaic GPU's TMA copies
-have no interpret rule). On a CPU (CI) the tests check everything around them (the schedules
-against brute force, the tables, the checks, the dispatcher) and lower every kernel for a CUDA
-GPU (`tests/ops/test_attention_mosaic_gpu_lowering.py`: each Pallas-level step, for several
-masks, head dims, tile candidates and the backward tilings); their values and gradients are
-checked against the oracle on a Hopper GPU (`tests/gpu/test_attention_mosaic_gpu.py`, its log
-in `benchmarks/logs/nvidia_h200/`).
+have no interpret rule). On a CPU the tests check everything around them (the schedules against
+brute force, the tables, the checks, the dispatcher, the backward's tile loops emulated in
+numpy) and lower every kernel for a CUDA GPU (`tests/ops/test_attention_mosaic_gpu_lowering.py`);
+their values and gradients are checked against the oracle on a Hopper GPU
+(`tests/gpu/test_attention_mosaic_gpu.py`).
 
-**Files.** `schedules.py` (the tables, host and device), `tiles.py` (what the kernels share:
-the configuration, table reads, id loads, the producer of key and value tiles),
-`forward_kernel.py`, `backward_kernels.py` (the kernels, their checks and operands),
-`backward_launch.py` (their launches); this file the checks and the `custom_vjp`.
+**Files.** `schedules.py` (the tables, host and device, and the masks on index grids),
+`tiles.py` (what the kernels share: the configuration, table reads, id loads, the producer of
+key and value tiles), `forward.py` (the forward kernel and its launch), `backward_dq.py` and
+`backward_dkv.py` (the backward kernels and their launches), `backward.py` (the backward: its
+tiles, checks, operands and launches); this file the checks, the `custom_vjp` and the
+`Implementation`.
 
 **Constraints** (`supports`, or an `Unsupported` at the call): a GPU of compute capability
-9.x, bf16 or fp16, head dims 64, 128 or 256 (`q`, `k`, `v` alike), every mask but `Dense`
-a positive soft cap and scale (scores are masked to `-inf` before
-they are scaled), one dtype for `q`, `k`, `v`. Block sizes: `block_q` (rows per compute
-warpgroup, 64 or 128), `block_kv` (64, 128 or 256), `num_stages` (ring depth, 2 to 4); their
-shared memory must fit 227 KiB. Backward (`*_dq`, `*_dkv`): `dq` 64 query rows per warpgroup
-by 64 or 128 keys, `dk, dv` 64 keys per warpgroup by 64 or 128 query rows, 2 to 4 stages each
-(1 to 4 at head dim 256).
+9.x, bf16 or fp16, head dims 64, 128 or 256 (`q`, `k`, `v` alike), every mask but `Dense`,
+a positive soft cap and scale (scores are masked to `-inf` before they are scaled), one dtype
+for `q`, `k`, `v`. Block sizes: `block_q` (rows per compute warpgroup, 64 or 128), `block_kv`
+(64, 128 or 256), `num_stages` (ring depth, 2 to 4); their shared memory must fit 227 KiB.
+Backward (`*_dq`, `*_dkv`): `dq` 64 query rows per warpgroup by 64 or 128 keys, `dk, dv` 64 keys
+per warpgroup by 64 or 128 query rows, 2 to 4 stages each (1 to 4 at head dim 256).
 """
 
 from __future__ import annotations
@@ -156,20 +143,21 @@ import jax
 import jax.numpy as jnp
 
 from axkern.core import backend
-from axkern.core.op import Unsupported
+from axkern.core.op import Implementation, Unsupported
 
 from .. import common
-from . import backward_launch
-from .backward_kernels import (
+from ..blocks import AttentionBlockSizes, mosaic_gpu_heuristic, mosaic_gpu_space
+from .backward import (
     BACKWARD_HEAD_DIMS,
     SPLIT_ABOVE,
+    backward,
     backward_blocks,
     backward_operands,
     check_backward,
     dq_by,
+    refuse_backward,
 )
-from .backward_launch import backward
-from .forward_kernel import _check, forward
+from .forward import check_tiles, forward
 from .schedules import (
     COMPUTE_WGS,
     CTA_HI,
@@ -180,8 +168,8 @@ from .schedules import (
     LIST,
     LO,
     Dynamic,
-    _visible_or_none,
     device_kinds,
+    grid_visible,
     has_gaps,
     key_schedule,
     lower,
@@ -191,9 +179,11 @@ from .schedules import (
     schedule_rows,
     schedule_table,
 )
-from .tiles import _IMPORT_ERROR
+from .tiles import IMPORT_ERROR
 
 __all__ = [
+    "IMPLEMENTATION",
+    "IMPORT_ERROR",
     "supports",
     "check",
     "check_backward",
@@ -206,12 +196,14 @@ __all__ = [
     "device_kinds",
     "has_gaps",
     "lower",
+    "grid_visible",
     "operands",
     "Dynamic",
     "forward",
     "forward_flags",
     "backward",
     "backward_blocks",
+    "backward_line",
     "dq_by",
     "backward_operands",
     "attention",
@@ -226,14 +218,13 @@ __all__ = [
     "FHI",
     "HI",
     "LIST",
-    "_visible_or_none",
 ]
 
 HEAD_DIMS = (64, 128, 256)
 
 
 def supports(spec) -> str | None:
-    reason = backend.mosaic_gpu_reason(spec, _IMPORT_ERROR)
+    reason = backend.mosaic_gpu_reason(spec, IMPORT_ERROR)
     if reason:
         return reason
     d, dv = spec.dim("head_dim"), spec.dim("v_dim")
@@ -244,12 +235,7 @@ def supports(spec) -> str | None:
     return None
 
 
-_PING_PONG = {
-    None: {},
-    "rendezvous": {},
-    "handoff": {"handoff": True},
-    "overlap": {"handoff": True, "overlap": True},
-}
+_PING_PONG = {None: {}, "rendezvous": {}, "overlap": {"overlap": True}}
 
 
 def _blocks(block_sizes) -> dict:
@@ -265,9 +251,7 @@ def forward_flags(block_sizes) -> dict:
     for a form it does not know."""
     form = block_sizes.ping_pong
     if form not in _PING_PONG:
-        raise Unsupported(
-            f"ping_pong={form!r}: the Mosaic GPU forward takes 'rendezvous', 'handoff' or 'overlap'"
-        )
+        raise Unsupported(f"ping_pong={form!r}: the Mosaic GPU forward takes 'rendezvous' or 'overlap'")
     return _PING_PONG[form]
 
 
@@ -281,7 +265,8 @@ def check(mask, block_sizes, head_dim, sinks=None, logits_soft_cap=None, scale=N
         raise Unsupported(f"scale={scale}: the Mosaic GPU kernels take a positive scale")
     b = _blocks(block_sizes)
     forward_flags(block_sizes)
-    _check(mask, b["block_q"], b["block_kv"], b["num_stages"], head_dim)
+    check_tiles(b["block_q"], b["block_kv"], b["num_stages"], head_dim)
+    lower(mask)  # raises for a mask the kernels cannot evaluate on a tile
 
 
 def check_inputs(q, k, v) -> None:
@@ -293,20 +278,19 @@ def check_inputs(q, k, v) -> None:
         )
 
 
-def attention(  # noqa: F811
-    q, k, v, sinks, mask, *, scale, logits_soft_cap, block_sizes, backward=None, return_lse=False
-):
+def attention(q, k, v, sinks, mask, *, scale, logits_soft_cap, block_sizes, return_lse=False):
     """The forward kernel under a `custom_vjp` whose backward is the Mosaic GPU `dq` and `dk, dv`
-    kernels, or `backward(q, k, v, out, lse, d_out, *, mask, d_lse) -> (dq, dk, dv)` when one is
-    given; `return_lse`: `(out, lse [B, Sq, H] float32)`, `lse`'s cotangent joining `delta`
-    (`common.lse_cotangent`)
-    (the backward sweep times `pallas_gpu`'s kernels so). `sinks [H]` join each row's
+    kernels; `return_lse`: `(out, lse [B, Sq, H] float32)`, `lse`'s cotangent joining `delta`
+    (`common.lse_cotangent`). Every check runs first, once (`check`, `check_inputs`, and the
+    backward's: `Unsupported` before anything is traced). `sinks [H]` join each row's
     denominator in the forward (so `lse` holds them and the backward kernels need nothing
     more); their cotangent is `-Σ exp(sink - lse) · delta` over the rows, formed in XLA from
-    `out` and the forward's `lo` (the module's docstring). The mask's arrays (segment ids, prefix lengths) are arguments of
-    the `custom_vjp`, not closed over, so a jitted call with traced ones differentiates."""
+    `out` and the forward's `lo` (the module's docstring). The mask's arrays (segment ids,
+    prefix lengths) are arguments of the `custom_vjp`, not closed over, so a jitted call with
+    traced ones differentiates."""
     check(mask, block_sizes, q.shape[3], sinks, logits_soft_cap, scale=scale)
     check_inputs(q, k, v)
+    refuse_backward(mask, block_sizes, q.shape[3])  # tiles that do not fit: the dispatcher moves on
     fwd = functools.partial(
         forward,
         scale=scale,
@@ -314,10 +298,7 @@ def attention(  # noqa: F811
         **_blocks(block_sizes),
         **forward_flags(block_sizes),
     )
-    if backward is None:
-        backward = functools.partial(
-            backward_launch.backward, scale=scale, block_sizes=block_sizes, logits_soft_cap=logits_soft_cap
-        )
+    bwd = functools.partial(backward, scale=scale, block_sizes=block_sizes, logits_soft_cap=logits_soft_cap)
     leaves, treedef = jax.tree.flatten(mask)
     rebuild = functools.partial(jax.tree.unflatten, treedef)
 
@@ -335,7 +316,7 @@ def attention(  # noqa: F811
         # with sinks `out + lo` in float32, the output before its rounding, as their sum needs
         # (the kernels read `out` only through `delta`, which takes it too: `common.unrounded`)
         out = common.unrounded(out, lo[0]) if lo else out
-        dq, dk, dv = backward(q, k, v, out, lse, d_out, mask=rebuild(leaves), d_lse=d_lse)
+        dq, dk, dv = bwd(q, k, v, out, lse, d_out, mask=rebuild(leaves), d_lse=d_lse)
         d_sinks = None
         if sinks is not None:
             delta = jnp.einsum("bqhd,bqhd->bhq", out, d_out.astype(jnp.float32))
@@ -344,3 +325,37 @@ def attention(  # noqa: F811
 
     fn.defvjp(fn_fwd, fn_bwd)
     return common.maybe_lse(fn(q, k, v, sinks, leaves), return_lse)
+
+
+def backward_line(spec, block_sizes) -> str:
+    """`explain`'s backward line: which kernels the backward runs for this call."""
+    d = max(spec.dim("head_dim"), spec.dim("v_dim"))
+    (bq1, bk1, st1), (bq2, bk2, st2) = backward_blocks(block_sizes, d)
+    split = d > SPLIT_ABOVE
+    reduced = dq_by(block_sizes, d) == "reduction"
+    dq = (
+        "dk, dv with dq (one launch; dq's tile shares added by TMA reductions into float32"
+        if reduced
+        else f"dq ({bq1}x{bk1} tiles, {st1} stage{'s' * (st1 > 1)}) and "
+        + ("dv, then dk (two launches" if split else "dk, dv (one launch")
+    )
+    return (
+        f"Mosaic GPU kernels: {dq}"
+        + f"; {bq2}x{bk2}, {st2} stage{'s' * (st2 > 1)}, the GQA sum in registers) on this forward's "
+        "residuals (out, lse); inputs or a cotangent holding NaN or infinity go to pallas_gpu (or xla), "
+        "forward and backward"
+    )
+
+
+# `api.py` registers it behind the non-finite guard (`common.guarded`)
+IMPLEMENTATION = Implementation(
+    "mosaic_gpu",
+    attention,
+    platforms=("gpu",),
+    supports=supports,
+    block_sizes=AttentionBlockSizes,
+    heuristic=mosaic_gpu_heuristic,
+    space=mosaic_gpu_space,
+    backward=backward_line,
+    why_platforms="a Pallas Mosaic GPU kernel for Hopper (TMA, wgmma); it has no interpret mode here",
+)

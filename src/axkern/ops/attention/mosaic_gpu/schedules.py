@@ -1,6 +1,6 @@
 """The kernels' block-sparse schedules (pure numpy on the host for static masks, jnp on the
-device for masks holding arrays) and the masks evaluated on a tile's index grids (`__init__`'s
-docstring has the table's layout and meaning)."""
+device for masks holding arrays) and the masks evaluated on a tile's index grids (`lower`,
+`grid_visible`); `__init__`'s docstring has the table's layout and meaning."""
 
 from __future__ import annotations
 
@@ -136,7 +136,7 @@ def lower(mask) -> tuple[masks_.Mask, list]:
 
     def walk(m):
         if masks_.is_static(m):
-            _grid_visible(m, 0, 0)  # raises for a static mask with no form on index grids
+            grid_visible(m, 0, 0)  # raises for a static mask with no form on index grids
             return m
         if type(m) in (masks_.And, masks_.Or):
             return type(m)(walk(m.a), walk(m.b))
@@ -165,7 +165,7 @@ def operands(leaves, batch: int, sqp: int, skp: int) -> tuple:
     return tuple(out)
 
 
-def _grid_visible(mask, q, k, dynamic=None):
+def grid_visible(mask, q, k, dynamic=None):
     """`visible` of a mask on 2-D index grids (`q`, `k`: int32 `[rows, cols]` in the kernel's
     register layout), or None where it is everywhere visible; a `Dynamic` leaf is
     `dynamic(leaf, q, k)`."""
@@ -179,14 +179,14 @@ def _grid_visible(mask, q, k, dynamic=None):
     if isinstance(mask, Dynamic):
         return True if dynamic is None else dynamic(mask, q, k)
     if type(mask) in (masks_.And, masks_.Or):
-        a, b = _grid_visible(mask.a, q, k, dynamic), _grid_visible(mask.b, q, k, dynamic)
+        a, b = grid_visible(mask.a, q, k, dynamic), grid_visible(mask.b, q, k, dynamic)
         if type(mask) is masks_.Or:
             return None if a is None or b is None else a | b
         return b if a is None else a if b is None else a & b
     raise Unsupported(f"{mask!r}: the Mosaic GPU kernels evaluate no such static mask on a tile")
 
 
-# -- the kernel -------------------------------------------------------------------------------
+# -- on the device ----------------------------------------------------------------------------
 
 
 def schedule_rows(kinds) -> jax.Array:
@@ -275,10 +275,3 @@ def key_schedule(mask, sq: int, sk: int, block_q: int, block_kv: int) -> np.ndar
     key tiles (`block_kv` keys each), the query tiles (`block_q` rows) its producer loads and
     each compute warpgroup's four bounds, in query tiles."""
     return _static_schedule(masks_.static_block_kinds(mask, sq, sk, block_q, block_kv)[0].T)
-
-
-def _visible_or_none(mask, qi, kj, sk, bk, dynamic=None):
-    vis = _grid_visible(mask, qi, kj, dynamic)
-    if sk % bk:
-        vis = kj < sk if vis is None else vis & (kj < sk)
-    return vis

@@ -14,55 +14,27 @@ from jax import lax
 from axkern import masks as masks_
 from axkern.core.compat import mosaic_gpu_load
 
-from .schedules import COMPUTE_WGS, LIST, Dynamic, _grid_visible
+from .schedules import LIST, Dynamic, grid_visible
 
-try:  # the kernel runs only on a Hopper GPU; importing it must never break a CPU install
+try:  # the kernels run only on a Hopper GPU; importing them must never break a CPU install
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    _IMPORT_ERROR = None
+    IMPORT_ERROR = None
 except ImportError as e:  # pragma: no cover - a jax without Pallas Mosaic GPU
     pl = plgpu = None
-    _IMPORT_ERROR = f"{type(e).__name__}: {e}"
-
-
-# hardware named barriers of the forward's `named_barriers` handoff (one per compute warpgroup)
-# and `named_releases` ring (one per slot of the key ring, then one per slot of the value ring):
-# Mosaic GPU keeps 0 for the block and 1 + warpgroup for warpgroup barriers; 16 in all
-NAMED_BARRIER_BASE = 4
-NAMED_RELEASE_BASE = NAMED_BARRIER_BASE + 2
-NAMED_BARRIERS = 16
-
-
-def named_barrier(op: str, index, *, threads: int) -> None:
-    """`bar.arrive` (`op="arrive"`) or `bar.sync` (`"sync"`) on hardware named barrier `index`
-    (an int32 scalar, traced or not), completing when `threads` threads (whole warps) have
-    reached it: one instruction per warp and no shared-memory word, the cheapest signal
-    between warpgroups (FA3's and tokamax's). Every thread of the warpgroup executes it."""
-    from jax._src.lib.mlir import ir
-    from jax._src.lib.mlir.dialects import llvm
-
-    if op not in ("arrive", "sync"):
-        raise ValueError(f"op={op!r}: 'arrive' or 'sync'")
-
-    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WG_SPLAT,))
-    def emit(_ctx, i):
-        llvm.inline_asm(
-            ir.Type.parse("!llvm.void"),
-            [i.registers.item()],
-            f"bar.{op} $0, {threads};",
-            "r",
-            has_side_effects=True,
-        )
-
-    emit(jnp.asarray(index, jnp.int32))
+    IMPORT_ERROR = f"{type(e).__name__}: {e}"
 
 
 LOG2E = math.log2(math.e)
 
 
 @dataclasses.dataclass(frozen=True)
-class _Cfg:
+class KernelConfig:
+    """A kernel's static configuration: its tiles (`block_q` rows by `block_kv` columns; the
+    `dk, dv` kernel's rows are keys), ring depth, scale, lengths, the GQA group and the number of
+    blocks of `COMPUTE_WGS` row tiles."""
+
     block_q: int
     block_kv: int
     stages: int
@@ -70,7 +42,7 @@ class _Cfg:
     sq: int
     sk: int
     groups: int  # query heads per kv head
-    blocks: int  # query blocks (of COMPUTE_WGS * block_q rows)
+    blocks: int  # blocks of the grid's row axis, each of COMPUTE_WGS row tiles
     dynamic: bool = False  # a mask holding arrays: per-batch-row schedule tables, mask operands
     soft_cap: float | None = None
     sinks: bool = False
@@ -93,7 +65,7 @@ def times(x, c):
     return x if c is None else x * c
 
 
-def _entry_of(sched_ref, batch, cfg):
+def table_reader(sched_ref, batch, cfg):
     """`(block, column) -> int32` of the schedule table (a batch row's with segments)."""
     if cfg.dynamic:
         return lambda cta, col: sched_ref[batch, cta, col]
@@ -106,7 +78,7 @@ def dynamic_leaves(mask) -> list:
 
 
 def tile_of(at, cta, cfg):
-    """`step -> tile` of block `cta` (`at`: `_entry_of`'s reader): the table's tile list where
+    """`step -> tile` of block `cta` (`at`: `table_reader`'s reader): the table's tile list where
     it has one (`cfg.tiles`), else the step itself."""
     if not cfg.tiles:
         return lambda t: t
@@ -115,7 +87,7 @@ def tile_of(at, cta, cfg):
 
 def warpgroup_bounds(at, cta, wg):
     """`(lo, flo, fhi, hi)` of compute warpgroup `wg` in block `cta`'s row of the schedule table
-    (`at`: `_entry_of`'s reader)."""
+    (`at`: `table_reader`'s reader)."""
     return tuple(at(cta, 2 + 4 * wg + i) for i in range(4))
 
 
@@ -146,7 +118,7 @@ class TileMask:
             ids = _load_ids(self.refs[leaf.index + 1 - self.flip], self.batch, col_base, cols, 1)
             return _same_segment(self.own[leaf.index], ids, q.shape)
 
-        vis = _grid_visible(self.mask, q, k, dynamic)
+        vis = grid_visible(self.mask, q, k, dynamic)
         if key_len is not None:
             vis = k < key_len if vis is None else vis & (k < key_len)
         return vis
@@ -163,12 +135,10 @@ def _load_ids(ids_ref, batch, start, n, dim):
     return mosaic_gpu_load(ids_ref.at[batch, pl.ds(start, n)], layout=layout, optimized=False)
 
 
-def _stream_kv(cfg, where, k_ref, v_ref, k_smem, v_smem, loaded, consumed, named_releases=False):
+def stream_kv(cfg, where, k_ref, v_ref, k_smem, v_smem, loaded, consumed):
     """The producer warpgroup of the forward and `dq` kernels: key and value tiles `[clo, chi)`
     of `head`'s kv head into the ring, each slot reused once both compute warpgroups have
-    released it (on its `consumed` mbarrier, or with `named_releases` on its named barrier:
-    `NAMED_RELEASE_BASE` + slot for keys, + stages + slot for values, the two compute
-    warpgroups arriving and this one waiting). `where`: `(batch, query head, clo, chi, tile)`,
+    released it (on its `consumed` mbarrier). `where`: `(batch, query head, clo, chi, tile)`,
     the steps `[clo, chi)` and `tile` (`tile_of`) the key tile of a step."""
     batch, head, clo, chi, tile = where
     plgpu.set_max_registers(40, action="decrease")
@@ -179,21 +149,15 @@ def _stream_kv(cfg, where, k_ref, v_ref, k_smem, v_smem, loaded, consumed, named
     def _(t):
         slot, reuse = lax.rem(t - clo, jnp.int32(stages)), t - clo >= stages
         rows = (batch, pl.ds(tile(t) * bk, bk), kv_head)
-        for i, (ref, smem, ready, free) in enumerate(
-            zip((k_ref, v_ref), (k_smem, v_smem), loaded, consumed, strict=True)
-        ):
+        for ref, smem, ready, free in zip((k_ref, v_ref), (k_smem, v_smem), loaded, consumed, strict=True):
 
             @pl.when(reuse)
-            def _(free=free, i=i):
-                if named_releases:
-                    named_barrier(
-                        "sync", NAMED_RELEASE_BASE + i * stages + slot, threads=COMPUTE_WGS * 128 + 128
-                    )
-                else:
-                    plgpu.barrier_wait(free.at[slot])
+            def _(free=free):
+                plgpu.barrier_wait(free.at[slot])
 
             plgpu.copy_gmem_to_smem(ref.at[rows], smem.at[slot], ready.at[slot])
 
 
-def _iota(shape, dim):
+def iota(shape, dim):
+    """int32 indices along `dim` of a `shape` tile in the `wgmma` register layout."""
     return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)

@@ -1,4 +1,5 @@
-"""The forward kernel (`forward`): grid, ring, ping-pong and math in `__init__`'s docstring."""
+"""The forward kernel and its launch (`forward`): grid, ring, ping-pong and math in `__init__`'s
+docstring; `check_tiles` refuses the tiles it cannot take."""
 
 from __future__ import annotations
 
@@ -18,25 +19,22 @@ from ..blocks import MOSAIC_GPU_SMEM, mosaic_gpu_smem_bytes
 from .schedules import COMPUTE_WGS, CTA_HI, CTA_LO, LIST, lower, operands, schedule_table
 from .tiles import (
     LOG2E,
-    NAMED_BARRIER_BASE,
-    NAMED_BARRIERS,
-    NAMED_RELEASE_BASE,
+    KernelConfig,
     TileMask,
-    _Cfg,
-    _entry_of,
-    _iota,
-    _stream_kv,
     base2_scores,
-    named_barrier,
+    iota,
     pl,
     plgpu,
+    stream_kv,
+    table_reader,
     tile_of,
     times,
     warpgroup_bounds,
 )
 
 
-def _check_blocks(block_q, block_kv, stages, d):
+def check_tiles(block_q, block_kv, stages, d):
+    """`Unsupported` for forward tiles the kernel cannot take, or that outgrow shared memory."""
     if block_q not in (64, 128):
         raise Unsupported(f"block_q={block_q}: the Mosaic GPU kernel takes 64 or 128 rows per warpgroup")
     if block_kv not in (64, 128, 256):
@@ -51,12 +49,6 @@ def _check_blocks(block_q, block_kv, stages, d):
             f"block_q={block_q}, block_kv={block_kv}, num_stages={stages} at head dim {d} need {need} bytes "
             f"of shared memory, more than {MOSAIC_GPU_SMEM}"
         )
-
-
-def _check(mask, block_q, block_kv, stages, d):
-    """`Unsupported` for block sizes or a mask the kernel cannot take."""
-    _check_blocks(block_q, block_kv, stages, d)
-    lower(mask)  # raises for a mask the kernels cannot evaluate on a tile
 
 
 def _kernel(
@@ -74,12 +66,7 @@ def _kernel(
     cfg,
     mask,
     dtype,
-    handoff,
-    nan_scores,
-    named_barriers=False,
-    named_releases=False,
-    lean=False,
-    overlap=False,
+    overlap,
 ):
     bq, bk, stages = cfg.block_q, cfg.block_kv, cfg.stages
     d = q_ref.shape[-1]
@@ -89,56 +76,41 @@ def _kernel(
     (qo_smem2, k_smem, v_smem, lse_smem2), loaded, consumed, sched_barrier = scoped
     k_loaded, v_loaded, q_loaded = loaded
     k_consumed, v_consumed = consumed
-    at = _entry_of(sched_ref, batch, cfg)
+    at = table_reader(sched_ref, batch, cfg)
     clo, chi = at(cta, CTA_LO), at(cta, CTA_HI)
     tile = tile_of(at, cta, cfg)  # the key tile of step t (the loops below run over steps)
     slot_of = lambda t: lax.rem(t - clo, jnp.int32(stages))  # noqa: E731
 
     # The ping-pong between the two compute warpgroups, in one of two forms. Rendezvous (JAX's
     # kernel): one barrier both warpgroups arrive at and wait on, after issuing `q kᵀ` and before
-    # `p v`. Handoff (FA3's, tokamax's; `handoff=True`): a barrier per warpgroup; after issuing
-    # `q kᵀ` a warpgroup only signals the other's (it goes on to its softmax at once), and before
-    # `p v` it waits on its own, which the other signals after issuing its `q kᵀ`. Every
-    # warpgroup walks the same tiles `[clo, chi)` (its own or released), so the signals pair up,
-    # and a warpgroup is never more than one signal ahead of the other's waits (which the
-    # handoff on hardware named barriers, `named_barriers`, needs: an arrive there is counted,
-    # not queued).
+    # `p v`. The overlap (FA3's; `overlap=True`) hands the tensor cores over on a barrier per
+    # warpgroup: after issuing its products a warpgroup only signals the other's (it goes on to
+    # its softmax at once), and before its next products it waits on its own, which the other
+    # signals after issuing its own. Every warpgroup walks the same tiles `[clo, chi)` (its own
+    # or released), so the signals pair up.
     def rendezvous():
         plgpu.barrier_arrive(sched_barrier)
         plgpu.barrier_wait(sched_barrier)
 
     def signal():  # after issuing q kᵀ
-        if named_barriers:
-            named_barrier("arrive", NAMED_BARRIER_BASE + 1 - wg, threads=COMPUTE_WGS * 128)
-        elif handoff:
+        if overlap:
             plgpu.barrier_arrive(sched_barrier.at[1 - wg])
         else:
             rendezvous()
 
-    def wait_own():  # the handoff: until the other warpgroup has signalled this one
-        if named_barriers:
-            named_barrier("sync", NAMED_BARRIER_BASE + wg, threads=COMPUTE_WGS * 128)
-        else:
-            plgpu.barrier_wait(sched_barrier.at[wg])
+    def wait_own():  # the overlap's handoff: until the other warpgroup has signalled this one
+        plgpu.barrier_wait(sched_barrier.at[wg])
 
-    def await_turn(slot):  # before p v: its value tile, and the tensor cores ours again
-        if not handoff:
-            plgpu.barrier_arrive(sched_barrier)
+    def await_turn(slot):  # the rendezvous, before p v: its value tile, and the tensor cores ours again
+        plgpu.barrier_arrive(sched_barrier)
         plgpu.barrier_wait(v_loaded.at[slot])
-        if handoff:
-            wait_own()
-        else:
-            plgpu.barrier_wait(sched_barrier)
+        plgpu.barrier_wait(sched_barrier)
 
     def free(which, slot):  # this warpgroup is done with the slot's key (0) or value (1) tile
-        if named_releases:
-            index = NAMED_RELEASE_BASE + which * stages + slot
-            named_barrier("arrive", index, threads=COMPUTE_WGS * 128 + 128)
-        else:
-            plgpu.barrier_arrive((k_consumed, v_consumed)[which].at[slot])
+        plgpu.barrier_arrive((k_consumed, v_consumed)[which].at[slot])
 
     def skip_turn():  # a step's pair where a warpgroup runs no products (a released tile)
-        if handoff:
+        if overlap:
             signal()
             wait_own()
         else:
@@ -168,7 +140,7 @@ def _kernel(
         def _():
             plgpu.barrier_wait(k_loaded.at[0])
 
-        if handoff:  # the first turn is warpgroup 0's
+        if overlap:  # the first turn is warpgroup 0's
             pl.when(wg == 1)(wait_own)
         else:
             pl.when(wg == 1)(rendezvous)
@@ -180,12 +152,10 @@ def _kernel(
             """`(m_new, alpha, p)` of the scores `s` (float32, unscaled) of the tile whose keys
             start at `k0`: the new running max, the factor that rescales what came before, the
             probabilities in base 2."""
-            if nan_scores:  # a non-finite score is NaN (before a soft cap's tanh): its row's output is
-                s = jnp.where(jnp.abs(s) < jnp.inf, s, jnp.nan)
             s, c, _ = base2_scores(s, cfg)  # s · c in base-2 units
             if masked:
-                iota = functools.partial(_iota, (bq, bk))
-                qi, kj = q_base + iota(0), k0 + iota(1)
+                grid = functools.partial(iota, (bq, bk))
+                qi, kj = q_base + grid(0), k0 + grid(1)
                 vis = tile_mask.visible(qi, kj, k0, bk, cfg.sk if cfg.sk % bk else None)
                 if vis is not None:
                     s = jnp.where(vis, s, -jnp.inf)
@@ -217,15 +187,12 @@ def _kernel(
             l_i = l_i * alpha
             p16 = p.astype(dtype)
 
-            def end_softmax():
-                await_turn(slot)
-
-            if d <= 128:  # this order measured faster in JAX's kernel for small head dims
+            if d <= 128:  # the row sum before the wait for small head dims (as JAX's kernel)
                 l_i = l_i + p.sum(axis=1)
                 acc, l_i, m_new, p16 = lax.optimization_barrier((acc, l_i, m_new, p16))
-                end_softmax()
+                await_turn(slot)
             else:
-                end_softmax()
+                await_turn(slot)
                 l_i = l_i + p.sum(axis=1)
 
             def pv_product(acc_ref):
@@ -245,7 +212,7 @@ def _kernel(
             wait_next(t)
             return carry
 
-        # `overlap` (FA3's overlap inside a warpgroup, with the handoff): a turn issues tile t's
+        # `overlap` (FA3's overlap inside a warpgroup): a turn issues tile t's
         # q kᵀ and then the previous tile's p v, signals the other warpgroup, waits for q kᵀ
         # alone and runs tile t's softmax while p v still runs; the accumulator is rescaled once
         # that p v is done, tile t's value tile is waited for (its p v is next turn's) and the
@@ -340,9 +307,9 @@ def _kernel(
             l_i = l_i * alpha + jnp.exp2(sink - m_f)
             m_i = m_f
 
-        # a row that saw no key (and no sink) has l = 0: output 0, lse -inf; with `nan_scores` a
-        # NaN sum stays NaN in both (without, the guard keeps non-finite scores away)
-        seen = l_i != 0.0 if nan_scores else l_i > 0.0  # (!= is true for NaN)
+        # a row that saw no key (and no sink) has l = 0: output 0, lse -inf (the guard keeps
+        # non-finite scores away)
+        seen = l_i > 0.0
         inv = jnp.where(seen, 1.0 / jnp.where(seen, l_i, 1.0), 0.0)
         acc = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
         lse = jnp.where(seen, m_i * math.log(2.0) + jnp.log(jnp.where(seen, l_i, 1.0)), -jnp.inf)
@@ -355,20 +322,16 @@ def _kernel(
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(qo_smem, out_ref.at[batch, pl.ds(q_base, bq), head])
         plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[batch, head, pl.ds(q_base, bq)])
-        # `lean`: wait only for the copies to have read shared memory (all the tile's reuse and
-        # the block's exit need), not for their writes to land
-        plgpu.wait_smem_to_gmem(0, wait_read_only=lean)
+        plgpu.wait_smem_to_gmem(0)
         if lo_ref is not None:  # through the same tile, once the output has left it
             qo_smem[...] = lo
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(qo_smem, lo_ref.at[batch, pl.ds(q_base, bq), head])
-            plgpu.wait_smem_to_gmem(0, wait_read_only=lean)
+            plgpu.wait_smem_to_gmem(0)
 
     ring = (k_smem, v_smem, (k_loaded, v_loaded), (k_consumed, v_consumed))
     pl.when(wg == COMPUTE_WGS)(
-        functools.partial(
-            _stream_kv, cfg, (batch, head, clo, chi, tile), k_ref, v_ref, *ring, named_releases=named_releases
-        )
+        functools.partial(stream_kv, cfg, (batch, head, clo, chi, tile), k_ref, v_ref, *ring)
     )
 
 
@@ -384,43 +347,20 @@ def forward(
     num_stages,
     sinks=None,
     logits_soft_cap=None,
-    handoff=False,
-    nan_scores=False,
-    named_barriers=False,
-    named_releases=False,
-    lean=False,
     overlap=False,
     out_lo=False,
-    q_major=False,
 ):
     """`(out [B, Sq, H, D], lse [B, H, Sq] float32)` of the Mosaic GPU kernel; `sinks [H]`
     join the denominator (and `lse`). `out_lo=True` adds a third output, `lo [B, Sq, H, D]`:
     the float32 output less `out`, in `out`'s dtype (for the sinks' cotangent, whose sum over
     the rows of `out · d_out` the rounding of `out` alone would put off by about 2⁻⁹ relative
-    per term). The forms (the package's docstring has their timings): `handoff`, the compute
-    warpgroups' ping-pong as FA3's handoff rather than JAX's rendezvous (`_kernel`); `overlap`
-    (with `handoff`), FA3's softmax of one tile under the previous tile's `p v` in the same warpgroup;
-    `nan_scores`, every visible score that is not finite made NaN, so its row's output and
-    `lse` are NaN (the part of the non-finite rule that `q` and `k` need: a non-finite `v` of a
-    masked key still reaches rows through `0 · NaN`, so the guard stays); `named_barriers`
-    (with `handoff`), the handoff's signals on hardware named barriers (`bar.arrive` /
-    `bar.sync`, as tokamax's kernel) rather than shared-memory mbarriers; `named_releases`, the
-    ring's slots released to the producer on named barriers too (`tiles._stream_kv`); `lean`,
-    the epilogue waiting only for its copies to have read shared memory and no shared memory
-    kept for cross-warp reductions (the forward's are within a warp); `q_major`, the grid's query
-    blocks launched fastest rather than its heads (docs/ops/attention.md has its timing)."""
-    if (named_barriers or overlap) and not handoff:
-        raise ValueError(
-            "named_barriers=True and overlap=True are forms of the handoff: pass handoff=True too"
-        )
-    if named_releases and NAMED_RELEASE_BASE + 2 * num_stages > NAMED_BARRIERS:
-        raise ValueError(
-            f"named_releases=True takes at most {(NAMED_BARRIERS - NAMED_RELEASE_BASE) // 2} stages"
-        )
+    per term). `overlap`: the compute warpgroups' ping-pong as FA3's overlap (a tile's softmax
+    under the previous tile's `p v`, the tensor cores handed over on a barrier per warpgroup)
+    rather than JAX's rendezvous (`AttentionBlockSizes.ping_pong`)."""
     b, sq, h, d = q.shape
     sk, kvh = k.shape[1], k.shape[2]
-    _check(mask, block_q, block_kv, num_stages, d)
-    lowered, leaves = lower(mask)
+    check_tiles(block_q, block_kv, num_stages, d)
+    lowered, leaves = lower(mask)  # raises for a mask the kernels cannot evaluate on a tile
     sqp, skp = cdiv(sq, COMPUTE_WGS * block_q) * COMPUTE_WGS * block_q, cdiv(sk, block_kv) * block_kv
     table = schedule_table(mask, sq, sk, block_q, block_kv, b)
     mask_ops = operands(leaves, b, sqp, skp)
@@ -429,7 +369,7 @@ def forward(
     qp, kp, vp = pad(q, sqp), pad(k, skp), pad(v, skp)
     blocks = sqp // (COMPUTE_WGS * block_q)
     cap = None if logits_soft_cap is None else float(logits_soft_cap)
-    cfg = _Cfg(
+    cfg = KernelConfig(
         block_q,
         block_kv,
         num_stages,
@@ -448,11 +388,6 @@ def forward(
         cfg=cfg,
         mask=lowered,
         dtype=q.dtype,
-        handoff=handoff,
-        nan_scores=nan_scores,
-        named_barriers=named_barriers,
-        named_releases=named_releases,
-        lean=lean,
         overlap=overlap,
     )
 
@@ -476,7 +411,7 @@ def forward(
                 plgpu.Barrier(num_barriers=COMPUTE_WGS),
             ),
             (plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=num_stages),) * 2,
-            plgpu.Barrier(num_barriers=COMPUTE_WGS) if handoff else plgpu.Barrier(num_arrivals=COMPUTE_WGS),
+            plgpu.Barrier(num_barriers=COMPUTE_WGS) if overlap else plgpu.Barrier(num_arrivals=COMPUTE_WGS),
             collective_axes="wg",
         )
 
@@ -484,16 +419,13 @@ def forward(
     outs = plgpu.kernel(
         entry,
         out_type=out_type + out_type[:1] if out_lo else out_type,
-        # the grid's first axis is the one the GPU launches fastest: heads, or (`q_major`) query
-        # blocks, so that the blocks running at once share a head's keys and values in L2 (not
-        # faster on the H200: docs/ops/attention.md)
-        grid=(blocks, h, b) if q_major else (h, blocks, b),
-        grid_names=("q_seq", "heads", "batch") if q_major else ("heads", "q_seq", "batch"),
+        # the grid's first axis is the one the GPU launches fastest: the blocks running at once
+        # spread over the heads
+        grid=(h, blocks, b),
+        grid_names=("heads", "q_seq", "batch"),
         num_threads=COMPUTE_WGS + 1,
         thread_name="wg",
-        compiler_params=plgpu.CompilerParams(
-            approx_math=True, **({"reduction_scratch_bytes": 0} if lean else {})
-        ),
+        compiler_params=plgpu.CompilerParams(approx_math=True),
         kernel_name="axkern_attention_mosaic_gpu_fwd",
     )(qp, kp, vp, table, sink_arr, *mask_ops)
     out, lse, *lo = outs
