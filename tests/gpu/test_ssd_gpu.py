@@ -53,17 +53,16 @@ def _hopper() -> bool:
 
 
 # mosaic_gpu's forms (SSDBlockSizes after the chunk): the forward, where dB and dC are summed,
-# who transposes x and y, the state backward, the chunk-scan backward (the default at P 128: the
-# sixth, the seventh where XLA_FLAGS asks for deterministic results; the eighth with the lean
-# chunk-scan backward too, which takes P 64 only: the tests give the others the whole one; then
-# three with the lean fused state backward, whole and over the state's columns (with the group
+# who transposes x and y, the state backward, the chunk-scan backward (the default at P 128:
+# "default", "deterministic" where XLA_FLAGS asks for deterministic results; "lean_both" with the
+# lean chunk-scan backward too, which takes P 64 only: the tests give the others the whole one;
+# then three with the fused state backward, whole and over the state's columns (with the group
 # sums and without); the last, the default at P 64, with dg summed per group and the lean
-# chunk-scan backward, whose dims without it take the sixth)
+# chunk-scan backward, whose dims without it take "default")
 FORMS = [
     ("stages",),
     ("fused",),
     ("fused", "kernels", "kernels"),
-    ("fused", "kernels", "kernels", "fused"),
     ("fused", "kernels", "kernels", None, "lean"),
     ("lean", "kernels", "kernels"),
     ("lean", None, "kernels"),
@@ -94,7 +93,6 @@ def _check_mosaic(arrays, seg, blocks):
         "stages",
         "fused",
         "whole",
-        "fused_backward",
         "lean",
         "default",
         "deterministic",
@@ -192,7 +190,7 @@ def _kernel_inputs(kernel, b, h, g, chunks, p, n, split=False, chunk=None, slow=
     chunk's early positions still reach its late ones."""
     import jax.numpy as jnp
 
-    from axkern.ops.ssd import mosaic_gpu
+    from axkern.ops.chunked import mosaic_gpu
 
     length = chunks * (chunk or mosaic_gpu.CHUNK)
     k = jax.random.split(jax.random.PRNGKey(7), 8)
@@ -222,7 +220,7 @@ def _against_emulation(kernel, args, chunk=None, lean=False, scores=False):
 
     import numpy as np
 
-    from axkern.ops.ssd import mosaic_gpu
+    from axkern.ops.chunked import mosaic_gpu
 
     kw, emulated = ({}, {}) if chunk is None else ({"chunk": chunk}, {"q": chunk})
     if lean:  # (the same arithmetic as the whole kernel's)
@@ -281,7 +279,7 @@ def test_mosaic_gpu_kernels_equal_their_emulation(kernel, dims, split):
 @pytest.mark.parametrize("slow", [False, True])
 @pytest.mark.parametrize("scores", [False, True], ids=["whole_sums", "scores"])
 def test_mosaic_gpu_lean_scan_backward_equals_its_emulation(dims, slow, scores):
-    # the lean chunk-scan backward (every result through the staging tile, `kernels.STAGES`, the
+    # the lean chunk-scan backward (every result through the staging tile, `tiles.STAGE`, the
     # state's low half in M's tiles until C S_inᵀ has read it) against its arithmetic in XLA;
     # `scores`: dg summed over each group's heads in dB's place, dC without dg B, per group
     args = _kernel_inputs("chunk_scan_bwd", *dims, slow=slow)
@@ -292,14 +290,14 @@ def test_mosaic_gpu_lean_scan_backward_equals_its_emulation(dims, slow, scores):
 @pytest.mark.parametrize("kernel", ["chunk_state_bwd", "chunk_scan_bwd"])
 @pytest.mark.parametrize("dims, angles", [((2, 4, 2, 3, 64, 128), 32), ((1, 3, 1, 2, 64, 128), 64)])
 def test_mosaic_gpu_backward_kernels_turn_back_by_the_angles(kernel, dims, angles):
-    # given the angles a rotation turned B and C by (Mamba-3's, `rotation.py`), the two backward
+    # given the angles a rotation turned B and C by (Mamba-3's, `operands.py`), the two backward
     # kernels return dB, dC turned back by -Θ: their emulation's, turned in XLA; the other
     # outputs as without the angles (the columns past the angles' pass through)
     import jax.numpy as jnp
     import numpy as np
 
-    from axkern.ops.ssd import mosaic_gpu
-    from axkern.ops.chunked.mosaic_gpu.rotation import rotate_halves
+    from axkern.ops.chunked import mosaic_gpu
+    from axkern.ops.chunked.mosaic_gpu.operands import rotate_halves
 
     args = _kernel_inputs(kernel, *dims, split=True)
     b, h, _, _, _, n = dims
@@ -362,8 +360,8 @@ def _fused_against_stages(dims, boundaries, split, chunk=64, lean=False, y16=Fal
     import jax.numpy as jnp
     import numpy as np
 
-    from axkern.ops.ssd import mosaic_gpu
-    from axkern.ops.chunked.kernels import _weights
+    from axkern.ops.chunked import mosaic_gpu
+    from axkern.ops.chunked.kernel_scan import chunk_weights
 
     b, h, g, chunks, p, n = dims
     q, length = chunk, chunks * chunk
@@ -376,7 +374,7 @@ def _fused_against_stages(dims, boundaries, split, chunk=64, lean=False, y16=Fal
     ac = (-0.01 * dt * jnp.exp(0.3 * jax.random.normal(k[4], (h,)))[None, :, None]).reshape(b, h, chunks, q)
     seg = jnp.cumsum(jax.random.bernoulli(k[5], boundaries, (b, length)), axis=1).astype(jnp.int32)
     s0 = jax.random.normal(k[6], (b, h, p, n))
-    cum, w, f, keep = _weights(ac, dt.reshape(b, h, chunks, q), seg.reshape(b, chunks, q))
+    cum, w, f, keep = chunk_weights(ac, dt.reshape(b, h, chunks, q), seg.reshape(b, chunks, q))
     assert float(keep.max()) > 0.1  # the carried state matters
     col = lambda a: a.reshape(b, h, -1)  # noqa: E731
     layout = mosaic_gpu.MosaicLayout(x, bt, q=q, interpret=False, products=jnp.bfloat16)
@@ -444,8 +442,8 @@ def test_mosaic_gpu_non_finite_rule(where):
         ("stages", "kernels"),
         ("fused", None, "kernels"),
         ("stages", None, "kernels"),
-        ("fused", None, None, "fused"),
-        ("stages", "kernels", "kernels", "fused"),
+        ("fused", None, None, "lean"),
+        ("stages", "kernels", "kernels", "lean"),
     ],
 )
 @pytest.mark.parametrize("dims", MOSAIC_DIMS)
@@ -471,8 +469,8 @@ def test_mosaic_gpu_forms_equal_the_plain_form(dims, form):
             # (the chunk-state backward kernel adds them in registers); the fused state backward
             # sums d keep in another order, which the decay's gradients (A, dt, dt_bias:
             # differences of large sums) carry further
-            rtol = 2.0**-7 if name in ("B", "C") or (name == "x" and form[3:] == ("fused",)) else 0.0
-            decay = form[3:] == ("fused",) and name in ("A", "dt", "dt_bias")
+            rtol = 2.0**-7 if name in ("B", "C") or (name == "x" and form[3:] == ("lean",)) else 0.0
+            decay = form[3:] == ("lean",) and name in ("A", "dt", "dt_bias")
             atol = (1e-4 if decay else 1e-6) * np.abs(w).max()
             np.testing.assert_allclose(g, w, rtol=rtol, atol=atol, err_msg=name)
 
@@ -514,18 +512,18 @@ def test_mosaic_gpu_forward_alone_equals_the_differentiated_one(dims, extras):
 
 
 @pytest.mark.skipif(not _hopper(), reason="the Mosaic GPU kernels need a Hopper GPU")
-@pytest.mark.parametrize("form", ["fused", "lean", "columns"])
+@pytest.mark.parametrize("form", ["lean", "columns"])
 @pytest.mark.parametrize("group_sums,positions_first", [(False, False), (True, False), (False, True)])
 @pytest.mark.parametrize("dims", [(2, 4, 2, 3, 64, 128), (1, 2, 1, 1, 128, 64), (1, 4, 1, 5, 64, 64)])
 def test_mosaic_gpu_fused_state_backward_equals_the_two_kernels(dims, group_sums, positions_first, form):
-    # the fused kernel (or its lean form, or the lean one a block per 64 of the state's columns,
-    # adding dx onto a given one) against the reverse recurrence (Triton) and the chunk-state
+    # the fused kernel (whole, or a block per 64 of the state's columns, adding dx onto a given
+    # one) against the reverse recurrence (Triton) and the chunk-state
     # backward (Mosaic) on the same random inputs, with carries of 0.1-0.9 so that the gradient
     # crossing chunk boundaries matters; one chunk, x in the caller's layout, dB summed per group
     import jax.numpy as jnp
     import numpy as np
 
-    from axkern.ops.ssd import mosaic_gpu
+    from axkern.ops.chunked import mosaic_gpu
 
     b, h, g, chunks, p, n = dims
     q, length = mosaic_gpu.CHUNK, chunks * mosaic_gpu.CHUNK
@@ -547,7 +545,7 @@ def test_mosaic_gpu_fused_state_backward_equals_the_two_kernels(dims, group_sums
     dx_in = jax.random.normal(k[0], (b, h, length, p))
     want[0] = want[0] + dx_in
     xs = jnp.swapaxes(x, 1, 2) if positions_first else x
-    kw = dict(lean=form != "fused", columns=n // 64 if form == "columns" else 1)
+    kw = dict(columns=n // 64 if form == "columns" else 1)
     fused = jax.jit(
         lambda *a: mosaic_gpu.fused_state_bwd(
             *a, group_sums=group_sums, positions_first=positions_first, **kw
@@ -559,7 +557,7 @@ def test_mosaic_gpu_fused_state_backward_equals_the_two_kernels(dims, group_sums
         got[0] = jnp.swapaxes(got[0], 1, 2)
     if group_sums:
         want[2] = want[2].reshape(b, g, h // g, length, n).sum(2)
-    # dB = (w ∘ x) dS takes dS rounded once to bf16 (`tiled.rounds_once`): the two routes' dS
+    # dB = (w ∘ x) dS takes dS rounded once to bf16 (`body.rounds_once`): the two routes' dS
     # differ in float32's last bits (their recurrences add in other orders), so an element may
     # round the other way and move dB by a bf16 step of one term (measured on the H200: 1.1e-5
     # of dB's largest value); the other gradients take dS as two halves

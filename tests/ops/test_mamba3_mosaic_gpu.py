@@ -4,7 +4,7 @@ lower for CUDA in both forward forms, its arithmetic (`chunked.mosaic_gpu.Emulat
 kernels' roundings, `q`, `k` as the same halves, exact products) holds the oracle rule through the
 whole layer, the halves hold what they should, and the dispatcher refuses what the kernels cannot
 take, with the reason. The forward nothing differentiates turns q and k in its kernel
-(`chunked/mosaic_gpu/rotation.py`): it lowers so, and what runs around it (the state's columns
+(`chunked/mosaic_gpu/operands.py`): it lowers so, and what runs around it (the state's columns
 reordered, the rotation's operand, its halves by the Triton kernel `rotated_parts` in interpret
 mode, the rotation's backward in XLA) holds the oracle rule with the kernels' arithmetic."""
 
@@ -19,16 +19,19 @@ import numpy as np
 import pytest
 
 import axkern
-from axkern.ops.mamba3 import OP, Mamba3BlockSizes, mosaic_gpu
-from axkern.ops.mamba3 import common as mamba3_common
-from axkern.ops.mamba3 import pallas_gpu as mamba3_pallas_gpu
 from axkern.ops.chunked import mosaic_gpu as ssd_mosaic
+from axkern.ops.chunked.mosaic_gpu import operands
+from axkern.ops.chunked.mosaic_gpu import rotation_kernel as parts_kernel
+from axkern.ops.mamba3 import OP, Mamba3BlockSizes, mosaic_gpu
+from axkern.ops.mamba3 import pallas_gpu as mamba3_pallas_gpu
+from axkern.ops.mamba3.common import kernel_core as mamba3_kernel_core
+from axkern.ops.mamba3.common import rotation as mamba3_rotation
 from tests.cases.mamba3 import call, make, run
 from tests.harness import check_rule
 
 needs_mosaic = pytest.mark.skipif(
-    ssd_mosaic.kernels._IMPORT_ERROR is not None,
-    reason=f"Pallas Mosaic GPU: {ssd_mosaic.kernels._IMPORT_ERROR}",
+    ssd_mosaic.IMPORT_ERROR is not None,
+    reason=f"Pallas Mosaic GPU: {ssd_mosaic.IMPORT_ERROR}",
 )
 
 
@@ -133,7 +136,7 @@ def test_the_kernels_arithmetic_holds_the_oracle_rule_through_the_layer(monkeypa
 
 def _emulate(monkeypatch, layout):
     """`pallas_gpu`'s layer with its chunk kernels replaced by `layout`'s."""
-    original = mamba3_common.kernel_core
+    original = mamba3_kernel_core.kernel_core
     monkeypatch.setattr(mamba3_pallas_gpu, "kernel_core", lambda _layout, **kw: original(layout, **kw))
 
 
@@ -157,7 +160,7 @@ def _h200_spec(head_dim=64, state=128, dtype="bfloat16", rank=1, mimo=False):
 
 
 def test_it_refuses_what_the_kernels_cannot_take_with_the_reason():
-    if ssd_mosaic.kernels._IMPORT_ERROR is None:
+    if ssd_mosaic.IMPORT_ERROR is None:
         assert mosaic_gpu.supports(_h200_spec()) is None
     assert "MIMO" in mosaic_gpu.supports(_h200_spec(rank=2, mimo=True))
     assert "Hopper" in mosaic_gpu.supports(
@@ -231,7 +234,7 @@ def test_a_rotated_operand_is_the_rotation_and_its_backward_is_autodiffs():
 
     def plain(u, bias, theta):
         w = jnp.repeat(u.astype(jnp.float32), h // g, axis=1) + bias[:, None]
-        return mamba3_common.rotate(w, theta, True)
+        return mamba3_rotation.rotate(w, theta, True)
 
     op = ssd_mosaic.RotatedOperand(u, bias, theta)
     assert op.shape == (b, h, length, n)
@@ -269,18 +272,17 @@ def test_the_parts_kernel_forms_the_halves_of_the_rotation(monkeypatch, n, a):
     op = ssd_mosaic.RotatedOperand(u, bias, theta, same_angles=True)
     other = ssd_mosaic.RotatedOperand(u[:, ::-1], bias[::-1] * 2, theta, same_angles=True)
     assert ssd_mosaic.parts_kernel_reason(op, other) is None
-    rotation = ssd_mosaic.rotation
-    assert rotation.turned_columns(13, 32) == 16 and rotation.turned_columns(32, 64) == 32
-    assert rotation.turned_columns(13, 64) == 32 and rotation.turned_columns(40, 64) == 64
+    assert parts_kernel.turned_columns(13, 32) == 16 and parts_kernel.turned_columns(32, 64) == 32
+    assert parts_kernel.turned_columns(13, 64) == 32 and parts_kernel.turned_columns(40, 64) == 64
     alone = ssd_mosaic.rotated_parts(op, interpret=True)
-    both = ssd_mosaic.rotated_parts(op, other, interpret=True, rows=64, warps=8)
-    for x, y in zip(alone, both[:2], strict=True):  # one operand or two, any tiles: the same halves
+    both = ssd_mosaic.rotated_parts(op, other, interpret=True)
+    for x, y in zip(alone, both[:2], strict=True):  # one operand or two: the same halves
         np.testing.assert_array_equal(np.float32(x), np.float32(y))
     # one kernel for both where both turn by the same angles (`parts_with`), else one each
     calls = []
-    original = rotation.rotated_parts
+    original = parts_kernel.rotated_parts
     monkeypatch.setattr(
-        rotation, "rotated_parts", lambda *o, **kw: calls.append(len(o)) or original(*o, **kw)
+        operands, "rotated_parts", lambda *o, **kw: calls.append(len(o)) or original(*o, **kw)
     )
     paired = op.parts_with(other, True, kernel=True, interpret=True)
     np.testing.assert_array_equal(np.float32(paired[1].hi), np.float32(both[2]))

@@ -21,11 +21,15 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from axkern.ops.chunked.mosaic_gpu import backward as B
+from axkern.ops.chunked.mosaic_gpu import body as Bo
 from axkern.ops.chunked.mosaic_gpu import emulate as E
 from axkern.ops.chunked.mosaic_gpu import forward as F
 from axkern.ops.chunked.mosaic_gpu import forward_lean as FL
-from axkern.ops.chunked.mosaic_gpu import kernels as K
+from axkern.ops.chunked.mosaic_gpu import forward_tiled as FT
+from axkern.ops.chunked.mosaic_gpu import operands, sizes, tiles
+from axkern.ops.chunked.mosaic_gpu import scan as Sc
+from axkern.ops.chunked.mosaic_gpu import scan_backward as SB
+from axkern.ops.chunked.mosaic_gpu import state as St
 from axkern.ops.chunked.mosaic_gpu import tiled as T
 
 
@@ -217,7 +221,10 @@ class _Barriers:
     at = _At()
 
 
-def install_shim(monkeypatch, modules=(K, T, B, F, FL)):
+MODULES = (Bo, T, Sc, SB, St, F, FL, FT)  # the kernels' modules the shim replaces Mosaic GPU in
+
+
+def install_shim(monkeypatch, modules=MODULES):
     """The shim in place of Mosaic GPU in the kernels' `modules` (restored by `monkeypatch`);
     the shim's state, fresh."""
     global ST
@@ -234,7 +241,7 @@ def install_shim(monkeypatch, modules=(K, T, B, F, FL)):
         monkeypatch.setattr(m, "plgpu", _Plgpu)
         monkeypatch.setattr(m, "lax", lax_shim)
         monkeypatch.setattr(m, "pl", types.SimpleNamespace(ds=_DS, when=_when, run_state=_run_state))
-        for name, fn in (("mosaic_gpu_load", _load), ("_products", _products)):
+        for name, fn in (("mosaic_gpu_load", _load), ("products", _products)):
             if hasattr(m, name):
                 monkeypatch.setattr(m, name, fn)
     monkeypatch.setattr(T, "_load", lambda ref, rows, layout: _load(ref.at[rows], layout=layout))
@@ -276,14 +283,14 @@ def _errors(q, b=1, h=2, g=1, c=2, p=64, n=64, wide=True, add=False, split=False
     """Each kernel's largest difference from its emulation (relative to the emulation's largest
     magnitude) at chunks of `q`: the scan, its backward, the state and the state backward.
     `split`: `B`, `C` float32, which the kernels take as two bf16 halves each (Mamba-3's).
-    `lean`: the lean scan backward (`backward.lean_reason`); `scores` (lean, `add`): `dg` summed per
+    `lean`: the lean scan backward (`scan_backward.lean_reason`); `scores` (lean, `add`): `dg` summed per
     group in `dB`'s place, `dC` without `dg B` (`group_scores.py`)."""
     length, f32, bf16 = c * q, np.float32, jnp.bfloat16
     k = jax.random.split(jax.random.PRNGKey(0), 8)
     x = jax.random.normal(k[0], (b, h, length, p)).astype(bf16)
     bt, ct = (jax.random.normal(k[i], (b, g, length, n)) for i in (1, 2))
     bt, ct = (bt, ct) if split else (bt.astype(bf16), ct.astype(bf16))
-    bp, cp = K.operand_parts(bt), K.operand_parts(ct)  # the kernels' parts
+    bp, cp = operands.operand_parts(bt), operands.operand_parts(ct)  # the kernels' parts
     parts = len(bp)
     dt = jax.nn.softplus(jax.random.normal(k[3], (b, h, length)))
     cum = jnp.cumsum((-dt * 0.01).reshape(b, h, c, q), -1).reshape(b, h, length)  # slow: every tile weighs
@@ -292,13 +299,13 @@ def _errors(q, b=1, h=2, g=1, c=2, p=64, n=64, wide=True, add=False, split=False
     dy = jax.random.normal(k[7], (b, h, length, p))
     dy = dy if wide else dy.astype(bf16)
     f, w = jnp.exp(cum), jnp.exp(cum) * dt
-    kw = dict(rep=h // g, dtype=bf16, rows_of=K._indexer(False))
+    kw = dict(rep=h // g, dtype=bf16, rows_of=tiles.rows_indexer(False))
     got, want = {}, {}
     (got["y"],) = _run(
-        functools.partial(K._scan_kernel, add=False, **kw),
+        functools.partial(Sc._scan_kernel, add=False, **kw),
         (x, dt, cum, f, seg, bp, cp, states),
         [np.zeros((b, h, length, p), f32)],
-        K._tiles("scan", p, n, parts=parts, q=q),
+        sizes.kernel_tiles("scan", p, n, parts=parts, q=q),
         (b, h, c),
     )
     want["y"] = E.emulate_chunk_scan(x, dt, cum, f, seg, bt, ct, states, q)
@@ -308,12 +315,12 @@ def _errors(q, b=1, h=2, g=1, c=2, p=64, n=64, wide=True, add=False, split=False
     if scores:
         outs[5] = np.zeros((b, g, c, q, q), f32)
     form = {"tiled": True} if q != 64 else ({"lean": True, "dg_sums": scores} if lean else {})
-    body = functools.partial(B._scan_bwd_kernel, add=add, **kw, **form)
+    body = functools.partial(SB._scan_bwd_kernel, add=add, **kw, **form)
     grads = _run(
         body,
         (dy, x, dt, cum, f, seg, bp, cp, states),
         outs,
-        K._tiles("scan_bwd_lean" if lean else "scan_bwd", p, n, parts=parts, q=q),
+        sizes.kernel_tiles("scan_bwd_lean" if lean else "scan_bwd", p, n, parts=parts, q=q),
         (b, h, c),
     )
     emulated = E.emulate_chunk_scan_bwd(
@@ -325,10 +332,10 @@ def _errors(q, b=1, h=2, g=1, c=2, p=64, n=64, wide=True, add=False, split=False
         got[name], want[name] = (grads[i], (e.reshape(b, g, h // g, length, n).sum(2) if summed else e))
     outs = [np.zeros((b, h, length, p), f32), np.zeros((b, h, length), f32), np.zeros((b, h, length, n), f32)]
     body = functools.partial(
-        B._state_bwd_kernel, add=False, adds_dx=False, **kw, **({"blocks": q // 64} if q != 64 else {})
+        St._state_bwd_kernel, add=False, adds_dx=False, **kw, **({"blocks": q // 64} if q != 64 else {})
     )
-    tiles = K._tiles("state_bwd", p, n, parts=parts)
-    state_grads = _run(body, (x, w, bp, states), outs, tiles, (b, h, length // 64))
+    state_tiles = sizes.kernel_tiles("state_bwd", p, n, parts=parts)
+    state_grads = _run(body, (x, w, bp, states), outs, state_tiles, (b, h, length // 64))
     for name, gv, wv in zip(
         ("state dx", "state dw", "state dB"),
         state_grads,
@@ -337,10 +344,10 @@ def _errors(q, b=1, h=2, g=1, c=2, p=64, n=64, wide=True, add=False, split=False
     ):
         got[name], want[name] = gv, wv
     (got["state"],) = _run(
-        functools.partial(K._state_kernel, add=False, **kw),
+        functools.partial(St._state_kernel, add=False, **kw),
         (x, w, bp),
         [np.zeros((b, c, h, p, n), f32)],
-        K._tiles("state", p, n, parts=parts, q=q),
+        sizes.kernel_tiles("state", p, n, parts=parts, q=q),
         (b, h, c),
     )
     want["state"] = E.emulate_chunk_state(x, w, bt, q)
@@ -363,8 +370,8 @@ def _errors(q, b=1, h=2, g=1, c=2, p=64, n=64, wide=True, add=False, split=False
         dict(q=128, h=4, g=2, add=True),  # dB, dC added into each group's rows
         dict(q=64, split=True),  # float32 B, C as halves: every product over both (`rounds_once`)
         dict(q=64, split=True, n=128, wide=False),
-        # the lean scan backward: every result through the staging tile (`kernels.STAGES`: one
-        # 64 x 64; two 64 x 32 in the test below), the state's low half in M's tiles
+        # the lean scan backward: every result through the staging tile (`tiles.STAGE`, 64 x 64),
+        # the state's low half in M's tiles
         dict(q=64, lean=True),
         dict(q=64, lean=True, n=128, wide=False),
         dict(q=64, lean=True, n=128, h=4, g=2, add=True),
@@ -391,24 +398,6 @@ def test_the_shim_sees_a_planted_error(shim, monkeypatch):
     monkeypatch.setattr(_Plgpu, "commit_smem", staticmethod(lambda: None))
     _errors(q=128)
     assert any("without commit_smem" in h for h in shim.hazards)
-
-
-@pytest.mark.parametrize("case", [dict(n=128), dict(n=128, h=4, g=2, add=True), dict(n=64)], ids=str)
-def test_the_lean_kernels_send_through_two_staging_tiles_in_turn(shim, monkeypatch, case):
-    # `_staged` with two 64 x 32 tiles (`kernels.STAGES` holds one 64 x 64): a block's store
-    # while the copy before it is in flight, each tile waited for before it is written again
-    monkeypatch.setattr(K, "STAGES", [((64, 32), np.float32)] * 2)
-    monkeypatch.setattr(FL, "STAGES", K.STAGES)
-    errors = _errors(q=64, lean=True, **case)
-    assert max(errors.values()) <= 1e-5, errors
-    assert not shim.hazards, sorted(set(shim.hazards))
-    fused = _fused_errors(q=64, lean=True, **{k: v for k, v in case.items() if k != "add"})
-    assert max(fused.values()) <= 1e-5, fused
-    assert not shim.hazards, sorted(set(shim.hazards))
-    # with every wait left out, a tile is written while its copy may still read it
-    monkeypatch.setattr(_Plgpu, "wait_smem_to_gmem", staticmethod(lambda n, wait_read_only=False: None))
-    _errors(q=64, lean=True, **case)
-    assert any("while a TMA store may read it" in h for h in shim.hazards)
 
 
 def test_the_shim_sees_the_lean_staging_tile_rewritten_in_flight(shim, monkeypatch):
@@ -456,7 +445,7 @@ def _fused_errors(
     y_shape = (b, length, h, p) if positions_first else (b, h, length, p)
     y_out = np.zeros(y_shape, ml_dtypes.bfloat16 if y16 else f32)
     outs = [y_out] + [np.zeros((b, c, h, p, n), f32)] * states + [np.zeros((b, h, p, n), f32)]
-    kernel = F.forward_tiled_kernel if q != 64 else (FL.forward_lean_kernel if lean else F._forward_kernel)
+    kernel = FT.forward_tiled_kernel if q != 64 else (FL.forward_lean_kernel if lean else F._forward_kernel)
     body = functools.partial(kernel if states else functools.partial(F._without_states, kernel=kernel))
     got = _run(
         functools.partial(
@@ -464,7 +453,7 @@ def _fused_errors(
             rep=h // g,
             dtype=bf16,
             add=False,
-            rows_of=K._indexer(positions_first),
+            rows_of=tiles.rows_indexer(positions_first),
             chunks=c,
             clean_x=clean_x,
         ),

@@ -17,24 +17,25 @@ import numpy as np
 import pytest
 
 import axkern
+from axkern.ops.chunked import kernel_scan
+from axkern.ops.chunked import mosaic_gpu as engine
+from axkern.ops.chunked.mosaic_gpu import forward as mosaic_forward
+from axkern.ops.chunked.mosaic_gpu import sizes, tiles
+from axkern.ops.chunked.mosaic_gpu.forward_lean import lean_forward_tiles
 from axkern.ops.ssd import OP, SSDBlockSizes, mosaic_gpu
 from axkern.ops.ssd.api import prepared_dt
-from axkern.ops.chunked import kernels as chunk_kernels
-from axkern.ops.chunked.mosaic_gpu import forward as mosaic_forward
-from axkern.ops.chunked.mosaic_gpu import kernels as mosaic_kernels
-from axkern.ops.chunked.mosaic_gpu.forward_lean import lean_forward_tiles
 from tests.cases.ssd import make, run
 from tests.harness import check_rule, jit
 from tests.helpers import equations
 
 needs_mosaic = pytest.mark.skipif(
-    mosaic_gpu._IMPORT_ERROR is not None, reason=f"Pallas Mosaic GPU: {mosaic_gpu._IMPORT_ERROR}"
+    engine.IMPORT_ERROR is not None, reason=f"Pallas Mosaic GPU: {engine.IMPORT_ERROR}"
 )
 
 
 def _kernel_args(kernel, b, h, g, chunks, p, n):
     """Shapes of one Mosaic kernel's arguments (bf16 rows, float32 vectors and states)."""
-    length, f32, bf16, S = chunks * mosaic_gpu.CHUNK, jnp.float32, jnp.bfloat16, jax.ShapeDtypeStruct
+    length, f32, bf16, S = chunks * engine.CHUNK, jnp.float32, jnp.bfloat16, jax.ShapeDtypeStruct
     x, vector, bc = S((b, h, length, p), bf16), S((b, h, length), f32), S((b, g, length, n), bf16)
     states, dy = S((b, chunks, h, p, n), f32), S((b, h, length, p), f32)
     if kernel == "fused_forward":  # x, w, dt, cum, f, keep, seg, B, C, the initial state
@@ -57,7 +58,7 @@ def _kernels(text):
 @pytest.mark.parametrize("dims", [(2, 4, 2, 3, 64, 128), (1, 2, 1, 2, 128, 64), (1, 2, 2, 1, 64, 64)])
 def test_each_kernel_lowers_for_cuda(kernel, dims):
     # batch, heads, groups, chunks, head dim, state: the sizes the kernels serve
-    fn = getattr(mosaic_gpu, kernel)
+    fn = getattr(engine, kernel)
     text = jax.jit(fn).trace(*_kernel_args(kernel, *dims)).lower(lowering_platforms=("cuda",)).as_text()
     assert _kernels(text) == 1
 
@@ -75,13 +76,13 @@ def test_the_kernels_lower_at_larger_chunks(kernel, chunk, dims):
     # (the scan's and the fused forward's at 256 but at P and N 64; the scan backward's also at
     # 128 with P 128, by 2 KiB)
     b, h, g, c, p, n = dims
-    args = list(_kernel_args(kernel, b, h, g, c * chunk // mosaic_gpu.CHUNK, p, n))
+    args = list(_kernel_args(kernel, b, h, g, c * chunk // engine.CHUNK, p, n))
     states = jax.ShapeDtypeStruct((b, c, h, p, n), jnp.float32)
     if kernel == "fused_forward":  # a carry per chunk
         args[5] = jax.ShapeDtypeStruct((b, h, c), jnp.float32)
     elif kernel != "chunk_state":
         args[{"chunk_state_bwd": 3, "chunk_scan": 7, "chunk_scan_bwd": 8}[kernel]] = states
-    fn = functools.partial(getattr(mosaic_gpu, kernel), chunk=chunk)
+    fn = functools.partial(getattr(engine, kernel), chunk=chunk)
     too_big = kernel in ("chunk_scan", "chunk_scan_bwd", "fused_forward") and chunk == 256 and max(p, n) > 64
     if too_big or (kernel == "chunk_scan_bwd" and chunk == 128 and p == 128):
         with pytest.raises(axkern.Unsupported, match=f"chunk={chunk}.*shared memory"):
@@ -100,7 +101,7 @@ def test_the_kernels_lower_at_larger_chunks(kernel, chunk, dims):
 def test_a_chunk_not_a_multiple_of_64_is_refused():
     args = _kernel_args("chunk_state", 1, 2, 1, 3, 64, 64)
     with pytest.raises(ValueError, match="chunk=96"):
-        mosaic_gpu.chunk_state(*args, chunk=96)
+        engine.chunk_state(*args, chunk=96)
 
 
 @needs_mosaic
@@ -111,10 +112,10 @@ def test_the_state_backward_kernel_adds_the_scans_dx(group_sums, positions_first
     b, h, g, chunks, p, n = 2, 4, 2, 3, 64, 128
     xt, w, bt, d_own = _kernel_args("chunk_state_bwd", b, h, g, chunks, p, n)
     if positions_first:
-        xt = jax.ShapeDtypeStruct((b, chunks * mosaic_gpu.CHUNK, h, p), xt.dtype)
+        xt = jax.ShapeDtypeStruct((b, chunks * engine.CHUNK, h, p), xt.dtype)
     dx_in = jax.ShapeDtypeStruct(xt.shape, jnp.float32)
     kw = dict(group_sums=group_sums, positions_first=positions_first)
-    fn = lambda *a: mosaic_gpu.chunk_state_bwd(*a, **kw)  # noqa: E731
+    fn = lambda *a: engine.chunk_state_bwd(*a, **kw)  # noqa: E731
     dx, dw, db = jax.eval_shape(fn, xt, w, bt, d_own, dx_in)
     assert (dx.shape, dx.dtype, dw.dtype) == (xt.shape, jnp.bfloat16, jnp.float32)
     assert jax.eval_shape(fn, xt, w, bt, d_own)[0].dtype == jnp.float32
@@ -132,11 +133,11 @@ def test_the_backward_kernels_lower_with_group_sums(kernel, dims):
     # dB (and dC) added into each group's rows: the outputs are [b, g, L, N], the buffers of the
     # zeros passed in; every output is a buffer the kernel writes in place (aliased), the others
     # allocated uninitialised
-    fn = functools.partial(getattr(mosaic_gpu, kernel), group_sums=True)
+    fn = functools.partial(getattr(engine, kernel), group_sums=True)
     args = _kernel_args(kernel, *dims)
     b, h, g, chunks, p, n = dims
     outs = jax.eval_shape(fn, *args)
-    assert outs[2 if kernel == "chunk_state_bwd" else 5].shape == (b, g, chunks * mosaic_gpu.CHUNK, n)
+    assert outs[2 if kernel == "chunk_state_bwd" else 5].shape == (b, g, chunks * engine.CHUNK, n)
     text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert _kernels(text) == 1
     added = 1 if kernel == "chunk_state_bwd" else 2
@@ -157,9 +158,9 @@ def test_each_kernel_lowers_with_positions_first(kernel):
     args[i] = swap(args[i])
     if kernel == "chunk_scan_bwd":
         args[0] = swap(args[0])
-    fn = functools.partial(getattr(mosaic_gpu, kernel), positions_first=True)
+    fn = functools.partial(getattr(engine, kernel), positions_first=True)
     outs = jax.eval_shape(fn, *args)
-    rows = (b, chunks * mosaic_gpu.CHUNK, h, p)
+    rows = (b, chunks * engine.CHUNK, h, p)
     if kernel in ("chunk_scan", "fused_forward", "chunk_state_bwd", "chunk_scan_bwd"):
         assert (outs if kernel == "chunk_scan" else outs[0]).shape == rows
     text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
@@ -172,8 +173,8 @@ def test_each_kernel_lowers_with_positions_first(kernel):
     "forward,group_sums,backward,scan_backward",
     [
         ("stages", None, None, None),
-        ("stages", "kernels", "fused", None),
-        ("fused", None, "fused", "lean"),
+        ("stages", "kernels", "lean", None),
+        ("fused", None, "lean", "lean"),
         ("fused", "kernels", None, None),
         ("fused", "kernels", None, "lean"),
         ("lean", None, None, "lean"),
@@ -226,7 +227,7 @@ def test_the_lean_forward_lowers_in_less_shared_memory(dims, states):
     # two blocks an SM at the three sizes (at P and N 64 the fused one's two as well); refused
     # with float32 B, C
     args = _kernel_args("fused_forward", *dims)
-    fn = functools.partial(mosaic_gpu.fused_forward, states=states, y_dtype=jnp.bfloat16)
+    fn = functools.partial(engine.fused_forward, states=states, y_dtype=jnp.bfloat16)
     fused, lean = (jax.eval_shape(functools.partial(fn, lean=v), *args) for v in (False, True))
     assert fused == lean
     text = (
@@ -235,11 +236,11 @@ def test_the_lean_forward_lowers_in_less_shared_memory(dims, states):
     assert _kernels(text) == 1 and "axkern_ssd_mosaic_gpu_forward_lean" in text
     p, n = dims[-2:]
     for y_dtype in (jnp.bfloat16, jnp.float32):
-        lean_bytes = mosaic_kernels.tile_bytes(lean_forward_tiles(p, n, y_dtype=y_dtype))
-        fused_bytes = mosaic_kernels.tile_bytes(mosaic_forward._tiles(p, n, y_dtype=y_dtype))
+        lean_bytes = tiles.tile_bytes(lean_forward_tiles(p, n, y_dtype=y_dtype))
+        fused_bytes = tiles.tile_bytes(mosaic_forward._tiles(p, n, y_dtype=y_dtype))
         assert lean_bytes < fused_bytes
         assert (2 * (fused_bytes + 1024) > 228 * 1024) == ((p, n) != (64, 64))  # the fused one's one block
-        assert mosaic_gpu.lean_forward_shares_an_sm(p, n, y_dtype)
+        assert engine.lean_forward_shares_an_sm(p, n, y_dtype)
     wide = list(args)
     wide[7] = jax.ShapeDtypeStruct(args[7].shape, jnp.float32)
     with pytest.raises(axkern.Unsupported, match="lean fused forward: B and C as float32 halves"):
@@ -256,12 +257,10 @@ def test_the_lean_scan_backward_lowers_in_less_shared_memory(dims, group_sums):
     args = _kernel_args("chunk_scan_bwd", *dims)
     if dims[4] != 64:
         with pytest.raises(ValueError, match="lean: head_dim=128"):
-            jax.eval_shape(
-                functools.partial(mosaic_gpu.chunk_scan_bwd, group_sums=group_sums, lean=True), *args
-            )
-        assert not mosaic_gpu.lean_shares_an_sm(*dims[4:])
+            jax.eval_shape(functools.partial(engine.chunk_scan_bwd, group_sums=group_sums, lean=True), *args)
+        assert not engine.lean_shares_an_sm(*dims[4:])
         return
-    fn = functools.partial(mosaic_gpu.chunk_scan_bwd, group_sums=group_sums)
+    fn = functools.partial(engine.chunk_scan_bwd, group_sums=group_sums)
     whole, lean = (jax.eval_shape(functools.partial(fn, lean=v), *args) for v in (False, True))
     assert whole == lean
     text = (
@@ -271,11 +270,11 @@ def test_the_lean_scan_backward_lowers_in_less_shared_memory(dims, group_sums):
     # (the kernel's name shows in the text where no output is added into: `plgpu.kernel`)
     assert group_sums or "axkern_ssd_mosaic_gpu_scan_bwd_lean" in text
     p, n = dims[-2:]
-    lean_bytes, whole_bytes = (mosaic_kernels.tile_bytes(mosaic_kernels._tiles(k, p, n)) for k in LEAN_WHOLE)
+    lean_bytes, whole_bytes = (tiles.tile_bytes(sizes.kernel_tiles(k, p, n)) for k in LEAN_WHOLE)
     assert lean_bytes < whole_bytes
     # two blocks in an H200 SM's 228 KiB (each with 1 KiB the system keeps; P 64 here); one
     # block of the whole kernel
-    assert (2 * (lean_bytes + 1024) <= 228 * 1024) == (p == 64) == mosaic_gpu.lean_shares_an_sm(p, n)
+    assert (2 * (lean_bytes + 1024) <= 228 * 1024) == (p == 64) == engine.lean_shares_an_sm(p, n)
     assert 2 * (whole_bytes + 1024) > 228 * 1024
     assert (p, n) != (64, 128) or (lean_bytes, whole_bytes) == (108 * 1024, 188 * 1024)
     wide = list(args)
@@ -309,32 +308,32 @@ def test_the_layer_lowers_at_larger_chunks(chunk, state, forward, group_sums):
 
 
 @needs_mosaic
-@pytest.mark.parametrize("form", ["fused", "lean", "columns"])
+@pytest.mark.parametrize("form", ["lean", "columns"])
 @pytest.mark.parametrize("group_sums", [False, True])
 @pytest.mark.parametrize("dims", [(2, 4, 2, 3, 64, 128), (1, 2, 1, 2, 128, 64), (1, 2, 2, 1, 64, 64)])
 def test_the_fused_state_backward_lowers(dims, group_sums, form):
     # the reverse recurrence and the chunk states' backward as one kernel: dx, dw, dB (per head
-    # or per group), d keep [b, h, c], the initial state's gradient; the lean form in one slot of
-    # B and one staging tile, two blocks an SM; over the state's columns, a block per 64 of them
-    # adding its parts of dx (onto a given one) and dw
+    # or per group), d keep [b, h, c], the initial state's gradient; in one slot of B and one
+    # staging tile, two blocks an SM; over the state's columns, a block per 64 of them adding its
+    # parts of dx (onto a given one) and dw
     b, h, g, chunks, p, n = dims
-    lean, columns = form != "fused", n // 64 if form == "columns" else 1
+    columns = n // 64 if form == "columns" else 1
     x, w, bt, states = _kernel_args("chunk_state_bwd", *dims)
     keep = jax.ShapeDtypeStruct((b, h, chunks), jnp.float32)
     final = jax.ShapeDtypeStruct((b, h, p, n), jnp.float32)
     dx_in = jax.ShapeDtypeStruct((b, h, chunks * 64, p), jnp.float32)
     args = (x, w, bt, keep, states, states, final, dx_in)
-    fn = functools.partial(mosaic_gpu.fused_state_bwd, group_sums=group_sums, lean=lean, columns=columns)
+    fn = functools.partial(engine.fused_state_bwd, group_sums=group_sums, columns=columns)
     shapes = [o.shape for o in jax.eval_shape(fn, *args)]
-    length = chunks * mosaic_gpu.CHUNK
+    length = chunks * engine.CHUNK
     db = (b, g if group_sums else h, length, n)
     assert shapes == [(b, h, length, p), (b, h, length), db, (b, h, chunks), (b, h, p, n)]
     text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert _kernels(text) == 1
     if not group_sums and columns == 1:  # (the kernels' names show where no output is added into)
-        assert ("axkern_ssd_mosaic_gpu_state_bwd_fused_lean" in text) == lean
-    assert mosaic_gpu.fused_state_bwd_smem_bytes(p, n, lean, columns) <= 227 * 1024
-    assert mosaic_gpu.lean_state_bwd_shares_an_sm(p, n, columns)
+        assert "axkern_ssd_mosaic_gpu_state_bwd_fused_lean" in text
+    assert engine.fused_state_bwd_smem_bytes(p, n, columns) <= 227 * 1024
+    assert engine.lean_state_bwd_shares_an_sm(p, n, columns)
 
 
 @needs_mosaic
@@ -343,7 +342,7 @@ def test_the_fused_state_backward_lowers(dims, group_sums, form):
     [
         (None, None, None, None),
         ("kernels", None, None, None),
-        ("kernels", "kernels", "fused", None),
+        ("kernels", "kernels", "lean", None),
         (None, None, "columns", None),  # (dx, dw added into: folded too)
         ("scores", "kernels", "lean", "lean"),
     ],
@@ -451,7 +450,7 @@ def test_the_conditional_passes_x_out_as_it_came():
     )
 
 
-def _emulated_runner(names, chunk=mosaic_gpu.CHUNK, layout=mosaic_gpu.EmulatedLayout, call=None):
+def _emulated_runner(names, chunk=engine.CHUNK, layout=engine.EmulatedLayout, call=None):
     """The layer's outputs and every gradient of a loss of them (jitted `(arrays, seg)`), through
     `layout`'s kernels, or `call(args)` where given (`ssd`'s positional arguments)."""
 
@@ -467,7 +466,7 @@ def _emulated_runner(names, chunk=mosaic_gpu.CHUNK, layout=mosaic_gpu.EmulatedLa
         if call is not None:
             y, final = call(args)
         else:
-            y, final = chunk_kernels.ssd(layout, *args, chunk_size=chunk, interpret=True)
+            y, final = kernel_scan.ssd(layout, *args, chunk_size=chunk, interpret=True)
         cot = jnp.round(64 * jnp.cos(jnp.arange(y.size, dtype=jnp.float32).reshape(y.shape))) / 64
         return jnp.sum(y.astype(jnp.float32) * cot) + jnp.sum(jnp.sin(final.astype(jnp.float32))), (y, final)
 
@@ -511,7 +510,7 @@ def test_the_kernels_arithmetic_holds_the_oracle_rule_through_the_layer(dtype, d
     check_rule(runner, "emulated mosaic_gpu", arrays, dtype, "ssd")
 
 
-class _ScoresLayout(mosaic_gpu.EmulatedLayout):
+class _ScoresLayout(engine.EmulatedLayout):
     group_scores = True
 
 
@@ -539,7 +538,7 @@ def test_the_group_scores_arithmetic_holds_the_oracle_rule_through_the_layer(dim
     # the two layouts' gradients of B and C differ (exact products of the sums against halves of
     # each head's) and agree within bf16's step
     whole, scores = (
-        _emulated_runner(names, layout=k)(arrays, seg)[1] for k in (mosaic_gpu.EmulatedLayout, _ScoresLayout)
+        _emulated_runner(names, layout=k)(arrays, seg)[1] for k in (engine.EmulatedLayout, _ScoresLayout)
     )
     for name in ("B", "C"):
         i = names.index(name)
@@ -586,7 +585,7 @@ def _h200_spec(head_dim, state):
 
 def test_dispatch_skips_it_off_hopper_with_the_reason():
     spec, gpu = _h200_spec(64, 128)
-    if mosaic_gpu._IMPORT_ERROR is None:
+    if engine.IMPORT_ERROR is None:
         assert mosaic_gpu.supports(gpu) is None
     assert "Hopper" in mosaic_gpu.supports(
         dataclasses.replace(gpu, device_key="nvidia_a100", device_kind="A100")
@@ -596,7 +595,7 @@ def test_dispatch_skips_it_off_hopper_with_the_reason():
     assert "shared memory" in mosaic_gpu.supports(_h200_spec(256, 256)[1])
     # the head dims and states that fit: the four kernels' tiles (the scan backward's are the largest)
     sizes = (64, 128, 192, 256)
-    fits = {(p, n) for p in sizes for n in sizes if mosaic_gpu.dims_reason(p, n) is None}
+    fits = {(p, n) for p in sizes for n in sizes if engine.dims_reason(p, n) is None}
     assert fits == {(64, 64), (64, 128), (128, 64)}
     assert "head_dim=32" in mosaic_gpu.supports(_h200_spec(32, 128)[1])
     # first in the GPU order for 16-bit inputs; chunks not a multiple of 64, and the fused state
@@ -604,19 +603,17 @@ def test_dispatch_skips_it_off_hopper_with_the_reason():
     assert OP.default_order["gpu"](gpu)[0] == "mosaic_gpu"
     with pytest.raises(axkern.Unsupported, match="chunk_size=96"):
         mosaic_gpu.ssd(*[None] * 9, block_sizes=SSDBlockSizes(chunk_size=96))
-    with pytest.raises(axkern.Unsupported, match="chunk_size=128: the fused state backward"):
-        mosaic_gpu.ssd(*[None] * 9, block_sizes=SSDBlockSizes(chunk_size=128, backward="fused"))
     for form in ("lean", "columns"):
         with pytest.raises(axkern.Unsupported, match="chunk_size=128: the fused state backward"):
             mosaic_gpu.ssd(*[None] * 9, block_sizes=SSDBlockSizes(chunk_size=128, backward=form))
-    assert mosaic_gpu.chunk_reason(64, 128, 128) is None and mosaic_gpu.chunk_reason(64, 64, 256) is None
+    assert engine.chunk_reason(64, 128, 128) is None and engine.chunk_reason(64, 64, 256) is None
     # where the three stages' tiles fit at a larger chunk, the fused forward's do too
     for (p, n), q in itertools.product(fits, (128, 256)):
-        if mosaic_gpu.chunk_reason(p, n, q) is None:
-            assert mosaic_gpu.fused_fits(p, n, chunk=q), (p, n, q)
-    assert not mosaic_gpu.fused_fits(64, 128, chunk=256)
-    assert "scan_bwd kernel's tiles" in mosaic_gpu.chunk_reason(128, 64, 128)
-    assert "scan kernel's tiles" in mosaic_gpu.chunk_reason(64, 128, 256)
+        if engine.chunk_reason(p, n, q) is None:
+            assert engine.fused_fits(p, n, chunk=q), (p, n, q)
+    assert not engine.fused_fits(64, 128, chunk=256)
+    assert "scan_bwd kernel's tiles" in engine.chunk_reason(128, 64, 128)
+    assert "scan kernel's tiles" in engine.chunk_reason(64, 128, 256)
     # the fused forward: mosaic_gpu's tuning space holds it; the others refuse it, and an unknown
     # form is refused by name
     assert SSDBlockSizes(chunk_size=64, forward="fused") in OP.implementations["mosaic_gpu"].space(gpu)
@@ -634,10 +631,11 @@ def test_dispatch_skips_it_off_hopper_with_the_reason():
                 **arrays, implementation=impl, block_sizes=SSDBlockSizes(16, group_sums="kernels")
             )
     assert "group_sums must be one of" in SSDBlockSizes(64, group_sums="atomic").validate(spec)
+    assert "backward must be one of" in SSDBlockSizes(64, backward="fused").validate(spec)
     for impl in ("xla", "pallas_gpu"):
         with pytest.raises(axkern.Unsupported, match="only mosaic_gpu has a fused state backward"):
             axkern.positional.ssd(
-                **arrays, implementation=impl, block_sizes=SSDBlockSizes(16, backward="fused")
+                **arrays, implementation=impl, block_sizes=SSDBlockSizes(16, backward="lean")
             )
         with pytest.raises(axkern.Unsupported, match="only mosaic_gpu reads x in the caller's layout"):
             axkern.positional.ssd(
@@ -653,8 +651,8 @@ def test_dispatch_skips_it_off_hopper_with_the_reason():
             )
     with pytest.raises(axkern.Unsupported, match="forward='lean': chunk_size=128"):
         mosaic_gpu.ssd(*[None] * 9, block_sizes=SSDBlockSizes(chunk_size=128, forward="lean"))
-    assert "float32 halves" in mosaic_gpu.lean_forward_reason(2)
-    assert "rotations" in mosaic_gpu.lean_forward_reason(1, 64, True)
+    assert "float32 halves" in engine.lean_forward_reason(2)
+    assert "rotations" in engine.lean_forward_reason(1, 64, True)
     # the lean chunk-scan backward: chunks of 64 only, 16-bit B and C, no angles, P 64
     x = jnp.zeros((1, 128, 1, 64), jnp.bfloat16)
     with pytest.raises(axkern.Unsupported, match="scan_backward='lean': chunk_size=128"):
@@ -663,17 +661,17 @@ def test_dispatch_skips_it_off_hopper_with_the_reason():
         mosaic_gpu.ssd(
             jnp.zeros((1, 128, 1, 128)), *[None] * 8, block_sizes=SSDBlockSizes(64, scan_backward="lean")
         )
-    assert "float32 halves" in mosaic_gpu.lean_reason(2)
-    assert "theta" in mosaic_gpu.lean_reason(1, 64, True)
-    assert mosaic_gpu.lean_reason(1, 64, False, 64) is None
-    assert "state=256" in mosaic_gpu.lean_reason(1, 64, False, 64, 256)
+    assert "float32 halves" in engine.lean_reason(2)
+    assert "theta" in engine.lean_reason(1, 64, True)
+    assert engine.lean_reason(1, 64, False, 64) is None
+    assert "state=256" in engine.lean_reason(1, 64, False, 64, 256)
     assert "scan_backward must be one of" in SSDBlockSizes(64, scan_backward="thin").validate(spec)
-    assert mosaic_gpu.fused_smem_bytes(128, 64) <= 227 * 1024
+    assert engine.fused_smem_bytes(128, 64) <= 227 * 1024
     # explain names the kernels of the form chosen
     kernels = OP.implementations["mosaic_gpu"].backward
     assert "chunk-state and chunk-scan kernels" in kernels(gpu, SSDBlockSizes(64, forward="stages"))
     assert "one fused Mosaic GPU kernel" in kernels(gpu, SSDBlockSizes(64, forward="fused"))
-    every = kernels(gpu, SSDBlockSizes(64, "fused", "kernels", "kernels", "fused"))
+    every = kernels(gpu, SSDBlockSizes(64, "fused", "kernels", "kernels", "lean"))
     assert "fused Mosaic GPU kernel for the reverse recurrence" in every and "reverse recurrence" in every
     assert "summed over heads in the kernels" in every and "caller's layout" in every
     assert "pallas_gpu's reverse recurrence" not in every
@@ -706,14 +704,12 @@ def test_the_default_form_and_the_deterministic_flags(monkeypatch):
     default = dataclasses.replace(lean_forward, group_sums="scores", scan_backward="lean")
     assert heuristic(gpu) == default
     forms = space(gpu)
-    assert forms[0] == default and len(set(forms)) == len(forms) == 13
+    assert forms[0] == default and len(set(forms)) == len(forms) == 12
     assert SSDBlockSizes(64, forward="stages") in forms
     # the dg sums taken back (dB, dC summed in the kernels), then the lean chunk-scan backward,
-    # then the lean forward (the whole kernels' form); the fused state backward with the whole
-    # kernels, the lean one with the default
+    # then the lean forward (the whole kernels' form); the fused state backward with the default
     for form in (dataclasses.replace(default, group_sums="kernels"), lean_forward, whole):
         assert form in forms, form
-    assert dataclasses.replace(whole, backward="fused") in forms
     for state_backward in ("lean", "columns"):  # (over the state's columns where N > 64)
         assert dataclasses.replace(default, backward=state_backward) in forms
     assert dataclasses.replace(default, backward="columns") not in space(_h200_spec(128, 64)[1])
@@ -764,9 +760,9 @@ def test_the_backward_kernels_refuse_angles_they_cannot_turn_by(angles, dtype, g
     theta = jnp.zeros(shape, dtype)
     kw = dict(theta=theta, group_sums=group_sums)
     with pytest.raises(ValueError, match=message):
-        mosaic_gpu.chunk_scan_bwd(x, x, vec, vec, vec, vec[:, 0], bc, bc, states, **kw)
+        engine.chunk_scan_bwd(x, x, vec, vec, vec, vec[:, 0], bc, bc, states, **kw)
     with pytest.raises(ValueError, match=message):
-        mosaic_gpu.chunk_state_bwd(x, vec, bc, states, **kw)
+        engine.chunk_state_bwd(x, vec, bc, states, **kw)
 
 
 def _block(a, i, *, t):
@@ -835,7 +831,7 @@ def _tiled_mirror(dy, xt, dt, cum, f, seg, bt, ct, states_in, q):
             df[i] = (blk(dyk, i) * inc).sum(1)
             dyh, dyl = halves(blk(dyk, i))
             fh, fl = halves(blk(dyk, i) * blk(fk, i)[:, None])
-            dci = e("tp,pn->tn", fh, sh)  # rounded once: 16-bit B, C (`tiled.rounds_once`)
+            dci = e("tp,pn->tn", fh, sh)  # rounded once: 16-bit B, C (`body.rounds_once`)
             dcumi = 0
             for j in range(i + 1):
                 m = e("tn,sn->ts", blk(ck, i), blk(bk, j)) * decay(i, j)

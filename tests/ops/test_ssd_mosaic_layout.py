@@ -16,11 +16,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from axkern.ops.ssd import SSDBlockSizes, mosaic_gpu
-from axkern.ops.chunked import chunks
-from axkern.ops.chunked import kernels as chunk_kernels
+from axkern.ops.chunked import chunks, kernel_scan
 from axkern.ops.chunked import mosaic_gpu as M
 from axkern.ops.chunked.mosaic_gpu import emulate as E
+from axkern.ops.chunked.mosaic_gpu import layout as L
+from axkern.ops.ssd import SSDBlockSizes, mosaic_gpu
 from tests.cases.ssd import make
 from tests.ops.test_ssd_mosaic_gpu import _emulated_runner, needs_mosaic
 
@@ -102,10 +102,10 @@ def emulated_kernels(monkeypatch):
         fused_state_bwd=_fused_state_bwd,
     )
     for name, fake in fakes.items():
-        monkeypatch.setattr(M, name, fake)
-    ssd = chunk_kernels.ssd
+        monkeypatch.setattr(L, name, fake)
+    ssd = kernel_scan.ssd
     monkeypatch.setattr(
-        mosaic_gpu.chunk_kernels, "ssd", lambda *a, interpret, **kw: ssd(*a, interpret=True, **kw)
+        mosaic_gpu.kernel_scan, "ssd", lambda *a, interpret, **kw: ssd(*a, interpret=True, **kw)
     )
 
 

@@ -1,4 +1,4 @@
-"""The fused state backward's kernel body (`state_backward.py`, its fused and lean forms) run on the
+"""The fused state backward's kernel body (`state_backward.py`, whole and over the state's columns) run on the
 CPU through the Mosaic GPU shim of `test_ssd_mosaic_bodies.py`, block by block over (batch row,
 head), against the reverse recurrence (float32, in the kernel's order) and the chunk state
 backward's emulation: values, and the hazards the shim checks (commits, waits, TMA stores in
@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from axkern.ops.chunked.mosaic_gpu import emulate as E
-from axkern.ops.chunked.mosaic_gpu import kernels as K
 from axkern.ops.chunked.mosaic_gpu import state_backward as S
+from axkern.ops.chunked.mosaic_gpu import tiles as K
 from tests.ops import test_ssd_mosaic_bodies as bodies
 from tests.ops.test_ssd_mosaic_gpu import needs_mosaic
 
@@ -23,14 +23,14 @@ from tests.ops.test_ssd_mosaic_gpu import needs_mosaic
 @pytest.fixture
 def shim(monkeypatch):
     """`test_ssd_mosaic_bodies`' shim, in `state_backward.py` too."""
-    return bodies.install_shim(monkeypatch, (K, bodies.T, bodies.B, bodies.F, bodies.FL, S))
+    return bodies.install_shim(monkeypatch, (*bodies.MODULES, S))
 
 
-def _errors(b=1, h=2, g=1, c=3, p=64, n=64, add=False, lean=False, positions_first=False, columns=1):
+def _errors(b=1, h=2, g=1, c=3, p=64, n=64, add=False, positions_first=False, columns=1):
     """The kernel's largest differences (relative to the largest magnitude) from the recurrence's
     and the chunk state backward's emulation: `dx`, `dw`, `dB` (per head, or `add`: summed into
     each group's rows), `d keep`'s row sums and the initial state's gradient. `columns`: the
-    lean kernel a block per `n / columns` of the state's columns, adding `dx` onto a given one
+    kernel a block per `n / columns` of the state's columns, adding `dx` onto a given one
     (`dx_in`) and `dw` onto zeros."""
     q, f32, bf16 = K.CHUNK, np.float32, jnp.bfloat16
     length = c * q
@@ -64,12 +64,14 @@ def _errors(b=1, h=2, g=1, c=3, p=64, n=64, add=False, lean=False, positions_fir
         np.zeros((b, h, c, columns * p), f32),
         np.zeros((b, h, p, n), f32),
     ]
-    # (`add` as `_launch` gives it: some output added into; `sums`: dB into its group's rows)
-    kw = dict(rep=h // g, dtype=bf16, chunks=c, add=add or columns > 1, rows_of=K._indexer(positions_first))
-    body = functools.partial(S._kernel, **kw, lean=lean, column_blocks=columns, sums=add)
+    # (`add` as `tiles.launch` gives it: some output added into; `sums`: dB into its group's rows)
+    kw = dict(
+        rep=h // g, dtype=bf16, chunks=c, add=add or columns > 1, rows_of=K.rows_indexer(positions_first)
+    )
+    body = functools.partial(S._kernel, **kw, column_blocks=columns, sums=add)
     args = (rows(x), w, (bt,), keep_rows, states_in, d_states_in, d_final)
     names = ("batch", "heads", "columns")
-    got = bodies._run(body, args, outs, S._tiles(p, n // columns, lean=lean), (b, h, columns), names)
+    got = bodies._run(body, args, outs, S._tiles(p, n // columns), (b, h, columns), names)
     got[0] = rows(got[0])
     got[3] = got[3].reshape(b, h, c, columns, p).sum(3)
     errors = {}
@@ -87,7 +89,7 @@ CASES = [
     dict(n=128, h=4, g=2, add=True),  # dB added into each group's rows
     dict(positions_first=True),
 ]
-# the lean kernel a block per 64 of the state's columns
+# the kernel a block per 64 of the state's columns
 COLUMNS = [
     dict(n=128, columns=2),
     dict(n=128, columns=2, h=4, g=2, add=True, positions_first=True),
@@ -95,13 +97,9 @@ COLUMNS = [
 ]
 
 
-@pytest.mark.parametrize(
-    "lean,case",
-    [(False, c) for c in CASES] + [(True, c) for c in CASES + COLUMNS],
-    ids=lambda v: str(v) if isinstance(v, dict) else ("lean" if v else "fused"),
-)
-def test_the_fused_state_backward_body_computes_its_emulation_without_hazards(shim, case, lean):
-    errors = _errors(lean=lean, **case)
+@pytest.mark.parametrize("case", CASES + COLUMNS, ids=str)
+def test_the_fused_state_backward_body_computes_its_emulation_without_hazards(shim, case):
+    errors = _errors(**case)
     # dB = (w ∘ x) dS rounds dS once to bf16: the recurrence here and the kernel's may differ in
     # float32's last bit (the kernel's sums run through jax on the shim), which can move one
     # term of dB by a bf16 step; the other gradients take dS as two halves
@@ -110,28 +108,28 @@ def test_the_fused_state_backward_body_computes_its_emulation_without_hazards(sh
     assert not shim.hazards, sorted(set(shim.hazards))
 
 
-def test_the_shim_sees_errors_planted_in_the_lean_state_backward(shim, monkeypatch):
+def test_the_shim_sees_errors_planted_in_the_fused_state_backward(shim, monkeypatch):
     # the waits for the copies out left out: the staging tile rewritten while a copy reads it
     wait = bodies._Plgpu.wait_smem_to_gmem
     monkeypatch.setattr(
         bodies._Plgpu, "wait_smem_to_gmem", staticmethod(lambda n, wait_read_only=False: None)
     )
-    _errors(lean=True, n=128)
+    _errors(n=128)
     assert any("while a TMA store may read it" in h for h in shim.hazards)
     monkeypatch.setattr(bodies._Plgpu, "wait_smem_to_gmem", wait)
     shim.hazards.clear()
     # a chunk's B read before its copy was waited for: seen
     monkeypatch.setattr(bodies._Plgpu, "barrier_wait", staticmethod(lambda barrier: None))
-    _errors(lean=True)
+    _errors()
     assert any("before its TMA load was waited" in h for h in shim.hazards)
 
 
 @needs_mosaic
 @pytest.mark.parametrize("group_sums", [False, True])
-@pytest.mark.parametrize("form", ["fused", "lean", "columns"])
+@pytest.mark.parametrize("form", ["lean", "columns"])
 def test_the_launch_gives_the_kernel_the_group_sums_flag(monkeypatch, form, group_sums):
     # the kernel adds dB into its group's rows exactly where the group sums ask: the columns
-    # form adds dx and dw into buffers without them (`_launch`'s `add` then says so)
+    # form adds dx and dw into buffers without them (`tiles.launch`'s `add` then says so)
     seen = []
     kernel = S._kernel
 
@@ -147,24 +145,22 @@ def test_the_launch_gives_the_kernel_the_group_sums_flag(monkeypatch, form, grou
     )
     f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
     args = (x, f32(b, h, c * 64), bt, f32(b, h, c), f32(b, c, h, p, n), f32(b, c, h, p, n), f32(b, h, p, n))
-    kw = dict(group_sums=group_sums, lean=form != "fused", columns=2 if form == "columns" else 1)
+    kw = dict(group_sums=group_sums, columns=2 if form == "columns" else 1)
     jax.jit(functools.partial(S.fused_state_bwd, **kw)).trace(*args).lower(lowering_platforms=("cuda",))
     assert seen and all(dB_added == group_sums for dB_added, _ in seen), seen
     assert all(added == (group_sums or form == "columns") for _, added in seen), seen
 
 
-def test_the_lean_form_shares_an_sm_where_the_fused_one_does_not():
+def test_two_blocks_of_the_fused_state_backward_share_an_sm():
     assert S.lean_state_bwd_shares_an_sm(64, 128) and S.lean_state_bwd_shares_an_sm(128, 64)
-    fused, lean = (K.blocks_per_sm(S._tiles(64, 128, lean=v)) for v in (False, True))
-    assert (fused, lean) == (1, 2)
-    assert S.fused_state_bwd_smem_bytes(64, 128, lean=True) < S.fused_state_bwd_smem_bytes(64, 128)
+    assert K.blocks_per_sm(S._tiles(64, 128)) == 2
 
 
-def test_the_lean_form_refuses_float32_b():
+def test_the_fused_state_backward_refuses_float32_b():
     from axkern.core.op import Unsupported
 
     x, w = jnp.zeros((1, 1, 64, 64), jnp.bfloat16), jnp.ones((1, 1, 64))
     bt = jnp.zeros((1, 1, 64, 64), jnp.float32)  # Mamba-3's: taken as two bf16 halves
     keep, s = jnp.ones((1, 1, 1)), jnp.zeros((1, 1, 1, 64, 64))
     with pytest.raises(Unsupported, match="16-bit B"):
-        S.fused_state_bwd(x, w, bt, keep, s, s, s[:, 0], lean=True)
+        S.fused_state_bwd(x, w, bt, keep, s, s, s[:, 0])

@@ -9,7 +9,8 @@ from typing import ClassVar
 
 from axkern.core.blocks import BlockSizes, grid, next_power_of_2
 from axkern.core.op import Spec, Unsupported
-from axkern.ops.ssd.blocks import GPU_MIN_DIM, TPU_MIN_CHUNK
+from axkern.ops.chunked.pallas_gpu import GPU_MIN_DIM
+from axkern.ops.chunked.pallas_tpu import TPU_MIN_CHUNK
 
 __all__ = [
     "Mamba3BlockSizes",
@@ -40,7 +41,7 @@ class Mamba3BlockSizes(BlockSizes):
     outputs); None means fused.
 
     `rotation` (`mosaic_gpu` only): `"kernel"` (the fused forward turns `q`, `k` itself from the
-    unrotated rows per group, the biases and the angles, `chunked/mosaic_gpu/rotation.py`; a
+    unrotated rows per group, the biases and the angles, `chunked/mosaic_gpu/operands.py`; a
     state that is a multiple of 128) or `"xla"` (XLA forms the rotated values' halves per head);
     None means the kernel's where it serves.
 

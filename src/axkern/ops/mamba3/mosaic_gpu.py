@@ -6,26 +6,25 @@ kernel, `common/angle_kernel.py`; rotations, gate and the diagonal correction in
 
 **`q` and `k` as two bf16 halves.** SSD's kernels take `B` and `C` as bf16 inputs; Mamba-3's are
 the rotated, biased `k` and `q`, float32 values. Rounded to bf16 they missed the oracle rule
-(docs/ops/mamba3.md, "Why SSD's Mosaic GPU kernels do not serve Mamba-3 as they are": up to 3.2x
-the bound on gradients). Here each enters the kernels as `hi + lo`, two bf16 arrays
-(`chunked.mosaic_gpu.operand_parts`: `hi` the value rounded to bf16, `lo` what that lost, rounded),
-and every product with `B` or `C` takes both: two `wgmma`s where the other operand is 16-bit,
-three where it is a float32 value's halves too (`lo · lo` left out), so the products are about as
-exact as float32 ones. The halves (`[b, H, L, N]` bf16 each, heads first as the kernels read them)
+(docs/ops/mamba3.md, "`q` and `k` as two bf16 halves", has the errors). Here each enters the
+kernels as `hi + lo`, two bf16 arrays (`chunked.mosaic_gpu.operand_parts`: `hi` the value
+rounded to bf16, `lo` what that lost, rounded), and every product with `B` or `C` takes both:
+two `wgmma`s where the other operand is 16-bit, three where it is a float32 value's halves too
+(`lo · lo` left out), so the products are about as exact as float32 ones. The halves (`[b, H, L, N]` bf16 each, heads first as the kernels read them)
 are formed beside the rotation: in XLA where XLA turns `q`, `k` (`rotation="xla"`, the stages),
 else by the kernels below.
 
 **The forward kernel turns `q` and `k` itself** where nothing differentiates the call
 (`Mamba3BlockSizes(rotation="kernel")`, None means this where it serves: the fused forward, bf16
 `q`, `k`, a state that is a multiple of 128; `rotating_core`): it takes the unrotated `q`, `k` per
-group, the biases and the angles (`chunked/mosaic_gpu/rotation.py`), and the halves per head never
+group, the biases and the angles (`chunked/mosaic_gpu/operands.py`), and the halves per head never
 cross memory. A differentiated call forms them once (the scan's `custom_vjp`), by one Pallas
-Triton kernel for both `q` and `k` (`chunked/mosaic_gpu/rotation.rotated_parts`: `cos`, `sin` once,
+Triton kernel for both `q` and `k` (`chunked/mosaic_gpu/rotation_kernel.py`: `cos`, `sin` once,
 no float32 rotation in memory), runs the same kernels on them and keeps them for the
 backward's, whose chunk-scan and chunk-state kernels also take the angles and return `dq`, `dk`
-per head turned back (XLA sums them over the heads and forms the angles' gradient). `rotation="xla"`: XLA's halves and XLA's rotation backward.
-On the H200 the 2.7B layer's forward took 2.98 ms against 3.54 with XLA's halves in one call
-(2.87 after later changes, another call; docs/ops/mamba3.md).
+per head turned back (XLA sums them over the heads and forms the angles' gradient).
+`rotation="xla"`: XLA's halves and XLA's rotation backward. docs/ops/mamba3.md has the two
+forms timed.
 
 **Cost** over SSD's kernels at the same shape: `C Bᵀ` three products where SSD has one, `C S_inᵀ`,
 the own state, `dS_in`, `dB`, `dC` and the state's backward twice as many on `B`, `C` (the
@@ -49,13 +48,15 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from axkern.core.op import Unsupported
-from axkern.ops.chunked import kernels as chunk_kernels
+from axkern.core.op import Implementation, Unsupported
+from axkern.ops.chunked import kernel_scan
 from axkern.ops.chunked import mosaic_gpu as kernels
-from axkern.ops.chunked.mosaic_gpu.rotation import RotatedOperand, halves_to_pairs, pairs_to_halves
+from axkern.ops.chunked.mosaic_gpu.operands import RotatedOperand, halves_to_pairs, pairs_to_halves
 
-from .blocks import Mamba3BlockSizes, angles_form, refuse_forms
-from .common import angle_thetas_for, forward, kernel_core
+from .blocks import Mamba3BlockSizes, angles_form, mosaic_gpu_heuristic, refuse_forms
+from .common.angle_kernel import angle_thetas_for
+from .common.kernel_core import kernel_core
+from .common.layer import forward
 
 CHUNK = kernels.CHUNK
 PARTS = 2  # `B`, `C` as two bf16 halves each
@@ -150,7 +151,7 @@ def rotation_reason(block_sizes, p, n, fused, *dtypes) -> str | None:
 
 def rotating_core(layout, dtype, interpret=False, angle_kernel=False):
     """A `common.Core` whose forward kernel turns `q` and `k` itself (`rotates`: `B`, `C` come as
-    the unrotated values per group, the biases and `Θ`, `chunked/mosaic_gpu/rotation.py`). The
+    the unrotated values per group, the biases and `Θ`, `chunked/mosaic_gpu/operands.py`). The
     rotation pairs `(i, i + N/2)`, so the state's columns run evens first, odds next inside the
     scan (`pairs_to_halves` on `q`, `k`, the biases and the initial state, undone on the final
     state): no product notices the order. SISO only. `x` as it comes (`cleans_x`): the scan
@@ -164,7 +165,7 @@ def rotating_core(layout, dtype, interpret=False, angle_kernel=False):
         return RotatedOperand(u, pairs_to_halves(bias[0]), theta, same_angles=True)  # q, k: the same Θ
 
     def core(x, a, s, B, C, seg, initial_state):
-        y, final = chunk_kernels.scan(
+        y, final = kernel_scan.scan(
             layout,
             x[:, :, 0].astype(dtype),
             a,
@@ -185,3 +186,14 @@ def rotating_core(layout, dtype, interpret=False, angle_kernel=False):
     core.cleans_x = True  # `x` may come with non-finite values: the scan takes them as 0
     core.angle_kernel = angle_thetas_for(interpret) if angle_kernel else None
     return core
+
+
+IMPLEMENTATION = Implementation(
+    "mosaic_gpu",
+    mamba3,
+    platforms=("gpu",),
+    supports=supports,
+    block_sizes=Mamba3BlockSizes,
+    heuristic=mosaic_gpu_heuristic,
+    backward=describe,
+)

@@ -12,13 +12,14 @@ import jax.numpy as jnp
 from axkern.core import backend, kernels
 from axkern.core.blocks import BlockSizes, grid, next_power_of_2
 from axkern.core.op import Spec, Unsupported
-
 from axkern.ops.chunked.mosaic_gpu import (
     chunk_reason,
     lean_forward_shares_an_sm,
     lean_shares_an_sm,
     lean_state_bwd_shares_an_sm,
 )
+from axkern.ops.chunked.pallas_gpu import GPU_MAX_CHUNK, GPU_MAX_CHUNK_32BIT, GPU_MIN_DIM
+from axkern.ops.chunked.pallas_tpu import TPU_MIN_CHUNK
 
 __all__ = [
     "SSDBlockSizes",
@@ -32,18 +33,7 @@ __all__ = [
     "pallas_gpu_space",
     "pallas_tpu_heuristic",
     "pallas_tpu_space",
-    "GPU_MIN_DIM",
-    "GPU_MAX_CHUNK",
-    "GPU_MAX_CHUNK_32BIT",
-    "TPU_MIN_CHUNK",
 ]
-
-GPU_MIN_DIM = 16  # Triton dot tiles: powers of two of at least 16
-# The largest chunks whose Pallas GPU backward kernel fits in a Hopper block's 227 KiB of
-# shared memory: one [Q, Q] float32 tile alone is 256 KiB at Q = 256, and 32-bit inputs
-# double the operand tiles.
-GPU_MAX_CHUNK, GPU_MAX_CHUNK_32BIT = 128, 64
-TPU_MIN_CHUNK = 8  # the sublanes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,21 +53,21 @@ class SSDBlockSizes(BlockSizes):
     None means this) or `"kernels"` (the kernels read `x`, `dy` and write `y`, `dx` in the
     caller's `[b, L, H, P]`, a strided tile per head). `backward` (`mosaic_gpu` only): `"stages"`
     (the reverse recurrence and the chunk states' backward as two kernels; None means this) or
-    `"fused"` (one kernel per batch row and head walking its chunks from the last,
-    `chunked/mosaic_gpu/state_backward.py`) or `"lean"` (the fused one in one slot of `B` and one
-    staging tile, 99 KiB at P 64, N 128 where the fused one takes 148, so that two blocks share
-    an SM) or `"columns"` (the lean one a block per 64 of the state's columns, adding their
-    parts of `dx` and `dw`: 60 KiB at P 64, N 128, three blocks an SM, twice the blocks). `scan_backward` (`mosaic_gpu` only, chunks of 64):
-    `"whole"` (None means this) or `"lean"` (the chunk-scan backward in 108 KiB of shared memory
-    at P 64, N 128 rather than 188, so that two blocks share an SM: P 64 only, the entering
-    state's low half in `M`'s tiles, every result out through one 64 × 64 float32 staging tile;
-    `chunked/mosaic_gpu/backward.py`)."""
+    `"lean"` (one kernel per batch row and head walking its chunks from the last, in one slot of
+    `B` and one staging tile, 99 KiB at P 64, N 128, so that two blocks share an SM;
+    `chunked/mosaic_gpu/state_backward.py`) or `"columns"` (that kernel a block per 64 of the
+    state's columns, adding their parts of `dx` and `dw`: 60 KiB at P 64, N 128, three blocks an
+    SM, twice the blocks). `scan_backward` (`mosaic_gpu` only, chunks of 64): `"whole"` (None
+    means this) or `"lean"` (the chunk-scan backward in 108 KiB of shared memory at P 64, N 128
+    rather than 188, so that two blocks share an SM: P 64 only, the entering state's low half in
+    `M`'s tiles, every result out through one 64 × 64 float32 staging tile;
+    `chunked/mosaic_gpu/scan_backward.py`)."""
 
     choices: ClassVar[Mapping[str, tuple[str, ...]]] = {
         "forward": ("stages", "fused", "lean"),
         "group_sums": ("xla", "kernels", "scores"),
         "transposes": ("xla", "kernels"),
-        "backward": ("stages", "fused", "lean", "columns"),
+        "backward": ("stages", "lean", "columns"),
         "scan_backward": ("whole", "lean"),
     }
 
@@ -100,9 +90,8 @@ MOSAIC_GPU_FORMS = (
     ("forward", "lean", "has a lean fused forward"),
     ("group_sums", "kernels", "sums dB and dC in its kernels"),
     ("group_sums", "scores", "sums dg in its kernels"),
-    ("backward", "fused", "has a fused state backward"),
-    ("backward", "lean", "has a lean fused state backward"),
-    ("backward", "columns", "has a lean fused state backward over the state's columns"),
+    ("backward", "lean", "has a fused state backward"),
+    ("backward", "columns", "has a fused state backward over the state's columns"),
     ("transposes", "kernels", "reads x in the caller's layout"),
     ("scan_backward", "lean", "has a lean chunk-scan backward"),
 )
@@ -166,20 +155,14 @@ def pallas_tpu_space(spec: Spec) -> list[SSDBlockSizes]:
 
 def mosaic_gpu_heuristic(spec: Spec) -> SSDBlockSizes:
     """`mosaic_gpu`: chunks of 64 (one warpgroup's rows; larger chunks run the kernels by tiles
-    of 64 rows), the lean fused forward, `x`, `y` read and written in the caller's layout in the
-    kernels, and the state backward as two kernels; at P 64 (`lean_shares_an_sm`) the lean
-    chunk-scan backward with `dg` summed over each group's heads (`group_sums="scores"`), else
-    the whole one with `dB` and `dC` summed in the kernels. On the H100 at the 2.7B layer, L 4096
-    (`benchmarks/ssd_mosaic_forward.py`, all forms in one run, `nvidia_h100/ssd/sweep_mosaic_forms.json`),
-    against the lean forward with the whole chunk-scan backward: forward+backward 0.95x with the
-    lean one, 0.92x with it and the dg sums, 0.91x with those and the fused state backward over
-    the state's columns (its `dx` sums in any order), 1.04x with the lean fused state backward.
-    Earlier, on the H200: the fused forward 0.89x the three stages' forward time, the group sums
-    0.90x forward+backward, the transposes 0.92x forward, the fused state backward 1.03x
-    forward+backward (`sweep_mosaic_*.json` there). The group sums' additions come in any order,
-    so `dB`, `dC` may differ in their last bits between runs: where `XLA_FLAGS` asks for
-    deterministic results (`backend.deterministic`) XLA sums them, after the whole chunk-scan
-    backward."""
+    of 64 rows), the lean fused forward (the fused one where two of its blocks would not share
+    an SM), `x`, `y` read and written in the caller's layout in the kernels, and the state
+    backward as two kernels; at P 64 (`lean_shares_an_sm`) the lean chunk-scan backward with `dg`
+    summed over each group's heads (`group_sums="scores"`), else the whole one with `dB` and `dC`
+    summed in the kernels (docs/ops/ssd.md, "Performance", and docs/decisions.md have the
+    timings behind each choice). The group sums' additions come in any order, so `dB`, `dC` may
+    differ in their last bits between runs: where `XLA_FLAGS` asks for deterministic results
+    (`backend.deterministic`) XLA sums them, after the whole chunk-scan backward."""
     deterministic = backend.deterministic()
     p, n = spec.dim("head_dim"), spec.dim("state")
     lean = lean_shares_an_sm(p, n) and not deterministic
@@ -194,12 +177,11 @@ def mosaic_gpu_heuristic(spec: Spec) -> SSDBlockSizes:
 
 def mosaic_gpu_space(spec: Spec) -> list[SSDBlockSizes]:
     """The default, then its parts taken back one at a time (the dg sums for the group sums,
-    then the lean chunk-scan backward, the lean forward for the fused one), the lean fused state
+    then the lean chunk-scan backward, the lean forward for the fused one), the fused state
     backward added to the default (where two of its blocks share an SM; over the state's columns
-    where N > 64 and `XLA_FLAGS` does not ask for deterministic results) and the fused one to the
-    whole kernels' form, and the three stages with none of them; then the whole kernels' form
-    and its three stages at chunks of 128 and 256 where their tiles fit (`axkern tune` times
-    each)."""
+    where N > 64 and `XLA_FLAGS` does not ask for deterministic results), the whole kernels'
+    form, and the three stages with none of them; then the whole kernels' form and its three
+    stages at chunks of 128 and 256 where their tiles fit (`axkern tune` times each)."""
     best, deterministic = mosaic_gpu_heuristic(spec), backend.deterministic()
     sums = "xla" if deterministic else "kernels"
     lean_forward = dataclasses.replace(best, group_sums=sums, scan_backward=None)
@@ -215,7 +197,6 @@ def mosaic_gpu_space(spec: Spec) -> list[SSDBlockSizes]:
         # (its blocks add their parts of dx and dw in any order: not where results must repeat)
         *[dataclasses.replace(best, backward="columns")] * (n > 64 and not deterministic),
         whole,
-        dataclasses.replace(whole, backward="fused"),
         SSDBlockSizes(chunk_size=64, forward="fused"),
         SSDBlockSizes(chunk_size=64, forward="stages"),
     ]

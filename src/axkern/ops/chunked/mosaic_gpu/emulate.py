@@ -2,7 +2,8 @@
 them (`x` as it is, `B`, `C` as their `operand_parts`; a float32 operand as its two 16-bit
 halves, three products where both operands are float32; the forward scan's incoming state
 rounded once), products
-exact in float32. Arguments and results as the kernels' (`kernels.py`). The CPU tests carry
+exact in float32. Arguments and results as the kernels' (`state.py`, `scan.py`,
+`scan_backward.py`). The CPU tests carry
 these through the whole layer against the float64 oracle (the kernels have no CPU interpret
 mode) and the GPU tests hold each kernel to its emulation computed on the CPU: XLA's GPU compiler
 takes the liberty of dropping a float32 → 16-bit → float32 round trip (excess precision), which
@@ -16,10 +17,11 @@ import jax
 import jax.numpy as jnp
 
 from ..pallas_gpu import GpuLayout
+from .body import rounds_once
 from .group_scores import with_group_scores
-from .kernels import CHUNK, operand_parts
-from .rotation import _padded_angles, rotate_halves
-from .tiled import rounds_once
+from .operands import operand_parts, rotate_halves
+from .rotation_kernel import padded_angles
+from .tiles import CHUNK
 
 __all__ = [
     "emulate_chunk_state",
@@ -84,19 +86,19 @@ class _Chunks:
 
 
 def _sum(spec, left, right):
-    """`Σ einsum(spec, a, b)` over every pair of parts but `lo · lo` (`kernels.pairs`)."""
+    """`Σ einsum(spec, a, b)` over every pair of parts but `lo · lo` (`body.pairs`)."""
     return sum(_ein(spec, a, b) for i, a in enumerate(left) for j, b in enumerate(right) if i + j <= 1)
 
 
 def emulate_chunk_state(xt, w, bt, q=CHUNK):
-    """`kernels.chunk_state`: `(w ∘ x)ᵀ B` with `w ∘ x` as two halves (chunks of `q`)."""
+    """`state.chunk_state`: `(w ∘ x)ᵀ B` with `w ∘ x` as two halves (chunks of `q`)."""
     k = _Chunks(xt, bt, q)
     xw = _halves(k.rows(xt) * k.vec(w)[..., None], xt.dtype)
     return k.state(_sum("bhctp,bhctn->bhcpn", xw, k.parts(bt)))
 
 
 def emulate_chunk_scan(xt, dt, cum, f, seg, bt, ct, states_in, q=CHUNK):
-    """`kernels.chunk_scan`: `M = (C Bᵀ) ∘ Λ ∘ dt_s` as two halves times `x`, plus `f ∘ (C S_inᵀ)`
+    """`scan.chunk_scan`: `M = (C Bᵀ) ∘ Λ ∘ dt_s` as two halves times `x`, plus `f ∘ (C S_inᵀ)`
     with the state rounded once."""
     k, dtype = _Chunks(xt, bt, q), xt.dtype
     x, bm, cm = k.rows(xt), k.parts(bt), k.parts(ct)
@@ -107,12 +109,12 @@ def emulate_chunk_scan(xt, dt, cum, f, seg, bt, ct, states_in, q=CHUNK):
     return k.out_rows(y)
 
 
-# The backward's float32 operands, `product:operand` (`benchmarks/ssd_backward_precision.py`
+# The backward's float32 operands, `product:operand` (`benchmarks/diagnostics/ssd_backward_precision.py`
 # rounds each once in turn): `dM = (dy xᵀ) ∘ dt`, `Mᵀ dy`, `dg B`, `dgᵀ C`, `(f ∘ dy) S_in`,
 # `C S_inᵀ`, `dS_in = (f ∘ dy)ᵀ C`; the chunk state's `B dSᵀ`, `(w ∘ x) dS`.
 OPERANDS = ("dM:dy", "Mdy:M", "Mdy:dy", "dgB:dg", "dgC:dg", "fS:fdy", "fS:S", "CS:S", "dS:fdy")
 OPERANDS += ("BdS:dS", "wdS:wx", "wdS:dS")
-# those the kernels round once where `tiled.rounds_once` (16-bit `B`, `C`)
+# those the kernels round once where `body.rounds_once` (16-bit `B`, `C`)
 ROUNDED_ONCE = frozenset({"fS:fdy", "fS:S", "wdS:wx", "wdS:dS"})
 
 
@@ -130,8 +132,8 @@ def _taken(a, dtype, operand, single):
 
 
 def emulate_chunk_state_bwd(xt, w, bt, d_own, q=CHUNK, single=None):
-    """`kernels.chunk_state_bwd`: `dS` and `w ∘ x` as two halves, three products for `dB` (one,
-    each rounded once, where `tiled.rounds_once`). `single`: the `OPERANDS` rounded once instead
+    """`state.chunk_state_bwd`: `dS` and `w ∘ x` as two halves, three products for `dB`
+    (one, each rounded once, where `body.rounds_once`). `single`: the `OPERANDS` rounded once instead
     (None: the kernels' choice)."""
     k, dtype, one = _Chunks(xt, bt, q), xt.dtype, _once(single, bt)
     x, bm, wc = k.rows(xt), k.parts(bt), k.vec(w)[..., None]
@@ -142,8 +144,8 @@ def emulate_chunk_state_bwd(xt, w, bt, d_own, q=CHUNK, single=None):
 
 
 def emulate_chunk_scan_bwd(dy, xt, dt, cum, f, seg, bt, ct, states_in, q=CHUNK, single=None, scores=False):
-    """`kernels.chunk_scan_bwd`: every float32 operand as its two halves (but `(f ∘ dy) S_in`'s,
-    each rounded once, where `tiled.rounds_once`). `single`: the `OPERANDS` rounded once instead
+    """`scan_backward.chunk_scan_bwd`: every float32 operand as its two halves (but `(f ∘
+    dy) S_in`'s, each rounded once, where `body.rounds_once`). `single`: the `OPERANDS` rounded once instead
     (None: the kernels' choice). `scores`: as `chunk_scan_bwd(..., scores=True)`, `dg` summed per
     group (`[b, g, c, Q, Q]`) in `dB`'s place and `dC` (per group) without `dg B`."""
     k, dtype, one = _Chunks(xt, bt, q), xt.dtype, _once(single, bt)
@@ -181,9 +183,9 @@ def emulate_chunk_scan_bwd(dy, xt, dt, cum, f, seg, bt, ct, states_in, q=CHUNK, 
 class EmulatedLayout(GpuLayout):
     """`pallas_gpu`'s layout (its recurrence kernels; interpret mode on a CPU) with stages 2 and 4
     as the Mosaic kernels compute them: the whole layer through the kernels' arithmetic, for the
-    CPU tests and `benchmarks/mamba3_operand_precision.py`. 16-bit inputs only (no `sums`).
-    `single`: the backward's `OPERANDS` rounded once (None: the kernels' choice; a subclass sets
-    others, `benchmarks/ssd_backward_precision.py`)."""
+    CPU tests and `benchmarks/diagnostics/mamba3_operand_precision.py`. 16-bit inputs only (no
+    `sums`). `single`: the backward's `OPERANDS` rounded once (None: the kernels' choice; a
+    subclass sets others, `benchmarks/diagnostics/ssd_backward_precision.py`)."""
 
     diagonal = False  # as the Mosaic kernels it emulates
     single = None
@@ -191,7 +193,7 @@ class EmulatedLayout(GpuLayout):
     parts_kernel = True  # as `MosaicLayout` (`rotated_parts`, in interpret mode on a CPU)
 
     @classmethod
-    def turns_back(cls) -> bool:  # as the Mosaic kernels (`MosaicLayout`: not with the group sums)
+    def turns_back(cls) -> bool:  # as the Mosaic kernels (`layout.MosaicLayout`: not with the group sums)
         return not cls.group_scores
 
     def chunk_state(self, xt, w, bt, *, dtype):
@@ -225,9 +227,9 @@ class EmulatedLayout(GpuLayout):
 
 def _turned_back(operand, g):
     """`g` (`dB` or `dC` per head) turned back by `-Θ` where `operand` carries its angles
-    (`SplitOperand.theta`), as the backward kernels turn it (`angles._turned_back`)."""
+    (`SplitOperand.theta`), as the backward kernels turn it (`angles.turned_back`)."""
     theta = getattr(operand, "theta", None)
     if theta is None:
         return g
-    theta = _padded_angles(theta, g.shape[-1] // 2)
+    theta = padded_angles(theta, g.shape[-1] // 2)
     return rotate_halves(g, jnp.cos(theta), -jnp.sin(theta))

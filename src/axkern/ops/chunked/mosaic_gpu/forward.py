@@ -1,4 +1,4 @@
-"""The SSD layer's forward as one Mosaic GPU kernel (`SSDBlockSizes(forward="fused")`):
+"""The chunked layer's forward as one Mosaic GPU kernel (`SSDBlockSizes(forward="fused")`):
 stages 2 to 4 (each chunk's own state, the recurrence between chunks, each chunk's output) for
 one (batch row, head) per block, the chunks in order, the state carried in registers.
 
@@ -10,11 +10,11 @@ blocks walking their chunks in order, with the next chunk's `C`, `B`, `x` copied
 second of two slots while the block computes on the first.
 
 **A chunk's step**, the state `S` (`[P, N]` float32, WGMMA layout) entering it: `S` out to the
-entering states (through shared memory, by TMA) and in as a 16-bit tile; `y` as `_scan_kernel`
-computes it (`C Bᵀ`, its decay, `M x` from `M`'s two 16-bit halves, `f ∘ (C S_inᵀ)`), out by TMA;
+entering states (through shared memory, by TMA) and in as a 16-bit tile; `y` as the chunk-scan
+kernel computes it (`C Bᵀ`, its decay, `M x` from `M`'s two 16-bit halves, `f ∘ (C S_inᵀ)`), out by TMA;
 then `S ← keep · S + (w ∘ x)ᵀ B`, the own state's two products (`w ∘ x` as two 16-bit halves)
-accumulated straight onto `keep · S`. The arithmetic is the three stages' (`kernels.py`), the
-recurrence's sum `keep · S + own` now one accumulator (the own state not rounded on its own).
+accumulated straight onto `keep · S`. The arithmetic is the three stages' (`state.py`,
+`scan.py`), the recurrence's sum `keep · S + own` now one accumulator (the own state not rounded on its own).
 
 **Grid** `(batch, heads)`, heads on CUDA's x axis; one warpgroup a block. **Cost** per chunk and
 head (Q = 64): `2·Q²·N` (`C Bᵀ`) + `4·Q²·P` (`M x`, two halves) + `2·Q·P·N` (`C S_inᵀ`) + `4·Q·P·N`
@@ -26,7 +26,7 @@ the stages also write the own state and read both states back (`3·P·N·4` more
 `custom_vjp`'s primal) the entering states are not written: `y` and the final state are all it
 sends out.
 
-**Rotating** (`B`, `C` as `RotatedOperand`s, `rotation.py`; Mamba-3): each chunk's step starts by
+**Rotating** (`B`, `C` as `RotatedOperand`s, `operands.py`; Mamba-3): each chunk's step starts by
 forming `C`'s and `B`'s halves itself: `Θ` (`[Q, N/2]`, float32), the unrotated `q`, `k` rows
 (`[Q, N]`, bf16, the head's group) copied in by TMA while the previous chunk computed, `cos` and
 `sin` of `Θ` (`Q·N` special-function results), the bias added and the pairs turned (about 12
@@ -34,8 +34,10 @@ float32 operations an element of `q` and of `k`, with the split into halves), fo
 stored. Bytes a chunk and head: `Q·N/2·4` of angles and `2·Q·N·2` of `q`, `k` (shared by the
 group's heads, mostly from L2) in place of `4·Q·N·2` of halves; one slot of halves rather than
 two (212 KiB at P 64, N 128). This work runs on the block's one warpgroup between the chunk's
-products, not beside them: on the H200 the kernel took 1.43 ms where it took 0.92 with XLA's
-halves (docs/ops/mamba3.md).
+products, not beside them (docs/ops/mamba3.md has what it costs).
+
+**Other forms**: in one slot of tiles (`forward_lean.py`, `SSDBlockSizes(forward="lean")`), and
+at chunks of `64 r` by tiles of 64 rows (`forward_tiled.py`).
 """
 
 from __future__ import annotations
@@ -50,25 +52,13 @@ from jax.experimental import pallas as pl
 from axkern.core.compat import mosaic_gpu_load
 from axkern.core.op import Unsupported
 
+from .body import halves, part_copies, parts_of, put_last
 from .forward_lean import chunk_rows, forward_lean_kernel, lean_forward_reason, lean_forward_tiles, own_onto
-from .kernels import (
-    _SMEM,
-    CHUNK,
-    _chunk_output,
-    _dims,
-    _halves,
-    _launch,
-    _part_copies,
-    _put_last,
-    _rows_type,
-    _walk_setup,
-    operand_parts,
-    parts_of,
-    plgpu,
-    tile_bytes,
-)
-from .rotation import RotatedOperand, finite_or_zero
-from .tiled import forward_tiled_kernel
+from .forward_tiled import forward_tiled_kernel
+from .operands import RotatedOperand, finite_or_zero, operand_parts
+from .scan import chunk_output
+from .sizes import walk_setup
+from .tiles import CHUNK, SMEM, dims, launch, plgpu, rows_type, tile_bytes
 
 __all__ = ["fused_forward", "fused_smem_bytes", "fused_fits", "rotation_reason"]
 
@@ -76,9 +66,9 @@ __all__ = ["fused_forward", "fused_smem_bytes", "fused_fits", "rotation_reason"]
 def _tiles(p: int, n: int, dtype=jnp.bfloat16, y_dtype=jnp.float32, parts=1, rotate=False, q=CHUNK) -> list:
     """Shared-memory tiles `(shape, dtype)`: two slots of C, B (each `parts` tiles, slot-major),
     x; w ∘ x's halves; the entering state as 16 bits; staging for y (`y_dtype`) and for the
-    float32 state. `rotate` (`rotation.py`): one slot of C's and B's two halves, which the
+    float32 state. `rotate` (`operands.RotatedOperand`): one slot of C's and B's two halves, which the
     block forms, and the unrotated `q`, `k` rows and the angles they are copied into. Chunks of
-    `q = 64 r` (`forward_tiled_kernel`): tiles of 64 rows, one slot of C's `r` row blocks (each
+    `q = 64 r` (`forward_tiled.py`): tiles of 64 rows, one slot of C's `r` row blocks (each
     refilled as soon as the chunk's output has read it), two of B's and x's; w ∘ x's halves and
     y's staging for one row block."""
     if q != CHUNK:
@@ -111,7 +101,7 @@ def fused_smem_bytes(p: int, n: int, parts: int = 1, rotate: bool = False, chunk
 def fused_fits(p: int, n: int, parts: int = 1, rotate: bool = False, chunk: int = CHUNK) -> bool:
     """Whether the fused forward's tiles (float32 `y`) at chunks of `chunk` fit a Hopper block's
     shared memory."""
-    return fused_smem_bytes(p, n, parts, rotate, chunk) <= _SMEM
+    return fused_smem_bytes(p, n, parts, rotate, chunk) <= SMEM
 
 
 def rotation_reason(p: int, n: int) -> str | None:
@@ -125,24 +115,24 @@ def rotation_reason(p: int, n: int) -> str | None:
 
 
 def _rotated_tiles(u_smem, th_smem, bias_refs, head, dsts, dtype):
-    """`rotation.py`'s turn in registers: for `q` and `k` (`u_smem.at[i]`, `[Q, N]` 16-bit, the
+    """The rotation's turn (`operands.py`) in registers: for `q` and `k` (`u_smem.at[i]`, `[Q, N]` 16-bit, the
     angles `th_smem` `[Q, N/2]` float32, the biases `bias_refs[i]` `[h, N]`), the rotated value's
     two 16-bit halves into `dsts[i]` (`[2, Q, N]`: `hi`, `lo`), column half by column half."""
     f32, layout = jnp.float32, plgpu.Layout.WGMMA
     n2 = th_smem.shape[-1]
-    halves = (pl.ds(0, n2), pl.ds(n2, n2))
+    column_halves = (pl.ds(0, n2), pl.ds(n2, n2))
     th = mosaic_gpu_load(th_smem, layout=layout, optimized=False)
     cos, sin = jnp.cos(th), jnp.sin(th)
     for i, (bias_ref, dst) in enumerate(zip(bias_refs, dsts, strict=True)):
         w = []
-        for cols in halves:
+        for cols in column_halves:
             u = mosaic_gpu_load(u_smem.at[i, :, cols], layout=layout, optimized=False).astype(f32)
             bias = mosaic_gpu_load(bias_ref.at[head, cols], layout=layout.reduce(0), optimized=False)
             w.append(u + lax.broadcast_in_dim(bias, u.shape, [1]))
-        for j, cols in enumerate(halves):  # one turned half at a time (fewer registers live)
+        for j, cols in enumerate(column_halves):  # one turned half at a time (fewer registers live)
             r = w[0] * cos - w[1] * sin if j == 0 else w[0] * sin + w[1] * cos
             r = finite_or_zero(r)  # non-finite as 0, as the caller scrubs
-            hi, lo = _halves(r, dtype)
+            hi, lo = halves(r, dtype)
             dst.at[0, :, cols][...] = hi
             dst.at[1, :, cols][...] = lo
 
@@ -173,7 +163,7 @@ def _forward_kernel(
 ):
     """`add` (the backward kernels' group sums) is False here; `states_ref` None: the entering
     states are not written (`_without_states`). `rotate`: `b_ref`, `c_ref` are `(u, bias, Θ)`
-    (`rotation.py`), the block forms C's and B's halves in its one slot of them. `clean_x`:
+    (`operands.RotatedOperand`), the block forms C's and B's halves in its one slot of them. `clean_x`:
     `x`'s non-finite values as 0 (the register copy the block reads anyway, stored over the
     chunk's `x` tile before the products read it)."""
     (c_smem, b_smem, x_smem, xh_smem, xl_smem, s16_smem, y_smem, st_smem, *raw), loaded = scoped
@@ -194,8 +184,8 @@ def _forward_kernel(
         rows = pl.ds(chunk * q, q)
         pieces = []
         if not rotate:
-            pieces += _part_copies(c_ref, slot_parts(c_smem, slot), batch, group, rows)
-            pieces += _part_copies(b_ref, slot_parts(b_smem, slot), batch, group, rows)
+            pieces += part_copies(c_ref, slot_parts(c_smem, slot), batch, group, rows)
+            pieces += part_copies(b_ref, slot_parts(b_smem, slot), batch, group, rows)
         pieces.append((rows_of(x_ref, batch, head, rows), x_smem.at[slot]))
         for i, (src, dst) in enumerate(pieces):
             plgpu.copy_gmem_to_smem(src, dst, loaded.at[copies * slot + i])
@@ -241,7 +231,7 @@ def _forward_kernel(
         )
         if not rotate:
             state_out()
-        xh_smem[...], xl_smem[...] = _halves(x * lax.broadcast_in_dim(w_t, x.shape, [0]), dtype)
+        xh_smem[...], xl_smem[...] = halves(x * lax.broadcast_in_dim(w_t, x.shape, [0]), dtype)
         plgpu.commit_smem()  # (its warpgroup barrier: every read of the unrotated rows is done)
         if rotate:
 
@@ -258,7 +248,7 @@ def _forward_kernel(
             xs[...] = x.astype(dtype)
             plgpu.commit_smem()
 
-        y = _chunk_output(cs, bs, xs, s16_smem, *vectors, dtype=dtype)  # as `_scan_kernel`
+        y = chunk_output(cs, bs, xs, s16_smem, *vectors, dtype=dtype)  # as the chunk-scan kernel
         y_smem[...] = y.astype(y_smem.dtype)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(y_smem, rows_of(y_ref, batch, head, rows))
@@ -270,7 +260,7 @@ def _forward_kernel(
         return own_onto(st_smem[...] * lax.broadcast_in_dim(keep, (p, n), [0]), xh_smem, xl_smem, bs)
 
     s0 = mosaic_gpu_load(s0_ref.at[batch, head], layout=wgmma_layout, optimized=False)
-    _put_last(st_smem, lax.fori_loop(0, chunks, step, s0), final_ref.at[batch, head])
+    put_last(st_smem, lax.fori_loop(0, chunks, step, s0), final_ref.at[batch, head])
 
 
 def _without_states(*refs, kernel=_forward_kernel, **kw):
@@ -303,21 +293,21 @@ def fused_forward(
     `y_dtype`), of the chunks
     (`xt [b, h, L, P]` bf16, `bt, ct [b, g, L, N]` bf16 or float32 (`operand_parts`), or both
     `RotatedOperand`s by the same angles (`bt`'s are read), which the kernel turns itself
-    (`rotation.py`); `w, dt,
+    (`operands.py`); `w, dt,
     cum, f [b, h, L]` float32; `keep [b,
     h, c]`; `seg [b, L]` int32; `initial_state [b, h, P, N]` float32; `L = c · chunk`) by the
     fused kernel. `positions_first`: `xt` and `y` are `[b, L, h, P]`; `y_dtype`: `y` rounded to
     it in the kernel; `states=False`: `states_in` is None, the kernel does not write the
     entering states (the backward's residual; `P·N·4` bytes a chunk and head, the largest of
     its writes); `clean_x`: `x`'s non-finite values taken as 0 (no cleaned copy to write).
-    `chunk`: 64, or a multiple of 64 by tiles of 64 rows (`forward_tiled_kernel`; not rotating).
+    `chunk`: 64, or a multiple of 64 by tiles of 64 rows (`forward_tiled.py`; not rotating).
     `lean`: in one slot of tiles (`forward_lean.py`; chunks of 64, 16-bit `B`, `C`)."""
     f32, dtype = jnp.float32, xt.dtype
     rotate = isinstance(bt, RotatedOperand)
     if rotate and chunk != CHUNK:
         raise Unsupported(f"chunk_size={chunk}: the rotating forward runs chunks of {CHUNK}")
     if rotate:  # `(u, bias, Θ)` each; the parts' shapes and dtypes checked as `u`'s
-        p, n = _dims(xt, positions_first)[3], bt.u.shape[-1]
+        p, n = dims(xt, positions_first)[3], bt.u.shape[-1]
         reason = rotation_reason(p, n) or _rotation_dtypes(bt, ct)
         if reason:
             raise Unsupported(reason)
@@ -334,7 +324,7 @@ def fused_forward(
         tiles = lean_forward_tiles(xt.shape[-1], bt[0].shape[-1], dtype, y_dtype)
     else:
         tiles = _tiles(xt.shape[-1], bt[0].shape[-1], dtype, y_dtype, parts, rotate, chunk)
-    setup = _walk_setup(
+    setup = walk_setup(
         xt,
         checked[0],
         keep,
@@ -346,7 +336,7 @@ def fused_forward(
     )
     b, h, lp, p, n, c, keep_rows = setup
     y_type, final_type = (
-        _rows_type(b, h, lp, p, positions_first, y_dtype),
+        rows_type(b, h, lp, p, positions_first, y_dtype),
         jax.ShapeDtypeStruct((b, h, p, n), f32),
     )
     if states:
@@ -365,20 +355,20 @@ def fused_forward(
     else:
         barrier = plgpu.Barrier(num_barriers=2 + 3 if rotate else 2 * (len(bt) + len(ct) + 1))
         kernel, kw = _forward_kernel, {"rotate": rotate}
-    launch = _launch(
+    call = launch(
         "forward_lean" if lean else "forward",
         kernel if states else functools.partial(_without_states, kernel=kernel),
         out_type,
         xt,
         bt,
         barrier,
+        tiles,
         positions_first=positions_first,
-        tiles=tiles,
         chunks=c,
         clean_x=clean_x,
         **kw,
     )
-    out = launch(xt, w, dt, cum, f, keep_rows, seg.astype(jnp.int32), bt, ct, initial_state.astype(f32))
+    out = call(xt, w, dt, cum, f, keep_rows, seg.astype(jnp.int32), bt, ct, initial_state.astype(f32))
     if states:
         y, states_in, final = out
         return y, final, states_in

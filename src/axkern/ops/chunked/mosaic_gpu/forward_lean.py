@@ -1,33 +1,31 @@
 """The fused forward in less shared memory (`SSDBlockSizes(forward="lean")`): the fused
 forward's walk (`forward.py`: one block per batch row and head, its chunks of 64 in order, the
 state carried in registers) with one slot of each chunk tile where the fused kernel keeps two,
-and the entering state sent out through the float32 staging tiles (`kernels.STAGES`: one `[64,
-64]`) block by block (`backward._staged`), where the fused kernel stages it whole.
+and the entering state sent out through the float32 staging tile (`tiles.STAGE`, `[64, 64]`)
+block by block (`body.staged`), where the fused kernel stages it whole.
 
 **Why.** At P 64, N 128 the fused kernel's shared memory is 155 KiB (`tile_bytes`; bf16 `y`, 163
-with float32 `y`), so one block runs per SM, one warpgroup with nothing to overlap its waits, and
-its 320 blocks at the 2.7B layer fill the H200's 132 SMs in three rounds. These tiles take 99 KiB
-(91), so two blocks share an SM (`lean_forward_shares_an_sm`; at P 128, N 64 107 and 99 KiB
-where the fused kernel's take 163 and 179): each hides the other's waits, and the blocks take two
-rounds of 264.
+with float32 `y`), so one block runs per SM, one warpgroup with nothing to overlap its waits.
+These tiles take 99 KiB (91), so two blocks share an SM (`lean_forward_shares_an_sm`; at P 128,
+N 64 107 and 99 KiB where the fused kernel's take 163 and 179): each hides the other's waits,
+and a layer's `batch · heads` blocks take fewer rounds of the SMs.
 
 **A chunk's step**, `S` (`[P, N]` float32, registers) the state entering it: the copies out of
 the previous chunk waited for having read their tiles; `S` into shared memory in 16 bits (for
 `C S_inᵀ`) and, where the entering states are written, block by block through the staging
 tile; `w ∘ x`'s halves stored; the chunk's `C`, `x`, `B` copies waited; `B`'s two readers
 first, `C Bᵀ` and `S ← keep · S + (w ∘ x)ᵀ B`, after which the next chunk's `B` is copied in
-while the rest of `y` is formed as `_scan_kernel` forms it (the decay, `C S_inᵀ` from the
-16-bit entering state, `M x`); then the next chunk's `C` and `x`; `y` out by TMA. What the one
-slot costs: the next chunk's `C` and `x` copies start at the end of a step's products and are
-waited near the start of the next (`B`'s overlap the output's products); the other block on the
-SM is what hides them. The state stays in registers through the output (the fused kernel reads
-it back from its float32 staging tile instead).
+while the rest of `y` is formed as the chunk-scan kernel forms it (`scan.chunk_output`:
+the decay, `C S_inᵀ` from the 16-bit entering state, `M x`); then the next chunk's `C` and `x`;
+`y` out by TMA. What the one slot costs: the next chunk's `C` and `x` copies start at the end of
+a step's products and are waited near the start of the next (`B`'s overlap the output's
+products); the other block on the SM is what hides them. The state stays in registers through
+the output (the fused kernel reads it back from its float32 staging tile instead).
 
 **Cost** as the fused forward's (`forward.py`), the roundings the same (`M x` accumulated onto
-`f ∘ (C S_inᵀ)`: the float32 sums in another order). `y` leaves by blocks of the staging tiles'
-width, through the state's staging tiles where it is float32 (else by 64-column blocks through
-its own). Chunks of 64, 16-bit `B` and `C`, not rotating
-(`lean_forward_reason`).
+`f ∘ (C S_inᵀ)`: the float32 sums in another order). `y` leaves by blocks of the staging tile's
+width, through the state's staging tile where it is float32 (else by 64-column blocks through
+its own). Chunks of 64, 16-bit `B` and `C`, not rotating (`lean_forward_reason`).
 """
 
 from __future__ import annotations
@@ -38,28 +36,18 @@ from jax.experimental import pallas as pl
 
 from axkern.core.compat import mosaic_gpu_load
 
-from .backward import _staged
-from .kernels import (
-    CHUNK,
-    STAGES,
-    _chunk_output,
-    _halves,
-    _products,
-    _scan_vectors,
-    blocks_per_sm,
-    pairs,
-    plgpu,
-)
-from .rotation import finite_or_zero
+from .body import halves, pairs, products, staged
+from .operands import finite_or_zero
+from .scan import chunk_output, scan_vectors
+from .tiles import CHUNK, STAGE, blocks_per_sm, plgpu
 
 __all__ = ["lean_forward_tiles", "lean_forward_reason", "lean_forward_shares_an_sm", "forward_lean_kernel"]
 
 
 def lean_forward_tiles(p: int, n: int, dtype=jnp.bfloat16, y_dtype=jnp.float32) -> list:
     """Shared-memory tiles `(shape, dtype)`: one slot of C, B, x; w ∘ x's halves; the entering
-    state in 16 bits; the float32 staging tiles for the state's blocks (`STAGES`),
-    which `y`'s blocks share when `y` is float32, and otherwise a 64 × 64 staging tile in
-    `y_dtype`."""
+    state in 16 bits; the float32 staging tile for the state's blocks (`STAGE`), which `y`'s
+    blocks share when `y` is float32, and otherwise a 64 × 64 staging tile in `y_dtype`."""
     q, f32 = CHUNK, jnp.float32
     y_stage = [] if jnp.dtype(y_dtype) == f32 else [((CHUNK, CHUNK), y_dtype)]
     return [
@@ -69,7 +57,7 @@ def lean_forward_tiles(p: int, n: int, dtype=jnp.bfloat16, y_dtype=jnp.float32) 
         ((q, p), dtype),
         ((q, p), dtype),
         ((p, n), dtype),
-        *STAGES,
+        STAGE,
         *y_stage,
     ]
 
@@ -95,11 +83,11 @@ def lean_forward_shares_an_sm(p: int, n: int, y_dtype=jnp.float32) -> bool:
 
 def chunk_rows(refs, batch, head, rows, rows_of, clean_x):
     """A walking forward's per-chunk reads into registers (`refs`: `x`, `w`, `dt`, `cum`, `f`, the
-    segment ids): the output's vectors (`_scan_vectors`), `w` along rows and `x` (`[Q, P]`
+    segment ids): the output's vectors (`scan.scan_vectors`), `w` along rows and `x` (`[Q, P]`
     float32, WGMMA layout; non-finite values as 0 where `clean_x`)."""
     x_ref, w_ref, dt_ref, cum_ref, f_ref, seg_ref = refs
     layout = plgpu.Layout.WGMMA
-    vectors = _scan_vectors(dt_ref, cum_ref, f_ref, seg_ref, batch, head, rows)
+    vectors = scan_vectors(dt_ref, cum_ref, f_ref, seg_ref, batch, head, rows)
     w_t = mosaic_gpu_load(w_ref.at[batch, head, rows], layout=layout.reduce(1), optimized=False)
     x = mosaic_gpu_load(rows_of(x_ref, batch, head, rows), layout=layout, optimized=False).astype(jnp.float32)
     return vectors, w_t, finite_or_zero(x) if clean_x else x
@@ -117,13 +105,12 @@ def own_onto(kept, xh_smem, xl_smem, bs):
 
 
 def forward_lean_kernel(*refs, rep, dtype, add, rows_of, chunks, clean_x=False):
-    """`forward._forward_kernel`'s walk in one slot of tiles (the module's docstring), with its
+    """The fused forward's walk in one slot of tiles (the module's docstring), with its
     refs (`b_ref`, `c_ref` one 16-bit part each; `states_ref` None: the entering states are not
     written). Barriers: `C`, `x`, `B`, each armed and waited once a chunk."""
     x_ref, w_ref, dt_ref, cum_ref, f_ref, keep_ref, seg_ref, b_ref, c_ref, s0_ref, *outs, scoped = refs
     y_ref, states_ref, final_ref = outs
-    (c_smem, b_smem, x_smem, xh_smem, xl_smem, s16_smem, *rest), loaded = scoped
-    stages, y_stage = tuple(rest[: len(STAGES)]), rest[len(STAGES) :]
+    (c_smem, b_smem, x_smem, xh_smem, xl_smem, s16_smem, stage, *y_stage), loaded = scoped
     (b_ref,), (c_ref,) = b_ref, c_ref
     head, batch = lax.axis_index("heads"), lax.axis_index("batch")
     q, p = x_smem.shape
@@ -153,9 +140,9 @@ def forward_lean_kernel(*refs, rep, dtype, add, rows_of, chunks, clean_x=False):
         # read the 16-bit state and w ∘ x's halves, were waited for
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
         s16_smem[...] = state.astype(dtype)
-        xh_smem[...], xl_smem[...] = _halves(x * lax.broadcast_in_dim(w_t, x.shape, [0]), dtype)
+        xh_smem[...], xl_smem[...] = halves(x * lax.broadcast_in_dim(w_t, x.shape, [0]), dtype)
         plgpu.commit_smem()
-        send = _staged(stages)  # (the tiles' copies read: waited above)
+        send = staged(stage)  # (the tile's copies read: waited above)
         if states_ref is not None:
             send(state, lambda r, cols: states_ref.at[batch, chunk, head, pl.ds(r, CHUNK), cols])
         for i in range(3):
@@ -166,27 +153,27 @@ def forward_lean_kernel(*refs, rep, dtype, add, rows_of, chunks, clean_x=False):
         # B's two readers first, C Bᵀ and the state's update S <- keep S + (w ∘ x)ᵀ B (the entering
         # state is in the 16-bit tile for C S_inᵀ), so that the next chunk's B is copied in while
         # the output is formed
-        scores = _products((q, q), pairs(cs, bs, True))
+        scores = products((q, q), pairs(cs, bs, True))
         state = own_onto(state * lax.broadcast_in_dim(keep, state.shape, [0]), xh_smem, xl_smem, bs)
 
         @pl.when(chunk + 1 < chunks)
         def _():
             fetch_b(chunk + 1)
 
-        # as `_scan_kernel`, M x accumulated onto f ∘ (C S_inᵀ)
-        y = _chunk_output(cs, bs, x_smem, s16_smem, *vectors, dtype=dtype, scores=scores, onto=True)
+        # as the chunk-scan kernel, M x accumulated onto f ∘ (C S_inᵀ)
+        y = chunk_output(cs, bs, x_smem, s16_smem, *vectors, dtype=dtype, scores=scores, onto=True)
 
         @pl.when(chunk + 1 < chunks)
         def _():  # C's and x's last readers (the output's products) are done
             fetch_c_x(chunk + 1)
 
-        # y out by blocks: through the state's staging tiles where float32, else its own
-        y_send = _staged(tuple(y_stage)) if y_stage else send
+        # y out by blocks: through the state's staging tile where float32, else its own
+        y_send = staged(y_stage[0]) if y_stage else send
         y_send(y.astype(y_ref.dtype), lambda r, cols: rows_of(y_ref, batch, head, rows, cols))
         return state
 
     s0 = mosaic_gpu_load(s0_ref.at[batch, head], layout=wgmma_layout, optimized=False)
     final = lax.fori_loop(0, chunks, step, s0)
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-    _staged(stages)(final, lambda r, cols: final_ref.at[batch, head, pl.ds(r, CHUNK), cols])
+    staged(stage)(final, lambda r, cols: final_ref.at[batch, head, pl.ds(r, CHUNK), cols])
     plgpu.wait_smem_to_gmem(0)

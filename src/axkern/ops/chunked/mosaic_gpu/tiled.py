@@ -1,9 +1,11 @@
-"""The chunk scan's output and backward, and the fused forward, for chunks of `Q = 64 r`
-positions (`r > 1`), by tiles of 64 rows (one warpgroup's `wgmma` rows): a tile `(i, j)` pairs
-the chunk's row block `i` (positions `t`) with its column block `j <= i` (positions `s`); the
-causal mask acts on the diagonal tile only, the segments' on every tile. Each tile computes what `_chunk_output` and
-`_scan_bwd_kernel` compute for the whole chunk of 64 (the same roundings, element by element);
-the float32 sums run in another order.
+"""The chunk scan's output and backward for chunks of `Q = 64 r` positions (`r > 1`), by tiles
+of 64 rows (one warpgroup's `wgmma` rows): a tile `(i, j)` pairs the chunk's row block `i`
+(positions `t`) with its column block `j <= i` (positions `s`); the causal mask acts on the
+diagonal tile only, the segments' on every tile. Each tile computes what
+`scan.chunk_output` and the chunk-scan backward kernel (`scan_backward.py`) compute
+for the whole chunk of 64 (the same roundings, element by element); the float32 sums run in
+another order. The fused forward's walk at such chunks (`forward_tiled.py`) forms its output
+here too.
 
 **The backward in two phases**, as flash attention's: phase C, for each column block `j`, walks
 the row blocks `i >= j` with the tiles transposed (rows `s`, columns `t`: `Mᵀ = (B_j C_iᵀ) ∘ Λᵀ`,
@@ -34,50 +36,19 @@ the state once, the outputs once.
 
 from __future__ import annotations
 
-import itertools
-
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
 from axkern.core.compat import mosaic_gpu_load
 
-from .kernels import (
-    CHUNK,
-    _copy_chunk_in,
-    _decay,
-    _halves,
-    _part_copies,
-    _products,
-    _put_last,
-    pairs,
-    parts_of,
-    plgpu,
-)
-from .rotation import finite_or_zero
+from .body import copy_chunk_in, decay, halves, pairs, parts_of, products, rounds_once
+from .tiles import CHUNK, plgpu
 
-__all__ = [
-    "chunk_tiles",
-    "into_rows",
-    "chunk_output_tiled",
-    "scan_bwd_tiled",
-    "forward_tiled_kernel",
-    "rounds_once",
-]
+__all__ = ["chunk_tiles", "into_rows", "chunk_output_tiled", "scan_bwd_tiled"]
 
 
 _T = CHUNK  # rows of a tile
-
-
-def rounds_once(parts: int) -> bool:
-    """Whether the backward kernels take the operands of `(f ∘ dy) S_in` (the chunk scan's) and
-    of `(w ∘ x) dS` (the chunk state's) each rounded once to 16 bits, one product where their
-    halves take three: where `B`, `C` come as one 16-bit part (SSD's; every gradient within
-    0.49x of the oracle rule's bound over `benchmarks/ssd_backward_precision.py`'s cases, 0.41x
-    with the halves). Where they come as float32 halves (Mamba-3's rotated `k`, `q`), both keep
-    their halves: the second rounded once took Mamba-3's `dk` to 0.93x the bound, the first
-    another gradient from 0.32x to 0.60x."""
-    return parts == 1
 
 
 def _row_col():
@@ -121,7 +92,7 @@ def into_rows(smem):
 
 
 def chunk_output_tiled(tiles, s16_smem, emit, refs, batch, head, base, *, dtype, ready=None):
-    """`_chunk_output` of a chunk of `Q = 64 r` positions, row block by row block: for row block
+    """`scan.chunk_output` of a chunk of `Q = 64 r` positions, row block by row block: for row block
     `i`, `f ∘ (C_i S_inᵀ)` then, for each column block `j <= i`, `M_ij = (C_i B_jᵀ) ∘ Λ_ij ∘ dt_j`
     as two 16-bit halves times `x_j`; `emit(i, y_i)` takes the block's `[64, P]` float32 output.
     `tiles`: the row blocks of `C`, `B` (each as its parts) and `x` (`chunk_tiles`, or a fused
@@ -140,7 +111,7 @@ def chunk_output_tiled(tiles, s16_smem, emit, refs, batch, head, base, *, dtype,
         seg_t = _load(seg_ref.at[batch], rows_i, per_row)
         if ready is not None:
             ready(i)
-        y = _products((_T, p), pairs(c_i, (s16_smem,), True)) * lax.broadcast_in_dim(f_t, (_T, p), [0])
+        y = products((_T, p), pairs(c_i, (s16_smem,), True)) * lax.broadcast_in_dim(f_t, (_T, p), [0])
         for j in range(i + 1):
             rows_j = pl.ds(base + j * _T, _T)
             cum_s, dt_s = (
@@ -148,10 +119,10 @@ def chunk_output_tiled(tiles, s16_smem, emit, refs, batch, head, base, *, dtype,
                 _load(dt_ref.at[batch, head], rows_j, per_col),
             )
             seg_s = _load(seg_ref.at[batch], rows_j, per_col)
-            s = _products((_T, _T), pairs(c_i, b_tiles[j], True))
-            decay, on_cols = _decay(cum_t, cum_s, seg_t, seg_s, diagonal=i == j)
-            m_hi, m_lo = _halves(s * decay * on_cols(dt_s), dtype)
-            y = _products((_T, p), [(m_hi, x_tiles[j], False), (m_lo, x_tiles[j], False)], acc=y)
+            s = products((_T, _T), pairs(c_i, b_tiles[j], True))
+            lam, on_cols = decay(cum_t, cum_s, seg_t, seg_s, diagonal=i == j)
+            m_hi, m_lo = halves(s * lam * on_cols(dt_s), dtype)
+            y = products((_T, p), [(m_hi, x_tiles[j], False), (m_lo, x_tiles[j], False)], acc=y)
         emit(i, y)
 
 
@@ -170,7 +141,7 @@ def _decay_transposed(cum_s, cum_t, seg_s, seg_t, diagonal):
 
 
 def scan_bwd_tiled(refs, scoped, *, rep, dtype, add, rows_of):
-    """`_scan_bwd_kernel`'s results for a chunk of `Q = 64 r` positions (the module docstring has
+    """The chunk-scan backward kernel's results for a chunk of `Q = 64 r` positions (the module docstring has
     the phases; the grid and the arguments as there, without the angles)."""
     dy_ref, x_ref, dt_ref, cum_ref, f_ref, seg_ref, b_ref, c_ref, s_ref, *outs = refs
     per_row, per_col = _row_col()
@@ -181,7 +152,7 @@ def scan_bwd_tiled(refs, scoped, *, rep, dtype, add, rows_of):
     base, group = chunk * q, lax.div(head, jnp.int32(rep))
     rows = pl.ds(base, q)
     cs, bs = parts_of(c_smem), parts_of(b_smem)
-    copies = _copy_chunk_in(
+    copies = copy_chunk_in(
         (c_ref, cs), (b_ref, bs), (x_ref, x_smem), batch, group, head, rows, rows_of, loaded
     )
     f32, wgmma_layout = jnp.float32, plgpu.Layout.WGMMA
@@ -193,10 +164,10 @@ def scan_bwd_tiled(refs, scoped, *, rep, dtype, add, rows_of):
     seg = lambda r, layout: _load(seg_ref.at[batch], r, layout)  # noqa: E731
     # the state and dy (the whole chunk) as two 16-bit halves in shared memory
     state = mosaic_gpu_load(s_ref.at[batch, chunk, head], layout=wgmma_layout, optimized=False)
-    sh_smem[...], sl_smem[...] = _halves(state, dtype)
+    sh_smem[...], sl_smem[...] = halves(state, dtype)
     for i in range(q // _T):
         rows_i = pl.ds(base + i * _T, _T)
-        _tile((ah_smem,), i)[0][...], _tile((al_smem,), i)[0][...] = _halves(load_rows(dy_ref, rows_i), dtype)
+        _tile((ah_smem,), i)[0][...], _tile((al_smem,), i)[0][...] = halves(load_rows(dy_ref, rows_i), dtype)
     plgpu.commit_smem()
     for i in range(copies):
         plgpu.barrier_wait(loaded.at[i])
@@ -224,15 +195,15 @@ def scan_bwd_tiled(refs, scoped, *, rep, dtype, add, rows_of):
             rows_i = pl.ds(base + i * _T, _T)
             cum_t, seg_t = vec(cum_ref, rows_i, per_col), seg(rows_i, per_col)
             c_i, (ah_i,), (al_i,) = _tile(cs, i), _tile((ah_smem,), i), _tile((al_smem,), i)
-            decay, on_rows = _decay_transposed(cum_s, cum_t, seg_s, seg_t, diagonal=i == j)
-            m = _products((_T, _T), pairs(b_j, c_i, True)) * decay  # Mᵀ: B_j C_iᵀ
-            dm = _products((_T, _T), [(x_j, ah_i, True)] + [(x_j, al_i, True)] * wide_dy) * on_rows(dt_s)
+            lam, on_rows = _decay_transposed(cum_s, cum_t, seg_s, seg_t, diagonal=i == j)
+            m = products((_T, _T), pairs(b_j, c_i, True)) * lam  # Mᵀ: B_j C_iᵀ
+            dm = products((_T, _T), [(x_j, ah_i, True)] + [(x_j, al_i, True)] * wide_dy) * on_rows(dt_s)
             dcum_row = _plus(dcum_row, jnp.sum(dm * m, axis=1))
-            dg = _halves(dm * decay, dtype)  # dm, decay die here
-            mh, ml = _halves(m, dtype)  # m dies here
+            dg = halves(dm * lam, dtype)  # dm, lam die here
+            mh, ml = halves(m, dtype)  # m dies here
             low = [(mh, al_i, False)] * wide_dy
-            dxd = _products((_T, p), [(mh, ah_i, False), *low, (ml, ah_i, False)], acc=dxd)
-            db = _products((_T, n), pairs(dg, c_i), acc=db)
+            dxd = products((_T, p), [(mh, ah_i, False), *low, (ml, ah_i, False)], acc=dxd)
+            db = products((_T, n), pairs(dg, c_i), acc=db)
         x = load_rows(x_ref, rows_j)
         vec_smem.at[0, pl.ds(j * _T, _T)][...] = jnp.sum(dxd * x, axis=1)  # ddt
         vec_smem.at[3, pl.ds(j * _T, _T)][...] = dcum_row
@@ -249,7 +220,7 @@ def scan_bwd_tiled(refs, scoped, *, rep, dtype, add, rows_of):
         cum_t, f_t, seg_t = vec(cum_ref, rows_i, per_row), vec(f_ref, rows_i, per_row), seg(rows_i, per_row)
         c_i = _tile(cs, i)
         dy = load_rows(dy_ref, rows_i)
-        inc = _products((_T, p), pairs(c_i, (sh_smem, sl_smem), True))  # C_i S_inᵀ
+        inc = products((_T, p), pairs(c_i, (sh_smem, sl_smem), True))  # C_i S_inᵀ
         vec_smem.at[2, pl.ds(i * _T, _T)][...] = jnp.sum(dy * inc, axis=1)  # df
         (ah_i,), (al_i,) = _tile((ah_smem,), i), _tile((al_smem,), i)  # dy's halves (phase C's)
         dc = dcum = None
@@ -261,126 +232,22 @@ def scan_bwd_tiled(refs, scoped, *, rep, dtype, add, rows_of):
                 seg(rows_j, per_col),
             )
             (x_j,), b_j = _tile((x_smem,), j), _tile(bs, j)
-            decay, on_cols = _decay(cum_t, cum_s, seg_t, seg_s, diagonal=i == j)
-            m = _products((_T, _T), pairs(c_i, b_j, True)) * decay
-            dm = _products((_T, _T), [(ah_i, x_j, True)] + [(al_i, x_j, True)] * wide_dy) * on_cols(dt_s)
+            lam, on_cols = decay(cum_t, cum_s, seg_t, seg_s, diagonal=i == j)
+            m = products((_T, _T), pairs(c_i, b_j, True)) * lam
+            dm = products((_T, _T), [(ah_i, x_j, True)] + [(al_i, x_j, True)] * wide_dy) * on_cols(dt_s)
             dcum = _plus(dcum, jnp.sum(dm * m, axis=1))
-            dc = _products((_T, n), pairs(_halves(dm * decay, dtype), b_j), acc=dc)
-        fdy = _halves(load_rows(dy_ref, rows_i) * lax.broadcast_in_dim(f_t, (_T, p), [0]), dtype)
+            dc = products((_T, n), pairs(halves(dm * lam, dtype), b_j), acc=dc)
+        fdy = halves(load_rows(dy_ref, rows_i) * lax.broadcast_in_dim(f_t, (_T, p), [0]), dtype)
         once = rounds_once(len(bs))
-        dc = _products(
-            (_T, n), pairs(fdy[:1], (sh_smem,)) if once else pairs(fdy, (sh_smem, sl_smem)), acc=dc
-        )
+        dc = products((_T, n), pairs(fdy[:1], (sh_smem,)) if once else pairs(fdy, (sh_smem, sl_smem)), acc=dc)
         vec_smem.at[1, pl.ds(i * _T, _T)][...] = dcum
         put(db_stage, dc, per_rows(dc_ref, rows_i), summed)
         # f ∘ dy's halves take dy's place (phase C, and this row block's dM above, read dy's) for dS_in
         _tile((ah_smem,), i)[0][...], _tile((al_smem,), i)[0][...] = fdy
     plgpu.commit_smem()
     # dS_in = (f ∘ dy)ᵀ C over the whole chunk
-    ds = _products((p, n), pairs((ah_smem.transpose((1, 0)), al_smem.transpose((1, 0))), cs))
+    ds = products((p, n), pairs((ah_smem.transpose((1, 0)), al_smem.transpose((1, 0))), cs))
     put(dbc_smem.at[pl.ds(0, p)], ds, ds_ref.at[batch, chunk, head])
     for k, ref in enumerate((ddt_ref, dcum_ref, df_ref, dcum_row_ref)):
         plgpu.copy_smem_to_gmem(vec_smem.at[k], ref.at[batch, head, rows])
     plgpu.wait_smem_to_gmem(0)
-
-
-def forward_tiled_kernel(*refs, rep, dtype, add, rows_of, chunks, clean_x=False):
-    """`forward._forward_kernel` at chunks of `Q = 64 r` (`r > 1`), by tiles of 64 rows (`tiled.py`):
-    a chunk's output row block by row block (`chunk_output_tiled`), each out by TMA through one
-    staging tile, the next chunk's `C` rows of that block copied into its tile as soon as the
-    block has read them; then `S ← keep · S + Σ_j (w ∘ x)_jᵀ B_j`, a row block's `w ∘ x` halves
-    at a time, formed from the `x` tile in shared memory. The next chunk's `B`, `x` go into the
-    second of two slots while the block computes on the first. Barriers: `C`'s row blocks
-    (`r · parts`), then each slot's row blocks of `B`'s parts and `x`. Grid `(batch, heads)`,
-    one warpgroup a block, as at 64. Cost per chunk and head: the tiled output's FLOPs (the
-    module docstring) plus the state's `4·Q·P·N`; bytes: `x`, `B`, `C` read once, `y` written,
-    the entering state written once (`P·N·4`, the backward's residual; not without `states_ref`),
-    so the states' bytes a position fall as `1 / Q`."""
-    x_ref, w_ref, dt_ref, cum_ref, f_ref, keep_ref, seg_ref, b_ref, c_ref, s0_ref, *outs, scoped = refs
-    y_ref, states_ref, final_ref = outs  # (the refs `forward._forward_kernel` takes, in its order)
-    (c_smem, b_smem, x_smem, xh_smem, xl_smem, s16_smem, y_smem, st_smem), loaded = scoped
-    head, batch = lax.axis_index("heads"), lax.axis_index("batch")
-    r, (t, p) = x_smem.shape[0] // 2, x_smem.shape[1:]
-    parts, q, n = c_smem.shape[0] // r, r * x_smem.shape[1], c_smem.shape[-1]
-    group = lax.div(head, jnp.int32(rep))
-    f32, wgmma_layout = jnp.float32, plgpu.Layout.WGMMA
-    row = wgmma_layout.reduce(1)
-    c_tile = lambda i: parts_of(c_smem, i * parts, parts)  # noqa: E731
-    b_tile = lambda slot, j: parts_of(b_smem, (slot * r + j) * parts, parts)  # noqa: E731
-    block_rows = lambda chunk, i: pl.ds(chunk * q + i * t, t)  # noqa: E731
-    bx_barrier = lambda slot, j, k: loaded.at[r * parts + (slot * r + j) * (parts + 1) + k]  # noqa: E731
-
-    def fetch_c(chunk, i):
-        for k, (src, dst) in enumerate(_part_copies(c_ref, c_tile(i), batch, group, block_rows(chunk, i))):
-            plgpu.copy_gmem_to_smem(src, dst, loaded.at[i * parts + k])
-
-    def fetch_bx(chunk, slot):
-        for j in range(r):
-            rows = block_rows(chunk, j)
-            pieces = _part_copies(b_ref, b_tile(slot, j), batch, group, rows)
-            pieces.append((rows_of(x_ref, batch, head, rows), x_smem.at[slot * r + j]))
-            for k, (src, dst) in enumerate(pieces):
-                plgpu.copy_gmem_to_smem(src, dst, bx_barrier(slot, j, k))
-
-    for i in range(r):
-        fetch_c(0, i)
-    fetch_bx(0, 0)
-
-    def step(chunk, state):
-        slot, more = lax.rem(chunk, 2), chunk + 1 < chunks
-
-        @pl.when(more)
-        def _():
-            fetch_bx(chunk + 1, 1 - slot)
-
-        # the staging tiles' last copies out have been read; the entering state out and in
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-        st_smem[...] = state
-        s16_smem[...] = state.astype(dtype)
-        plgpu.commit_smem()
-        if states_ref is not None:
-            plgpu.copy_smem_to_gmem(st_smem, states_ref.at[batch, chunk, head])
-        xs = [x_smem.at[slot * r + j] for j in range(r)]
-        for j, k in itertools.product(range(r), range(parts + 1)):
-            plgpu.barrier_wait(bx_barrier(slot, j, k))
-        if clean_x:  # over the tiles their copies have filled, before the products read them
-            for x_j in xs:
-                x_j[...] = finite_or_zero(_read(x_j, wgmma_layout).astype(f32)).astype(dtype)
-            plgpu.commit_smem()
-
-        def ready(i):
-            for k in range(parts):
-                plgpu.barrier_wait(loaded.at[i * parts + k])
-
-        def emit(i, y):
-            @pl.when(more)  # C_i's products are done: the next chunk's rows into its tile
-            def _():
-                fetch_c(chunk + 1, i)
-
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-            y_smem[...] = y.astype(y_smem.dtype)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(y_smem, rows_of(y_ref, batch, head, block_rows(chunk, i)))
-
-        tiles = [c_tile(i) for i in range(r)], [b_tile(slot, j) for j in range(r)], xs
-        refs = (dt_ref, cum_ref, f_ref, seg_ref)
-        chunk_output_tiled(tiles, s16_smem, emit, refs, batch, head, chunk * q, dtype=dtype, ready=ready)
-
-        # S <- keep S + Σ_j (w ∘ x)_jᵀ B_j, the entering state read back from its staging tile
-        keep = _read(keep_ref.at[batch, head, chunk], row)
-        acc = st_smem[...] * lax.broadcast_in_dim(keep, (p, n), [0])
-        halves = (xh_smem.transpose((1, 0)), xl_smem.transpose((1, 0)))
-        for j, x_j in enumerate(xs):
-            w_t = _read(w_ref.at[batch, head, block_rows(chunk, j)], row)
-            x = _read(x_j, wgmma_layout).astype(f32)
-            xh_smem[...], xl_smem[...] = _halves(x * lax.broadcast_in_dim(w_t, x.shape, [0]), dtype)
-            plgpu.commit_smem()
-            acc = _products((p, n), pairs(halves, b_tile(slot, j)), acc=acc)
-        return acc
-
-    s0 = _read(s0_ref.at[batch, head], wgmma_layout)
-    _put_last(st_smem, lax.fori_loop(0, chunks, step, s0), final_ref.at[batch, head])
-
-
-def _read(ref, layout):
-    return mosaic_gpu_load(ref, layout=layout, optimized=False)
