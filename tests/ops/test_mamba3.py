@@ -310,11 +310,11 @@ def test_vmapped_over_a_finite_and_a_non_finite_input_equals_each_call():
 @pytest.mark.parametrize("heads_first", [False, True], ids=["tokens_first", "heads_first"])
 @pytest.mark.parametrize("halves", [False, True], ids=["pairs", "halves"])
 def test_the_rotations_backward_equals_autodiff(halves, heads_first):
-    # `common.rotated` turns the cotangent back by -theta instead of keeping autodiff's pieces;
+    # `common.rotation.rotated` turns the cotangent back by -theta instead of keeping autodiff's pieces;
     # heads first (the kernels' layout) as the kernel implementations call it
     import importlib
 
-    common = importlib.import_module("axkern.ops.mamba3.common")
+    common = importlib.import_module("axkern.ops.mamba3.common.rotation")
     k = jax.random.split(jax.random.PRNGKey(0), 4)
     u = jax.random.normal(k[0], (2, 5, 3, 2, 12))  # [b, l, r, g, n]
     bias = jax.random.normal(k[1], (3, 4, 12))  # [r, h, n]
@@ -339,11 +339,11 @@ def test_the_rotations_backward_equals_autodiff(halves, heads_first):
 
 @pytest.mark.parametrize("rank", [1, 3])
 def test_the_corrections_pair_products_are_the_rotated_vectors_dot_products(rank):
-    # `common.pair_products` takes the unrotated q, k and biases: a rotation by the same angles
+    # `common.rotation.pair_products` takes the unrotated q, k and biases: a rotation by the same angles
     # keeps the dot products; its backward expands them into matrix products
     import importlib
 
-    common = importlib.import_module("axkern.ops.mamba3.common")
+    common = importlib.import_module("axkern.ops.mamba3.common.rotation")
     k = jax.random.split(jax.random.PRNGKey(1), 6)
     b, l, g, n, h = 2, 5, 2, 12, 4
     q, kk = (jax.random.normal(k[i], (b, l, rank, g, n)) for i in (0, 1))  # [b, l, r, g, n]
@@ -369,11 +369,11 @@ def test_the_corrections_pair_products_are_the_rotated_vectors_dot_products(rank
 
 @pytest.mark.parametrize("heads_major", [False, True])
 def test_the_rank_products_are_every_pair_of_ranks_dot_products(heads_major):
-    # `common.rank_products` (MIMO's correction): `[b, l, r, u, h]` from either layout of the
+    # `common.rotation.rank_products` (MIMO's correction): `[b, l, r, u, h]` from either layout of the
     # rotated vectors, equal to the dot products written out, values and gradients
     import importlib
 
-    common = importlib.import_module("axkern.ops.mamba3.common")
+    common = importlib.import_module("axkern.ops.mamba3.common.rotation")
     k = jax.random.split(jax.random.PRNGKey(2), 3)
     b, l, r, h, n = 2, 5, 3, 4, 6
     qc, kc = (jax.random.normal(k[i], (b, l, r, h, n)) for i in (0, 1))  # [b, l, r, h, n]

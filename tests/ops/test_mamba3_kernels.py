@@ -108,14 +108,14 @@ def test_kernel_heuristics_count_tokens_per_chunk(impl, rank, chunk):
     ],
 )
 def test_the_rotation_backward_kernel_equals_xlas(halves, rank, groups, heads, length, n, a):
-    # `pallas_gpu.rotation_backward` (interpret mode) against `common.rotated`'s XLA backward:
+    # `pallas_gpu.rotation_backward` (interpret mode) against `common.rotation.rotated`'s XLA backward:
     # the turned-back cotangent summed over heads (`du`, bf16) and positions (`dbias`), and `dΘ`
     import importlib
 
     import jax.numpy as jnp
     import numpy as np
 
-    common = importlib.import_module("axkern.ops.mamba3.common")
+    rotation = importlib.import_module("axkern.ops.mamba3.common.rotation")
     pg = importlib.import_module("axkern.ops.mamba3.pallas_gpu")
     k = jax.random.split(jax.random.PRNGKey(0), 4)
     u = jax.random.normal(k[0], (2, groups, length, rank, n)).astype(jnp.bfloat16)
@@ -123,7 +123,8 @@ def test_the_rotation_backward_kernel_equals_xlas(halves, rank, groups, heads, l
     theta = 3 * jax.random.normal(k[2], (2, heads, length, 1, a))
     g = jax.random.normal(k[3], (2, heads, length, rank, n))
     got = pg.rotation_backward(halves, u, bias, theta, g, interpret=True)
-    want = common._rotated_bwd(halves, heads // groups, 1, None, (u, bias, theta), g)
+    _, pull = jax.vjp(lambda *v: rotation.rotated(halves, heads // groups, 1, None, *v), u, bias, theta)
+    want = pull(g)
     for x, y in zip(got, want, strict=True):
         assert x.shape == y.shape and x.dtype == y.dtype
         np.testing.assert_allclose(np.asarray(x, np.float32), np.asarray(y, np.float32), rtol=2e-6, atol=2e-5)

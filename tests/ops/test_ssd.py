@@ -102,21 +102,19 @@ def test_pallas_tpu_against_sequential_oracle(dtype, groups):
 def test_pallas_gpu_recurrence_kernels_equal_the_scans():
     # the state-passing kernels (interpret mode) against `lax.scan`: 5 chunks (keep padded to
     # 8), P=64 N=128 (two programs of 32 state rows per head), values and every gradient
-    from axkern.ops.ssd import pallas_gpu
-    from axkern.ops.chunked import kernels as chunk_kernels
+    from axkern.ops.chunked import chunks
+    from axkern.ops.chunked.pallas_gpu import GpuLayout
 
     b, c, h, p, n = 2, 5, 3, 64, 128
     keys = jax.random.split(jax.random.PRNGKey(3), 6)
     keep = jax.random.uniform(keys[0], (b, h, c))
     own = jax.random.normal(keys[1], (b, c, h, p, n))
     init = jax.random.normal(keys[2], (b, h, p, n))
-    lay = pallas_gpu.GpuLayout(
-        jnp.zeros((b, h, c * 16, p)), jnp.zeros((b, 1, c * 16, n)), q=16, interpret=True
-    )
-    got, want = lay.recurrence(keep, own, init), chunk_kernels._recurrence(keep, own, init)
+    lay = GpuLayout(jnp.zeros((b, h, c * 16, p)), jnp.zeros((b, 1, c * 16, n)), q=16, interpret=True)
+    got, want = lay.recurrence(keep, own, init), chunks.recurrence(keep, own, init)
     d_states, d_final = jax.random.normal(keys[3], own.shape), jax.random.normal(keys[4], init.shape)
     got_b = lay.recurrence_bwd(keep, want[0], d_states, d_final)
-    want_b = chunk_kernels._recurrence_bwd(keep, want[0], d_states, d_final)
+    want_b = chunks.recurrence_bwd(keep, want[0], d_states, d_final)
     for g, w in zip([*got, *got_b], [*want, *want_b], strict=True):
         assert g.shape == w.shape
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-4)

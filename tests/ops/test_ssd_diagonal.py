@@ -1,4 +1,4 @@
-"""The chunk-scan kernels' diagonal term (`chunked/bodies.py`): `scan(..., diag=d)` adds
+"""The chunk-scan kernels' diagonal term (`chunked/chunk_scan.py`): `scan(..., diag=d)` adds
 `d_t (C_t · B_t) x_t` to `y_t`, values and every gradient (the weights' own included) equal to
 the scan without it plus that term formed in XLA; Pallas GPU and TPU kernels in interpret mode,
 lengths that are not a multiple of the chunk, segments, groups. Layouts whose kernels lack it
@@ -11,9 +11,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from axkern.ops.chunked import kernels as chunk_kernels
+from axkern.ops.chunked import kernel_scan
 from axkern.ops.chunked.pallas_gpu import GpuLayout
-from axkern.ops.ssd.pallas_tpu import TpuLayout
+from axkern.ops.chunked.pallas_tpu import TpuLayout
 from tests.harness import jit
 
 
@@ -39,10 +39,10 @@ def test_the_diagonal_term_equals_the_scan_plus_the_term_in_xla(layout, segments
     kw = dict(chunk_size=16, interpret=True)
 
     def with_term(x, a, s, B, C, init, d):
-        return chunk_kernels.scan(layout, x, a, s, B, C, seg, init, diag=d, **kw)
+        return kernel_scan.scan(layout, x, a, s, B, C, seg, init, diag=d, **kw)
 
     def in_xla(x, a, s, B, C, init, d):
-        y, final = chunk_kernels.scan(layout, x, a, s, B, C, seg, init, **kw)
+        y, final = kernel_scan.scan(layout, x, a, s, B, C, seg, init, **kw)
         per_head = lambda u: jnp.repeat(u, heads // groups, axis=2)  # noqa: E731
         self_scores = jnp.sum(per_head(C) * per_head(B), axis=-1)  # [b, L, H]
         return y + (d * self_scores)[..., None] * x, final
@@ -53,7 +53,7 @@ def test_the_diagonal_term_equals_the_scan_plus_the_term_in_xla(layout, segments
 
     def values_and_gradients(args, cot):  # one compiled program each (interpret mode runs op by op otherwise)
         (got, pull_got), (want, pull_want) = jax.vjp(with_term, *args), jax.vjp(in_xla, *args)
-        without = chunk_kernels.scan(layout, *args[:5], seg, init, **kw)[0]
+        without = kernel_scan.scan(layout, *args[:5], seg, init, **kw)[0]
         return got, want, without, pull_got(cot), pull_want(cot)
 
     got, want, without, grads_got, grads_want = jit(values_and_gradients)(args, cot)
@@ -68,11 +68,11 @@ def test_the_diagonal_term_equals_the_scan_plus_the_term_in_xla(layout, segments
 
 
 def test_a_layout_without_the_term_refuses_it():
-    from axkern.ops.ssd.mosaic_gpu import MosaicLayout
+    from axkern.ops.chunked.mosaic_gpu import MosaicLayout
 
     x, a, s, B, C, init, d, seg = _inputs(2)
     with pytest.raises(ValueError, match="MosaicLayout's kernels take no diagonal term"):
-        chunk_kernels.scan(MosaicLayout, x, a, s, B, C, seg, init, chunk_size=16, interpret=True, diag=d)
+        kernel_scan.scan(MosaicLayout, x, a, s, B, C, seg, init, chunk_size=16, interpret=True, diag=d)
 
 
 def test_mamba3s_kernel_core_takes_the_term_where_its_layout_does():
@@ -80,8 +80,8 @@ def test_mamba3s_kernel_core_takes_the_term_where_its_layout_does():
     # Mosaic kernels' emulation (no diagonal term) leave it to XLA
     import jax.numpy as jnp
 
-    from axkern.ops.mamba3.common import kernel_core
     from axkern.ops.chunked.mosaic_gpu.emulate import EmulatedLayout
+    from axkern.ops.mamba3.common.kernel_core import kernel_core
 
     kw = dict(chunk_size=16, interpret=True, dtype=jnp.bfloat16)
     assert kernel_core(GpuLayout, mimo=False, **kw).diagonal
@@ -94,14 +94,15 @@ def test_mamba3s_kernel_core_takes_the_term_where_its_layout_does():
 def test_mamba3s_pallas_gpu_leaves_the_correction_to_xla(monkeypatch):
     # the Triton kernels can take the term, but Mamba-3 on pallas_gpu adds its correction in XLA
     import axkern
-    from axkern.ops.mamba3 import common, pallas_gpu
+    from axkern.ops.mamba3 import pallas_gpu
+    from axkern.ops.mamba3.common import kernel_core
     from tests.cases.mamba3 import call, make
     from tests.harness import serving
 
     made = []
 
     def spy(*args, **kw):
-        made.append(common.kernel_core(*args, **kw))
+        made.append(kernel_core.kernel_core(*args, **kw))
         return made[-1]
 
     monkeypatch.setattr(pallas_gpu, "kernel_core", spy)

@@ -1,4 +1,6 @@
-"""Plain-JAX pieces every chunked SSD implementation shares (not an implementation)."""
+"""Plain-JAX pieces every chunked form shares (SSD's and Mamba-3's, plain JAX or kernels):
+segment ids, the recurrence over chunk states, the non-finite guard (`guard`, `clean`,
+`scrubbed`, `poison`) and SSD's layer around a scan (`layer`, `layer_around`)."""
 
 from __future__ import annotations
 
@@ -186,8 +188,9 @@ def layer(scan, x, dt, A, B, C, D, z, segment_ids, initial_state):
     NaN, as `clean`): the scan on the inputs as they are where every value it reads is finite,
     else on `guard`'s clean inputs with NaN put where the recurrence is non-finite; then `D` and
     the gate. The guard's masks and wheres (a running maximum over the length of `[b, L, H, P]`
-    values, a select on every output and, backward, on every gradient) cost more than the scan's
-    own kernels' forward at the Mamba-2 sizes; here they run only where an input is not finite."""
+    values, a select on every output and, backward, on every gradient) cost about as much as the
+    scan's own kernels (docs/decisions.md, "The non-finite guard in a conditional"); here they
+    run only where an input is not finite."""
     acc = jnp.promote_types(x.dtype, jnp.float32)
     batch, length, _, _ = x.shape
     seg = segment_starts(segment_ids, batch, length)

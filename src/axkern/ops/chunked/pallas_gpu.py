@@ -1,7 +1,9 @@
-"""The Pallas Triton layout of the SSD kernels (`kernels.Layout`), shared by the GPU
-implementations (`pallas_gpu`; `mosaic_gpu`, which swaps some stages for Mosaic GPU kernels;
-Mamba-3's `pallas_gpu`): vectors as `[b, h, L]` blocks, the kernels named for Triton, the
-recurrence between chunks and its reverse as kernels."""
+"""The Pallas Triton layout of the chunk scan (`GpuLayout`, a `layout.Layout`), shared by the GPU
+implementations (`ssd`'s and `mamba3`'s `pallas_gpu`; their `mosaic_gpu`, whose layout swaps some
+stages for Mosaic GPU kernels): vectors as `[b, h, L]` blocks, read as `[Q]` and broadcast into
+columns or rows in registers, the kernels compiled by Triton, and the recurrence between chunks
+and its reverse as kernels. The sizes its kernels take (`GPU_MIN_DIM`, `GPU_MAX_CHUNK`,
+`GPU_MAX_CHUNK_32BIT`) are checked by the implementations and their block-size heuristics."""
 
 from __future__ import annotations
 
@@ -15,9 +17,15 @@ from jax.experimental.pallas import triton as pltriton
 
 from axkern.core.blocks import next_power_of_2
 
-from . import kernels as chunk_kernels
+from .layout import Layout
 
-__all__ = ["GpuLayout"]
+__all__ = ["GPU_MAX_CHUNK", "GPU_MAX_CHUNK_32BIT", "GPU_MIN_DIM", "GpuLayout"]
+
+GPU_MIN_DIM = 16  # Triton dot tiles: head dim, state and chunk powers of two of at least 16
+# The largest chunks whose chunk-scan backward kernel fits in a Hopper block's 227 KiB of
+# shared memory: one [Q, Q] float32 tile alone is 256 KiB at Q = 256, and float32 products
+# (fp16 and float32 inputs: exact, as three TF32 products) double the operand tiles.
+GPU_MAX_CHUNK, GPU_MAX_CHUNK_32BIT = 128, 64
 
 
 def _state_tile(p, n):
@@ -64,9 +72,9 @@ def _recurrence_bwd_kernel(
     d_keep_ref[...] = d_keep
 
 
-class GpuLayout(chunk_kernels.Layout):
+class GpuLayout(Layout):
     # TF32 tensor cores for the float32 products of 16-bit inputs (10 mantissa bits, more than
-    # bf16's 7): Triton's exact float32 product is an order of magnitude slower
+    # bf16's 7; Triton's exact float32 product runs on three of them)
     precision_16bit = lax.Precision.DEFAULT
     # float32 inputs: Triton's exact float32 product (`None`: `kernels.dot`'s HIGHEST), not
     # tf32x3: float32 is the accuracy path here (the GPU order gives float32 to `xla`)

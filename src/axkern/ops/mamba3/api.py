@@ -1,12 +1,12 @@
-"""`mamba3`: the Mamba-3 layer (SISO and MIMO) and its decode step, positional, with their Ops and
-role tables (the named functions over these tables are in `named.py`).
+"""`mamba3`: the Mamba-3 layer (SISO and MIMO) and its decode step: their Ops and positional
+functions (the named functions and their role tables are in `named.py`).
 
 mamba_ssm's layouts and semantics (`mamba3_siso_combined`): `q, k [.., L, G, N]` (C and B;
 MIMO `[.., L, R, G, N]`), `v [.., L, H, P]` (x), `adt, dt, trap [.., H, L]`, `q_bias, k_bias
 [H, N]` (MIMO `[H, R, N]`), `angles [.., L, H, A]` raw (`π tanh(angles) dt` is added to the angle
 state inside), `D [H]`, `z` like `v`; `mimo=(W_x, W_z, W_o)`, each `[H, R, P]`. The state is a
 `Mamba3State(angle [.., H, A], ssm [.., H, P, N], k [.., H, N] (MIMO [.., R, H, N]), v [.., H, P])`.
-reference.py states the recurrence; common the chunked form.
+reference.py states the recurrence; common/layer.py the chunked form.
 """
 
 from __future__ import annotations
@@ -22,16 +22,7 @@ from axkern.core.op import Implementation, Op, step_op
 from axkern.core.typing import Array, Float, Int, checked
 
 from . import mosaic_gpu, pallas_gpu, pallas_tpu, reference, xla
-from .blocks import (
-    Mamba3BlockSizes,
-    angles_form,
-    bucket,
-    heuristic,
-    mosaic_gpu_heuristic,
-    pallas_gpu_heuristic,
-    pallas_tpu_heuristic,
-    space,
-)
+from .blocks import Mamba3BlockSizes, bucket
 
 __all__ = ["mamba3_positional", "mamba3_step_positional", "Mamba3State", "OP", "STEP_OP", "Mamba3BlockSizes"]
 
@@ -52,58 +43,21 @@ class Mamba3State(NamedTuple):
 
 def _gpu_order(spec) -> tuple[str, ...]:
     """bf16 inputs: `mosaic_gpu` (Hopper, SISO, the head dims and states its tiles serve), then
-    `pallas_gpu`, then `xla`: on the H200 at the 2.7B layer SISO forward+backward took 8.16 ms
-    with `mosaic_gpu`, 11.8 with `pallas_gpu` and 17.5 with `xla` (one run), and MIMO of rank 4
-    52.1 ms with `pallas_gpu` and 76.5 with `xla` (docs/ops/mamba3.md has the tables). fp16 and
-    float32 inputs: `xla` (the kernels' exact float32 products for them are untimed)."""
+    `pallas_gpu`, then `xla` (docs/ops/mamba3.md has the times behind this order, SISO and MIMO).
+    fp16 and float32 inputs: `xla` (the kernels' exact float32 products for them are untimed)."""
     return ("mosaic_gpu", "pallas_gpu", "xla") if kernels.tf32_suffices(spec.dtype) else ("xla",)
 
 
 OP = Op(
     NAME,
     [
-        Implementation(
-            "xla",
-            xla.mamba3,
-            block_sizes=Mamba3BlockSizes,
-            heuristic=heuristic,
-            space=space,
-            backward="custom_vjp: chunked, each chunk's terms recomputed from the states entering the chunks",
-        ),
-        Implementation(
-            "pallas_gpu",
-            pallas_gpu.mamba3,
-            platforms=("gpu",),
-            supports=pallas_gpu.supports,
-            block_sizes=Mamba3BlockSizes,
-            heuristic=pallas_gpu_heuristic,
-            interpretable=True,
-            backward=lambda spec, block_sizes: (
-                f"custom_vjp: SSD's chunk-scan, chunk-state and recurrence backward kernels; {angles_form(block_sizes)}"
-            ),
-        ),
-        Implementation(
-            "mosaic_gpu",
-            mosaic_gpu.mamba3,
-            platforms=("gpu",),
-            supports=mosaic_gpu.supports,
-            block_sizes=Mamba3BlockSizes,
-            heuristic=mosaic_gpu_heuristic,
-            backward=mosaic_gpu.describe,
-        ),
-        Implementation(
-            "pallas_tpu",
-            pallas_tpu.mamba3,
-            platforms=("tpu",),
-            block_sizes=Mamba3BlockSizes,
-            heuristic=pallas_tpu_heuristic,
-            interpretable=True,
-            backward="custom_vjp: SSD's backward kernels (TPU interpret mode only)",
-        ),
+        xla.IMPLEMENTATION,
+        pallas_gpu.IMPLEMENTATION,
+        mosaic_gpu.IMPLEMENTATION,
+        pallas_tpu.IMPLEMENTATION,
         Implementation("reference", reference.mamba3, backward="autodiff through the sequential scan"),
     ],
-    # pallas_tpu is verified in TPU interpret mode only: in no default order until compiled and
-    # timed on a TPU
+    # pallas_tpu is verified in TPU interpret mode only: in no default order
     default_order={"cpu": ("xla",), "gpu": _gpu_order, "tpu": ("xla",)},
     package=__package__,
     bucket=bucket,

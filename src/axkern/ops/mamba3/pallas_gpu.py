@@ -1,23 +1,23 @@
-"""Mamba-3 as Pallas GPU (Triton) kernels: SSD's chunk kernels and its recurrence kernels
-(`chunked/kernels.py`, `chunked/pallas_gpu.py`'s layout) with the per-position log-decay `adt` and
-the trapezoid's input scale, under the chunked form of `common` (the angles by one Triton kernel,
-`common/angle_kernel.py`; rotations, gate and the diagonal correction in XLA: the kernels can take SISO's as their diagonal term,
-`chunked/bodies.py`, which on the H200 cost the backward kernel more than XLA's pass).
+"""Mamba-3 as Pallas GPU (Triton) kernels: the engine's chunk kernels and recurrence kernels
+(`chunked/kernel_scan.py`, in the Triton layout `chunked/pallas_gpu.py`) with the per-position
+log-decay `adt` and the trapezoid's input scale, under the chunked form of `common/layer.py` (the
+angles by one Triton kernel, `common/angle_kernel.py`; rotations, gate and the diagonal
+correction in XLA: the kernels can take SISO's as their diagonal term, `chunked/chunk_scan.py`,
+which docs/ops/mamba3.md shows costs the backward kernel more than XLA's pass).
 
 **Products**: `x` in the inputs' dtype (SISO: `v`) or float32 (MIMO: `v ⊙ W_x`); the rotated
-`q`, `k` in float32, heads first (the kernels' layout, `common.kernel_core`); TF32 tensor cores for bf16 inputs, exact float32 for fp16 and float32 inputs, as in
-`ssd`. **MIMO**: each token's `R` inputs run as `kernel_slots(R)` consecutive positions (`R`
-rounded up to a power of two; `common.kernel_core`), so a chunk of `chunk_size` tokens is
-`chunk_size · kernel_slots(R)` kernel positions and costs about that many SISO positions.
-**Constraints**: `head_dim`, `state` and the chunk powers of two and at least 16 (the chunk in
-positions), chunks of at most 128 positions for a bf16 `x`, 64 for fp16 and float32 ones (float32
-inputs, MIMO); otherwise the call falls back with the reason. Verified in interpret mode on the
-CPU and compiled against the oracle on an H200, SISO and MIMO (`tests/gpu/test_mamba3_gpu.py`;
-fp16 too); on GPU second for bf16 inputs, behind `mosaic_gpu` (Hopper, SISO), as it is faster
-than `xla` there (docs/ops/mamba3.md). **Rotation backward**:
-`Mamba3BlockSizes(rotation_backward="kernel")` turns the rotated `q`, `k`'s cotangents back in
-one Triton kernel (`rotation_backward`) rather than XLA's three reductions; opt-in (its speed
-against XLA's on the H200 is in docs/ops/mamba3.md).
+`q`, `k` in float32, heads first (the kernels' layout, `common/kernel_core.py`); TF32 tensor
+cores for bf16 inputs, exact float32 for fp16 and float32 inputs, as in `ssd`. **MIMO**: each
+token's `R` inputs run as `kernel_slots(R)` consecutive positions (`R` rounded up to a power of
+two; `common/kernel_core.py`), so a chunk of `chunk_size` tokens is `chunk_size ·
+kernel_slots(R)` kernel positions and costs about that many SISO positions. **Constraints**:
+`head_dim`, `state` and the chunk powers of two and at least 16 (the chunk in positions), chunks
+of at most 128 positions for a bf16 `x`, 64 for fp16 and float32 ones (float32 inputs, MIMO);
+otherwise the call falls back with the reason. On GPU second for bf16 inputs, behind
+`mosaic_gpu` (Hopper, SISO), ahead of `xla` (docs/ops/mamba3.md has the times and the GPU tests
+behind this). **Rotation backward**: `Mamba3BlockSizes(rotation_backward="kernel")` turns the
+rotated `q`, `k`'s cotangents back in one Triton kernel (`rotation_backward`) rather than XLA's
+three reductions; opt-in (docs/ops/mamba3.md has its time against XLA's).
 """
 
 from __future__ import annotations
@@ -31,14 +31,14 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from axkern.core import kernels
-from axkern.core.op import Unsupported
-from axkern.ops.ssd.blocks import GPU_MAX_CHUNK as MAX_CHUNK
-from axkern.ops.ssd.blocks import GPU_MAX_CHUNK_32BIT as MAX_CHUNK_32BIT
-from axkern.ops.ssd.blocks import GPU_MIN_DIM as MIN_DIM
-from axkern.ops.chunked.pallas_gpu import GpuLayout
+from axkern.core.op import Implementation, Unsupported
+from axkern.ops.chunked.pallas_gpu import GPU_MAX_CHUNK, GPU_MAX_CHUNK_32BIT, GPU_MIN_DIM, GpuLayout
 
-from .blocks import kernel_slots, refuse_forms
-from .common import forward, kernel_core, kernel_x_dtype
+from .blocks import Mamba3BlockSizes, angles_form, kernel_slots, pallas_gpu_heuristic, refuse_forms
+from .common.kernel_core import kernel_core, kernel_x_dtype
+from .common.layer import forward
+
+__all__ = ["IMPLEMENTATION", "mamba3", "rotation_backward", "supports"]
 
 _ROWS = 32  # rows (token, rank) of `q` or `k` a rotation-backward program turns back per head
 
@@ -99,7 +99,7 @@ def _rotation_bwd_kernel(
 
 
 def rotation_backward(halves, u, bias, theta, g, *, interpret=False):
-    """`common.rotated`'s heads-first backward as one Triton kernel: `u [b, G, L, R, N]`, `bias
+    """`common.rotation.rotated`'s heads-first backward as one Triton kernel: `u [b, G, L, R, N]`, `bias
     [H, 1, R, N]`, `theta [b, H, L, 1, A]`, `g [b, H, L, R, N]` float32 -> `(du, dbias, dtheta)`
     with `back = R(-Θ) g`: `du = Σ_{heads of the group} back` (in `u`'s dtype), `dbias = Σ_{b, L}
     back`, `dΘ_i = Σ_r back_{i,1} w_{i,0} - back_{i,0} w_{i,1}` for `w = u + bias`. Grid `(b, G,
@@ -157,7 +157,7 @@ def rotation_backward(halves, u, bias, theta, g, *, interpret=False):
     )
 
 
-# one object per mode: `common.rotated` takes it as a static (hashed) argument
+# one object per mode: `common.rotation.rotated` takes it as a static (hashed) argument
 _ROTATION_BACKWARD = {i: functools.partial(rotation_backward, interpret=i) for i in (False, True)}
 
 
@@ -165,14 +165,16 @@ def _max_chunk(dtype, mimo) -> int:
     """The largest chunk, in kernel positions, for `x` of `kernel_x_dtype(dtype, mimo)` and the
     products' precision (exact for fp16 and float32 inputs)."""
     wide = kernel_x_dtype(dtype, mimo).itemsize > 2 or not kernels.tf32_suffices(dtype)
-    return MAX_CHUNK_32BIT if wide else MAX_CHUNK
+    return GPU_MAX_CHUNK_32BIT if wide else GPU_MAX_CHUNK
 
 
 def supports(spec) -> str | None:
     for name in ("head_dim", "state"):
         n = spec.dim(name)
-        if n < MIN_DIM or n & (n - 1):
-            return f"{name}={n}: the Pallas GPU kernels need a power of two >= {MIN_DIM} (Triton dot tiles)"
+        if n < GPU_MIN_DIM or n & (n - 1):
+            return (
+                f"{name}={n}: the Pallas GPU kernels need a power of two >= {GPU_MIN_DIM} (Triton dot tiles)"
+            )
     rank, mimo = spec.dim("rank"), bool(spec.flag("mimo"))
     if kernel_slots(rank) > _max_chunk(spec.dtype, mimo):
         return (
@@ -189,17 +191,17 @@ def mamba3(*args, block_sizes, interpret=False):
     dtype, mimo = args[2].dtype, args[16] is not None  # v, W_x
     slots = kernel_slots(args[0].shape[2])
     chunk = f"chunk_size={q}" + (f" ({q * slots} positions, {slots} per token)" if slots > 1 else "")
-    if q * slots < MIN_DIM:
-        raise Unsupported(f"{chunk} is below {MIN_DIM} (Triton dot tiles)")
+    if q * slots < GPU_MIN_DIM:
+        raise Unsupported(f"{chunk} is below {GPU_MIN_DIM} (Triton dot tiles)")
     high = _max_chunk(dtype, mimo)
     if q * slots > high:
         x = f"{kernel_x_dtype(dtype, mimo).name} x" + (" (MIMO)" if mimo else "")
         raise Unsupported(
-            f"{chunk} with {x}: the backward kernel's tiles exceed the H200's 227 KiB of shared "
-            f"memory above chunks of {high} positions"
+            f"{chunk} with {x}: the backward kernel's tiles exceed a Hopper block's 227 KiB of "
+            f"shared memory above chunks of {high} positions"
         )
-    # the diagonal correction in XLA, not in the kernels (`diagonal=False`): on the H200 the
-    # Triton backward kernel's share of it cost more than XLA's pass (docs/ops/mamba3.md)
+    # the diagonal correction in XLA, not in the kernels (`diagonal=False`): the Triton backward
+    # kernel's share of it costs more than XLA's pass (docs/ops/mamba3.md)
     core = kernel_core(
         GpuLayout,
         chunk_size=q,
@@ -207,7 +209,7 @@ def mamba3(*args, block_sizes, interpret=False):
         dtype=dtype,
         mimo=mimo,
         diagonal=False,
-        # XLA's by default: on the H200 the kernel took longer than XLA's reductions for SISO
+        # XLA's by default: the kernel is no faster than XLA's reductions for SISO
         # (docs/ops/mamba3.md)
         rotation_backward=(
             _ROTATION_BACKWARD[bool(interpret)] if block_sizes.rotation_backward == "kernel" else None
@@ -215,3 +217,17 @@ def mamba3(*args, block_sizes, interpret=False):
         angle_kernel=block_sizes.angles != "xla",
     )
     return forward(core, *args, chunk_size=q, later_ranks=True)
+
+
+IMPLEMENTATION = Implementation(
+    "pallas_gpu",
+    mamba3,
+    platforms=("gpu",),
+    supports=supports,
+    block_sizes=Mamba3BlockSizes,
+    heuristic=pallas_gpu_heuristic,
+    interpretable=True,
+    backward=lambda spec, block_sizes: (
+        f"custom_vjp: SSD's chunk-scan, chunk-state and recurrence backward kernels; {angles_form(block_sizes)}"
+    ),
+)

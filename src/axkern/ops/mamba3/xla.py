@@ -1,10 +1,10 @@
 """Mamba-3 by chunks in plain JAX: the SSD chunk scan (`chunked/scan.py`) with the per-position
-log-decay `adt` and the trapezoid's input scale, plus a diagonal correction (`common` has the
+log-decay `adt` and the trapezoid's input scale, plus a diagonal correction (`common/layer.py` has the
 derivation). The scan is a `custom_vjp` whose backward recomputes each chunk's `[Q, Q]` terms
 from the inputs and the states entering the chunks (`[b, c, H, P, N]`, the only states kept);
 the per-position preparation (angles, weights) and the output's correction, skip, gate and rank
 collapse differentiate by autodiff, the rotation of `q` and `k` by its own backward
-(`common.rotated`: it keeps the unrotated inputs and turns the cotangent back).
+(`common.rotation.rotated`: it keeps the unrotated inputs and turns the cotangent back).
 
 **Cost.** `O(L·Q·R²·(N + P)·H)` inside chunks and `O(L/Q · H·P·N)` between them (`R` the MIMO
 rank, 1 for SISO), about twice that backward plus the recomputed forward terms.
@@ -19,11 +19,15 @@ import jax
 import jax.numpy as jnp
 
 from axkern.core import kernels
+from axkern.core.op import Implementation
 from axkern.ops.chunked.chunks import uses_segment_sums
 from axkern.ops.chunked.scan import scan_recompute
 
-from .blocks import refuse_forms
-from .common import forward, rotate
+from .blocks import Mamba3BlockSizes, heuristic, refuse_forms, space
+from .common.layer import forward
+from .common.rotation import rotate
+
+__all__ = ["IMPLEMENTATION", "mamba3", "step"]
 
 
 def mamba3(*args, block_sizes):
@@ -70,3 +74,13 @@ def step(
         kr.astype(k.dtype),
         v_t.astype(v.dtype),
     )
+
+
+IMPLEMENTATION = Implementation(
+    "xla",
+    mamba3,
+    block_sizes=Mamba3BlockSizes,
+    heuristic=heuristic,
+    space=space,
+    backward="custom_vjp: chunked, each chunk's terms recomputed from the states entering the chunks",
+)

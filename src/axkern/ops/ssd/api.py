@@ -1,5 +1,5 @@
-"""`ssd`: the Mamba-2 state-space-duality layer and its decode step, positional, with their Ops and
-role tables (the named functions over these tables are in `named.py`).
+"""`ssd`: the Mamba-2 state-space-duality layer and its decode step: their Ops and positional
+functions (the named functions and their role tables are in `named.py`).
 
 `state_t = exp(dt_t A) state_{t-1} + dt_t x_t ⊗ B_t`, `y_t = C_t · state_t + D x_t`, gated by
 `silu(z)` when `z` is given, with mamba_ssm's shapes: `x [.., L, H, P]`, `dt [.., L, H]`,
@@ -15,25 +15,14 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
-from axkern.core import kernels, named
+from axkern.core import kernels
 from axkern.core.blocks import chunk_blocks
 from axkern.core.named import StepResult, WithFinalState
 from axkern.core.op import Implementation, Op, step_op
 from axkern.core.typing import Array, Float, Int, checked
 
 from . import mosaic_gpu, pallas_gpu, pallas_tpu, reference, xla
-from .blocks import (
-    SSDBlockSizes,
-    bucket,
-    heuristic,
-    mosaic_gpu_heuristic,
-    mosaic_gpu_space,
-    pallas_gpu_heuristic,
-    pallas_gpu_space,
-    pallas_tpu_heuristic,
-    pallas_tpu_space,
-    space,
-)
+from .blocks import SSDBlockSizes, bucket
 
 __all__ = [
     "ssd_positional",
@@ -47,87 +36,24 @@ NAME = "ssd"
 
 
 def _gpu_order(spec) -> tuple[str, ...]:
-    """bf16 inputs: `mosaic_gpu` (Hopper, the head dims and states its tiles serve: 1.3x
-    `pallas_gpu`'s speed forward, 1.6x forward+backward on the H200), then `pallas_gpu`, then
-    `xla` (the kernels are faster and need less than half the temporary memory); fp16 and
-    float32 inputs: `xla`, as their exact float32 products (TF32 rounds as coarsely as fp16) make
-    `pallas_gpu` several times slower (docs/ops/ssd.md, "Performance", has the figures)."""
+    """bf16 inputs: `mosaic_gpu` (Hopper, the head dims and states its tiles serve), then
+    `pallas_gpu`, then `xla`; fp16 and float32 inputs: `xla`, as the kernels' exact float32
+    products for them are slower than its (docs/ops/ssd.md, "Performance", has the times behind
+    this order)."""
     return ("mosaic_gpu", "pallas_gpu", "xla") if kernels.tf32_suffices(spec.dtype) else ("xla",)
-
-
-def _mosaic_gpu_kernels(spec, block_sizes) -> str:
-    """`mosaic_gpu`'s kernels, forward and backward, for `explain`."""
-    bs = block_sizes or SSDBlockSizes()
-    forward = (
-        "one fused Mosaic GPU kernel (chunk states, recurrence, chunk outputs)"
-        if bs.forward in ("fused", "lean")
-        else "Mosaic GPU chunk-state and chunk-scan kernels, pallas_gpu's recurrence between them"
-    )
-    forward += " in one slot of tiles (two blocks an SM)" * (bs.forward == "lean")
-    backward = (
-        "Mosaic GPU chunk-scan backward kernel, one fused Mosaic GPU kernel for the reverse recurrence and the "
-        "chunk-state backward"
-        if bs.backward in ("fused", "lean", "columns")
-        else "Mosaic GPU chunk-scan and chunk-state backward kernels, pallas_gpu's reverse recurrence"
-    )
-    backward += " in one slot of B (two blocks an SM)" * (bs.backward == "lean")
-    backward += " in one slot of B, a block per 64 of the state's columns" * (bs.backward == "columns")
-    extras = [("dB, dC summed over heads in the kernels", bs.group_sums == "kernels")]
-    scores = "dg and dC's (f ∘ dy) S_in summed over heads in the kernels, dB and dC's dg B from the sums"
-    extras += [(scores, bs.group_sums == "scores")]
-    extras += [("x, y in the caller's layout in the kernels", bs.transposes == "kernels")]
-    extras += [("the lean chunk-scan backward (two blocks an SM)", bs.scan_backward == "lean")]
-    notes = "".join(f"; {text}" for text, on in extras if on)
-    tiles = ", by tiles of 64 rows" if bs.chunk_size > 64 else ""
-    return f"custom_vjp: {backward} (forward: {forward}; chunks of {bs.chunk_size}{tiles}{notes})"
 
 
 OP = Op(
     NAME,
     [
-        Implementation(
-            "xla",
-            xla.ssd,
-            block_sizes=SSDBlockSizes,
-            heuristic=heuristic,
-            space=space,
-            backward="autodiff through the chunked scan (states saved per chunk)",
-        ),
-        Implementation(
-            "pallas_gpu",
-            pallas_gpu.ssd,
-            platforms=("gpu",),
-            supports=pallas_gpu.supports,
-            block_sizes=SSDBlockSizes,
-            heuristic=pallas_gpu_heuristic,
-            space=pallas_gpu_space,
-            interpretable=True,
-            backward="custom_vjp: chunk-scan and chunk-state backward kernels, the reverse recurrence as a kernel",
-        ),
-        Implementation(
-            "mosaic_gpu",
-            mosaic_gpu.ssd,
-            platforms=("gpu",),
-            supports=mosaic_gpu.supports,
-            block_sizes=SSDBlockSizes,
-            heuristic=mosaic_gpu_heuristic,
-            space=mosaic_gpu_space,
-            backward=_mosaic_gpu_kernels,
-        ),
-        Implementation(
-            "pallas_tpu",
-            pallas_tpu.ssd,
-            platforms=("tpu",),
-            block_sizes=SSDBlockSizes,
-            heuristic=pallas_tpu_heuristic,
-            space=pallas_tpu_space,
-            interpretable=True,
-            backward="custom_vjp: the same backward kernels (TPU interpret mode only)",
-        ),
+        xla.IMPLEMENTATION,
+        pallas_gpu.IMPLEMENTATION,
+        mosaic_gpu.IMPLEMENTATION,
+        pallas_tpu.IMPLEMENTATION,
         Implementation("reference", reference.ssd, backward="autodiff through the sequential scan"),
     ],
     # GPU: mosaic_gpu then pallas_gpu for 16-bit inputs, xla for float32 (`_gpu_order`); TPU:
-    # pallas_tpu is verified in interpret mode only, in no default order until timed on a TPU
+    # pallas_tpu is verified in interpret mode only, in no default order
     default_order={"cpu": ("xla",), "gpu": _gpu_order, "tpu": ("xla",)},
     package=__package__,
     bucket=bucket,
@@ -312,51 +238,3 @@ def ssd_step_positional(
         block_sizes=block_sizes,
     )
     return StepResult(y, new)
-
-
-# -- the named layer's role tables and sharding rules (its functions: named.py) ----------------
-
-ROLES = named.Roles(
-    NAME,
-    {
-        "x": named.Arg(("batch", "Pos", "Heads", "HeadDim"), describe="batch axes + Pos + Heads + HeadDim"),
-        "dt": named.Arg(("batch", "Pos", "Heads"), describe="x's batch axes + Pos + Heads"),
-        "A": named.Arg(("Heads",), describe="Heads"),
-        "B": named.Arg(("batch", "Pos", "Groups", "State"), describe="x's batch axes + Pos + Groups + State"),
-        "C": named.Arg(("batch", "Pos", "Groups", "State"), describe="x's batch axes + Pos + Groups + State"),
-        "D": named.Arg(("Heads",), optional=True, describe="Heads"),
-        "D_per_dim": named.Arg(("Heads", "HeadDim"), optional=True, name="D", describe="Heads + HeadDim"),
-        "z": named.Arg(("batch", "Pos", "Heads", "HeadDim"), optional=True, describe="x's axes"),
-        "dt_bias": named.Arg(("Heads",), optional=True, describe="Heads"),
-        "segment_ids": named.Arg(("batch", "Pos"), optional=True, describe="x's batch axes + Pos"),
-        "initial_state": named.Arg(
-            ("batch", "Heads", "HeadDim", "State"),
-            optional=True,
-            describe="x's batch axes + Heads + HeadDim + State",
-        ),
-    },
-)
-SHARDING = named.Sharding(
-    parallel=("Pos",),
-    describe="batch axes data parallel; Pos sequence parallel: every shard's final state and total "
-    "decay all-gathered ([batch, heads, head_dim, state] per shard), each shard rerun from its "
-    "incoming state",
-)
-STEP_ROLES = named.Roles(
-    "ssd_step",
-    {
-        "x_t": named.Arg(("batch", "Heads", "HeadDim"), describe="batch axes + Heads + HeadDim"),
-        "dt_t": named.Arg(("batch", "Heads"), describe="x_t's batch axes + Heads"),
-        "A": named.Arg(("Heads",), describe="Heads"),
-        "B_t": named.Arg(("batch", "Groups", "State"), describe="x_t's batch axes + Groups + State"),
-        "C_t": named.Arg(("batch", "Groups", "State"), describe="x_t's batch axes + Groups + State"),
-        "state": named.Arg(
-            ("batch", "Heads", "HeadDim", "State"), describe="x_t's batch axes + Heads + HeadDim + State"
-        ),
-        "D": named.Arg(("Heads",), optional=True, describe="Heads"),
-        "D_per_dim": named.Arg(("Heads", "HeadDim"), optional=True, name="D", describe="Heads + HeadDim"),
-        "z_t": named.Arg(("batch", "Heads", "HeadDim"), optional=True, describe="x_t's axes"),
-        "dt_bias": named.Arg(("Heads",), optional=True, describe="Heads"),
-    },
-)
-STEP_SHARDING = named.Sharding(describe="batch axes data parallel; no communication")

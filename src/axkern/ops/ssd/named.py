@@ -1,5 +1,5 @@
-"""`ssd` and `ssd_step` over named axes: the role tables of `api.py` bound to the caller's axes,
-and Pos sequence parallel by passing states between shards."""
+"""`ssd` and `ssd_step` over named axes: their role tables bound to the caller's axes, and Pos
+sequence parallel by passing states between shards."""
 
 from __future__ import annotations
 
@@ -12,10 +12,6 @@ from axkern.core.named import StepResult, WithFinalState
 
 from .api import (
     NAME,
-    ROLES,
-    SHARDING,
-    STEP_ROLES,
-    STEP_SHARDING,
     SSDBlockSizes,
     SSDImplementation,
     StepImplementation,
@@ -25,6 +21,52 @@ from .api import (
 )
 
 __all__ = ["ssd", "ssd_step"]
+
+# the role tables and sharding rules the named functions bind their arguments with
+ROLES = named.Roles(
+    NAME,
+    {
+        "x": named.Arg(("batch", "Pos", "Heads", "HeadDim"), describe="batch axes + Pos + Heads + HeadDim"),
+        "dt": named.Arg(("batch", "Pos", "Heads"), describe="x's batch axes + Pos + Heads"),
+        "A": named.Arg(("Heads",), describe="Heads"),
+        "B": named.Arg(("batch", "Pos", "Groups", "State"), describe="x's batch axes + Pos + Groups + State"),
+        "C": named.Arg(("batch", "Pos", "Groups", "State"), describe="x's batch axes + Pos + Groups + State"),
+        "D": named.Arg(("Heads",), optional=True, describe="Heads"),
+        "D_per_dim": named.Arg(("Heads", "HeadDim"), optional=True, name="D", describe="Heads + HeadDim"),
+        "z": named.Arg(("batch", "Pos", "Heads", "HeadDim"), optional=True, describe="x's axes"),
+        "dt_bias": named.Arg(("Heads",), optional=True, describe="Heads"),
+        "segment_ids": named.Arg(("batch", "Pos"), optional=True, describe="x's batch axes + Pos"),
+        "initial_state": named.Arg(
+            ("batch", "Heads", "HeadDim", "State"),
+            optional=True,
+            describe="x's batch axes + Heads + HeadDim + State",
+        ),
+    },
+)
+SHARDING = named.Sharding(
+    parallel=("Pos",),
+    describe="batch axes data parallel; Pos sequence parallel: every shard's final state and total "
+    "decay all-gathered ([batch, heads, head_dim, state] per shard), each shard rerun from its "
+    "incoming state",
+)
+STEP_ROLES = named.Roles(
+    "ssd_step",
+    {
+        "x_t": named.Arg(("batch", "Heads", "HeadDim"), describe="batch axes + Heads + HeadDim"),
+        "dt_t": named.Arg(("batch", "Heads"), describe="x_t's batch axes + Heads"),
+        "A": named.Arg(("Heads",), describe="Heads"),
+        "B_t": named.Arg(("batch", "Groups", "State"), describe="x_t's batch axes + Groups + State"),
+        "C_t": named.Arg(("batch", "Groups", "State"), describe="x_t's batch axes + Groups + State"),
+        "state": named.Arg(
+            ("batch", "Heads", "HeadDim", "State"), describe="x_t's batch axes + Heads + HeadDim + State"
+        ),
+        "D": named.Arg(("Heads",), optional=True, describe="Heads"),
+        "D_per_dim": named.Arg(("Heads", "HeadDim"), optional=True, name="D", describe="Heads + HeadDim"),
+        "z_t": named.Arg(("batch", "Heads", "HeadDim"), optional=True, describe="x_t's axes"),
+        "dt_bias": named.Arg(("Heads",), optional=True, describe="Heads"),
+    },
+)
+STEP_SHARDING = named.Sharding(describe="batch axes data parallel; no communication")
 
 
 def _split_D(D) -> dict:

@@ -57,7 +57,7 @@ def step(x_t, dt_t, A, B_t, C_t, state, D, z_t):
 
 def _skip_and_gate(y, x, D, z):
     """`(y + D x) · silu(z)`, each part only when given, in `y`'s (float32) dtype. Written here
-    again, not imported from `common.py`, so the oracle shares no code with the implementations."""
+    again, not imported from the engine (`chunked/chunks.py`), so the oracle shares no code with the implementations."""
     acc = y.dtype
     if D is not None:
         y = y + x.astype(acc) * (D.astype(acc) if D.ndim == 2 else D.astype(acc)[:, None])

@@ -1,5 +1,5 @@
 """Mamba-2 SSD by chunks in plain JAX: quadratic (attention-like) inside a chunk, a recurrence
-over chunk states between chunks (`common/scan.py`, with `a = dt A` as the per-position
+over chunk states between chunks (`chunked/scan.py`, with `a = dt A` as the per-position
 log-decay and `dt` as the input scale). Memory is linear in the length; gradients by autodiff.
 
 **Math.** With `a_t = dt_t A` and `cum` its running sum inside a chunk of `Q` positions,
@@ -15,8 +15,8 @@ row sums minus column sums, whose rounding adds up over a sequence and can put t
 is summed on its own (a `[Q, Q]` running sum per chunk and head, as mamba_ssm's minimal
 reference does; docs/ops/ssd.md, "Accuracy", has the errors). 16-bit inputs keep the difference
 (their rounding dominates, and it is cheaper). **Products**: exact for every input dtype (TF32,
-XLA's GPU default, rounds as coarsely as fp16: fp16 missed the oracle rule with it on the H200,
-and bf16 one case's `dA` by 5 %).
+XLA's GPU default, rounds as coarsely as fp16: docs/ops/ssd.md, "Accuracy", has the cases it
+took outside the oracle rule).
 
 **Non-finite input** (`chunks.guard`, through `chunks.layer_around` only where an input is
 not finite; the scan outside its two conditionals): the chunks compute on the inputs with
@@ -32,19 +32,21 @@ import jax.numpy as jnp
 from jax import lax
 
 from axkern.core import kernels
-
-from .blocks import refuse_mosaic_gpu_forms
+from axkern.core.op import Implementation
 from axkern.ops.chunked.chunks import layer_around, skip_and_gate, uses_segment_sums
 from axkern.ops.chunked.scan import scan
+
+from .blocks import SSDBlockSizes, heuristic, refuse_mosaic_gpu_forms, space
+
+__all__ = ["IMPLEMENTATION", "ssd", "step"]
 
 
 def ssd(x, dt, A, B, C, D, z, segment_ids, initial_state, *, block_sizes):
     refuse_mosaic_gpu_forms(block_sizes)
     acc = jnp.promote_types(x.dtype, jnp.float32)
     rep = x.shape[2] // B.shape[2]
-    # exact float32 products for every input dtype: XLA's GPU default, TF32, is as coarse as fp16,
-    # and with bf16 inputs it missed the oracle rule's dA by 5 % on the H200 (B2 L512 H4 P32 G2
-    # N64, chunks of 64); the Pallas kernels serve 16-bit inputs on the GPU first
+    # exact float32 products for every input dtype: XLA's GPU default, TF32, is as coarse as fp16
+    # (docs/ops/ssd.md, "Accuracy"); the Pallas kernels serve 16-bit inputs on the GPU first
     prec = lax.Precision.HIGHEST
 
     def prepare(x, dt, A, B, C, initial_state):  # the scan's inputs in the accumulation dtype
@@ -83,3 +85,13 @@ def step(x_t, dt_t, A, B_t, C_t, state, D, z_t):
     y = jnp.einsum("bhpn,bhn->bhp", new, c, precision=kernels.full_precision(acc))
     y = skip_and_gate(y[:, None], x_t[:, None], D, None if z_t is None else z_t[:, None])[:, 0]
     return y.astype(x_t.dtype), new.astype(state.dtype)
+
+
+IMPLEMENTATION = Implementation(
+    "xla",
+    ssd,
+    block_sizes=SSDBlockSizes,
+    heuristic=heuristic,
+    space=space,
+    backward="autodiff through the chunked scan (states saved per chunk)",
+)

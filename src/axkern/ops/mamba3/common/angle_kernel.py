@@ -24,8 +24,8 @@ is summed in XLA. `angles` are read where they lie (`[b, L, h, A]`), `Θ` writte
 
 **Bytes** per position and head: forward `angles` read and `Θ` written, `8 A` bytes (float32
 angles); backward `dΘ`, `angles` read and `dangles` written, `12 A`. FLOPs: `6 ROWS A` per
-position for the masked sums (three TF32 products). On the H200 the kernel is bound by latency,
-not by these bytes (docs/ops/mamba3.md): each program walks its blocks in turn.
+position for the masked sums (three TF32 products). Each program walks its blocks in turn, so
+latency rather than these bytes bounds it (docs/ops/mamba3.md).
 
 **Sizes**: `A` is widened to a power of two of at least 16 (Triton's product tiles) with zero
 angles, the length to a multiple of `ROWS` with zeros (both only where needed: a copy in XLA).
@@ -54,7 +54,7 @@ _MAX = float(jnp.finfo(jnp.float32).max)
 
 def _exact(interpret):
     """The masked sums' precision: float32 products exact enough (Triton's default for float32
-    is TF32, whose 10-bit increments lost up to 5e-3 of `Θ` over 1000 positions on the H200):
+    is TF32, whose 10-bit increments lose `Θ`'s accuracy over long segments, docs/ops/mamba3.md):
     three TF32 products on the GPU (the 0/1 mask is exact in TF32, the increments' low part
     keeps what their TF32 rounding loses), `HIGHEST` in interpret mode (the CPU has no TF32)."""
     return lax.Precision.HIGHEST if interpret else lax.DotAlgorithmPreset.TF32_TF32_F32_X3
@@ -258,3 +258,8 @@ def angle_thetas(
     if a == 0 or length == 0:
         return jnp.zeros((b, h, length, a), jnp.float32)
     return _thetas(angles, dt, theta0, seg.astype(jnp.int32), (rows, warps, cols, stages), interpret)
+
+
+def angle_thetas_for(interpret: bool):
+    """`angle_thetas` compiled, or in interpret mode: a core's `angle_kernel`."""
+    return functools.partial(angle_thetas, interpret=bool(interpret))

@@ -1,7 +1,7 @@
 """Mamba-3's angles `Θ`: running sums of `π tanh(angles) Δ` inside each segment, mod 2π, summed
 inside chunks and carried between chunks by a parallel (associative) scan that takes the
 remainder at every combination, so that its rounding does not grow with the length and no loop
-of one step per chunk runs (the package's docstring has the rest of the chunked form)."""
+of one step per chunk runs (`layer.py` has the rest of the chunked form)."""
 
 from __future__ import annotations
 
@@ -13,11 +13,8 @@ from jax import lax
 
 def within_chunks(ic, sc):
     """`Σ_{s <= t in t's segment} inc_s` inside each chunk (`ic [b, c, Q, h, a]`, `sc [b, c, Q]`)
-    as a `[Q, Q]` masked product with exact float32 products. Without segments the product is
-    still the fastest form measured on the H200: at the 2.7B layer the layer's forward+backward
-    took 9.62 ms with it, 9.80 with `jnp.cumsum` along the chunk (XLA's windowed sum: 0.36 ms in
-    the forward, where the product takes 0.14) and 10.11 with sums of 8 as products
-    (`benchmarks/mamba3_angle_sums.py`)."""
+    as a `[Q, Q]` masked product with exact float32 products (also without segments: docs/ops/mamba3.md
+    has its times beside `jnp.cumsum` along the chunk and sums of 8 as products)."""
     t = jnp.arange(ic.shape[2])
     same = ((sc[..., :, None] == sc[..., None, :]) & (t[:, None] >= t[None, :])).astype(ic.dtype)
     return jnp.einsum("bcts,bcsha->bctha", same, ic, precision=lax.Precision.HIGHEST)

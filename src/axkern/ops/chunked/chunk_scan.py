@@ -1,8 +1,8 @@
-"""The Pallas kernel bodies of the SSD chunk scan (`kernels.py` has the stages around them,
-`Layout` and the `custom_vjp`; its docstring has the math, the grid `(batch, heads, chunks)`,
-the tiles each program holds and the FLOPs and bytes that bound them), shared by `pallas_gpu`
-and `pallas_tpu` through a `Layout` (`lay`: how each reads and writes its per-position vectors
-and takes its products).
+"""Stage 4 of the Pallas chunk scan as kernel bodies: each chunk's outputs `y` (`scan_kernel`) and
+their backward (`scan_bwd_kernel`), one program per (batch, head, chunk) (`kernel_scan.py` has
+the math, the grid and the FLOPs and bytes that bound them; `layout.py` launches them). Shared by
+the Triton and TPU layouts through a `Layout` (`lay`: how each reads and writes its per-position
+vectors and takes its products).
 
 **Diagonal term** (`diag`, optional): the chunk scan adds `d_t (C_t · B_t) x_t` to `y_t`, a
 per-position weight on the score of a position with itself, beside the decayed scores' own
@@ -10,8 +10,8 @@ diagonal (`s_t (C_t · B_t) x_t`). Mamba-3's diagonal correction is one (`d = -c
 kernels `C_t · B_t` is the decayed scores' diagonal (`_diagonal`, from the same product) and its
 gradient joins `d(C Bᵀ)` on the diagonal, so the term costs a `[Q, P]` scaling forward and a
 `[Q, P]` row product backward, where XLA would read the per-head `B`, `C` and `y` once more
-forward and their gradients backward (no `[Q, N]` elementwise work beside the products: a form
-with it slowed the Triton backward kernel far more than its FLOPs, docs/ops/mamba3.md).
+forward and their gradients backward; no `[Q, N]` elementwise work sits beside the products
+(docs/ops/mamba3.md has what such work cost the Triton backward kernel).
 """
 
 from __future__ import annotations
@@ -20,11 +20,6 @@ import jax.numpy as jnp
 from jax import lax
 
 from axkern.core import kernels
-
-
-def state_kernel(x_ref, w_ref, b_ref, out_ref, *, lay, dtype):
-    x = x_ref[0, 0].astype(jnp.float32)  # [Q, P]
-    out_ref[0, 0, 0] = lay.dot(x * lay.col(w_ref), b_ref[0, 0], dtype, trans_a=True)  # [P, N]
 
 
 def _positions(q):
@@ -169,17 +164,3 @@ def scan_bwd_kernel(
     dc, db = lay.dot(dg, bm, f32) + lay.dot(dyf, state, f32), lay.dot(dg, cm, f32, trans_a=True)
     dc_ref[0, 0], db_ref[0, 0] = dc, db
     ds_ref[0, 0, 0] = lay.dot(dyf, cm, f32, trans_a=True)  # [P, N]
-
-
-def state_bwd_kernel(x_ref, w_ref, b_ref, ds_ref, dx_scan_ref, db_scan_ref, dx_ref, dw_ref, db_ref, *, lay):
-    """Pull `dS` back through `S = (w ∘ x)^T B`; the chunk scan's `dx`, `dB` (float32) added, `dx`
-    written in its own dtype."""
-    f32 = jnp.float32
-    x = x_ref[0, 0].astype(f32)
-    w = lay.col(w_ref)  # [Q, 1]
-    bm = b_ref[0, 0].astype(f32)
-    ds = ds_ref[0, 0, 0]  # [P, N]
-    dxw = lay.dot(bm, ds, f32, trans_b=True)  # [Q, P]
-    dx_ref[0, 0] = (dxw * w + dx_scan_ref[0, 0]).astype(dx_ref.dtype)
-    lay.put_col(dw_ref, jnp.sum(dxw * x, axis=1, keepdims=True))
-    db_ref[0, 0] = lay.dot(x * w, ds, f32) + db_scan_ref[0, 0]  # [Q, N]

@@ -1,0 +1,82 @@
+"""SSD's Pallas chunk kernels as Mamba-3's chunk scan (`kernel_core`): the engine's
+`kernel_scan.scan` through a backend's `Layout`, each MIMO token's ranks as consecutive kernel
+positions (`layer.py` has the chunked form that calls it)."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from axkern.ops.chunked import kernel_scan
+
+from ..blocks import kernel_slots
+from .angle_kernel import angle_thetas_for
+from .layer import Core
+
+__all__ = ["kernel_core", "kernel_x_dtype"]
+
+
+def kernel_x_dtype(dtype, mimo):
+    """The dtype `x` enters the kernels in: the inputs' `dtype` for SISO (`x` is `v`), float32 for
+    MIMO (`x = v ⊙ W_x` rounded to bf16 missed the oracle rule at rank 3)."""
+    return jnp.promote_types(dtype, jnp.float32) if mimo else jnp.dtype(dtype)
+
+
+def kernel_core(
+    layout, *, chunk_size, interpret, dtype, mimo, diagonal=True, rotation_backward=None, angle_kernel=False
+) -> Core:
+    """SSD's Pallas chunk kernels (`chunked/kernel_scan.py`, with `layout` a `Layout` subclass) as a
+    `Core` over chunks of `chunk_size` tokens. `x` goes in as `kernel_x_dtype(dtype, mimo)`; the
+    kernels take the path of the inputs' `dtype` (the products' precision, the decay's form);
+    `B`, `C` (rotated `k`, `q`) per head, heads first (`[b, H, l, R, N]`, the `heads_major` form
+    of `layer.forward`: the kernels' layout, so the rotation writes them where the kernels read them).
+    `rotation_backward`: the rotation's backward for `rotated` (None: XLA's). `angle_kernel`:
+    `Θ` by the Triton kernel `angle_thetas` (a GPU layout's; in interpret mode with `interpret`).
+
+    The kernels take one input per position, so token `t`'s `R` inputs run as `S =
+    blocks.kernel_slots(R)` consecutive positions `(t, 0..S-1)` (ranks past `R` zero): the
+    log-decay `a_t` on `(t, 0)` and 0 on the others, the scale `s_t` and the segment id on all.
+    The kernels apply position `(t, r)`'s decay before adding its input, so after `(t, S-1)` the
+    state is `exp(a_t) state_{t-1} + s_t Σ_r x_{t,r} B_{t,r}ᵀ`, exactly the recurrence's: the
+    states between the kernels' chunks (`chunk_size · S` positions, starting at tokens) and the
+    final state are exact, and a segment starting at `t` resets at `(t, 0)`. Output `(t, r)`
+    reads the state after `(t, r)`: it misses the same token's later ranks, `s_t Σ_{u > r}
+    (C_{t,r} · B_{t,u}) x_{t,u}`, which `layer.forward` adds (`later_ranks=True`)."""
+
+    def core(x, a, s, B, C, seg, initial_state, diag=None):
+        batch, length, rank, heads, _ = x.shape
+        slots = kernel_slots(rank)
+
+        def spread(u):  # [b, l, R, h, d] -> [b, l·S, h, d]
+            u = jnp.pad(u, [(0, 0), (0, 0), (0, slots - rank), (0, 0), (0, 0)])
+            return u.reshape(batch, length * slots, *u.shape[3:])
+
+        def spread_heads_first(u):  # [b, h, l, R, n] -> [b, h, l·S, n]
+            u = jnp.pad(u, [(0, 0), (0, 0), (0, 0), (0, slots - rank), (0, 0)])
+            return u.reshape(batch, heads, length * slots, u.shape[-1])
+
+        first = jnp.arange(slots) == 0
+        y, final = kernel_scan.scan(
+            layout,
+            spread(x.astype(kernel_x_dtype(dtype, mimo))),
+            jnp.where(first[:, None], a[:, :, None], 0).reshape(batch, length * slots, heads),
+            jnp.repeat(s, slots, axis=1),
+            spread_heads_first(B),
+            spread_heads_first(C),
+            jnp.repeat(seg, slots, axis=1),
+            initial_state,
+            chunk_size=chunk_size * slots,
+            interpret=interpret,
+            products=dtype,
+            groups_first=True,
+            diag=diag,
+        )
+        return y.reshape(batch, length, slots, *y.shape[2:])[:, :, :rank], final
+
+    core.heads_major = True
+    core.rotation_backward = rotation_backward
+    core.angle_kernel = angle_thetas_for(interpret) if angle_kernel else None
+    core.x_dtype = kernel_x_dtype(dtype, mimo)
+    # SISO with `diagonal`: the diagonal correction inside the chunk-scan kernels
+    # (`chunked/chunk_scan.py`); MIMO's correction also holds a token's later ranks, which stay in XLA
+    core.diagonal = diagonal and not mimo and layout.diagonal
+    return core
