@@ -23,8 +23,8 @@
 //
 // The backward forms g = dy * act'(pre) in registers (pre recomputed from the carried inputs),
 // carries the last W - 1 values of g the same way and writes dx(t) = sum_k w[k] g(t + k) over the taps that
-// stay in t's segment; the tile's dw[k] = sum_t g(t) x~(t - k) and dbias = sum_t g(t) are
-// accumulated in registers and written once per tile. Its reads: x (tile plus 2(W-1) halo
+// stay in t's segment and before S (the others selected away); the tile's dw[k] = sum_t g(t) x~(t - k)
+// and dbias = sum_t g(t) are accumulated in registers and written once per tile. Its reads: x (tile plus 2(W-1) halo
 // rows), dy (tile plus W-1 rows below it); writes: dx and the partial sums. With SiLU both
 // kernels carry half the pre-activation (silu_half, below): the backward's g is then doubled
 // and its weights halved, and the partial sums are halved once before they are written.
@@ -503,10 +503,12 @@ __device__ inline void bwd_rows(const float (&w)[W][N], const float (&bv)[N], co
 #pragma unroll
       for (int k = 0; k < W; ++k) {
         const int i = j - (W - 1) + k;  // row t + k of this step
-        const bool keep = !SEG || k < run_at(rc, rp, i);
+        // an output of another segment or past the sequence (EDGE steps): selected away, never
+        // w[k] * 0 (NaN for a NaN weight)
+        const bool keep = (!SEG || k < run_at(rc, rp, i)) && (!EDGE || t + k < S);
         const float(&g)[N] = row<W, N>(gc, gp, i);
 #pragma unroll
-        for (int v = 0; v < N; ++v) acc[v] = add_tap<SEG>(acc[v], w[k][v], g[v], keep);
+        for (int v = 0; v < N; ++v) acc[v] = add_tap<SEG || EDGE>(acc[v], w[k][v], g[v], keep);
       }
       store_vec<N>(EDGE ? dx + t * C : dxs + j * C, acc);
     }

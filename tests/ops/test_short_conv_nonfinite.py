@@ -107,6 +107,47 @@ def test_a_tap_of_another_segment_reaches_no_weight_gradient(impl):
     assert np.isfinite(np.asarray(dx)[0, :4]).all() and np.isfinite(ds0).all()
 
 
+@functools.cache
+def _with_bias(impl, activation):
+    """`y` and the gradients of a weighted sum of `y` for x, w, bias, s0, jitted."""
+
+    def f(x, w, b, s0, seg):
+        y = conv(x, w, bias=b, segment_ids=seg, initial_state=s0, activation=activation, implementation=impl)
+        return jnp.sum(y * jnp.cos(jnp.arange(y.size, dtype=y.dtype)).reshape(y.shape)), y
+
+    def run(x, w, b, s0, seg):
+        g, y = jax.grad(f, argnums=(0, 1, 2, 3), has_aux=True)(x, w, b, s0, seg)
+        return y, g
+
+    return jax.jit(run)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("width", [2, 4, 8])
+def test_a_non_finite_weight_tap_is_selected_away_where_it_is_masked(impl, width):
+    """A NaN in tap 1's weight reaches only the outputs whose tap 1 reads a position of their own
+    segment (position 3 starts a segment: its tap 1 is selected away, never multiplied by 0), and
+    only the gradients of those outputs' inputs; past the end of the sequence no output exists, so
+    the last rows of `dx` take nothing from the NaN tap either."""
+    x, b, s0 = jnp.ones((1, 6, 16)), jnp.zeros((16,)), jnp.ones((1, width - 1, 16))
+    w = jnp.ones((width, 16)).at[1, 0].set(jnp.nan)
+    cases = (
+        (jnp.array([[0, 0, 0, 1, 1, 1]]), None),
+        (jnp.array([[0, 0, 0, 1, 1, 1]]), "silu"),
+        (jnp.array([[0, 0, 0, 1, 1, 2]]), "silu"),  # position 5 alone: its dx reads no output of tap 1
+        (None, None),  # dx[5] = w[0] dy[5]: the NaN tap would read an output past the end
+    )
+    for seg, activation in cases:
+        with axkern.use(interpret=INTERPRET), serving(impl):
+            got = _with_bias(impl, activation)(x, w, b, s0, seg)
+        want = _with_bias("reference", activation)(x, w, b, s0, seg)
+        assert_nonfinite_rule(got, want, f"{impl} width {width} {seg} {activation}")
+        if seg is not None and activation is None:
+            y = np.asarray(got[0])[0, :, 0]
+            np.testing.assert_array_equal(np.isnan(y), [1, 1, 1, 0, 1, 1])
+            assert y[3] == 1 and np.isfinite(np.asarray(got[0])[..., 1:]).all()
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 def test_empty_batch_and_sequence_give_empty_results(impl):
     for b, l in ((0, 6), (2, 0)):

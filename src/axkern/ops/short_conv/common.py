@@ -44,25 +44,28 @@ def extended(x, segment_ids, initial_state):
 
 
 def taps(x, segment_ids, initial_state, width):
-    """The `W` shifted (and segment-masked) inputs, tap `k` holding `x~[t - k]`, in float32."""
+    """The `W` shifted inputs, tap `k` holding `x~[t - k]` in float32 (zero where it would read
+    another segment), and for each tap whether it stays in `t`'s segment (None without segments)."""
     seq = x.shape[1]
     xe, se = extended(x, segment_ids, initial_state)
-    out = []
+    out, same = [], []
     for k in range(width):
         tap = xe[:, width - 1 - k : width - 1 - k + seq].astype(acc_dtype(x))
-        if se is not None:
-            tap = jnp.where((se[:, width - 1 - k : width - 1 - k + seq] == segment_ids)[..., None], tap, 0)
-        out.append(tap)
-    return out
+        keep = None if se is None else (se[:, width - 1 - k : width - 1 - k + seq] == segment_ids)[..., None]
+        out.append(tap if keep is None else jnp.where(keep, tap, 0))
+        same.append(keep)
+    return out, same
 
 
 def pre_activation(x, weight, bias, segment_ids, initial_state):
-    """`bias + sum_k w[k] * x~[t - k]` in float32, and the taps it used."""
-    ts = taps(x, segment_ids, initial_state, weight.shape[0])
+    """`bias + sum_k w[k] * x~[t - k]` in float32, a tap of another segment selected away from
+    the sum (never `w[k] * 0`, NaN for a NaN weight), and the taps and masks it used."""
+    ts, same = taps(x, segment_ids, initial_state, weight.shape[0])
     out = bias.astype(acc_dtype(x))
-    for k, tap in enumerate(ts):
-        out = out + weight[k].astype(acc_dtype(x)) * tap
-    return out, ts
+    for k, (tap, keep) in enumerate(zip(ts, same, strict=True)):
+        term = weight[k].astype(acc_dtype(x)) * tap
+        out = out + (term if keep is None else jnp.where(keep, term, 0))
+    return out, ts, same
 
 
 def activate(pre, activation, sigmoid=jax.nn.sigmoid):
@@ -87,7 +90,7 @@ def state_grad(x, weight, bias, segment_ids, initial_state, dy, activation):
     seg = None if segment_ids is None else segment_ids[:, head]
 
     def f(state):
-        pre, _ = pre_activation(x[:, head], weight, bias, seg, state)
+        pre, _, _ = pre_activation(x[:, head], weight, bias, seg, state)
         return activate(pre, activation)
 
     _, vjp = jax.vjp(f, initial_state.astype(acc_dtype(x)))

@@ -6,14 +6,14 @@ another), `weight: [W·C]`, `bias: [C]`, `state: [B·(W-1), C]`, `segment_ids: [
 **Grid.** `(B, cdiv(S, block_seq), cdiv(C, block_channels))`: one program per tile of
 `block_seq` positions by `block_channels` channels. A program reads its tile at `W` row
 offsets (tap `k` reads rows `t - k`); the overlap of neighbouring offsets is served by L1/L2,
-so each input byte comes from HBM about once. Rows before 0 read the state, rows of another
-segment read zero. Edge tiles are masked; row indices are clipped so no address is ever out
+so each input byte comes from HBM about once. Rows before 0 read the state; a tap of another
+segment is selected away with its product (never `w[k] · 0`, NaN for a NaN weight). Edge tiles are masked; row indices are clipped so no address is ever out
 of bounds (Triton's and interpret mode's loads then agree).
 
 **Backward.** With an activation, a first kernel writes `g = dy · act'(pre)` (float32; `pre`
 recomputed from `x`); without one `g = dy`. The second kernel walks up to 256 positions per
 program, tile by tile: it reads `g` at offsets `0..W-1`, writes `dx(t) = sum_k w[k] · g(t + k)`
-over taps that stay in `t`'s segment, and accumulates in registers the partial sums of
+over taps that stay in `t`'s segment and before `S` (the others selected away), and accumulates in registers the partial sums of
 `dw[k] = sum_t g(t) · x~(t - k)` (a tap of another segment selected away, never `0 · g`) and
 `dbias = sum_t g(t)`, one row per program (summed by XLA). The state's gradient needs only the
 first `W-1` positions: plain JAX.
@@ -139,9 +139,10 @@ def _pre(tile, x_ref, w_ref, b_ref, state_ref, seg_ref, at, *, segments):
     seg_here = tile.segment(seg_ref, at) if segments else None
     for k in range(tile.width):
         val = tile.load_x(x_ref, state_ref, at - k)
-        if segments:
-            val = jnp.where((tile.segment(seg_ref, at - k) == seg_here)[:, None], val, 0)
-        acc = acc + tile.weight(w_ref, k)[None, :] * val
+        term = tile.weight(w_ref, k)[None, :] * val
+        if segments:  # a tap of another segment: its product selected away, never w[k] * 0
+            term = jnp.where((tile.segment(seg_ref, at - k) == seg_here)[:, None], term, 0)
+        acc = acc + term
     return acc
 
 
@@ -206,9 +207,11 @@ def _bwd_kernel(
             if k == 0:
                 g0 = g
             tap = tile.weight(w_ref, k)[None, :] * g
+            # an output past S or of another segment: its product selected away, never w[k] * 0
+            keep = (tile.t + k < dims["seq"])[:, None]
             if segments:
-                tap = jnp.where((tile.segment(seg_ref, k) == seg_t)[:, None], tap, 0)
-            dx = dx + tap
+                keep = keep & (tile.segment(seg_ref, k) == seg_t)[:, None]
+            dx = dx + jnp.where(keep, tap, 0)
         _store_tile(tile, dx_ref, dx)
         out = []
         inside = (tile.t < dims["seq"])[:, None]  # rows past S: their product selected away, not 0 * x

@@ -15,7 +15,8 @@ past `S` in a ragged last block are masked with `where` (never multiplied: paddi
 
 **Backward.** As in `pallas_gpu`: with an activation a first kernel writes
 `g = dy · act'(pre)` (float32), then one kernel computes `dx(t) = sum_k w[k] · g(t + k)` within
-`t`'s segment and each block's partial `dw` and `dbias` (summed by XLA). The state's gradient
+`t`'s segment and before `S` (a tap of another segment selected away with its product, in the
+forward too: never `w[k] · 0`) and each block's partial `dw` and `dbias` (summed by XLA). The state's gradient
 (first `W-1` positions only) is plain JAX.
 
 **Bound.** Memory: `2·B·S·C` elements forward, `3·B·S·C` backward (plus `g` with an activation),
@@ -60,10 +61,10 @@ def _pre(x_e, seg_e, seg_cur, w, bias, width, block_seq):
     """`bias + sum_k w[k] · x~(t - k)` from the halo-extended block (float32 `[bs, bc]`)."""
     acc = jnp.broadcast_to(bias, (block_seq, bias.shape[-1]))
     for k in range(width):
-        tap = x_e[width - 1 - k : width - 1 - k + block_seq]
-        if seg_e is not None:
-            tap = jnp.where(seg_e[width - 1 - k : width - 1 - k + block_seq] == seg_cur, tap, 0)
-        acc = acc + w[k][None, :] * tap
+        term = w[k][None, :] * x_e[width - 1 - k : width - 1 - k + block_seq]
+        if seg_e is not None:  # a tap of another segment: its product selected away, never w[k] * 0
+            term = jnp.where(seg_e[width - 1 - k : width - 1 - k + block_seq] == seg_cur, term, 0)
+        acc = acc + term
     return acc
 
 
@@ -133,9 +134,11 @@ def _bwd_kernel(*refs, width, block_seq, seq, segments):
     dx = jnp.zeros_like(g_cur)
     for k in range(width):
         tap = w[k][None, :] * g_e[k : k + block_seq]
+        # an output past S or of another segment: its product selected away, never w[k] * 0
+        keep = rows[k : k + block_seq] < seq
         if segments:
-            tap = jnp.where(seg_ahead[k : k + block_seq] == seg_cur, tap, 0)
-        dx = dx + tap
+            keep = keep & (seg_ahead[k : k + block_seq] == seg_cur)
+        dx = dx + jnp.where(keep, tap, 0)
     dx_ref[0] = dx.astype(dx_ref.dtype)
     x_e = _load_x_e(x_ref, xprev_ref, st_ref, width_1)
     seg_e = _load_seg_e(seg_ref, segprev_ref, width_1)[1] if segments else None

@@ -1,7 +1,8 @@
 """Short causal convolution as a shifted sum in plain JAX, with its own backward.
 
 **Math.** `pre[b, t] = bias + sum_k w[k] * x~[b, t - k]`, `y = act(pre)`, where `x~` is `x`
-with the `W-1` state rows prepended and a tap is zero when it crosses a segment boundary.
+with the `W-1` state rows prepended and a tap that crosses a segment boundary is selected away
+(its product too: never `w[k] * 0`, NaN for a NaN weight).
 
 **Backward** (`jax.custom_vjp`, residuals: the inputs): `g = dy * act'(pre)` (pre recomputed),
 `dx~[t - k] += w[k] * g[t]` for each tap (a sum of `W` shifted copies that XLA fuses into
@@ -22,7 +23,7 @@ import jax.numpy as jnp
 
 from axkern.core.op import Implementation
 
-from .common import activate, activation_grad, extended, pre_activation, segment_runs, zero_state
+from .common import activate, activation_grad, pre_activation, segment_runs, zero_state
 
 
 def conv(x, weight, bias, segment_ids, initial_state, *, activation=None):
@@ -32,7 +33,7 @@ def conv(x, weight, bias, segment_ids, initial_state, *, activation=None):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _conv(activation, x, weight, bias, segment_ids, initial_state):
-    pre, _ = pre_activation(x, weight, bias, segment_ids, initial_state)
+    pre, _, _ = pre_activation(x, weight, bias, segment_ids, initial_state)
     return activate(pre, activation).astype(x.dtype)
 
 
@@ -48,14 +49,9 @@ def _fwd(activation, x, weight, bias, segment_ids, initial_state):
 
 def _bwd(activation, residuals, dy):
     x, weight, bias, segment_ids, initial_state = residuals
-    width, seq = weight.shape[0], x.shape[1]
-    pre, taps = pre_activation(x, weight, bias, segment_ids, initial_state)
+    width = weight.shape[0]
+    pre, taps, same = pre_activation(x, weight, bias, segment_ids, initial_state)
     g = dy.astype(pre.dtype) * activation_grad(pre, activation)
-    _, se = extended(x, segment_ids, initial_state)
-    same = [
-        None if se is None else (se[:, width - 1 - k : width - 1 - k + seq] == segment_ids)[..., None]
-        for k in range(width)
-    ]
     products = [g * tap if m is None else jnp.where(m, g * tap, 0) for tap, m in zip(taps, same, strict=True)]
     dweight = jnp.stack([jnp.sum(p, axis=(0, 1)) for p in products])
     dbias = jnp.sum(g, axis=(0, 1))
