@@ -431,3 +431,28 @@ def test_bench_json_keeps_the_rows_of_a_run_cut_short(tmp_path, monkeypatch):
     doc = json.loads(out.read_text())
     assert doc["complete"] is False and len(calls) == 2
     assert {r["case"] for r in doc["rows"]} == {calls[0]} and all(r["ms"] for r in doc["rows"])
+
+
+@pytest.mark.parametrize("where", ["proc", "below-a-file"])
+def test_bench_save_into_a_folder_that_cannot_be_made_is_a_usage_error_before_measuring(
+    where, tmp_path, capsys, monkeypatch
+):
+    _no_measuring(monkeypatch)
+    (tmp_path / "file").write_text("")
+    root = "/proc/axkern-results" if where == "proc" else str(tmp_path / "file" / "results")
+    line = _usage_error(["bench", "short_conv", "--save", root], capsys)
+    assert line.startswith("axkern bench: error: --save: expected a folder") and root in line
+
+
+def test_build_native_names_a_malformed_arch(capsys):
+    for arch in ("9.x", "sm_90", "9.0.1", ""):
+        line = _usage_error(["build-native", "moe", "--arch", arch], capsys)
+        assert "--arch: expected a compute capability such as 9.0" in line and repr(arch) in line
+
+
+def test_bench_cases_file_whose_cases_takes_no_keywords_is_a_usage_error(tmp_path, capsys, monkeypatch):
+    _no_measuring(monkeypatch)
+    path = tmp_path / "mine.py"
+    path.write_text("def cases():\n    return []\n")
+    line = _usage_error(["bench", "--cases", str(path)], capsys)
+    assert "--cases: expected" in line and "cases(preset=, tokens=, dtype=)" in line and str(path) in line

@@ -4,6 +4,7 @@ README section and plots are what the committed results give."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -119,3 +120,94 @@ def test_a_run_cut_short_says_which_cases_have_no_rows():
     }
     assert "cut short" not in report._about(run)
     assert report._about(dict(run, complete=False)).endswith("The run was cut short; no rows for D=256.")
+
+
+def _run(rows, **extra) -> dict:
+    return {
+        "command": "axkern bench x",
+        "date": "2026-01-01T00:00:00+00:00",
+        "device": "cpu",
+        "versions": {"jax": "0.0"},
+        "cases": [{"op": "x", "case": "c", "dtype": "float32", "dims": {"n": 1}}],
+        "rows": rows,
+        **extra,
+    }
+
+
+_ROW = {"op": "x", "case": "c", "implementation": "xla", "pass": "fwd", "ms": 1.5, "max_rel_error": None}
+
+
+@pytest.mark.parametrize(
+    ("content", "says"),
+    [
+        (b"", "is empty"),
+        (json.dumps(_run([_ROW])).encode()[:40], "is not JSON"),
+        (b"\xff\xfe", "is not JSON"),
+        (b"[]", "is not an `axkern bench` run"),
+        (json.dumps(_run({"0": _ROW})).encode(), "rows is not a list"),
+        (json.dumps(_run([_ROW | {"ms": "1.5"}])).encode(), r"row 0 .*ms '1\.5' is not a finite number"),
+        (json.dumps(_run([{k: v for k, v in _ROW.items() if k != "case"}])).encode(), "row 0 .*has no case"),
+        (json.dumps(_run([_ROW, _ROW | {"ms": -5.0}])).encode(), r"row 1 .*ms -5\.0 is not a finite number"),
+        (json.dumps(_run([_ROW | {"ms": float("nan")}])).encode(), "row 0 .*ms nan is not a finite number"),
+        (json.dumps(_run([_ROW | {"ms_max": float("inf")}])).encode(), "row 0 .*ms_max inf is not"),
+        (json.dumps(_run([_ROW | {"tflops": True}])).encode(), "row 0 .*tflops True is not"),
+        (json.dumps(_run([_ROW | {"max_rel_error": "x"}])).encode(), "row 0 .*max_rel_error 'x' is not"),
+        (json.dumps(_run([_ROW], matmul_ceiling_tflops="fast")).encode(), "matmul_ceiling_tflops 'fast'"),
+        (json.dumps(_run([_ROW], cases={})).encode(), "cases is not a list"),
+        (json.dumps(_run([_ROW], device=None)).encode(), "device is not a string"),
+    ],
+    ids=[
+        "empty",
+        "truncated",
+        "not-utf8",
+        "a-list",
+        "rows-a-dict",
+        "ms-a-string",
+        "no-case",
+        "ms-negative",
+        "ms-nan",
+        "ms-max-infinite",
+        "tflops-a-bool",
+        "error-a-string",
+        "ceiling-a-string",
+        "cases-a-dict",
+        "no-device",
+    ],
+)
+def test_a_malformed_results_file_is_an_error_naming_it(tmp_path, content, says):
+    path = tmp_path / "cpu" / "x" / "quick.json"
+    path.parent.mkdir(parents=True)
+    (tmp_path / "cpu" / "x" / "other.json").write_text(json.dumps(_run([_ROW])))
+    path.write_bytes(content)
+    with pytest.raises(ValueError, match=re.escape(str(path)) + ".*" + says):
+        results.load(tmp_path)
+
+
+def test_a_results_folder_named_like_a_file_is_an_error_naming_it(tmp_path):
+    (tmp_path / "cpu" / "x" / "quick.json").mkdir(parents=True)
+    with pytest.raises(
+        ValueError, match=re.escape(str(tmp_path / "cpu" / "x" / "quick.json")) + " is a folder"
+    ):
+        results.load(tmp_path)
+
+
+def test_a_row_whose_error_is_nan_is_kept(tmp_path):
+    # an implementation whose output was NaN where the reference's was not: the table says nan
+    path = tmp_path / "cpu" / "x" / "quick.json"
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps(_run([_ROW | {"max_rel_error": float("nan")}, _ROW | {"ms": None}])))
+    (run,) = results.load(tmp_path)
+    assert "| c | `xla` | fwd | 1.500 | - | - | - | nan |" in report.markdown([run])
+
+
+def test_report_command_names_the_bad_results_file(tmp_path, capsys):
+    root, docs = tmp_path / "results", tmp_path / "docs"
+    docs.mkdir()
+    (tmp_path / "README.md").write_text("")
+    path = root / "cpu" / "x" / "quick.json"
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps(_run([_ROW | {"ms": float("nan")}])))
+    argv = ["report", "--results", str(root), "--docs", str(docs), "--readme", str(tmp_path / "README.md")]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert str(path) in err and "Traceback" not in err

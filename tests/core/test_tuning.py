@@ -344,3 +344,122 @@ def test_bench_checks_a_peer_unless_it_computes_something_else(toy):
     assert rows["peer:wrong"].max_rel_error > 0.01
     assert rows["peer:other"].max_rel_error is None and rows["peer:other"].ms is not None
     assert rows["peer:other"].note == "not checked: a doubled sum"
+
+
+# -- a cache that cannot be read or written -------------------------------------------------------
+
+_BUCKET = {"n": 16, "d": 4, "dtype": "float32"}
+
+
+def _file(entries) -> bytes:
+    return json.dumps({"device_key": "cpu", "entries": entries}).encode()
+
+
+@pytest.mark.parametrize(
+    ("content", "says"),
+    [
+        (_file([1]), r"entry 0 .*not an object"),
+        (_file([{"op": "tuning_toy", "implementation": "xla", "bucket": _BUCKET}]), r"entry 0 .*block_sizes"),
+        (
+            _file([{"op": "tuning_toy", "implementation": "xla", "bucket": _BUCKET, "block_sizes": [8]}]),
+            r"entry 0 .*block_sizes",
+        ),
+        (
+            _file([_entry("tuning_toy", "xla", _BUCKET, {"block": 8, "blok": 2})]),
+            r"entry 0 \(tuning_toy/xla .*unknown fields \['blok'\]",
+        ),
+        (_file([_entry("tuning_toy", "xla", _BUCKET, {"block": 0})]), r"entry 0 .*positive int, got 0"),
+        (_file([_entry("tuning_toy", "xla", _BUCKET, {"block": "8"})]), r"entry 0 .*positive int, got '8'"),
+        (b'{"entries": 1}', "not a tuning cache"),
+        (b"[]", "not a tuning cache"),
+        (b'{"entries": [\xff\xfe]}', "cannot be read"),
+        (b"{not json", "cannot be read"),
+    ],
+    ids=[
+        "entry-not-an-object",
+        "no-block-sizes",
+        "block-sizes-a-list",
+        "unknown-field",
+        "zero",
+        "a-string",
+        "entries-not-a-list",
+        "not-an-object",
+        "not-utf8",
+        "not-json",
+    ],
+)
+def test_a_malformed_cache_warns_naming_the_file_and_the_table_serves(toy, cache, monkeypatch, content, says):
+    toy_op, call = toy
+    table = ({"op": "tuning_toy", "implementation": "xla", "bucket": _BUCKET, "block_sizes": {"block": 2}},)
+    monkeypatch.setattr(blocks, "load_table", lambda package, key: table)
+    cache.mkdir(parents=True)
+    (cache / "cpu.json").write_bytes(content)
+    x = jnp.arange(64.0).reshape(16, 4)
+    with pytest.warns(tuning.CacheWarning, match=r"cpu\.json.*" + says):
+        d = axkern.explain(call, x)
+    assert (d.block_source, d.block_sizes) == ("table", _Blocks(block=2))
+    monkeypatch.setattr(blocks, "load_table", lambda package, key: ())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # warned once per file
+        d = axkern.explain(call, x)
+        assert (d.block_source, d.block_sizes) == ("heuristic", _Blocks(block=4))
+        assert jnp.array_equal(call(x), x.sum(0))
+
+
+def test_a_cache_entry_of_another_shape_or_with_unknown_fields_of_its_own_is_fine(toy, cache):
+    toy_op, call = toy
+    cache.mkdir(parents=True)
+    good = _entry("tuning_toy", "xla", _BUCKET, {"block": 8}) | {"ms": {"median": 1.0}, "extra": [1]}
+    other = _entry("other_op", "xla", {"n": 1}, {"whatever": 0})
+    (cache / "cpu.json").write_bytes(json.dumps({"entries": [other, good], "more": 1}).encode())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        d = axkern.explain(call, jnp.ones((16, 4)))
+    assert (d.block_source, d.block_sizes) == ("cache", _Blocks(block=8))
+
+
+def test_a_tuning_folder_that_is_a_file_warns_and_the_heuristic_serves(toy, cache):
+    toy_op, call = toy
+    cache.write_text("")  # `tuning` is a plain file
+    with pytest.warns(tuning.CacheWarning, match=r"tuning/cpu\.json cannot be read"):
+        d = axkern.explain(call, jnp.ones((16, 4)))
+    assert (d.block_source, d.block_sizes) == ("heuristic", _Blocks(block=4))
+
+
+@pytest.fixture(params=["under-a-file", "permission-denied"])
+def unwritable(request, cache, tmp_path, monkeypatch):
+    """A cache that cannot be written. Made by a path below a regular file, or by a write that
+    raises PermissionError: a read-only mode would not stop the tests when they run as root."""
+    if request.param == "under-a-file":
+        (tmp_path / "file").write_text("")
+        path = tmp_path / "file" / "tuning" / "cpu.json"
+        monkeypatch.setattr(tuning, "cache_path", lambda key: path)
+        return path
+
+    def refused(path, data):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(tuning, "write_json", refused)
+    return cache / "cpu.json"
+
+
+def test_autotune_into_an_unwritable_cache_uses_the_winner_and_warns(toy, unwritable, monkeypatch):
+    toy_op, call = toy
+    monkeypatch.setattr(tune, "_unkept", {})  # winners this process could not keep
+    x = jax.random.normal(jax.random.PRNGKey(1), (16, 4))
+    with axkern.use(autotune=True), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = call(x)
+        d = axkern.explain(call, x)  # explain never sweeps: the winner was not kept
+    assert jnp.allclose(got, x.sum(0), atol=1e-5)
+    kept = [str(w.message) for w in caught if issubclass(w.category, tuning.CacheWarning)]
+    assert any(str(unwritable) in m and "could not be kept" in m for m in kept), kept
+    assert d.block_source == "heuristic"
+
+
+def test_cli_tune_into_an_unwritable_cache_prints_the_winner_and_says_it_was_not_kept(unwritable, capsys):
+    argv = ["tune", "fused_cross_entropy_loss", "--tokens", "16", "--repeats", "1"]
+    assert cli.main(argv) == 1
+    out, err = capsys.readouterr()
+    assert "best" in out  # the sweep's table marks the winner
+    assert str(unwritable) in err and "not kept" in err

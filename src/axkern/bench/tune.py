@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import json
+import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -31,7 +32,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ..core import blocks, compat, tuning
+from ..core import blocks, caller, compat, tuning
 from ..core.blocks import BlockSizes, unique_valid
 from ..core.cases import Case
 from ..core.op import Decision, Implementation, Op, Spec, explain, get_op
@@ -151,7 +152,8 @@ def _entry(result: Result, command: str | None) -> dict:
 
 
 def save(results: Sequence[Result], command: str | None = None) -> Path | None:
-    """Store each result's winner in the per-user tuning cache; the cache file, or None."""
+    """Store each result's winner in the per-user tuning cache; the cache file, or None.
+    A cache that cannot be written is a `ValueError` naming the file (`tuning.store`)."""
     by_device: dict[str, list[dict]] = {}
     for res in results:
         if res.best is not None:
@@ -198,6 +200,7 @@ def write_table(
 # -- tuning on a cache miss -----------------------------------------------------------------------
 
 _failed: set[tuple] = set()  # (op, implementation, device key, bucket) whose sweep accepted nothing
+_unkept: dict[tuple, dict] = {}  # the same key -> its winner, where the cache could not keep it
 
 
 def _concrete(leaf: Any, key: jax.Array) -> jax.Array:
@@ -215,11 +218,14 @@ def _is_array(x: Any) -> bool:
 
 def autotune(op: Op, impl: Implementation, spec: Spec, arrays: tuple, options: dict) -> dict | None:
     """Sweep `impl`'s space for this call on random inputs of its shapes; store and return the
-    winner's block sizes (`None` when no candidate was accepted: the heuristic then serves)."""
+    winner's block sizes (`None` when no candidate was accepted: the heuristic then serves).
+    A winner that cannot be kept in the cache serves this process, with a `CacheWarning`."""
     bucket = dict(op.bucket(spec))
     key = (op.name, impl.name, spec.device_key, json.dumps(bucket, sort_keys=True))
     if key in _failed:
         return None
+    if key in _unkept:
+        return dict(_unkept[key])
     leaves, treedef = jax.tree.flatten((arrays, options))
     dynamic = [i for i, x in enumerate(leaves) if _is_array(x)]
     # run the sweep now, even inside the caller's trace, and outside its mesh (`compat.no_mesh`)
@@ -262,5 +268,14 @@ def autotune(op: Op, impl: Implementation, spec: Spec, arrays: tuple, options: d
     if result.best is None:
         _failed.add(key)
         return None
-    save([result], command="axkern.use(autotune=True)")
+    try:
+        save([result], command="axkern.use(autotune=True)")
+    except ValueError as e:  # the cache cannot be written: the winner serves this process only
+        _unkept[key] = result.best.as_dict()
+        warnings.warn(
+            f"axkern {op.name}: autotuning chose {result.best} for {impl.name!r} at {bucket}, but it "
+            f"could not be kept: {e}",
+            tuning.CacheWarning,
+            stacklevel=caller.stacklevel(),
+        )
     return result.best.as_dict()

@@ -3,8 +3,21 @@
 from __future__ import annotations
 
 import argparse
+import os
+import re
+import tempfile
+from pathlib import Path
 
-__all__ = ["UsageError", "canonical_dtype", "only_cases", "positive_int", "ONLY_HELP"]
+__all__ = [
+    "UsageError",
+    "canonical_dtype",
+    "only_cases",
+    "positive_int",
+    "compute_capability",
+    "writable_file",
+    "writable_folder",
+    "ONLY_HELP",
+]
 
 
 class UsageError(ValueError):
@@ -65,3 +78,57 @@ def only_cases(items: list, only: str | None, label=lambda item: item.label) -> 
         labels = "; ".join(label(it) for it in items)
         raise UsageError(f"--only: expected parts of these case labels: {labels}; got {only!r}")
     return kept
+
+
+def compute_capability(flag: str, value: str) -> tuple[int, int]:
+    """`9.0` (or `9`, `10.0`) as `(major, minor)`, or a `UsageError` naming `flag`."""
+    m = re.fullmatch(r"\s*(\d+)(?:\.(\d+))?\s*", value)
+    if m is None:
+        raise UsageError(f"{flag}: expected a compute capability such as 9.0, got {value!r}")
+    return int(m.group(1)), int(m.group(2) or 0)
+
+
+def _refused(folder: Path) -> str | None:
+    """Why a file cannot be made in `folder` (an existing folder), or None: a file is made and
+    removed, which a read-only mode does not stop for root but a read-only filesystem does."""
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".axkern-probe-", dir=folder)
+    except OSError as e:
+        return e.strerror or str(e)
+    os.close(fd)
+    os.unlink(probe)
+    return None
+
+
+def writable_file(flag: str, path: str | None) -> None:
+    """Fail now, not after the measurements, when the file `path` cannot be written."""
+    if path is None:
+        return
+    p = Path(path)
+    parent = p.parent if str(p.parent) else Path(".")
+    if p.is_dir():
+        raise UsageError(f"{flag}: expected a file path, got the directory {path!r}")
+    if not parent.is_dir():
+        raise UsageError(
+            f"{flag}: expected a path in an existing directory, got {path!r} ({parent} does not exist)"
+        )
+    why = _refused(parent)
+    if why is not None or (p.exists() and not os.access(p, os.W_OK)):
+        raise UsageError(f"{flag}: expected a writable path, got {path!r} ({why or 'permission denied'})")
+
+
+def writable_folder(flag: str, path: str | None) -> None:
+    """Fail now, not after the measurements, when the folder `path` cannot be made or written."""
+    if path is None:
+        return
+    p = Path(path)
+    if p.exists() and not p.is_dir():
+        raise UsageError(f"{flag}: expected a results folder, got the file {path!r}")
+    existing = p
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise UsageError(f"{flag}: expected a folder that can be made, got {path!r} ({existing} is a file)")
+    why = _refused(existing)
+    if why is not None:
+        raise UsageError(f"{flag}: expected a folder that can be written, got {path!r} ({existing}: {why})")

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -15,7 +14,15 @@ from rich.progress import Progress
 from axkern.bench import results
 from axkern.bench.format import print_rows, row_line
 
-from .args import ONLY_HELP, UsageError, canonical_dtype, only_cases, positive_int
+from .args import (
+    ONLY_HELP,
+    UsageError,
+    canonical_dtype,
+    only_cases,
+    positive_int,
+    writable_file,
+    writable_folder,
+)
 
 console = Console()  # results
 status = Console(stderr=True)  # progress and rows as they are measured: stdout keeps only the results
@@ -171,23 +178,6 @@ def _write_json(path: str, doc: dict) -> None:
         json.dump(doc, f, indent=2)
 
 
-def _json_path(path: str | None) -> None:
-    """Fail now, not after the measurements, when `path` cannot be written."""
-    if path is None:
-        return
-
-    p = Path(path)
-    parent = p.parent if str(p.parent) else Path(".")
-    if p.is_dir():
-        raise UsageError(f"--json: expected a file path, got the directory {path!r}")
-    if not parent.is_dir():
-        raise UsageError(
-            f"--json: expected a path in an existing directory, got {path!r} ({parent} does not exist)"
-        )
-    if not os.access(parent, os.W_OK) or (p.exists() and not os.access(p, os.W_OK)):
-        raise UsageError(f"--json: expected a writable path, got {path!r} (permission denied)")
-
-
 def _impls_for(op: str, args, explicit: list[str] | None) -> list[str]:
     import axkern
     from axkern.core import backend
@@ -233,9 +223,8 @@ def _plan(args) -> tuple[list, tuple[str, ...]]:
         except ValueError as e:
             raise UsageError(f"--blocks: {e}") from None
     dtype = args.dtype = canonical_dtype(args.dtype)  # the canonical name, for the peers too
-    _json_path(args.json)
-    if args.save is not None and Path(args.save).exists() and not Path(args.save).is_dir():
-        raise UsageError(f"--save: expected a results folder, got the file {args.save!r}")
+    writable_file("--json", args.json)
+    writable_folder("--save", args.save)
     explicit = [n.strip() for n in args.impl.split(",") if n.strip()] if args.impl is not None else None
     if explicit == []:
         raise UsageError(f"--impl: expected comma-separated implementation names, got {args.impl!r}")
@@ -294,7 +283,7 @@ def _file_cases(path: str, preset, tokens, dtype) -> list:
     """The `cases(preset=, tokens=, dtype=)` of a Python file (e.g. examples/tiny_lm.py: one
     training step, implementations `default` and `reference`)."""
     import importlib.util
-    from pathlib import Path
+    import inspect
 
     if not Path(path).is_file():
         raise UsageError(f"--cases: expected a Python file that defines cases(), got {path!r} (not a file)")
@@ -302,10 +291,17 @@ def _file_cases(path: str, preset, tokens, dtype) -> list:
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # equinox modules in the file look their module up
     spec.loader.exec_module(module)
-    if not hasattr(module, "cases"):
+    expected = f"--cases: expected a file that defines cases(preset=, tokens=, dtype=), got {path!r}"
+    if not callable(getattr(module, "cases", None)):
+        raise UsageError(expected)
+    try:
+        inspect.signature(module.cases).bind(preset=preset, tokens=tokens, dtype=dtype)
+    except TypeError as e:
         raise UsageError(
-            f"--cases: expected a file that defines cases(preset=, tokens=, dtype=), got {path!r}"
-        )
+            f"{expected}, whose cases{inspect.signature(module.cases)} does not take them ({e})"
+        ) from None
+    except ValueError:  # no signature to inspect (a builtin): called as it is
+        pass
     return module.cases(preset=preset, tokens=tokens, dtype=dtype)
 
 

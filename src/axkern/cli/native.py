@@ -6,6 +6,8 @@ import sys
 
 from rich.console import Console
 
+from .args import compute_capability
+
 console = Console()
 
 __all__ = ["add_parser", "build_native"]
@@ -31,9 +33,8 @@ def build_native(args) -> int:
         )
         return 2
 
-    if args.arch:
-        major, _, minor = args.arch.partition(".")
-        cc = (int(major), int(minor or 0))
+    if args.arch is not None:
+        cc = compute_capability("--arch", args.arch)
     else:
         cc = backend.compute_capability()
         if cc is None:

@@ -7,7 +7,7 @@ import json
 from rich.console import Console
 from rich.table import Table
 
-from .args import ONLY_HELP, UsageError, canonical_dtype, only_cases, positive_int
+from .args import ONLY_HELP, UsageError, canonical_dtype, only_cases, positive_int, writable_file
 
 console = Console()
 status = Console(stderr=True)
@@ -114,6 +114,7 @@ def tune(args) -> int:
     except ValueError as e:
         raise UsageError(f"--preset: {e}") from None
     cases = only_cases(cases, args.only)
+    writable_file("--json", args.json)
     command = " ".join(["axkern", *args.argv])
     results = []
     for case in cases:
@@ -133,12 +134,28 @@ def tune(args) -> int:
             )
             _print(res)
             results.append(res)
-    path = tune_.save(results, command=command)
+    unkept = False
+    try:
+        path = tune_.save(results, command=command)
+    except ValueError as e:  # the cache cannot be written: the winners are printed, not kept
+        path, unkept = None, True
+        for r in results:
+            if r.best is not None:
+                status.print(
+                    f"{r.op} / {r.implementation} on {r.case}: best {r.best}", markup=False, soft_wrap=True
+                )
+        status.print(f"tuning cache: {e}; the winners above are not kept", markup=False, soft_wrap=True)
     if path is not None:
         console.print(f"tuning cache: {path}", markup=False, highlight=False)
     if args.write_table:
-        for p in tune_.write_table(results, command=command, source=args.source):
-            console.print(f"shipped table: {p}", markup=False, highlight=False)
+        try:
+            for p in tune_.write_table(results, command=command, source=args.source):
+                console.print(f"shipped table: {p}", markup=False, highlight=False)
+        except OSError as e:
+            unkept = True
+            status.print(
+                f"shipped table: not written ({type(e).__name__}: {e})", markup=False, soft_wrap=True
+            )
     if args.json:
         doc = [
             {
@@ -159,4 +176,4 @@ def tune(args) -> int:
         status.print(
             f"{r.op} / {r.implementation} on {r.case}: no candidate passed the check; nothing stored"
         )
-    return 1 if missing else 0
+    return 1 if missing or unkept else 0

@@ -240,7 +240,8 @@ class Op:
                 raise ValueError(f"{self.name}: block_sizes={bs} cannot serve {spec}: {reason}")
             return bs, "argument", None
         bucket = self.bucket(spec)
-        found, source = tuning.lookup(spec.device_key, self.name, impl.name, bucket), "cache"
+        found = tuning.lookup(spec.device_key, self.name, impl.name, bucket, check=_serves(cls, spec))
+        source = "cache"
         if found is None:
             found = blocks.lookup(self.package, spec.device_key, impl.name, bucket, op=self.name)
             source = "table"
@@ -324,6 +325,18 @@ class Op:
             return out
         detail = "; ".join(f"{r.implementation}: {r.reason}" for r in rejected)
         raise Unsupported(f"{self.name}: no implementation can serve {spec} ({detail})")
+
+
+def _serves(cls: type[blocks.BlockSizes], spec: Spec) -> Callable[[dict], str | None]:
+    """Why a cache entry's block sizes (a dict) cannot serve `spec`, or None."""
+
+    def reason(found: dict) -> str | None:
+        try:
+            return cls.from_dict(found).validate(spec)
+        except (TypeError, ValueError) as e:
+            return str(e)
+
+    return reason
 
 
 def _static(value) -> bool:

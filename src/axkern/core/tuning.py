@@ -39,13 +39,15 @@ import datetime
 import json
 import os
 import tempfile
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from . import compat
+from . import caller, compat
 
 __all__ = [
+    "CacheWarning",
     "cache_root",
     "cache_path",
     "read_cache",
@@ -64,6 +66,11 @@ __all__ = [
 ]
 
 
+class CacheWarning(UserWarning):
+    """The tuning cache could not be read, or a winner could not be kept in it; the dispatcher
+    went on without it (the shipped tables, the heuristic)."""
+
+
 def cache_root() -> Path:
     """Where axkern keeps its per-user caches: `AXKERN_CACHE_DIR`, else the platform's user cache."""
     env = os.environ.get("AXKERN_CACHE_DIR")
@@ -80,50 +87,120 @@ def cache_path(device_key: str) -> Path:
 
 
 _read: dict[Path, tuple[int, tuple[dict, ...]]] = {}
+_warned: set[tuple] = set()
+
+
+def _warn(key: tuple, message: str) -> None:
+    """Warn once per `key` (a file's state and what is wrong with it), at the caller's line."""
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(message, CacheWarning, stacklevel=caller.stacklevel())
 
 
 def read_cache(device_key: str) -> tuple[dict, ...]:
     """The cached entries for `device_key` (empty when there is no cache file yet).
 
-    A file that is not a tuning cache (unreadable JSON, no `entries` list) raises a
-    `ValueError` naming the file, rather than being silently ignored or overwritten.
+    A file that is not a tuning cache (unreadable, not UTF-8, not JSON, no `entries` list, a
+    path below a file) raises a `ValueError` naming the file, rather than being silently
+    ignored or overwritten. An entry that is not `{"op": ..., "implementation": ...,
+    "bucket": {...}, "block_sizes": {...}}` is left out with a `CacheWarning` naming the file
+    and the entry.
     """
     path = cache_path(device_key)
     try:
         mtime = path.stat().st_mtime_ns
     except FileNotFoundError:
         return ()
+    except OSError as e:
+        raise ValueError(_unreadable(path, e)) from e
     hit = _read.get(path)
     if hit is not None and hit[0] == mtime:
         return hit[1]
-    entries = tuple(_load(path).get("entries", ()))
-    _read[path] = (mtime, entries)
-    return entries
+    entries = []
+    for i, e in enumerate(_load(path).get("entries", ())):
+        problem = _malformed(e)
+        if problem is None:
+            entries.append(e)
+        else:
+            _warn((str(path), mtime, i), f"{_where(path, i, e)} {problem}; it is ignored (fix or delete it)")
+    _read[path] = (mtime, tuple(entries))
+    return _read[path][1]
+
+
+def _unreadable(path: Path, e: BaseException) -> str:
+    return (
+        f"axkern tuning cache {path} cannot be read ({type(e).__name__}: {e}); "
+        "delete it or set AXKERN_CACHE_DIR elsewhere"
+    )
 
 
 def _load(path: Path) -> dict:
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(path.read_bytes().decode("utf-8"))
     except FileNotFoundError:
         return {}
-    except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(
-            f"axkern tuning cache {path} cannot be read ({e}); delete it or set AXKERN_CACHE_DIR elsewhere"
-        ) from e
+    except (OSError, ValueError) as e:  # ValueError: not UTF-8, not JSON
+        raise ValueError(_unreadable(path, e)) from e
     if not isinstance(data, dict) or not isinstance(data.get("entries", []), list):
         raise ValueError(f"axkern tuning cache {path} is not a tuning cache (expected {{'entries': [...]}})")
     return data
 
 
-def lookup(device_key: str, op: str, implementation: str, bucket: Mapping[str, Any]) -> dict | None:
-    """The cached block sizes of `op`'s `implementation` at exactly this bucket, if any."""
-    for e in read_cache(device_key):
-        if (
-            e.get("op") == op
-            and e.get("implementation") == implementation
-            and e.get("bucket") == dict(bucket)
-        ):
-            return dict(e["block_sizes"])
+def _malformed(e: Any) -> str | None:
+    """What keeps `e` from being a cache entry, or None."""
+    if not isinstance(e, dict):
+        return "is not an object"
+    for field, kind, name in (
+        ("op", str, "a string"),
+        ("implementation", str, "a string"),
+        ("bucket", dict, "an object"),
+        ("block_sizes", dict, "an object"),
+    ):
+        if field not in e:
+            return f"has no {field}"
+        if not isinstance(e[field], kind):
+            return f"has {field} {e[field]!r}, not {name}"
+    return None
+
+
+def _where(path: Path, i: int, e: Any) -> str:
+    what = (
+        f"({e.get('op')}/{e.get('implementation')} at {e.get('bucket')})" if isinstance(e, dict) else repr(e)
+    )
+    return f"axkern tuning cache {path}: entry {i} {what}"
+
+
+def lookup(
+    device_key: str,
+    op: str,
+    implementation: str,
+    bucket: Mapping[str, Any],
+    check: Callable[[dict], str | None] | None = None,
+) -> dict | None:
+    """The cached block sizes of `op`'s `implementation` at exactly this bucket, if any.
+
+    `check(block_sizes)` says why the entry's block sizes cannot serve the call (or None). A
+    cache that cannot be read, or an entry that `check` refuses, gives a `CacheWarning` naming
+    the file (and the entry), once, and `None`: the shipped table or the heuristic serves.
+    """
+    try:
+        entries = read_cache(device_key)
+    except ValueError as e:
+        _warn((str(e),), f"{e}; the tuning cache is not used")
+        return None
+    for i, e in enumerate(entries):
+        if e["op"] == op and e["implementation"] == implementation and e["bucket"] == dict(bucket):
+            found = dict(e["block_sizes"])
+            reason = None if check is None else check(found)
+            if reason is None:
+                return found
+            path = cache_path(device_key)
+            _warn(
+                (str(path), _read.get(path, (None,))[0], op, implementation, str(e)),
+                f"{_where(path, i, e)}: block sizes {found} cannot serve this call ({reason}); "
+                "it is not used (fix or delete the entry)",
+            )
+            return None
     return None
 
 
@@ -153,7 +230,9 @@ def entry(
     return e
 
 
-def _same_key(a: Mapping, b: Mapping, default_op: str | None = None) -> bool:
+def _same_key(a: Any, b: Any, default_op: str | None = None) -> bool:
+    if not isinstance(a, Mapping) or not isinstance(b, Mapping):
+        return False
     return (
         a.get("op", default_op) == b.get("op", default_op)
         and a.get("implementation") == b.get("implementation")
@@ -184,16 +263,27 @@ def write_json(path: Path, data: dict) -> None:
 
 
 def store(device_key: str, entries: list[dict], *, timeout_s: float = 60.0) -> Path:
-    """Add `entries` to the cache of `device_key` under its file lock; returns the file."""
+    """Add `entries` to the cache of `device_key` under its file lock; returns the file.
+
+    A cache that cannot be written (a read-only folder, a path below a file, a lock not taken
+    in `timeout_s`) or that holds something else than a tuning cache raises a `ValueError`
+    naming the file; the file is left as it was."""
     import filelock
 
     path = cache_path(device_key)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with filelock.FileLock(str(path) + ".lock", timeout=timeout_s):
-        data = _load(path) or {"device_key": device_key, "entries": []}
-        data["entries"] = merge(list(data.get("entries", [])), entries)
-        write_json(path, data)
-    _read.pop(path, None)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with filelock.FileLock(str(path) + ".lock", timeout=timeout_s):
+            data = _load(path) or {"device_key": device_key, "entries": []}
+            data["entries"] = merge(list(data.get("entries", [])), entries)
+            write_json(path, data)
+    except OSError as e:  # filelock.Timeout is one too
+        raise ValueError(
+            f"axkern tuning cache {path} cannot be written ({type(e).__name__}: {e}); "
+            "set AXKERN_CACHE_DIR to a writable folder"
+        ) from e
+    finally:
+        _read.pop(path, None)
     return path
 
 
