@@ -368,3 +368,51 @@ def test_an_eager_call_runs_its_implementation_as_one_compiled_program(toy):
     # an option that is not a plain value (compared by identity) runs as it is, op by op
     assert call(x, scale=jnp.float32(2.0)).tolist() == [1.0, 3.0, 5.0, 7.0] and len(calls) == 5
     assert call(x, scale=jnp.float32(2.0)).tolist() == [1.0, 3.0, 5.0, 7.0] and len(calls) == 6
+
+
+@pytest.mark.parametrize("form", ["positional", "named"])
+@pytest.mark.parametrize("name", ["triton", ("xla", "triton")])
+def test_an_unknown_implementation_name_of_a_public_op_is_a_value_error(form, name):
+    # the positional signature's Literal names the implementations: a name outside it is the
+    # dispatcher's ValueError, as the guide says, not the signature checker's type error
+    import haliax as hax
+
+    Batch, Vocab = hax.Axis("batch", 4), hax.Axis("vocab", 10)
+    logits, labels = hax.zeros((Batch, Vocab)), hax.zeros(Batch, dtype=jnp.int32)
+    if form == "named":
+        call = lambda: axkern.cross_entropy(logits, labels, implementation=name)  # noqa: E731
+    else:
+        call = lambda: axkern.positional.cross_entropy(logits.array, labels.array, implementation=name)  # noqa: E731
+    with pytest.raises(
+        ValueError, match=r"cross_entropy: unknown implementation 'triton'; known: \['reference', 'xla'\]"
+    ):
+        call()
+
+
+@pytest.mark.parametrize("setting", ["strict", "interpret", "autotune"])
+@pytest.mark.parametrize("value", ["no", "0", 0, 1, "true"])
+def test_use_takes_only_a_bool_or_none(setting, value):
+    with pytest.raises(TypeError, match=rf"use\({setting}={value!r}\): expected True, False or None"):
+        with axkern.use(**{setting: value}):
+            pass
+    with axkern.use(**{setting: None}):
+        assert getattr(axkern.core.config.current(), setting) is False
+
+
+def test_every_positional_signature_names_the_implementations_of_its_op():
+    # the names the signature checks before the dispatcher runs are the op's own
+    import inspect
+
+    from axkern import positional
+    from axkern.core import typing as axtyping
+
+    checked = 0
+    for name in dir(positional):
+        fn = getattr(positional, name)
+        inner = getattr(fn, "__wrapped__", None)
+        if inner is None or "implementation" not in inspect.signature(fn).parameters:
+            continue
+        op_name = inner.__name__.removesuffix("_positional")
+        assert axtyping._literal_names(inner) == set(registry.get_op(op_name).implementations), name
+        checked += 1
+    assert checked >= 10

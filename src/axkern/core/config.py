@@ -122,6 +122,8 @@ def use(
     **Arguments:**
 
     - `strict`: raise instead of falling back when an implementation cannot serve a call.
+      `strict`, `interpret` and `autotune` take `True`, `False` or `None` (the setting
+      outside the block); any other value is a `TypeError`.
     - `interpret`: run Pallas kernels in interpret mode (`interpret=True` on GPU kernels,
       `pltpu.InterpretParams()` on TPU kernels), so they run on CPU.
     - `autotune`: on a call whose block sizes are in neither the tuning cache nor a shipped
@@ -148,15 +150,21 @@ def use(
 
     ```
     """
+    for name, value in (("strict", strict), ("interpret", interpret), ("autotune", autotune)):
+        if value is not None and not isinstance(value, bool):
+            raise TypeError(
+                f"use({name}={value!r}): expected True, False or None "
+                f"(AXKERN_{name.upper()} in the environment takes 1/0, true/false, yes/no, on/off)"
+            )
     known = registry.ops()
     for op in implementations:
         if known and op not in known:
             raise ValueError(f"use(): unknown op {op!r}; known ops are {sorted(known)}")
     old = _settings.get()
     new = Settings(
-        strict=old.strict if strict is None else bool(strict),
-        interpret=old.interpret if interpret is None else bool(interpret),
-        autotune=old.autotune if autotune is None else bool(autotune),
+        strict=old.strict if strict is None else strict,
+        interpret=old.interpret if interpret is None else interpret,
+        autotune=old.autotune if autotune is None else autotune,
         implementations=old.implementations
         + tuple((op, _parse_names(v)) for op, v in implementations.items()),
     )
