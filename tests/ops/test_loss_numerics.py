@@ -174,6 +174,82 @@ def test_plain_non_finite_dropped_token_reaches_nothing(impl):
     assert np.isnan(lse[1]) and np.isfinite(dz).all() and not np.asarray(dz)[1].any()
 
 
+@pytest.mark.parametrize("reduction", [None, "mean"])
+@pytest.mark.parametrize("impl", FUSED)
+def test_fused_non_finite_lm_head_reaches_no_dropped_token(impl, reduction):
+    """A NaN in `w` reaches every kept token (its column is in every row's lse), so their loss, `dx`
+    rows and all of `dw` are NaN; a dropped token's `dx` row stays 0 (`where` false or the
+    `ignore_index`), and with every token dropped the loss and both gradients are 0: nothing read w."""
+    x, w, labels = ce_inputs(jax.random.PRNGKey(4), 6, 8, 30, jnp.float32)
+    w = w.at[3, 7].set(jnp.nan)
+    labels = labels.at[4].set(-100)
+    where = jnp.arange(6) != 1
+    got = _fused(impl, x, w, labels, reduction, where=where, ignore_index=-100)
+    assert_nonfinite_rule(
+        got, _fused("reference", x, w, labels, reduction, where=where, ignore_index=-100), impl
+    )
+    loss, dx, dw = (np.asarray(a) for a in got)
+    assert not dx[[1, 4]].any() and np.isnan(np.delete(dx, [1, 4], axis=0)).all() and np.isnan(dw).all()
+    assert not np.isfinite(loss).all()
+    everyone_dropped = (
+        (labels, dict(where=jnp.zeros(6, bool))),
+        (jnp.full(6, -100), dict(ignore_index=-100)),
+        (jnp.where(where, -100, labels), dict(where=where, ignore_index=-100)),  # one, the other
+    )
+    for tokens, kw in everyone_dropped:
+        loss, dx, dw = (np.asarray(a) for a in _fused(impl, x, w, tokens, reduction, **kw))
+        assert not loss.any() and not dx.any() and not dw.any(), f"{impl} {reduction} {kw}"
+
+
+@pytest.mark.parametrize("reduction", [None, "mean"])
+@pytest.mark.parametrize("impl", FUSED)
+def test_fused_infinite_input_makes_its_dx_row_and_all_of_dw_nan(impl, reduction):
+    """An infinity in a kept token's `x` row: that token's loss non-finite, its `dx` row and every
+    `dw` entry NaN (each `dw` column takes the token's NaN `dz`), the other `dx` rows finite; the
+    reference itself follows the rule (no NaN-for-infinity substitute in the oracle)."""
+    x, w, labels = ce_inputs(jax.random.PRNGKey(5), 6, 8, 30, jnp.float32)
+    for value in (np.inf, -np.inf):
+        bad = x.at[2, 3].set(value)
+        got = _fused(impl, bad, w, labels, reduction)
+        assert_nonfinite_rule(got, _fused("reference", bad, w, labels, reduction), f"{impl} {value}")
+        loss, dx, dw = (np.asarray(a) for a in got)
+        assert np.isnan(dx[2]).all() and np.isfinite(np.delete(dx, 2, axis=0)).all(), f"{impl} {value}"
+        assert np.isnan(dw).all() and not np.isfinite(loss).all(), f"{impl} {value}"
+
+
+@pytest.mark.parametrize("impl", PLAIN)
+def test_plain_infinite_logit_makes_the_whole_gradient_row_nan(impl):
+    """A `+inf` logit: its token's loss and lse non-finite and its whole `d logits` row NaN (not
+    autodiff's `[-1, nan, 0, 0]` through `exp(inf - inf)`), in the reference too; the reported lse's
+    gradient likewise. A `-inf` logit is an entry of probability 0 in every implementation: the
+    lse stays finite (the label's own `-inf` gives an infinite loss)."""
+    logits = jax.random.normal(jax.random.PRNGKey(6), (4, 4)).at[1, 1].set(jnp.inf)
+    labels = jnp.array([0, 0, 2, 3])
+    for reduction, kw in (
+        (None, {}),
+        ("mean", {}),
+        (None, {"label_smoothing": 0.1, "logsumexp_weight": 0.01}),
+    ):
+        loss, dz = _plain(impl, logits, labels, reduction, **kw)
+        if impl != "reference":
+            assert_nonfinite_rule((loss, dz), _plain("reference", logits, labels, reduction, **kw), impl)
+        dz = np.asarray(dz)
+        assert np.isnan(dz[1]).all() and np.isfinite(np.delete(dz, 1, axis=0)).all(), f"{impl} {kw}"
+        assert not np.isfinite(loss).all()
+
+    def with_lse(z):
+        out = cross_entropy(z, labels, reduction=None, return_lse=True, implementation=impl)
+        return jnp.sum(out.lse), out.lse
+
+    dz, lse = jax.grad(with_lse, has_aux=True)(logits)
+    assert not np.isfinite(lse[1]) and np.isnan(dz[1]).all() and np.isfinite(np.delete(dz, 1, axis=0)).all()
+    masked = logits.at[1, 1].set(-jnp.inf)
+    loss, dz = _plain(impl, masked, labels, None)
+    assert np.isfinite(loss).all() and np.isfinite(dz).all() and dz[1, 1] == 0
+    loss, dz = _plain(impl, masked, labels.at[1].set(1), None)
+    assert loss[1] == np.inf and np.isfinite(np.delete(loss, 1)).all()
+
+
 @pytest.mark.parametrize("impl", FUSED)
 def test_fused_no_token_gives_empty_results(impl):
     x, w, labels = jnp.ones((0, 4)), jnp.ones((4, 8)), jnp.zeros((0,), jnp.int32)

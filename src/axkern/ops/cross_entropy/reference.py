@@ -23,7 +23,7 @@ def cross_entropy(
     vocab = logits.shape[-1]
     acc = jnp.promote_types(logits.dtype, jnp.float32)
     zk = _softcap(jnp.where(keep[:, None], logits, 0).astype(acc), logits_soft_cap)
-    lse_k = jax.nn.logsumexp(zk, axis=-1)
+    lse_k = _logsumexp(zk)
     hit = labels[:, None] == jnp.arange(vocab)[None, :]
     out = lse_k - (1.0 - label_smoothing) * jnp.sum(jnp.where(hit, zk, 0), axis=-1)
     if label_smoothing:
@@ -36,6 +36,16 @@ def cross_entropy(
     return loss, _lse(logits, acc, logits_soft_cap)
 
 
+def _logsumexp(z):
+    """`max + log sum exp(z - max)` per row, the max not differentiated. Unlike
+    `jax.nn.logsumexp` it does not treat an infinite max apart: a `+inf` (or NaN) logit makes the
+    row's lse NaN (`inf - inf`), and so, by autodiff, its whole gradient row, as the rule wants
+    (`jax.nn.logsumexp` gives `+inf` and a row `[-1, nan, 0, 0]`); a `-inf` logit is an entry of
+    probability 0."""
+    m = jax.lax.stop_gradient(jnp.max(z, axis=-1, keepdims=True))
+    return m[..., 0] + jnp.log(jnp.sum(jnp.exp(z - m), axis=-1))
+
+
 def _softcap(z, cap):
     return z if cap is None else cap * jnp.tanh(z / cap)
 
@@ -45,7 +55,7 @@ def _lse(logits, acc, cap):
     cotangent is not 0, the other rows replaced by 0 before the arithmetic and selected away after it."""
 
     def plain(logits):
-        return jax.nn.logsumexp(_softcap(logits.astype(acc), cap), axis=-1)
+        return _logsumexp(_softcap(logits.astype(acc), cap))
 
     @jax.custom_vjp
     def selected(logits):

@@ -154,7 +154,8 @@ def stream_backward(cfg: Static, residuals, cotangents):
         # a row whose cotangents are all 0 (a dropped token) is selected away, in dz and in x,
         # so a non-finite input there never turns into 0 * NaN
         dz = jnp.where(rows(live), dz, 0).astype(operand)
-        dx_rows = lax.dynamic_slice_in_dim(dx, t0, ts) + mm(dz, wv.T, acc)
+        # and its dx row too: `0 @ w^T` is NaN where w holds a NaN
+        dx_rows = lax.dynamic_slice_in_dim(dx, t0, ts) + jnp.where(rows(live), mm(dz, wv.T, acc), 0)
         dx = lax.dynamic_update_slice_in_dim(dx, dx_rows, t0, axis=0)
         dw_block = dw_block + mm(jnp.where(rows(live), xt, 0).T, dz, acc)
         return dx, dw_block
@@ -399,6 +400,8 @@ def _loss_fwd(cfg: _LossStatic, x, w, labels, keep, scale):
 
             init = (jnp.zeros((ts, d), acc), dw, comp)
             dx_rows, dw, comp = for_each_block(v, cfg.block_vocab, slab, init)
+        # dropped rows selected away from dx too: `0 @ w^T` is NaN where w holds a NaN
+        dx_rows = jnp.where(kt[:, None], dx_rows, 0)
         dx = lax.dynamic_update_slice_in_dim(dx, dx_rows.astype(x.dtype), t0, axis=0)
         return dx, dw, comp, total + jnp.sum(per)
 

@@ -13,13 +13,14 @@ def stats(x, w, labels, *, logits_soft_cap=None, with_sum=False):
     logit of 0 (the caller decides what such a token means). Computes in float32, or in
     float64 when given float64. Gradients by autodiff through the materialised logits, on the
     rows whose three cotangents are not all 0: the other rows (a dropped token's, whose loss
-    is selected away) are replaced by 0 before the arithmetic and their gradient selected
-    away after it, as in every implementation, so a non-finite row that nothing reads reaches
-    no gradient (autodiff alone would give it `0 * NaN`).
+    is selected away) have their `x` row and their logits replaced by 0 before the arithmetic
+    and their gradient selected away after it, as in every implementation, so a non-finite
+    value that only they read (in their `x` row, or a column of `w`) reaches no gradient
+    (autodiff alone would give it `0 * NaN`).
     """
 
-    def plain(x, w, labels):
-        return _stats(x, w, labels, logits_soft_cap=logits_soft_cap, with_sum=with_sum)
+    def plain(x, w, labels, rows=None):
+        return _stats(x, w, labels, logits_soft_cap=logits_soft_cap, with_sum=with_sum, rows=rows)
 
     @jax.custom_vjp
     def selected(x, w, labels):
@@ -31,7 +32,7 @@ def stats(x, w, labels, *, logits_soft_cap=None, with_sum=False):
     def backward(residuals, cotangents):
         x, w, labels = residuals
         live = (cotangents[0] != 0) | (cotangents[1] != 0) | (cotangents[2] != 0)
-        _, vjp = jax.vjp(lambda x, w: plain(x, w, labels), jnp.where(live[:, None], x, 0), w)
+        _, vjp = jax.vjp(lambda x, w: plain(x, w, labels, live), jnp.where(live[:, None], x, 0), w)
         dx, dw = vjp(tuple(jnp.where(live, c, 0) for c in cotangents))
         return jnp.where(live[:, None], dx, 0), dw, None
 
@@ -39,23 +40,40 @@ def stats(x, w, labels, *, logits_soft_cap=None, with_sum=False):
     return selected(x, w, labels)
 
 
-def _stats(x, w, labels, *, logits_soft_cap, with_sum):
+def _stats(x, w, labels, *, logits_soft_cap, with_sum, rows=None):
+    """The three statistics; `rows`: the tokens whose logits are used, the others' selected away
+    (0) right after the product, so that their gradient is 0, not `0 * NaN` from a NaN in `w`."""
     acc = jnp.promote_types(jnp.result_type(x, w), jnp.float32)
     z = jnp.dot(x, w, preferred_element_type=acc)
+    if rows is not None:
+        z = jnp.where(rows[:, None], z, 0)
     if logits_soft_cap is not None:
         z = logits_soft_cap * jnp.tanh(z / logits_soft_cap)
-    lse = jax.nn.logsumexp(z, axis=-1)
+    lse = _logsumexp(z)
     hit = labels[:, None] == jnp.arange(w.shape[1])[None, :]
     label_logit = jnp.sum(jnp.where(hit, z, 0), axis=-1)
     sum_logits = jnp.sum(z, axis=-1) if with_sum else jnp.zeros_like(lse)
     return lse, label_logit, sum_logits
 
 
+def _logsumexp(z):
+    """`max + log sum exp(z - max)` per row, the max not differentiated. Unlike
+    `jax.nn.logsumexp` it does not treat an infinite max apart: a `+inf` (or NaN) logit makes the
+    row's lse NaN (`inf - inf`), and so, by autodiff, its whole gradient row, as the rule wants
+    (`jax.nn.logsumexp` gives `+inf` and a row `[0, nan, 0]`); a `-inf` logit is an entry of
+    probability 0."""
+    m = jax.lax.stop_gradient(jnp.max(z, axis=-1, keepdims=True))
+    return m[..., 0] + jnp.log(jnp.sum(jnp.exp(z - m), axis=-1))
+
+
 def loss(x, w, labels, keep, scale, *, logits_soft_cap=None, logsumexp_weight=0.0, label_smoothing=0.0):
     """`scale * sum_{keep} loss_i` from the materialised logits; gradients by plain autodiff. Dropped
-    tokens' rows of `x` are selected away first: a non-finite dropped row reaches no gradient."""
+    tokens' rows of `x` and of the logits are selected away first: a non-finite value that only
+    dropped tokens read reaches no gradient."""
     x = jnp.where(keep[:, None], x, 0)
-    lse, label_logit, sum_logits = _stats(x, w, labels, logits_soft_cap=logits_soft_cap, with_sum=True)
+    lse, label_logit, sum_logits = _stats(
+        x, w, labels, logits_soft_cap=logits_soft_cap, with_sum=True, rows=keep
+    )
     per = _token_losses(
         lse,
         label_logit,
