@@ -150,7 +150,8 @@ def attention_positional(
     **Arguments:**
 
     - `q`: `[batch, q_len, heads, head_dim]`; `k`: `[batch, kv_len, kv_heads, head_dim]`;
-      `v`: `[batch, kv_len, kv_heads, v_dim]`. `heads` must be a multiple of `kv_heads`.
+      `v`: `[batch, kv_len, kv_heads, v_dim]`. `heads` must be a multiple of `kv_heads`
+      (both may be 0).
     - `mask`: an `axkern.masks.Mask`; `None` (the default) attends to every key, as
       `masks.Full()`. Causal attention is `mask=masks.Causal()`.
     - `scale`: default `head_dim ** -0.5`.
@@ -162,10 +163,10 @@ def attention_positional(
 
     **Returns:** `[batch, q_len, heads, v_dim]` in `q`'s dtype; with `return_lse`, `(out, lse)`,
     `lse` `[batch, q_len, heads]` float32 (natural log; `-inf` for a query that sees no key and
-    has no sink). Empty `batch`, `q_len` or `heads` give an empty result, an empty `kv_len` zeros
-    (no query sees a key); an empty `head_dim` or `v_dim` is a `ValueError`. Non-finite input:
-    see the guide's rule (`lse` is NaN where a visible score or the sink is, not for a NaN of
-    `v`, which reaches the output only).
+    has no sink). Empty `batch`, `q_len` or `heads` (`kv_heads` too) give an empty result, an
+    empty `kv_len` zeros (no query sees a key); an empty `head_dim` or `v_dim` is a `ValueError`.
+    Non-finite input: see the guide's rule (`lse` is NaN where a visible score or the sink is,
+    not for a NaN of `v`, which reaches the output only).
 
     **Example:**
 
@@ -181,7 +182,7 @@ def attention_positional(
     sk, kvh = k.shape[1], k.shape[2]
     if k.shape[3] != d:
         raise ValueError(f"{NAME}: q's head dim is {d} but k's is {k.shape[3]}; they must match")
-    if kvh < 1 or h % kvh:
+    if (kvh == 0 and h) or (kvh and h % kvh):  # no heads at all: an empty result below
         raise ValueError(f"{NAME}: heads={h} is not a multiple of kv_heads={kvh}")
     for axis, n in (("head_dim", d), ("v_dim", v.shape[3])):
         if n == 0:
