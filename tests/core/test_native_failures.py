@@ -6,6 +6,7 @@ temporaries, and be remembered by `load` so that nvcc does not run again in the 
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import os
@@ -283,7 +284,9 @@ def test_a_killed_build_leaves_nothing_that_outlives_the_next_build(tmp_path, mo
         child.kill()
         child.wait()
     nvcc_pid = int((tmp_path / "calls").read_text().split()[0])
-    os.killpg(nvcc_pid, signal.SIGKILL)  # it ran in its own process group
+    with contextlib.suppress(ProcessLookupError):  # taken down with its builder already
+        os.killpg(nvcc_pid, signal.SIGKILL)  # it ran in its own process group
+    assert group_gone(nvcc_pid)
     (stale,) = cache.glob(".tmp-*")
     assert (stale / "libmoe.so").read_bytes() == b"partial"
     path = native.build("moe", (9, 0))
@@ -327,3 +330,183 @@ def test_processes_sharing_a_cache_build_once(tmp_path, monkeypatch):
     assert [p.returncode for p in procs] == [0] * len(procs)
     assert len(set(outs)) == 1 and calls(tmp_path) == 1
     assert native._intact(Path(outs[0])) and no_temporaries(cache)
+
+
+def alive(pid: int) -> bool:
+    """Whether process `pid` runs (a zombie, killed and not yet reaped, does not)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state not in ("Z", "X")
+
+
+def _stat(pid: str) -> list[str]:
+    """State, parent, process group, ... of process `pid` (empty when it is gone)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (FileNotFoundError, ProcessLookupError):
+        return []
+
+
+def children(pid: int) -> set[int]:
+    return {
+        int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and _stat(p.name)[1:2] == [str(pid)]
+    }
+
+
+def watched(builder: int) -> None:
+    """Wait (30 s at most) until `builder` has two children: the compiler and, started right
+    after it, whatever takes the compiler down with the builder."""
+    deadline = time.monotonic() + 30
+    while len(children(builder)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def group_gone(pgid: int, within: float = 20.0) -> bool:
+    """Whether every process of group `pgid` has ended (zombies count as ended) within `within` s."""
+    deadline = time.monotonic() + within
+    while any(
+        (st := _stat(p.name)) and st[2] == str(pgid) and st[0] not in ("Z", "X")
+        for p in Path("/proc").iterdir()
+        if p.name.isdigit()
+    ):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def gone(pids, within: float = 20.0) -> bool:
+    deadline = time.monotonic() + within
+    while any(alive(p) for p in pids):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def wait_for(path: Path, within: float = 120.0) -> None:
+    deadline = time.monotonic() + within
+    while not (path.exists() and path.read_text().strip()):
+        assert time.monotonic() < deadline, f"{path} never appeared"
+        time.sleep(0.05)
+
+
+# a stand-in compiler that starts a child of its own (as nvcc starts cudafe++, cicc, ptxas) and stalls
+STALLS = 'sleep 60 & echo $! > "$(dirname "$0")/grandchild"; printf partial > "$out"; wait'
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
+def test_a_killed_builder_takes_its_compiler_and_the_compilers_children_down(sig, tmp_path):
+    script = fake_nvcc(tmp_path, STALLS)
+    env = {
+        **os.environ,
+        "AXKERN_CACHE_DIR": str(tmp_path / "cache"),
+        "AXKERN_NVCC": str(script),
+        "JAX_PLATFORMS": "cpu",
+    }
+    code = "from axkern.core import native; native.build('moe', (9, 0))"
+    builder = subprocess.Popen([sys.executable, "-c", code], env=env)
+    try:
+        wait_for(tmp_path / "grandchild")
+        compiler, child = (
+            int((tmp_path / "calls").read_text().split()[0]),
+            int((tmp_path / "grandchild").read_text()),
+        )
+        assert alive(compiler) and alive(child)
+        watched(builder.pid)
+        builder.send_signal(sig)
+        builder.wait(30)
+        assert gone([compiler, child]), "the compiler outlived its builder"
+    finally:
+        if builder.poll() is None:
+            builder.kill()
+            builder.wait()
+        for f in ("calls", "grandchild"):
+            for pid in (tmp_path / f).read_text().split() if (tmp_path / f).exists() else ():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(int(pid), signal.SIGKILL)
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+def test_a_build_never_removes_the_folder_a_live_compiler_writes_into(tmp_path, monkeypatch):
+    # a compiler that outlived its builder (here: a builder whose compiler was not taken down
+    # with it) still writes into its temporary folder: the next build leaves that folder alone
+    script = fake_nvcc(tmp_path, 'if [ -n "$FAKE_NVCC_STALL" ]; then ' + STALLS + "; fi\n" + WRITES_A_FILE)
+    cache = tmp_path / "cache"
+    env = {**os.environ, "AXKERN_CACHE_DIR": str(cache), "AXKERN_NVCC": str(script), "JAX_PLATFORMS": "cpu"}
+    code = "from axkern.core import native; native.build('moe', (9, 0))"
+    builder = subprocess.Popen([sys.executable, "-c", code], env={**env, "FAKE_NVCC_STALL": "1"})
+    try:
+        wait_for(tmp_path / "grandchild")
+        compiler = int((tmp_path / "calls").read_text().split()[0])
+        watched(builder.pid)
+        for pid in children(builder.pid) - {compiler}:  # what would take the compiler down with it
+            os.kill(pid, signal.SIGKILL)
+        builder.kill()
+        builder.wait(30)
+        orphan = int((tmp_path / "calls").read_text().split()[0])
+        assert alive(orphan)
+        (live,) = cache.glob(".tmp-*")
+        monkeypatch.setenv("AXKERN_NVCC", str(script))
+        path = native.build("moe", (9, 0))
+        assert native._intact(path)
+        assert (live / "libmoe.so").read_bytes() == b"partial", "a live compiler's folder was removed"
+    finally:
+        if builder.poll() is None:
+            builder.kill()
+            builder.wait()
+        with contextlib.suppress(ProcessLookupError, FileNotFoundError, ValueError):
+            os.killpg(int((tmp_path / "calls").read_text().split()[0]), signal.SIGKILL)
+    assert group_gone(orphan)
+    path.parent.joinpath("libmoe.so").write_bytes(b"changed")  # the next build of the entry
+    native.build("moe", (9, 0))
+    assert no_temporaries(cache), "the dead compiler's folder stayed"
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+def test_info_stops_a_hanging_nvcc_and_its_children(tmp_path, monkeypatch):
+    from axkern.cli import info
+
+    fake_nvcc(tmp_path, WRITES_A_FILE, version='sleep 60 & echo $! > "$(dirname "$0")/grandchild"; wait')
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("AXKERN_NVCC_TIMEOUT", "0.5")
+    start = time.monotonic()
+    line = info._nvcc()
+    assert time.monotonic() - start < 20
+    assert "did not finish within 0.5 s" in line, line
+    child = int((tmp_path / "grandchild").read_text())
+    assert gone([child]), "nvcc --version's child outlived the timeout"
+
+
+@pytest.mark.parametrize("raw", ["inf", "-inf", "nan", "Infinity", "0", "-1", "1e300", "soon", "1 h"])
+def test_a_timeout_that_is_not_a_positive_finite_number_is_an_error_naming_it(raw, tmp_path, monkeypatch):
+    monkeypatch.setenv("AXKERN_NVCC", str(fake_nvcc(tmp_path, WRITES_A_FILE)))
+    monkeypatch.setenv("AXKERN_NVCC_TIMEOUT", raw)
+    with pytest.raises(
+        ValueError, match=rf"AXKERN_NVCC_TIMEOUT={raw!r}: expected a positive number of seconds"
+    ):
+        native.build("moe", (9, 0))
+    assert calls(tmp_path) == 0
+
+
+def test_nvcc_output_that_is_not_utf8_is_read_and_named(tmp_path, monkeypatch):
+    latin1 = "printf 'caf\\351 \\377\\n'"
+    monkeypatch.setenv("AXKERN_NVCC", str(fake_nvcc(tmp_path, latin1 + " >&2; exit 2", version=latin1)))
+    with pytest.raises(Unsupported, match="nvcc failed building moe \\(exit status 2\\): caf\ufffd \ufffd"):
+        native.build("moe", (9, 0))
+    monkeypatch.setenv(
+        "AXKERN_NVCC", str(fake_nvcc(tmp_path, latin1 + " >&2; " + WRITES_A_FILE, version=latin1))
+    )
+    assert native._intact(native.build("moe", (9, 0)))
+
+
+@pytest.mark.parametrize("digest", [b"\xff\xfe\x00 not text", b"", b"\n"])
+def test_a_digest_overwritten_with_other_bytes_is_a_rebuild(digest, tmp_path, monkeypatch):
+    monkeypatch.setenv("AXKERN_NVCC", str(fake_nvcc(tmp_path, WRITES_A_FILE)))
+    path = native.build("moe", (9, 0))
+    path.with_suffix(".sha256").write_bytes(digest + os.urandom(32))
+    assert native.build("moe", (9, 0)) == path and calls(tmp_path) == 2
+    assert native._intact(path)

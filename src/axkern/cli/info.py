@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 
 from rich.console import Console
 from rich.table import Table
@@ -31,15 +30,23 @@ def add_parser(sub) -> None:
 
 
 def _nvcc() -> str:
+    """nvcc on PATH and its release, from `nvcc --version` run as the native build runs it (its
+    process group stopped after `AXKERN_NVCC_TIMEOUT` seconds, at most 30)."""
+    from axkern.core import native
+
     path = shutil.which("nvcc")
     if path is None:
         return "not found"
     try:
-        out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=30).stdout
-        release = [line for line in out.splitlines() if "release" in line]
-        return f"{path} ({release[-1].strip() if release else 'version unknown'})"
-    except (OSError, subprocess.SubprocessError) as e:
+        timeout = min(30.0, native.build_timeout())
+    except ValueError:
+        timeout = 30.0
+    try:
+        _, out, _ = native.run_compiler([path, "--version"], timeout)
+    except native.Unsupported as e:
         return f"{path} (failed to run: {e})"
+    release = [line for line in out.splitlines() if "release" in line]
+    return f"{path} ({release[-1].strip() if release else 'version unknown'})"
 
 
 def _typical_decision(op: str):

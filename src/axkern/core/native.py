@@ -6,13 +6,17 @@ visible GPU's architecture (`-gencode=arch=compute_90a,code=sm_90a` on Hopper) i
 `<cache>/<sha256 of sources, flags, nvcc, jaxlib>/`, where `<cache>` is `AXKERN_CACHE_DIR` or
 the user cache directory (`~/.cache/axkern/native` on Linux). A build runs under a file lock
 (`filelock`), so processes sharing the cache build once, in a temporary folder that is moved
-into place when complete; a temporary folder left by a killed build is removed by the next
-build. Beside the `.so` lies its sha256: an entry whose bytes do not match is rebuilt, never
-loaded. The library is loaded with `cffi.FFI().dlopen`; each handler's address is wrapped in
+into place when complete. The compiler runs in a process group of its own, which a watcher
+process kills when the builder dies (even by SIGKILL), so no nvcc, cudafe++ or ptxas outlives
+its builder. The compiler and its children hold a lock on the temporary folder: the next
+build removes a folder left by a killed build only when no process holds it. Beside the `.so`
+lies its sha256: an entry whose bytes do not match (or whose digest is not one) is rebuilt,
+never loaded. The library is loaded with `cffi.FFI().dlopen`; each handler's address is wrapped in
 `jax.ffi.pycapsule` and registered with `jax.ffi.register_ffi_target(..., platform="CUDA")`.
 
 Environment: `AXKERN_NVCC` (the compiler; else `$CUDA_HOME/bin/nvcc`, else `nvcc` on PATH),
-`AXKERN_NVCC_TIMEOUT` (seconds before a build is stopped, default 600), `AXKERN_CACHE_DIR`.
+`AXKERN_NVCC_TIMEOUT` (seconds before a build is stopped, default 600; a number that is not
+positive and finite, or above 1e6, is a `ValueError`), `AXKERN_CACHE_DIR`.
 
 No nvcc, no GPU, an unknown arch, a failed, hanging or unrunnable compiler, a cache that cannot
 be written or locked, a library that does not load: `Unsupported` with the reason, remembered
@@ -24,12 +28,14 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import dataclasses
+import fcntl
 import functools
 import hashlib
 import os
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -47,6 +53,7 @@ __all__ = [
     "arch_flags",
     "cache_root",
     "build_timeout",
+    "run_compiler",
     "source_dir",
     "build",
     "load",
@@ -55,6 +62,7 @@ __all__ = [
 ]
 
 DEFAULT_TIMEOUT = 600.0  # seconds; stops a hung compiler (docs/decisions.md, "MoE and core")
+MAX_TIMEOUT = 1e6  # seconds: what the waits below can take (a poll's milliseconds fit a C int)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,7 +120,8 @@ def nvcc() -> str | None:
 
 
 def build_timeout() -> float:
-    """Seconds an nvcc run may take before it is stopped: `AXKERN_NVCC_TIMEOUT`, default 600."""
+    """Seconds an nvcc run may take before it is stopped: `AXKERN_NVCC_TIMEOUT`, default 600.
+    A value that is not a number of seconds in (0, 1e6] is a `ValueError` naming the variable."""
     raw = os.environ.get("AXKERN_NVCC_TIMEOUT", "").strip()
     if not raw:
         return DEFAULT_TIMEOUT
@@ -120,23 +129,75 @@ def build_timeout() -> float:
         value = float(raw)
     except ValueError:
         value = float("nan")
-    if not value > 0:
-        raise ValueError(f"AXKERN_NVCC_TIMEOUT={raw!r}: expected a positive number of seconds")
+    if not 0 < value <= MAX_TIMEOUT:  # NaN and infinities too
+        raise ValueError(
+            f"AXKERN_NVCC_TIMEOUT={raw!r}: expected a positive number of seconds, at most {MAX_TIMEOUT:g}"
+        )
     return value
 
 
-def _run(cmd: list[str], timeout: float) -> tuple[int, str, str]:
-    """Run nvcc; a compiler that cannot start or does not finish in time is an `Unsupported`.
-    It runs in its own process group, so that a timeout stops its children (cicc, ptxas) too."""
+# Kills the compiler's process group (argv[1]) unless the builder writes "done" on its standard
+# input before closing it: a builder that dies, even by SIGKILL, closes it without a word.
+_WATCHER = """
+import os, signal, sys
+for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+    signal.signal(s, signal.SIG_IGN)
+if sys.stdin.read() != "done":
+    try:
+        os.killpg(int(sys.argv[1]), signal.SIGKILL)
+    except OSError:
+        pass
+"""
+
+
+def _watch(group: int) -> subprocess.Popen | None:
+    """A process that kills process group `group` when this process dies (see `_WATCHER`)."""
+    if not sys.executable:
+        return None
+    try:
+        return subprocess.Popen(
+            [sys.executable, "-I", "-S", "-c", _WATCHER, str(group)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+    except OSError:
+        return None
+
+
+def _release(watcher: subprocess.Popen | None) -> None:
+    if watcher is None:
+        return
+    with contextlib.suppress(OSError):
+        watcher.stdin.write(b"done")
+    with contextlib.suppress(OSError):
+        watcher.stdin.close()
+    watcher.wait()
+
+
+def run_compiler(cmd: list[str], timeout: float, keep: tuple[int, ...] = ()) -> tuple[int, str, str]:
+    """Run nvcc: its exit status, stdout and stderr (decoded as UTF-8, bytes that are not
+    replaced). A compiler that cannot start or does not finish within `timeout` seconds is an
+    `Unsupported` naming it. It runs in a process group of its own, which is killed on a timeout,
+    on an exception here (Ctrl-C) and, through a watcher process, when this process dies, so that
+    its children (cudafe++, cicc, ptxas) never outlive it. It inherits the descriptors `keep`."""
     try:
         proc = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            encoding="utf-8",
+            errors="replace",
+            start_new_session=True,
+            pass_fds=keep,
         )
     except OSError as e:
         raise Unsupported(
             f"nvcc at {cmd[0]} cannot be run ({type(e).__name__}: {e.strerror or e}); "
             "set AXKERN_NVCC or CUDA_HOME to a working one"
         ) from e
+    watcher = _watch(proc.pid)
     try:
         out, err = proc.communicate(timeout=timeout)
     except BaseException as e:
@@ -149,12 +210,14 @@ def _run(cmd: list[str], timeout: float) -> tuple[int, str, str]:
                 "(AXKERN_NVCC_TIMEOUT sets the limit)"
             ) from None
         raise
+    finally:
+        _release(watcher)
     return proc.returncode, out, err
 
 
 @functools.cache
 def _nvcc_version(path: str, timeout: float) -> str:
-    code, out, _ = _run([path, "--version"], timeout)
+    code, out, _ = run_compiler([path, "--version"], timeout)
     return out.strip().splitlines()[-1] if code == 0 and out.strip() else "unknown"
 
 
@@ -197,9 +260,28 @@ def _digest(path: Path) -> str:
 
 def _intact(path: Path) -> bool:
     """A cache entry is intact when its bytes match the digest written beside it at build time.
-    (Not "dlopen works": a truncated library can kill the process inside dlopen.)"""
+    (Not "dlopen works": a truncated library can kill the process inside dlopen.) The digest is
+    compared as bytes: a sidecar holding anything else is a mismatch, not a decoding error."""
     sidecar = path.with_suffix(".sha256")
-    return path.is_file() and sidecar.is_file() and sidecar.read_text().strip() == _digest(path)
+    return path.is_file() and sidecar.is_file() and sidecar.read_bytes().strip() == _digest(path).encode()
+
+
+_COMPILING = ".compiling"  # in a temporary folder: locked by its builder and the compiler's processes
+
+
+def _in_use(folder: Path) -> bool:
+    """Whether a live process (a compiler that outlived its builder) holds `folder`'s lock."""
+    try:
+        fd = os.open(folder / _COMPILING, os.O_RDWR)
+    except OSError:  # none: its builder died before it started the compiler
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
 
 
 def _library(lib: str | Library) -> Library:
@@ -236,7 +318,8 @@ def build(lib: str | Library, cc: tuple[int, int] | None = None, *, nvcc_path: s
         # a waiter gives up only after the holder's own build would have been stopped
         with filelock.FileLock(lock, timeout=2 * timeout + 60):
             for stale in root.glob(f".tmp-{key}-*"):  # left by a build that was killed
-                shutil.rmtree(stale, ignore_errors=True)
+                if not _in_use(stale):
+                    shutil.rmtree(stale, ignore_errors=True)
             if not _intact(target):  # absent, corrupt, or built by another process while we waited
                 _compile(lib, flags, nvcc_path, timeout, root, key)
     except filelock.Timeout as e:
@@ -254,7 +337,9 @@ def build(lib: str | Library, cc: tuple[int, int] | None = None, *, nvcc_path: s
 def _compile(lib: Library, flags: list[str], nvcc_path: str, timeout: float, root: Path, key: str) -> None:
     """Compile into a fresh temporary folder and move it into place as `root/key` (under the lock)."""
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{key}-", dir=root))
+    lock = os.open(tmp / _COMPILING, os.O_CREAT | os.O_RDWR, 0o644)
     try:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # held by the compiler's processes too (`keep`)
         so = tmp / f"lib{lib.name}.so"
         cmd = [
             nvcc_path,
@@ -272,7 +357,7 @@ def _compile(lib: Library, flags: list[str], nvcc_path: str, timeout: float, roo
             "-o",
             str(so),
         ]
-        code, out, err = _run(cmd, timeout)
+        code, out, err = run_compiler(cmd, timeout, keep=(lock,))
         if code != 0:
             first = "\n".join(err.strip().splitlines()[:8])
             raise Unsupported(f"nvcc failed building {lib.name} (exit status {code}): {first}")
@@ -288,11 +373,13 @@ def _compile(lib: Library, flags: list[str], nvcc_path: str, timeout: float, roo
             (tmp, 0o755),
         ):
             path.chmod(mode)
+        (tmp / _COMPILING).unlink()
         folder = root / key
         if folder.exists():  # a corrupt entry: replaced whole, never rewritten in place (a mapped
             shutil.rmtree(folder)  # copy in a running process keeps its own inode)
         os.replace(tmp, folder)
     finally:
+        os.close(lock)
         shutil.rmtree(tmp, ignore_errors=True)  # gone already when moved into place
 
 
