@@ -17,7 +17,11 @@ on Linux, from `platformdirs`). The file has the shape of a shipped table
 Writers take a file lock beside the file (`filelock`), merge their entries into what is
 there, and replace the file atomically, so concurrent processes never lose each other's
 entries and a reader never sees half a file. Readers need no lock: they read the file
-whole, and reread it only when its modification time changes.
+whole, and reread it only when its modification time changes. A file that is not a tuning
+cache, or an entry that is not one (or whose block sizes cannot serve the call), is passed
+over with a `CacheWarning` naming the file and the entry, and the shipped table or the
+heuristic serves; a cache that cannot be written is a `ValueError` naming the file (for
+autotuning, a `CacheWarning`: the winner serves the process without being kept).
 
 The dispatcher reads this cache before the shipped tables. While `axkern tune` sweeps a
 block-size space, `forced(...)` makes the dispatcher use one candidate for one op and
