@@ -183,7 +183,7 @@ def test_rotated_parts_compiled_forms_xlas_halves(n, angles):
 
 @pytest.mark.parametrize("a,dtype", [(32, "float32"), (13, "bfloat16")])
 def test_angle_kernel_compiled_forms_xlas_angles_and_gradients(a, dtype):
-    # `Θ` by the Triton kernel (`common.angle_thetas`), compiled, against XLA's passes on the same
+    # `Θ` by the Triton kernel (`common.angle_kernel.angle_thetas`), compiled, against XLA's passes on the same
     # GPU: values modulo 2π against a float64 sum, the largest distance from it at most twice
     # XLA's (plus one float32 rounding of 2π), as the oracle rule, and the gradients in the angles, Δ and the initial angle (NaN
     # exactly at the non-finite angles), with segments and a length that is not a multiple of its

@@ -314,7 +314,7 @@ def test_the_rotations_backward_equals_autodiff(halves, heads_first):
     # heads first (the kernels' layout) as the kernel implementations call it
     import importlib
 
-    common = importlib.import_module("axkern.ops.mamba3.common.rotation")
+    rotation = importlib.import_module("axkern.ops.mamba3.common.rotation")
     k = jax.random.split(jax.random.PRNGKey(0), 4)
     u = jax.random.normal(k[0], (2, 5, 3, 2, 12))  # [b, l, r, g, n]
     bias = jax.random.normal(k[1], (3, 4, 12))  # [r, h, n]
@@ -326,12 +326,12 @@ def test_the_rotations_backward_equals_autodiff(halves, heads_first):
         bias, axis = jnp.swapaxes(bias, 0, 1)[:, None], 1
 
     def autodiff(u, bias, theta):
-        return common.rotate(jnp.repeat(u, 2, axis=axis) + bias, theta, halves)
+        return rotation.rotate(jnp.repeat(u, 2, axis=axis) + bias, theta, halves)
 
     def loss(fn):
         return jax.grad(lambda *a: jnp.sum(fn(*a) * cot), argnums=(0, 1, 2))(u, bias, theta)
 
-    ours = functools.partial(common.rotated, halves, 2, axis, None)
+    ours = functools.partial(rotation.rotated, halves, 2, axis, None)
     np.testing.assert_array_equal(ours(u, bias, theta), autodiff(u, bias, theta))
     for got, want in zip(loss(ours), loss(autodiff), strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
@@ -343,7 +343,7 @@ def test_the_corrections_pair_products_are_the_rotated_vectors_dot_products(rank
     # keeps the dot products; its backward expands them into matrix products
     import importlib
 
-    common = importlib.import_module("axkern.ops.mamba3.common.rotation")
+    rotation = importlib.import_module("axkern.ops.mamba3.common.rotation")
     k = jax.random.split(jax.random.PRNGKey(1), 6)
     b, l, g, n, h = 2, 5, 2, 12, 4
     q, kk = (jax.random.normal(k[i], (b, l, rank, g, n)) for i in (0, 1))  # [b, l, r, g, n]
@@ -353,7 +353,8 @@ def test_the_corrections_pair_products_are_the_rotated_vectors_dot_products(rank
 
     def rotated_dots(q, kk, bq, bk):
         qr, kr = (
-            common.rotate(jnp.repeat(u, h // g, axis=3) + w, theta, rank > 1) for u, w in ((q, bq), (kk, bk))
+            rotation.rotate(jnp.repeat(u, h // g, axis=3) + w, theta, rank > 1)
+            for u, w in ((q, bq), (kk, bk))
         )
         return jnp.einsum("blrhn,bluhn->blruh", qr, kr, precision="highest")
 
@@ -361,9 +362,9 @@ def test_the_corrections_pair_products_are_the_rotated_vectors_dot_products(rank
         return jax.grad(lambda *a: jnp.sum(fn(*a) * cot), argnums=(0, 1, 2, 3))(q, kk, bq, bk)
 
     np.testing.assert_allclose(
-        common.pair_products(q, kk, bq, bk), rotated_dots(q, kk, bq, bk), rtol=1e-5, atol=1e-4
+        rotation.pair_products(q, kk, bq, bk), rotated_dots(q, kk, bq, bk), rtol=1e-5, atol=1e-4
     )
-    for got, want in zip(loss(common.pair_products), loss(rotated_dots), strict=True):
+    for got, want in zip(loss(rotation.pair_products), loss(rotated_dots), strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
 
 
@@ -373,7 +374,7 @@ def test_the_rank_products_are_every_pair_of_ranks_dot_products(heads_major):
     # rotated vectors, equal to the dot products written out, values and gradients
     import importlib
 
-    common = importlib.import_module("axkern.ops.mamba3.common.rotation")
+    rotation = importlib.import_module("axkern.ops.mamba3.common.rotation")
     k = jax.random.split(jax.random.PRNGKey(2), 3)
     b, l, r, h, n = 2, 5, 3, 4, 6
     qc, kc = (jax.random.normal(k[i], (b, l, r, h, n)) for i in (0, 1))  # [b, l, r, h, n]
@@ -386,7 +387,7 @@ def test_the_rank_products_are_every_pair_of_ranks_dot_products(heads_major):
             2,
         )
 
-    got_fn = lambda qc, kc: common.rank_products(to_layout(qc), to_layout(kc), heads_major)  # noqa: E731
+    got_fn = lambda qc, kc: rotation.rank_products(to_layout(qc), to_layout(kc), heads_major)  # noqa: E731
     np.testing.assert_allclose(got_fn(qc, kc), written_out(qc, kc), rtol=1e-6, atol=1e-6)
     assert got_fn(qc, kc)[0, 1, 2, 0, 3] != got_fn(qc, kc)[0, 1, 0, 2, 3]  # (r, u) is not symmetric
 

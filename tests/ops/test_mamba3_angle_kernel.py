@@ -1,4 +1,4 @@
-"""Mamba-3's angles by the Triton kernel (`common.angle_thetas`) in interpret mode against XLA's
+"""Mamba-3's angles by the Triton kernel (`common.angle_kernel.angle_thetas`) in interpret mode against XLA's
 passes (`common.angles.angle_sums`, which the layer's oracle tests carry): `Θ` and its gradients
 in `angles`, `Δ` and the initial angle, with segments, lengths that are not a multiple of the
 kernel's block, angle counts it widens, 16-bit angles and non-finite ones (taken as 0 in `Θ`, as
@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 
 import axkern
+from axkern.ops.chunked.chunks import clean, segment_starts
 from axkern.ops.mamba3.blocks import Mamba3BlockSizes
 from axkern.ops.mamba3.common import angle_kernel
 from axkern.ops.mamba3.common.angles import angle_sums
-from axkern.ops.chunked.chunks import clean, segment_starts
 from tests.cases.mamba3 import call, make
 
 
