@@ -139,7 +139,13 @@ def mamba3(
     ```
     """
     roles = ROLES[mimo is not None]
-    bound = roles.bind(locals(), **_states(initial_state), **_weights(mimo))
+    arrays = dict(
+        q=q, k=k, v=v, adt=adt, dt=dt, trap=trap, q_bias=q_bias, k_bias=k_bias, angles=angles, D=D, z=z
+    )
+    axes = dict(Pos=Pos, Heads=Heads, HeadDim=HeadDim, State=State, Groups=Groups, Angles=Angles, Rank=Rank)
+    bound = roles.bind(
+        arrays | {"segment_ids": segment_ids} | _states(initial_state) | _weights(mimo), **axes
+    )
     options = dict(chunk_size=chunk_size, implementation=implementation, block_sizes=block_sizes)
 
     def body(ctx, vs, qs, ks, adts, dts, traps, qbs, kbs, angs, Ds, zs, segs, a0, s0, k0, v0, *ws):
@@ -215,7 +221,12 @@ def mamba3_step(
     ```
     """
     roles = STEP_ROLES[mimo is not None]
-    bound = roles.bind(locals(), **_states(state), **_weights(mimo))
+    arrays = dict(
+        q_t=q_t, k_t=k_t, v_t=v_t, adt_t=adt_t, dt_t=dt_t, trap_t=trap_t, q_bias=q_bias, k_bias=k_bias
+    )
+    arrays |= dict(angles_t=angles_t, D=D, z_t=z_t)
+    axes = dict(Heads=Heads, HeadDim=HeadDim, State=State, Groups=Groups, Angles=Angles, Rank=Rank)
+    bound = roles.bind(arrays | _states(state) | _weights(mimo), **axes)
 
     def body(ctx, vs, qs, ks, adts, dts, traps, qbs, kbs, angs, Ds, zs, a0, s0, k0, v0, *ws):
         y, new = mamba3_step_positional(

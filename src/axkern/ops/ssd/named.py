@@ -138,7 +138,11 @@ def ssd(
 
     ```
     """
-    bound = ROLES.bind(locals(), **_split_D(D))
+    arrays = dict(
+        x=x, dt=dt, A=A, B=B, C=C, z=z, dt_bias=dt_bias, segment_ids=segment_ids, initial_state=initial_state
+    )
+    axes = dict(Pos=Pos, Heads=Heads, HeadDim=HeadDim, State=State, Groups=Groups)
+    bound = ROLES.bind(arrays | _split_D(D), **axes)
     _check_groups(NAME, bound)
     options = dict(
         dt_softplus=dt_softplus,
@@ -204,7 +208,9 @@ def ssd_step(
 
     ```
     """
-    bound = STEP_ROLES.bind(locals(), **_split_D(D))
+    arrays = dict(x_t=x_t, dt_t=dt_t, A=A, B_t=B_t, C_t=C_t, state=state, z_t=z_t, dt_bias=dt_bias)
+    axes = dict(Heads=Heads, HeadDim=HeadDim, State=State, Groups=Groups)
+    bound = STEP_ROLES.bind(arrays | _split_D(D), **axes)
     _check_groups("ssd_step", bound)
 
     def body(ctx, xs, dts, As, Bs, Cs, ss, D1s, D2s, zs, bias):
