@@ -191,7 +191,7 @@ def test_an_op_folder_never_imports_another_op_folder():
 
 
 def test_no_private_name_crosses_a_module():
-    for module, path in MODULES.items():
+    for path in MODULES.values():
         tree = ast.parse(path.read_text())
         imported_modules = set()
         for node in ast.walk(tree):
@@ -256,7 +256,9 @@ def test_no_import_circle():
 
 def test_no_source_file_is_much_over_500_lines():
     long = {
-        str(p.relative_to(SRC)): n for p in SRC.rglob("*.py") if (n := len(p.read_text().splitlines())) > MAX_LINES
+        str(p.relative_to(SRC)): n
+        for p in SRC.rglob("*.py")
+        if (n := len(p.read_text().splitlines())) > MAX_LINES
     }
     assert not long, f"files over {MAX_LINES} lines: {long}"
 
@@ -276,7 +278,11 @@ def _text_lines(path: Path):
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
             doc = node.body[0] if node.body else None
-            if isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant) and isinstance(doc.value.value, str):
+            if (
+                isinstance(doc, ast.Expr)
+                and isinstance(doc.value, ast.Constant)
+                and isinstance(doc.value.value, str)
+            ):
                 for i, text in enumerate(doc.value.value.splitlines()):
                     yield doc.lineno + i, text
 

@@ -14,8 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
-from axkern.core.cases import Case
 from axkern.core import compat
+from axkern.core.cases import Case
 
 from .api import capacity_for, moe_ep_combine_positional, moe_ep_dispatch_positional
 
