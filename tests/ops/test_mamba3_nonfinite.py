@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 import axkern
 from tests.cases.mamba3 import call, make
 from tests.harness import INTERPRET, implementations_here, serving
-from tests.helpers import assert_nonfinite_rule, equations, poke
+from tests.helpers import assert_nonfinite_rule, equations, poke, to64, x64
 
 IMPLS = implementations_here("mamba3")
 # finite values: float32 products are exact on the CPU, TF32 (XLA's default) on a GPU
@@ -180,3 +180,20 @@ def test_the_guard_runs_only_where_an_input_is_not_finite(impl):
     with axkern.use(interpret=INTERPRET), serving(impl):
         grad = jax.make_jaxpr(jax.grad(lambda a: jnp.sum(call(impl, a, None, 8)[0])))(a).jaxpr
     assert len([e for e in equations(grad, into_conds=False) if e.primitive.name == "cond"]) == 1
+
+
+@pytest.mark.parametrize("impl", ["pallas_gpu", "pallas_tpu"])
+def test_the_kernels_refuse_float64_with_the_reason(impl):
+    # (as ssd's) the Pallas kernels compute in float32: a float64 input (with x64 on) is refused,
+    # naming the inputs, so that a list of implementations falls back to xla (float64)
+    a = _inputs(0)
+    with x64(), axkern.use(interpret=True):
+        wide = jax.tree.map(jnp.asarray, to64(a))
+        with pytest.raises(axkern.Unsupported, match=f"'{impl}' cannot serve this call: float64 q, k, v"):
+            call(impl, wide, None, 16)
+        with pytest.raises(axkern.Unsupported, match="float64 k: the Pallas kernels compute in float32"):
+            call(impl, dict(a, k=wide["k"]), None, 16)
+        d = axkern.explain(lambda a: call((impl, "xla"), a, None, 16), wide)
+        assert d.implementation == "xla" and "float64" in d.rejected[0].reason
+        y, _ = call((impl, "xla"), wide, None, 16)
+    assert y.dtype == jnp.float64

@@ -152,6 +152,28 @@ def test_pallas_gpu_refuses_small_tiles_with_the_reason():
     assert jit(lambda a: ssd(**a, chunk_size=8))(arrays).shape == arrays["x"].shape
 
 
+@pytest.mark.parametrize("impl", ["pallas_gpu", "pallas_tpu"])
+def test_the_kernels_refuse_float64_with_the_reason(impl):
+    # the Pallas kernels compute in float32: a float64 input (with x64 on) is refused, naming the
+    # inputs, so that a list of implementations falls back to xla, which computes in float64
+    arrays, _ = make(0, 1, 32, 2, 16, 1, 16, "float32", extras=False)
+    with x64(), axkern.use(interpret=True):
+        wide = {k: jnp.asarray(v, jnp.float64) for k, v in arrays.items()}
+        with pytest.raises(
+            axkern.Unsupported, match=f"'{impl}' cannot serve this call: float64 x, dt, A, B, C"
+        ):
+            ssd(**wide, implementation=impl, chunk_size=16)
+        with pytest.raises(axkern.Unsupported, match="float64 B: the Pallas kernels compute in float32"):
+            ssd(**dict(arrays, B=wide["B"]), implementation=impl, chunk_size=16)
+        s0 = jnp.zeros((1, 2, 16, 16), jnp.float64)
+        with pytest.raises(axkern.Unsupported, match="float64 initial_state"):
+            ssd(**arrays, initial_state=s0, implementation=impl, chunk_size=16)
+        d = axkern.explain(lambda a: ssd(**a, implementation=(impl, "xla"), chunk_size=16), wide)
+        assert d.implementation == "xla" and "float64" in d.rejected[0].reason
+        y = ssd(**wide, implementation=(impl, "xla"), chunk_size=16)
+    assert y.dtype == jnp.float64
+
+
 @settings(max_examples=3, deadline=None)  # each example compiles three programs
 @given(
     l=st.integers(1, 40),

@@ -57,9 +57,24 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from axkern.core.op import Unsupported
+
 from .chunks import layer, uses_segment_sums, zeroed
 
-__all__ = ["chunk_weights", "scan", "ssd"]
+__all__ = ["chunk_weights", "refuse_float64", "scan", "ssd"]
+
+
+def refuse_float64(**arrays) -> None:
+    """`Unsupported`, naming them, where any of `arrays` (by name; None for one not given) is
+    float64: the kernels compute in float32 (Triton and Mosaic TPU take no float64 products), and
+    their float32 carries would meet float64 values. The dispatcher then tries the next
+    implementation (`xla` computes in float64)."""
+    wide = [name for name, a in arrays.items() if a is not None and jnp.dtype(a.dtype) == jnp.float64]
+    if wide:
+        raise Unsupported(
+            f"float64 {', '.join(wide)}: the Pallas kernels compute in float32 (Triton and Mosaic TPU "
+            "take no float64 products); xla computes in float64"
+        )
 
 
 def chunk_weights(ac, scale, sc):

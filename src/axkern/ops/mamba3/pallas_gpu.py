@@ -35,7 +35,7 @@ from axkern.core.op import Implementation, Unsupported
 from axkern.ops.chunked.pallas_gpu import GPU_MAX_CHUNK, GPU_MAX_CHUNK_32BIT, GPU_MIN_DIM, GpuLayout
 
 from .blocks import Mamba3BlockSizes, angles_form, kernel_slots, pallas_gpu_heuristic, refuse_forms
-from .common.kernel_core import kernel_core, kernel_x_dtype
+from .common.kernel_core import kernel_core, kernel_x_dtype, refuse_float64
 from .common.layer import forward
 
 __all__ = ["IMPLEMENTATION", "mamba3", "rotation_backward", "supports"]
@@ -187,6 +187,7 @@ def supports(spec) -> str | None:
 def mamba3(*args, block_sizes, interpret=False):
     """`reference.mamba3`'s arguments and results, through the GPU chunk kernels."""
     refuse_forms(block_sizes, "pallas_gpu")
+    refuse_float64(args)
     q = block_sizes.chunk_size
     dtype, mimo = args[2].dtype, args[16] is not None  # v, W_x
     slots = kernel_slots(args[0].shape[2])

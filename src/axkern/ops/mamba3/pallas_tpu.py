@@ -17,7 +17,7 @@ from axkern.core.op import Implementation, Unsupported
 from axkern.ops.chunked.pallas_tpu import TPU_MIN_CHUNK, TpuLayout
 
 from .blocks import Mamba3BlockSizes, kernel_slots, pallas_tpu_heuristic, refuse_forms
-from .common.kernel_core import kernel_core
+from .common.kernel_core import kernel_core, refuse_float64
 from .common.layer import forward
 
 __all__ = ["IMPLEMENTATION", "mamba3"]
@@ -26,6 +26,7 @@ __all__ = ["IMPLEMENTATION", "mamba3"]
 def mamba3(*args, block_sizes, interpret=False):
     """`reference.mamba3`'s arguments and results, through the TPU chunk kernels."""
     refuse_forms(block_sizes, "pallas_tpu")
+    refuse_float64(args)
     q = block_sizes.chunk_size
     slots = kernel_slots(args[0].shape[2])
     if q * slots < TPU_MIN_CHUNK:

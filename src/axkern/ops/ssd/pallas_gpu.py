@@ -38,6 +38,7 @@ def supports(spec) -> str | None:
 
 def ssd(x, dt, A, B, C, D, z, segment_ids, initial_state, *, block_sizes, interpret=False):
     refuse_mosaic_gpu_forms(block_sizes)
+    kernel_scan.refuse_float64(x=x, dt=dt, A=A, B=B, C=C, D=D, z=z, initial_state=initial_state)
     q = block_sizes.chunk_size
     if q < GPU_MIN_DIM:
         raise Unsupported(f"chunk_size={q} is below {GPU_MIN_DIM} (Triton dot tiles)")

@@ -12,7 +12,18 @@ from ..blocks import kernel_slots
 from .angle_kernel import angle_thetas_for
 from .layer import Core
 
-__all__ = ["kernel_core", "kernel_x_dtype"]
+__all__ = ["kernel_core", "kernel_x_dtype", "refuse_float64"]
+
+# `reference.mamba3`'s arguments, in order
+ARGUMENTS = (
+    "q k v adt dt trap q_bias k_bias angles D z segment_ids angle_state ssm_state k_state v_state W_x W_z W_o"
+).split()
+
+
+def refuse_float64(args) -> None:
+    """`Unsupported`, naming them, where any of `reference.mamba3`'s arguments `args` is float64
+    (`kernel_scan.refuse_float64`: the kernels compute in float32)."""
+    kernel_scan.refuse_float64(**dict(zip(ARGUMENTS, args, strict=True)))
 
 
 def kernel_x_dtype(dtype, mimo):
