@@ -6,11 +6,12 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import sys
 
 import pytest
 
 from axkern import cli
-from axkern.bench import report, results
+from axkern.bench import plots, report, results
 from tests.test_readme import REPO
 
 RESULTS = REPO / "benchmarks" / "results"
@@ -49,6 +50,7 @@ def test_report_rebuilds_the_committed_page_readme_and_plots(tmp_path):
         assert page.read_text() == (REPO / "docs" / rel).read_text(), (
             f"docs/{rel} differs from what `axkern report` writes: run it"
         )
+        assert not written[page]  # the same text: not rewritten
     assert (tmp_path / "README.md").read_text() == (REPO / "README.md").read_text(), (
         "README: run `axkern report`"
     )
@@ -57,9 +59,70 @@ def test_report_rebuilds_the_committed_page_readme_and_plots(tmp_path):
     for name in images:
         data = (docs / "img" / name).read_bytes()
         assert data.startswith(b"\x89PNG") and len(data) < 100_000, name
+        assert data == (REPO / "docs" / "img" / name).read_bytes(), f"docs/img/{name}: run `axkern report`"
         assert f"img/{name}" in (docs / "benchmarks.md").read_text() or name == "overview.png"
     page = (docs / "benchmarks.md").read_text()
     assert "| `peer: liger` |" in page and "of ceiling" in page
+    # a second report over the same results rewrites nothing
+    again = report.write(results.load(RESULTS), docs=docs, readme=tmp_path / "README.md")
+    assert again.keys() == written.keys() and not any(again.values())
+
+
+def _generated(text: str) -> str:
+    return text.split(report.START, 1)[1].split(report.END, 1)[0]
+
+
+def test_the_readme_has_the_short_form_and_the_docs_the_provenance():
+    readme = _generated((REPO / "README.md").read_text())
+    page = _generated((REPO / "docs" / "benchmarks.md").read_text())
+    # the commands, versions and ceilings of each run are on the benchmarks page, not in the README
+    assert "axkern bench" not in readme and "jax 0." not in readme and "TFLOP/s" not in readme
+    for run in results.load(RESULTS):
+        assert f"`{run['command']}` on {run['device']}" in page
+    assert max(len(line) for line in readme.splitlines()) < 200
+    # every README table names its device in every row, and shows the default beside the peers
+    tables = re.findall(r"^\| device \| case \| default \|.*\n\|[-|]+\n((?:\|.*\n)+)", readme, flags=re.M)
+    assert len(tables) >= 4
+    devices = {plots.device_name(run["device"]) for run in results.load(RESULTS)}
+    for table in tables:
+        rows = [line.split(" | ") for line in table.strip().splitlines()]
+        assert len(rows) <= report.SUMMARY_ROWS
+        for cells in rows:
+            assert cells[0].removeprefix("| ") in devices, cells
+            assert re.match(r"`\w+` \d+\.\d ms", cells[2]), cells
+    # the loss's committed runs time xla; the note says the GPU's default is mosaic_gpu
+    assert "`mosaic_gpu`, which these runs do not time: the default column shows `xla`" in readme
+    assert "`mosaic_gpu`, which this run does not time" in page
+
+
+def test_tables_order_cases_by_their_numbers():
+    page = (REPO / "docs" / "benchmarks.md").read_text()
+    llama3 = page.index("**preset `llama3`**: `axkern bench fused_cross_entropy_loss")
+    assert page.index("| N=8192 D=4096", llama3) < page.index("| N=16384 D=4096", llama3)
+    assert report._case_key("B=4 L=2048 H=80") < report._case_key("B=4 L=16384 H=80")
+
+
+def test_the_overview_names_the_device_of_every_bar():
+    runs = results.load(RESULTS)
+    bars = plots.overview_bars(report._groups(runs))
+    devices = {plots.device_name(run["device"]) for run in runs}
+    assert bars and all(label.rsplit(" · ", 1)[1] in devices for label, _ in bars)
+    assert {"H100", "H200"} <= devices
+    assert (
+        plots.device_name("NVIDIA H100 80GB HBM3") == "H100"
+        and plots.device_name("TPU v5 lite") == "TPU v5 lite"
+    )
+
+
+def test_report_without_matplotlib_says_which_extra_to_install(tmp_path, capsys, monkeypatch):
+    docs = tmp_path / "docs"
+    shutil.copytree(REPO / "docs", docs, ignore=shutil.ignore_patterns("img"))
+    shutil.copy(REPO / "README.md", tmp_path / "README.md")
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` fails as where it is missing
+    argv = ["report", "--results", str(RESULTS), "--docs", str(docs), "--readme", str(tmp_path / "README.md")]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "pip install -e '.[report]'" in err and "Traceback" not in err
 
 
 def test_report_needs_its_markers_and_some_results(tmp_path):
@@ -102,6 +165,9 @@ def test_report_command_writes_into_the_given_folders(tmp_path, capsys):
     argv = ["report", "--results", str(RESULTS), "--docs", str(docs), "--readme", str(tmp_path / "README.md")]
     assert cli.main(argv) == 0
     assert (docs / "img" / "overview.png").is_file() and "wrote" in capsys.readouterr().out
+    assert cli.main(argv) == 0  # nothing changed since: nothing rewritten
+    out = capsys.readouterr().out
+    assert "wrote" not in out and "files unchanged" in out
     assert cli.main(["report", "--results", str(tmp_path / "none")]) == 2
     assert "--results: expected a folder" in capsys.readouterr().err
 

@@ -1,11 +1,19 @@
 """`axkern report`: tables and plots from the committed results.
 
 Reads every run under `benchmarks/results/<device_key>/<op>/<preset>.json` (see
-`axkern.bench.results`) and writes, per device and op, a markdown table (time, rate, fraction of
-the ceiling measured in the same run, temporary memory and error, for every implementation
-and peer) and one plot of the times. The tables go between the report markers of
-`docs/benchmarks.md`; an overview plot of every op's fraction of the ceiling goes between the
-markers of `README.md`.
+`axkern.bench.results`) and writes:
+
+- `docs/benchmarks.md`, between its report markers: each op's implementations beside the peers
+  timed in the same run, then per device and op a table of every row (time, rate, fraction of
+  the ceiling measured in the same run, temporary memory, error) under the run's command,
+  date, versions and ceilings, with one plot of the times;
+- each op page (`docs/ops/<op>.md`) that has report markers: its op's part of the same;
+- the README, between its markers: the short form, one table per op that was timed beside its
+  peers, the default implementation's forward+backward time and memory on the device named in
+  each row, the peers beside it;
+- `docs/img/`: one plot per device and op and `overview.png` (`axkern.bench.plots`).
+
+A file is rewritten only when its bytes change.
 """
 
 from __future__ import annotations
@@ -14,13 +22,17 @@ import re
 from collections.abc import Sequence
 from pathlib import Path
 
+from . import plots
 from .results import NOTE
 
-__all__ = ["START", "END", "markdown", "peers_table", "plot_op", "plot_overview", "fill", "write"]
+__all__ = ["START", "END", "markdown", "peers_table", "summary", "default_order", "fill", "write"]
 
 START = "<!-- axkern report: start (generated from benchmarks/results; edit with `axkern report`) -->"
 END = "<!-- axkern report: end -->"
 _PASS_ORDER = {"fwd": 0, "fwd+bwd": 1}
+# the order a per-call order function can give at its widest: the kernels before xla
+_WIDEST_ORDER = ("mosaic_gpu", "pallas_gpu", "xla")
+SUMMARY_ROWS = 6  # at most this many cases per op in the README's table
 
 
 def _fmt(value: float | None, spec: str) -> str:
@@ -36,6 +48,11 @@ def _short(case: str) -> str:
     return case.split(": ", 1)[1] if ": " in case else case
 
 
+def _case_key(case: str) -> tuple[list[int], str]:
+    """Cases in the order of their numbers (N=8192 before N=16384), then by label."""
+    return [int(n) for n in re.findall(r"\d+", _short(case))], case
+
+
 def _groups(runs: Sequence[dict]) -> dict[tuple[str, str], list[dict]]:
     """Runs by (device_key, op), in the order of the files."""
     out: dict[tuple[str, str], list[dict]] = {}
@@ -44,10 +61,59 @@ def _groups(runs: Sequence[dict]) -> dict[tuple[str, str], list[dict]]:
     return out
 
 
+def default_order(op: str, platform: str) -> tuple[tuple[str, ...], bool]:
+    """The implementations the dispatcher tries by default for `op` on `platform`, and whether
+    the order depends on the call (then taken at its widest: the kernels that serve some calls
+    first); `((), False)` for a name that is not a registered op."""
+    import axkern  # noqa: F401  (registers the ops)
+    from axkern.core import registry
+
+    try:
+        op_ = registry.get_op(op)
+    except ValueError:
+        return (), False
+    order = op_.default_order.get(platform, ("xla",))
+    if callable(order):
+        return tuple(n for n in _WIDEST_ORDER if n in op_.implementations), True
+    return tuple(order), False
+
+
+def _timed(run: dict, pass_: str | None = None) -> set[str]:
+    return {r["implementation"] for r in run["rows"] if r.get("ms") and (pass_ is None or r["pass"] == pass_)}
+
+
+def _untimed_default(run: dict) -> tuple[str, str, str | None] | None:
+    """`(first, where, shown)` when the first implementation of the run's default order (`first`,
+    `where` it serves) is not in the run, with the first of the order that is (`shown`); else None."""
+    platform = run.get("platform", "gpu")
+    order, per_call = default_order(run.get("op", ""), platform)
+    timed = _timed(run)
+    if not order or order[0] in timed or not timed - {"reference"}:
+        return None
+    where = f"on {platform}" + (" where it serves" if per_call else "")
+    return order[0], where, next((i for i in order if i in timed), None)
+
+
+def _default_note(run: dict, column: bool = False) -> str:
+    """What a run says when the first implementation of its default order is not in it."""
+    untimed = _untimed_default(run)
+    if untimed is None:
+        return ""
+    first, where, shown = untimed
+    if not column:
+        return f"The default {where} is `{first}`, which this run does not time"
+    note = f"The default {where} is `{first}`, which these runs do not time"
+    return note + (f": the default column shows `{shown}`, the next in the default order" if shown else "")
+
+
 def _table(run: dict) -> list[str]:
     rows = sorted(
         run["rows"],
-        key=lambda r: (r["case"], _PASS_ORDER.get(r["pass"], 2), r["implementation"].startswith("peer:")),
+        key=lambda r: (
+            _case_key(r["case"]),
+            _PASS_ORDER.get(r["pass"], 2),
+            r["implementation"].startswith("peer:"),
+        ),
     )
     rate = "GB/s" if any(r.get("gbps") for r in rows) else None
     head = ["case", "implementation", "pass", "ms", "TFLOP/s"] + ([rate] if rate else [])
@@ -98,11 +164,13 @@ def _about(run: dict) -> str:
         more = "; ".join(
             filter(None, [more, f"errors against `{'`, `'.join(others)}` (the oracle would not fit)"])
         )
+    default = _default_note(run) if run.get("rows") else ""
     return (
         f"`{run['command']}` on {run['device']}, {run['date'][:10]}, jax {v.get('jax', '?')}"
         + (f"; {', '.join(measured)} measured in the same run" if measured else "")
         + f" (`benchmarks/results/{'/'.join(Path(run['path']).parts[-3:])}`)."
         + (f" {more[:1].upper()}{more[1:]}." if more else "")
+        + (f" {default}." if default else "")
         + cut
     )
 
@@ -111,11 +179,15 @@ def _image_name(device_key: str, op: str) -> str:
     return f"{device_key}_{op}.png"
 
 
+def _heading(op: str, device: str) -> str:
+    return f"{op} on {device}"
+
+
 def markdown(runs: Sequence[dict], image_dir: str = "img") -> str:
     """The tables of every run, grouped by device and op, each op with its plot."""
     out = []
     for (device_key, op), group in _groups(runs).items():
-        out += [f"### {op} on {group[0]['device']}", ""]
+        out += [f"### {_heading(op, group[0]['device'])}", ""]
         out += [f"![{op} on {device_key}]({image_dir}/{_image_name(device_key, op)})", ""]
         for run in group:
             out += [f"**preset `{run['preset']}`**: {_about(run)}", ""]
@@ -123,116 +195,107 @@ def markdown(runs: Sequence[dict], image_dir: str = "img") -> str:
     return "\n".join(out).rstrip() + "\n"
 
 
+def _has_peers(run: dict, pass_: str) -> bool:
+    return any(r["implementation"].startswith("peer:") for r in run["rows"] if r["pass"] == pass_)
+
+
+def _time_and_memory(r: dict | None) -> str:
+    if r is None or not r.get("ms"):
+        return "-"
+    gib = r.get("temp_gib")
+    return f"{r['ms']:.1f} ms" + ("" if gib is None else f", {gib:.2f} GiB")
+
+
 def peers_table(runs: Sequence[dict], pass_: str = "fwd+bwd") -> str:
     """One table per run that timed peers: each case's `pass_` time and temporary memory for
-    every implementation and peer, side by side."""
+    every implementation and peer, side by side, under a line naming the run (its command and
+    versions are under the op's heading, `markdown`)."""
     out = []
     for run in runs:
-        rows = [r for r in run["rows"] if r["pass"] == pass_]
-        if not any(r["implementation"].startswith("peer:") for r in rows):
+        if not _has_peers(run, pass_):
             continue
+        rows = [r for r in run["rows"] if r["pass"] == pass_]
         impls = sorted({r["implementation"] for r in rows}, key=lambda i: (i.startswith("peer:"), i))
-        cases = sorted({r["case"] for r in rows}, key=lambda c: ([int(n) for n in re.findall(r"\d+", c)], c))
+        cases = sorted({r["case"] for r in rows}, key=_case_key)
         got = {(r["case"], r["implementation"]): r for r in rows}
-        out.append(f"`{run['op']}`, preset `{run['preset']}`, {pass_}: {_about(run)}")
+        out.append(
+            f"`{run['op']}` on {run['device']}, preset `{run['preset']}`, {pass_}, ms and temporary GiB "
+            f"(the run: under *{_heading(run['op'], run['device'])}* below)"
+        )
         out += ["", "| case | " + " | ".join(f"`{i.replace('peer:', '')}`" for i in impls) + " |"]
         out.append("|---|" + "---|" * len(impls))
         for case in cases:
-            cells = []
-            for impl in impls:
-                r = got.get((case, impl))
-                if r is None or not r.get("ms"):
-                    cells.append("-")
-                else:
-                    cells.append(
-                        f"{r['ms']:.1f} ms" + (f", {r['temp_gib']:.2f} GiB" if r.get("temp_gib") else "")
-                    )
+            cells = [_time_and_memory(got.get((case, impl))) for impl in impls]
             out.append(f"| {_short(case)} | " + " | ".join(cells) + " |")
         out.append("")
     return "\n".join(out)
 
 
-def _figure(height: float):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt, plt.subplots(figsize=(7.5, height), dpi=72)
-
-
-def _save(plt, fig, path: Path) -> Path:
-    fig.tight_layout()
-    # no metadata: the same results give the same bytes
-    fig.savefig(path, format="png", metadata={"Software": None})
-    plt.close(fig)
-    return path
+def _spread(items: list, n: int) -> list:
+    """At most `n` of `items`, evenly spaced, the first and the last among them."""
+    if len(items) <= n:
+        return items
+    if n == 1:
+        return [items[len(items) // 2]]
+    return [items[round(i * (len(items) - 1) / (n - 1))] for i in range(n)]
 
 
-def _numbers(case: str) -> list[int]:
-    return [int(n) for n in re.findall(r"\d+", case)]
+def _label(run: dict, case: str, with_preset: bool, dtype: str | None) -> str:
+    """A case's label in the README: the preset's name only where the table holds several presets,
+    the dtype only where the table's cases differ in it."""
+    label, preset = case, run["preset"]
+    if label.startswith(preset):
+        rest = label[len(preset) :].replace(": ", " ", 1).strip(" :")
+        label = f"{preset} {rest}" if with_preset else rest
+    if dtype and label.endswith(" " + dtype):
+        label = label[: -len(dtype) - 1]
+    return label
 
 
-def plot_op(group: Sequence[dict], path: Path) -> Path:
-    """Horizontal bars, log scale: ms per (case, pass), one bar per implementation and peer
-    timed there (each in the same colour throughout)."""
-    rows = [r for run in group for r in run["rows"] if r.get("ms")]
-    keys = sorted(
-        {(r["case"], r["pass"]) for r in rows}, key=lambda k: (_numbers(k[0]), k[0], _PASS_ORDER.get(k[1], 2))
-    )
-    impls = sorted({r["implementation"] for r in rows}, key=lambda i: (i.startswith("peer:"), i))
-    colour = {impl: f"C{i % 10}" for i, impl in enumerate(impls)}
-    ms = {(r["case"], r["pass"], r["implementation"]): r["ms"] for r in rows}
-    bars, ticks, y = [], [], 0.0
-    for case, pass_ in keys:
-        present = [i for i in impls if (case, pass_, i) in ms]
-        ticks.append((y + (len(present) - 1) / 2, f"{_short(case)} · {pass_}"))
-        for impl in present:
-            bars.append((y, ms[(case, pass_, impl)], impl))
-            y += 1
-        y += 0.6
-    plt, (fig, ax) = _figure(0.9 + 0.16 * y)
-    for impl in impls:
-        mine = [b for b in bars if b[2] == impl]
-        ax.barh([b[0] for b in mine], [b[1] for b in mine], height=0.9, color=colour[impl], label=impl)
-    ax.set_yticks([t[0] for t in ticks])
-    ax.set_yticklabels([t[1] for t in ticks], fontsize=7)
-    ax.set_ylim(y - 0.3, -0.8)
-    ax.set_xscale("log")
-    ax.set_xlabel("ms (lower is faster)", fontsize=8)
-    ax.tick_params(axis="x", labelsize=7)
-    ax.set_title(f"{group[0]['op']} on {group[0]['device']}", fontsize=9)
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    return _save(plt, fig, path)
-
-
-def plot_overview(runs: Sequence[dict], path: Path) -> Path:
-    """Each op's best fraction of the measured ceiling per implementation (its first case, the
-    forward+backward pass where timed)."""
-    bars = []
-    for (_, op), group in _groups(runs).items():
-        rows = [r for run in group for r in run["rows"] if r.get("ceiling_fraction")]
-        if not rows:
-            continue
-        first = sorted({r["case"] for r in rows})[0]
-        passes = {r["pass"] for r in rows if r["case"] == first}
-        pass_ = "fwd+bwd" if "fwd+bwd" in passes else sorted(passes)[0]
-        best: dict[str, float] = {}
-        for r in rows:
-            if r["case"] == first and r["pass"] == pass_:
-                best[r["implementation"]] = max(best.get(r["implementation"], 0.0), r["ceiling_fraction"])
-        bars += [(f"{op} · {impl}", 100 * f) for impl, f in sorted(best.items())]
-    plt, (fig, ax) = _figure(1.0 + 0.2 * len(bars))
-    ax.barh(range(len(bars)), [b[1] for b in bars], color="tab:blue")
-    for i, (_, percent) in enumerate(bars):
-        ax.text(percent + 0.5, i, f"{percent:.0f}%", va="center", fontsize=7)
-    ax.set_xlim(0, 105)
-    ax.set_yticks(range(len(bars)))
-    ax.set_yticklabels([b[0] for b in bars], fontsize=7)
-    ax.invert_yaxis()
-    ax.set_xlabel("% of the ceiling measured in the same run (matmul or copy)")
-    ax.set_title("axkern on " + ", ".join(sorted({r["device"] for r in runs})), fontsize=9)
-    return _save(plt, fig, path)
+def summary(runs: Sequence[dict], pass_: str = "fwd+bwd", max_rows: int = SUMMARY_ROWS) -> str:
+    """The README's short form: per op timed beside peers, one table of at most `max_rows` cases,
+    each row naming its device, with the default implementation's time and temporary memory
+    (the first of the op's default order timed in that case) and each peer's beside it."""
+    by_op: dict[str, list[dict]] = {}
+    for run in runs:
+        if _has_peers(run, pass_):
+            by_op.setdefault(run["op"], []).append(run)
+    out = []
+    for op, group in by_op.items():
+        peers = sorted({i for run in group for i in _timed(run, pass_) if i.startswith("peer:")})
+        dtypes = {c.get("dtype") for run in group for c in run.get("cases", [])}
+        dtype = next(iter(dtypes)) if len(dtypes) == 1 else None
+        presets = len({run["preset"] for run in group}) > 1
+        share = max(1, max_rows // len(group))
+        lines, shown, total, notes = [], 0, 0, []
+        for run in group:
+            order, _ = default_order(op, run.get("platform", "gpu"))
+            rows = [r for r in run["rows"] if r["pass"] == pass_ and r.get("ms")]
+            got = {(r["case"], r["implementation"]): r for r in rows}
+            cases = sorted({r["case"] for r in rows}, key=_case_key)
+            total += len(cases)
+            note = _default_note(run, column=True)
+            if note and note not in notes:
+                notes.append(note)
+            for case in _spread(cases, share):
+                ours = [i for i in order if (case, i) in got] or sorted(
+                    i for i in _timed(run, pass_) if not i.startswith("peer:") and i != "reference"
+                )
+                default = f"`{ours[0]}` {_time_and_memory(got.get((case, ours[0])))}" if ours else "-"
+                cells = [plots.device_name(run["device"]), _label(run, case, presets, dtype), default]
+                cells += [_time_and_memory(got.get((case, p))) for p in peers]
+                lines.append("| " + " | ".join(_cell(c) for c in cells) + " |")
+                shown += 1
+        what = f"{shown} of {total} cases" if shown < total else f"{total} cases"
+        out.append(f"**`{op}`**, {pass_}{f', {dtype}' if dtype else ''}, {what}: ms and temporary GiB")
+        out += ["", "| device | case | default | " + " | ".join(f"`{p[5:]}`" for p in peers) + " |"]
+        out.append("|---|---|---|" + "---|" * len(peers))
+        out += lines
+        out += [""] + [f"{n}." for n in notes] + ([""] if notes else [])
+    without = sorted({run["op"] for run in runs} - set(by_op))
+    if without:
+        out.append("Timed without peers: " + ", ".join(f"`{op}`" for op in without) + ".")
+    return "\n".join(out).rstrip() + "\n"
 
 
 def fill(text: str, generated: str, where: str) -> str:
@@ -255,31 +318,44 @@ def _op_pages(docs: Path, runs: Sequence[dict]) -> dict[Path, set[str]]:
     return out
 
 
-def write(runs: Sequence[dict], *, docs: Path, readme: Path | None = None) -> list[Path]:
-    """Write `docs/benchmarks.md`'s tables, `docs/img/*.png` and the README's overview; return what changed hands."""
+def _benchmarks_page(runs: Sequence[dict]) -> str:
+    side = peers_table(runs)
+    head = ["### Beside the peers", "", side, "### Every run", ""] if side else []
+    return "\n".join(head) + markdown(runs)
+
+
+def write(runs: Sequence[dict], *, docs: Path, readme: Path | None = None) -> dict[Path, bool]:
+    """Write `docs/benchmarks.md`'s tables, the op pages' tables, `docs/img/*.png` and the
+    README's short form; return each file considered and whether its bytes changed (an
+    unchanged file is not rewritten)."""
     if not runs:
         raise ValueError(
             "report: no results to report (expected benchmarks/results/<device_key>/<op>/<preset>.json)"
         )
     img = docs / "img"
-    img.mkdir(parents=True, exist_ok=True)
-    written = [plot_op(g, img / _image_name(*key)) for key, g in _groups(runs).items()]
-    written.append(plot_overview(runs, img / "overview.png"))
+    out: dict[Path, bytes] = {}
+    groups = _groups(runs)
+    for key, group in groups.items():
+        out[img / _image_name(*key)] = plots.plot_op(group)
+    out[img / "overview.png"] = plots.plot_overview(groups)
     page = docs / "benchmarks.md"
-    page.write_text(fill(page.read_text(), markdown(runs), str(page)))
-    written.append(page)
+    out[page] = fill(page.read_text(encoding="utf-8"), _benchmarks_page(runs), str(page)).encode("utf-8")
     for op_page, ops in _op_pages(docs, runs).items():
-        mine = [run for run in runs if run["op"] in ops]
-        text = op_page.read_text()
+        text = op_page.read_text(encoding="utf-8")
         if START in text:
-            op_page.write_text(fill(text, markdown(mine, image_dir="../img"), str(op_page)))
-            written.append(op_page)
+            mine = [run for run in runs if run["op"] in ops]
+            out[op_page] = fill(text, markdown(mine, image_dir="../img"), str(op_page)).encode("utf-8")
     if readme is not None:
-        overview = (
-            peers_table(runs) + "\n![Each op's fraction of the measured ceiling](docs/img/overview.png)\n\n"
-            "Every op, implementation and shape, with one plot per op: "
+        short = summary(runs) + (
+            "\n![Each op's fraction of the measured ceiling, by device](docs/img/overview.png)\n\n"
+            "Every run with its command, versions and ceilings, and every implementation: "
             "[docs/benchmarks.md](docs/benchmarks.md)."
         )
-        readme.write_text(fill(readme.read_text(), overview, str(readme)))
-        written.append(readme)
-    return written
+        out[readme] = fill(readme.read_text(encoding="utf-8"), short, str(readme)).encode("utf-8")
+    changed: dict[Path, bool] = {}
+    img.mkdir(parents=True, exist_ok=True)
+    for path, data in out.items():
+        changed[path] = not path.is_file() or path.read_bytes() != data
+        if changed[path]:
+            path.write_bytes(data)
+    return changed
