@@ -19,11 +19,18 @@ A mask answers two questions:
 
 Masks combine with `&` (both allow) and `|` (either allows). `Segments`, `PrefixLM` and `Dense`
 hold arrays (they may be traced); the others are static.
+
+Offsets and window sizes are static ints of any size: the masks compare them with `k - q`
+(clamped to the positions' integer type, which is exact), never add them to a position. Host
+(numpy, Python) arrays of wider integers than JAX keeps (64-bit ones without x64) keep their
+meaning: prefix lengths are clipped to int32's range, segment ids that do not fit are
+renumbered (their ranks among both arrays' ids: every equality and order kept).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import operator
 
 import jax
 import jax.numpy as jnp
@@ -102,6 +109,31 @@ def _grid(q_idx, k_idx):
     return jnp.asarray(q_idx)[None, :, None], jnp.asarray(k_idx)[None, None, :]
 
 
+def _integer(owner: str, name: str, value) -> int:
+    """`value` as a Python int, or a `ValueError` naming the argument."""
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        return operator.index(value)
+    except TypeError:
+        raise ValueError(f"{owner}: {name} must be a static int, got {value!r}") from None
+
+
+def _distance(q, k):
+    """`k - q` of non-negative positions (broadcast), exact in their signed integer type. The
+    static masks compare it with their bounds rather than adding an offset to a position, so no
+    offset or window size overflows the positions' type."""
+    return jnp.asarray(k) - jnp.asarray(q)
+
+
+def _bound(value: int, distance) -> int:
+    """`value` clamped to what `distance`'s integer type holds: exact in a comparison with the
+    distance of two non-negative positions, which lies strictly inside that range (a bound past
+    its top is above every distance, one past its bottom below every distance)."""
+    info = jnp.iinfo(distance.dtype)
+    return max(int(info.min), min(int(info.max), value))
+
+
 @jax.tree_util.register_static
 @dataclasses.dataclass(frozen=True)
 class Full(Mask):
@@ -119,16 +151,25 @@ class Full(Mask):
 class Causal(Mask):
     """Key `j` visible to query `i` when `j <= i + offset`. `offset=0` aligns the first query
     with the first key (as `jax.nn.dot_product_attention(is_causal=True)`); with a cache of
-    `kv_len - q_len` earlier keys, `offset = kv_len - q_len` aligns the last ones."""
+    `kv_len - q_len` earlier keys, `offset = kv_len - q_len` aligns the last ones. `offset` is a
+    static int of any size (one past every key's distance sees all keys, or none)."""
 
     offset: int = 0
+
+    def __post_init__(self):
+        object.__setattr__(self, "offset", _integer("Causal", "offset", self.offset))
 
     def visible(self, q_idx, k_idx):
         return self.visible_2d(q_idx, k_idx)[None]
 
     def visible_2d(self, q_idx, k_idx):
-        q, k = jnp.asarray(q_idx)[:, None], jnp.asarray(k_idx)[None, :]
-        return k <= q + self.offset
+        return self.visible_grid(jnp.asarray(q_idx)[:, None], jnp.asarray(k_idx)[None, :])
+
+    def visible_grid(self, q, k):
+        """`visible` elementwise on index arrays of one (broadcast) shape, e.g. a kernel's tile
+        grids: `k - q <= offset`, exact for any offset (`_bound`)."""
+        d = _distance(q, k)
+        return d <= _bound(self.offset, d)
 
 
 @jax.tree_util.register_static
@@ -136,27 +177,114 @@ class Causal(Mask):
 class SlidingWindow(Mask):
     """Causal within a window: key `j` visible to query `i` when `i - size < j <= i` (with
     `offset` as in `Causal`). A two-sided window of `w` keys either side of the query's own:
-    `SlidingWindow(2 * w + 1, offset=w)`."""
+    `SlidingWindow(2 * w + 1, offset=w)`. `size` and `offset` are static ints of any size (a
+    window longer than the keys is `Causal(offset)`)."""
 
     size: int
     offset: int = 0
 
     def __post_init__(self):
-        if not isinstance(self.size, int) or self.size < 1:
+        try:
+            size = _integer("SlidingWindow", "size", self.size)
+        except ValueError:
+            size = 0
+        if size < 1:
             raise ValueError(f"SlidingWindow: size must be a positive int, got {self.size!r}")
+        object.__setattr__(self, "size", size)
+        object.__setattr__(self, "offset", _integer("SlidingWindow", "offset", self.offset))
 
     def visible(self, q_idx, k_idx):
         return self.visible_2d(q_idx, k_idx)[None]
 
     def visible_2d(self, q_idx, k_idx):
-        q, k = jnp.asarray(q_idx)[:, None] + self.offset, jnp.asarray(k_idx)[None, :]
-        return (k <= q) & (k > q - self.size)
+        return self.visible_grid(jnp.asarray(q_idx)[:, None], jnp.asarray(k_idx)[None, :])
+
+    def visible_grid(self, q, k):
+        """`visible` elementwise on index arrays of one (broadcast) shape, e.g. a kernel's tile
+        grids: `offset - size < k - q <= offset`, exact for any offset and size (`_bound`)."""
+        d = _distance(q, k)
+        return (d <= _bound(self.offset, d)) & (d > _bound(self.offset - self.size, d))
 
 
 def _is_named(a) -> bool:
     from haliax import NamedArray  # local: masks stay importable without haliax loaded first
 
     return isinstance(a, NamedArray)
+
+
+def _kept(a) -> np.dtype | None:
+    """The signed integer type JAX keeps a host integer array `a` in (int32 unless x64 is on),
+    where that type is narrower than `a`'s or `a` is unsigned of its width (a plain conversion
+    would wrap values past its range); else None."""
+    if not isinstance(a, np.ndarray) or not np.issubdtype(a.dtype, np.integer):
+        return None
+    kept = np.dtype(jax.dtypes.canonicalize_dtype(np.int64))
+    unsigned = np.issubdtype(a.dtype, np.unsignedinteger)
+    return (
+        kept if a.dtype.itemsize > kept.itemsize or (unsigned and a.dtype.itemsize == kept.itemsize) else None
+    )
+
+
+def int32_lengths(a):
+    """Integer positions or lengths as int32, values past its range clipped to it: exact in a
+    comparison with a position, which int32 holds (the kernels' operands)."""
+    a = jnp.asarray(a)
+    info = np.iinfo(np.int32)
+    if a.dtype.itemsize >= 4 and jnp.issubdtype(a.dtype, jnp.unsignedinteger):
+        a = jnp.minimum(a, jnp.asarray(info.max, a.dtype))
+    elif a.dtype.itemsize > 4:
+        a = jnp.clip(a, int(info.min), int(info.max))
+    return a.astype(jnp.int32)
+
+
+def int32_ids(q_ids, kv_ids):
+    """Segment ids as int32 with each pair's equality kept (the kernels' operands, which compare
+    ids and their blocks' ranges): a plain conversion where both fit 32 bits (unsigned ones wrap,
+    one to one), else each id's rank among all of them (order kept too; a sort of both)."""
+    q_ids, kv_ids = jnp.asarray(q_ids), jnp.asarray(kv_ids)
+    if q_ids.dtype.itemsize <= 4 and kv_ids.dtype.itemsize <= 4:
+        return q_ids.astype(jnp.int32), kv_ids.astype(jnp.int32)
+    both = jnp.sort(jnp.concatenate([q_ids.ravel(), kv_ids.ravel()]))
+    return tuple(jnp.searchsorted(both, a).astype(jnp.int32) for a in (q_ids, kv_ids))
+
+
+def _host_ids(q_ids, kv_ids):
+    """Host (numpy, Python) ids JAX would keep in a narrower type (`_kept`): converted to it
+    where their values fit, else replaced by their ranks among both arrays' ids (which keep
+    every equality and order). JAX arrays pass as they are (in kernels: `int32_ids`)."""
+    host = [a if isinstance(a, jax.Array) or _is_named(a) else np.asarray(a) for a in (q_ids, kv_ids)]
+    kept = [_kept(a) for a in host]
+    if kept == [None, None]:
+        return host
+    if any(isinstance(a, jax.core.Tracer) or _is_named(a) for a in host):
+        raise ValueError(
+            "Segments: ids wider than JAX keeps (64-bit without x64) must come with the other side's "
+            "as host or concrete arrays (they are renumbered together)"
+        )
+    host = [np.asarray(a) for a in host]
+    kind = kept[0] if kept[0] is not None else kept[1]
+    info = np.iinfo(kind)
+    if all(a.size == 0 or (a.min() >= info.min and a.max() <= info.max) for a in host):
+        return [a.astype(kind) for a in host]
+    flat = [a.ravel() for a in host]
+    if np.result_type(*flat).kind == "f":  # uint64 with int64: compared as Python ints
+        flat = [a.astype(object) for a in flat]
+    _, ranks = np.unique(np.concatenate(flat), return_inverse=True)
+    n = host[0].size
+    return [ranks[:n].reshape(host[0].shape).astype(kind), ranks[n:].reshape(host[1].shape).astype(kind)]
+
+
+def _host_lengths(a):
+    """Host prefix lengths JAX would keep in a narrower type (`_kept`): clipped to its range
+    (exact: every position lies inside it)."""
+    a = a if isinstance(a, jax.Array) or _is_named(a) else np.asarray(a)
+    kept = _kept(a)
+    if kept is None:
+        return a
+    info = np.iinfo(kept)
+    if np.issubdtype(a.dtype, np.unsignedinteger):
+        return np.minimum(a, np.uint64(info.max)).astype(kept)
+    return np.clip(a, info.min, info.max).astype(kept)
 
 
 def _ids(name, ids):
@@ -179,12 +307,15 @@ class Segments(Mask):
 
     With `axkern.attention` the ids may be `NamedArray`s: `q_ids` over q's batch axes (any
     subset, any order) and its position axis, `kv_ids` over k's batch axes and key position
-    axis. Plain arrays lead with the batch axes flattened in q's axis order.
+    axis. Plain arrays lead with the batch axes flattened in q's axis order. Host ids wider than
+    JAX keeps whose values do not fit are renumbered together (`q_ids`, `kv_ids` then hold their
+    ranks); the kernels compare 64-bit JAX ids (x64) by their ranks too (`int32_ids`).
     """
 
     ROLES = (("batch", "QPos"), ("batch", "KPos"))
 
     def __init__(self, q_ids, kv_ids):
+        q_ids, kv_ids = _host_ids(q_ids, kv_ids)
         self.q_ids, self.kv_ids = _ids("Segments", q_ids), _ids("Segments", kv_ids)
         if _is_named(self.q_ids) or _is_named(self.kv_ids):
             return
@@ -225,7 +356,8 @@ class Segments(Mask):
 @jax.tree_util.register_pytree_node_class
 class PrefixLM(Mask):
     """Causal, except that the first `prefix_lengths[b]` keys of batch row `b` are visible to
-    every query (bidirectional prefix). `prefix_lengths [B]` (integers; may be traced)."""
+    every query (bidirectional prefix). `prefix_lengths [B]` (integers; may be traced; host
+    lengths past what JAX keeps are clipped to its range, which every position lies inside)."""
 
     ROLES = (("batch",),)
 
@@ -235,7 +367,7 @@ class PrefixLM(Mask):
                 raise ValueError(f"PrefixLM: prefix_lengths must be integers, got {prefix_lengths.dtype}")
             self.prefix_lengths = prefix_lengths
             return
-        p = jnp.asarray(prefix_lengths)
+        p = jnp.asarray(_host_lengths(prefix_lengths))
         if p.ndim != 1 or not jnp.issubdtype(p.dtype, jnp.integer):
             raise ValueError(
                 f"PrefixLM: prefix_lengths must be an integer [batch] array, got {p.dtype}{list(p.shape)}"

@@ -76,6 +76,19 @@ CASES = {
         8.0,
         False,
     ),
+    # bounds beyond int32, compared with k - q clamped to int32's range
+    "window and offset beyond int32 d64": (
+        1,
+        300,
+        300,
+        2,
+        1,
+        64,
+        "bfloat16",
+        masks.SlidingWindow(2**40, offset=-3) & masks.Causal(offset=2**40),
+        None,
+        False,
+    ),
     # the keys just behind each query and those 700 or more behind: the blocks' tile lists skip
     # the empty key (query) tiles between the two parts
     "window | far keys (a gap) d128": (

@@ -96,13 +96,16 @@ def case(batch, length, heads, kv_heads, head_dim, mask_name="causal", dtype="bf
 TOKAMAX_PEERS = {"tokamax_mosaic": "mosaic", "tokamax_cudnn": "cudnn"}
 
 
-def tokamax_mask(mask: masks.Mask) -> dict[str, Any] | str:
-    """The keywords of `tokamax.dot_product_attention` that express `mask` exactly, or why none do."""
+def tokamax_mask(mask: masks.Mask, q_len: int | None = None) -> dict[str, Any] | str:
+    """The keywords of `tokamax.dot_product_attention` that express `mask` exactly, or why none do.
+    With `q_len`, a window no query outreaches (`size >= q_len`) is causal."""
     if isinstance(mask, masks.Full):
         return {}
     if isinstance(mask, masks.Causal) and mask.offset == 0:
         return {"is_causal": True}
     if isinstance(mask, masks.SlidingWindow) and mask.offset == 0:
+        if q_len is not None and mask.size >= q_len:
+            return {"is_causal": True}
         # tokamax's (before, after) window keeps keys q - before <= k <= q + after; ours
         # q - size < k <= q
         return {"local_window_size": (mask.size - 1, 0)}
@@ -129,7 +132,12 @@ def tokamax_peer(implementation: str, mask: masks.Mask) -> Callable[..., Any] | 
             raise Unsupported(f"tokamax did not import: {type(e).__name__}: {e}") from None
         try:
             return tokamax.dot_product_attention(
-                q, k, v, scale=q.shape[-1] ** -0.5, implementation=implementation, **keywords
+                q,
+                k,
+                v,
+                scale=q.shape[-1] ** -0.5,
+                implementation=implementation,
+                **tokamax_mask(mask, q.shape[1]),
             )
         except NotImplementedError as e:  # tokamax's way of saying a backend cannot take the call
             raise Unsupported(f"tokamax {implementation}: {e}") from None

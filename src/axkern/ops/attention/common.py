@@ -207,7 +207,7 @@ def prepare(mask, block_sizes, scale, logits_soft_cap, interpret, per_kernel=Fal
     (pallas_gpu): the backward kernels get their own block sizes (`cfg.backward`) and the
     lengths are padded to the largest block of the three kernels (`math.lcm` of powers of two)."""
     segments, static = split_segments(mask)
-    seg_ids = None if segments is None else (segments.q_ids, segments.kv_ids)
+    seg_ids = None if segments is None else masks_.int32_ids(segments.q_ids, segments.kv_ids)
     cap = None if logits_soft_cap is None else float(logits_soft_cap)
 
     def one(bs, **extra):

@@ -19,12 +19,17 @@ from axkern import masks as masks_
 from axkern.core.op import Implementation, Unsupported
 
 
-def _mask_args(mask):
+def _mask_args(mask, q_len=None):
+    """The keywords of `jax.nn.dot_product_attention` that express `mask`, or None. With `q_len`,
+    a window no query outreaches (`size >= q_len`: every key at or before the query) is causal,
+    so no window size beyond what cuDNN takes reaches it."""
     if isinstance(mask, masks_.Full):
         return {}
     if isinstance(mask, masks_.Causal) and mask.offset == 0:
         return {"is_causal": True}
     if isinstance(mask, masks_.SlidingWindow) and mask.offset == 0:
+        if q_len is not None and mask.size >= q_len:
+            return {"is_causal": True}
         # without is_causal cuDNN's window bounds the left side only (future keys would
         # stay visible)
         return {"is_causal": True, "local_window_size": (mask.size - 1, 0)}
@@ -57,7 +62,7 @@ def attention(q, k, v, sinks, mask, *, scale, logits_soft_cap, return_lse=False)
     del sinks, logits_soft_cap  # refused by supports()
     if return_lse:
         raise Unsupported(LSE_REASON)
-    args = _mask_args(mask)
+    args = _mask_args(mask, q.shape[1])
     if args is None:
         raise Unsupported(f"{mask!r} is not expressible through jax.nn.dot_product_attention")
     try:

@@ -161,7 +161,7 @@ def operands(leaves, batch: int, sqp: int, skp: int) -> tuple:
         if isinstance(leaf, masks_.Segments):
             out += common.padded_ids(_segment_ids(leaf, batch), sqp, skp)
         else:
-            out.append(jnp.broadcast_to(leaf.prefix_lengths, (batch,)).astype(jnp.int32))
+            out.append(masks_.int32_lengths(jnp.broadcast_to(leaf.prefix_lengths, (batch,))))
     return tuple(out)
 
 
@@ -171,11 +171,8 @@ def grid_visible(mask, q, k, dynamic=None):
     `dynamic(leaf, q, k)`."""
     if isinstance(mask, masks_.Full):
         return None
-    if isinstance(mask, masks_.Causal):
-        return k <= q + mask.offset
-    if isinstance(mask, masks_.SlidingWindow):
-        q = q + mask.offset
-        return (k <= q) & (k > q - mask.size)
+    if isinstance(mask, (masks_.Causal, masks_.SlidingWindow)):
+        return mask.visible_grid(q, k)
     if isinstance(mask, Dynamic):
         return True if dynamic is None else dynamic(mask, q, k)
     if type(mask) in (masks_.And, masks_.Or):
@@ -212,7 +209,7 @@ def schedule_rows(kinds) -> jax.Array:
 
 
 def _segment_ids(seg, batch):
-    return tuple(jnp.broadcast_to(a, (batch, a.shape[1])).astype(jnp.int32) for a in (seg.q_ids, seg.kv_ids))
+    return masks_.int32_ids(*(jnp.broadcast_to(a, (batch, a.shape[1])) for a in (seg.q_ids, seg.kv_ids)))
 
 
 def device_kinds(mask, sq: int, sk: int, block_q: int, block_kv: int, batch: int):
@@ -236,7 +233,7 @@ def device_kinds(mask, sq: int, sk: int, block_q: int, block_kv: int, batch: int
             uniform = common.segment_uniform(ids, nq * block_q, nk * block_kv, block_q, block_kv)
             return jnp.where(~overlap, masks_.EMPTY, jnp.where(uniform, masks_.FULL, masks_.PARTIAL))
         if isinstance(m, masks_.PrefixLM):
-            p = jnp.broadcast_to(m.prefix_lengths, (batch,)).astype(jnp.int32)[:, None, None]
+            p = masks_.int32_lengths(jnp.broadcast_to(m.prefix_lengths, (batch,)))[:, None, None]
             q0 = (jnp.arange(nq, dtype=jnp.int32) * block_q)[None, :, None]
             k0 = (jnp.arange(nk, dtype=jnp.int32) * block_kv)[None, None, :]
             q1, k1 = q0 + block_q - 1, k0 + block_kv - 1
