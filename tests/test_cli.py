@@ -28,6 +28,47 @@ def test_info_runs_and_reports_each_op(capsys):
     assert re.search(r"global devices\s+│ 8 ", out)  # conftest's 8 host devices
 
 
+def test_info_starts_with_a_one_screen_summary(capsys):
+    assert cli.main(["info"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    head = lines[: len(axkern.ops()) + 2]
+    assert max(map(len, head)) <= 100
+    for op in axkern.ops():  # op -> the default here, and why the others are not
+        assert any(line.strip().startswith(f"{op}: xla") for line in head), op
+    assert any(
+        "short_conv: xla" in line and "gpu only: cuda, pallas_gpu; tpu only: pallas_tpu" in line
+        for line in head
+    )
+    assert len(lines) < 60 and "--all" in lines[-1]  # the full decisions on request
+    assert cli.main(["info", "--all"]) == 0
+    out = capsys.readouterr().out
+    assert "B=2 S=256 C=256 W=4 silu float32 gets:" in out and "block sizes:" in out
+
+
+def test_every_command_and_option_has_help_and_usage_errors_show_the_commands_usage(capsys):
+    top, commands = cli._parsers()
+    assert set(commands) == {"info", "bench", "report", "tune", "build-native"}
+    for name in commands:
+        assert f"axkern {name}" in top.description  # the top-level description lists every command
+    for name, p in commands.items():
+        for action in p._actions:
+            assert action.help, f"axkern {name} {action.option_strings or action.dest}: no help"
+    assert "report" in top.format_help() and "needs the report extra" in top.format_help()
+    with pytest.raises(SystemExit) as e:
+        cli.main(["bench", "--quick", "--bogus"])
+    err = capsys.readouterr().err
+    assert (
+        e.value.code == 2
+        and err.startswith("usage: axkern bench")
+        and "unrecognized arguments: --bogus" in err
+    )
+    assert cli.main(["bench", "no_such_op"]) == 2  # a check of the command's own: its usage too
+    err = capsys.readouterr().err
+    assert err.startswith("usage: axkern bench") and err.strip().splitlines()[-1].startswith(
+        "axkern bench: error: OP"
+    )
+
+
 def test_info_joins_a_cluster_and_counts_its_processes_and_devices(tmp_path):
     def command(process_id, coordinator):
         flags = f"--coordinator {coordinator} --num-processes 2 --process-id {process_id}"
@@ -390,9 +431,43 @@ def test_bench_table_off_a_terminal_is_one_line_per_row(capsys):
     rows = _rows(gpu=False)
     bench_format.print_rows(rows, _doc(rows), "table", Console(file=io.StringIO()))  # not a terminal
     lines = capsys.readouterr().out.splitlines()
-    assert len(lines) == 5 + len(rows)  # title, top rule, names, rule, the rows, bottom rule
-    assert "pallas_gpu (interpret)" in lines[5] and rows[1].note.strip() in lines[5]
     assert "no ceiling on a CPU" in lines[0]
+    found = [line for line in lines if line.lstrip().startswith(("xla ", "pallas_gpu"))]
+    assert len(found) == len(rows)  # one line per row, its note at the end
+    assert "pallas_gpu (interpret)" in found[1] and rows[1].note.strip() in found[1]
+
+
+def test_bench_table_fits_a_terminal_with_ratios_to_the_default_beside_memory():
+    from axkern.bench import Row
+
+    rows = _rows(gpu=True) + [
+        Row("short_conv", "B=2 S=256", "reference", "fwd", ms=0.6, temp_gib=0.5, tflops=1.0, gbps=9.0),
+        Row("short_conv", "B=4 S=512", "cuda", "fwd", ms=1.0, temp_gib=0.1, tflops=1.0, gbps=9.0),
+        Row("short_conv", "B=4 S=512", "peer:cut_cross_entropy", "fwd", ms=3.0, temp_gib=0.1, note="n " * 80),
+    ]
+    doc = _doc(rows) | {
+        "matmul_ceiling_tflops": 700.0,
+        "copy_bandwidth_gbps": 4000.0,
+        "cases": [{"op": "short_conv", "case": "B=2 S=256", "default": "pallas_gpu"}],
+    }
+    for width in (100, 80):
+        lines = bench_format.table_lines(rows, doc, width)
+        assert max(map(len, lines)) <= width, width
+        names = next(line for line in lines if "x default" in line).split()
+        assert names[names.index("x") + 2] == "temp"  # the ratio beside the memory
+        # the case is a heading, once per case, naming the default; not a column of every row
+        assert sum("B=2 S=256" in line for line in lines) == 1
+        assert any("B=2 S=256 (default here: pallas_gpu)" in line for line in lines)
+        row = {line.split()[0]: line.split() for line in lines if line.startswith("  ") and "fwd" in line}
+        assert (
+            row["pallas_gpu"][3] == "1.00x"
+            and row["xla"][3] == f"{0.3 / 12:.2f}x"
+            and row["reference"][3] == "0.05x"
+        )
+        # no default known for the second case: times against reference, none there: no ratio
+        assert row["peer:cut_cross_entropy"][3] == "-" and row["cuda"][3] == "-"
+    assert "TB/s" in bench_format.table_lines(rows, doc, 100)[3]
+    assert "TB/s" not in bench_format.table_lines(rows, doc, 80)[3]  # a rate left out at 80 columns
 
 
 @pytest.mark.parametrize("fmt", ["json", "csv", "markdown"])

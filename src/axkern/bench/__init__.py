@@ -4,7 +4,7 @@
   the matmul and copy ceilings; `cases_for` / `presets_for` read an op's `arg_specs.py`.
 - `format`: how rows print (table, JSON, CSV, markdown).
 - `results`: the results layout on disk (`<root>/<device_key>/<op>/<preset>.json`).
-- `report`: tables and plots from the saved results.
+- `report`: tables from the saved results (the docs' long form, the README's short form); `plots`: their plots.
 - `peers`: the PyTorch peers, timed in a subprocess.
 - `tune`: block-size sweeps, and `autotune` for a call the dispatcher has no tuned entry for.
 

@@ -31,7 +31,14 @@ __all__ = ["add_parser", "bench"]
 
 
 def add_parser(sub) -> None:
-    b = sub.add_parser("bench", help="time every implementation of every op (or one op)")
+    b = sub.add_parser(
+        "bench",
+        help="time every implementation of every op (or one op)",
+        description="Time every implementation of every op (or of OP) on the op's shapes: per case, "
+        "each implementation's milliseconds as a multiple of the default's (what the dispatcher picks "
+        "here), its temporary memory, rates and error against reference. Every argument is checked "
+        "before anything is measured.",
+    )
     b.add_argument("op", nargs="?", help="one op (default: all)")
     shapes = b.add_mutually_exclusive_group()
     shapes.add_argument(
@@ -57,7 +64,12 @@ def add_parser(sub) -> None:
         help="also time the PyTorch kernels users pick instead (Liger, cut-cross-entropy, plain torch) "
         "in a subprocess, when importable; notes give each time as a multiple of theirs",
     )
-    b.add_argument("--passes", choices=("fwd", "fwd+bwd", "both"), default="both")
+    b.add_argument(
+        "--passes",
+        choices=("fwd", "fwd+bwd", "both"),
+        default="both",
+        help="which passes to time: the forward, forward+backward, or both (default)",
+    )
     b.add_argument(
         "--repeats", type=positive_int, help="timed repeats, median reported (default: 20; 3 with --quick)"
     )
@@ -76,7 +88,8 @@ def add_parser(sub) -> None:
         "--format",
         choices=("table", "json", "csv", "markdown"),
         default="table",
-        help="how the results are printed on stdout (progress goes to stderr)",
+        help="how the results are printed on stdout: a table grouped by case that fits the terminal "
+        "(default), or json, csv, markdown for machines (progress goes to stderr)",
     )
     b.add_argument(
         "--cases",
@@ -121,9 +134,10 @@ def bench(args) -> int:
         ceiling = matmul_ceiling(repeats=repeats)
         bandwidth = copy_bandwidth(repeats=repeats)
     rows = []
+    defaults = _defaults(work, args)
 
     def document(rows):
-        return results.document(
+        doc = results.document(
             rows,
             [c for c, _ in work],
             command=" ".join(["axkern"] + sys.argv[1:]),
@@ -134,6 +148,9 @@ def bench(args) -> int:
             ceiling=ceiling,
             bandwidth=bandwidth,
         )
+        for case in doc["cases"]:  # what the dispatcher picks here: the table's times are ratios to it
+            case["default"] = defaults.get((case["op"], case["case"]))
+        return doc
 
     blocks = replaced_blocks(args.op, args.blocks) if args.blocks else contextlib.nullcontext()
     with blocks, Progress(console=status, transient=True) as progress:
@@ -171,6 +188,23 @@ def bench(args) -> int:
         if r.ms is None and not r.note.startswith("unsupported") and not r.implementation.startswith("peer:")
     ]
     return 1 if failed else 0
+
+
+def _defaults(work, args) -> dict[tuple[str, str], str]:
+    """Each case's default implementation here, what the dispatcher picks for it (`explain` on its
+    shapes), by (op, case label); `default` for a file's cases (`--cases`)."""
+    from .info import case_decision
+
+    out = {}
+    for c, _ in work:
+        if args.cases:
+            out[(c.op, c.label)] = "default"
+            continue
+        try:
+            out[(c.op, c.label)] = case_decision(c).implementation
+        except (NotImplementedError, ValueError, TypeError):  # nothing serves it here: ratios to reference
+            continue
+    return out
 
 
 def _write_json(path: str, doc: dict) -> None:

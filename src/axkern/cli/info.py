@@ -1,4 +1,5 @@
-"""`axkern info`: the platform, versions, processes, nvcc, and what each op picks here."""
+"""`axkern info`: a summary of what each op runs here and why, then the platform, versions,
+processes, nvcc and native libraries; with `--all` each op's implementations and decision."""
 
 from __future__ import annotations
 
@@ -12,12 +13,22 @@ from axkern.bench import results
 
 console = Console()
 
-__all__ = ["add_parser", "info"]
+__all__ = ["add_parser", "info", "case_decision"]
 
 
 def add_parser(sub) -> None:
-    i = sub.add_parser("info", help="platform, versions, processes, nvcc, and what each op picks here")
+    i = sub.add_parser(
+        "info",
+        help="what each op runs here and why; platform, versions, processes, nvcc",
+        description="A summary first, one line per op: the implementation the dispatcher picks here "
+        "for the op's first quick case, the ones it passed over (with why), and the ones that run "
+        "elsewhere or only when asked for. Then the platform, versions, processes, nvcc and the "
+        "native libraries.",
+    )
     i.add_argument("--json", action="store_true", help="print the same facts as JSON")
+    i.add_argument(
+        "--all", action="store_true", help="also each op's implementations and full decision (long)"
+    )
     i.add_argument("--coordinator", help="HOST:PORT of process 0: join that jax.distributed cluster first")
     i.add_argument("--num-processes", type=int, help="processes in the cluster (with --coordinator)")
     i.add_argument("--process-id", type=int, help="this process's index in the cluster (with --coordinator)")
@@ -49,19 +60,67 @@ def _nvcc() -> str:
     return f"{path} ({release[-1].strip() if release else 'version unknown'})"
 
 
-def _typical_decision(op: str):
-    """The dispatcher's choice for the op's quick benchmark shape, from `explain`."""
+def case_decision(case):
+    """The dispatcher's choice for a benchmark case (`axkern.bench.Case`), from `explain` on its
+    shapes (nothing runs)."""
     import jax
 
     import axkern
+
+    shapes = jax.eval_shape(case.make, jax.random.PRNGKey(0))
+    decisions = axkern.explain(lambda *a: case.forward(None, *a), *shapes)
+    if isinstance(decisions, tuple):  # the case calls other ops too (e.g. a dispatch before a combine)
+        decisions = next((d for d in decisions if d.op == case.op), decisions[-1])
+    return decisions
+
+
+def _typical_decision(op: str):
+    """The dispatcher's choice for the op's quick benchmark shape, from `explain`."""
     from axkern.bench import cases_for
 
     c = cases_for(op)[0]
-    shapes = jax.eval_shape(c.make, jax.random.PRNGKey(0))
-    decisions = axkern.explain(lambda *a: c.forward(None, *a), *shapes)
-    if isinstance(decisions, tuple):  # the case calls other ops too (e.g. a dispatch before a combine)
-        decisions = next((d for d in decisions if d.op == op), decisions[-1])
-    return c.label, decisions
+    return c.label, case_decision(c)
+
+
+def _why(op: str, decision) -> dict[str, list[str]]:
+    """Why the others were not picked: `passed over` (tried first; `name: reason`), `next` (the
+    default order's fallbacks), `explicit only` (they run here when asked for by name) and, per
+    set of platforms, `<platforms> only` (they run elsewhere)."""
+    from axkern.core.registry import get_op
+
+    op_ = get_op(op)
+    spec = decision.spec
+    order = op_.default_order.get(spec.platform, ("xla",))
+    order = tuple(order(spec) if callable(order) else order)
+    rejected = {r.implementation: r.reason for r in decision.rejected}
+    out: dict[str, list[str]] = {"passed over": [f"{n}: {why}" for n, why in rejected.items()]}
+    chosen = decision.implementation
+    out["next"] = [n for n in order[order.index(chosen) + 1 :]] if chosen in order else []
+    out["explicit only"] = []
+    for name, impl in sorted(op_.implementations.items()):
+        if name in (chosen, "reference") or name in rejected or name in out["next"]:
+            continue
+        if spec.platform in impl.platforms:
+            out["explicit only"].append(name)
+        else:
+            out.setdefault(f"{'/'.join(impl.platforms)} only", []).append(name)
+    return {k: v for k, v in out.items() if v}
+
+
+def summary_lines(data: dict, width: int = 100) -> list[str]:
+    """The one-screen summary: one line per op, `op: chosen` and why the others were not."""
+    lines = [
+        f"axkern {data['versions']['axkern']} on {data['platform']} ({data['device']} "
+        f"x{data['local_devices']}), jax {data['versions']['jax']}",
+        "What each op runs here, for its first quick case (`reference`, the oracle, only on request):",
+    ]
+    pad = max(len(f"{op}: {d['typical_choice']}") for op, d in data["ops"].items()) + 2
+    for op, d in data["ops"].items():
+        why = "; ".join(f"{k}: {', '.join(v)}" for k, v in d["summary"].items())
+        line = f"  {op}: {d['typical_choice']}".ljust(pad + 2) + why
+        line = line.rstrip()
+        lines.append(line if len(line) <= width else line[: width - 1] + "…")
+    return lines
 
 
 def _join_cluster(args) -> None:
@@ -94,6 +153,7 @@ def _info_data() -> dict:
             "typical_case": label,
             "typical_choice": decision.implementation,
             "typical_decision": str(decision),
+            "summary": _why(op, decision),
         }
     return {
         "versions": results.versions(),
@@ -117,6 +177,9 @@ def info(args) -> int:
     if args.json:
         print(json.dumps(data, indent=2))
         return 0
+    for line in summary_lines(data):
+        console.print(line, markup=False, highlight=False, soft_wrap=True)
+    console.print()
     t = Table(title="axkern info", show_header=False)
     t.add_column("what")
     t.add_column("value")
@@ -132,6 +195,9 @@ def info(args) -> int:
     for name, line in data["native"].items():
         t.add_row(f"native: {name}", line)
     console.print(t)
+    if not getattr(args, "all", False):
+        console.print("`axkern info --all` adds each op's implementations and full decision.", markup=False)
+        return 0
     for op, d in data["ops"].items():
         ops_t = Table(title=f"{op}")
         ops_t.add_column("implementation")
