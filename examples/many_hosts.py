@@ -62,12 +62,24 @@ def whole_batch(seed=0):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n", 1)[0],
+        epilog="Under SLURM, Open MPI, Kubernetes or on Cloud TPU leave the three flags out: JAX finds them.",
+    )
     parser.add_argument("--coordinator", help="HOST:PORT of process 0")
-    parser.add_argument("--num-processes", type=int)
-    parser.add_argument("--process-id", type=int)
+    parser.add_argument("--num-processes", type=int, help="how many processes the cluster has")
+    parser.add_argument("--process-id", type=int, help="this process's index, 0 to num-processes - 1")
     args = parser.parse_args()
-    jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
+    flags = (args.coordinator, args.num_processes, args.process_id)
+    if any(f is not None for f in flags) and any(f is None for f in flags):
+        parser.error("give all three of --coordinator, --num-processes and --process-id, or none")
+    try:
+        jax.distributed.initialize(*flags)
+    except ValueError as e:  # no flags and no cluster JAX recognises
+        parser.error(
+            f"no cluster to join ({e}): give --coordinator, --num-processes and --process-id "
+            "(two processes on one machine: see docs/many-hosts.md), or run under a cluster manager"
+        )
 
     processes, local = jax.process_count(), jax.local_device_count()
     if processes > 1:  # each process's devices form one row: `data` is the only axis that crosses hosts

@@ -1,5 +1,5 @@
 """The expert-parallel example runs on 8 host devices, positional and named, and matches the dense
-layer; its bench case runs."""
+layer; its bench case runs. The many-hosts example without a cluster prints its usage."""
 
 from __future__ import annotations
 
@@ -26,3 +26,18 @@ def test_ep_moe_example_matches_the_dense_layer():
             assert float(m.group(2)) < 1e-4, line
             checked += 1
     assert checked == 10, out.stdout  # y and four gradients, positional and named
+
+
+def test_many_hosts_without_a_cluster_prints_its_usage():
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    for flags in ([], ["--coordinator", "127.0.0.1:1"]):
+        proc = subprocess.run(
+            [sys.executable, str(REPO / "examples" / "many_hosts.py"), *flags],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env=env,
+        )
+        assert proc.returncode == 2, proc.stderr
+        assert proc.stderr.startswith("usage: many_hosts.py") and "Traceback" not in proc.stderr
+        assert "--process-id" in proc.stderr.splitlines()[-1]
