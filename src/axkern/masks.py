@@ -391,7 +391,10 @@ class PrefixLM(Mask):
 
     def visible(self, q_idx, k_idx):
         q, k = _grid(q_idx, k_idx)
-        return (k <= q) | (k < self.prefix_lengths[:, None, None])
+        p = self.prefix_lengths
+        if jnp.issubdtype(p.dtype, jnp.unsignedinteger) and p.dtype.itemsize >= k.dtype.itemsize:
+            p = jnp.minimum(p, jnp.asarray(jnp.iinfo(k.dtype).max, p.dtype)).astype(k.dtype)  # no wrap
+        return (k <= q) | (k < p[:, None, None])
 
 
 @jax.tree_util.register_pytree_node_class

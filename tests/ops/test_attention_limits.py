@@ -222,6 +222,7 @@ def test_prefix_lengths_beyond_int32_keep_their_meaning():
         masks.PrefixLM(np.array([2**40, -(2**40), 3], np.int64)),
         masks.PrefixLM([2**40, -(2**40), 3]),
         masks.PrefixLM(np.array([2**63 - 1, 0, 3], np.uint64)),
+        masks.PrefixLM(jnp.array([3_000_000_000, 0, 3], jnp.uint32)),  # past int32, which uint32 wraps to
     ):
         np.testing.assert_array_equal(np.asarray(big.dense(SQ, SK)), np.asarray(small.dense(SQ, SK)))
         np.testing.assert_array_equal(
@@ -237,6 +238,17 @@ def test_prefix_lengths_beyond_int32_keep_their_meaning():
         np.testing.assert_array_equal(got, schedules.device_kinds(small, SQ, SK, 8, 8, 3))
         got = jax.jit(lambda m: schedules.operands([m], 3, 32, 48))(big)
         np.testing.assert_array_equal(_inside(got), _inside(schedules.operands([small], 3, 32, 48)))
+
+
+@pytest.mark.parametrize("impl", ["xla", "reference"])
+def test_prefix_lengths_past_int32_in_uint32_keep_their_meaning_in_attention(impl):
+    a = _inputs(3, 2, SQ, SK, 2, 1, 16, "float32")
+    want = _out_and_grads("reference", masks.PrefixLM(jnp.array([SK, 3])), a)
+    got = jax.jit(lambda p: _out_and_grads(impl, masks.PrefixLM(p), a))(
+        jnp.array([3_000_000_000, 3], jnp.uint32)
+    )
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)
 
 
 def test_segment_ids_beyond_int32_keep_their_documents_in_the_masks():
