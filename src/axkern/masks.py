@@ -218,11 +218,8 @@ def _kept(a) -> np.dtype | None:
     would wrap values past its range); else None."""
     if not isinstance(a, np.ndarray) or not np.issubdtype(a.dtype, np.integer):
         return None
-    kept = np.dtype(jax.dtypes.canonicalize_dtype(np.int64))
-    unsigned = np.issubdtype(a.dtype, np.unsignedinteger)
-    return (
-        kept if a.dtype.itemsize > kept.itemsize or (unsigned and a.dtype.itemsize == kept.itemsize) else None
-    )
+    kept, n = np.dtype(jax.dtypes.canonicalize_dtype(np.int64)), a.dtype.itemsize
+    return kept if n > kept.itemsize or (n == kept.itemsize and a.dtype.kind == "u") else None
 
 
 def int32_lengths(a):
@@ -269,22 +266,18 @@ def _host_ids(q_ids, kv_ids):
     flat = [a.ravel() for a in host]
     if np.result_type(*flat).kind == "f":  # uint64 with int64: compared as Python ints
         flat = [a.astype(object) for a in flat]
-    _, ranks = np.unique(np.concatenate(flat), return_inverse=True)
-    n = host[0].size
-    return [ranks[:n].reshape(host[0].shape).astype(kind), ranks[n:].reshape(host[1].shape).astype(kind)]
+    ranks = np.unique(np.concatenate(flat), return_inverse=True)[1].astype(kind)
+    return [ranks[: host[0].size].reshape(host[0].shape), ranks[host[0].size :].reshape(host[1].shape)]
 
 
 def _host_lengths(a):
     """Host prefix lengths JAX would keep in a narrower type (`_kept`): clipped to its range
     (exact: every position lies inside it)."""
     a = a if isinstance(a, jax.Array) or _is_named(a) else np.asarray(a)
-    kept = _kept(a)
-    if kept is None:
+    if (kept := _kept(a)) is None:
         return a
-    info = np.iinfo(kept)
-    if np.issubdtype(a.dtype, np.unsignedinteger):
-        return np.minimum(a, np.uint64(info.max)).astype(kept)
-    return np.clip(a, info.min, info.max).astype(kept)
+    top = np.iinfo(kept).max  # an unsigned array's values past it as well as a signed one's
+    return (np.minimum(a, np.uint64(top)) if a.dtype.kind == "u" else np.clip(a, -top - 1, top)).astype(kept)
 
 
 def _ids(name, ids):
