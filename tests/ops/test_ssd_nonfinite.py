@@ -115,6 +115,91 @@ def test_the_gradients_are_nan_where_the_nan_reaches(impl):
     assert np.isnan(dA[1]) and np.isfinite(dA[0])  # head 0 never sees the NaN
 
 
+# three packed documents over chunks of 16: chunk 0 holds documents 0 and 1, chunk 2 documents
+# 1 and 2; one document holds the non-finite value (the initial state's is the first's)
+DOCS = jnp.asarray([[0] * 14 + [1] * 20 + [2] * 14], jnp.int32)
+WITH_GATE = NAMES + ("D", "z")
+
+
+@functools.cache
+def _documents(impl):
+    """`((y, final), gradients of the seven inputs, D and z)` of a weighted sum of `y` over the
+    positions `kept [1, L]` and of the final state where `final_kept`, jitted: the loss of the
+    other documents only, or of all of them."""
+
+    def f(args, kept, final_kept):
+        x, dt, A, B, C, s0, D, z = args
+        y, final = ssd(
+            x,
+            dt,
+            A,
+            B,
+            C,
+            D=D,
+            z=z,
+            segment_ids=DOCS,
+            initial_state=s0,
+            return_final_state=True,
+            implementation=impl,
+            chunk_size=None if impl == "reference" else 16,
+        )
+        w = jnp.cos(jnp.arange(y.size).reshape(y.shape))
+        loss = jnp.sum(jnp.where(kept[:, :, None, None], y * w, 0)) + jnp.sum(jnp.where(final_kept, final, 0))
+        return loss, (y, final)
+
+    def run(a, kept, final_kept):
+        grads, out = jax.grad(f, has_aux=True)(tuple(a[k] for k in WITH_GATE), kept, final_kept)
+        return out, dict(zip(WITH_GATE, grads, strict=True))
+
+    return jax.jit(run)
+
+
+@pytest.mark.parametrize("impl", ["reference", *IMPLS])
+@pytest.mark.parametrize("where", ["x", "dt", "B", "C", "initial_state"])
+@pytest.mark.parametrize("loss", ["others", "all"])
+def test_a_document_boundary_stops_a_nan_in_the_gradients_too(impl, where, loss):
+    """A NaN in one packed document leaves the other documents' outputs and the gradients at
+    their positions finite and exact, whether the loss covers the NaN document's outputs or
+    only the others': they are those of the same inputs with the NaN replaced by 0 (nothing of
+    the other documents depends on it). The per-head `A` and `D` sum over every position: where
+    the NaN reaches their terms their gradient is NaN (autodiff's `0 · NaN`, also where the loss
+    gives the NaN document's outputs a zero cotangent), elsewhere finite and exact."""
+    a = _inputs(5, l=48)
+    k = jax.random.split(jax.random.PRNGKey(6), 2)
+    a["D"], a["z"] = jax.random.normal(k[0], (2,)), jax.random.normal(k[1], a["x"].shape)
+    index = {"x": (0, 20, 1, 3), "dt": (0, 20, 1), "B": (0, 20, 0, 2), "C": (0, 20, 0, 2)}
+    index["initial_state"] = (0, 1, 3, 2)
+    bad_doc = 0 if where == "initial_state" else 1
+    poisoned = dict(a, **{where: poke(a[where], index[where], np.nan)})
+    fixed = dict(a, **{where: poke(a[where], index[where], 0.0)})
+    others = np.asarray(DOCS[0] != bad_doc)  # [L]
+    kept = jnp.asarray(others[None]) if loss == "others" else jnp.ones((1, 48), bool)
+    with axkern.use(interpret=INTERPRET), serving(impl):
+        (y, final), got = _documents(impl)(poisoned, kept, jnp.asarray(True))
+    (y_want, final_want), want = _documents("reference")(fixed, kept, jnp.asarray(True))
+    _, exact = _documents("reference")(poisoned, kept, jnp.asarray(True))
+
+    def close(g, w, what):
+        g, w = np.asarray(g), np.asarray(w)
+        assert np.isfinite(g).all(), f"{impl} {what}: {np.argwhere(~np.isfinite(g))[:4].tolist()}"
+        np.testing.assert_allclose(g, w, rtol=2e-4, atol=2e-4, err_msg=f"{impl} {what}")
+
+    close(np.asarray(y)[:, others], np.asarray(y_want)[:, others], "y")
+    close(final, final_want, "final state")  # in document 2
+    for name in ("x", "dt", "B", "C", "z"):  # per position
+        close(np.asarray(got[name])[:, others], np.asarray(want[name])[:, others], f"d{name}")
+    if bad_doc:
+        close(got["initial_state"], want["initial_state"], "d initial_state")
+    # the heads whose A, D the NaN reaches (B, C: their group's; D: through `D x` only)
+    reached = {"A": [0, 1] if where in ("B", "C") else [1], "D": [1] if where == "x" else []}
+    for name, heads in reached.items():
+        g, clean_heads = np.asarray(got[name]), [h for h in (0, 1) if h not in heads]
+        assert np.isnan(g[heads]).all(), f"{impl} d{name}: {g}"
+        close(g[clean_heads], np.asarray(want[name])[clean_heads], f"d{name}{clean_heads}")
+    for name, g in got.items():  # never a number where the exact recurrence's gradient is not one
+        assert (~np.isfinite(np.asarray(g)) | np.isfinite(np.asarray(exact[name]))).all(), f"{impl} d{name}"
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("chunk", [8, 16, 32, 64])
 def test_a_reused_segment_id_starts_a_new_segment_at_every_chunk_size(impl, chunk):

@@ -1,8 +1,11 @@
 """Plain-JAX pieces every chunked form shares (SSD's and Mamba-3's, plain JAX or kernels):
 segment ids, the recurrence over chunk states, the non-finite guard (`guard`, `clean`,
-`scrubbed`, `poison`) and SSD's layer around a scan (`layer`, `layer_around`)."""
+`scrubbed`, `poison`; SSD's gradients: `gradient_marks`, `reached`, `nan_where`) and SSD's
+layer around a scan (`layer`, `layer_around`)."""
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -108,6 +111,64 @@ def guard(x, dt, A, B, C, seg, initial_state):
     return (clean(x), clean(dt), clean(A), clean(B), clean(C), clean(initial_state)), y_bad, final_bad
 
 
+def gradient_marks(x, dt, A, B, C, seg, initial_state):
+    """Where the gradients are NaN under the non-finite rule, per head: the inputs that reach an
+    output the exact recurrence makes non-finite (`guard`'s masks, any over the head's rows).
+    Returns `(reach [b, l, h]`: position `s` reaches a non-finite output of its head (at or after
+    `s` in its segment, or the final state from the last segment), `at [b, l, h]`: the output at
+    the position is non-finite (what `C` there reaches), `a [h]`: `A` reaches a non-finite output
+    (one that is not a segment's first, or the final state)). `reached` applies them; a segment
+    that no non-finite value reaches is marked nowhere, so its gradients stay numbers."""
+    rep = x.shape[2] // B.shape[2]
+    bad = lambda a: ~jnp.isfinite(a)  # noqa: E731
+    per_head = lambda a: jnp.repeat(a, rep, axis=2)  # noqa: E731 - groups -> heads
+    starts = jnp.concatenate([jnp.zeros_like(seg[:, :1], bool), seg[:, 1:] != seg[:, :-1]], axis=1)
+    events = bad(x).any(-1) | bad(dt) | (bad(A)[None, None] & ~starts[..., None]) | per_head(bad(B).any(-1))
+    init = bad(initial_state).any((-2, -1))  # [b, h]
+    at = reaches(events, seg) | ((seg == 0)[..., None] & init[:, None]) | per_head(bad(C).any(-1))
+    last = (seg == seg[:, -1:])[..., None]
+    final = (events & last).any(1) | (init & (seg[:, -1] == 0)[:, None])  # [b, h]
+    ends = jnp.zeros_like(at).at[:, -1].set(final)  # the final state, after the last position
+    reach = reaches((at | ends)[:, ::-1], seg[:, ::-1])[:, ::-1]  # backwards in time, in the segment
+    a = (at & ~starts[..., None]).any((0, 1)) | final.any(0)
+    return reach, at, a
+
+
+def reached(value, inputs, marks):
+    """`value` as it is. Backward: its cotangent passes on, and the gradient of each of `inputs
+    = (x, dt, A, B, C, initial_state)` gains NaN where `marks` (`gradient_marks`) say it reaches
+    a non-finite output, 0 elsewhere. With `nan_where`, whose backward drops the cotangent of the
+    non-finite outputs, the scan's backward computes on numbers only: no `0 · NaN` of its masked
+    terms (other segments, later positions) moves a NaN across a segment boundary."""
+    shapes = tuple((a.shape, jnp.dtype(a.dtype).name) for a in inputs)
+    return _reached(shapes, value, inputs, marks)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _reached(shapes, value, inputs, marks):
+    return value
+
+
+def _reached_fwd(shapes, value, inputs, marks):
+    return value, marks
+
+
+def _reached_bwd(shapes, marks, g):
+    reach, at, a = marks
+    groups = shapes[3][0][2]  # B's
+    per_group = lambda m: m.reshape(*m.shape[:2], groups, -1).any(-1)  # noqa: E731 - heads -> groups
+    where = (reach[..., None], reach, a, per_group(reach)[..., None], per_group(at)[..., None])
+    where += (reach[:, 0, :, None, None],)  # the initial state: the first segment's
+    nans = tuple(
+        jnp.broadcast_to(jnp.where(m, jnp.nan, 0).astype(dtype), shape)
+        for m, (shape, dtype) in zip(where, shapes, strict=True)
+    )
+    return g, nans, None
+
+
+_reached.defvjp(_reached_fwd, _reached_bwd)
+
+
 def all_finite(*arrays) -> jax.Array:
     """One boolean: every value of `arrays` is finite (`a · 0` is NaN exactly where `a` is not
     finite; one float32 sum per array, which fuses into the read)."""
@@ -163,22 +224,50 @@ scrubbed.defvjp(_scrubbed_fwd, _scrubbed_bwd)
 def poison(y, bad):
     """`y` with NaN where `bad`; the cotangent of those places goes back as NaN, so the inputs
     that reach them get NaN gradients (possibly more of them than the exact recurrence's, never
-    fewer). The backward keeps `bad` as bits along the last axis, 8 to a byte (`jnp.packbits`):
+    fewer: a backward that multiplies masked terms by 0 spreads it; SSD's layer uses `nan_where`
+    and `reached` instead). The backward keeps `bad` as bits along the last axis, 8 to a byte (`jnp.packbits`):
     inside a differentiated conditional the other branch writes zeros into that residual's slot
     on every call (`[b, L, H, P]`: 84 MB as bytes at the Mamba-2 2.7B layer, L 4096)."""
     return jnp.where(bad, jnp.nan, y).astype(y.dtype)
 
 
 def _poison_fwd(y, bad):
-    return poison(y, bad), jnp.packbits(jnp.broadcast_to(bad, y.shape), axis=-1)
+    return poison(y, bad), _bits(bad, y)
 
 
 def _poison_bwd(bits, g):
-    bad = jnp.unpackbits(bits, axis=-1, count=g.shape[-1]).astype(bool)
-    return jnp.where(bad, jnp.nan, g).astype(g.dtype), None
+    return jnp.where(_unbits(bits, g), jnp.nan, g).astype(g.dtype), None
+
+
+def _bits(bad, y):
+    """`bad` broadcast to `y`'s shape, as bits along the last axis (8 to a byte)."""
+    return jnp.packbits(jnp.broadcast_to(bad, y.shape), axis=-1)
+
+
+def _unbits(bits, g):
+    return jnp.unpackbits(bits, axis=-1, count=g.shape[-1]).astype(bool)
 
 
 poison.defvjp(_poison_fwd, _poison_bwd)
+
+
+@jax.custom_vjp
+def nan_where(y, bad):
+    """`y` with NaN where `bad` (as `poison`); the cotangent of those places is dropped (0), so the
+    backward it feeds computes on numbers only: the inputs that reach them get their NaN
+    gradients from `reached`. The mask is kept as bits along the last axis (`poison`'s)."""
+    return jnp.where(bad, jnp.nan, y).astype(y.dtype)
+
+
+def _nan_where_fwd(y, bad):
+    return nan_where(y, bad), _bits(bad, y)
+
+
+def _nan_where_bwd(bits, g):
+    return jnp.where(_unbits(bits, g), 0, g).astype(g.dtype), None
+
+
+nan_where.defvjp(_nan_where_fwd, _nan_where_bwd)
 
 
 def layer(scan, x, dt, A, B, C, D, z, segment_ids, initial_state):
@@ -187,7 +276,9 @@ def layer(scan, x, dt, A, B, C, D, z, segment_ids, initial_state):
     `seg` internal segment ids; `clean_x`: `x`'s non-finite values taken as 0, their gradients
     NaN, as `clean`): the scan on the inputs as they are where every value it reads is finite,
     else on `guard`'s clean inputs with NaN put where the recurrence is non-finite; then `D` and
-    the gate. The guard's masks and wheres (a running maximum over the length of `[b, L, H, P]`
+    the gate. Backward, that branch drops the non-finite outputs' cotangents (`nan_where`) and
+    gives NaN gradients to the inputs that reach them (`reached`): the scan's backward meets no
+    NaN, so none crosses a segment boundary through its masked terms. The guard's masks and wheres (a running maximum over the length of `[b, L, H, P]`
     values, a select on every output and, backward, on every gradient) cost about as much as the
     scan's own kernels (docs/decisions.md, "The non-finite guard in a conditional"); here they
     run only where an input is not finite."""
@@ -204,7 +295,8 @@ def layer(scan, x, dt, A, B, C, D, z, segment_ids, initial_state):
         # `x` as it came, cleaned by the scan: the residual it keeps of `x` is then the operand
         # in both branches, which the conditional passes out as it is (rather than a copy)
         y, final = scan(checked[0], dt.astype(acc), A, B, C, seg, initial_state, clean_x=True)
-        return poison(y, y_bad), poison(final, final_bad)
+        marks = gradient_marks(*checked[:5], seg, checked[5])
+        return reached(nan_where(y, y_bad), checked, marks), nan_where(final, final_bad)
 
     # autodiff through the conditional: the forward keeps both branches' residuals in shared slots
     # (those of the same shape; the guard's masks, the guarded branch's alone, are zeros when the
@@ -231,7 +323,8 @@ def layer_around(prepare, scan, x, dt, A, B, C, D, z, segment_ids, initial_state
     else from `clean` ones (the first conditional); `scan(inputs, seg) -> (y, final)` runs on
     them outside any conditional; the second finishes `y` (`D`, the gate, the input dtype) and
     the final state, with NaN where the recurrence is non-finite (`guard`'s masks) in its second
-    branch. A scan differentiated inside a conditional (`layer`) hands every residual of its
+    branch, whose backward drops those outputs' cotangents (`nan_where`); the first's gives NaN
+    gradients to the inputs that reach them (`reached`), so the scan's backward meets no NaN. A scan differentiated inside a conditional (`layer`) hands every residual of its
     backward out through it, materialised in buffers sized for the larger branch; here only
     `prepare`'s outputs and the finished `y` cross one, each formed in both branches (an
     operand a branch passed out as it came, XLA would copy out)."""
@@ -239,7 +332,12 @@ def layer_around(prepare, scan, x, dt, A, B, C, D, z, segment_ids, initial_state
     seg = segment_starts(segment_ids, batch, length)
     checked = (x, dt, A, B, C, initial_state)
     finite = all_finite(*checked)
-    inputs = lax.cond(finite, lambda c: prepare(*c), lambda c: prepare(*(clean(a) for a in c)), checked)
+
+    def cleaned(c, seg):  # `prepare`'s inputs with non-finite values as 0; NaN gradients by `reached`
+        x, *rest = prepare(*(clean(a) for a in c))
+        return (reached(x, c, gradient_marks(*c[:5], seg, c[5])), *rest)
+
+    inputs = lax.cond(finite, lambda c, seg: prepare(*c), cleaned, checked, seg)
     y, final = scan(inputs, seg)
 
     def finish(y, final):
@@ -250,6 +348,6 @@ def layer_around(prepare, scan, x, dt, A, B, C, D, z, segment_ids, initial_state
 
     def poisoned(y, final, checked, seg):
         _, y_bad, final_bad = guard(*checked[:5], seg, checked[5])
-        return finish(poison(y, y_bad), poison(final, final_bad))
+        return finish(nan_where(y, y_bad), nan_where(final, final_bad))
 
     return lax.cond(finite, kept, poisoned, y, final, checked, seg)

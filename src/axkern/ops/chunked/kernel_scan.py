@@ -32,7 +32,8 @@ bound for Mamba-2 sizes (`Q = 64..256`, `N = 128`). float32 inputs add `2·Q³` 
 `Layout.forward` runs stages 2-4 in turn (a backend may fuse them). **Non-finite input**
 (`chunks.guard`, through `chunks.layer` only where an input is not finite): the kernels take
 non-finite values as 0; NaN is put where the sequential recurrence is non-finite (never
-earlier in time, never in another segment). Products take float32 operands into float32 (bf16
+earlier in time, never in another segment), and the backward runs on numbers only, NaN put on
+the gradients of the inputs that reach a non-finite output (`chunks.reached`). Products take float32 operands into float32 (bf16
 operands missed the oracle rule): TF32 for bf16 inputs on GPU (`Layout.precision_16bit`), exact
 for fp16 and float32 inputs (`precision_32bit`: TF32 rounds as coarsely as fp16); `x`,
 `B`, `C` as `[batch, heads|groups, length, P|N]` (`x` as `[batch, length, heads, P]` where the

@@ -32,9 +32,12 @@ def ssd(x, dt, A, B, C, D, z, segment_ids, initial_state):
     def step(state, inputs):
         x_t, dt_t, b_t, c_t, keep_t = inputs
         decay = jnp.exp(dt_t * A)[..., None, None]  # [b, h, 1, 1]
-        # a new segment selects the old state away (0 · NaN would carry a NaN across)
+        # a new segment selects the old state away (0 · NaN would carry a NaN across), before
+        # the decay multiplies it too: the decay's gradient, `d state · old state`, then takes
+        # no NaN from another segment's state
+        kept = keep_t[:, None, None, None]
         state = (
-            jnp.where(keep_t[:, None, None, None], decay * state, 0)
+            jnp.where(kept, decay * jnp.where(kept, state, 0), 0)
             + (dt_t[..., None] * x_t)[..., None] * b_t[:, :, None, :]
         )
         y_t = jnp.einsum("bhpn,bhn->bhp", state, c_t)

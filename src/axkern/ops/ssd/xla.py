@@ -21,7 +21,9 @@ took outside the oracle rule).
 **Non-finite input** (`chunks.guard`, through `chunks.layer_around` only where an input is
 not finite; the scan outside its two conditionals): the chunks compute on the inputs with
 non-finite values as 0 and NaN is put where the sequential recurrence is non-finite, so a NaN
-never moves back in time or into another segment through a masked term.
+never moves back in time or into another segment through a masked term; backward likewise (the
+scan's backward on numbers only, NaN on the gradients of the inputs that reach a non-finite
+output: `chunks.reached`).
 
 **Cost.** `O(L·Q·(N + P)·H)` inside chunks and `O(L/Q · H·P·N)` between them.
 """
