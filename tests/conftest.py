@@ -1,6 +1,7 @@
 """Test setup: 8 host devices for the sharded tests and XLA without its slow optimisations on the CPU
 (set before JAX starts), fresh warn-once state."""
 
+import gc
 import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -32,6 +33,16 @@ def _empty_tuning_cache(tmp_path_factory):
     patch.setattr(tuning, "cache_path", lambda key: root / f"{key}.json")
     yield
     patch.undo()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _compiled_programs_freed_after_each_module():
+    """Each test module's compiled programs and traces are dropped when it ends: a worker of
+    `pytest -n auto` runs a thousand tests, and the interpret-mode kernels' programs are large, so
+    keeping every one for the whole run grows each worker's memory until the machine runs out."""
+    yield
+    jax.clear_caches()
+    gc.collect()
 
 
 @pytest.fixture(autouse=True)
