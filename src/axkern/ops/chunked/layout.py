@@ -16,10 +16,9 @@ from jax.experimental import pallas as pl
 
 from axkern.core import kernels
 
+from . import chunks as chunk_pieces
 from .chunk_scan import scan_bwd_kernel, scan_kernel
 from .chunk_state import state_bwd_kernel, state_kernel
-from .chunks import recurrence as _recurrence
-from .chunks import recurrence_bwd as _recurrence_bwd
 
 __all__ = ["Layout"]
 
@@ -92,11 +91,11 @@ class Layout:
     # stage 3 and its reverse: `lax.scan` in XLA unless a backend has a kernel for them
     @staticmethod
     def recurrence(keep, chunk_states, initial_state):
-        return _recurrence(keep, chunk_states, initial_state)
+        return chunk_pieces.recurrence(keep, chunk_states, initial_state)
 
     @staticmethod
     def recurrence_bwd(keep, states_in, d_states_in, d_final):
-        return _recurrence_bwd(keep, states_in, d_states_in, d_final)
+        return chunk_pieces.recurrence_bwd(keep, states_in, d_states_in, d_final)
 
     def forward(
         self,
