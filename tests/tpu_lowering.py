@@ -1,0 +1,77 @@
+"""Lowering for a TPU on a machine without one: what the Pallas TPU kernels' lowering tests share.
+
+`lower_for_tpu(fn, *args)` traces `fn` as on a TPU and lowers it for the `tpu` platform
+(`jax.jit(fn).trace(*args).lower(lowering_platforms=("tpu",))`). Two things make that work on a
+CPU:
+
+- The dispatcher must see a TPU, so that it picks `pallas_tpu` compiled (not in interpret mode)
+  with the block sizes it would choose on the chip (the heuristic, or the tuned table of the
+  chip's key): `axkern.core.backend`'s default device is replaced, for the call, by a stand-in
+  with the TPU's platform and device kind.
+- Pallas' Mosaic lowering asks for the chip's facts (`pltpu.get_tpu_info()`: sublanes, lanes,
+  generation), which it reads from the current abstract mesh's device, else from the default
+  device (a CPU: `Unsupported TPU device kind: cpu`). The call is traced and lowered under a
+  one-device abstract mesh whose device is the TPU named.
+
+What the lowering checks: every Pallas-level step (block shapes, the kernel body's primitives
+and their Mosaic lowering rules) and the Mosaic dialect's op verifiers, which reject what the
+chip's vector unit lacks (e.g. a `bf16` finiteness test on a chip without a `bf16` VPU). What
+only the chip's compiler checks (the vector layouts Mosaic infers and applies, VMEM limits)
+and the values are `tests/tpu`'s.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable, Iterator
+from unittest import mock
+
+import jax
+
+from axkern.core import backend
+
+__all__ = ["DEFAULT_DEVICE_KIND", "as_tpu", "lower_for_tpu", "tpu_custom_calls"]
+
+# the chip the project's kernels were first run on (a one-core TPU v5e)
+DEFAULT_DEVICE_KIND = "TPU v5 lite"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Device:
+    """What the dispatcher asks of the default device (`axkern.core.backend`)."""
+
+    device_kind: str
+    platform: str = "tpu"
+    num_cores: int = 1
+
+
+@contextlib.contextmanager
+def as_tpu(device_kind: str = DEFAULT_DEVICE_KIND, num_cores: int = 1) -> Iterator[None]:
+    """Trace as on a TPU of `device_kind` (JAX's spelling, e.g. `"TPU v5 lite"`, `"TPU v6 lite"`,
+    `"TPU v5p"`): the dispatcher sees the platform `tpu` and that kind, and Pallas' Mosaic
+    lowering reads that chip's facts."""
+    device = _Device(device_kind, num_cores=num_cores)
+    mesh = jax.sharding.AbstractMesh(
+        (1,), ("device",), abstract_device=jax.sharding.AbstractDevice(device_kind, num_cores, "tpu")
+    )
+    with mock.patch.object(backend, "_default_device", lambda: device), jax.sharding.use_abstract_mesh(mesh):
+        yield
+
+
+def lower_for_tpu(fn: Callable, *args, device_kind: str = DEFAULT_DEVICE_KIND) -> jax.stages.Lowered:
+    """`fn(*args)` traced as on a TPU of `device_kind` (`as_tpu`) and lowered for the `tpu`
+    platform; `args` may be `jax.ShapeDtypeStruct`s. A kernel that breaks a Mosaic rule raises
+    here (Pallas' `VerificationError`, a `ValueError` on a block shape); nothing is compiled."""
+    with as_tpu(device_kind):
+        return jax.jit(fn).trace(*args).lower(lowering_platforms=("tpu",))
+
+
+def tpu_custom_calls(lowered: jax.stages.Lowered) -> list[str]:
+    """The names of the Mosaic kernels in a lowered program (`pl.pallas_call(name=...)`), in
+    the order the program text holds them."""
+    import re
+
+    text = lowered.as_text()
+    calls = re.findall(r"stablehlo\.custom_call @tpu_custom_call\(.*", text)
+    return [m.group(1) for c in calls for m in [re.search(r'kernel_name = "([^"]+)"', c)] if m]
