@@ -5,8 +5,10 @@ import gc
 import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-os.environ.setdefault("JAX_PLATFORMS", "" if os.environ.get("AXKERN_TEST_GPU") else "cpu")
-if not os.environ.get("AXKERN_TEST_GPU"):
+# the device tests (tests/gpu, tests/tpu) let JAX pick the accelerator; the others run on the CPU
+_ON_DEVICE = bool(os.environ.get("AXKERN_TEST_GPU") or os.environ.get("AXKERN_TEST_TPU"))
+os.environ.setdefault("JAX_PLATFORMS", "" if _ON_DEVICE else "cpu")
+if not _ON_DEVICE:
     # The CPU tests compile hundreds of small programs once each: XLA's backend optimisation
     # passes take most of their time (a third of it without them) and the tests compare
     # values by the oracle rule, not the compiled code's speed.
