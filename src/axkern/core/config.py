@@ -50,6 +50,8 @@ _KNOWN_VARIABLES = (
     "AXKERN_NVCC",
     "AXKERN_NVCC_TIMEOUT",
     "AXKERN_TEST_GPU",
+    "AXKERN_TEST_TPU",
+    "AXKERN_TEST_TPU_RECORD",
     "AXKERN_TEST_PROCESSES",
 )
 _warned_variables: set[str] = set()
