@@ -40,8 +40,8 @@ from axkern.core.blocks import cdiv
 from axkern.core.kernels import dot as _dot
 from axkern.core.op import Implementation, Unsupported
 
-from . import common
-from .blocks import CrossEntropyBlockSizes, pallas_tpu_heuristic, pallas_tpu_space
+from .. import common
+from ..blocks import CrossEntropyBlockSizes, pallas_tpu_heuristic, pallas_tpu_space
 
 VMEM_BUDGET = 16 << 20  # the scoped VMEM Mosaic grants a kernel by default (v4/v5e; v5p/v6e have more)
 
