@@ -41,7 +41,8 @@ _settings: contextvars.ContextVar[Settings] = contextvars.ContextVar("axkern_set
 _jit_key = compat.jit_context(None)  # the settings of use(...), as part of jax.jit's cache key
 
 
-# read here, by the native loader (AXKERN_CACHE_DIR, AXKERN_NVCC*) and by the test suite (AXKERN_TEST_*)
+# read here, by the native loader (AXKERN_CACHE_DIR, AXKERN_NVCC*), by the test suite (AXKERN_TEST_*)
+# and by the bench's splash attention peer (AXKERN_SPLASH_SWEEP)
 _KNOWN_VARIABLES = (
     "AXKERN_STRICT",
     "AXKERN_INTERPRET",
@@ -53,6 +54,7 @@ _KNOWN_VARIABLES = (
     "AXKERN_TEST_TPU",
     "AXKERN_TEST_TPU_RECORD",
     "AXKERN_TEST_PROCESSES",
+    "AXKERN_SPLASH_SWEEP",
 )
 _warned_variables: set[str] = set()
 
