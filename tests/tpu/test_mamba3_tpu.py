@@ -1,0 +1,49 @@
+"""mamba3 compiled on a TPU (`pallas_tpu`, then `xla`) against the oracle rule, SISO and MIMO, at a
+Mamba-3 layer's sizes cut down in batch, length and heads, default chunk sizes; values and every
+gradient, with D, z and the initial states (the final states too).
+
+Run with `AXKERN_TEST_TPU=1 python -m pytest tests/tpu` on a TPU machine (tests/tpu/chip.py: the
+oracle, the dry run on a CPU).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import axkern
+from tests.cases.mamba3 import call, make, run
+from tests.harness import implementations
+from tests.tpu.chip import DRY_RUN, assert_compiled_first_that_serves, case_id, check, sizes
+
+pytestmark = pytest.mark.tpu
+
+# (b, l, h, p, g, n, angles, rank, dtype): SISO at the 2.7B layer's head and state dims in bf16 and
+# float32 (a length that is no multiple of a chunk); MIMO of rank 2 in float32 and bf16
+CASES = sizes(
+    [
+        (2, 512, 8, 64, 1, 128, 32, 0, "bfloat16"),
+        (1, 700, 8, 64, 1, 128, 32, 0, "float32"),
+        (2, 300, 4, 32, 2, 64, 16, 2, "float32"),
+        (1, 700, 8, 64, 1, 128, 32, 2, "bfloat16"),
+    ],
+    [(1, 100, 2, 16, 1, 16, 4, 0, "bfloat16"), (1, 40, 2, 16, 2, 16, 4, 2, "float32")],
+)
+
+
+@pytest.mark.parametrize(
+    "case,impl", [(c, i) for c in CASES for i in sorted(implementations("mamba3", "tpu"))], ids=case_id
+)
+def test_against_oracle(case, impl):
+    *dims, rank, dtype = case
+    arrays, seg = make(0, *dims, rank, dtype, segments=True)
+    what = f"mamba3 {'MIMO' if rank else 'SISO'} {case_id(case)}"
+    check(lambda name, a: run(name, a, seg), impl, arrays, dtype, what)
+
+
+@pytest.mark.parametrize("rank", [0, 2])
+def test_pallas_tpu_runs_compiled_and_the_default_is_the_first_that_serves(rank):
+    dims = sizes((2, 512, 8, 64, 1, 128, 32), (1, 64, 2, 16, 1, 16, 4))
+    arrays, seg = make(0, *dims, rank, "bfloat16")
+    d = axkern.explain(lambda a, s: call("pallas_tpu", a, s), arrays, seg)
+    assert d.implementation == "pallas_tpu" and d.interpret == DRY_RUN, d
+    assert_compiled_first_that_serves(axkern.explain(lambda a, s: call(None, a, s), arrays, seg))
