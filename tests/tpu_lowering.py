@@ -22,8 +22,10 @@ and the values are `tests/tpu`'s.
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import dataclasses
+import re
 from collections.abc import Callable, Iterator
 from unittest import mock
 
@@ -31,7 +33,7 @@ import jax
 
 from axkern.core import backend
 
-__all__ = ["DEFAULT_DEVICE_KIND", "as_tpu", "lower_for_tpu", "tpu_custom_calls"]
+__all__ = ["DEFAULT_DEVICE_KIND", "as_tpu", "lower_for_tpu", "matmuls", "mosaic_kernels", "tpu_custom_calls"]
 
 # the chip the project's kernels were first run on (a one-core TPU v5e)
 DEFAULT_DEVICE_KIND = "TPU v5 lite"
@@ -67,11 +69,48 @@ def lower_for_tpu(fn: Callable, *args, device_kind: str = DEFAULT_DEVICE_KIND) -
         return jax.jit(fn).trace(*args).lower(lowering_platforms=("tpu",))
 
 
+def _calls(lowered: jax.stages.Lowered) -> list[str]:
+    return re.findall(r"stablehlo\.custom_call @tpu_custom_call\(.*", lowered.as_text())
+
+
 def tpu_custom_calls(lowered: jax.stages.Lowered) -> list[str]:
     """The names of the Mosaic kernels in a lowered program (`pl.pallas_call(name=...)`), in
     the order the program text holds them."""
-    import re
+    return [m.group(1) for c in _calls(lowered) for m in [re.search(r'kernel_name = "([^"]+)"', c)] if m]
 
-    text = lowered.as_text()
-    calls = re.findall(r"stablehlo\.custom_call @tpu_custom_call\(.*", text)
-    return [m.group(1) for c in calls for m in [re.search(r'kernel_name = "([^"]+)"', c)] if m]
+
+def mosaic_kernels(lowered: jax.stages.Lowered) -> list[tuple[str, str]]:
+    """`(name, Mosaic module as text)` of each kernel in a lowered program: the serialized body
+    of its custom call, parsed back (its ops spelt as serialized, e.g. `stable_mosaic.tpu.matmul`
+    with its `precision`)."""
+    from jax._src.lib import tpu  # Mosaic's dialect (its memory spaces)
+    from jaxlib.mlir import ir
+
+    out = []
+    for call in _calls(lowered):
+        name = re.search(r'kernel_name = "([^"]+)"', call)
+        body = re.search(r"\\22body\\22: \\22([A-Za-z0-9+/=]+)\\22", call)
+        if name is None or body is None:
+            raise ValueError(f"a TPU custom call without a kernel name or body: {call[:200]}")
+        ctx = ir.Context()
+        tpu.register_dialect(ctx)
+        ctx.allow_unregistered_dialects = True  # the serialized ops' names
+        with ctx:
+            out.append((name.group(1), str(ir.Module.parse(base64.b64decode(body.group(1))))))
+    return out
+
+
+def matmuls(module: str) -> list[tuple[str, str, str | None]]:
+    """`(lhs element type, rhs element type, contract precision or None)` of each Mosaic matmul
+    in a kernel's module text (`mosaic_kernels`): e.g. `("f32", "f32", "fp32")`, a float32
+    product at full precision; `None`, Mosaic's default."""
+    out = []
+    for line in module.splitlines():
+        if 'tpu.matmul"' not in line:
+            continue
+        types = re.search(r":\s*\(vector<[^>]*x(\w+)>, vector<[^>]*x(\w+)>", line)
+        precision = re.search(r"contract_precision<(\w+)>", line)
+        if types is None:
+            raise ValueError(f"a matmul whose operand types are not read: {line.strip()[:200]}")
+        out.append((types.group(1), types.group(2), precision and precision.group(1)))
+    return out

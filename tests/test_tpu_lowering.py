@@ -1,0 +1,217 @@
+"""Every Pallas TPU kernel lowered for a TPU v5e on the CPU (`tests.tpu_lowering`), at model
+shapes, in bfloat16 and float32, its forward and its backward, with the block sizes the
+dispatcher picks on the chip: a kernel body that breaks a Mosaic rule (an op the chip's vector
+unit lacks for a dtype, a block shape it cannot tile) fails here, in CI, not first on a TPU.
+Lowering only: nothing is compiled or run (interpret mode checks the values: tests/ops; the chip
+checks both: tests/tpu)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from axkern import masks
+from axkern.positional import attention, fused_cross_entropy, mamba3, short_conv, ssd
+from tests.tpu_lowering import lower_for_tpu, matmuls, mosaic_kernels
+
+DTYPES = ["bfloat16", "float32"]
+S = jax.ShapeDtypeStruct
+
+
+def _lower_value_and_grad(fn, args, wrt):
+    """Lower `fn(*args)` beside the gradient of its outputs' sum with respect to `args[i]` for
+    `i` in `wrt` (the forward as called alone, and the forward that keeps residuals with the
+    backward); the names of the Mosaic kernels it calls. Every float32 product in them is at
+    full precision (a product at Mosaic's default would miss the oracle rule)."""
+
+    def both(*args):
+        def loss(*diff):
+            full = list(args)
+            for i, d in zip(wrt, diff, strict=True):
+                full[i] = d
+            return sum(jnp.sum(o.astype(jnp.float32)) for o in jax.tree.leaves(fn(*full)))
+
+        return fn(*args), jax.grad(loss, argnums=tuple(range(len(wrt))))(*(args[i] for i in wrt))
+
+    kernels = mosaic_kernels(lower_for_tpu(both, *args))
+    for name, module in kernels:
+        for lhs, rhs, precision in matmuls(module):
+            assert "f32" not in (lhs, rhs) or precision == "fp32", (
+                f"{name}: a {lhs} x {rhs} product at {precision}"
+            )
+    return {name for name, _ in kernels}
+
+
+# -- attention ------------------------------------------------------------------------------------
+
+
+def _ids(b, s):
+    # three packed documents a row (traced: the schedule is built on the device)
+    return jnp.minimum(jnp.arange(s)[None, :] // (s // 3 + 5), 2) * jnp.ones((b, 1), jnp.int32)
+
+
+# name: (q_len, kv_len, heads, kv_heads, head dim, mask, soft cap, sinks, return_lse)
+ATTENTION = {
+    "causal d128 gqa4": (2048, 2048, 8, 2, 128, masks.Causal(), None, False, False),
+    "full d128": (2048, 2048, 8, 8, 128, masks.Full(), None, False, False),
+    "window 256 d128": (2048, 2048, 8, 2, 128, masks.SlidingWindow(256), None, False, False),
+    "documents & causal d128": (2048, 2048, 8, 2, 128, "documents", None, False, False),
+    "documents alone, soft cap, sinks d128": (2048, 2048, 8, 2, 128, "documents only", 30.0, True, False),
+    "causal, sinks, lse d128": (2048, 2048, 8, 2, 128, masks.Causal(), None, True, True),
+    # a block-sparse pattern: a window with a look-ahead or a causal band at a distance
+    "window look-ahead | band d128": (
+        2048,
+        2048,
+        8,
+        2,
+        128,
+        masks.SlidingWindow(200, offset=64) | masks.Causal(offset=-1024),
+        None,
+        False,
+        False,
+    ),
+    "soft cap q<kv d64 mqa": (512, 768, 8, 1, 64, masks.Full(), 30.0, False, False),
+    "causal ragged d64": (1000, 1000, 8, 2, 64, masks.Causal(), 50.0, True, True),
+    "causal d256": (2048, 2048, 4, 2, 256, masks.Causal(), None, False, False),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", list(ATTENTION))
+def test_attention(case, dtype):
+    sq, sk, h, kvh, d, mask, cap, with_sinks, lse = ATTENTION[case]
+    b = 1
+    args = [S((b, sq, h, d), dtype), S((b, sk, kvh, d), dtype), S((b, sk, kvh, d), dtype), S((h,), "float32")]
+    wrt = (0, 1, 2, 3) if with_sinks else (0, 1, 2)
+
+    def fn(q, k, v, sinks):
+        m = mask
+        if isinstance(mask, str):
+            ids = masks.Segments(_ids(b, sq), _ids(b, sk))
+            m = ids if mask == "documents only" else ids & masks.Causal()
+        return attention(
+            q,
+            k,
+            v,
+            mask=m,
+            logits_soft_cap=cap,
+            sinks=sinks if with_sinks else None,
+            return_lse=lse,
+            implementation="pallas_tpu",
+        )
+
+    kernels = {f"axkern_attention_tpu_{k}_kernel" for k in ("fwd", "dq", "dkv")}
+    assert _lower_value_and_grad(fn, args, wrt) == kernels
+
+
+# -- short_conv, fused_cross_entropy, ssd, mamba3 ------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_short_conv(dtype):
+    b, s, c, w = 1, 2048, 4096, 4
+    args = [S((b, s, c), dtype), S((w, c), dtype), S((c,), dtype)]
+
+    def fn(x, weight, bias):
+        ids = jnp.arange(s)[None, :] // 700 * jnp.ones((b, 1), jnp.int32)
+        return short_conv(
+            x, weight, bias=bias, segment_ids=ids, activation="silu", implementation="pallas_tpu"
+        )
+
+    kernels = {f"axkern_short_conv_tpu_{k}" for k in ("forward", "activation_grad", "backward")}
+    assert _lower_value_and_grad(fn, args, (0, 1, 2)) == kernels
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("options", ["plain", "soft cap, z-loss, smoothing, ignore_index"])
+def test_fused_cross_entropy(dtype, options):
+    n, d, v = 2048, 4096, 32000
+    kw = {}
+    if options != "plain":
+        kw = dict(logits_soft_cap=30.0, logsumexp_weight=1e-4, label_smoothing=0.1, ignore_index=-100)
+    args = [S((n, d), dtype), S((d, v), dtype), S((n,), "int32")]
+
+    def fn(x, w, labels):
+        return fused_cross_entropy(x, w, labels, reduction=None, implementation="pallas_tpu", **kw)
+
+    # the backward recomputes the logits in XLA
+    assert _lower_value_and_grad(fn, args, (0, 1)) == {"axkern_fused_cross_entropy_tpu_forward"}
+
+
+SSD_KERNELS = {f"axkern_ssd_{k}_kernel" for k in ("state", "scan", "state_bwd", "scan_bwd")}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_ssd(dtype):
+    b, l, h, p, g, n = 1, 2048, 8, 64, 1, 128  # noqa: E741
+    args = [
+        S((b, l, h, p), dtype),
+        S((b, l, h), "float32"),
+        S((h,), "float32"),
+        S((b, l, g, n), dtype),
+        S((b, l, g, n), dtype),
+        S((h,), "float32"),
+        S((b, l, h, p), dtype),
+        S((h,), "float32"),
+    ]
+
+    def fn(x, dt, A, B, C, D, z, dt_bias):
+        ids = jnp.arange(l)[None, :] // 700 * jnp.ones((b, 1), jnp.int32)
+        return ssd(
+            x,
+            dt,
+            A,
+            B,
+            C,
+            D=D,
+            z=z,
+            dt_bias=dt_bias,
+            dt_softplus=True,
+            segment_ids=ids,
+            implementation="pallas_tpu",
+        )
+
+    assert _lower_value_and_grad(fn, args, tuple(range(8))) == SSD_KERNELS
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rank", [0, 4])
+def test_mamba3(dtype, rank):
+    b, l, h, p, n, g, a = 1, 2048, 8, 64, 128, 1, 16  # noqa: E741
+    qk = (b, l, g, n) if not rank else (b, l, rank, g, n)
+    bias = (h, n) if not rank else (h, rank, n)
+    args = [
+        S(qk, dtype),
+        S(qk, dtype),
+        S((b, l, h, p), dtype),
+        *(S((b, h, l), "float32") for _ in range(3)),
+        S(bias, "float32"),
+        S(bias, "float32"),
+        S((b, l, h, a), "float32"),
+        S((h,), "float32"),
+        S((b, l, h, p), dtype),
+        *((S((h, rank, p), "float32"),) * (3 if rank else 0)),
+    ]
+
+    def fn(q, k, v, adt, dt, trap, q_bias, k_bias, angles, D, z, *mimo):
+        ids = jnp.arange(l)[None, :] // 700 * jnp.ones((b, 1), jnp.int32)
+        return mamba3(
+            q,
+            k,
+            v,
+            adt,
+            dt,
+            trap,
+            q_bias,
+            k_bias,
+            angles,
+            D=D,
+            z=z,
+            segment_ids=ids,
+            mimo=tuple(mimo) or None,
+            implementation="pallas_tpu",
+        )
+
+    # SSD's chunk kernels with a per-position decay and scale
+    assert _lower_value_and_grad(fn, args, tuple(range(len(args)))) == SSD_KERNELS
