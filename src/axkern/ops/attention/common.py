@@ -141,18 +141,26 @@ def masked_pv(p, v, vis):
     """`p @ v` over a partial tile whose invisible entries of `p` are 0, with those entries
     selected away: a non-finite value in `v` reaches only the rows that see its key (`0 · NaN`
     inside the product would reach every row). The non-finite values are replaced by 0 in the
-    product and marked NaN where a visible key holds one (a second, 0/1 product)."""
-    finite = jnp.isfinite(v)
-    pv = _dot(p.astype(v.dtype), jnp.where(finite, v, 0))
-    hit = _dot(vis.astype(v.dtype), jnp.where(finite, 0, 1).astype(v.dtype)) > 0
+    product and marked NaN where a visible key holds one (a second, 0/1 product). The test and
+    the selections run in float32 and the products' operands keep `v`'s dtype: a TPU without a
+    16-bit vector unit (v5e) has no 16-bit finiteness test (Mosaic rejects it)."""
+    finite = jnp.isfinite(v.astype(jnp.float32))
+    pv = _dot(p.astype(v.dtype), clean(v, finite))
+    bad = jnp.where(finite, 0.0, 1.0).astype(v.dtype)
+    hit = _dot(jnp.where(vis, 1.0, 0.0).astype(v.dtype), bad) > 0
     return jnp.where(hit, jnp.nan, pv)
 
 
-def clean(a):
-    """`a` with its non-finite values replaced by 0: the operand of a backward product over a
-    partial tile, whose invisible entries must not carry a NaN across. A visible non-finite
-    `q` or `k` already made its row's scores NaN, so the result stays NaN where it should."""
-    return jnp.where(jnp.isfinite(a), a, 0).astype(a.dtype)
+def clean(a, finite=None):
+    """`a` with its non-finite values replaced by 0 (`finite`: `isfinite(a)`, where known): the
+    operand of a backward product over a partial tile, whose invisible entries must not carry a
+    NaN across. A visible non-finite `q` or `k` already made its row's scores NaN, so the result
+    stays NaN where it should. Tested and selected in float32 (as `masked_pv`), returned in
+    `a`'s dtype."""
+    wide = a.astype(jnp.float32)
+    if finite is None:
+        finite = jnp.isfinite(wide)
+    return jnp.where(finite, wide, 0.0).astype(a.dtype)
 
 
 def finish(m, l, acc):

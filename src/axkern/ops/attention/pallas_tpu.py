@@ -1,7 +1,9 @@
 """Block-sparse ("splash") attention as Mosaic TPU Pallas kernels, forward and backward.
 
-**Verified in TPU interpret mode only** (`pltpu.InterpretParams`): no TPU is available to this
-project, so it has not been compiled by Mosaic or timed, and it is in no default order.
+Its values are checked in TPU interpret mode (`pltpu.InterpretParams`), its lowering for a TPU
+v5e in CI (tests/test_tpu_lowering.py); it is in no default order. The kernels' elementwise work
+is float32 (a v5e has no 16-bit vector unit: Mosaic refuses a bfloat16 finiteness test), their
+products take `q`, `k`, `v`'s dtype with float32 accumulation, float32 ones at full precision.
 
 **Schedule.** Before tracing, the static mask's `block_kinds` give, for each query block, the
 list of its non-empty key blocks (and for each key block, its non-empty query blocks). The
