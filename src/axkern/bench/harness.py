@@ -10,6 +10,7 @@ the row's `ms`, the fastest and slowest repeat its `ms_min` and `ms_max`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -167,15 +168,17 @@ def cotangent(case: Case, args):
     )
 
 
-def forward_backward(case: Case, impl: str):
-    """`(ct, *inputs) -> (output, gradients of <output, ct> for case.grad_argnums)`."""
+def forward_backward(case: Case, impl: str, forward: Callable | None = None):
+    """`(ct, *inputs) -> (output, gradients of <output, ct> for case.grad_argnums)`; `forward`
+    (default: `case.forward_for(impl)`) is the function differentiated."""
+    forward = forward or case.forward_for(impl)
 
     def run(ct, *args):
         def f(*diff):
             full = list(args)
             for i, d in zip(case.grad_argnums, diff, strict=True):
                 full[i] = d
-            return case.forward_for(impl)(*full)
+            return forward(*full)
 
         out, pull = jax.vjp(f, *[args[i] for i in case.grad_argnums])
         return out, pull(ct)
@@ -208,28 +211,37 @@ def measure(
 ) -> list[Row]:
     """Rows for every (implementation, pass) of `case`. An implementation that cannot serve
     the case (or fails) gets a row with its reason in `note` and no numbers. `references`
-    (a dict, empty at first) keeps the reference's outputs per pass across calls on one case."""
+    (a dict, empty at first) keeps the reference's outputs per pass across calls on one case.
+
+    A peer with `variants` (an attribute: a dict, label -> a callable like the peer, e.g. the
+    peer under each block size of a sweep) gets one row per pass: its fastest variant that runs,
+    whose label the note names beside every variant's time."""
     args = case.make(jax.random.PRNGKey(0))
-    fns = {"fwd": lambda impl: jax.jit(lambda *a: case.forward_for(impl)(*a))}
+    fns = {"fwd": lambda impl, forward: jax.jit(forward or (lambda *a: case.forward_for(impl)(*a)))}
     pass_args = {"fwd": args, "fwd+bwd": args}
     if case.loss is not None:
-        fns["fwd+bwd"] = lambda impl: jax.jit(
-            jax.value_and_grad(lambda *a: case.loss(impl, *a), argnums=case.grad_argnums)
-        )
+
+        def loss_pass(impl, forward):
+            if forward is not None:
+                raise Unsupported(
+                    "a peer's variants are timed on cases whose backward pulls a cotangent back"
+                )
+            return jax.jit(jax.value_and_grad(lambda *a: case.loss(impl, *a), argnums=case.grad_argnums))
+
+        fns["fwd+bwd"] = loss_pass
     elif "fwd+bwd" in case.passes and "fwd+bwd" in passes:
-        fns["fwd+bwd"] = lambda impl: jax.jit(forward_backward(case, impl))
+        fns["fwd+bwd"] = lambda impl, forward: jax.jit(forward_backward(case, impl, forward))
         pass_args["fwd+bwd"] = (cotangent(case, args), *args)
-    jitted: dict[tuple[str, str], Callable] = {}
+    jitted: dict[tuple[str, str, str | None], Callable] = {}
 
-    def fn_for(pass_: str, impl: str) -> Callable:
-        """One jitted function per pass and implementation: the reference's outputs and its own
-        row come from one compilation."""
-        if (pass_, impl) not in jitted:
-            jitted[pass_, impl] = fns[pass_](impl)
-        return jitted[pass_, impl]
+    def fn_for(pass_: str, impl: str, variant: str | None = None) -> Callable:
+        """One jitted function per pass, implementation and variant: the reference's outputs and
+        its own row come from one compilation."""
+        if (pass_, impl, variant) not in jitted:
+            forward = None if variant is None else _variants(case, impl)[variant]
+            jitted[pass_, impl, variant] = fns[pass_](impl, forward)
+        return jitted[pass_, impl, variant]
 
-    flops = {"fwd": case.flops_forward, "fwd+bwd": case.flops_forward + case.flops_backward}
-    nbytes = {"fwd": case.bytes_forward, "fwd+bwd": case.bytes_forward + case.bytes_backward}
     rows = []
     for pass_ in [p for p in passes if p in case.passes]:
         args = pass_args[pass_]
@@ -245,38 +257,83 @@ def measure(
                 references[pass_] = (want, want_note)
         for impl in implementations:
             row = Row(case.op, case.label, impl, pass_, interpret=runs_interpreted(case.op, impl))
-            try:
-                fn = fn_for(pass_, impl)
-                row.temp_gib = _temp_gib(fn, args)
-                got = _sync(fn(*args))
-                incomparable = getattr(case.peers.get(impl.removeprefix("peer:")), "incomparable", None)
-                if impl.startswith("peer:") and incomparable:
-                    row.note = f"not checked: {incomparable}"
-                elif want is not None:
-                    row.max_rel_error = _max_rel_error(got, want)
-                else:
-                    row.note = want_note
-                del got
-                spread = time_spread(fn, args, repeats=repeats)
-                row.ms_min, row.ms, row.ms_max = (t / case.calls for t in spread)
-                row.tflops = flops[pass_] / (row.ms * 1e-3) / 1e12
-                if nbytes[pass_]:
-                    row.gbps = nbytes[pass_] / (row.ms * 1e-3) / 1e9
-                if case.bound == "memory" and bandwidth and row.gbps:
-                    row.ceiling_fraction = row.gbps / bandwidth
-                elif case.bound == "compute" and ceiling:
-                    row.ceiling_fraction = row.tflops / ceiling
-                if row.interpret:
-                    row.note = "interpret mode: times the Pallas interpreter, not the kernel"
-            except Unsupported as e:
-                row.note = f"unsupported: {e}"
-            except Exception as e:  # noqa: BLE001 - report, keep going
-                row.note = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+            variants = _variants(case, impl)
+            if variants is None:
+                _fill(row, case, functools.partial(fn_for, pass_, impl), args, (want, want_note), repeats)
+            else:
+                tried = []
+                for label in variants:
+                    tried.append((label, dataclasses.replace(row)))
+                    fn = functools.partial(fn_for, pass_, impl, label)
+                    _fill(tried[-1][1], case, fn, args, (want, want_note), repeats)
+                row = _fastest(row, tried)
+            _rates(row, case, pass_, ceiling, bandwidth)
             rows.append(row)
             if on_row is not None:
                 on_row(row)
         del want
     return rows
+
+
+def _variants(case: Case, impl: str) -> dict[str, Callable] | None:
+    if not impl.startswith("peer:"):
+        return None
+    return getattr(case.peers.get(impl.removeprefix("peer:")), "variants", None)
+
+
+def _fill(row: Row, case: Case, compiled: Callable[[], Callable], args, reference, repeats: int) -> None:
+    """Compile (`compiled()`), check against the reference's outputs and time one row, or put
+    why it cannot run in its note."""
+    want, want_note = reference
+    try:
+        fn = compiled()
+        row.temp_gib = _temp_gib(fn, args)
+        got = _sync(fn(*args))
+        incomparable = getattr(case.peers.get(row.implementation.removeprefix("peer:")), "incomparable", None)
+        if row.implementation.startswith("peer:") and incomparable:
+            row.note = f"not checked: {incomparable}"
+        elif want is not None:
+            row.max_rel_error = _max_rel_error(got, want)
+        else:
+            row.note = want_note
+        del got
+        spread = time_spread(fn, args, repeats=repeats)
+        row.ms_min, row.ms, row.ms_max = (t / case.calls for t in spread)
+        if row.interpret:
+            row.note = "interpret mode: times the Pallas interpreter, not the kernel"
+    except Unsupported as e:
+        row.note = f"unsupported: {e}"
+    except Exception as e:  # noqa: BLE001 - report, keep going
+        row.note = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+
+
+def _fastest(row: Row, tried: list[tuple[str, Row]]) -> Row:
+    """The fastest of a peer's variants' rows, its note naming it and every variant's time."""
+    timed = [(label, r) for label, r in tried if r.ms is not None]
+    times = "; ".join(
+        f"{label} {r.ms:.3f} ms" if r.ms is not None else f"{label} {r.note}" for label, r in tried
+    )
+    if not timed:
+        row.note = f"no variant ran: {times}" if tried else "no variant to run"
+        return row
+    label, best = min(timed, key=lambda t: t[1].ms)
+    best.note = "; ".join(filter(None, [f"{label}, fastest of {len(tried)}: {times}", best.note]))
+    return best
+
+
+def _rates(row: Row, case: Case, pass_: str, ceiling: float | None, bandwidth: float | None) -> None:
+    """The row's TFLOP/s, GB/s and fraction of the ceiling its case is held to, from its time."""
+    if row.ms is None:
+        return
+    flops = case.flops_forward + (case.flops_backward if pass_ == "fwd+bwd" else 0.0)
+    nbytes = case.bytes_forward + (case.bytes_backward if pass_ == "fwd+bwd" else 0.0)
+    row.tflops = flops / (row.ms * 1e-3) / 1e12
+    if nbytes:
+        row.gbps = nbytes / (row.ms * 1e-3) / 1e9
+    if case.bound == "memory" and bandwidth and row.gbps:
+        row.ceiling_fraction = row.gbps / bandwidth
+    elif case.bound == "compute" and ceiling:
+        row.ceiling_fraction = row.tflops / ceiling
 
 
 def runs_interpreted(op: str, implementation: str) -> bool:
