@@ -22,8 +22,8 @@ S = jax.ShapeDtypeStruct
 def _lower_value_and_grad(fn, args, wrt):
     """Lower `fn(*args)` beside the gradient of its outputs' sum with respect to `args[i]` for
     `i` in `wrt` (the forward as called alone, and the forward that keeps residuals with the
-    backward); the names of the Mosaic kernels it calls. Every float32 product in them is at
-    full precision (a product at Mosaic's default would miss the oracle rule)."""
+    backward); the names of the Mosaic kernels it calls. Every product of a float32 operand in
+    them is at full precision (the library's rule, `core.kernels.full_precision`)."""
 
     def both(*args):
         def loss(*diff):
