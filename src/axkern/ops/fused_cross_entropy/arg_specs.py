@@ -1,9 +1,12 @@
 """Shapes that `axkern bench fused_cross_entropy` and tuning use.
 
 Presets are real models' (embed, vocab), each run at N = 8192, 16384 and 32768 tokens (or
-`--tokens`); `quick` is small enough for a CPU in seconds.
+`--tokens`); `quick` is small enough for a CPU in seconds. `tpu` runs llama3 and gemma at N = 8192
+(or `--tokens`), sized for one TPU chip: its errors are taken against `xla` (the reference's
+float32 logits and their gradient would not fit the chip's memory).
 FLOPs count the model's work: `2·N·D·V` forward, `4·N·D·V` backward (a recomputing backward
-does a further `2·N·D·V`, which is not counted).
+does a further `2·N·D·V`, which is not counted); bytes the fewest moved: `x`, `W` and the labels
+read forward, `x`, `W` read again and `dx`, `dW` written backward.
 
 `fused_cross_entropy` cases differentiate the mean of the per-token losses (the statistics'
 recomputing backward); `fused_cross_entropy_loss` cases differentiate the reduced loss, as a
@@ -35,10 +38,19 @@ PRESETS = {
     "qwen2": (16384, 3584, 151936),
     "gemma": (16384, 2304, 262144),
 }
+# one TPU chip: (model preset, tokens) pairs, errors against `xla`
+TPU_PRESETS = {"tpu": (("llama3", 8192), ("gemma", 8192))}
+PRESETS_BY_OP = {NAME: {**PRESETS, **TPU_PRESETS}, LOSS_NAME: {**PRESETS, **TPU_PRESETS}}
 
 
 def case(
-    tokens: int, embed: int, vocab: int, dtype: str = "bfloat16", label: str | None = None, op: str = NAME
+    tokens: int,
+    embed: int,
+    vocab: int,
+    dtype: str = "bfloat16",
+    label: str | None = None,
+    op: str = NAME,
+    reference: str = "reference",
 ) -> Case:
     dt = jnp.dtype(dtype)
 
@@ -79,7 +91,10 @@ def case(
         grad_argnums=(0, 1),
         flops_forward=2 * nvd,
         flops_backward=4 * nvd,
+        bytes_forward=(float(tokens) * embed + float(embed) * vocab) * dt.itemsize + 4.0 * tokens,
+        bytes_backward=2 * (float(tokens) * embed + float(embed) * vocab) * dt.itemsize,
         peers=peers,
+        reference=reference,
     )
 
 
@@ -107,8 +122,16 @@ MODEL_TOKENS = (8192, 16384, 32768)
 
 def cases_fused_cross_entropy(*, preset=None, tokens=None, dtype=None, op: str = NAME) -> list[Case]:
     name = preset or "quick"
+    if name in TPU_PRESETS:
+        dtype = dtype or "bfloat16"
+        return [
+            case(t, d, v, dtype, label=f"{model}: N={t} D={d} V={v} {dtype}", op=op, reference="xla")
+            for model, n in TPU_PRESETS[name]
+            for t, (_, d, v) in [(tokens or n, PRESETS[model])]
+        ]
     if name not in PRESETS:
-        raise ValueError(f"fused_cross_entropy: unknown preset {name!r}; presets are {sorted(PRESETS)}")
+        known = sorted({**PRESETS, **TPU_PRESETS})
+        raise ValueError(f"fused_cross_entropy: unknown preset {name!r}; presets are {known}")
     n, d, v = PRESETS[name]
     dtype = dtype or ("float32" if name == "quick" else "bfloat16")
     counts = (tokens,) if tokens else (n,) if name == "quick" else MODEL_TOKENS

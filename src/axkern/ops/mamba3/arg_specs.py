@@ -1,5 +1,7 @@
-"""Shapes that `axkern bench mamba3` uses: the Mamba-3 2.7B layer (SISO, and MIMO of rank 4) and a
-quick CPU one.
+"""Shapes that `axkern bench mamba3` uses: the Mamba-3 2.7B layer (SISO, and MIMO of rank 4), the
+same two for one TPU chip (`tpu`: rows named after the layer, errors against `xla`, as the exact
+sequential reference's backward keeps a state per position, past the chip's memory), and a quick
+CPU one.
 
 `--peers`: mamba_ssm's Triton SISO kernels in a subprocess (`axkern.peers`) and, in this process,
 Levanter's XLA path (`levanter.kernels.pallas.mamba3.mamba3_attentionish_forward`, SISO). Levanter's
@@ -22,9 +24,15 @@ from .api import mamba3_positional
 PRESETS = {
     "quick": (2, 256, 4, 16, 16, 1, 4, 0, 64),
     "mamba3_2.7b": (4, 4096, 80, 64, 128, 1, 32, 0, 64),
+    "tpu": (4, 4096, 80, 64, 128, 1, 32, 0, 64),
 }
 # the same layer as MIMO of rank 4, run after it unless `--tokens` names a length
-VARIANTS = {"mamba3_2.7b": ((4, 4096, 80, 64, 128, 1, 32, 4, 16),)}
+VARIANTS = {
+    "mamba3_2.7b": ((4, 4096, 80, 64, 128, 1, 32, 4, 16),),
+    "tpu": ((4, 4096, 80, 64, 128, 1, 32, 4, 16),),
+}
+# the model a preset's rows name, and the preset whose errors are taken against `xla`
+MODEL = {"tpu": "mamba3_2.7b"}
 
 
 def cases(*, preset=None, tokens=None, dtype=None):
@@ -34,10 +42,11 @@ def cases(*, preset=None, tokens=None, dtype=None):
     b, l, *rest = PRESETS[name]
     shapes = [(b, tokens or l, *rest)] + ([] if tokens else list(VARIANTS.get(name, ())))
     dt_ = jnp.dtype(dtype or ("float32" if name == "quick" else "bfloat16"))
-    return [case(name, *shape, dt_) for shape in shapes]
+    reference = "xla" if name in MODEL else "reference"
+    return [case(MODEL.get(name, name), *shape, dt_, reference=reference) for shape in shapes]
 
 
-def case(name, b, l, h, p, n, g, a, r, q, dt_) -> Case:  # noqa: E741
+def case(name, b, l, h, p, n, g, a, r, q, dt_, reference="reference") -> Case:  # noqa: E741
     rank = max(r, 1)
 
     def make(key):
@@ -65,6 +74,9 @@ def case(name, b, l, h, p, n, g, a, r, q, dt_) -> Case:  # noqa: E741
         return mamba3_positional(*inputs[:9], mimo=mimo, implementation=impl, **kw)
 
     flops = 2.0 * b * l * q * h * rank * rank * (n + p)  # intra-chunk products, roughly
+    # the fewest bytes: q, k, v in (16-bit), the decay, step, trapezoid and angles in (float32),
+    # y out; backward those and dy in, their gradients out
+    qk, xv, f32 = 2.0 * b * l * rank * g * n, float(b) * l * h * p, 4.0 * b * l * h * (3 + a)
     kind = "SISO" if not r else f"MIMO R={r}"
     return Case(
         "mamba3",
@@ -87,7 +99,10 @@ def case(name, b, l, h, p, n, g, a, r, q, dt_) -> Case:  # noqa: E741
         (0, 1, 2, 3, 4, 5),
         flops,
         2 * flops,
+        bytes_forward=(qk + 2 * xv) * dt_.itemsize + f32,
+        bytes_backward=(2 * qk + 3 * xv) * dt_.itemsize + 2 * f32,
         peers={"levanter": _levanter_peer(r, q, l)},
+        reference=reference,
     )
 
 

@@ -4,7 +4,9 @@ Forward: read `x`, write `y` (`2·B·S·C` elements). Backward: read `x` and `dy
 (`3·B·S·C`); weights, bias and states are negligible. The fwd+bwd pass returns `y` and pulls
 a fixed random `dy` back (a loss like `sum(y)` would hand XLA a constant cotangent to fold).
 The mamba preset runs SiLU (as Mamba does) at widths 2, 4 and 8, with and without segment ids,
-at B=8 S=4096 and B=1 S=32768 (C=4096), and a few width-4 rows without an activation.
+at B=8 S=4096 and B=1 S=32768 (C=4096), and a few width-4 rows without an activation. The tpu
+preset (one TPU chip) runs B=8 S=4096 C=4096 SiLU at widths 4 and 2, and 4 with segment ids, its
+errors taken against `xla`.
 
 Peer (`--peers`, timed in this process): Levanter's Triton kernel
 (`levanter.kernels.triton.short_conv`, width 4 only, no bias, activation or state), followed
@@ -36,11 +38,25 @@ PRESETS = {
         (1, 32768, 4096, 4, False, None),
         (8, 4096, 4096, 4, True, None),
     ],
+    # one TPU chip: widths 4 and 2, and 4 with packed documents (errors against `xla`)
+    "tpu": [
+        (8, 4096, 4096, 4, False, "silu"),
+        (8, 4096, 4096, 2, False, "silu"),
+        (8, 4096, 4096, 4, True, "silu"),
+    ],
 }
 
 
 def case(
-    batch, seq, channels, width, segments=False, activation="silu", dtype="bfloat16", label=None
+    batch,
+    seq,
+    channels,
+    width,
+    segments=False,
+    activation="silu",
+    dtype="bfloat16",
+    label=None,
+    reference="reference",
 ) -> Case:
     dt = jnp.dtype(dtype)
 
@@ -76,6 +92,7 @@ def case(
         bytes_forward=2 * elems * dt.itemsize,
         bytes_backward=3 * elems * dt.itemsize,
         bound="memory",
+        reference=reference,
     )
 
 
@@ -100,7 +117,11 @@ def cases(*, preset=None, tokens=None, dtype=None):
     if name not in PRESETS:
         raise ValueError(f"short_conv: unknown preset {name!r}; presets are {sorted(PRESETS)}")
     dtype = dtype or ("float32" if name == "quick" else "bfloat16")
-    return [case(b, tokens or s, c, w, seg, act, dtype) for b, s, c, w, seg, act in PRESETS[name]]
+    reference = "xla" if name == "tpu" else "reference"
+    return [
+        case(b, tokens or s, c, w, seg, act, dtype, reference=reference)
+        for b, s, c, w, seg, act in PRESETS[name]
+    ]
 
 
 STEP_PRESETS = {"quick": [(4, 256, 4)], "decode": [(64, 4096, 4), (256, 8192, 4)]}

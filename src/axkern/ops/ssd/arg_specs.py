@@ -1,4 +1,5 @@
-"""Shapes that `axkern bench ssd` uses: the Mamba-2 2.7B layer (and its variants) and a quick CPU one.
+"""Shapes that `axkern bench ssd` uses: the Mamba-2 2.7B layer (and its variants), the same layer
+alone for one TPU chip (`tpu`, its rows named after the layer), and a quick CPU one.
 
 `--peers`: mamba_ssm's Triton `mamba_chunk_scan_combined` in a subprocess (`axkern.peers`) and, in
 this process, Levanter's chunked XLA path (`levanter.kernels.pallas.ssd.ssd_chunked_forward`),
@@ -17,7 +18,14 @@ from axkern.core.cases import Case
 from .api import ssd_positional
 
 # batch, length, heads, head_dim, state, groups, chunk
-PRESETS = {"quick": (2, 256, 4, 16, 16, 1, 64), "mamba2_2.7b": (4, 4096, 80, 64, 128, 1, 256)}
+PRESETS = {
+    "quick": (2, 256, 4, 16, 16, 1, 64),
+    "mamba2_2.7b": (4, 4096, 80, 64, 128, 1, 256),
+    # one TPU chip: the 2.7B layer alone (its other shapes left out), errors against `xla`
+    "tpu": (4, 4096, 80, 64, 128, 1, 256),
+}
+# the model a preset's rows name (the TPU's rows compare with the GPU's of the same layer)
+MODEL = {"tpu": "mamba2_2.7b"}
 # the 2.7B layer's other shapes, run after it unless `--tokens` names a length:
 # lengths 2048 and 16384, and head dim 128 with state 64 (40 heads: the same width)
 VARIANTS = {
@@ -36,7 +44,7 @@ def cases(*, preset=None, tokens=None, dtype=None):
     b, l, h, p, n, g, q = PRESETS[name]
     shapes = [(b, tokens or l, h, p, n, g, q)] + ([] if tokens else list(VARIANTS.get(name, ())))
     dt_ = jnp.dtype(dtype or ("float32" if name == "quick" else "bfloat16"))
-    return [case(name, *shape, dt_) for shape in shapes]
+    return [case(MODEL.get(name, name), *shape, dt_) for shape in shapes]
 
 
 def case(name, b, l, h, p, n, g, q, dt_) -> Case:  # noqa: E741
@@ -54,6 +62,8 @@ def case(name, b, l, h, p, n, g, q, dt_) -> Case:  # noqa: E741
         return ssd_positional(x, dt, A, B, C, dt_softplus=True, implementation=impl, **kw)
 
     flops = 2.0 * b * l * q * h * (n + p)  # intra-chunk products, roughly
+    # the fewest bytes: x, dt, B, C in and y out; backward those and dy in, their gradients out
+    x_, dt_elems, bc = float(b) * l * h * p, float(b) * l * h, 2.0 * b * l * g * n
     return Case(
         "ssd",
         f"{name}: B={b} L={l} H={h} P={p} N={n} G={g} Q={q} {dt_.name}",
@@ -65,6 +75,8 @@ def case(name, b, l, h, p, n, g, q, dt_) -> Case:  # noqa: E741
         (0, 1, 3, 4),
         flops,
         2 * flops,
+        bytes_forward=(2 * x_ + dt_elems + bc) * dt_.itemsize,
+        bytes_backward=(3 * x_ + 2 * dt_elems + 2 * bc) * dt_.itemsize,
         peers={"levanter": _levanter_peer(q, l)},
         # the sequential scan's backward keeps a float32 state per position: past 4 GiB of them,
         # the errors are taken against the chunked float32 `xla`
