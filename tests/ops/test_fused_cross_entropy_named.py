@@ -260,9 +260,12 @@ def test_explain_named():
     with axkern.use(interpret=True):
         d = axkern.explain(axkern.fused_cross_entropy, x, w, labels, implementation=("pallas_gpu", "xla"))
     assert d.op == "fused_cross_entropy" and d.implementation == "pallas_gpu" and d.interpret
+    # pallas_tpu serves both ops: a reduced loss runs the loss's TPU kernels, per-token losses the other
     with axkern.use(fused_cross_entropy="pallas_tpu"), axkern.use(interpret=True):
         d = axkern.explain(axkern.fused_cross_entropy, x, w, labels)
-    assert d.op == "fused_cross_entropy" and d.implementation == "pallas_tpu" and d.interpret
+        per_token = axkern.explain(axkern.fused_cross_entropy, x, w, labels, reduction=None)
+    assert d.op == "fused_cross_entropy_loss" and d.implementation == "pallas_tpu" and d.interpret
+    assert per_token.op == "fused_cross_entropy" and per_token.implementation == "pallas_tpu"
 
 
 def test_vocab_and_batch_on_the_same_mesh_axis_is_an_error():

@@ -84,24 +84,30 @@ OP = Op(
 
 LOSS_NAME = "fused_cross_entropy_loss"
 
+# The reduced loss on a TPU: `xla` until a run on the chip measures `pallas_tpu` (its Mosaic
+# kernels, pallas_tpu/loss.py) compiled, within the oracle rule and faster; then
+# ("pallas_tpu", "xla"), and `supports()` or a block check sends what it cannot serve to xla.
+LOSS_TPU_ORDER: tuple[str, ...] = ("xla",)
+
 LOSS_OP = Op(
     LOSS_NAME,
     [
         xla.LOSS_IMPLEMENTATION,
         mosaic_gpu.LOSS_IMPLEMENTATION,
+        pallas_tpu.LOSS_IMPLEMENTATION,
         Implementation(
             "reference",
             reference.loss,
             backward="autodiff through materialised [tokens, vocab] logits",
         ),
     ],
-    default_order={"cpu": ("xla",), "gpu": _loss_gpu_order, "tpu": ("xla",)},
+    default_order={"cpu": ("xla",), "gpu": _loss_gpu_order, "tpu": LOSS_TPU_ORDER},
     package=__package__,
     bucket=bucket,
 )
 
 CrossEntropyImplementation = Literal["xla", "pallas_gpu", "mosaic_gpu", "pallas_tpu", "reference"]
-LossImplementation = Literal["xla", "mosaic_gpu", "reference"]
+LossImplementation = Literal["xla", "mosaic_gpu", "pallas_tpu", "reference"]
 
 
 def token_stats(x, w, local_labels, *, logits_soft_cap, with_sum, implementation, block_sizes):

@@ -8,7 +8,7 @@ from typing import ClassVar
 
 import jax.numpy as jnp
 
-from axkern.core.blocks import BlockSizes, grid, next_power_of_2, powers_of_two
+from axkern.core.blocks import BlockSizes, grid, next_power_of_2, powers_of_two, unique_valid
 from axkern.core.op import Spec
 
 __all__ = [
@@ -30,6 +30,11 @@ __all__ = [
     "loss_space",
     "pallas_gpu_space",
     "pallas_tpu_space",
+    "pallas_tpu_loss_heuristic",
+    "pallas_tpu_loss_space",
+    "pallas_tpu_loss_packed",
+    "pallas_tpu_loss_vmem_bytes",
+    "tpu_vmem_bytes",
 ]
 
 # How the reduced loss adds each token block's share of `dw` when `w` is 16-bit (a float32 or
@@ -64,7 +69,9 @@ class CrossEntropyBlockSizes(BlockSizes):
     The reduced loss (`fused_cross_entropy_loss`) reads `block_tokens` (each block spans the
     whole vocabulary), `dw_accumulation` (how each block's share of `dw` is added, see
     `DW_ACCUMULATIONS`; `None`: `"float32"`) and `block_vocab` (the columns of `dw`
-    updated at once by the slab-wise strategies).
+    updated at once by the slab-wise strategies). Its Pallas TPU kernels read `block_tokens` and
+    `block_vocab` as the tile of a kernel step and `chunk_tokens` as the rows whose logits are
+    held in HBM at once (a multiple of `block_tokens`).
     """
 
     choices: ClassVar[dict[str, tuple[str, ...]]] = {"dw_accumulation": DW_ACCUMULATIONS}
@@ -76,6 +83,7 @@ class CrossEntropyBlockSizes(BlockSizes):
     num_warps: int | None = None
     num_stages: int | None = None
     dw_accumulation: str | None = None
+    chunk_tokens: int | None = None
 
 
 def bucket(spec: Spec) -> dict:
@@ -171,6 +179,83 @@ def mosaic_gpu_space(spec: Spec) -> list[CrossEntropyBlockSizes]:
 def pallas_tpu_heuristic(spec: Spec) -> CrossEntropyBlockSizes:
     """MXU-sized tiles whose VMEM footprint (about 6 MiB in bf16) fits every chip's budget."""
     return CrossEntropyBlockSizes(block_tokens=512, block_vocab=1024, block_embed=512)
+
+
+# -- the reduced loss's Pallas TPU kernels (pallas_tpu/loss.py) ---------------------------------
+
+
+def tpu_vmem_bytes(device_kind: str) -> int:
+    """VMEM of one TensorCore of the TPU `device_kind` names (JAX's spelling: "TPU v5 lite" is a
+    v5e); 32 MiB for a kind not listed (and off a TPU, where the kernels run in interpret mode)."""
+    kind = device_kind.lower()
+    if "lite" in kind or "v5e" in kind or "v6" in kind:
+        return 128 << 20
+    if "v5" in kind or "v7" in kind:
+        return 64 << 20
+    return 32 << 20
+
+
+def pallas_tpu_loss_packed(spec: Spec) -> bool:
+    """Whether the reduced loss's kernels hold the logits packed: `exp(z - running max)` in the
+    inputs' 16-bit dtype (16-bit inputs without a soft cap), else float32 logits."""
+    return jnp.dtype(spec.dtype).itemsize == 2 and spec.flag("logits_soft_cap", None) is None
+
+
+def pallas_tpu_loss_vmem_bytes(
+    block_tokens: int, block_vocab: int, embed: int, itemsize: int, packed: bool
+) -> int:
+    """VMEM the largest of the reduced loss's three kernels takes for one step: the
+    double-buffered blocks (inputs, outputs, float32 `[8, block_tokens]` rows padded to whole
+    tiles), the float32 accumulators and about four float32 `[block_vocab, block_tokens]`
+    temporaries."""
+    bt, bv, d = block_tokens, block_vocab, embed
+    rows = 2 * 8 * max(bt, 128) * 4  # a double-buffered [8, bt] float32 block (or [1, bt]: padded)
+    temporaries = 4 * bt * bv * 4
+    logits = 2 * bv * bt * (2 if packed else 4) + (rows if packed else 0)
+    stats = 2 * (bt * d + d * bv) * itemsize + logits + 8 * rows + temporaries
+    dx = logits + 2 * d * bv * itemsize + 2 * bt * d * itemsize + bt * d * 4 + 2 * rows + temporaries
+    dw = logits + 2 * bt * d * itemsize + 5 * bv * d * 4 + 2 * rows + temporaries
+    return max(stats, dx, dw)
+
+
+def _loss_chunk(spec: Spec, block_tokens: int) -> int:
+    """Rows whose logits the TPU kernels hold at once: as many as fit the bytes of xla's logits
+    block for the call (`loss_heuristic`), in whole tiles."""
+    vocab = spec.dim("vocab")
+    budget = loss_heuristic(spec).block_tokens * vocab * 4
+    held = vocab * (2 if pallas_tpu_loss_packed(spec) else 4)
+    return max(block_tokens, budget // held // block_tokens * block_tokens)
+
+
+def _fits(spec: Spec, bt: int, bv: int) -> bool:
+    itemsize = jnp.dtype(spec.dtype).itemsize
+    need = pallas_tpu_loss_vmem_bytes(bt, bv, spec.dim("embed"), itemsize, pallas_tpu_loss_packed(spec))
+    return need <= tpu_vmem_bytes(spec.device_kind) * 3 // 4
+
+
+def pallas_tpu_loss_heuristic(spec: Spec) -> CrossEntropyBlockSizes:
+    """Tiles of 512 tokens by 1024 vocabulary columns for embeddings up to 2560 (512 columns
+    above: the dw kernel's [block_vocab, D] float32 accumulator and blocks), halved until the
+    kernels fit three quarters of the chip's VMEM; the chunk as `_loss_chunk` says."""
+    bt, bv = 512, 1024 if spec.dim("embed") <= 2560 else 512
+    while not _fits(spec, bt, bv) and bv > 128:
+        bv //= 2
+    while not _fits(spec, bt, bv) and bt > 128:
+        bt //= 2
+    return CrossEntropyBlockSizes(block_tokens=bt, block_vocab=bv, chunk_tokens=_loss_chunk(spec, bt))
+
+
+def pallas_tpu_loss_space(spec: Spec) -> list[CrossEntropyBlockSizes]:
+    """Tiles of 256 to 1024 tokens by 512 to 2048 columns that fit the chip's VMEM, each with
+    the chunk `_loss_chunk` gives it."""
+    first = pallas_tpu_loss_heuristic(spec)
+    candidates = [first] + [
+        CrossEntropyBlockSizes(block_tokens=bt, block_vocab=bv, chunk_tokens=_loss_chunk(spec, bt))
+        for bt in (256, 512, 1024)
+        for bv in (512, 1024, 2048)
+        if _fits(spec, bt, bv)
+    ]
+    return unique_valid(candidates, spec)
 
 
 def space(spec: Spec) -> list[CrossEntropyBlockSizes]:

@@ -42,6 +42,7 @@ from axkern.core.op import Implementation, Unsupported
 
 from .. import common
 from ..blocks import CrossEntropyBlockSizes, pallas_tpu_heuristic, pallas_tpu_space
+from .loss import LOSS_IMPLEMENTATION as LOSS_IMPLEMENTATION  # the reduced loss (loss.py)
 
 VMEM_BUDGET = 16 << 20  # the scoped VMEM Mosaic grants a kernel by default (v4/v5e; v5p/v6e have more)
 

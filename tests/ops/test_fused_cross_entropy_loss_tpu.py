@@ -1,0 +1,211 @@
+"""fused_cross_entropy_loss `pallas_tpu` (the reduced loss's Mosaic TPU kernels): values and
+gradients against the float64 oracle in interpret mode (every option, float32 and bfloat16, both
+forms of the held logits, one to three chunks, ragged vocabulary tiles and token counts), the
+refusals, the heuristic's sizes, and the kernels lowered for a TPU v5e at Llama-3's sizes.
+
+Non-finite inputs: tests/ops/test_loss_numerics.py runs `pallas_tpu` for the reduced loss too (a
+reduced `fused_cross_entropy` call that names it runs this op)."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import axkern
+from axkern import CrossEntropyBlockSizes
+from axkern.ops.fused_cross_entropy import blocks
+from axkern.ops.fused_cross_entropy.api import LOSS_OP
+from axkern.positional import fused_cross_entropy_loss as ce_loss
+from tests.cases.fused_cross_entropy import OPTIONS, make, run_loss
+from tests.harness import check_rule
+from tests.helpers import x64
+from tests.tpu_lowering import as_tpu, lower_for_tpu, tpu_custom_calls
+
+KERNELS = {f"axkern_fused_cross_entropy_loss_tpu_{k}": None for k in ("value", "logits", "dx", "dw")}.keys()
+
+# (dtype, option, reduction, n, d, v, chunk): tiles of 128 tokens by 128 columns. A vocabulary of
+# 300 or 200 ends in a ragged tile; 300 tokens in chunks of 128 are three chunks (the middle one
+# in the loop), 200 two; 70 tokens take one tile of the padded chunk. bfloat16 without a soft cap
+# holds the logits packed, float32 or a soft cap holds them in float32
+CASES = [
+    ("float32", "all", "mean", 300, 40, 300, 128),
+    ("bfloat16", "plain", "sum", 300, 40, 300, 128),
+    ("bfloat16", "all", "mean", 200, 24, 200, 128),
+    ("bfloat16", "smoothing", "sum", 70, 24, 130, None),
+    ("bfloat16", "z_loss", "mean", 70, 24, 130, None),
+    ("float32", "soft_cap", "sum", 70, 24, 130, None),
+    ("float32", "ignore", "mean", 70, 24, 130, None),
+    ("bfloat16", "where", "sum", 70, 24, 130, None),
+]
+
+
+@pytest.mark.parametrize("dtype,option,reduction,n,d,v,chunk", CASES)
+def test_against_oracle(dtype, option, reduction, n, d, v, chunk):
+    arrays, options = make(
+        CASES.index((dtype, option, reduction, n, d, v, chunk)), n, d, v, dtype, OPTIONS[option]
+    )
+    bs = CrossEntropyBlockSizes(block_tokens=128, block_vocab=128, chunk_tokens=chunk)
+    what = f"fused_cross_entropy_loss pallas_tpu N={n} D={d} V={v} {option} {reduction}"
+    kw = dict(reduction=reduction, options=options, block_sizes=bs)
+    value, (dx, dw) = check_rule(run_loss, "pallas_tpu", arrays, dtype, what, interpret=True, **kw)
+    assert value.dtype == jnp.float32 and dx.dtype == jnp.dtype(dtype) and dw.dtype == jnp.dtype(dtype)
+    # undifferentiated, the value comes from the statistics kernel alone
+    with axkern.use(interpret=True):
+        primal = ce_loss(
+            arrays["x"],
+            arrays["w"],
+            arrays["labels"],
+            reduction=reduction,
+            where=arrays.get("where"),
+            implementation="pallas_tpu",
+            block_sizes=bs,
+            **options,
+        )
+    np.testing.assert_allclose(primal, value, rtol=1e-5)
+
+
+def test_mixed_dtypes_and_a_gradient_cotangent():
+    # bf16 hidden states with a float32 head: float32 products, dx in bf16 and dw in float32; the
+    # loss scaled by 3 scales both gradients
+    arrays, _ = make(9, 70, 24, 130, "float32")
+    x, w, labels = arrays["x"].astype(jnp.bfloat16), arrays["w"], arrays["labels"]
+
+    def grads(impl):
+        def f(x, w):
+            return 3.0 * ce_loss(x, w, labels, implementation=impl)
+
+        return jax.grad(f, argnums=(0, 1))(x, w)
+
+    with axkern.use(interpret=True):
+        dx, dw = grads("pallas_tpu")
+    rdx, rdw = grads("reference")
+    assert dx.dtype == jnp.bfloat16 and dw.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(dw), np.asarray(rdw), rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(dx, np.float32), np.asarray(rdx, np.float32), rtol=2e-2, atol=1e-4)
+
+
+def test_refusals_name_the_problem():
+    x, w, labels = jnp.zeros((300, 16)), jnp.zeros((16, 300)), jnp.zeros(300, jnp.int32)
+
+    def call(**bs):
+        with axkern.use(interpret=True):
+            return ce_loss(x, w, labels, implementation="pallas_tpu", block_sizes=bs)
+
+    with pytest.raises(
+        axkern.Unsupported, match="block_tokens=100: the TPU loss kernels take a multiple of 128"
+    ):
+        call(block_tokens=100, block_vocab=128)
+    with pytest.raises(
+        axkern.Unsupported, match="block_vocab=200: the TPU loss kernels take a multiple of 128"
+    ):
+        call(block_tokens=128, block_vocab=200)
+    with pytest.raises(
+        axkern.Unsupported, match="chunk_tokens=200: the TPU loss kernels take a multiple of 128"
+    ):
+        call(block_tokens=128, block_vocab=128, chunk_tokens=200)
+    with pytest.raises(
+        axkern.Unsupported, match="dw_accumulation='compensated': the TPU loss kernels add dw in float32"
+    ):
+        call(block_tokens=128, block_vocab=128, dw_accumulation="compensated")
+    # on the chip, blocks over its VMEM are refused with the figures
+    big = jax.ShapeDtypeStruct((4096, 8192), jnp.bfloat16)
+    with pytest.raises(axkern.Unsupported, match=r"need about \d+ MiB of VMEM, over the 96 MiB"):
+        lower_for_tpu(
+            lambda x, w, l: ce_loss(
+                x, w, l, implementation="pallas_tpu", block_sizes=dict(block_tokens=2048, block_vocab=2048)
+            ),
+            big,
+            jax.ShapeDtypeStruct((8192, 32000), jnp.bfloat16),
+            jax.ShapeDtypeStruct((4096,), jnp.int32),
+        )
+    # float64 falls back, saying why
+    with x64(), axkern.use(interpret=True):
+        d = axkern.explain(
+            lambda *a: ce_loss(*a, implementation=("pallas_tpu", "xla")),
+            x.astype(jnp.float64),
+            w.astype(jnp.float64),
+            labels,
+        )
+    assert d.implementation == "xla" and "float64" in d.rejected[0].reason
+
+
+HEURISTIC_CASES = [
+    (8192, 4096, 128256, "bfloat16", None),  # Llama 3
+    (8192, 2304, 262144, "bfloat16", None),  # Gemma
+    (8192, 4096, 128256, "float32", None),
+    (8192, 2304, 256000, "bfloat16", 30.0),  # Gemma 2, its soft cap
+]
+
+
+@pytest.mark.parametrize("n,d,v,dtype,cap", HEURISTIC_CASES)
+def test_heuristic_fits_the_chip_and_holds_no_more_than_xla(n, d, v, dtype, cap):
+    with as_tpu():
+        spec = LOSS_OP.spec(
+            {"tokens": n, "embed": d, "vocab": v}, dtype, logits_soft_cap=cap, with_sum=False, w_dtype=dtype
+        )
+    bs = blocks.pallas_tpu_loss_heuristic(spec)
+    packed = blocks.pallas_tpu_loss_packed(spec)
+    assert packed == (dtype == "bfloat16" and cap is None)
+    assert bs.block_tokens % 128 == 0 and bs.block_vocab % 128 == 0 and bs.chunk_tokens % bs.block_tokens == 0
+    need = blocks.pallas_tpu_loss_vmem_bytes(
+        bs.block_tokens, bs.block_vocab, d, jnp.dtype(dtype).itemsize, packed
+    )
+    assert need <= blocks.tpu_vmem_bytes("TPU v5 lite") * 3 // 4
+    # the held logits of a chunk take no more than xla's logits block
+    assert bs.chunk_tokens * v * (2 if packed else 4) <= blocks.loss_heuristic(spec).block_tokens * v * 4
+    space = blocks.pallas_tpu_loss_space(spec)
+    assert space[0] == bs and len(space) > 1
+
+
+def test_explain_on_a_tpu_keeps_xla_first_and_describes_the_kernels():
+    shapes = (
+        jax.ShapeDtypeStruct((8192, 4096), jnp.bfloat16),
+        jax.ShapeDtypeStruct((4096, 128256), jnp.bfloat16),
+        jax.ShapeDtypeStruct((8192,), jnp.int32),
+    )
+    with as_tpu():
+        default = axkern.explain(ce_loss, *shapes)
+        kernel = axkern.explain(lambda *a: ce_loss(*a, implementation="pallas_tpu"), *shapes)
+    assert default.implementation == "xla"
+    assert kernel.implementation == "pallas_tpu" and not kernel.interpret
+    assert "2 chunk(s) of 4096 tokens" in kernel.backward and "packed 16-bit" in kernel.backward
+    assert "float32 [V, D] buffer" in kernel.backward
+
+
+# Lowered for a TPU v5e at Llama-3's sizes: forward and backward (and the undifferentiated
+# value), three chunks (a middle one in the loop), in both forms of the held logits
+LOWERINGS = [
+    ("bfloat16", {}),
+    ("float32", {}),
+    (
+        "bfloat16",
+        {"logits_soft_cap": 30.0, "logsumexp_weight": 1e-4, "label_smoothing": 0.1, "ignore_index": -100},
+    ),
+]
+
+
+@pytest.mark.parametrize("dtype,options", LOWERINGS, ids=["bf16 packed", "f32", "bf16 all options"])
+def test_lowers_for_a_tpu_at_llama3_sizes(dtype, options):
+    n, d, v = 1536, 4096, 128256
+    bs = dict(block_tokens=512, block_vocab=512, chunk_tokens=512)
+
+    def fn(x, w, labels):
+        def f(x, w):
+            return ce_loss(x, w, labels, implementation="pallas_tpu", block_sizes=bs, **options)
+
+        return f(x, w), jax.grad(f, argnums=(0, 1))(x, w)
+
+    shapes = (
+        jax.ShapeDtypeStruct((n, d), dtype),
+        jax.ShapeDtypeStruct((d, v), dtype),
+        jax.ShapeDtypeStruct((n,), jnp.int32),
+    )
+    lowered = lower_for_tpu(fn, *shapes)
+    assert set(tpu_custom_calls(lowered)) == set(KERNELS)
+    # nothing of [tokens, vocab]: the largest arrays are a chunk's held logits and the dw sum
+    text = lowered.as_text()
+    assert not re.search(rf"\b{n}x{v}x|\b{v}x{n}x", text)
