@@ -206,15 +206,24 @@ def pallas_tpu_loss_vmem_bytes(
 ) -> int:
     """VMEM the largest of the reduced loss's three kernels takes for one step: the
     double-buffered blocks (inputs, outputs, float32 `[8, block_tokens]` rows padded to whole
-    tiles), the float32 accumulators and about four float32 `[block_vocab, block_tokens]`
-    temporaries."""
+    tiles), the float32 accumulators (and the dw kernel's transposition of its own) and about
+    four float32 `[block_vocab, block_tokens]` temporaries in the elementwise kernels."""
     bt, bv, d = block_tokens, block_vocab, embed
     rows = 2 * 8 * max(bt, 128) * 4  # a double-buffered [8, bt] float32 block (or [1, bt]: padded)
     temporaries = 4 * bt * bv * 4
-    logits = 2 * bv * bt * (2 if packed else 4) + (rows if packed else 0)
-    stats = 2 * (bt * d + d * bv) * itemsize + logits + 8 * rows + temporaries
-    dx = logits + 2 * d * bv * itemsize + 2 * bt * d * itemsize + bt * d * 4 + 2 * rows + temporaries
-    dw = logits + 2 * bt * d * itemsize + 5 * bv * d * 4 + 2 * rows + temporaries
+    logits = 2 * bv * bt * (2 if packed else 4)
+    maxima = rows if packed else 0
+    stats = 2 * (bt * d + d * bv) * itemsize + logits + maxima + 8 * rows + temporaries
+    dx = (
+        2 * logits
+        + maxima
+        + 2 * d * bv * itemsize
+        + 2 * bt * d * itemsize
+        + bt * d * 4
+        + 2 * rows
+        + temporaries
+    )
+    dw = logits + 2 * bt * d * itemsize + 5 * bv * d * 4 + bt * bv * 4
     return max(stats, dx, dw)
 
 

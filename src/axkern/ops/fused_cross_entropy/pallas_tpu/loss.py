@@ -12,15 +12,17 @@ the tokens go in chunks of `chunk_tokens` rows (padded to whole tiles; dropped a
 rows of `x` zeroed, so a non-finite value there reaches nothing). Per chunk three kernels
 (`loss_kernels.py`): `logits` (the statistics, and the chunk's logits held in HBM transposed,
 float32 or packed 16-bit), then XLA forms the per-token losses and `g, a, b` (vectors), then `dx`
-(tokens outer) and `dw` (vocabulary outer, added to a float32 `[V, D]` running sum, the last
-chunk writing the gradient in `w`'s dtype). One chunk: no running sum at all.
+(tokens outer; it writes the logits' cotangent over them) and `dw` (vocabulary outer, a product
+added to a float32 `[V, D]` running sum, the last chunk writing the gradient in `w`'s dtype).
+One chunk: no running sum at all.
 
 **Undifferentiated**: the `logits` kernel alone over all tokens, without holding the logits.
 
 **Cost.** `6·N·D·V` MXU FLOPs under a gradient (`2·N·D·V` for the value). HBM traffic per logit:
-`w`'s reads in the two tokens-outer kernels (`2·itemsize·D/block_tokens` bytes each), the held
-logit written once and read twice (2 or 4 bytes each time), `x`'s reads in `dw`
-(`itemsize·D/block_vocab`), and the running sum's read and write (`8·D/chunk_tokens`).
+`w`'s reads in the two tokens-outer kernels (`itemsize·D/block_tokens` bytes each), the held
+logit written and read twice (2 or 4 bytes each time: the logit, then its cotangent), `x`'s
+reads in `dw` (`itemsize·D/block_vocab`), and the running sum's read and write
+(`8·D/chunk_tokens`). Elementwise work: the statistics in `logits` and the cotangent in `dx`.
 
 **Memory** beside the inputs and gradients: the held logits of one chunk
 (`chunk_tokens · V · (2 or 4)` bytes) and, with more than one chunk, the float32 `[V, D]`
@@ -195,8 +197,8 @@ def _chunk(cfg: _Config, x, w, labels, keep, coef, c0, running, final_dtype):
     per_token[kernels.LSE], per_token[kernels.G], per_token[kernels.KEEP] = lse, g, kc.astype(jnp.float32)
     per_token[kernels.A], per_token[kernels.B] = (1 - eps) * cc, (eps / v) * cc
     per_token = jnp.stack(per_token)
-    dx = kernels.dx(t, held, per_token, label_row, w, cfg.x_dtype)
-    return dx, kernels.dw(t, held, per_token, label_row, xc, running, final_dtype), total
+    dx, dzt = kernels.dx(t, held, per_token, label_row, w, cfg.x_dtype)
+    return dx, kernels.dw(t, dzt, xc, running, final_dtype), total
 
 
 def _loss_fwd(cfg: _Config, x, w, labels, keep, scale):

@@ -2,11 +2,11 @@
 
 A chunk of `C` token rows of `x` (`[C, D]`) meets `w` (`[D, V]`) in tiles of `bt` tokens by `bv`
 vocabulary columns. Between the kernels the chunk's logits are held in HBM transposed,
-`zT: [V, C]`, in one of two forms:
+`zT: [V', C]` (`V'`: the vocabulary in whole tiles), in one of two forms:
 
 - float32 `z` (soft-capped), for float32 inputs or a soft cap;
 - packed: `exp(z - m)` in the inputs' 16-bit dtype, `m` the token's running max after the tile,
-  kept per tile and token in `maxima: [8·ceil(V/bv/8), C]` float32 (row `j` for tile `j`). A
+  kept per tile and token in `maxima: [8·ceil(V'/bv/8), C]` float32 (row `j` for tile `j`). A
   value in `[0, 1]` rounded to 16 bits loses no more than rounding `dz` to 16 bits for the
   products does, in half the bytes of a float32 logit.
 
@@ -16,11 +16,12 @@ Kernels (each `dimension_semantics` ("parallel", "arbitrary")):
   transposed once to `[bv, bt]`, soft-capped; per token (a `[1, bt]` lane vector) the online
   logsumexp (running max and sum of exponentials), the label's logit and the logit sum; with
   `store`, the tile of `zT` (and of `maxima`).
-- `dx`, grid `(C/bt, V/bv)`, tokens outer: `dzT` (below) from the tile of `zT`, then
-  `dxT[D, bt] += w_v @ dzT` in a float32 VMEM accumulator, written transposed at the last tile.
-- `dw`, grid `(V/bv, C/bt)`, vocabulary outer: `dwT[bv, D] += dzT @ x_t`, added to the previous
-  chunks' float32 sum (`[V, D]`, transposed) or written, transposed to `[D, bv]`, in `w`'s dtype
-  at the last chunk.
+- `dx`, grid `(C/bt, V/bv)`, tokens outer: the tile's cotangent `dzT` (below), written over its
+  logits (the buffer aliased), and `dxT[D, bt] += w_v @ dzT` in a float32 VMEM accumulator,
+  written transposed at the last tile.
+- `dw`, grid `(V/bv, C/bt)`, vocabulary outer, a product alone: `dwT[bv, D] += dzT @ x_t`, added
+  to the previous chunks' float32 sum (`[V', D]`, transposed) or written, transposed to
+  `[D, bv]`, in `w`'s dtype at the last chunk.
 
 All three products are plain `[M, K] @ [K, N]` ones: the only transposition is the logits
 tile's in `logits` (and one `[D, bt]` or `[bv, D]` accumulator at the end of a row of steps).
@@ -36,8 +37,8 @@ selected to 0 (never multiplied) on dropped tokens and past the vocabulary. Labe
 
 **Ragged edges.** Columns past `V` in the last vocabulary tile are masked out of the statistics
 and of `dzT`, and zeroed in `w`'s block before `dx`'s product (that product sums over them);
-their `dw` rows fall outside the output. Token rows: `loss.py` pads a chunk to whole tiles; the
-statistics-only call takes a ragged last token tile, whose extra lanes are not written.
+their `dw` rows fall outside the gradient. Token rows: `loss.py` pads a chunk to whole tiles;
+the statistics-only call takes a ragged last token tile, whose extra lanes are not written.
 """
 
 from __future__ import annotations
@@ -80,6 +81,11 @@ class Tiles:
     def tail(self) -> int:
         """Columns of the last vocabulary tile."""
         return self.vocab - (self.tiles_vocab - 1) * self.block_vocab
+
+    @property
+    def padded_vocab(self) -> int:
+        """The vocabulary in whole tiles: the rows of the held logits and of the dw sum."""
+        return self.tiles_vocab * self.block_vocab
 
     @property
     def logits_dtype(self):
@@ -178,7 +184,7 @@ def logits(t: Tiles, x, w, labels, *, store: bool):
     out_shape = [jax.ShapeDtypeStruct((1, c), jnp.float32)] * 3
     out_specs = [token] * 3
     if store:
-        out_shape.append(jax.ShapeDtypeStruct((t.vocab, c), t.logits_dtype))
+        out_shape.append(jax.ShapeDtypeStruct((t.padded_vocab, c), t.logits_dtype))
         out_specs.append(pl.BlockSpec((bv, bt), lambda i, j: (j, i)))
         if t.packed:
             out_shape.append(jax.ShapeDtypeStruct((t.maxima_rows, c), jnp.float32))
@@ -228,29 +234,12 @@ def _cotangent(t: Tiles, j, rows_ref, labels_ref, z_ref, maxima_ref, last: bool)
     return jnp.where(live, dz, 0.0).astype(t.operand)
 
 
-def _held_specs(t: Tiles, token_index, vocab_index):
-    """BlockSpecs of the held logits (and maxima) for index maps over `(grid indices)`."""
-    bt, bv = t.block_tokens, t.block_vocab
-    specs = [pl.BlockSpec((bv, bt), lambda *g: (vocab_index(*g), token_index(*g)))]
-    if t.packed:
-        specs.append(pl.BlockSpec((8, bt), lambda *g: (vocab_index(*g) // 8, token_index(*g))))
-    return specs
-
-
-def _per_token_specs(t: Tiles, token_index):
-    bt = t.block_tokens
-    return [
-        pl.BlockSpec((ROWS, bt), lambda *g: (0, token_index(*g))),
-        pl.BlockSpec((1, bt), lambda *g: (0, token_index(*g))),
-    ]
-
-
-# -- dx: tokens outer ---------------------------------------------------------------------------
+# -- dx: tokens outer; the tile's cotangent written over its logits ------------------------------
 
 
 def _dx_kernel(rows_ref, labels_ref, z_ref, *refs, t: Tiles):
     maxima_ref = refs[0] if t.packed else None
-    w_ref, dx_ref, acc = refs[-3:]
+    w_ref, dx_ref, dz_ref, acc = refs[-4:]
     j = pl.program_id(1)
 
     @pl.when(j == 0)
@@ -259,6 +248,7 @@ def _dx_kernel(rows_ref, labels_ref, z_ref, *refs, t: Tiles):
 
     def step(last):
         dzt = _cotangent(t, j, rows_ref, labels_ref, z_ref, maxima_ref, last)
+        dz_ref[...] = dzt.astype(dz_ref.dtype)
         if last:  # the product sums over the tile's columns: those past V must be 0 in w too
             w_ref[:, t.tail :] = jnp.zeros((w_ref.shape[0], t.block_vocab - t.tail), w_ref.dtype)
         acc[...] += dot(w_ref[...], dzt)  # [D, bt]
@@ -272,44 +262,41 @@ def _dx_kernel(rows_ref, labels_ref, z_ref, *refs, t: Tiles):
 
 
 def dx(t: Tiles, held, rows, labels, w, dtype):
-    """`dx: [C, D]` in `dtype` of the chunk whose logits are `held` (`(zT,)` or `(zT, maxima)`)."""
+    """`(dx, dzT)` of the chunk whose logits are `held` (`(zT,)` or `(zT, maxima)`): `dx: [C, D]`
+    in `dtype`, and the cotangent of the logits `dzT` written over `zT` (its buffer and dtype)."""
     c, d = held[0].shape[1], w.shape[0]
     bt, bv = t.block_tokens, t.block_vocab
-    token, vocab = (lambda i, j: i), (lambda i, j: j)
+    tile = pl.BlockSpec((bv, bt), lambda i, j: (j, i))
+    per_token = [pl.BlockSpec((ROWS, bt), lambda i, j: (0, i)), pl.BlockSpec((1, bt), lambda i, j: (0, i))]
+    maxima = [pl.BlockSpec((8, bt), lambda i, j: (j // 8, i))] if t.packed else []
     return _call(
         t,
         functools.partial(_dx_kernel, t=t),
         "axkern_fused_cross_entropy_loss_tpu_dx",
         (cdiv(c, bt), t.tiles_vocab),
         ("parallel", "arbitrary"),
-        in_specs=_per_token_specs(t, token)
-        + _held_specs(t, token, vocab)
-        + [pl.BlockSpec((d, bv), lambda i, j: (0, j))],
-        out_specs=pl.BlockSpec((bt, d), lambda i, j: (i, 0)),
-        out_shape=jax.ShapeDtypeStruct((c, d), dtype),
+        in_specs=per_token + [tile] + maxima + [pl.BlockSpec((d, bv), lambda i, j: (0, j))],
+        out_specs=[pl.BlockSpec((bt, d), lambda i, j: (i, 0)), tile],
+        out_shape=[jax.ShapeDtypeStruct((c, d), dtype), jax.ShapeDtypeStruct(held[0].shape, held[0].dtype)],
         scratch_shapes=[pltpu.VMEM((d, bt), jnp.float32)],
+        input_output_aliases={2: 1},
     )(rows, labels, *held, w)
 
 
-# -- dw: vocabulary outer -----------------------------------------------------------------------
+# -- dw: vocabulary outer, a product alone ------------------------------------------------------
 
 
-def _dw_kernel(rows_ref, labels_ref, z_ref, *refs, t: Tiles, accumulate: bool, final: bool):
-    maxima_ref = refs[0] if t.packed else None
-    refs = refs[1:] if t.packed else refs
-    x_ref, refs = refs[0], refs[1:]
+def _dw_kernel(dz_ref, x_ref, *refs, t: Tiles, accumulate: bool, final: bool):
     sum_ref, refs = (refs[0], refs[1:]) if accumulate else (None, refs)
     out_ref = refs[0]
     acc = refs[1] if final else out_ref  # a float32 running sum accumulates in its output block
-    j, i = pl.program_id(0), pl.program_id(1)
+    i = pl.program_id(1)
 
     @pl.when(i == 0)
     def _():
         acc[...] = sum_ref[...] if accumulate else jnp.zeros(acc.shape, jnp.float32)
 
-    # rows of dzT past V give rows of dwT past V, which are not written: no mask needed
-    dzt = _cotangent(t, j, rows_ref, labels_ref, z_ref, maxima_ref, False)
-    acc[...] += dot(dzt, x_ref[...])  # [bv, D]
+    acc[...] += dot(dz_ref[...].astype(t.operand), x_ref[...])  # [bv, D]
     if final:
 
         @pl.when(i == pl.num_programs(1) - 1)
@@ -317,26 +304,26 @@ def _dw_kernel(rows_ref, labels_ref, z_ref, *refs, t: Tiles, accumulate: bool, f
             out_ref[...] = acc[...].T.astype(out_ref.dtype)
 
 
-def dw(t: Tiles, held, rows, labels, x, running, final_dtype):
-    """The chunk's `dw` added to `running` (the previous chunks' float32 sum, transposed and
-    padded to whole tiles, `[V', D]`; or None): the new sum, or with `final_dtype` the gradient
-    `[D, V]` in that dtype."""
+def dw(t: Tiles, dzt, x, running, final_dtype):
+    """The chunk's `dw = x^T dz` (from `dzT: [V', C]`) added to `running` (the previous chunks'
+    float32 sum, transposed, `[V', D]`; or None): the new sum, or with `final_dtype` the gradient
+    `[D, V]` in that dtype. `V'`: the vocabulary in whole tiles."""
     c, d = x.shape
     bt, bv = t.block_tokens, t.block_vocab
-    token, vocab = (lambda j, i: i), (lambda j, i: j)
-    in_specs = _per_token_specs(t, token) + _held_specs(t, token, vocab)
-    in_specs.append(pl.BlockSpec((bt, d), lambda j, i: (i, 0)))
-    args = [rows, labels, *held, x]
+    in_specs = [pl.BlockSpec((bv, bt), lambda j, i: (j, i)), pl.BlockSpec((bt, d), lambda j, i: (i, 0))]
+    args = [dzt, x]
     aliases = {}
     if running is not None:
         in_specs.append(pl.BlockSpec((bv, d), lambda j, i: (j, 0)))
         args.append(running)
         if final_dtype is None:
-            aliases = {len(args) - 1: 0}
+            aliases = {2: 0}
     if final_dtype is None:
-        # whole tiles (nothing dropped at a ragged edge: the sum is read back whole)
-        running_shape = jax.ShapeDtypeStruct((t.tiles_vocab * bv, d), jnp.float32)
-        out = (pl.BlockSpec((bv, d), lambda j, i: (j, 0)), running_shape, [])
+        out = (
+            pl.BlockSpec((bv, d), lambda j, i: (j, 0)),
+            jax.ShapeDtypeStruct((t.padded_vocab, d), jnp.float32),
+            [],
+        )
     else:
         out = (
             pl.BlockSpec((d, bv), lambda j, i: (0, j)),
