@@ -223,7 +223,7 @@ def pallas_tpu_loss_vmem_bytes(
         + 2 * rows
         + temporaries
     )
-    dw = logits + 2 * bt * d * itemsize + 5 * bv * d * 4 + bt * bv * 4
+    dw = logits + 2 * bt * d * itemsize + 5 * bv * d * 4 + 2 * bt * bv * 4
     return max(stats, dx, dw)
 
 

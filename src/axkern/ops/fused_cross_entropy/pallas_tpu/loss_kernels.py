@@ -25,6 +25,7 @@ Kernels (each `dimension_semantics` ("parallel", "arbitrary")):
 
 All three products are plain `[M, K] @ [K, N]` ones: the only transposition is the logits
 tile's in `logits` (and one `[D, bt]` or `[bv, D]` accumulator at the end of a row of steps).
+`dx` and `dw` go over the embedding `EMBED_STEP` columns at a time (static slices).
 
 The cotangent of the logits, from the per-token rows `rows: [8, C]` float32 (`LSE`, `G`, `A`,
 `B`, `KEEP`: `lse`, `g = coef·(1 + 2·w_z·lse)`, `a = (1 - eps)·coef`, `b = (eps/V)·coef`, 1 for a
@@ -57,7 +58,8 @@ from axkern.core.kernels import dot
 
 __all__ = ["Tiles", "ROWS", "LSE", "G", "A", "B", "KEEP", "logits", "dx", "dw"]
 
-ROWS = 8  # rows of the per-token array the dx and dw kernels read (five used)
+ROWS = 8  # rows of the per-token array the dx kernel reads (five used)
+EMBED_STEP = 512  # embedding columns a product of the dx and dw kernels takes at once
 LSE, G, A, B, KEEP = range(5)
 
 
@@ -105,6 +107,13 @@ def _call(t: Tiles, kernel, name, grid, semantics, **kw):
         compiler_params=pltpu.CompilerParams(dimension_semantics=semantics, vmem_limit_bytes=t.vmem_limit),
         **kw,
     )
+
+
+def _embed_slices(d: int) -> list[slice]:
+    """The embedding in static slices of `EMBED_STEP`: the dx and dw products and their
+    accumulators' transpositions go a slice at a time, so no value larger than
+    `[EMBED_STEP, bt]` or `[bv, EMBED_STEP]` float32 is live."""
+    return [slice(e, min(e + EMBED_STEP, d)) for e in range(0, d, EMBED_STEP)]
 
 
 def _ragged(t: Tiles, j, step):
@@ -228,7 +237,7 @@ def _cotangent(t: Tiles, j, rows_ref, labels_ref, z_ref, maxima_ref, last: bool)
         dz = dz - b
     if t.soft_cap is not None:  # float32 logits only: `z` is the capped logit
         dz = dz * (1.0 - jnp.square(z * (1.0 / t.soft_cap)))
-    live = keep > 0
+    live = jnp.broadcast_to(keep, z.shape) > 0  # a mask of the tile's shape (no boolean broadcast)
     if last:
         live = live & (row < t.tail)
     return jnp.where(live, dz, 0.0).astype(t.operand)
@@ -251,14 +260,18 @@ def _dx_kernel(rows_ref, labels_ref, z_ref, *refs, t: Tiles):
         dz_ref[...] = dzt.astype(dz_ref.dtype)
         if last:  # the product sums over the tile's columns: those past V must be 0 in w too
             w_ref[:, t.tail :] = jnp.zeros((w_ref.shape[0], t.block_vocab - t.tail), w_ref.dtype)
-        acc[...] += dot(w_ref[...], dzt)  # [D, bt]
+        for e in _embed_slices(acc.shape[0]):  # acc: [D, bt]
+            acc[e, :] += dot(w_ref[e, :], dzt)
 
     _ragged(t, j, step)
 
     @pl.when(j == t.tiles_vocab - 1)
     def _():
-        keep = rows_ref[KEEP : KEEP + 1, :] > 0  # a dropped token's row: 0, even where w is not finite
-        dx_ref[...] = jnp.where(keep, acc[...], 0.0).T.astype(dx_ref.dtype)
+        # a dropped token's row: 0, even where w is not finite
+        keep = jnp.broadcast_to(rows_ref[KEEP : KEEP + 1, :], (EMBED_STEP, acc.shape[1])) > 0
+        for e in _embed_slices(acc.shape[0]):
+            part = acc[e, :]
+            dx_ref[:, e] = jnp.where(keep[: part.shape[0]], part, 0.0).T.astype(dx_ref.dtype)
 
 
 def dx(t: Tiles, held, rows, labels, w, dtype):
@@ -296,12 +309,15 @@ def _dw_kernel(dz_ref, x_ref, *refs, t: Tiles, accumulate: bool, final: bool):
     def _():
         acc[...] = sum_ref[...] if accumulate else jnp.zeros(acc.shape, jnp.float32)
 
-    acc[...] += dot(dz_ref[...].astype(t.operand), x_ref[...])  # [bv, D]
+    dzt = dz_ref[...].astype(t.operand)
+    for e in _embed_slices(acc.shape[1]):  # acc: [bv, D]
+        acc[:, e] += dot(dzt, x_ref[:, e])
     if final:
 
         @pl.when(i == pl.num_programs(1) - 1)
         def _():
-            out_ref[...] = acc[...].T.astype(out_ref.dtype)
+            for e in _embed_slices(acc.shape[1]):
+                out_ref[e, :] = acc[:, e].T.astype(out_ref.dtype)
 
 
 def dw(t: Tiles, dzt, x, running, final_dtype):
