@@ -158,3 +158,18 @@ def test_the_cases_count_the_visible_pairs_of_their_masks(name, length):
     mask = arg_specs._mask(name, 2, length)
     dense = np.asarray(mask.dense(length, length))
     assert arg_specs.visible_pairs(name, length) == dense.sum() // (2 if mask.batch_size() else 1)
+
+
+def test_splash_lowers_for_the_tpu_at_the_presets_shape(monkeypatch):
+    # the peers as the chip runs them (no interpret mode), forward and backward, lowered for a TPU:
+    # B2 S8192 H32 D128, packed documents, splash's default and 1024-blocks
+    from axkern.core import backend
+
+    monkeypatch.delenv("AXKERN_SPLASH_SWEEP", raising=False)
+    monkeypatch.setattr(backend, "platform", lambda: "tpu")
+    (c,) = [c for c in arg_specs.cases(preset="tpu") if "docs1024" in c.label]
+    q, k, v = jax.eval_shape(c.make, jax.random.PRNGKey(0))
+    for peer in (c.peers["splash"], c.peers["splash_best"].variants["q1024 kv1024"]):
+        jax.jit(lambda ct, q, k, v, peer=peer: jax.vjp(peer, q, k, v)[1](ct)).trace(q, q, k, v).lower(
+            lowering_platforms=("tpu",)
+        )
