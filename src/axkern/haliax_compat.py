@@ -47,12 +47,13 @@ def dot_product_attention(
     and `key` other than `Key` (batch, heads) runs in parallel. `mask` (bool, broadcastable to
     those axes, the query position and `KPos`) becomes an `axkern.masks.Dense` mask; an
     `axkern.masks` mask (`Causal()`, `SlidingWindow(n)`, `Segments(...)`, combined with `&` and
-    `|`) is used as it is, so the tiles it hides are skipped.
+    `|`) is used as it is, so the tiles it hides are skipped. `value` carries `Key` or one head
+    axis of its own (any size), which the result carries.
 
     Differences: a query whose keys are all masked gets zeros here, where haliax spreads its
     attention evenly over the masked keys. Calls this cannot serve as haliax defines them — a
-    `bias`, an `attention_dtype` or `precision`, several `KPos` axes, or a query with more than
-    one axis missing from `key` — run haliax's own function, with an `axkern.FallbackWarning`
+    `bias`, an `attention_dtype` or `precision`, several `KPos` axes, a query with more than
+    one axis missing from `key`, a value with several — run haliax's own function, with an `axkern.FallbackWarning`
     that says why (an axkern mask cannot go to haliax: such a call raises `ValueError`).
 
     **Example:**
@@ -114,6 +115,14 @@ def dot_product_attention(
     out_axes += tuple(a.name for a in value.axes if a.name not in set(out_axes) | {kpos.name})
     if not axk_given:
         out_axes = tuple(a.name for a in jax.eval_shape(haliax_call).axes)  # the axes haliax would return
+    # value's head axis, when it is not the key's: renamed to it for axkern's attention and back
+    v_head = None
+    if not value.has_axis(key_name):
+        v_only = [a.name for a in value.axes if a.name not in k_names]
+        if len(v_only) != 1:
+            return haliax_call(f"value has {len(v_only)} axes that key lacks ({v_only}) and not {key_name!r}")
+        (v_head,) = v_only
+        value = value.rename({v_head: key_name})
     one = hax.Axis(_HEAD, 1)
     add_head = lambda a: hax.broadcast_axis(a, one)  # noqa: E731
     axk_mask = mask if axk_given else None
@@ -138,4 +147,6 @@ def dot_product_attention(
         block_sizes=block_sizes,
     )
     out = out[_HEAD, 0]
+    if v_head is not None:
+        out = out.rename({key_name: v_head})
     return out.rearrange(out_axes)
