@@ -194,22 +194,24 @@ def test_explain_on_a_tpu_keeps_xla_first_and_describes_the_kernels():
     assert "8 chunk(s) of 4096 tokens" in longer.backward and "float32 [V, D] buffer" in longer.backward
 
 
-# Lowered for a TPU v5e at Llama-3's sizes: forward and backward (and the undifferentiated
-# value), three chunks (a middle one in the loop), in both forms of the held logits
-LOWERINGS = [
-    ("bfloat16", {}),
-    ("float32", {}),
-    (
-        "bfloat16",
-        {"logits_soft_cap": 30.0, "logsumexp_weight": 1e-4, "label_smoothing": 0.1, "ignore_index": -100},
-    ),
-]
+# Lowered for a TPU v5e at Llama-3's and Gemma's sizes: forward and backward (and the
+# undifferentiated value), three chunks (a middle one in the loop) in both forms of the held
+# logits, and the heuristic's blocks
+CAPPED = {"logits_soft_cap": 30.0, "logsumexp_weight": 1e-4, "label_smoothing": 0.1, "ignore_index": -100}
+THREE_CHUNKS = dict(block_tokens=512, block_vocab=512, chunk_tokens=512)
+# (tokens, embed, vocab, dtype, options, block sizes: None for the heuristic's on the chip)
+LOWERINGS = {
+    "bf16 packed, three chunks": (1536, 4096, 128256, "bfloat16", {}, THREE_CHUNKS),
+    "f32, three chunks": (1536, 4096, 128256, "float32", {}, THREE_CHUNKS),
+    "bf16 all options, three chunks": (1536, 4096, 128256, "bfloat16", CAPPED, THREE_CHUNKS),
+    "llama3 N8192 bf16, the heuristic's": (8192, 4096, 128256, "bfloat16", {}, None),
+    "gemma N8192 bf16, the heuristic's": (8192, 2304, 262144, "bfloat16", {}, None),
+}
 
 
-@pytest.mark.parametrize("dtype,options", LOWERINGS, ids=["bf16 packed", "f32", "bf16 all options"])
-def test_lowers_for_a_tpu_at_llama3_sizes(dtype, options):
-    n, d, v = 1536, 4096, 128256
-    bs = dict(block_tokens=512, block_vocab=512, chunk_tokens=512)
+@pytest.mark.parametrize("case", list(LOWERINGS))
+def test_lowers_for_a_tpu(case):
+    n, d, v, dtype, options, bs = LOWERINGS[case]
 
     def fn(x, w, labels):
         def f(x, w):
@@ -224,6 +226,7 @@ def test_lowers_for_a_tpu_at_llama3_sizes(dtype, options):
     )
     lowered = lower_for_tpu(fn, *shapes)
     assert set(tpu_custom_calls(lowered)) == set(KERNELS)
-    # nothing of [tokens, vocab]: the largest arrays are a chunk's held logits and the dw sum
-    text = lowered.as_text()
-    assert not re.search(rf"\b{n}x{v}x|\b{v}x{n}x", text)
+    # nothing of [tokens, vocab] in float32: the largest arrays are the held logits (packed
+    # 16-bit, or a chunk's in float32) and the dw sum
+    vocabs = "|".join(str(-(-v // tile) * tile) for tile in (1, 512, 1024))  # V, in whole tiles
+    assert not re.search(rf"\b({n}x({vocabs})|({vocabs})x{n})xf32", lowered.as_text())
