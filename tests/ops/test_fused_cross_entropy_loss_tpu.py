@@ -22,7 +22,7 @@ from axkern.ops.fused_cross_entropy.api import LOSS_OP
 from axkern.positional import fused_cross_entropy_loss as ce_loss
 from tests.cases.fused_cross_entropy import OPTIONS, make, run_loss
 from tests.harness import check_rule, jit
-from tests.helpers import x64
+from tests.helpers import assert_nonfinite_rule, x64
 from tests.tpu_lowering import as_tpu, lower_for_tpu, tpu_custom_calls
 
 KERNELS = {f"axkern_fused_cross_entropy_loss_tpu_{k}": None for k in ("value", "logits", "dx", "dw")}.keys()
@@ -85,6 +85,29 @@ def test_mixed_dtypes_and_a_gradient_cotangent():
     assert dx.dtype == jnp.bfloat16 and dw.dtype == jnp.float32
     np.testing.assert_allclose(np.asarray(dw), np.asarray(rdw), rtol=1e-4, atol=1e-6)
     np.testing.assert_allclose(np.asarray(dx, np.float32), np.asarray(rdx, np.float32), rtol=2e-2, atol=1e-4)
+
+
+def test_non_finite_values_over_chunks_reach_what_they_reach_in_the_reference():
+    # three chunks: a NaN in a dropped token's row (chunk 0) reaches nothing; an infinity in a
+    # kept token's row (chunk 1) makes its dx row, every dw entry and the loss non-finite
+    arrays, _ = make(7, 300, 24, 130, "float32")
+    x = arrays["x"].at[5, 3].set(jnp.nan).at[200, 0].set(jnp.inf)
+    where = jnp.arange(300) % 7 != 5
+    bs = CrossEntropyBlockSizes(block_tokens=128, block_vocab=128, chunk_tokens=128)
+
+    def run(impl, x):
+        def f(x, w):
+            return ce_loss(x, w, arrays["labels"], where=where, implementation=impl, block_sizes=bs)
+
+        return jit(jax.value_and_grad(f, argnums=(0, 1)))(x, arrays["w"])
+
+    with axkern.use(interpret=True):
+        loss, (dx, dw) = run("pallas_tpu", x)
+    want = run("reference", jnp.where(jnp.isfinite(x), x, jnp.nan))
+    assert_nonfinite_rule((loss, dx, dw), (want[0], *want[1]), "pallas_tpu over chunks")
+    dx = np.asarray(dx)
+    assert not dx[5].any() and np.isnan(dx[200]).all() and np.isfinite(np.delete(dx, 200, axis=0)).all()
+    assert np.isnan(np.asarray(dw)).all() and np.isnan(loss)
 
 
 def test_refusals_name_the_problem():
