@@ -186,7 +186,8 @@ def _logits_kernel(labels_ref, x_ref, w_ref, *refs, t: Tiles, store: bool):
 
 def logits(t: Tiles, x, w, labels, *, store: bool):
     """`(lse, label_logit, sum_logits)`, each `[1, C]` float32, of `x: [C, D]` against `w`;
-    with `store` also `zT: [V, C]` (and with `t.packed` `maxima`). `labels`: `[1, C]` int32."""
+    with `store` also the held `zT: [V', C]` (and with `t.packed` `maxima`). `labels`: `[1, C]`
+    int32."""
     c, d = x.shape
     bt, bv = t.block_tokens, t.block_vocab
     token = pl.BlockSpec((1, bt), lambda i, j: (0, i))
@@ -228,11 +229,11 @@ def _cotangent(t: Tiles, j, rows_ref, labels_ref, z_ref, maxima_ref, last: bool)
     if t.packed:  # exp(z - lse) = exp(z - m) · exp(m - lse), m the tile's row of maxima
         tile = lax.broadcasted_iota(jnp.int32, maxima_ref.shape, 0)
         m = jnp.sum(jnp.where(tile == j % 8, maxima_ref[...], 0.0), axis=0, keepdims=True)
-        p = z * jnp.exp(m - lse)
+        dz = z * (g * jnp.exp(m - lse))
     else:
-        p = jnp.exp(z - lse)
+        dz = g * jnp.exp(z - lse)
     row = lax.broadcasted_iota(jnp.int32, z.shape, 0)
-    dz = g * p - jnp.where(row == labels_ref[...] - j * t.block_vocab, a, 0.0)
+    dz = dz - jnp.where(row == labels_ref[...] - j * t.block_vocab, a, 0.0)
     if t.with_sum:
         dz = dz - b
     if t.soft_cap is not None:  # float32 logits only: `z` is the capped logit
