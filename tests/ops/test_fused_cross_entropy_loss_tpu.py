@@ -23,7 +23,7 @@ from axkern.positional import fused_cross_entropy_loss as ce_loss
 from tests.cases.fused_cross_entropy import OPTIONS, make, run_loss
 from tests.harness import check_rule, jit
 from tests.helpers import assert_nonfinite_rule, x64
-from tests.tpu_lowering import as_tpu, lower_for_tpu, tpu_custom_calls
+from tests.tpu_lowering import as_tpu, lower_for_tpu, matmuls, mosaic_kernels, tpu_custom_calls
 
 KERNELS = {f"axkern_fused_cross_entropy_loss_tpu_{k}": None for k in ("value", "logits", "dx", "dw")}.keys()
 
@@ -251,6 +251,13 @@ def test_lowers_for_a_tpu(case):
     )
     lowered = lower_for_tpu(fn, *shapes)
     assert set(tpu_custom_calls(lowered)) == set(KERNELS)
+    # 16-bit inputs: every product on 16-bit operands; float32 ones at full precision
+    for name, module in mosaic_kernels(lowered):
+        for lhs, rhs, precision in matmuls(module):
+            if dtype == "bfloat16":
+                assert (lhs, rhs) == ("bf16", "bf16"), f"{name}: a {lhs} x {rhs} product"
+            else:
+                assert precision == "fp32", f"{name}: a {lhs} x {rhs} product at {precision}"
     # nothing of [tokens, vocab] in float32: the largest arrays are the held logits (packed
     # 16-bit, or a chunk's in float32) and the dw sum
     vocabs = "|".join(str(-(-v // tile) * tile) for tile in (1, 512, 1024))  # V, in whole tiles
