@@ -8,9 +8,10 @@ from typing import Any
 import jax
 
 from ..ops.short_conv import short_conv_positional
-from .common import map_impl
+from .common import map_impl, needs_platform
 
 _CONV_IMPLS = {"reference": "reference", "triton_gpu": "pallas_gpu"}
+_CONV_UNAVAILABLE = {"triton_gpu": needs_platform("gpu")}
 DEFAULT_BATCH_AXES: tuple[str, ...] = ("replica_dcn", "data", "expert")
 
 
@@ -27,7 +28,8 @@ def short_conv(
     `axkern.positional.short_conv(x, weight, segment_ids=...)`.
 
     `out[b, t, c] = sum_lag weight[lag, c] * x[b, t - lag, c]`, a tap into another segment
-    dropped. `implementation`: `"reference"` or `"triton_gpu"` (mapped to `pallas_gpu`).
+    dropped. `implementation`: `"reference"` or `"triton_gpu"` (mapped to `pallas_gpu`; off a GPU
+    skipped in a sequence, a `RuntimeError` alone, as in Levanter).
     `exact_reference_rounding` and `batch_axes` are accepted: axkern accumulates the taps in
     float32 (Levanter's `exact_reference_rounding=False`) and shards as the inputs are laid out.
 
@@ -47,6 +49,6 @@ def short_conv(
             f"{fn}: weight and x must share a dtype; got weight={weight.dtype}, x={x.dtype}. "
             "Cast to a common dtype before calling."
         )
-    impl = map_impl(fn, implementation, _CONV_IMPLS)
+    impl = map_impl(fn, implementation, _CONV_IMPLS, _CONV_UNAVAILABLE, error=RuntimeError)
     del exact_reference_rounding, batch_axes
     return short_conv_positional(x, weight, segment_ids=segment_ids, implementation=impl)

@@ -16,17 +16,19 @@ from ..ops.fused_cross_entropy import (
     fused_cross_entropy,
     fused_cross_entropy_positional,
 )
-from .common import map_impl
+from .common import map_impl, needs_platform
 
 _CE = "axkern.levanter.fused_cross_entropy_loss_and_logsumexp_penalty"
-# Levanter's implementation names and the axkern implementation each maps to
-_CE_IMPLS = {
+# Levanter's implementation names and the axkern implementation each maps to (None: the
+# dispatcher's order), and those that run on one platform only (Levanter raises elsewhere)
+CE_IMPLEMENTATIONS: dict[str, str | None] = {
     "xla": "xla",
     "xla_fast_bwd": "xla",
-    "batched_xla": "xla",
+    "batched_xla": None,
     "reference": "reference",
     "pallas_tpu": "pallas_tpu",
 }
+CE_UNAVAILABLE = {"pallas_tpu": needs_platform("tpu"), "batched_xla": needs_platform("gpu")}
 
 
 def _ce_block_sizes(block_size, block_sizes):
@@ -64,6 +66,47 @@ def _argmax(x, w, *, block_vocab: int = 4096):
     return for_each_block(v, min(block_vocab, v), block, init)[1]
 
 
+def _check_inputs(x, labels, w) -> None:
+    """Levanter's checks of the kernel-level arguments, in its words."""
+    if x.ndim != 2:
+        raise ValueError(f"{_CE}: x must be rank-2 [B, H], got shape {x.shape}.")
+    if labels.ndim != 1:
+        raise ValueError(f"{_CE}: labels must be rank-1 [B], got shape {labels.shape}.")
+    if w.ndim != 2:
+        raise ValueError(f"{_CE}: w must be rank-2 [H, V], got shape {w.shape}.")
+    if x.shape[0] != labels.shape[0]:
+        raise ValueError(f"{_CE}: Batch mismatch: x has B={x.shape[0]}, labels has B={labels.shape[0]}.")
+    if x.shape[1] != w.shape[0]:
+        raise ValueError(f"{_CE}: Hidden mismatch: x has H={x.shape[1]}, w has H={w.shape[0]}.")
+    if not jnp.issubdtype(labels.dtype, jnp.integer):
+        raise ValueError(f"{_CE}: labels must be integer dtype, got {labels.dtype}.")
+
+
+def _soft_capped(z, soft_cap):
+    return z if soft_cap is None else soft_cap * jnp.tanh(z / soft_cap)
+
+
+def levanter_labels(labels, vocab: int, column_logit):
+    """Labels read as Levanter's kernels read them (JAX's indexing), where axkern's op gives NaN
+    for a label outside `[0, vocab)`: a negative label counts from the end; one still outside
+    takes its nearest column's logit (0 or `vocab - 1`) in the loss, and adds no label term to
+    the gradient (a gather clamps its index, its transpose drops it).
+
+    **Returns:** `(labels, correction)`: the labels in `[0, vocab)`, and per token what to add
+    to axkern's loss on them: 0 in value, with the gradient that takes the label term back out
+    where Levanter has none. `column_logit(j)` gives each token's logit of column `j` (a product
+    with one column of `w`).
+    """
+    if jnp.dtype(labels.dtype).itemsize < 4:
+        labels = labels.astype(jnp.int32)  # room for `labels + vocab`
+    wrapped = jnp.where(labels < 0, labels + vocab, labels)
+    correction = 0.0
+    for column, outside in ((0, wrapped < 0), (vocab - 1, wrapped >= vocab)):
+        z = column_logit(column)
+        correction = correction + jnp.where(outside, z - lax.stop_gradient(z), 0.0)
+    return jnp.clip(wrapped, 0, vocab - 1).astype(jnp.int32), correction
+
+
 def fused_cross_entropy_loss_and_logsumexp_penalty(
     x: jax.Array,
     labels: jax.Array,
@@ -82,15 +125,19 @@ def fused_cross_entropy_loss_and_logsumexp_penalty(
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Levanter's `levanter.kernels.pallas.fused_cross_entropy_loss.fused_cross_entropy_loss_and_logsumexp_penalty`.
 
-    **Arguments:** `x [B, H]`, `labels [B]` (integers), `w [H, V]`; `reduction` `"mean"` (over all
-    tokens, or `sum(loss * weight) / sum(weight)` with a `weight`, 0 when that is 0), `"sum"` or
-    `None`; `weight`: float per-token weights (broadcastable to `[B]`); `logsumexp_weight`: the
-    z-loss weight (`None` is 0); `block_size` / `block_sizes`: Levanter's vocab block (mapped to
-    `block_vocab`; Levanter's `BlockSizes` to `CrossEntropyBlockSizes`); `dtype`: the loss's dtype
-    (axkern accumulates in float32 whatever it is); `logit_soft_cap`; `precision`: accepted
-    (float32 operands are always multiplied at full precision); `implementation`: Levanter's names,
-    mapped (`xla`, `xla_fast_bwd`, `batched_xla` to `xla`); `return_argmax`: also return each
-    token's argmax id (int32).
+    **Arguments:** `x [B, H]`, `labels [B]` (integers; one outside `[0, V)` is read as Levanter
+    reads it: `levanter_labels`), `w [H, V]`; `reduction` `"mean"`, `"sum"` or `None`; `weight`: float
+    weights broadcastable to `[B]`: the loss is `loss * weight`, and its mean `sum(loss * weight)
+    / sum(weight)` with the sum over `weight` as given (a scalar weight divides by itself), 0
+    when that is 0, as Levanter's; `logsumexp_weight`: the z-loss weight (`None` is 0);
+    `block_size` / `block_sizes`: Levanter's vocab block (mapped to `block_vocab`; Levanter's
+    `BlockSizes` to `CrossEntropyBlockSizes`); `dtype`: the loss's dtype (axkern accumulates in
+    float32 whatever it is); `logit_soft_cap`; `precision`: accepted (float32 operands are always
+    multiplied at full precision); `implementation`: Levanter's names, mapped (`xla`,
+    `xla_fast_bwd` to `xla`; `batched_xla` to the dispatcher's order, on a GPU only;
+    `pallas_tpu` on a TPU only, or under `axkern.use(interpret=True)`): a name that cannot run
+    here is skipped in a sequence and raises `NotImplementedError` alone, as in Levanter;
+    `return_argmax`: also return each token's argmax id (int32).
 
     **Returns:** the loss, or `(loss, argmax)` with `return_argmax`.
 
@@ -111,30 +158,31 @@ def fused_cross_entropy_loss_and_logsumexp_penalty(
     """
     if reduction not in ("mean", "sum", None):
         raise ValueError(f"{_CE}: reduction must be 'mean', 'sum' or None; got {reduction!r}")
-    if x.ndim != 2 or labels.ndim != 1 or w.ndim != 2:
-        raise ValueError(
-            f"{_CE}: x must be [B, H], labels [B] and w [H, V]; got {list(x.shape)}, {list(labels.shape)}, "
-            f"{list(w.shape)}"
-        )
-    impl = map_impl(_CE, implementation, _CE_IMPLS)
+    _check_inputs(x, labels, w)
+    impl = map_impl(_CE, implementation, CE_IMPLEMENTATIONS, CE_UNAVAILABLE)
     bs = _ce_block_sizes(block_size, block_sizes)
-    lsw = float(logsumexp_weight or 0.0)
-    out_dtype = jnp.dtype(dtype) if dtype is not None else jnp.float32
-    options = dict(logsumexp_weight=lsw, logits_soft_cap=logit_soft_cap, block_sizes=bs)
-    labels = labels.astype(jnp.int32)
-    per_token_impls = impl is not None and any(
-        n == "pallas_tpu" for n in ((impl,) if isinstance(impl, str) else impl)
+    options = dict(
+        logsumexp_weight=float(logsumexp_weight or 0.0), logits_soft_cap=logit_soft_cap, block_sizes=bs
     )
-    if weight is None and reduction is not None and bs is None and not per_token_impls:
+    out_dtype = jnp.dtype(dtype) if dtype is not None else jnp.float32
+
+    def column_logit(j):
+        z = jnp.matmul(x, w[:, j], preferred_element_type=jnp.float32, precision=lax.Precision.HIGHEST)
+        return _soft_capped(z, logit_soft_cap)
+
+    labels, correction = levanter_labels(labels, w.shape[1], column_logit)
+    if weight is None and reduction is not None and bs is None:
+        # the reduced op: its gradients are formed in the forward
         loss = fused_cross_entropy_positional(
             x, w, labels, reduction=reduction, implementation=impl, **options
         )
+        loss = loss + (jnp.sum(correction) if reduction == "sum" else jnp.mean(correction))
         loss = loss.astype(out_dtype)
     else:
         loss = fused_cross_entropy_positional(x, w, labels, reduction=None, implementation=impl, **options)
-        loss = loss.astype(out_dtype)
-        if weight is not None:
-            weight = jnp.broadcast_to(jnp.asarray(weight), loss.shape).astype(loss.dtype)
+        loss = (loss + correction).astype(out_dtype)
+        if weight is not None:  # Levanter's reduction: the weight as given, broadcast only in the product
+            weight = jnp.asarray(weight).astype(loss.dtype)
             loss = loss * weight
         if reduction == "sum":
             loss = jnp.sum(loss)
@@ -206,14 +254,28 @@ def named_fused_cross_entropy_loss_and_logsumexp_penalty(
     implementation: Any = None,
     return_argmax: bool = False,
 ):
-    """Levanter's `levanter.models.loss.fused_cross_entropy_loss_and_logsumexp_penalty` (named)."""
+    """Levanter's `levanter.models.loss.fused_cross_entropy_loss_and_logsumexp_penalty` (named).
+
+    A label outside `[0, V)` is read as Levanter reads it (`levanter_labels`); `implementation`
+    as in the kernel-level function."""
     fn = "axkern.levanter.named_fused_cross_entropy_loss_and_logsumexp_penalty"
-    impl = map_impl(fn, implementation, _CE_IMPLS)
+    impl = map_impl(fn, implementation, CE_IMPLEMENTATIONS, CE_UNAVAILABLE)
     bs = _ce_block_sizes(block_size, None)
+    Embed = pred_embeddings.resolve_axis(hax.axis_name(Contract))
+    Vocab = pred_lm_head.resolve_axis(hax.axis_name(Label))
+
+    def column_logit(j):
+        f32 = lambda a: a.astype(jnp.float32)  # noqa: E731 - exact products, float32 sums
+        z = hax.dot(f32(pred_embeddings), f32(pred_lm_head[Vocab.name, j]), axis=Embed, precision="highest")
+        return _soft_capped(z, logit_soft_cap).rearrange(target_y.axes).array
+
+    # Levanter's kernel receives the labels as int32
+    labels, correction = levanter_labels(target_y.array.astype(jnp.int32), Vocab.size, column_logit)
+    labels, correction = hax.named(labels, target_y.axes), hax.named(correction, target_y.axes)
     loss = fused_cross_entropy(
         pred_embeddings,
         pred_lm_head,
-        target_y.astype(jnp.int32),
+        labels,
         Embed=Contract,
         Vocab=Label,
         reduction=None,
@@ -222,15 +284,13 @@ def named_fused_cross_entropy_loss_and_logsumexp_penalty(
         implementation=impl,
         block_sizes=bs,
     )
-    loss = loss.rearrange(target_y.axes).astype(dtype if dtype is not None else jnp.float32)
+    loss = (loss + correction).rearrange(target_y.axes).astype(dtype if dtype is not None else jnp.float32)
     reduced = _reduce_loss(loss, reduction, reduction_axis, weight)
     if not return_argmax:
         return reduced
-    embed = pred_embeddings.resolve_axis(hax.axis_name(Contract))
-    vocab = pred_lm_head.resolve_axis(hax.axis_name(Label))
     batch = tuple(a for a in target_y.axes)
-    xs = pred_embeddings.rearrange((*batch, embed)).array.reshape(-1, embed.size)
-    ids = _argmax(xs, pred_lm_head.rearrange((embed, vocab)).array)
+    xs = pred_embeddings.rearrange((*batch, Embed)).array.reshape(-1, Embed.size)
+    ids = _argmax(xs, pred_lm_head.rearrange((Embed, Vocab)).array)
     return reduced, hax.named(ids.reshape(tuple(a.size for a in batch)), batch)
 
 
