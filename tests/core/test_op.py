@@ -298,6 +298,22 @@ def test_explain_runs_nothing_and_reports(toy):
         axkern.explain(lambda x: x + 1, jnp.zeros(4))
 
 
+def test_explain_says_why_the_default_order_is_what_it_is(toy):
+    o, call = toy
+    o.order_notes["cpu"] = "kernel is left out here: slower than fast in the measured run"
+    d = axkern.explain(call, jnp.zeros(4))
+    assert d.order_note == o.order_notes["cpu"]
+    assert "  order:       kernel is left out here: slower than fast in the measured run" in str(d)
+    # a requested implementation is not the default order: no note
+    assert axkern.explain(lambda x: call(x, implementation="slow"), jnp.zeros(4)).order_note == ""
+    with axkern.use(toy_op="slow"):
+        assert axkern.explain(call, jnp.zeros(4)).order_note == ""
+    # a platform without a note says nothing more
+    o.order_notes.clear()
+    d = axkern.explain(call, jnp.zeros(4))
+    assert d.order_note == "" and "order:" not in str(d)
+
+
 def test_jit_retraces_under_new_settings(toy):
     _, call = toy
     f = jax.jit(lambda x: call(x))

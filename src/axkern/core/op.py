@@ -98,6 +98,9 @@ class Decision:
     spec: Spec
     interpret: bool = False
     backward: str = ""
+    # why the platform's default order is what it is (the op's `order_notes`); only where the
+    # default order chose, not an implementation asked for by name or through `axkern.use`
+    order_note: str = ""
 
     def __str__(self) -> str:
         lines = [f"{self.op}: {self.implementation}" + (" (interpret mode)" if self.interpret else "")]
@@ -108,6 +111,8 @@ class Decision:
             lines.append("  block sizes: none (this implementation is not blocked)")
         if self.backward:
             lines.append(f"  backward:    {self.backward}")
+        if self.order_note:
+            lines.append(f"  order:       {self.order_note}")
         for r in self.rejected:
             lines.append(f"  skipped {r.implementation}: {r.reason}")
         return "\n".join(lines)
@@ -148,7 +153,10 @@ def reset_warnings() -> None:
 
 
 class Op:
-    """An op: its implementations, default order per platform, and tuned block tables."""
+    """An op: its implementations, default order per platform, and tuned block tables.
+
+    `order_notes` says, per platform, why its default order is what it is where that is not
+    plain (a kernel left out of it, or put first, on a measurement); `explain` reports it."""
 
     def __init__(
         self,
@@ -158,10 +166,12 @@ class Op:
         *,
         package: str,
         bucket: Callable[[Spec], Mapping[str, Any]],
+        order_notes: Mapping[str, str] | None = None,
     ):
         self.name = name
         self.implementations = {impl.name: impl for impl in implementations}
         self.default_order = dict(default_order)
+        self.order_notes = dict(order_notes or {})
         self.package = package
         self.bucket = bucket
         registry.register(self)
@@ -319,8 +329,10 @@ class Op:
             collector = _explaining.get()
             if collector is not None:
                 backward = impl.backward(spec, bs) if callable(impl.backward) else impl.backward
+                by_default = implementation is None and config.implementation_override(self.name) is None
+                note = self.order_notes.get(spec.platform, "") if by_default else ""
                 collector.append(
-                    Decision(self.name, name, bs, source, tuple(rejected), spec, interpret, backward)
+                    Decision(self.name, name, bs, source, tuple(rejected), spec, interpret, backward, note)
                 )
             return out
         detail = "; ".join(f"{r.implementation}: {r.reason}" for r in rejected)
