@@ -196,7 +196,7 @@ def test_heuristic_fits_the_chip_and_holds_no_more_than_xla(n, d, v, dtype, cap,
     assert space[0] == bs and len(space) > 1
 
 
-def test_explain_on_a_tpu_keeps_xla_first_and_describes_the_kernels():
+def test_explain_on_a_tpu_puts_the_kernels_first_and_describes_them():
     shapes = (
         jax.ShapeDtypeStruct((8192, 4096), jnp.bfloat16),
         jax.ShapeDtypeStruct((4096, 128256), jnp.bfloat16),
@@ -205,8 +205,9 @@ def test_explain_on_a_tpu_keeps_xla_first_and_describes_the_kernels():
     with as_tpu():
         default = axkern.explain(ce_loss, *shapes)
         kernel = axkern.explain(lambda *a: ce_loss(*a, implementation="pallas_tpu"), *shapes)
-    assert default.implementation == "xla"
+    assert default.implementation == "pallas_tpu" and not default.rejected
     assert kernel.implementation == "pallas_tpu" and not kernel.interpret
+    assert kernel.backward == default.backward
     assert "1 chunk(s) of 8192 tokens" in kernel.backward and "packed 16-bit" in kernel.backward
     assert "float32 [V, D] buffer" not in kernel.backward
     with as_tpu():

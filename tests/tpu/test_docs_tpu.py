@@ -6,6 +6,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
+
 from axkern.core import registry
 from axkern.core.op import get_op
 
@@ -23,3 +25,32 @@ def test_the_tpu_page_lists_each_ops_kernel_and_default_order():
         kernel = "`pallas_tpu`" if "pallas_tpu" in op.implementations else "none"
         want[name] = (kernel, ", ".join(f"`{i}`" for i in order))
     assert table == want
+
+
+def test_an_op_that_leaves_its_tpu_kernel_out_of_the_tpu_order_says_why():
+    for name in registry.ops():
+        op = get_op(name)
+        if "pallas_tpu" in op.implementations and "pallas_tpu" not in op.default_order.get("tpu", ()):
+            note = op.order_notes.get("tpu", "")
+            assert "pallas_tpu" in note and "docs/tpu.md" in note, f"{name}: no reason for its TPU order"
+
+
+@pytest.mark.parametrize(
+    "op, chosen, note",
+    [
+        ("attention", "xla", "pallas_tpu is left out"),
+        ("mamba3", "xla", "pallas_tpu is left out"),
+        ("ssd", "pallas_tpu", ""),
+        ("fused_cross_entropy_loss", "pallas_tpu", ""),
+        ("short_conv", "pallas_tpu", ""),
+    ],
+)
+def test_explain_on_a_tpu_gives_the_measured_default_and_why(op, chosen, note):
+    from axkern.bench import cases_for
+    from axkern.cli.info import case_decision
+    from tests.tpu_lowering import as_tpu
+
+    with as_tpu():
+        decision = case_decision(cases_for(op)[0])
+    assert decision.implementation == chosen and not decision.interpret, decision
+    assert note in decision.order_note and (f"order:       {note}" in str(decision)) == bool(note)

@@ -84,10 +84,10 @@ OP = Op(
 
 LOSS_NAME = "fused_cross_entropy_loss"
 
-# The reduced loss on a TPU: `xla` until a run on the chip measures `pallas_tpu` (its Mosaic
-# kernels, pallas_tpu/loss.py) compiled, within the oracle rule and faster; then
-# ("pallas_tpu", "xla"), and `supports()` or a block check sends what it cannot serve to xla.
-LOSS_TPU_ORDER: tuple[str, ...] = ("xla",)
+# The reduced loss on a TPU: its Mosaic kernels (pallas_tpu/loss.py) first, as measured on the
+# chip (compiled, within the oracle rule and faster than xla; more temporary memory: docs/tpu.md),
+# and `supports()` or a block check sends what they cannot serve to xla.
+LOSS_TPU_ORDER: tuple[str, ...] = ("pallas_tpu", "xla")
 
 LOSS_OP = Op(
     LOSS_NAME,
