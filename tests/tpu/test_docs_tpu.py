@@ -54,3 +54,22 @@ def test_explain_on_a_tpu_gives_the_measured_default_and_why(op, chosen, note):
         decision = case_decision(cases_for(op)[0])
     assert decision.implementation == chosen and not decision.interpret, decision
     assert note in decision.order_note and (f"order:       {note}" in str(decision)) == bool(note)
+
+
+def test_the_readmes_tpu_table_is_the_committed_tpu_run():
+    import json
+
+    repo = PAGE.parents[1]
+    measured = {}
+    for path in (repo / "benchmarks" / "results" / "tpu_v5e").glob("*/tpu.json"):
+        for r in json.loads(path.read_text())["rows"]:
+            if r["pass"] == "fwd+bwd":
+                measured.setdefault(r["implementation"], set()).add((f"{r['ms']:.1f}", f"{r['temp_gib']:.2f}"))
+    rows = re.findall(r"^\| TPU v5e \| `(\w+)` .+? \| (.+?) \| (.+?) \| `(\w+)` \|$", (repo / "README.md").read_text(), re.M)
+    assert {op for op, *_ in rows} == {"fused_cross_entropy_loss", "ssd", "short_conv", "attention"}
+    for op, kernel, xla, default in rows:
+        for impl, cell in (("pallas_tpu", kernel), ("xla", xla)):
+            got = re.fullmatch(r"(\d+\.\d) ms, (\d+\.\d\d) GiB", cell)
+            assert got and got.groups() in measured[impl], (op, impl, cell)
+        order = get_op(op).default_order["tpu"]
+        assert default == order[0], (op, order)
