@@ -53,14 +53,19 @@ def _to32(a):
 
 def oracle(run, arrays: dict, *, dtype: str = "float64", **kw):
     """`run("reference", ...)` on float64 copies of `arrays` on the CPU, or (`dtype="float32"`)
-    on float32 copies on the default device at full precision; as NumPy arrays."""
+    on float32 copies on the default device at full precision; as NumPy arrays. On an
+    accelerator the float64 oracle still runs on the host: the copies, and the arrays `kw` holds
+    (e.g. a mask's segment ids), are put on the CPU device."""
     if dtype == "float32":
         with jax.default_matmul_precision("highest"):
             return jax.tree.map(np.asarray, run("reference", {k: _to32(v) for k, v in arrays.items()}, **kw))
     if dtype != "float64":
         raise ValueError(f"oracle dtype must be 'float64' or 'float32', got {dtype!r}")
-    with x64(), jax.default_device(jax.devices("cpu")[0]):
-        return jax.tree.map(np.asarray, run("reference", {k: to64(v) for k, v in arrays.items()}, **kw))
+    cpu = jax.devices("cpu")[0]
+    with x64(), jax.default_device(cpu):
+        copies = jax.device_put({k: to64(v) for k, v in arrays.items()}, cpu)
+        kw = jax.tree.map(lambda a: jax.device_put(a, cpu) if isinstance(a, jax.Array) else a, kw)
+        return jax.tree.map(np.asarray, run("reference", copies, **kw))
 
 
 def check_rules(

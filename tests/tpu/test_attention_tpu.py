@@ -1,9 +1,16 @@
-"""attention compiled on a TPU (`pallas_tpu`, then `xla`) against the oracle rule, forward and
-backward (dq, dk, dv and the sinks' gradient), default block sizes: every mask the Pallas TPU
-kernel takes (causal, full, sliding window, a two-sided window and a window beside a far causal
-part with tiles skipped between them, packed documents alone and causal), GQA and MQA, sinks, the
-soft cap, `return_lse` with rows that see nothing; bf16 and float32. A prefix-LM mask where the
-kernel serves it (skipped with its reason otherwise).
+"""attention compiled on a TPU (`pallas_tpu`; `xla` on a few cases) against the oracle rule,
+forward and backward (dq, dk, dv and the sinks' gradient), default block sizes: every mask kind
+the Pallas TPU kernel takes (causal, full, a sliding window, packed documents & causal, and a
+block-sparse mask: a look-ahead window, a band half the length back and everything beyond three
+quarters, with empty tiles between them), GQA and MQA, head dim 256, sinks, the soft cap,
+`return_lse` with rows that see nothing; bf16 and float32. A NaN in `v` under the causal mask and
+an infinity in `k` under a sliding window reach exactly what they reach in the oracle. A prefix-LM
+mask where the kernel serves it (skipped with the dispatcher's reason otherwise).
+
+The float32 cases and those with sinks (float32 parameters) take the float64 oracle on the host
+(tests/tpu/chip.py), so their sizes keep the oracle's `[B, KVH, G, Sq, Sk, D]` products near
+40M elements; the bf16 ones run at a layer's sizes against the float32 oracle on the chip. The
+non-finite cases reuse the programs of the finite case of their mask (same shapes).
 
 Run with `AXKERN_TEST_TPU=1 python -m pytest tests/tpu` on a TPU machine (tests/tpu/chip.py: the
 oracle, the dry run on a CPU).
@@ -13,19 +20,27 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import axkern
 from axkern import masks
 from axkern.positional import attention
 from tests.cases.attention import inputs, run
-from tests.harness import implementations, serving
-from tests.tpu.chip import DRY_RUN, assert_compiled_first_that_serves, case_id, check, sizes
+from tests.harness import serving
+from tests.helpers import poke
+from tests.tpu.chip import DRY_RUN, assert_compiled_first_that_serves, case_id, check, check_nonfinite, sizes
 
 pytestmark = pytest.mark.tpu
 
-# (b, sq, sk, heads, kv heads, head dim)
+# (b, sq, sk, heads, kv heads, head dim): a layer's attention in bf16; head dim 256; float32
+# (GQA 2) where the float64 oracle takes a few seconds; sinks with the soft cap over query and key
+# lengths that differ (head dim 64); return_lse over a length that is no multiple of a tile, MQA
 LAYER = sizes((2, 1024, 1024, 8, 2, 128), (1, 64, 64, 4, 2, 32))
+D256 = sizes((1, 2048, 2048, 2, 1, 256), (1, 48, 48, 2, 1, 256))
+FLOAT32 = sizes((1, 384, 384, 2, 1, 128), (1, 48, 48, 2, 1, 32))
+SOFT_CAP = sizes((1, 256, 384, 4, 2, 64), (1, 40, 56, 4, 2, 32))
+LSE = sizes((1, 300, 300, 2, 1, 128), (1, 50, 50, 4, 1, 32))
 
 
 def _mask(kind, b, sq, sk):
@@ -35,71 +50,129 @@ def _mask(kind, b, sq, sk):
     ids = ids.astype(jnp.int32)
     w = max(sk // 4, 8)
     return {
-        "causal": masks.Causal(offset=sk - sq),
-        "full": masks.Full(),
-        "window": masks.SlidingWindow(w, offset=sk - sq),
-        "two-sided window": masks.SlidingWindow(w + 1, offset=sk - sq + w // 2),
-        # a band and, half the length back, everything before: the tiles between are skipped
-        "window|far causal": masks.SlidingWindow(w // 2) | masks.Causal(offset=-(sq // 2)),
-        "segments": masks.Segments(ids, ids),
-        "causal&segments": masks.Causal() & masks.Segments(ids, ids),
-        "prefix": masks.PrefixLM(jnp.asarray([sq // 3, 0][:b] + [5] * (b - 2))),
-        "rows that see nothing": masks.Causal(offset=-20),
-    }[kind]
+        "causal": lambda: masks.Causal(offset=sk - sq),
+        "full": lambda: masks.Full(),
+        "window": lambda: masks.SlidingWindow(w, offset=sk - sq),
+        "causal&segments": lambda: masks.Causal() & masks.Segments(ids, ids),
+        # a look-ahead window, a band half the length back, everything three quarters back
+        "block-sparse": lambda: (
+            masks.SlidingWindow(w // 2 + 1, offset=w // 4)
+            | masks.SlidingWindow(w // 2, offset=-(sq // 2))
+            | masks.Causal(offset=-(3 * sq // 4))
+        ),
+        "prefix": lambda: masks.PrefixLM(jnp.asarray([sq // 3, 0][:b] + [5] * (b - 2))),
+        "rows that see nothing": lambda: masks.Causal(offset=-20),
+    }[kind]()
 
 
-# (mask, dtype, options, dims): the masks at the layer's sizes in bf16, the main ones in float32
-# too; sinks with the soft cap over query and key lengths that differ (head dim 64); return_lse
-# with sinks and the soft cap, MQA, a length that is no multiple of a tile, the first 20 rows
-# seeing only the sink
-MASK_KINDS = [
-    "causal",
-    "full",
-    "window",
-    "two-sided window",
-    "window|far causal",
-    "segments",
-    "causal&segments",
-]
-SOFT_CAP = sizes((2, 512, 768, 8, 2, 64), (1, 40, 56, 4, 2, 32))
-LSE = sizes((1, 1000, 1000, 8, 1, 128), (1, 50, 50, 4, 1, 32))
-CASES = (
-    [(k, "bfloat16", "plain", LAYER) for k in MASK_KINDS]
-    + [("causal", "bfloat16", "sinks+cap", SOFT_CAP), ("rows that see nothing", "bfloat16", "lse", LSE)]
-    + [(k, "float32", "plain", LAYER) for k in ("causal", "window", "causal&segments")]
-    + [("causal", "float32", "sinks+cap", SOFT_CAP), ("rows that see nothing", "float32", "lse", LSE)]
-)
 OPTIONS = {
     "plain": dict(sinks=False),
     "sinks+cap": dict(sinks=True, cap=30.0),
     "lse": dict(sinks=True, cap=30.0, lse=True),
 }
 
+# (mask, dtype, options, dims)
+CASES = (
+    [(k, "bfloat16", "plain", LAYER) for k in ("causal", "full", "window", "causal&segments", "block-sparse")]
+    + [("causal", "bfloat16", "plain", D256)]
+    + [("causal", "bfloat16", "sinks+cap", SOFT_CAP), ("rows that see nothing", "bfloat16", "lse", LSE)]
+    + [(k, "float32", "plain", FLOAT32) for k in ("causal", "causal&segments")]
+    + [("rows that see nothing", "float32", "lse", LSE)]
+)
+# xla on a TPU: the layer's causal bf16 case, float32 causal, and sinks with the soft cap
+XLA_CASES = [
+    ("causal", "bfloat16", "plain", LAYER),
+    ("causal", "float32", "plain", FLOAT32),
+    ("causal", "bfloat16", "sinks+cap", SOFT_CAP),
+]
+
+
+def _what(kind, dtype, options, dims):
+    b, sq, sk, h, kvh, d = dims
+    return f"attention {kind} {options} B{b} Sq{sq} Sk{sk} H{h}/{kvh} D{d} {dtype}"
+
+
+def _oracle_dtype(dtype, options):
+    """float64 on the host for float32 cases and for sinks (float32 parameters, whose gradient
+    the bf16 reference computes as a float32 oracle would); float32 on the chip otherwise."""
+    return "float64" if dtype == "float32" or OPTIONS[options]["sinks"] else "float32"
+
+
+def _check(check_fn, impl, case, arrays, what):
+    kind, dtype, options, dims = case
+    b, sq, sk = dims[:3]
+    return check_fn(
+        run,
+        impl,
+        arrays,
+        dtype,
+        what,
+        oracle_dtype=_oracle_dtype(dtype, options),
+        mask=_mask(kind, b, sq, sk),
+        blocks=None,
+        **OPTIONS[options],
+    )
+
 
 @pytest.mark.parametrize(
-    "case,impl", [(c, i) for c in CASES for i in sorted(implementations("attention", "tpu"))], ids=case_id
+    "case,impl", [(c, "pallas_tpu") for c in CASES] + [(c, "xla") for c in XLA_CASES], ids=case_id
 )
 def test_against_oracle(case, impl):
     kind, dtype, options, dims = case
-    b, sq, sk, h, kvh, d = dims
-    arrays = inputs(len(kind), *dims, dtype)
-    what = f"attention {kind} {options} B{b} Sq{sq} Sk{sk} H{h}/{kvh} D{d} {dtype}"
-    check(run, impl, arrays, dtype, what, mask=_mask(kind, b, sq, sk), blocks=None, **OPTIONS[options])
+    _check(check, impl, case, inputs(len(kind), *dims, dtype), _what(*case))
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-@pytest.mark.parametrize("impl", ["pallas_tpu"])
-def test_prefix_lm_where_served(impl, dtype):
+def test_a_nan_in_v_reaches_only_the_queries_that_see_its_key():
+    """Under the causal mask a NaN in `v[key, kv head, feature]` makes that feature of the
+    outputs NaN for the queries from the key on, in the query heads reading that kv head, and
+    nowhere else; outputs and gradients are non-finite where the oracle's are."""
+    case = ("causal", "bfloat16", "plain", LAYER)
     b, sq, sk, h, kvh, d = LAYER
-    arrays = inputs(9, *LAYER, dtype)
-    with serving(impl):
+    arrays = inputs(len(case[0]), *LAYER, "bfloat16")
+    key, head, feature = sk // 3, kvh - 1, 7
+    arrays["v"] = poke(arrays["v"], (b - 1, key, head, feature), jnp.nan)
+    out, _ = _check(check_nonfinite, "pallas_tpu", case, arrays, _what(*case) + " NaN in v")
+    group = h // kvh
+    want = np.zeros(out.shape, bool)
+    want[b - 1, key:, head * group : (head + 1) * group, feature] = True
+    assert (np.isnan(out) == want).all(), "the NaN of v reached other queries, heads or features"
+
+
+def test_an_infinity_in_k_reaches_only_the_queries_whose_window_holds_its_key():
+    """Under a sliding window an infinity in `k` makes its key's scores non-finite: NaN for the
+    queries whose window holds the key (every feature of the heads reading that kv head), as
+    the oracle has it; the other queries' outputs and gradients stay finite where the oracle's do."""
+    case = ("window", "bfloat16", "plain", LAYER)
+    b, sq, sk, h, kvh, d = LAYER
+    arrays = inputs(len(case[0]), *LAYER, "bfloat16")
+    key = sk // 2 + 3
+    arrays["k"] = poke(arrays["k"], (0, key, 0, 5), jnp.inf)
+    out, _ = _check(check_nonfinite, "pallas_tpu", case, arrays, _what(*case) + " inf in k")
+    w = max(sk // 4, 8)
+    rows = np.flatnonzero(np.isnan(out[0, :, : h // kvh]).any(axis=(1, 2)))
+    assert np.array_equal(rows, np.arange(key, min(sq, key + w))), f"NaN in rows {rows} for key {key}"
+
+
+def test_prefix_lm_where_served():
+    """A prefix-LM mask (arrays): checked where `pallas_tpu` serves it; the dispatcher's refusal
+    is asked first (nothing compiles for a case the kernel does not take)."""
+    b, sq, sk, h, kvh, d = LAYER
+    arrays = inputs(9, *LAYER, "bfloat16")
+    mask = _mask("prefix", b, sq, sk)
+    with serving("pallas_tpu"):
+        axkern.explain(
+            lambda q, k, v: attention(q, k, v, mask=mask, implementation="pallas_tpu"),
+            arrays["q"],
+            arrays["k"],
+            arrays["v"],
+        )
         check(
             run,
-            impl,
+            "pallas_tpu",
             arrays,
-            dtype,
-            f"attention prefix {dtype}",
-            mask=_mask("prefix", b, sq, sk),
+            "bfloat16",
+            "attention prefix bfloat16",
+            mask=mask,
             blocks=None,
             sinks=False,
         )
