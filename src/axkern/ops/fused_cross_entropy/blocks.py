@@ -202,54 +202,51 @@ def pallas_tpu_loss_packed(spec: Spec) -> bool:
 
 
 def pallas_tpu_loss_vmem_bytes(
-    block_tokens: int, block_vocab: int, embed: int, itemsize: int, packed: bool, running: bool = True
+    block_tokens: int, block_vocab: int, embed: int, itemsize: int, packed: bool
 ) -> int:
     """VMEM the largest of the reduced loss's three kernels takes for one step: the
     double-buffered blocks (inputs, outputs, float32 `[8, block_tokens]` rows padded to whole
-    tiles), the float32 accumulators, about four float32 `[block_vocab, block_tokens]`
-    temporaries in the elementwise kernels, and in the dw kernel the `[block_vocab, D]` float32
-    blocks of the running sum over chunks (`running`: in and out, double-buffered) or its
-    accumulator and output."""
+    tiles), the float32 accumulators (and the dw kernel's transposition of its own) and about
+    four float32 `[block_vocab, block_tokens]` temporaries in the elementwise kernels."""
     bt, bv, d = block_tokens, block_vocab, embed
     rows = 2 * 8 * max(bt, 128) * 4  # a double-buffered [8, bt] float32 block (or [1, bt]: padded)
     temporaries = 4 * bt * bv * 4
     logits = 2 * bv * bt * (2 if packed else 4)
     maxima = rows if packed else 0
     stats = 2 * (bt * d + d * bv) * itemsize + logits + maxima + 8 * rows + temporaries
-    w_tile, x_tile = 2 * d * bv * itemsize, 2 * bt * d * itemsize
-    dx = 2 * logits + maxima + w_tile + x_tile + bt * d * 4 + 2 * rows + temporaries
-    dw = logits + x_tile + (4 if running else 3) * bv * d * 4 + 2 * bt * bv * 4
+    dx = (
+        2 * logits
+        + maxima
+        + 2 * d * bv * itemsize
+        + 2 * bt * d * itemsize
+        + bt * d * 4
+        + 2 * rows
+        + temporaries
+    )
+    dw = logits + 2 * bt * d * itemsize + 5 * bv * d * 4 + bt * bv * 4
     return max(stats, dx, dw)
 
 
 def _loss_chunk(spec: Spec, block_tokens: int) -> int:
-    """Rows whose logits the TPU kernels hold at once: every token's where holding them takes no
-    more than a chunk and the float32 `[V, D]` running sum of several chunks would; else as many
-    as fit the bytes of xla's logits block for the call (`loss_heuristic`); in whole tiles."""
-    tokens, embed, vocab = spec.dim("tokens"), spec.dim("embed"), spec.dim("vocab")
+    """Rows whose logits the TPU kernels hold at once: as many as fit the bytes of xla's logits
+    block for the call (`loss_heuristic`), in whole tiles."""
+    vocab = spec.dim("vocab")
+    budget = loss_heuristic(spec).block_tokens * vocab * 4
     held = vocab * (2 if pallas_tpu_loss_packed(spec) else 4)
-    chunk = max(
-        block_tokens, loss_heuristic(spec).block_tokens * vocab * 4 // held // block_tokens * block_tokens
-    )
-    if tokens * held <= chunk * held + 4 * embed * vocab:
-        return max(block_tokens, -(-tokens // block_tokens) * block_tokens)
-    return chunk
+    return max(block_tokens, budget // held // block_tokens * block_tokens)
 
 
 def _fits(spec: Spec, bt: int, bv: int) -> bool:
     itemsize = jnp.dtype(spec.dtype).itemsize
-    running = spec.dim("tokens") > _loss_chunk(spec, bt)
-    need = pallas_tpu_loss_vmem_bytes(
-        bt, bv, spec.dim("embed"), itemsize, pallas_tpu_loss_packed(spec), running
-    )
-    return need <= tpu_vmem_bytes(spec.device_kind) // 2
+    need = pallas_tpu_loss_vmem_bytes(bt, bv, spec.dim("embed"), itemsize, pallas_tpu_loss_packed(spec))
+    return need <= tpu_vmem_bytes(spec.device_kind) * 3 // 4
 
 
 def pallas_tpu_loss_heuristic(spec: Spec) -> CrossEntropyBlockSizes:
-    """Tiles of 512 tokens by 1024 vocabulary columns (the dw kernel reads `x` once per
-    vocabulary tile), the columns then the tokens halved until the kernels' estimate fits half
-    the chip's VMEM (the kernels refuse over three quarters); the chunk as `_loss_chunk` says."""
-    bt, bv = 512, 1024
+    """Tiles of 512 tokens by 1024 vocabulary columns for embeddings up to 2560 (512 columns
+    above: the dw kernel's [block_vocab, D] float32 accumulator and blocks), halved until the
+    kernels fit three quarters of the chip's VMEM; the chunk as `_loss_chunk` says."""
+    bt, bv = 512, 1024 if spec.dim("embed") <= 2560 else 512
     while not _fits(spec, bt, bv) and bv > 128:
         bv //= 2
     while not _fits(spec, bt, bv) and bt > 128:
@@ -258,8 +255,8 @@ def pallas_tpu_loss_heuristic(spec: Spec) -> CrossEntropyBlockSizes:
 
 
 def pallas_tpu_loss_space(spec: Spec) -> list[CrossEntropyBlockSizes]:
-    """Tiles of 256 to 1024 tokens by 512 to 2048 columns whose estimate fits half the chip's
-    VMEM, each with the chunk `_loss_chunk` gives it."""
+    """Tiles of 256 to 1024 tokens by 512 to 2048 columns that fit the chip's VMEM, each with
+    the chunk `_loss_chunk` gives it."""
     first = pallas_tpu_loss_heuristic(spec)
     candidates = [first] + [
         CrossEntropyBlockSizes(block_tokens=bt, block_vocab=bv, chunk_tokens=_loss_chunk(spec, bt))

@@ -85,16 +85,6 @@ def _multiple(name: str, b: int, m: int = 128) -> int:
     return b
 
 
-def _chunking(n: int, block_tokens: int, chunk_tokens: int) -> tuple[int, int]:
-    """`(block_tokens, chunk)` for `n` tokens: one tile of them all (padded to 16) where they fit
-    one; else chunks of whole tiles, as many as `chunk_tokens` asks for, evened out so that the
-    padding stays under a tile a chunk."""
-    if n <= block_tokens:
-        return (cdiv(n, 16) * 16,) * 2
-    count = cdiv(n, max(block_tokens, chunk_tokens))
-    return block_tokens, cdiv(cdiv(n, count), block_tokens) * block_tokens
-
-
 def _config(x, w, block_sizes: CrossEntropyBlockSizes, soft_cap, wz, eps, interpret) -> _Config:
     n, d = x.shape
     v = w.shape[1]
@@ -108,16 +98,20 @@ def _config(x, w, block_sizes: CrossEntropyBlockSizes, soft_cap, wz, eps, interp
     packed = operand.itemsize == 2 and soft_cap is None
     bt = _multiple("block_tokens", block_sizes.block_tokens)
     bv = v if block_sizes.block_vocab >= v else _multiple("block_vocab", block_sizes.block_vocab)
-    tiles = bt
-    bt, chunk = _chunking(n, bt, _multiple("chunk_tokens", block_sizes.chunk_tokens or bt, bt))
-    need = pallas_tpu_loss_vmem_bytes(tiles, bv, d, operand.itemsize, packed, running=chunk < n)
+    need = pallas_tpu_loss_vmem_bytes(bt, bv, d, operand.itemsize, packed)
     budget = tpu_vmem_bytes(backend.device_kind()) * 3 // 4
     if need > budget and not interpret:
         raise Unsupported(
-            f"block_tokens={tiles}, block_vocab={bv} at embed={d} need about {need / 2**20:.0f} MiB of VMEM, "
+            f"block_tokens={bt}, block_vocab={bv} at embed={d} need about {need / 2**20:.0f} MiB of VMEM, "
             f"over the {budget / 2**20:.0f} MiB the TPU loss kernels may take on this chip"
         )
     limit = None if interpret else min(budget, need + need // 4 + (8 << 20))
+    if n <= bt:  # one tile of the whole (padded) chunk
+        chunk = bt = cdiv(n, 16) * 16
+    else:
+        chunk = max(bt, _multiple("chunk_tokens", block_sizes.chunk_tokens or bt, bt))
+        count = cdiv(n, chunk)  # the chunks evened out, so padding stays under a tile a chunk
+        chunk = cdiv(cdiv(n, count), bt) * bt
     common = dict(
         block_vocab=bv,
         vocab=v,
@@ -247,9 +241,9 @@ _loss.defvjp(_loss_fwd, _loss_bwd)
 def describe(spec, block_sizes) -> str:
     """`explain`'s backward line: the chunks, the held logits and the dw running sum."""
     n, d, v = spec.dim("tokens"), spec.dim("embed"), spec.dim("vocab")
-    bt = block_sizes.block_tokens
-    _, chunk = _chunking(n, bt, block_sizes.chunk_tokens or bt)
+    bt, chunk = block_sizes.block_tokens, block_sizes.chunk_tokens or block_sizes.block_tokens
     packed = jnp.dtype(spec.dtype).itemsize == 2 and spec.flag("logits_soft_cap", None) is None
+    chunk = min(chunk, cdiv(n, bt) * bt) if n > bt else cdiv(n, 16) * 16
     chunks = cdiv(n, chunk)
     held = chunk * v * (2 if packed else 4)
     form = "packed 16-bit exp(z - max)" if packed else "float32"

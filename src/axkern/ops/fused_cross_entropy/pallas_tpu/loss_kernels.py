@@ -25,7 +25,6 @@ Kernels (each `dimension_semantics` ("parallel", "arbitrary")):
 
 All three products are plain `[M, K] @ [K, N]` ones: the only transposition is the logits
 tile's in `logits` (and one `[D, bt]` or `[bv, D]` accumulator at the end of a row of steps).
-`dx` and `dw` go over the embedding `EMBED_STEP` columns at a time (static slices).
 
 The cotangent of the logits, from the per-token rows `rows: [8, C]` float32 (`LSE`, `G`, `A`,
 `B`, `KEEP`: `lse`, `g = coef·(1 + 2·w_z·lse)`, `a = (1 - eps)·coef`, `b = (eps/V)·coef`, 1 for a
@@ -58,8 +57,7 @@ from axkern.core.kernels import dot
 
 __all__ = ["Tiles", "ROWS", "LSE", "G", "A", "B", "KEEP", "logits", "dx", "dw"]
 
-ROWS = 8  # rows of the per-token array the dx kernel reads (five used)
-EMBED_STEP = 512  # embedding columns a product of the dx and dw kernels takes at once
+ROWS = 8  # rows of the per-token array the dx and dw kernels read (five used)
 LSE, G, A, B, KEEP = range(5)
 
 
@@ -107,13 +105,6 @@ def _call(t: Tiles, kernel, name, grid, semantics, **kw):
         compiler_params=pltpu.CompilerParams(dimension_semantics=semantics, vmem_limit_bytes=t.vmem_limit),
         **kw,
     )
-
-
-def _embed_slices(d: int) -> list[slice]:
-    """The embedding in static slices of `EMBED_STEP`: the dx and dw products and their
-    accumulators' transpositions go a slice at a time, so no value larger than
-    `[EMBED_STEP, bt]` or `[bv, EMBED_STEP]` float32 is live."""
-    return [slice(e, min(e + EMBED_STEP, d)) for e in range(0, d, EMBED_STEP)]
 
 
 def _ragged(t: Tiles, j, step):
@@ -186,8 +177,7 @@ def _logits_kernel(labels_ref, x_ref, w_ref, *refs, t: Tiles, store: bool):
 
 def logits(t: Tiles, x, w, labels, *, store: bool):
     """`(lse, label_logit, sum_logits)`, each `[1, C]` float32, of `x: [C, D]` against `w`;
-    with `store` also the held `zT: [V', C]` (and with `t.packed` `maxima`). `labels`: `[1, C]`
-    int32."""
+    with `store` also `zT: [V, C]` (and with `t.packed` `maxima`). `labels`: `[1, C]` int32."""
     c, d = x.shape
     bt, bv = t.block_tokens, t.block_vocab
     token = pl.BlockSpec((1, bt), lambda i, j: (0, i))
@@ -229,16 +219,16 @@ def _cotangent(t: Tiles, j, rows_ref, labels_ref, z_ref, maxima_ref, last: bool)
     if t.packed:  # exp(z - lse) = exp(z - m) · exp(m - lse), m the tile's row of maxima
         tile = lax.broadcasted_iota(jnp.int32, maxima_ref.shape, 0)
         m = jnp.sum(jnp.where(tile == j % 8, maxima_ref[...], 0.0), axis=0, keepdims=True)
-        dz = z * (g * jnp.exp(m - lse))
+        p = z * jnp.exp(m - lse)
     else:
-        dz = g * jnp.exp(z - lse)
+        p = jnp.exp(z - lse)
     row = lax.broadcasted_iota(jnp.int32, z.shape, 0)
-    dz = dz - jnp.where(row == labels_ref[...] - j * t.block_vocab, a, 0.0)
+    dz = g * p - jnp.where(row == labels_ref[...] - j * t.block_vocab, a, 0.0)
     if t.with_sum:
         dz = dz - b
     if t.soft_cap is not None:  # float32 logits only: `z` is the capped logit
         dz = dz * (1.0 - jnp.square(z * (1.0 / t.soft_cap)))
-    live = jnp.broadcast_to(keep, z.shape) > 0  # a mask of the tile's shape (no boolean broadcast)
+    live = keep > 0
     if last:
         live = live & (row < t.tail)
     return jnp.where(live, dz, 0.0).astype(t.operand)
@@ -261,18 +251,14 @@ def _dx_kernel(rows_ref, labels_ref, z_ref, *refs, t: Tiles):
         dz_ref[...] = dzt.astype(dz_ref.dtype)
         if last:  # the product sums over the tile's columns: those past V must be 0 in w too
             w_ref[:, t.tail :] = jnp.zeros((w_ref.shape[0], t.block_vocab - t.tail), w_ref.dtype)
-        for e in _embed_slices(acc.shape[0]):  # acc: [D, bt]
-            acc[e, :] += dot(w_ref[e, :], dzt)
+        acc[...] += dot(w_ref[...], dzt)  # [D, bt]
 
     _ragged(t, j, step)
 
     @pl.when(j == t.tiles_vocab - 1)
     def _():
-        # a dropped token's row: 0, even where w is not finite
-        keep = jnp.broadcast_to(rows_ref[KEEP : KEEP + 1, :], (EMBED_STEP, acc.shape[1])) > 0
-        for e in _embed_slices(acc.shape[0]):
-            part = acc[e, :]
-            dx_ref[:, e] = jnp.where(keep[: part.shape[0]], part, 0.0).T.astype(dx_ref.dtype)
+        keep = rows_ref[KEEP : KEEP + 1, :] > 0  # a dropped token's row: 0, even where w is not finite
+        dx_ref[...] = jnp.where(keep, acc[...], 0.0).T.astype(dx_ref.dtype)
 
 
 def dx(t: Tiles, held, rows, labels, w, dtype):
@@ -310,15 +296,12 @@ def _dw_kernel(dz_ref, x_ref, *refs, t: Tiles, accumulate: bool, final: bool):
     def _():
         acc[...] = sum_ref[...] if accumulate else jnp.zeros(acc.shape, jnp.float32)
 
-    dzt = dz_ref[...].astype(t.operand)
-    for e in _embed_slices(acc.shape[1]):  # acc: [bv, D]
-        acc[:, e] += dot(dzt, x_ref[:, e])
+    acc[...] += dot(dz_ref[...].astype(t.operand), x_ref[...])  # [bv, D]
     if final:
 
         @pl.when(i == pl.num_programs(1) - 1)
         def _():
-            for e in _embed_slices(acc.shape[1]):
-                out_ref[e, :] = acc[:, e].T.astype(out_ref.dtype)
+            out_ref[...] = acc[...].T.astype(out_ref.dtype)
 
 
 def dw(t: Tiles, dzt, x, running, final_dtype):
