@@ -13,8 +13,9 @@ chip's default precision; the oracle must be more precise than that reference:
 - bfloat16 cases take `reference` on float32 copies of the inputs on the chip at full float32
   precision (DESIGN.md's second oracle: float64 on the host would take too long at these sizes).
   The bf16 reference computes in float32 and rounds its results to bf16, so the bound holds that
-  rounding. A case whose float32 parameters get gradients the bf16 reference computes exactly as
-  the float32 oracle does (attention's sinks) asks for the float64 oracle (`oracle_dtype`).
+  rounding. A case with float32 parameters, whose gradients the bf16 reference may compute as
+  the float32 oracle does (attention's sinks; ssd's and mamba3's float32 inputs), asks for the
+  float64 oracle (`oracle_dtype`).
 
 `AXKERN_TEST_TPU=interpret` runs the same tests on a CPU, the Pallas TPU kernels in interpret
 mode, at cut-down sizes: a check of the tests themselves, not of the chip.

@@ -1,6 +1,6 @@
-"""mamba3 compiled on a TPU (`pallas_tpu`, then `xla`) against the oracle rule, SISO and MIMO, at a
+"""mamba3's Pallas TPU kernels compiled on a TPU against the oracle rule, SISO and MIMO, at a
 Mamba-3 layer's sizes cut down in batch, length and heads, default chunk sizes; values and every
-gradient, with D, z and the initial states (the final states too).
+gradient, with D, z and the initial states (the final states too); the float64 oracle on the host.
 
 Run with `AXKERN_TEST_TPU=1 python -m pytest tests/tpu` on a TPU machine (tests/tpu/chip.py: the
 oracle, the dry run on a CPU).
@@ -12,17 +12,16 @@ import pytest
 
 import axkern
 from tests.cases.mamba3 import call, make, run
-from tests.harness import implementations
 from tests.tpu.chip import DRY_RUN, assert_compiled_first_that_serves, case_id, check, sizes
 
 pytestmark = pytest.mark.tpu
 
-# (b, l, h, p, g, n, angles, rank, dtype): SISO at the 2.7B layer's head and state dims in bf16 and
-# float32 (a length that is no multiple of a chunk); MIMO of rank 2 in float32 and bf16
+# (b, l, h, p, g, n, angles, rank, dtype): SISO at the 2.7B layer's head and state dims in bf16;
+# MIMO of rank 2 in float32 (the float64 oracle on the host) and in bf16 over a length that is no
+# multiple of a chunk
 CASES = sizes(
     [
         (2, 512, 8, 64, 1, 128, 32, 0, "bfloat16"),
-        (1, 700, 8, 64, 1, 128, 32, 0, "float32"),
         (2, 300, 4, 32, 2, 64, 16, 2, "float32"),
         (1, 700, 8, 64, 1, 128, 32, 2, "bfloat16"),
     ],
@@ -30,14 +29,14 @@ CASES = sizes(
 )
 
 
-@pytest.mark.parametrize(
-    "case,impl", [(c, i) for c in CASES for i in sorted(implementations("mamba3", "tpu"))], ids=case_id
-)
+@pytest.mark.parametrize("case,impl", [(c, "pallas_tpu") for c in CASES], ids=case_id)
 def test_against_oracle(case, impl):
     *dims, rank, dtype = case
     arrays, seg = make(0, *dims, rank, dtype, segments=True)
     what = f"mamba3 {'MIMO' if rank else 'SISO'} {case_id(case)}"
-    check(lambda name, a: run(name, a, seg), impl, arrays, dtype, what)
+    # float64 on the host for every case: the bf16 cases' per-position scalars, angles, biases,
+    # weights and states are float32 and get gradients too
+    check(lambda name, a: run(name, a, seg), impl, arrays, dtype, what, oracle_dtype="float64")
 
 
 @pytest.mark.parametrize("rank", [0, 2])

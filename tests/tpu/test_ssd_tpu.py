@@ -1,6 +1,6 @@
-"""ssd compiled on a TPU (`pallas_tpu`, then `xla`) against the oracle rule, at a Mamba-2 layer's
+"""ssd compiled on a TPU (`pallas_tpu`; `xla` on one case) against the oracle rule, at a Mamba-2 layer's
 sizes cut down in batch and length, default chunk sizes; values and every gradient, with D, z,
-dt_bias and an initial state (the final state too).
+dt_bias and an initial state (the final state too); the float64 oracle on the host.
 
 Run with `AXKERN_TEST_TPU=1 python -m pytest tests/tpu` on a TPU machine (tests/tpu/chip.py: the
 oracle, the dry run on a CPU).
@@ -13,30 +13,31 @@ import pytest
 import axkern
 from axkern.positional import ssd
 from tests.cases.ssd import make, run
-from tests.harness import implementations
 from tests.tpu.chip import DRY_RUN, assert_compiled_first_that_serves, case_id, check, sizes
 
 pytestmark = pytest.mark.tpu
 
 # (b, l, h, p, g, n, dtype, segments): the 2.7B layer's head and state dims with packed
-# documents; two groups of state 64 in float32; a length that is no multiple of a chunk
+# documents; float32 (the float64 oracle on the host) with two groups of state 64 over a length
+# that is no multiple of a chunk, without segment ids
 CASES = sizes(
     [
         (2, 1024, 8, 64, 1, 128, "bfloat16", True),
-        (2, 1024, 8, 64, 2, 64, "float32", True),
-        (1, 1500, 4, 64, 1, 128, "bfloat16", False),
+        (2, 1000, 8, 64, 2, 64, "float32", False),
     ],
     [(1, 100, 2, 16, 1, 16, "bfloat16", True), (1, 64, 2, 16, 2, 16, "float32", False)],
 )
+# xla on a TPU: the layer's bf16 case
 
 
-@pytest.mark.parametrize(
-    "case,impl", [(c, i) for c in CASES for i in sorted(implementations("ssd", "tpu"))], ids=case_id
-)
+@pytest.mark.parametrize("case,impl", [(c, "pallas_tpu") for c in CASES] + [(CASES[0], "xla")], ids=case_id)
 def test_against_oracle(case, impl):
     *dims, dtype, segments = case
     arrays, seg = make(0, *dims, dtype, segments=segments)
-    check(lambda name, a: run(name, a, seg), impl, arrays, dtype, f"ssd {case_id(case)}")
+    # float64 on the host for every case: the bf16 cases' A, D, dt_bias and initial state are
+    # float32 parameters
+    run_ = lambda name, a: run(name, a, seg)  # noqa: E731
+    check(run_, impl, arrays, dtype, f"ssd {case_id(case)}", oracle_dtype="float64")
 
 
 def test_pallas_tpu_runs_compiled_and_the_default_is_the_first_that_serves():
