@@ -23,6 +23,8 @@ __all__ = [
     "pallas_gpu_space",
     "pallas_tpu_heuristic",
     "pallas_tpu_space",
+    "pallas_tpu_vmem_bytes",
+    "TPU_SCOPED_VMEM",
     "mosaic_gpu_heuristic",
     "mosaic_gpu_ping_pong",
     "mosaic_gpu_backward_tiles",
@@ -213,15 +215,47 @@ def pallas_tpu_heuristic(spec: Spec) -> AttentionBlockSizes:
     return AttentionBlockSizes(block_q=pick(spec.dim("q_len")), block_kv=pick(spec.dim("kv_len")))
 
 
+# Mosaic's scoped VMEM limit for a kernel whose compiler parameters do not raise it
+# (`vmem_limit_bytes`): what `pallas_tpu`'s tiles must fit
+TPU_SCOPED_VMEM = 16 * 1024 * 1024
+
+
+def pallas_tpu_vmem_bytes(block_q: int, block_kv: int, head_dim: int, v_dim: int, itemsize: int) -> int:
+    """An estimate of the VMEM the largest of `pallas_tpu`'s three kernels (forward, `dq`,
+    `dk, dv`) takes at these tiles: each grid step's blocks double-buffered (`q`, `k`, `v`, `dO`,
+    `o` and what its rounding lost in the inputs' dtype, float32 `dq`, `dk`, `dv`; `lse`, `delta`
+    and the query ids as `[block_q, 1]` columns, which take 128 lanes each, the key ids as a
+    `[1, block_kv]` row of 8 sublanes), the float32 scratch (the forward's running max and sum,
+    128 lanes each, and its accumulator; the backward's accumulators), and three float32
+    `[block_q, block_kv]` tiles live at once (scores, probabilities, `dp` or `ds`; a partial
+    tile's mask and the 16-bit copies of `p` and `ds` take the room of a fourth at most, which the
+    estimate leaves out)."""
+    bq, bk, d, dv, e = block_q, block_kv, head_dim, v_dim, itemsize
+    column = bq * 128 * 4  # a [block_q, 1] float32 (or int32) column
+    ids = 2 * column + 2 * 8 * bk * 4
+    forward = 2 * (bq * d + bk * d + bk * dv + 2 * bq * dv) * e + 2 * column + ids + 2 * column + bq * dv * 4
+    dq = 2 * (bq * d + bk * d + bk * dv + bq * dv) * e + 4 * column + ids + 3 * bq * d * 4
+    dkv = 2 * (bq * d + bk * d + bk * dv + bq * dv) * e + 4 * column + ids + 3 * bk * (d + dv) * 4
+    return max(forward, dq, dkv) + 3 * bq * bk * 4
+
+
 def pallas_tpu_space(spec: Spec) -> list[AttentionBlockSizes]:
-    """Tiles of 128 to 512 each way (the three largest that fit the lengths, at least 8)."""
-    return grid(
+    """Tiles of 256 to 1024 each way (the three largest powers of two that fit the lengths, at
+    least 8) whose `pallas_tpu_vmem_bytes` fits Mosaic's default scoped VMEM (`TPU_SCOPED_VMEM`;
+    at head dim 128 1024 by 512 and 512 by 1024 do, 1024 by 1024 does not), after the
+    heuristic's."""
+    first = pallas_tpu_heuristic(spec)
+    itemsize = jnp.dtype(spec.dtype).itemsize
+    d, dv = spec.dim("head_dim"), spec.dim("v_dim")
+    fits = lambda b: pallas_tpu_vmem_bytes(b.block_q, b.block_kv, d, dv, itemsize) <= TPU_SCOPED_VMEM  # noqa: E731
+    candidates = grid(
         AttentionBlockSizes,
         spec,
-        first=pallas_tpu_heuristic(spec),
-        block_q=powers_of_two(spec.dim("q_len"), high=512, count=3, low=TPU_SUBLANES),
-        block_kv=powers_of_two(spec.dim("kv_len"), high=512, count=3, low=TPU_SUBLANES),
+        first=first,
+        block_q=powers_of_two(spec.dim("q_len"), high=1024, count=3, low=TPU_SUBLANES),
+        block_kv=powers_of_two(spec.dim("kv_len"), high=1024, count=3, low=TPU_SUBLANES),
     )
+    return [b for b in candidates if b == first or fits(b)]
 
 
 MOSAIC_GPU_SMEM = 227 * 1024  # shared memory a Hopper block may take

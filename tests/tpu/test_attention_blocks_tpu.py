@@ -1,0 +1,72 @@
+"""`pallas_tpu`'s tuning space on a TPU v5e, on the CPU in CI (no chip needed): tiles up to 1024
+where the kernels' VMEM estimate fits Mosaic's default scoped limit, and the new 1024-row and
+1024-column tiles lower for the chip, forward and backward (the chip's compiler checks the VMEM
+itself: `axkern tune attention --preset tpu` on the chip, benchmarks/tpu.sh's `tune_attention`)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import axkern
+from axkern import masks
+from axkern.ops.attention.blocks import (
+    TPU_SCOPED_VMEM,
+    AttentionBlockSizes,
+    pallas_tpu_heuristic,
+    pallas_tpu_space,
+    pallas_tpu_vmem_bytes,
+)
+from axkern.positional import attention
+from tests.tpu_lowering import as_tpu, lower_for_tpu, tpu_custom_calls
+
+S = jax.ShapeDtypeStruct
+
+
+def _spec(length, heads, kv_heads, head_dim, dtype):
+    q = S((2, length, heads, head_dim), dtype)
+    k = S((2, length, kv_heads, head_dim), dtype)
+    with as_tpu():
+        d = axkern.explain(
+            lambda q, k, v: attention(q, k, v, mask=masks.Causal(), implementation="pallas_tpu"), q, k, k
+        )
+    return d.spec
+
+
+@pytest.mark.parametrize("head_dim,dtype", [(128, "bfloat16"), (128, "float32"), (256, "bfloat16")])
+def test_the_space_reaches_1024_where_the_vmem_estimate_fits(head_dim, dtype):
+    spec = _spec(8192, 32, 8, head_dim, dtype)
+    space = pallas_tpu_space(spec)
+    assert space[0] == pallas_tpu_heuristic(spec)
+    tiles = {(b.block_q, b.block_kv) for b in space[1:]}
+    itemsize = jnp.dtype(dtype).itemsize
+    need = lambda q, k: pallas_tpu_vmem_bytes(q, k, head_dim, head_dim, itemsize)  # noqa: E731
+    every = {(q, k) for q in (256, 512, 1024) for k in (256, 512, 1024)}
+    assert tiles == {t for t in every if need(*t) <= TPU_SCOPED_VMEM}
+    assert (1024, 512) in tiles and (1024, 1024) not in tiles
+    if head_dim == 128:
+        assert (512, 1024) in tiles
+
+
+def test_a_short_sequence_keeps_tiles_within_its_length():
+    space = pallas_tpu_space(_spec(300, 8, 2, 128, "bfloat16"))
+    assert {(b.block_q, b.block_kv) for b in space[1:]} <= {
+        (q, k) for q in (128, 256, 512) for k in (128, 256, 512)
+    }
+
+
+@pytest.mark.parametrize("block_q,block_kv", [(1024, 512), (512, 1024)])
+def test_1024_tiles_lower_for_the_chip(block_q, block_kv):
+    blocks = AttentionBlockSizes(block_q=block_q, block_kv=block_kv)
+
+    def both(q, k, v):
+        f = lambda q, k, v: attention(  # noqa: E731
+            q, k, v, mask=masks.Causal(), implementation="pallas_tpu", block_sizes=blocks
+        )
+        grads = jax.grad(lambda q, k, v: jnp.sum(f(q, k, v).astype(jnp.float32)), argnums=(0, 1, 2))
+        return f(q, k, v), grads(q, k, v)
+
+    q, kv = S((1, 2048, 4, 128), "bfloat16"), S((1, 2048, 2, 128), "bfloat16")
+    kernels = tpu_custom_calls(lower_for_tpu(both, q, kv, kv))
+    assert {f"axkern_attention_tpu_{k}_kernel" for k in ("fwd", "dq", "dkv")} <= set(kernels)
