@@ -450,9 +450,11 @@ def test_the_conditional_passes_x_out_as_it_came():
     )
 
 
+@functools.cache
 def _emulated_runner(names, chunk=engine.CHUNK, layout=engine.EmulatedLayout, call=None):
     """The layer's outputs and every gradient of a loss of them (jitted `(arrays, seg)`), through
-    `layout`'s kernels, or `call(args)` where given (`ssd`'s positional arguments)."""
+    `layout`'s kernels, or `call(args)` where given (`ssd`'s positional arguments). One jitted
+    function per arguments: the cases of the same shapes compile it once."""
 
     def f(seg, *vals):
         a = dict(zip(names, vals, strict=True))
