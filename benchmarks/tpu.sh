@@ -7,9 +7,15 @@
 #
 # Steps:
 #   info                    `axkern info --all` on the chip, and the device key (device_key.txt)
-#   tests                   tests/tpu (AXKERN_TEST_TPU=1, one process): junit.xml, records.jsonl (per check
-#                           the largest error and the oracle rule's bound), the log
+#   tests                   tests/tpu's device tests (AXKERN_TEST_TPU=1, -m tpu, one process; JAX sees the
+#                           chip and the host's CPU, where the float64 oracles run): junit.xml,
+#                           records.jsonl (per check the oracle's dtype, the largest error, the
+#                           same-dtype reference's error and the oracle rule's bound), the log
 #   tests_smoke             the same, the Pallas TPU kernels' cases only (-k pallas_tpu)
+#   tune_attention          `axkern tune attention --preset tpu --impl pallas_tpu --repeats 3 --write-table`
+#                           over the preset's cases that TUNE_ONLY names (default causal; TUNE_ONLY= for
+#                           all three): the tuning cache under $OUT/tpu/cache (AXKERN_CACHE_DIR), every
+#                           candidate's row in tune/attention_tpu.json, the written table copied to tune/
 #   bench_attention         attention at the `tpu` preset, pallas_tpu and xla, beside splash attention (--peers)
 #   bench_attention_shapes  attention at `tpu_shapes` (GQA 32/8, head dims 64 and 256), pallas_tpu and xla
 #   bench_fused_cross_entropy       the per-token op at Llama-3's size (8192 tokens)
@@ -113,8 +119,21 @@ sys.exit(main(["info", "--all"]))' "$R/device_key.txt"
     rm -f "$R/tests/records.jsonl"
     local k=()
     [ "$1" = tests_smoke ] && k=(-k pallas_tpu)
+    # the float64 oracles run on the host's CPU device: JAX is asked for it beside the chip
+    local platforms=tpu,cpu
+    [ "${AXKERN_TEST_TPU:-1}" = interpret ] && platforms=cpu
     step 480 "$1" env AXKERN_TEST_TPU="${AXKERN_TEST_TPU:-1}" AXKERN_TEST_TPU_RECORD="$R/tests/records.jsonl" \
-      python3 -m pytest -v -p no:cacheprovider -rs --durations=30 --junitxml="$R/tests/junit.xml" "${k[@]}" tests/tpu
+      JAX_PLATFORMS="$platforms" python3 -m pytest -v -p no:cacheprovider -rs --durations=60 \
+      --junitxml="$R/tests/junit.xml" -m tpu "${k[@]}" tests/tpu
+    ;;
+  tune_attention)
+    mkdir -p "$R/tune"
+    local only=()
+    [ -n "${TUNE_ONLY-causal}" ] && only=(--only "${TUNE_ONLY-causal}")
+    step 240 tune_attention env AXKERN_CACHE_DIR="$R/cache" python3 -m axkern tune attention --preset tpu \
+      --impl pallas_tpu --repeats 3 --write-table --json "$R/tune/attention_tpu.json" "${only[@]}"
+    cp src/axkern/ops/attention/tuned/tpu_*.json "$R/tune/" 2> /dev/null ||
+      echo "tune_attention: no table written under src/axkern/ops/attention/tuned/" | tee -a "$R/steps.txt"
     ;;
   bench_attention) bench 240 bench_attention attention h200 --tokens 2048 -- --peers ;;
   bench_attention_shapes)
