@@ -21,7 +21,8 @@ chip's default precision; the oracle must be more precise than that reference:
 mode, at cut-down sizes: a check of the tests themselves, not of the chip.
 
 Where `AXKERN_TEST_TPU_RECORD` names a file, each check appends one JSON line to it: the case, the
-implementation, the oracle's dtype, and per output and gradient the largest error, the
+implementation, the oracle's dtype, the seconds the oracle, the same-dtype reference and the
+implementation took (compiles included), and per output and gradient the largest error, the
 same-dtype reference's error, the oracle's largest magnitude, the bound and whether it held.
 """
 
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 import jax
 import jax.numpy as jnp
@@ -75,7 +77,7 @@ def _margins(got, same, want, dtype: str) -> list[dict]:
     return out
 
 
-def _record(what: str, impl: str, dtype: str, oracle_dtype: str, got, same, want) -> None:
+def _record(what: str, impl: str, dtype: str, oracle_dtype: str, got, same, want, seconds: dict) -> None:
     path = os.environ.get("AXKERN_TEST_TPU_RECORD")
     if not path:
         return
@@ -85,6 +87,7 @@ def _record(what: str, impl: str, dtype: str, oracle_dtype: str, got, same, want
         "dtype": dtype,
         "oracle": oracle_dtype,
         "device": backend.device_key(),
+        "seconds": {k: round(v, 2) for k, v in seconds.items()},
         "outputs": _margins(got[0], same[0], want[0], dtype),
         "gradients": _margins(got[1], same[1], want[1], dtype),
     }
@@ -99,15 +102,27 @@ def oracle_dtype_for(dtype: str) -> str:
 
 
 def expected(run, arrays: dict, what: str, *, oracle_dtype: str, **kw):
-    """`(oracle, same-dtype reference)` of the case `what` names, as NumPy arrays, computed once."""
+    """`(oracle, same-dtype reference, seconds)` of the case `what` names, as NumPy arrays,
+    computed once (`seconds`: what computing each took, compiles included, where computed now)."""
+    seconds = {}
     if what not in _EXPECTED:
+        start = time.perf_counter()
         want = oracle(run, arrays, dtype=oracle_dtype, **kw)
+        seconds["oracle"] = time.perf_counter() - start
         same = jax.tree.map(np.asarray, run("reference", arrays, **kw))
+        seconds["reference"] = time.perf_counter() - start - seconds["oracle"]
         _EXPECTED[what] = want, same, oracle_dtype
     want, same, held_by = _EXPECTED[what]
     if held_by != oracle_dtype:
         raise ValueError(f"{what}: its oracle was computed in {held_by}, asked in {oracle_dtype}")
-    return want, same
+    return want, same, seconds
+
+
+def _run_timed(run, impl, arrays, seconds, **kw):
+    start = time.perf_counter()
+    got = jax.tree.map(np.asarray, run(impl, arrays, **kw))
+    seconds["implementation"] = time.perf_counter() - start
+    return got
 
 
 def check(run, impl: str, arrays: dict, dtype: str, what: str, *, oracle_dtype: str | None = None, **kw):
@@ -116,9 +131,9 @@ def check(run, impl: str, arrays: dict, dtype: str, what: str, *, oracle_dtype: 
     default `oracle_dtype_for(dtype)`) and the same-dtype reference are computed once per `what`,
     which names the case (not the implementation)."""
     oracle_dtype = oracle_dtype or oracle_dtype_for(dtype)
-    want, same = expected(run, arrays, what, oracle_dtype=oracle_dtype, **kw)
-    got = jax.tree.map(np.asarray, run(impl, arrays, **kw))
-    _record(what, impl, dtype, oracle_dtype, got, same, want)
+    want, same, seconds = expected(run, arrays, what, oracle_dtype=oracle_dtype, **kw)
+    got = _run_timed(run, impl, arrays, seconds, **kw)
+    _record(what, impl, dtype, oracle_dtype, got, same, want, seconds)
     assert_oracle_rule(got[0], same[0], want[0], dtype, f"{what} {impl} {dtype} outputs")
     assert_oracle_rule(got[1], same[1], want[1], dtype, f"{what} {impl} {dtype} gradients")
     return got
@@ -137,8 +152,8 @@ def check_nonfinite(
     same-dtype reference's) are NaN, +inf and -inf exactly where the oracle's are, and hold the
     rule on the entries the oracle has finite (`check`'s oracle and record)."""
     oracle_dtype = oracle_dtype or oracle_dtype_for(dtype)
-    want, same = expected(run, arrays, what, oracle_dtype=oracle_dtype, **kw)
-    got = jax.tree.map(np.asarray, run(impl, arrays, **kw))
+    want, same, seconds = expected(run, arrays, what, oracle_dtype=oracle_dtype, **kw)
+    got = _run_timed(run, impl, arrays, seconds, **kw)
     for name, tree in (("reference", same), (impl, got)):
         for part, i in ((0, "outputs"), (1, "gradients")):
             leaves = zip(jax.tree.leaves(tree[part]), jax.tree.leaves(want[part]), strict=True)
@@ -151,7 +166,7 @@ def check_nonfinite(
     finite = jax.tree.map(lambda w: _kinds(w) == 0, want)
     zeroed = lambda tree: jax.tree.map(lambda t, f: np.where(f, np.asarray(t, np.float64), 0.0), tree, finite)  # noqa: E731
     got0, same0, want0 = zeroed(got), zeroed(same), zeroed(want)
-    _record(what, impl, dtype, oracle_dtype, got0, same0, want0)
+    _record(what, impl, dtype, oracle_dtype, got0, same0, want0, seconds)
     assert_oracle_rule(got0[0], same0[0], want0[0], dtype, f"{what} {impl} {dtype} outputs (finite)")
     assert_oracle_rule(got0[1], same0[1], want0[1], dtype, f"{what} {impl} {dtype} gradients (finite)")
     return got

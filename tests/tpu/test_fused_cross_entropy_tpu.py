@@ -20,12 +20,14 @@ from tests.tpu.chip import DRY_RUN, assert_compiled_first_that_serves, case_id, 
 
 pytestmark = pytest.mark.tpu
 
-# (tokens, embed, vocab, dtype, options): float32 over a vocabulary of whole blocks (the float64
-# oracle on the host); bf16 over an odd vocabulary and a token count that are no multiples of a
-# block, with the soft cap and z-loss (the reduced loss's float32 logits); ignored labels, label
-# smoothing and a `where` mask (its packed bf16 logits). Vocabularies of 12289 and 16384 take the
-# paths Llama's and GPT-2's take (one chunk of tokens, the same tiles), at less host time.
-CASES = sizes(
+# (tokens, embed, vocab, dtype, options). The reduced loss: float32 over a vocabulary of whole
+# blocks (the float64 oracle on the host); bf16 over an odd vocabulary and a token count that are
+# no multiples of a block, with the soft cap and z-loss (its kernels' float32 logits); ignored
+# labels, label smoothing and a `where` mask (their packed bf16 logits). Vocabularies of 12289 and
+# 16384 take the paths Llama's and GPT-2's take (one chunk of tokens, the same tiles), at less host
+# time. The per-token op (one form of logits in bf16): float32, and bf16 with every option.
+_ALL = {"logits_soft_cap": 30.0, "logsumexp_weight": 1e-4, "ignore_index": -100, "label_smoothing": 0.1}
+LOSS_CASES = sizes(
     [
         (2048, 512, 8192, "float32", {}),
         (1500, 1024, 12289, "bfloat16", {"logits_soft_cap": 30.0, "logsumexp_weight": 1e-4}),
@@ -37,8 +39,12 @@ CASES = sizes(
         (64, 128, 1024, "bfloat16", {"ignore_index": -100, "label_smoothing": 0.1, "where": True}),
     ],
 )
-# xla on a TPU: the reduced loss's case with every option of the per-token op but the soft cap
-XLA_LOSS_CASE = CASES[2]
+PER_TOKEN_CASES = sizes(
+    [(2048, 512, 8192, "float32", {}), (1500, 1024, 12289, "bfloat16", _ALL | {"where": True})],
+    [(64, 128, 1024, "float32", {}), (50, 128, 1000, "bfloat16", _ALL | {"where": True})],
+)
+# xla on a TPU: the reduced loss's packed case
+XLA_LOSS_CASE = LOSS_CASES[2]
 
 
 def _what(op, case):
@@ -46,7 +52,7 @@ def _what(op, case):
     return f"{op} N{n} D{d} V{v} {dtype} {case_id(options)}"
 
 
-@pytest.mark.parametrize("case,impl", [(c, "pallas_tpu") for c in CASES], ids=case_id)
+@pytest.mark.parametrize("case,impl", [(c, "pallas_tpu") for c in PER_TOKEN_CASES], ids=case_id)
 def test_per_token_against_oracle(case, impl):
     n, d, v, dtype, options = case
     arrays, options = make(1, n, d, v, dtype, options, logit_scale=4.0)
@@ -54,7 +60,7 @@ def test_per_token_against_oracle(case, impl):
 
 
 @pytest.mark.parametrize(
-    "case,impl", [(c, "pallas_tpu") for c in CASES] + [(XLA_LOSS_CASE, "xla")], ids=case_id
+    "case,impl", [(c, "pallas_tpu") for c in LOSS_CASES] + [(XLA_LOSS_CASE, "xla")], ids=case_id
 )
 def test_reduced_loss_against_oracle(case, impl):
     """The loss Levanter trains with, through its own TPU kernel where one is registered."""
