@@ -24,8 +24,8 @@ pytestmark = pytest.mark.tpu
 # blocks (the float64 oracle on the host); bf16 over an odd vocabulary and a token count that are
 # no multiples of a block, with the soft cap and z-loss (its kernels' float32 logits); ignored
 # labels, label smoothing and a `where` mask (their packed bf16 logits). Vocabularies of 12289 and
-# 16384 take the paths Llama's and GPT-2's take (one chunk of tokens, the same tiles), at less host
-# time. The per-token op (one form of logits in bf16): float32, and bf16 with every option.
+# 16384 take the paths GPT-2's and Llama-2's take (the same tiles; the tokens in several chunks,
+# then in one), at less host time. The per-token op: float32, and bf16 with every option.
 _ALL = {"logits_soft_cap": 30.0, "logsumexp_weight": 1e-4, "ignore_index": -100, "label_smoothing": 0.1}
 LOSS_CASES = sizes(
     [
