@@ -236,14 +236,20 @@ def test_autotune_without_a_registered_autotuner_says_so(toy, cache):
     assert not (cache / "cpu.json").exists()
 
 
-def test_autotune_runs_inside_a_sharded_named_call(cache):
-    # the sweep runs eagerly inside the caller's shard_map trace, outside its mesh
+def test_autotune_runs_inside_a_sharded_named_call(cache, monkeypatch):
+    # the sweep runs eagerly inside the caller's shard_map trace, outside its mesh; over two of
+    # xla's tiles (each candidate is a compile: the sweep's place is what this checks; every
+    # space's candidates are validated in test_every_tunable_space_validates_and_starts_with_the_heuristic)
     import haliax as hax
     import numpy as np
     from jax.sharding import Mesh
 
     from axkern import masks
 
+    attention = op.get_op("attention")
+    xla = attention.implementations["xla"]
+    two = dataclasses.replace(xla, space=lambda spec: xla.space(spec)[:2])
+    monkeypatch.setitem(attention.implementations, "xla", two)
     Batch, Pos, Heads, HeadDim = (
         hax.Axis(n, s) for n, s in (("batch", 4), ("position", 32), ("heads", 8), ("head_size", 8))
     )
