@@ -43,8 +43,18 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("case", list(CASES))
+# each case compiles five programs (the oracle, the reference, three implementations): the
+# richest case in both dtypes, the other four in one each, so that each dtype meets three masks
+DTYPES = {
+    "causal gqa sinks cap": ("float32", "bfloat16"),
+    "window": ("bfloat16",),
+    "segments&causal": ("float32",),
+    "rows that see nothing": ("bfloat16",),
+    "rows that see nothing, sinks": ("float32",),
+}
+
+
+@pytest.mark.parametrize("case,dtype", [(c, d) for c, ds in DTYPES.items() for d in ds])
 def test_lse_and_its_gradient_against_the_oracle(case, dtype):
     b, sq, sk, h, kvh, mask, sinks, cap = CASES[case]
     arrays = _inputs(list(CASES).index(case), b, sq, sk, h, kvh, 16, dtype)
