@@ -285,9 +285,15 @@ def test_the_lean_scan_backward_lowers_in_less_shared_memory(dims, group_sums):
 
 @needs_mosaic
 @pytest.mark.parametrize(
-    "forward, group_sums", [("stages", None), ("stages", "kernels"), ("fused", "kernels")]
+    # the three stages and the fused forward at each chunk, the group sums by XLA or the kernels
+    "chunk, state, forward, group_sums",
+    [
+        (128, 128, "stages", None),
+        (128, 128, "fused", "kernels"),
+        (256, 64, "stages", "kernels"),
+        (256, 64, "fused", "kernels"),
+    ],
 )
-@pytest.mark.parametrize("chunk, state", [(128, 128), (256, 64)])
 def test_the_layer_lowers_at_larger_chunks(chunk, state, forward, group_sums):
     # the forward (three stages, or fused) and the backward's kernels at chunks of 128 and 256
     # through the layer (a length not a multiple of the chunk, groups, the caller's layout): the
@@ -548,13 +554,14 @@ def test_the_group_scores_arithmetic_holds_the_oracle_rule_through_the_layer(dim
         assert 0 < np.abs(a - e).max() <= 2.0**-7 * np.abs(e).max(), name
 
 
-@pytest.mark.parametrize("chunk", [128, 256])
 @pytest.mark.parametrize(
-    "dims, segments, extras",
+    "chunk, dims, segments, extras",
     [
-        ((1, 600, 4, 64, 2, 64), True, True),  # two and a half chunks of 256 (padded), segments, groups
-        ((1, 512, 2, 64, 1, 64), None, True),  # A / 100: the state carried across chunks
-        ((1, 600, 2, 64, 1, 64), True, False),  # no D, gate: y leaves the scan in bf16
+        # two and a half chunks of 256 (padded), segments, groups: at both chunks
+        (128, (1, 600, 4, 64, 2, 64), True, True),
+        (256, (1, 600, 4, 64, 2, 64), True, True),
+        (256, (1, 512, 2, 64, 1, 64), None, True),  # A / 100: the state carried across chunks
+        (128, (1, 600, 2, 64, 1, 64), True, False),  # no D, gate: y leaves the scan in bf16
     ],
 )
 def test_the_kernels_arithmetic_at_larger_chunks_holds_the_oracle_rule(chunk, dims, segments, extras):
