@@ -38,7 +38,7 @@
 # benches' JSON go under $OUT/tpu (./tpu-run/tpu without $OUT): one log per step, steps.txt with
 # each step's exit status and seconds, <op>/<preset>.json per bench (the layout of
 # benchmarks/results). Each step has its own timeout (seconds), cut to what is left of TPU_BUDGET
-# (seconds since the script started, default 560: one device call); a step with less than 45 s
+# (seconds since the script started, default 560); a step with less than 45 s
 # left is skipped and steps.txt says so.
 set -u
 export PYTHONUNBUFFERED=1

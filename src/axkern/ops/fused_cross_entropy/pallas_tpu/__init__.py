@@ -43,6 +43,7 @@ from axkern.core.op import Implementation, Unsupported
 from .. import common
 from ..blocks import CrossEntropyBlockSizes, pallas_tpu_heuristic, pallas_tpu_space
 from .loss import LOSS_IMPLEMENTATION as LOSS_IMPLEMENTATION  # the reduced loss (loss.py)
+from .loss import supports  # the same refusal for both ops: no float64 on the matrix unit
 
 VMEM_BUDGET = 16 << 20  # the scoped VMEM Mosaic grants a kernel by default (v4/v5e; v5p/v6e have more)
 
@@ -79,12 +80,6 @@ def _sizes(x, w, block_sizes: CrossEntropyBlockSizes) -> tuple[int, int, int]:
             f"{VMEM_BUDGET / 2**20:.0f} MiB"
         )
     return bt, bv, bd
-
-
-def supports(spec) -> str | None:
-    if spec.dtype == "float64":
-        return "float64: Mosaic TPU has no float64 matrix unit"
-    return None
 
 
 @dataclasses.dataclass(frozen=True)
