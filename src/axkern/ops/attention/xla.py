@@ -11,7 +11,8 @@ are padded to whole blocks; padded keys are invisible, padded queries are droppe
 partial (a static mask's `FULL` tiles run a second scan without masking work); running max `m`, sum `l`
 and output accumulator (float32) as in FlashAttention; sinks join the normaliser at the end.
 Products take the inputs' dtype (probabilities are cast to `v`'s dtype) with float32
-accumulation. A query that sees nothing gets 0 and `lse = -inf`. Non-finite values follow
+accumulation (float32 and fp16 inputs: exact float32 products, not TF32 on a GPU or one bfloat16
+pass on a TPU). A query that sees nothing gets 0 and `lse = -inf`. Non-finite values follow
 the library's rule (docs/guide.md): a non-finite score makes its query NaN; a partial tile
 selects its invisible entries away, so a NaN reaches only the queries that see it.
 
@@ -37,6 +38,7 @@ from jax import lax
 from axkern import masks as masks_
 from axkern.core import compat
 from axkern.core.blocks import cdiv
+from axkern.core.kernels import products_precision
 from axkern.core.op import Implementation
 
 from .blocks import AttentionBlockSizes, heuristic, space
@@ -48,6 +50,10 @@ class _Static:
     block_kv: int
     scale: float
     soft_cap: float | None
+    # the products' precision (`products_precision` of the inputs' dtype): float32 and fp16
+    # inputs take exact float32 products, not the platform's default (TF32 on a GPU, one
+    # bfloat16 pass on a TPU)
+    precision: object = None
 
 
 def attention(q, k, v, sinks, mask, *, scale, logits_soft_cap, block_sizes, return_lse=False):
@@ -56,6 +62,7 @@ def attention(q, k, v, sinks, mask, *, scale, logits_soft_cap, block_sizes, retu
         block_kv=min(block_sizes.block_kv, k.shape[1]),
         scale=float(scale),
         soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
+        precision=products_precision(q.dtype),
     )
     out, lse = _attention(cfg, q, k, v, sinks, mask)
     return (out, lse) if return_lse else out
@@ -110,7 +117,10 @@ def _ungrouped(a):
 def _scores(cfg: _Static, qb, kb):
     """Capped scores `[B, KVH, G, bq, bk]` (float32); a non-finite score is NaN before the cap
     (whose `tanh` would turn an infinity finite)."""
-    s = jnp.einsum("bhgqd,bkhd->bhgqk", qb, kb, preferred_element_type=jnp.float32) * cfg.scale
+    s = (
+        jnp.einsum("bhgqd,bkhd->bhgqk", qb, kb, preferred_element_type=jnp.float32, precision=cfg.precision)
+        * cfg.scale
+    )
     s = jnp.where(jnp.isfinite(s), s, jnp.nan)
     if cfg.soft_cap is not None:
         s = cfg.soft_cap * jnp.tanh(s / cfg.soft_cap)
@@ -125,12 +135,14 @@ def _clean(a):
     return jnp.where(jnp.isfinite(a), a, 0).astype(a.dtype)
 
 
-def _masked_pv(p, vb, vis):
+def _masked_pv(p, vb, vis, precision):
     """`p @ v` over a partial tile with the invisible entries selected away: a non-finite value
     in `v` reaches only the rows that see its key (`0 · NaN` inside the product would reach
     every row). Only a tile holding a non-finite value pays for the second, 0/1 product that
     marks them."""
-    pv = lambda v: jnp.einsum("bhgqk,bkhd->bhgqd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)  # noqa: E731
+    pv = lambda v: jnp.einsum(  # noqa: E731
+        "bhgqk,bkhd->bhgqd", p.astype(v.dtype), v, preferred_element_type=jnp.float32, precision=precision
+    )
 
     def poisoned():
         finite = jnp.isfinite(vb)
@@ -170,10 +182,14 @@ def _forward(cfg: _Static, q, k, v, sinks, mask):
             alpha = jnp.exp(m - m_safe)
             p = jnp.exp(s - m_safe[..., None])
             if masked:
-                pv = _masked_pv(p, vb, vis)
+                pv = _masked_pv(p, vb, vis, cfg.precision)
             else:
                 pv = jnp.einsum(
-                    "bhgqk,bkhd->bhgqd", p.astype(v.dtype), vb, preferred_element_type=jnp.float32
+                    "bhgqk,bkhd->bhgqd",
+                    p.astype(v.dtype),
+                    vb,
+                    preferred_element_type=jnp.float32,
+                    precision=cfg.precision,
                 )
             return (m_new, l * alpha + jnp.sum(p, axis=-1), acc * alpha[..., None] + pv), None
 
@@ -252,8 +268,16 @@ def _attention_bwd(cfg: _Static, res, cts):
             if masked:
                 vis = _visible(mask, qi, j * bk + jnp.arange(bk), sk)
                 p = jnp.where(vis & finite[..., None], p, 0.0)
-            dv_b = jnp.einsum("bhgqk,bhgqd->bkhd", p.astype(v.dtype), dob, preferred_element_type=jnp.float32)
-            dp = jnp.einsum("bhgqd,bkhd->bhgqk", dob, vb, preferred_element_type=jnp.float32)
+            dv_b = jnp.einsum(
+                "bhgqk,bhgqd->bkhd",
+                p.astype(v.dtype),
+                dob,
+                preferred_element_type=jnp.float32,
+                precision=cfg.precision,
+            )
+            dp = jnp.einsum(
+                "bhgqd,bkhd->bhgqk", dob, vb, preferred_element_type=jnp.float32, precision=cfg.precision
+            )
             ds = p * (dp - delta_b[..., None])
             if cfg.soft_cap is not None:
                 ds = ds * (1.0 - jnp.square(s / cfg.soft_cap))
@@ -265,8 +289,12 @@ def _attention_bwd(cfg: _Static, res, cts):
                 ds = jnp.where(vis, ds, 0.0)
                 kb, qb = _clean(kb), _clean(qb)
             ds = ds.astype(q.dtype)
-            dq = dq + jnp.einsum("bhgqk,bkhd->bhgqd", ds, kb, preferred_element_type=jnp.float32)
-            dk_b = jnp.einsum("bhgqk,bhgqd->bkhd", ds, qb, preferred_element_type=jnp.float32)
+            dq = dq + jnp.einsum(
+                "bhgqk,bkhd->bhgqd", ds, kb, preferred_element_type=jnp.float32, precision=cfg.precision
+            )
+            dk_b = jnp.einsum(
+                "bhgqk,bhgqd->bkhd", ds, qb, preferred_element_type=jnp.float32, precision=cfg.precision
+            )
             add = lambda acc, blk: lax.dynamic_update_slice_in_dim(  # noqa: E731
                 acc, lax.dynamic_slice_in_dim(acc, j * bk, bk, axis=1) + blk, j * bk, axis=1
             )

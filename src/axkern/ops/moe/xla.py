@@ -114,7 +114,11 @@ def _combine_bwd(res, dy):
     d_expert_y = jnp.where(valid[order][:, None], dy[order // topk].astype(acc) * w[order][:, None], 0)
     d_expert_y = d_expert_y.astype(expert_y.dtype)
     picked = jnp.where(valid[:, None], expert_y[rows].astype(acc), 0).reshape(tokens, topk, expert_y.shape[1])
-    dw = jnp.where(valid.reshape(tokens, topk), jnp.einsum("tkd,td->tk", picked, dy.astype(acc)), 0)
+    dw = jnp.where(
+        valid.reshape(tokens, topk),
+        jnp.einsum("tkd,td->tk", picked, dy.astype(acc), precision=jax.lax.Precision.HIGHEST),
+        0,
+    )
     return d_expert_y, dw.astype(topk_weights.dtype), None, None
 
 

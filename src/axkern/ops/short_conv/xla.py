@@ -74,7 +74,9 @@ def step(x_t, state, weight, bias, *, activation=None):
     (oldest first), and the window's last `W-1` rows as the new state."""
     acc = jnp.promote_types(x_t.dtype, jnp.float32)
     window = jnp.concatenate([state, x_t[:, None].astype(state.dtype)], axis=1)  # oldest first
-    y = jnp.einsum("bwc,wc->bc", window.astype(acc), weight[::-1].astype(acc))
+    y = jnp.einsum(
+        "bwc,wc->bc", window.astype(acc), weight[::-1].astype(acc), precision=jax.lax.Precision.HIGHEST
+    )
     if bias is not None:
         y = y + bias.astype(acc)
     if activation == "silu":
