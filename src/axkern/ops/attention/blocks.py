@@ -210,9 +210,19 @@ def pallas_gpu_space(spec: Spec) -> list[AttentionBlockSizes]:
 
 
 def pallas_tpu_heuristic(spec: Spec) -> AttentionBlockSizes:
-    """128x128 tiles (the MXU's), smaller for short sequences, at least 8."""
-    pick = lambda n: max(TPU_SUBLANES, min(128, next_power_of_2(n)))  # noqa: E731
-    return AttentionBlockSizes(block_q=pick(spec.dim("q_len")), block_kv=pick(spec.dim("kv_len")))
+    """512 query rows by 1024 keys (the fastest tiles of a TPU v5e's sweep at head dim 128,
+    docs/ops/attention.md: 6x the 128 by 128 tiles' speed, each grid step's overhead and the
+    reloads of `q` spread over more work), smaller for short sequences (at least 8); halved,
+    queries first, down to 128 each way, until `pallas_tpu_vmem_bytes` fits the scoped VMEM."""
+    pick = lambda n, high: max(TPU_SUBLANES, min(high, next_power_of_2(n)))  # noqa: E731
+    bq, bk = pick(spec.dim("q_len"), 512), pick(spec.dim("kv_len"), 1024)
+    d, dv, itemsize = spec.dim("head_dim"), spec.dim("v_dim"), jnp.dtype(spec.dtype).itemsize
+    while pallas_tpu_vmem_bytes(bq, bk, d, dv, itemsize) > TPU_SCOPED_VMEM and max(bq, bk) > 128:
+        if bq >= bk // 2 and bq > 128:
+            bq //= 2
+        else:
+            bk //= 2
+    return AttentionBlockSizes(block_q=bq, block_kv=bk)
 
 
 # Mosaic's scoped VMEM limit for a kernel whose compiler parameters do not raise it
@@ -242,8 +252,8 @@ def pallas_tpu_vmem_bytes(block_q: int, block_kv: int, head_dim: int, v_dim: int
 def pallas_tpu_space(spec: Spec) -> list[AttentionBlockSizes]:
     """Tiles of 256 to 1024 each way (the three largest powers of two that fit the lengths, at
     least 8) whose `pallas_tpu_vmem_bytes` fits Mosaic's default scoped VMEM (`TPU_SCOPED_VMEM`;
-    at head dim 128 1024 by 512 and 512 by 1024 do, 1024 by 1024 does not), after the
-    heuristic's."""
+    at head dim 128 1024 by 512 and 512 by 1024 do, 1024 by 1024 does not), and 128 by 128,
+    after the heuristic's."""
     first = pallas_tpu_heuristic(spec)
     itemsize = jnp.dtype(spec.dtype).itemsize
     d, dv = spec.dim("head_dim"), spec.dim("v_dim")
@@ -255,6 +265,9 @@ def pallas_tpu_space(spec: Spec) -> list[AttentionBlockSizes]:
         block_q=powers_of_two(spec.dim("q_len"), high=1024, count=3, low=TPU_SUBLANES),
         block_kv=powers_of_two(spec.dim("kv_len"), high=1024, count=3, low=TPU_SUBLANES),
     )
+    small = AttentionBlockSizes(block_q=128, block_kv=128)
+    if min(spec.dim("q_len"), spec.dim("kv_len")) >= 128 and small not in candidates:
+        candidates.append(small)
     return [b for b in candidates if b == first or fits(b)]
 
 
