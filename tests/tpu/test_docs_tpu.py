@@ -38,7 +38,7 @@ def test_an_op_that_leaves_its_tpu_kernel_out_of_the_tpu_order_says_why():
 @pytest.mark.parametrize(
     "op, chosen, note",
     [
-        ("attention", "xla", "pallas_tpu is left out"),
+        ("attention", "pallas_tpu", ""),
         ("mamba3", "xla", "pallas_tpu is left out"),
         ("ssd", "pallas_tpu", ""),
         ("fused_cross_entropy_loss", "pallas_tpu", ""),
@@ -63,7 +63,7 @@ def test_the_readmes_tpu_table_is_the_committed_tpu_run():
     measured = {}
     for path in (repo / "benchmarks" / "results" / "tpu_v5e").glob("*/tpu.json"):
         for r in json.loads(path.read_text())["rows"]:
-            if r["pass"] == "fwd+bwd":
+            if r["pass"] == "fwd+bwd" and r["temp_gib"] is not None:
                 measured.setdefault(r["implementation"], set()).add((f"{r['ms']:.1f}", f"{r['temp_gib']:.2f}"))
     rows = re.findall(r"^\| TPU v5e \| `(\w+)` .+? \| (.+?) \| (.+?) \| `(\w+)` \|$", (repo / "README.md").read_text(), re.M)
     assert {op for op, *_ in rows} == {"fused_cross_entropy_loss", "ssd", "short_conv", "attention"}

@@ -108,16 +108,16 @@ OP = Op(
     # GPU: cuDNN where its supports() holds (static causal, window and full masks, no soft cap,
     # no sinks), then mosaic_gpu on Hopper for what cuDNN cannot express through JAX (packed
     # documents, prefix-LM, `|` masks, soft cap, sinks; its supports() refuses other GPUs,
-    # float32 and Dense), then pallas_gpu (other GPUs), then xla; pallas_tpu is explicit only
-    # (why this order: docs/decisions.md, "Attention"; on a TPU: docs/tpu.md)
-    default_order={"cpu": ("xla",), "gpu": ("cudnn", "mosaic_gpu", "pallas_gpu", "xla"), "tpu": ("xla",)},
+    # float32 and Dense), then pallas_gpu (other GPUs), then xla; on a TPU pallas_tpu (static
+    # masks, packed documents), then xla (why this order: docs/decisions.md, "Attention"; on a
+    # TPU: docs/tpu.md)
+    default_order={
+        "cpu": ("xla",),
+        "gpu": ("cudnn", "mosaic_gpu", "pallas_gpu", "xla"),
+        "tpu": ("pallas_tpu", "xla"),
+    },
     package=__package__,
     bucket=bucket,
-    order_notes={
-        "tpu": "pallas_tpu is left out of the TPU order: at its default block sizes it was slower "
-        "than xla on the chip, and its float32 gradients are not yet shown within the oracle rule "
-        "there (docs/tpu.md, Measured); implementation='pallas_tpu' runs it"
-    },
 )
 
 

@@ -392,7 +392,7 @@ def _attention_bwd(cfg, mask, res, d_out, d_lse):
     d, dv = q.shape[3], v.shape[3]
     segments = seg_ids is not None
     do = jnp.pad(jnp.swapaxes(d_out, 1, 2), [(0, 0), (0, 0), (0, sqp - sq), (0, 0)]).astype(q.dtype)
-    delta = jnp.sum(do.astype(jnp.float32) * tiles.unrounded(o, lo), axis=-1)  # [B, H, Sqp]
+    delta = tiles.row_dot(do, tiles.unrounded(o, lo))  # [B, H, Sqp]
     delta = tiles.padded_rows(delta, sq, 0.0) - d_lse  # `lse`'s cotangent joins delta
     _, cq, ckv = cfg.kernels()  # the dq kernel's and the dk, dv kernel's own blocks
     bq, bk = cq.block_q, cq.block_kv

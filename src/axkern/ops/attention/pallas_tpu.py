@@ -384,7 +384,7 @@ def _attention_bwd(cfg, mask, res, d_out, d_lse):
     nq, nk = sqp // bq, skp // bk
     segments = seg_ids is not None
     do = jnp.pad(jnp.swapaxes(d_out, 1, 2), [(0, 0), (0, 0), (0, sqp - sq), (0, 0)]).astype(q.dtype)
-    delta = jnp.sum(do.astype(jnp.float32) * tiles.unrounded(o, lo), axis=-1, keepdims=True)  # [B, H, Sqp, 1]
+    delta = tiles.row_dot(do, tiles.unrounded(o, lo), keepdims=True)  # [B, H, Sqp, 1]
     delta = tiles.padded_rows(delta, sq, 0.0) - d_lse[..., None]  # `lse`'s cotangent joins delta
     own = lambda n, w: pl.BlockSpec((None, None, n, w), lambda b_, h_, x, s, t, c: (b_, h_, x, 0))  # noqa: E731
 
@@ -459,5 +459,5 @@ IMPLEMENTATION = Implementation(
     heuristic=pallas_tpu_heuristic,
     space=pallas_tpu_space,
     interpretable=True,
-    backward="custom_vjp: block-sparse Pallas dq and dk/dv kernels (TPU interpret mode only)",
+    backward="custom_vjp: block-sparse Pallas dq and dk/dv kernels",
 )

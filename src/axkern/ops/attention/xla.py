@@ -74,6 +74,15 @@ def _public_lse(lse):
     return jnp.moveaxis(lse.reshape(b, kvh * g, sq), 2, 1)
 
 
+def _row_dot(a, b):
+    """`Σ_d a · b` over the last axis in float32 as an explicit product at full precision: a
+    multiply-then-sum is left to the compiler, which may form it as a product at the platform's
+    default precision (one bfloat16 pass on a TPU)."""
+    return jnp.einsum(
+        "...d,...d->...", a.astype(jnp.float32), b.astype(jnp.float32), precision=lax.Precision.HIGHEST
+    )
+
+
 def _pad(a, axis, to):
     if a.shape[axis] == to:
         return a
@@ -242,7 +251,7 @@ def _attention_bwd(cfg: _Static, res, cts):
     do = _grouped(d_out, kvh)  # [B, KVH, G, Sq, Dv]
     # `lse`'s cotangent joins delta (`common.lse_cotangent`)
     d_lse = jnp.moveaxis(d_lse.astype(jnp.float32), 1, 2).reshape(lse.shape)
-    delta = jnp.sum(do.astype(jnp.float32) * out, axis=-1) - d_lse  # [B, KVH, G, Sq]
+    delta = _row_dot(do, out) - d_lse  # [B, KVH, G, Sq]
     qg, do_p = _pad(_grouped(q, kvh), 3, nq * bq), _pad(do, 3, nq * bq)
     delta_p = _pad(delta, 3, nq * bq)
     # padded query rows see no key in the backward: a NaN key cannot reach dk, dv through them
@@ -308,7 +317,11 @@ def _attention_bwd(cfg: _Static, res, cts):
     if sinks is not None:
         sink = sinks.astype(jnp.float32).reshape(kvh, g)[None, :, :, None]
         p_sink = jnp.exp(sink - jnp.where(lse == -jnp.inf, 0.0, lse))
-        d_sinks = (-jnp.sum(p_sink * delta, axis=(0, 3))).reshape(h).astype(sinks.dtype)
+        d_sinks = (
+            (-jnp.einsum("bhgq,bhgq->hg", p_sink, delta, precision=lax.Precision.HIGHEST))
+            .reshape(h)
+            .astype(sinks.dtype)
+        )
     return (
         dq.astype(q.dtype),
         dk[:, :sk].astype(k.dtype),

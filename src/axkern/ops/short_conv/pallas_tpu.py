@@ -309,5 +309,5 @@ IMPLEMENTATION = Implementation(
     heuristic=heuristic,
     space=pallas_tpu_space,
     interpretable=True,
-    backward="custom_vjp: Pallas TPU kernels (verified in interpret mode only)",
+    backward="custom_vjp: Pallas TPU kernels",
 )
