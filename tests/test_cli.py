@@ -346,7 +346,9 @@ def test_bench_list_presets(capsys, monkeypatch):
     _no_measuring(monkeypatch)
     assert cli.main(["bench", "--list-presets"]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert "short_conv: quick (default), mamba, tpu" in out and "short_conv_step: quick (default), decode" in out
+    assert (
+        "short_conv: quick (default), mamba, tpu" in out and "short_conv_step: quick (default), decode" in out
+    )
     assert len(out) == len(axkern.ops())
     assert cli.main(["bench", "fused_cross_entropy", "--list-presets"]) == 0
     assert "llama3" in capsys.readouterr().out

@@ -59,7 +59,9 @@ def test_the_kernels_table_names_the_device_of_every_figure():
         # each clause with a measured figure (x, %, ms, GiB) names the device it was measured on
         for clause in re.split(r";", goal):
             if re.search(r"\d(x|%| ms| GiB)", clause):
-                assert re.search(r"on (the H[12]00|a TPU v5e)", clause), f"{op}: no device for {clause.strip()!r}"
+                assert re.search(r"on (the H[12]00|a TPU v5e)", clause), (
+                    f"{op}: no device for {clause.strip()!r}"
+                )
 
 
 def test_the_readme_says_how_to_install_for_each_device_and_extra():

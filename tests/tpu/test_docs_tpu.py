@@ -64,8 +64,12 @@ def test_the_readmes_tpu_table_is_the_committed_tpu_run():
     for path in (repo / "benchmarks" / "results" / "tpu_v5e").glob("*/tpu.json"):
         for r in json.loads(path.read_text())["rows"]:
             if r["pass"] == "fwd+bwd" and r["temp_gib"] is not None:
-                measured.setdefault(r["implementation"], set()).add((f"{r['ms']:.1f}", f"{r['temp_gib']:.2f}"))
-    rows = re.findall(r"^\| TPU v5e \| `(\w+)` .+? \| (.+?) \| (.+?) \| `(\w+)` \|$", (repo / "README.md").read_text(), re.M)
+                measured.setdefault(r["implementation"], set()).add(
+                    (f"{r['ms']:.1f}", f"{r['temp_gib']:.2f}")
+                )
+    rows = re.findall(
+        r"^\| TPU v5e \| `(\w+)` .+? \| (.+?) \| (.+?) \| `(\w+)` \|$", (repo / "README.md").read_text(), re.M
+    )
     assert {op for op, *_ in rows} == {"fused_cross_entropy_loss", "ssd", "short_conv", "attention"}
     for op, kernel, xla, default in rows:
         for impl, cell in (("pallas_tpu", kernel), ("xla", xla)):
