@@ -53,9 +53,11 @@ def launch(
     timeout_s: float = 300.0,
     cwd: Path | None = None,
 ) -> Launch:
+    # the test run's other XLA flags (tests/conftest.py's choice of fusion emitters) go along
+    kept = [f for f in os.environ.get("XLA_FLAGS", "").split() if "host_platform_device_count" not in f]
     env = {
         **os.environ,
-        "XLA_FLAGS": f"--xla_force_host_platform_device_count={local_devices}",
+        "XLA_FLAGS": " ".join([f"--xla_force_host_platform_device_count={local_devices}", *kept]),
         "JAX_PLATFORMS": "cpu",
     }
     coordinator = f"127.0.0.1:{free_port()}"

@@ -3,10 +3,34 @@
 
 import gc
 import os
+import subprocess
+import sys
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 # the device tests (tests/gpu, tests/tpu) let JAX pick the accelerator; the others run on the CPU
 _ON_DEVICE = bool(os.environ.get("AXKERN_TEST_GPU") or os.environ.get("AXKERN_TEST_TPU"))
+# XLA's elemental fusion emitters compile the CPU tests' programs in much less time than its MLIR
+# ones (the default), and the tests compare values by the oracle rule, not the code's speed.
+_ELEMENTAL_FUSIONS = "--xla_cpu_use_fusion_emitters=false"
+
+
+def _xla_knows(flag: str) -> bool:
+    """Whether this jaxlib's XLA takes `flag` (an unknown flag in XLA_FLAGS ends the process, so a
+    child process tries it)."""
+    env = {**os.environ, "XLA_FLAGS": flag, "JAX_PLATFORMS": "cpu"}
+    try:
+        child = subprocess.run(
+            [sys.executable, "-c", "import jax; jax.devices()"], env=env, capture_output=True, timeout=300
+        )
+    except subprocess.TimeoutExpired:
+        return False
+    return child.returncode == 0
+
+
+if "XLA_FLAGS" not in os.environ:  # (set here, xdist's workers inherit it: one child process a run)
+    _flags = ["--xla_force_host_platform_device_count=8"]
+    if not _ON_DEVICE and _xla_knows(_ELEMENTAL_FUSIONS):
+        _flags.append(_ELEMENTAL_FUSIONS)
+    os.environ["XLA_FLAGS"] = " ".join(_flags)
 os.environ.setdefault("JAX_PLATFORMS", "" if _ON_DEVICE else "cpu")
 if not _ON_DEVICE:
     # The CPU tests compile hundreds of small programs once each: XLA's backend optimisation
