@@ -11,7 +11,7 @@ import jax.numpy as jnp
 
 from axkern import masks as masks_
 from axkern.core import backend
-from axkern.core.blocks import BlockSizes, grid, next_power_of_2, powers_of_two, unique_valid
+from axkern.core.blocks import BlockSizes, cdiv, grid, next_power_of_2, powers_of_two, unique_valid
 from axkern.core.op import Spec
 
 __all__ = [
@@ -209,15 +209,34 @@ def pallas_gpu_space(spec: Spec) -> list[AttentionBlockSizes]:
     return unique_valid(out, spec)
 
 
+def _tpu_tile(n: int, high: int) -> int:
+    """A tile for a length `n`: a power of two; up to 128 the smallest that holds `n` (at least 8);
+    beyond, the largest up to `high` that pads `n` to at most 1/8 more than 128-row tiles would
+    (a padded row is computed like any other)."""
+    if n <= 128:
+        return max(TPU_SUBLANES, next_power_of_2(n))
+    limit = cdiv(n, 128) * 128 * 9 // 8
+    t = high
+    while t > 128 and cdiv(n, t) * t > limit:
+        t //= 2
+    return t
+
+
+# What the heuristic's tiles may take by `pallas_tpu_vmem_bytes`: a little above the largest
+# estimate compiled on a TPU v5e (12.1 MiB: 512 by 1024 and 1024 by 512 at head dim 128, bf16),
+# below the scoped limit by what the estimate leaves out
+_HEURISTIC_VMEM = 25 * 1024 * 1024 // 2
+
+
 def pallas_tpu_heuristic(spec: Spec) -> AttentionBlockSizes:
     """512 query rows by 1024 keys (the fastest tiles of a TPU v5e's sweep at head dim 128,
     docs/ops/attention.md: 6x the 128 by 128 tiles' speed, each grid step's overhead and the
-    reloads of `q` spread over more work), smaller for short sequences (at least 8); halved,
-    queries first, down to 128 each way, until `pallas_tpu_vmem_bytes` fits the scoped VMEM."""
-    pick = lambda n, high: max(TPU_SUBLANES, min(high, next_power_of_2(n)))  # noqa: E731
-    bq, bk = pick(spec.dim("q_len"), 512), pick(spec.dim("kv_len"), 1024)
+    reloads of `q` spread over more work); smaller where a length would pad much more than
+    128-row tiles (`_tpu_tile`); halved, queries first, down to 128 each way, until
+    `pallas_tpu_vmem_bytes` is within `_HEURISTIC_VMEM`."""
+    bq, bk = _tpu_tile(spec.dim("q_len"), 512), _tpu_tile(spec.dim("kv_len"), 1024)
     d, dv, itemsize = spec.dim("head_dim"), spec.dim("v_dim"), jnp.dtype(spec.dtype).itemsize
-    while pallas_tpu_vmem_bytes(bq, bk, d, dv, itemsize) > TPU_SCOPED_VMEM and max(bq, bk) > 128:
+    while pallas_tpu_vmem_bytes(bq, bk, d, dv, itemsize) > _HEURISTIC_VMEM and max(bq, bk) > 128:
         if bq >= bk // 2 and bq > 128:
             bq //= 2
         else:

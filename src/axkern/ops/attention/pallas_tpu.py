@@ -1,7 +1,8 @@
 """Block-sparse ("splash") attention as Mosaic TPU Pallas kernels, forward and backward.
 
 Its values are checked in TPU interpret mode (`pltpu.InterpretParams`), its lowering for a TPU
-v5e in CI (tests/test_tpu_lowering.py); it is in no default order. The kernels' elementwise work
+v5e in CI (tests/test_tpu_lowering.py), and compiled on a TPU v5e by `tests/tpu`; it is first in
+attention's TPU order (docs/tpu.md, "Measured"). The kernels' elementwise work
 is float32 (a v5e has no 16-bit vector unit: Mosaic refuses a bfloat16 finiteness test), their
 products take `q`, `k`, `v`'s dtype with float32 accumulation, float32 ones at full precision.
 

@@ -62,7 +62,7 @@ def attention(q, k, v, sinks, mask, *, scale, logits_soft_cap, block_sizes, retu
         block_kv=min(block_sizes.block_kv, k.shape[1]),
         scale=float(scale),
         soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
-        precision=products_precision(q.dtype),
+        precision=products_precision(jnp.result_type(q.dtype, k.dtype, v.dtype)),
     )
     out, lse = _attention(cfg, q, k, v, sinks, mask)
     return (out, lse) if return_lse else out
