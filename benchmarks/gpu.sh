@@ -2,6 +2,9 @@
 # The GPU tests and the benches of one op on any CUDA machine (a maintainer's script).
 #
 #   bash benchmarks/gpu.sh OP            the op's GPU tests, then its benches at the GPU preset
+#   bash benchmarks/gpu.sh tests         every GPU test (tests/gpu and the non-finite rule's tests),
+#                                        in one pytest with GPU_TEST_WORKERS (default 8) processes
+#                                        sharing the GPU where pytest-xdist is installed
 #   bash benchmarks/gpu.sh tune OP ARGS  `axkern tune OP ARGS --write-table`; the tables it wrote land in
 #                                        $OUT/gpu/tuned/<op folder>/, the tuning cache in $OUT/gpu/cache/
 #   bash benchmarks/gpu.sh list          the ops and their presets
@@ -58,6 +61,12 @@ tests() {  # tests FILE: the op's GPU tests
   [ -f "tests/gpu/$1" ] && step 300 "gpu_tests_${1%.py}" $gpu_tests "tests/gpu/$1"
 }
 case "${1:-}" in
+tests)  # memory grows as each process needs it, so that the processes share the GPU
+  workers=()
+  python3 -c "import xdist" 2> /dev/null && workers=(-n "${GPU_TEST_WORKERS:-8}")
+  step 540 gpu_tests env XLA_PYTHON_CLIENT_PREALLOCATE=false $gpu_tests --tb=short "${workers[@]}" tests/gpu \
+    tests/ops/test_short_conv_nonfinite.py tests/ops/test_ssd_nonfinite.py
+  ;;
 attention) tests test_attention_gpu.py; tests test_attention_mosaic_gpu.py; bench attention h200 ;;
 attention_peers) BENCH_T=540 bench attention h200 --peers ;;  # beside tokamax's mosaic and cudnn
 attention_mosaic)  # the Mosaic GPU kernels' GPU tests (four processes share the GPU; memory grows as needed)
@@ -109,7 +118,7 @@ tune)
   ;;
 list) $axkern bench --list-presets ;;
 *)
-  echo "usage: gpu.sh fp16|attention|attention_peers|attention_mosaic|cross_entropy|fused_cross_entropy|fused_cross_entropy_dw|mamba3|moe|moe_ep|short_conv|ssd|ssd_mosaic|ssd_mosaic_bench|kernel_times|list, or gpu.sh tune OP [args]"
+  echo "usage: gpu.sh tests|fp16|attention|attention_peers|attention_mosaic|cross_entropy|fused_cross_entropy|fused_cross_entropy_dw|mamba3|moe|moe_ep|short_conv|ssd|ssd_mosaic|ssd_mosaic_bench|kernel_times|list, or gpu.sh tune OP [args]"
   exit 2
   ;;
 esac
