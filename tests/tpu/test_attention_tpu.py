@@ -79,9 +79,11 @@ CASES = (
     + [("causal", "float32", "plain", FLOAT32)]
     + [("rows that see nothing", "float32", "lse", LSE)]
 )
-# xla on a TPU: the layer's causal bf16 case, float32 causal, and sinks with the soft cap
+# xla on a TPU: the layer's causal bf16 case, head dim 256, float32 causal, and sinks with the
+# soft cap (each oracle computed once for both implementations)
 XLA_CASES = [
     ("causal", "bfloat16", "plain", LAYER),
+    ("causal", "bfloat16", "plain", D256),
     ("causal", "float32", "plain", FLOAT32),
     ("causal", "bfloat16", "sinks+cap", SOFT_CAP),
 ]
