@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
-__all__ = ["dot", "full_precision", "products_precision", "swizzled_smem", "tf32_suffices"]
+__all__ = ["dot", "full_precision", "products_precision", "row_dot", "swizzled_smem", "tf32_suffices"]
 
 
 def full_precision(dtype):
@@ -39,6 +39,16 @@ def dot(a, b, dtype=None, *, trans_a=False, trans_b=False, precision=None):
     return lax.dot_general(
         a.astype(dtype), b.astype(dtype), dims, precision=precision, preferred_element_type=jnp.float32
     )
+
+
+def row_dot(a, b, keepdims=False):
+    """`Σ a · b` over the last axis in float32 as an explicit product at full precision (e.g.
+    attention's `delta = Σ_d o · dO`): a multiply-then-sum is left to the compiler, which may
+    form it as a product at the platform's default precision (one bfloat16 pass on a TPU)."""
+    out = jnp.einsum(
+        "...d,...d->...", a.astype(jnp.float32), b.astype(jnp.float32), precision=lax.Precision.HIGHEST
+    )
+    return out[..., None] if keepdims else out
 
 
 def swizzled_smem(shape, dtype):

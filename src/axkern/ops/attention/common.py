@@ -293,16 +293,6 @@ def unrounded(o, lo):
     return full if lo is None else full + lo.astype(jnp.float32)
 
 
-def row_dot(a, b, keepdims=False):
-    """`Σ_d a · b` over the last axis in float32 as an explicit product at full precision
-    (`delta = Σ_d o · d_out`): a multiply-then-sum is left to the compiler, which may form it as
-    a product at the platform's default precision (one bfloat16 pass on a TPU)."""
-    out = jnp.einsum(
-        "...d,...d->...", a.astype(jnp.float32), b.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST
-    )
-    return out[..., None] if keepdims else out
-
-
 def rounding_lost(out, dtype):
     """`(out in dtype, what the rounding lost in dtype)` of a float32 tile: their float32 sum is
     `out` to about 16 bits more (`unrounded`)."""

@@ -57,6 +57,7 @@ from jax.experimental.pallas import triton as plgpu
 from axkern import masks as masks_
 from axkern.core.blocks import next_power_of_2
 from axkern.core.kernels import dot as _dot
+from axkern.core.kernels import row_dot
 from axkern.core.op import Implementation, Unsupported
 
 from . import common as tiles
@@ -392,7 +393,7 @@ def _attention_bwd(cfg, mask, res, d_out, d_lse):
     d, dv = q.shape[3], v.shape[3]
     segments = seg_ids is not None
     do = jnp.pad(jnp.swapaxes(d_out, 1, 2), [(0, 0), (0, 0), (0, sqp - sq), (0, 0)]).astype(q.dtype)
-    delta = tiles.row_dot(do, tiles.unrounded(o, lo))  # [B, H, Sqp]
+    delta = row_dot(do, tiles.unrounded(o, lo))  # [B, H, Sqp]
     delta = tiles.padded_rows(delta, sq, 0.0) - d_lse  # `lse`'s cotangent joins delta
     _, cq, ckv = cfg.kernels()  # the dq kernel's and the dk, dv kernel's own blocks
     bq, bk = cq.block_q, cq.block_kv

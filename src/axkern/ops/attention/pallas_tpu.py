@@ -53,6 +53,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from axkern import masks as masks_
 from axkern.core.kernels import dot as _dot
+from axkern.core.kernels import row_dot
 from axkern.core.op import Implementation, Unsupported
 
 from . import common as tiles
@@ -385,7 +386,7 @@ def _attention_bwd(cfg, mask, res, d_out, d_lse):
     nq, nk = sqp // bq, skp // bk
     segments = seg_ids is not None
     do = jnp.pad(jnp.swapaxes(d_out, 1, 2), [(0, 0), (0, 0), (0, sqp - sq), (0, 0)]).astype(q.dtype)
-    delta = tiles.row_dot(do, tiles.unrounded(o, lo), keepdims=True)  # [B, H, Sqp, 1]
+    delta = row_dot(do, tiles.unrounded(o, lo), keepdims=True)  # [B, H, Sqp, 1]
     delta = tiles.padded_rows(delta, sq, 0.0) - d_lse[..., None]  # `lse`'s cotangent joins delta
     own = lambda n, w: pl.BlockSpec((None, None, n, w), lambda b_, h_, x, s, t, c: (b_, h_, x, 0))  # noqa: E731
 

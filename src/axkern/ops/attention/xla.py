@@ -38,7 +38,7 @@ from jax import lax
 from axkern import masks as masks_
 from axkern.core import compat
 from axkern.core.blocks import cdiv
-from axkern.core.kernels import products_precision
+from axkern.core.kernels import products_precision, row_dot
 from axkern.core.op import Implementation
 
 from .blocks import AttentionBlockSizes, heuristic, space
@@ -53,7 +53,7 @@ class _Static:
     # the products' precision (`products_precision` of the inputs' dtype): float32 and fp16
     # inputs take exact float32 products, not the platform's default (TF32 on a GPU, one
     # bfloat16 pass on a TPU)
-    precision: object = None
+    precision: lax.Precision | None = None
 
 
 def attention(q, k, v, sinks, mask, *, scale, logits_soft_cap, block_sizes, return_lse=False):
@@ -72,15 +72,6 @@ def _public_lse(lse):
     """`[B, KVH, G, Sq]` as the API returns it: `[B, Sq, H]`."""
     b, kvh, g, sq = lse.shape
     return jnp.moveaxis(lse.reshape(b, kvh * g, sq), 2, 1)
-
-
-def _row_dot(a, b):
-    """`Σ_d a · b` over the last axis in float32 as an explicit product at full precision: a
-    multiply-then-sum is left to the compiler, which may form it as a product at the platform's
-    default precision (one bfloat16 pass on a TPU)."""
-    return jnp.einsum(
-        "...d,...d->...", a.astype(jnp.float32), b.astype(jnp.float32), precision=lax.Precision.HIGHEST
-    )
 
 
 def _pad(a, axis, to):
@@ -251,7 +242,7 @@ def _attention_bwd(cfg: _Static, res, cts):
     do = _grouped(d_out, kvh)  # [B, KVH, G, Sq, Dv]
     # `lse`'s cotangent joins delta (`common.lse_cotangent`)
     d_lse = jnp.moveaxis(d_lse.astype(jnp.float32), 1, 2).reshape(lse.shape)
-    delta = _row_dot(do, out) - d_lse  # [B, KVH, G, Sq]
+    delta = row_dot(do, out) - d_lse  # [B, KVH, G, Sq]
     qg, do_p = _pad(_grouped(q, kvh), 3, nq * bq), _pad(do, 3, nq * bq)
     delta_p = _pad(delta, 3, nq * bq)
     # padded query rows see no key in the backward: a NaN key cannot reach dk, dv through them
