@@ -30,6 +30,7 @@ from axkern import masks as masks_
 from axkern.core.blocks import cdiv
 from axkern.core.control import flat_cond
 from axkern.core.kernels import dot as _dot
+from axkern.core.kernels import log_refined
 from axkern.core.op import Unsupported
 
 
@@ -169,7 +170,7 @@ def finish(m, l, acc):
     seen = l != 0
     out = jnp.where(seen, acc / jnp.where(seen, l, 1.0), 0.0)
     m_safe = jnp.where(m == -jnp.inf, 0.0, m)
-    return out, jnp.where(seen, m_safe + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
+    return out, jnp.where(seen, m_safe + log_refined(jnp.where(seen, l, 1.0)), -jnp.inf)
 
 
 def padded_rows(a, sq, fill):

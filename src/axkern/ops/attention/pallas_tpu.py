@@ -58,6 +58,7 @@ from axkern.core.op import Implementation, Unsupported
 
 from . import common as tiles
 from .blocks import TPU_SUBLANES as SUBLANES
+from .blocks import TPU_VMEM_LIMIT
 from .blocks import AttentionBlockSizes, pallas_tpu_heuristic, pallas_tpu_space
 
 
@@ -116,9 +117,20 @@ def _call(cfg, kernel, grid, in_specs, out_specs, out_shape, scratch, *args):
         out_shape=out_shape,
         interpret=pltpu.InterpretParams() if cfg.interpret else False,
         compiler_params=pltpu.CompilerParams(
-            dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")
+            dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"),
+            vmem_limit_bytes=None if cfg.interpret else _vmem_limit(),
         ),
     )(*args)
+
+
+def _vmem_limit():
+    """The scoped VMEM the kernels may take: `TPU_VMEM_LIMIT`, or half the chip's VMEM where that
+    is less; Mosaic's default (`TPU_SCOPED_VMEM`) off a TPU (a lowering elsewhere)."""
+    try:
+        capacity = pltpu.get_tpu_info().vmem_capacity_bytes
+    except (ValueError, RuntimeError):  # not a TPU this JAX knows
+        return None
+    return min(TPU_VMEM_LIMIT, capacity // 2)
 
 
 def _tile(i, j, cfg, qid_ref, kid_ref):

@@ -38,7 +38,7 @@ from jax import lax
 from axkern import masks as masks_
 from axkern.core import compat
 from axkern.core.blocks import cdiv
-from axkern.core.kernels import products_precision, row_dot
+from axkern.core.kernels import log_refined, products_precision, row_dot
 from axkern.core.op import Implementation
 
 from .blocks import AttentionBlockSizes, heuristic, space
@@ -215,7 +215,7 @@ def _forward(cfg: _Static, q, k, v, sinks, mask):
         m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
         seen = l != 0  # 0: no key seen; a NaN sum (a NaN score) stays NaN
         outs.append(jnp.where(seen[..., None], acc / jnp.where(seen, l, 1.0)[..., None], 0.0))
-        lses.append(jnp.where(seen, m_safe + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf))
+        lses.append(jnp.where(seen, m_safe + log_refined(jnp.where(seen, l, 1.0)), -jnp.inf))
     out = jnp.concatenate(outs, axis=3)[:, :, :, :sq]
     lse = jnp.concatenate(lses, axis=3)[:, :, :, :sq]
     return out, lse  # [B, KVH, G, Sq, Dv] float32, [B, KVH, G, Sq]
