@@ -58,8 +58,7 @@ from axkern.core.op import Implementation, Unsupported
 
 from . import common as tiles
 from .blocks import TPU_SUBLANES as SUBLANES
-from .blocks import TPU_VMEM_LIMIT
-from .blocks import AttentionBlockSizes, pallas_tpu_heuristic, pallas_tpu_space
+from .blocks import TPU_VMEM_LIMIT, AttentionBlockSizes, pallas_tpu_heuristic, pallas_tpu_space
 
 
 def _schedule(kinds, axis, batch, overlap=None):
