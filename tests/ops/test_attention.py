@@ -95,6 +95,19 @@ def test_pallas_gpu_against_float64_oracle(kind, dtype):
     check(arrays, _mask(kind, b, sq, sk), dtype, impl="pallas_gpu", sinks=kind != "full", cap=3.0)
 
 
+@pytest.mark.parametrize("impl", ["xla", "pallas_tpu", "pallas_gpu"])
+def test_the_sinks_gradient_with_weights_nothing_rounds(impl):
+    """bf16 outputs weighed by bf16 weights (tests/cases/attention.py): the cotangent no
+    implementation rounds, so the sinks' gradient meets the reference's, which keeps the
+    probabilities in float32 beside float32 sinks; summed from the output (`Σ o · dO`, whose
+    `p v` rounded them to bf16) it missed the rule here by 3.4x."""
+    b, sq, sk = 1, 40, 56
+    arrays = _inputs(31, b, sq, sk, 4, 2, 32, "bfloat16")
+    kw = dict(sinks=True, cap=30.0, weights="bfloat16", blocks=(16, 16))
+    check(arrays, _mask("causal", b, sq, sk), "bfloat16", impl=impl, **kw)
+    check(arrays, masks.Causal(offset=-20), "bfloat16", impl=impl, lse=True, **kw)  # rows that see nothing
+
+
 def test_pallas_gpu_rows_that_see_nothing_and_combined_masks():
     arrays = _inputs(7, 1, 40, 40, 4, 1, 16, "float32")  # MQA
     mask = masks.SlidingWindow(9) | masks.Causal(offset=-20)  # the first rows see only their window

@@ -10,7 +10,9 @@ mask where the kernel serves it (skipped with the dispatcher's reason otherwise)
 The float32 cases and those with sinks (float32 parameters) take the float64 oracle on the host
 (tests/tpu/chip.py), so their sizes keep the oracle's `[B, KVH, G, Sq, Sk, D]` products near
 40M elements; the bf16 ones run at a layer's sizes against the float32 oracle on the chip. The
-non-finite cases reuse the programs of the finite case of their mask (same shapes).
+non-finite cases reuse the programs of the finite case of their mask (same shapes). The loss
+weighs the outputs by bf16 weights (tests/cases/attention.py: XLA on a TPU would keep the
+reference's cotangent in float32 where a kernel receives it rounded).
 
 Run with `AXKERN_TEST_TPU=1 python -m pytest tests/tpu` on a TPU machine (tests/tpu/chip.py: the
 oracle, the dry run on a CPU).
@@ -112,6 +114,7 @@ def _check(check_fn, impl, case, arrays, what):
         oracle_dtype=_oracle_dtype(dtype, options),
         mask=_mask(kind, b, sq, sk),
         blocks=None,
+        weights="bfloat16",  # a cotangent nothing rounds (tests/cases/attention.py)
         **OPTIONS[options],
     )
 

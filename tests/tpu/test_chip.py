@@ -64,3 +64,16 @@ def test_a_bf16_case_keeps_the_float32_oracle_unless_asked(oracles):
     )
     assert oracles == ["float32", "float64"]
     assert chip.oracle_dtype_for("float32") == "float64" and chip.oracle_dtype_for("bfloat16") == "float32"
+
+
+def test_the_bf16_weights_are_cos_rounded_to_bf16():
+    import jax.numpy as jnp
+
+    from tests.cases.attention import _weights
+
+    w = np.asarray(_weights((4, 300, 3), jnp.cos, "bfloat16"))
+    assert w.dtype == np.float32 and w.shape == (4, 300, 3)
+    assert (np.asarray(jnp.asarray(w, jnp.bfloat16), np.float32) == w).all()  # bf16 holds them
+    exact = np.cos(np.arange(w.size, dtype=np.float64)).reshape(w.shape)
+    assert np.max(np.abs(w - exact)) <= 2.0**-9  # cos rounded to bf16, no more
+    assert np.max(np.abs(np.asarray(_weights((4, 300, 3), jnp.cos, "float32")) - exact)) < 1e-5

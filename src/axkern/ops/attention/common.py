@@ -202,6 +202,13 @@ def ds(cfg, s, p, dp, delta, vis=None):
     return ds if vis is None else jnp.where(vis, ds, 0.0)
 
 
+def p_dp(p, dp, vis=None, keepdims=True):
+    """`Σ_j p_j dp_j` over a tile's keys (`[bq, 1]`, or `[bq]`), with the float32 probabilities:
+    the sinks' `delta` (`sink_grad`); a partial tile's invisible entries are selected to 0."""
+    pdp = p * dp
+    return jnp.sum(pdp if vis is None else jnp.where(vis, pdp, 0.0), axis=1, keepdims=keepdims)
+
+
 def layout(q, k, v, cfg):
     b, sq, h, d = q.shape
     sk, kvh = k.shape[1], k.shape[2]
@@ -303,7 +310,11 @@ def rounding_lost(out, dtype):
 
 def sink_grad(sinks, lse, delta):
     """`dsink = -Σ exp(sink - lse) · delta` over the batch and the rows (`lse`, `delta`
-    `[B, H, Sq]`, natural log; a row with `lse = -inf` adds nothing)."""
+    `[B, H, Sq]`, natural log; a row with `lse = -inf` adds nothing). `delta = Σ_j p_j dp_j`
+    over the row's keys, best summed from the float32 probabilities in the backward (`p_dp`):
+    `Σ o · dO` takes the output, whose `p v` rounded them to 16 bits, which puts this sum of
+    every row off by more than the oracle rule allows against a reference that keeps the
+    probabilities in float32, as plain JAX does beside float32 sinks."""
     finite = lse != -jnp.inf
     p_sink = jnp.where(
         finite, jnp.exp(sinks.astype(jnp.float32)[None, :, None] - jnp.where(finite, lse, 0.0)), 0.0
@@ -311,14 +322,15 @@ def sink_grad(sinks, lse, delta):
     return (-jnp.einsum("bhq,bhq->h", p_sink, delta, precision=jax.lax.Precision.HIGHEST)).astype(sinks.dtype)
 
 
-def finish_grads(q, k, v, sinks, dq, dk, dv, lse, delta):
+def finish_grads(q, k, v, sinks, dq, dk, dv, lse, delta, sink_delta=None):
     """The cotangents from the kernels' outputs: `dq [B, H, Sqp, D]` cut and laid out as `q`;
     the per-query-head `dk, dv [B, H, Skp, D]` summed over each group; `dsink = -sum exp(sink -
-    lse) delta` (`lse, delta [B, H, Sqp]`); none for the segment ids."""
+    lse) delta` (`lse, delta [B, H, Sqp]`; `sink_delta`, where the kernels summed it, else
+    `delta`); none for the segment ids."""
     b, sq, h, _ = q.shape
     sk, kvh = k.shape[1], k.shape[2]
     per_kv = lambda a: jnp.swapaxes(a.reshape(b, kvh, h // kvh, a.shape[2], -1).sum(2), 1, 2)[:, :sk]  # noqa: E731
-    d_sinks = None if sinks is None else sink_grad(sinks, lse, delta)
+    d_sinks = None if sinks is None else sink_grad(sinks, lse, delta if sink_delta is None else sink_delta)
     return (
         jnp.swapaxes(dq, 1, 2)[:, :sq].astype(q.dtype),
         per_kv(dk).astype(k.dtype),

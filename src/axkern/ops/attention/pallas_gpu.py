@@ -223,14 +223,17 @@ def _dq_kernel(
     mask,
     sk,
     segments,
+    has_sinks,
 ):
-    bounds, (qid_ref, kid_ref), (dq_ref,) = _trailing_refs(rest, segments)
+    # with sinks also `Σ_j p_j dp_j` per row (`common.p_dp`), a second output
+    bounds, (qid_ref, kid_ref), (dq_ref, *pdp_ref) = _trailing_refs(rest, segments)
     i = pl.program_id(2)
     bq, bk = cfg.block_q, cfg.block_kv
     q, do, lse, delta = q_ref[...], do_ref[...], lse_ref[...], delta_ref[...]
     qi = i * bq + jnp.arange(bq)
 
-    def body(j, dq, masked):
+    def body(j, carry, masked):
+        dq, pdp = carry
         k = k_ref[pl.ds(j * bk, bk), :]
         v = v_ref[pl.ds(j * bk, bk), :]
         vis = None
@@ -238,11 +241,17 @@ def _dq_kernel(
             ids = (qid_ref[...], kid_ref[pl.ds(j * bk, bk)]) if segments else None
             vis = tiles.visible(mask, qi, j * bk + jnp.arange(bk), sk, ids)
         s, p = tiles.probs(cfg, q, k, lse, vis)
-        ds = tiles.ds(cfg, s, p, _dot(do, v, trans_b=True), delta, vis)
-        return dq + _dot(ds.astype(k.dtype), tiles.clean(k) if masked else k)
+        dp = _dot(do, v, trans_b=True)
+        if has_sinks:
+            pdp = pdp + tiles.p_dp(p, dp, vis, keepdims=False)
+        ds = tiles.ds(cfg, s, p, dp, delta, vis)
+        return dq + _dot(ds.astype(k.dtype), tiles.clean(k) if masked else k), pdp
 
-    zero = jnp.zeros(dq_ref.shape, jnp.float32)
-    dq_ref[...] = _three_loops(bounds, i, body, zero)
+    zero = (jnp.zeros(dq_ref.shape, jnp.float32), jnp.zeros((bq,), jnp.float32) if has_sinks else None)
+    dq, pdp = _three_loops(bounds, i, body, zero)
+    dq_ref[...] = dq
+    if has_sinks:
+        pdp_ref[0][...] = pdp
 
 
 def _dkv_kernel(
@@ -410,9 +419,10 @@ def _attention_bwd(cfg, mask, res, d_out, d_lse):
         ((None, bq), lambda b_, h_, i: (b_, i)),
         ((None, skp), lambda b_, h_, i: (b_, 0)),
     )
-    dq = _call(
+    has_sinks = sinks is not None
+    dq, *pdp = _call(
         cq,
-        functools.partial(_dq_kernel, cfg=cq, mask=mask, sk=sk, segments=segments),
+        functools.partial(_dq_kernel, cfg=cq, mask=mask, sk=sk, segments=segments, has_sinks=has_sinks),
         (b, h, sqp // bq),
         [
             row(bq, d),
@@ -424,8 +434,9 @@ def _attention_bwd(cfg, mask, res, d_out, d_lse):
             *map(table, q_bounds),
             *id_specs,
         ],
-        row(bq, d),
-        jax.ShapeDtypeStruct((b, h, sqp, d), jnp.float32),
+        [row(bq, d)] + [vec_row] * has_sinks,
+        [jax.ShapeDtypeStruct((b, h, sqp, d), jnp.float32)]
+        + [jax.ShapeDtypeStruct((b, h, sqp), jnp.float32)] * has_sinks,
         qt,
         kt,
         vt,
@@ -474,7 +485,10 @@ def _attention_bwd(cfg, mask, res, d_out, d_lse):
         *k_bounds,
         *ids,
     )
-    return tiles.finish_grads(q, k, v, sinks, dq, dk, dvv, lse, delta)
+    sink_delta = None
+    if has_sinks:  # `lse`'s cotangent joins it as it joined `delta`
+        sink_delta = tiles.padded_rows(pdp[0], sq, 0.0) - d_lse
+    return tiles.finish_grads(q, k, v, sinks, dq, dk, dvv, lse, delta, sink_delta)
 
 
 _attention = tiles.flash_vjp(_forward, _attention_bwd)

@@ -222,15 +222,20 @@ def _dq_kernel(
     segments,
     nq,
     rows,
+    has_sinks,
 ):
     qid_ref, kid_ref = rest[:2] if segments else (None, None)
-    dq_ref, dq_sc = rest[2:] if segments else rest
+    rest = rest[2:] if segments else rest
+    # with sinks also `Σ_j p_j dp_j` per row (`common.p_dp`), in a second output and scratch
+    (dq_ref, pdp_ref, dq_sc, pdp_sc) = rest if has_sinks else (rest[0], None, rest[1], None)
     b, i, s = pl.program_id(0), pl.program_id(2), pl.program_id(3)
     row = b * nq + i
 
     @pl.when(s == 0)
     def _():
         dq_sc[...] = jnp.zeros(dq_sc.shape, jnp.float32)
+        if has_sinks:
+            pdp_sc[...] = jnp.zeros(pdp_sc.shape, jnp.float32)
 
     def update(masked):
         j = table_ref[row * steps + s]
@@ -240,7 +245,10 @@ def _dq_kernel(
             qi, kj, ids = _tile(i, j, cfg, qid_ref, kid_ref)
             vis = tiles.visible(mask, qi, kj, sk, ids)
         sc, p = tiles.probs(cfg, q, k, lse_ref[...][:, 0], vis)
-        ds = tiles.ds(cfg, sc, p, _dot(do, v, trans_b=True), delta_ref[...][:, 0], vis)
+        dp = _dot(do, v, trans_b=True)
+        if has_sinks:
+            pdp_sc[...] += tiles.p_dp(p, dp, vis)
+        ds = tiles.ds(cfg, sc, p, dp, delta_ref[...][:, 0], vis)
         dq_sc[...] += _dot(ds.astype(k.dtype), tiles.clean(k) if masked else k)
 
     _tile_steps(count_ref, row, rows, s, update)
@@ -248,6 +256,8 @@ def _dq_kernel(
     @pl.when(s == steps - 1)
     def _():
         dq_ref[...] = dq_sc[...]
+        if has_sinks:
+            pdp_ref[...] = pdp_sc[...]
 
 
 def _dkv_kernel(
@@ -407,16 +417,26 @@ def _attention_bwd(cfg, mask, res, d_out, d_lse):
         (None, None, bk, w), lambda b_, h_, i, s, t, c: (b_, h_ // g, kv_block(b_, i, s, t), 0)
     )
     ids, id_specs = _id_inputs(seg_ids, sqp, skp, lambda b_, i, s, t: i, kv_block, bq, bk)
-    dq = _call(
+    has_sinks = sinks is not None
+    column = jax.ShapeDtypeStruct((b, h, sqp, 1), jnp.float32)
+    dq, *pdp = _call(
         cfg,
         functools.partial(
-            _dq_kernel, cfg=cfg, mask=mask, sk=sk, steps=q_steps, segments=segments, nq=nq, rows=b * nq
+            _dq_kernel,
+            cfg=cfg,
+            mask=mask,
+            sk=sk,
+            steps=q_steps,
+            segments=segments,
+            nq=nq,
+            rows=b * nq,
+            has_sinks=has_sinks,
         ),
         (b, h, nq, q_steps),
         [own(bq, d), kv_of_q(d), kv_of_q(dv), own(bq, dv), own(bq, 1), own(bq, 1), *id_specs],
-        own(bq, d),
-        jax.ShapeDtypeStruct((b, h, sqp, d), jnp.float32),
-        [pltpu.VMEM((bq, d), jnp.float32)],
+        [own(bq, d)] + [own(bq, 1)] * has_sinks,
+        [jax.ShapeDtypeStruct((b, h, sqp, d), jnp.float32)] + [column] * has_sinks,
+        [pltpu.VMEM((bq, d), jnp.float32)] + [pltpu.VMEM((bq, 1), jnp.float32)] * has_sinks,
         q_table,
         q_counts,
         qt,
@@ -458,7 +478,10 @@ def _attention_bwd(cfg, mask, res, d_out, d_lse):
         delta,
         *ids,
     )
-    return tiles.finish_grads(q, k, v, sinks, dq, dk, dvv, lse[..., 0], delta[..., 0])
+    sink_delta = None
+    if has_sinks:  # `lse`'s cotangent joins it as it joined `delta`
+        sink_delta = tiles.padded_rows(pdp[0][..., 0], sq, 0.0) - d_lse
+    return tiles.finish_grads(q, k, v, sinks, dq, dk, dvv, lse[..., 0], delta[..., 0], sink_delta)
 
 
 _attention = tiles.flash_vjp(_forward, _attention_bwd)

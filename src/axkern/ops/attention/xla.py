@@ -251,7 +251,7 @@ def _attention_bwd(cfg: _Static, res, cts):
     dk, dv = compat.vary_like(
         (jnp.zeros(kp.shape, jnp.float32), jnp.zeros(vp.shape, jnp.float32)), q, k, v, mask, d_out
     )
-    dqs = []
+    dqs, pdps = [], []
     for i, blocks in enumerate(_kv_blocks(cfg, mask, sq, sk)):
         rows = lambda a, i=i: lax.slice_in_dim(a, i * bq, (i + 1) * bq, axis=3)  # noqa: E731
         qb, dob, delta_b, lse_b = rows(qg), rows(do_p), rows(delta_p), rows(lse_p)
@@ -260,7 +260,7 @@ def _attention_bwd(cfg: _Static, res, cts):
         qi = i * bq + jnp.arange(bq)
 
         def step(carry, j, qb=qb, dob=dob, delta_b=delta_b, lse_b=lse_b, finite=finite, qi=qi, *, masked):
-            dq, dk, dv = carry
+            dq, dk, dv, pdp = carry
             kb = lax.dynamic_slice_in_dim(kp, j * bk, bk, axis=1)
             vb = lax.dynamic_slice_in_dim(vp, j * bk, bk, axis=1)
             s = _scores(cfg, qb, kb)
@@ -278,6 +278,8 @@ def _attention_bwd(cfg: _Static, res, cts):
             dp = jnp.einsum(
                 "bhgqd,bkhd->bhgqk", dob, vb, preferred_element_type=jnp.float32, precision=cfg.precision
             )
+            if pdp is not None:  # the sinks' `Σ_j p_j dp_j` (`common.sink_grad`)
+                pdp = pdp + jnp.sum(jnp.where(vis, p * dp, 0.0) if masked else p * dp, axis=-1)
             ds = p * (dp - delta_b[..., None])
             if cfg.soft_cap is not None:
                 ds = ds * (1.0 - jnp.square(s / cfg.soft_cap))
@@ -298,14 +300,23 @@ def _attention_bwd(cfg: _Static, res, cts):
             add = lambda acc, blk: lax.dynamic_update_slice_in_dim(  # noqa: E731
                 acc, lax.dynamic_slice_in_dim(acc, j * bk, bk, axis=1) + blk, j * bk, axis=1
             )
-            return (dq, add(dk, dk_b), add(dv, dv_b)), None
+            return (dq, add(dk, dk_b), add(dv, dv_b), pdp), None
 
         dq0 = compat.vary_like(jnp.zeros((b, kvh, g, bq, d), jnp.float32), q, k, v, mask, d_out)
-        dq_i, dk, dv = _scan_tiles(step, (dq0, dk, dv), blocks)
+        pdp0 = (
+            None
+            if sinks is None
+            else compat.vary_like(jnp.zeros((b, kvh, g, bq), jnp.float32), q, k, v, mask, d_out)
+        )
+        dq_i, dk, dv, pdp_i = _scan_tiles(step, (dq0, dk, dv, pdp0), blocks)
         dqs.append(dq_i)
+        pdps.append(pdp_i)
     dq = _ungrouped(jnp.concatenate(dqs, axis=3)[:, :, :, :sq])
     d_sinks = None
     if sinks is not None:
+        # `delta` again, as `Σ_j p_j dp_j` over the float32 probabilities: `Σ o · dO` takes the
+        # output, whose `p v` rounded them to the inputs' dtype (`common.sink_grad`)
+        delta = jnp.concatenate(pdps, axis=3)[:, :, :, :sq] - d_lse
         sink = sinks.astype(jnp.float32).reshape(kvh, g)[None, :, :, None]
         p_sink = jnp.exp(sink - jnp.where(lse == -jnp.inf, 0.0, lse))
         d_sinks = (
