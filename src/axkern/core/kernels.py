@@ -5,7 +5,15 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
-__all__ = ["dot", "full_precision", "log_refined", "products_precision", "row_dot", "swizzled_smem", "tf32_suffices"]
+__all__ = [
+    "dot",
+    "full_precision",
+    "log_refined",
+    "products_precision",
+    "row_dot",
+    "swizzled_smem",
+    "tf32_suffices",
+]
 
 
 def full_precision(dtype):
