@@ -293,10 +293,11 @@ def maybe_lse(result, return_lse):
 
 def unrounded(o, lo):
     """`o + lo` in float32: the output before its rounding to `o`'s dtype, where the forward
-    wrote `lo` (with sinks), else `o`. With sinks `dsink = -Σ exp(sink - lse) · delta` sums
-    `delta = Σ_d o · d_out` over every row, and `o`'s rounding alone (2⁻⁹ relative per term in
-    bf16) can put that sum off by more than the oracle rule allows; the kernels' gradients,
-    whose `ds = p (dp - delta)` is formed per row, take the same `delta`."""
+    wrote `lo` (with sinks), else `o`. With sinks `mosaic_gpu`'s `dsink = -Σ exp(sink - lse) ·
+    delta` sums `delta = Σ_d o · d_out` over every row, and `o`'s rounding alone (2⁻⁹ relative
+    per term in bf16) can put that sum off by more than the oracle rule allows (the other
+    kernels sum `p_dp` for it); the kernels' gradients, whose `ds = p (dp - delta)` is formed per
+    row, take this `delta`."""
     full = o.astype(jnp.float32)
     return full if lo is None else full + lo.astype(jnp.float32)
 

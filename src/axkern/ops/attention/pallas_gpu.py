@@ -22,7 +22,8 @@ XLA (`O` unrounded with sinks); kernel `dq` (per q block, over its
 kv tiles) and kernel `dk, dv` (per kv block, over the q tiles that see it) recompute
 `p = exp(s - lse)`; `ds = p (dO v^T - delta)`, times `1 - (s/c)^2` under the soft cap. With
 GQA the `dk`, `dv` kernel writes one slice per query head, summed over each group in XLA.
-`dsink = -sum exp(sink - lse) delta` in XLA.
+`dsink = -sum exp(sink - lse) delta` in XLA, its `delta` summed as `Σ_j p_j dp_j` by the `dq`
+kernel (`common.sink_grad`).
 
 **Cost.** Compute bound: `4·B·H·D` FLOPs per visible (query, key) pair forward, about 2.5
 times that backward (the scores are recomputed in both backward kernels); bytes: `q`, `o` once,

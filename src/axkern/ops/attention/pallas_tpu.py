@@ -23,7 +23,8 @@ max, sum, float32 accumulator); sinks join the normaliser at the last step; `lse
 forward's schedule, kernel `dk, dv` with the transposed schedule (per key block, over the query
 blocks that see it), both recomputing `p = exp(s - lse)` per tile (`pallas_gpu`'s tile math,
 shared). With GQA the `dk, dv` kernel writes one slice per query head, summed over each group
-in XLA; `dsink` in XLA.
+in XLA; `dsink` in XLA, its `delta` summed as `Σ_j p_j dp_j` by the `dq` kernel
+(`common.sink_grad`).
 
 **Cost.** Compute bound: `4·B·H·D` FLOPs per visible (query, key) pair forward, about 2.5
 times that backward (both backward kernels recompute the scores); bytes: `q`, `o` once per

@@ -19,7 +19,8 @@ selects its invisible entries away, so a NaN reaches only the queries that see i
 **Backward** (`jax.custom_vjp`, residuals `q, k, v, out (float32), lse`): recompute each tile,
 `p = exp(s - lse)`, `dv += p^T dO`, `ds = p (dO v^T - delta)` with `delta = rowsum(dO ∘ out)`,
 times `1 - (s / cap)^2` under the soft cap, `dq += ds k · scale`, `dk += ds^T q · scale`;
-`dsink = -sum p_sink · delta`. Heads sharing a kv head (GQA) sum into its `dk`, `dv`.
+`dsink = -sum p_sink · delta` with this `delta` summed as `Σ_j p_j dp_j` in the same tile loop
+(`common.sink_grad`). Heads sharing a kv head (GQA) sum into its `dk`, `dv`.
 
 **Cost.** `4·B·H·Sq·Sk·D` FLOPs forward over visible tiles, about 2.5 times that backward;
 memory `O(B·H·block_q·block_kv)` per tile plus the float32 `dk`, `dv` accumulators.
