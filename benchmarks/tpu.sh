@@ -79,7 +79,9 @@ step() {  # step TIMEOUT NAME COMMAND...
   echo "$name rc=$rc $((SECONDS - s))s" | tee -a "$R/steps.txt"
 }
 # what the helper processes read must not open the chip that a step may hold
-presets=$(JAX_PLATFORMS=cpu python3 -m axkern bench --list-presets 2> /dev/null)
+presets=$(JAX_PLATFORMS=cpu python3 -m axkern bench --list-presets 2> "$R/presets.log")
+[ -n "$presets" ] || echo "axkern bench --list-presets printed nothing (presets.log): the benches take the presets named here" |
+  tee -a "$R/steps.txt"
 has_preset() {  # has_preset OP PRESET
   echo "$presets" | sed -n "s/^$1: //p" | tr ',' '\n' | sed 's/ (default)//; s/ //g' | grep -qx "$2"
 }
@@ -138,7 +140,7 @@ sys.exit(main(["info", "--all"]))' "$R/device_key.txt"
   bench_attention) bench 240 bench_attention attention h200 --tokens 2048 -- --peers ;;
   bench_attention_shapes)
     has_preset attention tpu_shapes && AUTO_TPU=0 bench 180 bench_attention_shapes attention tpu_shapes
-    has_preset attention tpu_shapes || echo "bench_attention_shapes skipped: no tpu_shapes preset" | tee -a "$R/steps.txt"
+    has_preset attention tpu_shapes || echo "bench_attention_shapes skipped: no tpu_shapes preset listed" | tee -a "$R/steps.txt"
     ;;
   bench_fused_cross_entropy) bench 120 "$1" fused_cross_entropy llama3 --tokens 8192 ;;
   bench_fused_cross_entropy_loss) bench 150 "$1" fused_cross_entropy_loss llama3 --tokens 8192 ;;
