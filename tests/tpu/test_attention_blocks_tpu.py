@@ -1,5 +1,5 @@
 """`pallas_tpu`'s tuning space on a TPU v5e, on the CPU in CI (no chip needed): tiles up to 1024
-where the kernels' VMEM estimate fits Mosaic's default scoped limit, and the new 1024-row and
+where the kernels' VMEM estimate fits the limit they are compiled with, and the 1024-row and
 1024-column tiles lower for the chip, forward and backward (the chip's compiler checks the VMEM
 itself: `axkern tune attention --preset tpu` on the chip, benchmarks/tpu.sh's `tune_attention`)."""
 
@@ -12,7 +12,7 @@ import pytest
 import axkern
 from axkern import masks
 from axkern.ops.attention.blocks import (
-    TPU_SCOPED_VMEM,
+    TPU_VMEM_LIMIT,
     AttentionBlockSizes,
     pallas_tpu_heuristic,
     pallas_tpu_space,
@@ -44,8 +44,9 @@ def test_the_space_reaches_1024_where_the_vmem_estimate_fits(head_dim, dtype):
     need = lambda q, k: pallas_tpu_vmem_bytes(q, k, head_dim, head_dim, itemsize)  # noqa: E731
     every = {(q, k) for q in (256, 512, 1024) for k in (256, 512, 1024)}
     first = (space[0].block_q, space[0].block_kv)
-    assert tiles == {t for t in every if need(*t) <= TPU_SCOPED_VMEM} - {first} | {(128, 128)}
-    assert (1024, 512) in tiles and (1024, 1024) not in tiles
+    assert tiles == {t for t in every if need(*t) <= TPU_VMEM_LIMIT} - {first} | {(128, 128)}
+    assert (1024, 512) in tiles
+    assert (1024, 1024) in tiles
     if (head_dim, dtype) == (128, "bfloat16"):
         assert first == (512, 1024)
 
@@ -81,7 +82,7 @@ def test_a_short_sequence_keeps_tiles_within_its_length():
     }
 
 
-@pytest.mark.parametrize("block_q,block_kv", [(1024, 512), (512, 1024)])
+@pytest.mark.parametrize("block_q,block_kv", [(1024, 512), (512, 1024), (1024, 1024)])
 def test_1024_tiles_lower_for_the_chip(block_q, block_kv):
     blocks = AttentionBlockSizes(block_q=block_q, block_kv=block_kv)
 

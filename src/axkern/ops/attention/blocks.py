@@ -24,7 +24,7 @@ __all__ = [
     "pallas_tpu_heuristic",
     "pallas_tpu_space",
     "pallas_tpu_vmem_bytes",
-    "TPU_SCOPED_VMEM",
+    "TPU_VMEM_LIMIT",
     "mosaic_gpu_heuristic",
     "mosaic_gpu_ping_pong",
     "mosaic_gpu_backward_tiles",
@@ -244,13 +244,10 @@ def pallas_tpu_heuristic(spec: Spec) -> AttentionBlockSizes:
     return AttentionBlockSizes(block_q=bq, block_kv=bk)
 
 
-# Mosaic's scoped VMEM limit for a kernel whose compiler parameters do not raise it
-# (`vmem_limit_bytes`): what `pallas_tpu_vmem_bytes` of a tile the tuner tries must fit
-TPU_SCOPED_VMEM = 16 * 1024 * 1024
-
-# The limit `pallas_tpu`'s kernels are compiled with (`vmem_limit_bytes`, at most half the chip's
-# VMEM): room beyond the estimate for what it leaves out (a `Full` mask's forward at 512 by 1024,
-# head dim 128, bf16, asked Mosaic for 20.2 MiB where the estimate of the largest kernel is 12.1)
+# The scoped VMEM limit `pallas_tpu`'s kernels are compiled with (`vmem_limit_bytes`, at most
+# half the chip's VMEM; Mosaic's default is 16 MiB): room beyond the estimate for what it leaves
+# out (a `Full` mask's forward at 512 by 1024, head dim 128, bf16, asked Mosaic for 20.2 MiB where
+# the estimate of the largest kernel is 12.1); what the tuner's tiles must fit by the estimate
 TPU_VMEM_LIMIT = 32 * 1024 * 1024
 
 
@@ -275,13 +272,15 @@ def pallas_tpu_vmem_bytes(block_q: int, block_kv: int, head_dim: int, v_dim: int
 
 def pallas_tpu_space(spec: Spec) -> list[AttentionBlockSizes]:
     """Tiles of 256 to 1024 each way (the three largest powers of two that fit the lengths, at
-    least 8) whose `pallas_tpu_vmem_bytes` fits Mosaic's default scoped VMEM (`TPU_SCOPED_VMEM`;
-    at head dim 128 1024 by 512 and 512 by 1024 do, 1024 by 1024 does not), and 128 by 128,
-    after the heuristic's."""
+    least 8) whose `pallas_tpu_vmem_bytes` fits the limit the kernels are compiled with
+    (`TPU_VMEM_LIMIT`; at head dim 128 in bf16 1024 by 1024 does, the tiles of splash
+    attention's fastest blocks), and 128 by 128, after the heuristic's. The estimate leaves
+    things out, so a tile near the limit may fail to compile: the tuner passes it over with its
+    error."""
     first = pallas_tpu_heuristic(spec)
     itemsize = jnp.dtype(spec.dtype).itemsize
     d, dv = spec.dim("head_dim"), spec.dim("v_dim")
-    fits = lambda b: pallas_tpu_vmem_bytes(b.block_q, b.block_kv, d, dv, itemsize) <= TPU_SCOPED_VMEM  # noqa: E731
+    fits = lambda b: pallas_tpu_vmem_bytes(b.block_q, b.block_kv, d, dv, itemsize) <= TPU_VMEM_LIMIT  # noqa: E731
     candidates = grid(
         AttentionBlockSizes,
         spec,

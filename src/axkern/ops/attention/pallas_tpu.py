@@ -125,7 +125,7 @@ def _call(cfg, kernel, grid, in_specs, out_specs, out_shape, scratch, *args):
 
 def _vmem_limit():
     """The scoped VMEM the kernels may take: `TPU_VMEM_LIMIT`, or half the chip's VMEM where that
-    is less; Mosaic's default (`TPU_SCOPED_VMEM`) off a TPU (a lowering elsewhere)."""
+    is less; Mosaic's default off a TPU (a lowering elsewhere)."""
     try:
         capacity = pltpu.get_tpu_info().vmem_capacity_bytes
     except (ValueError, RuntimeError):  # not a TPU this JAX knows
