@@ -4,7 +4,7 @@ gradients of `q`, `k`, `v` (and the sinks); with `lse=True` the output is `(out,
 finite else 0, 1 where lse is -inf)` and the loss weighs `lse` too.
 
 The loss weighs the output by `cos(0, 1, 2, ...)`: in float32 by default, or (`weights="bfloat16"`)
-computed on the host and rounded to bfloat16, which every dtype holds exactly. A 16-bit output's
+computed on the host and rounded to bfloat16, which bf16 and every wider dtype hold exactly. A 16-bit output's
 cotangent is the weights rounded to its dtype; on a CPU plain JAX's reference rounds it as a kernel
 does, but XLA on a TPU keeps the reference's product in float32, so the reference there never
 rounds it while a kernel, which receives the cotangent as an array, must: the TPU tests take the
@@ -34,7 +34,9 @@ def inputs(seed, b, sq, sk, h, kvh, d, dtype):
     )
 
 
-def _weights(shape, fn, dtype):
+def weights(shape, fn, dtype):
+    """The loss's weights of an output of `shape`: `fn` (`jnp.cos` or `jnp.sin`) of 0, 1, 2, ...
+    in float32, or (`dtype="bfloat16"`) in float64 on the host rounded to bfloat16."""
     if dtype == "float32":
         return fn(jnp.arange(int(np.prod(shape)), dtype=jnp.float32).reshape(shape))
     w = {jnp.cos: np.cos, jnp.sin: np.sin}[fn](np.arange(int(np.prod(shape)), dtype=np.float64))
@@ -42,7 +44,7 @@ def _weights(shape, fn, dtype):
 
 
 @functools.cache
-def _runner(impl, sinks, cap, blocks, interpret, lse=False, weights="float32"):
+def _runner(impl, sinks, cap, blocks, interpret, lse=False, loss_weights="float32"):
     """`(out, grads)` of `impl` as one jitted function of `(arrays, mask)`: the cases of one
     shape, dtype and mask kind compile once (the interpret setting is read while tracing, so it
     is part of the key)."""
@@ -61,12 +63,12 @@ def _runner(impl, sinks, cap, blocks, interpret, lse=False, weights="float32"):
             return_lse=lse,
         )
         o, l = o if lse else (o, None)
-        cot = _weights(o.shape, jnp.cos, weights)
+        cot = weights(o.shape, jnp.cos, loss_weights)
         loss = jnp.sum(o.astype(jnp.float32) * cot)
         if not lse:
             return loss, o
         seen = jnp.isfinite(l)
-        l_cot = _weights(l.shape, jnp.sin, weights)
+        l_cot = weights(l.shape, jnp.sin, loss_weights)
         finite = jnp.where(seen, l, 0.0)
         return loss + jnp.sum(finite * l_cot), (o, finite, jnp.isneginf(l).astype(jnp.float32))
 

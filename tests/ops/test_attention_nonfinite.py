@@ -142,6 +142,25 @@ def test_a_nan_in_v_reaches_only_the_queries_that_see_it(impl):
 
 
 @pytest.mark.parametrize("impl", IMPLS)
+def test_a_nan_in_v_reaches_the_sinks_gradient_only_through_queries_that_see_it(impl):
+    a = _inputs(4)
+    a["v"] = poke(a["v"], (0, 6, 0, 3), np.nan)  # key 6 of the one kv head
+    _, grads = _against_reference(impl, a, masks.Causal(), sinks=True, cap=5.0)
+    assert np.isnan(np.asarray(grads[3])).all()  # queries 6.. of both heads see it
+    # queries 20.. see keys 0-3 only: key 6's NaN, in a partial tile, reaches nothing
+    _, grads = _against_reference(impl, a, masks.Causal(offset=-20), sinks=True, cap=5.0)
+    assert np.isfinite(np.asarray(grads[3])).all()
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_a_minus_infinity_sink_beside_rows_that_see_nothing(impl):
+    a = _inputs(6)
+    a["sinks"] = poke(a["sinks"], 1, -np.inf)  # head 1 without a sink; queries 0-3 see no key
+    out, grads = _against_reference(impl, a, masks.Causal(offset=-4), sinks=True, cap=5.0)
+    assert (np.asarray(out)[0, :4, 1] == 0).all() and np.isfinite(np.asarray(grads[3])).all()
+
+
+@pytest.mark.parametrize("impl", IMPLS)
 def test_a_row_that_sees_nothing_stays_zero_next_to_a_nan(impl):
     a = _inputs(5)
     a["k"] = poke(a["k"], (0, 20, 0, 0), np.nan)

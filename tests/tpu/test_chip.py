@@ -69,11 +69,11 @@ def test_a_bf16_case_keeps_the_float32_oracle_unless_asked(oracles):
 def test_the_bf16_weights_are_cos_rounded_to_bf16():
     import jax.numpy as jnp
 
-    from tests.cases.attention import _weights
+    from tests.cases.attention import weights
 
-    w = np.asarray(_weights((4, 300, 3), jnp.cos, "bfloat16"))
+    w = np.asarray(weights((4, 300, 3), jnp.cos, "bfloat16"))
     assert w.dtype == np.float32 and w.shape == (4, 300, 3)
     assert (np.asarray(jnp.asarray(w, jnp.bfloat16), np.float32) == w).all()  # bf16 holds them
     exact = np.cos(np.arange(w.size, dtype=np.float64)).reshape(w.shape)
     assert np.max(np.abs(w - exact)) <= 2.0**-9  # cos rounded to bf16, no more
-    assert np.max(np.abs(np.asarray(_weights((4, 300, 3), jnp.cos, "float32")) - exact)) < 1e-5
+    assert np.max(np.abs(np.asarray(weights((4, 300, 3), jnp.cos, "float32")) - exact)) < 1e-5

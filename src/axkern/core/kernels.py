@@ -60,7 +60,8 @@ def row_dot(a, b, keepdims=False):
 
 
 def log_refined(x):
-    """`log(x)` for a positive float32 `x`, one Newton step `y + x·exp(-y) - 1` on `jnp.log`'s
+    """`log(x)` for a float32 `x` of moderate size (e.g. a row's sum of exponentials, at least
+    1), one Newton step `y + x·exp(-y) - 1` on `jnp.log`'s
     `y`: as accurate as the platform's `exp`. A TPU's float32 `log` is far less accurate than its
     `exp` (docs/tpu.md), and a log-sum-exp kept for the backward (`p = exp(s - lse)`) passes its
     error on, as a relative error, to every probability of its row."""

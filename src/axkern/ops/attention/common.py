@@ -181,6 +181,13 @@ def padded_rows(a, sq, fill):
     return jnp.where(rows < sq, a, fill)
 
 
+def seen_rows(vis, lse):
+    """A backward tile's visibility `vis` (`[bq, bk]`) without the rows that saw no key (`lse =
+    -inf`), the padding rows among them: the mask may call a padding row's keys visible, and
+    its `ds = p (dp - delta)` is `0 · dp`, NaN where `v` holds a NaN no real query sees."""
+    return vis & (lse != -jnp.inf)[:, None]
+
+
 def probs(cfg, q, k, lse, vis=None):
     """Scores and probabilities of a tile; `vis` (partial tiles) masks them. A row of a full
     tile sees keys, so its `lse` is finite."""

@@ -200,6 +200,7 @@ def _fwd_kernel(
     if has_sinks:
         sink = sinks_ref[pl.program_id(1)]
         m_f = jnp.maximum(m, sink)
+        m_f = jnp.where(m_f == -jnp.inf, 0.0, m_f)  # a -inf sink and no key seen: l stays 0
         alpha = jnp.exp(m - m_f)
         l = l * alpha + jnp.exp(sink - m_f)
         acc = acc * alpha[:, None]
@@ -240,7 +241,7 @@ def _dq_kernel(
         vis = None
         if masked:
             ids = (qid_ref[...], kid_ref[pl.ds(j * bk, bk)]) if segments else None
-            vis = tiles.visible(mask, qi, j * bk + jnp.arange(bk), sk, ids)
+            vis = tiles.seen_rows(tiles.visible(mask, qi, j * bk + jnp.arange(bk), sk, ids), lse)
         s, p = tiles.probs(cfg, q, k, lse, vis)
         dp = _dot(do, v, trans_b=True)
         if has_sinks:
@@ -281,7 +282,7 @@ def _dkv_kernel(
         vis = None
         if masked:
             ids = (qid_ref[rows], kid_ref[...]) if segments else None
-            vis = tiles.visible(mask, i * bq + jnp.arange(bq), kj, sk, ids)
+            vis = tiles.seen_rows(tiles.visible(mask, i * bq + jnp.arange(bq), kj, sk, ids), lse)
         s, p = tiles.probs(cfg, q, k, lse, vis)
         dv = dv + _dot(p.astype(do.dtype), do, trans_a=True)
         ds = tiles.ds(cfg, s, p, _dot(do, v, trans_b=True), delta, vis)

@@ -125,12 +125,13 @@ def _call(cfg, kernel, grid, in_specs, out_specs, out_shape, scratch, *args):
 
 def _vmem_limit():
     """The scoped VMEM the kernels may take: `TPU_VMEM_LIMIT`, or half the chip's VMEM where that
-    is less; Mosaic's default off a TPU (a lowering elsewhere)."""
+    is less, never below Mosaic's default (16 MiB); `TPU_VMEM_LIMIT` on a TPU this JAX does not
+    describe; Mosaic's default where JAX knows no TPU at all."""
     try:
         capacity = pltpu.get_tpu_info().vmem_capacity_bytes
-    except (ValueError, RuntimeError):  # not a TPU this JAX knows
-        return None
-    return min(TPU_VMEM_LIMIT, capacity // 2)
+    except (ValueError, RuntimeError):  # a device kind JAX's table lacks, or no TPU
+        return TPU_VMEM_LIMIT if jax.default_backend() == "tpu" else None
+    return max(16 * 1024 * 1024, min(TPU_VMEM_LIMIT, capacity // 2))
 
 
 def _tile(i, j, cfg, qid_ref, kid_ref):
@@ -194,6 +195,7 @@ def _fwd_kernel(
         if has_sinks:
             sink = sink_ref[...][:, :1]  # [1, 1]
             m_f = jnp.maximum(m, sink)
+            m_f = jnp.where(m_f == -jnp.inf, 0.0, m_f)  # a -inf sink and no key seen: l stays 0
             alpha = jnp.exp(m - m_f)
             l = l * alpha + jnp.exp(sink - m_f)
             acc = acc * alpha
@@ -244,7 +246,7 @@ def _dq_kernel(
         vis = None
         if masked:
             qi, kj, ids = _tile(i, j, cfg, qid_ref, kid_ref)
-            vis = tiles.visible(mask, qi, kj, sk, ids)
+            vis = tiles.seen_rows(tiles.visible(mask, qi, kj, sk, ids), lse_ref[...][:, 0])
         sc, p = tiles.probs(cfg, q, k, lse_ref[...][:, 0], vis)
         dp = _dot(do, v, trans_b=True)
         if has_sinks:
@@ -295,7 +297,7 @@ def _dkv_kernel(
         vis = None
         if masked:
             qi, kj, ids = _tile(i, j, cfg, qid_ref, kid_ref)
-            vis = tiles.visible(mask, qi, kj, sk, ids)
+            vis = tiles.seen_rows(tiles.visible(mask, qi, kj, sk, ids), lse_ref[...][:, 0])
         sc, p = tiles.probs(cfg, q, k, lse_ref[...][:, 0], vis)
         dv_sc[...] += _dot(p.astype(do.dtype), do, trans_a=True)
         ds = tiles.ds(cfg, sc, p, _dot(do, v, trans_b=True), delta_ref[...][:, 0], vis)

@@ -209,6 +209,7 @@ def _forward(cfg: _Static, q, k, v, sinks, mask):
         if sinks is not None:
             sink = sinks.astype(jnp.float32).reshape(kvh, g)[None, :, :, None]
             m_f = jnp.maximum(m, sink)
+            m_f = jnp.where(m_f == -jnp.inf, 0.0, m_f)  # a -inf sink and no key seen: l stays 0
             alpha = jnp.exp(m - m_f)
             l = l * alpha + jnp.exp(sink - m_f)
             acc = acc * alpha[..., None]
@@ -246,7 +247,8 @@ def _attention_bwd(cfg: _Static, res, cts):
     delta = row_dot(do, out) - d_lse  # [B, KVH, G, Sq]
     qg, do_p = _pad(_grouped(q, kvh), 3, nq * bq), _pad(do, 3, nq * bq)
     delta_p = _pad(delta, 3, nq * bq)
-    # padded query rows see no key in the backward: a NaN key cannot reach dk, dv through them
+    # padded query rows see no key in the backward (their `lse` is -inf, and a partial tile's
+    # `ds` is selected to 0 on such rows): a NaN key cannot reach dk, dv through them
     lse_p = jnp.pad(lse, [(0, 0)] * 3 + [(0, nq * bq - sq)], constant_values=-jnp.inf)
     kp, vp = _pad(k, 1, nk * bk), _pad(v, 1, nk * bk)
     dk, dv = compat.vary_like(
@@ -289,7 +291,7 @@ def _attention_bwd(cfg: _Static, res, cts):
                 # invisible entries selected away (their dp holds whatever v holds there); a
                 # visible non-finite q or k made its row NaN already, so the products' other
                 # operand is taken with its non-finite values as 0
-                ds = jnp.where(vis, ds, 0.0)
+                ds = jnp.where(vis & finite[..., None], ds, 0.0)  # padding rows see nothing
                 kb, qb = _clean(kb), _clean(qb)
             ds = ds.astype(q.dtype)
             dq = dq + jnp.einsum(
@@ -317,11 +319,11 @@ def _attention_bwd(cfg: _Static, res, cts):
     if sinks is not None:
         # `delta` again, as `Σ_j p_j dp_j` over the float32 probabilities: `Σ o · dO` takes the
         # output, whose `p v` rounded them to the inputs' dtype (`common.sink_grad`)
-        delta = jnp.concatenate(pdps, axis=3)[:, :, :, :sq] - d_lse
+        sink_delta = jnp.concatenate(pdps, axis=3)[:, :, :, :sq] - d_lse
         sink = sinks.astype(jnp.float32).reshape(kvh, g)[None, :, :, None]
         p_sink = jnp.exp(sink - jnp.where(lse == -jnp.inf, 0.0, lse))
         d_sinks = (
-            (-jnp.einsum("bhgq,bhgq->hg", p_sink, delta, precision=lax.Precision.HIGHEST))
+            (-jnp.einsum("bhgq,bhgq->hg", p_sink, sink_delta, precision=lax.Precision.HIGHEST))
             .reshape(h)
             .astype(sinks.dtype)
         )
