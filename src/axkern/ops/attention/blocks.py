@@ -7,6 +7,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import ClassVar
 
+import jax
 import jax.numpy as jnp
 
 from axkern import masks as masks_
@@ -25,6 +26,7 @@ __all__ = [
     "pallas_tpu_space",
     "pallas_tpu_vmem_bytes",
     "TPU_VMEM_LIMIT",
+    "pallas_tpu_vmem_limit",
     "mosaic_gpu_heuristic",
     "mosaic_gpu_ping_pong",
     "mosaic_gpu_backward_tiles",
@@ -249,6 +251,19 @@ def pallas_tpu_heuristic(spec: Spec) -> AttentionBlockSizes:
 # out (a `Full` mask's forward at 512 by 1024, head dim 128, bf16, asked Mosaic for 20.2 MiB where
 # the estimate of the largest kernel is 12.1); what the tuner's tiles must fit by the estimate
 TPU_VMEM_LIMIT = 32 * 1024 * 1024
+
+
+def pallas_tpu_vmem_limit() -> int | None:
+    """The scoped VMEM `pallas_tpu`'s kernels are compiled with: `TPU_VMEM_LIMIT`, or half the
+    chip's VMEM where that is less, never below Mosaic's default (16 MiB); `TPU_VMEM_LIMIT` on a
+    TPU this JAX does not describe; Mosaic's default (None) where JAX knows no TPU at all."""
+    from jax.experimental.pallas import tpu as pltpu
+
+    try:
+        capacity = pltpu.get_tpu_info().vmem_capacity_bytes
+    except (ValueError, RuntimeError):  # a device kind JAX's table lacks, or no TPU
+        return TPU_VMEM_LIMIT if jax.default_backend() == "tpu" else None
+    return max(16 * 1024 * 1024, min(TPU_VMEM_LIMIT, capacity // 2))
 
 
 def pallas_tpu_vmem_bytes(block_q: int, block_kv: int, head_dim: int, v_dim: int, itemsize: int) -> int:

@@ -330,15 +330,16 @@ def sink_grad(sinks, lse, delta):
     return (-jnp.einsum("bhq,bhq->h", p_sink, delta, precision=jax.lax.Precision.HIGHEST)).astype(sinks.dtype)
 
 
-def finish_grads(q, k, v, sinks, dq, dk, dv, lse, delta, sink_delta=None):
+def finish_grads(q, k, v, sinks, dq, dk, dv, lse, pdp, d_lse):
     """The cotangents from the kernels' outputs: `dq [B, H, Sqp, D]` cut and laid out as `q`;
-    the per-query-head `dk, dv [B, H, Skp, D]` summed over each group; `dsink = -sum exp(sink -
-    lse) delta` (`lse, delta [B, H, Sqp]`; `sink_delta`, where the kernels summed it, else
-    `delta`); none for the segment ids."""
+    the per-query-head `dk, dv [B, H, Skp, D]` summed over each group; with sinks `dsink` by
+    `sink_grad` from the `dq` kernel's `pdp` (`Σ_j p_j dp_j`, `[B, H, Sqp]`, its padding rows
+    dropped) less `lse`'s cotangent `d_lse` (`lse`, `d_lse` `[B, H, Sqp]`); none for the segment
+    ids."""
     b, sq, h, _ = q.shape
     sk, kvh = k.shape[1], k.shape[2]
     per_kv = lambda a: jnp.swapaxes(a.reshape(b, kvh, h // kvh, a.shape[2], -1).sum(2), 1, 2)[:, :sk]  # noqa: E731
-    d_sinks = None if sinks is None else sink_grad(sinks, lse, delta if sink_delta is None else sink_delta)
+    d_sinks = None if sinks is None else sink_grad(sinks, lse, padded_rows(pdp, sq, 0.0) - d_lse)
     return (
         jnp.swapaxes(dq, 1, 2)[:, :sq].astype(q.dtype),
         per_kv(dk).astype(k.dtype),

@@ -16,14 +16,12 @@ at run time); other tiles compare the ids.
 
 **Forward.** Online softmax (running max and sum in float32); products in the inputs' dtype
 with float32 accumulation (full precision for float32); sinks join the normaliser at the end;
-`lse` saved; with sinks, for the residuals, also what rounding `O` lost (`common.unrounded`:
-the sinks' gradient sums `delta` over every row). **Backward.** `delta = rowsum(dO ∘ O)` in
-XLA (`O` unrounded with sinks); kernel `dq` (per q block, over its
-kv tiles) and kernel `dk, dv` (per kv block, over the q tiles that see it) recompute
-`p = exp(s - lse)`; `ds = p (dO v^T - delta)`, times `1 - (s/c)^2` under the soft cap. With
-GQA the `dk`, `dv` kernel writes one slice per query head, summed over each group in XLA.
-`dsink = -sum exp(sink - lse) delta` in XLA, its `delta` summed as `Σ_j p_j dp_j` by the `dq`
-kernel (`common.sink_grad`).
+`lse` saved (with sinks also what rounding `O` lost, `common.unrounded`). **Backward.**
+`delta = rowsum(dO ∘ O)` in XLA; kernel `dq` (per q block, over its kv tiles; with sinks also
+`Σ_j p_j dp_j` per row, the sinks' `delta`: `common.sink_grad`) and kernel `dk, dv` (per kv
+block, over the q tiles that see it) recompute `p = exp(s - lse)`; `ds = p (dO v^T - delta)`,
+times `1 - (s/c)^2` under the soft cap. With GQA the `dk`, `dv` kernel writes one slice per
+query head, summed over each group in XLA; `dsink` in XLA.
 
 **Cost.** Compute bound: `4·B·H·D` FLOPs per visible (query, key) pair forward, about 2.5
 times that backward (the scores are recomputed in both backward kernels); bytes: `q`, `o` once,
@@ -249,11 +247,11 @@ def _dq_kernel(
         ds = tiles.ds(cfg, s, p, dp, delta, vis)
         return dq + _dot(ds.astype(k.dtype), tiles.clean(k) if masked else k), pdp
 
-    zero = (jnp.zeros(dq_ref.shape, jnp.float32), jnp.zeros((bq,), jnp.float32) if has_sinks else None)
+    zero = jnp.zeros(dq_ref.shape, jnp.float32), jnp.zeros((bq,), jnp.float32)  # pdp: 0 without sinks
     dq, pdp = _three_loops(bounds, i, body, zero)
     dq_ref[...] = dq
-    if has_sinks:
-        pdp_ref[0][...] = pdp
+    for ref in pdp_ref:  # with sinks
+        ref[...] = pdp
 
 
 def _dkv_kernel(
@@ -487,10 +485,7 @@ def _attention_bwd(cfg, mask, res, d_out, d_lse):
         *k_bounds,
         *ids,
     )
-    sink_delta = None
-    if has_sinks:  # `lse`'s cotangent joins it as it joined `delta`
-        sink_delta = tiles.padded_rows(pdp[0], sq, 0.0) - d_lse
-    return tiles.finish_grads(q, k, v, sinks, dq, dk, dvv, lse, delta, sink_delta)
+    return tiles.finish_grads(q, k, v, sinks, dq, dk, dvv, lse, pdp[0] if has_sinks else None, d_lse)
 
 
 _attention = tiles.flash_vjp(_forward, _attention_bwd)

@@ -59,7 +59,7 @@ from axkern.core.op import Implementation, Unsupported
 
 from . import common as tiles
 from .blocks import TPU_SUBLANES as SUBLANES
-from .blocks import TPU_VMEM_LIMIT, AttentionBlockSizes, pallas_tpu_heuristic, pallas_tpu_space
+from .blocks import AttentionBlockSizes, pallas_tpu_heuristic, pallas_tpu_space, pallas_tpu_vmem_limit
 
 
 def _schedule(kinds, axis, batch, overlap=None):
@@ -118,20 +118,9 @@ def _call(cfg, kernel, grid, in_specs, out_specs, out_shape, scratch, *args):
         interpret=pltpu.InterpretParams() if cfg.interpret else False,
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"),
-            vmem_limit_bytes=None if cfg.interpret else _vmem_limit(),
+            vmem_limit_bytes=None if cfg.interpret else pallas_tpu_vmem_limit(),
         ),
     )(*args)
-
-
-def _vmem_limit():
-    """The scoped VMEM the kernels may take: `TPU_VMEM_LIMIT`, or half the chip's VMEM where that
-    is less, never below Mosaic's default (16 MiB); `TPU_VMEM_LIMIT` on a TPU this JAX does not
-    describe; Mosaic's default where JAX knows no TPU at all."""
-    try:
-        capacity = pltpu.get_tpu_info().vmem_capacity_bytes
-    except (ValueError, RuntimeError):  # a device kind JAX's table lacks, or no TPU
-        return TPU_VMEM_LIMIT if jax.default_backend() == "tpu" else None
-    return max(16 * 1024 * 1024, min(TPU_VMEM_LIMIT, capacity // 2))
 
 
 def _tile(i, j, cfg, qid_ref, kid_ref):
@@ -481,10 +470,8 @@ def _attention_bwd(cfg, mask, res, d_out, d_lse):
         delta,
         *ids,
     )
-    sink_delta = None
-    if has_sinks:  # `lse`'s cotangent joins it as it joined `delta`
-        sink_delta = tiles.padded_rows(pdp[0][..., 0], sq, 0.0) - d_lse
-    return tiles.finish_grads(q, k, v, sinks, dq, dk, dvv, lse[..., 0], delta[..., 0], sink_delta)
+    pdp = pdp[0][..., 0] if has_sinks else None
+    return tiles.finish_grads(q, k, v, sinks, dq, dk, dvv, lse[..., 0], pdp, d_lse)
 
 
 _attention = tiles.flash_vjp(_forward, _attention_bwd)
