@@ -12,10 +12,11 @@
 #                           records.jsonl (per check the oracle's dtype, the largest error, the
 #                           same-dtype reference's error and the oracle rule's bound), the log
 #   tests_smoke             the same, the Pallas TPU kernels' cases only (-k pallas_tpu)
-#   tune_attention          `axkern tune attention --preset tpu --impl pallas_tpu --repeats 3 --write-table`
-#                           over the preset's cases that TUNE_ONLY names (default causal; TUNE_ONLY= for
-#                           all three): the tuning cache under $OUT/tpu/cache (AXKERN_CACHE_DIR), every
-#                           candidate's row in tune/attention_tpu.json, the written table copied to tune/
+#   tune_attention          `axkern tune attention --preset tpu --impl pallas_tpu --repeats 3 --write-table`,
+#                           one step (300 s) per case that TUNE_ONLY names (comma-separated parts of case
+#                           labels; default causal, which took 215 s on a v5e; TUNE_ONLY="causal,window1024,docs1024"
+#                           for all three): the tuning cache under $OUT/tpu/cache (AXKERN_CACHE_DIR), every
+#                           candidate's row in tune/attention_<case>.json, the written table copied to tune/
 #   bench_attention         attention at the `tpu` preset, pallas_tpu and xla, beside splash attention (--peers)
 #   bench_attention_shapes  attention at `tpu_shapes` (GQA 32/8, head dims 64 and 256), pallas_tpu and xla
 #   bench_fused_cross_entropy       the per-token op at Llama-3's size (8192 tokens)
@@ -130,10 +131,11 @@ sys.exit(main(["info", "--all"]))' "$R/device_key.txt"
     ;;
   tune_attention)
     mkdir -p "$R/tune"
-    local only=()
-    [ -n "${TUNE_ONLY-causal}" ] && only=(--only "${TUNE_ONLY-causal}")
-    step 240 tune_attention env AXKERN_CACHE_DIR="$R/cache" python3 -m axkern tune attention --preset tpu \
-      --impl pallas_tpu --repeats 3 --write-table --json "$R/tune/attention_tpu.json" "${only[@]}"
+    local c
+    for c in $(echo "${TUNE_ONLY:-causal}" | tr ',' ' '); do  # each case its own limit: a cut one keeps the others
+      step 300 "tune_attention_$c" env AXKERN_CACHE_DIR="$R/cache" python3 -m axkern tune attention --preset tpu \
+        --impl pallas_tpu --repeats 3 --write-table --json "$R/tune/attention_$c.json" --only "$c"
+    done
     cp src/axkern/ops/attention/tuned/tpu_*.json "$R/tune/" 2> /dev/null ||
       echo "tune_attention: no table written under src/axkern/ops/attention/tuned/" | tee -a "$R/steps.txt"
     ;;
