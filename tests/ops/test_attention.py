@@ -231,11 +231,14 @@ def test_pallas_gpu_takes_warps_and_stages_and_explain_shows_them():
 
 
 # bfloat16's window: test_full_tiles_stay_exact
-@pytest.mark.parametrize("kind,dtype", [*KERNEL_CASES, ("causal&segments", "bfloat16")])
+@pytest.mark.parametrize(
+    "kind,dtype",
+    [*KERNEL_CASES, ("causal&segments", "bfloat16"), ("prefix", "float32"), ("window|prefix", "bfloat16")],
+)
 def test_pallas_tpu_against_float64_oracle(kind, dtype):
     # TPU interpret mode; 16x16 tiles over lengths 37 and 53 (block-sparse schedule: causal and
-    # window rows have different tile counts; segments' schedule is built at run time per batch
-    # row); GQA 2; sinks and soft cap
+    # window rows have different tile counts; segments' and prefixes' schedules are built at
+    # run time per batch row); GQA 2; sinks and soft cap
     b, sq, sk = 2, 37, 53
     arrays = _inputs(30 + MASKS.index(kind), b, sq, sk, 4, 2, 16, dtype)
     check(arrays, _mask(kind, b, sq, sk), dtype, impl="pallas_tpu", sinks=kind != "full", cap=3.0)
@@ -243,7 +246,7 @@ def test_pallas_tpu_against_float64_oracle(kind, dtype):
 
 def test_pallas_tpu_rows_that_see_nothing_mqa_and_its_schedule():
     from axkern.ops.attention import common as tiles
-    from axkern.ops.attention import pallas_tpu
+    from axkern.ops.attention.pallas_tpu import schedules
 
     arrays = _inputs(8, 1, 40, 40, 4, 1, 16, "float32")  # MQA
     check(
@@ -255,29 +258,44 @@ def test_pallas_tpu_rows_that_see_nothing_mqa_and_its_schedule():
     # the schedule lists each row's non-empty tiles, padded by repeating the last; the counts
     # are followed by the partial counts (a window of 20 over 16-tiles has no FULL tile)
     kinds = masks.static_block_kinds(masks.SlidingWindow(20), 64, 64, 16, 16)[0]
-    table, counts, steps = pallas_tpu._schedule(kinds, 0, 1)
+    table, counts, steps = schedules.schedule(kinds, 0, 1)
     assert steps == 3 and counts.tolist() == [1, 2, 3, 3] * 2  # row 32 sees keys 13..32: blocks 0-2
     assert table.reshape(4, 3).tolist() == [[0, 0, 0], [0, 1, 1], [0, 1, 2], [1, 2, 3]]
     # causal: the partial diagonal tile first, then the FULL ones (no masking work)
     kinds = masks.static_block_kinds(masks.Causal(), 64, 64, 16, 16)[0]
-    table, counts, steps = pallas_tpu._schedule(kinds, 0, 1)
+    table, counts, steps = schedules.schedule(kinds, 0, 1)
     assert counts.tolist() == [1, 2, 3, 4] + [1, 1, 1, 1]
     assert table.reshape(4, 4).tolist() == [[0, 0, 0, 0], [1, 0, 0, 0], [2, 0, 1, 1], [3, 0, 1, 2]]
-    table, counts, steps = pallas_tpu._schedule(kinds, 1, 1)  # per kv block: its query blocks
+    table, counts, steps = schedules.schedule(kinds, 1, 1)  # per kv block: its query blocks
     assert counts.tolist() == [4, 3, 2, 1] + [1, 1, 1, 1]
     assert table.reshape(4, 4).tolist() == [[0, 1, 2, 3], [1, 2, 3, 3], [2, 3, 3, 3], [3, 3, 3, 3]]
     # packed documents: tiles between different documents leave each row's list at run time
     ids = jnp.asarray([[0] * 16 + [1] * 32 + [2] * 16, [0] * 64])
     overlap = tiles.segment_overlap((ids, ids), 64, 64, 16, 16)
     kinds = masks.static_block_kinds(masks.Causal(), 64, 64, 16, 16)[0]
-    table, counts, steps = pallas_tpu._schedule(kinds, 0, 2, overlap)
+    table, counts, steps = schedules.schedule(kinds, 0, 2, jnp.asarray(kinds != masks.EMPTY)[None] & overlap)
     assert steps == 4 and counts.tolist() == [1, 1, 2, 1, 1, 2, 3, 4] * 2  # all partial: ids compared
     assert table.reshape(2, 4, 4)[0].tolist() == [[0, 0, 0, 0], [1, 1, 1, 1], [1, 2, 2, 2], [3, 3, 3, 3]]
+    # a prefix-LM mask: causal's tiles and those below each row's prefix (40 keys: blocks 0-2,
+    # 0-1 whole; none), partial first; the counts are followed by the prefix lengths
+    cfg = tiles.Static(16, 16, 1.0, None, True)
+    arrays = (None, jnp.asarray([40, 0], jnp.int32))
+    table, counts, steps = schedules.plan(cfg, masks.Causal(), arrays, 2, 64, 64, 64, 64, 0)
+    assert steps == 4
+    assert counts.tolist() == [3, 3, 3, 4] + [1, 2, 3, 4] + [1, 1, 1, 1] * 2 + [40, 0]
+    assert table.reshape(2, 4, 4)[0].tolist() == [[2, 0, 1, 1], [2, 0, 1, 1], [2, 0, 1, 1], [3, 0, 1, 2]]
+    table, counts, steps = schedules.plan(cfg, masks.Causal(), arrays, 2, 64, 64, 64, 64, 1)  # per kv block
+    assert counts.tolist() == [4, 4, 4, 1] + [4, 3, 2, 1] + [0, 0, 3, 1] + [1, 1, 1, 1] + [40, 0]
     a = _inputs(0, 1, 32, 32, 2, 2, 16, "float32")
     with axkern.use(interpret=True):
-        with pytest.raises(axkern.Unsupported, match="static masks and Segments & a static mask"):
+        ids = jnp.zeros((1, 32), jnp.int32)
+        with pytest.raises(axkern.Unsupported, match="PrefixLM alone or | a static mask"):
             attention(
-                a["q"], a["k"], a["v"], mask=masks.PrefixLM(jnp.asarray([3])), implementation="pallas_tpu"
+                a["q"],
+                a["k"],
+                a["v"],
+                mask=masks.PrefixLM(jnp.asarray([3])) & masks.Segments(ids, ids),
+                implementation="pallas_tpu",
             )
         with pytest.raises(axkern.Unsupported, match="block_q=12: TPU blocks need a multiple of 8"):
             attention(

@@ -249,7 +249,7 @@ def test_prefix_lengths_beyond_int32_keep_their_meaning():
         np.testing.assert_array_equal(_inside(got), _inside(schedules.operands([small], 3, 32, 48)))
 
 
-@pytest.mark.parametrize("impl", ["xla", "reference"])
+@pytest.mark.parametrize("impl", ["xla", "reference", "pallas_tpu"])
 def test_prefix_lengths_past_int32_in_uint32_keep_their_meaning_in_attention(impl):
     a = _inputs(3, 2, SQ, SK, 2, 1, 16, "float32")
     want = _out_and_grads("reference", masks.PrefixLM(jnp.array([SK, 3])), a)

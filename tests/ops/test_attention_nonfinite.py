@@ -142,6 +142,16 @@ def test_a_nan_in_v_reaches_only_the_queries_that_see_it(impl):
 
 
 @pytest.mark.parametrize("impl", IMPLS)
+def test_a_nan_in_v_inside_a_prefix_reaches_every_query(impl):
+    a = _inputs(4)
+    a["v"] = poke(a["v"], (0, 6, 0, 3), np.nan)  # key 6, feature 3: inside a prefix of 10 keys
+    out, _ = _against_reference(impl, a, masks.PrefixLM(jnp.asarray([10])))
+    assert np.isnan(np.asarray(out)[0, :, :, 3]).all()
+    out, _ = _against_reference(impl, a, masks.PrefixLM(jnp.asarray([3])))  # outside: as causal
+    assert np.isfinite(np.asarray(out)[0, :6]).all() and np.isnan(np.asarray(out)[0, 6:, :, 3]).all()
+
+
+@pytest.mark.parametrize("impl", IMPLS)
 def test_a_nan_in_v_reaches_the_sinks_gradient_only_through_queries_that_see_it(impl):
     a = _inputs(4)
     a["v"] = poke(a["v"], (0, 6, 0, 3), np.nan)  # key 6 of the one kv head
@@ -174,7 +184,7 @@ def test_a_row_that_sees_nothing_stays_zero_next_to_a_nan(impl):
 @given(
     sq=st.sampled_from([0, 1, 17]),
     sk=st.sampled_from([1, 20, 33]),
-    kind=st.sampled_from(["causal", "window", "full", "segments"]),
+    kind=st.sampled_from(["causal", "window", "full", "segments", "prefix"]),
     where=st.sampled_from(["q", "k", "v", "sinks"]),
     value=st.sampled_from([np.nan, np.inf, -np.inf]),
     seed=st.integers(0, 2**16),
@@ -190,6 +200,7 @@ def test_property_non_finite_pattern_matches_the_reference(impl, sq, sk, kind, w
         "window": masks.SlidingWindow(5, offset=sk - sq),
         "full": masks.Full(),
         "segments": masks.Segments(ids(sq), ids(sk)),
+        "prefix": masks.PrefixLM(jnp.asarray([int(rng.integers(0, sk + 1))])),
     }[kind]
     _against_reference(impl, a, mask, drawn=True, sinks=where == "sinks")
 

@@ -129,10 +129,14 @@ def tile_scores(cfg, q, k):
     return s
 
 
-def visible(mask, qi, kj, sk, ids=None):
-    """Where a partial tile is visible: the static mask, the key length and, with segments,
-    equal ids (`ids = (q ids [bq], k ids [bk])`)."""
-    vis = mask.visible_2d(qi, kj) & (kj < sk)[None, :]
+def visible(mask, qi, kj, sk, ids=None, prefix=None):
+    """Where a partial tile is visible: the static mask (or, with a batch row's `prefix` length,
+    the keys below it too), the key length and, with segments, equal ids (`ids = (q ids [bq],
+    k ids [bk])`)."""
+    vis = mask.visible_2d(qi, kj)
+    if prefix is not None:
+        vis = vis | (kj < prefix)[None, :]
+    vis = vis & (kj < sk)[None, :]
     if ids is not None:
         vis = vis & (ids[0][:, None] == ids[1][None, :])
     return vis

@@ -37,9 +37,16 @@ the schedule is then computed at run time per batch row (a tile stays in a row's
 the static mask leaves it non-empty and the id ranges of its query and key blocks overlap),
 padded to the static mask's longest list, and the kernels compare the ids inside each tile.
 
-**Constraints.** Static masks, or `Segments` `&` a static mask (`PrefixLM`, `Dense` and other
-array masks fall back to `xla`); blocks multiples of 8 (sublanes). On a real TPU blocks of
-128 or more keep the MXU busy.
+**Prefix-LM.** `PrefixLM(lengths)` is `Causal() | keys below the row's prefix`; alone or `|` a
+static mask, the static part is that mask `| Causal()` and the schedule is built at run time:
+a row's tiles are the static part's and those whose first key lies below its prefix, the ones
+wholly below it (and within both lengths) need no masking, and every row may take all the
+blocks. The prefix lengths follow the counts in the scalar-prefetch table; a partial tile
+shows its keys below the row's prefix too.
+
+**Constraints.** Static masks, `Segments` `&` a static mask, `PrefixLM` alone or `|` a static
+mask (`Dense` and other array masks fall back to `xla`); blocks multiples of 8 (sublanes). On
+a real TPU blocks of 128 or more keep the MXU busy.
 """
 
 from __future__ import annotations
@@ -48,49 +55,17 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from axkern import masks as masks_
 from axkern.core.kernels import dot as _dot
 from axkern.core.kernels import row_dot
 from axkern.core.op import Implementation, Unsupported
 
-from . import common as tiles
-from .blocks import TPU_SUBLANES as SUBLANES
-from .blocks import AttentionBlockSizes, pallas_tpu_heuristic, pallas_tpu_space, pallas_tpu_vmem_limit
-
-
-def _schedule(kinds, axis, batch, overlap=None):
-    """Flattened `[batch, n, steps]` table of each row's non-empty blocks, partial ones first,
-    then `FULL` ones (padded by repeating the last), the flattened `[batch, n]` counts followed
-    by the counts of partial blocks (`2·batch·n` int32: a row's steps past its partial count
-    run without masking work), and `steps` (the static mask's longest list, at least 1).
-    `overlap [batch, nq, nk]` (traced) further empties tiles whose segments differ; then
-    every tile is partial (their ids are compared)."""
-    kinds = np.asarray(kinds)
-    if axis == 1:
-        kinds = kinds.T
-    nonempty = kinds != masks_.EMPTY
-    counts = nonempty.sum(1).astype(np.int32)
-    steps = max(1, int(counts.max(initial=0)))
-    if overlap is None:
-        table = np.zeros((nonempty.shape[0], steps), np.int32)
-        for r, row in enumerate(kinds):
-            cols = np.concatenate([np.flatnonzero(row == masks_.PARTIAL), np.flatnonzero(row == masks_.FULL)])
-            if cols.size:
-                table[r, : cols.size] = cols
-                table[r, cols.size :] = cols[-1]
-        partial = (kinds == masks_.PARTIAL).sum(1).astype(np.int32)
-        tile = lambda a: np.tile(a.reshape(-1), batch)  # noqa: E731
-        return jnp.asarray(tile(table)), jnp.asarray(np.concatenate([tile(counts), tile(partial)])), steps
-    ne = jnp.asarray(nonempty)[None] & (overlap if axis == 0 else jnp.swapaxes(overlap, 1, 2))
-    counts = ne.sum(-1).astype(jnp.int32)
-    order = jnp.argsort(~ne, axis=-1, stable=True)[..., :steps].astype(jnp.int32)  # non-empty first
-    last = jnp.take_along_axis(order, jnp.maximum(counts - 1, 0)[..., None], axis=-1)
-    table = jnp.where(jnp.arange(steps) < counts[..., None], order, last)
-    return table.reshape(-1), jnp.concatenate([counts.reshape(-1)] * 2), steps
+from .. import common as tiles
+from ..blocks import TPU_SUBLANES as SUBLANES
+from ..blocks import AttentionBlockSizes, pallas_tpu_heuristic, pallas_tpu_space, pallas_tpu_vmem_limit
+from .schedules import plan, split_prefix
 
 
 def _tile_steps(count_ref, row, rows, s, update):
@@ -144,6 +119,7 @@ def _fwd_kernel(
     steps,
     has_sinks,
     segments,
+    prefix,
     nq,
     rows,
 ):
@@ -151,6 +127,7 @@ def _fwd_kernel(
     o_ref, lse_ref, *lo_ref, m_sc, l_sc, acc_sc = rest[2:] if segments else rest
     b, i, s = pl.program_id(0), pl.program_id(2), pl.program_id(3)
     row = b * nq + i
+    pre = count_ref[2 * rows + b] if prefix else None  # the row's prefix length
 
     @pl.when(s == 0)
     def _():
@@ -163,7 +140,7 @@ def _fwd_kernel(
         sc = tiles.tile_scores(cfg, q_ref[...], k_ref[...])
         if masked:
             qi, kj, ids = _tile(i, j, cfg, qid_ref, kid_ref)
-            vis = tiles.visible(mask, qi, kj, sk, ids)
+            vis = tiles.visible(mask, qi, kj, sk, ids, pre)
             sc = jnp.where(vis, sc, -jnp.inf)
         m = m_sc[...]
         m_new = jnp.maximum(m, jnp.max(sc, axis=1, keepdims=True))
@@ -212,6 +189,7 @@ def _dq_kernel(
     sk,
     steps,
     segments,
+    prefix,
     nq,
     rows,
     has_sinks,
@@ -222,6 +200,7 @@ def _dq_kernel(
     (dq_ref, pdp_ref, dq_sc, pdp_sc) = rest if has_sinks else (rest[0], None, rest[1], None)
     b, i, s = pl.program_id(0), pl.program_id(2), pl.program_id(3)
     row = b * nq + i
+    pre = count_ref[2 * rows + b] if prefix else None  # the row's prefix length
 
     @pl.when(s == 0)
     def _():
@@ -235,7 +214,7 @@ def _dq_kernel(
         vis = None
         if masked:
             qi, kj, ids = _tile(i, j, cfg, qid_ref, kid_ref)
-            vis = tiles.seen_rows(tiles.visible(mask, qi, kj, sk, ids), lse_ref[...][:, 0])
+            vis = tiles.seen_rows(tiles.visible(mask, qi, kj, sk, ids, pre), lse_ref[...][:, 0])
         sc, p = tiles.probs(cfg, q, k, lse_ref[...][:, 0], vis)
         dp = _dot(do, v, trans_b=True)
         if has_sinks:
@@ -267,6 +246,7 @@ def _dkv_kernel(
     sk,
     steps,
     segments,
+    prefix,
     nk,
     rows,
 ):
@@ -274,6 +254,7 @@ def _dkv_kernel(
     dk_ref, dv_ref, dk_sc, dv_sc = rest[2:] if segments else rest
     b, j, s = pl.program_id(0), pl.program_id(2), pl.program_id(3)
     row = b * nk + j
+    pre = count_ref[2 * rows + b] if prefix else None
 
     @pl.when(s == 0)
     def _():
@@ -286,7 +267,7 @@ def _dkv_kernel(
         vis = None
         if masked:
             qi, kj, ids = _tile(i, j, cfg, qid_ref, kid_ref)
-            vis = tiles.seen_rows(tiles.visible(mask, qi, kj, sk, ids), lse_ref[...][:, 0])
+            vis = tiles.seen_rows(tiles.visible(mask, qi, kj, sk, ids, pre), lse_ref[...][:, 0])
         sc, p = tiles.probs(cfg, q, k, lse_ref[...][:, 0], vis)
         dv_sc[...] += _dot(p.astype(do.dtype), do, trans_a=True)
         ds = tiles.ds(cfg, sc, p, _dot(do, v, trans_b=True), delta_ref[...][:, 0], vis)
@@ -298,14 +279,6 @@ def _dkv_kernel(
     def _():
         dk_ref[...] = dk_sc[...]
         dv_ref[...] = dv_sc[...]
-
-
-def _plan(cfg, mask, seg_ids, b, sq, sk, sqp, skp, axis):
-    """The schedule for grid rows over q blocks (`axis` 0) or kv blocks (1)."""
-    bq, bk = cfg.block_q, cfg.block_kv
-    kinds = masks_.static_block_kinds(mask, sq, sk, bq, bk)[0]
-    overlap = None if seg_ids is None else tiles.segment_overlap(seg_ids, sqp, skp, bq, bk)
-    return _schedule(kinds, axis, b, overlap)
 
 
 def _id_inputs(seg_ids, sqp, skp, q_index, k_index, bq, bk):
@@ -322,12 +295,13 @@ def _id_inputs(seg_ids, sqp, skp, q_index, k_index, bq, bk):
     return [q_ids, kv_ids], specs
 
 
-def _forward(cfg, q, k, v, sinks, seg_ids, mask, *, lo=False):
+def _forward(cfg, q, k, v, sinks, arrays, mask, *, lo=False):
     qt, kt, vt, (b, sq, sk, h, kvh, sqp, skp) = tiles.layout(q, k, v, cfg)
     g = h // kvh
     bq, bk, d, dv = cfg.block_q, cfg.block_kv, q.shape[3], v.shape[3]
     nq = sqp // bq
-    table, counts, steps = _plan(cfg, mask, seg_ids, b, sq, sk, sqp, skp, 0)
+    seg_ids = arrays[0]
+    table, counts, steps = plan(cfg, mask, arrays, b, sq, sk, sqp, skp, 0)
     kv_block = lambda b_, i, s, t: t[(b_ * nq + i) * steps + s]  # noqa: E731
     has_sinks = sinks is not None
     sink_arr = jnp.broadcast_to(
@@ -349,6 +323,7 @@ def _forward(cfg, q, k, v, sinks, seg_ids, mask, *, lo=False):
             steps=steps,
             has_sinks=has_sinks,
             segments=seg_ids is not None,
+            prefix=arrays[1] is not None,
             nq=nq,
             rows=b * nq,
         ),
@@ -386,12 +361,20 @@ def attention(
     for name, n in (("block_q", block_sizes.block_q), ("block_kv", block_sizes.block_kv)):
         if n % SUBLANES:
             raise Unsupported(f"{name}={n}: TPU blocks need a multiple of {SUBLANES} (sublanes)")
-    cfg, seg_ids, static = tiles.prepare(mask, block_sizes, scale, logits_soft_cap, interpret)
-    return tiles.maybe_lse(_attention(cfg, q, k, v, sinks, seg_ids, static), return_lse)
+    mask, prefix = split_prefix(mask)
+    try:
+        cfg, seg_ids, static = tiles.prepare(mask, block_sizes, scale, logits_soft_cap, interpret)
+    except Unsupported:
+        raise Unsupported(
+            f"{mask!r} holds arrays; pallas_tpu takes static masks, Segments & a static mask, and "
+            "PrefixLM alone or | a static mask"
+        ) from None
+    return tiles.maybe_lse(_attention(cfg, q, k, v, sinks, (seg_ids, prefix), static), return_lse)
 
 
 def _attention_bwd(cfg, mask, res, d_out, d_lse):
-    q, k, v, sinks, seg_ids, o, lse, lo = res
+    q, k, v, sinks, arrays, o, lse, lo = res
+    seg_ids, prefix = arrays[0], arrays[1] is not None
     qt, kt, vt, (b, sq, sk, h, kvh, sqp, skp) = tiles.layout(q, k, v, cfg)
     lse = tiles.padded_rows(lse, sq, -jnp.inf)
     g = h // kvh
@@ -403,7 +386,7 @@ def _attention_bwd(cfg, mask, res, d_out, d_lse):
     delta = tiles.padded_rows(delta, sq, 0.0) - d_lse[..., None]  # `lse`'s cotangent joins delta
     own = lambda n, w: pl.BlockSpec((None, None, n, w), lambda b_, h_, x, s, t, c: (b_, h_, x, 0))  # noqa: E731
 
-    q_table, q_counts, q_steps = _plan(cfg, mask, seg_ids, b, sq, sk, sqp, skp, 0)
+    q_table, q_counts, q_steps = plan(cfg, mask, arrays, b, sq, sk, sqp, skp, 0)
     kv_block = lambda b_, i, s, t: t[(b_ * nq + i) * q_steps + s]  # noqa: E731
     kv_of_q = lambda w: pl.BlockSpec(  # noqa: E731
         (None, None, bk, w), lambda b_, h_, i, s, t, c: (b_, h_ // g, kv_block(b_, i, s, t), 0)
@@ -420,6 +403,7 @@ def _attention_bwd(cfg, mask, res, d_out, d_lse):
             sk=sk,
             steps=q_steps,
             segments=segments,
+            prefix=prefix,
             nq=nq,
             rows=b * nq,
             has_sinks=has_sinks,
@@ -440,7 +424,7 @@ def _attention_bwd(cfg, mask, res, d_out, d_lse):
         *ids,
     )
 
-    k_table, k_counts, k_steps = _plan(cfg, mask, seg_ids, b, sq, sk, sqp, skp, 1)
+    k_table, k_counts, k_steps = plan(cfg, mask, arrays, b, sq, sk, sqp, skp, 1)
     q_block = lambda b_, j, s, t: t[(b_ * nk + j) * k_steps + s]  # noqa: E731
     q_of_kv = lambda w: pl.BlockSpec(  # noqa: E731
         (None, None, bq, w), lambda b_, h_, j, s, t, c: (b_, h_, q_block(b_, j, s, t), 0)
@@ -450,7 +434,15 @@ def _attention_bwd(cfg, mask, res, d_out, d_lse):
     dk, dvv = _call(
         cfg,
         functools.partial(
-            _dkv_kernel, cfg=cfg, mask=mask, sk=sk, steps=k_steps, segments=segments, nk=nk, rows=b * nk
+            _dkv_kernel,
+            cfg=cfg,
+            mask=mask,
+            sk=sk,
+            steps=k_steps,
+            segments=segments,
+            prefix=prefix,
+            nk=nk,
+            rows=b * nk,
         ),
         (b, h, nk, k_steps),
         [q_of_kv(d), kv_own(d), kv_own(dv), q_of_kv(dv), q_of_kv(1), q_of_kv(1), *id_specs],
