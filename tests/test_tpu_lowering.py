@@ -73,6 +73,7 @@ ATTENTION = {
     ),
     "prefix-LM, sinks d128": (2048, 2048, 8, 2, 128, "prefix", None, True, False),
     "window | prefix-LM d128": (2048, 2048, 8, 2, 128, "window | prefix", None, False, False),
+    "prefix-LM & documents d128": (2048, 2048, 8, 2, 128, "prefix & documents", None, False, False),
     "soft cap q<kv d64 mqa": (512, 768, 8, 1, 64, masks.Full(), 30.0, False, False),
     "causal ragged d64": (1000, 1000, 8, 2, 64, masks.Causal(), 50.0, True, True),
     "causal d256": (2048, 2048, 4, 2, 256, masks.Causal(), None, False, False),
@@ -91,7 +92,10 @@ def test_attention(case, dtype):
         m = mask
         if isinstance(mask, str) and "prefix" in mask:  # traced prefix lengths
             m = masks.PrefixLM(jnp.full((b,), sq // 3, jnp.int32) + jnp.arange(b, dtype=jnp.int32))
-            m = m if mask == "prefix" else masks.SlidingWindow(256) | m
+            if mask == "window | prefix":
+                m = masks.SlidingWindow(256) | m
+            elif mask == "prefix & documents":
+                m = m & masks.Segments(_ids(b, sq), _ids(b, sk))
         elif isinstance(mask, str):
             ids = masks.Segments(_ids(b, sq), _ids(b, sk))
             m = ids if mask == "documents only" else ids & masks.Causal()

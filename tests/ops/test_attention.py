@@ -36,6 +36,7 @@ def _mask(kind, b, sq, sk):
         "prefix": masks.PrefixLM(jnp.array([3, 20][:b])),
         "causal&segments": masks.Causal(offset=sk - sq) & masks.Segments(seg_q, seg_k),
         "window|prefix": masks.SlidingWindow(4) | masks.PrefixLM(jnp.array([5, 0][:b])),
+        "prefix&segments": masks.PrefixLM(jnp.array([20, 2][:b])) & masks.Segments(seg_q, seg_k),
     }[kind]
 
 
@@ -57,6 +58,7 @@ MASKS = [
     "causal&segments",
     "window|prefix",
     "two-sided window",
+    "prefix&segments",
 ]
 
 
@@ -233,7 +235,13 @@ def test_pallas_gpu_takes_warps_and_stages_and_explain_shows_them():
 # bfloat16's window: test_full_tiles_stay_exact
 @pytest.mark.parametrize(
     "kind,dtype",
-    [*KERNEL_CASES, ("causal&segments", "bfloat16"), ("prefix", "float32"), ("window|prefix", "bfloat16")],
+    [
+        *KERNEL_CASES,
+        ("causal&segments", "bfloat16"),
+        ("prefix", "float32"),
+        ("window|prefix", "bfloat16"),
+        ("prefix&segments", "float32"),
+    ],
 )
 def test_pallas_tpu_against_float64_oracle(kind, dtype):
     # TPU interpret mode; 16x16 tiles over lengths 37 and 53 (block-sparse schedule: causal and
@@ -288,13 +296,12 @@ def test_pallas_tpu_rows_that_see_nothing_mqa_and_its_schedule():
     assert counts.tolist() == [4, 4, 4, 1] + [4, 3, 2, 1] + [0, 0, 3, 1] + [1, 1, 1, 1] + [40, 0]
     a = _inputs(0, 1, 32, 32, 2, 2, 16, "float32")
     with axkern.use(interpret=True):
-        ids = jnp.zeros((1, 32), jnp.int32)
-        with pytest.raises(axkern.Unsupported, match="PrefixLM alone or | a static mask"):
+        with pytest.raises(axkern.Unsupported, match="PrefixLM alone or | a static mask, either & Segments"):
             attention(
                 a["q"],
                 a["k"],
                 a["v"],
-                mask=masks.PrefixLM(jnp.asarray([3])) & masks.Segments(ids, ids),
+                mask=masks.PrefixLM(jnp.asarray([3])) & masks.SlidingWindow(8),
                 implementation="pallas_tpu",
             )
         with pytest.raises(axkern.Unsupported, match="block_q=12: TPU blocks need a multiple of 8"):

@@ -4,8 +4,9 @@ the Pallas TPU kernel takes (causal, full, a sliding window, packed documents & 
 block-sparse mask: a look-ahead window, a band half the length back and everything beyond three
 quarters, with empty tiles between them), GQA and MQA, head dim 256, sinks, the soft cap,
 `return_lse` with rows that see nothing; bf16 and float32. A NaN in `v` under the causal mask and
-an infinity in `k` under a sliding window reach exactly what they reach in the oracle. A prefix-LM
-mask where the kernel serves it (skipped with the dispatcher's reason otherwise).
+an infinity in `k` under a sliding window reach exactly what they reach in the oracle. Prefix-LM
+masks (alone, `|` a window, `&` packed documents) where the kernel serves them (skipped with the
+dispatcher's reason otherwise).
 
 The float32 cases and those with sinks (float32 parameters) take the float64 oracle on the host
 (tests/tpu/chip.py), so their sizes keep the oracle's `[B, KVH, G, Sq, Sk, D]` products near
@@ -63,6 +64,10 @@ def _mask(kind, b, sq, sk):
             | masks.Causal(offset=-(3 * sq // 4))
         ),
         "prefix": lambda: masks.PrefixLM(jnp.asarray([sq // 3, 0][:b] + [5] * (b - 2))),
+        "prefix|window": lambda: (
+            masks.SlidingWindow(w) | masks.PrefixLM(jnp.asarray([sq // 3, 0][:b] + [5] * (b - 2)))
+        ),
+        "prefix&segments": lambda: masks.PrefixLM(jnp.asarray([sq // 2] * b)) & masks.Segments(ids, ids),
         "rows that see nothing": lambda: masks.Causal(offset=-20),
     }[kind]()
 
@@ -158,12 +163,13 @@ def test_an_infinity_in_k_reaches_only_the_queries_whose_window_holds_its_key():
     assert np.array_equal(rows, np.arange(key, min(sq, key + w))), f"NaN in rows {rows} for key {key}"
 
 
-def test_prefix_lm_where_served():
-    """A prefix-LM mask (arrays): checked where `pallas_tpu` serves it; the dispatcher's refusal
+@pytest.mark.parametrize("kind", ["prefix", "prefix|window", "prefix&segments"])
+def test_prefix_lm_where_served(kind):
+    """Prefix-LM masks (arrays): checked where `pallas_tpu` serves them; the dispatcher's refusal
     is asked first (nothing compiles for a case the kernel does not take)."""
     b, sq, sk, h, kvh, d = LAYER
     arrays = inputs(9, *LAYER, "bfloat16")
-    mask = _mask("prefix", b, sq, sk)
+    mask = _mask(kind, b, sq, sk)
     with serving("pallas_tpu"):
         axkern.explain(
             lambda q, k, v: attention(q, k, v, mask=mask, implementation="pallas_tpu"),
@@ -176,7 +182,7 @@ def test_prefix_lm_where_served():
             "pallas_tpu",
             arrays,
             "bfloat16",
-            "attention prefix bfloat16",
+            f"attention {kind} bfloat16",
             mask=mask,
             blocks=None,
             sinks=False,

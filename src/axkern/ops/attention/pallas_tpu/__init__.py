@@ -42,10 +42,12 @@ static mask, the static part is that mask `| Causal()` and the schedule is built
 a row's tiles are the static part's and those whose first key lies below its prefix, the ones
 wholly below it (and within both lengths) need no masking, and every row may take all the
 blocks. The prefix lengths follow the counts in the scalar-prefetch table; a partial tile
-shows its keys below the row's prefix too.
+shows its keys below the row's prefix too. `& Segments` keeps the tiles whose id ranges
+overlap, all of them partial (ids compared).
 
 **Constraints.** Static masks, `Segments` `&` a static mask, `PrefixLM` alone or `|` a static
-mask (`Dense` and other array masks fall back to `xla`); blocks multiples of 8 (sublanes). On
+mask, either `&` `Segments` (`Dense` and other array masks fall back to `xla`); blocks
+multiples of 8 (sublanes). On
 a real TPU blocks of 128 or more keep the MXU busy.
 """
 
@@ -367,7 +369,7 @@ def attention(
     except Unsupported:
         raise Unsupported(
             f"{mask!r} holds arrays; pallas_tpu takes static masks, Segments & a static mask, and "
-            "PrefixLM alone or | a static mask"
+            "PrefixLM alone or | a static mask, either & Segments"
         ) from None
     return tiles.maybe_lse(_attention(cfg, q, k, v, sinks, (seg_ids, prefix), static), return_lse)
 

@@ -72,13 +72,22 @@ def plan(cfg, mask, arrays, b, sq, sk, sqp, skp, axis):
     queries_whole = jnp.asarray((np.arange(nq) + 1) * bq <= sq)[None, :, None]
     nonempty = jnp.asarray(kinds != masks_.EMPTY)[None] | some[:, None, :]
     full = jnp.asarray(kinds == masks_.FULL)[None] | (every[:, None, :] & queries_whole)
+    if seg_ids is not None:  # and packed documents: their overlap, every tile partial
+        nonempty, full = nonempty & tiles.segment_overlap(seg_ids, sqp, skp, bq, bk), None
     table, counts, steps = schedule(np.ones_like(kinds), axis, b, nonempty, full)
     return table, jnp.concatenate([counts, prefix]), steps
 
 
 def split_prefix(mask):
     """`(static mask, int32 prefix lengths)` for `PrefixLM` alone or `|` a static mask (the
-    prefix's keys join the static mask's `Causal()`), else `(mask, None)`."""
+    prefix's keys join the static mask's `Causal()`), and `(Segments & static mask, lengths)`
+    for either `&` `Segments`; else `(mask, None)`."""
+    if type(mask) is masks_.And:
+        for seg, rest in ((mask.a, mask.b), (mask.b, mask.a)):
+            if isinstance(seg, masks_.Segments):
+                static, prefix = split_prefix(rest)
+                if prefix is not None:
+                    return seg & static, prefix
     parts = [mask] if isinstance(mask, masks_.PrefixLM) else []
     if type(mask) is masks_.Or:
         for pre, rest in ((mask.a, mask.b), (mask.b, mask.a)):
