@@ -272,7 +272,8 @@ def pallas_tpu_vmem_bytes(block_q: int, block_kv: int, head_dim: int, v_dim: int
     `o` and what its rounding lost in the inputs' dtype, float32 `dq`, `dk`, `dv`; `lse`, `delta`
     and the query ids as `[block_q, 1]` columns, which take 128 lanes each, the key ids as a
     `[1, block_kv]` row of 8 sublanes), the float32 scratch (the forward's running max and sum,
-    128 lanes each, and its accumulator; the backward's accumulators), and three float32
+    128 lanes each, and its accumulator; the backward's accumulators; with sinks the `dq`
+    kernel's `Σ p·dp` column, output and scratch, counted always), and three float32
     `[block_q, block_kv]` tiles live at once (scores, probabilities, `dp` or `ds`; a partial
     tile's mask and the 16-bit copies of `p` and `ds` take the room of a fourth at most, which the
     estimate leaves out)."""
@@ -280,7 +281,7 @@ def pallas_tpu_vmem_bytes(block_q: int, block_kv: int, head_dim: int, v_dim: int
     column = bq * 128 * 4  # a [block_q, 1] float32 (or int32) column
     ids = 2 * column + 2 * 8 * bk * 4
     forward = 2 * (bq * d + bk * d + bk * dv + 2 * bq * dv) * e + 2 * column + ids + 2 * column + bq * dv * 4
-    dq = 2 * (bq * d + bk * d + bk * dv + bq * dv) * e + 4 * column + ids + 3 * bq * d * 4
+    dq = 2 * (bq * d + bk * d + bk * dv + bq * dv) * e + 7 * column + ids + 3 * bq * d * 4
     dkv = 2 * (bq * d + bk * d + bk * dv + bq * dv) * e + 4 * column + ids + 3 * bk * (d + dv) * 4
     return max(forward, dq, dkv) + 3 * bq * bk * 4
 
