@@ -259,7 +259,9 @@ def flash_vjp(forward, backward):
     residuals, d_out, d_lse)` (`d_lse` `[B, H, Sqp]` float32, 0 on the padding:
     `lse_cotangent`). The function returns `(out [B, Sq, H, Dv], lse [B, Sq, H])` (`public_lse`).
     `lo`: whether the forward also writes what rounding `o` lost, asked for the residuals when
-    there are sinks and `o` has 16 bits (`unrounded`)."""
+    there are sinks and `o` has 16 bits (`unrounded`). `seg_ids` is whatever mask arrays the
+    backend's kernels take (`pallas_tpu`: the segment ids and the prefix lengths, each or None);
+    they get no cotangent."""
 
     @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 6))
     def fn(cfg, q, k, v, sinks, seg_ids, mask):

@@ -363,9 +363,9 @@ def attention(
     for name, n in (("block_q", block_sizes.block_q), ("block_kv", block_sizes.block_kv)):
         if n % SUBLANES:
             raise Unsupported(f"{name}={n}: TPU blocks need a multiple of {SUBLANES} (sublanes)")
-    mask, prefix = split_prefix(mask)
+    static, prefix = split_prefix(mask)
     try:
-        cfg, seg_ids, static = tiles.prepare(mask, block_sizes, scale, logits_soft_cap, interpret)
+        cfg, seg_ids, static = tiles.prepare(static, block_sizes, scale, logits_soft_cap, interpret)
     except Unsupported:
         raise Unsupported(
             f"{mask!r} holds arrays; pallas_tpu takes static masks, Segments & a static mask, and "
