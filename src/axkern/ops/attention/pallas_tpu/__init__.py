@@ -30,7 +30,7 @@ in XLA; `dsink` in XLA, its `delta` summed as `Σ_j p_j dp_j` by the `dq` kernel
 times that backward (both backward kernels recompute the scores); bytes: `q`, `o` once per
 head, a `k`, `v` block per non-empty tile (double-buffered DMA; a repeated index fetches
 nothing), float32 `dk`, `dv` per query head before the group sum. The schedule tables live in
-SMEM: `B·n·steps` int32 each.
+SMEM: `B·n·steps` int32 each, and the counts `2·B·n` (with a prefix `+ B`).
 
 **Packed documents.** `Segments(q_ids, kv_ids)`, alone or `&` a static mask, is served too:
 the schedule is then computed at run time per batch row (a tile stays in a row's list when
@@ -47,8 +47,7 @@ overlap, all of them partial (ids compared).
 
 **Constraints.** Static masks, `Segments` `&` a static mask, `PrefixLM` alone or `|` a static
 mask, either `&` `Segments` (`Dense` and other array masks fall back to `xla`); blocks
-multiples of 8 (sublanes). On
-a real TPU blocks of 128 or more keep the MXU busy.
+multiples of 8 (sublanes). On a real TPU blocks of 128 or more keep the MXU busy.
 """
 
 from __future__ import annotations

@@ -54,8 +54,8 @@ def plan(cfg, mask, arrays, b, sq, sk, sqp, skp, axis):
     counts are followed by each batch row's prefix length (`[B]` int32, the kernels read it)."""
     bq, bk = cfg.block_q, cfg.block_kv
     seg_ids, prefix = arrays
+    kinds = masks_.static_block_kinds(mask, sq, sk, bq, bk)[0]
     if prefix is None:
-        kinds = masks_.static_block_kinds(mask, sq, sk, bq, bk)[0]
         if seg_ids is None:
             return schedule(kinds, axis, b)
         # with packed documents every tile is partial (ids are compared)
@@ -64,7 +64,6 @@ def plan(cfg, mask, arrays, b, sq, sk, sqp, skp, axis):
     # `mask | keys below the prefix`: the static mask's tiles, and those whose first key lies
     # below the row's prefix; full where the static mask's are, or where every key of the tile
     # lies below the prefix and within the keys (and every query within the queries)
-    kinds = masks_.static_block_kinds(mask, sq, sk, bq, bk)[0]
     nq, nk = kinds.shape
     first = jnp.arange(nk) * bk
     some = first[None, :] < prefix[:, None]  # [B, nk]
