@@ -22,6 +22,7 @@ from axkern.positional import fused_cross_entropy_loss as ce_loss
 from tests.cases.fused_cross_entropy import OPTIONS, make, run, run_loss
 from tests.harness import check_rules, implementations, oracle
 from tests.helpers import assert_oracle_rule, to64, x64
+from tests.tpu_lowering import lower_for_tpu
 
 
 def ce(*args, **kwargs):
@@ -37,13 +38,15 @@ def inputs(seed, n, d, v, dtype="float32"):
 
 # every implementation that runs here (the Pallas kernels in interpret mode), each with tiles
 # that divide none of the case's sizes: several token blocks and vocabulary tiles, the last of
-# each ragged; pallas_gpu's vocabulary tiles shared unevenly by its splits (2 and 1)
+# each ragged; pallas_gpu's vocabulary tiles shared unevenly by its splits (2 and 1). pallas_tpu's
+# token tiles are lane vectors (multiples of 128): one tile of the whole 70 here, several ragged
+# ones in `test_pallas_tpu_over_ragged_token_tiles`
 IMPLS = implementations("fused_cross_entropy", "cpu", interpret=True)
 COMPILED = implementations("fused_cross_entropy", "cpu")
 TILES = {
     "xla": CrossEntropyBlockSizes(block_tokens=32, block_vocab=96),
     "pallas_gpu": CrossEntropyBlockSizes(block_tokens=32, block_vocab=128, block_embed=64, vocab_splits=2),
-    "pallas_tpu": CrossEntropyBlockSizes(block_tokens=32, block_vocab=128, block_embed=128),
+    "pallas_tpu": CrossEntropyBlockSizes(block_tokens=128, block_vocab=128),
 }
 DTYPES = ["float32", "bfloat16"]
 
@@ -81,20 +84,33 @@ def test_options_outside_the_kernels_against_oracle(option):
     check(COMPILED, 4, 70, 150, 300, "float32", option)
 
 
+@pytest.mark.parametrize("dtype,option", [("float32", "all"), ("bfloat16", "soft_cap")])
+def test_pallas_tpu_over_ragged_token_tiles(dtype, option):
+    """300 tokens in tiles of 128 (the last ragged, its extra lanes unwritten) by vocabulary tiles
+    of 128 over 300 columns (the last ragged)."""
+    check(["pallas_tpu"], 7, 300, 72, 300, dtype, option, block_sizes={"pallas_tpu": TILES["pallas_tpu"]})
+
+
 def test_pallas_refusals_name_the_problem():
     x, w, labels = inputs(0, 64, 32, 300, "float32")
     with pytest.raises(axkern.Unsupported, match="block_vocab=100: Triton tiles need a power of two"):
         ce(x, w, labels, implementation="pallas_gpu", block_sizes=dict(block_tokens=32, block_vocab=100))
-    with pytest.raises(axkern.Unsupported, match="block_vocab=200: TPU blocks must be a multiple of 128"):
-        ce(x, w, labels, implementation="pallas_tpu", block_sizes=dict(block_tokens=32, block_vocab=200))
-    big = dict(block_tokens=4096, block_vocab=4096, block_embed=32)
-    with pytest.raises(axkern.Unsupported, match=r"need 66\.1 MiB of VMEM .* budget is 16 MiB"):
-        ce(
-            jnp.zeros((4096, 32)),
-            jnp.zeros((32, 4096)),
-            labels[:1].repeat(4096),
-            implementation="pallas_tpu",
-            block_sizes=big,
+    with pytest.raises(
+        axkern.Unsupported, match="block_vocab=200: the TPU cross-entropy kernels take a multiple of 128"
+    ):
+        ce(x, w, labels, implementation="pallas_tpu", block_sizes=dict(block_tokens=128, block_vocab=200))
+    with pytest.raises(
+        axkern.Unsupported, match="block_tokens=32: the TPU cross-entropy kernels take a multiple of 128"
+    ):
+        ce(x, w, labels, implementation="pallas_tpu", block_sizes=dict(block_tokens=32, block_vocab=128))
+    # on the chip, tiles over its VMEM are refused with the figures
+    big = dict(block_tokens=4096, block_vocab=4096)
+    with pytest.raises(axkern.Unsupported, match=r"need about \d+ MiB of VMEM, over the 96 MiB"):
+        lower_for_tpu(
+            lambda x, w, l: ce(x, w, l, implementation="pallas_tpu", block_sizes=big),
+            jax.ShapeDtypeStruct((8192, 4096), jnp.bfloat16),
+            jax.ShapeDtypeStruct((4096, 32000), jnp.bfloat16),
+            jax.ShapeDtypeStruct((8192,), jnp.int32),
         )
     with x64(), axkern.use(interpret=True):  # interpret mode: the kernel's own float64 check speaks
         d = axkern.explain(lambda *a: ce(*a, implementation=("pallas_gpu", "xla")), *to64((x, w)), labels)

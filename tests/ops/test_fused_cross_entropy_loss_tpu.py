@@ -25,7 +25,9 @@ from tests.harness import check_rule, jit
 from tests.helpers import assert_nonfinite_rule, x64
 from tests.tpu_lowering import as_tpu, lower_for_tpu, matmuls, mosaic_kernels, tpu_custom_calls
 
-KERNELS = {f"axkern_fused_cross_entropy_loss_tpu_{k}": None for k in ("value", "logits", "dx", "dw")}.keys()
+KERNELS = {"axkern_fused_cross_entropy_tpu_stats"} | {
+    f"axkern_fused_cross_entropy_loss_tpu_{k}" for k in ("logits", "dx", "dw")
+}
 
 # every option but the soft cap: bfloat16 then holds the logits packed
 UNCAPPED = {k: v for k, v in OPTIONS["all"].items() if k != "logits_soft_cap"}
@@ -120,15 +122,15 @@ def test_refusals_name_the_problem():
             return ce_loss(x, w, labels, implementation="pallas_tpu", block_sizes=bs)
 
     with pytest.raises(
-        axkern.Unsupported, match="block_tokens=100: the TPU loss kernels take a multiple of 128"
+        axkern.Unsupported, match="block_tokens=100: the TPU cross-entropy kernels take a multiple of 128"
     ):
         call(block_tokens=100, block_vocab=128)
     with pytest.raises(
-        axkern.Unsupported, match="block_vocab=200: the TPU loss kernels take a multiple of 128"
+        axkern.Unsupported, match="block_vocab=200: the TPU cross-entropy kernels take a multiple of 128"
     ):
         call(block_tokens=128, block_vocab=200)
     with pytest.raises(
-        axkern.Unsupported, match="chunk_tokens=200: the TPU loss kernels take a multiple of 128"
+        axkern.Unsupported, match="chunk_tokens=200: the TPU cross-entropy kernels take a multiple of 128"
     ):
         call(block_tokens=128, block_vocab=128, chunk_tokens=200)
     with pytest.raises(
@@ -184,6 +186,17 @@ def test_heuristic_fits_the_chip_and_holds_no_more_than_xla(n, d, v, dtype, cap)
     assert bs.chunk_tokens * v * (2 if packed else 4) <= blocks.loss_heuristic(spec).block_tokens * v * 4
     space = blocks.pallas_tpu_loss_space(spec)
     assert space[0] == bs and len(space) > 1
+    # the per-token op's statistics kernel, alone, takes the same tiles (those timed on the chip)
+    # and fits with room to spare
+    per_token = blocks.pallas_tpu_heuristic(spec)
+    assert (per_token.block_tokens, per_token.block_vocab, per_token.chunk_tokens) == (
+        bs.block_tokens,
+        bs.block_vocab,
+        None,
+    )
+    stats = blocks.pallas_tpu_stats_vmem_bytes(bs.block_tokens, bs.block_vocab, d, jnp.dtype(dtype).itemsize)
+    assert stats < need
+    assert blocks.pallas_tpu_space(spec)[0] == per_token and len(blocks.pallas_tpu_space(spec)) > 1
 
 
 def test_explain_on_a_tpu_puts_the_kernels_first_and_describes_them():

@@ -34,6 +34,7 @@ __all__ = [
     "pallas_tpu_loss_space",
     "pallas_tpu_loss_packed",
     "pallas_tpu_loss_vmem_bytes",
+    "pallas_tpu_stats_vmem_bytes",
     "tpu_vmem_bytes",
 ]
 
@@ -61,8 +62,8 @@ class CrossEntropyBlockSizes(BlockSizes):
     """Tile of the streamed logits: `block_tokens` rows by `block_vocab` columns.
 
     Neither needs to divide the problem: a ragged last block is handled without padding.
-    The Pallas kernels also read `block_embed` (the reduction step over the embedding),
-    `vocab_splits` (programs sharing one token block's vocabulary, their statistics merged
+    The GPU kernels also read `block_embed` (the reduction step over the embedding; the TPU
+    kernel's blocks span the whole embedding), `vocab_splits` (programs sharing one token block's vocabulary, their statistics merged
     afterwards; more programs for small token counts), and on GPU `num_warps` and
     `num_stages` (Triton's software pipelining depth). `None` lets the kernel choose.
 
@@ -176,11 +177,6 @@ def mosaic_gpu_space(spec: Spec) -> list[CrossEntropyBlockSizes]:
     ]
 
 
-def pallas_tpu_heuristic(spec: Spec) -> CrossEntropyBlockSizes:
-    """MXU-sized tiles whose VMEM footprint (about 6 MiB in bf16) fits every chip's budget."""
-    return CrossEntropyBlockSizes(block_tokens=512, block_vocab=1024, block_embed=512)
-
-
 # -- the reduced loss's Pallas TPU kernels (pallas_tpu/loss.py) ---------------------------------
 
 
@@ -213,7 +209,7 @@ def pallas_tpu_loss_vmem_bytes(
     temporaries = 4 * bt * bv * 4
     logits = 2 * bv * bt * (2 if packed else 4)
     maxima = rows if packed else 0
-    stats = 2 * (bt * d + d * bv) * itemsize + logits + maxima + 8 * rows + temporaries
+    stats = pallas_tpu_stats_vmem_bytes(bt, bv, d, itemsize) + logits + maxima
     dx = (
         2 * logits
         + maxima
@@ -227,6 +223,17 @@ def pallas_tpu_loss_vmem_bytes(
     return max(stats, dx, dw)
 
 
+def pallas_tpu_stats_vmem_bytes(block_tokens: int, block_vocab: int, embed: int, itemsize: int) -> int:
+    """VMEM of the statistics kernel alone (the per-token op, the undifferentiated loss): the
+    double-buffered `x` and `w` blocks, the per-token rows and four float32 `[bv, bt]` temporaries."""
+    rows = 2 * 8 * max(block_tokens, 128) * 4
+    return (
+        2 * (block_tokens * embed + embed * block_vocab) * itemsize
+        + 8 * rows
+        + 4 * block_tokens * block_vocab * 4
+    )
+
+
 def _loss_chunk(spec: Spec, block_tokens: int) -> int:
     """Rows whose logits the TPU kernels hold at once: as many as fit the bytes of xla's logits
     block for the call (`loss_heuristic`), in whole tiles."""
@@ -236,35 +243,62 @@ def _loss_chunk(spec: Spec, block_tokens: int) -> int:
     return max(block_tokens, budget // held // block_tokens * block_tokens)
 
 
-def _fits(spec: Spec, bt: int, bv: int) -> bool:
+def _fits(spec: Spec, bt: int, bv: int, held: bool) -> bool:
+    """Whether tiles of `bt` by `bv` fit three quarters of the chip's VMEM: the three kernels of
+    the loss's gradients (`held`) or the statistics kernel alone."""
     itemsize = jnp.dtype(spec.dtype).itemsize
-    need = pallas_tpu_loss_vmem_bytes(bt, bv, spec.dim("embed"), itemsize, pallas_tpu_loss_packed(spec))
+    if held:
+        need = pallas_tpu_loss_vmem_bytes(bt, bv, spec.dim("embed"), itemsize, pallas_tpu_loss_packed(spec))
+    else:
+        need = pallas_tpu_stats_vmem_bytes(bt, bv, spec.dim("embed"), itemsize)
     return need <= tpu_vmem_bytes(spec.device_kind) * 3 // 4
 
 
-def pallas_tpu_loss_heuristic(spec: Spec) -> CrossEntropyBlockSizes:
-    """Tiles of 512 tokens by 1024 vocabulary columns for embeddings up to 2560 (512 columns
-    above: the dw kernel's [block_vocab, D] float32 accumulator and blocks), halved until the
-    kernels fit three quarters of the chip's VMEM; the chunk as `_loss_chunk` says."""
+def _tpu_tiles(spec: Spec, held: bool) -> tuple[int, int]:
+    """512 tokens by 1024 vocabulary columns for embeddings up to 2560 (512 columns above: the
+    `[bt, D]` and `[D, bv]` blocks, and the dw kernel's `[bv, D]` float32 accumulator), halved
+    until they fit (`_fits`)."""
     bt, bv = 512, 1024 if spec.dim("embed") <= 2560 else 512
-    while not _fits(spec, bt, bv) and bv > 128:
+    while not _fits(spec, bt, bv, held) and bv > 128:
         bv //= 2
-    while not _fits(spec, bt, bv) and bt > 128:
+    while not _fits(spec, bt, bv, held) and bt > 128:
         bt //= 2
+    return bt, bv
+
+
+def _tpu_space(spec: Spec, first: CrossEntropyBlockSizes, held: bool, **more) -> list[CrossEntropyBlockSizes]:
+    """`first`, then tiles of 256 to 1024 tokens by 512 to 2048 columns that fit the chip's VMEM;
+    `more(bt)` gives each candidate's other fields."""
+    candidates = [first] + [
+        CrossEntropyBlockSizes(block_tokens=bt, block_vocab=bv, **{k: f(bt) for k, f in more.items()})
+        for bt in (256, 512, 1024)
+        for bv in (512, 1024, 2048)
+        if _fits(spec, bt, bv, held)
+    ]
+    return unique_valid(candidates, spec)
+
+
+def pallas_tpu_heuristic(spec: Spec) -> CrossEntropyBlockSizes:
+    """The per-token op's statistics kernel: `_tpu_tiles`, fitted to that kernel alone."""
+    bt, bv = _tpu_tiles(spec, held=False)
+    return CrossEntropyBlockSizes(block_tokens=bt, block_vocab=bv)
+
+
+def pallas_tpu_space(spec: Spec) -> list[CrossEntropyBlockSizes]:
+    """The per-token op's tiles (`_tpu_space`)."""
+    return _tpu_space(spec, pallas_tpu_heuristic(spec), held=False)
+
+
+def pallas_tpu_loss_heuristic(spec: Spec) -> CrossEntropyBlockSizes:
+    """`_tpu_tiles` fitted to the loss's three kernels; the chunk as `_loss_chunk` says."""
+    bt, bv = _tpu_tiles(spec, held=True)
     return CrossEntropyBlockSizes(block_tokens=bt, block_vocab=bv, chunk_tokens=_loss_chunk(spec, bt))
 
 
 def pallas_tpu_loss_space(spec: Spec) -> list[CrossEntropyBlockSizes]:
-    """Tiles of 256 to 1024 tokens by 512 to 2048 columns that fit the chip's VMEM, each with
-    the chunk `_loss_chunk` gives it."""
+    """The loss's tiles (`_tpu_space`), each with the chunk `_loss_chunk` gives it."""
     first = pallas_tpu_loss_heuristic(spec)
-    candidates = [first] + [
-        CrossEntropyBlockSizes(block_tokens=bt, block_vocab=bv, chunk_tokens=_loss_chunk(spec, bt))
-        for bt in (256, 512, 1024)
-        for bv in (512, 1024, 2048)
-        if _fits(spec, bt, bv)
-    ]
-    return unique_valid(candidates, spec)
+    return _tpu_space(spec, first, held=True, chunk_tokens=lambda bt: _loss_chunk(spec, bt))
 
 
 def space(spec: Spec) -> list[CrossEntropyBlockSizes]:
@@ -305,18 +339,6 @@ def pallas_gpu_space(spec: Spec) -> list[CrossEntropyBlockSizes]:
         block_embed=(32, 64),
         num_warps=(4, 8),
         num_stages=(2, 3),
-    )
-
-
-def pallas_tpu_space(spec: Spec) -> list[CrossEntropyBlockSizes]:
-    """MXU-sized tiles: 256 or 512 rows, 512 to 2048 columns, 256- or 512-deep steps."""
-    return grid(
-        CrossEntropyBlockSizes,
-        spec,
-        first=pallas_tpu_heuristic(spec),
-        block_tokens=(256, 512),
-        block_vocab=(512, 1024, 2048),
-        block_embed=(256, 512),
     )
 
 

@@ -53,12 +53,13 @@ from ..blocks import (
     pallas_tpu_loss_heuristic,
     pallas_tpu_loss_space,
     pallas_tpu_loss_vmem_bytes,
+    pallas_tpu_stats_vmem_bytes,
     tpu_vmem_bytes,
 )
 from ..common import out_of_range, token_losses
 from . import loss_kernels as kernels
 
-__all__ = ["LOSS_IMPLEMENTATION", "loss", "supports", "describe"]
+__all__ = ["LOSS_IMPLEMENTATION", "loss", "supports", "describe", "tiles", "label_row"]
 
 
 def supports(spec) -> str | None:
@@ -81,51 +82,68 @@ class _Config:
 
 def _multiple(name: str, b: int, m: int = 128) -> int:
     if b % m:
-        raise Unsupported(f"{name}={b}: the TPU loss kernels take a multiple of {m}")
+        raise Unsupported(f"{name}={b}: the TPU cross-entropy kernels take a multiple of {m}")
     return b
 
 
-def _config(x, w, block_sizes: CrossEntropyBlockSizes, soft_cap, wz, eps, interpret) -> _Config:
+def tiles(
+    x, w, block_sizes: CrossEntropyBlockSizes, soft_cap, with_sum, interpret, *, held: bool
+) -> kernels.Tiles:
+    """The kernels' tiles for `x @ w` at `block_sizes`, checked (`Unsupported` names what does not
+    fit): with `held` those of the loss's gradients (the logits held, packed where 16-bit without a
+    soft cap), else of the statistics kernel alone over all tokens (the per-token op and the
+    undifferentiated loss; a token tile of at most the call's tokens)."""
     n, d = x.shape
     v = w.shape[1]
     operand = jnp.dtype(jnp.result_type(x, w))
     if operand.itemsize > 4:
         raise Unsupported("float64: Mosaic TPU has no float64 matrix unit")
-    if block_sizes.dw_accumulation not in (None, "float32"):
-        raise Unsupported(
-            f"dw_accumulation={block_sizes.dw_accumulation!r}: the TPU loss kernels add dw in float32"
-        )
-    packed = operand.itemsize == 2 and soft_cap is None
+    packed = held and operand.itemsize == 2 and soft_cap is None
     bt = _multiple("block_tokens", block_sizes.block_tokens)
     bv = v if block_sizes.block_vocab >= v else _multiple("block_vocab", block_sizes.block_vocab)
-    need = pallas_tpu_loss_vmem_bytes(bt, bv, d, operand.itemsize, packed)
+    if held:
+        need = pallas_tpu_loss_vmem_bytes(bt, bv, d, operand.itemsize, packed)
+    else:
+        need = pallas_tpu_stats_vmem_bytes(bt, bv, d, operand.itemsize)
     budget = tpu_vmem_bytes(backend.device_kind()) * 3 // 4
     if need > budget and not interpret:
         raise Unsupported(
             f"block_tokens={bt}, block_vocab={bv} at embed={d} need about {need / 2**20:.0f} MiB of VMEM, "
-            f"over the {budget / 2**20:.0f} MiB the TPU loss kernels may take on this chip"
+            f"over the {budget / 2**20:.0f} MiB the TPU cross-entropy kernels may take on this chip"
         )
-    limit = None if interpret else min(budget, need + need // 4 + (8 << 20))
+    return kernels.Tiles(
+        block_tokens=bt if held else min(bt, n),
+        block_vocab=bv,
+        vocab=v,
+        soft_cap=None if soft_cap is None else float(soft_cap),
+        with_sum=bool(with_sum),
+        packed=packed,
+        operand=operand.name,
+        interpret=bool(interpret),
+        # the held logits' kernels: their estimate with room to spare; the statistics kernel alone
+        # (an estimate of fewer parts): all it may take
+        vmem_limit=None if interpret else min(budget, need + need // 4 + (8 << 20)) if held else budget,
+    )
+
+
+def _config(x, w, block_sizes: CrossEntropyBlockSizes, soft_cap, wz, eps, interpret) -> _Config:
+    if block_sizes.dw_accumulation not in (None, "float32"):
+        raise Unsupported(
+            f"dw_accumulation={block_sizes.dw_accumulation!r}: the TPU loss kernels add dw in float32"
+        )
+    t = tiles(x, w, block_sizes, soft_cap, eps, interpret, held=True)
+    n, bt = x.shape[0], t.block_tokens
     if n <= bt:  # one tile of the whole (padded) chunk
         chunk = bt = cdiv(n, 16) * 16
     else:
         chunk = max(bt, _multiple("chunk_tokens", block_sizes.chunk_tokens or bt, bt))
         count = cdiv(n, chunk)  # the chunks evened out, so padding stays under a tile a chunk
         chunk = cdiv(cdiv(n, count), bt) * bt
-    common = dict(
-        block_vocab=bv,
-        vocab=v,
-        soft_cap=None if soft_cap is None else float(soft_cap),
-        with_sum=bool(eps),
-        operand=operand.name,
-        interpret=bool(interpret),
-        vmem_limit=limit,
-    )
     return _Config(
         chunk=chunk,
         padded=cdiv(n, chunk) * chunk,
-        tiles=kernels.Tiles(block_tokens=bt, packed=packed, **common),
-        value_tiles=kernels.Tiles(block_tokens=min(bt, n), packed=False, **common),
+        tiles=dataclasses.replace(t, block_tokens=bt),
+        value_tiles=tiles(x, w, block_sizes, soft_cap, eps, interpret, held=False),
         logsumexp_weight=float(wz),
         label_smoothing=float(eps),
         x_dtype=jnp.dtype(x.dtype).name,
@@ -151,7 +169,7 @@ def loss(
     return _loss(cfg, x, w, labels, keep, jnp.asarray(scale, jnp.float32))
 
 
-def _label_row(labels, vocab):
+def label_row(labels, vocab):
     """`[1, N]` int32 labels, -1 outside `[0, V)` (such a label matches no column)."""
     inside = (labels >= 0) & (labels < vocab)
     return jnp.where(inside, labels, -1).astype(jnp.int32)[None, :]
@@ -175,7 +193,7 @@ def _loss(cfg: _Config, x, w, labels, keep, scale):
     operand = cfg.tiles.operand
     v = w.shape[1]
     stats = kernels.logits(
-        cfg.value_tiles, x.astype(operand), w.astype(operand), _label_row(labels, v), store=False
+        cfg.value_tiles, x.astype(operand), w.astype(operand), label_row(labels, v), store=False
     )
     lse, label_logit, sum_logits = (s[0] for s in stats)
     return scale * jnp.sum(_token_losses(cfg, lse, label_logit, sum_logits, labels, keep, v))
@@ -187,8 +205,8 @@ def _chunk(cfg: _Config, x, w, labels, keep, coef, c0, running, final_dtype):
     t, v, eps, wz = cfg.tiles, w.shape[1], cfg.label_smoothing, cfg.logsumexp_weight
     rows = lambda a, axis=0: lax.dynamic_slice_in_dim(a, c0, cfg.chunk, axis=axis)  # noqa: E731
     xc, lc, kc, cc = rows(x), rows(labels), rows(keep), rows(coef)
-    label_row = rows(_label_row(labels, v), 1)
-    lse, label_logit, sum_logits, *held = kernels.logits(t, xc, w, label_row, store=True)
+    labels_c = rows(label_row(labels, v), 1)
+    lse, label_logit, sum_logits, *held = kernels.logits(t, xc, w, labels_c, store=True)
     lse, label_logit, sum_logits = lse[0], label_logit[0], sum_logits[0]
     total = jnp.sum(_token_losses(cfg, lse, label_logit, sum_logits, lc, kc, v))
     g = cc * (1 + 2 * wz * lse) if wz else cc
@@ -197,7 +215,7 @@ def _chunk(cfg: _Config, x, w, labels, keep, coef, c0, running, final_dtype):
     per_token[kernels.LSE], per_token[kernels.G], per_token[kernels.KEEP] = lse, g, kc.astype(jnp.float32)
     per_token[kernels.A], per_token[kernels.B] = (1 - eps) * cc, (eps / v) * cc
     per_token = jnp.stack(per_token)
-    dx, dzt = kernels.dx(t, held, per_token, label_row, w, cfg.x_dtype)
+    dx, dzt = kernels.dx(t, held, per_token, labels_c, w, cfg.x_dtype)
     return dx, kernels.dw(t, dzt, xc, running, final_dtype), total
 
 

@@ -192,9 +192,7 @@ def logits(t: Tiles, x, w, labels, *, store: bool):
     return _call(
         t,
         functools.partial(_logits_kernel, t=t, store=store),
-        "axkern_fused_cross_entropy_loss_tpu_logits"
-        if store
-        else "axkern_fused_cross_entropy_loss_tpu_value",
+        "axkern_fused_cross_entropy_loss_tpu_logits" if store else "axkern_fused_cross_entropy_tpu_stats",
         (cdiv(c, bt), t.tiles_vocab),
         ("parallel", "arbitrary"),
         in_specs=[
