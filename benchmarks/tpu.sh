@@ -12,6 +12,7 @@
 #                           records.jsonl (per check the oracle's dtype, the largest error, the
 #                           same-dtype reference's error and the oracle rule's bound), the log
 #   tests_smoke             the same, the Pallas TPU kernels' cases only (-k pallas_tpu)
+#                           (TPU_TESTS: the test files or folders of both, default tests/tpu)
 #   tune_attention          `axkern tune attention --preset tpu --impl pallas_tpu --repeats 3 --write-table`,
 #                           one step (300 s) per case that TUNE_ONLY names (comma-separated parts of case
 #                           labels; default causal, which took 215 s on a v5e; TUNE_ONLY="causal,window1024,docs1024"
@@ -127,7 +128,7 @@ sys.exit(main(["info", "--all"]))' "$R/device_key.txt"
     [ "${AXKERN_TEST_TPU:-1}" = interpret ] && platforms=cpu
     step 480 "$1" env AXKERN_TEST_TPU="${AXKERN_TEST_TPU:-1}" AXKERN_TEST_TPU_RECORD="$R/tests/records.jsonl" \
       JAX_PLATFORMS="$platforms" python3 -m pytest -v -p no:cacheprovider -rs --durations=60 \
-      --junitxml="$R/tests/junit.xml" -m tpu "${k[@]}" tests/tpu
+      --junitxml="$R/tests/junit.xml" -m tpu "${k[@]}" ${TPU_TESTS:-tests/tpu}
     ;;
   tune_attention)
     mkdir -p "$R/tune"
