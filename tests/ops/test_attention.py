@@ -36,7 +36,8 @@ def _mask(kind, b, sq, sk):
         "segments": masks.Segments(seg_q, seg_k),
         "prefix": masks.PrefixLM(jnp.array([3, 20][:b])),
         "causal&segments": masks.Causal(offset=sk - sq) & masks.Segments(seg_q, seg_k),
-        "window|prefix": masks.SlidingWindow(4) | masks.PrefixLM(jnp.array([5, 0][:b])),
+        # a window reaching 3 keys ahead (beyond the causal part PrefixLM already holds)
+        "window|prefix": masks.SlidingWindow(7, offset=3) | masks.PrefixLM(jnp.array([5, 0][:b])),
         "prefix&segments": masks.PrefixLM(jnp.array([20, 2][:b])) & masks.Segments(seg_q, seg_k),
     }[kind]
 

@@ -64,8 +64,10 @@ def _mask(kind, b, sq, sk):
             | masks.Causal(offset=-(3 * sq // 4))
         ),
         "prefix": lambda: masks.PrefixLM(jnp.asarray([sq // 3, 0][:b] + [5] * (b - 2))),
+        # the window reaches w // 2 keys ahead: beyond the causal part PrefixLM already holds
         "prefix|window": lambda: (
-            masks.SlidingWindow(w) | masks.PrefixLM(jnp.asarray([sq // 3, 0][:b] + [5] * (b - 2)))
+            masks.SlidingWindow(w, offset=w // 2)
+            | masks.PrefixLM(jnp.asarray([sq // 3, 0][:b] + [5] * (b - 2)))
         ),
         "prefix&segments": lambda: masks.PrefixLM(jnp.asarray([sq // 2] * b)) & masks.Segments(ids, ids),
         "rows that see nothing": lambda: masks.Causal(offset=-20),
