@@ -63,9 +63,11 @@ class CrossEntropyBlockSizes(BlockSizes):
 
     Neither needs to divide the problem: a ragged last block is handled without padding.
     The GPU kernels also read `block_embed` (the reduction step over the embedding; the TPU
-    kernel's blocks span the whole embedding), `vocab_splits` (programs sharing one token block's vocabulary, their statistics merged
-    afterwards; more programs for small token counts), and on GPU `num_warps` and
-    `num_stages` (Triton's software pipelining depth). `None` lets the kernel choose.
+    kernels' blocks span the whole embedding), `vocab_splits` (programs sharing one token
+    block's vocabulary, their statistics merged afterwards; more programs for small token
+    counts), `num_warps` and `num_stages` (Triton's software pipelining depth). `None` lets the
+    kernel choose. The per-token op's Pallas TPU kernel reads `block_tokens` and `block_vocab`
+    (multiples of 128, or the whole axis).
 
     The reduced loss (`fused_cross_entropy_loss`) reads `block_tokens` (each block spans the
     whole vocabulary), `dw_accumulation` (how each block's share of `dw` is added, see
