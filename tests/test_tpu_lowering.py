@@ -148,6 +148,18 @@ def test_fused_cross_entropy(dtype, options):
     assert _lower_value_and_grad(fn, args, (0, 1)) == {"axkern_fused_cross_entropy_tpu_stats"}
 
 
+@pytest.mark.parametrize("n", [300, 50])
+def test_fused_cross_entropy_fewer_tokens_than_a_tile(n):
+    """One token tile, its lanes a multiple of 128, over fewer tokens (the last lanes unwritten)."""
+    d, v = 512, 8192
+    args = [S((n, d), "bfloat16"), S((d, v), "bfloat16"), S((n,), "int32")]
+
+    def fn(x, w, labels):
+        return fused_cross_entropy(x, w, labels, reduction=None, implementation="pallas_tpu")
+
+    assert _lower_value_and_grad(fn, args, (0, 1)) == {"axkern_fused_cross_entropy_tpu_stats"}
+
+
 SSD_KERNELS = {f"axkern_ssd_{k}_kernel" for k in ("state", "scan", "state_bwd", "scan_bwd")}
 
 

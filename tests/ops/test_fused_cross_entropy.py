@@ -39,8 +39,8 @@ def inputs(seed, n, d, v, dtype="float32"):
 # every implementation that runs here (the Pallas kernels in interpret mode), each with tiles
 # that divide none of the case's sizes: several token blocks and vocabulary tiles, the last of
 # each ragged; pallas_gpu's vocabulary tiles shared unevenly by its splits (2 and 1). pallas_tpu's
-# token tiles are lane vectors (multiples of 128): one tile of the whole 70 here, several ragged
-# ones in `test_pallas_tpu_over_ragged_token_tiles`
+# token tiles are lane vectors (multiples of 128): one tile of 128 over the 70 here, several, the
+# last ragged, in `test_pallas_tpu_over_ragged_token_tiles`
 IMPLS = implementations("fused_cross_entropy", "cpu", interpret=True)
 COMPILED = implementations("fused_cross_entropy", "cpu")
 TILES = {

@@ -24,7 +24,8 @@ pytestmark = pytest.mark.tpu
 # no multiples of a block, with the soft cap and z-loss (its kernels' float32 logits); ignored
 # labels, label smoothing and a `where` mask (their packed bf16 logits). Vocabularies of 12289 and
 # 16384 take the paths GPT-2's and Llama-2's take (the same tiles; the tokens in several chunks,
-# then in one), at less host time. The per-token op: float32, and bf16 with every option.
+# then in one), at less host time. The per-token op: float32, bf16 with every option, and fewer
+# tokens than a tile (one tile of 384 lanes over 300 tokens).
 _ALL = {"logits_soft_cap": 30.0, "logsumexp_weight": 1e-4, "ignore_index": -100, "label_smoothing": 0.1}
 LOSS_CASES = sizes(
     [
@@ -39,8 +40,16 @@ LOSS_CASES = sizes(
     ],
 )
 PER_TOKEN_CASES = sizes(
-    [(2048, 512, 8192, "float32", {}), (1500, 1024, 12289, "bfloat16", _ALL | {"where": True})],
-    [(64, 128, 1024, "float32", {}), (50, 128, 1000, "bfloat16", _ALL | {"where": True})],
+    [
+        (2048, 512, 8192, "float32", {}),
+        (1500, 1024, 12289, "bfloat16", _ALL | {"where": True}),
+        (300, 512, 8192, "bfloat16", {}),
+    ],
+    [
+        (64, 128, 1024, "float32", {}),
+        (50, 128, 1000, "bfloat16", _ALL | {"where": True}),
+        (30, 128, 1000, "bfloat16", {}),
+    ],
 )
 # xla on a TPU: the reduced loss's packed case
 XLA_LOSS_CASE = LOSS_CASES[2]

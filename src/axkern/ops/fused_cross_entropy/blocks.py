@@ -66,8 +66,8 @@ class CrossEntropyBlockSizes(BlockSizes):
     kernels' blocks span the whole embedding), `vocab_splits` (programs sharing one token
     block's vocabulary, their statistics merged afterwards; more programs for small token
     counts), `num_warps` and `num_stages` (Triton's software pipelining depth). `None` lets the
-    kernel choose. The per-token op's Pallas TPU kernel reads `block_tokens` and `block_vocab`
-    (multiples of 128, or the whole axis).
+    kernel choose. The per-token op's Pallas TPU kernel reads `block_tokens` (a multiple of 128)
+    and `block_vocab` (a multiple of 128, or at least the vocabulary).
 
     The reduced loss (`fused_cross_entropy_loss`) reads `block_tokens` (each block spans the
     whole vocabulary), `dw_accumulation` (how each block's share of `dw` is added, see

@@ -20,8 +20,8 @@ uninitialised, as on the chip) and lowered for a TPU; on a TPU v5e it passes `te
 **Cost.** `2·N·D·V` FLOPs (compute bound at real sizes); bytes: `x` once, `w` once per token
 tile, three float32 values per token out.
 
-**Tiles.** `block_tokens` and `block_vocab` multiples of 128 (a smaller problem takes one tile of
-its whole size); VMEM (`blocks.pallas_tpu_stats_vmem_bytes`: two buffers of each input block, the
+**Tiles.** `block_tokens` a multiple of 128 (fewer tokens take one tile of them rounded up to 128),
+`block_vocab` a multiple of 128 or at least the vocabulary (one tile of it); VMEM (`blocks.pallas_tpu_stats_vmem_bytes`: two buffers of each input block, the
 per-token rows and the float32 temporaries) within three quarters of the chip's, else `Unsupported`
 with the figures.
 """

@@ -92,7 +92,8 @@ def tiles(
     """The kernels' tiles for `x @ w` at `block_sizes`, checked (`Unsupported` names what does not
     fit): with `held` those of the loss's gradients (the logits held, packed where 16-bit without a
     soft cap), else of the statistics kernel alone over all tokens (the per-token op and the
-    undifferentiated loss; a token tile of at most the call's tokens)."""
+    undifferentiated loss; a token tile of at most the call's tokens rounded up to 128, the last
+    tile's lanes past them not written)."""
     n, d = x.shape
     v = w.shape[1]
     operand = jnp.dtype(jnp.result_type(x, w))
@@ -112,7 +113,7 @@ def tiles(
             f"over the {budget / 2**20:.0f} MiB the TPU cross-entropy kernels may take on this chip"
         )
     return kernels.Tiles(
-        block_tokens=bt if held else min(bt, n),
+        block_tokens=bt if held else min(bt, cdiv(n, 128) * 128),
         block_vocab=bv,
         vocab=v,
         soft_cap=None if soft_cap is None else float(soft_cap),
