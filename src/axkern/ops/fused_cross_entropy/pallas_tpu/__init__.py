@@ -7,7 +7,8 @@ the logits; `loss.py` runs the same kernel for the undifferentiated loss) over a
 to `[bv, bt]` so that each token's running statistics (max, sum of exponentials, label logit,
 logit sum) are lane vectors; the last vocabulary tile writes `lse`, the label's logit and the
 logit sum. Ragged edges are masked in the kernel (columns past the vocabulary do not count; a
-ragged last token tile's extra lanes are not written), so nothing is padded or copied. Labels
+ragged last token tile's extra lanes are not written), so nothing is padded (`x` and `w` of two
+dtypes are cast to the wider one first). Labels
 outside `[0, V)` match no column (their label logit is 0; `common.py` decides their loss).
 
 In CI in TPU interpret mode (`pltpu.InterpretParams`, out-of-bounds reads of ragged edge blocks
@@ -20,10 +21,11 @@ uninitialised, as on the chip) and lowered for a TPU; on a TPU v5e it passes `te
 **Cost.** `2·N·D·V` FLOPs (compute bound at real sizes); bytes: `x` once, `w` once per token
 tile, three float32 values per token out.
 
-**Tiles.** `block_tokens` a multiple of 128 (fewer tokens take one tile of them rounded up to 128),
-`block_vocab` a multiple of 128 or at least the vocabulary (one tile of it); VMEM (`blocks.pallas_tpu_stats_vmem_bytes`: two buffers of each input block, the
-per-token rows and the float32 temporaries) within three quarters of the chip's, else `Unsupported`
-with the figures.
+**Tiles.** `block_tokens` a multiple of 128 (fewer tokens take one tile of them rounded up to
+128), `block_vocab` a multiple of 128 or at least the vocabulary (one tile of it); VMEM
+(`blocks.pallas_tpu_stats_vmem_bytes`: two buffers of each input block, the per-token rows and
+the float32 temporaries) within three quarters of the chip's, else `Unsupported` with the
+figures.
 """
 
 from __future__ import annotations
