@@ -8,8 +8,8 @@ Levanter imports, haliax 1.4.dev453, downloaded once from PyPI into a cache
 
 marin-levanter and marin-haliax declare Python >= 3.12; on 3.11 (CI) they are installed with
 `--ignore-requires-python`, and pip evaluates axkern's requirements as on 3.12 (the only
-Pythons a Levanter environment exists on): `pip_as_312` runs pip with its marker environment
-saying 3.12. Levanter's model modules import there with the stand-ins of
+Pythons a Levanter environment exists on): `pip(..., markers_as="3.12")` runs pip with its
+marker environment saying 3.12 (and the plain install's, as on either Python, whichever runs). Levanter's model modules import there with the stand-ins of
 tests/levanter_standins.py.
 """
 
@@ -38,11 +38,11 @@ LEVANTER = [
     "humanfriendly==10.0",
 ]
 HALIAX = "haliax==1.4.dev453"
-PIP_AS_312 = """
+PIP_MARKERS_AS = """
 import sys
 from pip._vendor.packaging import markers
 environment = markers.default_environment()
-environment.update(python_version="3.12", python_full_version="3.12.0")
+environment.update(python_version=VERSION, python_full_version=VERSION + ".0")
 markers.default_environment = lambda: dict(environment)
 from pip._internal.cli.main import main
 sys.exit(main(sys.argv[1:]))
@@ -123,9 +123,11 @@ def venv(path: Path) -> tuple[Path, Path]:
     return python, site
 
 
-def pip(python: Path, *args, as_312: bool = False) -> subprocess.CompletedProcess:
-    """pip in the venv of `python`; `as_312`: markers evaluated as on Python 3.12."""
-    cmd = [python, "-c", PIP_AS_312] if as_312 else [python, "-m", "pip"]
+def pip(python: Path, *args, markers_as: str | None = None) -> subprocess.CompletedProcess:
+    """pip in the venv of `python`; `markers_as` (e.g. "3.12"): requirement markers evaluated as on
+    that Python."""
+    code = PIP_MARKERS_AS.replace("VERSION", repr(markers_as))
+    cmd = [python, "-c", code] if markers_as else [python, "-m", "pip"]
     return _run([*cmd, "--disable-pip-version-check", *args])
 
 
@@ -161,9 +163,9 @@ def install_beside_levanter(folder: Path, path: Path) -> tuple[Path, dict]:
     before = _haliax_files(site)
     (axkern_wheel,) = folder.glob("axkern-*.whl")
     install = pip(python, "install", "--no-index", "--find-links", folder, "--no-compile",
-                  "--ignore-requires-python", axkern_wheel, as_312=True)  # fmt: skip
+                  "--ignore-requires-python", axkern_wheel, markers_as="3.12")  # fmt: skip
     installed = re.findall(r"Successfully installed (.*)", install.stdout)
-    check = pip(python, "check", as_312=True).stdout.strip().splitlines()
+    check = pip(python, "check", markers_as="3.12").stdout.strip().splitlines()
     report = {
         "pip install": install.stdout + install.stderr,
         "installed": sorted(n.rsplit("-", 1)[0] for n in (installed[0].split() if installed else [])),
@@ -190,17 +192,16 @@ def plain_install(folder: Path, path: Path, python_version: str) -> dict:
     """`pip install axkern` from the wheels into an environment without haliax, its markers
     evaluated as on `python_version` ("3.11" or "3.12")."""
     python, _ = venv(path)
-    as_312 = python_version == "3.12"
     (axkern_wheel,) = folder.glob("axkern-*.whl")
     install = pip(python, "install", "--no-index", "--find-links", folder, "--no-compile",
-                  "--ignore-requires-python", axkern_wheel, as_312=as_312)  # fmt: skip
+                  "--ignore-requires-python", axkern_wheel, markers_as=python_version)  # fmt: skip
     return {
         "pip install": install.stdout + install.stderr,
-        "expected haliax": "marin-haliax" if as_312 else "haliax",
+        "expected haliax": "marin-haliax" if python_version == "3.12" else "haliax",
         "haliax distributions": json.loads(_checked([python, "-c", HALIAX_DISTRIBUTIONS]).stdout),
         "pip check": [
             ln
-            for ln in pip(python, "check", as_312=as_312).stdout.strip().splitlines()
+            for ln in pip(python, "check", markers_as=python_version).stdout.strip().splitlines()
             if ln != "No broken requirements found."
         ],  # fmt: skip
         "imports": _imports(

@@ -15,6 +15,7 @@ import pytest
 from axkern import masks
 from axkern.ops.attention import OP, mosaic_gpu
 from axkern.ops.attention.blocks import AttentionBlockSizes, mosaic_gpu_heuristic, mosaic_gpu_space
+from tests.gpu_lowering import lower_for_cuda
 from tests.ops.test_attention_mosaic_gpu import _spec
 
 pytestmark = pytest.mark.skipif(
@@ -24,7 +25,7 @@ pytestmark = pytest.mark.skipif(
 
 def _lowered(f, *shapes) -> str:
     """The StableHLO text of `f` lowered for a CUDA GPU."""
-    return jax.jit(f).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
+    return lower_for_cuda(f, *shapes).as_text()
 
 
 def _kernels(text: str) -> int:

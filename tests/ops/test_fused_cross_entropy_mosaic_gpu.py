@@ -22,6 +22,7 @@ from axkern.core.op import Unsupported
 from axkern.ops.fused_cross_entropy import common, mosaic_gpu, reference
 from axkern.ops.fused_cross_entropy.blocks import mosaic_gpu_heuristic, mosaic_gpu_space
 from tests.cases.fused_cross_entropy import make
+from tests.gpu_lowering import lower_for_cuda
 from tests.harness import check_rules, jit
 
 TILES = CrossEntropyBlockSizes(block_tokens=128, block_vocab=64, block_embed=32, num_stages=3)
@@ -209,7 +210,7 @@ def _lowered(n, d, v, dtype, soft_cap, with_sum, block_sizes) -> str:
             x, w, labels, block_sizes=block_sizes, logits_soft_cap=soft_cap, with_sum=with_sum
         )
 
-    return jax.jit(f).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
+    return lower_for_cuda(f, *shapes).as_text()
 
 
 @pytest.mark.skipif(mosaic_gpu._IMPORT_ERROR is not None, reason="Pallas Mosaic GPU does not import")

@@ -20,6 +20,7 @@ from axkern.ops.mamba3.blocks import Mamba3BlockSizes
 from axkern.ops.mamba3.common import angle_kernel
 from axkern.ops.mamba3.common.angles import angle_sums
 from tests.cases.mamba3 import call, make
+from tests.gpu_lowering import lower_for_cuda
 
 
 def _xla(angles, dt, theta0, seg):
@@ -93,8 +94,7 @@ def test_it_lowers_for_cuda_as_two_triton_calls():
     def f(x, dt, theta0, seg):
         return jnp.sum(angle_kernel.angle_thetas(x, dt, theta0, seg) ** 2)
 
-    grad = jax.jit(jax.grad(f, argnums=(0, 1, 2)))
-    text = grad.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    text = lower_for_cuda(jax.grad(f, argnums=(0, 1, 2)), *args).as_text()
     calls = [line for line in text.splitlines() if "custom_call @__gpu$xla.gpu.triton" in line]
     assert len(calls) == 2
     assert sum("axkern_mamba3_angles_bwd" in line for line in calls) == 1

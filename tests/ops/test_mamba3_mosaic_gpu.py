@@ -27,6 +27,7 @@ from axkern.ops.mamba3 import pallas_gpu as mamba3_pallas_gpu
 from axkern.ops.mamba3.common import kernel_core as mamba3_kernel_core
 from axkern.ops.mamba3.common import rotation as mamba3_rotation
 from tests.cases.mamba3 import call, make, run
+from tests.gpu_lowering import lower_for_cuda
 from tests.harness import check_rule
 
 needs_mosaic = pytest.mark.skipif(
@@ -64,7 +65,7 @@ def test_the_layer_and_its_gradients_lower_for_cuda(forward, kernels):
         y, *final = mosaic_gpu.mamba3(*_positional(a, seg), block_sizes=Mamba3BlockSizes(64, forward=forward))
         return jnp.sum(y.astype(jnp.float32)) + sum(jnp.sum(s) for s in final)
 
-    text = jax.jit(jax.grad(f)).trace(arrays).lower(lowering_platforms=("cuda",)).as_text()
+    text = lower_for_cuda(jax.grad(f), arrays).as_text()
     # forward: the chunk state and scan, or the fused kernel; backward: the chunk scan's and the
     # chunk state's (the recurrences are pallas_gpu's Triton kernels)
     assert len(re.findall(r"stablehlo.custom_call @mosaic_gpu", text)) == kernels
@@ -94,7 +95,7 @@ def test_the_forward_alone_lowers_with_the_rotation_in_the_kernel_or_xla(rotatio
     def f(a):
         return mosaic_gpu.mamba3(*_positional(a, seg), block_sizes=Mamba3BlockSizes(64, rotation=rotation))[0]
 
-    text = jax.jit(f).trace(arrays).lower(lowering_platforms=("cuda",)).as_text()
+    text = lower_for_cuda(f, arrays).as_text()
     assert len(re.findall(r"stablehlo.custom_call @mosaic_gpu", text)) == 1
     assert ("stablehlo.bitcast_convert" in text) == (rotation == "xla")
 

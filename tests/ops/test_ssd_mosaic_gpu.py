@@ -25,6 +25,7 @@ from axkern.ops.chunked.mosaic_gpu.forward_lean import lean_forward_tiles
 from axkern.ops.ssd import OP, SSDBlockSizes, mosaic_gpu
 from axkern.ops.ssd.api import prepared_dt
 from tests.cases.ssd import make, run
+from tests.gpu_lowering import lower_for_cuda
 from tests.harness import check_rule, jit
 from tests.helpers import equations
 
@@ -59,7 +60,7 @@ def _kernels(text):
 def test_each_kernel_lowers_for_cuda(kernel, dims):
     # batch, heads, groups, chunks, head dim, state: the sizes the kernels serve
     fn = getattr(engine, kernel)
-    text = jax.jit(fn).trace(*_kernel_args(kernel, *dims)).lower(lowering_platforms=("cuda",)).as_text()
+    text = lower_for_cuda(fn, *_kernel_args(kernel, *dims)).as_text()
     assert _kernels(text) == 1
 
 
@@ -93,7 +94,7 @@ def test_the_kernels_lower_at_larger_chunks(kernel, chunk, dims):
         assert outs.shape == states.shape
     if kernel in ("chunk_scan_bwd", "fused_forward"):
         assert outs[{"chunk_scan_bwd": 7, "fused_forward": 2}[kernel]].shape == states.shape  # dS_in, S_in
-    text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    text = lower_for_cuda(fn, *args).as_text()
     assert _kernels(text) == 1
 
 
@@ -119,10 +120,10 @@ def test_the_state_backward_kernel_adds_the_scans_dx(group_sums, positions_first
     dx, dw, db = jax.eval_shape(fn, xt, w, bt, d_own, dx_in)
     assert (dx.shape, dx.dtype, dw.dtype) == (xt.shape, jnp.bfloat16, jnp.float32)
     assert jax.eval_shape(fn, xt, w, bt, d_own)[0].dtype == jnp.float32
-    text = jax.jit(fn).trace(xt, w, bt, d_own, dx_in).lower(lowering_platforms=("cuda",)).as_text()
+    text = lower_for_cuda(fn, xt, w, bt, d_own, dx_in).as_text()
     assert _kernels(text) == 1
     stacked = [jax.ShapeDtypeStruct((3, *a.shape), a.dtype) for a in (xt, w, bt, d_own, dx_in)]
-    text = jax.jit(jax.vmap(fn)).trace(*stacked).lower(lowering_platforms=("cuda",)).as_text()
+    text = lower_for_cuda(jax.vmap(fn), *stacked).as_text()
     assert _kernels(text) == 1
 
 
@@ -138,7 +139,7 @@ def test_the_backward_kernels_lower_with_group_sums(kernel, dims):
     b, h, g, chunks, p, n = dims
     outs = jax.eval_shape(fn, *args)
     assert outs[2 if kernel == "chunk_state_bwd" else 5].shape == (b, g, chunks * engine.CHUNK, n)
-    text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    text = lower_for_cuda(fn, *args).as_text()
     assert _kernels(text) == 1
     added = 1 if kernel == "chunk_state_bwd" else 2
     assert text.count("stablehlo.output_operand_alias<") == len(outs)
@@ -163,7 +164,7 @@ def test_each_kernel_lowers_with_positions_first(kernel):
     rows = (b, chunks * engine.CHUNK, h, p)
     if kernel in ("chunk_scan", "fused_forward", "chunk_state_bwd", "chunk_scan_bwd"):
         assert (outs if kernel == "chunk_scan" else outs[0]).shape == rows
-    text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    text = lower_for_cuda(fn, *args).as_text()
     assert _kernels(text) == 1
 
 
@@ -201,7 +202,7 @@ def test_the_layer_lowers_in_every_form(forward, group_sums, backward, scan_back
             )  # fmt: skip
             return jnp.sum(y.astype(jnp.float32)) + jnp.sum(final)
 
-        return jax.jit(jax.grad(f)).trace(arrays).lower(lowering_platforms=("cuda",)).as_text()
+        return lower_for_cuda(jax.grad(f), arrays).as_text()
 
     plain, moved = text(None), text("kernels")
     assert _kernels(plain) == _kernels(moved) == (8 if forward == "stages" else 6)
@@ -230,9 +231,7 @@ def test_the_lean_forward_lowers_in_less_shared_memory(dims, states):
     fn = functools.partial(engine.fused_forward, states=states, y_dtype=jnp.bfloat16)
     fused, lean = (jax.eval_shape(functools.partial(fn, lean=v), *args) for v in (False, True))
     assert fused == lean
-    text = (
-        jax.jit(functools.partial(fn, lean=True)).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    )
+    text = lower_for_cuda(functools.partial(fn, lean=True), *args).as_text()
     assert _kernels(text) == 1 and "axkern_ssd_mosaic_gpu_forward_lean" in text
     p, n = dims[-2:]
     for y_dtype in (jnp.bfloat16, jnp.float32):
@@ -263,9 +262,7 @@ def test_the_lean_scan_backward_lowers_in_less_shared_memory(dims, group_sums):
     fn = functools.partial(engine.chunk_scan_bwd, group_sums=group_sums)
     whole, lean = (jax.eval_shape(functools.partial(fn, lean=v), *args) for v in (False, True))
     assert whole == lean
-    text = (
-        jax.jit(functools.partial(fn, lean=True)).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    )
+    text = lower_for_cuda(functools.partial(fn, lean=True), *args).as_text()
     assert _kernels(text) == 1
     # (the kernel's name shows in the text where no output is added into: `plgpu.kernel`)
     assert group_sums or "axkern_ssd_mosaic_gpu_scan_bwd_lean" in text
@@ -308,7 +305,7 @@ def test_the_layer_lowers_at_larger_chunks(chunk, state, forward, group_sums):
         )  # fmt: skip
         return jnp.sum(y.astype(jnp.float32)) + jnp.sum(final)
 
-    text = jax.jit(jax.grad(f)).trace(arrays).lower(lowering_platforms=("cuda",)).as_text()
+    text = lower_for_cuda(jax.grad(f), arrays).as_text()
     assert _kernels(text) == (8 if forward == "stages" else 6)
     assert "axkern_ssd_gpu_recurrence_bwd" in text
 
@@ -334,7 +331,7 @@ def test_the_fused_state_backward_lowers(dims, group_sums, form):
     length = chunks * engine.CHUNK
     db = (b, g if group_sums else h, length, n)
     assert shapes == [(b, h, length, p), (b, h, length), db, (b, h, chunks), (b, h, p, n)]
-    text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    text = lower_for_cuda(fn, *args).as_text()
     assert _kernels(text) == 1
     if not group_sums and columns == 1:  # (the kernels' names show where no output is added into)
         assert "axkern_ssd_mosaic_gpu_state_bwd_fused_lean" in text
@@ -367,7 +364,7 @@ def test_the_layer_lowers_under_vmap(group_sums, transposes, backward, scan_back
         return jnp.sum(y.astype(jnp.float32)) + jnp.sum(final)
 
     stacked = jax.tree.map(lambda v: jnp.stack([v, v, v]), arrays)
-    text = jax.jit(jax.vmap(jax.grad(f))).trace(stacked).lower(lowering_platforms=("cuda",)).as_text()
+    text = lower_for_cuda(jax.vmap(jax.grad(f)), stacked).as_text()
     assert _kernels(text) == 6
 
 
@@ -388,7 +385,7 @@ def test_without_d_and_the_gate_y_leaves_the_kernels_in_the_input_dtype(forward)
         return mosaic_gpu.ssd(*args, block_sizes=blocks)[0]
 
     def converts(fn, src, dst):
-        text = jax.jit(fn).trace(arrays).lower(lowering_platforms=("cuda",)).as_text()
+        text = lower_for_cuda(fn, arrays).as_text()
         return len(
             re.findall(
                 rf"stablehlo.convert %\S+ : \(tensor<1x256x4x64x{src}>\) -> tensor<1x256x4x64x{dst}>", text
@@ -418,7 +415,7 @@ def test_the_forward_alone_writes_no_entering_states():
         return mosaic_gpu.ssd(*args, block_sizes=blocks)[0]
 
     def text(fn):
-        return jax.jit(fn).trace(arrays).lower(lowering_platforms=("cuda",)).as_text()
+        return lower_for_cuda(fn, arrays).as_text()
 
     forward = text(y)
     grad = text(jax.grad(lambda a: jnp.sum(y(a).astype(jnp.float32))))

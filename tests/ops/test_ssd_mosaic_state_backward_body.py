@@ -16,6 +16,7 @@ import pytest
 from axkern.ops.chunked.mosaic_gpu import emulate as E
 from axkern.ops.chunked.mosaic_gpu import state_backward as S
 from axkern.ops.chunked.mosaic_gpu import tiles as K
+from tests.gpu_lowering import lower_for_cuda
 from tests.ops import test_ssd_mosaic_bodies as bodies
 from tests.ops.test_ssd_mosaic_gpu import needs_mosaic
 
@@ -146,7 +147,7 @@ def test_the_launch_gives_the_kernel_the_group_sums_flag(monkeypatch, form, grou
     f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
     args = (x, f32(b, h, c * 64), bt, f32(b, h, c), f32(b, c, h, p, n), f32(b, c, h, p, n), f32(b, h, p, n))
     kw = dict(group_sums=group_sums, columns=2 if form == "columns" else 1)
-    jax.jit(functools.partial(S.fused_state_bwd, **kw)).trace(*args).lower(lowering_platforms=("cuda",))
+    lower_for_cuda(functools.partial(S.fused_state_bwd, **kw), *args)
     assert seen and all(dB_added == group_sums for dB_added, _ in seen), seen
     assert all(added == (group_sums or form == "columns") for _, added in seen), seen
 

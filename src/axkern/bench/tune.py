@@ -96,7 +96,9 @@ def candidates(impl: Implementation, spec: Spec) -> list[BlockSizes]:
 
 def _decision(case: Case, implementation: str) -> Decision:
     """What the dispatcher decides for `case` run by `implementation` (its spec and bucket)."""
-    shapes = jax.eval_shape(case.make, jax.random.PRNGKey(0))
+    shapes = jax.eval_shape(
+        lambda: case.make(jax.random.PRNGKey(0))
+    )  # the key traced too: no array is made (none can be under an abstract mesh)
     found = explain(lambda *a: case.forward(implementation, *a), *shapes)
     decisions = found if isinstance(found, tuple) else (found,)
     return next((d for d in decisions if d.op == case.op), decisions[-1])

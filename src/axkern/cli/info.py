@@ -67,7 +67,9 @@ def case_decision(case):
 
     import axkern
 
-    shapes = jax.eval_shape(case.make, jax.random.PRNGKey(0))
+    shapes = jax.eval_shape(
+        lambda: case.make(jax.random.PRNGKey(0))
+    )  # the key traced too: no array is made (none can be under an abstract mesh)
     decisions = axkern.explain(lambda *a: case.forward(None, *a), *shapes)
     if isinstance(decisions, tuple):  # the case calls other ops too (e.g. a dispatch before a combine)
         decisions = next((d for d in decisions if d.op == case.op), decisions[-1])
