@@ -9,8 +9,8 @@ Levanter imports, haliax 1.4.dev453, downloaded once from PyPI into a cache
 marin-levanter and marin-haliax declare Python >= 3.12; on 3.11 (CI) they are installed with
 `--ignore-requires-python`, and pip evaluates axkern's requirements as on 3.12 (the only
 Pythons a Levanter environment exists on): `pip(..., markers_as="3.12")` runs pip with its
-marker environment saying 3.12 (and the plain install's, as on either Python, whichever runs). Levanter's model modules import there with the stand-ins of
-tests/levanter_standins.py.
+marker environment saying 3.12 (the plain installs say 3.11 or 3.12, whichever Python runs
+them). Levanter's model modules import there with the stand-ins of tests/levanter_standins.py.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ PIP_MARKERS_AS = """
 import sys
 from pip._vendor.packaging import markers
 environment = markers.default_environment()
-environment.update(python_version=VERSION, python_full_version=VERSION + ".0")
+environment.update(python_version=MARKERS_AS, python_full_version=MARKERS_AS + ".0")
 markers.default_environment = lambda: dict(environment)
 from pip._internal.cli.main import main
 sys.exit(main(sys.argv[1:]))
@@ -126,7 +126,7 @@ def venv(path: Path) -> tuple[Path, Path]:
 def pip(python: Path, *args, markers_as: str | None = None) -> subprocess.CompletedProcess:
     """pip in the venv of `python`; `markers_as` (e.g. "3.12"): requirement markers evaluated as on
     that Python."""
-    code = PIP_MARKERS_AS.replace("VERSION", repr(markers_as))
+    code = PIP_MARKERS_AS.replace("MARKERS_AS", repr(markers_as))
     cmd = [python, "-c", code] if markers_as else [python, "-m", "pip"]
     return _run([*cmd, "--disable-pip-version-check", *args])
 
