@@ -168,7 +168,7 @@ def test_splash_lowers_for_the_tpu_at_the_presets_shape(monkeypatch):
     monkeypatch.delenv("AXKERN_SPLASH_SWEEP", raising=False)
     monkeypatch.setattr(backend, "platform", lambda: "tpu")
     (c,) = [c for c in arg_specs.cases(preset="tpu") if "docs1024" in c.label]
-    q, k, v = jax.eval_shape(c.make, jax.random.PRNGKey(0))
+    q, k, v = c.shapes()
     for peer in (c.peers["splash"], c.peers["splash_best"].variants["q1024 kv1024"]):
         jax.jit(lambda ct, q, k, v, peer=peer: jax.vjp(peer, q, k, v)[1](ct)).trace(q, q, k, v).lower(
             lowering_platforms=("tpu",)

@@ -48,11 +48,10 @@ def test_an_op_that_leaves_its_tpu_kernel_out_of_the_tpu_order_says_why():
 )
 def test_explain_on_a_tpu_gives_the_measured_default_and_why(op, chosen, note):
     from axkern.bench import cases_for
-    from axkern.cli.info import case_decision
     from tests.tpu_lowering import as_tpu
 
     with as_tpu():
-        decision = case_decision(cases_for(op)[0])
+        decision = cases_for(op)[0].decision()
     assert decision.implementation == chosen and not decision.interpret, decision
     assert note in decision.order_note and (f"order:       {note}" in str(decision)) == bool(note)
 

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 from ..core import blocks, caller, compat, tuning
 from ..core.blocks import BlockSizes, unique_valid
 from ..core.cases import Case
-from ..core.op import Decision, Implementation, Op, Spec, explain, get_op
+from ..core.op import Implementation, Op, Spec, get_op
 from .harness import Row, measure
 
 __all__ = [
@@ -94,16 +94,6 @@ def candidates(impl: Implementation, spec: Spec) -> list[BlockSizes]:
     return unique_valid(first + list(impl.space(spec)), spec)
 
 
-def _decision(case: Case, implementation: str) -> Decision:
-    """What the dispatcher decides for `case` run by `implementation` (its spec and bucket)."""
-    shapes = jax.eval_shape(
-        lambda: case.make(jax.random.PRNGKey(0))
-    )  # the key traced too: no array is made (none can be under an abstract mesh)
-    found = explain(lambda *a: case.forward(implementation, *a), *shapes)
-    decisions = found if isinstance(found, tuple) else (found,)
-    return next((d for d in decisions if d.op == case.op), decisions[-1])
-
-
 def sweep(
     case: Case,
     implementation: str,
@@ -118,7 +108,7 @@ def sweep(
             f"{case.op}: unknown implementation {implementation!r}; known: {sorted(op.implementations)}"
         )
     impl = op.implementations[implementation]
-    spec = _decision(case, implementation).spec
+    spec = case.decision(implementation).spec
     pass_ = "fwd+bwd" if "fwd+bwd" in case.passes else "fwd"
     result = Result(case.op, implementation, case.label, spec, dict(op.bucket(spec)), [])
     references: dict = {}

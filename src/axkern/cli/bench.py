@@ -193,15 +193,13 @@ def bench(args) -> int:
 def _defaults(work, args) -> dict[tuple[str, str], str]:
     """Each case's default implementation here, what the dispatcher picks for it (`explain` on its
     shapes), by (op, case label); `default` for a file's cases (`--cases`)."""
-    from .info import case_decision
-
     out = {}
     for c, _ in work:
         if args.cases:
             out[(c.op, c.label)] = "default"
             continue
         try:
-            out[(c.op, c.label)] = case_decision(c).implementation
+            out[(c.op, c.label)] = c.decision().implementation
         except (NotImplementedError, ValueError, TypeError):  # nothing serves it here: ratios to reference
             continue
     return out

@@ -13,7 +13,7 @@ from axkern.bench import results
 
 console = Console()
 
-__all__ = ["add_parser", "info", "case_decision"]
+__all__ = ["add_parser", "info"]
 
 
 def add_parser(sub) -> None:
@@ -60,28 +60,12 @@ def _nvcc() -> str:
     return f"{path} ({release[-1].strip() if release else 'version unknown'})"
 
 
-def case_decision(case):
-    """The dispatcher's choice for a benchmark case (`axkern.bench.Case`), from `explain` on its
-    shapes (nothing runs)."""
-    import jax
-
-    import axkern
-
-    shapes = jax.eval_shape(
-        lambda: case.make(jax.random.PRNGKey(0))
-    )  # the key traced too: no array is made (none can be under an abstract mesh)
-    decisions = axkern.explain(lambda *a: case.forward(None, *a), *shapes)
-    if isinstance(decisions, tuple):  # the case calls other ops too (e.g. a dispatch before a combine)
-        decisions = next((d for d in decisions if d.op == case.op), decisions[-1])
-    return decisions
-
-
 def _typical_decision(op: str):
     """The dispatcher's choice for the op's quick benchmark shape, from `explain`."""
     from axkern.bench import cases_for
 
     c = cases_for(op)[0]
-    return c.label, case_decision(c)
+    return c.label, c.decision()
 
 
 def _why(op: str, decision) -> dict[str, list[str]]:

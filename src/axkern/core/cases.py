@@ -14,7 +14,7 @@ from typing import Any
 
 import jax
 
-from .op import Unsupported
+from .op import Decision, Unsupported, explain
 
 __all__ = ["Case"]
 
@@ -50,6 +50,20 @@ class Case:
     # the implementation each row's error is taken against: the op's `reference`, or for a case
     # too large for it (a sequential scan's backward keeps every step's state) a float32 one
     reference: str = "reference"
+
+    def shapes(self) -> tuple:
+        """The inputs' shapes and dtypes (`jax.ShapeDtypeStruct`s), with nothing made: the key is
+        traced too (no array can be made under an abstract mesh, as when tracing for another
+        device)."""
+        return jax.eval_shape(lambda: self.make(jax.random.PRNGKey(0)))
+
+    def decision(self, implementation: str | None = None) -> Decision:
+        """What the dispatcher decides for this case run by `implementation` (None: the default
+        order), from `explain` on its shapes (nothing runs); where the forward calls other ops too
+        (e.g. a dispatch before a combine), the decision of this case's op."""
+        found = explain(lambda *a: self.forward(implementation, *a), *self.shapes())
+        decisions = found if isinstance(found, tuple) else (found,)
+        return next((d for d in decisions if d.op == self.op), decisions[-1])
 
     def forward_for(self, implementation: str) -> Callable[..., Any]:
         """`(*inputs) -> outputs` for an implementation name or "peer:<name>"."""

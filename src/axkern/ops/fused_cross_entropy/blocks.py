@@ -35,6 +35,7 @@ __all__ = [
     "pallas_tpu_loss_packed",
     "pallas_tpu_loss_vmem_bytes",
     "pallas_tpu_stats_vmem_bytes",
+    "pallas_tpu_vmem_bytes",
     "tpu_vmem_bytes",
 ]
 
@@ -245,14 +246,19 @@ def _loss_chunk(spec: Spec, block_tokens: int) -> int:
     return max(block_tokens, budget // held // block_tokens * block_tokens)
 
 
-def _fits(spec: Spec, bt: int, bv: int, held: bool) -> bool:
-    """Whether tiles of `bt` by `bv` fit three quarters of the chip's VMEM: the three kernels of
-    the loss's gradients (`held`) or the statistics kernel alone."""
-    itemsize = jnp.dtype(spec.dtype).itemsize
+def pallas_tpu_vmem_bytes(bt: int, bv: int, embed: int, itemsize: int, *, held: bool, packed: bool) -> int:
+    """VMEM of the TPU kernels at tiles of `bt` by `bv`: the three kernels of the loss's gradients
+    (`held`: `pallas_tpu_loss_vmem_bytes`, the logits `packed` or not) or the statistics kernel
+    alone (`pallas_tpu_stats_vmem_bytes`)."""
     if held:
-        need = pallas_tpu_loss_vmem_bytes(bt, bv, spec.dim("embed"), itemsize, pallas_tpu_loss_packed(spec))
-    else:
-        need = pallas_tpu_stats_vmem_bytes(bt, bv, spec.dim("embed"), itemsize)
+        return pallas_tpu_loss_vmem_bytes(bt, bv, embed, itemsize, packed)
+    return pallas_tpu_stats_vmem_bytes(bt, bv, embed, itemsize)
+
+
+def _fits(spec: Spec, bt: int, bv: int, held: bool) -> bool:
+    """Whether tiles of `bt` by `bv` fit three quarters of the chip's VMEM (`pallas_tpu_vmem_bytes`)."""
+    itemsize, packed = jnp.dtype(spec.dtype).itemsize, pallas_tpu_loss_packed(spec)
+    need = pallas_tpu_vmem_bytes(bt, bv, spec.dim("embed"), itemsize, held=held, packed=packed)
     return need <= tpu_vmem_bytes(spec.device_kind) * 3 // 4
 
 

@@ -30,22 +30,12 @@ figures.
 
 from __future__ import annotations
 
-import jax.numpy as jnp
-
 from axkern.core.op import Implementation
 
 from .. import common
 from ..blocks import CrossEntropyBlockSizes, pallas_tpu_heuristic, pallas_tpu_space
-from . import loss_kernels as kernels
 from .loss import LOSS_IMPLEMENTATION as LOSS_IMPLEMENTATION  # the reduced loss (loss.py)
-from .loss import label_row, supports, tiles  # the same refusal for both ops: no float64 on the matrix unit
-
-
-def _forward(t: kernels.Tiles, x, w, labels):
-    operand = jnp.dtype(t.operand)
-    stats = kernels.logits(t, x.astype(operand), w.astype(operand), label_row(labels, t.vocab), store=False)
-    lse, label_logit, sum_logits = (s[0] for s in stats)
-    return lse, label_logit, sum_logits
+from .loss import statistics, supports, tiles  # the same refusal for both ops: no float64 on the matrix unit
 
 
 def stats(
@@ -63,7 +53,7 @@ def stats(
     return _stats(t, x, w, labels)
 
 
-_stats = common.recomputing(_forward)
+_stats = common.recomputing(statistics)
 
 
 IMPLEMENTATION = Implementation(

@@ -52,14 +52,13 @@ from ..blocks import (
     CrossEntropyBlockSizes,
     pallas_tpu_loss_heuristic,
     pallas_tpu_loss_space,
-    pallas_tpu_loss_vmem_bytes,
-    pallas_tpu_stats_vmem_bytes,
+    pallas_tpu_vmem_bytes,
     tpu_vmem_bytes,
 )
 from ..common import out_of_range, token_losses
 from . import loss_kernels as kernels
 
-__all__ = ["LOSS_IMPLEMENTATION", "loss", "supports", "describe", "tiles", "label_row"]
+__all__ = ["LOSS_IMPLEMENTATION", "loss", "supports", "describe", "tiles", "statistics"]
 
 
 def supports(spec) -> str | None:
@@ -102,10 +101,7 @@ def tiles(
     packed = held and operand.itemsize == 2 and soft_cap is None
     bt = _multiple("block_tokens", block_sizes.block_tokens)
     bv = v if block_sizes.block_vocab >= v else _multiple("block_vocab", block_sizes.block_vocab)
-    if held:
-        need = pallas_tpu_loss_vmem_bytes(bt, bv, d, operand.itemsize, packed)
-    else:
-        need = pallas_tpu_stats_vmem_bytes(bt, bv, d, operand.itemsize)
+    need = pallas_tpu_vmem_bytes(bt, bv, d, operand.itemsize, held=held, packed=packed)
     budget = tpu_vmem_bytes(backend.device_kind()) * 3 // 4
     if need > budget and not interpret:
         raise Unsupported(
@@ -176,6 +172,14 @@ def label_row(labels, vocab):
     return jnp.where(inside, labels, -1).astype(jnp.int32)[None, :]
 
 
+def statistics(t: kernels.Tiles, x, w, labels):
+    """Per-token `(lse, label_logit, sum_logits)` (float32, `[N]` each) by the statistics kernel at
+    tiles `t` (`tiles(..., held=False)`), `x` and `w` cast to its operand dtype first."""
+    operand = jnp.dtype(t.operand)
+    stats = kernels.logits(t, x.astype(operand), w.astype(operand), label_row(labels, t.vocab), store=False)
+    return tuple(s[0] for s in stats)
+
+
 def _token_losses(cfg: _Config, lse, label_logit, sum_logits, labels, keep, vocab):
     return token_losses(
         lse,
@@ -191,13 +195,8 @@ def _token_losses(cfg: _Config, lse, label_logit, sum_logits, labels, keep, voca
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _loss(cfg: _Config, x, w, labels, keep, scale):
-    operand = cfg.tiles.operand
-    v = w.shape[1]
-    stats = kernels.logits(
-        cfg.value_tiles, x.astype(operand), w.astype(operand), label_row(labels, v), store=False
-    )
-    lse, label_logit, sum_logits = (s[0] for s in stats)
-    return scale * jnp.sum(_token_losses(cfg, lse, label_logit, sum_logits, labels, keep, v))
+    lse, label_logit, sum_logits = statistics(cfg.value_tiles, x, w, labels)
+    return scale * jnp.sum(_token_losses(cfg, lse, label_logit, sum_logits, labels, keep, w.shape[1]))
 
 
 def _chunk(cfg: _Config, x, w, labels, keep, coef, c0, running, final_dtype):
