@@ -55,7 +55,9 @@ def _recurrence_bwd_kernel(
     keep_ref, states_ref, d_states_ref, d_final_ref, d_own_ref, d_keep_ref, d_init_ref, *, chunks
 ):
     """The recurrence backwards: `g` (the gradient of the state leaving chunk c) is `d own_c`,
-    `sum(g ∘ S_c)` is this tile's part of `d keep_c`, `keep_c g + d S_c` flows to chunk c-1."""
+    `sum(g ∘ S_c)` is this tile's part of `d keep_c`, `keep_c g + d S_c` flows to chunk c-1.
+    `d_own_ref` is `d_states_ref`'s buffer (the call aliases them): chunk c's `d S_c` is read
+    before its `d own_c` is written over it."""
     keep = keep_ref[...]
     shape = d_final_ref.shape
     lanes = jnp.arange(keep.shape[0])
@@ -63,9 +65,10 @@ def _recurrence_bwd_kernel(
     def body(i, carry):
         g, d_keep = carry
         c = chunks - 1 - i
-        d_own_ref[pl.ds(c, 1)] = g.reshape((1,) + shape)
         d_keep = d_keep + jnp.where(lanes == c, jnp.sum(g * states_ref[pl.ds(c, 1)].reshape(shape)), 0.0)
-        return _pick(keep, c) * g + d_states_ref[pl.ds(c, 1)].reshape(shape), d_keep
+        flows = _pick(keep, c) * g + d_states_ref[pl.ds(c, 1)].reshape(shape)
+        d_own_ref[pl.ds(c, 1)] = g.reshape((1,) + shape)
+        return flows, d_keep
 
     g, d_keep = lax.fori_loop(0, chunks, body, (d_final_ref[...], jnp.zeros_like(keep)))
     d_init_ref[...] = g
@@ -175,6 +178,9 @@ class GpuLayout(Layout):
                 jax.ShapeDtypeStruct((self.batch, self.heads, rows, keep.shape[-1]), f32),
                 jax.ShapeDtypeStruct(d_final.shape, f32),
             ],
+            # `d own` over `d S_in` (read before written, chunk by chunk): one `[b, c, h, P, N]`
+            # float32 buffer where two were live
+            input_output_aliases={2: 0},
             **self.call_params(),
         )(keep, states_in, d_states_in, d_final)
         return d_own, d_keep.sum(2)[..., : self.chunks], d_init
