@@ -179,7 +179,7 @@ class GpuLayout(Layout):
                 jax.ShapeDtypeStruct(d_final.shape, f32),
             ],
             # `d own` over `d S_in` (read before written, chunk by chunk): one `[b, c, h, P, N]`
-            # float32 buffer where two were live
+            # float32 buffer holds both
             input_output_aliases={2: 0},
             **self.call_params(),
         )(keep, states_in, d_states_in, d_final)
