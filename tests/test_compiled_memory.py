@@ -30,8 +30,7 @@ def test_rows_are_the_benchs_temporary_memory(op):
     if case.loss is None:
         both = jax.jit(bench.forward_backward(case, "xla")), (bench.cotangent(case, args), *args)
     else:
-        grad = jax.value_and_grad(lambda *a: case.loss("xla", *a), argnums=case.grad_argnums)
-        both = jax.jit(grad), args
+        both = jax.jit(bench.loss_and_grad(case, "xla")), args
     want = {
         "fwd": harness._temp_gib(jax.jit(case.forward_for("xla")), args),
         "fwd+bwd": harness._temp_gib(*both),

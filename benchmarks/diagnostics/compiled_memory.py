@@ -29,6 +29,7 @@ import os
 import shlex
 import sys
 from pathlib import Path
+from unittest import mock
 
 import jax
 
@@ -96,13 +97,8 @@ def dispatching_for(device: jax.Device):
     if device.platform == "cpu":
         yield
         return
-    default = backend._default_device
-    backend._default_device = lambda: device
-    try:
-        with as_cuda():
-            yield
-    finally:
-        backend._default_device = default
+    with mock.patch.object(backend, "_default_device", lambda: device), as_cuda():
+        yield
 
 
 def temp_bytes(fn, args, device: jax.Device) -> dict:
@@ -128,7 +124,7 @@ def rows(case, impl: str, device: jax.Device) -> list[dict]:
     if case.loss is None:  # a random cotangent pulled back
         both = bench.forward_backward(case, impl), (cotangent, *shapes)
     else:  # the case's loss differentiated
-        both = jax.value_and_grad(lambda *a: case.loss(impl, *a), argnums=case.grad_argnums), shapes
+        both = bench.loss_and_grad(case, impl), shapes
     out = []
     for pass_, (fn, args) in (("fwd", (case.forward_for(impl), shapes)), ("fwd+bwd", both)):
         if pass_ not in case.passes:

@@ -34,6 +34,7 @@ __all__ = [
     "copy_bandwidth",
     "cotangent",
     "forward_backward",
+    "loss_and_grad",
     "cases_for",
     "presets_for",
     "DEFAULT_PRESET",
@@ -186,6 +187,12 @@ def forward_backward(case: Case, impl: str, forward: Callable | None = None):
     return run
 
 
+def loss_and_grad(case: Case, impl: str):
+    """`(*inputs) -> (loss, gradients for case.grad_argnums)`: the forward+backward of a case
+    with a `loss` (`forward_backward` pulls a cotangent back for the others)."""
+    return jax.value_and_grad(lambda *a: case.loss(impl, *a), argnums=case.grad_argnums)
+
+
 @jax.jit
 def _rel_error(g, w):
     g, w = jnp.asarray(g, jnp.float32), jnp.asarray(w, jnp.float32)
@@ -226,7 +233,7 @@ def measure(
                 raise Unsupported(
                     "a peer's variants are timed on cases whose backward pulls a cotangent back"
                 )
-            return jax.jit(jax.value_and_grad(lambda *a: case.loss(impl, *a), argnums=case.grad_argnums))
+            return jax.jit(loss_and_grad(case, impl))
 
         fns["fwd+bwd"] = loss_pass
     elif "fwd+bwd" in case.passes and "fwd+bwd" in passes:
