@@ -279,12 +279,27 @@ def _run(body, ins, outs, tiles, grid, names=("batch", "heads", "chunks")):
     return [o.a for o in out_refs]
 
 
-def _errors(q, b=1, h=2, g=1, c=2, p=64, n=64, wide=True, add=False, split=False, lean=False, scores=False):
+def _errors(
+    q,
+    b=1,
+    h=2,
+    g=1,
+    c=2,
+    p=64,
+    n=64,
+    wide=True,
+    add=False,
+    split=False,
+    lean=False,
+    scores=False,
+    clean_x=False,
+):
     """Each kernel's largest difference from its emulation (relative to the emulation's largest
     magnitude) at chunks of `q`: the scan, its backward, the state and the state backward.
     `split`: `B`, `C` float32, which the kernels take as two bf16 halves each (Mamba-3's).
     `lean`: the lean scan backward (`scan_backward.lean_reason`); `scores` (lean, `add`): `dg` summed per
-    group in `dB`'s place, `dC` without `dg B` (`group_scores.py`)."""
+    group in `dB`'s place, `dC` without `dg B` (`group_scores.py`). `clean_x`: `x` with non-finite
+    values, which every kernel takes as 0 (the emulation is given them as 0)."""
     length, f32, bf16 = c * q, np.float32, jnp.bfloat16
     k = jax.random.split(jax.random.PRNGKey(0), 8)
     x = jax.random.normal(k[0], (b, h, length, p)).astype(bf16)
@@ -299,11 +314,19 @@ def _errors(q, b=1, h=2, g=1, c=2, p=64, n=64, wide=True, add=False, split=False
     dy = jax.random.normal(k[7], (b, h, length, p))
     dy = dy if wide else dy.astype(bf16)
     f, w = jnp.exp(cum), jnp.exp(cum) * dt
-    kw = dict(rep=h // g, dtype=bf16, rows_of=tiles.rows_indexer(False))
+    kw = dict(rep=h // g, dtype=bf16, rows_of=tiles.rows_indexer(False)) | (
+        {"clean_x": True} if clean_x else {}
+    )
+    x_read = x  # what the kernels read; the emulation takes x
+    if clean_x:
+        x_read = (
+            x.at[0, 0, 5, 3].set(jnp.nan).at[0, -1, length - 1, 0].set(jnp.inf).at[0, 0, q + 2].set(-jnp.inf)
+        )
+        x = jnp.where(jnp.isfinite(x_read), x_read, 0).astype(x.dtype)  # as the kernels take it
     got, want = {}, {}
     (got["y"],) = _run(
         functools.partial(Sc._scan_kernel, add=False, **kw),
-        (x, dt, cum, f, seg, bp, cp, states),
+        (x_read, dt, cum, f, seg, bp, cp, states),
         [np.zeros((b, h, length, p), f32)],
         sizes.kernel_tiles("scan", p, n, parts=parts, q=q),
         (b, h, c),
@@ -318,7 +341,7 @@ def _errors(q, b=1, h=2, g=1, c=2, p=64, n=64, wide=True, add=False, split=False
     body = functools.partial(SB._scan_bwd_kernel, add=add, **kw, **form)
     grads = _run(
         body,
-        (dy, x, dt, cum, f, seg, bp, cp, states),
+        (dy, x_read, dt, cum, f, seg, bp, cp, states),
         outs,
         sizes.kernel_tiles("scan_bwd_lean" if lean else "scan_bwd", p, n, parts=parts, q=q),
         (b, h, c),
@@ -335,7 +358,7 @@ def _errors(q, b=1, h=2, g=1, c=2, p=64, n=64, wide=True, add=False, split=False
         St._state_bwd_kernel, add=False, adds_dx=False, **kw, **({"blocks": q // 64} if q != 64 else {})
     )
     state_tiles = sizes.kernel_tiles("state_bwd", p, n, parts=parts)
-    state_grads = _run(body, (x, w, bp, states), outs, state_tiles, (b, h, length // 64))
+    state_grads = _run(body, (x_read, w, bp, states), outs, state_tiles, (b, h, length // 64))
     for name, gv, wv in zip(
         ("state dx", "state dw", "state dB"),
         state_grads,
@@ -345,7 +368,7 @@ def _errors(q, b=1, h=2, g=1, c=2, p=64, n=64, wide=True, add=False, split=False
         got[name], want[name] = gv, wv
     (got["state"],) = _run(
         functools.partial(St._state_kernel, add=False, **kw),
-        (x, w, bp),
+        (x_read, w, bp),
         [np.zeros((b, c, h, p, n), f32)],
         sizes.kernel_tiles("state", p, n, parts=parts, q=q),
         (b, h, c),
@@ -379,6 +402,11 @@ def _errors(q, b=1, h=2, g=1, c=2, p=64, n=64, wide=True, add=False, split=False
         # dg summed per group in dB's place, dC without dg B
         dict(q=64, lean=True, h=4, g=2, add=True, scores=True),
         dict(q=64, lean=True, n=128, h=4, g=1, add=True, scores=True, wide=False),
+        # x's non-finite values taken as 0 by every kernel (in its tile once copied in, and where
+        # it is read into registers)
+        dict(q=64, clean_x=True),
+        dict(q=128, clean_x=True),
+        dict(q=64, lean=True, n=128, h=4, g=1, add=True, scores=True, clean_x=True),
     ],
     ids=str,
 )

@@ -27,12 +27,13 @@ def shim(monkeypatch):
     return bodies.install_shim(monkeypatch, (*bodies.MODULES, S))
 
 
-def _errors(b=1, h=2, g=1, c=3, p=64, n=64, add=False, positions_first=False, columns=1):
+def _errors(b=1, h=2, g=1, c=3, p=64, n=64, add=False, positions_first=False, columns=1, clean_x=False):
     """The kernel's largest differences (relative to the largest magnitude) from the recurrence's
     and the chunk state backward's emulation: `dx`, `dw`, `dB` (per head, or `add`: summed into
     each group's rows), `d keep`'s row sums and the initial state's gradient. `columns`: the
     kernel a block per `n / columns` of the state's columns, adding `dx` onto a given one
-    (`dx_in`) and `dw` onto zeros."""
+    (`dx_in`) and `dw` onto zeros. `clean_x`: `x` with non-finite values, which the kernel takes as
+    0 (the emulation is given them as 0)."""
     q, f32, bf16 = K.CHUNK, np.float32, jnp.bfloat16
     length = c * q
     k = jax.random.split(jax.random.PRNGKey(2), 7)
@@ -43,6 +44,10 @@ def _errors(b=1, h=2, g=1, c=3, p=64, n=64, add=False, positions_first=False, co
     states_in, d_states_in = (np.asarray(jax.random.normal(k[i], (b, c, h, p, n)), f32) for i in (4, 5))
     d_final = np.asarray(jax.random.normal(k[6], (b, h, p, n)), f32)
     keep_rows = np.broadcast_to(keep[..., None], (b, h, c, p)).astype(f32)
+    x_read = x  # what the kernel reads
+    if clean_x:
+        x_read = x.at[0, 0, 5, 3].set(jnp.nan).at[0, -1, length - 1, 0].set(-jnp.inf)
+        x = jnp.where(jnp.isfinite(x_read), x_read, 0).astype(x.dtype)  # as the kernel takes it
 
     # the reverse recurrence in float32, in the kernel's order
     g_run, d_own, d_keep_rows = d_final.copy(), np.zeros_like(states_in), np.zeros((b, h, c, p), f32)
@@ -69,8 +74,8 @@ def _errors(b=1, h=2, g=1, c=3, p=64, n=64, add=False, positions_first=False, co
     kw = dict(
         rep=h // g, dtype=bf16, chunks=c, add=add or columns > 1, rows_of=K.rows_indexer(positions_first)
     )
-    body = functools.partial(S._kernel, **kw, column_blocks=columns, sums=add)
-    args = (rows(x), w, (bt,), keep_rows, states_in, d_states_in, d_final)
+    body = functools.partial(S._kernel, **kw, column_blocks=columns, sums=add, clean_x=clean_x)
+    args = (rows(x_read), w, (bt,), keep_rows, states_in, d_states_in, d_final)
     names = ("batch", "heads", "columns")
     got = bodies._run(body, args, outs, S._tiles(p, n // columns), (b, h, columns), names)
     got[0] = rows(got[0])
@@ -89,12 +94,14 @@ CASES = [
     dict(p=128),
     dict(n=128, h=4, g=2, add=True),  # dB added into each group's rows
     dict(positions_first=True),
+    dict(n=128, clean_x=True),  # x's non-finite values taken as 0
 ]
 # the kernel a block per 64 of the state's columns
 COLUMNS = [
     dict(n=128, columns=2),
     dict(n=128, columns=2, h=4, g=2, add=True, positions_first=True),
     dict(n=128, columns=2, c=1),
+    dict(n=128, columns=2, clean_x=True),
 ]
 
 

@@ -84,7 +84,7 @@ def scan_kernel(
     """`sums`: `cum_row_ref` holds `a = dt A` (float32 inputs: `_segment_sums`), not `cum`.
     `diag`: `rest` is `(diag_ref, y_ref)`, the diagonal term's weights as a column, else `(y_ref,)`."""
     *diag_ref, y_ref = rest
-    x = x_ref[0, 0].astype(jnp.float32)  # [Q, P]
+    x = lay.x_of(x_ref)  # [Q, P]
     dt, f = lay.col(dt_ref), lay.col(f_ref)  # [Q, 1]
     decay = _chunk_decay(lay, cum_ref, cum_row_ref, seg_ref, seg_row_ref, sums)
     cm, bm = c_ref[0, 0], b_ref[0, 0]  # [Q, N] each
@@ -132,7 +132,7 @@ def scan_bwd_kernel(
     dx_ref, ddt_ref, dcum_ref, dcum_row_ref, df_ref, db_ref, dc_ref, ds_ref, *ddiag_ref = rest
     f32 = jnp.float32
     dy = dy_ref[0, 0]  # [Q, P], float32
-    x = x_ref[0, 0].astype(f32)
+    x = lay.x_of(x_ref)
     dt, f = lay.col(dt_ref), lay.col(f_ref)  # [Q, 1]
     bm, cm = b_ref[0, 0].astype(f32), c_ref[0, 0].astype(f32)  # [Q, N]
     state = s_ref[0, 0, 0]  # [P, N]

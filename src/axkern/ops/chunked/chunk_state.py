@@ -10,7 +10,7 @@ import jax.numpy as jnp
 
 
 def state_kernel(x_ref, w_ref, b_ref, out_ref, *, lay, dtype):
-    x = x_ref[0, 0].astype(jnp.float32)  # [Q, P]
+    x = lay.x_of(x_ref)  # [Q, P]
     out_ref[0, 0, 0] = lay.dot(x * lay.col(w_ref), b_ref[0, 0], dtype, trans_a=True)  # [P, N]
 
 
@@ -18,7 +18,7 @@ def state_bwd_kernel(x_ref, w_ref, b_ref, ds_ref, dx_scan_ref, db_scan_ref, dx_r
     """Pull `dS` back through `S = (w ∘ x)^T B`; the chunk scan's `dx`, `dB` (float32) added, `dx`
     written in its own dtype."""
     f32 = jnp.float32
-    x = x_ref[0, 0].astype(f32)
+    x = lay.x_of(x_ref)
     w = lay.col(w_ref)  # [Q, 1]
     bm = b_ref[0, 0].astype(f32)
     ds = ds_ref[0, 0, 0]  # [P, N]

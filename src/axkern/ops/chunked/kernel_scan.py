@@ -30,8 +30,9 @@ bound for Mamba-2 sizes (`Q = 64..256`, `N = 128`). float32 inputs add `2·Q³` 
 `4·Q³` backward per chunk and head (`chunk_scan._segment_sums`).
 
 `Layout.forward` runs stages 2-4 in turn (a backend may fuse them). **Non-finite input**
-(`chunks.guard`, through `chunks.layer` only where an input is not finite): the kernels take
-non-finite values as 0; NaN is put where the sequential recurrence is non-finite (never
+(`chunks.guard`'s masks, formed by `chunks.layer` only where an input is not finite): the
+kernels take non-finite values as 0 (`x`'s in every kernel that reads it, `Layout.clean_x`; the
+small inputs' in XLA); NaN is put where the sequential recurrence is non-finite (never
 earlier in time, never in another segment), and the backward runs on numbers only, NaN put on
 the gradients of the inputs that reach a non-finite output (`chunks.reached`). Products take float32 operands into float32 (bf16
 operands missed the oracle rule): TF32 for bf16 inputs on GPU (`Layout.precision_16bit`), exact
@@ -60,7 +61,7 @@ import jax.numpy as jnp
 
 from axkern.core.op import Unsupported
 
-from .chunks import layer, uses_segment_sums, zeroed
+from .chunks import layer, uses_segment_sums
 
 __all__ = ["chunk_weights", "refuse_float64", "scan", "ssd"]
 
@@ -92,14 +93,10 @@ def chunk_weights(ac, scale, sc):
 
 def _core_forward(cfg, xt, ac, scale, bt, ct, sc, initial_state, diag, residuals=True):
     layout, q, interpret, products, y_dtype, clean_x = cfg
-    # with nothing to keep for a backward, a layout whose forward kernel zeroes `x`'s non-finite
-    # values itself (`cleans_x`) reads `x` as it is, where XLA would write a cleaned copy
-    in_kernel = bool(clean_x) and not residuals and getattr(layout, "cleans_x", False)
-    xt = zeroed(xt) if clean_x and not in_kernel else xt
     # float32 operands throughout for now: with bf16 operands in the output's products the
     # gate's gradient (dz, through the pre-gate output) missed the oracle rule in bf16
     mm = jnp.float32
-    k = layout(xt, bt, q=q, interpret=interpret, products=products)
+    k = layout(xt, bt, q=q, interpret=interpret, products=products, clean_x=bool(clean_x))
     k.y_dtype = jnp.dtype(y_dtype)
     cum, w, f, keep = chunk_weights(ac, scale, sc)
     sums = uses_segment_sums(products or xt.dtype)
@@ -120,7 +117,6 @@ def _core_forward(cfg, xt, ac, scale, bt, ct, sc, initial_state, diag, residuals
         dtype=mm,
         residuals=residuals,
         **extra,
-        **({"clean_x": True} if in_kernel else {}),
     )
     return (y.astype(y_dtype), final), states_in
 
@@ -142,19 +138,16 @@ def _core_fwd(cfg, xt, ac, scale, bt, ct, sc, initial_state, diag):
         if hasattr(bt, "parts_with")
         else (bt, ct)
     )
-    if cfg[-1] == "pass":  # the cleaned `x` is the residual (the backward passes its cotangent on)
-        xt, cfg = zeroed(xt), (*cfg[:-1], False)
     out, states_in = _core_forward(cfg, xt, ac, scale, *formed, sc, initial_state, diag)
     return out, (xt, ac, scale, (bt, ct), formed, sc, states_in, diag)
 
 
 def _core_bwd(cfg, res, cotangents):
     layout, q, interpret, products, _, clean_x = cfg
-    x_in, ac, scale, operands, (bt, ct), sc, states_in, diag = res
-    xt = zeroed(x_in) if clean_x is True else x_in  # ("pass": `x_in` is cleaned already)
+    xt, ac, scale, operands, (bt, ct), sc, states_in, diag = res
     dy, d_final = cotangents
     pull_b, pull_c = (_pullback(o, f) for o, f in zip(operands, (bt, ct), strict=True))
-    k = layout(xt, bt, q=q, interpret=interpret, products=products)
+    k = layout(xt, bt, q=q, interpret=interpret, products=products, clean_x=bool(clean_x))
     col, row = k.from_col, k.from_row  # back to [b, h, c, Q]
     (cum, w, f, keep), pull_weights = jax.vjp(lambda ac, scale: chunk_weights(ac, scale, sc), ac, scale)
     sums = uses_segment_sums(products or xt.dtype)
@@ -174,7 +167,7 @@ def _core_bwd(cfg, res, cotangents):
     d_scale = d_scale + col(ddt)
     db, dc = k.sum_groups(db, dc)
     if clean_x is True:  # a non-finite input's gradient is NaN (as `chunks.clean`'s)
-        dx = jnp.where(jnp.isfinite(x_in), dx, jnp.nan)
+        dx = jnp.where(jnp.isfinite(xt), dx, jnp.nan)
     return (
         dx.astype(xt.dtype),
         d_ac.astype(ac.dtype),
@@ -224,11 +217,9 @@ def scan(
     rounded by the kernels where a layout's can) and the final state. The length is padded to a
     multiple of the chunk with `a = scale = 0` rows (the state stays). `products`: the input
     dtype whose path the kernels take (products' precision, decay's form; `x`'s unless given).
-    `clean_x`: `x`'s non-finite values taken as 0 inside the scan (their gradients NaN), which
-    keeps `x` itself, not a cleaned copy, for the backward; `"pass"`: taken as 0 likewise, their
-    cotangents passed on (as `chunks.scrubbed`'s), the cleaned copy kept for the backward. Either
-    way a call nothing differentiates reads `x` as it is where the layout's forward kernel cleans
-    it (`cleans_x`). `diag` (`[b, L, H]`, finite, where
+    `clean_x`: `x`'s non-finite values taken as 0 by every kernel that reads `x` (`Layout.x_of`;
+    no cleaned copy is written, and the backward keeps `x` as it came), their gradients NaN;
+    `"pass"`: taken as 0 likewise, their cotangents passed on (as `chunks.scrubbed`'s). `diag` (`[b, L, H]`, finite, where
     the layout's kernels take it: `Layout.diagonal`): `y_t += diag_t (C_t · B_t) x_t`, the
     diagonal term of `chunk_scan.py`, differentiated like the other inputs."""
     if diag is not None and not layout.diagonal:

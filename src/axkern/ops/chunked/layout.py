@@ -47,8 +47,11 @@ class Layout:
     # `chunk_scan.py`): the Pallas kernels here do; a layout with kernels of its own may not
     diagonal = True
 
-    def __init__(self, xt, bt, *, q, interpret, products=None):
-        """`products`: the input dtype whose products' precision the kernels take (`xt`'s unless given)."""
+    def __init__(self, xt, bt, *, q, interpret, products=None, clean_x=False):
+        """`products`: the input dtype whose products' precision the kernels take (`xt`'s unless
+        given). `clean_x`: every kernel that reads `x` takes its non-finite values as 0 (`x_of`;
+        a layout with kernels of its own passes it to them)."""
+        self.clean_x = clean_x
         wide = self.precision_32bit if not interpret else None
         narrow = kernels.tf32_suffices(products or xt.dtype)
         self.precision = self.precision_16bit if narrow else wide
@@ -63,6 +66,12 @@ class Layout:
         self.rows = lambda d: pl.BlockSpec((1, 1, q, d), lambda b, h, c: (b, h, c, 0))
         self.grouped = lambda d: pl.BlockSpec((1, 1, q, d), lambda b, h, c: (b, h // rep, c, 0))
         self.state = pl.BlockSpec((1, 1, 1, self.p, self.n), lambda b, h, c: (b, c, h, 0, 0))
+
+    def x_of(self, x_ref):
+        """A program's `x` tile, float32, its non-finite values as 0 where `clean_x`."""
+        x = x_ref[0, 0].astype(jnp.float32)
+        # |x| <= the largest float32 is false for inf and NaN alike (a comparison every backend lowers)
+        return jnp.where(jnp.abs(x) <= jnp.finfo(jnp.float32).max, x, 0.0) if self.clean_x else x
 
     def out(self, kind, d=None):
         f32 = jnp.float32

@@ -83,8 +83,8 @@ class GpuLayout(Layout):
     # tf32x3: float32 is the accuracy path here (the GPU order gives float32 to `xla`)
     precision_32bit = None
 
-    def __init__(self, xt, bt, *, q, interpret, products=None):
-        super().__init__(xt, bt, q=q, interpret=interpret, products=products)
+    def __init__(self, xt, bt, *, q, interpret, products=None, clean_x=False):
+        super().__init__(xt, bt, q=q, interpret=interpret, products=products, clean_x=clean_x)
         self.col_spec = self.row_spec = pl.BlockSpec((1, 1, q), lambda b, h, c: (b, h, c))
         self.seg_col_spec = self.seg_row_spec = pl.BlockSpec((1, q), lambda b, h, c: (b, c))
         self.col_shape = self.row_shape = (self.batch, self.heads, self.lp)

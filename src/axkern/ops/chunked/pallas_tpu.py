@@ -28,8 +28,8 @@ class TpuLayout(Layout):
     """Columns as `[b, h, L, 1]` (blocks `[Q, 1]`), rows as `[b, h, chunks, 1, Q]` (blocks
     `[1, Q]`), segment ids likewise; all three grid dimensions `parallel`."""
 
-    def __init__(self, xt, bt, *, q, interpret, products=None):
-        super().__init__(xt, bt, q=q, interpret=interpret, products=products)
+    def __init__(self, xt, bt, *, q, interpret, products=None, clean_x=False):
+        super().__init__(xt, bt, q=q, interpret=interpret, products=products, clean_x=clean_x)
         self.col_spec = pl.BlockSpec((1, 1, q, 1), lambda b, h, c: (b, h, c, 0))
         self.row_spec = pl.BlockSpec((1, 1, 1, 1, q), lambda b, h, c: (b, h, c, 0, 0))
         self.seg_col_spec = pl.BlockSpec((1, q, 1), lambda b, h, c: (b, c, 0))

@@ -155,8 +155,8 @@ def rotating_core(layout, dtype, interpret=False, angle_kernel=False):
     rotation pairs `(i, i + N/2)`, so the state's columns run evens first, odds next inside the
     scan (`pairs_to_halves` on `q`, `k`, the biases and the initial state, undone on the final
     state): no product notices the order. SISO only. `x` as it comes (`cleans_x`): the scan
-    takes its non-finite values as 0, in the forward kernel itself when nothing differentiates
-    the call (no cleaned copy written). `interpret`: the layout's Pallas stages (the
+    takes its non-finite values as 0 in every kernel that reads it (no cleaned copy written).
+    `interpret`: the layout's Pallas stages (the
     recurrences) in interpret mode (an emulating layout's, on the CPU). `angle_kernel`: `Θ` by
     the Triton kernel `common.angle_thetas` (`kernel_core`'s)."""
 

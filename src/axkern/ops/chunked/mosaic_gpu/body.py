@@ -8,6 +8,9 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from axkern.core.compat import mosaic_gpu_load
+
+from .operands import finite_or_zero
 from .tiles import CHUNK, plgpu
 
 __all__ = [
@@ -18,6 +21,7 @@ __all__ = [
     "parts_of",
     "part_copies",
     "copy_chunk_in",
+    "cleaned_rows",
     "put_last",
     "staged",
     "decay",
@@ -80,6 +84,15 @@ def copy_chunk_in(c, b, x, batch, group, head, rows, rows_of, loaded) -> int:
     for i, (src, dst) in enumerate(copies):
         plgpu.copy_gmem_to_smem(src, dst, loaded.at[i])
     return len(copies)
+
+
+def cleaned_rows(smem) -> None:
+    """The non-finite values of a `[64 r, d]` tile in shared memory (its copy in waited) as 0, 64
+    rows at a time through registers; the caller commits before a product reads it."""
+    for k in range(smem.shape[0] // CHUNK):
+        block = smem.at[pl.ds(k * CHUNK, CHUNK)]
+        value = mosaic_gpu_load(block, layout=plgpu.Layout.WGMMA, optimized=False)
+        block[...] = finite_or_zero(value.astype(jnp.float32)).astype(smem.dtype)
 
 
 def put_last(smem, value, ref):

@@ -16,6 +16,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from ..chunks import zeroed
 from ..pallas_gpu import GpuLayout
 from .body import rounds_once
 from .group_scores import with_group_scores
@@ -37,7 +38,11 @@ _ein = functools.partial(jnp.einsum, precision=jax.lax.Precision.HIGHEST)
 
 
 def _round(a, dtype):
-    return a.astype(dtype).astype(jnp.float32)
+    """`a` rounded to `dtype`'s precision, in float32: `reduce_precision`, which XLA keeps where it
+    may drop a float32 -> 16-bit -> float32 round trip (`xla_allow_excess_precision`), so the
+    emulation rounds alike in every graph it is part of."""
+    info = jnp.finfo(dtype)
+    return jax.lax.reduce_precision(a.astype(jnp.float32), exponent_bits=info.nexp, mantissa_bits=info.nmant)
 
 
 def _halves(a, dtype):
@@ -196,11 +201,15 @@ class EmulatedLayout(GpuLayout):
     def turns_back(cls) -> bool:  # as the Mosaic kernels (`layout.MosaicLayout`: not with the group sums)
         return not cls.group_scores
 
+    def _x(self, xt):  # as the kernels read it (`clean_x`: non-finite values as 0)
+        return zeroed(xt) if self.clean_x else xt
+
     def chunk_state(self, xt, w, bt, *, dtype):
+        xt = self._x(xt)
         return emulate_chunk_state(xt, self.to_col(w), bt, self.q)
 
     def chunk_state_bwd(self, xt, w, bt, d_own, dx_scan, db_scan):
-        dx, dw, db = emulate_chunk_state_bwd(xt, self.to_col(w), bt, d_own, self.q, self.single)
+        dx, dw, db = emulate_chunk_state_bwd(self._x(xt), self.to_col(w), bt, d_own, self.q, self.single)
         db = _turned_back(bt, db)
         if self.group_scores:  # (the scan's dB per group)
             db = db.reshape(self.batch, -1, self.rep, *db.shape[2:]).sum(2)
@@ -209,12 +218,12 @@ class EmulatedLayout(GpuLayout):
     def chunk_scan(self, xt, scale, cum, ac, f, sc, bt, ct, states_in, *, sums, dtype):
         assert not sums
         c = self.to_col
-        return emulate_chunk_scan(xt, c(scale), c(cum), c(f), c(sc), bt, ct, states_in, self.q)
+        return emulate_chunk_scan(self._x(xt), c(scale), c(cum), c(f), c(sc), bt, ct, states_in, self.q)
 
     def chunk_scan_bwd(self, dy, xt, scale, cum, ac, f, sc, bt, ct, states_in, *, sums):
         assert not sums
         c = self.to_col
-        args = (dy, xt, c(scale), c(cum), c(f), c(sc), bt, ct, states_in, self.q, self.single)
+        args = (dy, self._x(xt), c(scale), c(cum), c(f), c(sc), bt, ct, states_in, self.q, self.single)
         out = list(emulate_chunk_scan_bwd(*args, scores=self.group_scores))
         if self.group_scores:
             return with_group_scores(out, bt, ct)

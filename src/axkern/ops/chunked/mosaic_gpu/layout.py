@@ -53,17 +53,22 @@ class MosaicLayout(GpuLayout):
     parts_kernel = True  # Mamba-3's halves by `rotation_kernel.rotated_parts`
 
     def chunk_state(self, xt, w, bt, *, dtype):
-        return chunk_state(xt, self.to_col(w), bt, positions_first=self.positions_first, chunk=self.q)
+        kw = dict(positions_first=self.positions_first, chunk=self.q, clean_x=self.clean_x)
+        return chunk_state(xt, self.to_col(w), bt, **kw)
 
     def chunk_scan(self, xt, scale, cum, ac, f, sc, bt, ct, states_in, *, sums, dtype):
         if sums:
             raise Unsupported(_SUMS)
         c = self.to_col
         args = (xt, c(scale), c(cum), c(f), c(sc), bt, ct, states_in)
-        return chunk_scan(*args, positions_first=self.positions_first, y_dtype=self.y_dtype, chunk=self.q)
+        kw = dict(
+            positions_first=self.positions_first, y_dtype=self.y_dtype, chunk=self.q, clean_x=self.clean_x
+        )
+        return chunk_scan(*args, **kw)
 
     def chunk_state_bwd(self, xt, w, bt, d_own, dx_scan, db_scan):
         kw = dict(group_sums=self.group_sums, positions_first=self.positions_first, theta=_angles(bt))
+        kw["clean_x"] = self.clean_x
         # dx_scan added in the kernel; db_scan here (per head, or per group with `group_sums`)
         dx, dw, db = chunk_state_bwd(xt, self.to_col(w), bt, d_own, dx_scan, chunk=self.q, **kw)
         return dx, dw, db + db_scan
@@ -74,6 +79,7 @@ class MosaicLayout(GpuLayout):
         c = self.to_col
         args = (dy, xt, c(scale), c(cum), c(f), c(sc), bt, ct, states_in)
         kw = dict(group_sums=self.group_sums, positions_first=self.positions_first, theta=_angles(bt))
+        kw["clean_x"] = self.clean_x
         out = chunk_scan_bwd(
             *args, chunk=self.q, lean=self.lean_scan_backward, scores=self.group_scores, **kw
         )
@@ -101,7 +107,10 @@ class MosaicLayout(GpuLayout):
         if not self.fused_backward:
             return super().state_backward(xt, w, bt, keep, states_in, d_states_in, d_final, dx_scan, db_scan)
         kw = dict(
-            group_sums=self.group_sums, positions_first=self.positions_first, columns=self.state_columns
+            group_sums=self.group_sums,
+            positions_first=self.positions_first,
+            columns=self.state_columns,
+            clean_x=self.clean_x,
         )
         args = (xt, self.to_col(w), bt, keep, states_in, d_states_in, d_final, dx_scan)
         dx, dw, db, *rest = fused_state_bwd(*args, **kw)  # (dx_scan added to dx)
@@ -112,10 +121,8 @@ class MosaicLayout(GpuLayout):
 
 
 class FusedMosaicLayout(MosaicLayout):
-    """`MosaicLayout` with stages 2 to 4 of the forward as one kernel (`forward.py`), which zeroes
-    `x`'s non-finite values itself where asked (`clean_x`)."""
+    """`MosaicLayout` with stages 2 to 4 of the forward as one kernel (`forward.py`)."""
 
-    cleans_x = True
     # the fused forward in one slot of tiles (`forward_lean.py`)
     lean_forward = False
 
@@ -136,7 +143,6 @@ class FusedMosaicLayout(MosaicLayout):
         sums,
         dtype,
         residuals=True,
-        clean_x=False,
     ):
         if sums:
             raise Unsupported(_SUMS)
@@ -147,7 +153,7 @@ class FusedMosaicLayout(MosaicLayout):
             positions_first=self.positions_first,
             y_dtype=self.y_dtype,
             states=residuals,
-            clean_x=clean_x,
+            clean_x=self.clean_x,
             chunk=self.q,
             lean=self.lean_forward,
         )

@@ -26,7 +26,7 @@ from jax.experimental import pallas as pl
 
 from axkern.core.compat import mosaic_gpu_load
 
-from .body import copy_chunk_in, decay, halves, pairs, parts_of, products
+from .body import cleaned_rows, copy_chunk_in, decay, halves, pairs, parts_of, products
 from .operands import operand_parts
 from .sizes import check_operands, check_tiles, kernel_tiles
 from .tiled import chunk_output_tiled, chunk_tiles, into_rows
@@ -36,8 +36,24 @@ __all__ = ["chunk_scan", "chunk_output", "scan_vectors"]
 
 
 def _scan_kernel(
-    x_ref, dt_ref, cum_ref, f_ref, seg_ref, b_ref, c_ref, s_ref, y_ref, scoped, *, rep, dtype, add, rows_of
+    x_ref,
+    dt_ref,
+    cum_ref,
+    f_ref,
+    seg_ref,
+    b_ref,
+    c_ref,
+    s_ref,
+    y_ref,
+    scoped,
+    *,
+    rep,
+    dtype,
+    add,
+    rows_of,
+    clean_x=False,
 ):
+    """`clean_x`: `x`'s non-finite values taken as 0, in its tile once copied in."""
     (c_smem, b_smem, x_smem, s16_smem, y_smem), loaded = scoped
     chunk, head, batch = lax.axis_index("chunks"), lax.axis_index("heads"), lax.axis_index("batch")
     q, p = x_smem.shape
@@ -56,6 +72,9 @@ def _scan_kernel(
     plgpu.commit_smem()
     for i in range(copies):
         plgpu.barrier_wait(loaded.at[i])
+    if clean_x:
+        cleaned_rows(x_smem)
+        plgpu.commit_smem()
     if q == CHUNK:
         y_smem[...] = chunk_output(cs, bs, x_smem, s16_smem, *vectors, dtype=dtype).astype(y_smem.dtype)
     else:
@@ -99,13 +118,26 @@ def chunk_output(
 
 
 def chunk_scan(
-    xt, dt, cum, f, seg, bt, ct, states_in, *, positions_first=False, y_dtype=jnp.float32, chunk=CHUNK
+    xt,
+    dt,
+    cum,
+    f,
+    seg,
+    bt,
+    ct,
+    states_in,
+    *,
+    positions_first=False,
+    y_dtype=jnp.float32,
+    chunk=CHUNK,
+    clean_x=False,
 ):
     """`y [b, h, L, P]` (float32, or rounded to `y_dtype` in the kernel) of the chunks (`xt [b,
     h, L, P]` bf16, `bt, ct [b, g, L, N]` bf16 or float32 (`operand_parts`); `dt, cum, f [b, h,
     L]` float32; `seg [b, L]` int32; `states_in [b, c, h, P, N]` float32, `L = c · chunk`) by the
     Mosaic GPU kernel. `positions_first`: `xt` and `y` are `[b, L, h, P]`. `chunk`: a multiple
-    of 64, above 64 by tiles of 64 rows (`tiled.py`)."""
+    of 64, above 64 by tiles of 64 rows (`tiled.py`). `clean_x`: `x`'s non-finite values taken
+    as 0."""
     bt, ct = operand_parts(bt), operand_parts(ct)
     check_operands(xt, bt, ct, positions_first=positions_first, chunk=chunk)
     p, n = dims(xt, positions_first)[3], bt[0].shape[-1]
@@ -113,7 +145,6 @@ def chunk_scan(
     out = jax.ShapeDtypeStruct(xt.shape, y_dtype)
     barrier = plgpu.Barrier(num_barriers=len(bt) + len(ct) + 1)
     tiles = kernel_tiles("scan", p, n, xt.dtype, y_dtype, len(bt), chunk)
-    call = launch(
-        "scan", _scan_kernel, out, xt, bt, barrier, tiles, rows=chunk, positions_first=positions_first
-    )
+    kw = dict(rows=chunk, positions_first=positions_first) | ({"clean_x": True} if clean_x else {})
+    call = launch("scan", _scan_kernel, out, xt, bt, barrier, tiles, **kw)
     return call(xt, dt, cum, f, seg.astype(jnp.int32), bt, ct, states_in)

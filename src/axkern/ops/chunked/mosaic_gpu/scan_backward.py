@@ -47,8 +47,8 @@ from jax.experimental import pallas as pl
 from axkern.core.compat import mosaic_gpu_load
 
 from .angles import check_angles, read_angles, turned_back
-from .body import copy_chunk_in, decay, halves, pairs, parts_of, products, rounds_once, staged
-from .operands import operand_parts
+from .body import cleaned_rows, copy_chunk_in, decay, halves, pairs, parts_of, products, rounds_once, staged
+from .operands import finite_or_zero, operand_parts
 from .sizes import check_operands, check_tiles, kernel_tiles
 from .tiled import scan_bwd_tiled
 from .tiles import CHUNK, batch_folding, blocks_per_sm, dims, launch, plgpu, rows_type
@@ -56,7 +56,9 @@ from .tiles import CHUNK, batch_folding, blocks_per_sm, dims, launch, plgpu, row
 __all__ = ["chunk_scan_bwd", "lean_reason", "lean_shares_an_sm"]
 
 
-def _scan_bwd_kernel(*refs, rep, dtype, add, rows_of, turns=False, tiled=False, lean=False, dg_sums=False):
+def _scan_bwd_kernel(
+    *refs, rep, dtype, add, rows_of, turns=False, tiled=False, lean=False, dg_sums=False, clean_x=False
+):
     """`add`: `dB`, `dC` added by TMA reductions into the head's group's rows (`[b, g, L, N]`)
     rather than stored per head (`dg_sums`, lean and `add` only: `dg` added into its group's
     chunk's `[Q, Q]` in `dB`'s place, `dC` without `dg B`: `group_scores.py`). `turns`: a tenth input, the angles `Θ` (`[b, h, L, A]`,
@@ -64,9 +66,11 @@ def _scan_bwd_kernel(*refs, rep, dtype, add, rows_of, turns=False, tiled=False, 
     more than 64 positions, by tiles (`tiled.py`). `lean` (16-bit `B`, `C`; neither `turns` nor
     `tiled`; `P` 64): the state's low half in `M`'s tiles until `C S_inᵀ` has read it, and
     every result out through the float32 staging tile, block by block (`tiles.STAGE`,
-    `body.staged`)."""
+    `body.staged`). `clean_x`: `x`'s non-finite values taken as 0, in its tile once copied in and
+    where it is read into registers."""
     if tiled:
-        return scan_bwd_tiled(refs[:-1], refs[-1], rep=rep, dtype=dtype, add=add, rows_of=rows_of)
+        kw = dict(rep=rep, dtype=dtype, add=add, rows_of=rows_of, clean_x=clean_x)
+        return scan_bwd_tiled(refs[:-1], refs[-1], **kw)
     dy_ref, x_ref, dt_ref, cum_ref, f_ref, seg_ref, b_ref, c_ref, s_ref, *rest = refs
     theta_ref = rest.pop(0) if turns else None
     dx_ref, ddt_ref, dcum_ref, dcum_row_ref, df_ref, db_ref, dc_ref, ds_ref, scoped = rest
@@ -120,6 +124,9 @@ def _scan_bwd_kernel(*refs, rep, dtype, add, rows_of, turns=False, tiled=False, 
     plgpu.commit_smem()
     for i in range(copies):
         plgpu.barrier_wait(loaded.at[i])
+    if clean_x:  # before the products read the tile
+        cleaned_rows(x_smem)
+        plgpu.commit_smem()
 
     def put(smem, value, ref, reduction_op=None, turn=None):
         """`value` out through `smem` by TMA (the copy left in flight), turned back by `turn`
@@ -165,6 +172,7 @@ def _scan_bwd_kernel(*refs, rep, dtype, add, rows_of, turns=False, tiled=False, 
     low = [(m_t[0], al_smem, False)] * wide_dy
     dxd = products((q, p), [(m_t[0], ah_smem, False), *low, (m_t[1], ah_smem, False)])
     x = mosaic_gpu_load(rows_of(x_ref, batch, head, rows), layout=wgmma_layout, optimized=False).astype(f32)
+    x = finite_or_zero(x) if clean_x else x
     vec_smem.at[0][...] = jnp.sum(dxd * x, axis=1)  # ddt
     dx = dxd * lax.broadcast_in_dim(dt_t, (q, p), [0])
     if lean:
@@ -226,6 +234,7 @@ def chunk_scan_bwd(
     chunk=CHUNK,
     lean=False,
     scores=False,
+    clean_x=False,
 ):
     """Stage 4's backward by the Mosaic GPU kernel: `(dx [b, h, L, P], ddt, dcum, dcum_row, df
     [b, h, L], dB, dC [b, h, L, N], dS_in [b, c, h, P, N])`, float32, per head, from the
@@ -239,7 +248,8 @@ def chunk_scan_bwd(
     (`dS_in [b, L / chunk, h, P, N]`); above 64 by tiles of 64 rows in two phases (`tiled.py`),
     without `theta`. `lean`: the kernel in less shared memory (`lean_reason`), the same
     arithmetic. `scores` (lean, `group_sums`): `dg` summed per group in `dB`'s place (`[b, g, c,
-    Q, Q]`), `dC` without `dg B` (`group_scores.group_scores_grads` forms both)."""
+    Q, Q]`), `dC` without `dg B` (`group_scores.group_scores_grads` forms both). `clean_x`: `x`'s
+    non-finite values taken as 0."""
     if scores and not (lean and group_sums):
         raise ValueError("chunk_scan_bwd: scores (dg summed per group) with lean and group_sums only")
     check_angles("chunk_scan_bwd", theta, group_sums, xt, bt, positions_first)
@@ -251,7 +261,7 @@ def chunk_scan_bwd(
         raise ValueError(f"chunk_scan_bwd: lean: {reason}")
     args = (dy, xt, dt, cum, f, seg, bt, ct, states_in) + (() if theta is None else (theta,))
     kw = dict(group_sums=group_sums, positions_first=positions_first, chunk=chunk, lean=lean, scores=scores)
-    body = functools.partial(_chunk_scan_bwd, **kw)
+    body = functools.partial(_chunk_scan_bwd, clean_x=clean_x, **kw)
     return batch_folding(body)(*args) if group_sums else body(*args)
 
 
@@ -287,7 +297,7 @@ def lean_shares_an_sm(p: int, n: int) -> bool:
     return lean_reason(1, p=p, n=n) is None and blocks_per_sm(kernel_tiles("scan_bwd_lean", p, n)) >= 2
 
 
-def _chunk_scan_bwd(*args, group_sums, positions_first, chunk, lean=False, scores=False):
+def _chunk_scan_bwd(*args, group_sums, positions_first, chunk, lean=False, scores=False, clean_x=False):
     dy, xt, dt, cum, f, seg, bt, ct, states_in, *theta = args
     bt, ct = operand_parts(bt), operand_parts(ct)
     check_operands(xt, bt, ct, positions_first=positions_first, chunk=chunk)
@@ -330,5 +340,6 @@ def _chunk_scan_bwd(*args, group_sums, positions_first, chunk, lean=False, score
         **({"tiled": True} if chunk != CHUNK else {}),
         **({"lean": True} if lean else {}),
         **({"dg_sums": True} if scores else {}),
+        **({"clean_x": True} if clean_x else {}),
     )
     return call(*args)

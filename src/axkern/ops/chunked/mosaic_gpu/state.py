@@ -33,14 +33,15 @@ from axkern.core.compat import mosaic_gpu_load
 
 from .angles import check_angles, read_angles, turned_back
 from .body import halves, pairs, part_copies, parts_of, products, rounds_once
-from .operands import operand_parts
+from .operands import finite_or_zero, operand_parts
 from .sizes import check_operands, check_tiles, kernel_tiles
 from .tiles import CHUNK, batch_folding, dims, launch, plgpu, rows_type
 
 __all__ = ["chunk_state", "chunk_state_bwd"]
 
 
-def _state_kernel(x_ref, w_ref, b_ref, own_ref, scoped, *, rep, dtype, add, rows_of):
+def _state_kernel(x_ref, w_ref, b_ref, own_ref, scoped, *, rep, dtype, add, rows_of, clean_x=False):
+    """`clean_x`: `x`'s non-finite values taken as 0."""
     (b_smem, xh_smem, xl_smem, own_smem), loaded = scoped
     chunk, head, batch = lax.axis_index("chunks"), lax.axis_index("heads"), lax.axis_index("batch")
     q = b_smem.shape[1]
@@ -59,8 +60,10 @@ def _state_kernel(x_ref, w_ref, b_ref, own_ref, scoped, *, rep, dtype, add, rows
         ]
     for r, xh, xl in blocks:
         x = mosaic_gpu_load(rows_of(x_ref, batch, head, r), layout=plgpu.Layout.WGMMA, optimized=False)
+        x = x.astype(jnp.float32)
+        x = finite_or_zero(x) if clean_x else x
         w = mosaic_gpu_load(w_ref.at[batch, head, r], layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
-        xh[...], xl[...] = halves(x.astype(jnp.float32) * lax.broadcast_in_dim(w, x.shape, [0]), dtype)
+        xh[...], xl[...] = halves(x * lax.broadcast_in_dim(w, x.shape, [0]), dtype)
     plgpu.commit_smem()
     for i in range(len(copies)):
         plgpu.barrier_wait(loaded.at[i])
@@ -72,13 +75,13 @@ def _state_kernel(x_ref, w_ref, b_ref, own_ref, scoped, *, rep, dtype, add, rows
     plgpu.wait_smem_to_gmem(0)
 
 
-def chunk_state(xt, w, bt, *, positions_first=False, chunk=CHUNK):
+def chunk_state(xt, w, bt, *, positions_first=False, chunk=CHUNK, clean_x=False):
     """Each chunk's own state `[b, c, h, P, N]` float32, `(w ∘ x)ᵀ B` (`xt [b, h, L, P]` bf16,
     `bt [b, g, L, N]` bf16 or float32 (`operand_parts`), `w [b, h, L]` float32, `L = c · chunk`)
     by the Mosaic GPU kernel: `w ∘ x` as two 16-bit halves (`bf16x2`), `B` as its parts.
     `positions_first`: `xt` is `[b, L, h, P]` (here and in the other kernels: `x`, `y`, `dy`,
     `dx` so). `chunk`: a multiple of 64, the block's product taking the chunk's rows at once
-    (its tiles within shared memory)."""
+    (its tiles within shared memory). `clean_x`: `x`'s non-finite values taken as 0."""
     bt = operand_parts(bt)
     check_operands(xt, bt, positions_first=positions_first, chunk=chunk)
     b, h, lp, p = dims(xt, positions_first)
@@ -87,19 +90,18 @@ def chunk_state(xt, w, bt, *, positions_first=False, chunk=CHUNK):
     out = jax.ShapeDtypeStruct((b, lp // chunk, h, p, n), jnp.float32)
     barrier = plgpu.Barrier(num_barriers=len(bt))
     tiles = kernel_tiles("state", p, n, xt.dtype, parts=len(bt), q=chunk)
-    call = launch(
-        "state", _state_kernel, out, xt, bt, barrier, tiles, rows=chunk, positions_first=positions_first
-    )
+    kw = dict(rows=chunk, positions_first=positions_first) | ({"clean_x": True} if clean_x else {})
+    call = launch("state", _state_kernel, out, xt, bt, barrier, tiles, **kw)
     return call(xt, w, bt)
 
 
-def _state_bwd_kernel(*refs, rep, dtype, add, rows_of, adds_dx, turns=False, blocks=1):
+def _state_bwd_kernel(*refs, rep, dtype, add, rows_of, adds_dx, turns=False, blocks=1, clean_x=False):
     """`add`: `dB` added by a TMA reduction into the head's group's rows (`[b, g, L, N]`).
     `adds_dx`: a fifth input, the scan's backward's float32 `dx`, added to this `dx` before it
     is rounded to the output's dtype. `turns`: one more input, the angles `Θ`, by which `dB`
     leaves turned back (`angles.turned_back`). `blocks`: the blocks a chunk's rows take (chunks of
     `64 · blocks`; each block its 64 rows, the chunk's `dS` read by each: the gradients are row
-    by row)."""
+    by row). `clean_x`: `x`'s non-finite values taken as 0."""
     x_ref, w_ref, b_ref, ds_ref, *rest = refs
     dx_in_ref = rest.pop(0) if adds_dx else None
     theta_ref = rest.pop(0) if turns else None
@@ -120,6 +122,7 @@ def _state_bwd_kernel(*refs, rep, dtype, add, rows_of, adds_dx, turns=False, blo
     )
     dsh_smem[...], dsl_smem[...] = dsh, dsl
     x = mosaic_gpu_load(rows_of(x_ref, batch, head, rows), layout=wgmma_layout, optimized=False).astype(f32)
+    x = finite_or_zero(x) if clean_x else x
     w = mosaic_gpu_load(w_ref.at[batch, head, rows], layout=wgmma_layout.reduce(1), optimized=False)
     xw_h, xw_l = halves(x * lax.broadcast_in_dim(w, x.shape, [0]), dtype)
     plgpu.commit_smem()
@@ -166,7 +169,17 @@ def _send_state_grads(staging, dsts, *, add):
 
 
 def chunk_state_bwd(
-    xt, w, bt, d_own, dx_in=None, *, group_sums=False, positions_first=False, theta=None, chunk=CHUNK
+    xt,
+    w,
+    bt,
+    d_own,
+    dx_in=None,
+    *,
+    group_sums=False,
+    positions_first=False,
+    theta=None,
+    chunk=CHUNK,
+    clean_x=False,
 ):
     """Stage 2's backward by the Mosaic GPU kernel, `dS` (`d_own [b, c, h, P, N]`, float32)
     pulled back through `S = (w ∘ x)ᵀ B`: `(dx [b, h, L, P], dw [b, h, L], dB [b, h, L, N])`,
@@ -174,7 +187,8 @@ def chunk_state_bwd(
     scan's backward's `dx`): added to `dx` in the kernel, which then leaves in `x`'s dtype.
     `group_sums`: `dB` per group (`[b, g, L, N]`) by TMA reductions, as in `chunk_scan_bwd`.
     `theta`: `dB` turned back by `-Θ`, as in `chunk_scan_bwd`. `chunk`: a multiple of 64
-    (`d_own [b, L / chunk, h, P, N]`), a block per 64 rows whatever the chunk."""
+    (`d_own [b, L / chunk, h, P, N]`), a block per 64 rows whatever the chunk. `clean_x`:
+    `x`'s non-finite values taken as 0."""
     check_angles("chunk_state_bwd", theta, group_sums, xt, bt, positions_first)
     body = functools.partial(
         _chunk_state_bwd,
@@ -182,13 +196,14 @@ def chunk_state_bwd(
         positions_first=positions_first,
         turns=theta is not None,
         chunk=chunk,
+        clean_x=clean_x,
     )
     args = (xt, w, bt, d_own) + (() if dx_in is None else (dx_in.astype(jnp.float32),))
     args += () if theta is None else (theta,)
     return batch_folding(body)(*args) if group_sums else body(*args)
 
 
-def _chunk_state_bwd(xt, w, bt, d_own, *more, group_sums, positions_first, turns, chunk):
+def _chunk_state_bwd(xt, w, bt, d_own, *more, group_sums, positions_first, turns, chunk, clean_x):
     dx_in = more[: len(more) - turns]
     bt = operand_parts(bt)
     check_operands(xt, bt, positions_first=positions_first, chunk=chunk)
@@ -201,6 +216,8 @@ def _chunk_state_bwd(xt, w, bt, d_own, *more, group_sums, positions_first, turns
     kw = dict(into=into, positions_first=positions_first, adds_dx=bool(dx_in), turns=turns)
     if chunk != CHUNK:
         kw["blocks"] = chunk // CHUNK
+    if clean_x:
+        kw["clean_x"] = True
     barrier = plgpu.Barrier(num_barriers=len(bt))
     tiles = kernel_tiles("state_bwd", p, bt[0].shape[-1], xt.dtype, rows, len(bt))  # a block per 64 rows
     return launch("state_bwd", _state_bwd_kernel, out, xt, bt, barrier, tiles, rows=CHUNK, **kw)(*args)

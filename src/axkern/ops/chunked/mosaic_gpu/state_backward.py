@@ -47,7 +47,7 @@ from axkern.core.compat import mosaic_gpu_load
 from axkern.core.op import Unsupported
 
 from .body import halves, pairs, parts_of, products, put_last, staged
-from .operands import operand_parts
+from .operands import finite_or_zero, operand_parts
 from .sizes import walk_setup
 from .tiles import CHUNK, STAGE, batch_folding, blocks_per_sm, launch, plgpu, rows_type, tile_bytes
 
@@ -113,7 +113,9 @@ def _kernel(
     rows_of,
     column_blocks=1,
     sums,
+    clean_x=False,
 ):
+    # `clean_x`: `x`'s non-finite values taken as 0
     # `add` (from `tiles.launch`): some output is added into; `sums`: dB is, into each group's rows
     add = sums
     (b_smem, dsh_smem, dsl_smem, g_smem, stage, dw_smem, dk_smem), loaded = scoped
@@ -149,7 +151,7 @@ def _kernel(
         g_smem[...] = g
         dsh_smem[...], dsl_smem[...] = halves(g, dtype)
         x = mosaic_gpu_load(rows_of(x_ref, batch, head, rows), layout=wgmma_layout, optimized=False)
-        x = x.astype(f32)
+        x = finite_or_zero(x.astype(f32)) if clean_x else x.astype(f32)
         w = mosaic_gpu_load(w_ref.at[batch, head, rows], layout=row, optimized=False)
         xw_h, xw_l = halves(x * lax.broadcast_in_dim(w, x.shape, [0]), dtype)
         plgpu.commit_smem()
@@ -215,6 +217,7 @@ def fused_state_bwd(
     group_sums=False,
     positions_first=False,
     columns=1,
+    clean_x=False,
 ):
     """`(dx [b, h, L, P], dw [b, h, L], dB [b, h, L, N], d keep [b, h, c], d initial state [b, h,
     P, N])`, float32, of the chunk states and the recurrence between them, from `xt [b, h, L, P]`
@@ -224,18 +227,18 @@ def fused_state_bwd(
     to `dx` where given. `group_sums`: `dB [b, g, L, N]` by TMA reductions; `positions_first`:
     `xt` and `dx` are `[b, L, h, P]`; `columns`: a block per `N / columns` of the state's
     columns, each adding its part of `dx` (onto `dx_in`) and `dw` by TMA reductions
-    (`columns_reason`)."""
+    (`columns_reason`). `clean_x`: `x`'s non-finite values taken as 0."""
     reason = columns_reason(operand_parts(bt)[0].shape[-1], columns)
     if reason:
         raise Unsupported(f"columns={columns}: {reason}")
-    kw = dict(group_sums=group_sums, positions_first=positions_first, columns=columns)
+    kw = dict(group_sums=group_sums, positions_first=positions_first, columns=columns, clean_x=clean_x)
     body = functools.partial(_fused_state_bwd, **kw)
     args = (xt, w, bt, keep, states_in, d_states_in, d_final) + (() if dx_in is None else (dx_in,))
     return batch_folding(body)(*args) if group_sums or columns > 1 else body(*args)
 
 
 def _fused_state_bwd(
-    xt, w, bt, keep, states_in, d_states_in, d_final, *dx_in, group_sums, positions_first, columns
+    xt, w, bt, keep, states_in, d_states_in, d_final, *dx_in, group_sums, positions_first, columns, clean_x
 ):
     bt = operand_parts(bt)
     if len(bt) != 1:
@@ -261,7 +264,7 @@ def _fused_state_bwd(
     barrier = plgpu.Barrier(num_barriers=len(bt))
     kw = dict(
         into=into or None, positions_first=positions_first, chunks=c, column_blocks=columns, sums=group_sums
-    )
+    ) | ({"clean_x": True} if clean_x else {})
     kind = "state_bwd_fused_lean" + "_columns" * (columns > 1)
     call = launch(kind, _kernel, out_type, xt, bt, barrier, tiles, columns=columns, **kw)
     dx, dw, db_out, d_keep_rows, d_init = call(*args)

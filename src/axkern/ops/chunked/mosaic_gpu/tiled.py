@@ -42,7 +42,8 @@ from jax.experimental import pallas as pl
 
 from axkern.core.compat import mosaic_gpu_load
 
-from .body import copy_chunk_in, decay, halves, pairs, parts_of, products, rounds_once
+from .body import cleaned_rows, copy_chunk_in, decay, halves, pairs, parts_of, products, rounds_once
+from .operands import finite_or_zero
 from .tiles import CHUNK, plgpu
 
 __all__ = ["chunk_tiles", "into_rows", "chunk_output_tiled", "scan_bwd_tiled"]
@@ -140,9 +141,10 @@ def _decay_transposed(cum_s, cum_t, seg_s, seg_t, diagonal):
     return jnp.exp(jnp.where(visible, on_cols(cum_t) - on_rows(cum_s), -jnp.inf)), on_rows
 
 
-def scan_bwd_tiled(refs, scoped, *, rep, dtype, add, rows_of):
+def scan_bwd_tiled(refs, scoped, *, rep, dtype, add, rows_of, clean_x=False):
     """The chunk-scan backward kernel's results for a chunk of `Q = 64 r` positions (the module docstring has
-    the phases; the grid and the arguments as there, without the angles)."""
+    the phases; the grid and the arguments as there, without the angles). `clean_x`: `x`'s
+    non-finite values taken as 0."""
     dy_ref, x_ref, dt_ref, cum_ref, f_ref, seg_ref, b_ref, c_ref, s_ref, *outs = refs
     per_row, per_col = _row_col()
     dx_ref, ddt_ref, dcum_ref, dcum_row_ref, df_ref, db_ref, dc_ref, ds_ref = outs
@@ -171,6 +173,9 @@ def scan_bwd_tiled(refs, scoped, *, rep, dtype, add, rows_of):
     plgpu.commit_smem()
     for i in range(copies):
         plgpu.barrier_wait(loaded.at[i])
+    if clean_x:  # before the products read the tile
+        cleaned_rows(x_smem)
+        plgpu.commit_smem()
 
     per_rows = lambda ref, r: ref.at[(batch, group, r) if add else (batch, head, r)]  # noqa: E731
     summed = "add" if add else None
@@ -205,6 +210,7 @@ def scan_bwd_tiled(refs, scoped, *, rep, dtype, add, rows_of):
             dxd = products((_T, p), [(mh, ah_i, False), *low, (ml, ah_i, False)], acc=dxd)
             db = products((_T, n), pairs(dg, c_i), acc=db)
         x = load_rows(x_ref, rows_j)
+        x = finite_or_zero(x) if clean_x else x
         vec_smem.at[0, pl.ds(j * _T, _T)][...] = jnp.sum(dxd * x, axis=1)  # ddt
         vec_smem.at[3, pl.ds(j * _T, _T)][...] = dcum_row
         put(
