@@ -449,13 +449,16 @@ def _fused_errors(
     states=True,
     lean=False,
     y16=False,
+    seen=False,
 ):
     """The fused forward's largest differences (relative to the largest magnitude) from the three
     stages' emulation at chunks of `q`: the entering states against the recurrence over the
     emulated own states, `y` against the emulated scan of the kernel's own entering states (a
     state differing in its last float32 bit may round to another bf16 value), the final state.
     `lean`: the lean fused forward (`forward_lean.py`); `y16`: `y` in bf16 (against the
-    emulation's float32 `y` rounded to bf16, within one bf16 step of it)."""
+    emulation's float32 `y` rounded to bf16, within one bf16 step of it). `seen`: the kernel's
+    report of `x` (`forward_lean.seen_rows`) as `"seen"`, 0 where it matches (NaN exactly in the
+    rows of `x` with a non-finite value), 1 where not."""
     length, f32, bf16 = c * q, np.float32, jnp.bfloat16
     k = jax.random.split(jax.random.PRNGKey(1), 9)
     x = jax.random.normal(k[0], (b, h, length, p)).astype(bf16)
@@ -473,6 +476,7 @@ def _fused_errors(
     y_shape = (b, length, h, p) if positions_first else (b, h, length, p)
     y_out = np.zeros(y_shape, ml_dtypes.bfloat16 if y16 else f32)
     outs = [y_out] + [np.zeros((b, c, h, p, n), f32)] * states + [np.zeros((b, h, p, n), f32)]
+    outs += [np.full((b, h, length), 7.0, f32)] * seen  # (7: a row the kernel did not write)
     kernel = FT.forward_tiled_kernel if q != 64 else (FL.forward_lean_kernel if lean else F._forward_kernel)
     body = functools.partial(kernel if states else functools.partial(F._without_states, kernel=kernel))
     got = _run(
@@ -484,12 +488,18 @@ def _fused_errors(
             rows_of=tiles.rows_indexer(positions_first),
             chunks=c,
             clean_x=clean_x,
+            **({"seen": True} if seen else {}),
         ),
         (rows(x), w, dt, cum, f, keep_rows, seg, (bt,), (ct,), s0),
         outs,
-        FL.lean_forward_tiles(p, n, y_dtype=bf16 if y16 else f32) if lean else F._tiles(p, n, q=q),
+        (FL.lean_forward_tiles(p, n, y_dtype=bf16 if y16 else f32) if lean else F._tiles(p, n, q=q))
+        + [((q,), f32)] * seen,
         (b, h, 1),
     )
+    if seen:
+        report = got.pop()
+        want_nan = ~np.asarray(jnp.isfinite(x.astype(f32)).all(-1))
+        seen_ok = np.array_equal(np.isnan(report), want_nan) and np.all(report[~want_nan] == 0)
     y, final = rows(got[0]), got[-1]
     x_clean = jnp.where(jnp.isfinite(x), x, 0)
     own = np.asarray(E.emulate_chunk_state(x_clean, w, bt, q))
@@ -503,7 +513,8 @@ def _fused_errors(
         y_want = E.emulate_chunk_scan(x_clean, dt, cum, f, seg, bt, ct, got[1], q)
         have["y"], want["y"] = y, (y_want.astype(bf16) if y16 else y_want)
     rel = lambda a, e: float(np.abs(np.asarray(a, np.float64) - e).max() / np.abs(e).max())  # noqa: E731
-    return {name: rel(have[name], np.asarray(want[name], np.float64)) for name in have}
+    errors = {name: rel(have[name], np.asarray(want[name], np.float64)) for name in have}
+    return errors | ({"seen": 0.0 if seen_ok else 1.0} if seen else {})
 
 
 @pytest.mark.parametrize(
@@ -524,6 +535,11 @@ def _fused_errors(
         dict(q=64, lean=True, states=False),
         dict(q=64, lean=True, p=128, y16=True),  # y by 64-column blocks through its own bf16 tile
         dict(q=64, lean=True, n=128, y16=True),
+        # the report of what the kernel read of x (NaN in the rows with a non-finite value)
+        dict(q=64, clean_x=True, seen=True),
+        dict(q=64, lean=True, positions_first=True, clean_x=True, seen=True),
+        dict(q=128, positions_first=True, clean_x=True, seen=True),
+        dict(q=64, lean=True, states=False, clean_x=True, seen=True),
     ],
     ids=str,
 )

@@ -393,9 +393,10 @@ def test_without_d_and_the_gate_y_leaves_the_kernels_in_the_input_dtype(forward)
 
     assert jax.eval_shape(y, arrays).dtype == jnp.bfloat16
     assert converts(y, "f32", "bf16") == 0
-    # the loss's own: y up (and the finiteness check's read of x), its cotangent down
+    # the loss's own: y up, its cotangent down; and, where the forward is the three stages,
+    # XLA's read of x to check it (a walking forward kernel reports what it read instead)
     grad = jax.grad(lambda a: jnp.sum(y(a).astype(jnp.float32) ** 2))
-    assert converts(grad, "bf16", "f32") == 2
+    assert converts(grad, "bf16", "f32") == (2 if forward == "stages" else 1)
     assert converts(grad, "f32", "bf16") == 1
 
 

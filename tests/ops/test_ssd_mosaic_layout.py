@@ -40,6 +40,10 @@ def _per_group(a, bt):
     return a.reshape(a.shape[0], g, a.shape[1] // g, *a.shape[2:]).sum(2)
 
 
+def _read(x, kw):  # `x` as a kernel reads it: non-finite values as 0 where `clean_x`
+    return jnp.where(jnp.isfinite(x), x, 0).astype(x.dtype) if kw.get("clean_x") else x
+
+
 def _checked(name, out, args, kw):
     want = jax.eval_shape(functools.partial(REAL[name], **kw), *args)
     spec = lambda t: [None if o is None else (o.shape, jnp.dtype(o.dtype)) for o in t]  # noqa: E731
@@ -49,17 +53,20 @@ def _checked(name, out, args, kw):
 
 def _fused_forward(xt, w, dt, cum, f, keep, seg, bt, ct, s0, *, positions_first=False, **kw):
     x = _heads(xt, positions_first)
-    x = jnp.where(jnp.isfinite(x), x, 0).astype(x.dtype) if kw.get("clean_x") else x
+    seen = (jnp.sum(x.astype(jnp.float32) * 0, -1),) if kw.get("seen") else ()  # (`forward_lean.seen_rows`)
+    x = _read(x, kw)
     states_in, final = chunks.recurrence(keep, E.emulate_chunk_state(x, w, bt, 64), s0.astype(jnp.float32))
     y = E.emulate_chunk_scan(x, dt, cum, f, seg, bt, ct, states_in, 64).astype(kw.get("y_dtype", jnp.float32))
-    out = (_back(y, positions_first), final, states_in if kw.get("states", True) else None)
+    out = (_back(y, positions_first), final, states_in if kw.get("states", True) else None, *seen)
     args = (xt, w, dt, cum, f, keep, seg, bt, ct, s0)
     return _checked("fused_forward", out, args, kw | {"positions_first": positions_first})
 
 
 def _chunk_scan_bwd(dy, xt, *rest, group_sums=False, positions_first=False, scores=False, **kw):
     first = positions_first
-    out = list(E.emulate_chunk_scan_bwd(_heads(dy, first), _heads(xt, first), *rest, scores=scores))
+    out = list(
+        E.emulate_chunk_scan_bwd(_heads(dy, first), _read(_heads(xt, first), kw), *rest, scores=scores)
+    )
     out[0] = _back(out[0], first)
     if group_sums and not scores:
         out[5], out[6] = _per_group(out[5], rest[5]), _per_group(out[6], rest[5])
@@ -68,7 +75,7 @@ def _chunk_scan_bwd(dy, xt, *rest, group_sums=False, positions_first=False, scor
 
 
 def _chunk_state_bwd(xt, w, bt, d_own, dx_in=None, *, group_sums=False, positions_first=False, **kw):
-    dx, dw, db = E.emulate_chunk_state_bwd(_heads(xt, positions_first), w, bt, d_own, 64)
+    dx, dw, db = E.emulate_chunk_state_bwd(_read(_heads(xt, positions_first), kw), w, bt, d_own, 64)
     if dx_in is not None:  # (the kernel adds it and writes dx in the input dtype)
         dx = (dx + _heads(dx_in, positions_first).astype(jnp.float32)).astype(xt.dtype)
     out = (_back(dx, positions_first), dw, _per_group(db, bt) if group_sums else db)
@@ -82,7 +89,7 @@ def _fused_state_bwd(
     xt, w, bt, keep, s, ds, d_final, dx_in=None, *, group_sums=False, positions_first=False, **kw
 ):
     d_own, d_keep, d_init = chunks.recurrence_bwd(keep, s, ds, d_final.astype(jnp.float32))
-    dx, dw, db = E.emulate_chunk_state_bwd(_heads(xt, positions_first), w, bt, d_own, 64)
+    dx, dw, db = E.emulate_chunk_state_bwd(_read(_heads(xt, positions_first), kw), w, bt, d_own, 64)
     dx = dx if dx_in is None else dx + _heads(dx_in, positions_first)
     out = (_back(dx, positions_first), dw, _per_group(db, bt) if group_sums else db, d_keep, d_init)
     args = (xt, w, bt, keep, s, ds, d_final) + (() if dx_in is None else (dx_in,))
@@ -148,3 +155,49 @@ def test_the_layouts_glue_gives_the_emulated_layouts_layer(emulated_kernels, for
         a, e = np.asarray(a, np.float64), np.asarray(e, np.float64)
         assert a.shape == e.shape
         np.testing.assert_allclose(a, e, rtol=rtol, atol=1e-5 * max(np.abs(e).max(), 1e-30))
+
+
+@needs_mosaic
+@pytest.mark.parametrize("planted", ["x", "B"])
+@pytest.mark.parametrize("forward", ["lean", "fused"])
+def test_the_guard_takes_the_forward_kernels_report_of_x(emulated_kernels, planted, forward):
+    # the walking forwards report what they read of x (`Layout.reports_x`): a NaN in x reaches
+    # the guard through that report alone (no pass of XLA's over x), and a NaN elsewhere through
+    # XLA's check of the small inputs; either way the layer equals the emulated layout's, whose
+    # forward reports nothing (XLA reads x), NaN in the same places of every output and gradient
+    arrays, seg = make(3, *GROUPS, "bfloat16", segments=True)
+    arrays[planted] = arrays[planted].at[0, 70, 1, 3].set(jnp.nan)
+    names = tuple(sorted(arrays))
+    blocks = SSDBlockSizes(64, forward=forward, group_sums="kernels", transposes="kernels")
+    got = _emulated_runner(names, call=lambda args: mosaic_gpu.ssd(*args, block_sizes=blocks))(arrays, seg)
+    want = _emulated_runner(names, layout=E.EmulatedLayout)(arrays, seg)
+    assert np.isnan(np.asarray(want[0][0], np.float32)).any()  # (the case reaches the guard)
+    for a, e in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        rtol = 2.0**-7 if a.dtype == jnp.bfloat16 else 0
+        a, e = np.asarray(a, np.float64), np.asarray(e, np.float64)
+        np.testing.assert_array_equal(np.isnan(a), np.isnan(e))
+        finite = np.nan_to_num(e, nan=0.0)
+        np.testing.assert_allclose(
+            np.nan_to_num(a, nan=0.0), finite, rtol=rtol, atol=1e-5 * max(np.abs(finite).max(), 1e-30)
+        )
+
+
+def test_the_kernels_report_reaches_the_guard(emulated_kernels, monkeypatch):
+    # the report decides: a report that says "finite" for an x that is not leaves the guard's
+    # masks out (NaN then spreads as the chunks mix it, not where the recurrence puts it), so the
+    # layer differs from the emulated layout's; the test above would see a report not read
+    real = _fused_forward
+
+    def lying(*a, **kw):
+        out = real(*a, **kw)
+        return (*out[:3], jnp.zeros_like(out[3])) if kw.get("seen") else out
+
+    monkeypatch.setattr(L, "fused_forward", lying)
+    arrays, seg = make(3, *GROUPS, "bfloat16", segments=True)
+    arrays["x"] = arrays["x"].at[0, 70, 1, 3].set(jnp.nan)
+    names = tuple(sorted(arrays))
+    blocks = SSDBlockSizes(64, forward="lean", group_sums="kernels", transposes="kernels")
+    got = _emulated_runner(names, call=lambda args: mosaic_gpu.ssd(*args, block_sizes=blocks))(arrays, seg)
+    want = _emulated_runner(names, layout=E.EmulatedLayout)(arrays, seg)
+    y_got, y_want = (np.isnan(np.asarray(o[0][0], np.float32)) for o in (got, want))
+    assert not np.array_equal(y_got, y_want)

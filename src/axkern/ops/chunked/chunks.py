@@ -274,11 +274,11 @@ nan_where.defvjp(_nan_where_fwd, _nan_where_bwd)
 
 def layer(scan, x, dt, A, B, C, D, z, segment_ids, initial_state):
     """The SSD layer around a chunked scan, `scan(x, dt, A, B, C, seg, initial_state,
-    clean_x="pass") -> (y [b, L, H, P], final)` (`dt` in the accumulation dtype, `seg` internal
-    segment ids) whose kernels take `x`'s non-finite values as 0 (`kernel_scan.scan`); then `D`
-    and the gate. The non-finite rule: the scan runs outside any conditional, on `x` as it came
-    and on the other inputs `scrubbed` (0 where not finite, unless every value is: small
-    arrays); one conditional forms `guard`'s masks and the gradients' (`gradient_marks`) only
+    clean_x="pass", x_finite=True) -> (y [b, L, H, P], final, whether x is finite)` (`dt` in the
+    accumulation dtype, `seg` internal segment ids) whose kernels take `x`'s non-finite values
+    as 0 (`kernel_scan.scan`); then `D` and the gate. The non-finite rule: the scan runs outside
+    any conditional, on `x` as it came and on the other inputs `scrubbed` (0 where not finite,
+    unless every value is: small arrays); after it, one conditional forms `guard`'s masks and the gradients' (`gradient_marks`) only
     where some value the scan reads is not finite, zeros (the large mask as bits) where all are.
     NaN then goes where the recurrence is non-finite, whose cotangents the backward drops
     (`nan_where`), and the inputs that reach them get NaN gradients (`reached`): the scan's
@@ -293,7 +293,12 @@ def layer(scan, x, dt, A, B, C, D, z, segment_ids, initial_state):
     batch, length, heads, p = x.shape
     seg = segment_starts(segment_ids, batch, length)
     checked = (x, dt, A, B, C, initial_state)
-    finite = all_finite(*checked)
+    small_finite = all_finite(*checked[1:])
+    dt, A, B, C, initial_state_c = (scrubbed(small_finite, a) for a in checked[1:])
+    # `x` finite or not, from the scan (whose forward kernel may report what it read: no pass
+    # over `x` of its own)
+    y, final, x_finite = scan(x, dt.astype(acc), A, B, C, seg, initial_state_c, clean_x="pass", x_finite=True)
+    finite = small_finite & x_finite
 
     def no_masks(checked, seg):  # every input finite: nothing masked (zeros, the large mask as bits)
         mask_bits = jnp.zeros((batch, length, heads, -(-p // 8)), jnp.uint8)
@@ -306,8 +311,6 @@ def layer(scan, x, dt, A, B, C, D, z, segment_ids, initial_state):
         return vary_like((jnp.packbits(y_bad, axis=-1), final_bad, marks), *checked, seg)
 
     y_bits, final_bad, marks = lax.cond(finite, no_masks, masks, lax.stop_gradient(checked), seg)
-    dt, A, B, C, initial_state_c = (scrubbed(finite, a) for a in checked[1:])
-    y, final = scan(x, dt.astype(acc), A, B, C, seg, initial_state_c, clean_x="pass")
     # (the mask unpacked here and packed again for the backward: with the conditional's bits as
     # the residual, the layer compiled to 0.16 GiB more at its peak for an H200)
     y_bad = jnp.unpackbits(y_bits, axis=-1, count=p).astype(bool)

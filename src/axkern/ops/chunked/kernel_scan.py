@@ -61,7 +61,7 @@ import jax.numpy as jnp
 
 from axkern.core.op import Unsupported
 
-from .chunks import layer, uses_segment_sums
+from .chunks import all_finite, layer, uses_segment_sums
 
 __all__ = ["chunk_weights", "refuse_float64", "scan", "ssd"]
 
@@ -92,7 +92,7 @@ def chunk_weights(ac, scale, sc):
 
 
 def _core_forward(cfg, xt, ac, scale, bt, ct, sc, initial_state, diag, residuals=True):
-    layout, q, interpret, products, y_dtype, clean_x = cfg
+    layout, q, interpret, products, y_dtype, clean_x, x_finite = cfg
     # float32 operands throughout for now: with bf16 operands in the output's products the
     # gate's gradient (dz, through the pre-gate output) missed the oracle rule in bf16
     mm = jnp.float32
@@ -101,7 +101,8 @@ def _core_forward(cfg, xt, ac, scale, bt, ct, sc, initial_state, diag, residuals
     cum, w, f, keep = chunk_weights(ac, scale, sc)
     sums = uses_segment_sums(products or xt.dtype)
     extra = {} if diag is None else {"diag": diag}
-    y, final, states_in = k.forward(
+    reports = x_finite and k.reports_x
+    y, final, states_in, *seen = k.forward(
         xt,
         ac,
         scale,
@@ -117,8 +118,12 @@ def _core_forward(cfg, xt, ac, scale, bt, ct, sc, initial_state, diag, residuals
         dtype=mm,
         residuals=residuals,
         **extra,
+        **({"seen": True} if reports else {}),
     )
-    return (y.astype(y_dtype), final), states_in
+    out = (y.astype(y_dtype), final)
+    if x_finite:  # whether every value of `x` is finite: the forward kernel's report, else a read of XLA's
+        out += (jnp.isfinite(jnp.sum(seen[0])) if reports else all_finite(xt),)
+    return out, states_in
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -143,9 +148,9 @@ def _core_fwd(cfg, xt, ac, scale, bt, ct, sc, initial_state, diag):
 
 
 def _core_bwd(cfg, res, cotangents):
-    layout, q, interpret, products, _, clean_x = cfg
+    layout, q, interpret, products, _, clean_x, _ = cfg
     xt, ac, scale, operands, (bt, ct), sc, states_in, diag = res
-    dy, d_final = cotangents
+    dy, d_final, *_ = cotangents  # (and `x`'s finiteness, a boolean's)
     pull_b, pull_c = (_pullback(o, f) for o, f in zip(operands, (bt, ct), strict=True))
     k = layout(xt, bt, q=q, interpret=interpret, products=products, clean_x=bool(clean_x))
     col, row = k.from_col, k.from_row  # back to [b, h, c, Q]
@@ -209,6 +214,7 @@ def scan(
     clean_x=False,
     groups_first=False,
     diag=None,
+    x_finite=False,
 ):
     """The chunk scan through `layout`'s kernels (a `Layout` subclass): `x [b, L, H, P]`,
     the per-position log-decay `a` and input scale (`[b, L, H]`, float32), `B, C [b, L, G, N]`
@@ -221,7 +227,9 @@ def scan(
     no cleaned copy is written, and the backward keeps `x` as it came), their gradients NaN;
     `"pass"`: taken as 0 likewise, their cotangents passed on (as `chunks.scrubbed`'s). `diag` (`[b, L, H]`, finite, where
     the layout's kernels take it: `Layout.diagonal`): `y_t += diag_t (C_t · B_t) x_t`, the
-    diagonal term of `chunk_scan.py`, differentiated like the other inputs."""
+    diagonal term of `chunk_scan.py`, differentiated like the other inputs. `x_finite`: a third
+    result, whether every value of `x` is finite (a boolean), from the forward kernel where it
+    reports what it read (`Layout.reports_x`), else from one read of XLA's."""
     if diag is not None and not layout.diagonal:
         raise ValueError(f"{layout.__name__}'s kernels take no diagonal term (diag)")
     q = chunk_size
@@ -240,8 +248,8 @@ def scan(
     seg = jnp.concatenate([seg, jnp.broadcast_to(seg[:, -1:], (batch, pad))], axis=1)
     first = layout.positions_first
     names = (None if d is None else jnp.dtype(d).name for d in (products, y_dtype or jnp.float32))
-    y, final = _core(
-        (layout, q, interpret, *names, clean_x if clean_x == "pass" else bool(clean_x)),
+    y, final, *x_ok = _core(
+        (layout, q, interpret, *names, clean_x if clean_x == "pass" else bool(clean_x), x_finite),
         padded(x) if first else jnp.moveaxis(padded(x), 2, 1),  # [b, L, h, P] or [b, h, L, P]
         per_chunk(a),
         per_chunk(scale),
@@ -251,7 +259,7 @@ def scan(
         initial_state.astype(jnp.float32),
         None if diag is None else per_chunk(diag),
     )
-    return (y if first else jnp.moveaxis(y, 1, 2))[:, :length], final
+    return ((y if first else jnp.moveaxis(y, 1, 2))[:, :length], final, *x_ok)
 
 
 def ssd(layout, x, dt, A, B, C, D, z, segment_ids, initial_state, *, chunk_size, interpret):
@@ -263,6 +271,8 @@ def ssd(layout, x, dt, A, B, C, D, z, segment_ids, initial_state, *, chunk_size,
     return layer(scan_fn, x, dt, A, B, C, D, z, segment_ids, initial_state)
 
 
-def _ssd_scan(layout, chunk_size, interpret, y_dtype, x, dt, A, B, C, seg, initial_state, clean_x=False):
-    kw = dict(chunk_size=chunk_size, interpret=interpret, y_dtype=y_dtype, clean_x=clean_x)
+def _ssd_scan(
+    layout, chunk_size, interpret, y_dtype, x, dt, A, B, C, seg, initial_state, clean_x=False, x_finite=False
+):
+    kw = dict(chunk_size=chunk_size, interpret=interpret, y_dtype=y_dtype, clean_x=clean_x, x_finite=x_finite)
     return scan(layout, x, dt * A.astype(dt.dtype), dt, B, C, seg, initial_state, **kw)

@@ -43,6 +43,10 @@ class Layout:
     # the dtype `y` leaves the forward in (set per call): the Pallas kernels here write float32
     # and XLA rounds; a layout may have its kernels write it
     y_dtype = jnp.dtype(jnp.float32)
+    # whether `forward(..., seen=True)` returns a fourth result, `[b, h, L]` float32: each position's
+    # `x` times 0 summed over its row, as the kernel read it (NaN where a value is not finite),
+    # so that no pass of XLA's reads `x` to check it (`mosaic_gpu`'s walking forwards do)
+    reports_x = False
     # whether `forward`, `chunk_scan` and `chunk_scan_bwd` take the diagonal term (`diag`,
     # `chunk_scan.py`): the Pallas kernels here do; a layout with kernels of its own may not
     diagonal = True

@@ -53,7 +53,14 @@ from axkern.core.compat import mosaic_gpu_load
 from axkern.core.op import Unsupported
 
 from .body import halves, part_copies, parts_of, put_last
-from .forward_lean import chunk_rows, forward_lean_kernel, lean_forward_reason, lean_forward_tiles, own_onto
+from .forward_lean import (
+    chunk_rows,
+    forward_lean_kernel,
+    lean_forward_reason,
+    lean_forward_tiles,
+    own_onto,
+    split_seen,
+)
 from .forward_tiled import forward_tiled_kernel
 from .operands import RotatedOperand, finite_or_zero, operand_parts
 from .scan import chunk_output
@@ -137,35 +144,16 @@ def _rotated_tiles(u_smem, th_smem, bias_refs, head, dsts, dtype):
             dst.at[1, :, cols][...] = lo
 
 
-def _forward_kernel(
-    x_ref,
-    w_ref,
-    dt_ref,
-    cum_ref,
-    f_ref,
-    keep_ref,
-    seg_ref,
-    b_ref,
-    c_ref,
-    s0_ref,
-    y_ref,
-    states_ref,
-    final_ref,
-    scoped,
-    *,
-    rep,
-    dtype,
-    add,
-    rows_of,
-    chunks,
-    rotate=False,
-    clean_x=False,
-):
-    """`add` (the backward kernels' group sums) is False here; `states_ref` None: the entering
-    states are not written (`_without_states`). `rotate`: `b_ref`, `c_ref` are `(u, bias, Θ)`
+def _forward_kernel(*refs, rep, dtype, add, rows_of, chunks, rotate=False, clean_x=False, seen=False):
+    """The refs: `x, w, dt, cum, f, keep, seg, B, C, s0`, the outputs `y, states, final` (and
+    `seen`'s, `split_seen`), the scoped tiles and barriers. `add` (the backward kernels' group
+    sums) is False here; `states_ref` None: the entering states are not written
+    (`_without_states`). `rotate`: `b_ref`, `c_ref` are `(u, bias, Θ)`
     (`operands.RotatedOperand`), the block forms C's and B's halves in its one slot of them. `clean_x`:
     `x`'s non-finite values as 0 (the register copy the block reads anyway, stored over the
-    chunk's `x` tile before the products read it)."""
+    chunk's `x` tile before the products read it). `seen`: each chunk's `seen_rows` out."""
+    x_ref, w_ref, dt_ref, cum_ref, f_ref, keep_ref, seg_ref, b_ref, c_ref, s0_ref = refs[:10]
+    (y_ref, states_ref, final_ref), seen_ref, scoped, seen_smem = split_seen(refs[10:], seen)
     (c_smem, b_smem, x_smem, xh_smem, xl_smem, s16_smem, y_smem, st_smem, *raw), loaded = scoped
     head, batch = lax.axis_index("heads"), lax.axis_index("batch")
     q, p = x_smem.shape[1:]
@@ -226,13 +214,17 @@ def _forward_kernel(
             for i in range(3):
                 plgpu.barrier_wait(loaded.at[2 * copies + i])
             _rotated_tiles(*raw, (c_ref[1], b_ref[1]), head, (c_smem, b_smem), dtype)
-        vectors, w_t, x = chunk_rows(
-            (x_ref, w_ref, dt_ref, cum_ref, f_ref, seg_ref), batch, head, rows, rows_of, clean_x
+        vectors, w_t, x, *seen_t = chunk_rows(
+            (x_ref, w_ref, dt_ref, cum_ref, f_ref, seg_ref), batch, head, rows, rows_of, clean_x, seen
         )
         if not rotate:
             state_out()
         xh_smem[...], xl_smem[...] = halves(x * lax.broadcast_in_dim(w_t, x.shape, [0]), dtype)
+        if seen:  # (the previous chunk's copy out of the tile read it: waited in `state_out`)
+            seen_smem[...] = seen_t[0]
         plgpu.commit_smem()  # (its warpgroup barrier: every read of the unrotated rows is done)
+        if seen:
+            plgpu.copy_smem_to_gmem(seen_smem, seen_ref.at[batch, head, rows])
         if rotate:
 
             @pl.when(chunk + 1 < chunks)
@@ -264,10 +256,9 @@ def _forward_kernel(
 
 
 def _without_states(*refs, kernel=_forward_kernel, **kw):
-    """`kernel` with no entering states' output (refs: the inputs, `y`, `final`, the scoped
-    tiles)."""
-    *inputs, y_ref, final_ref, scoped = refs
-    kernel(*inputs, y_ref, None, final_ref, scoped, **kw)
+    """`kernel` with no entering states' output (refs: the ten inputs, `y`, `final`, `seen`'s
+    where the kernel takes it, the scoped tiles)."""
+    kernel(*refs[:11], None, *refs[11:], **kw)
 
 
 def fused_forward(
@@ -288,6 +279,7 @@ def fused_forward(
     clean_x=False,
     chunk=CHUNK,
     lean=False,
+    seen=False,
 ):
     """`(y [b, h, L, P], final [b, h, P, N], states_in [b, c, h, P, N])`, float32 (`y` in
     `y_dtype`), of the chunks
@@ -301,7 +293,10 @@ def fused_forward(
     entering states (the backward's residual; `P·N·4` bytes a chunk and head, the largest of
     its writes); `clean_x`: `x`'s non-finite values taken as 0 (no cleaned copy to write).
     `chunk`: 64, or a multiple of 64 by tiles of 64 rows (`forward_tiled.py`; not rotating).
-    `lean`: in one slot of tiles (`forward_lean.py`; chunks of 64, 16-bit `B`, `C`)."""
+    `lean`: in one slot of tiles (`forward_lean.py`; chunks of 64, 16-bit `B`, `C`). `seen`: a
+    fourth result, `[b, h, L]` float32, each position's `x` as it came times 0 summed over its
+    row (`forward_lean.seen_rows`: NaN where a value is not finite, else 0), written by the
+    kernel that reads `x` anyway (no pass of XLA's over `x` to check it)."""
     f32, dtype = jnp.float32, xt.dtype
     rotate = isinstance(bt, RotatedOperand)
     if rotate and chunk != CHUNK:
@@ -335,6 +330,8 @@ def fused_forward(
         chunk=chunk,
     )
     b, h, lp, p, n, c, keep_rows = setup
+    if seen:
+        tiles = [*tiles, ((chunk,), f32)]
     y_type, final_type = (
         rows_type(b, h, lp, p, positions_first, y_dtype),
         jax.ShapeDtypeStruct((b, h, p, n), f32),
@@ -343,6 +340,8 @@ def fused_forward(
         out_type = (y_type, jax.ShapeDtypeStruct((b, c, h, p, n), f32), final_type)
     else:
         out_type = (y_type, final_type)
+    if seen:
+        out_type = (*out_type, jax.ShapeDtypeStruct((b, h, lp), f32))
     if lean:  # C, x, B: one barrier each
         barrier, kernel, kw = plgpu.Barrier(num_barriers=3), forward_lean_kernel, {}
     elif chunk != CHUNK:  # C's row blocks, then each slot's row blocks of B's parts and x
@@ -367,13 +366,16 @@ def fused_forward(
         chunks=c,
         clean_x=clean_x,
         **kw,
+        **({"seen": True} if seen else {}),
     )
     out = call(xt, w, dt, cum, f, keep_rows, seg.astype(jnp.int32), bt, ct, initial_state.astype(f32))
+    more = (out[-1],) if seen else ()
+    out = out[:-1] if seen else out
     if states:
         y, states_in, final = out
-        return y, final, states_in
+        return (y, final, states_in, *more)
     y, final = out
-    return y, final, None
+    return (y, final, None, *more)
 
 
 def _rotation_dtypes(bt, ct) -> str | None:

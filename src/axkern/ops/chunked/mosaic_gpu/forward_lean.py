@@ -81,16 +81,37 @@ def lean_forward_shares_an_sm(p: int, n: int, y_dtype=jnp.float32) -> bool:
     return blocks_per_sm(lean_forward_tiles(p, n, y_dtype=y_dtype)) >= 2
 
 
-def chunk_rows(refs, batch, head, rows, rows_of, clean_x):
+def chunk_rows(refs, batch, head, rows, rows_of, clean_x, seen=False):
     """A walking forward's per-chunk reads into registers (`refs`: `x`, `w`, `dt`, `cum`, `f`, the
     segment ids): the output's vectors (`scan.scan_vectors`), `w` along rows and `x` (`[Q, P]`
-    float32, WGMMA layout; non-finite values as 0 where `clean_x`)."""
+    float32, WGMMA layout; non-finite values as 0 where `clean_x`); with `seen`, a fourth: `x`'s
+    rows as they came times 0, summed (`seen_rows`)."""
     x_ref, w_ref, dt_ref, cum_ref, f_ref, seg_ref = refs
     layout = plgpu.Layout.WGMMA
     vectors = scan_vectors(dt_ref, cum_ref, f_ref, seg_ref, batch, head, rows)
     w_t = mosaic_gpu_load(w_ref.at[batch, head, rows], layout=layout.reduce(1), optimized=False)
     x = mosaic_gpu_load(rows_of(x_ref, batch, head, rows), layout=layout, optimized=False).astype(jnp.float32)
-    return vectors, w_t, finite_or_zero(x) if clean_x else x
+    out = (vectors, w_t, finite_or_zero(x) if clean_x else x)
+    return (*out, seen_rows(x)) if seen else out
+
+
+def seen_rows(x):
+    """Each row of `x` (`[Q, P]` float32, registers) times 0, summed (`[Q]`, along rows): 0 where
+    every value of the row is finite, NaN where one is not, as `chunks.all_finite` reads its
+    inputs (the kernel's report of what it read: `Layout.reports_x`)."""
+    return jnp.sum(x * 0.0, axis=1)
+
+
+def split_seen(refs, seen):
+    """A walking forward's refs after its inputs (its outputs, then its scoped tiles and
+    barriers), where `seen` adds `seen_rows`' output (`[b, h, L]` float32) after the others and
+    its `[Q]` float32 tile after the others: `(outputs, seen_ref, scoped, seen_tile)`, the
+    second and last None without `seen`."""
+    *outs, scoped = refs
+    if not seen:
+        return outs, None, scoped, None
+    tiles, loaded = scoped
+    return outs[:-1], outs[-1], (tiles[:-1], loaded), tiles[-1]
 
 
 def own_onto(kept, xh_smem, xl_smem, bs):
@@ -104,11 +125,13 @@ def own_onto(kept, xh_smem, xl_smem, bs):
     return pl.run_state(run)(plgpu.ACC.init(kept))
 
 
-def forward_lean_kernel(*refs, rep, dtype, add, rows_of, chunks, clean_x=False):
+def forward_lean_kernel(*refs, rep, dtype, add, rows_of, chunks, clean_x=False, seen=False):
     """The fused forward's walk in one slot of tiles (the module's docstring), with its
     refs (`b_ref`, `c_ref` one 16-bit part each; `states_ref` None: the entering states are not
-    written). Barriers: `C`, `x`, `B`, each armed and waited once a chunk."""
-    x_ref, w_ref, dt_ref, cum_ref, f_ref, keep_ref, seg_ref, b_ref, c_ref, s0_ref, *outs, scoped = refs
+    written). Barriers: `C`, `x`, `B`, each armed and waited once a chunk. `seen`: each chunk's
+    `seen_rows` out (`split_seen`)."""
+    outs, seen_ref, scoped, seen_smem = split_seen(refs[10:], seen)
+    x_ref, w_ref, dt_ref, cum_ref, f_ref, keep_ref, seg_ref, b_ref, c_ref, s0_ref = refs[:10]
     y_ref, states_ref, final_ref = outs
     (c_smem, b_smem, x_smem, xh_smem, xl_smem, s16_smem, stage, *y_stage), loaded = scoped
     (b_ref,), (c_ref,) = b_ref, c_ref
@@ -132,16 +155,20 @@ def forward_lean_kernel(*refs, rep, dtype, add, rows_of, chunks, clean_x=False):
 
     def step(chunk, state):
         rows = pl.ds(chunk * q, q)
-        vectors, w_t, x = chunk_rows(
-            (x_ref, w_ref, dt_ref, cum_ref, f_ref, seg_ref), batch, head, rows, rows_of, clean_x
+        vectors, w_t, x, *seen_t = chunk_rows(
+            (x_ref, w_ref, dt_ref, cum_ref, f_ref, seg_ref), batch, head, rows, rows_of, clean_x, seen
         )
         keep = mosaic_gpu_load(keep_ref.at[batch, head, chunk], layout=row, optimized=False)
-        # the previous chunk's copies out have read the y and staging tiles; its products, which
-        # read the 16-bit state and w ∘ x's halves, were waited for
+        # the previous chunk's copies out have read the y, staging and seen tiles; its products,
+        # which read the 16-bit state and w ∘ x's halves, were waited for
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
         s16_smem[...] = state.astype(dtype)
         xh_smem[...], xl_smem[...] = halves(x * lax.broadcast_in_dim(w_t, x.shape, [0]), dtype)
+        if seen:
+            seen_smem[...] = seen_t[0]
         plgpu.commit_smem()
+        if seen:
+            plgpu.copy_smem_to_gmem(seen_smem, seen_ref.at[batch, head, rows])
         send = staged(stage)  # (the tile's copies read: waited above)
         if states_ref is not None:
             send(state, lambda r, cols: states_ref.at[batch, chunk, head, pl.ds(r, CHUNK), cols])

@@ -16,6 +16,7 @@ from jax.experimental import pallas as pl
 from axkern.core.compat import mosaic_gpu_load
 
 from .body import halves, pairs, part_copies, parts_of, products, put_last
+from .forward_lean import seen_rows, split_seen
 from .operands import finite_or_zero
 from .tiled import chunk_output_tiled
 from .tiles import plgpu
@@ -23,7 +24,7 @@ from .tiles import plgpu
 __all__ = ["forward_tiled_kernel"]
 
 
-def forward_tiled_kernel(*refs, rep, dtype, add, rows_of, chunks, clean_x=False):
+def forward_tiled_kernel(*refs, rep, dtype, add, rows_of, chunks, clean_x=False, seen=False):
     """The fused forward's walk (`forward.py`) at chunks of `Q = 64 r` (`r > 1`), by tiles of 64 rows:
     a chunk's output row block by row block (`chunk_output_tiled`), each out by TMA through one
     staging tile, the next chunk's `C` rows of that block copied into its tile as soon as the
@@ -34,9 +35,11 @@ def forward_tiled_kernel(*refs, rep, dtype, add, rows_of, chunks, clean_x=False)
     one warpgroup a block, as at 64. Cost per chunk and head: the tiled output's FLOPs
     (`tiled.py`) plus the state's `4·Q·P·N`; bytes: `x`, `B`, `C` read once, `y` written,
     the entering state written once (`P·N·4`, the backward's residual; not without `states_ref`),
-    so the states' bytes a position fall as `1 / Q`."""
-    x_ref, w_ref, dt_ref, cum_ref, f_ref, keep_ref, seg_ref, b_ref, c_ref, s0_ref, *outs, scoped = refs
-    y_ref, states_ref, final_ref = outs  # (the refs the fused forward's kernel at 64 takes, in its order)
+    so the states' bytes a position fall as `1 / Q`. `seen`: each chunk's `seen_rows` out
+    (`forward_lean.split_seen`), read from the `x` tiles."""
+    x_ref, w_ref, dt_ref, cum_ref, f_ref, keep_ref, seg_ref, b_ref, c_ref, s0_ref = refs[:10]
+    # (the refs the fused forward's kernel at 64 takes, in its order)
+    (y_ref, states_ref, final_ref), seen_ref, scoped, seen_smem = split_seen(refs[10:], seen)
     (c_smem, b_smem, x_smem, xh_smem, xl_smem, s16_smem, y_smem, st_smem), loaded = scoped
     head, batch = lax.axis_index("heads"), lax.axis_index("batch")
     r, (t, p) = x_smem.shape[0] // 2, x_smem.shape[1:]
@@ -82,10 +85,16 @@ def forward_tiled_kernel(*refs, rep, dtype, add, rows_of, chunks, clean_x=False)
         xs = [x_smem.at[slot * r + j] for j in range(r)]
         for j, k in itertools.product(range(r), range(parts + 1)):
             plgpu.barrier_wait(bx_barrier(slot, j, k))
-        if clean_x:  # over the tiles their copies have filled, before the products read them
-            for x_j in xs:
-                x_j[...] = finite_or_zero(_read(x_j, wgmma_layout).astype(f32)).astype(dtype)
+        if clean_x or seen:  # over the tiles their copies have filled, before the products read them
+            for j, x_j in enumerate(xs):
+                x = _read(x_j, wgmma_layout).astype(f32)
+                if seen:  # (the previous chunk's copy out of the tile read it: waited above)
+                    seen_smem.at[pl.ds(j * t, t)][...] = seen_rows(x)
+                if clean_x:
+                    x_j[...] = finite_or_zero(x).astype(dtype)
             plgpu.commit_smem()
+            if seen:
+                plgpu.copy_smem_to_gmem(seen_smem, seen_ref.at[batch, head, pl.ds(chunk * q, q)])
 
         def ready(i):
             for k in range(parts):

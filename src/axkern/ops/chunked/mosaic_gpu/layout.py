@@ -121,7 +121,10 @@ class MosaicLayout(GpuLayout):
 
 
 class FusedMosaicLayout(MosaicLayout):
-    """`MosaicLayout` with stages 2 to 4 of the forward as one kernel (`forward.py`)."""
+    """`MosaicLayout` with stages 2 to 4 of the forward as one kernel (`forward.py`), which reports
+    what it read of `x` where asked (`reports_x`)."""
+
+    reports_x = True
 
     # the fused forward in one slot of tiles (`forward_lean.py`)
     lean_forward = False
@@ -143,6 +146,7 @@ class FusedMosaicLayout(MosaicLayout):
         sums,
         dtype,
         residuals=True,
+        seen=False,
     ):
         if sums:
             raise Unsupported(_SUMS)
@@ -156,6 +160,7 @@ class FusedMosaicLayout(MosaicLayout):
             clean_x=self.clean_x,
             chunk=self.q,
             lean=self.lean_forward,
+            seen=seen,
         )
 
 
