@@ -278,8 +278,9 @@ def layer(scan, x, dt, A, B, C, D, z, segment_ids, initial_state):
     accumulation dtype, `seg` internal segment ids) whose kernels take `x`'s non-finite values
     as 0 (`kernel_scan.scan`); then `D` and the gate. The non-finite rule: the scan runs outside
     any conditional, on `x` as it came and on the other inputs `scrubbed` (0 where not finite,
-    unless every value is: small arrays); after it, one conditional forms `guard`'s masks and the gradients' (`gradient_marks`) only
-    where some value the scan reads is not finite, zeros (the large mask as bits) where all are.
+    unless every value is: small arrays); after it, one conditional forms `guard`'s masks and
+    the gradients' (`gradient_marks`) only where some value the scan reads is not finite, zeros
+    (the large mask as bits) where all are.
     NaN then goes where the recurrence is non-finite, whose cotangents the backward drops
     (`nan_where`), and the inputs that reach them get NaN gradients (`reached`): the scan's
     backward meets no NaN, so none crosses a segment boundary through its masked terms. The
