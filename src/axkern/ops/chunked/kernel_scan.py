@@ -225,9 +225,9 @@ def scan(
     dtype whose path the kernels take (products' precision, decay's form; `x`'s unless given).
     `clean_x`: `x`'s non-finite values taken as 0 by every kernel that reads `x` (`Layout.x_of`;
     no cleaned copy is written, and the backward keeps `x` as it came), their gradients NaN;
-    `"pass"`: taken as 0 likewise, their cotangents passed on (as `chunks.scrubbed`'s). `diag` (`[b, L, H]`, finite, where
-    the layout's kernels take it: `Layout.diagonal`): `y_t += diag_t (C_t · B_t) x_t`, the
-    diagonal term of `chunk_scan.py`, differentiated like the other inputs. `x_finite`: a third
+    `"pass"`: taken as 0 likewise, their cotangents passed on (as `chunks.scrubbed`'s). `diag`
+    (`[b, L, H]`, finite, where the layout's kernels take it: `Layout.diagonal`): `y_t += diag_t
+    (C_t · B_t) x_t`, the diagonal term of `chunk_scan.py`, differentiated like the other inputs. `x_finite`: a third
     result, whether every value of `x` is finite (a boolean), from the forward kernel where it
     reports what it read (`Layout.reports_x`), else from one read of XLA's."""
     if diag is not None and not layout.diagonal:
