@@ -274,7 +274,7 @@ nan_where.defvjp(_nan_where_fwd, _nan_where_bwd)
 
 def layer(scan, x, dt, A, B, C, D, z, segment_ids, initial_state):
     """The SSD layer around a chunked scan, `scan(x, dt, A, B, C, seg, initial_state,
-    clean_x="pass", x_finite=True) -> (y [b, L, H, P], final, whether x is finite)` (`dt` in the
+    clean_x=True, x_finite=True) -> (y [b, L, H, P], final, whether x is finite)` (`dt` in the
     accumulation dtype, `seg` internal segment ids) whose kernels take `x`'s non-finite values
     as 0 (`kernel_scan.scan`); then `D` and the gate. The non-finite rule: the scan runs outside
     any conditional, on `x` as it came and on the other inputs `scrubbed` (0 where not finite,
@@ -298,7 +298,7 @@ def layer(scan, x, dt, A, B, C, D, z, segment_ids, initial_state):
     dt, A, B, C, initial_state_c = (scrubbed(small_finite, a) for a in checked[1:])
     # `x` finite or not, from the scan (whose forward kernel may report what it read: no pass
     # over `x` of its own)
-    y, final, x_finite = scan(x, dt.astype(acc), A, B, C, seg, initial_state_c, clean_x="pass", x_finite=True)
+    y, final, x_finite = scan(x, dt.astype(acc), A, B, C, seg, initial_state_c, clean_x=True, x_finite=True)
     finite = small_finite & x_finite
 
     def no_masks(checked, seg):  # every input finite: nothing masked (zeros, the large mask as bits)

@@ -96,7 +96,7 @@ def _core_forward(cfg, xt, ac, scale, bt, ct, sc, initial_state, diag, residuals
     # float32 operands throughout for now: with bf16 operands in the output's products the
     # gate's gradient (dz, through the pre-gate output) missed the oracle rule in bf16
     mm = jnp.float32
-    k = layout(xt, bt, q=q, interpret=interpret, products=products, clean_x=bool(clean_x))
+    k = layout(xt, bt, q=q, interpret=interpret, products=products, clean_x=clean_x)
     k.y_dtype = jnp.dtype(y_dtype)
     cum, w, f, keep = chunk_weights(ac, scale, sc)
     sums = uses_segment_sums(products or xt.dtype)
@@ -152,7 +152,7 @@ def _core_bwd(cfg, res, cotangents):
     xt, ac, scale, operands, (bt, ct), sc, states_in, diag = res
     dy, d_final, *_ = cotangents  # (and `x`'s finiteness, a boolean's)
     pull_b, pull_c = (_pullback(o, f) for o, f in zip(operands, (bt, ct), strict=True))
-    k = layout(xt, bt, q=q, interpret=interpret, products=products, clean_x=bool(clean_x))
+    k = layout(xt, bt, q=q, interpret=interpret, products=products, clean_x=clean_x)
     col, row = k.from_col, k.from_row  # back to [b, h, c, Q]
     (cum, w, f, keep), pull_weights = jax.vjp(lambda ac, scale: chunk_weights(ac, scale, sc), ac, scale)
     sums = uses_segment_sums(products or xt.dtype)
@@ -171,8 +171,6 @@ def _core_bwd(cfg, res, cotangents):
         d_ac, d_scale = pull_weights((col(dcum) - row(dcum_row), col(dw), col(df), d_keep))
     d_scale = d_scale + col(ddt)
     db, dc = k.sum_groups(db, dc)
-    if clean_x is True:  # a non-finite input's gradient is NaN (as `chunks.clean`'s)
-        dx = jnp.where(jnp.isfinite(xt), dx, jnp.nan)
     return (
         dx.astype(xt.dtype),
         d_ac.astype(ac.dtype),
@@ -224,8 +222,8 @@ def scan(
     multiple of the chunk with `a = scale = 0` rows (the state stays). `products`: the input
     dtype whose path the kernels take (products' precision, decay's form; `x`'s unless given).
     `clean_x`: `x`'s non-finite values taken as 0 by every kernel that reads `x` (`Layout.x_of`;
-    no cleaned copy is written, and the backward keeps `x` as it came), their gradients NaN;
-    `"pass"`: taken as 0 likewise, their cotangents passed on (as `chunks.scrubbed`'s). `diag`
+    no cleaned copy is written, and the backward keeps `x` as it came), their cotangents passed
+    on (as `chunks.scrubbed`'s: the caller puts NaN on the gradients the rule asks for). `diag`
     (`[b, L, H]`, finite, where the layout's kernels take it: `Layout.diagonal`): `y_t += diag_t
     (C_t · B_t) x_t`, the diagonal term of `chunk_scan.py`, differentiated like the other inputs. `x_finite`: a third
     result, whether every value of `x` is finite (a boolean), from the forward kernel where it
@@ -249,7 +247,7 @@ def scan(
     first = layout.positions_first
     names = (None if d is None else jnp.dtype(d).name for d in (products, y_dtype or jnp.float32))
     y, final, *x_ok = _core(
-        (layout, q, interpret, *names, clean_x if clean_x == "pass" else bool(clean_x), x_finite),
+        (layout, q, interpret, *names, bool(clean_x), x_finite),
         padded(x) if first else jnp.moveaxis(padded(x), 2, 1),  # [b, L, h, P] or [b, h, L, P]
         per_chunk(a),
         per_chunk(scale),

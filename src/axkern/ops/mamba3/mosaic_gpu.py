@@ -178,7 +178,7 @@ def rotating_core(layout, dtype, interpret=False, angle_kernel=False):
             interpret=interpret,
             products=dtype,
             groups_first=True,
-            clean_x="pass",
+            clean_x=True,
         )
         return y[:, :, None], halves_to_pairs(final)
 

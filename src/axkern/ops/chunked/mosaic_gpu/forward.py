@@ -22,6 +22,11 @@ head (Q = 64): `2·Q²·N` (`C Bᵀ`) + `4·Q²·P` (`M x`, two halves) + `2·Q�
 once (bf16), `y` written (float32, `Q·P·4`), the entering state written once (`P·N·4`), where
 the stages also write the own state and read both states back (`3·P·N·4` more).
 
+**Reporting `x`** (`seen=True`): each chunk's rows of `x` as read, times 0 and summed
+(`forward_lean.seen_rows`, `Q` values, NaN where a row holds a non-finite value) out by TMA
+through a `[Q]` float32 tile, `Q·4` bytes a chunk and head more, so that no pass of XLA's reads
+`x` to check it.
+
 **Without residuals** (`states=False`: the layer's forward when nothing differentiates it, the
 `custom_vjp`'s primal) the entering states are not written: `y` and the final state are all it
 sends out.
