@@ -70,6 +70,32 @@ TARGETS = {
     "h200": _TARGET.format(bandwidth=4800000000000, memory=151397597184, name="NVIDIA H200"),
     "h100": _TARGET.format(bandwidth=3352000000000, memory=85520809984, name="NVIDIA H100 80GB HBM3"),
 }
+# TPU targets: a chip of libtpu's deviceless topology (the smallest it describes; a program on
+# one device compiles as on a one-chip machine of that generation)
+TPU_TARGETS = {"v5e": "v5e:2x2"}
+
+
+def target_device(target: str) -> jax.Device:
+    """A compile-only device of `target` (a key of `TARGETS` or `TPU_TARGETS`)."""
+    return tpu_device(target) if target in TPU_TARGETS else gpu_device(target)
+
+
+def tpu_device(target: str) -> jax.Device:
+    """A compile-only TPU chip of `target` (a key of `TPU_TARGETS`), from libtpu's deviceless
+    topology: its compiler, no chip."""
+    from jax.experimental import topologies
+
+    # libtpu reads the machine's accelerator from the environment; none is here
+    os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5litepod-4")
+    os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+    try:
+        topology = topologies.get_topology_desc(TPU_TARGETS[target], "tpu")
+    except Exception as e:  # noqa: BLE001 - say what is missing
+        raise SystemExit(
+            f"no deviceless TPU topology here ({type(e).__name__}: {str(e)[:200]}); it needs libtpu at "
+            f"jax's pin: pip install 'jax[tpu]=={jax.__version__}' (or that libtpu beside jax)"
+        ) from e
+    return topology.devices[0]
 
 
 def gpu_device(target: str) -> jax.Device:
@@ -97,8 +123,16 @@ def dispatching_for(device: jax.Device):
     if device.platform == "cpu":
         yield
         return
-    with mock.patch.object(backend, "_default_device", lambda: device), as_cuda():
-        yield
+    with mock.patch.object(backend, "_default_device", lambda: device):
+        with as_cuda() if device.platform != "tpu" else on_tpu(device):
+            yield
+
+
+def on_tpu(device: jax.Device):
+    """Pallas' Mosaic lowering reads the chip's facts from the abstract mesh's device (else from
+    the default device, here a CPU): a one-device mesh of `device`'s kind."""
+    abstract = jax.sharding.AbstractDevice(device.device_kind, getattr(device, "num_cores", 1), "tpu")
+    return jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("device",), abstract_device=abstract))
 
 
 def temp_bytes(fn, args, device: jax.Device) -> dict:
@@ -145,14 +179,14 @@ def main() -> None:
     p.add_argument("preset")
     p.add_argument("--tokens", type=int)
     p.add_argument("--impl", required=True, help="comma-separated implementation names")
-    p.add_argument("--target", default="h200", choices=sorted(TARGETS))
+    p.add_argument("--target", default="h200", choices=sorted(TARGETS) + sorted(TPU_TARGETS))
     p.add_argument("--only", help="the cases whose label contains this text (default: all the preset's)")
     p.add_argument(
         "--blocks",
         help="IMPL:FIELD=VALUE[,FIELD=VALUE]: those fields over the block sizes the dispatcher picks",
     )
     a = p.parse_args()
-    device = gpu_device(a.target)
+    device = target_device(a.target)
     out = {
         "command": "OUT=<folder> python3 benchmarks/diagnostics/compiled_memory.py "
         + " ".join(
