@@ -132,7 +132,9 @@ def on_tpu(device: jax.Device):
     """Pallas' Mosaic lowering reads the chip's facts from the abstract mesh's device (else from
     the default device, here a CPU): a one-device mesh of `device`'s kind."""
     abstract = jax.sharding.AbstractDevice(device.device_kind, getattr(device, "num_cores", 1), "tpu")
-    return jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("device",), abstract_device=abstract))
+    return jax.sharding.use_abstract_mesh(
+        jax.sharding.AbstractMesh((1,), ("device",), abstract_device=abstract)
+    )
 
 
 def temp_bytes(fn, args, device: jax.Device) -> dict:
