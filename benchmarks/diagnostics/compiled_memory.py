@@ -12,6 +12,11 @@ jax-cuda13-pjrt==V`; no GPU, driver or CUDA install): XLA's GPU compiler and its
 topology. The dispatcher sees the described GPU (`axkern.core.backend`'s default device), Pallas'
 Triton lowering its compute capability.
 
+`--target v5e` compiles for a TPU v5e chip instead, with libtpu's compiler and deviceless
+topology (libtpu at jax's pin beside jax: `pip install 'jax[tpu]==V'`; no chip): the dispatcher
+sees that chip, Pallas' Mosaic lowering its facts (a one-device abstract mesh of its kind). On
+the chip `axkern bench` reported the same bytes for the same tree (SSD at the 2.7B layer).
+
     OUT=<folder> python3 benchmarks/diagnostics/compiled_memory.py ssd mamba2_2.7b --impl mosaic_gpu
 
 writes `$OUT/compiled_memory_<op>_<preset>.json` and prints each row. `--only TEXT` keeps the
