@@ -33,7 +33,15 @@ import jax
 
 from axkern.core import backend
 
-__all__ = ["DEFAULT_DEVICE_KIND", "as_tpu", "lower_for_tpu", "matmuls", "mosaic_kernels", "tpu_custom_calls"]
+__all__ = [
+    "DEFAULT_DEVICE_KIND",
+    "as_tpu",
+    "lane_sparse_arrays",
+    "lower_for_tpu",
+    "matmuls",
+    "mosaic_kernels",
+    "tpu_custom_calls",
+]
 
 # the chip the project's kernels were first run on (a one-core TPU v5e)
 DEFAULT_DEVICE_KIND = "TPU v5 lite"
@@ -77,6 +85,19 @@ def tpu_custom_calls(lowered: jax.stages.Lowered) -> list[str]:
     """The names of the Mosaic kernels in a lowered program (`pl.pallas_call(name=...)`), in
     the order the program text holds them."""
     return [m.group(1) for c in _calls(lowered) for m in [re.search(r'kernel_name = "([^"]+)"', c)] if m]
+
+
+def lane_sparse_arrays(lowered: jax.stages.Lowered, rows: int = 128) -> list[str]:
+    """The operand and result types of the Mosaic kernels in a lowered program whose last
+    dimension is 1 over at least `rows` rows (e.g. `tensor<1x4x512x1xf32>`): in a TPU's memory the
+    last dimension fills 128 lanes, so such an array takes 128 times its values' bytes."""
+    out = []
+    for call in _calls(lowered):
+        for dims in re.findall(r"tensor<((?:\d+x)+)\w+>", call.rsplit(" : ", 1)[-1]):
+            shape = [int(d) for d in dims.rstrip("x").split("x")]
+            if len(shape) >= 2 and shape[-1] == 1 and shape[-2] >= rows:
+                out.append(f"tensor<{dims.rstrip('x')}>")
+    return out
 
 
 def mosaic_kernels(lowered: jax.stages.Lowered) -> list[tuple[str, str]]:

@@ -1,11 +1,13 @@
 """Short causal convolution as Pallas Mosaic TPU kernels, forward and backward.
 
-No TPU is available to this project: these kernels are verified only in Pallas TPU
-interpret mode (`pltpu.InterpretParams`, with out-of-bounds reads of ragged edge blocks
-returning NaN as real padding is undefined), never compiled by Mosaic.
+Verified in Pallas TPU interpret mode (`pltpu.InterpretParams`, with out-of-bounds reads of
+ragged edge blocks returning NaN as real padding is undefined), lowered for a TPU in CI, and
+compiled and run on a TPU v5e (`tests/tpu`; docs/tpu.md).
 
 **Layout.** `x, y, dy, g, dx: [B, S, C]`, `weight: [W, C]`, `bias: [1, C]`,
-`state: [B, W-1, C]`, `segment_ids: [B, S, 1]`. Blocks are `(1, block_seq, block_channels)`
+`state: [B, W-1, C]`, `segment_ids` as rows `[B, ns, 1, block_seq]` (padded to whole blocks;
+each kernel transposes its block into the column it compares: a column array `[B, S, 1]`
+would fill 128 lanes in a TPU's memory). Blocks are `(1, block_seq, block_channels)`
 (`block_seq` a multiple of 8, `block_channels` of 128, or the whole axis).
 
 **Grid.** `(B, cdiv(S, block_seq), cdiv(C, block_channels))`. The `W-1` halo rows before a
@@ -78,11 +80,16 @@ def _load_x_e(x_ref, xprev_ref, st_ref, width_1):
     )
 
 
+def _seg_column(ref):
+    """A block of the segment ids' rows (`[1, 1, 1, bs]`) as the column `[bs, 1]`."""
+    return ref[0, 0].T
+
+
 def _load_seg_e(seg_ref, segprev_ref, width_1):
     i = pl.program_id(1)
-    seg = seg_ref[0]  # [bs, 1]
+    seg = _seg_column(seg_ref)  # [bs, 1]
     first = jnp.broadcast_to(seg[:1], (width_1, 1))  # block 0: the state belongs to the first segment
-    return seg, _extended(seg, segprev_ref[0], first, i == 0, width_1, before=True)
+    return seg, _extended(seg, _seg_column(segprev_ref), first, i == 0, width_1, before=True)
 
 
 def _fwd_kernel(*refs, width, block_seq, activation, segments):
@@ -122,10 +129,10 @@ def _bwd_kernel(*refs, width, block_seq, seq, segments):
     g_e = _extended(g_cur, gnext_ref[0].astype(jnp.float32), zeros, i == last, width_1, before=False)
     g_e = jnp.where(rows < seq, g_e, 0)  # past S (ragged last block, or beyond the last block): no gradient
     if segments:
-        seg_cur = seg_ref[0]
+        seg_cur = _seg_column(seg_ref)
         seg_ahead = _extended(
             seg_cur,
-            segnext_ref[0],
+            _seg_column(segnext_ref),
             jnp.broadcast_to(seg_cur[-1:], (width_1, 1)),
             i == last,
             width_1,
@@ -158,9 +165,9 @@ def _specs(seq, width, bs, bc):
     cur = pl.BlockSpec(block, lambda b, i, j: (b, i, j))
     prev = pl.BlockSpec(block, lambda b, i, j: (b, jnp.maximum(i - 1, 0), j))
     nxt = pl.BlockSpec(block, lambda b, i, j: (b, jnp.minimum(i + 1, ns - 1), j))
-    seg_cur = pl.BlockSpec((1, bs, 1), lambda b, i, j: (b, i, 0))
-    seg_prev = pl.BlockSpec((1, bs, 1), lambda b, i, j: (b, jnp.maximum(i - 1, 0), 0))
-    seg_next = pl.BlockSpec((1, bs, 1), lambda b, i, j: (b, jnp.minimum(i + 1, ns - 1), 0))
+    seg_cur = pl.BlockSpec((1, 1, 1, bs), lambda b, i, j: (b, i, 0, 0))
+    seg_prev = pl.BlockSpec((1, 1, 1, bs), lambda b, i, j: (b, jnp.maximum(i - 1, 0), 0, 0))
+    seg_next = pl.BlockSpec((1, 1, 1, bs), lambda b, i, j: (b, jnp.minimum(i + 1, ns - 1), 0, 0))
     weight = pl.BlockSpec((width, bc), lambda b, i, j: (0, j))
     bias = pl.BlockSpec((1, bc), lambda b, i, j: (0, j))
     state = pl.BlockSpec((1, max(width - 1, 1), bc), lambda b, i, j: (b, 0, j))
@@ -200,10 +207,14 @@ def conv(
     return _conv(cfg, x, weight, bias, segment_runs(segment_ids), initial_state)
 
 
-def _inputs(x, weight, bias, segment_ids, initial_state):
-    batch, _, channels = x.shape
+def _inputs(x, weight, bias, segment_ids, initial_state, bs):
+    batch, seq, channels = x.shape
     state = initial_state if weight.shape[0] > 1 else jnp.zeros((batch, 1, channels), x.dtype)
-    seg = None if segment_ids is None else segment_ids.astype(jnp.int32)[..., None]
+    seg = None
+    if segment_ids is not None:  # rows of whole blocks, the last id repeated past S
+        ns = pl.cdiv(seq, bs)
+        seg = jnp.pad(segment_ids.astype(jnp.int32), [(0, 0), (0, ns * bs - seq)], mode="edge")
+        seg = seg.reshape(batch, ns, 1, bs)
     return bias.reshape(1, channels), state, seg
 
 
@@ -222,7 +233,7 @@ def _conv(cfg, x, weight, bias, segment_ids, initial_state):
     width = weight.shape[0]
     bs, bc = _tiles(cfg, x)
     sp = _specs(seq, width, bs, bc)
-    b2, state, seg = _inputs(x, weight, bias, segment_ids, initial_state)
+    b2, state, seg = _inputs(x, weight, bias, segment_ids, initial_state, bs)
     in_specs = [sp["cur"], sp["prev"], sp["weight"], sp["bias"], sp["state"]]
     args = [x, x, weight, b2, state]
     if segments:
@@ -258,7 +269,7 @@ def _bwd(cfg, residuals, dy):
     sp = _specs(seq, width, bs, bc)
     ns, nc = sp["ns"], pl.cdiv(channels, bc)
     grid = (batch, ns, nc)
-    b2, state, seg = _inputs(x, weight, bias, segment_ids, initial_state)
+    b2, state, seg = _inputs(x, weight, bias, segment_ids, initial_state, bs)
     seg_args = [seg, seg] if segments else []
     seg_specs = [sp["seg_cur"], sp["seg_prev"]] if segments else []
     g = dy

@@ -99,10 +99,31 @@ def _call(cfg, kernel, grid, in_specs, out_specs, out_shape, scratch, *args):
     )(*args)
 
 
+def _column(ref):
+    """A per-row vector's block (`[1, bq]`, a row in memory: `_row_spec`) as `[bq]` of a column."""
+    return ref[...].T[:, 0]
+
+
+def _row_spec(bq, index):
+    """The block spec of a per-row vector laid out `[B, H, nq, 1, bq]` (`as_rows`; query block
+    `index(b_, x, s, t)`): rows in memory, where a column `[B, H, Sqp, 1]` would fill 128 lanes."""
+    return pl.BlockSpec(
+        (None, None, None, 1, bq), lambda b_, h_, x, s, t, c: (b_, h_, index(b_, x, s, t), 0, 0)
+    )
+
+
+def _as_rows(a, bq):
+    """`[B, H, Sqp]` as `[B, H, nq, 1, bq]` (`_row_spec`'s layout)."""
+    return a.reshape(*a.shape[:2], -1, 1, bq)
+
+
+_own_block = lambda b_, x, s, t: x  # noqa: E731 - the grid's own query block
+
+
 def _tile(i, j, cfg, qid_ref, kid_ref):
     """Query and key indices of tile `(i, j)`, and its segment ids (`[bq]`, `[bk]`) or None."""
     bq, bk = cfg.block_q, cfg.block_kv
-    ids = None if qid_ref is None else (qid_ref[...][:, 0], kid_ref[...][0])
+    ids = None if qid_ref is None else (_column(qid_ref), kid_ref[...][0])
     return i * bq + jnp.arange(bq), j * bk + jnp.arange(bk), ids
 
 
@@ -170,7 +191,7 @@ def _fwd_kernel(
         out, lse = tiles.finish(m, l, acc)
         o, lo = tiles.rounding_lost(out, o_ref.dtype)
         o_ref[...] = o
-        lse_ref[...] = lse
+        lse_ref[...] = lse.T  # [bq, 1] -> the row in memory
         if lo_ref:
             lo_ref[0][...] = lo
 
@@ -215,12 +236,12 @@ def _dq_kernel(
         vis = None
         if masked:
             qi, kj, ids = _tile(i, j, cfg, qid_ref, kid_ref)
-            vis = tiles.seen_rows(tiles.visible(mask, qi, kj, sk, ids, pre), lse_ref[...][:, 0])
-        sc, p = tiles.probs(cfg, q, k, lse_ref[...][:, 0], vis)
+            vis = tiles.seen_rows(tiles.visible(mask, qi, kj, sk, ids, pre), _column(lse_ref))
+        sc, p = tiles.probs(cfg, q, k, _column(lse_ref), vis)
         dp = _dot(do, v, trans_b=True)
         if has_sinks:
             pdp_sc[...] += tiles.p_dp(p, dp, vis)
-        ds = tiles.ds(cfg, sc, p, dp, delta_ref[...][:, 0], vis)
+        ds = tiles.ds(cfg, sc, p, dp, _column(delta_ref), vis)
         dq_sc[...] += _dot(ds.astype(k.dtype), tiles.clean(k) if masked else k)
 
     _tile_steps(count_ref, row, rows, s, update)
@@ -229,7 +250,7 @@ def _dq_kernel(
     def _():
         dq_ref[...] = dq_sc[...]
         if has_sinks:
-            pdp_ref[...] = pdp_sc[...]
+            pdp_ref[...] = pdp_sc[...].T
 
 
 def _dkv_kernel(
@@ -268,10 +289,10 @@ def _dkv_kernel(
         vis = None
         if masked:
             qi, kj, ids = _tile(i, j, cfg, qid_ref, kid_ref)
-            vis = tiles.seen_rows(tiles.visible(mask, qi, kj, sk, ids, pre), lse_ref[...][:, 0])
-        sc, p = tiles.probs(cfg, q, k, lse_ref[...][:, 0], vis)
+            vis = tiles.seen_rows(tiles.visible(mask, qi, kj, sk, ids, pre), _column(lse_ref))
+        sc, p = tiles.probs(cfg, q, k, _column(lse_ref), vis)
         dv_sc[...] += _dot(p.astype(do.dtype), do, trans_a=True)
-        ds = tiles.ds(cfg, sc, p, _dot(do, v, trans_b=True), delta_ref[...][:, 0], vis)
+        ds = tiles.ds(cfg, sc, p, _dot(do, v, trans_b=True), _column(delta_ref), vis)
         dk_sc[...] += _dot(ds.astype(q.dtype), tiles.clean(q) if masked else q, trans_a=True)
 
     _tile_steps(count_ref, row, rows, s, update)
@@ -283,14 +304,15 @@ def _dkv_kernel(
 
 
 def _id_inputs(seg_ids, sqp, skp, q_index, k_index, bq, bk):
-    """Segment-id operands and their block specs (q ids as `[B, Sqp, 1]` columns, kv ids as
-    `[B, 1, Skp]` rows), or nothing without segments."""
+    """Segment-id operands and their block specs (q ids as `[B, nq, 1, bq]`, a row per query
+    block that the kernel reads as a column, kv ids as `[B, 1, Skp]` rows), or nothing without
+    segments."""
     if seg_ids is None:
         return [], []
-    q_ids, kv_ids = (a[:, :, None] for a in tiles.padded_ids(seg_ids, sqp, skp))
-    kv_ids = jnp.swapaxes(kv_ids, 1, 2)
+    q_ids, kv_ids = tiles.padded_ids(seg_ids, sqp, skp)
+    q_ids, kv_ids = q_ids.reshape(q_ids.shape[0], -1, 1, bq), kv_ids[:, None, :]
     specs = [
-        pl.BlockSpec((None, bq, 1), lambda b_, h_, x, s, t, c: (b_, q_index(b_, x, s, t), 0)),
+        pl.BlockSpec((None, None, 1, bq), lambda b_, h_, x, s, t, c: (b_, q_index(b_, x, s, t), 0, 0)),
         pl.BlockSpec((None, 1, bk), lambda b_, h_, x, s, t, c: (b_, 0, k_index(b_, x, s, t))),
     ]
     return [q_ids, kv_ids], specs
@@ -336,9 +358,8 @@ def _forward(cfg, q, k, v, sinks, arrays, mask, *, lo=False):
             pl.BlockSpec((None, 1, 128), lambda b_, h_, i, s, t, c: (h_, 0, 0)),
             *id_specs,
         ],
-        [o_spec, pl.BlockSpec((None, None, bq, 1), lambda b_, h_, i, s, t, c: (b_, h_, i, 0))]
-        + [o_spec] * lo,
-        [o_shape, jax.ShapeDtypeStruct((b, h, sqp, 1), jnp.float32)] + [o_shape] * lo,
+        [o_spec, _row_spec(bq, _own_block)] + [o_spec] * lo,
+        [o_shape, jax.ShapeDtypeStruct((b, h, nq, 1, bq), jnp.float32)] + [o_shape] * lo,
         [
             pltpu.VMEM((bq, 1), jnp.float32),
             pltpu.VMEM((bq, 1), jnp.float32),
@@ -352,7 +373,7 @@ def _forward(cfg, q, k, v, sinks, arrays, mask, *, lo=False):
         sink_arr,
         *ids,
     )
-    return o, lse, (lo_out[0] if lo else None)
+    return o, lse.reshape(b, h, sqp), (lo_out[0] if lo else None)
 
 
 def attention(
@@ -383,8 +404,9 @@ def _attention_bwd(cfg, mask, res, d_out, d_lse):
     nq, nk = sqp // bq, skp // bk
     segments = seg_ids is not None
     do = jnp.pad(jnp.swapaxes(d_out, 1, 2), [(0, 0), (0, 0), (0, sqp - sq), (0, 0)]).astype(q.dtype)
-    delta = row_dot(do, tiles.unrounded(o, lo), keepdims=True)  # [B, H, Sqp, 1]
-    delta = tiles.padded_rows(delta, sq, 0.0) - d_lse[..., None]  # `lse`'s cotangent joins delta
+    delta = row_dot(do, tiles.unrounded(o, lo))  # [B, H, Sqp]
+    delta = tiles.padded_rows(delta, sq, 0.0) - d_lse  # `lse`'s cotangent joins delta
+    lse_rows, delta = _as_rows(lse, bq), _as_rows(delta, bq)
     own = lambda n, w: pl.BlockSpec((None, None, n, w), lambda b_, h_, x, s, t, c: (b_, h_, x, 0))  # noqa: E731
 
     q_table, q_counts, q_steps = plan(cfg, mask, arrays, b, sq, sk, sqp, skp, 0)
@@ -394,7 +416,7 @@ def _attention_bwd(cfg, mask, res, d_out, d_lse):
     )
     ids, id_specs = _id_inputs(seg_ids, sqp, skp, lambda b_, i, s, t: i, kv_block, bq, bk)
     has_sinks = sinks is not None
-    column = jax.ShapeDtypeStruct((b, h, sqp, 1), jnp.float32)
+    row = jax.ShapeDtypeStruct((b, h, nq, 1, bq), jnp.float32)
     dq, *pdp = _call(
         cfg,
         functools.partial(
@@ -410,9 +432,17 @@ def _attention_bwd(cfg, mask, res, d_out, d_lse):
             has_sinks=has_sinks,
         ),
         (b, h, nq, q_steps),
-        [own(bq, d), kv_of_q(d), kv_of_q(dv), own(bq, dv), own(bq, 1), own(bq, 1), *id_specs],
-        [own(bq, d)] + [own(bq, 1)] * has_sinks,
-        [jax.ShapeDtypeStruct((b, h, sqp, d), jnp.float32)] + [column] * has_sinks,
+        [
+            own(bq, d),
+            kv_of_q(d),
+            kv_of_q(dv),
+            own(bq, dv),
+            _row_spec(bq, _own_block),
+            _row_spec(bq, _own_block),
+        ]
+        + id_specs,
+        [own(bq, d)] + [_row_spec(bq, _own_block)] * has_sinks,
+        [jax.ShapeDtypeStruct((b, h, sqp, d), jnp.float32)] + [row] * has_sinks,
         [pltpu.VMEM((bq, d), jnp.float32)] + [pltpu.VMEM((bq, 1), jnp.float32)] * has_sinks,
         q_table,
         q_counts,
@@ -420,7 +450,7 @@ def _attention_bwd(cfg, mask, res, d_out, d_lse):
         kt,
         vt,
         do,
-        lse,
+        lse_rows,
         delta,
         *ids,
     )
@@ -446,7 +476,8 @@ def _attention_bwd(cfg, mask, res, d_out, d_lse):
             rows=b * nk,
         ),
         (b, h, nk, k_steps),
-        [q_of_kv(d), kv_own(d), kv_own(dv), q_of_kv(dv), q_of_kv(1), q_of_kv(1), *id_specs],
+        [q_of_kv(d), kv_own(d), kv_own(dv), q_of_kv(dv), _row_spec(bq, q_block), _row_spec(bq, q_block)]
+        + id_specs,
         [own(bk, d), own(bk, dv)],
         [
             jax.ShapeDtypeStruct((b, h, skp, d), jnp.float32),
@@ -459,12 +490,12 @@ def _attention_bwd(cfg, mask, res, d_out, d_lse):
         kt,
         vt,
         do,
-        lse,
+        lse_rows,
         delta,
         *ids,
     )
-    pdp = pdp[0][..., 0] if has_sinks else None
-    return tiles.finish_grads(q, k, v, sinks, dq, dk, dvv, lse[..., 0], pdp, d_lse)
+    pdp = pdp[0].reshape(b, h, sqp) if has_sinks else None
+    return tiles.finish_grads(q, k, v, sinks, dq, dk, dvv, lse, pdp, d_lse)
 
 
 _attention = tiles.flash_vjp(_forward, _attention_bwd)
