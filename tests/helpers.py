@@ -99,14 +99,15 @@ LOSS_OPTIONS = {
 }
 
 
-def equations(jaxpr, *, into_conds=True):
-    """Every equation of `jaxpr` and of its sub-jaxprs (`into_conds=False`: none inside a `cond`)."""
+def equations(jaxpr, *, into_conds=True, into_kernels=True):
+    """Every equation of `jaxpr` and of its sub-jaxprs (`into_conds=False`: none inside a `cond`;
+    `into_kernels=False`: none inside a Pallas kernel's body, whose `pl.when`s are conds too)."""
     for e in jaxpr.eqns:
         yield e
-        if e.primitive.name == "cond" and not into_conds:
+        if (e.primitive.name == "cond" and not into_conds) or (e.primitive.name == "pallas_call" and not into_kernels):
             continue
         for v in e.params.values():
             for j in v if isinstance(v, (tuple, list)) else (v,):
                 j = getattr(j, "jaxpr", j)
                 if hasattr(j, "eqns"):
-                    yield from equations(j, into_conds=into_conds)
+                    yield from equations(j, into_conds=into_conds, into_kernels=into_kernels)

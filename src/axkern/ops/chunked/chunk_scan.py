@@ -162,5 +162,6 @@ def scan_bwd_kernel(
     lay.put_col(df_ref, jnp.sum(dy * lay.dot(cm, state, f32, trans_b=True), axis=1, keepdims=True))
     dyf = dy * f
     dc, db = lay.dot(dg, bm, f32) + lay.dot(dyf, state, f32), lay.dot(dg, cm, f32, trans_a=True)
-    dc_ref[0, 0], db_ref[0, 0] = dc, db
+    lay.put_group(dc_ref, dc)
+    lay.put_group(db_ref, db)
     ds_ref[0, 0, 0] = lay.dot(dyf, cm, f32, trans_a=True)  # [P, N]

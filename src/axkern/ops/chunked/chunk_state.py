@@ -25,4 +25,4 @@ def state_bwd_kernel(x_ref, w_ref, b_ref, ds_ref, dx_scan_ref, db_scan_ref, dx_r
     dxw = lay.dot(bm, ds, f32, trans_b=True)  # [Q, P]
     dx_ref[0, 0] = (dxw * w + dx_scan_ref[0, 0]).astype(dx_ref.dtype)
     lay.put_col(dw_ref, jnp.sum(dxw * x, axis=1, keepdims=True))
-    db_ref[0, 0] = lay.dot(x * w, ds, f32) + db_scan_ref[0, 0]  # [Q, N]
+    lay.put_group(db_ref, lay.dot(x * w, ds, f32), db_scan_ref)  # [Q, N]

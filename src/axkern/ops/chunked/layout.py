@@ -77,11 +77,19 @@ class Layout:
         # |x| <= the largest float32 is false for inf and NaN alike (a comparison every backend lowers)
         return jnp.where(jnp.abs(x) <= jnp.finfo(jnp.float32).max, x, 0.0) if self.clean_x else x
 
+    # whether the backward kernels add each head's `dB`, `dC` into its group's rows themselves
+    # (`put_group`, `out("group_rows")`), rather than write them per head for `sum_groups`
+    sums_groups = False
+
     def out(self, kind, d=None):
         f32 = jnp.float32
         b, h, lp = self.batch, self.heads, self.lp
         if kind == "rows":
             return self.rows(d), jax.ShapeDtypeStruct((b, h, lp, d), f32)
+        if kind == "group_rows":  # `dB`, `dC`: per group where the kernels sum them, else per head
+            if self.sums_groups:
+                return self.grouped(d), jax.ShapeDtypeStruct((b, h // self.rep, lp, d), f32)
+            return self.out("rows", d)
         if kind == "col":
             return self.col_spec, jax.ShapeDtypeStruct(self.col_shape, f32)
         if kind == "row":
@@ -90,6 +98,11 @@ class Layout:
 
     def call_params(self) -> dict:
         return {"interpret": self.interpret}
+
+    def put_group(self, ref, value, base_ref=None):
+        """Write a program's `dB` or `dC` tile (`[Q, N]`, plus `base_ref`'s tile where given): per
+        head here; a layout whose kernels sum the groups (`sums_groups`) adds it to its group's."""
+        ref[0, 0] = value if base_ref is None else value + base_ref[0, 0]
 
     # whether a `B`, `C` formed by Mamba-3's rotation (`mosaic_gpu/rotation.py`) is split into its
     # halves by a kernel (`rotated_parts`) rather than in XLA
@@ -180,8 +193,19 @@ class Layout:
         dx_spec, dx_shape = self.out("rows", p)
         return self(
             state_bwd_kernel,
-            [self.rows(p), self.col_spec, self.grouped(n), self.state, self.rows(p), self.rows(n)],
-            [(dx_spec, jax.ShapeDtypeStruct(dx_shape.shape, xt.dtype)), self.out("col"), self.out("rows", n)],
+            [
+                self.rows(p),
+                self.col_spec,
+                self.grouped(n),
+                self.state,
+                self.rows(p),
+                self.out("group_rows", n)[0],
+            ],
+            [
+                (dx_spec, jax.ShapeDtypeStruct(dx_shape.shape, xt.dtype)),
+                self.out("col"),
+                self.out("group_rows", n),
+            ],
             xt,
             self.to_col(w),
             bt,
@@ -197,7 +221,7 @@ class Layout:
         p, n = self.p, self.n
         specs, args = self._scan_inputs(xt, scale, cum, ac, f, sc, bt, ct, states_in, sums, diag)
         outs = [self.out("rows", p), self.out("col"), self.out("col"), self.out("row"), self.out("col")]
-        outs += [self.out("rows", n), self.out("rows", n), self.out("state")]
+        outs += [self.out("group_rows", n), self.out("group_rows", n), self.out("state")]
         outs += [self.out("col")] if diag is not None else []
         kernel = functools.partial(scan_bwd_kernel, sums=sums, diag=diag is not None)
         return self(kernel, [self.rows(p), *specs], outs, dy.astype(jnp.float32), *args)
@@ -210,7 +234,10 @@ class Layout:
         return (*self.chunk_state_bwd(xt, w, bt, d_own, dx_scan, db_scan), d_keep, d_init)
 
     def sum_groups(self, db, dc):
-        """`dB`, `dC` per group (`[b, g, L, N]`) from the backward kernels' per-head outputs."""
+        """`dB`, `dC` per group (`[b, g, L, N]`) from the backward kernels' per-head outputs
+        (their own where the kernels sum the groups)."""
+        if self.sums_groups:
+            return db, dc
         per_group = lambda a: a.reshape(self.batch, -1, self.rep, self.lp, self.n).sum(2)  # noqa: E731
         return per_group(db), per_group(dc)
 
@@ -220,12 +247,12 @@ class Layout:
     def __call__(self, kernel, in_specs, outs, *args):
         specs, shapes = zip(*outs, strict=True)
         single = len(outs) == 1
+        params = {"grid": self.grid, **self.call_params()}  # (a layout may order the grid its own way)
         return pl.pallas_call(
             functools.partial(kernel, lay=self),
             name=f"axkern_ssd_{getattr(kernel, 'func', kernel).__name__.strip('_')}",
-            grid=self.grid,
             in_specs=in_specs,
             out_specs=specs[0] if single else list(specs),
             out_shape=shapes[0] if single else list(shapes),
-            **self.call_params(),
+            **params,
         )(*args)

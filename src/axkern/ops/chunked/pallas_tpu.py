@@ -5,8 +5,13 @@ rule: a block's last two dimensions are multiples of (8, 128) or the array's own
 `[Q, 1]` formed from its row inside the kernel (a transpose) and written back as one. In HBM a
 TPU array's last dimension fills 128 lanes: a column array `[b, h, L, 1]` would take 128 times
 its values' bytes (640 MiB for a float32 vector at the Mamba-2 2.7B layer, L 4096, where its
-row form takes 5). `x`, `B`, `C` blocks are `[Q, P]` / `[Q, N]` with `P`, `N` whole. All three
-grid dimensions are independent (`parallel`).
+row form takes 5). `x`, `B`, `C` blocks are `[Q, P]` / `[Q, N]` with `P`, `N` whole.
+
+**Grid** `(batch, chunks, heads)`, heads innermost: a group's heads follow one another, so the
+`B` and `C` blocks they share are copied in once, and the backward kernels add each head's `dB`,
+`dC` into its group's block while it stays in VMEM (`put_group`; the block is written back when
+the group changes), where per-head float32 `[b, h, L, N]` arrays would wait in HBM for XLA's sum
+(640 MiB each at the 2.7B layer). Batch and chunks are `parallel`, heads `arbitrary`.
 
 **Constraints**: the chunk a multiple of 8 (`TPU_MIN_CHUNK`, the sublanes). Scores, decays and
 their gradients are `[Q, Q]` float32 in VMEM (about 1.3 MiB at `Q = 256`).
@@ -17,6 +22,8 @@ and run on a TPU v5e (`tests/tpu`).
 
 from __future__ import annotations
 
+import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
@@ -29,8 +36,10 @@ TPU_MIN_CHUNK = 8  # the sublanes
 
 class TpuLayout(Layout):
     """Every vector as rows `[b, h, chunks, 1, Q]` (blocks `[1, Q]`), segment ids as `[b,
-    chunks, 1, Q]`; a column is its row transposed in the kernel. All three grid dimensions
-    `parallel`."""
+    chunks, 1, Q]`; a column is its row transposed in the kernel. The grid `(batch, chunks,
+    heads)`; `dB`, `dC` summed over each group's heads in the kernels."""
+
+    sums_groups = True
 
     def __init__(self, xt, bt, *, q, interpret, products=None, clean_x=False):
         super().__init__(xt, bt, q=q, interpret=interpret, products=products, clean_x=clean_x)
@@ -72,8 +81,31 @@ class TpuLayout(Layout):
     def put_row(ref, value):
         ref[0, 0, 0] = value
 
+    def put_group(self, ref, value, base_ref=None):
+        """Add the head's tile into its group's block, which stays in VMEM while the group's heads
+        follow one another (heads innermost in the grid): the group's first head writes it."""
+        first = lax.rem(pl.program_id(2), self.rep) == 0
+
+        @pl.when(first)
+        def _():
+            ref[0, 0] = value if base_ref is None else value + base_ref[0, 0]
+
+        @pl.when(jnp.logical_not(first))
+        def _():
+            ref[0, 0] += value
+
+    def __call__(self, kernel, in_specs, outs, *args):
+        """The base launch with the grid `(batch, chunks, heads)`: every block spec's index map
+        takes its arguments in that order."""
+        turn = lambda spec: pl.BlockSpec(spec.block_shape, lambda b, c, h, f=spec.index_map: f(b, h, c))  # noqa: E731
+        outs = [(turn(spec), shape) for spec, shape in outs]
+        return super().__call__(kernel, [turn(s) for s in in_specs], outs, *args)
+
     def call_params(self) -> dict:
         return {
+            "grid": (self.batch, self.chunks, self.heads),
             "interpret": pltpu.InterpretParams() if self.interpret else False,
-            "compiler_params": pltpu.CompilerParams(dimension_semantics=("parallel",) * 3),
+            "compiler_params": pltpu.CompilerParams(
+                dimension_semantics=("parallel", "parallel", "arbitrary")
+            ),
         }
