@@ -49,3 +49,12 @@ def test_a_machine_without_the_cuda_plugin_is_told_what_to_install():
         return
     with pytest.raises(SystemExit, match=f"jax-cuda13-plugin=={jax.__version__}"):
         compiled_memory.gpu_device("h200")
+
+
+def test_a_machine_without_libtpu_is_told_what_to_install():
+    if importlib.util.find_spec("libtpu") is not None:
+        device = compiled_memory.tpu_device("v5e")
+        assert device.platform == "tpu" and device.device_kind == "TPU v5 lite"
+        return
+    with pytest.raises(SystemExit, match=rf"jax\[tpu\]=={jax.__version__}"):
+        compiled_memory.tpu_device("v5e")
