@@ -104,7 +104,9 @@ def equations(jaxpr, *, into_conds=True, into_kernels=True):
     `into_kernels=False`: none inside a Pallas kernel's body, whose `pl.when`s are conds too)."""
     for e in jaxpr.eqns:
         yield e
-        if (e.primitive.name == "cond" and not into_conds) or (e.primitive.name == "pallas_call" and not into_kernels):
+        if (e.primitive.name == "cond" and not into_conds) or (
+            e.primitive.name == "pallas_call" and not into_kernels
+        ):
             continue
         for v in e.params.values():
             for j in v if isinstance(v, (tuple, list)) else (v,):

@@ -179,7 +179,10 @@ def test_the_guard_runs_only_where_an_input_is_not_finite(impl):
     # and no gradient flows through the conditional: it reads the inputs as constants
     with axkern.use(interpret=INTERPRET), serving(impl):
         grad = jax.make_jaxpr(jax.grad(lambda a: jnp.sum(call(impl, a, None, 8)[0])))(a).jaxpr
-    assert len([e for e in equations(grad, into_conds=False, into_kernels=False) if e.primitive.name == "cond"]) == 1
+    assert (
+        len([e for e in equations(grad, into_conds=False, into_kernels=False) if e.primitive.name == "cond"])
+        == 1
+    )
 
 
 @pytest.mark.parametrize("impl", ["pallas_gpu", "pallas_tpu"])
