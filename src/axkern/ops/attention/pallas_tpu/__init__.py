@@ -100,12 +100,13 @@ def _call(cfg, kernel, grid, in_specs, out_specs, out_shape, scratch, *args):
 
 
 def _column(ref):
-    """A per-row vector's block (`[1, bq]`, a row in memory: `_row_spec`) as `[bq]` of a column."""
+    """A per-row vector's block (`[1, bq]`, a row in memory: `_row_spec`) transposed to the
+    column `[bq, 1]`, as the `[bq]` vector the tile functions take."""
     return ref[...].T[:, 0]
 
 
 def _row_spec(bq, index):
-    """The block spec of a per-row vector laid out `[B, H, nq, 1, bq]` (`as_rows`; query block
+    """The block spec of a per-row vector laid out `[B, H, nq, 1, bq]` (`_as_rows`; query block
     `index(b_, x, s, t)`): rows in memory, where a column `[B, H, Sqp, 1]` would fill 128 lanes."""
     return pl.BlockSpec(
         (None, None, None, 1, bq), lambda b_, h_, x, s, t, c: (b_, h_, index(b_, x, s, t), 0, 0)
