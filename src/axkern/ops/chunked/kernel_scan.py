@@ -20,12 +20,14 @@ correction).
    `y = ((C B^T) ∘ Λ)(dt ∘ x) + f ∘ (C S_in^T)` with `Λ[t, s] = exp(cum_t - cum_s)` for
    `s <= t` in the same segment, else 0. `D` and the `silu(z)` gate in XLA.
 
-**Grid** `(batch, heads, chunks)` for all four kernels; each program holds `[Q, P]`, `[Q, N]`,
+**Grid** `(batch, heads, chunks)` for all four kernels (the TPU layout's `(batch, chunks, heads)`,
+a group's heads in turn); each program holds `[Q, P]`, `[Q, N]`,
 `[Q, Q]` and `[P, N]` tiles. **Cost.** Per chunk and head `2·Q²·N` (`C B^T`) + `2·Q²·P` (scores
 times `x`) + `2·Q·N·P` (incoming state) + `2·Q·P·N` (own state) FLOPs forward, about twice that
 backward; bytes: `x`, `B`, `C` once per pass, the `[b, c, h, P, N]` float32 states written and
 read; backward also the per-head float32 `dx`, `dB` (written by `chunk_scan_bwd`, read by
-`chunk_state_bwd`, which writes `dx` in `x`'s dtype and the summed `dB`) and `dC`. Compute
+`chunk_state_bwd`, which writes `dx` in `x`'s dtype and the summed `dB`) and `dC` (`dB`, `dC`
+per group where the kernels sum the groups). Compute
 bound for Mamba-2 sizes (`Q = 64..256`, `N = 128`). float32 inputs add `2·Q³` FLOPs forward and
 `4·Q³` backward per chunk and head (`chunk_scan._segment_sums`).
 
@@ -48,7 +50,8 @@ rowsum(dy ∘ C S_in^T)`, `dS_in = (f ∘ dy)^T C`. The recurrence runs backward
 each chunk's own state, of the carries, of the initial state); `chunk_state_bwd` pulls those
 through `S = (w ∘ x)^T B` and adds `chunk_scan_bwd`'s `d x` (written in `x`'s dtype) and `dB`;
 stage 1's VJP gives `d a`, `d s`. `dB`, `dC` per head (`[b, h, L, N]`, float32), summed over
-each group's heads in XLA. The forward saves the states entering the chunks (`[b, c, h, P, N]`,
+each group's heads in XLA, or by the kernels themselves where the layout says so
+(`Layout.sums_groups`, `put_group`: the TPU's). The forward saves the states entering the chunks (`[b, c, h, P, N]`,
 float32).
 """
 

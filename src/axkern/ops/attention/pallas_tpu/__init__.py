@@ -66,6 +66,7 @@ from axkern.core.op import Implementation, Unsupported
 from .. import common as tiles
 from ..blocks import TPU_SUBLANES as SUBLANES
 from ..blocks import AttentionBlockSizes, pallas_tpu_heuristic, pallas_tpu_space, pallas_tpu_vmem_limit
+from .rows import as_rows, column, id_inputs, own_block, row_spec
 from .schedules import plan, split_prefix
 
 
@@ -99,32 +100,10 @@ def _call(cfg, kernel, grid, in_specs, out_specs, out_shape, scratch, *args):
     )(*args)
 
 
-def _column(ref):
-    """A per-row vector's block (`[1, bq]`, a row in memory: `_row_spec`) transposed to the
-    column `[bq, 1]`, as the `[bq]` vector the tile functions take."""
-    return ref[...].T[:, 0]
-
-
-def _row_spec(bq, index):
-    """The block spec of a per-row vector laid out `[B, H, nq, 1, bq]` (`_as_rows`; query block
-    `index(b_, x, s, t)`): rows in memory, where a column `[B, H, Sqp, 1]` would fill 128 lanes."""
-    return pl.BlockSpec(
-        (None, None, None, 1, bq), lambda b_, h_, x, s, t, c: (b_, h_, index(b_, x, s, t), 0, 0)
-    )
-
-
-def _as_rows(a, bq):
-    """`[B, H, Sqp]` as `[B, H, nq, 1, bq]` (`_row_spec`'s layout)."""
-    return a.reshape(*a.shape[:2], -1, 1, bq)
-
-
-_own_block = lambda b_, x, s, t: x  # noqa: E731 - the grid's own query block
-
-
 def _tile(i, j, cfg, qid_ref, kid_ref):
     """Query and key indices of tile `(i, j)`, and its segment ids (`[bq]`, `[bk]`) or None."""
     bq, bk = cfg.block_q, cfg.block_kv
-    ids = None if qid_ref is None else (_column(qid_ref), kid_ref[...][0])
+    ids = None if qid_ref is None else (column(qid_ref), kid_ref[...][0])
     return i * bq + jnp.arange(bq), j * bk + jnp.arange(bk), ids
 
 
@@ -237,12 +216,12 @@ def _dq_kernel(
         vis = None
         if masked:
             qi, kj, ids = _tile(i, j, cfg, qid_ref, kid_ref)
-            vis = tiles.seen_rows(tiles.visible(mask, qi, kj, sk, ids, pre), _column(lse_ref))
-        sc, p = tiles.probs(cfg, q, k, _column(lse_ref), vis)
+            vis = tiles.seen_rows(tiles.visible(mask, qi, kj, sk, ids, pre), column(lse_ref))
+        sc, p = tiles.probs(cfg, q, k, column(lse_ref), vis)
         dp = _dot(do, v, trans_b=True)
         if has_sinks:
             pdp_sc[...] += tiles.p_dp(p, dp, vis)
-        ds = tiles.ds(cfg, sc, p, dp, _column(delta_ref), vis)
+        ds = tiles.ds(cfg, sc, p, dp, column(delta_ref), vis)
         dq_sc[...] += _dot(ds.astype(k.dtype), tiles.clean(k) if masked else k)
 
     _tile_steps(count_ref, row, rows, s, update)
@@ -290,10 +269,10 @@ def _dkv_kernel(
         vis = None
         if masked:
             qi, kj, ids = _tile(i, j, cfg, qid_ref, kid_ref)
-            vis = tiles.seen_rows(tiles.visible(mask, qi, kj, sk, ids, pre), _column(lse_ref))
-        sc, p = tiles.probs(cfg, q, k, _column(lse_ref), vis)
+            vis = tiles.seen_rows(tiles.visible(mask, qi, kj, sk, ids, pre), column(lse_ref))
+        sc, p = tiles.probs(cfg, q, k, column(lse_ref), vis)
         dv_sc[...] += _dot(p.astype(do.dtype), do, trans_a=True)
-        ds = tiles.ds(cfg, sc, p, _dot(do, v, trans_b=True), _column(delta_ref), vis)
+        ds = tiles.ds(cfg, sc, p, _dot(do, v, trans_b=True), column(delta_ref), vis)
         dk_sc[...] += _dot(ds.astype(q.dtype), tiles.clean(q) if masked else q, trans_a=True)
 
     _tile_steps(count_ref, row, rows, s, update)
@@ -302,21 +281,6 @@ def _dkv_kernel(
     def _():
         dk_ref[...] = dk_sc[...]
         dv_ref[...] = dv_sc[...]
-
-
-def _id_inputs(seg_ids, sqp, skp, q_index, k_index, bq, bk):
-    """Segment-id operands and their block specs (q ids as `[B, nq, 1, bq]`, a row per query
-    block that the kernel reads as a column, kv ids as `[B, 1, Skp]` rows), or nothing without
-    segments."""
-    if seg_ids is None:
-        return [], []
-    q_ids, kv_ids = tiles.padded_ids(seg_ids, sqp, skp)
-    q_ids, kv_ids = q_ids.reshape(q_ids.shape[0], -1, 1, bq), kv_ids[:, None, :]
-    specs = [
-        pl.BlockSpec((None, None, 1, bq), lambda b_, h_, x, s, t, c: (b_, q_index(b_, x, s, t), 0, 0)),
-        pl.BlockSpec((None, 1, bk), lambda b_, h_, x, s, t, c: (b_, 0, k_index(b_, x, s, t))),
-    ]
-    return [q_ids, kv_ids], specs
 
 
 def _forward(cfg, q, k, v, sinks, arrays, mask, *, lo=False):
@@ -334,7 +298,7 @@ def _forward(cfg, q, k, v, sinks, arrays, mask, *, lo=False):
     kv = lambda w: pl.BlockSpec(  # noqa: E731
         (None, None, bk, w), lambda b_, h_, i, s, t, c: (b_, h_ // g, kv_block(b_, i, s, t), 0)
     )
-    ids, id_specs = _id_inputs(seg_ids, sqp, skp, lambda b_, i, s, t: i, kv_block, bq, bk)
+    ids, id_specs = id_inputs(seg_ids, sqp, skp, lambda b_, i, s, t: i, kv_block, bq, bk)
     o_spec = pl.BlockSpec((None, None, bq, dv), lambda b_, h_, i, s, t, c: (b_, h_, i, 0))
     o_shape = jax.ShapeDtypeStruct((b, h, sqp, dv), q.dtype)
     o, lse, *lo_out = _call(
@@ -359,7 +323,7 @@ def _forward(cfg, q, k, v, sinks, arrays, mask, *, lo=False):
             pl.BlockSpec((None, 1, 128), lambda b_, h_, i, s, t, c: (h_, 0, 0)),
             *id_specs,
         ],
-        [o_spec, _row_spec(bq, _own_block)] + [o_spec] * lo,
+        [o_spec, row_spec(bq, own_block)] + [o_spec] * lo,
         [o_shape, jax.ShapeDtypeStruct((b, h, nq, 1, bq), jnp.float32)] + [o_shape] * lo,
         [
             pltpu.VMEM((bq, 1), jnp.float32),
@@ -407,7 +371,7 @@ def _attention_bwd(cfg, mask, res, d_out, d_lse):
     do = jnp.pad(jnp.swapaxes(d_out, 1, 2), [(0, 0), (0, 0), (0, sqp - sq), (0, 0)]).astype(q.dtype)
     delta = row_dot(do, tiles.unrounded(o, lo))  # [B, H, Sqp]
     delta = tiles.padded_rows(delta, sq, 0.0) - d_lse  # `lse`'s cotangent joins delta
-    lse_rows, delta = _as_rows(lse, bq), _as_rows(delta, bq)
+    lse_rows, delta = as_rows(lse, bq), as_rows(delta, bq)
     own = lambda n, w: pl.BlockSpec((None, None, n, w), lambda b_, h_, x, s, t, c: (b_, h_, x, 0))  # noqa: E731
 
     q_table, q_counts, q_steps = plan(cfg, mask, arrays, b, sq, sk, sqp, skp, 0)
@@ -415,7 +379,7 @@ def _attention_bwd(cfg, mask, res, d_out, d_lse):
     kv_of_q = lambda w: pl.BlockSpec(  # noqa: E731
         (None, None, bk, w), lambda b_, h_, i, s, t, c: (b_, h_ // g, kv_block(b_, i, s, t), 0)
     )
-    ids, id_specs = _id_inputs(seg_ids, sqp, skp, lambda b_, i, s, t: i, kv_block, bq, bk)
+    ids, id_specs = id_inputs(seg_ids, sqp, skp, lambda b_, i, s, t: i, kv_block, bq, bk)
     has_sinks = sinks is not None
     row = jax.ShapeDtypeStruct((b, h, nq, 1, bq), jnp.float32)
     dq, *pdp = _call(
@@ -438,11 +402,11 @@ def _attention_bwd(cfg, mask, res, d_out, d_lse):
             kv_of_q(d),
             kv_of_q(dv),
             own(bq, dv),
-            _row_spec(bq, _own_block),
-            _row_spec(bq, _own_block),
+            row_spec(bq, own_block),
+            row_spec(bq, own_block),
         ]
         + id_specs,
-        [own(bq, d)] + [_row_spec(bq, _own_block)] * has_sinks,
+        [own(bq, d)] + [row_spec(bq, own_block)] * has_sinks,
         [jax.ShapeDtypeStruct((b, h, sqp, d), jnp.float32)] + [row] * has_sinks,
         [pltpu.VMEM((bq, d), jnp.float32)] + [pltpu.VMEM((bq, 1), jnp.float32)] * has_sinks,
         q_table,
@@ -462,7 +426,7 @@ def _attention_bwd(cfg, mask, res, d_out, d_lse):
         (None, None, bq, w), lambda b_, h_, j, s, t, c: (b_, h_, q_block(b_, j, s, t), 0)
     )
     kv_own = lambda w: pl.BlockSpec((None, None, bk, w), lambda b_, h_, j, s, t, c: (b_, h_ // g, j, 0))  # noqa: E731
-    ids, id_specs = _id_inputs(seg_ids, sqp, skp, q_block, lambda b_, j, s, t: j, bq, bk)
+    ids, id_specs = id_inputs(seg_ids, sqp, skp, q_block, lambda b_, j, s, t: j, bq, bk)
     dk, dvv = _call(
         cfg,
         functools.partial(
@@ -477,7 +441,7 @@ def _attention_bwd(cfg, mask, res, d_out, d_lse):
             rows=b * nk,
         ),
         (b, h, nk, k_steps),
-        [q_of_kv(d), kv_own(d), kv_own(dv), q_of_kv(dv), _row_spec(bq, q_block), _row_spec(bq, q_block)]
+        [q_of_kv(d), kv_own(d), kv_own(dv), q_of_kv(dv), row_spec(bq, q_block), row_spec(bq, q_block)]
         + id_specs,
         [own(bk, d), own(bk, dv)],
         [
