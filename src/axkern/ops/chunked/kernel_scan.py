@@ -25,8 +25,9 @@ a group's heads in turn); each program holds `[Q, P]`, `[Q, N]`,
 `[Q, Q]` and `[P, N]` tiles. **Cost.** Per chunk and head `2·Q²·N` (`C B^T`) + `2·Q²·P` (scores
 times `x`) + `2·Q·N·P` (incoming state) + `2·Q·P·N` (own state) FLOPs forward, about twice that
 backward; bytes: `x`, `B`, `C` once per pass, the `[b, c, h, P, N]` float32 states written and
-read; backward also the per-head float32 `dx`, `dB` (written by `chunk_scan_bwd`, read by
-`chunk_state_bwd`, which writes `dx` in `x`'s dtype and the summed `dB`) and `dC` (`dB`, `dC`
+read; backward also the per-head `dx` (float32, or `x`'s dtype where the layout's kernel
+writes it so: Mosaic GPU's), `dB` (written by `chunk_scan_bwd`, read by `chunk_state_bwd`,
+which writes `dx` in `x`'s dtype and the summed `dB`) and `dC` (`dB`, `dC`
 per group where the kernels sum the groups). Compute
 bound for Mamba-2 sizes (`Q = 64..256`, `N = 128`). float32 inputs add `2·Q³` FLOPs forward and
 `4·Q³` backward per chunk and head (`chunk_scan._segment_sums`).

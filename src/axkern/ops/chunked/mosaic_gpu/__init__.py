@@ -33,8 +33,9 @@ lean forms walk chunks of 64 only.
 **`y` in the input dtype.** Without `D` and the gate (`kernel_scan.ssd`), the scan and fused
 kernels round `y` to bf16 themselves (`Layout.y_dtype`) and the scan's backward kernel reads the
 bf16 cotangent (and leaves out the two products of its low half, which is 0), where otherwise
-`y` is float32 for XLA to add `D x` and gate. The chunk-state backward kernel adds the
-chunk-scan backward's float32 `dx` to its own and writes `dx` in bf16. With nothing to
+`y` is float32 for XLA to add `D x` and gate. The chunk-scan backward kernel writes its share
+of `dx` in bf16, and the chunk-state backward kernel adds its own to it and writes `dx` in
+bf16 (half the bytes of a float32 `dx` between the two, which was live at the backward's peak). With nothing to
 differentiate, the fused forward does not write the entering states.
 
 **Precision.** `C Bᵀ` and `C S_inᵀ` take 16-bit operands; `M x`, the state's product and every

@@ -150,7 +150,7 @@ def emulate_chunk_state_bwd(xt, w, bt, d_own, q=CHUNK, single=None):
 
 def emulate_chunk_scan_bwd(dy, xt, dt, cum, f, seg, bt, ct, states_in, q=CHUNK, single=None, scores=False):
     """`scan_backward.chunk_scan_bwd`: every float32 operand as its two halves (but `(f ∘
-    dy) S_in`'s, each rounded once, where `body.rounds_once`). `single`: the `OPERANDS` rounded once instead
+    dy) S_in`'s, each rounded once, where `body.rounds_once`); `dx` in `x`'s dtype. `single`: the `OPERANDS` rounded once instead
     (None: the kernels' choice). `scores`: as `chunk_scan_bwd(..., scores=True)`, `dg` summed per
     group (`[b, g, c, Q, Q]`) in `dB`'s place and `dC` (per group) without `dg B`."""
     k, dtype, one = _Chunks(xt, bt, q), xt.dtype, _once(single, bt)
@@ -174,7 +174,7 @@ def emulate_chunk_scan_bwd(dy, xt, dt, cum, f, seg, bt, ct, states_in, q=CHUNK, 
     inc = _sum("bhctn,bhcpn->bhctp", cm, _taken(state, dtype, "CS:S", one))
     ds = _sum("bhctp,bhctn->bhcpn", _taken(dyf, dtype, "dS:fdy", one), cm)
     return (
-        k.out_rows(dxd * dt_c[..., None]),
+        k.out_rows(dxd * dt_c[..., None]).astype(dtype),  # dx in x's dtype, as the kernel writes it
         k.out_vec((dxd * x).sum(-1)),
         k.out_vec(e.sum(-1)),
         k.out_vec(e.sum(-2)),

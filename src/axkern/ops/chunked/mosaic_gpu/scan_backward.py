@@ -24,15 +24,17 @@ Given the angles (`theta`), `dB` and `dC` leave turned back (`angles.turned_back
 same arithmetic in 108 KiB of shared memory at N 128 (188 whole), two blocks an SM: the state's
 high half in its own tile and its low half in `M`'s two `[64, 64]` tiles by 64 of its columns
 until `C S_inᵀ` has read it (`C S_inᵀ` over both halves, the low one by blocks of 64 of `C`'s
-columns), every result out through the float32 staging tile (`tiles.STAGE`) block by block,
-each block waiting for the copy before it (`body.staged`; `P/64 · (1 + N/64) + 2 · N/64` copies
-a block, seven at P 64, N 128). Grid, bytes and tensor-core FLOPs as the whole kernel's.
+columns), `dx` out through `x`'s tile (no product reads it after `dM`) and every other result
+through the float32 staging tile (`tiles.STAGE`) block by block, each block waiting for the
+copy before it (`body.staged`; `P/64 · N/64 + 2 · N/64` copies a block, six at P 64, N 128). Grid, bytes and tensor-core FLOPs as the whole kernel's.
 
 **Cost** per chunk and head (Q = 64), in tensor-core FLOPs: `10·Q²·(N + P) + 10·Q·P·N` (`C Bᵀ`;
 `dM` and `Mᵀ dy` with two and three products; `dg B`, `dgᵀ C` with two each; `f∘dy S_in` with
 one; `C S_inᵀ`, `dS_in` with two each; a 16-bit cotangent leaves out `dy`'s low half: `dM` one
 product, `Mᵀ dy` two), with 16-bit `B`, `C`. Bytes: `x`, `B`, `C` rows once, the float32 state
-`P·N·4` read, `dx`, `dB`, `dC`, `dS_in` float32 written.
+`P·N·4` read, `dx` written in the input dtype (`x`'s; the chunk-state backward adds its own
+to it: one rounding of this share, which kept every gradient inside the oracle rule through
+the layer, docs/ops/ssd.md), `dB`, `dC`, `dS_in` float32.
 """
 
 from __future__ import annotations
@@ -64,9 +66,9 @@ def _scan_bwd_kernel(
     chunk's `[Q, Q]` in `dB`'s place, `dC` without `dg B`: `group_scores.py`). `turns`: a tenth input, the angles `Θ` (`[b, h, L, A]`,
     float32), by which `dB` and `dC` leave turned back (`angles.turned_back`). `tiled`: a chunk of
     more than 64 positions, by tiles (`tiled.py`). `lean` (16-bit `B`, `C`; neither `turns` nor
-    `tiled`; `P` 64): the state's low half in `M`'s tiles until `C S_inᵀ` has read it, and
-    every result out through the float32 staging tile, block by block (`tiles.STAGE`,
-    `body.staged`). `clean_x`: `x`'s non-finite values taken as 0, in its tile once copied in and
+    `tiled`; `P` 64): the state's low half in `M`'s tiles until `C S_inᵀ` has read it, `dx`
+    out through `x`'s tile and every other result through the float32 staging tile, block by
+    block (`tiles.STAGE`, `body.staged`). `clean_x`: `x`'s non-finite values taken as 0, in its tile once copied in and
     where it is read into registers."""
     if tiled:
         kw = dict(rep=rep, dtype=dtype, add=add, rows_of=rows_of, clean_x=clean_x)
@@ -174,11 +176,10 @@ def _scan_bwd_kernel(
     x = mosaic_gpu_load(rows_of(x_ref, batch, head, rows), layout=wgmma_layout, optimized=False).astype(f32)
     x = finite_or_zero(x) if clean_x else x
     vec_smem.at[0][...] = jnp.sum(dxd * x, axis=1)  # ddt
-    dx = dxd * lax.broadcast_in_dim(dt_t, (q, p), [0])
-    if lean:
-        send(dx, lambda r, cols: rows_of(dx_ref, batch, head, rows, cols))
-    else:
-        put(dx_smem, dx, rows_of(dx_ref, batch, head, rows))
+    # dx in the input dtype (the chunk-state backward adds its own to it); the lean form's
+    # through x's tile, which no product reads after dM
+    dx = (dxd * lax.broadcast_in_dim(dt_t, (q, p), [0])).astype(dx_ref.dtype)
+    put(x_smem if lean else dx_smem, dx, rows_of(dx_ref, batch, head, rows))
 
     # dg's halves take M's place in shared memory and f ∘ dy's take dy's (their products are done)
     if not dg_sums:
@@ -236,8 +237,9 @@ def chunk_scan_bwd(
     scores=False,
     clean_x=False,
 ):
-    """Stage 4's backward by the Mosaic GPU kernel: `(dx [b, h, L, P], ddt, dcum, dcum_row, df
-    [b, h, L], dB, dC [b, h, L, N], dS_in [b, c, h, P, N])`, float32, per head, from the
+    """Stage 4's backward by the Mosaic GPU kernel: `(dx [b, h, L, P]` in `x`'s dtype, `ddt,
+    dcum, dcum_row, df [b, h, L], dB, dC [b, h, L, N], dS_in [b, c, h, P, N])`, float32, per
+    head, from the
     cotangent `dy [b, h, L, P]` (float32, or bf16 where the forward gave `y` so) and
     `chunk_scan`'s arguments (`B`, `C` bf16 or float32, as their `operand_parts`). `dcum` holds each row's sum of `dM ∘ M` and `dcum_row` each
     column's (as `chunked/chunk_scan.py`'s backward). `group_sums`:
@@ -309,7 +311,7 @@ def _chunk_scan_bwd(*args, group_sums, positions_first, chunk, lean=False, score
     bc = jax.ShapeDtypeStruct((b, g if group_sums else h, lp, n), f32)
     dg = jax.ShapeDtypeStruct((b, g, lp // chunk, chunk, chunk), f32)  # (`scores`: in dB's place)
     out = (
-        rows_type(b, h, lp, p, positions_first),
+        rows_type(b, h, lp, p, positions_first, xt.dtype),
         vector,
         vector,
         vector,

@@ -44,17 +44,18 @@ def kernel_tiles(
             ((q, n), f32),
             ((q,), f32),
         ],
-        # C, B, x; the halves of the state, of dy (then f ∘ dy), of M (then dg); float32 dx, dB
-        # (then dC), dS_in, and the four vectors ddt, dcum, df, dcum_row
+        # C, B, x; the halves of the state, of dy (then f ∘ dy), of M (then dg); dx in the input
+        # dtype; float32 dB (then dC), dS_in, and the four vectors ddt, dcum, df, dcum_row
         "scan_bwd": [bc, bc, ((q, p), dtype)]
         + [((p, n), dtype)] * 2
         + [((q, p), dtype)] * 2
         + (
-            [((q, q), dtype)] * 2 + [((q, p), f32), ((q, n), f32), ((p, n), f32), ((4, q), f32)]
+            [((q, q), dtype)] * 2 + [((q, p), dtype), ((q, n), f32), ((p, n), f32), ((4, q), f32)]
             if q == CHUNK  # above: staging by tiles of 64 rows (`tiled.py`), dB, dC and dS_in in one
-            else [((CHUNK, p), f32), ((max(CHUNK, p), n), f32), ((4, q), f32)]
+            else [((CHUNK, p), dtype), ((max(CHUNK, p), n), f32), ((4, q), f32)]
         ),
         # the lean form (chunks of 64, P 64): one tile of the state (its low half in M's), `STAGE`
+        # (dx leaves through x's tile, read by then)
         "scan_bwd_lean": [bc, bc, ((q, p), dtype), ((p, n), dtype), *[((q, p), dtype)] * 2]
         + [((q, q), dtype)] * 2
         + [STAGE, ((4, q), f32)],

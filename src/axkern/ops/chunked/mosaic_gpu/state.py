@@ -10,7 +10,7 @@ its rows in one product.
 **Its backward**: `d(w ∘ x) = B dSᵀ` (`dS`, float32, as two halves in shared memory), giving
 `dx = · w` and `dw = rowsum(· x)`, and `dB = (w ∘ x) dS` (three products: both operands float32;
 one of their high halves where `B`, `C` are 16-bit: `body.rounds_once`). It adds the chunk-scan
-backward's float32 `dx` to its own and writes `dx` in the input dtype (`dx_in`); with the group
+backward's `dx` (`dx_in`, in the input dtype) to its own and writes `dx` in the input dtype; with the group
 sums it adds `dB` into its group's rows by a TMA reduction; given the angles it returns `dB`
 turned back (`angles.turned_back`).
 
@@ -97,13 +97,13 @@ def chunk_state(xt, w, bt, *, positions_first=False, chunk=CHUNK, clean_x=False)
 
 def _state_bwd_kernel(*refs, rep, dtype, add, rows_of, adds_dx, turns=False, blocks=1, clean_x=False):
     """`add`: `dB` added by a TMA reduction into the head's group's rows (`[b, g, L, N]`).
-    `adds_dx`: a fifth input, the scan's backward's float32 `dx`, added to this `dx` before it
-    is rounded to the output's dtype. `turns`: one more input, the angles `Θ`, by which `dB`
+    `adds_dx`: the output `dx` holds the scan's backward's `dx` as the kernel starts (its
+    buffer, `tiles.launch`'s `into`), which each block reads and adds to its own before writing
+    its rows over it. `turns`: one more input, the angles `Θ`, by which `dB`
     leaves turned back (`angles.turned_back`). `blocks`: the blocks a chunk's rows take (chunks of
     `64 · blocks`; each block its 64 rows, the chunk's `dS` read by each: the gradients are row
     by row). `clean_x`: `x`'s non-finite values taken as 0."""
     x_ref, w_ref, b_ref, ds_ref, *rest = refs
-    dx_in_ref = rest.pop(0) if adds_dx else None
     theta_ref = rest.pop(0) if turns else None
     dx_ref, dw_ref, db_ref, scoped = rest
     (b_smem, dsh_smem, dsl_smem, dx_smem, db_smem, dw_smem), loaded = scoped
@@ -132,7 +132,8 @@ def _state_bwd_kernel(*refs, rep, dtype, add, rows_of, adds_dx, turns=False, blo
     staging = (dx_smem, db_smem, dw_smem)
     dx_in = None
     if adds_dx:
-        dx_in = mosaic_gpu_load(rows_of(dx_in_ref, batch, head, rows), layout=wgmma_layout, optimized=False)
+        dx_in = mosaic_gpu_load(rows_of(dx_ref, batch, head, rows), layout=wgmma_layout, optimized=False)
+        dx_in = dx_in.astype(f32)
     theta = None if theta_ref is None else read_angles(theta_ref, batch, head, rows)
     _state_grads(bs, (dsh_smem, dsl_smem), x, w, (xw_h, xw_l), staging, dx_in, theta)
     group = lax.div(head, jnp.int32(rep)) if add else head
@@ -183,8 +184,10 @@ def chunk_state_bwd(
 ):
     """Stage 2's backward by the Mosaic GPU kernel, `dS` (`d_own [b, c, h, P, N]`, float32)
     pulled back through `S = (w ∘ x)ᵀ B`: `(dx [b, h, L, P], dw [b, h, L], dB [b, h, L, N])`,
-    float32, per head; `chunk_state`'s other arguments (`B` bf16 or float32). `dx_in` (float32, `x`'s layout; the
-    scan's backward's `dx`): added to `dx` in the kernel, which then leaves in `x`'s dtype.
+    float32, per head; `chunk_state`'s other arguments (`B` bf16 or float32). `dx_in` (`x`'s
+    layout, in its dtype or float32; the scan's backward's `dx`): added to `dx` in the kernel,
+    which then leaves in `dx_in`'s dtype, written over `dx_in`'s buffer (one `x`-sized array
+    live where two were).
     `group_sums`: `dB` per group (`[b, g, L, N]`) by TMA reductions, as in `chunk_scan_bwd`.
     `theta`: `dB` turned back by `-Θ`, as in `chunk_scan_bwd`. `chunk`: a multiple of 64
     (`d_own [b, L / chunk, h, P, N]`), a block per 64 rows whatever the chunk. `clean_x`:
@@ -198,9 +201,13 @@ def chunk_state_bwd(
         chunk=chunk,
         clean_x=clean_x,
     )
-    args = (xt, w, bt, d_own) + (() if dx_in is None else (dx_in.astype(jnp.float32),))
+    if dx_in is not None and dx_in.dtype not in (xt.dtype, jnp.float32):
+        raise ValueError(f"chunk_state_bwd: dx_in is {dx_in.dtype}: x's dtype ({xt.dtype}) or float32")
+    args = (xt, w, bt, d_own) + (() if dx_in is None else (dx_in,))
     args += () if theta is None else (theta,)
-    return batch_folding(body)(*args) if group_sums else body(*args)
+    # (outputs written in place run as `pl.kernel` over refs, which batches only through the folding)
+    in_place = group_sums or dx_in is not None
+    return batch_folding(body)(*args) if in_place else body(*args)
 
 
 def _chunk_state_bwd(xt, w, bt, d_own, *more, group_sums, positions_first, turns, chunk, clean_x):
@@ -208,12 +215,14 @@ def _chunk_state_bwd(xt, w, bt, d_own, *more, group_sums, positions_first, turns
     bt = operand_parts(bt)
     check_operands(xt, bt, positions_first=positions_first, chunk=chunk)
     b, h, lp, p = dims(xt, positions_first)
-    f32, rows = jnp.float32, xt.dtype if dx_in else jnp.float32
+    f32, rows = jnp.float32, dx_in[0].dtype if dx_in else jnp.float32
     db = jax.ShapeDtypeStruct((b, bt[0].shape[1] if group_sums else h, lp, bt[0].shape[-1]), f32)
     out = (rows_type(b, h, lp, p, positions_first, rows), jax.ShapeDtypeStruct((b, h, lp), f32), db)
     args = [xt, w, bt, d_own, *more] + ([jnp.zeros(db.shape, f32)] if group_sums else [])
-    into = {2: len(args) - 1} if group_sums else None
-    kw = dict(into=into, positions_first=positions_first, adds_dx=bool(dx_in), turns=turns)
+    # dx over dx_in's buffer; dB added into zeros with the group sums
+    into = ({0: 4} if dx_in else {}) | ({2: len(args) - 1} if group_sums else {})
+    kw = dict(into=into or None, add=group_sums, positions_first=positions_first, adds_dx=bool(dx_in))
+    kw["turns"] = turns
     if chunk != CHUNK:
         kw["blocks"] = chunk // CHUNK
     if clean_x:

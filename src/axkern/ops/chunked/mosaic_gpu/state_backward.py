@@ -23,8 +23,8 @@ staging tile block by block (`body.staged`): 99 KiB at P 64, N 128.
 block per (batch row, head, 64 of the state's `N` columns), each carrying its columns of `g`
 (the recurrence is elementwise in the state), copying in its columns of `B`, and forming its
 columns of `dB` whole but its part of `d(w ∘ x) = B dSᵀ` (a sum over the state's columns): its
-`dx` goes out added by TMA reductions onto the chunk-scan backward's (`dx_in`, so XLA adds
-nothing after) and its `dw` onto zeros, its `d keep` row sums to its own slots for XLA to sum.
+`dx` goes out added by TMA reductions onto the chunk-scan backward's (`dx_in`, in float32
+here, so XLA adds nothing after) and its `dw` onto zeros, its `d keep` row sums to its own slots for XLA to sum.
 60 KiB at P 64, N 128: three blocks an SM, twice the blocks, each step half the products; `x` is
 read once per column block.
 
@@ -223,8 +223,8 @@ def fused_state_bwd(
     P, N])`, float32, of the chunk states and the recurrence between them, from `xt [b, h, L, P]`
     and `bt [b, g, L, N]` (bf16), the weights `w [b, h, L]` and carries `keep [b, h, c]`, the
     states entering the chunks and their gradients (`[b, c, h, P, N]` float32) and the final
-    state's gradient (`[b, h, P, N]`), by the fused kernel; `dx_in` (float32, `dx`'s shape) added
-    to `dx` where given. `group_sums`: `dB [b, g, L, N]` by TMA reductions; `positions_first`:
+    state's gradient (`[b, h, P, N]`), by the fused kernel; `dx_in` (`dx`'s shape, in `x`'s dtype
+    or float32) added to `dx` where given. `group_sums`: `dB [b, g, L, N]` by TMA reductions; `positions_first`:
     `xt` and `dx` are `[b, L, h, P]`; `columns`: a block per `N / columns` of the state's
     columns, each adding its part of `dx` (onto `dx_in`) and `dw` by TMA reductions
     (`columns_reason`). `clean_x`: `x`'s non-finite values taken as 0."""

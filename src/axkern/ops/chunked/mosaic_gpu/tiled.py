@@ -15,7 +15,8 @@ blocks `j <= i`, accumulating `dC_i = Σ_j dg B_j + (f ∘ dy)_i S_in` and `dcum
 `df`; then `dS_in = (f ∘ dy)ᵀ C` over the whole chunk. The scores and `dM` are formed in both
 phases (about a quarter more tensor-core work than one pass), so that no `[Q, Q]` tile and no
 partial sum leaves registers. Shared memory: the chunk's `C`, `B`, `x`, `dy`'s halves, the
-state's halves, and staging tiles of 64 rows for `dx` and for `dB`, `dC`, `dS_in` in turn.
+state's halves, and staging tiles of 64 rows for `dx` (in `x`'s dtype) and for `dB`, `dC`,
+`dS_in` in turn.
 
 **Grid and layout** as the whole-chunk kernels': one warpgroup per (batch row, head, chunk of
 `Q`), the chunk's rows of `C`, `B` (the head's group), `x` copied whole by TMA; a tile is a row
@@ -215,7 +216,7 @@ def scan_bwd_tiled(refs, scoped, *, rep, dtype, add, rows_of, clean_x=False):
         vec_smem.at[3, pl.ds(j * _T, _T)][...] = dcum_row
         put(
             dx_smem,
-            dxd * lax.broadcast_in_dim(dt_s, (_T, p), [0]),
+            (dxd * lax.broadcast_in_dim(dt_s, (_T, p), [0])).astype(dx_smem.dtype),  # in x's dtype
             rows_of(dx_ref, batch, head, rows_j),
             allow=1,
         )

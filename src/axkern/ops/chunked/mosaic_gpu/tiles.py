@@ -117,9 +117,11 @@ def launch(
     row, head)'s chunks, over (batch, heads) (heads on CUDA's x axis: blocks launched together
     share a group's `B` and `C`), or (batch, heads, `columns`) where `columns` > 1 (a block a
     part of the state's columns). `into` (`{output index: input index}`): those outputs are
-    their inputs' buffers (zeros the body adds into; the body sees only the output): the outputs
-    are then refs the kernel writes (`pl.run_state`, the others starting uninitialised), as
-    `plgpu.kernel` takes no aliases and jax 0.11.2 no longer lowers `pallas_call` to Mosaic GPU.
+    their inputs' buffers (zeros the body adds into, or values it reads and writes over; the
+    body sees only the output): the outputs are then refs the kernel writes (`pl.run_state`,
+    the others starting uninitialised), as `plgpu.kernel` takes no aliases and jax 0.11.2 no
+    longer lowers `pallas_call` to Mosaic GPU. The body's `add` (whether it adds `dB`, `dC` into
+    a group's rows) is whether there is an `into`, unless `kw` gives it.
     `positions_first`: `x`, `y`, `dy`, `dx` are `[b, L, h, d]` (`rows_indexer`). `kw`: more of
     the body's arguments. An argument of the launch that is a tuple of arrays (`B`'s, `C`'s
     parts) reaches the body as a tuple of refs."""
@@ -141,9 +143,8 @@ def launch(
                 scoped,
                 rep=h // g,
                 dtype=xt.dtype,
-                add=bool(into),
                 rows_of=rows_indexer(positions_first),
-                **kw,
+                **({"add": bool(into)} | kw),
             ),
             scratch,
             barrier,
@@ -188,18 +189,19 @@ def _regroup(refs, counts) -> list:
 
 
 def batch_folding(fn):
-    """`fn`, whose arrays (arguments and results) all lead with the batch axis, under `vmap` by
-    folding the mapped axis into the batch axis: the group sums' `pl.kernel` over refs (for its
+    """`fn`, whose arrays (arguments, their leaves, and results) all lead with the batch axis,
+    under `vmap` by folding the mapped axis into the batch axis: a `pl.kernel` over refs (for
     in-place outputs) batches only a mapped axis of size 1, where `plgpu.kernel` batches any."""
     folded = jax.custom_batching.custom_vmap(fn)
 
     @folded.def_vmap
     def rule(axis_size, in_batched, *args):
-        args = [
-            a if bat else jnp.broadcast_to(a, (axis_size, *a.shape))
-            for a, bat in zip(args, in_batched, strict=True)
-        ]
-        outs = folded(*(a.reshape(axis_size * a.shape[1], *a.shape[2:]) for a in args))
+        args = jax.tree.map(
+            lambda a, bat: a if bat else jnp.broadcast_to(a, (axis_size, *a.shape)),
+            list(args),
+            list(in_batched),
+        )
+        outs = folded(*jax.tree.map(lambda a: a.reshape(axis_size * a.shape[1], *a.shape[2:]), args))
         outs = jax.tree.map(lambda o: o.reshape(axis_size, o.shape[0] // axis_size, *o.shape[1:]), outs)
         return outs, jax.tree.map(lambda _: True, outs)
 
