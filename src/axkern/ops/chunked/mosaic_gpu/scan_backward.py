@@ -21,7 +21,7 @@ instead of `dB` and `dg B`'s share of `dC`, which XLA forms from the sums (`grou
 Given the angles (`theta`), `dB` and `dC` leave turned back (`angles.turned_back`).
 
 **The lean form** (`lean`, `lean_reason`: chunks of 64, 16-bit `B`, `C`, no angles, P 64): the
-same arithmetic in 108 KiB of shared memory at N 128 (188 whole), two blocks an SM: the state's
+same arithmetic in 108 KiB of shared memory at N 128 (180 whole), two blocks an SM: the state's
 high half in its own tile and its low half in `M`'s two `[64, 64]` tiles by 64 of its columns
 until `C S_inᵀ` has read it (`C S_inᵀ` over both halves, the low one by blocks of 64 of `C`'s
 columns), `dx` out through `x`'s tile (no product reads it after `dM`) and every other result
