@@ -295,7 +295,8 @@ def _errors(
     clean_x=False,
 ):
     """Each kernel's largest difference from its emulation (relative to the emulation's largest
-    magnitude) at chunks of `q`: the scan, its backward, the state and the state backward.
+    magnitude; a 16-bit result's less one step of its dtype at each value, where two float32
+    sums round apart) at chunks of `q`: the scan, its backward, the state and the state backward.
     `split`: `B`, `C` float32, which the kernels take as two bf16 halves each (Mamba-3's).
     `lean`: the lean scan backward (`scan_backward.lean_reason`); `scores` (lean, `add`): `dg` summed per
     group in `dB`'s place, `dC` without `dg B` (`group_scores.py`). `clean_x`: `x` with non-finite
@@ -333,7 +334,8 @@ def _errors(
     )
     want["y"] = E.emulate_chunk_scan(x, dt, cum, f, seg, bt, ct, states, q)
     heads_out = g if add else h
-    outs = [np.zeros((b, h, length, p), f32)] + [np.zeros((b, h, length), f32) for _ in range(4)]
+    # dx in x's dtype, as `chunk_scan_bwd` declares it
+    outs = [np.zeros((b, h, length, p), bf16)] + [np.zeros((b, h, length), f32) for _ in range(4)]
     outs += [np.zeros((b, heads_out, length, n), f32) for _ in range(2)] + [np.zeros((b, c, h, p, n), f32)]
     if scores:
         outs[5] = np.zeros((b, g, c, q, q), f32)
@@ -359,13 +361,17 @@ def _errors(
     )
     state_tiles = sizes.kernel_tiles("state_bwd", p, n, parts=parts)
     state_grads = _run(body, (x_read, w, bp, states), outs, state_tiles, (b, h, length // 64))
-    for name, gv, wv in zip(
-        ("state dx", "state dw", "state dB"),
-        state_grads,
-        E.emulate_chunk_state_bwd(x, w, bt, states, q),
-        strict=True,
-    ):
+    emulated = E.emulate_chunk_state_bwd(x, w, bt, states, q)
+    for name, gv, wv in zip(("state dx", "state dw", "state dB"), state_grads, emulated, strict=True):
         got[name], want[name] = gv, wv
+    # the scan backward's bf16 dx in the output as the kernel starts (its input's buffer): each
+    # block reads its rows, adds its own dx and writes the sum over them
+    dx_in = np.asarray(jax.random.normal(k[4], (b, h, length, p)).astype(bf16))
+    outs[0] = dx_in.copy()
+    body = functools.partial(body, adds_dx=True)
+    state_tiles = sizes.kernel_tiles("state_bwd", p, n, rows_dtype=bf16, parts=parts)
+    got["state dx + dx_in"] = _run(body, (x_read, w, bp, states), outs, state_tiles, (b, h, length // 64))[0]
+    want["state dx + dx_in"] = (emulated[0] + dx_in.astype(f32)).astype(bf16)
     (got["state"],) = _run(
         functools.partial(St._state_kernel, add=False, **kw),
         (x_read, w, bp),
@@ -376,9 +382,10 @@ def _errors(
     want["state"] = E.emulate_chunk_state(x, w, bt, q)
     errors = {}
     for name in got:
+        step = 2.0**-7 if np.asarray(got[name]).dtype == bf16 else 0.0
         gv, wv = np.asarray(got[name], np.float64), np.asarray(want[name], np.float64)
         assert gv.shape == wv.shape, (name, gv.shape, wv.shape)
-        errors[name] = float(np.abs(gv - wv).max() / max(np.abs(wv).max(), 1e-30))
+        errors[name] = float((np.abs(gv - wv) - step * np.abs(wv)).max() / max(np.abs(wv).max(), 1e-30))
     return errors
 
 
