@@ -321,3 +321,29 @@ def test_the_poisoned_outputs_mask_crosses_a_conditional_as_bits():
     g = jax.grad(f)(y, False)
     np.testing.assert_array_equal(np.isnan(g), bad)
     np.testing.assert_array_equal(np.asarray(g)[~bad], 1.0)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    length=st.integers(1, 70),
+    width=st.integers(1, 19),
+    rate=st.sampled_from([0.0, 0.02, 0.2]),
+    boundaries=st.sampled_from([0.0, 0.1]),
+    seed=st.integers(0, 2**16),
+)
+def test_the_packed_reach_equals_the_running_maximums(length, width, rate, boundaries, seed):
+    # the guard's large mask as a running OR of bytes inside each segment (`reaches_bits`) is
+    # `reaches`' mask packed 8 to a byte, at widths that are not a multiple of 8; as the TPU
+    # forms it (the running maximum, packed) too
+    from unittest import mock
+
+    from axkern.core import backend
+    from axkern.ops.chunked.chunks import reaches, reaches_bits
+
+    rng = np.random.default_rng(seed)
+    events = jnp.asarray(rng.random((2, length, 3, width)) < rate)
+    seg = jnp.asarray(np.cumsum(rng.random((2, length)) < boundaries, axis=1), jnp.int32)
+    want = np.packbits(np.asarray(reaches(events, seg)), axis=-1)
+    np.testing.assert_array_equal(np.asarray(reaches_bits(events, seg)), want)
+    with mock.patch.object(backend, "platform", lambda: "tpu"):
+        np.testing.assert_array_equal(np.asarray(reaches_bits(events, seg)), want)

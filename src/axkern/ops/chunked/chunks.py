@@ -1,6 +1,6 @@
 """Plain-JAX pieces every chunked form shares (SSD's and Mamba-3's, plain JAX or kernels):
-segment ids, the recurrence over chunk states, the non-finite guard (`guard`, `clean`,
-`scrubbed`, `poison`; SSD's gradients: `gradient_marks`, `reached`, `nan_where`) and SSD's
+segment ids, the recurrence over chunk states, the non-finite guard (`guard`, `guard_bits`,
+`reaches_bits`, `clean`, `scrubbed`, `poison`; SSD's gradients: `gradient_marks`, `reached`, `nan_where`) and SSD's
 layer around a scan (`layer`, `layer_around`)."""
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from axkern.core import backend
 from axkern.core.compat import vary_like
 
 
@@ -81,6 +82,29 @@ def reaches(events, seg, axis=1):
     return last >= start.reshape(start.shape + (1,) * (events.ndim - 2))
 
 
+def reaches_bits(events, seg):
+    """`reaches(events, seg)` (time on axis 1) for a large boolean `events` whose last axis is
+    packed 8 to a byte (`jnp.packbits`'s order), returned so packed: a running OR of the bytes
+    inside each segment (`lax.associative_scan`), with the length as the last axis while it runs.
+    `reaches`' running maximum of positions holds an int32 for every value (`[b, L, H, P]`: 0.31
+    GiB at the Mamba-2 2.7B layer, L 4096); the packed OR a byte for eight, which halved SSD's
+    forward temporaries compiled for an H200. On a TPU the running maximum stays: compiled for a
+    v5e, the layer's forward reported 0.31 GiB more temporary memory with the packed OR (or with
+    int16 keys) in the guard's branch, though the OR alone took none (docs/ops/ssd.md)."""
+    if backend.platform() == "tpu":
+        return jnp.packbits(reaches(events, seg), axis=-1)
+    new = jnp.concatenate([jnp.ones_like(seg[:, :1], bool), seg[:, 1:] != seg[:, :-1]], axis=1)
+    words = jnp.moveaxis(jnp.packbits(events, axis=-1), 1, -1)  # [b, ..., W, l]
+    starts = new.reshape(new.shape[:1] + (1,) * (words.ndim - 2) + new.shape[1:])
+
+    def combine(earlier, later):
+        (v, s), (w, t) = earlier, later
+        return jnp.where(t, w, v | w), s | t
+
+    ored, _ = lax.associative_scan(combine, (words, starts), axis=-1)
+    return jnp.moveaxis(ored, -1, 1)
+
+
 def guard(x, dt, A, B, C, seg, initial_state):
     """The non-finite rule for the chunked forms. Returns the inputs with every non-finite value
     replaced by 0 (`clean`), and where the exact recurrence would be non-finite: `y_bad
@@ -92,6 +116,14 @@ def guard(x, dt, A, B, C, seg, initial_state):
     non-finite `C[t]` only `y[t]`. The chunked forms compute on the clean inputs and put NaN
     where the recurrence is non-finite: their masked terms (future positions, other segments)
     then never meet a NaN, and a NaN stays where it is in time."""
+    y_bits, final_bad = guard_bits(x, dt, A, B, C, seg, initial_state)
+    y_bad = jnp.unpackbits(y_bits, axis=-1, count=x.shape[-1]).astype(bool)
+    return (clean(x), clean(dt), clean(A), clean(B), clean(C), clean(initial_state)), y_bad, final_bad
+
+
+def guard_bits(x, dt, A, B, C, seg, initial_state):
+    """`guard`'s masks, `y_bad` as bits along its last axis (`jnp.packbits`), formed so
+    (`reaches_bits`): `(y_bits [b, l, h, ceil(p / 8)] uint8, final_bad [b, h, p, n])`."""
     rep = x.shape[2] // B.shape[2]
     bad = lambda a: ~jnp.isfinite(a)  # noqa: E731
     per_head = lambda a: jnp.repeat(a, rep, axis=2)  # noqa: E731 - groups -> heads
@@ -99,9 +131,10 @@ def guard(x, dt, A, B, C, seg, initial_state):
     starts = jnp.concatenate([jnp.zeros_like(seg[:, :1], bool), seg[:, 1:] != seg[:, :-1]], axis=1)
     head = bad(dt) | (bad(A)[None, None] & ~starts[..., None])  # [b, l, h]
     b_any = per_head(bad(B).any(-1))  # [b, l, h]
-    y_bad = reaches(bad(x) | (head | b_any)[..., None], seg)
     first = (seg == 0)[:, :, None, None]
-    y_bad = y_bad | (first & bad(initial_state).any(-1)[:, None]) | per_head(bad(C).any(-1))[..., None]
+    y_bits = reaches_bits(bad(x) | (head | b_any)[..., None], seg) | jnp.packbits(
+        (first & bad(initial_state).any(-1)[:, None]) | per_head(bad(C).any(-1))[..., None], axis=-1
+    )
     last = seg == seg[:, -1:]  # [b, l]: the sequence's last segment
     in_last = lambda a: (a & last.reshape(last.shape + (1,) * (a.ndim - 2))).any(1)  # noqa: E731
     final_bad = (
@@ -110,7 +143,7 @@ def guard(x, dt, A, B, C, seg, initial_state):
         | jnp.repeat(in_last(bad(B)), rep, axis=1)[:, :, None, :]
         | (bad(initial_state) & (seg[:, -1] == 0)[:, None, None, None])
     )
-    return (clean(x), clean(dt), clean(A), clean(B), clean(C), clean(initial_state)), y_bad, final_bad
+    return y_bits, final_bad
 
 
 def gradient_marks(x, dt, A, B, C, seg, initial_state):
@@ -307,9 +340,9 @@ def layer(scan, x, dt, A, B, C, D, z, segment_ids, initial_state):
         return vary_like((mask_bits, jnp.zeros(initial_state.shape, bool), marks), *checked, seg)
 
     def masks(checked, seg):
-        _, y_bad, final_bad = guard(*checked[:5], seg, checked[5])
+        y_bits, final_bad = guard_bits(*checked[:5], seg, checked[5])
         marks = gradient_marks(*checked[:5], seg, checked[5])
-        return vary_like((jnp.packbits(y_bad, axis=-1), final_bad, marks), *checked, seg)
+        return vary_like((y_bits, final_bad, marks), *checked, seg)
 
     y_bits, final_bad, marks = lax.cond(finite, no_masks, masks, lax.stop_gradient(checked), seg)
     # (the mask unpacked here and packed again for the backward: with the conditional's bits as

@@ -49,7 +49,7 @@ from jax import lax
 
 from axkern.core import kernels
 from axkern.core.compat import vary_like
-from axkern.ops.chunked.chunks import all_finite, clean, poison, reaches, scrubbed, segment_starts
+from axkern.ops.chunked.chunks import all_finite, clean, poison, reaches_bits, scrubbed, segment_starts
 
 from .angles import angle_sums
 from .rotation import pair_products, rank_products, rotated
@@ -204,7 +204,8 @@ def forward(
         return vary_like(tuple(zeros), *read)
 
     def masks(theta):  # where the recurrence is non-finite: `Θ`, `y`, a rotated `q`, the final state
-        theta_bad = reaches(bad(ang) | bad(dt_)[..., None], seg) | (
+        theta_reach = reaches_bits(bad(ang) | bad(dt_)[..., None], seg)  # (bits: no int32 positions)
+        theta_bad = jnp.unpackbits(theta_reach, axis=-1, count=ang.shape[-1]).astype(bool) | (
             first[:, :, None, None] & bad(angle0)[:, None]
         )
         qr, kr = (tokens_major(u) for u in rotations(poison(theta, own_order(theta_bad))))
@@ -212,9 +213,9 @@ def forward(
         head_bad = bad(trap_) | bad(dt_) | (bad(adt_) & ~starts[..., None])  # [b, l, h]
         row, col = bad(vr).any(2), bad(kr).any(2)  # [b, l, h, p], [b, l, h, n]
         init_row = bad(ssm0).any(-1) | bad(v0r).any(1) | bad(k0).any((1, 3))[..., None]  # [b, h, p]
-        y_bad = reaches(row | (head_bad | col.any(-1))[..., None], seg) | (
-            first[:, :, None, None] & init_row[:, None]
-        )  # [b, l, h, p]
+        y_bits = reaches_bits(row | (head_bad | col.any(-1))[..., None], seg) | jnp.packbits(
+            first[:, :, None, None] & init_row[:, None], axis=-1
+        )  # [b, l, h, p] as bits
         q_bad = bad(qr).any(-1)  # [b, l, r, h]: a rotated q reaches its own output only
         last = seg == seg[:, -1:]
         in_last = lambda a: (a & last.reshape(last.shape + (1,) * (a.ndim - 2))).any(1)  # noqa: E731
@@ -227,7 +228,7 @@ def forward(
                 & (bad(ssm0) | bad(v0r).any(1)[..., None] | bad(k0).any(1)[:, :, None, :])
             )
         )
-        packed = (jnp.packbits(own_order(theta_bad), axis=-1), jnp.packbits(y_bad, axis=-1))
+        packed = (jnp.packbits(own_order(theta_bad), axis=-1), y_bits)
         return vary_like((*packed, q_bad, final_bad), *read)
 
     # one conditional, on small arrays and masks only: every large array is formed outside it
