@@ -323,7 +323,7 @@ def test_the_poisoned_outputs_mask_crosses_a_conditional_as_bits():
     np.testing.assert_array_equal(np.asarray(g)[~bad], 1.0)
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=12, deadline=None)
 @given(
     length=st.integers(1, 70),
     width=st.integers(1, 19),
