@@ -183,11 +183,12 @@ def chunk_state_bwd(
     clean_x=False,
 ):
     """Stage 2's backward by the Mosaic GPU kernel, `dS` (`d_own [b, c, h, P, N]`, float32)
-    pulled back through `S = (w ∘ x)ᵀ B`: `(dx [b, h, L, P], dw [b, h, L], dB [b, h, L, N])`,
-    float32, per head; `chunk_state`'s other arguments (`B` bf16 or float32). `dx_in` (`x`'s
-    layout, in its dtype or float32; the scan's backward's `dx`): added to `dx` in the kernel,
-    which then leaves in `dx_in`'s dtype, written over `dx_in`'s buffer (one `x`-sized array
-    live where two were).
+    pulled back through `S = (w ∘ x)ᵀ B`: `(dx [b, h, L, P], dw [b, h, L], dB [b, h, L, N])`
+    per head, `dw` and `dB` float32, `dx` float32 or, given `dx_in` (`x`'s layout, in its dtype
+    or float32; the scan's backward's `dx`), that sum in `dx_in`'s dtype, written over
+    `dx_in`'s buffer (one `x`-sized array live where two were; the kernel is then not named in
+    its call on jax 0.10, as the other in-place ones); `chunk_state`'s other arguments (`B`
+    bf16 or float32).
     `group_sums`: `dB` per group (`[b, g, L, N]`) by TMA reductions, as in `chunk_scan_bwd`.
     `theta`: `dB` turned back by `-Θ`, as in `chunk_scan_bwd`. `chunk`: a multiple of 64
     (`d_own [b, L / chunk, h, P, N]`), a block per 64 rows whatever the chunk. `clean_x`:

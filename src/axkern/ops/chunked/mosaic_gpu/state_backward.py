@@ -24,7 +24,7 @@ block per (batch row, head, 64 of the state's `N` columns), each carrying its co
 (the recurrence is elementwise in the state), copying in its columns of `B`, and forming its
 columns of `dB` whole but its part of `d(w ∘ x) = B dSᵀ` (a sum over the state's columns): its
 `dx` goes out added by TMA reductions onto the chunk-scan backward's (`dx_in`, in float32
-here, so XLA adds nothing after) and its `dw` onto zeros, its `d keep` row sums to its own slots for XLA to sum.
+here: a float32 copy of the bf16 one the chunk-scan backward writes, so XLA adds nothing after) and its `dw` onto zeros, its `d keep` row sums to its own slots for XLA to sum.
 60 KiB at P 64, N 128: three blocks an SM, twice the blocks, each step half the products; `x` is
 read once per column block.
 
