@@ -17,7 +17,8 @@ turned back (`angles.turned_back`).
 **Cost** per chunk and head (Q = 64), in tensor-core FLOPs: the state `4·Q·P·N` (two halves),
 its backward `6·Q·P·N` (`B dSᵀ` with two products, `(w ∘ x) dS` with one), with 16-bit `B`;
 bytes: `x`, `B` rows once, the float32 state `P·N·4` written (forward) or `dS` read (backward),
-`dx`, `dw`, `dB` written.
+`dx`, `dw`, `dB` written (with `dx_in`, the chunk-scan backward's bf16 `dx` also read, from the
+buffer the sum is written over: `2·Q·P` bytes each way).
 """
 
 from __future__ import annotations
