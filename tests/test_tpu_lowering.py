@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import pytest
 
 from axkern import masks
+from axkern.ops.ssd.blocks import SSDBlockSizes
 from axkern.positional import attention, fused_cross_entropy, mamba3, short_conv, ssd
 from tests.tpu_lowering import lane_sparse_arrays, lower_for_tpu, matmuls, mosaic_kernels
 
@@ -166,9 +167,11 @@ def test_fused_cross_entropy_fewer_tokens_than_a_tile(n):
 SSD_KERNELS = {f"axkern_ssd_{k}_kernel" for k in ("state", "scan", "state_bwd", "scan_bwd")}
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_ssd(dtype):
-    b, l, h, p, g, n = 1, 2048, 8, 64, 1, 128  # noqa: E741
+@pytest.mark.parametrize(
+    "dtype,group_sums", [(d, "kernels") for d in DTYPES] + [("bfloat16", "xla")]
+)  # the per-head form (`TpuHeadsLayout`) in one dtype: the same kernel bodies
+def test_ssd(dtype, group_sums):
+    b, l, h, p, g, n = 1, 2048, 8, 64, 2, 128  # noqa: E741
     args = [
         S((b, l, h, p), dtype),
         S((b, l, h), "float32"),
@@ -194,6 +197,7 @@ def test_ssd(dtype):
             dt_softplus=True,
             segment_ids=ids,
             implementation="pallas_tpu",
+            block_sizes=None if group_sums == "kernels" else SSDBlockSizes(128, group_sums=group_sums),
         )
 
     assert _lower_value_and_grad(fn, args, tuple(range(8))) == SSD_KERNELS

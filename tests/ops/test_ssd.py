@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import axkern
+from axkern.ops.ssd.blocks import SSDBlockSizes
 from axkern.positional import ssd, ssd_step
 from tests.cases.ssd import make, run
 from tests.harness import check_rule, jit
@@ -96,6 +97,20 @@ def test_pallas_tpu_against_sequential_oracle(dtype, groups):
     # each program of the grid in turn)
     batch = 2 if dtype == "float32" else 1
     check(3, (batch, 37, 4, 5, groups, 6), dtype, 8, impl="pallas_tpu", segments=True)
+
+
+def test_pallas_tpu_per_head_group_sums_against_sequential_oracle():
+    # `group_sums="xla"` (`TpuHeadsLayout`): the grid's chunks innermost, dB and dC per head
+    # summed by XLA over two groups of two heads
+    arrays, seg = make(5, 1, 37, 4, 5, 2, 6, "float32", segments=True)
+    blocks = SSDBlockSizes(8, group_sums="xla")
+    check_rule(
+        lambda name, a, **k: run(name, a, seg, block_sizes=blocks if name != "reference" else None),
+        "pallas_tpu",
+        arrays,
+        "float32",
+        "ssd",
+    )
 
 
 def test_pallas_gpu_recurrence_kernels_equal_the_scans():

@@ -11,6 +11,8 @@ from __future__ import annotations
 import pytest
 
 import axkern
+from axkern.core.blocks import next_power_of_2
+from axkern.ops.ssd.blocks import SSDBlockSizes
 from axkern.positional import ssd
 from tests.cases.ssd import make, run
 from tests.tpu.chip import DRY_RUN, assert_compiled_first_that_serves, case_id, check, sizes
@@ -38,6 +40,18 @@ def test_against_oracle(case, impl):
     # float32 parameters
     run_ = lambda name, a: run(name, a, seg)  # noqa: E731
     check(run_, impl, arrays, dtype, f"ssd {case_id(case)}", oracle_dtype="float64")
+
+
+def test_per_head_group_sums_against_oracle():
+    # `group_sums="xla"` (`TpuHeadsLayout`: the grid's chunks innermost, dB and dC per head for
+    # XLA's sum) on the float32 case with two groups; the chunk the heuristic's
+    *dims, dtype, segments = CASES[1]
+    arrays, seg = make(0, *dims, dtype, segments=segments)
+    blocks = SSDBlockSizes(min(128, next_power_of_2(dims[1])), group_sums="xla")
+    run_ = lambda name, a: run(name, a, seg, block_sizes=blocks if name != "reference" else None)  # noqa: E731
+    check(
+        run_, "pallas_tpu", arrays, dtype, f"ssd {case_id(CASES[1])} group_sums=xla", oracle_dtype="float64"
+    )
 
 
 def test_pallas_tpu_runs_compiled_and_the_default_is_the_first_that_serves():

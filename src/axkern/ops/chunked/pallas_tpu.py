@@ -12,6 +12,8 @@ row form takes 5). `x`, `B`, `C` blocks are `[Q, P]` / `[Q, N]` with `P`, `N` wh
 `dC` into its group's block while it stays in VMEM (`put_group`; the block is written back when
 the group changes), where per-head float32 `[b, h, L, N]` arrays would wait in HBM for XLA's sum
 (640 MiB each at the 2.7B layer). Batch and chunks are `parallel`, heads `arbitrary`.
+`TpuHeadsLayout` is the other form: the grid `(batch, heads, chunks)`, all `parallel`, `dB` and
+`dC` per head for XLA to sum (docs/ops/ssd.md has both timed).
 
 **Constraints**: the chunk a multiple of 8 (`TPU_MIN_CHUNK`, the sublanes). Scores, decays and
 their gradients are `[Q, Q]` float32 in VMEM (about 1.3 MiB at `Q = 256`).
@@ -29,7 +31,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from .layout import Layout
 
-__all__ = ["TPU_MIN_CHUNK", "TpuLayout"]
+__all__ = ["TPU_MIN_CHUNK", "TpuLayout", "TpuHeadsLayout"]
 
 TPU_MIN_CHUNK = 8  # the sublanes
 
@@ -108,4 +110,21 @@ class TpuLayout(Layout):
             "compiler_params": pltpu.CompilerParams(
                 dimension_semantics=("parallel", "parallel", "arbitrary")
             ),
+        }
+
+
+class TpuHeadsLayout(TpuLayout):
+    """`TpuLayout`'s vectors with the base grid `(batch, heads, chunks)`, every dimension
+    `parallel`, and `dB`, `dC` written per head for XLA to sum over each group's heads."""
+
+    sums_groups = False
+    put_group = Layout.put_group
+
+    def __call__(self, kernel, in_specs, outs, *args):
+        return Layout.__call__(self, kernel, in_specs, outs, *args)
+
+    def call_params(self) -> dict:
+        return {
+            "interpret": pltpu.InterpretParams() if self.interpret else False,
+            "compiler_params": pltpu.CompilerParams(dimension_semantics=("parallel",) * 3),
         }

@@ -43,12 +43,15 @@ class SSDBlockSizes(BlockSizes):
     outputs as three kernels; None means this) or `"fused"` (one kernel per batch row and head
     walking its chunks, `chunked/mosaic_gpu/forward.py`) or `"lean"` (the fused one in one slot of
     tiles, 99 KiB at P 64, N 128 where the fused one takes 155, so that two blocks share an SM;
-    chunks of 64; `chunked/mosaic_gpu/forward_lean.py`). `group_sums` (`mosaic_gpu` only): where the
-    backward sums `dB` and `dC` over each group's heads: `"xla"` (the kernels write them per
-    head, float32; None means this) or `"kernels"` (the kernels add each head's tiles into the
-    group's rows by TMA reductions: no per-head arrays, the additions' order free) or `"scores"`
-    (with the lean chunk-scan backward: each head's `[Q, Q]` `dg` added into its group's sum in
-    place of `dB` and `dC`'s `dg B`, which XLA forms from the sums, `chunked/mosaic_gpu/group_scores.py`). `transposes`
+    chunks of 64; `chunked/mosaic_gpu/forward_lean.py`). `group_sums` (`mosaic_gpu` and
+    `pallas_tpu`): where the backward sums `dB` and `dC` over each group's heads: `"xla"` (the
+    kernels write them per head, float32; None means this on `mosaic_gpu`) or `"kernels"` (on
+    `mosaic_gpu` the kernels add each head's tiles into the group's rows by TMA reductions, the
+    additions' order free; on `pallas_tpu`, where None means this, each head's tiles into its
+    group's block while it stays in VMEM, the grid's heads innermost, `chunked/pallas_tpu.py`:
+    no per-head arrays either way) or `"scores"` (`mosaic_gpu`, with the lean chunk-scan
+    backward: each head's `[Q, Q]` `dg` added into its group's sum in place of `dB` and `dC`'s
+    `dg B`, which XLA forms from the sums, `chunked/mosaic_gpu/group_scores.py`). `transposes`
     (`mosaic_gpu` only): `"xla"` (XLA moves `x` to `[b, H, L, P]` for the kernels and `y` back;
     None means this) or `"kernels"` (the kernels read `x`, `dy` and write `y`, `dx` in the
     caller's `[b, L, H, P]`, a strided tile per head). `backward` (`mosaic_gpu` only): `"stages"`
@@ -97,11 +100,11 @@ MOSAIC_GPU_FORMS = (
 )
 
 
-def refuse_mosaic_gpu_forms(block_sizes: SSDBlockSizes) -> None:
-    """Refuse `mosaic_gpu`'s forms (`MOSAIC_GPU_FORMS`): an implementation other than
-    `mosaic_gpu` has none of them."""
+def refuse_mosaic_gpu_forms(block_sizes: SSDBlockSizes, allow: tuple = ()) -> None:
+    """Refuse `mosaic_gpu`'s forms (`MOSAIC_GPU_FORMS`) but those `allow` names as `(field,
+    value)`: an implementation other than `mosaic_gpu` has none of them but its own."""
     for name, value, what in MOSAIC_GPU_FORMS:
-        if getattr(block_sizes, name) == value:
+        if getattr(block_sizes, name) == value and (name, value) not in allow:
             raise Unsupported(f"{name}={value!r}: only mosaic_gpu {what}")
 
 
@@ -144,13 +147,22 @@ def pallas_gpu_space(spec: Spec) -> list[SSDBlockSizes]:
 
 
 def pallas_tpu_heuristic(spec: Spec) -> SSDBlockSizes:
-    """Chunks of 128 (the MXU's width)."""
-    return SSDBlockSizes(chunk_size=max(TPU_MIN_CHUNK, min(128, next_power_of_2(spec.dim("length")))))
+    """Chunks of 128 (the MXU's width), `dB` and `dC` summed over each group's heads in the
+    kernels (`group_sums="kernels"`: a quarter less temporary memory forward+backward than
+    per-head sums in XLA, for a little more time; docs/ops/ssd.md has both timed)."""
+    chunk = max(TPU_MIN_CHUNK, min(128, next_power_of_2(spec.dim("length"))))
+    return SSDBlockSizes(chunk_size=chunk, group_sums="kernels")
 
 
 def pallas_tpu_space(spec: Spec) -> list[SSDBlockSizes]:
-    """Chunks of 32 to 256 positions."""
-    return grid(SSDBlockSizes, spec, first=pallas_tpu_heuristic(spec), chunk_size=_chunks(spec, 32, 256))
+    """Chunks of 32 to 256 positions, `dB` and `dC` summed in the kernels or in XLA."""
+    return grid(
+        SSDBlockSizes,
+        spec,
+        first=pallas_tpu_heuristic(spec),
+        chunk_size=_chunks(spec, 32, 256),
+        group_sums=("kernels", "xla"),
+    )
 
 
 def mosaic_gpu_heuristic(spec: Spec) -> SSDBlockSizes:

@@ -1,6 +1,8 @@
 """Mamba-2 SSD as Pallas TPU (Mosaic) kernels, forward and backward: the engine's chunk scan
 (`chunked/kernel_scan.py`) in the Mosaic TPU layout (`chunked/pallas_tpu.py`, `TpuLayout`: its
-vector layout, constraints and VMEM). **Constraints**: the chunk a multiple of 8 (sublanes).
+vector layout, constraints and VMEM), or with `dB`, `dC` per head for XLA's sum
+(`SSDBlockSizes(group_sums="xla")`, `TpuHeadsLayout`). **Constraints**: the chunk a multiple of 8
+(sublanes).
 
 In CI in TPU interpret mode (`pltpu.InterpretParams`) and lowered for a TPU; compiled on a TPU
 v5e it passes `tests/tpu` and is first in the TPU order (docs/tpu.md, "Measured").
@@ -10,7 +12,7 @@ from __future__ import annotations
 
 from axkern.core.op import Implementation, Unsupported
 from axkern.ops.chunked import kernel_scan
-from axkern.ops.chunked.pallas_tpu import TPU_MIN_CHUNK, TpuLayout
+from axkern.ops.chunked.pallas_tpu import TPU_MIN_CHUNK, TpuHeadsLayout, TpuLayout
 
 from .blocks import SSDBlockSizes, pallas_tpu_heuristic, pallas_tpu_space, refuse_mosaic_gpu_forms
 
@@ -18,13 +20,14 @@ __all__ = ["IMPLEMENTATION", "ssd"]
 
 
 def ssd(x, dt, A, B, C, D, z, segment_ids, initial_state, *, block_sizes, interpret=False):
-    refuse_mosaic_gpu_forms(block_sizes)
+    refuse_mosaic_gpu_forms(block_sizes, allow=(("group_sums", "kernels"),))
     kernel_scan.refuse_float64(x=x, dt=dt, A=A, B=B, C=C, D=D, z=z, initial_state=initial_state)
     q = block_sizes.chunk_size
     if q < TPU_MIN_CHUNK:
         raise Unsupported(f"chunk_size={q} is below {TPU_MIN_CHUNK} (TPU sublanes)")
+    layout = TpuHeadsLayout if block_sizes.group_sums == "xla" else TpuLayout
     return kernel_scan.ssd(
-        TpuLayout, x, dt, A, B, C, D, z, segment_ids, initial_state, chunk_size=q, interpret=bool(interpret)
+        layout, x, dt, A, B, C, D, z, segment_ids, initial_state, chunk_size=q, interpret=bool(interpret)
     )
 
 
