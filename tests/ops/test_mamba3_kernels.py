@@ -9,6 +9,8 @@ import jax
 import pytest
 
 import axkern
+from axkern.bench import tune
+from axkern.ops.mamba3.api import OP
 from axkern.ops.mamba3.blocks import Mamba3BlockSizes
 from tests.cases.mamba3 import call, make, run
 from tests.harness import check_rule
@@ -97,6 +99,45 @@ def test_kernel_heuristics_count_tokens_per_chunk(impl, rank, chunk):
     shapes = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in arrays.items()}
     d = axkern.explain(lambda a: call(impl, a), shapes)
     assert d.implementation == impl and d.block_sizes.chunk_size == chunk
+
+
+def _spec(length, rank, dtype="bfloat16", state=128):
+    dims = dict(batch=1, length=length, heads=8, head_dim=64, groups=1, state=state, rank=rank, n_angles=32)
+    return OP.spec(dims, dtype, segments=False, mimo=rank > 0)
+
+
+@pytest.mark.parametrize(
+    "impl,rank,dtype,chunks",
+    [
+        ("pallas_gpu", 0, "bfloat16", [16, 32, 64, 128]),  # up to 128 positions for a bf16 x
+        ("pallas_gpu", 4, "bfloat16", [4, 8, 16]),  # a float32 x (MIMO): up to 64 positions
+        ("pallas_gpu", 0, "float32", [16, 32, 64]),
+        ("pallas_tpu", 0, "bfloat16", [32, 64, 128, 256]),
+        ("pallas_tpu", 4, "bfloat16", [8, 16, 32, 64]),
+        ("mosaic_gpu", 0, "bfloat16", [64]),
+    ],
+)
+def test_each_kernel_implementation_declares_a_space_the_tuner_walks(impl, rank, dtype, chunks):
+    # `axkern tune mamba3` times each candidate: the heuristic's first, then the chunks in tokens
+    # (`kernel_slots(rank)` positions a token) and the forms the implementation keeps
+    spec = _spec(4096, rank, dtype)
+    imp = OP.implementations[impl]
+    got = tune.candidates(imp, spec)
+    assert got[0] == imp.heuristic(spec) and len(set(got)) == len(got)
+    assert sorted({bs.chunk_size for bs in got}) == chunks
+    forms = {
+        (f, getattr(bs, f)) for bs in got for f in ("forward", "rotation", "angles", "rotation_backward")
+    }
+    want = {
+        "pallas_gpu": {("rotation_backward", "kernel"), ("angles", "xla")},
+        "pallas_tpu": set(),
+        "mosaic_gpu": {("forward", "stages"), ("rotation", "xla"), ("angles", "xla")},
+    }[impl]
+    assert want <= forms and all(v is None for f, v in forms - want)
+    if impl == "mosaic_gpu":  # a state of 64: the kernel cannot turn q, k, so no XLA rotation to time apart
+        assert all(bs.rotation is None for bs in tune.candidates(imp, _spec(4096, 0, state=64)))
+    # a short sequence keeps the chunks within its next power of two
+    assert max(bs.chunk_size for bs in tune.candidates(imp, _spec(40, rank, dtype))) <= max(64, chunks[0])
 
 
 @pytest.mark.parametrize(

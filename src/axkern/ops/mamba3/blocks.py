@@ -20,6 +20,8 @@ __all__ = [
     "pallas_gpu_heuristic",
     "pallas_tpu_heuristic",
     "mosaic_gpu_heuristic",
+    "pallas_tpu_space",
+    "kernel_chunks",
     "kernel_slots",
     "refuse_forms",
     "angles_form",
@@ -137,6 +139,22 @@ def mosaic_gpu_heuristic(spec: Spec) -> Mamba3BlockSizes:
     """Chunks of 64 tokens, the only size SSD's Mosaic GPU kernels run (one warpgroup's rows;
     SISO only); the forward fused (None)."""
     return Mamba3BlockSizes(chunk_size=64)
+
+
+def kernel_chunks(spec: Spec, low: int, high: int) -> list[int]:
+    """The chunk sizes, in tokens, whose kernel positions (`kernel_slots(rank)` a token) are
+    powers of two from `low` to `high`, none beyond the length's next power of two."""
+    slots = kernel_slots(spec.dim("rank"))
+    top = next_power_of_2(spec.dim("length"))
+    tokens = [q // slots for q in (8, 16, 32, 64, 128, 256) if low <= q <= high and q >= slots]
+    return sorted({t for t in tokens if t <= top} or {min(tokens, default=1)})
+
+
+def pallas_tpu_space(spec: Spec) -> list[Mamba3BlockSizes]:
+    """`pallas_tpu`: chunks of 32 to 256 kernel positions (as `ssd`'s), in tokens."""
+    return grid(
+        Mamba3BlockSizes, spec, first=pallas_tpu_heuristic(spec), chunk_size=kernel_chunks(spec, 32, 256)
+    )
 
 
 def pallas_tpu_heuristic(spec: Spec) -> Mamba3BlockSizes:

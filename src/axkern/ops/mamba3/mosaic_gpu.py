@@ -46,8 +46,11 @@ layer for CUDA and runs it through the kernels' arithmetic (`chunked.mosaic_gpu.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax.numpy as jnp
 
+from axkern.core.blocks import unique_valid
 from axkern.core.op import Implementation, Unsupported
 from axkern.ops.chunked import kernel_scan
 from axkern.ops.chunked import mosaic_gpu as kernels
@@ -117,6 +120,23 @@ def mamba3(*args, block_sizes, interpret=False):
         angle_kernel=angle_kernel,
     )
     return forward(core, *args, chunk_size=CHUNK, later_ranks=True)
+
+
+def space(spec) -> list[Mamba3BlockSizes]:
+    """The heuristic's form (the fused forward, turning `q` and `k` itself where it serves; `Θ`
+    by the Triton kernel), then each of its parts taken back one at a time: the three stages,
+    XLA's rotation (where the kernel's would serve), XLA's angles (`axkern tune` times each;
+    chunks of 64 only)."""
+    best = mosaic_gpu_heuristic(spec)
+    p, n, dtype = spec.dim("head_dim"), spec.dim("state"), jnp.dtype(spec.dtype)
+    rotates = rotation_reason(best, p, n, best.forward != "stages", dtype) is None
+    forms = [
+        best,
+        dataclasses.replace(best, forward="stages"),
+        *[dataclasses.replace(best, rotation="xla")] * rotates,
+        dataclasses.replace(best, angles="xla"),
+    ]
+    return unique_valid(forms, spec)
 
 
 def describe(spec, block_sizes) -> str:
@@ -195,5 +215,6 @@ IMPLEMENTATION = Implementation(
     supports=supports,
     block_sizes=Mamba3BlockSizes,
     heuristic=mosaic_gpu_heuristic,
+    space=space,
     backward=describe,
 )

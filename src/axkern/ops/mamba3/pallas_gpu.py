@@ -22,6 +22,7 @@ three reductions; opt-in (docs/ops/mamba3.md has its time against XLA's).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -31,10 +32,18 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from axkern.core import kernels
+from axkern.core.blocks import grid, unique_valid
 from axkern.core.op import Implementation, Unsupported
 from axkern.ops.chunked.pallas_gpu import GPU_MAX_CHUNK, GPU_MAX_CHUNK_32BIT, GPU_MIN_DIM, GpuLayout
 
-from .blocks import Mamba3BlockSizes, angles_form, kernel_slots, pallas_gpu_heuristic, refuse_forms
+from .blocks import (
+    Mamba3BlockSizes,
+    angles_form,
+    kernel_chunks,
+    kernel_slots,
+    pallas_gpu_heuristic,
+    refuse_forms,
+)
 from .common.kernel_core import kernel_core, kernel_x_dtype, refuse_float64
 from .common.layer import forward
 
@@ -184,6 +193,16 @@ def supports(spec) -> str | None:
     return None
 
 
+def space(spec) -> list[Mamba3BlockSizes]:
+    """Chunks of 16 kernel positions up to the largest whose backward fits shared memory
+    (`_max_chunk`), in tokens; then, at the heuristic's chunk, the rotation's backward kernel and
+    XLA's angles (`axkern tune` times each)."""
+    best = pallas_gpu_heuristic(spec)
+    chunks = kernel_chunks(spec, GPU_MIN_DIM, _max_chunk(spec.dtype, spec.flag("mimo")))
+    forms = [dataclasses.replace(best, rotation_backward="kernel"), dataclasses.replace(best, angles="xla")]
+    return grid(Mamba3BlockSizes, spec, first=best, chunk_size=chunks) + unique_valid(forms, spec)
+
+
 def mamba3(*args, block_sizes, interpret=False):
     """`reference.mamba3`'s arguments and results, through the GPU chunk kernels."""
     refuse_forms(block_sizes, "pallas_gpu")
@@ -227,6 +246,7 @@ IMPLEMENTATION = Implementation(
     supports=supports,
     block_sizes=Mamba3BlockSizes,
     heuristic=pallas_gpu_heuristic,
+    space=space,
     interpretable=True,
     backward=lambda spec, block_sizes: (
         f"custom_vjp: SSD's chunk-scan, chunk-state and recurrence backward kernels; {angles_form(block_sizes)}"

@@ -17,7 +17,7 @@ from __future__ import annotations
 from axkern.core.op import Implementation, Unsupported
 from axkern.ops.chunked.pallas_tpu import TPU_MIN_CHUNK, TpuLayout
 
-from .blocks import Mamba3BlockSizes, kernel_slots, pallas_tpu_heuristic, refuse_forms
+from .blocks import Mamba3BlockSizes, kernel_slots, pallas_tpu_heuristic, pallas_tpu_space, refuse_forms
 from .common.kernel_core import kernel_core, refuse_float64
 from .common.layer import forward
 
@@ -44,6 +44,7 @@ IMPLEMENTATION = Implementation(
     platforms=("tpu",),
     block_sizes=Mamba3BlockSizes,
     heuristic=pallas_tpu_heuristic,
+    space=pallas_tpu_space,
     interpretable=True,
     backward="custom_vjp: SSD's backward kernels",
 )
