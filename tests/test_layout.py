@@ -3,7 +3,8 @@ layers apart. `core/` imports nothing above it; the tooling (`bench/`, `cli/`) s
 nothing in the library imports it; implementations never import each other; one op folder never imports
 another's (the chunked engine in `ops/chunked/` is shared); no private name crosses a module boundary; no
 import circle anywhere; `reference.py` imports only jax; every `pallas_call` is named; every op call runs
-under a named scope; no source file much over 500 lines; comments and docstrings carry no measurements."""
+under a named scope; an implementation with a block-size heuristic declares a space for the tuner; no source
+file much over 500 lines; comments and docstrings carry no measurements."""
 
 from __future__ import annotations
 
@@ -252,6 +253,22 @@ def test_no_import_circle():
         if module not in index:
             visit(module)
     assert not circles, f"import circles: {circles}"
+
+
+def test_every_form_a_kernel_keeps_is_in_its_tuning_space():
+    # an implementation with a block-size heuristic declares a space for `axkern tune` (the forms
+    # its config keeps are then the tuner's to choose; the spaces' own tests say which)
+    import axkern  # noqa: F401 - registers the ops
+    from axkern.core.op import get_op, registered_ops
+
+    for name in registered_ops():
+        op = get_op(name)
+        for impl_name, impl in op.implementations.items():
+            if impl.heuristic is None:
+                continue
+            assert impl.space is not None, (
+                f"{name}: {impl_name} has a block-size heuristic but no space to tune"
+            )
 
 
 def test_no_source_file_is_much_over_500_lines():
