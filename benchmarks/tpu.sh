@@ -19,9 +19,10 @@
 #                           for all three): the tuning cache under $OUT/tpu/cache (AXKERN_CACHE_DIR), every
 #                           candidate's row in tune/attention_<case>.json, the written table copied to tune/
 #   tune_ssd                `axkern tune ssd --preset tpu --impl pallas_tpu --repeats 3 --write-table`, one
-#                           step (300 s; TUNE_ONLY, when set, names the cases as for attention): the cache under
-#                           $OUT/tpu/cache, every candidate's row in tune/ssd.json, the written table copied to tune/
-#   tune_mamba3             the same for mamba3 (its SISO case unless TUNE_ONLY names others)
+#                           step (300 s; TUNE_ONLY_SSD, when set, names the cases as TUNE_ONLY does for attention):
+#                           the cache under $OUT/tpu/cache, every candidate's row in tune/ssd.json, the written
+#                           table copied to tune/
+#   tune_mamba3             the same for mamba3 (its SISO case unless TUNE_ONLY_MAMBA3 names others)
 #   bench_attention         attention at the `tpu` preset, pallas_tpu and xla, beside splash attention (--peers)
 #   bench_attention_shapes  attention at `tpu_shapes` (GQA 32/8, head dims 64 and 256), pallas_tpu and xla
 #   bench_fused_cross_entropy       the per-token op at Llama-3's size (8192 tokens)
@@ -145,8 +146,8 @@ sys.exit(main(["info", "--all"]))' "$R/device_key.txt"
       echo "tune_attention: no table written under src/axkern/ops/attention/tuned/" | tee -a "$R/steps.txt"
     ;;
   tune_ssd | tune_mamba3)
-    local op=${1#tune_} only=${TUNE_ONLY:-}
-    [ -z "$only" ] && [ "$op" = mamba3 ] && only=SISO
+    local op=${1#tune_} only
+    if [ "$op" = ssd ]; then only=${TUNE_ONLY_SSD:-}; else only=${TUNE_ONLY_MAMBA3:-SISO}; fi
     mkdir -p "$R/tune"
     step 300 "$1" env AXKERN_CACHE_DIR="$R/cache" python3 -m axkern tune "$op" --preset tpu --impl pallas_tpu \
       --repeats 3 --write-table --json "$R/tune/$op.json" ${only:+--only "$only"}

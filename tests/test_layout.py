@@ -255,7 +255,7 @@ def test_no_import_circle():
     assert not circles, f"import circles: {circles}"
 
 
-def test_every_form_a_kernel_keeps_is_in_its_tuning_space():
+def test_every_block_size_heuristic_has_a_space_to_tune():
     # an implementation with a block-size heuristic declares a space for `axkern tune` (the forms
     # its config keeps are then the tuner's to choose; the spaces' own tests say which)
     import axkern  # noqa: F401 - registers the ops

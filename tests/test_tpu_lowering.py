@@ -7,6 +7,8 @@ checks both: tests/tpu)."""
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -201,6 +203,29 @@ def test_ssd(dtype, group_sums):
         )
 
     assert _lower_value_and_grad(fn, args, tuple(range(8))) == SSD_KERNELS
+
+
+@pytest.mark.parametrize(
+    "group_sums,grid,semantics",
+    [(None, (1, 16, 8), "parallel parallel arbitrary"), ("xla", (1, 8, 16), "parallel parallel parallel")],
+)
+def test_ssd_group_sums_forms_take_their_grids(group_sums, grid, semantics):
+    # the default (dB, dC summed over a group's heads in VMEM) runs heads innermost, the heads
+    # axis `arbitrary`; `group_sums="xla"` (`TpuHeadsLayout`) chunks innermost, all parallel
+    b, l, h, p, g, n = 1, 2048, 8, 64, 2, 128  # noqa: E741 - chunks of 128: 16
+    args = [S((b, l, h, p), "bfloat16"), S((b, l, h), "float32"), S((h,), "float32")]
+    args += [S((b, l, g, n), "bfloat16")] * 2
+    blocks = SSDBlockSizes(128, group_sums=group_sums)
+
+    def fn(x, dt, A, B, C):
+        return ssd(x, dt, A, B, C, implementation="pallas_tpu", block_sizes=blocks)
+
+    kernels = mosaic_kernels(lower_for_tpu(fn, *args))
+    assert {name for name, _ in kernels} == {"axkern_ssd_state_kernel", "axkern_ssd_scan_kernel"}
+    for name, module in kernels:
+        bounds = re.search(r"iteration_bounds = array<i64: ([0-9, ]+)>", module).group(1)
+        assert tuple(int(v) for v in bounds.split(",")) == grid, (name, bounds)
+        assert re.findall(r"dimension_semantics<(\w+)>", module) == semantics.split(), name
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -99,6 +99,18 @@ def test_pallas_tpu_against_sequential_oracle(dtype, groups):
     check(3, (batch, 37, 4, 5, groups, 6), dtype, 8, impl="pallas_tpu", segments=True)
 
 
+def test_pallas_tpu_space_holds_both_group_sums_forms():
+    from axkern.ops.ssd.api import OP
+    from axkern.ops.ssd.blocks import pallas_tpu_heuristic, pallas_tpu_space
+
+    dims = dict(batch=4, length=4096, heads=80, head_dim=64, groups=1, state=128)
+    spec = OP.spec(dims, "bfloat16")
+    space = pallas_tpu_space(spec)
+    assert space[0] == pallas_tpu_heuristic(spec) and space[0].group_sums == "kernels"
+    for q in (32, 64, 128, 256):
+        assert {bs.group_sums for bs in space if bs.chunk_size == q} == {"kernels", "xla"}
+
+
 def test_pallas_tpu_per_head_group_sums_against_sequential_oracle():
     # `group_sums="xla"` (`TpuHeadsLayout`): the grid's chunks innermost, dB and dC per head
     # summed by XLA over two groups of two heads

@@ -143,7 +143,8 @@ def mosaic_gpu_heuristic(spec: Spec) -> Mamba3BlockSizes:
 
 def kernel_chunks(spec: Spec, low: int, high: int) -> list[int]:
     """The chunk sizes, in tokens, whose kernel positions (`kernel_slots(rank)` a token) are
-    powers of two from `low` to `high`, none beyond the length's next power of two."""
+    powers of two from `low` to `high`, none beyond the length's next power of two (the
+    smallest of them where none fits a short length)."""
     slots = kernel_slots(spec.dim("rank"))
     top = next_power_of_2(spec.dim("length"))
     tokens = [q // slots for q in (8, 16, 32, 64, 128, 256) if low <= q <= high and q >= slots]

@@ -91,7 +91,7 @@ class SSDBlockSizes(BlockSizes):
 MOSAIC_GPU_FORMS = (
     ("forward", "fused", "has a fused forward"),
     ("forward", "lean", "has a lean fused forward"),
-    ("group_sums", "kernels", "sums dB and dC in its kernels"),
+    ("group_sums", "kernels", "sums dB and dC in its kernels (pallas_tpu too)"),
     ("group_sums", "scores", "sums dg in its kernels"),
     ("backward", "lean", "has a fused state backward"),
     ("backward", "columns", "has a fused state backward over the state's columns"),

@@ -31,6 +31,15 @@ def ssd(x, dt, A, B, C, D, z, segment_ids, initial_state, *, block_sizes, interp
     )
 
 
+def describe(spec, block_sizes) -> str:
+    """`explain`'s backward line: where `dB` and `dC` are summed over each group's heads."""
+    if block_sizes is not None and block_sizes.group_sums == "xla":
+        return "custom_vjp: the same backward kernels; dB, dC per head, summed over each group's heads by XLA"
+    return (
+        "custom_vjp: the same backward kernels; dB, dC summed over each group's heads in VMEM by the kernels"
+    )
+
+
 IMPLEMENTATION = Implementation(
     "pallas_tpu",
     ssd,
@@ -39,5 +48,5 @@ IMPLEMENTATION = Implementation(
     heuristic=pallas_tpu_heuristic,
     space=pallas_tpu_space,
     interpretable=True,
-    backward="custom_vjp: the same backward kernels",
+    backward=describe,
 )
