@@ -85,12 +85,10 @@ def reaches(events, seg, axis=1):
 def reaches_bits(events, seg):
     """`reaches(events, seg)` (time on axis 1) for a large boolean `events` whose last axis is
     packed 8 to a byte (`jnp.packbits`'s order), returned so packed: a running OR of the bytes
-    inside each segment (`lax.associative_scan`), with the length as the last axis while it runs.
-    `reaches`' running maximum of positions holds an int32 for every value (`[b, L, H, P]`: 0.31
-    GiB at the Mamba-2 2.7B layer, L 4096); the packed OR a byte for eight, which halved SSD's
-    forward temporaries compiled for an H200. On a TPU the running maximum stays: compiled for a
-    v5e, the layer's forward reported 0.31 GiB more temporary memory with the packed OR (or with
-    int16 keys) in the guard's branch, though the OR alone took none (docs/ops/ssd.md)."""
+    inside each segment (`lax.associative_scan`), with the length as the last axis while it runs:
+    a byte for eight values, where `reaches`' running maximum of positions holds an int32 for each.
+    On a TPU it is `reaches` packed afterwards, which XLA's TPU compiler kept in less temporary
+    memory in the layer's forward (docs/ops/ssd.md, "Temporary memory", has both compiled)."""
     if backend.platform() == "tpu":
         return jnp.packbits(reaches(events, seg), axis=-1)
     new = jnp.concatenate([jnp.ones_like(seg[:, :1], bool), seg[:, 1:] != seg[:, :-1]], axis=1)
