@@ -89,9 +89,9 @@ def test_kernels_refuse_small_tiles_and_chunks_with_the_reason():
         ("pallas_gpu", 0, 64),
         ("pallas_gpu", 3, 16),  # 4 positions a token: 64 positions
         ("pallas_gpu", 4, 16),
-        ("pallas_tpu", 0, 128),
-        ("pallas_tpu", 4, 32),  # 128 positions
-        ("pallas_tpu", 16, 8),
+        ("pallas_tpu", 0, 256),
+        ("pallas_tpu", 4, 64),  # 256 positions
+        ("pallas_tpu", 16, 16),
     ],
 )
 def test_kernel_heuristics_count_tokens_per_chunk(impl, rank, chunk):

@@ -147,10 +147,11 @@ def pallas_gpu_space(spec: Spec) -> list[SSDBlockSizes]:
 
 
 def pallas_tpu_heuristic(spec: Spec) -> SSDBlockSizes:
-    """Chunks of 128 (the MXU's width), `dB` and `dC` summed over each group's heads in the
-    kernels (`group_sums="kernels"`: a quarter less temporary memory forward+backward than
-    per-head sums in XLA, for a little more time; docs/ops/ssd.md has both timed)."""
-    chunk = max(TPU_MIN_CHUNK, min(128, next_power_of_2(spec.dim("length"))))
+    """Chunks of 256 (two MXU widths: the fastest of the tuner's chunks on a v5e at the 2.7B
+    layer, and the least memory, the chunks' states being half those of 128), `dB` and `dC`
+    summed over each group's heads in the kernels (`group_sums="kernels"`: less temporary
+    memory forward+backward than per-head sums in XLA; docs/ops/ssd.md has both timed)."""
+    chunk = max(TPU_MIN_CHUNK, min(256, next_power_of_2(spec.dim("length"))))
     return SSDBlockSizes(chunk_size=chunk, group_sums="kernels")
 
 
