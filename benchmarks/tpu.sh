@@ -31,8 +31,8 @@
 #   bench_fused_cross_entropy_loss_gemma  the reduced loss at Gemma's vocabulary (8192 tokens), where the
 #                           loss has no `tpu` preset
 #   bench_short_conv        short_conv at the Mamba layer's sizes
-#   bench_ssd               ssd at the Mamba-2 2.7B layer (length 4096)
-#   bench_mamba3            mamba3 at the Mamba-3 2.7B layer (SISO, then MIMO of rank 4)
+#   bench_ssd               ssd at the Mamba-2 2.7B layer (length 4096), beside Levanter's path (--peers)
+#   bench_mamba3            mamba3 at the Mamba-3 2.7B layer (SISO, then MIMO of rank 4), beside Levanter's
 #   bench_all               every bench above, the most wanted first
 #   all                     info, tests, bench_all
 #
@@ -41,7 +41,10 @@
 # BENCH_PRESET=quick times every op at its quick preset instead: a check of this script on a CPU).
 # Wheels for what the machine's image lacks (Python 3.11: haliax, equinox, jaxtyping, beartype,
 # cffi, rich, platformdirs, filelock, flax, aqtp, jmp, ...) in the ignored `.whl-tpu/` folder are
-# installed into /tmp/site first, which goes after the image's own JAX on PYTHONPATH. Logs and the
+# installed into /tmp/site first, which goes after the image's own JAX on PYTHONPATH; with
+# `.whl-tpu/peers/levanter/` (marin-levanter's wheel and its small dependencies, installed in
+# spite of its Python >= 3.12) and `.whl-tpu/levanter_stubs/` (../shared/peers) the `ssd` and
+# `mamba3` benches time Levanter's path beside ours (`--peers`). Logs and the
 # benches' JSON go under $OUT/tpu (./tpu-run/tpu without $OUT): one log per step, steps.txt with
 # each step's exit status and seconds, <op>/<preset>.json per bench (the layout of
 # benchmarks/results). Each step has its own timeout (seconds), cut to what is left of TPU_BUDGET
@@ -55,7 +58,13 @@ if compgen -G ".whl-tpu/*.whl" > /dev/null; then
   PIP_CONFIG_FILE=/dev/null python3 -m pip install -q --disable-pip-version-check --no-index --no-deps --upgrade \
     --target /tmp/site .whl-tpu/*.whl > "$R/install.log" 2>&1 ||
     echo "the wheels did not install (install.log): the steps below will say what does not import"
+  if compgen -G ".whl-tpu/peers/levanter/*.whl" > /dev/null; then  # apart: Levanter declares Python >= 3.12
+    PIP_CONFIG_FILE=/dev/null python3 -m pip install -q --disable-pip-version-check --no-index --no-deps --upgrade \
+      --ignore-requires-python --target /tmp/site .whl-tpu/peers/levanter/*.whl >> "$R/install.log" 2>&1 ||
+      echo "Levanter's wheels did not install (install.log): the benches' peers will say it is not installed"
+  fi
   export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}/tmp/site:$PWD/src
+  [ -d .whl-tpu/levanter_stubs ] && PYTHONPATH=$PYTHONPATH:$PWD/.whl-tpu/levanter_stubs
 else
   export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD/src
 fi
@@ -169,8 +178,8 @@ sys.exit(main(["info", "--all"]))' "$R/device_key.txt"
     fi
     ;;
   bench_short_conv) bench 100 "$1" short_conv mamba ;;
-  bench_ssd) bench 150 "$1" ssd mamba2_2.7b --tokens 4096 ;;
-  bench_mamba3) bench 180 "$1" mamba3 mamba3_2.7b ;;
+  bench_ssd) bench 150 "$1" ssd mamba2_2.7b --tokens 4096 -- --peers ;;
+  bench_mamba3) bench 180 "$1" mamba3 mamba3_2.7b -- --peers ;;
   bench_all)
     local s
     for s in bench_attention bench_fused_cross_entropy_loss bench_ssd bench_mamba3 bench_short_conv \
