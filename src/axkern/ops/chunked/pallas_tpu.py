@@ -15,6 +15,15 @@ the group changes), where per-head float32 `[b, h, L, N]` arrays would wait in H
 `TpuHeadsLayout` is the other form: the grid `(batch, heads, chunks)`, all `parallel`, `dB` and
 `dC` per head for XLA to sum (docs/ops/ssd.md has both timed).
 
+**Products.** The MXU multiplies bf16: Mosaic's float32 product (`HIGHEST`) takes several
+passes of it. For bf16 inputs (whose own rounding dominates, as TF32 serves them on GPU)
+each float32 operand is split instead into a high and a low bf16 half and the product summed
+over the halves but `lo · lo` (`dot`): one pass where both operands are bf16 (`C Bᵀ`), two
+where one is, three where neither is, each a bf16 product accumulated in float32 (the scheme
+of the Mosaic GPU kernels, `mosaic_gpu/body.py`; about 16 bits of each float32 operand). fp16
+and float32 inputs keep `HIGHEST`. Interpret mode computes the same halves (a bf16 product
+with float32 accumulation is exact on a CPU, as on the MXU).
+
 **Constraints**: the chunk a multiple of 8 (`TPU_MIN_CHUNK`, the sublanes). Scores, decays and
 their gradients are `[Q, Q]` float32 in VMEM (about 1.3 MiB at `Q = 256`).
 
@@ -29,11 +38,22 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from axkern.core import kernels
+
 from .layout import Layout
 
 __all__ = ["TPU_MIN_CHUNK", "TpuLayout", "TpuHeadsLayout"]
 
 TPU_MIN_CHUNK = 8  # the sublanes
+
+
+def halves(a) -> tuple:
+    """`a` as bf16 parts whose sum is `a` to about 16 bits: itself where it is 16-bit (a bf16
+    input's values), else its high half and the rest's."""
+    if jnp.dtype(a.dtype).itemsize == 2:
+        return (a.astype(jnp.bfloat16),)
+    hi = a.astype(jnp.bfloat16)
+    return hi, (a - hi.astype(a.dtype)).astype(jnp.bfloat16)
 
 
 class TpuLayout(Layout):
@@ -45,6 +65,7 @@ class TpuLayout(Layout):
 
     def __init__(self, xt, bt, *, q, interpret, products=None, clean_x=False):
         super().__init__(xt, bt, q=q, interpret=interpret, products=products, clean_x=clean_x)
+        self.halves = kernels.tf32_suffices(products or xt.dtype)
         self.col_spec = self.row_spec = pl.BlockSpec((1, 1, 1, 1, q), lambda b, h, c: (b, h, c, 0, 0))
         self.seg_col_spec = self.seg_row_spec = pl.BlockSpec((1, 1, 1, q), lambda b, h, c: (b, c, 0, 0))
         self.col_shape = self.row_shape = (self.batch, self.heads, self.chunks, 1, q)
@@ -95,6 +116,18 @@ class TpuLayout(Layout):
         @pl.when(jnp.logical_not(first))
         def _():
             ref[0, 0] += value
+
+    def dot(self, a, b, dtype=None, *, trans_a=False, trans_b=False):
+        """`a @ b` in float32: for bf16 inputs over the operands' bf16 halves (`halves`; the
+        module's docstring), else as the base layout's."""
+        if not self.halves or jnp.dtype(dtype or a.dtype) != jnp.float32:
+            return super().dot(a, b, dtype, trans_a=trans_a, trans_b=trans_b)
+        pairs = [(x, y) for i, x in enumerate(halves(a)) for j, y in enumerate(halves(b)) if not (i and j)]
+        out = None
+        for x, y in reversed(pairs):  # the small terms first
+            term = kernels.dot(x, y, jnp.bfloat16, trans_a=trans_a, trans_b=trans_b)
+            out = term if out is None else out + term
+        return out
 
     def __call__(self, kernel, in_specs, outs, *args):
         """The base launch with the grid `(batch, chunks, heads)`: every block spec's index map
