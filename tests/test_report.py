@@ -102,6 +102,20 @@ def test_tables_order_cases_by_their_numbers():
     assert report._case_key("B=4 L=2048 H=80") < report._case_key("B=4 L=16384 H=80")
 
 
+@pytest.mark.parametrize(
+    "counts,quotas",
+    [
+        ([4, 4, 1], [2, 3, 1]),  # the run of one case leaves a row: the later run of four takes it
+        ([3, 3], [3, 3]),
+        ([3, 3, 3, 3], [1, 1, 1, 1]),  # no run short of its share: nothing to hand on
+        ([1, 1, 1, 1, 1, 1, 1, 1], [1] * 8),  # at least one each, even past the table's rows
+        ([0, 5], [0, 5]),
+    ],
+)
+def test_the_readme_table_shares_its_rows_among_the_runs(counts, quotas):
+    assert report._quotas(counts, 6) == quotas
+
+
 def test_the_overview_names_the_device_of_every_bar():
     runs = results.load(RESULTS)
     bars = plots.overview_bars(report._groups(runs))

@@ -231,6 +231,26 @@ def peers_table(runs: Sequence[dict], pass_: str = "fwd+bwd") -> str:
     return "\n".join(out)
 
 
+def _cases(run: dict, pass_: str) -> list[str]:
+    """The cases `run` timed in `pass_`, in the order of their numbers."""
+    return sorted({r["case"] for r in run["rows"] if r["pass"] == pass_ and r.get("ms")}, key=_case_key)
+
+
+def _quotas(counts: list[int], total: int) -> list[int]:
+    """How many of each run's `counts` cases a table of `total` rows shows: an even share each
+    (at least one); the rows a run with fewer cases than its share leaves go one at a time to
+    the runs with cases left to show, the later runs first."""
+    share = max(1, total // len(counts))
+    quotas = [min(c, share) for c in counts]
+    left = sum(share - q for q in quotas)
+    while left > 0 and any(q < c for q, c in zip(quotas, counts, strict=True)):
+        for i in reversed(range(len(counts))):
+            if left and quotas[i] < counts[i]:
+                quotas[i] += 1
+                left -= 1
+    return quotas
+
+
 def _spread(items: list, n: int) -> list:
     """At most `n` of `items`, evenly spaced, the first and the last among them."""
     if len(items) <= n:
@@ -266,13 +286,13 @@ def summary(runs: Sequence[dict], pass_: str = "fwd+bwd", max_rows: int = SUMMAR
         dtypes = {c.get("dtype") for run in group for c in run.get("cases", [])}
         dtype = next(iter(dtypes)) if len(dtypes) == 1 else None
         presets = len({run["preset"] for run in group}) > 1
-        share = max(1, max_rows // len(group))
+        quotas = _quotas([len(_cases(run, pass_)) for run in group], max_rows)
         lines, shown, total, notes = [], 0, 0, []
-        for run in group:
+        for run, share in zip(group, quotas, strict=True):
             order, _ = default_order(op, run.get("platform", "gpu"))
             rows = [r for r in run["rows"] if r["pass"] == pass_ and r.get("ms")]
             got = {(r["case"], r["implementation"]): r for r in rows}
-            cases = sorted({r["case"] for r in rows}, key=_case_key)
+            cases = _cases(run, pass_)
             total += len(cases)
             note = _default_note(run, column=True)
             if note and note not in notes:
