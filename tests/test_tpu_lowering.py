@@ -205,6 +205,20 @@ def test_ssd(dtype, group_sums):
     assert _lower_value_and_grad(fn, args, tuple(range(8))) == SSD_KERNELS
 
 
+@pytest.mark.parametrize("dtype,group_sums", [("bfloat16", "kernels"), ("float32", "xla")])
+def test_ssd_with_the_positions_on_the_lanes(dtype, group_sums):
+    # `transposes="kernels"`: x, y, dx, dy as [b, H, P, L], blocks [P, Q] transposed in the kernels
+    b, l, h, p, g, n = 1, 2048, 8, 64, 2, 128  # noqa: E741
+    args = [S((b, l, h, p), dtype), S((b, l, h), "float32"), S((h,), "float32")]
+    args += [S((b, l, g, n), dtype)] * 2
+    blocks = SSDBlockSizes(256, group_sums=group_sums, transposes="kernels")
+
+    def fn(x, dt, A, B, C):
+        return ssd(x, dt, A, B, C, implementation="pallas_tpu", block_sizes=blocks)
+
+    assert _lower_value_and_grad(fn, args, tuple(range(5))) == SSD_KERNELS
+
+
 @pytest.mark.parametrize(
     "group_sums,grid,semantics",
     [(None, (1, 16, 8), "parallel parallel arbitrary"), ("xla", (1, 8, 16), "parallel parallel parallel")],

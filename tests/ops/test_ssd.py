@@ -109,6 +109,33 @@ def test_pallas_tpu_space_holds_both_group_sums_forms():
     assert space[0] == pallas_tpu_heuristic(spec) and space[0].group_sums == "kernels"
     for q in (32, 64, 128, 256):
         assert {bs.group_sums for bs in space if bs.chunk_size == q} == {"kernels", "xla"}
+        # the positions on the lanes where a chunk fills them, with either group sums
+        lanes = {bs.group_sums for bs in space if bs.chunk_size == q and bs.transposes == "kernels"}
+        assert lanes == ({"kernels", "xla"} if q % 128 == 0 else set()), q
+    assert len(set(space)) == len(space)
+
+
+@pytest.mark.parametrize("group_sums", ["kernels", "xla"])
+def test_pallas_tpu_positions_on_the_lanes_against_sequential_oracle(group_sums):
+    # `transposes="kernels"`: x, y, dx, dy as [b, H, P, L] in chunks of 128, each tile transposed
+    # in the kernels; a length of two chunks and a part, two groups, segments; bf16
+    arrays, seg = make(6, 1, 300, 4, 64, 2, 16, "bfloat16", segments=True)
+    blocks = SSDBlockSizes(128, group_sums=group_sums, transposes="kernels")
+    check_rule(
+        lambda name, a, **k: run(name, a, seg, block_sizes=blocks if name != "reference" else None),
+        "pallas_tpu",
+        arrays,
+        "bfloat16",
+        "ssd",
+    )
+
+
+def test_pallas_tpu_positions_on_the_lanes_need_chunks_that_fill_them():
+    arrays, seg = make(0, 1, 64, 2, 16, 1, 16, "bfloat16")
+    with pytest.raises(
+        axkern.Unsupported, match=r"transposes='kernels': chunk_size=64: .* of a multiple of 128\)"
+    ):
+        run("pallas_tpu", arrays, seg, block_sizes=SSDBlockSizes(64, transposes="kernels"))
 
 
 def test_pallas_tpu_per_head_group_sums_against_sequential_oracle():

@@ -650,7 +650,7 @@ def test_dispatch_skips_it_off_hopper_with_the_reason():
             axkern.positional.ssd(
                 **arrays, implementation=impl, block_sizes=SSDBlockSizes(16, backward="lean")
             )
-        with pytest.raises(axkern.Unsupported, match="only mosaic_gpu reads x in the caller's layout"):
+        with pytest.raises(axkern.Unsupported, match="only mosaic_gpu transposes x's tiles in its kernels"):
             axkern.positional.ssd(
                 **arrays, implementation=impl, block_sizes=SSDBlockSizes(16, transposes="kernels")
             )

@@ -54,6 +54,23 @@ def test_per_head_group_sums_against_oracle():
     )
 
 
+def test_positions_on_the_lanes_against_oracle():
+    # `transposes="kernels"` (x, y, dx, dy as [b, H, P, L], each tile transposed in the kernels)
+    # on the bf16 case with segments, chunks of 128
+    *dims, dtype, segments = CASES[0]
+    arrays, seg = make(0, *dims, dtype, segments=segments)
+    blocks = SSDBlockSizes(128, transposes="kernels")
+    run_ = lambda name, a: run(name, a, seg, block_sizes=blocks if name != "reference" else None)  # noqa: E731
+    check(
+        run_,
+        "pallas_tpu",
+        arrays,
+        dtype,
+        f"ssd {case_id(CASES[0])} transposes=kernels",
+        oracle_dtype="float64",
+    )
+
+
 def test_pallas_tpu_runs_compiled_and_the_default_is_the_first_that_serves():
     arrays, seg = make(0, *sizes((2, 1024, 8, 64, 1, 128), (1, 64, 2, 16, 1, 16)), "bfloat16")
 

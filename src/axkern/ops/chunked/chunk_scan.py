@@ -92,7 +92,7 @@ def scan_kernel(
     y = lay.dot(scores, x * dt, dtype)
     if diag:  # + d_t (C_t · B_t) x_t
         y = y + lay.col(diag_ref[0]) * _diagonal(scores) * x
-    y_ref[0, 0] = y + f * lay.dot(cm, s_ref[0, 0, 0], dtype, trans_b=True)  # + f ∘ C S_in^T: [Q, P]
+    lay.put_tile(y_ref, y + f * lay.dot(cm, s_ref[0, 0, 0], dtype, trans_b=True))  # + f ∘ C S_in^T: [Q, P]
 
 
 def _eye(q):
@@ -131,7 +131,7 @@ def scan_bwd_kernel(
     diag_ref, rest = (rest[0], rest[1:]) if diag else (None, rest)
     dx_ref, ddt_ref, dcum_ref, dcum_row_ref, df_ref, db_ref, dc_ref, ds_ref, *ddiag_ref = rest
     f32 = jnp.float32
-    dy = dy_ref[0, 0]  # [Q, P], float32
+    dy = lay.tile_in(dy_ref)  # [Q, P], float32
     x = lay.x_of(x_ref)
     dt, f = lay.col(dt_ref), lay.col(f_ref)  # [Q, 1]
     bm, cm = b_ref[0, 0].astype(f32), c_ref[0, 0].astype(f32)  # [Q, N]
@@ -146,7 +146,7 @@ def scan_bwd_kernel(
         dx = dx + (d * self_scores) * dy
         lay.put_col(ddiag_ref[0], self_scores * dyx)
         d_self = d * dyx  # d(C_t · B_t): joins d(C B^T) on its diagonal below
-    dx_ref[0, 0] = dx
+    lay.put_tile(dx_ref, dx)
     lay.put_col(ddt_ref, jnp.sum(dxd * x, axis=1, keepdims=True))
     dm = lay.dot(dy, x * dt, f32, trans_b=True)  # [Q, Q]
     e = dm * m  # d log Λ

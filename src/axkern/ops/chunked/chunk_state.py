@@ -23,6 +23,6 @@ def state_bwd_kernel(x_ref, w_ref, b_ref, ds_ref, dx_scan_ref, db_scan_ref, dx_r
     bm = b_ref[0, 0].astype(f32)
     ds = ds_ref[0, 0, 0]  # [P, N]
     dxw = lay.dot(bm, ds, f32, trans_b=True)  # [Q, P]
-    dx_ref[0, 0] = (dxw * w + dx_scan_ref[0, 0]).astype(dx_ref.dtype)
+    lay.put_tile(dx_ref, dxw * w + lay.tile_in(dx_scan_ref))
     lay.put_col(dw_ref, jnp.sum(dxw * x, axis=1, keepdims=True))
     lay.put_group(db_ref, lay.dot(x * w, ds, f32), db_scan_ref)  # [Q, N]

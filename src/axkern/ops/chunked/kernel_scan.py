@@ -252,7 +252,7 @@ def scan(
     names = (None if d is None else jnp.dtype(d).name for d in (products, y_dtype or jnp.float32))
     y, final, *x_ok = _core(
         (layout, q, interpret, *names, bool(clean_x), x_finite),
-        padded(x) if first else jnp.moveaxis(padded(x), 2, 1),  # [b, L, h, P] or [b, h, L, P]
+        padded(x) if first else layout.to_kernel(padded(x)),  # [b, L, h, P] or the layout's own
         per_chunk(a),
         per_chunk(scale),
         rows(B),
@@ -261,7 +261,7 @@ def scan(
         initial_state.astype(jnp.float32),
         None if diag is None else per_chunk(diag),
     )
-    return ((y if first else jnp.moveaxis(y, 1, 2))[:, :length], final, *x_ok)
+    return ((y if first else layout.from_kernel(y))[:, :length], final, *x_ok)
 
 
 def ssd(layout, x, dt, A, B, C, D, z, segment_ids, initial_state, *, chunk_size, interpret):

@@ -40,6 +40,10 @@ class Layout:
     # specs here (`rows`, `out("rows")`) take `[b, H, L, P]`, so a layout that sets this
     # replaces every stage that uses them (`mosaic_gpu`'s does)
     positions_first = False
+    # `x`, `y` (and their gradients) as `[b, H, P, L]`, the positions along the last axis (a
+    # TPU's lanes), each kernel transposing its `[P, Q]` tiles (`tile_in`, `put_tile`), rather
+    # than `[b, H, L, P]`: `pallas_tpu.PositionsOnLanes`
+    positions_on_lanes = False
     # the dtype `y` leaves the forward in (set per call): the Pallas kernels here write float32
     # and XLA rounds; a layout may have its kernels write it
     y_dtype = jnp.dtype(jnp.float32)
@@ -62,6 +66,8 @@ class Layout:
         self.batch, self.heads, self.lp, self.p = xt.shape
         if self.positions_first:
             self.lp, self.heads = self.heads, self.lp
+        elif self.positions_on_lanes:
+            self.lp, self.p = self.p, self.lp
         self.n = bt.shape[-1]
         self.rep = self.heads // bt.shape[1]
         self.q, self.chunks, self.interpret = q, self.lp // q, interpret
@@ -71,9 +77,37 @@ class Layout:
         self.grouped = lambda d: pl.BlockSpec((1, 1, q, d), lambda b, h, c: (b, h // rep, c, 0))
         self.state = pl.BlockSpec((1, 1, 1, self.p, self.n), lambda b, h, c: (b, c, h, 0, 0))
 
+    def x_spec(self):
+        """The block of `x`, `y`, `dx`, `dy` (`[Q, P]` tiles of `[b, H, L, P]`)."""
+        return self.rows(self.p)
+
+    def x_out(self, dtype=jnp.float32):
+        """`(spec, shape)` of an output laid out as `x` (`y`, `dx`)."""
+        return self.x_spec(), jax.ShapeDtypeStruct((self.batch, self.heads, self.lp, self.p), dtype)
+
+    @staticmethod
+    def to_kernel(x):
+        """`x [b, L, H, P]` (`dy` alike) as the kernels take it: `[b, H, L, P]`."""
+        return jnp.moveaxis(x, 2, 1)
+
+    @staticmethod
+    def from_kernel(y):
+        """`y` from the kernels' layout back to `[b, L, H, P]`."""
+        return jnp.moveaxis(y, 1, 2)
+
+    @staticmethod
+    def tile_in(ref):
+        """A program's `[Q, P]` tile of an array laid out as `x`."""
+        return ref[0, 0]
+
+    @staticmethod
+    def put_tile(ref, value):
+        """Write a program's `[Q, P]` tile of an array laid out as `x`, in the array's dtype."""
+        ref[0, 0] = value.astype(ref.dtype)
+
     def x_of(self, x_ref):
         """A program's `x` tile, float32, its non-finite values as 0 where `clean_x`."""
-        x = x_ref[0, 0].astype(jnp.float32)
+        x = self.tile_in(x_ref).astype(jnp.float32)
         # |x| <= the largest float32 is false for inf and NaN alike (a comparison every backend lowers)
         return jnp.where(jnp.abs(x) <= jnp.finfo(jnp.float32).max, x, 0.0) if self.clean_x else x
 
@@ -152,10 +186,10 @@ class Layout:
     def chunk_state(self, xt, w, bt, *, dtype):
         """Stage 2, each chunk's own state `[b, c, h, P, N]` float32 from `x`, the weights `w [b,
         h, c, Q]` and `B` (`chunk_state.state_kernel` unless a backend has its own)."""
-        p, n = self.p, self.n
+        n = self.n
         return self(
             functools.partial(state_kernel, dtype=dtype),
-            [self.rows(p), self.col_spec, self.grouped(n)],
+            [self.x_spec(), self.col_spec, self.grouped(n)],
             [self.out("state")],
             xt,
             self.to_col(w),
@@ -168,14 +202,14 @@ class Layout:
         its own); `diag` (`[b, h, c, Q]`): the diagonal term's weights."""
         specs, args = self._scan_inputs(xt, scale, cum, ac, f, sc, bt, ct, states_in, sums, diag)
         kernel = functools.partial(scan_kernel, dtype=dtype, sums=sums, diag=diag is not None)
-        return self(kernel, specs, [self.out("rows", self.p)], *args)
+        return self(kernel, specs, [self.x_out()], *args)
 
     def _scan_inputs(self, xt, scale, cum, ac, f, sc, bt, ct, states_in, sums, diag=None):
         """The scan kernels' inputs after `dy` and their specs: `x`; `dt`, `cum` as columns,
         `cum` (or, `sums`, `a`) as a row; `f`; the segment ids both ways; `B`, `C`; the states;
         the diagonal term's weights as a column where given."""
-        p, n = self.p, self.n
-        specs = [self.rows(p), self.col_spec, self.col_spec, self.row_spec, self.col_spec]
+        n = self.n
+        specs = [self.x_spec(), self.col_spec, self.col_spec, self.row_spec, self.col_spec]
         specs += [self.seg_col_spec, self.seg_row_spec, self.grouped(n), self.grouped(n), self.state]
         cols = [self.to_col(v) for v in (scale, cum)]
         args = [xt, *cols, self.to_row(ac if sums else cum), self.to_col(f), self.to_col(sc), self.to_row(sc)]
@@ -189,20 +223,19 @@ class Layout:
         layouts (`chunk_state.state_bwd_kernel` unless a backend has its own): `dx` this stage's
         part plus `dx_scan` (stage 4's) in `x`'s dtype, `dB` plus `db_scan` (stage 4's), `dw`,
         `dB` float32; the Pallas kernel adds both (no float32 `dx` of its own in memory)."""
-        p, n = self.p, self.n
-        dx_spec, dx_shape = self.out("rows", p)
+        n = self.n
         return self(
             state_bwd_kernel,
             [
-                self.rows(p),
+                self.x_spec(),
                 self.col_spec,
                 self.grouped(n),
                 self.state,
-                self.rows(p),
+                self.x_spec(),
                 self.out("group_rows", n)[0],
             ],
             [
-                (dx_spec, jax.ShapeDtypeStruct(dx_shape.shape, xt.dtype)),
+                self.x_out(xt.dtype),
                 self.out("col"),
                 self.out("group_rows", n),
             ],
@@ -218,13 +251,13 @@ class Layout:
         """Stage 4's backward, `(dx, ddt, dcum, dcum_row, df, dB, dC, dS_in)` per head, float32,
         in `out`'s layouts (`chunk_scan.scan_bwd_kernel` unless a backend has its own); with
         `diag`, the diagonal term's weights' gradient (a column) follows."""
-        p, n = self.p, self.n
+        n = self.n
         specs, args = self._scan_inputs(xt, scale, cum, ac, f, sc, bt, ct, states_in, sums, diag)
-        outs = [self.out("rows", p), self.out("col"), self.out("col"), self.out("row"), self.out("col")]
+        outs = [self.x_out(), self.out("col"), self.out("col"), self.out("row"), self.out("col")]
         outs += [self.out("group_rows", n), self.out("group_rows", n), self.out("state")]
         outs += [self.out("col")] if diag is not None else []
         kernel = functools.partial(scan_bwd_kernel, sums=sums, diag=diag is not None)
-        return self(kernel, [self.rows(p), *specs], outs, dy.astype(jnp.float32), *args)
+        return self(kernel, [self.x_spec(), *specs], outs, dy.astype(jnp.float32), *args)
 
     def state_backward(self, xt, w, bt, keep, states_in, d_states_in, d_final, dx_scan, db_scan):
         """Stage 3's and stage 2's backward: the reverse recurrence, then the chunk states'

@@ -24,6 +24,12 @@ of the Mosaic GPU kernels, `mosaic_gpu/body.py`; about 16 bits of each float32 o
 and float32 inputs keep `HIGHEST`. Interpret mode computes the same halves (a bf16 product
 with float32 accumulation is exact on a CPU, as on the MXU).
 
+**Positions on the lanes** (`PositionsOnLanes`: `TpuLanesLayout`, `TpuHeadsLanesLayout`). `x`,
+`y`, `dx`, `dy` as `[b, H, P, L]`, blocks `[P, Q]` that each kernel transposes on reading and
+writing, where `[b, H, L, P]` fills a head dim of 64 out to 128 lanes in HBM (twice its
+bytes: a float32 `y` or `dx` 640 MiB at the 2.7B layer, L 4096, where its values take 320).
+Chunks of a multiple of 128 (the lanes).
+
 **Constraints**: the chunk a multiple of 8 (`TPU_MIN_CHUNK`, the sublanes). Scores, decays and
 their gradients are `[Q, Q]` float32 in VMEM (about 1.3 MiB at `Q = 256`).
 
@@ -33,6 +39,7 @@ and run on a TPU v5e (`tests/tpu`).
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -42,9 +49,17 @@ from axkern.core import kernels
 
 from .layout import Layout
 
-__all__ = ["TPU_MIN_CHUNK", "TpuLayout", "TpuHeadsLayout"]
+__all__ = [
+    "TPU_LANES",
+    "TPU_MIN_CHUNK",
+    "TpuHeadsLanesLayout",
+    "TpuHeadsLayout",
+    "TpuLanesLayout",
+    "TpuLayout",
+]
 
 TPU_MIN_CHUNK = 8  # the sublanes
+TPU_LANES = 128
 
 
 def halves(a) -> tuple:
@@ -161,3 +176,47 @@ class TpuHeadsLayout(TpuLayout):
             "interpret": pltpu.InterpretParams() if self.interpret else False,
             "compiler_params": pltpu.CompilerParams(dimension_semantics=("parallel",) * 3),
         }
+
+
+class PositionsOnLanes:
+    """A TPU layout's `x`, `y`, `dx`, `dy` as `[b, H, P, L]`, blocks `[P, Q]` (a multiple of 128
+    positions: the lanes), each tile transposed in the kernel to the bodies' `[Q, P]`."""
+
+    positions_on_lanes = True
+
+    def __init__(self, xt, bt, *, q, interpret, products=None, clean_x=False):
+        if q % TPU_LANES:
+            raise ValueError(
+                f"chunk_size={q}: with the positions on the lanes a chunk is a multiple of {TPU_LANES}"
+            )
+        super().__init__(xt, bt, q=q, interpret=interpret, products=products, clean_x=clean_x)
+
+    def x_spec(self):
+        return pl.BlockSpec((1, 1, self.p, self.q), lambda b, h, c: (b, h, 0, c))
+
+    def x_out(self, dtype=jnp.float32):
+        return self.x_spec(), jax.ShapeDtypeStruct((self.batch, self.heads, self.p, self.lp), dtype)
+
+    @staticmethod
+    def to_kernel(x):  # [b, L, H, P] -> [b, H, P, L]
+        return jnp.transpose(x, (0, 2, 3, 1))
+
+    @staticmethod
+    def from_kernel(y):  # [b, H, P, L] -> [b, L, H, P]
+        return jnp.transpose(y, (0, 3, 1, 2))
+
+    @staticmethod
+    def tile_in(ref):  # [P, Q] -> [Q, P], transposed in float32
+        return ref[0, 0].astype(jnp.float32).T
+
+    @staticmethod
+    def put_tile(ref, value):
+        ref[0, 0] = value.astype(jnp.float32).T.astype(ref.dtype)
+
+
+class TpuLanesLayout(PositionsOnLanes, TpuLayout):
+    """`TpuLayout` with `x`, `y`, `dx`, `dy` laid out positions on the lanes."""
+
+
+class TpuHeadsLanesLayout(PositionsOnLanes, TpuHeadsLayout):
+    """`TpuHeadsLayout` with `x`, `y`, `dx`, `dy` laid out positions on the lanes."""

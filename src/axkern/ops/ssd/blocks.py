@@ -19,7 +19,7 @@ from axkern.ops.chunked.mosaic_gpu import (
     lean_state_bwd_shares_an_sm,
 )
 from axkern.ops.chunked.pallas_gpu import GPU_MAX_CHUNK, GPU_MAX_CHUNK_32BIT, GPU_MIN_DIM
-from axkern.ops.chunked.pallas_tpu import TPU_MIN_CHUNK
+from axkern.ops.chunked.pallas_tpu import TPU_LANES, TPU_MIN_CHUNK
 
 __all__ = [
     "SSDBlockSizes",
@@ -52,19 +52,21 @@ class SSDBlockSizes(BlockSizes):
     no per-head arrays either way) or `"scores"` (`mosaic_gpu`, with the lean chunk-scan
     backward: each head's `[Q, Q]` `dg` added into its group's sum in place of `dB` and `dC`'s
     `dg B`, which XLA forms from the sums, `chunked/mosaic_gpu/group_scores.py`). `transposes`
-    (`mosaic_gpu` only): `"xla"` (XLA moves `x` to `[b, H, L, P]` for the kernels and `y` back;
-    None means this) or `"kernels"` (the kernels read `x`, `dy` and write `y`, `dx` in the
-    caller's `[b, L, H, P]`, a strided tile per head). `backward` (`mosaic_gpu` only): `"stages"`
-    (the reverse recurrence and the chunk states' backward as two kernels; None means this) or
-    `"lean"` (one kernel per batch row and head walking its chunks from the last, in one slot of
-    `B` and one staging tile, 99 KiB at P 64, N 128, so that two blocks share an SM;
-    `chunked/mosaic_gpu/state_backward.py`) or `"columns"` (that kernel a block per 64 of the
-    state's columns, adding their parts of `dx` and `dw`: 60 KiB at P 64, N 128, three blocks an
-    SM, twice the blocks). `scan_backward` (`mosaic_gpu` only, chunks of 64): `"whole"` (None
-    means this) or `"lean"` (the chunk-scan backward in 108 KiB of shared memory at P 64, N 128
-    rather than 188, so that two blocks share an SM: P 64 only, the entering state's low half in
-    `M`'s tiles, every result out through one 64 × 64 float32 staging tile;
-    `chunked/mosaic_gpu/scan_backward.py`)."""
+    (`mosaic_gpu` and `pallas_tpu`): `"xla"` (XLA moves `x` to `[b, H, L, P]` for the kernels
+    and `y` back; None means this) or `"kernels"` (on `mosaic_gpu` the kernels read `x`, `dy`
+    and write `y`, `dx` in the caller's `[b, L, H, P]`, a strided tile per head; on
+    `pallas_tpu` XLA lays them out `[b, H, P, L]`, the positions on the lanes, and the kernels
+    transpose their `[P, Q]` tiles: chunks of a multiple of 128, `chunked/pallas_tpu.py`).
+    `backward` (`mosaic_gpu` only): `"stages"` (the reverse recurrence and the chunk states'
+    backward as two kernels; None means this) or `"lean"` (one kernel per batch row and head
+    walking its chunks from the last, in one slot of `B` and one staging tile, 99 KiB at P 64, N
+    128, so that two blocks share an SM; `chunked/mosaic_gpu/state_backward.py`) or `"columns"`
+    (that kernel a block per 64 of the state's columns, adding their parts of `dx` and `dw`: 60
+    KiB at P 64, N 128, three blocks an SM, twice the blocks). `scan_backward` (`mosaic_gpu`
+    only, chunks of 64): `"whole"` (None means this) or `"lean"` (the chunk-scan backward in 108
+    KiB of shared memory at P 64, N 128 rather than 188, so that two blocks share an SM: P 64
+    only, the entering state's low half in `M`'s tiles, every result out through one 64 × 64
+    float32 staging tile; `chunked/mosaic_gpu/scan_backward.py`)."""
 
     choices: ClassVar[Mapping[str, tuple[str, ...]]] = {
         "forward": ("stages", "fused", "lean"),
@@ -95,7 +97,7 @@ MOSAIC_GPU_FORMS = (
     ("group_sums", "scores", "sums dg in its kernels"),
     ("backward", "lean", "has a fused state backward"),
     ("backward", "columns", "has a fused state backward over the state's columns"),
-    ("transposes", "kernels", "reads x in the caller's layout"),
+    ("transposes", "kernels", "transposes x's tiles in its kernels (pallas_tpu too)"),
     ("scan_backward", "lean", "has a lean chunk-scan backward"),
 )
 
@@ -156,14 +158,18 @@ def pallas_tpu_heuristic(spec: Spec) -> SSDBlockSizes:
 
 
 def pallas_tpu_space(spec: Spec) -> list[SSDBlockSizes]:
-    """Chunks of 32 to 256 positions, `dB` and `dC` summed in the kernels or in XLA."""
-    return grid(
+    """Chunks of 32 to 256 positions, `dB` and `dC` summed in the kernels or in XLA; at chunks of
+    a multiple of 128 also with `x`, `y` and their gradients as `[b, H, P, L]`, the kernels
+    transposing their tiles (`transposes="kernels"`)."""
+    forms = grid(
         SSDBlockSizes,
         spec,
         first=pallas_tpu_heuristic(spec),
         chunk_size=_chunks(spec, 32, 256),
         group_sums=("kernels", "xla"),
     )
+    lanes = [dataclasses.replace(bs, transposes="kernels") for bs in forms if bs.chunk_size % TPU_LANES == 0]
+    return forms + lanes
 
 
 def mosaic_gpu_heuristic(spec: Spec) -> SSDBlockSizes:

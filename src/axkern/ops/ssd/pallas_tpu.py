@@ -12,7 +12,14 @@ from __future__ import annotations
 
 from axkern.core.op import Implementation, Unsupported
 from axkern.ops.chunked import kernel_scan
-from axkern.ops.chunked.pallas_tpu import TPU_MIN_CHUNK, TpuHeadsLayout, TpuLayout
+from axkern.ops.chunked.pallas_tpu import (
+    TPU_LANES,
+    TPU_MIN_CHUNK,
+    TpuHeadsLanesLayout,
+    TpuHeadsLayout,
+    TpuLanesLayout,
+    TpuLayout,
+)
 
 from .blocks import SSDBlockSizes, pallas_tpu_heuristic, pallas_tpu_space, refuse_mosaic_gpu_forms
 
@@ -20,24 +27,35 @@ __all__ = ["IMPLEMENTATION", "ssd"]
 
 
 def ssd(x, dt, A, B, C, D, z, segment_ids, initial_state, *, block_sizes, interpret=False):
-    refuse_mosaic_gpu_forms(block_sizes, allow=(("group_sums", "kernels"),))
+    refuse_mosaic_gpu_forms(block_sizes, allow=(("group_sums", "kernels"), ("transposes", "kernels")))
     kernel_scan.refuse_float64(x=x, dt=dt, A=A, B=B, C=C, D=D, z=z, initial_state=initial_state)
     q = block_sizes.chunk_size
     if q < TPU_MIN_CHUNK:
         raise Unsupported(f"chunk_size={q} is below {TPU_MIN_CHUNK} (TPU sublanes)")
-    layout = TpuHeadsLayout if block_sizes.group_sums == "xla" else TpuLayout
+    lanes = block_sizes.transposes == "kernels"
+    if lanes and q % TPU_LANES:
+        raise Unsupported(
+            f"transposes='kernels': chunk_size={q}: the positions fill a tile's {TPU_LANES} lanes "
+            f"(chunks of a multiple of {TPU_LANES})"
+        )
+    heads = block_sizes.group_sums == "xla"
+    layout = {(False, False): TpuLayout, (True, False): TpuHeadsLayout}.get((heads, lanes))
+    layout = layout or (TpuHeadsLanesLayout if heads else TpuLanesLayout)
     return kernel_scan.ssd(
         layout, x, dt, A, B, C, D, z, segment_ids, initial_state, chunk_size=q, interpret=bool(interpret)
     )
 
 
 def describe(spec, block_sizes) -> str:
-    """`explain`'s backward line: where `dB` and `dC` are summed over each group's heads."""
+    """`explain`'s backward line: where `dB` and `dC` are summed over each group's heads, and
+    where the positions lie."""
     if block_sizes is not None and block_sizes.group_sums == "xla":
-        return "custom_vjp: the same backward kernels; dB, dC per head, summed over each group's heads by XLA"
-    return (
-        "custom_vjp: the same backward kernels; dB, dC summed over each group's heads in VMEM by the kernels"
-    )
+        line = "custom_vjp: the same backward kernels; dB, dC per head, summed over each group's heads by XLA"
+    else:
+        line = "custom_vjp: the same backward kernels; dB, dC summed over each group's heads in VMEM by the kernels"
+    if block_sizes is not None and block_sizes.transposes == "kernels":
+        line += "; x, dy, dx as [b, H, P, L], the kernels transposing their tiles"
+    return line
 
 
 IMPLEMENTATION = Implementation(
