@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import pytest
 
 from axkern import masks
+from axkern.ops.mamba3.blocks import Mamba3BlockSizes
 from axkern.ops.ssd.blocks import SSDBlockSizes
 from axkern.positional import attention, fused_cross_entropy, mamba3, short_conv, ssd
 from tests.tpu_lowering import lane_sparse_arrays, lower_for_tpu, matmuls, mosaic_kernels
@@ -242,9 +243,10 @@ def test_ssd_group_sums_forms_take_their_grids(group_sums, grid, semantics):
         assert re.findall(r"dimension_semantics<(\w+)>", module) == semantics.split(), name
 
 
+@pytest.mark.parametrize("lanes", [False, True], ids=["", "lanes"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rank", [0, 4])
-def test_mamba3(dtype, rank):
+def test_mamba3(dtype, rank, lanes):
     b, l, h, p, n, g, a = 1, 2048, 8, 64, 128, 1, 16  # noqa: E741
     qk = (b, l, g, n) if not rank else (b, l, rank, g, n)
     bias = (h, n) if not rank else (h, rank, n)
@@ -278,6 +280,8 @@ def test_mamba3(dtype, rank):
             segment_ids=ids,
             mimo=tuple(mimo) or None,
             implementation="pallas_tpu",
+            # the positions on the lanes: 128 kernel positions a chunk (128 tokens SISO, 32 at rank 4)
+            block_sizes=Mamba3BlockSizes(128 // (4 if rank else 1), transposes="kernels") if lanes else None,
         )
 
     # SSD's chunk kernels with a per-position decay and scale

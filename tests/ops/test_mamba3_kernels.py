@@ -32,6 +32,10 @@ from tests.harness import check_rule
         # MIMO of rank 3: 4 positions a token (one of them zero), chunks of 4 tokens = 16 positions,
         # the segment starting at the second chunk
         ("pallas_gpu", (1, 13, 2, 16, 1, 16, 4), "bfloat16", 4, 3),
+        # the positions on the lanes (`transposes="kernels"`): SISO over chunks of 128 and a part,
+        # MIMO of rank 2 over chunks of 64 tokens (128 positions)
+        ("pallas_tpu", (1, 300, 2, 64, 1, 16, 4), "bfloat16", Mamba3BlockSizes(128, transposes="kernels"), 0),
+        ("pallas_tpu", (1, 150, 2, 64, 1, 16, 4), "float32", Mamba3BlockSizes(64, transposes="kernels"), 2),
     ],
     ids=[
         "tpu-siso-float32",
@@ -39,6 +43,8 @@ from tests.harness import check_rule
         "gpu-siso-bfloat16",
         "tpu-mimo2-float32",
         "gpu-mimo3-bfloat16",
+        "tpu-lanes-siso-bfloat16",
+        "tpu-lanes-mimo2-float32",
     ],
 )
 def test_kernels_against_sequential_oracle(impl, dims, dtype, chunk, rank):
@@ -69,6 +75,11 @@ def test_kernels_refuse_small_tiles_and_chunks_with_the_reason():
         call("pallas_gpu", mimo, chunk_size=64)
     with pytest.raises(axkern.Unsupported, match=r"chunk_size=2 \(4 positions, 2 per token\) is below 8"):
         call("pallas_tpu", mimo, chunk_size=2)
+    # the positions on the lanes: pallas_tpu's, in chunks that fill them
+    with pytest.raises(axkern.Unsupported, match=r"transposes='kernels': chunk_size=4 \(8 positions\)"):
+        run("pallas_tpu", mimo, None, Mamba3BlockSizes(4, transposes="kernels"))
+    with pytest.raises(axkern.Unsupported, match="transposes='kernels': only pallas_tpu"):
+        run("xla", mimo, None, Mamba3BlockSizes(4, transposes="kernels"))
     # the rotation's backward kernel is pallas_gpu's own
     for impl in ("xla", "pallas_tpu"):
         with pytest.raises(axkern.Unsupported, match="rotation_backward='kernel': only pallas_gpu"):
@@ -125,15 +136,17 @@ def test_each_kernel_implementation_declares_a_space_the_tuner_walks(impl, rank,
     got = tune.candidates(imp, spec)
     assert got[0] == imp.heuristic(spec) and len(set(got)) == len(got)
     assert sorted({bs.chunk_size for bs in got}) == chunks
-    forms = {
-        (f, getattr(bs, f)) for bs in got for f in ("forward", "rotation", "angles", "rotation_backward")
-    }
+    fields = ("forward", "rotation", "angles", "rotation_backward", "transposes")
+    forms = {(f, getattr(bs, f)) for bs in got for f in fields}
     want = {
         "pallas_gpu": {("rotation_backward", "kernel"), ("angles", "xla")},
-        "pallas_tpu": set(),
+        "pallas_tpu": {("transposes", "kernels")},
         "mosaic_gpu": {("forward", "stages"), ("rotation", "xla"), ("angles", "xla")},
     }[impl]
     assert want <= forms and all(v is None for f, v in forms - want)
+    # the positions on the lanes only where a chunk's positions fill them
+    slots = 4 if rank == 4 else 1
+    assert all(bs.chunk_size * slots % 128 == 0 for bs in got if bs.transposes == "kernels")
     if impl == "mosaic_gpu":  # a state of 64: the kernel cannot turn q, k, so no XLA rotation to time apart
         assert all(bs.rotation is None for bs in tune.candidates(imp, _spec(4096, 0, state=64)))
     # a short sequence keeps the chunks within its next power of two

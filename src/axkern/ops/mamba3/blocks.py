@@ -10,7 +10,7 @@ from typing import ClassVar
 from axkern.core.blocks import BlockSizes, grid, next_power_of_2
 from axkern.core.op import Spec, Unsupported
 from axkern.ops.chunked.pallas_gpu import GPU_MIN_DIM
-from axkern.ops.chunked.pallas_tpu import TPU_MIN_CHUNK
+from axkern.ops.chunked.pallas_tpu import TPU_LANES, TPU_MIN_CHUNK
 
 __all__ = [
     "Mamba3BlockSizes",
@@ -49,13 +49,19 @@ class Mamba3BlockSizes(BlockSizes):
 
     `angles` (`mosaic_gpu`, `pallas_gpu`): `"kernel"` (None means this) forms `Θ` by one Triton
     kernel, forward and backward (`common/angle_kernel.py`), `"xla"` by XLA's passes
-    (`common/angles.py`)."""
+    (`common/angles.py`).
+
+    `transposes` (`pallas_tpu` only): `"xla"` (None means this) lays `v` (the kernels' `x`), `y`
+    and their gradients out `[b, H, L, P]` for the kernels, `"kernels"` `[b, H, P, L]`, the
+    positions on the lanes, each kernel transposing its tiles (`ssd`'s form of that name:
+    chunks of a multiple of 128 kernel positions, `chunked/pallas_tpu.py`)."""
 
     choices: ClassVar[Mapping[str, tuple[str, ...]]] = {
         "rotation_backward": ("xla", "kernel"),
         "forward": ("stages", "fused"),
         "rotation": ("xla", "kernel"),
         "angles": ("kernel", "xla"),
+        "transposes": ("xla", "kernels"),
     }
 
     chunk_size: int = 64
@@ -63,6 +69,7 @@ class Mamba3BlockSizes(BlockSizes):
     forward: str | None = None
     rotation: str | None = None
     angles: str | None = None
+    transposes: str | None = None
 
     def check(self, spec):
         if self.chunk_size & (self.chunk_size - 1):
@@ -77,6 +84,7 @@ _FORMS = (
     ("forward", None, ("mosaic_gpu",), "has forward forms"),
     ("rotation", None, ("mosaic_gpu",), "chooses where q and k are rotated"),
     ("angles", ("kernel",), ("mosaic_gpu", "pallas_gpu"), "have the angles' kernel"),
+    ("transposes", ("kernels",), ("pallas_tpu",), "lays v out with the positions on the lanes"),
 )
 
 
@@ -152,10 +160,14 @@ def kernel_chunks(spec: Spec, low: int, high: int) -> list[int]:
 
 
 def pallas_tpu_space(spec: Spec) -> list[Mamba3BlockSizes]:
-    """`pallas_tpu`: chunks of 32 to 256 kernel positions (as `ssd`'s), in tokens."""
-    return grid(
+    """`pallas_tpu`: chunks of 32 to 256 kernel positions (as `ssd`'s), in tokens; those of a
+    multiple of 128 positions also with the positions on the lanes (`transposes="kernels"`)."""
+    forms = grid(
         Mamba3BlockSizes, spec, first=pallas_tpu_heuristic(spec), chunk_size=kernel_chunks(spec, 32, 256)
     )
+    slots = kernel_slots(spec.dim("rank"))
+    lanes = [bs for bs in forms if bs.chunk_size * slots % TPU_LANES == 0]
+    return forms + [dataclasses.replace(bs, transposes="kernels") for bs in lanes]
 
 
 def pallas_tpu_heuristic(spec: Spec) -> Mamba3BlockSizes:

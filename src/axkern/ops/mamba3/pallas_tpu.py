@@ -6,7 +6,9 @@ in XLA).
 
 **MIMO**: each token's `R` inputs run as `kernel_slots(R)` consecutive positions (`R` rounded up
 to a power of two; `common/kernel_core.py`), so a chunk of `chunk_size` tokens is `chunk_size ·
-kernel_slots(R)` kernel positions. **Constraints**: chunks of a multiple of 8 positions.
+kernel_slots(R)` kernel positions. `Mamba3BlockSizes(transposes="kernels")`: `v`, `y` and their
+gradients with the positions on the lanes (`TpuLanesLayout`). **Constraints**: chunks of a
+multiple of 8 positions (of 128 with the positions on the lanes).
 
 In CI in TPU interpret mode (`pltpu.InterpretParams`) and lowered for a TPU; compiled on a TPU
 v5e it passes `tests/tpu` and is first in mamba3's TPU order (docs/tpu.md, "Measured").
@@ -15,7 +17,7 @@ v5e it passes `tests/tpu` and is first in mamba3's TPU order (docs/tpu.md, "Meas
 from __future__ import annotations
 
 from axkern.core.op import Implementation, Unsupported
-from axkern.ops.chunked.pallas_tpu import TPU_MIN_CHUNK, TpuLayout
+from axkern.ops.chunked.pallas_tpu import TPU_LANES, TPU_MIN_CHUNK, TpuLanesLayout, TpuLayout
 
 from .blocks import Mamba3BlockSizes, kernel_slots, pallas_tpu_heuristic, pallas_tpu_space, refuse_forms
 from .common.kernel_core import kernel_core, refuse_float64
@@ -33,8 +35,16 @@ def mamba3(*args, block_sizes, interpret=False):
     if q * slots < TPU_MIN_CHUNK:
         chunk = f"chunk_size={q}" + (f" ({q * slots} positions, {slots} per token)" if slots > 1 else "")
         raise Unsupported(f"{chunk} is below {TPU_MIN_CHUNK} (TPU sublanes)")
+    layout = TpuLayout
+    if block_sizes.transposes == "kernels":
+        if q * slots % TPU_LANES:
+            raise Unsupported(
+                f"transposes='kernels': chunk_size={q} ({q * slots} positions): the positions fill a "
+                f"tile's {TPU_LANES} lanes (chunks of a multiple of {TPU_LANES} positions)"
+            )
+        layout = TpuLanesLayout
     dtype, mimo = args[2].dtype, args[16] is not None  # v, W_x
-    core = kernel_core(TpuLayout, chunk_size=q, interpret=bool(interpret), dtype=dtype, mimo=mimo)
+    core = kernel_core(layout, chunk_size=q, interpret=bool(interpret), dtype=dtype, mimo=mimo)
     return forward(core, *args, chunk_size=q, later_ranks=True)
 
 
