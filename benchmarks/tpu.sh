@@ -19,7 +19,8 @@
 #                           for all three): the tuning cache under $OUT/tpu/cache (AXKERN_CACHE_DIR), every
 #                           candidate's row in tune/attention_<case>.json, the written table copied to tune/
 #   tune_ssd                `axkern tune ssd --preset tpu --impl pallas_tpu --repeats 3 --write-table`, one
-#                           step (300 s; TUNE_ONLY_SSD, when set, names the cases as TUNE_ONLY does for attention):
+#                           step (420 s: twelve candidates, eight of which took 256 s on a v5e; TUNE_ONLY_SSD, when
+#                           set, names the cases as TUNE_ONLY does for attention):
 #                           the cache under $OUT/tpu/cache, every candidate's row in tune/ssd.json, the written
 #                           table copied to tune/
 #   tune_mamba3             the same for mamba3 (its SISO case unless TUNE_ONLY_MAMBA3 names others)
@@ -158,7 +159,7 @@ sys.exit(main(["info", "--all"]))' "$R/device_key.txt"
     local op=${1#tune_} only
     if [ "$op" = ssd ]; then only=${TUNE_ONLY_SSD:-}; else only=${TUNE_ONLY_MAMBA3:-SISO}; fi
     mkdir -p "$R/tune"
-    step 300 "$1" env AXKERN_CACHE_DIR="$R/cache" python3 -m axkern tune "$op" --preset tpu --impl pallas_tpu \
+    step 420 "$1" env AXKERN_CACHE_DIR="$R/cache" python3 -m axkern tune "$op" --preset tpu --impl pallas_tpu \
       --repeats 3 --write-table --json "$R/tune/$op.json" ${only:+--only "$only"}
     cp src/axkern/ops/"$op"/tuned/tpu_*.json "$R/tune/" 2> /dev/null ||
       echo "$1: no table written under src/axkern/ops/$op/tuned/" | tee -a "$R/steps.txt"
