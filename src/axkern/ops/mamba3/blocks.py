@@ -161,10 +161,13 @@ def kernel_chunks(spec: Spec, low: int, high: int) -> list[int]:
 
 def pallas_tpu_space(spec: Spec) -> list[Mamba3BlockSizes]:
     """`pallas_tpu`: chunks of 32 to 256 kernel positions (as `ssd`'s), in tokens; those of a
-    multiple of 128 positions also with the positions on the lanes (`transposes="kernels"`)."""
+    multiple of 128 positions also with the positions on the lanes (`transposes="kernels"`; a
+    head dim of a multiple of 8)."""
     forms = grid(
         Mamba3BlockSizes, spec, first=pallas_tpu_heuristic(spec), chunk_size=kernel_chunks(spec, 32, 256)
     )
+    if spec.dim("head_dim") % TPU_MIN_CHUNK:  # the kernels' [P, Q] tiles transpose whole sublanes
+        return forms
     slots = kernel_slots(spec.dim("rank"))
     lanes = [bs for bs in forms if bs.chunk_size * slots % TPU_LANES == 0]
     return forms + [dataclasses.replace(bs, transposes="kernels") for bs in lanes]

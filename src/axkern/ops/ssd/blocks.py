@@ -160,7 +160,7 @@ def pallas_tpu_heuristic(spec: Spec) -> SSDBlockSizes:
 def pallas_tpu_space(spec: Spec) -> list[SSDBlockSizes]:
     """Chunks of 32 to 256 positions, `dB` and `dC` summed in the kernels or in XLA; at chunks of
     a multiple of 128 also with `x`, `y` and their gradients as `[b, H, P, L]`, the kernels
-    transposing their tiles (`transposes="kernels"`)."""
+    transposing their tiles (`transposes="kernels"`; a head dim of a multiple of 8)."""
     forms = grid(
         SSDBlockSizes,
         spec,
@@ -168,6 +168,8 @@ def pallas_tpu_space(spec: Spec) -> list[SSDBlockSizes]:
         chunk_size=_chunks(spec, 32, 256),
         group_sums=("kernels", "xla"),
     )
+    if spec.dim("head_dim") % TPU_MIN_CHUNK:  # the kernels' [P, Q] tiles transpose whole sublanes
+        return forms
     lanes = [dataclasses.replace(bs, transposes="kernels") for bs in forms if bs.chunk_size % TPU_LANES == 0]
     return forms + lanes
 

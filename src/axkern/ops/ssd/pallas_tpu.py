@@ -38,9 +38,11 @@ def ssd(x, dt, A, B, C, D, z, segment_ids, initial_state, *, block_sizes, interp
             f"transposes='kernels': chunk_size={q}: the positions fill a tile's {TPU_LANES} lanes "
             f"(chunks of a multiple of {TPU_LANES})"
         )
-    heads = block_sizes.group_sums == "xla"
-    layout = {(False, False): TpuLayout, (True, False): TpuHeadsLayout}.get((heads, lanes))
-    layout = layout or (TpuHeadsLanesLayout if heads else TpuLanesLayout)
+    # (dB, dC summed in VMEM or by XLA) x (positions along the rows or the lanes)
+    layouts = {"xla": (TpuHeadsLayout, TpuHeadsLanesLayout)}.get(
+        block_sizes.group_sums, (TpuLayout, TpuLanesLayout)
+    )
+    layout = layouts[lanes]
     return kernel_scan.ssd(
         layout, x, dt, A, B, C, D, z, segment_ids, initial_state, chunk_size=q, interpret=bool(interpret)
     )
