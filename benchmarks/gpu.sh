@@ -40,16 +40,8 @@ fi
 export PYTHONUNBUFFERED=1 PATH=/usr/local/cuda/bin:$PATH
 R=${OUT:-$PWD/gpu-run}/gpu
 mkdir -p "$R"
-# BUNDLE=1: on exit, the last lines of each log printed, then everything under $R packed into
-# $R.tar.gz with steps.txt beside it as $R.steps.txt, and $R removed (the device tool returns
-# at most eight files from $OUT: without this, a run of several steps loses some of them)
-bundle() {
-  local log
-  for log in "$R"/*.log; do [ -f "$log" ] && { echo "== $(basename "$log")"; tail -n "${BUNDLE_TAIL:-15}" "$log"; }; done
-  cp "$R/steps.txt" "$R.steps.txt" 2> /dev/null
-  tar -czf "$R.tar.gz" -C "$(dirname "$R")" "$(basename "$R")" && rm -rf "$R"
-}
-[ "${BUNDLE:-0}" = 1 ] && trap bundle EXIT
+# BUNDLE=1: the run's folder packed into one file on exit (benchmarks/bundle.sh)
+. "$(dirname "$0")/bundle.sh"
 step() {
   local t=$1 name=$2; shift 2
   echo "== $name"

@@ -55,16 +55,8 @@ set -u
 export PYTHONUNBUFFERED=1
 R=${OUT:-$PWD/tpu-run}/tpu
 mkdir -p "$R"
-# BUNDLE=1: on exit, the last lines of each log printed, then everything under $R packed into
-# $R.tar.gz with steps.txt beside it as $R.steps.txt, and $R removed (the device tool returns
-# at most eight files from $OUT: without this, a run of several steps loses some of them)
-bundle() {
-  local log
-  for log in "$R"/*.log; do [ -f "$log" ] && { echo "== $(basename "$log")"; tail -n "${BUNDLE_TAIL:-15}" "$log"; }; done
-  cp "$R/steps.txt" "$R.steps.txt" 2> /dev/null
-  tar -czf "$R.tar.gz" -C "$(dirname "$R")" "$(basename "$R")" && rm -rf "$R"
-}
-[ "${BUNDLE:-0}" = 1 ] && trap bundle EXIT
+# BUNDLE=1: the run's folder packed into one file on exit (benchmarks/bundle.sh)
+. "$(dirname "$0")/bundle.sh"
 if compgen -G ".whl-tpu/*.whl" > /dev/null; then
   PIP_CONFIG_FILE=/dev/null python3 -m pip install -q --disable-pip-version-check --no-index --no-deps --upgrade \
     --target /tmp/site .whl-tpu/*.whl > "$R/install.log" 2>&1 ||

@@ -8,6 +8,7 @@ from jax import lax
 __all__ = [
     "dot",
     "full_precision",
+    "halves",
     "log_refined",
     "products_precision",
     "row_dot",
@@ -20,6 +21,14 @@ def full_precision(dtype):
     """The library's rule for products: `HIGHEST` for 32-bit (and wider) float operands (XLA's
     and Triton's GPU default would be TF32), `None` (the default) for 16-bit ones."""
     return lax.Precision.HIGHEST if jnp.dtype(dtype).itemsize >= 4 else None
+
+
+def halves(a, dtype):
+    """`a` (float32) as `hi + lo`, both in `dtype` (16-bit): `lo` what the rounding to `hi` lost.
+    A product over the halves but `lo · lo` is about as exact as a float32 one (the Mosaic GPU
+    kernels' and the TPU chunk kernels' scheme)."""
+    hi = a.astype(dtype)
+    return hi, (a - hi.astype(jnp.float32)).astype(dtype)
 
 
 def tf32_suffices(dtype) -> bool:

@@ -64,11 +64,10 @@ TPU_LANES = 128
 
 def halves(a) -> tuple:
     """`a` as bf16 parts whose sum is `a` to about 16 bits: itself where it is 16-bit (a bf16
-    input's values), else its high half and the rest's."""
+    input's values), else its two halves (`kernels.halves`)."""
     if jnp.dtype(a.dtype).itemsize == 2:
         return (a.astype(jnp.bfloat16),)
-    hi = a.astype(jnp.bfloat16)
-    return hi, (a - hi.astype(a.dtype)).astype(jnp.bfloat16)
+    return kernels.halves(a.astype(jnp.float32), jnp.bfloat16)
 
 
 class TpuLayout(Layout):

@@ -9,6 +9,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from axkern.core.compat import mosaic_gpu_load
+from axkern.core.kernels import halves
 
 from .operands import finite_or_zero
 from .tiles import CHUNK, plgpu
@@ -26,12 +27,6 @@ __all__ = [
     "staged",
     "decay",
 ]
-
-
-def halves(a, dtype):
-    """`a` (float32) as `hi + lo`, both in `dtype`: `lo` what the rounding to `hi` lost."""
-    hi = a.astype(dtype)
-    return hi, (a - hi.astype(jnp.float32)).astype(dtype)
 
 
 def products(shape, terms, acc=None):
