@@ -38,10 +38,13 @@ kernels take non-finite values as 0 (`x`'s in every kernel that reads it, `Layou
 small inputs' in XLA); NaN is put where the sequential recurrence is non-finite (never
 earlier in time, never in another segment), and the backward runs on numbers only, NaN put on
 the gradients of the inputs that reach a non-finite output (`chunks.reached`). Products take float32 operands into float32 (bf16
-operands missed the oracle rule): TF32 for bf16 inputs on GPU (`Layout.precision_16bit`), exact
+operands missed the oracle rule): TF32 for bf16 inputs on GPU (`Layout.precision_16bit`), over bf16 halves on a TPU
+(`pallas_tpu.TpuLayout.dot`), exact
 for fp16 and float32 inputs (`precision_32bit`: TF32 rounds as coarsely as fp16); `x`,
 `B`, `C` as `[batch, heads|groups, length, P|N]` (`x` as `[batch, length, heads, P]` where the
-layout's kernels take the caller's layout: `Layout.positions_first`).
+layout's kernels take the caller's layout: `Layout.positions_first`; `[batch, heads, P, length]`
+where a TPU layout puts the positions on the lanes and its kernels transpose each tile,
+`Layout.positions_on_lanes`: the same bytes, without a head dim of 64 padded to 128 lanes).
 
 **Backward** (`custom_vjp` around stages 1-4; `D`, `z`, padding and layout by autodiff):
 kernel `chunk_scan_bwd` pulls `dy` back through `y = M (dt ∘ x) + f ∘ (C S_in^T)`, `M = (C B^T)
