@@ -171,9 +171,16 @@ SSD_KERNELS = {f"axkern_ssd_{k}_kernel" for k in ("state", "scan", "state_bwd", 
 
 
 @pytest.mark.parametrize(
-    "dtype,group_sums", [(d, "kernels") for d in DTYPES] + [("bfloat16", "xla")]
-)  # the per-head form (`TpuHeadsLayout`) in one dtype: the same kernel bodies
-def test_ssd(dtype, group_sums):
+    "dtype,blocks",
+    [(d, None) for d in DTYPES]
+    + [
+        ("bfloat16", SSDBlockSizes(128, group_sums="xla")),
+        ("bfloat16", SSDBlockSizes(256, group_sums="kernels")),
+    ],
+    ids=str,
+)  # the default (the positions on the lanes) in every dtype; the per-head form (`TpuHeadsLayout`)
+# and the positions on the rows in one: the same kernel bodies
+def test_ssd(dtype, blocks):
     b, l, h, p, g, n = 1, 2048, 8, 64, 2, 128  # noqa: E741
     args = [
         S((b, l, h, p), dtype),
@@ -200,7 +207,7 @@ def test_ssd(dtype, group_sums):
             dt_softplus=True,
             segment_ids=ids,
             implementation="pallas_tpu",
-            block_sizes=None if group_sums == "kernels" else SSDBlockSizes(128, group_sums=group_sums),
+            block_sizes=blocks,
         )
 
     assert _lower_value_and_grad(fn, args, tuple(range(8))) == SSD_KERNELS
@@ -280,8 +287,8 @@ def test_mamba3(dtype, rank, lanes):
             segment_ids=ids,
             mimo=tuple(mimo) or None,
             implementation="pallas_tpu",
-            # the positions on the lanes: 128 kernel positions a chunk (128 tokens SISO, 32 at rank 4)
-            block_sizes=Mamba3BlockSizes(128 // (4 if rank else 1), transposes="kernels") if lanes else None,
+            # 128 kernel positions a chunk (128 tokens SISO, 32 at rank 4), on the lanes or the rows
+            block_sizes=Mamba3BlockSizes(128 // (4 if rank else 1), transposes="kernels" if lanes else "xla"),
         )
 
     # SSD's chunk kernels with a per-position decay and scale

@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 
 import axkern
+from axkern.ops.mamba3.blocks import Mamba3BlockSizes
 from tests.cases.mamba3 import call, make, run
 from tests.tpu.chip import DRY_RUN, assert_compiled_first_that_serves, case_id, check, sizes
 
@@ -37,6 +38,23 @@ def test_against_oracle(case, impl):
     # float64 on the host for every case: the bf16 cases' per-position scalars, angles, biases,
     # weights and states are float32 and get gradients too
     check(lambda name, a: run(name, a, seg), impl, arrays, dtype, what, oracle_dtype="float64")
+
+
+def test_siso_positions_on_the_rows_against_oracle():
+    # SISO's default lays v, y and their gradients out [b, H, P, L] (`transposes="kernels"`):
+    # the other form, [b, H, L, P], at the same chunks of 256
+    *dims, rank, dtype = CASES[0]
+    arrays, seg = make(0, *dims, rank, dtype, segments=True)
+    blocks = Mamba3BlockSizes(256, transposes="xla")
+    run_ = lambda name, a: run(name, a, seg, blocks if name != "reference" else None)  # noqa: E731
+    check(
+        run_,
+        "pallas_tpu",
+        arrays,
+        dtype,
+        f"mamba3 SISO {case_id(CASES[0])} transposes=xla",
+        oracle_dtype="float64",
+    )
 
 
 @pytest.mark.parametrize("rank", [0, 2])

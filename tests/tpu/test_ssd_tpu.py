@@ -54,19 +54,24 @@ def test_per_head_group_sums_against_oracle():
     )
 
 
-def test_positions_on_the_lanes_against_oracle():
-    # `transposes="kernels"` (x, y, dx, dy as [b, H, P, L], each tile transposed in the kernels)
-    # on the bf16 case with segments, chunks of 128
+@pytest.mark.parametrize(
+    "blocks",
+    [SSDBlockSizes(128, transposes="kernels"), SSDBlockSizes(256, group_sums="kernels", transposes="xla")],
+    ids=["lanes-128", "rows-256"],
+)
+def test_positions_on_the_lanes_and_the_rows_against_oracle(blocks):
+    # the default lays x, y, dx, dy out [b, H, P, L] (`transposes="kernels"`, each tile transposed
+    # in the kernels) at chunks of 256 here: that form at chunks of 128, and `[b, H, L, P]` at 256,
+    # on the bf16 case with segments
     *dims, dtype, segments = CASES[0]
     arrays, seg = make(0, *dims, dtype, segments=segments)
-    blocks = SSDBlockSizes(128, transposes="kernels")
     run_ = lambda name, a: run(name, a, seg, block_sizes=blocks if name != "reference" else None)  # noqa: E731
     check(
         run_,
         "pallas_tpu",
         arrays,
         dtype,
-        f"ssd {case_id(CASES[0])} transposes=kernels",
+        f"ssd {case_id(CASES[0])} chunk={blocks.chunk_size} transposes={blocks.transposes}",
         oracle_dtype="float64",
     )
 

@@ -10,7 +10,7 @@ from typing import ClassVar
 import jax.numpy as jnp
 
 from axkern.core import backend, kernels
-from axkern.core.blocks import BlockSizes, grid, next_power_of_2
+from axkern.core.blocks import BlockSizes, grid, next_power_of_2, unique_valid
 from axkern.core.op import Spec, Unsupported
 from axkern.ops.chunked.mosaic_gpu import (
     chunk_reason,
@@ -152,26 +152,37 @@ def pallas_tpu_heuristic(spec: Spec) -> SSDBlockSizes:
     """Chunks of 256 (two MXU widths: the fastest of the tuner's chunks on a v5e at the 2.7B
     layer, and the least memory, the chunks' states being half those of 128), `dB` and `dC`
     summed over each group's heads in the kernels (`group_sums="kernels"`: less temporary
-    memory forward+backward than per-head sums in XLA; docs/ops/ssd.md has both timed)."""
+    memory forward+backward than per-head sums in XLA), and `x`, `y` and their gradients with
+    the positions on the lanes (`transposes="kernels"`) where the chunk fills them and the head
+    dim is a multiple of 8: on a v5e at the 2.7B layer 12.3 / 35.4 ms and 0.64 / 1.13 GiB
+    forward / forward+backward against 15.2 / 41.3 ms and 1.89 / 2.24 GiB in the same call
+    (docs/ops/ssd.md has the forms timed)."""
     chunk = max(TPU_MIN_CHUNK, min(256, next_power_of_2(spec.dim("length"))))
-    return SSDBlockSizes(chunk_size=chunk, group_sums="kernels")
+    lanes = _lanes_serve(spec, chunk)
+    return SSDBlockSizes(chunk_size=chunk, group_sums="kernels", transposes="kernels" if lanes else None)
+
+
+def _lanes_serve(spec: Spec, chunk: int) -> bool:
+    """Whether `pallas_tpu` can lay the positions on the lanes at chunks of `chunk`: the chunk
+    fills them and the kernels' `[P, Q]` tiles transpose whole sublanes."""
+    return chunk % TPU_LANES == 0 and spec.dim("head_dim") % TPU_MIN_CHUNK == 0
 
 
 def pallas_tpu_space(spec: Spec) -> list[SSDBlockSizes]:
-    """Chunks of 32 to 256 positions, `dB` and `dC` summed in the kernels or in XLA; at chunks of
-    a multiple of 128 also with `x`, `y` and their gradients as `[b, H, P, L]`, the kernels
-    transposing their tiles (`transposes="kernels"`; a head dim of a multiple of 8)."""
+    """The heuristic's form, then chunks of 32 to 256 positions, `dB` and `dC` summed in the
+    kernels or in XLA, with `x`, `y` and their gradients as `[b, H, L, P]` and, at chunks of a
+    multiple of 128, as `[b, H, P, L]`, the kernels transposing their tiles
+    (`transposes="kernels"`; a head dim of a multiple of 8)."""
     forms = grid(
         SSDBlockSizes,
         spec,
-        first=pallas_tpu_heuristic(spec),
         chunk_size=_chunks(spec, 32, 256),
         group_sums=("kernels", "xla"),
     )
-    if spec.dim("head_dim") % TPU_MIN_CHUNK:  # the kernels' [P, Q] tiles transpose whole sublanes
-        return forms
-    lanes = [dataclasses.replace(bs, transposes="kernels") for bs in forms if bs.chunk_size % TPU_LANES == 0]
-    return forms + lanes
+    lanes = [
+        dataclasses.replace(bs, transposes="kernels") for bs in forms if _lanes_serve(spec, bs.chunk_size)
+    ]
+    return unique_valid([pallas_tpu_heuristic(spec), *forms, *lanes], spec)
 
 
 def mosaic_gpu_heuristic(spec: Spec) -> SSDBlockSizes:
