@@ -262,12 +262,17 @@ def _smem(tiles):
     )
 
 
-def _run(body, ins, outs, tiles, grid, names=("batch", "heads", "chunks")):
-    """`body` over the grid (`names`), block by block; the outputs' arrays."""
+def _run(body, ins, outs, tiles, grid, names=("batch", "heads", "chunks"), over=None):
+    """`body` over the grid (`names`), block by block; the outputs' arrays. `over` (`{output
+    index: input index}`, `tiles.launch`'s): the body reads that input through the output's ref
+    (the output starting as the input's values)."""
     refs = [
         tuple(_Ref(np.asarray(x)) for x in a) if isinstance(a, tuple) else _Ref(np.asarray(a)) for a in ins
     ]
     out_refs = [_Ref(o) for o in outs]
+    for o, i in (over or {}).items():
+        out_refs[o].a[...] = refs[i].a
+        refs[i] = out_refs[o]
     for index in itertools.product(*map(range, grid)):
         ST.grid.update(zip(names, index, strict=True))
         ST.dirty.clear(), ST.pending.clear(), ST.loading.clear()
@@ -293,6 +298,7 @@ def _errors(
     lean=False,
     scores=False,
     clean_x=False,
+    over=False,
 ):
     """Each kernel's largest difference from its emulation (relative to the emulation's largest
     magnitude; a 16-bit result's less one step of its dtype at each value, where two float32
@@ -300,7 +306,9 @@ def _errors(
     `split`: `B`, `C` float32, which the kernels take as two bf16 halves each (Mamba-3's).
     `lean`: the lean scan backward (`scan_backward.lean_reason`); `scores` (lean, `add`): `dg` summed per
     group in `dB`'s place, `dC` without `dg B` (`group_scores.py`). `clean_x`: `x` with non-finite
-    values, which every kernel takes as 0 (the emulation is given them as 0)."""
+    values, which every kernel takes as 0 (the emulation is given them as 0). `over` (a 16-bit
+    cotangent): the scan backward writes `dx` over `dy` (`tiles.launch`'s `over`), each block reading
+    its `dy` through `dx`'s ref."""
     length, f32, bf16 = c * q, np.float32, jnp.bfloat16
     k = jax.random.split(jax.random.PRNGKey(0), 8)
     x = jax.random.normal(k[0], (b, h, length, p)).astype(bf16)
@@ -340,6 +348,7 @@ def _errors(
     if scores:
         outs[5] = np.zeros((b, g, c, q, q), f32)
     form = {"tiled": True} if q != 64 else ({"lean": True, "dg_sums": scores} if lean else {})
+    form |= {"dy_in_dx": True} if over else {}
     body = functools.partial(SB._scan_bwd_kernel, add=add, **kw, **form)
     grads = _run(
         body,
@@ -347,6 +356,7 @@ def _errors(
         outs,
         sizes.kernel_tiles("scan_bwd_lean" if lean else "scan_bwd", p, n, parts=parts, q=q),
         (b, h, c),
+        over={0: 0} if over else None,
     )
     emulated = E.emulate_chunk_scan_bwd(
         dy.astype(jnp.float32), x, dt, cum, f, seg, bt, ct, states, q, scores=scores
@@ -397,6 +407,13 @@ def _errors(
         dict(q=256),
         dict(q=128, n=128),
         dict(q=128, wide=False),  # a bf16 cotangent: its low half left out
+        # a bf16 cotangent in dx's buffer: each block reads its rows of dy before it writes dx
+        # there (the tiled kernel's phase R from dy's tile in shared memory)
+        dict(q=64, wide=False, over=True),
+        dict(q=128, wide=False, over=True),
+        dict(q=256, n=128, wide=False, over=True),
+        dict(q=64, lean=True, n=128, wide=False, over=True),
+        dict(q=128, h=4, g=2, add=True, wide=False, over=True),
         dict(q=128, h=4, g=2, add=True),  # dB, dC added into each group's rows
         dict(q=64, split=True),  # float32 B, C as halves: every product over both (`rounds_once`)
         dict(q=64, split=True, n=128, wide=False),

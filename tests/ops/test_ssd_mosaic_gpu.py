@@ -134,6 +134,25 @@ def test_the_state_backward_kernel_adds_the_scans_dx(group_sums, positions_first
 
 
 @needs_mosaic
+@pytest.mark.parametrize("group_sums", [False, True])
+@pytest.mark.parametrize("chunk", [64, 128])
+@pytest.mark.parametrize("dy_dtype", ["bfloat16", "float32"])
+def test_the_scan_backward_writes_dx_over_a_16_bit_cotangent(group_sums, chunk, dy_dtype):
+    # a bf16 dy has dx's type: the kernel's dx output is dy's buffer (aliased, `tiles.launch`'s
+    # `over`), so the two are one array in memory; a float32 dy gets dx a buffer of its own. The
+    # kernel's eight outputs are buffers it allocates but those aliased (dx; dB, dC with the
+    # group sums, into zeros)
+    args = list(_kernel_args("chunk_scan_bwd", 2, 4, 2, 2, 64, 128))
+    args[0] = jax.ShapeDtypeStruct(args[0].shape, jnp.dtype(dy_dtype))
+    fn = lambda *a: engine.chunk_scan_bwd(*a, group_sums=group_sums, chunk=chunk)  # noqa: E731
+    text = lower_for_cuda(fn, *args).as_text()
+    assert _kernels(text) == 1
+    aliased = (dy_dtype == "bfloat16") + 2 * group_sums
+    assert text.count("@AllocateBuffer") == (8 - aliased if aliased else 0)
+    assert (text.count("stablehlo.output_operand_alias<") > 0) == bool(aliased)
+
+
+@needs_mosaic
 @pytest.mark.parametrize("kernel", ["chunk_state_bwd", "chunk_scan_bwd"])
 @pytest.mark.parametrize("dims", [(2, 4, 2, 3, 64, 128), (1, 2, 1, 2, 128, 64)])
 def test_the_backward_kernels_lower_with_group_sums(kernel, dims):

@@ -59,7 +59,17 @@ __all__ = ["chunk_scan_bwd", "lean_reason", "lean_shares_an_sm"]
 
 
 def _scan_bwd_kernel(
-    *refs, rep, dtype, add, rows_of, turns=False, tiled=False, lean=False, dg_sums=False, clean_x=False
+    *refs,
+    rep,
+    dtype,
+    add,
+    rows_of,
+    turns=False,
+    tiled=False,
+    lean=False,
+    dg_sums=False,
+    clean_x=False,
+    dy_in_dx=False,
 ):
     """`add`: `dB`, `dC` added by TMA reductions into the head's group's rows (`[b, g, L, N]`)
     rather than stored per head (`dg_sums`, lean and `add` only: `dg` added into its group's
@@ -69,9 +79,13 @@ def _scan_bwd_kernel(
     `tiled`; `P` 64): the state's low half in `M`'s tiles until `C S_inᵀ` has read it, `dx`
     out through `x`'s tile and every other result through the float32 staging tile, block by
     block (`tiles.STAGE`, `body.staged`). `clean_x`: `x`'s non-finite values taken as 0, in its tile once copied in and
-    where it is read into registers."""
+    where it is read into registers. `dy_in_dx`: `dy`'s ref is `dx`'s (`tiles.launch`'s `over`: a
+    16-bit `dy` in `dx`'s buffer), so no block reads its rows of `dy` from memory after writing
+    its `dx` there: the whole chunk's kernel reads them once, before any product, and the tiled
+    one reads them again from their halves in shared memory (the high half: a 16-bit `dy`'s low
+    half is 0)."""
     if tiled:
-        kw = dict(rep=rep, dtype=dtype, add=add, rows_of=rows_of, clean_x=clean_x)
+        kw = dict(rep=rep, dtype=dtype, add=add, rows_of=rows_of, clean_x=clean_x, dy_in_dx=dy_in_dx)
         return scan_bwd_tiled(refs[:-1], refs[-1], **kw)
     dy_ref, x_ref, dt_ref, cum_ref, f_ref, seg_ref, b_ref, c_ref, s_ref, *rest = refs
     theta_ref = rest.pop(0) if turns else None
@@ -321,6 +335,9 @@ def _chunk_scan_bwd(*args, group_sums, positions_first, chunk, lean=False, score
         states,
     )
     dy = dy if dy.dtype == xt.dtype else dy.astype(f32)  # as the forward gave y: bf16 or float32
+    # a 16-bit dy has dx's type: dx is written over it (its buffer dies here), so that the two are
+    # one array in memory
+    over = {0: 0} if dy.dtype == xt.dtype and dy.shape == out[0].shape else None
     args = [dy, xt, dt, cum, f, seg.astype(jnp.int32), bt, ct, states_in, *theta]
     into = {5: 9, 6: 10} if group_sums else None
     if group_sums:
@@ -336,6 +353,7 @@ def _chunk_scan_bwd(*args, group_sums, positions_first, chunk, lean=False, score
         barrier,
         kernel_tiles(kind, p, n, xt.dtype, f32, len(bt), chunk),
         into=into,
+        over=over,
         positions_first=positions_first,
         turns=bool(theta),
         rows=chunk,
@@ -343,5 +361,6 @@ def _chunk_scan_bwd(*args, group_sums, positions_first, chunk, lean=False, score
         **({"lean": True} if lean else {}),
         **({"dg_sums": True} if scores else {}),
         **({"clean_x": True} if clean_x else {}),
+        **({"dy_in_dx": True} if over else {}),
     )
     return call(*args)

@@ -142,10 +142,12 @@ def _decay_transposed(cum_s, cum_t, seg_s, seg_t, diagonal):
     return jnp.exp(jnp.where(visible, on_cols(cum_t) - on_rows(cum_s), -jnp.inf)), on_rows
 
 
-def scan_bwd_tiled(refs, scoped, *, rep, dtype, add, rows_of, clean_x=False):
+def scan_bwd_tiled(refs, scoped, *, rep, dtype, add, rows_of, clean_x=False, dy_in_dx=False):
     """The chunk-scan backward kernel's results for a chunk of `Q = 64 r` positions (the module docstring has
     the phases; the grid and the arguments as there, without the angles). `clean_x`: `x`'s
-    non-finite values taken as 0."""
+    non-finite values taken as 0. `dy_in_dx`: `dy`'s ref is `dx`'s (a 16-bit `dy`, which phase C
+    overwrites with `dx`): phase R reads `dy` from its high half in shared memory, which holds
+    it exactly."""
     dy_ref, x_ref, dt_ref, cum_ref, f_ref, seg_ref, b_ref, c_ref, s_ref, *outs = refs
     per_row, per_col = _row_col()
     dx_ref, ddt_ref, dcum_ref, dcum_row_ref, df_ref, db_ref, dc_ref, ds_ref = outs
@@ -164,6 +166,12 @@ def scan_bwd_tiled(refs, scoped, *, rep, dtype, add, rows_of, clean_x=False):
         rows_of(ref, batch, head, r), layout=wgmma_layout, optimized=False
     ).astype(f32)
     vec = lambda ref, r, layout: _load(ref.at[batch, head], r, layout)  # noqa: E731
+
+    def dy_rows(i, rows_i):  # row block i of dy in registers, float32 (phase R)
+        if dy_in_dx:  # (memory holds dx there now)
+            return mosaic_gpu_load(_tile((ah_smem,), i)[0], layout=wgmma_layout, optimized=False).astype(f32)
+        return load_rows(dy_ref, rows_i)
+
     seg = lambda r, layout: _load(seg_ref.at[batch], r, layout)  # noqa: E731
     # the state and dy (the whole chunk) as two 16-bit halves in shared memory
     state = mosaic_gpu_load(s_ref.at[batch, chunk, head], layout=wgmma_layout, optimized=False)
@@ -226,7 +234,7 @@ def scan_bwd_tiled(refs, scoped, *, rep, dtype, add, rows_of, clean_x=False):
         rows_i = pl.ds(base + i * _T, _T)
         cum_t, f_t, seg_t = vec(cum_ref, rows_i, per_row), vec(f_ref, rows_i, per_row), seg(rows_i, per_row)
         c_i = _tile(cs, i)
-        dy = load_rows(dy_ref, rows_i)
+        dy = dy_rows(i, rows_i)
         inc = products((_T, p), pairs(c_i, (sh_smem, sl_smem), True))  # C_i S_inᵀ
         vec_smem.at[2, pl.ds(i * _T, _T)][...] = jnp.sum(dy * inc, axis=1)  # df
         (ah_i,), (al_i,) = _tile((ah_smem,), i), _tile((al_smem,), i)  # dy's halves (phase C's)
@@ -244,7 +252,7 @@ def scan_bwd_tiled(refs, scoped, *, rep, dtype, add, rows_of, clean_x=False):
             dm = products((_T, _T), [(ah_i, x_j, True)] + [(al_i, x_j, True)] * wide_dy) * on_cols(dt_s)
             dcum = _plus(dcum, jnp.sum(dm * m, axis=1))
             dc = products((_T, n), pairs(halves(dm * lam, dtype), b_j), acc=dc)
-        fdy = halves(load_rows(dy_ref, rows_i) * lax.broadcast_in_dim(f_t, (_T, p), [0]), dtype)
+        fdy = halves(dy_rows(i, rows_i) * lax.broadcast_in_dim(f_t, (_T, p), [0]), dtype)
         once = rounds_once(len(bs))
         dc = products((_T, n), pairs(fdy[:1], (sh_smem,)) if once else pairs(fdy, (sh_smem, sl_smem)), acc=dc)
         vec_smem.at[1, pl.ds(i * _T, _T)][...] = dcum

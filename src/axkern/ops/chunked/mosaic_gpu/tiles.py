@@ -105,6 +105,7 @@ def launch(
     *,
     rows=None,
     into=None,
+    over=None,
     positions_first=False,
     columns=1,
     **kw,
@@ -121,13 +122,17 @@ def launch(
     body sees only the output): the outputs are then refs the kernel writes (`pl.run_state`,
     the others starting uninitialised), as `plgpu.kernel` takes no aliases and jax 0.11.2 no
     longer lowers `pallas_call` to Mosaic GPU. The body's `add` (whether it adds `dB`, `dC` into
-    a group's rows) is whether there is an `into`, unless `kw` gives it.
+    a group's rows) is whether there is an `into`, unless `kw` gives it. `over` (`{output index:
+    input index}`, inputs before any of `into`'s): those outputs too are their inputs' buffers,
+    and the body sees the output's ref in the input's place as well, so that it reads the input
+    there and writes the output over it (each block reading its own rows before writing them).
     `positions_first`: `x`, `y`, `dy`, `dx` are `[b, L, h, d]` (`rows_indexer`). `kw`: more of
     the body's arguments. An argument of the launch that is a tuple of arrays (`B`'s, `C`'s
     parts) reaches the body as a tuple of refs."""
     b, h, lp, _ = dims(xt, positions_first)
     g = bt[0].shape[1]
-    skip = set((into or {}).values())
+    aliases = (into or {}) | (over or {})
+    skip = set(aliases.values())
     scratch = _scratch(tiles)
     if rows is None:
         names = ("batch", "heads", "columns")[: 2 + (columns > 1)]
@@ -137,9 +142,14 @@ def launch(
     name = f"axkern_ssd_mosaic_gpu_{kind}"
 
     def entry(counts, *refs):
+        refs = _regroup(refs, counts)
+        ins, outs = refs[: len(counts)], refs[len(counts) :]
+        for o, i in sorted((over or {}).items(), key=lambda oi: oi[1]):
+            ins.insert(i, outs[o])  # the body reads the input through the output's ref
         pl.run_scoped(
             lambda *scoped: body(
-                *_regroup(refs, counts),
+                *ins,
+                *outs,
                 scoped,
                 rep=h // g,
                 dtype=xt.dtype,
@@ -154,7 +164,7 @@ def launch(
         inputs = [a for i, a in enumerate(args) if i not in skip]
         counts = tuple(len(a) if isinstance(a, tuple) else 0 for a in inputs)
         flat = [x for a in inputs for x in (a if isinstance(a, tuple) else (a,))]
-        if not into:
+        if not aliases:
             return plgpu.kernel(
                 functools.partial(entry, counts),
                 out_type=out_type,
@@ -171,7 +181,7 @@ def launch(
             name=name,
         )
         first = tuple(
-            args[into[o]] if o in into else lax.empty(t.shape, t.dtype) for o, t in enumerate(out_type)
+            args[aliases[o]] if o in aliases else lax.empty(t.shape, t.dtype) for o, t in enumerate(out_type)
         )
         return pl.run_state(lambda refs: kernel(*flat, *refs))(first)
 
