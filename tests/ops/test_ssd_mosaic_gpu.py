@@ -150,6 +150,9 @@ def test_the_scan_backward_writes_dx_over_a_16_bit_cotangent(group_sums, chunk, 
     aliased = (dy_dtype == "bfloat16") + 2 * group_sums
     assert text.count("@AllocateBuffer") == (8 - aliased if aliased else 0)
     assert (text.count("stablehlo.output_operand_alias<") > 0) == bool(aliased)
+    # under vmap (the mapped axis folded into the batch where outputs are written in place)
+    stacked = [jax.ShapeDtypeStruct((3, *a.shape), a.dtype) for a in args]
+    assert _kernels(lower_for_cuda(jax.vmap(fn), *stacked).as_text()) == 1
 
 
 @needs_mosaic
@@ -365,16 +368,19 @@ def test_the_fused_state_backward_lowers(dims, group_sums, form):
 
 @needs_mosaic
 @pytest.mark.parametrize(
-    "group_sums,transposes,backward,scan_backward",
+    "group_sums,transposes,backward,scan_backward,gated",
     [
-        (None, None, None, None),
-        ("kernels", None, None, None),
-        ("kernels", "kernels", "lean", None),
-        (None, None, "columns", None),  # (dx, dw added into: folded too)
-        ("scores", "kernels", "lean", "lean"),
+        (None, None, None, None, True),
+        ("kernels", None, None, None, True),
+        ("kernels", "kernels", "lean", None, True),
+        (None, None, "columns", None, True),  # (dx, dw added into: folded too)
+        ("scores", "kernels", "lean", "lean", True),
+        # without D and the gate the cotangent is bf16 and dx written over it: folded too
+        (None, None, None, None, False),
+        (None, "kernels", None, None, False),
     ],
 )
-def test_the_layer_lowers_under_vmap(group_sums, transposes, backward, scan_backward):
+def test_the_layer_lowers_under_vmap(group_sums, transposes, backward, scan_backward, gated):
     # the group sums' pallas_call has no batching rule in Mosaic GPU: the mapped axis is folded
     # into the kernels' batch axis (plgpu.kernel batches by itself)
     arrays, seg = make(0, 1, 128, 4, 64, 2, 128, "bfloat16")
@@ -382,8 +388,9 @@ def test_the_layer_lowers_under_vmap(group_sums, transposes, backward, scan_back
 
     def f(a):
         dt = prepared_dt(a["dt"], a["dt_bias"], True, None)
+        D, z = (a["D"], a["z"]) if gated else (None, None)
         y, final = mosaic_gpu.ssd(
-            a["x"], dt, a["A"], a["B"], a["C"], a["D"], a["z"], seg, a["initial_state"], block_sizes=blocks
+            a["x"], dt, a["A"], a["B"], a["C"], D, z, seg, a["initial_state"], block_sizes=blocks
         )  # fmt: skip
         return jnp.sum(y.astype(jnp.float32)) + jnp.sum(final)
 

@@ -278,7 +278,10 @@ def chunk_scan_bwd(
     args = (dy, xt, dt, cum, f, seg, bt, ct, states_in) + (() if theta is None else (theta,))
     kw = dict(group_sums=group_sums, positions_first=positions_first, chunk=chunk, lean=lean, scores=scores)
     body = functools.partial(_chunk_scan_bwd, clean_x=clean_x, **kw)
-    return batch_folding(body)(*args) if group_sums else body(*args)
+    # outputs written in place (the group sums' zeros, dx over a 16-bit dy) go through
+    # `pl.run_state`, which batches only by folding the mapped axis into the batch
+    in_place = group_sums or dy.dtype == xt.dtype
+    return batch_folding(body)(*args) if in_place else body(*args)
 
 
 def lean_reason(
