@@ -48,6 +48,14 @@ def mamba3(*args, block_sizes, interpret=False):
     return forward(core, *args, chunk_size=q, later_ranks=True)
 
 
+def describe(spec, block_sizes) -> str:
+    """`explain`'s backward line: SSD's backward kernels, and where the positions lie."""
+    line = "custom_vjp: SSD's backward kernels"
+    if block_sizes is not None and block_sizes.transposes == "kernels":
+        line += "; v, dy, dv as [b, H, P, L], the kernels transposing their tiles"
+    return line
+
+
 IMPLEMENTATION = Implementation(
     "pallas_tpu",
     mamba3,
@@ -56,5 +64,5 @@ IMPLEMENTATION = Implementation(
     heuristic=pallas_tpu_heuristic,
     space=pallas_tpu_space,
     interpretable=True,
-    backward="custom_vjp: SSD's backward kernels",
+    backward=describe,
 )
