@@ -182,10 +182,10 @@ def pallas_tpu_heuristic(spec: Spec) -> Mamba3BlockSizes:
     """Chunks of 256 positions (as `ssd`'s; the fastest of the tuner's chunks on a v5e at the
     2.7B layer's SISO case, and the least memory), at least 8 (the sublanes): 256 tokens for
     SISO, `256 / kernel_slots(rank)` for MIMO. SISO with `v`, `y` and their gradients with the
-    positions on the lanes (`transposes="kernels"`) where that serves: on a v5e at the 2.7B
-    layer 38.9 / 96.3 ms against 42.3 / 101.1 forward / forward+backward in the same call, 5.70
-    GiB forward+backward against 6.17 (its forward 3.78 against 3.46). MIMO keeps `[b, H, L, P]`:
-    its positions on the lanes are compiled (less memory) but not timed on a chip."""
+    positions on the lanes (`transposes="kernels"`) where that serves: faster forward and
+    forward+backward than the rows on a v5e at the 2.7B layer in one call, with less memory
+    forward+backward and a little more forward (docs/tpu.md). MIMO keeps `[b, H, L, P]`: its
+    positions on the lanes are compiled (less memory) but not timed on a chip."""
     bs = _kernel_chunk(spec, 256, TPU_MIN_CHUNK)
     if not spec.flag("mimo") and _lanes_serve(spec, bs.chunk_size):
         return dataclasses.replace(bs, transposes="kernels")

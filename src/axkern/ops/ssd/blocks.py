@@ -154,9 +154,8 @@ def pallas_tpu_heuristic(spec: Spec) -> SSDBlockSizes:
     summed over each group's heads in the kernels (`group_sums="kernels"`: less temporary
     memory forward+backward than per-head sums in XLA), and `x`, `y` and their gradients with
     the positions on the lanes (`transposes="kernels"`) where the chunk fills them and the head
-    dim is a multiple of 8: on a v5e at the 2.7B layer 12.3 / 35.4 ms and 0.64 / 1.13 GiB
-    forward / forward+backward against 15.2 / 41.3 ms and 1.89 / 2.24 GiB in the same call
-    (docs/ops/ssd.md has the forms timed)."""
+    dim is a multiple of 8: faster and leaner than the rows on a v5e at the 2.7B layer, forward
+    and forward+backward, in one call (docs/ops/ssd.md has the forms timed)."""
     chunk = max(TPU_MIN_CHUNK, min(256, next_power_of_2(spec.dim("length"))))
     lanes = _lanes_serve(spec, chunk)
     return SSDBlockSizes(chunk_size=chunk, group_sums="kernels", transposes="kernels" if lanes else None)
