@@ -227,6 +227,27 @@ def test_ssd_with_the_positions_on_the_lanes(dtype, group_sums):
     assert _lower_value_and_grad(fn, args, tuple(range(5))) == SSD_KERNELS
 
 
+@pytest.mark.parametrize("transposes", ["xla", "kernels"])
+def test_ssd_lowers_under_vmap(transposes):
+    # a mapped axis becomes the kernels' first grid axis, parallel, in both layouts (TPU interpret
+    # mode cannot run the batched grid: its randomised grid order takes the unbatched semantics)
+    b, l, h, p, g, n = 1, 1024, 8, 64, 1, 128  # noqa: E741 - chunks of 256: 4
+    args = [S((3, b, l, h, p), "bfloat16"), S((3, b, l, h), "float32")]
+    args += [S((3, b, l, g, n), "bfloat16")] * 2
+    blocks = SSDBlockSizes(256, transposes=transposes)
+
+    def loss(x, dt, B, C):
+        y = ssd(x, dt, -jnp.ones((h,)), B, C, implementation="pallas_tpu", block_sizes=blocks)
+        return jnp.sum(y.astype(jnp.float32))
+
+    kernels = mosaic_kernels(lower_for_tpu(jax.vmap(jax.grad(loss, argnums=(0, 1, 2, 3))), *args))
+    assert {name for name, _ in kernels} == SSD_KERNELS
+    for name, module in kernels:
+        bounds = re.search(r"iteration_bounds = array<i64: ([0-9, ]+)>", module).group(1)
+        assert tuple(int(v) for v in bounds.split(",")) == (3, b, l // 256, h), (name, bounds)
+        assert re.findall(r"dimension_semantics<(\w+)>", module)[0] == "parallel", name
+
+
 @pytest.mark.parametrize(
     "group_sums,grid,semantics",
     [(None, (1, 16, 8), "parallel parallel arbitrary"), ("xla", (1, 8, 16), "parallel parallel parallel")],
