@@ -149,15 +149,16 @@ def test_mosaic_gpu_at_larger_chunks_against_oracle(chunk, dims, segments, sums,
 
 
 @pytest.mark.skipif(not _hopper(), reason="the Mosaic GPU kernels need a Hopper GPU")
-@pytest.mark.parametrize("forward", ["stages", "fused", "lean"])
+@pytest.mark.parametrize("chunk, forward", [(64, "stages"), (64, "fused"), (64, "lean"), (128, "fused")])
 @pytest.mark.parametrize("dims", MOSAIC_DIMS)
-def test_mosaic_gpu_without_d_and_the_gate_against_oracle(dims, forward):
-    # no D, no gate: the kernels write y in bf16 and the scan's backward reads the bf16
-    # cotangent; values and every gradient, with segments
+def test_mosaic_gpu_without_d_and_the_gate_against_oracle(dims, chunk, forward):
+    # no D, no gate: the kernels write y in bf16 and the scan's backward writes dx over the bf16
+    # cotangent (at chunks of 128 by tiles, its second reads of dy from shared memory); values
+    # and every gradient, with segments
     from axkern.ops.ssd import SSDBlockSizes
 
     arrays, seg = make(1, *dims, "bfloat16", segments=True, extras=False)
-    blocks = SSDBlockSizes(64, forward, "kernels", "kernels")
+    blocks = SSDBlockSizes(chunk, forward, "kernels", "kernels")
     _check_mosaic(arrays, seg, blocks)
 
 
@@ -271,6 +272,42 @@ def test_mosaic_gpu_kernels_at_larger_chunks_equal_their_emulation(kernel, chunk
     # backward's blocks of 64 rows; slow decays, so that every tile below the diagonal carries
     # weight
     _against_emulation(kernel, _kernel_inputs(kernel, *dims, chunk=chunk, slow=True), chunk)
+
+
+@pytest.mark.skipif(not _hopper(), reason="the Mosaic GPU kernels need a Hopper GPU")
+@pytest.mark.parametrize(
+    "chunk, dims, lean",
+    [
+        (None, (2, 4, 2, 3, 64, 128), False),
+        (None, (2, 4, 2, 3, 64, 128), True),
+        (128, (2, 4, 2, 3, 64, 128), False),
+        (256, (1, 2, 2, 2, 64, 64), False),
+    ],
+)
+def test_mosaic_gpu_scan_backward_writes_dx_over_a_bf16_dy(chunk, dims, lean):
+    # a bf16 cotangent has dx's type: the kernel writes dx over it (`tiles.launch`'s `over`),
+    # each block reading its rows of dy before writing them, the tiled kernel (chunks of 128,
+    # 256) its second reads from shared memory; against the emulation given the same dy
+    import functools
+
+    import jax.numpy as jnp
+
+    from axkern.ops.chunked import mosaic_gpu
+
+    dy, *scan = _kernel_inputs("chunk_scan_bwd", *dims, chunk=chunk, slow=True)
+    dy = dy.astype(jnp.bfloat16)
+    kw = ({} if chunk is None else {"chunk": chunk}) | ({"lean": True} if lean else {})
+    got = jax.jit(functools.partial(mosaic_gpu.chunk_scan_bwd, **kw))(dy, *scan)
+    cpu = jax.devices("cpu")[0]
+    with jax.default_device(cpu):
+        emulate = functools.partial(
+            mosaic_gpu.emulate_chunk_scan_bwd, **({} if chunk is None else {"q": chunk})
+        )
+        args = jax.device_put((dy.astype(jnp.float32), *scan), cpu)
+        want = jax.jit(emulate)(*args)
+    for i, (a, e) in enumerate(zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True)):
+        assert a.shape == e.shape, (i, a.shape, e.shape)
+        assert _error(a, e) <= 1e-4, (i, _error(a, e))
 
 
 @pytest.mark.skipif(not _hopper(), reason="the Mosaic GPU kernels need a Hopper GPU")
