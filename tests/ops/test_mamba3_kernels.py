@@ -36,6 +36,8 @@ from tests.harness import check_rule
         # MIMO of rank 2 over chunks of 64 tokens (128 positions)
         ("pallas_tpu", (1, 300, 2, 64, 1, 16, 4), "bfloat16", Mamba3BlockSizes(128, transposes="kernels"), 0),
         ("pallas_tpu", (1, 150, 2, 64, 1, 16, 4), "float32", Mamba3BlockSizes(64, transposes="kernels"), 2),
+        # MIMO of rank 4 (the 2.7B preset's) in bf16: chunks of 4 tokens (16 positions), segments
+        ("pallas_tpu", (1, 19, 2, 8, 1, 8, 2), "bfloat16", 4, 4),
     ],
     ids=[
         "tpu-siso-float32",
@@ -45,6 +47,7 @@ from tests.harness import check_rule
         "gpu-mimo3-bfloat16",
         "tpu-lanes-siso-bfloat16",
         "tpu-lanes-mimo2-float32",
+        "tpu-mimo4-bfloat16",
     ],
 )
 def test_kernels_against_sequential_oracle(impl, dims, dtype, chunk, rank):
