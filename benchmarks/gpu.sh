@@ -13,7 +13,7 @@
 # `gpu.sh attention_peers` runs attention's GPU preset with `--peers` (tokamax); `gpu.sh attention_mosaic`
 # the Mosaic GPU kernels' tests; `ssd_mosaic` the SSD Mosaic GPU kernels' tests; `ssd_mosaic_bench` the
 # layer beside pallas_gpu and the peers; `ssd_chunks` `mosaic_gpu`'s default (chunks of 64) and its whole kernels at
-# chunks of 128 at every length of the preset, beside mamba_ssm (the sweep file of 128 beside the preset's); `gpu.sh fp16` the fp16 GPU tests of SSD and Mamba-3 and their fp16
+# chunks of 128 at every length of the preset, beside mamba_ssm (128's run as ssd/sweep.json beside the preset's); `gpu.sh fp16` the fp16 GPU tests of SSD and Mamba-3 and their fp16
 # benches; `gpu.sh kernel_times OP PRESET --impl A,B` runs benchmarks/diagnostics/kernel_times.py (device
 # time per kernel, through PyTorch's profiler); `gpu.sh fused_cross_entropy_dw` runs
 # benchmarks/diagnostics/fused_cross_entropy_dw.py (the reduced loss's dw accumulations at llama3's size:
@@ -101,7 +101,7 @@ ssd_mosaic_bench)  # the layer beside pallas_gpu and the peers
 ssd_chunks)  # chunks of 64 (the default) and of 128 (the fused forward and the whole backward by tiles)
   BENCH_T=420 bench ssd mamba2_2.7b --impl mosaic_gpu --peers
   step 420 bench_ssd_chunk128 $axkern bench ssd --preset mamba2_2.7b --impl mosaic_gpu --repeats 5 --peers \
-    --blocks mosaic_gpu:chunk_size=128,forward=fused,scan_backward=none,group_sums=kernels --json "$R/ssd/sweep_chunk128.json"
+    --blocks mosaic_gpu:chunk_size=128,forward=fused,scan_backward=none,group_sums=kernels --json "$R/ssd/sweep.json"
   ;;
 fp16)  # fp16 against the oracle (SSD's xla and pallas_gpu, Mamba-3's pallas_gpu), then timed at the 2.7B layers
   step 300 gpu_tests_fp16 env XLA_PYTHON_CLIENT_PREALLOCATE=false $gpu_tests -n 4 --tb=short \
