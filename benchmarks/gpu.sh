@@ -12,8 +12,9 @@
 # OP is an op folder: attention, cross_entropy, fused_cross_entropy, mamba3, moe, moe_ep, short_conv, ssd;
 # `gpu.sh attention_peers` runs attention's GPU preset with `--peers` (tokamax); `gpu.sh attention_mosaic`
 # the Mosaic GPU kernels' tests; `ssd_mosaic` the SSD Mosaic GPU kernels' tests; `ssd_mosaic_bench` the
-# layer beside pallas_gpu and the peers; `ssd_chunks` `mosaic_gpu`'s default (chunks of 64) and its whole kernels at
-# chunks of 128 at every length of the preset, beside mamba_ssm (128's run as ssd/sweep.json beside the preset's); `gpu.sh fp16` the fp16 GPU tests of SSD and Mamba-3 and their fp16
+# layer beside pallas_gpu and the peers; `ssd_chunks` `mosaic_gpu`'s default (chunks of 64) and its
+# whole kernels at chunks of 128 at every length of the preset, beside mamba_ssm (128's run as
+# ssd/sweep.json beside the preset's); `gpu.sh fp16` the fp16 GPU tests of SSD and Mamba-3 and their fp16
 # benches; `gpu.sh kernel_times OP PRESET --impl A,B` runs benchmarks/diagnostics/kernel_times.py (device
 # time per kernel, through PyTorch's profiler); `gpu.sh fused_cross_entropy_dw` runs
 # benchmarks/diagnostics/fused_cross_entropy_dw.py (the reduced loss's dw accumulations at llama3's size:
