@@ -136,6 +136,12 @@ def test_pallas_tpu_positions_on_the_lanes_need_chunks_that_fill_them():
         axkern.Unsupported, match=r"transposes='kernels': chunk_size=64: .* of a multiple of 128\)"
     ):
         run("pallas_tpu", arrays, seg, block_sizes=SSDBlockSizes(64, transposes="kernels"))
+    # and a head dim whose [P, Q] tiles transpose whole sublanes
+    arrays, seg = make(0, 1, 256, 2, 12, 1, 16, "bfloat16")
+    with pytest.raises(
+        axkern.Unsupported, match=r"transposes='kernels': chunk_size=128: head_dim=12: .* of 8\)"
+    ):
+        run("pallas_tpu", arrays, seg, block_sizes=SSDBlockSizes(128, transposes="kernels"))
 
 
 def test_pallas_tpu_per_head_group_sums_against_sequential_oracle():

@@ -50,6 +50,7 @@ from axkern.core import kernels
 from .layout import Layout
 
 __all__ = [
+    "lanes_reason",
     "TPU_LANES",
     "TPU_MIN_CHUNK",
     "TpuHeadsLanesLayout",
@@ -60,6 +61,17 @@ __all__ = [
 
 TPU_MIN_CHUNK = 8  # the sublanes
 TPU_LANES = 128
+
+
+def lanes_reason(positions: int, head_dim: int) -> str | None:
+    """Why the positions cannot lie on the lanes (`PositionsOnLanes`) at chunks of `positions`
+    and head dim `head_dim`, or None: a chunk fills whole lanes, and the kernels' `[P, Q]` tiles
+    transpose whole sublanes."""
+    if positions % TPU_LANES:
+        return f"the positions fill a tile's {TPU_LANES} lanes (chunks of a multiple of {TPU_LANES})"
+    if head_dim % TPU_MIN_CHUNK:
+        return f"head_dim={head_dim}: the kernels transpose whole sublanes (a multiple of {TPU_MIN_CHUNK})"
+    return None
 
 
 def halves(a) -> tuple:

@@ -10,7 +10,7 @@ from typing import ClassVar
 from axkern.core.blocks import BlockSizes, grid, next_power_of_2, unique_valid
 from axkern.core.op import Spec, Unsupported
 from axkern.ops.chunked.pallas_gpu import GPU_MIN_DIM
-from axkern.ops.chunked.pallas_tpu import TPU_LANES, TPU_MIN_CHUNK
+from axkern.ops.chunked.pallas_tpu import TPU_MIN_CHUNK, lanes_reason
 
 __all__ = [
     "Mamba3BlockSizes",
@@ -172,10 +172,9 @@ def pallas_tpu_space(spec: Spec) -> list[Mamba3BlockSizes]:
 
 
 def _lanes_serve(spec: Spec, chunk: int) -> bool:
-    """Whether `pallas_tpu` can lay the positions on the lanes at chunks of `chunk` tokens: they
-    fill them and the kernels' `[P, Q]` tiles transpose whole sublanes."""
-    positions = chunk * kernel_slots(spec.dim("rank"))
-    return positions % TPU_LANES == 0 and spec.dim("head_dim") % TPU_MIN_CHUNK == 0
+    """Whether `pallas_tpu` can lay the positions on the lanes at chunks of `chunk` tokens
+    (`chunked.pallas_tpu.lanes_reason`, over their kernel positions)."""
+    return lanes_reason(chunk * kernel_slots(spec.dim("rank")), spec.dim("head_dim")) is None
 
 
 def pallas_tpu_heuristic(spec: Spec) -> Mamba3BlockSizes:

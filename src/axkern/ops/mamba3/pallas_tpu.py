@@ -17,7 +17,7 @@ v5e it passes `tests/tpu` and is first in mamba3's TPU order (docs/tpu.md, "Meas
 from __future__ import annotations
 
 from axkern.core.op import Implementation, Unsupported
-from axkern.ops.chunked.pallas_tpu import TPU_LANES, TPU_MIN_CHUNK, TpuLanesLayout, TpuLayout
+from axkern.ops.chunked.pallas_tpu import TPU_MIN_CHUNK, TpuLanesLayout, TpuLayout, lanes_reason
 
 from .blocks import Mamba3BlockSizes, kernel_slots, pallas_tpu_heuristic, pallas_tpu_space, refuse_forms
 from .common.kernel_core import kernel_core, refuse_float64
@@ -37,11 +37,9 @@ def mamba3(*args, block_sizes, interpret=False):
         raise Unsupported(f"{chunk} is below {TPU_MIN_CHUNK} (TPU sublanes)")
     layout = TpuLayout
     if block_sizes.transposes == "kernels":
-        if q * slots % TPU_LANES:
-            raise Unsupported(
-                f"transposes='kernels': chunk_size={q} ({q * slots} positions): the positions fill a "
-                f"tile's {TPU_LANES} lanes (chunks of a multiple of {TPU_LANES} positions)"
-            )
+        reason = lanes_reason(q * slots, args[2].shape[-1])  # v's head dim
+        if reason:
+            raise Unsupported(f"transposes='kernels': chunk_size={q} ({q * slots} positions): {reason}")
         layout = TpuLanesLayout
     dtype, mimo = args[2].dtype, args[16] is not None  # v, W_x
     core = kernel_core(layout, chunk_size=q, interpret=bool(interpret), dtype=dtype, mimo=mimo)

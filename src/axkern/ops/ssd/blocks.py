@@ -19,7 +19,7 @@ from axkern.ops.chunked.mosaic_gpu import (
     lean_state_bwd_shares_an_sm,
 )
 from axkern.ops.chunked.pallas_gpu import GPU_MAX_CHUNK, GPU_MAX_CHUNK_32BIT, GPU_MIN_DIM
-from axkern.ops.chunked.pallas_tpu import TPU_LANES, TPU_MIN_CHUNK
+from axkern.ops.chunked.pallas_tpu import TPU_MIN_CHUNK, lanes_reason
 
 __all__ = [
     "SSDBlockSizes",
@@ -157,14 +157,8 @@ def pallas_tpu_heuristic(spec: Spec) -> SSDBlockSizes:
     dim is a multiple of 8: faster and leaner than the rows on a v5e at the 2.7B layer, forward
     and forward+backward, in one call (docs/ops/ssd.md has the forms timed)."""
     chunk = max(TPU_MIN_CHUNK, min(256, next_power_of_2(spec.dim("length"))))
-    lanes = _lanes_serve(spec, chunk)
+    lanes = lanes_reason(chunk, spec.dim("head_dim")) is None
     return SSDBlockSizes(chunk_size=chunk, group_sums="kernels", transposes="kernels" if lanes else None)
-
-
-def _lanes_serve(spec: Spec, chunk: int) -> bool:
-    """Whether `pallas_tpu` can lay the positions on the lanes at chunks of `chunk`: the chunk
-    fills them and the kernels' `[P, Q]` tiles transpose whole sublanes."""
-    return chunk % TPU_LANES == 0 and spec.dim("head_dim") % TPU_MIN_CHUNK == 0
 
 
 def pallas_tpu_space(spec: Spec) -> list[SSDBlockSizes]:
@@ -178,8 +172,9 @@ def pallas_tpu_space(spec: Spec) -> list[SSDBlockSizes]:
         chunk_size=_chunks(spec, 32, 256),
         group_sums=("kernels", "xla"),
     )
+    p = spec.dim("head_dim")
     lanes = [
-        dataclasses.replace(bs, transposes="kernels") for bs in forms if _lanes_serve(spec, bs.chunk_size)
+        dataclasses.replace(bs, transposes="kernels") for bs in forms if not lanes_reason(bs.chunk_size, p)
     ]
     return unique_valid([pallas_tpu_heuristic(spec), *forms, *lanes], spec)
 

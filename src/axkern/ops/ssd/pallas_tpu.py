@@ -13,12 +13,12 @@ from __future__ import annotations
 from axkern.core.op import Implementation, Unsupported
 from axkern.ops.chunked import kernel_scan
 from axkern.ops.chunked.pallas_tpu import (
-    TPU_LANES,
     TPU_MIN_CHUNK,
     TpuHeadsLanesLayout,
     TpuHeadsLayout,
     TpuLanesLayout,
     TpuLayout,
+    lanes_reason,
 )
 
 from .blocks import SSDBlockSizes, pallas_tpu_heuristic, pallas_tpu_space, refuse_mosaic_gpu_forms
@@ -33,11 +33,9 @@ def ssd(x, dt, A, B, C, D, z, segment_ids, initial_state, *, block_sizes, interp
     if q < TPU_MIN_CHUNK:
         raise Unsupported(f"chunk_size={q} is below {TPU_MIN_CHUNK} (TPU sublanes)")
     lanes = block_sizes.transposes == "kernels"
-    if lanes and q % TPU_LANES:
-        raise Unsupported(
-            f"transposes='kernels': chunk_size={q}: the positions fill a tile's {TPU_LANES} lanes "
-            f"(chunks of a multiple of {TPU_LANES})"
-        )
+    reason = lanes and lanes_reason(q, x.shape[-1])
+    if reason:
+        raise Unsupported(f"transposes='kernels': chunk_size={q}: {reason}")
     # (dB, dC summed in VMEM or by XLA) x (positions along the rows or the lanes)
     layouts = {"xla": (TpuHeadsLayout, TpuHeadsLanesLayout)}.get(
         block_sizes.group_sums, (TpuLayout, TpuLanesLayout)
