@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 import axkern
-from axkern.ops.mamba3.blocks import Mamba3BlockSizes
+from axkern.ops.mamba3.blocks import Mamba3BlockSizes, kernel_slots
 from tests.cases.mamba3 import call, make, run
 from tests.tpu.chip import DRY_RUN, assert_compiled_first_that_serves, case_id, check, sizes
 
@@ -40,21 +40,16 @@ def test_against_oracle(case, impl):
     check(lambda name, a: run(name, a, seg), impl, arrays, dtype, what, oracle_dtype="float64")
 
 
-def test_siso_positions_on_the_rows_against_oracle():
-    # SISO's default lays v, y and their gradients out [b, H, P, L] (`transposes="kernels"`):
-    # the other form, [b, H, L, P], at the same chunks of 256
-    *dims, rank, dtype = CASES[0]
+@pytest.mark.parametrize("case", [CASES[0], CASES[-1]], ids=case_id)
+def test_positions_on_the_rows_against_oracle(case):
+    # the default lays v, y and their gradients out [b, H, P, L] (`transposes="kernels"`) where it
+    # serves: the other form, [b, H, L, P], at the same chunks of 256 positions, SISO and MIMO
+    *dims, rank, dtype = case
     arrays, seg = make(0, *dims, rank, dtype, segments=True)
-    blocks = Mamba3BlockSizes(256, transposes="xla")
+    blocks = Mamba3BlockSizes(256 // kernel_slots(rank), transposes="xla")
     run_ = lambda name, a: run(name, a, seg, blocks if name != "reference" else None)  # noqa: E731
-    check(
-        run_,
-        "pallas_tpu",
-        arrays,
-        dtype,
-        f"mamba3 SISO {case_id(CASES[0])} transposes=xla",
-        oracle_dtype="float64",
-    )
+    what = f"mamba3 {'MIMO' if rank else 'SISO'} {case_id(case)} transposes=xla"
+    check(run_, "pallas_tpu", arrays, dtype, what, oracle_dtype="float64")
 
 
 @pytest.mark.parametrize("rank", [0, 2])

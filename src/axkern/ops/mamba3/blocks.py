@@ -180,12 +180,12 @@ def _lanes_serve(spec: Spec, chunk: int) -> bool:
 def pallas_tpu_heuristic(spec: Spec) -> Mamba3BlockSizes:
     """Chunks of 256 positions (as `ssd`'s; the fastest of the tuner's chunks on a v5e at the
     2.7B layer's SISO case, and the least memory), at least 8 (the sublanes): 256 tokens for
-    SISO, `256 / kernel_slots(rank)` for MIMO. SISO with `v`, `y` and their gradients with the
-    positions on the lanes (`transposes="kernels"`) where that serves: faster forward and
-    forward+backward than the rows on a v5e at the 2.7B layer in one call, with less memory
-    forward+backward and a little more forward (docs/tpu.md). MIMO keeps `[b, H, L, P]`: its
-    positions on the lanes are compiled (less memory) but not timed on a chip."""
+    SISO, `256 / kernel_slots(rank)` for MIMO. `v`, `y` and their gradients with the positions on
+    the lanes (`transposes="kernels"`) where that serves: on a v5e at the 2.7B layer, SISO's
+    forward and forward+backward faster than on the rows in one call, with less memory
+    forward+backward and a little more forward; MIMO of rank 4's as fast (within the spread of
+    two calls) with less memory, forward and forward+backward (docs/tpu.md)."""
     bs = _kernel_chunk(spec, 256, TPU_MIN_CHUNK)
-    if not spec.flag("mimo") and _lanes_serve(spec, bs.chunk_size):
+    if _lanes_serve(spec, bs.chunk_size):
         return dataclasses.replace(bs, transposes="kernels")
     return bs
