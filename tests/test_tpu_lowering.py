@@ -271,10 +271,14 @@ def test_ssd_group_sums_forms_take_their_grids(group_sums, grid, semantics):
         assert re.findall(r"dimension_semantics<(\w+)>", module) == semantics.split(), name
 
 
-@pytest.mark.parametrize("lanes", [False, True], ids=["", "lanes"])
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rank", [0, 4])
-def test_mamba3(dtype, rank, lanes):
+@pytest.mark.parametrize(
+    "rank,lanes,rotation",
+    # q, k turned in the kernels: SISO only
+    [(0, False, "xla"), (0, True, "xla"), (0, True, "kernel"), (4, False, "xla"), (4, True, "xla")],
+    ids=["0", "0-lanes", "0-lanes-rotating", "4", "4-lanes"],
+)
+def test_mamba3(dtype, rank, lanes, rotation):
     b, l, h, p, n, g, a = 1, 2048, 8, 64, 128, 1, 16  # noqa: E741
     qk = (b, l, g, n) if not rank else (b, l, rank, g, n)
     bias = (h, n) if not rank else (h, rank, n)
@@ -308,8 +312,11 @@ def test_mamba3(dtype, rank, lanes):
             segment_ids=ids,
             mimo=tuple(mimo) or None,
             implementation="pallas_tpu",
-            # 128 kernel positions a chunk (128 tokens SISO, 32 at rank 4), on the lanes or the rows
-            block_sizes=Mamba3BlockSizes(128 // (4 if rank else 1), transposes="kernels" if lanes else "xla"),
+            # 128 kernel positions a chunk (128 tokens SISO, 32 at rank 4), on the lanes or the
+            # rows; q, k turned by XLA or (SISO) in the kernels
+            block_sizes=Mamba3BlockSizes(
+                128 // (4 if rank else 1), transposes="kernels" if lanes else "xla", rotation=rotation
+            ),
         )
 
     # SSD's chunk kernels with a per-position decay and scale

@@ -38,6 +38,17 @@ from tests.harness import check_rule
         ("pallas_tpu", (1, 150, 2, 64, 1, 16, 4), "float32", Mamba3BlockSizes(64, transposes="kernels"), 2),
         # MIMO of rank 4 (the 2.7B preset's) in bf16: chunks of 4 tokens (16 positions), segments
         ("pallas_tpu", (1, 19, 2, 8, 1, 8, 2), "bfloat16", 4, 4),
+        # q, k turned in the kernels (`rotation="kernel"`): bf16 with the positions on the lanes over
+        # chunks of 128 and a part, 8 of the state's 16 pairs turned; float32 on the rows with two
+        # groups of two heads, every pair turned
+        (
+            "pallas_tpu",
+            (1, 300, 2, 64, 1, 32, 8),
+            "bfloat16",
+            Mamba3BlockSizes(128, rotation="kernel", transposes="kernels"),
+            0,
+        ),
+        ("pallas_tpu", (2, 150, 4, 8, 2, 16, 8), "float32", Mamba3BlockSizes(128, rotation="kernel"), 0),
     ],
     ids=[
         "tpu-siso-float32",
@@ -48,6 +59,8 @@ from tests.harness import check_rule
         "tpu-lanes-siso-bfloat16",
         "tpu-lanes-mimo2-float32",
         "tpu-mimo4-bfloat16",
+        "tpu-rotating-lanes-siso-bfloat16",
+        "tpu-rotating-siso-float32",
     ],
 )
 def test_kernels_against_sequential_oracle(impl, dims, dtype, chunk, rank):
@@ -143,13 +156,14 @@ def test_each_kernel_implementation_declares_a_space_the_tuner_walks(impl, rank,
     forms = {(f, getattr(bs, f)) for bs in got for f in fields}
     want = {
         "pallas_gpu": {("rotation_backward", "kernel"), ("angles", "xla")},
-        "pallas_tpu": {("transposes", "kernels")},
+        # q, k turned in the kernels: SISO only
+        "pallas_tpu": {("transposes", "kernels")} | ({("rotation", "kernel")} if rank == 0 else set()),
         "mosaic_gpu": {("forward", "stages"), ("rotation", "xla"), ("angles", "xla")},
     }[impl]
     assert want <= forms and all(v is None for f, v in forms - want)
     # the positions on the lanes only where a chunk's positions fill them
     slots = 4 if rank == 4 else 1
-    assert all(bs.chunk_size * slots % 128 == 0 for bs in got if bs.transposes == "kernels")
+    assert all(bs.chunk_size * slots % 128 == 0 for bs in got if "kernel" in (bs.transposes, bs.rotation))
     if impl == "mosaic_gpu":  # a state of 64: the kernel cannot turn q, k, so no XLA rotation to time apart
         assert all(bs.rotation is None for bs in tune.candidates(imp, _spec(4096, 0, state=64)))
     # a short sequence keeps the chunks within its next power of two

@@ -215,7 +215,9 @@ def test_it_refuses_what_the_kernels_cannot_take_with_the_reason():
         with pytest.raises(axkern.Unsupported, match="only mosaic_gpu has forward forms"):
             with axkern.use(interpret=True):
                 call(impl, small, chunk_size=Mamba3BlockSizes(16, forward="fused"))
-        with pytest.raises(axkern.Unsupported, match="only mosaic_gpu chooses where q and k are rotated"):
+        with pytest.raises(
+            axkern.Unsupported, match="only mosaic_gpu and pallas_tpu choose where q and k are rotated"
+        ):
             with axkern.use(interpret=True):
                 call(impl, small, chunk_size=Mamba3BlockSizes(16, rotation="xla"))
     assert "forward must be one of" in Mamba3BlockSizes(64, forward="one").validate(_h200_spec())

@@ -52,6 +52,17 @@ def test_positions_on_the_rows_against_oracle(case):
     check(run_, "pallas_tpu", arrays, dtype, what, oracle_dtype="float64")
 
 
+def test_q_and_k_turned_in_the_kernels_against_oracle():
+    # `rotation="kernel"` (SISO): every kernel forms its rotated q, k tiles from the unrotated
+    # values per group, the biases and the angles; on the lanes, chunks of 256, all 32 angles
+    dims = sizes((2, 512, 8, 64, 1, 128, 32), (1, 100, 2, 16, 1, 16, 8))
+    arrays, seg = make(0, *dims, 0, "bfloat16", segments=True)
+    blocks = Mamba3BlockSizes(256, transposes="kernels", rotation="kernel")
+    run_ = lambda name, a: run(name, a, seg, blocks if name != "reference" else None)  # noqa: E731
+    what = f"mamba3 SISO {case_id((*dims, 0, 'bfloat16'))} rotation=kernel"
+    check(run_, "pallas_tpu", arrays, "bfloat16", what, oracle_dtype="float64")
+
+
 @pytest.mark.parametrize("rank", [0, 2])
 def test_pallas_tpu_runs_compiled_and_the_default_is_the_first_that_serves(rank):
     dims = sizes((2, 512, 8, 64, 1, 128, 32), (1, 64, 2, 16, 1, 16, 4))

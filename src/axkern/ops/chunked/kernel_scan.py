@@ -147,7 +147,7 @@ def _core_fwd(cfg, xt, ac, scale, bt, ct, sc, initial_state, diag):
     angles, kernel = layout.turns_back(), layout.parts_kernel
     formed = (
         bt.parts_with(ct, angles, kernel=kernel, interpret=interpret)  # (q, k: one kernel for both)
-        if hasattr(bt, "parts_with")
+        if hasattr(bt, "parts_with") and not layout.takes_rotations
         else (bt, ct)
     )
     out, states_in = _core_forward(cfg, xt, ac, scale, *formed, sc, initial_state, diag)
@@ -197,8 +197,9 @@ def _pullback(operand, formed):
     """The map from `B`'s or `C`'s cotangent (per head or group, float32) to the input's: cast
     to an array's dtype, or an operand's own (`cotangent`: Mamba-3's rotation; turned back
     already where the kernels had its angles, `formed.theta`)."""
-    if hasattr(operand, "cotangent"):
-        return functools.partial(operand.cotangent, turned=getattr(formed, "theta", None) is not None)
+    if hasattr(operand, "cotangent"):  # (a rotation the kernels took as it is: `g` stays rotated)
+        turned = not hasattr(formed, "cotangent") and getattr(formed, "theta", None) is not None
+        return functools.partial(operand.cotangent, turned=turned)
     return lambda d: d.astype(operand.dtype)
 
 

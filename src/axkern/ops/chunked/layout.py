@@ -141,6 +141,9 @@ class Layout:
     # whether a `B`, `C` formed by Mamba-3's rotation (`mosaic_gpu/rotation.py`) is split into its
     # halves by a kernel (`rotated_parts`) rather than in XLA
     parts_kernel = False
+    # whether the kernels take such a rotation as it is and turn its tiles themselves, forward and
+    # backward, their `dB`, `dC` per head and rotated (`pallas_tpu.TpuLayout`'s)
+    takes_rotations = False
 
     @classmethod
     def turns_back(cls) -> bool:

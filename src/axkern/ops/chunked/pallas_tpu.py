@@ -30,6 +30,19 @@ writing, where `[b, H, L, P]` fills a head dim of 64 out to 128 lanes in HBM (tw
 bytes: a float32 `y` or `dx` 640 MiB at the 2.7B layer, L 4096, where its values take 320).
 Chunks of a multiple of 128 (the lanes).
 
+**`B`, `C` turned in the kernels** (`takes_rotations`: a `mosaic_gpu.operands.RotatedOperand`,
+Mamba-3's rotated, biased `k` and `q` as the unrotated values per group, the biases and the
+angles per head). Each kernel that reads `B` or `C` forms its rotated `[Q, N]` tile from the
+group's `u` tile, the head's bias and the head's `Θ` tile (`_Turned`), so no per-head float32
+`[b, h, L, N]` array is written, kept for the backward or read again: `u` enters as `[b, g, N, L]`
+and `Θ` as `[b, h, A, L]` (transposed in XLA: `u` per group is small, and `Θ`'s `A` columns on
+the lanes would take `128 / A` times their bytes), the turn runs on `[N, Q]` tiles (the pairs
+`(i, i + N/2)` are rows there: slices at multiples of 8 sublanes, no lane shuffles), and one
+transpose gives the bodies their `[Q, N]`. Where `B` and `C` turn by the same angles (Mamba-3's
+`q` and `k`), a kernel reads `Θ` once and forms `cos`, `sin` once. The backward kernels' `dB`,
+`dC` stay per head (rotated), turned back by XLA (`RotatedOperand.cotangent`). `rotation_reason`
+says which sizes it serves.
+
 **Constraints**: the chunk a multiple of 8 (`TPU_MIN_CHUNK`, the sublanes). Scores, decays and
 their gradients are `[Q, Q]` float32 in VMEM (about 1.3 MiB at `Q = 256`).
 
@@ -51,6 +64,7 @@ from .layout import Layout
 
 __all__ = [
     "lanes_reason",
+    "rotation_reason",
     "TPU_LANES",
     "TPU_MIN_CHUNK",
     "TpuHeadsLanesLayout",
@@ -74,6 +88,56 @@ def lanes_reason(positions: int, head_dim: int) -> str | None:
     return None
 
 
+def rotation_reason(positions: int, state: int, angles: int) -> str | None:
+    """Why the kernels cannot turn `B`, `C` themselves (`takes_rotations`) at chunks of
+    `positions`, a state of `state` and `angles` angles, or None: `Θ` and `u` enter with the
+    positions on the lanes, and the turn slices `[N, Q]` tiles at whole sublanes."""
+    if positions % TPU_LANES:
+        return f"the angles' tiles put the positions on the lanes (chunks of a multiple of {TPU_LANES})"
+    if state % (2 * TPU_MIN_CHUNK) or angles % TPU_MIN_CHUNK or angles > state // 2:
+        return (
+            f"state={state}, {angles} angles: the turn slices whole sublanes (the state a multiple of "
+            f"{2 * TPU_MIN_CHUNK}, the angles a multiple of {TPU_MIN_CHUNK}, at most half the state)"
+        )
+    return None
+
+
+def _is_rotation(a) -> bool:
+    """Whether `a` is a rotation the kernels turn (`mosaic_gpu.operands.RotatedOperand`'s form:
+    `u`, `bias`, `theta`), not an array."""
+    return all(hasattr(a, name) for name in ("u", "bias", "theta"))
+
+
+class _Turned:
+    """A kernel's `B` or `C` ref as the bodies read it (`ref[0, 0]`): the rotated `[Q, N]`
+    float32 tile `rotate_halves(u + bias, Θ)` from the refs of the group's `uᵀ` (`[N, Q]`), the
+    head's bias (`[1, N]`) and the head's `Θᵀ` (`[A, Q]`); `turns` holds `cos`, `sin` of a `Θ`
+    ref once formed, shared by the kernel's other operand that turns by the same angles."""
+
+    def __init__(self, u_ref, bias_ref, theta_ref, turns):
+        self.refs, self.turns = (u_ref, bias_ref, theta_ref), turns
+
+    def __getitem__(self, index):
+        u_ref, bias_ref, theta_ref = self.refs
+        if id(theta_ref) not in self.turns:
+            theta = theta_ref[0, 0]  # [A, Q]
+            self.turns[id(theta_ref)] = (jnp.cos(theta), jnp.sin(theta))
+        cos, sin = self.turns[id(theta_ref)]
+        w = u_ref[0, 0].astype(jnp.float32) + bias_ref[0].T  # [N, Q] (the bias a row, turned to a column)
+        half, a = w.shape[0] // 2, cos.shape[0]
+        first, second = w[:half], w[half:]
+        pieces = [
+            first[:a] * cos - second[:a] * sin,
+            first[a:],
+            first[:a] * sin + second[:a] * cos,
+            second[a:],
+        ]
+        turned = jnp.concatenate([x for x in pieces if x.shape[0]], axis=0) if a else w
+        # non-finite values (and a turn's overflow) as 0, as `operands.finite_or_zero`
+        turned = jnp.where(jnp.abs(turned) <= jnp.finfo(jnp.float32).max, turned, 0.0)
+        return turned.T  # [Q, N]
+
+
 def halves(a) -> tuple:
     """`a` as bf16 parts whose sum is `a` to about 16 bits: itself where it is 16-bit (a bf16
     input's values), else its two halves (`kernels.halves`)."""
@@ -88,6 +152,7 @@ class TpuLayout(Layout):
     heads)`; `dB`, `dC` summed over each group's heads in the kernels."""
 
     sums_groups = True
+    takes_rotations = True
 
     def __init__(self, xt, bt, *, q, interpret, products=None, clean_x=False):
         super().__init__(xt, bt, q=q, interpret=interpret, products=products, clean_x=clean_x)
@@ -158,9 +223,48 @@ class TpuLayout(Layout):
     def __call__(self, kernel, in_specs, outs, *args):
         """The base launch with the grid `(batch, chunks, heads)`: every block spec's index map
         takes its arguments in that order."""
+        kernel, in_specs, args = self.rotations(kernel, in_specs, args)
         turn = lambda spec: pl.BlockSpec(spec.block_shape, lambda b, c, h, f=spec.index_map: f(b, h, c))  # noqa: E731
         outs = [(turn(spec), shape) for spec, shape in outs]
         return super().__call__(kernel, [turn(s) for s in in_specs], outs, *args)
+
+    def rotations(self, kernel, in_specs, args):
+        """`(kernel, in_specs, args)` with each rotation among `args` (`takes_rotations`) as the
+        arrays its tiles come from (its specs indexed `(b, h, c)`), and `kernel` reading it
+        through a `_Turned` ref: `uᵀ` per group, the biases as rows, `Θᵀ` per head (once where
+        two rotations share it)."""
+        if not any(_is_rotation(a) for a in args):
+            return kernel, in_specs, args
+        q, specs, flat, where, thetas = self.q, [], [], [], {}
+        for spec, arg in zip(in_specs, args, strict=True):
+            if not _is_rotation(arg):
+                where.append(len(flat))
+                specs.append(spec), flat.append(arg)
+                continue
+            _, groups, _, n = arg.u.shape
+            rep, a = arg.bias.shape[0] // groups, arg.theta.shape[-1]
+            at = [len(flat), len(flat) + 1]
+            specs += [
+                pl.BlockSpec((1, 1, n, q), lambda b, h, c, rep=rep: (b, h // rep, 0, c)),
+                pl.BlockSpec((1, 1, n), lambda b, h, c: (h, 0, 0)),
+            ]
+            flat += [jnp.swapaxes(arg.u, 2, 3), arg.bias.astype(jnp.float32)[:, None]]
+            if id(arg.theta) not in thetas:
+                thetas[id(arg.theta)] = len(flat)
+                specs.append(pl.BlockSpec((1, 1, a, q), lambda b, h, c: (b, h, 0, c)))
+                flat.append(jnp.swapaxes(arg.theta, 2, 3).astype(jnp.float32))
+            where.append((*at, thetas[id(arg.theta)]))
+        count = len(flat)
+
+        def body(*refs, lay):
+            ins, turns = refs[:count], {}
+            regrouped = [
+                ins[i] if isinstance(i, int) else _Turned(*(ins[j] for j in i), turns) for i in where
+            ]
+            return kernel(*regrouped, *refs[count:], lay=lay)
+
+        body.__name__ = getattr(kernel, "func", kernel).__name__  # the launch names its kernel so
+        return body, specs, flat
 
     def call_params(self) -> dict:
         return {
@@ -180,6 +284,7 @@ class TpuHeadsLayout(TpuLayout):
     put_group = Layout.put_group
 
     def __call__(self, kernel, in_specs, outs, *args):
+        kernel, in_specs, args = self.rotations(kernel, in_specs, args)
         return Layout.__call__(self, kernel, in_specs, outs, *args)
 
     def call_params(self) -> dict:

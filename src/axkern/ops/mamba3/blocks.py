@@ -10,7 +10,7 @@ from typing import ClassVar
 from axkern.core.blocks import BlockSizes, grid, next_power_of_2, unique_valid
 from axkern.core.op import Spec, Unsupported
 from axkern.ops.chunked.pallas_gpu import GPU_MIN_DIM
-from axkern.ops.chunked.pallas_tpu import TPU_MIN_CHUNK, lanes_reason
+from axkern.ops.chunked.pallas_tpu import TPU_MIN_CHUNK, lanes_reason, rotation_reason
 
 __all__ = [
     "Mamba3BlockSizes",
@@ -42,10 +42,12 @@ class Mamba3BlockSizes(BlockSizes):
     batch row and head walking its chunks) or `"stages"` (chunk states, recurrence, chunk
     outputs); None means fused.
 
-    `rotation` (`mosaic_gpu` only): `"kernel"` (the fused forward turns `q`, `k` itself from the
-    unrotated rows per group, the biases and the angles, `chunked/mosaic_gpu/operands.py`; a
-    state that is a multiple of 128) or `"xla"` (XLA forms the rotated values' halves per head);
-    None means the kernel's where it serves.
+    `rotation` (`mosaic_gpu`, `pallas_tpu`): on `mosaic_gpu` `"kernel"` (the fused forward turns
+    `q`, `k` itself from the unrotated rows per group, the biases and the angles,
+    `chunked/mosaic_gpu/operands.py`; a state that is a multiple of 128) or `"xla"` (XLA forms the
+    rotated values' halves per head), None meaning the kernel's where it serves; on `pallas_tpu`
+    `"kernel"` (every kernel that reads `q` or `k` turns its tiles itself, SISO,
+    `chunked/pallas_tpu.py`) or `"xla"` (None means this: XLA writes the rotated values per head).
 
     `angles` (`mosaic_gpu`, `pallas_gpu`): `"kernel"` (None means this) forms `Θ` by one Triton
     kernel, forward and backward (`common/angle_kernel.py`), `"xla"` by XLA's passes
@@ -82,7 +84,7 @@ class Mamba3BlockSizes(BlockSizes):
 _FORMS = (
     ("rotation_backward", ("kernel",), ("pallas_gpu",), "has the rotation's backward kernel"),
     ("forward", None, ("mosaic_gpu",), "has forward forms"),
-    ("rotation", None, ("mosaic_gpu",), "chooses where q and k are rotated"),
+    ("rotation", None, ("mosaic_gpu", "pallas_tpu"), "choose where q and k are rotated"),
     ("angles", ("kernel",), ("mosaic_gpu", "pallas_gpu"), "have the angles' kernel"),
     ("transposes", ("kernels",), ("pallas_tpu",), "lays v out with the positions on the lanes"),
 )
@@ -163,12 +165,20 @@ def pallas_tpu_space(spec: Spec) -> list[Mamba3BlockSizes]:
     """`pallas_tpu`: the heuristic's form, then chunks of 32 to 256 kernel positions (as
     `ssd`'s), in tokens, with `v`, `y` and their gradients as `[b, H, L, P]` and, at chunks of a
     multiple of 128 positions, as `[b, H, P, L]` (`transposes="kernels"`; a head dim of a
-    multiple of 8)."""
+    multiple of 8); then, SISO, each of those with `q`, `k` turned in the kernels
+    (`rotation="kernel"`) where that serves (`chunked.pallas_tpu.rotation_reason`)."""
     forms = grid(Mamba3BlockSizes, spec, chunk_size=kernel_chunks(spec, 32, 256))
     lanes = [
         dataclasses.replace(bs, transposes="kernels") for bs in forms if _lanes_serve(spec, bs.chunk_size)
     ]
-    return unique_valid([pallas_tpu_heuristic(spec), *forms, *lanes], spec)
+    # q, k turned in the kernels (SISO), on the rows and the lanes, at the chunks where it serves
+    turned = [
+        dataclasses.replace(bs, rotation="kernel")
+        for bs in [*forms, *lanes]
+        if not spec.flag("mimo")
+        and rotation_reason(bs.chunk_size, spec.dim("state"), spec.dim("n_angles")) is None
+    ]
+    return unique_valid([pallas_tpu_heuristic(spec), *forms, *lanes, *turned], spec)
 
 
 def _lanes_serve(spec: Spec, chunk: int) -> bool:

@@ -7,8 +7,17 @@ in XLA).
 **MIMO**: each token's `R` inputs run as `kernel_slots(R)` consecutive positions (`R` rounded up
 to a power of two; `common/kernel_core.py`), so a chunk of `chunk_size` tokens is `chunk_size ·
 kernel_slots(R)` kernel positions. `Mamba3BlockSizes(transposes="kernels")`: `v`, `y` and their
-gradients with the positions on the lanes (`TpuLanesLayout`). **Constraints**: chunks of a
-multiple of 8 positions (of 128 with the positions on the lanes).
+gradients with the positions on the lanes (`TpuLanesLayout`).
+
+**`Mamba3BlockSizes(rotation="kernel")`** (SISO): the kernels turn `q` and `k` themselves, from
+the unrotated values per group, the biases and the angles (`chunked/pallas_tpu.py`, "`B`, `C`
+turned in the kernels"), where XLA's rotation writes them per head in float32 (`[b, H, L, N]`
+each, kept for the backward and read by every kernel); their cotangents stay per head, turned
+back by XLA. As on `mosaic_gpu`, the rotation pairs `(i, i + N/2)`: the state's columns run
+evens first, odds next inside the scan. Chunks of a multiple of 128 positions, a state of a
+multiple of 16 and angles of a multiple of 8 (`chunked.pallas_tpu.rotation_reason`).
+
+**Constraints**: chunks of a multiple of 8 positions (of 128 with the positions on the lanes).
 
 In CI in TPU interpret mode (`pltpu.InterpretParams`) and lowered for a TPU; compiled on a TPU
 v5e it passes `tests/tpu` and is first in mamba3's TPU order (docs/tpu.md, "Measured").
@@ -16,8 +25,13 @@ v5e it passes `tests/tpu` and is first in mamba3's TPU order (docs/tpu.md, "Meas
 
 from __future__ import annotations
 
+import jax.numpy as jnp
+
 from axkern.core.op import Implementation, Unsupported
+from axkern.ops.chunked import kernel_scan
+from axkern.ops.chunked.mosaic_gpu.operands import RotatedOperand, halves_to_pairs, pairs_to_halves
 from axkern.ops.chunked.pallas_tpu import TPU_MIN_CHUNK, TpuLanesLayout, TpuLayout, lanes_reason
+from axkern.ops.chunked.pallas_tpu import rotation_reason as kernels_rotation_reason
 
 from .blocks import Mamba3BlockSizes, kernel_slots, pallas_tpu_heuristic, pallas_tpu_space, refuse_forms
 from .common.kernel_core import kernel_core, refuse_float64
@@ -42,13 +56,62 @@ def mamba3(*args, block_sizes, interpret=False):
             raise Unsupported(f"transposes='kernels': chunk_size={q} ({q * slots} positions): {reason}")
         layout = TpuLanesLayout
     dtype, mimo = args[2].dtype, args[16] is not None  # v, W_x
-    core = kernel_core(layout, chunk_size=q, interpret=bool(interpret), dtype=dtype, mimo=mimo)
+    if block_sizes.rotation == "kernel":
+        reason = rotation_reason(mimo, q * slots, args[0].shape[-1], args[8].shape[-1])  # q: N; angles: A
+        if reason:
+            raise Unsupported(f"rotation='kernel': {reason}")
+        core = rotating_core(layout, chunk_size=q, interpret=bool(interpret), dtype=dtype)
+    else:
+        core = kernel_core(layout, chunk_size=q, interpret=bool(interpret), dtype=dtype, mimo=mimo)
     return forward(core, *args, chunk_size=q, later_ranks=True)
+
+
+def rotation_reason(mimo: bool, positions: int, state: int, angles: int) -> str | None:
+    """Why the kernels cannot turn `q` and `k` themselves (`rotation="kernel"`), or None."""
+    if mimo:
+        return "SISO only (MIMO's ranks run as kernel positions, each turned by its token's angles)"
+    return kernels_rotation_reason(positions, state, angles)
+
+
+def rotating_core(layout, *, chunk_size, interpret, dtype):
+    """A `common.Core` whose kernels turn `q` and `k` (`rotates`: `B`, `C` come as the unrotated
+    values per group, the biases and `Θ` heads first; `chunked.pallas_tpu`'s `_Turned`). The
+    rotation pairs `(i, i + N/2)`, so the state's columns run evens first, odds next inside the
+    scan (`pairs_to_halves` on `q`, `k`, the biases and the initial state, undone on the final
+    state): no product notices the order. SISO, with the diagonal correction in the kernels."""
+
+    def operand(u, bias, theta):  # u [b, l, 1, g, n], bias [1, h, n], theta [b, h, l, a]
+        u = pairs_to_halves(jnp.transpose(u[:, :, 0], (0, 2, 1, 3)))  # [b, g, l, n]
+        return RotatedOperand(u, pairs_to_halves(bias[0]), theta, same_angles=True)  # q, k: the same Θ
+
+    def core(x, a, s, B, C, seg, initial_state, diag=None):
+        y, final = kernel_scan.scan(
+            layout,
+            x[:, :, 0].astype(dtype),
+            a,
+            s,
+            operand(*B),
+            operand(*C),
+            seg,
+            pairs_to_halves(initial_state),
+            chunk_size=chunk_size,
+            interpret=interpret,
+            products=dtype,
+            groups_first=True,
+            diag=diag,
+        )
+        return y[:, :, None], halves_to_pairs(final)
+
+    core.heads_major, core.rotates, core.x_dtype = True, True, jnp.dtype(dtype)
+    core.diagonal = layout.diagonal
+    return core
 
 
 def describe(spec, block_sizes) -> str:
     """`explain`'s backward line: SSD's backward kernels, and where the positions lie."""
     line = "custom_vjp: SSD's backward kernels"
+    if block_sizes is not None and block_sizes.rotation == "kernel":
+        line += "; q, k turned inside the kernels (their cotangents per head, turned back by XLA)"
     if block_sizes is not None and block_sizes.transposes == "kernels":
         line += "; v, dy, dv as [b, H, P, L], the kernels transposing their tiles"
     return line
