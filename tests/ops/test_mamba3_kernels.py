@@ -222,3 +222,45 @@ def test_the_rotation_backward_kernel_leaves_other_shapes_to_xla():
     assert call(1, 12, 16, 3) is None  # 3 angles
     assert call(2, 12, 16, 4, halves=True) is not None
     assert call(2, 12, 16, 2, halves=True) is None  # 6 columns of each half pass through
+
+
+@pytest.mark.parametrize("layout_name", ["TpuLayout", "TpuHeadsLayout", "TpuLanesLayout"])
+def test_tpu_kernels_turn_rotations_as_xla_does(layout_name):
+    # the chunk scan with `B`, `C` as rotations the TPU kernels turn (`takes_rotations`; interpret
+    # mode), against the same scan on XLA's rotated values: outputs and the gradients of `u`, the
+    # biases and `Θ` (the kernels' `TurnedCotangent` where they sum the groups, XLA's turn back of
+    # per-head cotangents in `TpuHeadsLayout`); two groups of two heads, 8 of 16 pairs turned
+    import jax.numpy as jnp
+
+    from axkern.ops.chunked import kernel_scan
+    from axkern.ops.chunked import pallas_tpu as tpu
+    from axkern.ops.chunked.mosaic_gpu.operands import RotatedOperand
+
+    layout = getattr(tpu, layout_name)
+    b, l, h, g, p, n, a = 1, 200, 4, 2, 8, 32, 8  # noqa: E741
+    ks = jax.random.split(jax.random.PRNGKey(3), 8)
+    x = jax.random.normal(ks[0], (b, l, h, p))
+    adt = -jax.nn.softplus(jax.random.normal(ks[1], (b, l, h)))
+    scale = jax.nn.softplus(jax.random.normal(ks[2], (b, l, h)))
+    u = [jax.random.normal(k, (b, g, l, n)) for k in ks[3:5]]
+    bias = [0.5 * jax.random.normal(k, (h, n)) for k in ks[5:7]]
+    theta = 3 * jax.random.normal(ks[7], (b, h, l, a))
+    seg = jnp.zeros((b, l), jnp.int32)
+    s0 = jnp.zeros((b, h, p, n))
+
+    def loss(turned, x, uk, uq, bk, bq, theta):
+        rk, rq = (
+            RotatedOperand(uk, bk, theta, same_angles=True),
+            RotatedOperand(uq, bq, theta, same_angles=True),
+        )
+        ops = (rk, rq) if turned else (rk.value(), rq.value())
+        y, final = kernel_scan.scan(
+            layout, x, adt, scale, *ops, seg, s0, chunk_size=128, interpret=True, groups_first=True
+        )
+        return jnp.sum(y * jnp.cos(y)) + jnp.sum(final**2)
+
+    grads = [jax.grad(loss, argnums=tuple(range(1, 7)))(t, x, *u, *bias, theta) for t in (True, False)]
+    for got, want in zip(*grads, strict=True):
+        assert jnp.allclose(got, want, rtol=1e-4, atol=1e-4 * float(jnp.max(jnp.abs(want)))), float(
+            jnp.max(jnp.abs(got - want))
+        )

@@ -199,7 +199,13 @@ def _pullback(operand, formed):
     already where the kernels had its angles, `formed.theta`)."""
     if hasattr(operand, "cotangent"):  # (a rotation the kernels took as it is: `g` stays rotated)
         turned = not hasattr(formed, "cotangent") and getattr(formed, "theta", None) is not None
-        return functools.partial(operand.cotangent, turned=turned)
+
+        def pull(g):  # a cotangent the kernels turned back and reduced themselves knows its operand's
+            return (
+                g.cotangent_of(operand) if hasattr(g, "cotangent_of") else operand.cotangent(g, turned=turned)
+            )
+
+        return pull
     return lambda d: d.astype(operand.dtype)
 
 

@@ -12,8 +12,9 @@ gradients with the positions on the lanes (`TpuLanesLayout`).
 **`Mamba3BlockSizes(rotation="kernel")`** (SISO): the kernels turn `q` and `k` themselves, from
 the unrotated values per group, the biases and the angles (`chunked/pallas_tpu.py`, "`B`, `C`
 turned in the kernels"), where XLA's rotation writes them per head in float32 (`[b, H, L, N]`
-each, kept for the backward and read by every kernel); their cotangents stay per head, turned
-back by XLA. As on `mosaic_gpu`, the rotation pairs `(i, i + N/2)`: the state's columns run
+each, kept for the backward and read by every kernel); the backward kernels turn the
+cotangents back and sum them over each group's heads themselves, with the biases' and the
+angles' gradients. As on `mosaic_gpu`, the rotation pairs `(i, i + N/2)`: the state's columns run
 evens first, odds next inside the scan. Chunks of a multiple of 128 positions, a state of a
 multiple of 16 and angles of a multiple of 8 (`chunked.pallas_tpu.rotation_reason`).
 
@@ -111,7 +112,7 @@ def describe(spec, block_sizes) -> str:
     """`explain`'s backward line: SSD's backward kernels, and where the positions lie."""
     line = "custom_vjp: SSD's backward kernels"
     if block_sizes is not None and block_sizes.rotation == "kernel":
-        line += "; q, k turned inside the kernels (their cotangents per head, turned back by XLA)"
+        line += "; q, k turned inside the kernels, their cotangents turned back and summed per group there"
     if block_sizes is not None and block_sizes.transposes == "kernels":
         line += "; v, dy, dv as [b, H, P, L], the kernels transposing their tiles"
     return line
