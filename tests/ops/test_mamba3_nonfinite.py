@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import axkern
+from axkern.ops.mamba3.blocks import Mamba3BlockSizes
 from tests.cases.mamba3 import call, make
 from tests.harness import INTERPRET, implementations_here, serving
 from tests.helpers import assert_nonfinite_rule, equations, poke, to64, x64
@@ -200,3 +201,35 @@ def test_the_kernels_refuse_float64_with_the_reason(impl):
         assert d.implementation == "xla" and "float64" in d.rejected[0].reason
         y, _ = call((impl, "xla"), wide, None, 16)
     assert y.dtype == jnp.float64
+
+
+@pytest.mark.parametrize("where", ["v", "k", "q", "angles"])
+def test_q_and_k_turned_in_the_tpu_kernels_keep_the_rule(where):
+    # `rotation="kernel"` (pallas_tpu, interpret mode): the masks of the rotated q, k formed a few
+    # heads at a time (`layer._rotation_masks`); two groups of two heads, 8 of the 8 pairs turned,
+    # chunks of 128 over 150 positions; values, final states and the gradients' pattern
+    a = make(1, 1, 150, 4, 16, 2, 16, 8, 0, "float32", segments=False)[0]
+    index = {"v": (0, 130, 1, 3), "k": (0, 130, 1, 5), "q": (0, 10, 0, 9), "angles": (0, 10, 3, 7)}[where]
+    a[where] = poke(a[where], index, np.inf if where == "v" else np.nan)
+    seg = _zero_segments(a)
+    blocks = Mamba3BlockSizes(128, rotation="kernel")
+
+    def f(a, seg, impl):
+        y, final = call(impl, a, seg, None if impl == "reference" else blocks)
+        loss = jnp.sum(y * jnp.cos(jnp.arange(y.size).reshape(y.shape))) + sum(jnp.sum(s) for s in final)
+        return loss, (y, tuple(final))
+
+    with axkern.use(interpret=True):
+        got = jax.jit(lambda a, seg: f(a, seg, "pallas_tpu")[1])(a, seg)
+        got_grads = jax.jit(lambda a, seg: jax.grad(lambda a: f(a, seg, "pallas_tpu"), has_aux=True)(a)[0])(
+            a, seg
+        )
+    want = jax.jit(lambda a, seg: f(a, seg, "reference")[1])(a, seg)
+    want_grads = jax.jit(lambda a, seg: jax.grad(lambda a: f(a, seg, "reference"), has_aux=True)(a)[0])(
+        a, seg
+    )
+    assert_nonfinite_rule(got, want, f"pallas_tpu rotation=kernel {where}", rtol=1e-4)
+    assert np.isnan(np.asarray(want[0])).any() or np.isinf(np.asarray(want[0])).any()
+    for name in want_grads:  # never a number where the recurrence has none (NaN may reach further)
+        g, w = np.asarray(got_grads[name]), np.asarray(want_grads[name])
+        assert (~np.isfinite(g) | np.isfinite(w)).all(), name

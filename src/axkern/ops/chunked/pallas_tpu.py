@@ -101,6 +101,8 @@ def rotation_reason(positions: int, state: int, angles: int) -> str | None:
     """Why the kernels cannot turn `B`, `C` themselves (`takes_rotations`) at chunks of
     `positions`, a state of `state` and `angles` angles, or None: `Θ` and `u` enter with the
     positions on the lanes, and the turn slices `[N, Q]` tiles at whole sublanes."""
+    if not angles:
+        return "no angles: nothing to turn"
     if positions % TPU_LANES:
         return f"the angles' tiles put the positions on the lanes (chunks of a multiple of {TPU_LANES})"
     if state % (2 * TPU_MIN_CHUNK) or angles % TPU_MIN_CHUNK or angles > state // 2:

@@ -47,7 +47,8 @@ class Mamba3BlockSizes(BlockSizes):
     `chunked/mosaic_gpu/operands.py`; a state that is a multiple of 128) or `"xla"` (XLA forms the
     rotated values' halves per head), None meaning the kernel's where it serves; on `pallas_tpu`
     `"kernel"` (every kernel that reads `q` or `k` turns its tiles itself, SISO,
-    `chunked/pallas_tpu.py`) or `"xla"` (None means this: XLA writes the rotated values per head).
+    `chunked/pallas_tpu.py`; the heuristic's where it serves) or `"xla"` (XLA writes the rotated
+    values per head); None means XLA's.
 
     `angles` (`mosaic_gpu`, `pallas_gpu`): `"kernel"` (None means this) forms `Θ` by one Triton
     kernel, forward and backward (`common/angle_kernel.py`), `"xla"` by XLA's passes
@@ -166,19 +167,23 @@ def pallas_tpu_space(spec: Spec) -> list[Mamba3BlockSizes]:
     `ssd`'s), in tokens, with `v`, `y` and their gradients as `[b, H, L, P]` and, at chunks of a
     multiple of 128 positions, as `[b, H, P, L]` (`transposes="kernels"`; a head dim of a
     multiple of 8); then, SISO, each of those with `q`, `k` turned in the kernels
-    (`rotation="kernel"`) where that serves (`chunked.pallas_tpu.rotation_reason`)."""
+    (`rotation="kernel"`) where that serves (`chunked.pallas_tpu.rotation_reason`), and the
+    heuristic's form with XLA's rotation where the heuristic turns them in the kernels."""
     forms = grid(Mamba3BlockSizes, spec, chunk_size=kernel_chunks(spec, 32, 256))
     lanes = [
         dataclasses.replace(bs, transposes="kernels") for bs in forms if _lanes_serve(spec, bs.chunk_size)
     ]
-    # q, k turned in the kernels (SISO), on the rows and the lanes, at the chunks where it serves
+    # q, k turned in the kernels (SISO), on the rows and the lanes, at the chunks where it serves;
+    # XLA's rotation named where that is the heuristic's (`rotation="xla"`, timed apart)
     turned = [
         dataclasses.replace(bs, rotation="kernel")
         for bs in [*forms, *lanes]
         if not spec.flag("mimo")
         and rotation_reason(bs.chunk_size, spec.dim("state"), spec.dim("n_angles")) is None
     ]
-    return unique_valid([pallas_tpu_heuristic(spec), *forms, *lanes, *turned], spec)
+    best = pallas_tpu_heuristic(spec)
+    xla = [dataclasses.replace(best, rotation="xla")] if best.rotation == "kernel" else []
+    return unique_valid([best, *forms, *lanes, *turned, *xla], spec)
 
 
 def _lanes_serve(spec: Spec, chunk: int) -> bool:
@@ -194,8 +199,14 @@ def pallas_tpu_heuristic(spec: Spec) -> Mamba3BlockSizes:
     the lanes (`transposes="kernels"`) where that serves: on a v5e at the 2.7B layer, SISO's
     forward and forward+backward faster than on the rows in one call, with less memory
     forward+backward and a little more forward; MIMO of rank 4's as fast (within the spread of
-    two calls) with less memory, forward and forward+backward (docs/tpu.md)."""
+    two calls) with less memory, forward and forward+backward (docs/tpu.md). SISO with `q`, `k`
+    turned inside the kernels (`rotation="kernel"`) where that serves: on a v5e at the 2.7B
+    layer faster than XLA's rotation, forward and forward+backward, with about a quarter of its
+    memory (docs/tpu.md)."""
     bs = _kernel_chunk(spec, 256, TPU_MIN_CHUNK)
     if _lanes_serve(spec, bs.chunk_size):
-        return dataclasses.replace(bs, transposes="kernels")
+        bs = dataclasses.replace(bs, transposes="kernels")
+    turns = rotation_reason(bs.chunk_size, spec.dim("state"), spec.dim("n_angles")) is None
+    if not spec.flag("mimo") and turns:
+        bs = dataclasses.replace(bs, rotation="kernel")
     return bs

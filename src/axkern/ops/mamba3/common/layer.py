@@ -52,7 +52,7 @@ from axkern.core.compat import vary_like
 from axkern.ops.chunked.chunks import all_finite, clean, poison, reaches_bits, scrubbed, segment_starts
 
 from .angles import angle_sums
-from .rotation import pair_products, rank_products, rotated
+from .rotation import pair_products, rank_products, rotate, rotated
 
 __all__ = ["Core", "forward"]
 
@@ -113,6 +113,7 @@ def forward(
     groups = q.shape[3]
     mimo = W_x is not None
     heads_major = getattr(core, "heads_major", False)
+    rotates = getattr(core, "rotates", False)  # the core turns q, k itself
     rotation_backward = getattr(core, "rotation_backward", None)
     f = lambda a: a.astype(acc)  # noqa: E731
     bad = lambda a: ~jnp.isfinite(a)  # noqa: E731
@@ -208,20 +209,29 @@ def forward(
         theta_bad = jnp.unpackbits(theta_reach, axis=-1, count=ang.shape[-1]).astype(bool) | (
             first[:, :, None, None] & bad(angle0)[:, None]
         )
-        qr, kr = (tokens_major(u) for u in rotations(poison(theta, own_order(theta_bad))))
-        vr = v_ranks()
-        head_bad = bad(trap_) | bad(dt_) | (bad(adt_) & ~starts[..., None])  # [b, l, h]
-        row, col = bad(vr).any(2), bad(kr).any(2)  # [b, l, h, p], [b, l, h, n]
-        init_row = bad(ssm0).any(-1) | bad(v0r).any(1) | bad(k0).any((1, 3))[..., None]  # [b, h, p]
-        y_bits = reaches_bits(row | (head_bad | col.any(-1))[..., None], seg) | jnp.packbits(
-            first[:, :, None, None] & init_row[:, None], axis=-1
-        )  # [b, l, h, p] as bits
-        q_bad = bad(qr).any(-1)  # [b, l, r, h]: a rotated q reaches its own output only
         last = seg == seg[:, -1:]
         in_last = lambda a: (a & last.reshape(last.shape + (1,) * (a.ndim - 2))).any(1)  # noqa: E731
+        if rotates:  # a few heads at a time: no per-head float32 rotation of every head is formed
+            # where the core turns q, k itself (XLA on a TPU wrote them whole, the conditional's
+            # largest buffers); elsewhere XLA forms them for the scan anyway
+            th = poison(own_order(theta), theta_bad)  # [b, l, h, a]
+            q_bad, col_any, col_last = _rotation_masks(
+                q, k, by_rank(q_bias), by_rank(k_bias), th, mimo, in_last
+            )
+        else:
+            qr, kr = (tokens_major(u) for u in rotations(poison(theta, own_order(theta_bad))))
+            col = bad(kr).any(2)  # [b, l, h, n]
+            q_bad, col_any, col_last = bad(qr).any(-1), col.any(-1), in_last(col)
+        vr = v_ranks()
+        head_bad = bad(trap_) | bad(dt_) | (bad(adt_) & ~starts[..., None])  # [b, l, h]
+        row = bad(vr).any(2)  # [b, l, h, p]
+        init_row = bad(ssm0).any(-1) | bad(v0r).any(1) | bad(k0).any((1, 3))[..., None]  # [b, h, p]
+        y_bits = reaches_bits(row | (head_bad | col_any)[..., None], seg) | jnp.packbits(
+            first[:, :, None, None] & init_row[:, None], axis=-1
+        )  # [b, l, h, p] as bits
         final_bad = (
             in_last(row)[..., None]
-            | in_last(col)[:, :, None, :]
+            | col_last[:, :, None, :]
             | in_last(head_bad)[..., None, None]
             | (
                 (seg[:, -1] == 0)[:, None, None, None]
@@ -240,7 +250,7 @@ def forward(
     theta = poison(theta, theta_bad)  # `Θ` with its NaNs
     # the scan's inputs with non-finite values as 0: for finite inputs, the rotations as they are
     # and `v` in the dtype the core takes it
-    if getattr(core, "rotates", False):  # the core turns them: (unrotated q or k, its bias, Θ [b, h, l, a])
+    if rotates:  # the core turns them: (unrotated q or k, its bias, Θ [b, h, l, a])
         th = scrubbed(finite, theta)
         qc, kc = ((scrubbed(finite, u), by_rank(b), th) for u, b in ((q, q_bias), (k, k_bias)))
     else:
@@ -288,3 +298,30 @@ def forward(
         k_last.astype(k0.dtype),
         v[:, -1].astype(v0.dtype),
     )
+
+
+# heads whose rotated q, k the non-finite masks form at once (`_rotation_masks`)
+MASK_HEADS = 8
+
+
+def _rotation_masks(q, k, q_bias, k_bias, theta, mimo, in_last):
+    """Where the rotated `q`, `k` are not finite, as the masks need it: `q`'s per output
+    (`[b, l, r, h]`: a rotated `q` reaches its own output only), `k`'s per position and head
+    (`[b, l, h]`: all of `y` from there) and per state column in the last segment (`[b, h, n]`,
+    through `in_last`). `q`, `k [b, l, r, g, n]`, biases `[r, h, n]`, `theta [b, l, h, a]` with
+    NaN where `Θ` is. `MASK_HEADS` heads at a time (`lax.map`), so no rotation of every head at
+    once is formed."""
+    heads, rep = q_bias.shape[1], q_bias.shape[1] // q.shape[3]
+    f32 = jnp.float32
+
+    def head(j):
+        th = jnp.take(theta, j, axis=2)[:, :, None]  # [b, l, 1, a]
+        turned = [
+            rotate(jnp.take(u, j // rep, axis=3).astype(f32) + jnp.take(b, j, axis=1).astype(f32), th, mimo)
+            for u, b in ((q, q_bias), (k, k_bias))
+        ]  # [b, l, r, n] each
+        col = ~jnp.isfinite(turned[1]).all(2)  # [b, l, n]
+        return ~jnp.isfinite(turned[0]).all(-1), col.any(-1), in_last(col)
+
+    q_bad, col_any, col_last = lax.map(head, jnp.arange(heads), batch_size=min(heads, MASK_HEADS))
+    return jnp.moveaxis(q_bad, 0, -1), jnp.moveaxis(col_any, 0, -1), jnp.moveaxis(col_last, 0, 1)
