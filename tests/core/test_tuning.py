@@ -315,7 +315,16 @@ _DIMS = {
     },
     "short_conv": {"batch": 2, "seq": 512, "channels": 1024, "width": 4},
     "ssd": {"batch": 1, "length": 1024, "heads": 4, "head_dim": 64, "state": 64, "groups": 1},
-    "mamba3": {"batch": 1, "length": 1024, "heads": 4, "head_dim": 64, "state": 64, "groups": 1, "rank": 1},
+    "mamba3": {
+        "batch": 1,
+        "length": 1024,
+        "heads": 4,
+        "head_dim": 64,
+        "state": 64,
+        "groups": 1,
+        "rank": 1,
+        "n_angles": 16,
+    },
 }
 
 

@@ -9,7 +9,8 @@ to a power of two; `common/kernel_core.py`), so a chunk of `chunk_size` tokens i
 kernel_slots(R)` kernel positions. `Mamba3BlockSizes(transposes="kernels")`: `v`, `y` and their
 gradients with the positions on the lanes (`TpuLanesLayout`).
 
-**`Mamba3BlockSizes(rotation="kernel")`** (SISO): the kernels turn `q` and `k` themselves, from
+**`Mamba3BlockSizes(rotation="kernel")`** (SISO; the heuristic's where it serves, faster and
+far leaner than XLA's rotation on a TPU v5e, docs/ops/mamba3.md): the kernels turn `q` and `k` themselves, from
 the unrotated values per group, the biases and the angles (`chunked/pallas_tpu.py`, "`B`, `C`
 turned in the kernels"), where XLA's rotation writes them per head in float32 (`[b, H, L, N]`
 each, kept for the backward and read by every kernel); the backward kernels turn the
