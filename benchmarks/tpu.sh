@@ -182,7 +182,7 @@ sys.exit(main(["info", "--all"]))' "$R/device_key.txt"
     ;;
   bench_short_conv) bench 100 "$1" short_conv mamba ;;
   bench_ssd) bench 150 "$1" ssd mamba2_2.7b --tokens 4096 -- --peers ;;
-  bench_mamba3) bench 180 "$1" mamba3 mamba3_2.7b -- --peers ;;
+  bench_mamba3) bench 240 "$1" mamba3 mamba3_2.7b -- --peers ;;
   bench_all)
     local s
     for s in bench_attention bench_fused_cross_entropy_loss bench_ssd bench_mamba3 bench_short_conv \
