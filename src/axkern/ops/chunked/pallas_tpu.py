@@ -30,21 +30,11 @@ writing, where `[b, H, L, P]` fills a head dim of 64 out to 128 lanes in HBM (tw
 bytes: a float32 `y` or `dx` 640 MiB at the 2.7B layer, L 4096, where its values take 320).
 Chunks of a multiple of 128 (the lanes).
 
-**`B`, `C` turned in the kernels** (`takes_rotations`: a `mosaic_gpu.operands.RotatedOperand`,
-Mamba-3's rotated, biased `k` and `q` as the unrotated values per group, the biases and the
-angles per head). Each kernel that reads `B` or `C` forms its rotated `[Q, N]` tile from the
-group's `u` tile, the head's bias and the head's `Θ` tile (`_Turned`), so no per-head float32
-`[b, h, L, N]` array is written, kept for the backward or read again: `u` enters as `[b, g, N, L]`
-and `Θ` as `[b, h, A, L]` (transposed in XLA: `u` per group is small, and `Θ`'s `A` columns on
-the lanes would take `128 / A` times their bytes), the turn runs on `[N, Q]` tiles (the pairs
-`(i, i + N/2)` are rows there: slices at multiples of 8 sublanes, no lane shuffles), and one
-transpose gives the bodies their `[Q, N]`. Where `B` and `C` turn by the same angles (Mamba-3's
-`q` and `k`), a kernel reads `Θ` once and forms `cos`, `sin` once. The backward kernels turn
-`dB`, `dC` back by `-Θ` themselves (`_TurnedBack`, through `put_group`), add them into the
-group's `du` (heads innermost, as the groups' sums above), and write their sums over each
-chunk's positions (the biases' gradient) and `dΘ` (`[b, h, A, L]`): a `TurnedCotangent`, so no
-per-head cotangent is written either (`TpuHeadsLayout` writes them per head and rotated, for
-XLA's `RotatedOperand.cotangent`). `rotation_reason` says which sizes it serves.
+**`B`, `C` turned in the kernels** (`takes_rotations`: Mamba-3's rotated, biased `k` and `q` as a
+`mosaic_gpu.operands.RotatedOperand`): `tpu_rotation.py` has the tiles, the turn and its
+backward; `TpuLayout` launches them (`expand` around every kernel, `put_group` for the turned
+back cotangents, its own `chunk_scan_bwd` and `chunk_state_bwd`, whose `dB`, `dC` leave as
+`TurnedCotangent`s).
 
 **Constraints**: the chunk a multiple of 8 (`TPU_MIN_CHUNK`, the sublanes). Scores, decays and
 their gradients are `[Q, Q]` float32 in VMEM (about 1.3 MiB at `Q = 256`).
@@ -55,7 +45,6 @@ and run on a TPU v5e (`tests/tpu`).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -69,6 +58,7 @@ from axkern.core import kernels
 from .chunk_scan import scan_bwd_kernel
 from .chunk_state import state_bwd_kernel
 from .layout import Layout
+from .tpu_rotation import Back, TurnedBack, TurnedCotangent, expand, group_tiles, is_rotation
 
 __all__ = [
     "lanes_reason",
@@ -79,7 +69,6 @@ __all__ = [
     "TpuHeadsLayout",
     "TpuLanesLayout",
     "TpuLayout",
-    "TurnedCotangent",
 ]
 
 TPU_MIN_CHUNK = 8  # the sublanes
@@ -98,7 +87,7 @@ def lanes_reason(positions: int, head_dim: int) -> str | None:
 
 
 def rotation_reason(positions: int, state: int, angles: int) -> str | None:
-    """Why the kernels cannot turn `B`, `C` themselves (`takes_rotations`) at chunks of
+    """Why the kernels cannot turn `B`, `C` themselves (`takes_rotations`, `tpu_rotation.py`) at chunks of
     `positions`, a state of `state` and `angles` angles, or None: `Θ` and `u` enter with the
     positions on the lanes, and the turn slices `[N, Q]` tiles at whole sublanes."""
     if not angles:
@@ -111,113 +100,6 @@ def rotation_reason(positions: int, state: int, angles: int) -> str | None:
             f"{2 * TPU_MIN_CHUNK}, the angles a multiple of {TPU_MIN_CHUNK}, at most half the state)"
         )
     return None
-
-
-def _is_rotation(a) -> bool:
-    """Whether `a` is a rotation the kernels turn (`mosaic_gpu.operands.RotatedOperand`'s form:
-    `u`, `bias`, `theta`), not an array."""
-    return all(hasattr(a, name) for name in ("u", "bias", "theta"))
-
-
-def _turn(w, cos, sin):
-    """`w` (`[N, Q]`, the pairs `(i, i + N/2)` as rows) turned on its first `A` pairs by the
-    angles whose `cos`, `sin` (`[A, Q]`) are given (`sin` negated: turned back); row slices at
-    whole sublanes and one concatenation, no lane shuffles."""
-    half, a = w.shape[0] // 2, cos.shape[0]
-    if not a:
-        return w
-    first, second = w[:half], w[half:]
-    pieces = [first[:a] * cos - second[:a] * sin, first[a:], first[:a] * sin + second[:a] * cos, second[a:]]
-    return jnp.concatenate([x for x in pieces if x.shape[0]], axis=0)
-
-
-class _Turned:
-    """A kernel's `B` or `C` ref as the bodies read it (`ref[0, 0]`): the rotated `[Q, N]`
-    float32 tile `rotate_halves(u + bias, Θ)` from the refs of the group's `uᵀ` (`[N, Q]`), the
-    head's bias (`[1, N]`) and the head's `Θᵀ` (`[A, Q]`); `turns` holds `cos`, `sin` of a `Θ`
-    ref once formed, shared by the kernel's other operand that turns by the same angles. Once
-    read, `w` (`u + bias`, `[N, Q]`), `cos` and `sin` stay for the cotangent's turn back
-    (`_TurnedBack`)."""
-
-    def __init__(self, u_ref, bias_ref, theta_ref, turns):
-        self.refs, self.turns = (u_ref, bias_ref, theta_ref), turns
-
-    def __getitem__(self, index):
-        u_ref, bias_ref, theta_ref = self.refs
-        if id(theta_ref) not in self.turns:
-            theta = theta_ref[0, 0]  # [A, Q]
-            self.turns[id(theta_ref)] = (jnp.cos(theta), jnp.sin(theta))
-        self.cos, self.sin = self.turns[id(theta_ref)]
-        self.w = (
-            u_ref[0, 0].astype(jnp.float32) + bias_ref[0].T
-        )  # [N, Q] (the bias a row, turned to a column)
-        turned = _turn(self.w, self.cos, self.sin)
-        # non-finite values (and a turn's overflow) as 0, as `operands.finite_or_zero`
-        turned = jnp.where(jnp.abs(turned) <= jnp.finfo(jnp.float32).max, turned, 0.0)
-        return turned.T  # [Q, N]
-
-
-class _Back:
-    """An output of a backward kernel: the cotangent of the rotation `operand` among the call's
-    arguments, as `TurnedCotangent`'s three arrays (`_TurnedBack` in the kernel)."""
-
-    def __init__(self, operand):
-        self.operand = operand
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class TurnedCotangent:
-    """A rotation's cotangent as the backward kernels leave it (`TpuLayout.chunk_scan_bwd`,
-    `chunk_state_bwd`): the rotated value's cotangent turned back by `-Θ` and summed over each
-    group's heads (`du`, `[b, g, N, L]`, as `uᵀ` enters), its sums over each chunk's positions
-    per head (`dbias`, `[b, c, h, 1, N]`) and `dΘ` (`[b, h, A, L]`), float32."""
-
-    du: jax.Array
-    dbias: jax.Array
-    dtheta: jax.Array
-
-    def plus_partials(self, other: TurnedCotangent) -> TurnedCotangent:
-        """`du` as it is (the kernel added `other`'s), `dbias` and `dΘ` with `other`'s added."""
-        return TurnedCotangent(self.du, self.dbias + other.dbias, self.dtheta + other.dtheta)
-
-    def cotangent_of(self, operand):
-        """`operand`'s cotangent (`RotatedOperand`'s form: `du`, `dbias`, `dΘ`)."""
-        return dataclasses.replace(
-            operand,
-            u=jnp.swapaxes(self.du, 2, 3).astype(operand.u.dtype),
-            bias=self.dbias.sum((0, 1))[:, 0].astype(operand.bias.dtype),
-            theta=jnp.swapaxes(self.dtheta, 2, 3).astype(operand.theta.dtype),
-        )
-
-
-class _TurnedBack:
-    """A backward kernel's `dB` or `dC` ref as the bodies write it (`lay.put_group`): the head's
-    `[Q, N]` cotangent turned back by `-Θ` (the `_Turned` input's angles), added into its
-    group's `du` block (heads innermost: the group's first head writes it, with the base's tile
-    where given), its positions' sum into `dbias` and `dΘ_i = back_{i+N/2} w_i - back_i w_{i+N/2}`
-    into `dΘ` (as `RotatedOperand.cotangent`)."""
-
-    def __init__(self, du_ref, dbias_ref, dtheta_ref, turned, rep):
-        self.refs, self.turned, self.rep = (du_ref, dbias_ref, dtheta_ref), turned, rep
-
-    def put(self, value, base_ref=None):
-        du_ref, dbias_ref, dtheta_ref = self.refs
-        t = self.turned
-        back = _turn(value.T, t.cos, -t.sin)  # [N, Q]
-        half, a = back.shape[0] // 2, t.cos.shape[0]
-        if a:
-            dtheta_ref[0, 0] = back[half : half + a] * t.w[:a] - back[:a] * t.w[half : half + a]
-        dbias_ref[0, 0, 0] = jnp.sum(back, axis=1, keepdims=True).T  # [1, N]
-        first = lax.rem(pl.program_id(2), self.rep) == 0
-
-        @pl.when(first)
-        def _():
-            du_ref[0, 0] = back if base_ref is None else back + base_ref[0, 0]
-
-        @pl.when(jnp.logical_not(first))
-        def _():
-            du_ref[0, 0] += back
 
 
 def halves(a) -> tuple:
@@ -278,12 +160,18 @@ class TpuLayout(Layout):
         ref[0, 0, 0] = value
 
     def put_group(self, ref, value, base_ref=None):
-        """Add the head's tile into its group's block, which stays in VMEM while the group's heads
-        follow one another (heads innermost in the grid): the group's first head writes it. A
-        rotation's cotangent (`_TurnedBack`) is turned back first."""
-        if isinstance(ref, _TurnedBack):
-            return ref.put(value, base_ref)
-        first = lax.rem(pl.program_id(2), self.rep) == 0
+        """Add the head's tile into its group's block (`add_into_group`); a rotation's cotangent
+        (`tpu_rotation.TurnedBack`) is turned back first."""
+        if isinstance(ref, TurnedBack):
+            return ref.put(value, base_ref, self.add_into_group)
+        self.add_into_group(ref, value, base_ref, self.rep)
+
+    @staticmethod
+    def add_into_group(ref, value, base_ref, rep):
+        """Add the head's tile (plus `base_ref`'s where given) into its group's block of `rep`
+        heads, which stays in VMEM while the group's heads follow one another (heads innermost in
+        the grid): the group's first head writes it."""
+        first = lax.rem(pl.program_id(2), rep) == 0
 
         @pl.when(first)
         def _():
@@ -308,21 +196,21 @@ class TpuLayout(Layout):
     def __call__(self, kernel, in_specs, outs, *args):
         """The base launch with the grid `(batch, chunks, heads)`: every block spec's index map
         takes its arguments in that order."""
-        kernel, in_specs, outs, args, results = self.rotations(kernel, in_specs, outs, args)
+        kernel, in_specs, outs, args, results = expand(self.q, kernel, in_specs, outs, args)
         turn = lambda spec: pl.BlockSpec(spec.block_shape, lambda b, c, h, f=spec.index_map: f(b, h, c))  # noqa: E731
         outs = [(turn(spec), shape) for spec, shape in outs]
         return results(super().__call__(kernel, [turn(s) for s in in_specs], outs, *args))
 
     def chunk_scan_bwd(self, dy, xt, scale, cum, ac, f, sc, bt, ct, states_in, *, sums, diag=None):
-        """The base stage, but for rotations (`_is_rotation`): their `dB`, `dC` as `TurnedCotangent`s,
-        turned back and summed per group in the kernel (`_TurnedBack`)."""
-        if not (_is_rotation(bt) and _is_rotation(ct) and self.sums_groups):
+        """The base stage, but for rotations (`tpu_rotation.is_rotation`): their `dB`, `dC` as `TurnedCotangent`s,
+        turned back and summed per group in the kernel (`tpu_rotation.TurnedBack`)."""
+        if not (is_rotation(bt) and is_rotation(ct) and self.sums_groups):
             return super().chunk_scan_bwd(
                 dy, xt, scale, cum, ac, f, sc, bt, ct, states_in, sums=sums, diag=diag
             )
         specs, args = self._scan_inputs(xt, scale, cum, ac, f, sc, bt, ct, states_in, sums, diag)
         outs = [self.x_out(), self.out("col"), self.out("col"), self.out("row"), self.out("col")]
-        outs += [_Back(bt), _Back(ct), self.out("state")]
+        outs += [Back(bt), Back(ct), self.out("state")]
         outs += [self.out("col")] if diag is not None else []
         kernel = functools.partial(scan_bwd_kernel, sums=sums, diag=diag is not None)
         return self(kernel, [self.x_spec(), *specs], outs, dy.astype(jnp.float32), *args)
@@ -332,14 +220,11 @@ class TpuLayout(Layout):
         turned back and added into its `du` per group in the kernel, the partial sums in XLA."""
         if not isinstance(db_scan, TurnedCotangent):
             return super().chunk_state_bwd(xt, w, bt, d_own, dx_scan, db_scan)
-        groups = bt.u.shape[1]
-        du_spec = pl.BlockSpec(
-            (1, 1, self.n, self.q), lambda b, h, c, rep=self.heads // groups: (b, h // rep, 0, c)
-        )
+        du_spec = group_tiles(self.n, self.q, self.heads // bt.u.shape[1])
         dx, dw, back = self(
             state_bwd_kernel,
             [self.x_spec(), self.col_spec, self.grouped(self.n), self.state, self.x_spec(), du_spec],
-            [self.x_out(xt.dtype), self.out("col"), _Back(bt)],
+            [self.x_out(xt.dtype), self.out("col"), Back(bt)],
             xt,
             self.to_col(w),
             bt,
@@ -348,84 +233,6 @@ class TpuLayout(Layout):
             db_scan.du,
         )
         return dx, dw, back.plus_partials(db_scan)
-
-    def rotations(self, kernel, in_specs, outs, args):
-        """`(kernel, in_specs, outs, args, results)` with each rotation among `args`
-        (`takes_rotations`) as the arrays its tiles come from (its specs indexed `(b, h, c)`),
-        and `kernel` reading it through a `_Turned` ref: `uᵀ` per group, the biases as rows, `Θᵀ`
-        per head (once where two rotations share it); each `_Back` among `outs` as the three
-        outputs of a `TurnedCotangent`, which `kernel` writes through a `_TurnedBack` ref and
-        `results` (applied to the launch's results) gathers."""
-        if not any(_is_rotation(a) for a in args):
-            return kernel, in_specs, outs, args, lambda r: r
-        q, specs, flat, where, thetas = self.q, [], [], [], {}
-        for spec, arg in zip(in_specs, args, strict=True):
-            if not _is_rotation(arg):
-                where.append(len(flat))
-                specs.append(spec), flat.append(arg)
-                continue
-            _, groups, _, n = arg.u.shape
-            rep, a = arg.bias.shape[0] // groups, arg.theta.shape[-1]
-            at = [len(flat), len(flat) + 1]
-            specs += [
-                pl.BlockSpec((1, 1, n, q), lambda b, h, c, rep=rep: (b, h // rep, 0, c)),
-                pl.BlockSpec((1, 1, n), lambda b, h, c: (h, 0, 0)),
-            ]
-            flat += [jnp.swapaxes(arg.u, 2, 3), arg.bias.astype(jnp.float32)[:, None]]
-            if id(arg.theta) not in thetas:
-                thetas[id(arg.theta)] = len(flat)
-                specs.append(pl.BlockSpec((1, 1, a, q), lambda b, h, c: (b, h, 0, c)))
-                flat.append(jnp.swapaxes(arg.theta, 2, 3).astype(jnp.float32))
-            where.append((*at, thetas[id(arg.theta)]))
-        count = len(flat)
-        out_flat, out_where = [], []
-        for out in outs:
-            if not isinstance(out, _Back):
-                out_where.append(len(out_flat))
-                out_flat.append(out)
-                continue
-            op = out.operand
-            (b, groups, lp, n), (h, a) = op.u.shape, (op.bias.shape[0], op.theta.shape[-1])
-            f32 = jnp.float32
-            out_where.append((len(out_flat), next(i for i, arg in enumerate(args) if arg is op), h // groups))
-            out_flat += [
-                (
-                    pl.BlockSpec((1, 1, n, q), lambda b, h, c, rep=h // groups: (b, h // rep, 0, c)),
-                    jax.ShapeDtypeStruct((b, groups, n, lp), f32),
-                ),
-                (
-                    pl.BlockSpec((1, 1, 1, 1, n), lambda b, h, c: (b, c, h, 0, 0)),
-                    jax.ShapeDtypeStruct((b, lp // q, h, 1, n), f32),
-                ),
-                (
-                    pl.BlockSpec((1, 1, a, q), lambda b, h, c: (b, h, 0, c)),
-                    jax.ShapeDtypeStruct((b, h, a, lp), f32),
-                ),
-            ]
-
-        def body(*refs, lay):
-            ins, out_refs, turns = refs[:count], refs[count:], {}
-            regrouped = [
-                ins[i] if isinstance(i, int) else _Turned(*(ins[j] for j in i), turns) for i in where
-            ]
-            written = [
-                out_refs[i]
-                if isinstance(i, int)
-                else _TurnedBack(*out_refs[i[0] : i[0] + 3], regrouped[i[1]], i[2])
-                for i in out_where
-            ]
-            return kernel(*regrouped, *written, lay=lay)
-
-        body.__name__ = getattr(kernel, "func", kernel).__name__  # the launch names its kernel so
-
-        def results(got):
-            got = [got] if len(out_flat) == 1 else list(got)
-            out = [
-                got[i] if isinstance(i, int) else TurnedCotangent(*got[i[0] : i[0] + 3]) for i in out_where
-            ]
-            return out[0] if len(outs) == 1 else out
-
-        return body, specs, out_flat, flat, results
 
     def call_params(self) -> dict:
         return {
@@ -445,7 +252,7 @@ class TpuHeadsLayout(TpuLayout):
     put_group = Layout.put_group
 
     def __call__(self, kernel, in_specs, outs, *args):
-        kernel, in_specs, outs, args, results = self.rotations(kernel, in_specs, outs, args)
+        kernel, in_specs, outs, args, results = expand(self.q, kernel, in_specs, outs, args)
         return results(Layout.__call__(self, kernel, in_specs, outs, *args))
 
     def call_params(self) -> dict:

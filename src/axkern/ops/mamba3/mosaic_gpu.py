@@ -52,13 +52,11 @@ import jax.numpy as jnp
 
 from axkern.core.blocks import unique_valid
 from axkern.core.op import Implementation, Unsupported
-from axkern.ops.chunked import kernel_scan
 from axkern.ops.chunked import mosaic_gpu as kernels
-from axkern.ops.chunked.mosaic_gpu.operands import RotatedOperand, halves_to_pairs, pairs_to_halves
 
 from .blocks import Mamba3BlockSizes, angles_form, mosaic_gpu_heuristic, refuse_forms
-from .common.angle_kernel import angle_thetas_for
 from .common.kernel_core import kernel_core
+from .common.kernel_core import rotating_core as shared_rotating_core
 from .common.layer import forward
 
 CHUNK = kernels.CHUNK
@@ -170,42 +168,13 @@ def rotation_reason(block_sizes, p, n, fused, *dtypes) -> str | None:
 
 
 def rotating_core(layout, dtype, interpret=False, angle_kernel=False):
-    """A `common.Core` whose forward kernel turns `q` and `k` itself (`rotates`: `B`, `C` come as
-    the unrotated values per group, the biases and `Θ`, `chunked/mosaic_gpu/operands.py`). The
-    rotation pairs `(i, i + N/2)`, so the state's columns run evens first, odds next inside the
-    scan (`pairs_to_halves` on `q`, `k`, the biases and the initial state, undone on the final
-    state): no product notices the order. SISO only. `x` as it comes (`cleans_x`): the scan
-    takes its non-finite values as 0 in every kernel that reads it (no cleaned copy written).
-    `interpret`: the layout's Pallas stages (the
-    recurrences) in interpret mode (an emulating layout's, on the CPU). `angle_kernel`: `Θ` by
-    the Triton kernel `common.angle_thetas` (`kernel_core`'s)."""
-
-    def operand(u, bias, theta):  # u [b, l, 1, g, n], bias [1, h, n], theta [b, h, l, a]
-        u = pairs_to_halves(jnp.transpose(u[:, :, 0], (0, 2, 1, 3)))  # [b, g, l, n]
-        return RotatedOperand(u, pairs_to_halves(bias[0]), theta, same_angles=True)  # q, k: the same Θ
-
-    def core(x, a, s, B, C, seg, initial_state):
-        y, final = kernel_scan.scan(
-            layout,
-            x[:, :, 0].astype(dtype),
-            a,
-            s,
-            operand(*B),
-            operand(*C),
-            seg,
-            pairs_to_halves(initial_state),
-            chunk_size=CHUNK,
-            interpret=interpret,
-            products=dtype,
-            groups_first=True,
-            clean_x=True,
-        )
-        return y[:, :, None], halves_to_pairs(final)
-
-    core.heads_major, core.rotates, core.x_dtype, core.diagonal = True, True, jnp.dtype(dtype), False
-    core.cleans_x = True  # `x` may come with non-finite values: the scan takes them as 0
-    core.angle_kernel = angle_thetas_for(interpret) if angle_kernel else None
-    return core
+    """`common.kernel_core.rotating_core` at chunks of 64 whose forward kernel turns `q` and `k`
+    itself (`chunked/mosaic_gpu/operands.py`), `x` as it comes (`cleans_x`), the diagonal
+    correction in XLA. `interpret`: the layout's Pallas stages (the recurrences) in interpret
+    mode (an emulating layout's, on the CPU)."""
+    return shared_rotating_core(
+        layout, chunk_size=CHUNK, dtype=dtype, interpret=interpret, clean_x=True, angle_kernel=angle_kernel
+    )
 
 
 IMPLEMENTATION = Implementation(

@@ -10,13 +10,12 @@ kernel_slots(R)` kernel positions. `Mamba3BlockSizes(transposes="kernels")`: `v`
 gradients with the positions on the lanes (`TpuLanesLayout`).
 
 **`Mamba3BlockSizes(rotation="kernel")`** (SISO; the heuristic's where it serves, faster and
-far leaner than XLA's rotation on a TPU v5e, docs/ops/mamba3.md): the kernels turn `q` and `k` themselves, from
-the unrotated values per group, the biases and the angles (`chunked/pallas_tpu.py`, "`B`, `C`
-turned in the kernels"), where XLA's rotation writes them per head in float32 (`[b, H, L, N]`
-each, kept for the backward and read by every kernel); the backward kernels turn the
-cotangents back and sum them over each group's heads themselves, with the biases' and the
-angles' gradients. As on `mosaic_gpu`, the rotation pairs `(i, i + N/2)`: the state's columns run
-evens first, odds next inside the scan. Chunks of a multiple of 128 positions, a state of a
+far leaner than XLA's rotation on a TPU v5e, docs/ops/mamba3.md): the kernels turn `q` and `k`
+themselves, from the unrotated values per group, the biases and the angles
+(`common.kernel_core.rotating_core`, `chunked/tpu_rotation.py`), where XLA's rotation writes them
+per head in float32 (`[b, H, L, N]` each, kept for the backward and read by every kernel); the
+backward kernels turn the cotangents back and sum them over each group's heads themselves, with
+the biases' and the angles' gradients. Chunks of a multiple of 128 positions, a state of a
 multiple of 16 and angles of a multiple of 8 (`chunked.pallas_tpu.rotation_reason`).
 
 **Constraints**: chunks of a multiple of 8 positions (of 128 with the positions on the lanes).
@@ -27,16 +26,12 @@ v5e it passes `tests/tpu` and is first in mamba3's TPU order (docs/tpu.md, "Meas
 
 from __future__ import annotations
 
-import jax.numpy as jnp
-
 from axkern.core.op import Implementation, Unsupported
-from axkern.ops.chunked import kernel_scan
-from axkern.ops.chunked.mosaic_gpu.operands import RotatedOperand, halves_to_pairs, pairs_to_halves
 from axkern.ops.chunked.pallas_tpu import TPU_MIN_CHUNK, TpuLanesLayout, TpuLayout, lanes_reason
 from axkern.ops.chunked.pallas_tpu import rotation_reason as kernels_rotation_reason
 
 from .blocks import Mamba3BlockSizes, kernel_slots, pallas_tpu_heuristic, pallas_tpu_space, refuse_forms
-from .common.kernel_core import kernel_core, refuse_float64
+from .common.kernel_core import kernel_core, refuse_float64, rotating_core
 from .common.layer import forward
 
 __all__ = ["IMPLEMENTATION", "mamba3"]
@@ -62,7 +57,7 @@ def mamba3(*args, block_sizes, interpret=False):
         reason = rotation_reason(mimo, q * slots, args[0].shape[-1], args[8].shape[-1])  # q: N; angles: A
         if reason:
             raise Unsupported(f"rotation='kernel': {reason}")
-        core = rotating_core(layout, chunk_size=q, interpret=bool(interpret), dtype=dtype)
+        core = rotating_core(layout, chunk_size=q, dtype=dtype, interpret=bool(interpret), diagonal=True)
     else:
         core = kernel_core(layout, chunk_size=q, interpret=bool(interpret), dtype=dtype, mimo=mimo)
     return forward(core, *args, chunk_size=q, later_ranks=True)
@@ -73,40 +68,6 @@ def rotation_reason(mimo: bool, positions: int, state: int, angles: int) -> str 
     if mimo:
         return "SISO only (MIMO's ranks run as kernel positions, each turned by its token's angles)"
     return kernels_rotation_reason(positions, state, angles)
-
-
-def rotating_core(layout, *, chunk_size, interpret, dtype):
-    """A `common.Core` whose kernels turn `q` and `k` (`rotates`: `B`, `C` come as the unrotated
-    values per group, the biases and `Θ` heads first; `chunked.pallas_tpu`'s `_Turned`). The
-    rotation pairs `(i, i + N/2)`, so the state's columns run evens first, odds next inside the
-    scan (`pairs_to_halves` on `q`, `k`, the biases and the initial state, undone on the final
-    state): no product notices the order. SISO, with the diagonal correction in the kernels."""
-
-    def operand(u, bias, theta):  # u [b, l, 1, g, n], bias [1, h, n], theta [b, h, l, a]
-        u = pairs_to_halves(jnp.transpose(u[:, :, 0], (0, 2, 1, 3)))  # [b, g, l, n]
-        return RotatedOperand(u, pairs_to_halves(bias[0]), theta, same_angles=True)  # q, k: the same Θ
-
-    def core(x, a, s, B, C, seg, initial_state, diag=None):
-        y, final = kernel_scan.scan(
-            layout,
-            x[:, :, 0].astype(dtype),
-            a,
-            s,
-            operand(*B),
-            operand(*C),
-            seg,
-            pairs_to_halves(initial_state),
-            chunk_size=chunk_size,
-            interpret=interpret,
-            products=dtype,
-            groups_first=True,
-            diag=diag,
-        )
-        return y[:, :, None], halves_to_pairs(final)
-
-    core.heads_major, core.rotates, core.x_dtype = True, True, jnp.dtype(dtype)
-    core.diagonal = layout.diagonal
-    return core
 
 
 def describe(spec, block_sizes) -> str:

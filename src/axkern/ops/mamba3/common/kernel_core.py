@@ -7,12 +7,13 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from axkern.ops.chunked import kernel_scan
+from axkern.ops.chunked.mosaic_gpu.operands import RotatedOperand, halves_to_pairs, pairs_to_halves
 
 from ..blocks import kernel_slots
 from .angle_kernel import angle_thetas_for
 from .layer import Core
 
-__all__ = ["kernel_core", "kernel_x_dtype", "refuse_float64"]
+__all__ = ["kernel_core", "kernel_x_dtype", "refuse_float64", "rotating_core"]
 
 # `reference.mamba3`'s arguments, in order
 ARGUMENTS = (
@@ -90,4 +91,48 @@ def kernel_core(
     # SISO with `diagonal`: the diagonal correction inside the chunk-scan kernels
     # (`chunked/chunk_scan.py`); MIMO's correction also holds a token's later ranks, which stay in XLA
     core.diagonal = diagonal and not mimo and layout.diagonal
+    return core
+
+
+def rotating_core(
+    layout, *, chunk_size, dtype, interpret=False, clean_x=False, diagonal=False, angle_kernel=False
+) -> Core:
+    """SSD's chunk kernels as a SISO `Core` whose kernels turn `q` and `k` themselves (`rotates`:
+    `B`, `C` come as the unrotated values per group, the biases and `Θ` heads first, and enter
+    the scan as `chunked.mosaic_gpu.operands.RotatedOperand`s: `mosaic_gpu`'s fused forward,
+    `pallas_tpu`'s kernels, `chunked/tpu_rotation.py`). The rotation pairs `(i, i + N/2)`, so the
+    state's columns run evens first, odds next inside the scan (`pairs_to_halves` on `q`, `k`,
+    the biases and the initial state, undone on the final state): no product notices the order.
+    `clean_x`: `x` as it comes (`cleans_x`), the scan taking its non-finite values as 0 in every
+    kernel that reads it. `diagonal`: the diagonal correction inside the chunk-scan kernels
+    where the layout's take it. `interpret`: the layout's Pallas stages in interpret mode.
+    `angle_kernel`: `Θ` by the Triton kernel `common.angle_thetas` (`kernel_core`'s)."""
+
+    def operand(u, bias, theta):  # u [b, l, 1, g, n], bias [1, h, n], theta [b, h, l, a]
+        u = pairs_to_halves(jnp.transpose(u[:, :, 0], (0, 2, 1, 3)))  # [b, g, l, n]
+        return RotatedOperand(u, pairs_to_halves(bias[0]), theta, same_angles=True)  # q, k: the same Θ
+
+    def core(x, a, s, B, C, seg, initial_state, diag=None):
+        y, final = kernel_scan.scan(
+            layout,
+            x[:, :, 0].astype(dtype),
+            a,
+            s,
+            operand(*B),
+            operand(*C),
+            seg,
+            pairs_to_halves(initial_state),
+            chunk_size=chunk_size,
+            interpret=interpret,
+            products=dtype,
+            groups_first=True,
+            clean_x=clean_x,
+            diag=diag,
+        )
+        return y[:, :, None], halves_to_pairs(final)
+
+    core.heads_major, core.rotates, core.x_dtype = True, True, jnp.dtype(dtype)
+    core.diagonal = diagonal and layout.diagonal
+    core.cleans_x = clean_x  # `x` may come with non-finite values: the scan takes them as 0
+    core.angle_kernel = angle_thetas_for(interpret) if angle_kernel else None
     return core
