@@ -18,6 +18,9 @@ the grid, as the layout's group sums), `Σ_t back` per chunk (`dbias` partials) 
 back_{i+N/2} w_i - back_i w_{i+N/2}` with `w = u + bias` (`RotatedOperand.cotangent`'s), gathered as
 a `TurnedCotangent`.
 
+**Grid** the layout's, `(batch, chunks, heads)` with heads innermost (`arbitrary`): a group's
+`u` tile is copied in once for its heads, and its `du` block stays in VMEM while they add into it.
+
 **Cost** per kernel, head and chunk: `2·A·Q` `cos`/`sin` and about `6·N·Q` elementwise FLOPs per
 turned operand (`8·N·Q` turning back), against the kernels' `O(Q²·N)` products; bytes: `u` per group
 (`1 / rep` of a per-head operand's, in its 16-bit dtype), `Θ` (`A / N` of it in float32) and, turned
